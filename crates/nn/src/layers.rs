@@ -1,0 +1,579 @@
+//! The basic layers, and [`Children`], the bookkeeping composite layers share.
+
+use crate::layer::{spec_len, Init, Layer, Mode, ParamSpec, Saved};
+use meshtrain_tensor::activation::Activation;
+use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
+use meshtrain_tensor::matmul::{gemm, Mat, MatMut};
+use meshtrain_tensor::norm;
+use meshtrain_tensor::pool::{self, PoolGeometry};
+use meshtrain_tensor::tensor::swap_leading_axes;
+use meshtrain_tensor::Tensor;
+use std::ops::Range;
+
+/// Named sub-layers of a composite layer with the offsets of their parameters and buffers
+/// inside the composite's slices. Names prefix the children's parameter names
+/// ("conv1" + "weight" → "conv1.weight"); parameterless children may have an empty name.
+pub struct Children {
+    layers: Vec<(String, Box<dyn Layer>)>,
+    params: Vec<Range<usize>>,
+    buffers: Vec<Range<usize>>,
+}
+
+fn prefixed(prefix: &str, specs: Vec<ParamSpec>) -> Vec<ParamSpec> {
+    specs
+        .into_iter()
+        .map(|mut s| {
+            if !prefix.is_empty() {
+                s.name = format!("{prefix}.{}", s.name);
+            }
+            s
+        })
+        .collect()
+}
+
+impl Children {
+    pub fn new(layers: Vec<(String, Box<dyn Layer>)>) -> Self {
+        let (mut params, mut buffers) = (Vec::new(), Vec::new());
+        let (mut p, mut b) = (0, 0);
+        for (_, l) in &layers {
+            let (np, nb) = (spec_len(&l.params()), spec_len(&l.buffers()));
+            params.push(p..p + np);
+            buffers.push(b..b + nb);
+            p += np;
+            b += nb;
+        }
+        Children {
+            layers,
+            params,
+            buffers,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    pub fn param_specs(&self) -> Vec<ParamSpec> {
+        self.layers
+            .iter()
+            .flat_map(|(n, l)| prefixed(n, l.params()))
+            .collect()
+    }
+
+    pub fn buffer_specs(&self) -> Vec<ParamSpec> {
+        self.layers
+            .iter()
+            .flat_map(|(n, l)| prefixed(n, l.buffers()))
+            .collect()
+    }
+
+    /// Forward child `i`, pushing its saved state onto `saved.children`.
+    pub fn forward(
+        &self,
+        i: usize,
+        p: &[f32],
+        b: &mut [f32],
+        x: Tensor,
+        mode: Mode,
+        saved: &mut Saved,
+    ) -> Tensor {
+        let mut s = Saved::default();
+        let y = self.layers[i].1.forward(
+            &p[self.params[i].clone()],
+            &mut b[self.buffers[i].clone()],
+            x,
+            mode,
+            &mut s,
+        );
+        saved.children.push(s);
+        y
+    }
+
+    /// Backward child `i` with its saved state.
+    pub fn backward(
+        &self,
+        i: usize,
+        p: &[f32],
+        g: &mut [f32],
+        saved: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
+        self.layers[i].1.backward(
+            &p[self.params[i].clone()],
+            &mut g[self.params[i].clone()],
+            saved,
+            dy,
+            need_dx,
+        )
+    }
+}
+
+/// Layers applied one after the other.
+pub struct Seq(pub Children);
+
+impl Seq {
+    pub fn new(layers: Vec<(&str, Box<dyn Layer>)>) -> Self {
+        Seq(Children::new(
+            layers.into_iter().map(|(n, l)| (n.to_string(), l)).collect(),
+        ))
+    }
+}
+
+impl Layer for Seq {
+    fn params(&self) -> Vec<ParamSpec> {
+        self.0.param_specs()
+    }
+    fn buffers(&self) -> Vec<ParamSpec> {
+        self.0.buffer_specs()
+    }
+    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        (0..self.0.len()).fold(x, |x, i| self.0.forward(i, p, b, x, mode, s))
+    }
+    fn backward(&self, p: &[f32], g: &mut [f32], s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+        let mut dy = Some(dy);
+        for (i, child) in s.children.into_iter().enumerate().rev() {
+            let want = need_dx || i > 0;
+            dy = self.0.backward(i, p, g, child, dy.expect("gradient"), want);
+        }
+        dy
+    }
+}
+
+/// Fully connected layer `y = x·Wᵀ + b` over the last dimension (PyTorch layout W[out, in]).
+pub struct Linear {
+    pub inputs: usize,
+    pub outputs: usize,
+    pub bias: bool,
+    pub weight_init: Init,
+}
+
+impl Linear {
+    /// PyTorch's default initialisation (uniform ±1/√in for weight and bias).
+    pub fn new(inputs: usize, outputs: usize, bias: bool) -> Self {
+        Linear {
+            inputs,
+            outputs,
+            bias,
+            weight_init: Init::Uniform(1.0 / (inputs as f32).sqrt()),
+        }
+    }
+
+    pub fn with_init(mut self, init: Init) -> Self {
+        self.weight_init = init;
+        self
+    }
+}
+
+impl Layer for Linear {
+    fn params(&self) -> Vec<ParamSpec> {
+        let mut v = vec![ParamSpec::new("weight", &[self.outputs, self.inputs], self.weight_init)];
+        if self.bias {
+            let bound = 1.0 / (self.inputs as f32).sqrt();
+            let init = match self.weight_init {
+                Init::Uniform(_) => Init::Uniform(bound),
+                _ => Init::Zeros,
+            };
+            v.push(ParamSpec::new("bias", &[self.outputs], init));
+        }
+        v
+    }
+
+    fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let rows = x.numel() / self.inputs;
+        let mut shape = x.shape().to_vec();
+        *shape.last_mut().expect("non-empty shape") = self.outputs;
+        let mut y = vec![0.0f32; rows * self.outputs];
+        if self.bias {
+            let b = &p[self.inputs * self.outputs..];
+            y.chunks_mut(self.outputs).for_each(|r| r.copy_from_slice(b));
+        }
+        gemm(
+            MatMut::new(&mut y, rows, self.outputs),
+            Mat::new(x.data(), rows, self.inputs),
+            Mat::new(&p[..self.inputs * self.outputs], self.outputs, self.inputs).t(),
+            self.bias,
+        );
+        if mode.train {
+            s.tensors.push(x);
+        }
+        Tensor::from_vec(y, &shape)
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+        let x = s.tensors.pop().expect("Linear: saved input");
+        let rows = x.numel() / self.inputs;
+        let nw = self.inputs * self.outputs;
+        let (gw, gb) = g.split_at_mut(nw);
+        gemm(
+            MatMut::new(gw, self.outputs, self.inputs),
+            Mat::new(dy.data(), rows, self.outputs).t(),
+            Mat::new(x.data(), rows, self.inputs),
+            true,
+        );
+        if self.bias {
+            let mut acc = vec![0.0f64; self.outputs];
+            for r in dy.data().chunks(self.outputs) {
+                acc.iter_mut().zip(r).for_each(|(a, v)| *a += *v as f64);
+            }
+            gb.iter_mut().zip(acc).for_each(|(b, a)| *b += a as f32);
+        }
+        if !need_dx {
+            return None;
+        }
+        let mut dx = vec![0.0f32; x.numel()];
+        gemm(
+            MatMut::new(&mut dx, rows, self.inputs),
+            Mat::new(dy.data(), rows, self.outputs),
+            Mat::new(&p[..nw], self.outputs, self.inputs),
+            false,
+        );
+        Some(Tensor::from_vec(dx, x.shape()))
+    }
+}
+
+/// 2-D convolution on CNHW activations (shape `[C, N, H, W]`), PyTorch weight layout.
+pub struct Conv2d {
+    pub geom: ConvGeometry,
+    pub bias: bool,
+}
+
+impl Conv2d {
+    pub fn new(inputs: usize, outputs: usize, kernel: usize, stride: usize, padding: usize) -> Self {
+        Conv2d {
+            geom: ConvGeometry {
+                in_channels: inputs,
+                out_channels: outputs,
+                kernel,
+                stride,
+                padding,
+            },
+            bias: true,
+        }
+    }
+
+    fn spatial(x: &Tensor) -> Spatial {
+        Spatial {
+            batch: x.dim(1),
+            height: x.dim(2),
+            width: x.dim(3),
+        }
+    }
+}
+
+impl Layer for Conv2d {
+    fn params(&self) -> Vec<ParamSpec> {
+        let g = &self.geom;
+        let bound = 1.0 / (g.patch_len() as f32).sqrt();
+        let mut v = vec![ParamSpec::new(
+            "weight",
+            &[g.out_channels, g.in_channels, g.kernel, g.kernel],
+            Init::Uniform(bound),
+        )];
+        if self.bias {
+            v.push(ParamSpec::new("bias", &[g.out_channels], Init::Uniform(bound)));
+        }
+        v
+    }
+
+    fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let sp = Self::spatial(&x);
+        assert_eq!(x.dim(0), self.geom.in_channels, "Conv2d: channel mismatch");
+        let nw = self.geom.out_channels * self.geom.patch_len();
+        let bias = self.bias.then(|| &p[nw..]);
+        let y = conv2d_forward(&self.geom, sp, x.data(), &p[..nw], bias);
+        let (oh, ow) = self.geom.output_size(sp.height, sp.width);
+        if mode.train {
+            s.tensors.push(x);
+        }
+        Tensor::from_vec(y, &[self.geom.out_channels, sp.batch, oh, ow])
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+        let x = s.tensors.pop().expect("Conv2d: saved input");
+        let nw = self.geom.out_channels * self.geom.patch_len();
+        let (gw, gb) = g.split_at_mut(nw);
+        let dbias = if self.bias { Some(gb) } else { None };
+        let sp = Self::spatial(&x);
+        conv2d_backward(&self.geom, sp, x.data(), &p[..nw], dy.data(), gw, dbias, need_dx)
+            .map(|dx| Tensor::from_vec(dx, x.shape()))
+    }
+}
+
+/// Batch norm over CNHW activations (or `[C, N]`), PyTorch semantics: biased batch variance
+/// to normalise, unbiased variance in the running estimate, momentum 0.1, eps 1e-5.
+pub struct BatchNorm2d {
+    pub channels: usize,
+    pub eps: f32,
+    pub momentum: f32,
+}
+
+impl BatchNorm2d {
+    pub fn new(channels: usize) -> Self {
+        BatchNorm2d {
+            channels,
+            eps: 1e-5,
+            momentum: 0.1,
+        }
+    }
+}
+
+impl Layer for BatchNorm2d {
+    fn params(&self) -> Vec<ParamSpec> {
+        vec![
+            ParamSpec::new("weight", &[self.channels], Init::Ones),
+            ParamSpec::new("bias", &[self.channels], Init::Zeros),
+        ]
+    }
+    fn buffers(&self) -> Vec<ParamSpec> {
+        vec![
+            ParamSpec::new("running_mean", &[self.channels], Init::Zeros),
+            ParamSpec::new("running_var", &[self.channels], Init::Ones),
+        ]
+    }
+
+    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let c = self.channels;
+        let (gamma, beta) = p.split_at(c);
+        let (mean, var) = if mode.train {
+            let count = x.numel() / c;
+            let sums = norm::channel_sums(x.data(), c);
+            let (mean, var) = norm::moments_from_sums(&sums, count);
+            if mode.update_stats {
+                let (rm, rv) = b.split_at_mut(c);
+                let unbias = count as f32 / (count.max(2) - 1) as f32;
+                for i in 0..c {
+                    rm[i] = (1.0 - self.momentum) * rm[i] + self.momentum * mean[i];
+                    rv[i] = (1.0 - self.momentum) * rv[i] + self.momentum * var[i] * unbias;
+                }
+            }
+            (mean, var)
+        } else {
+            (b[..c].to_vec(), b[c..].to_vec())
+        };
+        let (y, xhat) = norm::batch_norm_apply(x.data(), &mean, &var, self.eps, gamma, beta);
+        if mode.train {
+            s.tensors.push(Tensor::from_vec(xhat, x.shape()));
+            s.stats.push(var);
+        }
+        Tensor::from_vec(y, x.shape())
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+        let c = self.channels;
+        let xhat = s.tensors.pop().expect("BatchNorm: saved xhat");
+        let var = s.stats.pop().expect("BatchNorm: saved var");
+        let sums = norm::batch_norm_grad_sums(dy.data(), xhat.data(), c);
+        let (dgamma, dbeta) = g.split_at_mut(c);
+        for i in 0..c {
+            dgamma[i] += sums[i][1] as f32;
+            dbeta[i] += sums[i][0] as f32;
+        }
+        if !need_dx {
+            return None;
+        }
+        let count = dy.numel() / c;
+        let dx = norm::batch_norm_input_grad(dy.data(), xhat.data(), &var, self.eps, &p[..c], &sums, count);
+        Some(Tensor::from_vec(dx, dy.shape()))
+    }
+}
+
+/// Layer norm over the last dimension.
+pub struct LayerNorm {
+    pub dim: usize,
+    pub eps: f32,
+}
+
+impl LayerNorm {
+    pub fn new(dim: usize) -> Self {
+        LayerNorm { dim, eps: 1e-5 }
+    }
+}
+
+impl Layer for LayerNorm {
+    fn params(&self) -> Vec<ParamSpec> {
+        vec![
+            ParamSpec::new("weight", &[self.dim], Init::Ones),
+            ParamSpec::new("bias", &[self.dim], Init::Zeros),
+        ]
+    }
+
+    fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let (gamma, beta) = p.split_at(self.dim);
+        let (y, mean, rstd) = norm::layer_norm_forward(x.data(), self.dim, gamma, beta, self.eps);
+        let shape = x.shape().to_vec();
+        if mode.train {
+            s.tensors.push(x);
+            s.stats.push(mean);
+            s.stats.push(rstd);
+        }
+        Tensor::from_vec(y, &shape)
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, _need_dx: bool) -> Option<Tensor> {
+        let rstd = s.stats.pop().expect("LayerNorm: rstd");
+        let mean = s.stats.pop().expect("LayerNorm: mean");
+        let x = s.tensors.pop().expect("LayerNorm: input");
+        let (dgamma, dbeta) = g.split_at_mut(self.dim);
+        let dx = norm::layer_norm_backward(
+            x.data(),
+            self.dim,
+            &p[..self.dim],
+            &mean,
+            &rstd,
+            dy.data(),
+            dgamma,
+            dbeta,
+        );
+        Some(Tensor::from_vec(dx, x.shape()))
+    }
+}
+
+/// An element-wise activation.
+pub struct Act(pub Activation);
+
+impl Layer for Act {
+    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let mut y = Tensor::zeros(x.shape());
+        self.0.forward(x.data(), y.data_mut());
+        if mode.train {
+            s.tensors.push(if self.0.backward_uses_output() { y.clone() } else { x });
+        }
+        y
+    }
+
+    fn backward(&self, _: &[f32], _: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+        let kept = s.tensors.pop().expect("Act: saved tensor");
+        let mut dx = Tensor::zeros(dy.shape());
+        self.0.backward(kept.data(), dy.data(), dx.data_mut());
+        Some(dx)
+    }
+}
+
+/// Pooling kinds over the planes of a `[C, N, H, W]` activation.
+#[derive(Clone, Copy, Debug)]
+pub enum PoolKind {
+    Max,
+    Avg,
+}
+
+pub struct Pool2d {
+    pub kind: PoolKind,
+    pub geom: PoolGeometry,
+}
+
+impl Pool2d {
+    pub fn max(kernel: usize, stride: usize, padding: usize) -> Self {
+        Pool2d {
+            kind: PoolKind::Max,
+            geom: PoolGeometry { kernel, stride, padding },
+        }
+    }
+    pub fn avg(kernel: usize, stride: usize) -> Self {
+        Pool2d {
+            kind: PoolKind::Avg,
+            geom: PoolGeometry { kernel, stride, padding: 0 },
+        }
+    }
+}
+
+impl Layer for Pool2d {
+    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let (c, n, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
+        let (oh, ow) = self.geom.output_size(h, w);
+        let y = match self.kind {
+            PoolKind::Max => {
+                let (y, arg) = pool::max_pool_forward(&self.geom, c * n, h, w, x.data());
+                if mode.train {
+                    s.indices.push(arg);
+                }
+                y
+            }
+            PoolKind::Avg => pool::avg_pool_forward(&self.geom, c * n, h, w, x.data()),
+        };
+        if mode.train {
+            s.stats.push(vec![h as f32, w as f32]);
+        }
+        Tensor::from_vec(y, &[c, n, oh, ow])
+    }
+
+    fn backward(&self, _: &[f32], _: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+        let hw = s.stats.pop().expect("Pool: saved size");
+        let (h, w) = (hw[0] as usize, hw[1] as usize);
+        let (c, n) = (dy.dim(0), dy.dim(1));
+        let dx = match self.kind {
+            PoolKind::Max => {
+                let arg = s.indices.pop().expect("MaxPool: saved argmax");
+                pool::max_pool_backward(h, w, dy.dim(2) * dy.dim(3), &arg, dy.data())
+            }
+            PoolKind::Avg => pool::avg_pool_backward(&self.geom, h, w, dy.data()),
+        };
+        Some(Tensor::from_vec(dx, &[c, n, h, w]))
+    }
+}
+
+/// NCHW input → CNHW, the layout of meshtrain's convolutional layers.
+pub struct ToChannelMajor;
+
+impl Layer for ToChannelMajor {
+    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, _: Mode, _: &mut Saved) -> Tensor {
+        let (n, c, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
+        let data = if c == 1 { x.into_vec() } else { swap_leading_axes(x.data(), n, c, h * w) };
+        Tensor::from_vec(data, &[c, n, h, w])
+    }
+    fn backward(&self, _: &[f32], _: &mut [f32], _: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+        let (c, n, h, w) = (dy.dim(0), dy.dim(1), dy.dim(2), dy.dim(3));
+        Some(Tensor::from_vec(swap_leading_axes(dy.data(), c, n, h * w), &[n, c, h, w]))
+    }
+}
+
+/// CNHW `[C, N, H, W]` → `[N, C·H·W]` in PyTorch's flatten order (c, h, w), optionally
+/// averaging over H×W first (global average pooling → `[N, C]`).
+pub struct Flatten {
+    pub global_average: bool,
+}
+
+impl Layer for Flatten {
+    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let (c, n, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
+        if mode.train {
+            s.stats.push(vec![c as f32, n as f32, h as f32, w as f32]);
+        }
+        if self.global_average {
+            let inv = 1.0 / (h * w) as f32;
+            let mut y = vec![0.0f32; n * c];
+            for ci in 0..c {
+                for ni in 0..n {
+                    let plane = &x.data()[(ci * n + ni) * h * w..][..h * w];
+                    y[ni * c + ci] = plane.iter().sum::<f32>() * inv;
+                }
+            }
+            Tensor::from_vec(y, &[n, c])
+        } else {
+            Tensor::from_vec(swap_leading_axes(x.data(), c, n, h * w), &[n, c * h * w])
+        }
+    }
+
+    fn backward(&self, _: &[f32], _: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+        let d = s.stats.pop().expect("Flatten: saved shape");
+        let (c, n, h, w) = (d[0] as usize, d[1] as usize, d[2] as usize, d[3] as usize);
+        let dx = if self.global_average {
+            let inv = 1.0 / (h * w) as f32;
+            let mut dx = vec![0.0f32; c * n * h * w];
+            for ci in 0..c {
+                for ni in 0..n {
+                    let v = dy.data()[ni * c + ci] * inv;
+                    dx[(ci * n + ni) * h * w..][..h * w].fill(v);
+                }
+            }
+            dx
+        } else {
+            swap_leading_axes(dy.data(), n, c, h * w)
+        };
+        Some(Tensor::from_vec(dx, &[c, n, h, w]))
+    }
+}

@@ -1,0 +1,81 @@
+//! A decoder-only, pre-LN GPT: token + position embedding, `layers` transformer blocks, a final
+//! layer norm and an untied linear head (no bias). Input token ids `[B, T]`, output logits
+//! `[B, T, vocab]`.
+
+use crate::layer::Init;
+use crate::layers::{LayerNorm, Linear, Seq};
+use crate::model::{Block, Model};
+use crate::transformer::{GptBlock, GptEmbedding};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GptConfig {
+    pub vocab: usize,
+    pub dim: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub seq: usize,
+}
+
+impl Default for GptConfig {
+    /// The benchmark model: 4 layers, d=256, 4 heads, sequence 128, byte vocabulary.
+    fn default() -> Self {
+        GptConfig {
+            vocab: 256,
+            dim: 256,
+            layers: 4,
+            heads: 4,
+            seq: 128,
+        }
+    }
+}
+
+impl GptConfig {
+    /// Checks that the shape can be built, with a message a user can act on.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.vocab == 0 || self.dim == 0 || self.layers == 0 || self.heads == 0 || self.seq == 0 {
+            return Err(format!("every GPT dimension must be positive: {self:?}"));
+        }
+        if self.dim % self.heads != 0 {
+            return Err(format!(
+                "GPT dim {} is not divisible by heads {}",
+                self.dim, self.heads
+            ));
+        }
+        Ok(())
+    }
+
+    /// Forward + backward FLOPs per sequence (matrix products only, ×3 for backward).
+    pub fn train_flops_per_sequence(&self) -> f64 {
+        let (t, d, v, l) = (self.seq as f64, self.dim as f64, self.vocab as f64, self.layers as f64);
+        let per_token = l * (24.0 * d * d + 4.0 * t * d) + 2.0 * d * v;
+        3.0 * per_token * t
+    }
+}
+
+/// GPT-2 style initialisation: weights N(0, 0.02), biases zero.
+pub fn gpt(cfg: &GptConfig) -> Model {
+    cfg.validate().expect("invalid GPT config");
+    let init = Some(Init::Normal(0.02));
+    let mut blocks = vec![Block::new(
+        "",
+        GptEmbedding {
+            vocab: cfg.vocab,
+            max_seq: cfg.seq,
+            dim: cfg.dim,
+            init_std: 0.02,
+        },
+    )];
+    for i in 0..cfg.layers {
+        blocks.push(Block::new(&format!("blocks.{i}"), GptBlock::new(cfg.dim, cfg.heads, init)));
+    }
+    blocks.push(Block::new(
+        "",
+        Seq::new(vec![
+            ("ln_f", Box::new(LayerNorm::new(cfg.dim))),
+            ("head", Box::new(Linear::new(cfg.dim, cfg.vocab, false).with_init(Init::Normal(0.02)))),
+        ]),
+    ));
+    Model::new(blocks)
+}

@@ -1,0 +1,175 @@
+//! GPT layers: token + position embedding, causal self-attention, the pre-LN block.
+
+use crate::layer::{Init, Layer, Mode, ParamSpec, Saved};
+use crate::layers::{Act, Children, LayerNorm, Linear, Seq};
+use meshtrain_tensor::activation::Activation;
+use meshtrain_tensor::attention::{causal_attention_backward, causal_attention_forward, AttentionShape};
+use meshtrain_tensor::Tensor;
+
+/// Token + learned position embedding. Input: token ids `[B, T]` carried as exact f32 values.
+pub struct GptEmbedding {
+    pub vocab: usize,
+    pub max_seq: usize,
+    pub dim: usize,
+    pub init_std: f32,
+}
+
+impl Layer for GptEmbedding {
+    fn params(&self) -> Vec<ParamSpec> {
+        vec![
+            ParamSpec::new("tok.weight", &[self.vocab, self.dim], Init::Normal(self.init_std)),
+            ParamSpec::new("pos.weight", &[self.max_seq, self.dim], Init::Normal(self.init_std)),
+        ]
+    }
+
+    fn forward(&self, p: &[f32], _: &mut [f32], ids: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let (b, t, d) = (ids.dim(0), ids.dim(1), self.dim);
+        assert!(t <= self.max_seq, "sequence {t} longer than the model's {}", self.max_seq);
+        let (tok, pos) = p.split_at(self.vocab * d);
+        let mut y = vec![0.0f32; b * t * d];
+        for (i, (row, &id)) in y.chunks_mut(d).zip(ids.data()).enumerate() {
+            let id = id as usize;
+            assert!(id < self.vocab, "token id {id} outside vocabulary of {}", self.vocab);
+            let (te, pe) = (&tok[id * d..][..d], &pos[(i % t) * d..][..d]);
+            for k in 0..d {
+                row[k] = te[k] + pe[k];
+            }
+        }
+        if mode.train {
+            s.tensors.push(ids);
+        }
+        Tensor::from_vec(y, &[b, t, d])
+    }
+
+    fn backward(&self, _: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+        let ids = s.tensors.pop().expect("embedding: saved ids");
+        let (t, d) = (ids.dim(1), self.dim);
+        let (gtok, gpos) = g.split_at_mut(self.vocab * d);
+        for (i, (row, &id)) in dy.data().chunks(d).zip(ids.data()).enumerate() {
+            let gt = &mut gtok[id as usize * d..][..d];
+            gt.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+            let gp = &mut gpos[(i % t) * d..][..d];
+            gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+        }
+        None
+    }
+}
+
+/// The parameter-free core: fused QKV `[B, T, 3D]` → attention output `[B, T, D]`.
+pub struct AttentionCore {
+    pub dim: usize,
+    pub heads: usize,
+}
+
+impl AttentionCore {
+    fn shape(&self, x: &Tensor) -> AttentionShape {
+        AttentionShape {
+            batch: x.dim(0),
+            seq: x.dim(1),
+            dim: self.dim,
+            heads: self.heads,
+        }
+    }
+}
+
+impl Layer for AttentionCore {
+    fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let shape = self.shape(&qkv);
+        let (out, probs) = causal_attention_forward(shape, qkv.data());
+        if mode.train {
+            s.tensors.push(qkv);
+            s.tensors.push(Tensor::from_vec(probs, &[shape.batch, self.heads, shape.seq, shape.seq]));
+        }
+        Tensor::from_vec(out, &[shape.batch, shape.seq, self.dim])
+    }
+
+    fn backward(&self, _: &[f32], _: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+        let probs = s.tensors.pop().expect("attention: probs");
+        let qkv = s.tensors.pop().expect("attention: qkv");
+        let dqkv = causal_attention_backward(self.shape(&qkv), qkv.data(), probs.data(), dy.data());
+        Some(Tensor::from_vec(dqkv, qkv.shape()))
+    }
+}
+
+/// Causal multi-head self-attention: `proj(attention(qkv(x)))`; parameters `qkv.*`, `proj.*`.
+pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Seq {
+    let lin = |i, o| {
+        let l = Linear::new(i, o, true);
+        match init {
+            Some(init) => Box::new(l.with_init(init)) as Box<dyn Layer>,
+            None => Box::new(l),
+        }
+    };
+    Seq(Children::new(vec![
+        ("qkv".into(), lin(dim, 3 * dim)),
+        (String::new(), Box::new(AttentionCore { dim, heads })),
+        ("proj".into(), lin(dim, dim)),
+    ]))
+}
+
+/// Pre-LN transformer block: `x + attn(ln1(x))`, then `+ fc2(gelu(fc1(ln2(·))))`.
+pub struct GptBlock {
+    /// ln1, qkv, core, proj, ln2, fc1, gelu, fc2 — in this order.
+    parts: Children,
+}
+
+impl GptBlock {
+    pub fn new(dim: usize, heads: usize, init: Option<Init>) -> Self {
+        assert!(heads > 0 && dim % heads == 0, "dim {dim} not divisible by {heads} heads");
+        let lin = |i, o| {
+            let l = Linear::new(i, o, true);
+            match init {
+                Some(init) => Box::new(l.with_init(init)) as Box<dyn Layer>,
+                None => Box::new(l),
+            }
+        };
+        GptBlock {
+            parts: Children::new(vec![
+                ("ln1".into(), Box::new(LayerNorm::new(dim))),
+                ("qkv".into(), lin(dim, 3 * dim)),
+                (String::new(), Box::new(AttentionCore { dim, heads })),
+                ("proj".into(), lin(dim, dim)),
+                ("ln2".into(), Box::new(LayerNorm::new(dim))),
+                ("fc1".into(), lin(dim, 4 * dim)),
+                (String::new(), Box::new(Act(Activation::Gelu))),
+                ("fc2".into(), lin(4 * dim, dim)),
+            ]),
+        }
+    }
+}
+
+impl Layer for GptBlock {
+    fn params(&self) -> Vec<ParamSpec> {
+        self.parts.param_specs()
+    }
+
+    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let c = &self.parts;
+        let h = c.forward(0, p, b, x.clone(), mode, s);
+        let h = (1..4).fold(h, |h, i| c.forward(i, p, b, h, mode, s));
+        let mut x1 = x;
+        meshtrain_tensor::par::add_assign(x1.data_mut(), h.data());
+        let h = (4..8).fold(x1.clone(), |h, i| c.forward(i, p, b, h, mode, s));
+        meshtrain_tensor::par::add_assign(x1.data_mut(), h.data());
+        x1
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+        let c = &self.parts;
+        let mut saved: Vec<Saved> = s.children;
+        let mut grad = dy.clone();
+        for i in (4..8).rev() {
+            let st = saved.pop().expect("block: saved state");
+            grad = c.backward(i, p, g, st, grad, true).expect("gradient");
+        }
+        let mut dx1 = dy;
+        meshtrain_tensor::par::add_assign(dx1.data_mut(), grad.data());
+        let mut grad = dx1.clone();
+        for i in (0..4).rev() {
+            let st = saved.pop().expect("block: saved state");
+            grad = c.backward(i, p, g, st, grad, true).expect("gradient");
+        }
+        meshtrain_tensor::par::add_assign(dx1.data_mut(), grad.data());
+        Some(dx1)
+    }
+}

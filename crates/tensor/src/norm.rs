@@ -1,0 +1,224 @@
+//! Batch norm over channel-contiguous data (CNHW: channel `c` owns `x[c·M..(c+1)·M]`) and layer
+//! norm over rows. Statistics accumulate in f64: a channel of ResNet's stem holds 25k values.
+//!
+//! Batch norm is split into "local sums" and "normalise with given statistics" so that
+//! SyncBatchNorm can all-reduce the sums across data-parallel workers in between.
+
+use rayon::prelude::*;
+
+fn par_ok(n: usize) -> bool {
+    crate::par::threads() > 1 && n > 16 * 1024
+}
+
+/// Per-channel (sum, sum of squares, count) of channel-contiguous data.
+pub fn channel_sums(x: &[f32], channels: usize) -> Vec<[f64; 2]> {
+    let m = x.len() / channels;
+    let one = |c: &[f32]| {
+        let (mut s, mut q) = (0.0f64, 0.0f64);
+        for &v in c {
+            s += v as f64;
+            q += (v as f64) * (v as f64);
+        }
+        [s, q]
+    };
+    if par_ok(x.len()) {
+        x.par_chunks(m).map(one).collect()
+    } else {
+        x.chunks(m).map(one).collect()
+    }
+}
+
+/// Mean and biased variance per channel from sums over `count` values.
+pub fn moments_from_sums(sums: &[[f64; 2]], count: usize) -> (Vec<f32>, Vec<f32>) {
+    let n = count as f64;
+    sums.iter()
+        .map(|[s, q]| {
+            let mean = s / n;
+            ((mean) as f32, ((q / n - mean * mean).max(0.0)) as f32)
+        })
+        .unzip()
+}
+
+/// `y = gamma·(x − mean)·rstd + beta` per channel; returns (y, xhat) where xhat is kept for
+/// backward.
+pub fn batch_norm_apply(
+    x: &[f32],
+    mean: &[f32],
+    var: &[f32],
+    eps: f32,
+    gamma: &[f32],
+    beta: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let channels = mean.len();
+    let m = x.len() / channels;
+    let mut y = vec![0.0f32; x.len()];
+    let mut xhat = vec![0.0f32; x.len()];
+    let one = |c: usize, (yc, hc): (&mut [f32], &mut [f32])| {
+        let rstd = 1.0 / (var[c] + eps).sqrt();
+        let (mu, g, b) = (mean[c], gamma[c], beta[c]);
+        let xc = &x[c * m..][..m];
+        for i in 0..m {
+            let h = (xc[i] - mu) * rstd;
+            hc[i] = h;
+            yc[i] = g * h + b;
+        }
+    };
+    if par_ok(x.len()) {
+        y.par_chunks_mut(m)
+            .zip(xhat.par_chunks_mut(m))
+            .enumerate()
+            .for_each(|(c, p)| one(c, p));
+    } else {
+        y.chunks_mut(m)
+            .zip(xhat.chunks_mut(m))
+            .enumerate()
+            .for_each(|(c, p)| one(c, p));
+    }
+    (y, xhat)
+}
+
+/// Per-channel (Σdy, Σdy·xhat): the local part of the batch-norm backward, all-reduced across
+/// workers by SyncBatchNorm.
+pub fn batch_norm_grad_sums(dy: &[f32], xhat: &[f32], channels: usize) -> Vec<[f64; 2]> {
+    let m = dy.len() / channels;
+    (0..channels)
+        .map(|c| {
+            let (d, h) = (&dy[c * m..][..m], &xhat[c * m..][..m]);
+            let (mut s, mut sh) = (0.0f64, 0.0f64);
+            for i in 0..m {
+                s += d[i] as f64;
+                sh += (d[i] * h[i]) as f64;
+            }
+            [s, sh]
+        })
+        .collect()
+}
+
+/// dx of batch norm in training mode given the (possibly globally reduced) gradient sums over
+/// `count` values: dx = γ·rstd·(dy − Σdy/M − xhat·Σ(dy·xhat)/M).
+pub fn batch_norm_input_grad(
+    dy: &[f32],
+    xhat: &[f32],
+    var: &[f32],
+    eps: f32,
+    gamma: &[f32],
+    sums: &[[f64; 2]],
+    count: usize,
+) -> Vec<f32> {
+    let channels = var.len();
+    let m = dy.len() / channels;
+    let mut dx = vec![0.0f32; dy.len()];
+    let one = |c: usize, dxc: &mut [f32]| {
+        let rstd = 1.0 / (var[c] + eps).sqrt();
+        let k = gamma[c] * rstd;
+        let mean_dy = (sums[c][0] / count as f64) as f32;
+        let mean_dyh = (sums[c][1] / count as f64) as f32;
+        let (d, h) = (&dy[c * m..][..m], &xhat[c * m..][..m]);
+        for i in 0..m {
+            dxc[i] = k * (d[i] - mean_dy - h[i] * mean_dyh);
+        }
+    };
+    if par_ok(dy.len()) {
+        dx.par_chunks_mut(m).enumerate().for_each(|(c, d)| one(c, d));
+    } else {
+        dx.chunks_mut(m).enumerate().for_each(|(c, d)| one(c, d));
+    }
+    dx
+}
+
+/// Rows per chunk in layer norm's parameter-gradient reduction. Fixed (not derived from the
+/// thread count) so the summation order, and so the result, is the same on any pool size.
+const LN_CHUNK_ROWS: usize = 64;
+
+/// Layer norm over the last dimension `d`; returns (y, mean, rstd) per row.
+pub fn layer_norm_forward(
+    x: &[f32],
+    d: usize,
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = x.len() / d;
+    let mut y = vec![0.0f32; x.len()];
+    let mut stats = vec![[0.0f32; 2]; rows];
+    let one = |r: usize, (yr, st): (&mut [f32], &mut [f32; 2])| {
+        let xr = &x[r * d..][..d];
+        let mean = xr.iter().sum::<f32>() / d as f32;
+        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for i in 0..d {
+            yr[i] = (xr[i] - mean) * rstd * gamma[i] + beta[i];
+        }
+        *st = [mean, rstd];
+    };
+    if par_ok(x.len()) {
+        y.par_chunks_mut(d)
+            .zip(stats.par_iter_mut())
+            .enumerate()
+            .for_each(|(r, p)| one(r, p));
+    } else {
+        y.chunks_mut(d)
+            .zip(stats.iter_mut())
+            .enumerate()
+            .for_each(|(r, p)| one(r, p));
+    }
+    let (mean, rstd) = stats.into_iter().map(|[m, r]| (m, r)).unzip();
+    (y, mean, rstd)
+}
+
+/// Layer-norm backward: returns dx and accumulates dgamma/dbeta.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward(
+    x: &[f32],
+    d: usize,
+    gamma: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) -> Vec<f32> {
+    let mut dx = vec![0.0f32; x.len()];
+    let chunk = LN_CHUNK_ROWS * d;
+    let run = |ci: usize, dxc: &mut [f32]| -> Vec<f32> {
+        let mut part = vec![0.0f32; 2 * d];
+        for (lr, dxr) in dxc.chunks_mut(d).enumerate() {
+            let r = ci * LN_CHUNK_ROWS + lr;
+            let (xr, dyr) = (&x[r * d..][..d], &dy[r * d..][..d]);
+            let (mu, rs) = (mean[r], rstd[r]);
+            let (mut sum_g, mut sum_gh) = (0.0f32, 0.0f32);
+            for i in 0..d {
+                let h = (xr[i] - mu) * rs;
+                let g = dyr[i] * gamma[i];
+                sum_g += g;
+                sum_gh += g * h;
+                part[i] += dyr[i] * h;
+                part[d + i] += dyr[i];
+            }
+            let (mg, mgh) = (sum_g / d as f32, sum_gh / d as f32);
+            for i in 0..d {
+                let h = (xr[i] - mu) * rs;
+                dxr[i] = rs * (dyr[i] * gamma[i] - mg - h * mgh);
+            }
+        }
+        part
+    };
+    let parts: Vec<Vec<f32>> = if par_ok(x.len()) {
+        dx.par_chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, c)| run(i, c))
+            .collect()
+    } else {
+        dx.chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, c)| run(i, c))
+            .collect()
+    };
+    for p in parts {
+        for i in 0..d {
+            dgamma[i] += p[i];
+            dbeta[i] += p[d + i];
+        }
+    }
+    dx
+}

@@ -1,0 +1,73 @@
+//! Intra-op parallelism helpers.
+//!
+//! Every worker runs its step inside its own rayon pool (`pool.install`), sized by the caller so
+//! that data-parallel workers never oversubscribe the cores. Kernels ask [`threads`] and take
+//! a serial path when it is 1, which keeps single-thread workers free of rayon overhead.
+
+use rayon::prelude::*;
+
+/// Threads available to kernels in the current pool.
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}
+
+/// Build a pool of `n` threads (n ≥ 1) for one worker.
+pub fn pool(n: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n.max(1))
+        .build()
+        .expect("failed to start a rayon thread pool")
+}
+
+/// Run `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, in parallel when the pool
+/// has several threads and the work is large enough to pay for it.
+pub fn for_each_chunk_mut<F>(data: &mut [f32], chunk: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    let chunk = chunk.max(1);
+    if threads() > 1 && data.len() > chunk {
+        data.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    } else {
+        data.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+    }
+}
+
+/// Chunk length that splits `len` elements into about `4 × threads` pieces of at least `min`.
+pub fn chunk_len(len: usize, min: usize) -> usize {
+    let pieces = 4 * threads();
+    len.div_ceil(pieces).max(min)
+}
+
+/// Element-wise map in place, parallel for large buffers.
+pub fn map_inplace<F>(data: &mut [f32], f: F)
+where
+    F: Fn(f32) -> f32 + Sync + Send,
+{
+    let chunk = chunk_len(data.len(), 16 * 1024);
+    for_each_chunk_mut(data, chunk, |_, c| c.iter_mut().for_each(|v| *v = f(*v)));
+}
+
+/// `out[i] = f(a[i], b[i])`, parallel for large buffers.
+pub fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
+    assert!(out.len() == a.len() && a.len() == b.len());
+    let chunk = chunk_len(out.len(), 16 * 1024);
+    for_each_chunk_mut(out, chunk, |i, c| {
+        let s = i * chunk;
+        for (j, o) in c.iter_mut().enumerate() {
+            *o = f(a[s + j], b[s + j]);
+        }
+    });
+}
+
+/// `dst += src`, parallel for large buffers.
+pub fn add_assign(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len());
+    let chunk = chunk_len(dst.len(), 16 * 1024);
+    for_each_chunk_mut(dst, chunk, |i, c| {
+        let s = &src[i * chunk..i * chunk + c.len()];
+        c.iter_mut().zip(s).for_each(|(d, s)| *d += s);
+    });
+}

@@ -1,0 +1,156 @@
+//! Max and average pooling over the planes of an activation (each `H×W` plane pooled on its
+//! own, so the same code serves NCHW and CNHW), and global average pooling.
+
+use rayon::prelude::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolGeometry {
+    pub kernel: usize,
+    pub stride: usize,
+    pub padding: usize,
+}
+
+impl PoolGeometry {
+    pub fn output_size(&self, h: usize, w: usize) -> (usize, usize) {
+        (
+            (h + 2 * self.padding - self.kernel) / self.stride + 1,
+            (w + 2 * self.padding - self.kernel) / self.stride + 1,
+        )
+    }
+}
+
+fn planes_par(n: usize) -> bool {
+    crate::par::threads() > 1 && n > 16 * 1024
+}
+
+/// Max pooling; returns the output and, per output element, the index of the winning input
+/// element inside its plane (padding never wins, as in PyTorch).
+pub fn max_pool_forward(
+    g: &PoolGeometry,
+    planes: usize,
+    h: usize,
+    w: usize,
+    x: &[f32],
+) -> (Vec<f32>, Vec<u32>) {
+    let (oh, ow) = g.output_size(h, w);
+    let mut out = vec![0.0f32; planes * oh * ow];
+    let mut arg = vec![0u32; planes * oh * ow];
+    let plane = |p: usize, o: &mut [f32], a: &mut [u32]| {
+        let src = &x[p * h * w..][..h * w];
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let mut best = f32::NEG_INFINITY;
+                let mut best_idx = 0u32;
+                for ki in 0..g.kernel {
+                    let iy = (oy * g.stride + ki) as isize - g.padding as isize;
+                    if iy < 0 || iy >= h as isize {
+                        continue;
+                    }
+                    for kj in 0..g.kernel {
+                        let ix = (ox * g.stride + kj) as isize - g.padding as isize;
+                        if ix < 0 || ix >= w as isize {
+                            continue;
+                        }
+                        let idx = iy as usize * w + ix as usize;
+                        let v = src[idx];
+                        if v > best || v.is_nan() {
+                            best = v;
+                            best_idx = idx as u32;
+                        }
+                    }
+                }
+                o[oy * ow + ox] = best;
+                a[oy * ow + ox] = best_idx;
+            }
+        }
+    };
+    if planes_par(out.len()) {
+        out.par_chunks_mut(oh * ow)
+            .zip(arg.par_chunks_mut(oh * ow))
+            .enumerate()
+            .for_each(|(p, (o, a))| plane(p, o, a));
+    } else {
+        out.chunks_mut(oh * ow)
+            .zip(arg.chunks_mut(oh * ow))
+            .enumerate()
+            .for_each(|(p, (o, a))| plane(p, o, a));
+    }
+    (out, arg)
+}
+
+pub fn max_pool_backward(h: usize, w: usize, out_plane: usize, arg: &[u32], dy: &[f32]) -> Vec<f32> {
+    let planes = dy.len() / out_plane;
+    let mut dx = vec![0.0f32; planes * h * w];
+    let plane = |p: usize, d: &mut [f32]| {
+        let a = &arg[p * out_plane..][..out_plane];
+        let g = &dy[p * out_plane..][..out_plane];
+        for (i, &idx) in a.iter().enumerate() {
+            d[idx as usize] += g[i];
+        }
+    };
+    if planes_par(dx.len()) {
+        dx.par_chunks_mut(h * w)
+            .enumerate()
+            .for_each(|(p, d)| plane(p, d));
+    } else {
+        dx.chunks_mut(h * w).enumerate().for_each(|(p, d)| plane(p, d));
+    }
+    dx
+}
+
+/// Average pooling without padding (all our models use padding 0 here): each output is the
+/// mean of its k×k window.
+pub fn avg_pool_forward(g: &PoolGeometry, planes: usize, h: usize, w: usize, x: &[f32]) -> Vec<f32> {
+    assert_eq!(g.padding, 0, "average pooling with padding is not supported");
+    let (oh, ow) = g.output_size(h, w);
+    let inv = 1.0 / (g.kernel * g.kernel) as f32;
+    let mut out = vec![0.0f32; planes * oh * ow];
+    let plane = |p: usize, o: &mut [f32]| {
+        let src = &x[p * h * w..][..h * w];
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let mut s = 0.0;
+                for ki in 0..g.kernel {
+                    let row = &src[(oy * g.stride + ki) * w + ox * g.stride..][..g.kernel];
+                    s += row.iter().sum::<f32>();
+                }
+                o[oy * ow + ox] = s * inv;
+            }
+        }
+    };
+    if planes_par(out.len()) {
+        out.par_chunks_mut(oh * ow)
+            .enumerate()
+            .for_each(|(p, o)| plane(p, o));
+    } else {
+        out.chunks_mut(oh * ow).enumerate().for_each(|(p, o)| plane(p, o));
+    }
+    out
+}
+
+pub fn avg_pool_backward(g: &PoolGeometry, h: usize, w: usize, dy: &[f32]) -> Vec<f32> {
+    let (oh, ow) = g.output_size(h, w);
+    let planes = dy.len() / (oh * ow);
+    let inv = 1.0 / (g.kernel * g.kernel) as f32;
+    let mut dx = vec![0.0f32; planes * h * w];
+    let plane = |p: usize, d: &mut [f32]| {
+        let gy = &dy[p * oh * ow..][..oh * ow];
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let v = gy[oy * ow + ox] * inv;
+                for ki in 0..g.kernel {
+                    let row = &mut d[(oy * g.stride + ki) * w + ox * g.stride..][..g.kernel];
+                    row.iter_mut().for_each(|r| *r += v);
+                }
+            }
+        }
+    };
+    if planes_par(dx.len()) {
+        dx.par_chunks_mut(h * w)
+            .enumerate()
+            .for_each(|(p, d)| plane(p, d));
+    } else {
+        dx.chunks_mut(h * w).enumerate().for_each(|(p, d)| plane(p, d));
+    }
+    dx
+}
