@@ -98,6 +98,17 @@ mod tests {
         assert_eq!(sorted, (0..1000).collect::<Vec<_>>());
     }
 
+    /// Pinned against the independent Python reference
+    /// (crates/data/scripts/splitmix64_reference.py): the order must not
+    /// change across platforms or releases, or resumed runs would diverge.
+    #[test]
+    fn permutation_matches_reference() {
+        assert_eq!(
+            EpochShuffler::new(10, 1).permutation(0),
+            [3, 6, 4, 7, 9, 5, 2, 1, 8, 0]
+        );
+    }
+
     #[test]
     fn batches_cover_the_epoch_with_and_without_tail() {
         let shuffler = EpochShuffler::new(10, 1);
@@ -105,7 +116,10 @@ mod tests {
         let sizes: Vec<usize> = keep.iter().map(<[usize]>::len).collect();
         assert_eq!(sizes, [4, 4, 2]);
         assert_eq!(keep.len(), 3);
-        assert_eq!(keep.iter().flatten().copied().collect::<Vec<_>>(), keep.order());
+        assert_eq!(
+            keep.iter().flatten().copied().collect::<Vec<_>>(),
+            keep.order()
+        );
 
         let drop = shuffler.batches(0, 4, true).unwrap();
         let sizes: Vec<usize> = drop.iter().map(<[usize]>::len).collect();

@@ -24,7 +24,12 @@ const MAX_TIME_S: &str = "900";
 fn fetch_with_tool(url: &str, tmp: &Path) -> Result<(), String> {
     let curl = Command::new("curl")
         .args(["--fail", "--silent", "--show-error", "--location"])
-        .args(["--connect-timeout", CONNECT_TIMEOUT_S, "--max-time", MAX_TIME_S])
+        .args([
+            "--connect-timeout",
+            CONNECT_TIMEOUT_S,
+            "--max-time",
+            MAX_TIME_S,
+        ])
         .arg("--output")
         .arg(tmp)
         .arg(url)

@@ -162,7 +162,11 @@ impl fmt::Display for Source {
         match self {
             Source::DataDir(dir) => write!(f, "--data-dir {}", dir.display()),
             Source::SystemPackage(dir) => {
-                write!(f, "Debian package dataset-fashion-mnist ({})", dir.display())
+                write!(
+                    f,
+                    "Debian package dataset-fashion-mnist ({})",
+                    dir.display()
+                )
             }
             Source::Cache(dir) => write!(f, "download cache {}", dir.display()),
             Source::Downloaded(dir) => write!(f, "fresh download into {}", dir.display()),
@@ -386,10 +390,7 @@ pub struct FashionMnist {
 
 impl FashionMnist {
     /// Resolves the source (see [`resolve`]) and loads both splits.
-    pub fn load(
-        options: &ResolveOptions,
-        normalization: Normalization,
-    ) -> Result<Self, DataError> {
+    pub fn load(options: &ResolveOptions, normalization: Normalization) -> Result<Self, DataError> {
         let source = resolve(options)?;
         let train = load_split(source.dir(), Split::Train, normalization)?;
         let test = load_split(source.dir(), Split::Test, normalization)?;
