@@ -210,11 +210,13 @@ pub fn shipped_subset_dir() -> PathBuf {
     repo_root().join("data/fashion-mnist-subset")
 }
 
-/// The user cache directory: `$MESHTRAIN_DATA/fashion-mnist`, else
+/// The user cache directory from environment variables (looked up through
+/// `env`, so tests need not touch the process environment):
+/// `$MESHTRAIN_DATA/fashion-mnist`, else
 /// `$XDG_CACHE_HOME/meshtrain/fashion-mnist`, else
-/// `$HOME/.cache/meshtrain/fashion-mnist`.
-pub fn default_cache_dir() -> Option<PathBuf> {
-    let non_empty = |name: &str| std::env::var_os(name).filter(|value| !value.is_empty());
+/// `$HOME/.cache/meshtrain/fashion-mnist`. Empty values count as unset.
+pub fn cache_dir_from(env: &dyn Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    let non_empty = |name: &str| env(name).filter(|value| !value.is_empty());
     if let Some(root) = non_empty("MESHTRAIN_DATA") {
         return Some(PathBuf::from(root).join("fashion-mnist"));
     }
@@ -229,13 +231,17 @@ impl ResolveOptions {
     /// user cache with download (disabled by `MESHTRAIN_OFFLINE` set to
     /// anything but `0` or empty), the shipped subset.
     pub fn from_env(data_dir: Option<PathBuf>) -> Self {
-        let offline = std::env::var("MESHTRAIN_OFFLINE")
-            .map(|value| !value.is_empty() && value != "0")
-            .unwrap_or(false);
+        Self::from_lookup(data_dir, &|name| std::env::var(name).ok())
+    }
+
+    /// [`ResolveOptions::from_env`] with variables read through `env`.
+    pub fn from_lookup(data_dir: Option<PathBuf>, env: &dyn Fn(&str) -> Option<String>) -> Self {
+        let offline =
+            env("MESHTRAIN_OFFLINE").is_some_and(|value| !value.is_empty() && value != "0");
         Self {
             data_dir,
             system_dir: Some(PathBuf::from(SYSTEM_DIR)),
-            cache_dir: default_cache_dir(),
+            cache_dir: cache_dir_from(env),
             download: !offline,
             mirrors: OFFICIAL_MIRRORS.iter().map(|url| url.to_string()).collect(),
             subset_dir: Some(shipped_subset_dir()),
@@ -286,7 +292,7 @@ pub fn resolve(options: &ResolveOptions) -> Result<Source, DataError> {
             match download_missing(&options.mirrors, &missing, dir) {
                 Ok(()) => return Ok(Source::Downloaded(dir.clone())),
                 Err(error) => {
-                    tracing::warn!("Fashion-MNIST download failed: {error}");
+                    tracing::warn!("Fashion-MNIST {error}");
                     tried.push(format!("download into {}: {error}", dir.display()));
                 }
             }
@@ -399,5 +405,70 @@ impl FashionMnist {
             test,
             source,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| map.get(name).cloned()
+    }
+
+    #[test]
+    fn cache_dir_precedence() {
+        let all = lookup(&[
+            ("MESHTRAIN_DATA", "/d"),
+            ("XDG_CACHE_HOME", "/x"),
+            ("HOME", "/h"),
+        ]);
+        assert_eq!(
+            cache_dir_from(&all),
+            Some(PathBuf::from("/d/fashion-mnist"))
+        );
+        let xdg = lookup(&[
+            ("MESHTRAIN_DATA", ""),
+            ("XDG_CACHE_HOME", "/x"),
+            ("HOME", "/h"),
+        ]);
+        assert_eq!(
+            cache_dir_from(&xdg),
+            Some(PathBuf::from("/x/meshtrain/fashion-mnist"))
+        );
+        let home = lookup(&[("HOME", "/h")]);
+        assert_eq!(
+            cache_dir_from(&home),
+            Some(PathBuf::from("/h/.cache/meshtrain/fashion-mnist"))
+        );
+        assert_eq!(cache_dir_from(&lookup(&[])), None);
+    }
+
+    #[test]
+    fn offline_switch() {
+        let download =
+            |vars: &[(&str, &str)]| ResolveOptions::from_lookup(None, &lookup(vars)).download;
+        assert!(download(&[]));
+        assert!(download(&[("MESHTRAIN_OFFLINE", "0")]));
+        assert!(download(&[("MESHTRAIN_OFFLINE", "")]));
+        assert!(!download(&[("MESHTRAIN_OFFLINE", "1")]));
+        assert!(!download(&[("MESHTRAIN_OFFLINE", "yes")]));
+    }
+
+    #[test]
+    fn default_locations() {
+        let options = ResolveOptions::from_lookup(Some(PathBuf::from("/data")), &lookup(&[]));
+        assert_eq!(options.data_dir, Some(PathBuf::from("/data")));
+        assert_eq!(options.system_dir, Some(PathBuf::from(SYSTEM_DIR)));
+        assert_eq!(options.mirrors.len(), OFFICIAL_MIRRORS.len());
+        assert!(options
+            .subset_dir
+            .unwrap()
+            .ends_with("data/fashion-mnist-subset"));
     }
 }

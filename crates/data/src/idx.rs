@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::{ErrorKind, Read};
 use std::path::{Path, PathBuf};
 
-use flate2::read::GzDecoder;
+use flate2::read::MultiGzDecoder;
 use sha2::{Digest, Sha256};
 
 use crate::error::DataError;
@@ -57,6 +57,8 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// Reads and gunzips `path`, mapping every failure to an error naming it.
+/// Concatenated gzip members are joined (as `gunzip` does); bytes after the
+/// last member that are not gzip make the file invalid.
 pub fn read_gz(path: &Path) -> Result<GzFile, DataError> {
     let file = File::open(path).map_err(|source| match source.kind() {
         ErrorKind::NotFound => DataError::MissingFile {
@@ -68,7 +70,7 @@ pub fn read_gz(path: &Path) -> Result<GzFile, DataError> {
         },
     })?;
     let mut bytes = Vec::new();
-    GzDecoder::new(file)
+    MultiGzDecoder::new(file)
         .take(MAX_DECOMPRESSED_BYTES + 1)
         .read_to_end(&mut bytes)
         .map_err(|source| DataError::BadGzip {

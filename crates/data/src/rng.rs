@@ -38,7 +38,10 @@ impl SplitMix64 {
     }
 
     /// Uniform in `0..bound` without modulo bias (Lemire's multiply-shift
-    /// with rejection). `bound` must be non-zero.
+    /// with rejection).
+    ///
+    /// # Panics
+    /// If `bound` is 0 (an empty range has no value to return).
     pub fn below(&mut self, bound: u64) -> u64 {
         assert!(bound > 0, "SplitMix64::below needs a non-zero bound");
         let threshold = bound.wrapping_neg() % bound;
