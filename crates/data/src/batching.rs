@@ -80,6 +80,24 @@ impl EpochBatches {
     }
 }
 
+/// The contiguous part of a global `batch` that data-parallel `rank` (of
+/// `world`) processes. Sizes differ by at most one when `world` does not
+/// divide the batch: the first `len % world` ranks get one extra sample.
+/// Every rank shuffles identically ([`EpochShuffler`]), so this needs no
+/// communication, and the union over ranks is exactly `batch`.
+pub fn rank_share(batch: &[usize], rank: usize, world: usize) -> Result<&[usize], DataError> {
+    if world == 0 || rank >= world {
+        return Err(DataError::InvalidArgument(format!(
+            "rank {rank} is not in a world of {world}"
+        )));
+    }
+    let base = batch.len() / world;
+    let extra = batch.len() % world;
+    let start = rank * base + rank.min(extra);
+    let len = base + usize::from(rank < extra);
+    Ok(&batch[start..start + len])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,6 +151,20 @@ mod tests {
         let batches = EpochShuffler::new(3, 0).batches(0, 4, true).unwrap();
         assert!(batches.is_empty());
         assert_eq!(batches.iter().count(), 0);
+    }
+
+    #[test]
+    fn rank_shares_partition_the_batch() {
+        let batch: Vec<usize> = (100..110).collect();
+        let shares: Vec<&[usize]> = (0..4).map(|r| rank_share(&batch, r, 4).unwrap()).collect();
+        assert_eq!(
+            shares.iter().map(|s| s.len()).collect::<Vec<_>>(),
+            [3, 3, 2, 2]
+        );
+        assert_eq!(shares.concat(), batch);
+        assert_eq!(rank_share(&batch, 0, 1).unwrap(), &batch[..]);
+        assert!(rank_share(&batch, 4, 4).is_err());
+        assert!(rank_share(&batch, 0, 0).is_err());
     }
 
     #[test]

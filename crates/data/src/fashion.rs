@@ -249,12 +249,11 @@ impl ResolveOptions {
     }
 }
 
-/// The files of [`FILE_NAMES`] that `dir` lacks.
-fn missing_files(dir: &Path) -> Vec<PathBuf> {
+/// The names in [`FILE_NAMES`] that `dir` lacks.
+fn missing_files(dir: &Path) -> Vec<&'static str> {
     FILE_NAMES
-        .iter()
-        .map(|name| dir.join(name))
-        .filter(|path| !path.is_file())
+        .into_iter()
+        .filter(|name| !dir.join(name).is_file())
         .collect()
 }
 
@@ -263,8 +262,10 @@ fn missing_files(dir: &Path) -> Vec<PathBuf> {
 /// a corrupt file in the chosen place is an error, not a reason to fall back.
 pub fn resolve(options: &ResolveOptions) -> Result<Source, DataError> {
     if let Some(dir) = &options.data_dir {
-        return match missing_files(dir).into_iter().next() {
-            Some(path) => Err(DataError::MissingFile { path }),
+        return match missing_files(dir).first() {
+            Some(name) => Err(DataError::MissingFile {
+                path: dir.join(name),
+            }),
             None => Ok(Source::DataDir(dir.clone())),
         };
     }
@@ -278,7 +279,7 @@ pub fn resolve(options: &ResolveOptions) -> Result<Source, DataError> {
             tracing::warn!(
                 "{} is incomplete (missing {}); skipping it",
                 dir.display(),
-                missing[0].display()
+                missing[0]
             );
         }
         tried.push(format!("{} (incomplete or absent)", dir.display()));
@@ -316,12 +317,8 @@ pub fn resolve(options: &ResolveOptions) -> Result<Source, DataError> {
     })
 }
 
-fn download_missing(mirrors: &[String], missing: &[PathBuf], dir: &Path) -> Result<(), DataError> {
-    for path in missing {
-        let name = path
-            .file_name()
-            .and_then(|name| name.to_str())
-            .unwrap_or_default();
+fn download_missing(mirrors: &[String], missing: &[&str], dir: &Path) -> Result<(), DataError> {
+    for name in missing {
         let expected = FULL_SHA256.for_file(name).unwrap_or_default();
         download_verified(mirrors, name, expected, dir)?;
     }

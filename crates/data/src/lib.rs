@@ -20,7 +20,7 @@ pub mod images;
 pub mod rng;
 pub mod text;
 
-pub use batching::{EpochBatches, EpochShuffler};
+pub use batching::{rank_share, EpochBatches, EpochShuffler};
 pub use error::DataError;
 pub use fashion::{load_split, resolve, FashionMnist, ResolveOptions, Source, Split};
 pub use images::{ImageDataset, Normalization};
