@@ -5,7 +5,7 @@
 //! replays the same batches.
 
 use crate::error::DataError;
-use crate::rng::SplitMix64;
+use meshtrain_tensor::rng::SplitMix64;
 
 /// Produces the sample order for each epoch of a dataset of `len` samples.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -17,12 +17,11 @@ pub mod error;
 pub mod fashion;
 pub mod idx;
 pub mod images;
-pub mod rng;
 pub mod text;
 
 pub use batching::{rank_share, EpochBatches, EpochShuffler};
 pub use error::DataError;
 pub use fashion::{load_split, resolve, FashionMnist, ResolveOptions, Source, Split};
 pub use images::{ImageDataset, Normalization};
-pub use rng::SplitMix64;
+pub use meshtrain_tensor::rng::SplitMix64;
 pub use text::{unigram_entropy_nats, TextBatchSampler, TextCorpus, VOCAB_SIZE};

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::DataError;
 use crate::idx::sha256_hex;
-use crate::rng::SplitMix64;
+use meshtrain_tensor::rng::SplitMix64;
 
 /// Vocabulary size of the byte-level model.
 pub const VOCAB_SIZE: usize = 256;

@@ -2,7 +2,7 @@
 use meshtrain_nn::models::{gpt, lenet, resnet, GptConfig, LeNetVariant};
 use meshtrain_nn::{Mode, Model};
 use meshtrain_tensor::loss::softmax_cross_entropy;
-use meshtrain_tensor::rng::Rng;
+use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
 use std::time::Instant;
 
@@ -11,23 +11,38 @@ fn main() {
     let which = args.get(1).map(String::as_str).unwrap_or("lenet");
     let threads: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2);
     let pool = meshtrain_tensor::par::pool(threads);
-    let mut rng = Rng::new(1);
+    let mut rng = SplitMix64::new(1);
     let (model, x, y, classes): (Model, Tensor, Vec<u32>, usize) = match which {
         "lenet" => {
             let b = 256;
             let x = (0..b * 784).map(|_| rng.normal()).collect();
-            (lenet::lenet(LeNetVariant::Sigmoid), Tensor::from_vec(x, &[b, 1, 28, 28]), (0..b).map(|i| (i % 10) as u32).collect(), 10)
+            (
+                lenet::lenet(LeNetVariant::Sigmoid),
+                Tensor::from_vec(x, &[b, 1, 28, 28]),
+                (0..b).map(|i| (i % 10) as u32).collect(),
+                10,
+            )
         }
         "resnet" => {
             let b = 128;
             let x = (0..b * 784).map(|_| rng.normal()).collect();
-            (resnet::resnet18(64, 10), Tensor::from_vec(x, &[b, 1, 28, 28]), (0..b).map(|i| (i % 10) as u32).collect(), 10)
+            (
+                resnet::resnet18(64, 10),
+                Tensor::from_vec(x, &[b, 1, 28, 28]),
+                (0..b).map(|i| (i % 10) as u32).collect(),
+                10,
+            )
         }
         _ => {
             let cfg = GptConfig::default();
             let b = 32;
             let x = (0..b * cfg.seq).map(|_| rng.below(256) as f32).collect();
-            (gpt::gpt(&cfg), Tensor::from_vec(x, &[b, cfg.seq]), (0..b * cfg.seq).map(|_| rng.below(256) as u32).collect(), 256)
+            (
+                gpt::gpt(&cfg),
+                Tensor::from_vec(x, &[b, cfg.seq]),
+                (0..b * cfg.seq).map(|_| rng.below(256) as u32).collect(),
+                256,
+            )
         }
     };
     let mut store = model.init(0);

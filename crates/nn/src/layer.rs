@@ -1,6 +1,6 @@
 //! The layer contract: explicit forward and backward over parameter slices.
 
-use meshtrain_tensor::rng::Rng;
+use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
 
 /// How a parameter is initialised (PyTorch's defaults where a layer has one).
@@ -15,7 +15,7 @@ pub enum Init {
 }
 
 impl Init {
-    pub fn fill(self, out: &mut [f32], rng: &mut Rng) {
+    pub fn fill(self, out: &mut [f32], rng: &mut SplitMix64) {
         match self {
             Init::Zeros => out.fill(0.0),
             Init::Ones => out.fill(1.0),

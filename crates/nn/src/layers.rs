@@ -119,7 +119,10 @@ pub struct Seq(pub Children);
 impl Seq {
     pub fn new(layers: Vec<(&str, Box<dyn Layer>)>) -> Self {
         Seq(Children::new(
-            layers.into_iter().map(|(n, l)| (n.to_string(), l)).collect(),
+            layers
+                .into_iter()
+                .map(|(n, l)| (n.to_string(), l))
+                .collect(),
         ))
     }
 }
@@ -134,7 +137,14 @@ impl Layer for Seq {
     fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         (0..self.0.len()).fold(x, |x, i| self.0.forward(i, p, b, x, mode, s))
     }
-    fn backward(&self, p: &[f32], g: &mut [f32], s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        s: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
         let mut dy = Some(dy);
         for (i, child) in s.children.into_iter().enumerate().rev() {
             let want = need_dx || i > 0;
@@ -171,7 +181,11 @@ impl Linear {
 
 impl Layer for Linear {
     fn params(&self) -> Vec<ParamSpec> {
-        let mut v = vec![ParamSpec::new("weight", &[self.outputs, self.inputs], self.weight_init)];
+        let mut v = vec![ParamSpec::new(
+            "weight",
+            &[self.outputs, self.inputs],
+            self.weight_init,
+        )];
         if self.bias {
             let bound = 1.0 / (self.inputs as f32).sqrt();
             let init = match self.weight_init {
@@ -190,7 +204,8 @@ impl Layer for Linear {
         let mut y = vec![0.0f32; rows * self.outputs];
         if self.bias {
             let b = &p[self.inputs * self.outputs..];
-            y.chunks_mut(self.outputs).for_each(|r| r.copy_from_slice(b));
+            y.chunks_mut(self.outputs)
+                .for_each(|r| r.copy_from_slice(b));
         }
         gemm(
             MatMut::new(&mut y, rows, self.outputs),
@@ -204,7 +219,14 @@ impl Layer for Linear {
         Tensor::from_vec(y, &shape)
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
         let x = s.tensors.pop().expect("Linear: saved input");
         let rows = x.numel() / self.inputs;
         let nw = self.inputs * self.outputs;
@@ -243,7 +265,13 @@ pub struct Conv2d {
 }
 
 impl Conv2d {
-    pub fn new(inputs: usize, outputs: usize, kernel: usize, stride: usize, padding: usize) -> Self {
+    pub fn new(
+        inputs: usize,
+        outputs: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+    ) -> Self {
         Conv2d {
             geom: ConvGeometry {
                 in_channels: inputs,
@@ -275,7 +303,11 @@ impl Layer for Conv2d {
             Init::Uniform(bound),
         )];
         if self.bias {
-            v.push(ParamSpec::new("bias", &[g.out_channels], Init::Uniform(bound)));
+            v.push(ParamSpec::new(
+                "bias",
+                &[g.out_channels],
+                Init::Uniform(bound),
+            ));
         }
         v
     }
@@ -293,14 +325,30 @@ impl Layer for Conv2d {
         Tensor::from_vec(y, &[self.geom.out_channels, sp.batch, oh, ow])
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
         let x = s.tensors.pop().expect("Conv2d: saved input");
         let nw = self.geom.out_channels * self.geom.patch_len();
         let (gw, gb) = g.split_at_mut(nw);
         let dbias = if self.bias { Some(gb) } else { None };
         let sp = Self::spatial(&x);
-        conv2d_backward(&self.geom, sp, x.data(), &p[..nw], dy.data(), gw, dbias, need_dx)
-            .map(|dx| Tensor::from_vec(dx, x.shape()))
+        conv2d_backward(
+            &self.geom,
+            sp,
+            x.data(),
+            &p[..nw],
+            dy.data(),
+            gw,
+            dbias,
+            need_dx,
+        )
+        .map(|dx| Tensor::from_vec(dx, x.shape()))
     }
 }
 
@@ -363,7 +411,14 @@ impl Layer for BatchNorm2d {
         Tensor::from_vec(y, x.shape())
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
         let c = self.channels;
         let xhat = s.tensors.pop().expect("BatchNorm: saved xhat");
         let var = s.stats.pop().expect("BatchNorm: saved var");
@@ -377,7 +432,15 @@ impl Layer for BatchNorm2d {
             return None;
         }
         let count = dy.numel() / c;
-        let dx = norm::batch_norm_input_grad(dy.data(), xhat.data(), &var, self.eps, &p[..c], &sums, count);
+        let dx = norm::batch_norm_input_grad(
+            dy.data(),
+            xhat.data(),
+            &var,
+            self.eps,
+            &p[..c],
+            &sums,
+            count,
+        );
         Some(Tensor::from_vec(dx, dy.shape()))
     }
 }
@@ -414,7 +477,14 @@ impl Layer for LayerNorm {
         Tensor::from_vec(y, &shape)
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, _need_dx: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        _need_dx: bool,
+    ) -> Option<Tensor> {
         let rstd = s.stats.pop().expect("LayerNorm: rstd");
         let mean = s.stats.pop().expect("LayerNorm: mean");
         let x = s.tensors.pop().expect("LayerNorm: input");
@@ -441,12 +511,23 @@ impl Layer for Act {
         let mut y = Tensor::zeros(x.shape());
         self.0.forward(x.data(), y.data_mut());
         if mode.train {
-            s.tensors.push(if self.0.backward_uses_output() { y.clone() } else { x });
+            s.tensors.push(if self.0.backward_uses_output() {
+                y.clone()
+            } else {
+                x
+            });
         }
         y
     }
 
-    fn backward(&self, _: &[f32], _: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        _: &[f32],
+        _: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
         let kept = s.tensors.pop().expect("Act: saved tensor");
         let mut dx = Tensor::zeros(dy.shape());
         self.0.backward(kept.data(), dy.data(), dx.data_mut());
@@ -470,13 +551,21 @@ impl Pool2d {
     pub fn max(kernel: usize, stride: usize, padding: usize) -> Self {
         Pool2d {
             kind: PoolKind::Max,
-            geom: PoolGeometry { kernel, stride, padding },
+            geom: PoolGeometry {
+                kernel,
+                stride,
+                padding,
+            },
         }
     }
     pub fn avg(kernel: usize, stride: usize) -> Self {
         Pool2d {
             kind: PoolKind::Avg,
-            geom: PoolGeometry { kernel, stride, padding: 0 },
+            geom: PoolGeometry {
+                kernel,
+                stride,
+                padding: 0,
+            },
         }
     }
 }
@@ -501,7 +590,14 @@ impl Layer for Pool2d {
         Tensor::from_vec(y, &[c, n, oh, ow])
     }
 
-    fn backward(&self, _: &[f32], _: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        _: &[f32],
+        _: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
         let hw = s.stats.pop().expect("Pool: saved size");
         let (h, w) = (hw[0] as usize, hw[1] as usize);
         let (c, n) = (dy.dim(0), dy.dim(1));
@@ -522,12 +618,19 @@ pub struct ToChannelMajor;
 impl Layer for ToChannelMajor {
     fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, _: Mode, _: &mut Saved) -> Tensor {
         let (n, c, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
-        let data = if c == 1 { x.into_vec() } else { swap_leading_axes(x.data(), n, c, h * w) };
+        let data = if c == 1 {
+            x.into_vec()
+        } else {
+            swap_leading_axes(x.data(), n, c, h * w)
+        };
         Tensor::from_vec(data, &[c, n, h, w])
     }
     fn backward(&self, _: &[f32], _: &mut [f32], _: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
         let (c, n, h, w) = (dy.dim(0), dy.dim(1), dy.dim(2), dy.dim(3));
-        Some(Tensor::from_vec(swap_leading_axes(dy.data(), c, n, h * w), &[n, c, h, w]))
+        Some(Tensor::from_vec(
+            swap_leading_axes(dy.data(), c, n, h * w),
+            &[n, c, h, w],
+        ))
     }
 }
 
@@ -558,7 +661,14 @@ impl Layer for Flatten {
         }
     }
 
-    fn backward(&self, _: &[f32], _: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        _: &[f32],
+        _: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
         let d = s.stats.pop().expect("Flatten: saved shape");
         let (c, n, h, w) = (d[0] as usize, d[1] as usize, d[2] as usize, d[3] as usize);
         let dx = if self.global_average {

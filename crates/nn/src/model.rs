@@ -1,7 +1,7 @@
 //! A model is an ordered list of named blocks over one flat parameter buffer.
 
 use crate::layer::{spec_len, Layer, Mode, ParamSpec, Saved};
-use meshtrain_tensor::rng::Rng;
+use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
 use std::ops::Range;
 
@@ -81,7 +81,10 @@ pub struct Model {
     block_buffers: Vec<Range<usize>>,
 }
 
-fn layout(blocks: &[Block], specs_of: impl Fn(&dyn Layer) -> Vec<ParamSpec>) -> (Vec<ParamEntry>, Vec<Range<usize>>) {
+fn layout(
+    blocks: &[Block],
+    specs_of: impl Fn(&dyn Layer) -> Vec<ParamSpec>,
+) -> (Vec<ParamEntry>, Vec<Range<usize>>) {
     let (mut entries, mut ranges, mut off) = (Vec::new(), Vec::new(), 0);
     for (bi, b) in blocks.iter().enumerate() {
         let start = off;
@@ -152,15 +155,16 @@ impl Model {
     /// Fresh parameters: each tensor drawn from its own stream forked from `seed`, so adding a
     /// layer never changes the initial values of the others.
     pub fn init(&self, seed: u64) -> ParamStore {
-        let root = Rng::new(seed);
         let mut values = vec![0.0f32; self.num_params()];
         for (i, e) in self.params.iter().enumerate() {
-            let mut rng = root.fork(i as u64);
+            let mut rng = SplitMix64::derive(seed, i as u64);
             e.spec.init.fill(&mut values[e.range.clone()], &mut rng);
         }
         let mut buffers = vec![0.0f32; self.num_buffers()];
         for e in &self.buffers {
-            e.spec.init.fill(&mut buffers[e.range.clone()], &mut Rng::new(0));
+            e.spec
+                .init
+                .fill(&mut buffers[e.range.clone()], &mut SplitMix64::new(0));
         }
         ParamStore {
             grads: vec![0.0; values.len()],
@@ -196,7 +200,13 @@ impl Model {
                 saved.push(BlockSaved::Full(s));
             }
         }
-        (x, Activations { range, blocks: saved })
+        (
+            x,
+            Activations {
+                range,
+                blocks: saved,
+            },
+        )
     }
 
     /// Backward from the upstream gradient `dy` through the blocks of `acts`, last to first.
@@ -219,23 +229,34 @@ impl Model {
                     let mut s = Saved::default();
                     let p = &store.values[self.block_params[i].clone()];
                     let b = &mut store.buffers[self.block_buffers[i].clone()];
-                    self.blocks[i].layer.forward(p, b, input, Mode::RECOMPUTE, &mut s);
+                    self.blocks[i]
+                        .layer
+                        .forward(p, b, input, Mode::RECOMPUTE, &mut s);
                     s
                 }
             };
             let want_dx = need_dx || i > range.start;
             let pr = self.block_params[i].clone();
             let (values, grads) = (&store.values[pr.clone()], &mut store.grads[pr]);
-            grad = self.blocks[i]
-                .layer
-                .backward(values, grads, saved, grad.expect("upstream gradient"), want_dx);
+            grad = self.blocks[i].layer.backward(
+                values,
+                grads,
+                saved,
+                grad.expect("upstream gradient"),
+                want_dx,
+            );
             on_block_ready(i, store);
         }
         grad
     }
 
     /// Whole-model convenience: forward all blocks.
-    pub fn forward_all(&self, store: &mut ParamStore, x: Tensor, mode: Mode) -> (Tensor, Activations) {
+    pub fn forward_all(
+        &self,
+        store: &mut ParamStore,
+        x: Tensor,
+        mode: Mode,
+    ) -> (Tensor, Activations) {
         self.forward(store, x, 0..self.num_blocks(), mode, &|_| false)
     }
 }

@@ -50,23 +50,44 @@ impl Optimizer {
     /// One update of `params` from `grads` at learning rate `lr`.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
         assert_eq!(params.len(), grads.len());
-        assert_eq!(params.len(), self.m.len(), "optimizer state sized for another slice");
+        assert_eq!(
+            params.len(),
+            self.m.len(),
+            "optimizer state sized for another slice"
+        );
         self.step += 1;
         match self.config {
-            OptimizerConfig::Sgd { momentum, weight_decay } => {
+            OptimizerConfig::Sgd {
+                momentum,
+                weight_decay,
+            } => {
                 let first = self.step == 1;
                 for ((p, &g), m) in params.iter_mut().zip(grads).zip(&mut self.m) {
                     let g = g + weight_decay * *p;
-                    *m = if first || momentum == 0.0 { g } else { momentum * *m + g };
+                    *m = if first || momentum == 0.0 {
+                        g
+                    } else {
+                        momentum * *m + g
+                    };
                     *p -= lr * *m;
                 }
             }
-            OptimizerConfig::Adamw { beta1, beta2, eps, weight_decay } => {
+            OptimizerConfig::Adamw {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
                 let t = self.step as i32;
                 let c1 = 1.0 - beta1.powi(t);
                 let c2 = 1.0 - beta2.powi(t);
                 let decay = 1.0 - lr * weight_decay;
-                for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(&mut self.m).zip(&mut self.v) {
+                for (((p, &g), m), v) in params
+                    .iter_mut()
+                    .zip(grads)
+                    .zip(&mut self.m)
+                    .zip(&mut self.v)
+                {
                     *p *= decay;
                     *m = beta1 * *m + (1.0 - beta1) * g;
                     *v = beta2 * *v + (1.0 - beta2) * g * g;
@@ -80,7 +101,11 @@ impl Optimizer {
 
 /// Global L2 norm of the gradients (f64 accumulation).
 pub fn grad_norm(grads: &[f32]) -> f32 {
-    grads.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>().sqrt() as f32
+    grads
+        .iter()
+        .map(|&g| (g as f64) * (g as f64))
+        .sum::<f64>()
+        .sqrt() as f32
 }
 
 /// Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping.

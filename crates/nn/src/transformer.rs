@@ -3,7 +3,9 @@
 use crate::layer::{Init, Layer, Mode, ParamSpec, Saved};
 use crate::layers::{Act, Children, LayerNorm, Linear, Seq};
 use meshtrain_tensor::activation::Activation;
-use meshtrain_tensor::attention::{causal_attention_backward, causal_attention_forward, AttentionShape};
+use meshtrain_tensor::attention::{
+    causal_attention_backward, causal_attention_forward, AttentionShape,
+};
 use meshtrain_tensor::Tensor;
 
 /// Token + learned position embedding. Input: token ids `[B, T]` carried as exact f32 values.
@@ -17,19 +19,35 @@ pub struct GptEmbedding {
 impl Layer for GptEmbedding {
     fn params(&self) -> Vec<ParamSpec> {
         vec![
-            ParamSpec::new("tok.weight", &[self.vocab, self.dim], Init::Normal(self.init_std)),
-            ParamSpec::new("pos.weight", &[self.max_seq, self.dim], Init::Normal(self.init_std)),
+            ParamSpec::new(
+                "tok.weight",
+                &[self.vocab, self.dim],
+                Init::Normal(self.init_std),
+            ),
+            ParamSpec::new(
+                "pos.weight",
+                &[self.max_seq, self.dim],
+                Init::Normal(self.init_std),
+            ),
         ]
     }
 
     fn forward(&self, p: &[f32], _: &mut [f32], ids: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.dim);
-        assert!(t <= self.max_seq, "sequence {t} longer than the model's {}", self.max_seq);
+        assert!(
+            t <= self.max_seq,
+            "sequence {t} longer than the model's {}",
+            self.max_seq
+        );
         let (tok, pos) = p.split_at(self.vocab * d);
         let mut y = vec![0.0f32; b * t * d];
         for (i, (row, &id)) in y.chunks_mut(d).zip(ids.data()).enumerate() {
             let id = id as usize;
-            assert!(id < self.vocab, "token id {id} outside vocabulary of {}", self.vocab);
+            assert!(
+                id < self.vocab,
+                "token id {id} outside vocabulary of {}",
+                self.vocab
+            );
             let (te, pe) = (&tok[id * d..][..d], &pos[(i % t) * d..][..d]);
             for k in 0..d {
                 row[k] = te[k] + pe[k];
@@ -41,7 +59,14 @@ impl Layer for GptEmbedding {
         Tensor::from_vec(y, &[b, t, d])
     }
 
-    fn backward(&self, _: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        _: &[f32],
+        g: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
         let ids = s.tensors.pop().expect("embedding: saved ids");
         let (t, d) = (ids.dim(1), self.dim);
         let (gtok, gpos) = g.split_at_mut(self.vocab * d);
@@ -78,12 +103,22 @@ impl Layer for AttentionCore {
         let (out, probs) = causal_attention_forward(shape, qkv.data());
         if mode.train {
             s.tensors.push(qkv);
-            s.tensors.push(Tensor::from_vec(probs, &[shape.batch, self.heads, shape.seq, shape.seq]));
+            s.tensors.push(Tensor::from_vec(
+                probs,
+                &[shape.batch, self.heads, shape.seq, shape.seq],
+            ));
         }
         Tensor::from_vec(out, &[shape.batch, shape.seq, self.dim])
     }
 
-    fn backward(&self, _: &[f32], _: &mut [f32], mut s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        _: &[f32],
+        _: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
         let probs = s.tensors.pop().expect("attention: probs");
         let qkv = s.tensors.pop().expect("attention: qkv");
         let dqkv = causal_attention_backward(self.shape(&qkv), qkv.data(), probs.data(), dy.data());
@@ -115,7 +150,10 @@ pub struct GptBlock {
 
 impl GptBlock {
     pub fn new(dim: usize, heads: usize, init: Option<Init>) -> Self {
-        assert!(heads > 0 && dim % heads == 0, "dim {dim} not divisible by {heads} heads");
+        assert!(
+            heads > 0 && dim % heads == 0,
+            "dim {dim} not divisible by {heads} heads"
+        );
         let lin = |i, o| {
             let l = Linear::new(i, o, true);
             match init {

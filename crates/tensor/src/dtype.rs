@@ -45,7 +45,9 @@ pub fn round_through_bf16(values: &mut [f32]) {
 
 /// Round every value through f16 and back.
 pub fn round_through_f16(values: &mut [f32]) {
-    values.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
+    values
+        .iter_mut()
+        .for_each(|v| *v = f16::from_f32(*v).to_f32());
 }
 
 #[cfg(test)]

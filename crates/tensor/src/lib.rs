@@ -24,8 +24,8 @@ pub mod loss;
 pub mod matmul;
 pub mod norm;
 pub mod par;
-pub mod rng;
 pub mod pool;
+pub mod rng;
 pub mod tensor;
 
 pub use dtype::DType;

@@ -20,7 +20,10 @@ pub fn softmax_cross_entropy(
     let row = |r: usize, g: &mut [f32]| -> (f64, usize) {
         let l = &logits[r * classes..][..classes];
         let tgt = targets[r] as usize;
-        assert!(tgt < classes, "target {tgt} out of range for {classes} classes");
+        assert!(
+            tgt < classes,
+            "target {tgt} out of range for {classes} classes"
+        );
         let (mut max, mut arg) = (f32::NEG_INFINITY, 0);
         for (i, &v) in l.iter().enumerate() {
             if v > max {

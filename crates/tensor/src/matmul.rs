@@ -303,15 +303,29 @@ mod tests {
             let b = pseudo_random(k * n, 2);
             let want = gemm_reference(m, n, k, &a, &b);
             let mut c = vec![0.0; m * n];
-            gemm(MatMut::new(&mut c, m, n), Mat::new(&a, m, k), Mat::new(&b, k, n), false);
+            gemm(
+                MatMut::new(&mut c, m, n),
+                Mat::new(&a, m, k),
+                Mat::new(&b, k, n),
+                false,
+            );
             for (x, y) in c.iter().zip(&want) {
                 assert!((x - y).abs() < 1e-4 * (k as f32), "{x} vs {y}");
             }
             // a^T stored as k×m, used transposed; accumulate doubles the result.
             let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
-            gemm(MatMut::new(&mut c, m, n), Mat::new(&at, k, m).t(), Mat::new(&b, k, n), true);
+            gemm(
+                MatMut::new(&mut c, m, n),
+                Mat::new(&at, k, m).t(),
+                Mat::new(&b, k, n),
+                true,
+            );
             for (x, y) in c.iter().zip(&want) {
-                assert!((x - 2.0 * y).abs() < 2e-4 * (k as f32), "{x} vs {}", 2.0 * y);
+                assert!(
+                    (x - 2.0 * y).abs() < 2e-4 * (k as f32),
+                    "{x} vs {}",
+                    2.0 * y
+                );
             }
         }
     }

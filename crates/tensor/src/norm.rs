@@ -119,7 +119,9 @@ pub fn batch_norm_input_grad(
         }
     };
     if par_ok(dy.len()) {
-        dx.par_chunks_mut(m).enumerate().for_each(|(c, d)| one(c, d));
+        dx.par_chunks_mut(m)
+            .enumerate()
+            .for_each(|(c, d)| one(c, d));
     } else {
         dx.chunks_mut(m).enumerate().for_each(|(c, d)| one(c, d));
     }

@@ -31,7 +31,9 @@ where
             .enumerate()
             .for_each(|(i, c)| f(i, c));
     } else {
-        data.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+        data.chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
     }
 }
 

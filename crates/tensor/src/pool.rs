@@ -78,7 +78,13 @@ pub fn max_pool_forward(
     (out, arg)
 }
 
-pub fn max_pool_backward(h: usize, w: usize, out_plane: usize, arg: &[u32], dy: &[f32]) -> Vec<f32> {
+pub fn max_pool_backward(
+    h: usize,
+    w: usize,
+    out_plane: usize,
+    arg: &[u32],
+    dy: &[f32],
+) -> Vec<f32> {
     let planes = dy.len() / out_plane;
     let mut dx = vec![0.0f32; planes * h * w];
     let plane = |p: usize, d: &mut [f32]| {
@@ -93,15 +99,26 @@ pub fn max_pool_backward(h: usize, w: usize, out_plane: usize, arg: &[u32], dy: 
             .enumerate()
             .for_each(|(p, d)| plane(p, d));
     } else {
-        dx.chunks_mut(h * w).enumerate().for_each(|(p, d)| plane(p, d));
+        dx.chunks_mut(h * w)
+            .enumerate()
+            .for_each(|(p, d)| plane(p, d));
     }
     dx
 }
 
 /// Average pooling without padding (all our models use padding 0 here): each output is the
 /// mean of its k×k window.
-pub fn avg_pool_forward(g: &PoolGeometry, planes: usize, h: usize, w: usize, x: &[f32]) -> Vec<f32> {
-    assert_eq!(g.padding, 0, "average pooling with padding is not supported");
+pub fn avg_pool_forward(
+    g: &PoolGeometry,
+    planes: usize,
+    h: usize,
+    w: usize,
+    x: &[f32],
+) -> Vec<f32> {
+    assert_eq!(
+        g.padding, 0,
+        "average pooling with padding is not supported"
+    );
     let (oh, ow) = g.output_size(h, w);
     let inv = 1.0 / (g.kernel * g.kernel) as f32;
     let mut out = vec![0.0f32; planes * oh * ow];
@@ -123,7 +140,9 @@ pub fn avg_pool_forward(g: &PoolGeometry, planes: usize, h: usize, w: usize, x: 
             .enumerate()
             .for_each(|(p, o)| plane(p, o));
     } else {
-        out.chunks_mut(oh * ow).enumerate().for_each(|(p, o)| plane(p, o));
+        out.chunks_mut(oh * ow)
+            .enumerate()
+            .for_each(|(p, o)| plane(p, o));
     }
     out
 }
@@ -150,7 +169,9 @@ pub fn avg_pool_backward(g: &PoolGeometry, h: usize, w: usize, dy: &[f32]) -> Ve
             .enumerate()
             .for_each(|(p, d)| plane(p, d));
     } else {
-        dx.chunks_mut(h * w).enumerate().for_each(|(p, d)| plane(p, d));
+        dx.chunks_mut(h * w)
+            .enumerate()
+            .for_each(|(p, d)| plane(p, d));
     }
     dx
 }

@@ -34,7 +34,8 @@ impl Default for GptConfig {
 impl GptConfig {
     /// Checks that the shape can be built, with a message a user can act on.
     pub fn validate(&self) -> Result<(), String> {
-        if self.vocab == 0 || self.dim == 0 || self.layers == 0 || self.heads == 0 || self.seq == 0 {
+        if self.vocab == 0 || self.dim == 0 || self.layers == 0 || self.heads == 0 || self.seq == 0
+        {
             return Err(format!("every GPT dimension must be positive: {self:?}"));
         }
         if self.dim % self.heads != 0 {
@@ -48,7 +49,12 @@ impl GptConfig {
 
     /// Forward + backward FLOPs per sequence (matrix products only, ×3 for backward).
     pub fn train_flops_per_sequence(&self) -> f64 {
-        let (t, d, v, l) = (self.seq as f64, self.dim as f64, self.vocab as f64, self.layers as f64);
+        let (t, d, v, l) = (
+            self.seq as f64,
+            self.dim as f64,
+            self.vocab as f64,
+            self.layers as f64,
+        );
         let per_token = l * (24.0 * d * d + 4.0 * t * d) + 2.0 * d * v;
         3.0 * per_token * t
     }
@@ -68,13 +74,19 @@ pub fn gpt(cfg: &GptConfig) -> Model {
         },
     )];
     for i in 0..cfg.layers {
-        blocks.push(Block::new(&format!("blocks.{i}"), GptBlock::new(cfg.dim, cfg.heads, init)));
+        blocks.push(Block::new(
+            &format!("blocks.{i}"),
+            GptBlock::new(cfg.dim, cfg.heads, init),
+        ));
     }
     blocks.push(Block::new(
         "",
         Seq::new(vec![
             ("ln_f", Box::new(LayerNorm::new(cfg.dim))),
-            ("head", Box::new(Linear::new(cfg.dim, cfg.vocab, false).with_init(Init::Normal(0.02)))),
+            (
+                "head",
+                Box::new(Linear::new(cfg.dim, cfg.vocab, false).with_init(Init::Normal(0.02))),
+            ),
         ]),
     ));
     Model::new(blocks)

@@ -41,7 +41,12 @@ pub fn lenet(variant: LeNetVariant) -> Model {
                 ("conv2", Box::new(Conv2d::new(6, 16, 5, 1, 0))),
                 ("", Box::new(act())),
                 ("", Box::new(pool())),
-                ("", Box::new(Flatten { global_average: false })),
+                (
+                    "",
+                    Box::new(Flatten {
+                        global_average: false,
+                    }),
+                ),
             ]),
         ),
         Block::new(

@@ -4,7 +4,9 @@
 //! can run a narrow copy of the same architecture.
 
 use crate::layer::{Layer, Mode, ParamSpec, Saved};
-use crate::layers::{Act, BatchNorm2d, Children, Conv2d, Flatten, Linear, Pool2d, Seq, ToChannelMajor};
+use crate::layers::{
+    Act, BatchNorm2d, Children, Conv2d, Flatten, Linear, Pool2d, Seq, ToChannelMajor,
+};
 use crate::model::{Block, Model};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::Tensor;
@@ -21,14 +23,23 @@ impl Residual {
     pub fn new(inputs: usize, outputs: usize, stride: usize) -> Self {
         let projection = stride != 1 || inputs != outputs;
         let mut parts: Vec<(String, Box<dyn Layer>)> = vec![
-            ("conv1".into(), Box::new(Conv2d::new(inputs, outputs, 3, stride, 1))),
+            (
+                "conv1".into(),
+                Box::new(Conv2d::new(inputs, outputs, 3, stride, 1)),
+            ),
             ("bn1".into(), Box::new(BatchNorm2d::new(outputs))),
             (String::new(), Box::new(Act(Activation::Relu))),
-            ("conv2".into(), Box::new(Conv2d::new(outputs, outputs, 3, 1, 1))),
+            (
+                "conv2".into(),
+                Box::new(Conv2d::new(outputs, outputs, 3, 1, 1)),
+            ),
             ("bn2".into(), Box::new(BatchNorm2d::new(outputs))),
         ];
         if projection {
-            parts.push(("conv3".into(), Box::new(Conv2d::new(inputs, outputs, 1, stride, 0))));
+            parts.push((
+                "conv3".into(),
+                Box::new(Conv2d::new(inputs, outputs, 1, stride, 0)),
+            ));
         }
         Residual {
             parts: Children::new(parts),
@@ -48,7 +59,11 @@ impl Layer for Residual {
     fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let c = &self.parts;
         let y = (0..5).fold(x.clone(), |h, i| c.forward(i, p, b, h, mode, s));
-        let shortcut = if self.projection { c.forward(5, p, b, x, mode, s) } else { x };
+        let shortcut = if self.projection {
+            c.forward(5, p, b, x, mode, s)
+        } else {
+            x
+        };
         let mut out = y;
         out.data_mut()
             .iter_mut()
@@ -60,14 +75,22 @@ impl Layer for Residual {
         out
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], mut s: Saved, dy: Tensor, need_dx: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
         let c = &self.parts;
         let out = s.tensors.pop().expect("residual: saved output");
         let mut d = dy;
-        d.data_mut()
-            .iter_mut()
-            .zip(out.data())
-            .for_each(|(g, o)| if *o <= 0.0 { *g = 0.0 });
+        d.data_mut().iter_mut().zip(out.data()).for_each(|(g, o)| {
+            if *o <= 0.0 {
+                *g = 0.0
+            }
+        });
         let mut saved = s.children;
         let dshort = if self.projection {
             let st = saved.pop().expect("residual: conv3 state");
@@ -104,13 +127,24 @@ pub fn resnet18(width: usize, classes: usize) -> Model {
     for stage in 0..4 {
         let inputs = if stage == 0 { w[0] } else { w[stage - 1] };
         let stride = if stage == 0 { 1 } else { 2 };
-        blocks.push(Block::new(&format!("stage{}.0", stage + 1), Residual::new(inputs, w[stage], stride)));
-        blocks.push(Block::new(&format!("stage{}.1", stage + 1), Residual::new(w[stage], w[stage], 1)));
+        blocks.push(Block::new(
+            &format!("stage{}.0", stage + 1),
+            Residual::new(inputs, w[stage], stride),
+        ));
+        blocks.push(Block::new(
+            &format!("stage{}.1", stage + 1),
+            Residual::new(w[stage], w[stage], 1),
+        ));
     }
     blocks.push(Block::new(
         "",
         Seq::new(vec![
-            ("", Box::new(Flatten { global_average: true })),
+            (
+                "",
+                Box::new(Flatten {
+                    global_average: true,
+                }),
+            ),
             ("fc", Box::new(Linear::new(w[3], classes, true))),
         ]),
     ));
