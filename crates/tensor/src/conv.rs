@@ -49,6 +49,18 @@ fn use_parallel(work: usize) -> bool {
     crate::par::threads() > 1 && work > 32 * 1024
 }
 
+/// Output columns `[lo, hi)` whose input column `ox·stride + kj − padding` lies inside the
+/// image: the rest read padding. Computing the range once per row keeps the inner loops
+/// branch-free (a plain copy when the stride is 1).
+fn valid_columns(g: &ConvGeometry, width: usize, ow: usize, kj: usize) -> (usize, usize) {
+    let (p, s) = (g.padding, g.stride);
+    // first ox with ox·s + kj ≥ p
+    let lo = if kj >= p { 0 } else { (p - kj).div_ceil(s) };
+    // ox·s + kj − p ≤ width − 1  ⇔  ox ≤ (width − 1 + p − kj) / s
+    let hi = if width + p > kj { ((width - 1 + p - kj) / s + 1).min(ow) } else { 0 };
+    (lo.min(hi), hi)
+}
+
 /// Write the im2col matrix of `x` ([C, N, H, W]) into `cols` ([C·k·k, N·OH·OW]).
 pub fn im2col(g: &ConvGeometry, s: Spatial, x: &[f32], cols: &mut [f32]) {
     let (oh, ow) = g.output_size(s.height, s.width);
@@ -69,13 +81,20 @@ pub fn im2col(g: &ConvGeometry, s: Spatial, x: &[f32], cols: &mut [f32]) {
                     continue;
                 }
                 let src = &plane[iy as usize * s.width..][..s.width];
-                for (ox, o) in out.iter_mut().enumerate() {
-                    let ix = (ox * g.stride + kj) as isize - g.padding as isize;
-                    *o = if ix >= 0 && ix < s.width as isize {
-                        src[ix as usize]
-                    } else {
-                        0.0
-                    };
+                let (lo, hi) = valid_columns(g, s.width, ow, kj);
+                if lo >= hi {
+                    out.fill(0.0);
+                    continue;
+                }
+                out[..lo].fill(0.0);
+                out[hi..].fill(0.0);
+                let first = lo * g.stride + kj - g.padding;
+                if g.stride == 1 {
+                    out[lo..hi].copy_from_slice(&src[first..first + (hi - lo)]);
+                } else {
+                    for (i, o) in out[lo..hi].iter_mut().enumerate() {
+                        *o = src[first + i * g.stride];
+                    }
                 }
             }
         }
@@ -112,10 +131,17 @@ pub fn col2im(g: &ConvGeometry, s: Spatial, dcols: &[f32], dx: &mut [f32]) {
                     }
                     let dst = &mut plane[iy as usize * s.width..][..s.width];
                     let src = &row[(n * oh + oy) * ow..][..ow];
-                    for (ox, v) in src.iter().enumerate() {
-                        let ix = (ox * g.stride + kj) as isize - g.padding as isize;
-                        if ix >= 0 && ix < s.width as isize {
-                            dst[ix as usize] += v;
+                    let (lo, hi) = valid_columns(g, s.width, ow, kj);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let first = lo * g.stride + kj - g.padding;
+                    if g.stride == 1 {
+                        let d = &mut dst[first..first + (hi - lo)];
+                        d.iter_mut().zip(&src[lo..hi]).for_each(|(d, v)| *d += v);
+                    } else {
+                        for (i, v) in src[lo..hi].iter().enumerate() {
+                            dst[first + i * g.stride] += v;
                         }
                     }
                 }
@@ -222,4 +248,88 @@ pub fn conv2d_backward(
     let mut dx = vec![0.0f32; x.len()];
     col2im(g, s, &dcols, &mut dx);
     Some(dx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = SplitMix64::new(seed);
+        (0..n).map(|_| r.normal()).collect()
+    }
+
+    /// Direct convolution on CNHW data, the definition the im2col path must reproduce.
+    fn direct(g: &ConvGeometry, s: Spatial, x: &[f32], w: &[f32]) -> Vec<f32> {
+        let (oh, ow) = g.output_size(s.height, s.width);
+        let mut y = vec![0.0f32; g.out_channels * s.batch * oh * ow];
+        for o in 0..g.out_channels {
+            for n in 0..s.batch {
+                for oy in 0..oh {
+                    for ox in 0..ow {
+                        let mut acc = 0.0;
+                        for c in 0..g.in_channels {
+                            for i in 0..g.kernel {
+                                for j in 0..g.kernel {
+                                    let iy = (oy * g.stride + i) as isize - g.padding as isize;
+                                    let ix = (ox * g.stride + j) as isize - g.padding as isize;
+                                    if iy < 0 || ix < 0 || iy >= s.height as isize || ix >= s.width as isize {
+                                        continue;
+                                    }
+                                    let xv = x[((c * s.batch + n) * s.height + iy as usize) * s.width + ix as usize];
+                                    acc += xv * w[((o * g.in_channels + c) * g.kernel + i) * g.kernel + j];
+                                }
+                            }
+                        }
+                        y[((o * s.batch + n) * oh + oy) * ow + ox] = acc;
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    const GEOMETRIES: [(usize, usize, usize, usize, usize, usize); 6] = [
+        // (cin, cout, kernel, stride, padding, size)
+        (3, 4, 5, 1, 2, 8),
+        (3, 4, 3, 2, 1, 7),
+        (3, 4, 1, 2, 0, 7),
+        (2, 3, 1, 1, 0, 5),
+        (1, 4, 7, 2, 3, 12),
+        (2, 2, 3, 3, 2, 4),
+    ];
+
+    #[test]
+    fn im2col_convolution_matches_direct_convolution() {
+        for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
+            let g = ConvGeometry { in_channels: cin, out_channels: cout, kernel: k, stride: st, padding: p };
+            let s = Spatial { batch: 2, height: hw, width: hw };
+            let x = random(cin * 2 * hw * hw, i as u64);
+            let w = random(cout * g.patch_len(), 100 + i as u64);
+            let got = conv2d_forward(&g, s, &x, &w, None);
+            let want = direct(&g, s, &x, &w);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-4, "geometry {i}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn col2im_is_the_adjoint_of_im2col() {
+        for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
+            let g = ConvGeometry { in_channels: cin, out_channels: cout, kernel: k, stride: st, padding: p };
+            let s = Spatial { batch: 3, height: hw, width: hw };
+            let (oh, ow) = g.output_size(hw, hw);
+            let x = random(cin * 3 * hw * hw, i as u64);
+            let c = random(g.patch_len() * 3 * oh * ow, 50 + i as u64);
+            let mut cols = vec![0.0; c.len()];
+            im2col(&g, s, &x, &mut cols);
+            let mut back = vec![0.0; x.len()];
+            col2im(&g, s, &c, &mut back);
+            let lhs: f64 = cols.iter().zip(&c).map(|(a, b)| (a * b) as f64).sum();
+            let rhs: f64 = x.iter().zip(&back).map(|(a, b)| (a * b) as f64).sum();
+            assert!((lhs - rhs).abs() < 1e-3 * (1.0 + lhs.abs()), "geometry {i}: {lhs} vs {rhs}");
+        }
+    }
 }

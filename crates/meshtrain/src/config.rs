@@ -1,0 +1,278 @@
+//! Training configuration: TOML files with `--set key=value` overrides, validated up front so
+//! a typo fails before any work starts, with the offending key in the message.
+
+use anyhow::{bail, Context, Result};
+use meshtrain_nn::models::{GptConfig, LeNetVariant};
+use meshtrain_nn::optim::OptimizerConfig;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelConfig,
+    #[serde(default)]
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub optimizer: OptimizerConfig,
+    pub schedule: ScheduleConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum ModelConfig {
+    Lenet {
+        #[serde(default)]
+        variant: LeNetVariant,
+    },
+    Resnet18 {
+        /// Width of the first stage (D2L: 64).
+        #[serde(default = "default_resnet_width")]
+        width: usize,
+    },
+    Gpt(GptConfig),
+}
+
+fn default_resnet_width() -> usize {
+    64
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// Fashion-MNIST directory (IDX .gz files); default: system package, cache, download,
+    /// then the subset shipped in the repository.
+    pub data_dir: Option<PathBuf>,
+    /// Train on only the first N training images (quick runs, tests).
+    pub train_limit: Option<usize>,
+    /// Evaluate on only the first N test images.
+    pub test_limit: Option<usize>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Global batch size (images, or sequences for GPT).
+    pub batch_size: usize,
+    /// Image models train for whole epochs...
+    #[serde(default)]
+    pub epochs: Option<u64>,
+    /// ...GPT trains for a number of steps (random windows of the corpus).
+    #[serde(default)]
+    pub steps: Option<u64>,
+    #[serde(default)]
+    pub seed: u64,
+    /// Intra-op threads (default: all cores).
+    #[serde(default)]
+    pub threads: Option<usize>,
+    /// Clip the global gradient norm to this value.
+    #[serde(default)]
+    pub grad_clip: Option<f32>,
+    /// Print/log metrics every N steps.
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
+    /// GPT: evaluate every N steps (image models evaluate after each epoch).
+    #[serde(default)]
+    pub eval_every: Option<u64>,
+    /// GPT: validation batches per evaluation.
+    #[serde(default = "default_eval_batches")]
+    pub eval_batches: usize,
+    /// Where metrics, checkpoints and plots go.
+    #[serde(default = "default_out_dir")]
+    pub out_dir: PathBuf,
+    /// Stop after this many steps (for tests and resume checks); the schedule is unchanged.
+    #[serde(default)]
+    pub max_steps: Option<u64>,
+}
+
+fn default_log_every() -> u64 {
+    20
+}
+fn default_eval_batches() -> usize {
+    20
+}
+fn default_out_dir() -> PathBuf {
+    PathBuf::from("runs/latest")
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    pub lr: f32,
+    #[serde(default)]
+    pub warmup_steps: u64,
+    /// Cosine decay floor as a fraction of `lr` (1.0 = constant after warm-up).
+    #[serde(default = "one")]
+    pub min_lr_fraction: f32,
+    /// Linear scaling rule: `lr` is for this batch size and scales with the global batch.
+    #[serde(default)]
+    pub reference_batch: Option<usize>,
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Save every N steps (0 or absent: only at the end).
+    #[serde(default)]
+    pub every_steps: Option<u64>,
+    /// Resume from this checkpoint file.
+    #[serde(default)]
+    pub resume: Option<PathBuf>,
+}
+
+impl Config {
+    /// Parse TOML text, apply `key=value` overrides (dotted keys, TOML values; bare words are
+    /// taken as strings), and validate.
+    pub fn from_toml_with_overrides(text: &str, overrides: &[String]) -> Result<Config> {
+        let mut value: toml::Value = toml::from_str(text).context("config is not valid TOML")?;
+        for o in overrides {
+            apply_override(&mut value, o)?;
+        }
+        let cfg: Config = value
+            .try_into()
+            .map_err(|e: toml::de::Error| anyhow::anyhow!("invalid config: {}", e.message()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config file {}", path.display()))?;
+        Self::from_toml_with_overrides(&text, overrides)
+            .with_context(|| format!("in config {}", path.display()))
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let t = &self.train;
+        if t.batch_size == 0 {
+            bail!("train.batch_size must be at least 1");
+        }
+        if t.threads == Some(0) {
+            bail!("train.threads must be at least 1");
+        }
+        match &self.model {
+            ModelConfig::Gpt(g) => {
+                g.validate().map_err(anyhow::Error::msg)?;
+                if t.steps.is_none() {
+                    bail!("GPT training needs train.steps");
+                }
+                if g.vocab < 256 {
+                    bail!("GPT trains on bytes: model.vocab must be at least 256, got {}", g.vocab);
+                }
+            }
+            ModelConfig::Resnet18 { width } if *width == 0 => bail!("model.width must be positive"),
+            _ => {
+                if t.epochs.is_none() {
+                    bail!("image models need train.epochs");
+                }
+            }
+        }
+        if !(self.schedule.lr > 0.0 && self.schedule.lr.is_finite()) {
+            bail!("schedule.lr must be a positive number, got {}", self.schedule.lr);
+        }
+        if !(0.0..=1.0).contains(&self.schedule.min_lr_fraction) {
+            bail!("schedule.min_lr_fraction must be in [0, 1]");
+        }
+        if t.log_every == 0 {
+            bail!("train.log_every must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+fn apply_override(root: &mut toml::Value, assignment: &str) -> Result<()> {
+    let (key, raw) = assignment
+        .split_once('=')
+        .with_context(|| format!("override '{assignment}' is not key=value"))?;
+    let value: toml::Value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let mut node = root;
+    let parts: Vec<&str> = key.trim().split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        let table = node
+            .as_table_mut()
+            .with_context(|| format!("override '{key}': '{part}' is inside a non-table value"))?;
+        if i + 1 == parts.len() {
+            table.insert(part.to_string(), value);
+            return Ok(());
+        }
+        node = table
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(Default::default()));
+    }
+    bail!("empty override key in '{assignment}'")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LENET: &str = r#"
+        [model]
+        kind = "lenet"
+        [train]
+        batch_size = 256
+        epochs = 1
+        [optimizer]
+        kind = "sgd"
+        momentum = 0.9
+        weight_decay = 0.0
+        [schedule]
+        lr = 0.1
+    "#;
+
+    #[test]
+    fn overrides_change_nested_values_and_types() {
+        let cfg = Config::from_toml_with_overrides(
+            LENET,
+            &["train.batch_size=64".into(), "model.variant=relu".into(), "schedule.lr=0.05".into()],
+        )
+        .unwrap();
+        assert_eq!(cfg.train.batch_size, 64);
+        assert_eq!(cfg.model, ModelConfig::Lenet { variant: LeNetVariant::Relu });
+        assert_eq!(cfg.schedule.lr, 0.05);
+    }
+
+    #[test]
+    fn bad_configs_get_clear_errors() {
+        let err = |o: &[&str]| {
+            let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+            format!("{:#}", Config::from_toml_with_overrides(LENET, &o).unwrap_err())
+        };
+        assert!(err(&["train.batch_sise=3"]).contains("batch_sise"));
+        assert!(err(&["train.batch_size=0"]).contains("batch_size"));
+        assert!(err(&["schedule.lr=-1"]).contains("lr"));
+        assert!(err(&["model.kind=vgg"]).contains("vgg"));
+        assert!(err(&["nonsense"]).contains("key=value"));
+        let gpt = r#"
+            [model]
+            kind = "gpt"
+            vocab = 256
+            dim = 30
+            layers = 1
+            heads = 4
+            seq = 8
+            [train]
+            batch_size = 2
+            steps = 1
+            [optimizer]
+            kind = "adamw"
+            beta1 = 0.9
+            beta2 = 0.95
+            eps = 1e-8
+            weight_decay = 0.1
+            [schedule]
+            lr = 0.001
+        "#;
+        let e = format!("{:#}", Config::from_toml_with_overrides(gpt, &[]).unwrap_err());
+        assert!(e.contains("not divisible by heads"), "{e}");
+    }
+}

@@ -1,0 +1,11 @@
+//! meshtrain: train neural networks across many workers.
+//!
+//! This crate holds the trainer, its configuration and checkpoints, and the benchmarks behind
+//! the `meshtrain` command. The building blocks live in their own crates: `meshtrain-tensor`
+//! (kernels), `meshtrain-nn` (layers, models, optimizers), `meshtrain-comm` (collectives),
+//! `meshtrain-data` (datasets) and `meshtrain-plan` (the layout planner).
+
+pub mod bench;
+pub mod checkpoint;
+pub mod config;
+pub mod train;
