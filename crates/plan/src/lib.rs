@@ -6,13 +6,17 @@
 //! the choice, and diagnoses measured step-time breakdowns. Pure computation: the only I/O is
 //! in [`cli`], which reads TOML/JSON inputs.
 
+pub mod calibrate;
 pub mod cluster;
 pub mod cost;
+pub mod diagnose;
 pub mod error;
+pub mod explain;
 pub mod layout;
 pub mod memory;
 pub mod model;
 pub mod presets;
+pub mod search;
 pub mod validation;
 
 pub use cluster::{ClusterSpec, Precision};
