@@ -81,9 +81,21 @@ impl Measurements {
 pub fn compare(predicted: &Evaluation, measured: &MeasuredStep) -> String {
     let t = &predicted.time;
     let rows = [
-        ("compute (incl. recompute, tp comm)", t.compute_s + t.recompute_s + t.tp_comm_s, measured.compute_s),
-        ("exposed communication", t.dp_exposed_s + t.pp_p2p_s, measured.comm_exposed_s),
-        ("hidden communication", t.dp_hidden_s, measured.comm_hidden_s),
+        (
+            "compute (incl. recompute, tp comm)",
+            t.compute_s + t.recompute_s + t.tp_comm_s,
+            measured.compute_s,
+        ),
+        (
+            "exposed communication",
+            t.dp_exposed_s + t.pp_p2p_s,
+            measured.comm_exposed_s,
+        ),
+        (
+            "hidden communication",
+            t.dp_hidden_s,
+            measured.comm_hidden_s,
+        ),
         ("pipeline bubble", t.bubble_s, measured.bubble_s),
         ("optimizer", t.optimizer_s, measured.optimizer_s),
         ("step", t.step_s, measured.step()),
@@ -129,6 +141,10 @@ mod tests {
             allreduce_bus_bandwidth_gbps: Some(-1.0),
             ..Measurements::default()
         };
-        assert!(negative.apply(&cpu).unwrap_err().to_string().contains("bandwidth"));
+        assert!(negative
+            .apply(&cpu)
+            .unwrap_err()
+            .to_string()
+            .contains("bandwidth"));
     }
 }

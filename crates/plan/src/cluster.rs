@@ -163,7 +163,9 @@ impl ClusterSpec {
         ];
         for (field, value) in positive {
             if !(value.is_finite() && value > 0.0) {
-                return Err(bad(format!("{field} must be a positive number, got {value}")));
+                return Err(bad(format!(
+                    "{field} must be a positive number, got {value}"
+                )));
             }
         }
         let non_negative = [
@@ -187,7 +189,9 @@ impl ClusterSpec {
             return Err(bad("sm_count must be positive when given".into()));
         }
         if self.reserved_memory_gib >= self.memory_gib {
-            return Err(bad("reserved_memory_gib leaves no memory for training".into()));
+            return Err(bad(
+                "reserved_memory_gib leaves no memory for training".into()
+            ));
         }
         Ok(())
     }
@@ -281,7 +285,10 @@ mod tests {
 
     #[test]
     fn group_link_placement() {
-        let c = presets::cluster("h100-sxm-80gb").unwrap().with_gpus(32).unwrap();
+        let c = presets::cluster("h100-sxm-80gb")
+            .unwrap()
+            .with_gpus(32)
+            .unwrap();
         // Tensor-parallel group of 8 consecutive ranks: one node, NVLink.
         let tp = c.group_link(8, 1);
         assert!(!tp.crosses_nodes);
@@ -307,7 +314,10 @@ mod tests {
         let mut neg = base.clone();
         neg.inter_node.bandwidth_gbps = -5.0;
         let err = neg.validate().unwrap_err().to_string();
-        assert!(err.contains("inter_node.bandwidth_gbps must be a positive number"), "{err}");
+        assert!(
+            err.contains("inter_node.bandwidth_gbps must be a positive number"),
+            "{err}"
+        );
         let err = base.with_gpus(12).unwrap_err().to_string();
         assert!(err.contains("do not fill whole nodes"), "{err}");
         assert!(Precision::parse("int4").is_err());

@@ -136,7 +136,9 @@ impl Problem {
             return Err(bad("dp, tp and pp must all be at least 1".into()));
         }
         if layout.micro_batch == 0 || layout.interleave == 0 {
-            return Err(bad("micro-batch size and interleave must be at least 1".into()));
+            return Err(bad(
+                "micro-batch size and interleave must be at least 1".into()
+            ));
         }
         if layout.gpus() != self.cluster.gpus {
             return Err(bad(format!(
@@ -146,7 +148,10 @@ impl Problem {
             )));
         }
         if layout.zero > 3 {
-            return Err(bad(format!("ZeRO stage {} does not exist (0–3)", layout.zero)));
+            return Err(bad(format!(
+                "ZeRO stage {} does not exist (0–3)",
+                layout.zero
+            )));
         }
         let per_step = layout.dp * layout.micro_batch;
         if self.setup.global_batch % per_step != 0 {
@@ -157,6 +162,11 @@ impl Problem {
         }
         if layout.sp && layout.tp == 1 {
             return Err(bad("sequence parallelism needs tp > 1".into()));
+        }
+        if layout.pp > 1 && layout.zero > 1 {
+            return Err(bad(
+                "ZeRO-2/3 shard gradients that pipeline micro-batches keep accumulating; with pp > 1 use ZeRO-1 (the distributed optimizer), as DeepSpeed and Megatron do".into(),
+            ));
         }
         let microbatches = self.setup.global_batch / per_step;
         if layout.interleave > 1 {
@@ -179,10 +189,16 @@ impl Problem {
                 }
                 let kv = t.kv_heads();
                 if kv % layout.tp != 0 && layout.tp % kv != 0 {
-                    return Err(bad(format!("{kv} key/value heads do not split over tp = {}", layout.tp)));
+                    return Err(bad(format!(
+                        "{kv} key/value heads do not split over tp = {}",
+                        layout.tp
+                    )));
                 }
                 if t.ffn_hidden % layout.tp != 0 {
-                    return Err(bad(format!("ffn size {} is not divisible by tp", t.ffn_hidden)));
+                    return Err(bad(format!(
+                        "ffn size {} is not divisible by tp",
+                        t.ffn_hidden
+                    )));
                 }
                 if layout.sp && t.seq_len % layout.tp != 0 {
                     return Err(bad(format!(
@@ -252,7 +268,9 @@ impl Problem {
         let e = self.setup.precision.compute_bytes();
         let flops = 2.0 * batch * m * n * k;
         let bytes = e * batch * (m * k + k * n + m * n);
-        let compute = flops / (self.peak() * self.cluster.gemm_efficiency) / self.wave_efficiency(batch, m, n);
+        let compute = flops
+            / (self.peak() * self.cluster.gemm_efficiency)
+            / self.wave_efficiency(batch, m, n);
         compute.max(bytes / self.memory_bandwidth()) + self.kernel_overhead()
     }
 
@@ -270,16 +288,15 @@ impl Problem {
 
         // --- one layer, one micro-batch, this GPU ---
         let qkv = self.gemm_time(1.0, tokens, (h + 2.0 * t.kv_width() as f64) / tp, h);
-        let attention_core = self.gemm_time(b * a / tp, s, s, head_dim)
-            + self.gemm_time(b * a / tp, s, head_dim, s);
+        let attention_core =
+            self.gemm_time(b * a / tp, s, s, head_dim) + self.gemm_time(b * a / tp, s, head_dim, s);
         let projection = self.gemm_time(1.0, tokens, h, h / tp);
         let mlp_in = self.gemm_time(1.0, tokens, f * (t.mlp_matrices() - 1) as f64 / tp, h);
         let mlp_out = self.gemm_time(1.0, tokens, h, f / tp);
         let gemm_forward = qkv + attention_core + projection + mlp_in + mlp_out;
         let stored = layer_activation_bytes(t, b, e, layout.tp, layout.sp, Recompute::None);
         let launches = ELEMENTWISE_KERNELS_PER_LAYER * self.kernel_overhead();
-        let elementwise_forward =
-            FORWARD_ACCESSES * stored / self.memory_bandwidth() + launches;
+        let elementwise_forward = FORWARD_ACCESSES * stored / self.memory_bandwidth() + launches;
         let elementwise_backward =
             BACKWARD_ACCESSES * stored / self.memory_bandwidth() + 2.0 * launches;
         let layer_forward = gemm_forward + elementwise_forward;
@@ -326,9 +343,15 @@ impl Problem {
         };
 
         let params = self.transformer_params_per_gpu(t, layout);
-        let per_mb_backward = layers_per_gpu * (layer_backward + layer_recompute) + 2.0 * logits / 3.0;
-        let (dp_exposed, dp_hidden, dp_bytes, dp_link) =
-            self.data_parallel_comm(params.max(), layout, microbatches, per_mb_backward, mb_compute);
+        let per_mb_backward =
+            layers_per_gpu * (layer_backward + layer_recompute) + 2.0 * logits / 3.0;
+        let (dp_exposed, dp_hidden, dp_bytes, dp_link) = self.data_parallel_comm(
+            params.max(),
+            layout,
+            microbatches,
+            per_mb_backward,
+            mb_compute,
+        );
 
         let mut time = StepTime {
             microbatches,
@@ -400,15 +423,26 @@ impl Problem {
         };
         let first = build(params.first, first_acts);
         let last = build(params.last, last_acts);
-        let memory = if first.total() >= last.total() { first } else { last };
+        let memory = if first.total() >= last.total() {
+            first
+        } else {
+            last
+        };
 
-        self.finish(layout, memory, time, hardware_flops, model_flops, Links {
-            tp_crosses_nodes: layout.tp > 1 && tp_link.crosses_nodes,
-            dp_crosses_nodes: layout.dp > 1 && dp_link.crosses_nodes,
-            pp_crosses_nodes: layout.pp > 1 && pp_link.crosses_nodes,
-            dp_bandwidth: dp_link.bandwidth,
-            dp_bytes,
-        })
+        self.finish(
+            layout,
+            memory,
+            time,
+            hardware_flops,
+            model_flops,
+            Links {
+                tp_crosses_nodes: layout.tp > 1 && tp_link.crosses_nodes,
+                dp_crosses_nodes: layout.dp > 1 && dp_link.crosses_nodes,
+                pp_crosses_nodes: layout.pp > 1 && pp_link.crosses_nodes,
+                dp_bandwidth: dp_link.bandwidth,
+                dp_bytes,
+            },
+        )
     }
 
     fn evaluate_generic(&self, g: &GenericSpec, layout: &Layout) -> Evaluation {
@@ -437,7 +471,8 @@ impl Problem {
         };
         time.step_s = time.compute_s + time.dp_exposed_s + time.optimizer_s;
         let flops = g.flops_per_sample * self.setup.global_batch as f64;
-        let states = model_state_bytes(params, self.setup.bytes_per_param(), layout.zero, layout.dp);
+        let states =
+            model_state_bytes(params, self.setup.bytes_per_param(), layout.zero, layout.dp);
         let memory = MemoryBreakdown {
             weights: states.weights,
             gradients: states.gradients,
@@ -446,13 +481,20 @@ impl Problem {
             comm_buffers: self.comm_buffer_bytes(params, layout, 0.0),
             reserved: self.cluster.reserved_memory_gib * GIB,
         };
-        self.finish(layout, memory, time, flops, flops, Links {
-            tp_crosses_nodes: false,
-            dp_crosses_nodes: layout.dp > 1 && dp_link.crosses_nodes,
-            pp_crosses_nodes: false,
-            dp_bandwidth: dp_link.bandwidth,
-            dp_bytes,
-        })
+        self.finish(
+            layout,
+            memory,
+            time,
+            flops,
+            flops,
+            Links {
+                tp_crosses_nodes: false,
+                dp_crosses_nodes: layout.dp > 1 && dp_link.crosses_nodes,
+                pp_crosses_nodes: false,
+                dp_bandwidth: dp_link.bandwidth,
+                dp_bytes,
+            },
+        )
     }
 
     fn finish(
@@ -527,7 +569,7 @@ impl Problem {
         }
         let d = layout.dp;
         match layout.zero {
-            0 | 1 | 2 => {
+            0..=2 => {
                 let (reduce, gather) = if layout.zero == 0 {
                     (all_reduce_time(grad_bytes, d, link), 0.0)
                 } else {
@@ -551,7 +593,12 @@ impl Problem {
                     + reduce_scatter_time(grad_bytes, d, link);
                 let exposed_per_mb = (per_mb - mb_compute).max(0.0);
                 let m = microbatches as f64;
-                (m * exposed_per_mb, m * (per_mb - exposed_per_mb), grad_bytes, link)
+                (
+                    m * exposed_per_mb,
+                    m * (per_mb - exposed_per_mb),
+                    grad_bytes,
+                    link,
+                )
             }
         }
     }
@@ -619,5 +666,163 @@ impl Evaluation {
                 m.reserved / GIB
             ),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::Precision;
+    use crate::presets;
+
+    fn problem(model: &str, cluster: &str, gpus: u64, batch: u64) -> Problem {
+        Problem::new(
+            presets::model(model).unwrap(),
+            presets::cluster(cluster).unwrap().with_gpus(gpus).unwrap(),
+            TrainingSetup::new(batch, Precision::Bf16),
+        )
+        .unwrap()
+    }
+
+    fn per_microbatch(e: &Evaluation) -> f64 {
+        let t = &e.time;
+        (t.compute_s + t.recompute_s + t.tp_comm_s + t.pp_p2p_s) / t.microbatches as f64
+    }
+
+    #[test]
+    fn bubble_is_p_minus_1_over_v_microbatch_times() {
+        let p = problem("gpt-39b", "a100", 64, 64);
+        let plain = p
+            .evaluate(&Layout::parse("dp=2,tp=8,pp=4,mb=1,recompute=full").unwrap())
+            .unwrap();
+        // 32 micro-batches; bubble = 3 micro-batch times, i.e. (p−1)/m = 3/32 of the ideal.
+        assert_eq!(plain.time.microbatches, 32);
+        let ratio = plain.time.bubble_s / (plain.time.microbatches as f64 * per_microbatch(&plain));
+        assert!((ratio - 3.0 / 32.0).abs() < 1e-12, "{ratio}");
+        let inter = p
+            .evaluate(&Layout::parse("dp=2,tp=8,pp=4,mb=1,recompute=full,v=3").unwrap())
+            .unwrap();
+        let ratio = inter.time.bubble_s / (inter.time.microbatches as f64 * per_microbatch(&inter));
+        assert!((ratio - 3.0 / (3.0 * 32.0)).abs() < 1e-12, "{ratio}");
+        let gpipe = p
+            .evaluate(&Layout::parse("dp=2,tp=8,pp=4,mb=1,recompute=full,schedule=gpipe").unwrap())
+            .unwrap();
+        assert!((gpipe.time.bubble_s - plain.time.bubble_s).abs() < 1e-12);
+        // Without recomputation GPipe keeps all 32 micro-batches of activations, 1F1B at most 4.
+        let keep = |schedule: &str| {
+            let spec = format!("dp=2,tp=8,pp=4,mb=1,recompute=none,schedule={schedule}");
+            p.evaluate(&Layout::parse(&spec).unwrap())
+                .unwrap()
+                .memory
+                .activations
+        };
+        let ratio = keep("gpipe") / keep("1f1b");
+        // 32/4 = 8, up to the logits the last stage holds once in both.
+        assert!((ratio - 8.0).abs() < 0.1, "{ratio}");
+    }
+
+    #[test]
+    fn data_parallel_all_reduce_by_hand_and_its_overlap() {
+        let mut p = problem("gpt-1.7b", "a100", 16, 64);
+        p.setup.overlap_grad_reduce = false;
+        let layout = Layout::parse("dp=16,mb=1").unwrap();
+        let e = p.evaluate(&layout).unwrap();
+        // 16 ranks over 2 nodes, 8 per node: min(230, 8·23) = 184 GB/s bus bandwidth.
+        let bytes = presets::model("gpt-1.7b").unwrap().total_params() as f64 * 2.0;
+        let expected = 2.0 * 15.0 / 16.0 * bytes / 184e9 + 2.0 * 15.0 * 8e-6;
+        assert!(
+            (e.time.dp_exposed_s - expected).abs() < 1e-12,
+            "{} vs {expected}",
+            e.time.dp_exposed_s
+        );
+        assert_eq!(e.time.dp_hidden_s, 0.0);
+        assert!(e.links.dp_crosses_nodes);
+        p.setup.overlap_grad_reduce = true;
+        let o = p.evaluate(&layout).unwrap();
+        assert!((o.time.dp_exposed_s + o.time.dp_hidden_s - expected).abs() < 1e-12);
+        assert!(o.time.dp_hidden_s > 0.0 && o.time.step_s < e.time.step_s);
+    }
+
+    #[test]
+    fn tensor_parallel_across_nodes_is_slower() {
+        let p = problem("gpt-18b", "a100", 16, 16);
+        let inside = p
+            .evaluate(&Layout::parse("dp=2,tp=8,mb=1,recompute=full").unwrap())
+            .unwrap();
+        let across = p
+            .evaluate(&Layout::parse("dp=1,tp=16,mb=1,recompute=full").unwrap())
+            .unwrap();
+        assert!(!inside.links.tp_crosses_nodes && across.links.tp_crosses_nodes);
+        assert!(across.time.tp_comm_s > 3.0 * inside.time.tp_comm_s);
+    }
+
+    #[test]
+    fn throughput_metrics_are_consistent() {
+        let p = problem("gpt-7.5b", "h100", 32, 128);
+        let e = p
+            .evaluate(&Layout::parse("dp=8,tp=4,mb=2,recompute=selective,sp=on,zero=1").unwrap())
+            .unwrap();
+        let t = &e.throughput;
+        assert!((t.tokens_per_s - 128.0 * 2048.0 / e.time.step_s).abs() < 1e-6);
+        assert!(
+            (t.tflops_per_gpu * 1e12 * 32.0 * e.time.step_s - t.hardware_flops).abs()
+                / t.hardware_flops
+                < 1e-12
+        );
+        assert!((t.mfu - t.model_flops / (32.0 * e.time.step_s * 989e12)).abs() < 1e-12);
+        assert!(t.hardware_flops > t.model_flops);
+        let sum = e.time.compute_s
+            + e.time.recompute_s
+            + e.time.tp_comm_s
+            + e.time.pp_p2p_s
+            + e.time.bubble_s
+            + e.time.dp_exposed_s
+            + e.time.optimizer_s;
+        assert!((sum - e.time.step_s).abs() < 1e-12);
+    }
+
+    #[test]
+    fn roofline_gemm_by_hand() {
+        let p = problem("gpt", "h100", 8, 8);
+        // 4096³ GEMM: compute-bound. 2·4096³ / (989e12 · 0.72), wave efficiency: 32·32 = 1024
+        // tiles over 132 SMs = 8 waves of which the last is 10/132 full → 1024/1056.
+        let n = 4096.0;
+        let expected = 2.0 * n * n * n / (989e12 * 0.72) / (1024.0 / 1056.0) + 3e-6;
+        assert!((p.gemm_time(1.0, n, n, n) - expected).abs() < 1e-12);
+        // 4096×4096 by 4096×16 (k=4096, n=16): memory-bound, bytes 2·(4096² + 2·4096·16);
+        // its compute time even at 32/132 wave efficiency is 3.1 µs < 11.2 µs.
+        let bytes = 2.0 * (n * n + n * 16.0 + n * 16.0);
+        let t = p.gemm_time(1.0, n, 16.0, n);
+        assert!((t - (bytes / 3000e9 + 3e-6)).abs() < 1e-12, "{t}");
+    }
+
+    #[test]
+    fn invalid_layouts_are_rejected_with_reasons() {
+        let p = problem("gpt-30b", "h100", 32, 64);
+        let cases = [
+            (
+                "dp=4,tp=4,pp=1",
+                "dp·tp·pp = 16 but the cluster has 32 GPUs",
+            ),
+            (
+                "dp=2,tp=16,pp=1",
+                "56 attention heads are not divisible by tp = 16",
+            ),
+            ("dp=32,mb=3", "not a multiple of dp·micro_batch"),
+            ("dp=32,sp=on", "sequence parallelism needs tp > 1"),
+            (
+                "dp=1,tp=8,pp=4,v=5",
+                "48 layers do not split into pp·v = 20",
+            ),
+            ("dp=4,tp=8,zero=4", "ZeRO stage 4 does not exist"),
+            ("dp=4,tp=4,pp=2,zero=3", "with pp > 1 use ZeRO-1"),
+        ];
+        for (spec, message) in cases {
+            let err = p
+                .evaluate(&Layout::parse(spec).unwrap())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(message), "{spec}: {err}");
+        }
     }
 }

@@ -89,7 +89,9 @@ impl MeasuredStep {
         }
         for (name, v) in self.parts() {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(bad(format!("{name} must be a non-negative number, got {v}")));
+                return Err(bad(format!(
+                    "{name} must be a non-negative number, got {v}"
+                )));
             }
         }
         if self.step() <= 0.0 {
@@ -167,7 +169,11 @@ pub fn diagnose(runs: &[MeasuredStep]) -> String {
             100.0 * r.other() / step
         );
         if secs > 0.0 {
-            let _ = writeln!(out, "  dominant loss: {name} ({:.1}% of the step)", 100.0 * secs / step);
+            let _ = writeln!(
+                out,
+                "  dominant loss: {name} ({:.1}% of the step)",
+                100.0 * secs / step
+            );
         }
     }
     let base = &runs[0];
@@ -194,7 +200,10 @@ pub fn diagnose(runs: &[MeasuredStep]) -> String {
         let per = |r: &MeasuredStep, v: f64| v * r.workers as f64 / r.samples();
         let growth: Vec<(&str, f64)> = vec![
             ("compute", per(b, b.compute_s) - per(a, a.compute_s)),
-            ("exposed communication", per(b, b.comm_exposed_s) - per(a, a.comm_exposed_s)),
+            (
+                "exposed communication",
+                per(b, b.comm_exposed_s) - per(a, a.comm_exposed_s),
+            ),
             ("pipeline bubble", per(b, b.bubble_s) - per(a, a.bubble_s)),
             ("data loading", per(b, b.data_s) - per(a, a.data_s)),
             ("optimizer", per(b, b.optimizer_s) - per(a, a.optimizer_s)),
@@ -246,7 +255,12 @@ comm_hidden_s = 0.1
         let runs = parse_measurements(BACKGROUND).unwrap();
         let text = diagnose(&runs);
         assert!(text.contains("8 → 16 workers: throughput ×1.25 (ideal ×2.00, scaling efficiency 62%); speed-up ×10.0"), "{text}");
-        assert!(text.contains("the regression comes mostly from exposed communication: it accounts for 100%"), "{text}");
+        assert!(
+            text.contains(
+                "the regression comes mostly from exposed communication: it accounts for 100%"
+            ),
+            "{text}"
+        );
     }
 
     #[test]
@@ -255,7 +269,10 @@ comm_hidden_s = 0.1
         let runs = parse_measurements(one).unwrap();
         assert_eq!(runs.len(), 1);
         let text = diagnose(&runs);
-        assert!(text.contains("dominant loss: pipeline bubble (33.3% of the step)"), "{text}");
+        assert!(
+            text.contains("dominant loss: pipeline bubble (33.3% of the step)"),
+            "{text}"
+        );
         let arr = r#"[{"workers": 1, "compute_s": 1.0}, {"workers": 2, "compute_s": 1.0, "data_s": 0.5}]"#;
         let text = diagnose(&parse_measurements(arr).unwrap());
         assert!(text.contains("mostly from data loading"), "{text}");
@@ -265,7 +282,11 @@ comm_hidden_s = 0.1
     fn rejects_bad_breakdowns() {
         assert!(parse_measurements("{\"workers\": 0, \"compute_s\": 1.0}").is_err());
         let neg = parse_measurements("{\"workers\": 2, \"compute_s\": -1.0}").unwrap_err();
-        assert!(neg.to_string().contains("compute_s must be a non-negative number"), "{neg}");
+        assert!(
+            neg.to_string()
+                .contains("compute_s must be a non-negative number"),
+            "{neg}"
+        );
         assert!(parse_measurements("not = [valid").is_err());
     }
 }

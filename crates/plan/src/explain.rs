@@ -31,9 +31,10 @@ impl Loss {
         }
     }
 
-    /// The first thing to try against this loss.
-    pub fn mitigation(self) -> &'static str {
+    /// The first thing to try against this loss in this layout.
+    pub fn mitigation(self, layout: &Layout) -> &'static str {
         match self {
+            Loss::Recomputation if layout.recompute == Recompute::Selective => "free memory to stop recomputing (a smaller micro-batch, a higher ZeRO stage, or sequence parallelism), or accept it: selective recomputation costs only the attention core",
             Loss::TensorParallelComm => "keep the tensor-parallel group inside one node (tp ≤ GPUs per node) and shrink tp, moving the freed factor to pipeline parallelism; add sequence parallelism so the same traffic also cuts activation memory",
             Loss::PipelineBubble => "raise the number of micro-batches per step (smaller micro-batches or a larger global batch) or use the interleaved 1F1B schedule (v model chunks per GPU divide the bubble by v)",
             Loss::PipelineSends => "place consecutive pipeline stages inside a node, or use fewer, larger stages",
@@ -112,7 +113,11 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     // 1. Memory.
     let _ = writeln!(out, "1. Fitting in memory");
     if let Some(need) = single_gpu_need(problem) {
-        let verdict = if need > c.memory_gib * GIB { "does not fit" } else { "would fit" };
+        let verdict = if need > c.memory_gib * GIB {
+            "does not fit"
+        } else {
+            "would fit"
+        };
         let _ = writeln!(
             out,
             "   On a single GPU the model needs {:.1} GiB (weights, gradients, optimizer states and one micro-batch of activations) and {verdict} in {:.0} GiB.",
@@ -122,10 +127,16 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     }
     let mut how = Vec::new();
     if l.tp > 1 {
-        how.push(format!("tensor parallelism splits every weight matrix over {} GPUs", l.tp));
+        how.push(format!(
+            "tensor parallelism splits every weight matrix over {} GPUs",
+            l.tp
+        ));
     }
     if l.pp > 1 {
-        how.push(format!("pipeline parallelism gives each GPU 1/{} of the layers", l.pp));
+        how.push(format!(
+            "pipeline parallelism gives each GPU 1/{} of the layers",
+            l.pp
+        ));
     }
     if l.zero > 0 {
         let what = match l.zero {
@@ -133,11 +144,16 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             2 => "optimizer states and gradients",
             _ => "optimizer states, gradients and weights",
         };
-        how.push(format!("ZeRO-{} shards {what} over the {} data-parallel ranks", l.zero, l.dp));
+        how.push(format!(
+            "ZeRO-{} shards {what} over the {} data-parallel ranks",
+            l.zero, l.dp
+        ));
     }
     match l.recompute {
         Recompute::Full => how.push("full recomputation keeps only each layer's input".into()),
-        Recompute::Selective => how.push("selective recomputation drops the attention scores (the 5as/h term)".into()),
+        Recompute::Selective => {
+            how.push("selective recomputation drops the attention scores (the 5as/h term)".into())
+        }
         Recompute::None => {}
     }
     if l.sp {
@@ -163,14 +179,21 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     // 2. Communication.
     let _ = writeln!(out, "2. Where gradients and activations are synchronised");
     if l.dp > 1 {
-        let link = if best.links.dp_crosses_nodes { "between nodes" } else { "inside a node" };
+        let link = if best.links.dp_crosses_nodes {
+            "between nodes"
+        } else {
+            "inside a node"
+        };
+        let how = match l.zero {
+            0 => "all-reduced after backward".to_string(),
+            1 | 2 => "reduce-scattered after backward (each rank keeps the slice it updates) and the updated weights all-gathered".to_string(),
+            _ => format!("reduce-scattered, and the weights all-gathered before each forward and backward, in each of the {} micro-batches", t.microbatches),
+        };
         let _ = writeln!(
             out,
-            "   Data parallelism: after backward each of the {} replicas holds gradients of its own samples; {} {:.2} GB per GPU are {} across the {} replicas {link} ({:.0} GB/s bus bandwidth): {:.3} s, of which {:.3} s hide under the last micro-batch's backward and {:.3} s ({:.1}% of the step) are exposed.",
+            "   Data parallelism: each of the {} replicas computes gradients of its own samples; the {:.2} GB of gradients per GPU are {how}, across {} ranks {link} at {:.0} GB/s bus bandwidth. That takes {:.3} s per step, of which {:.3} s hide under backward compute and {:.3} s ({:.1}% of the step) are exposed.",
             l.dp,
-            if l.zero >= 2 { "reduce-scatter of" } else { "all-reduce of" },
             best.links.dp_bytes / 1e9,
-            if l.zero >= 1 { "reduce-scattered (and the updated weights all-gathered)" } else { "all-reduced" },
             l.dp,
             best.links.dp_bandwidth / 1e9,
             t.dp_exposed_s + t.dp_hidden_s,
@@ -179,10 +202,17 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             pct(t.dp_exposed_s, step)
         );
     } else {
-        let _ = writeln!(out, "   No data parallelism: there is no gradient all-reduce between replicas.");
+        let _ = writeln!(
+            out,
+            "   No data parallelism: there is no gradient all-reduce between replicas."
+        );
     }
     if l.tp > 1 {
-        let link = if best.links.tp_crosses_nodes { "over the inter-node network (slow: keep tp within a node)" } else { "over the intra-node links (NVLink)" };
+        let link = if best.links.tp_crosses_nodes {
+            "over the inter-node network (slow: keep tp within a node)"
+        } else {
+            "over the intra-node links (NVLink)"
+        };
         let _ = writeln!(
             out,
             "   Tensor parallelism: every layer all-reduces its activations {} times per micro-batch {link}: {:.3} s per step ({:.1}%), on the critical path.",
@@ -205,15 +235,19 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     let _ = writeln!(out, "3. Micro-batching versus naive layer splitting");
     let mbs = t.microbatches;
     if l.pp > 1 {
-        let v = if l.schedule == Schedule::OneFOneB { l.interleave } else { 1 } as f64;
+        let v = if l.schedule == Schedule::OneFOneB {
+            l.interleave
+        } else {
+            1
+        } as f64;
         let bubble = (l.pp - 1) as f64 / (v * mbs as f64);
         let _ = writeln!(
             out,
-            "   Naively splitting the layers over {} GPUs runs one stage at a time: each GPU is busy 1/{} = {:.0}% of the step. Cutting the batch into {mbs} micro-batches lets stage k work on micro-batch i while stage k+1 works on i−1; only the fill and drain remain idle, a bubble of (p−1)/{}m = {:.1}% of the ideal time ({:.3} s). {}",
+            "   Naively splitting the layers over {} GPUs runs one stage at a time: each GPU is busy 1/{} = {:.0}% of the step. Cutting the batch into {mbs} micro-batches lets stage k work on micro-batch i while stage k+1 works on i−1; only the fill and drain remain idle, a bubble of {} = {:.1}% of the ideal time ({:.3} s). {}",
             l.pp,
             l.pp,
             100.0 / l.pp as f64,
-            if v > 1.0 { "(v·" } else { "(" },
+            if v > 1.0 { "(p−1)/(v·m)" } else { "(p−1)/m" },
             100.0 * bubble,
             t.bubble_s,
             if l.schedule == Schedule::GPipe {
@@ -285,11 +319,14 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             "   Most likely bottleneck: {} ({:.1}% of the step). First mitigation: {}.",
             loss.name(),
             pct(*secs, step),
-            loss.mitigation()
+            loss.mitigation(l)
         );
     }
     let memory_bound = best.time.compute_s > 0.0;
-    if memory_bound && best.throughput.mfu < 0.3 && ranked.first().is_none_or(|(_, s)| *s < 0.1 * step) {
+    if memory_bound
+        && best.throughput.mfu < 0.3
+        && ranked.first().map_or(true, |(_, s)| *s < 0.1 * step)
+    {
         let _ = writeln!(out, "   Communication is small here; the low MFU comes from small matrix multiplies and per-op overhead: grow the micro-batch.");
     }
     out

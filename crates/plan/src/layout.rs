@@ -58,11 +58,7 @@ impl TrainingSetup {
     /// and K for mixed-precision Adam, K = 12: fp32 master copy, momentum and variance).
     pub fn bytes_per_param(&self) -> ParamBytes {
         let weights = self.precision.compute_bytes();
-        let gradients = if self.fp32_gradients {
-            4.0
-        } else {
-            weights
-        };
+        let gradients = if self.fp32_gradients { 4.0 } else { weights };
         // Mixed precision keeps an fp32 master copy in the optimizer state; fp32 training
         // updates the weights themselves.
         let master = if self.precision.is_mixed() { 4.0 } else { 0.0 };
@@ -172,8 +168,8 @@ impl Layout {
                 "mb" | "micro_batch" => layout.micro_batch = number()?,
                 "v" | "interleave" => layout.interleave = number()?,
                 "zero" => {
-                    layout.zero = u8::try_from(number()?)
-                        .map_err(|_| bad("zero must be 0..3".into()))?
+                    layout.zero =
+                        u8::try_from(number()?).map_err(|_| bad("zero must be 0..3".into()))?
                 }
                 "sp" => {
                     layout.sp = matches!(value, "1" | "on" | "true" | "yes");
@@ -183,7 +179,11 @@ impl Layout {
                         "none" | "off" => Recompute::None,
                         "selective" => Recompute::Selective,
                         "full" => Recompute::Full,
-                        _ => return Err(bad(format!("recompute `{value}`: none, selective or full"))),
+                        _ => {
+                            return Err(bad(format!(
+                                "recompute `{value}`: none, selective or full"
+                            )))
+                        }
                     }
                 }
                 "schedule" => {
@@ -238,7 +238,10 @@ mod tests {
     fn parse_round_trip() {
         let l = Layout::parse("dp=4, tp=8, pp=2, mb=2, zero=1, sp=on, recompute=selective, v=3")
             .unwrap();
-        assert_eq!((l.dp, l.tp, l.pp, l.micro_batch, l.zero, l.interleave), (4, 8, 2, 2, 1, 3));
+        assert_eq!(
+            (l.dp, l.tp, l.pp, l.micro_batch, l.zero, l.interleave),
+            (4, 8, 2, 2, 1, 3)
+        );
         assert!(l.sp);
         assert_eq!(l.recompute, Recompute::Selective);
         assert_eq!(l.gpus(), 64);
@@ -246,8 +249,14 @@ mod tests {
             l.to_string(),
             "dp=4 tp=8 pp=2 sp zero=1 mb=2 recompute=selective 1f1b-interleaved(v=3)"
         );
-        assert!(Layout::parse("dp=two").unwrap_err().to_string().contains("whole number"));
-        assert!(Layout::parse("foo=1").unwrap_err().to_string().contains("unknown key"));
+        assert!(Layout::parse("dp=two")
+            .unwrap_err()
+            .to_string()
+            .contains("whole number"));
+        assert!(Layout::parse("foo=1")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown key"));
     }
 
     #[test]

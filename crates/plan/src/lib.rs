@@ -7,6 +7,7 @@
 //! in [`cli`], which reads TOML/JSON inputs.
 
 pub mod calibrate;
+pub mod cli;
 pub mod cluster;
 pub mod cost;
 pub mod diagnose;

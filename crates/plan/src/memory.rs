@@ -224,8 +224,14 @@ mod tests {
             34.0 * sbh / tf,
         );
         // Full recompute: 2sbh, 2sbh/t with sp.
-        close(layer_activation_bytes(&m, b, 2.0, t, false, Recompute::Full), 2.0 * sbh);
-        close(layer_activation_bytes(&m, b, 2.0, t, true, Recompute::Full), 2.0 * sbh / tf);
+        close(
+            layer_activation_bytes(&m, b, 2.0, t, false, Recompute::Full),
+            2.0 * sbh,
+        );
+        close(
+            layer_activation_bytes(&m, b, 2.0, t, true, Recompute::Full),
+            2.0 * sbh / tf,
+        );
     }
 
     #[test]

@@ -275,7 +275,8 @@ mod tests {
     fn gpt_small_parameter_count_by_hand() {
         // Per layer: QKV 256·768 + 768, proj 256·256 + 256, fc1 256·1024 + 1024,
         // fc2 1024·256 + 256, two layer norms 4·256.
-        let per_layer = 256 * 768 + 768 + 256 * 256 + 256 + 256 * 1024 + 1024 + 1024 * 256 + 256 + 1024;
+        let per_layer =
+            256 * 768 + 768 + 256 * 256 + 256 + 256 * 1024 + 1024 + 1024 * 256 + 256 + 1024;
         assert_eq!(gpt_small().params_per_layer(), per_layer);
         // Embedding 256·256, positions 128·256, final LN 512, untied head 256·256.
         let total = 4 * per_layer + 256 * 256 + 128 * 256 + 512 + 256 * 256;
@@ -300,7 +301,10 @@ mod tests {
         let (s, h) = (2048.0f64, 2304.0f64);
         let expected = 24.0 * s * h * h * (1.0 + s / (6.0 * h));
         let got = t.layer_forward_flops_per_sequence();
-        assert!((got - expected).abs() / expected < 1e-12, "{got} vs {expected}");
+        assert!(
+            (got - expected).abs() / expected < 1e-12,
+            "{got} vs {expected}"
+        );
     }
 
     #[test]
@@ -322,7 +326,10 @@ mod tests {
             architecture: Architecture::Transformer(t),
         };
         let err = m.validate().unwrap_err().to_string();
-        assert!(err.contains("not divisible by the number of heads 3"), "{err}");
+        assert!(
+            err.contains("not divisible by the number of heads 3"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -333,8 +340,15 @@ mod tests {
             name: "bad".into(),
             architecture: Architecture::Transformer(t),
         };
-        assert!(m.validate().unwrap_err().to_string().contains("layers must be positive"));
+        assert!(m
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("layers must be positive"));
         let both = "name='x'\n[transformer]\nlayers=1\nhidden=8\nheads=2\nffn_hidden=32\nvocab=10\nseq_len=4\n[generic]\nparams=1\nflops_per_sample=1.0\nactivation_bytes_per_sample=0.0\nkernels_per_step=1\n";
-        assert!(ModelSpec::from_toml(both).unwrap_err().to_string().contains("exactly one"));
+        assert!(ModelSpec::from_toml(both)
+            .unwrap_err()
+            .to_string()
+            .contains("exactly one"));
     }
 }

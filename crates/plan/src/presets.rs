@@ -18,19 +18,40 @@ const MODELS: &[(&str, &str)] = &[
     ("gpt-39b", include_str!("../presets/models/gpt-39b.toml")),
     ("gpt-76b", include_str!("../presets/models/gpt-76b.toml")),
     ("gpt-146b", include_str!("../presets/models/gpt-146b.toml")),
-    ("gpt3-175b", include_str!("../presets/models/gpt3-175b.toml")),
+    (
+        "gpt3-175b",
+        include_str!("../presets/models/gpt3-175b.toml"),
+    ),
     ("gpt-310b", include_str!("../presets/models/gpt-310b.toml")),
     ("gpt-530b", include_str!("../presets/models/gpt-530b.toml")),
     ("gpt-1t", include_str!("../presets/models/gpt-1t.toml")),
-    ("llama-70b", include_str!("../presets/models/llama-70b.toml")),
+    (
+        "llama-70b",
+        include_str!("../presets/models/llama-70b.toml"),
+    ),
 ];
 
 const CLUSTERS: &[(&str, &str)] = &[
-    ("a100-40gb", include_str!("../presets/clusters/a100-40gb.toml")),
-    ("a100-80gb", include_str!("../presets/clusters/a100-80gb.toml")),
-    ("h100-sxm-80gb", include_str!("../presets/clusters/h100-sxm-80gb.toml")),
-    ("h200-sxm-141gb", include_str!("../presets/clusters/h200-sxm-141gb.toml")),
-    ("cpu-2core", include_str!("../presets/clusters/cpu-2core.toml")),
+    (
+        "a100-40gb",
+        include_str!("../presets/clusters/a100-40gb.toml"),
+    ),
+    (
+        "a100-80gb",
+        include_str!("../presets/clusters/a100-80gb.toml"),
+    ),
+    (
+        "h100-sxm-80gb",
+        include_str!("../presets/clusters/h100-sxm-80gb.toml"),
+    ),
+    (
+        "h200-sxm-141gb",
+        include_str!("../presets/clusters/h200-sxm-141gb.toml"),
+    ),
+    (
+        "cpu-2core",
+        include_str!("../presets/clusters/cpu-2core.toml"),
+    ),
 ];
 
 /// Aliases users are likely to type.
@@ -118,7 +139,10 @@ mod tests {
         ];
         for (name, billions) in expect {
             let p = model(name).unwrap().total_params() as f64 / 1e9;
-            assert!((p - billions).abs() / billions < 0.035, "{name}: {p:.2}B vs {billions}B");
+            assert!(
+                (p - billions).abs() / billions < 0.035,
+                "{name}: {p:.2}B vs {billions}B"
+            );
         }
         assert_eq!(model("gpt").unwrap().total_params(), 3_323_392);
         assert_eq!(model("lenet").unwrap().total_params(), 61_706);

@@ -132,7 +132,7 @@ pub fn search(problem: &Problem) -> Result<SearchResult> {
             out_of_memory += 1;
             let smaller = closest_miss
                 .as_ref()
-                .is_none_or(|c| evaluation.memory.total() < c.memory.total());
+                .map_or(true, |c| evaluation.memory.total() < c.memory.total());
             if smaller {
                 closest_miss = Some(evaluation);
             }
@@ -221,6 +221,9 @@ mod tests {
         // A 1T model on 8 GPUs cannot fit.
         let p = problem("gpt-1t", "h100", 8, 64);
         let err = search_feasible(&p).unwrap_err().to_string();
-        assert!(err.contains("no feasible layout") && err.contains("needs"), "{err}");
+        assert!(
+            err.contains("no feasible layout") && err.contains("needs"),
+            "{err}"
+        );
     }
 }
