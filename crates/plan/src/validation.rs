@@ -7,6 +7,7 @@ use crate::cluster::Precision;
 use crate::cost::{Evaluation, Problem};
 use crate::error::Result;
 use crate::layout::{Layout, Optimizer, Recompute, Schedule, TrainingSetup};
+use crate::model::{Architecture, ModelSpec, TransformerSpec};
 use crate::presets;
 
 /// One row of Table 1 of Narayanan et al. 2021, "Efficient Large-Scale Language Model
@@ -118,5 +119,92 @@ pub fn predict_narayanan(row: &NarayananRow, micro_batch: u64) -> Result<Narayan
         error_percent: 100.0 * (predicted - row.published_tflops_per_gpu)
             / row.published_tflops_per_gpu,
         evaluation,
+    })
+}
+
+/// A run from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+/// Transformer Models", arXiv 2205.05198): A100 80GB, bf16, sequence 2048, vocabulary 51200.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct KorthikantiRun {
+    pub label: &'static str,
+    pub heads: u64,
+    pub hidden: u64,
+    pub layers: u64,
+    pub tp: u64,
+    pub pp: u64,
+    pub gpus: u64,
+    /// Not stated next to the figure; we assume one sequence per GPU (batch = GPUs), as in
+    /// the paper's configuration table and Table 1 of Narayanan et al. for the 530B model.
+    pub batch: u64,
+    /// Sequence parallelism + selective recomputation (true) or full recomputation (false).
+    pub selective: bool,
+    pub published_mfu_percent: f64,
+}
+
+/// The abstract's headline: 530B on 2240 A100s reaches 54.2% MFU with sequence parallelism
+/// and selective recomputation, 42.1% with full recomputation.
+pub const KORTHIKANTI_530B: [KorthikantiRun; 2] = [
+    KorthikantiRun {
+        label: "530B, 2240 GPUs, sp + selective",
+        heads: 128,
+        hidden: 20480,
+        layers: 105,
+        tp: 8,
+        pp: 35,
+        gpus: 2240,
+        batch: 2240,
+        selective: true,
+        published_mfu_percent: 54.2,
+    },
+    KorthikantiRun {
+        label: "530B, 2240 GPUs, full recompute",
+        heads: 128,
+        hidden: 20480,
+        layers: 105,
+        tp: 8,
+        pp: 35,
+        gpus: 2240,
+        batch: 2240,
+        selective: false,
+        published_mfu_percent: 42.1,
+    },
+];
+
+/// Predicted MFU (percent) for a Korthikanti et al. run, micro-batch 1, no interleaving.
+pub fn predict_korthikanti(run: &KorthikantiRun) -> Result<Evaluation> {
+    let model = ModelSpec {
+        name: run.label.to_string(),
+        architecture: Architecture::Transformer(TransformerSpec {
+            layers: run.layers,
+            hidden: run.hidden,
+            heads: run.heads,
+            kv_heads: None,
+            ffn_hidden: 4 * run.hidden,
+            gated_mlp: false,
+            vocab: 51200,
+            seq_len: 2048,
+            tied_embeddings: true,
+        }),
+    };
+    let cluster = presets::cluster("a100-80gb")?.with_gpus(run.gpus)?;
+    let setup = TrainingSetup {
+        precision: Precision::Bf16,
+        ..narayanan_setup(run.batch)
+    };
+    let problem = Problem::new(model, cluster, setup)?;
+    problem.evaluate(&Layout {
+        dp: run.gpus / (run.tp * run.pp),
+        tp: run.tp,
+        pp: run.pp,
+        sp: run.selective,
+        zero: 0,
+        micro_batch: 1,
+        recompute: if run.selective {
+            Recompute::Selective
+        } else {
+            Recompute::Full
+        },
+        interleave: 1,
+        schedule: Schedule::OneFOneB,
     })
 }

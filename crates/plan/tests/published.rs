@@ -52,3 +52,20 @@ fn hardware_flops_follow_narayanan_equation_3() {
         assert!((got - model).abs() / model < 1e-9);
     }
 }
+
+#[test]
+fn korthikanti_530b_mfu_within_15_percent() {
+    use meshtrain_plan::validation::{predict_korthikanti, KORTHIKANTI_530B};
+    for run in &KORTHIKANTI_530B {
+        let e = predict_korthikanti(run).unwrap();
+        assert!(e.fits, "{}", run.label);
+        let mfu = 100.0 * e.throughput.mfu;
+        let err = (mfu - run.published_mfu_percent) / run.published_mfu_percent;
+        assert!(
+            err.abs() <= 0.15,
+            "{}: predicted MFU {mfu:.1}% vs {}%",
+            run.label,
+            run.published_mfu_percent
+        );
+    }
+}
