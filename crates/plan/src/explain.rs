@@ -97,7 +97,7 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     let step = t.step_s;
     let _ = writeln!(
         out,
-        "Recommendation for {} on {} × {} ({} per node), global batch {}, {}:\n  {l}\n  predicted step {:.3} s, {:.0} tokens/s, {:.1} TFLOP/s per GPU, MFU {:.1}%\n",
+        "Recommendation for {} on {} × {} ({} per node), global batch {}, {}:\n  {l}\n  predicted step {:.3} s, {:.0} tokens/s, {:.3} TFLOP/s per GPU, MFU {:.1}%\n",
         problem.model.name,
         c.gpus,
         c.name,
@@ -260,7 +260,7 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
         let n = c.gpus.max(2);
         let _ = writeln!(
             out,
-            "   This layout needs no pipeline, so there is no bubble. Had the layers been split naively over {n} GPUs, each would idle {:.0}% of the time; with m micro-batches the idle share falls to (p−1)/(m+p−1). Here the {mbs} micro-batches per replica are gradient accumulation: they bound activation memory without adding communication.",
+            "   This layout needs no pipeline, so there is no bubble. Had the layers been split naively over {n} GPUs, each would idle {:.0}% of the time; with m micro-batches the idle share falls to (p−1)/(m+p−1). Here the {mbs} micro-batch(es) per replica are gradient accumulation: they bound activation memory without adding communication.",
             100.0 * (1.0 - 1.0 / n as f64),
         );
     }
@@ -269,6 +269,12 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     // 4. Mixed precision.
     let _ = writeln!(out, "4. Mixed precision");
     match problem.setup.precision {
+        Precision::Fp32 if c.peak_tflops.bf16 <= c.peak_tflops.fp32 => {
+            let _ = writeln!(
+                out,
+                "   Training in fp32: this hardware has no faster 16-bit math, so bf16 would only halve weight, gradient and activation memory (and communication volume), while fp32 master weights and optimizer states keep updates exact."
+            );
+        }
         Precision::Fp32 => {
             let _ = writeln!(
                 out,
