@@ -138,12 +138,18 @@ pub fn search(problem: &Problem) -> Result<SearchResult> {
             }
         }
     }
-    // Fastest first; among equally fast layouts, the one with more memory headroom.
+    // Fastest first. Layouts within the model's resolution (0.5% throughput bands) count as
+    // equally fast; among those the simpler layout wins, then the one with more headroom.
     ranked.sort_by(|a, b| {
-        b.throughput
-            .samples_per_s
-            .total_cmp(&a.throughput.samples_per_s)
+        speed_band(b)
+            .cmp(&speed_band(a))
+            .then(complexity(&a.layout).cmp(&complexity(&b.layout)))
             .then(a.memory.total().total_cmp(&b.memory.total()))
+            .then(
+                b.throughput
+                    .samples_per_s
+                    .total_cmp(&a.throughput.samples_per_s),
+            )
     });
     Ok(SearchResult {
         ranked,
@@ -151,6 +157,27 @@ pub fn search(problem: &Problem) -> Result<SearchResult> {
         out_of_memory,
         closest_miss,
     })
+}
+
+/// Throughput band of width 0.5%: differences below it are inside the model's error.
+fn speed_band(e: &Evaluation) -> i64 {
+    (e.throughput.samples_per_s.ln() / 1.005f64.ln()).floor() as i64
+}
+
+/// How much machinery a layout needs: each extra parallel dimension, ZeRO stage,
+/// recomputation level or interleaving adds one.
+fn complexity(l: &Layout) -> u32 {
+    u32::from(l.tp > 1)
+        + u32::from(l.pp > 1)
+        + u32::from(l.sp)
+        + u32::from(l.zero)
+        + match l.recompute {
+            Recompute::None => 0,
+            Recompute::Selective => 1,
+            Recompute::Full => 2,
+        }
+        + u32::from(l.interleave > 1)
+        + u32::from(l.schedule == Schedule::GPipe)
 }
 
 /// Like [`search`], but an empty result is an error naming the closest miss.
@@ -195,8 +222,9 @@ mod tests {
         let p = problem("gpt-30b", "h100", 32, 256);
         let r = search_feasible(&p).unwrap();
         assert!(r.candidates > 1000, "{}", r.candidates);
+        // Sorted by 0.5% throughput bands: no later layout is more than 0.5% faster.
         for pair in r.ranked.windows(2) {
-            assert!(pair[0].throughput.samples_per_s >= pair[1].throughput.samples_per_s);
+            assert!(pair[1].throughput.samples_per_s <= 1.005 * pair[0].throughput.samples_per_s);
         }
         assert!(r.ranked.iter().all(|e| e.fits));
         // 30B with Adam needs 16 bytes/param = 480 GB of states: plain data parallelism on
@@ -214,6 +242,13 @@ mod tests {
         let p = problem("resnet18", "cpu", 2, 256);
         let best = search_feasible(&p).unwrap().ranked[0].clone();
         assert_eq!((best.layout.dp, best.layout.tp, best.layout.pp), (2, 1, 1));
+        // Inside one 0.5% throughput band, simpler layouts come first.
+        let r = search_feasible(&problem("gpt-30b", "h100", 32, 256)).unwrap();
+        for pair in r.ranked.windows(2) {
+            if speed_band(&pair[0]) == speed_band(&pair[1]) {
+                assert!(complexity(&pair[0].layout) <= complexity(&pair[1].layout));
+            }
+        }
     }
 
     #[test]

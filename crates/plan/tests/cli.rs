@@ -70,7 +70,8 @@ fn json_output_parses_and_ranks() {
         .iter()
         .map(|p| p["throughput"]["samples_per_s"].as_f64().unwrap())
         .collect();
-    assert!(rates.windows(2).all(|w| w[0] >= w[1]), "{rates:?}");
+    // Ranked in 0.5% throughput bands (simpler layouts first inside a band).
+    assert!(rates.windows(2).all(|w| w[1] <= 1.005 * w[0]), "{rates:?}");
     assert!(plans.iter().all(|p| p["fits"].as_bool().unwrap()));
 }
 
