@@ -87,6 +87,34 @@ fn fp32_twin(problem: &Problem, layout: &Layout) -> Option<Evaluation> {
     p.evaluate(layout).ok()
 }
 
+/// Throughput of a single model replica (tp·pp GPUs, same per-replica batch, no ZeRO) and
+/// the scaling efficiency of `dp` replicas relative to it: what data parallelism costs.
+fn replica_scaling(problem: &Problem, best: &Evaluation) -> Option<((u64, f64), f64)> {
+    let l = &best.layout;
+    if l.dp == 1 {
+        return None;
+    }
+    let gpus = l.tp * l.pp;
+    let cluster = problem.cluster.with_gpus(gpus).ok()?;
+    let setup = TrainingSetup {
+        global_batch: problem.setup.global_batch / l.dp,
+        ..problem.setup.clone()
+    };
+    let p = Problem::new(problem.model.clone(), cluster, setup).ok()?;
+    let one = p
+        .evaluate(&Layout {
+            dp: 1,
+            zero: 0,
+            ..l.clone()
+        })
+        .ok()?;
+    let rate = one.throughput.samples_per_s;
+    Some((
+        (gpus, rate),
+        best.throughput.samples_per_s / (l.dp as f64 * rate),
+    ))
+}
+
 /// Writes the memo for the chosen evaluation.
 pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     let mut out = String::new();
@@ -319,6 +347,18 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    if let Some((replica, efficiency)) = replica_scaling(problem, best) {
+        let _ = writeln!(
+            out,
+            "   Scaling: one replica ({} GPU{}) would process {:.1} samples/s with the same per-replica batch; {} replicas reach {:.1}, i.e. {:.1}% of perfect scaling.",
+            replica.0,
+            if replica.0 == 1 { "" } else { "s" },
+            replica.1,
+            l.dp,
+            best.throughput.samples_per_s,
+            100.0 * efficiency
+        );
+    }
     if let Some((loss, secs)) = ranked.first().filter(|(_, s)| *s > 0.0) {
         let _ = writeln!(
             out,
@@ -362,6 +402,7 @@ mod tests {
             "Most likely bottleneck",
             "First mitigation",
             "micro-batch",
+            "of perfect scaling",
         ] {
             assert!(text.contains(needle), "missing `{needle}` in:\n{text}");
         }

@@ -194,3 +194,37 @@ fn calibration_and_comparison_path() {
         "{out}"
     );
 }
+
+#[test]
+fn shipped_examples_work() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/presets/examples");
+    let out = render(&args(&[
+        "--diagnose",
+        &format!("{dir}/scaling-8-to-16.toml"),
+    ]))
+    .unwrap();
+    assert!(
+        out.contains("speed-up ×10.0 counting the 8-worker run as ×8"),
+        "{out}"
+    );
+    // With one network card per node, the planner keeps data-parallel and tensor-parallel
+    // traffic inside nodes and lets only pipeline boundaries cross them.
+    let cluster = format!("{dir}/h100-slow-inter-node.toml");
+    let out = render(&args(&[
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        &cluster,
+        "--global-batch",
+        "256",
+        "--json",
+        "--top",
+        "1",
+    ]))
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let best = &v["plans"][0];
+    assert_eq!(best["links"]["dp_crosses_nodes"], false, "{best}");
+    assert_eq!(best["links"]["tp_crosses_nodes"], false, "{best}");
+    assert_eq!(best["links"]["pp_crosses_nodes"], true, "{best}");
+}
