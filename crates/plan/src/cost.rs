@@ -797,6 +797,33 @@ mod tests {
     }
 
     #[test]
+    fn stage_parameters_optimizer_and_sends_by_hand() {
+        let mut p = problem("gpt-39b", "a100", 64, 64);
+        p.setup.overlap_grad_reduce = false;
+        let e = p
+            .evaluate(&Layout::parse("dp=4,tp=8,pp=2,mb=1,zero=1,recompute=full").unwrap())
+            .unwrap();
+        let t = presets::model("gpt-39b").unwrap();
+        let t = t.transformer().unwrap();
+        // Both stages hold 24 layers; the first adds the embedding and positions, the last its
+        // copy of the tied word embedding and the final layer norm. Split over tp = 8.
+        let layers = 24.0 * t.params_per_layer() as f64;
+        let first = (layers + (51200.0 + 2048.0) * 8192.0) / 8.0;
+        let last = (layers + 51200.0 * 8192.0 + 2.0 * 8192.0) / 8.0;
+        let params = first.max(last);
+        assert!((e.memory.weights - 2.0 * params).abs() < 1.0);
+        assert!((e.memory.optimizer - 12.0 * params / 4.0).abs() < 1.0);
+        // Optimizer sweep over a quarter of the states: 2·12 + 2 + 2 bytes per parameter.
+        let sweep = params / 4.0 * 28.0 / 1800e9 + 4.0 * 3e-6;
+        assert!((e.time.optimizer_s - sweep).abs() < 1e-12);
+        // 16 micro-batches, each sends s·b·h·2/t bytes forward and backward between nodes
+        // (pipeline neighbours are 32 ranks apart) over one 23 GB/s card.
+        let send = 2048.0 * 8192.0 * 2.0 / 8.0 / 23e9 + 8e-6;
+        assert!(e.links.pp_crosses_nodes);
+        assert!((e.time.pp_p2p_s - 16.0 * 2.0 * send).abs() < 1e-12);
+    }
+
+    #[test]
     fn invalid_layouts_are_rejected_with_reasons() {
         let p = problem("gpt-30b", "h100", 32, 64);
         let cases = [
