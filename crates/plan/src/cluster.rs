@@ -1,0 +1,325 @@
+//! Cluster descriptions: how many GPUs, how they are grouped into nodes, how fast each GPU
+//! computes and how fast the links between them are.
+//!
+//! Bandwidths are *achievable bus bandwidths* in the nccl-tests sense (what a ring all-reduce
+//! really reaches per GPU), not the marketing numbers; the preset files cite both.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{PlanError, Result};
+
+/// Numeric precision of a training run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in fp32.
+    Fp32,
+    /// bf16 compute with fp32 master weights and optimizer states.
+    Bf16,
+    /// fp16 compute with fp32 master weights, optimizer states and dynamic loss scaling.
+    Fp16,
+}
+
+impl Precision {
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.to_ascii_lowercase().as_str() {
+            "fp32" | "f32" | "float32" => Ok(Precision::Fp32),
+            "bf16" | "bfloat16" => Ok(Precision::Bf16),
+            "fp16" | "f16" | "float16" | "half" => Ok(Precision::Fp16),
+            other => Err(PlanError::InvalidSetup(format!(
+                "unknown precision `{other}`; use fp32, bf16 or fp16"
+            ))),
+        }
+    }
+
+    /// Bytes of one weight, activation or gradient element in compute precision.
+    pub fn compute_bytes(self) -> f64 {
+        match self {
+            Precision::Fp32 => 4.0,
+            Precision::Bf16 | Precision::Fp16 => 2.0,
+        }
+    }
+
+    pub fn is_mixed(self) -> bool {
+        !matches!(self, Precision::Fp32)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+}
+
+/// Peak dense FLOP/s of one GPU per precision (TFLOP/s in files).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeakTflops {
+    pub fp32: f64,
+    pub bf16: f64,
+    pub fp16: f64,
+}
+
+/// One class of link (inside a node, or between nodes).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkSpec {
+    /// Achievable bus bandwidth per GPU, GB/s (10⁹ bytes/s).
+    pub bandwidth_gbps: f64,
+    /// Latency of one message / one ring step, microseconds.
+    pub latency_us: f64,
+}
+
+/// A homogeneous cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSpec {
+    pub name: String,
+    /// Total accelerators (or CPU workers). May be overridden with `--gpus`.
+    pub gpus: u64,
+    pub gpus_per_node: u64,
+    /// Memory per GPU in GiB.
+    pub memory_gib: f64,
+    /// Memory the framework and runtime keep for themselves (CUDA context, allocator slack).
+    #[serde(default)]
+    pub reserved_memory_gib: f64,
+    pub peak_tflops: PeakTflops,
+    /// Fraction of peak that large matrix multiplications reach (cuBLAS / `gemm` measured).
+    pub gemm_efficiency: f64,
+    /// Achievable device-memory bandwidth, GB/s; bounds memory-bound kernels.
+    pub memory_bandwidth_gbps: f64,
+    /// Fixed cost of launching one kernel / op, microseconds.
+    pub kernel_overhead_us: f64,
+    /// Streaming multiprocessors. When given, GEMMs pay for wave quantisation: 128×128
+    /// output tiles run in waves of `sm_count`, and a last, partly filled wave costs a full
+    /// one. Leave out for CPUs.
+    #[serde(default)]
+    pub sm_count: Option<u64>,
+    pub intra_node: LinkSpec,
+    pub inter_node: LinkSpec,
+}
+
+impl ClusterSpec {
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let cluster: ClusterSpec = toml::from_str(text).map_err(|e| PlanError::Parse {
+            what: "cluster TOML".into(),
+            reason: e.to_string(),
+        })?;
+        cluster.validate()?;
+        Ok(cluster)
+    }
+
+    /// Same cluster with another GPU count.
+    pub fn with_gpus(&self, gpus: u64) -> Result<Self> {
+        let mut c = self.clone();
+        c.gpus = gpus;
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn peak_flops(&self, precision: Precision) -> f64 {
+        1e12 * match precision {
+            Precision::Fp32 => self.peak_tflops.fp32,
+            Precision::Bf16 => self.peak_tflops.bf16,
+            Precision::Fp16 => self.peak_tflops.fp16,
+        }
+    }
+
+    pub fn usable_memory_bytes(&self) -> f64 {
+        (self.memory_gib - self.reserved_memory_gib) * GIB
+    }
+
+    pub fn nodes(&self) -> u64 {
+        self.gpus.div_ceil(self.gpus_per_node)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| PlanError::InvalidCluster {
+            cluster: self.name.clone(),
+            reason,
+        };
+        if self.gpus == 0 {
+            return Err(bad("the cluster needs at least one GPU (gpus = 0)".into()));
+        }
+        if self.gpus_per_node == 0 {
+            return Err(bad("gpus_per_node must be positive".into()));
+        }
+        if self.gpus > self.gpus_per_node && self.gpus % self.gpus_per_node != 0 {
+            return Err(bad(format!(
+                "{} GPUs do not fill whole nodes of {} GPUs",
+                self.gpus, self.gpus_per_node
+            )));
+        }
+        let positive = [
+            ("memory_gib", self.memory_gib),
+            ("peak_tflops.fp32", self.peak_tflops.fp32),
+            ("peak_tflops.bf16", self.peak_tflops.bf16),
+            ("peak_tflops.fp16", self.peak_tflops.fp16),
+            ("memory_bandwidth_gbps", self.memory_bandwidth_gbps),
+            ("intra_node.bandwidth_gbps", self.intra_node.bandwidth_gbps),
+            ("inter_node.bandwidth_gbps", self.inter_node.bandwidth_gbps),
+        ];
+        for (field, value) in positive {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(bad(format!(
+                    "{field} must be a positive number, got {value}"
+                )));
+            }
+        }
+        let non_negative = [
+            ("reserved_memory_gib", self.reserved_memory_gib),
+            ("kernel_overhead_us", self.kernel_overhead_us),
+            ("intra_node.latency_us", self.intra_node.latency_us),
+            ("inter_node.latency_us", self.inter_node.latency_us),
+        ];
+        for (field, value) in non_negative {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(bad(format!("{field} must be >= 0, got {value}")));
+            }
+        }
+        if !(self.gemm_efficiency > 0.0 && self.gemm_efficiency <= 1.0) {
+            return Err(bad(format!(
+                "gemm_efficiency is a fraction of peak in (0, 1], got {}",
+                self.gemm_efficiency
+            )));
+        }
+        if self.sm_count == Some(0) {
+            return Err(bad("sm_count must be positive when given".into()));
+        }
+        if self.reserved_memory_gib >= self.memory_gib {
+            return Err(bad(
+                "reserved_memory_gib leaves no memory for training".into()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes in a GiB.
+pub const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// Bandwidth and latency a collective over one process group sees.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupLink {
+    /// Bus bandwidth per GPU, bytes/s.
+    pub bandwidth: f64,
+    /// Per-step latency, seconds.
+    pub latency: f64,
+    /// Whether the group spans more than one node.
+    pub crosses_nodes: bool,
+}
+
+impl ClusterSpec {
+    /// The link a group of `size` ranks whose members are `stride` ranks apart sees, with
+    /// ranks numbered node by node. Inside one node it is the intra-node link. Across nodes
+    /// each node contributes `k` members whose rings run over `k` network cards in parallel,
+    /// so the bus bandwidth is `min(intra, k · inter)` (why an 8-GPU data-parallel group per
+    /// node all-reduces almost at NVLink speed, but a group with one GPU per node only gets
+    /// one network card).
+    pub fn group_link(&self, size: u64, stride: u64) -> GroupLink {
+        let gpn = self.gpus_per_node;
+        let members_per_node = if stride >= gpn {
+            1
+        } else {
+            (gpn / stride.max(1)).min(size).max(1)
+        };
+        let spans_nodes = size > members_per_node;
+        if !spans_nodes {
+            GroupLink {
+                bandwidth: self.intra_node.bandwidth_gbps * 1e9,
+                latency: self.intra_node.latency_us * 1e-6,
+                crosses_nodes: false,
+            }
+        } else {
+            let inter = members_per_node as f64 * self.inter_node.bandwidth_gbps;
+            GroupLink {
+                bandwidth: inter.min(self.intra_node.bandwidth_gbps) * 1e9,
+                latency: self.inter_node.latency_us * 1e-6,
+                crosses_nodes: true,
+            }
+        }
+    }
+}
+
+/// Ring all-reduce time of `bytes` over `n` ranks: 2(n−1)/n · bytes / bw + 2(n−1) · latency.
+pub fn all_reduce_time(bytes: f64, n: u64, link: GroupLink) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let n_f = n as f64;
+    2.0 * (n_f - 1.0) / n_f * bytes / link.bandwidth + 2.0 * (n_f - 1.0) * link.latency
+}
+
+/// Ring reduce-scatter or all-gather of a `bytes` buffer (the full, unsharded size):
+/// half an all-reduce.
+pub fn reduce_scatter_time(bytes: f64, n: u64, link: GroupLink) -> f64 {
+    all_reduce_time(bytes, n, link) / 2.0
+}
+
+/// Point-to-point message.
+pub fn send_time(bytes: f64, link: GroupLink) -> f64 {
+    bytes / link.bandwidth + link.latency
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets;
+
+    #[test]
+    fn ring_all_reduce_by_hand() {
+        let link = GroupLink {
+            bandwidth: 100e9,
+            latency: 1e-6,
+            crosses_nodes: false,
+        };
+        // 4 ranks, 1 GB: 2·3/4·1e9/1e11 = 0.015 s, plus 6 µs.
+        let t = all_reduce_time(1e9, 4, link);
+        assert!((t - (0.015 + 6e-6)).abs() < 1e-12, "{t}");
+        assert_eq!(all_reduce_time(1e9, 1, link), 0.0);
+        assert!((reduce_scatter_time(1e9, 4, link) - t / 2.0).abs() < 1e-15);
+        assert!((send_time(1e6, link) - (1e-5 + 1e-6)).abs() < 1e-15);
+    }
+
+    #[test]
+    fn group_link_placement() {
+        let c = presets::cluster("h100-sxm-80gb")
+            .unwrap()
+            .with_gpus(32)
+            .unwrap();
+        // Tensor-parallel group of 8 consecutive ranks: one node, NVLink.
+        let tp = c.group_link(8, 1);
+        assert!(!tp.crosses_nodes);
+        assert_eq!(tp.bandwidth, c.intra_node.bandwidth_gbps * 1e9);
+        // Data-parallel group of 4 with stride 8: one GPU per node, one NIC.
+        let dp = c.group_link(4, 8);
+        assert!(dp.crosses_nodes);
+        assert_eq!(dp.bandwidth, c.inter_node.bandwidth_gbps * 1e9);
+        // Data-parallel group of 32 with stride 1: 8 per node, 8 NICs, capped by NVLink.
+        let dp32 = c.group_link(32, 1);
+        let expected = (8.0 * c.inter_node.bandwidth_gbps).min(c.intra_node.bandwidth_gbps);
+        assert_eq!(dp32.bandwidth, expected * 1e9);
+        // Group of 16 with stride 2: 4 members per node.
+        let g = c.group_link(16, 2);
+        assert_eq!(g.bandwidth, (4.0 * c.inter_node.bandwidth_gbps) * 1e9);
+    }
+
+    #[test]
+    fn rejects_bad_clusters() {
+        let base = presets::cluster("a100-80gb").unwrap();
+        let err = base.with_gpus(0).unwrap_err().to_string();
+        assert!(err.contains("at least one GPU"), "{err}");
+        let mut neg = base.clone();
+        neg.inter_node.bandwidth_gbps = -5.0;
+        let err = neg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("inter_node.bandwidth_gbps must be a positive number"),
+            "{err}"
+        );
+        let err = base.with_gpus(12).unwrap_err().to_string();
+        assert!(err.contains("do not fill whole nodes"), "{err}");
+        assert!(Precision::parse("int4").is_err());
+    }
+}

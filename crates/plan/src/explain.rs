@@ -1,0 +1,429 @@
+//! The recommendation memo: why the chosen layout fits, where gradients are synchronised and
+//! what that costs, what micro-batching buys over naive layer splitting, how mixed precision
+//! saves memory and stays stable, and what will stop perfect scaling.
+
+use std::fmt::Write;
+
+use crate::cluster::{Precision, GIB};
+use crate::cost::{Evaluation, Problem};
+use crate::layout::{Layout, Recompute, Schedule, TrainingSetup};
+
+/// Causes of lost time in a step, as fractions of the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loss {
+    TensorParallelComm,
+    PipelineBubble,
+    PipelineSends,
+    DataParallelComm,
+    Recomputation,
+    Optimizer,
+}
+
+impl Loss {
+    pub fn name(self) -> &'static str {
+        match self {
+            Loss::TensorParallelComm => "tensor-parallel all-reduces",
+            Loss::PipelineBubble => "pipeline bubble",
+            Loss::PipelineSends => "pipeline point-to-point sends",
+            Loss::DataParallelComm => "exposed data-parallel gradient reduction",
+            Loss::Recomputation => "activation recomputation",
+            Loss::Optimizer => "optimizer step",
+        }
+    }
+
+    /// The first thing to try against this loss in this layout.
+    pub fn mitigation(self, layout: &Layout) -> &'static str {
+        match self {
+            Loss::Recomputation if layout.recompute == Recompute::Selective => "free memory to stop recomputing (a smaller micro-batch, a higher ZeRO stage, or sequence parallelism), or accept it: selective recomputation costs only the attention core",
+            Loss::TensorParallelComm => "keep the tensor-parallel group inside one node (tp ≤ GPUs per node) and shrink tp, moving the freed factor to pipeline parallelism; add sequence parallelism so the same traffic also cuts activation memory",
+            Loss::PipelineBubble => "raise the number of micro-batches per step (smaller micro-batches or a larger global batch) or use the interleaved 1F1B schedule (v model chunks per GPU divide the bubble by v)",
+            Loss::PipelineSends => "place consecutive pipeline stages inside a node, or use fewer, larger stages",
+            Loss::DataParallelComm => "overlap the gradient all-reduce with backward (bucketed, reverse layer order), reduce in bf16, and grow the per-GPU batch with gradient accumulation so the same all-reduce is paid once for more compute; keep the data-parallel group's traffic on as many network cards as possible",
+            Loss::Recomputation => "switch from full to selective recomputation (only the attention core) if memory allows; sequence parallelism frees the memory to do so",
+            Loss::Optimizer => "shard the optimizer (ZeRO-1 / distributed optimizer) so each GPU updates only its slice",
+        }
+    }
+}
+
+/// The exposed losses of an evaluation, largest first, as (loss, seconds).
+pub fn losses(e: &Evaluation) -> Vec<(Loss, f64)> {
+    let t = &e.time;
+    let mut v = vec![
+        (Loss::TensorParallelComm, t.tp_comm_s),
+        (Loss::PipelineBubble, t.bubble_s),
+        (Loss::PipelineSends, t.pp_p2p_s),
+        (Loss::DataParallelComm, t.dp_exposed_s),
+        (Loss::Recomputation, t.recompute_s),
+        (Loss::Optimizer, t.optimizer_s),
+    ];
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v
+}
+
+fn gib(bytes: f64) -> f64 {
+    bytes / GIB
+}
+
+fn pct(part: f64, whole: f64) -> f64 {
+    100.0 * part / whole
+}
+
+/// The single-GPU baseline: everything on one GPU, micro-batch 1, no recomputation.
+fn single_gpu_need(problem: &Problem) -> Option<f64> {
+    let one = problem.cluster.with_gpus(1).ok()?;
+    let p = Problem::new(problem.model.clone(), one, problem.setup.clone()).ok()?;
+    let mut layout = Layout::data_parallel(1, 1);
+    layout.recompute = Recompute::None;
+    p.evaluate(&layout).ok().map(|e| e.memory.total())
+}
+
+/// The same layout in fp32, for the mixed-precision comparison.
+fn fp32_twin(problem: &Problem, layout: &Layout) -> Option<Evaluation> {
+    let setup = TrainingSetup {
+        precision: Precision::Fp32,
+        ..problem.setup.clone()
+    };
+    let p = Problem::new(problem.model.clone(), problem.cluster.clone(), setup).ok()?;
+    p.evaluate(layout).ok()
+}
+
+/// Throughput of a single model replica (tp·pp GPUs, same per-replica batch, no ZeRO) and
+/// the scaling efficiency of `dp` replicas relative to it: what data parallelism costs.
+fn replica_scaling(problem: &Problem, best: &Evaluation) -> Option<((u64, f64), f64)> {
+    let l = &best.layout;
+    if l.dp == 1 {
+        return None;
+    }
+    let gpus = l.tp * l.pp;
+    let cluster = problem.cluster.with_gpus(gpus).ok()?;
+    let setup = TrainingSetup {
+        global_batch: problem.setup.global_batch / l.dp,
+        ..problem.setup.clone()
+    };
+    let p = Problem::new(problem.model.clone(), cluster, setup).ok()?;
+    let one = p
+        .evaluate(&Layout {
+            dp: 1,
+            zero: 0,
+            ..l.clone()
+        })
+        .ok()?;
+    let rate = one.throughput.samples_per_s;
+    Some((
+        (gpus, rate),
+        best.throughput.samples_per_s / (l.dp as f64 * rate),
+    ))
+}
+
+/// Writes the memo for the chosen evaluation.
+pub fn memo(problem: &Problem, best: &Evaluation) -> String {
+    let mut out = String::new();
+    let c = &problem.cluster;
+    let l = &best.layout;
+    let t = &best.time;
+    let m = &best.memory;
+    let step = t.step_s;
+    let _ = writeln!(
+        out,
+        "Recommendation for {} on {} × {} ({} per node), global batch {}, {}:\n  {l}\n  predicted step {:.3} s, {:.0} tokens/s, {:.3} TFLOP/s per GPU, MFU {:.1}%\n",
+        problem.model.name,
+        c.gpus,
+        c.name,
+        c.gpus_per_node,
+        problem.setup.global_batch,
+        problem.setup.precision.name(),
+        step,
+        best.throughput.tokens_per_s,
+        best.throughput.tflops_per_gpu,
+        100.0 * best.throughput.mfu
+    );
+
+    // 1. Memory.
+    let _ = writeln!(out, "1. Fitting in memory");
+    if let Some(need) = single_gpu_need(problem) {
+        let verdict = if need > c.memory_gib * GIB {
+            "does not fit"
+        } else {
+            "would fit"
+        };
+        let _ = writeln!(
+            out,
+            "   On a single GPU the model needs {:.1} GiB (weights, gradients, optimizer states and one micro-batch of activations) and {verdict} in {:.0} GiB.",
+            gib(need),
+            c.memory_gib
+        );
+    }
+    let mut how = Vec::new();
+    if l.tp > 1 {
+        how.push(format!(
+            "tensor parallelism splits every weight matrix over {} GPUs",
+            l.tp
+        ));
+    }
+    if l.pp > 1 {
+        how.push(format!(
+            "pipeline parallelism gives each GPU 1/{} of the layers",
+            l.pp
+        ));
+    }
+    if l.zero > 0 {
+        let what = match l.zero {
+            1 => "the optimizer states",
+            2 => "optimizer states and gradients",
+            _ => "optimizer states, gradients and weights",
+        };
+        how.push(format!(
+            "ZeRO-{} shards {what} over the {} data-parallel ranks",
+            l.zero, l.dp
+        ));
+    }
+    match l.recompute {
+        Recompute::Full => how.push("full recomputation keeps only each layer's input".into()),
+        Recompute::Selective => {
+            how.push("selective recomputation drops the attention scores (the 5as/h term)".into())
+        }
+        Recompute::None => {}
+    }
+    if l.sp {
+        how.push("sequence parallelism splits the layer-norm and dropout activations too".into());
+    }
+    if how.is_empty() {
+        how.push("the model fits as is; every GPU holds a full replica".into());
+    }
+    let _ = writeln!(
+        out,
+        "   This layout: {}. Per GPU: weights {:.1}, gradients {:.1}, optimizer {:.1}, activations {:.1}, buffers {:.1}, reserved {:.1} = {:.1} of {:.0} GiB.\n",
+        how.join("; "),
+        gib(m.weights),
+        gib(m.gradients),
+        gib(m.optimizer),
+        gib(m.activations),
+        gib(m.comm_buffers),
+        gib(m.reserved),
+        gib(m.total()),
+        c.memory_gib
+    );
+
+    // 2. Communication.
+    let _ = writeln!(out, "2. Where gradients and activations are synchronised");
+    if l.dp > 1 {
+        let link = if best.links.dp_crosses_nodes {
+            "between nodes"
+        } else {
+            "inside a node"
+        };
+        let how = match l.zero {
+            0 => "all-reduced after backward".to_string(),
+            1 | 2 => "reduce-scattered after backward (each rank keeps the slice it updates) and the updated weights all-gathered".to_string(),
+            _ => format!("reduce-scattered, and the weights all-gathered before each forward and backward, in each of the {} micro-batches", t.microbatches),
+        };
+        let _ = writeln!(
+            out,
+            "   Data parallelism: each of the {} replicas computes gradients of its own samples; the {:.2} GB of gradients per GPU are {how}, across {} ranks {link} at {:.0} GB/s bus bandwidth. That takes {:.3} s per step, of which {:.3} s hide under backward compute and {:.3} s ({:.1}% of the step) are exposed.",
+            l.dp,
+            best.links.dp_bytes / 1e9,
+            l.dp,
+            best.links.dp_bandwidth / 1e9,
+            t.dp_exposed_s + t.dp_hidden_s,
+            t.dp_hidden_s,
+            t.dp_exposed_s,
+            pct(t.dp_exposed_s, step)
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "   No data parallelism: there is no gradient all-reduce between replicas."
+        );
+    }
+    if l.tp > 1 {
+        let link = if best.links.tp_crosses_nodes {
+            "over the inter-node network (slow: keep tp within a node)"
+        } else {
+            "over the intra-node links (NVLink)"
+        };
+        let _ = writeln!(
+            out,
+            "   Tensor parallelism: every layer all-reduces its activations {} times per micro-batch {link}: {:.3} s per step ({:.1}%), on the critical path.",
+            if l.recompute == Recompute::Full { 6 } else { 4 },
+            t.tp_comm_s,
+            pct(t.tp_comm_s, step)
+        );
+    }
+    if l.pp > 1 {
+        let _ = writeln!(
+            out,
+            "   Pipeline parallelism: only the boundary activations travel between stages ({}): {:.3} s per step.",
+            if best.links.pp_crosses_nodes { "between nodes" } else { "inside a node" },
+            t.pp_p2p_s
+        );
+    }
+    let _ = writeln!(out);
+
+    // 3. Micro-batching.
+    let _ = writeln!(out, "3. Micro-batching versus naive layer splitting");
+    let mbs = t.microbatches;
+    if l.pp > 1 {
+        let v = if l.schedule == Schedule::OneFOneB {
+            l.interleave
+        } else {
+            1
+        } as f64;
+        let bubble = (l.pp - 1) as f64 / (v * mbs as f64);
+        let _ = writeln!(
+            out,
+            "   Naively splitting the layers over {} GPUs runs one stage at a time: each GPU is busy 1/{} = {:.0}% of the step. Cutting the batch into {mbs} micro-batches lets stage k work on micro-batch i while stage k+1 works on i−1; only the fill and drain remain idle, a bubble of {} = {:.1}% of the ideal time ({:.3} s). {}",
+            l.pp,
+            l.pp,
+            100.0 / l.pp as f64,
+            if v > 1.0 { "(p−1)/(v·m)" } else { "(p−1)/m" },
+            100.0 * bubble,
+            t.bubble_s,
+            if l.schedule == Schedule::GPipe {
+                "GPipe keeps all micro-batches' activations; 1F1B would keep at most p."
+            } else {
+                "The 1F1B schedule starts each backward as early as possible, so at most p micro-batches of activations are alive."
+            }
+        );
+    } else {
+        let n = c.gpus.max(2);
+        let _ = writeln!(
+            out,
+            "   This layout needs no pipeline, so there is no bubble. Had the layers been split naively over {n} GPUs, each would idle {:.0}% of the time; with m micro-batches the idle share falls to (p−1)/(m+p−1). Here the {mbs} micro-batch(es) per replica are gradient accumulation: they bound activation memory without adding communication.",
+            100.0 * (1.0 - 1.0 / n as f64),
+        );
+    }
+    let _ = writeln!(out);
+
+    // 4. Mixed precision.
+    let _ = writeln!(out, "4. Mixed precision");
+    match problem.setup.precision {
+        Precision::Fp32 if c.peak_tflops.bf16 <= c.peak_tflops.fp32 => {
+            let _ = writeln!(
+                out,
+                "   Training in fp32: this hardware has no faster 16-bit math, so bf16 would only halve weight, gradient and activation memory (and communication volume), while fp32 master weights and optimizer states keep updates exact."
+            );
+        }
+        Precision::Fp32 => {
+            let _ = writeln!(
+                out,
+                "   Training in fp32. bf16 would halve weight, gradient and activation memory and run matrix multiplies on tensor cores at {:.0} instead of {:.0} TFLOP/s, while fp32 master weights and optimizer states keep updates exact.",
+                c.peak_tflops.bf16, c.peak_tflops.fp32
+            );
+        }
+        precision => {
+            let twin = fp32_twin(problem, l);
+            let saving = twin
+                .as_ref()
+                .map(|f| format!(" The same layout in fp32 would need {:.1} GiB per GPU instead of {:.1} and run at {:.1}× the step time.", gib(f.memory.total()), gib(m.total()), f.time.step_s / step))
+                .unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "   Weights, activations and gradients are {} (2 bytes), so matrix multiplies run on tensor cores ({:.0} vs {:.0} TFLOP/s fp32) and activations take half the memory.{saving} What stays in fp32: the master weights and Adam moments (updates of size lr·g are far below a 16-bit weight's resolution and would be rounded away), the reductions inside layer norm, softmax and the loss (long sums lose precision in 16 bits), and gradient accumulation across micro-batches. {}",
+                precision.name(),
+                problem.cluster.peak_flops(precision) / 1e12,
+                c.peak_tflops.fp32,
+                if precision == Precision::Fp16 {
+                    "fp16's narrow range needs dynamic loss scaling: the loss is multiplied by S before backward so small gradients do not flush to zero, gradients are unscaled in fp32, and a step with inf/NaN is skipped and S halved."
+                } else {
+                    "bf16 has fp32's exponent range, so no loss scaling is needed; its short mantissa is why the master copy stays fp32."
+                }
+            );
+        }
+    }
+    let _ = writeln!(out);
+
+    // 5. Bottleneck.
+    let _ = writeln!(out, "5. What will stop perfect scaling");
+    let ranked = losses(best);
+    let useful = t.compute_s;
+    let _ = writeln!(
+        out,
+        "   Useful forward/backward compute is {:.1}% of the step. Losses: {}.",
+        pct(useful, step),
+        ranked
+            .iter()
+            .filter(|(_, s)| *s > 0.0)
+            .map(|(loss, s)| format!("{} {:.1}%", loss.name(), pct(*s, step)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if let Some((replica, efficiency)) = replica_scaling(problem, best) {
+        let _ = writeln!(
+            out,
+            "   Scaling: one replica ({} GPU{}) would process {:.1} samples/s with the same per-replica batch; {} replicas reach {:.1}, i.e. {:.1}% of perfect scaling.",
+            replica.0,
+            if replica.0 == 1 { "" } else { "s" },
+            replica.1,
+            l.dp,
+            best.throughput.samples_per_s,
+            100.0 * efficiency
+        );
+    }
+    if let Some((loss, secs)) = ranked.first().filter(|(_, s)| *s > 0.0) {
+        let _ = writeln!(
+            out,
+            "   Most likely bottleneck: {} ({:.1}% of the step). First mitigation: {}.",
+            loss.name(),
+            pct(*secs, step),
+            loss.mitigation(l)
+        );
+    }
+    let memory_bound = best.time.compute_s > 0.0;
+    if memory_bound
+        && best.throughput.mfu < 0.3
+        && ranked.first().map_or(true, |(_, s)| *s < 0.1 * step)
+    {
+        let _ = writeln!(out, "   Communication is small here; the low MFU comes from small matrix multiplies and per-op overhead: grow the micro-batch.");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets;
+    use crate::search::search_feasible;
+
+    #[test]
+    fn memo_covers_the_five_questions() {
+        let cluster = presets::cluster("h100").unwrap().with_gpus(32).unwrap();
+        let problem = Problem::new(
+            presets::model("llama-70b").unwrap(),
+            cluster,
+            TrainingSetup::new(256, Precision::Bf16),
+        )
+        .unwrap();
+        let result = search_feasible(&problem).unwrap();
+        let text = memo(&problem, result.best().unwrap());
+        for needle in [
+            "does not fit in 80 GiB",
+            "Per GPU: weights",
+            "What stays in fp32: the master weights",
+            "Most likely bottleneck",
+            "First mitigation",
+            "micro-batch",
+            "of perfect scaling",
+        ] {
+            assert!(text.contains(needle), "missing `{needle}` in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn losses_are_sorted() {
+        let cluster = presets::cluster("a100").unwrap().with_gpus(64).unwrap();
+        let problem = Problem::new(
+            presets::model("gpt-39b").unwrap(),
+            cluster,
+            TrainingSetup::new(512, Precision::Bf16),
+        )
+        .unwrap();
+        let e = problem
+            .evaluate(&Layout::parse("dp=2,tp=8,pp=4,mb=1,recompute=full").unwrap())
+            .unwrap();
+        let l = losses(&e);
+        assert!(l.windows(2).all(|w| w[0].1 >= w[1].1));
+        // 4 stages, 256 micro-batches: bubble = 3 micro-batch times; recompute is a third of
+        // the forward+backward.
+        assert!(e.time.bubble_s > 0.0 && e.time.recompute_s > 0.0);
+    }
+}

@@ -1,0 +1,273 @@
+//! The training setup (what the user wants to train) and a parallel layout (how to split it).
+//! Both are plain data so the planner can enumerate, compare and print them.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::cluster::Precision;
+use crate::error::{PlanError, Result};
+
+/// Optimizer, which fixes the bytes of optimizer state per parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    /// Adam/AdamW: two moments.
+    Adam,
+    /// SGD with momentum: one buffer.
+    Sgd,
+}
+
+/// What is trained, independent of how it is split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingSetup {
+    /// Sequences (or samples) per optimizer step, over all data-parallel replicas.
+    pub global_batch: u64,
+    pub precision: Precision,
+    pub optimizer: Optimizer,
+    /// Whether the data-parallel gradient reduction may start during the backward pass of
+    /// the last micro-batch (PyTorch DDP, Megatron-Core `overlap_grad_reduce`). Megatron-LM as
+    /// used by Narayanan et al. 2021 reduced after the backward pass.
+    pub overlap_grad_reduce: bool,
+    /// Accumulate and reduce gradients in fp32 (Megatron `--accumulate-allreduce-grads-in-fp32`)
+    /// instead of the compute precision.
+    pub fp32_gradients: bool,
+}
+
+impl TrainingSetup {
+    pub fn new(global_batch: u64, precision: Precision) -> Self {
+        TrainingSetup {
+            global_batch,
+            precision,
+            optimizer: Optimizer::Adam,
+            overlap_grad_reduce: true,
+            fp32_gradients: false,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.global_batch == 0 {
+            return Err(PlanError::InvalidSetup(
+                "global batch must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes per parameter of weights, gradients and optimizer state (the ZeRO paper's 2, 2
+    /// and K for mixed-precision Adam, K = 12: fp32 master copy, momentum and variance).
+    pub fn bytes_per_param(&self) -> ParamBytes {
+        let weights = self.precision.compute_bytes();
+        let gradients = if self.fp32_gradients { 4.0 } else { weights };
+        // Mixed precision keeps an fp32 master copy in the optimizer state; fp32 training
+        // updates the weights themselves.
+        let master = if self.precision.is_mixed() { 4.0 } else { 0.0 };
+        let moments = match self.optimizer {
+            Optimizer::Adam => 8.0,
+            Optimizer::Sgd => 4.0,
+        };
+        ParamBytes {
+            weights,
+            gradients,
+            optimizer: master + moments,
+        }
+    }
+}
+
+/// Bytes per parameter of each kind of model state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ParamBytes {
+    pub weights: f64,
+    pub gradients: f64,
+    pub optimizer: f64,
+}
+
+/// Activation recomputation (Korthikanti et al. 2022).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation.
+    None,
+    /// Recompute only the attention core (softmax, dropout, scores·V): drops the 5as²b term.
+    Selective,
+    /// Keep only each layer's input; recompute the whole layer in backward.
+    Full,
+}
+
+/// Pipeline schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Schedule {
+    /// All forwards, then all backwards: m micro-batches of activations in flight.
+    GPipe,
+    /// One-forward-one-backward (PipeDream-Flush): at most p micro-batches in flight.
+    #[serde(rename = "1F1B")]
+    OneFOneB,
+}
+
+/// One way of laying a training run out over the cluster. Ranks are numbered with tensor
+/// parallelism innermost, then data, then pipeline (Megatron's order), so tensor-parallel
+/// groups sit inside a node whenever `tp ≤ gpus_per_node`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Layout {
+    pub dp: u64,
+    pub tp: u64,
+    pub pp: u64,
+    /// Sequence parallelism in the tensor-parallel regions (Korthikanti et al. 2022).
+    pub sp: bool,
+    /// ZeRO stage 0–3 over the data-parallel group.
+    pub zero: u8,
+    /// Sequences per micro-batch.
+    pub micro_batch: u64,
+    pub recompute: Recompute,
+    /// Model chunks per pipeline device (interleaved 1F1B when > 1).
+    pub interleave: u64,
+    pub schedule: Schedule,
+}
+
+impl Layout {
+    /// A plain data-parallel layout.
+    pub fn data_parallel(dp: u64, micro_batch: u64) -> Self {
+        Layout {
+            dp,
+            tp: 1,
+            pp: 1,
+            sp: false,
+            zero: 0,
+            micro_batch,
+            recompute: Recompute::None,
+            interleave: 1,
+            schedule: Schedule::OneFOneB,
+        }
+    }
+
+    pub fn gpus(&self) -> u64 {
+        self.dp * self.tp * self.pp
+    }
+
+    /// Parses `dp=4,tp=8,pp=1,mb=1,zero=1,sp=on,recompute=full,v=2,schedule=1f1b`; omitted keys
+    /// take the defaults of [`Layout::data_parallel`] with dp=1, mb=1.
+    pub fn parse(text: &str) -> Result<Self> {
+        let mut layout = Layout::data_parallel(1, 1);
+        let bad = |reason: String| PlanError::InvalidLayout {
+            layout: text.to_string(),
+            reason,
+        };
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
+            let number = || {
+                value
+                    .parse::<u64>()
+                    .map_err(|_| bad(format!("`{key}` needs a whole number, got `{value}`")))
+            };
+            match key.trim().to_ascii_lowercase().as_str() {
+                "dp" => layout.dp = number()?,
+                "tp" => layout.tp = number()?,
+                "pp" => layout.pp = number()?,
+                "mb" | "micro_batch" => layout.micro_batch = number()?,
+                "v" | "interleave" => layout.interleave = number()?,
+                "zero" => {
+                    layout.zero =
+                        u8::try_from(number()?).map_err(|_| bad("zero must be 0..3".into()))?
+                }
+                "sp" => {
+                    layout.sp = matches!(value, "1" | "on" | "true" | "yes");
+                }
+                "recompute" => {
+                    layout.recompute = match value {
+                        "none" | "off" => Recompute::None,
+                        "selective" => Recompute::Selective,
+                        "full" => Recompute::Full,
+                        _ => {
+                            return Err(bad(format!(
+                                "recompute `{value}`: none, selective or full"
+                            )))
+                        }
+                    }
+                }
+                "schedule" => {
+                    layout.schedule = match value.to_ascii_lowercase().as_str() {
+                        "1f1b" => Schedule::OneFOneB,
+                        "gpipe" => Schedule::GPipe,
+                        _ => return Err(bad(format!("schedule `{value}`: 1f1b or gpipe"))),
+                    }
+                }
+                other => return Err(bad(format!("unknown key `{other}`"))),
+            }
+        }
+        Ok(layout)
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "dp={} tp={} pp={}{} zero={} mb={} recompute={}",
+            self.dp,
+            self.tp,
+            self.pp,
+            if self.sp { " sp" } else { "" },
+            self.zero,
+            self.micro_batch,
+            match self.recompute {
+                Recompute::None => "none",
+                Recompute::Selective => "selective",
+                Recompute::Full => "full",
+            }
+        )?;
+        if self.pp > 1 {
+            match self.schedule {
+                Schedule::GPipe => write!(f, " gpipe")?,
+                Schedule::OneFOneB if self.interleave > 1 => {
+                    write!(f, " 1f1b-interleaved(v={})", self.interleave)?
+                }
+                Schedule::OneFOneB => write!(f, " 1f1b")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_round_trip() {
+        let l = Layout::parse("dp=4, tp=8, pp=2, mb=2, zero=1, sp=on, recompute=selective, v=3")
+            .unwrap();
+        assert_eq!(
+            (l.dp, l.tp, l.pp, l.micro_batch, l.zero, l.interleave),
+            (4, 8, 2, 2, 1, 3)
+        );
+        assert!(l.sp);
+        assert_eq!(l.recompute, Recompute::Selective);
+        assert_eq!(l.gpus(), 64);
+        assert_eq!(
+            l.to_string(),
+            "dp=4 tp=8 pp=2 sp zero=1 mb=2 recompute=selective 1f1b-interleaved(v=3)"
+        );
+        assert!(Layout::parse("dp=two")
+            .unwrap_err()
+            .to_string()
+            .contains("whole number"));
+        assert!(Layout::parse("foo=1")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown key"));
+    }
+
+    #[test]
+    fn zero_paper_bytes_per_param() {
+        // Rajbhandari et al. 2020, §3.1: mixed-precision Adam keeps 2 + 2 + K bytes, K = 12.
+        let b = TrainingSetup::new(1, Precision::Fp16).bytes_per_param();
+        assert_eq!((b.weights, b.gradients, b.optimizer), (2.0, 2.0, 12.0));
+        let f = TrainingSetup::new(1, Precision::Fp32).bytes_per_param();
+        assert_eq!((f.weights, f.gradients, f.optimizer), (4.0, 4.0, 8.0));
+        let mut sgd = TrainingSetup::new(1, Precision::Bf16);
+        sgd.optimizer = Optimizer::Sgd;
+        assert_eq!(sgd.bytes_per_param().optimizer, 8.0);
+    }
+}

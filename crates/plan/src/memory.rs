@@ -1,0 +1,251 @@
+//! Per-GPU memory: model states (ZeRO 0–3), activations (Korthikanti et al. 2022) and
+//! communication buffers.
+
+use serde::Serialize;
+
+use crate::layout::{Layout, ParamBytes, Recompute, Schedule};
+use crate::model::TransformerSpec;
+
+/// Model-state bytes per GPU for `params` parameters held by this GPU before ZeRO sharding,
+/// following Rajbhandari et al. 2020 (ZeRO), §5: stage 1 shards optimizer states, stage 2
+/// also gradients, stage 3 also the weights, each over the `dp` data-parallel ranks.
+pub fn model_state_bytes(params: f64, bytes: ParamBytes, zero: u8, dp: u64) -> ModelStates {
+    let d = dp as f64;
+    let shard = |sharded: bool| if sharded { 1.0 / d } else { 1.0 };
+    ModelStates {
+        weights: params * bytes.weights * shard(zero >= 3),
+        gradients: params * bytes.gradients * shard(zero >= 2),
+        optimizer: params * bytes.optimizer * shard(zero >= 1),
+    }
+}
+
+/// Weights, gradients and optimizer state, bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ModelStates {
+    pub weights: f64,
+    pub gradients: f64,
+    pub optimizer: f64,
+}
+
+impl ModelStates {
+    pub fn total(&self) -> f64 {
+        self.weights + self.gradients + self.optimizer
+    }
+}
+
+/// Activation bytes of one transformer layer for one micro-batch of `b` sequences on one GPU,
+/// generalising Korthikanti et al. 2022 (Table 2) to any element size `e`, MLP width and
+/// key/value width. With e = 2, f = 4h and multi-head attention it reduces to their
+/// sbh(34 + 5as/h) without parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism,
+/// sbh/t·(34 + 5as/h) with tensor + sequence parallelism, the 5as/h term dropped by selective
+/// recomputation, and 2sbh (2sbh/t with sp) of layer input under full recomputation.
+pub fn layer_activation_bytes(
+    model: &TransformerSpec,
+    b: f64,
+    e: f64,
+    tp: u64,
+    sp: bool,
+    recompute: Recompute,
+) -> f64 {
+    let parts = LayerActivations::new(model, b, e);
+    let t = tp as f64;
+    match recompute {
+        Recompute::Full => {
+            let input = e * parts.sbh;
+            if sp {
+                input / t
+            } else {
+                input
+            }
+        }
+        Recompute::None | Recompute::Selective => {
+            let scores = if recompute == Recompute::None {
+                parts.attention_scores
+            } else {
+                0.0
+            };
+            let split = parts.split + scores;
+            if sp {
+                (parts.replicated + split) / t
+            } else {
+                parts.replicated + split / t
+            }
+        }
+    }
+}
+
+/// The three groups of Korthikanti et al.'s per-layer activations.
+pub(crate) struct LayerActivations {
+    /// s·b·h: one hidden-sized tensor, in elements.
+    pub sbh: f64,
+    /// Not split by tensor parallelism: two layer-norm inputs, the QKV and fc1 inputs (e·sbh
+    /// each) and two dropout masks (1 byte per element): sbh(4e + 2).
+    pub replicated: f64,
+    /// Split by tensor parallelism: Q, K, V, projection input and the MLP's inner activations.
+    pub split: f64,
+    /// Attention scores: softmax output (e), dropout mask (1), dropout output (e): a·s²·b·(2e+1).
+    pub attention_scores: f64,
+}
+
+impl LayerActivations {
+    pub fn new(model: &TransformerSpec, b: f64, e: f64) -> Self {
+        let s = model.seq_len as f64;
+        let h = model.hidden as f64;
+        let a = model.heads as f64;
+        let f = model.ffn_hidden as f64;
+        let kv = model.kv_width() as f64;
+        let sbh = s * b * h;
+        let mlp_inner = if model.gated_mlp {
+            3.0 * e * s * b * f
+        } else {
+            2.0 * e * s * b * f
+        };
+        LayerActivations {
+            sbh,
+            replicated: sbh * (4.0 * e + 2.0),
+            split: e * s * b * (2.0 * h + 2.0 * kv) + mlp_inner,
+            attention_scores: a * s * s * b * (2.0 * e + 1.0),
+        }
+    }
+}
+
+/// How many micro-batches' worth of a stage's layers the first pipeline stage keeps at its
+/// peak: 1F1B holds min(p, m), scaled by (1 + (p−1)/(p·v)) when interleaved (Korthikanti et
+/// al. 2022 §4.2.3); GPipe holds all m. Without a pipeline, one micro-batch.
+pub fn in_flight_microbatches(layout: &Layout, microbatches: u64) -> f64 {
+    let p = layout.pp as f64;
+    if layout.pp == 1 {
+        return 1.0;
+    }
+    match layout.schedule {
+        Schedule::GPipe => microbatches as f64,
+        Schedule::OneFOneB => {
+            let base = p.min(microbatches as f64);
+            if layout.interleave > 1 {
+                base * (1.0 + (p - 1.0) / (p * layout.interleave as f64))
+            } else {
+                base
+            }
+        }
+    }
+}
+
+/// Per-GPU memory in bytes, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MemoryBreakdown {
+    pub weights: f64,
+    pub gradients: f64,
+    pub optimizer: f64,
+    pub activations: f64,
+    pub comm_buffers: f64,
+    /// Runtime reservation from the cluster preset (CUDA context, allocator slack).
+    pub reserved: f64,
+}
+
+impl MemoryBreakdown {
+    pub fn total(&self) -> f64 {
+        self.weights
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.comm_buffers
+            + self.reserved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::Precision;
+    use crate::layout::TrainingSetup;
+
+    fn gpt(h: u64, a: u64, s: u64) -> TransformerSpec {
+        TransformerSpec {
+            layers: 1,
+            hidden: h,
+            heads: a,
+            kv_heads: None,
+            ffn_hidden: 4 * h,
+            gated_mlp: false,
+            vocab: 1000,
+            seq_len: s,
+            tied_embeddings: true,
+        }
+    }
+
+    #[test]
+    fn zero_paper_worked_example_exactly() {
+        // Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12:
+        // 120 GB, 31.4 GB, 16.6 GB, 1.9 GB for baseline, P_os, P_os+g, P_os+g+p.
+        let psi = 7.5e9;
+        let bytes = TrainingSetup::new(1, Precision::Fp16).bytes_per_param();
+        let gb = |zero| model_state_bytes(psi, bytes, zero, 64).total() / 1e9;
+        assert_eq!(gb(0), 120.0);
+        assert_eq!((gb(1) * 10.0).round() / 10.0, 31.4);
+        assert_eq!((gb(2) * 10.0).round() / 10.0, 16.6);
+        assert_eq!((gb(3) * 10.0).round() / 10.0, 1.9);
+        // Unrounded by hand: 30 + 90/64, 15 + 105/64, 120/64.
+        assert!((gb(1) - (30.0 + 90.0 / 64.0)).abs() < 1e-9);
+        assert!((gb(2) - (15.0 + 105.0 / 64.0)).abs() < 1e-9);
+        assert!((gb(3) - 1.875).abs() < 1e-12);
+    }
+
+    #[test]
+    fn korthikanti_table2_formulas() {
+        let (h, a, s, b, t) = (4096u64, 32u64, 2048u64, 2.0f64, 8u64);
+        let m = gpt(h, a, s);
+        let sbh = s as f64 * b * h as f64;
+        let as_h = a as f64 * s as f64 / h as f64;
+        let tf = t as f64;
+        let close = |x: f64, y: f64| assert!((x - y).abs() / y < 1e-12, "{x} vs {y}");
+        // No parallelism: sbh(34 + 5as/h).
+        close(
+            layer_activation_bytes(&m, b, 2.0, 1, false, Recompute::None),
+            sbh * (34.0 + 5.0 * as_h),
+        );
+        // Tensor parallel: sbh(10 + 24/t + 5as/(ht)).
+        close(
+            layer_activation_bytes(&m, b, 2.0, t, false, Recompute::None),
+            sbh * (10.0 + 24.0 / tf + 5.0 * as_h / tf),
+        );
+        // Tensor + sequence parallel: sbh/t (34 + 5as/h).
+        close(
+            layer_activation_bytes(&m, b, 2.0, t, true, Recompute::None),
+            sbh / tf * (34.0 + 5.0 * as_h),
+        );
+        // Tensor parallel + selective recompute: sbh(10 + 24/t).
+        close(
+            layer_activation_bytes(&m, b, 2.0, t, false, Recompute::Selective),
+            sbh * (10.0 + 24.0 / tf),
+        );
+        // Tensor + sequence parallel + selective: 34 sbh / t.
+        close(
+            layer_activation_bytes(&m, b, 2.0, t, true, Recompute::Selective),
+            34.0 * sbh / tf,
+        );
+        // Full recompute: 2sbh, 2sbh/t with sp.
+        close(
+            layer_activation_bytes(&m, b, 2.0, t, false, Recompute::Full),
+            2.0 * sbh,
+        );
+        close(
+            layer_activation_bytes(&m, b, 2.0, t, true, Recompute::Full),
+            2.0 * sbh / tf,
+        );
+    }
+
+    #[test]
+    fn in_flight_counts() {
+        let mut l = Layout::data_parallel(1, 1);
+        assert_eq!(in_flight_microbatches(&l, 16), 1.0);
+        l.pp = 4;
+        assert_eq!(in_flight_microbatches(&l, 16), 4.0);
+        assert_eq!(in_flight_microbatches(&l, 2), 2.0);
+        l.interleave = 2;
+        // 4 · (1 + 3/8)
+        assert_eq!(in_flight_microbatches(&l, 16), 5.5);
+        l.interleave = 1;
+        l.schedule = Schedule::GPipe;
+        assert_eq!(in_flight_microbatches(&l, 16), 16.0);
+    }
+}

@@ -1,0 +1,264 @@
+//! Exhaustive search over layouts: dp × tp × pp × sp × ZeRO × micro-batch × recomputation ×
+//! interleaving × schedule. Every candidate costs a few hundred floating-point operations, so
+//! even tens of thousands of them take milliseconds.
+
+use serde::Serialize;
+
+use crate::cost::{Evaluation, Problem};
+use crate::error::{PlanError, Result};
+use crate::layout::{Layout, Recompute, Schedule};
+
+/// Outcome of a search.
+#[derive(Debug, Clone, Serialize)]
+pub struct SearchResult {
+    /// Feasible layouts, fastest (most tokens or samples per second) first.
+    pub ranked: Vec<Evaluation>,
+    /// Layouts that could be built and were evaluated.
+    pub candidates: usize,
+    /// Of those, how many did not fit into memory.
+    pub out_of_memory: usize,
+    /// The infeasible layout needing the least memory, to explain a failure.
+    pub closest_miss: Option<Evaluation>,
+}
+
+impl SearchResult {
+    pub fn best(&self) -> Option<&Evaluation> {
+        self.ranked.first()
+    }
+}
+
+fn divisors(n: u64) -> Vec<u64> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+/// Powers of two dividing `n`, up to `limit`.
+fn power_of_two_divisors(n: u64, limit: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut b = 1;
+    while b <= n && b <= limit {
+        if n % b == 0 {
+            out.push(b);
+        }
+        b *= 2;
+    }
+    out
+}
+
+/// Largest micro-batch size the search tries: beyond it GEMMs are already large and only
+/// memory grows.
+const MAX_MICRO_BATCH: u64 = 64;
+/// Largest number of interleaved model chunks per device the search tries.
+const MAX_INTERLEAVE: u64 = 8;
+
+/// All layouts the problem admits (before the memory check).
+pub fn enumerate(problem: &Problem) -> Vec<Layout> {
+    let n = problem.cluster.gpus;
+    let transformer = problem.model.transformer().cloned();
+    let mut out = Vec::new();
+    for tp in divisors(n) {
+        for pp in divisors(n / tp) {
+            let dp = n / (tp * pp);
+            if transformer.is_none() && (tp > 1 || pp > 1) {
+                continue;
+            }
+            if problem.setup.global_batch % dp != 0 {
+                continue;
+            }
+            let per_replica = problem.setup.global_batch / dp;
+            let sp_options: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+            let recompute_options: &[Recompute] = if transformer.is_some() {
+                &[Recompute::None, Recompute::Selective, Recompute::Full]
+            } else {
+                &[Recompute::None]
+            };
+            let interleave_options: Vec<u64> = match &transformer {
+                Some(t) if pp > 1 && t.layers % pp == 0 => divisors(t.layers / pp)
+                    .into_iter()
+                    .filter(|v| *v <= MAX_INTERLEAVE)
+                    .collect(),
+                _ => vec![1],
+            };
+            for micro_batch in power_of_two_divisors(per_replica, MAX_MICRO_BATCH) {
+                for &sp in sp_options {
+                    for zero in 0..=3u8 {
+                        if dp == 1 && zero > 0 {
+                            continue;
+                        }
+                        for &recompute in recompute_options {
+                            for &interleave in &interleave_options {
+                                let schedules: &[Schedule] = if pp > 1 && interleave == 1 {
+                                    &[Schedule::OneFOneB, Schedule::GPipe]
+                                } else {
+                                    &[Schedule::OneFOneB]
+                                };
+                                for &schedule in schedules {
+                                    out.push(Layout {
+                                        dp,
+                                        tp,
+                                        pp,
+                                        sp,
+                                        zero,
+                                        micro_batch,
+                                        recompute,
+                                        interleave,
+                                        schedule,
+                                    });
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Evaluates every buildable layout and ranks the ones that fit by predicted throughput.
+pub fn search(problem: &Problem) -> Result<SearchResult> {
+    let mut ranked = Vec::new();
+    let mut candidates = 0;
+    let mut out_of_memory = 0;
+    let mut closest_miss: Option<Evaluation> = None;
+    for layout in enumerate(problem) {
+        // Layouts the model cannot be cut into (heads, layers) are skipped, not errors.
+        let Ok(evaluation) = problem.evaluate(&layout) else {
+            continue;
+        };
+        candidates += 1;
+        if evaluation.fits {
+            ranked.push(evaluation);
+        } else {
+            out_of_memory += 1;
+            let smaller = closest_miss
+                .as_ref()
+                .map_or(true, |c| evaluation.memory.total() < c.memory.total());
+            if smaller {
+                closest_miss = Some(evaluation);
+            }
+        }
+    }
+    // Fastest first. Layouts within the model's resolution (0.5% throughput bands) count as
+    // equally fast; among those the simpler layout wins, then the one with more headroom.
+    ranked.sort_by(|a, b| {
+        speed_band(b)
+            .cmp(&speed_band(a))
+            .then(complexity(&a.layout).cmp(&complexity(&b.layout)))
+            .then(a.memory.total().total_cmp(&b.memory.total()))
+            .then(
+                b.throughput
+                    .samples_per_s
+                    .total_cmp(&a.throughput.samples_per_s),
+            )
+    });
+    Ok(SearchResult {
+        ranked,
+        candidates,
+        out_of_memory,
+        closest_miss,
+    })
+}
+
+/// Throughput band of width 0.5%: differences below it are inside the model's error.
+fn speed_band(e: &Evaluation) -> i64 {
+    (e.throughput.samples_per_s.ln() / 1.005f64.ln()).floor() as i64
+}
+
+/// How much machinery a layout needs: each extra parallel dimension, ZeRO stage,
+/// recomputation level or interleaving adds one.
+fn complexity(l: &Layout) -> u32 {
+    u32::from(l.tp > 1)
+        + u32::from(l.pp > 1)
+        + u32::from(l.sp)
+        + u32::from(l.zero)
+        + match l.recompute {
+            Recompute::None => 0,
+            Recompute::Selective => 1,
+            Recompute::Full => 2,
+        }
+        + u32::from(l.interleave > 1)
+        + u32::from(l.schedule == Schedule::GPipe)
+}
+
+/// Like [`search`], but an empty result is an error naming the closest miss.
+pub fn search_feasible(problem: &Problem) -> Result<SearchResult> {
+    let result = search(problem)?;
+    if result.ranked.is_empty() {
+        let closest = match &result.closest_miss {
+            Some(miss) => miss
+                .clone()
+                .require_fit(&problem.cluster)
+                .err()
+                .map_or_else(|| miss.layout.to_string(), |e| e.to_string()),
+            None => "no layout can be built for this model and GPU count".to_string(),
+        };
+        return Err(PlanError::NoFeasibleLayout {
+            candidates: result.candidates,
+            closest,
+        });
+    }
+    Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::Precision;
+    use crate::layout::TrainingSetup;
+    use crate::presets;
+
+    fn problem(model: &str, cluster: &str, gpus: u64, batch: u64) -> Problem {
+        let c = presets::cluster(cluster).unwrap().with_gpus(gpus).unwrap();
+        Problem::new(
+            presets::model(model).unwrap(),
+            c,
+            TrainingSetup::new(batch, Precision::Bf16),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn ranked_results_fit_and_are_sorted() {
+        let p = problem("gpt-30b", "h100", 32, 256);
+        let r = search_feasible(&p).unwrap();
+        assert!(r.candidates > 1000, "{}", r.candidates);
+        // Sorted by 0.5% throughput bands: no later layout is more than 0.5% faster.
+        for pair in r.ranked.windows(2) {
+            assert!(pair[1].throughput.samples_per_s <= 1.005 * pair[0].throughput.samples_per_s);
+        }
+        assert!(r.ranked.iter().all(|e| e.fits));
+        // 30B with Adam needs 16 bytes/param = 480 GB of states: plain data parallelism on
+        // 80 GB GPUs cannot be in the list.
+        assert!(r
+            .ranked
+            .iter()
+            .all(|e| !(e.layout.tp == 1 && e.layout.pp == 1 && e.layout.zero == 0)));
+        let best = r.best().unwrap();
+        assert!(best.memory.total() <= 80.0 * crate::cluster::GIB);
+    }
+
+    #[test]
+    fn small_cpu_models_get_data_parallelism() {
+        let p = problem("resnet18", "cpu", 2, 256);
+        let best = search_feasible(&p).unwrap().ranked[0].clone();
+        assert_eq!((best.layout.dp, best.layout.tp, best.layout.pp), (2, 1, 1));
+        // Inside one 0.5% throughput band, simpler layouts come first.
+        let r = search_feasible(&problem("gpt-30b", "h100", 32, 256)).unwrap();
+        for pair in r.ranked.windows(2) {
+            if speed_band(&pair[0]) == speed_band(&pair[1]) {
+                assert!(complexity(&pair[0].layout) <= complexity(&pair[1].layout));
+            }
+        }
+    }
+
+    #[test]
+    fn impossible_problem_names_the_closest_miss() {
+        // A 1T model on 8 GPUs cannot fit.
+        let p = problem("gpt-1t", "h100", 8, 64);
+        let err = search_feasible(&p).unwrap_err().to_string();
+        assert!(
+            err.contains("no feasible layout") && err.contains("needs"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,230 @@
+//! End-to-end tests of the `meshtrain plan` code path (argument parsing → output text).
+
+use clap::Parser;
+use meshtrain_plan::cli::{render, PlanArgs};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: PlanArgs,
+}
+
+fn args(line: &[&str]) -> PlanArgs {
+    let mut argv = vec!["plan"];
+    argv.extend_from_slice(line);
+    Cli::try_parse_from(argv).expect("arguments parse").args
+}
+
+fn temp_file(name: &str, text: &str) -> String {
+    let path = std::env::temp_dir().join(format!("meshtrain-plan-{}-{name}", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+#[test]
+fn table_for_gpt_on_the_cpu_machine() {
+    let out = render(&args(&[
+        "--model",
+        "gpt",
+        "--cluster",
+        "cpu",
+        "--global-batch",
+        "32",
+        "--top",
+        "3",
+    ]))
+    .unwrap();
+    assert!(
+        out.starts_with("gpt on 2 × cpu-2core, global batch 32, fp32:"),
+        "{out}"
+    );
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.trim_start().starts_with(char::is_numeric))
+            .count(),
+        3,
+        "{out}"
+    );
+}
+
+#[test]
+fn json_output_parses_and_ranks() {
+    let out = render(&args(&[
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        "h100",
+        "--gpus",
+        "32",
+        "--global-batch",
+        "256",
+        "--json",
+        "--top",
+        "4",
+    ]))
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let plans = v["plans"].as_array().unwrap();
+    assert_eq!(plans.len(), 4);
+    let rates: Vec<f64> = plans
+        .iter()
+        .map(|p| p["throughput"]["samples_per_s"].as_f64().unwrap())
+        .collect();
+    // Ranked in 0.5% throughput bands (simpler layouts first inside a band).
+    assert!(rates.windows(2).all(|w| w[1] <= 1.005 * w[0]), "{rates:?}");
+    assert!(plans.iter().all(|p| p["fits"].as_bool().unwrap()));
+}
+
+#[test]
+fn explain_writes_the_memo() {
+    let out = render(&args(&[
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        "h100",
+        "--gpus",
+        "32",
+        "--global-batch",
+        "256",
+        "--explain",
+    ]))
+    .unwrap();
+    assert!(
+        out.contains("1. Fitting in memory") && out.contains("5. What will stop perfect scaling"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_layout_that_does_not_fit_is_a_clear_error() {
+    let err = render(&args(&[
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        "h100",
+        "--gpus",
+        "8",
+        "--global-batch",
+        "64",
+        "--layout",
+        "dp=8,mb=1",
+    ]))
+    .unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("does not fit: needs") && text.contains("has 80.0 GiB"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let zero = render(&args(&["--cluster", "h100", "--gpus", "0"])).unwrap_err();
+    assert!(format!("{zero:#}").contains("at least one GPU"), "{zero:#}");
+    let heads = temp_file("heads.toml", "name='odd'\n[transformer]\nlayers=2\nhidden=100\nheads=3\nffn_hidden=400\nvocab=10\nseq_len=8\n");
+    let err = render(&args(&["--model", &heads])).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("not divisible by the number of heads"),
+        "{err:#}"
+    );
+    let neg = temp_file(
+        "neg.toml",
+        &include_str!("../presets/clusters/h100-sxm-80gb.toml")
+            .replace("bandwidth_gbps = 45.0", "bandwidth_gbps = -45.0"),
+    );
+    let err = render(&args(&["--cluster", &neg])).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("inter_node.bandwidth_gbps must be a positive number"),
+        "{err:#}"
+    );
+    let tp = render(&args(&[
+        "--model",
+        "gpt",
+        "--cluster",
+        "h100",
+        "--gpus",
+        "8",
+        "--layout",
+        "dp=1,tp=8",
+    ]))
+    .unwrap_err();
+    assert!(
+        format!("{tp:#}").contains("4 attention heads are not divisible by tp = 8"),
+        "{tp:#}"
+    );
+}
+
+#[test]
+fn diagnose_names_the_regression() {
+    let file = temp_file(
+        "diag.json",
+        r#"{"run": [{"workers": 8, "compute_s": 1.0}, {"workers": 16, "compute_s": 1.0, "comm_exposed_s": 0.6}]}"#,
+    );
+    let out = render(&args(&["--diagnose", &file])).unwrap();
+    assert!(out.contains("mostly from exposed communication"), "{out}");
+}
+
+#[test]
+fn calibration_and_comparison_path() {
+    let measured = temp_file(
+        "measured.toml",
+        "matmul_gflops = 100.0\nallreduce_bus_bandwidth_gbps = 4.0\n",
+    );
+    let run = temp_file(
+        "run.toml",
+        "workers = 2\ncompute_s = 0.5\ncomm_exposed_s = 0.05\n",
+    );
+    let out = render(&args(&[
+        "--model",
+        "resnet18",
+        "--cluster",
+        "cpu",
+        "--global-batch",
+        "64",
+        "--measured",
+        &measured,
+        "--layout",
+        "dp=2,mb=32",
+        "--compare",
+        &run,
+    ]))
+    .unwrap();
+    assert!(
+        out.contains("cpu-2core (calibrated)") && out.contains("predicted vs measured"),
+        "{out}"
+    );
+}
+
+#[test]
+fn shipped_examples_work() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/presets/examples");
+    let out = render(&args(&[
+        "--diagnose",
+        &format!("{dir}/scaling-8-to-16.toml"),
+    ]))
+    .unwrap();
+    assert!(
+        out.contains("speed-up ×10.0 counting the 8-worker run as ×8"),
+        "{out}"
+    );
+    // With one network card per node, the planner keeps data-parallel and tensor-parallel
+    // traffic inside nodes and lets only pipeline boundaries cross them.
+    let cluster = format!("{dir}/h100-slow-inter-node.toml");
+    let out = render(&args(&[
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        &cluster,
+        "--global-batch",
+        "256",
+        "--json",
+        "--top",
+        "1",
+    ]))
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let best = &v["plans"][0];
+    assert_eq!(best["links"]["dp_crosses_nodes"], false, "{best}");
+    assert_eq!(best["links"]["tp_crosses_nodes"], false, "{best}");
+    assert_eq!(best["links"]["pp_crosses_nodes"], true, "{best}");
+}
