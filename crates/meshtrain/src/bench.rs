@@ -67,7 +67,12 @@ pub fn gemm_peak(n: usize) -> f64 {
     let mut best = f64::MAX;
     for _ in 0..5 {
         let t = Instant::now();
-        gemm(MatMut::new(&mut c, n, n), Mat::new(&a, n, n), Mat::new(&b, n, n), false);
+        gemm(
+            MatMut::new(&mut c, n, n),
+            Mat::new(&a, n, n),
+            Mat::new(&b, n, n),
+            false,
+        );
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (n as f64).powi(3) / best / 1e9
@@ -76,22 +81,35 @@ pub fn gemm_peak(n: usize) -> f64 {
 pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBench> {
     let (cfg, batch, classes, opt) = match name {
         "lenet" => (
-            ModelConfig::Lenet { variant: LeNetVariant::Sigmoid },
+            ModelConfig::Lenet {
+                variant: LeNetVariant::Sigmoid,
+            },
             256,
             10,
-            OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 0.0 },
+            OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
         ),
         "resnet18" => (
             ModelConfig::Resnet18 { width: 64 },
             128,
             10,
-            OptimizerConfig::Sgd { momentum: 0.9, weight_decay: 0.0 },
+            OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
         ),
         "gpt" => (
             ModelConfig::Gpt(GptConfig::default()),
             32,
             256,
-            OptimizerConfig::Adamw { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
+            OptimizerConfig::Adamw {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            },
         ),
         other => bail!("unknown model '{other}' (expected lenet, resnet18 or gpt)"),
     };
@@ -123,7 +141,13 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
             act_bytes = act_bytes.max(acts.bytes());
             let (_, dl, _) = softmax_cross_entropy(logits.data(), classes, &y, 1.0);
             let t1 = Instant::now();
-            model.backward(&mut store, acts, Tensor::from_vec(dl, logits.shape()), false, &mut |_, _| {});
+            model.backward(
+                &mut store,
+                acts,
+                Tensor::from_vec(dl, logits.shape()),
+                false,
+                &mut |_, _| {},
+            );
             let t2 = Instant::now();
             optimizer.step(&mut store.values, &store.grads, 1e-3);
             store.zero_grads();
@@ -135,7 +159,8 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
                 bwd += (t2 - t1).as_secs_f64();
                 opt_t += (t3 - t2).as_secs_f64();
             }
-            if (times.len() >= 5 && started.elapsed().as_secs_f64() > seconds) || times.len() >= 200 {
+            if (times.len() >= 5 && started.elapsed().as_secs_f64() > seconds) || times.len() >= 200
+            {
                 break;
             }
         }
@@ -164,9 +189,25 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
 pub fn run_models(args: &BenchModelsArgs) -> Result<()> {
     println!(
         "{:<9} {:>5} {:>4} {:>9} {:>8} {:>8} {:>7} {:>10} {:>8} {:>9} {:>8} {:>9}",
-        "model", "batch", "thr", "step ms", "fwd ms", "bwd ms", "opt ms", "samples/s", "GFLOP/s", "gemm peak", "% peak", "act MiB"
+        "model",
+        "batch",
+        "thr",
+        "step ms",
+        "fwd ms",
+        "bwd ms",
+        "opt ms",
+        "samples/s",
+        "GFLOP/s",
+        "gemm peak",
+        "% peak",
+        "act MiB"
     );
-    for name in args.models.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+    for name in args
+        .models
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
         let r = bench_model(name, args.threads, args.seconds)?;
         println!(
             "{:<9} {:>5} {:>4} {:>9.1} {:>8.1} {:>8.1} {:>7.1} {:>10.1} {:>8.1} {:>9.1} {:>7.0}% {:>9.1}",
@@ -185,7 +226,10 @@ pub fn run_models(args: &BenchModelsArgs) -> Result<()> {
         );
         if let Some(path) = &args.json {
             use std::io::Write;
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?;
             writeln!(f, "{}", serde_json::to_string(&r)?)?;
         }
     }

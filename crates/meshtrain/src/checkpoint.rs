@@ -28,10 +28,16 @@ fn view(data: &[f32], shape: Vec<usize>) -> TensorView<'_> {
 pub fn save(path: &Path, state: &TrainState) -> Result<()> {
     let mut views: Vec<(String, TensorView)> = Vec::new();
     for e in state.model.params() {
-        views.push((format!("param.{}", e.name), view(&state.store.values[e.range.clone()], e.shape.clone())));
+        views.push((
+            format!("param.{}", e.name),
+            view(&state.store.values[e.range.clone()], e.shape.clone()),
+        ));
     }
     for e in state.model.buffers() {
-        views.push((format!("buffer.{}", e.name), view(&state.store.buffers[e.range.clone()], e.shape.clone())));
+        views.push((
+            format!("buffer.{}", e.name),
+            view(&state.store.buffers[e.range.clone()], e.shape.clone()),
+        ));
     }
     let opt = state.optimizer;
     views.push(("optimizer.m".into(), view(&opt.m, vec![opt.m.len()])));
@@ -45,18 +51,20 @@ pub fn save(path: &Path, state: &TrainState) -> Result<()> {
         ("config".to_string(), state.config_toml.to_string()),
     ]
     .into();
-    let bytes = safetensors::serialize(views, &Some(metadata))
-        .context("serialising checkpoint")?;
+    let bytes = safetensors::serialize(views, &Some(metadata)).context("serialising checkpoint")?;
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let tmp = path.with_extension("safetensors.tmp");
     {
-        let mut f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(&bytes).with_context(|| format!("writing {}", tmp.display()))?;
+        let mut f =
+            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        f.write_all(&bytes)
+            .with_context(|| format!("writing {}", tmp.display()))?;
         f.sync_all()?;
     }
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
     Ok(())
 }
 
@@ -80,10 +88,20 @@ fn read_f32(st: &SafeTensors, name: &str, shape: &[usize], file: &Path) -> Resul
 }
 
 /// Load a checkpoint into `store` and `optimizer`; returns the step to continue from.
-pub fn load(path: &Path, model: &Model, store: &mut ParamStore, optimizer: &mut Optimizer) -> Result<u64> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read checkpoint {}", path.display()))?;
-    let (_, meta) = SafeTensors::read_metadata(&bytes)
-        .with_context(|| format!("checkpoint {} is corrupt or not a safetensors file", path.display()))?;
+pub fn load(
+    path: &Path,
+    model: &Model,
+    store: &mut ParamStore,
+    optimizer: &mut Optimizer,
+) -> Result<u64> {
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).with_context(|| {
+        format!(
+            "checkpoint {} is corrupt or not a safetensors file",
+            path.display()
+        )
+    })?;
     let st = SafeTensors::deserialize(&bytes)
         .with_context(|| format!("checkpoint {} is corrupt or truncated", path.display()))?;
     let meta = meta.metadata().clone().unwrap_or_default();

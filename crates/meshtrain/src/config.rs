@@ -163,7 +163,10 @@ impl Config {
                     bail!("GPT training needs train.steps");
                 }
                 if g.vocab < 256 {
-                    bail!("GPT trains on bytes: model.vocab must be at least 256, got {}", g.vocab);
+                    bail!(
+                        "GPT trains on bytes: model.vocab must be at least 256, got {}",
+                        g.vocab
+                    );
                 }
             }
             ModelConfig::Resnet18 { width } if *width == 0 => bail!("model.width must be positive"),
@@ -174,7 +177,10 @@ impl Config {
             }
         }
         if !(self.schedule.lr > 0.0 && self.schedule.lr.is_finite()) {
-            bail!("schedule.lr must be a positive number, got {}", self.schedule.lr);
+            bail!(
+                "schedule.lr must be a positive number, got {}",
+                self.schedule.lr
+            );
         }
         if !(0.0..=1.0).contains(&self.schedule.min_lr_fraction) {
             bail!("schedule.min_lr_fraction must be in [0, 1]");
@@ -233,11 +239,20 @@ mod tests {
     fn overrides_change_nested_values_and_types() {
         let cfg = Config::from_toml_with_overrides(
             LENET,
-            &["train.batch_size=64".into(), "model.variant=relu".into(), "schedule.lr=0.05".into()],
+            &[
+                "train.batch_size=64".into(),
+                "model.variant=relu".into(),
+                "schedule.lr=0.05".into(),
+            ],
         )
         .unwrap();
         assert_eq!(cfg.train.batch_size, 64);
-        assert_eq!(cfg.model, ModelConfig::Lenet { variant: LeNetVariant::Relu });
+        assert_eq!(
+            cfg.model,
+            ModelConfig::Lenet {
+                variant: LeNetVariant::Relu
+            }
+        );
         assert_eq!(cfg.schedule.lr, 0.05);
     }
 
@@ -245,7 +260,10 @@ mod tests {
     fn bad_configs_get_clear_errors() {
         let err = |o: &[&str]| {
             let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
-            format!("{:#}", Config::from_toml_with_overrides(LENET, &o).unwrap_err())
+            format!(
+                "{:#}",
+                Config::from_toml_with_overrides(LENET, &o).unwrap_err()
+            )
         };
         assert!(err(&["train.batch_sise=3"]).contains("batch_sise"));
         assert!(err(&["train.batch_size=0"]).contains("batch_size"));
@@ -272,7 +290,10 @@ mod tests {
             [schedule]
             lr = 0.001
         "#;
-        let e = format!("{:#}", Config::from_toml_with_overrides(gpt, &[]).unwrap_err());
+        let e = format!(
+            "{:#}",
+            Config::from_toml_with_overrides(gpt, &[]).unwrap_err()
+        );
         assert!(e.contains("not divisible by heads"), "{e}");
     }
 }

@@ -29,6 +29,9 @@ enum Command {
     /// Benchmarks: model throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Recommend a parallel layout (DP×TP×PP×SP, ZeRO, micro-batches, precision) for a model
+    /// and a cluster, with predicted memory, time and bottleneck.
+    Plan(meshtrain_plan::cli::PlanArgs),
 }
 
 #[derive(clap::Args)]
@@ -56,7 +59,10 @@ fn train(args: &TrainArgs) -> Result<()> {
     println!("meshtrain: {}", task.describe());
     let mut trainer = Trainer::new(cfg, task)?;
     trainer.show_progress = std::io::stderr().is_terminal();
-    let resume = args.resume.clone().or_else(|| trainer.cfg.checkpoint.resume.clone());
+    let resume = args
+        .resume
+        .clone()
+        .or_else(|| trainer.cfg.checkpoint.resume.clone());
     if let Some(path) = resume {
         trainer.resume(&path)?;
         println!("resumed from {} at step {}", path.display(), trainer.step);
@@ -69,7 +75,10 @@ fn train(args: &TrainArgs) -> Result<()> {
         trainer.cfg.train.out_dir.display()
     );
     let summary = trainer.run()?;
-    println!("done: {} steps, final train loss {:.4}", summary.steps, summary.final_train_loss);
+    println!(
+        "done: {} steps, final train loss {:.4}",
+        summary.steps, summary.final_train_loss
+    );
     if let Some(acc) = summary.test_accuracy {
         println!("test accuracy {:.2}%", acc * 100.0);
     }
@@ -95,5 +104,6 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Train(a) => train(&a),
         Command::Bench(BenchCommand::Models(a)) => run_models(&a),
+        Command::Plan(a) => meshtrain_plan::cli::run(&a),
     }
 }

@@ -207,9 +207,10 @@ impl Trainer {
             total_steps,
             min_lr_fraction: s.min_lr_fraction,
         };
-        let threads = cfg.train.threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        });
+        let threads = cfg
+            .train
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         Ok(Trainer {
             pool: meshtrain_tensor::par::pool(threads),
             cfg,
@@ -303,13 +304,24 @@ impl Trainer {
         let classes = self.num_classes();
         let lr = self.schedule.lr(self.step);
         let clip = self.cfg.train.grad_clip;
-        let (model, store, opt, bd) = (&self.model, &mut self.store, &mut self.optimizer, &mut self.breakdown);
+        let (model, store, opt, bd) = (
+            &self.model,
+            &mut self.store,
+            &mut self.optimizer,
+            &mut self.breakdown,
+        );
         let result = self.pool.install(|| {
             let t0 = Instant::now();
             let (logits, acts) = model.forward_all(store, batch.x.clone(), Mode::TRAIN);
             let (loss, dlogits, _) = softmax_cross_entropy(logits.data(), classes, &batch.y, 1.0);
             let t1 = Instant::now();
-            model.backward(store, acts, Tensor::from_vec(dlogits, logits.shape()), false, &mut |_, _| {});
+            model.backward(
+                store,
+                acts,
+                Tensor::from_vec(dlogits, logits.shape()),
+                false,
+                &mut |_, _| {},
+            );
             let t2 = Instant::now();
             let norm = match clip {
                 Some(c) => clip_grad_norm(&mut store.grads, c),
@@ -392,7 +404,11 @@ impl Trainer {
         Ok(())
     }
 
-    fn eval_and_log(&mut self, pb: &ProgressBar, last: &mut (Option<f64>, Option<f64>)) -> Result<()> {
+    fn eval_and_log(
+        &mut self,
+        pb: &ProgressBar,
+        last: &mut (Option<f64>, Option<f64>),
+    ) -> Result<()> {
         let (loss, acc) = self.evaluate()?;
         let baseline = match &self.task {
             Task::Text { corpus, .. } => Some(unigram_entropy_nats(&corpus.val)),
@@ -426,7 +442,8 @@ impl Trainer {
     /// checkpointing as configured.
     pub fn run(&mut self) -> Result<Summary> {
         let out = self.out_dir();
-        std::fs::create_dir_all(&out).with_context(|| format!("creating output dir {}", out.display()))?;
+        std::fs::create_dir_all(&out)
+            .with_context(|| format!("creating output dir {}", out.display()))?;
         let metrics_path = out.join("metrics.jsonl");
         self.metrics = Some(
             std::fs::OpenOptions::new()
@@ -446,8 +463,10 @@ impl Trainer {
             ProgressBar::hidden()
         };
         pb.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}")
-                .expect("progress template"),
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .expect("progress template"),
         );
         pb.set_position(self.step);
         let started = Instant::now();
@@ -463,7 +482,11 @@ impl Trainer {
             self.breakdown.data_s += t.elapsed().as_secs_f64();
             let lr = self.schedule.lr(self.step);
             let (loss, norm) = self.train_step(&batch);
-            anyhow::ensure!(loss.is_finite(), "training diverged at step {}: loss is {loss}", self.step);
+            anyhow::ensure!(
+                loss.is_finite(),
+                "training diverged at step {}: loss is {loss}",
+                self.step
+            );
             last_loss = loss;
             window_samples += batch.samples;
             samples_total += batch.samples;
@@ -472,7 +495,11 @@ impl Trainer {
                 let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
                 pb.set_message(format!("loss {loss:.4} | {sps:.0} samples/s"));
                 if !self.show_progress {
-                    println!("step {:>6} epoch {:>5.2} loss {loss:.4} lr {lr:.2e} {sps:.0} samples/s", self.step, self.epoch_of(self.step));
+                    println!(
+                        "step {:>6} epoch {:>5.2} loss {loss:.4} lr {lr:.2e} {sps:.0} samples/s",
+                        self.step,
+                        self.epoch_of(self.step)
+                    );
                 }
                 let rec = TrainRecord {
                     kind: "train",
@@ -532,7 +559,10 @@ impl Trainer {
             #[serde(flatten)]
             summary: &'a Summary,
         }
-        self.write_metric(&Tagged { kind: "summary", summary: &summary })?;
+        self.write_metric(&Tagged {
+            kind: "summary",
+            summary: &summary,
+        })?;
         Ok(summary)
     }
 }

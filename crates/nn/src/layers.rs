@@ -317,10 +317,13 @@ impl Layer for Conv2d {
         assert_eq!(x.dim(0), self.geom.in_channels, "Conv2d: channel mismatch");
         let nw = self.geom.out_channels * self.geom.patch_len();
         let bias = self.bias.then(|| &p[nw..]);
-        let y = conv2d_forward(&self.geom, sp, x.data(), &p[..nw], bias);
+        let (y, columns) = conv2d_forward(&self.geom, sp, x.data(), &p[..nw], bias, mode.train);
         let (oh, ow) = self.geom.output_size(sp.height, sp.width);
         if mode.train {
             s.tensors.push(x);
+            if let Some(c) = columns {
+                s.stats.push(c);
+            }
         }
         Tensor::from_vec(y, &[self.geom.out_channels, sp.batch, oh, ow])
     }
@@ -334,6 +337,7 @@ impl Layer for Conv2d {
         need_dx: bool,
     ) -> Option<Tensor> {
         let x = s.tensors.pop().expect("Conv2d: saved input");
+        let columns = s.stats.pop();
         let nw = self.geom.out_channels * self.geom.patch_len();
         let (gw, gb) = g.split_at_mut(nw);
         let dbias = if self.bias { Some(gb) } else { None };
@@ -342,6 +346,7 @@ impl Layer for Conv2d {
             &self.geom,
             sp,
             x.data(),
+            columns.as_deref(),
             &p[..nw],
             dy.data(),
             gw,

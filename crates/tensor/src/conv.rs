@@ -57,7 +57,11 @@ fn valid_columns(g: &ConvGeometry, width: usize, ow: usize, kj: usize) -> (usize
     // first ox with ox·s + kj ≥ p
     let lo = if kj >= p { 0 } else { (p - kj).div_ceil(s) };
     // ox·s + kj − p ≤ width − 1  ⇔  ox ≤ (width − 1 + p − kj) / s
-    let hi = if width + p > kj { ((width - 1 + p - kj) / s + 1).min(ow) } else { 0 };
+    let hi = if width + p > kj {
+        ((width - 1 + p - kj) / s + 1).min(ow)
+    } else {
+        0
+    };
     (lo.min(hi), hi)
 }
 
@@ -110,7 +114,7 @@ pub fn im2col(g: &ConvGeometry, s: Spatial, x: &[f32], cols: &mut [f32]) {
     }
 }
 
-/// Accumulate the column-gradient matrix back into `dx` ([C, N, H, W]); the adjoint of
+/// Accumulate (`+=`) the column-gradient matrix into `dx` ([C, N, H, W]); the adjoint of
 /// [`im2col`]. Parallel over input channels, each of which owns its output planes.
 pub fn col2im(g: &ConvGeometry, s: Spatial, dcols: &[f32], dx: &mut [f32]) {
     let (oh, ow) = g.output_size(s.height, s.width);
@@ -118,7 +122,6 @@ pub fn col2im(g: &ConvGeometry, s: Spatial, dcols: &[f32], dx: &mut [f32]) {
     let plane_len = s.height * s.width;
     let kk = g.kernel * g.kernel;
     let channel = |c: usize, dxc: &mut [f32]| {
-        dxc.fill(0.0);
         for kidx in 0..kk {
             let (ki, kj) = (kidx / g.kernel, kidx % g.kernel);
             let row = &dcols[(c * kk + kidx) * row_len..][..row_len];
@@ -160,34 +163,42 @@ pub fn col2im(g: &ConvGeometry, s: Spatial, dcols: &[f32], dx: &mut [f32]) {
     }
 }
 
-/// Forward: returns the CNHW output `[O, N, OH, OW]` as a flat vector.
+/// Forward: returns the CNHW output `[O, N, OH, OW]`, and the im2col columns when
+/// `keep_columns` (training keeps them so backward need not rebuild them; pointwise
+/// convolutions never need columns).
 pub fn conv2d_forward(
     g: &ConvGeometry,
     s: Spatial,
     x: &[f32],
     weight: &[f32],
     bias: Option<&[f32]>,
-) -> Vec<f32> {
+    keep_columns: bool,
+) -> (Vec<f32>, Option<Vec<f32>>) {
     let (oh, ow) = g.output_size(s.height, s.width);
     let cols_n = s.batch * oh * ow;
     let mut out = vec![0.0f32; g.out_channels * cols_n];
     let w = Mat::new(weight, g.out_channels, g.patch_len());
-    if g.is_pointwise() {
+    let mut kept = None;
+    let mut product = |cols: &[f32]| {
         gemm(
             MatMut::new(&mut out, g.out_channels, cols_n),
             w,
-            Mat::new(x, g.in_channels, cols_n),
+            Mat::new(cols, g.patch_len(), cols_n),
             false,
-        );
-    } else {
+        )
+    };
+    if g.is_pointwise() {
+        product(x);
+    } else if keep_columns {
         let mut cols = vec![0.0f32; g.patch_len() * cols_n];
         im2col(g, s, x, &mut cols);
-        gemm(
-            MatMut::new(&mut out, g.out_channels, cols_n),
-            w,
-            Mat::new(&cols, g.patch_len(), cols_n),
-            false,
-        );
+        product(&cols);
+        kept = Some(cols);
+    } else {
+        crate::par::with_scratch(g.patch_len() * cols_n, |cols| {
+            im2col(g, s, x, cols);
+            product(cols);
+        });
     }
     if let Some(b) = bias {
         crate::par::for_each_chunk_mut(&mut out, cols_n, |o, row| {
@@ -195,15 +206,17 @@ pub fn conv2d_forward(
             row.iter_mut().for_each(|v| *v += bo);
         });
     }
-    out
+    (out, kept)
 }
 
-/// Backward: accumulates `dweight` (and `dbias`) and returns `dx` when `need_dx`.
+/// Backward: accumulates `dweight` (and `dbias`) and returns `dx` when `need_dx`. `columns`
+/// are the forward's im2col columns if it kept them (rebuilt from `x` otherwise).
 #[allow(clippy::too_many_arguments)]
 pub fn conv2d_backward(
     g: &ConvGeometry,
     s: Spatial,
     x: &[f32],
+    columns: Option<&[f32]>,
     weight: &[f32],
     dy: &[f32],
     dweight: &mut [f32],
@@ -219,34 +232,35 @@ pub fn conv2d_backward(
         }
     }
     let dy_m = Mat::new(dy, g.out_channels, cols_n);
-    let owned_cols;
-    let cols: &[f32] = if g.is_pointwise() {
-        x
-    } else {
-        let mut c = vec![0.0f32; k * cols_n];
-        im2col(g, s, x, &mut c);
-        owned_cols = c;
-        &owned_cols
+    let weight_grad = |cols: &[f32], dweight: &mut [f32]| {
+        gemm(
+            MatMut::new(dweight, g.out_channels, k),
+            dy_m,
+            Mat::new(cols, k, cols_n).t(),
+            true,
+        )
     };
-    gemm(
-        MatMut::new(dweight, g.out_channels, k),
-        dy_m,
-        Mat::new(cols, k, cols_n).t(),
-        true,
-    );
+    match columns {
+        _ if g.is_pointwise() => weight_grad(x, dweight),
+        Some(cols) => weight_grad(cols, dweight),
+        None => crate::par::with_scratch(k * cols_n, |cols| {
+            im2col(g, s, x, cols);
+            weight_grad(cols, dweight);
+        }),
+    }
     if !need_dx {
         return None;
     }
     let w_t = Mat::new(weight, g.out_channels, k).t();
+    let mut dx = vec![0.0f32; x.len()];
     if g.is_pointwise() {
-        let mut dx = vec![0.0f32; x.len()];
         gemm(MatMut::new(&mut dx, k, cols_n), w_t, dy_m, false);
         return Some(dx);
     }
-    let mut dcols = vec![0.0f32; k * cols_n];
-    gemm(MatMut::new(&mut dcols, k, cols_n), w_t, dy_m, false);
-    let mut dx = vec![0.0f32; x.len()];
-    col2im(g, s, &dcols, &mut dx);
+    crate::par::with_scratch(k * cols_n, |dcols| {
+        gemm(MatMut::new(dcols, k, cols_n), w_t, dy_m, false);
+        col2im(g, s, dcols, &mut dx);
+    });
     Some(dx)
 }
 
@@ -274,11 +288,19 @@ mod tests {
                                 for j in 0..g.kernel {
                                     let iy = (oy * g.stride + i) as isize - g.padding as isize;
                                     let ix = (ox * g.stride + j) as isize - g.padding as isize;
-                                    if iy < 0 || ix < 0 || iy >= s.height as isize || ix >= s.width as isize {
+                                    if iy < 0
+                                        || ix < 0
+                                        || iy >= s.height as isize
+                                        || ix >= s.width as isize
+                                    {
                                         continue;
                                     }
-                                    let xv = x[((c * s.batch + n) * s.height + iy as usize) * s.width + ix as usize];
-                                    acc += xv * w[((o * g.in_channels + c) * g.kernel + i) * g.kernel + j];
+                                    let xv = x[((c * s.batch + n) * s.height + iy as usize)
+                                        * s.width
+                                        + ix as usize];
+                                    acc += xv
+                                        * w[((o * g.in_channels + c) * g.kernel + i) * g.kernel
+                                            + j];
                                 }
                             }
                         }
@@ -303,11 +325,21 @@ mod tests {
     #[test]
     fn im2col_convolution_matches_direct_convolution() {
         for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
-            let g = ConvGeometry { in_channels: cin, out_channels: cout, kernel: k, stride: st, padding: p };
-            let s = Spatial { batch: 2, height: hw, width: hw };
+            let g = ConvGeometry {
+                in_channels: cin,
+                out_channels: cout,
+                kernel: k,
+                stride: st,
+                padding: p,
+            };
+            let s = Spatial {
+                batch: 2,
+                height: hw,
+                width: hw,
+            };
             let x = random(cin * 2 * hw * hw, i as u64);
             let w = random(cout * g.patch_len(), 100 + i as u64);
-            let got = conv2d_forward(&g, s, &x, &w, None);
+            let got = conv2d_forward(&g, s, &x, &w, None, false).0;
             let want = direct(&g, s, &x, &w);
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "geometry {i}: {a} vs {b}");
@@ -318,8 +350,18 @@ mod tests {
     #[test]
     fn col2im_is_the_adjoint_of_im2col() {
         for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
-            let g = ConvGeometry { in_channels: cin, out_channels: cout, kernel: k, stride: st, padding: p };
-            let s = Spatial { batch: 3, height: hw, width: hw };
+            let g = ConvGeometry {
+                in_channels: cin,
+                out_channels: cout,
+                kernel: k,
+                stride: st,
+                padding: p,
+            };
+            let s = Spatial {
+                batch: 3,
+                height: hw,
+                width: hw,
+            };
             let (oh, ow) = g.output_size(hw, hw);
             let x = random(cin * 3 * hw * hw, i as u64);
             let c = random(g.patch_len() * 3 * oh * ow, 50 + i as u64);
@@ -329,7 +371,10 @@ mod tests {
             col2im(&g, s, &c, &mut back);
             let lhs: f64 = cols.iter().zip(&c).map(|(a, b)| (a * b) as f64).sum();
             let rhs: f64 = x.iter().zip(&back).map(|(a, b)| (a * b) as f64).sum();
-            assert!((lhs - rhs).abs() < 1e-3 * (1.0 + lhs.abs()), "geometry {i}: {lhs} vs {rhs}");
+            assert!(
+                (lhs - rhs).abs() < 1e-3 * (1.0 + lhs.abs()),
+                "geometry {i}: {lhs} vs {rhs}"
+            );
         }
     }
 }

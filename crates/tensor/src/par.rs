@@ -99,3 +99,21 @@ pub fn tune_allocator() {
         }
     });
 }
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Run `f` with a temporary buffer of `len` elements whose contents are unspecified (left
+/// over from earlier use): for im2col columns and similar scratch that is fully overwritten.
+/// Buffers are recycled per thread, which saves both the allocation and the zero-fill a
+/// fresh `vec![0.0; len]` would pay on every call.
+pub fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut buf = SCRATCH.with(|s| s.borrow_mut().pop()).unwrap_or_default();
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    let r = f(&mut buf[..len]);
+    SCRATCH.with(|s| s.borrow_mut().push(buf));
+    r
+}
