@@ -491,7 +491,7 @@ impl Trainer {
             window_samples += batch.samples;
             samples_total += batch.samples;
             pb.inc(1);
-            if self.step % self.cfg.train.log_every == 0 || self.step == stop {
+            if self.step.is_multiple_of(self.cfg.train.log_every) || self.step == stop {
                 let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
                 pb.set_message(format!("loss {loss:.4} | {sps:.0} samples/s"));
                 if !self.show_progress {
@@ -514,16 +514,17 @@ impl Trainer {
                 self.write_metric(&rec)?;
                 (window_t, window_samples) = (Instant::now(), 0);
             }
-            let epoch_end = self.steps_per_epoch > 0 && self.step % self.steps_per_epoch == 0;
+            let epoch_end =
+                self.steps_per_epoch > 0 && self.step.is_multiple_of(self.steps_per_epoch);
             let eval_due = match self.cfg.train.eval_every {
-                Some(e) if e > 0 => self.step % e == 0,
+                Some(e) if e > 0 => self.step.is_multiple_of(e),
                 _ => epoch_end,
             };
             if eval_due || self.step == self.total_steps {
                 self.eval_and_log(&pb, &mut last_eval)?;
             }
             if let Some(every) = self.cfg.checkpoint.every_steps.filter(|&e| e > 0) {
-                if self.step % every == 0 {
+                if self.step.is_multiple_of(every) {
                     let p = self.checkpoint_path();
                     self.save_checkpoint(&p)?;
                 }
