@@ -45,6 +45,7 @@ fn flops_per_sample(name: &str) -> f64 {
 #[derive(Serialize, Debug)]
 pub struct ModelBench {
     pub model: String,
+    pub backend: &'static str,
     pub batch: usize,
     pub threads: usize,
     pub steps: usize,
@@ -170,6 +171,7 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
         let sps = batch as f64 / median;
         Ok(ModelBench {
             model: name.to_string(),
+            backend: meshtrain_tensor::matmul::BACKEND,
             batch,
             threads,
             steps: times.len(),
@@ -187,6 +189,7 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
 }
 
 pub fn run_models(args: &BenchModelsArgs) -> Result<()> {
+    println!("matrix products: {}", meshtrain_tensor::matmul::BACKEND);
     println!(
         "{:<9} {:>5} {:>4} {:>9} {:>8} {:>8} {:>7} {:>10} {:>8} {:>9} {:>8} {:>9}",
         "model",

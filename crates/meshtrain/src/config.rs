@@ -85,6 +85,10 @@ pub struct TrainConfig {
     /// Stop after this many steps (for tests and resume checks); the schedule is unchanged.
     #[serde(default)]
     pub max_steps: Option<u64>,
+    /// Activation checkpointing: keep only each block's input and recompute its activations
+    /// in backward (less memory, about one extra forward of compute).
+    #[serde(default)]
+    pub recompute: bool,
 }
 
 fn default_log_every() -> u64 {

@@ -304,6 +304,7 @@ impl Trainer {
         let classes = self.num_classes();
         let lr = self.schedule.lr(self.step);
         let clip = self.cfg.train.grad_clip;
+        let recompute = self.cfg.train.recompute;
         let (model, store, opt, bd) = (
             &self.model,
             &mut self.store,
@@ -312,7 +313,9 @@ impl Trainer {
         );
         let result = self.pool.install(|| {
             let t0 = Instant::now();
-            let (logits, acts) = model.forward_all(store, batch.x.clone(), Mode::TRAIN);
+            let blocks = 0..model.num_blocks();
+            let (logits, acts) =
+                model.forward(store, batch.x.clone(), blocks, Mode::TRAIN, &|_| recompute);
             let (loss, dlogits, _) = softmax_cross_entropy(logits.data(), classes, &batch.y, 1.0);
             let t1 = Instant::now();
             model.backward(

@@ -111,6 +111,20 @@ fn resumed_runs_end_bit_identical_to_uninterrupted_ones() {
 }
 
 #[test]
+fn activation_recomputation_changes_memory_not_results() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let plain = final_params(lenet_config(a.path(), &["train.max_steps=5"]), None);
+    let recomputed = final_params(
+        lenet_config(b.path(), &["train.max_steps=5", "train.recompute=true"]),
+        None,
+    );
+    assert!(
+        plain == recomputed,
+        "recomputation changed the trained parameters"
+    );
+}
+
+#[test]
 fn corrupt_or_mismatched_checkpoints_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = lenet_config(dir.path(), &["train.max_steps=2"]);

@@ -5,6 +5,13 @@
 
 use crate::par;
 
+/// Which library computes matrix products in this build (reported by benchmarks).
+pub const BACKEND: &str = if cfg!(feature = "openblas") {
+    "openblas"
+} else {
+    "gemm"
+};
+
 /// A read-only strided matrix view: element (i, j) lives at `i * rs + j * cs`.
 /// Strides make transposes and sub-blocks (an attention head inside a fused QKV buffer) free.
 #[derive(Clone, Copy)]
