@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Check the reference files written by tools/make_refs.py, independently of PyTorch's maths.
 
-    /work/torch-venv/bin/python tools/check_refs.py     # checks, then writes tools/refs_manifest.txt
+    /work/torch-venv/bin/python tools/check_refs.py   # check, write tools/refs_manifest.txt
+    /work/torch-venv/bin/python tools/check_refs.py --self-test   # corruptions must fail
 
 Why: the references are only worth comparing against if they mean what tools/README.md
 says they mean. This script re-derives them from the documented conventions alone, with
@@ -20,6 +21,7 @@ learning-rate formula (nothing here calls into torch except to load the files ba
 
 It exits non-zero on the first failed check and prints which one.
 """
+
 import json
 import math
 import os
@@ -36,9 +38,9 @@ MANIFEST = os.path.join(REPO, "tools", "refs_manifest.txt")
 FORWARD_RTOL = 2e-6
 # Gradient checks compare against float64 central differences; the worst observed use of
 # each tolerance is printed at the end (FD_STATS); for the committed files it is < 10%.
-ELEM_RTOL = 1e-6   # elementwise |fd - g| <= ELEM_RTOL * (|g| + max|g|)
-ROW_RTOL = 1e-5    # |fd - <g, d>| <= ROW_RTOL * ||g on the row|| + ROW_ATOL, d a unit vector
-ROW_ATOL = 5e-9   # float64 round-off of the finite difference of an O(1) loss, h = 1e-5
+ELEM_RTOL = 1e-6  # elementwise |fd - g| <= ELEM_RTOL * (|g| + max|g|)
+ROW_RTOL = 1e-5  # |fd - <g, d>| <= ROW_RTOL * ||g on the row|| + ROW_ATOL, d a unit vector
+ROW_ATOL = 5e-9  # float64 round-off of the finite difference of an O(1) loss, h = 1e-5
 RNG = np.random.default_rng(2024)
 
 
@@ -65,6 +67,7 @@ def close(got, want, rtol, what):
 # NumPy float64 layers (NCHW, PyTorch weight layouts)
 # --------------------------------------------------------------------------
 
+
 def linear(x, w, b=None):
     y = x @ w.T
     return y if b is None else y + b
@@ -75,15 +78,19 @@ def windows(x, k, stride, pad, fill):
     xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=fill)
     oh = (x.shape[2] + 2 * pad - k) // stride + 1
     ow = (x.shape[3] + 2 * pad - k) // stride + 1
-    return np.stack([xp[:, :, i:i + stride * (oh - 1) + 1:stride,
-                        j:j + stride * (ow - 1) + 1:stride]
-                     for i in range(k) for j in range(k)])
+    return np.stack(
+        [
+            xp[:, :, i : i + stride * (oh - 1) + 1 : stride, j : j + stride * (ow - 1) + 1 : stride]
+            for i in range(k)
+            for j in range(k)
+        ]
+    )
 
 
 def conv2d(x, w, b, stride=1, pad=0):
     k = w.shape[2]
-    patches = windows(x, k, stride, pad, 0.0)              # [k*k, N, C, OH, OW]
-    wk = w.reshape(w.shape[0], w.shape[1], k * k)          # [O, C, k*k]
+    patches = windows(x, k, stride, pad, 0.0)  # [k*k, N, C, OH, OW]
+    wk = w.reshape(w.shape[0], w.shape[1], k * k)  # [O, C, k*k]
     return np.einsum("pnchw,ocp->nohw", patches, wk) + b[None, :, None, None]
 
 
@@ -145,7 +152,7 @@ def causal_attention(x, p, prefix, heads):
     -> proj, written out head by head."""
     b, t, d = x.shape
     qkv = linear(x, p[prefix + "qkv.weight"], p[prefix + "qkv.bias"])
-    q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+    q, k, v = qkv[..., :d], qkv[..., d : 2 * d], qkv[..., 2 * d :]
     hd = d // heads
     future = np.triu(np.ones((t, t), dtype=bool), k=1)
     y = np.empty_like(q)
@@ -158,7 +165,9 @@ def causal_attention(x, p, prefix, heads):
 
 
 def gpt_block(x, p, prefix, heads):
-    ln = lambda name, z: layernorm(z, p[prefix + name + ".weight"], p[prefix + name + ".bias"])
+    def ln(name, z):
+        return layernorm(z, p[prefix + name + ".weight"], p[prefix + name + ".bias"])
+
     x = x + causal_attention(ln("ln1", x), p, prefix, heads)
     h = gelu(linear(ln("ln2", x), p[prefix + "fc1.weight"], p[prefix + "fc1.bias"]))
     return x + linear(h, p[prefix + "fc2.weight"], p[prefix + "fc2.bias"])
@@ -168,9 +177,14 @@ def gpt_block(x, p, prefix, heads):
 # Models on a flat {meshtrain name: array} dict; BN layers report their batch stats
 # --------------------------------------------------------------------------
 
-def lenet(x, p, act, pool, stats=None):
-    c = lambda n, z, pad=0: conv2d(z, p[n + ".weight"], p[n + ".bias"], 1, pad)
-    f = lambda n, z: linear(z, p[n + ".weight"], p[n + ".bias"])
+
+def lenet(x, p, act, pool):
+    def c(name, z, pad=0):
+        return conv2d(z, p[name + ".weight"], p[name + ".bias"], 1, pad)
+
+    def f(name, z):
+        return linear(z, p[name + ".weight"], p[name + ".bias"])
+
     y = pool(act(c("conv1", x, pad=2)))
     y = pool(act(c("conv2", y))).reshape(x.shape[0], -1)
     return f("fc3", act(f("fc2", act(f("fc1", y)))))
@@ -247,7 +261,7 @@ def resnet_shapes(widths=(8, 16, 32, 64)):
     buffers = {}
     for n, shape in params.items():
         if ".bn" in n and n.endswith(".weight"):
-            base = n[:-len(".weight")]
+            base = n[: -len(".weight")]
             buffers[base + ".running_mean"] = shape
             buffers[base + ".running_var"] = shape
     return params, buffers
@@ -258,11 +272,23 @@ def gpt_shapes(vocab=64, d=32, layers=2, seq=16):
     for i in range(layers):
         pre = f"blocks.{i}."
         s.update(affine(pre + "ln1", d))
-        s.update({pre + "qkv.weight": (3 * d, d), pre + "qkv.bias": (3 * d,),
-                  pre + "proj.weight": (d, d), pre + "proj.bias": (d,)})
+        s.update(
+            {
+                pre + "qkv.weight": (3 * d, d),
+                pre + "qkv.bias": (3 * d,),
+                pre + "proj.weight": (d, d),
+                pre + "proj.bias": (d,),
+            }
+        )
         s.update(affine(pre + "ln2", d))
-        s.update({pre + "fc1.weight": (4 * d, d), pre + "fc1.bias": (4 * d,),
-                  pre + "fc2.weight": (d, 4 * d), pre + "fc2.bias": (d,)})
+        s.update(
+            {
+                pre + "fc1.weight": (4 * d, d),
+                pre + "fc1.bias": (4 * d,),
+                pre + "fc2.weight": (d, 4 * d),
+                pre + "fc2.bias": (d,),
+            }
+        )
     s.update(affine("ln_f", d))
     s["head.weight"] = (vocab, d)
     return s, {}
@@ -281,22 +307,28 @@ MODELS = {
 # Layer cases: forward on {"input": ..., "param.x": ...}, and the documented shapes
 # --------------------------------------------------------------------------
 
+
 def conv_case(stride, pad):
     return lambda a: conv2d(a["input"], a["param.weight"], a["param.bias"], stride, pad)
 
 
 def bn_eval_case(a):
-    return bn_eval(a["input"], a["param.weight"], a["param.bias"],
-                   a["buffer.running_mean"], a["buffer.running_var"])
+    return bn_eval(
+        a["input"],
+        a["param.weight"],
+        a["param.bias"],
+        a["buffer.running_mean"],
+        a["buffer.running_var"],
+    )
 
 
 def attention_case(a):
-    p = {k[len("param."):]: v for k, v in a.items() if k.startswith("param.")}
+    p = {k[len("param.") :]: v for k, v in a.items() if k.startswith("param.")}
     return causal_attention(a["input"], p, "", 4)
 
 
 def gpt_block_case(a):
-    p = {k[len("param."):]: v for k, v in a.items() if k.startswith("param.")}
+    p = {k[len("param.") :]: v for k, v in a.items() if k.startswith("param.")}
     return gpt_block(a["input"], p, "", 4)
 
 
@@ -313,50 +345,130 @@ NO_PARAMS = {}
 
 # name -> (forward, {input key: shape}, {param: shape}, {buffer: shape}, output shape)
 LAYERS = {
-    "linear": (lambda a: linear(a["input"], a["param.weight"], a["param.bias"]),
-               {"input": (4, 5)}, linear_shapes(5, 3), {}, (4, 3)),
-    "linear3d": (lambda a: linear(a["input"], a["param.weight"], a["param.bias"]),
-                 {"input": (2, 3, 5)}, linear_shapes(5, 6), {}, (2, 3, 6)),
-    "conv_k5p2": (conv_case(1, 2), {"input": (2, 3, 8, 8)}, conv_shapes(3, 4, 5), {},
-                  (2, 4, 8, 8)),
-    "conv_k3s2p1": (conv_case(2, 1), {"input": (2, 3, 7, 7)}, conv_shapes(3, 4, 3), {},
-                    (2, 4, 4, 4)),
-    "conv_k1s2": (conv_case(2, 0), {"input": (2, 3, 7, 7)}, conv_shapes(3, 4, 1), {},
-                  (2, 4, 4, 4)),
-    "conv_k7s2p3": (conv_case(2, 3), {"input": (2, 1, 12, 12)}, conv_shapes(1, 4, 7), {},
-                    (2, 4, 6, 6)),
-    "maxpool_k3s2p1": (lambda a: maxpool(a["input"], 3, 2, 1), {"input": (2, 3, 7, 7)},
-                       NO_PARAMS, {}, (2, 3, 4, 4)),
-    "maxpool_k2s2": (lambda a: maxpool(a["input"], 2, 2), {"input": (2, 3, 8, 8)},
-                     NO_PARAMS, {}, (2, 3, 4, 4)),
-    "avgpool_k2s2": (lambda a: avgpool(a["input"], 2, 2), {"input": (2, 3, 8, 8)},
-                     NO_PARAMS, {}, (2, 3, 4, 4)),
-    "global_avgpool": (lambda a: a["input"].mean(axis=(2, 3)), {"input": (2, 3, 5, 5)},
-                       NO_PARAMS, {}, (2, 3)),
-    "batchnorm_train": (lambda a: bn_train(a["input"], a["param.weight"], a["param.bias"])[0],
-                        {"input": (4, 3, 5, 5)}, {"weight": (3,), "bias": (3,)}, BN_BUFFERS,
-                        (4, 3, 5, 5)),
-    "batchnorm_eval": (bn_eval_case, {"input": (4, 3, 5, 5)}, {"weight": (3,), "bias": (3,)},
-                       BN_BUFFERS, (4, 3, 5, 5)),
-    "layernorm": (lambda a: layernorm(a["input"], a["param.weight"], a["param.bias"]),
-                  {"input": (2, 4, 8)}, {"weight": (8,), "bias": (8,)}, {}, (2, 4, 8)),
+    "linear": (
+        lambda a: linear(a["input"], a["param.weight"], a["param.bias"]),
+        {"input": (4, 5)},
+        linear_shapes(5, 3),
+        {},
+        (4, 3),
+    ),
+    "linear3d": (
+        lambda a: linear(a["input"], a["param.weight"], a["param.bias"]),
+        {"input": (2, 3, 5)},
+        linear_shapes(5, 6),
+        {},
+        (2, 3, 6),
+    ),
+    "conv_k5p2": (conv_case(1, 2), {"input": (2, 3, 8, 8)}, conv_shapes(3, 4, 5), {}, (2, 4, 8, 8)),
+    "conv_k3s2p1": (
+        conv_case(2, 1),
+        {"input": (2, 3, 7, 7)},
+        conv_shapes(3, 4, 3),
+        {},
+        (2, 4, 4, 4),
+    ),
+    "conv_k1s2": (conv_case(2, 0), {"input": (2, 3, 7, 7)}, conv_shapes(3, 4, 1), {}, (2, 4, 4, 4)),
+    "conv_k7s2p3": (
+        conv_case(2, 3),
+        {"input": (2, 1, 12, 12)},
+        conv_shapes(1, 4, 7),
+        {},
+        (2, 4, 6, 6),
+    ),
+    "maxpool_k3s2p1": (
+        lambda a: maxpool(a["input"], 3, 2, 1),
+        {"input": (2, 3, 7, 7)},
+        NO_PARAMS,
+        {},
+        (2, 3, 4, 4),
+    ),
+    "maxpool_k2s2": (
+        lambda a: maxpool(a["input"], 2, 2),
+        {"input": (2, 3, 8, 8)},
+        NO_PARAMS,
+        {},
+        (2, 3, 4, 4),
+    ),
+    "avgpool_k2s2": (
+        lambda a: avgpool(a["input"], 2, 2),
+        {"input": (2, 3, 8, 8)},
+        NO_PARAMS,
+        {},
+        (2, 3, 4, 4),
+    ),
+    "global_avgpool": (
+        lambda a: a["input"].mean(axis=(2, 3)),
+        {"input": (2, 3, 5, 5)},
+        NO_PARAMS,
+        {},
+        (2, 3),
+    ),
+    "batchnorm_train": (
+        lambda a: bn_train(a["input"], a["param.weight"], a["param.bias"])[0],
+        {"input": (4, 3, 5, 5)},
+        {"weight": (3,), "bias": (3,)},
+        BN_BUFFERS,
+        (4, 3, 5, 5),
+    ),
+    "batchnorm_eval": (
+        bn_eval_case,
+        {"input": (4, 3, 5, 5)},
+        {"weight": (3,), "bias": (3,)},
+        BN_BUFFERS,
+        (4, 3, 5, 5),
+    ),
+    "layernorm": (
+        lambda a: layernorm(a["input"], a["param.weight"], a["param.bias"]),
+        {"input": (2, 4, 8)},
+        {"weight": (8,), "bias": (8,)},
+        {},
+        (2, 4, 8),
+    ),
     "gelu": (lambda a: gelu(a["input"]), {"input": (3, 7)}, NO_PARAMS, {}, (3, 7)),
     "relu": (lambda a: relu(a["input"]), {"input": (3, 7)}, NO_PARAMS, {}, (3, 7)),
     "sigmoid": (lambda a: sigmoid(a["input"]), {"input": (3, 7)}, NO_PARAMS, {}, (3, 7)),
     "tanh": (lambda a: np.tanh(a["input"]), {"input": (3, 7)}, NO_PARAMS, {}, (3, 7)),
-    "softmax_xent": (lambda a: cross_entropy(a["input"], a["targets"]),
-                     {"input": (6, 10), "targets": (6,)}, NO_PARAMS, {}, ()),
-    "embedding": (lambda a: a["param.weight"][a["input"]], {"input": (2, 5)},
-                  {"weight": (11, 4)}, {}, (2, 5, 4)),
-    "attention": (attention_case, {"input": (2, 6, 16)},
-                  {"qkv.weight": (48, 16), "qkv.bias": (48,), "proj.weight": (16, 16),
-                   "proj.bias": (16,)}, {}, (2, 6, 16)),
-    "gpt_block": (gpt_block_case, {"input": (2, 6, 16)},
-                  {"ln1.weight": (16,), "ln1.bias": (16,), "qkv.weight": (48, 16),
-                   "qkv.bias": (48,), "proj.weight": (16, 16), "proj.bias": (16,),
-                   "ln2.weight": (16,), "ln2.bias": (16,), "fc1.weight": (64, 16),
-                   "fc1.bias": (64,), "fc2.weight": (16, 64), "fc2.bias": (16,)},
-                  {}, (2, 6, 16)),
+    "softmax_xent": (
+        lambda a: cross_entropy(a["input"], a["targets"]),
+        {"input": (6, 10), "targets": (6,)},
+        NO_PARAMS,
+        {},
+        (),
+    ),
+    "embedding": (
+        lambda a: a["param.weight"][a["input"]],
+        {"input": (2, 5)},
+        {"weight": (11, 4)},
+        {},
+        (2, 5, 4),
+    ),
+    "attention": (
+        attention_case,
+        {"input": (2, 6, 16)},
+        {"qkv.weight": (48, 16), "qkv.bias": (48,), "proj.weight": (16, 16), "proj.bias": (16,)},
+        {},
+        (2, 6, 16),
+    ),
+    "gpt_block": (
+        gpt_block_case,
+        {"input": (2, 6, 16)},
+        {
+            "ln1.weight": (16,),
+            "ln1.bias": (16,),
+            "qkv.weight": (48, 16),
+            "qkv.bias": (48,),
+            "proj.weight": (16, 16),
+            "proj.bias": (16,),
+            "ln2.weight": (16,),
+            "ln2.bias": (16,),
+            "fc1.weight": (64, 16),
+            "fc1.bias": (64,),
+            "fc2.weight": (16, 64),
+            "fc2.bias": (16,),
+        },
+        {},
+        (2, 6, 16),
+    ),
 }
 
 INT_KEYS = {"targets", "input@embedding", "input@gpt_small"}
@@ -370,10 +482,13 @@ def is_int_key(case, key):
 # Checks
 # --------------------------------------------------------------------------
 
+
 def check_schema(case, t, want):
     """want: {key: shape}; the file must hold exactly these keys, int64 where documented."""
-    expect(set(t) == set(want), f"keys: missing {sorted(set(want) - set(t))}, "
-           f"unexpected {sorted(set(t) - set(want))}")
+    expect(
+        set(t) == set(want),
+        f"keys: missing {sorted(set(want) - set(t))}, unexpected {sorted(set(t) - set(want))}",
+    )
     for k, shape in want.items():
         expect(tuple(t[k].shape) == tuple(shape), f"{k}: shape {t[k].shape} != {shape}")
         dtype = np.int64 if is_int_key(case, k) else np.float32
@@ -404,8 +519,9 @@ def grad_check_elementwise(f, args, key, grad, what, h=1e-5):
     bad = err > tol
     if bad.any():
         i = tuple(int(j) for j in np.argwhere(bad)[0])
-        raise CheckFailed(f"{what}{list(i)}: finite difference {numeric[i]:.9g} vs stored "
-                          f"gradient {g[i]:.9g}")
+        raise CheckFailed(
+            f"{what}{list(i)}: finite difference {numeric[i]:.9g} vs stored gradient {g[i]:.9g}"
+        )
 
 
 def grad_check_rows(f, args, key, grad, what, h=1e-5):
@@ -431,8 +547,10 @@ def grad_check_rows(f, args, key, grad, what, h=1e-5):
         err, tol = abs(numeric - analytic), ROW_RTOL * row_norm + ROW_ATOL
         FD_STATS["rows"] = max(FD_STATS["rows"], float(err / tol))
         if err > tol:
-            raise CheckFailed(f"{what} row {int(np.argwhere(m)[0][0])}: finite "
-                              f"difference {numeric:.9g} vs stored gradient {analytic:.9g}")
+            raise CheckFailed(
+                f"{what} row {int(np.argwhere(m)[0][0])}: finite "
+                f"difference {numeric:.9g} vs stored gradient {analytic:.9g}"
+            )
 
 
 def as64(t):
@@ -453,11 +571,16 @@ def check_layer(case, t):
     check_schema(case, t, want)
 
     a = as64(t)
-    args = {k: a[k] for k in list(inputs) + ["param." + n for n in params]
-            + ["buffer." + n for n in buffers]}
+    args = {
+        k: a[k]
+        for k in list(inputs) + ["param." + n for n in params] + ["buffer." + n for n in buffers]
+    }
     close(forward(args), a["output"], FORWARD_RTOL, "output")
     go = a["grad_output"]
-    loss = lambda z: float(np.sum(forward(z) * go))
+
+    def loss(z):
+        return float(np.sum(forward(z) * go))
+
     for k in float_inputs:
         grad_check_elementwise(loss, args, k, a["grad_" + k], "grad_" + k)
     for n in params:
@@ -467,10 +590,18 @@ def check_layer(case, t):
         x = a["input"]
         n = x.shape[0] * x.shape[2] * x.shape[3]
         mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
-        close(a["running_mean_after"], 0.9 * a["buffer.running_mean"] + 0.1 * mean,
-              FORWARD_RTOL, "running_mean_after")
-        close(a["running_var_after"], 0.9 * a["buffer.running_var"] + 0.1 * var * n / (n - 1),
-              FORWARD_RTOL, "running_var_after (unbiased batch variance)")
+        close(
+            a["running_mean_after"],
+            0.9 * a["buffer.running_mean"] + 0.1 * mean,
+            FORWARD_RTOL,
+            "running_mean_after",
+        )
+        close(
+            a["running_var_after"],
+            0.9 * a["buffer.running_var"] + 0.1 * var * n / (n - 1),
+            FORWARD_RTOL,
+            "running_var_after (unbiased batch variance)",
+        )
     if case == "relu":
         expect(np.abs(a["input"]).min() > 0.0, "relu input has an exact zero")
     if case == "embedding":
@@ -481,8 +612,13 @@ def check_layer(case, t):
 
 def check_model(case, t):
     forward, (params, buffers), in_shape, tgt_shape, logit_shape = MODELS[case]
-    want = {"input": in_shape, "targets": tgt_shape, "logits": logit_shape, "loss": (),
-            "loss_steps": (3,)}
+    want = {
+        "input": in_shape,
+        "targets": tgt_shape,
+        "logits": logit_shape,
+        "loss": (),
+        "loss_steps": (3,),
+    }
     for n, s in params.items():
         want.update({"param." + n: s, "grad." + n: s, "param_after3." + n: s})
     for n, s in buffers.items():
@@ -499,7 +635,10 @@ def check_model(case, t):
     expect(a["loss_steps"][0] == a["loss"], "loss_steps[0] != loss")
 
     args = {"param." + n: a["param." + n] for n in params}
-    loss = lambda z: cross_entropy(forward(x, {n: z["param." + n] for n in params}), y)
+
+    def loss(z):
+        return cross_entropy(forward(x, {n: z["param." + n] for n in params}), y)
+
     for n in params:
         grad_check_rows(loss, args, "param." + n, a["grad." + n], "grad." + n)
 
@@ -510,12 +649,18 @@ def check_model(case, t):
     expect(moved > 0, "param_after3 equals param")
 
     for name, (mean, var, count) in stats.items():
-        close(a[f"buffer_after.{name}.running_mean"],
-              0.9 * a[f"buffer.{name}.running_mean"] + 0.1 * mean, FORWARD_RTOL * 10,
-              f"buffer_after.{name}.running_mean")
-        close(a[f"buffer_after.{name}.running_var"],
-              0.9 * a[f"buffer.{name}.running_var"] + 0.1 * var * count / (count - 1),
-              FORWARD_RTOL * 10, f"buffer_after.{name}.running_var")
+        close(
+            a[f"buffer_after.{name}.running_mean"],
+            0.9 * a[f"buffer.{name}.running_mean"] + 0.1 * mean,
+            FORWARD_RTOL * 10,
+            f"buffer_after.{name}.running_mean",
+        )
+        close(
+            a[f"buffer_after.{name}.running_var"],
+            0.9 * a[f"buffer.{name}.running_var"] + 0.1 * var * count / (count - 1),
+            FORWARD_RTOL * 10,
+            f"buffer_after.{name}.running_var",
+        )
     expect(set(stats) == {n.rsplit(".", 1)[0] for n in buffers}, "BN layers != buffers")
 
 
@@ -535,7 +680,7 @@ def adamw_reference(p, grads, lr=0.01, b1=0.9, b2=0.999, eps=1e-8, weight_decay=
         p = p * (1 - lr * weight_decay)
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        mhat, vhat = m / (1 - b1 ** step), v / (1 - b2 ** step)
+        mhat, vhat = m / (1 - b1**step), v / (1 - b2**step)
         p = p - lr * mhat / (np.sqrt(vhat) + eps)
         out.append(p)
     return np.stack(out)
@@ -562,7 +707,7 @@ def check_lr_schedule(path):
             prog = (step - warm) / (total - warm)
             want.append(min_lr + (base - min_lr) * 0.5 * (1 + math.cos(math.pi * prog)))
     expect(len(s["lr"]) == total + 1, "schedule length")
-    expect(max(abs(u - v) for u, v in zip(s["lr"], want)) < 1e-15, "schedule values")
+    expect(max(abs(u - v) for u, v in zip(s["lr"], want, strict=True)) < 1e-15, "schedule values")
     expect(abs(s["lr"][-1] - min_lr) < 1e-15 and s["lr"][warm] == base, "schedule ends")
 
 
@@ -573,11 +718,14 @@ def manifest_entry(path):
     """Loaded back with safetensors.torch, as the Rust side will see it (dtype, shape)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
+
     tensors = load_file(path)
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["meshtrain_ref"])
-    lines = [f"{os.path.basename(path)}  ({os.path.getsize(path)} bytes, {len(tensors)} "
-             f"tensors) -- {meta['description']}"]
+    lines = [
+        f"{os.path.basename(path)}  ({os.path.getsize(path)} bytes, {len(tensors)} "
+        f"tensors) -- {meta['description']}"
+    ]
     for k in sorted(tensors):
         v = tensors[k]
         dtype = str(v.dtype).replace("torch.", "")
@@ -597,7 +745,7 @@ def check_case(case, t):
 
 
 def tanh_gelu(x):
-    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def swap_q_k(w):
@@ -619,58 +767,129 @@ def scaled(v, index, factor):
 
 # (case, what the corruption models, function returning the corrupted tensor dict)
 MUTATIONS = [
-    ("linear", "one weight-gradient entry 1% off",
-     lambda t: {**t, "grad.weight": scaled(t["grad.weight"], (0, 0), 1.01)}),
-    ("linear3d", "bias gradient not summed over the leading dims",
-     lambda t: {**t, "grad.bias": t["grad_output"][0, 0].copy()}),
-    ("conv_k5p2", "kernel flipped (correlation vs convolution)",
-     lambda t: {**t, "param.weight": t["param.weight"][:, :, ::-1, ::-1].copy()}),
-    ("conv_k3s2p1", "input gradient 0.1% off in one place",
-     lambda t: {**t, "grad_input": scaled(t["grad_input"], (0, 0, 3, 3), 1.001)}),
-    ("maxpool_k3s2p1", "output from 0-padding instead of -inf padding",
-     lambda t: {**t, "output": np.maximum(t["output"], 0.0)}),
-    ("batchnorm_train", "running_var updated with the biased variance",
-     lambda t: {**t, "running_var_after": biased_running_var(t, 100)}),
-    ("layernorm", "weight and bias gradients swapped",
-     lambda t: {**t, "grad.weight": t["grad.bias"], "grad.bias": t["grad.weight"]}),
-    ("gelu", "tanh-approximate GELU",
-     lambda t: {**t, "output": tanh_gelu(t["input"].astype(np.float64)).astype(np.float32)}),
-    ("softmax_xent", "targets off by one",
-     lambda t: {**t, "targets": (t["targets"] + 1) % 10}),
-    ("softmax_xent", "targets stored as int32",
-     lambda t: {**t, "targets": t["targets"].astype(np.int32)}),
-    ("embedding", "a repeated id's gradient overwritten, not accumulated",
-     lambda t: {**t, "grad.weight": np.zeros_like(t["grad.weight"])}),
-    ("attention", "q and k swapped in the qkv split",
-     lambda t: {**t, "param.qkv.weight": swap_q_k(t["param.qkv.weight"])}),
-    ("gpt_block", "a key missing",
-     lambda t: {k: v for k, v in t.items() if k != "grad.fc2.bias"}),
-    ("resnet_w8", "a BN running_var 1% off in one channel",
-     lambda t: {**t, "buffer_after.stage4.1.bn1.running_var":
-                scaled(t["buffer_after.stage4.1.bn1.running_var"], 0, 1.01)}),
-    ("gpt_small", "second-step loss 1e-4 off",
-     lambda t: {**t, "loss_steps": t["loss_steps"] + np.float32([0, 1e-4, 0])}),
-    ("gpt_small", "positional embedding not added",
-     lambda t: {**t, "param.pos.weight": np.zeros_like(t["param.pos.weight"])}),
-    ("resnet_w8", "projection conv3 gradient 1% off in one output channel",
-     lambda t: {**t, "grad.stage3.0.conv3.weight":
-                scaled(t["grad.stage3.0.conv3.weight"], 5, 1.01)}),
-    ("lenet_sigmoid", "a loss of sum instead of mean over the batch",
-     lambda t: {**t, "loss": t["loss"] * 4}),
-    ("lenet_relu", "fc1 gradient 1% off in one row",
-     lambda t: {**t, "grad.fc1.weight": scaled(t["grad.fc1.weight"], 3, 1.01)}),
-    ("adamw", "one update 1e-4 off",
-     lambda t: {**t, "param_after_each": scaled(t["param_after_each"], (2, 4), 1.0001)}),
-    ("sgd_momentum", "momentum buffer ignored on the last step",
-     lambda t: {**t, "param_after_each": np.concatenate(
-         [t["param_after_each"][:2], (t["param_after_each"][1] - 0.1 * (
-             t["grads"][2] + 0.01 * t["param_after_each"][1]))[None]])}),
+    (
+        "linear",
+        "one weight-gradient entry 1% off",
+        lambda t: {**t, "grad.weight": scaled(t["grad.weight"], (0, 0), 1.01)},
+    ),
+    (
+        "linear3d",
+        "bias gradient not summed over the leading dims",
+        lambda t: {**t, "grad.bias": t["grad_output"][0, 0].copy()},
+    ),
+    (
+        "conv_k5p2",
+        "kernel flipped (correlation vs convolution)",
+        lambda t: {**t, "param.weight": t["param.weight"][:, :, ::-1, ::-1].copy()},
+    ),
+    (
+        "conv_k3s2p1",
+        "input gradient 0.1% off in one place",
+        lambda t: {**t, "grad_input": scaled(t["grad_input"], (0, 0, 3, 3), 1.001)},
+    ),
+    (
+        "maxpool_k3s2p1",
+        "output from 0-padding instead of -inf padding",
+        lambda t: {**t, "output": np.maximum(t["output"], 0.0)},
+    ),
+    (
+        "batchnorm_train",
+        "running_var updated with the biased variance",
+        lambda t: {**t, "running_var_after": biased_running_var(t, 100)},
+    ),
+    (
+        "layernorm",
+        "weight and bias gradients swapped",
+        lambda t: {**t, "grad.weight": t["grad.bias"], "grad.bias": t["grad.weight"]},
+    ),
+    (
+        "gelu",
+        "tanh-approximate GELU",
+        lambda t: {**t, "output": tanh_gelu(t["input"].astype(np.float64)).astype(np.float32)},
+    ),
+    ("softmax_xent", "targets off by one", lambda t: {**t, "targets": (t["targets"] + 1) % 10}),
+    (
+        "softmax_xent",
+        "targets stored as int32",
+        lambda t: {**t, "targets": t["targets"].astype(np.int32)},
+    ),
+    (
+        "embedding",
+        "a repeated id's gradient overwritten, not accumulated",
+        lambda t: {**t, "grad.weight": np.zeros_like(t["grad.weight"])},
+    ),
+    (
+        "attention",
+        "q and k swapped in the qkv split",
+        lambda t: {**t, "param.qkv.weight": swap_q_k(t["param.qkv.weight"])},
+    ),
+    ("gpt_block", "a key missing", lambda t: {k: v for k, v in t.items() if k != "grad.fc2.bias"}),
+    (
+        "resnet_w8",
+        "a BN running_var 1% off in one channel",
+        lambda t: {
+            **t,
+            "buffer_after.stage4.1.bn1.running_var": scaled(
+                t["buffer_after.stage4.1.bn1.running_var"], 0, 1.01
+            ),
+        },
+    ),
+    (
+        "gpt_small",
+        "second-step loss 1e-4 off",
+        lambda t: {**t, "loss_steps": t["loss_steps"] + np.float32([0, 1e-4, 0])},
+    ),
+    (
+        "gpt_small",
+        "positional embedding not added",
+        lambda t: {**t, "param.pos.weight": np.zeros_like(t["param.pos.weight"])},
+    ),
+    (
+        "resnet_w8",
+        "projection conv3 gradient 1% off in one output channel",
+        lambda t: {
+            **t,
+            "grad.stage3.0.conv3.weight": scaled(t["grad.stage3.0.conv3.weight"], 5, 1.01),
+        },
+    ),
+    (
+        "lenet_sigmoid",
+        "a loss of sum instead of mean over the batch",
+        lambda t: {**t, "loss": t["loss"] * 4},
+    ),
+    (
+        "lenet_relu",
+        "fc1 gradient 1% off in one row",
+        lambda t: {**t, "grad.fc1.weight": scaled(t["grad.fc1.weight"], 3, 1.01)},
+    ),
+    (
+        "adamw",
+        "one update 1e-4 off",
+        lambda t: {**t, "param_after_each": scaled(t["param_after_each"], (2, 4), 1.0001)},
+    ),
+    (
+        "sgd_momentum",
+        "momentum buffer ignored on the last step",
+        lambda t: {
+            **t,
+            "param_after_each": np.concatenate(
+                [
+                    t["param_after_each"][:2],
+                    (
+                        t["param_after_each"][1]
+                        - 0.1 * (t["grads"][2] + 0.01 * t["param_after_each"][1])
+                    )[None],
+                ]
+            ),
+        },
+    ),
 ]
 
 
 def self_test():
     """Each corruption above must make the checks fail, so they can fail."""
     from safetensors.numpy import load_file
+
     ok = True
     for case, what, mutate in MUTATIONS:
         t = load_file(os.path.join(REFS, case + ".safetensors"))
@@ -685,23 +904,28 @@ def self_test():
 
 def main():
     from safetensors.numpy import load_file
+
     if "--self-test" in sys.argv[1:]:
         sys.exit(0 if self_test() else 1)
     files = sorted(f for f in os.listdir(REFS) if f.endswith(".safetensors"))
     expected = set(LAYERS) | set(MODELS) | set(OPTIMIZERS)
-    found = {f[:-len(".safetensors")] for f in files}
+    found = {f[: -len(".safetensors")] for f in files}
     failed = False
     if found != expected:
-        print(f"FAIL file set: missing {sorted(expected - found)}, "
-              f"unexpected {sorted(found - expected)}")
+        print(
+            f"FAIL file set: missing {sorted(expected - found)}, "
+            f"unexpected {sorted(found - expected)}"
+        )
         failed = True
-    manifest = ["# tools/refs_manifest.txt, written by tools/check_refs.py: every reference "
-                "file, its keys, dtypes and shapes",
-                f"# total size of crates/nn/tests/refs: "
-                f"{sum(os.path.getsize(os.path.join(REFS, f)) for f in os.listdir(REFS))} bytes",
-                ""]
+    manifest = [
+        "# tools/refs_manifest.txt, written by tools/check_refs.py: every reference "
+        "file, its keys, dtypes and shapes",
+        f"# total size of crates/nn/tests/refs: "
+        f"{sum(os.path.getsize(os.path.join(REFS, f)) for f in os.listdir(REFS))} bytes",
+        "",
+    ]
     for f in files:
-        case = f[:-len(".safetensors")]
+        case = f[: -len(".safetensors")]
         path = os.path.join(REFS, f)
         try:
             check_case(case, load_file(path))
@@ -716,13 +940,17 @@ def main():
     except CheckFailed as e:
         print(f"FAIL lr_schedule.json: {e}")
         failed = True
-    manifest.append("lr_schedule.json -- keys formula, base_lr, warmup_steps, total_steps, "
-                    "min_ratio, min_lr, lr (list, steps 0..total inclusive)")
+    manifest.append(
+        "lr_schedule.json -- keys formula, base_lr, warmup_steps, total_steps, "
+        "min_ratio, min_lr, lr (list, steps 0..total inclusive)"
+    )
     with open(MANIFEST, "w") as out:
         out.write("\n".join(manifest) + "\n")
     print(f"wrote {MANIFEST}")
-    print("largest fraction of the finite-difference tolerances used: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in FD_STATS.items()))
+    print(
+        "largest fraction of the finite-difference tolerances used: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in FD_STATS.items())
+    )
     sys.exit(1 if failed else 0)
 
 

@@ -26,6 +26,7 @@ How the numbers are made (see tools/README.md for the file formats):
 are the peer baseline's models (same parameter names/shapes and, under the same seed,
 identical initial weights and forward outputs).
 """
+
 import argparse
 import copy
 import json
@@ -57,19 +58,24 @@ def seed_for(name):
 # --peer verifies that they agree)
 # --------------------------------------------------------------------------
 
+
 def lenet(activation="sigmoid"):
     """D2L LeNet-5 on 1x28x28. 'sigmoid' = the book's (and the peer's) sigmoid + avg-pool
     variant; 'relu' = the same with ReLU and MaxPool2d(2, 2)."""
     act = nn.Sigmoid if activation == "sigmoid" else nn.ReLU
     pool = nn.AvgPool2d if activation == "sigmoid" else nn.MaxPool2d
     return nn.Sequential(
-        nn.Conv2d(1, 6, kernel_size=5, padding=2), act(),
+        nn.Conv2d(1, 6, kernel_size=5, padding=2),
+        act(),
         pool(kernel_size=2, stride=2),
-        nn.Conv2d(6, 16, kernel_size=5), act(),
+        nn.Conv2d(6, 16, kernel_size=5),
+        act(),
         pool(kernel_size=2, stride=2),
         nn.Flatten(),
-        nn.Linear(16 * 5 * 5, 120), act(),
-        nn.Linear(120, 84), act(),
+        nn.Linear(16 * 5 * 5, 120),
+        act(),
+        nn.Linear(120, 84),
+        act(),
         nn.Linear(84, 10),
     )
 
@@ -98,6 +104,7 @@ class Residual(nn.Module):
 
 def d2l_resnet18(in_ch=1, num_classes=10, widths=(64, 128, 256, 512)):
     """D2L ResNet-18 (7x7/2 stem + maxpool, 4 stages x 2 blocks) with configurable widths."""
+
     def stage(cin, cout, first):
         blocks = []
         for i in range(2):
@@ -110,19 +117,28 @@ def d2l_resnet18(in_ch=1, num_classes=10, widths=(64, 128, 256, 512)):
     w1, w2, w3, w4 = widths
     return nn.Sequential(
         nn.Conv2d(in_ch, w1, kernel_size=7, stride=2, padding=3),
-        nn.BatchNorm2d(w1), nn.ReLU(),
+        nn.BatchNorm2d(w1),
+        nn.ReLU(),
         nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
         stage(w1, w1, first=True),
         stage(w1, w2, first=False),
         stage(w2, w3, first=False),
         stage(w3, w4, first=False),
-        nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(),
+        nn.AdaptiveAvgPool2d((1, 1)),
+        nn.Flatten(),
         nn.Linear(w4, num_classes),
     )
 
 
-RESNET_NAMES = {"0": "stem.conv", "1": "stem.bn", "4": "stage1", "5": "stage2",
-                "6": "stage3", "7": "stage4", "10": "fc"}
+RESNET_NAMES = {
+    "0": "stem.conv",
+    "1": "stem.bn",
+    "4": "stage1",
+    "5": "stage2",
+    "6": "stage3",
+    "7": "stage4",
+    "10": "fc",
+}
 
 
 class CausalSelfAttention(nn.Module):
@@ -219,9 +235,10 @@ def randomise_affine(module, scale=0.2):
 
 
 # --------------------------------------------------------------------------
-# Case runners. Each returns (tensors, float32-run tensors) so the caller can store the
-# float64 results and report the float32 deviation.
+# Case runners. Each case returns (stored inputs, float64 results, float32 results): the
+# caller stores inputs and float64 results, and reports the float32 deviation.
 # --------------------------------------------------------------------------
+
 
 def floating_buffers(module):
     return {n: b for n, b in module.named_buffers() if b.is_floating_point()}
@@ -229,8 +246,10 @@ def floating_buffers(module):
 
 def run_layer(module, inputs, grad_output, dtype, after_buffer_keys):
     m = copy.deepcopy(module).to(dtype)
-    args = {k: (v.to(dtype).requires_grad_(True) if v.is_floating_point() else v)
-            for k, v in inputs.items()}
+    args = {
+        k: (v.to(dtype).requires_grad_(True) if v.is_floating_point() else v)
+        for k, v in inputs.items()
+    }
     out = m(*args.values())
     out.backward(grad_output.to(dtype))
     res = {"output": out.detach()}
@@ -299,11 +318,15 @@ def model_case(model, x, targets, names, steps=3, lr=0.1):
     f32 = run_model(model, x, targets, torch.float32, steps, lr)
 
     def renamed(d):
+        """'grad.0.weight' -> 'grad.conv1.weight'; keys without a parameter part stay."""
+        if names is None:
+            return d
         out = {}
         for k, v in d.items():
-            kind, dot, pname = k.partition(".")
-            out[kind + dot + rename(pname, names) if dot and names else k] = v
+            kind, _, pname = k.partition(".")
+            out[kind + "." + rename(pname, names) if pname else k] = v
         return out
+
     return renamed(stored), renamed(ref), renamed(f32)
 
 
@@ -322,13 +345,17 @@ def optimizer_case(make_opt):
     param = torch.randn(10)
     grads = torch.randn(3, 10)
     stored = {"param": param, "grads": grads}
-    return (stored, run_optimizer(make_opt, param, grads, COMPUTE_DTYPE),
-            run_optimizer(make_opt, param, grads, torch.float32))
+    return (
+        stored,
+        run_optimizer(make_opt, param, grads, COMPUTE_DTYPE),
+        run_optimizer(make_opt, param, grads, torch.float32),
+    )
 
 
 # --------------------------------------------------------------------------
 # The case list
 # --------------------------------------------------------------------------
+
 
 def conv_case(cin, cout, k, stride, pad, shape):
     conv = nn.Conv2d(cin, cout, k, stride=stride, padding=pad)
@@ -363,8 +390,7 @@ def softmax_xent():
     logits = 2.0 * torch.randn(6, 10)
     targets = torch.randint(0, 10, (6,), dtype=torch.int64)
     loss = Lambda(lambda z, t: F.cross_entropy(z, t, reduction="mean"))
-    return layer_case(loss, {"input": logits, "targets": targets},
-                      grad_output=torch.tensor(1.0))
+    return layer_case(loss, {"input": logits, "targets": targets}, grad_output=torch.tensor(1.0))
 
 
 def embedding():
@@ -416,72 +442,116 @@ ADAMW_HP = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad
 
 # name -> (builder, one-line description stored as metadata)
 CASES = {
-    "linear": (lambda: layer_case(nn.Linear(5, 3), {"input": torch.randn(4, 5)}),
-               "Linear(5, 3), x [4,5]"),
-    "linear3d": (lambda: layer_case(nn.Linear(5, 6), {"input": torch.randn(2, 3, 5)}),
-                 "Linear(5, 6) over leading dims, x [2,3,5]"),
-    "conv_k5p2": (lambda: conv_case(3, 4, 5, 1, 2, (2, 3, 8, 8)),
-                  "Conv2d(3, 4, k=5, stride=1, pad=2), x [2,3,8,8]"),
-    "conv_k3s2p1": (lambda: conv_case(3, 4, 3, 2, 1, (2, 3, 7, 7)),
-                    "Conv2d(3, 4, k=3, stride=2, pad=1), x [2,3,7,7]"),
-    "conv_k1s2": (lambda: conv_case(3, 4, 1, 2, 0, (2, 3, 7, 7)),
-                  "Conv2d(3, 4, k=1, stride=2, pad=0), x [2,3,7,7]"),
-    "conv_k7s2p3": (lambda: conv_case(1, 4, 7, 2, 3, (2, 1, 12, 12)),
-                    "Conv2d(1, 4, k=7, stride=2, pad=3), x [2,1,12,12]"),
-    "maxpool_k3s2p1": (lambda: layer_case(nn.MaxPool2d(3, 2, 1),
-                                          {"input": torch.randn(2, 3, 7, 7)}),
-                       "MaxPool2d(k=3, stride=2, pad=1) (padding is -inf), x [2,3,7,7]"),
-    "maxpool_k2s2": (lambda: layer_case(nn.MaxPool2d(2, 2),
-                                        {"input": torch.randn(2, 3, 8, 8)}),
-                     "MaxPool2d(k=2, stride=2), x [2,3,8,8]"),
-    "avgpool_k2s2": (lambda: layer_case(nn.AvgPool2d(2, 2),
-                                        {"input": torch.randn(2, 3, 8, 8)}),
-                     "AvgPool2d(k=2, stride=2), x [2,3,8,8]"),
-    "global_avgpool": (lambda: layer_case(Lambda(lambda x: x.mean(dim=(2, 3))),
-                                          {"input": torch.randn(2, 3, 5, 5)}),
-                       "AdaptiveAvgPool2d(1) + Flatten, x [2,3,5,5] -> [2,3]"),
-    "batchnorm_train": (lambda: batchnorm(True),
-                        "BatchNorm2d(3, eps=1e-5, momentum=0.1), train mode: normalise with "
-                        "biased batch var; running_var updated with unbiased batch var"),
-    "batchnorm_eval": (lambda: batchnorm(False),
-                       "BatchNorm2d(3, eps=1e-5), eval mode: normalise with running stats"),
+    "linear": (
+        lambda: layer_case(nn.Linear(5, 3), {"input": torch.randn(4, 5)}),
+        "Linear(5, 3), x [4,5]",
+    ),
+    "linear3d": (
+        lambda: layer_case(nn.Linear(5, 6), {"input": torch.randn(2, 3, 5)}),
+        "Linear(5, 6) over leading dims, x [2,3,5]",
+    ),
+    "conv_k5p2": (
+        lambda: conv_case(3, 4, 5, 1, 2, (2, 3, 8, 8)),
+        "Conv2d(3, 4, k=5, stride=1, pad=2), x [2,3,8,8]",
+    ),
+    "conv_k3s2p1": (
+        lambda: conv_case(3, 4, 3, 2, 1, (2, 3, 7, 7)),
+        "Conv2d(3, 4, k=3, stride=2, pad=1), x [2,3,7,7]",
+    ),
+    "conv_k1s2": (
+        lambda: conv_case(3, 4, 1, 2, 0, (2, 3, 7, 7)),
+        "Conv2d(3, 4, k=1, stride=2, pad=0), x [2,3,7,7]",
+    ),
+    "conv_k7s2p3": (
+        lambda: conv_case(1, 4, 7, 2, 3, (2, 1, 12, 12)),
+        "Conv2d(1, 4, k=7, stride=2, pad=3), x [2,1,12,12]",
+    ),
+    "maxpool_k3s2p1": (
+        lambda: layer_case(nn.MaxPool2d(3, 2, 1), {"input": torch.randn(2, 3, 7, 7)}),
+        "MaxPool2d(k=3, stride=2, pad=1) (padding is -inf), x [2,3,7,7]",
+    ),
+    "maxpool_k2s2": (
+        lambda: layer_case(nn.MaxPool2d(2, 2), {"input": torch.randn(2, 3, 8, 8)}),
+        "MaxPool2d(k=2, stride=2), x [2,3,8,8]",
+    ),
+    "avgpool_k2s2": (
+        lambda: layer_case(nn.AvgPool2d(2, 2), {"input": torch.randn(2, 3, 8, 8)}),
+        "AvgPool2d(k=2, stride=2), x [2,3,8,8]",
+    ),
+    "global_avgpool": (
+        lambda: layer_case(
+            Lambda(lambda x: x.mean(dim=(2, 3))), {"input": torch.randn(2, 3, 5, 5)}
+        ),
+        "AdaptiveAvgPool2d(1) + Flatten, x [2,3,5,5] -> [2,3]",
+    ),
+    "batchnorm_train": (
+        lambda: batchnorm(True),
+        "BatchNorm2d(3, eps=1e-5, momentum=0.1), train mode: normalise with "
+        "biased batch var; running_var updated with unbiased batch var",
+    ),
+    "batchnorm_eval": (
+        lambda: batchnorm(False),
+        "BatchNorm2d(3, eps=1e-5), eval mode: normalise with running stats",
+    ),
     "layernorm": (layernorm, "LayerNorm(8, eps=1e-5), x [2,4,8]"),
-    "gelu": (lambda: layer_case(nn.GELU(approximate="none"), {"input": torch.randn(3, 7)}),
-             "exact GELU x*Phi(x) = 0.5*x*(1+erf(x/sqrt(2))), x [3,7]"),
-    "relu": (lambda: layer_case(nn.ReLU(), {"input": away_from_zero((3, 7))}),
-             "ReLU, x [3,7] with |x| >= 0.05"),
-    "sigmoid": (lambda: layer_case(nn.Sigmoid(), {"input": torch.randn(3, 7)}),
-                "Sigmoid, x [3,7]"),
-    "tanh": (lambda: layer_case(nn.Tanh(), {"input": torch.randn(3, 7)}),
-             "Tanh, x [3,7]"),
-    "softmax_xent": (softmax_xent,
-                     "mean over rows of -log_softmax(logits)[target]; logits [6,10] stored "
-                     "as input, targets int64 [6]; output scalar, grad_output = 1"),
+    "gelu": (
+        lambda: layer_case(nn.GELU(approximate="none"), {"input": torch.randn(3, 7)}),
+        "exact GELU x*Phi(x) = 0.5*x*(1+erf(x/sqrt(2))), x [3,7]",
+    ),
+    "relu": (
+        lambda: layer_case(nn.ReLU(), {"input": away_from_zero((3, 7))}),
+        "ReLU, x [3,7] with |x| >= 0.05",
+    ),
+    "sigmoid": (lambda: layer_case(nn.Sigmoid(), {"input": torch.randn(3, 7)}), "Sigmoid, x [3,7]"),
+    "tanh": (lambda: layer_case(nn.Tanh(), {"input": torch.randn(3, 7)}), "Tanh, x [3,7]"),
+    "softmax_xent": (
+        softmax_xent,
+        "mean over rows of -log_softmax(logits)[target]; logits [6,10] stored "
+        "as input, targets int64 [6]; output scalar, grad_output = 1",
+    ),
     "embedding": (embedding, "Embedding(11, 4), ids int64 [2,5] stored as input"),
-    "attention": (attention,
-                  "causal self-attention, x [2,6,16], 4 heads: qkv Linear(16,48), q|k|v "
-                  "slices, head h = contiguous 4-wide chunk, softmax(q k^T/sqrt(4) + causal "
-                  "mask) v, proj Linear(16,16)"),
-    "gpt_block": (gpt_block, "pre-LN GPT Block(d=16, heads=4) as in pytorch_ddp_bench.py, "
-                  "exact GELU, x [2,6,16]"),
-    "lenet_sigmoid": (lambda: lenet_case("sigmoid"),
-                      "D2L LeNet (sigmoid + AvgPool2d(2,2)), x [4,1,28,28]; mean CE; "
-                      "3 plain SGD steps lr 0.1 on the same batch"),
-    "lenet_relu": (lambda: lenet_case("relu"),
-                   "D2L LeNet with ReLU + MaxPool2d(2,2), x [4,1,28,28]; mean CE; "
-                   "3 plain SGD steps lr 0.1 on the same batch"),
-    "resnet_w8": (resnet_w8,
-                  "D2L ResNet-18, widths (8,16,32,64), conv bias=True, train-mode BN, "
-                  "x [4,1,28,28]; mean CE; 3 plain SGD steps lr 0.1 on the same batch"),
-    "gpt_small": (gpt_small,
-                  "TinyGPT vocab 64, d 32, 2 layers, 4 heads, seq 16, ids [2,16]; mean CE "
-                  "over all 32 positions; 3 plain SGD steps lr 0.1 on the same batch"),
-    "sgd_momentum": (lambda: optimizer_case(lambda ps: torch.optim.SGD(ps, **SGD_HP)),
-                     "torch.optim.SGD(" + ", ".join(f"{k}={v}" for k, v in SGD_HP.items())
-                     + "); param_after_each[i] = param after the step with grads[i]"),
-    "adamw": (lambda: optimizer_case(lambda ps: torch.optim.AdamW(ps, **ADAMW_HP)),
-              "torch.optim.AdamW(" + ", ".join(f"{k}={v}" for k, v in ADAMW_HP.items())
-              + "); param_after_each[i] = param after the step with grads[i]"),
+    "attention": (
+        attention,
+        "causal self-attention, x [2,6,16], 4 heads: qkv Linear(16,48), q|k|v "
+        "slices, head h = contiguous 4-wide chunk, softmax(q k^T/sqrt(4) + causal "
+        "mask) v, proj Linear(16,16)",
+    ),
+    "gpt_block": (
+        gpt_block,
+        "pre-LN GPT Block(d=16, heads=4) as in pytorch_ddp_bench.py, exact GELU, x [2,6,16]",
+    ),
+    "lenet_sigmoid": (
+        lambda: lenet_case("sigmoid"),
+        "D2L LeNet (sigmoid + AvgPool2d(2,2)), x [4,1,28,28]; mean CE; "
+        "3 plain SGD steps lr 0.1 on the same batch",
+    ),
+    "lenet_relu": (
+        lambda: lenet_case("relu"),
+        "D2L LeNet with ReLU + MaxPool2d(2,2), x [4,1,28,28]; mean CE; "
+        "3 plain SGD steps lr 0.1 on the same batch",
+    ),
+    "resnet_w8": (
+        resnet_w8,
+        "D2L ResNet-18, widths (8,16,32,64), conv bias=True, train-mode BN, "
+        "x [4,1,28,28]; mean CE; 3 plain SGD steps lr 0.1 on the same batch",
+    ),
+    "gpt_small": (
+        gpt_small,
+        "TinyGPT vocab 64, d 32, 2 layers, 4 heads, seq 16, ids [2,16]; mean CE "
+        "over all 32 positions; 3 plain SGD steps lr 0.1 on the same batch",
+    ),
+    "sgd_momentum": (
+        lambda: optimizer_case(lambda ps: torch.optim.SGD(ps, **SGD_HP)),
+        "torch.optim.SGD("
+        + ", ".join(f"{k}={v}" for k, v in SGD_HP.items())
+        + "); param_after_each[i] = param after the step with grads[i]",
+    ),
+    "adamw": (
+        lambda: optimizer_case(lambda ps: torch.optim.AdamW(ps, **ADAMW_HP)),
+        "torch.optim.AdamW("
+        + ", ".join(f"{k}={v}" for k, v in ADAMW_HP.items())
+        + "); param_after_each[i] = param after the step with grads[i]",
+    ),
 }
 
 
@@ -489,11 +559,13 @@ CASES = {
 # Learning-rate schedule (plain formula, not a torch scheduler)
 # --------------------------------------------------------------------------
 
-LR_FORMULA = ("step s is 0-based. if s < warmup: lr = base * (s + 1) / warmup; "
-              "else: p = (s - warmup) / (total - warmup), "
-              "lr = min_lr + (base - min_lr) * 0.5 * (1 + cos(pi * p)), with min_lr = "
-              "min_ratio * base. Listed for s = 0 .. total inclusive (s = total gives "
-              "exactly min_lr); s > total is not covered.")
+LR_FORMULA = (
+    "step s is 0-based. if s < warmup: lr = base * (s + 1) / warmup; "
+    "else: p = (s - warmup) / (total - warmup), "
+    "lr = min_lr + (base - min_lr) * 0.5 * (1 + cos(pi * p)), with min_lr = "
+    "min_ratio * base. Listed for s = 0 .. total inclusive (s = total gives "
+    "exactly min_lr); s > total is not covered."
+)
 
 
 def lr_at(s, base, warmup, total, min_lr):
@@ -507,8 +579,11 @@ def lr_schedule():
     base, warmup, total, ratio = 1.0, 5, 20, 0.1
     return {
         "formula": LR_FORMULA,
-        "base_lr": base, "warmup_steps": warmup, "total_steps": total,
-        "min_ratio": ratio, "min_lr": ratio * base,
+        "base_lr": base,
+        "warmup_steps": warmup,
+        "total_steps": total,
+        "min_ratio": ratio,
+        "min_lr": ratio * base,
         "lr": [lr_at(s, base, warmup, total, ratio * base) for s in range(total + 1)],
     }
 
@@ -516,6 +591,7 @@ def lr_schedule():
 # --------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------
+
 
 def to_store(t):
     t = t.detach().contiguous()
@@ -553,11 +629,18 @@ def check_peer(peer_dir):
     c = GPT_SMALL
     pairs = [
         ("lenet", lambda: lenet("sigmoid"), peer.lenet, torch.randn(2, 1, 28, 28)),
-        ("d2l_resnet18", lambda: d2l_resnet18(1, 10), lambda: peer.d2l_resnet18(1, 10),
-         torch.randn(2, 1, 28, 28)),
-        ("gpt", lambda: TinyGPT(c["vocab"], c["d"], c["layers"], c["heads"], c["seq"]),
-         lambda: peer.TinyGPT(c["vocab"], c["d"], c["layers"], c["heads"], c["seq"]),
-         torch.randint(0, c["vocab"], (2, c["seq"]))),
+        (
+            "d2l_resnet18",
+            lambda: d2l_resnet18(1, 10),
+            lambda: peer.d2l_resnet18(1, 10),
+            torch.randn(2, 1, 28, 28),
+        ),
+        (
+            "gpt",
+            lambda: TinyGPT(c["vocab"], c["d"], c["layers"], c["heads"], c["seq"]),
+            lambda: peer.TinyGPT(c["vocab"], c["d"], c["layers"], c["heads"], c["seq"]),
+            torch.randint(0, c["vocab"], (2, c["seq"])),
+        ),
     ]
     for name, ours_fn, peer_fn, x in pairs:
         torch.manual_seed(7)
@@ -576,12 +659,16 @@ def check_peer(peer_dir):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory")
     ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
-    ap.add_argument("--peer", default="", help="directory of pytorch_ddp_bench.py to check "
-                    "the model definitions against")
+    ap.add_argument(
+        "--peer",
+        default="",
+        help="directory of pytorch_ddp_bench.py to check the model definitions against",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -591,10 +678,12 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     names = [n for n in args.only.split(",") if n] or list(CASES)
-    report = ["# float32 PyTorch vs the stored float64-computed references (written by "
-              "tools/make_refs.py, torch %s)" % torch.__version__,
-              "# per file and key kind, the worst key: ||f32-f64|| / ||f64||, max|f32-f64|, key",
-              "# a correct float32 implementation should land within a small multiple of this"]
+    report = [
+        "# float32 PyTorch vs the stored float64-computed references (written by "
+        "tools/make_refs.py, torch %s)" % torch.__version__,
+        "# per file and key kind, the worst key: ||f32-f64|| / ||f64||, max|f32-f64|, key",
+        "# a correct float32 implementation should land within a small multiple of this",
+    ]
     for name in names:
         builder, description = CASES[name]
         seed_for(name)
@@ -604,20 +693,29 @@ def main():
         tensors = {k: to_store(v) for k, v in {**stored, **ref}.items()}
         # one metadata entry holding sorted JSON: safetensors writes its metadata map in
         # hash order, so several entries would make the file bytes differ run to run
-        meta = {"meshtrain_ref": json.dumps(
-            {"case": name, "description": description, "torch": torch.__version__,
-             "compute_dtype": "float64, results rounded to float32",
-             "generator": "tools/make_refs.py", "seed": zlib.crc32(name.encode())},
-            sort_keys=True)}
+        meta = {
+            "meshtrain_ref": json.dumps(
+                {
+                    "case": name,
+                    "description": description,
+                    "torch": torch.__version__,
+                    "compute_dtype": "float64, results rounded to float32",
+                    "generator": "tools/make_refs.py",
+                    "seed": zlib.crc32(name.encode()),
+                },
+                sort_keys=True,
+            )
+        }
         path = os.path.join(args.out, name + ".safetensors")
         save_file(tensors, path, metadata=meta)
         worst, zeros, zero_noise = deviation(ref, f32)
         for group, (rel, diff, key) in sorted(worst.items()):
             report.append(f"{name:16s} {group:14s} {rel:10.3e} {diff:10.3e}  {key}")
         if zeros:
-            report.append(f"{name:16s} exactly zero in exact arithmetic (float32 noise up to "
-                          f"{zero_noise:.1e}; compare with an absolute tolerance): "
-                          + ", ".join(zeros))
+            report.append(
+                f"{name:16s} exactly zero in exact arithmetic (float32 noise up to "
+                f"{zero_noise:.1e}; compare with an absolute tolerance): " + ", ".join(zeros)
+            )
         print(f"wrote {path} ({os.path.getsize(path)} bytes, {len(tensors)} tensors)")
 
     if not args.only:
