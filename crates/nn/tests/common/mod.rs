@@ -75,6 +75,10 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f64, atol: f64)
         got[worst],
         want[worst]
     );
+    println!(
+        "{what}: norm-wise relative error {:.2e}",
+        dn / wn.max(1e-30)
+    );
     if wn > 0.0 {
         dn / wn
     } else {
