@@ -151,7 +151,7 @@ pub struct GptBlock {
 impl GptBlock {
     pub fn new(dim: usize, heads: usize, init: Option<Init>) -> Self {
         assert!(
-            heads > 0 && dim % heads == 0,
+            heads > 0 && dim.is_multiple_of(heads),
             "dim {dim} not divisible by {heads} heads"
         );
         let lin = |i, o| {

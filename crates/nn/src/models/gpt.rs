@@ -38,7 +38,7 @@ impl GptConfig {
         {
             return Err(format!("every GPT dimension must be positive: {self:?}"));
         }
-        if self.dim % self.heads != 0 {
+        if !self.dim.is_multiple_of(self.heads) {
             return Err(format!(
                 "GPT dim {} is not divisible by heads {}",
                 self.dim, self.heads
