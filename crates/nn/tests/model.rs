@@ -350,3 +350,60 @@ fn eval_forward_leaves_buffers_alone() {
         assert_eq!(store.buffers, before, "{}: eval updated buffers", s.name);
     }
 }
+
+/// Two micro-batches in flight at once (forward 1, forward 2, backward 2, backward 1 — a
+/// pipeline schedule) give the same gradients and running statistics as running them one
+/// after the other: forward state lives in the returned activations, not in the layers.
+/// Gradients accumulate in another order, so they are compared to 1e-6 rather than bitwise.
+#[test]
+fn micro_batches_in_flight_match_sequential() {
+    for s in setups() {
+        let (first, second) = halves(&s);
+        let mut sequential = s.model.init(7);
+        for (x, y) in [&first, &second] {
+            let (logits, acts) = s.model.forward_all(&mut sequential, x.clone(), Mode::TRAIN);
+            let dy = loss_grad(&s, &logits, y, 0.5);
+            s.model
+                .backward(&mut sequential, acts, dy, false, &mut |_, _| {});
+        }
+        let mut interleaved = s.model.init(7);
+        let (l1, a1) = s
+            .model
+            .forward_all(&mut interleaved, first.0.clone(), Mode::TRAIN);
+        let (l2, a2) = s
+            .model
+            .forward_all(&mut interleaved, second.0.clone(), Mode::TRAIN);
+        let d2 = loss_grad(&s, &l2, &second.1, 0.5);
+        s.model
+            .backward(&mut interleaved, a2, d2, false, &mut |_, _| {});
+        let d1 = loss_grad(&s, &l1, &first.1, 0.5);
+        s.model
+            .backward(&mut interleaved, a1, d1, false, &mut |_, _| {});
+        let what = format!("{}: interleaved micro-batch grads", s.name);
+        assert_close(&what, &interleaved.grads, &sequential.grads, 1e-6, 0.0);
+        assert_eq!(
+            interleaved.buffers, sequential.buffers,
+            "{}: buffers",
+            s.name
+        );
+    }
+}
+
+/// The setup's batch split in two along the leading (batch) axis.
+fn halves(s: &Setup) -> ((Tensor, Vec<u32>), (Tensor, Vec<u32>)) {
+    let shape = s.input.shape();
+    let per_sample = s.input.numel() / shape[0];
+    let targets_per_sample = s.targets.len() / shape[0];
+    let half = shape[0] / 2;
+    let mut half_shape = shape.to_vec();
+    half_shape[0] = half;
+    let part = |i: usize| {
+        let x = s.input.data()[i * half * per_sample..(i + 1) * half * per_sample].to_vec();
+        let t = half * targets_per_sample;
+        (
+            Tensor::from_vec(x, &half_shape),
+            s.targets[i * t..(i + 1) * t].to_vec(),
+        )
+    };
+    (part(0), part(1))
+}
