@@ -335,6 +335,17 @@ fn conv2d_geometries() {
         )
         .run();
     }
+    // Non-square input: a height/width mix-up cannot hide.
+    let conv = Conv2d::new(2, 3, 3, 2, 1);
+    Check::new(
+        "conv k3 s2 p1 on 7x10",
+        &conv,
+        normal(42, &[2, 2, 7, 10]),
+        43,
+    )
+    .run();
+    let conv = Conv2d::new(2, 3, 5, 1, 2);
+    Check::new("conv k5 s1 p2 on 6x4", &conv, normal(44, &[2, 2, 6, 4]), 45).run();
     let mut no_bias = Conv2d::new(2, 3, 3, 1, 1);
     no_bias.bias = false;
     Check::new("conv without bias", &no_bias, normal(40, &[2, 2, 5, 5]), 41).run();
