@@ -145,12 +145,28 @@ impl Layer for Seq {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        // Without an input gradient to return, the children before the first one with
+        // parameters (a model's leading ToChannelMajor) need no gradient at all, and that
+        // child need not compute its own input gradient.
+        let first_needed = if need_dx {
+            0
+        } else {
+            let has_params = |r: &Range<usize>| !r.is_empty();
+            self.0
+                .params
+                .iter()
+                .position(has_params)
+                .unwrap_or(self.0.len())
+        };
         let mut dy = Some(dy);
         for (i, child) in s.children.into_iter().enumerate().rev() {
-            let want = need_dx || i > 0;
+            if i < first_needed {
+                break;
+            }
+            let want = need_dx || i > first_needed;
             dy = self.0.backward(i, p, g, child, dy.expect("gradient"), want);
         }
-        dy
+        dy.filter(|_| need_dx)
     }
 }
 

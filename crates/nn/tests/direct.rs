@@ -1,0 +1,155 @@
+//! Forward passes of the spatial layers against their definitions, written as plain loops, on
+//! non-square inputs and odd geometries that the PyTorch reference files (square inputs) do
+//! not cover. With the gradient checks (which prove backward consistent with forward) this
+//! pins down the whole layer for any shape.
+
+mod common;
+
+use common::{assert_close, normal_vec};
+use meshtrain_nn::layers::{Conv2d, Pool2d};
+use meshtrain_nn::{Layer, Mode, Saved};
+use meshtrain_tensor::rng::SplitMix64;
+use meshtrain_tensor::Tensor;
+
+/// Element `[c, n, y, x]` of a CNHW buffer, or `None` outside the plane (padding).
+fn at(x: &[f32], dims: [usize; 4], c: usize, n: usize, y: isize, xx: isize) -> Option<f32> {
+    let [_, nn, h, w] = dims;
+    if y < 0 || xx < 0 || y >= h as isize || xx >= w as isize {
+        return None;
+    }
+    Some(x[((c * nn + n) * h + y as usize) * w + xx as usize])
+}
+
+/// Output size of a window sweep (PyTorch's floor mode).
+fn out_len(len: usize, k: usize, s: usize, p: usize) -> usize {
+    (len + 2 * p - k) / s + 1
+}
+
+/// Cross-correlation with zero padding from its definition, CNHW in and out.
+fn conv_direct(x: &[f32], dims: [usize; 4], w: &[f32], b: &[f32], geom: [usize; 4]) -> Vec<f32> {
+    let [o, k, s, p] = geom;
+    let [c, n, h, wd] = dims;
+    let (oh, ow) = (out_len(h, k, s, p), out_len(wd, k, s, p));
+    let mut y = vec![0.0f32; o * n * oh * ow];
+    for oc in 0..o {
+        for ni in 0..n {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut acc = b[oc] as f64;
+                    for ic in 0..c {
+                        for ki in 0..k {
+                            for kj in 0..k {
+                                let iy = (oy * s + ki) as isize - p as isize;
+                                let ix = (ox * s + kj) as isize - p as isize;
+                                let v = at(x, dims, ic, ni, iy, ix).unwrap_or(0.0);
+                                acc += (v * w[((oc * c + ic) * k + ki) * k + kj]) as f64;
+                            }
+                        }
+                    }
+                    y[((oc * n + ni) * oh + oy) * ow + ox] = acc as f32;
+                }
+            }
+        }
+    }
+    y
+}
+
+/// Max (padding never wins) or mean pooling from the definition, CNHW in and out.
+fn pool_direct(x: &[f32], dims: [usize; 4], k: usize, s: usize, p: usize, max: bool) -> Vec<f32> {
+    let [c, n, h, w] = dims;
+    let (oh, ow) = (out_len(h, k, s, p), out_len(w, k, s, p));
+    let mut y = Vec::with_capacity(c * n * oh * ow);
+    for ci in 0..c {
+        for ni in 0..n {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let window = (0..k * k).filter_map(|i| {
+                        let iy = (oy * s + i / k) as isize - p as isize;
+                        let ix = (ox * s + i % k) as isize - p as isize;
+                        at(x, dims, ci, ni, iy, ix)
+                    });
+                    y.push(if max {
+                        window.fold(f32::NEG_INFINITY, f32::max)
+                    } else {
+                        window.sum::<f32>() / (k * k) as f32
+                    });
+                }
+            }
+        }
+    }
+    y
+}
+
+fn forward(layer: &dyn Layer, params: &[f32], x: &[f32], dims: [usize; 4]) -> Tensor {
+    let x = Tensor::from_vec(x.to_vec(), &dims);
+    layer.forward(params, &mut [], x, Mode::EVAL, &mut Saved::default())
+}
+
+#[test]
+fn convolution_matches_definition_on_non_square_inputs() {
+    // (in, out, kernel, stride, padding, height, width)
+    for (i, (c, o, k, s, p, h, w)) in [
+        (2, 3, 3, 1, 1, 5, 9),
+        (2, 3, 3, 2, 1, 7, 10),
+        (3, 2, 5, 2, 2, 11, 6),
+        (1, 4, 7, 2, 3, 12, 9),
+        (3, 4, 1, 2, 0, 7, 4),
+        (3, 4, 1, 1, 0, 3, 8),
+        (2, 2, 2, 3, 0, 8, 11),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = SplitMix64::new(i as u64);
+        let dims = [c, 2, h, w];
+        let x = normal_vec(&mut rng, dims.iter().product(), 1.0);
+        let weight = normal_vec(&mut rng, o * c * k * k, 0.5);
+        let bias = normal_vec(&mut rng, o, 0.5);
+        let conv = Conv2d::new(c, o, k, s, p);
+        let y = forward(&conv, &[weight.clone(), bias.clone()].concat(), &x, dims);
+        let want = conv_direct(&x, dims, &weight, &bias, [o, k, s, p]);
+        assert_eq!(
+            y.shape(),
+            [o, 2, out_len(h, k, s, p), out_len(w, k, s, p)],
+            "conv k{k} s{s} p{p} on {h}x{w}: shape"
+        );
+        let what = format!("conv k{k} s{s} p{p} on {h}x{w}");
+        assert_close(&what, y.data(), &want, 1e-6, 0.0);
+    }
+}
+
+#[test]
+fn pooling_matches_definition_on_non_square_inputs() {
+    for (i, (k, s, p, h, w)) in [
+        (3, 2, 1, 7, 10),
+        (2, 2, 0, 8, 5),
+        (3, 2, 1, 6, 6),
+        (3, 3, 0, 10, 7),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dims = [3, 2, h, w];
+        let x = normal_vec(&mut SplitMix64::new(100 + i as u64), 6 * h * w, 1.0);
+        let y = forward(&Pool2d::max(k, s, p), &[], &x, dims);
+        let what = format!("maxpool k{k} s{s} p{p} on {h}x{w}");
+        assert_close(
+            &what,
+            y.data(),
+            &pool_direct(&x, dims, k, s, p, true),
+            0.0,
+            0.0,
+        );
+        if p == 0 {
+            let y = forward(&Pool2d::avg(k, s), &[], &x, dims);
+            let what = format!("avgpool k{k} s{s} on {h}x{w}");
+            assert_close(
+                &what,
+                y.data(),
+                &pool_direct(&x, dims, k, s, 0, false),
+                1e-6,
+                0.0,
+            );
+        }
+    }
+}
