@@ -435,7 +435,11 @@ impl Trainer {
             ),
             _ => format!("eval step {}: loss {loss:.4}", self.step),
         };
-        pb.println(line);
+        if self.show_progress {
+            pb.println(line);
+        } else {
+            println!("{line}");
+        }
         self.write_metric(&record)?;
         *last = (Some(loss), acc);
         Ok(())

@@ -6,7 +6,6 @@
 
 use crate::activation::fast_exp;
 use crate::matmul::{gemm_serial, Mat, MatMut};
-use rayon::prelude::*;
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionShape {
@@ -29,7 +28,7 @@ pub fn causal_attention_forward(s: AttentionShape, qkv: &[f32]) -> (Vec<f32>, Ve
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0f32; s.batch * t * d];
     let mut probs = vec![0.0f32; s.batch * s.heads * t * t];
-    let sample = |b: usize, (ob, pb): (&mut [f32], &mut [f32])| {
+    let sample = |b: usize, ob: &mut [f32], pb: &mut [f32]| {
         let q = &qkv[b * t * 3 * d..][..t * 3 * d];
         for h in 0..s.heads {
             let p = &mut pb[h * t * t..][..t * t];
@@ -57,17 +56,7 @@ pub fn causal_attention_forward(s: AttentionShape, qkv: &[f32]) -> (Vec<f32>, Ve
             );
         }
     };
-    if crate::par::threads() > 1 && s.batch > 1 {
-        out.par_chunks_mut(t * d)
-            .zip(probs.par_chunks_mut(s.heads * t * t))
-            .enumerate()
-            .for_each(|(b, x)| sample(b, x));
-    } else {
-        out.chunks_mut(t * d)
-            .zip(probs.chunks_mut(s.heads * t * t))
-            .enumerate()
-            .for_each(|(b, x)| sample(b, x));
-    }
+    crate::par::for_each_chunk_pair_mut(&mut out, t * d, &mut probs, s.heads * t * t, sample);
     (out, probs)
 }
 
@@ -124,14 +113,6 @@ pub fn causal_attention_backward(
             );
         }
     };
-    if crate::par::threads() > 1 && s.batch > 1 {
-        dqkv.par_chunks_mut(t * 3 * d)
-            .enumerate()
-            .for_each(|(b, x)| sample(b, x));
-    } else {
-        dqkv.chunks_mut(t * 3 * d)
-            .enumerate()
-            .for_each(|(b, x)| sample(b, x));
-    }
+    crate::par::for_each_chunk_mut(&mut dqkv, t * 3 * d, sample);
     dqkv
 }

@@ -6,7 +6,6 @@
 //! 1×1 (ResNet's last stage), which per-sample products would turn into rank-1 updates.
 
 use crate::matmul::{gemm, Mat, MatMut};
-use rayon::prelude::*;
 
 /// Geometry of one convolution.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,10 +42,6 @@ pub struct Spatial {
     pub batch: usize,
     pub height: usize,
     pub width: usize,
-}
-
-fn use_parallel(work: usize) -> bool {
-    crate::par::threads() > 1 && work > 32 * 1024
 }
 
 /// Output columns `[lo, hi)` whose input column `ox·stride + kj − padding` lies inside the
@@ -103,15 +98,7 @@ pub fn im2col(g: &ConvGeometry, s: Spatial, x: &[f32], cols: &mut [f32]) {
             }
         }
     };
-    if use_parallel(cols.len()) {
-        cols.par_chunks_mut(row_len)
-            .enumerate()
-            .for_each(|(r, row)| fill_row(r, row));
-    } else {
-        cols.chunks_mut(row_len)
-            .enumerate()
-            .for_each(|(r, row)| fill_row(r, row));
-    }
+    crate::par::for_each_chunk_mut(cols, row_len, fill_row);
 }
 
 /// Accumulate (`+=`) the column-gradient matrix into `dx` ([C, N, H, W]); the adjoint of
@@ -152,15 +139,7 @@ pub fn col2im(g: &ConvGeometry, s: Spatial, dcols: &[f32], dx: &mut [f32]) {
         }
     };
     let per_channel = s.batch * plane_len;
-    if use_parallel(dcols.len()) {
-        dx.par_chunks_mut(per_channel)
-            .enumerate()
-            .for_each(|(c, d)| channel(c, d));
-    } else {
-        dx.chunks_mut(per_channel)
-            .enumerate()
-            .for_each(|(c, d)| channel(c, d));
-    }
+    crate::par::for_each_chunk_mut(dx, per_channel, channel);
 }
 
 /// Forward: returns the CNHW output `[O, N, OH, OW]`, and the im2col columns when

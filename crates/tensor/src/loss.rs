@@ -2,7 +2,6 @@
 //! separate probability tensor.
 
 use crate::activation::fast_exp;
-use rayon::prelude::*;
 
 /// Mean cross-entropy of `logits` (`rows × classes`) against integer `targets`.
 /// Per-row losses are summed in row order, so the reported loss is bit-identical on any pool.
@@ -42,18 +41,8 @@ pub fn softmax_cross_entropy(
         g[tgt] -= grad_scale * inv_rows;
         ((log_sum - l[tgt]) as f64, usize::from(arg == tgt))
     };
-    let (loss, correct) = if crate::par::threads() > 1 && logits.len() > 16 * 1024 {
-        grad.par_chunks_mut(classes)
-            .enumerate()
-            .map(|(r, g)| row(r, g))
-            .collect::<Vec<_>>()
-            .into_iter()
-            .fold((0.0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
-    } else {
-        grad.chunks_mut(classes)
-            .enumerate()
-            .map(|(r, g)| row(r, g))
-            .fold((0.0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
-    };
+    let (loss, correct) = crate::par::map_chunks_mut(&mut grad, classes, row)
+        .into_iter()
+        .fold((0.0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
     ((loss / rows as f64) as f32, grad, correct)
 }

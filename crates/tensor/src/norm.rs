@@ -4,16 +4,12 @@
 //! Batch norm is split into "local sums" and "normalise with given statistics" so that
 //! SyncBatchNorm can all-reduce the sums across data-parallel workers in between.
 
-use rayon::prelude::*;
-
-fn par_ok(n: usize) -> bool {
-    crate::par::threads() > 1 && n > 16 * 1024
-}
+use crate::par::{for_each_chunk_mut, for_each_chunk_pair_mut, map_chunks, map_chunks_mut};
 
 /// Per-channel (sum, sum of squares, count) of channel-contiguous data.
 pub fn channel_sums(x: &[f32], channels: usize) -> Vec<[f64; 2]> {
     let m = x.len() / channels;
-    let one = |c: &[f32]| {
+    let one = |_: usize, c: &[f32]| {
         let (mut s, mut q) = (0.0f64, 0.0f64);
         for &v in c {
             s += v as f64;
@@ -21,11 +17,7 @@ pub fn channel_sums(x: &[f32], channels: usize) -> Vec<[f64; 2]> {
         }
         [s, q]
     };
-    if par_ok(x.len()) {
-        x.par_chunks(m).map(one).collect()
-    } else {
-        x.chunks(m).map(one).collect()
-    }
+    map_chunks(x, m, one)
 }
 
 /// Mean and biased variance per channel from sums over `count` values.
@@ -53,7 +45,7 @@ pub fn batch_norm_apply(
     let m = x.len() / channels;
     let mut y = vec![0.0f32; x.len()];
     let mut xhat = vec![0.0f32; x.len()];
-    let one = |c: usize, (yc, hc): (&mut [f32], &mut [f32])| {
+    let one = |c: usize, yc: &mut [f32], hc: &mut [f32]| {
         let rstd = 1.0 / (var[c] + eps).sqrt();
         let (mu, g, b) = (mean[c], gamma[c], beta[c]);
         let xc = &x[c * m..][..m];
@@ -63,17 +55,7 @@ pub fn batch_norm_apply(
             yc[i] = g * h + b;
         }
     };
-    if par_ok(x.len()) {
-        y.par_chunks_mut(m)
-            .zip(xhat.par_chunks_mut(m))
-            .enumerate()
-            .for_each(|(c, p)| one(c, p));
-    } else {
-        y.chunks_mut(m)
-            .zip(xhat.chunks_mut(m))
-            .enumerate()
-            .for_each(|(c, p)| one(c, p));
-    }
+    for_each_chunk_pair_mut(&mut y, m, &mut xhat, m, one);
     (y, xhat)
 }
 
@@ -118,13 +100,7 @@ pub fn batch_norm_input_grad(
             dxc[i] = k * (d[i] - mean_dy - h[i] * mean_dyh);
         }
     };
-    if par_ok(dy.len()) {
-        dx.par_chunks_mut(m)
-            .enumerate()
-            .for_each(|(c, d)| one(c, d));
-    } else {
-        dx.chunks_mut(m).enumerate().for_each(|(c, d)| one(c, d));
-    }
+    for_each_chunk_mut(&mut dx, m, one);
     dx
 }
 
@@ -143,7 +119,7 @@ pub fn layer_norm_forward(
     let rows = x.len() / d;
     let mut y = vec![0.0f32; x.len()];
     let mut stats = vec![[0.0f32; 2]; rows];
-    let one = |r: usize, (yr, st): (&mut [f32], &mut [f32; 2])| {
+    let one = |r: usize, yr: &mut [f32], st: &mut [[f32; 2]]| {
         let xr = &x[r * d..][..d];
         let mean = xr.iter().sum::<f32>() / d as f32;
         let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
@@ -151,19 +127,9 @@ pub fn layer_norm_forward(
         for i in 0..d {
             yr[i] = (xr[i] - mean) * rstd * gamma[i] + beta[i];
         }
-        *st = [mean, rstd];
+        st[0] = [mean, rstd];
     };
-    if par_ok(x.len()) {
-        y.par_chunks_mut(d)
-            .zip(stats.par_iter_mut())
-            .enumerate()
-            .for_each(|(r, p)| one(r, p));
-    } else {
-        y.chunks_mut(d)
-            .zip(stats.iter_mut())
-            .enumerate()
-            .for_each(|(r, p)| one(r, p));
-    }
+    for_each_chunk_pair_mut(&mut y, d, &mut stats, 1, one);
     let (mean, rstd) = stats.into_iter().map(|[m, r]| (m, r)).unzip();
     (y, mean, rstd)
 }
@@ -205,17 +171,7 @@ pub fn layer_norm_backward(
         }
         part
     };
-    let parts: Vec<Vec<f32>> = if par_ok(x.len()) {
-        dx.par_chunks_mut(chunk)
-            .enumerate()
-            .map(|(i, c)| run(i, c))
-            .collect()
-    } else {
-        dx.chunks_mut(chunk)
-            .enumerate()
-            .map(|(i, c)| run(i, c))
-            .collect()
-    };
+    let parts: Vec<Vec<f32>> = map_chunks_mut(&mut dx, chunk, run);
     for p in parts {
         for i in 0..d {
             dgamma[i] += p[i];

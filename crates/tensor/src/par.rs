@@ -21,14 +21,22 @@ pub fn pool(n: usize) -> rayon::ThreadPool {
         .expect("failed to start a rayon thread pool")
 }
 
+/// Below this many elements a kernel runs on one thread: splitting costs more than it saves.
+pub const PARALLEL_MIN_LEN: usize = 16 * 1024;
+
+fn worth_splitting(len: usize, chunk: usize) -> bool {
+    threads() > 1 && len >= PARALLEL_MIN_LEN && len > chunk
+}
+
 /// Run `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, in parallel when the pool
 /// has several threads and the work is large enough to pay for it.
-pub fn for_each_chunk_mut<F>(data: &mut [f32], chunk: usize, f: F)
+pub fn for_each_chunk_mut<T, F>(data: &mut [T], chunk: usize, f: F)
 where
-    F: Fn(usize, &mut [f32]) + Sync + Send,
+    T: Send,
+    F: Fn(usize, &mut [T]) + Sync + Send,
 {
     let chunk = chunk.max(1);
-    if threads() > 1 && data.len() > chunk {
+    if worth_splitting(data.len(), chunk) {
         data.par_chunks_mut(chunk)
             .enumerate()
             .for_each(|(i, c)| f(i, c));
@@ -36,6 +44,76 @@ where
         data.chunks_mut(chunk)
             .enumerate()
             .for_each(|(i, c)| f(i, c));
+    }
+}
+
+/// [`for_each_chunk_mut`] over two buffers cut into the same number of pieces (an output and
+/// its companion: max-pool values and winners, batch-norm output and normalised input).
+pub fn for_each_chunk_pair_mut<A, B, F>(
+    a: &mut [A],
+    chunk_a: usize,
+    b: &mut [B],
+    chunk_b: usize,
+    f: F,
+) where
+    A: Send,
+    B: Send,
+    F: Fn(usize, &mut [A], &mut [B]) + Sync + Send,
+{
+    let (chunk_a, chunk_b) = (chunk_a.max(1), chunk_b.max(1));
+    if worth_splitting(a.len(), chunk_a) {
+        a.par_chunks_mut(chunk_a)
+            .zip(b.par_chunks_mut(chunk_b))
+            .enumerate()
+            .for_each(|(i, (x, y))| f(i, x, y));
+    } else {
+        a.chunks_mut(chunk_a)
+            .zip(b.chunks_mut(chunk_b))
+            .enumerate()
+            .for_each(|(i, (x, y))| f(i, x, y));
+    }
+}
+
+/// `f(chunk_index, chunk)` over pieces of `data`, results collected in chunk order (so a
+/// caller summing them gets the same order, and bits, on any pool size).
+pub fn map_chunks_mut<T, R, F>(data: &mut [T], chunk: usize, f: F) -> Vec<R>
+where
+    T: Send,
+    R: Send,
+    F: Fn(usize, &mut [T]) -> R + Sync + Send,
+{
+    let chunk = chunk.max(1);
+    if worth_splitting(data.len(), chunk) {
+        data.par_chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, c)| f(i, c))
+            .collect()
+    } else {
+        data.chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, c)| f(i, c))
+            .collect()
+    }
+}
+
+/// Read-only [`map_chunks_mut`].
+pub fn map_chunks<T, R, F>(data: &[T], chunk: usize, f: F) -> Vec<R>
+where
+    T: Sync,
+    R: Send,
+    F: Fn(usize, &[T]) -> R + Sync + Send,
+{
+    let chunk = chunk.max(1);
+    if worth_splitting(data.len(), chunk) {
+        data.par_chunks(chunk)
+            .enumerate()
+            .map(|(i, c)| f(i, c))
+            .collect()
+    } else {
+        data.chunks(chunk)
+            .enumerate()
+            .map(|(i, c)| f(i, c))
+            .collect()
     }
 }
 
@@ -50,14 +128,14 @@ pub fn map_inplace<F>(data: &mut [f32], f: F)
 where
     F: Fn(f32) -> f32 + Sync + Send,
 {
-    let chunk = chunk_len(data.len(), 16 * 1024);
+    let chunk = chunk_len(data.len(), PARALLEL_MIN_LEN);
     for_each_chunk_mut(data, chunk, |_, c| c.iter_mut().for_each(|v| *v = f(*v)));
 }
 
 /// `out[i] = f(a[i], b[i])`, parallel for large buffers.
 pub fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
     assert!(out.len() == a.len() && a.len() == b.len());
-    let chunk = chunk_len(out.len(), 16 * 1024);
+    let chunk = chunk_len(out.len(), PARALLEL_MIN_LEN);
     for_each_chunk_mut(out, chunk, |i, c| {
         let s = i * chunk;
         for (j, o) in c.iter_mut().enumerate() {
@@ -69,7 +147,7 @@ pub fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f3
 /// `dst += src`, parallel for large buffers.
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
-    let chunk = chunk_len(dst.len(), 16 * 1024);
+    let chunk = chunk_len(dst.len(), PARALLEL_MIN_LEN);
     for_each_chunk_mut(dst, chunk, |i, c| {
         let s = &src[i * chunk..i * chunk + c.len()];
         c.iter_mut().zip(s).for_each(|(d, s)| *d += s);

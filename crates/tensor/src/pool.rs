@@ -1,7 +1,7 @@
 //! Max and average pooling over the planes of an activation (each `H×W` plane pooled on its
 //! own, so the same code serves NCHW and CNHW), and global average pooling.
 
-use rayon::prelude::*;
+use crate::par::{for_each_chunk_mut, for_each_chunk_pair_mut};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolGeometry {
@@ -17,10 +17,6 @@ impl PoolGeometry {
             (w + 2 * self.padding - self.kernel) / self.stride + 1,
         )
     }
-}
-
-fn planes_par(n: usize) -> bool {
-    crate::par::threads() > 1 && n > 16 * 1024
 }
 
 /// Max pooling; returns the output and, per output element, the index of the winning input
@@ -64,17 +60,7 @@ pub fn max_pool_forward(
             }
         }
     };
-    if planes_par(out.len()) {
-        out.par_chunks_mut(oh * ow)
-            .zip(arg.par_chunks_mut(oh * ow))
-            .enumerate()
-            .for_each(|(p, (o, a))| plane(p, o, a));
-    } else {
-        out.chunks_mut(oh * ow)
-            .zip(arg.chunks_mut(oh * ow))
-            .enumerate()
-            .for_each(|(p, (o, a))| plane(p, o, a));
-    }
+    for_each_chunk_pair_mut(&mut out, oh * ow, &mut arg, oh * ow, plane);
     (out, arg)
 }
 
@@ -94,15 +80,7 @@ pub fn max_pool_backward(
             d[idx as usize] += g[i];
         }
     };
-    if planes_par(dx.len()) {
-        dx.par_chunks_mut(h * w)
-            .enumerate()
-            .for_each(|(p, d)| plane(p, d));
-    } else {
-        dx.chunks_mut(h * w)
-            .enumerate()
-            .for_each(|(p, d)| plane(p, d));
-    }
+    for_each_chunk_mut(&mut dx, h * w, plane);
     dx
 }
 
@@ -135,15 +113,7 @@ pub fn avg_pool_forward(
             }
         }
     };
-    if planes_par(out.len()) {
-        out.par_chunks_mut(oh * ow)
-            .enumerate()
-            .for_each(|(p, o)| plane(p, o));
-    } else {
-        out.chunks_mut(oh * ow)
-            .enumerate()
-            .for_each(|(p, o)| plane(p, o));
-    }
+    for_each_chunk_mut(&mut out, oh * ow, plane);
     out
 }
 
@@ -164,14 +134,6 @@ pub fn avg_pool_backward(g: &PoolGeometry, h: usize, w: usize, dy: &[f32]) -> Ve
             }
         }
     };
-    if planes_par(dx.len()) {
-        dx.par_chunks_mut(h * w)
-            .enumerate()
-            .for_each(|(p, d)| plane(p, d));
-    } else {
-        dx.chunks_mut(h * w)
-            .enumerate()
-            .for_each(|(p, d)| plane(p, d));
-    }
+    for_each_chunk_mut(&mut dx, h * w, plane);
     dx
 }
