@@ -1,4 +1,4 @@
-//! Prints the validation tables of docs/benchmarks-plan.md:
+//! Prints the validation tables of docs/benchmarks.md (section "Planner"):
 //! `cargo run -p meshtrain-plan --release --example validate`
 use std::time::Instant;
 
