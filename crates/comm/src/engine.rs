@@ -72,4 +72,13 @@ impl AsyncEngine {
         }
         Ok(Work::new(completion))
     }
+
+    /// Blocks until every job submitted so far has finished.
+    pub(crate) fn drain(&self) {
+        if !self.is_idle() {
+            if let Ok(work) = self.submit(|| Ok(())) {
+                let _ = work.wait();
+            }
+        }
+    }
 }
