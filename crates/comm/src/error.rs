@@ -36,11 +36,19 @@ pub(crate) fn fmt_ranks(ranks: &[usize]) -> String {
     format!("[{}]", inner.join(", "))
 }
 
+fn missing_text(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        "some rank(s) did not arrive (this backend cannot tell which)".to_string()
+    } else {
+        format!("rank(s) {} (global) did not arrive", fmt_ranks(missing))
+    }
+}
+
 /// Errors of process groups and their backends.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     /// Some ranks did not reach the operation before the timeout.
-    #[error("{ctx} timed out after {timeout:?}: rank(s) {} (global) did not arrive", fmt_ranks(.missing))]
+    #[error("{ctx} timed out after {timeout:?}: {}", missing_text(.missing))]
     Timeout {
         ctx: OpContext,
         timeout: Duration,
