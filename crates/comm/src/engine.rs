@@ -74,6 +74,7 @@ impl AsyncEngine {
     }
 
     /// Blocks until every job submitted so far has finished.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn drain(&self) {
         if !self.is_idle() {
             if let Ok(work) = self.submit(|| Ok(())) {

@@ -289,7 +289,7 @@ mod tests {
     fn axis_groups_partition_the_world() {
         let layout = MeshLayout::new(&[(Dp, 2), (Pp, 3), (Tp, 2)]).unwrap();
         for axis in [Dp, Pp, Tp, Cp] {
-            let mut seen = vec![0usize; 12];
+            let mut seen = [0usize; 12];
             for rank in 0..12 {
                 let members = layout.axis_ranks(rank, axis).unwrap();
                 assert_eq!(members.len(), layout.size(axis));

@@ -39,6 +39,8 @@ const _: () = assert!(
     ffi::OMPI_MAJOR_VERSION >= 1,
     "the mpi backend supports OpenMPI only"
 );
+// Address 1 is OpenMPI's sentinel value, not a placeholder for an aligned pointer.
+#[allow(clippy::manual_dangling_ptr)]
 const MPI_IN_PLACE: *mut c_void = 1 as *mut c_void;
 
 /// Highest tag the backend accepts (MPI guarantees `MPI_TAG_UB >= 32767`).
@@ -281,7 +283,7 @@ impl MpiCore {
                 return Ok(());
             }
             polls = polls.saturating_add(1);
-            if polls % 64 == 0 && Instant::now() >= deadline {
+            if polls.is_multiple_of(64) && Instant::now() >= deadline {
                 return Err(self.fail(CommError::Timeout {
                     ctx: ctx.clone(),
                     timeout,
@@ -584,7 +586,7 @@ impl MpiCore {
                 break;
             }
             polls = polls.saturating_add(1);
-            if polls % 64 == 0 && Instant::now() >= deadline {
+            if polls.is_multiple_of(64) && Instant::now() >= deadline {
                 return Err(CommError::Timeout {
                     ctx: ctx.clone(),
                     timeout,
