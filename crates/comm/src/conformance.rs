@@ -200,6 +200,64 @@ fn check_async_buckets(g: &dyn ProcessGroup) -> Result<()> {
     Ok(())
 }
 
+/// Every operation in its async form, all in flight at once, equals the reference.
+fn check_async_ops(g: &dyn ProcessGroup) -> Result<()> {
+    let (n, r) = (g.size(), g.rank());
+    let scatter_in = test_input::<bf16>(r, 7 * n, 11);
+    let mut scatter_out = vec![bf16::ZERO; 7];
+    let gather_in = test_input::<f16>(r, 5, 12);
+    let mut gather_out = vec![f16::ZERO; 5 * n];
+    let mut bcast = test_input::<f32>(r, 9, 13);
+    let send_buf = test_input::<f32>(r, 3, 14);
+    let mut recv_buf = vec![0f32; 3];
+    let mut scatter_in_copy = scatter_in.clone();
+    let mut gather_in_copy = gather_in.clone();
+    let mut send_copy = send_buf.clone();
+    // SAFETY: every buffer outlives the Works, which are all waited on below, and no
+    // buffer is touched while its operation is in flight.
+    unsafe {
+        let mut works = vec![
+            g.reduce_scatter_async(
+                RawBuf::from_slice(&mut scatter_in_copy),
+                RawBuf::from_slice(&mut scatter_out),
+                ReduceOp::Sum,
+            )?,
+            g.all_gather_async(
+                RawBuf::from_slice(&mut gather_in_copy),
+                RawBuf::from_slice(&mut gather_out),
+            )?,
+            g.broadcast_async(RawBuf::from_slice(&mut bcast), n - 1)?,
+        ];
+        if n > 1 {
+            works.push(g.send_async(RawBuf::from_slice(&mut send_copy), (r + 1) % n, 3)?);
+            works.push(g.recv_async(RawBuf::from_slice(&mut recv_buf), (r + n - 1) % n, 3)?);
+        }
+        for w in works {
+            w.wait()?;
+        }
+    }
+    let full = reference_reduce(&all_inputs::<bf16>(n, 7 * n, 11), ReduceOp::Sum);
+    expect_equal(
+        "async reduce_scatter",
+        &scatter_out,
+        &full[r * 7..(r + 1) * 7],
+    )?;
+    expect_equal(
+        "async all_gather",
+        &gather_out,
+        &all_inputs::<f16>(n, 5, 12).concat(),
+    )?;
+    expect_equal("async broadcast", &bcast, &test_input::<f32>(n - 1, 9, 13))?;
+    if n > 1 {
+        expect_equal(
+            "async send/recv",
+            &recv_buf,
+            &test_input::<f32>((r + n - 1) % n, 3, 14),
+        )?;
+    }
+    Ok(())
+}
+
 /// Sub-groups of even and odd ranks reduce independently.
 fn check_subgroups(g: &dyn ProcessGroup) -> Result<()> {
     let n = g.size();
@@ -252,6 +310,7 @@ pub fn run_suite(g: &dyn ProcessGroup) -> Result<()> {
         check_dtype::<f16>(g)?;
         check_recv_size_mismatch(g)?;
         check_async_buckets(g)?;
+        check_async_ops(g)?;
         check_subgroups(g)?;
         g.barrier()?;
         Ok(())
