@@ -5,6 +5,7 @@
 //! arrive, so that a hung or crashed worker is found from any rank's log.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Identifies one collective call: what it was, which call of the group it was, and
@@ -16,8 +17,9 @@ pub struct OpContext {
     /// Sequence number of the collective within its group (1 = first call).
     /// Point-to-point operations are not sequenced and carry 0.
     pub seq: u64,
-    /// Group name, e.g. `world` or `dp[0,2]`.
-    pub group: String,
+    /// Group name, e.g. `world` or `dp[0,2]` (shared, so building a context per
+    /// operation costs no allocation).
+    pub group: Arc<str>,
 }
 
 impl fmt::Display for OpContext {

@@ -35,7 +35,7 @@ use mpi::ffi;
 use std::collections::HashMap;
 use std::fmt;
 use std::os::raw::{c_int, c_void};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -81,7 +81,7 @@ struct Watchdog {
 #[derive(Default)]
 struct WatchList {
     next_id: u64,
-    ops: HashMap<u64, (Instant, String)>,
+    ops: HashMap<u64, (Instant, OpContext, Duration)>,
     stopped: bool,
 }
 
@@ -116,18 +116,14 @@ impl Watchdog {
         watchdog
     }
 
+    /// Registers an operation. Cheap (one uncontended lock, no allocation, no
+    /// wake-up): the watchdog polls every 100 ms instead of being notified.
     fn watch(&self, ctx: &OpContext, timeout: Duration) -> WatchGuard<'_> {
-        let message = CommError::Timeout {
-            ctx: ctx.clone(),
-            timeout,
-            missing: Vec::new(),
-        }
-        .to_string();
         let mut list = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         list.next_id += 1;
         let id = list.next_id;
-        list.ops.insert(id, (Instant::now() + timeout, message));
-        self.changed.notify_all();
+        list.ops
+            .insert(id, (Instant::now() + timeout, ctx.clone(), timeout));
         WatchGuard { watchdog: self, id }
     }
 
@@ -147,17 +143,22 @@ impl Watchdog {
             let earliest = list
                 .ops
                 .values()
-                .min_by_key(|(deadline, _)| *deadline)
+                .min_by_key(|(deadline, _, _)| *deadline)
                 .cloned();
             let wait = match earliest {
-                Some((deadline, message)) if deadline <= now => {
-                    eprintln!("error: {message}; aborting the MPI job");
+                Some((deadline, ctx, timeout)) if deadline <= now => {
+                    let err = CommError::Timeout {
+                        ctx,
+                        timeout,
+                        missing: Vec::new(),
+                    };
+                    eprintln!("error: {err}; aborting the MPI job");
                     // SAFETY: MPI is initialised (the list is stopped before finalising).
                     unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 3) };
                     std::process::exit(3);
                 }
-                Some((deadline, _)) => (deadline - now).min(Duration::from_millis(100)),
-                None => Duration::from_millis(500),
+                Some((deadline, _, _)) => (deadline - now).min(Duration::from_millis(100)),
+                None => Duration::from_millis(100),
             };
             list = self
                 .changed
@@ -224,7 +225,7 @@ impl MpiWorld {
         let ctx = OpContext {
             op: "init",
             seq: 0,
-            group: "world".to_string(),
+            group: Arc::from("world"),
         };
         let (universe, threading) =
             mpi::initialize_with_threading(Threading::Multiple).ok_or(CommError::Backend {
@@ -248,7 +249,7 @@ impl MpiWorld {
         let ctx = OpContext {
             op: "world_group",
             seq: 0,
-            group: "world".to_string(),
+            group: Arc::from("world"),
         };
         // SAFETY: reading MPI's predefined null handle.
         let mut comm: ffi::MPI_Comm = unsafe { ffi::RSMPI_COMM_NULL };
@@ -283,9 +284,13 @@ struct MpiCore {
     comm: Comm,
     rank: usize,
     size: usize,
-    name: String,
+    name: Arc<str>,
     global_ranks: Vec<usize>,
     broken: Mutex<Option<String>>,
+    /// Fast check of `broken` on every operation.
+    is_broken: AtomicBool,
+    /// Number of entries in `outstanding_sends` (skip the lock when zero).
+    pending_sends: AtomicUsize,
     /// Buffered sends not yet known to be complete: (request, owned copy).
     outstanding_sends: Mutex<Vec<(ffi::MPI_Request, Vec<u8>)>>,
 }
@@ -369,7 +374,7 @@ impl MpiCore {
         OpContext {
             op: op.name(),
             seq,
-            group: self.name.clone(),
+            group: Arc::clone(&self.name),
         }
     }
 
@@ -378,6 +383,7 @@ impl MpiCore {
         if broken.is_none() {
             *broken = Some(err.to_string());
         }
+        self.is_broken.store(true, Ordering::SeqCst);
         err
     }
 
@@ -472,15 +478,18 @@ impl MpiCore {
     /// As for [`ProcessGroup::run_raw`].
     unsafe fn execute(&self, op: Operation, seq: u64) -> Result<(), CommError> {
         let ctx = self.ctx(&op, seq);
-        let broken = self
-            .broken
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        if let Some(cause) = broken {
+        if self.is_broken.load(Ordering::Acquire) {
+            let cause = self
+                .broken
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or_default();
             return Err(CommError::Broken { ctx, cause });
         }
-        self.progress_sends(&ctx)?;
+        if self.pending_sends.load(Ordering::Acquire) > 0 {
+            self.progress_sends(&ctx)?;
+        }
         if op.is_collective() && self.shared.config.check_desync {
             self.check_fingerprint(&ctx, op.fingerprint(seq))?;
         }
@@ -635,6 +644,7 @@ impl MpiCore {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push((request, bytes));
+        self.pending_sends.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 
@@ -654,6 +664,9 @@ impl MpiCore {
             if code != 0 {
                 result = Err(mpi_error(ctx, "MPI_Test", code));
                 return true;
+            }
+            if flag != 0 {
+                self.pending_sends.fetch_sub(1, Ordering::AcqRel);
             }
             flag == 0
         });
@@ -760,7 +773,7 @@ impl Drop for MpiCore {
         let ctx = OpContext {
             op: "drop",
             seq: 0,
-            group: self.name.clone(),
+            group: Arc::clone(&self.name),
         };
         // Pending sends own their data: wait (bounded) before freeing it.
         while !self
@@ -809,7 +822,7 @@ impl MpiGroup {
         let ctx = OpContext {
             op: "new_group",
             seq: 0,
-            group: name.clone(),
+            group: Arc::from(name.as_str()),
         };
         let (mut rank, mut size): (c_int, c_int) = (0, 0);
         // SAFETY: valid communicator and out-pointers.
@@ -827,9 +840,11 @@ impl MpiGroup {
                 comm,
                 rank,
                 size,
-                name,
+                name: Arc::from(name.as_str()),
                 global_ranks,
                 broken: Mutex::new(None),
+                is_broken: AtomicBool::new(false),
+                pending_sends: AtomicUsize::new(0),
                 outstanding_sends: Mutex::new(Vec::new()),
             }),
             next_seq: AtomicU64::new(1),
@@ -913,7 +928,7 @@ impl ProcessGroup for MpiGroup {
         let ctx = OpContext {
             op: "new_subgroup",
             seq: 0,
-            group: self.core.name.clone(),
+            group: Arc::clone(&self.core.name),
         };
         validate_subgroup(&ctx, ranks, self.core.rank, self.core.size)?;
         // Let queued async work finish first: creation is a blocking MPI call.

@@ -282,6 +282,9 @@ impl GroupShared {
 struct RankCore {
     shared: Arc<GroupShared>,
     rank: usize,
+    /// This rank's own copy of the group name: cloning it for error contexts never
+    /// touches a reference count shared with other ranks' threads.
+    name: Arc<str>,
 }
 
 impl RankCore {
@@ -289,7 +292,7 @@ impl RankCore {
         OpContext {
             op: op.name(),
             seq,
-            group: self.shared.name.clone(),
+            group: Arc::clone(&self.name),
         }
     }
 
@@ -531,7 +534,11 @@ impl ThreadsGroup {
     fn new(shared: Arc<GroupShared>, rank: usize) -> ThreadsGroup {
         let thread_name = format!("comm-{}-r{}", shared.name, shared.global_ranks[rank]);
         ThreadsGroup {
-            core: Arc::new(RankCore { shared, rank }),
+            core: Arc::new(RankCore {
+                name: Arc::from(shared.name.as_str()),
+                shared,
+                rank,
+            }),
             next_seq: AtomicU64::new(1),
             engine: AsyncEngine::new(thread_name),
             subgroup_counts: Mutex::new(HashMap::new()),
@@ -615,7 +622,7 @@ impl ProcessGroup for ThreadsGroup {
         let ctx = OpContext {
             op: "new_subgroup",
             seq: 0,
-            group: self.name().to_string(),
+            group: Arc::from(self.name()),
         };
         let my_index = crate::group::validate_subgroup(&ctx, ranks, self.rank(), self.size())?;
         let globals: Vec<usize> = ranks.iter().map(|&r| self.global_ranks()[r]).collect();

@@ -145,10 +145,7 @@ fn panicking_worker_fails_the_others_quickly() {
                     reason,
                 }),
             ) => {
-                assert_eq!(
-                    (ctx.op, ctx.seq, ctx.group.as_str()),
-                    ("all_reduce", 2, "world")
-                );
+                assert_eq!((ctx.op, ctx.seq, &*ctx.group), ("all_reduce", 2, "world"));
                 assert_eq!(missing, &vec![1]);
                 assert!(reason.contains("worker 1 dies"), "{reason}");
             }
@@ -186,10 +183,7 @@ fn stuck_worker_times_out_with_the_missing_rank() {
     match &err.failures[..] {
         [(0, WorkerFailure::Error(CommError::Timeout { ctx, missing, .. })), (1, WorkerFailure::Abandoned)] =>
         {
-            assert_eq!(
-                (ctx.op, ctx.seq, ctx.group.as_str()),
-                ("all_reduce", 2, "world")
-            );
+            assert_eq!((ctx.op, ctx.seq, &*ctx.group), ("all_reduce", 2, "world"));
             assert_eq!(missing, &vec![1]);
         }
         other => panic!("unexpected failures {other:?}"),
