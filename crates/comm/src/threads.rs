@@ -669,6 +669,7 @@ pub enum WorkerFailure<E> {
 }
 
 /// The failures of a [`ThreadsWorld::run`], one entry per failed rank, in rank order.
+/// `world_size == 0` (and no failures) means the run was asked for zero workers.
 #[derive(Debug)]
 pub struct WorldError<E> {
     pub failures: Vec<(usize, WorkerFailure<E>)>,
@@ -677,6 +678,9 @@ pub struct WorldError<E> {
 
 impl<E: fmt::Display> fmt::Display for WorldError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.world_size == 0 {
+            return write!(f, "a threads world needs at least one worker, got 0");
+        }
         write!(
             f,
             "{} of {} workers failed",
@@ -728,7 +732,13 @@ impl ThreadsWorld {
         E: fmt::Display + Send + 'static,
         F: Fn(Arc<dyn ProcessGroup>) -> Result<T, E> + Send + Sync + 'static,
     {
-        assert!(n > 0, "a threads world needs at least one worker");
+        if n == 0 {
+            // Reported as an error with no failed ranks (see `WorldError`'s Display).
+            return Err(WorldError {
+                failures: Vec::new(),
+                world_size: 0,
+            });
+        }
         let world = Arc::new(World {
             config,
             status: (0..n).map(|_| AtomicU8::new(RANK_RUNNING)).collect(),

@@ -346,3 +346,12 @@ fn device_mesh_rejects_a_layout_that_does_not_fit_the_world() {
     .unwrap();
     assert_eq!(messages[0], "dp=2 × pp=3 = 6 but the world has 4 workers");
 }
+
+#[test]
+fn zero_workers_is_an_error() {
+    let err = ThreadsWorld::run(0, config(1.0), |_g| Ok::<_, CommError>(())).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "a threads world needs at least one worker, got 0"
+    );
+}
