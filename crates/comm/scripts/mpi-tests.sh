@@ -11,6 +11,8 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
 # Keep OpenMPI on shared memory + loopback and quiet about missing fabrics in CI.
 export OMPI_MCA_btl="self,vader,tcp"
 export OMPI_MCA_btl_tcp_if_include="lo"
+# Containers often forbid the cross-process copies (CMA/ptrace) vader uses by default.
+export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_copy_mechanism:-none}"
 
 fail() {
     echo "mpi-tests: FAILED: $*" >&2
