@@ -1,1 +1,32 @@
-//! meshtrain-comm
+//! meshtrain-comm: collective communication for meshtrain.
+//!
+//! * [`ProcessGroup`]: the one trait every parallel mode talks to — all-reduce (sum,
+//!   average, max), reduce-scatter, all-gather, broadcast, send/recv, barrier on f32,
+//!   bf16 and f16 buffers; synchronous and asynchronous (a [`Work`] handle); sub-groups.
+//! * [`ThreadsWorld`]: the embedded shared-memory backend (N worker threads).
+//! * `mpi` (cargo feature `mpi`): OpenMPI backend, one worker per process.
+//! * [`DeviceMesh`]: ranks on named axes (dp, pp, tp, cp) with a group per axis.
+//! * Every operation has a timeout and names the op, sequence number, group and
+//!   missing ranks when it fails; mismatched collectives are detected (desync check).
+//!
+//! Design notes and the safety contract of the async API: `docs/comm.md`.
+
+pub mod bench;
+pub mod conformance;
+mod dtype;
+mod engine;
+mod error;
+mod group;
+mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi_backend;
+mod threads;
+
+pub use dtype::{reference_reduce, BufMut, BufRef, DType, Element, RawBuf, ReduceOp};
+pub use error::{CommError, OpContext};
+pub use group::{
+    CommConfig, Fingerprint, Operation, OwnedBuf, OwnedWork, ProcessGroup, Work, DEFAULT_TIMEOUT,
+};
+pub use half::{bf16, f16};
+pub use mesh::{DeviceMesh, MeshAxis, MeshError, MeshLayout};
+pub use threads::{ThreadsGroup, ThreadsWorld, WorkerFailure, WorldError, FAILURE_GRACE};

@@ -1,0 +1,401 @@
+//! Element types, reduction operators and dtype-erased buffer views.
+//!
+//! Collectives work on f32, bf16 and f16 buffers. The [`ProcessGroup`](crate::ProcessGroup)
+//! trait is object safe, so buffers cross it as small enums ([`BufMut`], [`BufRef`]) or,
+//! for asynchronous operations, as raw views ([`RawBuf`]). Half-precision values are
+//! always reduced in f32 and rounded once when stored back, so a bf16 all-reduce is as
+//! accurate as the format allows regardless of the number of workers.
+
+use half::{bf16, f16};
+use std::fmt;
+
+/// Element type of a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+
+    /// Stable small code used in collective fingerprints.
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            DType::F32 => 1,
+            DType::BF16 => 2,
+            DType::F16 => 3,
+        }
+    }
+
+    pub(crate) fn from_code(code: u64) -> Option<DType> {
+        match code {
+            1 => Some(DType::F32),
+            2 => Some(DType::BF16),
+            3 => Some(DType::F16),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        })
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// A floating-point element that collectives can move and reduce.
+///
+/// Sealed: the backends rely on the exact set of types (MPI datatypes, byte sizes).
+pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static + sealed::Sealed {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    fn from_f32(value: f32) -> Self;
+    /// The dtype-erased view of a mutable slice.
+    fn buf_mut(slice: &mut [Self]) -> BufMut<'_>;
+    /// The dtype-erased view of a shared slice.
+    fn buf_ref(slice: &[Self]) -> BufRef<'_>;
+    /// Wraps an owned vector for the safe async API.
+    fn owned(values: Vec<Self>) -> crate::OwnedBuf;
+    /// Unwraps an owned vector; `None` if `buf` holds another dtype.
+    fn from_owned(buf: crate::OwnedBuf) -> Option<Vec<Self>>;
+}
+
+macro_rules! element_buffers {
+    ($variant:ident) => {
+        fn buf_mut(slice: &mut [Self]) -> BufMut<'_> {
+            BufMut::$variant(slice)
+        }
+        fn buf_ref(slice: &[Self]) -> BufRef<'_> {
+            BufRef::$variant(slice)
+        }
+        fn owned(values: Vec<Self>) -> crate::OwnedBuf {
+            crate::OwnedBuf::$variant(values)
+        }
+        fn from_owned(buf: crate::OwnedBuf) -> Option<Vec<Self>> {
+            match buf {
+                crate::OwnedBuf::$variant(v) => Some(v),
+                _ => None,
+            }
+        }
+    };
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    element_buffers!(F32);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    element_buffers!(BF16);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    element_buffers!(F16);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+}
+
+/// How an all-reduce or reduce-scatter combines the ranks' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the group size (computed in f32, then rounded once).
+    Average,
+    Max,
+}
+
+impl ReduceOp {
+    pub(crate) fn code(self) -> u64 {
+        match self {
+            ReduceOp::Sum => 1,
+            ReduceOp::Average => 2,
+            ReduceOp::Max => 3,
+        }
+    }
+
+    /// Folds `value` into the accumulator `acc`.
+    #[inline(always)]
+    pub(crate) fn combine(self, acc: f32, value: f32) -> f32 {
+        match self {
+            ReduceOp::Sum | ReduceOp::Average => acc + value,
+            ReduceOp::Max => acc.max(value),
+        }
+    }
+}
+
+/// A raw, dtype-tagged view of a buffer, used by asynchronous operations.
+///
+/// It carries no lifetime: whoever builds one promises (see the `unsafe` constructors)
+/// that the memory stays valid, and is not accessed by anything else, until the
+/// operation that uses it has completed.
+#[derive(Debug, Clone, Copy)]
+pub struct RawBuf {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+    pub(crate) dtype: DType,
+}
+
+// SAFETY: a RawBuf is only an address; the unsafe constructors put the burden of
+// exclusive access on the caller for as long as an operation uses it.
+unsafe impl Send for RawBuf {}
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    /// A raw view of `slice`.
+    ///
+    /// # Safety
+    /// Until every operation given this view has completed (its [`Work`](crate::Work)
+    /// was waited on or dropped), the memory must stay allocated and must not be read
+    /// or written by anyone else. Distinct views must not overlap if they are written.
+    pub unsafe fn from_slice<T: Element>(slice: &mut [T]) -> RawBuf {
+        RawBuf {
+            ptr: slice.as_mut_ptr().cast(),
+            len: slice.len(),
+            dtype: T::DTYPE,
+        }
+    }
+
+    /// A raw view of `len` elements of type `T` at `ptr`.
+    ///
+    /// # Safety
+    /// As for [`RawBuf::from_slice`]; additionally `ptr` must be valid and aligned for
+    /// `len` elements of `T`.
+    pub unsafe fn from_raw_parts<T: Element>(ptr: *mut T, len: usize) -> RawBuf {
+        RawBuf {
+            ptr: ptr.cast(),
+            len,
+            dtype: T::DTYPE,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.len * self.dtype.size_bytes()
+    }
+}
+
+/// A mutable buffer of any supported dtype, borrowed for the duration of a call.
+#[derive(Debug)]
+pub enum BufMut<'a> {
+    F32(&'a mut [f32]),
+    BF16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+/// A shared buffer of any supported dtype, borrowed for the duration of a call.
+#[derive(Debug, Clone, Copy)]
+pub enum BufRef<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl BufMut<'_> {
+    /// Raw view valid while `self`'s borrow lasts.
+    pub(crate) fn raw(&mut self) -> RawBuf {
+        // SAFETY: the returned view is only used while the borrow behind `self` is held
+        // by the (blocking) call that created it.
+        unsafe {
+            match self {
+                BufMut::F32(s) => RawBuf::from_slice(s),
+                BufMut::BF16(s) => RawBuf::from_slice(s),
+                BufMut::F16(s) => RawBuf::from_slice(s),
+            }
+        }
+    }
+}
+
+impl BufRef<'_> {
+    /// Raw view valid while `self`'s borrow lasts. Operations never write an input view.
+    pub(crate) fn raw(&self) -> RawBuf {
+        let (ptr, len, dtype) = match self {
+            BufRef::F32(s) => (s.as_ptr().cast::<u8>(), s.len(), DType::F32),
+            BufRef::BF16(s) => (s.as_ptr().cast::<u8>(), s.len(), DType::BF16),
+            BufRef::F16(s) => (s.as_ptr().cast::<u8>(), s.len(), DType::F16),
+        };
+        RawBuf {
+            ptr: ptr.cast_mut(),
+            len,
+            dtype,
+        }
+    }
+}
+
+impl<'a, T: Element> From<&'a mut [T]> for BufMut<'a> {
+    fn from(s: &'a mut [T]) -> Self {
+        T::buf_mut(s)
+    }
+}
+
+impl<'a, T: Element> From<&'a mut Vec<T>> for BufMut<'a> {
+    fn from(s: &'a mut Vec<T>) -> Self {
+        T::buf_mut(s.as_mut_slice())
+    }
+}
+
+impl<'a, T: Element> From<&'a [T]> for BufRef<'a> {
+    fn from(s: &'a [T]) -> Self {
+        T::buf_ref(s)
+    }
+}
+
+impl<'a, T: Element> From<&'a Vec<T>> for BufRef<'a> {
+    fn from(s: &'a Vec<T>) -> Self {
+        T::buf_ref(s.as_slice())
+    }
+}
+
+/// Dispatches on a [`DType`] to a block generic over the matching [`Element`] type.
+macro_rules! with_element {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_element;
+
+/// Elements per block of the reduction kernel: the f32 accumulator (16 KiB) stays in L1.
+pub(crate) const REDUCE_BLOCK: usize = 4096;
+
+/// Reduces `sources` element-wise in rank order into an f32 accumulator and writes the
+/// result to every slice in `destinations`.
+///
+/// The fixed order (source 0, 1, 2, …) makes results bit-identical from run to run
+/// and independent of which thread does the work.
+///
+/// # Safety
+/// Every source and destination must be valid for `len` elements of `T` (their
+/// `RawBuf::len` is ignored, offsets are in elements). Destinations may alias sources
+/// (in-place all-reduce): each block is fully read before it is written. No other
+/// thread may write these ranges meanwhile.
+pub(crate) unsafe fn reduce_into<T: Element>(
+    sources: &[*const T],
+    destinations: &[*mut T],
+    len: usize,
+    op: ReduceOp,
+    divisor: f32,
+) {
+    let mut acc = [0f32; REDUCE_BLOCK];
+    let mut start = 0;
+    while start < len {
+        let n = REDUCE_BLOCK.min(len - start);
+        let acc = &mut acc[..n];
+        {
+            let first = std::slice::from_raw_parts(sources[0].add(start), n);
+            for (a, &v) in acc.iter_mut().zip(first) {
+                *a = v.to_f32();
+            }
+            for src in &sources[1..] {
+                let values = std::slice::from_raw_parts(src.add(start), n);
+                match op {
+                    ReduceOp::Sum | ReduceOp::Average => {
+                        for (a, &v) in acc.iter_mut().zip(values) {
+                            *a += v.to_f32();
+                        }
+                    }
+                    ReduceOp::Max => {
+                        for (a, &v) in acc.iter_mut().zip(values) {
+                            *a = a.max(v.to_f32());
+                        }
+                    }
+                }
+            }
+        }
+        if op == ReduceOp::Average {
+            for a in acc.iter_mut() {
+                *a /= divisor;
+            }
+        }
+        for dst in destinations {
+            let out = std::slice::from_raw_parts_mut(dst.add(start), n);
+            for (o, &a) in out.iter_mut().zip(acc.iter()) {
+                *o = T::from_f32(a);
+            }
+        }
+        start += n;
+    }
+}
+
+/// Serial reference reduction used by tests and the conformance suite: folds the
+/// ranks' inputs in rank order exactly like the threads backend specifies.
+pub fn reference_reduce<T: Element>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
+    let len = inputs.first().map_or(0, Vec::len);
+    (0..len)
+        .map(|i| {
+            let mut acc = inputs[0][i].to_f32();
+            for input in &inputs[1..] {
+                acc = op.combine(acc, input[i].to_f32());
+            }
+            if op == ReduceOp::Average {
+                acc /= inputs.len() as f32;
+            }
+            T::from_f32(acc)
+        })
+        .collect()
+}

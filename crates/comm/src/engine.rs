@@ -1,0 +1,85 @@
+//! Per-rank communication thread that runs asynchronous operations in order.
+//!
+//! Async operations must progress while the caller computes (no polling), so each
+//! rank's group handle owns one lazily started thread fed by a channel. Jobs run
+//! strictly in submission order, which keeps collective sequence numbers identical on
+//! all ranks. A synchronous operation runs inline on the caller's thread when nothing
+//! is queued (no hand-off latency), and otherwise is queued behind the pending work.
+
+use crate::error::CommError;
+use crate::group::{Completion, Work};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+pub(crate) struct AsyncEngine {
+    thread_name: String,
+    sender: Mutex<Option<mpsc::Sender<Job>>>,
+    /// Jobs submitted and not yet finished; 0 means a sync op may run inline.
+    pending: Arc<AtomicUsize>,
+}
+
+impl AsyncEngine {
+    pub(crate) fn new(thread_name: String) -> AsyncEngine {
+        AsyncEngine {
+            thread_name,
+            sender: Mutex::new(None),
+            pending: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// True when no async operation is queued or running.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.pending.load(Ordering::Acquire) == 0
+    }
+
+    /// Queues `job` behind earlier jobs. Errors only if the thread cannot be started.
+    pub(crate) fn submit<F>(&self, job: F) -> Result<Work, String>
+    where
+        F: FnOnce() -> Result<(), CommError> + Send + 'static,
+    {
+        let completion = Arc::new(Completion::default());
+        let done = Arc::clone(&completion);
+        let pending = Arc::clone(&self.pending);
+        let wrapped: Job = Box::new(move || {
+            let result = job();
+            // Decrement before completing: once a waiter sees the result, a following
+            // synchronous operation may run inline.
+            pending.fetch_sub(1, Ordering::AcqRel);
+            done.complete(result);
+        });
+        let mut sender = self.sender.lock().unwrap_or_else(|e| e.into_inner());
+        if sender.is_none() {
+            let (tx, rx) = mpsc::channel::<Job>();
+            std::thread::Builder::new()
+                .name(self.thread_name.clone())
+                .spawn(move || {
+                    for job in rx {
+                        job();
+                    }
+                })
+                .map_err(|e| format!("cannot start communication thread: {e}"))?;
+            *sender = Some(tx);
+        }
+        self.pending.fetch_add(1, Ordering::AcqRel);
+        let tx = sender.as_ref().expect("sender was just set");
+        if let Err(mpsc::SendError(job)) = tx.send(wrapped) {
+            // The thread is gone (it only exits when the sender is dropped, so this
+            // cannot happen while we hold it); run the job here rather than lose it.
+            job();
+        }
+        Ok(Work::new(completion))
+    }
+
+    /// Blocks until every job submitted so far has finished.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    pub(crate) fn drain(&self) {
+        if !self.is_idle() {
+            if let Ok(work) = self.submit(|| Ok(())) {
+                let _ = work.wait();
+            }
+        }
+    }
+}

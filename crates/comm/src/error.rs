@@ -1,0 +1,98 @@
+//! Typed errors of the communication layer.
+//!
+//! Every failure of a collective names the operation, its sequence number in the
+//! group, the group and — where the backend can know it — the ranks that did not
+//! arrive, so that a hung or crashed worker is found from any rank's log.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Identifies one collective call: what it was, which call of the group it was, and
+/// on which group it ran. Embedded in every error so messages are self-explanatory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpContext {
+    /// Operation name, e.g. `all_reduce`.
+    pub op: &'static str,
+    /// Sequence number of the collective within its group (1 = first call).
+    /// Point-to-point operations are not sequenced and carry 0.
+    pub seq: u64,
+    /// Group name, e.g. `world` or `dp[0,2]` (shared, so building a context per
+    /// operation costs no allocation).
+    pub group: Arc<str>,
+}
+
+impl fmt::Display for OpContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.seq == 0 {
+            write!(f, "{} on group '{}'", self.op, self.group)
+        } else {
+            write!(f, "{} #{} on group '{}'", self.op, self.seq, self.group)
+        }
+    }
+}
+
+/// Formats a list of ranks as `[0, 2]` for messages.
+pub(crate) fn fmt_ranks(ranks: &[usize]) -> String {
+    let inner: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+    format!("[{}]", inner.join(", "))
+}
+
+fn missing_text(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        "some rank(s) did not arrive (this backend cannot tell which)".to_string()
+    } else {
+        format!("rank(s) {} (global) did not arrive", fmt_ranks(missing))
+    }
+}
+
+/// Errors of process groups and their backends.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// Some ranks did not reach the operation before the timeout.
+    #[error("{ctx} timed out after {timeout:?}: {}", missing_text(.missing))]
+    Timeout {
+        ctx: OpContext,
+        timeout: Duration,
+        /// Global ranks that had not arrived; empty if the backend cannot tell (MPI).
+        missing: Vec<usize>,
+    },
+    /// A rank the operation waits for has panicked, failed or exited.
+    #[error("{ctx} cannot complete: rank(s) {} (global) stopped: {reason}", fmt_ranks(.missing))]
+    PeerFailed {
+        ctx: OpContext,
+        missing: Vec<usize>,
+        reason: String,
+    },
+    /// Ranks called different collectives (or the same one with different shapes) at
+    /// the same sequence number. Detected before any data is touched.
+    #[error("{ctx}: collective mismatch across ranks: {details}")]
+    Desync { ctx: OpContext, details: String },
+    /// A buffer's length or dtype does not fit the operation.
+    #[error("{ctx}: invalid buffer: {details}")]
+    InvalidBuffer { ctx: OpContext, details: String },
+    /// A rank argument (root, peer, sub-group member) is out of range or repeated.
+    #[error("{ctx}: invalid rank: {details}")]
+    InvalidRank { ctx: OpContext, details: String },
+    /// The group failed earlier (timeout, desync, peer failure) and cannot be used.
+    #[error("{ctx}: group is unusable after an earlier failure: {cause}")]
+    Broken { ctx: OpContext, cause: String },
+    /// The backend itself reported an error (e.g. an MPI error code).
+    #[error("{ctx}: backend error: {details}")]
+    Backend { ctx: OpContext, details: String },
+}
+
+impl CommError {
+    /// The context (op, sequence number, group) of the failed call.
+    pub fn context(&self) -> &OpContext {
+        match self {
+            CommError::Timeout { ctx, .. }
+            | CommError::PeerFailed { ctx, .. }
+            | CommError::Desync { ctx, .. }
+            | CommError::InvalidBuffer { ctx, .. }
+            | CommError::InvalidRank { ctx, .. }
+            | CommError::Broken { ctx, .. }
+            | CommError::Backend { ctx, .. } => ctx,
+        }
+    }
+}

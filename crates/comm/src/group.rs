@@ -1,0 +1,630 @@
+//! The [`ProcessGroup`] trait every backend implements, the operation descriptions
+//! that cross it, and the [`Work`] handle of asynchronous operations.
+
+use crate::dtype::{BufMut, BufRef, DType, RawBuf, ReduceOp};
+use crate::error::{CommError, OpContext};
+use half::{bf16, f16};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Default time a collective waits for the other ranks before failing.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Settings shared by all groups of a world. Passed by value; there is no global state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommConfig {
+    /// How long one operation may wait for its peers before failing with
+    /// [`CommError::Timeout`].
+    pub timeout: Duration,
+    /// Compare every collective's fingerprint (op, dtype, element count, sequence
+    /// number) across ranks before running it. The threads backend always checks
+    /// (it needs the check for memory safety and it costs a few loads); for MPI it costs
+    /// one small extra all-gather per collective. On by default in debug builds.
+    pub check_desync: bool,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            timeout: DEFAULT_TIMEOUT,
+            check_desync: cfg!(debug_assertions),
+        }
+    }
+}
+
+impl CommConfig {
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn with_desync_check(mut self, on: bool) -> Self {
+        self.check_desync = on;
+        self
+    }
+}
+
+/// One communication operation with raw buffers, as handed to a backend.
+///
+/// Ranks (`root`, `dst`, `src`) are ranks *within the group*.
+#[derive(Debug, Clone, Copy)]
+pub enum Operation {
+    /// In place: every rank ends with the reduction of all ranks' `buf`.
+    AllReduce { buf: RawBuf, op: ReduceOp },
+    /// `input` has `size × output.len()` elements; rank r receives the reduction of
+    /// every rank's r-th chunk in `output`.
+    ReduceScatter {
+        input: RawBuf,
+        output: RawBuf,
+        op: ReduceOp,
+    },
+    /// `output` has `size × input.len()` elements; chunk r is rank r's `input`.
+    AllGather { input: RawBuf, output: RawBuf },
+    /// In place: every rank ends with `root`'s `buf`.
+    Broadcast { buf: RawBuf, root: usize },
+    /// Point-to-point: deliver `buf` to `dst`, matched by `tag`. Buffered: completes
+    /// without waiting for the receiver.
+    Send { buf: RawBuf, dst: usize, tag: u32 },
+    /// Point-to-point: receive the message from `src` with `tag` into `buf`, whose
+    /// length and dtype must equal the message's.
+    Recv { buf: RawBuf, src: usize, tag: u32 },
+    /// Returns once every rank of the group has arrived.
+    Barrier,
+}
+
+/// Kind codes used in fingerprints.
+pub(crate) const OP_ALL_REDUCE: u64 = 1;
+pub(crate) const OP_REDUCE_SCATTER: u64 = 2;
+pub(crate) const OP_ALL_GATHER: u64 = 3;
+pub(crate) const OP_BROADCAST: u64 = 4;
+pub(crate) const OP_BARRIER: u64 = 5;
+
+/// What all ranks must agree on for a collective: compared across ranks before data
+/// is touched, so a desynchronised program fails with a clear message instead of
+/// corrupting memory or deadlocking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// Operation kind code (see `OP_*`), with the reduce op or root folded in.
+    pub kind: u64,
+    /// Reduce op code or broadcast root (+1), 0 if unused.
+    pub detail: u64,
+    pub dtype: u64,
+    /// Element count of the per-rank buffer that must match across ranks.
+    pub count: u64,
+    pub seq: u64,
+}
+
+impl Fingerprint {
+    pub(crate) fn to_words(self) -> [u64; 5] {
+        [self.kind, self.detail, self.dtype, self.count, self.seq]
+    }
+
+    pub(crate) fn from_words(w: [u64; 5]) -> Fingerprint {
+        Fingerprint {
+            kind: w[0],
+            detail: w[1],
+            dtype: w[2],
+            count: w[3],
+            seq: w[4],
+        }
+    }
+
+    /// Human-readable form for desync messages.
+    pub fn describe(&self) -> String {
+        let op = match self.kind {
+            OP_ALL_REDUCE => "all_reduce",
+            OP_REDUCE_SCATTER => "reduce_scatter",
+            OP_ALL_GATHER => "all_gather",
+            OP_BROADCAST => "broadcast",
+            OP_BARRIER => "barrier",
+            _ => "unknown",
+        };
+        let dtype = DType::from_code(self.dtype).map_or("none".to_string(), |d| d.to_string());
+        let detail = match self.kind {
+            OP_ALL_REDUCE | OP_REDUCE_SCATTER => match self.detail {
+                1 => " sum",
+                2 => " avg",
+                3 => " max",
+                _ => "",
+            }
+            .to_string(),
+            OP_BROADCAST => format!(" root={}", self.detail.saturating_sub(1)),
+            _ => String::new(),
+        };
+        format!("{op}{detail} #{} {dtype}×{}", self.seq, self.count)
+    }
+}
+
+impl Operation {
+    /// Name used in error messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Operation::AllReduce { .. } => "all_reduce",
+            Operation::ReduceScatter { .. } => "reduce_scatter",
+            Operation::AllGather { .. } => "all_gather",
+            Operation::Broadcast { .. } => "broadcast",
+            Operation::Send { .. } => "send",
+            Operation::Recv { .. } => "recv",
+            Operation::Barrier => "barrier",
+        }
+    }
+
+    /// True for operations that all ranks of the group take part in (and that are
+    /// therefore numbered and fingerprinted).
+    pub fn is_collective(&self) -> bool {
+        !matches!(self, Operation::Send { .. } | Operation::Recv { .. })
+    }
+
+    /// The cross-rank fingerprint of a collective at sequence number `seq`.
+    pub(crate) fn fingerprint(&self, seq: u64) -> Fingerprint {
+        let (kind, detail, buf) = match *self {
+            Operation::AllReduce { buf, op } => (OP_ALL_REDUCE, op.code(), Some(buf)),
+            Operation::ReduceScatter { output, op, .. } => {
+                (OP_REDUCE_SCATTER, op.code(), Some(output))
+            }
+            Operation::AllGather { input, .. } => (OP_ALL_GATHER, 0, Some(input)),
+            Operation::Broadcast { buf, root } => (OP_BROADCAST, root as u64 + 1, Some(buf)),
+            Operation::Barrier | Operation::Send { .. } | Operation::Recv { .. } => {
+                (OP_BARRIER, 0, None)
+            }
+        };
+        Fingerprint {
+            kind,
+            detail,
+            dtype: buf.map_or(0, |b| b.dtype.code()),
+            count: buf.map_or(0, |b| b.len as u64),
+            seq,
+        }
+    }
+
+    /// Checks what one rank can check alone: buffer length relations, matching dtypes
+    /// and ranks in range. Backends call this before anything else.
+    pub(crate) fn validate(
+        &self,
+        ctx: &OpContext,
+        rank: usize,
+        size: usize,
+    ) -> Result<(), CommError> {
+        let invalid_buffer = |details: String| CommError::InvalidBuffer {
+            ctx: ctx.clone(),
+            details,
+        };
+        let check_rank = |what: &str, r: usize| {
+            if r >= size {
+                Err(CommError::InvalidRank {
+                    ctx: ctx.clone(),
+                    details: format!("{what} {r} is out of range for a group of {size} ranks"),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        match *self {
+            Operation::ReduceScatter { input, output, .. } => {
+                if input.dtype != output.dtype {
+                    return Err(invalid_buffer(format!(
+                        "input is {} but output is {}",
+                        input.dtype, output.dtype
+                    )));
+                }
+                if input.len != output.len * size {
+                    return Err(invalid_buffer(format!(
+                        "input has {} elements but must have group size {size} × output length {} = {}",
+                        input.len,
+                        output.len,
+                        output.len * size
+                    )));
+                }
+            }
+            Operation::AllGather { input, output } => {
+                if input.dtype != output.dtype {
+                    return Err(invalid_buffer(format!(
+                        "input is {} but output is {}",
+                        input.dtype, output.dtype
+                    )));
+                }
+                if output.len != input.len * size {
+                    return Err(invalid_buffer(format!(
+                        "output has {} elements but must have group size {size} × input length {} = {}",
+                        output.len,
+                        input.len,
+                        input.len * size
+                    )));
+                }
+            }
+            Operation::Broadcast { root, .. } => check_rank("root", root)?,
+            Operation::Send { dst, .. } => {
+                check_rank("destination", dst)?;
+                if dst == rank {
+                    return Err(CommError::InvalidRank {
+                        ctx: ctx.clone(),
+                        details: format!("rank {rank} cannot send to itself"),
+                    });
+                }
+            }
+            Operation::Recv { src, .. } => {
+                check_rank("source", src)?;
+                if src == rank {
+                    return Err(CommError::InvalidRank {
+                        ctx: ctx.clone(),
+                        details: format!("rank {rank} cannot receive from itself"),
+                    });
+                }
+            }
+            Operation::AllReduce { .. } | Operation::Barrier => {}
+        }
+        Ok(())
+    }
+}
+
+/// Checks a sub-group rank list (ranks of a group of `size`) and returns the
+/// caller's index in it.
+pub(crate) fn validate_subgroup(
+    ctx: &OpContext,
+    ranks: &[usize],
+    my_rank: usize,
+    size: usize,
+) -> Result<usize, CommError> {
+    let invalid = |details: String| CommError::InvalidRank {
+        ctx: ctx.clone(),
+        details,
+    };
+    if ranks.is_empty() {
+        return Err(invalid("a sub-group needs at least one rank".to_string()));
+    }
+    let mut seen = vec![false; size];
+    for &r in ranks {
+        if r >= size {
+            return Err(invalid(format!(
+                "sub-group rank {r} is out of range for a group of {size} ranks"
+            )));
+        }
+        if std::mem::replace(&mut seen[r], true) {
+            return Err(invalid(format!("sub-group lists rank {r} twice")));
+        }
+    }
+    ranks.iter().position(|&r| r == my_rank).ok_or_else(|| {
+        invalid(format!(
+            "rank {my_rank} called new_subgroup for {} but is not a member",
+            crate::error::fmt_ranks(ranks)
+        ))
+    })
+}
+
+/// Shared completion state of an asynchronous operation.
+#[derive(Debug, Default)]
+pub(crate) struct Completion {
+    result: Mutex<Option<Result<(), CommError>>>,
+    done: Condvar,
+}
+
+impl Completion {
+    pub(crate) fn complete(&self, result: Result<(), CommError>) {
+        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+        self.done.notify_all();
+    }
+
+    fn is_done(&self) -> bool {
+        self.result
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    fn wait(&self) -> Result<(), CommError> {
+        let mut guard = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(result) = guard.take() {
+                return result;
+            }
+            guard = self.done.wait(guard).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Handle of an asynchronous operation.
+///
+/// The operation progresses on the rank's communication thread without being polled.
+/// [`Work::wait`] blocks until it completes and returns its result. Dropping a `Work`
+/// without waiting also blocks until completion (the error, if any, is lost), so the
+/// buffers it uses are never released while the operation still touches them.
+#[must_use = "an async operation's buffer is in use until the Work is waited on"]
+#[derive(Debug)]
+pub struct Work {
+    completion: Option<Arc<Completion>>,
+}
+
+impl Work {
+    pub(crate) fn new(completion: Arc<Completion>) -> Work {
+        Work {
+            completion: Some(completion),
+        }
+    }
+
+    /// A handle that is already complete with `result`.
+    pub(crate) fn ready(result: Result<(), CommError>) -> Work {
+        let completion = Arc::new(Completion::default());
+        completion.complete(result);
+        Work::new(completion)
+    }
+
+    /// Whether the operation has finished (successfully or not).
+    pub fn is_done(&self) -> bool {
+        match &self.completion {
+            Some(c) => c.is_done(),
+            None => true,
+        }
+    }
+
+    /// Blocks until the operation has completed and returns its result.
+    pub fn wait(mut self) -> Result<(), CommError> {
+        match self.completion.take() {
+            Some(c) => c.wait(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        if let Some(c) = self.completion.take() {
+            let _ = c.wait();
+        }
+    }
+}
+
+/// An owned buffer of any supported dtype, for the safe asynchronous API: the group
+/// keeps the buffer while the operation runs and hands it back from [`OwnedWork::wait`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum OwnedBuf {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl OwnedBuf {
+    fn raw(&mut self) -> RawBuf {
+        // SAFETY: the Vec's heap block does not move when the OwnedBuf is moved into
+        // the OwnedWork, and OwnedWork only releases it after the operation completed.
+        unsafe {
+            match self {
+                OwnedBuf::F32(v) => RawBuf::from_slice(v.as_mut_slice()),
+                OwnedBuf::BF16(v) => RawBuf::from_slice(v.as_mut_slice()),
+                OwnedBuf::F16(v) => RawBuf::from_slice(v.as_mut_slice()),
+            }
+        }
+    }
+}
+
+/// Handle of an asynchronous operation on an [`OwnedBuf`]; yields the buffer back.
+#[must_use = "the buffer comes back from OwnedWork::wait"]
+#[derive(Debug)]
+pub struct OwnedWork {
+    // Field order matters: `work` is dropped (and so waited on) before `buf` is freed.
+    work: Work,
+    buf: OwnedBuf,
+}
+
+impl OwnedWork {
+    pub fn is_done(&self) -> bool {
+        self.work.is_done()
+    }
+
+    /// Waits for completion and returns the buffer with the result.
+    pub fn wait(self) -> Result<OwnedBuf, CommError> {
+        let OwnedWork { work, buf } = self;
+        work.wait()?;
+        Ok(buf)
+    }
+}
+
+impl std::fmt::Debug for dyn ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("name", &self.name())
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .finish()
+    }
+}
+
+/// A group of ranks that run collectives together.
+///
+/// Each rank holds its own handle (a value, no global state). All ranks of a group
+/// must issue the same collectives in the same order; point-to-point operations are
+/// matched by (source, destination, tag). A handle must not be used from two threads
+/// at the same time for operations that depend on order.
+///
+/// Synchronous methods return when this rank's part is complete and its buffers may be
+/// reused. `*_async` methods return a [`Work`] immediately; the operation runs on the
+/// rank's communication thread in submission order, before any later synchronous
+/// operation, and produces bit-identical results to the synchronous form.
+pub trait ProcessGroup: Send + Sync {
+    /// This rank's index in the group, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+    /// Name used in errors and logs, e.g. `world` or `tp[2,3]`.
+    fn name(&self) -> &str;
+    /// The world rank of each group rank.
+    fn global_ranks(&self) -> &[usize];
+    /// Settings the group was created with.
+    fn config(&self) -> &CommConfig;
+
+    /// Runs `op` to completion on the calling thread (after any pending async ops).
+    ///
+    /// # Safety
+    /// The buffers in `op` must be valid for the duration of the call, output buffers
+    /// must not be accessed by anyone else meanwhile, and input buffers not written.
+    unsafe fn run_raw(&self, op: Operation) -> Result<(), CommError>;
+
+    /// Starts `op` asynchronously and returns a handle to wait on.
+    ///
+    /// # Safety
+    /// Same as [`RawBuf::from_slice`]: until the returned [`Work`] has been waited on
+    /// or dropped, the buffers in `op` must stay allocated, output buffers must not be
+    /// read or written by anyone else and input buffers must not be written. Leaking
+    /// the `Work` (`mem::forget`) while the buffers are freed is undefined behaviour.
+    unsafe fn start_raw(&self, op: Operation) -> Result<Work, CommError>;
+
+    /// A group of the given ranks (ranks of *this* group, listed in the order that
+    /// defines the new group's ranks). Must be called by every listed rank, in the same
+    /// order relative to other sub-group creations with the same rank list; ranks not
+    /// listed need not call it. The caller must be listed.
+    fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError>;
+
+    /// [`ProcessGroup::new_subgroup`] with an explicit name for errors and logs
+    /// (e.g. `dp[0,2]` from a [`DeviceMesh`](crate::DeviceMesh)).
+    fn new_named_subgroup(
+        &self,
+        ranks: &[usize],
+        name: &str,
+    ) -> Result<Arc<dyn ProcessGroup>, CommError>;
+
+    /// In-place all-reduce.
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        // SAFETY: `buf` is exclusively borrowed for this blocking call.
+        unsafe { self.run_raw(Operation::AllReduce { buf: buf.raw(), op }) }
+    }
+
+    /// Reduce-scatter: `input.len() == size() × output.len()`.
+    fn reduce_scatter(
+        &self,
+        input: BufRef<'_>,
+        mut output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        // SAFETY: borrows held for this blocking call.
+        unsafe {
+            self.run_raw(Operation::ReduceScatter {
+                input: input.raw(),
+                output: output.raw(),
+                op,
+            })
+        }
+    }
+
+    /// All-gather: `output.len() == size() × input.len()`, rank-ordered chunks.
+    fn all_gather(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
+        // SAFETY: borrows held for this blocking call.
+        unsafe {
+            self.run_raw(Operation::AllGather {
+                input: input.raw(),
+                output: output.raw(),
+            })
+        }
+    }
+
+    /// In-place broadcast from group rank `root`.
+    fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<(), CommError> {
+        // SAFETY: `buf` is exclusively borrowed for this blocking call.
+        unsafe {
+            self.run_raw(Operation::Broadcast {
+                buf: buf.raw(),
+                root,
+            })
+        }
+    }
+
+    /// Sends `buf` to group rank `dst` with `tag`. Buffered: does not wait for the receiver.
+    fn send(&self, buf: BufRef<'_>, dst: usize, tag: u32) -> Result<(), CommError> {
+        // SAFETY: `buf` is borrowed for this blocking call and only read.
+        unsafe {
+            self.run_raw(Operation::Send {
+                buf: buf.raw(),
+                dst,
+                tag,
+            })
+        }
+    }
+
+    /// Receives the next message from group rank `src` with `tag` into `buf`.
+    /// The message must have exactly `buf.len()` elements of `buf`'s dtype.
+    fn recv(&self, mut buf: BufMut<'_>, src: usize, tag: u32) -> Result<(), CommError> {
+        // SAFETY: `buf` is exclusively borrowed for this blocking call.
+        unsafe {
+            self.run_raw(Operation::Recv {
+                buf: buf.raw(),
+                src,
+                tag,
+            })
+        }
+    }
+
+    /// Waits until every rank of the group has arrived.
+    fn barrier(&self) -> Result<(), CommError> {
+        // SAFETY: no buffers.
+        unsafe { self.run_raw(Operation::Barrier) }
+    }
+
+    /// Asynchronous in-place all-reduce on a raw view (e.g. a DDP bucket: a sub-slice
+    /// of a flat gradient buffer whose other parts are still being written).
+    ///
+    /// # Safety
+    /// See [`ProcessGroup::start_raw`].
+    unsafe fn all_reduce_async(&self, buf: RawBuf, op: ReduceOp) -> Result<Work, CommError> {
+        self.start_raw(Operation::AllReduce { buf, op })
+    }
+
+    /// Asynchronous reduce-scatter on raw views.
+    ///
+    /// # Safety
+    /// See [`ProcessGroup::start_raw`].
+    unsafe fn reduce_scatter_async(
+        &self,
+        input: RawBuf,
+        output: RawBuf,
+        op: ReduceOp,
+    ) -> Result<Work, CommError> {
+        self.start_raw(Operation::ReduceScatter { input, output, op })
+    }
+
+    /// Asynchronous all-gather on raw views.
+    ///
+    /// # Safety
+    /// See [`ProcessGroup::start_raw`].
+    unsafe fn all_gather_async(&self, input: RawBuf, output: RawBuf) -> Result<Work, CommError> {
+        self.start_raw(Operation::AllGather { input, output })
+    }
+
+    /// Asynchronous broadcast on a raw view.
+    ///
+    /// # Safety
+    /// See [`ProcessGroup::start_raw`].
+    unsafe fn broadcast_async(&self, buf: RawBuf, root: usize) -> Result<Work, CommError> {
+        self.start_raw(Operation::Broadcast { buf, root })
+    }
+
+    /// Asynchronous send of a raw view.
+    ///
+    /// # Safety
+    /// See [`ProcessGroup::start_raw`].
+    unsafe fn send_async(&self, buf: RawBuf, dst: usize, tag: u32) -> Result<Work, CommError> {
+        self.start_raw(Operation::Send { buf, dst, tag })
+    }
+
+    /// Asynchronous receive into a raw view.
+    ///
+    /// # Safety
+    /// See [`ProcessGroup::start_raw`].
+    unsafe fn recv_async(&self, buf: RawBuf, src: usize, tag: u32) -> Result<Work, CommError> {
+        self.start_raw(Operation::Recv { buf, src, tag })
+    }
+
+    /// Asynchronous barrier.
+    fn barrier_async(&self) -> Result<Work, CommError> {
+        // SAFETY: no buffers.
+        unsafe { self.start_raw(Operation::Barrier) }
+    }
+
+    /// Safe asynchronous all-reduce: the group owns `buf` until [`OwnedWork::wait`]
+    /// hands it back.
+    fn all_reduce_owned(&self, mut buf: OwnedBuf, op: ReduceOp) -> Result<OwnedWork, CommError> {
+        let raw = buf.raw();
+        // SAFETY: the heap block of `buf` lives inside the returned OwnedWork, which
+        // waits for completion before releasing it; leaking the OwnedWork leaks the
+        // buffer too, so no use-after-free is possible.
+        let work = unsafe { self.start_raw(Operation::AllReduce { buf: raw, op })? };
+        Ok(OwnedWork { work, buf })
+    }
+}

@@ -1,0 +1,357 @@
+//! Threads backend: conformance against serial references, determinism, failure
+//! handling (killed, stuck, erroring workers; desync) and the device mesh.
+
+use meshtrain_comm::{
+    conformance, reference_reduce, CommConfig, CommError, DeviceMesh, MeshAxis, MeshError, RawBuf,
+    ReduceOp, ThreadsWorld, WorkerFailure,
+};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn config(timeout_s: f64) -> CommConfig {
+    CommConfig::default()
+        .with_timeout(Duration::from_secs_f64(timeout_s))
+        .with_desync_check(true)
+}
+
+#[test]
+fn conformance_suite_for_1_to_5_workers() {
+    // 5 workers exceed the element count of the 1- and 7-element cases and leave
+    // several chunks empty.
+    for n in 1..=5 {
+        let result = ThreadsWorld::run(n, config(20.0), |g| conformance::run_suite(g.as_ref()));
+        if let Err(e) = result {
+            panic!("{n} workers: {e}");
+        }
+    }
+}
+
+/// Pseudo-random floats of all magnitudes, so that the summation order matters.
+fn random_floats(rank: usize, len: usize) -> Vec<f32> {
+    let mut state =
+        0x1234_5678_9ABC_DEF0u64 ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let mantissa = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            let exponent = ((state >> 8) % 20) as i32 - 10;
+            mantissa * 2f32.powi(exponent)
+        })
+        .collect()
+}
+
+#[test]
+fn all_reduce_is_bit_identical_run_to_run_and_in_rank_order() {
+    let n = 4;
+    let len = 100_003;
+    let run = || {
+        ThreadsWorld::run(n, config(20.0), move |g| {
+            let mut buf = random_floats(g.rank(), len);
+            g.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
+            Ok::<_, CommError>(buf)
+        })
+        .unwrap()
+    };
+    let first = run();
+    let second = run();
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| random_floats(r, len)).collect();
+    let reference = reference_reduce(&inputs, ReduceOp::Sum);
+    // A different order gives different bits for some elements with these inputs, so
+    // matching the rank-order reference bit for bit is a real check.
+    let reversed: Vec<Vec<f32>> = inputs.iter().rev().cloned().collect();
+    assert_ne!(
+        reference_reduce(&reversed, ReduceOp::Sum)
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<_>>(),
+        reference.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+    for rank in 0..n {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&first[rank]),
+            bits(&reference),
+            "rank {rank} vs reference"
+        );
+        assert_eq!(
+            bits(&second[rank]),
+            bits(&first[rank]),
+            "rank {rank} run to run"
+        );
+    }
+}
+
+#[test]
+fn async_all_reduce_progresses_without_polling() {
+    ThreadsWorld::run(2, config(10.0), |g| {
+        let mut buf = vec![g.rank() as f32 + 1.0; 1 << 16];
+        // SAFETY: `buf` is not touched until the work completes.
+        let work = unsafe { g.all_reduce_async(RawBuf::from_slice(&mut buf), ReduceOp::Sum)? };
+        let start = Instant::now();
+        // No call into the group: only the communication threads can finish it.
+        while !work.is_done() {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "async op made no progress"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        work.wait()?;
+        assert!(buf.iter().all(|&x| x == 3.0));
+        Ok::<_, CommError>(())
+    })
+    .unwrap();
+}
+
+fn expect_one_world_failure<T: std::fmt::Debug, E: std::fmt::Display>(
+    result: Result<Vec<T>, meshtrain_comm::WorldError<E>>,
+) -> meshtrain_comm::WorldError<E> {
+    match result {
+        Ok(v) => panic!("expected failure, got {v:?}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn panicking_worker_fails_the_others_quickly() {
+    let start = Instant::now();
+    let result = ThreadsWorld::run(3, config(30.0), |g| {
+        let mut buf = vec![1.0f32; 1000];
+        g.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
+        if g.rank() == 1 {
+            panic!("worker 1 dies");
+        }
+        // Ranks 0 and 2 wait for rank 1 in the second collective.
+        g.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
+        Ok::<_, CommError>(())
+    });
+    let elapsed = start.elapsed();
+    let err = expect_one_world_failure(result);
+    assert!(
+        elapsed < Duration::from_secs(3),
+        "took {elapsed:?} with a 30 s timeout"
+    );
+    assert_eq!(err.failures.len(), 3, "{err}");
+    for (rank, failure) in &err.failures {
+        match (rank, failure) {
+            (1, WorkerFailure::Panic(msg)) => assert!(msg.contains("worker 1 dies")),
+            (
+                0 | 2,
+                WorkerFailure::Error(CommError::PeerFailed {
+                    ctx,
+                    missing,
+                    reason,
+                }),
+            ) => {
+                assert_eq!((ctx.op, ctx.seq, &*ctx.group), ("all_reduce", 2, "world"));
+                assert_eq!(missing, &vec![1]);
+                assert!(reason.contains("worker 1 dies"), "{reason}");
+            }
+            other => panic!("unexpected failure {other:?}"),
+        }
+    }
+    let message = err.to_string();
+    assert!(
+        message.contains("all_reduce #2 on group 'world'"),
+        "{message}"
+    );
+}
+
+#[test]
+fn stuck_worker_times_out_with_the_missing_rank() {
+    let start = Instant::now();
+    let result = ThreadsWorld::run(2, config(1.0), |g| {
+        let mut buf = vec![1.0f32; 10];
+        g.barrier()?;
+        if g.rank() == 1 {
+            // Stops calling collectives (a hang outside communication).
+            std::thread::sleep(Duration::from_secs(20));
+        }
+        g.all_reduce((&mut buf).into(), ReduceOp::Max)?;
+        Ok::<_, CommError>(())
+    });
+    let elapsed = start.elapsed();
+    let err = expect_one_world_failure(result);
+    // timeout (1 s) + grace for the stuck thread (1 s) + slack.
+    assert!(elapsed < Duration::from_secs(4), "took {elapsed:?}");
+    assert!(
+        elapsed >= Duration::from_secs(1),
+        "timed out early: {elapsed:?}"
+    );
+    match &err.failures[..] {
+        [(0, WorkerFailure::Error(CommError::Timeout { ctx, missing, .. })), (1, WorkerFailure::Abandoned)] =>
+        {
+            assert_eq!((ctx.op, ctx.seq, &*ctx.group), ("all_reduce", 2, "world"));
+            assert_eq!(missing, &vec![1]);
+        }
+        other => panic!("unexpected failures {other:?}"),
+    }
+    assert!(
+        err.to_string()
+            .contains("rank(s) [1] (global) did not arrive"),
+        "{err}"
+    );
+}
+
+#[test]
+fn worker_returning_early_is_reported_by_its_peers() {
+    let result = ThreadsWorld::run(2, config(30.0), |g| {
+        if g.rank() == 0 {
+            return Err(anyhow::anyhow!("rank 0 gave up"));
+        }
+        let mut buf = vec![0f32; 3];
+        g.recv((&mut buf).into(), 0, 7)?;
+        Ok(())
+    });
+    let err = expect_one_world_failure(result);
+    let text = err.to_string();
+    assert!(text.contains("rank 0 failed: rank 0 gave up"), "{text}");
+    assert!(
+        text.contains("recv on group 'world' cannot complete"),
+        "{text}"
+    );
+}
+
+#[test]
+fn recv_without_sender_times_out() {
+    let start = Instant::now();
+    let result = ThreadsWorld::run(2, config(0.5), |g| {
+        if g.rank() == 1 {
+            let mut buf = vec![0f32; 3];
+            let err = g.recv((&mut buf).into(), 0, 1).unwrap_err();
+            assert!(matches!(err, CommError::Timeout { ref missing, .. } if missing == &vec![0]));
+            g.barrier()?;
+        } else {
+            // Stay alive (but silent) past rank 1's receive timeout.
+            std::thread::sleep(Duration::from_millis(800));
+            g.barrier()?;
+        }
+        Ok::<_, CommError>(())
+    });
+    result.unwrap();
+    assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn mismatched_collectives_are_detected_not_executed() {
+    // Same op, different lengths: without the check rank 1 would read past rank 0's
+    // buffer.
+    let result = ThreadsWorld::run(2, config(5.0), |g| {
+        let mut buf = vec![1.0f32; 7 + g.rank()];
+        let err = g.all_reduce((&mut buf).into(), ReduceOp::Sum).unwrap_err();
+        assert!(buf.iter().all(|&x| x == 1.0), "data was touched");
+        Ok::<_, CommError>(err.to_string())
+    })
+    .unwrap();
+    for message in &result {
+        assert!(
+            message.contains("all_reduce #1 on group 'world': collective mismatch"),
+            "{message}"
+        );
+        assert!(
+            message.contains("rank 0: all_reduce sum #1 f32×7"),
+            "{message}"
+        );
+        assert!(
+            message.contains("rank 1: all_reduce sum #1 f32×8"),
+            "{message}"
+        );
+    }
+
+    // Different ops at the same point; the group is unusable afterwards.
+    let result = ThreadsWorld::run(2, config(5.0), |g| {
+        let mut buf = vec![1.0f32; 4];
+        let err = if g.rank() == 0 {
+            g.all_reduce((&mut buf).into(), ReduceOp::Sum).unwrap_err()
+        } else {
+            g.broadcast((&mut buf).into(), 0).unwrap_err()
+        };
+        assert!(matches!(err, CommError::Desync { .. }), "{err}");
+        let again = g.barrier().unwrap_err();
+        assert!(matches!(again, CommError::Broken { .. }), "{again}");
+        Ok::<_, CommError>(())
+    });
+    result.unwrap();
+}
+
+#[test]
+fn invalid_buffers_and_ranks_are_errors() {
+    ThreadsWorld::run(2, config(5.0), |g| {
+        let input = vec![0f32; 5];
+        let mut output = vec![0f32; 2];
+        let err = g
+            .reduce_scatter((&input).into(), (&mut output).into(), ReduceOp::Sum)
+            .unwrap_err();
+        assert!(matches!(err, CommError::InvalidBuffer { .. }), "{err}");
+        let mut gathered = vec![0f32; 9];
+        let err = g
+            .all_gather((&input).into(), (&mut gathered).into())
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("output has 9 elements but must have group size 2 × input length 5 = 10"),
+            "{err}"
+        );
+        let err = g.broadcast((&mut output).into(), 2).unwrap_err();
+        assert!(matches!(err, CommError::InvalidRank { .. }), "{err}");
+        let err = g.send((&input).into(), g.rank(), 0).unwrap_err();
+        assert!(matches!(err, CommError::InvalidRank { .. }), "{err}");
+        let err = g.new_subgroup(&[1 - g.rank()]).unwrap_err();
+        assert!(err.to_string().contains("is not a member"), "{err}");
+        // The group still works after local validation errors.
+        g.barrier()?;
+        Ok::<_, CommError>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn device_mesh_groups_reduce_along_their_axis() {
+    let sums = ThreadsWorld::run(4, config(10.0), |g| {
+        let mesh = DeviceMesh::new(Arc::clone(&g), &[(MeshAxis::Dp, 2), (MeshAxis::Tp, 2)])?;
+        let mut tp = vec![g.rank() as f32];
+        mesh.group(MeshAxis::Tp)
+            .all_reduce((&mut tp).into(), ReduceOp::Sum)?;
+        let mut dp = vec![g.rank() as f32];
+        mesh.group(MeshAxis::Dp)
+            .all_reduce((&mut dp).into(), ReduceOp::Sum)?;
+        let mut pp = vec![g.rank() as f32];
+        mesh.group(MeshAxis::Pp)
+            .all_reduce((&mut pp).into(), ReduceOp::Sum)?;
+        assert_eq!(mesh.group(MeshAxis::Pp).size(), 1);
+        let names = (
+            mesh.group(MeshAxis::Dp).name().to_string(),
+            mesh.coordinate(MeshAxis::Dp),
+            mesh.coordinate(MeshAxis::Tp),
+        );
+        Ok::<_, anyhow::Error>((tp[0], dp[0], pp[0], names))
+    })
+    .unwrap();
+    // Ranks: (dp, tp) = 0:(0,0) 1:(0,1) 2:(1,0) 3:(1,1).
+    assert_eq!(sums[0], (1.0, 2.0, 0.0, ("dp[0,2]".to_string(), 0, 0)));
+    assert_eq!(sums[1], (1.0, 4.0, 1.0, ("dp[1,3]".to_string(), 0, 1)));
+    assert_eq!(sums[2], (5.0, 2.0, 2.0, ("dp[0,2]".to_string(), 1, 0)));
+    assert_eq!(sums[3], (5.0, 4.0, 3.0, ("dp[1,3]".to_string(), 1, 1)));
+}
+
+#[test]
+fn device_mesh_rejects_a_layout_that_does_not_fit_the_world() {
+    let messages = ThreadsWorld::run(4, config(5.0), |g| {
+        let err = DeviceMesh::new(g, &[(MeshAxis::Dp, 2), (MeshAxis::Pp, 3)]).unwrap_err();
+        assert!(matches!(err, MeshError::SizeMismatch { .. }));
+        Ok::<_, CommError>(err.to_string())
+    })
+    .unwrap();
+    assert_eq!(messages[0], "dp=2 × pp=3 = 6 but the world has 4 workers");
+}
+
+#[test]
+fn zero_workers_is_an_error() {
+    let err = ThreadsWorld::run(0, config(1.0), |_g| Ok::<_, CommError>(())).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "a threads world needs at least one worker, got 0"
+    );
+}
