@@ -26,7 +26,7 @@ struct Cli {
 enum Command {
     /// Train a model from a TOML config (see configs/).
     Train(TrainArgs),
-    /// Benchmarks: model throughput.
+    /// Benchmarks: model throughput, collectives.
     #[command(subcommand)]
     Bench(BenchCommand),
     /// Recommend a parallel layout (DP×TP×PP×SP, ZeRO, micro-batches, precision) for a model
@@ -51,6 +51,8 @@ struct TrainArgs {
 enum BenchCommand {
     /// Single-worker training throughput of LeNet, ResNet-18 and GPT on synthetic batches.
     Models(BenchModelsArgs),
+    /// Collective latency and bandwidth (algbw/busbw) per backend, against memcpy.
+    Collectives(meshtrain_comm::bench::BenchCollectivesArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -104,6 +106,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Train(a) => train(&a),
         Command::Bench(BenchCommand::Models(a)) => run_models(&a),
+        Command::Bench(BenchCommand::Collectives(a)) => meshtrain_comm::bench::run_bench(a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
     }
 }
