@@ -146,7 +146,7 @@ impl ClusterSpec {
         if self.gpus_per_node == 0 {
             return Err(bad("gpus_per_node must be positive".into()));
         }
-        if self.gpus > self.gpus_per_node && self.gpus % self.gpus_per_node != 0 {
+        if self.gpus > self.gpus_per_node && !self.gpus.is_multiple_of(self.gpus_per_node) {
             return Err(bad(format!(
                 "{} GPUs do not fill whole nodes of {} GPUs",
                 self.gpus, self.gpus_per_node

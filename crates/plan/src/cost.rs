@@ -154,7 +154,7 @@ impl Problem {
             )));
         }
         let per_step = layout.dp * layout.micro_batch;
-        if self.setup.global_batch % per_step != 0 {
+        if !self.setup.global_batch.is_multiple_of(per_step) {
             return Err(bad(format!(
                 "global batch {} is not a multiple of dp·micro_batch = {per_step}",
                 self.setup.global_batch
@@ -173,7 +173,7 @@ impl Problem {
             if layout.pp == 1 || layout.schedule != Schedule::OneFOneB {
                 return Err(bad("interleaving needs a 1F1B pipeline (pp > 1)".into()));
             }
-            if microbatches % layout.pp != 0 {
+            if !microbatches.is_multiple_of(layout.pp) {
                 return Err(bad(format!(
                     "interleaved 1F1B needs the {microbatches} micro-batches to be a multiple of pp"
                 )));
@@ -188,7 +188,7 @@ impl Problem {
                     )));
                 }
                 let kv = t.kv_heads();
-                if kv % layout.tp != 0 && layout.tp % kv != 0 {
+                if kv % layout.tp != 0 && !layout.tp.is_multiple_of(kv) {
                     return Err(bad(format!(
                         "{kv} key/value heads do not split over tp = {}",
                         layout.tp

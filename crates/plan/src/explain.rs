@@ -371,7 +371,7 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     let memory_bound = best.time.compute_s > 0.0;
     if memory_bound
         && best.throughput.mfu < 0.3
-        && ranked.first().map_or(true, |(_, s)| *s < 0.1 * step)
+        && ranked.first().is_none_or(|(_, s)| *s < 0.1 * step)
     {
         let _ = writeln!(out, "   Communication is small here; the low MFU comes from small matrix multiplies and per-op overhead: grow the micro-batch.");
     }

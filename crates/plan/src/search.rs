@@ -28,7 +28,7 @@ impl SearchResult {
 }
 
 fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 /// Powers of two dividing `n`, up to `limit`.
@@ -36,7 +36,7 @@ fn power_of_two_divisors(n: u64, limit: u64) -> Vec<u64> {
     let mut out = Vec::new();
     let mut b = 1;
     while b <= n && b <= limit {
-        if n % b == 0 {
+        if n.is_multiple_of(b) {
             out.push(b);
         }
         b *= 2;
@@ -61,7 +61,7 @@ pub fn enumerate(problem: &Problem) -> Vec<Layout> {
             if transformer.is_none() && (tp > 1 || pp > 1) {
                 continue;
             }
-            if problem.setup.global_batch % dp != 0 {
+            if !problem.setup.global_batch.is_multiple_of(dp) {
                 continue;
             }
             let per_replica = problem.setup.global_batch / dp;
@@ -132,7 +132,7 @@ pub fn search(problem: &Problem) -> Result<SearchResult> {
             out_of_memory += 1;
             let smaller = closest_miss
                 .as_ref()
-                .map_or(true, |c| evaluation.memory.total() < c.memory.total());
+                .is_none_or(|c| evaluation.memory.total() < c.memory.total());
             if smaller {
                 closest_miss = Some(evaluation);
             }
