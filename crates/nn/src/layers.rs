@@ -358,7 +358,7 @@ impl Layer for Conv2d {
         let (gw, gb) = g.split_at_mut(nw);
         let dbias = if self.bias { Some(gb) } else { None };
         let sp = Self::spatial(&x);
-        conv2d_backward(
+        let dx = conv2d_backward(
             &self.geom,
             sp,
             x.data(),
@@ -368,8 +368,12 @@ impl Layer for Conv2d {
             gw,
             dbias,
             need_dx,
-        )
-        .map(|dx| Tensor::from_vec(dx, x.shape()))
+        );
+        // The columns came from the thread's buffer pool: hand them back for the next step.
+        if let Some(c) = columns {
+            meshtrain_tensor::par::recycle(c);
+        }
+        dx.map(|dx| Tensor::from_vec(dx, x.shape()))
     }
 }
 

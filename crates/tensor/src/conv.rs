@@ -155,7 +155,8 @@ pub fn conv2d_forward(
 ) -> (Vec<f32>, Option<Vec<f32>>) {
     let (oh, ow) = g.output_size(s.height, s.width);
     let cols_n = s.batch * oh * ow;
-    let mut out = vec![0.0f32; g.out_channels * cols_n];
+    // Every element is written by the product below (accumulate = false).
+    let mut out = crate::par::take_buffer(g.out_channels * cols_n);
     let w = Mat::new(weight, g.out_channels, g.patch_len());
     let mut kept = None;
     let mut product = |cols: &[f32]| {
@@ -169,7 +170,7 @@ pub fn conv2d_forward(
     if g.is_pointwise() {
         product(x);
     } else if keep_columns {
-        let mut cols = vec![0.0f32; g.patch_len() * cols_n];
+        let mut cols = crate::par::take_buffer(g.patch_len() * cols_n);
         im2col(g, s, x, &mut cols);
         product(&cols);
         kept = Some(cols);

@@ -182,16 +182,44 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Run `f` with a temporary buffer of `len` elements whose contents are unspecified (left
-/// over from earlier use): for im2col columns and similar scratch that is fully overwritten.
-/// Buffers are recycled per thread, which saves both the allocation and the zero-fill a
-/// fresh `vec![0.0; len]` would pay on every call.
+/// Buffers kept per thread at most; more are simply freed.
+const MAX_RECYCLED: usize = 16;
+
+/// A buffer of `len` elements with unspecified contents (left over from earlier use), taken
+/// from this thread's recycled buffers when one is large enough: for data that the caller
+/// overwrites completely (im2col columns, product outputs). Saves both the allocation and the
+/// zero-fill that `vec![0.0; len]` pays on every call; give it back with [`recycle`].
+pub fn take_buffer(len: usize) -> Vec<f32> {
+    let mut buf = SCRATCH
+        .with(|s| {
+            let mut pool = s.borrow_mut();
+            // The smallest buffer that fits, else the largest (grown below).
+            let fit = (0..pool.len())
+                .filter(|&i| pool[i].capacity() >= len)
+                .min_by_key(|&i| pool[i].capacity())
+                .or_else(|| (0..pool.len()).max_by_key(|&i| pool[i].capacity()));
+            fit.map(|i| pool.swap_remove(i))
+        })
+        .unwrap_or_default();
+    buf.resize(len, 0.0);
+    buf
+}
+
+/// Return a buffer for reuse by [`take_buffer`] / [`with_scratch`] on this thread.
+pub fn recycle(buf: Vec<f32>) {
+    SCRATCH.with(|s| {
+        let mut pool = s.borrow_mut();
+        if pool.len() < MAX_RECYCLED {
+            pool.push(buf);
+        }
+    });
+}
+
+/// Run `f` with a temporary buffer of `len` elements whose contents are unspecified (see
+/// [`take_buffer`]); the buffer goes back to the pool afterwards.
 pub fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    let mut buf = SCRATCH.with(|s| s.borrow_mut().pop()).unwrap_or_default();
-    if buf.len() < len {
-        buf.resize(len, 0.0);
-    }
-    let r = f(&mut buf[..len]);
-    SCRATCH.with(|s| s.borrow_mut().push(buf));
+    let mut buf = take_buffer(len);
+    let r = f(&mut buf);
+    recycle(buf);
     r
 }
