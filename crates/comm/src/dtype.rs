@@ -9,49 +9,24 @@
 use half::{bf16, f16};
 use std::fmt;
 
-/// Element type of a buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    F32,
-    BF16,
-    F16,
-}
+/// Element type of a buffer: the project's one dtype enum, from the tensor core.
+pub use meshtrain_tensor::DType;
 
-impl DType {
-    /// Size of one element in bytes.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
-        }
-    }
-
-    /// Stable small code used in collective fingerprints.
-    pub(crate) fn code(self) -> u64 {
-        match self {
-            DType::F32 => 1,
-            DType::BF16 => 2,
-            DType::F16 => 3,
-        }
-    }
-
-    pub(crate) fn from_code(code: u64) -> Option<DType> {
-        match code {
-            1 => Some(DType::F32),
-            2 => Some(DType::BF16),
-            3 => Some(DType::F16),
-            _ => None,
-        }
+/// Stable small code of a dtype, used in collective fingerprints.
+pub(crate) fn dtype_code(dtype: DType) -> u64 {
+    match dtype {
+        DType::F32 => 1,
+        DType::BF16 => 2,
+        DType::F16 => 3,
     }
 }
 
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-        })
+pub(crate) fn dtype_from_code(code: u64) -> Option<DType> {
+    match code {
+        1 => Some(DType::F32),
+        2 => Some(DType::BF16),
+        3 => Some(DType::F16),
+        _ => None,
     }
 }
 

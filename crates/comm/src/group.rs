@@ -1,7 +1,7 @@
 //! The [`ProcessGroup`] trait every backend implements, the operation descriptions
 //! that cross it, and the [`Work`] handle of asynchronous operations.
 
-use crate::dtype::{BufMut, BufRef, DType, RawBuf, ReduceOp};
+use crate::dtype::{BufMut, BufRef, RawBuf, ReduceOp};
 use crate::error::{CommError, OpContext};
 use half::{bf16, f16};
 use std::sync::{Arc, Condvar, Mutex};
@@ -119,7 +119,8 @@ impl Fingerprint {
             OP_BARRIER => "barrier",
             _ => "unknown",
         };
-        let dtype = DType::from_code(self.dtype).map_or("none".to_string(), |d| d.to_string());
+        let dtype =
+            crate::dtype::dtype_from_code(self.dtype).map_or("none".to_string(), |d| d.to_string());
         let detail = match self.kind {
             OP_ALL_REDUCE | OP_REDUCE_SCATTER => match self.detail {
                 1 => " sum",
@@ -171,7 +172,7 @@ impl Operation {
         Fingerprint {
             kind,
             detail,
-            dtype: buf.map_or(0, |b| b.dtype.code()),
+            dtype: buf.map_or(0, |b| crate::dtype::dtype_code(b.dtype)),
             count: buf.map_or(0, |b| b.len as u64),
             seq,
         }

@@ -18,6 +18,7 @@ impl DType {
         }
     }
 
+    /// Parse "f32"/"fp32", "bf16", "f16"/"fp16".
     pub fn parse(name: &str) -> Option<DType> {
         match name {
             "f32" | "fp32" | "float32" => Some(DType::F32),
@@ -25,6 +26,16 @@ impl DType {
             "f16" | "fp16" | "float16" => Some(DType::F16),
             _ => None,
         }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        })
     }
 }
 
