@@ -138,9 +138,9 @@ impl Config {
         for o in overrides {
             apply_override(&mut value, o)?;
         }
-        let cfg: Config = value
-            .try_into()
-            .map_err(|e: toml::de::Error| anyhow::anyhow!("invalid config: {}", e.message()))?;
+        let cfg: Config = value.try_into().map_err(|e: toml::de::Error| {
+            anyhow::anyhow!("invalid config: {}", e.to_string().trim())
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }
