@@ -251,8 +251,15 @@ mod backend {
         );
         let beta = if accumulate { 1.0 } else { 0.0 };
         // SAFETY: views are bounds-checked; pointers and leading dimensions describe them.
+        // Changing OpenBLAS's thread count is not free (it takes a lock and may touch its
+        // pool): only do it when the wanted count differs from the last one set.
+        static LAST_THREADS: std::sync::atomic::AtomicUsize =
+            std::sync::atomic::AtomicUsize::new(0);
+        if LAST_THREADS.swap(threads, std::sync::atomic::Ordering::Relaxed) != threads {
+            // SAFETY: plain configuration call into OpenBLAS.
+            unsafe { openblas_set_num_threads(threads as i32) };
+        }
         unsafe {
-            openblas_set_num_threads(threads as i32);
             cblas_sgemm(
                 ROW_MAJOR,
                 ta,
