@@ -219,10 +219,10 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
         };
         let _ = writeln!(
             out,
-            "   Data parallelism: each of the {} replicas computes gradients of its own samples; the {:.2} GB of gradients per GPU are {how}, across {} ranks {link} at {:.0} GB/s bus bandwidth. That takes {:.3} s per step, of which {:.3} s hide under backward compute and {:.3} s ({:.1}% of the step) are exposed.",
+            "   Data parallelism: each of the {} replicas computes gradients of its own samples; gradients are {how}, across {} ranks {link}: {:.2} GB through each GPU's link per step at {:.0} GB/s bus bandwidth. That takes {:.3} s per step, of which {:.3} s hide under backward compute and {:.3} s ({:.1}% of the step) are exposed.",
+            l.dp,
             l.dp,
             best.links.dp_bytes / 1e9,
-            l.dp,
             best.links.dp_bandwidth / 1e9,
             t.dp_exposed_s + t.dp_hidden_s,
             t.dp_hidden_s,
@@ -350,13 +350,18 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     if let Some((replica, efficiency)) = replica_scaling(problem, best) {
         let _ = writeln!(
             out,
-            "   Scaling: one replica ({} GPU{}) would process {:.1} samples/s with the same per-replica batch; {} replicas reach {:.1}, i.e. {:.1}% of perfect scaling.",
+            "   Scaling: one replica ({} GPU{}) would process {:.1} samples/s with the same per-replica batch; {} replicas reach {:.1}, i.e. {:.1}% of perfect scaling{}.",
             replica.0,
             if replica.0 == 1 { "" } else { "s" },
             replica.1,
             l.dp,
             best.throughput.samples_per_s,
-            100.0 * efficiency
+            100.0 * efficiency,
+            if efficiency > 1.0 && l.zero > 0 {
+                " (above 100% because ZeRO splits the optimizer step across the replicas, work a lone replica does in full)"
+            } else {
+                ""
+            }
         );
     }
     if let Some((loss, secs)) = ranked.first().filter(|(_, s)| *s > 0.0) {
