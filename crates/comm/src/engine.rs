@@ -6,13 +6,22 @@
 //! all ranks. A synchronous operation runs inline on the caller's thread when nothing
 //! is queued (no hand-off latency), and otherwise is queued behind the pending work.
 
-use crate::error::CommError;
-use crate::group::{Completion, Work};
+use crate::error::{CommError, OpContext};
+use crate::group::{Completion, Operation, Work};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
+
+/// A backend's per-rank core: runs one operation whose sequence number is assigned.
+pub(crate) trait Executor: Send + Sync + 'static {
+    fn ctx(&self, op: &Operation, seq: u64) -> OpContext;
+
+    /// # Safety
+    /// `op`'s buffers must satisfy the contract of `ProcessGroup::run_raw`.
+    unsafe fn execute(&self, op: Operation, seq: u64) -> Result<(), CommError>;
+}
 
 pub(crate) struct AsyncEngine {
     thread_name: String,
@@ -71,6 +80,48 @@ impl AsyncEngine {
             job();
         }
         Ok(Work::new(completion))
+    }
+
+    /// Runs `op` (with the sequence number `prepare` assigned it, or its error) inline when
+    /// nothing is queued, else behind the queued operations, and waits for it.
+    ///
+    /// # Safety
+    /// As [`Executor::execute`].
+    pub(crate) unsafe fn run<E: Executor>(
+        &self,
+        core: &Arc<E>,
+        op: Operation,
+        seq: Result<u64, CommError>,
+    ) -> Result<(), CommError> {
+        let seq = seq?;
+        if self.is_idle() {
+            core.execute(op, seq)
+        } else {
+            self.start(core, op, Ok(seq))?.wait()
+        }
+    }
+
+    /// Queues `op` and returns its handle; a `prepare` error becomes a completed handle.
+    ///
+    /// # Safety
+    /// As [`Executor::execute`]; the buffers must stay valid until the handle completes.
+    pub(crate) unsafe fn start<E: Executor>(
+        &self,
+        core: &Arc<E>,
+        op: Operation,
+        seq: Result<u64, CommError>,
+    ) -> Result<Work, CommError> {
+        let seq = match seq {
+            Ok(seq) => seq,
+            Err(err) => return Ok(Work::ready(Err(err))),
+        };
+        let core = Arc::clone(core);
+        let ctx = core.ctx(&op, seq);
+        self.submit(move || {
+            // SAFETY: forwarded from the caller's contract on `op`'s buffers.
+            unsafe { core.execute(op, seq) }
+        })
+        .map_err(|details| CommError::Backend { ctx, details })
     }
 
     /// Blocks until every job submitted so far has finished.

@@ -26,7 +26,7 @@ use crate::bench::{
     BenchCollectivesArgs, BenchOp, BenchRecord,
 };
 use crate::dtype::{with_element, DType, Element, RawBuf, ReduceOp};
-use crate::engine::AsyncEngine;
+use crate::engine::{AsyncEngine, Executor};
 use crate::error::{fmt_ranks, CommError, OpContext};
 use crate::group::{validate_subgroup, CommConfig, Fingerprint, Operation, ProcessGroup, Work};
 use anyhow::{anyhow, Result};
@@ -367,6 +367,16 @@ fn overlaps(a: RawBuf, b: RawBuf) -> bool {
     let (a0, a1) = (a.ptr as usize, a.ptr as usize + a.size_bytes());
     let (b0, b1) = (b.ptr as usize, b.ptr as usize + b.size_bytes());
     a0 < b1 && b0 < a1
+}
+
+impl Executor for MpiCore {
+    fn ctx(&self, op: &Operation, seq: u64) -> OpContext {
+        MpiCore::ctx(self, op, seq)
+    }
+
+    unsafe fn execute(&self, op: Operation, seq: u64) -> Result<(), CommError> {
+        MpiCore::execute(self, op, seq)
+    }
 }
 
 impl MpiCore {
@@ -885,25 +895,13 @@ impl ProcessGroup for MpiGroup {
     }
 
     unsafe fn run_raw(&self, op: Operation) -> Result<(), CommError> {
-        if self.engine.is_idle() {
-            let seq = self.prepare(&op)?;
-            self.core.execute(op, seq)
-        } else {
-            self.start_raw(op)?.wait()
-        }
+        let seq = self.prepare(&op);
+        self.engine.run(&self.core, op, seq)
     }
 
     unsafe fn start_raw(&self, op: Operation) -> Result<Work, CommError> {
-        let seq = match self.prepare(&op) {
-            Ok(seq) => seq,
-            Err(err) => return Ok(Work::ready(Err(err))),
-        };
-        let core = Arc::clone(&self.core);
-        let ctx = core.ctx(&op, seq);
-        self.engine
-            // SAFETY: forwarded from the caller's contract on `op`'s buffers.
-            .submit(move || unsafe { core.execute(op, seq) })
-            .map_err(|details| CommError::Backend { ctx, details })
+        let seq = self.prepare(&op);
+        self.engine.start(&self.core, op, seq)
     }
 
     fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {

@@ -24,7 +24,7 @@
 //! [`CommError`] naming the op, its sequence number, the group and the missing ranks.
 
 use crate::dtype::{reduce_into, with_element, RawBuf};
-use crate::engine::AsyncEngine;
+use crate::engine::{AsyncEngine, Executor};
 use crate::error::{fmt_ranks, CommError, OpContext};
 use crate::group::{CommConfig, Fingerprint, Operation, ProcessGroup, Work};
 use std::collections::{HashMap, VecDeque};
@@ -287,6 +287,16 @@ struct RankCore {
     /// This rank's own copy of the group name: cloning it for error contexts never
     /// touches a reference count shared with other ranks' threads.
     name: Arc<str>,
+}
+
+impl Executor for RankCore {
+    fn ctx(&self, op: &Operation, seq: u64) -> OpContext {
+        RankCore::ctx(self, op, seq)
+    }
+
+    unsafe fn execute(&self, op: Operation, seq: u64) -> Result<(), CommError> {
+        RankCore::execute(self, op, seq)
+    }
 }
 
 impl RankCore {
@@ -582,25 +592,13 @@ impl ProcessGroup for ThreadsGroup {
     }
 
     unsafe fn run_raw(&self, op: Operation) -> Result<(), CommError> {
-        if self.engine.is_idle() {
-            let seq = self.prepare(&op)?;
-            self.core.execute(op, seq)
-        } else {
-            self.start_raw(op)?.wait()
-        }
+        let seq = self.prepare(&op);
+        self.engine.run(&self.core, op, seq)
     }
 
     unsafe fn start_raw(&self, op: Operation) -> Result<Work, CommError> {
-        let seq = match self.prepare(&op) {
-            Ok(seq) => seq,
-            Err(err) => return Ok(Work::ready(Err(err))),
-        };
-        let core = Arc::clone(&self.core);
-        let ctx = core.ctx(&op, seq);
-        self.engine
-            // SAFETY: forwarded from the caller's contract on `op`'s buffers.
-            .submit(move || unsafe { core.execute(op, seq) })
-            .map_err(|details| CommError::Backend { ctx, details })
+        let seq = self.prepare(&op);
+        self.engine.start(&self.core, op, seq)
     }
 
     fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
