@@ -302,21 +302,37 @@ mod tests {
         (2, 2, 3, 3, 2, 4),
     ];
 
+    /// The geometry and input size of one test case.
+    fn case(
+        cin: usize,
+        cout: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+        hw: usize,
+        batch: usize,
+    ) -> (ConvGeometry, Spatial) {
+        let g = ConvGeometry {
+            in_channels: cin,
+            out_channels: cout,
+            kernel,
+            stride,
+            padding,
+        };
+        (
+            g,
+            Spatial {
+                batch,
+                height: hw,
+                width: hw,
+            },
+        )
+    }
+
     #[test]
     fn im2col_convolution_matches_direct_convolution() {
         for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
-            let g = ConvGeometry {
-                in_channels: cin,
-                out_channels: cout,
-                kernel: k,
-                stride: st,
-                padding: p,
-            };
-            let s = Spatial {
-                batch: 2,
-                height: hw,
-                width: hw,
-            };
+            let (g, s) = case(cin, cout, k, st, p, hw, 2);
             let x = random(cin * 2 * hw * hw, i as u64);
             let w = random(cout * g.patch_len(), 100 + i as u64);
             let got = conv2d_forward(&g, s, &x, &w, None, false).0;
@@ -330,18 +346,7 @@ mod tests {
     #[test]
     fn col2im_is_the_adjoint_of_im2col() {
         for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
-            let g = ConvGeometry {
-                in_channels: cin,
-                out_channels: cout,
-                kernel: k,
-                stride: st,
-                padding: p,
-            };
-            let s = Spatial {
-                batch: 3,
-                height: hw,
-                width: hw,
-            };
+            let (g, s) = case(cin, cout, k, st, p, hw, 3);
             let (oh, ow) = g.output_size(hw, hw);
             let x = random(cin * 3 * hw * hw, i as u64);
             let c = random(g.patch_len() * 3 * oh * ow, 50 + i as u64);
