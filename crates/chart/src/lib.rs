@@ -1,0 +1,1 @@
+//! meshtrain-chart: PNG charts (training curves, scaling bars, pipeline timelines).

@@ -1,0 +1,1 @@
+//! Data parallelism: every worker holds a full replica and averages gradients.

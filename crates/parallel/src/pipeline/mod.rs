@@ -1,0 +1,1 @@
+//! Pipeline parallelism: a model's blocks cut into stages on different workers.
