@@ -53,6 +53,7 @@ impl AsyncEngine {
         let done = Arc::clone(&completion);
         let pending = Arc::clone(&self.pending);
         let wrapped: Job = Box::new(move || {
+            done.begin();
             let result = job();
             // Decrement before completing: once a waiter sees the result, a following
             // synchronous operation may run inline.

@@ -5,7 +5,7 @@ use crate::dtype::{BufMut, BufRef, RawBuf, ReduceOp};
 use crate::error::{CommError, OpContext};
 use half::{bf16, f16};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Default time a collective waits for the other ranks before failing.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -292,17 +292,53 @@ pub(crate) fn validate_subgroup(
     })
 }
 
+/// When an asynchronous operation ran on the communication thread: from the moment it
+/// started executing (after the operations queued before it) to its completion. DDP uses it
+/// to split communication time into the part hidden behind backward and the part exposed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpSpan {
+    pub began: Instant,
+    pub finished: Instant,
+}
+
+impl OpSpan {
+    pub fn duration(&self) -> Duration {
+        self.finished.saturating_duration_since(self.began)
+    }
+}
+
 /// Shared completion state of an asynchronous operation.
 #[derive(Debug, Default)]
 pub(crate) struct Completion {
     result: Mutex<Option<Result<(), CommError>>>,
     done: Condvar,
+    span: Mutex<(Option<Instant>, Option<Instant>)>,
 }
 
 impl Completion {
+    /// Marks the moment the operation starts executing.
+    pub(crate) fn begin(&self) {
+        self.span.lock().unwrap_or_else(|e| e.into_inner()).0 = Some(Instant::now());
+    }
+
     pub(crate) fn complete(&self, result: Result<(), CommError>) {
+        {
+            let mut span = self.span.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            span.0.get_or_insert(now);
+            span.1 = Some(now);
+        }
         *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
         self.done.notify_all();
+    }
+
+    fn span(&self) -> OpSpan {
+        let span = self.span.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        OpSpan {
+            began: span.0.unwrap_or(now),
+            finished: span.1.unwrap_or(now),
+        }
     }
 
     fn is_done(&self) -> bool {
@@ -362,6 +398,20 @@ impl Work {
         match self.completion.take() {
             Some(c) => c.wait(),
             None => Ok(()),
+        }
+    }
+
+    /// As [`Work::wait`], also returning when the operation ran (see [`OpSpan`]).
+    pub fn wait_timed(mut self) -> Result<OpSpan, CommError> {
+        match self.completion.take() {
+            Some(c) => c.wait().map(|()| c.span()),
+            None => {
+                let now = Instant::now();
+                Ok(OpSpan {
+                    began: now,
+                    finished: now,
+                })
+            }
         }
     }
 }

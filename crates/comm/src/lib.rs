@@ -25,7 +25,8 @@ mod threads;
 pub use dtype::{reference_reduce, BufMut, BufRef, DType, Element, RawBuf, ReduceOp};
 pub use error::{CommError, OpContext};
 pub use group::{
-    CommConfig, Fingerprint, Operation, OwnedBuf, OwnedWork, ProcessGroup, Work, DEFAULT_TIMEOUT,
+    CommConfig, Fingerprint, OpSpan, Operation, OwnedBuf, OwnedWork, ProcessGroup, Work,
+    DEFAULT_TIMEOUT,
 };
 pub use half::{bf16, f16};
 pub use mesh::{DeviceMesh, MeshAxis, MeshError, MeshLayout};

@@ -17,6 +17,7 @@ pub mod error;
 pub mod fashion;
 pub mod idx;
 pub mod images;
+pub mod sampler;
 pub mod text;
 
 pub use batching::{rank_share, EpochBatches, EpochShuffler};
@@ -24,4 +25,5 @@ pub use error::DataError;
 pub use fashion::{load_split, resolve, FashionMnist, ResolveOptions, Source, Split};
 pub use images::{ImageDataset, Normalization};
 pub use meshtrain_tensor::rng::SplitMix64;
+pub use sampler::{eval_shard, DistributedSampler, Tail};
 pub use text::{unigram_entropy_nats, TextBatchSampler, TextCorpus, VOCAB_SIZE};

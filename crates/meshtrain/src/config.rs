@@ -4,6 +4,7 @@
 use anyhow::{bail, Context, Result};
 use meshtrain_nn::models::{GptConfig, LeNetVariant};
 use meshtrain_nn::optim::OptimizerConfig;
+use meshtrain_parallel::data::GradCompression;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -18,6 +19,72 @@ pub struct Config {
     pub schedule: ScheduleConfig,
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub parallel: ParallelConfig,
+}
+
+/// How the data-parallel replicas synchronise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DpMode {
+    /// DistributedDataParallel: bucketed all-reduce overlapped with backward.
+    #[default]
+    Ddp,
+    /// nn.DataParallel style: scatter, gather gradients to rank 0, update there, broadcast.
+    SingleMaster,
+}
+
+/// Parallel layout and data-parallel settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelConfig {
+    /// Data-parallel workers (threads of this process, or the MPI world under mpirun).
+    #[serde(default = "one_usize")]
+    pub dp: usize,
+    #[serde(default)]
+    pub dp_mode: DpMode,
+    /// DDP bucket size in MiB (PyTorch: 25).
+    #[serde(default = "default_bucket_mb")]
+    pub bucket_cap_mb: f64,
+    /// DDP's first, small bucket in MiB (PyTorch: 1).
+    #[serde(default = "one_f64")]
+    pub first_bucket_mb: f64,
+    /// Gradients on the wire: "none" (f32) or "bf16".
+    #[serde(default)]
+    pub compression: GradCompression,
+    /// Overlap each bucket's all-reduce with the rest of backward.
+    #[serde(default = "yes")]
+    pub overlap: bool,
+    /// Batch-norm statistics over the global batch (SyncBatchNorm) instead of per worker.
+    #[serde(default)]
+    pub sync_batch_norm: bool,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig {
+            dp: 1,
+            dp_mode: DpMode::Ddp,
+            bucket_cap_mb: default_bucket_mb(),
+            first_bucket_mb: 1.0,
+            compression: GradCompression::None,
+            overlap: true,
+            sync_batch_norm: false,
+        }
+    }
+}
+
+fn one_usize() -> usize {
+    1
+}
+fn one_f64() -> f64 {
+    1.0
+}
+fn default_bucket_mb() -> f64 {
+    25.0
+}
+fn yes() -> bool {
+    true
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -89,6 +156,10 @@ pub struct TrainConfig {
     /// in backward (less memory, about one extra forward of compute).
     #[serde(default)]
     pub recompute: bool,
+    /// Gradient accumulation: each worker splits its share of the batch into this many
+    /// micro-batches and synchronises gradients only after the last one.
+    #[serde(default = "one_usize")]
+    pub accumulation_steps: usize,
 }
 
 fn default_log_every() -> u64 {
@@ -192,6 +263,25 @@ impl Config {
         if t.log_every == 0 {
             bail!("train.log_every must be at least 1");
         }
+        let p = &self.parallel;
+        if p.dp == 0 {
+            bail!("parallel.dp must be at least 1");
+        }
+        if t.accumulation_steps == 0 {
+            bail!("train.accumulation_steps must be at least 1");
+        }
+        let split = p.dp * t.accumulation_steps;
+        if !t.batch_size.is_multiple_of(split) {
+            bail!(
+                "train.batch_size {} must divide evenly over dp={} workers × {} accumulation steps",
+                t.batch_size,
+                p.dp,
+                t.accumulation_steps
+            );
+        }
+        if !(p.bucket_cap_mb > 0.0 && p.first_bucket_mb > 0.0) {
+            bail!("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
+        }
         Ok(())
     }
 }
@@ -274,6 +364,10 @@ mod tests {
         assert!(err(&["schedule.lr=-1"]).contains("lr"));
         assert!(err(&["model.kind=vgg"]).contains("vgg"));
         assert!(err(&["nonsense"]).contains("key=value"));
+        assert!(err(&["parallel.dp=3"]).contains("divide evenly"));
+        assert!(err(&["parallel.dp=0"]).contains("parallel.dp"));
+        assert!(err(&["parallel.dp_mode=magic"]).contains("magic"));
+        assert!(err(&["parallel.compression=fp8"]).contains("fp8"));
         let gpt = r#"
             [model]
             kind = "gpt"

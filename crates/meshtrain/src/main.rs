@@ -4,7 +4,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use meshtrain::bench::{run_models, BenchModelsArgs};
 use meshtrain::config::Config;
-use meshtrain::train::{Task, Trainer};
+use meshtrain::launch::{run_job, JobOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -45,6 +45,14 @@ struct TrainArgs {
     /// Resume from a checkpoint (default: none).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Data-parallel workers (threads of this process; under mpirun the MPI world size).
+    /// Same as --set parallel.dp=N.
+    #[arg(long)]
+    dp: Option<usize>,
+    /// How replicas synchronise: ddp (bucketed all-reduce overlapped with backward) or
+    /// single-master (scatter / gather to rank 0 / broadcast, like nn.DataParallel).
+    #[arg(long, value_parser = ["ddp", "single-master"])]
+    dp_mode: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -56,27 +64,20 @@ enum BenchCommand {
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
-    let cfg = Config::load(&args.config, &args.overrides)?;
-    let task = Task::load(&cfg)?;
-    println!("meshtrain: {}", task.describe());
-    let mut trainer = Trainer::new(cfg, task)?;
-    trainer.show_progress = std::io::stderr().is_terminal();
-    let resume = args
-        .resume
-        .clone()
-        .or_else(|| trainer.cfg.checkpoint.resume.clone());
-    if let Some(path) = resume {
-        trainer.resume(&path)?;
-        println!("resumed from {} at step {}", path.display(), trainer.step);
+    let mut overrides = args.overrides.clone();
+    if let Some(dp) = args.dp {
+        overrides.push(format!("parallel.dp={dp}"));
     }
-    println!(
-        "model: {} parameters in {} blocks; {} steps; output in {}",
-        trainer.model.num_params(),
-        trainer.model.num_blocks(),
-        trainer.total_steps,
-        trainer.cfg.train.out_dir.display()
-    );
-    let summary = trainer.run()?;
+    if let Some(mode) = &args.dp_mode {
+        overrides.push(format!("parallel.dp_mode=\"{mode}\""));
+    }
+    let cfg = Config::load(&args.config, &overrides)?;
+    let options = JobOptions {
+        resume: args.resume.clone(),
+        show_progress: std::io::stderr().is_terminal(),
+        verbose: true,
+    };
+    let summary = run_job(cfg, &options)?;
     println!(
         "done: {} steps, final train loss {:.4}",
         summary.steps, summary.final_train_loss

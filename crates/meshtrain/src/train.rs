@@ -1,27 +1,39 @@
-//! The single-worker training loop: batches, forward, loss, backward, clipping, optimizer,
-//! schedule, evaluation, metrics, checkpoints and a step-time breakdown.
+//! The training loop of one worker: batches, forward, loss, backward, gradient
+//! synchronisation, clipping, optimizer, schedule, evaluation, metrics, checkpoints and a
+//! step-time breakdown.
 //!
 //! Every step's data is a pure function of (seed, step) — image batches come from the seeded
 //! permutation of their epoch, text windows from a sampler seeded by the step — so a resumed
 //! run sees exactly the batches an uninterrupted run would, and ends bit-identical.
+//!
+//! With data parallelism ([`Trainer::with_group`]) every worker runs this loop on its share of
+//! each global batch; the distributed sampler deals shards so that the workers' shares of
+//! step `s` together are exactly the single worker's batch `s`. Rank 0 alone prints, writes
+//! metrics and checkpoints.
 
 use crate::checkpoint::{self, TrainState};
+use crate::config::DpMode;
 use crate::config::{Config, ModelConfig};
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use meshtrain_comm::{ProcessGroup, ReduceOp};
 use meshtrain_data::{
-    unigram_entropy_nats, EpochShuffler, FashionMnist, ImageDataset, Normalization, ResolveOptions,
-    SplitMix64, TextBatchSampler, TextCorpus,
+    eval_shard, unigram_entropy_nats, DistributedSampler, FashionMnist, ImageDataset,
+    Normalization, ResolveOptions, SplitMix64, Tail, TextBatchSampler, TextCorpus,
 };
 use meshtrain_nn::models::{gpt, lenet, resnet};
 use meshtrain_nn::optim::{clip_grad_norm, Optimizer};
 use meshtrain_nn::schedule::{scale_lr_linearly, Schedule};
-use meshtrain_nn::{Mode, Model, ParamStore};
+use meshtrain_nn::{Mode, Model, ParamStore, StatsReducer};
+use meshtrain_parallel::data::{
+    CommTiming, Ddp, DdpConfig, GroupStatsReducer, SingleMaster, MASTER,
+};
 use meshtrain_tensor::loss::softmax_cross_entropy;
 use meshtrain_tensor::Tensor;
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 pub fn build_model(cfg: &ModelConfig) -> Model {
@@ -94,27 +106,68 @@ pub struct Batch {
 pub struct Breakdown {
     pub data_s: f64,
     pub forward_s: f64,
+    /// Backward compute (the time spent launching communication from its hooks excluded).
     pub backward_s: f64,
     pub optimizer_s: f64,
+    /// Communication the worker waited for (gradient all-reduce after backward, or the
+    /// single-master scatter/gather/broadcast).
+    pub comm_exposed_s: f64,
+    /// Communication that ran while backward was computing.
+    pub comm_hidden_s: f64,
+    /// Bytes this worker sent into gradient synchronisation.
+    pub comm_bytes: u64,
     pub eval_s: f64,
     pub checkpoint_s: f64,
     pub steps: u64,
+    /// Data-parallel workers (1 = single worker).
+    pub workers: usize,
 }
 
 impl Breakdown {
+    pub fn compute_s(&self) -> f64 {
+        self.forward_s + self.backward_s + self.optimizer_s
+    }
+
+    /// Time of the training steps: compute, exposed communication and data loading.
+    pub fn step_s(&self) -> f64 {
+        self.compute_s() + self.comm_exposed_s + self.data_s
+    }
+
+    /// Computation-to-synchronisation ratio: compute time per unit of communication time
+    /// (hidden or not). Infinite for a single worker.
+    pub fn compute_to_comm(&self) -> f64 {
+        self.compute_s() / (self.comm_exposed_s + self.comm_hidden_s)
+    }
+
     pub fn report(&self) -> String {
         let n = self.steps.max(1) as f64;
-        let compute = self.forward_s + self.backward_s + self.optimizer_s;
-        let step = compute + self.data_s;
+        let ms = |s: f64| s / n * 1e3;
+        let comm = if self.workers <= 1 {
+            "communication 0 (single worker)".to_string()
+        } else {
+            let total = self.comm_exposed_s + self.comm_hidden_s;
+            format!(
+                "communication {:.1} ms exposed + {:.1} ms hidden by overlap ({:.0}% hidden, {:.1} MB/step); \
+                 compute/communication ratio {:.1}",
+                ms(self.comm_exposed_s),
+                ms(self.comm_hidden_s),
+                if total > 0.0 { 100.0 * self.comm_hidden_s / total } else { 0.0 },
+                self.comm_bytes as f64 / n / 1e6,
+                self.compute_to_comm()
+            )
+        };
         format!(
-            "per step: {:.1} ms = compute {:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}) + data {:.1} ms; \
-             communication 0 (single worker); eval {:.1} s, checkpoints {:.1} s in total",
-            step / n * 1e3,
-            compute / n * 1e3,
-            self.forward_s / n * 1e3,
-            self.backward_s / n * 1e3,
-            self.optimizer_s / n * 1e3,
-            self.data_s / n * 1e3,
+            "per step ({} worker{}): {:.1} ms = compute {:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}) \
+             + exposed communication {:.1} ms + data {:.1} ms; {comm}; eval {:.1} s, checkpoints {:.1} s in total",
+            self.workers.max(1),
+            if self.workers > 1 { "s" } else { "" },
+            ms(self.step_s()),
+            ms(self.compute_s()),
+            ms(self.forward_s),
+            ms(self.backward_s),
+            ms(self.optimizer_s),
+            ms(self.comm_exposed_s),
+            ms(self.data_s),
             self.eval_s,
             self.checkpoint_s
         )
@@ -138,21 +191,37 @@ pub struct Summary {
     pub wall_s: f64,
 }
 
+/// How this worker keeps its replica in step with the others.
+enum Sync {
+    Ddp(Box<Ddp>),
+    SingleMaster(SingleMaster),
+}
+
+/// The data-parallel side of a worker: its group, the gradient synchroniser and an exact
+/// f64 summer (on its own sub-group) for SyncBatchNorm and evaluation metrics.
+struct DataParallel {
+    group: Arc<dyn ProcessGroup>,
+    sync: Sync,
+    sums: Arc<GroupStatsReducer>,
+}
+
 pub struct Trainer {
     pub cfg: Config,
     pub model: Model,
     pub store: ParamStore,
     pub optimizer: Optimizer,
     pub schedule: Schedule,
-    pub task: Task,
+    pub task: Arc<Task>,
     pub step: u64,
     pub total_steps: u64,
     steps_per_epoch: u64,
-    epoch_order: Option<(u64, Vec<usize>)>,
+    /// (world, rank) the image sampler deals for, and the epoch whose indices are cached.
+    epoch_indices: Option<((usize, usize, u64), Vec<usize>)>,
     pool: rayon::ThreadPool,
     pub breakdown: Breakdown,
     metrics: Option<std::fs::File>,
     pub show_progress: bool,
+    dp: Option<DataParallel>,
 }
 
 #[derive(Serialize)]
@@ -178,13 +247,48 @@ struct EvalRecord {
     unigram_baseline: Option<f64>,
 }
 
+/// Intra-op threads for each of `workers` workers sharing this machine: the configured total
+/// (default: all cores) split evenly, never oversubscribing by default.
+pub fn threads_per_worker(configured: Option<usize>, workers: usize) -> usize {
+    let total =
+        configured.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    (total / workers.max(1)).max(1)
+}
+
 impl Trainer {
+    /// A single-worker trainer.
     pub fn new(cfg: Config, task: Task) -> Result<Trainer> {
-        let model = build_model(&cfg.model);
-        let store = model.init(cfg.train.seed);
+        Self::build(cfg, Arc::new(task), None, None)
+    }
+
+    /// One worker of a data-parallel run over `group` (whose size must be `parallel.dp`).
+    /// `threads` overrides the intra-op thread count of this worker.
+    pub fn with_group(
+        cfg: Config,
+        task: Arc<Task>,
+        group: Arc<dyn ProcessGroup>,
+        threads: Option<usize>,
+    ) -> Result<Trainer> {
+        anyhow::ensure!(
+            group.size() == cfg.parallel.dp,
+            "parallel.dp={} but the process group has {} workers",
+            cfg.parallel.dp,
+            group.size()
+        );
+        Self::build(cfg, task, Some(group), threads)
+    }
+
+    fn build(
+        cfg: Config,
+        task: Arc<Task>,
+        group: Option<Arc<dyn ProcessGroup>>,
+        threads: Option<usize>,
+    ) -> Result<Trainer> {
+        let mut model = build_model(&cfg.model);
+        let mut store = model.init(cfg.train.seed);
         let optimizer = Optimizer::new(cfg.optimizer, model.num_params());
         let bs = cfg.train.batch_size as u64;
-        let (steps_per_epoch, total_steps) = match &task {
+        let (steps_per_epoch, total_steps) = match task.as_ref() {
             Task::Images { data } => {
                 let spe = data.train.n as u64 / bs;
                 anyhow::ensure!(
@@ -207,10 +311,45 @@ impl Trainer {
             total_steps,
             min_lr_fraction: s.min_lr_fraction,
         };
-        let threads = cfg
-            .train
-            .threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let workers = group.as_ref().map_or(1, |g| g.size());
+        let threads = threads.unwrap_or_else(|| threads_per_worker(cfg.train.threads, workers));
+        let dp = match group {
+            Some(group) if group.size() > 1 => {
+                let p = &cfg.parallel;
+                let all: Vec<usize> = (0..group.size()).collect();
+                let sums = Arc::new(GroupStatsReducer::new(
+                    group
+                        .new_named_subgroup(&all, "dp-stats")
+                        .context("creating the statistics group")?,
+                ));
+                if p.sync_batch_norm {
+                    model.set_stats_reducer(Some(sums.clone() as Arc<dyn StatsReducer>));
+                }
+                let sync = match p.dp_mode {
+                    DpMode::Ddp => {
+                        let ddp = Ddp::new(
+                            &model,
+                            group.clone(),
+                            DdpConfig {
+                                bucket_cap_mb: p.bucket_cap_mb,
+                                first_bucket_mb: p.first_bucket_mb,
+                                compression: p.compression,
+                                overlap: p.overlap,
+                            },
+                        )?;
+                        ddp.broadcast_state(&mut store)?;
+                        Sync::Ddp(Box::new(ddp))
+                    }
+                    DpMode::SingleMaster => {
+                        let master = SingleMaster::new(group.clone());
+                        master.broadcast_weights(&mut store)?;
+                        Sync::SingleMaster(master)
+                    }
+                };
+                Some(DataParallel { group, sync, sums })
+            }
+            _ => None,
+        };
         Ok(Trainer {
             pool: meshtrain_tensor::par::pool(threads),
             cfg,
@@ -222,20 +361,41 @@ impl Trainer {
             step: 0,
             total_steps,
             steps_per_epoch,
-            epoch_order: None,
-            breakdown: Breakdown::default(),
+            epoch_indices: None,
+            breakdown: Breakdown {
+                workers,
+                ..Breakdown::default()
+            },
             metrics: None,
             show_progress: false,
+            dp,
         })
     }
 
-    /// Continue from a checkpoint written by [`Trainer::save_checkpoint`].
+    /// This worker's rank and the number of data-parallel workers.
+    pub fn rank_and_world(&self) -> (usize, usize) {
+        self.dp
+            .as_ref()
+            .map_or((0, 1), |d| (d.group.rank(), d.group.size()))
+    }
+
+    /// Rank 0 prints, logs and checkpoints for everyone.
+    pub fn is_lead(&self) -> bool {
+        self.rank_and_world().0 == 0
+    }
+
+    /// Continue from a checkpoint written by [`Trainer::save_checkpoint`] (every worker reads
+    /// the same file).
     pub fn resume(&mut self, path: &std::path::Path) -> Result<()> {
         self.step = checkpoint::load(path, &self.model, &mut self.store, &mut self.optimizer)?;
         Ok(())
     }
 
+    /// Writes the checkpoint (rank 0 only; the replicas are identical).
     pub fn save_checkpoint(&mut self, path: &std::path::Path) -> Result<()> {
+        if !self.is_lead() {
+            return Ok(());
+        }
         let t = Instant::now();
         let config_toml = toml::to_string(&self.cfg).unwrap_or_default();
         checkpoint::save(
@@ -268,79 +428,191 @@ impl Trainer {
         }
     }
 
-    /// The batch of global step `step` (a pure function of the seed and the step).
+    /// This worker's batch of global step `step` (a pure function of the seed and the step):
+    /// its share of the global batch under the distributed sampler. With the single-master
+    /// mode the master gets the whole global batch and the others nothing (it scatters).
     pub fn batch(&mut self, step: u64) -> Result<Batch> {
-        let bs = self.cfg.train.batch_size;
+        let (rank, world) = self.rank_and_world();
+        let single_master = matches!(
+            self.dp,
+            Some(DataParallel {
+                sync: Sync::SingleMaster(_),
+                ..
+            })
+        );
+        match (single_master, rank == MASTER) {
+            (true, true) => self.share_of(step, 0, 1),
+            (true, false) => Ok(Batch {
+                x: Tensor::zeros(&[0]),
+                y: Vec::new(),
+                samples: 0,
+            }),
+            (false, _) => self.share_of(step, rank, world),
+        }
+    }
+
+    /// Rank `rank`'s share (of `world`) of step `step`'s global batch.
+    fn share_of(&mut self, step: u64, rank: usize, world: usize) -> Result<Batch> {
+        let local = self.cfg.train.batch_size / world;
         let seed = self.cfg.train.seed;
-        match &self.task {
+        let task = Arc::clone(&self.task);
+        match task.as_ref() {
             Task::Images { data } => {
                 let epoch = step / self.steps_per_epoch;
                 let in_epoch = (step % self.steps_per_epoch) as usize;
-                if self.epoch_order.as_ref().map(|(e, _)| *e) != Some(epoch) {
-                    let order = EpochShuffler::new(data.train.n, seed).permutation(epoch);
-                    self.epoch_order = Some((epoch, order));
+                let key = (world, rank, epoch);
+                if self.epoch_indices.as_ref().map(|(k, _)| *k) != Some(key) {
+                    let mut sampler =
+                        DistributedSampler::new(data.train.n, world, rank, seed, Tail::DropLast)?;
+                    sampler.set_epoch(epoch);
+                    self.epoch_indices = Some((key, sampler.indices()));
                 }
-                let order = &self.epoch_order.as_ref().expect("epoch order").1;
-                let idx = &order[in_epoch * bs..(in_epoch + 1) * bs];
-                let d = &data.train;
-                let mut x = vec![0.0f32; bs * d.sample_len()];
-                let mut y = vec![0u32; bs];
-                d.batch(idx, &mut x, &mut y)?;
-                Ok(Batch {
-                    x: Tensor::from_vec(x, &[bs, d.channels, d.height, d.width]),
-                    y,
-                    samples: bs,
-                })
+                let order = &self.epoch_indices.as_ref().expect("epoch indices").1;
+                let idx = &order[in_epoch * local..(in_epoch + 1) * local];
+                image_batch(&data.train, idx)
             }
             Task::Text { corpus, seq } => {
                 let stream = SplitMix64::derive(seed, step).next_u64();
-                text_batch(&corpus.train, bs, *seq, stream)
+                let global = text_batch(&corpus.train, self.cfg.train.batch_size, *seq, stream)?;
+                Ok(rows(&global, rank * local, local))
             }
         }
     }
 
-    /// One optimisation step on `batch`; returns (loss, gradient norm before clipping).
-    pub fn train_step(&mut self, batch: &Batch) -> (f32, f32) {
+    /// One optimisation step on this worker's `batch` (split into `accumulation_steps`
+    /// micro-batches); returns (loss averaged over all workers, gradient norm before clipping).
+    pub fn train_step(&mut self, batch: &Batch) -> Result<(f32, f32)> {
         let classes = self.num_classes();
         let lr = self.schedule.lr(self.step);
         let clip = self.cfg.train.grad_clip;
         let recompute = self.cfg.train.recompute;
-        let (model, store, opt, bd) = (
+        let micro_steps = self.cfg.train.accumulation_steps;
+        let (_, world) = self.rank_and_world();
+        let local = self.cfg.train.batch_size / world;
+        let sample_len = self.sample_len();
+        let targets_per_sample = self.targets_per_sample();
+        let (model, store, opt, bd, dp) = (
             &self.model,
             &mut self.store,
             &mut self.optimizer,
             &mut self.breakdown,
+            &mut self.dp,
         );
-        let result = self.pool.install(|| {
-            let t0 = Instant::now();
-            let blocks = 0..model.num_blocks();
-            let (logits, acts) =
-                model.forward(store, batch.x.clone(), blocks, Mode::TRAIN, &|_| recompute);
-            let (loss, dlogits, _) = softmax_cross_entropy(logits.data(), classes, &batch.y, 1.0);
-            let t1 = Instant::now();
-            model.backward(
-                store,
-                acts,
-                Tensor::from_vec(dlogits, logits.shape()),
-                false,
-                &mut |_, _| {},
-            );
-            let t2 = Instant::now();
-            let norm = match clip {
-                Some(c) => clip_grad_norm(&mut store.grads, c),
-                None => meshtrain_nn::optim::grad_norm(&store.grads),
-            };
-            opt.step(&mut store.values, &store.grads, lr);
-            store.zero_grads();
-            let t3 = Instant::now();
-            bd.forward_s += (t1 - t0).as_secs_f64();
-            bd.backward_s += (t2 - t1).as_secs_f64();
-            bd.optimizer_s += (t3 - t2).as_secs_f64();
-            (loss, norm)
-        });
-        self.breakdown.steps += 1;
-        self.step += 1;
-        result
+        // The single-master mode starts by scattering the master's global batch.
+        let scattered;
+        let batch = match dp {
+            Some(DataParallel {
+                sync: Sync::SingleMaster(m),
+                ..
+            }) => {
+                let t = Instant::now();
+                let global = m.is_master().then(|| (batch.x.data(), batch.y.as_slice()));
+                let (x, y) = m.scatter(global, local, sample_len, targets_per_sample)?;
+                bd.comm_exposed_s += t.elapsed().as_secs_f64();
+                scattered = batch_from_parts(x, y, local, &self.task);
+                &scattered
+            }
+            _ => batch,
+        };
+        self.pool
+            .install(|| -> Result<(f32, f32)> {
+                let mut loss_sum = 0.0f32;
+                let per_micro = batch.samples / micro_steps;
+                for k in 0..micro_steps {
+                    let last = k + 1 == micro_steps;
+                    let micro = if micro_steps == 1 {
+                        None
+                    } else {
+                        Some(rows(batch, k * per_micro, per_micro))
+                    };
+                    let mb = micro.as_ref().unwrap_or(batch);
+                    let t0 = Instant::now();
+                    let blocks = 0..model.num_blocks();
+                    let (logits, acts) =
+                        model.forward(store, mb.x.clone(), blocks, Mode::TRAIN, &|_| recompute);
+                    let (loss, dlogits, _) = softmax_cross_entropy(
+                        logits.data(),
+                        classes,
+                        &mb.y,
+                        1.0 / micro_steps as f32,
+                    );
+                    loss_sum += loss;
+                    let t1 = Instant::now();
+                    let dy = Tensor::from_vec(dlogits, logits.shape());
+                    let mut timing = CommTiming::default();
+                    match dp {
+                        Some(DataParallel {
+                            sync: Sync::Ddp(ddp),
+                            ..
+                        }) => {
+                            ddp.prepare(last);
+                            model.backward(store, acts, dy, false, &mut |i, st| {
+                                ddp.block_ready(i, st)
+                            });
+                            let t2 = Instant::now();
+                            timing = ddp.finish(store)?;
+                            bd.backward_s += (t2 - t1).as_secs_f64() - timing.in_backward_s;
+                        }
+                        _ => {
+                            model.backward(store, acts, dy, false, &mut |_, _| {});
+                            bd.backward_s += t1.elapsed().as_secs_f64();
+                        }
+                    }
+                    bd.forward_s += (t1 - t0).as_secs_f64();
+                    bd.comm_exposed_s += timing.exposed_s;
+                    bd.comm_hidden_s += timing.hidden_s;
+                    bd.comm_bytes += timing.bytes as u64;
+                }
+                // Single master: gradients to rank 0, which alone updates, then weights back.
+                let mut updates = true;
+                if let Some(DataParallel {
+                    sync: Sync::SingleMaster(m),
+                    ..
+                }) = dp
+                {
+                    let t = Instant::now();
+                    m.gather_gradients(&mut store.grads)?;
+                    bd.comm_exposed_s += t.elapsed().as_secs_f64();
+                    bd.comm_bytes += (store.grads.len() * 4) as u64;
+                    updates = m.is_master();
+                }
+                let t2 = Instant::now();
+                let mut norm = 0.0;
+                if updates {
+                    norm = match clip {
+                        Some(c) => clip_grad_norm(&mut store.grads, c),
+                        None => meshtrain_nn::optim::grad_norm(&store.grads),
+                    };
+                    opt.step(&mut store.values, &store.grads, lr);
+                }
+                store.zero_grads();
+                bd.optimizer_s += t2.elapsed().as_secs_f64();
+                if let Some(DataParallel {
+                    sync: Sync::SingleMaster(m),
+                    ..
+                }) = dp
+                {
+                    let t = Instant::now();
+                    m.broadcast_weights(store)?;
+                    bd.comm_exposed_s += t.elapsed().as_secs_f64();
+                }
+                let mut loss = loss_sum;
+                if let Some(d) = dp.as_ref() {
+                    // Every worker reports (and checks for divergence on) the same numbers: the
+                    // loss averaged over workers and the norm of the update, which rank 0 has.
+                    let world = d.group.size() as f32;
+                    let mut v = [loss / world, if d.group.rank() == 0 { norm } else { 0.0 }];
+                    d.group
+                        .all_reduce(meshtrain_comm::BufMut::F32(&mut v), ReduceOp::Sum)
+                        .context("averaging the step's loss over the workers")?;
+                    (loss, norm) = (v[0], v[1]);
+                }
+                Ok((loss, norm))
+            })
+            .inspect(|_| {
+                self.breakdown.steps += 1;
+                self.step += 1;
+            })
     }
 
     fn num_classes(&self) -> usize {
@@ -350,53 +622,76 @@ impl Trainer {
         }
     }
 
+    /// Floats of model input per sample.
+    fn sample_len(&self) -> usize {
+        match self.task.as_ref() {
+            Task::Images { data } => data.train.sample_len(),
+            Task::Text { seq, .. } => *seq,
+        }
+    }
+
+    fn targets_per_sample(&self) -> usize {
+        match self.task.as_ref() {
+            Task::Images { .. } => 1,
+            Task::Text { seq, .. } => *seq,
+        }
+    }
+
     /// Evaluate: image models on the whole test set (loss, accuracy); GPT on fixed validation
-    /// windows (loss, perplexity).
+    /// windows (loss, perplexity). Data-parallel workers each take a disjoint shard and the
+    /// sums are added exactly, so every sample counts once.
     pub fn evaluate(&mut self) -> Result<(f64, Option<f64>)> {
         let t = Instant::now();
         let classes = self.num_classes();
+        let (rank, world) = self.rank_and_world();
         let (model, store) = (&self.model, &mut self.store);
-        let result = match &self.task {
+        // (loss sum, correct, samples or batches)
+        let mut sums = [0.0f64; 3];
+        match self.task.as_ref() {
             Task::Images { data } => {
                 let d = &data.test;
+                let shard = eval_shard(d.n, rank, world)?;
                 let chunk = 500;
-                let (mut loss_sum, mut correct) = (0.0f64, 0usize);
-                let mut start = 0;
-                while start < d.n {
-                    let n = chunk.min(d.n - start);
+                let mut start = shard.start;
+                while start < shard.end {
+                    let n = chunk.min(shard.end - start);
                     let idx: Vec<usize> = (start..start + n).collect();
-                    let mut x = vec![0.0f32; n * d.sample_len()];
-                    let mut y = vec![0u32; n];
-                    d.batch(&idx, &mut x, &mut y)?;
-                    let x = Tensor::from_vec(x, &[n, d.channels, d.height, d.width]);
+                    let b = image_batch(d, &idx)?;
                     let (l, c) = self.pool.install(|| {
-                        let (logits, _) = model.forward_all(store, x, Mode::EVAL);
-                        let (l, _, c) = softmax_cross_entropy(logits.data(), classes, &y, 1.0);
+                        let (logits, _) = model.forward_all(store, b.x, Mode::EVAL);
+                        let (l, _, c) = softmax_cross_entropy(logits.data(), classes, &b.y, 1.0);
                         (l, c)
                     });
-                    loss_sum += l as f64 * n as f64;
-                    correct += c;
+                    sums[0] += l as f64 * n as f64;
+                    sums[1] += c as f64;
+                    sums[2] += n as f64;
                     start += n;
                 }
-                (loss_sum / d.n as f64, Some(correct as f64 / d.n as f64))
             }
             Task::Text { corpus, seq } => {
                 let bs = self.cfg.train.batch_size;
-                let mut loss_sum = 0.0f64;
                 let batches = self.cfg.train.eval_batches.max(1);
-                for i in 0..batches {
+                for i in (rank..batches).step_by(world) {
                     let b = text_batch(&corpus.val, bs, *seq, 0xE7A1 + i as u64)?;
                     let l = self.pool.install(|| {
                         let (logits, _) = model.forward_all(store, b.x, Mode::EVAL);
                         softmax_cross_entropy(logits.data(), classes, &b.y, 1.0).0
                     });
-                    loss_sum += l as f64;
+                    sums[0] += l as f64;
+                    sums[2] += 1.0;
                 }
-                (loss_sum / batches as f64, None)
             }
+        }
+        if let Some(d) = &self.dp {
+            d.sums.sum(&mut sums);
+        }
+        let loss = sums[0] / sums[2].max(1.0);
+        let accuracy = match self.task.as_ref() {
+            Task::Images { .. } => Some(sums[1] / sums[2].max(1.0)),
+            Task::Text { .. } => None,
         };
         self.breakdown.eval_s += t.elapsed().as_secs_f64();
-        Ok(result)
+        Ok((loss, accuracy))
     }
 
     fn write_metric<T: Serialize>(&mut self, record: &T) -> Result<()> {
@@ -413,10 +708,14 @@ impl Trainer {
         last: &mut (Option<f64>, Option<f64>),
     ) -> Result<()> {
         let (loss, acc) = self.evaluate()?;
-        let baseline = match &self.task {
+        let baseline = match self.task.as_ref() {
             Task::Text { corpus, .. } => Some(unigram_entropy_nats(&corpus.val)),
             _ => None,
         };
+        *last = (Some(loss), acc);
+        if !self.is_lead() {
+            return Ok(());
+        }
         let record = EvalRecord {
             kind: "eval",
             step: self.step,
@@ -441,7 +740,6 @@ impl Trainer {
             println!("{line}");
         }
         self.write_metric(&record)?;
-        *last = (Some(loss), acc);
         Ok(())
     }
 
@@ -449,22 +747,25 @@ impl Trainer {
     /// checkpointing as configured.
     pub fn run(&mut self) -> Result<Summary> {
         let out = self.out_dir();
-        std::fs::create_dir_all(&out)
-            .with_context(|| format!("creating output dir {}", out.display()))?;
-        let metrics_path = out.join("metrics.jsonl");
-        self.metrics = Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&metrics_path)
-                .with_context(|| format!("opening {}", metrics_path.display()))?,
-        );
+        if self.is_lead() {
+            std::fs::create_dir_all(&out)
+                .with_context(|| format!("creating output dir {}", out.display()))?;
+            let metrics_path = out.join("metrics.jsonl");
+            self.metrics = Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&metrics_path)
+                    .with_context(|| format!("opening {}", metrics_path.display()))?,
+            );
+        }
+        let lead = self.is_lead();
         let stop = self
             .cfg
             .train
             .max_steps
             .map_or(self.total_steps, |m| m.min(self.total_steps));
-        let pb = if self.show_progress {
+        let pb = if self.show_progress && lead {
             ProgressBar::new(stop)
         } else {
             ProgressBar::hidden()
@@ -488,20 +789,21 @@ impl Trainer {
             let batch = self.batch(self.step)?;
             self.breakdown.data_s += t.elapsed().as_secs_f64();
             let lr = self.schedule.lr(self.step);
-            let (loss, norm) = self.train_step(&batch);
+            let (loss, norm) = self.train_step(&batch)?;
             anyhow::ensure!(
                 loss.is_finite(),
                 "training diverged at step {}: loss is {loss}",
                 self.step
             );
             last_loss = loss;
-            window_samples += batch.samples;
-            samples_total += batch.samples;
+            let global_samples = self.cfg.train.batch_size;
+            window_samples += global_samples;
+            samples_total += global_samples;
             pb.inc(1);
             if self.step.is_multiple_of(self.cfg.train.log_every) || self.step == stop {
                 let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
                 pb.set_message(format!("loss {loss:.4} | {sps:.0} samples/s"));
-                if !self.show_progress {
+                if !self.show_progress && lead {
                     println!(
                         "step {:>6} epoch {:>5.2} loss {loss:.4} lr {lr:.2e} {sps:.0} samples/s",
                         self.step,
@@ -543,16 +845,13 @@ impl Trainer {
             self.save_checkpoint(&p)?;
         }
         let bd = &self.breakdown;
-        let compute = (bd.forward_s - compute_start.forward_s)
-            + (bd.backward_s - compute_start.backward_s)
-            + (bd.optimizer_s - compute_start.optimizer_s)
-            + (bd.data_s - compute_start.data_s);
+        let compute = bd.step_s() - compute_start.step_s();
         let summary = Summary {
             steps: self.step,
             final_train_loss: last_loss,
             test_accuracy: last_eval.1,
             eval_loss: last_eval.0,
-            unigram_baseline: match &self.task {
+            unigram_baseline: match self.task.as_ref() {
                 Task::Text { corpus, .. } => Some(unigram_entropy_nats(&corpus.val)),
                 _ => None,
             },
@@ -572,6 +871,53 @@ impl Trainer {
             summary: &summary,
         })?;
         Ok(summary)
+    }
+}
+
+/// The images `idx` of `d` as a batch.
+fn image_batch(d: &ImageDataset, idx: &[usize]) -> Result<Batch> {
+    let n = idx.len();
+    let mut x = vec![0.0f32; n * d.sample_len()];
+    let mut y = vec![0u32; n];
+    d.batch(idx, &mut x, &mut y)?;
+    Ok(Batch {
+        x: Tensor::from_vec(x, &[n, d.channels, d.height, d.width]),
+        y,
+        samples: n,
+    })
+}
+
+/// Samples `start..start + n` of `batch` (inputs and targets).
+fn rows(batch: &Batch, start: usize, n: usize) -> Batch {
+    let per_x = batch.x.numel() / batch.samples.max(1);
+    let per_y = batch.y.len() / batch.samples.max(1);
+    let mut shape = batch.x.shape().to_vec();
+    shape[0] = n;
+    Batch {
+        x: Tensor::from_vec(
+            batch.x.data()[start * per_x..(start + n) * per_x].to_vec(),
+            &shape,
+        ),
+        y: batch.y[start * per_y..(start + n) * per_y].to_vec(),
+        samples: n,
+    }
+}
+
+/// A batch of `samples` from flat inputs and targets (what the single master scatters).
+fn batch_from_parts(x: Vec<f32>, y: Vec<u32>, samples: usize, task: &Task) -> Batch {
+    let shape = match task {
+        Task::Images { data } => vec![
+            samples,
+            data.train.channels,
+            data.train.height,
+            data.train.width,
+        ],
+        Task::Text { seq, .. } => vec![samples, *seq],
+    };
+    Batch {
+        x: Tensor::from_vec(x, &shape),
+        y,
+        samples,
     }
 }
 

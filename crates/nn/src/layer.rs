@@ -2,6 +2,16 @@
 
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
+use std::sync::Arc;
+
+/// Sums small statistics across the data-parallel workers: what makes batch norm
+/// SyncBatchNorm. The parallel crate implements it over a process group, so `nn` itself
+/// stays free of communication.
+pub trait StatsReducer: Send + Sync {
+    /// Replaces `values` with their sum over all workers; every worker gets the identical
+    /// result. A communication failure is fatal for the step (it panics with the error).
+    fn sum(&self, values: &mut [f64]);
+}
 
 /// How a parameter is initialised (PyTorch's defaults where a layer has one).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -127,6 +137,11 @@ pub trait Layer: Send + Sync {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor>;
+
+    /// Gives every batch-norm layer inside this one the reducer that synchronises its batch
+    /// statistics across workers (SyncBatchNorm), or `None` for local statistics again.
+    /// Composite layers forward it to their children; other layers ignore it.
+    fn set_stats_reducer(&mut self, _reducer: Option<Arc<dyn StatsReducer>>) {}
 }
 
 /// Total element count of a spec list.

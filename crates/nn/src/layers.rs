@@ -1,6 +1,6 @@
 //! The basic layers, and [`Children`], the bookkeeping composite layers share.
 
-use crate::layer::{spec_len, Init, Layer, Mode, ParamSpec, Saved};
+use crate::layer::{spec_len, Init, Layer, Mode, ParamSpec, Saved, StatsReducer};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
 use meshtrain_tensor::matmul::{gemm, Mat, MatMut};
@@ -9,6 +9,7 @@ use meshtrain_tensor::pool::{self, PoolGeometry};
 use meshtrain_tensor::tensor::swap_leading_axes;
 use meshtrain_tensor::Tensor;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// Named sub-layers of a composite layer with the offsets of their parameters and buffers
 /// inside the composite's slices. Names prefix the children's parameter names
@@ -93,6 +94,13 @@ impl Children {
         y
     }
 
+    /// Hands the SyncBatchNorm reducer to every child.
+    pub fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
+        for (_, layer) in &mut self.layers {
+            layer.set_stats_reducer(reducer.clone());
+        }
+    }
+
     /// Backward child `i` with its saved state.
     pub fn backward(
         &self,
@@ -167,6 +175,9 @@ impl Layer for Seq {
             dy = self.0.backward(i, p, g, child, dy.expect("gradient"), want);
         }
         dy.filter(|_| need_dx)
+    }
+    fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
+        self.0.set_stats_reducer(reducer);
     }
 }
 
@@ -379,10 +390,15 @@ impl Layer for Conv2d {
 
 /// Batch norm over CNHW activations (or `[C, N]`), PyTorch semantics: biased batch variance
 /// to normalise, unbiased variance in the running estimate, momentum 0.1, eps 1e-5.
+///
+/// With a [`StatsReducer`] it is SyncBatchNorm: the per-channel sums (and counts) of the
+/// forward and the gradient sums of the backward are added up over all data-parallel workers,
+/// so N workers with batch B/N each normalise exactly as one worker with batch B does.
 pub struct BatchNorm2d {
     pub channels: usize,
     pub eps: f32,
     pub momentum: f32,
+    sync: Option<Arc<dyn StatsReducer>>,
 }
 
 impl BatchNorm2d {
@@ -391,7 +407,21 @@ impl BatchNorm2d {
             channels,
             eps: 1e-5,
             momentum: 0.1,
+            sync: None,
         }
+    }
+
+    /// Sums `[a, b]` pairs per channel plus a trailing count over the workers (or returns
+    /// them unchanged without a reducer).
+    fn reduce(&self, sums: Vec<[f64; 2]>, count: usize) -> (Vec<[f64; 2]>, usize) {
+        let Some(reducer) = &self.sync else {
+            return (sums, count);
+        };
+        let mut flat: Vec<f64> = sums.iter().flatten().copied().collect();
+        flat.push(count as f64);
+        reducer.sum(&mut flat);
+        let count = flat.pop().expect("count") as usize;
+        (flat.chunks(2).map(|p| [p[0], p[1]]).collect(), count)
     }
 }
 
@@ -412,9 +442,10 @@ impl Layer for BatchNorm2d {
     fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let c = self.channels;
         let (gamma, beta) = p.split_at(c);
+        let mut count = x.numel() / c;
         let (mean, var) = if mode.train {
-            let count = x.numel() / c;
-            let sums = norm::channel_sums(x.data(), c);
+            let (sums, total) = self.reduce(norm::channel_sums(x.data(), c), count);
+            count = total;
             let (mean, var) = norm::moments_from_sums(&sums, count);
             if mode.update_stats {
                 let (rm, rv) = b.split_at_mut(c);
@@ -432,6 +463,7 @@ impl Layer for BatchNorm2d {
         if mode.train {
             s.tensors.push(Tensor::from_vec(xhat, x.shape()));
             s.stats.push(var);
+            s.indices.push(vec![count as u32]);
         }
         Tensor::from_vec(y, x.shape())
     }
@@ -447,7 +479,9 @@ impl Layer for BatchNorm2d {
         let c = self.channels;
         let xhat = s.tensors.pop().expect("BatchNorm: saved xhat");
         let var = s.stats.pop().expect("BatchNorm: saved var");
+        let count = s.indices.pop().expect("BatchNorm: saved count")[0] as usize;
         let sums = norm::batch_norm_grad_sums(dy.data(), xhat.data(), c);
+        // Parameter gradients use the local sums: data parallelism averages them afterwards.
         let (dgamma, dbeta) = g.split_at_mut(c);
         for i in 0..c {
             dgamma[i] += sums[i][1] as f32;
@@ -456,7 +490,7 @@ impl Layer for BatchNorm2d {
         if !need_dx {
             return None;
         }
-        let count = dy.numel() / c;
+        let (sums, _) = self.reduce(sums, 0);
         let dx = norm::batch_norm_input_grad(
             dy.data(),
             xhat.data(),
@@ -467,6 +501,10 @@ impl Layer for BatchNorm2d {
             count,
         );
         Some(Tensor::from_vec(dx, dy.shape()))
+    }
+
+    fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
+        self.sync = reducer;
     }
 }
 

@@ -22,5 +22,5 @@ pub mod optim;
 pub mod schedule;
 pub mod transformer;
 
-pub use layer::{Init, Layer, Mode, ParamSpec, Saved};
+pub use layer::{Init, Layer, Mode, ParamSpec, Saved, StatsReducer};
 pub use model::{Block, Model, ParamEntry, ParamStore};

@@ -1,9 +1,10 @@
 //! A model is an ordered list of named blocks over one flat parameter buffer.
 
-use crate::layer::{spec_len, Layer, Mode, ParamSpec, Saved};
+use crate::layer::{spec_len, Layer, Mode, ParamSpec, Saved, StatsReducer};
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// One cut point of a model: pipeline stages take contiguous ranges of blocks.
 pub struct Block {
@@ -150,6 +151,14 @@ impl Model {
     /// The flat-buffer range holding block `i`'s parameters (gradients use the same range).
     pub fn block_param_range(&self, i: usize) -> Range<usize> {
         self.block_params[i].clone()
+    }
+
+    /// Turns every batch norm of the model into SyncBatchNorm over `reducer` (or back into
+    /// local batch norm with `None`), like PyTorch's `convert_sync_batchnorm`.
+    pub fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
+        for block in &mut self.blocks {
+            block.layer.set_stats_reducer(reducer.clone());
+        }
     }
 
     /// Fresh parameters: each tensor drawn from its own stream forked from `seed`, so adding a

@@ -3,13 +3,14 @@
 //! a linear classifier. Convolutions carry a bias, as in D2L. Widths are configurable so tests
 //! can run a narrow copy of the same architecture.
 
-use crate::layer::{Layer, Mode, ParamSpec, Saved};
+use crate::layer::{Layer, Mode, ParamSpec, Saved, StatsReducer};
 use crate::layers::{
     Act, BatchNorm2d, Children, Conv2d, Flatten, Linear, Pool2d, Seq, ToChannelMajor,
 };
 use crate::model::{Block, Model};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::Tensor;
+use std::sync::Arc;
 
 /// D2L's residual block: `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`, the shortcut
 /// being a strided 1×1 convolution (`conv3`) when the shape changes.
@@ -108,6 +109,10 @@ impl Layer for Residual {
             meshtrain_tensor::par::add_assign(dx.data_mut(), ds.data());
         }
         Some(dx)
+    }
+
+    fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
+        self.parts.set_stats_reducer(reducer);
     }
 }
 

@@ -1,1 +1,42 @@
-//! Data parallelism: every worker holds a full replica and averages gradients.
+//! Data parallelism: every worker holds a full replica, processes its share of each global
+//! batch, and all replicas apply the same averaged gradient.
+//!
+//! * [`Ddp`]: PyTorch-DDP style — buckets over the flat gradient buffer, each all-reduced as
+//!   soon as backward has finished it, overlapping communication with the rest of backward;
+//!   optional bf16 gradients on the wire; `no_sync` for gradient accumulation.
+//! * [`SingleMaster`]: the naive `nn.DataParallel` style (scatter, gather gradients to rank
+//!   0, update there, broadcast weights), for comparison.
+//! * [`GroupStatsReducer`]: the all-reduce behind SyncBatchNorm.
+//!
+//! The distributed sampler lives with the data (`meshtrain_data::DistributedSampler`).
+
+mod buckets;
+mod ddp;
+mod naive;
+mod sync_bn;
+
+pub use buckets::{plan_buckets, Bucket};
+pub use ddp::{CommTiming, Ddp, DdpConfig, GradCompression};
+pub use naive::{SingleMaster, MASTER};
+pub use sync_bn::GroupStatsReducer;
+
+use meshtrain_comm::CommError;
+
+/// Why a data-parallel operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DataParallelError {
+    #[error("{what}: {source}")]
+    Comm {
+        what: &'static str,
+        #[source]
+        source: CommError,
+    },
+    #[error("data parallelism: {0}")]
+    Config(String),
+}
+
+impl DataParallelError {
+    pub(crate) fn comm(what: &'static str, source: CommError) -> Self {
+        DataParallelError::Comm { what, source }
+    }
+}

@@ -1,0 +1,289 @@
+//! DistributedDataParallel: average the gradients of full replicas, overlapping the
+//! all-reduce with backward.
+//!
+//! Per step: [`Ddp::prepare`] before backward; [`Ddp::block_ready`] from
+//! `Model::backward`'s hook each time a block's gradients are final — when that completes a
+//! bucket (and every earlier bucket has gone), the bucket's all-reduce starts asynchronously
+//! while backward continues on the earlier blocks; [`Ddp::finish`] after backward starts
+//! whatever has not started, waits, and leaves the averaged gradients in the flat buffer.
+//!
+//! Buckets are launched strictly in bucket order, so every rank issues the same collectives in
+//! the same sequence even if its hooks fire in another order. A bucket whose blocks never
+//! report (parameters that took no part in this step's backward) is launched by `finish`
+//! with whatever its gradients hold (zeros after `zero_grads`): no hang, no graph walk.
+
+use super::buckets::{plan_buckets, Bucket};
+use super::DataParallelError;
+use half::bf16;
+use meshtrain_comm::{BufMut, CommError, ProcessGroup, RawBuf, ReduceOp, Work};
+use meshtrain_nn::{Model, ParamStore};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Whether gradients travel as f32 or are rounded to bf16 on the wire (half the bytes; the
+/// reduction itself still adds in f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradCompression {
+    #[default]
+    None,
+    Bf16,
+}
+
+/// DDP settings (PyTorch's defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DdpConfig {
+    /// Bucket size in MiB (PyTorch: 25).
+    pub bucket_cap_mb: f64,
+    /// The first bucket's size in MiB (PyTorch: 1), small so communication starts early.
+    pub first_bucket_mb: f64,
+    pub compression: GradCompression,
+    /// Start each bucket's all-reduce as soon as it is ready (true), or all of them after
+    /// backward (false; shows what overlap buys).
+    pub overlap: bool,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        DdpConfig {
+            bucket_cap_mb: 25.0,
+            first_bucket_mb: 1.0,
+            compression: GradCompression::None,
+            overlap: true,
+        }
+    }
+}
+
+/// Where one step's communication time went (seconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct CommTiming {
+    /// Time the compute thread spent on communication: waiting for all-reduces after
+    /// backward, plus bf16 conversion.
+    pub exposed_s: f64,
+    /// Communication that ran while backward was still computing.
+    pub hidden_s: f64,
+    /// The part of `exposed_s` spent inside backward's hooks (launching, bf16 conversion):
+    /// subtract it from backward's wall time to get backward's compute.
+    pub in_backward_s: f64,
+    /// Bytes this rank put into all-reduces.
+    pub bytes: usize,
+}
+
+impl CommTiming {
+    pub fn add(&mut self, other: CommTiming) {
+        self.exposed_s += other.exposed_s;
+        self.hidden_s += other.hidden_s;
+        self.in_backward_s += other.in_backward_s;
+        self.bytes += other.bytes;
+    }
+}
+
+/// The DDP gradient synchroniser of one rank.
+pub struct Ddp {
+    group: Arc<dyn ProcessGroup>,
+    config: DdpConfig,
+    buckets: Vec<Bucket>,
+    bucket_of_block: Vec<Option<usize>>,
+    /// Blocks of each bucket that have not reported in this step.
+    remaining: Vec<usize>,
+    /// Buckets launched so far in this step (they go in order).
+    launched: usize,
+    in_flight: Vec<(usize, Work)>,
+    /// bf16 wire copies, one per bucket (allocated once).
+    wire: Vec<Vec<bf16>>,
+    syncing: bool,
+    /// Address of the gradient buffer the in-flight operations point into.
+    grads_ptr: usize,
+    /// Time spent launching (and converting) inside backward's hooks this step.
+    hook_s: f64,
+    error: Option<CommError>,
+}
+
+impl Ddp {
+    pub fn new(
+        model: &Model,
+        group: Arc<dyn ProcessGroup>,
+        config: DdpConfig,
+    ) -> Result<Ddp, DataParallelError> {
+        if !(config.bucket_cap_mb > 0.0 && config.first_bucket_mb > 0.0) {
+            return Err(DataParallelError::Config(format!(
+                "bucket sizes must be positive (bucket_cap_mb {}, first_bucket_mb {})",
+                config.bucket_cap_mb, config.first_bucket_mb
+            )));
+        }
+        let elems = |mb: f64| ((mb * 1024.0 * 1024.0 / 4.0) as usize).max(1);
+        let block_params: Vec<_> = (0..model.num_blocks())
+            .map(|i| model.block_param_range(i))
+            .collect();
+        let buckets = plan_buckets(
+            &block_params,
+            elems(config.first_bucket_mb),
+            elems(config.bucket_cap_mb),
+        );
+        let mut bucket_of_block = vec![None; model.num_blocks()];
+        for (bi, b) in buckets.iter().enumerate() {
+            for blk in b.blocks.clone() {
+                bucket_of_block[blk] = Some(bi);
+            }
+        }
+        let wire = match config.compression {
+            GradCompression::None => Vec::new(),
+            GradCompression::Bf16 => buckets.iter().map(|b| vec![bf16::ZERO; b.len()]).collect(),
+        };
+        Ok(Ddp {
+            group,
+            config,
+            remaining: buckets.iter().map(|b| b.blocks.len()).collect(),
+            buckets,
+            bucket_of_block,
+            launched: 0,
+            in_flight: Vec::new(),
+            wire,
+            syncing: false,
+            grads_ptr: 0,
+            hook_s: 0.0,
+            error: None,
+        })
+    }
+
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.group
+    }
+
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// Makes every replica start from rank 0's parameters and buffers.
+    pub fn broadcast_state(&self, store: &mut ParamStore) -> Result<(), DataParallelError> {
+        self.group
+            .broadcast(BufMut::F32(&mut store.values), 0)
+            .map_err(|e| DataParallelError::comm("broadcasting parameters from rank 0", e))?;
+        if !store.buffers.is_empty() {
+            self.group
+                .broadcast(BufMut::F32(&mut store.buffers), 0)
+                .map_err(|e| DataParallelError::comm("broadcasting buffers from rank 0", e))?;
+        }
+        Ok(())
+    }
+
+    /// Call before backward. `sync = false` is PyTorch's `no_sync()`: gradients only
+    /// accumulate locally (the non-final micro-steps of gradient accumulation).
+    pub fn prepare(&mut self, sync: bool) {
+        debug_assert!(self.in_flight.is_empty(), "finish() was not called");
+        self.syncing = sync;
+        self.launched = 0;
+        self.hook_s = 0.0;
+        for (r, b) in self.remaining.iter_mut().zip(&self.buckets) {
+            *r = b.blocks.len();
+        }
+    }
+
+    /// The backward hook: block `block`'s gradients in `store` are final.
+    pub fn block_ready(&mut self, block: usize, store: &mut ParamStore) {
+        if !self.syncing || !self.config.overlap {
+            return;
+        }
+        if let Some(b) = self.bucket_of_block.get(block).copied().flatten() {
+            self.remaining[b] = self.remaining[b].saturating_sub(1);
+        }
+        let t = Instant::now();
+        while self.launched < self.buckets.len() && self.remaining[self.launched] == 0 {
+            self.launch(store);
+        }
+        self.hook_s += t.elapsed().as_secs_f64();
+    }
+
+    fn launch(&mut self, store: &mut ParamStore) {
+        let b = self.launched;
+        self.launched += 1;
+        if self.error.is_some() {
+            return;
+        }
+        let range = self.buckets[b].grads.clone();
+        self.grads_ptr = store.grads.as_ptr() as usize;
+        // SAFETY: the bucket's range of the gradient buffer (or its own wire buffer) is not
+        // touched by anyone until `finish` has waited for this operation: backward only
+        // writes the gradients of earlier blocks, which lie in other buckets, and `finish`
+        // checks it is given the same buffer.
+        let started = unsafe {
+            match self.config.compression {
+                GradCompression::None => self.group.all_reduce_async(
+                    RawBuf::from_slice(&mut store.grads[range]),
+                    ReduceOp::Average,
+                ),
+                GradCompression::Bf16 => {
+                    let wire = &mut self.wire[b];
+                    for (w, g) in wire.iter_mut().zip(&store.grads[range]) {
+                        *w = bf16::from_f32(*g);
+                    }
+                    self.group
+                        .all_reduce_async(RawBuf::from_slice(wire), ReduceOp::Average)
+                }
+            }
+        };
+        match started {
+            Ok(work) => self.in_flight.push((b, work)),
+            Err(e) => self.error = Some(e),
+        }
+    }
+
+    /// Call after backward: starts the buckets not started yet, waits for all, and leaves the
+    /// gradients averaged over the ranks in `store.grads`.
+    pub fn finish(&mut self, store: &mut ParamStore) -> Result<CommTiming, DataParallelError> {
+        if !self.syncing {
+            return Ok(CommTiming::default());
+        }
+        self.syncing = false;
+        let t0 = Instant::now();
+        if !self.in_flight.is_empty() {
+            assert_eq!(
+                self.grads_ptr,
+                store.grads.as_ptr() as usize,
+                "Ddp::finish must get the store whose gradients are being reduced"
+            );
+        }
+        while self.launched < self.buckets.len() {
+            self.launch(store);
+        }
+        let mut timing = CommTiming::default();
+        let mut first_error = self.error.take();
+        for (b, work) in std::mem::take(&mut self.in_flight) {
+            let bucket = &self.buckets[b];
+            match work.wait_timed() {
+                Ok(span) => {
+                    // The part of the operation that ran before backward ended was hidden.
+                    let hidden_end = span.finished.min(t0);
+                    timing.hidden_s += hidden_end
+                        .saturating_duration_since(span.began)
+                        .as_secs_f64();
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+            timing.bytes += bucket.len() * self.wire_bytes_per_elem();
+            if self.config.compression == GradCompression::Bf16 {
+                for (g, w) in store.grads[bucket.grads.clone()]
+                    .iter_mut()
+                    .zip(&self.wire[b])
+                {
+                    *g = w.to_f32();
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(DataParallelError::comm("all-reducing gradient buckets", e));
+        }
+        timing.in_backward_s = self.hook_s;
+        timing.exposed_s = t0.elapsed().as_secs_f64() + self.hook_s;
+        Ok(timing)
+    }
+
+    fn wire_bytes_per_elem(&self) -> usize {
+        match self.config.compression {
+            GradCompression::None => 4,
+            GradCompression::Bf16 => 2,
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! The communication behind SyncBatchNorm: exact f64 sums of batch statistics over a group.
+
+use meshtrain_comm::{BufMut, BufRef, ProcessGroup};
+use meshtrain_nn::StatsReducer;
+use std::sync::Arc;
+
+/// Sums per-channel statistics over the data-parallel group.
+///
+/// The statistics are f64 (a channel of ResNet's stem sums 25k values), but collectives carry
+/// f32: each f64 travels as the bit pattern of two f32 words through an all-gather (a pure
+/// copy, no arithmetic) and every rank adds the gathered values in rank order. So the sum is
+/// exact f64 and bit-identical on all ranks. The reducer uses its own group so its small
+/// blocking collectives never queue behind DDP's in-flight gradient buckets.
+pub struct GroupStatsReducer {
+    group: Arc<dyn ProcessGroup>,
+}
+
+impl GroupStatsReducer {
+    pub fn new(group: Arc<dyn ProcessGroup>) -> Self {
+        GroupStatsReducer { group }
+    }
+}
+
+impl StatsReducer for GroupStatsReducer {
+    fn sum(&self, values: &mut [f64]) {
+        let world = self.group.size();
+        if world == 1 {
+            return;
+        }
+        let words: Vec<f32> = values
+            .iter()
+            .flat_map(|v| {
+                let bits = v.to_bits();
+                [
+                    f32::from_bits(bits as u32),
+                    f32::from_bits((bits >> 32) as u32),
+                ]
+            })
+            .collect();
+        let mut gathered = vec![0.0f32; words.len() * world];
+        if let Err(e) = self
+            .group
+            .all_gather(BufRef::F32(&words), BufMut::F32(&mut gathered))
+        {
+            // Layers cannot return errors; the worker fails with the collective's message.
+            panic!("SyncBatchNorm: summing batch statistics failed: {e}");
+        }
+        for (i, v) in values.iter_mut().enumerate() {
+            *v = (0..world)
+                .map(|r| {
+                    let w = &gathered[r * words.len() + 2 * i..];
+                    f64::from_bits(w[0].to_bits() as u64 | ((w[1].to_bits() as u64) << 32))
+                })
+                .sum();
+        }
+    }
+}
