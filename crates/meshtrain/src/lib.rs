@@ -9,4 +9,5 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod launch;
+pub mod scaling;
 pub mod train;

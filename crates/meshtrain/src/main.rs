@@ -61,6 +61,9 @@ enum BenchCommand {
     Models(BenchModelsArgs),
     /// Collective latency and bandwidth (algbw/busbw) per backend, against memcpy.
     Collectives(meshtrain_comm::bench::BenchCollectivesArgs),
+    /// Data-parallel throughput for 1, 2 and 4 workers with the step-time breakdown
+    /// (compute, communication exposed and hidden, data) that explains it.
+    Scaling(meshtrain::scaling::BenchScalingArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -108,6 +111,7 @@ fn main() -> Result<()> {
         Command::Train(a) => train(&a),
         Command::Bench(BenchCommand::Models(a)) => run_models(&a),
         Command::Bench(BenchCommand::Collectives(a)) => meshtrain_comm::bench::run_bench(a),
+        Command::Bench(BenchCommand::Scaling(a)) => meshtrain::scaling::run_scaling(&a).map(|_| ()),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
     }
 }

@@ -1,0 +1,238 @@
+//! `meshtrain bench scaling`: data-parallel throughput for 1, 2 and 4 workers (threads
+//! backend; more workers than cores are oversubscribed) for LeNet, ResNet-18 and GPT, with the
+//! step-time breakdown that explains it: compute, communication exposed, communication hidden
+//! behind backward, data loading — and the computation-to-synchronisation ratio.
+//!
+//! Strong scaling, as in the PyTorch peer baseline: the global batch is fixed and every
+//! worker gets `threads / N` intra-op threads, so N workers use the same cores as one. Each
+//! run is the real trainer (`train --dp N`) on real data after warm-up steps.
+
+use crate::config::{Config, DpMode};
+use crate::train::{Breakdown, Task, Trainer};
+use anyhow::{anyhow, bail, Context, Result};
+use meshtrain_comm::{CommConfig, ThreadsWorld};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchScalingArgs {
+    /// Comma-separated models: lenet (the D2L sigmoid LeNet, as in the peer baseline),
+    /// lenet-relu, resnet18, gpt.
+    #[arg(long, default_value = "lenet,resnet18,gpt")]
+    pub models: String,
+    /// Comma-separated worker counts.
+    #[arg(long, default_value = "1,2,4")]
+    pub workers: String,
+    /// Total intra-op threads shared by the workers.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Timed steps per run (default per model: LeNet 60, ResNet-18 8, GPT 8).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Untimed warm-up steps per run.
+    #[arg(long, default_value_t = 3)]
+    pub warmup: u64,
+    /// Synchronisation: ddp or single-master.
+    #[arg(long, default_value = "ddp")]
+    pub dp_mode: String,
+    /// Extra config overrides for every run (e.g. parallel.overlap=false).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Append one JSON line per run to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw the breakdown chart to this PNG.
+    #[arg(long)]
+    pub png: Option<PathBuf>,
+}
+
+/// One (model, workers) measurement.
+#[derive(Serialize, Debug, Clone)]
+pub struct ScalingRun {
+    pub model: String,
+    pub workers: usize,
+    pub threads_per_worker: usize,
+    pub dp_mode: String,
+    pub global_batch: usize,
+    pub steps: u64,
+    pub samples_per_s: f64,
+    pub step_ms: f64,
+    pub compute_ms: f64,
+    pub comm_exposed_ms: f64,
+    pub comm_hidden_ms: f64,
+    pub data_ms: f64,
+    pub comm_mb_per_step: f64,
+    pub compute_to_comm: f64,
+    /// samples/s relative to the 1-worker run of the same model (if measured).
+    pub vs_one_worker: Option<f64>,
+}
+
+fn model_config(model: &str) -> Result<(String, Vec<String>)> {
+    let (file, extra): (&str, &[&str]) = match model {
+        "lenet" => ("configs/lenet.toml", &["model.variant=\"sigmoid\""]),
+        "lenet-relu" => ("configs/lenet.toml", &[]),
+        "resnet18" => ("configs/resnet18.toml", &[]),
+        "gpt" => ("configs/gpt.toml", &[]),
+        other => bail!("unknown model '{other}' (lenet, lenet-relu, resnet18, gpt)"),
+    };
+    Ok((
+        file.to_string(),
+        extra.iter().map(|s| s.to_string()).collect(),
+    ))
+}
+
+fn default_steps(model: &str) -> u64 {
+    match model {
+        "lenet" | "lenet-relu" => 60,
+        _ => 8,
+    }
+}
+
+/// Runs one (model, workers) measurement with the real trainer.
+pub fn measure(
+    model: &str,
+    workers: usize,
+    args: &BenchScalingArgs,
+    task: &Arc<Task>,
+    base: &Config,
+) -> Result<ScalingRun> {
+    let mut cfg = base.clone();
+    cfg.parallel.dp = workers;
+    cfg.validate()?;
+    let threads = (args.threads / workers).max(1);
+    let steps = args.steps.unwrap_or_else(|| default_steps(model));
+    let warmup = args.warmup;
+    let task = Arc::clone(task);
+    let breakdowns = ThreadsWorld::run(workers, CommConfig::default(), move |group| {
+        let mut t = Trainer::with_group(cfg.clone(), Arc::clone(&task), group, Some(threads))
+            .map_err(|e| format!("{e:#}"))?;
+        let mut timed = Breakdown::default();
+        for step in 0..warmup + steps {
+            if step == warmup {
+                timed = t.breakdown.clone();
+            }
+            let tb = std::time::Instant::now();
+            let batch = t.batch(step).map_err(|e| format!("{e:#}"))?;
+            t.breakdown.data_s += tb.elapsed().as_secs_f64();
+            t.train_step(&batch).map_err(|e| format!("{e:#}"))?;
+        }
+        Ok::<_, String>(diff(&t.breakdown, &timed))
+    })
+    .map_err(|e| anyhow!("{model} with {workers} workers: {e}"))?;
+    // The slowest worker sets the pace; report rank 0's split of it.
+    let bd = &breakdowns[0];
+    let n = bd.steps.max(1) as f64;
+    let step_s = breakdowns.iter().map(Breakdown::step_s).fold(0.0, f64::max) / n;
+    Ok(ScalingRun {
+        model: model.to_string(),
+        workers,
+        threads_per_worker: threads,
+        dp_mode: args.dp_mode.clone(),
+        global_batch: base.train.batch_size,
+        steps,
+        samples_per_s: base.train.batch_size as f64 / step_s,
+        step_ms: step_s * 1e3,
+        compute_ms: bd.compute_s() / n * 1e3,
+        comm_exposed_ms: bd.comm_exposed_s / n * 1e3,
+        comm_hidden_ms: bd.comm_hidden_s / n * 1e3,
+        data_ms: bd.data_s / n * 1e3,
+        comm_mb_per_step: bd.comm_bytes as f64 / n / 1e6,
+        compute_to_comm: if workers > 1 {
+            bd.compute_to_comm()
+        } else {
+            f64::INFINITY
+        },
+        vs_one_worker: None,
+    })
+}
+
+/// `after − before` of the accumulated times (the timed steps only).
+fn diff(after: &Breakdown, before: &Breakdown) -> Breakdown {
+    Breakdown {
+        data_s: after.data_s - before.data_s,
+        forward_s: after.forward_s - before.forward_s,
+        backward_s: after.backward_s - before.backward_s,
+        optimizer_s: after.optimizer_s - before.optimizer_s,
+        comm_exposed_s: after.comm_exposed_s - before.comm_exposed_s,
+        comm_hidden_s: after.comm_hidden_s - before.comm_hidden_s,
+        comm_bytes: after.comm_bytes - before.comm_bytes,
+        steps: after.steps - before.steps,
+        workers: after.workers,
+        ..Breakdown::default()
+    }
+}
+
+fn parse_list(s: &str) -> Vec<String> {
+    s.split(',')
+        .map(|x| x.trim().to_string())
+        .filter(|x| !x.is_empty())
+        .collect()
+}
+
+pub fn run_scaling(args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
+    let workers: Vec<usize> = parse_list(&args.workers)
+        .iter()
+        .map(|w| w.parse().with_context(|| format!("bad worker count '{w}'")))
+        .collect::<Result<_>>()?;
+    if workers.iter().any(|&w| w == 0) {
+        bail!("worker counts must be at least 1");
+    }
+    let mode = match args.dp_mode.as_str() {
+        "ddp" => DpMode::Ddp,
+        "single-master" => DpMode::SingleMaster,
+        other => bail!("unknown --dp-mode '{other}' (ddp, single-master)"),
+    };
+    println!(
+        "| model | workers | thr/worker | samples/s | vs 1 worker | step ms | compute ms | comm exposed ms | comm hidden ms | data ms | comm MB/step | compute/comm |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut runs = Vec::new();
+    for model in parse_list(&args.models) {
+        let (file, mut overrides) = model_config(&model)?;
+        overrides.extend(args.overrides.iter().cloned());
+        overrides.push("train.log_every=1000000".into());
+        let mut base = Config::load(&PathBuf::from(&file), &overrides)?;
+        base.parallel.dp_mode = mode;
+        let task = Arc::new(Task::load(&base)?);
+        let mut one = None;
+        for &w in &workers {
+            let mut run = measure(&model, w, args, &task, &base)?;
+            if w == 1 {
+                one = Some(run.samples_per_s);
+            }
+            run.vs_one_worker = one.map(|o| run.samples_per_s / o);
+            println!(
+                "| {} | {} | {} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {} |",
+                run.model,
+                run.workers,
+                run.threads_per_worker,
+                run.samples_per_s,
+                run.vs_one_worker.map_or("-".into(), |v| format!("{v:.2}")),
+                run.step_ms,
+                run.compute_ms,
+                run.comm_exposed_ms,
+                run.comm_hidden_ms,
+                run.data_ms,
+                run.comm_mb_per_step,
+                if run.compute_to_comm.is_finite() {
+                    format!("{:.1}", run.compute_to_comm)
+                } else {
+                    "-".into()
+                }
+            );
+            if let Some(path) = &args.json {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .with_context(|| format!("opening {}", path.display()))?;
+                serde_json::to_writer(&mut f, &run)?;
+                f.write_all(b"\n")?;
+            }
+            runs.push(run);
+        }
+    }
+    Ok(runs)
+}
