@@ -175,7 +175,7 @@ pub fn run_scaling(args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
         .iter()
         .map(|w| w.parse().with_context(|| format!("bad worker count '{w}'")))
         .collect::<Result<_>>()?;
-    if workers.iter().any(|&w| w == 0) {
+    if workers.contains(&0) {
         bail!("worker counts must be at least 1");
     }
     let mode = match args.dp_mode.as_str() {
