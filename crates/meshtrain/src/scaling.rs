@@ -45,6 +45,9 @@ pub struct BenchScalingArgs {
     /// Draw the breakdown chart to this PNG.
     #[arg(long)]
     pub png: Option<PathBuf>,
+    /// Write `<model>.toml` step breakdowns here for `meshtrain plan --diagnose`.
+    #[arg(long)]
+    pub diagnose_dir: Option<PathBuf>,
 }
 
 /// One (model, workers) measurement.
@@ -59,6 +62,8 @@ pub struct ScalingRun {
     pub samples_per_s: f64,
     pub step_ms: f64,
     pub compute_ms: f64,
+    /// The optimizer's part of `compute_ms`.
+    pub optimizer_ms: f64,
     pub comm_exposed_ms: f64,
     pub comm_hidden_ms: f64,
     pub data_ms: f64,
@@ -134,6 +139,7 @@ pub fn measure(
         samples_per_s: base.train.batch_size as f64 / step_s,
         step_ms: step_s * 1e3,
         compute_ms: bd.compute_s() / n * 1e3,
+        optimizer_ms: bd.optimizer_s / n * 1e3,
         comm_exposed_ms: bd.comm_exposed_s / n * 1e3,
         comm_hidden_ms: bd.comm_hidden_s / n * 1e3,
         data_ms: bd.data_s / n * 1e3,
@@ -233,6 +239,35 @@ pub fn run_scaling(args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
             }
             runs.push(run);
         }
+        if let Some(dir) = &args.diagnose_dir {
+            let ours: Vec<&ScalingRun> = runs.iter().filter(|r| r.model == model).collect();
+            write_diagnose_file(dir, &model, &ours)?;
+        }
     }
     Ok(runs)
+}
+
+/// The runs of one model as `[[run]]` tables that `meshtrain plan --diagnose` reads.
+fn write_diagnose_file(dir: &std::path::Path, model: &str, runs: &[&ScalingRun]) -> Result<()> {
+    use std::fmt::Write;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut text =
+        format!("# meshtrain bench scaling, {model}: strong scaling, fixed global batch\n");
+    for r in runs {
+        let _ = write!(
+            text,
+            "\n[[run]]\nworkers = {}\ncompute_s = {:.6}\noptimizer_s = {:.6}\ncomm_exposed_s = {:.6}\n\
+             comm_hidden_s = {:.6}\ndata_s = {:.6}\nstep_s = {:.6}\nsamples_per_step = {}\n",
+            r.workers,
+            (r.compute_ms - r.optimizer_ms) / 1e3,
+            r.optimizer_ms / 1e3,
+            r.comm_exposed_ms / 1e3,
+            r.comm_hidden_ms / 1e3,
+            r.data_ms / 1e3,
+            r.step_ms / 1e3,
+            r.global_batch
+        );
+    }
+    let path = dir.join(format!("{model}.toml"));
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
 }
