@@ -100,8 +100,23 @@ pub struct Ddp {
 }
 
 impl Ddp {
+    /// DDP over a whole model's flat gradient buffer; hooks report the model's block indices.
     pub fn new(
         model: &Model,
+        group: Arc<dyn ProcessGroup>,
+        config: DdpConfig,
+    ) -> Result<Ddp, DataParallelError> {
+        let block_params: Vec<_> = (0..model.num_blocks())
+            .map(|i| model.block_param_range(i))
+            .collect();
+        Self::over_blocks(&block_params, group, config)
+    }
+
+    /// DDP over any gradient buffer cut into consecutive blocks (`block_params[i]` is block
+    /// `i`'s range, in forward order) — e.g. one pipeline chunk's stage-local store, whose
+    /// hooks then report chunk-local block indices.
+    pub fn over_blocks(
+        block_params: &[std::ops::Range<usize>],
         group: Arc<dyn ProcessGroup>,
         config: DdpConfig,
     ) -> Result<Ddp, DataParallelError> {
@@ -112,15 +127,12 @@ impl Ddp {
             )));
         }
         let elems = |mb: f64| ((mb * 1024.0 * 1024.0 / 4.0) as usize).max(1);
-        let block_params: Vec<_> = (0..model.num_blocks())
-            .map(|i| model.block_param_range(i))
-            .collect();
         let buckets = plan_buckets(
-            &block_params,
+            block_params,
             elems(config.first_bucket_mb),
             elems(config.bucket_cap_mb),
         );
-        let mut bucket_of_block = vec![None; model.num_blocks()];
+        let mut bucket_of_block = vec![None; block_params.len()];
         for (bi, b) in buckets.iter().enumerate() {
             for blk in b.blocks.clone() {
                 bucket_of_block[blk] = Some(bi);
