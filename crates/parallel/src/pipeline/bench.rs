@@ -1,0 +1,1 @@
+//! Measurements (filled in below).

@@ -1,0 +1,640 @@
+//! One worker's side of a pipeline step: run its program from the [`Schedule`] over
+//! point-to-point messages, calling `Model::forward_local` / `backward_local` on its chunks.
+//!
+//! * A [`Stage`] owns only its chunks' parameters (stage-local [`ParamStore`]s), so memory
+//!   per worker shrinks with the pipeline; each chunk gets its own optimizer state.
+//! * Sends are asynchronous (posted on the communication thread, compute goes on); receives
+//!   block where the schedule needs the data, and that wait is the bubble.
+//! * Messages are a small shape header followed by the data, both with a tag derived from
+//!   (micro-batch, receiving chunk, direction), so no shapes need agreeing on beforehand.
+//! * The last chunk computes softmax cross-entropy with gradient scale `1/m`, so the gradients
+//!   accumulated over `m` equal micro-batches equal those of the full batch's mean loss.
+//! * [`GradsReady`] fires for each block during a chunk's *last* backward of the step: from
+//!   then on that block's gradients are final and a data-parallel all-reduce may start.
+
+use super::partition::Partition;
+use super::schedule::{Action, Schedule};
+use super::PipelineError;
+use crate::timeline::{timed, Category, Timeline};
+use meshtrain_comm::{ProcessGroup, RawBuf, Work};
+use meshtrain_nn::model::Activations;
+use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
+use meshtrain_nn::{Mode, Model, ParamStore};
+use meshtrain_tensor::loss::softmax_cross_entropy;
+use meshtrain_tensor::Tensor;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::Instant;
+
+/// Tags every backend accepts (MPI guarantees 0..=32767).
+const TAG_LIMIT: usize = 32768;
+/// Header: number of dimensions, then up to 7 dimensions, as exact f32 integers.
+const HEADER_LEN: usize = 8;
+/// Largest dimension an f32 header carries exactly.
+const MAX_HEADER_DIM: usize = 1 << 24;
+
+/// One contiguous range of blocks held by a worker, with its parameters.
+#[derive(Clone, Debug)]
+pub struct StageChunk {
+    /// Global chunk index (model order).
+    pub index: usize,
+    pub blocks: Range<usize>,
+    /// Parameters, gradients and buffers of `blocks` only.
+    pub store: ParamStore,
+}
+
+/// A worker's share of a pipelined model and the program it runs each step.
+#[derive(Clone, Debug)]
+pub struct Stage {
+    rank: usize,
+    schedule: Schedule,
+    /// This worker's chunks in local order (global index `j·p + rank`).
+    pub chunks: Vec<StageChunk>,
+    /// Position in this worker's program of each chunk's last backward (keyed by chunk).
+    final_backward: HashMap<usize, usize>,
+}
+
+/// The micro-batches of one step. Only the worker of the first chunk reads `inputs` and only
+/// the worker of the last chunk reads `targets`; other workers may pass them empty.
+#[derive(Clone, Debug, Default)]
+pub struct MicroBatches {
+    pub inputs: Vec<Tensor>,
+    pub targets: Vec<Vec<u32>>,
+}
+
+impl MicroBatches {
+    /// Splits a batch into `m` equal micro-batches along its first axis (`y` holds the same
+    /// number of targets per sample: one for images, `seq` for a language model).
+    pub fn split(x: &Tensor, y: &[u32], m: usize) -> Result<MicroBatches, PipelineError> {
+        let batch = x.shape().first().copied().unwrap_or(0);
+        if m == 0 {
+            return Err(PipelineError::NoMicroBatches);
+        }
+        if batch == 0 || batch % m != 0 {
+            return Err(PipelineError::BatchNotDivisible {
+                batch,
+                micro_batches: m,
+            });
+        }
+        if y.len() % batch != 0 {
+            return Err(PipelineError::SizeMismatch {
+                what: "targets (a multiple of the batch size)",
+                got: y.len(),
+                expected: batch * (y.len() / batch).max(1),
+            });
+        }
+        let rows = batch / m;
+        let (x_len, y_len) = (x.numel() / batch * rows, y.len() / batch * rows);
+        let mut shape = x.shape().to_vec();
+        shape[0] = rows;
+        Ok(MicroBatches {
+            inputs: x
+                .data()
+                .chunks(x_len)
+                .map(|c| Tensor::from_vec(c.to_vec(), &shape))
+                .collect(),
+            targets: y.chunks(y_len).map(<[u32]>::to_vec).collect(),
+        })
+    }
+}
+
+/// Per-step settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOptions {
+    /// Number of classes of the loss (logits' last dimension).
+    pub classes: usize,
+    /// Keep only each block's input and recompute it in backward (activation checkpointing).
+    pub recompute: bool,
+}
+
+/// What one worker's step did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the batch (workers holding the last chunk only).
+    pub loss: Option<f32>,
+    /// Correct predictions over the batch (last chunk only).
+    pub correct: Option<usize>,
+    /// Most activation bytes held at once (what forward keeps for backward).
+    pub peak_activation_bytes: usize,
+    /// Time in forward and backward.
+    pub compute_s: f64,
+    /// Time blocked in receives (the bubble, plus transfer time).
+    pub recv_wait_s: f64,
+    pub wall_s: f64,
+}
+
+/// A block's gradients just became final for this step (during its chunk's last backward):
+/// `store.grads[range]` holds them. The place to start a data-parallel all-reduce.
+pub struct GradsReady<'a> {
+    pub chunk: usize,
+    pub block: usize,
+    /// The block's range within `store` (stage-local).
+    pub range: Range<usize>,
+    pub store: &'a mut ParamStore,
+}
+
+/// A posted send and the buffer it reads. Field order matters: `work` is dropped (which
+/// waits for the send) before `payload` is freed.
+struct PendingSend {
+    work: Work,
+    _payload: Vec<f32>,
+}
+
+#[derive(Clone, Copy)]
+enum Direction {
+    Activation = 0,
+    Grad = 1,
+}
+
+impl Stage {
+    /// Worker `rank`'s stage with fresh parameters (the same values the whole model's
+    /// `init(seed)` gives these blocks). Checks the layout before any work starts.
+    pub fn new(
+        model: &Model,
+        partition: &Partition,
+        schedule: Schedule,
+        rank: usize,
+        seed: u64,
+    ) -> Result<Stage, PipelineError> {
+        Stage::build(model, partition, schedule, rank, |blocks| {
+            model.init_blocks(seed, blocks)
+        })
+    }
+
+    /// Worker `rank`'s stage holding its share of a whole-model store (from a checkpoint, or
+    /// to compare with a single-worker run).
+    pub fn from_store(
+        model: &Model,
+        partition: &Partition,
+        schedule: Schedule,
+        rank: usize,
+        full: &ParamStore,
+    ) -> Result<Stage, PipelineError> {
+        if full.values.len() != model.num_params() || full.buffers.len() != model.num_buffers() {
+            return Err(PipelineError::SizeMismatch {
+                what: "whole-model parameter store",
+                got: full.values.len(),
+                expected: model.num_params(),
+            });
+        }
+        Stage::build(model, partition, schedule, rank, |blocks| {
+            model.slice_store(full, blocks)
+        })
+    }
+
+    fn build(
+        model: &Model,
+        partition: &Partition,
+        schedule: Schedule,
+        rank: usize,
+        store_of: impl Fn(Range<usize>) -> ParamStore,
+    ) -> Result<Stage, PipelineError> {
+        let chunks = schedule.num_chunks();
+        if model.num_blocks() < chunks {
+            return Err(PipelineError::TooFewBlocks {
+                blocks: model.num_blocks(),
+                chunks,
+            });
+        }
+        if partition.len() != chunks {
+            return Err(PipelineError::SizeMismatch {
+                what: "partition (chunks)",
+                got: partition.len(),
+                expected: chunks,
+            });
+        }
+        let covered = partition.chunks().last().map_or(0, |r| r.end);
+        if covered != model.num_blocks() {
+            return Err(PipelineError::SizeMismatch {
+                what: "partition (blocks covered)",
+                got: covered,
+                expected: model.num_blocks(),
+            });
+        }
+        if rank >= schedule.workers {
+            return Err(PipelineError::SizeMismatch {
+                what: "pipeline workers (rank out of range)",
+                got: rank,
+                expected: schedule.workers,
+            });
+        }
+        schedule.check()?;
+        let mut final_backward = HashMap::new();
+        for (pos, a) in schedule.actions[rank].iter().enumerate() {
+            if let Action::Backward { chunk, .. } = a {
+                final_backward.insert(*chunk, pos);
+            }
+        }
+        let chunks = schedule
+            .chunks_of(rank)
+            .into_iter()
+            .map(|index| {
+                let blocks = partition.chunks()[index].clone();
+                StageChunk {
+                    index,
+                    store: store_of(blocks.clone()),
+                    blocks,
+                }
+            })
+            .collect();
+        Ok(Stage {
+            rank,
+            schedule,
+            chunks,
+            final_backward,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// Parameters this worker holds.
+    pub fn num_params(&self) -> usize {
+        self.chunks.iter().map(|c| c.store.values.len()).sum()
+    }
+
+    /// One optimizer per chunk, sized for that chunk's parameters only.
+    pub fn optimizers(&self, config: OptimizerConfig) -> Vec<Optimizer> {
+        self.chunks
+            .iter()
+            .map(|c| Optimizer::new(config, c.store.values.len()))
+            .collect()
+    }
+
+    /// Updates every chunk with its optimizer, then zeroes the gradients for the next step.
+    pub fn optimizer_step(
+        &mut self,
+        optimizers: &mut [Optimizer],
+        lr: f32,
+        mut timeline: Option<&mut Timeline>,
+    ) {
+        assert_eq!(
+            optimizers.len(),
+            self.chunks.len(),
+            "one optimizer per chunk"
+        );
+        timed(
+            &mut timeline,
+            || "opt".into(),
+            Category::Optimizer,
+            None,
+            || {
+                for (chunk, opt) in self.chunks.iter_mut().zip(optimizers) {
+                    opt.step(&mut chunk.store.values, &chunk.store.grads, lr);
+                    chunk.store.zero_grads();
+                }
+            },
+        );
+    }
+
+    pub fn zero_grads(&mut self) {
+        self.chunks.iter_mut().for_each(|c| c.store.zero_grads());
+    }
+
+    /// Global gradient L2 norm over all stages (an all-reduce over `group`, the pipeline
+    /// group), for clipping: every stage gets the same value.
+    pub fn grad_norm(&self, group: &dyn ProcessGroup) -> Result<f32, PipelineError> {
+        let local: f64 = self
+            .chunks
+            .iter()
+            .flat_map(|c| &c.store.grads)
+            .map(|&g| g as f64 * g as f64)
+            .sum();
+        let mut sum = vec![local as f32];
+        group.all_reduce((&mut sum).into(), meshtrain_comm::ReduceOp::Sum)?;
+        Ok(sum[0].sqrt())
+    }
+
+    /// Scales all stages' gradients so their global norm is at most `max_norm` (as
+    /// `optim::clip_grad_norm` does for one worker); returns the norm before clipping.
+    pub fn clip_grad_norm(
+        &mut self,
+        group: &dyn ProcessGroup,
+        max_norm: f32,
+    ) -> Result<f32, PipelineError> {
+        let norm = self.grad_norm(group)?;
+        if norm > max_norm && norm > 0.0 {
+            let k = max_norm / (norm + 1e-6);
+            for c in &mut self.chunks {
+                c.store.grads.iter_mut().for_each(|g| *g *= k);
+            }
+        }
+        Ok(norm)
+    }
+
+    /// Runs this worker's program for one training step: gradients of all micro-batches are
+    /// accumulated into the chunks' stores (not applied; call [`Stage::optimizer_step`]).
+    /// `group` is the pipeline group (rank `r` runs stage `r`). `on_grads_ready` is called for
+    /// each block as its gradients become final (see [`GradsReady`]).
+    pub fn run_step(
+        &mut self,
+        model: &Model,
+        group: &dyn ProcessGroup,
+        batches: &MicroBatches,
+        options: &StepOptions,
+        mut timeline: Option<&mut Timeline>,
+        on_grads_ready: &mut dyn FnMut(GradsReady<'_>),
+    ) -> Result<StepReport, PipelineError> {
+        self.check_step(group, batches)?;
+        let started = Instant::now();
+        let Stage {
+            schedule,
+            chunks,
+            final_backward,
+            ..
+        } = self;
+        let (p, m) = (schedule.workers, schedule.micro_batches);
+        let last = schedule.num_chunks() - 1;
+        let interleaved = schedule.chunks_per_worker() > 1;
+        let name = |kind: &str, c: usize, i: usize| {
+            if interleaved {
+                format!("{kind}{i}·c{c}")
+            } else {
+                format!("{kind}{i}")
+            }
+        };
+        let tag = |chunk: usize, micro: usize, dir: Direction| {
+            ((micro * (last + 1) + chunk) * 2 + dir as usize) as u32
+        };
+
+        // Tensors waiting for the action that consumes them, keyed by (chunk, micro).
+        let mut inputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut upstream: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut stash: HashMap<(usize, usize), Activations> = HashMap::new();
+        let mut pending: Vec<PendingSend> = Vec::new();
+        let mut report = StepReport::default();
+        let (mut in_flight, mut loss_sum, mut correct) = (0usize, 0.0f64, 0usize);
+
+        for (pos, &action) in schedule.actions[self.rank].iter().enumerate() {
+            let (c, i) = (action.chunk(), action.micro());
+            let chunk = &mut chunks[c / p];
+            match action {
+                Action::RecvActivation { .. } => {
+                    let src = (c - 1) % p;
+                    let t = Instant::now();
+                    let x = timed(
+                        &mut timeline,
+                        || name("recv act ", c, i),
+                        Category::RecvWait,
+                        Some(i),
+                        || recv_tensor(group, src, tag(c, i, Direction::Activation)),
+                    )?;
+                    report.recv_wait_s += t.elapsed().as_secs_f64();
+                    inputs.insert((c, i), x);
+                }
+                Action::RecvGrad { .. } => {
+                    let src = (c + 1) % p;
+                    let t = Instant::now();
+                    let dy = timed(
+                        &mut timeline,
+                        || name("recv grad ", c, i),
+                        Category::RecvWait,
+                        Some(i),
+                        || recv_tensor(group, src, tag(c, i, Direction::Grad)),
+                    )?;
+                    report.recv_wait_s += t.elapsed().as_secs_f64();
+                    upstream.insert((c, i), dy);
+                }
+                Action::SendActivation { .. } => {
+                    let y = take(&mut outputs, (c, i), action)?;
+                    let dst = (c + 1) % p;
+                    let t = tag(c + 1, i, Direction::Activation);
+                    timed(
+                        &mut timeline,
+                        || name("send act ", c, i),
+                        Category::Send,
+                        Some(i),
+                        || post_send(group, y, dst, t, &mut pending),
+                    )?;
+                }
+                Action::SendGrad { .. } => {
+                    let dx = take(&mut input_grads, (c, i), action)?;
+                    let dst = (c - 1) % p;
+                    let t = tag(c - 1, i, Direction::Grad);
+                    timed(
+                        &mut timeline,
+                        || name("send grad ", c, i),
+                        Category::Send,
+                        Some(i),
+                        || post_send(group, dx, dst, t, &mut pending),
+                    )?;
+                }
+                Action::Forward { .. } => {
+                    let x = if c == 0 {
+                        batches.inputs[i].clone()
+                    } else {
+                        take(&mut inputs, (c, i), action)?
+                    };
+                    let t = Instant::now();
+                    let (y, acts) = timed(
+                        &mut timeline,
+                        || name("F", c, i),
+                        Category::Forward,
+                        Some(i),
+                        || {
+                            let recompute = options.recompute;
+                            let blocks = chunk.blocks.clone();
+                            model.forward_local(&mut chunk.store, x, blocks, Mode::TRAIN, &|_| {
+                                recompute
+                            })
+                        },
+                    );
+                    report.compute_s += t.elapsed().as_secs_f64();
+                    in_flight += acts.bytes();
+                    report.peak_activation_bytes = report.peak_activation_bytes.max(in_flight);
+                    stash.insert((c, i), acts);
+                    if c == last {
+                        let targets = &batches.targets[i];
+                        if y.numel() != targets.len() * options.classes {
+                            return Err(PipelineError::SizeMismatch {
+                                what: "logits (targets × classes)",
+                                got: y.numel(),
+                                expected: targets.len() * options.classes,
+                            });
+                        }
+                        let scale = 1.0 / m as f32;
+                        let (loss, dlogits, ok) =
+                            softmax_cross_entropy(y.data(), options.classes, targets, scale);
+                        loss_sum += loss as f64;
+                        correct += ok;
+                        upstream.insert((c, i), Tensor::from_vec(dlogits, y.shape()));
+                    } else if p == 1 {
+                        inputs.insert((c + 1, i), y);
+                    } else {
+                        outputs.insert((c, i), y);
+                    }
+                }
+                Action::Backward { .. } => {
+                    let dy = take(&mut upstream, (c, i), action)?;
+                    let acts = take(&mut stash, (c, i), action)?;
+                    in_flight -= acts.bytes();
+                    let is_final = final_backward.get(&c) == Some(&pos);
+                    let base = model.blocks_param_range(chunk.blocks.clone()).start;
+                    let mut ready = |block: usize, store: &mut ParamStore| {
+                        if is_final {
+                            let r = model.block_param_range(block);
+                            on_grads_ready(GradsReady {
+                                chunk: c,
+                                block,
+                                range: r.start - base..r.end - base,
+                                store,
+                            });
+                        }
+                    };
+                    let t = Instant::now();
+                    let dx = timed(
+                        &mut timeline,
+                        || name("B", c, i),
+                        Category::Backward,
+                        Some(i),
+                        || model.backward_local(&mut chunk.store, acts, dy, c > 0, &mut ready),
+                    );
+                    report.compute_s += t.elapsed().as_secs_f64();
+                    if c > 0 {
+                        let dx = dx.ok_or_else(|| {
+                            PipelineError::InvalidSchedule(format!(
+                                "chunk {c} produced no input gradient"
+                            ))
+                        })?;
+                        if p == 1 {
+                            upstream.insert((c - 1, i), dx);
+                        } else {
+                            input_grads.insert((c, i), dx);
+                        }
+                    }
+                }
+            }
+        }
+        for send in pending {
+            send.work.wait()?;
+        }
+        if schedule.worker_of(last) == self.rank {
+            report.loss = Some((loss_sum / m as f64) as f32);
+            report.correct = Some(correct);
+        }
+        report.wall_s = started.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    fn check_step(
+        &self,
+        group: &dyn ProcessGroup,
+        batches: &MicroBatches,
+    ) -> Result<(), PipelineError> {
+        let s = &self.schedule;
+        let (m, chunks) = (s.micro_batches, s.num_chunks());
+        if group.size() != s.workers || group.rank() != self.rank {
+            return Err(PipelineError::SizeMismatch {
+                what: "pipeline group (ranks; this stage's rank must be its rank in the group)",
+                got: group.size(),
+                expected: s.workers,
+            });
+        }
+        if self.chunks.iter().any(|c| c.index == 0) && batches.inputs.len() != m {
+            return Err(PipelineError::SizeMismatch {
+                what: "micro-batch inputs on the first stage",
+                got: batches.inputs.len(),
+                expected: m,
+            });
+        }
+        if self.chunks.iter().any(|c| c.index == chunks - 1) && batches.targets.len() != m {
+            return Err(PipelineError::SizeMismatch {
+                what: "micro-batch targets on the last stage",
+                got: batches.targets.len(),
+                expected: m,
+            });
+        }
+        let needed = m * chunks * 2;
+        if needed > TAG_LIMIT {
+            return Err(PipelineError::TagSpace {
+                micro_batches: m,
+                chunks,
+                needed,
+                limit: TAG_LIMIT,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Removes the tensor an action needs; a missing one means the program is out of order.
+fn take<T>(
+    map: &mut HashMap<(usize, usize), T>,
+    key: (usize, usize),
+    action: Action,
+) -> Result<T, PipelineError> {
+    map.remove(&key).ok_or_else(|| {
+        PipelineError::InvalidSchedule(format!("{action:?} found nothing to work on"))
+    })
+}
+
+/// Posts the header and the data of `t` to `dst` without waiting for the receiver.
+fn post_send(
+    group: &dyn ProcessGroup,
+    t: Tensor,
+    dst: usize,
+    tag: u32,
+    pending: &mut Vec<PendingSend>,
+) -> Result<(), PipelineError> {
+    let shape = t.shape();
+    if shape.len() >= HEADER_LEN || shape.iter().any(|&d| d >= MAX_HEADER_DIM) {
+        return Err(PipelineError::BadHeader {
+            rank: group.rank(),
+            src: group.rank(),
+            details: format!("cannot describe shape {shape:?} in a header"),
+        });
+    }
+    let mut header = vec![0.0f32; HEADER_LEN];
+    header[0] = shape.len() as f32;
+    header[1..=shape.len()]
+        .iter_mut()
+        .zip(shape)
+        .for_each(|(h, &d)| *h = d as f32);
+    // Finished sends are collected as we go (keeping their errors), so the list stays short.
+    let mut k = 0;
+    while k < pending.len() {
+        if pending[k].work.is_done() {
+            pending.swap_remove(k).work.wait()?;
+        } else {
+            k += 1;
+        }
+    }
+    for mut payload in [header, t.into_vec()] {
+        // SAFETY: the heap block of `payload` does not move when the Vec moves into the
+        // PendingSend, which waits for the send (in `Drop` of `Work`, or explicitly) before
+        // freeing it; nothing else reads or writes it meanwhile.
+        let work =
+            unsafe { group.send_async(RawBuf::from_slice(payload.as_mut_slice()), dst, tag) }?;
+        pending.push(PendingSend {
+            work,
+            _payload: payload,
+        });
+    }
+    Ok(())
+}
+
+/// Receives a header and then the tensor it describes.
+fn recv_tensor(group: &dyn ProcessGroup, src: usize, tag: u32) -> Result<Tensor, PipelineError> {
+    let mut header = vec![0.0f32; HEADER_LEN];
+    group.recv((&mut header).into(), src, tag)?;
+    let bad = |details: String| PipelineError::BadHeader {
+        rank: group.rank(),
+        src,
+        details,
+    };
+    let ndim = header[0] as usize;
+    if header[0] != ndim as f32 || ndim == 0 || ndim >= HEADER_LEN {
+        return Err(bad(format!("{header:?}")));
+    }
+    let shape: Vec<usize> = header[1..=ndim].iter().map(|&d| d as usize).collect();
+    let mut data = vec![0.0f32; shape.iter().product()];
+    group.recv((&mut data).into(), src, tag)?;
+    Ok(Tensor::from_vec(data, &shape))
+}
