@@ -292,6 +292,18 @@ impl Stage {
         );
     }
 
+    /// Writes this stage's parameters, gradients and buffers into their places in a
+    /// whole-model store (to gather a checkpoint, or compare with a single-worker run).
+    pub fn copy_into(&self, model: &Model, full: &mut ParamStore) {
+        for c in &self.chunks {
+            let pr = model.blocks_param_range(c.blocks.clone());
+            let br = model.blocks_buffer_range(c.blocks.clone());
+            full.values[pr.clone()].copy_from_slice(&c.store.values);
+            full.grads[pr].copy_from_slice(&c.store.grads);
+            full.buffers[br].copy_from_slice(&c.store.buffers);
+        }
+    }
+
     pub fn zero_grads(&mut self) {
         self.chunks.iter_mut().for_each(|c| c.store.zero_grads());
     }

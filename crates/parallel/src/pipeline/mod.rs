@@ -96,4 +96,7 @@ pub enum PipelineError {
     },
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// Workers of a threads world failed (measurement runs).
+    #[error("pipeline workers failed: {0}")]
+    Workers(String),
 }
