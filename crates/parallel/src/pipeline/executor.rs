@@ -70,13 +70,13 @@ impl MicroBatches {
         if m == 0 {
             return Err(PipelineError::NoMicroBatches);
         }
-        if batch == 0 || batch % m != 0 {
+        if batch == 0 || !batch.is_multiple_of(m) {
             return Err(PipelineError::BatchNotDivisible {
                 batch,
                 micro_batches: m,
             });
         }
-        if y.len() % batch != 0 {
+        if !y.len().is_multiple_of(batch) {
             return Err(PipelineError::SizeMismatch {
                 what: "targets (a multiple of the batch size)",
                 got: y.len(),

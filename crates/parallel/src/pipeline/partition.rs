@@ -68,9 +68,7 @@ impl Partition {
         // cut[k][i]: where the last of those chunks starts.
         let mut best = vec![vec![f64::INFINITY; n + 1]; parts];
         let mut cut = vec![vec![0usize; n + 1]; parts];
-        for i in 1..=n {
-            best[0][i] = sum(0, i);
-        }
+        best[0] = prefix.clone();
         for k in 1..parts {
             for i in k + 1..=n {
                 for j in k..i {

@@ -199,7 +199,9 @@ impl Schedule {
         if v == 0 {
             return Err(PipelineError::NoChunks);
         }
-        if matches!(kind, ScheduleKind::Interleaved { .. }) && micro_batches % workers != 0 {
+        if matches!(kind, ScheduleKind::Interleaved { .. })
+            && !micro_batches.is_multiple_of(workers)
+        {
             return Err(PipelineError::MicroBatchesNotMultiple {
                 micro_batches,
                 workers,

@@ -1,0 +1,347 @@
+//! The stage executor on real models: the gradient-ready hook, activation memory, clean
+//! errors (before work, and from a failing peer), stage-local stores and the timeline.
+
+use meshtrain_comm::{CommConfig, ProcessGroup, ThreadsWorld};
+use meshtrain_nn::models::{gpt, GptConfig};
+use meshtrain_nn::{Mode, Model};
+use meshtrain_parallel::pipeline::bench::BenchModel;
+use meshtrain_parallel::pipeline::{
+    MicroBatches, Partition, PipelineError, Schedule, ScheduleKind, Stage, StepOptions,
+};
+use meshtrain_parallel::timeline::{chrome_trace, idle_fraction, Category, Span, Timeline};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+const CFG: GptConfig = GptConfig {
+    vocab: 32,
+    dim: 16,
+    layers: 4,
+    heads: 2,
+    seq: 8,
+};
+const GPT: BenchModel = BenchModel::Gpt(CFG);
+
+fn options(recompute: bool) -> StepOptions {
+    StepOptions {
+        classes: CFG.vocab,
+        recompute,
+    }
+}
+
+/// Runs one step of `kind` on `p` workers; `f` sees each worker's stage and its result.
+fn one_step<T: Send + 'static>(
+    kind: ScheduleKind,
+    p: usize,
+    m: usize,
+    f: impl Fn(&Model, &mut Stage, &dyn ProcessGroup, &MicroBatches) -> Result<T, PipelineError>
+        + Send
+        + Sync
+        + 'static,
+) -> Vec<T> {
+    let config = CommConfig::default().with_timeout(Duration::from_secs(20));
+    ThreadsWorld::run(p, config, move |group| {
+        let model = gpt::gpt(&CFG);
+        let schedule = Schedule::new(kind, p, m)?;
+        let partition = Partition::by_params(&model, schedule.num_chunks())?;
+        let mut stage = Stage::new(&model, &partition, schedule, group.rank(), 1)?;
+        let (x, y) = GPT.batch(2 * m, 1, 0);
+        let micro = MicroBatches::split(&x, &y, m)?;
+        f(&model, &mut stage, group.as_ref(), &micro)
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn grads_ready_fires_once_per_block_with_final_gradients() {
+    for kind in [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved {
+            chunks_per_worker: 2,
+        },
+    ] {
+        let results = one_step(kind, 2, 4, |model, stage, group, micro| {
+            let mut seen: Vec<(usize, usize, Vec<f32>)> = Vec::new();
+            stage.run_step(model, group, micro, &options(false), None, &mut |ready| {
+                let grads = ready.store.grads[ready.range.clone()].to_vec();
+                seen.push((ready.chunk, ready.block, grads));
+            })?;
+            let mut count: HashMap<usize, usize> = HashMap::new();
+            for (chunk, block, grads) in &seen {
+                *count.entry(*block).or_default() += 1;
+                let c = stage.chunks.iter().find(|c| c.index == *chunk).unwrap();
+                assert!(c.blocks.contains(block));
+                let base = model.blocks_param_range(c.blocks.clone()).start;
+                let r = model.block_param_range(*block);
+                let now = &c.store.grads[r.start - base..r.end - base];
+                assert_eq!(
+                    grads.as_slice(),
+                    now,
+                    "block {block} changed after its hook"
+                );
+                assert!(grads.is_empty() || grads.iter().any(|&g| g != 0.0));
+            }
+            let mine: Vec<usize> = stage.chunks.iter().flat_map(|c| c.blocks.clone()).collect();
+            for b in &mine {
+                assert_eq!(
+                    count.get(b),
+                    Some(&1),
+                    "block {b} reported {:?} times",
+                    count.get(b)
+                );
+            }
+            assert_eq!(seen.len(), mine.len());
+            Ok(())
+        });
+        assert_eq!(results.len(), 2, "{kind}");
+    }
+}
+
+/// Activation bytes one micro-batch leaves on a stage, measured by a plain forward.
+fn bytes_per_micro(model: &Model, stage: &Stage, micro: &MicroBatches, recompute: bool) -> usize {
+    assert_eq!(stage.chunks.len(), 1);
+    let c = &stage.chunks[0];
+    let mut store = model.init(1);
+    let mut x = micro.inputs[0].clone();
+    if c.blocks.start > 0 {
+        x = model
+            .forward(&mut store, x, 0..c.blocks.start, Mode::TRAIN, &|_| false)
+            .0;
+    }
+    let (_, acts) = model.forward(&mut store, x, c.blocks.clone(), Mode::TRAIN, &|_| recompute);
+    acts.bytes()
+}
+
+#[test]
+fn peak_activations_gpipe_holds_m_1f1b_holds_p_minus_rank() {
+    let (p, m) = (3, 6);
+    for (kind, recompute) in [
+        (ScheduleKind::GPipe, false),
+        (ScheduleKind::OneFOneB, false),
+        (ScheduleKind::OneFOneB, true),
+    ] {
+        let peaks = one_step(kind, p, m, move |model, stage, group, micro| {
+            let report =
+                stage.run_step(model, group, micro, &options(recompute), None, &mut |_| {})?;
+            let one = bytes_per_micro(model, stage, micro, recompute);
+            Ok((report.peak_activation_bytes, one, stage.rank()))
+        });
+        for (peak, one, rank) in peaks {
+            let in_flight = match kind {
+                ScheduleKind::GPipe => m,
+                _ => (p - rank).min(m),
+            };
+            assert!(one > 0);
+            assert_eq!(
+                peak,
+                in_flight * one,
+                "{kind} recompute={recompute} rank {rank}"
+            );
+        }
+    }
+}
+
+#[test]
+fn impossible_layouts_fail_before_any_work() {
+    let model = gpt::gpt(&CFG); // 6 blocks
+    let v2 = ScheduleKind::Interleaved {
+        chunks_per_worker: 2,
+    };
+    let schedule = Schedule::new(v2, 4, 4).unwrap();
+    let err = Partition::by_params(&model, schedule.num_chunks()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PipelineError::TooFewBlocks {
+                blocks: 6,
+                chunks: 8
+            }
+        ),
+        "{err}"
+    );
+    let three = Partition::by_params(&model, 3).unwrap();
+    let err = Stage::new(&model, &three, schedule.clone(), 0, 1).unwrap_err();
+    assert!(matches!(err, PipelineError::TooFewBlocks { .. }), "{err}");
+    let two = Schedule::new(ScheduleKind::OneFOneB, 2, 4).unwrap();
+    let err = Stage::new(&model, &three, two.clone(), 0, 1).unwrap_err();
+    assert!(matches!(err, PipelineError::SizeMismatch { .. }), "{err}");
+    let halves = Partition::by_params(&model, 2).unwrap();
+    let err = Stage::new(&model, &halves, two, 2, 1).unwrap_err();
+    assert!(matches!(err, PipelineError::SizeMismatch { .. }), "{err}");
+    let (x, y) = GPT.batch(8, 1, 0);
+    let err = MicroBatches::split(&x, &y, 3).unwrap_err();
+    assert!(matches!(
+        err,
+        PipelineError::BatchNotDivisible {
+            batch: 8,
+            micro_batches: 3
+        }
+    ));
+}
+
+/// A stage whose step fails (no targets on the last stage) makes its peers fail with a
+/// communication error within moments, instead of hanging until a timeout.
+#[test]
+fn a_failing_stage_becomes_an_error_on_every_worker() {
+    let started = Instant::now();
+    let config = CommConfig::default().with_timeout(Duration::from_secs(30));
+    let err = ThreadsWorld::run(3, config, |group| {
+        let model = gpt::gpt(&CFG);
+        let schedule = Schedule::new(ScheduleKind::OneFOneB, 3, 2)?;
+        let partition = Partition::by_params(&model, 3)?;
+        let mut stage = Stage::new(&model, &partition, schedule, group.rank(), 1)?;
+        let (x, y) = GPT.batch(8, 1, 0);
+        let mut micro = MicroBatches::split(&x, &y, 2)?;
+        if group.rank() == 2 {
+            micro.targets.clear();
+        }
+        stage.run_step(
+            &model,
+            group.as_ref(),
+            &micro,
+            &options(false),
+            None,
+            &mut |_| {},
+        )
+    })
+    .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(err.failures.len(), 3, "{err}");
+    let text = err.to_string();
+    assert!(text.contains("targets on the last stage"), "{text}");
+    assert!(text.contains("stopped"), "{text}");
+}
+
+#[test]
+fn a_group_of_the_wrong_size_is_an_error() {
+    let err = ThreadsWorld::run(3, CommConfig::default(), |group| {
+        let model = gpt::gpt(&CFG);
+        let schedule = Schedule::new(ScheduleKind::GPipe, 2, 2)?;
+        let partition = Partition::by_params(&model, 2)?;
+        let mut stage = Stage::new(&model, &partition, schedule, group.rank().min(1), 1)?;
+        let micro = MicroBatches::default();
+        stage.run_step(
+            &model,
+            group.as_ref(),
+            &micro,
+            &options(false),
+            None,
+            &mut |_| {},
+        )
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("pipeline group"), "{err}");
+}
+
+#[test]
+fn stage_local_stores_are_slices_of_the_whole_model() {
+    for model in [gpt::gpt(&CFG), BenchModel::Resnet { width: 4 }.build()] {
+        let full = model.init(9);
+        let n = model.num_blocks();
+        for start in 0..n {
+            for end in start + 1..=n {
+                let local = model.init_blocks(9, start..end);
+                assert_eq!(
+                    local,
+                    model.slice_store(&full, start..end),
+                    "{start}..{end}"
+                );
+            }
+        }
+        let mut whole = full.clone();
+        let (x, _) = GPT.batch(2, 3, 0);
+        let x = match model.num_blocks() {
+            6 => x,
+            _ => BenchModel::Resnet { width: 4 }.batch(2, 3, 0).0,
+        };
+        let (expect, _) = model.forward_all(&mut whole, x.clone(), Mode::TRAIN);
+        let mut h = x;
+        for range in [0..2, 2..n] {
+            let mut local = model.slice_store(&full, range.clone());
+            h = model
+                .forward_local(&mut local, h, range, Mode::TRAIN, &|_| false)
+                .0;
+        }
+        assert_eq!(h.data(), expect.data());
+    }
+}
+
+#[test]
+fn timeline_spans_and_chrome_trace() {
+    let spans: Vec<Vec<Span>> = one_step(
+        ScheduleKind::OneFOneB,
+        2,
+        2,
+        |model, stage, group, micro| {
+            let mut timeline = Timeline::new(group.rank(), Instant::now());
+            stage.run_step(
+                model,
+                group,
+                micro,
+                &options(false),
+                Some(&mut timeline),
+                &mut |_| {},
+            )?;
+            Ok(timeline.into_spans())
+        },
+    );
+    for (w, mine) in spans.iter().enumerate() {
+        let labels: Vec<&str> = mine
+            .iter()
+            .filter(|s| s.category.is_compute())
+            .map(|s| s.label.as_str())
+            .collect();
+        let expected = if w == 0 {
+            ["F0", "F1", "B0", "B1"]
+        } else {
+            ["F0", "B0", "F1", "B1"]
+        };
+        assert_eq!(labels, expected, "worker {w}");
+        assert!(mine.iter().all(|s| s.worker == w && s.end_s >= s.start_s));
+        let recv = if w == 0 { "recv grad 0" } else { "recv act 0" };
+        assert!(mine
+            .iter()
+            .any(|s| s.category == Category::RecvWait && s.label == recv));
+    }
+    let all: Vec<Span> = spans.concat();
+    let json: serde_json::Value = serde_json::from_str(&chrome_trace(&all).to_string()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let complete: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
+    assert_eq!(complete.len(), all.len());
+    for e in complete {
+        for key in ["name", "ts", "dur", "pid", "tid", "args"] {
+            assert!(!e[key].is_null(), "{key} missing in {e}");
+        }
+    }
+    assert!(events
+        .iter()
+        .any(|e| e["ph"] == "M" && e["args"]["name"] == "worker 1"));
+}
+
+#[test]
+fn idle_fraction_of_hand_made_spans() {
+    let span = |worker, start_s, end_s, category| Span {
+        worker,
+        label: String::new(),
+        category,
+        start_s,
+        end_s,
+        micro: None,
+    };
+    // Worker 0 computes 0–2 and 3–4, worker 1 computes 1–4 but waits 0–1: 4 s of idle in 8.
+    let spans = vec![
+        span(0, 0.0, 2.0, Category::Forward),
+        span(0, 2.0, 3.0, Category::RecvWait),
+        span(0, 3.0, 4.0, Category::Backward),
+        span(1, 0.0, 1.0, Category::RecvWait),
+        span(1, 1.0, 2.0, Category::Forward),
+        span(1, 2.0, 3.0, Category::Backward),
+        span(1, 3.5, 4.0, Category::Optimizer),
+    ];
+    let idle = idle_fraction(&spans, 2, (0.0, 4.0));
+    assert!((idle - (1.0 - 5.5 / 8.0)).abs() < 1e-12, "{idle}");
+}
