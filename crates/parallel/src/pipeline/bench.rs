@@ -10,9 +10,9 @@
 
 use super::executor::{MicroBatches, Stage, StepOptions, StepReport};
 use super::partition::{profile_block_times, Partition};
-use super::schedule::{Schedule, ScheduleKind};
+use super::schedule::{Action, Schedule, ScheduleKind};
 use super::PipelineError;
-use crate::timeline::{Category, Span, Timeline};
+use crate::timeline::{idle_fraction, Category, Span, Timeline};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_nn::models::{gpt, resnet, GptConfig};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
@@ -20,6 +20,7 @@ use meshtrain_nn::{Block, Layer, Mode, Model, ParamStore, Saved};
 use meshtrain_tensor::loss::softmax_cross_entropy;
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::{par, Tensor};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// A block that only takes time: forward sleeps `forward`, backward sleeps `backward`, and
@@ -165,27 +166,60 @@ pub struct PipelineRun {
     /// `spans[step]`: every worker's spans of that step (forward, backward, transfers).
     pub spans: Vec<Vec<Span>>,
     pub partition: Partition,
+    pub schedule: Schedule,
 }
 
 impl PipelineRun {
-    /// Idle fraction over steps `skip..` (the first steps warm caches and allocators): for
-    /// each step, the window runs from the first compute span's start to the last one's end
-    /// over all workers; idle = 1 − Σ compute / (p × Σ window).
+    /// Idle fraction of each step from `skip` on (the first steps warm caches and
+    /// allocators): the window runs from the first compute span's start to the last one's end
+    /// over all workers, and idle = 1 − Σ compute / (p × window).
+    pub fn idle_fractions(&self, workers: usize, skip: usize) -> Vec<f64> {
+        self.spans
+            .iter()
+            .skip(skip)
+            .map(|spans| {
+                let compute = spans.iter().filter(|s| s.category.is_compute());
+                let (start, end) = compute.clone().fold((f64::MAX, f64::MIN), |(a, b), s| {
+                    (a.min(s.start_s), b.max(s.end_s))
+                });
+                idle_fraction(spans, workers, (start, end))
+            })
+            .collect()
+    }
+
+    /// The median of [`PipelineRun::idle_fractions`] (robust to a step disturbed by other
+    /// processes).
     pub fn idle_fraction(&self, workers: usize, skip: usize) -> f64 {
-        let (mut busy, mut window) = (0.0, 0.0);
+        median(self.idle_fractions(workers, skip))
+    }
+
+    /// The idle fraction the schedule would have with this run's measured compute costs
+    /// (median forward and backward time of each chunk over steps `skip..`) and free
+    /// communication: what stage imbalance alone explains, without scheduling noise.
+    pub fn simulated_idle_fraction(&self, skip: usize) -> Result<f64, PipelineError> {
+        let mut durations: HashMap<(bool, usize), Vec<f64>> = HashMap::new();
         for spans in self.spans.iter().skip(skip) {
-            let compute = spans.iter().filter(|s| s.category.is_compute());
-            let (start, end) = compute.clone().fold((f64::MAX, f64::MIN), |(a, b), s| {
-                (a.min(s.start_s), b.max(s.end_s))
-            });
-            busy += compute.map(Span::duration_s).sum::<f64>();
-            window += (end - start).max(0.0);
+            for (w, program) in self.schedule.actions.iter().enumerate() {
+                // A worker's compute spans come in the order of its compute actions.
+                let computes = program
+                    .iter()
+                    .filter(|a| matches!(a, Action::Forward { .. } | Action::Backward { .. }));
+                let mine = spans.iter().filter(|s| {
+                    s.worker == w && matches!(s.category, Category::Forward | Category::Backward)
+                });
+                for (a, s) in computes.zip(mine) {
+                    let key = (matches!(a, Action::Forward { .. }), a.chunk());
+                    durations.entry(key).or_default().push(s.duration_s());
+                }
+            }
         }
-        if window == 0.0 {
-            0.0
-        } else {
-            1.0 - busy / (workers as f64 * window)
-        }
+        let cost: HashMap<(bool, usize), f64> =
+            durations.into_iter().map(|(k, v)| (k, median(v))).collect();
+        let sim = self.schedule.simulate(&|a| {
+            let key = (matches!(a, Action::Forward { .. }), a.chunk());
+            cost.get(&key).copied().unwrap_or(0.0)
+        })?;
+        Ok(sim.idle_fraction())
     }
 
     /// Largest activation memory each worker held in any step.
@@ -196,12 +230,17 @@ impl PipelineRun {
 
     /// Median over steps `skip..` of the slowest worker's step time.
     pub fn step_seconds(&self, skip: usize) -> f64 {
+        self.median_over_steps(skip, |r| r.iter().map(|s| s.wall_s).fold(0.0, f64::max))
+    }
+
+    /// Median over steps `skip..` of `f` applied to all workers' reports of a step.
+    pub fn median_over_steps(&self, skip: usize, f: impl Fn(&[&StepReport]) -> f64) -> f64 {
         let steps = self.reports.first().map_or(0, Vec::len);
-        let mut t: Vec<f64> = (skip..steps)
-            .map(|s| self.reports.iter().map(|r| r[s].wall_s).fold(0.0, f64::max))
-            .collect();
-        t.sort_by(f64::total_cmp);
-        t.get(t.len() / 2).copied().unwrap_or(0.0)
+        median(
+            (skip..steps)
+                .map(|s| f(&self.reports.iter().map(|r| &r[s]).collect::<Vec<_>>()))
+                .collect(),
+        )
     }
 }
 
@@ -216,11 +255,18 @@ pub fn run_pipeline(cfg: &RunConfig) -> Result<PipelineRun, PipelineError> {
     MicroBatches::split(&x, &y, cfg.micro_batches)?;
     let origin = Instant::now();
     let (worker_cfg, worker_partition) = (cfg.clone(), partition.clone());
+    let worker_schedule = schedule.clone();
     let results = ThreadsWorld::run(cfg.workers, CommConfig::default(), move |group| {
         let cfg = &worker_cfg;
         let model = cfg.model.build();
         let rank = group.rank();
-        let mut stage = Stage::new(&model, &worker_partition, schedule.clone(), rank, cfg.seed)?;
+        let mut stage = Stage::new(
+            &model,
+            &worker_partition,
+            worker_schedule.clone(),
+            rank,
+            cfg.seed,
+        )?;
         let mut optimizers = stage.optimizers(cfg.optimizer);
         let options = StepOptions {
             classes: cfg.model.classes(),
@@ -278,6 +324,7 @@ pub fn run_pipeline(cfg: &RunConfig) -> Result<PipelineRun, PipelineError> {
         reports,
         spans,
         partition,
+        schedule,
     })
 }
 
@@ -316,6 +363,12 @@ pub fn run_reference(
         Ok::<_, PipelineError>(())
     })?;
     Ok((store, losses))
+}
+
+/// The median (upper middle for an even count; 0 for none).
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Largest absolute difference between two stores' parameters and buffers.

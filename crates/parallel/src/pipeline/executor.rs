@@ -116,11 +116,19 @@ pub struct StepReport {
     pub correct: Option<usize>,
     /// Most activation bytes held at once (what forward keeps for backward).
     pub peak_activation_bytes: usize,
-    /// Time in forward and backward.
-    pub compute_s: f64,
+    /// Time in forward (including the loss on the last stage).
+    pub forward_s: f64,
+    /// Time in backward (including recomputation).
+    pub backward_s: f64,
     /// Time blocked in receives (the bubble, plus transfer time).
     pub recv_wait_s: f64,
     pub wall_s: f64,
+}
+
+impl StepReport {
+    pub fn compute_s(&self) -> f64 {
+        self.forward_s + self.backward_s
+    }
 }
 
 /// A block's gradients just became final for this step (during its chunk's last backward):
@@ -444,8 +452,9 @@ impl Stage {
                     } else {
                         take(&mut inputs, (c, i), action)?
                     };
+                    let targets = (c == last).then(|| batches.targets[i].as_slice());
                     let t = Instant::now();
-                    let (y, acts) = timed(
+                    let (y, acts, loss) = timed(
                         &mut timeline,
                         || name("F", c, i),
                         Category::Forward,
@@ -453,34 +462,34 @@ impl Stage {
                         || {
                             let recompute = options.recompute;
                             let blocks = chunk.blocks.clone();
-                            model.forward_local(&mut chunk.store, x, blocks, Mode::TRAIN, &|_| {
-                                recompute
-                            })
+                            let (y, acts) = model.forward_local(
+                                &mut chunk.store,
+                                x,
+                                blocks,
+                                Mode::TRAIN,
+                                &|_| recompute,
+                            );
+                            let loss = targets.map(|t| mean_loss(&y, t, options.classes, m));
+                            (y, acts, loss)
                         },
                     );
-                    report.compute_s += t.elapsed().as_secs_f64();
+                    report.forward_s += t.elapsed().as_secs_f64();
                     in_flight += acts.bytes();
                     report.peak_activation_bytes = report.peak_activation_bytes.max(in_flight);
                     stash.insert((c, i), acts);
-                    if c == last {
-                        let targets = &batches.targets[i];
-                        if y.numel() != targets.len() * options.classes {
-                            return Err(PipelineError::SizeMismatch {
-                                what: "logits (targets × classes)",
-                                got: y.numel(),
-                                expected: targets.len() * options.classes,
-                            });
+                    match loss {
+                        Some(result) => {
+                            let (loss, dlogits, ok) = result?;
+                            loss_sum += loss as f64;
+                            correct += ok;
+                            upstream.insert((c, i), dlogits);
                         }
-                        let scale = 1.0 / m as f32;
-                        let (loss, dlogits, ok) =
-                            softmax_cross_entropy(y.data(), options.classes, targets, scale);
-                        loss_sum += loss as f64;
-                        correct += ok;
-                        upstream.insert((c, i), Tensor::from_vec(dlogits, y.shape()));
-                    } else if p == 1 {
-                        inputs.insert((c + 1, i), y);
-                    } else {
-                        outputs.insert((c, i), y);
+                        None if p == 1 => {
+                            inputs.insert((c + 1, i), y);
+                        }
+                        None => {
+                            outputs.insert((c, i), y);
+                        }
                     }
                 }
                 Action::Backward { .. } => {
@@ -508,7 +517,7 @@ impl Stage {
                         Some(i),
                         || model.backward_local(&mut chunk.store, acts, dy, c > 0, &mut ready),
                     );
-                    report.compute_s += t.elapsed().as_secs_f64();
+                    report.backward_s += t.elapsed().as_secs_f64();
                     if c > 0 {
                         let dx = dx.ok_or_else(|| {
                             PipelineError::InvalidSchedule(format!(
@@ -574,6 +583,26 @@ impl Stage {
         }
         Ok(())
     }
+}
+
+/// Softmax cross-entropy of one micro-batch with gradient scale `1/m`: summed over the `m`
+/// micro-batches, the gradients are those of the full batch's mean loss.
+fn mean_loss(
+    logits: &Tensor,
+    targets: &[u32],
+    classes: usize,
+    m: usize,
+) -> Result<(f32, Tensor, usize), PipelineError> {
+    if logits.numel() != targets.len() * classes {
+        return Err(PipelineError::SizeMismatch {
+            what: "logits (targets × classes)",
+            got: logits.numel(),
+            expected: targets.len() * classes,
+        });
+    }
+    let (loss, dlogits, correct) =
+        softmax_cross_entropy(logits.data(), classes, targets, 1.0 / m as f32);
+    Ok((loss, Tensor::from_vec(dlogits, logits.shape()), correct))
 }
 
 /// Removes the tensor an action needs; a missing one means the program is out of order.

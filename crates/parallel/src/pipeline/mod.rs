@@ -6,8 +6,9 @@
 //!   list of forward/backward/send/receive actions), checked and simulated without a model.
 //! * [`executor`]: a [`Stage`] holds its chunks' parameters and runs one worker's program over
 //!   `ProcessGroup` send/recv, accumulating gradients over micro-batches.
-//! * [`bench`]: the measurements of `docs/pipeline.md` (bubble, activation memory), callable
-//!   from the CLI.
+//! * [`bench`]: pipelined training runs on p threads next to a single-worker reference, and
+//!   synthetic equal-cost blocks; [`measure`]: the tables of `docs/pipeline.md` (bubble,
+//!   activation memory, recomputation, equivalence), callable from the CLI.
 //!
 //! Naive layer-wise model parallelism (one batch flows stage to stage) is the `m = 1` case of
 //! any schedule. A training step, per worker:
@@ -26,6 +27,7 @@
 
 pub mod bench;
 pub mod executor;
+pub mod measure;
 pub mod partition;
 pub mod schedule;
 

@@ -1,0 +1,421 @@
+//! The measurements of `docs/pipeline.md`, as functions the CLI (`meshtrain bench pipeline`)
+//! and the ignored test `pipeline_bench` call: bubble (idle fraction) per schedule, activation
+//! memory per stage, the cost of recomputation, and equivalence with one worker.
+
+use super::bench::{
+    max_abs_diff, run_pipeline, run_reference, BenchModel, PartitionChoice, RunConfig,
+};
+use super::schedule::ScheduleKind;
+use super::PipelineError;
+use meshtrain_nn::models::GptConfig;
+use meshtrain_nn::optim::OptimizerConfig;
+use serde::Serialize;
+use std::fmt::Write;
+use std::time::Duration;
+
+/// One bubble measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct BubbleRow {
+    pub model: String,
+    pub schedule: String,
+    pub workers: usize,
+    pub chunks_per_worker: usize,
+    pub micro_batches: usize,
+    /// `1 − Σ compute / (p × step window)`, over the measured steps.
+    pub measured_idle: f64,
+    /// `(p−1)/(v·m + p−1)`.
+    pub predicted_idle: f64,
+    /// The schedule simulated with this run's measured per-chunk compute times (stage
+    /// imbalance included, communication free).
+    pub simulated_idle: f64,
+    /// Median step time (slowest worker).
+    pub step_ms: f64,
+}
+
+/// One memory / recomputation measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryRow {
+    pub schedule: String,
+    pub workers: usize,
+    pub micro_batches: usize,
+    pub recompute: bool,
+    /// Peak activation bytes held by each stage.
+    pub peak_bytes: Vec<usize>,
+    /// Forward and backward seconds per step, summed over stages (median step).
+    pub forward_s: f64,
+    pub backward_s: f64,
+}
+
+/// One equivalence check.
+#[derive(Clone, Debug, Serialize)]
+pub struct EquivalenceRow {
+    pub model: String,
+    pub schedule: String,
+    pub workers: usize,
+    pub micro_batches: usize,
+    pub steps: usize,
+    /// Max |Δ| of parameters and buffers from the single worker accumulating the same
+    /// micro-batches.
+    pub vs_micro_batched: f32,
+    /// Max |Δ| from the single worker on the whole batch (None for batch-norm models).
+    pub vs_full_batch: Option<f32>,
+}
+
+/// Settings for [`bubble_sweep`].
+#[derive(Clone, Debug)]
+pub struct BubbleSweep {
+    pub model: BenchModel,
+    pub kinds: Vec<ScheduleKind>,
+    pub workers: Vec<usize>,
+    pub micro_batches: Vec<usize>,
+    /// Samples per micro-batch.
+    pub micro_batch_size: usize,
+    /// Measured steps after one warm-up step.
+    pub steps: usize,
+    pub partition: PartitionChoice,
+}
+
+impl BubbleSweep {
+    /// Equal-cost synthetic stages: 8 sleeping blocks (forward 2 ms, backward 4 ms each), so
+    /// every worker has the same work per micro-batch whatever p and v.
+    pub fn synthetic(workers: Vec<usize>, micro_batches: Vec<usize>, steps: usize) -> Self {
+        BubbleSweep {
+            model: BenchModel::Sleep {
+                blocks: 8,
+                forward: Duration::from_millis(2),
+                backward: Duration::from_millis(4),
+            },
+            kinds: standard_kinds(),
+            workers,
+            micro_batches,
+            micro_batch_size: 1,
+            steps,
+            partition: PartitionChoice::Params,
+        }
+    }
+
+    /// A real GPT cut by measured block times, one core per worker (use p = 2 on 2 cores).
+    pub fn gpt(micro_batches: Vec<usize>, steps: usize) -> Self {
+        BubbleSweep {
+            model: BenchModel::Gpt(bench_gpt()),
+            kinds: standard_kinds(),
+            workers: vec![2],
+            micro_batches,
+            micro_batch_size: 2,
+            steps,
+            partition: PartitionChoice::MeasuredTime,
+        }
+    }
+}
+
+/// GPipe, 1F1B and interleaved 1F1B with 2 chunks per worker.
+pub fn standard_kinds() -> Vec<ScheduleKind> {
+    vec![
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved {
+            chunks_per_worker: 2,
+        },
+    ]
+}
+
+/// The GPT the real-model measurements use: 6 layers (8 blocks), d = 128, sequence 64.
+pub fn bench_gpt() -> GptConfig {
+    GptConfig {
+        vocab: 64,
+        dim: 128,
+        layers: 6,
+        heads: 4,
+        seq: 64,
+    }
+}
+
+fn base_config(model: BenchModel, kind: ScheduleKind, workers: usize, m: usize) -> RunConfig {
+    RunConfig {
+        model,
+        kind,
+        workers,
+        micro_batches: m,
+        batch: m,
+        steps: 1,
+        recompute: false,
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+        lr: 0.01,
+        seed: 7,
+        threads_per_worker: 1,
+        partition: PartitionChoice::Params,
+    }
+}
+
+fn model_name(model: &BenchModel) -> String {
+    match model {
+        BenchModel::Gpt(c) => format!("gpt L{} d{} T{}", c.layers, c.dim, c.seq),
+        BenchModel::Resnet { width } => format!("resnet18 w{width}"),
+        BenchModel::Sleep {
+            blocks,
+            forward,
+            backward,
+        } => format!(
+            "sleep {blocks}×({}+{} ms)",
+            forward.as_millis(),
+            backward.as_millis()
+        ),
+    }
+}
+
+/// Measures the idle fraction of every (schedule, p, m) of the sweep; layouts a schedule
+/// cannot run (interleaved with m not a multiple of p) are skipped.
+pub fn bubble_sweep(sweep: &BubbleSweep) -> Result<Vec<BubbleRow>, PipelineError> {
+    let mut rows = Vec::new();
+    for &p in &sweep.workers {
+        for &m in &sweep.micro_batches {
+            for &kind in &sweep.kinds {
+                if matches!(kind, ScheduleKind::Interleaved { .. }) && !m.is_multiple_of(p) {
+                    continue;
+                }
+                let mut cfg = base_config(sweep.model, kind, p, m);
+                cfg.batch = m * sweep.micro_batch_size;
+                cfg.steps = sweep.steps + 1;
+                cfg.partition = sweep.partition.clone();
+                let run = run_pipeline(&cfg)?;
+                rows.push(BubbleRow {
+                    model: model_name(&sweep.model),
+                    schedule: kind.to_string(),
+                    workers: p,
+                    chunks_per_worker: kind.chunks_per_worker(),
+                    micro_batches: m,
+                    measured_idle: run.idle_fraction(p, 1),
+                    predicted_idle: kind.predicted_idle_fraction(p, m),
+                    simulated_idle: run.simulated_idle_fraction(1)?,
+                    step_ms: run.step_seconds(1) * 1e3,
+                });
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// Peak activation memory per stage and forward/backward time, for GPipe, 1F1B, 1F1B with
+/// recomputation and interleaved 1F1B on the bench GPT.
+pub fn memory_sweep(
+    workers: usize,
+    micro_batches: usize,
+    micro_batch_size: usize,
+    steps: usize,
+) -> Result<Vec<MemoryRow>, PipelineError> {
+    let v2 = ScheduleKind::Interleaved {
+        chunks_per_worker: 2,
+    };
+    let cases = [
+        (ScheduleKind::GPipe, false),
+        (ScheduleKind::GPipe, true),
+        (ScheduleKind::OneFOneB, false),
+        (ScheduleKind::OneFOneB, true),
+        (v2, false),
+    ];
+    let mut rows = Vec::new();
+    for (kind, recompute) in cases {
+        let mut cfg = base_config(BenchModel::Gpt(bench_gpt()), kind, workers, micro_batches);
+        cfg.batch = micro_batches * micro_batch_size;
+        cfg.steps = steps + 1;
+        cfg.recompute = recompute;
+        let run = run_pipeline(&cfg)?;
+        rows.push(MemoryRow {
+            schedule: kind.to_string(),
+            workers,
+            micro_batches,
+            recompute,
+            peak_bytes: run.peak_activation_bytes(),
+            forward_s: run.median_over_steps(1, |r| r.iter().map(|s| s.forward_s).sum()),
+            backward_s: run.median_over_steps(1, |r| r.iter().map(|s| s.backward_s).sum()),
+        });
+    }
+    Ok(rows)
+}
+
+/// Each schedule's parameters after `steps` steps against the single-worker runs.
+pub fn equivalence_sweep(steps: usize) -> Result<Vec<EquivalenceRow>, PipelineError> {
+    let gpt = BenchModel::Gpt(GptConfig {
+        vocab: 32,
+        dim: 16,
+        layers: 4,
+        heads: 2,
+        seq: 8,
+    });
+    let resnet = BenchModel::Resnet { width: 4 };
+    let v2 = ScheduleKind::Interleaved {
+        chunks_per_worker: 2,
+    };
+    let cases = [
+        (gpt, ScheduleKind::GPipe, 3, 1),
+        (gpt, ScheduleKind::GPipe, 2, 4),
+        (gpt, ScheduleKind::OneFOneB, 3, 4),
+        (gpt, v2, 2, 4),
+        (resnet, ScheduleKind::GPipe, 2, 2),
+        (resnet, ScheduleKind::OneFOneB, 4, 4),
+        (resnet, v2, 2, 2),
+    ];
+    let mut rows = Vec::new();
+    for (model, kind, p, m) in cases {
+        let mut cfg = base_config(model, kind, p, m);
+        cfg.batch = 8;
+        cfg.steps = steps;
+        if let BenchModel::Gpt(_) = model {
+            cfg.optimizer = OptimizerConfig::Adamw {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            };
+        }
+        let run = run_pipeline(&cfg)?;
+        let (micro_ref, _) = run_reference(&cfg, m)?;
+        let full = match model {
+            BenchModel::Gpt(_) => Some(max_abs_diff(&run.params, &run_reference(&cfg, 1)?.0)),
+            _ => None,
+        };
+        rows.push(EquivalenceRow {
+            model: model_name(&model),
+            schedule: kind.to_string(),
+            workers: p,
+            micro_batches: m,
+            steps,
+            vs_micro_batched: max_abs_diff(&run.params, &micro_ref),
+            vs_full_batch: full,
+        });
+    }
+    Ok(rows)
+}
+
+/// Markdown tables of the three measurements.
+pub fn markdown(
+    bubbles: &[BubbleRow],
+    memory: &[MemoryRow],
+    equivalence: &[EquivalenceRow],
+) -> String {
+    let mut s = String::new();
+    if !bubbles.is_empty() {
+        s += "| model | schedule | p | m | measured idle | predicted (p−1)/(v·m+p−1) \
+              | simulated with measured costs | step ms |\n";
+        s += "|---|---|---|---|---|---|---|---|\n";
+        for r in bubbles {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} |",
+                r.model,
+                r.schedule,
+                r.workers,
+                r.micro_batches,
+                r.measured_idle,
+                r.predicted_idle,
+                r.simulated_idle,
+                r.step_ms
+            );
+        }
+        s += "\n";
+    }
+    if !memory.is_empty() {
+        s += "| schedule | p | m | recompute | peak activations per stage (MiB) | forward s | backward s |\n";
+        s += "|---|---|---|---|---|---|---|\n";
+        for r in memory {
+            let mib: Vec<String> = r
+                .peak_bytes
+                .iter()
+                .map(|&b| format!("{:.2}", b as f64 / (1 << 20) as f64))
+                .collect();
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {:.3} | {:.3} |",
+                r.schedule,
+                r.workers,
+                r.micro_batches,
+                r.recompute,
+                mib.join(" / "),
+                r.forward_s,
+                r.backward_s
+            );
+        }
+        s += "\n";
+    }
+    if !equivalence.is_empty() {
+        s += "| model | schedule | p | m | steps | max abs diff vs micro-batched 1 worker | vs full batch |\n";
+        s += "|---|---|---|---|---|---|---|\n";
+        for r in equivalence {
+            let full = r
+                .vs_full_batch
+                .map_or("n/a (batch norm)".into(), |d| format!("{d:.1e}"));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {:.1e} | {} |",
+                r.model, r.schedule, r.workers, r.micro_batches, r.steps, r.vs_micro_batched, full
+            );
+        }
+    }
+    s
+}
+
+/// Which tables [`run`] produces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// Sleeping equal-cost stages, p ∈ {2, 4}.
+    BubbleSynthetic,
+    /// The bench GPT at p = 2 (one core per worker).
+    BubbleGpt,
+    /// Peak activations at p = 4 and the cost of recomputation at p = 2 (bench GPT).
+    Memory,
+    Equivalence,
+}
+
+impl Part {
+    pub const ALL: [Part; 4] = [
+        Part::BubbleSynthetic,
+        Part::BubbleGpt,
+        Part::Memory,
+        Part::Equivalence,
+    ];
+}
+
+/// The tables of `docs/pipeline.md` for `parts`; `quick` runs fewer steps and sizes (a smoke
+/// test, not a measurement).
+pub fn run(parts: &[Part], quick: bool) -> Result<String, PipelineError> {
+    let steps = if quick { 1 } else { 5 };
+    let ms = if quick {
+        vec![1, 4]
+    } else {
+        vec![1, 2, 4, 8, 16]
+    };
+    let (mut bubbles, mut memory, mut equivalence) = (Vec::new(), Vec::new(), Vec::new());
+    let load_before = load_average();
+    for part in parts {
+        match part {
+            Part::BubbleSynthetic => {
+                let sweep = BubbleSweep::synthetic(vec![2, 4], ms.clone(), steps);
+                bubbles.extend(bubble_sweep(&sweep)?);
+            }
+            Part::BubbleGpt => bubbles.extend(bubble_sweep(&BubbleSweep::gpt(ms.clone(), steps))?),
+            Part::Memory => {
+                memory.extend(memory_sweep(4, 8, 2, steps)?);
+                memory.extend(memory_sweep(2, 8, 2, steps)?);
+            }
+            Part::Equivalence => equivalence.extend(equivalence_sweep(if quick { 2 } else { 10 })?),
+        }
+    }
+    Ok(format!(
+        "load average before: {load_before}; after: {}\n\n{}",
+        load_average(),
+        markdown(&bubbles, &memory, &equivalence)
+    ))
+}
+
+/// The 1, 5 and 15 minute load averages (Linux), to judge how disturbed timings were.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
