@@ -3,7 +3,7 @@
 //! memory per stage, the cost of recomputation, and equivalence with one worker.
 
 use super::bench::{
-    max_abs_diff, run_pipeline, run_reference, BenchModel, PartitionChoice, RunConfig,
+    max_abs_diff, median, run_pipeline, run_reference, BenchModel, PartitionChoice, RunConfig,
 };
 use super::schedule::ScheduleKind;
 use super::PipelineError;
@@ -41,9 +41,9 @@ pub struct MemoryRow {
     pub recompute: bool,
     /// Peak activation bytes held by each stage.
     pub peak_bytes: Vec<usize>,
-    /// Forward and backward seconds per step, summed over stages (median step).
-    pub forward_s: f64,
-    pub backward_s: f64,
+    /// What one micro-batch leaves on each stage (the peak of an m = 1 GPipe step), so
+    /// `peak_bytes / per_micro_bytes` is the number of micro-batches in flight.
+    pub per_micro_bytes: Vec<usize>,
 }
 
 /// One equivalence check.
@@ -119,12 +119,13 @@ pub fn standard_kinds() -> Vec<ScheduleKind> {
     ]
 }
 
-/// The GPT the real-model measurements use: 6 layers (8 blocks), d = 128, sequence 64.
+/// The GPT the real-model measurements use: 8 layers (10 blocks: the embedding and the head
+/// are light, so 2 or 4 chunks of 2 or 4 layers come out equal), d = 128, sequence 64.
 pub fn bench_gpt() -> GptConfig {
     GptConfig {
         vocab: 64,
         dim: 128,
-        layers: 6,
+        layers: 8,
         heads: 4,
         seq: 64,
     }
@@ -217,22 +218,126 @@ pub fn memory_sweep(
         (v2, false),
     ];
     let mut rows = Vec::new();
+    let model = BenchModel::Gpt(bench_gpt());
     for (kind, recompute) in cases {
-        let mut cfg = base_config(BenchModel::Gpt(bench_gpt()), kind, workers, micro_batches);
-        cfg.batch = micro_batches * micro_batch_size;
-        cfg.steps = steps + 1;
-        cfg.recompute = recompute;
-        let run = run_pipeline(&cfg)?;
+        let run_with = |m: usize| {
+            let mut cfg = base_config(model, kind, workers, m);
+            cfg.batch = m * micro_batch_size;
+            cfg.steps = steps;
+            cfg.recompute = recompute;
+            run_pipeline(&cfg)
+        };
+        let run = run_with(micro_batches)?;
+        let single = match kind {
+            // Interleaved needs m to be a multiple of p: take p micro-batches and divide.
+            ScheduleKind::Interleaved { .. } => run_with(workers)?
+                .peak_activation_bytes()
+                .into_iter()
+                .map(|b| b / workers)
+                .collect(),
+            _ => run_with(1)?.peak_activation_bytes(),
+        };
         rows.push(MemoryRow {
             schedule: kind.to_string(),
             workers,
             micro_batches,
             recompute,
             peak_bytes: run.peak_activation_bytes(),
-            forward_s: run.median_over_steps(1, |r| r.iter().map(|s| s.forward_s).sum()),
-            backward_s: run.median_over_steps(1, |r| r.iter().map(|s| s.backward_s).sum()),
+            per_micro_bytes: single,
         });
     }
+    Ok(rows)
+}
+
+/// The price of recomputation on one stage's blocks, in thread CPU time (robust to other
+/// processes taking the cores, unlike wall time on a loaded machine).
+#[derive(Clone, Debug, Serialize)]
+pub struct RecomputeRow {
+    pub blocks: String,
+    pub micro_batch_size: usize,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    pub backward_recompute_ms: f64,
+    /// Recomputation runs each block's forward once more: backward + forward.
+    pub predicted_backward_recompute_ms: f64,
+    pub activation_bytes: usize,
+    pub activation_bytes_recompute: usize,
+}
+
+/// CPU seconds the calling thread has run (`CLOCK_THREAD_CPUTIME_ID`, nanosecond resolution;
+/// `/proc/thread-self/schedstat` counts in scheduler ticks on some kernels).
+fn thread_cpu_seconds() -> Option<f64> {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid, writable timespec for the duration of the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    (rc == 0).then_some(t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9)
+}
+
+/// Forward and backward of the bench GPT's two p = 2 stages (and the whole model) on one
+/// micro-batch, with and without recomputation; medians of `repeats` runs on one thread.
+pub fn recompute_cost(
+    micro_batch_size: usize,
+    repeats: usize,
+) -> Result<Vec<RecomputeRow>, PipelineError> {
+    use meshtrain_nn::Mode;
+    use meshtrain_tensor::Tensor;
+    let bench = BenchModel::Gpt(bench_gpt());
+    let model = bench.build();
+    let n = model.num_blocks();
+    let halves = super::Partition::by_params(&model, 2)?;
+    let (x, _) = bench.batch(micro_batch_size, 3, 0);
+    let mut rows = Vec::new();
+    meshtrain_tensor::par::pool(1).install(|| {
+        for blocks in [halves.chunks()[0].clone(), halves.chunks()[1].clone(), 0..n] {
+            let mut store = model.init(3);
+            let input = if blocks.start == 0 {
+                x.clone()
+            } else {
+                let mode = Mode::TRAIN;
+                model
+                    .forward(&mut store, x.clone(), 0..blocks.start, mode, &|_| false)
+                    .0
+            };
+            // (forward, backward) CPU seconds and activation bytes, per repeat.
+            let mut measure = |recompute: bool| -> Option<(f64, f64, usize)> {
+                let (mut fwd, mut bwd, mut bytes) = (Vec::new(), Vec::new(), 0);
+                for _ in 0..repeats.max(1) {
+                    let t0 = thread_cpu_seconds()?;
+                    let (y, acts) = model.forward(
+                        &mut store,
+                        input.clone(),
+                        blocks.clone(),
+                        Mode::TRAIN,
+                        &|_| recompute,
+                    );
+                    let t1 = thread_cpu_seconds()?;
+                    bytes = acts.bytes();
+                    let dy = Tensor::from_vec(vec![1e-3; y.numel()], y.shape());
+                    model.backward(&mut store, acts, dy, blocks.start > 0, &mut |_, _| {});
+                    let t2 = thread_cpu_seconds()?;
+                    fwd.push(t1 - t0);
+                    bwd.push(t2 - t1);
+                }
+                Some((median(fwd), median(bwd), bytes))
+            };
+            let (Some(plain), Some(recomputed)) = (measure(false), measure(true)) else {
+                continue; // no per-thread CPU clock on this system
+            };
+            rows.push(RecomputeRow {
+                blocks: format!("{blocks:?} of {n}"),
+                micro_batch_size,
+                forward_ms: plain.0 * 1e3,
+                backward_ms: plain.1 * 1e3,
+                backward_recompute_ms: recomputed.1 * 1e3,
+                predicted_backward_recompute_ms: (plain.1 + plain.0) * 1e3,
+                activation_bytes: plain.2,
+                activation_bytes_recompute: recomputed.2,
+            });
+        }
+    });
     Ok(rows)
 }
 
@@ -294,6 +399,7 @@ pub fn equivalence_sweep(steps: usize) -> Result<Vec<EquivalenceRow>, PipelineEr
 pub fn markdown(
     bubbles: &[BubbleRow],
     memory: &[MemoryRow],
+    recompute: &[RecomputeRow],
     equivalence: &[EquivalenceRow],
 ) -> String {
     let mut s = String::new();
@@ -318,24 +424,50 @@ pub fn markdown(
         s += "\n";
     }
     if !memory.is_empty() {
-        s += "| schedule | p | m | recompute | peak activations per stage (MiB) | forward s | backward s |\n";
-        s += "|---|---|---|---|---|---|---|\n";
+        s += "| schedule | p | m | recompute | peak activations per stage (MiB) \
+              | in micro-batches per stage |\n";
+        s += "|---|---|---|---|---|---|\n";
         for r in memory {
             let mib: Vec<String> = r
                 .peak_bytes
                 .iter()
                 .map(|&b| format!("{:.2}", b as f64 / (1 << 20) as f64))
                 .collect();
+            let micro: Vec<String> = r
+                .peak_bytes
+                .iter()
+                .zip(&r.per_micro_bytes)
+                .map(|(&b, &one)| format!("{:.1}", b as f64 / one.max(1) as f64))
+                .collect();
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {:.3} | {:.3} |",
+                "| {} | {} | {} | {} | {} | {} |",
                 r.schedule,
                 r.workers,
                 r.micro_batches,
                 r.recompute,
                 mib.join(" / "),
-                r.forward_s,
-                r.backward_s
+                micro.join(" / ")
+            );
+        }
+        s += "\n";
+    }
+    if !recompute.is_empty() {
+        s += "| blocks | micro-batch | forward ms | backward ms | backward with recompute ms \
+              | predicted (backward + forward) | activations KiB | with recompute KiB |\n";
+        s += "|---|---|---|---|---|---|---|---|\n";
+        for r in recompute {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} |",
+                r.blocks,
+                r.micro_batch_size,
+                r.forward_ms,
+                r.backward_ms,
+                r.backward_recompute_ms,
+                r.predicted_backward_recompute_ms,
+                r.activation_bytes as f64 / 1024.0,
+                r.activation_bytes_recompute as f64 / 1024.0
             );
         }
         s += "\n";
@@ -364,7 +496,7 @@ pub enum Part {
     BubbleSynthetic,
     /// The bench GPT at p = 2 (one core per worker).
     BubbleGpt,
-    /// Peak activations at p = 4 and the cost of recomputation at p = 2 (bench GPT).
+    /// Peak activations per stage at p = 4 and the CPU cost of recomputation (bench GPT).
     Memory,
     Equivalence,
 }
@@ -388,6 +520,7 @@ pub fn run(parts: &[Part], quick: bool) -> Result<String, PipelineError> {
         vec![1, 2, 4, 8, 16]
     };
     let (mut bubbles, mut memory, mut equivalence) = (Vec::new(), Vec::new(), Vec::new());
+    let mut recompute = Vec::new();
     let load_before = load_average();
     for part in parts {
         match part {
@@ -398,7 +531,7 @@ pub fn run(parts: &[Part], quick: bool) -> Result<String, PipelineError> {
             Part::BubbleGpt => bubbles.extend(bubble_sweep(&BubbleSweep::gpt(ms.clone(), steps))?),
             Part::Memory => {
                 memory.extend(memory_sweep(4, 8, 2, steps)?);
-                memory.extend(memory_sweep(2, 8, 2, steps)?);
+                recompute.extend(recompute_cost(2, if quick { 1 } else { 9 })?);
             }
             Part::Equivalence => equivalence.extend(equivalence_sweep(if quick { 2 } else { 10 })?),
         }
@@ -406,7 +539,7 @@ pub fn run(parts: &[Part], quick: bool) -> Result<String, PipelineError> {
     Ok(format!(
         "load average before: {load_before}; after: {}\n\n{}",
         load_average(),
-        markdown(&bubbles, &memory, &equivalence)
+        markdown(&bubbles, &memory, &recompute, &equivalence)
     ))
 }
 
