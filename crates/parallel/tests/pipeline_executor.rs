@@ -345,3 +345,36 @@ fn idle_fraction_of_hand_made_spans() {
     let idle = idle_fraction(&spans, 2, (0.0, 4.0));
     assert!((idle - (1.0 - 5.5 / 8.0)).abs() < 1e-12, "{idle}");
 }
+
+#[test]
+fn evaluate_matches_the_whole_model_forward() {
+    let v2 = ScheduleKind::Interleaved {
+        chunks_per_worker: 2,
+    };
+    for (kind, p) in [(ScheduleKind::GPipe, 3), (v2, 2), (v2, 1)] {
+        let results = one_step(kind, p, 2, |model, stage, group, micro| {
+            stage.evaluate(model, group, micro, CFG.vocab)
+        });
+        let model = gpt::gpt(&CFG);
+        let mut store = model.init(1);
+        let (x, y) = GPT.batch(4, 1, 0);
+        let micro = MicroBatches::split(&x, &y, 2).unwrap();
+        let (mut loss, mut correct) = (0.0f64, 0);
+        for (x, y) in micro.inputs.iter().zip(&micro.targets) {
+            let (logits, _) = model.forward_all(&mut store, x.clone(), Mode::EVAL);
+            let (l, _, c) =
+                meshtrain_tensor::loss::softmax_cross_entropy(logits.data(), CFG.vocab, y, 1.0);
+            loss += l as f64;
+            correct += c;
+        }
+        let expected = ((loss / 2.0) as f32, correct);
+        let last = (p * kind.chunks_per_worker() - 1) % p;
+        for (w, r) in results.into_iter().enumerate() {
+            assert_eq!(
+                r,
+                (w == last).then_some(expected),
+                "{kind} p={p} worker {w}"
+            );
+        }
+    }
+}

@@ -544,6 +544,54 @@ impl Stage {
         Ok(report)
     }
 
+    /// Forward-only pass in evaluation mode (validation): each micro-batch flows through the
+    /// chunks in model order, no activations are kept. Returns the mean loss and the correct
+    /// count on the worker of the last chunk, `None` elsewhere. Every worker visits its
+    /// (micro-batch, chunk) pairs in the same global order, so the blocking receives cannot
+    /// deadlock.
+    pub fn evaluate(
+        &mut self,
+        model: &Model,
+        group: &dyn ProcessGroup,
+        batches: &MicroBatches,
+        classes: usize,
+    ) -> Result<Option<(f32, usize)>, PipelineError> {
+        self.check_step(group, batches)?;
+        let (p, m) = (self.schedule.workers, self.schedule.micro_batches);
+        let last = self.schedule.num_chunks() - 1;
+        let tag = |chunk: usize, micro: usize| ((micro * (last + 1) + chunk) * 2) as u32;
+        let mut pending = Vec::new();
+        let (mut loss_sum, mut correct) = (0.0f64, 0usize);
+        for i in 0..m {
+            let mut carried: Option<Tensor> = None;
+            for chunk in &mut self.chunks {
+                let c = chunk.index;
+                let x = match (c, carried.take()) {
+                    (0, _) => batches.inputs[i].clone(),
+                    (_, Some(x)) => x, // p = 1: the previous chunk is ours
+                    (_, None) => recv_tensor(group, (c - 1) % p, tag(c, i))?,
+                };
+                let blocks = chunk.blocks.clone();
+                let (y, _) =
+                    model.forward_local(&mut chunk.store, x, blocks, Mode::EVAL, &|_| false);
+                if c == last {
+                    let (loss, _, ok) = mean_loss(&y, &batches.targets[i], classes, m)?;
+                    loss_sum += loss as f64;
+                    correct += ok;
+                } else if p == 1 {
+                    carried = Some(y);
+                } else {
+                    post_send(group, y, (c + 1) % p, tag(c + 1, i), &mut pending)?;
+                }
+            }
+        }
+        for send in pending {
+            send.work.wait()?;
+        }
+        let holds_last = self.schedule.worker_of(last) == self.rank;
+        Ok(holds_last.then(|| ((loss_sum / m as f64) as f32, correct)))
+    }
+
     fn check_step(
         &self,
         group: &dyn ProcessGroup,
