@@ -2,9 +2,10 @@
 //! timings need a quiet machine). Run all of them with
 //! `cargo test --release -p meshtrain-parallel --test pipeline_bench -- --ignored --nocapture`
 //! or some with `MESHTRAIN_BENCH_PARTS=bubble-synthetic,bubble-gpt,memory,equivalence`;
-//! `MESHTRAIN_BENCH_QUICK=1` makes it a smoke test.
+//! `MESHTRAIN_BENCH_QUICK=1` makes it a smoke test; `MESHTRAIN_TRACE_DIR=dir` also writes
+//! Chrome traces of GPipe, 1F1B and interleaved (p = 4, m = 8) there.
 
-use meshtrain_parallel::pipeline::measure::{run, Part};
+use meshtrain_parallel::pipeline::measure::{run, write_example_traces, Part};
 
 #[test]
 #[ignore = "measurement, prints the docs/pipeline.md tables"]
@@ -24,4 +25,9 @@ fn pipeline_measurements() {
             .collect(),
     };
     println!("{}", run(&parts, quick).unwrap());
+    if let Ok(dir) = std::env::var("MESHTRAIN_TRACE_DIR") {
+        for path in write_example_traces(std::path::Path::new(&dir)).unwrap() {
+            println!("wrote {}", path.display());
+        }
+    }
 }

@@ -489,6 +489,26 @@ pub fn markdown(
     s
 }
 
+/// Chrome traces (Perfetto) of one step of each standard schedule on sleeping equal-cost
+/// stages, p = 4, m = 8, written to `dir` as `<schedule>-p4-m8.json`; returns the paths.
+pub fn write_example_traces(
+    dir: &std::path::Path,
+) -> Result<Vec<std::path::PathBuf>, PipelineError> {
+    let sweep = BubbleSweep::synthetic(vec![4], vec![8], 1);
+    let mut paths = Vec::new();
+    for kind in standard_kinds() {
+        let mut cfg = base_config(sweep.model, kind, 4, 8);
+        cfg.steps = 2;
+        let run = run_pipeline(&cfg)?;
+        let name = kind.to_string().replace(['(', ')', '='], "");
+        let path = dir.join(format!("{name}-p4-m8.json"));
+        crate::timeline::write_chrome_trace(&path, &run.spans[1])
+            .map_err(|e| PipelineError::Workers(format!("writing {}: {e}", path.display())))?;
+        paths.push(path);
+    }
+    Ok(paths)
+}
+
 /// Which tables [`run`] produces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Part {
