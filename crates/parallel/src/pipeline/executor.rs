@@ -5,8 +5,8 @@
 //!   per worker shrinks with the pipeline; each chunk gets its own optimizer state.
 //! * Sends are asynchronous (posted on the communication thread, compute goes on); receives
 //!   block where the schedule needs the data, and that wait is the bubble.
-//! * Messages are a small shape header followed by the data, both with a tag derived from
-//!   (micro-batch, receiving chunk, direction), so no shapes need agreeing on beforehand.
+//! * Messages carry their shape and a tag naming (micro-batch, chunk, direction); see
+//!   `transport`.
 //! * The last chunk computes softmax cross-entropy with gradient scale `1/m`, so the gradients
 //!   accumulated over `m` equal micro-batches equal those of the full batch's mean loss.
 //! * [`GradsReady`] fires for each block during a chunk's *last* backward of the step: from
@@ -14,9 +14,10 @@
 
 use super::partition::Partition;
 use super::schedule::{Action, Schedule};
+use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, TAG_LIMIT};
 use super::PipelineError;
 use crate::timeline::{timed, Category, Timeline};
-use meshtrain_comm::{ProcessGroup, RawBuf, Work};
+use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::model::Activations;
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
 use meshtrain_nn::{Mode, Model, ParamStore};
@@ -25,13 +26,6 @@ use meshtrain_tensor::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;
-
-/// Tags every backend accepts (MPI guarantees 0..=32767).
-const TAG_LIMIT: usize = 32768;
-/// Header: number of dimensions, then up to 7 dimensions, as exact f32 integers.
-const HEADER_LEN: usize = 8;
-/// Largest dimension an f32 header carries exactly.
-const MAX_HEADER_DIM: usize = 1 << 24;
 
 /// One contiguous range of blocks held by a worker, with its parameters.
 #[derive(Clone, Debug)]
@@ -139,19 +133,6 @@ pub struct GradsReady<'a> {
     /// The block's range within `store` (stage-local).
     pub range: Range<usize>,
     pub store: &'a mut ParamStore,
-}
-
-/// A posted send and the buffer it reads. Field order matters: `work` is dropped (which
-/// waits for the send) before `payload` is freed.
-struct PendingSend {
-    work: Work,
-    _payload: Vec<f32>,
-}
-
-#[derive(Clone, Copy)]
-enum Direction {
-    Activation = 0,
-    Grad = 1,
 }
 
 impl Stage {
@@ -378,9 +359,7 @@ impl Stage {
                 format!("{kind}{i}")
             }
         };
-        let tag = |chunk: usize, micro: usize, dir: Direction| {
-            ((micro * (last + 1) + chunk) * 2 + dir as usize) as u32
-        };
+        let tag_for = |chunk: usize, micro: usize, dir: Direction| tag(chunk, micro, dir, last + 1);
 
         // Tensors waiting for the action that consumes them, keyed by (chunk, micro).
         let mut inputs: HashMap<(usize, usize), Tensor> = HashMap::new();
@@ -404,7 +383,7 @@ impl Stage {
                         || name("recv act ", c, i),
                         Category::RecvWait,
                         Some(i),
-                        || recv_tensor(group, src, tag(c, i, Direction::Activation)),
+                        || recv_tensor(group, src, tag_for(c, i, Direction::Activation)),
                     )?;
                     report.recv_wait_s += t.elapsed().as_secs_f64();
                     inputs.insert((c, i), x);
@@ -417,7 +396,7 @@ impl Stage {
                         || name("recv grad ", c, i),
                         Category::RecvWait,
                         Some(i),
-                        || recv_tensor(group, src, tag(c, i, Direction::Grad)),
+                        || recv_tensor(group, src, tag_for(c, i, Direction::Grad)),
                     )?;
                     report.recv_wait_s += t.elapsed().as_secs_f64();
                     upstream.insert((c, i), dy);
@@ -425,7 +404,7 @@ impl Stage {
                 Action::SendActivation { .. } => {
                     let y = take(&mut outputs, (c, i), action)?;
                     let dst = (c + 1) % p;
-                    let t = tag(c + 1, i, Direction::Activation);
+                    let t = tag_for(c + 1, i, Direction::Activation);
                     timed(
                         &mut timeline,
                         || name("send act ", c, i),
@@ -437,7 +416,7 @@ impl Stage {
                 Action::SendGrad { .. } => {
                     let dx = take(&mut input_grads, (c, i), action)?;
                     let dst = (c - 1) % p;
-                    let t = tag(c - 1, i, Direction::Grad);
+                    let t = tag_for(c - 1, i, Direction::Grad);
                     timed(
                         &mut timeline,
                         || name("send grad ", c, i),
@@ -559,7 +538,8 @@ impl Stage {
         self.check_step(group, batches)?;
         let (p, m) = (self.schedule.workers, self.schedule.micro_batches);
         let last = self.schedule.num_chunks() - 1;
-        let tag = |chunk: usize, micro: usize| ((micro * (last + 1) + chunk) * 2) as u32;
+        let tag_for =
+            |chunk: usize, micro: usize| tag(chunk, micro, Direction::Activation, last + 1);
         let mut pending = Vec::new();
         let (mut loss_sum, mut correct) = (0.0f64, 0usize);
         for i in 0..m {
@@ -569,7 +549,7 @@ impl Stage {
                 let x = match (c, carried.take()) {
                     (0, _) => batches.inputs[i].clone(),
                     (_, Some(x)) => x, // p = 1: the previous chunk is ours
-                    (_, None) => recv_tensor(group, (c - 1) % p, tag(c, i))?,
+                    (_, None) => recv_tensor(group, (c - 1) % p, tag_for(c, i))?,
                 };
                 let blocks = chunk.blocks.clone();
                 let (y, _) =
@@ -581,7 +561,7 @@ impl Stage {
                 } else if p == 1 {
                     carried = Some(y);
                 } else {
-                    post_send(group, y, (c + 1) % p, tag(c + 1, i), &mut pending)?;
+                    post_send(group, y, (c + 1) % p, tag_for(c + 1, i), &mut pending)?;
                 }
             }
         }
@@ -662,68 +642,4 @@ fn take<T>(
     map.remove(&key).ok_or_else(|| {
         PipelineError::InvalidSchedule(format!("{action:?} found nothing to work on"))
     })
-}
-
-/// Posts the header and the data of `t` to `dst` without waiting for the receiver.
-fn post_send(
-    group: &dyn ProcessGroup,
-    t: Tensor,
-    dst: usize,
-    tag: u32,
-    pending: &mut Vec<PendingSend>,
-) -> Result<(), PipelineError> {
-    let shape = t.shape();
-    if shape.len() >= HEADER_LEN || shape.iter().any(|&d| d >= MAX_HEADER_DIM) {
-        return Err(PipelineError::BadHeader {
-            rank: group.rank(),
-            src: group.rank(),
-            details: format!("cannot describe shape {shape:?} in a header"),
-        });
-    }
-    let mut header = vec![0.0f32; HEADER_LEN];
-    header[0] = shape.len() as f32;
-    header[1..=shape.len()]
-        .iter_mut()
-        .zip(shape)
-        .for_each(|(h, &d)| *h = d as f32);
-    // Finished sends are collected as we go (keeping their errors), so the list stays short.
-    let mut k = 0;
-    while k < pending.len() {
-        if pending[k].work.is_done() {
-            pending.swap_remove(k).work.wait()?;
-        } else {
-            k += 1;
-        }
-    }
-    for mut payload in [header, t.into_vec()] {
-        // SAFETY: the heap block of `payload` does not move when the Vec moves into the
-        // PendingSend, which waits for the send (in `Drop` of `Work`, or explicitly) before
-        // freeing it; nothing else reads or writes it meanwhile.
-        let work =
-            unsafe { group.send_async(RawBuf::from_slice(payload.as_mut_slice()), dst, tag) }?;
-        pending.push(PendingSend {
-            work,
-            _payload: payload,
-        });
-    }
-    Ok(())
-}
-
-/// Receives a header and then the tensor it describes.
-fn recv_tensor(group: &dyn ProcessGroup, src: usize, tag: u32) -> Result<Tensor, PipelineError> {
-    let mut header = vec![0.0f32; HEADER_LEN];
-    group.recv((&mut header).into(), src, tag)?;
-    let bad = |details: String| PipelineError::BadHeader {
-        rank: group.rank(),
-        src,
-        details,
-    };
-    let ndim = header[0] as usize;
-    if header[0] != ndim as f32 || ndim == 0 || ndim >= HEADER_LEN {
-        return Err(bad(format!("{header:?}")));
-    }
-    let shape: Vec<usize> = header[1..=ndim].iter().map(|&d| d as usize).collect();
-    let mut data = vec![0.0f32; shape.iter().product()];
-    group.recv((&mut data).into(), src, tag)?;
-    Ok(Tensor::from_vec(data, &shape))
 }

@@ -30,6 +30,7 @@ pub mod executor;
 pub mod measure;
 pub mod partition;
 pub mod schedule;
+mod transport;
 
 pub use executor::{GradsReady, MicroBatches, Stage, StageChunk, StepOptions, StepReport};
 pub use partition::{profile_block_times, Partition};
