@@ -41,8 +41,8 @@ pub struct MemoryRow {
     pub recompute: bool,
     /// Peak activation bytes held by each stage.
     pub peak_bytes: Vec<usize>,
-    /// What one micro-batch leaves on each stage (the peak of an m = 1 GPipe step), so
-    /// `peak_bytes / per_micro_bytes` is the number of micro-batches in flight.
+    /// What one micro-batch leaves on each worker (all its chunks, measured by a plain
+    /// forward), so `peak_bytes / per_micro_bytes` is the number of micro-batches in flight.
     pub per_micro_bytes: Vec<usize>,
 }
 
@@ -199,8 +199,30 @@ pub fn bubble_sweep(sweep: &BubbleSweep) -> Result<Vec<BubbleRow>, PipelineError
     Ok(rows)
 }
 
-/// Peak activation memory per stage and forward/backward time, for GPipe, 1F1B, 1F1B with
-/// recomputation and interleaved 1F1B on the bench GPT.
+/// Activation bytes one micro-batch (of the run's micro-batch size) leaves on each worker:
+/// the sum over the worker's chunks of a plain forward's `Activations::bytes`.
+fn per_micro_bytes(
+    model: BenchModel,
+    partition: &super::Partition,
+    schedule: &super::Schedule,
+    recompute: bool,
+    micro_batch_size: usize,
+) -> Vec<usize> {
+    let net = model.build();
+    let mut store = net.init(7);
+    let mut h = model.batch(micro_batch_size, 7, 0).0;
+    let mut bytes = vec![0; schedule.workers];
+    for (c, blocks) in partition.chunks().iter().enumerate() {
+        let mode = meshtrain_nn::Mode::TRAIN;
+        let (out, acts) = net.forward(&mut store, h, blocks.clone(), mode, &|_| recompute);
+        bytes[schedule.worker_of(c)] += acts.bytes();
+        h = out;
+    }
+    bytes
+}
+
+/// Peak activation memory per stage on the bench GPT: GPipe and 1F1B, each with and without
+/// recomputation, and interleaved 1F1B.
 pub fn memory_sweep(
     workers: usize,
     micro_batches: usize,
@@ -228,15 +250,13 @@ pub fn memory_sweep(
             run_pipeline(&cfg)
         };
         let run = run_with(micro_batches)?;
-        let single = match kind {
-            // Interleaved needs m to be a multiple of p: take p micro-batches and divide.
-            ScheduleKind::Interleaved { .. } => run_with(workers)?
-                .peak_activation_bytes()
-                .into_iter()
-                .map(|b| b / workers)
-                .collect(),
-            _ => run_with(1)?.peak_activation_bytes(),
-        };
+        let single = per_micro_bytes(
+            model,
+            &run.partition,
+            &run.schedule,
+            recompute,
+            micro_batch_size,
+        );
         rows.push(MemoryRow {
             schedule: kind.to_string(),
             workers,
