@@ -375,54 +375,40 @@ impl Stage {
             let (c, i) = (action.chunk(), action.micro());
             let chunk = &mut chunks[c / p];
             match action {
-                Action::RecvActivation { .. } => {
-                    let src = (c - 1) % p;
+                Action::RecvActivation { .. } | Action::RecvGrad { .. } => {
+                    // An activation comes from chunk c − 1, a gradient from chunk c + 1.
+                    let (dir, peer, into, label) = match action {
+                        Action::RecvActivation { .. } => {
+                            (Direction::Activation, c - 1, &mut inputs, "recv act ")
+                        }
+                        _ => (Direction::Grad, c + 1, &mut upstream, "recv grad "),
+                    };
                     let t = Instant::now();
-                    let x = timed(
+                    let received = timed(
                         &mut timeline,
-                        || name("recv act ", c, i),
+                        || name(label, c, i),
                         Category::RecvWait,
                         Some(i),
-                        || recv_tensor(group, src, tag_for(c, i, Direction::Activation)),
+                        || recv_tensor(group, peer % p, tag_for(c, i, dir)),
                     )?;
                     report.recv_wait_s += t.elapsed().as_secs_f64();
-                    inputs.insert((c, i), x);
+                    into.insert((c, i), received);
                 }
-                Action::RecvGrad { .. } => {
-                    let src = (c + 1) % p;
-                    let t = Instant::now();
-                    let dy = timed(
-                        &mut timeline,
-                        || name("recv grad ", c, i),
-                        Category::RecvWait,
-                        Some(i),
-                        || recv_tensor(group, src, tag_for(c, i, Direction::Grad)),
-                    )?;
-                    report.recv_wait_s += t.elapsed().as_secs_f64();
-                    upstream.insert((c, i), dy);
-                }
-                Action::SendActivation { .. } => {
-                    let y = take(&mut outputs, (c, i), action)?;
-                    let dst = (c + 1) % p;
-                    let t = tag_for(c + 1, i, Direction::Activation);
+                Action::SendActivation { .. } | Action::SendGrad { .. } => {
+                    // The output goes to chunk c + 1, the input gradient to chunk c − 1.
+                    let (dir, peer, from, label) = match action {
+                        Action::SendActivation { .. } => {
+                            (Direction::Activation, c + 1, &mut outputs, "send act ")
+                        }
+                        _ => (Direction::Grad, c - 1, &mut input_grads, "send grad "),
+                    };
+                    let tensor = take(from, (c, i), action)?;
                     timed(
                         &mut timeline,
-                        || name("send act ", c, i),
+                        || name(label, c, i),
                         Category::Send,
                         Some(i),
-                        || post_send(group, y, dst, t, &mut pending),
-                    )?;
-                }
-                Action::SendGrad { .. } => {
-                    let dx = take(&mut input_grads, (c, i), action)?;
-                    let dst = (c - 1) % p;
-                    let t = tag_for(c - 1, i, Direction::Grad);
-                    timed(
-                        &mut timeline,
-                        || name("send grad ", c, i),
-                        Category::Send,
-                        Some(i),
-                        || post_send(group, dx, dst, t, &mut pending),
+                        || post_send(group, tensor, peer % p, tag_for(peer, i, dir), &mut pending),
                     )?;
                 }
                 Action::Forward { .. } => {
