@@ -378,3 +378,68 @@ fn evaluate_matches_the_whole_model_forward() {
         }
     }
 }
+
+/// The global gradient norm over stages equals the single worker's, and clipping scales
+/// every stage by the same factor.
+#[test]
+fn grad_norm_and_clipping_span_all_stages() {
+    let results = one_step(
+        ScheduleKind::OneFOneB,
+        3,
+        2,
+        |model, stage, group, micro| {
+            stage.run_step(model, group, micro, &options(false), None, &mut |_| {})?;
+            let norm = stage.grad_norm(group)?;
+            let before: Vec<f32> = stage
+                .chunks
+                .iter()
+                .flat_map(|c| c.store.grads.clone())
+                .collect();
+            let clipped_from = stage.clip_grad_norm(group, norm / 2.0)?;
+            let after: Vec<f32> = stage
+                .chunks
+                .iter()
+                .flat_map(|c| c.store.grads.clone())
+                .collect();
+            let ratio = after
+                .iter()
+                .zip(&before)
+                .find(|(_, b)| **b != 0.0)
+                .map(|(a, b)| a / b);
+            Ok((norm, clipped_from, ratio.unwrap()))
+        },
+    );
+    let model = gpt::gpt(&CFG);
+    let mut store = model.init(1);
+    let (x, y) = GPT.batch(4, 1, 0);
+    let micro = MicroBatches::split(&x, &y, 2).unwrap();
+    for (x, y) in micro.inputs.iter().zip(&micro.targets) {
+        let (logits, acts) = model.forward_all(&mut store, x.clone(), Mode::TRAIN);
+        let (_, dl, _) =
+            meshtrain_tensor::loss::softmax_cross_entropy(logits.data(), CFG.vocab, y, 0.5);
+        let dy = meshtrain_tensor::Tensor::from_vec(dl, logits.shape());
+        model.backward(&mut store, acts, dy, false, &mut |_, _| {});
+    }
+    let expected = meshtrain_nn::optim::grad_norm(&store.grads);
+    for (norm, clipped_from, ratio) in results {
+        assert!(
+            (norm - expected).abs() <= 1e-5 * expected,
+            "{norm} vs {expected}"
+        );
+        assert_eq!(norm, clipped_from);
+        assert!((ratio - 0.5).abs() < 1e-4, "{ratio}");
+    }
+}
+
+/// Workers agree on a time-balanced partition even though only rank 0 measures.
+#[test]
+fn measured_time_partition_is_the_same_on_every_worker() {
+    let parts = ThreadsWorld::run(3, CommConfig::default(), |group| {
+        let model = gpt::gpt(&CFG);
+        let (x, y) = GPT.batch(2, 1, 0);
+        Partition::by_measured_time(group.as_ref(), &model, (&x, &y), CFG.vocab, 3)
+    })
+    .unwrap();
+    assert_eq!(parts[0].len(), 3);
+    assert!(parts.iter().all(|p| *p == parts[0]), "{parts:?}");
+}

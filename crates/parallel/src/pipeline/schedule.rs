@@ -215,7 +215,7 @@ impl Schedule {
         };
         for w in 0..workers {
             let computes = match kind {
-                ScheduleKind::GPipe => fill_drain(workers, micro_batches, w),
+                ScheduleKind::GPipe => fill_drain(micro_batches, w),
                 ScheduleKind::OneFOneB => interleaved(workers, 1, micro_batches, w, false),
                 ScheduleKind::Interleaved { chunks_per_worker } => {
                     interleaved(workers, chunks_per_worker, micro_batches, w, true)
@@ -484,7 +484,7 @@ impl Simulation {
 }
 
 /// GPipe on worker `w` (one chunk, `c = w`): all forwards, then all backwards.
-fn fill_drain(_workers: usize, m: usize, w: usize) -> Vec<Action> {
+fn fill_drain(m: usize, w: usize) -> Vec<Action> {
     let forwards = (0..m).map(|micro| Action::Forward { chunk: w, micro });
     let backwards = (0..m).map(|micro| Action::Backward { chunk: w, micro });
     forwards.chain(backwards).collect()
