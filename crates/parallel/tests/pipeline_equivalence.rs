@@ -15,7 +15,7 @@ use meshtrain_nn::optim::OptimizerConfig;
 use meshtrain_parallel::pipeline::bench::{
     max_abs_diff, run_pipeline, run_reference, BenchModel, PartitionChoice, RunConfig,
 };
-use meshtrain_parallel::pipeline::ScheduleKind;
+use meshtrain_parallel::pipeline::{ScheduleKind, SendMode};
 
 const GPT: BenchModel = BenchModel::Gpt(GptConfig {
     vocab: 32,
@@ -56,6 +56,7 @@ fn config(
         seed: 42,
         threads_per_worker: 1,
         partition: PartitionChoice::Params,
+        sends: SendMode::Async,
     }
 }
 
@@ -103,6 +104,9 @@ fn gpt_every_schedule_matches_single_worker() {
     let mut recompute = config(GPT, ScheduleKind::OneFOneB, 2, 4);
     recompute.recompute = true;
     check(&recompute, tol);
+    let mut inline = config(GPT, V2, 2, 4);
+    inline.sends = SendMode::Inline;
+    check(&inline, tol);
 }
 
 #[test]

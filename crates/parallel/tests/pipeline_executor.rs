@@ -23,8 +23,8 @@ const GPT: BenchModel = BenchModel::Gpt(CFG);
 
 fn options(recompute: bool) -> StepOptions {
     StepOptions {
-        classes: CFG.vocab,
         recompute,
+        ..StepOptions::new(CFG.vocab)
     }
 }
 
@@ -353,7 +353,7 @@ fn evaluate_matches_the_whole_model_forward() {
     };
     for (kind, p) in [(ScheduleKind::GPipe, 3), (v2, 2), (v2, 1)] {
         let results = one_step(kind, p, 2, |model, stage, group, micro| {
-            stage.evaluate(model, group, micro, CFG.vocab)
+            stage.evaluate(model, group, micro, &options(false))
         });
         let model = gpt::gpt(&CFG);
         let mut store = model.init(1);

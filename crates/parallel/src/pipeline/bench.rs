@@ -11,6 +11,7 @@
 use super::executor::{MicroBatches, Stage, StepOptions, StepReport};
 use super::partition::{profile_block_times, Partition};
 use super::schedule::{Action, Schedule, ScheduleKind};
+use super::transport::SendMode;
 use super::PipelineError;
 use crate::timeline::{idle_fraction, Category, Span, Timeline};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
@@ -132,6 +133,7 @@ pub struct RunConfig {
     /// Rayon threads per worker (1 keeps p = 2 on 2 cores honest, and runs bit-reproducible).
     pub threads_per_worker: usize,
     pub partition: PartitionChoice,
+    pub sends: SendMode,
 }
 
 impl RunConfig {
@@ -271,6 +273,7 @@ pub fn run_pipeline(cfg: &RunConfig) -> Result<PipelineRun, PipelineError> {
         let options = StepOptions {
             classes: cfg.model.classes(),
             recompute: cfg.recompute,
+            sends: cfg.sends,
         };
         let mut timeline = Timeline::new(rank, origin);
         let (mut reports, mut spans) = (Vec::new(), Vec::new());

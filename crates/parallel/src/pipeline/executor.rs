@@ -14,7 +14,7 @@
 
 use super::partition::Partition;
 use super::schedule::{Action, Schedule};
-use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, TAG_LIMIT};
+use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, SendMode, TAG_LIMIT};
 use super::PipelineError;
 use crate::timeline::{timed, Category, Timeline};
 use meshtrain_comm::ProcessGroup;
@@ -99,6 +99,18 @@ pub struct StepOptions {
     pub classes: usize,
     /// Keep only each block's input and recompute it in backward (activation checkpointing).
     pub recompute: bool,
+    pub sends: SendMode,
+}
+
+impl StepOptions {
+    /// No recomputation, asynchronous sends.
+    pub fn new(classes: usize) -> StepOptions {
+        StepOptions {
+            classes,
+            recompute: false,
+            sends: SendMode::Async,
+        }
+    }
 }
 
 /// What one worker's step did.
@@ -408,7 +420,10 @@ impl Stage {
                         || name(label, c, i),
                         Category::Send,
                         Some(i),
-                        || post_send(group, tensor, peer % p, tag_for(peer, i, dir), &mut pending),
+                        || {
+                            let (dst, t) = (peer % p, tag_for(peer, i, dir));
+                            post_send(group, tensor, dst, t, options.sends, &mut pending)
+                        },
                     )?;
                 }
                 Action::Forward { .. } => {
@@ -519,7 +534,7 @@ impl Stage {
         model: &Model,
         group: &dyn ProcessGroup,
         batches: &MicroBatches,
-        classes: usize,
+        options: &StepOptions,
     ) -> Result<Option<(f32, usize)>, PipelineError> {
         self.check_step(group, batches)?;
         let (p, m) = (self.schedule.workers, self.schedule.micro_batches);
@@ -541,13 +556,14 @@ impl Stage {
                 let (y, _) =
                     model.forward_local(&mut chunk.store, x, blocks, Mode::EVAL, &|_| false);
                 if c == last {
-                    let (loss, _, ok) = mean_loss(&y, &batches.targets[i], classes, m)?;
+                    let (loss, _, ok) = mean_loss(&y, &batches.targets[i], options.classes, m)?;
                     loss_sum += loss as f64;
                     correct += ok;
                 } else if p == 1 {
                     carried = Some(y);
                 } else {
-                    post_send(group, y, (c + 1) % p, tag_for(c + 1, i), &mut pending)?;
+                    let (dst, t) = ((c + 1) % p, tag_for(c + 1, i));
+                    post_send(group, y, dst, t, options.sends, &mut pending)?;
                 }
             }
         }

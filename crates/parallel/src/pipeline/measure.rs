@@ -6,6 +6,7 @@ use super::bench::{
     max_abs_diff, median, run_pipeline, run_reference, BenchModel, PartitionChoice, RunConfig,
 };
 use super::schedule::ScheduleKind;
+use super::transport::SendMode;
 use super::PipelineError;
 use meshtrain_nn::models::GptConfig;
 use meshtrain_nn::optim::OptimizerConfig;
@@ -18,6 +19,7 @@ use std::time::Duration;
 pub struct BubbleRow {
     pub model: String,
     pub schedule: String,
+    pub sends: String,
     pub workers: usize,
     pub chunks_per_worker: usize,
     pub micro_batches: usize,
@@ -73,6 +75,8 @@ pub struct BubbleSweep {
     /// Measured steps after one warm-up step.
     pub steps: usize,
     pub partition: PartitionChoice,
+    /// Each layout is measured once per send mode.
+    pub sends: Vec<SendMode>,
 }
 
 impl BubbleSweep {
@@ -91,10 +95,12 @@ impl BubbleSweep {
             micro_batch_size: 1,
             steps,
             partition: PartitionChoice::Params,
+            sends: vec![SendMode::Async],
         }
     }
 
-    /// A real GPT cut by measured block times, one core per worker (use p = 2 on 2 cores).
+    /// A real GPT cut by measured block times, one core per worker (use p = 2 on 2 cores),
+    /// with asynchronous and with inline sends.
     pub fn gpt(micro_batches: Vec<usize>, steps: usize) -> Self {
         BubbleSweep {
             model: BenchModel::Gpt(bench_gpt()),
@@ -104,6 +110,7 @@ impl BubbleSweep {
             micro_batch_size: 2,
             steps,
             partition: PartitionChoice::MeasuredTime,
+            sends: vec![SendMode::Async, SendMode::Inline],
         }
     }
 }
@@ -148,6 +155,7 @@ fn base_config(model: BenchModel, kind: ScheduleKind, workers: usize, m: usize) 
         seed: 7,
         threads_per_worker: 1,
         partition: PartitionChoice::Params,
+        sends: SendMode::Async,
     }
 }
 
@@ -173,7 +181,11 @@ pub fn bubble_sweep(sweep: &BubbleSweep) -> Result<Vec<BubbleRow>, PipelineError
     let mut rows = Vec::new();
     for &p in &sweep.workers {
         for &m in &sweep.micro_batches {
-            for &kind in &sweep.kinds {
+            for (&kind, &sends) in sweep
+                .kinds
+                .iter()
+                .flat_map(|k| sweep.sends.iter().map(move |s| (k, s)))
+            {
                 if matches!(kind, ScheduleKind::Interleaved { .. }) && !m.is_multiple_of(p) {
                     continue;
                 }
@@ -181,10 +193,12 @@ pub fn bubble_sweep(sweep: &BubbleSweep) -> Result<Vec<BubbleRow>, PipelineError
                 cfg.batch = m * sweep.micro_batch_size;
                 cfg.steps = sweep.steps + 1;
                 cfg.partition = sweep.partition.clone();
+                cfg.sends = sends;
                 let run = run_pipeline(&cfg)?;
                 rows.push(BubbleRow {
                     model: model_name(&sweep.model),
                     schedule: kind.to_string(),
+                    sends: format!("{sends:?}").to_lowercase(),
                     workers: p,
                     chunks_per_worker: kind.chunks_per_worker(),
                     micro_batches: m,
@@ -424,15 +438,16 @@ pub fn markdown(
 ) -> String {
     let mut s = String::new();
     if !bubbles.is_empty() {
-        s += "| model | schedule | p | m | measured idle | predicted (p−1)/(v·m+p−1) \
+        s += "| model | schedule | sends | p | m | measured idle | predicted (p−1)/(v·m+p−1) \
               | simulated with measured costs | step ms |\n";
-        s += "|---|---|---|---|---|---|---|---|\n";
+        s += "|---|---|---|---|---|---|---|---|---|\n";
         for r in bubbles {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.1} |",
                 r.model,
                 r.schedule,
+                r.sends,
                 r.workers,
                 r.micro_batches,
                 r.measured_idle,

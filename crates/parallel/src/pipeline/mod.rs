@@ -35,6 +35,7 @@ mod transport;
 pub use executor::{GradsReady, MicroBatches, Stage, StageChunk, StepOptions, StepReport};
 pub use partition::{profile_block_times, Partition};
 pub use schedule::{Action, Schedule, ScheduleKind, Simulation};
+pub use transport::SendMode;
 
 use meshtrain_comm::CommError;
 

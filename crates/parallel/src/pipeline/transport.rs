@@ -17,6 +17,19 @@ const HEADER_LEN: usize = 8;
 /// Largest dimension an f32 header carries exactly.
 const MAX_HEADER_DIM: usize = 1 << 24;
 
+/// How a stage sends its tensors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SendMode {
+    /// Posted to the rank's communication thread; compute goes on at once. Overlaps the
+    /// transfer with compute when a core is free for that thread.
+    #[default]
+    Async,
+    /// Done on the compute thread before it goes on (a buffered send is one copy). Better when
+    /// the workers already occupy every core: a hand-off to the communication thread then
+    /// waits to be scheduled, and the receiver waits with it (see docs/pipeline.md).
+    Inline,
+}
+
 #[derive(Clone, Copy)]
 pub(super) enum Direction {
     Activation = 0,
@@ -35,12 +48,13 @@ pub(super) struct PendingSend {
     _payload: Vec<f32>,
 }
 
-/// Posts the header and the data of `t` to `dst` without waiting for the receiver.
+/// Sends the header and the data of `t` to `dst` without waiting for the receiver.
 pub(super) fn post_send(
     group: &dyn ProcessGroup,
     t: Tensor,
     dst: usize,
     tag: u32,
+    mode: SendMode,
     pending: &mut Vec<PendingSend>,
 ) -> Result<(), PipelineError> {
     let shape = t.shape();
@@ -57,6 +71,11 @@ pub(super) fn post_send(
         .iter_mut()
         .zip(shape)
         .for_each(|(h, &d)| *h = d as f32);
+    if mode == SendMode::Inline {
+        group.send((&header).into(), dst, tag)?;
+        group.send((&t.into_vec()).into(), dst, tag)?;
+        return Ok(());
+    }
     // Finished sends are collected as we go (keeping their errors), so the list stays short.
     let mut k = 0;
     while k < pending.len() {
