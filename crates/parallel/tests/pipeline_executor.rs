@@ -443,3 +443,34 @@ fn measured_time_partition_is_the_same_on_every_worker() {
     assert_eq!(parts[0].len(), 3);
     assert!(parts.iter().all(|p| *p == parts[0]), "{parts:?}");
 }
+
+/// Rank 0 gathers exactly what the stages hold.
+#[test]
+fn gather_collects_the_whole_model_on_rank_0() {
+    let v2 = ScheduleKind::Interleaved {
+        chunks_per_worker: 2,
+    };
+    let results = one_step(v2, 2, 2, |model, stage, group, micro| {
+        stage.run_step(model, group, micro, &options(false), None, &mut |_| {})?;
+        let mut optimizers = stage.optimizers(meshtrain_nn::optim::OptimizerConfig::Sgd {
+            momentum: 0.0,
+            weight_decay: 0.0,
+        });
+        stage.optimizer_step(&mut optimizers, 0.1, None);
+        let gathered = stage.gather(model, group)?;
+        Ok((stage.clone(), gathered))
+    });
+    let model = gpt::gpt(&CFG);
+    let mut expected = model.init(1);
+    for (stage, _) in &results {
+        stage.copy_into(&model, &mut expected);
+    }
+    assert_ne!(
+        expected.values,
+        model.init(1).values,
+        "the step changed nothing"
+    );
+    assert_eq!(results[0].1.as_ref().unwrap().values, expected.values);
+    assert_eq!(results[0].1.as_ref().unwrap().buffers, expected.buffers);
+    assert!(results[1].1.is_none());
+}

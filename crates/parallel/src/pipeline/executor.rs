@@ -46,6 +46,8 @@ pub struct Stage {
     pub chunks: Vec<StageChunk>,
     /// Position in this worker's program of each chunk's last backward (keyed by chunk).
     final_backward: HashMap<usize, usize>,
+    /// Every chunk's blocks (also the other workers'), for gathering the whole model.
+    partition: Partition,
 }
 
 /// The micro-batches of one step. Only the worker of the first chunk reads `inputs` and only
@@ -243,6 +245,7 @@ impl Stage {
             schedule,
             chunks,
             final_backward,
+            partition: partition.clone(),
         })
     }
 
@@ -303,6 +306,52 @@ impl Stage {
             full.grads[pr].copy_from_slice(&c.store.grads);
             full.buffers[br].copy_from_slice(&c.store.buffers);
         }
+    }
+
+    /// Collects the whole model's parameters and buffers on rank 0 of the pipeline group (for
+    /// a checkpoint or a single-worker evaluation); other ranks get `None`. Call it on every
+    /// stage between steps. Gradients come back zero.
+    pub fn gather(
+        &self,
+        model: &Model,
+        group: &dyn ProcessGroup,
+    ) -> Result<Option<ParamStore>, PipelineError> {
+        let chunks = self.schedule.num_chunks();
+        // Between steps no pipeline message is outstanding, so these tags cannot collide.
+        let tags = |c: usize| {
+            (
+                tag(c, 0, Direction::Activation, chunks),
+                tag(c, 0, Direction::Grad, chunks),
+            )
+        };
+        if self.rank != 0 {
+            for c in &self.chunks {
+                let (values_tag, buffers_tag) = tags(c.index);
+                group.send((&c.store.values).into(), 0, values_tag)?;
+                group.send((&c.store.buffers).into(), 0, buffers_tag)?;
+            }
+            return Ok(None);
+        }
+        let mut full = ParamStore {
+            values: vec![0.0; model.num_params()],
+            grads: vec![0.0; model.num_params()],
+            buffers: vec![0.0; model.num_buffers()],
+        };
+        for c in 0..chunks {
+            let owner = self.schedule.worker_of(c);
+            if owner == 0 {
+                continue;
+            }
+            let blocks = self.partition.chunks()[c].clone();
+            let (values_tag, buffers_tag) = tags(c);
+            let pr = model.blocks_param_range(blocks.clone());
+            let br = model.blocks_buffer_range(blocks);
+            group.recv((&mut full.values[pr]).into(), owner, values_tag)?;
+            group.recv((&mut full.buffers[br]).into(), owner, buffers_tag)?;
+        }
+        self.copy_into(model, &mut full);
+        full.zero_grads();
+        Ok(Some(full))
     }
 
     pub fn zero_grads(&mut self) {
