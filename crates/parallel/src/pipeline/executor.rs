@@ -3,8 +3,9 @@
 //!
 //! * A [`Stage`] owns only its chunks' parameters (stage-local [`ParamStore`]s), so memory
 //!   per worker shrinks with the pipeline; each chunk gets its own optimizer state.
-//! * Sends are asynchronous (posted on the communication thread, compute goes on); receives
-//!   block where the schedule needs the data, and that wait is the bubble.
+//! * Sends are asynchronous by default (posted on the communication thread, compute goes on;
+//!   [`SendMode`]); receives block where the schedule needs the data, and that wait is the
+//!   bubble.
 //! * Messages carry their shape and a tag naming (micro-batch, chunk, direction); see
 //!   `transport`.
 //! * The last chunk computes softmax cross-entropy with gradient scale `1/m`, so the gradients
@@ -215,10 +216,9 @@ impl Stage {
             });
         }
         if rank >= schedule.workers {
-            return Err(PipelineError::SizeMismatch {
-                what: "pipeline workers (rank out of range)",
-                got: rank,
-                expected: schedule.workers,
+            return Err(PipelineError::RankOutOfRange {
+                rank,
+                workers: schedule.workers,
             });
         }
         schedule.check()?;
@@ -631,10 +631,11 @@ impl Stage {
         let s = &self.schedule;
         let (m, chunks) = (s.micro_batches, s.num_chunks());
         if group.size() != s.workers || group.rank() != self.rank {
-            return Err(PipelineError::SizeMismatch {
-                what: "pipeline group (ranks; this stage's rank must be its rank in the group)",
-                got: group.size(),
-                expected: s.workers,
+            return Err(PipelineError::GroupMismatch {
+                group_size: group.size(),
+                group_rank: group.rank(),
+                workers: s.workers,
+                stage_rank: self.rank,
             });
         }
         if self.chunks.iter().any(|c| c.index == 0) && batches.inputs.len() != m {

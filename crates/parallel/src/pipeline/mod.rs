@@ -78,6 +78,18 @@ pub enum PipelineError {
         got: usize,
         expected: usize,
     },
+    #[error("stage rank {rank} is out of range for a pipeline of {workers} workers")]
+    RankOutOfRange { rank: usize, workers: usize },
+    #[error(
+        "the pipeline group has {group_size} ranks and this is its rank {group_rank}, but the \
+         stage is rank {stage_rank} of a {workers}-worker schedule"
+    )]
+    GroupMismatch {
+        group_size: usize,
+        group_rank: usize,
+        workers: usize,
+        stage_rank: usize,
+    },
     #[error("a batch of {batch} samples cannot be split into {micro_batches} equal micro-batches")]
     BatchNotDivisible { batch: usize, micro_batches: usize },
     #[error(
