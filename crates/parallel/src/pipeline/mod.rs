@@ -6,7 +6,7 @@
 //!   list of forward/backward/send/receive actions), checked and simulated without a model.
 //! * [`executor`]: a [`Stage`] holds its chunks' parameters and runs one worker's program over
 //!   `ProcessGroup` send/recv, accumulating gradients over micro-batches.
-//! * [`bench`]: pipelined training runs on p threads next to a single-worker reference, and
+//! * [`bench`](mod@bench): pipelined training runs on p threads next to a single-worker reference, and
 //!   synthetic equal-cost blocks; [`measure`]: the tables of `docs/pipeline.md` (bubble,
 //!   activation memory, recomputation, equivalence), callable from the CLI.
 //!
