@@ -164,22 +164,95 @@ impl Model {
     /// Fresh parameters: each tensor drawn from its own stream forked from `seed`, so adding a
     /// layer never changes the initial values of the others.
     pub fn init(&self, seed: u64) -> ParamStore {
-        let mut values = vec![0.0f32; self.num_params()];
+        self.init_blocks(seed, 0..self.num_blocks())
+    }
+
+    /// Fresh parameters of blocks `blocks` only (a pipeline stage's share): the same values as
+    /// the matching slices of [`Model::init`], without allocating the rest of the model.
+    pub fn init_blocks(&self, seed: u64, blocks: Range<usize>) -> ParamStore {
+        let (pr, br) = (
+            self.blocks_param_range(blocks.clone()),
+            self.blocks_buffer_range(blocks.clone()),
+        );
+        let mut values = vec![0.0f32; pr.len()];
         for (i, e) in self.params.iter().enumerate() {
-            let mut rng = SplitMix64::derive(seed, i as u64);
-            e.spec.init.fill(&mut values[e.range.clone()], &mut rng);
+            if blocks.contains(&e.block) {
+                let mut rng = SplitMix64::derive(seed, i as u64);
+                let local = e.range.start - pr.start..e.range.end - pr.start;
+                e.spec.init.fill(&mut values[local], &mut rng);
+            }
         }
-        let mut buffers = vec![0.0f32; self.num_buffers()];
-        for e in &self.buffers {
+        let mut buffers = vec![0.0f32; br.len()];
+        for e in self.buffers.iter().filter(|e| blocks.contains(&e.block)) {
+            let local = e.range.start - br.start..e.range.end - br.start;
             e.spec
                 .init
-                .fill(&mut buffers[e.range.clone()], &mut SplitMix64::new(0));
+                .fill(&mut buffers[local], &mut SplitMix64::new(0));
         }
         ParamStore {
             grads: vec![0.0; values.len()],
             values,
             buffers,
         }
+    }
+
+    /// The flat-buffer range holding the parameters of the contiguous blocks `blocks`.
+    pub fn blocks_param_range(&self, blocks: Range<usize>) -> Range<usize> {
+        span_of(&self.block_params, blocks)
+    }
+
+    /// The flat-buffer range holding the non-trainable buffers of the blocks `blocks`.
+    pub fn blocks_buffer_range(&self, blocks: Range<usize>) -> Range<usize> {
+        span_of(&self.block_buffers, blocks)
+    }
+
+    /// The share of a whole-model store that blocks `blocks` own (values, gradients and
+    /// buffers), as a store for [`Model::forward_local`] / [`Model::backward_local`].
+    pub fn slice_store(&self, full: &ParamStore, blocks: Range<usize>) -> ParamStore {
+        let (pr, br) = (
+            self.blocks_param_range(blocks.clone()),
+            self.blocks_buffer_range(blocks),
+        );
+        ParamStore {
+            values: full.values[pr.clone()].to_vec(),
+            grads: full.grads[pr].to_vec(),
+            buffers: full.buffers[br].to_vec(),
+        }
+    }
+
+    /// Where a store holding exactly the blocks `range` starts in the whole-model buffers.
+    /// Panics (a programming error, not bad input) if the store has another size.
+    fn local_base(&self, store: &ParamStore, range: &Range<usize>) -> Base {
+        let (pr, br) = (
+            self.blocks_param_range(range.clone()),
+            self.blocks_buffer_range(range.clone()),
+        );
+        assert!(
+            store.values.len() == pr.len()
+                && store.grads.len() == pr.len()
+                && store.buffers.len() == br.len(),
+            "a local store for blocks {range:?} needs {} parameters and {} buffer values, \
+             this one has {} values, {} gradients and {} buffer values",
+            pr.len(),
+            br.len(),
+            store.values.len(),
+            store.grads.len(),
+            store.buffers.len()
+        );
+        Base {
+            params: pr.start,
+            buffers: br.start,
+        }
+    }
+
+    fn param_slot(&self, i: usize, base: Base) -> Range<usize> {
+        let r = &self.block_params[i];
+        r.start - base.params..r.end - base.params
+    }
+
+    fn buffer_slot(&self, i: usize, base: Base) -> Range<usize> {
+        let r = &self.block_buffers[i];
+        r.start - base.buffers..r.end - base.buffers
     }
 
     /// Forward through blocks `range`; blocks listed in `recompute` keep only their input.
@@ -191,11 +264,38 @@ impl Model {
         mode: Mode,
         recompute: &dyn Fn(usize) -> bool,
     ) -> (Tensor, Activations) {
+        self.forward_at(store, Base::WHOLE, x, range, mode, recompute)
+    }
+
+    /// [`Model::forward`] on a store that holds only the blocks `range` (from
+    /// [`Model::init_blocks`] or [`Model::slice_store`]): a pipeline stage keeps just its
+    /// own parameters and optimizer state.
+    pub fn forward_local(
+        &self,
+        store: &mut ParamStore,
+        x: Tensor,
+        range: Range<usize>,
+        mode: Mode,
+        recompute: &dyn Fn(usize) -> bool,
+    ) -> (Tensor, Activations) {
+        let base = self.local_base(store, &range);
+        self.forward_at(store, base, x, range, mode, recompute)
+    }
+
+    fn forward_at(
+        &self,
+        store: &mut ParamStore,
+        base: Base,
+        x: Tensor,
+        range: Range<usize>,
+        mode: Mode,
+        recompute: &dyn Fn(usize) -> bool,
+    ) -> (Tensor, Activations) {
         let mut saved = Vec::with_capacity(range.len());
         let mut x = x;
         for i in range.clone() {
-            let p = &store.values[self.block_params[i].clone()];
-            let b = &mut store.buffers[self.block_buffers[i].clone()];
+            let p = &store.values[self.param_slot(i, base)];
+            let b = &mut store.buffers[self.buffer_slot(i, base)];
             let layer = &self.blocks[i].layer;
             if mode.train && recompute(i) {
                 // Run normally (batch norm updates its running statistics once, here), keep
@@ -229,6 +329,33 @@ impl Model {
         need_dx: bool,
         on_block_ready: &mut dyn FnMut(usize, &mut ParamStore),
     ) -> Option<Tensor> {
+        self.backward_at(store, Base::WHOLE, acts, dy, need_dx, on_block_ready)
+    }
+
+    /// [`Model::backward`] on a store that holds only the blocks `acts.range` (see
+    /// [`Model::forward_local`]). `on_block_ready` gets the global block index; the block's
+    /// gradients sit at `block_param_range(i)` shifted by `blocks_param_range(acts.range).start`.
+    pub fn backward_local(
+        &self,
+        store: &mut ParamStore,
+        acts: Activations,
+        dy: Tensor,
+        need_dx: bool,
+        on_block_ready: &mut dyn FnMut(usize, &mut ParamStore),
+    ) -> Option<Tensor> {
+        let base = self.local_base(store, &acts.range);
+        self.backward_at(store, base, acts, dy, need_dx, on_block_ready)
+    }
+
+    fn backward_at(
+        &self,
+        store: &mut ParamStore,
+        base: Base,
+        acts: Activations,
+        dy: Tensor,
+        need_dx: bool,
+        on_block_ready: &mut dyn FnMut(usize, &mut ParamStore),
+    ) -> Option<Tensor> {
         let Activations { range, blocks } = acts;
         let mut grad = Some(dy);
         for (i, saved) in range.clone().zip(blocks).rev() {
@@ -236,8 +363,8 @@ impl Model {
                 BlockSaved::Full(s) => s,
                 BlockSaved::Recompute(input) => {
                     let mut s = Saved::default();
-                    let p = &store.values[self.block_params[i].clone()];
-                    let b = &mut store.buffers[self.block_buffers[i].clone()];
+                    let p = &store.values[self.param_slot(i, base)];
+                    let b = &mut store.buffers[self.buffer_slot(i, base)];
                     self.blocks[i]
                         .layer
                         .forward(p, b, input, Mode::RECOMPUTE, &mut s);
@@ -245,7 +372,7 @@ impl Model {
                 }
             };
             let want_dx = need_dx || i > range.start;
-            let pr = self.block_params[i].clone();
+            let pr = self.param_slot(i, base);
             let (values, grads) = (&store.values[pr.clone()], &mut store.grads[pr]);
             grad = self.blocks[i].layer.backward(
                 values,
@@ -268,4 +395,35 @@ impl Model {
     ) -> (Tensor, Activations) {
         self.forward(store, x, 0..self.num_blocks(), mode, &|_| false)
     }
+}
+
+/// Where the store a forward/backward runs on starts in the whole-model buffers: 0 for a
+/// whole-model store, the first held block's offset for a stage-local one.
+#[derive(Clone, Copy)]
+struct Base {
+    params: usize,
+    buffers: usize,
+}
+
+impl Base {
+    const WHOLE: Base = Base {
+        params: 0,
+        buffers: 0,
+    };
+}
+
+/// The union of the contiguous per-block ranges `per_block[blocks]` (empty at the right
+/// offset for an empty block range).
+fn span_of(per_block: &[Range<usize>], blocks: Range<usize>) -> Range<usize> {
+    assert!(
+        blocks.start <= blocks.end && blocks.end <= per_block.len(),
+        "block range {blocks:?} is outside the model's {} blocks",
+        per_block.len()
+    );
+    let at = |b: usize| {
+        per_block
+            .get(b)
+            .map_or_else(|| per_block.last().map_or(0, |r| r.end), |r| r.start)
+    };
+    at(blocks.start)..at(blocks.end)
 }

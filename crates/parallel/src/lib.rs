@@ -9,3 +9,4 @@
 
 pub mod data;
 pub mod pipeline;
+pub mod timeline;

@@ -1,0 +1,697 @@
+//! One worker's side of a pipeline step: run its program from the [`Schedule`] over
+//! point-to-point messages, calling `Model::forward_local` / `backward_local` on its chunks.
+//!
+//! * A [`Stage`] owns only its chunks' parameters (stage-local [`ParamStore`]s), so memory
+//!   per worker shrinks with the pipeline; each chunk gets its own optimizer state.
+//! * Sends are asynchronous by default (posted on the communication thread, compute goes on;
+//!   [`SendMode`]); receives block where the schedule needs the data, and that wait is the
+//!   bubble.
+//! * Messages carry their shape and a tag naming (micro-batch, chunk, direction); see
+//!   `transport`.
+//! * The last chunk computes softmax cross-entropy with gradient scale `1/m`, so the gradients
+//!   accumulated over `m` equal micro-batches equal those of the full batch's mean loss.
+//! * [`GradsReady`] fires for each block during a chunk's *last* backward of the step: from
+//!   then on that block's gradients are final and a data-parallel all-reduce may start.
+
+use super::partition::Partition;
+use super::schedule::{Action, Schedule};
+use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, SendMode, TAG_LIMIT};
+use super::PipelineError;
+use crate::timeline::{timed, Category, Timeline};
+use meshtrain_comm::ProcessGroup;
+use meshtrain_nn::model::Activations;
+use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
+use meshtrain_nn::{Mode, Model, ParamStore};
+use meshtrain_tensor::loss::softmax_cross_entropy;
+use meshtrain_tensor::Tensor;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::Instant;
+
+/// One contiguous range of blocks held by a worker, with its parameters.
+#[derive(Clone, Debug)]
+pub struct StageChunk {
+    /// Global chunk index (model order).
+    pub index: usize,
+    pub blocks: Range<usize>,
+    /// Parameters, gradients and buffers of `blocks` only.
+    pub store: ParamStore,
+}
+
+/// A worker's share of a pipelined model and the program it runs each step.
+#[derive(Clone, Debug)]
+pub struct Stage {
+    rank: usize,
+    schedule: Schedule,
+    /// This worker's chunks in local order (global index `j·p + rank`).
+    pub chunks: Vec<StageChunk>,
+    /// Position in this worker's program of each chunk's last backward (keyed by chunk).
+    final_backward: HashMap<usize, usize>,
+    /// Every chunk's blocks (also the other workers'), for gathering the whole model.
+    partition: Partition,
+}
+
+/// The micro-batches of one step. Only the worker of the first chunk reads `inputs` and only
+/// the worker of the last chunk reads `targets`; other workers may pass them empty.
+#[derive(Clone, Debug, Default)]
+pub struct MicroBatches {
+    pub inputs: Vec<Tensor>,
+    pub targets: Vec<Vec<u32>>,
+}
+
+impl MicroBatches {
+    /// Splits a batch into `m` equal micro-batches along its first axis (`y` holds the same
+    /// number of targets per sample: one for images, `seq` for a language model).
+    pub fn split(x: &Tensor, y: &[u32], m: usize) -> Result<MicroBatches, PipelineError> {
+        let batch = x.shape().first().copied().unwrap_or(0);
+        if m == 0 {
+            return Err(PipelineError::NoMicroBatches);
+        }
+        if batch == 0 || !batch.is_multiple_of(m) {
+            return Err(PipelineError::BatchNotDivisible {
+                batch,
+                micro_batches: m,
+            });
+        }
+        if !y.len().is_multiple_of(batch) {
+            return Err(PipelineError::SizeMismatch {
+                what: "targets (a multiple of the batch size)",
+                got: y.len(),
+                expected: batch * (y.len() / batch).max(1),
+            });
+        }
+        let rows = batch / m;
+        let (x_len, y_len) = (x.numel() / batch * rows, y.len() / batch * rows);
+        let mut shape = x.shape().to_vec();
+        shape[0] = rows;
+        Ok(MicroBatches {
+            inputs: x
+                .data()
+                .chunks(x_len)
+                .map(|c| Tensor::from_vec(c.to_vec(), &shape))
+                .collect(),
+            targets: y.chunks(y_len).map(<[u32]>::to_vec).collect(),
+        })
+    }
+}
+
+/// Per-step settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOptions {
+    /// Number of classes of the loss (logits' last dimension).
+    pub classes: usize,
+    /// Keep only each block's input and recompute it in backward (activation checkpointing).
+    pub recompute: bool,
+    pub sends: SendMode,
+}
+
+impl StepOptions {
+    /// No recomputation, asynchronous sends.
+    pub fn new(classes: usize) -> StepOptions {
+        StepOptions {
+            classes,
+            recompute: false,
+            sends: SendMode::Async,
+        }
+    }
+}
+
+/// What one worker's step did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the batch (workers holding the last chunk only).
+    pub loss: Option<f32>,
+    /// Correct predictions over the batch (last chunk only).
+    pub correct: Option<usize>,
+    /// Most activation bytes held at once (what forward keeps for backward).
+    pub peak_activation_bytes: usize,
+    /// Time in forward (including the loss on the last stage).
+    pub forward_s: f64,
+    /// Time in backward (including recomputation).
+    pub backward_s: f64,
+    /// Time blocked in receives (the bubble, plus transfer time).
+    pub recv_wait_s: f64,
+    pub wall_s: f64,
+}
+
+impl StepReport {
+    pub fn compute_s(&self) -> f64 {
+        self.forward_s + self.backward_s
+    }
+}
+
+/// A block's gradients just became final for this step (during its chunk's last backward):
+/// `store.grads[range]` holds them. The place to start a data-parallel all-reduce.
+pub struct GradsReady<'a> {
+    pub chunk: usize,
+    pub block: usize,
+    /// The block's range within `store` (stage-local).
+    pub range: Range<usize>,
+    pub store: &'a mut ParamStore,
+}
+
+impl Stage {
+    /// Worker `rank`'s stage with fresh parameters (the same values the whole model's
+    /// `init(seed)` gives these blocks). Checks the layout before any work starts.
+    pub fn new(
+        model: &Model,
+        partition: &Partition,
+        schedule: Schedule,
+        rank: usize,
+        seed: u64,
+    ) -> Result<Stage, PipelineError> {
+        Stage::build(model, partition, schedule, rank, |blocks| {
+            model.init_blocks(seed, blocks)
+        })
+    }
+
+    /// Worker `rank`'s stage holding its share of a whole-model store (from a checkpoint, or
+    /// to compare with a single-worker run).
+    pub fn from_store(
+        model: &Model,
+        partition: &Partition,
+        schedule: Schedule,
+        rank: usize,
+        full: &ParamStore,
+    ) -> Result<Stage, PipelineError> {
+        if full.values.len() != model.num_params() || full.buffers.len() != model.num_buffers() {
+            return Err(PipelineError::SizeMismatch {
+                what: "whole-model parameter store",
+                got: full.values.len(),
+                expected: model.num_params(),
+            });
+        }
+        Stage::build(model, partition, schedule, rank, |blocks| {
+            model.slice_store(full, blocks)
+        })
+    }
+
+    fn build(
+        model: &Model,
+        partition: &Partition,
+        schedule: Schedule,
+        rank: usize,
+        store_of: impl Fn(Range<usize>) -> ParamStore,
+    ) -> Result<Stage, PipelineError> {
+        let chunks = schedule.num_chunks();
+        if model.num_blocks() < chunks {
+            return Err(PipelineError::TooFewBlocks {
+                blocks: model.num_blocks(),
+                chunks,
+            });
+        }
+        if partition.len() != chunks {
+            return Err(PipelineError::SizeMismatch {
+                what: "partition (chunks)",
+                got: partition.len(),
+                expected: chunks,
+            });
+        }
+        let covered = partition.chunks().last().map_or(0, |r| r.end);
+        if covered != model.num_blocks() {
+            return Err(PipelineError::SizeMismatch {
+                what: "partition (blocks covered)",
+                got: covered,
+                expected: model.num_blocks(),
+            });
+        }
+        if rank >= schedule.workers {
+            return Err(PipelineError::RankOutOfRange {
+                rank,
+                workers: schedule.workers,
+            });
+        }
+        schedule.check()?;
+        let mut final_backward = HashMap::new();
+        for (pos, a) in schedule.actions[rank].iter().enumerate() {
+            if let Action::Backward { chunk, .. } = a {
+                final_backward.insert(*chunk, pos);
+            }
+        }
+        let chunks = schedule
+            .chunks_of(rank)
+            .into_iter()
+            .map(|index| {
+                let blocks = partition.chunks()[index].clone();
+                StageChunk {
+                    index,
+                    store: store_of(blocks.clone()),
+                    blocks,
+                }
+            })
+            .collect();
+        Ok(Stage {
+            rank,
+            schedule,
+            chunks,
+            final_backward,
+            partition: partition.clone(),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// Parameters this worker holds.
+    pub fn num_params(&self) -> usize {
+        self.chunks.iter().map(|c| c.store.values.len()).sum()
+    }
+
+    /// One optimizer per chunk, sized for that chunk's parameters only.
+    pub fn optimizers(&self, config: OptimizerConfig) -> Vec<Optimizer> {
+        self.chunks
+            .iter()
+            .map(|c| Optimizer::new(config, c.store.values.len()))
+            .collect()
+    }
+
+    /// Updates every chunk with its optimizer, then zeroes the gradients for the next step.
+    pub fn optimizer_step(
+        &mut self,
+        optimizers: &mut [Optimizer],
+        lr: f32,
+        mut timeline: Option<&mut Timeline>,
+    ) {
+        assert_eq!(
+            optimizers.len(),
+            self.chunks.len(),
+            "one optimizer per chunk"
+        );
+        timed(
+            &mut timeline,
+            || "opt".into(),
+            Category::Optimizer,
+            None,
+            || {
+                for (chunk, opt) in self.chunks.iter_mut().zip(optimizers) {
+                    opt.step(&mut chunk.store.values, &chunk.store.grads, lr);
+                    chunk.store.zero_grads();
+                }
+            },
+        );
+    }
+
+    /// Writes this stage's parameters, gradients and buffers into their places in a
+    /// whole-model store (to gather a checkpoint, or compare with a single-worker run).
+    pub fn copy_into(&self, model: &Model, full: &mut ParamStore) {
+        for c in &self.chunks {
+            let pr = model.blocks_param_range(c.blocks.clone());
+            let br = model.blocks_buffer_range(c.blocks.clone());
+            full.values[pr.clone()].copy_from_slice(&c.store.values);
+            full.grads[pr].copy_from_slice(&c.store.grads);
+            full.buffers[br].copy_from_slice(&c.store.buffers);
+        }
+    }
+
+    /// Collects the whole model's parameters and buffers on rank 0 of the pipeline group (for
+    /// a checkpoint or a single-worker evaluation); other ranks get `None`. Call it on every
+    /// stage between steps. Gradients come back zero.
+    pub fn gather(
+        &self,
+        model: &Model,
+        group: &dyn ProcessGroup,
+    ) -> Result<Option<ParamStore>, PipelineError> {
+        let chunks = self.schedule.num_chunks();
+        // Between steps no pipeline message is outstanding, so these tags cannot collide.
+        let tags = |c: usize| {
+            (
+                tag(c, 0, Direction::Activation, chunks),
+                tag(c, 0, Direction::Grad, chunks),
+            )
+        };
+        if self.rank != 0 {
+            for c in &self.chunks {
+                let (values_tag, buffers_tag) = tags(c.index);
+                group.send((&c.store.values).into(), 0, values_tag)?;
+                group.send((&c.store.buffers).into(), 0, buffers_tag)?;
+            }
+            return Ok(None);
+        }
+        let mut full = ParamStore {
+            values: vec![0.0; model.num_params()],
+            grads: vec![0.0; model.num_params()],
+            buffers: vec![0.0; model.num_buffers()],
+        };
+        for c in 0..chunks {
+            let owner = self.schedule.worker_of(c);
+            if owner == 0 {
+                continue;
+            }
+            let blocks = self.partition.chunks()[c].clone();
+            let (values_tag, buffers_tag) = tags(c);
+            let pr = model.blocks_param_range(blocks.clone());
+            let br = model.blocks_buffer_range(blocks);
+            group.recv((&mut full.values[pr]).into(), owner, values_tag)?;
+            group.recv((&mut full.buffers[br]).into(), owner, buffers_tag)?;
+        }
+        self.copy_into(model, &mut full);
+        full.zero_grads();
+        Ok(Some(full))
+    }
+
+    pub fn zero_grads(&mut self) {
+        self.chunks.iter_mut().for_each(|c| c.store.zero_grads());
+    }
+
+    /// Global gradient L2 norm over all stages (an all-reduce over `group`, the pipeline
+    /// group), for clipping: every stage gets the same value.
+    pub fn grad_norm(&self, group: &dyn ProcessGroup) -> Result<f32, PipelineError> {
+        let local: f64 = self
+            .chunks
+            .iter()
+            .flat_map(|c| &c.store.grads)
+            .map(|&g| g as f64 * g as f64)
+            .sum();
+        let mut sum = vec![local as f32];
+        group.all_reduce((&mut sum).into(), meshtrain_comm::ReduceOp::Sum)?;
+        Ok(sum[0].sqrt())
+    }
+
+    /// Scales all stages' gradients so their global norm is at most `max_norm` (as
+    /// `optim::clip_grad_norm` does for one worker); returns the norm before clipping.
+    pub fn clip_grad_norm(
+        &mut self,
+        group: &dyn ProcessGroup,
+        max_norm: f32,
+    ) -> Result<f32, PipelineError> {
+        let norm = self.grad_norm(group)?;
+        if norm > max_norm && norm > 0.0 {
+            let k = max_norm / (norm + 1e-6);
+            for c in &mut self.chunks {
+                c.store.grads.iter_mut().for_each(|g| *g *= k);
+            }
+        }
+        Ok(norm)
+    }
+
+    /// Runs this worker's program for one training step: gradients of all micro-batches are
+    /// accumulated into the chunks' stores (not applied; call [`Stage::optimizer_step`]).
+    /// `group` is the pipeline group (rank `r` runs stage `r`). `on_grads_ready` is called for
+    /// each block as its gradients become final (see [`GradsReady`]).
+    pub fn run_step(
+        &mut self,
+        model: &Model,
+        group: &dyn ProcessGroup,
+        batches: &MicroBatches,
+        options: &StepOptions,
+        mut timeline: Option<&mut Timeline>,
+        on_grads_ready: &mut dyn FnMut(GradsReady<'_>),
+    ) -> Result<StepReport, PipelineError> {
+        self.check_step(group, batches)?;
+        let started = Instant::now();
+        let Stage {
+            schedule,
+            chunks,
+            final_backward,
+            ..
+        } = self;
+        let (p, m) = (schedule.workers, schedule.micro_batches);
+        let last = schedule.num_chunks() - 1;
+        let interleaved = schedule.chunks_per_worker() > 1;
+        let name = |kind: &str, c: usize, i: usize| {
+            if interleaved {
+                format!("{kind}{i}·c{c}")
+            } else {
+                format!("{kind}{i}")
+            }
+        };
+        let tag_for = |chunk: usize, micro: usize, dir: Direction| tag(chunk, micro, dir, last + 1);
+
+        // Tensors waiting for the action that consumes them, keyed by (chunk, micro).
+        let mut inputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut upstream: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut stash: HashMap<(usize, usize), Activations> = HashMap::new();
+        let mut pending: Vec<PendingSend> = Vec::new();
+        let mut report = StepReport::default();
+        let (mut in_flight, mut loss_sum, mut correct) = (0usize, 0.0f64, 0usize);
+
+        for (pos, &action) in schedule.actions[self.rank].iter().enumerate() {
+            let (c, i) = (action.chunk(), action.micro());
+            let chunk = &mut chunks[c / p];
+            match action {
+                Action::RecvActivation { .. } | Action::RecvGrad { .. } => {
+                    // An activation comes from chunk c − 1, a gradient from chunk c + 1.
+                    let (dir, peer, into, label) = match action {
+                        Action::RecvActivation { .. } => {
+                            (Direction::Activation, c - 1, &mut inputs, "recv act ")
+                        }
+                        _ => (Direction::Grad, c + 1, &mut upstream, "recv grad "),
+                    };
+                    let t = Instant::now();
+                    let received = timed(
+                        &mut timeline,
+                        || name(label, c, i),
+                        Category::RecvWait,
+                        Some(i),
+                        || recv_tensor(group, peer % p, tag_for(c, i, dir)),
+                    )?;
+                    report.recv_wait_s += t.elapsed().as_secs_f64();
+                    into.insert((c, i), received);
+                }
+                Action::SendActivation { .. } | Action::SendGrad { .. } => {
+                    // The output goes to chunk c + 1, the input gradient to chunk c − 1.
+                    let (dir, peer, from, label) = match action {
+                        Action::SendActivation { .. } => {
+                            (Direction::Activation, c + 1, &mut outputs, "send act ")
+                        }
+                        _ => (Direction::Grad, c - 1, &mut input_grads, "send grad "),
+                    };
+                    let tensor = take(from, (c, i), action)?;
+                    timed(
+                        &mut timeline,
+                        || name(label, c, i),
+                        Category::Send,
+                        Some(i),
+                        || {
+                            let (dst, t) = (peer % p, tag_for(peer, i, dir));
+                            post_send(group, tensor, dst, t, options.sends, &mut pending)
+                        },
+                    )?;
+                }
+                Action::Forward { .. } => {
+                    let x = if c == 0 {
+                        batches.inputs[i].clone()
+                    } else {
+                        take(&mut inputs, (c, i), action)?
+                    };
+                    let targets = (c == last).then(|| batches.targets[i].as_slice());
+                    let t = Instant::now();
+                    let (y, acts, loss) = timed(
+                        &mut timeline,
+                        || name("F", c, i),
+                        Category::Forward,
+                        Some(i),
+                        || {
+                            let recompute = options.recompute;
+                            let blocks = chunk.blocks.clone();
+                            let (y, acts) = model.forward_local(
+                                &mut chunk.store,
+                                x,
+                                blocks,
+                                Mode::TRAIN,
+                                &|_| recompute,
+                            );
+                            let loss = targets.map(|t| mean_loss(&y, t, options.classes, m));
+                            (y, acts, loss)
+                        },
+                    );
+                    report.forward_s += t.elapsed().as_secs_f64();
+                    in_flight += acts.bytes();
+                    report.peak_activation_bytes = report.peak_activation_bytes.max(in_flight);
+                    stash.insert((c, i), acts);
+                    match loss {
+                        Some(result) => {
+                            let (loss, dlogits, ok) = result?;
+                            loss_sum += loss as f64;
+                            correct += ok;
+                            upstream.insert((c, i), dlogits);
+                        }
+                        None if p == 1 => {
+                            inputs.insert((c + 1, i), y);
+                        }
+                        None => {
+                            outputs.insert((c, i), y);
+                        }
+                    }
+                }
+                Action::Backward { .. } => {
+                    let dy = take(&mut upstream, (c, i), action)?;
+                    let acts = take(&mut stash, (c, i), action)?;
+                    in_flight -= acts.bytes();
+                    let is_final = final_backward.get(&c) == Some(&pos);
+                    let base = model.blocks_param_range(chunk.blocks.clone()).start;
+                    let mut ready = |block: usize, store: &mut ParamStore| {
+                        if is_final {
+                            let r = model.block_param_range(block);
+                            on_grads_ready(GradsReady {
+                                chunk: c,
+                                block,
+                                range: r.start - base..r.end - base,
+                                store,
+                            });
+                        }
+                    };
+                    let t = Instant::now();
+                    let dx = timed(
+                        &mut timeline,
+                        || name("B", c, i),
+                        Category::Backward,
+                        Some(i),
+                        || model.backward_local(&mut chunk.store, acts, dy, c > 0, &mut ready),
+                    );
+                    report.backward_s += t.elapsed().as_secs_f64();
+                    if c > 0 {
+                        let dx = dx.ok_or_else(|| {
+                            PipelineError::InvalidSchedule(format!(
+                                "chunk {c} produced no input gradient"
+                            ))
+                        })?;
+                        if p == 1 {
+                            upstream.insert((c - 1, i), dx);
+                        } else {
+                            input_grads.insert((c, i), dx);
+                        }
+                    }
+                }
+            }
+        }
+        for send in pending {
+            send.work.wait()?;
+        }
+        if schedule.worker_of(last) == self.rank {
+            report.loss = Some((loss_sum / m as f64) as f32);
+            report.correct = Some(correct);
+        }
+        report.wall_s = started.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// Forward-only pass in evaluation mode (validation): each micro-batch flows through the
+    /// chunks in model order, no activations are kept. Returns the mean loss and the correct
+    /// count on the worker of the last chunk, `None` elsewhere. Every worker visits its
+    /// (micro-batch, chunk) pairs in the same global order, so the blocking receives cannot
+    /// deadlock.
+    pub fn evaluate(
+        &mut self,
+        model: &Model,
+        group: &dyn ProcessGroup,
+        batches: &MicroBatches,
+        options: &StepOptions,
+    ) -> Result<Option<(f32, usize)>, PipelineError> {
+        self.check_step(group, batches)?;
+        let (p, m) = (self.schedule.workers, self.schedule.micro_batches);
+        let last = self.schedule.num_chunks() - 1;
+        let tag_for =
+            |chunk: usize, micro: usize| tag(chunk, micro, Direction::Activation, last + 1);
+        let mut pending = Vec::new();
+        let (mut loss_sum, mut correct) = (0.0f64, 0usize);
+        for i in 0..m {
+            let mut carried: Option<Tensor> = None;
+            for chunk in &mut self.chunks {
+                let c = chunk.index;
+                let x = match (c, carried.take()) {
+                    (0, _) => batches.inputs[i].clone(),
+                    (_, Some(x)) => x, // p = 1: the previous chunk is ours
+                    (_, None) => recv_tensor(group, (c - 1) % p, tag_for(c, i))?,
+                };
+                let blocks = chunk.blocks.clone();
+                let (y, _) =
+                    model.forward_local(&mut chunk.store, x, blocks, Mode::EVAL, &|_| false);
+                if c == last {
+                    let (loss, _, ok) = mean_loss(&y, &batches.targets[i], options.classes, m)?;
+                    loss_sum += loss as f64;
+                    correct += ok;
+                } else if p == 1 {
+                    carried = Some(y);
+                } else {
+                    let (dst, t) = ((c + 1) % p, tag_for(c + 1, i));
+                    post_send(group, y, dst, t, options.sends, &mut pending)?;
+                }
+            }
+        }
+        for send in pending {
+            send.work.wait()?;
+        }
+        let holds_last = self.schedule.worker_of(last) == self.rank;
+        Ok(holds_last.then(|| ((loss_sum / m as f64) as f32, correct)))
+    }
+
+    fn check_step(
+        &self,
+        group: &dyn ProcessGroup,
+        batches: &MicroBatches,
+    ) -> Result<(), PipelineError> {
+        let s = &self.schedule;
+        let (m, chunks) = (s.micro_batches, s.num_chunks());
+        if group.size() != s.workers || group.rank() != self.rank {
+            return Err(PipelineError::GroupMismatch {
+                group_size: group.size(),
+                group_rank: group.rank(),
+                workers: s.workers,
+                stage_rank: self.rank,
+            });
+        }
+        if self.chunks.iter().any(|c| c.index == 0) && batches.inputs.len() != m {
+            return Err(PipelineError::SizeMismatch {
+                what: "micro-batch inputs on the first stage",
+                got: batches.inputs.len(),
+                expected: m,
+            });
+        }
+        if self.chunks.iter().any(|c| c.index == chunks - 1) && batches.targets.len() != m {
+            return Err(PipelineError::SizeMismatch {
+                what: "micro-batch targets on the last stage",
+                got: batches.targets.len(),
+                expected: m,
+            });
+        }
+        let needed = m * chunks * 2;
+        if needed > TAG_LIMIT {
+            return Err(PipelineError::TagSpace {
+                micro_batches: m,
+                chunks,
+                needed,
+                limit: TAG_LIMIT,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Softmax cross-entropy of one micro-batch with gradient scale `1/m`: summed over the `m`
+/// micro-batches, the gradients are those of the full batch's mean loss.
+fn mean_loss(
+    logits: &Tensor,
+    targets: &[u32],
+    classes: usize,
+    m: usize,
+) -> Result<(f32, Tensor, usize), PipelineError> {
+    if logits.numel() != targets.len() * classes {
+        return Err(PipelineError::SizeMismatch {
+            what: "logits (targets × classes)",
+            got: logits.numel(),
+            expected: targets.len() * classes,
+        });
+    }
+    let (loss, dlogits, correct) =
+        softmax_cross_entropy(logits.data(), classes, targets, 1.0 / m as f32);
+    Ok((loss, Tensor::from_vec(dlogits, logits.shape()), correct))
+}
+
+/// Removes the tensor an action needs; a missing one means the program is out of order.
+fn take<T>(
+    map: &mut HashMap<(usize, usize), T>,
+    key: (usize, usize),
+    action: Action,
+) -> Result<T, PipelineError> {
+    map.remove(&key).ok_or_else(|| {
+        PipelineError::InvalidSchedule(format!("{action:?} found nothing to work on"))
+    })
+}
