@@ -8,4 +8,5 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod plot;
 pub mod train;
