@@ -2,7 +2,7 @@
 
 use crate::style::{self, draw_legend, format_tick, legend_width, Color, ColorMap};
 use crate::style::{LABEL_PX, TICK_PX, TITLE_PX};
-use crate::{finite, render_png, Canvas, ChartError, Size};
+use crate::{drawable, render_png, Canvas, ChartError, Size};
 use plotters::prelude::*;
 // The trait behind .filled() / .stroke_width(); our own `Color` struct keeps the name.
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -80,7 +80,8 @@ pub fn stacked_bars(path: &Path, chart: &BarChart) -> Result<(), ChartError> {
     } else {
         1.05
     };
-    let y_max = if max_total > 0.0 {
+    // All-zero (or vanishing) bars still get an axis plotters can subdivide.
+    let y_max = if max_total > 1e-90 {
         max_total * headroom
     } else {
         1.0
@@ -191,7 +192,7 @@ fn validate(chart: &BarChart) -> Result<f64, ChartError> {
             }
             for (category, value) in &b.segments {
                 let item = || format!("group '{}' bar '{}' segment '{category}'", g.label, b.label);
-                finite(item, *value)?;
+                drawable(item, *value)?;
                 if *value < 0.0 {
                     return Err(ChartError::NegativeSegment {
                         item: item(),

@@ -42,6 +42,13 @@ pub enum ChartError {
     /// A coordinate or value is NaN or infinite.
     #[error("{item}: value {value} is not a finite number")]
     NonFinite { item: String, value: f64 },
+    /// A value is finite but too large (or, on a log axis, too small) to lay out an axis for.
+    #[error("{item}: value {value} is out of the drawable range ({allowed})")]
+    OutOfRange {
+        item: String,
+        value: f64,
+        allowed: &'static str,
+    },
     /// A value that must be positive on a logarithmic axis is not.
     #[error("{item}: value {value} cannot be drawn on a logarithmic axis (must be > 0)")]
     NonPositiveOnLogAxis { item: String, value: f64 },
@@ -126,15 +133,39 @@ impl Default for Size {
 /// The drawing area every chart module draws on.
 type Canvas<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
-/// Check an input number, naming `item` in the error.
-fn finite(item: impl FnOnce() -> String, value: f64) -> Result<f64, ChartError> {
-    if value.is_finite() {
-        Ok(value)
-    } else {
+/// Magnitudes beyond this are rejected: plotters' tick search loops forever or asserts when an
+/// axis span overflows or loses all precision, and no training metric comes near it.
+pub(crate) const MAX_MAGNITUDE: f64 = 1e100;
+
+/// Check an input number: finite and at most [`MAX_MAGNITUDE`], naming `item` in the error.
+fn drawable(item: impl Fn() -> String, value: f64) -> Result<f64, ChartError> {
+    if !value.is_finite() {
         Err(ChartError::NonFinite {
             item: item(),
             value,
         })
+    } else if value.abs() > MAX_MAGNITUDE {
+        Err(ChartError::OutOfRange {
+            item: item(),
+            value,
+            allowed: "|value| <= 1e100",
+        })
+    } else {
+        Ok(value)
+    }
+}
+
+/// An axis range around data spanning `lo..=hi` (drawable values), widened by `fraction` of
+/// the span on each side. A span too small to subdivide (one value, or differences lost in
+/// rounding) gets a window around the value instead, so plotters always gets a proper range.
+fn axis_range(lo: f64, hi: f64, fraction: f64) -> (f64, f64) {
+    let span = hi - lo;
+    let magnitude = lo.abs().max(hi.abs());
+    if span < 1e-9 * magnitude || span < 1e-90 {
+        let half = (magnitude * 0.1).max(0.5);
+        (lo - half, hi + half)
+    } else {
+        (lo - span * fraction, hi + span * fraction)
     }
 }
 
@@ -201,6 +232,41 @@ mod tests {
                 Err(ChartError::InvalidSize { .. })
             ));
         }
+    }
+
+    #[test]
+    fn axis_ranges_are_never_degenerate() {
+        assert_eq!(axis_range(0.0, 10.0, 0.05), (-0.5, 10.5));
+        for (lo, hi) in [
+            (3.0, 3.0),
+            (1.0, 1.0 + 1e-15),
+            (0.0, 1e-300),
+            (-1e100, -1e100),
+        ] {
+            let (a, b) = axis_range(lo, hi, 0.05);
+            assert!(
+                a < lo && b > hi && (b - a) > 1e-9 * b.abs().max(a.abs()),
+                "{lo}..{hi}"
+            );
+        }
+    }
+
+    #[test]
+    fn drawable_rejects_non_finite_and_huge_values() {
+        let item = || "x".to_owned();
+        assert_eq!(drawable(item, -2.5).unwrap(), -2.5);
+        assert!(matches!(
+            drawable(item, f64::NAN),
+            Err(ChartError::NonFinite { .. })
+        ));
+        assert!(matches!(
+            drawable(item, f64::NEG_INFINITY),
+            Err(ChartError::NonFinite { .. })
+        ));
+        assert!(matches!(
+            drawable(item, 1e101),
+            Err(ChartError::OutOfRange { .. })
+        ));
     }
 
     #[test]

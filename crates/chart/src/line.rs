@@ -1,7 +1,7 @@
 //! Line charts: training curves, one or more panels side by side.
 
 use crate::style::{self, format_tick, ColorMap, CAPTION_PX, LABEL_PX, TICK_PX, TITLE_PX};
-use crate::{finite, render_png, Canvas, ChartError, Size};
+use crate::{axis_range, drawable, render_png, Canvas, ChartError, Size, MAX_MAGNITUDE};
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 use std::path::Path;
@@ -146,13 +146,10 @@ impl PanelBounds {
             }
             for (i, &(x, y)) in s.points.iter().enumerate() {
                 let item = || format!("{panel_name}: series '{}' point {i}", s.name);
-                finite(item, x)?;
-                finite(item, y)?;
-                if panel.log_y && y <= 0.0 {
-                    return Err(ChartError::NonPositiveOnLogAxis {
-                        item: item(),
-                        value: y,
-                    });
+                drawable(item, x)?;
+                drawable(item, y)?;
+                if panel.log_y {
+                    log_drawable(item, y)?;
                 }
                 (x_lo, x_hi) = (x_lo.min(x), x_hi.max(x));
                 (y_lo, y_hi) = (y_lo.min(y), y_hi.max(y));
@@ -161,9 +158,13 @@ impl PanelBounds {
         let y = match panel.y_range {
             Some((lo, hi)) => {
                 let item = || format!("{panel_name}: y_range");
-                finite(item, lo)?;
-                finite(item, hi)?;
-                if lo >= hi || (panel.log_y && lo <= 0.0) {
+                drawable(item, lo)?;
+                drawable(item, hi)?;
+                if panel.log_y {
+                    log_drawable(item, lo)?;
+                }
+                let too_narrow = axis_range(lo, hi, 0.0) != (lo, hi);
+                if lo >= hi || too_narrow {
                     return Err(ChartError::InvalidRange {
                         item: item(),
                         low: lo,
@@ -173,32 +174,39 @@ impl PanelBounds {
                 (lo, hi)
             }
             None if panel.log_y => padded_log(y_lo, y_hi),
-            None => padded_linear(y_lo, y_hi, 0.05),
+            None => axis_range(y_lo, y_hi, 0.05),
         };
         Ok(PanelBounds {
-            x: padded_linear(x_lo, x_hi, 0.02),
+            x: axis_range(x_lo, x_hi, 0.02),
             y,
         })
     }
 }
 
-/// Widen `lo..hi` by `fraction` of its span each side; a single value gets a unit-sized window.
-fn padded_linear(lo: f64, hi: f64, fraction: f64) -> (f64, f64) {
-    let span = hi - lo;
-    if span <= f64::EPSILON * hi.abs().max(lo.abs()).max(1.0) {
-        let half = (lo.abs() * 0.1).max(0.5);
-        (lo - half, hi + half)
+/// Values on a log axis must be positive and, like all values, within [`MAX_MAGNITUDE`] decades.
+fn log_drawable(item: impl Fn() -> String, value: f64) -> Result<(), ChartError> {
+    if value <= 0.0 {
+        Err(ChartError::NonPositiveOnLogAxis {
+            item: item(),
+            value,
+        })
+    } else if value < 1.0 / MAX_MAGNITUDE {
+        Err(ChartError::OutOfRange {
+            item: item(),
+            value,
+            allowed: ">= 1e-100 on a log axis",
+        })
     } else {
-        (lo - span * fraction, hi + span * fraction)
+        Ok(())
     }
 }
 
-/// Like [`padded_linear`] in log space; a single value gets a factor-of-two window.
+/// [`axis_range`] with 5% padding in log space; a single value gets a factor-of-two window.
 fn padded_log(lo: f64, hi: f64) -> (f64, f64) {
-    let (l, h) = padded_linear(lo.ln(), hi.ln(), 0.05);
     if hi / lo < 1.0 + 1e-9 {
         (lo / 2.0, hi * 2.0)
     } else {
+        let (l, h) = axis_range(lo.ln(), hi.ln(), 0.05);
         (l.exp(), h.exp())
     }
 }
@@ -328,10 +336,7 @@ mod tests {
     }
 
     #[test]
-    fn padding_handles_single_values_and_spans() {
-        assert_eq!(padded_linear(0.0, 10.0, 0.05), (-0.5, 10.5));
-        let (lo, hi) = padded_linear(3.0, 3.0, 0.05);
-        assert!(lo < 3.0 && hi > 3.0);
+    fn log_padding_handles_single_values_and_spans() {
         let (lo, hi) = padded_log(0.1, 10.0);
         assert!(lo < 0.1 && hi > 10.0 && lo > 0.0);
         assert!(

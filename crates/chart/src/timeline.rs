@@ -2,7 +2,7 @@
 
 use crate::style::{self, draw_legend, format_tick, legend_width, Color, ColorMap};
 use crate::style::{LABEL_PX, TICK_PX, TITLE_PX};
-use crate::{finite, render_png, ChartError, Size};
+use crate::{axis_range, drawable, render_png, ChartError, Size};
 use plotters::prelude::*;
 // The trait behind .filled() / .stroke_width(); our own `Color` struct keeps the name.
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -162,8 +162,8 @@ fn validate(chart: &Timeline) -> Result<(f64, f64), ChartError> {
     for row in &chart.rows {
         for (i, span) in row.spans.iter().enumerate() {
             let item = || format!("row '{}' span {i} ({})", row.label, span.category);
-            finite(item, span.start_s)?;
-            finite(item, span.end_s)?;
+            drawable(item, span.start_s)?;
+            drawable(item, span.end_s)?;
             if span.end_s < span.start_s {
                 return Err(ChartError::SpanEndsBeforeStart {
                     item: item(),

@@ -380,3 +380,72 @@ fn single_point_and_constant_series_still_render() {
     let img = decode(&path);
     assert!(count(&img, PALETTE[0]) > 20, "the lone marker is drawn");
 }
+
+/// plotters' tick search hangs or asserts on axis spans that overflow or lose all precision:
+/// values up to 1e100 in magnitude draw, larger ones are a clear error, and nothing hangs.
+#[test]
+fn extreme_values_draw_or_error_but_never_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = out(&dir, "extreme.png");
+    let drawable = [
+        vec![(0.0, -1e100), (1.0, 1e100)],
+        vec![(-1e100, 1.0), (1e100, 2.0)],
+        vec![(0.0, 1.0), (1e-300, 1.0 + 1e-15)],
+        vec![(0.0, 1e-100), (1.0, 1e100)],
+        vec![(0.0, 0.0), (5e-324, 5e-324)],
+    ];
+    for (i, points) in drawable.iter().enumerate() {
+        let chart = LineChart {
+            series: vec![Series::new("s", points.clone())],
+            log_y: i == 3,
+            ..LineChart::default()
+        };
+        line_chart(&path, &chart).unwrap_or_else(|e| panic!("case {i}: {e}"));
+    }
+    let too_large = LineChart {
+        series: vec![Series::new("s", vec![(0.0, -1e308), (1.0, 1e308)])],
+        ..LineChart::default()
+    };
+    assert!(matches!(
+        line_chart(&path, &too_large),
+        Err(ChartError::OutOfRange { .. })
+    ));
+    let too_small_for_log = LineChart {
+        series: vec![Series::new("s", vec![(0.0, f64::MIN_POSITIVE), (1.0, 1.0)])],
+        log_y: true,
+        ..LineChart::default()
+    };
+    assert!(matches!(
+        line_chart(&path, &too_small_for_log),
+        Err(ChartError::OutOfRange { .. })
+    ));
+
+    let bars = |value: f64| BarChart {
+        groups: vec![BarGroup {
+            label: "g".into(),
+            bars: vec![Bar {
+                label: "b".into(),
+                segments: vec![("a".into(), value), ("b".into(), value)],
+            }],
+        }],
+        ..BarChart::default()
+    };
+    stacked_bars(&path, &bars(1e100)).unwrap();
+    stacked_bars(&path, &bars(0.0)).unwrap();
+    assert!(matches!(
+        stacked_bars(&path, &bars(f64::MAX)),
+        Err(ChartError::OutOfRange { .. })
+    ));
+
+    timeline(
+        &path,
+        &pipeline(vec![span(-1e100, 1e100, "forward", Some("x"))]),
+    )
+    .unwrap();
+    timeline(&path, &pipeline(vec![span(1.0, 1.0, "forward", Some("x"))])).unwrap();
+    let huge = pipeline(vec![span(0.0, 1e300, "forward", None)]);
+    assert!(matches!(
+        timeline(&path, &huge),
+        Err(ChartError::OutOfRange { .. })
+    ));
+}
