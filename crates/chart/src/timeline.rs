@@ -56,14 +56,7 @@ const ROW_PAD: f64 = 0.12;
 pub fn timeline(path: &Path, chart: &Timeline) -> Result<(), ChartError> {
     let (t0, t1) = validate(chart)?;
     let (unit, scale) = time_unit(t1 - t0);
-    let (x0, x1) = (
-        t0 * scale,
-        if t1 > t0 {
-            t1 * scale
-        } else {
-            t0 * scale + 1.0
-        },
-    );
+    let (x0, x1) = axis_range(t0 * scale, t1 * scale, 0.0);
     let mut colors = ColorMap::new(&chart.category_colors);
     let mut categories: Vec<(String, Color)> = Vec::new();
     for span in chart.rows.iter().flat_map(|r| &r.spans) {

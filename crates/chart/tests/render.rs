@@ -443,6 +443,12 @@ fn extreme_values_draw_or_error_but_never_hang() {
     )
     .unwrap();
     timeline(&path, &pipeline(vec![span(1.0, 1.0, "forward", Some("x"))])).unwrap();
+    // An extent lost in rounding against the start time.
+    timeline(
+        &path,
+        &pipeline(vec![span(1e15, 1e15 + 0.1, "forward", None)]),
+    )
+    .unwrap();
     let huge = pipeline(vec![span(0.0, 1e300, "forward", None)]);
     assert!(matches!(
         timeline(&path, &huge),
