@@ -9,5 +9,6 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod launch;
+pub mod plot;
 pub mod scaling;
 pub mod train;

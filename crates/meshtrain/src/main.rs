@@ -32,6 +32,8 @@ enum Command {
     /// Recommend a parallel layout (DP×TP×PP×SP, ZeRO, micro-batches, precision) for a model
     /// and a cluster, with predicted memory, time and bottleneck.
     Plan(meshtrain_plan::cli::PlanArgs),
+    /// Draw a run's training curves (loss, accuracy or unigram baseline) into a PNG.
+    Plot(meshtrain::plot::PlotArgs),
 }
 
 #[derive(clap::Args)]
@@ -113,5 +115,6 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Collectives(a)) => meshtrain_comm::bench::run_bench(a),
         Command::Bench(BenchCommand::Scaling(a)) => meshtrain::scaling::run_scaling(&a).map(|_| ()),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
+        Command::Plot(a) => meshtrain::plot::run(&a),
     }
 }
