@@ -244,7 +244,63 @@ pub fn run_scaling(args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
             write_diagnose_file(dir, &model, &ours)?;
         }
     }
+    if let Some(path) = &args.png {
+        draw_breakdown_chart(path, &runs)?;
+        println!("chart: {}", path.display());
+    }
     Ok(runs)
+}
+
+/// The chart of the study: per model, one bar per worker count, each bar the step time split
+/// into compute, exposed communication, data loading and the rest (waiting for the slowest
+/// worker), all relative to the model's 1-worker step so models of very different cost share
+/// one axis. A bar below 1.0 is a speedup (its label is the samples/s ratio); communication
+/// hidden behind backward is not on the critical path and so not stacked.
+fn draw_breakdown_chart(path: &std::path::Path, runs: &[ScalingRun]) -> Result<()> {
+    use meshtrain_chart::{stacked_bars, Bar, BarChart, BarGroup, Color, ValueFormat};
+    let mut groups: Vec<BarGroup> = Vec::new();
+    for run in runs {
+        let base_ms = runs
+            .iter()
+            .find(|r| r.model == run.model && r.workers == 1)
+            .map_or(run.step_ms, |r| r.step_ms);
+        let rel = |ms: f64| (ms / base_ms).max(0.0);
+        let other = run.step_ms - run.compute_ms - run.comm_exposed_ms - run.data_ms;
+        let bar = Bar {
+            label: format!("{}w", run.workers),
+            segments: vec![
+                ("compute".into(), rel(run.compute_ms)),
+                ("communication (exposed)".into(), rel(run.comm_exposed_ms)),
+                ("data".into(), rel(run.data_ms)),
+                ("waiting / other".into(), rel(other)),
+            ],
+        };
+        match groups.iter_mut().find(|g| g.label == run.model) {
+            Some(g) => g.bars.push(bar),
+            None => groups.push(BarGroup {
+                label: run.model.clone(),
+                bars: vec![bar],
+            }),
+        }
+    }
+    let chart = BarChart {
+        title: "Data-parallel step time relative to 1 worker (same global batch, same cores)"
+            .into(),
+        y_label: "step time / 1-worker step time".into(),
+        groups,
+        value_labels: Some(ValueFormat {
+            decimals: 2,
+            suffix: String::new(),
+        }),
+        category_colors: vec![
+            ("compute".into(), Color(66, 133, 244)),
+            ("communication (exposed)".into(), Color(219, 68, 55)),
+            ("data".into(), Color(244, 180, 0)),
+            ("waiting / other".into(), Color(160, 160, 160)),
+        ],
+        ..BarChart::default()
+    };
+    stacked_bars(path, &chart).with_context(|| format!("drawing {}", path.display()))
 }
 
 /// The runs of one model as `[[run]]` tables that `meshtrain plan --diagnose` reads.
