@@ -6,6 +6,7 @@
 //! `meshtrain-data` (datasets) and `meshtrain-plan` (the layout planner).
 
 pub mod bench;
+pub mod calibrate;
 pub mod checkpoint;
 pub mod config;
 pub mod launch;

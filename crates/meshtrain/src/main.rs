@@ -66,6 +66,9 @@ enum BenchCommand {
     /// Data-parallel throughput for 1, 2 and 4 workers with the step-time breakdown
     /// (compute, communication exposed and hidden, data) that explains it.
     Scaling(meshtrain::scaling::BenchScalingArgs),
+    /// The planner's predictions for this machine (from measured FLOP/s, bandwidth, latency
+    /// and per-op cost) against measured data-parallel runs of the built-in models.
+    Calibrate(meshtrain::calibrate::BenchCalibrateArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -114,6 +117,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Models(a)) => run_models(&a),
         Command::Bench(BenchCommand::Collectives(a)) => meshtrain_comm::bench::run_bench(a),
         Command::Bench(BenchCommand::Scaling(a)) => meshtrain::scaling::run_scaling(&a).map(|_| ()),
+        Command::Bench(BenchCommand::Calibrate(a)) => meshtrain::calibrate::run_calibrate(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
     }

@@ -73,7 +73,7 @@ pub struct ScalingRun {
     pub vs_one_worker: Option<f64>,
 }
 
-fn model_config(model: &str) -> Result<(String, Vec<String>)> {
+pub(crate) fn model_config(model: &str) -> Result<(String, Vec<String>)> {
     let (file, extra): (&str, &[&str]) = match model {
         "lenet" => ("configs/lenet.toml", &["model.variant=\"sigmoid\""]),
         "lenet-relu" => ("configs/lenet.toml", &[]),
