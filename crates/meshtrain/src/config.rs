@@ -78,6 +78,11 @@ pub struct ParallelConfig {
     /// next to it).
     #[serde(default)]
     pub timeline: Option<PathBuf>,
+    /// How pipeline stages send activations and gradients: "async" (on the communication
+    /// thread, overlapping compute when a core is free for it) or "inline" (on the compute
+    /// thread; better when the workers already use every core, see docs/pipeline.md).
+    #[serde(default = "default_pipeline_sends")]
+    pub sends: String,
 }
 
 impl Default for ParallelConfig {
@@ -95,6 +100,7 @@ impl Default for ParallelConfig {
             micro_batches: 1,
             partition: default_partition(),
             timeline: None,
+            sends: default_pipeline_sends(),
         }
     }
 }
@@ -113,6 +119,9 @@ fn yes() -> bool {
 }
 fn default_pipeline_schedule() -> String {
     "1f1b".into()
+}
+fn default_pipeline_sends() -> String {
+    "async".into()
 }
 fn default_partition() -> String {
     "params".into()

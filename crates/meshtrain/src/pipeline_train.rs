@@ -79,6 +79,7 @@ impl FromStr for PartitionSpec {
 struct Layout {
     schedule: Schedule,
     partition: PartitionSpec,
+    sends: SendMode,
 }
 
 /// Checks the pipeline settings of `cfg` (called by `Config::validate`, so impossible layouts
@@ -94,6 +95,9 @@ pub fn validate_layout(cfg: &Config) -> Result<()> {
         bail!("parallel.micro_batches must be at least 1");
     }
     if p.pp == 1 {
+        if p.timeline.is_some() {
+            bail!("parallel.timeline records pipeline steps: it needs parallel.pp > 1");
+        }
         if p.micro_batches > 1 {
             bail!(
                 "parallel.micro_batches={} needs a pipeline (parallel.pp > 1); \
@@ -113,6 +117,11 @@ fn layout(cfg: &Config) -> Result<Layout> {
         .parse()
         .map_err(|e| anyhow!("parallel.schedule: {e}"))?;
     let partition: PartitionSpec = p.partition.parse()?;
+    let sends = match p.sends.as_str() {
+        "async" => SendMode::Async,
+        "inline" => SendMode::Inline,
+        other => bail!("unknown parallel.sends '{other}' (expected async or inline)"),
+    };
     if t.accumulation_steps != 1 {
         bail!(
             "train.accumulation_steps={} does not combine with a pipeline: \
@@ -161,6 +170,7 @@ fn layout(cfg: &Config) -> Result<Layout> {
     Ok(Layout {
         schedule,
         partition,
+        sends,
     })
 }
 
@@ -203,6 +213,7 @@ pub(crate) fn attach(trainer: &mut Trainer, world: Arc<dyn ProcessGroup>) -> Res
     let Layout {
         schedule,
         partition: spec,
+        sends,
     } = layout(&cfg)?;
     let mesh = DeviceMesh::new(world.clone(), &[(MeshAxis::Dp, p.dp), (MeshAxis::Pp, p.pp)])
         .context("laying out the dp × pp mesh")?;
@@ -278,7 +289,7 @@ pub(crate) fn attach(trainer: &mut Trainer, world: Arc<dyn ProcessGroup>) -> Res
         options: StepOptions {
             classes: trainer.num_classes(),
             recompute: cfg.train.recompute,
-            sends: SendMode::Async,
+            sends,
         },
         micro_batches: p.micro_batches,
         timeline,
@@ -433,7 +444,7 @@ impl PipelineWorker {
             Some(c) => stage.clip_grad_norm(pp.as_ref(), c)?,
             None => stage.grad_norm(pp.as_ref())?,
         };
-        stage.optimizer_step(optimizers, lr, timeline.as_deref_mut());
+        stage.optimizer_step(optimizers, lr, timeline);
         bd.optimizer_s += t.elapsed().as_secs_f64();
 
         // Each replica's last stage has its replica's mean loss; the mean over replicas is the

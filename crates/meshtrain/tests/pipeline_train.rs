@@ -159,14 +159,21 @@ fn resnet_pipeline_matches_the_same_micro_batches_without_a_pipeline() {
 }
 
 #[test]
-fn time_and_explicit_partitions_train_the_same_model() {
+fn partitions_and_send_modes_train_the_same_model() {
     let (single, _) = train("gpt", &[], None);
-    for partition in ["time", "balanced", "explicit:1", "explicit:3"] {
+    let settings = [
+        "parallel.partition=\"time\"",
+        "parallel.partition=\"balanced\"",
+        "parallel.partition=\"explicit:1\"",
+        "parallel.partition=\"explicit:3\"",
+        "parallel.sends=\"inline\"",
+    ];
+    for setting in settings {
         let mut extra = layout(1, 2, "1f1b", 4);
-        extra.push(format!("parallel.partition=\"{partition}\""));
+        extra.push(setting.to_string());
         let (params, _) = train("gpt", &extra, None);
         let d = rel_diff(&params, &single);
-        assert!(d <= 2e-4, "partition {partition}: {d:.2e}");
+        assert!(d <= 2e-4, "{setting}: {d:.2e}");
     }
 }
 
@@ -249,6 +256,12 @@ fn impossible_layouts_fail_before_any_work_with_a_clear_message() {
     );
     let e = err(&strings(&["parallel.micro_batches=2"]));
     assert!(e.contains("needs a pipeline"), "{e}");
+    let e = err(&strings(&["parallel.timeline=\"t.json\""]));
+    assert!(e.contains("needs parallel.pp > 1"), "{e}");
+    let mut sends = layout(1, 2, "1f1b", 2);
+    sends.push("parallel.sends=\"later\"".into());
+    let e = err(&sends);
+    assert!(e.contains("unknown parallel.sends 'later'"), "{e}");
     let e = mpi_data_parallel_size(2, 2, 6).unwrap_err().to_string();
     assert!(
         e.contains("parallel.dp=2 × parallel.pp=2 = 4 but mpirun started 6 processes"),
