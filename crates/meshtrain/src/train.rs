@@ -123,7 +123,7 @@ pub struct Breakdown {
     /// Pipeline runs: time a stage was not computing inside the pipelined step — waiting for
     /// activations or gradients (the bubble, plus transfer time) and posting sends.
     pub pipeline_idle_s: f64,
-    /// Pipeline stages (1 = no pipeline).
+    /// Pipeline stages (0 or 1 = no pipeline).
     pub stages: usize,
     pub eval_s: f64,
     pub checkpoint_s: f64,
@@ -235,10 +235,10 @@ struct DataParallel {
 
 pub struct Trainer {
     pub cfg: Config,
+    pub model: Model,
     /// The whole model's parameters. Pipeline runs keep the stages' shares in
     /// [`crate::pipeline_train::PipelineWorker`] instead; this holds the model gathered on
     /// rank 0 for evaluation and checkpoints (empty elsewhere), as does `optimizer`.
-    pub model: Model,
     pub store: ParamStore,
     pub optimizer: Optimizer,
     pub schedule: Schedule,
