@@ -58,6 +58,31 @@ pub struct ParallelConfig {
     /// Batch-norm statistics over the global batch (SyncBatchNorm) instead of per worker.
     #[serde(default)]
     pub sync_batch_norm: bool,
+    /// Pipeline stages: the model's blocks are cut into `pp` stages on `pp` workers, and the
+    /// world is `dp × pp` workers (see docs/pipeline.md). 1 = no pipeline.
+    #[serde(default = "one_usize")]
+    pub pp: usize,
+    /// Pipeline schedule: "gpipe", "1f1b", "interleaved" (2 chunks per worker) or
+    /// "interleaved:V".
+    #[serde(default = "default_pipeline_schedule")]
+    pub schedule: String,
+    /// Micro-batches each data-parallel replica's batch is split into (pipeline runs).
+    #[serde(default = "one_usize")]
+    pub micro_batches: usize,
+    /// How blocks are cut into stages: "params" (equal parameter counts), "balanced" (equal
+    /// block counts), "time" (equal measured forward + backward time) or "explicit:3,6"
+    /// (cut before blocks 3 and 6).
+    #[serde(default = "default_partition")]
+    pub partition: String,
+    /// Pipeline runs: write a Chrome trace of the last training step here (and a PNG of it
+    /// next to it).
+    #[serde(default)]
+    pub timeline: Option<PathBuf>,
+    /// How pipeline stages send activations and gradients: "async" (on the communication
+    /// thread, overlapping compute when a core is free for it) or "inline" (on the compute
+    /// thread; better when the workers already use every core, see docs/pipeline.md).
+    #[serde(default = "default_pipeline_sends")]
+    pub sends: String,
 }
 
 impl Default for ParallelConfig {
@@ -70,6 +95,12 @@ impl Default for ParallelConfig {
             compression: GradCompression::None,
             overlap: true,
             sync_batch_norm: false,
+            pp: 1,
+            schedule: default_pipeline_schedule(),
+            micro_batches: 1,
+            partition: default_partition(),
+            timeline: None,
+            sends: default_pipeline_sends(),
         }
     }
 }
@@ -85,6 +116,15 @@ fn default_bucket_mb() -> f64 {
 }
 fn yes() -> bool {
     true
+}
+fn default_pipeline_schedule() -> String {
+    "1f1b".into()
+}
+fn default_pipeline_sends() -> String {
+    "async".into()
+}
+fn default_partition() -> String {
+    "params".into()
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -282,6 +322,7 @@ impl Config {
         if !(p.bucket_cap_mb > 0.0 && p.first_bucket_mb > 0.0) {
             bail!("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
         }
+        crate::pipeline_train::validate_layout(self)?;
         Ok(())
     }
 }

@@ -27,7 +27,8 @@ pub fn launched_by_mpi() -> bool {
 }
 
 /// Runs the job described by `cfg` and returns rank 0's summary: a single worker when
-/// `parallel.dp` is 1, `dp` worker threads otherwise, or this process's rank under MPI.
+/// `parallel.dp × parallel.pp` is 1, that many worker threads otherwise, or this process's
+/// rank under MPI.
 pub fn run_job(cfg: Config, options: &JobOptions) -> Result<Summary> {
     if launched_by_mpi() {
         return run_mpi(cfg, options);
@@ -36,17 +37,17 @@ pub fn run_job(cfg: Config, options: &JobOptions) -> Result<Summary> {
     if options.verbose {
         println!("meshtrain: {}", task.describe());
     }
-    if cfg.parallel.dp == 1 {
+    let workers = cfg.parallel.dp * cfg.parallel.pp;
+    if workers == 1 {
         let task = Arc::try_unwrap(task).map_err(|_| anyhow!("task is shared"))?;
         let mut trainer = Trainer::new(cfg, task)?;
         return run_worker(&mut trainer, options);
     }
-    let dp = cfg.parallel.dp;
     let options = options.clone();
-    let summaries = ThreadsWorld::run(dp, CommConfig::default(), move |group| {
+    let summaries = ThreadsWorld::run(workers, CommConfig::default(), move |group| {
         worker(cfg.clone(), Arc::clone(&task), group, None, &options).map_err(|e| format!("{e:#}"))
     })
-    .map_err(|e| anyhow!("data-parallel training failed: {e}"))?;
+    .map_err(|e| anyhow!("parallel training failed: {e}"))?;
     summaries
         .into_iter()
         .flatten()
@@ -54,7 +55,8 @@ pub fn run_job(cfg: Config, options: &JobOptions) -> Result<Summary> {
         .context("rank 0 returned no summary")
 }
 
-/// One data-parallel worker: builds its trainer and runs it; rank 0 returns the summary.
+/// One worker (data-parallel replica or pipeline stage): builds its trainer and runs it; rank
+/// 0 returns the summary.
 fn worker(
     cfg: Config,
     task: Arc<Task>,
@@ -98,6 +100,9 @@ fn run_worker(trainer: &mut Trainer, options: &JobOptions) -> Result<Summary> {
             },
             trainer.cfg.train.out_dir.display()
         );
+        if let Some(p) = &trainer.pipeline {
+            println!("{}", p.describe(&trainer.model));
+        }
     }
     trainer.run()
 }
@@ -111,13 +116,8 @@ fn run_mpi(mut cfg: Config, options: &JobOptions) -> Result<Summary> {
         .world_group()
         .context("creating the MPI world group")?;
     let size = group.size();
-    match cfg.parallel.dp {
-        1 => cfg.parallel.dp = size,
-        dp if dp != size => anyhow::bail!(
-            "parallel.dp={dp} but mpirun started {size} processes; pass --dp {size} or leave it out"
-        ),
-        _ => {}
-    }
+    cfg.parallel.dp =
+        crate::pipeline_train::mpi_data_parallel_size(cfg.parallel.dp, cfg.parallel.pp, size)?;
     cfg.validate()?;
     let local: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
         .ok()

@@ -10,6 +10,8 @@ pub mod calibrate;
 pub mod checkpoint;
 pub mod config;
 pub mod launch;
+pub mod pipeline_bench;
+pub mod pipeline_train;
 pub mod plot;
 pub mod scaling;
 pub mod train;

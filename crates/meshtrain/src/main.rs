@@ -55,6 +55,20 @@ struct TrainArgs {
     /// single-master (scatter / gather to rank 0 / broadcast, like nn.DataParallel).
     #[arg(long, value_parser = ["ddp", "single-master"])]
     dp_mode: Option<String>,
+    /// Pipeline stages: the model is cut into P stages on P workers (world = dp × pp).
+    /// Same as --set parallel.pp=P.
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Pipeline schedule: gpipe, 1f1b or interleaved[:V] (V chunks per worker, default 2).
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Micro-batches per step and data-parallel replica (pipeline runs).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// Pipeline runs: write a Chrome trace of the last step to FILE.json (open it in
+    /// https://ui.perfetto.dev) and a PNG of it next to it.
+    #[arg(long, value_name = "FILE.json")]
+    timeline: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -69,6 +83,9 @@ enum BenchCommand {
     /// The planner's predictions for this machine (from measured FLOP/s, bandwidth, latency
     /// and per-op cost) against measured data-parallel runs of the built-in models.
     Calibrate(meshtrain::calibrate::BenchCalibrateArgs),
+    /// Pipeline parallelism: bubble per schedule, activation memory, equivalence with one
+    /// worker, and GPT throughput pp=2 vs dp=2 vs one worker.
+    Pipeline(meshtrain::pipeline_bench::BenchPipelineArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -78,6 +95,19 @@ fn train(args: &TrainArgs) -> Result<()> {
     }
     if let Some(mode) = &args.dp_mode {
         overrides.push(format!("parallel.dp_mode=\"{mode}\""));
+    }
+    if let Some(pp) = args.pp {
+        overrides.push(format!("parallel.pp={pp}"));
+    }
+    if let Some(schedule) = &args.schedule {
+        overrides.push(format!("parallel.schedule={}", toml_string(schedule)));
+    }
+    if let Some(m) = args.micro_batches {
+        overrides.push(format!("parallel.micro_batches={m}"));
+    }
+    if let Some(path) = &args.timeline {
+        let path = path.to_string_lossy();
+        overrides.push(format!("parallel.timeline={}", toml_string(&path)));
     }
     let cfg = Config::load(&args.config, &overrides)?;
     let options = JobOptions {
@@ -104,6 +134,11 @@ fn train(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// `s` as a TOML string literal (so no value is mistaken for a number or a table).
+fn toml_string(s: &str) -> String {
+    toml::Value::String(s.to_string()).to_string()
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -118,6 +153,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Collectives(a)) => meshtrain_comm::bench::run_bench(a),
         Command::Bench(BenchCommand::Scaling(a)) => meshtrain::scaling::run_scaling(&a).map(|_| ()),
         Command::Bench(BenchCommand::Calibrate(a)) => meshtrain::calibrate::run_calibrate(&a),
+        Command::Bench(BenchCommand::Pipeline(a)) => meshtrain::pipeline_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
     }

@@ -10,6 +10,10 @@
 //! each global batch; the distributed sampler deals shards so that the workers' shares of
 //! step `s` together are exactly the single worker's batch `s`. Rank 0 alone prints, writes
 //! metrics and checkpoints.
+//!
+//! With pipeline parallelism (`parallel.pp > 1`) the same loop runs on each of `dp × pp`
+//! workers, and the model-specific parts (step, evaluation, checkpoints, resume) go through
+//! the hooks into [`crate::pipeline_train`].
 
 use crate::checkpoint::{self, TrainState};
 use crate::config::DpMode;
@@ -116,6 +120,11 @@ pub struct Breakdown {
     pub comm_hidden_s: f64,
     /// Bytes this worker sent into gradient synchronisation.
     pub comm_bytes: u64,
+    /// Pipeline runs: time a stage was not computing inside the pipelined step — waiting for
+    /// activations or gradients (the bubble, plus transfer time) and posting sends.
+    pub pipeline_idle_s: f64,
+    /// Pipeline stages (0 or 1 = no pipeline).
+    pub stages: usize,
     pub eval_s: f64,
     pub checkpoint_s: f64,
     pub steps: u64,
@@ -128,9 +137,10 @@ impl Breakdown {
         self.forward_s + self.backward_s + self.optimizer_s
     }
 
-    /// Time of the training steps: compute, exposed communication and data loading.
+    /// Time of the training steps: compute, exposed communication, pipeline idle time and
+    /// data loading.
     pub fn step_s(&self) -> f64 {
-        self.compute_s() + self.comm_exposed_s + self.data_s
+        self.compute_s() + self.comm_exposed_s + self.pipeline_idle_s + self.data_s
     }
 
     /// Computation-to-synchronisation ratio: compute time per unit of communication time
@@ -142,7 +152,10 @@ impl Breakdown {
     pub fn report(&self) -> String {
         let n = self.steps.max(1) as f64;
         let ms = |s: f64| s / n * 1e3;
-        let comm = if self.workers <= 1 {
+        let dp_workers = self.workers / self.stages.max(1);
+        let comm = if dp_workers <= 1 && self.stages > 1 {
+            "no data-parallel communication (one replica)".to_string()
+        } else if dp_workers <= 1 {
             "communication 0 (single worker)".to_string()
         } else {
             let total = self.comm_exposed_s + self.comm_hidden_s;
@@ -156,11 +169,26 @@ impl Breakdown {
                 self.compute_to_comm()
             )
         };
+        // Pipeline runs report the mean over all workers (stages differ).
+        let (layout, pipeline) = if self.stages > 1 {
+            (
+                format!(
+                    "{} workers = dp {dp_workers} × pp {}, mean over workers",
+                    self.workers, self.stages
+                ),
+                format!(
+                    " + pipeline idle (bubble, transfers) {:.1} ms ({:.0}% of the step)",
+                    ms(self.pipeline_idle_s),
+                    100.0 * self.pipeline_idle_s / self.step_s().max(1e-12)
+                ),
+            )
+        } else {
+            let s = if self.workers > 1 { "s" } else { "" };
+            (format!("{} worker{s}", self.workers.max(1)), String::new())
+        };
         format!(
-            "per step ({} worker{}): {:.1} ms = compute {:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}) \
-             + exposed communication {:.1} ms + data {:.1} ms; {comm}; eval {:.1} s, checkpoints {:.1} s in total",
-            self.workers.max(1),
-            if self.workers > 1 { "s" } else { "" },
+            "per step ({layout}): {:.1} ms = compute {:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}) \
+             + exposed communication {:.1} ms{pipeline} + data {:.1} ms; {comm}; eval {:.1} s, checkpoints {:.1} s in total",
             ms(self.step_s()),
             ms(self.compute_s()),
             ms(self.forward_s),
@@ -208,6 +236,9 @@ struct DataParallel {
 pub struct Trainer {
     pub cfg: Config,
     pub model: Model,
+    /// The whole model's parameters. Pipeline runs keep the stages' shares in
+    /// [`crate::pipeline_train::PipelineWorker`] instead; this holds the model gathered on
+    /// rank 0 for evaluation and checkpoints (empty elsewhere), as does `optimizer`.
     pub store: ParamStore,
     pub optimizer: Optimizer,
     pub schedule: Schedule,
@@ -217,11 +248,13 @@ pub struct Trainer {
     steps_per_epoch: u64,
     /// (world, rank) the image sampler deals for, and the epoch whose indices are cached.
     epoch_indices: Option<((usize, usize, u64), Vec<usize>)>,
-    pool: rayon::ThreadPool,
+    pub(crate) pool: rayon::ThreadPool,
     pub breakdown: Breakdown,
     metrics: Option<std::fs::File>,
     pub show_progress: bool,
     dp: Option<DataParallel>,
+    /// This worker's pipeline stage (`parallel.pp > 1`).
+    pub(crate) pipeline: Option<Box<crate::pipeline_train::PipelineWorker>>,
 }
 
 #[derive(Serialize)]
@@ -261,20 +294,27 @@ impl Trainer {
         Self::build(cfg, Arc::new(task), None, None)
     }
 
-    /// One worker of a data-parallel run over `group` (whose size must be `parallel.dp`).
-    /// `threads` overrides the intra-op thread count of this worker.
+    /// One worker of a parallel run over `group`, the world of `parallel.dp × parallel.pp`
+    /// workers: data-parallel when `pp` is 1, a pipeline stage (of a data-parallel replica)
+    /// otherwise. `threads` overrides the intra-op thread count of this worker.
     pub fn with_group(
         cfg: Config,
         task: Arc<Task>,
         group: Arc<dyn ProcessGroup>,
         threads: Option<usize>,
     ) -> Result<Trainer> {
+        let (dp, pp) = (cfg.parallel.dp, cfg.parallel.pp);
         anyhow::ensure!(
-            group.size() == cfg.parallel.dp,
-            "parallel.dp={} but the process group has {} workers",
-            cfg.parallel.dp,
+            group.size() == dp * pp,
+            "parallel.dp={dp} × parallel.pp={pp} but the process group has {} workers",
             group.size()
         );
+        if pp > 1 {
+            let threads = threads.unwrap_or_else(|| threads_per_worker(cfg.train.threads, dp * pp));
+            let mut trainer = Self::build(cfg, task, None, Some(threads))?;
+            crate::pipeline_train::attach(&mut trainer, group)?;
+            return Ok(trainer);
+        }
         Self::build(cfg, task, Some(group), threads)
     }
 
@@ -369,11 +409,16 @@ impl Trainer {
             metrics: None,
             show_progress: false,
             dp,
+            pipeline: None,
         })
     }
 
-    /// This worker's rank and the number of data-parallel workers.
+    /// This worker's data-parallel rank and the number of data-parallel replicas (what the
+    /// batches are dealt over).
     pub fn rank_and_world(&self) -> (usize, usize) {
+        if let Some(p) = &self.pipeline {
+            return p.data_parallel_rank_and_size();
+        }
         self.dp
             .as_ref()
             .map_or((0, 1), |d| (d.group.rank(), d.group.size()))
@@ -381,18 +426,32 @@ impl Trainer {
 
     /// Rank 0 prints, logs and checkpoints for everyone.
     pub fn is_lead(&self) -> bool {
-        self.rank_and_world().0 == 0
+        match &self.pipeline {
+            Some(p) => p.is_lead(),
+            None => self.rank_and_world().0 == 0,
+        }
     }
 
     /// Continue from a checkpoint written by [`Trainer::save_checkpoint`] (every worker reads
     /// the same file).
     pub fn resume(&mut self, path: &std::path::Path) -> Result<()> {
+        if let Some(p) = self.pipeline.as_mut() {
+            self.step = p.resume(path, &self.model, self.cfg.optimizer)?;
+            return Ok(());
+        }
         self.step = checkpoint::load(path, &self.model, &mut self.store, &mut self.optimizer)?;
         Ok(())
     }
 
-    /// Writes the checkpoint (rank 0 only; the replicas are identical).
+    /// Writes the checkpoint (rank 0 only; the replicas are identical). Pipeline stages first
+    /// gather the whole model and optimizer state on rank 0, so the file is the same as a
+    /// single worker's.
     pub fn save_checkpoint(&mut self, path: &std::path::Path) -> Result<()> {
+        if let Some(p) = self.pipeline.as_mut() {
+            let t = Instant::now();
+            p.gather_state(&self.model, &mut self.store, &mut self.optimizer)?;
+            self.breakdown.checkpoint_s += t.elapsed().as_secs_f64();
+        }
         if !self.is_lead() {
             return Ok(());
         }
@@ -482,6 +541,9 @@ impl Trainer {
     /// One optimisation step on this worker's `batch` (split into `accumulation_steps`
     /// micro-batches); returns (loss averaged over all workers, gradient norm before clipping).
     pub fn train_step(&mut self, batch: &Batch) -> Result<(f32, f32)> {
+        if self.pipeline.is_some() {
+            return crate::pipeline_train::train_step(self, batch);
+        }
         let classes = self.num_classes();
         let lr = self.schedule.lr(self.step);
         let clip = self.cfg.train.grad_clip;
@@ -615,7 +677,7 @@ impl Trainer {
             })
     }
 
-    fn num_classes(&self) -> usize {
+    pub(crate) fn num_classes(&self) -> usize {
         match &self.cfg.model {
             ModelConfig::Gpt(g) => g.vocab,
             _ => 10,
@@ -641,9 +703,22 @@ impl Trainer {
     /// windows (loss, perplexity). Data-parallel workers each take a disjoint shard and the
     /// sums are added exactly, so every sample counts once.
     pub fn evaluate(&mut self) -> Result<(f64, Option<f64>)> {
+        if self.pipeline.is_some() {
+            return crate::pipeline_train::evaluate(self);
+        }
+        let (rank, world) = self.rank_and_world();
+        self.evaluate_replica(rank, world)
+    }
+
+    /// [`Trainer::evaluate`] on this worker's whole-model store, as rank `rank` of `world`
+    /// evaluating workers (pipeline runs: rank 0 alone, on the gathered model).
+    pub(crate) fn evaluate_replica(
+        &mut self,
+        rank: usize,
+        world: usize,
+    ) -> Result<(f64, Option<f64>)> {
         let t = Instant::now();
         let classes = self.num_classes();
-        let (rank, world) = self.rank_and_world();
         let (model, store) = (&self.model, &mut self.store);
         // (loss sum, correct, samples or batches)
         let mut sums = [0.0f64; 3];
@@ -843,6 +918,9 @@ impl Trainer {
         if self.step > first_step {
             let p = self.checkpoint_path();
             self.save_checkpoint(&p)?;
+        }
+        if let Some(p) = self.pipeline.as_mut() {
+            p.finish_run(&mut self.breakdown)?;
         }
         let bd = &self.breakdown;
         let compute = bd.step_s() - compute_start.step_s();
