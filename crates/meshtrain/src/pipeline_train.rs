@@ -177,7 +177,13 @@ fn layout(cfg: &Config) -> Result<Layout> {
 /// The data-parallel size a job under `mpirun` runs with: `dp × pp` must be the world; a `dp`
 /// left at 1 takes what the pipeline leaves (`size / pp`).
 pub fn mpi_data_parallel_size(dp: usize, pp: usize, size: usize) -> Result<usize> {
-    if dp == 1 && pp > 0 && size.is_multiple_of(pp) {
+    if dp == 1 && pp > 0 {
+        if !size.is_multiple_of(pp) {
+            bail!(
+                "mpirun started {size} processes, not a multiple of parallel.pp={pp}: \
+                 start dp × pp processes"
+            );
+        }
         return Ok(size / pp);
     }
     if dp * pp != size {
@@ -188,6 +194,15 @@ pub fn mpi_data_parallel_size(dp: usize, pp: usize, size: usize) -> Result<usize
         );
     }
     Ok(dp)
+}
+
+/// A worker's timeline, where it goes, and its origin on the system clock (Unix seconds):
+/// workers in other processes have other `Instant` origins, and the system clock — shared by
+/// the processes of one machine, NTP-close across machines — puts their spans on one axis.
+struct RecordedTimeline {
+    timeline: Timeline,
+    path: PathBuf,
+    origin_unix_s: f64,
 }
 
 /// One worker's pipeline state: its stage (parameters of its chunks), one optimizer and (with
@@ -201,7 +216,7 @@ pub struct PipelineWorker {
     ddps: Vec<Ddp>,
     options: StepOptions,
     micro_batches: usize,
-    timeline: Option<(Timeline, PathBuf)>,
+    timeline: Option<RecordedTimeline>,
 }
 
 /// Makes `trainer` (built as a single worker) one pipeline worker of the world `world`
@@ -264,11 +279,20 @@ pub(crate) fn attach(trainer: &mut Trainer, world: Arc<dyn ProcessGroup>) -> Res
     }
     let timeline = match &p.timeline {
         Some(path) => {
-            // A common zero for all workers' spans, in one process or several.
+            // Origins close together (only to keep the numbers small; alignment comes from
+            // the system clock, since a barrier's release is seen late by a descheduled rank).
             world
                 .barrier()
                 .context("synchronising the timeline origin")?;
-            Some((Timeline::new(world.rank(), Instant::now()), path.clone()))
+            let origin = Instant::now();
+            let origin_unix_s = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            Some(RecordedTimeline {
+                timeline: Timeline::new(world.rank(), origin),
+                path: path.clone(),
+                origin_unix_s,
+            })
         }
         None => None,
     };
@@ -398,7 +422,7 @@ impl PipelineWorker {
         } = self;
         let pp = mesh.group(MeshAxis::Pp).clone();
         let p = pp.size();
-        let mut timeline = timeline.as_mut().map(|(t, _)| t);
+        let mut timeline = timeline.as_mut().map(|r| &mut r.timeline);
         if let Some(t) = timeline.as_deref_mut() {
             t.clear(); // the trace shows the last step
         }
@@ -582,8 +606,9 @@ impl PipelineWorker {
             bd.comm_hidden_s,
             bd.pipeline_idle_s,
         ] = fields.map(f64::from);
-        if let Some((timeline, path)) = &self.timeline {
-            let events = collect_trace_events(world.as_ref(), timeline)?;
+        if let Some(recorded) = &self.timeline {
+            let path = &recorded.path;
+            let events = collect_trace_events(world.as_ref(), recorded)?;
             if let Some(events) = events {
                 let trace = json!({ "traceEvents": events, "displayTimeUnit": "ms" });
                 let schedule = self.stage.schedule();
@@ -601,11 +626,12 @@ impl PipelineWorker {
     }
 }
 
-/// Every worker's Chrome-trace events on world rank 0 (`None` elsewhere). The events travel as
-/// JSON text, one byte per f32 (exact), so this works on any backend.
+/// Every worker's Chrome-trace events on world rank 0 (`None` elsewhere), shifted onto rank
+/// 0's time axis. The events travel as JSON text, one byte per f32 (exact), so this works on
+/// any backend.
 fn collect_trace_events(
     world: &dyn ProcessGroup,
-    timeline: &Timeline,
+    recorded: &RecordedTimeline,
 ) -> Result<Option<Vec<Value>>> {
     const TAG: u32 = 1;
     let events = |trace: Value| match trace {
@@ -615,9 +641,10 @@ fn collect_trace_events(
         },
         _ => Vec::new(),
     };
-    let mine = events(chrome_trace(timeline.spans()));
+    let mine = events(chrome_trace(recorded.timeline.spans()));
     if world.rank() != 0 {
-        let bytes: Vec<f32> = serde_json::to_vec(&mine)?
+        let message = json!({ "origin_unix_s": recorded.origin_unix_s, "events": mine });
+        let bytes: Vec<f32> = serde_json::to_vec(&message)?
             .into_iter()
             .map(f32::from)
             .collect();
@@ -637,9 +664,18 @@ fn collect_trace_events(
         let mut bytes = vec![0.0f32; len[0] as usize];
         world.recv(BufMut::F32(&mut bytes), src, TAG)?;
         let text: Vec<u8> = bytes.into_iter().map(|b| b as u8).collect();
-        let theirs: Vec<Value> = serde_json::from_slice(&text)
+        let mut theirs: Value = serde_json::from_slice(&text)
             .with_context(|| format!("timeline from rank {src} is not valid JSON"))?;
-        all.extend(theirs);
+        let shift_us =
+            (theirs["origin_unix_s"].as_f64().unwrap_or(0.0) - recorded.origin_unix_s) * 1e6;
+        if let Value::Array(events) = theirs["events"].take() {
+            for mut e in events {
+                if let Some(ts) = e["ts"].as_f64() {
+                    e["ts"] = json!(ts + shift_us);
+                }
+                all.push(e);
+            }
+        }
     }
     Ok(Some(all))
 }
@@ -751,6 +787,10 @@ mod tests {
             err.contains("parallel.dp=2 × parallel.pp=2 = 4 but mpirun started 6 processes"),
             "{err}"
         );
-        assert!(mpi_data_parallel_size(1, 4, 6).is_err());
+        let err = mpi_data_parallel_size(1, 4, 6).unwrap_err().to_string();
+        assert!(
+            err.contains("mpirun started 6 processes, not a multiple of parallel.pp=4"),
+            "{err}"
+        );
     }
 }

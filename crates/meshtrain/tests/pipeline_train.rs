@@ -268,3 +268,35 @@ fn impossible_layouts_fail_before_any_work_with_a_clear_message() {
         "{e}"
     );
 }
+
+#[test]
+fn timeline_holds_every_forward_and_backward_of_the_last_step() {
+    let dir = tempfile::tempdir().unwrap().keep();
+    let trace = dir.join("step.json");
+    let mut extra = layout(2, 2, "1f1b", 2);
+    extra.push(format!("parallel.timeline=\"{}\"", trace.display()));
+    train("gpt", &extra, None);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    for worker in 0..4u64 {
+        let names: Vec<&str> = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == worker)
+            .filter_map(|e| e["name"].as_str())
+            .collect();
+        for expected in ["F0", "F1", "B0", "B1", "opt", "dp all-reduce wait"] {
+            let count = names.iter().filter(|&&n| n == expected).count();
+            assert_eq!(
+                count, 1,
+                "worker {worker}: {expected} × {count} in {names:?}"
+            );
+        }
+    }
+    let png = std::fs::metadata(trace.with_extension("png")).unwrap();
+    assert!(
+        png.len() > 1000,
+        "PNG of the timeline is {} bytes",
+        png.len()
+    );
+}
