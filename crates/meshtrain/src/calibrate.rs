@@ -11,6 +11,7 @@
 
 use crate::bench::gemm_peak;
 use crate::config::{Config, ModelConfig};
+use crate::pipeline_bench::measure_layout;
 use crate::scaling::{measure, model_config, BenchScalingArgs, ScalingRun};
 use crate::train::{build_model, Task};
 use anyhow::{anyhow, Context, Result};
@@ -26,6 +27,7 @@ use meshtrain_plan::diagnose::MeasuredStep;
 use meshtrain_plan::{presets, Layout, Optimizer, Precision, Problem, TrainingSetup};
 use meshtrain_tensor::loss::softmax_cross_entropy;
 use meshtrain_tensor::Tensor;
+use std::fmt::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -181,11 +183,9 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         ..scaling_args.clone()
     };
     println!(
-        "\n| model | 1 worker × 1 thread samples/s | its achieved GFLOP/s (fitted) | predicted {w}-worker samples/s | measured | predicted / measured |",
-        w = args.workers
+        "\n| model | run | 1 worker × 1 thread samples/s | its achieved GFLOP/s (fitted) | predicted samples/s | measured samples/s | predicted / measured |"
     );
-    println!("|---|---|---|---|---|---|");
-    let mut measurements_per_model = String::new();
+    println!("|---|---|---|---|---|---|---|");
     let mut details = String::new();
     for model in args
         .models
@@ -197,12 +197,6 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         overrides.push("train.log_every=1000000".into());
         let cfg = Config::load(&PathBuf::from(&file), &overrides)?;
         let task = Arc::new(Task::load(&cfg)?);
-        let run = measure(model, args.workers, &scaling_args, &task, &cfg)?;
-        let step = measured_step(&run);
-        let measured_path = args.out_dir.join(format!("{model}.toml"));
-        std::fs::write(&measured_path, toml::to_string(&step)?)
-            .with_context(|| format!("writing {}", measured_path.display()))?;
-
         let global_batch = cfg.train.batch_size as u64;
         let optimizer = match cfg.optimizer {
             OptimizerConfig::Adamw { .. } => Optimizer::Adam,
@@ -214,41 +208,92 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         };
         // One constant per model from its own 1-worker run: the achieved matrix rate.
         let single = measure(model, 1, &single_args, &task, &cfg)?;
-        let model_spec = presets::model(model)?;
+        let spec = presets::model(model)?;
         let (rate, model_cluster) = fit_model_rate(
-            &model_spec,
+            &spec,
             &cluster,
             &setup,
             single.compute_ms - single.optimizer_ms,
         )?;
-        let problem = Problem::new(model_spec, model_cluster, setup)?;
-        let layout = Layout::data_parallel(args.workers as u64, global_batch / args.workers as u64);
-        let predicted = problem.evaluate(&layout)?;
-        let ratio = predicted.throughput.samples_per_s / run.samples_per_s;
-        println!(
-            "| {model} | {:.1} | {rate:.1} | {:.1} | {:.1} | {ratio:.2} |",
-            single.samples_per_s, predicted.throughput.samples_per_s, run.samples_per_s
-        );
-        measurements_per_model += &format!("# {model}: matmul_gflops = {rate:.3}\n");
-        details +=
-            &format!(
-            "\n{model}: meshtrain plan --model {model} --cluster cpu --gpus {w} --global-batch \
-             {global_batch} --optimizer {opt} --precision fp32 --measured {bench} --layout \
-             dp={w},mb={mb} --compare {measured}\n",
-            w = args.workers,
-            opt = if optimizer == Optimizer::Adam { "adam" } else { "sgd" },
-            bench = bench_path.display(),
-            mb = global_batch / args.workers as u64,
-            measured = measured_path.display(),
-        );
-        details += &compare(&predicted, &step);
+        // The same figures with this model's rate, so `meshtrain plan` reproduces the rows.
+        let model_bench = args.out_dir.join(format!("bench-{model}.toml"));
+        let with_rate = Measurements {
+            matmul_gflops: Some(rate),
+            ..measurements.clone()
+        };
+        std::fs::write(&model_bench, toml::to_string(&with_rate)?)
+            .with_context(|| format!("writing {}", model_bench.display()))?;
+        let problem = Problem::new(spec, model_cluster, setup)?;
+
+        // The runs to predict: DDP over all workers, and for GPT a 1F1B pipeline over them.
+        let mut runs = Vec::new();
+        let w = args.workers as u64;
+        let ddp = measure(model, args.workers, &scaling_args, &task, &cfg)?;
+        runs.push((
+            format!("dp={w},mb={}", global_batch / w),
+            measured_step(&ddp),
+            ddp.samples_per_s,
+        ));
+        if model == "gpt" {
+            let m = PIPELINE_MICRO_BATCHES;
+            let mut pipe_cfg = cfg.clone();
+            pipe_cfg.parallel.pp = args.workers;
+            pipe_cfg.parallel.schedule = "1f1b".into();
+            pipe_cfg.parallel.micro_batches = m;
+            pipe_cfg.validate()?;
+            let steps = args.steps.unwrap_or(8);
+            let pipe = measure_layout("pipeline", pipe_cfg, &task, args.workers, 3, steps)?;
+            runs.push((
+                format!("pp={w},mb={},schedule=1f1b", global_batch / m as u64),
+                MeasuredStep {
+                    workers: w,
+                    compute_s: (pipe.compute_ms - pipe.optimizer_ms) / 1e3,
+                    comm_exposed_s: pipe.comm_exposed_ms / 1e3,
+                    comm_hidden_s: pipe.comm_hidden_ms / 1e3,
+                    bubble_s: pipe.pipeline_idle_ms / 1e3,
+                    data_s: 0.0,
+                    optimizer_s: pipe.optimizer_ms / 1e3,
+                    step_s: Some(pipe.step_ms / 1e3),
+                    samples_per_step: Some(global_batch as f64),
+                },
+                pipe.samples_per_s,
+            ));
+        }
+        for (i, (layout_text, step, measured_rate)) in runs.iter().enumerate() {
+            let predicted = problem.evaluate(&Layout::parse(layout_text)?)?;
+            let name = if i == 0 {
+                model.to_string()
+            } else {
+                format!("{model}-pipeline")
+            };
+            let measured_path = args.out_dir.join(format!("{name}.toml"));
+            std::fs::write(&measured_path, toml::to_string(step)?)
+                .with_context(|| format!("writing {}", measured_path.display()))?;
+            println!(
+                "| {model} | {layout_text} | {:.1} | {rate:.1} | {:.1} | {measured_rate:.1} | {:.2} |",
+                single.samples_per_s,
+                predicted.throughput.samples_per_s,
+                predicted.throughput.samples_per_s / measured_rate
+            );
+            let _ =
+                writeln!(
+                details,
+                "\n{name}: meshtrain plan --model {model} --cluster cpu --gpus {w} --global-batch \
+                 {global_batch} --optimizer {opt} --precision fp32 --measured {bench} \
+                 --layout {layout_text} --compare {measured}",
+                opt = if optimizer == Optimizer::Adam { "adam" } else { "sgd" },
+                bench = model_bench.display(),
+                measured = measured_path.display(),
+            );
+            details += &compare(&predicted, step);
+        }
     }
     println!("{details}");
-    let fitted = args.out_dir.join("fitted-rates.toml");
-    std::fs::write(&fitted, measurements_per_model)
-        .with_context(|| format!("writing {}", fitted.display()))?;
     Ok(())
 }
+
+/// Micro-batches of the predicted pipeline run (as in `bench pipeline`'s throughput part).
+const PIPELINE_MICRO_BATCHES: usize = 8;
 
 /// The matrix rate (GFLOP/s, at most the measured peak of `cluster`) for which the planner's
 /// single-worker compute time of `model` equals `measured_compute_ms`: the one constant the

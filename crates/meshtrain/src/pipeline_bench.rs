@@ -60,6 +60,8 @@ pub struct ThroughputRun {
     pub samples_per_s: f64,
     pub step_ms: f64,
     pub compute_ms: f64,
+    /// The optimizer's part of `compute_ms`.
+    pub optimizer_ms: f64,
     pub pipeline_idle_ms: f64,
     pub comm_exposed_ms: f64,
     pub comm_hidden_ms: f64,
@@ -157,7 +159,7 @@ pub fn throughput_runs(args: &BenchPipelineArgs) -> Result<Vec<ThroughputRun>> {
     Ok(runs)
 }
 
-fn measure_layout(
+pub fn measure_layout(
     layout: &str,
     cfg: Config,
     task: &Arc<Task>,
@@ -196,7 +198,7 @@ fn measure_layout(
         }
         world.barrier().map_err(|e| e.to_string())?;
         let (wall, cpu) = (wall.elapsed().as_secs_f64(), process_cpu_s() - cpu0);
-        Ok::<_, String>((since(&t.breakdown, &before), wall, cpu))
+        Ok::<_, String>((t.breakdown.since(&before), wall, cpu))
     })
     .map_err(|e| anyhow!("{layout}: {e}"))?;
     let n = steps.max(1) as f64 * results.len() as f64;
@@ -210,28 +212,12 @@ fn measure_layout(
         samples_per_s: samples / wall,
         step_ms: wall / steps.max(1) as f64 * 1e3,
         compute_ms: mean(Breakdown::compute_s),
+        optimizer_ms: mean(|b| b.optimizer_s),
         pipeline_idle_ms: mean(|b| b.pipeline_idle_s),
         comm_exposed_ms: mean(|b| b.comm_exposed_s),
         comm_hidden_ms: mean(|b| b.comm_hidden_s),
         cpu_ms_per_sample: results[0].2 / samples * 1e3,
     })
-}
-
-/// The accumulated times of the timed steps: `after − before`.
-fn since(after: &Breakdown, before: &Breakdown) -> Breakdown {
-    Breakdown {
-        data_s: after.data_s - before.data_s,
-        forward_s: after.forward_s - before.forward_s,
-        backward_s: after.backward_s - before.backward_s,
-        optimizer_s: after.optimizer_s - before.optimizer_s,
-        comm_exposed_s: after.comm_exposed_s - before.comm_exposed_s,
-        comm_hidden_s: after.comm_hidden_s - before.comm_hidden_s,
-        pipeline_idle_s: after.pipeline_idle_s - before.pipeline_idle_s,
-        steps: after.steps - before.steps,
-        workers: after.workers,
-        stages: after.stages,
-        ..Breakdown::default()
-    }
 }
 
 /// User + system CPU seconds of this process, all threads (Linux `/proc/self/stat`, in clock

@@ -122,7 +122,7 @@ pub fn measure(
             t.breakdown.data_s += tb.elapsed().as_secs_f64();
             t.train_step(&batch).map_err(|e| format!("{e:#}"))?;
         }
-        Ok::<_, String>(diff(&t.breakdown, &timed))
+        Ok::<_, String>(t.breakdown.since(&timed))
     })
     .map_err(|e| anyhow!("{model} with {workers} workers: {e}"))?;
     // The slowest worker sets the pace; report rank 0's split of it.
@@ -151,22 +151,6 @@ pub fn measure(
         },
         vs_one_worker: None,
     })
-}
-
-/// `after − before` of the accumulated times (the timed steps only).
-fn diff(after: &Breakdown, before: &Breakdown) -> Breakdown {
-    Breakdown {
-        data_s: after.data_s - before.data_s,
-        forward_s: after.forward_s - before.forward_s,
-        backward_s: after.backward_s - before.backward_s,
-        optimizer_s: after.optimizer_s - before.optimizer_s,
-        comm_exposed_s: after.comm_exposed_s - before.comm_exposed_s,
-        comm_hidden_s: after.comm_hidden_s - before.comm_hidden_s,
-        comm_bytes: after.comm_bytes - before.comm_bytes,
-        steps: after.steps - before.steps,
-        workers: after.workers,
-        ..Breakdown::default()
-    }
 }
 
 fn parse_list(s: &str) -> Vec<String> {

@@ -133,6 +133,25 @@ pub struct Breakdown {
 }
 
 impl Breakdown {
+    /// The times accumulated since `before` (an earlier copy of the same worker's breakdown):
+    /// benchmarks take one after warm-up and report only the timed steps.
+    pub fn since(&self, before: &Breakdown) -> Breakdown {
+        Breakdown {
+            data_s: self.data_s - before.data_s,
+            forward_s: self.forward_s - before.forward_s,
+            backward_s: self.backward_s - before.backward_s,
+            optimizer_s: self.optimizer_s - before.optimizer_s,
+            comm_exposed_s: self.comm_exposed_s - before.comm_exposed_s,
+            comm_hidden_s: self.comm_hidden_s - before.comm_hidden_s,
+            comm_bytes: self.comm_bytes - before.comm_bytes,
+            pipeline_idle_s: self.pipeline_idle_s - before.pipeline_idle_s,
+            steps: self.steps - before.steps,
+            workers: self.workers,
+            stages: self.stages,
+            ..Breakdown::default()
+        }
+    }
+
     pub fn compute_s(&self) -> f64 {
         self.forward_s + self.backward_s + self.optimizer_s
     }
