@@ -7,8 +7,11 @@
 //! with `MPI_Test` polling measured 2-5x slower than raw `MPI_Allreduce` here. A
 //! blocking call cannot return on a timeout, so a per-process watchdog thread watches
 //! every collective and, past the timeout, prints the timeout error (op, sequence
-//! number, group) and aborts the job (`MPI_Abort`, exit code 3) — the run ends within
-//! the timeout instead of hanging, and every process exits non-zero.
+//! number, group, missing ranks) and aborts the job (`MPI_Abort`, exit code 3) — the
+//! run ends within the timeout instead of hanging, and every process exits non-zero.
+//! The missing ranks, and peers that panicked, died or exited (which fail blocked
+//! collectives at once), come from the failure monitor, a TCP side channel to rank 0
+//! (`mpi_monitor`).
 //!
 //! bf16/f16 buffers are widened to f32, reduced, and rounded back (MPI has no bf16
 //! type, and reducing in f32 is what the trait promises). Point-to-point messages
@@ -16,10 +19,10 @@
 //! the message (`MPI_Improbe`, polled against the timeout, so a receive timeout is a
 //! returned error), checks its size, then receives it (`MPI_Imrecv`).
 //!
-//! Limits compared with the threads backend: MPI cannot tell *which* ranks did not
-//! arrive at a timed-out collective (the message says so), collective timeouts abort
-//! the job rather than return an error, and tags must be at most 32767 (the
-//! MPI-guaranteed minimum of `MPI_TAG_UB`).
+//! Limits compared with the threads backend: collective timeouts and stopped peers
+//! abort the job rather than return an error (unless the peer was known to have
+//! stopped before the call), and tags must be at most 32767 (the MPI-guaranteed
+//! minimum of `MPI_TAG_UB`).
 
 use crate::bench::{
     bench_group, print_header, record, report, sizes_and_memcpy, time_collective,
@@ -73,8 +76,6 @@ struct MpiShared {
     /// Serialises MPI calls when the library is not `MPI_THREAD_MULTIPLE`.
     lock: Option<Mutex<()>>,
     config: CommConfig,
-    /// This process's rank in `MPI_COMM_WORLD` (for messages).
-    rank: usize,
     watchdog: Arc<Watchdog>,
     /// The failure monitor's connection; `None` if it could not be set up (then
     /// failures are still caught by the timeout, without the missing ranks).
@@ -96,19 +97,6 @@ fn print_line(line: &str) {
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
-/// Prints `message` and ends the whole job with `code`: after a communication failure
-/// a peer may be blocked forever, so nothing short of `MPI_Abort` ends the run.
-fn abort_job(rank: usize, message: &str, code: i32) -> ! {
-    print_line(&format!(
-        "error: rank {rank}: {message}; aborting the MPI job"
-    ));
-    std::thread::sleep(ABORT_GRACE);
-    // SAFETY: MPI is initialised (aborts happen before `MpiWorld` finalises it);
-    // MPI_Abort does not return.
-    unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
-    std::process::exit(code)
-}
-
 /// Watches blocking collectives: one that outlives its deadline, or waits for a peer
 /// the failure monitor reports stopped, is reported (op, sequence number, group,
 /// missing ranks) and the MPI job is aborted with exit code 3 — a blocking MPI call
@@ -116,8 +104,11 @@ fn abort_job(rank: usize, message: &str, code: i32) -> ! {
 struct Watchdog {
     inflight: Mutex<WatchList>,
     changed: Condvar,
+    /// This process's rank in `MPI_COMM_WORLD` (for messages).
     rank: usize,
     monitor: Option<Arc<Monitor>>,
+    /// Set once this process is aborting the job: MPI must not be finalised meanwhile.
+    aborting: AtomicBool,
 }
 
 #[derive(Default)]
@@ -162,6 +153,7 @@ impl Watchdog {
             changed: Condvar::new(),
             rank,
             monitor,
+            aborting: AtomicBool::new(false),
         });
         if let Some(monitor) = &watchdog.monitor {
             // A stopped peer wakes the watchdog at once: blocked collectives fail fast.
@@ -199,6 +191,22 @@ impl Watchdog {
         WatchGuard { watchdog: self, id }
     }
 
+    /// Prints `message` and ends the whole job with `code`: after a communication
+    /// failure a peer may be blocked forever, so nothing short of `MPI_Abort` ends the
+    /// run. Lives here because the watchdog is what every abort path shares.
+    fn abort_job(&self, message: &str, code: i32) -> ! {
+        self.aborting.store(true, Ordering::SeqCst);
+        print_line(&format!(
+            "error: rank {}: {message}; aborting the MPI job",
+            self.rank
+        ));
+        std::thread::sleep(ABORT_GRACE);
+        // SAFETY: MPI is initialised: `MpiWorld::drop` does not finalise it once
+        // `aborting` is set. MPI_Abort does not return.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+        std::process::exit(code)
+    }
+
     fn stop(&self) {
         let mut list = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         list.stopped = true;
@@ -222,7 +230,7 @@ impl Watchdog {
                 });
                 if let Some(err) = failure {
                     drop(list);
-                    abort_job(self.rank, &err.to_string(), WATCHDOG_EXIT_CODE);
+                    self.abort_job(&err.to_string(), WATCHDOG_EXIT_CODE);
                 }
             }
             let now = Instant::now();
@@ -233,7 +241,7 @@ impl Watchdog {
                     // to wake us.
                     drop(list);
                     let err = self.timeout_error(op);
-                    abort_job(self.rank, &err.to_string(), WATCHDOG_EXIT_CODE);
+                    self.abort_job(&err.to_string(), WATCHDOG_EXIT_CODE);
                 }
                 Some(op) => (op.deadline - now).min(Duration::from_millis(100)),
                 None => Duration::from_millis(100),
@@ -453,7 +461,16 @@ impl Drop for MpiWorld {
                 .as_ref()
                 .and_then(|m| m.panic_message())
                 .unwrap_or_else(|| "see the panic message above".to_string());
-            abort_job(shared.rank, &format!("panicked: {message}"), 101);
+            shared
+                .watchdog
+                .abort_job(&format!("panicked: {message}"), 101);
+        }
+        if shared.watchdog.aborting.load(Ordering::SeqCst) {
+            // Another thread is ending the job (within `ABORT_GRACE`): finalising now
+            // would pull MPI from under its `MPI_Abort`.
+            loop {
+                std::thread::park();
+            }
         }
         if let Some(monitor) = &shared.monitor {
             monitor.exit();
@@ -510,7 +527,6 @@ impl MpiWorld {
             shared: Arc::new(MpiShared {
                 lock,
                 config,
-                rank,
                 watchdog: Watchdog::start(rank, monitor.clone()),
                 monitor,
                 group_instances: Mutex::new(HashMap::new()),
@@ -552,7 +568,7 @@ impl MpiWorld {
         if let Some(monitor) = &self.shared.monitor {
             monitor.report_failure(&message);
         }
-        abort_job(self.shared.rank, &message, code)
+        self.shared.watchdog.abort_job(&message, code)
     }
 }
 
