@@ -2,11 +2,20 @@
 //!
 //! ```text
 //! mpi_collectives test            conformance suite + desync + mesh checks (exit 0 = pass)
-//! mpi_collectives stuck           last rank stops calling; the others must time out
-//!                                 (2 s), print the error and abort the job (exit != 0)
-//! mpi_collectives kill            last rank crashes mid-run; the job must end (exit != 0)
+//! mpi_collectives FAULT [RANK]    after barrier #1, RANK (default: the last) misbehaves
+//!                                 while the others call all_reduce #2; every run must end
+//!                                 non-zero with an error naming the op, group and RANK:
+//!   stuck    stops calling (sleeps); the others time out (2 s)
+//!   panic    panics
+//!   kill     kills itself with SIGKILL
+//!   exit     shuts MPI down cleanly without calling all_reduce #2
+//!   desync   calls broadcast #2 instead (caught by the fingerprint check)
 //! mpi_collectives bench [ARGS]    `meshtrain bench collectives --backend mpi` + raw MPI_Allreduce
 //! ```
+//!
+//! In the fault modes every other rank prints `waiting in all_reduce #2 since T ms`
+//! (Unix time) first, so the test script can measure how long the failure took to end
+//! the job.
 
 use clap::Parser;
 use meshtrain_comm::bench::{run_bench, BenchBackend, BenchCollectivesArgs};
@@ -14,8 +23,9 @@ use meshtrain_comm::mpi_backend::MpiWorld;
 use meshtrain_comm::{
     conformance, CommConfig, CommError, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp,
 };
+use std::io::Write;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 #[derive(Parser)]
 struct BenchCli {
@@ -49,17 +59,22 @@ fn main() {
         }
     };
     let outcome = match world.world_group() {
-        Ok(group) => match mode {
-            "test" => run_tests(group),
-            "stuck" => stuck(group),
-            "kill" => kill(group),
-            other => Err(anyhow::anyhow!("unknown mode '{other}'")),
+        Ok(group) if mode == "test" => run_tests(group),
+        Ok(group) => match Fault::parse(mode) {
+            Some(fault) => {
+                let size = group.size();
+                match argv.get(2).map(|r| r.parse::<usize>()) {
+                    None => misbehave(group, fault, size - 1),
+                    Some(Ok(rank)) if rank < size => misbehave(group, fault, rank),
+                    Some(_) => Err(anyhow::anyhow!("RANK must be below {size}")),
+                }
+            }
+            None => Err(anyhow::anyhow!("unknown mode '{mode}'")),
         },
         Err(e) => Err(e.into()),
     };
     if let Err(e) = outcome {
-        eprintln!("error: {e:#}");
-        world.abort(2);
+        world.abort_with_error(format_args!("{e:#}"), 2);
     }
 }
 
@@ -125,23 +140,57 @@ fn mesh_groups(world: &Arc<dyn ProcessGroup>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn stuck(world: Arc<dyn ProcessGroup>) -> anyhow::Result<()> {
-    world.barrier()?;
-    if world.rank() == world.size() - 1 {
-        std::thread::sleep(Duration::from_secs(60));
-    }
-    let mut buf = vec![1.0f32; 1000];
-    world.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
-    Ok(())
+/// How the misbehaving rank of a fault mode fails its peers.
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    Stuck,
+    Panic,
+    Kill,
+    Exit,
+    Desync,
 }
 
-fn kill(world: Arc<dyn ProcessGroup>) -> anyhow::Result<()> {
-    let mut buf = vec![1.0f32; 1000];
-    world.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
-    if world.rank() == world.size() - 1 {
-        eprintln!("rank {} crashing on purpose", world.rank());
-        std::process::abort();
+impl Fault {
+    fn parse(mode: &str) -> Option<Fault> {
+        Some(match mode {
+            "stuck" => Fault::Stuck,
+            "panic" => Fault::Panic,
+            "kill" => Fault::Kill,
+            "exit" => Fault::Exit,
+            "desync" => Fault::Desync,
+            _ => return None,
+        })
     }
-    world.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
-    Ok(())
+}
+
+/// Barrier #1, then rank `culprit` misbehaves while the others all-reduce (#2).
+fn misbehave(world: Arc<dyn ProcessGroup>, fault: Fault, culprit: usize) -> anyhow::Result<()> {
+    world.barrier()?;
+    let rank = world.rank();
+    let mut buf = vec![1.0f32; 1000];
+    if rank != culprit {
+        let since = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis();
+        // One write: `mpirun` merges the ranks' output line by line only if lines
+        // are written whole.
+        std::io::stderr().write_all(
+            format!("rank {rank}: waiting in all_reduce #2 since {since} ms\n").as_bytes(),
+        )?;
+        world.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
+        anyhow::bail!("all_reduce #2 completed although rank {culprit} did not call it");
+    }
+    match fault {
+        Fault::Stuck => std::thread::sleep(Duration::from_secs(60)),
+        Fault::Panic => panic!("rank {rank} panics on purpose"),
+        Fault::Kill => {
+            let pid = std::process::id().to_string();
+            std::process::Command::new("kill")
+                .args(["-9", &pid])
+                .status()?;
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        // Returning drops the group and the world: a clean MPI shutdown.
+        Fault::Exit => return Ok(()),
+        Fault::Desync => world.broadcast((&mut buf).into(), 0)?,
+    }
+    anyhow::bail!("rank {rank} was not stopped by its fault")
 }

@@ -38,24 +38,30 @@ pub(crate) fn fmt_ranks(ranks: &[usize]) -> String {
     format!("[{}]", inner.join(", "))
 }
 
-fn missing_text(missing: &[usize]) -> String {
-    if missing.is_empty() {
-        "some rank(s) did not arrive (this backend cannot tell which)".to_string()
+fn missing_text(missing: &[usize], note: &str) -> String {
+    let mut text = if missing.is_empty() {
+        "some rank(s) did not arrive (the backend could not tell which)".to_string()
     } else {
         format!("rank(s) {} (global) did not arrive", fmt_ranks(missing))
+    };
+    if !note.is_empty() {
+        text.push_str(&format!(" ({note})"));
     }
+    text
 }
 
 /// Errors of process groups and their backends.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     /// Some ranks did not reach the operation before the timeout.
-    #[error("{ctx} timed out after {timeout:?}: {}", missing_text(.missing))]
+    #[error("{ctx} timed out after {timeout:?}: {}", missing_text(.missing, .note))]
     Timeout {
         ctx: OpContext,
         timeout: Duration,
-        /// Global ranks that had not arrived; empty if the backend cannot tell (MPI).
+        /// Global ranks that had not arrived; empty if the backend could not tell.
         missing: Vec<usize>,
+        /// Where the missing ranks were last seen (MPI's failure monitor knows), or empty.
+        note: String,
     },
     /// A rank the operation waits for has panicked, failed or exited.
     #[error("{ctx} cannot complete: rank(s) {} (global) stopped: {reason}", fmt_ranks(.missing))]

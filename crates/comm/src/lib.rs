@@ -20,6 +20,8 @@ mod group;
 mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi_backend;
+#[cfg(any(feature = "mpi", test))]
+mod mpi_monitor;
 mod threads;
 
 pub use dtype::{reference_reduce, BufMut, BufRef, DType, Element, RawBuf, ReduceOp};

@@ -7,8 +7,11 @@
 //! with `MPI_Test` polling measured 2-5x slower than raw `MPI_Allreduce` here. A
 //! blocking call cannot return on a timeout, so a per-process watchdog thread watches
 //! every collective and, past the timeout, prints the timeout error (op, sequence
-//! number, group) and aborts the job (`MPI_Abort`, exit code 3) — the run ends within
-//! the timeout instead of hanging, and every process exits non-zero.
+//! number, group, missing ranks) and aborts the job (`MPI_Abort`, exit code 3) — the
+//! run ends within the timeout instead of hanging, and every process exits non-zero.
+//! The missing ranks, and peers that panicked, died or exited (which fail blocked
+//! collectives at once), come from the failure monitor, a TCP side channel to rank 0
+//! (`mpi_monitor`).
 //!
 //! bf16/f16 buffers are widened to f32, reduced, and rounded back (MPI has no bf16
 //! type, and reducing in f32 is what the trait promises). Point-to-point messages
@@ -16,10 +19,10 @@
 //! the message (`MPI_Improbe`, polled against the timeout, so a receive timeout is a
 //! returned error), checks its size, then receives it (`MPI_Imrecv`).
 //!
-//! Limits compared with the threads backend: MPI cannot tell *which* ranks did not
-//! arrive at a timed-out collective (the message says so), collective timeouts abort
-//! the job rather than return an error, and tags must be at most 32767 (the
-//! MPI-guaranteed minimum of `MPI_TAG_UB`).
+//! Limits compared with the threads backend: collective timeouts and stopped peers
+//! abort the job rather than return an error (unless the peer was known to have
+//! stopped before the call), and tags must be at most 32767 (the MPI-guaranteed
+//! minimum of `MPI_TAG_UB`).
 
 use crate::bench::{
     bench_group, print_header, record, report, sizes_and_memcpy, time_collective,
@@ -29,11 +32,14 @@ use crate::dtype::{with_element, DType, Element, RawBuf, ReduceOp};
 use crate::engine::{AsyncEngine, Executor};
 use crate::error::{fmt_ranks, CommError, OpContext};
 use crate::group::{validate_subgroup, CommConfig, Fingerprint, Operation, ProcessGroup, Work};
+use crate::mpi_monitor::{self, GroupTrack, Monitor};
 use anyhow::{anyhow, Result};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
+use mpi::traits::Communicator;
 use std::collections::HashMap;
 use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::os::raw::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -49,6 +55,10 @@ const _: () = assert!(
 // Address 1 is OpenMPI's sentinel value, not a placeholder for an aligned pointer.
 #[allow(clippy::manual_dangling_ptr)]
 const MPI_IN_PLACE: *mut c_void = 1 as *mut c_void;
+
+/// How long a receive keeps probing after the failure monitor reported its source
+/// stopped, for messages still in transit.
+const STOPPED_PEER_GRACE: Duration = Duration::from_millis(100);
 
 /// Highest tag the backend accepts (MPI guarantees `MPI_TAG_UB >= 32767`).
 pub const MAX_TAG: u32 = 32767;
@@ -67,22 +77,53 @@ struct MpiShared {
     lock: Option<Mutex<()>>,
     config: CommConfig,
     watchdog: Arc<Watchdog>,
+    /// The failure monitor's connection; `None` if it could not be set up (then
+    /// failures are still caught by the timeout, without the missing ranks).
+    monitor: Option<Arc<Monitor>>,
+    /// Groups created so far per name and members: the instance number makes a
+    /// group's monitor key unique and equal on all members.
+    group_instances: Mutex<HashMap<String, usize>>,
 }
 
-/// Watches blocking collectives: if one outlives its deadline, prints the timeout
-/// error (op, sequence number, group) and aborts the MPI job with exit code 3, so a
-/// stuck or dead peer ends the run within the timeout (plus < 0.1 s) instead of
-/// hanging it.
+/// How long an aborting rank waits before `MPI_Abort`, which kills every process
+/// of the job at once: peers that are failing too (the same timeout, the same dead
+/// rank) get to print their own error first.
+const ABORT_GRACE: Duration = Duration::from_millis(300);
+
+/// Writes one line to stderr in a single write: `mpirun` merges the ranks' output,
+/// and `eprintln!` may write a line in pieces that interleave with other ranks'.
+fn print_line(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// Watches blocking collectives: one that outlives its deadline, or waits for a peer
+/// the failure monitor reports stopped, is reported (op, sequence number, group,
+/// missing ranks) and the MPI job is aborted with exit code 3 — a blocking MPI call
+/// cannot return an error, and the run must end instead of hanging.
 struct Watchdog {
     inflight: Mutex<WatchList>,
     changed: Condvar,
+    /// This process's rank in `MPI_COMM_WORLD` (for messages).
+    rank: usize,
+    monitor: Option<Arc<Monitor>>,
+    /// Set once this process is aborting the job: MPI must not be finalised meanwhile.
+    aborting: AtomicBool,
 }
 
 #[derive(Default)]
 struct WatchList {
     next_id: u64,
-    ops: HashMap<u64, (Instant, OpContext, Duration)>,
+    ops: HashMap<u64, Watched>,
     stopped: bool,
+}
+
+#[derive(Clone)]
+struct Watched {
+    deadline: Instant,
+    ctx: OpContext,
+    timeout: Duration,
+    track: Arc<GroupTrack>,
 }
 
 /// Unregisters a watched operation when it completes.
@@ -102,12 +143,28 @@ impl Drop for WatchGuard<'_> {
     }
 }
 
+/// Exit code of a job aborted by the watchdog (timeout or stopped peer).
+const WATCHDOG_EXIT_CODE: i32 = 3;
+
 impl Watchdog {
-    fn start() -> Arc<Watchdog> {
+    fn start(rank: usize, monitor: Option<Arc<Monitor>>) -> Arc<Watchdog> {
         let watchdog = Arc::new(Watchdog {
             inflight: Mutex::new(WatchList::default()),
             changed: Condvar::new(),
+            rank,
+            monitor,
+            aborting: AtomicBool::new(false),
         });
+        if let Some(monitor) = &watchdog.monitor {
+            // A stopped peer wakes the watchdog at once: blocked collectives fail fast.
+            let weak = Arc::downgrade(&watchdog);
+            monitor.set_waker(Box::new(move || {
+                if let Some(watchdog) = weak.upgrade() {
+                    let _list = watchdog.inflight.lock();
+                    watchdog.changed.notify_all();
+                }
+            }));
+        }
         let watcher = Arc::clone(&watchdog);
         // If the thread cannot start, collectives still work, only without timeouts.
         let _ = std::thread::Builder::new()
@@ -118,13 +175,36 @@ impl Watchdog {
 
     /// Registers an operation. Cheap (one uncontended lock, no allocation, no
     /// wake-up): the watchdog polls every 100 ms instead of being notified.
-    fn watch(&self, ctx: &OpContext, timeout: Duration) -> WatchGuard<'_> {
+    fn watch(&self, ctx: &OpContext, timeout: Duration, track: &Arc<GroupTrack>) -> WatchGuard<'_> {
         let mut list = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         list.next_id += 1;
         let id = list.next_id;
-        list.ops
-            .insert(id, (Instant::now() + timeout, ctx.clone(), timeout));
+        list.ops.insert(
+            id,
+            Watched {
+                deadline: Instant::now() + timeout,
+                ctx: ctx.clone(),
+                timeout,
+                track: Arc::clone(track),
+            },
+        );
         WatchGuard { watchdog: self, id }
+    }
+
+    /// Prints `message` and ends the whole job with `code`: after a communication
+    /// failure a peer may be blocked forever, so nothing short of `MPI_Abort` ends the
+    /// run. Lives here because the watchdog is what every abort path shares.
+    fn abort_job(&self, message: &str, code: i32) -> ! {
+        self.aborting.store(true, Ordering::SeqCst);
+        print_line(&format!(
+            "error: rank {}: {message}; aborting the MPI job",
+            self.rank
+        ));
+        std::thread::sleep(ABORT_GRACE);
+        // SAFETY: MPI is initialised: `MpiWorld::drop` does not finalise it once
+        // `aborting` is set. MPI_Abort does not return.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code) };
+        std::process::exit(code)
     }
 
     fn stop(&self) {
@@ -139,25 +219,31 @@ impl Watchdog {
             if list.stopped {
                 return;
             }
-            let now = Instant::now();
-            let earliest = list
-                .ops
-                .values()
-                .min_by_key(|(deadline, _, _)| *deadline)
-                .cloned();
-            let wait = match earliest {
-                Some((deadline, ctx, timeout)) if deadline <= now => {
-                    let err = CommError::Timeout {
-                        ctx,
-                        timeout,
-                        missing: Vec::new(),
-                    };
-                    eprintln!("error: {err}; aborting the MPI job");
-                    // SAFETY: MPI is initialised (the list is stopped before finalising).
-                    unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 3) };
-                    std::process::exit(3);
+            if let Some(monitor) = &self.monitor {
+                let failure = list.ops.values().find_map(|op| {
+                    let missing = monitor.stopped_peers(&op.track, op.ctx.seq)?;
+                    Some(CommError::PeerFailed {
+                        ctx: op.ctx.clone(),
+                        missing: missing.ranks,
+                        reason: missing.note,
+                    })
+                });
+                if let Some(err) = failure {
+                    drop(list);
+                    self.abort_job(&err.to_string(), WATCHDOG_EXIT_CODE);
                 }
-                Some((deadline, _, _)) => (deadline - now).min(Duration::from_millis(100)),
+            }
+            let now = Instant::now();
+            let earliest = list.ops.values().min_by_key(|op| op.deadline).cloned();
+            let wait = match earliest {
+                Some(op) if op.deadline <= now => {
+                    // Unlocked while asking the monitor: its thread may need the lock
+                    // to wake us.
+                    drop(list);
+                    let err = self.timeout_error(op);
+                    self.abort_job(&err.to_string(), WATCHDOG_EXIT_CODE);
+                }
+                Some(op) => (op.deadline - now).min(Duration::from_millis(100)),
                 None => Duration::from_millis(100),
             };
             list = self
@@ -165,6 +251,24 @@ impl Watchdog {
                 .wait_timeout(list, wait)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+        }
+    }
+
+    /// The timeout error of `op`, naming the members that had not entered it (as
+    /// far as the failure monitor knows).
+    fn timeout_error(&self, op: Watched) -> CommError {
+        let (missing, note) = match &self.monitor {
+            Some(monitor) => match monitor.missing_ranks(&op.track, op.ctx.seq) {
+                Some(missing) => (missing.ranks, missing.note),
+                None => (Vec::new(), "the failure monitor did not answer".to_string()),
+            },
+            None => (Vec::new(), "the failure monitor is not running".to_string()),
+        };
+        CommError::Timeout {
+            ctx: op.ctx,
+            timeout: op.timeout,
+            missing,
+            note,
         }
     }
 }
@@ -179,6 +283,162 @@ impl MpiShared {
             None => f(),
         }
     }
+
+    /// A progress track for a new group with these global members, reported to the
+    /// failure monitor.
+    fn new_track(&self, name: &str, members: Vec<usize>) -> Arc<GroupTrack> {
+        let instance = {
+            let mut instances = self
+                .group_instances
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let count = instances
+                .entry(format!("{name}{}", fmt_ranks(&members)))
+                .or_insert(0);
+            *count += 1;
+            *count - 1
+        };
+        let track = Arc::new(GroupTrack::new(name, members, instance));
+        if let Some(monitor) = &self.monitor {
+            monitor.register(Arc::clone(&track));
+        }
+        track
+    }
+
+    /// `PeerFailed` if a member this collective needs is known to have stopped.
+    fn peer_failure(&self, ctx: &OpContext, track: &GroupTrack) -> Option<CommError> {
+        let missing = self.monitor.as_ref()?.stopped_peers(track, ctx.seq)?;
+        Some(CommError::PeerFailed {
+            ctx: ctx.clone(),
+            missing: missing.ranks,
+            reason: missing.note,
+        })
+    }
+}
+
+/// Sets up the failure monitor (see `mpi_monitor`): rank 0 starts the hub, the
+/// address travels by `MPI_Bcast` — at initialisation, before anything can hang —
+/// and every rank connects. On any problem the job runs without it (with a warning):
+/// timeouts still end a stuck run, only without naming the missing ranks.
+fn start_monitor(rank: usize, size: usize) -> Option<Arc<Monitor>> {
+    let warn = |what: String| {
+        print_line(&format!(
+            "warning: rank {rank}: {what}; the MPI backend runs without its failure \
+             monitor (timeouts cannot name the missing ranks)"
+        ));
+    };
+    let hosts = match host_names(size) {
+        Ok(hosts) => hosts,
+        Err(code) => {
+            warn(format!("exchanging host names failed (MPI error {code})"));
+            return None;
+        }
+    };
+    // One host: the hub listens on loopback only; otherwise on every interface.
+    let single_host = hosts.iter().all(|h| *h == hosts[0]);
+    // [port, token]; port 0 = no hub.
+    let mut endpoint = [0u64; 2];
+    if rank == 0 {
+        let token = mpi_monitor::random_token();
+        let bind = if single_host {
+            Ipv4Addr::LOCALHOST
+        } else {
+            Ipv4Addr::UNSPECIFIED
+        };
+        match mpi_monitor::start_hub(bind.into(), size, token) {
+            Ok(port) => endpoint = [u64::from(port), token],
+            Err(e) => warn(format!("cannot start the failure monitor on {bind}: {e}")),
+        }
+    }
+    // SAFETY: a 2-element u64 buffer on every rank; MPI is initialised.
+    let code = unsafe {
+        ffi::MPI_Bcast(
+            endpoint.as_mut_ptr().cast(),
+            2,
+            ffi::RSMPI_UINT64_T,
+            0,
+            ffi::RSMPI_COMM_WORLD,
+        )
+    };
+    if code != 0 {
+        warn(format!(
+            "broadcasting the monitor address failed (MPI error {code})"
+        ));
+        return None;
+    }
+    let [port, token] = endpoint;
+    let port = u16::try_from(port).ok().filter(|&p| p != 0)?;
+    let host = if hosts[rank] == hosts[0] {
+        "127.0.0.1"
+    } else {
+        hosts[0].as_str()
+    };
+    let addresses: Vec<SocketAddr> = match (host, port).to_socket_addrs() {
+        Ok(addresses) => addresses.collect(),
+        Err(e) => {
+            warn(format!("cannot resolve rank 0's host '{host}': {e}"));
+            return None;
+        }
+    };
+    match Monitor::connect(rank, &addresses, token) {
+        Ok(monitor) => Some(monitor),
+        Err(e) => {
+            warn(format!(
+                "cannot reach the failure monitor at {host}:{port}: {e}"
+            ));
+            None
+        }
+    }
+}
+
+/// Every rank's host name (`MPI_Get_processor_name`), by rank; an MPI error code on
+/// failure.
+fn host_names(size: usize) -> Result<Vec<String>, c_int> {
+    const LEN: usize = ffi::MPI_MAX_PROCESSOR_NAME as usize;
+    let mut mine = [0u8; LEN];
+    let mut len: c_int = 0;
+    // SAFETY: the buffer holds MPI_MAX_PROCESSOR_NAME bytes, as MPI requires.
+    let code = unsafe { ffi::MPI_Get_processor_name(mine.as_mut_ptr().cast(), &mut len) };
+    if code != 0 {
+        return Err(code);
+    }
+    let mut all = vec![0u8; LEN * size];
+    // SAFETY: LEN bytes from every rank into a buffer of size × LEN.
+    let code = unsafe {
+        ffi::MPI_Allgather(
+            mine.as_ptr().cast(),
+            LEN as c_int,
+            ffi::RSMPI_UINT8_T,
+            all.as_mut_ptr().cast(),
+            LEN as c_int,
+            ffi::RSMPI_UINT8_T,
+            ffi::RSMPI_COMM_WORLD,
+        )
+    };
+    if code != 0 {
+        return Err(code);
+    }
+    Ok(all
+        .chunks_exact(LEN)
+        .map(|name| {
+            let end = name.iter().position(|&b| b == 0).unwrap_or(LEN);
+            String::from_utf8_lossy(&name[..end]).into_owned()
+        })
+        .collect())
+}
+
+/// Tells the failure monitor about panics: the hook sends this rank's position and
+/// the message, so that peers blocked on this rank fail at once with it. A panic
+/// anywhere in an MPI rank is treated as fatal for the job.
+fn install_panic_hook(monitor: &Arc<Monitor>) {
+    let weak = Arc::downgrade(monitor);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        previous(info);
+        if let Some(monitor) = weak.upgrade() {
+            monitor.report_panic(info);
+        }
+    }));
 }
 
 /// An initialised MPI environment. Create one per process, first thing in `main`;
@@ -190,9 +450,33 @@ pub struct MpiWorld {
 }
 
 impl Drop for MpiWorld {
+    /// Runs before `_universe` finalises MPI.
     fn drop(&mut self) {
-        // Runs before `_universe` finalises MPI: no abort after finalisation.
-        self.shared.watchdog.stop();
+        let shared = &self.shared;
+        if std::thread::panicking() {
+            // Finalising could block on peers that wait for this rank; they were told
+            // by the panic hook and fail fast, and this ends the job if they do not.
+            let message = shared
+                .monitor
+                .as_ref()
+                .and_then(|m| m.panic_message())
+                .unwrap_or_else(|| "see the panic message above".to_string());
+            shared
+                .watchdog
+                .abort_job(&format!("panicked: {message}"), 101);
+        }
+        if shared.watchdog.aborting.load(Ordering::SeqCst) {
+            // Another thread is ending the job (within `ABORT_GRACE`): finalising now
+            // would pull MPI from under its `MPI_Abort`.
+            loop {
+                std::thread::park();
+            }
+        }
+        if let Some(monitor) = &shared.monitor {
+            monitor.exit();
+        }
+        // No abort after finalisation.
+        shared.watchdog.stop();
     }
 }
 
@@ -233,11 +517,19 @@ impl MpiWorld {
                 details: "MPI was already initialised in this process".to_string(),
             })?;
         let lock = (threading < Threading::Multiple).then(|| Mutex::new(()));
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let monitor = start_monitor(rank, size);
+        if let Some(monitor) = &monitor {
+            install_panic_hook(monitor);
+        }
         Ok(MpiWorld {
             shared: Arc::new(MpiShared {
                 lock,
                 config,
-                watchdog: Watchdog::start(),
+                watchdog: Watchdog::start(rank, monitor.clone()),
+                monitor,
+                group_instances: Mutex::new(HashMap::new()),
             }),
             _universe: universe,
         })
@@ -267,14 +559,16 @@ impl MpiWorld {
         Ok(Arc::new(group))
     }
 
-    /// Ends every process of the job with `code` (`MPI_Abort`): what to do after a
-    /// communication failure, since a peer may be blocked forever.
-    pub fn abort(&self, code: i32) -> ! {
-        // SAFETY: MPI is initialised; MPI_Abort does not return.
-        unsafe {
-            ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code);
+    /// Prints `error` (`error: rank R: …; aborting the MPI job`), tells the failure
+    /// monitor — peers blocked on this rank then fail at once, saying `rank R failed:
+    /// …` — and ends every process of the job with `code`. What a rank should do with
+    /// any error it cannot recover from: returning would leave peers blocked.
+    pub fn abort_with_error(&self, error: impl fmt::Display, code: i32) -> ! {
+        let message = error.to_string();
+        if let Some(monitor) = &self.shared.monitor {
+            monitor.report_failure(&message);
         }
-        std::process::exit(code)
+        self.shared.watchdog.abort_job(&message, code)
     }
 }
 
@@ -286,6 +580,8 @@ struct MpiCore {
     size: usize,
     name: Arc<str>,
     global_ranks: Vec<usize>,
+    /// This rank's position in the group's collectives, for the failure monitor.
+    track: Arc<GroupTrack>,
     broken: Mutex<Option<String>>,
     /// Fast check of `broken` on every operation.
     is_broken: AtomicBool,
@@ -422,6 +718,7 @@ impl MpiCore {
                     ctx: ctx.clone(),
                     timeout,
                     missing: Vec::new(),
+                    note: String::new(),
                 }));
             }
             if polls > 1024 {
@@ -442,7 +739,14 @@ impl MpiCore {
         what: &str,
         call: impl FnOnce() -> c_int,
     ) -> Result<(), CommError> {
-        let _guard = self.shared.watchdog.watch(ctx, self.shared.config.timeout);
+        // A peer known to have stopped would block this call forever: fail before it.
+        if let Some(err) = self.shared.peer_failure(ctx, &self.track) {
+            return Err(self.fail(err));
+        }
+        let _guard = self
+            .shared
+            .watchdog
+            .watch(ctx, self.shared.config.timeout, &self.track);
         let code = self.shared.call(call);
         check(ctx, what, code)
     }
@@ -500,6 +804,7 @@ impl MpiCore {
         if self.pending_sends.load(Ordering::Acquire) > 0 {
             self.progress_sends(&ctx)?;
         }
+        let _position = op.is_collective().then(|| self.track.enter(op.name(), seq));
         if op.is_collective() && self.shared.config.check_desync {
             self.check_fingerprint(&ctx, op.fingerprint(seq))?;
         }
@@ -700,6 +1005,7 @@ impl MpiCore {
         let mut message: ffi::MPI_Message = ffi::RSMPI_MESSAGE_NULL;
         let mut status: ffi::MPI_Status = std::mem::zeroed();
         let mut polls = 0u32;
+        let mut peer_stopped_at: Option<Instant> = None;
         loop {
             let mut flag: c_int = 0;
             let code = self.shared.call(|| {
@@ -717,12 +1023,33 @@ impl MpiCore {
                 break;
             }
             polls = polls.saturating_add(1);
-            if polls.is_multiple_of(64) && Instant::now() >= deadline {
-                return Err(CommError::Timeout {
-                    ctx: ctx.clone(),
-                    timeout,
-                    missing: vec![self.global_ranks[src]],
-                });
+            if polls.is_multiple_of(64) {
+                let global_src = self.global_ranks[src];
+                if let Some(reason) = self
+                    .shared
+                    .monitor
+                    .as_ref()
+                    .and_then(|m| m.stopped_rank(global_src))
+                {
+                    // Messages the peer sent just before it stopped may still be on
+                    // their way: keep probing a little before giving up on it.
+                    let since = *peer_stopped_at.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= STOPPED_PEER_GRACE {
+                        return Err(CommError::PeerFailed {
+                            ctx: ctx.clone(),
+                            missing: vec![global_src],
+                            reason: format!("{reason} (no message with tag {tag} arrived)"),
+                        });
+                    }
+                }
+                if Instant::now() >= deadline {
+                    return Err(CommError::Timeout {
+                        ctx: ctx.clone(),
+                        timeout,
+                        missing: vec![global_src],
+                        note: String::new(),
+                    });
+                }
             }
             if polls > 1024 {
                 std::thread::sleep(Duration::from_micros(50));
@@ -844,6 +1171,7 @@ impl MpiGroup {
         let (rank, size) = (rank as usize, size as usize);
         let global_ranks = global_ranks.unwrap_or_else(|| (0..size).collect());
         let thread_name = format!("comm-{name}-r{}", global_ranks[rank]);
+        let track = shared.new_track(&name, global_ranks.clone());
         Ok(MpiGroup {
             core: Arc::new(MpiCore {
                 shared,
@@ -852,6 +1180,7 @@ impl MpiGroup {
                 size,
                 name: Arc::from(name.as_str()),
                 global_ranks,
+                track,
                 broken: Mutex::new(None),
                 is_broken: AtomicBool::new(false),
                 pending_sends: AtomicUsize::new(0),
@@ -976,8 +1305,7 @@ pub fn run_bench_mpi(args: &BenchCollectivesArgs) -> Result<()> {
     let world = MpiWorld::init(CommConfig::default().with_desync_check(false))?;
     let result = bench_on_world(&world, args);
     if let Err(e) = &result {
-        eprintln!("error: {e:#}");
-        world.abort(1);
+        world.abort_with_error(format_args!("{e:#}"), 1);
     }
     result
 }

@@ -224,6 +224,7 @@ impl GroupShared {
                 ctx: ctx.clone(),
                 timeout: self.world.config.timeout,
                 missing,
+                note: String::new(),
             };
             self.mark_broken(err.to_string());
             return Some(err);
@@ -489,6 +490,7 @@ impl RankCore {
                     ctx: ctx.clone(),
                     timeout: shared.world.config.timeout,
                     missing: vec![global_src],
+                    note: String::new(),
                 });
             }
             let nap = (deadline - now).min(Duration::from_millis(5));

@@ -136,10 +136,9 @@ fn run_mpi(mut cfg: Config, options: &JobOptions) -> Result<Summary> {
             drop(world);
             std::process::exit(0)
         }
-        Err(e) => {
-            eprintln!("meshtrain: rank failed: {e:#}");
-            world.abort(1)
-        }
+        // Prints `error: rank R: training failed: …` and tells the peers blocked on
+        // this rank why they cannot go on, then ends the job.
+        Err(e) => world.abort_with_error(format_args!("training failed: {e:#}"), 1),
     }
 }
 
