@@ -3,7 +3,7 @@
 use crate::layer::{spec_len, Init, Layer, Mode, ParamSpec, Saved, StatsReducer};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
-use meshtrain_tensor::matmul::{gemm, Mat, MatMut};
+use meshtrain_tensor::matmul::{gemm, gemm_pair, Mat, MatMut};
 use meshtrain_tensor::norm;
 use meshtrain_tensor::pool::{self, PoolGeometry};
 use meshtrain_tensor::tensor::swap_leading_axes;
@@ -258,12 +258,6 @@ impl Layer for Linear {
         let rows = x.numel() / self.inputs;
         let nw = self.inputs * self.outputs;
         let (gw, gb) = g.split_at_mut(nw);
-        gemm(
-            MatMut::new(gw, self.outputs, self.inputs),
-            Mat::new(dy.data(), rows, self.outputs).t(),
-            Mat::new(x.data(), rows, self.inputs),
-            true,
-        );
         if self.bias {
             let mut acc = vec![0.0f64; self.outputs];
             for r in dy.data().chunks(self.outputs) {
@@ -271,15 +265,27 @@ impl Layer for Linear {
             }
             gb.iter_mut().zip(acc).for_each(|(b, a)| *b += a as f32);
         }
+        let weight_grad = (
+            MatMut::new(gw, self.outputs, self.inputs),
+            Mat::new(dy.data(), rows, self.outputs).t(),
+            Mat::new(x.data(), rows, self.inputs),
+            true,
+        );
         if !need_dx {
+            let (c, a, b, acc) = weight_grad;
+            gemm(c, a, b, acc);
             return None;
         }
-        let mut dx = vec![0.0f32; x.numel()];
-        gemm(
-            MatMut::new(&mut dx, rows, self.inputs),
-            Mat::new(dy.data(), rows, self.outputs),
-            Mat::new(&p[..nw], self.outputs, self.inputs),
-            false,
+        // Every element is written by the product (accumulate = false).
+        let mut dx = meshtrain_tensor::par::take_buffer(x.numel());
+        gemm_pair(
+            weight_grad,
+            (
+                MatMut::new(&mut dx, rows, self.inputs),
+                Mat::new(dy.data(), rows, self.outputs),
+                Mat::new(&p[..nw], self.outputs, self.inputs),
+                false,
+            ),
         );
         Some(Tensor::from_vec(dx, x.shape()))
     }
