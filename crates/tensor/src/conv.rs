@@ -296,14 +296,6 @@ pub fn conv2d_backward(
 /// pool size.
 const DIRECT_SAMPLES_PER_ITEM: usize = 16;
 
-/// `acc[i] += w · src[i]` (fused multiply-add, vectorised).
-#[inline(always)]
-fn axpy(acc: &mut [f32], w: f32, src: &[f32]) {
-    acc.iter_mut()
-        .zip(src)
-        .for_each(|(a, &s)| *a = s.mul_add(w, *a));
-}
-
 /// Elements the direct kernels process per step: four AVX registers per row.
 const STRIP: usize = 32;
 
@@ -365,42 +357,72 @@ impl DirectLayout {
             }
         }
     }
+}
 
-    /// Forward of output channels `o0..o0 + OB` of one padded sample into `acc` (rows of
-    /// `span`). The `OB × STRIP` accumulators stay in registers across all channels and taps;
-    /// each input load feeds `OB` multiply-adds.
-    #[inline(always)]
-    fn forward_outputs<const OB: usize>(
-        &self,
-        c_in: usize,
-        padded: &[f32],
-        weight: &[f32],
-        bias: Option<&[f32]>,
-        o0: usize,
-        acc: &mut [f32],
-    ) {
-        let kk = self.taps.len();
-        for s0 in (0..self.span).step_by(STRIP) {
-            let mut a = [[0.0f32; STRIP]; OB];
-            for (r, row) in a.iter_mut().enumerate() {
-                row.fill(bias.map_or(0.0, |b| b[o0 + r]));
-            }
-            for c in 0..c_in {
-                let plane = &padded[c * self.pstride..][..self.pstride];
-                for (t, &off) in self.taps.iter().enumerate() {
-                    let src = &plane[s0 + off..][..STRIP];
-                    for (r, row) in a.iter_mut().enumerate() {
-                        let w = weight[((o0 + r) * c_in + c) * kk + t];
-                        for i in 0..STRIP {
-                            row[i] = src[i].mul_add(w, row[i]);
-                        }
+/// Planes a direct kernel reads: `count` planes, `stride` apart, and per tap the offset of its
+/// shifted view.
+struct Planes<'a> {
+    data: &'a [f32],
+    stride: usize,
+    count: usize,
+    taps: &'a [usize],
+}
+
+/// `acc[o][i] = init(o) + Σ_{c, t} weight(o, c, t) · input[c][i + taps[t]]` for output rows
+/// `o0..o0 + OB` and `i < span` (rows of `acc` are `span` long, `span` a multiple of
+/// [`STRIP`]). The `OB × STRIP` accumulators stay in registers across all input planes and
+/// taps, so each input load feeds `OB` multiply-adds and nothing is stored until the end: the
+/// convolution forward (inputs = padded planes) and its input gradient (inputs = the output
+/// gradient, taps mirrored) both run through here.
+#[inline(always)]
+fn correlate<const OB: usize>(
+    input: &Planes,
+    weight: impl Fn(usize, usize, usize) -> f32,
+    init: impl Fn(usize) -> f32,
+    o0: usize,
+    span: usize,
+    acc: &mut [f32],
+) {
+    for s0 in (0..span).step_by(STRIP) {
+        let mut a = [[0.0f32; STRIP]; OB];
+        for (r, row) in a.iter_mut().enumerate() {
+            row.fill(init(o0 + r));
+        }
+        for c in 0..input.count {
+            let plane = &input.data[c * input.stride..][..input.stride];
+            for (t, &off) in input.taps.iter().enumerate() {
+                let src = &plane[s0 + off..][..STRIP];
+                for (r, row) in a.iter_mut().enumerate() {
+                    let w = weight(o0 + r, c, t);
+                    for i in 0..STRIP {
+                        row[i] = src[i].mul_add(w, row[i]);
                     }
                 }
             }
-            for (r, row) in a.iter().enumerate() {
-                acc[(o0 + r) * self.span + s0..][..STRIP].copy_from_slice(row);
-            }
         }
+        for (r, row) in a.iter().enumerate() {
+            acc[(o0 + r) * span + s0..][..STRIP].copy_from_slice(row);
+        }
+    }
+}
+
+/// [`correlate`] for all `outputs` rows, two at a time (two rows × four registers is what
+/// AVX2's sixteen registers hold next to the input loads).
+fn correlate_all(
+    input: &Planes,
+    weight: impl Fn(usize, usize, usize) -> f32 + Copy,
+    init: impl Fn(usize) -> f32 + Copy,
+    outputs: usize,
+    span: usize,
+    acc: &mut [f32],
+) {
+    let mut o0 = 0;
+    while o0 + 2 <= outputs {
+        correlate::<2>(input, weight, init, o0, span, acc);
+        o0 += 2;
+    }
+    if o0 < outputs {
+        correlate::<1>(input, weight, init, o0, span, acc);
     }
 }
 
@@ -450,16 +472,23 @@ fn direct_forward(
     map_sample_items(out, s.batch, l.oh * l.ow, |first, count, mut outs| {
         let mut padded = vec![0.0f32; c_in * l.pstride];
         let mut acc = vec![0.0f32; g.out_channels * l.span];
+        let kk = l.taps.len();
         for j in 0..count {
             l.pad_sample(g, s, x, first + j, &mut padded);
-            let mut o0 = 0;
-            while o0 + 2 <= g.out_channels {
-                l.forward_outputs::<2>(c_in, &padded, weight, bias, o0, &mut acc);
-                o0 += 2;
-            }
-            if o0 < g.out_channels {
-                l.forward_outputs::<1>(c_in, &padded, weight, bias, o0, &mut acc);
-            }
+            let input = Planes {
+                data: &padded,
+                stride: l.pstride,
+                count: c_in,
+                taps: &l.taps,
+            };
+            correlate_all(
+                &input,
+                |o, c, t| weight[(o * c_in + c) * kk + t],
+                |o| bias.map_or(0.0, |b| b[o]),
+                g.out_channels,
+                l.span,
+                &mut acc,
+            );
             for (a, dst) in acc.chunks(l.span).zip(outs.iter_mut()) {
                 let dst = &mut dst[j * l.oh * l.ow..][..l.oh * l.ow];
                 for (oy, row) in dst.chunks_mut(l.ow).enumerate() {
@@ -488,40 +517,54 @@ fn direct_backward(
     let per_sample = |first: usize, count: usize, mut dxs: Vec<&mut [f32]>| -> Vec<f32> {
         let mut dw = vec![0.0f32; weight.len()];
         let mut padded = vec![0.0f32; c_in * l.pstride];
-        let mut dpadded = vec![0.0f32; c_in * l.pstride];
-        // dy with the padded row stride; the columns past each row's end and the rounding
-        // tail stay zero, so the thrown-away outputs contribute nothing.
-        let mut dys = vec![0.0f32; c_out * l.span];
+        // dy with the padded row stride after a zero margin of `margin` (the largest tap
+        // offset); the columns past each row's end, the rounding tail and the margin stay
+        // zero, so thrown-away positions contribute nothing.
+        let margin = *l.taps.last().expect("a kernel has taps");
+        let dx_span = (l.pstride - STRIP).next_multiple_of(STRIP);
+        let dy_stride = margin + dx_span.max(l.span) + STRIP;
+        let mut dys = vec![0.0f32; c_out * dy_stride];
+        // The input gradient is the correlation of dy with the mirrored kernel: padded
+        // position p gets dy[p − off] · w for every tap.
+        let mirrored: Vec<usize> = l.taps.iter().map(|&off| margin - off).collect();
+        let mut dpadded = vec![0.0f32; c_in * dx_span];
         for j in 0..count {
             let n = first + j;
             l.pad_sample(g, s, x, n, &mut padded);
-            for (o, d) in dys.chunks_mut(l.span).enumerate() {
+            for (o, d) in dys.chunks_mut(dy_stride).enumerate() {
                 let src = &dy[(o * s.batch + n) * out_plane..][..out_plane];
                 for (oy, row) in src.chunks(l.ow).enumerate() {
-                    d[oy * l.pw..][..l.ow].copy_from_slice(row);
+                    d[margin + oy * l.pw..][..l.ow].copy_from_slice(row);
                 }
-            }
-            let want_dx = !dxs.is_empty();
-            if want_dx {
-                dpadded.fill(0.0);
             }
             for c in 0..c_in {
                 for (t, &off) in l.taps.iter().enumerate() {
                     let src = &padded[c * l.pstride + off..][..l.span];
-                    for (o, d) in dys.chunks(l.span).enumerate() {
-                        dw[(o * c_in + c) * kk + t] += dot(d, src);
-                    }
-                    if want_dx {
-                        let dst = &mut dpadded[c * l.pstride + off..][..l.span];
-                        for (o, d) in dys.chunks(l.span).enumerate() {
-                            axpy(dst, weight[(o * c_in + c) * kk + t], d);
-                        }
+                    for (o, d) in dys.chunks(dy_stride).enumerate() {
+                        dw[(o * c_in + c) * kk + t] += dot(&d[margin..][..l.span], src);
                     }
                 }
             }
+            if dxs.is_empty() {
+                continue;
+            }
+            let grads = Planes {
+                data: &dys,
+                stride: dy_stride,
+                count: c_out,
+                taps: &mirrored,
+            };
+            correlate_all(
+                &grads,
+                |c, o, t| weight[(o * c_in + c) * kk + t],
+                |_| 0.0,
+                c_in,
+                dx_span,
+                &mut dpadded,
+            );
             for (c, dst) in dxs.iter_mut().enumerate() {
                 let dst = &mut dst[j * hw..][..hw];
-                let src = &dpadded[c * l.pstride..];
+                let src = &dpadded[c * dx_span..];
                 for (y, row) in dst.chunks_mut(s.width).enumerate() {
                     row.copy_from_slice(&src[(y + g.padding) * l.pw + g.padding..][..s.width]);
                 }

@@ -28,6 +28,14 @@ fn worth_splitting(len: usize, chunk: usize) -> bool {
     threads() > 1 && len >= PARALLEL_MIN_LEN && len > chunk
 }
 
+/// How many consecutive `chunk`-sized pieces one parallel task takes: enough for about
+/// `4 × threads` tasks of at least [`PARALLEL_MIN_LEN`] elements. Callers cut their data at
+/// natural boundaries (a pooling plane of 196 values, a 256-wide layer-norm row); one rayon
+/// task per such piece would cost more in scheduling than the piece's own work.
+fn pieces_per_task(len: usize, chunk: usize) -> usize {
+    (chunk_len(len, PARALLEL_MIN_LEN) / chunk).max(1)
+}
+
 /// Run `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, in parallel when the pool
 /// has several threads and the work is large enough to pay for it.
 pub fn for_each_chunk_mut<T, F>(data: &mut [T], chunk: usize, f: F)
@@ -37,9 +45,14 @@ where
 {
     let chunk = chunk.max(1);
     if worth_splitting(data.len(), chunk) {
-        data.par_chunks_mut(chunk)
+        let group = pieces_per_task(data.len(), chunk);
+        data.par_chunks_mut(chunk * group)
             .enumerate()
-            .for_each(|(i, c)| f(i, c));
+            .for_each(|(g, task)| {
+                for (i, c) in task.chunks_mut(chunk).enumerate() {
+                    f(g * group + i, c);
+                }
+            });
     } else {
         data.chunks_mut(chunk)
             .enumerate()
@@ -62,10 +75,15 @@ pub fn for_each_chunk_pair_mut<A, B, F>(
 {
     let (chunk_a, chunk_b) = (chunk_a.max(1), chunk_b.max(1));
     if worth_splitting(a.len(), chunk_a) {
-        a.par_chunks_mut(chunk_a)
-            .zip(b.par_chunks_mut(chunk_b))
+        let group = pieces_per_task(a.len(), chunk_a);
+        a.par_chunks_mut(chunk_a * group)
+            .zip(b.par_chunks_mut(chunk_b * group))
             .enumerate()
-            .for_each(|(i, (x, y))| f(i, x, y));
+            .for_each(|(g, (x, y))| {
+                for (i, (x, y)) in x.chunks_mut(chunk_a).zip(y.chunks_mut(chunk_b)).enumerate() {
+                    f(g * group + i, x, y);
+                }
+            });
     } else {
         a.chunks_mut(chunk_a)
             .zip(b.chunks_mut(chunk_b))
@@ -84,10 +102,18 @@ where
 {
     let chunk = chunk.max(1);
     if worth_splitting(data.len(), chunk) {
-        data.par_chunks_mut(chunk)
+        let group = pieces_per_task(data.len(), chunk);
+        let per_task: Vec<Vec<R>> = data
+            .par_chunks_mut(chunk * group)
             .enumerate()
-            .map(|(i, c)| f(i, c))
-            .collect()
+            .map(|(g, task)| {
+                task.chunks_mut(chunk)
+                    .enumerate()
+                    .map(|(i, c)| f(g * group + i, c))
+                    .collect()
+            })
+            .collect();
+        per_task.into_iter().flatten().collect()
     } else {
         data.chunks_mut(chunk)
             .enumerate()
@@ -105,10 +131,18 @@ where
 {
     let chunk = chunk.max(1);
     if worth_splitting(data.len(), chunk) {
-        data.par_chunks(chunk)
+        let group = pieces_per_task(data.len(), chunk);
+        let per_task: Vec<Vec<R>> = data
+            .par_chunks(chunk * group)
             .enumerate()
-            .map(|(i, c)| f(i, c))
-            .collect()
+            .map(|(g, task)| {
+                task.chunks(chunk)
+                    .enumerate()
+                    .map(|(i, c)| f(g * group + i, c))
+                    .collect()
+            })
+            .collect();
+        per_task.into_iter().flatten().collect()
     } else {
         data.chunks(chunk)
             .enumerate()
