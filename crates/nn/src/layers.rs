@@ -228,7 +228,8 @@ impl Layer for Linear {
         let rows = x.numel() / self.inputs;
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("non-empty shape") = self.outputs;
-        let mut y = vec![0.0f32; rows * self.outputs];
+        // Fully written: the bias rows below, or the product itself without a bias.
+        let mut y = meshtrain_tensor::par::take_buffer(rows * self.outputs);
         if self.bias {
             let b = &p[self.inputs * self.outputs..];
             y.chunks_mut(self.outputs)
@@ -274,6 +275,8 @@ impl Layer for Linear {
         if !need_dx {
             let (c, a, b, acc) = weight_grad;
             gemm(c, a, b, acc);
+            x.recycle();
+            dy.recycle();
             return None;
         }
         // Every element is written by the product (accumulate = false).
@@ -287,7 +290,10 @@ impl Layer for Linear {
                 false,
             ),
         );
-        Some(Tensor::from_vec(dx, x.shape()))
+        let shape = x.shape().to_vec();
+        x.recycle();
+        dy.recycle();
+        Some(Tensor::from_vec(dx, &shape))
     }
 }
 
@@ -390,7 +396,10 @@ impl Layer for Conv2d {
         if let Some(c) = columns {
             meshtrain_tensor::par::recycle(c);
         }
-        dx.map(|dx| Tensor::from_vec(dx, x.shape()))
+        let dx = dx.map(|dx| Tensor::from_vec(dx, x.shape()));
+        x.recycle();
+        dy.recycle();
+        dx
     }
 }
 
@@ -568,7 +577,10 @@ impl Layer for LayerNorm {
             dgamma,
             dbeta,
         );
-        Some(Tensor::from_vec(dx, x.shape()))
+        let shape = x.shape().to_vec();
+        x.recycle();
+        dy.recycle();
+        Some(Tensor::from_vec(dx, &shape))
     }
 }
 
@@ -577,7 +589,7 @@ pub struct Act(pub Activation);
 
 impl Layer for Act {
     fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
-        let mut y = Tensor::zeros(x.shape());
+        let mut y = Tensor::for_overwrite(x.shape());
         self.0.forward(x.data(), y.data_mut());
         if mode.train {
             s.tensors.push(if self.0.backward_uses_output() {
@@ -598,8 +610,9 @@ impl Layer for Act {
         _: bool,
     ) -> Option<Tensor> {
         let kept = s.tensors.pop().expect("Act: saved tensor");
-        let mut dx = Tensor::zeros(dy.shape());
-        self.0.backward(kept.data(), dy.data(), dx.data_mut());
+        let mut dx = dy;
+        self.0.backward_in_place(kept.data(), dx.data_mut());
+        kept.recycle();
         Some(dx)
     }
 }

@@ -89,14 +89,15 @@ impl Activation {
         )
     }
 
-    /// `dx = dy · act'(·)`, where `saved` is the output if [`Self::backward_uses_output`],
-    /// else the input.
-    pub fn backward(self, saved: &[f32], dy: &[f32], dx: &mut [f32]) {
+    /// `dx = dy · act'(·)` in place (`grad` holds dy on entry and dx on return), where
+    /// `saved` is the output if [`Self::backward_uses_output`], else the input. In place
+    /// because the incoming gradient is dead afterwards: no second buffer to allocate and fill.
+    pub fn backward_in_place(self, saved: &[f32], grad: &mut [f32]) {
         match self {
-            Activation::Relu => par::zip_map(dx, saved, dy, |y, g| if y > 0.0 { g } else { 0.0 }),
-            Activation::Sigmoid => par::zip_map(dx, saved, dy, |y, g| g * y * (1.0 - y)),
-            Activation::Tanh => par::zip_map(dx, saved, dy, |y, g| g * (1.0 - y * y)),
-            Activation::Gelu => par::zip_map(dx, saved, dy, |x, g| g * gelu_grad(x)),
+            Activation::Relu => par::zip_update(grad, saved, |y, g| if y > 0.0 { g } else { 0.0 }),
+            Activation::Sigmoid => par::zip_update(grad, saved, |y, g| g * y * (1.0 - y)),
+            Activation::Tanh => par::zip_update(grad, saved, |y, g| g * (1.0 - y * y)),
+            Activation::Gelu => par::zip_update(grad, saved, |x, g| g * gelu_grad(x)),
         }
     }
 }
@@ -148,10 +149,9 @@ mod tests {
         ] {
             let mut y = vec![0.0; xs.len()];
             act.forward(&xs, &mut y);
-            let ones = vec![1.0; xs.len()];
-            let mut dx = vec![0.0; xs.len()];
+            let mut dx = vec![1.0; xs.len()];
             let saved = if act.backward_uses_output() { &y } else { &xs };
-            act.backward(saved, &ones, &mut dx);
+            act.backward_in_place(saved, &mut dx);
             for (i, &x) in xs.iter().enumerate() {
                 let h = 1e-2f32;
                 let (mut p, mut m) = ([0.0f32], [0.0f32]);

@@ -178,6 +178,17 @@ pub fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f3
     });
 }
 
+/// `out[i] = f(a[i], out[i])` in place, parallel for large buffers (a gradient scaled by a
+/// derivative without a second buffer).
+pub fn zip_update(out: &mut [f32], a: &[f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
+    assert_eq!(out.len(), a.len());
+    let chunk = chunk_len(out.len(), PARALLEL_MIN_LEN);
+    for_each_chunk_mut(out, chunk, |i, c| {
+        let s = &a[i * chunk..i * chunk + c.len()];
+        c.iter_mut().zip(s).for_each(|(o, &x)| *o = f(x, *o));
+    });
+}
+
 /// `dst += src`, parallel for large buffers.
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
@@ -216,27 +227,39 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Buffers kept per thread at most; more are simply freed.
-const MAX_RECYCLED: usize = 16;
+/// Buffers kept per thread at most; more are simply freed. A GPT step has a few dozen
+/// activation-sized buffers alive at once: all of them should find their way back.
+const MAX_RECYCLED: usize = 64;
+
+/// A recycled buffer serves a request only if it is at most this many times larger, so that a
+/// small tensor does not pin a large buffer that the next large request then misses.
+const MAX_OVERSIZE: usize = 4;
 
 /// A buffer of `len` elements with unspecified contents (left over from earlier use), taken
-/// from this thread's recycled buffers when one is large enough: for data that the caller
-/// overwrites completely (im2col columns, product outputs). Saves both the allocation and the
-/// zero-fill that `vec![0.0; len]` pays on every call; give it back with [`recycle`].
+/// from this thread's recycled buffers when one of a fitting size is there: for data that the
+/// caller overwrites completely (im2col columns, product outputs, element-wise results).
+/// Saves both the allocation and the zero-fill that `vec![0.0; len]` pays on every call; give
+/// it back with [`recycle`] (or `Tensor::recycle`) once it is dead.
 pub fn take_buffer(len: usize) -> Vec<f32> {
-    let mut buf = SCRATCH
-        .with(|s| {
-            let mut pool = s.borrow_mut();
-            // The smallest buffer that fits, else the largest (grown below).
-            let fit = (0..pool.len())
-                .filter(|&i| pool[i].capacity() >= len)
-                .min_by_key(|&i| pool[i].capacity())
-                .or_else(|| (0..pool.len()).max_by_key(|&i| pool[i].capacity()));
-            fit.map(|i| pool.swap_remove(i))
-        })
-        .unwrap_or_default();
-    buf.resize(len, 0.0);
-    buf
+    let recycled = SCRATCH.with(|s| {
+        let mut pool = s.borrow_mut();
+        // The smallest buffer that fits without being far too large.
+        let fit = (0..pool.len())
+            .filter(|&i| {
+                let cap = pool[i].capacity();
+                cap >= len && cap <= len.max(1024).saturating_mul(MAX_OVERSIZE)
+            })
+            .min_by_key(|&i| pool[i].capacity());
+        fit.map(|i| pool.swap_remove(i))
+    });
+    match recycled {
+        Some(mut buf) => {
+            // Within capacity: only a growing tail (if any) is written.
+            buf.resize(len, 0.0);
+            buf
+        }
+        None => vec![0.0; len],
+    }
 }
 
 /// Return a buffer for reuse by [`take_buffer`] / [`with_scratch`] on this thread.
