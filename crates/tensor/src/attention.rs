@@ -35,6 +35,19 @@ fn causal_blocks(t: usize, block: usize) -> impl Iterator<Item = (usize, usize)>
     (0..t.div_ceil(block)).map(move |i| (i * block, ((i + 1) * block).min(t)))
 }
 
+/// Sum with eight independent partial sums (vectorisable, unlike one running sum).
+fn lane_sum(v: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let chunks = v.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for i in 0..8 {
+            lanes[i] += c[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// Forward; returns (out `[B, T, D]`, probabilities `[B, H, T, T]` kept for backward).
 pub fn causal_attention_forward(s: AttentionShape, qkv: &[f32]) -> (Vec<f32>, Vec<f32>) {
     forward_blocked(s, qkv, CAUSAL_BLOCK)
@@ -67,12 +80,12 @@ fn forward_blocked(s: AttentionShape, qkv: &[f32], block: usize) -> (Vec<f32>, V
                     let row = &mut p[i * t..][..t];
                     let valid = &mut row[..=i];
                     let max = valid.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                    let mut sum = 0.0;
-                    for v in valid.iter_mut() {
-                        *v = fast_exp((*v - max) * scale);
-                        sum += *v;
-                    }
-                    let inv = 1.0 / sum;
+                    // Exponentiate first, sum after: a running sum inside the loop would
+                    // serialise it and keep `fast_exp` from vectorising.
+                    valid
+                        .iter_mut()
+                        .for_each(|v| *v = fast_exp((*v - max) * scale));
+                    let inv = 1.0 / lane_sum(valid);
                     valid.iter_mut().for_each(|v| *v *= inv);
                     row[i + 1..].fill(0.0);
                 }
