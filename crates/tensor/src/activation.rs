@@ -26,6 +26,20 @@ pub fn fast_exp(x: f32) -> f32 {
     p * scale
 }
 
+/// Sum with eight independent partial sums: vectorisable, unlike one running sum (which
+/// also keeps a loop that fills the values, such as a softmax's `fast_exp`, scalar).
+pub fn lane_sum(v: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let chunks = v.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for i in 0..8 {
+            lanes[i] += c[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// erf(x) by Abramowitz & Stegun 7.1.26 (absolute error < 1e-6 in f32), vectorisable.
 #[inline(always)]
 pub fn fast_erf(x: f32) -> f32 {
@@ -135,6 +149,16 @@ mod tests {
             // A&S 7.1.26 is 1.5e-7 in exact arithmetic; f32 evaluation adds a few ulps.
             assert!(err < 1e-6, "erf({x}): err {err}");
             x += 0.031;
+        }
+    }
+
+    #[test]
+    fn lane_sum_matches_a_double_precision_sum() {
+        for len in 0..40 {
+            let v: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let want: f64 = v.iter().map(|&x| x as f64).sum();
+            let got = lane_sum(&v) as f64;
+            assert!((got - want).abs() < 1e-5, "len {len}: {got} vs {want}");
         }
     }
 

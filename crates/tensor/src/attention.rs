@@ -10,7 +10,7 @@
 //! the attention FLOPs at T = 128 while each remaining product is still large enough for
 //! `gemm` to run at full speed.
 
-use crate::activation::fast_exp;
+use crate::activation::{fast_exp, lane_sum};
 use crate::matmul::{gemm_serial, Mat, MatMut};
 
 /// Query rows per block of the block-causal products.
@@ -33,19 +33,6 @@ impl AttentionShape {
 /// The row blocks `[start, end)` of a causal `t × t` product.
 fn causal_blocks(t: usize, block: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(block)).map(move |i| (i * block, ((i + 1) * block).min(t)))
-}
-
-/// Sum with eight independent partial sums (vectorisable, unlike one running sum).
-fn lane_sum(v: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let chunks = v.chunks_exact(8);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        for i in 0..8 {
-            lanes[i] += c[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// Forward; returns (out `[B, T, D]`, probabilities `[B, H, T, T]` kept for backward).
