@@ -87,7 +87,9 @@ pub fn gemm_peak(n: usize) -> f64 {
     2.0 * (n as f64).powi(3) / best / 1e9
 }
 
-/// CPU time consumed so far by all threads of this process, in seconds.
+/// CPU time consumed so far by all threads of this process, in seconds (NaN where the clock
+/// is not available: only Linux's clock id and timespec layout are spelled out here).
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
 fn process_cpu_seconds() -> f64 {
     #[repr(C)]
     struct Timespec {
@@ -108,6 +110,11 @@ fn process_cpu_seconds() -> f64 {
         return f64::NAN;
     }
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+fn process_cpu_seconds() -> f64 {
+    f64::NAN
 }
 
 /// When the timed loop stops: after a fixed number of steps, or once the time budget is
