@@ -27,6 +27,10 @@ pub struct BenchModelsArgs {
     /// Seconds of timed steps per model (at least 5 steps).
     #[arg(long, default_value_t = 5.0)]
     pub seconds: f64,
+    /// Run exactly this many timed steps instead of filling `--seconds` (for profiling and
+    /// for comparing builds step for step).
+    #[arg(long)]
+    pub steps: Option<usize>,
     /// Append one JSON line per model to this file.
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -54,6 +58,10 @@ pub struct ModelBench {
     pub backward_ms: f64,
     pub optimizer_ms: f64,
     pub samples_per_s: f64,
+    /// Samples per second of CPU time per thread (process CPU time of the timed steps divided
+    /// by the thread count): close to the quiet-machine rate while other jobs share the cores,
+    /// since time spent descheduled does not count.
+    pub cpu_samples_per_s: f64,
     pub gflops: f64,
     pub gemm_peak_gflops: f64,
     pub activation_mb: f64,
@@ -79,7 +87,54 @@ pub fn gemm_peak(n: usize) -> f64 {
     2.0 * (n as f64).powi(3) / best / 1e9
 }
 
-pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBench> {
+/// CPU time consumed so far by all threads of this process, in seconds (NaN where the clock
+/// is not available: only Linux's clock id and timespec layout are spelled out here).
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+fn process_cpu_seconds() -> f64 {
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+    }
+    const CLOCK_PROCESS_CPUTIME_ID: i32 = 2;
+    let mut ts = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the timespec we pass; the layout matches 64-bit Linux.
+    let rc = unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+fn process_cpu_seconds() -> f64 {
+    f64::NAN
+}
+
+/// When the timed loop stops: after a fixed number of steps, or once the time budget is
+/// spent (at least 5 and at most 200 steps, like the PyTorch peer).
+#[derive(Clone, Copy, Debug)]
+pub enum StepBudget {
+    Steps(usize),
+    Seconds(f64),
+}
+
+impl StepBudget {
+    fn done(self, steps: usize, elapsed_s: f64) -> bool {
+        match self {
+            StepBudget::Steps(n) => steps >= n.max(1),
+            StepBudget::Seconds(s) => (steps >= 5 && elapsed_s > s) || steps >= 200,
+        }
+    }
+}
+
+pub fn bench_model(name: &str, threads: usize, budget: StepBudget) -> Result<ModelBench> {
     let (cfg, batch, classes, opt) = match name {
         "lenet" => (
             ModelConfig::Lenet {
@@ -134,7 +189,8 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
         let mut times = Vec::new();
         let (mut fwd, mut bwd, mut opt_t) = (0.0, 0.0, 0.0);
         let mut act_bytes = 0usize;
-        let started = Instant::now();
+        let mut started = Instant::now();
+        let mut cpu_started = process_cpu_seconds();
         let mut step = 0usize;
         loop {
             let t0 = Instant::now();
@@ -154,17 +210,22 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
             store.zero_grads();
             let t3 = Instant::now();
             step += 1;
+            if step == 3 {
+                // Warm-up over: the budget counts timed steps only.
+                started = Instant::now();
+                cpu_started = process_cpu_seconds();
+            }
             if step > 3 {
                 times.push((t3 - t0).as_secs_f64());
                 fwd += (t1 - t0).as_secs_f64();
                 bwd += (t2 - t1).as_secs_f64();
                 opt_t += (t3 - t2).as_secs_f64();
             }
-            if (times.len() >= 5 && started.elapsed().as_secs_f64() > seconds) || times.len() >= 200
-            {
+            if budget.done(times.len(), started.elapsed().as_secs_f64()) {
                 break;
             }
         }
+        let cpu_per_thread = (process_cpu_seconds() - cpu_started) / threads as f64;
         let n = times.len() as f64;
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
@@ -180,6 +241,7 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
             backward_ms: bwd / n * 1e3,
             optimizer_ms: opt_t / n * 1e3,
             samples_per_s: sps,
+            cpu_samples_per_s: batch as f64 * n / cpu_per_thread,
             gflops: sps * flops_per_sample(name) / 1e9,
             gemm_peak_gflops: peak,
             activation_mb: act_bytes as f64 / 1048576.0,
@@ -191,7 +253,7 @@ pub fn bench_model(name: &str, threads: usize, seconds: f64) -> Result<ModelBenc
 pub fn run_models(args: &BenchModelsArgs) -> Result<()> {
     println!("matrix products: {}", meshtrain_tensor::matmul::BACKEND);
     println!(
-        "{:<9} {:>5} {:>4} {:>9} {:>8} {:>8} {:>7} {:>10} {:>8} {:>9} {:>8} {:>9}",
+        "{:<9} {:>5} {:>4} {:>9} {:>8} {:>8} {:>7} {:>10} {:>10} {:>8} {:>9} {:>8} {:>9}",
         "model",
         "batch",
         "thr",
@@ -200,6 +262,7 @@ pub fn run_models(args: &BenchModelsArgs) -> Result<()> {
         "bwd ms",
         "opt ms",
         "samples/s",
+        "cpu smp/s",
         "GFLOP/s",
         "gemm peak",
         "% peak",
@@ -211,9 +274,13 @@ pub fn run_models(args: &BenchModelsArgs) -> Result<()> {
         .map(str::trim)
         .filter(|s| !s.is_empty())
     {
-        let r = bench_model(name, args.threads, args.seconds)?;
+        let budget = match args.steps {
+            Some(n) => StepBudget::Steps(n),
+            None => StepBudget::Seconds(args.seconds),
+        };
+        let r = bench_model(name, args.threads, budget)?;
         println!(
-            "{:<9} {:>5} {:>4} {:>9.1} {:>8.1} {:>8.1} {:>7.1} {:>10.1} {:>8.1} {:>9.1} {:>7.0}% {:>9.1}",
+            "{:<9} {:>5} {:>4} {:>9.1} {:>8.1} {:>8.1} {:>7.1} {:>10.1} {:>10.1} {:>8.1} {:>9.1} {:>7.0}% {:>9.1}",
             r.model,
             r.batch,
             r.threads,
@@ -222,6 +289,7 @@ pub fn run_models(args: &BenchModelsArgs) -> Result<()> {
             r.backward_ms,
             r.optimizer_ms,
             r.samples_per_s,
+            r.cpu_samples_per_s,
             r.gflops,
             r.gemm_peak_gflops,
             100.0 * r.gflops / r.gemm_peak_gflops,

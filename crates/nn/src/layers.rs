@@ -3,7 +3,7 @@
 use crate::layer::{spec_len, Init, Layer, Mode, ParamSpec, Saved, StatsReducer};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
-use meshtrain_tensor::matmul::{gemm, Mat, MatMut};
+use meshtrain_tensor::matmul::{gemm, gemm_pair, Mat, MatMut};
 use meshtrain_tensor::norm;
 use meshtrain_tensor::pool::{self, PoolGeometry};
 use meshtrain_tensor::tensor::swap_leading_axes;
@@ -228,7 +228,8 @@ impl Layer for Linear {
         let rows = x.numel() / self.inputs;
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("non-empty shape") = self.outputs;
-        let mut y = vec![0.0f32; rows * self.outputs];
+        // Fully written: the bias rows below, or the product itself without a bias.
+        let mut y = meshtrain_tensor::par::take_buffer(rows * self.outputs);
         if self.bias {
             let b = &p[self.inputs * self.outputs..];
             y.chunks_mut(self.outputs)
@@ -258,12 +259,6 @@ impl Layer for Linear {
         let rows = x.numel() / self.inputs;
         let nw = self.inputs * self.outputs;
         let (gw, gb) = g.split_at_mut(nw);
-        gemm(
-            MatMut::new(gw, self.outputs, self.inputs),
-            Mat::new(dy.data(), rows, self.outputs).t(),
-            Mat::new(x.data(), rows, self.inputs),
-            true,
-        );
         if self.bias {
             let mut acc = vec![0.0f64; self.outputs];
             for r in dy.data().chunks(self.outputs) {
@@ -271,17 +266,34 @@ impl Layer for Linear {
             }
             gb.iter_mut().zip(acc).for_each(|(b, a)| *b += a as f32);
         }
+        let weight_grad = (
+            MatMut::new(gw, self.outputs, self.inputs),
+            Mat::new(dy.data(), rows, self.outputs).t(),
+            Mat::new(x.data(), rows, self.inputs),
+            true,
+        );
         if !need_dx {
+            let (c, a, b, acc) = weight_grad;
+            gemm(c, a, b, acc);
+            x.recycle();
+            dy.recycle();
             return None;
         }
-        let mut dx = vec![0.0f32; x.numel()];
-        gemm(
-            MatMut::new(&mut dx, rows, self.inputs),
-            Mat::new(dy.data(), rows, self.outputs),
-            Mat::new(&p[..nw], self.outputs, self.inputs),
-            false,
+        // Every element is written by the product (accumulate = false).
+        let mut dx = meshtrain_tensor::par::take_buffer(x.numel());
+        gemm_pair(
+            weight_grad,
+            (
+                MatMut::new(&mut dx, rows, self.inputs),
+                Mat::new(dy.data(), rows, self.outputs),
+                Mat::new(&p[..nw], self.outputs, self.inputs),
+                false,
+            ),
         );
-        Some(Tensor::from_vec(dx, x.shape()))
+        let shape = x.shape().to_vec();
+        x.recycle();
+        dy.recycle();
+        Some(Tensor::from_vec(dx, &shape))
     }
 }
 
@@ -384,7 +396,10 @@ impl Layer for Conv2d {
         if let Some(c) = columns {
             meshtrain_tensor::par::recycle(c);
         }
-        dx.map(|dx| Tensor::from_vec(dx, x.shape()))
+        let dx = dx.map(|dx| Tensor::from_vec(dx, x.shape()));
+        x.recycle();
+        dy.recycle();
+        dx
     }
 }
 
@@ -562,7 +577,10 @@ impl Layer for LayerNorm {
             dgamma,
             dbeta,
         );
-        Some(Tensor::from_vec(dx, x.shape()))
+        let shape = x.shape().to_vec();
+        x.recycle();
+        dy.recycle();
+        Some(Tensor::from_vec(dx, &shape))
     }
 }
 
@@ -571,7 +589,7 @@ pub struct Act(pub Activation);
 
 impl Layer for Act {
     fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
-        let mut y = Tensor::zeros(x.shape());
+        let mut y = Tensor::for_overwrite(x.shape());
         self.0.forward(x.data(), y.data_mut());
         if mode.train {
             s.tensors.push(if self.0.backward_uses_output() {
@@ -592,8 +610,9 @@ impl Layer for Act {
         _: bool,
     ) -> Option<Tensor> {
         let kept = s.tensors.pop().expect("Act: saved tensor");
-        let mut dx = Tensor::zeros(dy.shape());
-        self.0.backward(kept.data(), dy.data(), dx.data_mut());
+        let mut dx = dy;
+        self.0.backward_in_place(kept.data(), dx.data_mut());
+        kept.recycle();
         Some(dx)
     }
 }

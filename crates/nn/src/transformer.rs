@@ -122,7 +122,12 @@ impl Layer for AttentionCore {
         let probs = s.tensors.pop().expect("attention: probs");
         let qkv = s.tensors.pop().expect("attention: qkv");
         let dqkv = causal_attention_backward(self.shape(&qkv), qkv.data(), probs.data(), dy.data());
-        Some(Tensor::from_vec(dqkv, qkv.shape()))
+        let shape = qkv.shape().to_vec();
+        // All three are dead now; their buffers serve the next step's forward.
+        for dead in [qkv, probs, dy] {
+            dead.recycle();
+        }
+        Some(Tensor::from_vec(dqkv, &shape))
     }
 }
 

@@ -26,6 +26,20 @@ pub fn fast_exp(x: f32) -> f32 {
     p * scale
 }
 
+/// Sum with eight independent partial sums: vectorisable, unlike one running sum (which
+/// also keeps a loop that fills the values, such as a softmax's `fast_exp`, scalar).
+pub fn lane_sum(v: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let chunks = v.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for i in 0..8 {
+            lanes[i] += c[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// erf(x) by Abramowitz & Stegun 7.1.26 (absolute error < 1e-6 in f32), vectorisable.
 #[inline(always)]
 pub fn fast_erf(x: f32) -> f32 {
@@ -89,14 +103,15 @@ impl Activation {
         )
     }
 
-    /// `dx = dy · act'(·)`, where `saved` is the output if [`Self::backward_uses_output`],
-    /// else the input.
-    pub fn backward(self, saved: &[f32], dy: &[f32], dx: &mut [f32]) {
+    /// `dx = dy · act'(·)` in place (`grad` holds dy on entry and dx on return), where
+    /// `saved` is the output if [`Self::backward_uses_output`], else the input. In place
+    /// because the incoming gradient is dead afterwards: no second buffer to allocate and fill.
+    pub fn backward_in_place(self, saved: &[f32], grad: &mut [f32]) {
         match self {
-            Activation::Relu => par::zip_map(dx, saved, dy, |y, g| if y > 0.0 { g } else { 0.0 }),
-            Activation::Sigmoid => par::zip_map(dx, saved, dy, |y, g| g * y * (1.0 - y)),
-            Activation::Tanh => par::zip_map(dx, saved, dy, |y, g| g * (1.0 - y * y)),
-            Activation::Gelu => par::zip_map(dx, saved, dy, |x, g| g * gelu_grad(x)),
+            Activation::Relu => par::zip_update(grad, saved, |y, g| if y > 0.0 { g } else { 0.0 }),
+            Activation::Sigmoid => par::zip_update(grad, saved, |y, g| g * y * (1.0 - y)),
+            Activation::Tanh => par::zip_update(grad, saved, |y, g| g * (1.0 - y * y)),
+            Activation::Gelu => par::zip_update(grad, saved, |x, g| g * gelu_grad(x)),
         }
     }
 }
@@ -138,6 +153,16 @@ mod tests {
     }
 
     #[test]
+    fn lane_sum_matches_a_double_precision_sum() {
+        for len in 0..40 {
+            let v: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let want: f64 = v.iter().map(|&x| x as f64).sum();
+            let got = lane_sum(&v) as f64;
+            assert!((got - want).abs() < 1e-5, "len {len}: {got} vs {want}");
+        }
+    }
+
+    #[test]
     fn activation_gradients_match_finite_differences() {
         let xs: Vec<f32> = (0..41).map(|i| -3.0 + 0.15 * i as f32 + 0.01).collect();
         for act in [
@@ -148,10 +173,9 @@ mod tests {
         ] {
             let mut y = vec![0.0; xs.len()];
             act.forward(&xs, &mut y);
-            let ones = vec![1.0; xs.len()];
-            let mut dx = vec![0.0; xs.len()];
+            let mut dx = vec![1.0; xs.len()];
             let saved = if act.backward_uses_output() { &y } else { &xs };
-            act.backward(saved, &ones, &mut dx);
+            act.backward_in_place(saved, &mut dx);
             for (i, &x) in xs.iter().enumerate() {
                 let h = 1e-2f32;
                 let (mut p, mut m) = ([0.0f32], [0.0f32]);

@@ -3,9 +3,18 @@
 //! `qkv` is `[B, T, 3·D]` (q, k, v side by side, each head a contiguous `D/H` slice). Strided
 //! matrix views read each head in place, so no head-split copies are made; work is spread over
 //! the batch (each sample's output rows are contiguous and owned by one thread).
+//!
+//! The products run block-causally: rows are cut into blocks of [`CAUSAL_BLOCK`] queries, and
+//! a query block only meets the keys up to its own last row. The fully masked blocks above the
+//! diagonal of `Q·Kᵀ` (and of every backward product) are never computed, which saves ~40% of
+//! the attention FLOPs at T = 128 while each remaining product is still large enough for
+//! `gemm` to run at full speed.
 
-use crate::activation::fast_exp;
+use crate::activation::{fast_exp, lane_sum};
 use crate::matmul::{gemm_serial, Mat, MatMut};
+
+/// Query rows per block of the block-causal products.
+const CAUSAL_BLOCK: usize = 32;
 
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionShape {
@@ -21,39 +30,59 @@ impl AttentionShape {
     }
 }
 
+/// The row blocks `[start, end)` of a causal `t × t` product.
+fn causal_blocks(t: usize, block: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t.div_ceil(block)).map(move |i| (i * block, ((i + 1) * block).min(t)))
+}
+
 /// Forward; returns (out `[B, T, D]`, probabilities `[B, H, T, T]` kept for backward).
 pub fn causal_attention_forward(s: AttentionShape, qkv: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    forward_blocked(s, qkv, CAUSAL_BLOCK)
+}
+
+fn forward_blocked(s: AttentionShape, qkv: &[f32], block: usize) -> (Vec<f32>, Vec<f32>) {
     let (t, d, hd) = (s.seq, s.dim, s.head_dim());
     assert_eq!(qkv.len(), s.batch * t * 3 * d);
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut out = vec![0.0f32; s.batch * t * d];
-    let mut probs = vec![0.0f32; s.batch * s.heads * t * t];
+    // Both are written in full below: every output row by a product, every probability row
+    // by the softmax (its masked tail explicitly zeroed).
+    let mut out = crate::par::take_buffer(s.batch * t * d);
+    let mut probs = crate::par::take_buffer(s.batch * s.heads * t * t);
     let sample = |b: usize, ob: &mut [f32], pb: &mut [f32]| {
         let q = &qkv[b * t * 3 * d..][..t * 3 * d];
         for h in 0..s.heads {
             let p = &mut pb[h * t * t..][..t * t];
             let qh = Mat::strided(&q[h * hd..], t, hd, 3 * d, 1);
             let kh = Mat::strided(&q[d + h * hd..], t, hd, 3 * d, 1);
-            gemm_serial(MatMut::new(p, t, t), qh, kh.t(), false);
-            for (i, row) in p.chunks_mut(t).enumerate() {
-                let valid = &mut row[..=i];
-                let max = valid.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                let mut sum = 0.0;
-                for v in valid.iter_mut() {
-                    *v = fast_exp((*v - max) * scale);
-                    sum += *v;
-                }
-                let inv = 1.0 / sum;
-                valid.iter_mut().for_each(|v| *v *= inv);
-                row[i + 1..].fill(0.0);
-            }
             let vh = Mat::strided(&q[2 * d + h * hd..], t, hd, 3 * d, 1);
-            gemm_serial(
-                MatMut::strided(&mut ob[h * hd..], t, hd, d, 1),
-                Mat::new(p, t, t),
-                vh,
-                false,
-            );
+            for (r0, r1) in causal_blocks(t, block) {
+                // Scores of query rows r0..r1 against keys 0..r1.
+                gemm_serial(
+                    MatMut::strided(&mut p[r0 * t..], r1 - r0, r1, t, 1),
+                    qh.rows_range(r0, r1),
+                    kh.rows_range(0, r1).t(),
+                    false,
+                );
+                for i in r0..r1 {
+                    let row = &mut p[i * t..][..t];
+                    let valid = &mut row[..=i];
+                    let max = valid.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    // Exponentiate first, sum after: a running sum inside the loop would
+                    // serialise it and keep `fast_exp` from vectorising.
+                    valid
+                        .iter_mut()
+                        .for_each(|v| *v = fast_exp((*v - max) * scale));
+                    let inv = 1.0 / lane_sum(valid);
+                    valid.iter_mut().for_each(|v| *v *= inv);
+                    row[i + 1..].fill(0.0);
+                }
+                gemm_serial(
+                    MatMut::strided(&mut ob[r0 * d + h * hd..], r1 - r0, hd, d, 1),
+                    Mat::strided(&p[r0 * t..], r1 - r0, r1, t, 1),
+                    vh.rows_range(0, r1),
+                    false,
+                );
+            }
         }
     };
     crate::par::for_each_chunk_pair_mut(&mut out, t * d, &mut probs, s.heads * t * t, sample);
@@ -67,52 +96,124 @@ pub fn causal_attention_backward(
     probs: &[f32],
     dout: &[f32],
 ) -> Vec<f32> {
+    backward_blocked(s, qkv, probs, dout, CAUSAL_BLOCK)
+}
+
+fn backward_blocked(
+    s: AttentionShape,
+    qkv: &[f32],
+    probs: &[f32],
+    dout: &[f32],
+    block: usize,
+) -> Vec<f32> {
     let (t, d, hd) = (s.seq, s.dim, s.head_dim());
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut dqkv = vec![0.0f32; qkv.len()];
+    // Every element is written: dQ, dK and dV of each head by a product over all its rows.
+    let mut dqkv = crate::par::take_buffer(qkv.len());
     let sample = |b: usize, dq: &mut [f32]| {
         let q = &qkv[b * t * 3 * d..][..t * 3 * d];
         let dob = &dout[b * t * d..][..t * d];
-        let mut dp = vec![0.0f32; t * t];
-        for h in 0..s.heads {
-            let p = &probs[(b * s.heads + h) * t * t..][..t * t];
-            let doh = Mat::strided(&dob[h * hd..], t, hd, d, 1);
-            // dV = Pᵀ · dO
-            gemm_serial(
-                MatMut::strided(&mut dq[2 * d + h * hd..], t, hd, 3 * d, 1),
-                Mat::new(p, t, t).t(),
-                doh,
-                false,
-            );
-            // dP = dO · Vᵀ
-            let vh = Mat::strided(&q[2 * d + h * hd..], t, hd, 3 * d, 1);
-            gemm_serial(MatMut::new(&mut dp, t, t), doh, vh.t(), false);
-            // dS = P ⊙ (dP − rowsum(dP ⊙ P)) · scale  (zero above the diagonal since P is)
-            for i in 0..t {
-                let (pr, dr) = (&p[i * t..][..t], &mut dp[i * t..][..t]);
-                let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
-                for j in 0..=i {
-                    dr[j] = pr[j] * (dr[j] - dot) * scale;
+        crate::par::with_scratch(t * t, |dp| {
+            for h in 0..s.heads {
+                let p = &probs[(b * s.heads + h) * t * t..][..t * t];
+                let pm = Mat::new(p, t, t);
+                let doh = Mat::strided(&dob[h * hd..], t, hd, d, 1);
+                let qh = Mat::strided(&q[h * hd..], t, hd, 3 * d, 1);
+                let kh = Mat::strided(&q[d + h * hd..], t, hd, 3 * d, 1);
+                let vh = Mat::strided(&q[2 * d + h * hd..], t, hd, 3 * d, 1);
+                for (r0, r1) in causal_blocks(t, block) {
+                    // dV[r0..r1] = P[r0.., r0..r1]ᵀ · dO[r0..]: later queries only.
+                    gemm_serial(
+                        MatMut::strided(
+                            &mut dq[r0 * 3 * d + 2 * d + h * hd..],
+                            r1 - r0,
+                            hd,
+                            3 * d,
+                            1,
+                        ),
+                        pm.rows_range(r0, t).cols_range(r0, r1).t(),
+                        doh.rows_range(r0, t),
+                        false,
+                    );
+                    // dP[r0..r1, ..r1] = dO[r0..r1] · V[..r1]ᵀ
+                    gemm_serial(
+                        MatMut::strided(&mut dp[r0 * t..], r1 - r0, r1, t, 1),
+                        doh.rows_range(r0, r1),
+                        vh.rows_range(0, r1).t(),
+                        false,
+                    );
+                    // dS = P ⊙ (dP − rowsum(dP ⊙ P)) · scale, zero above the diagonal.
+                    for i in r0..r1 {
+                        let (pr, dr) = (&p[i * t..][..t], &mut dp[i * t..][..t]);
+                        let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
+                        for j in 0..=i {
+                            dr[j] = pr[j] * (dr[j] - dot) * scale;
+                        }
+                        dr[i + 1..].fill(0.0);
+                    }
                 }
-                dr[i + 1..].fill(0.0);
+                let ds = Mat::new(dp, t, t);
+                for (r0, r1) in causal_blocks(t, block) {
+                    // dQ[r0..r1] = dS[r0..r1, ..r1] · K[..r1]
+                    gemm_serial(
+                        MatMut::strided(&mut dq[r0 * 3 * d + h * hd..], r1 - r0, hd, 3 * d, 1),
+                        ds.rows_range(r0, r1).cols_range(0, r1),
+                        kh.rows_range(0, r1),
+                        false,
+                    );
+                    // dK[r0..r1] = dS[r0.., r0..r1]ᵀ · Q[r0..]
+                    gemm_serial(
+                        MatMut::strided(&mut dq[r0 * 3 * d + d + h * hd..], r1 - r0, hd, 3 * d, 1),
+                        ds.rows_range(r0, t).cols_range(r0, r1).t(),
+                        qh.rows_range(r0, t),
+                        false,
+                    );
+                }
             }
-            let qh = Mat::strided(&q[h * hd..], t, hd, 3 * d, 1);
-            let kh = Mat::strided(&q[d + h * hd..], t, hd, 3 * d, 1);
-            // dQ = dS · K ; dK = dSᵀ · Q
-            gemm_serial(
-                MatMut::strided(&mut dq[h * hd..], t, hd, 3 * d, 1),
-                Mat::new(&dp, t, t),
-                kh,
-                false,
-            );
-            gemm_serial(
-                MatMut::strided(&mut dq[d + h * hd..], t, hd, 3 * d, 1),
-                Mat::new(&dp, t, t).t(),
-                qh,
-                false,
-            );
-        }
+        });
     };
     crate::par::for_each_chunk_mut(&mut dqkv, t * 3 * d, sample);
     dqkv
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut r = SplitMix64::new(seed);
+        (0..n).map(|_| r.normal()).collect()
+    }
+
+    /// The block-causal products must give what whole-matrix products (one block) give,
+    /// including sequence lengths that are not a multiple of the block.
+    #[test]
+    fn block_causal_products_match_whole_matrix_products() {
+        for &(seq, block) in &[(37, 8), (64, 32), (20, 7)] {
+            let s = AttentionShape {
+                batch: 2,
+                seq,
+                dim: 12,
+                heads: 3,
+            };
+            let qkv = random(s.batch * seq * 3 * s.dim, seq as u64);
+            let dout = random(s.batch * seq * s.dim, 7);
+            let (out_ref, probs_ref) = forward_blocked(s, &qkv, seq);
+            let (out, probs) = forward_blocked(s, &qkv, block);
+            let close = |a: &[f32], b: &[f32], what: &str| {
+                for (x, y) in a.iter().zip(b) {
+                    assert!(
+                        (x - y).abs() < 1e-5,
+                        "{what} (T={seq}, block {block}): {x} vs {y}"
+                    );
+                }
+            };
+            close(&out, &out_ref, "output");
+            close(&probs, &probs_ref, "probabilities");
+            let d_ref = backward_blocked(s, &qkv, &probs_ref, &dout, seq);
+            let d = backward_blocked(s, &qkv, &probs, &dout, block);
+            close(&d, &d_ref, "dqkv");
+        }
+    }
 }

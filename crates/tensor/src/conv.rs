@@ -5,7 +5,7 @@
 //! output. One large product per layer keeps `gemm` efficient even where the spatial size is
 //! 1×1 (ResNet's last stage), which per-sample products would turn into rank-1 updates.
 
-use crate::matmul::{gemm, Mat, MatMut};
+use crate::matmul::{gemm, gemm_pair, Mat, MatMut};
 
 /// Geometry of one convolution.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,11 +30,26 @@ impl ConvGeometry {
         self.in_channels * self.kernel * self.kernel
     }
 
+    /// Convolutions with few channels (LeNet's: 1→6 and 6→16) run as direct loops: their
+    /// products are too thin for `gemm` to reach speed (6 or 16 output rows), while the
+    /// im2col matrix they would multiply is 25× the input (20 MB for LeNet's first layer at
+    /// batch 256) and costs more memory traffic than the arithmetic itself.
+    fn prefers_direct(&self) -> bool {
+        self.stride == 1
+            && !self.is_pointwise()
+            && self.in_channels <= DIRECT_MAX_CHANNELS
+            && self.out_channels <= DIRECT_MAX_CHANNELS
+    }
+
     /// A 1×1, stride-1, unpadded convolution reads its input directly as the column matrix.
     fn is_pointwise(&self) -> bool {
         self.kernel == 1 && self.stride == 1 && self.padding == 0
     }
 }
+
+/// Largest input or output channel count that takes the direct path (see
+/// [`ConvGeometry::prefers_direct`]); ResNet's 64+ channel layers stay on im2col + `gemm`.
+const DIRECT_MAX_CHANNELS: usize = 16;
 
 /// Input dimensions of a CNHW activation (C is the geometry's in_channels).
 #[derive(Clone, Copy, Debug)]
@@ -159,6 +174,10 @@ pub fn conv2d_forward(
     let mut out = crate::par::take_buffer(g.out_channels * cols_n);
     let w = Mat::new(weight, g.out_channels, g.patch_len());
     let mut kept = None;
+    if g.prefers_direct() {
+        direct_forward(g, s, x, weight, bias, &mut out);
+        return (out, kept);
+    }
     let mut product = |cols: &[f32]| {
         gemm(
             MatMut::new(&mut out, g.out_channels, cols_n),
@@ -211,37 +230,353 @@ pub fn conv2d_backward(
             db[o] += row.iter().map(|&v| v as f64).sum::<f64>() as f32;
         }
     }
+    if g.prefers_direct() {
+        let mut dx = need_dx.then(|| crate::par::take_buffer(x.len()));
+        direct_backward(g, s, x, weight, dy, dweight, dx.as_deref_mut());
+        return dx;
+    }
     let dy_m = Mat::new(dy, g.out_channels, cols_n);
-    let weight_grad = |cols: &[f32], dweight: &mut [f32]| {
-        gemm(
-            MatMut::new(dweight, g.out_channels, k),
-            dy_m,
-            Mat::new(cols, k, cols_n).t(),
-            true,
-        )
+    // The columns: the input itself (pointwise), the forward's, or rebuilt here.
+    let rebuilt = match columns {
+        _ if g.is_pointwise() => None,
+        Some(_) => None,
+        None => {
+            let mut cols = crate::par::take_buffer(k * cols_n);
+            im2col(g, s, x, &mut cols);
+            Some(cols)
+        }
     };
-    match columns {
-        _ if g.is_pointwise() => weight_grad(x, dweight),
-        Some(cols) => weight_grad(cols, dweight),
-        None => crate::par::with_scratch(k * cols_n, |cols| {
-            im2col(g, s, x, cols);
-            weight_grad(cols, dweight);
-        }),
-    }
-    if !need_dx {
-        return None;
-    }
+    let cols = match (&rebuilt, columns) {
+        _ if g.is_pointwise() => x,
+        (Some(c), _) => c.as_slice(),
+        (None, Some(c)) => c,
+        (None, None) => unreachable!("columns are rebuilt when not kept"),
+    };
+    let weight_grad = (
+        MatMut::new(dweight, g.out_channels, k),
+        dy_m,
+        Mat::new(cols, k, cols_n).t(),
+        true,
+    );
     let w_t = Mat::new(weight, g.out_channels, k).t();
-    let mut dx = vec![0.0f32; x.len()];
-    if g.is_pointwise() {
-        gemm(MatMut::new(&mut dx, k, cols_n), w_t, dy_m, false);
-        return Some(dx);
+    let dx = if !need_dx {
+        let (c, a, b, acc) = weight_grad;
+        gemm(c, a, b, acc);
+        None
+    } else if g.is_pointwise() {
+        // Every element is written by the product (accumulate = false).
+        let mut dx = crate::par::take_buffer(x.len());
+        gemm_pair(
+            weight_grad,
+            (MatMut::new(&mut dx, k, cols_n), w_t, dy_m, false),
+        );
+        Some(dx)
+    } else {
+        // col2im accumulates into dx, which therefore starts at zero.
+        let mut dx = vec![0.0f32; x.len()];
+        crate::par::with_scratch(k * cols_n, |dcols| {
+            // The weight gradient and the column gradient are independent products of equal
+            // size: one per thread.
+            gemm_pair(
+                weight_grad,
+                (MatMut::new(dcols, k, cols_n), w_t, dy_m, false),
+            );
+            col2im(g, s, dcols, &mut dx);
+        });
+        Some(dx)
+    };
+    if let Some(c) = rebuilt {
+        crate::par::recycle(c);
     }
-    crate::par::with_scratch(k * cols_n, |dcols| {
-        gemm(MatMut::new(dcols, k, cols_n), w_t, dy_m, false);
-        col2im(g, s, dcols, &mut dx);
+    dx
+}
+
+/// Samples per work item of the direct convolution. Fixed (not derived from the thread count)
+/// so that the weight-gradient partial sums, added in item order, give the same bits on any
+/// pool size.
+const DIRECT_SAMPLES_PER_ITEM: usize = 16;
+
+/// Elements the direct kernels process per step: four AVX registers per row.
+const STRIP: usize = 32;
+
+/// Dot product of two slices whose length is a multiple of [`STRIP`], with [`STRIP`]
+/// independent accumulators: four vector dependency chains instead of one, so the adds do not
+/// wait on each other's latency.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; STRIP];
+    for (x, y) in a.chunks_exact(STRIP).zip(b.chunks_exact(STRIP)) {
+        for i in 0..STRIP {
+            lanes[i] = x[i].mul_add(y[i], lanes[i]);
+        }
+    }
+    lanes.iter().sum()
+}
+
+/// The direct convolution's view of one sample: each input plane copied into a zero-bordered
+/// `PH × PW` buffer, and outputs kept with the padded row stride `PW`. Output element
+/// `(oy, ox)` then sits at `oy·PW + ox` and reads input `oy·PW + ox + ki·PW + kj` for tap
+/// `(ki, kj)`: every tap is one contiguous multiply-add over the output row (the `PW − OW`
+/// columns past each row's end are computed and thrown away). Output rows are `span` long,
+/// the useful length rounded up to whole [`STRIP`]s, and padded planes carry a [`STRIP`] of
+/// zero slack at their end, so the kernels never need a remainder loop.
+struct DirectLayout {
+    pw: usize,
+    /// Distance between padded input planes: `PH·PW` plus slack.
+    pstride: usize,
+    span: usize,
+    oh: usize,
+    ow: usize,
+    /// Offset of each tap `(ki, kj)`, row-major over the kernel window.
+    taps: Vec<usize>,
+}
+
+impl DirectLayout {
+    fn new(g: &ConvGeometry, s: Spatial) -> Self {
+        let (oh, ow) = g.output_size(s.height, s.width);
+        let (ph, pw) = (s.height + 2 * g.padding, s.width + 2 * g.padding);
+        let k = g.kernel;
+        DirectLayout {
+            pw,
+            pstride: ph * pw + STRIP,
+            span: ((oh - 1) * pw + ow).next_multiple_of(STRIP),
+            oh,
+            ow,
+            taps: (0..k * k).map(|t| (t / k) * pw + t % k).collect(),
+        }
+    }
+
+    /// Copy sample `n`'s planes of `x` ([C, N, H, W]) into the interiors of `padded`.
+    fn pad_sample(&self, g: &ConvGeometry, s: Spatial, x: &[f32], n: usize, padded: &mut [f32]) {
+        let hw = s.height * s.width;
+        for (c, dst) in padded.chunks_mut(self.pstride).enumerate() {
+            let src = &x[(c * s.batch + n) * hw..][..hw];
+            for (y, row) in src.chunks(s.width).enumerate() {
+                let at = (y + g.padding) * self.pw + g.padding;
+                dst[at..at + s.width].copy_from_slice(row);
+            }
+        }
+    }
+}
+
+/// Planes a direct kernel reads: `count` planes, `stride` apart, and per tap the offset of its
+/// shifted view.
+struct Planes<'a> {
+    data: &'a [f32],
+    stride: usize,
+    count: usize,
+    taps: &'a [usize],
+}
+
+/// `acc[o][i] = init(o) + Σ_{c, t} weight(o, c, t) · input[c][i + taps[t]]` for output rows
+/// `o0..o0 + OB` and `i < span` (rows of `acc` are `span` long, `span` a multiple of
+/// [`STRIP`]). The `OB × STRIP` accumulators stay in registers across all input planes and
+/// taps, so each input load feeds `OB` multiply-adds and nothing is stored until the end: the
+/// convolution forward (inputs = padded planes) and its input gradient (inputs = the output
+/// gradient, taps mirrored) both run through here.
+#[inline(always)]
+fn correlate<const OB: usize>(
+    input: &Planes,
+    weight: impl Fn(usize, usize, usize) -> f32,
+    init: impl Fn(usize) -> f32,
+    o0: usize,
+    span: usize,
+    acc: &mut [f32],
+) {
+    for s0 in (0..span).step_by(STRIP) {
+        let mut a = [[0.0f32; STRIP]; OB];
+        for (r, row) in a.iter_mut().enumerate() {
+            row.fill(init(o0 + r));
+        }
+        for c in 0..input.count {
+            let plane = &input.data[c * input.stride..][..input.stride];
+            for (t, &off) in input.taps.iter().enumerate() {
+                let src = &plane[s0 + off..][..STRIP];
+                for (r, row) in a.iter_mut().enumerate() {
+                    let w = weight(o0 + r, c, t);
+                    for i in 0..STRIP {
+                        row[i] = src[i].mul_add(w, row[i]);
+                    }
+                }
+            }
+        }
+        for (r, row) in a.iter().enumerate() {
+            acc[(o0 + r) * span + s0..][..STRIP].copy_from_slice(row);
+        }
+    }
+}
+
+/// [`correlate`] for all `outputs` rows, two at a time (two rows × four registers is what
+/// AVX2's sixteen registers hold next to the input loads).
+fn correlate_all(
+    input: &Planes,
+    weight: impl Fn(usize, usize, usize) -> f32 + Copy,
+    init: impl Fn(usize) -> f32 + Copy,
+    outputs: usize,
+    span: usize,
+    acc: &mut [f32],
+) {
+    let mut o0 = 0;
+    while o0 + 2 <= outputs {
+        correlate::<2>(input, weight, init, o0, span, acc);
+        o0 += 2;
+    }
+    if o0 < outputs {
+        correlate::<1>(input, weight, init, o0, span, acc);
+    }
+}
+
+/// Run `f(first_sample, samples, parts)` over items of [`DIRECT_SAMPLES_PER_ITEM`] samples,
+/// where `parts[p]` is the item's slice of plane group `p` of `data` (`data` is `[P, N, inner]`,
+/// CNHW with P channels): each item owns its samples in every channel, so items run in
+/// parallel without sharing an output element. Results come back in item order.
+fn map_sample_items<R: Send>(
+    data: &mut [f32],
+    batch: usize,
+    inner: usize,
+    f: impl Fn(usize, usize, Vec<&mut [f32]>) -> R + Sync + Send,
+) -> Vec<R> {
+    use rayon::prelude::*;
+    let items = batch.div_ceil(DIRECT_SAMPLES_PER_ITEM);
+    let mut parts: Vec<Vec<&mut [f32]>> = (0..items).map(|_| Vec::new()).collect();
+    for plane in data.chunks_mut(batch * inner) {
+        for (i, part) in plane
+            .chunks_mut(DIRECT_SAMPLES_PER_ITEM * inner)
+            .enumerate()
+        {
+            parts[i].push(part);
+        }
+    }
+    let run = |(i, p): (usize, Vec<&mut [f32]>)| {
+        let first = i * DIRECT_SAMPLES_PER_ITEM;
+        f(first, DIRECT_SAMPLES_PER_ITEM.min(batch - first), p)
+    };
+    if crate::par::threads() > 1 && items > 1 {
+        parts.into_par_iter().enumerate().map(run).collect()
+    } else {
+        parts.into_iter().enumerate().map(run).collect()
+    }
+}
+
+/// Direct convolution forward (see [`DirectLayout`]) into `out` (`[O, N, OH, OW]`).
+fn direct_forward(
+    g: &ConvGeometry,
+    s: Spatial,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    let l = DirectLayout::new(g, s);
+    let c_in = g.in_channels;
+    map_sample_items(out, s.batch, l.oh * l.ow, |first, count, mut outs| {
+        let mut padded = vec![0.0f32; c_in * l.pstride];
+        let mut acc = vec![0.0f32; g.out_channels * l.span];
+        let kk = l.taps.len();
+        for j in 0..count {
+            l.pad_sample(g, s, x, first + j, &mut padded);
+            let input = Planes {
+                data: &padded,
+                stride: l.pstride,
+                count: c_in,
+                taps: &l.taps,
+            };
+            correlate_all(
+                &input,
+                |o, c, t| weight[(o * c_in + c) * kk + t],
+                |o| bias.map_or(0.0, |b| b[o]),
+                g.out_channels,
+                l.span,
+                &mut acc,
+            );
+            for (a, dst) in acc.chunks(l.span).zip(outs.iter_mut()) {
+                let dst = &mut dst[j * l.oh * l.ow..][..l.oh * l.ow];
+                for (oy, row) in dst.chunks_mut(l.ow).enumerate() {
+                    row.copy_from_slice(&a[oy * l.pw..][..l.ow]);
+                }
+            }
+        }
     });
-    Some(dx)
+}
+
+/// Direct convolution backward: accumulates `dweight` and writes `dx` (`[C, N, H, W]`) when
+/// given.
+fn direct_backward(
+    g: &ConvGeometry,
+    s: Spatial,
+    x: &[f32],
+    weight: &[f32],
+    dy: &[f32],
+    dweight: &mut [f32],
+    dx: Option<&mut [f32]>,
+) {
+    let l = DirectLayout::new(g, s);
+    let (c_in, c_out, kk) = (g.in_channels, g.out_channels, l.taps.len());
+    let out_plane = l.oh * l.ow;
+    let hw = s.height * s.width;
+    let per_sample = |first: usize, count: usize, mut dxs: Vec<&mut [f32]>| -> Vec<f32> {
+        let mut dw = vec![0.0f32; weight.len()];
+        let mut padded = vec![0.0f32; c_in * l.pstride];
+        // dy with the padded row stride after a zero margin of `margin` (the largest tap
+        // offset); the columns past each row's end, the rounding tail and the margin stay
+        // zero, so thrown-away positions contribute nothing.
+        let margin = *l.taps.last().expect("a kernel has taps");
+        let dx_span = (l.pstride - STRIP).next_multiple_of(STRIP);
+        let dy_stride = margin + dx_span.max(l.span) + STRIP;
+        let mut dys = vec![0.0f32; c_out * dy_stride];
+        // The input gradient is the correlation of dy with the mirrored kernel: padded
+        // position p gets dy[p − off] · w for every tap.
+        let mirrored: Vec<usize> = l.taps.iter().map(|&off| margin - off).collect();
+        let mut dpadded = vec![0.0f32; c_in * dx_span];
+        for j in 0..count {
+            let n = first + j;
+            l.pad_sample(g, s, x, n, &mut padded);
+            for (o, d) in dys.chunks_mut(dy_stride).enumerate() {
+                let src = &dy[(o * s.batch + n) * out_plane..][..out_plane];
+                for (oy, row) in src.chunks(l.ow).enumerate() {
+                    d[margin + oy * l.pw..][..l.ow].copy_from_slice(row);
+                }
+            }
+            for c in 0..c_in {
+                for (t, &off) in l.taps.iter().enumerate() {
+                    let src = &padded[c * l.pstride + off..][..l.span];
+                    for (o, d) in dys.chunks(dy_stride).enumerate() {
+                        dw[(o * c_in + c) * kk + t] += dot(&d[margin..][..l.span], src);
+                    }
+                }
+            }
+            if dxs.is_empty() {
+                continue;
+            }
+            let grads = Planes {
+                data: &dys,
+                stride: dy_stride,
+                count: c_out,
+                taps: &mirrored,
+            };
+            correlate_all(
+                &grads,
+                |c, o, t| weight[(o * c_in + c) * kk + t],
+                |_| 0.0,
+                c_in,
+                dx_span,
+                &mut dpadded,
+            );
+            for (c, dst) in dxs.iter_mut().enumerate() {
+                let dst = &mut dst[j * hw..][..hw];
+                let src = &dpadded[c * dx_span..];
+                for (y, row) in dst.chunks_mut(s.width).enumerate() {
+                    row.copy_from_slice(&src[(y + g.padding) * l.pw + g.padding..][..s.width]);
+                }
+            }
+        }
+        dw
+    };
+    // Without an input gradient the items get no output slices (an empty `dxs`).
+    let partials = map_sample_items(dx.unwrap_or(&mut []), s.batch, hw, per_sample);
+    for p in partials {
+        dweight.iter_mut().zip(&p).for_each(|(d, v)| *d += v);
+    }
 }
 
 #[cfg(test)]
@@ -292,7 +627,7 @@ mod tests {
         y
     }
 
-    const GEOMETRIES: [(usize, usize, usize, usize, usize, usize); 6] = [
+    const GEOMETRIES: [(usize, usize, usize, usize, usize, usize); 7] = [
         // (cin, cout, kernel, stride, padding, size)
         (3, 4, 5, 1, 2, 8),
         (3, 4, 3, 2, 1, 7),
@@ -300,6 +635,7 @@ mod tests {
         (2, 3, 1, 1, 0, 5),
         (1, 4, 7, 2, 3, 12),
         (2, 2, 3, 3, 2, 4),
+        (6, 16, 5, 1, 0, 14),
     ];
 
     /// The geometry and input size of one test case.
@@ -360,6 +696,35 @@ mod tests {
                 (lhs - rhs).abs() < 1e-3 * (1.0 + lhs.abs()),
                 "geometry {i}: {lhs} vs {rhs}"
             );
+        }
+    }
+
+    /// The direct path's backward must be the adjoint of its forward in both the input and
+    /// the weights: ⟨dy, conv(x, w)⟩ = ⟨dx, x⟩ = ⟨dw, w⟩ (no bias, so conv is bilinear).
+    #[test]
+    fn direct_backward_is_the_adjoint_of_direct_forward() {
+        for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
+            let (g, s) = case(cin, cout, k, st, p, hw, 19);
+            if !g.prefers_direct() {
+                continue;
+            }
+            let (oh, ow) = g.output_size(hw, hw);
+            let x = random(cin * 19 * hw * hw, i as u64);
+            let w = random(cout * g.patch_len(), 10 + i as u64);
+            let dy = random(cout * 19 * oh * ow, 20 + i as u64);
+            let y = conv2d_forward(&g, s, &x, &w, None, true).0;
+            let mut dw = vec![0.0; w.len()];
+            let dx = conv2d_backward(&g, s, &x, None, &w, &dy, &mut dw, None, true).unwrap();
+            let inner = |a: &[f32], b: &[f32]| -> f64 {
+                a.iter().zip(b).map(|(a, b)| (a * b) as f64).sum()
+            };
+            let (lhs, by_x, by_w) = (inner(&dy, &y), inner(&dx, &x), inner(&dw, &w));
+            for (what, v) in [("dx", by_x), ("dw", by_w)] {
+                assert!(
+                    (lhs - v).abs() < 1e-3 * (1.0 + lhs.abs()),
+                    "geometry {i} {what}: {lhs} vs {v}"
+                );
+            }
         }
     }
 }

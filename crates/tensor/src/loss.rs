@@ -1,7 +1,7 @@
 //! Softmax cross-entropy, fused so the backward is `softmax − onehot` without storing a
 //! separate probability tensor.
 
-use crate::activation::fast_exp;
+use crate::activation::{fast_exp, lane_sum};
 
 /// Mean cross-entropy of `logits` (`rows × classes`) against integer `targets`.
 /// Per-row losses are summed in row order, so the reported loss is bit-identical on any pool.
@@ -30,11 +30,10 @@ pub fn softmax_cross_entropy(
                 arg = i;
             }
         }
-        let mut sum = 0.0f32;
         for (gi, &v) in g.iter_mut().zip(l) {
             *gi = fast_exp(v - max);
-            sum += *gi;
         }
+        let sum = lane_sum(g);
         let log_sum = sum.ln() + max;
         let k = grad_scale * inv_rows / sum;
         g.iter_mut().for_each(|v| *v *= k);

@@ -70,6 +70,34 @@ impl<'a> Mat<'a> {
         }
     }
 
+    /// Rows `r0..r1` of the view (no copy).
+    pub fn rows_range(self, r0: usize, r1: usize) -> Self {
+        assert!(
+            r0 <= r1 && r1 <= self.rows,
+            "rows {r0}..{r1} of {}",
+            self.rows
+        );
+        Mat {
+            data: &self.data[(r0 * self.rs).min(self.data.len())..],
+            rows: r1 - r0,
+            ..self
+        }
+    }
+
+    /// Columns `c0..c1` of the view (no copy).
+    pub fn cols_range(self, c0: usize, c1: usize) -> Self {
+        assert!(
+            c0 <= c1 && c1 <= self.cols,
+            "columns {c0}..{c1} of {}",
+            self.cols
+        );
+        Mat {
+            data: &self.data[(c0 * self.cs).min(self.data.len())..],
+            cols: c1 - c0,
+            ..self
+        }
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }
@@ -108,6 +136,39 @@ pub fn gemm(c: MatMut, a: Mat, b: Mat, accumulate: bool) {
 /// (attention heads, batch chunks).
 pub fn gemm_serial(c: MatMut, a: Mat, b: Mat, accumulate: bool) {
     gemm_with_threads(c, a, b, accumulate, 1)
+}
+
+/// One product of [`gemm_pair`]: (output, a, b, accumulate).
+pub type Product<'a, 'b> = (MatMut<'a>, Mat<'b>, Mat<'b>, bool);
+
+/// Two independent products at once, each on half of the pool's threads.
+///
+/// A layer's backward has two products of equal size, the weight gradient `dyᵀ·x` and the
+/// input gradient `dy·W`. The weight-gradient product is long and thin (its inner dimension
+/// is the whole batch), a shape the `gemm` crate splits poorly over threads; running the two
+/// side by side, each on its own thread, keeps every thread busy with no synchronisation
+/// inside either product. Results are bit-identical to running them one after the other.
+pub fn gemm_pair(first: Product, second: Product) {
+    let threads = par::threads();
+    let macs = |p: &Product| p.0.rows * p.0.cols * p.1.cols;
+    if threads < 2 || macs(&first).min(macs(&second)) < PARALLEL_MIN_MACS {
+        let (c, a, b, acc) = first;
+        gemm(c, a, b, acc);
+        let (c, a, b, acc) = second;
+        gemm(c, a, b, acc);
+        return;
+    }
+    let half = threads / 2;
+    rayon::join(
+        move || {
+            let (c, a, b, acc) = first;
+            gemm_with_threads(c, a, b, acc, half)
+        },
+        move || {
+            let (c, a, b, acc) = second;
+            gemm_with_threads(c, a, b, acc, threads - half)
+        },
+    );
 }
 
 fn gemm_with_threads(c: MatMut, a: Mat, b: Mat, accumulate: bool, threads: usize) {

@@ -117,7 +117,8 @@ pub fn layer_norm_forward(
     eps: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let rows = x.len() / d;
-    let mut y = vec![0.0f32; x.len()];
+    // Every row is written below.
+    let mut y = crate::par::take_buffer(x.len());
     let mut stats = vec![[0.0f32; 2]; rows];
     let one = |r: usize, yr: &mut [f32], st: &mut [[f32; 2]]| {
         let xr = &x[r * d..][..d];
@@ -146,7 +147,8 @@ pub fn layer_norm_backward(
     dgamma: &mut [f32],
     dbeta: &mut [f32],
 ) -> Vec<f32> {
-    let mut dx = vec![0.0f32; x.len()];
+    // Every row is written below.
+    let mut dx = crate::par::take_buffer(x.len());
     let chunk = LN_CHUNK_ROWS * d;
     let run = |ci: usize, dxc: &mut [f32]| -> Vec<f32> {
         let mut part = vec![0.0f32; 2 * d];

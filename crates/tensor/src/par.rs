@@ -28,6 +28,14 @@ fn worth_splitting(len: usize, chunk: usize) -> bool {
     threads() > 1 && len >= PARALLEL_MIN_LEN && len > chunk
 }
 
+/// How many consecutive `chunk`-sized pieces one parallel task takes: enough for about
+/// `4 × threads` tasks of at least [`PARALLEL_MIN_LEN`] elements. Callers cut their data at
+/// natural boundaries (a pooling plane of 196 values, a 256-wide layer-norm row); one rayon
+/// task per such piece would cost more in scheduling than the piece's own work.
+fn pieces_per_task(len: usize, chunk: usize) -> usize {
+    (chunk_len(len, PARALLEL_MIN_LEN) / chunk).max(1)
+}
+
 /// Run `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, in parallel when the pool
 /// has several threads and the work is large enough to pay for it.
 pub fn for_each_chunk_mut<T, F>(data: &mut [T], chunk: usize, f: F)
@@ -37,9 +45,14 @@ where
 {
     let chunk = chunk.max(1);
     if worth_splitting(data.len(), chunk) {
-        data.par_chunks_mut(chunk)
+        let group = pieces_per_task(data.len(), chunk);
+        data.par_chunks_mut(chunk * group)
             .enumerate()
-            .for_each(|(i, c)| f(i, c));
+            .for_each(|(g, task)| {
+                for (i, c) in task.chunks_mut(chunk).enumerate() {
+                    f(g * group + i, c);
+                }
+            });
     } else {
         data.chunks_mut(chunk)
             .enumerate()
@@ -62,10 +75,15 @@ pub fn for_each_chunk_pair_mut<A, B, F>(
 {
     let (chunk_a, chunk_b) = (chunk_a.max(1), chunk_b.max(1));
     if worth_splitting(a.len(), chunk_a) {
-        a.par_chunks_mut(chunk_a)
-            .zip(b.par_chunks_mut(chunk_b))
+        let group = pieces_per_task(a.len(), chunk_a);
+        a.par_chunks_mut(chunk_a * group)
+            .zip(b.par_chunks_mut(chunk_b * group))
             .enumerate()
-            .for_each(|(i, (x, y))| f(i, x, y));
+            .for_each(|(g, (x, y))| {
+                for (i, (x, y)) in x.chunks_mut(chunk_a).zip(y.chunks_mut(chunk_b)).enumerate() {
+                    f(g * group + i, x, y);
+                }
+            });
     } else {
         a.chunks_mut(chunk_a)
             .zip(b.chunks_mut(chunk_b))
@@ -84,10 +102,18 @@ where
 {
     let chunk = chunk.max(1);
     if worth_splitting(data.len(), chunk) {
-        data.par_chunks_mut(chunk)
+        let group = pieces_per_task(data.len(), chunk);
+        let per_task: Vec<Vec<R>> = data
+            .par_chunks_mut(chunk * group)
             .enumerate()
-            .map(|(i, c)| f(i, c))
-            .collect()
+            .map(|(g, task)| {
+                task.chunks_mut(chunk)
+                    .enumerate()
+                    .map(|(i, c)| f(g * group + i, c))
+                    .collect()
+            })
+            .collect();
+        per_task.into_iter().flatten().collect()
     } else {
         data.chunks_mut(chunk)
             .enumerate()
@@ -105,10 +131,18 @@ where
 {
     let chunk = chunk.max(1);
     if worth_splitting(data.len(), chunk) {
-        data.par_chunks(chunk)
+        let group = pieces_per_task(data.len(), chunk);
+        let per_task: Vec<Vec<R>> = data
+            .par_chunks(chunk * group)
             .enumerate()
-            .map(|(i, c)| f(i, c))
-            .collect()
+            .map(|(g, task)| {
+                task.chunks(chunk)
+                    .enumerate()
+                    .map(|(i, c)| f(g * group + i, c))
+                    .collect()
+            })
+            .collect();
+        per_task.into_iter().flatten().collect()
     } else {
         data.chunks(chunk)
             .enumerate()
@@ -141,6 +175,17 @@ pub fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f3
         for (j, o) in c.iter_mut().enumerate() {
             *o = f(a[s + j], b[s + j]);
         }
+    });
+}
+
+/// `out[i] = f(a[i], out[i])` in place, parallel for large buffers (a gradient scaled by a
+/// derivative without a second buffer).
+pub fn zip_update(out: &mut [f32], a: &[f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
+    assert_eq!(out.len(), a.len());
+    let chunk = chunk_len(out.len(), PARALLEL_MIN_LEN);
+    for_each_chunk_mut(out, chunk, |i, c| {
+        let s = &a[i * chunk..i * chunk + c.len()];
+        c.iter_mut().zip(s).for_each(|(o, &x)| *o = f(x, *o));
     });
 }
 
@@ -182,27 +227,39 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Buffers kept per thread at most; more are simply freed.
-const MAX_RECYCLED: usize = 16;
+/// Buffers kept per thread at most; more are simply freed. A GPT step has a few dozen
+/// activation-sized buffers alive at once: all of them should find their way back.
+const MAX_RECYCLED: usize = 64;
+
+/// A recycled buffer serves a request only if it is at most this many times larger, so that a
+/// small tensor does not pin a large buffer that the next large request then misses.
+const MAX_OVERSIZE: usize = 4;
 
 /// A buffer of `len` elements with unspecified contents (left over from earlier use), taken
-/// from this thread's recycled buffers when one is large enough: for data that the caller
-/// overwrites completely (im2col columns, product outputs). Saves both the allocation and the
-/// zero-fill that `vec![0.0; len]` pays on every call; give it back with [`recycle`].
+/// from this thread's recycled buffers when one of a fitting size is there: for data that the
+/// caller overwrites completely (im2col columns, product outputs, element-wise results).
+/// Saves both the allocation and the zero-fill that `vec![0.0; len]` pays on every call; give
+/// it back with [`recycle`] (or `Tensor::recycle`) once it is dead.
 pub fn take_buffer(len: usize) -> Vec<f32> {
-    let mut buf = SCRATCH
-        .with(|s| {
-            let mut pool = s.borrow_mut();
-            // The smallest buffer that fits, else the largest (grown below).
-            let fit = (0..pool.len())
-                .filter(|&i| pool[i].capacity() >= len)
-                .min_by_key(|&i| pool[i].capacity())
-                .or_else(|| (0..pool.len()).max_by_key(|&i| pool[i].capacity()));
-            fit.map(|i| pool.swap_remove(i))
-        })
-        .unwrap_or_default();
-    buf.resize(len, 0.0);
-    buf
+    let recycled = SCRATCH.with(|s| {
+        let mut pool = s.borrow_mut();
+        // The smallest buffer that fits without being far too large.
+        let fit = (0..pool.len())
+            .filter(|&i| {
+                let cap = pool[i].capacity();
+                cap >= len && cap <= len.max(1024).saturating_mul(MAX_OVERSIZE)
+            })
+            .min_by_key(|&i| pool[i].capacity());
+        fit.map(|i| pool.swap_remove(i))
+    });
+    match recycled {
+        Some(mut buf) => {
+            // Within capacity: only a growing tail (if any) is written.
+            buf.resize(len, 0.0);
+            buf
+        }
+        None => vec![0.0; len],
+    }
 }
 
 /// Return a buffer for reuse by [`take_buffer`] / [`with_scratch`] on this thread.

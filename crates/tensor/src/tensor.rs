@@ -34,6 +34,22 @@ impl Tensor {
         }
     }
 
+    /// A tensor whose contents are unspecified (a recycled buffer, see
+    /// [`crate::par::take_buffer`]): for outputs the caller overwrites completely, which
+    /// saves the zero-fill of [`Tensor::zeros`].
+    pub fn for_overwrite(shape: &[usize]) -> Self {
+        Tensor {
+            data: crate::par::take_buffer(shape.iter().product()),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// Hand the buffer back to this thread's pool for a later [`Tensor::for_overwrite`]:
+    /// called by backward passes on activations that are dead from then on.
+    pub fn recycle(self) {
+        crate::par::recycle(self.data);
+    }
+
     pub fn scalar(value: f32) -> Self {
         Tensor::from_vec(vec![value], &[1])
     }
