@@ -626,6 +626,9 @@ struct RankRecord {
     /// Group id of the latest position report.
     latest: Option<usize>,
     stopped: bool,
+    /// The `stopped` line sent to the peers, kept for ranks that connect later (a rank can
+    /// fail before a slower peer's connection reaches the hub).
+    stop_notice: Option<String>,
 }
 
 impl RankRecord {
@@ -726,7 +729,9 @@ impl Hub {
         }
         let hello = String::from_utf8(hello).ok()?;
         let fields: Vec<&str> = hello.split('\t').collect();
-        let (Some(token), Some(rank)) = (parse::<u64>(fields.get(1)), parse(fields.get(2))) else {
+        let (Some(token), Some(rank)) =
+            (parse::<u64>(fields.get(1)), parse::<usize>(fields.get(2)))
+        else {
             return None;
         };
         if fields[0] != "hello" || token != self.token {
@@ -742,6 +747,13 @@ impl Hub {
         }
         record.connected = true;
         record.writer = Some(writer);
+        let earlier: String = ranks
+            .iter()
+            .filter_map(|other| other.stop_notice.as_deref())
+            .collect();
+        if !earlier.is_empty() {
+            ranks[rank].send(&earlier);
+        }
         Some(rank)
     }
 
@@ -839,6 +851,7 @@ impl Hub {
                 other.send(&line);
             }
         }
+        ranks[rank].stop_notice = Some(line);
     }
 }
 
@@ -890,10 +903,11 @@ mod tests {
         }
         let _rank0 = tracks[0].enter("all_reduce", 2);
         let _rank1 = tracks[1].enter("all_reduce", 2);
-        // Rank 2 stays after the barrier. Wait until the hub has rank 1's position.
-        let missing = wait_for("rank 1's position", || {
+        // Rank 2 stays after the barrier. Positions reach the hub on each rank's own
+        // reporting tick, so wait until it has both rank 1's and rank 2's latest ones.
+        let missing = wait_for("rank 1's and rank 2's positions", || {
             let missing = monitors[0].missing_ranks(&tracks[0], 2)?;
-            (missing.ranks == vec![2]).then_some(missing)
+            (missing.ranks == vec![2] && missing.note.contains("barrier")).then_some(missing)
         });
         assert_eq!(
             missing.note,
