@@ -6,7 +6,7 @@
 mod common;
 
 use common::{assert_close, normal_vec};
-use meshtrain_nn::layers::{Conv2d, Pool2d};
+use meshtrain_nn::layers::{Conv2d, Linear, Pool2d};
 use meshtrain_nn::{Layer, Mode, Saved};
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
@@ -152,4 +152,48 @@ fn pooling_matches_definition_on_non_square_inputs() {
             );
         }
     }
+}
+
+/// Linear's bias is broadcast and its gradient summed in parallel row blocks on large inputs;
+/// a batch of 300 rows (not a multiple of the 64-row block) × 70 outputs is large enough to
+/// split. The result must match the definition and not depend on the pool size.
+#[test]
+fn linear_bias_forward_and_gradient_match_definition_on_any_pool() {
+    let (rows, inputs, outputs) = (300, 5, 70);
+    let mut rng = SplitMix64::new(7);
+    let x = normal_vec(&mut rng, rows * inputs, 1.0);
+    let weight = normal_vec(&mut rng, outputs * inputs, 0.5);
+    let bias = normal_vec(&mut rng, outputs, 0.5);
+    let dy = normal_vec(&mut rng, rows * outputs, 1.0);
+    let params = [weight.clone(), bias.clone()].concat();
+    let linear = Linear::new(inputs, outputs, true);
+    let run = |threads: usize| {
+        meshtrain_tensor::par::pool(threads).install(|| {
+            let mut saved = Saved::default();
+            let xt = Tensor::from_vec(x.clone(), &[rows, inputs]);
+            let y = linear.forward(&params, &mut [], xt, Mode::TRAIN, &mut saved);
+            let mut grads = vec![0.0f32; params.len()];
+            let dyt = Tensor::from_vec(dy.clone(), &[rows, outputs]);
+            linear.backward(&params, &mut grads, saved, dyt, false);
+            (y.data().to_vec(), grads[outputs * inputs..].to_vec())
+        })
+    };
+    let mut want_y = vec![0.0f32; rows * outputs];
+    for r in 0..rows {
+        for o in 0..outputs {
+            let dot: f64 = (0..inputs)
+                .map(|i| (x[r * inputs + i] * weight[o * inputs + i]) as f64)
+                .sum();
+            want_y[r * outputs + o] = (dot + bias[o] as f64) as f32;
+        }
+    }
+    let want_gb: Vec<f32> = (0..outputs)
+        .map(|o| (0..rows).map(|r| dy[r * outputs + o] as f64).sum::<f64>() as f32)
+        .collect();
+    let (y1, gb1) = run(1);
+    let (y2, gb2) = run(2);
+    assert_close("linear forward, 2 threads", &y2, &want_y, 1e-5, 1e-6);
+    assert_close("linear bias grad, 2 threads", &gb2, &want_gb, 1e-6, 1e-6);
+    assert_eq!(y1, y2, "linear forward depends on the pool size");
+    assert_eq!(gb1, gb2, "linear bias gradient depends on the pool size");
 }
