@@ -584,28 +584,13 @@ impl PipelineWorker {
     /// step on rank 0.
     pub(crate) fn finish_run(&mut self, bd: &mut Breakdown) -> Result<()> {
         let world = self.mesh.world().clone();
-        let mut fields = [
-            bd.data_s,
-            bd.forward_s,
-            bd.backward_s,
-            bd.optimizer_s,
-            bd.comm_exposed_s,
-            bd.comm_hidden_s,
-            bd.pipeline_idle_s,
-        ]
-        .map(|v| v as f32);
+        let mut fields = bd.times_mut().map(|v| *v as f32);
         world
             .all_reduce(BufMut::F32(&mut fields), ReduceOp::Average)
             .context("averaging the step-time breakdown")?;
-        [
-            bd.data_s,
-            bd.forward_s,
-            bd.backward_s,
-            bd.optimizer_s,
-            bd.comm_exposed_s,
-            bd.comm_hidden_s,
-            bd.pipeline_idle_s,
-        ] = fields.map(f64::from);
+        for (time, mean) in bd.times_mut().into_iter().zip(fields) {
+            *time = f64::from(mean);
+        }
         if let Some(recorded) = &self.timeline {
             let path = &recorded.path;
             let events = collect_trace_events(world.as_ref(), recorded)?;

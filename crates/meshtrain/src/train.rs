@@ -152,6 +152,19 @@ impl Breakdown {
         }
     }
 
+    /// The accumulated times, in a fixed order, for element-wise reductions across workers.
+    pub fn times_mut(&mut self) -> [&mut f64; 7] {
+        [
+            &mut self.data_s,
+            &mut self.forward_s,
+            &mut self.backward_s,
+            &mut self.optimizer_s,
+            &mut self.comm_exposed_s,
+            &mut self.comm_hidden_s,
+            &mut self.pipeline_idle_s,
+        ]
+    }
+
     pub fn compute_s(&self) -> f64 {
         self.forward_s + self.backward_s + self.optimizer_s
     }
