@@ -12,7 +12,7 @@
 use crate::bench::gemm_peak;
 use crate::config::{Config, ModelConfig};
 use crate::pipeline_bench::measure_layout;
-use crate::scaling::{measure, model_config, BenchScalingArgs, ScalingRun};
+use crate::scaling::{measure, model_config, parse_list, BenchScalingArgs, ScalingRun};
 use crate::train::{build_model, Task};
 use anyhow::{anyhow, Context, Result};
 use meshtrain_comm::bench::{
@@ -187,12 +187,8 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
     );
     println!("|---|---|---|---|---|---|---|");
     let mut details = String::new();
-    for model in args
-        .models
-        .split(',')
-        .map(str::trim)
-        .filter(|m| !m.is_empty())
-    {
+    for model in parse_list(&args.models) {
+        let model = model.as_str();
         let (file, mut overrides) = model_config(model)?;
         overrides.push("train.log_every=1000000".into());
         let cfg = Config::load(&PathBuf::from(&file), &overrides)?;
@@ -306,15 +302,12 @@ fn fit_model_rate(
     setup: &TrainingSetup,
     measured_compute_ms: f64,
 ) -> Result<(f64, meshtrain_plan::ClusterSpec)> {
-    let single = cluster.clone().with_gpus(1)?;
-    let peak = single.peak_tflops.fp32 * 1e3 * single.gemm_efficiency;
+    let peak = cluster.peak_tflops.fp32 * 1e3 * cluster.gemm_efficiency;
     let batch = setup.global_batch;
     let compute_at = |gflops: f64| -> Result<(f64, meshtrain_plan::ClusterSpec)> {
         let mut c = cluster.clone();
         c.gemm_efficiency = gflops / (c.peak_tflops.fp32 * 1e3);
-        let mut one = c.clone().with_gpus(1)?;
-        one.gemm_efficiency = c.gemm_efficiency;
-        let p = Problem::new(model.clone(), one, setup.clone())?;
+        let p = Problem::new(model.clone(), c.with_gpus(1)?, setup.clone())?;
         let e = p.evaluate(&Layout::data_parallel(1, batch))?;
         Ok(((e.time.compute_s + e.time.recompute_s) * 1e3, c))
     };

@@ -8,6 +8,7 @@
 //! that only waits (the bubble) costs wall time but little CPU.
 
 use crate::config::Config;
+use crate::scaling::parse_list;
 use crate::train::{Breakdown, Task, Trainer};
 use anyhow::{anyhow, bail, Context, Result};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
@@ -127,12 +128,8 @@ pub fn throughput_runs(args: &BenchPipelineArgs) -> Result<Vec<ThroughputRun>> {
         (args.steps, args.warmup)
     };
     let mut runs = Vec::new();
-    for name in args
-        .layouts
-        .split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-    {
+    for name in parse_list(&args.layouts) {
+        let name = name.as_str();
         let (dp, pp) = parse_layout(name)?;
         let mut cfg = base.clone();
         cfg.parallel.dp = dp;

@@ -153,7 +153,8 @@ pub fn measure(
     })
 }
 
-fn parse_list(s: &str) -> Vec<String> {
+/// A comma-separated list of names, blanks dropped (`--models`, `--layouts`).
+pub(crate) fn parse_list(s: &str) -> Vec<String> {
     s.split(',')
         .map(|x| x.trim().to_string())
         .filter(|x| !x.is_empty())
