@@ -32,7 +32,7 @@ use crate::dtype::{with_element, DType, Element, RawBuf, ReduceOp};
 use crate::engine::{AsyncEngine, Executor};
 use crate::error::{fmt_ranks, CommError, OpContext};
 use crate::group::{validate_subgroup, CommConfig, Fingerprint, Operation, ProcessGroup, Work};
-use crate::mpi_monitor::{self, GroupTrack, Monitor};
+use crate::mpi_monitor::{self, GroupTrack, Monitor, ShutdownAgreement};
 use anyhow::{anyhow, Result};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
@@ -474,6 +474,16 @@ impl Drop for MpiWorld {
         }
         if let Some(monitor) = &shared.monitor {
             monitor.exit();
+            // `MPI_Finalize` waits for every rank; entering it while a peer aborts can
+            // leave Open MPI's `mpirun` hung, so agree on the shutdown first.
+            if let ShutdownAgreement::PeerFailed(why) =
+                monitor.await_shutdown(shared.config.timeout)
+            {
+                shared.watchdog.abort_job(
+                    &format!("cannot shut MPI down cleanly: {why}"),
+                    WATCHDOG_EXIT_CODE,
+                );
+            }
         }
         // No abort after finalisation.
         shared.watchdog.stop();

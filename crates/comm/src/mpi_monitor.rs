@@ -17,6 +17,12 @@
 //!   of these is a rank that died (killed, crashed): the kernel closes a dead
 //!   process's sockets, so the hub learns it at once.
 //!
+//! * **Shutdown agreement.** A rank that shuts down cleanly does not enter
+//!   `MPI_Finalize` (which waits for every rank) until the hub says every rank has
+//!   exited; if a peer fails instead, it aborts. With Open MPI 4, a rank waiting inside
+//!   `MPI_Finalize` while its peers call `MPI_Abort` can leave `mpirun` hanging or
+//!   crashing instead of ending the job.
+//!
 //! The hub tells every rank as soon as a peer stopped, so ranks blocked on that peer
 //! fail fast instead of waiting for the timeout; a rank whose collective timed out
 //! asks the hub which members had not reached that collective and where they were
@@ -29,7 +35,7 @@
 //! rank → hub   hello TOKEN RANK | group ID KEY NAME | at ID OP SEQ DONE
 //!              panicked MSG | failed MSG | exited | query QID KEY
 //! hub → rank   stopped RANK KIND DESCRIPTION (KEY SEQ)*    (to every rank)
-//!              reply QID (RANK SEQ NOTE)* | bye
+//!              reply QID (RANK SEQ NOTE)* | bye | all-exited
 //! ```
 
 use std::collections::HashMap;
@@ -203,7 +209,21 @@ struct PeerView {
     replies: HashMap<u64, Vec<PeerReport>>,
     next_query: u64,
     bye: bool,
+    /// Every rank of the job has exited cleanly (the hub's `all-exited`).
+    all_exited: bool,
     hub_lost: bool,
+}
+
+/// How the wait for the other ranks' clean shutdown ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ShutdownAgreement {
+    /// Every rank exited cleanly: finalising MPI is safe.
+    AllExited,
+    /// A peer stopped without a clean exit (`rank 3 failed: …`): the job is ending
+    /// with an abort, so this rank must not finalise.
+    PeerFailed(String),
+    /// Neither within the wait (or the hub is unreachable): finalise as plain MPI would.
+    Undecided,
 }
 
 /// A group whose position this rank reports, and the last version sent (`None`:
@@ -413,6 +433,10 @@ impl Monitor {
                 lock(&self.view).bye = true;
                 self.answered.notify_all();
             }
+            "all-exited" => {
+                lock(&self.view).all_exited = true;
+                self.answered.notify_all();
+            }
             _ => {}
         }
     }
@@ -420,6 +444,7 @@ impl Monitor {
     fn peer_stopped(&self, rank: usize, stopped: Stopped) {
         lock(&self.view).stopped.entry(rank).or_insert(stopped);
         self.any_stopped.store(true, Ordering::Release);
+        self.answered.notify_all();
         if let Some(wake) = self.waker.get() {
             wake();
         }
@@ -457,8 +482,10 @@ impl Monitor {
             let Some(stopped) = view.stopped.get(&member).filter(|_| member != self.rank) else {
                 continue;
             };
+            // A peer that entered a later collective of the group has done its part
+            // in this one, however it stopped afterwards.
             let reached = stopped.reached.get(&track.key).copied().unwrap_or(0);
-            if stopped.kind == StopKind::Exited && reached >= seq {
+            if reached > seq || (stopped.kind == StopKind::Exited && reached >= seq) {
                 continue;
             }
             if !missing.note.is_empty() {
@@ -588,6 +615,40 @@ impl Monitor {
         }
     }
 
+    /// After [`Monitor::exit`]: waits until every rank has exited cleanly, a peer
+    /// stopped any other way, or `wait` passed.
+    pub(crate) fn await_shutdown(&self, wait: Duration) -> ShutdownAgreement {
+        let deadline = Instant::now() + wait;
+        let mut view = lock(&self.view);
+        loop {
+            if view.all_exited {
+                return ShutdownAgreement::AllExited;
+            }
+            let mut failed: Vec<(&usize, &Stopped)> = view
+                .stopped
+                .iter()
+                .filter(|(_, stopped)| stopped.kind != StopKind::Exited)
+                .collect();
+            if !failed.is_empty() {
+                failed.sort_by_key(|(rank, _)| **rank);
+                let notes: Vec<String> = failed
+                    .iter()
+                    .map(|(rank, stopped)| format!("rank {rank} {}", stopped.description))
+                    .collect();
+                return ShutdownAgreement::PeerFailed(notes.join("; "));
+            }
+            let now = Instant::now();
+            if view.hub_lost || now >= deadline {
+                return ShutdownAgreement::Undecided;
+            }
+            view = self
+                .answered
+                .wait_timeout(view, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     /// Cuts the connection as a killed process would (tests).
     #[cfg(test)]
     fn sever(&self) {
@@ -626,6 +687,8 @@ struct RankRecord {
     /// Group id of the latest position report.
     latest: Option<usize>,
     stopped: bool,
+    /// Stopped by a clean exit (the shutdown agreement waits for every rank's).
+    exited: bool,
     /// The `stopped` line sent to the peers, kept for ranks that connect later (a rank can
     /// fail before a slower peer's connection reaches the hub).
     stop_notice: Option<String>,
@@ -797,8 +860,15 @@ impl Hub {
                 Hub::stop(&mut ranks, rank, kind, fields.get(1).unwrap_or(&""));
             }
             "exited" => {
+                // A rank that already failed or panicked does not count as exited.
+                ranks[rank].exited = !ranks[rank].stopped;
                 Hub::stop(&mut ranks, rank, StopKind::Exited, "");
                 ranks[rank].send("bye\n");
+                if ranks.iter().all(|record| record.exited) {
+                    for record in ranks.iter_mut() {
+                        record.send("all-exited\n");
+                    }
+                }
             }
             "query" => {
                 let (Some(query), Some(key)) = (parse::<u64>(fields.get(1)), fields.get(2)) else {
@@ -822,14 +892,21 @@ impl Hub {
 
     /// Marks `rank` stopped (once) and tells every other rank.
     fn stop(ranks: &mut [RankRecord], rank: usize, kind: StopKind, message: &str) {
-        let record = &mut ranks[rank];
-        if record.stopped {
+        if ranks[rank].stopped {
             return;
         }
+        // A rank that gives up once a peer has stopped usually does so because of it:
+        // naming the cause instead of quoting its error keeps the peers' messages from
+        // nesting each other's.
+        let earlier: Vec<usize> = (0..ranks.len()).filter(|&r| ranks[r].stopped).collect();
+        let record = &mut ranks[rank];
         record.stopped = true;
         let what = match kind {
             StopKind::Exited => "exited cleanly (shut MPI down)".to_string(),
             StopKind::Panicked => format!("panicked: {message}"),
+            StopKind::Failed if !earlier.is_empty() => {
+                format!("gave up after rank(s) {earlier:?} had stopped")
+            }
             StopKind::Failed => format!("failed: {message}"),
             StopKind::Died => {
                 "died (connection lost without a clean exit: killed or crashed)".to_string()
@@ -965,6 +1042,40 @@ mod tests {
         );
         // Collective #1 was reached by rank 1 before it exited: nothing is missing.
         assert!(monitors[0].stopped_peers(&tracks[0], 1).is_none());
+    }
+
+    #[test]
+    fn clean_shutdown_waits_for_every_rank_and_gives_up_on_a_failed_one() {
+        let monitors = job(3);
+        monitors[0].exit();
+        monitors[1].exit();
+        assert_eq!(
+            monitors[0].await_shutdown(Duration::from_millis(50)),
+            ShutdownAgreement::Undecided,
+            "rank 2 has not exited yet"
+        );
+        monitors[2].exit();
+        for monitor in &monitors {
+            assert_eq!(
+                monitor.await_shutdown(Duration::from_secs(10)),
+                ShutdownAgreement::AllExited
+            );
+        }
+
+        let monitors = job(3);
+        monitors[0].exit();
+        monitors[2].report_failure("out of memory");
+        // Even if rank 1 exits afterwards, rank 2's failure decides.
+        monitors[1].exit();
+        for monitor in &monitors[..2] {
+            match monitor.await_shutdown(Duration::from_secs(10)) {
+                ShutdownAgreement::PeerFailed(why) => assert!(
+                    why.starts_with("rank 2 failed: out of memory; last seen"),
+                    "{why}"
+                ),
+                other => panic!("expected the failure of rank 2, got {other:?}"),
+            }
+        }
     }
 
     #[test]
