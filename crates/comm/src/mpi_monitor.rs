@@ -892,22 +892,15 @@ impl Hub {
 
     /// Marks `rank` stopped (once) and tells every other rank.
     fn stop(ranks: &mut [RankRecord], rank: usize, kind: StopKind, message: &str) {
-        if ranks[rank].stopped {
+        let record = &mut ranks[rank];
+        if record.stopped {
             return;
         }
-        // A rank that gives up once a peer has stopped usually does so because of it:
-        // naming the cause instead of quoting its error keeps the peers' messages from
-        // nesting each other's.
-        let earlier: Vec<usize> = (0..ranks.len()).filter(|&r| ranks[r].stopped).collect();
-        let record = &mut ranks[rank];
         record.stopped = true;
         let what = match kind {
             StopKind::Exited => "exited cleanly (shut MPI down)".to_string(),
             StopKind::Panicked => format!("panicked: {message}"),
-            StopKind::Failed if !earlier.is_empty() => {
-                format!("gave up after rank(s) {earlier:?} had stopped")
-            }
-            StopKind::Failed => format!("failed: {message}"),
+            StopKind::Failed => format!("failed: {}", without_nested_reasons(message)),
             StopKind::Died => {
                 "died (connection lost without a clean exit: killed or crashed)".to_string()
             }
@@ -929,6 +922,17 @@ impl Hub {
             }
         }
         ranks[rank].stop_notice = Some(line);
+    }
+}
+
+/// A failure caused by stopped peers (`… cannot complete: rank(s) [3] (global) stopped:
+/// rank 3 exited …`) already names them; their own notices carry the reasons, so quoting
+/// the reasons again would make every further rank's message nest all the earlier ones.
+fn without_nested_reasons(message: &str) -> &str {
+    const NESTED: &str = " (global) stopped: ";
+    match message.find(NESTED) {
+        Some(at) => &message[..at + NESTED.len() - 2],
+        None => message,
     }
 }
 
