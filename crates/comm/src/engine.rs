@@ -16,7 +16,17 @@ type Job = Box<dyn FnOnce() + Send + 'static>;
 
 /// A backend's per-rank core: runs one operation whose sequence number is assigned.
 pub(crate) trait Executor: Send + Sync + 'static {
-    fn ctx(&self, op: &Operation, seq: u64) -> OpContext;
+    /// This rank's own copy of the group's name (for error contexts).
+    fn group_name(&self) -> &Arc<str>;
+
+    /// What an error of operation `op`, number `seq`, names.
+    fn ctx(&self, op: &Operation, seq: u64) -> OpContext {
+        OpContext {
+            op: op.name(),
+            seq,
+            group: Arc::clone(self.group_name()),
+        }
+    }
 
     /// # Safety
     /// `op`'s buffers must satisfy the contract of `ProcessGroup::run_raw`.

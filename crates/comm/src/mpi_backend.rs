@@ -676,8 +676,8 @@ fn overlaps(a: RawBuf, b: RawBuf) -> bool {
 }
 
 impl Executor for MpiCore {
-    fn ctx(&self, op: &Operation, seq: u64) -> OpContext {
-        MpiCore::ctx(self, op, seq)
+    fn group_name(&self) -> &Arc<str> {
+        &self.name
     }
 
     unsafe fn execute(&self, op: Operation, seq: u64) -> Result<(), CommError> {
@@ -686,14 +686,6 @@ impl Executor for MpiCore {
 }
 
 impl MpiCore {
-    fn ctx(&self, op: &Operation, seq: u64) -> OpContext {
-        OpContext {
-            op: op.name(),
-            seq,
-            group: Arc::clone(&self.name),
-        }
-    }
-
     fn fail(&self, err: CommError) -> CommError {
         let mut broken = self.broken.lock().unwrap_or_else(|e| e.into_inner());
         if broken.is_none() {

@@ -291,8 +291,8 @@ struct RankCore {
 }
 
 impl Executor for RankCore {
-    fn ctx(&self, op: &Operation, seq: u64) -> OpContext {
-        RankCore::ctx(self, op, seq)
+    fn group_name(&self) -> &Arc<str> {
+        &self.name
     }
 
     unsafe fn execute(&self, op: Operation, seq: u64) -> Result<(), CommError> {
@@ -301,14 +301,6 @@ impl Executor for RankCore {
 }
 
 impl RankCore {
-    fn ctx(&self, op: &Operation, seq: u64) -> OpContext {
-        OpContext {
-            op: op.name(),
-            seq,
-            group: Arc::clone(&self.name),
-        }
-    }
-
     /// Runs one operation on the calling thread.
     ///
     /// # Safety

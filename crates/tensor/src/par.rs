@@ -101,25 +101,16 @@ where
     F: Fn(usize, &mut [T]) -> R + Sync + Send,
 {
     let chunk = chunk.max(1);
-    if worth_splitting(data.len(), chunk) {
-        let group = pieces_per_task(data.len(), chunk);
-        let per_task: Vec<Vec<R>> = data
-            .par_chunks_mut(chunk * group)
-            .enumerate()
-            .map(|(g, task)| {
-                task.chunks_mut(chunk)
-                    .enumerate()
-                    .map(|(i, c)| f(g * group + i, c))
-                    .collect()
-            })
-            .collect();
-        per_task.into_iter().flatten().collect()
-    } else {
-        data.chunks_mut(chunk)
+    if !worth_splitting(data.len(), chunk) {
+        return data
+            .chunks_mut(chunk)
             .enumerate()
             .map(|(i, c)| f(i, c))
-            .collect()
+            .collect();
     }
+    let group = pieces_per_task(data.len(), chunk);
+    let tasks = data.par_chunks_mut(chunk).with_min_len(group);
+    tasks.enumerate().map(|(i, c)| f(i, c)).collect()
 }
 
 /// Read-only [`map_chunks_mut`].
@@ -130,25 +121,16 @@ where
     F: Fn(usize, &[T]) -> R + Sync + Send,
 {
     let chunk = chunk.max(1);
-    if worth_splitting(data.len(), chunk) {
-        let group = pieces_per_task(data.len(), chunk);
-        let per_task: Vec<Vec<R>> = data
-            .par_chunks(chunk * group)
-            .enumerate()
-            .map(|(g, task)| {
-                task.chunks(chunk)
-                    .enumerate()
-                    .map(|(i, c)| f(g * group + i, c))
-                    .collect()
-            })
-            .collect();
-        per_task.into_iter().flatten().collect()
-    } else {
-        data.chunks(chunk)
+    if !worth_splitting(data.len(), chunk) {
+        return data
+            .chunks(chunk)
             .enumerate()
             .map(|(i, c)| f(i, c))
-            .collect()
+            .collect();
     }
+    let group = pieces_per_task(data.len(), chunk);
+    let tasks = data.par_chunks(chunk).with_min_len(group);
+    tasks.enumerate().map(|(i, c)| f(i, c)).collect()
 }
 
 /// Chunk length that splits `len` elements into about `4 × threads` pieces of at least `min`.
