@@ -5,7 +5,7 @@
 //! mpi_collectives FAULT [RANK]    after barrier #1, RANK (default: the last) misbehaves
 //!                                 while the others call all_reduce #2; every run must end
 //!                                 non-zero with an error naming the op, group and RANK:
-//!   stuck    stops calling (sleeps); the others time out (2 s)
+//!   stuck    stops calling (sleeps); the others time out (4 s)
 //!   panic    panics
 //!   kill     kills itself with SIGKILL
 //!   exit     shuts MPI down cleanly without calling all_reduce #2
@@ -47,7 +47,7 @@ fn main() {
         }
         return;
     }
-    let timeout = if mode == "test" { 60.0 } else { 2.0 };
+    let timeout = if mode == "test" { 60.0 } else { 4.0 };
     let config = CommConfig::default()
         .with_timeout(Duration::from_secs_f64(timeout))
         .with_desync_check(true);

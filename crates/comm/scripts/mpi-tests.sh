@@ -32,9 +32,12 @@ run_mpi() {
     timeout -k 5 60 "${MPIRUN[@]}" "$@"
 }
 
-# The fault modes use a 2 s timeout; the bound is timeout + 1 s.
-TIMEOUT_MS=2000
+# The fault modes use a 4 s timeout; the bound is timeout + 1 s. The fail-fast
+# cases must end well before the timeout: within FAST_MS (mpirun's own teardown takes
+# ~0.3 s, sometimes ~1.3 s; CI machines are slower).
+TIMEOUT_MS=4000
 BOUND_MS=$((TIMEOUT_MS + 1000))
+FAST_MS=2500
 
 # run_fault NP MODE CULPRIT LIMIT_MS: runs a fault mode of the driver and checks that
 # the job ended non-zero within LIMIT_MS of the moment the other ranks started waiting
@@ -91,20 +94,20 @@ for NP in 2 4; do
     OP="all_reduce #2 on group 'world'"
     # A stuck rank: the others time out and name it, with where it was last seen.
     run_fault "$NP" stuck "$LAST" "$BOUND_MS"
-    expect "$OP timed out after 2s: rank(s) [$LAST] (global) did not arrive (rank $LAST last seen after barrier #1 on group 'world'); aborting the MPI job"
+    expect "$OP timed out after 4s: rank(s) [$LAST] (global) did not arrive (rank $LAST last seen after barrier #1 on group 'world'); aborting the MPI job"
     # Panicking, killed and cleanly exiting ranks: the others fail fast (well before
     # the timeout) and say what happened to the missing rank.
-    run_fault "$NP" panic "$LAST" "$TIMEOUT_MS"
+    run_fault "$NP" panic "$LAST" "$FAST_MS"
     expect "$OP cannot complete: rank(s) [$LAST] (global) stopped: rank $LAST panicked: rank $LAST panics on purpose (thread 'main' at crates/comm/examples/mpi_collectives.rs:"
-    run_fault "$NP" kill "$LAST" "$TIMEOUT_MS"
+    run_fault "$NP" kill "$LAST" "$FAST_MS"
     expect "$OP cannot complete: rank(s) [$LAST] (global) stopped: rank $LAST died (connection lost without a clean exit: killed or crashed); last seen"
     # Rank 0 hosts the failure monitor: its death is seen as the monitor going away.
-    run_fault "$NP" kill 0 "$TIMEOUT_MS"
+    run_fault "$NP" kill 0 "$FAST_MS"
     expect "$OP cannot complete: rank(s) [0] (global) stopped: rank 0 died (the failure monitor it hosts closed without a clean exit: killed or crashed)"
-    run_fault "$NP" exit "$LAST" "$TIMEOUT_MS"
+    run_fault "$NP" exit "$LAST" "$FAST_MS"
     expect "$OP cannot complete: rank(s) [$LAST] (global) stopped: rank $LAST exited cleanly (shut MPI down); last seen after barrier #1 on group 'world'"
     # Different collectives at the same sequence number: the fingerprint check.
-    run_fault "$NP" desync "$LAST" "$TIMEOUT_MS"
+    run_fault "$NP" desync "$LAST" "$FAST_MS"
     expect "$OP: collective mismatch across ranks: rank 0: all_reduce sum #2 f32×1000;"
     expect "rank $LAST: broadcast root=0 #2 f32×1000"
 done
