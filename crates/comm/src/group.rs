@@ -200,39 +200,33 @@ impl Operation {
                 Ok(())
             }
         };
+        // Reduce-scatter and all-gather: the `whole` side holds one `part`-sized block per
+        // rank, in the same element type.
+        let check_blocks = |input: RawBuf, output: RawBuf, input_is_whole: bool| {
+            if input.dtype != output.dtype {
+                return Err(invalid_buffer(format!(
+                    "input is {} but output is {}",
+                    input.dtype, output.dtype
+                )));
+            }
+            let ((whole, whole_name), (part, part_name)) = if input_is_whole {
+                ((input, "input"), (output, "output"))
+            } else {
+                ((output, "output"), (input, "input"))
+            };
+            if whole.len != part.len * size {
+                return Err(invalid_buffer(format!(
+                    "{whole_name} has {} elements but must have group size {size} × {part_name} length {} = {}",
+                    whole.len,
+                    part.len,
+                    part.len * size
+                )));
+            }
+            Ok(())
+        };
         match *self {
-            Operation::ReduceScatter { input, output, .. } => {
-                if input.dtype != output.dtype {
-                    return Err(invalid_buffer(format!(
-                        "input is {} but output is {}",
-                        input.dtype, output.dtype
-                    )));
-                }
-                if input.len != output.len * size {
-                    return Err(invalid_buffer(format!(
-                        "input has {} elements but must have group size {size} × output length {} = {}",
-                        input.len,
-                        output.len,
-                        output.len * size
-                    )));
-                }
-            }
-            Operation::AllGather { input, output } => {
-                if input.dtype != output.dtype {
-                    return Err(invalid_buffer(format!(
-                        "input is {} but output is {}",
-                        input.dtype, output.dtype
-                    )));
-                }
-                if output.len != input.len * size {
-                    return Err(invalid_buffer(format!(
-                        "output has {} elements but must have group size {size} × input length {} = {}",
-                        output.len,
-                        input.len,
-                        input.len * size
-                    )));
-                }
-            }
+            Operation::ReduceScatter { input, output, .. } => check_blocks(input, output, true)?,
+            Operation::AllGather { input, output } => check_blocks(input, output, false)?,
             Operation::Broadcast { root, .. } => check_rank("root", root)?,
             Operation::Send { dst, .. } => {
                 check_rank("destination", dst)?;
