@@ -310,15 +310,12 @@ impl Config {
         if t.accumulation_steps == 0 {
             bail!("train.accumulation_steps must be at least 1");
         }
-        let split = p.dp * t.accumulation_steps;
-        if !t.batch_size.is_multiple_of(split) {
-            bail!(
-                "train.batch_size {} must divide evenly over dp={} workers × {} accumulation steps",
-                t.batch_size,
-                p.dp,
-                t.accumulation_steps
-            );
-        }
+        check_batch_split(
+            t.batch_size,
+            p.dp,
+            t.accumulation_steps,
+            "accumulation steps",
+        )?;
         if !(p.bucket_cap_mb > 0.0 && p.first_bucket_mb > 0.0) {
             bail!("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
         }
@@ -350,6 +347,17 @@ fn apply_override(root: &mut toml::Value, assignment: &str) -> Result<()> {
             .or_insert_with(|| toml::Value::Table(Default::default()));
     }
     bail!("empty override key in '{assignment}'")
+}
+
+/// `train.batch_size` must split evenly over `dp` data-parallel replicas × `pieces` per
+/// replica (accumulation steps, or a pipeline's micro-batches).
+pub(crate) fn check_batch_split(batch: usize, dp: usize, pieces: usize, what: &str) -> Result<()> {
+    if !batch.is_multiple_of(dp * pieces) {
+        bail!(
+            "train.batch_size {batch} must divide evenly over dp={dp} replicas × {pieces} {what}"
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -135,15 +135,7 @@ fn layout(cfg: &Config) -> Result<Layout> {
     if p.sync_batch_norm {
         bail!("parallel.sync_batch_norm is not supported with a pipeline (parallel.pp > 1)");
     }
-    let split = p.dp * p.micro_batches;
-    if !t.batch_size.is_multiple_of(split) {
-        bail!(
-            "train.batch_size {} must divide evenly over dp={} replicas × {} micro-batches",
-            t.batch_size,
-            p.dp,
-            p.micro_batches
-        );
-    }
+    crate::config::check_batch_split(t.batch_size, p.dp, p.micro_batches, "micro-batches")?;
     let schedule = Schedule::new(kind, p.pp, p.micro_batches)
         .map_err(|e| anyhow!("pipeline layout pp={} m={}: {e}", p.pp, p.micro_batches))?;
     let blocks = build_model(&cfg.model).num_blocks();
