@@ -11,14 +11,12 @@
 use meshtrain::config::Config;
 use meshtrain::train::{Task, Trainer};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
-use std::path::PathBuf;
 use std::sync::Arc;
 
-const STEPS: u64 = 20;
+mod common;
+use common::{root, TINY_GPT};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+const STEPS: u64 = 20;
 
 fn config(model: &str, extra: &[&str]) -> Config {
     let file = match model {
@@ -35,15 +33,15 @@ fn config(model: &str, extra: &[&str]) -> Config {
             "train.batch_size=16".into(),
             "data.train_limit=512".into(),
         ],
-        _ => vec![
-            "model.dim=32".into(),
-            "model.layers=2".into(),
-            "model.heads=2".into(),
-            "model.seq=16".into(),
-            "train.batch_size=8".into(),
-            "train.steps=40".into(),
-            "schedule.warmup_steps=5".into(),
-        ],
+        _ => TINY_GPT
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                "train.batch_size=8".into(),
+                "train.steps=40".into(),
+                "schedule.warmup_steps=5".into(),
+            ])
+            .collect(),
     };
     o.push(format!("data.data_dir=\"{}\"", data.display()));
     o.push("data.test_limit=200".into());

@@ -28,28 +28,27 @@ use meshtrain::pipeline_train::mpi_data_parallel_size;
 use meshtrain::train::{Task, Trainer};
 use std::path::{Path, PathBuf};
 
-const STEPS: u64 = 10;
+mod common;
+use common::{root, TINY_GPT};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+const STEPS: u64 = 10;
 
 /// The tiny GPT (4 blocks: embedding, 2 layers, head) or ResNet-18 (width 4), 10 steps.
 fn config(model: &str, out: &Path, extra: &[String]) -> Config {
     let (file, mut o): (&str, Vec<String>) = match model {
         "gpt" => (
             "configs/gpt.toml",
-            vec![
-                "model.dim=32".into(),
-                "model.layers=2".into(),
-                "model.heads=2".into(),
-                "model.seq=16".into(),
-                "train.batch_size=8".into(),
-                "train.steps=40".into(),
-                "train.eval_every=5".into(),
-                "train.eval_batches=2".into(),
-                "schedule.warmup_steps=5".into(),
-            ],
+            TINY_GPT
+                .iter()
+                .map(|s| s.to_string())
+                .chain([
+                    "train.batch_size=8".into(),
+                    "train.steps=40".into(),
+                    "train.eval_every=5".into(),
+                    "train.eval_batches=2".into(),
+                    "schedule.warmup_steps=5".into(),
+                ])
+                .collect(),
         ),
         _ => (
             "configs/resnet18.toml",
@@ -206,43 +205,37 @@ fn impossible_layouts_fail_before_any_work_with_a_clear_message() {
     // The tiny GPT (4 blocks) with a global batch of 12.
     let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
     let err = |extra: &[String]| {
-        let mut o = strings(&[
-            "model.dim=32",
-            "model.layers=2",
-            "model.heads=2",
-            "model.seq=16",
-            "train.batch_size=12",
-        ]);
+        let mut o = strings(&TINY_GPT);
+        o.push("train.batch_size=12".into());
         o.extend(extra.iter().cloned());
         format!(
             "{:#}",
             Config::from_toml_with_overrides(&text, &o).expect_err("layout should be rejected")
         )
     };
-    let e = err(&layout(1, 5, "1f1b", 1));
-    assert!(
-        e.contains("5 stages, but the model has only 4 blocks"),
-        "{e}"
-    );
-    let e = err(&layout(1, 3, "interleaved", 3));
-    assert!(
-        e.contains("6 stages, but the model has only 4 blocks"),
-        "{e}"
-    );
-    let e = err(&layout(1, 2, "interleaved", 3));
-    assert!(
-        e.contains(
-            "number of micro-batches (3) to be a multiple of the number of pipeline workers (2)"
+    let rejected = [
+        (
+            (1, 5, "1f1b", 1),
+            "5 stages, but the model has only 4 blocks",
         ),
-        "{e}"
-    );
-    let e = err(&layout(2, 2, "1f1b", 4));
-    assert!(
-        e.contains("train.batch_size 12 must divide evenly over dp=2 replicas × 4 micro-batches"),
-        "{e}"
-    );
-    let e = err(&layout(1, 2, "zigzag", 2));
-    assert!(e.contains("unknown pipeline schedule 'zigzag'"), "{e}");
+        (
+            (1, 3, "interleaved", 3),
+            "6 stages, but the model has only 4 blocks",
+        ),
+        (
+            (1, 2, "interleaved", 3),
+            "number of micro-batches (3) to be a multiple of the number of pipeline workers (2)",
+        ),
+        (
+            (2, 2, "1f1b", 4),
+            "train.batch_size 12 must divide evenly over dp=2 replicas × 4 micro-batches",
+        ),
+        ((1, 2, "zigzag", 2), "unknown pipeline schedule 'zigzag'"),
+    ];
+    for ((dp, pp, schedule, m), expected) in rejected {
+        let e = err(&layout(dp, pp, schedule, m));
+        assert!(e.contains(expected), "{e}");
+    }
     let mut cuts = layout(1, 2, "1f1b", 2);
     cuts.push("parallel.partition=\"explicit:1,2\"".into());
     let e = err(&cuts);
