@@ -1,17 +1,20 @@
 //! Causal multi-head self-attention straight from a fused QKV activation.
 //!
 //! `qkv` is `[B, T, 3·D]` (q, k, v side by side, each head a contiguous `D/H` slice). Strided
-//! matrix views read each head in place, so no head-split copies are made; work is spread over
-//! the batch (each sample's output rows are contiguous and owned by one thread).
+//! matrix views read each head in place; only the one head operand that a product needs
+//! transposed (K in forward, V in backward, `T × D/H` each) is copied, into a per-thread
+//! scratch. Work is spread over the batch (each sample's output rows are contiguous and owned
+//! by one thread).
 //!
 //! The products run block-causally: rows are cut into blocks of [`CAUSAL_BLOCK`] queries, and
 //! a query block only meets the keys up to its own last row. The fully masked blocks above the
 //! diagonal of `Q·Kᵀ` (and of every backward product) are never computed, which saves ~40% of
-//! the attention FLOPs at T = 128 while each remaining product is still large enough for
-//! `gemm` to run at full speed.
+//! the attention FLOPs at T = 128. The remaining products are small (32 rows, depth 32–128)
+//! and go through [`small_gemm`], which reads the operands in place instead of packing them.
 
 use crate::activation::{fast_exp, lane_sum};
-use crate::matmul::{gemm_serial, Mat, MatMut};
+use crate::matmul::{Mat, MatMut};
+use crate::small_gemm::small_gemm;
 
 /// Query rows per block of the block-causal products.
 const CAUSAL_BLOCK: usize = 32;
@@ -50,43 +53,64 @@ fn forward_blocked(s: AttentionShape, qkv: &[f32], block: usize) -> (Vec<f32>, V
     let mut probs = crate::par::take_buffer(s.batch * s.heads * t * t);
     let sample = |b: usize, ob: &mut [f32], pb: &mut [f32]| {
         let q = &qkv[b * t * 3 * d..][..t * 3 * d];
-        for h in 0..s.heads {
-            let p = &mut pb[h * t * t..][..t * t];
-            let qh = Mat::strided(&q[h * hd..], t, hd, 3 * d, 1);
-            let kh = Mat::strided(&q[d + h * hd..], t, hd, 3 * d, 1);
-            let vh = Mat::strided(&q[2 * d + h * hd..], t, hd, 3 * d, 1);
-            for (r0, r1) in causal_blocks(t, block) {
-                // Scores of query rows r0..r1 against keys 0..r1.
-                gemm_serial(
-                    MatMut::strided(&mut p[r0 * t..], r1 - r0, r1, t, 1),
-                    qh.rows_range(r0, r1),
-                    kh.rows_range(0, r1).t(),
-                    false,
-                );
-                for i in r0..r1 {
-                    let row = &mut p[i * t..][..t];
-                    let valid = &mut row[..=i];
-                    let max = valid.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                    // Exponentiate first, sum after: a running sum inside the loop would
-                    // serialise it and keep `fast_exp` from vectorising.
-                    valid
-                        .iter_mut()
-                        .for_each(|v| *v = fast_exp((*v - max) * scale));
-                    let inv = 1.0 / lane_sum(valid);
-                    valid.iter_mut().for_each(|v| *v *= inv);
-                    row[i + 1..].fill(0.0);
+        crate::par::with_scratch(hd * t, |kt| {
+            for h in 0..s.heads {
+                let p = &mut pb[h * t * t..][..t * t];
+                let qh = Mat::strided(&q[h * hd..], t, hd, 3 * d, 1);
+                let kt = transposed_head(q, 3 * d, d + h * hd, t, hd, kt);
+                let vh = Mat::strided(&q[2 * d + h * hd..], t, hd, 3 * d, 1);
+                for (r0, r1) in causal_blocks(t, block) {
+                    // Scores of query rows r0..r1 against keys 0..r1.
+                    small_gemm(
+                        MatMut::strided(&mut p[r0 * t..], r1 - r0, r1, t, 1),
+                        qh.rows_range(r0, r1),
+                        kt.cols_range(0, r1),
+                        false,
+                    );
+                    for i in r0..r1 {
+                        let row = &mut p[i * t..][..t];
+                        let valid = &mut row[..=i];
+                        let max = valid.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                        // Exponentiate first, sum after: a running sum inside the loop would
+                        // serialise it and keep `fast_exp` from vectorising.
+                        valid
+                            .iter_mut()
+                            .for_each(|v| *v = fast_exp((*v - max) * scale));
+                        let inv = 1.0 / lane_sum(valid);
+                        valid.iter_mut().for_each(|v| *v *= inv);
+                        row[i + 1..].fill(0.0);
+                    }
+                    small_gemm(
+                        MatMut::strided(&mut ob[r0 * d + h * hd..], r1 - r0, hd, d, 1),
+                        Mat::strided(&p[r0 * t..], r1 - r0, r1, t, 1),
+                        vh.rows_range(0, r1),
+                        false,
+                    );
                 }
-                gemm_serial(
-                    MatMut::strided(&mut ob[r0 * d + h * hd..], r1 - r0, hd, d, 1),
-                    Mat::strided(&p[r0 * t..], r1 - r0, r1, t, 1),
-                    vh.rows_range(0, r1),
-                    false,
-                );
             }
-        }
+        });
     };
     crate::par::for_each_chunk_pair_mut(&mut out, t * d, &mut probs, s.heads * t * t, sample);
     (out, probs)
+}
+
+/// One head's `t × hd` block of a row-major activation with row stride `stride`, starting
+/// at column `col`, copied transposed into `out` (`hd × t`, row-major): products against a
+/// transposed head (`Q·Kᵀ`, `dO·Vᵀ`) then read unit-stride rows, which [`small_gemm`] needs.
+fn transposed_head<'o>(
+    x: &[f32],
+    stride: usize,
+    col: usize,
+    t: usize,
+    hd: usize,
+    out: &'o mut [f32],
+) -> Mat<'o> {
+    for (i, row) in x[col..].chunks(stride).take(t).enumerate() {
+        for (j, &v) in row[..hd].iter().enumerate() {
+            out[j * t + i] = v;
+        }
+    }
+    Mat::new(&out[..hd * t], hd, t)
 }
 
 /// Backward; returns dqkv `[B, T, 3·D]`.
@@ -113,17 +137,18 @@ fn backward_blocked(
     let sample = |b: usize, dq: &mut [f32]| {
         let q = &qkv[b * t * 3 * d..][..t * 3 * d];
         let dob = &dout[b * t * d..][..t * d];
-        crate::par::with_scratch(t * t, |dp| {
+        crate::par::with_scratch(t * t + hd * t, |scratch| {
+            let (dp, vt) = scratch.split_at_mut(t * t);
             for h in 0..s.heads {
                 let p = &probs[(b * s.heads + h) * t * t..][..t * t];
                 let pm = Mat::new(p, t, t);
                 let doh = Mat::strided(&dob[h * hd..], t, hd, d, 1);
                 let qh = Mat::strided(&q[h * hd..], t, hd, 3 * d, 1);
                 let kh = Mat::strided(&q[d + h * hd..], t, hd, 3 * d, 1);
-                let vh = Mat::strided(&q[2 * d + h * hd..], t, hd, 3 * d, 1);
+                let vt = transposed_head(q, 3 * d, 2 * d + h * hd, t, hd, vt);
                 for (r0, r1) in causal_blocks(t, block) {
                     // dV[r0..r1] = P[r0.., r0..r1]ᵀ · dO[r0..]: later queries only.
-                    gemm_serial(
+                    small_gemm(
                         MatMut::strided(
                             &mut dq[r0 * 3 * d + 2 * d + h * hd..],
                             r1 - r0,
@@ -136,10 +161,10 @@ fn backward_blocked(
                         false,
                     );
                     // dP[r0..r1, ..r1] = dO[r0..r1] · V[..r1]ᵀ
-                    gemm_serial(
+                    small_gemm(
                         MatMut::strided(&mut dp[r0 * t..], r1 - r0, r1, t, 1),
                         doh.rows_range(r0, r1),
-                        vh.rows_range(0, r1).t(),
+                        vt.cols_range(0, r1),
                         false,
                     );
                     // dS = P ⊙ (dP − rowsum(dP ⊙ P)) · scale, zero above the diagonal.
@@ -155,14 +180,14 @@ fn backward_blocked(
                 let ds = Mat::new(dp, t, t);
                 for (r0, r1) in causal_blocks(t, block) {
                     // dQ[r0..r1] = dS[r0..r1, ..r1] · K[..r1]
-                    gemm_serial(
+                    small_gemm(
                         MatMut::strided(&mut dq[r0 * 3 * d + h * hd..], r1 - r0, hd, 3 * d, 1),
                         ds.rows_range(r0, r1).cols_range(0, r1),
                         kh.rows_range(0, r1),
                         false,
                     );
                     // dK[r0..r1] = dS[r0.., r0..r1]ᵀ · Q[r0..]
-                    gemm_serial(
+                    small_gemm(
                         MatMut::strided(&mut dq[r0 * 3 * d + d + h * hd..], r1 - r0, hd, 3 * d, 1),
                         ds.rows_range(r0, t).cols_range(r0, r1).t(),
                         qh.rows_range(r0, t),

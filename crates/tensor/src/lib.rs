@@ -26,6 +26,7 @@ pub mod norm;
 pub mod par;
 pub mod pool;
 pub mod rng;
+pub mod small_gemm;
 pub mod tensor;
 
 pub use dtype::DType;

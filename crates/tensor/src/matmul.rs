@@ -105,6 +105,19 @@ impl<'a> Mat<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
+
+    pub fn row_stride(&self) -> usize {
+        self.rs
+    }
+
+    pub fn col_stride(&self) -> usize {
+        self.cs
+    }
+
+    /// Pointer to element (0, 0), for kernels that index with the strides themselves.
+    pub fn as_ptr(&self) -> *const f32 {
+        self.data.as_ptr()
+    }
 }
 
 impl<'a> MatMut<'a> {
@@ -121,6 +134,28 @@ impl<'a> MatMut<'a> {
             rs,
             cs,
         }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn row_stride(&self) -> usize {
+        self.rs
+    }
+
+    pub fn col_stride(&self) -> usize {
+        self.cs
+    }
+
+    /// Pointer to element (0, 0), for kernels that index with the strides themselves; the
+    /// view is consumed so the borrow ends with the pointer's use.
+    pub fn into_mut_ptr(self) -> *mut f32 {
+        self.data.as_mut_ptr()
     }
 }
 
