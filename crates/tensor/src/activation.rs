@@ -47,6 +47,27 @@ pub fn lane_sum(v: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// `Σ f(aᵢ, bᵢ)` with eight independent partial sums, like [`lane_sum`]: the reductions of
+/// layer norm (variance, the backward's two row sums) vectorise only in this form.
+#[inline(always)]
+pub fn lane_sum_zip(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut lanes = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(&x, &y)| f(x, y))
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            lanes[i] += f(x[i], y[i]);
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// erf(x) by Abramowitz & Stegun 7.1.26 (absolute error < 1e-6 in f32), vectorisable.
 #[inline(always)]
 pub fn fast_erf(x: f32) -> f32 {

@@ -12,7 +12,7 @@
 //! the attention FLOPs at T = 128. The remaining products are small (32 rows, depth 32–128)
 //! and go through [`small_gemm`], which reads the operands in place instead of packing them.
 
-use crate::activation::{fast_exp, lane_sum};
+use crate::activation::{fast_exp, lane_sum, lane_sum_zip};
 use crate::matmul::{Mat, MatMut};
 use crate::small_gemm::small_gemm;
 
@@ -170,7 +170,7 @@ fn backward_blocked(
                     // dS = P ⊙ (dP − rowsum(dP ⊙ P)) · scale, zero above the diagonal.
                     for i in r0..r1 {
                         let (pr, dr) = (&p[i * t..][..t], &mut dp[i * t..][..t]);
-                        let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
+                        let dot = lane_sum_zip(&pr[..=i], &dr[..=i], |a, b| a * b);
                         for j in 0..=i {
                             dr[j] = pr[j] * (dr[j] - dot) * scale;
                         }

@@ -4,6 +4,7 @@
 //! Batch norm is split into "local sums" and "normalise with given statistics" so that
 //! SyncBatchNorm can all-reduce the sums across data-parallel workers in between.
 
+use crate::activation::{lane_sum, lane_sum_zip};
 use crate::par::{for_each_chunk_mut, for_each_chunk_pair_mut, map_chunks, map_chunks_mut};
 
 /// Per-channel (sum, sum of squares, count) of channel-contiguous data.
@@ -122,8 +123,9 @@ pub fn layer_norm_forward(
     let mut stats = vec![[0.0f32; 2]; rows];
     let one = |r: usize, yr: &mut [f32], st: &mut [[f32; 2]]| {
         let xr = &x[r * d..][..d];
-        let mean = xr.iter().sum::<f32>() / d as f32;
-        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+        // Lane-wise sums: a plain `.sum()` is one serial chain of adds per row.
+        let mean = lane_sum(xr) / d as f32;
+        let var = lane_sum_zip(xr, xr, |v, _| (v - mean) * (v - mean)) / d as f32;
         let rstd = 1.0 / (var + eps).sqrt();
         for i in 0..d {
             yr[i] = (xr[i] - mean) * rstd * gamma[i] + beta[i];
@@ -156,19 +158,20 @@ pub fn layer_norm_backward(
             let r = ci * LN_CHUNK_ROWS + lr;
             let (xr, dyr) = (&x[r * d..][..d], &dy[r * d..][..d]);
             let (mu, rs) = (mean[r], rstd[r]);
-            let (mut sum_g, mut sum_gh) = (0.0f32, 0.0f32);
+            // g = dy·γ goes through dx (overwritten below); the row sums of g and g·ĥ are
+            // lane-wise, so that neither they nor the parameter-gradient loop run scalar.
+            let (dgamma_part, dbeta_part) = part.split_at_mut(d);
             for i in 0..d {
                 let h = (xr[i] - mu) * rs;
-                let g = dyr[i] * gamma[i];
-                sum_g += g;
-                sum_gh += g * h;
-                part[i] += dyr[i] * h;
-                part[d + i] += dyr[i];
+                dxr[i] = dyr[i] * gamma[i];
+                dgamma_part[i] += dyr[i] * h;
+                dbeta_part[i] += dyr[i];
             }
-            let (mg, mgh) = (sum_g / d as f32, sum_gh / d as f32);
+            let mg = lane_sum(dxr) / d as f32;
+            let mgh = lane_sum_zip(dxr, xr, |g, x| g * ((x - mu) * rs)) / d as f32;
             for i in 0..d {
                 let h = (xr[i] - mu) * rs;
-                dxr[i] = rs * (dyr[i] * gamma[i] - mg - h * mgh);
+                dxr[i] = rs * (dxr[i] - mg - h * mgh);
             }
         }
         part
