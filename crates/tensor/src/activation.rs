@@ -6,6 +6,19 @@
 
 use crate::par;
 
+/// `a·b + c`, fused where the target has FMA (one instruction, one rounding). Rust never
+/// contracts `a * b + c` on its own, and without the FMA feature `mul_add` would be a libm
+/// call, so the choice is made at compile time. Halves the instruction count of the
+/// polynomials below, which made GELU compute-bound at ~5 cycles per element.
+#[inline(always)]
+pub fn madd(a: f32, b: f32, c: f32) -> f32 {
+    if cfg!(target_feature = "fma") {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
 /// exp(x) with ~1e-7 relative error, vectorisable. Inputs are clamped to the f32 range.
 #[inline(always)]
 pub fn fast_exp(x: f32) -> f32 {
@@ -18,17 +31,17 @@ pub fn fast_exp(x: f32) -> f32 {
     // half of every GELU loop. A NaN input stays NaN through `r` below.
     const ROUND_SHIFT: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let shifted = x * LOG2E + ROUND_SHIFT;
+    let shifted = madd(x, LOG2E, ROUND_SHIFT);
     let n = shifted - ROUND_SHIFT;
     let n_int = shifted.to_bits().wrapping_sub(ROUND_SHIFT.to_bits()) as i32;
-    let r = x - n * LN2_HI - n * LN2_LO;
+    let r = madd(-n, LN2_LO, madd(-n, LN2_HI, x));
     let p = 1.987_569_2e-4_f32;
-    let p = p * r + 1.398_2e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let p = p * r * r + r + 1.0;
+    let p = madd(p, r, 1.398_2e-3);
+    let p = madd(p, r, 8.333_452e-3);
+    let p = madd(p, r, 4.166_579_6e-2);
+    let p = madd(p, r, 1.666_666_5e-1);
+    let p = madd(p, r, 0.5);
+    let p = madd(p * r, r, r + 1.0);
     let scale = f32::from_bits(((n_int + 127) as u32) << 23);
     p * scale
 }
@@ -79,12 +92,13 @@ pub fn fast_erf(x: f32) -> f32 {
 #[inline(always)]
 fn erf_and_gaussian(x: f32) -> (f32, f32) {
     let a = x.abs();
-    let t = 1.0 / (1.0 + 0.327_591_1 * a);
-    let poly = t
-        * (0.254_829_6
-            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152_1 + t * 1.061_405_4))));
+    let t = 1.0 / madd(0.327_591_1, a, 1.0);
+    let poly = madd(t, 1.061_405_4, -1.453_152_1);
+    let poly = madd(poly, t, 1.421_413_7);
+    let poly = madd(poly, t, -0.284_496_74);
+    let poly = madd(poly, t, 0.254_829_6) * t;
     let gaussian = fast_exp(-a * a);
-    let y = 1.0 - poly * gaussian;
+    let y = madd(-poly, gaussian, 1.0);
     (y.copysign(x), gaussian)
 }
 
@@ -100,14 +114,15 @@ const INV_SQRT_2PI: f32 = 0.398_942_3;
 /// Exact (erf) GELU, PyTorch's default.
 #[inline(always)]
 pub fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + fast_erf(x * INV_SQRT2))
+    let half_x = 0.5 * x;
+    madd(half_x, fast_erf(x * INV_SQRT2), half_x)
 }
 
 #[inline(always)]
 pub fn gelu_grad(x: f32) -> f32 {
     // exp(-(x/√2)²) = exp(-x²/2): the erf's Gaussian is the normal density's too.
     let (erf, gaussian) = erf_and_gaussian(x * INV_SQRT2);
-    0.5 * (1.0 + erf) + x * INV_SQRT_2PI * gaussian
+    madd(x * INV_SQRT_2PI, gaussian, madd(0.5, erf, 0.5))
 }
 
 /// The activations meshtrain's models use.

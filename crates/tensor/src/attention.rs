@@ -105,8 +105,23 @@ fn transposed_head<'o>(
     hd: usize,
     out: &'o mut [f32],
 ) -> Mat<'o> {
-    for (i, row) in x[col..].chunks(stride).take(t).enumerate() {
-        for (j, &v) in row[..hd].iter().enumerate() {
+    // Eight rows at a time, so that each inner step writes eight consecutive outputs (one
+    // per row) instead of scattering single values a whole output row apart.
+    const ROWS: usize = 8;
+    let row = |i: usize| &x[i * stride + col..][..hd];
+    let mut i0 = 0;
+    while i0 + ROWS <= t {
+        let rows: [&[f32]; ROWS] = std::array::from_fn(|r| row(i0 + r));
+        for j in 0..hd {
+            let dst = &mut out[j * t + i0..][..ROWS];
+            for r in 0..ROWS {
+                dst[r] = rows[r][j];
+            }
+        }
+        i0 += ROWS;
+    }
+    for i in i0..t {
+        for (j, &v) in row(i).iter().enumerate() {
             out[j * t + i] = v;
         }
     }

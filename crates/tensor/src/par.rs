@@ -153,10 +153,13 @@ pub fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f3
     assert!(out.len() == a.len() && a.len() == b.len());
     let chunk = chunk_len(out.len(), PARALLEL_MIN_LEN);
     for_each_chunk_mut(out, chunk, |i, c| {
-        let s = i * chunk;
-        for (j, o) in c.iter_mut().enumerate() {
-            *o = f(a[s + j], b[s + j]);
-        }
+        // Zipped slices, not `a[s + j]`: the indexed form kept a bounds check in the loop,
+        // which stopped LLVM from vectorising it (GELU ran at ~5 cycles per element).
+        let range = i * chunk..i * chunk + c.len();
+        c.iter_mut()
+            .zip(&a[range.clone()])
+            .zip(&b[range])
+            .for_each(|((o, &x), &y)| *o = f(x, y));
     });
 }
 
