@@ -364,8 +364,7 @@ impl Stage {
         let local: f64 = self
             .chunks
             .iter()
-            .flat_map(|c| &c.store.grads)
-            .map(|&g| g as f64 * g as f64)
+            .map(|c| meshtrain_nn::optim::sum_of_squares(&c.store.grads))
             .sum();
         let mut sum = vec![local as f32];
         group.all_reduce((&mut sum).into(), meshtrain_comm::ReduceOp::Sum)?;
