@@ -1,7 +1,7 @@
 //! GPT layers: token + position embedding, causal self-attention, the pre-LN block.
 
 use crate::layer::{Init, Layer, Mode, ParamSpec, Saved};
-use crate::layers::{Act, Children, LayerNorm, Linear, Seq};
+use crate::layers::{Children, LayerNorm, Linear, Seq};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::attention::{
     causal_attention_backward, causal_attention_forward, AttentionShape,
@@ -149,7 +149,7 @@ pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Se
 
 /// Pre-LN transformer block: `x + attn(ln1(x))`, then `+ fc2(gelu(fc1(ln2(·))))`.
 pub struct GptBlock {
-    /// ln1, qkv, core, proj, ln2, fc1, gelu, fc2 — in this order.
+    /// ln1, qkv, core, proj, ln2, fc1 (with GELU), fc2 — in this order.
     parts: Children,
 }
 
@@ -159,8 +159,9 @@ impl GptBlock {
             heads > 0 && dim.is_multiple_of(heads),
             "dim {dim} not divisible by {heads} heads"
         );
-        let lin = |i, o| {
-            let l = Linear::new(i, o, true);
+        let lin = |i, o, act: Option<Activation>| {
+            let mut l = Linear::new(i, o, true);
+            l.activation = act;
             match init {
                 Some(init) => Box::new(l.with_init(init)) as Box<dyn Layer>,
                 None => Box::new(l),
@@ -169,13 +170,13 @@ impl GptBlock {
         GptBlock {
             parts: Children::new(vec![
                 ("ln1".into(), Box::new(LayerNorm::new(dim))),
-                ("qkv".into(), lin(dim, 3 * dim)),
+                ("qkv".into(), lin(dim, 3 * dim, None)),
                 (String::new(), Box::new(AttentionCore { dim, heads })),
-                ("proj".into(), lin(dim, dim)),
+                ("proj".into(), lin(dim, dim, None)),
                 ("ln2".into(), Box::new(LayerNorm::new(dim))),
-                ("fc1".into(), lin(dim, 4 * dim)),
-                (String::new(), Box::new(Act(Activation::Gelu))),
-                ("fc2".into(), lin(4 * dim, dim)),
+                // GELU fused into fc1 (one sweep over the 4·dim-wide output each way).
+                ("fc1".into(), lin(dim, 4 * dim, Some(Activation::Gelu))),
+                ("fc2".into(), lin(4 * dim, dim, None)),
             ]),
         }
     }
@@ -192,7 +193,7 @@ impl Layer for GptBlock {
         let h = (1..4).fold(h, |h, i| c.forward(i, p, b, h, mode, s));
         let mut x1 = x;
         meshtrain_tensor::par::add_assign(x1.data_mut(), h.data());
-        let h = (4..8).fold(x1.clone(), |h, i| c.forward(i, p, b, h, mode, s));
+        let h = (4..7).fold(x1.clone(), |h, i| c.forward(i, p, b, h, mode, s));
         meshtrain_tensor::par::add_assign(x1.data_mut(), h.data());
         x1
     }
@@ -201,7 +202,7 @@ impl Layer for GptBlock {
         let c = &self.parts;
         let mut saved: Vec<Saved> = s.children;
         let mut grad = dy.clone();
-        for i in (4..8).rev() {
+        for i in (4..7).rev() {
             let st = saved.pop().expect("block: saved state");
             grad = c.backward(i, p, g, st, grad, true).expect("gradient");
         }

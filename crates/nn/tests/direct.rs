@@ -6,8 +6,9 @@
 mod common;
 
 use common::{assert_close, normal_vec};
-use meshtrain_nn::layers::{Conv2d, Linear, Pool2d};
+use meshtrain_nn::layers::{Act, Children, Conv2d, Linear, Pool2d, Seq};
 use meshtrain_nn::{Layer, Mode, Saved};
+use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
 
@@ -196,4 +197,52 @@ fn linear_bias_forward_and_gradient_match_definition_on_any_pool() {
     assert_close("linear bias grad, 2 threads", &gb2, &want_gb, 1e-6, 1e-6);
     assert_eq!(y1, y2, "linear forward depends on the pool size");
     assert_eq!(gb1, gb2, "linear bias gradient depends on the pool size");
+}
+
+/// A Linear with a fused activation must give the same output, input gradient and parameter
+/// gradients, bit for bit, as the same Linear followed by a separate [`Act`] layer, on 1 and
+/// 2 threads. GELU saves its input and Tanh its output, covering both backward paths; 300
+/// rows is not a multiple of the 64-row sweep block.
+#[test]
+fn linear_with_fused_activation_equals_linear_then_act() {
+    let (rows, inputs, outputs) = (300, 6, 70);
+    let mut rng = SplitMix64::new(11);
+    let x = normal_vec(&mut rng, rows * inputs, 1.0);
+    let params = normal_vec(&mut rng, outputs * inputs + outputs, 0.5);
+    let dy = normal_vec(&mut rng, rows * outputs, 1.0);
+    let run = |layer: &dyn Layer, threads: usize| {
+        meshtrain_tensor::par::pool(threads).install(|| {
+            let mut saved = Saved::default();
+            let xt = Tensor::from_vec(x.clone(), &[rows, inputs]);
+            let y = layer.forward(&params, &mut [], xt, Mode::TRAIN, &mut saved);
+            let mut grads = vec![0.0f32; params.len()];
+            let dyt = Tensor::from_vec(dy.clone(), &[rows, outputs]);
+            let dx = layer.backward(&params, &mut grads, saved, dyt, true);
+            (
+                y.data().to_vec(),
+                dx.expect("input gradient").data().to_vec(),
+                grads,
+            )
+        })
+    };
+    for act in [Activation::Gelu, Activation::Tanh] {
+        let fused = Linear::new(inputs, outputs, true).with_activation(act);
+        let separate = Seq(Children::new(vec![
+            (
+                "".into(),
+                Box::new(Linear::new(inputs, outputs, true)) as Box<dyn Layer>,
+            ),
+            ("".into(), Box::new(Act(act))),
+        ]));
+        for threads in [1, 2] {
+            let (fy, fdx, fg) = run(&fused, threads);
+            let (sy, sdx, sg) = run(&separate, threads);
+            assert_eq!(fy, sy, "{act:?} fused forward, {threads} threads");
+            assert_eq!(fdx, sdx, "{act:?} fused input gradient, {threads} threads");
+            assert_eq!(
+                fg, sg,
+                "{act:?} fused parameter gradients, {threads} threads"
+            );
+        }
+    }
 }

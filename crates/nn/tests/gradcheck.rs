@@ -311,6 +311,16 @@ fn linear_2d_and_3d_input() {
     Check::new("linear 3-D", &l, normal(2, &[2, 3, 5]), 12).run();
     let l = Linear::new(4, 3, false);
     Check::new("linear without bias", &l, normal(3, &[3, 4]), 13).run();
+    let l = Linear::new(5, 6, true).with_activation(Activation::Gelu);
+    Check::new("linear + fused GELU", &l, normal(4, &[2, 3, 5]), 14).run();
+    let l = Linear::new(4, 3, false).with_activation(Activation::Tanh);
+    Check::new(
+        "linear without bias + fused tanh",
+        &l,
+        normal(5, &[3, 4]),
+        15,
+    )
+    .run();
 }
 
 /// Convolutions on CNHW input `[C, N, H, W]`, covering every code path of the kernel:

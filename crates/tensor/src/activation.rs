@@ -135,15 +135,28 @@ pub enum Activation {
 }
 
 impl Activation {
-    /// `y = act(x)`.
+    /// `y = act(x)`, parallel for large buffers.
     pub fn forward(self, x: &[f32], y: &mut [f32]) {
-        // One monomorphised loop per activation: a function pointer here would cost an
-        // indirect call per element and block vectorisation.
+        assert_eq!(x.len(), y.len());
+        let chunk = par::chunk_len(y.len(), par::PARALLEL_MIN_LEN);
+        par::for_each_chunk_mut(y, chunk, |i, yc| {
+            self.forward_serial(&x[i * chunk..][..yc.len()], yc)
+        });
+    }
+
+    /// [`Self::forward`] on the calling thread, for callers that already split the work (a
+    /// layer fusing its bias and activation into one pass over each block of rows).
+    pub fn forward_serial(self, x: &[f32], y: &mut [f32]) {
+        // One monomorphised loop per activation (generic, not a function pointer, which
+        // would cost an indirect call per element and block vectorisation).
+        fn map(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32) {
+            y.iter_mut().zip(x).for_each(|(y, &x)| *y = f(x));
+        }
         match self {
-            Activation::Relu => par::zip_map(y, x, x, |x, _| x.max(0.0)),
-            Activation::Sigmoid => par::zip_map(y, x, x, |x, _| sigmoid(x)),
-            Activation::Tanh => par::zip_map(y, x, x, |x, _| 2.0 * sigmoid(2.0 * x) - 1.0),
-            Activation::Gelu => par::zip_map(y, x, x, |x, _| gelu(x)),
+            Activation::Relu => map(x, y, |x| x.max(0.0)),
+            Activation::Sigmoid => map(x, y, sigmoid),
+            Activation::Tanh => map(x, y, |x| 2.0 * sigmoid(2.0 * x) - 1.0),
+            Activation::Gelu => map(x, y, gelu),
         }
     }
 
@@ -160,11 +173,23 @@ impl Activation {
     /// `saved` is the output if [`Self::backward_uses_output`], else the input. In place
     /// because the incoming gradient is dead afterwards: no second buffer to allocate and fill.
     pub fn backward_in_place(self, saved: &[f32], grad: &mut [f32]) {
+        assert_eq!(saved.len(), grad.len());
+        let chunk = par::chunk_len(grad.len(), par::PARALLEL_MIN_LEN);
+        par::for_each_chunk_mut(grad, chunk, |i, gc| {
+            self.backward_in_place_serial(&saved[i * chunk..][..gc.len()], gc)
+        });
+    }
+
+    /// [`Self::backward_in_place`] on the calling thread.
+    pub fn backward_in_place_serial(self, saved: &[f32], grad: &mut [f32]) {
+        fn update(saved: &[f32], grad: &mut [f32], f: impl Fn(f32, f32) -> f32) {
+            grad.iter_mut().zip(saved).for_each(|(g, &s)| *g = f(s, *g));
+        }
         match self {
-            Activation::Relu => par::zip_update(grad, saved, |y, g| if y > 0.0 { g } else { 0.0 }),
-            Activation::Sigmoid => par::zip_update(grad, saved, |y, g| g * y * (1.0 - y)),
-            Activation::Tanh => par::zip_update(grad, saved, |y, g| g * (1.0 - y * y)),
-            Activation::Gelu => par::zip_update(grad, saved, |x, g| g * gelu_grad(x)),
+            Activation::Relu => update(saved, grad, |y, g| if y > 0.0 { g } else { 0.0 }),
+            Activation::Sigmoid => update(saved, grad, |y, g| g * y * (1.0 - y)),
+            Activation::Tanh => update(saved, grad, |y, g| g * (1.0 - y * y)),
+            Activation::Gelu => update(saved, grad, |x, g| g * gelu_grad(x)),
         }
     }
 }

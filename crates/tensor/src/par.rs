@@ -148,32 +148,6 @@ where
     for_each_chunk_mut(data, chunk, |_, c| c.iter_mut().for_each(|v| *v = f(*v)));
 }
 
-/// `out[i] = f(a[i], b[i])`, parallel for large buffers.
-pub fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
-    assert!(out.len() == a.len() && a.len() == b.len());
-    let chunk = chunk_len(out.len(), PARALLEL_MIN_LEN);
-    for_each_chunk_mut(out, chunk, |i, c| {
-        // Zipped slices, not `a[s + j]`: the indexed form kept a bounds check in the loop,
-        // which stopped LLVM from vectorising it (GELU ran at ~5 cycles per element).
-        let range = i * chunk..i * chunk + c.len();
-        c.iter_mut()
-            .zip(&a[range.clone()])
-            .zip(&b[range])
-            .for_each(|((o, &x), &y)| *o = f(x, y));
-    });
-}
-
-/// `out[i] = f(a[i], out[i])` in place, parallel for large buffers (a gradient scaled by a
-/// derivative without a second buffer).
-pub fn zip_update(out: &mut [f32], a: &[f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
-    assert_eq!(out.len(), a.len());
-    let chunk = chunk_len(out.len(), PARALLEL_MIN_LEN);
-    for_each_chunk_mut(out, chunk, |i, c| {
-        let s = &a[i * chunk..i * chunk + c.len()];
-        c.iter_mut().zip(s).for_each(|(o, &x)| *o = f(x, *o));
-    });
-}
-
 /// `dst += src`, parallel for large buffers.
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
