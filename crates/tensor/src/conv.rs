@@ -1,11 +1,14 @@
-//! 2-D convolution on CNHW activations as one matrix product per call.
+//! 2-D convolution on CNHW activations as matrix products.
 //!
 //! With activations laid out `[C, N, H, W]`, `im2col` writes a `[C·kh·kw, N·OH·OW]` matrix and
 //! the convolution is `W[O, C·kh·kw] × cols`, whose `[O, N·OH·OW]` result is already the CNHW
-//! output. One large product per layer keeps `gemm` efficient even where the spatial size is
+//! output. Products over the whole batch keep `gemm` efficient even where the spatial size is
 //! 1×1 (ResNet's last stage), which per-sample products would turn into rank-1 updates.
+//! Padded convolutions are split into [`TapClass`]es, output positions that share the same
+//! in-image taps, so no product multiplies padding.
 
 use crate::matmul::{gemm, gemm_pair, Mat, MatMut};
+use std::ops::Range;
 
 /// Geometry of one convolution.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,102 +62,322 @@ pub struct Spatial {
     pub width: usize,
 }
 
-/// Output columns `[lo, hi)` whose input column `ox·stride + kj − padding` lies inside the
-/// image: the rest read padding. Computing the range once per row keeps the inner loops
-/// branch-free (a plain copy when the stride is 1).
-fn valid_columns(g: &ConvGeometry, width: usize, ow: usize, kj: usize) -> (usize, usize) {
-    let (p, s) = (g.padding, g.stride);
-    // first ox with ox·s + kj ≥ p
-    let lo = if kj >= p { 0 } else { (p - kj).div_ceil(s) };
-    // ox·s + kj − p ≤ width − 1  ⇔  ox ≤ (width − 1 + p − kj) / s
-    let hi = if width + p > kj {
-        ((width - 1 + p - kj) / s + 1).min(ow)
-    } else {
-        0
-    };
-    (lo.min(hi), hi)
+/// A rectangle of output positions whose windows all overlap the image on the same rectangle
+/// of kernel taps; their other taps read padding.
+///
+/// Small images make padding most of the work: at 1×1 (ResNet's last stage on 28×28 input) a
+/// padded 3×3 convolution has one useful tap in nine, at 2×2 four in nine. Splitting the
+/// outputs into such classes and giving each its own product over its useful taps only skips
+/// the multiplications by zero (about half of ResNet-18's arithmetic at 28×28) and shrinks the
+/// column matrices by as much.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct TapClass {
+    oy: Range<usize>,
+    ox: Range<usize>,
+    ky: Range<usize>,
+    kx: Range<usize>,
 }
 
-/// Write the im2col matrix of `x` ([C, N, H, W]) into `cols` ([C·k·k, N·OH·OW]).
-pub fn im2col(g: &ConvGeometry, s: Spatial, x: &[f32], cols: &mut [f32]) {
+impl TapClass {
+    fn taps(&self) -> usize {
+        self.ky.len() * self.kx.len()
+    }
+
+    fn positions(&self) -> usize {
+        self.oy.len() * self.ox.len()
+    }
+
+    /// Rows of this class's column matrix: `(c, ky, kx)` over its taps.
+    fn patch_len(&self, g: &ConvGeometry) -> usize {
+        g.in_channels * self.taps()
+    }
+
+    /// Offset inside a weight row `[C, k, k]` of each row of the class's column matrix.
+    fn weight_offsets(&self, g: &ConvGeometry) -> Vec<usize> {
+        let k = g.kernel;
+        let mut v = Vec::with_capacity(self.patch_len(g));
+        for c in 0..g.in_channels {
+            for ky in self.ky.clone() {
+                v.extend(self.kx.clone().map(|kx| (c * k + ky) * k + kx));
+            }
+        }
+        v
+    }
+
+    /// Offset inside an output plane `[OH, OW]` of each of the class's positions, row-major.
+    fn output_offsets(&self, ow: usize) -> Vec<usize> {
+        let rows = self.oy.clone();
+        rows.flat_map(|oy| self.ox.clone().map(move |ox| oy * ow + ox))
+            .collect()
+    }
+
+    /// For column-matrix row `r`, call `f(input, column)` once per output position of the
+    /// class: sample `n`'s value is read from its channel's `[N, H, W]` block at
+    /// `input + n·H·W` (inside the image by construction) and stored at `column + n·positions`
+    /// of the row. The caller's loop runs over the batch with two fixed strides, which the
+    /// classes of tiny images (one or two outputs per row) need to avoid a per-run overhead.
+    /// Shared by [`im2col`] and its adjoint [`col2im`].
+    #[inline(always)]
+    fn for_each_position(
+        &self,
+        g: &ConvGeometry,
+        s: Spatial,
+        r: usize,
+        mut f: impl FnMut(usize, usize),
+    ) {
+        let tap = r % self.taps();
+        let ky = self.ky.start + tap / self.kx.len();
+        let kx = self.kx.start + tap % self.kx.len();
+        let mut column = 0;
+        for oy in self.oy.clone() {
+            let y = oy * g.stride + ky - g.padding;
+            for ox in self.ox.clone() {
+                f(y * s.width + ox * g.stride + kx - g.padding, column);
+                column += 1;
+            }
+        }
+    }
+}
+
+/// Runs of consecutive outputs along one axis whose windows read the same range of taps
+/// inside an axis of `input` elements: `(outputs, taps)`.
+fn tap_runs(g: &ConvGeometry, input: usize, outputs: usize) -> Vec<(Range<usize>, Range<usize>)> {
+    let mut runs: Vec<(Range<usize>, Range<usize>)> = Vec::new();
+    for o in 0..outputs {
+        // Tap t reads input o·stride + t − padding, inside [0, input) for t in [lo, hi).
+        let start = o * g.stride;
+        let lo = g.padding.saturating_sub(start).min(g.kernel);
+        let hi = (input + g.padding)
+            .saturating_sub(start)
+            .min(g.kernel)
+            .max(lo);
+        match runs.last_mut() {
+            Some((outs, taps)) if *taps == (lo..hi) => outs.end = o + 1,
+            _ => runs.push((o..o + 1, lo..hi)),
+        }
+    }
+    runs
+}
+
+/// The tap classes of a convolution on input `s`; outputs that see no image (only possible
+/// when the padding reaches a whole kernel) belong to none.
+fn tap_classes(g: &ConvGeometry, s: Spatial) -> Vec<TapClass> {
     let (oh, ow) = g.output_size(s.height, s.width);
-    let row_len = s.batch * oh * ow;
-    assert_eq!(x.len(), g.in_channels * s.batch * s.height * s.width);
-    assert_eq!(cols.len(), g.patch_len() * row_len);
+    let (rows, cols) = (tap_runs(g, s.height, oh), tap_runs(g, s.width, ow));
+    let mut classes = Vec::with_capacity(rows.len() * cols.len());
+    for (oy, ky) in &rows {
+        for (ox, kx) in &cols {
+            let class = TapClass {
+                oy: oy.clone(),
+                ox: ox.clone(),
+                ky: ky.clone(),
+                kx: kx.clone(),
+            };
+            if class.taps() > 0 {
+                classes.push(class);
+            }
+        }
+    }
+    classes
+}
+
+/// Length of all classes' column matrices, stored one after another.
+pub fn columns_len(g: &ConvGeometry, s: Spatial) -> usize {
+    let classes = tap_classes(g, s);
+    classes
+        .iter()
+        .map(|c| c.patch_len(g) * s.batch * c.positions())
+        .sum()
+}
+
+/// `dst[i][j] = src[i][offsets[j]]` for rows `i` of `dst` (rows `offsets.len()` long) and of
+/// `src` (rows `src_row` long).
+fn gather_columns(dst: &mut [f32], src: &[f32], src_row: usize, offsets: &[usize]) {
+    crate::par::for_each_chunk_mut(dst, offsets.len(), |i, row| {
+        let from = &src[i * src_row..][..src_row];
+        row.iter_mut().zip(offsets).for_each(|(d, &o)| *d = from[o]);
+    });
+}
+
+/// `dst[i][offsets[j]] = src[i][j]` (or `+=` when `accumulate`); the adjoint of
+/// [`gather_columns`].
+fn scatter_columns(
+    dst: &mut [f32],
+    dst_row: usize,
+    src: &[f32],
+    offsets: &[usize],
+    accumulate: bool,
+) {
+    crate::par::for_each_chunk_mut(dst, dst_row, |i, row| {
+        let from = &src[i * offsets.len()..][..offsets.len()];
+        for (&o, &v) in offsets.iter().zip(from) {
+            row[o] = if accumulate { row[o] + v } else { v };
+        }
+    });
+}
+
+/// Write class `class`'s column matrix of `x` ([C, N, H, W]) into `cols`
+/// ([C·taps, N·positions]). Every element is written: the class has no padding taps.
+fn im2col(g: &ConvGeometry, s: Spatial, class: &TapClass, x: &[f32], cols: &mut [f32]) {
+    let channel_len = s.batch * s.height * s.width;
+    assert_eq!(x.len(), g.in_channels * channel_len);
+    assert_eq!(cols.len(), class.patch_len(g) * s.batch * class.positions());
+    let (plane, positions) = (s.height * s.width, class.positions());
     let fill_row = |r: usize, row: &mut [f32]| {
-        let c = r / (g.kernel * g.kernel);
-        let ki = (r / g.kernel) % g.kernel;
-        let kj = r % g.kernel;
-        for n in 0..s.batch {
-            let plane = &x[(c * s.batch + n) * s.height * s.width..][..s.height * s.width];
-            for oy in 0..oh {
-                let out = &mut row[(n * oh + oy) * ow..][..ow];
-                let iy = (oy * g.stride + ki) as isize - g.padding as isize;
-                if iy < 0 || iy >= s.height as isize {
-                    out.fill(0.0);
-                    continue;
-                }
-                let src = &plane[iy as usize * s.width..][..s.width];
-                let (lo, hi) = valid_columns(g, s.width, ow, kj);
-                if lo >= hi {
-                    out.fill(0.0);
-                    continue;
-                }
-                out[..lo].fill(0.0);
-                out[hi..].fill(0.0);
-                let first = lo * g.stride + kj - g.padding;
-                if g.stride == 1 {
-                    out[lo..hi].copy_from_slice(&src[first..first + (hi - lo)]);
-                } else {
-                    for (i, o) in out[lo..hi].iter_mut().enumerate() {
-                        *o = src[first + i * g.stride];
-                    }
-                }
-            }
-        }
+        let channel = &x[r / class.taps() * channel_len..][..channel_len];
+        class.for_each_position(g, s, r, |input, column| {
+            let dst = row[column..].iter_mut().step_by(positions);
+            let src = channel[input..].iter().step_by(plane);
+            dst.zip(src).for_each(|(d, v)| *d = *v);
+        });
     };
-    crate::par::for_each_chunk_mut(cols, row_len, fill_row);
+    crate::par::for_each_chunk_mut(cols, s.batch * positions, fill_row);
 }
 
-/// Accumulate (`+=`) the column-gradient matrix into `dx` ([C, N, H, W]); the adjoint of
-/// [`im2col`]. Parallel over input channels, each of which owns its output planes.
-pub fn col2im(g: &ConvGeometry, s: Spatial, dcols: &[f32], dx: &mut [f32]) {
-    let (oh, ow) = g.output_size(s.height, s.width);
-    let row_len = s.batch * oh * ow;
-    let plane_len = s.height * s.width;
-    let kk = g.kernel * g.kernel;
+/// Accumulate (`+=`) class `class`'s column-gradient matrix into `dx` ([C, N, H, W]); the
+/// adjoint of [`im2col`]. Parallel over input channels, each of which owns its planes.
+fn col2im(g: &ConvGeometry, s: Spatial, class: &TapClass, dcols: &[f32], dx: &mut [f32]) {
+    let (plane, positions) = (s.height * s.width, class.positions());
+    let row_len = s.batch * positions;
     let channel = |c: usize, dxc: &mut [f32]| {
-        for kidx in 0..kk {
-            let (ki, kj) = (kidx / g.kernel, kidx % g.kernel);
-            let row = &dcols[(c * kk + kidx) * row_len..][..row_len];
-            for n in 0..s.batch {
-                let plane = &mut dxc[n * plane_len..][..plane_len];
-                for oy in 0..oh {
-                    let iy = (oy * g.stride + ki) as isize - g.padding as isize;
-                    if iy < 0 || iy >= s.height as isize {
-                        continue;
-                    }
-                    let dst = &mut plane[iy as usize * s.width..][..s.width];
-                    let src = &row[(n * oh + oy) * ow..][..ow];
-                    let (lo, hi) = valid_columns(g, s.width, ow, kj);
-                    if lo >= hi {
-                        continue;
-                    }
-                    let first = lo * g.stride + kj - g.padding;
-                    if g.stride == 1 {
-                        let d = &mut dst[first..first + (hi - lo)];
-                        d.iter_mut().zip(&src[lo..hi]).for_each(|(d, v)| *d += v);
-                    } else {
-                        for (i, v) in src[lo..hi].iter().enumerate() {
-                            dst[first + i * g.stride] += v;
-                        }
-                    }
-                }
-            }
+        for r in c * class.taps()..(c + 1) * class.taps() {
+            let row = &dcols[r * row_len..][..row_len];
+            class.for_each_position(g, s, r, |input, column| {
+                let dst = dxc[input..].iter_mut().step_by(plane);
+                let src = row[column..].iter().step_by(positions);
+                dst.zip(src).for_each(|(d, v)| *d += *v);
+            });
         }
     };
-    let per_channel = s.batch * plane_len;
-    crate::par::for_each_chunk_mut(dx, per_channel, channel);
+    crate::par::for_each_chunk_mut(dx, s.batch * plane, channel);
+}
+
+/// The class's weight columns `[O, C·taps]`, or `None` when it uses every tap (the weight
+/// itself is then its matrix).
+fn class_weight(g: &ConvGeometry, class: &TapClass, weight: &[f32]) -> Option<Vec<f32>> {
+    (class.taps() < g.kernel * g.kernel).then(|| {
+        let mut w = crate::par::take_buffer(g.out_channels * class.patch_len(g));
+        gather_columns(&mut w, weight, g.patch_len(), &class.weight_offsets(g));
+        w
+    })
+}
+
+/// Forward of a padded or strided convolution, one product per tap class, into `out`
+/// (`[O, N, OH, OW]`). Returns all classes' columns, one after another, when `keep_columns`.
+fn classes_forward(
+    g: &ConvGeometry,
+    s: Spatial,
+    x: &[f32],
+    weight: &[f32],
+    out: &mut [f32],
+    keep_columns: bool,
+) -> Option<Vec<f32>> {
+    let (oh, ow) = g.output_size(s.height, s.width);
+    let classes = tap_classes(g, s);
+    if classes.iter().map(TapClass::positions).sum::<usize>() < oh * ow {
+        out.fill(0.0);
+    }
+    let mut all_columns = crate::par::take_buffer(columns_len(g, s));
+    let mut at = 0;
+    for class in &classes {
+        let (k, n) = (class.patch_len(g), s.batch * class.positions());
+        let cols = &mut all_columns[at..at + k * n];
+        at += k * n;
+        im2col(g, s, class, x, cols);
+        let gathered = class_weight(g, class, weight);
+        let w = Mat::new(gathered.as_deref().unwrap_or(weight), g.out_channels, k);
+        let cols = Mat::new(cols, k, n);
+        if class.positions() == oh * ow {
+            gemm(MatMut::new(out, g.out_channels, n), w, cols, false);
+        } else {
+            crate::par::with_scratch(g.out_channels * n, |y| {
+                gemm(MatMut::new(y, g.out_channels, n), w, cols, false);
+                let offsets = class.output_offsets(ow);
+                scatter_columns(out, oh * ow, y, &offsets, false);
+            });
+        }
+        gathered.map(crate::par::recycle);
+    }
+    if keep_columns {
+        Some(all_columns)
+    } else {
+        crate::par::recycle(all_columns);
+        None
+    }
+}
+
+/// Backward of [`classes_forward`]: accumulates `dweight`, returns `dx` when `need_dx`.
+#[allow(clippy::too_many_arguments)]
+fn classes_backward(
+    g: &ConvGeometry,
+    s: Spatial,
+    x: &[f32],
+    columns: Option<&[f32]>,
+    weight: &[f32],
+    dy: &[f32],
+    dweight: &mut [f32],
+    need_dx: bool,
+) -> Option<Vec<f32>> {
+    let (oh, ow) = g.output_size(s.height, s.width);
+    let classes = tap_classes(g, s);
+    let rebuilt = columns.is_none().then(|| {
+        let mut all = crate::par::take_buffer(columns_len(g, s));
+        let mut at = 0;
+        for class in &classes {
+            let len = class.patch_len(g) * s.batch * class.positions();
+            im2col(g, s, class, x, &mut all[at..at + len]);
+            at += len;
+        }
+        all
+    });
+    let all_columns = columns
+        .or(rebuilt.as_deref())
+        .expect("columns kept or rebuilt");
+    // col2im accumulates into dx, which therefore starts at zero.
+    let mut dx = need_dx.then(|| vec![0.0f32; x.len()]);
+    let mut at = 0;
+    for class in &classes {
+        let (k, n) = (class.patch_len(g), s.batch * class.positions());
+        let cols = Mat::new(&all_columns[at..at + k * n], k, n).t();
+        at += k * n;
+        let gathered_dy = (class.positions() < oh * ow).then(|| {
+            let mut d = crate::par::take_buffer(g.out_channels * n);
+            gather_columns(&mut d, dy, oh * ow, &class.output_offsets(ow));
+            d
+        });
+        let dy_m = Mat::new(gathered_dy.as_deref().unwrap_or(dy), g.out_channels, n);
+        let gathered_w = class_weight(g, class, weight);
+        let w_t = Mat::new(gathered_w.as_deref().unwrap_or(weight), g.out_channels, k).t();
+        // A class with every tap accumulates straight into dweight; the others go through
+        // a buffer that is scattered onto their taps' columns.
+        let mut dw_class = gathered_w
+            .is_some()
+            .then(|| crate::par::take_buffer(g.out_channels * k));
+        let weight_grad = match dw_class.as_deref_mut() {
+            Some(buf) => (MatMut::new(buf, g.out_channels, k), dy_m, cols, false),
+            None => (MatMut::new(dweight, g.out_channels, k), dy_m, cols, true),
+        };
+        match dx.as_deref_mut() {
+            Some(dx) => crate::par::with_scratch(k * n, |dcols| {
+                // The weight gradient and the column gradient are independent products:
+                // one per thread.
+                gemm_pair(weight_grad, (MatMut::new(dcols, k, n), w_t, dy_m, false));
+                col2im(g, s, class, dcols, dx);
+            }),
+            None => {
+                let (c, a, b, acc) = weight_grad;
+                gemm(c, a, b, acc);
+            }
+        }
+        if let Some(buf) = dw_class {
+            scatter_columns(dweight, g.patch_len(), &buf, &class.weight_offsets(g), true);
+            crate::par::recycle(buf);
+        }
+        gathered_w.map(crate::par::recycle);
+        gathered_dy.map(crate::par::recycle);
+    }
+    rebuilt.map(crate::par::recycle);
+    dx
 }
 
 /// Forward: returns the CNHW output `[O, N, OH, OW]`, and the im2col columns when
@@ -178,26 +401,15 @@ pub fn conv2d_forward(
         direct_forward(g, s, x, weight, bias, &mut out);
         return (out, kept);
     }
-    let mut product = |cols: &[f32]| {
+    if g.is_pointwise() {
         gemm(
             MatMut::new(&mut out, g.out_channels, cols_n),
             w,
-            Mat::new(cols, g.patch_len(), cols_n),
+            Mat::new(x, g.patch_len(), cols_n),
             false,
-        )
-    };
-    if g.is_pointwise() {
-        product(x);
-    } else if keep_columns {
-        let mut cols = crate::par::take_buffer(g.patch_len() * cols_n);
-        im2col(g, s, x, &mut cols);
-        product(&cols);
-        kept = Some(cols);
+        );
     } else {
-        crate::par::with_scratch(g.patch_len() * cols_n, |cols| {
-            im2col(g, s, x, cols);
-            product(cols);
-        });
+        kept = classes_forward(g, s, x, weight, &mut out, keep_columns);
     }
     if let Some(b) = bias {
         crate::par::for_each_chunk_mut(&mut out, cols_n, |o, row| {
@@ -235,60 +447,30 @@ pub fn conv2d_backward(
         direct_backward(g, s, x, weight, dy, dweight, dx.as_deref_mut());
         return dx;
     }
+    if !g.is_pointwise() {
+        return classes_backward(g, s, x, columns, weight, dy, dweight, need_dx);
+    }
+    // Pointwise: the input is the column matrix.
     let dy_m = Mat::new(dy, g.out_channels, cols_n);
-    // The columns: the input itself (pointwise), the forward's, or rebuilt here.
-    let rebuilt = match columns {
-        _ if g.is_pointwise() => None,
-        Some(_) => None,
-        None => {
-            let mut cols = crate::par::take_buffer(k * cols_n);
-            im2col(g, s, x, &mut cols);
-            Some(cols)
-        }
-    };
-    let cols = match (&rebuilt, columns) {
-        _ if g.is_pointwise() => x,
-        (Some(c), _) => c.as_slice(),
-        (None, Some(c)) => c,
-        (None, None) => unreachable!("columns are rebuilt when not kept"),
-    };
     let weight_grad = (
         MatMut::new(dweight, g.out_channels, k),
         dy_m,
-        Mat::new(cols, k, cols_n).t(),
+        Mat::new(x, k, cols_n).t(),
         true,
     );
-    let w_t = Mat::new(weight, g.out_channels, k).t();
-    let dx = if !need_dx {
+    if !need_dx {
         let (c, a, b, acc) = weight_grad;
         gemm(c, a, b, acc);
-        None
-    } else if g.is_pointwise() {
-        // Every element is written by the product (accumulate = false).
-        let mut dx = crate::par::take_buffer(x.len());
-        gemm_pair(
-            weight_grad,
-            (MatMut::new(&mut dx, k, cols_n), w_t, dy_m, false),
-        );
-        Some(dx)
-    } else {
-        // col2im accumulates into dx, which therefore starts at zero.
-        let mut dx = vec![0.0f32; x.len()];
-        crate::par::with_scratch(k * cols_n, |dcols| {
-            // The weight gradient and the column gradient are independent products of equal
-            // size: one per thread.
-            gemm_pair(
-                weight_grad,
-                (MatMut::new(dcols, k, cols_n), w_t, dy_m, false),
-            );
-            col2im(g, s, dcols, &mut dx);
-        });
-        Some(dx)
-    };
-    if let Some(c) = rebuilt {
-        crate::par::recycle(c);
+        return None;
     }
-    dx
+    // Every element is written by the product (accumulate = false).
+    let mut dx = crate::par::take_buffer(x.len());
+    let w_t = Mat::new(weight, g.out_channels, k).t();
+    gemm_pair(
+        weight_grad,
+        (MatMut::new(&mut dx, k, cols_n), w_t, dy_m, false),
+    );
+    Some(dx)
 }
 
 /// Samples per work item of the direct convolution. Fixed (not derived from the thread count)
@@ -627,8 +809,15 @@ mod tests {
         y
     }
 
-    const GEOMETRIES: [(usize, usize, usize, usize, usize, usize); 7] = [
+    const GEOMETRIES: [(usize, usize, usize, usize, usize, usize); 12] = [
         // (cin, cout, kernel, stride, padding, size)
+        // ResNet's small late stages: one useful tap in nine at 1×1, four at 2×2.
+        (20, 24, 3, 1, 1, 1),
+        (20, 24, 3, 1, 1, 2),
+        (20, 24, 3, 2, 1, 2),
+        (20, 24, 3, 1, 1, 4),
+        // Padding as wide as the kernel: border outputs see no image at all.
+        (20, 3, 1, 1, 1, 3),
         (3, 4, 5, 1, 2, 8),
         (3, 4, 3, 2, 1, 7),
         (3, 4, 1, 2, 0, 7),
@@ -683,47 +872,85 @@ mod tests {
     fn col2im_is_the_adjoint_of_im2col() {
         for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
             let (g, s) = case(cin, cout, k, st, p, hw, 3);
-            let (oh, ow) = g.output_size(hw, hw);
             let x = random(cin * 3 * hw * hw, i as u64);
-            let c = random(g.patch_len() * 3 * oh * ow, 50 + i as u64);
-            let mut cols = vec![0.0; c.len()];
-            im2col(&g, s, &x, &mut cols);
-            let mut back = vec![0.0; x.len()];
-            col2im(&g, s, &c, &mut back);
-            let lhs: f64 = cols.iter().zip(&c).map(|(a, b)| (a * b) as f64).sum();
-            let rhs: f64 = x.iter().zip(&back).map(|(a, b)| (a * b) as f64).sum();
-            assert!(
-                (lhs - rhs).abs() < 1e-3 * (1.0 + lhs.abs()),
-                "geometry {i}: {lhs} vs {rhs}"
-            );
+            for (j, class) in tap_classes(&g, s).iter().enumerate() {
+                let len = class.patch_len(&g) * 3 * class.positions();
+                let c = random(len, 50 + (i * 100 + j) as u64);
+                let mut cols = vec![0.0; len];
+                im2col(&g, s, class, &x, &mut cols);
+                let mut back = vec![0.0; x.len()];
+                col2im(&g, s, class, &c, &mut back);
+                let lhs: f64 = cols.iter().zip(&c).map(|(a, b)| (a * b) as f64).sum();
+                let rhs: f64 = x.iter().zip(&back).map(|(a, b)| (a * b) as f64).sum();
+                assert!(
+                    (lhs - rhs).abs() < 1e-3 * (1.0 + lhs.abs()),
+                    "geometry {i} class {j}: {lhs} vs {rhs}"
+                );
+            }
         }
     }
 
-    /// The direct path's backward must be the adjoint of its forward in both the input and
-    /// the weights: ⟨dy, conv(x, w)⟩ = ⟨dx, x⟩ = ⟨dw, w⟩ (no bias, so conv is bilinear).
+    /// Every output position with a tap inside the image belongs to exactly one class, and
+    /// each class's taps are exactly the in-image taps of each of its positions.
     #[test]
-    fn direct_backward_is_the_adjoint_of_direct_forward() {
+    fn tap_classes_partition_the_outputs_by_in_image_taps() {
+        for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
+            let (g, s) = case(cin, cout, k, st, p, hw, 1);
+            let (oh, ow) = g.output_size(hw, hw);
+            let inside = |o: usize, t: usize| (o * st + t).checked_sub(p).is_some_and(|v| v < hw);
+            let mut owner = vec![None; oh * ow];
+            for (j, class) in tap_classes(&g, s).iter().enumerate() {
+                for (oy, ox) in class
+                    .oy
+                    .clone()
+                    .flat_map(|y| class.ox.clone().map(move |x| (y, x)))
+                {
+                    assert_eq!(
+                        owner[oy * ow + ox],
+                        None,
+                        "geometry {i}: ({oy}, {ox}) twice"
+                    );
+                    owner[oy * ow + ox] = Some(j);
+                    let ys: Vec<usize> = (0..k).filter(|&t| inside(oy, t)).collect();
+                    let xs: Vec<usize> = (0..k).filter(|&t| inside(ox, t)).collect();
+                    assert_eq!(ys, class.ky.clone().collect::<Vec<_>>(), "geometry {i}");
+                    assert_eq!(xs, class.kx.clone().collect::<Vec<_>>(), "geometry {i}");
+                }
+            }
+            for (at, o) in owner.iter().enumerate() {
+                let sees_image =
+                    (0..k).any(|t| inside(at / ow, t)) && (0..k).any(|t| inside(at % ow, t));
+                assert_eq!(o.is_some(), sees_image, "geometry {i}: position {at}");
+            }
+        }
+    }
+
+    /// Backward must be the adjoint of forward, on every path (direct, pointwise, tap
+    /// classes), in both the input and the weights: ⟨dy, conv(x, w)⟩ = ⟨dx, x⟩ = ⟨dw, w⟩ (no
+    /// bias, so conv is bilinear). Checked with kept and with rebuilt columns.
+    #[test]
+    fn backward_is_the_adjoint_of_forward() {
         for (i, &(cin, cout, k, st, p, hw)) in GEOMETRIES.iter().enumerate() {
             let (g, s) = case(cin, cout, k, st, p, hw, 19);
-            if !g.prefers_direct() {
-                continue;
-            }
             let (oh, ow) = g.output_size(hw, hw);
             let x = random(cin * 19 * hw * hw, i as u64);
             let w = random(cout * g.patch_len(), 10 + i as u64);
             let dy = random(cout * 19 * oh * ow, 20 + i as u64);
-            let y = conv2d_forward(&g, s, &x, &w, None, true).0;
-            let mut dw = vec![0.0; w.len()];
-            let dx = conv2d_backward(&g, s, &x, None, &w, &dy, &mut dw, None, true).unwrap();
+            let (y, kept) = conv2d_forward(&g, s, &x, &w, None, true);
             let inner = |a: &[f32], b: &[f32]| -> f64 {
                 a.iter().zip(b).map(|(a, b)| (a * b) as f64).sum()
             };
-            let (lhs, by_x, by_w) = (inner(&dy, &y), inner(&dx, &x), inner(&dw, &w));
-            for (what, v) in [("dx", by_x), ("dw", by_w)] {
-                assert!(
-                    (lhs - v).abs() < 1e-3 * (1.0 + lhs.abs()),
-                    "geometry {i} {what}: {lhs} vs {v}"
-                );
+            for columns in [kept.as_deref(), None] {
+                let mut dw = vec![0.0; w.len()];
+                let dx = conv2d_backward(&g, s, &x, columns, &w, &dy, &mut dw, None, true);
+                let dx = dx.expect("input gradient");
+                let (lhs, by_x, by_w) = (inner(&dy, &y), inner(&dx, &x), inner(&dw, &w));
+                for (what, v) in [("dx", by_x), ("dw", by_w)] {
+                    assert!(
+                        (lhs - v).abs() < 1e-3 * (1.0 + lhs.abs()),
+                        "geometry {i} {what}: {lhs} vs {v}"
+                    );
+                }
             }
         }
     }
