@@ -296,7 +296,7 @@ fn classes_forward(
                 scatter_columns(out, oh * ow, y, &offsets, false);
             });
         }
-        gathered.map(crate::par::recycle);
+        gathered.into_iter().for_each(crate::par::recycle);
     }
     if keep_columns {
         Some(all_columns)
@@ -373,10 +373,10 @@ fn classes_backward(
             scatter_columns(dweight, g.patch_len(), &buf, &class.weight_offsets(g), true);
             crate::par::recycle(buf);
         }
-        gathered_w.map(crate::par::recycle);
-        gathered_dy.map(crate::par::recycle);
+        gathered_w.into_iter().for_each(crate::par::recycle);
+        gathered_dy.into_iter().for_each(crate::par::recycle);
     }
-    rebuilt.map(crate::par::recycle);
+    rebuilt.into_iter().for_each(crate::par::recycle);
     dx
 }
 
