@@ -219,12 +219,8 @@ fn backward_blocked(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::SplitMix64;
 
-    fn random(n: usize, seed: u64) -> Vec<f32> {
-        let mut r = SplitMix64::new(seed);
-        (0..n).map(|_| r.normal()).collect()
-    }
+    use crate::rng::normal_values as random;
 
     /// The block-causal products must give what whole-matrix products (one block) give,
     /// including sequence lengths that are not a multiple of the block.

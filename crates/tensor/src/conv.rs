@@ -262,6 +262,18 @@ fn class_weight(g: &ConvGeometry, class: &TapClass, weight: &[f32]) -> Option<Ve
     })
 }
 
+/// All classes' column matrices of `x`, one after another.
+fn class_columns(g: &ConvGeometry, s: Spatial, classes: &[TapClass], x: &[f32]) -> Vec<f32> {
+    let mut all = crate::par::take_buffer(columns_len(g, s));
+    let mut at = 0;
+    for class in classes {
+        let len = class.patch_len(g) * s.batch * class.positions();
+        im2col(g, s, class, x, &mut all[at..at + len]);
+        at += len;
+    }
+    all
+}
+
 /// Forward of a padded or strided convolution, one product per tap class, into `out`
 /// (`[O, N, OH, OW]`). Returns all classes' columns, one after another, when `keep_columns`.
 fn classes_forward(
@@ -277,13 +289,12 @@ fn classes_forward(
     if classes.iter().map(TapClass::positions).sum::<usize>() < oh * ow {
         out.fill(0.0);
     }
-    let mut all_columns = crate::par::take_buffer(columns_len(g, s));
+    let all_columns = class_columns(g, s, &classes, x);
     let mut at = 0;
     for class in &classes {
         let (k, n) = (class.patch_len(g), s.batch * class.positions());
-        let cols = &mut all_columns[at..at + k * n];
+        let cols = &all_columns[at..at + k * n];
         at += k * n;
-        im2col(g, s, class, x, cols);
         let gathered = class_weight(g, class, weight);
         let w = Mat::new(gathered.as_deref().unwrap_or(weight), g.out_channels, k);
         let cols = Mat::new(cols, k, n);
@@ -320,16 +331,7 @@ fn classes_backward(
 ) -> Option<Vec<f32>> {
     let (oh, ow) = g.output_size(s.height, s.width);
     let classes = tap_classes(g, s);
-    let rebuilt = columns.is_none().then(|| {
-        let mut all = crate::par::take_buffer(columns_len(g, s));
-        let mut at = 0;
-        for class in &classes {
-            let len = class.patch_len(g) * s.batch * class.positions();
-            im2col(g, s, class, x, &mut all[at..at + len]);
-            at += len;
-        }
-        all
-    });
+    let rebuilt = columns.is_none().then(|| class_columns(g, s, &classes, x));
     let all_columns = columns
         .or(rebuilt.as_deref())
         .expect("columns kept or rebuilt");
@@ -764,12 +766,8 @@ fn direct_backward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::SplitMix64;
 
-    fn random(n: usize, seed: u64) -> Vec<f32> {
-        let mut r = SplitMix64::new(seed);
-        (0..n).map(|_| r.normal()).collect()
-    }
+    use crate::rng::normal_values as random;
 
     /// Direct convolution on CNHW data, the definition the im2col path must reproduce.
     fn direct(g: &ConvGeometry, s: Spatial, x: &[f32], w: &[f32]) -> Vec<f32> {

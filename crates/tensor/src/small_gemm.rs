@@ -115,79 +115,36 @@ mod avx2 {
         c_rs: usize,
         accumulate: bool,
     ) {
+        // A tile of `$rows` rows starting at row `i` (a macro because the height is a const
+        // generic: one monomorphised tile per height).
+        macro_rules! tile_at {
+            ($rows:expr, $i:expr) => {
+                tile::<{ $rows }, NV>(
+                    k,
+                    a.add($i * a_rs),
+                    a_rs,
+                    a_cs,
+                    b,
+                    b_rs,
+                    c.add($i * c_rs),
+                    c_rs,
+                    accumulate,
+                )
+            };
+        }
         let mut i = 0;
         while i + MR <= m {
-            tile::<MR, NV>(
-                k,
-                a.add(i * a_rs),
-                a_rs,
-                a_cs,
-                b,
-                b_rs,
-                c.add(i * c_rs),
-                c_rs,
-                accumulate,
-            );
+            tile_at!(MR, i);
             i += MR;
         }
         // The last 1–5 rows: one tile of exactly that height.
         match m - i {
             0 => {}
-            1 => tile::<1, NV>(
-                k,
-                a.add(i * a_rs),
-                a_rs,
-                a_cs,
-                b,
-                b_rs,
-                c.add(i * c_rs),
-                c_rs,
-                accumulate,
-            ),
-            2 => tile::<2, NV>(
-                k,
-                a.add(i * a_rs),
-                a_rs,
-                a_cs,
-                b,
-                b_rs,
-                c.add(i * c_rs),
-                c_rs,
-                accumulate,
-            ),
-            3 => tile::<3, NV>(
-                k,
-                a.add(i * a_rs),
-                a_rs,
-                a_cs,
-                b,
-                b_rs,
-                c.add(i * c_rs),
-                c_rs,
-                accumulate,
-            ),
-            4 => tile::<4, NV>(
-                k,
-                a.add(i * a_rs),
-                a_rs,
-                a_cs,
-                b,
-                b_rs,
-                c.add(i * c_rs),
-                c_rs,
-                accumulate,
-            ),
-            _ => tile::<5, NV>(
-                k,
-                a.add(i * a_rs),
-                a_rs,
-                a_cs,
-                b,
-                b_rs,
-                c.add(i * c_rs),
-                c_rs,
-                accumulate,
-            ),
+            1 => tile_at!(1, i),
+            2 => tile_at!(2, i),
+            3 => tile_at!(3, i),
+            4 => tile_at!(4, i),
+            _ => tile_at!(5, i),
         }
     }
 
@@ -239,12 +196,8 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::matmul::gemm_reference;
-    use crate::rng::SplitMix64;
 
-    fn random(n: usize, seed: u64) -> Vec<f32> {
-        let mut r = SplitMix64::new(seed);
-        (0..n).map(|_| r.normal()).collect()
-    }
+    use crate::rng::normal_values as random;
 
     /// Every tile height (1–6 rows left over), both vector widths and the scalar column tail,
     /// a transposed (strided) left-hand side, a strided output, and accumulation.
