@@ -483,18 +483,18 @@ const DIRECT_SAMPLES_PER_ITEM: usize = 16;
 /// Elements the direct kernels process per step: four AVX registers per row.
 const STRIP: usize = 32;
 
-/// Dot product of two slices whose length is a multiple of [`STRIP`], with [`STRIP`]
-/// independent accumulators: four vector dependency chains instead of one, so the adds do not
-/// wait on each other's latency.
+/// `lanes[i] += Σ_k a[k·STRIP + i] · b[k·STRIP + i]` for slices whose length is a multiple
+/// of [`STRIP`]: a dot product left in [`STRIP`] independent accumulators (four vector
+/// dependency chains instead of one). The caller sums the lanes once after many calls: a
+/// horizontal sum per call cost more than the multiply-adds of LeNet's short rows (its second
+/// convolution's weight-gradient rows are 5 strips long).
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; STRIP];
+fn dot_into_lanes(a: &[f32], b: &[f32], lanes: &mut [f32; STRIP]) {
     for (x, y) in a.chunks_exact(STRIP).zip(b.chunks_exact(STRIP)) {
         for i in 0..STRIP {
             lanes[i] = x[i].mul_add(y[i], lanes[i]);
         }
     }
-    lanes.iter().sum()
 }
 
 /// The direct convolution's view of one sample: each input plane copied into a zero-bordered
@@ -699,7 +699,8 @@ fn direct_backward(
     let out_plane = l.oh * l.ow;
     let hw = s.height * s.width;
     let per_sample = |first: usize, count: usize, mut dxs: Vec<&mut [f32]>| -> Vec<f32> {
-        let mut dw = vec![0.0f32; weight.len()];
+        // One set of lanes per weight, summed once per item (see `dot_into_lanes`).
+        let mut dw_lanes = vec![[0.0f32; STRIP]; weight.len()];
         let mut padded = vec![0.0f32; c_in * l.pstride];
         // dy with the padded row stride after a zero margin of `margin` (the largest tap
         // offset); the columns past each row's end, the rounding tail and the margin stay
@@ -725,7 +726,8 @@ fn direct_backward(
                 for (t, &off) in l.taps.iter().enumerate() {
                     let src = &padded[c * l.pstride + off..][..l.span];
                     for (o, d) in dys.chunks(dy_stride).enumerate() {
-                        dw[(o * c_in + c) * kk + t] += dot(&d[margin..][..l.span], src);
+                        let lanes = &mut dw_lanes[(o * c_in + c) * kk + t];
+                        dot_into_lanes(&d[margin..][..l.span], src, lanes);
                     }
                 }
             }
@@ -754,6 +756,7 @@ fn direct_backward(
                 }
             }
         }
+        let dw: Vec<f32> = dw_lanes.iter().map(|lanes| lanes.iter().sum()).collect();
         dw
     };
     // Without an input gradient the items get no output slices (an empty `dxs`).
