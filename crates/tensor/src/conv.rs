@@ -440,9 +440,19 @@ pub fn conv2d_backward(
     let cols_n = s.batch * oh * ow;
     let k = g.patch_len();
     if let Some(db) = dbias {
-        for (o, row) in dy.chunks(cols_n).enumerate() {
-            db[o] += row.iter().map(|&v| v as f64).sum::<f64>() as f32;
-        }
+        // Each output channel's sum in eight f64 lanes (one serial f64 chain per channel was
+        // ~4% of a LeNet step), channels in parallel; the order is fixed per channel, so the
+        // bits do not depend on the pool size.
+        let sums = crate::par::map_chunks(dy, cols_n, |_, row| {
+            let mut lanes = [0.0f64; 8];
+            let mut chunks = row.chunks_exact(8);
+            for c in &mut chunks {
+                lanes.iter_mut().zip(c).for_each(|(l, &v)| *l += v as f64);
+            }
+            let tail: f64 = chunks.remainder().iter().map(|&v| v as f64).sum();
+            lanes.iter().sum::<f64>() + tail
+        });
+        db.iter_mut().zip(sums).for_each(|(b, sum)| *b += sum as f32);
     }
     if g.prefers_direct() {
         let mut dx = need_dx.then(|| crate::par::take_buffer(x.len()));
