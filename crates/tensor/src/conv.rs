@@ -452,7 +452,9 @@ pub fn conv2d_backward(
             let tail: f64 = chunks.remainder().iter().map(|&v| v as f64).sum();
             lanes.iter().sum::<f64>() + tail
         });
-        db.iter_mut().zip(sums).for_each(|(b, sum)| *b += sum as f32);
+        db.iter_mut()
+            .zip(sums)
+            .for_each(|(b, sum)| *b += sum as f32);
     }
     if g.prefers_direct() {
         let mut dx = need_dx.then(|| crate::par::take_buffer(x.len()));
