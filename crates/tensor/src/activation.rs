@@ -161,12 +161,10 @@ impl Activation {
     }
 
     /// Whether the backward needs the output (`y`) rather than the input (`x`): lets the layer
-    /// keep only one of them for backward.
+    /// keep only one of them for backward. ReLU's derivative reads the input (`x > 0` ⇔
+    /// `y > 0`), which the layer can keep by moving it instead of copying its output.
     pub fn backward_uses_output(self) -> bool {
-        matches!(
-            self,
-            Activation::Sigmoid | Activation::Tanh | Activation::Relu
-        )
+        matches!(self, Activation::Sigmoid | Activation::Tanh)
     }
 
     /// `dx = dy · act'(·)` in place (`grad` holds dy on entry and dx on return), where
@@ -186,7 +184,7 @@ impl Activation {
             grad.iter_mut().zip(saved).for_each(|(g, &s)| *g = f(s, *g));
         }
         match self {
-            Activation::Relu => update(saved, grad, |y, g| if y > 0.0 { g } else { 0.0 }),
+            Activation::Relu => update(saved, grad, |x, g| if x > 0.0 { g } else { 0.0 }),
             Activation::Sigmoid => update(saved, grad, |y, g| g * y * (1.0 - y)),
             Activation::Tanh => update(saved, grad, |y, g| g * (1.0 - y * y)),
             Activation::Gelu => update(saved, grad, |x, g| g * gelu_grad(x)),
