@@ -154,21 +154,31 @@ impl TapClass {
     }
 }
 
+/// The taps of output `o`'s window (`kernel` wide, `stride` apart, `padding` before the
+/// image) that fall inside an axis of `len` inputs: tap t reads input o·stride + t − padding,
+/// inside [0, len) for t in the returned range. Shared with pooling.
+pub(crate) fn window_taps(
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    o: usize,
+    len: usize,
+) -> Range<usize> {
+    let start = o * stride;
+    let lo = padding.saturating_sub(start).min(kernel);
+    let hi = (len + padding).saturating_sub(start).min(kernel).max(lo);
+    lo..hi
+}
+
 /// Runs of consecutive outputs along one axis whose windows read the same range of taps
 /// inside an axis of `input` elements: `(outputs, taps)`.
 fn tap_runs(g: &ConvGeometry, input: usize, outputs: usize) -> Vec<(Range<usize>, Range<usize>)> {
     let mut runs: Vec<(Range<usize>, Range<usize>)> = Vec::new();
     for o in 0..outputs {
-        // Tap t reads input o·stride + t − padding, inside [0, input) for t in [lo, hi).
-        let start = o * g.stride;
-        let lo = g.padding.saturating_sub(start).min(g.kernel);
-        let hi = (input + g.padding)
-            .saturating_sub(start)
-            .min(g.kernel)
-            .max(lo);
+        let taps = window_taps(g.kernel, g.stride, g.padding, o, input);
         match runs.last_mut() {
-            Some((outs, taps)) if *taps == (lo..hi) => outs.end = o + 1,
-            _ => runs.push((o..o + 1, lo..hi)),
+            Some((outs, t)) if *t == taps => outs.end = o + 1,
+            _ => runs.push((o..o + 1, taps)),
         }
     }
     runs

@@ -1,6 +1,7 @@
 //! Max and average pooling over the planes of an activation (each `H×W` plane pooled on its
 //! own, so the same code serves NCHW and CNHW), and global average pooling.
 
+use crate::conv::window_taps;
 use crate::par::{for_each_chunk_mut, for_each_chunk_pair_mut};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,27 +37,18 @@ pub fn max_pool_forward(
     let (oh, ow) = g.output_size(h, w);
     let mut out = vec![0.0f32; planes * oh * ow];
     let mut arg = vec![0u32; planes * oh * ow];
-    // Taps `[lo, hi)` of output `o` that fall inside an axis of `len` inputs.
-    let inside = |o: usize, len: usize| {
-        let start = o * g.stride;
-        let lo = g.padding.saturating_sub(start).min(g.kernel);
-        let hi = (len + g.padding)
-            .saturating_sub(start)
-            .min(g.kernel)
-            .max(lo);
-        (lo, hi)
-    };
+    let inside = |o: usize, len: usize| window_taps(g.kernel, g.stride, g.padding, o, len);
     let plane = |p: usize, o: &mut [f32], a: &mut [u32]| {
         let src = &x[p * h * w..][..h * w];
         for oy in 0..oh {
-            let (ylo, yhi) = inside(oy, h);
+            let rows = inside(oy, h);
             for ox in 0..ow {
-                let (xlo, xhi) = inside(ox, w);
+                let cols = inside(ox, w);
                 let mut best = f32::NEG_INFINITY;
                 let mut best_idx = 0u32;
-                for ki in ylo..yhi {
+                for ki in rows.clone() {
                     let row = (oy * g.stride + ki - g.padding) * w;
-                    for kj in xlo..xhi {
+                    for kj in cols.clone() {
                         let idx = row + ox * g.stride + kj - g.padding;
                         let v = src[idx];
                         // Selects, not a branch: which tap wins is data-dependent, and the
