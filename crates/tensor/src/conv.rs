@@ -237,7 +237,7 @@ fn scatter_columns(
 fn im2col(g: &ConvGeometry, s: Spatial, class: &TapClass, x: &[f32], cols: &mut [f32]) {
     let channel_len = s.batch * s.height * s.width;
     assert_eq!(x.len(), g.in_channels * channel_len);
-    assert_eq!(cols.len(), class.patch_len(g) * s.batch * class.positions());
+    assert_eq!(cols.len(), class.columns_len(g, s));
     let (plane, positions) = (s.height * s.width, class.positions());
     let fill_row = |r: usize, row: &mut [f32]| {
         let channel = &x[r / class.taps() * channel_len..][..channel_len];
@@ -318,7 +318,8 @@ fn class_parts<'a>(
 }
 
 /// Forward of a padded or strided convolution, one product per tap class, into `out`
-/// (`[O, N, OH, OW]`). Returns all classes' columns, one after another, when `keep_columns`.
+/// (`[O, N, OH, OW]`). Returns the [`class_state`] (columns and gathered weights) when
+/// `keep_columns`.
 fn classes_forward(
     g: &ConvGeometry,
     s: Spatial,
