@@ -139,7 +139,27 @@ fn toml_string(s: &str) -> String {
     toml::Value::String(s.to_string()).to_string()
 }
 
-fn main() -> Result<()> {
+/// Errors are the user's to read (a bad config, a missing file, a dead worker): print the
+/// message and its causes, never the stack trace that returning `Err` from `main` would add
+/// whenever RUST_BACKTRACE is set. Panics keep their backtraces.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e}");
+            let causes: Vec<String> = e.chain().skip(1).map(|c| c.to_string()).collect();
+            if !causes.is_empty() {
+                eprintln!("\nCaused by:");
+                for cause in causes {
+                    eprintln!("    {cause}");
+                }
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

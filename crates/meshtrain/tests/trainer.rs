@@ -189,11 +189,14 @@ fn the_cli_rejects_bad_configs_with_the_reason() {
             "--set",
             "train.batch_size=0",
         ])
+        // A user's error is a message, not a stack trace, even with backtraces switched on.
+        .env("RUST_BACKTRACE", "1")
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("batch_size"), "{err}");
+    assert!(!err.contains("backtrace"), "{err}");
 
     let out = std::process::Command::new(exe)
         .current_dir(&root)
