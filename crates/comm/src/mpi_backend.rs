@@ -32,7 +32,7 @@ use crate::dtype::{with_element, DType, Element, RawBuf, ReduceOp};
 use crate::engine::{AsyncEngine, Executor};
 use crate::error::{fmt_ranks, CommError, OpContext};
 use crate::group::{validate_subgroup, CommConfig, Fingerprint, Operation, ProcessGroup, Work};
-use crate::mpi_monitor::{self, GroupTrack, Monitor, ShutdownAgreement};
+use crate::mpi_monitor::{self, GroupTrack, Monitor, ShutdownAgreement, ALL_ENTERED};
 use anyhow::{anyhow, Result};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
@@ -117,6 +117,10 @@ struct WatchList {
     ops: HashMap<u64, Watched>,
     stopped: bool,
 }
+
+/// How late past its deadline the watchdog may see an operation before the lateness means
+/// this process was not running (the watchdog itself polls every 100 ms).
+const SUSPENDED_AFTER: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
 struct Watched {
@@ -257,13 +261,28 @@ impl Watchdog {
     /// The timeout error of `op`, naming the members that had not entered it (as
     /// far as the failure monitor knows).
     fn timeout_error(&self, op: Watched) -> CommError {
-        let (missing, note) = match &self.monitor {
+        // The watchdog looks at least every 100 ms: waking up long after the deadline means
+        // this process itself was not running (stopped with SIGSTOP, or starved of CPU).
+        let late = Instant::now().saturating_duration_since(op.deadline);
+        let (missing, mut note) = match &self.monitor {
             Some(monitor) => match monitor.missing_ranks(&op.track, op.ctx.seq) {
                 Some(missing) => (missing.ranks, missing.note),
                 None => (Vec::new(), "the failure monitor did not answer".to_string()),
             },
             None => (Vec::new(), "the failure monitor is not running".to_string()),
         };
+        if late > SUSPENDED_AFTER {
+            note = format!(
+                "this rank was not running for {:.1} s past the deadline (stopped, e.g. by \
+                 SIGSTOP, or starved of CPU), so the wait was its own, not its peers'; {note}",
+                late.as_secs_f64()
+            );
+        } else if missing.is_empty() && note.starts_with(ALL_ENTERED) {
+            note = format!(
+                "every other member entered it, so the operation stalled in this rank's \
+                 transport or its peers' progress; {note}"
+            );
+        }
         CommError::Timeout {
             ctx: op.ctx,
             timeout: op.timeout,

@@ -47,6 +47,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+/// How a timeout note begins when every member of the group entered the operation.
+pub(crate) const ALL_ENTERED: &str = "all members entered it";
+
 /// How often a rank's position changes reach the hub, so how stale the "last seen"
 /// position of a killed rank may be.
 const REPORT_INTERVAL: Duration = Duration::from_millis(20);
@@ -553,7 +556,7 @@ impl Monitor {
             .map(|r| format!("rank {} {}", r.rank, r.note))
             .collect();
         let note = if absent.is_empty() {
-            format!("all members entered it: {}", notes.join("; "))
+            format!("{ALL_ENTERED}: {}", notes.join("; "))
         } else {
             notes.join("; ")
         };

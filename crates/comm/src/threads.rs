@@ -710,6 +710,31 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 pub struct ThreadsWorld;
 
 impl ThreadsWorld {
+    /// A world of `n` ranks and its top-level group state.
+    fn world(n: usize, config: CommConfig) -> (Arc<World>, Arc<GroupShared>) {
+        let world = Arc::new(World {
+            config,
+            status: (0..n).map(|_| AtomicU8::new(RANK_RUNNING)).collect(),
+            reasons: Mutex::new(vec![None; n]),
+            registry: Mutex::new(HashMap::new()),
+            next_group_id: AtomicU64::new(0),
+        });
+        let shared = Arc::new(GroupShared::new(
+            Arc::clone(&world),
+            "world".to_string(),
+            (0..n).collect(),
+        ));
+        (world, shared)
+    }
+
+    /// The group of a one-rank world, used on the calling thread: what a single worker
+    /// passes where a process group is expected (every collective is then a no-op on its
+    /// own data), without spawning a worker thread.
+    pub fn single(config: CommConfig) -> Arc<dyn ProcessGroup> {
+        let (_, shared) = Self::world(1, config);
+        Arc::new(ThreadsGroup::new(shared, 0))
+    }
+
     /// Spawns `n` worker threads running `worker(group)` with group ranks `0..n`, and
     /// returns their results in rank order.
     ///
@@ -731,18 +756,7 @@ impl ThreadsWorld {
                 world_size: 0,
             });
         }
-        let world = Arc::new(World {
-            config,
-            status: (0..n).map(|_| AtomicU8::new(RANK_RUNNING)).collect(),
-            reasons: Mutex::new(vec![None; n]),
-            registry: Mutex::new(HashMap::new()),
-            next_group_id: AtomicU64::new(0),
-        });
-        let shared = Arc::new(GroupShared::new(
-            Arc::clone(&world),
-            "world".to_string(),
-            (0..n).collect(),
-        ));
+        let (world, shared) = Self::world(n, config);
         let worker = Arc::new(worker);
         let (tx, rx) = mpsc::channel::<(usize, Result<T, WorkerFailure<E>>)>();
         for rank in 0..n {
