@@ -144,24 +144,23 @@ impl Layout {
         self.dp * self.tp * self.pp
     }
 
-    /// Parses `dp=4,tp=8,pp=1,mb=1,zero=1,sp=on,recompute=full,v=2,schedule=1f1b`; omitted keys
-    /// take the defaults of [`Layout::data_parallel`] with dp=1, mb=1.
+    /// Parses `dp=4,tp=8,pp=1,mb=1,zero=1,sp=on,recompute=full,v=2,schedule=1f1b`, or the
+    /// form this type prints (`dp=4 tp=8 pp=2 sp zero=1 mb=2 recompute=selective
+    /// 1f1b-interleaved(v=3)`), see [`layout_terms`]; omitted keys take the defaults of
+    /// [`Layout::data_parallel`] with dp=1, mb=1.
     pub fn parse(text: &str) -> Result<Self> {
         let mut layout = Layout::data_parallel(1, 1);
         let bad = |reason: String| PlanError::InvalidLayout {
             layout: text.to_string(),
             reason,
         };
-        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (key, value) = part
-                .split_once('=')
-                .ok_or_else(|| bad(format!("`{part}` is not key=value")))?;
+        for (key, value) in layout_terms(text).map_err(bad)? {
             let number = || {
                 value
                     .parse::<u64>()
                     .map_err(|_| bad(format!("`{key}` needs a whole number, got `{value}`")))
             };
-            match key.trim().to_ascii_lowercase().as_str() {
+            match key.as_str() {
                 "dp" => layout.dp = number()?,
                 "tp" => layout.tp = number()?,
                 "pp" => layout.pp = number()?,
@@ -171,33 +170,105 @@ impl Layout {
                     layout.zero =
                         u8::try_from(number()?).map_err(|_| bad("zero must be 0..3".into()))?
                 }
-                "sp" => {
-                    layout.sp = matches!(value, "1" | "on" | "true" | "yes");
-                }
-                "recompute" => {
-                    layout.recompute = match value {
-                        "none" | "off" => Recompute::None,
-                        "selective" => Recompute::Selective,
-                        "full" => Recompute::Full,
-                        _ => {
-                            return Err(bad(format!(
-                                "recompute `{value}`: none, selective or full"
-                            )))
-                        }
-                    }
-                }
+                "sp" => layout.sp = parse_flag(&value).map_err(bad)?,
+                "recompute" => layout.recompute = Recompute::parse(&value).map_err(bad)?,
                 "schedule" => {
-                    layout.schedule = match value.to_ascii_lowercase().as_str() {
+                    layout.schedule = match value.as_str() {
                         "1f1b" => Schedule::OneFOneB,
                         "gpipe" => Schedule::GPipe,
                         _ => return Err(bad(format!("schedule `{value}`: 1f1b or gpipe"))),
                     }
                 }
+                // Accepted (a training run prints them) but not planned yet.
+                "cp" | "precision" | "m" | "micro_batches" => {}
                 other => return Err(bad(format!("unknown key `{other}`"))),
             }
         }
         Ok(layout)
     }
+}
+
+impl Recompute {
+    /// `none` (or `off`), `selective` or `full`.
+    pub fn parse(value: &str) -> std::result::Result<Self, String> {
+        match value {
+            "none" | "off" => Ok(Recompute::None),
+            "selective" => Ok(Recompute::Selective),
+            "full" => Ok(Recompute::Full),
+            _ => Err(format!("recompute `{value}`: none, selective or full")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+    }
+}
+
+/// `on`/`off` style values (`1`, `true`, `yes`; `0`, `false`, `no`).
+pub fn parse_flag(value: &str) -> std::result::Result<bool, String> {
+    match value {
+        "1" | "on" | "true" | "yes" => Ok(true),
+        "0" | "off" | "false" | "no" => Ok(false),
+        _ => Err(format!("`{value}` is not on or off")),
+    }
+}
+
+/// The grammar every layout string shares — the planner's `--layout`, what it prints, and
+/// `meshtrain train --layout` — as (key, value) terms with lower-case keys. Terms are
+/// separated by commas or spaces and are `key=value`, or one of the bare words the planner
+/// prints: `sp` (sp=on), `gpipe` and `1f1b` (schedule=…), `interleaved`, `interleaved:V` and
+/// `1f1b-interleaved(v=V)` (schedule=1f1b and v=V, V defaulting to 2). `schedule=interleaved:V`
+/// is normalised the same way, so a consumer sees only `schedule` ∈ {gpipe, 1f1b} and `v`.
+pub fn layout_terms(text: &str) -> std::result::Result<Vec<(String, String)>, String> {
+    let mut terms = Vec::new();
+    let interleaved =
+        |spec: &str, terms: &mut Vec<(String, String)>| -> std::result::Result<(), String> {
+            let v = match spec {
+                "" => "2".to_string(),
+                v => v.to_string(),
+            };
+            terms.push(("schedule".into(), "1f1b".into()));
+            terms.push(("v".into(), v));
+            Ok(())
+        };
+    for part in text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|p| !p.is_empty())
+    {
+        let lower = part.to_ascii_lowercase();
+        if let Some(v) = lower
+            .strip_prefix("1f1b-interleaved(v=")
+            .and_then(|r| r.strip_suffix(')'))
+        {
+            interleaved(v, &mut terms)?;
+            continue;
+        }
+        match lower.split_once('=') {
+            Some((key, value)) => {
+                let (key, value) = (key.trim(), value.trim());
+                if key == "schedule" {
+                    if let Some(v) = value.strip_prefix("interleaved") {
+                        interleaved(v.trim_start_matches(':'), &mut terms)?;
+                        continue;
+                    }
+                }
+                terms.push((key.to_string(), value.to_string()));
+            }
+            None => match lower.as_str() {
+                "sp" => terms.push(("sp".into(), "on".into())),
+                "gpipe" | "1f1b" => terms.push(("schedule".into(), lower.clone())),
+                w if w.starts_with("interleaved") => {
+                    interleaved(w["interleaved".len()..].trim_start_matches(':'), &mut terms)?
+                }
+                _ => return Err(format!("`{part}` is not key=value")),
+            },
+        }
+    }
+    Ok(terms)
 }
 
 impl fmt::Display for Layout {
@@ -211,11 +282,7 @@ impl fmt::Display for Layout {
             if self.sp { " sp" } else { "" },
             self.zero,
             self.micro_batch,
-            match self.recompute {
-                Recompute::None => "none",
-                Recompute::Selective => "selective",
-                Recompute::Full => "full",
-            }
+            self.recompute.name()
         )?;
         if self.pp > 1 {
             match self.schedule {
@@ -257,6 +324,17 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("unknown key"));
+        // What the planner prints parses back to the same layout.
+        assert_eq!(Layout::parse(&l.to_string()).unwrap(), l);
+        let g = Layout::parse("dp=2 tp=1 pp=2 zero=0 mb=4 recompute=none gpipe").unwrap();
+        assert_eq!((g.pp, g.schedule, g.interleave), (2, Schedule::GPipe, 1));
+        assert_eq!(Layout::parse(&g.to_string()).unwrap(), g);
+        let i = Layout::parse("pp=2,schedule=interleaved:3").unwrap();
+        assert_eq!((i.schedule, i.interleave), (Schedule::OneFOneB, 3));
+        assert!(Layout::parse("dp=2 bogus")
+            .unwrap_err()
+            .to_string()
+            .contains("`bogus` is not key=value"));
     }
 
     #[test]
