@@ -27,6 +27,6 @@ if env -u RUST_BACKTRACE mpirun --allow-run-as-root --oversubscribe -np 3 "$BIN"
     --set "train.out_dir=\"$OUT/bad\"" >"$OUT/bad.log" 2>&1; then
     echo "mpi-pipeline-test: FAILED: --pp 2 under 3 ranks succeeded"; exit 1
 fi
-grep -q "mpirun started 3 processes, not a multiple of parallel.pp=2" "$OUT/bad.log" \
+grep -q "mpirun started 3 processes, not a multiple of the 2 workers" "$OUT/bad.log" \
     || { cat "$OUT/bad.log"; exit 1; }
 echo "mpi-pipeline-test: OK"

@@ -4,7 +4,7 @@
 //! product peak measured in the same process.
 
 use crate::config::ModelConfig;
-use crate::train::{build_model, peak_rss_mb};
+use crate::presets::build_model;
 use anyhow::{bail, Result};
 use meshtrain_nn::models::{GptConfig, LeNetVariant};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
@@ -13,6 +13,7 @@ use meshtrain_tensor::loss::softmax_cross_entropy;
 use meshtrain_tensor::matmul::{gemm, Mat, MatMut};
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
+use meshtrain_train::peak_rss_mb;
 use serde::Serialize;
 use std::time::Instant;
 

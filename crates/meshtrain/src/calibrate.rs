@@ -12,8 +12,8 @@
 use crate::bench::gemm_peak;
 use crate::config::{Config, ModelConfig};
 use crate::pipeline_bench::measure_layout;
+use crate::presets::{build_model, Task};
 use crate::scaling::{measure, model_config, parse_list, BenchScalingArgs, ScalingRun};
-use crate::train::{build_model, Task};
 use anyhow::{anyhow, Context, Result};
 use meshtrain_comm::bench::{
     bench_group, memcpy_gbps, BenchBackend, BenchCollectivesArgs, BenchOp,
@@ -29,7 +29,6 @@ use meshtrain_tensor::loss::softmax_cross_entropy;
 use meshtrain_tensor::Tensor;
 use std::fmt::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -192,7 +191,7 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         let (file, mut overrides) = model_config(model)?;
         overrides.push("train.log_every=1000000".into());
         let cfg = Config::load(&PathBuf::from(&file), &overrides)?;
-        let task = Arc::new(Task::load(&cfg)?);
+        let task = Task::load(&cfg)?;
         let global_batch = cfg.train.batch_size as u64;
         let optimizer = match cfg.optimizer {
             OptimizerConfig::Adamw { .. } => Optimizer::Adam,

@@ -1,12 +1,21 @@
 //! Training configuration: TOML files with `--set key=value` overrides, validated up front so
-//! a typo fails before any work starts, with the offending key in the message.
+//! a typo fails before any work starts, with the offending key in the message. A config is
+//! one way to describe a [`Job`] of the `meshtrain-train` library: [`Config::job`] builds it
+//! from the built-in models and datasets ([`crate::presets`]).
 
-use anyhow::{bail, Context, Result};
+use crate::presets::{build_model, Task};
+use anyhow::{anyhow, bail, Context, Result};
 use meshtrain_nn::models::{GptConfig, LeNetVariant};
-use meshtrain_nn::optim::OptimizerConfig;
-use meshtrain_parallel::data::GradCompression;
+use meshtrain_nn::optim::{OptimizerConfig, ParamGroup, ParamGroups, Selector};
+use meshtrain_parallel::data::{DdpConfig, GradCompression};
+use meshtrain_parallel::layout::Recompute;
+pub use meshtrain_parallel::parallelize::DpMode;
+use meshtrain_parallel::pipeline::{PartitionSpec, ScheduleKind, SendMode};
+use meshtrain_parallel::{Layout, ParallelOptions};
+use meshtrain_train::{Job, Length, LrSchedule};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -21,17 +30,25 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     #[serde(default)]
     pub parallel: ParallelConfig,
+    /// Parameter groups: per-group weight decay and learning-rate scale (PyTorch's
+    /// `param_groups`), e.g. no weight decay on biases and norms.
+    #[serde(default)]
+    pub param_groups: Vec<ParamGroupConfig>,
 }
 
-/// How the data-parallel replicas synchronise.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DpMode {
-    /// DistributedDataParallel: bucketed all-reduce overlapped with backward.
-    #[default]
-    Ddp,
-    /// nn.DataParallel style: scatter, gather gradients to rank 0, update there, broadcast.
-    SingleMaster,
+/// `[[param_groups]]`: the parameters a group takes and what it changes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamGroupConfig {
+    /// Parameter name patterns with `*` wildcards (`"*.bias"`, `"*ln*"`), or `"ndim<2"` /
+    /// `"ndim>=2"` on the number of dimensions.
+    pub params: Vec<String>,
+    /// The group's weight decay (default: the optimizer's).
+    #[serde(default)]
+    pub weight_decay: Option<f32>,
+    /// A factor on the learning rate.
+    #[serde(default = "one")]
+    pub lr_scale: f32,
 }
 
 /// Parallel layout and data-parallel settings.
@@ -83,6 +100,15 @@ pub struct ParallelConfig {
     /// thread; better when the workers already use every core, see docs/pipeline.md).
     #[serde(default = "default_pipeline_sends")]
     pub sends: String,
+    /// A layout string (`"dp=2,pp=2,mb=4,schedule=1f1b"`, or what `meshtrain plan` prints):
+    /// the keys it names override dp, pp, schedule, micro_batches and train.recompute.
+    #[serde(default)]
+    pub layout: Option<String>,
+    /// Seconds a collective may wait for its peers before every worker fails with the
+    /// operation, its sequence number and the missing ranks (default 300;
+    /// `MESHTRAIN_TIMEOUT_S` overrides it, e.g. under mpirun).
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
 }
 
 impl Default for ParallelConfig {
@@ -101,6 +127,8 @@ impl Default for ParallelConfig {
             partition: default_partition(),
             timeline: None,
             sends: default_pipeline_sends(),
+            layout: None,
+            timeout_s: None,
         }
     }
 }
@@ -166,7 +194,8 @@ pub struct TrainConfig {
     /// Image models train for whole epochs...
     #[serde(default)]
     pub epochs: Option<u64>,
-    /// ...GPT trains for a number of steps (random windows of the corpus).
+    /// ...GPT trains for a number of steps (random windows of the corpus). Given both, the
+    /// steps win (and the run says so).
     #[serde(default)]
     pub steps: Option<u64>,
     #[serde(default)]
@@ -286,10 +315,19 @@ impl Config {
             }
             ModelConfig::Resnet18 { width } if *width == 0 => bail!("model.width must be positive"),
             _ => {
-                if t.epochs.is_none() {
-                    bail!("image models need train.epochs");
+                if t.epochs.is_none() && t.steps.is_none() {
+                    bail!("image models need train.epochs (or train.steps)");
                 }
             }
+        }
+        if t.steps == Some(0) {
+            bail!("train.steps must be at least 1");
+        }
+        if t.epochs == Some(0) && t.steps.is_none() {
+            bail!("train.epochs must be at least 1");
+        }
+        if t.max_steps == Some(0) {
+            bail!("train.max_steps must be at least 1");
         }
         if !(self.schedule.lr > 0.0 && self.schedule.lr.is_finite()) {
             bail!(
@@ -307,20 +345,189 @@ impl Config {
         if p.dp == 0 {
             bail!("parallel.dp must be at least 1");
         }
+        if p.pp == 0 {
+            bail!("parallel.pp must be at least 1");
+        }
         if t.accumulation_steps == 0 {
             bail!("train.accumulation_steps must be at least 1");
         }
-        check_batch_split(
-            t.batch_size,
-            p.dp,
-            t.accumulation_steps,
-            "accumulation steps",
-        )?;
+        if p.micro_batches == 0 {
+            bail!("parallel.micro_batches must be at least 1");
+        }
         if !(p.bucket_cap_mb > 0.0 && p.first_bucket_mb > 0.0) {
             bail!("parallel.bucket_cap_mb and parallel.first_bucket_mb must be positive");
         }
-        crate::pipeline_train::validate_layout(self)?;
+        if let Some(s) = p.timeout_s {
+            if !(s.is_finite() && s > 0.0) {
+                bail!("parallel.timeout_s must be a positive number of seconds, got {s}");
+            }
+        }
+        self.param_groups()
+            .validate()
+            .map_err(|e| anyhow!("param_groups: {e}"))?;
+        let options = self.parallel_options()?;
+        let layout = self.layout()?;
+        let model = build_model(&self.model);
+        let resolved = layout
+            .resolve(layout.world_size(), t.batch_size, &model)
+            .with_context(|| format!("layout {layout}"))?;
+        options
+            .partition
+            .check(model.num_blocks(), resolved.schedule.num_chunks())?;
         Ok(())
+    }
+
+    /// The run's layout: dp, pp, the schedule, micro-batches (`parallel.micro_batches`, or
+    /// without a pipeline `train.accumulation_steps`, which is the same thing on one stage)
+    /// and recomputation, then whatever `parallel.layout` names on top.
+    pub fn layout(&self) -> Result<Layout> {
+        let (p, t) = (&self.parallel, &self.train);
+        if p.pp > 1 && t.accumulation_steps != 1 {
+            bail!(
+                "train.accumulation_steps={} does not combine with a pipeline: \
+                 parallel.micro_batches already splits each replica's batch",
+                t.accumulation_steps
+            );
+        }
+        if t.accumulation_steps > 1
+            && p.micro_batches > 1
+            && t.accumulation_steps != p.micro_batches
+        {
+            bail!(
+                "train.accumulation_steps={} and parallel.micro_batches={} both split each \
+                 replica's batch: set one of them",
+                t.accumulation_steps,
+                p.micro_batches
+            );
+        }
+        let base = Layout {
+            dp: p.dp,
+            pp: p.pp,
+            schedule: p
+                .schedule
+                .parse::<ScheduleKind>()
+                .map_err(|e| anyhow!("parallel.schedule: {e}"))?,
+            micro_batches: Some(t.accumulation_steps.max(p.micro_batches)),
+            recompute: if t.recompute {
+                Recompute::Full
+            } else {
+                Recompute::None
+            },
+            ..Layout::default()
+        };
+        match &p.layout {
+            None => Ok(base),
+            Some(text) => Ok(Layout::parse_onto(base, text)?),
+        }
+    }
+
+    /// The parallel modules' settings besides the layout.
+    pub fn parallel_options(&self) -> Result<ParallelOptions> {
+        let p = &self.parallel;
+        Ok(ParallelOptions {
+            dp_mode: p.dp_mode,
+            ddp: DdpConfig {
+                bucket_cap_mb: p.bucket_cap_mb,
+                first_bucket_mb: p.first_bucket_mb,
+                compression: p.compression,
+                overlap: p.overlap,
+            },
+            sync_batch_norm: p.sync_batch_norm,
+            partition: p
+                .partition
+                .parse::<PartitionSpec>()
+                .map_err(|e| anyhow!("parallel.{e}"))?,
+            sends: match p.sends.as_str() {
+                "async" => SendMode::Async,
+                "inline" => SendMode::Inline,
+                other => bail!("unknown parallel.sends '{other}' (expected async or inline)"),
+            },
+        })
+    }
+
+    pub fn param_groups(&self) -> ParamGroups {
+        ParamGroups {
+            groups: self
+                .param_groups
+                .iter()
+                .map(|g| ParamGroup {
+                    select: Selector::Patterns(g.params.clone()),
+                    weight_decay: g.weight_decay,
+                    lr_scale: g.lr_scale,
+                })
+                .collect(),
+        }
+    }
+
+    /// Things the run should say about how it read the config.
+    pub fn notices(&self) -> Vec<String> {
+        let t = &self.train;
+        match (t.epochs, t.steps) {
+            (Some(e), Some(s)) => vec![format!(
+                "train.steps={s} sets the run's length; train.epochs={e} is not used"
+            )],
+            _ => Vec::new(),
+        }
+    }
+
+    /// What the checkpoint stores to recognise the model (the `[model]` table).
+    pub fn model_description(&self) -> String {
+        toml::to_string(&self.model).unwrap_or_default()
+    }
+
+    /// The library job this config describes, on `task`'s data.
+    pub fn job(&self, task: &Task) -> Result<Job> {
+        let (t, s) = (&self.train, &self.schedule);
+        let model_cfg = self.model.clone();
+        let mut job = Job::new(
+            move || build_model(&model_cfg),
+            task.train.clone(),
+            task.loss.clone(),
+        )
+        .sampling(task.sampling)
+        .optimizer(self.optimizer)
+        .param_groups(self.param_groups())
+        .lr(LrSchedule {
+            lr: s.lr,
+            warmup_steps: s.warmup_steps,
+            min_lr_fraction: s.min_lr_fraction,
+            reference_batch: s.reference_batch,
+        })
+        .batch_size(t.batch_size)
+        .seed(t.seed)
+        .log_every(t.log_every)
+        .out_dir(t.out_dir.clone())
+        .layout(self.layout()?)
+        .parallel(self.parallel_options()?)
+        .describe_model(self.model_description());
+        job.length = match (t.steps, t.epochs) {
+            (Some(s), _) => Length::Steps(s),
+            (None, Some(e)) => Length::Epochs(e),
+            (None, None) => bail!("the config gives neither train.steps nor train.epochs"),
+        };
+        job.eval = task.eval.clone().map(|mut e| {
+            if let meshtrain_train::EvalPlan::Random {
+                batches,
+                batch_size,
+                ..
+            } = &mut e.plan
+            {
+                *batches = t.eval_batches.max(1);
+                *batch_size = t.batch_size;
+            }
+            e
+        });
+        job.max_steps = t.max_steps;
+        job.threads = t.threads;
+        job.grad_clip = t.grad_clip;
+        job.eval_every = t.eval_every;
+        job.checkpoint_every = self.checkpoint.every_steps;
+        job.timeline = self.parallel.timeline.clone();
+        if let Some(secs) = self.parallel.timeout_s {
+            job.timeout = Duration::from_secs_f64(secs);
+        }
+        job.config_text = toml::to_string(self).unwrap_or_default();
+        Ok(job)
     }
 }
 
@@ -347,17 +554,6 @@ fn apply_override(root: &mut toml::Value, assignment: &str) -> Result<()> {
             .or_insert_with(|| toml::Value::Table(Default::default()));
     }
     bail!("empty override key in '{assignment}'")
-}
-
-/// `train.batch_size` must split evenly over `dp` data-parallel replicas × `pieces` per
-/// replica (accumulation steps, or a pipeline's micro-batches).
-pub(crate) fn check_batch_split(batch: usize, dp: usize, pieces: usize, what: &str) -> Result<()> {
-    if !batch.is_multiple_of(dp * pieces) {
-        bail!(
-            "train.batch_size {batch} must divide evenly over dp={dp} replicas × {pieces} {what}"
-        );
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,17 +1,15 @@
-//! meshtrain: train neural networks across many workers.
-//!
-//! This crate holds the trainer, its configuration and checkpoints, and the benchmarks behind
-//! the `meshtrain` command. The building blocks live in their own crates: `meshtrain-tensor`
-//! (kernels), `meshtrain-nn` (layers, models, optimizers), `meshtrain-comm` (collectives),
-//! `meshtrain-data` (datasets) and `meshtrain-plan` (the layout planner).
+//! The `meshtrain` command: a thin client of the `meshtrain-train` library. It reads TOML
+//! configs into library jobs on the built-in models and datasets ([`presets`]), and holds the
+//! benchmarks behind `meshtrain bench`. The trainer itself — one loop for every layout, for
+//! any model and dataset — is `meshtrain-train`; the building blocks live in their own crates:
+//! `meshtrain-tensor` (kernels), `meshtrain-nn` (layers, models, optimizers),
+//! `meshtrain-comm` (collectives), `meshtrain-data` (datasets), `meshtrain-parallel` (the
+//! parallel dimensions) and `meshtrain-plan` (the layout planner).
 
 pub mod bench;
 pub mod calibrate;
-pub mod checkpoint;
 pub mod config;
-pub mod launch;
 pub mod pipeline_bench;
-pub mod pipeline_train;
 pub mod plot;
+pub mod presets;
 pub mod scaling;
-pub mod train;

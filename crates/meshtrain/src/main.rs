@@ -4,7 +4,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use meshtrain::bench::{run_models, BenchModelsArgs};
 use meshtrain::config::Config;
-use meshtrain::launch::{run_job, JobOptions};
+use meshtrain::presets::Task;
+use meshtrain_train::RunOptions;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -44,9 +45,17 @@ struct TrainArgs {
     /// Override a config value: --set train.batch_size=128 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
-    /// Resume from a checkpoint (default: none).
+    /// Resume from a checkpoint of the same model (default: none).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Start from a checkpoint's weights with a fresh optimizer at step 0 (fine-tuning; the
+    /// checkpoint may come from another model configuration whose tensors match).
+    #[arg(long, value_name = "CHECKPOINT", conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
+    /// A layout, e.g. "dp=2,pp=2,mb=4,schedule=1f1b" or what `meshtrain plan` printed; the
+    /// keys it names override the config's (same as --set parallel.layout=...).
+    #[arg(long)]
+    layout: Option<String>,
     /// Data-parallel workers (threads of this process; under mpirun the MPI world size).
     /// Same as --set parallel.dp=N.
     #[arg(long)]
@@ -65,7 +74,7 @@ struct TrainArgs {
     /// Micro-batches per step and data-parallel replica (pipeline runs).
     #[arg(long)]
     micro_batches: Option<usize>,
-    /// Pipeline runs: write a Chrome trace of the last step to FILE.json (open it in
+    /// Write a Chrome trace of the last step to FILE.json (open it in
     /// https://ui.perfetto.dev) and a PNG of it next to it.
     #[arg(long, value_name = "FILE.json")]
     timeline: Option<PathBuf>,
@@ -109,13 +118,30 @@ fn train(args: &TrainArgs) -> Result<()> {
         let path = path.to_string_lossy();
         overrides.push(format!("parallel.timeline={}", toml_string(&path)));
     }
+    if let Some(layout) = &args.layout {
+        overrides.push(format!("parallel.layout={}", toml_string(layout)));
+    }
     let cfg = Config::load(&args.config, &overrides)?;
-    let options = JobOptions {
-        resume: args.resume.clone(),
+    let task = Task::load(&cfg)?;
+    let job = cfg.job(&task)?;
+    let options = RunOptions {
+        resume: args.resume.clone().or(cfg.checkpoint.resume.clone()),
+        init_from: args.init_from.clone(),
         show_progress: std::io::stderr().is_terminal(),
         verbose: true,
     };
-    let summary = run_job(cfg, &options)?;
+    let lead = !meshtrain_train::launched_by_mpi()
+        || std::env::var("OMPI_COMM_WORLD_RANK").is_ok_and(|r| r == "0");
+    if lead {
+        println!("meshtrain: {}", task.source);
+        for notice in cfg.notices() {
+            println!("note: {notice}");
+        }
+    }
+    let summary = job.run(&options)?;
+    if summary.rank != 0 {
+        return Ok(());
+    }
     println!(
         "done: {} steps, final train loss {:.4}",
         summary.steps, summary.final_train_loss
@@ -166,6 +192,8 @@ fn run() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: logs redirected to a file stay plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match Cli::parse().command {
         Command::Train(a) => train(&a),

@@ -8,11 +8,12 @@
 //! that only waits (the bubble) costs wall time but little CPU.
 
 use crate::config::Config;
+use crate::presets::Task;
 use crate::scaling::parse_list;
-use crate::train::{Breakdown, Task, Trainer};
 use anyhow::{anyhow, bail, Context, Result};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_parallel::pipeline::measure::{self, Part};
+use meshtrain_train::{Breakdown, Trainer};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -121,7 +122,7 @@ pub fn throughput_runs(args: &BenchPipelineArgs) -> Result<Vec<ThroughputRun>> {
     let mut overrides = args.overrides.clone();
     overrides.push("train.log_every=1000000".into());
     let base = Config::load(&PathBuf::from("configs/gpt.toml"), &overrides)?;
-    let task = Arc::new(Task::load(&base)?);
+    let task = Task::load(&base)?;
     let (steps, warmup) = if args.quick {
         (1, 1)
     } else {
@@ -159,7 +160,7 @@ pub fn throughput_runs(args: &BenchPipelineArgs) -> Result<Vec<ThroughputRun>> {
 pub fn measure_layout(
     layout: &str,
     cfg: Config,
-    task: &Arc<Task>,
+    task: &Task,
     threads: usize,
     warmup: u64,
     steps: u64,
@@ -167,31 +168,21 @@ pub fn measure_layout(
     let workers = cfg.parallel.dp * cfg.parallel.pp;
     let threads_per_worker = (threads / workers).max(1);
     let batch = cfg.train.batch_size;
-    let task = Arc::clone(task);
+    let job = Arc::new(cfg.job(task)?);
+    job.check(workers)?;
     // Per worker: the timed steps' breakdown, wall seconds, and (rank 0) process CPU seconds.
     let results = ThreadsWorld::run(workers, CommConfig::default(), move |group| {
         let fail = |e: anyhow::Error| format!("{e:#}");
         let world = Arc::clone(&group);
-        let mut t = Trainer::with_group(
-            cfg.clone(),
-            Arc::clone(&task),
-            group,
-            Some(threads_per_worker),
-        )
-        .map_err(fail)?;
-        let step = |t: &mut Trainer, s: u64| -> Result<()> {
-            let tb = Instant::now();
-            let b = t.batch(s)?;
-            t.breakdown.data_s += tb.elapsed().as_secs_f64();
-            t.train_step(&b).map(|_| ())
-        };
-        for s in 0..warmup {
-            step(&mut t, s).map_err(fail)?;
+        let mut t = job.trainer(group, Some(threads_per_worker)).map_err(fail)?;
+        let step = |t: &mut Trainer| -> Result<()> { t.train_step().map(|_| ()) };
+        for _ in 0..warmup {
+            step(&mut t).map_err(fail)?;
         }
         world.barrier().map_err(|e| e.to_string())?;
         let (before, cpu0, wall) = (t.breakdown.clone(), process_cpu_s(), Instant::now());
-        for s in warmup..warmup + steps {
-            step(&mut t, s).map_err(fail)?;
+        for _ in 0..steps {
+            step(&mut t).map_err(fail)?;
         }
         world.barrier().map_err(|e| e.to_string())?;
         let (wall, cpu) = (wall.elapsed().as_secs_f64(), process_cpu_s() - cpu0);
@@ -209,10 +200,10 @@ pub fn measure_layout(
         samples_per_s: samples / wall,
         step_ms: wall / steps.max(1) as f64 * 1e3,
         compute_ms: mean(Breakdown::compute_s),
-        optimizer_ms: mean(|b| b.optimizer_s),
-        pipeline_idle_ms: mean(|b| b.pipeline_idle_s),
-        comm_exposed_ms: mean(|b| b.comm_exposed_s),
-        comm_hidden_ms: mean(|b| b.comm_hidden_s),
+        optimizer_ms: mean(|b| b.times.optimizer_s),
+        pipeline_idle_ms: mean(|b| b.times.pipeline_idle_s),
+        comm_exposed_ms: mean(|b| b.times.comm_exposed_s),
+        comm_hidden_ms: mean(|b| b.times.comm_hidden_s),
         cpu_ms_per_sample: results[0].2 / samples * 1e3,
     })
 }

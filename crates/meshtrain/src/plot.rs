@@ -271,7 +271,7 @@ pub fn plot_metrics(metrics_jsonl: &Path, out_png: &Path) -> Result<(), PlotErro
 mod tests {
     use super::*;
     use crate::config::Config;
-    use crate::train::{Task, Trainer};
+    use crate::presets::Task;
 
     fn write(dir: &Path, lines: &[&str]) -> PathBuf {
         let path = dir.join("metrics.jsonl");
@@ -441,7 +441,10 @@ mod tests {
         .collect();
         let cfg = Config::from_toml_with_overrides(&config, &overrides).unwrap();
         let task = Task::load(&cfg).unwrap();
-        Trainer::new(cfg, task).unwrap().run().unwrap();
+        cfg.job(&task)
+            .unwrap()
+            .run(&meshtrain_train::RunOptions::default())
+            .unwrap();
 
         let metrics = dir.path().join("metrics.jsonl");
         let m = RunMetrics::read(&metrics).unwrap();

@@ -8,9 +8,10 @@
 //! run is the real trainer (`train --dp N`) on real data after warm-up steps.
 
 use crate::config::{Config, DpMode};
-use crate::train::{Breakdown, Task, Trainer};
+use crate::presets::Task;
 use anyhow::{anyhow, bail, Context, Result};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
+use meshtrain_train::Breakdown;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -99,7 +100,7 @@ pub fn measure(
     model: &str,
     workers: usize,
     args: &BenchScalingArgs,
-    task: &Arc<Task>,
+    task: &Task,
     base: &Config,
 ) -> Result<ScalingRun> {
     let mut cfg = base.clone();
@@ -108,19 +109,18 @@ pub fn measure(
     let threads = (args.threads / workers).max(1);
     let steps = args.steps.unwrap_or_else(|| default_steps(model));
     let warmup = args.warmup;
-    let task = Arc::clone(task);
+    let job = Arc::new(cfg.job(task)?);
+    job.check(workers)?;
     let breakdowns = ThreadsWorld::run(workers, CommConfig::default(), move |group| {
-        let mut t = Trainer::with_group(cfg.clone(), Arc::clone(&task), group, Some(threads))
+        let mut t = job
+            .trainer(group, Some(threads))
             .map_err(|e| format!("{e:#}"))?;
         let mut timed = Breakdown::default();
         for step in 0..warmup + steps {
             if step == warmup {
                 timed = t.breakdown.clone();
             }
-            let tb = std::time::Instant::now();
-            let batch = t.batch(step).map_err(|e| format!("{e:#}"))?;
-            t.breakdown.data_s += tb.elapsed().as_secs_f64();
-            t.train_step(&batch).map_err(|e| format!("{e:#}"))?;
+            t.train_step().map_err(|e| format!("{e:#}"))?;
         }
         Ok::<_, String>(t.breakdown.since(&timed))
     })
@@ -139,11 +139,11 @@ pub fn measure(
         samples_per_s: base.train.batch_size as f64 / step_s,
         step_ms: step_s * 1e3,
         compute_ms: bd.compute_s() / n * 1e3,
-        optimizer_ms: bd.optimizer_s / n * 1e3,
-        comm_exposed_ms: bd.comm_exposed_s / n * 1e3,
-        comm_hidden_ms: bd.comm_hidden_s / n * 1e3,
+        optimizer_ms: bd.times.optimizer_s / n * 1e3,
+        comm_exposed_ms: bd.times.comm_exposed_s / n * 1e3,
+        comm_hidden_ms: bd.times.comm_hidden_s / n * 1e3,
         data_ms: bd.data_s / n * 1e3,
-        comm_mb_per_step: bd.comm_bytes as f64 / n / 1e6,
+        comm_mb_per_step: bd.times.comm_bytes as f64 / n / 1e6,
         compute_to_comm: if workers > 1 {
             bd.compute_to_comm()
         } else {
@@ -185,7 +185,7 @@ pub fn run_scaling(args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
         overrides.push("train.log_every=1000000".into());
         let mut base = Config::load(&PathBuf::from(&file), &overrides)?;
         base.parallel.dp_mode = mode;
-        let task = Arc::new(Task::load(&base)?);
+        let task = Task::load(&base)?;
         let mut one = None;
         for &w in &workers {
             let mut run = measure(&model, w, args, &task, &base)?;

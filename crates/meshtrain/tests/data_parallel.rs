@@ -9,12 +9,10 @@
 //! to 8 bits of mantissa, so that test uses 2e-2 and also checks the run is *not* bit-equal.
 
 use meshtrain::config::Config;
-use meshtrain::train::{Task, Trainer};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
-use std::sync::Arc;
 
 mod common;
-use common::{root, TINY_GPT};
+use common::{job, root, single_trainer, TINY_GPT};
 
 const STEPS: u64 = 20;
 
@@ -60,20 +58,21 @@ fn train_steps(cfg: &Config, dp: usize, steps: u64, nudge: f32) -> Vec<Vec<f32>>
     let mut cfg = cfg.clone();
     cfg.parallel.dp = dp;
     cfg.validate().unwrap();
-    let task = Arc::new(Task::load(&cfg).unwrap());
+    let job = job(&cfg);
     ThreadsWorld::run(dp, CommConfig::default(), move |group| {
-        let mut t = Trainer::with_group(cfg.clone(), Arc::clone(&task), group, Some(1))?;
-        t.store
+        let mut t = job.trainer(group, Some(1))?;
+        // Without a pipeline the stage is one chunk: the whole model.
+        t.parallel.stage.chunks[0]
+            .store
             .values
             .iter_mut()
             .step_by(7)
             .for_each(|v| *v *= 1.0 + nudge);
         for step in 0..steps {
-            let batch = t.batch(step)?;
-            let (loss, _) = t.train_step(&batch)?;
+            let loss = t.train_step()?.loss;
             anyhow::ensure!(loss.is_finite(), "loss {loss} at step {step}");
         }
-        Ok::<_, anyhow::Error>(t.store.values.clone())
+        Ok::<_, anyhow::Error>(t.local_params())
     })
     .unwrap_or_else(|e| panic!("{e}"))
 }
@@ -222,24 +221,26 @@ fn overlap_off_and_tiny_buckets_give_the_same_result() {
 #[test]
 fn distributed_evaluation_counts_every_sample_once() {
     let cfg = config("lenet", &["data.test_limit=334"]);
-    let task = Task::load(&cfg).unwrap();
-    let mut single = Trainer::new(cfg.clone(), task).unwrap();
-    let expect = single.evaluate().unwrap();
+    let expect = single_trainer(&cfg).evaluate().unwrap().unwrap();
+    assert_eq!(expect.samples, 334.0);
     let mut cfg3 = cfg.clone();
     cfg3.train.batch_size = 33;
     cfg3.parallel.dp = 3;
-    let task = Arc::new(Task::load(&cfg3).unwrap());
+    let job = job(&cfg3);
     let got = ThreadsWorld::run(3, CommConfig::default(), move |g| {
-        let mut t = Trainer::with_group(cfg3.clone(), Arc::clone(&task), g, Some(1))?;
+        let mut t = job.trainer(g, Some(1))?;
         t.evaluate()
     })
     .unwrap_or_else(|e| panic!("{e}"));
-    for (loss, acc) in got {
+    for sums in got {
+        let sums = sums.unwrap();
         assert_eq!(
-            acc, expect.1,
+            sums.accuracy(),
+            expect.accuracy(),
             "accuracy over 334 test images split 112/111/111"
         );
-        assert!((loss - expect.0).abs() < 1e-6, "{loss} vs {}", expect.0);
+        let (loss, want) = (sums.mean_loss(), expect.mean_loss());
+        assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
     }
 }
 

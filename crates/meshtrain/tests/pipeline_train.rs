@@ -1,5 +1,5 @@
 //! Pipeline parallelism end to end, through the same entry point as `meshtrain train`
-//! (`launch::run_job`): a `pp`-stage (× `dp`-replica) run must end with the parameters of one
+//! (`Job::run`): a `pp`-stage (× `dp`-replica) run must end with the parameters of one
 //! worker on the same global batches, write the standard checkpoint file, resume exactly, and
 //! reject impossible layouts before any work starts.
 //!
@@ -23,13 +23,12 @@
 //! comparison also checks that a pipeline checkpoint is a complete standard checkpoint.
 
 use meshtrain::config::Config;
-use meshtrain::launch::{run_job, JobOptions};
-use meshtrain::pipeline_train::mpi_data_parallel_size;
-use meshtrain::train::{Task, Trainer};
+use meshtrain_train::launch::mpi_data_parallel_size;
+use meshtrain_train::{RunOptions, Summary};
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{root, TINY_GPT};
+use common::{job, root, single_trainer, TINY_GPT};
 
 const STEPS: u64 = 10;
 
@@ -80,15 +79,20 @@ fn strings(s: &[&str]) -> Vec<String> {
 fn train(model: &str, extra: &[String], resume: Option<&Path>) -> (Vec<f32>, PathBuf) {
     let out = tempfile::tempdir().unwrap().keep();
     let cfg = config(model, &out, extra);
-    let options = JobOptions {
+    let options = RunOptions {
         resume: resume.map(Path::to_path_buf),
-        ..JobOptions::default()
+        ..RunOptions::default()
     };
-    let summary = run_job(cfg.clone(), &options).unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
+    let summary = run(&cfg, &options).unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
     assert_eq!(summary.steps, STEPS);
     assert!(summary.final_train_loss.is_finite());
     let checkpoint = out.join("checkpoint.safetensors");
     (read_params(&cfg, &checkpoint), checkpoint)
+}
+
+/// Runs the job `cfg` describes, as `meshtrain train` does.
+fn run(cfg: &Config, options: &RunOptions) -> anyhow::Result<Summary> {
+    (*job(cfg)).clone().run(options)
 }
 
 fn read_params(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
@@ -96,10 +100,10 @@ fn read_params(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
     single.parallel.dp = 1;
     single.parallel.pp = 1;
     single.parallel.micro_batches = 1;
-    let mut t = Trainer::new(single.clone(), Task::load(&single).unwrap()).unwrap();
+    let mut t = single_trainer(&single);
     t.resume(checkpoint).unwrap();
     assert_eq!(t.step, STEPS);
-    t.store.values
+    t.local_params()
 }
 
 /// Relative L2 distance ‖a − b‖ / ‖b‖ (in f64).
@@ -157,6 +161,30 @@ fn resnet_pipeline_matches_the_same_micro_batches_without_a_pipeline() {
     }
 }
 
+/// Data-parallel modes compose with a pipeline because both act per chunk: SyncBatchNorm
+/// sums each stage's statistics over that stage's replicas, the single master of each stage
+/// gathers and broadcasts that stage's parameters. Against the same micro-batches without a
+/// pipeline both are bit-identical.
+#[test]
+fn sync_batch_norm_and_single_master_compose_with_a_pipeline() {
+    for mode in [
+        "parallel.sync_batch_norm=true",
+        "parallel.dp_mode=\"single-master\"",
+    ] {
+        let mut reference = strings(&["parallel.dp=2", "train.accumulation_steps=2"]);
+        reference.push(mode.into());
+        let (expected, _) = train("resnet", &reference, None);
+        let mut piped = layout(2, 2, "1f1b", 2);
+        piped.push(mode.into());
+        let (params, _) = train("resnet", &piped, None);
+        assert!(
+            params == expected,
+            "{mode}: {:.2e} from dp=2 without a pipeline",
+            rel_diff(&params, &expected)
+        );
+    }
+}
+
 #[test]
 fn partitions_and_send_modes_train_the_same_model() {
     let (single, _) = train("gpt", &[], None);
@@ -186,7 +214,7 @@ fn resuming_a_pipeline_checkpoint_continues_exactly() {
     let out = tempfile::tempdir().unwrap().keep();
     let mut cfg = config("gpt", &out, &half);
     cfg.train.max_steps = Some(STEPS / 2);
-    run_job(cfg, &JobOptions::default()).unwrap_or_else(|e| panic!("{e:#}"));
+    run(&cfg, &RunOptions::default()).unwrap_or_else(|e| panic!("{e:#}"));
     let (resumed, _) = train("gpt", &extra, Some(&out.join("checkpoint.safetensors")));
     assert_eq!(resumed, straight, "resumed pipeline run differs");
     // The checkpoint is a standard one: another layout (here 1F1B on 2 stages without data
@@ -247,19 +275,37 @@ fn impossible_layouts_fail_before_any_work_with_a_clear_message() {
         e.contains("train.accumulation_steps=2 does not combine"),
         "{e}"
     );
-    let e = err(&strings(&["parallel.micro_batches=2"]));
-    assert!(e.contains("needs a pipeline"), "{e}");
-    let e = err(&strings(&["parallel.timeline=\"t.json\""]));
-    assert!(e.contains("needs parallel.pp > 1"), "{e}");
+    let mut both = strings(&["parallel.micro_batches=2"]);
+    both.push("train.accumulation_steps=3".into());
+    let e = err(&both);
+    assert!(e.contains("both split each replica's batch"), "{e}");
     let mut sends = layout(1, 2, "1f1b", 2);
     sends.push("parallel.sends=\"later\"".into());
     let e = err(&sends);
     assert!(e.contains("unknown parallel.sends 'later'"), "{e}");
-    let e = mpi_data_parallel_size(2, 2, 6).unwrap_err().to_string();
+    // A layout string names the numbers the same way.
+    let e = err(&strings(&["parallel.layout=\"dp=2,pp=2,m=4\""]));
     assert!(
-        e.contains("parallel.dp=2 × parallel.pp=2 = 4 but mpirun started 6 processes"),
+        e.contains("train.batch_size 12 must divide evenly over dp=2 replicas × 4"),
         "{e}"
     );
+    let e = err(&strings(&["parallel.layout=\"tp=2\""]));
+    assert!(e.contains("tp=2 is not available yet"), "{e}");
+    let e = mpi_data_parallel_size(2, 2, 6).unwrap_err().to_string();
+    assert!(
+        e.contains("dp=2 × 2 worker(s) per replica = 4 but mpirun started 6 processes"),
+        "{e}"
+    );
+    assert!(e.contains("(--dp 3)"), "{e}");
+    // One stage is a one-chunk pipeline: micro-batches are gradient accumulation, and the
+    // timeline works for every layout.
+    let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
+    let mut o = strings(&TINY_GPT);
+    o.extend(strings(&[
+        "parallel.micro_batches=2",
+        "parallel.timeline=\"t.json\"",
+    ]));
+    Config::from_toml_with_overrides(&text, &o).unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 #[test]

@@ -1,8 +1,20 @@
 //! End-to-end trainer checks: learning on real data, bit-exact resume, bad input.
 
 use meshtrain::config::Config;
-use meshtrain::train::{Task, Trainer};
-use std::path::PathBuf;
+use meshtrain_train::{RunOptions, Summary};
+use std::path::{Path, PathBuf};
+
+mod common;
+use common::{job, single_trainer};
+
+/// Runs the job `cfg` describes, as `meshtrain train` does.
+fn run(cfg: &Config) -> anyhow::Result<Summary> {
+    run_with(cfg, &RunOptions::default())
+}
+
+fn run_with(cfg: &Config, options: &RunOptions) -> anyhow::Result<Summary> {
+    (*job(cfg)).clone().run(options)
+}
 
 fn subset_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/fashion-mnist-subset")
@@ -51,9 +63,7 @@ fn gpt_config(out: &std::path::Path, extra: &[&str]) -> Config {
 fn lenet_learns_fashion_mnist_from_the_shipped_subset() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = lenet_config(dir.path(), &[]);
-    let task = Task::load(&cfg).unwrap();
-    let mut t = Trainer::new(cfg, task).unwrap();
-    let s = t.run().unwrap();
+    let s = run(&cfg).unwrap();
     let acc = s.test_accuracy.unwrap();
     // 32 steps on 1024 images: far above the 10% of chance, well short of a full run.
     assert!(acc > 0.55, "test accuracy {acc}");
@@ -66,28 +76,30 @@ fn lenet_learns_fashion_mnist_from_the_shipped_subset() {
         .contains("\"kind\":\"summary\""));
 }
 
-/// Train `cfg` for all its steps, or stop at `split`, save, and resume in a fresh trainer.
+/// Train `cfg` for all its steps, or stop at `split`, save, and resume in a fresh run.
+/// Returns the final parameters, buffers and momentum (read back from the checkpoint).
 fn final_params(cfg: Config, split: Option<u64>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let mut cfg = cfg;
+    let mut options = RunOptions::default();
+    let checkpoint = cfg.train.out_dir.join("checkpoint.safetensors");
     if let Some(k) = split {
         let mut first = cfg.clone();
         first.train.max_steps = Some(k);
-        let task = Task::load(&first).unwrap();
-        let mut t = Trainer::new(first, task).unwrap();
-        t.run().unwrap();
-        assert_eq!(t.step, k);
-        cfg.checkpoint.resume = Some(t.checkpoint_path());
+        assert_eq!(run(&first).unwrap().steps, k);
+        options.resume = Some(checkpoint.clone());
     }
-    let task = Task::load(&cfg).unwrap();
-    let mut t = Trainer::new(cfg.clone(), task).unwrap();
-    if let Some(p) = &cfg.checkpoint.resume {
-        t.resume(p).unwrap();
-    }
-    t.run().unwrap();
+    run_with(&cfg, &options).unwrap();
+    read_state(&cfg, &checkpoint)
+}
+
+/// Parameters, buffers and momentum of a checkpoint, as a one-worker trainer resumes them.
+fn read_state(cfg: &Config, checkpoint: &Path) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut t = single_trainer(cfg);
+    t.resume(checkpoint).unwrap();
+    let chunk = &t.parallel.stage.chunks[0];
     (
-        t.store.values.clone(),
-        t.store.buffers.clone(),
-        t.optimizer.m.clone(),
+        chunk.store.values.clone(),
+        chunk.store.buffers.clone(),
+        t.parallel.optimizers[0].m.clone(),
     )
 }
 
@@ -128,11 +140,10 @@ fn activation_recomputation_changes_memory_not_results() {
 fn corrupt_or_mismatched_checkpoints_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = lenet_config(dir.path(), &["train.max_steps=2"]);
-    let task = Task::load(&cfg).unwrap();
-    let mut t = Trainer::new(cfg, task).unwrap();
-    t.run().unwrap();
-    let ckpt = t.checkpoint_path();
+    run(&cfg).unwrap();
+    let ckpt = dir.path().join("checkpoint.safetensors");
     let bytes = std::fs::read(&ckpt).unwrap();
+    let mut t = single_trainer(&cfg);
 
     let truncated = dir.path().join("truncated.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
@@ -143,12 +154,54 @@ fn corrupt_or_mismatched_checkpoints_are_clear_errors() {
     let err = format!("{:#}", t.resume(&missing).unwrap_err());
     assert!(err.contains("missing.safetensors"), "{err}");
 
-    // A GPT trainer cannot load a LeNet checkpoint: the error names the missing tensor.
+    // A GPT trainer cannot resume a LeNet checkpoint: the error says which models they are.
     let g = gpt_config(dir.path(), &[]);
-    let task = Task::load(&g).unwrap();
-    let mut gt = Trainer::new(g, task).unwrap();
+    let mut gt = single_trainer(&g);
     let err = format!("{:#}", gt.resume(&ckpt).unwrap_err());
+    assert!(err.contains("holds another model"), "{err}");
+    assert!(
+        err.contains("kind = \"lenet\"") && err.contains("kind = \"gpt\""),
+        "{err}"
+    );
+    // Nor start from its weights: the error names the missing tensor.
+    let err = format!("{:#}", gt.init_from(&ckpt).unwrap_err());
     assert!(err.contains("tok.weight"), "{err}");
+
+    // LeNet ReLU and sigmoid have the same tensors: only the stored model tells them apart.
+    let sigmoid = lenet_config(dir.path(), &["model.variant=\"sigmoid\""]);
+    let mut st = single_trainer(&sigmoid);
+    let err = format!("{:#}", st.resume(&ckpt).unwrap_err());
+    assert!(
+        err.contains("variant = \"relu\"") && err.contains("--init-from"),
+        "{err}"
+    );
+    // Fine-tuning from it on purpose is allowed: the weights arrive, the step stays 0.
+    st.init_from(&ckpt).unwrap();
+    assert_eq!(st.step, 0);
+    t.resume(&ckpt).unwrap();
+    assert_eq!(st.local_params(), t.local_params());
+
+    // A checkpoint with a NaN is refused, naming the tensor.
+    let nan = dir.path().join("nan.safetensors");
+    std::fs::write(&nan, poison_first_value(&bytes, "param.conv1.weight")).unwrap();
+    let err = format!("{:#}", t.resume(&nan).unwrap_err());
+    assert!(
+        err.contains("nan.safetensors")
+            && err.contains("param.conv1.weight")
+            && err.contains("non-finite"),
+        "{err}"
+    );
+}
+
+/// `bytes` (a safetensors file) with the first f32 of tensor `name` set to NaN.
+fn poison_first_value(bytes: &[u8], name: &str) -> Vec<u8> {
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let start = header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    let mut out = bytes.to_vec();
+    let at = 8 + header_len + start;
+    out[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    out
 }
 
 #[test]
@@ -166,14 +219,87 @@ fn gpt_loss_falls_below_the_unigram_baseline_quickly() {
             "schedule.warmup_steps=10",
         ],
     );
-    let task = Task::load(&cfg).unwrap();
-    let mut t = Trainer::new(cfg, task).unwrap();
-    let s = t.run().unwrap();
+    let s = run(&cfg).unwrap();
     let (loss, base) = (s.eval_loss.unwrap(), s.unigram_baseline.unwrap());
     assert!(
         loss < base,
         "validation loss {loss} not below the unigram baseline {base}"
     );
+}
+
+#[test]
+fn output_directories_hold_one_run_and_no_partial_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lenet_config(dir.path(), &["train.max_steps=4", "train.log_every=1"]);
+    let summaries = |path: &Path| {
+        let text = std::fs::read_to_string(path.join("metrics.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        lines
+    };
+    run(&cfg).unwrap();
+    // A crash during a save leaves the temporary file: the next run removes it.
+    let stale = dir.path().join("checkpoint.safetensors.tmp");
+    std::fs::write(&stale, b"half a checkpoint").unwrap();
+    // A fresh run into the same directory starts its metrics anew.
+    run(&cfg).unwrap();
+    assert!(
+        !stale.exists(),
+        "the stale temporary checkpoint is still there"
+    );
+    let records = summaries(dir.path());
+    assert_eq!(records.iter().filter(|r| r["kind"] == "summary").count(), 1);
+    assert_eq!(records.iter().filter(|r| r["kind"] == "train").count(), 4);
+    // A resumed run keeps the records up to its checkpoint and appends the rest.
+    let mut longer = cfg.clone();
+    longer.train.max_steps = Some(6);
+    let options = RunOptions {
+        resume: Some(dir.path().join("checkpoint.safetensors")),
+        ..RunOptions::default()
+    };
+    run_with(&longer, &options).unwrap();
+    let records = summaries(dir.path());
+    let steps: Vec<u64> = records
+        .iter()
+        .filter(|r| r["kind"] == "train")
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(records.iter().filter(|r| r["kind"] == "summary").count(), 1);
+    assert!(dir.path().join("breakdown.json").exists());
+}
+
+#[test]
+fn run_lengths_are_explicit() {
+    let dir = tempfile::tempdir().unwrap();
+    // Resuming a finished run is an error, not a NaN summary.
+    let cfg = lenet_config(dir.path(), &["train.max_steps=2"]);
+    run(&cfg).unwrap();
+    let options = RunOptions {
+        resume: Some(dir.path().join("checkpoint.safetensors")),
+        ..RunOptions::default()
+    };
+    let err = format!("{:#}", run_with(&cfg, &options).unwrap_err());
+    assert!(
+        err.contains("nothing to train: the run is at step 2"),
+        "{err}"
+    );
+    // steps=0 is rejected before any work.
+    let text = std::fs::read_to_string(common::root().join("configs/lenet.toml")).unwrap();
+    let err = format!(
+        "{:#}",
+        Config::from_toml_with_overrides(&text, &["train.steps=0".into()]).unwrap_err()
+    );
+    assert!(err.contains("train.steps must be at least 1"), "{err}");
+    // Steps on an epoch-based config win, and the run says so.
+    let cfg = lenet_config(dir.path(), &["train.steps=3"]);
+    assert_eq!(
+        cfg.notices(),
+        ["train.steps=3 sets the run's length; train.epochs=2 is not used"]
+    );
+    assert_eq!(run(&cfg).unwrap().steps, 3);
 }
 
 #[test]

@@ -240,6 +240,15 @@ impl Layer for Linear {
     }
 
     fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        assert_eq!(
+            x.shape().last(),
+            Some(&self.inputs),
+            "Linear({} → {}) takes inputs whose last dimension is {}, got shape {:?}",
+            self.inputs,
+            self.outputs,
+            self.inputs,
+            x.shape()
+        );
         let rows = x.numel() / self.inputs;
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("non-empty shape") = self.outputs;

@@ -16,6 +16,7 @@
 
 pub mod layer;
 pub mod layers;
+pub mod loss;
 pub mod model;
 pub mod models;
 pub mod optim;
@@ -23,4 +24,7 @@ pub mod schedule;
 pub mod transformer;
 
 pub use layer::{Init, Layer, Mode, ParamSpec, Saved, StatsReducer};
-pub use model::{Block, Model, ParamEntry, ParamStore};
+pub use loss::{CrossEntropy, Loss, LossError, LossValue};
+pub use model::{
+    Block, InputKind, InputSpec, Model, ModelError, ParamEntry, ParamStore, TiedParams,
+};

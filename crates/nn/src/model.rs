@@ -1,4 +1,8 @@
 //! A model is an ordered list of named blocks over one flat parameter buffer.
+//!
+//! Two optional facts make a model usable by a trainer without further glue: the input it
+//! takes ([`InputSpec`], checked against a dataset before any work), and parameters tied
+//! across blocks ([`TiedParams`], e.g. a GPT's token embedding and output head).
 
 use crate::layer::{spec_len, Layer, Mode, ParamSpec, Saved, StatsReducer};
 use meshtrain_tensor::rng::SplitMix64;
@@ -20,6 +24,85 @@ impl Block {
             layer: Box::new(layer),
         }
     }
+}
+
+/// What one sample of a model's input is: float features of a shape, or integer token ids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputSpec {
+    pub kind: InputKind,
+    /// Shape of one sample (`[1, 28, 28]` for an image, `[seq]` for a token sequence).
+    pub shape: Vec<usize>,
+}
+
+/// Float features, or integer ids below `vocab` (carried to the model as exact f32 values,
+/// so at most 2²⁴).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputKind {
+    Float,
+    Tokens { vocab: usize },
+}
+
+impl InputSpec {
+    pub fn float(shape: &[usize]) -> Self {
+        InputSpec {
+            kind: InputKind::Float,
+            shape: shape.to_vec(),
+        }
+    }
+
+    pub fn tokens(seq: usize, vocab: usize) -> Self {
+        InputSpec {
+            kind: InputKind::Tokens { vocab },
+            shape: vec![seq],
+        }
+    }
+
+    /// Values per sample.
+    pub fn sample_len(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+impl std::fmt::Display for InputSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.kind {
+            InputKind::Float => write!(f, "float features of shape {:?}", self.shape),
+            InputKind::Tokens { vocab } => {
+                write!(f, "token ids below {vocab} of shape {:?}", self.shape)
+            }
+        }
+    }
+}
+
+/// One parameter of the model held in several places (Megatron's tied embeddings): entry
+/// `primary` of [`Model::params`] and its `copies`, each in its own block so a pipeline can
+/// put them on different stages. Copies start equal to the primary; a trainer adds their
+/// gradients up (across stages if need be) and gives every copy the sum, so all stay equal.
+/// Checkpoints store the primary only, and norms count it once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TiedParams {
+    pub primary: usize,
+    pub copies: Vec<usize>,
+}
+
+/// A model that cannot be put together as asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    #[error("the model has no parameter named '{0}'")]
+    UnknownParam(String),
+    #[error(
+        "cannot tie '{copy}' {copy_shape:?} to '{primary}' {primary_shape:?}: the shapes differ"
+    )]
+    TieShape {
+        copy: String,
+        copy_shape: Vec<usize>,
+        primary: String,
+        primary_shape: Vec<usize>,
+    },
+    #[error("cannot tie '{0}': it is already tied")]
+    AlreadyTied(String),
+    #[error("cannot tie '{0}' to itself")]
+    SelfTie(String),
 }
 
 /// Where a named parameter (or buffer) lives in the flat buffer.
@@ -80,6 +163,8 @@ pub struct Model {
     buffers: Vec<ParamEntry>,
     block_params: Vec<Range<usize>>,
     block_buffers: Vec<Range<usize>>,
+    input: Option<InputSpec>,
+    ties: Vec<TiedParams>,
 }
 
 fn layout(
@@ -124,7 +209,85 @@ impl Model {
             buffers,
             block_params,
             block_buffers,
+            input: None,
+            ties: Vec::new(),
         }
+    }
+
+    /// Declares what one input sample is, so a trainer can check a dataset against the model
+    /// before any work starts.
+    pub fn with_input(mut self, input: InputSpec) -> Self {
+        self.input = Some(input);
+        self
+    }
+
+    /// The declared input, if any.
+    pub fn input(&self) -> Option<&InputSpec> {
+        self.input.as_ref()
+    }
+
+    /// Ties parameter `copy` to `primary` (full names, e.g. `head.weight` to `tok.weight`):
+    /// from then on they are one parameter of the model (see [`TiedParams`]).
+    pub fn tie(mut self, copy: &str, primary: &str) -> Result<Self, ModelError> {
+        let index = |name: &str| {
+            self.param_index(name)
+                .ok_or_else(|| ModelError::UnknownParam(name.to_string()))
+        };
+        let (c, p) = (index(copy)?, index(primary)?);
+        if c == p {
+            return Err(ModelError::SelfTie(copy.to_string()));
+        }
+        if self.params[c].shape != self.params[p].shape {
+            return Err(ModelError::TieShape {
+                copy: copy.to_string(),
+                copy_shape: self.params[c].shape.clone(),
+                primary: primary.to_string(),
+                primary_shape: self.params[p].shape.clone(),
+            });
+        }
+        if self.tied_primary(c).is_some() || self.ties.iter().any(|t| t.primary == c) {
+            return Err(ModelError::AlreadyTied(copy.to_string()));
+        }
+        if self.tied_primary(p).is_some() {
+            return Err(ModelError::AlreadyTied(primary.to_string()));
+        }
+        match self.ties.iter_mut().find(|t| t.primary == p) {
+            Some(t) => t.copies.push(c),
+            None => self.ties.push(TiedParams {
+                primary: p,
+                copies: vec![c],
+            }),
+        }
+        Ok(self)
+    }
+
+    /// The tied parameter groups (see [`Model::tie`]).
+    pub fn ties(&self) -> &[TiedParams] {
+        &self.ties
+    }
+
+    /// If parameter `i` is a tied copy, the index of its primary.
+    pub fn tied_primary(&self, i: usize) -> Option<usize> {
+        self.ties
+            .iter()
+            .find(|t| t.copies.contains(&i))
+            .map(|t| t.primary)
+    }
+
+    /// Index in [`Model::params`] of the parameter called `name`.
+    pub fn param_index(&self, name: &str) -> Option<usize> {
+        self.params.iter().position(|e| e.name == name)
+    }
+
+    /// Parameters counting each tied group once (what PyTorch's `numel` sum reports).
+    pub fn num_unique_params(&self) -> usize {
+        let copies: usize = self
+            .ties
+            .iter()
+            .flat_map(|t| &t.copies)
+            .map(|&c| self.params[c].range.len())
+            .sum();
+        self.num_params() - copies
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -177,9 +340,14 @@ impl Model {
         let mut values = vec![0.0f32; pr.len()];
         for (i, e) in self.params.iter().enumerate() {
             if blocks.contains(&e.block) {
-                let mut rng = SplitMix64::derive(seed, i as u64);
+                // A tied copy draws exactly its primary's values.
+                let source = self.tied_primary(i).unwrap_or(i);
+                let mut rng = SplitMix64::derive(seed, source as u64);
                 let local = e.range.start - pr.start..e.range.end - pr.start;
-                e.spec.init.fill(&mut values[local], &mut rng);
+                self.params[source]
+                    .spec
+                    .init
+                    .fill(&mut values[local], &mut rng);
             }
         }
         let mut buffers = vec![0.0f32; br.len()];

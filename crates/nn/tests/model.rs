@@ -35,6 +35,7 @@ fn small_gpt_config() -> GptConfig {
         layers: 3,
         heads: 2,
         seq: 8,
+        tie_embeddings: false,
     }
 }
 

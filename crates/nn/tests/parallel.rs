@@ -153,6 +153,7 @@ fn gpt_model_step() {
         layers: 2,
         heads: 4,
         seq: 32,
+        tie_embeddings: false,
     };
     let model = gpt::gpt(&cfg);
     let mut rng = SplitMix64::new(14);

@@ -550,6 +550,7 @@ fn gpt_small_model() {
         layers: 2,
         heads: 4,
         seq: 16,
+        tie_embeddings: false,
     };
     check_model_case("gpt_small", &gpt::gpt(&cfg), &TIGHT);
 }

@@ -1,12 +1,50 @@
-//! meshtrain-parallel: one module per parallel dimension, each readable in one sitting.
+//! meshtrain-parallel: one module per parallel dimension, each readable in one sitting, and
+//! [`parallelize`], which applies them to a model in a fixed order.
 //!
-//! * [`data`]: data parallelism — DDP (bucketed gradient all-reduce overlapped with backward)
-//!   and the naive single-master DataParallel mode, for comparison.
+//! * [`layout`]: dp × tp × pp × cp and the step settings, parsed, printed and checked
+//!   before any work.
 //! * [`pipeline`]: stage partitioning, schedules as data (GPipe, 1F1B, interleaved 1F1B) and
-//!   the executor that runs them over point-to-point operations.
+//!   the executor that runs them over point-to-point operations. A run without a pipeline is
+//!   a one-stage schedule.
+//! * [`data`]: data parallelism — DDP (bucketed gradient all-reduce overlapped with backward)
+//!   and the naive single-master DataParallel mode, behind one [`data::GradSync`] interface.
+//! * [`tied`]: parameters shared by several blocks (tied embeddings), across stages.
+//! * [`parallelize`](mod@parallelize): the apply order and the one training step.
 //!
 //! Process groups are passed in explicitly (`Arc<dyn ProcessGroup>`); nothing here is global.
 
 pub mod data;
+pub mod layout;
+pub mod parallelize;
 pub mod pipeline;
+pub mod tied;
 pub mod timeline;
+
+pub use layout::{Layout, LayoutError, ResolvedLayout};
+pub use parallelize::{parallelize, EvalSums, Parallel, ParallelOptions, StepStats, StepTimes};
+
+use meshtrain_tensor::Tensor;
+
+/// Samples of a batch: inputs (`[samples, ...]`; token ids as exact f32 values) and integer
+/// targets (the same number per sample).
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub x: Tensor,
+    pub y: Vec<u32>,
+    pub samples: usize,
+}
+
+/// Why parallel training could not be set up or a step could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ParallelError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Pipeline(#[from] pipeline::PipelineError),
+    #[error(transparent)]
+    DataParallel(#[from] data::DataParallelError),
+    #[error(transparent)]
+    Comm(#[from] meshtrain_comm::CommError),
+    #[error(transparent)]
+    Mesh(#[from] meshtrain_comm::MeshError),
+}

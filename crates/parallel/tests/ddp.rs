@@ -15,6 +15,7 @@ fn model() -> Model {
         layers: 3,
         heads: 2,
         seq: 8,
+        tie_embeddings: false,
     })
 }
 

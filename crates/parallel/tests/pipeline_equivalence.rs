@@ -23,6 +23,7 @@ const GPT: BenchModel = BenchModel::Gpt(GptConfig {
     layers: 4,
     heads: 2,
     seq: 8,
+    tie_embeddings: false,
 });
 
 fn config(

@@ -18,13 +18,14 @@ const CFG: GptConfig = GptConfig {
     layers: 4,
     heads: 2,
     seq: 8,
+    tie_embeddings: false,
 };
 const GPT: BenchModel = BenchModel::Gpt(CFG);
 
 fn options(recompute: bool) -> StepOptions {
     StepOptions {
         recompute,
-        ..StepOptions::new(CFG.vocab)
+        ..StepOptions::new(GPT.loss())
     }
 }
 
@@ -62,10 +63,17 @@ fn grads_ready_fires_once_per_block_with_final_gradients() {
     ] {
         let results = one_step(kind, 2, 4, |model, stage, group, micro| {
             let mut seen: Vec<(usize, usize, Vec<f32>)> = Vec::new();
-            stage.run_step(model, group, micro, &options(false), None, &mut |ready| {
-                let grads = ready.store.grads[ready.range.clone()].to_vec();
-                seen.push((ready.chunk, ready.block, grads));
-            })?;
+            stage.run_step(
+                model,
+                group,
+                micro.clone(),
+                &options(false),
+                None,
+                &mut |ready| {
+                    let grads = ready.store.grads[ready.range.clone()].to_vec();
+                    seen.push((ready.chunk, ready.block, grads));
+                },
+            )?;
             let mut count: HashMap<usize, usize> = HashMap::new();
             for (chunk, block, grads) in &seen {
                 *count.entry(*block).or_default() += 1;
@@ -121,8 +129,14 @@ fn peak_activations_gpipe_holds_m_1f1b_holds_p_minus_rank() {
         (ScheduleKind::OneFOneB, true),
     ] {
         let peaks = one_step(kind, p, m, move |model, stage, group, micro| {
-            let report =
-                stage.run_step(model, group, micro, &options(recompute), None, &mut |_| {})?;
+            let report = stage.run_step(
+                model,
+                group,
+                micro.clone(),
+                &options(recompute),
+                None,
+                &mut |_| {},
+            )?;
             let one = bytes_per_micro(model, stage, micro, recompute);
             Ok((report.peak_activation_bytes, one, stage.rank()))
         });
@@ -207,7 +221,7 @@ fn a_failing_stage_becomes_an_error_on_every_worker() {
         stage.run_step(
             &model,
             group.as_ref(),
-            &micro,
+            micro,
             &options(false),
             None,
             &mut |_| {},
@@ -236,7 +250,7 @@ fn a_group_of_the_wrong_size_is_an_error() {
         stage.run_step(
             &model,
             group.as_ref(),
-            &micro,
+            micro,
             &options(false),
             None,
             &mut |_| {},
@@ -293,7 +307,7 @@ fn timeline_spans_and_chrome_trace() {
             stage.run_step(
                 model,
                 group,
-                micro,
+                micro.clone(),
                 &options(false),
                 Some(&mut timeline),
                 &mut |_| {},
@@ -365,7 +379,14 @@ fn evaluate_matches_the_whole_model_forward() {
     };
     for (kind, p) in [(ScheduleKind::GPipe, 3), (v2, 2), (v2, 1)] {
         let results = one_step(kind, p, 2, |model, stage, group, micro| {
-            stage.evaluate(model, group, micro, &options(false))
+            let values = stage.evaluate(model, group, micro.clone(), &options(false))?;
+            Ok(values.map(|v| {
+                let mean = v.iter().map(|l| l.mean as f64).sum::<f64>() / v.len() as f64;
+                (
+                    mean as f32,
+                    v.iter().filter_map(|l| l.correct).sum::<usize>(),
+                )
+            }))
         });
         let model = gpt::gpt(&CFG);
         let mut store = model.init(1);
@@ -400,7 +421,14 @@ fn grad_norm_and_clipping_span_all_stages() {
         3,
         2,
         |model, stage, group, micro| {
-            stage.run_step(model, group, micro, &options(false), None, &mut |_| {})?;
+            stage.run_step(
+                model,
+                group,
+                micro.clone(),
+                &options(false),
+                None,
+                &mut |_| {},
+            )?;
             let norm = stage.grad_norm(group)?;
             let before: Vec<f32> = stage
                 .chunks
@@ -449,7 +477,7 @@ fn measured_time_partition_is_the_same_on_every_worker() {
     let parts = ThreadsWorld::run(3, CommConfig::default(), |group| {
         let model = gpt::gpt(&CFG);
         let (x, y) = GPT.batch(2, 1, 0);
-        Partition::by_measured_time(group.as_ref(), &model, (&x, &y), CFG.vocab, 3)
+        Partition::by_measured_time(group.as_ref(), &model, (&x, &y), GPT.loss().as_ref(), 3)
     })
     .unwrap();
     assert_eq!(parts[0].len(), 3);
@@ -463,7 +491,14 @@ fn gather_collects_the_whole_model_on_rank_0() {
         chunks_per_worker: 2,
     };
     let results = one_step(v2, 2, 2, |model, stage, group, micro| {
-        stage.run_step(model, group, micro, &options(false), None, &mut |_| {})?;
+        stage.run_step(
+            model,
+            group,
+            micro.clone(),
+            &options(false),
+            None,
+            &mut |_| {},
+        )?;
         let mut optimizers = stage.optimizers(meshtrain_nn::optim::OptimizerConfig::Sgd {
             momentum: 0.0,
             weight_decay: 0.0,

@@ -1,6 +1,13 @@
 //! Shared by the integration tests that train small models end to end.
 
+#![allow(dead_code)]
+
+use meshtrain::config::Config;
+use meshtrain::presets::Task;
+use meshtrain_comm::{CommConfig, ThreadsWorld};
+use meshtrain_train::{Job, Trainer};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// The workspace root (configs/ and data/ live there).
 pub fn root() -> PathBuf {
@@ -15,3 +22,21 @@ pub const TINY_GPT: [&str; 4] = [
     "model.heads=2",
     "model.seq=16",
 ];
+
+/// The library job a config describes, on its built-in data.
+pub fn job(cfg: &Config) -> Arc<Job> {
+    let task = Task::load(cfg).unwrap_or_else(|e| panic!("{e:#}"));
+    Arc::new(cfg.job(&task).unwrap_or_else(|e| panic!("{e:#}")))
+}
+
+/// A one-worker trainer for `cfg`'s model and data (on the calling thread), whatever
+/// layout `cfg` names.
+pub fn single_trainer(cfg: &Config) -> Trainer {
+    let mut cfg = cfg.clone();
+    cfg.parallel.dp = 1;
+    cfg.parallel.pp = 1;
+    cfg.parallel.layout = None;
+    job(&cfg)
+        .trainer(ThreadsWorld::single(CommConfig::default()), None)
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}

@@ -1,10 +1,10 @@
 //! A decoder-only, pre-LN GPT: token + position embedding, `layers` transformer blocks, a final
-//! layer norm and an untied linear head (no bias). Input token ids `[B, T]`, output logits
-//! `[B, T, vocab]`.
+//! layer norm and a linear head (no bias), untied or tied to the token embedding
+//! (`tie_embeddings`, as GPT-2 does). Input token ids `[B, T]`, output logits `[B, T, vocab]`.
 
 use crate::layer::Init;
 use crate::layers::{LayerNorm, Linear, Seq};
-use crate::model::{Block, Model};
+use crate::model::{Block, InputSpec, Model};
 use crate::transformer::{GptBlock, GptEmbedding};
 use serde::{Deserialize, Serialize};
 
@@ -16,6 +16,10 @@ pub struct GptConfig {
     pub layers: usize,
     pub heads: usize,
     pub seq: usize,
+    /// One matrix for the token embedding and the output head (`head.weight` is a tied copy
+    /// of `tok.weight`; with a pipeline the two stages add their gradients, as Megatron does).
+    #[serde(default)]
+    pub tie_embeddings: bool,
 }
 
 impl Default for GptConfig {
@@ -27,6 +31,7 @@ impl Default for GptConfig {
             layers: 4,
             heads: 4,
             seq: 128,
+            tie_embeddings: false,
         }
     }
 }
@@ -89,5 +94,11 @@ pub fn gpt(cfg: &GptConfig) -> Model {
             ),
         ]),
     ));
-    Model::new(blocks)
+    let model = Model::new(blocks).with_input(InputSpec::tokens(cfg.seq, cfg.vocab));
+    if cfg.tie_embeddings {
+        return model
+            .tie("head.weight", "tok.weight")
+            .expect("the head and the token embedding are both [vocab, dim]");
+    }
+    model
 }

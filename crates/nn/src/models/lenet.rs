@@ -2,7 +2,7 @@
 //! ReLU + max-pooling variant. Input `[N, 1, 28, 28]`, 10 classes.
 
 use crate::layers::{Act, Conv2d, Flatten, Linear, Pool2d, Seq, ToChannelMajor};
-use crate::model::{Block, Model};
+use crate::model::{Block, InputSpec, Model};
 use meshtrain_tensor::activation::Activation;
 use serde::{Deserialize, Serialize};
 
@@ -65,4 +65,5 @@ pub fn lenet(variant: LeNetVariant) -> Model {
         ),
         Block::new("fc3", Linear::new(84, 10, true)),
     ])
+    .with_input(InputSpec::float(&[1, 28, 28]))
 }

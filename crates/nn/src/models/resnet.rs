@@ -7,7 +7,7 @@ use crate::layer::{Layer, Mode, ParamSpec, Saved, StatsReducer};
 use crate::layers::{
     Act, BatchNorm2d, Children, Conv2d, Flatten, Linear, Pool2d, Seq, ToChannelMajor,
 };
-use crate::model::{Block, Model};
+use crate::model::{Block, InputSpec, Model};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::Tensor;
 use std::sync::Arc;
@@ -153,5 +153,5 @@ pub fn resnet18(width: usize, classes: usize) -> Model {
             ("fc", Box::new(Linear::new(w[3], classes, true))),
         ]),
     ));
-    Model::new(blocks)
+    Model::new(blocks).with_input(InputSpec::float(&[1, 28, 28]))
 }

@@ -7,17 +7,21 @@
 //! * [`SingleMaster`]: the naive `nn.DataParallel` style (scatter, gather gradients to rank
 //!   0, update there, broadcast weights), for comparison.
 //! * [`GroupStatsReducer`]: the all-reduce behind SyncBatchNorm.
+//! * [`GradSync`]: the one interface the training step sees, implemented by [`DdpSync`],
+//!   [`SingleMasterSync`] and [`NoSync`]; [`grad_sync`] picks one for a layout.
 //!
 //! The distributed sampler lives with the data (`meshtrain_data::DistributedSampler`).
 
 mod buckets;
 mod ddp;
 mod naive;
+mod sync;
 mod sync_bn;
 
 pub use buckets::{plan_buckets, Bucket};
 pub use ddp::{CommTiming, Ddp, DdpConfig, GradCompression};
 pub use naive::{SingleMaster, MASTER};
+pub use sync::{DdpSync, GradSync, NoSync, ShareShape, SingleMasterSync};
 pub use sync_bn::GroupStatsReducer;
 
 use meshtrain_comm::CommError;
@@ -25,11 +29,12 @@ use meshtrain_comm::CommError;
 /// Why a data-parallel operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DataParallelError {
-    #[error("{what}: {source}")]
+    /// The message includes the collective's error (not exposed as a `source`, so error
+    /// chains print it once).
+    #[error("{what}: {error}")]
     Comm {
         what: &'static str,
-        #[source]
-        source: CommError,
+        error: CommError,
     },
     #[error("data parallelism: {0}")]
     Config(String),
@@ -37,6 +42,9 @@ pub enum DataParallelError {
 
 impl DataParallelError {
     pub(crate) fn comm(what: &'static str, source: CommError) -> Self {
-        DataParallelError::Comm { what, source }
+        DataParallelError::Comm {
+            what,
+            error: source,
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! The communication behind SyncBatchNorm: exact f64 sums of batch statistics over a group.
 
-use meshtrain_comm::{BufMut, BufRef, ProcessGroup};
+use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup};
 use meshtrain_nn::StatsReducer;
 use std::sync::Arc;
 
@@ -19,13 +19,12 @@ impl GroupStatsReducer {
     pub fn new(group: Arc<dyn ProcessGroup>) -> Self {
         GroupStatsReducer { group }
     }
-}
 
-impl StatsReducer for GroupStatsReducer {
-    fn sum(&self, values: &mut [f64]) {
+    /// Replaces `values` with their exact sum over the group (every rank gets the same).
+    pub fn try_sum(&self, values: &mut [f64]) -> Result<(), CommError> {
         let world = self.group.size();
         if world == 1 {
-            return;
+            return Ok(());
         }
         let words: Vec<f32> = values
             .iter()
@@ -38,13 +37,8 @@ impl StatsReducer for GroupStatsReducer {
             })
             .collect();
         let mut gathered = vec![0.0f32; words.len() * world];
-        if let Err(e) = self
-            .group
-            .all_gather(BufRef::F32(&words), BufMut::F32(&mut gathered))
-        {
-            // Layers cannot return errors; the worker fails with the collective's message.
-            panic!("SyncBatchNorm: summing batch statistics failed: {e}");
-        }
+        self.group
+            .all_gather(BufRef::F32(&words), BufMut::F32(&mut gathered))?;
         for (i, v) in values.iter_mut().enumerate() {
             *v = (0..world)
                 .map(|r| {
@@ -52,6 +46,16 @@ impl StatsReducer for GroupStatsReducer {
                     f64::from_bits(w[0].to_bits() as u64 | ((w[1].to_bits() as u64) << 32))
                 })
                 .sum();
+        }
+        Ok(())
+    }
+}
+
+impl StatsReducer for GroupStatsReducer {
+    fn sum(&self, values: &mut [f64]) {
+        if let Err(e) = self.try_sum(values) {
+            // Layers cannot return errors; the worker fails with the collective's message.
+            panic!("SyncBatchNorm: summing batch statistics failed: {e}");
         }
     }
 }

@@ -17,11 +17,11 @@ use crate::timeline::{idle_fraction, Category, Span, Timeline};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_nn::models::{gpt, resnet, GptConfig};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
-use meshtrain_nn::{Block, Layer, Mode, Model, ParamStore, Saved};
-use meshtrain_tensor::loss::softmax_cross_entropy;
+use meshtrain_nn::{Block, CrossEntropy, Layer, Loss, Mode, Model, ParamStore, Saved};
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::{par, Tensor};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A block that only takes time: forward sleeps `forward`, backward sleeps `backward`, and
@@ -81,6 +81,11 @@ impl BenchModel {
             BenchModel::Gpt(cfg) => cfg.vocab,
             BenchModel::Resnet { .. } | BenchModel::Sleep { .. } => 10,
         }
+    }
+
+    /// Cross-entropy over the model's classes.
+    pub fn loss(&self) -> Arc<dyn Loss> {
+        Arc::new(CrossEntropy::new(self.classes()))
     }
 
     /// Random inputs and targets for `step` (a pure function of `(seed, step)`).
@@ -148,8 +153,8 @@ impl RunConfig {
                     .batch(self.batch / self.micro_batches, self.seed, 0);
                 let store = model.init(self.seed);
                 let times = par::pool(self.threads_per_worker).install(|| {
-                    profile_block_times(model, &store, &x, &y, self.model.classes(), 3)
-                });
+                    profile_block_times(model, &store, &x, &y, self.model.loss().as_ref(), 3)
+                })?;
                 Partition::balanced(&times, chunks)
             }
         }
@@ -271,7 +276,7 @@ pub fn run_pipeline(cfg: &RunConfig) -> Result<PipelineRun, PipelineError> {
         )?;
         let mut optimizers = stage.optimizers(cfg.optimizer);
         let options = StepOptions {
-            classes: cfg.model.classes(),
+            loss: cfg.model.loss(),
             recompute: cfg.recompute,
             sends: cfg.sends,
         };
@@ -286,7 +291,7 @@ pub fn run_pipeline(cfg: &RunConfig) -> Result<PipelineRun, PipelineError> {
                 let report = stage.run_step(
                     &model,
                     group.as_ref(),
-                    &micro,
+                    micro,
                     &options,
                     Some(&mut timeline),
                     &mut |_| {},
@@ -341,7 +346,7 @@ pub fn run_reference(
     let model = cfg.model.build();
     let mut store = model.init(cfg.seed);
     let mut optimizer = Optimizer::new(cfg.optimizer, store.values.len());
-    let classes = cfg.model.classes();
+    let loss_fn = cfg.model.loss();
     let mut losses = Vec::with_capacity(cfg.steps);
     par::pool(cfg.threads_per_worker).install(|| {
         for step in 0..cfg.steps {
@@ -354,9 +359,8 @@ pub fn run_reference(
                 let (logits, acts) =
                     model.forward(&mut store, x, blocks, Mode::TRAIN, &|_| recompute);
                 let scale = 1.0 / micro_batches as f32;
-                let (l, dlogits, _) = softmax_cross_entropy(logits.data(), classes, y, scale);
-                loss += l as f64;
-                let dy = Tensor::from_vec(dlogits, logits.shape());
+                let (l, dy) = loss_fn.forward_backward(&logits, y, scale)?;
+                loss += l.mean as f64;
                 model.backward(&mut store, acts, dy, false, &mut |_, _| {});
             }
             optimizer.step(&mut store.values, &store.grads, cfg.lr);

@@ -8,8 +8,11 @@
 //!   bubble.
 //! * Messages carry their shape and a tag naming (micro-batch, chunk, direction); see
 //!   `transport`.
-//! * The last chunk computes softmax cross-entropy with gradient scale `1/m`, so the gradients
+//! * The last chunk computes the step's [`Loss`] with gradient scale `1/m`, so the gradients
 //!   accumulated over `m` equal micro-batches equal those of the full batch's mean loss.
+//! * One worker with one chunk (`p = 1`) is plain training: 1F1B on one worker is forward,
+//!   backward, forward, backward… — gradient accumulation over `m` micro-batches, or a
+//!   single forward and backward when `m = 1`. Every layout runs through here.
 //! * [`GradsReady`] fires for each block during a chunk's *last* backward of the step: from
 //!   then on that block's gradients are final and a data-parallel all-reduce may start.
 
@@ -20,12 +23,12 @@ use super::PipelineError;
 use crate::timeline::{timed, Category, Timeline};
 use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::model::Activations;
-use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
-use meshtrain_nn::{Mode, Model, ParamStore};
-use meshtrain_tensor::loss::softmax_cross_entropy;
+use meshtrain_nn::optim::{segments_within, Optimizer, OptimizerConfig, Segment};
+use meshtrain_nn::{Loss, LossValue, Mode, Model, ParamStore};
 use meshtrain_tensor::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One contiguous range of blocks held by a worker, with its parameters.
@@ -36,6 +39,26 @@ pub struct StageChunk {
     pub blocks: Range<usize>,
     /// Parameters, gradients and buffers of `blocks` only.
     pub store: ParamStore,
+    /// Ranges of `store.grads` that gradient norms leave out (tied copies, whose primary
+    /// counts for them).
+    pub norm_skip: Vec<Range<usize>>,
+}
+
+impl StageChunk {
+    /// `Σ g²` over this chunk's gradients, without `norm_skip`.
+    fn grad_sum_of_squares(&self) -> f64 {
+        use meshtrain_nn::optim::sum_of_squares;
+        if self.norm_skip.is_empty() {
+            return sum_of_squares(&self.store.grads);
+        }
+        let mut at = 0;
+        let mut sum = 0.0;
+        for skip in &self.norm_skip {
+            sum += sum_of_squares(&self.store.grads[at..skip.start]);
+            at = skip.end;
+        }
+        sum + sum_of_squares(&self.store.grads[at..])
+    }
 }
 
 /// A worker's share of a pipelined model and the program it runs each step.
@@ -60,6 +83,22 @@ pub struct MicroBatches {
 }
 
 impl MicroBatches {
+    /// [`MicroBatches::split`] of a batch this call owns: one micro-batch is the batch itself,
+    /// moved, not copied.
+    pub fn split_owned(x: Tensor, y: Vec<u32>, m: usize) -> Result<MicroBatches, PipelineError> {
+        if m == 1
+            && x.shape()
+                .first()
+                .is_some_and(|&b| b > 0 && y.len().is_multiple_of(b))
+        {
+            return Ok(MicroBatches {
+                inputs: vec![x],
+                targets: vec![y],
+            });
+        }
+        MicroBatches::split(&x, &y, m)
+    }
+
     /// Splits a batch into `m` equal micro-batches along its first axis (`y` holds the same
     /// number of targets per sample: one for images, `seq` for a language model).
     pub fn split(x: &Tensor, y: &[u32], m: usize) -> Result<MicroBatches, PipelineError> {
@@ -96,10 +135,10 @@ impl MicroBatches {
 }
 
 /// Per-step settings.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone)]
 pub struct StepOptions {
-    /// Number of classes of the loss (logits' last dimension).
-    pub classes: usize,
+    /// What the last chunk computes from the model's output and the targets.
+    pub loss: Arc<dyn Loss>,
     /// Keep only each block's input and recompute it in backward (activation checkpointing).
     pub recompute: bool,
     pub sends: SendMode,
@@ -107,12 +146,22 @@ pub struct StepOptions {
 
 impl StepOptions {
     /// No recomputation, asynchronous sends.
-    pub fn new(classes: usize) -> StepOptions {
+    pub fn new(loss: Arc<dyn Loss>) -> StepOptions {
         StepOptions {
-            classes,
+            loss,
             recompute: false,
             sends: SendMode::Async,
         }
+    }
+}
+
+impl std::fmt::Debug for StepOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepOptions")
+            .field("loss", &self.loss.name())
+            .field("recompute", &self.recompute)
+            .field("sends", &self.sends)
+            .finish()
     }
 }
 
@@ -121,7 +170,7 @@ impl StepOptions {
 pub struct StepReport {
     /// Mean loss over the batch (workers holding the last chunk only).
     pub loss: Option<f32>,
-    /// Correct predictions over the batch (last chunk only).
+    /// Correct predictions over the batch (last chunk, losses that count them).
     pub correct: Option<usize>,
     /// Most activation bytes held at once (what forward keeps for backward).
     pub peak_activation_bytes: usize,
@@ -237,6 +286,7 @@ impl Stage {
                     index,
                     store: store_of(blocks.clone()),
                     blocks,
+                    norm_skip: Vec::new(),
                 }
             })
             .collect();
@@ -267,6 +317,24 @@ impl Stage {
         self.chunks
             .iter()
             .map(|c| Optimizer::new(config, c.store.values.len()))
+            .collect()
+    }
+
+    /// One optimizer per chunk with the parameter groups' settings: `segments` cover the
+    /// whole model's buffer ([`meshtrain_nn::optim::ParamGroups::resolve`]).
+    pub fn optimizers_with_groups(
+        &self,
+        model: &Model,
+        config: OptimizerConfig,
+        segments: &[Segment],
+    ) -> Vec<Optimizer> {
+        self.chunks
+            .iter()
+            .map(|c| {
+                let range = model.blocks_param_range(c.blocks.clone());
+                let len = range.len();
+                Optimizer::with_segments(config, len, segments_within(segments, range))
+            })
             .collect()
     }
 
@@ -305,6 +373,18 @@ impl Stage {
             full.values[pr.clone()].copy_from_slice(&c.store.values);
             full.grads[pr].copy_from_slice(&c.store.grads);
             full.buffers[br].copy_from_slice(&c.store.buffers);
+        }
+    }
+
+    /// Takes this worker's share of a whole-model store's values and buffers (resuming from a
+    /// checkpoint); gradients are zeroed.
+    pub fn load_from(&mut self, model: &Model, full: &ParamStore) {
+        for c in &mut self.chunks {
+            let pr = model.blocks_param_range(c.blocks.clone());
+            let br = model.blocks_buffer_range(c.blocks.clone());
+            c.store.values.copy_from_slice(&full.values[pr]);
+            c.store.buffers.copy_from_slice(&full.buffers[br]);
+            c.store.zero_grads();
         }
     }
 
@@ -359,16 +439,21 @@ impl Stage {
     }
 
     /// Global gradient L2 norm over all stages (an all-reduce over `group`, the pipeline
-    /// group), for clipping: every stage gets the same value.
+    /// group), for clipping: every stage gets the same value. Tied copies count once. With
+    /// one stage nothing is rounded to f32 before the square root (the single worker's
+    /// norm, bit for bit).
     pub fn grad_norm(&self, group: &dyn ProcessGroup) -> Result<f32, PipelineError> {
         let local: f64 = self
             .chunks
             .iter()
-            .map(|c| meshtrain_nn::optim::sum_of_squares(&c.store.grads))
+            .map(StageChunk::grad_sum_of_squares)
             .sum();
+        if group.size() == 1 {
+            return Ok(local.sqrt() as f32);
+        }
         let mut sum = vec![local as f32];
         group.all_reduce((&mut sum).into(), meshtrain_comm::ReduceOp::Sum)?;
-        Ok(sum[0].sqrt())
+        Ok((sum[0] as f64).sqrt() as f32)
     }
 
     /// Scales all stages' gradients so their global norm is at most `max_norm` (as
@@ -396,12 +481,18 @@ impl Stage {
         &mut self,
         model: &Model,
         group: &dyn ProcessGroup,
-        batches: &MicroBatches,
+        batches: MicroBatches,
         options: &StepOptions,
         mut timeline: Option<&mut Timeline>,
         on_grads_ready: &mut dyn FnMut(GradsReady<'_>),
     ) -> Result<StepReport, PipelineError> {
-        self.check_step(group, batches)?;
+        self.check_step(group, &batches, self.schedule.micro_batches)?;
+        // The first chunk's forward consumes each micro-batch's input (no copy).
+        let MicroBatches {
+            inputs: first_inputs,
+            targets,
+        } = batches;
+        let mut first_inputs: Vec<Option<Tensor>> = first_inputs.into_iter().map(Some).collect();
         let started = Instant::now();
         let Stage {
             schedule,
@@ -429,7 +520,8 @@ impl Stage {
         let mut stash: HashMap<(usize, usize), Activations> = HashMap::new();
         let mut pending: Vec<PendingSend> = Vec::new();
         let mut report = StepReport::default();
-        let (mut in_flight, mut loss_sum, mut correct) = (0usize, 0.0f64, 0usize);
+        let (mut in_flight, mut loss_sum, mut correct) = (0usize, 0.0f64, None::<usize>);
+        let grad_scale = 1.0 / m as f32;
 
         for (pos, &action) in schedule.actions[self.rank].iter().enumerate() {
             let (c, i) = (action.chunk(), action.micro());
@@ -476,11 +568,13 @@ impl Stage {
                 }
                 Action::Forward { .. } => {
                     let x = if c == 0 {
-                        batches.inputs[i].clone()
+                        first_inputs[i].take().ok_or_else(|| {
+                            PipelineError::InvalidSchedule(format!("{action:?} runs twice"))
+                        })?
                     } else {
                         take(&mut inputs, (c, i), action)?
                     };
-                    let targets = (c == last).then(|| batches.targets[i].as_slice());
+                    let targets = (c == last).then(|| targets[i].as_slice());
                     let t = Instant::now();
                     let (y, acts, loss) = timed(
                         &mut timeline,
@@ -497,7 +591,8 @@ impl Stage {
                                 Mode::TRAIN,
                                 &|_| recompute,
                             );
-                            let loss = targets.map(|t| mean_loss(&y, t, options.classes, m));
+                            let loss =
+                                targets.map(|t| options.loss.forward_backward(&y, t, grad_scale));
                             (y, acts, loss)
                         },
                     );
@@ -507,9 +602,11 @@ impl Stage {
                     stash.insert((c, i), acts);
                     match loss {
                         Some(result) => {
-                            let (loss, dlogits, ok) = result?;
-                            loss_sum += loss as f64;
-                            correct += ok;
+                            let (value, dlogits) = result?;
+                            loss_sum += value.mean as f64;
+                            if let Some(ok) = value.correct {
+                                *correct.get_or_insert(0) += ok;
+                            }
                             upstream.insert((c, i), dlogits);
                         }
                         None if p == 1 => {
@@ -566,37 +663,42 @@ impl Stage {
         }
         if schedule.worker_of(last) == self.rank {
             report.loss = Some((loss_sum / m as f64) as f32);
-            report.correct = Some(correct);
+            report.correct = correct;
         }
         report.wall_s = started.elapsed().as_secs_f64();
         Ok(report)
     }
 
-    /// Forward-only pass in evaluation mode (validation): each micro-batch flows through the
-    /// chunks in model order, no activations are kept. Returns the mean loss and the correct
-    /// count on the worker of the last chunk, `None` elsewhere. Every worker visits its
-    /// (micro-batch, chunk) pairs in the same global order, so the blocking receives cannot
-    /// deadlock.
+    /// Forward-only pass in evaluation mode (validation): each of `batches`' micro-batches
+    /// (any number of them) flows through the chunks in model order, no activations are
+    /// kept. Returns each micro-batch's loss on the worker of the last chunk, `None`
+    /// elsewhere. Every worker visits its (micro-batch, chunk) pairs in the same global
+    /// order, so the blocking receives cannot deadlock.
     pub fn evaluate(
         &mut self,
         model: &Model,
         group: &dyn ProcessGroup,
-        batches: &MicroBatches,
+        batches: MicroBatches,
         options: &StepOptions,
-    ) -> Result<Option<(f32, usize)>, PipelineError> {
-        self.check_step(group, batches)?;
-        let (p, m) = (self.schedule.workers, self.schedule.micro_batches);
+    ) -> Result<Option<Vec<LossValue>>, PipelineError> {
+        let m = batches.inputs.len().max(batches.targets.len());
+        self.check_step(group, &batches, m)?;
+        let MicroBatches { inputs, targets } = batches;
+        let mut first_inputs = inputs.into_iter();
+        let p = self.schedule.workers;
         let last = self.schedule.num_chunks() - 1;
         let tag_for =
             |chunk: usize, micro: usize| tag(chunk, micro, Direction::Activation, last + 1);
         let mut pending = Vec::new();
-        let (mut loss_sum, mut correct) = (0.0f64, 0usize);
+        let mut losses = Vec::new();
         for i in 0..m {
             let mut carried: Option<Tensor> = None;
             for chunk in &mut self.chunks {
                 let c = chunk.index;
                 let x = match (c, carried.take()) {
-                    (0, _) => batches.inputs[i].clone(),
+                    (0, _) => first_inputs.next().ok_or_else(|| {
+                        PipelineError::InvalidSchedule(format!("no input for micro-batch {i}"))
+                    })?,
                     (_, Some(x)) => x, // p = 1: the previous chunk is ours
                     (_, None) => recv_tensor(group, (c - 1) % p, tag_for(c, i))?,
                 };
@@ -604,9 +706,10 @@ impl Stage {
                 let (y, _) =
                     model.forward_local(&mut chunk.store, x, blocks, Mode::EVAL, &|_| false);
                 if c == last {
-                    let (loss, _, ok) = mean_loss(&y, &batches.targets[i], options.classes, m)?;
-                    loss_sum += loss as f64;
-                    correct += ok;
+                    let t = targets.get(i).ok_or_else(|| {
+                        PipelineError::InvalidSchedule(format!("no targets for micro-batch {i}"))
+                    })?;
+                    losses.push(options.loss.forward(&y, t)?);
                 } else if p == 1 {
                     carried = Some(y);
                 } else {
@@ -619,16 +722,18 @@ impl Stage {
             send.work.wait()?;
         }
         let holds_last = self.schedule.worker_of(last) == self.rank;
-        Ok(holds_last.then(|| ((loss_sum / m as f64) as f32, correct)))
+        Ok(holds_last.then_some(losses))
     }
 
+    /// Checks the group and that `batches` holds `m` micro-batches where they are read.
     fn check_step(
         &self,
         group: &dyn ProcessGroup,
         batches: &MicroBatches,
+        m: usize,
     ) -> Result<(), PipelineError> {
         let s = &self.schedule;
-        let (m, chunks) = (s.micro_batches, s.num_chunks());
+        let chunks = s.num_chunks();
         if group.size() != s.workers || group.rank() != self.rank {
             return Err(PipelineError::GroupMismatch {
                 group_size: group.size(),
@@ -662,26 +767,6 @@ impl Stage {
         }
         Ok(())
     }
-}
-
-/// Softmax cross-entropy of one micro-batch with gradient scale `1/m`: summed over the `m`
-/// micro-batches, the gradients are those of the full batch's mean loss.
-fn mean_loss(
-    logits: &Tensor,
-    targets: &[u32],
-    classes: usize,
-    m: usize,
-) -> Result<(f32, Tensor, usize), PipelineError> {
-    if logits.numel() != targets.len() * classes {
-        return Err(PipelineError::SizeMismatch {
-            what: "logits (targets × classes)",
-            got: logits.numel(),
-            expected: targets.len() * classes,
-        });
-    }
-    let (loss, dlogits, correct) =
-        softmax_cross_entropy(logits.data(), classes, targets, 1.0 / m as f32);
-    Ok((loss, Tensor::from_vec(dlogits, logits.shape()), correct))
 }
 
 /// Removes the tensor an action needs; a missing one means the program is out of order.

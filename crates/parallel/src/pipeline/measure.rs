@@ -135,6 +135,7 @@ pub fn bench_gpt() -> GptConfig {
         layers: 8,
         heads: 4,
         seq: 64,
+        tie_embeddings: false,
     }
 }
 
@@ -383,6 +384,7 @@ pub fn equivalence_sweep(steps: usize) -> Result<Vec<EquivalenceRow>, PipelineEr
         layers: 4,
         heads: 2,
         seq: 8,
+        tie_embeddings: false,
     });
     let resnet = BenchModel::Resnet { width: 4 };
     let v2 = ScheduleKind::Interleaved {

@@ -20,7 +20,7 @@
 //! let mut optimizers = stage.optimizers(opt_config);
 //! loop {
 //!     let micro = MicroBatches::split(&x, &y, m)?;                  // only read where needed
-//!     let report = stage.run_step(&model, group.as_ref(), &micro, &options, None, &mut |_| {})?;
+//!     let report = stage.run_step(&model, group.as_ref(), micro, &options, None, &mut |_| {})?;
 //!     stage.optimizer_step(&mut optimizers, lr, None);
 //! }
 //! ```
@@ -33,7 +33,7 @@ pub mod schedule;
 mod transport;
 
 pub use executor::{GradsReady, MicroBatches, Stage, StageChunk, StepOptions, StepReport};
-pub use partition::{profile_block_times, Partition};
+pub use partition::{profile_block_times, split, Partition, PartitionSpec, TimeProbe};
 pub use schedule::{Action, Schedule, ScheduleKind, Simulation};
 pub use transport::SendMode;
 
@@ -66,6 +66,8 @@ pub enum PipelineError {
         micro_batches: usize,
         workers: usize,
     },
+    #[error("partition '{spec}': {reason}")]
+    BadPartitionSpec { spec: String, reason: String },
     #[error("invalid stage boundaries {cuts:?} for a model of {blocks} blocks: {reason}")]
     InvalidBoundaries {
         cuts: Vec<usize>,
@@ -112,6 +114,8 @@ pub enum PipelineError {
     },
     #[error(transparent)]
     Comm(#[from] CommError),
+    #[error(transparent)]
+    Loss(#[from] meshtrain_nn::LossError),
     /// Workers of a threads world failed (measurement runs).
     #[error("pipeline workers failed: {0}")]
     Workers(String),

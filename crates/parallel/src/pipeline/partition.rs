@@ -5,13 +5,119 @@
 //! more time per parameter than a classifier), a measured time per block
 //! ([`profile_block_times`]), or the user's explicit cut points.
 
+use super::executor::Stage;
+use super::schedule::Schedule;
 use super::PipelineError;
 use meshtrain_comm::ProcessGroup;
-use meshtrain_nn::{Mode, Model, ParamStore};
-use meshtrain_tensor::loss::softmax_cross_entropy;
+use meshtrain_nn::{Loss, Mode, Model, ParamStore};
 use meshtrain_tensor::Tensor;
 use std::ops::Range;
+use std::str::FromStr;
 use std::time::Instant;
+
+/// How a model's blocks are cut into stages (`parallel.partition`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum PartitionSpec {
+    /// Equal parameter counts (cheap; ignores that compute per parameter varies).
+    #[default]
+    Params,
+    /// Equal numbers of blocks.
+    Balanced,
+    /// Equal measured forward + backward time per stage (rank 0 profiles, all agree).
+    Time,
+    /// Cut before these block indices.
+    Explicit(Vec<usize>),
+}
+
+impl FromStr for PartitionSpec {
+    type Err = PipelineError;
+
+    /// `params`, `balanced`, `time` or `explicit:3,6`.
+    fn from_str(s: &str) -> Result<Self, PipelineError> {
+        let bad = |reason: &str| PipelineError::BadPartitionSpec {
+            spec: s.to_string(),
+            reason: reason.to_string(),
+        };
+        Ok(match s {
+            "params" => PartitionSpec::Params,
+            "balanced" => PartitionSpec::Balanced,
+            "time" => PartitionSpec::Time,
+            _ => match s.strip_prefix("explicit:") {
+                Some(cuts) => PartitionSpec::Explicit(
+                    cuts.split(',')
+                        .map(|c| c.trim().parse::<usize>())
+                        .collect::<Result<_, _>>()
+                        .map_err(|_| bad("cuts must be block indices, e.g. explicit:3,6"))?,
+                ),
+                None => {
+                    return Err(bad(
+                        "expected params, balanced, time or explicit:CUT,CUT,...",
+                    ))
+                }
+            },
+        })
+    }
+}
+
+impl PartitionSpec {
+    /// Checks the spec against a model of `blocks` blocks cut into `chunks` chunks, before
+    /// any work.
+    pub fn check(&self, blocks: usize, chunks: usize) -> Result<(), PipelineError> {
+        if let PartitionSpec::Explicit(cuts) = self {
+            if cuts.len() + 1 != chunks {
+                return Err(PipelineError::BadPartitionSpec {
+                    spec: format!("explicit:{cuts:?}"),
+                    reason: format!(
+                        "makes {} stages, the layout needs {chunks} (pp × chunks per worker)",
+                        cuts.len() + 1
+                    ),
+                });
+            }
+            Partition::explicit(blocks, cuts)?;
+        }
+        Ok(())
+    }
+}
+
+/// What measured-time cuts profile: one micro-batch (`sample`) and its `loss`, on rank 0
+/// of `world`, which shares its times so every replica cuts the same way.
+pub struct TimeProbe<'a> {
+    pub world: &'a dyn ProcessGroup,
+    pub sample: Option<(&'a Tensor, &'a [u32])>,
+    pub loss: &'a dyn Loss,
+}
+
+/// The pipeline transform, first in the apply order: cuts `model` into the schedule's chunks
+/// and gives pipeline worker `rank` its [`Stage`] with freshly initialised parameters (the
+/// values `model.init(seed)` gives those blocks). With one worker and one chunk the stage is
+/// the whole model.
+pub fn split(
+    model: &Model,
+    schedule: Schedule,
+    spec: &PartitionSpec,
+    rank: usize,
+    seed: u64,
+    probe: TimeProbe<'_>,
+) -> Result<(Partition, Stage), PipelineError> {
+    let (blocks, chunks) = (model.num_blocks(), schedule.num_chunks());
+    let partition = match spec {
+        _ if chunks == 1 => Partition::explicit(blocks, &[])?,
+        PartitionSpec::Params => Partition::by_params(model, chunks)?,
+        PartitionSpec::Balanced => Partition::balanced(&vec![1.0; blocks], chunks)?,
+        PartitionSpec::Explicit(cuts) => Partition::explicit(blocks, cuts)?,
+        PartitionSpec::Time => {
+            let sample = probe
+                .sample
+                .ok_or_else(|| PipelineError::BadPartitionSpec {
+                    spec: "time".into(),
+                    reason: "needs a sample micro-batch to profile".into(),
+                })?;
+            Partition::by_measured_time(probe.world, model, sample, probe.loss, chunks)?
+        }
+    };
+    let stage = Stage::new(model, &partition, schedule, rank, seed)?;
+    Ok((partition, stage))
+}
 
 /// Contiguous, non-empty block ranges covering the model in order; chunk `c` of a schedule
 /// runs `chunks()[c]`.
@@ -106,13 +212,13 @@ impl Partition {
         group: &dyn ProcessGroup,
         model: &Model,
         sample: (&Tensor, &[u32]),
-        classes: usize,
+        loss: &dyn Loss,
         parts: usize,
     ) -> Result<Partition, PipelineError> {
         let mut times = vec![0.0f32; model.num_blocks()];
         if group.rank() == 0 {
             let store = model.init(0);
-            let measured = profile_block_times(model, &store, sample.0, sample.1, classes, 3);
+            let measured = profile_block_times(model, &store, sample.0, sample.1, loss, 3)?;
             times
                 .iter_mut()
                 .zip(measured)
@@ -152,9 +258,9 @@ pub fn profile_block_times(
     store: &ParamStore,
     x: &Tensor,
     y: &[u32],
-    classes: usize,
+    loss: &dyn Loss,
     repeats: usize,
-) -> Vec<f64> {
+) -> Result<Vec<f64>, PipelineError> {
     let n = model.num_blocks();
     let mut store = store.clone();
     let mut best = vec![f64::INFINITY; n];
@@ -169,8 +275,7 @@ pub fn profile_block_times(
             acts.push(a);
             h = out;
         }
-        let (_, dlogits, _) = softmax_cross_entropy(h.data(), classes, y, 1.0);
-        let mut grad = Tensor::from_vec(dlogits, h.shape());
+        let (_, mut grad) = loss.forward_backward(&h, y, 1.0)?;
         for (i, a) in acts.into_iter().enumerate().rev() {
             let start = Instant::now();
             let dx = model.backward(&mut store, a, grad, i > 0, &mut |_, _| {});
@@ -182,5 +287,5 @@ pub fn profile_block_times(
         }
         best.iter_mut().zip(times).for_each(|(b, t)| *b = b.min(t));
     }
-    best
+    Ok(best)
 }

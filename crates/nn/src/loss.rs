@@ -1,0 +1,156 @@
+//! Losses: what the worker holding a model's last block computes from its output and the
+//! targets. A trainer takes any [`Loss`], so a user's model is not tied to classification.
+//!
+//! A loss returns the *mean* over its targets and the gradient of `grad_scale × mean`: with
+//! `m` micro-batches (gradient accumulation, pipeline micro-batches) each uses
+//! `grad_scale = 1/m`, and the accumulated gradients are those of the whole batch's mean.
+//! Bad targets (a class id past the last class, a target count that does not match the
+//! output) are errors that name the numbers, never a panic inside a kernel.
+
+use meshtrain_tensor::loss::softmax_cross_entropy;
+use meshtrain_tensor::Tensor;
+
+/// One batch's loss.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossValue {
+    /// Mean loss over the targets.
+    pub mean: f32,
+    /// Targets the mean is over, so means of unequal batches combine exactly.
+    pub count: usize,
+    /// Correct predictions, for losses where that means something (classification).
+    pub correct: Option<usize>,
+}
+
+/// Why a loss cannot be computed on a batch.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LossError {
+    #[error(
+        "{loss}: the model's output has {elements} values, but {targets} targets × {per_target} \
+         values per target = {expected} were expected (output shape {shape:?})"
+    )]
+    OutputSize {
+        loss: String,
+        elements: usize,
+        targets: usize,
+        per_target: usize,
+        expected: usize,
+        shape: Vec<usize>,
+    },
+    #[error("{loss}: target {index} is {target}, outside 0..{classes}")]
+    TargetOutOfRange {
+        loss: String,
+        index: usize,
+        target: u32,
+        classes: usize,
+    },
+}
+
+/// A loss over integer targets (class ids, next-token ids).
+pub trait Loss: Send + Sync {
+    /// A name for messages ("cross-entropy over 10 classes").
+    fn name(&self) -> String;
+
+    /// The mean loss over `targets` and the gradient of `grad_scale × mean` with respect to
+    /// `output`, in `output`'s shape.
+    fn forward_backward(
+        &self,
+        output: &Tensor,
+        targets: &[u32],
+        grad_scale: f32,
+    ) -> Result<(LossValue, Tensor), LossError>;
+
+    /// The loss alone (evaluation). The default computes and drops the gradient.
+    fn forward(&self, output: &Tensor, targets: &[u32]) -> Result<LossValue, LossError> {
+        Ok(self.forward_backward(output, targets, 1.0)?.0)
+    }
+
+    /// Checks targets before any work (a trainer calls it on every batch it loads), so a bad
+    /// dataset fails with the sample's position instead of deep inside a pipeline step.
+    fn check_targets(&self, _targets: &[u32]) -> Result<(), LossError> {
+        Ok(())
+    }
+}
+
+/// Softmax cross-entropy over `classes` classes, PyTorch's `nn.CrossEntropyLoss` with mean
+/// reduction: the output holds `classes` logits per target (`[N, classes]` for images,
+/// `[B, T, vocab]` for a language model), and `correct` counts arg-max hits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CrossEntropy {
+    pub classes: usize,
+}
+
+impl CrossEntropy {
+    pub fn new(classes: usize) -> Self {
+        CrossEntropy { classes }
+    }
+
+    fn check_output(&self, output: &Tensor, targets: &[u32]) -> Result<(), LossError> {
+        let expected = targets.len() * self.classes;
+        if output.numel() != expected {
+            return Err(LossError::OutputSize {
+                loss: self.name(),
+                elements: output.numel(),
+                targets: targets.len(),
+                per_target: self.classes,
+                expected,
+                shape: output.shape().to_vec(),
+            });
+        }
+        self.check_targets(targets)
+    }
+}
+
+impl Loss for CrossEntropy {
+    fn name(&self) -> String {
+        format!("cross-entropy over {} classes", self.classes)
+    }
+
+    fn forward_backward(
+        &self,
+        output: &Tensor,
+        targets: &[u32],
+        grad_scale: f32,
+    ) -> Result<(LossValue, Tensor), LossError> {
+        self.check_output(output, targets)?;
+        let (mean, grad, correct) =
+            softmax_cross_entropy(output.data(), self.classes, targets, grad_scale);
+        let value = LossValue {
+            mean,
+            count: targets.len(),
+            correct: Some(correct),
+        };
+        Ok((value, Tensor::from_vec(grad, output.shape())))
+    }
+
+    fn check_targets(&self, targets: &[u32]) -> Result<(), LossError> {
+        match targets.iter().position(|&t| t as usize >= self.classes) {
+            None => Ok(()),
+            Some(index) => Err(LossError::TargetOutOfRange {
+                loss: self.name(),
+                index,
+                target: targets[index],
+                classes: self.classes,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cross_entropy_checks_sizes_and_targets_before_the_kernel() {
+        let ce = CrossEntropy::new(3);
+        let logits = Tensor::from_vec(vec![0.0; 6], &[2, 3]);
+        let (v, g) = ce.forward_backward(&logits, &[0, 2], 0.5).unwrap();
+        assert_eq!((v.count, g.shape()), (2, &[2usize, 3][..]));
+        assert!((v.mean - 3f32.ln()).abs() < 1e-6);
+        // d(0.5·mean)/dlogit of the target entry of row 0: 0.5·(1/3 − 1)/2.
+        assert!((g.data()[0] - 0.5 * (1.0 / 3.0 - 1.0) / 2.0).abs() < 1e-6);
+        let e = ce.forward(&logits, &[0, 3]).unwrap_err().to_string();
+        assert!(e.contains("target 1 is 3, outside 0..3"), "{e}");
+        let e = ce.forward(&logits, &[0]).unwrap_err().to_string();
+        assert!(e.contains("6 values, but 1 targets × 3"), "{e}");
+    }
+}

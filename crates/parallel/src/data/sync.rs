@@ -1,0 +1,293 @@
+//! [`GradSync`]: the one interface through which data-parallel replicas stay equal. The
+//! training step calls it at fixed points and never asks which implementation it has:
+//!
+//! ```text
+//! share   = sync.share(loaded, shape)        which samples this replica trains on
+//! sync.begin_step()
+//! backward … sync.grads_ready(block)         as each block's gradients become final
+//! sync.finish(chunks)                        the gradients this worker applies are final
+//! if sync.updates_parameters() { clip, optimizer step }
+//! sync.after_update(chunks)                  replicas hold the updated parameters
+//! ```
+//!
+//! * [`DdpSync`]: every replica loads its own shard, buckets are all-reduced while backward
+//!   runs, every replica updates (PyTorch DDP).
+//! * [`SingleMasterSync`]: the master loads the whole batch and scatters it, gathers the
+//!   gradients, updates alone and broadcasts the weights (`nn.DataParallel`).
+//! * ZeRO (reduce-scatter, a sharded update, all-gather) plugs in here as a third one.
+//!
+//! Both work per pipeline chunk, so they compose with any pipeline layout: each stage's
+//! replicas synchronise over that stage's data-parallel group.
+
+use super::{CommTiming, DataParallelError, Ddp, DdpConfig, SingleMaster};
+use crate::pipeline::{GradsReady, StageChunk};
+use crate::Batch;
+use meshtrain_comm::ProcessGroup;
+use meshtrain_nn::Model;
+use meshtrain_tensor::Tensor;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What one replica's share of a global batch looks like (so a replica that receives its
+/// share knows what to allocate).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShareShape {
+    /// Samples per replica.
+    pub samples: usize,
+    /// Shape of one sample's input.
+    pub sample: Vec<usize>,
+    pub targets_per_sample: usize,
+}
+
+/// How data-parallel replicas synchronise (see the module documentation for when each
+/// method is called).
+pub trait GradSync: Send {
+    /// For logs: `ddp`, `single-master`.
+    fn name(&self) -> &'static str;
+
+    /// Makes every replica start from the same parameters and buffers (rank 0's).
+    fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError>;
+
+    /// The (rank, world) of the share of each global batch this worker loads itself, or
+    /// `None` if it loads nothing and receives its share in [`GradSync::share`].
+    fn loads(&self) -> Option<(usize, usize)>;
+
+    /// This replica's share of the step's batch, from what it loaded (if anything).
+    fn share(
+        &mut self,
+        loaded: Option<Batch>,
+        shape: &ShareShape,
+    ) -> Result<(Batch, CommTiming), DataParallelError>;
+
+    /// Before the step's backward passes.
+    fn begin_step(&mut self);
+
+    /// A block's gradients became final (during its chunk's last backward of the step).
+    fn grads_ready(&mut self, ready: GradsReady<'_>);
+
+    /// After the backward passes: the gradients this worker applies are final.
+    fn finish(&mut self, chunks: &mut [StageChunk]) -> Result<CommTiming, DataParallelError>;
+
+    /// Whether this worker applies the optimizer step (and so clips and ties gradients).
+    fn updates_parameters(&self) -> bool {
+        true
+    }
+
+    /// After the optimizer step: every replica holds the updated parameters.
+    fn after_update(
+        &mut self,
+        _chunks: &mut [StageChunk],
+    ) -> Result<CommTiming, DataParallelError> {
+        Ok(CommTiming::default())
+    }
+}
+
+/// DDP over each of this worker's pipeline chunks (one chunk without a pipeline).
+pub struct DdpSync {
+    group: Arc<dyn ProcessGroup>,
+    /// `ddps[j]` reduces local chunk `j`.
+    ddps: Vec<Ddp>,
+    /// First block of each local chunk (hooks report model block indices).
+    first_block: Vec<usize>,
+    /// Pipeline workers (global chunk `c` is local chunk `c / workers`).
+    workers: usize,
+}
+
+impl DdpSync {
+    /// DDP over `group` for the chunks of a stage of a `workers`-worker pipeline.
+    pub fn new(
+        model: &Model,
+        chunks: &[StageChunk],
+        workers: usize,
+        group: Arc<dyn ProcessGroup>,
+        config: DdpConfig,
+    ) -> Result<DdpSync, DataParallelError> {
+        let mut ddps = Vec::with_capacity(chunks.len());
+        for chunk in chunks {
+            let base = model.blocks_param_range(chunk.blocks.clone()).start;
+            let local: Vec<_> = chunk
+                .blocks
+                .clone()
+                .map(|b| {
+                    let r = model.block_param_range(b);
+                    r.start - base..r.end - base
+                })
+                .collect();
+            ddps.push(Ddp::over_blocks(&local, group.clone(), config)?);
+        }
+        Ok(DdpSync {
+            group,
+            ddps,
+            first_block: chunks.iter().map(|c| c.blocks.start).collect(),
+            workers,
+        })
+    }
+}
+
+impl GradSync for DdpSync {
+    fn name(&self) -> &'static str {
+        "ddp"
+    }
+
+    fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError> {
+        for (ddp, chunk) in self.ddps.iter().zip(chunks) {
+            ddp.broadcast_state(&mut chunk.store)?;
+        }
+        Ok(())
+    }
+
+    fn loads(&self) -> Option<(usize, usize)> {
+        Some((self.group.rank(), self.group.size()))
+    }
+
+    fn share(
+        &mut self,
+        loaded: Option<Batch>,
+        _: &ShareShape,
+    ) -> Result<(Batch, CommTiming), DataParallelError> {
+        let batch = loaded.ok_or_else(|| {
+            DataParallelError::Config("a DDP replica must load its own share".into())
+        })?;
+        Ok((batch, CommTiming::default()))
+    }
+
+    fn begin_step(&mut self) {
+        self.ddps.iter_mut().for_each(|d| d.prepare(true));
+    }
+
+    fn grads_ready(&mut self, ready: GradsReady<'_>) {
+        let j = ready.chunk / self.workers;
+        if let Some(ddp) = self.ddps.get_mut(j) {
+            ddp.block_ready(ready.block - self.first_block[j], ready.store);
+        }
+    }
+
+    fn finish(&mut self, chunks: &mut [StageChunk]) -> Result<CommTiming, DataParallelError> {
+        let mut timing = CommTiming::default();
+        for (ddp, chunk) in self.ddps.iter_mut().zip(chunks) {
+            timing.add(ddp.finish(&mut chunk.store)?);
+        }
+        Ok(timing)
+    }
+}
+
+/// The single-master mode over each of this worker's chunks.
+pub struct SingleMasterSync {
+    master: SingleMaster,
+}
+
+impl SingleMasterSync {
+    pub fn new(group: Arc<dyn ProcessGroup>) -> Self {
+        SingleMasterSync {
+            master: SingleMaster::new(group),
+        }
+    }
+}
+
+impl GradSync for SingleMasterSync {
+    fn name(&self) -> &'static str {
+        "single-master"
+    }
+
+    fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError> {
+        chunks
+            .iter_mut()
+            .try_for_each(|c| self.master.broadcast_weights(&mut c.store))
+    }
+
+    fn loads(&self) -> Option<(usize, usize)> {
+        self.master.is_master().then_some((0, 1))
+    }
+
+    fn share(
+        &mut self,
+        loaded: Option<Batch>,
+        shape: &ShareShape,
+    ) -> Result<(Batch, CommTiming), DataParallelError> {
+        let t = Instant::now();
+        let sample_len = shape.sample.iter().product();
+        let global = loaded.as_ref().map(|b| (b.x.data(), b.y.as_slice()));
+        let (x, y) =
+            self.master
+                .scatter(global, shape.samples, sample_len, shape.targets_per_sample)?;
+        let mut dims = vec![shape.samples];
+        dims.extend(&shape.sample);
+        let batch = Batch {
+            x: Tensor::from_vec(x, &dims),
+            y,
+            samples: shape.samples,
+        };
+        let timing = CommTiming {
+            exposed_s: t.elapsed().as_secs_f64(),
+            ..CommTiming::default()
+        };
+        Ok((batch, timing))
+    }
+
+    fn begin_step(&mut self) {}
+
+    fn grads_ready(&mut self, _: GradsReady<'_>) {}
+
+    fn finish(&mut self, chunks: &mut [StageChunk]) -> Result<CommTiming, DataParallelError> {
+        let t = Instant::now();
+        let mut bytes = 0;
+        for chunk in chunks {
+            self.master.gather_gradients(&mut chunk.store.grads)?;
+            bytes += chunk.store.grads.len() * 4;
+        }
+        Ok(CommTiming {
+            exposed_s: t.elapsed().as_secs_f64(),
+            bytes,
+            ..CommTiming::default()
+        })
+    }
+
+    fn updates_parameters(&self) -> bool {
+        self.master.is_master()
+    }
+
+    fn after_update(&mut self, chunks: &mut [StageChunk]) -> Result<CommTiming, DataParallelError> {
+        let t = Instant::now();
+        self.init(chunks)?;
+        Ok(CommTiming {
+            exposed_s: t.elapsed().as_secs_f64(),
+            ..CommTiming::default()
+        })
+    }
+}
+
+/// One replica: nothing to synchronise (what `dp = 1` gets, so a single worker pays for no
+/// collective at all).
+pub struct NoSync;
+
+impl GradSync for NoSync {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+
+    fn init(&mut self, _: &mut [StageChunk]) -> Result<(), DataParallelError> {
+        Ok(())
+    }
+
+    fn loads(&self) -> Option<(usize, usize)> {
+        Some((0, 1))
+    }
+
+    fn share(
+        &mut self,
+        loaded: Option<Batch>,
+        _: &ShareShape,
+    ) -> Result<(Batch, CommTiming), DataParallelError> {
+        let batch = loaded
+            .ok_or_else(|| DataParallelError::Config("a single replica loads its batch".into()))?;
+        Ok((batch, CommTiming::default()))
+    }
+
+    fn begin_step(&mut self) {}
+
+    fn grads_ready(&mut self, _: GradsReady<'_>) {}
+
+    fn finish(&mut self, _: &mut [StageChunk]) -> Result<CommTiming, DataParallelError> {
+        Ok(CommTiming::default())
+    }
+}

@@ -1,0 +1,121 @@
+//! Tied parameters ([`meshtrain_nn::TiedParams`]): one parameter of the model held in several
+//! blocks, e.g. a GPT's token embedding and output head. Each holder computes its own
+//! gradient; after the data-parallel reduction [`TiedGrads::reduce`] adds them up and gives
+//! every copy the sum, so identical optimizer updates keep the copies identical — as if they
+//! were one tensor. When a pipeline puts the copies on different stages, the sum is an
+//! all-reduce over just those stages (Megatron's embedding group); on one stage it is a
+//! local addition. Norms count the parameter once: copies go into their chunk's `norm_skip`.
+
+use crate::pipeline::{Partition, Stage, StageChunk};
+use meshtrain_comm::{BufMut, CommError, ProcessGroup, ReduceOp};
+use meshtrain_nn::Model;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// One tied group as this worker sees it.
+struct LocalTie {
+    /// (local chunk, range in its store) of each entry this worker holds, primary first.
+    held: Vec<(usize, Range<usize>)>,
+    /// The pipeline workers holding an entry, when there are several (this one among them).
+    group: Option<Arc<dyn ProcessGroup>>,
+}
+
+/// Adds up the gradients of tied copies on this worker and across pipeline stages.
+pub struct TiedGrads {
+    ties: Vec<LocalTie>,
+    scratch: Vec<f32>,
+}
+
+impl TiedGrads {
+    /// For `model`'s ties on this worker's `stage` of a pipeline over `pp` (every pipeline
+    /// worker calls this, in the same order). Marks copies as left out of gradient norms.
+    pub fn new(
+        model: &Model,
+        partition: &Partition,
+        stage: &mut Stage,
+        pp: &Arc<dyn ProcessGroup>,
+    ) -> Result<TiedGrads, CommError> {
+        let schedule = stage.schedule().clone();
+        let chunk_of_block = |block: usize| {
+            partition
+                .chunks()
+                .iter()
+                .position(|r| r.contains(&block))
+                .expect("the partition covers every block")
+        };
+        let mut ties = Vec::new();
+        for (t, tie) in model.ties().iter().enumerate() {
+            let entries: Vec<usize> = std::iter::once(tie.primary)
+                .chain(tie.copies.iter().copied())
+                .collect();
+            let mut workers: Vec<usize> = entries
+                .iter()
+                .map(|&e| schedule.worker_of(chunk_of_block(model.params()[e].block)))
+                .collect();
+            workers.sort_unstable();
+            workers.dedup();
+            let mut held = Vec::new();
+            for (k, &e) in entries.iter().enumerate() {
+                let entry = &model.params()[e];
+                let chunk = chunk_of_block(entry.block);
+                let Some(j) = stage.chunks.iter().position(|c| c.index == chunk) else {
+                    continue;
+                };
+                let base = model
+                    .blocks_param_range(stage.chunks[j].blocks.clone())
+                    .start;
+                let range = entry.range.start - base..entry.range.end - base;
+                if k > 0 {
+                    add_skip(&mut stage.chunks[j], range.clone());
+                }
+                held.push((j, range));
+            }
+            let group = if workers.len() > 1 && workers.contains(&pp.rank()) {
+                let name = format!("tied{t}{workers:?}").replace(' ', "");
+                Some(pp.new_named_subgroup(&workers, &name)?)
+            } else {
+                None
+            };
+            ties.push(LocalTie { held, group });
+        }
+        Ok(TiedGrads {
+            ties,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Whether the model has tied parameters at all.
+    pub fn is_empty(&self) -> bool {
+        self.ties.is_empty()
+    }
+
+    /// Gives every tied copy the sum of all copies' gradients (primary first, then the
+    /// copies in order, then across stages).
+    pub fn reduce(&mut self, chunks: &mut [StageChunk]) -> Result<(), CommError> {
+        for tie in &self.ties {
+            let Some(((j0, r0), rest)) = tie.held.split_first() else {
+                continue;
+            };
+            self.scratch.clear();
+            self.scratch
+                .extend_from_slice(&chunks[*j0].store.grads[r0.clone()]);
+            for (j, r) in rest {
+                let g = &chunks[*j].store.grads[r.clone()];
+                self.scratch.iter_mut().zip(g).for_each(|(s, g)| *s += g);
+            }
+            if let Some(group) = &tie.group {
+                group.all_reduce(BufMut::F32(&mut self.scratch), ReduceOp::Sum)?;
+            }
+            for (j, r) in &tie.held {
+                chunks[*j].store.grads[r.clone()].copy_from_slice(&self.scratch);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Leaves `range` of the chunk's gradients out of norms (kept sorted).
+fn add_skip(chunk: &mut StageChunk, range: Range<usize>) {
+    chunk.norm_skip.push(range);
+    chunk.norm_skip.sort_by_key(|r| r.start);
+}

@@ -1,0 +1,229 @@
+//! Checkpoints in safetensors: parameters and buffers by name, optimizer state, the step and
+//! a description of the model, whatever layout wrote them (a pipeline gathers its stages
+//! first), so any layout can continue from any checkpoint.
+//!
+//! Writing is atomic: a temporary file in the same directory, fsync, rename, fsync of the
+//! directory — a crash leaves the previous checkpoint or the new one, never a torn file (a
+//! stale temporary file from a crash is removed by the next run). Reading trusts nothing:
+//! a truncated or foreign file, a tensor of the wrong shape, non-finite values, or a
+//! checkpoint of another model are errors that name the file.
+
+use anyhow::{bail, Context, Result};
+use meshtrain_nn::optim::Optimizer;
+use meshtrain_nn::{Model, ParamStore};
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+const FORMAT: &str = "meshtrain-checkpoint-v1";
+
+/// Everything needed to continue a run exactly where it stopped.
+pub struct TrainState<'a> {
+    pub model: &'a Model,
+    pub store: &'a ParamStore,
+    pub optimizer: &'a Optimizer,
+    /// Steps completed.
+    pub step: u64,
+    /// What model this is (compared on resume); empty = not checked.
+    pub model_description: &'a str,
+    /// The run's settings, for reference.
+    pub config: &'a str,
+}
+
+/// What [`load`] restored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Restored {
+    /// Steps completed when the checkpoint was written.
+    pub step: u64,
+    /// The model description it stores (empty if none).
+    pub model_description: String,
+}
+
+/// How much of a checkpoint to restore.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Restore {
+    /// Parameters, buffers, optimizer state and step, for the same model (resume).
+    Everything,
+    /// Parameters and buffers only, into any model whose tensors match by name and shape
+    /// (fine-tuning from another configuration's weights).
+    Weights,
+}
+
+fn view(data: &[f32], shape: Vec<usize>) -> TensorView<'_> {
+    TensorView::new(Dtype::F32, shape, bytemuck::cast_slice(data)).expect("tensor view sizes match")
+}
+
+/// The temporary file a save writes before renaming it over `path`.
+pub fn temporary_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".tmp");
+    path.with_file_name(name)
+}
+
+pub fn save(path: &Path, state: &TrainState) -> Result<()> {
+    let model = state.model;
+    let mut views: Vec<(String, TensorView)> = Vec::new();
+    for (i, e) in model.params().iter().enumerate() {
+        // A tied copy is its primary: stored once.
+        if model.tied_primary(i).is_none() {
+            views.push((
+                format!("param.{}", e.name),
+                view(&state.store.values[e.range.clone()], e.shape.clone()),
+            ));
+        }
+    }
+    for e in model.buffers() {
+        views.push((
+            format!("buffer.{}", e.name),
+            view(&state.store.buffers[e.range.clone()], e.shape.clone()),
+        ));
+    }
+    let opt = state.optimizer;
+    views.push(("optimizer.m".into(), view(&opt.m, vec![opt.m.len()])));
+    if !opt.v.is_empty() {
+        views.push(("optimizer.v".into(), view(&opt.v, vec![opt.v.len()])));
+    }
+    let metadata: HashMap<String, String> = [
+        ("format".to_string(), FORMAT.to_string()),
+        ("step".to_string(), state.step.to_string()),
+        ("optimizer_step".to_string(), opt.step.to_string()),
+        ("model".to_string(), state.model_description.to_string()),
+        ("config".to_string(), state.config.to_string()),
+    ]
+    .into();
+    let bytes = safetensors::serialize(views, &Some(metadata)).context("serialising checkpoint")?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = temporary_path(path);
+    let written = (|| -> Result<()> {
+        let mut f =
+            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        f.write_all(&bytes)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        f.sync_all()
+            .with_context(|| format!("flushing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    })();
+    if written.is_err() {
+        // Leave no partial file behind; the previous checkpoint (if any) is untouched.
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
+    // The rename is durable only once the directory entry is.
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("flushing directory {}", dir.display()))?;
+    Ok(())
+}
+
+fn read_f32(st: &SafeTensors, name: &str, shape: &[usize], file: &Path) -> Result<Vec<f32>> {
+    let t = st
+        .tensor(name)
+        .with_context(|| format!("checkpoint {} has no tensor '{name}'", file.display()))?;
+    if t.dtype() != Dtype::F32 || t.shape() != shape {
+        bail!(
+            "checkpoint {}: tensor '{name}' is {:?} {:?}, the model needs F32 {:?}",
+            file.display(),
+            t.dtype(),
+            t.shape(),
+            shape
+        );
+    }
+    let values: Vec<f32> = t
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let bad = values.iter().filter(|v| !v.is_finite()).count();
+    if bad > 0 {
+        bail!(
+            "checkpoint {}: tensor '{name}' holds {bad} non-finite value(s) (NaN or infinity) \
+             out of {}; it was saved from a diverged run and cannot be trained from",
+            file.display(),
+            values.len()
+        );
+    }
+    Ok(values)
+}
+
+/// Loads a checkpoint into `store` (and, for [`Restore::Everything`], `optimizer`). With
+/// `Everything`, a checkpoint that describes another model than `model_description` is an
+/// error unless the description is empty on either side.
+pub fn load(
+    path: &Path,
+    model: &Model,
+    model_description: &str,
+    store: &mut ParamStore,
+    optimizer: &mut Optimizer,
+    restore: Restore,
+) -> Result<Restored> {
+    let bytes = std::fs::read(path)
+        .with_context(|| format!("cannot read checkpoint {}", path.display()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).with_context(|| {
+        format!(
+            "checkpoint {} is corrupt or not a safetensors file",
+            path.display()
+        )
+    })?;
+    let st = SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("checkpoint {} is corrupt or truncated", path.display()))?;
+    let meta = meta.metadata().clone().unwrap_or_default();
+    if meta.get("format").map(String::as_str) != Some(FORMAT) {
+        bail!("{} is not a meshtrain checkpoint", path.display());
+    }
+    let number = |k: &str| -> Result<u64> {
+        meta.get(k)
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("checkpoint {} lacks '{k}'", path.display()))
+    };
+    let saved_model = meta.get("model").cloned().unwrap_or_default();
+    if restore == Restore::Everything
+        && !saved_model.is_empty()
+        && !model_description.is_empty()
+        && saved_model.trim() != model_description.trim()
+    {
+        bail!(
+            "checkpoint {} holds another model:\n  saved:     {}\n  this run:  {}\n\
+             resuming continues the same model; to start from its weights on purpose \
+             (fine-tuning), load it as initial weights instead (`--init-from`)",
+            path.display(),
+            one_line(&saved_model),
+            one_line(model_description)
+        );
+    }
+    for (i, e) in model.params().iter().enumerate() {
+        let owner = &model.params()[model.tied_primary(i).unwrap_or(i)];
+        let v = read_f32(&st, &format!("param.{}", owner.name), &e.shape, path)?;
+        store.values[e.range.clone()].copy_from_slice(&v);
+    }
+    for e in model.buffers() {
+        let v = read_f32(&st, &format!("buffer.{}", e.name), &e.shape, path)?;
+        store.buffers[e.range.clone()].copy_from_slice(&v);
+    }
+    if restore == Restore::Weights {
+        return Ok(Restored {
+            step: 0,
+            model_description: saved_model,
+        });
+    }
+    optimizer.m = read_f32(&st, "optimizer.m", &[optimizer.m.len()], path)?;
+    if !optimizer.v.is_empty() {
+        optimizer.v = read_f32(&st, "optimizer.v", &[optimizer.v.len()], path)?;
+    }
+    optimizer.step = number("optimizer_step")?;
+    Ok(Restored {
+        step: number("step")?,
+        model_description: saved_model,
+    })
+}
+
+/// A multi-line description on one line, for messages.
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}

@@ -1,0 +1,187 @@
+//! Datasets: anything with a length that can fill a batch from sample indices.
+//!
+//! The trainer decides which indices each worker loads at each step ([`Sampling`]); a
+//! [`Dataset`] only copies those samples into the buffers it is given. Inputs are float
+//! features or integer token ids ([`Inputs`]): token ids stay integers up to the dataset,
+//! and the trainer checks them against the model's vocabulary before they reach it.
+//!
+//! Two adapters cover the built-in tasks and many users' data: [`ImageData`] (an in-memory
+//! labelled image set) and [`TextWindows`] (next-token prediction over windows of a token
+//! stream).
+
+use meshtrain_data::{ImageDataset, SplitMix64};
+use meshtrain_nn::InputSpec;
+use std::sync::Arc;
+
+/// Any error a dataset reports (it is shown with the dataset's name and the indices).
+pub type DatasetError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The input buffer of a batch, in the dataset's input kind.
+pub enum Inputs<'a> {
+    /// `samples × sample_len` floats.
+    Float(&'a mut [f32]),
+    /// `samples × sample_len` token ids.
+    Tokens(&'a mut [u32]),
+}
+
+/// Where a dataset writes a batch: inputs, and `samples × targets_per_sample` targets.
+pub struct BatchMut<'a> {
+    pub inputs: Inputs<'a>,
+    pub targets: &'a mut [u32],
+}
+
+/// A dataset of samples `0..len()`, each an input (see [`Dataset::input`]) and
+/// [`Dataset::targets_per_sample`] integer targets.
+pub trait Dataset: Send + Sync {
+    /// A name for messages and the run's first line.
+    fn name(&self) -> String;
+
+    /// Number of samples.
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What one sample's input is; the trainer checks it against the model before any work.
+    fn input(&self) -> InputSpec;
+
+    /// Integer targets per sample: 1 for classification, the sequence length for
+    /// next-token prediction.
+    fn targets_per_sample(&self) -> usize {
+        1
+    }
+
+    /// Writes samples `indices`, in order, into `batch` (whose buffers have exactly the room
+    /// `indices.len()` samples need).
+    fn fill(&self, indices: &[usize], batch: BatchMut<'_>) -> Result<(), DatasetError>;
+}
+
+/// How the samples of each step are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sampling {
+    /// Epochs of a seeded shuffle without replacement, dealt to the data-parallel replicas
+    /// like PyTorch's `DistributedSampler` (incomplete last batches dropped). Image sets.
+    Epochs,
+    /// Each step's global batch drawn uniformly with replacement from a generator seeded by
+    /// `(seed, step)`, replica `r` taking rows `[r·b, (r+1)·b)`. Windows of a long text,
+    /// where an epoch means little.
+    Random,
+}
+
+/// How an evaluation set is visited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvalPlan {
+    /// Every sample once, in order, `batch` at a time; each replica takes a contiguous
+    /// share, so every sample counts exactly once.
+    All { batch: usize },
+    /// `batches` batches of `batch_size` samples drawn uniformly, batch `i` from a generator
+    /// seeded by `seed + i` (the same batches at every evaluation); replicas take every
+    /// `dp`-th batch.
+    Random {
+        batches: usize,
+        batch_size: usize,
+        seed: u64,
+    },
+}
+
+/// `n` indices below `len` drawn uniformly from a generator seeded by `seed`.
+pub fn random_indices(len: usize, n: usize, seed: u64) -> Vec<usize> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n).map(|_| rng.below(len as u64) as usize).collect()
+}
+
+/// An in-memory labelled image set (N×C×H×W floats, one class per sample).
+pub struct ImageData {
+    pub name: String,
+    pub images: Arc<ImageDataset>,
+}
+
+impl ImageData {
+    pub fn new(name: &str, images: ImageDataset) -> Self {
+        ImageData {
+            name: name.to_string(),
+            images: Arc::new(images),
+        }
+    }
+}
+
+impl Dataset for ImageData {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn len(&self) -> usize {
+        self.images.n
+    }
+
+    fn input(&self) -> InputSpec {
+        let d = &self.images;
+        InputSpec::float(&[d.channels, d.height, d.width])
+    }
+
+    fn fill(&self, indices: &[usize], batch: BatchMut<'_>) -> Result<(), DatasetError> {
+        match batch.inputs {
+            Inputs::Float(x) => Ok(self.images.batch(indices, x, batch.targets)?),
+            Inputs::Tokens(_) => Err("image data has float inputs".into()),
+        }
+    }
+}
+
+/// Next-token prediction over a token stream: sample `i` is the window `tokens[i..i+seq]`
+/// and its targets `tokens[i+1..i+seq+1]`, so there are `len − seq` samples.
+pub struct TextWindows {
+    pub name: String,
+    pub tokens: Arc<Vec<u32>>,
+    pub seq: usize,
+    pub vocab: usize,
+}
+
+impl TextWindows {
+    /// Windows of `seq` bytes of `bytes` (a byte-level vocabulary of 256).
+    pub fn bytes(name: &str, bytes: &[u8], seq: usize) -> Self {
+        TextWindows {
+            name: name.to_string(),
+            tokens: Arc::new(bytes.iter().map(|&b| u32::from(b)).collect()),
+            seq,
+            vocab: 256,
+        }
+    }
+}
+
+impl Dataset for TextWindows {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn len(&self) -> usize {
+        self.tokens.len().saturating_sub(self.seq)
+    }
+
+    fn input(&self) -> InputSpec {
+        InputSpec::tokens(self.seq, self.vocab)
+    }
+
+    fn targets_per_sample(&self) -> usize {
+        self.seq
+    }
+
+    fn fill(&self, indices: &[usize], batch: BatchMut<'_>) -> Result<(), DatasetError> {
+        let Inputs::Tokens(x) = batch.inputs else {
+            return Err("text windows have token inputs".into());
+        };
+        let seq = self.seq;
+        for ((&i, xr), yr) in indices
+            .iter()
+            .zip(x.chunks_exact_mut(seq))
+            .zip(batch.targets.chunks_exact_mut(seq))
+        {
+            if i >= self.len() {
+                return Err(format!("sample {i} is outside 0..{}", self.len()).into());
+            }
+            xr.copy_from_slice(&self.tokens[i..i + seq]);
+            yr.copy_from_slice(&self.tokens[i + 1..i + seq + 1]);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,62 @@
+//! meshtrain as a library: train your own model on your own data with every parallel layout
+//! meshtrain has — data parallelism (DDP or the single-master mode), pipelines (GPipe, 1F1B,
+//! interleaved), both at once — with checkpoints that resume exactly in any layout, metrics,
+//! a progress bar, a step-time breakdown and a timeline.
+//!
+//! You give:
+//! * a model: [`nn::Model`], blocks with explicit forward and backward over one flat
+//!   parameter buffer (built from [`nn::layers`] or your own [`nn::Layer`]s);
+//! * data: anything implementing [`Dataset`] (a length, and filling a batch from sample
+//!   indices; token ids stay integers);
+//! * a [`nn::Loss`], an optimizer ([`nn::optim::OptimizerConfig`]) with parameter groups
+//!   ([`nn::optim::ParamGroups`]), an [`LrSchedule`];
+//! * a [`Layout`]: `"dp=2"`, `"pp=2,mb=8,schedule=1f1b"`, or what `meshtrain plan` printed.
+//!
+//! ```no_run
+//! use meshtrain_train::{Job, RunOptions, nn, Dataset};
+//! use std::sync::Arc;
+//! # fn my_model() -> nn::Model { unimplemented!() }
+//! # fn my_data() -> Arc<dyn Dataset> { unimplemented!() }
+//! let summary = Job::new(my_model, my_data(), Arc::new(nn::CrossEntropy::new(10)))
+//!     .batch_size(64)
+//!     .epochs(3)
+//!     .layout("dp=2".parse()?)
+//!     .run(&RunOptions::default())?;
+//! println!("{:.4}", summary.final_train_loss);
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+//!
+//! `examples/custom_model.rs` defines a model and a dataset of its own and trains them
+//! data-parallel and pipelined through this API alone.
+
+pub mod checkpoint;
+pub mod dataset;
+pub mod job;
+pub mod launch;
+pub mod metrics;
+pub mod timeline;
+pub mod trainer;
+
+pub use dataset::{
+    BatchMut, Dataset, DatasetError, EvalPlan, ImageData, Inputs, Sampling, TextWindows,
+};
+pub use job::{EvalSpec, Job, Length, LrSchedule, ModelFn, DEFAULT_TIMEOUT};
+pub use launch::{launched_by_mpi, RunOptions, TIMEOUT_ENV};
+pub use metrics::{peak_rss_mb, Breakdown, Summary};
+pub use trainer::{threads_per_worker, Trainer};
+
+pub use meshtrain_parallel::data::{DdpConfig, GradCompression};
+pub use meshtrain_parallel::parallelize::DpMode;
+pub use meshtrain_parallel::pipeline::{PartitionSpec, ScheduleKind, SendMode};
+pub use meshtrain_parallel::{Layout, ParallelOptions};
+
+/// Collectives and process groups (`meshtrain-comm`).
+pub use meshtrain_comm as comm;
+/// Built-in datasets and samplers (`meshtrain-data`).
+pub use meshtrain_data as data;
+/// The layers, models, losses and optimizers (`meshtrain-nn`).
+pub use meshtrain_nn as nn;
+/// The parallel dimensions (`meshtrain-parallel`).
+pub use meshtrain_parallel as parallel;
+/// Kernels and the tensor type (`meshtrain-tensor`).
+pub use meshtrain_tensor as tensor;

@@ -1,0 +1,234 @@
+//! What a run reports: the step-time breakdown (where the time went and why scaling stops),
+//! the summary, and the JSON-lines metrics file.
+
+use anyhow::{Context, Result};
+use meshtrain_parallel::{StepStats, StepTimes};
+use serde::Serialize;
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+/// Where a run's step time went (seconds, summed over the run).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Breakdown {
+    pub data_s: f64,
+    /// Forward, backward, optimizer, communication exposed and hidden, pipeline idle.
+    #[serde(flatten)]
+    pub times: StepTimes,
+    /// Pipeline stages (0 or 1 = no pipeline).
+    pub stages: usize,
+    pub eval_s: f64,
+    pub checkpoint_s: f64,
+    pub steps: u64,
+    /// Workers (dp × pp).
+    pub workers: usize,
+}
+
+impl Breakdown {
+    /// Adds one training step's measurements.
+    pub fn add(&mut self, s: &StepStats) {
+        self.times.add(&s.times);
+        self.steps += 1;
+    }
+
+    /// The times accumulated since `before` (an earlier copy of the same worker's breakdown):
+    /// benchmarks take one after warm-up and report only the timed steps.
+    pub fn since(&self, before: &Breakdown) -> Breakdown {
+        Breakdown {
+            data_s: self.data_s - before.data_s,
+            times: self.times.since(&before.times),
+            steps: self.steps - before.steps,
+            workers: self.workers,
+            stages: self.stages,
+            ..Breakdown::default()
+        }
+    }
+
+    /// The accumulated times, in a fixed order, for element-wise reductions across workers.
+    pub fn times_mut(&mut self) -> [&mut f64; 7] {
+        let t = &mut self.times;
+        [
+            &mut self.data_s,
+            &mut t.forward_s,
+            &mut t.backward_s,
+            &mut t.optimizer_s,
+            &mut t.comm_exposed_s,
+            &mut t.comm_hidden_s,
+            &mut t.pipeline_idle_s,
+        ]
+    }
+
+    pub fn compute_s(&self) -> f64 {
+        self.times.forward_s + self.times.backward_s + self.times.optimizer_s
+    }
+
+    /// Time of the training steps: compute, exposed communication, pipeline idle time and
+    /// data loading.
+    pub fn step_s(&self) -> f64 {
+        self.compute_s() + self.times.comm_exposed_s + self.times.pipeline_idle_s + self.data_s
+    }
+
+    /// Computation-to-synchronisation ratio: compute time per unit of communication time
+    /// (hidden or not). Infinite for a single worker.
+    pub fn compute_to_comm(&self) -> f64 {
+        self.compute_s() / (self.times.comm_exposed_s + self.times.comm_hidden_s)
+    }
+
+    /// The per-step averages in the form `meshtrain plan --diagnose` / `--compare` read
+    /// (`breakdown.json` of a run).
+    pub fn measured_step(&self, samples_per_step: usize) -> serde_json::Value {
+        let n = self.steps.max(1) as f64;
+        serde_json::json!({
+            "workers": self.workers.max(1),
+            "compute_s": (self.times.forward_s + self.times.backward_s) / n,
+            "comm_exposed_s": self.times.comm_exposed_s / n,
+            "comm_hidden_s": self.times.comm_hidden_s / n,
+            "bubble_s": self.times.pipeline_idle_s / n,
+            "data_s": self.data_s / n,
+            "optimizer_s": self.times.optimizer_s / n,
+            "step_s": self.step_s() / n,
+            "samples_per_step": samples_per_step as f64,
+        })
+    }
+
+    pub fn report(&self) -> String {
+        let n = self.steps.max(1) as f64;
+        let ms = |s: f64| s / n * 1e3;
+        let dp_workers = self.workers / self.stages.max(1);
+        let comm = if dp_workers <= 1 && self.stages > 1 {
+            "no data-parallel communication (one replica)".to_string()
+        } else if dp_workers <= 1 {
+            "communication 0 (single worker)".to_string()
+        } else {
+            let total = self.times.comm_exposed_s + self.times.comm_hidden_s;
+            format!(
+                "communication {:.1} ms exposed + {:.1} ms hidden by overlap ({:.0}% hidden, {:.1} MB/step); \
+                 compute/communication ratio {:.1}",
+                ms(self.times.comm_exposed_s),
+                ms(self.times.comm_hidden_s),
+                if total > 0.0 { 100.0 * self.times.comm_hidden_s / total } else { 0.0 },
+                self.times.comm_bytes as f64 / n / 1e6,
+                self.compute_to_comm()
+            )
+        };
+        // Pipeline runs report the mean over all workers (stages differ).
+        let (layout, pipeline) = if self.stages > 1 {
+            (
+                format!(
+                    "{} workers = dp {dp_workers} × pp {}, mean over workers",
+                    self.workers, self.stages
+                ),
+                format!(
+                    " + pipeline idle (bubble, transfers) {:.1} ms ({:.0}% of the step)",
+                    ms(self.times.pipeline_idle_s),
+                    100.0 * self.times.pipeline_idle_s / self.step_s().max(1e-12)
+                ),
+            )
+        } else {
+            let s = if self.workers > 1 { "s" } else { "" };
+            (format!("{} worker{s}", self.workers.max(1)), String::new())
+        };
+        format!(
+            "per step ({layout}): {:.1} ms = compute {:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}) \
+             + exposed communication {:.1} ms{pipeline} + data {:.1} ms; {comm}; eval {:.1} s, checkpoints {:.1} s in total",
+            ms(self.step_s()),
+            ms(self.compute_s()),
+            ms(self.times.forward_s),
+            ms(self.times.backward_s),
+            ms(self.times.optimizer_s),
+            ms(self.times.comm_exposed_s),
+            ms(self.data_s),
+            self.eval_s,
+            self.checkpoint_s
+        )
+    }
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub steps: u64,
+    pub final_train_loss: f32,
+    /// Correct predictions per target at the last evaluation (losses that count them).
+    pub test_accuracy: Option<f64>,
+    /// Last evaluation loss.
+    pub eval_loss: Option<f64>,
+    /// The evaluation set's reference loss, if it has one (text: the unigram entropy, the
+    /// loss of a model that ignores context).
+    pub unigram_baseline: Option<f64>,
+    pub samples_per_s: f64,
+    pub peak_rss_mb: Option<f64>,
+    pub breakdown: Breakdown,
+    pub wall_s: f64,
+    /// The layout the run used, in the form `meshtrain plan --layout` reads.
+    pub layout: String,
+    /// The world rank that returned this summary (under `mpirun` every process returns one;
+    /// rank 0 is the one to print).
+    #[serde(skip)]
+    pub rank: usize,
+}
+
+#[derive(Serialize)]
+pub(crate) struct TrainRecord {
+    pub kind: &'static str,
+    pub step: u64,
+    pub epoch: f64,
+    pub loss: f32,
+    pub lr: f32,
+    pub grad_norm: f32,
+    pub samples_per_s: f64,
+    pub elapsed_s: f64,
+}
+
+#[derive(Serialize)]
+pub(crate) struct EvalRecord {
+    pub kind: &'static str,
+    pub step: u64,
+    pub epoch: f64,
+    pub loss: f64,
+    pub accuracy: Option<f64>,
+    pub perplexity: Option<f64>,
+    pub unigram_baseline: Option<f64>,
+}
+
+/// The run's `metrics.jsonl`: a fresh run starts it anew, a resumed run keeps the records
+/// up to the step it resumes from (dropping what a crashed run logged after its checkpoint,
+/// and the old summary) and appends.
+pub(crate) struct MetricsFile {
+    file: std::fs::File,
+}
+
+impl MetricsFile {
+    pub fn open(path: &Path, resumed_at: Option<u64>) -> Result<MetricsFile> {
+        let kept: Vec<String> = match (resumed_at, std::fs::File::open(path)) {
+            (Some(step), Ok(f)) => std::io::BufReader::new(f)
+                .lines()
+                .map_while(|l| l.ok())
+                .filter(|line| {
+                    let v: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
+                    v["kind"] != "summary" && v["step"].as_u64().is_some_and(|s| s <= step)
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut file =
+            std::fs::File::create(path).with_context(|| format!("opening {}", path.display()))?;
+        for line in kept {
+            writeln!(file, "{line}").with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(MetricsFile { file })
+    }
+
+    pub fn write<T: Serialize>(&mut self, record: &T) -> Result<()> {
+        serde_json::to_writer(&mut self.file, record)?;
+        self.file.write_all(b"\n")?;
+        Ok(())
+    }
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`), in MiB.
+pub fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}

@@ -1,0 +1,621 @@
+//! The training loop of one worker — the same loop for every layout: load this replica's
+//! share of the step's batch, run the parallelised step, log, evaluate, checkpoint.
+//!
+//! Every step's data is a pure function of (seed, step) — shuffled epochs or random draws
+//! seeded by the step — so a resumed run sees exactly the batches an uninterrupted run would,
+//! and ends bit-identical. The distributed sampler deals shards so that the replicas' shares
+//! of step `s` together are exactly the single worker's batch `s`. World rank 0 alone prints,
+//! writes metrics and checkpoints; a checkpoint gathers the stages first, so it is the same
+//! file whatever the layout.
+
+use crate::checkpoint::{self, Restore, TrainState};
+use crate::dataset::{random_indices, EvalPlan, Sampling};
+use crate::job::{load, Job};
+use crate::metrics::{peak_rss_mb, Breakdown, EvalRecord, MetricsFile, Summary, TrainRecord};
+use crate::timeline::RecordedTimeline;
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use meshtrain_comm::{BufMut, ProcessGroup, ReduceOp};
+use meshtrain_data::{eval_shard, DistributedSampler, SplitMix64, Tail};
+use meshtrain_nn::optim::Optimizer;
+use meshtrain_nn::schedule::{scale_lr_linearly, Schedule};
+use meshtrain_nn::{InputSpec, Model, ParamStore};
+use meshtrain_parallel::data::ShareShape;
+use meshtrain_parallel::parallelize::Training;
+use meshtrain_parallel::pipeline::PartitionSpec;
+use meshtrain_parallel::{parallelize, Batch, EvalSums, Parallel, StepStats};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Intra-op threads for each of `workers` workers sharing this machine: the configured total
+/// (default: all cores) split evenly, never oversubscribing by default.
+pub fn threads_per_worker(configured: Option<usize>, workers: usize) -> usize {
+    let total =
+        configured.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    (total / workers.max(1)).max(1)
+}
+
+/// The (world, rank, epoch) the distributed sampler last dealt for, and its indices (one
+/// permutation per epoch, not per step).
+type EpochOrder = Option<((usize, usize, u64), Vec<usize>)>;
+
+/// One worker of a run: its model share, its step, its books.
+pub struct Trainer {
+    pub job: Arc<Job>,
+    pub model: Model,
+    /// The parallelised model: stage chunks, synchronisation, optimizers.
+    pub parallel: Parallel,
+    pub schedule: Schedule,
+    /// Steps completed.
+    pub step: u64,
+    pub total_steps: u64,
+    steps_per_epoch: u64,
+    input: InputSpec,
+    epoch_indices: EpochOrder,
+    pool: rayon::ThreadPool,
+    pub breakdown: Breakdown,
+    metrics: Option<MetricsFile>,
+    pub show_progress: bool,
+    timeline: Option<RecordedTimeline>,
+}
+
+impl Job {
+    /// This worker's trainer in `world` (every worker of the world calls it; the world has
+    /// `layout.world_size()` workers). `threads` overrides its intra-op thread count.
+    pub fn trainer(
+        self: &Arc<Self>,
+        world: Arc<dyn ProcessGroup>,
+        threads: Option<usize>,
+    ) -> Result<Trainer> {
+        Trainer::new(self.clone(), world, threads)
+    }
+}
+
+impl Trainer {
+    fn new(job: Arc<Job>, world: Arc<dyn ProcessGroup>, threads: Option<usize>) -> Result<Trainer> {
+        let mut model = (job.model)();
+        let resolved = job
+            .layout
+            .resolve(world.size(), job.batch_size, &model)
+            .context("the layout cannot run")?;
+        let workers = world.size();
+        let threads = threads.unwrap_or_else(|| threads_per_worker(job.threads, workers));
+        let pool = meshtrain_tensor::par::pool(threads);
+        let input = job.train_data.input();
+        let steps_per_epoch = job.steps_per_epoch();
+        // Measured-time cuts profile one micro-batch (replica 0's first).
+        let sample = match (&job.parallel.partition, resolved.layout.pp > 1) {
+            (PartitionSpec::Time, true) => {
+                let local = job.batch_size / resolved.layout.dp;
+                let idx =
+                    share_indices(&job, &mut None, steps_per_epoch, 0, 0, resolved.layout.dp)?;
+                let per_micro = local / resolved.micro_batches();
+                Some(load(
+                    job.train_data.as_ref(),
+                    &input,
+                    job.loss.as_ref(),
+                    &idx[..per_micro],
+                )?)
+            }
+            _ => None,
+        };
+        let training = Training {
+            loss: job.loss.clone(),
+            optimizer: job.optimizer,
+            groups: job.param_groups.clone(),
+            seed: job.seed,
+        };
+        let parallel = pool
+            .install(|| {
+                parallelize(
+                    &mut model,
+                    world.clone(),
+                    &resolved,
+                    &job.parallel,
+                    &training,
+                    sample.as_ref(),
+                )
+            })
+            .context("setting up the parallel layout")?;
+        let l = &job.lr;
+        let schedule = Schedule {
+            base_lr: match l.reference_batch {
+                Some(r) => scale_lr_linearly(l.lr, r, job.batch_size),
+                None => l.lr,
+            },
+            warmup_steps: l.warmup_steps,
+            total_steps: job.total_steps(),
+            min_lr_fraction: l.min_lr_fraction,
+        };
+        let timeline = match &job.timeline {
+            Some(path) => Some(RecordedTimeline::start(world.as_ref(), path)?),
+            None => None,
+        };
+        Ok(Trainer {
+            breakdown: Breakdown {
+                workers,
+                stages: resolved.layout.pp,
+                ..Breakdown::default()
+            },
+            total_steps: job.total_steps(),
+            steps_per_epoch,
+            input,
+            model,
+            parallel,
+            schedule,
+            step: 0,
+            epoch_indices: None,
+            pool,
+            metrics: None,
+            show_progress: false,
+            timeline,
+            job,
+        })
+    }
+
+    /// World rank 0 prints, logs and checkpoints for everyone.
+    pub fn is_lead(&self) -> bool {
+        self.parallel.is_lead()
+    }
+
+    /// This worker's parameters (its stage's chunks, in model order): the whole model
+    /// without a pipeline.
+    pub fn local_params(&self) -> Vec<f32> {
+        self.parallel
+            .stage
+            .chunks
+            .iter()
+            .flat_map(|c| c.store.values.iter().copied())
+            .collect()
+    }
+
+    pub fn checkpoint_path(&self) -> PathBuf {
+        self.job.out_dir.join("checkpoint.safetensors")
+    }
+
+    fn epoch_of(&self, step: u64) -> f64 {
+        if self.steps_per_epoch == 0 {
+            0.0
+        } else {
+            step as f64 / self.steps_per_epoch as f64
+        }
+    }
+
+    /// One training step (step number `self.step`): this worker's share of the batch, the
+    /// parallelised forward/backward/synchronisation/update. Returns the global loss and
+    /// gradient norm among the step's measurements.
+    pub fn train_step(&mut self) -> Result<StepStats> {
+        let step = self.step;
+        let t = Instant::now();
+        let loaded = match self.parallel.loads() {
+            Some((rank, world)) => Some(self.load_share(step, rank, world)?),
+            None => None,
+        };
+        self.breakdown.data_s += t.elapsed().as_secs_f64();
+        let shape = ShareShape {
+            samples: self.job.batch_size / self.parallel.layout.layout.dp,
+            sample: self.input.shape.clone(),
+            targets_per_sample: self.job.train_data.targets_per_sample(),
+        };
+        let (share, scatter) = self.parallel.share(loaded, &shape)?;
+        self.breakdown.times.comm_exposed_s += scatter.exposed_s;
+        let lr = self.schedule.lr(step);
+        let clip = self.job.grad_clip;
+        let Trainer {
+            pool,
+            parallel,
+            model,
+            timeline,
+            ..
+        } = self;
+        let timeline = timeline.as_mut().map(|t| &mut t.timeline);
+        let stats = pool
+            .install(|| parallel.train_step(model, share, lr, clip, timeline))
+            .with_context(|| format!("training step {step}"))?;
+        self.breakdown.add(&stats);
+        self.step += 1;
+        anyhow::ensure!(
+            stats.loss.is_finite(),
+            "training diverged at step {step}: loss is {}",
+            stats.loss
+        );
+        Ok(stats)
+    }
+
+    /// Rank `rank`'s share (of `world`) of step `step`'s global batch.
+    fn load_share(&mut self, step: u64, rank: usize, world: usize) -> Result<Batch> {
+        let idx = share_indices(
+            &self.job,
+            &mut self.epoch_indices,
+            self.steps_per_epoch,
+            step,
+            rank,
+            world,
+        )?;
+        load(
+            self.job.train_data.as_ref(),
+            &self.input,
+            self.job.loss.as_ref(),
+            &idx,
+        )
+    }
+
+    /// Evaluates on the job's evaluation set (`None` without one): every replica takes its
+    /// share, every pipeline stage of a replica the same batches, and the sums are exact.
+    pub fn evaluate(&mut self) -> Result<Option<EvalSums>> {
+        let Some(eval) = self.job.eval.clone() else {
+            return Ok(None);
+        };
+        let t = Instant::now();
+        let (rank, world) = self.parallel.dp_rank_and_size();
+        let data = eval.data.as_ref();
+        let input = data.input();
+        let batches: Vec<Vec<usize>> = match eval.plan {
+            EvalPlan::All { batch } => {
+                let shard = eval_shard(data.len(), rank, world)?;
+                shard
+                    .clone()
+                    .step_by(batch)
+                    .map(|s| (s..(s + batch).min(shard.end)).collect())
+                    .collect()
+            }
+            EvalPlan::Random {
+                batches,
+                batch_size,
+                seed,
+            } => (rank..batches)
+                .step_by(world)
+                .map(|i| random_indices(data.len(), batch_size, seed + i as u64))
+                .collect(),
+        };
+        let mut sums = EvalSums::default();
+        for idx in batches {
+            let batch = load(data, &input, self.job.loss.as_ref(), &idx)?;
+            let (pool, parallel, model) = (&self.pool, &mut self.parallel, &self.model);
+            pool.install(|| parallel.eval_batch(model, batch, &mut sums))
+                .context("evaluating")?;
+        }
+        let sums = self.parallel.reduce_eval(sums)?;
+        self.breakdown.eval_s += t.elapsed().as_secs_f64();
+        Ok(Some(sums))
+    }
+
+    /// Writes the checkpoint (a collective: the stages gather on rank 0, which writes the
+    /// standard file — the same as a single worker's).
+    pub fn save_checkpoint(&mut self, path: &Path) -> Result<()> {
+        let t = Instant::now();
+        let state = |store, optimizer| TrainState {
+            model: &self.model,
+            store,
+            optimizer,
+            step: self.step,
+            model_description: &self.job.model_description,
+            config: &self.job.config_text,
+        };
+        let stage = &self.parallel.stage;
+        if stage.schedule().num_chunks() == 1 {
+            // One chunk is the whole model: rank 0 writes it as it is, no gathered copy.
+            if self.is_lead() {
+                let chunk = &stage.chunks[0];
+                checkpoint::save(path, &state(&chunk.store, &self.parallel.optimizers[0]))?;
+            }
+        } else {
+            let gathered = self
+                .parallel
+                .gather_state(&self.model)
+                .context("gathering the model for a checkpoint")?;
+            if let (Some((store, optimizer)), true) = (gathered, self.is_lead()) {
+                checkpoint::save(path, &state(&store, &optimizer))?;
+            }
+        }
+        self.breakdown.checkpoint_s += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Continues from a checkpoint written by any layout (every worker reads the file and
+    /// keeps its share). The checkpoint must be of the same model.
+    pub fn resume(&mut self, path: &Path) -> Result<()> {
+        self.step = self.restore(path, Restore::Everything)?;
+        Ok(())
+    }
+
+    /// Starts from a checkpoint's weights (parameters and buffers), with a fresh optimizer at
+    /// step 0: deliberate fine-tuning, allowed from another model configuration whose
+    /// tensors match by name and shape. Returns the model description the checkpoint holds.
+    pub fn init_from(&mut self, path: &Path) -> Result<String> {
+        let n = self.model.num_params();
+        let mut full = self.empty_store();
+        let mut unused = Optimizer::new(self.job.optimizer, n);
+        let restored = checkpoint::load(
+            path,
+            &self.model,
+            &self.job.model_description,
+            &mut full,
+            &mut unused,
+            Restore::Weights,
+        )?;
+        self.parallel.stage.load_from(&self.model, &full);
+        Ok(restored.model_description)
+    }
+
+    fn restore(&mut self, path: &Path, restore: Restore) -> Result<u64> {
+        let n = self.model.num_params();
+        let mut full = self.empty_store();
+        let mut optimizer = Optimizer::new(self.job.optimizer, n);
+        let restored = checkpoint::load(
+            path,
+            &self.model,
+            &self.job.model_description,
+            &mut full,
+            &mut optimizer,
+            restore,
+        )?;
+        self.parallel.load_state(&self.model, &full, &optimizer);
+        Ok(restored.step)
+    }
+
+    fn empty_store(&self) -> ParamStore {
+        ParamStore {
+            values: vec![0.0; self.model.num_params()],
+            grads: Vec::new(),
+            buffers: vec![0.0; self.model.num_buffers()],
+        }
+    }
+
+    fn eval_and_log(
+        &mut self,
+        pb: &ProgressBar,
+        last: &mut (Option<f64>, Option<f64>),
+    ) -> Result<()> {
+        let Some(sums) = self.evaluate()? else {
+            return Ok(());
+        };
+        let eval = self
+            .job
+            .eval
+            .as_ref()
+            .expect("evaluated, so there is a set");
+        let loss = sums.mean_loss();
+        let accuracy = sums.accuracy().filter(|_| eval.accuracy);
+        *last = (Some(loss), accuracy);
+        if !self.is_lead() {
+            return Ok(());
+        }
+        let perplexity = eval.perplexity.then(|| loss.exp());
+        let record = EvalRecord {
+            kind: "eval",
+            step: self.step,
+            epoch: self.epoch_of(self.step),
+            loss,
+            accuracy,
+            perplexity,
+            unigram_baseline: eval.baseline,
+        };
+        let mut line = format!("eval step {}: ", self.step);
+        match (accuracy, perplexity) {
+            (Some(a), _) => {
+                line += &format!("test loss {loss:.4}, test accuracy {:.2}%", a * 100.0)
+            }
+            (None, Some(p)) => {
+                line += &format!("val loss {loss:.4} nats/token (perplexity {p:.2})")
+            }
+            (None, None) => line += &format!("loss {loss:.4}"),
+        }
+        if let Some(b) = eval.baseline {
+            line += &format!("; unigram baseline {b:.4}");
+        }
+        if self.show_progress {
+            pb.println(line);
+        } else {
+            println!("{line}");
+        }
+        self.write_metric(&record)
+    }
+
+    fn write_metric<T: serde::Serialize>(&mut self, record: &T) -> Result<()> {
+        match self.metrics.as_mut() {
+            Some(m) => m.write(record),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs to the end of the schedule (or `max_steps`) from the current step, evaluating,
+    /// logging and checkpointing as configured; `resumed` tells the metrics file what to
+    /// keep. Every worker calls it.
+    pub fn run(&mut self, resumed: bool) -> Result<Summary> {
+        let stop = self.job.stop_step();
+        anyhow::ensure!(
+            self.step < stop,
+            "nothing to train: the run is at step {} and stops at step {stop} (raise \
+             train.steps or train.epochs to train further)",
+            self.step
+        );
+        let lead = self.is_lead();
+        let out = self.job.out_dir.clone();
+        if lead {
+            std::fs::create_dir_all(&out)
+                .with_context(|| format!("creating output dir {}", out.display()))?;
+            let stale = checkpoint::temporary_path(&self.checkpoint_path());
+            if stale.exists() {
+                std::fs::remove_file(&stale)
+                    .with_context(|| format!("removing {}", stale.display()))?;
+                println!(
+                    "removed {}, a partial checkpoint left by an interrupted save",
+                    stale.display()
+                );
+            }
+            self.metrics = Some(MetricsFile::open(
+                &out.join("metrics.jsonl"),
+                resumed.then_some(self.step),
+            )?);
+        }
+        let pb = if self.show_progress && lead {
+            ProgressBar::new(stop)
+        } else {
+            ProgressBar::hidden()
+        };
+        pb.set_style(
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .expect("progress template"),
+        );
+        pb.set_position(self.step);
+        let started = Instant::now();
+        let (mut window_t, mut window_samples) = (Instant::now(), 0usize);
+        let mut last_eval = (None, None);
+        let mut last_loss = f32::NAN;
+        let mut samples_total = 0usize;
+        let before = self.breakdown.clone();
+        let global_samples = self.job.batch_size;
+        while self.step < stop {
+            let lr = self.schedule.lr(self.step);
+            let stats = self.train_step()?;
+            let loss = stats.loss;
+            last_loss = loss;
+            window_samples += global_samples;
+            samples_total += global_samples;
+            pb.inc(1);
+            if self.step.is_multiple_of(self.job.log_every) || self.step == stop {
+                let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
+                pb.set_message(format!("loss {loss:.4} | {sps:.0} samples/s"));
+                if !self.show_progress && lead {
+                    println!(
+                        "step {:>6} epoch {:>5.2} loss {loss:.4} lr {lr:.2e} {sps:.0} samples/s",
+                        self.step,
+                        self.epoch_of(self.step)
+                    );
+                }
+                let record = TrainRecord {
+                    kind: "train",
+                    step: self.step,
+                    epoch: self.epoch_of(self.step),
+                    loss,
+                    lr,
+                    grad_norm: stats.grad_norm,
+                    samples_per_s: sps,
+                    elapsed_s: started.elapsed().as_secs_f64(),
+                };
+                self.write_metric(&record)?;
+                (window_t, window_samples) = (Instant::now(), 0);
+            }
+            let epoch_end =
+                self.steps_per_epoch > 0 && self.step.is_multiple_of(self.steps_per_epoch);
+            let eval_due = match self.job.eval_every {
+                Some(e) if e > 0 => self.step.is_multiple_of(e),
+                _ => epoch_end,
+            };
+            if eval_due || self.step == self.total_steps {
+                self.eval_and_log(&pb, &mut last_eval)?;
+            }
+            if let Some(every) = self.job.checkpoint_every.filter(|&e| e > 0) {
+                if self.step.is_multiple_of(every) {
+                    let p = self.checkpoint_path();
+                    self.save_checkpoint(&p)?;
+                }
+            }
+        }
+        pb.finish_and_clear();
+        let p = self.checkpoint_path();
+        self.save_checkpoint(&p)?;
+        self.finish_run()?;
+        let compute = self.breakdown.step_s() - before.step_s();
+        let summary = Summary {
+            steps: self.step,
+            final_train_loss: last_loss,
+            test_accuracy: last_eval.1,
+            eval_loss: last_eval.0,
+            unigram_baseline: self.job.eval.as_ref().and_then(|e| e.baseline),
+            samples_per_s: samples_total as f64 / compute.max(1e-9),
+            peak_rss_mb: peak_rss_mb(),
+            breakdown: self.breakdown.clone(),
+            wall_s: started.elapsed().as_secs_f64(),
+            layout: self.parallel.layout.layout.to_string(),
+            rank: self.parallel.world().rank(),
+        };
+        #[derive(serde::Serialize)]
+        struct Tagged<'a> {
+            kind: &'static str,
+            #[serde(flatten)]
+            summary: &'a Summary,
+        }
+        self.write_metric(&Tagged {
+            kind: "summary",
+            summary: &summary,
+        })?;
+        if lead {
+            let measured = self.breakdown.measured_step(self.job.batch_size);
+            let path = out.join("breakdown.json");
+            std::fs::write(&path, serde_json::to_string_pretty(&measured)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(summary)
+    }
+
+    /// End of a run (every worker): averages the step-time breakdown over all workers (they
+    /// differ: pipeline stages, the single master; the mean is what a step costs), and
+    /// writes the timeline of the last step on rank 0.
+    fn finish_run(&mut self) -> Result<()> {
+        let world = self.parallel.world().clone();
+        if world.size() > 1 {
+            let mut fields = self.breakdown.times_mut().map(|v| *v as f32);
+            world
+                .all_reduce(BufMut::F32(&mut fields), ReduceOp::Average)
+                .context("averaging the step-time breakdown")?;
+            for (time, mean) in self.breakdown.times_mut().into_iter().zip(fields) {
+                *time = f64::from(mean);
+            }
+        }
+        if let Some(recorded) = &self.timeline {
+            let l = &self.parallel.layout;
+            let schedule = &l.schedule;
+            let title = format!(
+                "{} (dp {} × pp {}, {} micro-batches): one training step",
+                if l.layout.pp > 1 {
+                    format!("{} pipeline", schedule.kind)
+                } else {
+                    "no pipeline".to_string()
+                },
+                l.layout.dp,
+                l.layout.pp,
+                l.micro_batches()
+            );
+            recorded.finish(world.as_ref(), &title, l.layout.pp)?;
+        }
+        Ok(())
+    }
+}
+
+/// The sample indices of rank `rank`'s share (of `world`) of step `step`'s global batch.
+fn share_indices(
+    job: &Job,
+    cache: &mut EpochOrder,
+    steps_per_epoch: u64,
+    step: u64,
+    rank: usize,
+    world: usize,
+) -> Result<Vec<usize>> {
+    let local = job.batch_size / world;
+    let n = job.train_data.len();
+    match job.sampling {
+        Sampling::Epochs => {
+            let epoch = step / steps_per_epoch;
+            let in_epoch = (step % steps_per_epoch) as usize;
+            let key = (world, rank, epoch);
+            if cache.as_ref().map(|(k, _)| *k) != Some(key) {
+                let mut sampler =
+                    DistributedSampler::new(n, world, rank, job.seed, Tail::DropLast)?;
+                sampler.set_epoch(epoch);
+                *cache = Some((key, sampler.indices()));
+            }
+            let order = &cache.as_ref().expect("cached above").1;
+            Ok(order[in_epoch * local..(in_epoch + 1) * local].to_vec())
+        }
+        Sampling::Random => {
+            let stream = SplitMix64::derive(job.seed, step).next_u64();
+            let global = random_indices(n, job.batch_size, stream);
+            Ok(global[rank * local..(rank + 1) * local].to_vec())
+        }
+    }
+}
