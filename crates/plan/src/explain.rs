@@ -125,7 +125,7 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     let step = t.step_s;
     let _ = writeln!(
         out,
-        "Recommendation for {} on {} × {} ({} per node), global batch {}, {}:\n  {l}\n  predicted step {:.3} s, {:.0} tokens/s, {:.3} TFLOP/s per GPU, MFU {:.1}%\n",
+        "Recommendation for {} on {} × {} ({} per node), global batch {}, {}:\n  {l}\n  predicted step {:.3} s, {:.0} tokens/s, {:.3} TFLOP/s per GPU, MFU {:.1}%\n  run it: meshtrain train --layout \"{l}\"\n",
         problem.model.name,
         c.gpus,
         c.name,
@@ -401,6 +401,7 @@ mod tests {
         let result = search_feasible(&problem).unwrap();
         let text = memo(&problem, result.best().unwrap());
         for needle in [
+            "run it: meshtrain train --layout \"dp=",
             "does not fit in 80 GiB",
             "Per GPU: weights",
             "What stays in fp32: the master weights",
