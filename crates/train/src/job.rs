@@ -17,7 +17,7 @@
 use crate::dataset::{Dataset, EvalPlan, Inputs, Sampling};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use meshtrain_nn::optim::{OptimizerConfig, ParamGroups};
-use meshtrain_nn::{InputKind, InputSpec, Loss, Mode, Model};
+use meshtrain_nn::{InputKind, InputSpec, Loss, Mode, Model, ParamStore};
 use meshtrain_parallel::pipeline::PartitionSpec;
 use meshtrain_parallel::{Layout, ParallelOptions, ResolvedLayout};
 use meshtrain_tensor::Tensor;
@@ -354,7 +354,7 @@ impl Job {
             // Harmless (one chunk), but say so rather than ignore it silently.
             tracing::info!("parallel.partition applies to pipelines only (pp = 1 here)");
         }
-        check_data_fits(&model, data.as_ref(), self.loss.as_ref(), self.seed)
+        check_data_fits(&model, data.as_ref(), self.loss.as_ref())
             .with_context(|| format!("training set '{}'", data.name()))?;
         if let Some(eval) = &self.eval {
             ensure!(
@@ -373,8 +373,12 @@ impl Job {
                     "train.eval_batches and the evaluation batch must be at least 1"
                 ),
             }
-            check_data_fits(&model, eval.data.as_ref(), self.loss.as_ref(), self.seed)
-                .with_context(|| format!("evaluation set '{}'", eval.data.name()))?;
+            let same_samples = eval.data.input() == data.input()
+                && eval.data.targets_per_sample() == data.targets_per_sample();
+            if !same_samples {
+                check_data_fits(&model, eval.data.as_ref(), self.loss.as_ref())
+                    .with_context(|| format!("evaluation set '{}'", eval.data.name()))?;
+            }
         }
         Ok(resolved)
     }
@@ -383,7 +387,7 @@ impl Job {
 /// The dataset's samples are what the model takes and the loss can score: compares the
 /// declared input, then runs one sample through a fresh model (a shape mismatch deep inside
 /// a user's layer becomes this error, not a panic in a worker).
-fn check_data_fits(model: &Model, data: &dyn Dataset, loss: &dyn Loss, seed: u64) -> Result<()> {
+fn check_data_fits(model: &Model, data: &dyn Dataset, loss: &dyn Loss) -> Result<()> {
     let input = data.input();
     if let Some(expected) = model.input() {
         ensure!(
@@ -393,7 +397,12 @@ fn check_data_fits(model: &Model, data: &dyn Dataset, loss: &dyn Loss, seed: u64
     }
     let batch = load(data, &input, loss, &[0])?;
     let probe = || -> Result<(), String> {
-        let mut store = model.init_blocks(seed, 0..model.num_blocks());
+        // Shapes are what is probed: zero parameters do, without drawing random ones.
+        let mut store = ParamStore {
+            values: vec![0.0; model.num_params()],
+            grads: Vec::new(),
+            buffers: vec![0.0; model.num_buffers()],
+        };
         let (out, _) = model.forward_all(&mut store, batch.x.clone(), Mode::EVAL);
         loss.forward(&out, &batch.y)
             .map(|_| ())
