@@ -271,6 +271,46 @@ fn output_directories_hold_one_run_and_no_partial_checkpoint() {
     assert!(dir.path().join("breakdown.json").exists());
 }
 
+/// A run's `breakdown.json` and the layout it printed are what `meshtrain plan --compare`
+/// reads: the planner's prediction beside the measurement.
+#[test]
+fn the_planner_reads_a_runs_breakdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lenet_config(
+        dir.path(),
+        &["train.max_steps=4", "parallel.layout=\"dp=2,mb=16\""],
+    );
+    let summary = run(&cfg).unwrap();
+    assert_eq!(summary.layout, "dp=2,mb=16");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshtrain"))
+        .args([
+            "plan",
+            "--model",
+            "lenet",
+            "--cluster",
+            "cpu",
+            "--gpus",
+            "2",
+        ])
+        .args([
+            "--global-batch",
+            "64",
+            "--layout",
+            &summary.layout,
+            "--compare",
+        ])
+        .arg(dir.path().join("breakdown.json"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("predicted vs measured for dp=2"), "{text}");
+}
+
 #[test]
 fn run_lengths_are_explicit() {
     let dir = tempfile::tempdir().unwrap();
@@ -331,6 +371,19 @@ fn the_cli_rejects_bad_configs_with_the_reason() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("configs/nope.toml"));
+
+    // A layout the model cannot take, named with its numbers.
+    let out = std::process::Command::new(exe)
+        .current_dir(&root)
+        .args(["train", "--layout", "dp=1,pp=9"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("9 stages, but the model has only 5 blocks"),
+        "{err}"
+    );
 
     let out = std::process::Command::new(exe)
         .arg("--help")

@@ -27,9 +27,9 @@
 //! loss and norm shared over the world
 //! ```
 
+pub use crate::data::DpMode;
 use crate::data::{
-    CommTiming, DdpConfig, DdpSync, GradSync, GroupStatsReducer, NoSync, ShareShape,
-    SingleMasterSync,
+    grad_sync, CommTiming, DataParallel, DdpConfig, GradSync, GroupStatsReducer, ShareShape,
 };
 use crate::layout::{Recompute, ResolvedLayout};
 use crate::pipeline::{
@@ -40,21 +40,10 @@ use crate::timeline::{Category, Timeline};
 use crate::{Batch, ParallelError};
 use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, ParamGroups};
-use meshtrain_nn::{Loss, LossValue, Model, ParamStore, StatsReducer};
-use serde::{Deserialize, Serialize};
+use meshtrain_nn::{Loss, LossValue, Model, ParamStore};
+use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// How the data-parallel replicas synchronise.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum DpMode {
-    /// DistributedDataParallel: bucketed all-reduce overlapped with backward.
-    #[default]
-    Ddp,
-    /// nn.DataParallel style: scatter, gather gradients to rank 0, update there, broadcast.
-    SingleMaster,
-}
 
 /// The settings of the parallel modules that are not part of the layout's shape.
 #[derive(Clone, Debug, Default)]
@@ -217,30 +206,15 @@ pub fn parallelize(
     // 2. Tensor and 3. context parallelism: not yet (`Layout::resolve` rejects tp, cp > 1).
 
     // 4. Data parallelism: how the replicas stay equal.
-    let sums = if l.dp > 1 {
-        let all: Vec<usize> = (0..l.dp).collect();
-        Some(Arc::new(GroupStatsReducer::new(dp.new_named_subgroup(
-            &all,
-            &format!("{}-stats", dp.name()),
-        )?)))
-    } else {
-        None
-    };
-    if options.sync_batch_norm {
-        model.set_stats_reducer(sums.clone().map(|s| s as Arc<dyn StatsReducer>));
-    }
-    let mut sync: Box<dyn GradSync> = match (l.dp, options.dp_mode) {
-        (1, _) => Box::new(NoSync),
-        (_, DpMode::Ddp) => Box::new(DdpSync::new(
-            model,
-            &stage.chunks,
-            layout.schedule.workers,
-            dp.clone(),
-            options.ddp,
-        )?),
-        (_, DpMode::SingleMaster) => Box::new(SingleMasterSync::new(dp.clone())),
-    };
-    sync.init(&mut stage.chunks)?;
+    let DataParallel { sync, sums } = grad_sync(
+        model,
+        &mut stage.chunks,
+        layout.schedule.workers,
+        &dp,
+        options.dp_mode,
+        options.ddp,
+        options.sync_batch_norm,
+    )?;
 
     // 5. Tied parameters, across stages where the pipeline separated them.
     let ties = TiedGrads::new(model, &partition, &mut stage, &pp)?;

@@ -328,15 +328,16 @@ impl Job {
                  (train.steps)",
                 data.name()
             ),
-            (Length::Epochs(_), Sampling::Epochs) => ensure!(
-                self.steps_per_epoch() > 0,
-                "batch size {} is larger than the {} samples of '{}'",
-                self.batch_size,
-                data.len(),
-                data.name()
-            ),
             _ => {}
         }
+        // Epochs are dealt whole batches at a time, whatever sets the run's length.
+        ensure!(
+            self.sampling != Sampling::Epochs || self.steps_per_epoch() > 0,
+            "batch size {} is larger than the {} samples of '{}'",
+            self.batch_size,
+            data.len(),
+            data.name()
+        );
         ensure!(
             self.max_steps != Some(0),
             "train.max_steps must be at least 1"

@@ -21,7 +21,9 @@ mod sync_bn;
 pub use buckets::{plan_buckets, Bucket};
 pub use ddp::{CommTiming, Ddp, DdpConfig, GradCompression};
 pub use naive::{SingleMaster, MASTER};
-pub use sync::{DdpSync, GradSync, NoSync, ShareShape, SingleMasterSync};
+pub use sync::{
+    grad_sync, DataParallel, DdpSync, DpMode, GradSync, NoSync, ShareShape, SingleMasterSync,
+};
 pub use sync_bn::GroupStatsReducer;
 
 use meshtrain_comm::CommError;

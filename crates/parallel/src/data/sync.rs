@@ -19,14 +19,78 @@
 //! Both work per pipeline chunk, so they compose with any pipeline layout: each stage's
 //! replicas synchronise over that stage's data-parallel group.
 
-use super::{CommTiming, DataParallelError, Ddp, DdpConfig, SingleMaster};
+use super::{CommTiming, DataParallelError, Ddp, DdpConfig, GroupStatsReducer, SingleMaster};
 use crate::pipeline::{GradsReady, StageChunk};
 use crate::Batch;
 use meshtrain_comm::ProcessGroup;
-use meshtrain_nn::Model;
+use meshtrain_nn::{Model, StatsReducer};
 use meshtrain_tensor::Tensor;
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// How the data-parallel replicas synchronise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DpMode {
+    /// DistributedDataParallel: bucketed all-reduce overlapped with backward.
+    #[default]
+    Ddp,
+    /// nn.DataParallel style: scatter, gather gradients to rank 0, update there, broadcast.
+    SingleMaster,
+}
+
+/// The data-parallel transform: the [`GradSync`] of this worker's `chunks` (of a pipeline of
+/// `pipeline_workers` stages) over the data-parallel group `dp`, with the replicas made equal
+/// (rank 0's parameters), and the exact summer over `dp` (evaluation sums; installed into
+/// the model's batch norms for SyncBatchNorm when asked). One replica gets [`NoSync`] and no
+/// summer.
+pub fn grad_sync(
+    model: &mut Model,
+    chunks: &mut [StageChunk],
+    pipeline_workers: usize,
+    dp: &Arc<dyn ProcessGroup>,
+    mode: DpMode,
+    ddp: DdpConfig,
+    sync_batch_norm: bool,
+) -> Result<DataParallel, DataParallelError> {
+    if dp.size() == 1 {
+        return Ok(DataParallel {
+            sync: Box::new(NoSync),
+            sums: None,
+        });
+    }
+    let all: Vec<usize> = (0..dp.size()).collect();
+    let stats = dp
+        .new_named_subgroup(&all, &format!("{}-stats", dp.name()))
+        .map_err(|e| DataParallelError::comm("creating the statistics group", e))?;
+    let sums = Arc::new(GroupStatsReducer::new(stats));
+    if sync_batch_norm {
+        model.set_stats_reducer(Some(sums.clone() as Arc<dyn StatsReducer>));
+    }
+    let mut sync: Box<dyn GradSync> = match mode {
+        DpMode::Ddp => Box::new(DdpSync::new(
+            model,
+            chunks,
+            pipeline_workers,
+            dp.clone(),
+            ddp,
+        )?),
+        DpMode::SingleMaster => Box::new(SingleMasterSync::new(dp.clone())),
+    };
+    sync.init(chunks)?;
+    Ok(DataParallel {
+        sync,
+        sums: Some(sums),
+    })
+}
+
+/// What [`grad_sync`] sets up.
+pub struct DataParallel {
+    pub sync: Box<dyn GradSync>,
+    /// Exact f64 sums over the data-parallel group (`None` for one replica).
+    pub sums: Option<Arc<GroupStatsReducer>>,
+}
 
 /// What one replica's share of a global batch looks like (so a replica that receives its
 /// share knows what to allocate).
