@@ -223,7 +223,7 @@ pub fn load(
     })
 }
 
-/// A multi-line description on one line, for messages.
-fn one_line(text: &str) -> String {
+/// A multi-line description (a checkpoint's model) on one line, for messages.
+pub fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
 }

@@ -148,7 +148,7 @@ fn run_worker(
                 if from.is_empty() {
                     "unknown model".into()
                 } else {
-                    from.split_whitespace().collect::<Vec<_>>().join(" ")
+                    crate::checkpoint::one_line(&from)
                 }
             );
         }

@@ -316,7 +316,9 @@ impl Trainer {
     /// Continues from a checkpoint written by any layout (every worker reads the file and
     /// keeps its share). The checkpoint must be of the same model.
     pub fn resume(&mut self, path: &Path) -> Result<()> {
-        self.step = self.restore(path, Restore::Everything)?;
+        let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
+        self.parallel.load_state(&self.model, &full, &optimizer);
+        self.step = restored.step;
         Ok(())
     }
 
@@ -324,25 +326,24 @@ impl Trainer {
     /// step 0: deliberate fine-tuning, allowed from another model configuration whose
     /// tensors match by name and shape. Returns the model description the checkpoint holds.
     pub fn init_from(&mut self, path: &Path) -> Result<String> {
-        let n = self.model.num_params();
-        let mut full = self.empty_store();
-        let mut unused = Optimizer::new(self.job.optimizer, n);
-        let restored = checkpoint::load(
-            path,
-            &self.model,
-            &self.job.model_description,
-            &mut full,
-            &mut unused,
-            Restore::Weights,
-        )?;
+        let (full, _, restored) = self.read_checkpoint(path, Restore::Weights)?;
         self.parallel.stage.load_from(&self.model, &full);
         Ok(restored.model_description)
     }
 
-    fn restore(&mut self, path: &Path, restore: Restore) -> Result<u64> {
-        let n = self.model.num_params();
+    /// The whole model's state from a checkpoint (the optimizer's only with
+    /// `Restore::Everything`).
+    fn read_checkpoint(
+        &self,
+        path: &Path,
+        restore: Restore,
+    ) -> Result<(ParamStore, Optimizer, checkpoint::Restored)> {
         let mut full = self.empty_store();
-        let mut optimizer = Optimizer::new(self.job.optimizer, n);
+        let len = match restore {
+            Restore::Everything => self.model.num_params(),
+            Restore::Weights => 0,
+        };
+        let mut optimizer = Optimizer::new(self.job.optimizer, len);
         let restored = checkpoint::load(
             path,
             &self.model,
@@ -351,8 +352,7 @@ impl Trainer {
             &mut optimizer,
             restore,
         )?;
-        self.parallel.load_state(&self.model, &full, &optimizer);
-        Ok(restored.step)
+        Ok((full, optimizer, restored))
     }
 
     fn empty_store(&self) -> ParamStore {
