@@ -76,9 +76,17 @@ pub struct ParallelConfig {
     #[serde(default)]
     pub sync_batch_norm: bool,
     /// Pipeline stages: the model's blocks are cut into `pp` stages on `pp` workers, and the
-    /// world is `dp × pp` workers (see docs/pipeline.md). 1 = no pipeline.
+    /// world is `dp × tp × pp` workers (see docs/pipeline.md). 1 = no pipeline.
     #[serde(default = "one_usize")]
     pub pp: usize,
+    /// Tensor-parallel workers per stage (Megatron-style split layers; GPT only): the world
+    /// is `dp × tp × pp`. 1 = none.
+    #[serde(default = "one_usize")]
+    pub tp: usize,
+    /// Sequence parallelism inside tensor parallelism: layer norms and residuals hold each
+    /// worker's share of the tokens (needs tp > 1 and the sequence length divisible by tp).
+    #[serde(default)]
+    pub sequence_parallel: bool,
     /// Pipeline schedule: "gpipe", "1f1b", "interleaved" (2 chunks per worker) or
     /// "interleaved:V".
     #[serde(default = "default_pipeline_schedule")]
@@ -115,6 +123,8 @@ impl Default for ParallelConfig {
     fn default() -> Self {
         ParallelConfig {
             dp: 1,
+            tp: 1,
+            sequence_parallel: false,
             dp_mode: DpMode::Ddp,
             bucket_cap_mb: default_bucket_mb(),
             first_bucket_mb: 1.0,
@@ -348,6 +358,9 @@ impl Config {
         if p.pp == 0 {
             bail!("parallel.pp must be at least 1");
         }
+        if p.tp == 0 {
+            bail!("parallel.tp must be at least 1");
+        }
         if t.accumulation_steps == 0 {
             bail!("train.accumulation_steps must be at least 1");
         }
@@ -371,9 +384,11 @@ impl Config {
         let resolved = layout
             .resolve(layout.world_size(), t.batch_size, &model)
             .with_context(|| format!("layout {layout}"))?;
-        options
-            .partition
-            .check(model.num_blocks(), resolved.schedule.num_chunks())?;
+        options.partition.check(
+            model.num_blocks(),
+            resolved.schedule.num_chunks(),
+            resolved.layout.tp,
+        )?;
         Ok(())
     }
 
@@ -403,6 +418,8 @@ impl Config {
         let base = Layout {
             dp: p.dp,
             pp: p.pp,
+            tp: p.tp,
+            sp: p.sequence_parallel,
             schedule: p
                 .schedule
                 .parse::<ScheduleKind>()
@@ -442,6 +459,7 @@ impl Config {
                 "inline" => SendMode::Inline,
                 other => bail!("unknown parallel.sends '{other}' (expected async or inline)"),
             },
+            skip_sequence_parallel_grad_sum: false,
         })
     }
 

@@ -64,10 +64,15 @@ struct TrainArgs {
     /// single-master (scatter / gather to rank 0 / broadcast, like nn.DataParallel).
     #[arg(long, value_parser = ["ddp", "single-master"])]
     dp_mode: Option<String>,
-    /// Pipeline stages: the model is cut into P stages on P workers (world = dp × pp).
+    /// Pipeline stages: the model is cut into P stages on P workers (world = dp × tp × pp).
     /// Same as --set parallel.pp=P.
     #[arg(long)]
     pp: Option<usize>,
+    /// Tensor-parallel workers: each GPT layer is split over T workers (Megatron-style;
+    /// world = dp × tp × pp). Same as --set parallel.tp=T; --set
+    /// parallel.sequence_parallel=true adds sequence parallelism.
+    #[arg(long)]
+    tp: Option<usize>,
     /// Pipeline schedule: gpipe, 1f1b or interleaved[:V] (V chunks per worker, default 2).
     #[arg(long)]
     schedule: Option<String>,
@@ -107,6 +112,9 @@ fn train(args: &TrainArgs) -> Result<()> {
     }
     if let Some(pp) = args.pp {
         overrides.push(format!("parallel.pp={pp}"));
+    }
+    if let Some(tp) = args.tp {
+        overrides.push(format!("parallel.tp={tp}"));
     }
     if let Some(schedule) = &args.schedule {
         overrides.push(format!("parallel.schedule={}", toml_string(schedule)));

@@ -41,8 +41,12 @@ impl Init {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
     pub name: String,
+    /// The shape this layer holds (a shard's shape under tensor parallelism).
     pub shape: Vec<usize>,
     pub init: Init,
+    /// Under tensor parallelism: which part of the whole tensor this is. `None`: the whole
+    /// tensor (on one worker, or replicated on every tensor-parallel rank).
+    pub shard: Option<ShardSpec>,
 }
 
 impl ParamSpec {
@@ -51,6 +55,15 @@ impl ParamSpec {
             name: name.to_string(),
             shape: shape.to_vec(),
             init,
+            shard: None,
+        }
+    }
+
+    /// The shape of the whole tensor (what checkpoints store).
+    pub fn full_shape(&self) -> Vec<usize> {
+        match &self.shard {
+            Some(s) => s.full_shape.clone(),
+            None => self.shape.clone(),
         }
     }
 
@@ -61,6 +74,120 @@ impl ParamSpec {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Rank `index` of `parts`' share of a tensor of shape `full_shape`, cut along `dim`
+/// (Megatron's column- or row-parallel split). The dimension holds `groups` equal groups
+/// that are cut separately (a fused q/k/v weight: each of q, k, v split by heads), each
+/// padded to a multiple of `parts` (a vocabulary not divisible by the tensor-parallel size;
+/// padding rows belong to the last ranks and hold zeros in checkpoints' absence).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardSpec {
+    pub dim: usize,
+    pub parts: usize,
+    pub index: usize,
+    pub groups: usize,
+    /// The whole (unpadded) tensor's shape.
+    pub full_shape: Vec<usize>,
+    /// Length of one group along `dim` after padding (a multiple of `parts`).
+    pub padded_group: usize,
+}
+
+impl ShardSpec {
+    /// The split of `full_shape` along `dim` into `parts` (`groups` groups, each padded up to
+    /// a multiple of `parts`), as seen by rank `index`. The local shape is
+    /// [`ShardSpec::local_shape`].
+    pub fn new(
+        full_shape: &[usize],
+        dim: usize,
+        groups: usize,
+        parts: usize,
+        index: usize,
+    ) -> Self {
+        let group = full_shape[dim] / groups;
+        ShardSpec {
+            dim,
+            parts,
+            index,
+            groups,
+            full_shape: full_shape.to_vec(),
+            padded_group: group.div_ceil(parts) * parts,
+        }
+    }
+
+    /// Length of one group's share along `dim`.
+    pub fn chunk(&self) -> usize {
+        self.padded_group / self.parts
+    }
+
+    pub fn local_shape(&self) -> Vec<usize> {
+        let mut shape = self.full_shape.clone();
+        shape[self.dim] = self.groups * self.chunk();
+        shape
+    }
+
+    /// (outer, dim length, inner) of the whole tensor viewed around `dim`.
+    fn view(&self) -> (usize, usize, usize) {
+        let outer = self.full_shape[..self.dim].iter().product();
+        let inner = self.full_shape[self.dim + 1..].iter().product();
+        (outer, self.full_shape[self.dim], inner)
+    }
+
+    /// Visits every run of this shard: (offset in the whole tensor, offset in the shard,
+    /// length), padding rows excluded (they have no place in the whole tensor).
+    fn runs(&self, mut f: impl FnMut(usize, usize, usize)) {
+        let (outer, len, inner) = self.view();
+        let group = len / self.groups;
+        let chunk = self.chunk();
+        let local_len = self.groups * chunk;
+        for o in 0..outer {
+            for g in 0..self.groups {
+                let start = self.index * chunk;
+                let real = group.saturating_sub(start).min(chunk);
+                if real == 0 {
+                    continue;
+                }
+                let whole = (o * len + g * group + start) * inner;
+                let local = (o * local_len + g * chunk) * inner;
+                f(whole, local, real * inner);
+            }
+        }
+    }
+
+    /// This rank's share of the whole tensor `whole` (padding rows zero).
+    pub fn take(&self, whole: &[f32]) -> Vec<f32> {
+        let mut local = vec![0.0f32; self.local_shape().iter().product()];
+        self.runs(|w, l, n| local[l..l + n].copy_from_slice(&whole[w..w + n]));
+        local
+    }
+
+    /// Writes this rank's share `local` into its place in the whole tensor `whole`.
+    pub fn put(&self, local: &[f32], whole: &mut [f32]) {
+        self.runs(|w, l, n| whole[w..w + n].copy_from_slice(&local[l..l + n]));
+    }
+}
+
+/// How a tensor-parallel plan splits a layer (Megatron-LM's styles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpStyle {
+    /// Output features split (`groups` equal groups split separately, e.g. 3 for a fused
+    /// q/k/v projection); the input is replicated; no communication forward.
+    Column { groups: usize },
+    /// Input features split; the partial outputs are all-reduced (or reduce-scattered under
+    /// sequence parallelism); the bias is replicated.
+    Row,
+    /// An output head split over the vocabulary: each rank computes its vocabulary's logits
+    /// and the loss combines them without gathering (vocab-parallel cross-entropy).
+    VocabHead,
+}
+
+/// Which layers of a model tensor parallelism splits, by layer path (`blocks.3.fc1`; block
+/// names and child names joined by dots, empty names skipped) with `*` wildcards, as
+/// torchtitan's `parallelize_module` plans do. Layers no rule names are replicated, except
+/// the built-in attention core (split by heads) and GPT embedding (split by vocabulary).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TensorPlan {
+    pub rules: Vec<(String, TpStyle)>,
 }
 
 /// Whether a forward pass trains (batch statistics, saved activations) and whether it may
@@ -142,6 +269,23 @@ pub trait Layer: Send + Sync {
     /// statistics across workers (SyncBatchNorm), or `None` for local statistics again.
     /// Composite layers forward it to their children; other layers ignore it.
     fn set_stats_reducer(&mut self, _reducer: Option<Arc<dyn StatsReducer>>) {}
+
+    /// The layer as `Any`, so a transform (tensor parallelism) can recognise built-in layer
+    /// types. Layers that want to be recognised return `Some(self)`.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+
+    /// A composite layer's children, so a transform can check them. Leaves return `None`.
+    fn children(&self) -> Option<&crate::layers::Children> {
+        None
+    }
+
+    /// A composite layer's children, so a transform can replace them (call
+    /// [`crate::layers::Children::relayout`] after replacing). Leaves return `None`.
+    fn children_mut(&mut self) -> Option<&mut crate::layers::Children> {
+        None
+    }
 }
 
 /// Total element count of a spec list.

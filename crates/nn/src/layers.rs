@@ -34,20 +34,38 @@ fn prefixed(prefix: &str, specs: Vec<ParamSpec>) -> Vec<ParamSpec> {
 
 impl Children {
     pub fn new(layers: Vec<(String, Box<dyn Layer>)>) -> Self {
+        let mut children = Children {
+            layers,
+            params: Vec::new(),
+            buffers: Vec::new(),
+        };
+        children.relayout();
+        children
+    }
+
+    /// Recomputes where each child's parameters and buffers sit, after children were
+    /// replaced (their sizes may have changed).
+    pub fn relayout(&mut self) {
         let (mut params, mut buffers) = (Vec::new(), Vec::new());
         let (mut p, mut b) = (0, 0);
-        for (_, l) in &layers {
+        for (_, l) in &self.layers {
             let (np, nb) = (spec_len(&l.params()), spec_len(&l.buffers()));
             params.push(p..p + np);
             buffers.push(b..b + nb);
             p += np;
             b += nb;
         }
-        Children {
-            layers,
-            params,
-            buffers,
-        }
+        (self.params, self.buffers) = (params, buffers);
+    }
+
+    /// The children, by name, to inspect or replace (then [`Children::relayout`]).
+    pub fn layers_mut(&mut self) -> &mut [(String, Box<dyn Layer>)] {
+        &mut self.layers
+    }
+
+    /// The children, by name.
+    pub fn layers(&self) -> &[(String, Box<dyn Layer>)] {
+        &self.layers
     }
 
     pub fn len(&self) -> usize {
@@ -138,6 +156,14 @@ impl Seq {
 impl Layer for Seq {
     fn params(&self) -> Vec<ParamSpec> {
         self.0.param_specs()
+    }
+
+    fn children(&self) -> Option<&Children> {
+        Some(&self.0)
+    }
+
+    fn children_mut(&mut self) -> Option<&mut Children> {
+        Some(&mut self.0)
     }
     fn buffers(&self) -> Vec<ParamSpec> {
         self.0.buffer_specs()
@@ -311,14 +337,57 @@ impl Layer for Linear {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        let mut dz = dy;
+        let x = self.backward_prologue(g, &mut s, &mut dz);
+        let rows = x.numel() / self.inputs;
+        let nw = self.inputs * self.outputs;
+        let weight_grad = (
+            MatMut::new(&mut g[..nw], self.outputs, self.inputs),
+            Mat::new(dz.data(), rows, self.outputs).t(),
+            Mat::new(x.data(), rows, self.inputs),
+            true,
+        );
+        if !need_dx {
+            let (c, a, b, acc) = weight_grad;
+            gemm(c, a, b, acc);
+            x.recycle();
+            dz.recycle();
+            return None;
+        }
+        // Every element is written by the product (accumulate = false).
+        let mut dx = meshtrain_tensor::par::take_buffer(x.numel());
+        gemm_pair(
+            weight_grad,
+            (
+                MatMut::new(&mut dx, rows, self.inputs),
+                Mat::new(dz.data(), rows, self.outputs),
+                Mat::new(&p[..nw], self.outputs, self.inputs),
+                false,
+            ),
+        );
+        let shape = x.shape().to_vec();
+        x.recycle();
+        dz.recycle();
+        Some(Tensor::from_vec(dx, &shape))
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl Linear {
+    /// The first part of backward, shared with layers that run the two products apart (a
+    /// tensor-parallel layer overlaps its input gradient's reduction with the weight
+    /// gradient): `dy` becomes `dz = dy·act'(z)` in place and the bias gradient is added into
+    /// `g`'s bias part. Returns the saved input.
+    pub fn backward_prologue(&self, g: &mut [f32], s: &mut Saved, dy: &mut Tensor) -> Tensor {
         let act_saved = self
             .activation
             .map(|_| s.tensors.pop().expect("Linear: saved act"));
         let x = s.tensors.pop().expect("Linear: saved input");
-        let rows = x.numel() / self.inputs;
         let nw = self.inputs * self.outputs;
-        let (gw, gb) = g.split_at_mut(nw);
-        let mut dy = dy;
+        let gb = &mut g[nw..];
         // One sweep per block of rows: dy becomes dz = dy·act'(z) in place, and the bias
         // gradient's column sums (in f64) are taken while the block is in cache.
         let block = LINEAR_ROWS_PER_BLOCK * self.outputs;
@@ -346,34 +415,33 @@ impl Layer for Linear {
             }
             gb.iter_mut().zip(acc).for_each(|(b, a)| *b += a as f32);
         }
-        let weight_grad = (
-            MatMut::new(gw, self.outputs, self.inputs),
-            Mat::new(dy.data(), rows, self.outputs).t(),
+        x
+    }
+
+    /// `dx = dz · W` for inputs of shape `input_shape`.
+    pub fn input_gradient(&self, p: &[f32], dz: &Tensor, input_shape: &[usize]) -> Tensor {
+        let rows = dz.numel() / self.outputs;
+        let nw = self.inputs * self.outputs;
+        let mut dx = meshtrain_tensor::par::take_buffer(rows * self.inputs);
+        gemm(
+            MatMut::new(&mut dx, rows, self.inputs),
+            Mat::new(dz.data(), rows, self.outputs),
+            Mat::new(&p[..nw], self.outputs, self.inputs),
+            false,
+        );
+        Tensor::from_vec(dx, input_shape)
+    }
+
+    /// `dW += dzᵀ · x`.
+    pub fn weight_gradient(&self, g: &mut [f32], dz: &Tensor, x: &Tensor) {
+        let rows = x.numel() / self.inputs;
+        let nw = self.inputs * self.outputs;
+        gemm(
+            MatMut::new(&mut g[..nw], self.outputs, self.inputs),
+            Mat::new(dz.data(), rows, self.outputs).t(),
             Mat::new(x.data(), rows, self.inputs),
             true,
         );
-        if !need_dx {
-            let (c, a, b, acc) = weight_grad;
-            gemm(c, a, b, acc);
-            x.recycle();
-            dy.recycle();
-            return None;
-        }
-        // Every element is written by the product (accumulate = false).
-        let mut dx = meshtrain_tensor::par::take_buffer(x.numel());
-        gemm_pair(
-            weight_grad,
-            (
-                MatMut::new(&mut dx, rows, self.inputs),
-                Mat::new(dy.data(), rows, self.outputs),
-                Mat::new(&p[..nw], self.outputs, self.inputs),
-                false,
-            ),
-        );
-        let shape = x.shape().to_vec();
-        x.recycle();
-        dy.recycle();
-        Some(Tensor::from_vec(dx, &shape))
     }
 }
 

@@ -23,7 +23,9 @@ pub mod optim;
 pub mod schedule;
 pub mod transformer;
 
-pub use layer::{Init, Layer, Mode, ParamSpec, Saved, StatsReducer};
+pub use layer::{
+    Init, Layer, Mode, ParamSpec, Saved, ShardSpec, StatsReducer, TensorPlan, TpStyle,
+};
 pub use loss::{CrossEntropy, Loss, LossError, LossValue};
 pub use model::{
     Block, InputKind, InputSpec, Model, ModelError, ParamEntry, ParamStore, TiedParams,

@@ -64,6 +64,12 @@ pub trait Loss: Send + Sync {
         Ok(self.forward_backward(output, targets, 1.0)?.0)
     }
 
+    /// The number of classes, for losses over class scores (tensor parallelism replaces a
+    /// cross-entropy by its vocab-parallel form and needs to know it is one).
+    fn classes(&self) -> Option<usize> {
+        None
+    }
+
     /// Checks targets before any work (a trainer calls it on every batch it loads), so a bad
     /// dataset fails with the sample's position instead of deep inside a pipeline step.
     fn check_targets(&self, _targets: &[u32]) -> Result<(), LossError> {
@@ -103,6 +109,10 @@ impl CrossEntropy {
 impl Loss for CrossEntropy {
     fn name(&self) -> String {
         format!("cross-entropy over {} classes", self.classes)
+    }
+
+    fn classes(&self) -> Option<usize> {
+        Some(self.classes)
     }
 
     fn forward_backward(

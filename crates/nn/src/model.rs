@@ -4,7 +4,7 @@
 //! takes ([`InputSpec`], checked against a dataset before any work), and parameters tied
 //! across blocks ([`TiedParams`], e.g. a GPT's token embedding and output head).
 
-use crate::layer::{spec_len, Layer, Mode, ParamSpec, Saved, StatsReducer};
+use crate::layer::{spec_len, Layer, Mode, ParamSpec, Saved, ShardSpec, StatsReducer, TensorPlan};
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
 use std::ops::Range;
@@ -115,6 +115,18 @@ pub struct ParamEntry {
     spec: ParamSpec,
 }
 
+impl ParamEntry {
+    /// Which part of the whole tensor this worker holds (tensor parallelism), if a part.
+    pub fn shard(&self) -> Option<&ShardSpec> {
+        self.spec.shard.as_ref()
+    }
+
+    /// The whole tensor's shape (what checkpoints store).
+    pub fn full_shape(&self) -> Vec<usize> {
+        self.spec.full_shape()
+    }
+}
+
 /// Parameters, their gradients and the non-trainable buffers, each one contiguous vector.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamStore {
@@ -165,6 +177,7 @@ pub struct Model {
     block_buffers: Vec<Range<usize>>,
     input: Option<InputSpec>,
     ties: Vec<TiedParams>,
+    tensor_plan: Option<TensorPlan>,
 }
 
 fn layout(
@@ -211,7 +224,48 @@ impl Model {
             block_buffers,
             input: None,
             ties: Vec::new(),
+            tensor_plan: None,
         }
+    }
+
+    /// Declares how tensor parallelism splits this model's layers ([`TensorPlan`]).
+    pub fn with_tensor_plan(mut self, plan: TensorPlan) -> Self {
+        self.tensor_plan = Some(plan);
+        self
+    }
+
+    pub fn tensor_plan(&self) -> Option<&TensorPlan> {
+        self.tensor_plan.as_ref()
+    }
+
+    /// The same model with its blocks' layers changed in place by `f` (a transform such as
+    /// tensor parallelism replaces layers inside the blocks); the flat-buffer layout is
+    /// recomputed, the input, ties and plan are kept (ties are found again by name).
+    pub fn transform_blocks<E>(
+        self,
+        f: impl FnOnce(&mut [Block]) -> Result<(), E>,
+    ) -> Result<Model, E> {
+        let Model {
+            mut blocks,
+            params,
+            input,
+            ties,
+            tensor_plan,
+            ..
+        } = self;
+        f(&mut blocks)?;
+        let mut model = Model::new(blocks);
+        model.input = input;
+        model.tensor_plan = tensor_plan;
+        for t in ties {
+            let name = |i: usize| params[i].name.clone();
+            for c in t.copies {
+                model = model
+                    .tie(&name(c), &name(t.primary))
+                    .expect("a transform keeps tied parameters' names and shapes alike");
+            }
+        }
+        Ok(model)
     }
 
     /// Declares what one input sample is, so a trainer can check a dataset against the model
@@ -344,10 +398,17 @@ impl Model {
                 let source = self.tied_primary(i).unwrap_or(i);
                 let mut rng = SplitMix64::derive(seed, source as u64);
                 let local = e.range.start - pr.start..e.range.end - pr.start;
-                self.params[source]
-                    .spec
-                    .init
-                    .fill(&mut values[local], &mut rng);
+                let init = self.params[source].spec.init;
+                match &e.spec.shard {
+                    // A shard draws the whole tensor's values (those one worker would have)
+                    // and keeps its part.
+                    Some(shard) => {
+                        let mut whole = vec![0.0f32; shard.full_shape.iter().product()];
+                        init.fill(&mut whole, &mut rng);
+                        values[local].copy_from_slice(&shard.take(&whole));
+                    }
+                    None => init.fill(&mut values[local], &mut rng),
+                }
             }
         }
         let mut buffers = vec![0.0f32; br.len()];

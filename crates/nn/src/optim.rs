@@ -124,7 +124,7 @@ fn ndim_test(rest: &str) -> Option<impl Fn(usize) -> bool> {
 }
 
 /// Whether `name` matches `pattern`, where `*` stands for any run of characters.
-fn glob(pattern: &str, name: &str) -> bool {
+pub fn glob(pattern: &str, name: &str) -> bool {
     let parts: Vec<&str> = pattern.split('*').collect();
     if parts.len() == 1 {
         return pattern == name;

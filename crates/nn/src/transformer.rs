@@ -17,6 +17,10 @@ pub struct GptEmbedding {
 }
 
 impl Layer for GptEmbedding {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         vec![
             ParamSpec::new(
@@ -98,6 +102,10 @@ impl AttentionCore {
 }
 
 impl Layer for AttentionCore {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let shape = self.shape(&qkv);
         let (out, probs) = causal_attention_forward(shape, qkv.data());
@@ -185,6 +193,14 @@ impl GptBlock {
 impl Layer for GptBlock {
     fn params(&self) -> Vec<ParamSpec> {
         self.parts.param_specs()
+    }
+
+    fn children(&self) -> Option<&Children> {
+        Some(&self.parts)
+    }
+
+    fn children_mut(&mut self) -> Option<&mut Children> {
+        Some(&mut self.parts)
     }
 
     fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {

@@ -114,6 +114,8 @@ impl Layout {
             ));
         }
         self.check_implemented()?;
+        crate::tensor::check(model, self.tp, self.sp)
+            .map_err(|e| LayoutError::Invalid(e.to_string()))?;
         let m = self.micro_batch_count(global_batch)?;
         let schedule = Schedule::new(self.schedule, self.pp, m).map_err(|e| {
             LayoutError::Invalid(format!("pipeline layout pp={} m={m}: {e}", self.pp))
@@ -178,14 +180,12 @@ impl Layout {
     /// silently ignored.
     fn check_implemented(&self) -> Result<(), LayoutError> {
         let not_yet = |what: String, why| Err(LayoutError::NotYet { what, why });
-        if self.tp > 1 {
-            return not_yet(
-                format!("tp={}", self.tp),
-                "tensor parallelism is an open issue",
-            );
-        }
-        if self.sp {
-            return not_yet("sp".into(), "sequence parallelism needs tensor parallelism");
+        if self.sp && self.tp == 1 {
+            return Err(LayoutError::Invalid(
+                "sp (sequence parallelism) splits the tensor-parallel regions' tokens: it \
+                 needs tp > 1"
+                    .into(),
+            ));
         }
         if self.cp > 1 {
             return not_yet(
@@ -419,7 +419,8 @@ mod tests {
         assert!(err("dp=2,m=4", 2, 12).contains("must divide evenly over dp=2 replicas × 4"));
         assert!(err("dp=2,mb=4", 2, 12).contains("does not split into dp=2 replicas"));
         assert!(err("pp=2,m=3,schedule=interleaved", 2, 12).contains("multiple of the number"));
-        assert!(err("tp=2", 2, 8).contains("tp=2 is not available yet"));
+        assert!(err("tp=2", 2, 8).contains("tp=2: the model has no tensor-parallel plan"));
+        assert!(err("sp=on", 1, 8).contains("needs tp > 1"));
         assert!(err("zero=1", 1, 8).contains("zero=1 is not available yet"));
         assert!(err("precision=bf16", 1, 8).contains("precision=bf16 is not available yet"));
         let ok = "dp=2,pp=2,mb=2"

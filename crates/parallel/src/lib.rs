@@ -8,6 +8,8 @@
 //!   a one-stage schedule.
 //! * [`data`]: data parallelism — DDP (bucketed gradient all-reduce overlapped with backward)
 //!   and the naive single-master DataParallel mode, behind one [`data::GradSync`] interface.
+//! * [`tensor`]: tensor parallelism (column/row-parallel linears, heads, vocab-parallel
+//!   embedding and cross-entropy) and sequence parallelism, by a model's plan.
 //! * [`tied`]: parameters shared by several blocks (tied embeddings), across stages.
 //! * [`parallelize`](mod@parallelize): the apply order and the one training step.
 //!
@@ -17,6 +19,7 @@ pub mod data;
 pub mod layout;
 pub mod parallelize;
 pub mod pipeline;
+pub mod tensor;
 pub mod tied;
 pub mod timeline;
 
@@ -47,4 +50,6 @@ pub enum ParallelError {
     Comm(#[from] meshtrain_comm::CommError),
     #[error(transparent)]
     Mesh(#[from] meshtrain_comm::MeshError),
+    #[error(transparent)]
+    Tensor(#[from] tensor::TensorError),
 }

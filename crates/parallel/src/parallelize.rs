@@ -1,18 +1,27 @@
 //! The model transformed by the layout's parallel dimensions, and the one training step every
 //! layout runs.
 //!
-//! [`parallelize`] applies one module per dimension, always in this order (torchtitan's):
+//! [`parallelize`] applies one module per dimension, always in this order:
 //!
 //! ```text
-//! mesh      = DeviceMesh(world, dp × pp)                     ranks laid out, groups per axis
+//! mesh      = DeviceMesh(world, dp × pp × tp)                ranks laid out (tp innermost,
+//!                                                            so tensor-parallel ranks are
+//!                                                            neighbours), groups per axis
+//! model     = tensor::parallelize(model, tp group)           layers split by the model's plan
+//!                                                            (the loss too: vocab-parallel)
 //! stage     = pipeline::split(model, schedule, partition)    this worker's chunk(s); the whole
 //!                                                            model as one chunk when pp = 1
-//! (tensor::parallelize, context::parallelize: tp = cp = 1 until those modules exist)
+//! (context::parallelize: cp = 1 until that module exists)
 //! sync      = data::grad_sync(dp group)                      DDP | single master | nothing
 //! ties      = tied::TiedGrads(model ties, pp group)          tied copies across stages
+//! tp sync   = tensor::TpGradSync(tp group)                   replicated parameters' gradients
+//!                                                            under sequence parallelism
 //! (precision::apply: fp32 until mixed precision exists)
 //! optimizer = one per chunk, with the parameter groups' segments
 //! ```
+//!
+//! (Tensor parallelism changes layers' shapes, so it runs before the stage allocates them;
+//! the two commute: a pipeline cuts blocks, tensor parallelism splits inside them.)
 //!
 //! A new dimension is one more module and one more line here; [`Parallel::train_step`] does
 //! not branch on the layout. Its phases, for every layout:
@@ -22,7 +31,8 @@
 //! sync.begin_step()
 //! stage.run_step(schedule)  — forwards, backwards, sends, receives; hooks → sync.grads_ready
 //! sync.finish()             — gradients averaged over the replicas (or gathered)
-//! if sync.updates_parameters(): ties.reduce(), clip (norm over the pp group), optimizer step
+//! if sync.updates_parameters(): tp sync, ties.reduce(), clip (norm over one replica's
+//!                             pp × tp workers), optimizer step
 //! sync.after_update()       — single master: weights broadcast
 //! loss and norm shared over the world
 //! ```
@@ -35,12 +45,13 @@ use crate::layout::{Recompute, ResolvedLayout};
 use crate::pipeline::{
     split, MicroBatches, Partition, PartitionSpec, SendMode, Stage, StepOptions, TimeProbe,
 };
+use crate::tensor::{TpContext, TpGradSync};
 use crate::tied::TiedGrads;
 use crate::timeline::{Category, Timeline};
 use crate::{Batch, ParallelError};
 use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, ParamGroups};
-use meshtrain_nn::{Loss, LossValue, Model, ParamStore};
+use meshtrain_nn::{Loss, LossValue, Model, ParamStore, ShardSpec};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -54,6 +65,9 @@ pub struct ParallelOptions {
     pub sync_batch_norm: bool,
     pub partition: PartitionSpec,
     pub sends: SendMode,
+    /// Tests only: leave out the tensor-parallel sum of replicated parameters' gradients
+    /// under sequence parallelism (to show that training then goes wrong).
+    pub skip_sequence_parallel_grad_sum: bool,
 }
 
 /// What the model is trained with (the parts of a step that are not about parallelism).
@@ -155,6 +169,37 @@ impl EvalSums {
     }
 }
 
+/// Writes rank `rank`'s part `part` of `chunk` (in `model`'s layout, starting at `bases.0`)
+/// into `joined` (the whole model's layout, starting at `bases.1`): sharded parameters into
+/// their place, replicated ones from rank 0 only.
+fn place_shards(
+    model: &Model,
+    whole: &Model,
+    chunk: &crate::pipeline::StageChunk,
+    bases: (usize, usize),
+    rank: usize,
+    part: &[f32],
+    joined: &mut [f32],
+) {
+    for (i, e) in model.params().iter().enumerate() {
+        if !chunk.blocks.contains(&e.block) {
+            continue;
+        }
+        let w = &whole.params()[i];
+        let src = &part[e.range.start - bases.0..e.range.end - bases.0];
+        let dst = &mut joined[w.range.start - bases.1..w.range.end - bases.1];
+        match e.shard() {
+            Some(shard) => ShardSpec {
+                index: rank,
+                ..shard.clone()
+            }
+            .put(src, dst),
+            None if rank == 0 => dst.copy_from_slice(src),
+            None => {}
+        }
+    }
+}
+
 /// One worker's share of the parallelised model and everything its training step needs.
 pub struct Parallel {
     pub mesh: DeviceMesh,
@@ -168,6 +213,9 @@ pub struct Parallel {
     options: StepOptions,
     /// Exact sums over the data-parallel group (evaluation, SyncBatchNorm).
     sums: Option<Arc<GroupStatsReducer>>,
+    tp_sync: TpGradSync,
+    /// One replica's workers (pp × tp): gradient norms are summed over them.
+    model_parallel: Arc<dyn ProcessGroup>,
 }
 
 /// Applies the layout's dimensions to `model` for this worker of `world`, in the documented
@@ -182,17 +230,43 @@ pub fn parallelize(
     sample: Option<&Batch>,
 ) -> Result<Parallel, ParallelError> {
     let l = &layout.layout;
-    let mesh = DeviceMesh::new(world.clone(), &[(MeshAxis::Dp, l.dp), (MeshAxis::Pp, l.pp)])?;
-    let (dp, pp) = (
+    let mesh = DeviceMesh::new(
+        world.clone(),
+        &[
+            (MeshAxis::Dp, l.dp),
+            (MeshAxis::Pp, l.pp),
+            (MeshAxis::Tp, l.tp),
+        ],
+    )?;
+    let (dp, pp, tp) = (
         mesh.group(MeshAxis::Dp).clone(),
         mesh.group(MeshAxis::Pp).clone(),
+        mesh.group(MeshAxis::Tp).clone(),
     );
 
-    // 1. Pipeline: this worker's chunks (the whole model when pp = 1).
+    // 1. Tensor parallelism: the layers split by the model's plan (and the loss with them).
+    let tp_context = (l.tp > 1).then(|| TpContext {
+        group: tp.clone(),
+        sequence_parallel: l.sp,
+        seq: model
+            .input()
+            .and_then(|i| i.shape.first().copied())
+            .unwrap_or(1),
+    });
+    let mut loss = training.loss.clone();
+    if let Some(ctx) = &tp_context {
+        crate::tensor::check(model, l.tp, l.sp)?;
+        let whole = std::mem::replace(model, Model::new(Vec::new()));
+        let (split, output) = crate::tensor::parallelize(whole, ctx);
+        *model = split;
+        loss = crate::tensor::parallel_loss(loss, output, ctx)?;
+    }
+
+    // 2. Pipeline: this worker's chunks (the whole model when pp = 1).
     let probe = TimeProbe {
         world: world.as_ref(),
         sample: sample.map(|b| (&b.x, b.y.as_slice())),
-        loss: training.loss.as_ref(),
+        loss: loss.as_ref(),
     };
     let (partition, mut stage) = split(
         model,
@@ -203,7 +277,7 @@ pub fn parallelize(
         probe,
     )?;
 
-    // 2. Tensor and 3. context parallelism: not yet (`Layout::resolve` rejects tp, cp > 1).
+    // 3. Context parallelism: not yet (`Layout::resolve` rejects cp > 1).
 
     // 4. Data parallelism: how the replicas stay equal.
     let DataParallel { sync, sums } = grad_sync(
@@ -219,13 +293,36 @@ pub fn parallelize(
     // 5. Tied parameters, across stages where the pipeline separated them.
     let ties = TiedGrads::new(model, &partition, &mut stage, &pp)?;
 
+    // Replicated parameters under tensor parallelism: summed over the tp group when
+    // sequence parallelism split their inputs, and counted once in gradient norms.
+    let blocks: Vec<_> = stage.chunks.iter().map(|c| c.blocks.clone()).collect();
+    let tp_sync = TpGradSync::new(
+        model,
+        &blocks,
+        tp_context.as_ref(),
+        options.skip_sequence_parallel_grad_sum,
+    );
+    if tp.rank() > 0 {
+        for (chunk, ranges) in stage.chunks.iter_mut().zip(tp_sync.replicated()) {
+            chunk.norm_skip.extend(ranges.iter().cloned());
+            chunk.norm_skip.sort_by_key(|r| r.start);
+        }
+    }
+    let model_parallel = if l.tp == 1 {
+        pp.clone()
+    } else {
+        let d = mesh.coordinate(MeshAxis::Dp);
+        let members: Vec<usize> = (0..l.pp * l.tp).map(|i| d * l.pp * l.tp + i).collect();
+        world.new_named_subgroup(&members, &format!("mp[dp{d}]"))?
+    };
+
     // 6. Precision: fp32 until mixed precision exists (`Layout::resolve` rejects others).
 
     let segments = training.groups.resolve(model, &training.optimizer);
     let optimizers = stage.optimizers_with_groups(model, training.optimizer, &segments);
     Ok(Parallel {
         options: StepOptions {
-            loss: training.loss.clone(),
+            loss,
             recompute: l.recompute == Recompute::Full,
             sends: options.sends,
         },
@@ -237,6 +334,8 @@ pub fn parallelize(
         sync,
         ties,
         sums,
+        tp_sync,
+        model_parallel,
     })
 }
 
@@ -335,10 +434,18 @@ impl Parallel {
         let t = Instant::now();
         let mut norm = 0.0;
         if self.sync.updates_parameters() {
+            let mut grads: Vec<&mut [f32]> = self
+                .stage
+                .chunks
+                .iter_mut()
+                .map(|c| c.store.grads.as_mut_slice())
+                .collect();
+            self.tp_sync.reduce(&mut grads)?;
             self.ties.reduce(&mut self.stage.chunks)?;
+            let mp = self.model_parallel.as_ref();
             norm = match clip {
-                Some(c) => self.stage.clip_grad_norm(pp.as_ref(), c)?,
-                None => self.stage.grad_norm(pp.as_ref())?,
+                Some(c) => self.stage.clip_grad_norm(mp, c)?,
+                None => self.stage.grad_norm(mp)?,
             };
             self.stage
                 .optimizer_step(&mut self.optimizers, lr, timeline);
@@ -348,14 +455,18 @@ impl Parallel {
         times.optimizer_s = t.elapsed().as_secs_f64();
         times.comm_exposed_s += self.sync.after_update(&mut self.stage.chunks)?.exposed_s;
 
-        // Each replica's last stage has its replica's mean loss; world rank 0 (an updating
-        // worker in every mode) has the norm. Every worker gets both (for logs and the
-        // divergence check).
+        // Each replica's last stage has its replica's mean loss (every tensor-parallel rank
+        // of it: the first one reports); world rank 0 (an updating worker in every mode) has
+        // the norm. Every worker gets both (for logs and the divergence check).
         let t = Instant::now();
         let world = self.mesh.world();
         let replicas = self.mesh.size(MeshAxis::Dp) as f32;
+        let reports = self.mesh.coordinate(MeshAxis::Tp) == 0;
         let mut shared = [
-            report.loss.map_or(0.0, |l| l / replicas),
+            report
+                .loss
+                .filter(|_| reports)
+                .map_or(0.0, |l| l / replicas),
             if world.rank() == 0 { norm } else { 0.0 },
         ];
         if world.size() > 1 {
@@ -433,63 +544,185 @@ impl Parallel {
     }
 
     /// The whole model's parameters, buffers and optimizer state on world rank 0 (`None`
-    /// elsewhere): the contents of a standard checkpoint, whatever the layout. Replicas are
-    /// identical, so only replica 0's stages take part. Call it on every worker.
+    /// elsewhere): the contents of a standard checkpoint, whatever the layout. `model` is
+    /// this worker's (possibly tensor-parallel) model, `whole` the model unsplit, whose
+    /// layout the result has. Replicas are identical, so only replica 0 takes part: each
+    /// stage's tensor-parallel ranks join their shards on their rank 0, and those gather the
+    /// stages on pipeline rank 0. Call it on every worker.
     pub fn gather_state(
         &self,
         model: &Model,
+        whole: &Model,
     ) -> Result<Option<(ParamStore, Optimizer)>, ParallelError> {
         if self.mesh.coordinate(MeshAxis::Dp) != 0 {
             return Ok(None);
         }
+        // Per local chunk, on tensor-parallel rank 0: [values, buffers, m, v] in the whole
+        // model's layout.
+        let mut joined = Vec::with_capacity(self.stage.chunks.len());
+        for (j, chunk) in self.stage.chunks.iter().enumerate() {
+            joined.push(self.join_shards(model, whole, chunk, &self.optimizers[j])?);
+        }
+        if self.mesh.coordinate(MeshAxis::Tp) != 0 {
+            return Ok(None);
+        }
         let pp = self.mesh.group(MeshAxis::Pp);
-        let gathered = self.stage.gather(model, pp.as_ref())?;
-        let chunks = self.partition.len();
-        // Stage::gather used the tags below 2·chunks; these follow them.
-        let tag = |chunk: usize, moment: usize| (2 * chunks + 2 * chunk + moment) as u32;
+        let tag = |chunk: usize, part: usize| (4 * chunk + part) as u32;
         if pp.rank() != 0 {
-            for (chunk, opt) in self.stage.chunks.iter().zip(&self.optimizers) {
-                pp.send((&opt.m).into(), 0, tag(chunk.index, 0))?;
-                if !opt.v.is_empty() {
-                    pp.send((&opt.v).into(), 0, tag(chunk.index, 1))?;
+            for (chunk, parts) in self.stage.chunks.iter().zip(&joined) {
+                for (k, part) in parts.iter().enumerate() {
+                    pp.send(part.into(), 0, tag(chunk.index, k))?;
                 }
             }
             return Ok(None);
         }
         let first = &self.optimizers[0];
-        let mut full = Optimizer::new(first.config, model.num_params());
-        full.step = first.step;
+        let n = whole.num_params();
+        let mut store = ParamStore {
+            values: vec![0.0; n],
+            grads: vec![0.0; n],
+            buffers: vec![0.0; whole.num_buffers()],
+        };
+        let mut optimizer = Optimizer::new(first.config, n);
+        optimizer.step = first.step;
         let schedule = self.stage.schedule();
         for (c, blocks) in self.partition.chunks().iter().enumerate() {
-            let range = model.blocks_param_range(blocks.clone());
+            let pr = whole.blocks_param_range(blocks.clone());
+            let br = whole.blocks_buffer_range(blocks.clone());
             let owner = schedule.worker_of(c);
-            if owner == 0 {
-                let opt = &self.optimizers[c / schedule.workers];
-                full.m[range.clone()].copy_from_slice(&opt.m);
-                if !full.v.is_empty() {
-                    full.v[range].copy_from_slice(&opt.v);
-                }
-                continue;
+            let mut targets: Vec<&mut [f32]> = vec![
+                &mut store.values[pr.clone()],
+                &mut store.buffers[br],
+                &mut optimizer.m[pr.clone()],
+            ];
+            if !optimizer.v.is_empty() {
+                targets.push(&mut optimizer.v[pr]);
             }
-            pp.recv((&mut full.m[range.clone()]).into(), owner, tag(c, 0))?;
-            if !full.v.is_empty() {
-                pp.recv((&mut full.v[range]).into(), owner, tag(c, 1))?;
+            for (k, target) in targets.into_iter().enumerate() {
+                if owner == 0 {
+                    target.copy_from_slice(&joined[c / schedule.workers][k]);
+                } else {
+                    pp.recv(target.into(), owner, tag(c, k))?;
+                }
             }
         }
-        Ok(gathered.map(|store| (store, full)))
+        Ok(Some((store, optimizer)))
+    }
+
+    /// One chunk's values, buffers and optimizer moments in the whole model's layout, on
+    /// tensor-parallel rank 0 (the others send their shards and get empty vectors).
+    fn join_shards(
+        &self,
+        model: &Model,
+        whole: &Model,
+        chunk: &crate::pipeline::StageChunk,
+        optimizer: &Optimizer,
+    ) -> Result<Vec<Vec<f32>>, ParallelError> {
+        let mut local = vec![
+            chunk.store.values.clone(),
+            chunk.store.buffers.clone(),
+            optimizer.m.clone(),
+        ];
+        if !optimizer.v.is_empty() {
+            local.push(optimizer.v.clone());
+        }
+        let tp = self.mesh.group(MeshAxis::Tp);
+        if tp.size() == 1 {
+            return Ok(local);
+        }
+        let tag = |part: usize| (0x100 + 4 * chunk.index + part) as u32;
+        if tp.rank() != 0 {
+            for (k, part) in local.iter().enumerate() {
+                tp.send(part.into(), 0, tag(k))?;
+            }
+            return Ok(Vec::new());
+        }
+        let blocks = chunk.blocks.clone();
+        let (base, whole_base) = (
+            model.blocks_param_range(blocks.clone()).start,
+            whole.blocks_param_range(blocks.clone()).start,
+        );
+        let whole_len = whole.blocks_param_range(blocks).len();
+        let mut joined: Vec<Vec<f32>> = local
+            .iter()
+            .enumerate()
+            .map(|(k, v)| {
+                if k == 1 {
+                    v.clone()
+                } else {
+                    vec![0.0; whole_len]
+                }
+            })
+            .collect();
+        for r in 0..tp.size() {
+            let theirs: Vec<Vec<f32>> = if r == 0 {
+                local.clone()
+            } else {
+                local
+                    .iter()
+                    .enumerate()
+                    .map(|(k, v)| {
+                        let mut buf = vec![0.0f32; v.len()];
+                        tp.recv((&mut buf).into(), r, tag(k)).map(|_| buf)
+                    })
+                    .collect::<Result<_, _>>()?
+            };
+            for (k, part) in theirs.iter().enumerate().filter(|(k, _)| *k != 1) {
+                place_shards(
+                    model,
+                    whole,
+                    chunk,
+                    (base, whole_base),
+                    r,
+                    part,
+                    &mut joined[k],
+                );
+            }
+        }
+        Ok(joined)
     }
 
     /// Continues from a whole-model state (every worker reads the same checkpoint and keeps
-    /// its share).
-    pub fn load_state(&mut self, model: &Model, full: &ParamStore, optimizer: &Optimizer) {
-        self.stage.load_from(model, full);
-        for (chunk, local) in self.stage.chunks.iter().zip(&mut self.optimizers) {
-            let range = model.blocks_param_range(chunk.blocks.clone());
-            local.m.copy_from_slice(&optimizer.m[range.clone()]);
-            if !local.v.is_empty() {
-                local.v.copy_from_slice(&optimizer.v[range]);
+    /// its share: its stage's blocks, and of a tensor-parallel parameter its shard). `model`
+    /// is this worker's model, `whole` the model unsplit (the state's layout). Without an
+    /// optimizer state (starting from weights) the optimizers are left as they are.
+    pub fn load_state(
+        &mut self,
+        model: &Model,
+        whole: &Model,
+        full: &ParamStore,
+        optimizer: Option<&Optimizer>,
+    ) {
+        for (chunk, local) in self.stage.chunks.iter_mut().zip(&mut self.optimizers) {
+            let blocks = chunk.blocks.clone();
+            let base = model.blocks_param_range(blocks.clone()).start;
+            chunk
+                .store
+                .buffers
+                .copy_from_slice(&full.buffers[whole.blocks_buffer_range(blocks)]);
+            chunk.store.zero_grads();
+            let mut pairs: Vec<(&mut Vec<f32>, &[f32])> =
+                vec![(&mut chunk.store.values, &full.values)];
+            if let Some(opt) = optimizer {
+                pairs.push((&mut local.m, &opt.m));
+                if !local.v.is_empty() {
+                    pairs.push((&mut local.v, &opt.v));
+                }
+                local.step = opt.step;
             }
-            local.step = optimizer.step;
+            for (dst, src) in pairs {
+                for (i, e) in model.params().iter().enumerate() {
+                    if !chunk.blocks.contains(&e.block) {
+                        continue;
+                    }
+                    let src = &src[whole.params()[i].range.clone()];
+                    let dst = &mut dst[e.range.start - base..e.range.end - base];
+                    match e.shard() {
+                        Some(shard) => dst.copy_from_slice(&shard.take(src)),
+                        None => dst.copy_from_slice(src),
+                    }
+                }
+            }
         }
     }
 

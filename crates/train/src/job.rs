@@ -349,7 +349,11 @@ impl Job {
             .context("the layout cannot run")?;
         self.parallel
             .partition
-            .check(model.num_blocks(), resolved.schedule.num_chunks())
+            .check(
+                model.num_blocks(),
+                resolved.schedule.num_chunks(),
+                resolved.layout.tp,
+            )
             .context("the layout cannot run")?;
         if self.parallel.partition != PartitionSpec::Params && resolved.layout.pp == 1 {
             // Harmless (one chunk), but say so rather than ignore it silently.
@@ -391,8 +395,15 @@ impl Job {
 fn check_data_fits(model: &Model, data: &dyn Dataset, loss: &dyn Loss) -> Result<()> {
     let input = data.input();
     if let Some(expected) = model.input() {
+        // Token ids fit when the dataset's vocabulary is within the model's.
+        let fits = match (input.kind, expected.kind) {
+            (InputKind::Tokens { vocab: given }, InputKind::Tokens { vocab: takes }) => {
+                given <= takes && input.shape == expected.shape
+            }
+            _ => input == *expected,
+        };
         ensure!(
-            *expected == input,
+            fits,
             "the dataset gives {input}, but the model takes {expected}"
         );
     }

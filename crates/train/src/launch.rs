@@ -170,9 +170,9 @@ fn run_worker(
 fn print_start(t: &Trainer) {
     let l = &t.parallel.layout.layout;
     let world = t.parallel.world().size();
-    let params = t.model.num_unique_params();
-    let tied = if params != t.model.num_params() {
-        format!(" ({} with tied copies)", t.model.num_params())
+    let params = t.whole.num_unique_params();
+    let tied = if params != t.whole.num_params() {
+        format!(" ({} with tied copies)", t.whole.num_params())
     } else {
         String::new()
     };

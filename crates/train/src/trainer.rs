@@ -43,7 +43,10 @@ type EpochOrder = Option<((usize, usize, u64), Vec<usize>)>;
 /// One worker of a run: its model share, its step, its books.
 pub struct Trainer {
     pub job: Arc<Job>,
+    /// This worker's model (split under tensor parallelism).
     pub model: Model,
+    /// The model unsplit: the layout of checkpoints.
+    pub whole: Model,
     /// The parallelised model: stage chunks, synchronisation, optimizers.
     pub parallel: Parallel,
     pub schedule: Schedule,
@@ -133,6 +136,7 @@ impl Trainer {
             None => None,
         };
         Ok(Trainer {
+            whole: (job.model)(),
             breakdown: Breakdown {
                 workers,
                 stages: resolved.layout.pp,
@@ -286,7 +290,7 @@ impl Trainer {
     pub fn save_checkpoint(&mut self, path: &Path) -> Result<()> {
         let t = Instant::now();
         let state = |store, optimizer| TrainState {
-            model: &self.model,
+            model: &self.whole,
             store,
             optimizer,
             step: self.step,
@@ -294,8 +298,8 @@ impl Trainer {
             config: &self.job.config_text,
         };
         let stage = &self.parallel.stage;
-        if stage.schedule().num_chunks() == 1 {
-            // One chunk is the whole model: rank 0 writes it as it is, no gathered copy.
+        if stage.schedule().num_chunks() == 1 && self.parallel.layout.layout.tp == 1 {
+            // One whole chunk is the whole model: rank 0 writes it as it is, no gathered copy.
             if self.is_lead() {
                 let chunk = &stage.chunks[0];
                 checkpoint::save(path, &state(&chunk.store, &self.parallel.optimizers[0]))?;
@@ -303,7 +307,7 @@ impl Trainer {
         } else {
             let gathered = self
                 .parallel
-                .gather_state(&self.model)
+                .gather_state(&self.model, &self.whole)
                 .context("gathering the model for a checkpoint")?;
             if let (Some((store, optimizer)), true) = (gathered, self.is_lead()) {
                 checkpoint::save(path, &state(&store, &optimizer))?;
@@ -317,7 +321,8 @@ impl Trainer {
     /// keeps its share). The checkpoint must be of the same model.
     pub fn resume(&mut self, path: &Path) -> Result<()> {
         let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
-        self.parallel.load_state(&self.model, &full, &optimizer);
+        self.parallel
+            .load_state(&self.model, &self.whole, &full, Some(&optimizer));
         self.step = restored.step;
         Ok(())
     }
@@ -327,7 +332,8 @@ impl Trainer {
     /// tensors match by name and shape. Returns the model description the checkpoint holds.
     pub fn init_from(&mut self, path: &Path) -> Result<String> {
         let (full, _, restored) = self.read_checkpoint(path, Restore::Weights)?;
-        self.parallel.stage.load_from(&self.model, &full);
+        self.parallel
+            .load_state(&self.model, &self.whole, &full, None);
         Ok(restored.model_description)
     }
 
@@ -340,13 +346,13 @@ impl Trainer {
     ) -> Result<(ParamStore, Optimizer, checkpoint::Restored)> {
         let mut full = self.empty_store();
         let len = match restore {
-            Restore::Everything => self.model.num_params(),
+            Restore::Everything => self.whole.num_params(),
             Restore::Weights => 0,
         };
         let mut optimizer = Optimizer::new(self.job.optimizer, len);
         let restored = checkpoint::load(
             path,
-            &self.model,
+            &self.whole,
             &self.job.model_description,
             &mut full,
             &mut optimizer,
@@ -355,11 +361,12 @@ impl Trainer {
         Ok((full, optimizer, restored))
     }
 
+    /// A store for the whole (unsplit) model, to read a checkpoint into.
     fn empty_store(&self) -> ParamStore {
         ParamStore {
-            values: vec![0.0; self.model.num_params()],
+            values: vec![0.0; self.whole.num_params()],
             grads: Vec::new(),
-            buffers: vec![0.0; self.model.num_buffers()],
+            buffers: vec![0.0; self.whole.num_buffers()],
         }
     }
 

@@ -189,7 +189,7 @@ fn train(job: Job, steps: u64) -> Vec<f32> {
         for _ in 0..steps {
             t.train_step()?;
         }
-        let full = t.parallel.gather_state(&t.model)?;
+        let full = t.parallel.gather_state(&t.model, &t.whole)?;
         Ok::<_, anyhow::Error>(full.map(|(store, _)| store.values))
     })
     .unwrap_or_else(|e| panic!("{e}"));

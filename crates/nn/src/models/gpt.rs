@@ -2,7 +2,7 @@
 //! layer norm and a linear head (no bias), untied or tied to the token embedding
 //! (`tie_embeddings`, as GPT-2 does). Input token ids `[B, T]`, output logits `[B, T, vocab]`.
 
-use crate::layer::Init;
+use crate::layer::{Init, TensorPlan, TpStyle};
 use crate::layers::{LayerNorm, Linear, Seq};
 use crate::model::{Block, InputSpec, Model};
 use crate::transformer::{GptBlock, GptEmbedding};
@@ -65,6 +65,21 @@ impl GptConfig {
     }
 }
 
+/// Megatron-LM's split of a GPT: in each block q/k/v and fc1 column-parallel (q, k and v
+/// split by heads), proj and fc2 row-parallel; the head split over the vocabulary. The
+/// embedding (by vocabulary) and the attention core (by heads) follow from their types.
+pub fn tensor_plan() -> TensorPlan {
+    TensorPlan {
+        rules: vec![
+            ("*qkv".into(), TpStyle::Column { groups: 3 }),
+            ("*proj".into(), TpStyle::Row),
+            ("*fc1".into(), TpStyle::Column { groups: 1 }),
+            ("*fc2".into(), TpStyle::Row),
+            ("head".into(), TpStyle::VocabHead),
+        ],
+    }
+}
+
 /// GPT-2 style initialisation: weights N(0, 0.02), biases zero.
 pub fn gpt(cfg: &GptConfig) -> Model {
     cfg.validate().expect("invalid GPT config");
@@ -94,7 +109,9 @@ pub fn gpt(cfg: &GptConfig) -> Model {
             ),
         ]),
     ));
-    let model = Model::new(blocks).with_input(InputSpec::tokens(cfg.seq, cfg.vocab));
+    let model = Model::new(blocks)
+        .with_input(InputSpec::tokens(cfg.seq, cfg.vocab))
+        .with_tensor_plan(tensor_plan());
     if cfg.tie_embeddings {
         return model
             .tie("head.weight", "tok.weight")

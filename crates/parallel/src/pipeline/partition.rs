@@ -60,9 +60,17 @@ impl FromStr for PartitionSpec {
 }
 
 impl PartitionSpec {
-    /// Checks the spec against a model of `blocks` blocks cut into `chunks` chunks, before
-    /// any work.
-    pub fn check(&self, blocks: usize, chunks: usize) -> Result<(), PipelineError> {
+    /// Checks the spec against a model of `blocks` blocks cut into `chunks` chunks, split
+    /// over `tp` tensor-parallel workers, before any work.
+    pub fn check(&self, blocks: usize, chunks: usize, tp: usize) -> Result<(), PipelineError> {
+        if *self == PartitionSpec::Time && tp > 1 && chunks > 1 {
+            return Err(PipelineError::BadPartitionSpec {
+                spec: "time".into(),
+                reason: "it profiles the blocks on one worker, which tensor parallelism does \
+                         not allow: use params, balanced or explicit cuts with tp > 1"
+                    .into(),
+            });
+        }
         if let PartitionSpec::Explicit(cuts) = self {
             if cuts.len() + 1 != chunks {
                 return Err(PipelineError::BadPartitionSpec {

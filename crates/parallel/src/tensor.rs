@@ -1,0 +1,946 @@
+//! Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism
+//! (Korthikanti et al. 2022).
+//!
+//! [`parallelize`] rewrites a model's layers by its [`TensorPlan`]: column-parallel linears
+//! split their output features, row-parallel linears their input features, the attention core
+//! its heads, a GPT embedding and output head the vocabulary. Every other layer is replicated.
+//! Communication is the two conjugate operators, as plain functions over a `ProcessGroup`:
+//!
+//! * `f` before a column-parallel product: identity forward, all-reduce of the input gradient
+//!   backward ([`ColumnParallel`]);
+//! * `g` after a row-parallel product: all-reduce forward, identity backward
+//!   ([`RowParallel`]).
+//!
+//! With sequence parallelism the regions between them (layer norms, residuals, dropout) hold
+//! only this rank's share of the tokens: `f` becomes all-gather forward / reduce-scatter
+//! backward and `g` reduce-scatter forward / all-gather backward, the same bytes as the
+//! all-reduces. Tokens are split as contiguous rows of the `[batch·seq, hidden]` activations
+//! (Megatron's `[seq, batch, hidden]` layout makes its sequence shards contiguous; ours is
+//! `[batch, seq, hidden]`, so token shards are — the same memory and communication).
+//! Replicated parameters then see only their rank's tokens, so their gradients are summed over
+//! the tensor-parallel group ([`TpGradSync`]); forgetting that trains silently wrong.
+//!
+//! In backward a column-parallel layer starts its input gradient's all-reduce (or
+//! reduce-scatter) on the communication thread and computes its weight gradient meanwhile.
+//!
+//! Checkpoints stay whole: every sharded parameter carries a [`ShardSpec`] (which part of the
+//! whole tensor it is), and the trainer gathers and splits by it.
+
+use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, ReduceOp, Work};
+use meshtrain_nn::layers::Linear;
+use meshtrain_nn::loss::{LossError, LossValue};
+use meshtrain_nn::models::gpt;
+use meshtrain_nn::transformer::{AttentionCore, GptEmbedding};
+use meshtrain_nn::{Layer, Loss, Mode, Model, ParamSpec, Saved, ShardSpec, TpStyle};
+use meshtrain_tensor::activation::fast_exp;
+use meshtrain_tensor::par::take_buffer;
+use meshtrain_tensor::Tensor;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Why a model cannot be split as asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    #[error("tp={tp}: the model has no tensor-parallel plan (Model::with_tensor_plan)")]
+    NoPlan { tp: usize },
+    #[error("tp={tp}: {what} is {n}, not divisible by tp")]
+    NotDivisible { tp: usize, what: String, n: usize },
+    #[error("tp={tp}: '{path}' is split {style:?}, but {reason}")]
+    Unsupported {
+        tp: usize,
+        path: String,
+        style: TpStyle,
+        reason: String,
+    },
+    #[error("sequence parallelism needs the tokens per sample (the model's declared input)")]
+    NoSequence,
+}
+
+/// One worker's tensor-parallel setting.
+#[derive(Clone)]
+pub struct TpContext {
+    pub group: Arc<dyn ProcessGroup>,
+    /// Sequence parallelism: the non-tensor-parallel regions hold this rank's tokens only.
+    pub sequence_parallel: bool,
+    /// Tokens per sample, for sequence-parallel gathers (`[rows, x]` back to
+    /// `[batch, seq, x]`).
+    pub seq: usize,
+}
+
+impl TpContext {
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+}
+
+fn fail(what: &str, e: CommError) -> ! {
+    // Layers cannot return errors; the worker fails with the collective's message.
+    panic!("tensor parallelism: {what}: {e}")
+}
+
+/// `g` forward (and `f` backward): the sum over the group, in place.
+pub fn all_reduce(group: &dyn ProcessGroup, x: &mut [f32]) {
+    if let Err(e) = group.all_reduce(BufMut::F32(x), ReduceOp::Sum) {
+        fail("all-reduce", e)
+    }
+}
+
+/// Sequence-parallel `f` forward: every rank's rows, in rank order.
+pub fn gather_rows(group: &dyn ProcessGroup, local: &[f32]) -> Vec<f32> {
+    let mut full = take_buffer(local.len() * group.size());
+    if let Err(e) = group.all_gather(BufRef::F32(local), BufMut::F32(&mut full)) {
+        fail("all-gather", e)
+    }
+    full
+}
+
+/// Sequence-parallel `g` forward: the sum over the group, rank `r` keeping rows
+/// `[r·n/tp, (r+1)·n/tp)`.
+pub fn scatter_rows(group: &dyn ProcessGroup, full: &[f32]) -> Vec<f32> {
+    let mut local = take_buffer(full.len() / group.size());
+    if let Err(e) = group.reduce_scatter(BufRef::F32(full), BufMut::F32(&mut local), ReduceOp::Sum)
+    {
+        fail("reduce-scatter", e)
+    }
+    local
+}
+
+/// The shape of gathered rows: `[rows / seq, seq, width]` (what attention and the head expect).
+fn gathered_shape(rows: usize, seq: usize, width: usize) -> Vec<usize> {
+    vec![rows / seq, seq, width]
+}
+
+/// A collective running on the communication thread while compute goes on, with the buffers
+/// it reads and writes (kept alive until it is waited for).
+struct InFlight {
+    work: Work,
+    /// The buffer the result lands in.
+    out: Vec<f32>,
+}
+
+impl InFlight {
+    fn wait(self, what: &str) -> Vec<f32> {
+        if let Err(e) = self.work.wait() {
+            fail(what, e)
+        }
+        self.out
+    }
+}
+
+/// Starts the in-place all-reduce of `buf`.
+fn start_all_reduce(group: &dyn ProcessGroup, mut buf: Vec<f32>) -> InFlight {
+    // SAFETY: `buf` moves into the returned value and is neither read nor written until
+    // `wait`, which waits for the operation first; moving a Vec does not move its heap data.
+    let work = unsafe { group.all_reduce_async(RawBuf::from_slice(&mut buf), ReduceOp::Sum) };
+    InFlight {
+        work: work.unwrap_or_else(|e| fail("all-reduce", e)),
+        out: buf,
+    }
+}
+
+/// Starts the reduce-scatter of `full` (which must stay alive: it is returned with the
+/// result, see [`InFlightPair`]).
+fn start_scatter(group: &dyn ProcessGroup, mut full: Vec<f32>) -> InFlightPair {
+    let mut out = take_buffer(full.len() / group.size());
+    // SAFETY: both buffers move into the returned value and are untouched until `wait`.
+    let work = unsafe {
+        group.reduce_scatter_async(
+            RawBuf::from_slice(&mut full),
+            RawBuf::from_slice(&mut out),
+            ReduceOp::Sum,
+        )
+    };
+    InFlightPair {
+        inner: InFlight {
+            work: work.unwrap_or_else(|e| fail("reduce-scatter", e)),
+            out,
+        },
+        _input: full,
+    }
+}
+
+/// Starts the all-gather of `local` (kept alive with the result).
+fn start_gather(group: &dyn ProcessGroup, mut local: Vec<f32>) -> InFlightPair {
+    let mut out = take_buffer(local.len() * group.size());
+    // SAFETY: both buffers move into the returned value and are untouched until `wait`.
+    let work = unsafe {
+        group.all_gather_async(RawBuf::from_slice(&mut local), RawBuf::from_slice(&mut out))
+    };
+    InFlightPair {
+        inner: InFlight {
+            work: work.unwrap_or_else(|e| fail("all-gather", e)),
+            out,
+        },
+        _input: local,
+    }
+}
+
+/// An in-flight collective with a separate input buffer.
+struct InFlightPair {
+    inner: InFlight,
+    _input: Vec<f32>,
+}
+
+impl InFlightPair {
+    fn wait(self, what: &str) -> Vec<f32> {
+        let InFlightPair { inner, _input } = self;
+        let out = inner.wait(what);
+        drop(_input);
+        out
+    }
+}
+
+/// `ParamSpec`s of a layer split by `shard_of(name, shape)`.
+fn shard_specs(
+    specs: Vec<ParamSpec>,
+    shard_of: impl Fn(&str, &[usize]) -> Option<ShardSpec>,
+) -> Vec<ParamSpec> {
+    specs
+        .into_iter()
+        .map(|mut p| {
+            if let Some(s) = shard_of(&p.name, &p.shape) {
+                p.shape = s.local_shape();
+                p.shard = Some(s);
+            }
+            p
+        })
+        .collect()
+}
+
+/// A column-parallel linear layer: this rank's output features (`groups` groups split
+/// separately), the whole input. Forward needs no communication (`f` is the identity); the
+/// input gradient is all-reduced in backward, overlapped with the weight gradient. Under
+/// sequence parallelism the input is this rank's tokens, all-gathered forward (and again in
+/// backward rather than kept), and the input gradient is reduce-scattered.
+pub struct ColumnParallel {
+    /// The local product (its outputs are this rank's features).
+    inner: Linear,
+    specs: Vec<ParamSpec>,
+    tp: TpContext,
+}
+
+impl ColumnParallel {
+    /// The shard of `whole` for this rank; `vocab_head` pads the output features to a
+    /// multiple of tp (Megatron's padded vocabulary).
+    fn new(whole: &Linear, groups: usize, tp: TpContext) -> ColumnParallel {
+        let (size, rank) = (tp.size(), tp.rank());
+        let specs = shard_specs(whole.params(), |_, shape| {
+            Some(ShardSpec::new(shape, 0, groups, size, rank))
+        });
+        let local_outputs = specs[0].shape[0];
+        let inner = Linear {
+            outputs: local_outputs,
+            ..clone_linear(whole)
+        };
+        ColumnParallel { inner, specs, tp }
+    }
+}
+
+fn clone_linear(l: &Linear) -> Linear {
+    Linear {
+        inputs: l.inputs,
+        outputs: l.outputs,
+        bias: l.bias,
+        weight_init: l.weight_init,
+        activation: l.activation,
+    }
+}
+
+impl Layer for ColumnParallel {
+    fn params(&self) -> Vec<ParamSpec> {
+        self.specs.clone()
+    }
+
+    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let tp = &self.tp;
+        if !tp.sequence_parallel {
+            return self.inner.forward(p, b, x, mode, s);
+        }
+        let rows = x.numel() / self.inner.inputs * tp.size();
+        let full = gather_rows(tp.group.as_ref(), x.data());
+        let full = Tensor::from_vec(full, &gathered_shape(rows, tp.seq, self.inner.inputs));
+        let y = self.inner.forward(p, b, full, mode, s);
+        if mode.train {
+            // Keep this rank's tokens, not the gathered input: backward gathers again.
+            let at = s.tensors.len() - 1 - usize::from(self.inner.activation.is_some());
+            let gathered = std::mem::replace(&mut s.tensors[at], x);
+            gathered.recycle();
+        }
+        y
+    }
+
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
+        let tp = &self.tp;
+        let group = tp.group.as_ref();
+        let mut dz = dy;
+        let x = self.inner.backward_prologue(g, &mut s, &mut dz);
+        if !tp.sequence_parallel {
+            let shape = x.shape().to_vec();
+            let dx = need_dx.then(|| {
+                let dx = self.inner.input_gradient(p, &dz, &shape);
+                start_all_reduce(group, dx.into_vec())
+            });
+            self.inner.weight_gradient(g, &dz, &x);
+            x.recycle();
+            dz.recycle();
+            return dx
+                .map(|d| Tensor::from_vec(d.wait("all-reduce of the input gradient"), &shape));
+        }
+        // Gather the tokens again while the input gradient is computed, then reduce-scatter
+        // that while the weight gradient is.
+        let local_shape = x.shape().to_vec();
+        let rows = x.numel() / self.inner.inputs * tp.size();
+        let gathering = start_gather(group, x.into_vec());
+        let scattering = need_dx.then(|| {
+            let full_shape = gathered_shape(rows, tp.seq, self.inner.inputs);
+            let dx = self.inner.input_gradient(p, &dz, &full_shape);
+            dx.into_vec()
+        });
+        let x_full = Tensor::from_vec(
+            gathering.wait("all-gather of the input"),
+            &gathered_shape(rows, tp.seq, self.inner.inputs),
+        );
+        let scattering = scattering.map(|dx| start_scatter(group, dx));
+        self.inner.weight_gradient(g, &dz, &x_full);
+        x_full.recycle();
+        dz.recycle();
+        scattering
+            .map(|d| Tensor::from_vec(d.wait("reduce-scatter of the input gradient"), &local_shape))
+    }
+}
+
+/// A row-parallel linear layer: this rank's input features; the partial products are summed
+/// over the group (`g`: all-reduce, or reduce-scatter of the tokens under sequence
+/// parallelism), then the replicated bias is added. Backward needs no communication without
+/// sequence parallelism (the output gradient is replicated); with it, the output gradient's
+/// tokens are all-gathered.
+pub struct RowParallel {
+    /// The local product, without bias.
+    inner: Linear,
+    bias: bool,
+    outputs: usize,
+    specs: Vec<ParamSpec>,
+    tp: TpContext,
+}
+
+impl RowParallel {
+    fn new(whole: &Linear, tp: TpContext) -> RowParallel {
+        let (size, rank) = (tp.size(), tp.rank());
+        let specs = shard_specs(whole.params(), |name, shape| {
+            (name == "weight").then(|| ShardSpec::new(shape, 1, 1, size, rank))
+        });
+        let inner = Linear {
+            inputs: specs[0].shape[1],
+            bias: false,
+            ..clone_linear(whole)
+        };
+        RowParallel {
+            inner,
+            bias: whole.bias,
+            outputs: whole.outputs,
+            specs,
+            tp,
+        }
+    }
+}
+
+impl Layer for RowParallel {
+    fn params(&self) -> Vec<ParamSpec> {
+        self.specs.clone()
+    }
+
+    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let tp = &self.tp;
+        let nw = self.inner.inputs * self.outputs;
+        let partial = self.inner.forward(&p[..nw], b, x, mode, s);
+        let rows = partial.numel() / self.outputs;
+        let mut y = if tp.sequence_parallel {
+            let local = scatter_rows(tp.group.as_ref(), partial.data());
+            partial.recycle();
+            Tensor::from_vec(local, &[rows / tp.size(), self.outputs])
+        } else {
+            let mut y = partial;
+            all_reduce(tp.group.as_ref(), y.data_mut());
+            y
+        };
+        if self.bias {
+            let bias = &p[nw..];
+            for row in y.data_mut().chunks_mut(self.outputs) {
+                row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+            }
+        }
+        y
+    }
+
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        s: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
+        let tp = &self.tp;
+        let nw = self.inner.inputs * self.outputs;
+        if self.bias {
+            let mut acc = vec![0.0f64; self.outputs];
+            for row in dy.data().chunks(self.outputs) {
+                acc.iter_mut().zip(row).for_each(|(a, v)| *a += *v as f64);
+            }
+            g[nw..]
+                .iter_mut()
+                .zip(acc)
+                .for_each(|(b, a)| *b += a as f32);
+        }
+        let dy = if tp.sequence_parallel {
+            let rows = dy.numel() / self.outputs * tp.size();
+            let full = gather_rows(tp.group.as_ref(), dy.data());
+            dy.recycle();
+            Tensor::from_vec(full, &gathered_shape(rows, tp.seq, self.outputs))
+        } else {
+            dy
+        };
+        self.inner.backward(&p[..nw], &mut g[..nw], s, dy, need_dx)
+    }
+}
+
+/// A GPT embedding split over the vocabulary: each rank holds `padded_vocab / tp` rows of the
+/// token table, looks up the ids in its range (zero elsewhere), and the ranks' partial
+/// embeddings are summed (`g`; reduce-scattered over the tokens under sequence parallelism)
+/// before the replicated position embedding is added.
+pub struct VocabParallelEmbedding {
+    whole: GptEmbedding,
+    specs: Vec<ParamSpec>,
+    tp: TpContext,
+}
+
+impl VocabParallelEmbedding {
+    fn new(whole: &GptEmbedding, tp: TpContext) -> Self {
+        let (size, rank) = (tp.size(), tp.rank());
+        let specs = shard_specs(whole.params(), |name, shape| {
+            (name == "tok.weight").then(|| ShardSpec::new(shape, 0, 1, size, rank))
+        });
+        VocabParallelEmbedding {
+            whole: GptEmbedding { ..*whole },
+            specs,
+            tp,
+        }
+    }
+
+    /// This rank's vocabulary rows: `[start, start + rows)`.
+    fn rows(&self) -> Range<usize> {
+        let rows = self.specs[0].shape[0];
+        let start = self.tp.rank() * rows;
+        start..start + rows
+    }
+}
+
+impl Layer for VocabParallelEmbedding {
+    fn params(&self) -> Vec<ParamSpec> {
+        self.specs.clone()
+    }
+
+    fn forward(&self, p: &[f32], _: &mut [f32], ids: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let (b, t, d) = (ids.dim(0), ids.dim(1), self.whole.dim);
+        assert!(
+            t <= self.whole.max_seq,
+            "sequence {t} longer than the model's {}",
+            self.whole.max_seq
+        );
+        let mine = self.rows();
+        let (tok, pos) = p.split_at(mine.len() * d);
+        let mut y = vec![0.0f32; b * t * d];
+        for (row, &id) in y.chunks_mut(d).zip(ids.data()) {
+            let id = id as usize;
+            if mine.contains(&id) {
+                row.copy_from_slice(&tok[(id - mine.start) * d..][..d]);
+            }
+        }
+        let tp = &self.tp;
+        let (mut y, first_row) = if tp.sequence_parallel {
+            let local = scatter_rows(tp.group.as_ref(), &y);
+            (local, tp.rank() * b * t / tp.size())
+        } else {
+            all_reduce(tp.group.as_ref(), &mut y);
+            (y, 0)
+        };
+        for (i, row) in y.chunks_mut(d).enumerate() {
+            let pe = &pos[((first_row + i) % t) * d..][..d];
+            row.iter_mut().zip(pe).for_each(|(v, p)| *v += p);
+        }
+        if mode.train {
+            s.tensors.push(ids);
+        }
+        let rows = y.len() / d;
+        let shape = if tp.sequence_parallel {
+            vec![rows, d]
+        } else {
+            vec![b, t, d]
+        };
+        Tensor::from_vec(y, &shape)
+    }
+
+    fn backward(
+        &self,
+        _: &[f32],
+        g: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
+        let ids = s.tensors.pop().expect("embedding: saved ids");
+        let (t, d) = (ids.dim(1), self.whole.dim);
+        let mine = self.rows();
+        let (gtok, gpos) = g.split_at_mut(mine.len() * d);
+        let tp = &self.tp;
+        let first_row = if tp.sequence_parallel {
+            tp.rank() * ids.numel() / tp.size()
+        } else {
+            0
+        };
+        // Position gradients from this rank's rows (all of them without sequence
+        // parallelism; summed over the group later with it).
+        for (i, row) in dy.data().chunks(d).enumerate() {
+            let gp = &mut gpos[((first_row + i) % t) * d..][..d];
+            gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+        }
+        let full = if tp.sequence_parallel {
+            gather_rows(tp.group.as_ref(), dy.data())
+        } else {
+            dy.into_vec()
+        };
+        for (row, &id) in full.chunks(d).zip(ids.data()) {
+            let id = id as usize;
+            if mine.contains(&id) {
+                let gt = &mut gtok[(id - mine.start) * d..][..d];
+                gt.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+            }
+        }
+        None
+    }
+}
+
+/// Cross-entropy over logits split by vocabulary: each rank holds `[rows, padded / tp]`
+/// logits. Per row the maximum, the sum of exponentials and the target's logit are combined
+/// over the group (two all-reduces of `rows` values, not the `rows × vocab` logits); padding
+/// columns (vocabulary ids ≥ `vocab`) take no part.
+pub struct VocabParallelCrossEntropy {
+    pub vocab: usize,
+    /// Columns per rank (`padded / tp`).
+    pub columns: usize,
+    pub group: Arc<dyn ProcessGroup>,
+}
+
+impl VocabParallelCrossEntropy {
+    /// This rank's real (unpadded) vocabulary ids.
+    fn ids(&self) -> Range<usize> {
+        let start = self.group.rank() * self.columns;
+        start.min(self.vocab)..(start + self.columns).min(self.vocab)
+    }
+}
+
+impl Loss for VocabParallelCrossEntropy {
+    fn name(&self) -> String {
+        format!(
+            "vocab-parallel cross-entropy over {} classes ({} ranks)",
+            self.vocab,
+            self.group.size()
+        )
+    }
+
+    fn classes(&self) -> Option<usize> {
+        Some(self.vocab)
+    }
+
+    fn check_targets(&self, targets: &[u32]) -> Result<(), LossError> {
+        meshtrain_nn::CrossEntropy::new(self.vocab).check_targets(targets)
+    }
+
+    fn forward_backward(
+        &self,
+        output: &Tensor,
+        targets: &[u32],
+        grad_scale: f32,
+    ) -> Result<(LossValue, Tensor), LossError> {
+        let rows = targets.len();
+        let c = self.columns;
+        if output.numel() != rows * c {
+            return Err(LossError::OutputSize {
+                loss: self.name(),
+                elements: output.numel(),
+                targets: rows,
+                per_target: c,
+                expected: rows * c,
+                shape: output.shape().to_vec(),
+            });
+        }
+        self.check_targets(targets)?;
+        let ids = self.ids();
+        let real = ids.len();
+        let logits = output.data();
+        let group = self.group.as_ref();
+        let mut max: Vec<f32> = logits
+            .chunks(c)
+            .map(|l| l[..real].iter().copied().fold(f32::NEG_INFINITY, f32::max))
+            .collect();
+        if let Err(e) = group.all_reduce(BufMut::F32(&mut max), ReduceOp::Max) {
+            fail("all-reduce of the logits' maxima", e)
+        }
+        let mut grad = vec![0.0f32; logits.len()];
+        // Per row: Σ exp(l − max) over this rank's ids, and the target's logit if it is here.
+        let mut sums = vec![0.0f32; 2 * rows];
+        for (r, (l, gr)) in logits.chunks(c).zip(grad.chunks_mut(c)).enumerate() {
+            let mut sum = 0.0f32;
+            for (g, &v) in gr[..real].iter_mut().zip(&l[..real]) {
+                *g = fast_exp(v - max[r]);
+                sum += *g;
+            }
+            sums[r] = sum;
+            let t = targets[r] as usize;
+            if ids.contains(&t) {
+                sums[rows + r] = l[t - ids.start];
+            }
+        }
+        if let Err(e) = group.all_reduce(BufMut::F32(&mut sums), ReduceOp::Sum) {
+            fail("all-reduce of the softmax sums", e)
+        }
+        let inv_rows = 1.0 / rows as f32;
+        let (mut loss, mut correct) = (0.0f64, 0usize);
+        for (r, gr) in grad.chunks_mut(c).enumerate() {
+            let (sum, target) = (sums[r], sums[rows + r]);
+            loss += (sum.ln() + max[r] - target) as f64;
+            correct += usize::from(target >= max[r]);
+            let k = grad_scale * inv_rows / sum;
+            gr[..real].iter_mut().for_each(|v| *v *= k);
+            let t = targets[r] as usize;
+            if ids.contains(&t) {
+                gr[t - ids.start] -= grad_scale * inv_rows;
+            }
+        }
+        let value = LossValue {
+            mean: (loss / rows as f64) as f32,
+            count: rows,
+            correct: Some(correct),
+        };
+        Ok((value, Tensor::from_vec(grad, output.shape())))
+    }
+}
+
+/// What [`parallelize`] did to the model's output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpOutput {
+    /// The output is whole on every rank (the loss is unchanged).
+    Replicated,
+    /// The output is split over the vocabulary: `columns` logits per rank, `vocab` real ids.
+    VocabParallel { vocab: usize, columns: usize },
+}
+
+/// A layer's path: block and child names joined by dots, empty names skipped.
+fn join(prefix: &str, name: &str) -> String {
+    match (prefix.is_empty(), name.is_empty()) {
+        (_, true) => prefix.to_string(),
+        (true, false) => name.to_string(),
+        (false, false) => format!("{prefix}.{name}"),
+    }
+}
+
+/// The plan's style for the layer at `path`, if a rule names it.
+fn style_of(model: &Model, path: &str) -> Option<TpStyle> {
+    let plan = model.tensor_plan()?;
+    plan.rules
+        .iter()
+        .find(|(pattern, _)| meshtrain_nn::optim::glob(pattern, path))
+        .map(|(_, s)| *s)
+}
+
+/// Checks, without building anything, that `model` splits over `tp` ranks: the plan exists,
+/// and heads, split features and (with sequence parallelism) the tokens per sample divide
+/// by `tp`. The errors name the layer and the number.
+pub fn check(model: &Model, tp: usize, sequence_parallel: bool) -> Result<(), TensorError> {
+    if tp == 1 {
+        return Ok(());
+    }
+    if model.tensor_plan().is_none() {
+        return Err(TensorError::NoPlan { tp });
+    }
+    if sequence_parallel {
+        let seq = model
+            .input()
+            .and_then(|i| i.shape.first().copied())
+            .ok_or(TensorError::NoSequence)?;
+        divides(tp, "the sequence length (tokens per sample)", seq)?;
+    }
+    for block in &model.blocks {
+        check_layer(model, block.layer.as_ref(), &block.name, tp)?;
+    }
+    Ok(())
+}
+
+fn divides(tp: usize, what: &str, n: usize) -> Result<(), TensorError> {
+    if n.is_multiple_of(tp) {
+        Ok(())
+    } else {
+        Err(TensorError::NotDivisible {
+            tp,
+            what: what.to_string(),
+            n,
+        })
+    }
+}
+
+fn check_layer(model: &Model, layer: &dyn Layer, path: &str, tp: usize) -> Result<(), TensorError> {
+    if let Some(any) = layer.as_any() {
+        if let Some(core) = any.downcast_ref::<AttentionCore>() {
+            return divides(tp, &format!("'{path}' attention heads"), core.heads);
+        }
+        if any.is::<GptEmbedding>() {
+            return Ok(()); // any vocabulary: padded
+        }
+        if let Some(linear) = any.downcast_ref::<Linear>() {
+            return match style_of(model, path) {
+                Some(TpStyle::Column { groups }) => {
+                    if !linear.outputs.is_multiple_of(groups) {
+                        return Err(TensorError::Unsupported {
+                            tp,
+                            path: path.into(),
+                            style: TpStyle::Column { groups },
+                            reason: format!(
+                                "its {} outputs are not {groups} groups",
+                                linear.outputs
+                            ),
+                        });
+                    }
+                    divides(
+                        tp,
+                        &format!("'{path}' output features per group"),
+                        linear.outputs / groups,
+                    )
+                }
+                Some(TpStyle::Row) => {
+                    if linear.activation.is_some() {
+                        return Err(TensorError::Unsupported {
+                            tp,
+                            path: path.into(),
+                            style: TpStyle::Row,
+                            reason: "an activation cannot follow a partial sum".into(),
+                        });
+                    }
+                    divides(tp, &format!("'{path}' input features"), linear.inputs)
+                }
+                Some(TpStyle::VocabHead) if linear.bias => Err(TensorError::Unsupported {
+                    tp,
+                    path: path.into(),
+                    style: TpStyle::VocabHead,
+                    reason: "a vocab-parallel head has no bias".into(),
+                }),
+                _ => Ok(()),
+            };
+        }
+    }
+    if let Some(children) = layer.children() {
+        for (name, child) in children.layers() {
+            check_layer(model, child.as_ref(), &join(path, name), tp)?;
+        }
+    }
+    Ok(())
+}
+
+/// The tensor-parallel transform: `model`'s layers split for this rank of `tp.group` by the
+/// model's plan (see the module documentation). Call [`check`] first for clear errors;
+/// this panics only on what `check` rejects.
+pub fn parallelize(model: Model, tp: &TpContext) -> (Model, TpOutput) {
+    if tp.size() == 1 {
+        return (model, TpOutput::Replicated);
+    }
+    let plan_model = Model::new(Vec::new()).with_tensor_plan(
+        model
+            .tensor_plan()
+            .cloned()
+            .expect("checked: the model has a tensor-parallel plan"),
+    );
+    let mut output = TpOutput::Replicated;
+    let model = model
+        .transform_blocks(|blocks| -> Result<(), std::convert::Infallible> {
+            for block in blocks {
+                let path = block.name.clone();
+                if let Some(new) =
+                    rewrite(&plan_model, block.layer.as_mut(), &path, tp, &mut output)
+                {
+                    block.layer = new;
+                }
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| match e {});
+    (model, output)
+}
+
+/// The replacement of `layer` (at `path`), or `None` to keep it (its children rewritten).
+fn rewrite(
+    plan: &Model,
+    layer: &mut dyn Layer,
+    path: &str,
+    tp: &TpContext,
+    output: &mut TpOutput,
+) -> Option<Box<dyn Layer>> {
+    if let Some(any) = layer.as_any() {
+        if let Some(core) = any.downcast_ref::<AttentionCore>() {
+            return Some(Box::new(AttentionCore {
+                dim: core.dim / tp.size(),
+                heads: core.heads / tp.size(),
+            }));
+        }
+        if let Some(e) = any.downcast_ref::<GptEmbedding>() {
+            return Some(Box::new(VocabParallelEmbedding::new(e, tp.clone())));
+        }
+        if let Some(linear) = any.downcast_ref::<Linear>() {
+            return match style_of(plan, path) {
+                Some(TpStyle::Column { groups }) => {
+                    Some(Box::new(ColumnParallel::new(linear, groups, tp.clone())))
+                }
+                Some(TpStyle::Row) => Some(Box::new(RowParallel::new(linear, tp.clone()))),
+                Some(TpStyle::VocabHead) => {
+                    let head = ColumnParallel::new(linear, 1, tp.clone());
+                    *output = TpOutput::VocabParallel {
+                        vocab: linear.outputs,
+                        columns: head.inner.outputs,
+                    };
+                    Some(Box::new(head))
+                }
+                None => None,
+            };
+        }
+    }
+    if let Some(children) = layer.children_mut() {
+        for (name, child) in children.layers_mut() {
+            let child_path = join(path, name);
+            if let Some(new) = rewrite(plan, child.as_mut(), &child_path, tp, output) {
+                *child = new;
+            }
+        }
+        children.relayout();
+    }
+    None
+}
+
+/// The loss for a model whose output [`parallelize`] split: the vocab-parallel form of a
+/// cross-entropy (`loss` must be one), or `loss` itself.
+pub fn parallel_loss(
+    loss: Arc<dyn Loss>,
+    output: TpOutput,
+    tp: &TpContext,
+) -> Result<Arc<dyn Loss>, TensorError> {
+    match output {
+        TpOutput::Replicated => Ok(loss),
+        TpOutput::VocabParallel { vocab, columns } => match loss.classes() {
+            Some(classes) if classes == vocab => Ok(Arc::new(VocabParallelCrossEntropy {
+                vocab,
+                columns,
+                group: tp.group.clone(),
+            })),
+            _ => Err(TensorError::Unsupported {
+                tp: tp.size(),
+                path: "head".into(),
+                style: TpStyle::VocabHead,
+                reason: format!(
+                    "the loss ({}) is not a cross-entropy over its {vocab} outputs",
+                    loss.name()
+                ),
+            }),
+        },
+    }
+}
+
+/// The built-in GPT's tensor-parallel plan (re-exported for users composing GPT layers).
+pub fn gpt_plan() -> meshtrain_nn::TensorPlan {
+    gpt::tensor_plan()
+}
+
+/// Sums the gradients of replicated parameters over the tensor-parallel group when sequence
+/// parallelism gave each rank only its tokens' share of them (layer norms, row-parallel
+/// biases, position embeddings). Without sequence parallelism every rank computed the same
+/// gradient and nothing is sent.
+pub struct TpGradSync {
+    group: Option<Arc<dyn ProcessGroup>>,
+    /// Per local chunk: ranges of replicated parameters in its gradient buffer.
+    replicated: Vec<Vec<Range<usize>>>,
+    scratch: Vec<f32>,
+}
+
+impl TpGradSync {
+    /// For `chunks` (block ranges of `model`, in local order) of a model split over `tp`
+    /// (`None`: one rank). `disabled` leaves the sums out (tests showing they matter).
+    pub fn new(
+        model: &Model,
+        chunks: &[Range<usize>],
+        tp: Option<&TpContext>,
+        disabled: bool,
+    ) -> TpGradSync {
+        let group = tp
+            .filter(|t| t.sequence_parallel && t.size() > 1 && !disabled)
+            .map(|t| t.group.clone());
+        let replicated = chunks
+            .iter()
+            .map(|blocks| replicated_ranges(model, blocks.clone()))
+            .collect();
+        TpGradSync {
+            group,
+            replicated,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Per local chunk, the ranges of replicated (unsharded) parameters: counted once in
+    /// gradient norms (on tensor-parallel rank 0 only).
+    pub fn replicated(&self) -> &[Vec<Range<usize>>] {
+        &self.replicated
+    }
+
+    /// Sums the replicated parameters' gradients over the group (one all-reduce per chunk).
+    pub fn reduce(&mut self, grads: &mut [&mut [f32]]) -> Result<(), CommError> {
+        let Some(group) = &self.group else {
+            return Ok(());
+        };
+        for (g, ranges) in grads.iter_mut().zip(&self.replicated) {
+            self.scratch.clear();
+            for r in ranges {
+                self.scratch.extend_from_slice(&g[r.clone()]);
+            }
+            group.all_reduce(BufMut::F32(&mut self.scratch), ReduceOp::Sum)?;
+            let mut at = 0;
+            for r in ranges {
+                g[r.clone()].copy_from_slice(&self.scratch[at..at + r.len()]);
+                at += r.len();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Ranges (relative to the chunk of `blocks`) of the parameters without a shard.
+fn replicated_ranges(model: &Model, blocks: Range<usize>) -> Vec<Range<usize>> {
+    let base = model.blocks_param_range(blocks.clone()).start;
+    let mut ranges: Vec<Range<usize>> = Vec::new();
+    for e in model.params().iter().filter(|e| blocks.contains(&e.block)) {
+        if e.shard().is_some() {
+            continue;
+        }
+        let r = e.range.start - base..e.range.end - base;
+        match ranges.last_mut() {
+            Some(last) if last.end == r.start => last.end = r.end,
+            _ => ranges.push(r),
+        }
+    }
+    ranges
+}
