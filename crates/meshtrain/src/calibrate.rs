@@ -225,6 +225,7 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         let w = args.workers as u64;
         let ddp = measure(model, args.workers, &scaling_args, &task, &cfg)?;
         runs.push((
+            model.to_string(),
             format!("dp={w},mb={}", global_batch / w),
             measured_step(&ddp),
             ddp.samples_per_s,
@@ -239,28 +240,25 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
             let steps = args.steps.unwrap_or(8);
             let pipe = measure_layout("pipeline", pipe_cfg, &task, args.workers, 3, steps)?;
             runs.push((
+                format!("{model}-pipeline"),
                 format!("pp={w},mb={},schedule=1f1b", global_batch / m as u64),
-                MeasuredStep {
-                    workers: w,
-                    compute_s: (pipe.compute_ms - pipe.optimizer_ms) / 1e3,
-                    comm_exposed_s: pipe.comm_exposed_ms / 1e3,
-                    comm_hidden_s: pipe.comm_hidden_ms / 1e3,
-                    bubble_s: pipe.pipeline_idle_ms / 1e3,
-                    data_s: 0.0,
-                    optimizer_s: pipe.optimizer_ms / 1e3,
-                    step_s: Some(pipe.step_ms / 1e3),
-                    samples_per_step: Some(global_batch as f64),
-                },
+                throughput_step(&pipe, w, global_batch),
                 pipe.samples_per_s,
             ));
+            // And tensor parallelism over the same workers (Megatron's split of each layer).
+            let mut tp_cfg = cfg.clone();
+            tp_cfg.parallel.tp = args.workers;
+            tp_cfg.validate()?;
+            let tensor = measure_layout("tensor", tp_cfg, &task, args.workers, 3, steps)?;
+            runs.push((
+                format!("{model}-tensor"),
+                format!("tp={w},mb={global_batch}"),
+                throughput_step(&tensor, w, global_batch),
+                tensor.samples_per_s,
+            ));
         }
-        for (i, (layout_text, step, measured_rate)) in runs.iter().enumerate() {
+        for (name, layout_text, step, measured_rate) in &runs {
             let predicted = problem.evaluate(&Layout::parse(layout_text)?)?;
-            let name = if i == 0 {
-                model.to_string()
-            } else {
-                format!("{model}-pipeline")
-            };
             let measured_path = args.out_dir.join(format!("{name}.toml"));
             std::fs::write(&measured_path, toml::to_string(step)?)
                 .with_context(|| format!("writing {}", measured_path.display()))?;
@@ -285,6 +283,26 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
     }
     println!("{details}");
     Ok(())
+}
+
+/// A measured run of [`measure_layout`] as the planner's breakdown (tensor-parallel
+/// communication is inside the compute, as the planner's compare row counts it).
+fn throughput_step(
+    run: &crate::pipeline_bench::ThroughputRun,
+    workers: u64,
+    global_batch: u64,
+) -> MeasuredStep {
+    MeasuredStep {
+        workers,
+        compute_s: (run.compute_ms - run.optimizer_ms) / 1e3,
+        comm_exposed_s: run.comm_exposed_ms / 1e3,
+        comm_hidden_s: run.comm_hidden_ms / 1e3,
+        bubble_s: run.pipeline_idle_ms / 1e3,
+        data_s: 0.0,
+        optimizer_s: run.optimizer_ms / 1e3,
+        step_s: Some(run.step_ms / 1e3),
+        samples_per_step: Some(global_batch as f64),
+    }
 }
 
 /// Micro-batches of the predicted pipeline run (as in `bench pipeline`'s throughput part).

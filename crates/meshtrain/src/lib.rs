@@ -13,3 +13,4 @@ pub mod pipeline_bench;
 pub mod plot;
 pub mod presets;
 pub mod scaling;
+pub mod tensor_bench;

@@ -100,6 +100,9 @@ enum BenchCommand {
     /// Pipeline parallelism: bubble per schedule, activation memory, equivalence with one
     /// worker, and GPT throughput pp=2 vs dp=2 vs one worker.
     Pipeline(meshtrain::pipeline_bench::BenchPipelineArgs),
+    /// Tensor and sequence parallelism on GPT: communication and activation memory per layer
+    /// against the formulas, and throughput tp = 2 vs dp = 2 vs one worker.
+    Tensor(meshtrain::tensor_bench::BenchTensorArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -210,6 +213,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Scaling(a)) => meshtrain::scaling::run_scaling(&a).map(|_| ()),
         Command::Bench(BenchCommand::Calibrate(a)) => meshtrain::calibrate::run_calibrate(&a),
         Command::Bench(BenchCommand::Pipeline(a)) => meshtrain::pipeline_bench::run(&a),
+        Command::Bench(BenchCommand::Tensor(a)) => meshtrain::tensor_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
     }

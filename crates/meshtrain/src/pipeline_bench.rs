@@ -67,6 +67,8 @@ pub struct ThroughputRun {
     pub pipeline_idle_ms: f64,
     pub comm_exposed_ms: f64,
     pub comm_hidden_ms: f64,
+    /// Tensor-parallel collectives: the part of `compute_ms` spent waiting in them.
+    pub tp_comm_ms: f64,
     /// Process CPU time (all threads) per sample.
     pub cpu_ms_per_sample: f64,
 }
@@ -165,7 +167,7 @@ pub fn measure_layout(
     warmup: u64,
     steps: u64,
 ) -> Result<ThroughputRun> {
-    let workers = cfg.parallel.dp * cfg.parallel.pp;
+    let workers = cfg.layout()?.world_size();
     let threads_per_worker = (threads / workers).max(1);
     let batch = cfg.train.batch_size;
     let job = Arc::new(cfg.job(task)?);
@@ -204,6 +206,7 @@ pub fn measure_layout(
         pipeline_idle_ms: mean(|b| b.times.pipeline_idle_s),
         comm_exposed_ms: mean(|b| b.times.comm_exposed_s),
         comm_hidden_ms: mean(|b| b.times.comm_hidden_s),
+        tp_comm_ms: mean(|b| b.times.tp_comm_s),
         cpu_ms_per_sample: results[0].2 / samples * 1e3,
     })
 }

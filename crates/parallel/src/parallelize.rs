@@ -98,6 +98,11 @@ pub struct StepTimes {
     /// Pipelines: time not computing inside the pipelined part of the step (the bubble and
     /// transfers).
     pub pipeline_idle_s: f64,
+    /// Tensor parallelism: time forward and backward waited in tensor-parallel collectives
+    /// (included in `forward_s` and `backward_s`).
+    pub tp_comm_s: f64,
+    /// Tensor parallelism: elements through tensor-parallel collectives.
+    pub tp_comm_elems: u64,
 }
 
 impl StepTimes {
@@ -109,6 +114,8 @@ impl StepTimes {
         self.comm_hidden_s += other.comm_hidden_s;
         self.comm_bytes += other.comm_bytes;
         self.pipeline_idle_s += other.pipeline_idle_s;
+        self.tp_comm_s += other.tp_comm_s;
+        self.tp_comm_elems += other.tp_comm_elems;
     }
 
     /// The times accumulated since `before` (an earlier copy of the same sum).
@@ -121,6 +128,8 @@ impl StepTimes {
             comm_hidden_s: self.comm_hidden_s - before.comm_hidden_s,
             comm_bytes: self.comm_bytes - before.comm_bytes,
             pipeline_idle_s: self.pipeline_idle_s - before.pipeline_idle_s,
+            tp_comm_s: self.tp_comm_s - before.tp_comm_s,
+            tp_comm_elems: self.tp_comm_elems - before.tp_comm_elems,
         }
     }
 }
@@ -133,6 +142,8 @@ pub struct StepStats {
     /// Gradient norm before clipping.
     pub grad_norm: f32,
     pub times: StepTimes,
+    /// Most activation bytes this worker held at once (what forward kept for backward).
+    pub peak_activation_bytes: usize,
 }
 
 /// Evaluation sums over a whole evaluation set (all replicas' shares).
@@ -214,6 +225,7 @@ pub struct Parallel {
     /// Exact sums over the data-parallel group (evaluation, SyncBatchNorm).
     sums: Option<Arc<GroupStatsReducer>>,
     tp_sync: TpGradSync,
+    tp_context: Option<TpContext>,
     /// One replica's workers (pp × tp): gradient norms are summed over them.
     model_parallel: Arc<dyn ProcessGroup>,
 }
@@ -245,13 +257,9 @@ pub fn parallelize(
     );
 
     // 1. Tensor parallelism: the layers split by the model's plan (and the loss with them).
-    let tp_context = (l.tp > 1).then(|| TpContext {
-        group: tp.clone(),
-        sequence_parallel: l.sp,
-        seq: model
-            .input()
-            .and_then(|i| i.shape.first().copied())
-            .unwrap_or(1),
+    let tp_context = (l.tp > 1).then(|| {
+        let seq = model.input().and_then(|i| i.shape.first().copied());
+        TpContext::new(tp.clone(), l.sp, seq.unwrap_or(1))
     });
     let mut loss = training.loss.clone();
     if let Some(ctx) = &tp_context {
@@ -335,6 +343,7 @@ pub fn parallelize(
         ties,
         sums,
         tp_sync,
+        tp_context,
         model_parallel,
     })
 }
@@ -355,6 +364,12 @@ impl Parallel {
     /// World rank 0 (stage 0 of replica 0) prints, logs and writes files.
     pub fn is_lead(&self) -> bool {
         self.world().rank() == 0
+    }
+
+    /// What this worker's tensor-parallel layers communicated so far (`None` without tensor
+    /// parallelism).
+    pub fn tp_comm(&self) -> Option<crate::tensor::TpComm> {
+        self.tp_context.as_ref().map(|c| c.stats.snapshot())
     }
 
     /// The data-parallel mode's name (`none` for one replica).
@@ -393,6 +408,7 @@ impl Parallel {
         if let Some(t) = timeline.as_deref_mut() {
             t.clear();
         }
+        let tp_before = self.tp_comm().unwrap_or_default();
         let Parallel {
             stage,
             sync,
@@ -429,6 +445,10 @@ impl Parallel {
         };
         if pp.size() > 1 {
             times.pipeline_idle_s = (report.wall_s - report.compute_s()).max(0.0);
+        }
+        if let Some(now) = self.tp_comm() {
+            let tp = now.since(&tp_before);
+            (times.tp_comm_s, times.tp_comm_elems) = (tp.wait_s, tp.elems());
         }
 
         let t = Instant::now();
@@ -477,6 +497,7 @@ impl Parallel {
             loss: shared[0],
             grad_norm: shared[1],
             times,
+            peak_activation_bytes: report.peak_activation_bytes,
         })
     }
 

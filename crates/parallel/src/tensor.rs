@@ -65,15 +65,137 @@ pub struct TpContext {
     /// Tokens per sample, for sequence-parallel gathers (`[rows, x]` back to
     /// `[batch, seq, x]`).
     pub seq: usize,
+    /// What this rank's tensor-parallel layers communicated.
+    pub stats: Arc<TpCommStats>,
 }
 
 impl TpContext {
+    pub fn new(group: Arc<dyn ProcessGroup>, sequence_parallel: bool, seq: usize) -> Self {
+        TpContext {
+            group,
+            sequence_parallel,
+            seq,
+            stats: Arc::default(),
+        }
+    }
+
     fn size(&self) -> usize {
         self.group.size()
     }
 
     fn rank(&self) -> usize {
         self.group.rank()
+    }
+
+    /// `g` forward: [`all_reduce`], counted.
+    fn all_reduce(&self, x: &mut [f32]) {
+        let t = self.stats.begin(Kind::AllReduce, x.len());
+        all_reduce(self.group.as_ref(), x);
+        self.stats.waited(t);
+    }
+
+    /// [`gather_rows`], counted (by the gathered size).
+    fn gather_rows(&self, local: &[f32]) -> Vec<f32> {
+        let t = self.stats.begin(Kind::AllGather, local.len() * self.size());
+        let full = gather_rows(self.group.as_ref(), local);
+        self.stats.waited(t);
+        full
+    }
+
+    /// [`scatter_rows`], counted (by the reduced size).
+    fn scatter_rows(&self, full: &[f32]) -> Vec<f32> {
+        let t = self.stats.begin(Kind::ReduceScatter, full.len());
+        let local = scatter_rows(self.group.as_ref(), full);
+        self.stats.waited(t);
+        local
+    }
+}
+
+/// Which collective.
+#[derive(Clone, Copy)]
+enum Kind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+}
+
+/// Counts of a rank's tensor-parallel collectives: calls and elements (the whole tensor's:
+/// what is reduced, or the gathered result), and the time its compute thread waited for
+/// them. Ring algorithms move `2(t−1)/t` of an all-reduce's elements per rank and `(t−1)/t`
+/// of an all-gather's or reduce-scatter's, so an all-gather plus a reduce-scatter of `n`
+/// cost what one all-reduce of `n` does.
+#[derive(Debug, Default)]
+pub struct TpCommStats {
+    counts: [(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64); 3],
+    wait_ns: std::sync::atomic::AtomicU64,
+}
+
+/// A snapshot of [`TpCommStats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TpComm {
+    pub all_reduces: u64,
+    pub all_reduce_elems: u64,
+    pub all_gathers: u64,
+    pub all_gather_elems: u64,
+    pub reduce_scatters: u64,
+    pub reduce_scatter_elems: u64,
+    /// Seconds the compute thread waited in tensor-parallel collectives.
+    pub wait_s: f64,
+}
+
+impl TpComm {
+    /// The counts since `before`.
+    pub fn since(&self, before: &TpComm) -> TpComm {
+        TpComm {
+            all_reduces: self.all_reduces - before.all_reduces,
+            all_reduce_elems: self.all_reduce_elems - before.all_reduce_elems,
+            all_gathers: self.all_gathers - before.all_gathers,
+            all_gather_elems: self.all_gather_elems - before.all_gather_elems,
+            reduce_scatters: self.reduce_scatters - before.reduce_scatters,
+            reduce_scatter_elems: self.reduce_scatter_elems - before.reduce_scatter_elems,
+            wait_s: self.wait_s - before.wait_s,
+        }
+    }
+
+    /// Elements through all three collectives.
+    pub fn elems(&self) -> u64 {
+        self.all_reduce_elems + self.all_gather_elems + self.reduce_scatter_elems
+    }
+}
+
+impl TpCommStats {
+    fn begin(&self, kind: Kind, elems: usize) -> std::time::Instant {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (calls, n) = &self.counts[kind as usize];
+        calls.fetch_add(1, Relaxed);
+        n.fetch_add(elems as u64, Relaxed);
+        std::time::Instant::now()
+    }
+
+    fn waited(&self, since: std::time::Instant) {
+        let ns = since.elapsed().as_nanos() as u64;
+        self.wait_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> TpComm {
+        use std::sync::atomic::Ordering::Relaxed;
+        let get = |k: usize| {
+            (
+                self.counts[k].0.load(Relaxed),
+                self.counts[k].1.load(Relaxed),
+            )
+        };
+        let ((ar, are), (ag, age), (rs, rse)) = (get(0), get(1), get(2));
+        TpComm {
+            all_reduces: ar,
+            all_reduce_elems: are,
+            all_gathers: ag,
+            all_gather_elems: age,
+            reduce_scatters: rs,
+            reduce_scatter_elems: rse,
+            wait_s: self.wait_ns.load(Relaxed) as f64 * 1e-9,
+        }
     }
 }
 
@@ -120,31 +242,39 @@ struct InFlight {
     work: Work,
     /// The buffer the result lands in.
     out: Vec<f32>,
+    stats: Arc<TpCommStats>,
 }
 
 impl InFlight {
     fn wait(self, what: &str) -> Vec<f32> {
+        let t = std::time::Instant::now();
         if let Err(e) = self.work.wait() {
             fail(what, e)
         }
+        self.stats.waited(t);
         self.out
     }
 }
 
 /// Starts the in-place all-reduce of `buf`.
-fn start_all_reduce(group: &dyn ProcessGroup, mut buf: Vec<f32>) -> InFlight {
+fn start_all_reduce(tp: &TpContext, mut buf: Vec<f32>) -> InFlight {
+    let group = tp.group.as_ref();
+    tp.stats.begin(Kind::AllReduce, buf.len());
     // SAFETY: `buf` moves into the returned value and is neither read nor written until
     // `wait`, which waits for the operation first; moving a Vec does not move its heap data.
     let work = unsafe { group.all_reduce_async(RawBuf::from_slice(&mut buf), ReduceOp::Sum) };
     InFlight {
         work: work.unwrap_or_else(|e| fail("all-reduce", e)),
         out: buf,
+        stats: tp.stats.clone(),
     }
 }
 
 /// Starts the reduce-scatter of `full` (which must stay alive: it is returned with the
 /// result, see [`InFlightPair`]).
-fn start_scatter(group: &dyn ProcessGroup, mut full: Vec<f32>) -> InFlightPair {
+fn start_scatter(tp: &TpContext, mut full: Vec<f32>) -> InFlightPair {
+    let group = tp.group.as_ref();
+    tp.stats.begin(Kind::ReduceScatter, full.len());
     let mut out = take_buffer(full.len() / group.size());
     // SAFETY: both buffers move into the returned value and are untouched until `wait`.
     let work = unsafe {
@@ -158,13 +288,16 @@ fn start_scatter(group: &dyn ProcessGroup, mut full: Vec<f32>) -> InFlightPair {
         inner: InFlight {
             work: work.unwrap_or_else(|e| fail("reduce-scatter", e)),
             out,
+            stats: tp.stats.clone(),
         },
         _input: full,
     }
 }
 
 /// Starts the all-gather of `local` (kept alive with the result).
-fn start_gather(group: &dyn ProcessGroup, mut local: Vec<f32>) -> InFlightPair {
+fn start_gather(tp: &TpContext, mut local: Vec<f32>) -> InFlightPair {
+    let group = tp.group.as_ref();
+    tp.stats.begin(Kind::AllGather, local.len() * group.size());
     let mut out = take_buffer(local.len() * group.size());
     // SAFETY: both buffers move into the returned value and are untouched until `wait`.
     let work = unsafe {
@@ -174,6 +307,7 @@ fn start_gather(group: &dyn ProcessGroup, mut local: Vec<f32>) -> InFlightPair {
         inner: InFlight {
             work: work.unwrap_or_else(|e| fail("all-gather", e)),
             out,
+            stats: tp.stats.clone(),
         },
         _input: local,
     }
@@ -261,7 +395,7 @@ impl Layer for ColumnParallel {
             return self.inner.forward(p, b, x, mode, s);
         }
         let rows = x.numel() / self.inner.inputs * tp.size();
-        let full = gather_rows(tp.group.as_ref(), x.data());
+        let full = tp.gather_rows(x.data());
         let full = Tensor::from_vec(full, &gathered_shape(rows, tp.seq, self.inner.inputs));
         let y = self.inner.forward(p, b, full, mode, s);
         if mode.train {
@@ -282,14 +416,13 @@ impl Layer for ColumnParallel {
         need_dx: bool,
     ) -> Option<Tensor> {
         let tp = &self.tp;
-        let group = tp.group.as_ref();
         let mut dz = dy;
         let x = self.inner.backward_prologue(g, &mut s, &mut dz);
         if !tp.sequence_parallel {
             let shape = x.shape().to_vec();
             let dx = need_dx.then(|| {
                 let dx = self.inner.input_gradient(p, &dz, &shape);
-                start_all_reduce(group, dx.into_vec())
+                start_all_reduce(tp, dx.into_vec())
             });
             self.inner.weight_gradient(g, &dz, &x);
             x.recycle();
@@ -301,7 +434,7 @@ impl Layer for ColumnParallel {
         // that while the weight gradient is.
         let local_shape = x.shape().to_vec();
         let rows = x.numel() / self.inner.inputs * tp.size();
-        let gathering = start_gather(group, x.into_vec());
+        let gathering = start_gather(tp, x.into_vec());
         let scattering = need_dx.then(|| {
             let full_shape = gathered_shape(rows, tp.seq, self.inner.inputs);
             let dx = self.inner.input_gradient(p, &dz, &full_shape);
@@ -311,7 +444,7 @@ impl Layer for ColumnParallel {
             gathering.wait("all-gather of the input"),
             &gathered_shape(rows, tp.seq, self.inner.inputs),
         );
-        let scattering = scattering.map(|dx| start_scatter(group, dx));
+        let scattering = scattering.map(|dx| start_scatter(tp, dx));
         self.inner.weight_gradient(g, &dz, &x_full);
         x_full.recycle();
         dz.recycle();
@@ -366,12 +499,12 @@ impl Layer for RowParallel {
         let partial = self.inner.forward(&p[..nw], b, x, mode, s);
         let rows = partial.numel() / self.outputs;
         let mut y = if tp.sequence_parallel {
-            let local = scatter_rows(tp.group.as_ref(), partial.data());
+            let local = tp.scatter_rows(partial.data());
             partial.recycle();
             Tensor::from_vec(local, &[rows / tp.size(), self.outputs])
         } else {
             let mut y = partial;
-            all_reduce(tp.group.as_ref(), y.data_mut());
+            tp.all_reduce(y.data_mut());
             y
         };
         if self.bias {
@@ -405,7 +538,7 @@ impl Layer for RowParallel {
         }
         let dy = if tp.sequence_parallel {
             let rows = dy.numel() / self.outputs * tp.size();
-            let full = gather_rows(tp.group.as_ref(), dy.data());
+            let full = tp.gather_rows(dy.data());
             dy.recycle();
             Tensor::from_vec(full, &gathered_shape(rows, tp.seq, self.outputs))
         } else {
@@ -469,10 +602,10 @@ impl Layer for VocabParallelEmbedding {
         }
         let tp = &self.tp;
         let (mut y, first_row) = if tp.sequence_parallel {
-            let local = scatter_rows(tp.group.as_ref(), &y);
+            let local = tp.scatter_rows(&y);
             (local, tp.rank() * b * t / tp.size())
         } else {
-            all_reduce(tp.group.as_ref(), &mut y);
+            tp.all_reduce(&mut y);
             (y, 0)
         };
         for (i, row) in y.chunks_mut(d).enumerate() {
@@ -516,7 +649,7 @@ impl Layer for VocabParallelEmbedding {
             gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
         }
         let full = if tp.sequence_parallel {
-            gather_rows(tp.group.as_ref(), dy.data())
+            tp.gather_rows(dy.data())
         } else {
             dy.into_vec()
         };

@@ -45,16 +45,22 @@ impl Measurements {
     pub fn apply(&self, cluster: &ClusterSpec) -> Result<ClusterSpec> {
         let mut c = cluster.clone();
         if let Some(g) = self.matmul_gflops {
-            let peak_gflops = c.peak_tflops.fp32 * 1e3;
-            if !(g > 0.0 && g <= peak_gflops) {
+            if !(g > 0.0 && g.is_finite()) {
                 return Err(PlanError::InvalidCluster {
                     cluster: c.name,
-                    reason: format!(
-                        "measured {g} GFLOP/s is not in (0, peak {peak_gflops} GFLOP/s]"
-                    ),
+                    reason: format!("measured {g} GFLOP/s is not a positive rate"),
                 });
             }
-            c.gemm_efficiency = g / peak_gflops;
+            let peak_gflops = c.peak_tflops.fp32 * 1e3;
+            if g > peak_gflops {
+                // The preset's peak is nominal; a machine measured faster than it has a
+                // higher peak (the 16-bit rates keep their ratio to fp32).
+                let scale = g / peak_gflops;
+                c.peak_tflops.fp32 *= scale;
+                c.peak_tflops.bf16 *= scale;
+                c.peak_tflops.fp16 *= scale;
+            }
+            c.gemm_efficiency = g / (c.peak_tflops.fp32 * 1e3);
         }
         if let Some(bw) = self.memory_bandwidth_gbps {
             c.memory_bandwidth_gbps = bw;
@@ -132,11 +138,19 @@ mod tests {
         assert_eq!(c.intra_node.bandwidth_gbps, 5.5);
         assert_eq!(c.kernel_overhead_us, 12.0);
         assert_eq!(c.memory_bandwidth_gbps, cpu.memory_bandwidth_gbps);
-        let too_fast = Measurements {
-            matmul_gflops: Some(1e6),
+        // A machine measured faster than the preset's nominal peak has a higher peak.
+        let faster = Measurements {
+            matmul_gflops: Some(195.0),
             ..Measurements::default()
         };
-        assert!(too_fast.apply(&cpu).is_err());
+        let c = faster.apply(&cpu).unwrap();
+        assert!((c.peak_tflops.fp32 - 0.195).abs() < 1e-12);
+        assert_eq!(c.gemm_efficiency, 1.0);
+        let nonsense = Measurements {
+            matmul_gflops: Some(-1.0),
+            ..Measurements::default()
+        };
+        assert!(nonsense.apply(&cpu).is_err());
         let negative = Measurements {
             allreduce_bus_bandwidth_gbps: Some(-1.0),
             ..Measurements::default()

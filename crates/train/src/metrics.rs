@@ -16,6 +16,8 @@ pub struct Breakdown {
     pub times: StepTimes,
     /// Pipeline stages (0 or 1 = no pipeline).
     pub stages: usize,
+    /// Tensor-parallel workers per stage (0 or 1 = none).
+    pub tensor: usize,
     pub eval_s: f64,
     pub checkpoint_s: f64,
     pub steps: u64,
@@ -39,12 +41,13 @@ impl Breakdown {
             steps: self.steps - before.steps,
             workers: self.workers,
             stages: self.stages,
+            tensor: self.tensor,
             ..Breakdown::default()
         }
     }
 
     /// The accumulated times, in a fixed order, for element-wise reductions across workers.
-    pub fn times_mut(&mut self) -> [&mut f64; 7] {
+    pub fn times_mut(&mut self) -> [&mut f64; 8] {
         let t = &mut self.times;
         [
             &mut self.data_s,
@@ -54,6 +57,7 @@ impl Breakdown {
             &mut t.comm_exposed_s,
             &mut t.comm_hidden_s,
             &mut t.pipeline_idle_s,
+            &mut t.tp_comm_s,
         ]
     }
 
@@ -93,8 +97,9 @@ impl Breakdown {
     pub fn report(&self) -> String {
         let n = self.steps.max(1) as f64;
         let ms = |s: f64| s / n * 1e3;
-        let dp_workers = self.workers / self.stages.max(1);
-        let comm = if dp_workers <= 1 && self.stages > 1 {
+        let per_replica = self.stages.max(1) * self.tensor.max(1);
+        let dp_workers = self.workers / per_replica;
+        let comm = if dp_workers <= 1 && per_replica > 1 {
             "no data-parallel communication (one replica)".to_string()
         } else if dp_workers <= 1 {
             "communication 0 (single worker)".to_string()
@@ -111,17 +116,35 @@ impl Breakdown {
             )
         };
         // Pipeline runs report the mean over all workers (stages differ).
-        let (layout, pipeline) = if self.stages > 1 {
+        let tensor = if self.times.tp_comm_elems > 0 {
+            format!(
+                "; tensor-parallel collectives {:.1} ms of the compute ({:.1} M elements/step)",
+                ms(self.times.tp_comm_s),
+                self.times.tp_comm_elems as f64 / n / 1e6
+            )
+        } else {
+            String::new()
+        };
+        let (layout, pipeline) = if per_replica > 1 {
+            let tp = match self.tensor {
+                0 | 1 => String::new(),
+                t => format!(" × tp {t}"),
+            };
             (
                 format!(
-                    "{} workers = dp {dp_workers} × pp {}, mean over workers",
-                    self.workers, self.stages
+                    "{} workers = dp {dp_workers} × pp {}{tp}, mean over workers",
+                    self.workers,
+                    self.stages.max(1)
                 ),
-                format!(
-                    " + pipeline idle (bubble, transfers) {:.1} ms ({:.0}% of the step)",
-                    ms(self.times.pipeline_idle_s),
-                    100.0 * self.times.pipeline_idle_s / self.step_s().max(1e-12)
-                ),
+                if self.stages > 1 {
+                    format!(
+                        " + pipeline idle (bubble, transfers) {:.1} ms ({:.0}% of the step)",
+                        ms(self.times.pipeline_idle_s),
+                        100.0 * self.times.pipeline_idle_s / self.step_s().max(1e-12)
+                    )
+                } else {
+                    String::new()
+                },
             )
         } else {
             let s = if self.workers > 1 { "s" } else { "" };
@@ -129,7 +152,7 @@ impl Breakdown {
         };
         format!(
             "per step ({layout}): {:.1} ms = compute {:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}) \
-             + exposed communication {:.1} ms{pipeline} + data {:.1} ms; {comm}; eval {:.1} s, checkpoints {:.1} s in total",
+             + exposed communication {:.1} ms{pipeline} + data {:.1} ms; {comm}{tensor}; eval {:.1} s, checkpoints {:.1} s in total",
             ms(self.step_s()),
             ms(self.compute_s()),
             ms(self.times.forward_s),

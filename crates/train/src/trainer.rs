@@ -140,6 +140,7 @@ impl Trainer {
             breakdown: Breakdown {
                 workers,
                 stages: resolved.layout.pp,
+                tensor: resolved.layout.tp,
                 ..Breakdown::default()
             },
             total_steps: job.total_steps(),
