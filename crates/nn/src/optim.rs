@@ -329,66 +329,65 @@ impl Optimizer {
             } else {
                 &mut self.v[r.clone()]
             };
+            let rule = Rule {
+                config: self.config,
+                step: self.step,
+                hyper: s.hyper,
+                lr: lr * s.hyper.lr_scale,
+            };
             update(
-                self.config,
-                self.step,
-                s.hyper,
+                rule,
                 &mut params[r.clone()],
                 &grads[r.clone()],
                 &mut self.m[r],
                 v,
-                lr * s.hyper.lr_scale,
             );
         }
     }
+}
+
+/// One segment's update settings: the rule, the step count, the group's settings and the
+/// learning rate (already scaled by the group).
+#[derive(Clone, Copy)]
+struct Rule {
+    config: OptimizerConfig,
+    step: u64,
+    hyper: GroupHyper,
+    lr: f32,
 }
 
 /// The update rule on one segment (`v` is empty for SGD), spread over the pool's threads in
 /// contiguous pieces when it is large. Every element's update depends on that element
 /// alone, so the result does not depend on the split (the step was single-threaded before:
 /// a tenth of a wide GPT's step on one worker).
-#[allow(clippy::too_many_arguments)]
-fn update(
-    config: OptimizerConfig,
-    step: u64,
-    hyper: GroupHyper,
-    params: &mut [f32],
-    grads: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    lr: f32,
-) {
+fn update(rule: Rule, params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32]) {
     use meshtrain_tensor::par::{chunk_len, threads, PARALLEL_MIN_LEN};
     use rayon::prelude::*;
     let n = params.len();
     let chunk = chunk_len(n, PARALLEL_MIN_LEN);
     if threads() == 1 || n <= chunk {
-        return update_serial(config, step, hyper, params, grads, m, v, lr);
+        return update_serial(rule, params, grads, m, v);
     }
     let pieces = params
         .par_chunks_mut(chunk)
         .zip(grads.par_chunks(chunk))
         .zip(m.par_chunks_mut(chunk));
     if v.is_empty() {
-        pieces.for_each(|((p, g), m)| update_serial(config, step, hyper, p, g, m, &mut [], lr));
+        pieces.for_each(|((p, g), m)| update_serial(rule, p, g, m, &mut []));
     } else {
         pieces
             .zip(v.par_chunks_mut(chunk))
-            .for_each(|(((p, g), m), v)| update_serial(config, step, hyper, p, g, m, v, lr));
+            .for_each(|(((p, g), m), v)| update_serial(rule, p, g, m, v));
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn update_serial(
-    config: OptimizerConfig,
-    step: u64,
-    hyper: GroupHyper,
-    params: &mut [f32],
-    grads: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    lr: f32,
-) {
+fn update_serial(rule: Rule, params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32]) {
+    let Rule {
+        config,
+        step,
+        hyper,
+        lr,
+    } = rule;
     let weight_decay = hyper.weight_decay;
     match config {
         OptimizerConfig::Sgd { momentum, .. } => {
