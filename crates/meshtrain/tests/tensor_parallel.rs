@@ -106,6 +106,17 @@ fn tensor_and_sequence_parallel_gpt_matches_one_worker() {
             "{layout}: not even a rounding difference?"
         );
     }
+    // The single-master mode synchronises each (stage, tensor rank)'s replicas the same way.
+    let (params, _) = train(
+        &[
+            "parallel.layout=\"dp=2,tp=2\"",
+            "parallel.dp_mode=\"single-master\"",
+        ],
+        None,
+    );
+    let d = rel_diff(&params, &single);
+    eprintln!("single master × tp=2: relative difference {d:.2e}");
+    assert!(d <= 2e-4, "single master × tp=2: {d:.2e}");
 }
 
 /// A vocabulary that tp does not divide is padded; the padding takes no part in the loss.
