@@ -376,18 +376,6 @@ impl Stage {
         }
     }
 
-    /// Takes this worker's share of a whole-model store's values and buffers (resuming from a
-    /// checkpoint); gradients are zeroed.
-    pub fn load_from(&mut self, model: &Model, full: &ParamStore) {
-        for c in &mut self.chunks {
-            let pr = model.blocks_param_range(c.blocks.clone());
-            let br = model.blocks_buffer_range(c.blocks.clone());
-            c.store.values.copy_from_slice(&full.values[pr]);
-            c.store.buffers.copy_from_slice(&full.buffers[br]);
-            c.store.zero_grads();
-        }
-    }
-
     /// Collects the whole model's parameters and buffers on rank 0 of the pipeline group (for
     /// a checkpoint or a single-worker evaluation); other ranks get `None`. Call it on every
     /// stage between steps. Gradients come back zero.
