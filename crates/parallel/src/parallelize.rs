@@ -303,17 +303,17 @@ pub fn parallelize(
 
     // Replicated parameters under tensor parallelism: summed over the tp group when
     // sequence parallelism split their inputs, and counted once in gradient norms.
-    let blocks: Vec<_> = stage.chunks.iter().map(|c| c.blocks.clone()).collect();
     let tp_sync = TpGradSync::new(
         model,
-        &blocks,
+        &stage.chunks,
         tp_context.as_ref(),
         options.skip_sequence_parallel_grad_sum,
     );
     if tp.rank() > 0 {
         for (chunk, ranges) in stage.chunks.iter_mut().zip(tp_sync.replicated()) {
-            chunk.norm_skip.extend(ranges.iter().cloned());
-            chunk.norm_skip.sort_by_key(|r| r.start);
+            for range in ranges {
+                chunk.leave_out_of_norms(range.clone());
+            }
         }
     }
     let model_parallel = if l.tp == 1 {
@@ -454,13 +454,7 @@ impl Parallel {
         let t = Instant::now();
         let mut norm = 0.0;
         if self.sync.updates_parameters() {
-            let mut grads: Vec<&mut [f32]> = self
-                .stage
-                .chunks
-                .iter_mut()
-                .map(|c| c.store.grads.as_mut_slice())
-                .collect();
-            self.tp_sync.reduce(&mut grads)?;
+            self.tp_sync.reduce(&mut self.stage.chunks)?;
             self.ties.reduce(&mut self.stage.chunks)?;
             let mp = self.model_parallel.as_ref();
             norm = match clip {

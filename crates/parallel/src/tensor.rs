@@ -26,6 +26,7 @@
 //! Checkpoints stay whole: every sharded parameter carries a [`ShardSpec`] (which part of the
 //! whole tensor it is), and the trainer gathers and splits by it.
 
+use crate::pipeline::StageChunk;
 use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, ReduceOp, Work};
 use meshtrain_nn::layers::Linear;
 use meshtrain_nn::loss::{LossError, LossValue};
@@ -1012,11 +1013,11 @@ pub struct TpGradSync {
 }
 
 impl TpGradSync {
-    /// For `chunks` (block ranges of `model`, in local order) of a model split over `tp`
-    /// (`None`: one rank). `disabled` leaves the sums out (tests showing they matter).
+    /// For this worker's `chunks` of `model`, split over `tp` (`None`: one rank).
+    /// `disabled` leaves the sums out (tests showing they matter).
     pub fn new(
         model: &Model,
-        chunks: &[Range<usize>],
+        chunks: &[StageChunk],
         tp: Option<&TpContext>,
         disabled: bool,
     ) -> TpGradSync {
@@ -1025,7 +1026,7 @@ impl TpGradSync {
             .map(|t| t.group.clone());
         let replicated = chunks
             .iter()
-            .map(|blocks| replicated_ranges(model, blocks.clone()))
+            .map(|chunk| replicated_ranges(model, chunk.blocks.clone()))
             .collect();
         TpGradSync {
             group,
@@ -1041,11 +1042,12 @@ impl TpGradSync {
     }
 
     /// Sums the replicated parameters' gradients over the group (one all-reduce per chunk).
-    pub fn reduce(&mut self, grads: &mut [&mut [f32]]) -> Result<(), CommError> {
+    pub fn reduce(&mut self, chunks: &mut [StageChunk]) -> Result<(), CommError> {
         let Some(group) = &self.group else {
             return Ok(());
         };
-        for (g, ranges) in grads.iter_mut().zip(&self.replicated) {
+        for (chunk, ranges) in chunks.iter_mut().zip(&self.replicated) {
+            let g = &mut chunk.store.grads;
             self.scratch.clear();
             for r in ranges {
                 self.scratch.extend_from_slice(&g[r.clone()]);

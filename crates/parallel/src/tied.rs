@@ -66,7 +66,7 @@ impl TiedGrads {
                     .start;
                 let range = entry.range.start - base..entry.range.end - base;
                 if k > 0 {
-                    add_skip(&mut stage.chunks[j], range.clone());
+                    stage.chunks[j].leave_out_of_norms(range.clone());
                 }
                 held.push((j, range));
             }
@@ -112,10 +112,4 @@ impl TiedGrads {
         }
         Ok(())
     }
-}
-
-/// Leaves `range` of the chunk's gradients out of norms (kept sorted).
-fn add_skip(chunk: &mut StageChunk, range: Range<usize>) {
-    chunk.norm_skip.push(range);
-    chunk.norm_skip.sort_by_key(|r| r.start);
 }

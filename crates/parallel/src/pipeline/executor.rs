@@ -45,6 +45,12 @@ pub struct StageChunk {
 }
 
 impl StageChunk {
+    /// Leaves `range` of the gradients out of norms (`norm_skip` stays sorted).
+    pub fn leave_out_of_norms(&mut self, range: Range<usize>) {
+        self.norm_skip.push(range);
+        self.norm_skip.sort_by_key(|r| r.start);
+    }
+
     /// `Σ g²` over this chunk's gradients, without `norm_skip`.
     fn grad_sum_of_squares(&self) -> f64 {
         use meshtrain_nn::optim::sum_of_squares;
