@@ -28,7 +28,7 @@ use meshtrain_train::{RunOptions, Summary};
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{job, root, single_trainer, TINY_GPT};
+use common::{job, rel_diff, root, single_trainer, TINY_GPT};
 
 const STEPS: u64 = 10;
 
@@ -104,14 +104,6 @@ fn read_params(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
     t.resume(checkpoint).unwrap();
     assert_eq!(t.step, STEPS);
     t.local_params()
-}
-
-/// Relative L2 distance ‖a − b‖ / ‖b‖ (in f64).
-fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let norm = |it: &mut dyn Iterator<Item = f64>| it.map(|v| v * v).sum::<f64>().sqrt();
-    let diff = norm(&mut a.iter().zip(b).map(|(x, y)| (*x - *y) as f64));
-    diff / norm(&mut b.iter().map(|&v| v as f64))
 }
 
 fn layout(dp: usize, pp: usize, schedule: &str, m: usize) -> Vec<String> {

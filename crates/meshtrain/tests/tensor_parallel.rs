@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod common;
-use common::{job, root, single_trainer};
+use common::{job, rel_diff, root, single_trainer};
 
 const STEPS: u64 = 10;
 
@@ -74,14 +74,6 @@ fn read_params(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
     let mut t = single_trainer(&single);
     t.resume(checkpoint).unwrap_or_else(|e| panic!("{e:#}"));
     t.local_params()
-}
-
-/// Relative L2 distance ‖a − b‖ / ‖b‖ (in f64).
-fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let norm = |it: &mut dyn Iterator<Item = f64>| it.map(|v| v * v).sum::<f64>().sqrt();
-    let diff = norm(&mut a.iter().zip(b).map(|(x, y)| (*x - *y) as f64));
-    diff / norm(&mut b.iter().map(|&v| v as f64))
 }
 
 #[test]

@@ -40,3 +40,11 @@ pub fn single_trainer(cfg: &Config) -> Trainer {
         .trainer(ThreadsWorld::single(CommConfig::default()), None)
         .unwrap_or_else(|e| panic!("{e:#}"))
 }
+
+/// Relative L2 distance ‖a − b‖ / ‖b‖ (in f64).
+pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let norm = |it: &mut dyn Iterator<Item = f64>| it.map(|v| v * v).sum::<f64>().sqrt();
+    let diff = norm(&mut a.iter().zip(b).map(|(x, y)| (*x - *y) as f64));
+    diff / norm(&mut b.iter().map(|&v| v as f64))
+}
