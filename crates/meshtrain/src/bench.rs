@@ -12,7 +12,7 @@ use meshtrain_nn::Mode;
 use meshtrain_tensor::loss::softmax_cross_entropy;
 use meshtrain_tensor::matmul::{gemm, Mat, MatMut};
 use meshtrain_tensor::rng::SplitMix64;
-use meshtrain_tensor::Tensor;
+use meshtrain_tensor::{DType, Tensor};
 use meshtrain_train::peak_rss_mb;
 use serde::Serialize;
 use std::time::Instant;
@@ -138,7 +138,13 @@ impl StepBudget {
     }
 }
 
-pub fn bench_model(name: &str, threads: usize, budget: StepBudget) -> Result<ModelBench> {
+/// One model's training steps on synthetic batches, its products in `precision`.
+pub fn bench_model(
+    name: &str,
+    threads: usize,
+    budget: StepBudget,
+    precision: DType,
+) -> Result<ModelBench> {
     let (cfg, batch, classes, opt) = match name {
         "lenet" => (
             ModelConfig::Lenet {
@@ -173,7 +179,8 @@ pub fn bench_model(name: &str, threads: usize, budget: StepBudget) -> Result<Mod
         ),
         other => bail!("unknown model '{other}' (expected lenet, resnet18 or gpt)"),
     };
-    let model = build_model(&cfg);
+    let mut model = build_model(&cfg);
+    model.set_precision(precision);
     let mut store = model.init(0);
     let mut optimizer = Optimizer::new(opt, model.num_params());
     let mut rng = SplitMix64::new(1);
@@ -282,7 +289,7 @@ pub fn run_models(args: &BenchModelsArgs) -> Result<()> {
             Some(n) => StepBudget::Steps(n),
             None => StepBudget::Seconds(args.seconds),
         };
-        let r = bench_model(name, args.threads, budget)?;
+        let r = bench_model(name, args.threads, budget, DType::F32)?;
         println!(
             "{:<9} {:>5} {:>4} {:>9.1} {:>8.1} {:>8.1} {:>7.1} {:>10.1} {:>10.1} {:>8.1} {:>9.1} {:>7.0}% {:>9.1}",
             r.model,

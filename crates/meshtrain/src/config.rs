@@ -11,6 +11,7 @@ use meshtrain_parallel::data::{DdpConfig, GradCompression};
 use meshtrain_parallel::layout::Recompute;
 pub use meshtrain_parallel::parallelize::DpMode;
 use meshtrain_parallel::pipeline::{PartitionSpec, ScheduleKind, SendMode};
+use meshtrain_parallel::precision::{LossScaleConfig, Precision};
 use meshtrain_parallel::{Layout, ParallelOptions};
 use meshtrain_train::{Job, Length, LrSchedule};
 use serde::{Deserialize, Serialize};
@@ -239,6 +240,19 @@ pub struct TrainConfig {
     /// micro-batches and synchronises gradients only after the last one.
     #[serde(default = "one_usize")]
     pub accumulation_steps: usize,
+    /// Matrix products' inputs: "fp32", "bf16" or "fp16" (mixed precision: f32 master weights,
+    /// optimizer, reductions and norms; fp16 with dynamic loss scaling). See
+    /// docs/precision.md.
+    #[serde(default = "default_precision")]
+    pub precision: String,
+    /// fp16's dynamic loss scale (PyTorch GradScaler's defaults: init_scale = 65536,
+    /// growth_factor = 2, backoff_factor = 0.5, growth_interval = 2000).
+    #[serde(default)]
+    pub loss_scale: LossScaleConfig,
+}
+
+fn default_precision() -> String {
+    "fp32".into()
 }
 
 fn default_log_every() -> u64 {
@@ -430,6 +444,8 @@ impl Config {
             } else {
                 Recompute::None
             },
+            precision: Precision::parse(&t.precision)
+                .map_err(|e| anyhow!("train.precision: {e}"))?,
             ..Layout::default()
         };
         match &p.layout {
@@ -460,6 +476,8 @@ impl Config {
                 other => bail!("unknown parallel.sends '{other}' (expected async or inline)"),
             },
             skip_sequence_parallel_grad_sum: false,
+            loss_scale: self.train.loss_scale,
+            inject_overflow: None,
         })
     }
 

@@ -11,6 +11,7 @@ pub mod calibrate;
 pub mod config;
 pub mod pipeline_bench;
 pub mod plot;
+pub mod precision_bench;
 pub mod presets;
 pub mod scaling;
 pub mod tensor_bench;

@@ -73,6 +73,10 @@ struct TrainArgs {
     /// parallel.sequence_parallel=true adds sequence parallelism.
     #[arg(long)]
     tp: Option<usize>,
+    /// Matrix products in fp32, bf16 or fp16 (mixed precision with f32 master weights; fp16
+    /// adds dynamic loss scaling). Same as --set train.precision=P.
+    #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
+    precision: Option<String>,
     /// Pipeline schedule: gpipe, 1f1b or interleaved[:V] (V chunks per worker, default 2).
     #[arg(long)]
     schedule: Option<String>,
@@ -103,6 +107,9 @@ enum BenchCommand {
     /// Tensor and sequence parallelism on GPT: communication and activation memory per layer
     /// against the formulas, and throughput tp = 2 vs dp = 2 vs one worker.
     Tensor(meshtrain::tensor_bench::BenchTensorArgs),
+    /// Mixed precision: f32 against bf16 products (every bf16 kernel of this CPU) and whole
+    /// training steps of the built-in models per precision.
+    Precision(meshtrain::precision_bench::BenchPrecisionArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -118,6 +125,9 @@ fn train(args: &TrainArgs) -> Result<()> {
     }
     if let Some(tp) = args.tp {
         overrides.push(format!("parallel.tp={tp}"));
+    }
+    if let Some(precision) = &args.precision {
+        overrides.push(format!("train.precision={}", toml_string(precision)));
     }
     if let Some(schedule) = &args.schedule {
         overrides.push(format!("parallel.schedule={}", toml_string(schedule)));
@@ -214,6 +224,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Calibrate(a)) => meshtrain::calibrate::run_calibrate(&a),
         Command::Bench(BenchCommand::Pipeline(a)) => meshtrain::pipeline_bench::run(&a),
         Command::Bench(BenchCommand::Tensor(a)) => meshtrain::tensor_bench::run(&a),
+        Command::Bench(BenchCommand::Precision(a)) => meshtrain::precision_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
     }

@@ -1,7 +1,8 @@
 //! The layer contract: explicit forward and backward over parameter slices.
 
+use meshtrain_tensor::dtype::HalfTensor;
 use meshtrain_tensor::rng::SplitMix64;
-use meshtrain_tensor::Tensor;
+use meshtrain_tensor::{DType, Tensor};
 use std::sync::Arc;
 
 /// Sums small statistics across the data-parallel workers: what makes batch norm
@@ -221,6 +222,8 @@ pub struct Saved {
     pub indices: Vec<Vec<u32>>,
     pub stats: Vec<Vec<f32>>,
     pub children: Vec<Saved>,
+    /// Activations kept in 16 bits under mixed precision ([`Saved::keep`]).
+    pub halves: Vec<HalfTensor>,
 }
 
 impl Saved {
@@ -230,6 +233,27 @@ impl Saved {
             + self.indices.iter().map(|i| i.len() * 4).sum::<usize>()
             + self.stats.iter().map(|s| s.len() * 4).sum::<usize>()
             + self.children.iter().map(Saved::bytes).sum::<usize>()
+            + self.halves.iter().map(HalfTensor::bytes).sum::<usize>()
+    }
+
+    /// Keeps an activation for backward: as it is in f32, or rounded to `precision` (bf16,
+    /// f16) under mixed precision, where the products that read it in backward round it there
+    /// anyway: half the memory for the same gradients. [`Saved::take`] with the same
+    /// precision gives it back.
+    pub fn keep(&mut self, t: Tensor, precision: DType) {
+        match precision {
+            DType::F32 => self.tensors.push(t),
+            _ => self.halves.push(HalfTensor::from_tensor(t, precision)),
+        }
+    }
+
+    /// The last activation [`Saved::keep`] stored at `precision`, in f32.
+    pub fn take(&mut self, precision: DType, what: &str) -> Tensor {
+        let kept = match precision {
+            DType::F32 => self.tensors.pop(),
+            _ => self.halves.pop().map(HalfTensor::into_tensor),
+        };
+        kept.unwrap_or_else(|| panic!("{what}: nothing saved for backward"))
     }
 }
 
@@ -269,6 +293,12 @@ pub trait Layer: Send + Sync {
     /// statistics across workers (SyncBatchNorm), or `None` for local statistics again.
     /// Composite layers forward it to their children; other layers ignore it.
     fn set_stats_reducer(&mut self, _reducer: Option<Arc<dyn StatsReducer>>) {}
+
+    /// Sets the precision of this layer's matrix products' inputs (mixed precision: bf16 or
+    /// f16 inputs, f32 accumulation and f32 everywhere else); `DType::F32` by default. Layers
+    /// with products override it; [`crate::Model::set_precision`] reaches every layer through
+    /// [`Layer::children_mut`], so a composite layer only has to expose its children.
+    fn set_precision(&mut self, _precision: DType) {}
 
     /// The layer as `Any`, so a transform (tensor parallelism) can recognise built-in layer
     /// types. Layers that want to be recognised return `Some(self)`.

@@ -3,10 +3,11 @@
 use crate::layer::{spec_len, Init, Layer, Mode, ParamSpec, Saved, StatsReducer};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
-use meshtrain_tensor::matmul::{gemm, gemm_pair, Mat, MatMut};
+use meshtrain_tensor::matmul::{gemm_in, gemm_pair_in, Mat, MatMut};
 use meshtrain_tensor::norm;
 use meshtrain_tensor::pool::{self, PoolGeometry};
 use meshtrain_tensor::tensor::swap_leading_axes;
+use meshtrain_tensor::DType;
 use meshtrain_tensor::Tensor;
 use std::ops::Range;
 use std::sync::Arc;
@@ -216,6 +217,9 @@ pub struct Linear {
     pub bias: bool,
     pub weight_init: Init,
     pub activation: Option<Activation>,
+    /// Inputs of the products (f32, or bf16/f16 under mixed precision); the input and
+    /// pre-activation kept for backward are stored in it too.
+    pub precision: DType,
 }
 
 impl Linear {
@@ -227,6 +231,7 @@ impl Linear {
             bias,
             weight_init: Init::Uniform(1.0 / (inputs as f32).sqrt()),
             activation: None,
+            precision: DType::F32,
         }
     }
 
@@ -283,7 +288,8 @@ impl Layer for Linear {
         // the `gemm` crate's accumulating path, which must load every output tile, made the
         // whole GPT step ~2% slower than this extra (parallel) sweep over the output.
         let mut y = meshtrain_tensor::par::take_buffer(rows * self.outputs);
-        gemm(
+        gemm_in(
+            self.precision,
             MatMut::new(&mut y, rows, self.outputs),
             Mat::new(x.data(), rows, self.inputs),
             Mat::new(&p[..self.inputs * self.outputs], self.outputs, self.inputs).t(),
@@ -303,7 +309,7 @@ impl Layer for Linear {
                 meshtrain_tensor::par::for_each_chunk_mut(&mut y, block, |_, z| add_bias(z));
             }
             if mode.train {
-                s.tensors.push(x);
+                s.keep(x, self.precision);
             }
             return Tensor::from_vec(y, &shape);
         };
@@ -316,13 +322,14 @@ impl Layer for Linear {
         });
         let (z, y) = (Tensor::from_vec(z, &shape), Tensor::from_vec(y, &shape));
         if mode.train {
-            s.tensors.push(x);
-            s.tensors.push(if act.backward_uses_output() {
+            s.keep(x, self.precision);
+            let act_input = if act.backward_uses_output() {
                 z.recycle();
                 y.clone()
             } else {
                 z
-            });
+            };
+            s.keep(act_input, self.precision);
         } else {
             z.recycle();
         }
@@ -349,14 +356,15 @@ impl Layer for Linear {
         );
         if !need_dx {
             let (c, a, b, acc) = weight_grad;
-            gemm(c, a, b, acc);
+            gemm_in(self.precision, c, a, b, acc);
             x.recycle();
             dz.recycle();
             return None;
         }
         // Every element is written by the product (accumulate = false).
         let mut dx = meshtrain_tensor::par::take_buffer(x.numel());
-        gemm_pair(
+        gemm_pair_in(
+            self.precision,
             weight_grad,
             (
                 MatMut::new(&mut dx, rows, self.inputs),
@@ -374,6 +382,10 @@ impl Layer for Linear {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
+
+    fn set_precision(&mut self, precision: DType) {
+        self.precision = precision;
+    }
 }
 
 impl Linear {
@@ -384,8 +396,8 @@ impl Linear {
     pub fn backward_prologue(&self, g: &mut [f32], s: &mut Saved, dy: &mut Tensor) -> Tensor {
         let act_saved = self
             .activation
-            .map(|_| s.tensors.pop().expect("Linear: saved act"));
-        let x = s.tensors.pop().expect("Linear: saved input");
+            .map(|_| s.take(self.precision, "Linear (activation)"));
+        let x = s.take(self.precision, "Linear");
         let nw = self.inputs * self.outputs;
         let gb = &mut g[nw..];
         // One sweep per block of rows: dy becomes dz = dy·act'(z) in place, and the bias
@@ -423,7 +435,8 @@ impl Linear {
         let rows = dz.numel() / self.outputs;
         let nw = self.inputs * self.outputs;
         let mut dx = meshtrain_tensor::par::take_buffer(rows * self.inputs);
-        gemm(
+        gemm_in(
+            self.precision,
             MatMut::new(&mut dx, rows, self.inputs),
             Mat::new(dz.data(), rows, self.outputs),
             Mat::new(&p[..nw], self.outputs, self.inputs),
@@ -436,7 +449,8 @@ impl Linear {
     pub fn weight_gradient(&self, g: &mut [f32], dz: &Tensor, x: &Tensor) {
         let rows = x.numel() / self.inputs;
         let nw = self.inputs * self.outputs;
-        gemm(
+        gemm_in(
+            self.precision,
             MatMut::new(&mut g[..nw], self.outputs, self.inputs),
             Mat::new(dz.data(), rows, self.outputs).t(),
             Mat::new(x.data(), rows, self.inputs),
@@ -449,6 +463,8 @@ impl Linear {
 pub struct Conv2d {
     pub geom: ConvGeometry,
     pub bias: bool,
+    /// Inputs of the products (see [`Linear::precision`]); the input kept for backward too.
+    pub precision: DType,
 }
 
 impl Conv2d {
@@ -468,6 +484,7 @@ impl Conv2d {
                 padding,
             },
             bias: true,
+            precision: DType::F32,
         }
     }
 
@@ -481,6 +498,10 @@ impl Conv2d {
 }
 
 impl Layer for Conv2d {
+    fn set_precision(&mut self, precision: DType) {
+        self.precision = precision;
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         let g = &self.geom;
         let bound = 1.0 / (g.patch_len() as f32).sqrt();
@@ -504,10 +525,18 @@ impl Layer for Conv2d {
         assert_eq!(x.dim(0), self.geom.in_channels, "Conv2d: channel mismatch");
         let nw = self.geom.out_channels * self.geom.patch_len();
         let bias = self.bias.then(|| &p[nw..]);
-        let (y, columns) = conv2d_forward(&self.geom, sp, x.data(), &p[..nw], bias, mode.train);
+        let (y, columns) = conv2d_forward(
+            &self.geom,
+            sp,
+            x.data(),
+            &p[..nw],
+            bias,
+            mode.train,
+            self.precision,
+        );
         let (oh, ow) = self.geom.output_size(sp.height, sp.width);
         if mode.train {
-            s.tensors.push(x);
+            s.keep(x, self.precision);
             if let Some(c) = columns {
                 s.stats.push(c);
             }
@@ -523,7 +552,7 @@ impl Layer for Conv2d {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
-        let x = s.tensors.pop().expect("Conv2d: saved input");
+        let x = s.take(self.precision, "Conv2d");
         let columns = s.stats.pop();
         let nw = self.geom.out_channels * self.geom.patch_len();
         let (gw, gb) = g.split_at_mut(nw);
@@ -539,6 +568,7 @@ impl Layer for Conv2d {
             gw,
             dbias,
             need_dx,
+            self.precision,
         );
         // The columns came from the thread's buffer pool: hand them back for the next step.
         if let Some(c) = columns {

@@ -6,7 +6,7 @@
 
 use crate::layer::{spec_len, Layer, Mode, ParamSpec, Saved, ShardSpec, StatsReducer, TensorPlan};
 use meshtrain_tensor::rng::SplitMix64;
-use meshtrain_tensor::Tensor;
+use meshtrain_tensor::{DType, Tensor};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -375,6 +375,23 @@ impl Model {
     pub fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
         for block in &mut self.blocks {
             block.layer.set_stats_reducer(reducer.clone());
+        }
+    }
+
+    /// Runs every matrix product of the model with `precision` inputs (bf16/f16 mixed
+    /// precision, or f32), like `torch.autocast` does for its op list: each layer that has
+    /// products is told through [`Layer::set_precision`], composites via their children.
+    pub fn set_precision(&mut self, precision: DType) {
+        fn visit(layer: &mut dyn Layer, precision: DType) {
+            layer.set_precision(precision);
+            if let Some(children) = layer.children_mut() {
+                for (_, child) in children.layers_mut() {
+                    visit(child.as_mut(), precision);
+                }
+            }
+        }
+        for block in &mut self.blocks {
+            visit(block.layer.as_mut(), precision);
         }
     }
 

@@ -6,7 +6,7 @@ use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::attention::{
     causal_attention_backward, causal_attention_forward, AttentionShape,
 };
-use meshtrain_tensor::Tensor;
+use meshtrain_tensor::{DType, Tensor};
 
 /// Token + learned position embedding. Input: token ids `[B, T]` carried as exact f32 values.
 pub struct GptEmbedding {
@@ -88,6 +88,9 @@ impl Layer for GptEmbedding {
 pub struct AttentionCore {
     pub dim: usize,
     pub heads: usize,
+    /// Inputs of the attention products; under mixed precision the fused q/k/v and the
+    /// probabilities kept for backward are stored in 16 bits too (the softmax stays f32).
+    pub precision: DType,
 }
 
 impl AttentionCore {
@@ -102,19 +105,21 @@ impl AttentionCore {
 }
 
 impl Layer for AttentionCore {
+    fn set_precision(&mut self, precision: DType) {
+        self.precision = precision;
+    }
+
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
 
     fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let shape = self.shape(&qkv);
-        let (out, probs) = causal_attention_forward(shape, qkv.data());
+        let (out, probs) = causal_attention_forward(shape, qkv.data(), self.precision);
         if mode.train {
-            s.tensors.push(qkv);
-            s.tensors.push(Tensor::from_vec(
-                probs,
-                &[shape.batch, self.heads, shape.seq, shape.seq],
-            ));
+            s.keep(qkv, self.precision);
+            let probs = Tensor::from_vec(probs, &[shape.batch, self.heads, shape.seq, shape.seq]);
+            s.keep(probs, self.precision);
         }
         Tensor::from_vec(out, &[shape.batch, shape.seq, self.dim])
     }
@@ -127,9 +132,15 @@ impl Layer for AttentionCore {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
-        let probs = s.tensors.pop().expect("attention: probs");
-        let qkv = s.tensors.pop().expect("attention: qkv");
-        let dqkv = causal_attention_backward(self.shape(&qkv), qkv.data(), probs.data(), dy.data());
+        let probs = s.take(self.precision, "attention (probabilities)");
+        let qkv = s.take(self.precision, "attention (q, k, v)");
+        let dqkv = causal_attention_backward(
+            self.shape(&qkv),
+            qkv.data(),
+            probs.data(),
+            dy.data(),
+            self.precision,
+        );
         let shape = qkv.shape().to_vec();
         // All three are dead now; their buffers serve the next step's forward.
         for dead in [qkv, probs, dy] {
@@ -150,7 +161,14 @@ pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Se
     };
     Seq(Children::new(vec![
         ("qkv".into(), lin(dim, 3 * dim)),
-        (String::new(), Box::new(AttentionCore { dim, heads })),
+        (
+            String::new(),
+            Box::new(AttentionCore {
+                dim,
+                heads,
+                precision: DType::F32,
+            }),
+        ),
         ("proj".into(), lin(dim, dim)),
     ]))
 }
@@ -179,7 +197,14 @@ impl GptBlock {
             parts: Children::new(vec![
                 ("ln1".into(), Box::new(LayerNorm::new(dim))),
                 ("qkv".into(), lin(dim, 3 * dim, None)),
-                (String::new(), Box::new(AttentionCore { dim, heads })),
+                (
+                    String::new(),
+                    Box::new(AttentionCore {
+                        dim,
+                        heads,
+                        precision: DType::F32,
+                    }),
+                ),
                 ("proj".into(), lin(dim, dim, None)),
                 ("ln2".into(), Box::new(LayerNorm::new(dim))),
                 // GELU fused into fc1 (one sweep over the 4·dim-wide output each way).

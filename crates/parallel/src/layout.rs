@@ -199,12 +199,6 @@ impl Layout {
                 "ZeRO sharding is an open issue (use zero=0: DDP)",
             );
         }
-        if self.precision != Precision::Fp32 {
-            return not_yet(
-                format!("precision={}", self.precision.name()),
-                "mixed precision is an open issue (use precision=fp32)",
-            );
-        }
         if self.recompute == Recompute::Selective {
             return not_yet(
                 "recompute=selective".into(),
@@ -422,7 +416,11 @@ mod tests {
         assert!(err("tp=2", 2, 8).contains("tp=2: the model has no tensor-parallel plan"));
         assert!(err("sp=on", 1, 8).contains("needs tp > 1"));
         assert!(err("zero=1", 1, 8).contains("zero=1 is not available yet"));
-        assert!(err("precision=bf16", 1, 8).contains("precision=bf16 is not available yet"));
+        let mixed = "precision=fp16".parse::<Layout>().unwrap();
+        assert_eq!(
+            mixed.resolve(1, 8, &m).unwrap().layout.precision,
+            Precision::Fp16
+        );
         let ok = "dp=2,pp=2,mb=2"
             .parse::<Layout>()
             .unwrap()

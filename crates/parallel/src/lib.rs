@@ -19,6 +19,7 @@ pub mod data;
 pub mod layout;
 pub mod parallelize;
 pub mod pipeline;
+pub mod precision;
 pub mod tensor;
 pub mod tied;
 pub mod timeline;
@@ -52,4 +53,6 @@ pub enum ParallelError {
     Mesh(#[from] meshtrain_comm::MeshError),
     #[error(transparent)]
     Tensor(#[from] tensor::TensorError),
+    #[error("mixed precision: {0}")]
+    Precision(String),
 }

@@ -9,6 +9,8 @@
 //!                                                            neighbours), groups per axis
 //! model     = tensor::parallelize(model, tp group)           layers split by the model's plan
 //!                                                            (the loss too: vocab-parallel)
+//! model     = precision::apply(model, precision)             products in bf16/f16 (f32 sums);
+//! loss      = LossScaling::for_precision(loss)               fp16: the loss scaled
 //! stage     = pipeline::split(model, schedule, partition)    this worker's chunk(s); the whole
 //!                                                            model as one chunk when pp = 1
 //! (context::parallelize: cp = 1 until that module exists)
@@ -16,12 +18,13 @@
 //! ties      = tied::TiedGrads(model ties, pp group)          tied copies across stages
 //! tp sync   = tensor::TpGradSync(tp group)                   replicated parameters' gradients
 //!                                                            under sequence parallelism
-//! (precision::apply: fp32 until mixed precision exists)
 //! optimizer = one per chunk, with the parameter groups' segments
 //! ```
 //!
 //! (Tensor parallelism changes layers' shapes, so it runs before the stage allocates them;
-//! the two commute: a pipeline cuts blocks, tensor parallelism splits inside them.)
+//! the two commute: a pipeline cuts blocks, tensor parallelism splits inside them. Precision
+//! comes next, on the layers tensor parallelism put in place, and before the split, so that
+//! `partition = time` measures blocks as they will run.)
 //!
 //! A new dimension is one more module and one more line here; [`Parallel::train_step`] does
 //! not branch on the layout. Its phases, for every layout:
@@ -31,6 +34,7 @@
 //! sync.begin_step()
 //! stage.run_step(schedule)  — forwards, backwards, sends, receives; hooks → sync.grads_ready
 //! sync.finish()             — gradients averaged over the replicas (or gathered)
+//! fp16: unscale, agree on inf/NaN over the world; an overflow skips the update everywhere
 //! if sync.updates_parameters(): tp sync, ties.reduce(), clip (norm over one replica's
 //!                             pp × tp workers), optimizer step
 //! sync.after_update()       — single master: weights broadcast
@@ -45,6 +49,7 @@ use crate::layout::{Recompute, ResolvedLayout};
 use crate::pipeline::{
     split, MicroBatches, Partition, PartitionSpec, SendMode, Stage, StepOptions, TimeProbe,
 };
+use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
 use crate::tensor::{TpContext, TpGradSync};
 use crate::tied::TiedGrads;
 use crate::timeline::{Category, Timeline};
@@ -68,6 +73,11 @@ pub struct ParallelOptions {
     /// Tests only: leave out the tensor-parallel sum of replicated parameters' gradients
     /// under sequence parallelism (to show that training then goes wrong).
     pub skip_sequence_parallel_grad_sum: bool,
+    /// Dynamic loss scaling under fp16 (GradScaler's defaults).
+    pub loss_scale: LossScaleConfig,
+    /// Tests only: (step index of this run, world rank) whose gradients are reported as
+    /// overflowed, to show that every worker skips that step.
+    pub inject_overflow: Option<(u64, usize)>,
 }
 
 /// What the model is trained with (the parts of a step that are not about parallelism).
@@ -144,6 +154,10 @@ pub struct StepStats {
     pub times: StepTimes,
     /// Most activation bytes this worker held at once (what forward kept for backward).
     pub peak_activation_bytes: usize,
+    /// fp16: the step's gradients overflowed on some worker and nobody updated.
+    pub skipped: bool,
+    /// fp16: the loss scale after this step.
+    pub loss_scale: Option<f32>,
 }
 
 /// Evaluation sums over a whole evaluation set (all replicas' shares).
@@ -228,6 +242,8 @@ pub struct Parallel {
     tp_context: Option<TpContext>,
     /// One replica's workers (pp × tp): gradient norms are summed over them.
     model_parallel: Arc<dyn ProcessGroup>,
+    /// fp16's dynamic loss scale (`None` for fp32 and bf16).
+    scaling: Option<LossScaling>,
 }
 
 /// Applies the layout's dimensions to `model` for this worker of `world`, in the documented
@@ -269,6 +285,15 @@ pub fn parallelize(
         *model = split;
         loss = crate::tensor::parallel_loss(loss, output, ctx)?;
     }
+
+    // 1b. Precision: products in bf16/f16 with f32 accumulation; fp16 scales the loss.
+    crate::precision::apply(model, l.precision);
+    let (scaling, loss) = LossScaling::for_precision(
+        l.precision,
+        options.loss_scale,
+        options.inject_overflow,
+        loss,
+    )?;
 
     // 2. Pipeline: this worker's chunks (the whole model when pp = 1).
     let probe = TimeProbe {
@@ -324,8 +349,6 @@ pub fn parallelize(
         world.new_named_subgroup(&members, &format!("mp[dp{d}]"))?
     };
 
-    // 6. Precision: fp32 until mixed precision exists (`Layout::resolve` rejects others).
-
     let segments = training.groups.resolve(model, &training.optimizer);
     let optimizers = stage.optimizers_with_groups(model, training.optimizer, &segments);
     Ok(Parallel {
@@ -345,6 +368,7 @@ pub fn parallelize(
         tp_sync,
         tp_context,
         model_parallel,
+        scaling,
     })
 }
 
@@ -453,7 +477,19 @@ impl Parallel {
 
         let t = Instant::now();
         let mut norm = 0.0;
-        if self.sync.updates_parameters() {
+        let mut skipped = false;
+        if let Some(scaling) = &mut self.scaling {
+            let mut grads: Vec<&mut [f32]> = self
+                .stage
+                .chunks
+                .iter_mut()
+                .map(|c| &mut c.store.grads[..])
+                .collect();
+            skipped = scaling
+                .unscale_and_check(&mut grads, self.mesh.world().as_ref())?
+                .skipped;
+        }
+        if self.sync.updates_parameters() && !skipped {
             self.tp_sync.reduce(&mut self.stage.chunks)?;
             self.ties.reduce(&mut self.stage.chunks)?;
             let mp = self.model_parallel.as_ref();
@@ -492,7 +528,21 @@ impl Parallel {
             grad_norm: shared[1],
             times,
             peak_activation_bytes: report.peak_activation_bytes,
+            skipped,
+            loss_scale: self.scaling.as_ref().map(|s| s.scaler().scale),
         })
+    }
+
+    /// fp16's loss scaler state (for checkpoints); `None` for fp32 and bf16.
+    pub fn loss_scaler(&self) -> Option<LossScaler> {
+        self.scaling.as_ref().map(LossScaling::scaler)
+    }
+
+    /// Continues fp16 loss scaling from a checkpoint's state (ignored for fp32 and bf16).
+    pub fn restore_loss_scaler(&mut self, scaler: LossScaler) {
+        if let Some(s) = &mut self.scaling {
+            s.restore(scaler);
+        }
     }
 
     /// Evaluates one batch of this replica's evaluation share through the pipeline and adds

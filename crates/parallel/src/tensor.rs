@@ -35,7 +35,7 @@ use meshtrain_nn::transformer::{AttentionCore, GptEmbedding};
 use meshtrain_nn::{Layer, Loss, Mode, Model, ParamSpec, Saved, ShardSpec, TpStyle};
 use meshtrain_tensor::activation::fast_exp;
 use meshtrain_tensor::par::take_buffer;
-use meshtrain_tensor::Tensor;
+use meshtrain_tensor::{DType, Tensor};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -382,10 +382,15 @@ fn clone_linear(l: &Linear) -> Linear {
         bias: l.bias,
         weight_init: l.weight_init,
         activation: l.activation,
+        precision: l.precision,
     }
 }
 
 impl Layer for ColumnParallel {
+    fn set_precision(&mut self, precision: DType) {
+        self.inner.set_precision(precision);
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         self.specs.clone()
     }
@@ -490,6 +495,10 @@ impl RowParallel {
 }
 
 impl Layer for RowParallel {
+    fn set_precision(&mut self, precision: DType) {
+        self.inner.set_precision(precision);
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         self.specs.clone()
     }
@@ -933,6 +942,7 @@ fn rewrite(
             return Some(Box::new(AttentionCore {
                 dim: core.dim / tp.size(),
                 heads: core.heads / tp.size(),
+                precision: core.precision,
             }));
         }
         if let Some(e) = any.downcast_ref::<GptEmbedding>() {

@@ -15,6 +15,17 @@
 use crate::activation::{fast_exp, lane_sum, lane_sum_zip};
 use crate::matmul::{Mat, MatMut};
 use crate::small_gemm::small_gemm;
+use crate::DType;
+
+/// One of attention's small products with inputs in `precision`: f32 in place through
+/// [`small_gemm`]; bf16/f16 through [`crate::lowp`] on this thread (AMX packs a 32-row block
+/// in a few hundred cycles, so even these products gain).
+fn product(precision: DType, c: MatMut, a: Mat, b: Mat, accumulate: bool) {
+    match precision {
+        DType::F32 => small_gemm(c, a, b, accumulate),
+        _ => crate::lowp::gemm_lowp(precision, c, a, b, accumulate, 1),
+    }
+}
 
 /// Query rows per block of the block-causal products.
 const CAUSAL_BLOCK: usize = 32;
@@ -38,12 +49,22 @@ fn causal_blocks(t: usize, block: usize) -> impl Iterator<Item = (usize, usize)>
     (0..t.div_ceil(block)).map(move |i| (i * block, ((i + 1) * block).min(t)))
 }
 
-/// Forward; returns (out `[B, T, D]`, probabilities `[B, H, T, T]` kept for backward).
-pub fn causal_attention_forward(s: AttentionShape, qkv: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    forward_blocked(s, qkv, CAUSAL_BLOCK)
+/// Forward; returns (out `[B, T, D]`, probabilities `[B, H, T, T]` kept for backward). The
+/// products take their inputs in `precision`; the softmax is f32 whatever it is.
+pub fn causal_attention_forward(
+    s: AttentionShape,
+    qkv: &[f32],
+    precision: DType,
+) -> (Vec<f32>, Vec<f32>) {
+    forward_blocked(s, qkv, CAUSAL_BLOCK, precision)
 }
 
-fn forward_blocked(s: AttentionShape, qkv: &[f32], block: usize) -> (Vec<f32>, Vec<f32>) {
+fn forward_blocked(
+    s: AttentionShape,
+    qkv: &[f32],
+    block: usize,
+    precision: DType,
+) -> (Vec<f32>, Vec<f32>) {
     let (t, d, hd) = (s.seq, s.dim, s.head_dim());
     assert_eq!(qkv.len(), s.batch * t * 3 * d);
     let scale = 1.0 / (hd as f32).sqrt();
@@ -61,7 +82,8 @@ fn forward_blocked(s: AttentionShape, qkv: &[f32], block: usize) -> (Vec<f32>, V
                 let vh = Mat::strided(&q[2 * d + h * hd..], t, hd, 3 * d, 1);
                 for (r0, r1) in causal_blocks(t, block) {
                     // Scores of query rows r0..r1 against keys 0..r1.
-                    small_gemm(
+                    product(
+                        precision,
                         MatMut::strided(&mut p[r0 * t..], r1 - r0, r1, t, 1),
                         qh.rows_range(r0, r1),
                         kt.cols_range(0, r1),
@@ -80,7 +102,8 @@ fn forward_blocked(s: AttentionShape, qkv: &[f32], block: usize) -> (Vec<f32>, V
                         valid.iter_mut().for_each(|v| *v *= inv);
                         row[i + 1..].fill(0.0);
                     }
-                    small_gemm(
+                    product(
+                        precision,
                         MatMut::strided(&mut ob[r0 * d + h * hd..], r1 - r0, hd, d, 1),
                         Mat::strided(&p[r0 * t..], r1 - r0, r1, t, 1),
                         vh.rows_range(0, r1),
@@ -128,14 +151,15 @@ fn transposed_head<'o>(
     Mat::new(&out[..hd * t], hd, t)
 }
 
-/// Backward; returns dqkv `[B, T, 3·D]`.
+/// Backward; returns dqkv `[B, T, 3·D]` (products in `precision`, as in forward).
 pub fn causal_attention_backward(
     s: AttentionShape,
     qkv: &[f32],
     probs: &[f32],
     dout: &[f32],
+    precision: DType,
 ) -> Vec<f32> {
-    backward_blocked(s, qkv, probs, dout, CAUSAL_BLOCK)
+    backward_blocked(s, qkv, probs, dout, CAUSAL_BLOCK, precision)
 }
 
 fn backward_blocked(
@@ -144,6 +168,7 @@ fn backward_blocked(
     probs: &[f32],
     dout: &[f32],
     block: usize,
+    precision: DType,
 ) -> Vec<f32> {
     let (t, d, hd) = (s.seq, s.dim, s.head_dim());
     let scale = 1.0 / (hd as f32).sqrt();
@@ -163,7 +188,8 @@ fn backward_blocked(
                 let vt = transposed_head(q, 3 * d, 2 * d + h * hd, t, hd, vt);
                 for (r0, r1) in causal_blocks(t, block) {
                     // dV[r0..r1] = P[r0.., r0..r1]ᵀ · dO[r0..]: later queries only.
-                    small_gemm(
+                    product(
+                        precision,
                         MatMut::strided(
                             &mut dq[r0 * 3 * d + 2 * d + h * hd..],
                             r1 - r0,
@@ -176,7 +202,8 @@ fn backward_blocked(
                         false,
                     );
                     // dP[r0..r1, ..r1] = dO[r0..r1] · V[..r1]ᵀ
-                    small_gemm(
+                    product(
+                        precision,
                         MatMut::strided(&mut dp[r0 * t..], r1 - r0, r1, t, 1),
                         doh.rows_range(r0, r1),
                         vt.cols_range(0, r1),
@@ -195,14 +222,16 @@ fn backward_blocked(
                 let ds = Mat::new(dp, t, t);
                 for (r0, r1) in causal_blocks(t, block) {
                     // dQ[r0..r1] = dS[r0..r1, ..r1] · K[..r1]
-                    small_gemm(
+                    product(
+                        precision,
                         MatMut::strided(&mut dq[r0 * 3 * d + h * hd..], r1 - r0, hd, 3 * d, 1),
                         ds.rows_range(r0, r1).cols_range(0, r1),
                         kh.rows_range(0, r1),
                         false,
                     );
                     // dK[r0..r1] = dS[r0.., r0..r1]ᵀ · Q[r0..]
-                    small_gemm(
+                    product(
+                        precision,
                         MatMut::strided(&mut dq[r0 * 3 * d + d + h * hd..], r1 - r0, hd, 3 * d, 1),
                         ds.rows_range(r0, t).cols_range(r0, r1).t(),
                         qh.rows_range(r0, t),
@@ -235,8 +264,8 @@ mod tests {
             };
             let qkv = random(s.batch * seq * 3 * s.dim, seq as u64);
             let dout = random(s.batch * seq * s.dim, 7);
-            let (out_ref, probs_ref) = forward_blocked(s, &qkv, seq);
-            let (out, probs) = forward_blocked(s, &qkv, block);
+            let (out_ref, probs_ref) = forward_blocked(s, &qkv, seq, DType::F32);
+            let (out, probs) = forward_blocked(s, &qkv, block, DType::F32);
             let close = |a: &[f32], b: &[f32], what: &str| {
                 for (x, y) in a.iter().zip(b) {
                     assert!(
@@ -247,8 +276,8 @@ mod tests {
             };
             close(&out, &out_ref, "output");
             close(&probs, &probs_ref, "probabilities");
-            let d_ref = backward_blocked(s, &qkv, &probs_ref, &dout, seq);
-            let d = backward_blocked(s, &qkv, &probs, &dout, block);
+            let d_ref = backward_blocked(s, &qkv, &probs_ref, &dout, seq, DType::F32);
+            let d = backward_blocked(s, &qkv, &probs, &dout, block, DType::F32);
             close(&d, &d_ref, "dqkv");
         }
     }

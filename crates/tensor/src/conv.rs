@@ -7,7 +7,8 @@
 //! Padded convolutions are split into [`TapClass`]es, output positions that share the same
 //! in-image taps, so no product multiplies padding.
 
-use crate::matmul::{gemm, gemm_pair, Mat, MatMut};
+use crate::matmul::{gemm_in, gemm_pair_in, Mat, MatMut};
+use crate::DType;
 use std::ops::Range;
 
 /// Geometry of one convolution.
@@ -327,6 +328,7 @@ fn classes_forward(
     weight: &[f32],
     out: &mut [f32],
     keep_columns: bool,
+    precision: DType,
 ) -> Option<Vec<f32>> {
     let (oh, ow) = g.output_size(s.height, s.width);
     let classes = tap_classes(g, s);
@@ -339,10 +341,16 @@ fn classes_forward(
         let w = Mat::new(w, g.out_channels, k);
         let cols = Mat::new(cols, k, n);
         if class.positions() == oh * ow {
-            gemm(MatMut::new(out, g.out_channels, n), w, cols, false);
+            gemm_in(
+                precision,
+                MatMut::new(out, g.out_channels, n),
+                w,
+                cols,
+                false,
+            );
         } else {
             crate::par::with_scratch(g.out_channels * n, |y| {
-                gemm(MatMut::new(y, g.out_channels, n), w, cols, false);
+                gemm_in(precision, MatMut::new(y, g.out_channels, n), w, cols, false);
                 let offsets = class.output_offsets(ow);
                 scatter_columns(out, oh * ow, y, &offsets, false);
             });
@@ -367,6 +375,7 @@ fn classes_backward(
     dy: &[f32],
     dweight: &mut [f32],
     need_dx: bool,
+    precision: DType,
 ) -> Option<Vec<f32>> {
     let (oh, ow) = g.output_size(s.height, s.width);
     let classes = tap_classes(g, s);
@@ -400,12 +409,16 @@ fn classes_backward(
             Some(dx) => crate::par::with_scratch(k * n, |dcols| {
                 // The weight gradient and the column gradient are independent products:
                 // one per thread.
-                gemm_pair(weight_grad, (MatMut::new(dcols, k, n), w_t, dy_m, false));
+                gemm_pair_in(
+                    precision,
+                    weight_grad,
+                    (MatMut::new(dcols, k, n), w_t, dy_m, false),
+                );
                 col2im(g, s, class, dcols, dx);
             }),
             None => {
                 let (c, a, b, acc) = weight_grad;
-                gemm(c, a, b, acc);
+                gemm_in(precision, c, a, b, acc);
             }
         }
         if let Some(buf) = dw_class {
@@ -421,6 +434,8 @@ fn classes_backward(
 /// Forward: returns the CNHW output `[O, N, OH, OW]`, and when `keep_columns` the state the
 /// backward reuses (the tap classes' im2col columns and gathered weights: training keeps them
 /// so backward need not rebuild them; direct and pointwise convolutions keep nothing).
+/// Products take their inputs in `precision` (mixed precision); the direct kernels of thin
+/// convolutions ([`ConvGeometry::prefers_direct`]) are not products and stay f32.
 pub fn conv2d_forward(
     g: &ConvGeometry,
     s: Spatial,
@@ -428,6 +443,7 @@ pub fn conv2d_forward(
     weight: &[f32],
     bias: Option<&[f32]>,
     keep_columns: bool,
+    precision: DType,
 ) -> (Vec<f32>, Option<Vec<f32>>) {
     let (oh, ow) = g.output_size(s.height, s.width);
     let cols_n = s.batch * oh * ow;
@@ -440,14 +456,15 @@ pub fn conv2d_forward(
         return (out, kept);
     }
     if g.is_pointwise() {
-        gemm(
+        gemm_in(
+            precision,
             MatMut::new(&mut out, g.out_channels, cols_n),
             w,
             Mat::new(x, g.patch_len(), cols_n),
             false,
         );
     } else {
-        kept = classes_forward(g, s, x, weight, &mut out, keep_columns);
+        kept = classes_forward(g, s, x, weight, &mut out, keep_columns, precision);
     }
     if let Some(b) = bias {
         crate::par::for_each_chunk_mut(&mut out, cols_n, |o, row| {
@@ -471,6 +488,7 @@ pub fn conv2d_backward(
     dweight: &mut [f32],
     dbias: Option<&mut [f32]>,
     need_dx: bool,
+    precision: DType,
 ) -> Option<Vec<f32>> {
     let (oh, ow) = g.output_size(s.height, s.width);
     let cols_n = s.batch * oh * ow;
@@ -498,7 +516,7 @@ pub fn conv2d_backward(
         return dx;
     }
     if !g.is_pointwise() {
-        return classes_backward(g, s, x, columns, weight, dy, dweight, need_dx);
+        return classes_backward(g, s, x, columns, weight, dy, dweight, need_dx, precision);
     }
     // Pointwise: the input is the column matrix.
     let dy_m = Mat::new(dy, g.out_channels, cols_n);
@@ -510,13 +528,14 @@ pub fn conv2d_backward(
     );
     if !need_dx {
         let (c, a, b, acc) = weight_grad;
-        gemm(c, a, b, acc);
+        gemm_in(precision, c, a, b, acc);
         return None;
     }
     // Every element is written by the product (accumulate = false).
     let mut dx = crate::par::take_buffer(x.len());
     let w_t = Mat::new(weight, g.out_channels, k).t();
-    gemm_pair(
+    gemm_pair_in(
+        precision,
         weight_grad,
         (MatMut::new(&mut dx, k, cols_n), w_t, dy_m, false),
     );
@@ -909,7 +928,7 @@ mod tests {
             let (g, s) = case(cin, cout, k, st, p, hw, 2);
             let x = random(cin * 2 * hw * hw, i as u64);
             let w = random(cout * g.patch_len(), 100 + i as u64);
-            let got = conv2d_forward(&g, s, &x, &w, None, false).0;
+            let got = conv2d_forward(&g, s, &x, &w, None, false, DType::F32).0;
             let want = direct(&g, s, &x, &w);
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "geometry {i}: {a} vs {b}");
@@ -985,13 +1004,14 @@ mod tests {
             let x = random(cin * 19 * hw * hw, i as u64);
             let w = random(cout * g.patch_len(), 10 + i as u64);
             let dy = random(cout * 19 * oh * ow, 20 + i as u64);
-            let (y, kept) = conv2d_forward(&g, s, &x, &w, None, true);
+            let (y, kept) = conv2d_forward(&g, s, &x, &w, None, true, DType::F32);
             let inner = |a: &[f32], b: &[f32]| -> f64 {
                 a.iter().zip(b).map(|(a, b)| (a * b) as f64).sum()
             };
             for columns in [kept.as_deref(), None] {
                 let mut dw = vec![0.0; w.len()];
-                let dx = conv2d_backward(&g, s, &x, columns, &w, &dy, &mut dw, None, true);
+                let dx =
+                    conv2d_backward(&g, s, &x, columns, &w, &dy, &mut dw, None, true, DType::F32);
                 let dx = dx.expect("input gradient");
                 let (lhs, by_x, by_w) = (inner(&dy, &y), inner(&dx, &x), inner(&dw, &w));
                 for (what, v) in [("dx", by_x), ("dw", by_w)] {

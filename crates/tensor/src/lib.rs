@@ -21,6 +21,7 @@ pub mod attention;
 pub mod conv;
 pub mod dtype;
 pub mod loss;
+pub mod lowp;
 pub mod matmul;
 pub mod norm;
 pub mod par;

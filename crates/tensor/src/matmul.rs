@@ -3,7 +3,7 @@
 //! AVX2/AVX-512, nothing to install); the `openblas` feature routes products to the system
 //! OpenBLAS (`libopenblas-dev`), which is faster on large f32 products.
 
-use crate::par;
+use crate::{lowp, par, DType};
 
 /// Which library computes matrix products in this build (reported by benchmarks).
 pub const BACKEND: &str = if cfg!(feature = "openblas") {
@@ -160,17 +160,23 @@ impl<'a> MatMut<'a> {
 }
 
 /// Below this many multiply-adds a product runs on one thread: splitting costs more than it saves.
-const PARALLEL_MIN_MACS: usize = 1 << 18;
+pub(crate) const PARALLEL_MIN_MACS: usize = 1 << 18;
 
 /// `c = a · b`, or `c += a · b` when `accumulate`; threads from the current pool.
 pub fn gemm(c: MatMut, a: Mat, b: Mat, accumulate: bool) {
-    gemm_with_threads(c, a, b, accumulate, par::threads())
+    gemm_f32_with_threads(c, a, b, accumulate, par::threads())
+}
+
+/// [`gemm`] with the inputs rounded to `dtype` (bf16 or f16) and f32 accumulation: the
+/// products of mixed-precision training ([`crate::lowp`]). `DType::F32` is [`gemm`].
+pub fn gemm_in(dtype: DType, c: MatMut, a: Mat, b: Mat, accumulate: bool) {
+    lowp::gemm_lowp(dtype, c, a, b, accumulate, par::threads())
 }
 
 /// [`gemm`] on one thread: for callers that already parallelise over many small products
 /// (attention heads, batch chunks).
 pub fn gemm_serial(c: MatMut, a: Mat, b: Mat, accumulate: bool) {
-    gemm_with_threads(c, a, b, accumulate, 1)
+    gemm_f32_with_threads(c, a, b, accumulate, 1)
 }
 
 /// One product of [`gemm_pair`]: (output, a, b, accumulate).
@@ -184,29 +190,35 @@ pub type Product<'a, 'b> = (MatMut<'a>, Mat<'b>, Mat<'b>, bool);
 /// side by side, each on its own thread, keeps every thread busy with no synchronisation
 /// inside either product. Results are bit-identical to running them one after the other.
 pub fn gemm_pair(first: Product, second: Product) {
+    gemm_pair_in(DType::F32, first, second)
+}
+
+/// [`gemm_pair`] with inputs rounded to `dtype` (see [`gemm_in`]).
+pub fn gemm_pair_in(dtype: DType, first: Product, second: Product) {
     let threads = par::threads();
     let macs = |p: &Product| p.0.rows * p.0.cols * p.1.cols;
     if threads < 2 || macs(&first).min(macs(&second)) < PARALLEL_MIN_MACS {
         let (c, a, b, acc) = first;
-        gemm(c, a, b, acc);
+        gemm_in(dtype, c, a, b, acc);
         let (c, a, b, acc) = second;
-        gemm(c, a, b, acc);
+        gemm_in(dtype, c, a, b, acc);
         return;
     }
     let half = threads / 2;
     rayon::join(
         move || {
             let (c, a, b, acc) = first;
-            gemm_with_threads(c, a, b, acc, half)
+            lowp::gemm_lowp(dtype, c, a, b, acc, half)
         },
         move || {
             let (c, a, b, acc) = second;
-            gemm_with_threads(c, a, b, acc, threads - half)
+            lowp::gemm_lowp(dtype, c, a, b, acc, threads - half)
         },
     );
 }
 
-fn gemm_with_threads(c: MatMut, a: Mat, b: Mat, accumulate: bool, threads: usize) {
+/// The f32 product on at most `threads` threads.
+pub(crate) fn gemm_f32_with_threads(c: MatMut, a: Mat, b: Mat, accumulate: bool, threads: usize) {
     assert_eq!(a.cols, b.rows, "gemm: inner dimensions differ");
     assert_eq!(c.rows, a.rows, "gemm: output rows differ");
     assert_eq!(c.cols, b.cols, "gemm: output columns differ");

@@ -11,6 +11,7 @@
 use anyhow::{bail, Context, Result};
 use meshtrain_nn::optim::Optimizer;
 use meshtrain_nn::{Model, ParamStore};
+use meshtrain_parallel::precision::LossScaler;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use std::collections::HashMap;
@@ -30,15 +31,19 @@ pub struct TrainState<'a> {
     pub model_description: &'a str,
     /// The run's settings, for reference.
     pub config: &'a str,
+    /// fp16's dynamic loss scale, so a resumed run continues with the same scale.
+    pub loss_scaler: Option<LossScaler>,
 }
 
 /// What [`load`] restored.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Restored {
     /// Steps completed when the checkpoint was written.
     pub step: u64,
     /// The model description it stores (empty if none).
     pub model_description: String,
+    /// The fp16 loss scaler's state, if the run that wrote it had one.
+    pub loss_scaler: Option<LossScaler>,
 }
 
 /// How much of a checkpoint to restore.
@@ -85,7 +90,7 @@ pub fn save(path: &Path, state: &TrainState) -> Result<()> {
     if !opt.v.is_empty() {
         views.push(("optimizer.v".into(), view(&opt.v, vec![opt.v.len()])));
     }
-    let metadata: HashMap<String, String> = [
+    let mut metadata: HashMap<String, String> = [
         ("format".to_string(), FORMAT.to_string()),
         ("step".to_string(), state.step.to_string()),
         ("optimizer_step".to_string(), opt.step.to_string()),
@@ -93,6 +98,9 @@ pub fn save(path: &Path, state: &TrainState) -> Result<()> {
         ("config".to_string(), state.config.to_string()),
     ]
     .into();
+    if let Some(scaler) = &state.loss_scaler {
+        metadata.insert("loss_scaler".into(), serde_json::to_string(scaler)?);
+    }
     let bytes = safetensors::serialize(views, &Some(metadata)).context("serialising checkpoint")?;
     let dir = path
         .parent()
@@ -210,6 +218,7 @@ pub fn load(
         return Ok(Restored {
             step: 0,
             model_description: saved_model,
+            loss_scaler: None,
         });
     }
     optimizer.m = read_f32(&st, "optimizer.m", &[optimizer.m.len()], path)?;
@@ -217,9 +226,19 @@ pub fn load(
         optimizer.v = read_f32(&st, "optimizer.v", &[optimizer.v.len()], path)?;
     }
     optimizer.step = number("optimizer_step")?;
+    let loss_scaler = match meta.get("loss_scaler") {
+        Some(text) => Some(serde_json::from_str(text).with_context(|| {
+            format!(
+                "checkpoint {}: its loss_scaler entry is corrupt: {text}",
+                path.display()
+            )
+        })?),
+        None => None,
+    };
     Ok(Restored {
         step: number("step")?,
         model_description: saved_model,
+        loss_scaler,
     })
 }
 

@@ -198,6 +198,12 @@ pub(crate) struct TrainRecord {
     pub loss: f32,
     pub lr: f32,
     pub grad_norm: f32,
+    /// fp16: the loss scale after this step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f32>,
+    /// fp16: steps skipped so far for overflowed gradients.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped_steps: Option<u64>,
     pub samples_per_s: f64,
     pub elapsed_s: f64,
 }

@@ -61,7 +61,13 @@ pub struct Trainer {
     metrics: Option<MetricsFile>,
     pub show_progress: bool,
     timeline: Option<RecordedTimeline>,
+    /// fp16: steps skipped so far because some worker's gradients overflowed.
+    pub skipped_steps: Option<u64>,
 }
+
+/// Below this loss scale even the largest gradient of an fp16 backward is below f16's
+/// smallest subnormal (2⁻²⁴): the scaler has nothing left to try.
+const MIN_LOSS_SCALE: f32 = 1.0 / 16_777_216.0;
 
 impl Job {
     /// This worker's trainer in `world` (every worker of the world calls it; the world has
@@ -155,6 +161,7 @@ impl Trainer {
             metrics: None,
             show_progress: false,
             timeline,
+            skipped_steps: None,
             job,
         })
     }
@@ -219,11 +226,23 @@ impl Trainer {
             .install(|| parallel.train_step(model, share, lr, clip, timeline))
             .with_context(|| format!("training step {step}"))?;
         self.breakdown.add(&stats);
+        if stats.loss_scale.is_some() {
+            *self.skipped_steps.get_or_insert(0) += u64::from(stats.skipped);
+        }
         self.step += 1;
+        // fp16: a step skipped for an overflow is the loss scaler's business, unless the
+        // scale has shrunk so far that no scale could help (GradScaler would go on forever).
+        let scaler_gave_up = stats.loss_scale.is_some_and(|s| s < MIN_LOSS_SCALE);
         anyhow::ensure!(
-            stats.loss.is_finite(),
+            stats.loss.is_finite() || (stats.skipped && !scaler_gave_up),
             "training diverged at step {step}: loss is {}",
             stats.loss
+        );
+        anyhow::ensure!(
+            !scaler_gave_up,
+            "training diverged at step {step}: fp16 gradients overflow at every loss scale \
+             (now {:e}); train in bf16 or fp32",
+            stats.loss_scale.unwrap_or_default()
         );
         Ok(stats)
     }
@@ -297,6 +316,7 @@ impl Trainer {
             step: self.step,
             model_description: &self.job.model_description,
             config: &self.job.config_text,
+            loss_scaler: self.parallel.loss_scaler(),
         };
         let stage = &self.parallel.stage;
         if stage.schedule().num_chunks() == 1 && self.parallel.layout.layout.tp == 1 {
@@ -324,6 +344,9 @@ impl Trainer {
         let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
         self.parallel
             .load_state(&self.model, &self.whole, &full, Some(&optimizer));
+        if let Some(scaler) = restored.loss_scaler {
+            self.parallel.restore_loss_scaler(scaler);
+        }
         self.step = restored.step;
         Ok(())
     }
@@ -502,6 +525,8 @@ impl Trainer {
                     loss,
                     lr,
                     grad_norm: stats.grad_norm,
+                    loss_scale: stats.loss_scale,
+                    skipped_steps: self.skipped_steps,
                     samples_per_s: sps,
                     elapsed_s: started.elapsed().as_secs_f64(),
                 };

@@ -114,6 +114,14 @@ impl Layer for Residual {
     fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
         self.parts.set_stats_reducer(reducer);
     }
+
+    fn children(&self) -> Option<&Children> {
+        Some(&self.parts)
+    }
+
+    fn children_mut(&mut self) -> Option<&mut Children> {
+        Some(&mut self.parts)
+    }
 }
 
 /// ResNet-18 with stage widths `(w, 2w, 4w, 8w)`; D2L uses w = 64.
