@@ -230,12 +230,14 @@ impl RunMetrics {
     }
 }
 
-/// `meshtrain plot --metrics runs/lenet/metrics.jsonl --out curves.png`
+/// `meshtrain plot --metrics runs/lenet/metrics.jsonl --out curves.png`; several `--metrics`
+/// overlay their runs in one figure (e.g. the same model in fp32, bf16 and fp16).
 #[derive(clap::Args)]
 pub struct PlotArgs {
-    /// The run's metrics file, e.g. runs/lenet/metrics.jsonl.
-    #[arg(long)]
-    pub metrics: PathBuf,
+    /// The run's metrics file, e.g. runs/lenet/metrics.jsonl (repeat it to overlay runs; each
+    /// is named by its directory).
+    #[arg(long, required = true)]
+    pub metrics: Vec<PathBuf>,
     /// Where to write the PNG.
     #[arg(long, default_value = "curves.png")]
     pub out: PathBuf,
@@ -243,28 +245,82 @@ pub struct PlotArgs {
 
 /// The `plot` subcommand.
 pub fn run(args: &PlotArgs) -> anyhow::Result<()> {
-    plot_metrics(&args.metrics, &args.out)?;
+    plot_runs(&args.metrics, &args.out)?;
     println!("wrote {}", args.out.display());
     Ok(())
 }
 
-/// Read `metrics_jsonl` and draw its curves into `out_png`. The run's name in the title is the
-/// directory holding the metrics file (e.g. `lenet` for `runs/lenet/metrics.jsonl`).
-pub fn plot_metrics(metrics_jsonl: &Path, out_png: &Path) -> Result<(), PlotError> {
-    let metrics = RunMetrics::read(metrics_jsonl)?;
-    let run_name = metrics_jsonl
+/// The directory holding a metrics file names its run (`lenet` for `runs/lenet/metrics.jsonl`).
+fn run_name(metrics_jsonl: &Path) -> String {
+    metrics_jsonl
         .parent()
         .and_then(|d| d.file_name())
-        .map_or_else(|| "run".to_owned(), |n| n.to_string_lossy().into_owned());
-    let figure = metrics
-        .figure(&run_name)
-        .ok_or_else(|| PlotError::NoRecords {
-            path: metrics_jsonl.to_owned(),
-        })?;
+        .map_or_else(|| "run".to_owned(), |n| n.to_string_lossy().into_owned())
+}
+
+/// Read `metrics_jsonl` and draw its curves into `out_png`.
+pub fn plot_metrics(metrics_jsonl: &Path, out_png: &Path) -> Result<(), PlotError> {
+    plot_runs(&[metrics_jsonl.to_owned()], out_png)
+}
+
+/// Draw one or more runs' curves into `out_png`: one run as [`RunMetrics::figure`] draws it;
+/// several overlaid, panel by panel, each series named by its run.
+pub fn plot_runs(metrics: &[PathBuf], out_png: &Path) -> Result<(), PlotError> {
+    let mut figures = Vec::new();
+    for path in metrics {
+        let name = run_name(path);
+        let figure = RunMetrics::read(path)?
+            .figure(&name)
+            .ok_or_else(|| PlotError::NoRecords { path: path.clone() })?;
+        figures.push((name, figure));
+    }
+    let figure = if figures.len() == 1 {
+        figures.remove(0).1
+    } else {
+        overlay(figures)
+    };
     line_panels(out_png, &figure).map_err(|source| PlotError::Chart {
         path: out_png.to_owned(),
         source,
     })
+}
+
+/// Runs' figures merged: panel i holds every run's panel-i series, named `run: series`; a
+/// reference line the runs share (the unigram baseline) is drawn once.
+fn overlay(figures: Vec<(String, LinePanels)>) -> LinePanels {
+    let titles: Vec<String> = figures.iter().map(|(_, f)| f.title.clone()).collect();
+    let panel_count = figures.iter().map(|(_, f)| f.panels.len()).max().unwrap_or(0);
+    let mut panels: Vec<LineChart> = Vec::new();
+    for i in 0..panel_count {
+        let mut merged: Option<LineChart> = None;
+        for (name, figure) in &figures {
+            let Some(panel) = figure.panels.get(i) else {
+                continue;
+            };
+            let target = merged.get_or_insert_with(|| LineChart {
+                series: Vec::new(),
+                ..panel.clone()
+            });
+            for series in &panel.series {
+                let shared = series.name == "unigram baseline";
+                if shared && target.series.iter().any(|s| s.name == series.name) {
+                    continue;
+                }
+                let mut s = series.clone();
+                if !shared {
+                    s.name = format!("{name}: {}", series.name);
+                }
+                target.series.push(s);
+            }
+        }
+        panels.extend(merged);
+    }
+    let size = figures[0].1.size;
+    LinePanels {
+        title: titles.join("  |  "),
+        panels,
+        size,
+    }
 }
 
 #[cfg(test)]

@@ -160,8 +160,17 @@ pub fn run(args: &BenchPrecisionArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "\n{:<9} {:>6} {:>10} {:>8} {:>8} {:>10} {:>8}   (median of {} interleaved rounds of {} steps)",
-        "model", "prec", "step ms", "fwd ms", "bwd ms", "samples/s", "vs first", args.model_rounds,
+        "\n{:<9} {:>6} {:>10} {:>8} {:>8} {:>10} {:>8} {:>9} {:>7}   (median of {} interleaved rounds of {} steps)",
+        "model",
+        "prec",
+        "step ms",
+        "fwd ms",
+        "bwd ms",
+        "samples/s",
+        "vs first",
+        "act MiB",
+        "vs first",
+        args.model_rounds,
         args.steps
     );
     for model in models {
@@ -179,14 +188,16 @@ pub fn run(args: &BenchPrecisionArgs) -> Result<()> {
         for (i, r) in last.iter().enumerate() {
             let step = median(steps[i].clone());
             println!(
-                "{:<9} {:>6} {:>10.1} {:>8.1} {:>8.1} {:>10.1} {:>7.2}x",
+                "{:<9} {:>6} {:>10.1} {:>8.1} {:>8.1} {:>10.1} {:>7.2}x {:>9.1} {:>6.2}x",
                 model,
                 precisions[i].to_string(),
                 step,
                 r.forward_ms,
                 r.backward_ms,
                 r.batch as f64 / step * 1e3,
-                base / step
+                base / step,
+                r.activation_mb,
+                r.activation_mb / last[0].activation_mb
             );
         }
     }

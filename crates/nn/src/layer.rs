@@ -247,6 +247,22 @@ impl Saved {
         }
     }
 
+    /// Replaces the activation kept at `precision` `from_end` places before the last one
+    /// (0: the last) by `t` (a layer that keeps less than its inner layer did: a sequence-
+    /// parallel layer keeps its own tokens, not the gathered ones).
+    pub fn replace_kept(&mut self, precision: DType, from_end: usize, t: Tensor) {
+        match precision {
+            DType::F32 => {
+                let at = self.tensors.len() - 1 - from_end;
+                std::mem::replace(&mut self.tensors[at], t).recycle();
+            }
+            _ => {
+                let at = self.halves.len() - 1 - from_end;
+                self.halves[at] = HalfTensor::from_tensor(t, precision);
+            }
+        }
+    }
+
     /// The last activation [`Saved::keep`] stored at `precision`, in f32.
     pub fn take(&mut self, precision: DType, what: &str) -> Tensor {
         let kept = match precision {

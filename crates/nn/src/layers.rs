@@ -537,8 +537,11 @@ impl Layer for Conv2d {
         let (oh, ow) = self.geom.output_size(sp.height, sp.width);
         if mode.train {
             s.keep(x, self.precision);
+            // The columns (and gathered weights) only ever feed products: under mixed
+            // precision they are kept in 16 bits like the input.
             if let Some(c) = columns {
-                s.stats.push(c);
+                let len = c.len();
+                s.keep(Tensor::from_vec(c, &[len]), self.precision);
             }
         }
         Tensor::from_vec(y, &[self.geom.out_channels, sp.batch, oh, ow])
@@ -552,8 +555,8 @@ impl Layer for Conv2d {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        let columns = self.geom.keeps_columns().then(|| s.take(self.precision, "Conv2d (columns)").into_vec());
         let x = s.take(self.precision, "Conv2d");
-        let columns = s.stats.pop();
         let nw = self.geom.out_channels * self.geom.patch_len();
         let (gw, gb) = g.split_at_mut(nw);
         let dbias = if self.bias { Some(gb) } else { None };

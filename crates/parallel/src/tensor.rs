@@ -406,9 +406,8 @@ impl Layer for ColumnParallel {
         let y = self.inner.forward(p, b, full, mode, s);
         if mode.train {
             // Keep this rank's tokens, not the gathered input: backward gathers again.
-            let at = s.tensors.len() - 1 - usize::from(self.inner.activation.is_some());
-            let gathered = std::mem::replace(&mut s.tensors[at], x);
-            gathered.recycle();
+            let from_end = usize::from(self.inner.activation.is_some());
+            s.replace_kept(self.inner.precision, from_end, x);
         }
         y
     }

@@ -38,6 +38,12 @@ impl ConvGeometry {
     /// products are too thin for `gemm` to reach speed (6 or 16 output rows), while the
     /// im2col matrix they would multiply is 25× the input (20 MB for LeNet's first layer at
     /// batch 256) and costs more memory traffic than the arithmetic itself.
+    /// Whether a training forward returns state for backward (the im2col columns of tap
+    /// classes); direct and pointwise convolutions keep none.
+    pub fn keeps_columns(&self) -> bool {
+        !self.prefers_direct() && !self.is_pointwise()
+    }
+
     fn prefers_direct(&self) -> bool {
         self.stride == 1
             && !self.is_pointwise()

@@ -1,0 +1,153 @@
+//! Mixed precision end to end (`Job::run`, as `meshtrain train --precision`): bf16 runs on
+//! every layout against one bf16 worker, fp16's loss scaler skipping an overflowed step on
+//! every worker at once, and the scaler's state surviving a checkpoint.
+//!
+//! Tolerance for bf16 layouts against one bf16 worker: a layout changes the order of f32 sums
+//! (as in fp32, ~1e-7), and a value that then lands on the other side of a bf16 rounding
+//! boundary moves by up to 2⁻⁹ of itself in the next product; after 10 steps the parameters
+//! of the tiny GPT agree to a relative L2 distance below 2e-3 (observed 6e-5 to 1e-3), while
+//! bf16 and fp32 differ by 1.3e-3 and fp32 layouts by ~1e-7 from each other.
+
+use meshtrain::config::Config;
+use meshtrain_train::{RunOptions, Summary};
+use std::path::{Path, PathBuf};
+
+mod common;
+use common::{job, rel_diff, root, single_trainer};
+
+const STEPS: u64 = 10;
+
+/// The tiny GPT with 4 heads (so tp = 4 splits them), AdamW, clipping at 1.0.
+fn config(out: &Path, extra: &[String]) -> Config {
+    let mut o: Vec<String> = [
+        "model.dim=32",
+        "model.layers=2",
+        "model.heads=4",
+        "model.seq=16",
+        "train.batch_size=8",
+        "train.steps=40",
+        "train.eval_every=5",
+        "train.eval_batches=2",
+        "schedule.warmup_steps=5",
+        "train.threads=1",
+        "train.log_every=1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    o.push(format!("train.out_dir=\"{}\"", out.display()));
+    o.push(format!("train.max_steps={STEPS}"));
+    o.extend(extra.iter().cloned());
+    let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
+    Config::from_toml_with_overrides(&text, &o).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+struct Run {
+    params: Vec<f32>,
+    /// (loss scale, skipped steps so far) per step, from metrics.jsonl.
+    scales: Vec<(f32, u64)>,
+    checkpoint: PathBuf,
+    summary: Summary,
+}
+
+/// Trains `extra`'s settings (with an overflow injected at `(step, world rank)` if given) and
+/// reads back the parameters of the checkpoint it wrote, whole, on one worker.
+fn train(extra: &[&str], inject: Option<(u64, usize)>, resume: Option<&Path>) -> Run {
+    let out = tempfile::tempdir().unwrap().keep();
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let cfg = config(&out, &extra);
+    let mut job = (*job(&cfg)).clone();
+    job.parallel.inject_overflow = inject;
+    let options = RunOptions {
+        resume: resume.map(Path::to_path_buf),
+        ..RunOptions::default()
+    };
+    let summary = job.run(&options).unwrap_or_else(|e| panic!("{e:#}"));
+    let checkpoint = out.join("checkpoint.safetensors");
+    let mut single = cfg.clone();
+    single.parallel.tp = 1;
+    let mut t = single_trainer(&single);
+    t.resume(&checkpoint).unwrap_or_else(|e| panic!("{e:#}"));
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let scales = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "train")
+        .filter_map(|v| {
+            Some((
+                v["loss_scale"].as_f64()? as f32,
+                v["skipped_steps"].as_u64()?,
+            ))
+        })
+        .collect();
+    Run {
+        params: t.local_params(),
+        scales,
+        checkpoint,
+        summary,
+    }
+}
+
+#[test]
+fn bf16_runs_on_every_layout_match_one_bf16_worker() {
+    let fp32 = train(&[], None, None);
+    let single = train(&["train.precision=\"bf16\""], None, None);
+    assert_eq!(single.summary.steps, STEPS);
+    let bf16_vs_fp32 = rel_diff(&single.params, &fp32.params);
+    eprintln!("bf16 vs fp32 after {STEPS} steps: {bf16_vs_fp32:.2e}");
+    for layout in ["dp=2", "tp=2", "tp=4,sp=on", "pp=2,m=2", "dp=2,tp=2,pp=2,m=2"] {
+        let setting = format!("parallel.layout=\"{layout},precision=bf16\"");
+        let run = train(&[&setting], None, None);
+        let d = rel_diff(&run.params, &single.params);
+        eprintln!("bf16 {layout}: relative difference to one bf16 worker {d:.2e}");
+        assert!(d <= 2e-3, "{layout}: {d:.2e}");
+        // A layout that ran in fp32 would sit ~1e-7 from the fp32 run (tensor_parallel.rs).
+        let from_fp32 = rel_diff(&run.params, &fp32.params);
+        assert!(from_fp32 > 1e-4, "{layout}: ran in fp32? {from_fp32:.2e}");
+    }
+}
+
+/// An overflow reported by one worker at step 3: every worker skips that step (their
+/// parameters stay equal to one worker that skipped it too), the scale halves, and training
+/// goes on to the end. One worker that did not skip ends elsewhere.
+#[test]
+fn fp16_overflow_on_one_worker_skips_the_step_on_every_worker() {
+    let fp16 = "train.precision=\"fp16\"";
+    let clean = train(&[fp16], None, None);
+    assert_eq!(clean.scales.len(), STEPS as usize);
+    assert!(clean.scales.iter().all(|&s| s == (65536.0, 0)));
+    let skipped = train(&[fp16], Some((3, 0)), None);
+    assert_eq!(skipped.summary.steps, STEPS);
+    assert_eq!(skipped.scales[2], (65536.0, 0));
+    assert_eq!(skipped.scales[3], (32768.0, 1), "step 4 was skipped");
+    assert_eq!(skipped.scales[9], (32768.0, 1));
+    let skip_effect = rel_diff(&skipped.params, &clean.params);
+    eprintln!("one skipped step moves the parameters by {skip_effect:.2e}");
+    assert!(skip_effect > 1e-3);
+    for layout in ["dp=2", "pp=2,m=2", "tp=2"] {
+        let setting = format!("parallel.layout=\"{layout}\"");
+        let run = train(&[fp16, &setting], Some((3, 1)), None);
+        assert_eq!(run.scales[3], (32768.0, 1), "{layout}");
+        let d = rel_diff(&run.params, &skipped.params);
+        eprintln!("fp16 {layout}, overflow on rank 1: {d:.2e} from one worker that skipped");
+        assert!(d < skip_effect / 10.0, "{layout}: {d:.2e}");
+    }
+}
+
+/// The scaler's state is part of the checkpoint: 5 steps, save, 5 more equals 10 in one go,
+/// with the scale growing every 3 clean steps (so a scaler started afresh would differ).
+#[test]
+fn fp16_loss_scaler_state_survives_a_checkpoint() {
+    let settings = ["train.precision=\"fp16\"", "train.loss_scale.growth_interval=3"];
+    let whole = train(&settings, None, None);
+    let scales: Vec<f32> = whole.scales.iter().map(|s| s.0).collect();
+    assert_eq!(scales[2], 131072.0);
+    assert_eq!(scales[9], 524288.0);
+    let mut first: Vec<&str> = settings.to_vec();
+    first.push("train.max_steps=5");
+    let half = train(&first, None, None);
+    let resumed = train(&settings, None, Some(&half.checkpoint));
+    assert_eq!(resumed.summary.steps, STEPS);
+    assert_eq!(resumed.scales.last(), whole.scales.last());
+    assert_eq!(resumed.params, whole.params, "resumed fp16 run differs");
+}
