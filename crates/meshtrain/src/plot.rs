@@ -289,7 +289,11 @@ pub fn plot_runs(metrics: &[PathBuf], out_png: &Path) -> Result<(), PlotError> {
 /// reference line the runs share (the unigram baseline) is drawn once.
 fn overlay(figures: Vec<(String, LinePanels)>) -> LinePanels {
     let titles: Vec<String> = figures.iter().map(|(_, f)| f.title.clone()).collect();
-    let panel_count = figures.iter().map(|(_, f)| f.panels.len()).max().unwrap_or(0);
+    let panel_count = figures
+        .iter()
+        .map(|(_, f)| f.panels.len())
+        .max()
+        .unwrap_or(0);
     let mut panels: Vec<LineChart> = Vec::new();
     for i in 0..panel_count {
         let mut merged: Option<LineChart> = None;

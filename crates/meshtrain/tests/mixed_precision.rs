@@ -95,7 +95,13 @@ fn bf16_runs_on_every_layout_match_one_bf16_worker() {
     assert_eq!(single.summary.steps, STEPS);
     let bf16_vs_fp32 = rel_diff(&single.params, &fp32.params);
     eprintln!("bf16 vs fp32 after {STEPS} steps: {bf16_vs_fp32:.2e}");
-    for layout in ["dp=2", "tp=2", "tp=4,sp=on", "pp=2,m=2", "dp=2,tp=2,pp=2,m=2"] {
+    for layout in [
+        "dp=2",
+        "tp=2",
+        "tp=4,sp=on",
+        "pp=2,m=2",
+        "dp=2,tp=2,pp=2,m=2",
+    ] {
         let setting = format!("parallel.layout=\"{layout},precision=bf16\"");
         let run = train(&[&setting], None, None);
         let d = rel_diff(&run.params, &single.params);
@@ -138,7 +144,10 @@ fn fp16_overflow_on_one_worker_skips_the_step_on_every_worker() {
 /// with the scale growing every 3 clean steps (so a scaler started afresh would differ).
 #[test]
 fn fp16_loss_scaler_state_survives_a_checkpoint() {
-    let settings = ["train.precision=\"fp16\"", "train.loss_scale.growth_interval=3"];
+    let settings = [
+        "train.precision=\"fp16\"",
+        "train.loss_scale.growth_interval=3",
+    ];
     let whole = train(&settings, None, None);
     let scales: Vec<f32> = whole.scales.iter().map(|s| s.0).collect();
     assert_eq!(scales[2], 131072.0);

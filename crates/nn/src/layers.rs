@@ -555,7 +555,10 @@ impl Layer for Conv2d {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
-        let columns = self.geom.keeps_columns().then(|| s.take(self.precision, "Conv2d (columns)").into_vec());
+        let columns = self
+            .geom
+            .keeps_columns()
+            .then(|| s.take(self.precision, "Conv2d (columns)").into_vec());
         let x = s.take(self.precision, "Conv2d");
         let nw = self.geom.out_channels * self.geom.patch_len();
         let (gw, gb) = g.split_at_mut(nw);
