@@ -384,6 +384,48 @@ mod tests {
         );
     }
 
+    /// Several runs overlay panel by panel, each series named by its run's directory.
+    #[test]
+    fn runs_overlay_in_one_figure() {
+        let root = tempfile::tempdir().unwrap();
+        let mut figures = Vec::new();
+        for (name, loss) in [("gpt-fp32", 1.0), ("gpt-bf16", 1.1)] {
+            let dir = root.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            let lines = [train(10, loss), eval_image(10, loss, 0.5)];
+            let path = write(&dir, &lines.iter().map(String::as_str).collect::<Vec<_>>());
+            figures.push((
+                run_name(&path),
+                RunMetrics::read(&path).unwrap().figure(name).unwrap(),
+            ));
+        }
+        let fig = overlay(figures);
+        assert_eq!(fig.panels.len(), 2);
+        let names: Vec<&str> = fig.panels[0]
+            .series
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "gpt-fp32: train loss",
+                "gpt-fp32: test loss",
+                "gpt-bf16: train loss",
+                "gpt-bf16: test loss"
+            ]
+        );
+        assert_eq!(points(&fig.panels[0].series[2]), [(10.0, 1.1)]);
+        assert_eq!(fig.panels[1].series.len(), 2);
+        let out = root.path().join("overlay.png");
+        let paths: Vec<PathBuf> = ["gpt-fp32", "gpt-bf16"]
+            .iter()
+            .map(|n| root.path().join(n).join("metrics.jsonl"))
+            .collect();
+        plot_runs(&paths, &out).unwrap();
+        assert!(std::fs::metadata(&out).unwrap().len() > 1000);
+    }
+
     #[test]
     fn resumed_run_keeps_the_continuation_that_went_on() {
         let dir = tempfile::tempdir().unwrap();
