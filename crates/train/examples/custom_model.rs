@@ -1,8 +1,9 @@
 //! Train a model and a dataset of your own with meshtrain's parallel layouts, through the
 //! public API only: a three-arm spiral (2-D points, 3 classes), a residual MLP whose residual
 //! block is a layer written here with its own forward and backward, trained data-parallel
-//! (`dp=2`) and pipelined (`pp=2`, 4 micro-batches of 16), with parameter groups (no weight
-//! decay on biases), warm-up + cosine, checkpoints and metrics.
+//! (`dp=2`), pipelined (`pp=2`, 4 micro-batches of 16) and data-parallel in bf16 mixed
+//! precision (the layer passes `set_precision` to its linears), with parameter groups (no
+//! weight decay on biases), warm-up + cosine, checkpoints and metrics.
 //!
 //! ```sh
 //! cargo run --release -p meshtrain-train --example custom_model
@@ -15,7 +16,7 @@ use meshtrain_train::nn::optim::{OptimizerConfig, ParamGroups};
 use meshtrain_train::nn::{Block, CrossEntropy, InputSpec, Layer, Mode, Model, ParamSpec, Saved};
 use meshtrain_train::tensor::activation::Activation;
 use meshtrain_train::tensor::rng::SplitMix64;
-use meshtrain_train::tensor::Tensor;
+use meshtrain_train::tensor::{DType, Tensor};
 use meshtrain_train::{
     BatchMut, Dataset, DatasetError, EvalPlan, Inputs, Job, LrSchedule, RunOptions,
 };
@@ -92,6 +93,13 @@ impl ResidualMlp {
 }
 
 impl Layer for ResidualMlp {
+    /// Mixed precision reaches layers through this (or through `children_mut`, for layers
+    /// kept in `Children`): our two linears then run their products in bf16/f16.
+    fn set_precision(&mut self, precision: DType) {
+        self.fc1.set_precision(precision);
+        self.fc2.set_precision(precision);
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         let mut specs = Vec::new();
         for (prefix, layer) in [("fc1", &self.fc1), ("fc2", &self.fc2)] {
@@ -157,7 +165,7 @@ fn main() -> anyhow::Result<()> {
     let test: Arc<dyn Dataset> = Arc::new(Spirals::new(1536, 2));
     let out = std::env::temp_dir().join("meshtrain-custom-model");
     let mut finals = Vec::new();
-    for layout in ["dp=2", "pp=2,mb=16"] {
+    for layout in ["dp=2", "pp=2,mb=16", "dp=2,precision=bf16"] {
         println!("\n== {layout}");
         let summary = Job::new(model, train.clone(), Arc::new(CrossEntropy::new(3)))
             .eval(test.clone(), EvalPlan::All { batch: 512 })
@@ -199,9 +207,12 @@ fn main() -> anyhow::Result<()> {
         finals.push(summary.eval_loss.unwrap_or(f64::NAN));
     }
     // Both layouts train the same model on the same batches: only the order of float sums
-    // differs.
+    // differs. bf16 products round, so it lands near them, not on them.
     let gap = (finals[0] - finals[1]).abs() / finals[0];
     println!("\ndp=2 and pp=2 test losses differ by {gap:.1e} (relative)");
     anyhow::ensure!(gap < 1e-2, "the layouts diverged: {finals:?}");
+    let bf16_gap = (finals[0] - finals[2]).abs();
+    println!("dp=2 in bf16 and in fp32: test losses differ by {bf16_gap:.1e} (nats)");
+    anyhow::ensure!(bf16_gap < 0.02, "bf16 diverged from fp32: {finals:?}");
     Ok(())
 }
