@@ -15,6 +15,13 @@ env -u RUST_BACKTRACE mpirun --allow-run-as-root --oversubscribe -np 2 "$BIN" "$
     || { cat "$OUT/threads.log"; exit 1; }
 grep -q "over 2 data-parallel workers" "$OUT/mpi.log" || { cat "$OUT/mpi.log"; exit 1; }
 same_final_loss mpi-train-test "$OUT/mpi.log" "$OUT/threads.log"
+# Mixed precision over MPI: fp16's overflow check is a max all-reduce over the MPI world.
+env -u RUST_BACKTRACE mpirun --allow-run-as-root --oversubscribe -np 2 "$BIN" "${ARGS[@]}" \
+    --precision fp16 --set "train.out_dir=\"$OUT/mpi-fp16\"" >"$OUT/mpi-fp16.log" 2>&1 \
+    || { cat "$OUT/mpi-fp16.log"; exit 1; }
+"$BIN" "${ARGS[@]}" --dp 2 --precision fp16 --set "train.out_dir=\"$OUT/threads-fp16\"" \
+    >"$OUT/threads-fp16.log" 2>&1 || { cat "$OUT/threads-fp16.log"; exit 1; }
+same_final_loss mpi-train-test-fp16 "$OUT/mpi-fp16.log" "$OUT/threads-fp16.log"
 # A dp that contradicts the MPI world size is a clear error, not a hang.
 if env -u RUST_BACKTRACE mpirun --allow-run-as-root --oversubscribe -np 2 "$BIN" "${ARGS[@]}" --dp 4 \
     >"$OUT/bad.log" 2>&1; then
