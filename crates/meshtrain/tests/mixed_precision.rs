@@ -8,39 +8,13 @@
 //! of the tiny GPT agree to a relative L2 distance below 2e-3 (observed 6e-5 to 1e-3), while
 //! bf16 and fp32 differ by 1.3e-3 and fp32 layouts by ~1e-7 from each other.
 
-use meshtrain::config::Config;
 use meshtrain_train::{RunOptions, Summary};
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{job, rel_diff, root, single_trainer};
+use common::{job, rel_diff, single_trainer, tiny_gpt_config};
 
 const STEPS: u64 = 10;
-
-/// The tiny GPT with 4 heads (so tp = 4 splits them), AdamW, clipping at 1.0.
-fn config(out: &Path, extra: &[String]) -> Config {
-    let mut o: Vec<String> = [
-        "model.dim=32",
-        "model.layers=2",
-        "model.heads=4",
-        "model.seq=16",
-        "train.batch_size=8",
-        "train.steps=40",
-        "train.eval_every=5",
-        "train.eval_batches=2",
-        "schedule.warmup_steps=5",
-        "train.threads=1",
-        "train.log_every=1",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    o.push(format!("train.out_dir=\"{}\"", out.display()));
-    o.push(format!("train.max_steps={STEPS}"));
-    o.extend(extra.iter().cloned());
-    let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
-    Config::from_toml_with_overrides(&text, &o).unwrap_or_else(|e| panic!("{e:#}"))
-}
 
 struct Run {
     params: Vec<f32>,
@@ -54,8 +28,9 @@ struct Run {
 /// reads back the parameters of the checkpoint it wrote, whole, on one worker.
 fn train(extra: &[&str], inject: Option<(u64, usize)>, resume: Option<&Path>) -> Run {
     let out = tempfile::tempdir().unwrap().keep();
-    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-    let cfg = config(&out, &extra);
+    let mut settings = vec!["train.log_every=1"];
+    settings.extend_from_slice(extra);
+    let cfg = tiny_gpt_config(&out, STEPS, &settings);
     let mut job = (*job(&cfg)).clone();
     job.parallel.inject_overflow = inject;
     let options = RunOptions {

@@ -16,33 +16,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod common;
-use common::{job, rel_diff, root, single_trainer};
+use common::{job, rel_diff, root, single_trainer, tiny_gpt_config};
 
 const STEPS: u64 = 10;
 
-/// The tiny GPT with 4 heads (so tp = 4 splits them), AdamW, clipping at 1.0, 10 steps.
 fn config(out: &Path, extra: &[&str]) -> Config {
-    let mut o: Vec<String> = [
-        "model.dim=32",
-        "model.layers=2",
-        "model.heads=4",
-        "model.seq=16",
-        "train.batch_size=8",
-        "train.steps=40",
-        "train.eval_every=5",
-        "train.eval_batches=2",
-        "schedule.warmup_steps=5",
-        "train.threads=1",
-        "train.log_every=1000",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    o.push(format!("train.out_dir=\"{}\"", out.display()));
-    o.push(format!("train.max_steps={STEPS}"));
-    o.extend(extra.iter().map(|s| s.to_string()));
-    let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
-    Config::from_toml_with_overrides(&text, &o).unwrap_or_else(|e| panic!("{e:#}"))
+    tiny_gpt_config(out, STEPS, extra)
 }
 
 fn run(cfg: &Config, options: &RunOptions) -> Summary {

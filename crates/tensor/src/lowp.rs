@@ -329,57 +329,44 @@ mod packed {
         }
     }
 
-    /// Transposes a 32×32 matrix of 16-bit values held as 32 rows, in registers: five
-    /// stages, each swapping one bit of the row index with the same bit of the column index
-    /// (two `vpermt2w` per pair of rows), which together swap all of them.
+    /// Transposes an N×N matrix held as N rows of N lanes, in registers: 16-bit lanes for
+    /// N = 32 (bf16 values), 32-bit lanes for N = 16 (bf16 pairs). Each stage swaps one bit of
+    /// the row index with the same bit of the column index (two `vpermt2w`/`vpermt2d` per
+    /// pair of rows); log₂ N stages swap them all.
     ///
     /// # Safety
-    /// AVX-512BW available.
+    /// AVX-512F/BW available; N is 16 or 32.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn transpose_u16_32x32(v: &mut [__m512i; 32]) {
-        for bit in [16usize, 8, 4, 2, 1] {
-            let (mut keep, mut swap) = ([0i16; 32], [0i16; 32]);
-            for j in 0..32 {
-                (keep[j], swap[j]) = if j & bit == 0 {
-                    (j as i16, (j + bit) as i16)
+    unsafe fn transpose_lanes<const N: usize>(v: &mut [__m512i; N]) {
+        let index = |f: &dyn Fn(usize) -> usize| -> __m512i {
+            if N == 32 {
+                let lanes: [i16; 32] = std::array::from_fn(|j| f(j) as i16);
+                _mm512_loadu_si512(lanes.as_ptr() as *const _)
+            } else {
+                let lanes: [i32; 16] = std::array::from_fn(|j| f(j) as i32);
+                _mm512_loadu_si512(lanes.as_ptr() as *const _)
+            }
+        };
+        let mut bit = N / 2;
+        while bit > 0 {
+            let keep = index(&|j| if j & bit == 0 { j } else { N + j - bit });
+            let swap = index(&|j| if j & bit == 0 { j + bit } else { N + j });
+            for i in (0..N).filter(|i| i & bit == 0) {
+                let (low, high) = (v[i], v[i + bit]);
+                (v[i], v[i + bit]) = if N == 32 {
+                    (
+                        _mm512_permutex2var_epi16(low, keep, high),
+                        _mm512_permutex2var_epi16(low, swap, high),
+                    )
                 } else {
-                    ((32 + j - bit) as i16, (32 + j) as i16)
+                    (
+                        _mm512_permutex2var_epi32(low, keep, high),
+                        _mm512_permutex2var_epi32(low, swap, high),
+                    )
                 };
             }
-            let keep = _mm512_loadu_si512(keep.as_ptr() as *const _);
-            let swap = _mm512_loadu_si512(swap.as_ptr() as *const _);
-            for i in (0..32).filter(|i| i & bit == 0) {
-                let (low, high) = (v[i], v[i + bit]);
-                v[i] = _mm512_permutex2var_epi16(low, keep, high);
-                v[i + bit] = _mm512_permutex2var_epi16(low, swap, high);
-            }
-        }
-    }
-
-    /// [`transpose_u16_32x32`] for a 16×16 matrix of 32-bit values (four stages).
-    ///
-    /// # Safety
-    /// AVX-512F available.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn transpose_u32_16x16(v: &mut [__m512i; 16]) {
-        for bit in [8usize, 4, 2, 1] {
-            let (mut keep, mut swap) = ([0i32; 16], [0i32; 16]);
-            for j in 0..16 {
-                (keep[j], swap[j]) = if j & bit == 0 {
-                    (j as i32, (j + bit) as i32)
-                } else {
-                    ((16 + j - bit) as i32, (16 + j) as i32)
-                };
-            }
-            let keep = _mm512_loadu_si512(keep.as_ptr() as *const _);
-            let swap = _mm512_loadu_si512(swap.as_ptr() as *const _);
-            for i in (0..16).filter(|i| i & bit == 0) {
-                let (low, high) = (v[i], v[i + bit]);
-                v[i] = _mm512_permutex2var_epi32(low, keep, high);
-                v[i + bit] = _mm512_permutex2var_epi32(low, swap, high);
-            }
+            bit /= 2;
         }
     }
 
@@ -401,7 +388,7 @@ mod packed {
 
     /// [`pack_a_block`] for a transposed left operand (unit row stride: a weight gradient's
     /// `dzᵀ`): each k reads 32 consecutive rows, and a 32×32 transpose in registers turns
-    /// them into tile rows, where gathering across rows cost ~25% of a bf16 GPT step.
+    /// them into tile rows ([`transpose_lanes`]), where gathering across rows cost ~25% of a bf16 GPT step.
     ///
     /// # Safety
     /// As [`pack_a_block`]; `a.row_stride() == 1`.
@@ -417,7 +404,7 @@ mod packed {
                     *column = load32_bf16(a.as_ptr().add(m0 + at * cs), rows);
                 }
             }
-            transpose_u16_32x32(&mut v);
+            transpose_lanes(&mut v);
             for (r, row) in v.iter().enumerate() {
                 let out = dst
                     .as_mut_ptr()
@@ -444,7 +431,7 @@ mod packed {
                 *column = load32_bf16(b.as_ptr().add(col * cs + k0), k - k0);
             }
         }
-        transpose_u32_16x16(&mut v);
+        transpose_lanes(&mut v);
         for (p, row) in v.iter().enumerate() {
             _mm512_storeu_si512(out.add(p * KT) as *mut _, *row);
         }

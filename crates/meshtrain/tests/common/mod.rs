@@ -6,6 +6,7 @@ use meshtrain::config::Config;
 use meshtrain::presets::Task;
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_train::{Job, Trainer};
+use std::path::Path;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -47,4 +48,31 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
     let norm = |it: &mut dyn Iterator<Item = f64>| it.map(|v| v * v).sum::<f64>().sqrt();
     let diff = norm(&mut a.iter().zip(b).map(|(x, y)| (*x - *y) as f64));
     diff / norm(&mut b.iter().map(|&v| v as f64))
+}
+
+/// The tiny GPT of the tensor-parallel and mixed-precision tests: 4 heads (so tp = 4 splits
+/// them), width 32, 2 layers, context 16, batch 8, AdamW with clipping at 1.0, 10 steps
+/// (`max_steps`) writing into `out`; `extra` overrides come last.
+pub fn tiny_gpt_config(out: &Path, max_steps: u64, extra: &[&str]) -> Config {
+    let mut o: Vec<String> = [
+        "model.dim=32",
+        "model.layers=2",
+        "model.heads=4",
+        "model.seq=16",
+        "train.batch_size=8",
+        "train.steps=40",
+        "train.eval_every=5",
+        "train.eval_batches=2",
+        "schedule.warmup_steps=5",
+        "train.threads=1",
+        "train.log_every=1000",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    o.push(format!("train.out_dir=\"{}\"", out.display()));
+    o.push(format!("train.max_steps={max_steps}"));
+    o.extend(extra.iter().map(|s| s.to_string()));
+    let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
+    Config::from_toml_with_overrides(&text, &o).unwrap_or_else(|e| panic!("{e:#}"))
 }
