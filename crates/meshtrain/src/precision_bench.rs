@@ -130,12 +130,12 @@ pub fn run(args: &BenchPrecisionArgs) -> Result<()> {
     );
     let pool = meshtrain_tensor::par::pool(args.threads);
     print!("{:<16} {:>9}", "product", "f32");
-    for k in &kernels {
+    for k in kernels {
         print!(" {:>12} {:>6}", k.name(), "ratio");
     }
     println!("   (GFLOP/s, median of {} interleaved rounds)", args.rounds);
     for shape in SHAPES.iter().filter(|_| args.rounds > 0) {
-        let rates = pool.install(|| product_rates(shape, &kernels, args.rounds));
+        let rates = pool.install(|| product_rates(shape, kernels, args.rounds));
         print!("{:<16} {:>9.1}", shape.name, rates[0]);
         for r in &rates[1..] {
             print!(" {:>12.1} {:>5.2}x", r, r / rates[0]);

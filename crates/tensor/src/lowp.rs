@@ -47,17 +47,20 @@ impl Bf16Kernel {
         }
     }
 
-    /// Every kernel this CPU can run, fastest first.
-    pub fn available() -> Vec<Bf16Kernel> {
-        let mut out = Vec::new();
-        if amx_usable() {
-            out.push(Bf16Kernel::Amx);
-        }
-        if avx512_bf16_usable() {
-            out.push(Bf16Kernel::Avx512);
-        }
-        out.push(Bf16Kernel::Portable);
-        out
+    /// Every kernel this CPU can run, fastest first (detected once).
+    pub fn available() -> &'static [Bf16Kernel] {
+        static AVAILABLE: OnceLock<Vec<Bf16Kernel>> = OnceLock::new();
+        AVAILABLE.get_or_init(|| {
+            let mut out = Vec::new();
+            if amx_usable() {
+                out.push(Bf16Kernel::Amx);
+            }
+            if avx512_bf16_usable() {
+                out.push(Bf16Kernel::Avx512);
+            }
+            out.push(Bf16Kernel::Portable);
+            out
+        })
     }
 }
 
@@ -796,7 +799,7 @@ mod tests {
     /// at most 2⁻⁹, so a product 2⁻⁸; the f32 sum adds at most k·2⁻²⁴ of the magnitudes.
     #[test]
     fn bf16_products_stay_within_rounding_bounds_of_an_f64_reference() {
-        for kernel in Bf16Kernel::available() {
+        for &kernel in Bf16Kernel::available() {
             for &(m, n, k) in &[
                 (1, 1, 1),
                 (3, 5, 7),
@@ -877,7 +880,7 @@ mod tests {
             .map(|i| if i % 2 == 0 { 1.0 } else { 1.0078125 })
             .collect();
         let want: f64 = b.iter().map(|&x| x as f64).sum();
-        for kernel in Bf16Kernel::available() {
+        for &kernel in Bf16Kernel::available() {
             let mut c = [0.0f32];
             gemm_bf16_with(
                 kernel,
@@ -901,7 +904,7 @@ mod tests {
         let (m, n, k) = (37, 40, 90);
         let a = pseudo_random(m * k, 3);
         let b = pseudo_random(k * n, 4);
-        for kernel in Bf16Kernel::available() {
+        for &kernel in Bf16Kernel::available() {
             let mut all = vec![0.0f32; m * n];
             let (av, bv) = (Mat::new(&a, m, k), Mat::new(&b, k, n));
             gemm_bf16_with(kernel, MatMut::new(&mut all, m, n), av, bv, false, 2);
