@@ -150,7 +150,11 @@ pub fn gemm_bf16_with(
 
 /// The portable path: copies of `a` and `b` rounded through `dtype`, then the f32 product.
 fn gemm_rounded(dtype: DType, c: MatMut, a: Mat, b: Mat, accumulate: bool, threads: usize) {
-    let (ra, rb) = (RoundedCopy::of(a, dtype), RoundedCopy::of(b, dtype));
+    let parallel = threads > 1;
+    let (ra, rb) = (
+        RoundedCopy::of(a, dtype, parallel),
+        RoundedCopy::of(b, dtype, parallel),
+    );
     gemm_f32_with_threads(c, ra.view(), rb.view(), accumulate, threads);
     crate::par::recycle(ra.data);
     crate::par::recycle(rb.data);
@@ -166,27 +170,32 @@ struct RoundedCopy {
 }
 
 impl RoundedCopy {
-    fn of(m: Mat, dtype: DType) -> Self {
+    fn of(m: Mat, dtype: DType, parallel: bool) -> Self {
         let transposed = m.row_stride() == 1 && m.col_stride() != 1;
         let m = if transposed { m.t() } else { m };
         let (rows, cols, rs, cs) = (m.rows(), m.cols(), m.row_stride(), m.col_stride());
         // Every element is written below; the thread's buffer pool spares the page faults of
         // a fresh allocation this size on every product.
         let mut data = crate::par::take_buffer(rows * cols);
-        data.par_chunks_mut(cols.max(1))
-            .enumerate()
-            .for_each(|(i, row)| {
-                // SAFETY: row i of the bounds-checked view.
-                let start = unsafe { m.as_ptr().add(i * rs) };
-                if cs == 1 {
-                    row.copy_from_slice(unsafe { std::slice::from_raw_parts(start, cols) });
-                } else {
-                    for (j, v) in row.iter_mut().enumerate() {
-                        *v = unsafe { *start.add(j * cs) };
-                    }
+        let copy_row = |(i, row): (usize, &mut [f32])| {
+            // SAFETY: row i of the bounds-checked view.
+            let start = unsafe { m.as_ptr().add(i * rs) };
+            if cs == 1 {
+                row.copy_from_slice(unsafe { std::slice::from_raw_parts(start, cols) });
+            } else {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = unsafe { *start.add(j * cs) };
                 }
-                crate::dtype::round_through(row, dtype);
-            });
+            }
+            crate::dtype::round_through(row, dtype);
+        };
+        if parallel {
+            data.par_chunks_mut(cols.max(1))
+                .enumerate()
+                .for_each(copy_row);
+        } else {
+            data.chunks_mut(cols.max(1)).enumerate().for_each(copy_row);
+        }
         RoundedCopy {
             data,
             rows,
