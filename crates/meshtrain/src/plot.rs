@@ -267,17 +267,32 @@ pub fn plot_metrics(metrics_jsonl: &Path, out_png: &Path) -> Result<(), PlotErro
 /// several overlaid, panel by panel, each series named by its run.
 pub fn plot_runs(metrics: &[PathBuf], out_png: &Path) -> Result<(), PlotError> {
     let mut figures = Vec::new();
+    let mut finals = Vec::new();
     for path in metrics {
         let name = run_name(path);
-        let figure = RunMetrics::read(path)?
+        let run = RunMetrics::read(path)?;
+        let figure = run
             .figure(&name)
             .ok_or_else(|| PlotError::NoRecords { path: path.clone() })?;
+        finals.push(match (run.final_test_accuracy, run.final_eval_loss) {
+            (Some(a), _) => format!("{name} {:.2}%", 100.0 * a),
+            (None, Some(l)) => format!("{name} {l:.3}"),
+            _ => name.clone(),
+        });
         figures.push((name, figure));
     }
     let figure = if figures.len() == 1 {
         figures.remove(0).1
     } else {
-        overlay(figures)
+        let what = if finals.iter().any(|f| f.ends_with('%')) {
+            "final test accuracy"
+        } else {
+            "final evaluation loss"
+        };
+        LinePanels {
+            title: format!("{what}: {}", finals.join(", ")),
+            ..overlay(figures)
+        }
     };
     line_panels(out_png, &figure).map_err(|source| PlotError::Chart {
         path: out_png.to_owned(),
