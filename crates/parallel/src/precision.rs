@@ -116,7 +116,7 @@ impl LossScaler {
             return;
         }
         self.growth_tracker += 1;
-        if self.growth_tracker == self.config.growth_interval {
+        if self.growth_tracker >= self.config.growth_interval {
             let grown = self.scale * self.config.growth_factor;
             // GradScaler keeps the scale when growing it would overflow f32.
             if grown.is_finite() {
@@ -214,9 +214,10 @@ impl LossScaling {
         self.scaler
     }
 
-    /// Continues from a checkpoint's scaler state.
+    /// Continues from a checkpoint's scale and growth count; the settings stay this run's.
     pub fn restore(&mut self, scaler: LossScaler) {
-        self.scaler = scaler;
+        self.scaler.scale = scaler.scale;
+        self.scaler.growth_tracker = scaler.growth_tracker;
         self.shared_scale
             .store(scaler.scale.to_bits(), Ordering::Relaxed);
     }

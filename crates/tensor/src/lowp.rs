@@ -755,8 +755,13 @@ mod packed {
             Scratch(v)
         }
 
+        /// Keeps the buffer for the next product on this thread, unless it is one of the rare
+        /// huge ones (a vocabulary head's weights), which would stay allocated on every thread.
         fn put_back(self, slot: &'static std::thread::LocalKey<Cell<Vec<u16>>>) {
-            slot.with(|s| s.set(self.0));
+            const KEEP_AT_MOST: usize = 8 << 20;
+            if self.0.len() <= KEEP_AT_MOST {
+                slot.with(|s| s.set(self.0));
+            }
         }
     }
 

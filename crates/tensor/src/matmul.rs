@@ -34,9 +34,13 @@ pub struct MatMut<'a> {
 
 fn check_bounds(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) {
     if rows > 0 && cols > 0 {
-        let last = (rows - 1) * rs + (cols - 1) * cs;
+        // Checked: wrapped-around strides must not pass for a view inside the buffer (the
+        // kernels index through these views without further checks).
+        let last = (rows - 1)
+            .checked_mul(rs)
+            .and_then(|r| (cols - 1).checked_mul(cs).and_then(|c| r.checked_add(c)));
         assert!(
-            last < len,
+            last.is_some_and(|last| last < len),
             "matrix view {rows}x{cols} (strides {rs},{cs}) exceeds buffer of {len}"
         );
     }
@@ -450,6 +454,13 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "exceeds buffer")]
+    fn views_whose_strides_wrap_around_are_rejected() {
+        let a = vec![0.0; 5];
+        let _ = Mat::strided(&a, 2, 2, 1 << 63, 1 << 63);
     }
 
     #[test]
