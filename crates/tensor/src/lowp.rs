@@ -269,6 +269,9 @@ mod packed {
     const KT: usize = 32;
     /// bf16 elements in one 16×32 tile.
     const TILE: usize = 16 * KT;
+    /// k-tiles per chunk of the depth: 8 × 2 tiles of the left operand (16 KiB) plus one
+    /// column block's 16 KiB fit L1 together.
+    const KC_TILES: usize = 8;
 
     /// Sixteen f32 values `ptr[i * stride]` for lanes in `mask` (zeros elsewhere).
     ///
@@ -532,20 +535,44 @@ mod packed {
         }
     }
 
-    /// The 32×32 block `a_block · b_cols` into `out` (row stride 32), over `k_tiles`.
+    /// The 32×32 block `a_block · b_cols` into `out` (row stride 32), over `k_tiles`; with
+    /// `resume`, added to what `out` holds (the previous k-chunk's sums: the order of the
+    /// additions is the same as in one pass).
     ///
     /// # Safety
     /// AMX permission granted and configured on this thread (`ldtilecfg`); the slices hold
     /// `k_tiles` tiles as packed above.
-    unsafe fn block_amx(a: &[u16], b0: &[u16], b1: &[u16], k_tiles: usize, out: &mut [f32]) {
+    unsafe fn block_amx(
+        a: &[u16],
+        (b0, b1): (&[u16], &[u16]),
+        k_tiles: usize,
+        out: &mut [f32],
+        resume: bool,
+    ) {
         let stride = 64usize;
-        std::arch::asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nostack)
-        );
+        let o = out.as_mut_ptr();
+        if resume {
+            std::arch::asm!(
+                "tileloadd tmm0, [{c00} + {s}*1]",
+                "tileloadd tmm1, [{c01} + {s}*1]",
+                "tileloadd tmm2, [{c10} + {s}*1]",
+                "tileloadd tmm3, [{c11} + {s}*1]",
+                c00 = in(reg) o,
+                c01 = in(reg) o.add(16),
+                c10 = in(reg) o.add(16 * BLOCK),
+                c11 = in(reg) o.add(16 * BLOCK + 16),
+                s = in(reg) BLOCK * 4,
+                options(nostack, readonly)
+            );
+        } else {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack)
+            );
+        }
         for kb in 0..k_tiles {
             let a0 = a.as_ptr().add(kb * 2 * TILE);
             let a1 = a0.add(TILE);
@@ -568,7 +595,6 @@ mod packed {
                 options(nostack, readonly)
             );
         }
-        let o = out.as_mut_ptr();
         std::arch::asm!(
             "tilestored [{c00} + {s}*1], tmm0",
             "tilestored [{c01} + {s}*1], tmm1",
@@ -588,10 +614,22 @@ mod packed {
     /// # Safety
     /// AVX-512F/BF16 available; slices packed as above.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn block_avx512(a: &[u16], b0: &[u16], b1: &[u16], k_tiles: usize, out: &mut [f32]) {
+    unsafe fn block_avx512(
+        a: &[u16],
+        (b0, b1): (&[u16], &[u16]),
+        k_tiles: usize,
+        out: &mut [f32],
+        resume: bool,
+    ) {
         const ROWS: usize = 8;
         for g in 0..BLOCK / ROWS {
             let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+            if resume {
+                for (r, acc_row) in acc.iter_mut().enumerate() {
+                    let o = out.as_ptr().add((g * ROWS + r) * BLOCK);
+                    *acc_row = [_mm512_loadu_ps(o), _mm512_loadu_ps(o.add(16))];
+                }
+            }
             for kb in 0..k_tiles {
                 let tile_a = a.as_ptr().add((kb * 2 + g * ROWS / 16) * TILE);
                 let row0 = (g * ROWS) % 16;
@@ -691,7 +729,6 @@ mod packed {
                 return;
             }
             let mut packed_a = Scratch::take(&PACKED_A, k_tiles * 2 * TILE);
-            let mut block = [0.0f32; BLOCK * BLOCK];
             // SAFETY: CPU checked by the caller; buffer sizes as documented.
             unsafe {
                 if a.row_stride() == 1 && a.col_stride() != 1 {
@@ -707,19 +744,33 @@ mod packed {
                     std::arch::asm!("ldtilecfg [{}]", in(reg) &super::amx::CONFIG, options(nostack));
                 }
             }
-            for cb in cb_range {
-                let tiles = |i: usize| &packed_b[i * k_tiles * TILE..(i + 1) * k_tiles * TILE];
-                let (b0, b1) = (tiles(2 * cb), tiles(2 * cb + 1));
-                // SAFETY: as above; AMX configured on this thread when chosen.
-                unsafe {
-                    match kernel {
-                        Bf16Kernel::Amx => block_amx(&packed_a, b0, b1, k_tiles, &mut block),
-                        _ => block_avx512(&packed_a, b0, b1, k_tiles, &mut block),
+            // k in chunks of KC_TILES tiles: a chunk of the packed rows (16 KiB) stays in L1
+            // while it meets every column block, whose running sums wait in `sums`.
+            let blocks = cb_range.len();
+            let mut sums = Scratch::take(&SUMS, blocks * BLOCK * BLOCK);
+            for k0 in (0..k_tiles).step_by(KC_TILES) {
+                let depth = KC_TILES.min(k_tiles - k0);
+                let a_chunk = &packed_a[k0 * 2 * TILE..];
+                for (i, cb) in cb_range.clone().enumerate() {
+                    let tiles = |t: usize| &packed_b[(t * k_tiles + k0) * TILE..];
+                    let b = (tiles(2 * cb), tiles(2 * cb + 1));
+                    let block = &mut sums[i * BLOCK * BLOCK..(i + 1) * BLOCK * BLOCK];
+                    // SAFETY: as above; AMX configured on this thread when chosen.
+                    unsafe {
+                        match kernel {
+                            Bf16Kernel::Amx => block_amx(a_chunk, b, depth, block, k0 > 0),
+                            _ => block_avx512(a_chunk, b, depth, block, k0 > 0),
+                        }
                     }
-                    let o = out;
-                    write_block(o.0, shape, (rb * BLOCK, cb * BLOCK), &block, accumulate);
                 }
             }
+            for (i, cb) in cb_range.enumerate() {
+                let block = &sums[i * BLOCK * BLOCK..(i + 1) * BLOCK * BLOCK];
+                let o = out;
+                // SAFETY: this task's output blocks, inside the view.
+                unsafe { write_block(o.0, shape, (rb * BLOCK, cb * BLOCK), block, accumulate) };
+            }
+            sums.put_back(&SUMS);
             #[cfg(target_os = "linux")]
             if kernel == Bf16Kernel::Amx {
                 // SAFETY: releases this thread's tile state; nothing on it is live.
@@ -739,41 +790,42 @@ mod packed {
     thread_local! {
         static PACKED_A: Cell<Vec<u16>> = const { Cell::new(Vec::new()) };
         static PACKED_B: Cell<Vec<u16>> = const { Cell::new(Vec::new()) };
+        static SUMS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     }
 
-    /// A packing buffer kept per thread between products (attention runs thousands of small
-    /// ones a step; allocating, and faulting in, each buffer again cost more than packing).
-    /// Taken out of its slot while in use, so a product nested on the same thread (rayon
-    /// runs stolen work inside a wait) finds the slot empty and allocates its own.
-    struct Scratch(Vec<u16>);
+    /// A buffer kept per thread between products (attention runs thousands of small ones a
+    /// step; allocating, and faulting in, each buffer again cost more than packing). Taken
+    /// out of its slot while in use, so a product nested on the same thread (rayon runs
+    /// stolen work inside a wait) finds the slot empty and allocates its own.
+    struct Scratch<T: 'static>(Vec<T>);
 
-    impl Scratch {
-        fn take(slot: &'static std::thread::LocalKey<Cell<Vec<u16>>>, len: usize) -> Scratch {
+    impl<T: Copy + Default + 'static> Scratch<T> {
+        fn take(slot: &'static std::thread::LocalKey<Cell<Vec<T>>>, len: usize) -> Scratch<T> {
             let mut v = slot.with(Cell::take);
-            // Every element is written by the packing before it is read.
-            v.resize(len, 0);
+            // Every element is written before it is read.
+            v.resize(len, T::default());
             Scratch(v)
         }
 
         /// Keeps the buffer for the next product on this thread, unless it is one of the rare
         /// huge ones (a vocabulary head's weights), which would stay allocated on every thread.
-        fn put_back(self, slot: &'static std::thread::LocalKey<Cell<Vec<u16>>>) {
-            const KEEP_AT_MOST: usize = 8 << 20;
-            if self.0.len() <= KEEP_AT_MOST {
+        fn put_back(self, slot: &'static std::thread::LocalKey<Cell<Vec<T>>>) {
+            const KEEP_AT_MOST_BYTES: usize = 16 << 20;
+            if self.0.len() * std::mem::size_of::<T>() <= KEEP_AT_MOST_BYTES {
                 slot.with(|s| s.set(self.0));
             }
         }
     }
 
-    impl std::ops::Deref for Scratch {
-        type Target = [u16];
-        fn deref(&self) -> &[u16] {
+    impl<T> std::ops::Deref for Scratch<T> {
+        type Target = [T];
+        fn deref(&self) -> &[T] {
             &self.0
         }
     }
 
-    impl std::ops::DerefMut for Scratch {
-        fn deref_mut(&mut self) -> &mut [u16] {
+    impl<T> std::ops::DerefMut for Scratch<T> {
+        fn deref_mut(&mut self) -> &mut [T] {
             &mut self.0
         }
     }
