@@ -265,11 +265,47 @@ impl Saved {
 
     /// The last activation [`Saved::keep`] stored at `precision`, in f32.
     pub fn take(&mut self, precision: DType, what: &str) -> Tensor {
+        self.take_kept(precision, what).into_tensor()
+    }
+
+    /// The last activation [`Saved::keep`] stored at `precision`, as it is stored (a product
+    /// can read bf16 bits without widening them first).
+    pub fn take_kept(&mut self, precision: DType, what: &str) -> Kept {
         let kept = match precision {
-            DType::F32 => self.tensors.pop(),
-            _ => self.halves.pop().map(HalfTensor::into_tensor),
+            DType::F32 => self.tensors.pop().map(Kept::F32),
+            _ => self.halves.pop().map(Kept::Half),
         };
         kept.unwrap_or_else(|| panic!("{what}: nothing saved for backward"))
+    }
+}
+
+/// An activation kept for backward, in the precision it was kept in.
+pub enum Kept {
+    F32(Tensor),
+    Half(HalfTensor),
+}
+
+impl Kept {
+    /// The values in f32 (16-bit ones widened exactly).
+    pub fn into_tensor(self) -> Tensor {
+        match self {
+            Kept::F32(t) => t,
+            Kept::Half(h) => h.into_tensor(),
+        }
+    }
+
+    pub fn numel(&self) -> usize {
+        match self {
+            Kept::F32(t) => t.numel(),
+            Kept::Half(h) => h.numel(),
+        }
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Kept::F32(t) => t.shape(),
+            Kept::Half(h) => h.shape(),
+        }
     }
 }
 

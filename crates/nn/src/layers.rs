@@ -1,9 +1,10 @@
 //! The basic layers, and [`Children`], the bookkeeping composite layers share.
 
-use crate::layer::{spec_len, Init, Layer, Mode, ParamSpec, Saved, StatsReducer};
+use crate::layer::{spec_len, Init, Kept, Layer, Mode, ParamSpec, Saved, StatsReducer};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
-use meshtrain_tensor::matmul::{gemm_in, gemm_pair_in, Mat, MatMut};
+use meshtrain_tensor::lowp::{self, Bf16Rows};
+use meshtrain_tensor::matmul::{gemm_in, run_pair, Mat, MatMut};
 use meshtrain_tensor::norm;
 use meshtrain_tensor::pool::{self, PoolGeometry};
 use meshtrain_tensor::tensor::swap_leading_axes;
@@ -345,38 +346,51 @@ impl Layer for Linear {
         need_dx: bool,
     ) -> Option<Tensor> {
         let mut dz = dy;
-        let x = self.backward_prologue(g, &mut s, &mut dz);
+        // A bf16 input stays bf16: the weight gradient's product reads its bits directly.
+        let x = match self.prologue(g, &mut s, &mut dz) {
+            Kept::Half(h) if h.dtype() != DType::BF16 => Kept::F32(h.into_tensor()),
+            kept => kept,
+        };
         let rows = x.numel() / self.inputs;
         let nw = self.inputs * self.outputs;
-        let weight_grad = (
-            MatMut::new(&mut g[..nw], self.outputs, self.inputs),
-            Mat::new(dz.data(), rows, self.outputs).t(),
-            Mat::new(x.data(), rows, self.inputs),
-            true,
-        );
-        if !need_dx {
-            let (c, a, b, acc) = weight_grad;
-            gemm_in(self.precision, c, a, b, acc);
-            x.recycle();
-            dz.recycle();
-            return None;
-        }
-        // Every element is written by the product (accumulate = false).
-        let mut dx = meshtrain_tensor::par::take_buffer(x.numel());
-        gemm_pair_in(
-            self.precision,
-            weight_grad,
-            (
-                MatMut::new(&mut dx, rows, self.inputs),
-                Mat::new(dz.data(), rows, self.outputs),
-                Mat::new(&p[..nw], self.outputs, self.inputs),
-                false,
-            ),
-        );
+        let (gw, precision) = (&mut g[..nw], self.precision);
+        let dz_t = Mat::new(dz.data(), rows, self.outputs).t();
+        let kept = &x;
+        let mut weight_grad = move |threads: usize| {
+            let c = MatMut::new(gw, self.outputs, self.inputs);
+            match kept {
+                Kept::F32(x) => {
+                    let x = Mat::new(x.data(), rows, self.inputs);
+                    lowp::gemm_lowp(precision, c, dz_t, x, true, threads)
+                }
+                Kept::Half(h) => {
+                    let x = Bf16Rows::new(h.bits(), rows, self.inputs);
+                    lowp::gemm_bf16_rows(c, dz_t, x, true, threads)
+                }
+            }
+        };
         let shape = x.shape().to_vec();
-        x.recycle();
+        let dx = if need_dx {
+            // Every element is written by the product (accumulate = false).
+            let mut dx = meshtrain_tensor::par::take_buffer(x.numel());
+            let input_grad = |threads: usize| {
+                let c = MatMut::new(&mut dx, rows, self.inputs);
+                let w = Mat::new(&p[..nw], self.outputs, self.inputs);
+                let dz = Mat::new(dz.data(), rows, self.outputs);
+                lowp::gemm_lowp(precision, c, dz, w, false, threads)
+            };
+            let macs = rows * self.inputs * self.outputs;
+            run_pair([macs, macs], weight_grad, input_grad);
+            Some(Tensor::from_vec(dx, &shape))
+        } else {
+            weight_grad(meshtrain_tensor::par::threads());
+            None
+        };
+        if let Kept::F32(x) = x {
+            x.recycle();
+        }
         dz.recycle();
-        Some(Tensor::from_vec(dx, &shape))
+        dx
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {
@@ -394,10 +408,15 @@ impl Linear {
     /// gradient): `dy` becomes `dz = dy·act'(z)` in place and the bias gradient is added into
     /// `g`'s bias part. Returns the saved input.
     pub fn backward_prologue(&self, g: &mut [f32], s: &mut Saved, dy: &mut Tensor) -> Tensor {
+        self.prologue(g, s, dy).into_tensor()
+    }
+
+    /// [`Linear::backward_prologue`], the input as it was kept.
+    fn prologue(&self, g: &mut [f32], s: &mut Saved, dy: &mut Tensor) -> Kept {
         let act_saved = self
             .activation
             .map(|_| s.take(self.precision, "Linear (activation)"));
-        let x = s.take(self.precision, "Linear");
+        let x = s.take_kept(self.precision, "Linear");
         let nw = self.inputs * self.outputs;
         let gb = &mut g[nw..];
         // One sweep per block of rows: dy becomes dz = dy·act'(z) in place, and the bias

@@ -24,7 +24,7 @@ pub mod schedule;
 pub mod transformer;
 
 pub use layer::{
-    Init, Layer, Mode, ParamSpec, Saved, ShardSpec, StatsReducer, TensorPlan, TpStyle,
+    Init, Kept, Layer, Mode, ParamSpec, Saved, ShardSpec, StatsReducer, TensorPlan, TpStyle,
 };
 pub use loss::{CrossEntropy, Loss, LossError, LossValue};
 pub use model::{

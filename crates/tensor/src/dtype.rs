@@ -105,6 +105,23 @@ impl HalfTensor {
     pub fn bytes(&self) -> usize {
         self.bits.len() * 2
     }
+
+    /// The stored bits (bf16 or f16, as [`HalfTensor::dtype`] says), row-major.
+    pub fn bits(&self) -> &[u16] {
+        &self.bits
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub fn numel(&self) -> usize {
+        self.bits.len()
+    }
 }
 
 /// `dst[i] = src[i]` rounded to `dtype` (bf16 or f16, nearest even), as bits.

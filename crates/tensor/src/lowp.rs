@@ -83,6 +83,7 @@ fn avx512_bf16_usable() -> bool {
     {
         std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -145,7 +146,53 @@ pub fn gemm_bf16_with(
         kernel.name()
     );
     #[cfg(target_arch = "x86_64")]
-    packed::gemm(kernel, c, a, b, accumulate, threads);
+    packed::gemm(kernel, c, a, packed::Right::F32(b), accumulate, threads);
+}
+
+/// A contiguous row-major matrix of bf16 values, as bits: an activation kept for backward
+/// ([`crate::dtype::HalfTensor`]), read by a product without widening it to f32 first.
+#[derive(Clone, Copy)]
+pub struct Bf16Rows<'a> {
+    bits: &'a [u16],
+    rows: usize,
+    cols: usize,
+}
+
+impl<'a> Bf16Rows<'a> {
+    pub fn new(bits: &'a [u16], rows: usize, cols: usize) -> Self {
+        assert_eq!(
+            bits.len(),
+            rows * cols,
+            "Bf16Rows: {rows}x{cols} over {} values",
+            bits.len()
+        );
+        Bf16Rows { bits, rows, cols }
+    }
+
+    fn widened(self) -> Vec<f32> {
+        self.bits
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect()
+    }
+}
+
+/// `c = a · b` (or `c += a · b`) in bf16 with `b` already bf16: the same result as
+/// [`gemm_lowp`] on `b` widened to f32, without the widening pass (a weight gradient
+/// `dzᵀ·x` against the input its layer kept in bf16).
+pub fn gemm_bf16_rows(c: MatMut, a: Mat, b: Bf16Rows, accumulate: bool, threads: usize) {
+    let kernel = bf16_kernel();
+    assert_eq!(a.cols(), b.rows, "gemm: inner dimensions differ");
+    assert_eq!(c.rows(), a.rows(), "gemm: output rows differ");
+    assert_eq!(c.cols(), b.cols, "gemm: output columns differ");
+    let degenerate = c.rows() == 0 || c.cols() == 0 || a.cols() == 0;
+    if degenerate || kernel == Bf16Kernel::Portable {
+        let wide = b.widened();
+        let b = Mat::new(&wide, b.rows, b.cols);
+        return gemm_bf16_with(kernel, c, a, b, accumulate, threads);
+    }
+    #[cfg(target_arch = "x86_64")]
+    packed::gemm(kernel, c, a, packed::Right::Bf16(b), accumulate, threads);
 }
 
 /// The portable path: copies of `a` and `b` rounded through `dtype`, then the f32 product.
@@ -257,7 +304,7 @@ mod amx {
 
 #[cfg(target_arch = "x86_64")]
 mod packed {
-    use super::Bf16Kernel;
+    use super::{Bf16Kernel, Bf16Rows};
     use crate::matmul::{Mat, MatMut};
     use rayon::prelude::*;
     use std::arch::x86_64::*;
@@ -473,20 +520,86 @@ mod packed {
         };
         let (even, odd) = (row(k_even), row(k_even + 1));
         let bf: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(odd, even));
-        // Interleave the two converted rows: output pair j = (row 2p col j, row 2p+1 col j).
-        let interleave = _mm512_set_epi16(
+        _mm512_storeu_si512(out as *mut _, _mm512_permutexvar_epi16(interleave(), bf));
+    }
+
+    /// The right operand of a packed product: an f32 view, or bf16 rows kept as they are.
+    #[derive(Clone, Copy)]
+    pub enum Right<'a> {
+        F32(Mat<'a>),
+        Bf16(Bf16Rows<'a>),
+    }
+
+    impl Right<'_> {
+        fn cols(&self) -> usize {
+            match self {
+                Right::F32(m) => m.cols(),
+                Right::Bf16(b) => b.cols,
+            }
+        }
+    }
+
+    /// [`pack_b_pair`] from bf16 rows: the bits need no conversion, only the interleave.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL available; `out` writable for 32 elements.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn pack_b_pair_bf16(b: Bf16Rows, kb: usize, p: usize, n0: usize, out: *mut u16) {
+        let mask = lane_mask(b.cols.saturating_sub(n0));
+        let k_even = kb * KT + 2 * p;
+        let row = |kk: usize| {
+            if kk < b.rows && mask != 0 {
+                _mm256_maskz_loadu_epi16(mask, b.bits.as_ptr().add(kk * b.cols + n0) as *const i16)
+            } else {
+                _mm256_setzero_si256()
+            }
+        };
+        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(row(k_even)), row(k_even + 1));
+        _mm512_storeu_si512(out as *mut _, _mm512_permutexvar_epi16(interleave(), both));
+    }
+
+    /// The VNNI interleave of two 16-value rows held low half / high half: output pair j is
+    /// (row 2p column j, row 2p+1 column j).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn interleave() -> __m512i {
+        _mm512_set_epi16(
             31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
             4, 19, 3, 18, 2, 17, 1, 16, 0,
-        );
-        _mm512_storeu_si512(out as *mut _, _mm512_permutexvar_epi16(interleave, bf));
+        )
     }
 
     /// Packs all of `b` into `dst`: column tile `t`, k-tile `kb` at `(t * k_tiles + kb)`
     /// tiles. The walk follows memory: a row-major `b` (an activation, `W`) is read row by
     /// row across all column tiles, a transposed one (`Wᵀ`) column tile by column tile, so
     /// each cache line is used whole while it is in L1.
-    fn pack_b(b: Mat, dst: &mut [u16], k_tiles: usize, col_tiles: usize, parallel: bool) {
+    fn pack_b(right: Right, dst: &mut [u16], k_tiles: usize, col_tiles: usize, parallel: bool) {
         let out = OutPtr16(dst.as_mut_ptr());
+        let b = match right {
+            Right::F32(m) => m,
+            Right::Bf16(rows) => {
+                // Row by row across all column tiles, as for a row-major f32 operand.
+                let task = |kb: usize| {
+                    for t in 0..col_tiles {
+                        for p in 0..16 {
+                            // SAFETY: the caller checked the CPU (AVX-512 BF16 implies BW/VL
+                            // here); (t, kb, p) lies inside `dst`; tasks write disjoint rows.
+                            unsafe {
+                                let at = out.ptr().add((t * k_tiles + kb) * TILE + p * KT);
+                                pack_b_pair_bf16(rows, kb, p, t * 16, at);
+                            }
+                        }
+                    }
+                };
+                if parallel {
+                    (0..k_tiles).into_par_iter().for_each(task);
+                } else {
+                    (0..k_tiles).for_each(task);
+                }
+                return;
+            }
+        };
         let row_major = b.col_stride() == 1;
         let (tasks, inner) = if row_major {
             (k_tiles, col_tiles)
@@ -704,8 +817,9 @@ mod packed {
     unsafe impl Send for OutPtr {}
     unsafe impl Sync for OutPtr {}
 
-    pub fn gemm(kernel: Bf16Kernel, c: MatMut, a: Mat, b: Mat, accumulate: bool, threads: usize) {
+    pub fn gemm(kernel: Bf16Kernel, c: MatMut, a: Mat, b: Right, accumulate: bool, threads: usize) {
         let (m, n, k) = (c.rows(), c.cols(), a.cols());
+        debug_assert_eq!(n, b.cols());
         let shape = (m, n, c.row_stride(), c.col_stride());
         let k_tiles = k.div_ceil(KT);
         let col_tiles = n.div_ceil(BLOCK) * 2;
@@ -984,6 +1098,40 @@ mod tests {
                 1,
             );
             assert_eq!(&all[30 * n..35 * n], &some[..], "{kernel:?}");
+        }
+    }
+
+    /// A right operand kept in bf16 gives what the same values in f32 give, bit for bit.
+    #[test]
+    fn bf16_rows_read_directly_equal_their_widened_values() {
+        for &(m, n, k) in &[(1, 1, 1), (33, 17, 65), (70, 130, 300)] {
+            let a = pseudo_random(m * k, 5);
+            let mut b = pseudo_random(k * n, 6);
+            crate::dtype::round_through(&mut b, DType::BF16);
+            let bits: Vec<u16> = b
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let a_t: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+            let mut want = vec![0.25f32; m * n];
+            let mut got = want.clone();
+            let av = Mat::new(&a_t, k, m).t();
+            gemm_lowp(
+                DType::BF16,
+                MatMut::new(&mut want, m, n),
+                av,
+                Mat::new(&b, k, n),
+                true,
+                2,
+            );
+            gemm_bf16_rows(
+                MatMut::new(&mut got, m, n),
+                av,
+                Bf16Rows::new(&bits, k, n),
+                true,
+                2,
+            );
+            assert_eq!(got, want, "{m}x{n}x{k}");
         }
     }
 

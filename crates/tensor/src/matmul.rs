@@ -199,26 +199,38 @@ pub fn gemm_pair(first: Product, second: Product) {
 
 /// [`gemm_pair`] with inputs rounded to `dtype` (see [`gemm_in`]).
 pub fn gemm_pair_in(dtype: DType, first: Product, second: Product) {
-    let threads = par::threads();
     let macs = |p: &Product| p.0.rows * p.0.cols * p.1.cols;
-    if threads < 2 || macs(&first).min(macs(&second)) < PARALLEL_MIN_MACS {
-        let (c, a, b, acc) = first;
-        gemm_in(dtype, c, a, b, acc);
-        let (c, a, b, acc) = second;
-        gemm_in(dtype, c, a, b, acc);
+    let sizes = [macs(&first), macs(&second)];
+    run_pair(
+        sizes,
+        move |threads| {
+            let (c, a, b, acc) = first;
+            lowp::gemm_lowp(dtype, c, a, b, acc, threads)
+        },
+        move |threads| {
+            let (c, a, b, acc) = second;
+            lowp::gemm_lowp(dtype, c, a, b, acc, threads)
+        },
+    );
+}
+
+/// Runs two independent products (`macs` multiply-adds each; each closure gets its thread
+/// count) side by side on half of the pool's threads each, or one after the other on all of
+/// them when either is too small to split (see [`gemm_pair`]). For pairs whose operands are
+/// not both f32 views (a weight gradient against a kept bf16 activation).
+pub fn run_pair(
+    macs: [usize; 2],
+    first: impl FnOnce(usize) + Send,
+    second: impl FnOnce(usize) + Send,
+) {
+    let threads = par::threads();
+    if threads < 2 || macs[0].min(macs[1]) < PARALLEL_MIN_MACS {
+        first(threads);
+        second(threads);
         return;
     }
     let half = threads / 2;
-    rayon::join(
-        move || {
-            let (c, a, b, acc) = first;
-            lowp::gemm_lowp(dtype, c, a, b, acc, half)
-        },
-        move || {
-            let (c, a, b, acc) = second;
-            lowp::gemm_lowp(dtype, c, a, b, acc, threads - half)
-        },
-    );
+    rayon::join(move || first(half), move || second(threads - half));
 }
 
 /// The f32 product on at most `threads` threads.
