@@ -576,54 +576,35 @@ mod packed {
     /// each cache line is used whole while it is in L1.
     fn pack_b(right: Right, dst: &mut [u16], k_tiles: usize, col_tiles: usize, parallel: bool) {
         let out = OutPtr16(dst.as_mut_ptr());
-        let b = match right {
-            Right::F32(m) => m,
-            Right::Bf16(rows) => {
-                // Row by row across all column tiles, as for a row-major f32 operand.
-                let task = |kb: usize| {
-                    for t in 0..col_tiles {
-                        for p in 0..16 {
-                            // SAFETY: the caller checked the CPU (AVX-512 BF16 implies BW/VL
-                            // here); (t, kb, p) lies inside `dst`; tasks write disjoint rows.
-                            unsafe {
-                                let at = out.ptr().add((t * k_tiles + kb) * TILE + p * KT);
-                                pack_b_pair_bf16(rows, kb, p, t * 16, at);
-                            }
-                        }
-                    }
-                };
-                if parallel {
-                    (0..k_tiles).into_par_iter().for_each(task);
-                } else {
-                    (0..k_tiles).for_each(task);
-                }
-                return;
-            }
+        // bf16 rows are row-major by construction.
+        let (row_major, transposed) = match right {
+            Right::F32(b) => (
+                b.col_stride() == 1,
+                b.col_stride() != 1 && b.row_stride() == 1,
+            ),
+            Right::Bf16(_) => (true, false),
         };
-        let row_major = b.col_stride() == 1;
         let (tasks, inner) = if row_major {
             (k_tiles, col_tiles)
         } else {
             (col_tiles, k_tiles)
         };
-        let transposed = !row_major && b.row_stride() == 1;
         let task = |outer: usize| {
             for i in 0..inner {
                 let (t, kb) = if row_major { (i, outer) } else { (outer, i) };
-                if transposed {
-                    // SAFETY: as below, one whole tile.
-                    unsafe {
-                        pack_b_tile_transposed(b, t, kb, out.ptr().add((t * k_tiles + kb) * TILE))
-                    };
-                    continue;
-                }
-                for p in 0..16 {
-                    // SAFETY: the caller checked the CPU; (t, kb, p) lies inside `dst`, and
-                    // tasks write disjoint rows.
-                    unsafe {
-                        let at = out.ptr().add((t * k_tiles + kb) * TILE + p * KT);
-                        pack_b_pair(b, kb, p, t * 16, at);
-                    }
+                let tile = out.ptr().wrapping_add((t * k_tiles + kb) * TILE);
+                // SAFETY (all three): the caller checked the CPU (AVX-512 BF16, which comes
+                // with BW and VL here); tile (t, kb) lies inside `dst`; tasks write disjoint
+                // tiles or rows.
+                match right {
+                    Right::F32(b) if transposed => unsafe {
+                        pack_b_tile_transposed(b, t, kb, tile)
+                    },
+                    Right::F32(b) => (0..16)
+                        .for_each(|p| unsafe { pack_b_pair(b, kb, p, t * 16, tile.add(p * KT)) }),
+                    Right::Bf16(rows) => (0..16).for_each(|p| unsafe {
+                        pack_b_pair_bf16(rows, kb, p, t * 16, tile.add(p * KT))
+                    }),
                 }
             }
         };
