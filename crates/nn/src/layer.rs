@@ -307,6 +307,13 @@ impl Kept {
             Kept::Half(h) => h.shape(),
         }
     }
+
+    /// Done with it: an f32 buffer goes back to the thread's pool.
+    pub fn recycle(self) {
+        if let Kept::F32(t) = self {
+            t.recycle();
+        }
+    }
 }
 
 /// A layer: parameters are given as slices of the model's flat buffers, in the order of

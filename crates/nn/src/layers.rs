@@ -346,49 +346,23 @@ impl Layer for Linear {
         need_dx: bool,
     ) -> Option<Tensor> {
         let mut dz = dy;
-        // A bf16 input stays bf16: the weight gradient's product reads its bits directly.
-        let x = match self.prologue(g, &mut s, &mut dz) {
-            Kept::Half(h) if h.dtype() != DType::BF16 => Kept::F32(h.into_tensor()),
-            kept => kept,
-        };
-        let rows = x.numel() / self.inputs;
-        let nw = self.inputs * self.outputs;
-        let (gw, precision) = (&mut g[..nw], self.precision);
-        let dz_t = Mat::new(dz.data(), rows, self.outputs).t();
-        let kept = &x;
-        let mut weight_grad = move |threads: usize| {
-            let c = MatMut::new(gw, self.outputs, self.inputs);
-            match kept {
-                Kept::F32(x) => {
-                    let x = Mat::new(x.data(), rows, self.inputs);
-                    lowp::gemm_lowp(precision, c, dz_t, x, true, threads)
-                }
-                Kept::Half(h) => {
-                    let x = Bf16Rows::new(h.bits(), rows, self.inputs);
-                    lowp::gemm_bf16_rows(c, dz_t, x, true, threads)
-                }
-            }
-        };
+        let x = self.backward_prologue(g, &mut s, &mut dz);
         let shape = x.shape().to_vec();
         let dx = if need_dx {
             // Every element is written by the product (accumulate = false).
             let mut dx = meshtrain_tensor::par::take_buffer(x.numel());
-            let input_grad = |threads: usize| {
-                let c = MatMut::new(&mut dx, rows, self.inputs);
-                let w = Mat::new(&p[..nw], self.outputs, self.inputs);
-                let dz = Mat::new(dz.data(), rows, self.outputs);
-                lowp::gemm_lowp(precision, c, dz, w, false, threads)
-            };
-            let macs = rows * self.inputs * self.outputs;
-            run_pair([macs, macs], weight_grad, input_grad);
+            let macs = x.numel() * self.outputs;
+            run_pair(
+                [macs, macs],
+                |threads| self.weight_gradient_on(g, &dz, &x, threads),
+                |threads| self.input_gradient_into(p, &dz, &mut dx, threads),
+            );
             Some(Tensor::from_vec(dx, &shape))
         } else {
-            weight_grad(meshtrain_tensor::par::threads());
+            self.weight_gradient(g, &dz, &x);
             None
         };
-        if let Kept::F32(x) = x {
-            x.recycle();
-        }
+        x.recycle();
         dz.recycle();
         dx
     }
@@ -406,17 +380,16 @@ impl Linear {
     /// The first part of backward, shared with layers that run the two products apart (a
     /// tensor-parallel layer overlaps its input gradient's reduction with the weight
     /// gradient): `dy` becomes `dz = dy·act'(z)` in place and the bias gradient is added into
-    /// `g`'s bias part. Returns the saved input.
-    pub fn backward_prologue(&self, g: &mut [f32], s: &mut Saved, dy: &mut Tensor) -> Tensor {
-        self.prologue(g, s, dy).into_tensor()
-    }
-
-    /// [`Linear::backward_prologue`], the input as it was kept.
-    fn prologue(&self, g: &mut [f32], s: &mut Saved, dy: &mut Tensor) -> Kept {
+    /// `g`'s bias part. Returns the saved input as it was kept: a bf16 input stays bf16, for
+    /// [`Linear::weight_gradient`] reads its bits directly (an f16 one is widened here).
+    pub fn backward_prologue(&self, g: &mut [f32], s: &mut Saved, dy: &mut Tensor) -> Kept {
         let act_saved = self
             .activation
             .map(|_| s.take(self.precision, "Linear (activation)"));
-        let x = s.take_kept(self.precision, "Linear");
+        let x = match s.take_kept(self.precision, "Linear") {
+            Kept::Half(h) if h.dtype() != DType::BF16 => Kept::F32(h.into_tensor()),
+            kept => kept,
+        };
         let nw = self.inputs * self.outputs;
         let gb = &mut g[nw..];
         // One sweep per block of rows: dy becomes dz = dy·act'(z) in place, and the bias
@@ -451,30 +424,47 @@ impl Linear {
 
     /// `dx = dz · W` for inputs of shape `input_shape`.
     pub fn input_gradient(&self, p: &[f32], dz: &Tensor, input_shape: &[usize]) -> Tensor {
-        let rows = dz.numel() / self.outputs;
-        let nw = self.inputs * self.outputs;
-        let mut dx = meshtrain_tensor::par::take_buffer(rows * self.inputs);
-        gemm_in(
-            self.precision,
-            MatMut::new(&mut dx, rows, self.inputs),
-            Mat::new(dz.data(), rows, self.outputs),
-            Mat::new(&p[..nw], self.outputs, self.inputs),
-            false,
-        );
+        // Every element is written by the product (accumulate = false).
+        let mut dx = meshtrain_tensor::par::take_buffer(dz.numel() / self.outputs * self.inputs);
+        self.input_gradient_into(p, dz, &mut dx, meshtrain_tensor::par::threads());
         Tensor::from_vec(dx, input_shape)
     }
 
+    /// `dx = dz · W` into `dx`, on `threads` threads.
+    fn input_gradient_into(&self, p: &[f32], dz: &Tensor, dx: &mut [f32], threads: usize) {
+        let rows = dz.numel() / self.outputs;
+        let nw = self.inputs * self.outputs;
+        lowp::gemm_lowp(
+            self.precision,
+            MatMut::new(dx, rows, self.inputs),
+            Mat::new(dz.data(), rows, self.outputs),
+            Mat::new(&p[..nw], self.outputs, self.inputs),
+            false,
+            threads,
+        );
+    }
+
     /// `dW += dzᵀ · x`.
-    pub fn weight_gradient(&self, g: &mut [f32], dz: &Tensor, x: &Tensor) {
+    pub fn weight_gradient(&self, g: &mut [f32], dz: &Tensor, x: &Kept) {
+        self.weight_gradient_on(g, dz, x, meshtrain_tensor::par::threads());
+    }
+
+    /// `dW += dzᵀ · x` on `threads` threads; a bf16-kept `x` is read as it is.
+    fn weight_gradient_on(&self, g: &mut [f32], dz: &Tensor, x: &Kept, threads: usize) {
         let rows = x.numel() / self.inputs;
         let nw = self.inputs * self.outputs;
-        gemm_in(
-            self.precision,
-            MatMut::new(&mut g[..nw], self.outputs, self.inputs),
-            Mat::new(dz.data(), rows, self.outputs).t(),
-            Mat::new(x.data(), rows, self.inputs),
-            true,
-        );
+        let dw = MatMut::new(&mut g[..nw], self.outputs, self.inputs);
+        let dz_t = Mat::new(dz.data(), rows, self.outputs).t();
+        match x {
+            Kept::F32(x) => {
+                let x = Mat::new(x.data(), rows, self.inputs);
+                lowp::gemm_lowp(self.precision, dw, dz_t, x, true, threads)
+            }
+            Kept::Half(h) => {
+                let x = Bf16Rows::new(h.bits(), rows, self.inputs);
+                lowp::gemm_bf16_rows(dw, dz_t, x, true, threads)
+            }
+        }
     }
 }
 

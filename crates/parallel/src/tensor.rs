@@ -32,7 +32,7 @@ use meshtrain_nn::layers::Linear;
 use meshtrain_nn::loss::{LossError, LossValue};
 use meshtrain_nn::models::gpt;
 use meshtrain_nn::transformer::{AttentionCore, GptEmbedding};
-use meshtrain_nn::{Layer, Loss, Mode, Model, ParamSpec, Saved, ShardSpec, TpStyle};
+use meshtrain_nn::{Kept, Layer, Loss, Mode, Model, ParamSpec, Saved, ShardSpec, TpStyle};
 use meshtrain_tensor::activation::fast_exp;
 use meshtrain_tensor::par::take_buffer;
 use meshtrain_tensor::{DType, Tensor};
@@ -439,16 +439,16 @@ impl Layer for ColumnParallel {
         // that while the weight gradient is.
         let local_shape = x.shape().to_vec();
         let rows = x.numel() / self.inner.inputs * tp.size();
-        let gathering = start_gather(tp, x.into_vec());
+        let gathering = start_gather(tp, x.into_tensor().into_vec());
         let scattering = need_dx.then(|| {
             let full_shape = gathered_shape(rows, tp.seq, self.inner.inputs);
             let dx = self.inner.input_gradient(p, &dz, &full_shape);
             dx.into_vec()
         });
-        let x_full = Tensor::from_vec(
+        let x_full = Kept::F32(Tensor::from_vec(
             gathering.wait("all-gather of the input"),
             &gathered_shape(rows, tp.seq, self.inner.inputs),
-        );
+        ));
         let scattering = scattering.map(|dx| start_scatter(tp, dx));
         self.inner.weight_gradient(g, &dz, &x_full);
         x_full.recycle();
