@@ -157,7 +157,7 @@ pub fn round_through(values: &mut [f32], dtype: DType) {
 }
 
 /// `dst[i]` = the f32 value of the bf16 or f16 bits `src[i]` (exact).
-fn widen(src: &[u16], dst: &mut [f32], dtype: DType) {
+pub(crate) fn widen(src: &[u16], dst: &mut [f32], dtype: DType) {
     #[cfg(target_arch = "x86_64")]
     if simd::usable(dtype) {
         // SAFETY: as in `narrow`.

@@ -22,7 +22,7 @@
 //! does not depend on how many rows the product has, so splitting a batch over workers changes
 //! nothing in the forward pass.
 
-use crate::matmul::{gemm_f32_with_threads, Mat, MatMut};
+use crate::matmul::{check_product, gemm_f32_with_threads, Mat, MatMut};
 use crate::DType;
 use rayon::prelude::*;
 use std::sync::OnceLock;
@@ -134,9 +134,7 @@ pub fn gemm_bf16_with(
     accumulate: bool,
     threads: usize,
 ) {
-    assert_eq!(a.cols(), b.rows(), "gemm: inner dimensions differ");
-    assert_eq!(c.rows(), a.rows(), "gemm: output rows differ");
-    assert_eq!(c.cols(), b.cols(), "gemm: output columns differ");
+    check_product(&c, &a, (b.rows(), b.cols()));
     if c.rows() == 0 || c.cols() == 0 || a.cols() == 0 || kernel == Bf16Kernel::Portable {
         return gemm_rounded(DType::BF16, c, a, b, accumulate, threads);
     }
@@ -170,10 +168,9 @@ impl<'a> Bf16Rows<'a> {
     }
 
     fn widened(self) -> Vec<f32> {
-        self.bits
-            .iter()
-            .map(|&b| half::bf16::from_bits(b).to_f32())
-            .collect()
+        let mut wide = vec![0.0f32; self.bits.len()];
+        crate::dtype::widen(self.bits, &mut wide, DType::BF16);
+        wide
     }
 }
 
@@ -182,9 +179,7 @@ impl<'a> Bf16Rows<'a> {
 /// `dzᵀ·x` against the input its layer kept in bf16).
 pub fn gemm_bf16_rows(c: MatMut, a: Mat, b: Bf16Rows, accumulate: bool, threads: usize) {
     let kernel = bf16_kernel();
-    assert_eq!(a.cols(), b.rows, "gemm: inner dimensions differ");
-    assert_eq!(c.rows(), a.rows(), "gemm: output rows differ");
-    assert_eq!(c.cols(), b.cols, "gemm: output columns differ");
+    check_product(&c, &a, (b.rows, b.cols));
     let degenerate = c.rows() == 0 || c.cols() == 0 || a.cols() == 0;
     if degenerate || kernel == Bf16Kernel::Portable {
         let wide = b.widened();

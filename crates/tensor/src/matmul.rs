@@ -233,11 +233,16 @@ pub fn run_pair(
     rayon::join(move || first(half), move || second(threads - half));
 }
 
+/// Panics unless `c (rows × cols) = a · b` fits, `b` being `b_rows × b_cols`.
+pub(crate) fn check_product(c: &MatMut, a: &Mat, (b_rows, b_cols): (usize, usize)) {
+    assert_eq!(a.cols, b_rows, "gemm: inner dimensions differ");
+    assert_eq!(c.rows, a.rows, "gemm: output rows differ");
+    assert_eq!(c.cols, b_cols, "gemm: output columns differ");
+}
+
 /// The f32 product on at most `threads` threads.
 pub(crate) fn gemm_f32_with_threads(c: MatMut, a: Mat, b: Mat, accumulate: bool, threads: usize) {
-    assert_eq!(a.cols, b.rows, "gemm: inner dimensions differ");
-    assert_eq!(c.rows, a.rows, "gemm: output rows differ");
-    assert_eq!(c.cols, b.cols, "gemm: output columns differ");
+    check_product(&c, &a, (b.rows, b.cols));
     let (m, n, k) = (c.rows, c.cols, a.cols);
     if m == 0 || n == 0 {
         return;
