@@ -289,10 +289,7 @@ pub fn plot_runs(metrics: &[PathBuf], out_png: &Path) -> Result<(), PlotError> {
         } else {
             "final evaluation loss"
         };
-        LinePanels {
-            title: format!("{what}: {}", finals.join(", ")),
-            ..overlay(figures)
-        }
+        overlay(figures, format!("{what}: {}", finals.join(", ")))
     };
     line_panels(out_png, &figure).map_err(|source| PlotError::Chart {
         path: out_png.to_owned(),
@@ -300,10 +297,9 @@ pub fn plot_runs(metrics: &[PathBuf], out_png: &Path) -> Result<(), PlotError> {
     })
 }
 
-/// Runs' figures merged: panel i holds every run's panel-i series, named `run: series`; a
-/// reference line the runs share (the unigram baseline) is drawn once.
-fn overlay(figures: Vec<(String, LinePanels)>) -> LinePanels {
-    let titles: Vec<String> = figures.iter().map(|(_, f)| f.title.clone()).collect();
+/// Runs' figures merged under `title`: panel i holds every run's panel-i series, named
+/// `run: series`; a reference line the runs share (the unigram baseline) is drawn once.
+fn overlay(figures: Vec<(String, LinePanels)>, title: String) -> LinePanels {
     let panel_count = figures
         .iter()
         .map(|(_, f)| f.panels.len())
@@ -336,7 +332,7 @@ fn overlay(figures: Vec<(String, LinePanels)>) -> LinePanels {
     }
     let size = figures[0].1.size;
     LinePanels {
-        title: titles.join("  |  "),
+        title,
         panels,
         size,
     }
@@ -414,7 +410,8 @@ mod tests {
                 RunMetrics::read(&path).unwrap().figure(name).unwrap(),
             ));
         }
-        let fig = overlay(figures);
+        let fig = overlay(figures, "two runs".into());
+        assert_eq!(fig.title, "two runs");
         assert_eq!(fig.panels.len(), 2);
         let names: Vec<&str> = fig.panels[0]
             .series

@@ -477,18 +477,19 @@ impl Parallel {
 
         let t = Instant::now();
         let mut norm = 0.0;
-        let mut skipped = false;
-        if let Some(scaling) = &mut self.scaling {
-            let mut grads: Vec<&mut [f32]> = self
-                .stage
-                .chunks
-                .iter_mut()
-                .map(|c| &mut c.store.grads[..])
-                .collect();
-            skipped = scaling
-                .unscale_and_check(&mut grads, self.mesh.world().as_ref())?
-                .skipped;
-        }
+        let scaled = match &mut self.scaling {
+            Some(scaling) => {
+                let mut grads: Vec<&mut [f32]> = self
+                    .stage
+                    .chunks
+                    .iter_mut()
+                    .map(|c| &mut c.store.grads[..])
+                    .collect();
+                Some(scaling.unscale_and_check(&mut grads, self.mesh.world().as_ref())?)
+            }
+            None => None,
+        };
+        let skipped = scaled.is_some_and(|o| o.skipped);
         if self.sync.updates_parameters() && !skipped {
             self.tp_sync.reduce(&mut self.stage.chunks)?;
             self.ties.reduce(&mut self.stage.chunks)?;
@@ -529,7 +530,7 @@ impl Parallel {
             times,
             peak_activation_bytes: report.peak_activation_bytes,
             skipped,
-            loss_scale: self.scaling.as_ref().map(|s| s.scaler().scale),
+            loss_scale: scaled.map(|o| o.scale),
         })
     }
 

@@ -232,17 +232,16 @@ impl Trainer {
         self.step += 1;
         // fp16: a step skipped for an overflow is the loss scaler's business, unless the
         // scale has shrunk so far that no scale could help (GradScaler would go on forever).
-        let scaler_gave_up = stats.loss_scale.is_some_and(|s| s < MIN_LOSS_SCALE);
+        if let Some(scale) = stats.loss_scale.filter(|&s| s < MIN_LOSS_SCALE) {
+            anyhow::bail!(
+                "training diverged at step {step}: fp16 gradients overflow at every loss scale \
+                 (now {scale:e}); train in bf16 or fp32"
+            );
+        }
         anyhow::ensure!(
-            stats.loss.is_finite() || (stats.skipped && !scaler_gave_up),
+            stats.loss.is_finite() || stats.skipped,
             "training diverged at step {step}: loss is {}",
             stats.loss
-        );
-        anyhow::ensure!(
-            !scaler_gave_up,
-            "training diverged at step {step}: fp16 gradients overflow at every loss scale \
-             (now {:e}); train in bf16 or fp32",
-            stats.loss_scale.unwrap_or_default()
         );
         Ok(stats)
     }
