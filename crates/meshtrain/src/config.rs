@@ -378,6 +378,10 @@ impl Config {
         if t.accumulation_steps == 0 {
             bail!("train.accumulation_steps must be at least 1");
         }
+        // Checked again where the scaler is built (library users); here before any data loads.
+        t.loss_scale
+            .check()
+            .map_err(|e| anyhow!("train.loss_scale: {e}"))?;
         if p.micro_batches == 0 {
             bail!("parallel.micro_batches must be at least 1");
         }
@@ -649,6 +653,7 @@ mod tests {
         assert!(err(&["parallel.dp=0"]).contains("parallel.dp"));
         assert!(err(&["parallel.dp_mode=magic"]).contains("magic"));
         assert!(err(&["parallel.compression=fp8"]).contains("fp8"));
+        assert!(err(&["train.loss_scale.backoff_factor=1.5"]).contains("train.loss_scale"));
         let gpt = r#"
             [model]
             kind = "gpt"
