@@ -12,6 +12,7 @@ use meshtrain_parallel::layout::Recompute;
 pub use meshtrain_parallel::parallelize::DpMode;
 use meshtrain_parallel::pipeline::{PartitionSpec, ScheduleKind, SendMode};
 use meshtrain_parallel::precision::{LossScaleConfig, Precision};
+use meshtrain_parallel::zero::ZeroOptions;
 use meshtrain_parallel::{Layout, ParallelOptions};
 use meshtrain_train::{Job, Length, LrSchedule};
 use serde::{Deserialize, Serialize};
@@ -113,6 +114,17 @@ pub struct ParallelConfig {
     /// the keys it names override dp, pp, schedule, micro_batches and train.recompute.
     #[serde(default)]
     pub layout: Option<String>,
+    /// ZeRO stage over the data-parallel group: 0 = DDP (full replicas), 1 = optimizer state
+    /// sharded, 2 = and gradients, 3 = and parameters (FSDP). See docs/zero.md.
+    #[serde(default)]
+    pub zero: u8,
+    /// ZeRO-3: all-gather the next block's parameters while the current one computes.
+    #[serde(default = "yes")]
+    pub zero_prefetch: bool,
+    /// ZeRO-3: free each block's gathered parameters after its forward and gather them again
+    /// for backward (FSDP2's default); false keeps them until backward.
+    #[serde(default = "yes")]
+    pub reshard_after_forward: bool,
     /// Seconds a collective may wait for its peers before every worker fails with the
     /// operation, its sequence number and the missing ranks (default 300;
     /// `MESHTRAIN_TIMEOUT_S` overrides it, e.g. under mpirun).
@@ -139,6 +151,9 @@ impl Default for ParallelConfig {
             timeline: None,
             sends: default_pipeline_sends(),
             layout: None,
+            zero: 0,
+            zero_prefetch: true,
+            reshard_after_forward: true,
             timeout_s: None,
         }
     }
@@ -450,6 +465,7 @@ impl Config {
             },
             precision: Precision::parse(&t.precision)
                 .map_err(|e| anyhow!("train.precision: {e}"))?,
+            zero: p.zero,
             ..Layout::default()
         };
         match &p.layout {
@@ -482,6 +498,10 @@ impl Config {
             skip_sequence_parallel_grad_sum: false,
             loss_scale: self.train.loss_scale,
             inject_overflow: None,
+            zero: ZeroOptions {
+                prefetch: p.zero_prefetch,
+                reshard_after_forward: p.reshard_after_forward,
+            },
         })
     }
 

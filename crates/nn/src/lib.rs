@@ -28,5 +28,5 @@ pub use layer::{
 };
 pub use loss::{CrossEntropy, Loss, LossError, LossValue};
 pub use model::{
-    Block, InputKind, InputSpec, Model, ModelError, ParamEntry, ParamStore, TiedParams,
+    Block, BlockParams, InputKind, InputSpec, Model, ModelError, ParamEntry, ParamStore, TiedParams,
 };

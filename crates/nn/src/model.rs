@@ -537,11 +537,28 @@ impl Model {
         mode: Mode,
         recompute: &dyn Fn(usize) -> bool,
     ) -> (Tensor, Activations) {
+        let mut params = StoreParams {
+            model: self,
+            store,
+            base,
+        };
+        self.forward_with(&mut params, x, range, mode, recompute)
+    }
+
+    /// Forward through blocks `range`, each block's parameters taken from `params` just
+    /// before it runs (a sharded store gathers them there, [`BlockParams`]).
+    pub fn forward_with(
+        &self,
+        params: &mut dyn BlockParams,
+        x: Tensor,
+        range: Range<usize>,
+        mode: Mode,
+        recompute: &dyn Fn(usize) -> bool,
+    ) -> (Tensor, Activations) {
         let mut saved = Vec::with_capacity(range.len());
         let mut x = x;
         for i in range.clone() {
-            let p = &store.values[self.param_slot(i, base)];
-            let b = &mut store.buffers[self.buffer_slot(i, base)];
+            let (p, b) = params.forward_view(i);
             let layer = &self.blocks[i].layer;
             if mode.train && recompute(i) {
                 // Run normally (batch norm updates its running statistics once, here), keep
@@ -554,6 +571,7 @@ impl Model {
                 x = layer.forward(p, b, x, mode, &mut s);
                 saved.push(BlockSaved::Full(s));
             }
+            params.forward_done(i);
         }
         (
             x,
@@ -602,24 +620,57 @@ impl Model {
         need_dx: bool,
         on_block_ready: &mut dyn FnMut(usize, &mut ParamStore),
     ) -> Option<Tensor> {
+        struct Hooked<'a, 'b> {
+            inner: StoreParams<'a>,
+            hook: &'b mut dyn FnMut(usize, &mut ParamStore),
+        }
+        impl BlockParams for Hooked<'_, '_> {
+            fn forward_view(&mut self, block: usize) -> (&[f32], &mut [f32]) {
+                self.inner.forward_view(block)
+            }
+            fn backward_view(&mut self, block: usize) -> (&[f32], &mut [f32], &mut [f32]) {
+                self.inner.backward_view(block)
+            }
+            fn backward_done(&mut self, block: usize) {
+                (self.hook)(block, self.inner.store)
+            }
+        }
+        let mut params = Hooked {
+            inner: StoreParams {
+                model: self,
+                store,
+                base,
+            },
+            hook: on_block_ready,
+        };
+        self.backward_with(&mut params, acts, dy, need_dx)
+    }
+
+    /// Backward through the blocks of `acts`, last to first, each block's parameters and
+    /// gradient buffer taken from `params` just before it runs; [`BlockParams::backward_done`]
+    /// tells `params` as soon as a block's gradients for this pass are complete.
+    pub fn backward_with(
+        &self,
+        params: &mut dyn BlockParams,
+        acts: Activations,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
         let Activations { range, blocks } = acts;
         let mut grad = Some(dy);
         for (i, saved) in range.clone().zip(blocks).rev() {
+            let (values, grads, buffers) = params.backward_view(i);
             let saved = match saved {
                 BlockSaved::Full(s) => s,
                 BlockSaved::Recompute(input) => {
                     let mut s = Saved::default();
-                    let p = &store.values[self.param_slot(i, base)];
-                    let b = &mut store.buffers[self.buffer_slot(i, base)];
                     self.blocks[i]
                         .layer
-                        .forward(p, b, input, Mode::RECOMPUTE, &mut s);
+                        .forward(values, buffers, input, Mode::RECOMPUTE, &mut s);
                     s
                 }
             };
             let want_dx = need_dx || i > range.start;
-            let pr = self.param_slot(i, base);
-            let (values, grads) = (&store.values[pr.clone()], &mut store.grads[pr]);
             grad = self.blocks[i].layer.backward(
                 values,
                 grads,
@@ -627,7 +678,7 @@ impl Model {
                 grad.expect("upstream gradient"),
                 want_dx,
             );
-            on_block_ready(i, store);
+            params.backward_done(i);
         }
         grad
     }
@@ -640,6 +691,56 @@ impl Model {
         mode: Mode,
     ) -> (Tensor, Activations) {
         self.forward(store, x, 0..self.num_blocks(), mode, &|_| false)
+    }
+}
+
+/// Where a forward or backward pass finds each block's parameters, buffers and gradient
+/// buffer. A [`ParamStore`] holds them all the time; a sharded store (ZeRO-3, FSDP) gathers a
+/// block's parameters just before the block runs and frees them after, and reduces a block's
+/// gradients as soon as its backward is done — so the views are asked for per block, in
+/// execution order, and every `*_view` is followed by the matching `*_done`.
+pub trait BlockParams {
+    /// Block `block`'s parameters and buffers, for its forward.
+    fn forward_view(&mut self, block: usize) -> (&[f32], &mut [f32]);
+
+    /// Block `block`'s forward is done (its gathered parameters may go).
+    fn forward_done(&mut self, _block: usize) {}
+
+    /// Block `block`'s parameters, gradient buffer (gradients are accumulated into it) and
+    /// buffers, for its backward (and a recomputed forward before it).
+    fn backward_view(&mut self, block: usize) -> (&[f32], &mut [f32], &mut [f32]);
+
+    /// Block `block`'s backward is done: its gradients of this pass are complete.
+    fn backward_done(&mut self, _block: usize) {}
+}
+
+/// A [`ParamStore`] (whole-model or stage-local, starting at `base`) as [`BlockParams`].
+struct StoreParams<'a> {
+    model: &'a Model,
+    store: &'a mut ParamStore,
+    base: Base,
+}
+
+impl BlockParams for StoreParams<'_> {
+    fn forward_view(&mut self, block: usize) -> (&[f32], &mut [f32]) {
+        let (p, b) = (
+            self.model.param_slot(block, self.base),
+            self.model.buffer_slot(block, self.base),
+        );
+        (&self.store.values[p], &mut self.store.buffers[b])
+    }
+
+    fn backward_view(&mut self, block: usize) -> (&[f32], &mut [f32], &mut [f32]) {
+        let (p, b) = (
+            self.model.param_slot(block, self.base),
+            self.model.buffer_slot(block, self.base),
+        );
+        let store = &mut *self.store;
+        (
+            &store.values[p.clone()],
+            &mut store.grads[p],
+            &mut store.buffers[b],
+        )
     }
 }
 

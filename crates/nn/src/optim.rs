@@ -260,6 +260,21 @@ pub struct Optimizer {
     pub step: u64,
     /// The parameter groups' settings over this slice, in order, covering it.
     segments: Vec<Segment>,
+    /// Where each part of the state sits in the parameters and gradients it updates
+    /// ([`Optimizer::scattered`]); `None`: state element `k` is element `k` of both.
+    pieces: Option<Vec<StatePiece>>,
+}
+
+/// A run of optimizer state and the parameters and gradients it belongs to: state `state`
+/// updates `params[values..]` from `grads[grads..]` (same length). A ZeRO shard's state is
+/// the concatenation of its pieces of every parameter, while the parameters it updates lie
+/// scattered in the full buffer (stages 1 and 2) and its gradients in the full buffer
+/// (stage 1) or in the shard (stage 2).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StatePiece {
+    pub state: Range<usize>,
+    pub values: usize,
+    pub grads: usize,
 }
 
 impl Optimizer {
@@ -301,7 +316,24 @@ impl Optimizer {
             v: vec![0.0; v_len],
             step: 0,
             segments,
+            pieces: None,
         }
+    }
+
+    /// The same optimizer updating scattered elements: `pieces` cover the state in order
+    /// (see [`StatePiece`]).
+    pub fn scattered(mut self, pieces: Vec<StatePiece>) -> Self {
+        let mut at = 0;
+        for p in &pieces {
+            assert_eq!(
+                p.state.start, at,
+                "state pieces must cover the state in order"
+            );
+            at = p.state.end;
+        }
+        assert_eq!(at, self.m.len(), "state pieces must cover the state");
+        self.pieces = Some(pieces);
+        self
     }
 
     pub fn segments(&self) -> &[Segment] {
@@ -315,33 +347,55 @@ impl Optimizer {
 
     /// One update of `params` from `grads` at learning rate `lr` (times each group's scale).
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
-        assert_eq!(params.len(), grads.len());
-        assert_eq!(
-            params.len(),
-            self.m.len(),
-            "optimizer state sized for another slice"
-        );
+        let whole = [StatePiece {
+            state: 0..self.m.len(),
+            values: 0,
+            grads: 0,
+        }];
+        let pieces = match &self.pieces {
+            Some(p) => p.clone(),
+            None => {
+                assert_eq!(params.len(), grads.len());
+                assert_eq!(
+                    params.len(),
+                    self.m.len(),
+                    "optimizer state sized for another slice"
+                );
+                whole.to_vec()
+            }
+        };
         self.step += 1;
-        for s in &self.segments {
-            let r = s.range.clone();
-            let v = if self.v.is_empty() {
-                &mut self.v[..]
-            } else {
-                &mut self.v[r.clone()]
-            };
-            let rule = Rule {
-                config: self.config,
-                step: self.step,
-                hyper: s.hyper,
-                lr: lr * s.hyper.lr_scale,
-            };
-            update(
-                rule,
-                &mut params[r.clone()],
-                &grads[r.clone()],
-                &mut self.m[r],
-                v,
-            );
+        for piece in &pieces {
+            for s in &self.segments {
+                let (start, end) = (
+                    s.range.start.max(piece.state.start),
+                    s.range.end.min(piece.state.end),
+                );
+                if start >= end {
+                    continue;
+                }
+                let r = start..end;
+                let shift =
+                    |at: usize| at + start - piece.state.start..at + end - piece.state.start;
+                let v = if self.v.is_empty() {
+                    &mut self.v[..]
+                } else {
+                    &mut self.v[r.clone()]
+                };
+                let rule = Rule {
+                    config: self.config,
+                    step: self.step,
+                    hyper: s.hyper,
+                    lr: lr * s.hyper.lr_scale,
+                };
+                update(
+                    rule,
+                    &mut params[shift(piece.values)],
+                    &grads[shift(piece.grads)],
+                    &mut self.m[r],
+                    v,
+                );
+            }
         }
     }
 }

@@ -193,10 +193,11 @@ impl Layout {
                 "context parallelism is an open issue",
             );
         }
-        if self.zero > 0 {
+        if self.zero >= 2 && self.pp > 1 {
             return not_yet(
-                format!("zero={}", self.zero),
-                "ZeRO sharding is an open issue (use zero=0: DDP)",
+                format!("zero={} with pp={}", self.zero, self.pp),
+                "ZeRO-2/3 reduce and gather per block inside the pipeline's interleaved \
+                 passes; with a pipeline use zero=1 (Megatron's distributed optimizer)",
             );
         }
         if self.recompute == Recompute::Selective {
@@ -415,7 +416,12 @@ mod tests {
         assert!(err("pp=2,m=3,schedule=interleaved", 2, 12).contains("multiple of the number"));
         assert!(err("tp=2", 2, 8).contains("tp=2: the model has no tensor-parallel plan"));
         assert!(err("sp=on", 1, 8).contains("needs tp > 1"));
-        assert!(err("zero=1", 1, 8).contains("zero=1 is not available yet"));
+        assert!(err("dp=2,pp=2,zero=2", 4, 8).contains("zero=2 with pp=2 is not available yet"));
+        assert!("dp=2,pp=2,zero=1"
+            .parse::<Layout>()
+            .unwrap()
+            .resolve(4, 8, &m)
+            .is_ok());
         let mixed = "precision=fp16".parse::<Layout>().unwrap();
         assert_eq!(
             mixed.resolve(1, 8, &m).unwrap().layout.precision,

@@ -10,6 +10,8 @@
 //!   and the naive single-master DataParallel mode, behind one [`data::GradSync`] interface.
 //! * [`tensor`]: tensor parallelism (column/row-parallel linears, heads, vocab-parallel
 //!   embedding and cross-entropy) and sequence parallelism, by a model's plan.
+//! * [`zero`]: ZeRO stages 1–3 (FSDP): data parallelism with sharded optimizer state,
+//!   gradients and parameters, one more [`data::GradSync`].
 //! * [`tied`]: parameters shared by several blocks (tied embeddings), across stages.
 //! * [`parallelize`](mod@parallelize): the apply order and the one training step.
 //!
@@ -23,6 +25,7 @@ pub mod precision;
 pub mod tensor;
 pub mod tied;
 pub mod timeline;
+pub mod zero;
 
 pub use layout::{Layout, LayoutError, ResolvedLayout};
 pub use parallelize::{parallelize, EvalSums, Parallel, ParallelOptions, StepStats, StepTimes};

@@ -43,7 +43,8 @@
 
 pub use crate::data::DpMode;
 use crate::data::{
-    grad_sync, CommTiming, DataParallel, DdpConfig, GradSync, GroupStatsReducer, ShareShape,
+    grad_sync, CommTiming, DataParallel, DataParallelConfig, DdpConfig, GradSync,
+    GroupStatsReducer, ShareShape, SyncHooks,
 };
 use crate::layout::{Recompute, ResolvedLayout};
 use crate::pipeline::{
@@ -53,6 +54,7 @@ use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
 use crate::tensor::{TpContext, TpGradSync};
 use crate::tied::TiedGrads;
 use crate::timeline::{Category, Timeline};
+use crate::zero::{ZeroOptions, ZeroStage};
 use crate::{Batch, ParallelError};
 use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, ParamGroups};
@@ -78,6 +80,8 @@ pub struct ParallelOptions {
     /// Tests only: (step index of this run, world rank) whose gradients are reported as
     /// overflowed, to show that every worker skips that step.
     pub inject_overflow: Option<(u64, usize)>,
+    /// ZeRO's prefetching and resharding (the stage is part of the layout).
+    pub zero: ZeroOptions,
 }
 
 /// What the model is trained with (the parts of a step that are not about parallelism).
@@ -105,6 +109,12 @@ pub struct StepTimes {
     pub comm_hidden_s: f64,
     /// Bytes this worker put into gradient synchronisation.
     pub comm_bytes: u64,
+    /// The same traffic in the ZeRO paper's units (an all-reduce counts twice): 2Ψ per step
+    /// for DDP and ZeRO-1/2, 3Ψ for ZeRO-3.
+    pub comm_traffic_bytes: u64,
+    /// ZeRO-3: time forward and backward waited for parameters being all-gathered
+    /// (included in `forward_s` and `backward_s`).
+    pub param_gather_s: f64,
     /// Pipelines: time not computing inside the pipelined part of the step (the bubble and
     /// transfers).
     pub pipeline_idle_s: f64,
@@ -123,6 +133,8 @@ impl StepTimes {
         self.comm_exposed_s += other.comm_exposed_s;
         self.comm_hidden_s += other.comm_hidden_s;
         self.comm_bytes += other.comm_bytes;
+        self.comm_traffic_bytes += other.comm_traffic_bytes;
+        self.param_gather_s += other.param_gather_s;
         self.pipeline_idle_s += other.pipeline_idle_s;
         self.tp_comm_s += other.tp_comm_s;
         self.tp_comm_elems += other.tp_comm_elems;
@@ -137,6 +149,8 @@ impl StepTimes {
             comm_exposed_s: self.comm_exposed_s - before.comm_exposed_s,
             comm_hidden_s: self.comm_hidden_s - before.comm_hidden_s,
             comm_bytes: self.comm_bytes - before.comm_bytes,
+            comm_traffic_bytes: self.comm_traffic_bytes - before.comm_traffic_bytes,
+            param_gather_s: self.param_gather_s - before.param_gather_s,
             pipeline_idle_s: self.pipeline_idle_s - before.pipeline_idle_s,
             tp_comm_s: self.tp_comm_s - before.tp_comm_s,
             tp_comm_elems: self.tp_comm_elems - before.tp_comm_elems,
@@ -240,8 +254,9 @@ pub struct Parallel {
     sums: Option<Arc<GroupStatsReducer>>,
     tp_sync: TpGradSync,
     tp_context: Option<TpContext>,
-    /// One replica's workers (pp × tp): gradient norms are summed over them.
-    model_parallel: Arc<dyn ProcessGroup>,
+    /// The workers whose gradients make up one whole gradient: one replica's pp × tp, or
+    /// under ZeRO every worker (each owns other pieces). Gradient norms are summed over them.
+    norm_group: Arc<dyn ProcessGroup>,
     /// fp16's dynamic loss scale (`None` for fp32 and bf16).
     scaling: Option<LossScaling>,
 }
@@ -313,14 +328,18 @@ pub fn parallelize(
     // 3. Context parallelism: not yet (`Layout::resolve` rejects cp > 1).
 
     // 4. Data parallelism: how the replicas stay equal.
-    let DataParallel { sync, sums } = grad_sync(
+    let DataParallel { mut sync, sums } = grad_sync(
         model,
         &mut stage.chunks,
         layout.schedule.workers,
         &dp,
-        options.dp_mode,
-        options.ddp,
-        options.sync_batch_norm,
+        DataParallelConfig {
+            mode: options.dp_mode,
+            ddp: options.ddp,
+            zero: ZeroStage::from_level(l.zero),
+            zero_options: options.zero,
+            sync_batch_norm: options.sync_batch_norm,
+        },
     )?;
 
     // 5. Tied parameters, across stages where the pipeline separated them.
@@ -341,7 +360,21 @@ pub fn parallelize(
             }
         }
     }
-    let model_parallel = if l.tp == 1 {
+    // ZeRO updates this rank's pieces: ties, replicated sums and norms address them.
+    let sharding = sync.sharding();
+    let mut ties = ties;
+    let mut tp_sync = tp_sync;
+    if let Some(sharding) = &sharding {
+        ties.remap(|j, r| sharding.update_ranges(j, r));
+        tp_sync.remap(|j, r| sharding.update_ranges(j, r));
+        for (j, chunk) in stage.chunks.iter_mut().enumerate() {
+            let len = model.blocks_param_range(chunk.blocks.clone()).len();
+            chunk.norm_skip = sharding.norm_skip(j, &chunk.norm_skip, len);
+        }
+    }
+    let norm_group = if sharding.is_some() {
+        world.clone()
+    } else if l.tp == 1 {
         pp.clone()
     } else {
         let d = mesh.coordinate(MeshAxis::Dp);
@@ -350,7 +383,18 @@ pub fn parallelize(
     };
 
     let segments = training.groups.resolve(model, &training.optimizer);
-    let optimizers = stage.optimizers_with_groups(model, training.optimizer, &segments);
+    let optimizers = match sync.as_zero() {
+        Some(zero) => stage
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(j, chunk)| {
+                let base = model.blocks_param_range(chunk.blocks.clone()).start;
+                zero.optimizer(j, training.optimizer, &segments, base)
+            })
+            .collect(),
+        None => stage.optimizers_with_groups(model, training.optimizer, &segments),
+    };
     Ok(Parallel {
         options: StepOptions {
             loss,
@@ -367,7 +411,7 @@ pub fn parallelize(
         sums,
         tp_sync,
         tp_context,
-        model_parallel,
+        norm_group,
         scaling,
     })
 }
@@ -394,6 +438,11 @@ impl Parallel {
     /// parallelism).
     pub fn tp_comm(&self) -> Option<crate::tensor::TpComm> {
         self.tp_context.as_ref().map(|c| c.stats.snapshot())
+    }
+
+    /// The ZeRO stage the replicas run (`None`: full replicas).
+    pub fn zero_stage(&self) -> Option<ZeroStage> {
+        self.sync.sharding().map(|s| s.stage)
     }
 
     /// The data-parallel mode's name (`none` for one replica).
@@ -446,7 +495,7 @@ impl Parallel {
             micro,
             options,
             timeline.as_deref_mut(),
-            &mut |ready| sync.grads_ready(ready),
+            &mut SyncHooks(sync.as_mut()),
         )?;
         let wait = Instant::now();
         let comm = self.sync.finish(&mut self.stage.chunks)?;
@@ -465,6 +514,8 @@ impl Parallel {
             comm_exposed_s: comm.exposed_s,
             comm_hidden_s: comm.hidden_s,
             comm_bytes: comm.bytes as u64,
+            comm_traffic_bytes: comm.traffic_bytes as u64,
+            param_gather_s: comm.param_gather_s,
             ..StepTimes::default()
         };
         if pp.size() > 1 {
@@ -493,7 +544,7 @@ impl Parallel {
         if self.sync.updates_parameters() && !skipped {
             self.tp_sync.reduce(&mut self.stage.chunks)?;
             self.ties.reduce(&mut self.stage.chunks)?;
-            let mp = self.model_parallel.as_ref();
+            let mp = self.norm_group.as_ref();
             norm = match clip {
                 Some(c) => self.stage.clip_grad_norm(mp, c)?,
                 None => self.stage.grad_norm(mp)?,
@@ -504,7 +555,10 @@ impl Parallel {
             self.stage.zero_grads();
         }
         times.optimizer_s = t.elapsed().as_secs_f64();
-        times.comm_exposed_s += self.sync.after_update(&mut self.stage.chunks)?.exposed_s;
+        let after = self.sync.after_update(&mut self.stage.chunks)?;
+        times.comm_exposed_s += after.exposed_s;
+        times.comm_bytes += after.bytes as u64;
+        times.comm_traffic_bytes += after.traffic_bytes as u64;
 
         // Each replica's last stage has its replica's mean loss (every tensor-parallel rank
         // of it: the first one reports); world rank 0 (an updating worker in every mode) has
@@ -561,10 +615,15 @@ impl Parallel {
             inputs: vec![batch.x],
             targets: vec![batch.y],
         };
-        if let Some(values) = self
-            .stage
-            .evaluate(model, pp.as_ref(), micro, &self.options)?
-        {
+        let values = self.stage.evaluate(
+            model,
+            pp.as_ref(),
+            micro,
+            &self.options,
+            &mut SyncHooks(self.sync.as_mut()),
+        );
+        self.sync.check_pass()?;
+        if let Some(values) = values? {
             values.iter().for_each(|v| sums.add(v, samples));
         }
         Ok(())
@@ -616,18 +675,19 @@ impl Parallel {
     /// stage's tensor-parallel ranks join their shards on their rank 0, and those gather the
     /// stages on pipeline rank 0. Call it on every worker.
     pub fn gather_state(
-        &self,
+        &mut self,
         model: &Model,
         whole: &Model,
     ) -> Result<Option<(ParamStore, Optimizer)>, ParallelError> {
+        let locals = self.local_states(model)?;
         if self.mesh.coordinate(MeshAxis::Dp) != 0 {
             return Ok(None);
         }
         // Per local chunk, on tensor-parallel rank 0: [values, buffers, m, v] in the whole
         // model's layout.
         let mut joined = Vec::with_capacity(self.stage.chunks.len());
-        for (j, chunk) in self.stage.chunks.iter().enumerate() {
-            joined.push(self.join_shards(model, whole, chunk, &self.optimizers[j])?);
+        for (chunk, local) in self.stage.chunks.iter().zip(locals) {
+            joined.push(self.join_shards(model, whole, chunk, local)?);
         }
         if self.mesh.coordinate(MeshAxis::Tp) != 0 {
             return Ok(None);
@@ -675,23 +735,43 @@ impl Parallel {
         Ok(Some((store, optimizer)))
     }
 
-    /// One chunk's values, buffers and optimizer moments in the whole model's layout, on
-    /// tensor-parallel rank 0 (the others send their shards and get empty vectors).
+    /// Per local chunk, [values, buffers, m, v] (v only for AdamW) in this worker's own
+    /// (tensor-parallel) layout. Under ZeRO the pieces are all-gathered over the
+    /// data-parallel group first (every data-parallel rank takes part).
+    fn local_states(&mut self, model: &Model) -> Result<Vec<Vec<Vec<f32>>>, ParallelError> {
+        let mut out = Vec::with_capacity(self.stage.chunks.len());
+        for (j, chunk) in self.stage.chunks.iter().enumerate() {
+            let optimizer = &self.optimizers[j];
+            let (values, m, v) = match self.sync.as_zero() {
+                Some(zero) => {
+                    let len = model.blocks_param_range(chunk.blocks.clone()).len();
+                    zero.unshard(j, &chunk.store.values, optimizer, len)?
+                }
+                None => (
+                    chunk.store.values.clone(),
+                    optimizer.m.clone(),
+                    optimizer.v.clone(),
+                ),
+            };
+            let mut local = vec![values, chunk.store.buffers.clone(), m];
+            if !v.is_empty() {
+                local.push(v);
+            }
+            out.push(local);
+        }
+        Ok(out)
+    }
+
+    /// One chunk's values, buffers and optimizer moments (`local`, in this worker's layout)
+    /// in the whole model's layout, on tensor-parallel rank 0 (the others send their shards
+    /// and get empty vectors).
     fn join_shards(
         &self,
         model: &Model,
         whole: &Model,
         chunk: &crate::pipeline::StageChunk,
-        optimizer: &Optimizer,
+        local: Vec<Vec<f32>>,
     ) -> Result<Vec<Vec<f32>>, ParallelError> {
-        let mut local = vec![
-            chunk.store.values.clone(),
-            chunk.store.buffers.clone(),
-            optimizer.m.clone(),
-        ];
-        if !optimizer.v.is_empty() {
-            local.push(optimizer.v.clone());
-        }
         let tp = self.mesh.group(MeshAxis::Tp);
         if tp.size() == 1 {
             return Ok(local);
@@ -749,9 +829,10 @@ impl Parallel {
     }
 
     /// Continues from a whole-model state (every worker reads the same checkpoint and keeps
-    /// its share: its stage's blocks, and of a tensor-parallel parameter its shard). `model`
-    /// is this worker's model, `whole` the model unsplit (the state's layout). Without an
-    /// optimizer state (starting from weights) the optimizers are left as they are.
+    /// its share: its stage's blocks, of a tensor-parallel parameter its shard, and under
+    /// ZeRO its pieces). `model` is this worker's model, `whole` the model unsplit (the
+    /// state's layout). Without an optimizer state (starting from weights) the optimizers
+    /// are left as they are.
     pub fn load_state(
         &mut self,
         model: &Model,
@@ -759,35 +840,57 @@ impl Parallel {
         full: &ParamStore,
         optimizer: Option<&Optimizer>,
     ) {
-        for (chunk, local) in self.stage.chunks.iter_mut().zip(&mut self.optimizers) {
+        for (j, chunk) in self.stage.chunks.iter_mut().enumerate() {
             let blocks = chunk.blocks.clone();
-            let base = model.blocks_param_range(blocks.clone()).start;
+            let range = model.blocks_param_range(blocks.clone());
             chunk
                 .store
                 .buffers
                 .copy_from_slice(&full.buffers[whole.blocks_buffer_range(blocks)]);
-            chunk.store.zero_grads();
-            let mut pairs: Vec<(&mut Vec<f32>, &[f32])> =
-                vec![(&mut chunk.store.values, &full.values)];
-            if let Some(opt) = optimizer {
-                pairs.push((&mut local.m, &opt.m));
-                if !local.v.is_empty() {
-                    pairs.push((&mut local.v, &opt.v));
-                }
-                local.step = opt.step;
-            }
-            for (dst, src) in pairs {
+            // This worker's (tensor-parallel) share of the chunk, in its full layout.
+            let local = |src: &[f32]| {
+                let mut dst = vec![0.0; range.len()];
                 for (i, e) in model.params().iter().enumerate() {
                     if !chunk.blocks.contains(&e.block) {
                         continue;
                     }
                     let src = &src[whole.params()[i].range.clone()];
-                    let dst = &mut dst[e.range.start - base..e.range.end - base];
+                    let dst = &mut dst[e.range.start - range.start..e.range.end - range.start];
                     match e.shard() {
                         Some(shard) => dst.copy_from_slice(&shard.take(src)),
                         None => dst.copy_from_slice(src),
                     }
                 }
+                dst
+            };
+            let values = local(&full.values);
+            let moments = optimizer.map(|opt| {
+                let v = if opt.v.is_empty() {
+                    Vec::new()
+                } else {
+                    local(&opt.v)
+                };
+                (local(&opt.m), v, opt.step)
+            });
+            let target = &mut self.optimizers[j];
+            match self.sync.as_zero() {
+                Some(zero) => {
+                    let moments = moments.as_ref().map(|(m, v, step)| (&m[..], &v[..], *step));
+                    zero.install(j, &mut chunk.store, values, moments, target);
+                }
+                None => {
+                    chunk.store.values = values;
+                    if let Some((m, v, step)) = moments {
+                        target.m = m;
+                        if !target.v.is_empty() {
+                            target.v = v;
+                        }
+                        target.step = step;
+                    }
+                }
+            }
+            if !chunk.store.grads.is_empty() {
+                chunk.store.zero_grads();
             }
         }
     }

@@ -1050,6 +1050,14 @@ impl TpGradSync {
         &self.replicated
     }
 
+    /// Addresses the replicated parameters in the coordinates the update works in (ZeRO:
+    /// this rank's pieces, which have the same lengths on every tensor-parallel rank).
+    pub fn remap(&mut self, map: impl Fn(usize, &Range<usize>) -> Vec<Range<usize>>) {
+        for (j, ranges) in self.replicated.iter_mut().enumerate() {
+            *ranges = ranges.iter().flat_map(|r| map(j, r)).collect();
+        }
+    }
+
     /// Sums the replicated parameters' gradients over the group (one all-reduce per chunk).
     pub fn reduce(&mut self, chunks: &mut [StageChunk]) -> Result<(), CommError> {
         let Some(group) = &self.group else {

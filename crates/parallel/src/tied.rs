@@ -84,6 +84,19 @@ impl TiedGrads {
         })
     }
 
+    /// Addresses the tied entries in the coordinates the update works in (ZeRO: this rank's
+    /// pieces): `map(local chunk, range)` gives the range's new place. Tied entries have
+    /// the same shape, so their pieces have the same length on every rank.
+    pub fn remap(&mut self, map: impl Fn(usize, &Range<usize>) -> Vec<Range<usize>>) {
+        for tie in &mut self.ties {
+            for (j, range) in &mut tie.held {
+                let mapped = map(*j, range);
+                assert_eq!(mapped.len(), 1, "a tied entry is one parameter");
+                *range = mapped[0].clone();
+            }
+        }
+    }
+
     /// Whether the model has tied parameters at all.
     pub fn is_empty(&self) -> bool {
         self.ties.is_empty()

@@ -6,7 +6,7 @@ use meshtrain_nn::models::{gpt, GptConfig};
 use meshtrain_nn::{Mode, Model};
 use meshtrain_parallel::pipeline::bench::BenchModel;
 use meshtrain_parallel::pipeline::{
-    MicroBatches, Partition, PipelineError, Schedule, ScheduleKind, Stage, StepOptions,
+    MicroBatches, NoHooks, Partition, PipelineError, Schedule, ScheduleKind, Stage, StepOptions,
 };
 use meshtrain_parallel::timeline::{chrome_trace, idle_fraction, Category, Span, Timeline};
 use std::collections::HashMap;
@@ -69,7 +69,7 @@ fn grads_ready_fires_once_per_block_with_final_gradients() {
                 micro.clone(),
                 &options(false),
                 None,
-                &mut |ready| {
+                &mut |ready: meshtrain_parallel::pipeline::GradsReady<'_>| {
                     let grads = ready.store.grads[ready.range.clone()].to_vec();
                     seen.push((ready.chunk, ready.block, grads));
                 },
@@ -135,7 +135,7 @@ fn peak_activations_gpipe_holds_m_1f1b_holds_p_minus_rank() {
                 micro.clone(),
                 &options(recompute),
                 None,
-                &mut |_| {},
+                &mut NoHooks,
             )?;
             let one = bytes_per_micro(model, stage, micro, recompute);
             Ok((report.peak_activation_bytes, one, stage.rank()))
@@ -224,7 +224,7 @@ fn a_failing_stage_becomes_an_error_on_every_worker() {
             micro,
             &options(false),
             None,
-            &mut |_| {},
+            &mut NoHooks,
         )
     })
     .unwrap_err();
@@ -253,7 +253,7 @@ fn a_group_of_the_wrong_size_is_an_error() {
             micro,
             &options(false),
             None,
-            &mut |_| {},
+            &mut NoHooks,
         )
     })
     .unwrap_err();
@@ -310,7 +310,7 @@ fn timeline_spans_and_chrome_trace() {
                 micro.clone(),
                 &options(false),
                 Some(&mut timeline),
-                &mut |_| {},
+                &mut NoHooks,
             )?;
             Ok(timeline.into_spans())
         },
@@ -379,7 +379,8 @@ fn evaluate_matches_the_whole_model_forward() {
     };
     for (kind, p) in [(ScheduleKind::GPipe, 3), (v2, 2), (v2, 1)] {
         let results = one_step(kind, p, 2, |model, stage, group, micro| {
-            let values = stage.evaluate(model, group, micro.clone(), &options(false))?;
+            let values =
+                stage.evaluate(model, group, micro.clone(), &options(false), &mut NoHooks)?;
             Ok(values.map(|v| {
                 let mean = v.iter().map(|l| l.mean as f64).sum::<f64>() / v.len() as f64;
                 (
@@ -427,7 +428,7 @@ fn grad_norm_and_clipping_span_all_stages() {
                 micro.clone(),
                 &options(false),
                 None,
-                &mut |_| {},
+                &mut NoHooks,
             )?;
             let norm = stage.grad_norm(group)?;
             let before: Vec<f32> = stage
@@ -497,7 +498,7 @@ fn gather_collects_the_whole_model_on_rank_0() {
             micro.clone(),
             &options(false),
             None,
-            &mut |_| {},
+            &mut NoHooks,
         )?;
         let mut optimizers = stage.optimizers(meshtrain_nn::optim::OptimizerConfig::Sgd {
             momentum: 0.0,

@@ -23,6 +23,7 @@ use meshtrain_nn::{InputSpec, Model, ParamStore};
 use meshtrain_parallel::data::ShareShape;
 use meshtrain_parallel::parallelize::Training;
 use meshtrain_parallel::pipeline::PartitionSpec;
+use meshtrain_parallel::zero::ZeroStage;
 use meshtrain_parallel::{parallelize, Batch, EvalSums, Parallel, StepStats};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -274,29 +275,49 @@ impl Trainer {
         let (rank, world) = self.parallel.dp_rank_and_size();
         let data = eval.data.as_ref();
         let input = data.input();
-        let batches: Vec<Vec<usize>> = match eval.plan {
-            EvalPlan::All { batch } => {
-                let shard = eval_shard(data.len(), rank, world)?;
-                shard
-                    .clone()
-                    .step_by(batch)
-                    .map(|s| (s..(s + batch).min(shard.end)).collect())
-                    .collect()
+        let batches_of = |rank: usize| -> Result<Vec<Vec<usize>>> {
+            Ok(match eval.plan {
+                EvalPlan::All { batch } => {
+                    let shard = eval_shard(data.len(), rank, world)?;
+                    shard
+                        .clone()
+                        .step_by(batch)
+                        .map(|s| (s..(s + batch).min(shard.end)).collect())
+                        .collect()
+                }
+                EvalPlan::Random {
+                    batches,
+                    batch_size,
+                    seed,
+                } => (rank..batches)
+                    .step_by(world)
+                    .map(|i| random_indices(data.len(), batch_size, seed + i as u64))
+                    .collect(),
+            })
+        };
+        let batches = batches_of(rank)?;
+        // ZeRO-3 gathers parameters over the replicas in every forward: all replicas run
+        // as many passes as the busiest one, the extra ones on a batch whose loss is
+        // thrown away.
+        let rounds = if self.parallel.zero_stage() == Some(ZeroStage::Parameters) {
+            let mut most = batches.len();
+            for r in 0..world {
+                most = most.max(batches_of(r)?.len());
             }
-            EvalPlan::Random {
-                batches,
-                batch_size,
-                seed,
-            } => (rank..batches)
-                .step_by(world)
-                .map(|i| random_indices(data.len(), batch_size, seed + i as u64))
-                .collect(),
+            most
+        } else {
+            batches.len()
         };
         let mut sums = EvalSums::default();
-        for idx in batches {
+        let mut discarded = EvalSums::default();
+        for round in 0..rounds {
+            let (idx, into) = match batches.get(round) {
+                Some(idx) => (idx.clone(), &mut sums),
+                None => (vec![0], &mut discarded),
+            };
             let batch = load(data, &input, self.job.loss.as_ref(), &idx)?;
             let (pool, parallel, model) = (&self.pool, &mut self.parallel, &self.model);
-            pool.install(|| parallel.eval_batch(model, batch, &mut sums))
+            pool.install(|| parallel.eval_batch(model, batch, into))
                 .context("evaluating")?;
         }
         let sums = self.parallel.reduce_eval(sums)?;
@@ -308,6 +329,7 @@ impl Trainer {
     /// standard file — the same as a single worker's).
     pub fn save_checkpoint(&mut self, path: &Path) -> Result<()> {
         let t = Instant::now();
+        let loss_scaler = self.parallel.loss_scaler();
         let state = |store, optimizer| TrainState {
             model: &self.whole,
             store,
@@ -315,13 +337,15 @@ impl Trainer {
             step: self.step,
             model_description: &self.job.model_description,
             config: &self.job.config_text,
-            loss_scaler: self.parallel.loss_scaler(),
+            loss_scaler,
         };
-        let stage = &self.parallel.stage;
-        if stage.schedule().num_chunks() == 1 && self.parallel.layout.layout.tp == 1 {
+        let whole_chunk = self.parallel.stage.schedule().num_chunks() == 1
+            && self.parallel.layout.layout.tp == 1
+            && self.parallel.zero_stage().is_none();
+        if whole_chunk {
             // One whole chunk is the whole model: rank 0 writes it as it is, no gathered copy.
             if self.is_lead() {
-                let chunk = &stage.chunks[0];
+                let chunk = &self.parallel.stage.chunks[0];
                 checkpoint::save(path, &state(&chunk.store, &self.parallel.optimizers[0]))?;
             }
         } else {

@@ -65,8 +65,15 @@ pub struct CommTiming {
     /// The part of `exposed_s` spent inside backward's hooks (launching, bf16 conversion):
     /// subtract it from backward's wall time to get backward's compute.
     pub in_backward_s: f64,
-    /// Bytes this rank put into all-reduces.
+    /// Bytes this rank put into collectives (all-reduce buffers, reduce-scatter inputs,
+    /// all-gather outputs).
     pub bytes: usize,
+    /// The same traffic in the units of the ZeRO paper: an all-reduce counts twice (it is a
+    /// reduce-scatter and an all-gather), so DDP moves 2Ψ per step, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ.
+    pub traffic_bytes: usize,
+    /// Time forward and backward waited for parameters being all-gathered (ZeRO-3;
+    /// included in their times).
+    pub param_gather_s: f64,
 }
 
 impl CommTiming {
@@ -75,7 +82,25 @@ impl CommTiming {
         self.hidden_s += other.hidden_s;
         self.in_backward_s += other.in_backward_s;
         self.bytes += other.bytes;
+        self.traffic_bytes += other.traffic_bytes;
+        self.param_gather_s += other.param_gather_s;
     }
+}
+
+/// Makes every replica of `group` start from rank 0's parameters and buffers.
+pub fn broadcast_state(
+    group: &dyn ProcessGroup,
+    store: &mut ParamStore,
+) -> Result<(), DataParallelError> {
+    group
+        .broadcast(BufMut::F32(&mut store.values), 0)
+        .map_err(|e| DataParallelError::comm("broadcasting parameters from rank 0", e))?;
+    if !store.buffers.is_empty() {
+        group
+            .broadcast(BufMut::F32(&mut store.buffers), 0)
+            .map_err(|e| DataParallelError::comm("broadcasting buffers from rank 0", e))?;
+    }
+    Ok(())
 }
 
 /// The DDP gradient synchroniser of one rank.
@@ -168,15 +193,7 @@ impl Ddp {
 
     /// Makes every replica start from rank 0's parameters and buffers.
     pub fn broadcast_state(&self, store: &mut ParamStore) -> Result<(), DataParallelError> {
-        self.group
-            .broadcast(BufMut::F32(&mut store.values), 0)
-            .map_err(|e| DataParallelError::comm("broadcasting parameters from rank 0", e))?;
-        if !store.buffers.is_empty() {
-            self.group
-                .broadcast(BufMut::F32(&mut store.buffers), 0)
-                .map_err(|e| DataParallelError::comm("broadcasting buffers from rank 0", e))?;
-        }
-        Ok(())
+        broadcast_state(self.group.as_ref(), store)
     }
 
     /// Call before backward. `sync = false` is PyTorch's `no_sync()`: gradients only
@@ -287,6 +304,7 @@ impl Ddp {
         if let Some(e) = first_error {
             return Err(DataParallelError::comm("all-reducing gradient buckets", e));
         }
+        timing.traffic_bytes = 2 * timing.bytes;
         timing.in_backward_s = self.hook_s;
         timing.exposed_s = t0.elapsed().as_secs_f64() + self.hook_s;
         Ok(timing)

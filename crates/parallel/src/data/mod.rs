@@ -8,7 +8,8 @@
 //!   0, update there, broadcast weights), for comparison.
 //! * [`GroupStatsReducer`]: the all-reduce behind SyncBatchNorm.
 //! * [`GradSync`]: the one interface the training step sees, implemented by [`DdpSync`],
-//!   [`SingleMasterSync`] and [`NoSync`]; [`grad_sync`] picks one for a layout.
+//!   [`SingleMasterSync`], [`NoSync`] and ZeRO's [`crate::zero::ZeroSync`]; [`grad_sync`]
+//!   picks one for a layout.
 //!
 //! The distributed sampler lives with the data (`meshtrain_data::DistributedSampler`).
 
@@ -19,12 +20,14 @@ mod sync;
 mod sync_bn;
 
 pub use buckets::{plan_buckets, Bucket};
-pub use ddp::{CommTiming, Ddp, DdpConfig, GradCompression};
+pub use ddp::{broadcast_state, CommTiming, Ddp, DdpConfig, GradCompression};
 pub use naive::{SingleMaster, MASTER};
+pub(crate) use sync::own_share;
 pub use sync::{
-    grad_sync, DataParallel, DdpSync, DpMode, GradSync, NoSync, ShareShape, SingleMasterSync,
+    grad_sync, DataParallel, DataParallelConfig, DdpSync, DpMode, GradSync, NoSync, ShareShape,
+    SingleMasterSync, SyncHooks,
 };
-pub use sync_bn::GroupStatsReducer;
+pub use sync_bn::{sum_f64, GroupStatsReducer};
 
 use meshtrain_comm::CommError;
 

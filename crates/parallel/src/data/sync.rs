@@ -14,13 +14,15 @@
 //!   runs, every replica updates (PyTorch DDP).
 //! * [`SingleMasterSync`]: the master loads the whole batch and scatters it, gathers the
 //!   gradients, updates alone and broadcasts the weights (`nn.DataParallel`).
-//! * ZeRO (reduce-scatter, a sharded update, all-gather) plugs in here as a third one.
+//! * [`ZeroSync`](crate::zero::ZeroSync): ZeRO stages 1–3 — reduce-scatter, an update of
+//!   this rank's pieces, all-gather (and under stage 3 parameters gathered per block).
 //!
 //! Both work per pipeline chunk, so they compose with any pipeline layout: each stage's
 //! replicas synchronise over that stage's data-parallel group.
 
 use super::{CommTiming, DataParallelError, Ddp, DdpConfig, GroupStatsReducer, SingleMaster};
-use crate::pipeline::{GradsReady, StageChunk};
+use crate::pipeline::{ChunkParams, GradsReady, StageChunk};
+use crate::zero::{Sharding, ZeroOptions, ZeroStage, ZeroSync};
 use crate::Batch;
 use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::{Model, StatsReducer};
@@ -40,6 +42,17 @@ pub enum DpMode {
     SingleMaster,
 }
 
+/// How the data-parallel replicas are set up: the mode, DDP's buckets, ZeRO's stage
+/// (`None`: full replicas) and options, SyncBatchNorm.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DataParallelConfig {
+    pub mode: DpMode,
+    pub ddp: DdpConfig,
+    pub zero: Option<ZeroStage>,
+    pub zero_options: ZeroOptions,
+    pub sync_batch_norm: bool,
+}
+
 /// The data-parallel transform: the [`GradSync`] of this worker's `chunks` (of a pipeline of
 /// `pipeline_workers` stages) over the data-parallel group `dp`, with the replicas made equal
 /// (rank 0's parameters), and the exact summer over `dp` (evaluation sums; installed into
@@ -50,10 +63,15 @@ pub fn grad_sync(
     chunks: &mut [StageChunk],
     pipeline_workers: usize,
     dp: &Arc<dyn ProcessGroup>,
-    mode: DpMode,
-    ddp: DdpConfig,
-    sync_batch_norm: bool,
+    config: DataParallelConfig,
 ) -> Result<DataParallel, DataParallelError> {
+    let DataParallelConfig {
+        mode,
+        ddp,
+        zero,
+        zero_options,
+        sync_batch_norm,
+    } = config;
     if dp.size() == 1 {
         return Ok(DataParallel {
             sync: Box::new(NoSync),
@@ -68,15 +86,30 @@ pub fn grad_sync(
     if sync_batch_norm {
         model.set_stats_reducer(Some(sums.clone() as Arc<dyn StatsReducer>));
     }
-    let mut sync: Box<dyn GradSync> = match mode {
-        DpMode::Ddp => Box::new(DdpSync::new(
+    let mut sync: Box<dyn GradSync> = match (mode, zero) {
+        (DpMode::Ddp, Some(stage)) => Box::new(ZeroSync::new(
+            model,
+            chunks,
+            pipeline_workers,
+            dp.clone(),
+            stage,
+            zero_options,
+        )),
+        (DpMode::SingleMaster, Some(_)) => {
+            return Err(DataParallelError::Config(
+                "ZeRO shards the replicas of DDP; the single-master mode has no replicas to \
+                 shard (use dp_mode = \"ddp\")"
+                    .into(),
+            ))
+        }
+        (DpMode::Ddp, None) => Box::new(DdpSync::new(
             model,
             chunks,
             pipeline_workers,
             dp.clone(),
             ddp,
         )?),
-        DpMode::SingleMaster => Box::new(SingleMasterSync::new(dp.clone())),
+        (DpMode::SingleMaster, None) => Box::new(SingleMasterSync::new(dp.clone())),
     };
     sync.init(chunks)?;
     Ok(DataParallel {
@@ -144,6 +177,47 @@ pub trait GradSync: Send {
     ) -> Result<CommTiming, DataParallelError> {
         Ok(CommTiming::default())
     }
+
+    /// Where local chunk `j`'s blocks find their parameters during a pass, when not in the
+    /// chunk's store (ZeRO-2/3).
+    fn chunk_params(&mut self, _j: usize) -> Option<&mut dyn ChunkParams> {
+        None
+    }
+
+    /// After a pass outside a training step (evaluation): a collective of it failed.
+    fn check_pass(&mut self) -> Result<(), DataParallelError> {
+        Ok(())
+    }
+
+    /// Where each rank's pieces sit, when the update works on pieces (ZeRO).
+    fn sharding(&self) -> Option<Sharding> {
+        None
+    }
+
+    /// The sharded synchroniser itself (checkpoints of its pieces).
+    fn as_zero(&mut self) -> Option<&mut ZeroSync> {
+        None
+    }
+}
+
+/// A [`GradSync`] as the hooks of a pipeline pass.
+pub struct SyncHooks<'a>(pub &'a mut dyn GradSync);
+
+impl crate::pipeline::StepHooks for SyncHooks<'_> {
+    fn grads_ready(&mut self, ready: GradsReady<'_>) {
+        self.0.grads_ready(ready)
+    }
+
+    fn chunk_params(&mut self, j: usize) -> Option<&mut dyn ChunkParams> {
+        self.0.chunk_params(j)
+    }
+}
+
+/// A replica's share when it loads its own.
+pub(crate) fn own_share(loaded: Option<Batch>) -> Result<Batch, DataParallelError> {
+    loaded.ok_or_else(|| {
+        DataParallelError::Config("a data-parallel replica must load its own share".into())
+    })
 }
 
 /// DDP over each of this worker's pipeline chunks (one chunk without a pipeline).
@@ -209,10 +283,7 @@ impl GradSync for DdpSync {
         loaded: Option<Batch>,
         _: &ShareShape,
     ) -> Result<(Batch, CommTiming), DataParallelError> {
-        let batch = loaded.ok_or_else(|| {
-            DataParallelError::Config("a DDP replica must load its own share".into())
-        })?;
-        Ok((batch, CommTiming::default()))
+        Ok((own_share(loaded)?, CommTiming::default()))
     }
 
     fn begin_step(&mut self) {

@@ -8,7 +8,7 @@
 //! using a core (they sleep), which gives honestly equal-cost stages for any p. Real models
 //! are measured at p = 2 (one core per worker).
 
-use super::executor::{MicroBatches, Stage, StepOptions, StepReport};
+use super::executor::{MicroBatches, NoHooks, Stage, StepOptions, StepReport};
 use super::partition::{profile_block_times, Partition};
 use super::schedule::{Action, Schedule, ScheduleKind};
 use super::transport::SendMode;
@@ -294,7 +294,7 @@ pub fn run_pipeline(cfg: &RunConfig) -> Result<PipelineRun, PipelineError> {
                     micro,
                     &options,
                     Some(&mut timeline),
-                    &mut |_| {},
+                    &mut NoHooks,
                 )?;
                 stage.optimizer_step(&mut optimizers, cfg.lr, Some(&mut timeline));
                 reports.push(report);

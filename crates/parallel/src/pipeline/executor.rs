@@ -24,7 +24,7 @@ use crate::timeline::{timed, Category, Timeline};
 use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::model::Activations;
 use meshtrain_nn::optim::{segments_within, Optimizer, OptimizerConfig, Segment};
-use meshtrain_nn::{Loss, LossValue, Mode, Model, ParamStore};
+use meshtrain_nn::{BlockParams, Loss, LossValue, Mode, Model, ParamStore};
 use meshtrain_tensor::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -203,6 +203,57 @@ pub struct GradsReady<'a> {
     /// The block's range within `store` (stage-local).
     pub range: Range<usize>,
     pub store: &'a mut ParamStore,
+}
+
+/// Where a chunk's blocks find their parameters during a pass when they are not all in the
+/// chunk's store: ZeRO-3 gathers each block's just in time, ZeRO-2 reduces each block's
+/// gradients as its backward ends ([`BlockParams`]).
+pub trait ChunkParams {
+    /// The chunk's parameters for one pass over `store` (which holds its buffers).
+    fn bind<'a>(&'a mut self, store: &'a mut ParamStore) -> Box<dyn BlockParams + 'a>;
+}
+
+/// What a pipeline pass tells the data-parallel mode and asks of it: any
+/// `FnMut(GradsReady)` is one (gradients ready, parameters in the stores).
+pub trait StepHooks {
+    /// A block's gradients became final ([`GradsReady`]).
+    fn grads_ready(&mut self, ready: GradsReady<'_>);
+
+    /// Local chunk `j`'s parameters when not (all) in its store.
+    fn chunk_params(&mut self, _j: usize) -> Option<&mut dyn ChunkParams> {
+        None
+    }
+}
+
+/// No data-parallel mode: nothing to tell, parameters in the stores.
+pub struct NoHooks;
+
+impl StepHooks for NoHooks {
+    fn grads_ready(&mut self, _: GradsReady<'_>) {}
+}
+
+impl<F: FnMut(GradsReady<'_>)> StepHooks for F {
+    fn grads_ready(&mut self, ready: GradsReady<'_>) {
+        self(ready)
+    }
+}
+
+/// A forward pass over `chunk`'s blocks, with its parameters from `params` or its store.
+fn forward_chunk(
+    model: &Model,
+    chunk: &mut StageChunk,
+    params: Option<&mut dyn ChunkParams>,
+    x: Tensor,
+    mode: Mode,
+    recompute: bool,
+) -> (Tensor, Activations) {
+    let blocks = chunk.blocks.clone();
+    match params {
+        Some(p) => model.forward_with(p.bind(&mut chunk.store).as_mut(), x, blocks, mode, &|_| {
+            recompute
+        }),
+        None => model.forward_local(&mut chunk.store, x, blocks, mode, &|_| recompute),
+    }
 }
 
 impl Stage {
@@ -432,22 +483,19 @@ impl Stage {
         self.chunks.iter_mut().for_each(|c| c.store.zero_grads());
     }
 
-    /// Global gradient L2 norm over all stages (an all-reduce over `group`, the pipeline
-    /// group), for clipping: every stage gets the same value. Tied copies count once. With
-    /// one stage nothing is rounded to f32 before the square root (the single worker's
-    /// norm, bit for bit).
+    /// Global gradient L2 norm over the workers of `group` (the pipeline stages, a
+    /// replica's tensor-parallel ranks, or under ZeRO everyone), for clipping: every worker
+    /// gets the same value. Tied copies count once. The partial sums of squares are added in
+    /// f64, so the norm is the single worker's to within f64 rounding (in practice the same
+    /// f32).
     pub fn grad_norm(&self, group: &dyn ProcessGroup) -> Result<f32, PipelineError> {
-        let local: f64 = self
+        let mut sum = [self
             .chunks
             .iter()
             .map(StageChunk::grad_sum_of_squares)
-            .sum();
-        if group.size() == 1 {
-            return Ok(local.sqrt() as f32);
-        }
-        let mut sum = vec![local as f32];
-        group.all_reduce((&mut sum).into(), meshtrain_comm::ReduceOp::Sum)?;
-        Ok((sum[0] as f64).sqrt() as f32)
+            .sum::<f64>()];
+        crate::data::sum_f64(group, &mut sum)?;
+        Ok(sum[0].sqrt() as f32)
     }
 
     /// Scales all stages' gradients so their global norm is at most `max_norm` (as
@@ -478,7 +526,7 @@ impl Stage {
         batches: MicroBatches,
         options: &StepOptions,
         mut timeline: Option<&mut Timeline>,
-        on_grads_ready: &mut dyn FnMut(GradsReady<'_>),
+        hooks: &mut dyn StepHooks,
     ) -> Result<StepReport, PipelineError> {
         self.check_step(group, &batches, self.schedule.micro_batches)?;
         // The first chunk's forward consumes each micro-batch's input (no copy).
@@ -519,7 +567,8 @@ impl Stage {
 
         for (pos, &action) in schedule.actions[self.rank].iter().enumerate() {
             let (c, i) = (action.chunk(), action.micro());
-            let chunk = &mut chunks[c / p];
+            let j = c / p;
+            let chunk = &mut chunks[j];
             match action {
                 Action::RecvActivation { .. } | Action::RecvGrad { .. } => {
                     // An activation comes from chunk c − 1, a gradient from chunk c + 1.
@@ -576,14 +625,13 @@ impl Stage {
                         Category::Forward,
                         Some(i),
                         || {
-                            let recompute = options.recompute;
-                            let blocks = chunk.blocks.clone();
-                            let (y, acts) = model.forward_local(
-                                &mut chunk.store,
+                            let (y, acts) = forward_chunk(
+                                model,
+                                chunk,
+                                hooks.chunk_params(j),
                                 x,
-                                blocks,
                                 Mode::TRAIN,
-                                &|_| recompute,
+                                options.recompute,
                             );
                             let loss =
                                 targets.map(|t| options.loss.forward_backward(&y, t, grad_scale));
@@ -617,24 +665,30 @@ impl Stage {
                     in_flight -= acts.bytes();
                     let is_final = final_backward.get(&c) == Some(&pos);
                     let base = model.blocks_param_range(chunk.blocks.clone()).start;
-                    let mut ready = |block: usize, store: &mut ParamStore| {
-                        if is_final {
-                            let r = model.block_param_range(block);
-                            on_grads_ready(GradsReady {
-                                chunk: c,
-                                block,
-                                range: r.start - base..r.end - base,
-                                store,
-                            });
-                        }
-                    };
                     let t = Instant::now();
                     let dx = timed(
                         &mut timeline,
                         || name("B", c, i),
                         Category::Backward,
                         Some(i),
-                        || model.backward_local(&mut chunk.store, acts, dy, c > 0, &mut ready),
+                        || {
+                            if let Some(params) = hooks.chunk_params(j) {
+                                let mut bound = params.bind(&mut chunk.store);
+                                return model.backward_with(bound.as_mut(), acts, dy, c > 0);
+                            }
+                            let mut ready = |block: usize, store: &mut ParamStore| {
+                                if is_final {
+                                    let r = model.block_param_range(block);
+                                    hooks.grads_ready(GradsReady {
+                                        chunk: c,
+                                        block,
+                                        range: r.start - base..r.end - base,
+                                        store,
+                                    });
+                                }
+                            };
+                            model.backward_local(&mut chunk.store, acts, dy, c > 0, &mut ready)
+                        },
                     );
                     report.backward_s += t.elapsed().as_secs_f64();
                     if c > 0 {
@@ -674,6 +728,7 @@ impl Stage {
         group: &dyn ProcessGroup,
         batches: MicroBatches,
         options: &StepOptions,
+        hooks: &mut dyn StepHooks,
     ) -> Result<Option<Vec<LossValue>>, PipelineError> {
         let m = batches.inputs.len().max(batches.targets.len());
         self.check_step(group, &batches, m)?;
@@ -687,7 +742,7 @@ impl Stage {
         let mut losses = Vec::new();
         for i in 0..m {
             let mut carried: Option<Tensor> = None;
-            for chunk in &mut self.chunks {
+            for (j, chunk) in self.chunks.iter_mut().enumerate() {
                 let c = chunk.index;
                 let x = match (c, carried.take()) {
                     (0, _) => first_inputs.next().ok_or_else(|| {
@@ -696,9 +751,8 @@ impl Stage {
                     (_, Some(x)) => x, // p = 1: the previous chunk is ours
                     (_, None) => recv_tensor(group, (c - 1) % p, tag_for(c, i))?,
                 };
-                let blocks = chunk.blocks.clone();
                 let (y, _) =
-                    model.forward_local(&mut chunk.store, x, blocks, Mode::EVAL, &|_| false);
+                    forward_chunk(model, chunk, hooks.chunk_params(j), x, Mode::EVAL, false);
                 if c == last {
                     let t = targets.get(i).ok_or_else(|| {
                         PipelineError::InvalidSchedule(format!("no targets for micro-batch {i}"))

@@ -20,7 +20,7 @@
 //! let mut optimizers = stage.optimizers(opt_config);
 //! loop {
 //!     let micro = MicroBatches::split(&x, &y, m)?;                  // only read where needed
-//!     let report = stage.run_step(&model, group.as_ref(), micro, &options, None, &mut |_| {})?;
+//!     let report = stage.run_step(&model, group.as_ref(), micro, &options, None, &mut NoHooks)?;
 //!     stage.optimizer_step(&mut optimizers, lr, None);
 //! }
 //! ```
@@ -32,7 +32,10 @@ pub mod partition;
 pub mod schedule;
 mod transport;
 
-pub use executor::{GradsReady, MicroBatches, Stage, StageChunk, StepOptions, StepReport};
+pub use executor::{
+    ChunkParams, GradsReady, MicroBatches, NoHooks, Stage, StageChunk, StepHooks, StepOptions,
+    StepReport,
+};
 pub use partition::{profile_block_times, split, Partition, PartitionSpec, TimeProbe};
 pub use schedule::{Action, Schedule, ScheduleKind, Simulation};
 pub use transport::SendMode;

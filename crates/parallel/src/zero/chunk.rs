@@ -1,0 +1,497 @@
+//! One pipeline chunk under ZeRO: this rank's shards, the collectives that build and reduce
+//! whole blocks from them, and the [`BlockParams`] a forward or backward pass reads.
+//!
+//! Per block, in execution order:
+//!
+//! ```text
+//! forward_view(b)   stage 3: all-gather b (if not prefetched), start b+1's, wait for b
+//! forward_done(b)   stage 3 with reshard_after_forward: free b's gathered parameters
+//! backward_view(b)  stage 3: all-gather b again, start b−1's; a zeroed gradient buffer
+//! backward_done(b)  stages 2–3: reduce-scatter b's gradients (async), free the buffer
+//! ```
+//!
+//! Collectives are issued in the same order on every rank of the data-parallel group (the
+//! same program over the same blocks), so they match without any negotiation. A failed
+//! collective is remembered, the pass goes on with zeros and no further collectives (so a
+//! dead peer costs one timeout, not one per block), and the step reports the error.
+
+use super::shards::{ShardLayout, Source, Target};
+use super::ZeroStage;
+use meshtrain_comm::{CommError, ProcessGroup, RawBuf, ReduceOp, Work};
+use meshtrain_nn::{BlockParams, ParamStore};
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Reduce-scatters in flight before the oldest is waited for (bounds the wire buffers held
+/// during backward to a few blocks).
+const MAX_REDUCES_IN_FLIGHT: usize = 2;
+
+/// Options of the sharded data-parallel mode (FSDP's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ZeroOptions {
+    /// Stage 3: start the next block's all-gather while the current block computes.
+    pub prefetch: bool,
+    /// Stage 3: free each block's gathered parameters after its forward and gather them
+    /// again for backward (FSDP2's default); `false` keeps them from forward to backward.
+    pub reshard_after_forward: bool,
+}
+
+impl Default for ZeroOptions {
+    fn default() -> Self {
+        ZeroOptions {
+            prefetch: true,
+            reshard_after_forward: true,
+        }
+    }
+}
+
+/// What the collectives of one chunk cost in a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ChunkComm {
+    /// Payload bytes (reduce-scatter inputs, all-gather outputs).
+    pub bytes: usize,
+    /// Time forward and backward waited for parameters being gathered.
+    pub gather_wait_s: f64,
+    /// Time backward waited for earlier reduce-scatters (the in-flight bound).
+    pub reduce_wait_s: f64,
+    /// Time the collectives ran while compute went on.
+    pub hidden_s: f64,
+}
+
+enum Gathered {
+    Empty,
+    InFlight {
+        work: Work,
+        _send: Vec<f32>,
+        recv: Vec<f32>,
+    },
+    Ready(Vec<f32>),
+}
+
+/// Where a finished reduce-scatter's slots go.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Into {
+    /// Added to the state-coordinate gradient shard (stages 2–3, every micro-batch).
+    State,
+    /// Written over this rank's pieces of the full gradient buffer (stage 1, once a step).
+    Full,
+}
+
+struct Reduce {
+    block: usize,
+    work: Work,
+    _send: Vec<f32>,
+    recv: Vec<f32>,
+    into: Into,
+}
+
+/// This rank's share of one chunk and the collectives in flight for it.
+pub struct ZeroChunk {
+    pub layout: ShardLayout,
+    stage: ZeroStage,
+    group: Arc<dyn ProcessGroup>,
+    options: ZeroOptions,
+    /// Global index of the chunk's first block.
+    first_block: usize,
+    /// Per block, its buffers' range in the chunk's store.
+    buffers: Vec<Range<usize>>,
+    /// Stages 2–3: this rank's gradient pieces (state coordinates), summed over the step's
+    /// micro-batches. During the update they sit in the chunk's store instead.
+    pub shard_grads: Vec<f32>,
+    /// Stage 3: this rank's parameter pieces (state coordinates); in the store during the
+    /// update.
+    pub shard_values: Vec<f32>,
+    gathered: Vec<Gathered>,
+    /// Stages 2–3: the gradient buffer of the block in backward.
+    block_grads: Vec<f32>,
+    reducing: VecDeque<Reduce>,
+    error: Option<CommError>,
+    comm: ChunkComm,
+    /// Bytes of gathered parameters, wire buffers and block gradients held right now, and
+    /// the most held at once since [`ZeroChunk::take_transient_peak`].
+    transient: usize,
+    transient_peak: usize,
+}
+
+impl ZeroChunk {
+    pub fn new(
+        layout: ShardLayout,
+        stage: ZeroStage,
+        group: Arc<dyn ProcessGroup>,
+        options: ZeroOptions,
+        first_block: usize,
+        buffers: Vec<Range<usize>>,
+    ) -> ZeroChunk {
+        let blocks = layout.blocks.len();
+        let sharded = |on: bool| {
+            if on {
+                vec![0.0; layout.state_len]
+            } else {
+                Vec::new()
+            }
+        };
+        ZeroChunk {
+            shard_grads: sharded(stage >= ZeroStage::Gradients),
+            shard_values: sharded(stage >= ZeroStage::Parameters),
+            layout,
+            stage,
+            group,
+            options,
+            first_block,
+            buffers,
+            gathered: (0..blocks).map(|_| Gathered::Empty).collect(),
+            block_grads: Vec::new(),
+            reducing: VecDeque::new(),
+            error: None,
+            comm: ChunkComm::default(),
+            transient: 0,
+            transient_peak: 0,
+        }
+    }
+
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// This chunk as the [`BlockParams`] of a pass over `store` (its buffers, and under
+    /// stage 2 its parameters).
+    pub fn bind<'a>(&'a mut self, store: &'a mut ParamStore) -> BoundChunk<'a> {
+        BoundChunk { chunk: self, store }
+    }
+
+    /// The step's communication so far (and resets it).
+    pub fn take_comm(&mut self) -> ChunkComm {
+        std::mem::take(&mut self.comm)
+    }
+
+    /// The most transient bytes held at once since the last call.
+    pub fn take_transient_peak(&mut self) -> usize {
+        std::mem::replace(&mut self.transient_peak, self.transient)
+    }
+
+    /// Bytes of the shards this chunk holds (gradients, parameters).
+    pub fn shard_bytes(&self) -> (usize, usize) {
+        (
+            self.shard_grads.capacity() * 4,
+            self.shard_values.capacity() * 4,
+        )
+    }
+
+    /// The first collective error of this step, if any (and clears it).
+    pub fn take_error(&mut self) -> Option<CommError> {
+        self.error.take()
+    }
+
+    fn hold(&mut self, bytes: usize) {
+        self.transient += bytes;
+        self.transient_peak = self.transient_peak.max(self.transient);
+    }
+
+    fn release(&mut self, bytes: usize) {
+        self.transient = self.transient.saturating_sub(bytes);
+    }
+
+    /// Starts block `b`'s all-gather from this rank's pieces in `source` (nothing if it is
+    /// gathered or in flight, or after an error).
+    fn start_gather(&mut self, b: usize) {
+        if !matches!(self.gathered[b], Gathered::Empty) || self.error.is_some() {
+            return;
+        }
+        let mut send = vec![0.0; self.layout.blocks[b].slots];
+        self.layout
+            .pack_own(b, Source::State(&self.shard_values), &mut send);
+        let mut recv = vec![0.0; self.layout.wire_len(b)];
+        self.hold((send.len() + recv.len()) * 4);
+        // SAFETY: both vectors move into `Gathered::InFlight` with the work (moving a Vec
+        // does not move its heap block) and are dropped only after the work was waited for.
+        let started = unsafe {
+            self.group
+                .all_gather_async(RawBuf::from_slice(&mut send), RawBuf::from_slice(&mut recv))
+        };
+        match started {
+            Ok(work) => {
+                self.comm.bytes += recv.len() * 4;
+                self.gathered[b] = Gathered::InFlight {
+                    work,
+                    _send: send,
+                    recv,
+                };
+            }
+            Err(e) => {
+                self.release((send.len() + recv.len()) * 4);
+                self.error = Some(e);
+            }
+        }
+    }
+
+    /// Waits for block `b`'s parameters (zeros after an error).
+    fn wait_gathered(&mut self, b: usize) {
+        let len = self.layout.blocks[b].full.len();
+        let values = match std::mem::replace(&mut self.gathered[b], Gathered::Empty) {
+            Gathered::Ready(v) => v,
+            Gathered::InFlight { work, _send, recv } => {
+                let t = Instant::now();
+                let result = work.wait_timed();
+                self.comm.gather_wait_s += t.elapsed().as_secs_f64();
+                let mut values = vec![0.0; len];
+                self.hold(len * 4);
+                match result {
+                    Ok(span) => {
+                        self.comm.hidden_s += t.saturating_duration_since(span.began).as_secs_f64();
+                        self.layout.unpack_all(b, &recv, &mut values);
+                    }
+                    Err(e) => {
+                        self.error.get_or_insert(e);
+                    }
+                }
+                self.release((_send.len() + recv.len()) * 4);
+                values
+            }
+            Gathered::Empty => {
+                // Only after an error (no collective was started): compute on zeros.
+                self.hold(len * 4);
+                vec![0.0; len]
+            }
+        };
+        self.gathered[b] = Gathered::Ready(values);
+    }
+
+    /// Frees block `b`'s gathered parameters.
+    fn free_gathered(&mut self, b: usize) {
+        if let Gathered::Ready(v) = std::mem::replace(&mut self.gathered[b], Gathered::Empty) {
+            self.release(v.len() * 4);
+        }
+    }
+
+    /// Stage 3: makes block `b`'s parameters available, prefetching `next`'s.
+    fn gather(&mut self, b: usize, next: Option<usize>) {
+        self.start_gather(b);
+        if let Some(n) = next.filter(|_| self.options.prefetch) {
+            self.start_gather(n);
+        }
+        self.wait_gathered(b);
+    }
+
+    /// Starts block `b`'s reduce-scatter of `grads` (its range of gradients).
+    fn start_reduce(&mut self, b: usize, grads: &[f32], into: Into) {
+        if self.error.is_some() {
+            return;
+        }
+        let mut send = vec![0.0; self.layout.wire_len(b)];
+        self.layout.pack_all(b, grads, &mut send);
+        let mut recv = vec![0.0; self.layout.blocks[b].slots];
+        self.hold((send.len() + recv.len()) * 4);
+        // SAFETY: as in `start_gather`: the buffers live in the `Reduce` until waited for.
+        let started = unsafe {
+            self.group.reduce_scatter_async(
+                RawBuf::from_slice(&mut send),
+                RawBuf::from_slice(&mut recv),
+                ReduceOp::Average,
+            )
+        };
+        match started {
+            Ok(work) => {
+                self.comm.bytes += send.len() * 4;
+                self.reducing.push_back(Reduce {
+                    block: b,
+                    work,
+                    _send: send,
+                    recv,
+                    into,
+                });
+            }
+            Err(e) => {
+                self.release((send.len() + recv.len()) * 4);
+                self.error = Some(e);
+            }
+        }
+    }
+
+    /// Waits for the oldest reduce-scatter and applies it (`full`: the chunk's full
+    /// gradient buffer, for stage 1).
+    fn finish_oldest_reduce(&mut self, full: Option<&mut [f32]>, since: Instant) -> bool {
+        let Some(r) = self.reducing.pop_front() else {
+            return false;
+        };
+        match r.work.wait_timed() {
+            Ok(span) => {
+                self.comm.hidden_s += span
+                    .finished
+                    .min(since)
+                    .saturating_duration_since(span.began)
+                    .as_secs_f64();
+                match (r.into, full) {
+                    (Into::State, _) => {
+                        self.layout
+                            .accumulate_own(r.block, &r.recv, &mut self.shard_grads)
+                    }
+                    (Into::Full, Some(full)) => {
+                        self.layout.unpack_own(r.block, &r.recv, Target::Full(full))
+                    }
+                    (Into::Full, None) => unreachable!("stage 1 reduces finish with the store"),
+                }
+            }
+            Err(e) => {
+                self.error.get_or_insert(e);
+            }
+        }
+        self.release((r._send.len() + r.recv.len()) * 4);
+        true
+    }
+
+    /// Stage 1: model block `block` has its final gradients in `grads` (the chunk's full
+    /// buffer): start its reduce-scatter.
+    pub fn block_final(&mut self, block: usize, grads: &[f32]) {
+        let b = block - self.first_block;
+        let range = self.layout.blocks[b].full.clone();
+        self.start_reduce(b, &grads[range], Into::Full);
+    }
+
+    /// Waits for every reduce-scatter of the step; stage 1 writes the averaged pieces into
+    /// `full_grads`. Returns the time waited.
+    pub fn finish_reduces(&mut self, full_grads: &mut [f32]) -> f64 {
+        let t = Instant::now();
+        while self.finish_oldest_reduce(Some(&mut *full_grads), t) {}
+        t.elapsed().as_secs_f64()
+    }
+
+    /// Replicas of this chunk's full parameters agree again: every rank's updated pieces
+    /// all-gathered into `values` (stages 1–2). At most two blocks in flight.
+    pub fn all_gather_values(&mut self, values: &mut [f32]) -> Result<(), CommError> {
+        let mut in_flight: VecDeque<(usize, Work, Vec<f32>, Vec<f32>)> = VecDeque::new();
+        let wait_one = |z: &mut ZeroChunk,
+                        values: &mut [f32],
+                        (b, work, send, recv): (usize, Work, Vec<f32>, Vec<f32>)|
+         -> Result<(), CommError> {
+            let result = work.wait();
+            z.release((send.len() + recv.len()) * 4);
+            result?;
+            let range = z.layout.blocks[b].full.clone();
+            z.layout.unpack_all(b, &recv, &mut values[range]);
+            Ok(())
+        };
+        for b in 0..self.layout.blocks.len() {
+            let mut send = vec![0.0; self.layout.blocks[b].slots];
+            self.layout.pack_own(b, Source::Full(values), &mut send);
+            let mut recv = vec![0.0; self.layout.wire_len(b)];
+            self.hold((send.len() + recv.len()) * 4);
+            // SAFETY: the buffers stay in `in_flight` until waited for.
+            let work = unsafe {
+                self.group
+                    .all_gather_async(RawBuf::from_slice(&mut send), RawBuf::from_slice(&mut recv))
+            }?;
+            self.comm.bytes += recv.len() * 4;
+            in_flight.push_back((b, work, send, recv));
+            if in_flight.len() > 1 {
+                let oldest = in_flight.pop_front().expect("two in flight");
+                wait_one(self, values, oldest)?;
+            }
+        }
+        while let Some(last) = in_flight.pop_front() {
+            wait_one(self, values, last)?;
+        }
+        Ok(())
+    }
+
+    /// A state-coordinate vector of every rank (parameters under stage 3, optimizer
+    /// moments) joined into the chunk's full layout (`len` elements). Collective.
+    pub fn unshard(&mut self, state: &[f32], len: usize) -> Result<Vec<f32>, CommError> {
+        let mut full = vec![0.0; len];
+        for b in 0..self.layout.blocks.len() {
+            let mut send = vec![0.0; self.layout.blocks[b].slots];
+            self.layout.pack_own(b, Source::State(state), &mut send);
+            let mut recv = vec![0.0; self.layout.wire_len(b)];
+            self.group.all_gather((&send).into(), (&mut recv).into())?;
+            let range = self.layout.blocks[b].full.clone();
+            self.layout.unpack_all(b, &recv, &mut full[range]);
+        }
+        Ok(full)
+    }
+
+    /// This rank's pieces of a full-layout vector, in state coordinates.
+    pub fn shard_of(&self, full: &[f32]) -> Vec<f32> {
+        let mut state = Vec::with_capacity(self.layout.state_len);
+        for piece in self.layout.pieces_full() {
+            state.extend_from_slice(&full[piece]);
+        }
+        state
+    }
+}
+
+/// A [`ZeroChunk`] bound to its chunk's store for one pass.
+pub struct BoundChunk<'a> {
+    chunk: &'a mut ZeroChunk,
+    store: &'a mut ParamStore,
+}
+
+impl BoundChunk<'_> {
+    fn local(&self, block: usize) -> usize {
+        block - self.chunk.first_block
+    }
+}
+
+impl BlockParams for BoundChunk<'_> {
+    fn forward_view(&mut self, block: usize) -> (&[f32], &mut [f32]) {
+        let b = self.local(block);
+        let z = &mut *self.chunk;
+        let values: &[f32] = if z.stage == ZeroStage::Parameters {
+            let next = (b + 1 < z.layout.blocks.len()).then_some(b + 1);
+            z.gather(b, next);
+            match &z.gathered[b] {
+                Gathered::Ready(v) => v,
+                _ => unreachable!("wait_gathered leaves the block ready"),
+            }
+        } else {
+            &self.store.values[z.layout.blocks[b].full.clone()]
+        };
+        (values, &mut self.store.buffers[z.buffers[b].clone()])
+    }
+
+    fn forward_done(&mut self, block: usize) {
+        let b = self.local(block);
+        let z = &mut *self.chunk;
+        if z.stage == ZeroStage::Parameters && z.options.reshard_after_forward {
+            z.free_gathered(b);
+        }
+    }
+
+    fn backward_view(&mut self, block: usize) -> (&[f32], &mut [f32], &mut [f32]) {
+        let b = self.local(block);
+        let z = &mut *self.chunk;
+        let len = z.layout.blocks[b].full.len();
+        if z.stage == ZeroStage::Parameters {
+            z.gather(b, b.checked_sub(1));
+        }
+        z.block_grads.clear();
+        z.block_grads.resize(len, 0.0);
+        z.hold(len * 4);
+        let values: &[f32] = match (&z.gathered[b], z.stage) {
+            (Gathered::Ready(v), ZeroStage::Parameters) => v,
+            _ => &self.store.values[z.layout.blocks[b].full.clone()],
+        };
+        (
+            values,
+            &mut z.block_grads,
+            &mut self.store.buffers[z.buffers[b].clone()],
+        )
+    }
+
+    fn backward_done(&mut self, block: usize) {
+        let b = self.local(block);
+        let z = &mut *self.chunk;
+        let grads = std::mem::take(&mut z.block_grads);
+        z.start_reduce(b, &grads, Into::State);
+        z.release(grads.len() * 4);
+        z.block_grads = grads;
+        if z.stage == ZeroStage::Parameters {
+            z.free_gathered(b);
+        }
+        let t = Instant::now();
+        while z.reducing.len() > MAX_REDUCES_IN_FLIGHT {
+            z.finish_oldest_reduce(None, t);
+        }
+        z.comm.reduce_wait_s += t.elapsed().as_secs_f64();
+    }
+}

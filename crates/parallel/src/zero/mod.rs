@@ -1,0 +1,402 @@
+//! ZeRO (Rajbhandari et al. 2020) / FSDP: data parallelism without full replicas of the
+//! model states. Each data-parallel rank owns one piece of every parameter ([`shards`]) and
+//! keeps only what its stage shards:
+//!
+//! | stage | parameters | gradients | optimizer state | per step |
+//! |---|---|---|---|---|
+//! | 1 | full | full | this rank's pieces | reduce-scatter (as backward finishes blocks), update the pieces, all-gather the parameters |
+//! | 2 | full | this rank's pieces (+ one block during its backward) | pieces | reduce-scatter each block as its backward ends, update, all-gather |
+//! | 3 | pieces (+ the blocks being computed) | pieces | pieces | all-gather each block before its forward and again before its backward (next block prefetched), reduce-scatter after its backward, update the pieces |
+//!
+//! [`ZeroSync`] is one more [`GradSync`]: the training step does not know which it has. The
+//! update works on this rank's pieces only: when [`GradSync::finish`] returns, the chunk's
+//! store holds what this rank updates (stages 2–3: the gradient pieces in *state*
+//! coordinates, stage 3 also the parameter pieces), its optimizer is sized for the pieces
+//! ([`ZeroSync::optimizer`]), tied copies, tensor-parallel sums and gradient norms use the
+//! pieces' coordinates ([`Sharding`]), and [`GradSync::after_update`] puts the store back.
+//! Gradient norms are summed over the whole world (every rank owns different pieces).
+//!
+//! Stage 1 composes with pipelines (Megatron's distributed optimizer); stages 2–3 gather and
+//! reduce per block inside the executor's passes ([`crate::pipeline::ChunkParams`]), and with
+//! a pipeline those passes interleave across micro-batches of several chunks: refused before
+//! work starts (`Layout::resolve`).
+
+mod chunk;
+pub mod shards;
+
+pub use chunk::{ChunkComm, ZeroChunk, ZeroOptions};
+pub use shards::{merge_ranges, ShardLayout};
+
+use crate::data::{CommTiming, DataParallelError, GradSync, ShareShape};
+use crate::pipeline::{ChunkParams, GradsReady, StageChunk};
+use crate::Batch;
+use meshtrain_comm::ProcessGroup;
+use meshtrain_nn::optim::{Optimizer, OptimizerConfig, Segment, StatePiece};
+use meshtrain_nn::{BlockParams, Model, ParamStore};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What a ZeRO stage shards (each stage shards everything the previous one does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ZeroStage {
+    /// Stage 1: optimizer state.
+    Optimizer = 1,
+    /// Stage 2: and gradients.
+    Gradients = 2,
+    /// Stage 3: and parameters.
+    Parameters = 3,
+}
+
+impl ZeroStage {
+    /// The stage of a layout's `zero` number (`None` for 0: DDP).
+    pub fn from_level(level: u8) -> Option<ZeroStage> {
+        match level {
+            1 => Some(ZeroStage::Optimizer),
+            2 => Some(ZeroStage::Gradients),
+            3 => Some(ZeroStage::Parameters),
+            _ => None,
+        }
+    }
+}
+
+/// What the rest of the step needs to know about the sharding: where each rank's pieces sit,
+/// to address tied copies, replicated parameters and norms in them.
+#[derive(Clone, Debug)]
+pub struct Sharding {
+    pub stage: ZeroStage,
+    /// One per local chunk.
+    pub layouts: Vec<ShardLayout>,
+}
+
+impl Sharding {
+    /// Where the gradients of the whole parameters in `full` (a chunk's full coordinates)
+    /// sit during the update: unchanged for stage 1 (the full buffer), this rank's pieces
+    /// in state coordinates for stages 2–3.
+    pub fn update_ranges(&self, chunk: usize, full: &Range<usize>) -> Vec<Range<usize>> {
+        match self.stage {
+            ZeroStage::Optimizer => vec![full.clone()],
+            _ => self.layouts[chunk].state_ranges(full),
+        }
+    }
+
+    /// A chunk's `norm_skip` in update coordinates: the mapped ranges, and under stage 1
+    /// everything this rank does not own (`len`: the chunk's parameter count).
+    pub fn norm_skip(&self, chunk: usize, skip: &[Range<usize>], len: usize) -> Vec<Range<usize>> {
+        let mut out: Vec<Range<usize>> = skip
+            .iter()
+            .flat_map(|r| self.update_ranges(chunk, r))
+            .collect();
+        if self.stage == ZeroStage::Optimizer {
+            out.extend(self.layouts[chunk].not_owned(len));
+        }
+        merge_ranges(out)
+    }
+}
+
+/// ZeRO over each of this worker's pipeline chunks.
+pub struct ZeroSync {
+    group: Arc<dyn ProcessGroup>,
+    stage: ZeroStage,
+    chunks: Vec<ZeroChunk>,
+    /// Pipeline workers (global chunk `c` is local chunk `c / workers`).
+    workers: usize,
+    /// Time the step's backward passes started (collectives before it ran hidden).
+    backward_started: Option<Instant>,
+}
+
+impl ZeroSync {
+    /// ZeRO `stage` over `group` for the chunks of a stage of a `workers`-worker pipeline.
+    pub fn new(
+        model: &Model,
+        chunks: &[StageChunk],
+        workers: usize,
+        group: Arc<dyn ProcessGroup>,
+        stage: ZeroStage,
+        options: ZeroOptions,
+    ) -> ZeroSync {
+        let zero_chunks = chunks
+            .iter()
+            .map(|chunk| {
+                let base = model.blocks_param_range(chunk.blocks.clone()).start;
+                let buffer_base = model.blocks_buffer_range(chunk.blocks.clone()).start;
+                let mut blocks = Vec::new();
+                let mut buffers = Vec::new();
+                for b in chunk.blocks.clone() {
+                    let params: Vec<Range<usize>> = model
+                        .params()
+                        .iter()
+                        .filter(|e| e.block == b)
+                        .map(|e| e.range.start - base..e.range.end - base)
+                        .collect();
+                    blocks.push(params);
+                    let r = model.blocks_buffer_range(b..b + 1);
+                    buffers.push(r.start - buffer_base..r.end - buffer_base);
+                }
+                let layout = ShardLayout::new(&blocks, group.size(), group.rank());
+                ZeroChunk::new(
+                    layout,
+                    stage,
+                    group.clone(),
+                    options,
+                    chunk.blocks.start,
+                    buffers,
+                )
+            })
+            .collect();
+        ZeroSync {
+            group,
+            stage,
+            chunks: zero_chunks,
+            workers,
+            backward_started: None,
+        }
+    }
+
+    pub fn sharding(&self) -> Sharding {
+        Sharding {
+            stage: self.stage,
+            layouts: self.chunks.iter().map(|c| c.layout.clone()).collect(),
+        }
+    }
+
+    /// Local chunk `j`'s optimizer, over this rank's pieces: `segments` are the parameter
+    /// groups' settings over the whole model's buffer, `base` the chunk's start in it.
+    pub fn optimizer(
+        &self,
+        j: usize,
+        config: OptimizerConfig,
+        segments: &[Segment],
+        base: usize,
+    ) -> Optimizer {
+        let layout = &self.chunks[j].layout;
+        let mut own = Vec::new();
+        let mut pieces = Vec::new();
+        for p in layout.params.iter().filter(|p| !p.state.is_empty()) {
+            let at = base + p.full.start;
+            let hyper = segments
+                .iter()
+                .find(|s| s.range.contains(&at))
+                .expect("parameter groups cover every parameter")
+                .hyper;
+            own.push(Segment {
+                range: p.state.clone(),
+                hyper,
+            });
+            let full = p.piece_full().start;
+            pieces.push(StatePiece {
+                state: p.state.clone(),
+                values: full,
+                grads: if self.stage == ZeroStage::Optimizer {
+                    full
+                } else {
+                    p.state.start
+                },
+            });
+        }
+        let optimizer = Optimizer::with_segments(config, layout.state_len, own);
+        match self.stage {
+            ZeroStage::Parameters => optimizer,
+            _ => optimizer.scattered(pieces),
+        }
+    }
+
+    /// Local chunk `j`'s parameters and optimizer moments in its full layout (collective
+    /// over the data-parallel group; for checkpoints): `values` is the chunk's store's.
+    pub fn unshard(
+        &mut self,
+        j: usize,
+        values: &[f32],
+        optimizer: &Optimizer,
+        len: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), DataParallelError> {
+        let z = &mut self.chunks[j];
+        let what = "gathering ZeRO shards for a checkpoint";
+        let values = if z.stage() == ZeroStage::Parameters {
+            let state = z.shard_values.clone();
+            z.unshard(&state, len)
+                .map_err(|e| DataParallelError::comm(what, e))?
+        } else {
+            values.to_vec()
+        };
+        let m = z
+            .unshard(&optimizer.m, len)
+            .map_err(|e| DataParallelError::comm(what, e))?;
+        let v = if optimizer.v.is_empty() {
+            Vec::new()
+        } else {
+            z.unshard(&optimizer.v, len)
+                .map_err(|e| DataParallelError::comm(what, e))?
+        };
+        Ok((values, m, v))
+    }
+
+    /// Continues from full-layout state: keeps this rank's pieces of the moments (and of
+    /// the parameters under stage 3).
+    pub fn install(
+        &mut self,
+        j: usize,
+        store: &mut ParamStore,
+        full_values: Vec<f32>,
+        moments: Option<(&[f32], &[f32], u64)>,
+        optimizer: &mut Optimizer,
+    ) {
+        let z = &mut self.chunks[j];
+        if z.stage() == ZeroStage::Parameters {
+            z.shard_values = z.shard_of(&full_values);
+            store.values = Vec::new();
+        } else {
+            store.values = full_values;
+        }
+        if let Some((m, v, step)) = moments {
+            optimizer.m = z.shard_of(m);
+            if !optimizer.v.is_empty() {
+                optimizer.v = z.shard_of(v);
+            }
+            optimizer.step = step;
+        }
+    }
+
+    /// Bytes this worker's chunks hold in shards (gradients, parameters) and the most
+    /// transient bytes (gathered blocks, wire buffers, block gradients) held at once since
+    /// the last call.
+    pub fn memory(&mut self) -> (usize, usize, usize) {
+        let mut out = (0, 0, 0);
+        for z in &mut self.chunks {
+            let (g, v) = z.shard_bytes();
+            out.0 += g;
+            out.1 += v;
+            out.2 += z.take_transient_peak();
+        }
+        out
+    }
+}
+
+impl GradSync for ZeroSync {
+    fn name(&self) -> &'static str {
+        match self.stage {
+            ZeroStage::Optimizer => "zero-1",
+            ZeroStage::Gradients => "zero-2",
+            ZeroStage::Parameters => "zero-3",
+        }
+    }
+
+    fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError> {
+        for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
+            crate::data::broadcast_state(self.group.as_ref(), &mut chunk.store)?;
+            if self.stage >= ZeroStage::Gradients {
+                chunk.store.grads = Vec::new();
+            }
+            if self.stage == ZeroStage::Parameters {
+                z.shard_values = z.shard_of(&chunk.store.values);
+                chunk.store.values = Vec::new();
+            }
+        }
+        Ok(())
+    }
+
+    fn loads(&self) -> Option<(usize, usize)> {
+        Some((self.group.rank(), self.group.size()))
+    }
+
+    fn share(
+        &mut self,
+        loaded: Option<Batch>,
+        _: &ShareShape,
+    ) -> Result<(Batch, CommTiming), DataParallelError> {
+        Ok((crate::data::own_share(loaded)?, CommTiming::default()))
+    }
+
+    fn begin_step(&mut self) {
+        self.backward_started = Some(Instant::now());
+    }
+
+    fn grads_ready(&mut self, ready: GradsReady<'_>) {
+        if self.stage != ZeroStage::Optimizer {
+            return;
+        }
+        let j = ready.chunk / self.workers;
+        if let Some(z) = self.chunks.get_mut(j) {
+            z.block_final(ready.block, &ready.store.grads);
+        }
+    }
+
+    fn chunk_params(&mut self, j: usize) -> Option<&mut dyn ChunkParams> {
+        if self.stage == ZeroStage::Optimizer {
+            return None;
+        }
+        self.chunks.get_mut(j).map(|z| z as &mut dyn ChunkParams)
+    }
+
+    fn finish(&mut self, chunks: &mut [StageChunk]) -> Result<CommTiming, DataParallelError> {
+        let mut timing = CommTiming::default();
+        let mut error = None;
+        for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
+            timing.exposed_s += z.finish_reduces(&mut chunk.store.grads);
+            let comm = z.take_comm();
+            timing.bytes += comm.bytes;
+            timing.hidden_s += comm.hidden_s;
+            timing.param_gather_s += comm.gather_wait_s;
+            timing.in_backward_s += comm.reduce_wait_s;
+            timing.exposed_s += comm.reduce_wait_s;
+            if let Some(e) = z.take_error() {
+                error.get_or_insert(e);
+            }
+            if self.stage >= ZeroStage::Gradients {
+                std::mem::swap(&mut chunk.store.grads, &mut z.shard_grads);
+            }
+            if self.stage == ZeroStage::Parameters {
+                std::mem::swap(&mut chunk.store.values, &mut z.shard_values);
+            }
+        }
+        timing.traffic_bytes = timing.bytes;
+        match error {
+            Some(e) => Err(DataParallelError::comm("ZeRO collective", e)),
+            None => Ok(timing),
+        }
+    }
+
+    fn after_update(&mut self, chunks: &mut [StageChunk]) -> Result<CommTiming, DataParallelError> {
+        let t = Instant::now();
+        let mut timing = CommTiming::default();
+        for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
+            if self.stage >= ZeroStage::Gradients {
+                std::mem::swap(&mut chunk.store.grads, &mut z.shard_grads);
+            }
+            if self.stage == ZeroStage::Parameters {
+                std::mem::swap(&mut chunk.store.values, &mut z.shard_values);
+            } else {
+                z.all_gather_values(&mut chunk.store.values)
+                    .map_err(|e| DataParallelError::comm("all-gathering updated parameters", e))?;
+                let comm = z.take_comm();
+                timing.bytes += comm.bytes;
+            }
+        }
+        timing.traffic_bytes = timing.bytes;
+        timing.exposed_s = t.elapsed().as_secs_f64();
+        Ok(timing)
+    }
+
+    fn check_pass(&mut self) -> Result<(), DataParallelError> {
+        for z in &mut self.chunks {
+            if let Some(e) = z.take_error() {
+                return Err(DataParallelError::comm("ZeRO collective", e));
+            }
+        }
+        Ok(())
+    }
+
+    fn sharding(&self) -> Option<Sharding> {
+        Some(ZeroSync::sharding(self))
+    }
+
+    fn as_zero(&mut self) -> Option<&mut ZeroSync> {
+        Some(self)
+    }
+}
+
+impl ChunkParams for ZeroChunk {
+    fn bind<'a>(&'a mut self, store: &'a mut ParamStore) -> Box<dyn BlockParams + 'a> {
+        Box::new(ZeroChunk::bind(self, store))
+    }
+}

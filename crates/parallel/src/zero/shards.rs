@@ -1,0 +1,332 @@
+//! Which elements of a chunk's parameters each data-parallel rank owns under ZeRO: plain
+//! data, tested without a model or a collective.
+//!
+//! Every parameter is cut into `ranks` equal pieces (the last ones shorter or empty), and
+//! rank `r` owns piece `r` of *every* parameter — FSDP2's per-parameter sharding rather than
+//! one cut through the flat buffer. That choice makes everything that works per parameter
+//! work on shards unchanged: tied copies have the same shape, so their pieces line up on
+//! every rank and are added locally; a replicated parameter of tensor parallelism has the
+//! same pieces on every tensor-parallel rank; weight-decay groups are per parameter; and a
+//! checkpoint names each piece by parameter and offset.
+//!
+//! Three coordinate systems:
+//! * **full**: the chunk's flat buffer (`ParamStore::values`), parameter after parameter;
+//! * **state**: this rank's pieces, concatenated in parameter order (the optimizer state,
+//!   and ZeRO-2/3's gradients and ZeRO-3's parameters);
+//! * **slots**: the wire format of one block's collectives — per rank, one slot of
+//!   `ceil(len / ranks)` elements per parameter (pieces padded with zeros), ranks one after
+//!   the other, so reduce-scatter and all-gather move equal counts.
+
+use std::ops::Range;
+
+/// One parameter's cut.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamShard {
+    /// The whole (tensor-parallel local) parameter in full coordinates.
+    pub full: Range<usize>,
+    /// Elements per rank's slot (`ceil(len / ranks)`).
+    pub slot: usize,
+    /// Where the slot starts within its block's per-rank slots.
+    pub slot_at: usize,
+    /// This rank's piece: offsets within the parameter.
+    pub piece: Range<usize>,
+    /// This rank's piece in state coordinates.
+    pub state: Range<usize>,
+}
+
+impl ParamShard {
+    /// Rank `rank`'s piece, as offsets within the parameter.
+    fn piece_of(&self, rank: usize) -> Range<usize> {
+        let len = self.full.len();
+        (rank * self.slot).min(len)..((rank + 1) * self.slot).min(len)
+    }
+
+    /// This rank's piece in full coordinates.
+    pub fn piece_full(&self) -> Range<usize> {
+        self.full.start + self.piece.start..self.full.start + self.piece.end
+    }
+}
+
+/// One block's parameters and the size of its collectives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockShard {
+    /// Indices into [`ShardLayout::params`].
+    pub params: Range<usize>,
+    /// The block's parameters in full coordinates.
+    pub full: Range<usize>,
+    /// Elements of one rank's slots (the reduce-scatter output, the all-gather input).
+    pub slots: usize,
+}
+
+/// The cut of one chunk's parameters over `ranks` data-parallel ranks, seen from `rank`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardLayout {
+    pub ranks: usize,
+    pub rank: usize,
+    pub params: Vec<ParamShard>,
+    /// In block order (the chunk's first block first).
+    pub blocks: Vec<BlockShard>,
+    /// Elements of this rank's state.
+    pub state_len: usize,
+}
+
+impl ShardLayout {
+    /// `blocks[b]` lists block `b`'s parameter ranges (full coordinates, consecutive).
+    pub fn new(blocks: &[Vec<Range<usize>>], ranks: usize, rank: usize) -> ShardLayout {
+        assert!(ranks > 0 && rank < ranks, "rank {rank} of {ranks}");
+        let (mut params, mut out, mut state) = (Vec::new(), Vec::new(), 0);
+        let mut at_full = 0;
+        for ranges in blocks {
+            let first = params.len();
+            let start = ranges.first().map_or(at_full, |r| r.start);
+            let mut slot_at = 0;
+            for r in ranges {
+                let slot = r.len().div_ceil(ranks);
+                let mut p = ParamShard {
+                    full: r.clone(),
+                    slot,
+                    slot_at,
+                    piece: 0..0,
+                    state: 0..0,
+                };
+                p.piece = p.piece_of(rank);
+                p.state = state..state + p.piece.len();
+                state += p.piece.len();
+                slot_at += slot;
+                params.push(p);
+            }
+            at_full = ranges.last().map_or(start, |r| r.end);
+            out.push(BlockShard {
+                params: first..params.len(),
+                full: start..at_full,
+                slots: slot_at,
+            });
+        }
+        ShardLayout {
+            ranks,
+            rank,
+            params,
+            blocks: out,
+            state_len: state,
+        }
+    }
+
+    /// Elements of one block's collective over all ranks (the reduce-scatter input).
+    pub fn wire_len(&self, block: usize) -> usize {
+        self.blocks[block].slots * self.ranks
+    }
+
+    fn block_params(&self, block: usize) -> &[ParamShard] {
+        &self.params[self.blocks[block].params.clone()]
+    }
+
+    /// Block `block`'s parameters (`full`: its range of the full buffer) into the slots of
+    /// every rank (`wire`, [`ShardLayout::wire_len`] elements), padding with zeros.
+    pub fn pack_all(&self, block: usize, full: &[f32], wire: &mut [f32]) {
+        let b = &self.blocks[block];
+        debug_assert_eq!(full.len(), b.full.len());
+        debug_assert_eq!(wire.len(), self.wire_len(block));
+        for k in 0..self.ranks {
+            for p in self.block_params(block) {
+                let piece = p.piece_of(k);
+                let src = p.full.start - b.full.start;
+                let dst = &mut wire[k * b.slots + p.slot_at..][..p.slot];
+                dst[..piece.len()].copy_from_slice(&full[src + piece.start..src + piece.end]);
+                dst[piece.len()..].fill(0.0);
+            }
+        }
+    }
+
+    /// The inverse of [`ShardLayout::pack_all`]: every rank's slots into the block's full
+    /// range (an all-gather's result into parameters).
+    pub fn unpack_all(&self, block: usize, wire: &[f32], full: &mut [f32]) {
+        let b = &self.blocks[block];
+        debug_assert_eq!(full.len(), b.full.len());
+        for k in 0..self.ranks {
+            for p in self.block_params(block) {
+                let piece = p.piece_of(k);
+                let dst = p.full.start - b.full.start;
+                full[dst + piece.start..dst + piece.end]
+                    .copy_from_slice(&wire[k * b.slots + p.slot_at..][..piece.len()]);
+            }
+        }
+    }
+
+    /// This rank's slots of block `block` (`slots`: [`BlockShard::slots`] elements) from its
+    /// pieces, read from `source`.
+    pub fn pack_own(&self, block: usize, source: Source<'_>, slots: &mut [f32]) {
+        for p in self.block_params(block) {
+            let dst = &mut slots[p.slot_at..p.slot_at + p.slot];
+            let src = match source {
+                Source::State(s) => &s[p.state.clone()],
+                Source::Full(f) => &f[p.piece_full()],
+            };
+            dst[..src.len()].copy_from_slice(src);
+            dst[src.len()..].fill(0.0);
+        }
+    }
+
+    /// This rank's slots of block `block` into its pieces of `target` (overwriting).
+    pub fn unpack_own(&self, block: usize, slots: &[f32], mut target: Target<'_>) {
+        for p in self.block_params(block) {
+            let src = &slots[p.slot_at..p.slot_at + p.piece.len()];
+            match &mut target {
+                Target::State(state) => state[p.state.clone()].copy_from_slice(src),
+                Target::Full(full) => full[p.piece_full()].copy_from_slice(src),
+            }
+        }
+    }
+
+    /// Adds this rank's slots of block `block` to its pieces in state coordinates.
+    pub fn accumulate_own(&self, block: usize, slots: &[f32], state: &mut [f32]) {
+        for p in self.block_params(block) {
+            let src = &slots[p.slot_at..p.slot_at + p.piece.len()];
+            state[p.state.clone()]
+                .iter_mut()
+                .zip(src)
+                .for_each(|(s, g)| *s += g);
+        }
+    }
+
+    /// The state ranges of the parameters lying inside `full` (a range made of whole
+    /// parameters: a tied copy, a run of replicated parameters), in order.
+    pub fn state_ranges(&self, full: &Range<usize>) -> Vec<Range<usize>> {
+        self.params
+            .iter()
+            .filter(|p| full.start <= p.full.start && p.full.end <= full.end)
+            .filter(|p| !p.full.is_empty())
+            .map(|p| p.state.clone())
+            .collect()
+    }
+
+    /// This rank's pieces in full coordinates, in order.
+    pub fn pieces_full(&self) -> Vec<Range<usize>> {
+        self.params.iter().map(ParamShard::piece_full).collect()
+    }
+
+    /// The parts of the full buffer (`len` elements) this rank does not own.
+    pub fn not_owned(&self, len: usize) -> Vec<Range<usize>> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        for piece in self.pieces_full().into_iter().filter(|p| !p.is_empty()) {
+            if piece.start > at {
+                out.push(at..piece.start);
+            }
+            at = at.max(piece.end);
+        }
+        if at < len {
+            out.push(at..len);
+        }
+        out
+    }
+}
+
+/// Where [`ShardLayout::pack_own`] reads this rank's pieces.
+#[derive(Clone, Copy)]
+pub enum Source<'a> {
+    State(&'a [f32]),
+    Full(&'a [f32]),
+}
+
+/// Where [`ShardLayout::unpack_own`] writes this rank's pieces.
+pub enum Target<'a> {
+    State(&'a mut [f32]),
+    Full(&'a mut [f32]),
+}
+
+/// Sorted, non-overlapping ranges covering the union of `ranges`.
+pub fn merge_ranges(mut ranges: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    ranges.retain(|r| !r.is_empty());
+    ranges.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two blocks: [0..5, 5..6] and [6..13]; three ranks.
+    fn blocks() -> Vec<Vec<Range<usize>>> {
+        vec![vec![0..5, 5..6], vec![6..13]]
+    }
+
+    #[test]
+    fn pieces_cover_every_parameter_once_across_ranks() {
+        let layouts: Vec<_> = (0..3).map(|r| ShardLayout::new(&blocks(), 3, r)).collect();
+        let mut owned: Vec<usize> = layouts
+            .iter()
+            .flat_map(|l| l.pieces_full().into_iter().flatten())
+            .collect();
+        owned.sort_unstable();
+        assert_eq!(owned, (0..13).collect::<Vec<_>>());
+        // Slots: ceil(5/3)=2, ceil(1/3)=1 → 3 per rank in block 0; ceil(7/3)=3 in block 1.
+        assert_eq!(layouts[0].blocks[0].slots, 3);
+        assert_eq!(layouts[0].blocks[1].slots, 3);
+        // Rank 2 owns element 4 of the first parameter, nothing of the second, 6+6..13.
+        assert_eq!(layouts[2].pieces_full(), vec![4..5, 6..6, 12..13]);
+        assert_eq!(layouts[2].state_len, 2);
+        let lens: usize = layouts.iter().map(|l| l.state_len).sum();
+        assert_eq!(lens, 13);
+    }
+
+    #[test]
+    fn pack_all_then_own_slots_then_unpack_all_round_trips() {
+        let full: Vec<f32> = (0..13).map(|i| i as f32 + 1.0).collect();
+        let layouts: Vec<_> = (0..3).map(|r| ShardLayout::new(&blocks(), 3, r)).collect();
+        for b in 0..2 {
+            let range = layouts[0].blocks[b].full.clone();
+            let mut wire = vec![f32::NAN; layouts[0].wire_len(b)];
+            layouts[0].pack_all(b, &full[range.clone()], &mut wire);
+            // What a reduce-scatter leaves on rank k is slice k of the wire; each rank's
+            // own packing of its pieces is exactly that slice.
+            let slots = layouts[0].blocks[b].slots;
+            let mut gathered = Vec::new();
+            for (k, l) in layouts.iter().enumerate() {
+                let mut own = vec![f32::NAN; slots];
+                l.pack_own(b, Source::Full(&full), &mut own);
+                assert_eq!(own, wire[k * slots..(k + 1) * slots].to_vec(), "rank {k}");
+                gathered.extend(own);
+            }
+            let mut back = vec![0.0; range.len()];
+            layouts[1].unpack_all(b, &gathered, &mut back);
+            assert_eq!(back, full[range].to_vec());
+        }
+    }
+
+    #[test]
+    fn state_and_full_coordinates_agree() {
+        let full: Vec<f32> = (0..13).map(|i| i as f32).collect();
+        let l = ShardLayout::new(&blocks(), 3, 1);
+        let mut state = vec![0.0; l.state_len];
+        let mut slots = vec![0.0; 3];
+        for b in 0..2 {
+            l.pack_own(b, Source::Full(&full), &mut slots);
+            l.unpack_own(b, &slots, Target::State(&mut state));
+        }
+        // Rank 1: elements 2..4 of the first parameter, 5..6 (the 1-element parameter's
+        // piece 1 is empty), 9..12 of the third.
+        assert_eq!(state, vec![2.0, 3.0, 9.0, 10.0, 11.0]);
+        let mut twice = state.clone();
+        l.pack_own(1, Source::State(&state), &mut slots);
+        l.accumulate_own(1, &slots, &mut twice);
+        assert_eq!(twice, vec![2.0, 3.0, 18.0, 20.0, 22.0]);
+        assert_eq!(l.state_ranges(&(6..13)), vec![2..5]);
+        assert_eq!(l.state_ranges(&(0..6)), vec![0..2, 2..2]);
+        assert_eq!(l.not_owned(13), vec![0..2, 4..9, 12..13]);
+    }
+
+    #[test]
+    fn merge_joins_overlaps_and_neighbours() {
+        assert_eq!(
+            merge_ranges(vec![5..7, 0..2, 1..3, 3..4, 9..9]),
+            vec![0..4, 5..7]
+        );
+    }
+}
