@@ -264,6 +264,11 @@ pub struct TrainConfig {
     /// growth_factor = 2, backoff_factor = 0.5, growth_interval = 2000).
     #[serde(default)]
     pub loss_scale: LossScaleConfig,
+    /// Refuse to start when a worker's model states (parameters, gradients, optimizer
+    /// state, as the planner's ZeRO formula predicts them for the layout) exceed this many
+    /// MiB; the error names both figures and the ZeRO stages that would fit.
+    #[serde(default)]
+    pub memory_limit_mb: Option<f64>,
 }
 
 fn default_precision() -> String {
@@ -397,6 +402,15 @@ impl Config {
         t.loss_scale
             .check()
             .map_err(|e| anyhow!("train.loss_scale: {e}"))?;
+        if let Some(limit) = t.memory_limit_mb.filter(|l| !(l.is_finite() && *l > 0.0)) {
+            bail!("train.memory_limit_mb must be a positive number of MiB, not {limit}");
+        }
+        if self.parallel.zero > 3 {
+            bail!(
+                "parallel.zero must be 0 (DDP), 1, 2 or 3, not {}",
+                self.parallel.zero
+            );
+        }
         if p.micro_batches == 0 {
             bail!("parallel.micro_batches must be at least 1");
         }
@@ -578,6 +592,7 @@ impl Config {
             e
         });
         job.max_steps = t.max_steps;
+        job.memory_limit_mb = t.memory_limit_mb;
         job.threads = t.threads;
         job.grad_clip = t.grad_clip;
         job.eval_every = t.eval_every;
@@ -674,6 +689,8 @@ mod tests {
         assert!(err(&["parallel.dp_mode=magic"]).contains("magic"));
         assert!(err(&["parallel.compression=fp8"]).contains("fp8"));
         assert!(err(&["train.loss_scale.backoff_factor=1.5"]).contains("train.loss_scale"));
+        assert!(err(&["train.memory_limit_mb=-4"]).contains("positive number of MiB"));
+        assert!(err(&["parallel.zero=4"]).contains("parallel.zero must be 0"));
         let gpt = r#"
             [model]
             kind = "gpt"

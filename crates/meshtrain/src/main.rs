@@ -175,8 +175,9 @@ fn train(args: &TrainArgs) -> Result<()> {
     }
     println!("throughput {:.1} samples/s", summary.samples_per_s);
     println!("{}", summary.breakdown.report());
+    println!("{}", summary.memory.report());
     if let Some(rss) = summary.peak_rss_mb {
-        println!("peak memory {rss:.0} MiB");
+        println!("peak memory {rss:.0} MiB (this process)");
     }
     Ok(())
 }

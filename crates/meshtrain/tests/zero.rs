@@ -211,3 +211,62 @@ fn unsupported_combinations_fail_before_any_work() {
         );
     }
 }
+
+/// Runs `extra` for two steps and returns rank 0's memory report.
+fn memory_of(extra: &[&str]) -> meshtrain_train::memory::MemoryReport {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(out.path(), 2, extra);
+    run(&cfg).memory
+}
+
+#[test]
+fn measured_model_states_match_the_formula_and_a_memory_limit_refuses_ddp() {
+    for dp in [2, 4] {
+        let mut states = Vec::new();
+        for zero in 0..=3 {
+            let r = memory_of(&[
+                &format!("parallel.dp={dp}"),
+                &format!("parallel.zero={zero}"),
+            ]);
+            let ratio = r.states_mib() / r.predicted_mib;
+            eprintln!(
+                "dp={dp} zero={zero}: measured {:.3} MiB, formula {:.3} MiB ({ratio:.4}), \
+                 transient {:.3} MiB",
+                r.states_mib(),
+                r.predicted_mib,
+                r.transient_mib
+            );
+            assert!(
+                (ratio - 1.0).abs() < 0.05,
+                "dp={dp} zero={zero}: measured {:.3} vs formula {:.3} MiB",
+                r.states_mib(),
+                r.predicted_mib
+            );
+            states.push(r.states_mib());
+        }
+        assert!(
+            states.windows(2).all(|w| w[1] < w[0]),
+            "every stage holds less than the one before: {states:?}"
+        );
+    }
+    // A limit between ZeRO-3's and DDP's needs at dp = 4: DDP is refused before any step,
+    // with both figures; ZeRO-3 trains.
+    let ddp = memory_of(&["parallel.dp=4"]).predicted_mib;
+    let zero3 = memory_of(&["parallel.dp=4", "parallel.zero=3"]).predicted_mib;
+    let limit = format!("train.memory_limit_mb={}", (ddp + zero3) / 2.0);
+    let out = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(out.path(), 2, &["parallel.dp=4", &limit]);
+    let err = (*job(&cfg))
+        .clone()
+        .run(&RunOptions::default())
+        .err()
+        .map(|e| format!("{e:#}"))
+        .expect("DDP over the limit ran");
+    assert!(
+        err.contains("train.memory_limit_mb allows") && err.contains("zero=3"),
+        "{err}"
+    );
+    assert!(!out.path().join("checkpoint.safetensors").exists());
+    let r = memory_of(&["parallel.dp=4", "parallel.zero=3", &limit]);
+    assert!(r.states_mib() < (ddp + zero3) / 2.0);
+}

@@ -28,7 +28,9 @@ pub mod timeline;
 pub mod zero;
 
 pub use layout::{Layout, LayoutError, ResolvedLayout};
-pub use parallelize::{parallelize, EvalSums, Parallel, ParallelOptions, StepStats, StepTimes};
+pub use parallelize::{
+    parallelize, EvalSums, ModelStateMemory, Parallel, ParallelOptions, StepStats, StepTimes,
+};
 
 use meshtrain_tensor::Tensor;
 

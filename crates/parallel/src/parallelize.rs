@@ -54,7 +54,7 @@ use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
 use crate::tensor::{TpContext, TpGradSync};
 use crate::tied::TiedGrads;
 use crate::timeline::{Category, Timeline};
-use crate::zero::{ZeroOptions, ZeroStage};
+use crate::zero::{FullState, ZeroOptions, ZeroStage};
 use crate::{Batch, ParallelError};
 use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, ParamGroups};
@@ -172,6 +172,26 @@ pub struct StepStats {
     pub skipped: bool,
     /// fp16: the loss scale after this step.
     pub loss_scale: Option<f32>,
+}
+
+/// Bytes this worker holds for its model states, measured from the allocations themselves
+/// (vector capacities), not from a formula.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct ModelStateMemory {
+    pub parameters: usize,
+    pub gradients: usize,
+    /// Optimizer moments (and under ZeRO only this rank's pieces of them).
+    pub optimizer: usize,
+    /// ZeRO: the most bytes of gathered blocks, wire buffers and per-block gradients held at
+    /// once since the last measurement (not part of the formula's states).
+    pub transient_peak: usize,
+}
+
+impl ModelStateMemory {
+    /// Parameters + gradients + optimizer state.
+    pub fn states(&self) -> usize {
+        self.parameters + self.gradients + self.optimizer
+    }
 }
 
 /// Evaluation sums over a whole evaluation set (all replicas' shares).
@@ -438,6 +458,26 @@ impl Parallel {
     /// parallelism).
     pub fn tp_comm(&self) -> Option<crate::tensor::TpComm> {
         self.tp_context.as_ref().map(|c| c.stats.snapshot())
+    }
+
+    /// This worker's model-state bytes, measured (call between steps: during a step ZeRO's
+    /// pieces move between stores).
+    pub fn model_state_memory(&mut self) -> ModelStateMemory {
+        let mut m = ModelStateMemory::default();
+        for chunk in &self.stage.chunks {
+            m.parameters += chunk.store.values.capacity() * 4;
+            m.gradients += chunk.store.grads.capacity() * 4;
+        }
+        for opt in &self.optimizers {
+            m.optimizer += (opt.m.capacity() + opt.v.capacity()) * 4;
+        }
+        if let Some(zero) = self.sync.as_zero() {
+            let (grads, values, transient) = zero.memory();
+            m.gradients += grads;
+            m.parameters += values;
+            m.transient_peak = transient;
+        }
+        m
     }
 
     /// The ZeRO stage the replicas run (`None`: full replicas).
@@ -742,16 +782,16 @@ impl Parallel {
         let mut out = Vec::with_capacity(self.stage.chunks.len());
         for (j, chunk) in self.stage.chunks.iter().enumerate() {
             let optimizer = &self.optimizers[j];
-            let (values, m, v) = match self.sync.as_zero() {
+            let FullState { values, m, v } = match self.sync.as_zero() {
                 Some(zero) => {
                     let len = model.blocks_param_range(chunk.blocks.clone()).len();
                     zero.unshard(j, &chunk.store.values, optimizer, len)?
                 }
-                None => (
-                    chunk.store.values.clone(),
-                    optimizer.m.clone(),
-                    optimizer.v.clone(),
-                ),
+                None => FullState {
+                    values: chunk.store.values.clone(),
+                    m: optimizer.m.clone(),
+                    v: optimizer.v.clone(),
+                },
             };
             let mut local = vec![values, chunk.store.buffers.clone(), m];
             if !v.is_empty() {

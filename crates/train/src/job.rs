@@ -114,6 +114,9 @@ pub struct Job {
     pub timeout: Duration,
     /// The run's settings as text, stored in checkpoints for reference.
     pub config_text: String,
+    /// Refuse to start when the predicted model states of a worker exceed this many MiB
+    /// ([`crate::memory::check_limit`]).
+    pub memory_limit_mb: Option<f64>,
 }
 
 /// The default collective timeout: long enough for a slow evaluation or checkpoint on one
@@ -158,6 +161,7 @@ impl Job {
             timeline: None,
             timeout: DEFAULT_TIMEOUT,
             config_text: String::new(),
+            memory_limit_mb: None,
         }
     }
 

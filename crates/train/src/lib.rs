@@ -33,6 +33,7 @@ pub mod checkpoint;
 pub mod dataset;
 pub mod job;
 pub mod launch;
+pub mod memory;
 pub mod metrics;
 pub mod timeline;
 pub mod trainer;

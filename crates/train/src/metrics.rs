@@ -180,6 +180,8 @@ pub struct Summary {
     pub unigram_baseline: Option<f64>,
     pub samples_per_s: f64,
     pub peak_rss_mb: Option<f64>,
+    /// World rank 0's model-state memory, measured and predicted.
+    pub memory: crate::memory::MemoryReport,
     pub breakdown: Breakdown,
     pub wall_s: f64,
     /// The layout the run used, in the form `meshtrain plan --layout` reads.

@@ -11,6 +11,7 @@
 use crate::checkpoint::{self, Restore, TrainState};
 use crate::dataset::{random_indices, EvalPlan, Sampling};
 use crate::job::{load, Job};
+use crate::memory::MemoryReport;
 use crate::metrics::{peak_rss_mb, Breakdown, EvalRecord, MetricsFile, Summary, TrainRecord};
 use crate::timeline::RecordedTimeline;
 use anyhow::{Context, Result};
@@ -128,6 +129,9 @@ impl Trainer {
                 )
             })
             .context("setting up the parallel layout")?;
+        if let Some(limit) = job.memory_limit_mb {
+            crate::memory::check_limit(limit, &parallel, &model, job.optimizer)?;
+        }
         let l = &job.lr;
         let schedule = Schedule {
             base_lr: match l.reference_batch {
@@ -165,6 +169,14 @@ impl Trainer {
             skipped_steps: None,
             job,
         })
+    }
+
+    /// This worker's model-state memory, measured, beside the planner's formula (the
+    /// transient peak since the last call).
+    pub fn memory_report(&mut self) -> MemoryReport {
+        let measured = self.parallel.model_state_memory();
+        let predicted = crate::memory::predicted(&self.parallel, &self.model, self.job.optimizer);
+        MemoryReport::new(measured, predicted)
     }
 
     /// World rank 0 prints, logs and checkpoints for everyone.
@@ -585,6 +597,7 @@ impl Trainer {
             unigram_baseline: self.job.eval.as_ref().and_then(|e| e.baseline),
             samples_per_s: samples_total as f64 / compute.max(1e-9),
             peak_rss_mb: peak_rss_mb(),
+            memory: self.memory_report(),
             breakdown: self.breakdown.clone(),
             wall_s: started.elapsed().as_secs_f64(),
             layout: self.parallel.layout.layout.to_string(),

@@ -94,6 +94,13 @@ impl Sharding {
     }
 }
 
+/// A chunk's parameters and optimizer moments in its full layout (`v` empty for SGD).
+pub struct FullState {
+    pub values: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
 /// ZeRO over each of this worker's pipeline chunks.
 pub struct ZeroSync {
     group: Arc<dyn ProcessGroup>,
@@ -209,7 +216,7 @@ impl ZeroSync {
         values: &[f32],
         optimizer: &Optimizer,
         len: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), DataParallelError> {
+    ) -> Result<FullState, DataParallelError> {
         let z = &mut self.chunks[j];
         let what = "gathering ZeRO shards for a checkpoint";
         let values = if z.stage() == ZeroStage::Parameters {
@@ -228,7 +235,7 @@ impl ZeroSync {
             z.unshard(&optimizer.v, len)
                 .map_err(|e| DataParallelError::comm(what, e))?
         };
-        Ok((values, m, v))
+        Ok(FullState { values, m, v })
     }
 
     /// Continues from full-layout state: keeps this rank's pieces of the moments (and of
