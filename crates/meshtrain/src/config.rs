@@ -14,7 +14,7 @@ use meshtrain_parallel::pipeline::{PartitionSpec, ScheduleKind, SendMode};
 use meshtrain_parallel::precision::{LossScaleConfig, Precision};
 use meshtrain_parallel::zero::ZeroOptions;
 use meshtrain_parallel::{Layout, ParallelOptions};
-use meshtrain_train::{Job, Length, LrSchedule};
+use meshtrain_train::{CheckpointFormat, Job, Length, LrSchedule};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -269,6 +269,11 @@ pub struct TrainConfig {
     /// MiB; the error names both figures and the ZeRO stages that would fit.
     #[serde(default)]
     pub memory_limit_mb: Option<f64>,
+    /// "auto" (sharded under ZeRO, one file otherwise), "whole" (`checkpoint.safetensors`,
+    /// gathered on rank 0) or "sharded" (`checkpoint/`: every worker writes its pieces and
+    /// an index; loads into any layout). See docs/zero.md.
+    #[serde(default)]
+    pub checkpoint_format: CheckpointFormat,
 }
 
 fn default_precision() -> String {
@@ -593,6 +598,7 @@ impl Config {
         });
         job.max_steps = t.max_steps;
         job.memory_limit_mb = t.memory_limit_mb;
+        job.checkpoint_format = t.checkpoint_format;
         job.threads = t.threads;
         job.grad_clip = t.grad_clip;
         job.eval_every = t.eval_every;

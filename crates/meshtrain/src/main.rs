@@ -35,6 +35,27 @@ enum Command {
     Plan(meshtrain_plan::cli::PlanArgs),
     /// Draw a run's training curves (loss, accuracy or unigram baseline) into a PNG.
     Plot(meshtrain::plot::PlotArgs),
+    /// Inspect or convert sharded checkpoints (written under ZeRO, or with
+    /// train.checkpoint_format = "sharded").
+    #[command(subcommand)]
+    Checkpoint(CheckpointCommand),
+}
+
+#[derive(Subcommand)]
+enum CheckpointCommand {
+    /// What a sharded checkpoint holds: step, layout, tensors, shard files.
+    Info {
+        /// The checkpoint directory (or its index.json).
+        path: PathBuf,
+    },
+    /// Join a sharded checkpoint into one checkpoint.safetensors (the format every run
+    /// resumes from), streaming and in parallel.
+    Consolidate {
+        /// The checkpoint directory (or its index.json).
+        path: PathBuf,
+        /// The file to write, e.g. checkpoint.safetensors.
+        out: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -228,5 +249,52 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Precision(a)) => meshtrain::precision_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
+        Command::Checkpoint(c) => checkpoint(c),
     }
+}
+
+fn checkpoint(command: CheckpointCommand) -> Result<()> {
+    use meshtrain_train::sharded::{consolidate, describe, is_sharded, ShardedCheckpoint};
+    let path = match &command {
+        CheckpointCommand::Info { path } | CheckpointCommand::Consolidate { path, .. } => path,
+    };
+    if !is_sharded(path) {
+        anyhow::bail!(
+            "{} is not a sharded checkpoint (a directory holding index.json); a \
+             checkpoint.safetensors is already whole",
+            path.display()
+        );
+    }
+    match command {
+        CheckpointCommand::Info { path } => {
+            print!("{}", describe(&ShardedCheckpoint::open(&path)?));
+        }
+        CheckpointCommand::Consolidate { path, out } => {
+            let bar = if std::io::stderr().is_terminal() {
+                indicatif::ProgressBar::new(0)
+            } else {
+                indicatif::ProgressBar::hidden()
+            };
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:30} {bytes}/{total_bytes} [{elapsed_precise}<{eta_precise}] {bytes_per_sec}",
+                )
+                .expect("a valid template"),
+            );
+            let report = consolidate(&path, &out, &|done, total| {
+                bar.set_length(total);
+                bar.set_position(done);
+            })?;
+            bar.finish_and_clear();
+            println!(
+                "wrote {} ({:.1} MiB) from {} ({:.1} MiB of shards) in {:.2} s",
+                out.display(),
+                report.written_bytes as f64 / (1024.0 * 1024.0),
+                path.display(),
+                report.read_bytes as f64 / (1024.0 * 1024.0),
+                report.seconds
+            );
+        }
+    }
+    Ok(())
 }

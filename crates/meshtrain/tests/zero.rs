@@ -270,3 +270,200 @@ fn measured_model_states_match_the_formula_and_a_memory_limit_refuses_ddp() {
     let r = memory_of(&["parallel.dp=4", "parallel.zero=3", &limit]);
     assert!(r.states_mib() < (ddp + zero3) / 2.0);
 }
+
+/// Trains the tiny GPT on `extra`'s layout to step `until` (of a 40-step schedule),
+/// resuming from `resume` if given; returns the output directory.
+fn train_until(extra: &[&str], until: u64, resume: Option<&Path>) -> std::path::PathBuf {
+    let out = tempfile::tempdir().unwrap().keep();
+    let cfg = tiny_gpt_config(&out, until, extra);
+    let options = RunOptions {
+        resume: resume.map(Path::to_path_buf),
+        ..RunOptions::default()
+    };
+    let summary = (*job(&cfg))
+        .clone()
+        .run(&options)
+        .unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
+    assert_eq!(summary.steps, until);
+    out
+}
+
+/// The parameters a checkpoint (sharded or whole) holds, read by one worker.
+fn params_of(checkpoint: &Path) -> Vec<f32> {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(out.path(), STEPS, &[]);
+    read_params(&cfg, checkpoint)
+}
+
+/// Tolerance: the continued runs split the same global batches differently (two replicas of
+/// two tensor-parallel halves, two pipeline stages, one worker), which reorders
+/// floating-point sums only; after 10 further steps parameters agree to a relative L2
+/// distance of 2e-4, as every layout-equivalence test here (observed ~1e-7).
+#[test]
+fn a_zero3_checkpoint_resumes_on_other_layouts_as_the_uninterrupted_run() {
+    let z3 = ["parallel.dp=4", "parallel.zero=3"];
+    let whole = train_until(&z3, 30, None);
+    let reference = params_of(&whole.join("checkpoint"));
+    let saved = train_until(&z3, 20, None);
+    let checkpoint = saved.join("checkpoint");
+    assert!(checkpoint.join("index.json").exists(), "ZeRO saves sharded");
+    for layout in [
+        vec!["parallel.dp=4", "parallel.zero=3"],
+        vec!["parallel.dp=2", "parallel.tp=2", "parallel.zero=1"],
+        vec!["parallel.pp=2", "parallel.micro_batches=2"],
+        vec![],
+    ] {
+        let out = train_until(&layout, 30, Some(&checkpoint));
+        let written = if layout.iter().any(|s| s.starts_with("parallel.zero")) {
+            out.join("checkpoint")
+        } else {
+            out.join("checkpoint.safetensors")
+        };
+        let d = rel_diff(&params_of(&written), &reference);
+        eprintln!("resumed on {layout:?}: {d:.2e} from the uninterrupted run");
+        assert!(d <= 2e-4, "resumed on {layout:?}: {d:.2e}");
+        if layout == z3 {
+            assert_eq!(d, 0.0, "the same layout resumes bit for bit");
+        }
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.path().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// The shard files of a sharded checkpoint directory.
+fn shard_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let index = meshtrain_train::sharded::ShardedCheckpoint::open(dir).unwrap();
+    index
+        .index
+        .files
+        .iter()
+        .map(|f| dir.join(&f.path))
+        .collect()
+}
+
+/// Resuming `checkpoint` on one worker: the error, if any.
+fn resume_error(checkpoint: &Path, extra: &[&str]) -> Option<String> {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(out.path(), STEPS, extra);
+    let mut t = single_trainer(&cfg);
+    t.resume(checkpoint).err().map(|e| format!("{e:#}"))
+}
+
+#[test]
+fn sharded_checkpoints_consolidate_and_broken_ones_name_the_file() {
+    use meshtrain_train::sharded::{consolidate, describe, ShardedCheckpoint};
+    let out = train_until(
+        &["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
+        10,
+        None,
+    );
+    let dir = out.join("checkpoint");
+    let params = params_of(&dir);
+    let info = describe(&ShardedCheckpoint::open(&dir).unwrap());
+    assert!(
+        info.contains("step 10") && info.contains("dp=2,tp=2") && info.contains("4 shard file"),
+        "{info}"
+    );
+
+    // Consolidated: one file any run resumes from, with the same parameters and optimizer
+    // state (continuing from either gives the same run).
+    let file = out.join("consolidated.safetensors");
+    consolidate(&dir, &file, &|_, _| {}).unwrap();
+    assert!(
+        params_of(&file) == params,
+        "consolidation changed parameters"
+    );
+    let from_shards = train_until(&[], 12, Some(&dir));
+    let from_file = train_until(&[], 12, Some(&file));
+    assert!(
+        params_of(&from_shards.join("checkpoint.safetensors"))
+            == params_of(&from_file.join("checkpoint.safetensors")),
+        "resuming from the consolidated file differs from resuming from the shards"
+    );
+
+    let broken = |name: &str, damage: &dyn Fn(&Path)| -> String {
+        let copy = tempfile::tempdir().unwrap().keep().join(name);
+        copy_dir(&dir, &copy);
+        damage(&copy);
+        resume_error(&copy, &[]).unwrap_or_else(|| panic!("{name}: resumed"))
+    };
+    // A missing shard.
+    let err = broken("missing", &|d| {
+        std::fs::remove_file(&shard_files(d)[1]).unwrap()
+    });
+    assert!(
+        err.contains("shard-00001-of-00004") && err.contains("missing"),
+        "{err}"
+    );
+    // A flipped bit in a shard's data.
+    let err = broken("corrupt", &|d| {
+        let f = &shard_files(d)[2];
+        let mut bytes = std::fs::read(f).unwrap();
+        let last = bytes.len() - 3;
+        bytes[last] ^= 0x10;
+        std::fs::write(f, bytes).unwrap();
+    });
+    assert!(
+        err.contains("shard-00002-of-00004") && err.contains("checksum"),
+        "{err}"
+    );
+    // A truncated shard.
+    let err = broken("truncated", &|d| {
+        let f = &shard_files(d)[0];
+        let bytes = std::fs::read(f).unwrap();
+        std::fs::write(f, &bytes[..bytes.len() / 2]).unwrap();
+    });
+    assert!(
+        err.contains("shard-00000-of-00004") && err.contains("truncated"),
+        "{err}"
+    );
+    // An index that does not match the model (weights into a wider GPT).
+    let wide = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(wide.path(), STEPS, &["model.dim=48"]);
+    let err = format!("{:#}", single_trainer(&cfg).init_from(&dir).unwrap_err());
+    assert!(
+        err.contains("index.json") && err.contains("the model needs"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_save_cut_short_before_its_index_leaves_the_previous_checkpoint() {
+    let out = train_until(&["parallel.dp=2", "parallel.zero=2"], 10, None);
+    let dir = out.join("checkpoint");
+    let params = params_of(&dir);
+    // What a crash in the middle of the next save leaves: a new step directory with a
+    // partial shard, and a half-written temporary index.
+    let partial = dir.join("step-00000020-00000000deadbeef");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::fs::write(partial.join("shard-00000-of-00002.safetensors"), b"partial").unwrap();
+    std::fs::write(dir.join("index.json.tmp"), b"{\"format\": \"meshtr").unwrap();
+    assert!(params_of(&dir) == params, "the previous checkpoint changed");
+    // The next save commits over it and clears the debris.
+    let resumed = tiny_gpt_config(&out, 12, &["parallel.dp=2", "parallel.zero=2"]);
+    let options = RunOptions {
+        resume: Some(dir.clone()),
+        ..RunOptions::default()
+    };
+    (*job(&resumed)).clone().run(&options).unwrap();
+    assert!(
+        !partial.exists(),
+        "the interrupted save's directory was left behind"
+    );
+    let steps = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("step-"))
+        .count();
+    assert_eq!(steps, 1, "one step directory: the index's");
+}

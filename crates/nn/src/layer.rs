@@ -82,7 +82,7 @@ impl ParamSpec {
 /// that are cut separately (a fused q/k/v weight: each of q, k, v split by heads), each
 /// padded to a multiple of `parts` (a vocabulary not divisible by the tensor-parallel size;
 /// padding rows belong to the last ranks and hold zeros in checkpoints' absence).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ShardSpec {
     pub dim: usize,
     pub parts: usize,

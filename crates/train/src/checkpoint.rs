@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-const FORMAT: &str = "meshtrain-checkpoint-v1";
+pub const FORMAT: &str = "meshtrain-checkpoint-v1";
 
 /// Everything needed to continue a run exactly where it stopped.
 pub struct TrainState<'a> {
@@ -191,19 +191,8 @@ pub fn load(
             .with_context(|| format!("checkpoint {} lacks '{k}'", path.display()))
     };
     let saved_model = meta.get("model").cloned().unwrap_or_default();
-    if restore == Restore::Everything
-        && !saved_model.is_empty()
-        && !model_description.is_empty()
-        && saved_model.trim() != model_description.trim()
-    {
-        bail!(
-            "checkpoint {} holds another model:\n  saved:     {}\n  this run:  {}\n\
-             resuming continues the same model; to start from its weights on purpose \
-             (fine-tuning), load it as initial weights instead (`--init-from`)",
-            path.display(),
-            one_line(&saved_model),
-            one_line(model_description)
-        );
+    if restore == Restore::Everything {
+        check_same_model(path, &saved_model, model_description)?;
     }
     for (i, e) in model.params().iter().enumerate() {
         let owner = &model.params()[model.tied_primary(i).unwrap_or(i)];
@@ -240,6 +229,25 @@ pub fn load(
         model_description: saved_model,
         loss_scaler,
     })
+}
+
+/// Resuming continues the same model: a checkpoint (`path`) that describes another model
+/// than this run's is an error, unless either description is empty.
+pub fn check_same_model(path: &Path, saved_model: &str, model_description: &str) -> Result<()> {
+    if !saved_model.is_empty()
+        && !model_description.is_empty()
+        && saved_model.trim() != model_description.trim()
+    {
+        bail!(
+            "checkpoint {} holds another model:\n  saved:     {}\n  this run:  {}\n\
+             resuming continues the same model; to start from its weights on purpose \
+             (fine-tuning), load it as initial weights instead (`--init-from`)",
+            path.display(),
+            one_line(saved_model),
+            one_line(model_description)
+        );
+    }
+    Ok(())
 }
 
 /// A multi-line description (a checkpoint's model) on one line, for messages.

@@ -117,6 +117,23 @@ pub struct Job {
     /// Refuse to start when the predicted model states of a worker exceed this many MiB
     /// ([`crate::memory::check_limit`]).
     pub memory_limit_mb: Option<f64>,
+    /// How checkpoints are written: one file gathered on rank 0, or every worker its
+    /// pieces ([`crate::sharded`]).
+    pub checkpoint_format: CheckpointFormat,
+}
+
+/// How a run writes its checkpoints.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointFormat {
+    /// Sharded under ZeRO (gathering would put the whole model on one worker, which is
+    /// what ZeRO avoids), one file otherwise.
+    #[default]
+    Auto,
+    /// `checkpoint.safetensors`: the whole model, gathered on rank 0.
+    Whole,
+    /// `checkpoint/`: every worker writes its pieces, plus an index.
+    Sharded,
 }
 
 /// The default collective timeout: long enough for a slow evaluation or checkpoint on one
@@ -162,6 +179,7 @@ impl Job {
             timeout: DEFAULT_TIMEOUT,
             config_text: String::new(),
             memory_limit_mb: None,
+            checkpoint_format: CheckpointFormat::Auto,
         }
     }
 

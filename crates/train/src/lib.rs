@@ -35,13 +35,14 @@ pub mod job;
 pub mod launch;
 pub mod memory;
 pub mod metrics;
+pub mod sharded;
 pub mod timeline;
 pub mod trainer;
 
 pub use dataset::{
     BatchMut, Dataset, DatasetError, EvalPlan, ImageData, Inputs, Sampling, TextWindows,
 };
-pub use job::{EvalSpec, Job, Length, LrSchedule, ModelFn, DEFAULT_TIMEOUT};
+pub use job::{CheckpointFormat, EvalSpec, Job, Length, LrSchedule, ModelFn, DEFAULT_TIMEOUT};
 pub use launch::{launched_by_mpi, RunOptions, TIMEOUT_ENV};
 pub use metrics::{peak_rss_mb, Breakdown, Summary};
 pub use trainer::{threads_per_worker, Trainer};

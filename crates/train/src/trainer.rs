@@ -10,6 +10,7 @@
 
 use crate::checkpoint::{self, Restore, TrainState};
 use crate::dataset::{random_indices, EvalPlan, Sampling};
+use crate::job::CheckpointFormat;
 use crate::job::{load, Job};
 use crate::memory::MemoryReport;
 use crate::metrics::{peak_rss_mb, Breakdown, EvalRecord, MetricsFile, Summary, TrainRecord};
@@ -195,8 +196,23 @@ impl Trainer {
             .collect()
     }
 
+    /// Where this run's checkpoint goes: `checkpoint.safetensors`, or the directory
+    /// `checkpoint/` for sharded checkpoints.
     pub fn checkpoint_path(&self) -> PathBuf {
-        self.job.out_dir.join("checkpoint.safetensors")
+        if self.sharded_checkpoints() {
+            self.job.out_dir.join("checkpoint")
+        } else {
+            self.job.out_dir.join("checkpoint.safetensors")
+        }
+    }
+
+    /// Whether this run writes sharded checkpoints.
+    pub fn sharded_checkpoints(&self) -> bool {
+        match self.job.checkpoint_format {
+            CheckpointFormat::Whole => false,
+            CheckpointFormat::Sharded => true,
+            CheckpointFormat::Auto => self.parallel.zero_stage().is_some(),
+        }
     }
 
     fn epoch_of(&self, step: u64) -> f64 {
@@ -342,6 +358,18 @@ impl Trainer {
     pub fn save_checkpoint(&mut self, path: &Path) -> Result<()> {
         let t = Instant::now();
         let loss_scaler = self.parallel.loss_scaler();
+        if self.sharded_checkpoints() {
+            let meta = crate::sharded::SaveMeta {
+                step: self.step,
+                model_description: &self.job.model_description,
+                config: &self.job.config_text,
+                loss_scaler,
+            };
+            crate::sharded::save(path, &mut self.parallel, &self.model, &self.whole, &meta)
+                .with_context(|| format!("saving the sharded checkpoint {}", path.display()))?;
+            self.breakdown.checkpoint_s += t.elapsed().as_secs_f64();
+            return Ok(());
+        }
         let state = |store, optimizer| TrainState {
             model: &self.whole,
             store,
@@ -376,6 +404,17 @@ impl Trainer {
     /// Continues from a checkpoint written by any layout (every worker reads the file and
     /// keeps its share). The checkpoint must be of the same model.
     pub fn resume(&mut self, path: &Path) -> Result<()> {
+        if crate::sharded::is_sharded(path) {
+            let ckpt = crate::sharded::ShardedCheckpoint::open(path)?;
+            let index = &ckpt.index;
+            checkpoint::check_same_model(path, &index.model, &self.job.model_description)?;
+            ckpt.load_into(&mut self.parallel, &self.model, &self.whole, true)?;
+            if let Some(scaler) = index.loss_scaler {
+                self.parallel.restore_loss_scaler(scaler);
+            }
+            self.step = index.step;
+            return Ok(());
+        }
         let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
         self.parallel
             .load_state(&self.model, &self.whole, &full, Some(&optimizer));
@@ -390,6 +429,11 @@ impl Trainer {
     /// step 0: deliberate fine-tuning, allowed from another model configuration whose
     /// tensors match by name and shape. Returns the model description the checkpoint holds.
     pub fn init_from(&mut self, path: &Path) -> Result<String> {
+        if crate::sharded::is_sharded(path) {
+            let ckpt = crate::sharded::ShardedCheckpoint::open(path)?;
+            ckpt.load_into(&mut self.parallel, &self.model, &self.whole, false)?;
+            return Ok(ckpt.index.model.clone());
+        }
         let (full, _, restored) = self.read_checkpoint(path, Restore::Weights)?;
         self.parallel
             .load_state(&self.model, &self.whole, &full, None);

@@ -238,6 +238,14 @@ impl ZeroSync {
         Ok(FullState { values, m, v })
     }
 
+    /// Local chunk `j`'s cut, and under stage 3 its parameter pieces (state coordinates;
+    /// between steps).
+    pub fn pieces_of(&self, j: usize) -> (ShardLayout, Option<Vec<f32>>) {
+        let z = &self.chunks[j];
+        let values = (z.stage() == ZeroStage::Parameters).then(|| z.shard_values.clone());
+        (z.layout.clone(), values)
+    }
+
     /// Continues from full-layout state: keeps this rank's pieces of the moments (and of
     /// the parameters under stage 3).
     pub fn install(

@@ -1,0 +1,429 @@
+//! A worker's model state as checkpoints see it: the whole model gathered on one worker
+//! (a standard checkpoint), each worker's own pieces (a sharded checkpoint), and a whole
+//! state read back into any layout.
+
+use super::*;
+
+/// Writes rank `rank`'s part `part` of `chunk` (in `model`'s layout, starting at `bases.0`)
+/// into `joined` (the whole model's layout, starting at `bases.1`): sharded parameters into
+/// their place, replicated ones from rank 0 only.
+fn place_shards(
+    model: &Model,
+    whole: &Model,
+    chunk: &crate::pipeline::StageChunk,
+    bases: (usize, usize),
+    rank: usize,
+    part: &[f32],
+    joined: &mut [f32],
+) {
+    for (i, e) in model.params().iter().enumerate() {
+        if !chunk.blocks.contains(&e.block) {
+            continue;
+        }
+        let w = &whole.params()[i];
+        let src = &part[e.range.start - bases.0..e.range.end - bases.0];
+        let dst = &mut joined[w.range.start - bases.1..w.range.end - bases.1];
+        match e.shard() {
+            Some(shard) => ShardSpec {
+                index: rank,
+                ..shard.clone()
+            }
+            .put(src, dst),
+            None if rank == 0 => dst.copy_from_slice(src),
+            None => {}
+        }
+    }
+}
+
+impl Parallel {
+    /// The whole model's parameters, buffers and optimizer state on world rank 0 (`None`
+    /// elsewhere): the contents of a standard checkpoint, whatever the layout. `model` is
+    /// this worker's (possibly tensor-parallel) model, `whole` the model unsplit, whose
+    /// layout the result has. Replicas are identical, so only replica 0 takes part: each
+    /// stage's tensor-parallel ranks join their shards on their rank 0, and those gather the
+    /// stages on pipeline rank 0. Call it on every worker.
+    pub fn gather_state(
+        &mut self,
+        model: &Model,
+        whole: &Model,
+    ) -> Result<Option<(ParamStore, Optimizer)>, ParallelError> {
+        let locals = self.local_states(model)?;
+        if self.mesh.coordinate(MeshAxis::Dp) != 0 {
+            return Ok(None);
+        }
+        // Per local chunk, on tensor-parallel rank 0: [values, buffers, m, v] in the whole
+        // model's layout.
+        let mut joined = Vec::with_capacity(self.stage.chunks.len());
+        for (chunk, local) in self.stage.chunks.iter().zip(locals) {
+            joined.push(self.join_shards(model, whole, chunk, local)?);
+        }
+        if self.mesh.coordinate(MeshAxis::Tp) != 0 {
+            return Ok(None);
+        }
+        let pp = self.mesh.group(MeshAxis::Pp);
+        let tag = |chunk: usize, part: usize| (4 * chunk + part) as u32;
+        if pp.rank() != 0 {
+            for (chunk, parts) in self.stage.chunks.iter().zip(&joined) {
+                for (k, part) in parts.iter().enumerate() {
+                    pp.send(part.into(), 0, tag(chunk.index, k))?;
+                }
+            }
+            return Ok(None);
+        }
+        let first = &self.optimizers[0];
+        let n = whole.num_params();
+        let mut store = ParamStore {
+            values: vec![0.0; n],
+            grads: vec![0.0; n],
+            buffers: vec![0.0; whole.num_buffers()],
+        };
+        let mut optimizer = Optimizer::new(first.config, n);
+        optimizer.step = first.step;
+        let schedule = self.stage.schedule();
+        for (c, blocks) in self.partition.chunks().iter().enumerate() {
+            let pr = whole.blocks_param_range(blocks.clone());
+            let br = whole.blocks_buffer_range(blocks.clone());
+            let owner = schedule.worker_of(c);
+            let mut targets: Vec<&mut [f32]> = vec![
+                &mut store.values[pr.clone()],
+                &mut store.buffers[br],
+                &mut optimizer.m[pr.clone()],
+            ];
+            if !optimizer.v.is_empty() {
+                targets.push(&mut optimizer.v[pr]);
+            }
+            for (k, target) in targets.into_iter().enumerate() {
+                if owner == 0 {
+                    target.copy_from_slice(&joined[c / schedule.workers][k]);
+                } else {
+                    pp.recv(target.into(), owner, tag(c, k))?;
+                }
+            }
+        }
+        Ok(Some((store, optimizer)))
+    }
+
+    /// Per local chunk, [values, buffers, m, v] (v only for AdamW) in this worker's own
+    /// (tensor-parallel) layout. Under ZeRO the pieces are all-gathered over the
+    /// data-parallel group first (every data-parallel rank takes part).
+    fn local_states(&mut self, model: &Model) -> Result<Vec<Vec<Vec<f32>>>, ParallelError> {
+        let mut out = Vec::with_capacity(self.stage.chunks.len());
+        for (j, chunk) in self.stage.chunks.iter().enumerate() {
+            let optimizer = &self.optimizers[j];
+            let FullState { values, m, v } = match self.sync.as_zero() {
+                Some(zero) => {
+                    let len = model.blocks_param_range(chunk.blocks.clone()).len();
+                    zero.unshard(j, &chunk.store.values, optimizer, len)?
+                }
+                None => FullState {
+                    values: chunk.store.values.clone(),
+                    m: optimizer.m.clone(),
+                    v: optimizer.v.clone(),
+                },
+            };
+            let mut local = vec![values, chunk.store.buffers.clone(), m];
+            if !v.is_empty() {
+                local.push(v);
+            }
+            out.push(local);
+        }
+        Ok(out)
+    }
+
+    /// One chunk's values, buffers and optimizer moments (`local`, in this worker's layout)
+    /// in the whole model's layout, on tensor-parallel rank 0 (the others send their shards
+    /// and get empty vectors).
+    fn join_shards(
+        &self,
+        model: &Model,
+        whole: &Model,
+        chunk: &crate::pipeline::StageChunk,
+        local: Vec<Vec<f32>>,
+    ) -> Result<Vec<Vec<f32>>, ParallelError> {
+        let tp = self.mesh.group(MeshAxis::Tp);
+        if tp.size() == 1 {
+            return Ok(local);
+        }
+        let tag = |part: usize| (0x100 + 4 * chunk.index + part) as u32;
+        if tp.rank() != 0 {
+            for (k, part) in local.iter().enumerate() {
+                tp.send(part.into(), 0, tag(k))?;
+            }
+            return Ok(Vec::new());
+        }
+        let blocks = chunk.blocks.clone();
+        let (base, whole_base) = (
+            model.blocks_param_range(blocks.clone()).start,
+            whole.blocks_param_range(blocks.clone()).start,
+        );
+        let whole_len = whole.blocks_param_range(blocks).len();
+        let mut joined: Vec<Vec<f32>> = local
+            .iter()
+            .enumerate()
+            .map(|(k, v)| {
+                if k == 1 {
+                    v.clone()
+                } else {
+                    vec![0.0; whole_len]
+                }
+            })
+            .collect();
+        for r in 0..tp.size() {
+            let theirs: Vec<Vec<f32>> = if r == 0 {
+                local.clone()
+            } else {
+                local
+                    .iter()
+                    .enumerate()
+                    .map(|(k, v)| {
+                        let mut buf = vec![0.0f32; v.len()];
+                        tp.recv((&mut buf).into(), r, tag(k)).map(|_| buf)
+                    })
+                    .collect::<Result<_, _>>()?
+            };
+            for (k, part) in theirs.iter().enumerate().filter(|(k, _)| *k != 1) {
+                place_shards(
+                    model,
+                    whole,
+                    chunk,
+                    (base, whole_base),
+                    r,
+                    part,
+                    &mut joined[k],
+                );
+            }
+        }
+        Ok(joined)
+    }
+
+    /// Continues from a whole-model state (every worker reads the same checkpoint and keeps
+    /// its share: its stage's blocks, of a tensor-parallel parameter its shard, and under
+    /// ZeRO its pieces). `model` is this worker's model, `whole` the model unsplit (the
+    /// state's layout). Without an optimizer state (starting from weights) the optimizers
+    /// are left as they are.
+    pub fn load_state(
+        &mut self,
+        model: &Model,
+        whole: &Model,
+        full: &ParamStore,
+        optimizer: Option<&Optimizer>,
+    ) {
+        let mut read = |part: StatePart| -> Result<Vec<f32>, String> {
+            let (src, range) = match part {
+                StatePart::Values(i) => (&full.values, whole.params()[i].range.clone()),
+                StatePart::FirstMoment(i) => (
+                    &optimizer.expect("asked for moments").m,
+                    whole.params()[i].range.clone(),
+                ),
+                StatePart::SecondMoment(i) => (
+                    &optimizer.expect("asked for moments").v,
+                    whole.params()[i].range.clone(),
+                ),
+                StatePart::Buffer(i) => (&full.buffers, whole.buffers()[i].range.clone()),
+            };
+            Ok(src[range].to_vec())
+        };
+        let moments = optimizer.map(|o| o.step);
+        self.load_state_with(model, moments, &mut read)
+            .expect("a whole-model state holds every tensor");
+    }
+
+    /// Continues from a state read tensor by tensor: `read` returns one whole tensor of the
+    /// unsplit model ([`StatePart`]; its parameters and buffers are numbered as `model`'s,
+    /// which tensor parallelism splits but does not reorder), and is asked only for the tensors of this
+    /// worker's chunks (a sharded checkpoint reads just those). `moments` is the optimizer's
+    /// step count when the moments are restored too (`None`: weights only).
+    pub fn load_state_with<E>(
+        &mut self,
+        model: &Model,
+        moments: Option<u64>,
+        read: &mut dyn FnMut(StatePart) -> Result<Vec<f32>, E>,
+    ) -> Result<(), E> {
+        let second = !self.optimizers.iter().all(|o| o.v.is_empty());
+        for (j, chunk) in self.stage.chunks.iter_mut().enumerate() {
+            let blocks = chunk.blocks.clone();
+            let range = model.blocks_param_range(blocks.clone());
+            let buffer_base = model.blocks_buffer_range(blocks.clone()).start;
+            for (i, e) in model.buffers().iter().enumerate() {
+                if blocks.contains(&e.block) {
+                    let r = e.range.start - buffer_base..e.range.end - buffer_base;
+                    chunk.store.buffers[r].copy_from_slice(&read(StatePart::Buffer(i))?);
+                }
+            }
+            // This worker's (tensor-parallel) share of the chunk, in its full layout.
+            let mut local = |part: fn(usize) -> StatePart| -> Result<Vec<f32>, E> {
+                let mut dst = vec![0.0; range.len()];
+                for (i, e) in model.params().iter().enumerate() {
+                    if !blocks.contains(&e.block) {
+                        continue;
+                    }
+                    let src = read(part(i))?;
+                    let dst = &mut dst[e.range.start - range.start..e.range.end - range.start];
+                    match e.shard() {
+                        Some(shard) => dst.copy_from_slice(&shard.take(&src)),
+                        None => dst.copy_from_slice(&src),
+                    }
+                }
+                Ok(dst)
+            };
+            let values = local(StatePart::Values)?;
+            let moments = match moments {
+                Some(step) => {
+                    let v = if second {
+                        local(StatePart::SecondMoment)?
+                    } else {
+                        Vec::new()
+                    };
+                    Some((local(StatePart::FirstMoment)?, v, step))
+                }
+                None => None,
+            };
+            let target = &mut self.optimizers[j];
+            match self.sync.as_zero() {
+                Some(zero) => {
+                    let moments = moments.as_ref().map(|(m, v, step)| (&m[..], &v[..], *step));
+                    zero.install(j, &mut chunk.store, values, moments, target);
+                }
+                None => {
+                    chunk.store.values = values;
+                    if let Some((m, v, step)) = moments {
+                        target.m = m;
+                        if !target.v.is_empty() {
+                            target.v = v;
+                        }
+                        target.step = step;
+                    }
+                }
+            }
+            if !chunk.store.grads.is_empty() {
+                chunk.store.zero_grads();
+            }
+        }
+        Ok(())
+    }
+
+    /// What this worker writes into a sharded checkpoint: its pieces of the whole model's
+    /// tensors, each named by tensor and placed by tensor-parallel shard and offset. Every
+    /// element of every tensor is written by exactly one worker: tensor-parallel shards by
+    /// their rank, replicated parameters and buffers by tensor-parallel rank 0; under ZeRO
+    /// each data-parallel rank its pieces, otherwise data-parallel rank 0 everything. Tied
+    /// copies are their primary (written once). Call between steps.
+    pub fn own_pieces(&mut self, model: &Model) -> Vec<StatePiece> {
+        let (dp, tp) = (
+            self.mesh.coordinate(MeshAxis::Dp),
+            self.mesh.coordinate(MeshAxis::Tp),
+        );
+        let second = !self.optimizers.iter().all(|o| o.v.is_empty());
+        let mut out = Vec::new();
+        for (j, chunk) in self.stage.chunks.iter().enumerate() {
+            let base = model.blocks_param_range(chunk.blocks.clone()).start;
+            let optimizer = &self.optimizers[j];
+            let sharding = self.sync.as_zero().map(|z| z.pieces_of(j));
+            for (i, e) in model.params().iter().enumerate() {
+                if !chunk.blocks.contains(&e.block) || model.tied_primary(i).is_some() {
+                    continue;
+                }
+                if e.shard().is_none() && tp != 0 {
+                    continue;
+                }
+                let local = e.range.start - base..e.range.end - base;
+                // (offset within the local tensor, values, m, v) of what this rank writes.
+                let (offset, values, m, v) = match &sharding {
+                    Some((layout, shard_values)) => {
+                        let p = layout
+                            .params
+                            .iter()
+                            .find(|p| p.full == local)
+                            .expect("every parameter has a piece");
+                        let values = match shard_values {
+                            Some(sv) => sv[p.state.clone()].to_vec(),
+                            None => chunk.store.values[p.piece_full()].to_vec(),
+                        };
+                        let v = if second {
+                            optimizer.v[p.state.clone()].to_vec()
+                        } else {
+                            Vec::new()
+                        };
+                        (
+                            p.piece.start,
+                            values,
+                            optimizer.m[p.state.clone()].to_vec(),
+                            v,
+                        )
+                    }
+                    None if dp == 0 => {
+                        let v = if second {
+                            optimizer.v[local.clone()].to_vec()
+                        } else {
+                            Vec::new()
+                        };
+                        (
+                            0,
+                            chunk.store.values[local.clone()].to_vec(),
+                            optimizer.m[local].to_vec(),
+                            v,
+                        )
+                    }
+                    None => continue,
+                };
+                if values.is_empty() {
+                    continue;
+                }
+                let mut push = |kind: &str, data: Vec<f32>| {
+                    out.push(StatePiece {
+                        tensor: format!("{kind}.{}", e.name),
+                        shape: e.full_shape(),
+                        split: e.shard().cloned(),
+                        offset,
+                        data,
+                    })
+                };
+                push("param", values);
+                push("m", m);
+                if second {
+                    push("v", v);
+                }
+            }
+            if dp == 0 && tp == 0 {
+                let buffer_base = model.blocks_buffer_range(chunk.blocks.clone()).start;
+                for e in model.buffers() {
+                    if chunk.blocks.contains(&e.block) {
+                        out.push(StatePiece {
+                            tensor: format!("buffer.{}", e.name),
+                            shape: e.shape.clone(),
+                            split: None,
+                            offset: 0,
+                            data: chunk.store.buffers
+                                [e.range.start - buffer_base..e.range.end - buffer_base]
+                                .to_vec(),
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One whole tensor of the unsplit model, as [`Parallel::load_state_with`] asks for it
+/// (indices into `whole.params()` / `whole.buffers()`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatePart {
+    Values(usize),
+    FirstMoment(usize),
+    SecondMoment(usize),
+    Buffer(usize),
+}
+
+/// A run of one tensor that one worker holds: `data` is elements `offset..` of the tensor's
+/// tensor-parallel shard `split` (of the whole tensor when `split` is `None`), flat.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StatePiece {
+    /// `param.NAME`, `m.NAME`, `v.NAME` or `buffer.NAME`.
+    pub tensor: String,
+    /// The whole tensor's shape.
+    pub shape: Vec<usize>,
+    pub split: Option<ShardSpec>,
+    pub offset: usize,
+    pub data: Vec<f32>,
+}
