@@ -15,3 +15,4 @@ pub mod precision_bench;
 pub mod presets;
 pub mod scaling;
 pub mod tensor_bench;
+pub mod zero_bench;

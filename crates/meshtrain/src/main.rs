@@ -131,6 +131,10 @@ enum BenchCommand {
     /// Mixed precision: f32 against bf16 products (every bf16 kernel of this CPU) and whole
     /// training steps of the built-in models per precision.
     Precision(meshtrain::precision_bench::BenchPrecisionArgs),
+    /// ZeRO stages 0–3 on GPT: model-state memory per worker against the planner's formula,
+    /// traffic per step against 2Ψ/3Ψ, ZeRO-3 throughput with and without prefetching, and
+    /// consolidating a large sharded checkpoint.
+    Zero(meshtrain::zero_bench::BenchZeroArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -247,6 +251,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Pipeline(a)) => meshtrain::pipeline_bench::run(&a),
         Command::Bench(BenchCommand::Tensor(a)) => meshtrain::tensor_bench::run(&a),
         Command::Bench(BenchCommand::Precision(a)) => meshtrain::precision_bench::run(&a),
+        Command::Bench(BenchCommand::Zero(a)) => meshtrain::zero_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
         Command::Checkpoint(c) => checkpoint(c),

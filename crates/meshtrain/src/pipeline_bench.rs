@@ -69,6 +69,8 @@ pub struct ThroughputRun {
     pub comm_hidden_ms: f64,
     /// Tensor-parallel collectives: the part of `compute_ms` spent waiting in them.
     pub tp_comm_ms: f64,
+    /// ZeRO-3: the part of `compute_ms` spent waiting for parameters being all-gathered.
+    pub param_gather_ms: f64,
     /// Process CPU time (all threads) per sample.
     pub cpu_ms_per_sample: f64,
 }
@@ -207,6 +209,7 @@ pub fn measure_layout(
         comm_exposed_ms: mean(|b| b.times.comm_exposed_s),
         comm_hidden_ms: mean(|b| b.times.comm_hidden_s),
         tp_comm_ms: mean(|b| b.times.tp_comm_s),
+        param_gather_ms: mean(|b| b.times.param_gather_s),
         cpu_ms_per_sample: results[0].2 / samples * 1e3,
     })
 }

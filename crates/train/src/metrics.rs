@@ -47,7 +47,7 @@ impl Breakdown {
     }
 
     /// The accumulated times, in a fixed order, for element-wise reductions across workers.
-    pub fn times_mut(&mut self) -> [&mut f64; 8] {
+    pub fn times_mut(&mut self) -> [&mut f64; 9] {
         let t = &mut self.times;
         [
             &mut self.data_s,
@@ -58,6 +58,7 @@ impl Breakdown {
             &mut t.comm_hidden_s,
             &mut t.pipeline_idle_s,
             &mut t.tp_comm_s,
+            &mut t.param_gather_s,
         ]
     }
 
@@ -124,6 +125,14 @@ impl Breakdown {
             )
         } else {
             String::new()
+        };
+        let tensor = if self.times.param_gather_s > 0.0 {
+            format!(
+                "{tensor}; ZeRO-3 parameter all-gathers exposed {:.1} ms of the compute",
+                ms(self.times.param_gather_s)
+            )
+        } else {
+            tensor
         };
         let (layout, pipeline) = if per_replica > 1 {
             let tp = match self.tensor {

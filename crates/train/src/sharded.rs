@@ -246,8 +246,27 @@ fn write_shard(
             (piece_key(p), view)
         })
         .collect();
-    let bytes = safetensors::serialize(views, &None).context("serialising a checkpoint shard")?;
-    write_atomically(&path, &bytes)?;
+    // Streamed to a temporary file (no serialised copy in memory), flushed, renamed.
+    let mut tmp = path.as_os_str().to_os_string();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let written = (|| -> Result<u64> {
+        safetensors::serialize_to_file(views, &None, &tmp)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        let f = File::open(&tmp).with_context(|| format!("reopening {}", tmp.display()))?;
+        f.sync_all()
+            .with_context(|| format!("flushing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+        Ok(f.metadata()?.len())
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    let bytes = written?;
+    File::open(parent)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("flushing directory {}", parent.display()))?;
     let described = pieces
         .iter()
         .map(|p| {
@@ -267,7 +286,7 @@ fn write_shard(
         .collect();
     let file = FileEntry {
         path: relative,
-        bytes: bytes.len() as u64,
+        bytes,
         rank,
     };
     Ok((Some(file), described))

@@ -24,9 +24,10 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Reduce-scatters in flight before the oldest is waited for (bounds the wire buffers held
-/// during backward to a few blocks).
-const MAX_REDUCES_IN_FLIGHT: usize = 2;
+/// Reduce-scatters left in flight when the next one starts: the previous block's reduction
+/// overlaps the current block's backward, and the wire buffers held during backward stay at
+/// about two blocks' worth (all of them in flight at once would be 1.5 × the model).
+const MAX_REDUCES_IN_FLIGHT: usize = 1;
 
 /// Options of the sharded data-parallel mode (FSDP's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -342,9 +343,15 @@ impl ZeroChunk {
     }
 
     /// Stage 1: model block `block` has its final gradients in `grads` (the chunk's full
-    /// buffer): start its reduce-scatter.
-    pub fn block_final(&mut self, block: usize, grads: &[f32]) {
+    /// buffer): start its reduce-scatter, after finishing the older ones beyond the bound
+    /// (their blocks' gradients are final too, so their pieces can be written).
+    pub fn block_final(&mut self, block: usize, grads: &mut [f32]) {
         let b = block - self.first_block;
+        let t = Instant::now();
+        while self.reducing.len() > MAX_REDUCES_IN_FLIGHT.saturating_sub(1) {
+            self.finish_oldest_reduce(Some(&mut *grads), t);
+        }
+        self.comm.reduce_wait_s += t.elapsed().as_secs_f64();
         let range = self.layout.blocks[b].full.clone();
         self.start_reduce(b, &grads[range], Into::Full);
     }
@@ -481,6 +488,11 @@ impl BlockParams for BoundChunk<'_> {
     fn backward_done(&mut self, block: usize) {
         let b = self.local(block);
         let z = &mut *self.chunk;
+        let t = Instant::now();
+        while z.reducing.len() > MAX_REDUCES_IN_FLIGHT.saturating_sub(1) {
+            z.finish_oldest_reduce(None, t);
+        }
+        z.comm.reduce_wait_s += t.elapsed().as_secs_f64();
         let grads = std::mem::take(&mut z.block_grads);
         z.start_reduce(b, &grads, Into::State);
         z.release(grads.len() * 4);
@@ -488,10 +500,5 @@ impl BlockParams for BoundChunk<'_> {
         if z.stage == ZeroStage::Parameters {
             z.free_gathered(b);
         }
-        let t = Instant::now();
-        while z.reducing.len() > MAX_REDUCES_IN_FLIGHT {
-            z.finish_oldest_reduce(None, t);
-        }
-        z.comm.reduce_wait_s += t.elapsed().as_secs_f64();
     }
 }

@@ -332,7 +332,7 @@ impl GradSync for ZeroSync {
         }
         let j = ready.chunk / self.workers;
         if let Some(z) = self.chunks.get_mut(j) {
-            z.block_final(ready.block, &ready.store.grads);
+            z.block_final(ready.block, &mut ready.store.grads);
         }
     }
 
