@@ -202,7 +202,7 @@ fn train(args: &TrainArgs) -> Result<()> {
     println!("{}", summary.breakdown.report());
     println!("{}", summary.memory.report());
     if let Some(rss) = summary.peak_rss_mb {
-        println!("peak memory {rss:.0} MiB (this process)");
+        println!("peak memory {rss:.0} MiB (the largest process)");
     }
     Ok(())
 }

@@ -3,9 +3,9 @@
 //!
 //! * **memory**: per worker, the bytes of parameters, gradients and optimizer state as
 //!   allocated (vector capacities after a step) at dp = 2 and 4 for stages 0–3, against the
-//!   planner's `model_state_bytes` for the same parameter count; the transient peak
-//!   (gathered blocks, wire buffers); and the peak RSS of a `meshtrain train` process
-//!   running the same layout (all workers are threads of that one process).
+//!   planner's `model_state_bytes` for the same parameter count, and the transient peak
+//!   (gathered blocks, wire buffers). Peak RSS per worker needs one process per worker:
+//!   `scripts/zero-memory.sh` runs the same layouts under mpirun.
 //! * **communication**: the bytes each worker's collectives move per step in the ZeRO
 //!   paper's units (an all-reduce counts twice), against Ψ = parameter bytes: 2Ψ for DDP
 //!   and stages 1–2, 3Ψ for stage 3.
@@ -28,13 +28,14 @@ pub struct BenchZeroArgs {
     /// Comma-separated parts: memory, throughput, consolidate.
     #[arg(long, default_value = "memory,throughput,consolidate")]
     pub parts: String,
-    /// GPT width and layers of the memory and throughput measurements.
-    #[arg(long, default_value_t = 256)]
+    /// GPT width and layers of the memory and throughput measurements (512 × 8: 25M
+    /// parameters, so model states dominate a worker's memory).
+    #[arg(long, default_value_t = 512)]
     pub dim: usize,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     pub layers: usize,
     /// Global batch (sequences of 64 tokens).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 8)]
     pub batch: usize,
     /// Throughput: alternations of the layouts.
     #[arg(long, default_value_t = 3)]
@@ -92,7 +93,12 @@ fn gpt(dim: usize, layers: usize, batch: usize, extra: &[String]) -> Result<Conf
 }
 
 pub fn run(args: &BenchZeroArgs) -> Result<()> {
-    for part in args.parts.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+    for part in args
+        .parts
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
         match part {
             "memory" => memory(args)?,
             "throughput" => throughput(args)?,
@@ -122,43 +128,12 @@ fn measure_memory(cfg: &Config, threads: usize) -> Result<(MemoryReport, u64, us
     Ok((results[0].0, results[0].1, params * 4))
 }
 
-/// The peak RSS (MiB) of `meshtrain train` running `overrides` for three steps.
-fn train_process_rss(overrides: &[String]) -> Result<f64> {
-    let out = Scratch::new("rss")?;
-    let exe = std::env::current_exe()?;
-    let mut cmd = std::process::Command::new(exe);
-    cmd.args(["train", "--config", "configs/gpt.toml"]);
-    for o in overrides {
-        cmd.args(["--set", o]);
-    }
-    cmd.args([
-        "--set",
-        "train.max_steps=3",
-        "--set",
-        &format!("train.out_dir=\"{}\"", out.path().display()),
-    ]);
-    let output = cmd.output().context("running meshtrain train")?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        bail!(
-            "meshtrain train failed: {}{}",
-            text,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    text.lines()
-        .find_map(|l| l.strip_prefix("peak memory "))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| anyhow!("meshtrain train printed no peak memory:\n{text}"))
-}
-
 fn memory(args: &BenchZeroArgs) -> Result<()> {
     println!(
         "## Model states per worker and traffic per step (GPT {}×{}, fp32 AdamW, measured on \
          rank 0 after 2 steps)\n\n| dp | zero | parameters MiB | gradients MiB | optimizer MiB \
-         | states MiB | formula MiB | measured / formula | transient peak MiB | process peak \
-         RSS MiB | traffic / Ψ |\n|---|---|---|---|---|---|---|---|---|---|---|",
+         | states MiB | formula MiB | measured / formula | transient peak MiB | traffic / Ψ \
+         |\n|---|---|---|---|---|---|---|---|---|---|",
         args.dim, args.layers
     );
     for dp in [2usize, 4] {
@@ -166,19 +141,8 @@ fn memory(args: &BenchZeroArgs) -> Result<()> {
             let extra = vec![format!("parallel.dp={dp}"), format!("parallel.zero={zero}")];
             let cfg = gpt(args.dim, args.layers, args.batch, &extra)?;
             let (r, traffic, psi) = measure_memory(&cfg, args.threads)?;
-            let mut overrides = vec![
-                format!("model.dim={}", args.dim),
-                format!("model.layers={}", args.layers),
-                format!("model.heads={}", (args.dim / 64).max(1)),
-                "model.seq=64".to_string(),
-                format!("train.batch_size={}", args.batch),
-                "train.eval_batches=1".to_string(),
-            ];
-            overrides.extend(extra);
-            let rss = train_process_rss(&overrides)?;
             println!(
-                "| {dp} | {zero} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.4} | {:.2} | {rss:.0} \
-                 | {:.3} |",
+                "| {dp} | {zero} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.4} | {:.2} | {:.3} |",
                 r.parameters_mib,
                 r.gradients_mib,
                 r.optimizer_mib,
@@ -207,9 +171,17 @@ fn throughput(args: &BenchZeroArgs) -> Result<()> {
         ("zero=1", &["parallel.zero=1"]),
         ("zero=2", &["parallel.zero=2"]),
         ("zero=3", &["parallel.zero=3"]),
-        ("zero=3, no prefetch", &["parallel.zero=3", "parallel.zero_prefetch=false"]),
+        (
+            "zero=3, no prefetch",
+            &["parallel.zero=3", "parallel.zero_prefetch=false"],
+        ),
     ];
-    let base = gpt(args.dim, args.layers, args.batch, &["parallel.dp=2".to_string()])?;
+    let base = gpt(
+        args.dim,
+        args.layers,
+        args.batch,
+        &["parallel.dp=2".to_string()],
+    )?;
     let task = Task::load(&base)?;
     let mut runs: Vec<Vec<ThroughputRun>> = vec![Vec::new(); layouts.len()];
     for _ in 0..args.pairs {
@@ -217,7 +189,14 @@ fn throughput(args: &BenchZeroArgs) -> Result<()> {
             let mut o = vec!["parallel.dp=2".to_string()];
             o.extend(extra.iter().map(|s| s.to_string()));
             let cfg = gpt(args.dim, args.layers, args.batch, &o)?;
-            runs[i].push(measure_layout(name, cfg, &task, args.threads, 1, args.steps)?);
+            runs[i].push(measure_layout(
+                name,
+                cfg,
+                &task,
+                args.threads,
+                1,
+                args.steps,
+            )?);
         }
     }
     let median = |v: &[f64]| {
@@ -229,8 +208,15 @@ fn throughput(args: &BenchZeroArgs) -> Result<()> {
     for (i, (name, _)) in layouts.iter().enumerate() {
         let r = &runs[i];
         let col = |f: fn(&ThroughputRun) -> f64| median(&r.iter().map(f).collect::<Vec<_>>());
-        let ratios: Vec<f64> = r.iter().zip(&ddp).map(|(x, d)| x.samples_per_s / d).collect();
-        let each: Vec<String> = r.iter().map(|x| format!("{:.1}", x.samples_per_s)).collect();
+        let ratios: Vec<f64> = r
+            .iter()
+            .zip(&ddp)
+            .map(|(x, d)| x.samples_per_s / d)
+            .collect();
+        let each: Vec<String> = r
+            .iter()
+            .map(|x| format!("{:.1}", x.samples_per_s))
+            .collect();
         println!(
             "| {name} | {} | {:.2} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} |",
             each.join(", "),

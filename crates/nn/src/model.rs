@@ -404,30 +404,46 @@ impl Model {
     /// Fresh parameters of blocks `blocks` only (a pipeline stage's share): the same values as
     /// the matching slices of [`Model::init`], without allocating the rest of the model.
     pub fn init_blocks(&self, seed: u64, blocks: Range<usize>) -> ParamStore {
-        let (pr, br) = (
-            self.blocks_param_range(blocks.clone()),
-            self.blocks_buffer_range(blocks.clone()),
-        );
+        let pr = self.blocks_param_range(blocks.clone());
         let mut values = vec![0.0f32; pr.len()];
         for (i, e) in self.params.iter().enumerate() {
             if blocks.contains(&e.block) {
-                // A tied copy draws exactly its primary's values.
-                let source = self.tied_primary(i).unwrap_or(i);
-                let mut rng = SplitMix64::derive(seed, source as u64);
                 let local = e.range.start - pr.start..e.range.end - pr.start;
-                let init = self.params[source].spec.init;
-                match &e.spec.shard {
-                    // A shard draws the whole tensor's values (those one worker would have)
-                    // and keeps its part.
-                    Some(shard) => {
-                        let mut whole = vec![0.0f32; shard.full_shape.iter().product()];
-                        init.fill(&mut whole, &mut rng);
-                        values[local].copy_from_slice(&shard.take(&whole));
-                    }
-                    None => init.fill(&mut values[local], &mut rng),
-                }
+                self.init_param(seed, i, &mut values[local]);
             }
         }
+        let buffers = self.init_buffers(blocks);
+        ParamStore {
+            grads: vec![0.0; values.len()],
+            values,
+            buffers,
+        }
+    }
+
+    /// Parameter `i`'s initial values (what [`Model::init`] gives it) into `out`, without
+    /// initialising anything else: a sharded store (ZeRO-3) keeps its pieces of one
+    /// parameter at a time instead of materialising the whole model.
+    pub fn init_param(&self, seed: u64, i: usize, out: &mut [f32]) {
+        let e = &self.params[i];
+        // A tied copy draws exactly its primary's values.
+        let source = self.tied_primary(i).unwrap_or(i);
+        let mut rng = SplitMix64::derive(seed, source as u64);
+        let init = self.params[source].spec.init;
+        match &e.spec.shard {
+            // A shard draws the whole tensor's values (those one worker would have) and
+            // keeps its part.
+            Some(shard) => {
+                let mut whole = vec![0.0f32; shard.full_shape.iter().product()];
+                init.fill(&mut whole, &mut rng);
+                out.copy_from_slice(&shard.take(&whole));
+            }
+            None => init.fill(out, &mut rng),
+        }
+    }
+
+    /// The initial non-trainable buffers of blocks `blocks`.
+    pub fn init_buffers(&self, blocks: Range<usize>) -> Vec<f32> {
+        let br = self.blocks_buffer_range(blocks.clone());
         let mut buffers = vec![0.0f32; br.len()];
         for e in self.buffers.iter().filter(|e| blocks.contains(&e.block)) {
             let local = e.range.start - br.start..e.range.end - br.start;
@@ -435,11 +451,7 @@ impl Model {
                 .init
                 .fill(&mut buffers[local], &mut SplitMix64::new(0));
         }
-        ParamStore {
-            grads: vec![0.0; values.len()],
-            values,
-            buffers,
-        }
+        buffers
     }
 
     /// The flat-buffer range holding the parameters of the contiguous blocks `blocks`.

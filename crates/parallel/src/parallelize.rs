@@ -48,7 +48,8 @@ use crate::data::{
 };
 use crate::layout::{Recompute, ResolvedLayout};
 use crate::pipeline::{
-    split, MicroBatches, Partition, PartitionSpec, SendMode, Stage, StepOptions, TimeProbe,
+    split, MicroBatches, Partition, PartitionSpec, SendMode, Stage, StageStores, StepOptions,
+    TimeProbe,
 };
 use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
 use crate::tensor::{TpContext, TpGradSync};
@@ -309,6 +310,14 @@ pub fn parallelize(
         sample: sample.map(|b| (&b.x, b.y.as_slice())),
         loss: loss.as_ref(),
     };
+    // A sharded data-parallel mode keeps pieces: the stage does not materialise what it
+    // shards (ZeRO-2 gradients; ZeRO-3 parameters too, initialised piece by piece).
+    let zero = ZeroStage::from_level(l.zero).filter(|_| l.dp > 1);
+    let stores = match zero {
+        Some(ZeroStage::Parameters) => StageStores::BuffersOnly,
+        Some(ZeroStage::Gradients) => StageStores::WithoutGradients,
+        _ => StageStores::Full,
+    };
     let (partition, mut stage) = split(
         model,
         layout.schedule.clone(),
@@ -316,6 +325,7 @@ pub fn parallelize(
         pp.rank(),
         training.seed,
         probe,
+        stores,
     )?;
 
     // 3. Context parallelism: not yet (`Layout::resolve` rejects cp > 1).
@@ -329,8 +339,9 @@ pub fn parallelize(
         DataParallelConfig {
             mode: options.dp_mode,
             ddp: options.ddp,
-            zero: ZeroStage::from_level(l.zero),
+            zero,
             zero_options: options.zero,
+            seed: training.seed,
             sync_batch_norm: options.sync_batch_norm,
         },
     )?;

@@ -15,7 +15,6 @@ use meshtrain_parallel::precision::LossScaler;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 pub const FORMAT: &str = "meshtrain-checkpoint-v1";
@@ -101,19 +100,18 @@ pub fn save(path: &Path, state: &TrainState) -> Result<()> {
     if let Some(scaler) = &state.loss_scaler {
         metadata.insert("loss_scaler".into(), serde_json::to_string(scaler)?);
     }
-    let bytes = safetensors::serialize(views, &Some(metadata)).context("serialising checkpoint")?;
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let tmp = temporary_path(path);
+    // Streamed into the temporary file (no serialised copy of the model in memory).
     let written = (|| -> Result<()> {
-        let mut f =
-            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(&bytes)
+        safetensors::serialize_to_file(views, &Some(metadata), &tmp)
             .with_context(|| format!("writing {}", tmp.display()))?;
-        f.sync_all()
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
             .with_context(|| format!("flushing {}", tmp.display()))?;
         std::fs::rename(&tmp, path)
             .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))

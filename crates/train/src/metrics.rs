@@ -188,6 +188,8 @@ pub struct Summary {
     /// loss of a model that ignores context).
     pub unigram_baseline: Option<f64>,
     pub samples_per_s: f64,
+    /// Peak resident memory of the largest process of the world (all workers are one
+    /// process on the threads backend, one process each under mpirun).
     pub peak_rss_mb: Option<f64>,
     /// World rank 0's model-state memory, measured and predicted.
     pub memory: crate::memory::MemoryReport,

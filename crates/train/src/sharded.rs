@@ -240,7 +240,7 @@ fn write_shard(
             let view = safetensors::tensor::TensorView::new(
                 safetensors::Dtype::F32,
                 vec![p.data.len()],
-                bytemuck::cast_slice(&p.data),
+                bytemuck::cast_slice(p.data),
             )
             .expect("a flat f32 view");
             (piece_key(p), view)
@@ -279,7 +279,7 @@ fn write_shard(
                     split: p.split.clone(),
                     offset: p.offset,
                     len: p.data.len(),
-                    crc32: crc32fast::hash(bytemuck::cast_slice(&p.data)),
+                    crc32: crc32fast::hash(bytemuck::cast_slice(p.data)),
                 },
             )
         })

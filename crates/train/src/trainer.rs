@@ -632,6 +632,12 @@ impl Trainer {
         let p = self.checkpoint_path();
         self.save_checkpoint(&p)?;
         self.finish_run()?;
+        // Under mpirun every worker is a process: report the largest.
+        let mut rss = [peak_rss_mb().unwrap_or(0.0) as f32];
+        let world = self.parallel.world().clone();
+        if world.size() > 1 {
+            world.all_reduce(BufMut::F32(&mut rss), ReduceOp::Max)?;
+        }
         let compute = self.breakdown.step_s() - before.step_s();
         let summary = Summary {
             steps: self.step,
@@ -640,7 +646,7 @@ impl Trainer {
             eval_loss: last_eval.0,
             unigram_baseline: self.job.eval.as_ref().and_then(|e| e.baseline),
             samples_per_s: samples_total as f64 / compute.max(1e-9),
-            peak_rss_mb: peak_rss_mb(),
+            peak_rss_mb: (rss[0] > 0.0).then_some(rss[0] as f64),
             memory: self.memory_report(),
             breakdown: self.breakdown.clone(),
             wall_s: started.elapsed().as_secs_f64(),

@@ -51,6 +51,8 @@ pub struct DataParallelConfig {
     pub zero: Option<ZeroStage>,
     pub zero_options: ZeroOptions,
     pub sync_batch_norm: bool,
+    /// The parameters' seed: ZeRO-3 initialises each rank's pieces from it.
+    pub seed: u64,
 }
 
 /// The data-parallel transform: the [`GradSync`] of this worker's `chunks` (of a pipeline of
@@ -71,6 +73,7 @@ pub fn grad_sync(
         zero,
         zero_options,
         sync_batch_norm,
+        seed,
     } = config;
     if dp.size() == 1 {
         return Ok(DataParallel {
@@ -94,6 +97,7 @@ pub fn grad_sync(
             dp.clone(),
             stage,
             zero_options,
+            seed,
         )),
         (DpMode::SingleMaster, Some(_)) => {
             return Err(DataParallelError::Config(
@@ -196,6 +200,11 @@ pub trait GradSync: Send {
 
     /// The sharded synchroniser itself (checkpoints of its pieces).
     fn as_zero(&mut self) -> Option<&mut ZeroSync> {
+        None
+    }
+
+    /// The sharded synchroniser, to read its pieces.
+    fn as_zero_ref(&self) -> Option<&ZeroSync> {
         None
     }
 }

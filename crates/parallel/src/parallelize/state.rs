@@ -308,17 +308,17 @@ impl Parallel {
     /// their rank, replicated parameters and buffers by tensor-parallel rank 0; under ZeRO
     /// each data-parallel rank its pieces, otherwise data-parallel rank 0 everything. Tied
     /// copies are their primary (written once). Call between steps.
-    pub fn own_pieces(&mut self, model: &Model) -> Vec<StatePiece> {
+    pub fn own_pieces<'a>(&'a self, model: &Model) -> Vec<StatePiece<'a>> {
         let (dp, tp) = (
             self.mesh.coordinate(MeshAxis::Dp),
             self.mesh.coordinate(MeshAxis::Tp),
         );
         let second = !self.optimizers.iter().all(|o| o.v.is_empty());
+        let zero = self.sync.as_zero_ref();
         let mut out = Vec::new();
         for (j, chunk) in self.stage.chunks.iter().enumerate() {
             let base = model.blocks_param_range(chunk.blocks.clone()).start;
             let optimizer = &self.optimizers[j];
-            let sharding = self.sync.as_zero().map(|z| z.pieces_of(j));
             for (i, e) in model.params().iter().enumerate() {
                 if !chunk.blocks.contains(&e.block) || model.tied_primary(i).is_some() {
                     continue;
@@ -327,49 +327,29 @@ impl Parallel {
                     continue;
                 }
                 let local = e.range.start - base..e.range.end - base;
-                // (offset within the local tensor, values, m, v) of what this rank writes.
-                let (offset, values, m, v) = match &sharding {
-                    Some((layout, shard_values)) => {
-                        let p = layout
+                // Offset within the local tensor, and where this rank's values and moments
+                // of it sit: (values source, its range, the moments' range).
+                let (offset, values, moments): (usize, &[f32], _) = match zero {
+                    Some(z) => {
+                        let p = z
+                            .layout(j)
                             .params
                             .iter()
                             .find(|p| p.full == local)
                             .expect("every parameter has a piece");
-                        let values = match shard_values {
-                            Some(sv) => sv[p.state.clone()].to_vec(),
-                            None => chunk.store.values[p.piece_full()].to_vec(),
+                        let values = match z.shard_values(j) {
+                            Some(sv) => &sv[p.state.clone()],
+                            None => &chunk.store.values[p.piece_full()],
                         };
-                        let v = if second {
-                            optimizer.v[p.state.clone()].to_vec()
-                        } else {
-                            Vec::new()
-                        };
-                        (
-                            p.piece.start,
-                            values,
-                            optimizer.m[p.state.clone()].to_vec(),
-                            v,
-                        )
+                        (p.piece.start, values, p.state.clone())
                     }
-                    None if dp == 0 => {
-                        let v = if second {
-                            optimizer.v[local.clone()].to_vec()
-                        } else {
-                            Vec::new()
-                        };
-                        (
-                            0,
-                            chunk.store.values[local.clone()].to_vec(),
-                            optimizer.m[local].to_vec(),
-                            v,
-                        )
-                    }
+                    None if dp == 0 => (0, &chunk.store.values[local.clone()], local),
                     None => continue,
                 };
                 if values.is_empty() {
                     continue;
                 }
-                let mut push = |kind: &str, data: Vec<f32>| {
+                let mut push = |kind: &str, data: &'a [f32]| {
                     out.push(StatePiece {
                         tensor: format!("{kind}.{}", e.name),
                         shape: e.full_shape(),
@@ -379,9 +359,9 @@ impl Parallel {
                     })
                 };
                 push("param", values);
-                push("m", m);
+                push("m", &optimizer.m[moments.clone()]);
                 if second {
-                    push("v", v);
+                    push("v", &optimizer.v[moments]);
                 }
             }
             if dp == 0 && tp == 0 {
@@ -393,9 +373,8 @@ impl Parallel {
                             shape: e.shape.clone(),
                             split: None,
                             offset: 0,
-                            data: chunk.store.buffers
-                                [e.range.start - buffer_base..e.range.end - buffer_base]
-                                .to_vec(),
+                            data: &chunk.store.buffers
+                                [e.range.start - buffer_base..e.range.end - buffer_base],
                         });
                     }
                 }
@@ -418,12 +397,13 @@ pub enum StatePart {
 /// A run of one tensor that one worker holds: `data` is elements `offset..` of the tensor's
 /// tensor-parallel shard `split` (of the whole tensor when `split` is `None`), flat.
 #[derive(Clone, Debug, PartialEq)]
-pub struct StatePiece {
+pub struct StatePiece<'a> {
     /// `param.NAME`, `m.NAME`, `v.NAME` or `buffer.NAME`.
     pub tensor: String,
     /// The whole tensor's shape.
     pub shape: Vec<usize>,
     pub split: Option<ShardSpec>,
     pub offset: usize,
-    pub data: Vec<f32>,
+    /// Borrowed from the worker's stores: a save copies nothing before writing.
+    pub data: &'a [f32],
 }

@@ -67,6 +67,18 @@ impl StageChunk {
     }
 }
 
+/// What a new [`Stage`] allocates for each chunk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StageStores {
+    /// Initialised parameters, zeroed gradients, buffers.
+    #[default]
+    Full,
+    /// No gradient buffer (ZeRO-2: gradients live in pieces).
+    WithoutGradients,
+    /// Buffers only (ZeRO-3: parameters and gradients live in pieces).
+    BuffersOnly,
+}
+
 /// A worker's share of a pipelined model and the program it runs each step.
 #[derive(Clone, Debug)]
 pub struct Stage {
@@ -268,6 +280,30 @@ impl Stage {
     ) -> Result<Stage, PipelineError> {
         Stage::build(model, partition, schedule, rank, |blocks| {
             model.init_blocks(seed, blocks)
+        })
+    }
+
+    /// Worker `rank`'s stage allocating only what `stores` says: a sharded data-parallel
+    /// mode keeps its own pieces and must not materialise the whole chunk first.
+    pub fn new_with(
+        model: &Model,
+        partition: &Partition,
+        schedule: Schedule,
+        rank: usize,
+        seed: u64,
+        stores: StageStores,
+    ) -> Result<Stage, PipelineError> {
+        Stage::build(model, partition, schedule, rank, |blocks| match stores {
+            StageStores::Full => model.init_blocks(seed, blocks),
+            StageStores::WithoutGradients => ParamStore {
+                grads: Vec::new(),
+                ..model.init_blocks(seed, blocks)
+            },
+            StageStores::BuffersOnly => ParamStore {
+                values: Vec::new(),
+                grads: Vec::new(),
+                buffers: model.init_buffers(blocks),
+            },
         })
     }
 

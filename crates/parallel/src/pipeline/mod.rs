@@ -33,8 +33,8 @@ pub mod schedule;
 mod transport;
 
 pub use executor::{
-    ChunkParams, GradsReady, MicroBatches, NoHooks, Stage, StageChunk, StepHooks, StepOptions,
-    StepReport,
+    ChunkParams, GradsReady, MicroBatches, NoHooks, Stage, StageChunk, StageStores, StepHooks,
+    StepOptions, StepReport,
 };
 pub use partition::{profile_block_times, split, Partition, PartitionSpec, TimeProbe};
 pub use schedule::{Action, Schedule, ScheduleKind, Simulation};

@@ -5,7 +5,7 @@
 //! more time per parameter than a classifier), a measured time per block
 //! ([`profile_block_times`]), or the user's explicit cut points.
 
-use super::executor::Stage;
+use super::executor::{Stage, StageStores};
 use super::schedule::Schedule;
 use super::PipelineError;
 use meshtrain_comm::ProcessGroup;
@@ -106,6 +106,7 @@ pub fn split(
     rank: usize,
     seed: u64,
     probe: TimeProbe<'_>,
+    stores: StageStores,
 ) -> Result<(Partition, Stage), PipelineError> {
     let (blocks, chunks) = (model.num_blocks(), schedule.num_chunks());
     let partition = match spec {
@@ -123,7 +124,7 @@ pub fn split(
             Partition::by_measured_time(probe.world, model, sample, probe.loss, chunks)?
         }
     };
-    let stage = Stage::new(model, &partition, schedule, rank, seed)?;
+    let stage = Stage::new_with(model, &partition, schedule, rank, seed, stores)?;
     Ok((partition, stage))
 }
 

@@ -29,6 +29,9 @@ use std::time::Instant;
 /// about two blocks' worth (all of them in flight at once would be 1.5 × the model).
 const MAX_REDUCES_IN_FLIGHT: usize = 1;
 
+/// Free buffers a chunk keeps for reuse (a step uses about this many at once).
+const MAX_POOLED: usize = 8;
+
 /// Options of the sharded data-parallel mode (FSDP's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ZeroOptions {
@@ -108,10 +111,13 @@ pub struct ZeroChunk {
     /// Stages 2–3: the gradient buffer of the block in backward.
     block_grads: Vec<f32>,
     reducing: VecDeque<Reduce>,
+    /// Free buffers for the next blocks' collectives and parameters.
+    pool: Vec<Vec<f32>>,
     error: Option<CommError>,
     comm: ChunkComm,
-    /// Bytes of gathered parameters, wire buffers and block gradients held right now, and
-    /// the most held at once since [`ZeroChunk::take_transient_peak`].
+    /// Bytes of the buffers for gathered parameters, collectives and block gradients
+    /// allocated right now (in use or pooled), and the most allocated at once since
+    /// [`ZeroChunk::take_transient_peak`].
     transient: usize,
     transient_peak: usize,
 }
@@ -145,6 +151,7 @@ impl ZeroChunk {
             gathered: (0..blocks).map(|_| Gathered::Empty).collect(),
             block_grads: Vec::new(),
             reducing: VecDeque::new(),
+            pool: Vec::new(),
             error: None,
             comm: ChunkComm::default(),
             transient: 0,
@@ -185,13 +192,47 @@ impl ZeroChunk {
         self.error.take()
     }
 
-    fn hold(&mut self, bytes: usize) {
-        self.transient += bytes;
-        self.transient_peak = self.transient_peak.max(self.transient);
+    /// A zeroed buffer of `len` elements from the chunk's pool (a free one large enough, or
+    /// a new one). Reusing the few buffers a step needs, instead of allocating and freeing
+    /// multi-MiB vectors per block, keeps the process's memory at what is in use: freed
+    /// blocks in the allocator's per-thread arenas are not returned to the system.
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        let fit = self
+            .pool
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.capacity() >= len)
+            .min_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i);
+        let mut v = match fit {
+            Some(i) => self.pool.swap_remove(i),
+            None => {
+                self.transient += len * 4;
+                self.transient_peak = self.transient_peak.max(self.transient);
+                Vec::with_capacity(len)
+            }
+        };
+        v.clear();
+        v.resize(len, 0.0);
+        v
     }
 
-    fn release(&mut self, bytes: usize) {
-        self.transient = self.transient.saturating_sub(bytes);
+    /// Gives a buffer back to the pool (beyond `MAX_POOLED` free ones, the smallest goes).
+    fn recycle(&mut self, v: Vec<f32>) {
+        if v.capacity() == 0 {
+            return;
+        }
+        self.pool.push(v);
+        if self.pool.len() > MAX_POOLED {
+            let (i, _) = self
+                .pool
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, v)| v.capacity())
+                .expect("a full pool");
+            let dropped = self.pool.swap_remove(i);
+            self.transient = self.transient.saturating_sub(dropped.capacity() * 4);
+        }
     }
 
     /// Starts block `b`'s all-gather from this rank's pieces in `source` (nothing if it is
@@ -200,11 +241,10 @@ impl ZeroChunk {
         if !matches!(self.gathered[b], Gathered::Empty) || self.error.is_some() {
             return;
         }
-        let mut send = vec![0.0; self.layout.blocks[b].slots];
+        let mut send = self.buffer(self.layout.blocks[b].slots);
         self.layout
             .pack_own(b, Source::State(&self.shard_values), &mut send);
-        let mut recv = vec![0.0; self.layout.wire_len(b)];
-        self.hold((send.len() + recv.len()) * 4);
+        let mut recv = self.buffer(self.layout.wire_len(b));
         // SAFETY: both vectors move into `Gathered::InFlight` with the work (moving a Vec
         // does not move its heap block) and are dropped only after the work was waited for.
         let started = unsafe {
@@ -221,7 +261,8 @@ impl ZeroChunk {
                 };
             }
             Err(e) => {
-                self.release((send.len() + recv.len()) * 4);
+                self.recycle(send);
+                self.recycle(recv);
                 self.error = Some(e);
             }
         }
@@ -236,8 +277,7 @@ impl ZeroChunk {
                 let t = Instant::now();
                 let result = work.wait_timed();
                 self.comm.gather_wait_s += t.elapsed().as_secs_f64();
-                let mut values = vec![0.0; len];
-                self.hold(len * 4);
+                let mut values = self.buffer(len);
                 match result {
                     Ok(span) => {
                         self.comm.hidden_s += t.saturating_duration_since(span.began).as_secs_f64();
@@ -247,13 +287,13 @@ impl ZeroChunk {
                         self.error.get_or_insert(e);
                     }
                 }
-                self.release((_send.len() + recv.len()) * 4);
+                self.recycle(_send);
+                self.recycle(recv);
                 values
             }
             Gathered::Empty => {
                 // Only after an error (no collective was started): compute on zeros.
-                self.hold(len * 4);
-                vec![0.0; len]
+                self.buffer(len)
             }
         };
         self.gathered[b] = Gathered::Ready(values);
@@ -262,7 +302,7 @@ impl ZeroChunk {
     /// Frees block `b`'s gathered parameters.
     fn free_gathered(&mut self, b: usize) {
         if let Gathered::Ready(v) = std::mem::replace(&mut self.gathered[b], Gathered::Empty) {
-            self.release(v.len() * 4);
+            self.recycle(v);
         }
     }
 
@@ -280,10 +320,9 @@ impl ZeroChunk {
         if self.error.is_some() {
             return;
         }
-        let mut send = vec![0.0; self.layout.wire_len(b)];
+        let mut send = self.buffer(self.layout.wire_len(b));
         self.layout.pack_all(b, grads, &mut send);
-        let mut recv = vec![0.0; self.layout.blocks[b].slots];
-        self.hold((send.len() + recv.len()) * 4);
+        let mut recv = self.buffer(self.layout.blocks[b].slots);
         // SAFETY: as in `start_gather`: the buffers live in the `Reduce` until waited for.
         let started = unsafe {
             self.group.reduce_scatter_async(
@@ -304,7 +343,8 @@ impl ZeroChunk {
                 });
             }
             Err(e) => {
-                self.release((send.len() + recv.len()) * 4);
+                self.recycle(send);
+                self.recycle(recv);
                 self.error = Some(e);
             }
         }
@@ -338,7 +378,8 @@ impl ZeroChunk {
                 self.error.get_or_insert(e);
             }
         }
-        self.release((r._send.len() + r.recv.len()) * 4);
+        self.recycle(r._send);
+        self.recycle(r.recv);
         true
     }
 
@@ -373,17 +414,18 @@ impl ZeroChunk {
                         (b, work, send, recv): (usize, Work, Vec<f32>, Vec<f32>)|
          -> Result<(), CommError> {
             let result = work.wait();
-            z.release((send.len() + recv.len()) * 4);
-            result?;
-            let range = z.layout.blocks[b].full.clone();
-            z.layout.unpack_all(b, &recv, &mut values[range]);
-            Ok(())
+            if result.is_ok() {
+                let range = z.layout.blocks[b].full.clone();
+                z.layout.unpack_all(b, &recv, &mut values[range]);
+            }
+            z.recycle(send);
+            z.recycle(recv);
+            result
         };
         for b in 0..self.layout.blocks.len() {
-            let mut send = vec![0.0; self.layout.blocks[b].slots];
+            let mut send = self.buffer(self.layout.blocks[b].slots);
             self.layout.pack_own(b, Source::Full(values), &mut send);
-            let mut recv = vec![0.0; self.layout.wire_len(b)];
-            self.hold((send.len() + recv.len()) * 4);
+            let mut recv = self.buffer(self.layout.wire_len(b));
             // SAFETY: the buffers stay in `in_flight` until waited for.
             let work = unsafe {
                 self.group
@@ -471,9 +513,9 @@ impl BlockParams for BoundChunk<'_> {
         if z.stage == ZeroStage::Parameters {
             z.gather(b, b.checked_sub(1));
         }
-        z.block_grads.clear();
-        z.block_grads.resize(len, 0.0);
-        z.hold(len * 4);
+        let old = std::mem::take(&mut z.block_grads);
+        z.recycle(old);
+        z.block_grads = z.buffer(len);
         let values: &[f32] = match (&z.gathered[b], z.stage) {
             (Gathered::Ready(v), ZeroStage::Parameters) => v,
             _ => &self.store.values[z.layout.blocks[b].full.clone()],
@@ -495,8 +537,7 @@ impl BlockParams for BoundChunk<'_> {
         z.comm.reduce_wait_s += t.elapsed().as_secs_f64();
         let grads = std::mem::take(&mut z.block_grads);
         z.start_reduce(b, &grads, Into::State);
-        z.release(grads.len() * 4);
-        z.block_grads = grads;
+        z.recycle(grads);
         if z.stage == ZeroStage::Parameters {
             z.free_gathered(b);
         }

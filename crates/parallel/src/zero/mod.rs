@@ -121,6 +121,7 @@ impl ZeroSync {
         group: Arc<dyn ProcessGroup>,
         stage: ZeroStage,
         options: ZeroOptions,
+        seed: u64,
     ) -> ZeroSync {
         let zero_chunks = chunks
             .iter()
@@ -141,14 +142,34 @@ impl ZeroSync {
                     buffers.push(r.start - buffer_base..r.end - buffer_base);
                 }
                 let layout = ShardLayout::new(&blocks, group.size(), group.rank());
-                ZeroChunk::new(
+                let mut z = ZeroChunk::new(
                     layout,
                     stage,
                     group.clone(),
                     options,
                     chunk.blocks.start,
                     buffers,
-                )
+                );
+                if stage == ZeroStage::Parameters && chunk.store.values.is_empty() {
+                    // Every rank initialises its pieces from the seed, one parameter at a
+                    // time (the values rank 0 would broadcast: initialisation is seeded).
+                    let mut shard = Vec::with_capacity(z.layout.state_len);
+                    let owned = model
+                        .params()
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, e)| chunk.blocks.contains(&e.block));
+                    for ((i, e), p) in owned.zip(&z.layout.params) {
+                        if p.piece.is_empty() {
+                            continue;
+                        }
+                        let mut values = vec![0.0; e.range.len()];
+                        model.init_param(seed, i, &mut values);
+                        shard.extend_from_slice(&values[p.piece.clone()]);
+                    }
+                    z.shard_values = shard;
+                }
+                z
             })
             .collect();
         ZeroSync {
@@ -238,12 +259,15 @@ impl ZeroSync {
         Ok(FullState { values, m, v })
     }
 
-    /// Local chunk `j`'s cut, and under stage 3 its parameter pieces (state coordinates;
-    /// between steps).
-    pub fn pieces_of(&self, j: usize) -> (ShardLayout, Option<Vec<f32>>) {
+    /// Local chunk `j`'s cut.
+    pub fn layout(&self, j: usize) -> &ShardLayout {
+        &self.chunks[j].layout
+    }
+
+    /// Under stage 3, local chunk `j`'s parameter pieces (state coordinates; between steps).
+    pub fn shard_values(&self, j: usize) -> Option<&[f32]> {
         let z = &self.chunks[j];
-        let values = (z.stage() == ZeroStage::Parameters).then(|| z.shard_values.clone());
-        (z.layout.clone(), values)
+        (z.stage() == ZeroStage::Parameters).then_some(&z.shard_values[..])
     }
 
     /// Continues from full-layout state: keeps this rank's pieces of the moments (and of
@@ -298,11 +322,12 @@ impl GradSync for ZeroSync {
 
     fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError> {
         for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
+            // Rank 0's parameters (when the stage holds them whole) and buffers.
             crate::data::broadcast_state(self.group.as_ref(), &mut chunk.store)?;
             if self.stage >= ZeroStage::Gradients {
                 chunk.store.grads = Vec::new();
             }
-            if self.stage == ZeroStage::Parameters {
+            if self.stage == ZeroStage::Parameters && !chunk.store.values.is_empty() {
                 z.shard_values = z.shard_of(&chunk.store.values);
                 chunk.store.values = Vec::new();
             }
@@ -406,6 +431,10 @@ impl GradSync for ZeroSync {
     }
 
     fn as_zero(&mut self) -> Option<&mut ZeroSync> {
+        Some(self)
+    }
+
+    fn as_zero_ref(&self) -> Option<&ZeroSync> {
         Some(self)
     }
 }
