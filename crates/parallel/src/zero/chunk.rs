@@ -192,10 +192,13 @@ impl ZeroChunk {
         self.error.take()
     }
 
-    /// A zeroed buffer of `len` elements from the chunk's pool (a free one large enough, or
-    /// a new one). Reusing the few buffers a step needs, instead of allocating and freeing
-    /// multi-MiB vectors per block, keeps the process's memory at what is in use: freed
-    /// blocks in the allocator's per-thread arenas are not returned to the system.
+    /// A buffer of `len` elements from the chunk's pool (a free one large enough, or a new
+    /// one), holding whatever it held before: every caller overwrites it whole (a
+    /// collective's output, a packing, an unpacking) except the gradient buffer, which
+    /// [`ZeroChunk::zeroed`] clears. Reusing the few buffers a step needs, instead of
+    /// allocating and freeing multi-MiB vectors per block, keeps the process's memory at
+    /// what is in use: freed blocks in the allocator's per-thread arenas are not returned to
+    /// the system.
     fn buffer(&mut self, len: usize) -> Vec<f32> {
         let fit = self
             .pool
@@ -212,8 +215,18 @@ impl ZeroChunk {
                 Vec::with_capacity(len)
             }
         };
-        v.clear();
-        v.resize(len, 0.0);
+        if v.len() >= len {
+            v.truncate(len);
+        } else {
+            v.resize(len, 0.0);
+        }
+        v
+    }
+
+    /// A zero-filled buffer from the pool (gradients accumulate into it).
+    fn zeroed(&mut self, len: usize) -> Vec<f32> {
+        let mut v = self.buffer(len);
+        v.fill(0.0);
         v
     }
 
@@ -284,6 +297,7 @@ impl ZeroChunk {
                         self.layout.unpack_all(b, &recv, &mut values);
                     }
                     Err(e) => {
+                        values.fill(0.0);
                         self.error.get_or_insert(e);
                     }
                 }
@@ -293,7 +307,7 @@ impl ZeroChunk {
             }
             Gathered::Empty => {
                 // Only after an error (no collective was started): compute on zeros.
-                self.buffer(len)
+                self.zeroed(len)
             }
         };
         self.gathered[b] = Gathered::Ready(values);
@@ -515,7 +529,7 @@ impl BlockParams for BoundChunk<'_> {
         }
         let old = std::mem::take(&mut z.block_grads);
         z.recycle(old);
-        z.block_grads = z.buffer(len);
+        z.block_grads = z.zeroed(len);
         let values: &[f32] = match (&z.gathered[b], z.stage) {
             (Gathered::Ready(v), ZeroStage::Parameters) => v,
             _ => &self.store.values[z.layout.blocks[b].full.clone()],
