@@ -100,32 +100,38 @@ pub fn save(path: &Path, state: &TrainState) -> Result<()> {
     if let Some(scaler) = &state.loss_scaler {
         metadata.insert("loss_scaler".into(), serde_json::to_string(scaler)?);
     }
+    // Streamed into the temporary file (no serialised copy of the model in memory).
+    replace_atomically(path, |tmp| {
+        safetensors::serialize_to_file(views, &Some(metadata), tmp)
+            .with_context(|| format!("writing {}", tmp.display()))
+    })
+}
+
+/// Replaces `path` by the file `write` creates at the temporary path it is given: `write`,
+/// flush, rename over `path`, flush the directory — a crash leaves the old file or the new
+/// one, never a torn one; on an error the temporary file is removed and `path` untouched.
+pub fn replace_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let tmp = temporary_path(path);
-    // Streamed into the temporary file (no serialised copy of the model in memory).
-    let written = (|| -> Result<()> {
-        safetensors::serialize_to_file(views, &Some(metadata), &tmp)
-            .with_context(|| format!("writing {}", tmp.display()))?;
+    let written = write(&tmp).and_then(|()| {
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
             .with_context(|| format!("flushing {}", tmp.display()))?;
         std::fs::rename(&tmp, path)
             .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
-    })();
+    });
     if written.is_err() {
-        // Leave no partial file behind; the previous checkpoint (if any) is untouched.
         let _ = std::fs::remove_file(&tmp);
     }
     written?;
     // The rename is durable only once the directory entry is.
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
-        .with_context(|| format!("flushing directory {}", dir.display()))?;
-    Ok(())
+        .with_context(|| format!("flushing directory {}", dir.display()))
 }
 
 fn read_f32(st: &SafeTensors, name: &str, shape: &[usize], file: &Path) -> Result<Vec<f32>> {

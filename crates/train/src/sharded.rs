@@ -26,6 +26,7 @@
 //! shard, a checksum mismatch, or an index that does not match the model is an error naming
 //! the file.
 
+use crate::checkpoint::replace_atomically;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use meshtrain_comm::{BufMut, ProcessGroup};
 use meshtrain_nn::{Model, ShardSpec};
@@ -35,7 +36,7 @@ use meshtrain_parallel::Parallel;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -232,8 +233,6 @@ fn write_shard(
     }
     let relative = format!("{step_dir}/shard-{rank:05}-of-{size:05}.safetensors");
     let path = dir.join(&relative);
-    let parent = path.parent().expect("a shard file has a directory");
-    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = pieces
         .iter()
         .map(|p| {
@@ -246,27 +245,14 @@ fn write_shard(
             (piece_key(p), view)
         })
         .collect();
-    // Streamed to a temporary file (no serialised copy in memory), flushed, renamed.
-    let mut tmp = path.as_os_str().to_os_string();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let written = (|| -> Result<u64> {
-        safetensors::serialize_to_file(views, &None, &tmp)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        let f = File::open(&tmp).with_context(|| format!("reopening {}", tmp.display()))?;
-        f.sync_all()
-            .with_context(|| format!("flushing {}", tmp.display()))?;
-        std::fs::rename(&tmp, &path)
-            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-        Ok(f.metadata()?.len())
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    let bytes = written?;
-    File::open(parent)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("flushing directory {}", parent.display()))?;
+    // Streamed into a temporary file (no serialised copy in memory), flushed, renamed.
+    replace_atomically(&path, |tmp| {
+        safetensors::serialize_to_file(views, &None, tmp)
+            .with_context(|| format!("writing {}", tmp.display()))
+    })?;
+    let bytes = std::fs::metadata(&path)
+        .with_context(|| format!("reading the size of {}", path.display()))?
+        .len();
     let described = pieces
         .iter()
         .map(|p| {
@@ -290,31 +276,6 @@ fn write_shard(
         rank,
     };
     Ok((Some(file), described))
-}
-
-/// Writes `bytes` to `path` through a flushed temporary file and a rename, then flushes
-/// the directory.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().expect("a file has a directory");
-    let mut tmp = path.as_os_str().to_os_string();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let written = (|| -> Result<()> {
-        let mut f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(bytes)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        f.sync_all()
-            .with_context(|| format!("flushing {}", tmp.display()))?;
-        std::fs::rename(&tmp, path)
-            .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("flushing directory {}", dir.display()))
 }
 
 struct Facts<'a> {
@@ -394,7 +355,9 @@ fn assemble(reports: Vec<Written>, facts: Facts<'_>) -> Result<Index> {
 fn commit(dir: &Path, step_dir: &str, index: &Index) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let text = serde_json::to_string_pretty(index)? + "\n";
-    write_atomically(&dir.join(INDEX_FILE), text.as_bytes())?;
+    replace_atomically(&dir.join(INDEX_FILE), |tmp| {
+        std::fs::write(tmp, text.as_bytes()).with_context(|| format!("writing {}", tmp.display()))
+    })?;
     if let Ok(entries) = std::fs::read_dir(dir) {
         for entry in entries.flatten() {
             let name = entry.file_name();
@@ -838,42 +801,30 @@ pub fn consolidate(
     }
     let data_start = 8 + header.len() as u64;
 
-    let mut tmp = to.as_os_str().to_os_string();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let file = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let written = (|| -> Result<()> {
+    replace_atomically(to, |tmp| {
+        let file = File::create(tmp).with_context(|| format!("creating {}", tmp.display()))?;
         file.set_len(data_start + data_len)
             .with_context(|| format!("sizing {}", tmp.display()))?;
         file.write_all_at(&(header.len() as u64).to_le_bytes(), 0)?;
         file.write_all_at(&header, 8)?;
         let done = std::sync::atomic::AtomicU64::new(0);
-        jobs.par_iter()
-            .try_for_each(|(job, offset)| -> Result<()> {
-                let values = match job {
-                    Job::Tensor { name, shape } => ckpt.tensor(name, shape)?,
-                    Job::Moment { kind, param } => {
-                        let p = &index.params[*param];
-                        let owner = p.tied_to.as_deref().unwrap_or(&p.name);
-                        ckpt.tensor(&format!("{kind}.{owner}"), &p.shape)?
-                    }
-                };
-                file.write_all_at(bytemuck::cast_slice(&values), data_start + offset)
-                    .with_context(|| format!("writing {}", tmp.display()))?;
-                let bytes = 4 * values.len() as u64;
-                let so_far = done.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed) + bytes;
-                progress(so_far, data_len);
-                Ok(())
-            })?;
-        file.sync_all()
-            .with_context(|| format!("flushing {}", tmp.display()))?;
-        std::fs::rename(&tmp, to)
-            .with_context(|| format!("renaming {} to {}", tmp.display(), to.display()))
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written?;
+        jobs.par_iter().try_for_each(|(job, offset)| -> Result<()> {
+            let values = match job {
+                Job::Tensor { name, shape } => ckpt.tensor(name, shape)?,
+                Job::Moment { kind, param } => {
+                    let p = &index.params[*param];
+                    let owner = p.tied_to.as_deref().unwrap_or(&p.name);
+                    ckpt.tensor(&format!("{kind}.{owner}"), &p.shape)?
+                }
+            };
+            file.write_all_at(bytemuck::cast_slice(&values), data_start + offset)
+                .with_context(|| format!("writing {}", tmp.display()))?;
+            let bytes = 4 * values.len() as u64;
+            let so_far = done.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed) + bytes;
+            progress(so_far, data_len);
+            Ok(())
+        })
+    })?;
     Ok(ConsolidateReport {
         read_bytes: ckpt.total_bytes(),
         written_bytes: data_start + data_len,

@@ -22,7 +22,6 @@ mod sync_bn;
 pub use buckets::{plan_buckets, Bucket};
 pub use ddp::{broadcast_state, CommTiming, Ddp, DdpConfig, GradCompression};
 pub use naive::{SingleMaster, MASTER};
-pub(crate) use sync::own_share;
 pub use sync::{
     grad_sync, DataParallel, DataParallelConfig, DdpSync, DpMode, GradSync, NoSync, ShareShape,
     SingleMasterSync, SyncHooks,

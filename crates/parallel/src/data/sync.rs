@@ -153,12 +153,15 @@ pub trait GradSync: Send {
     /// `None` if it loads nothing and receives its share in [`GradSync::share`].
     fn loads(&self) -> Option<(usize, usize)>;
 
-    /// This replica's share of the step's batch, from what it loaded (if anything).
+    /// This replica's share of the step's batch, from what it loaded (if anything): by
+    /// default what it loaded itself.
     fn share(
         &mut self,
         loaded: Option<Batch>,
-        shape: &ShareShape,
-    ) -> Result<(Batch, CommTiming), DataParallelError>;
+        _shape: &ShareShape,
+    ) -> Result<(Batch, CommTiming), DataParallelError> {
+        Ok((own_share(loaded)?, CommTiming::default()))
+    }
 
     /// Before the step's backward passes.
     fn begin_step(&mut self);
@@ -223,7 +226,7 @@ impl crate::pipeline::StepHooks for SyncHooks<'_> {
 }
 
 /// A replica's share when it loads its own.
-pub(crate) fn own_share(loaded: Option<Batch>) -> Result<Batch, DataParallelError> {
+fn own_share(loaded: Option<Batch>) -> Result<Batch, DataParallelError> {
     loaded.ok_or_else(|| {
         DataParallelError::Config("a data-parallel replica must load its own share".into())
     })
@@ -285,14 +288,6 @@ impl GradSync for DdpSync {
 
     fn loads(&self) -> Option<(usize, usize)> {
         Some((self.group.rank(), self.group.size()))
-    }
-
-    fn share(
-        &mut self,
-        loaded: Option<Batch>,
-        _: &ShareShape,
-    ) -> Result<(Batch, CommTiming), DataParallelError> {
-        Ok((own_share(loaded)?, CommTiming::default()))
     }
 
     fn begin_step(&mut self) {
@@ -415,16 +410,6 @@ impl GradSync for NoSync {
 
     fn loads(&self) -> Option<(usize, usize)> {
         Some((0, 1))
-    }
-
-    fn share(
-        &mut self,
-        loaded: Option<Batch>,
-        _: &ShareShape,
-    ) -> Result<(Batch, CommTiming), DataParallelError> {
-        let batch = loaded
-            .ok_or_else(|| DataParallelError::Config("a single replica loads its batch".into()))?;
-        Ok((batch, CommTiming::default()))
     }
 
     fn begin_step(&mut self) {}

@@ -27,9 +27,8 @@ pub mod shards;
 pub use chunk::{ChunkComm, ZeroChunk, ZeroOptions};
 pub use shards::{merge_ranges, ShardLayout};
 
-use crate::data::{CommTiming, DataParallelError, GradSync, ShareShape};
+use crate::data::{CommTiming, DataParallelError, GradSync};
 use crate::pipeline::{ChunkParams, GradsReady, StageChunk};
-use crate::Batch;
 use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, Segment, StatePiece};
 use meshtrain_nn::{BlockParams, Model, ParamStore};
@@ -337,14 +336,6 @@ impl GradSync for ZeroSync {
 
     fn loads(&self) -> Option<(usize, usize)> {
         Some((self.group.rank(), self.group.size()))
-    }
-
-    fn share(
-        &mut self,
-        loaded: Option<Batch>,
-        _: &ShareShape,
-    ) -> Result<(Batch, CommTiming), DataParallelError> {
-        Ok((crate::data::own_share(loaded)?, CommTiming::default()))
     }
 
     fn begin_step(&mut self) {
