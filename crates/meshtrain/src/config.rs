@@ -521,6 +521,7 @@ impl Config {
                 prefetch: p.zero_prefetch,
                 reshard_after_forward: p.reshard_after_forward,
             },
+            memory_limit_mb: self.train.memory_limit_mb,
         })
     }
 
@@ -597,7 +598,6 @@ impl Config {
             e
         });
         job.max_steps = t.max_steps;
-        job.memory_limit_mb = t.memory_limit_mb;
         job.checkpoint_format = t.checkpoint_format;
         job.threads = t.threads;
         job.grad_clip = t.grad_clip;

@@ -336,6 +336,12 @@ impl Optimizer {
         self
     }
 
+    /// Whether the rule keeps a second moment (AdamW's `v`), whatever this optimizer's
+    /// slice holds (a ZeRO rank may own no elements at all).
+    pub fn has_second_moment(&self) -> bool {
+        matches!(self.config, OptimizerConfig::Adamw { .. })
+    }
+
     pub fn segments(&self) -> &[Segment] {
         &self.segments
     }

@@ -19,6 +19,7 @@
 
 pub mod data;
 pub mod layout;
+pub mod memory;
 pub mod parallelize;
 pub mod pipeline;
 pub mod precision;
@@ -60,4 +61,7 @@ pub enum ParallelError {
     Tensor(#[from] tensor::TensorError),
     #[error("mixed precision: {0}")]
     Precision(String),
+    /// The layout's model states exceed the memory limit (`crate::memory::check_limit`).
+    #[error("{0}")]
+    Memory(String),
 }

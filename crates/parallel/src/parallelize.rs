@@ -13,6 +13,9 @@
 //! loss      = LossScaling::for_precision(loss)               fp16: the loss scaled
 //! stage     = pipeline::split(model, schedule, partition)    this worker's chunk(s); the whole
 //!                                                            model as one chunk when pp = 1
+//!                                                            (first the partition: the memory
+//!                                                            limit is checked before any
+//!                                                            parameter is allocated)
 //! (context::parallelize: cp = 1 until that module exists)
 //! sync      = data::grad_sync(dp group)                      DDP | single master | nothing
 //! ties      = tied::TiedGrads(model ties, pp group)          tied copies across stages
@@ -48,8 +51,8 @@ use crate::data::{
 };
 use crate::layout::{Recompute, ResolvedLayout};
 use crate::pipeline::{
-    split, MicroBatches, Partition, PartitionSpec, SendMode, Stage, StageStores, StepOptions,
-    TimeProbe,
+    partition_for, MicroBatches, Partition, PartitionSpec, SendMode, Stage, StageStores,
+    StepOptions, TimeProbe,
 };
 use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
 use crate::tensor::{TpContext, TpGradSync};
@@ -87,6 +90,9 @@ pub struct ParallelOptions {
     pub inject_overflow: Option<(u64, usize)>,
     /// ZeRO's prefetching and resharding (the stage is part of the layout).
     pub zero: ZeroOptions,
+    /// Refuse the layout when a worker's model states would exceed this many MiB
+    /// ([`crate::memory::check_limit`]), before any parameter is allocated.
+    pub memory_limit_mb: Option<f64>,
 }
 
 /// What the model is trained with (the parts of a step that are not about parallelism).
@@ -318,13 +324,31 @@ pub fn parallelize(
         Some(ZeroStage::Gradients) => StageStores::WithoutGradients,
         _ => StageStores::Full,
     };
-    let (partition, mut stage) = split(
+    let schedule = layout.schedule.clone();
+    let partition = partition_for(model, &schedule, &options.partition, probe)?;
+    // What each worker will hold is known now, before anything is allocated: a layout
+    // whose model states exceed the memory limit on any worker stops here, on every worker.
+    if let Some(limit) = options.memory_limit_mb {
+        let mine: usize = schedule
+            .chunks_of(pp.rank())
+            .into_iter()
+            .map(|c| {
+                model
+                    .blocks_param_range(partition.chunks()[c].clone())
+                    .len()
+            })
+            .sum();
+        let mut most = [mine as f32];
+        world.all_reduce(BufMut::F32(&mut most), ReduceOp::Max)?;
+        crate::memory::check_limit(limit, most[0] as f64, training.optimizer, l)
+            .map_err(ParallelError::Memory)?;
+    }
+    let mut stage = Stage::new_with(
         model,
-        layout.schedule.clone(),
-        &options.partition,
+        &partition,
+        schedule,
         pp.rank(),
         training.seed,
-        probe,
         stores,
     )?;
 

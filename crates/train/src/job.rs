@@ -114,9 +114,6 @@ pub struct Job {
     pub timeout: Duration,
     /// The run's settings as text, stored in checkpoints for reference.
     pub config_text: String,
-    /// Refuse to start when the predicted model states of a worker exceed this many MiB
-    /// ([`crate::memory::check_limit`]).
-    pub memory_limit_mb: Option<f64>,
     /// How checkpoints are written: one file gathered on rank 0, or every worker its
     /// pieces ([`crate::sharded`]).
     pub checkpoint_format: CheckpointFormat,
@@ -178,7 +175,6 @@ impl Job {
             timeline: None,
             timeout: DEFAULT_TIMEOUT,
             config_text: String::new(),
-            memory_limit_mb: None,
             checkpoint_format: CheckpointFormat::Auto,
         }
     }

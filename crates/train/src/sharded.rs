@@ -29,6 +29,7 @@
 use crate::checkpoint::replace_atomically;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use meshtrain_comm::{BufMut, ProcessGroup};
+use meshtrain_nn::optim::Optimizer;
 use meshtrain_nn::{Model, ShardSpec};
 use meshtrain_parallel::parallelize::{StatePart, StatePiece};
 use meshtrain_parallel::precision::LossScaler;
@@ -152,7 +153,7 @@ pub fn save(
     let world = parallel.world().clone();
     let (rank, size) = (world.rank(), world.size());
     let optimizer_step = parallel.optimizers.first().map_or(0, |o| o.step);
-    let moments = if parallel.optimizers.iter().any(|o| !o.v.is_empty()) {
+    let moments = if parallel.optimizers.iter().any(Optimizer::has_second_moment) {
         2
     } else {
         1
@@ -632,7 +633,7 @@ impl ShardedCheckpoint {
         whole: &Model,
         with_moments: bool,
     ) -> Result<()> {
-        let moments = 1 + parallel.optimizers.iter().any(|o| !o.v.is_empty()) as usize;
+        let moments = 1 + parallel.optimizers.iter().any(Optimizer::has_second_moment) as usize;
         ensure!(
             !with_moments || self.index.moments == moments,
             "checkpoint {} holds {} optimizer moment(s) per parameter; this run's optimizer \

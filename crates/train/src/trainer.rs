@@ -130,9 +130,6 @@ impl Trainer {
                 )
             })
             .context("setting up the parallel layout")?;
-        if let Some(limit) = job.memory_limit_mb {
-            crate::memory::check_limit(limit, &parallel, &model, job.optimizer)?;
-        }
         let l = &job.lr;
         let schedule = Schedule {
             base_lr: match l.reference_batch {

@@ -122,7 +122,7 @@ impl Parallel {
                 },
             };
             let mut local = vec![values, chunk.store.buffers.clone(), m];
-            if !v.is_empty() {
+            if optimizer.has_second_moment() {
                 local.push(v);
             }
             out.push(local);
@@ -239,7 +239,7 @@ impl Parallel {
         moments: Option<u64>,
         read: &mut dyn FnMut(StatePart) -> Result<Vec<f32>, E>,
     ) -> Result<(), E> {
-        let second = !self.optimizers.iter().all(|o| o.v.is_empty());
+        let second = self.optimizers.iter().any(Optimizer::has_second_moment);
         for (j, chunk) in self.stage.chunks.iter_mut().enumerate() {
             let blocks = chunk.blocks.clone();
             let range = model.blocks_param_range(blocks.clone());
@@ -288,7 +288,7 @@ impl Parallel {
                     chunk.store.values = values;
                     if let Some((m, v, step)) = moments {
                         target.m = m;
-                        if !target.v.is_empty() {
+                        if target.has_second_moment() {
                             target.v = v;
                         }
                         target.step = step;
@@ -313,7 +313,7 @@ impl Parallel {
             self.mesh.coordinate(MeshAxis::Dp),
             self.mesh.coordinate(MeshAxis::Tp),
         );
-        let second = !self.optimizers.iter().all(|o| o.v.is_empty());
+        let second = self.optimizers.iter().any(Optimizer::has_second_moment);
         let zero = self.sync.as_zero_ref();
         let mut out = Vec::new();
         for (j, chunk) in self.stage.chunks.iter().enumerate() {

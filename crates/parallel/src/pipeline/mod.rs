@@ -36,7 +36,9 @@ pub use executor::{
     ChunkParams, GradsReady, MicroBatches, NoHooks, Stage, StageChunk, StageStores, StepHooks,
     StepOptions, StepReport,
 };
-pub use partition::{profile_block_times, split, Partition, PartitionSpec, TimeProbe};
+pub use partition::{
+    partition_for, profile_block_times, split, Partition, PartitionSpec, TimeProbe,
+};
 pub use schedule::{Action, Schedule, ScheduleKind, Simulation};
 pub use transport::SendMode;
 

@@ -108,6 +108,19 @@ pub fn split(
     probe: TimeProbe<'_>,
     stores: StageStores,
 ) -> Result<(Partition, Stage), PipelineError> {
+    let partition = partition_for(model, &schedule, spec, probe)?;
+    let stage = Stage::new_with(model, &partition, schedule, rank, seed, stores)?;
+    Ok((partition, stage))
+}
+
+/// The cut of `model` into `schedule`'s chunks by `spec` (the first half of [`split`]: what
+/// each worker will hold, known before anything is allocated).
+pub fn partition_for(
+    model: &Model,
+    schedule: &Schedule,
+    spec: &PartitionSpec,
+    probe: TimeProbe<'_>,
+) -> Result<Partition, PipelineError> {
     let (blocks, chunks) = (model.num_blocks(), schedule.num_chunks());
     let partition = match spec {
         _ if chunks == 1 => Partition::explicit(blocks, &[])?,
@@ -124,8 +137,7 @@ pub fn split(
             Partition::by_measured_time(probe.world, model, sample, probe.loss, chunks)?
         }
     };
-    let stage = Stage::new_with(model, &partition, schedule, rank, seed, stores)?;
-    Ok((partition, stage))
+    Ok(partition)
 }
 
 /// Contiguous, non-empty block ranges covering the model in order; chunk `c` of a schedule

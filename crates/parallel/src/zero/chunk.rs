@@ -187,6 +187,16 @@ impl ZeroChunk {
         )
     }
 
+    /// After a pass outside training (evaluation): frees every block still gathered (with
+    /// `reshard_after_forward = false` a forward-only pass leaves them all) and forgets the
+    /// pass's communication, so the next step neither holds them nor counts it.
+    pub fn end_pass(&mut self) {
+        for b in 0..self.gathered.len() {
+            self.free_gathered(b);
+        }
+        self.comm = ChunkComm::default();
+    }
+
     /// The first collective error of this step, if any (and clears it).
     pub fn take_error(&mut self) -> Option<CommError> {
         self.error.take()

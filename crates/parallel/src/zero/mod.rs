@@ -249,7 +249,7 @@ impl ZeroSync {
         let m = z
             .unshard(&optimizer.m, len)
             .map_err(|e| DataParallelError::comm(what, e))?;
-        let v = if optimizer.v.is_empty() {
+        let v = if !optimizer.has_second_moment() {
             Vec::new()
         } else {
             z.unshard(&optimizer.v, len)
@@ -280,6 +280,7 @@ impl ZeroSync {
         optimizer: &mut Optimizer,
     ) {
         let z = &mut self.chunks[j];
+        z.end_pass();
         if z.stage() == ZeroStage::Parameters {
             z.shard_values = z.shard_of(&full_values);
             store.values = Vec::new();
@@ -288,7 +289,7 @@ impl ZeroSync {
         }
         if let Some((m, v, step)) = moments {
             optimizer.m = z.shard_of(m);
-            if !optimizer.v.is_empty() {
+            if optimizer.has_second_moment() {
                 optimizer.v = z.shard_of(v);
             }
             optimizer.step = step;
@@ -410,6 +411,7 @@ impl GradSync for ZeroSync {
 
     fn check_pass(&mut self) -> Result<(), DataParallelError> {
         for z in &mut self.chunks {
+            z.end_pass();
             if let Some(e) = z.take_error() {
                 return Err(DataParallelError::comm("ZeRO collective", e));
             }
