@@ -385,27 +385,37 @@ impl Pipe for Job {}
 
 #[test]
 fn a_stuck_worker_fails_every_other_within_the_timeout() {
-    // Each worker builds its model on its own thread: worker 1's sleeps in forward.
-    let mut job = blob_job("dp=2");
-    job.model = Arc::new(|| mlp(std::thread::current().name() == Some("meshtrain-worker-1")));
-    let job = job.timeout(Duration::from_secs(1)).steps(2);
-    let started = Instant::now();
-    let dir = tempfile::tempdir().unwrap();
-    let err = format!(
-        "{:#}",
-        job.out_dir(dir.path())
-            .run(&RunOptions::default())
-            .unwrap_err()
-    );
-    let elapsed = started.elapsed();
-    eprintln!("after {elapsed:?}: {err}");
-    assert!(err.contains("rank 0"), "{err}");
-    assert!(
-        err.contains("timed out") || err.contains("timeout"),
-        "{err}"
-    );
-    assert!(err.contains("[1]"), "the missing rank is named: {err}");
-    assert!(elapsed < Duration::from_secs(5), "took {elapsed:?}");
+    // DDP, and ZeRO-2/3, whose per-block collectives run inside forward and backward: a
+    // failed one must cost one timeout, not one per block.
+    for layout in ["dp=2", "dp=2,zero=2", "dp=2,zero=3"] {
+        // Each worker builds its model on its own thread: worker 1's sleeps in forward.
+        let mut job = blob_job(layout);
+        job.model = Arc::new(|| mlp(std::thread::current().name() == Some("meshtrain-worker-1")));
+        let job = job.timeout(Duration::from_secs(1)).steps(2);
+        let started = Instant::now();
+        let dir = tempfile::tempdir().unwrap();
+        let err = format!(
+            "{:#}",
+            job.out_dir(dir.path())
+                .run(&RunOptions::default())
+                .unwrap_err()
+        );
+        let elapsed = started.elapsed();
+        eprintln!("{layout}: after {elapsed:?}: {err}");
+        assert!(err.contains("rank 0"), "{layout}: {err}");
+        assert!(
+            err.contains("timed out") || err.contains("timeout"),
+            "{layout}: {err}"
+        );
+        assert!(
+            err.contains("[1]"),
+            "{layout}: the missing rank is named: {err}"
+        );
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "{layout}: took {elapsed:?}"
+        );
+    }
 }
 
 #[test]
