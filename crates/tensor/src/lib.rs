@@ -20,6 +20,7 @@ pub mod activation;
 pub mod attention;
 pub mod conv;
 pub mod dtype;
+pub mod flash;
 pub mod loss;
 pub mod lowp;
 pub mod matmul;
