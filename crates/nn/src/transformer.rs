@@ -6,6 +6,7 @@ use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::attention::{
     causal_attention_backward, causal_attention_forward, AttentionShape,
 };
+use meshtrain_tensor::flash::{flash_attention_backward, flash_attention_forward};
 use meshtrain_tensor::{DType, Tensor};
 
 /// Token + learned position embedding. Input: token ids `[B, T]` carried as exact f32 values.
@@ -84,6 +85,26 @@ impl Layer for GptEmbedding {
     }
 }
 
+/// Which attention kernel a model runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKind {
+    /// Keeps the `H·T²` probabilities for backward ([`meshtrain_tensor::attention`]); its
+    /// products run in the layer's precision.
+    #[default]
+    Standard,
+    /// Memory-efficient: keeps the output and `H·T` log-sum-exps, recomputes score tiles in
+    /// backward ([`meshtrain_tensor::flash`]); products in f32 whatever the precision (the
+    /// kept q/k/v and output are stored in it).
+    Flash,
+}
+
+impl AttentionKind {
+    pub fn is_standard(&self) -> bool {
+        *self == AttentionKind::Standard
+    }
+}
+
 /// The parameter-free core: fused QKV `[B, T, 3D]` → attention output `[B, T, D]`.
 pub struct AttentionCore {
     pub dim: usize,
@@ -91,6 +112,7 @@ pub struct AttentionCore {
     /// Inputs of the attention products; under mixed precision the fused q/k/v and the
     /// probabilities kept for backward are stored in 16 bits too (the softmax stays f32).
     pub precision: DType,
+    pub kind: AttentionKind,
 }
 
 impl AttentionCore {
@@ -115,6 +137,17 @@ impl Layer for AttentionCore {
 
     fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let shape = self.shape(&qkv);
+        if self.kind == AttentionKind::Flash {
+            let (out, lse) = flash_attention_forward(shape, qkv.data());
+            let out = Tensor::from_vec(out, &[shape.batch, shape.seq, self.dim]);
+            if mode.train {
+                s.keep(qkv, self.precision);
+                s.keep(out.clone(), self.precision);
+                let lse = Tensor::from_vec(lse, &[shape.batch, self.heads, shape.seq]);
+                s.keep(lse, DType::F32);
+            }
+            return out;
+        }
         let (out, probs) = causal_attention_forward(shape, qkv.data(), self.precision);
         if mode.train {
             s.keep(qkv, self.precision);
@@ -132,6 +165,23 @@ impl Layer for AttentionCore {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        if self.kind == AttentionKind::Flash {
+            let lse = s.take(DType::F32, "attention (log-sum-exp)");
+            let out = s.take(self.precision, "attention (output)");
+            let qkv = s.take(self.precision, "attention (q, k, v)");
+            let dqkv = flash_attention_backward(
+                self.shape(&qkv),
+                qkv.data(),
+                out.data(),
+                lse.data(),
+                dy.data(),
+            );
+            let shape = qkv.shape().to_vec();
+            for dead in [qkv, out, lse, dy] {
+                dead.recycle();
+            }
+            return Some(Tensor::from_vec(dqkv, &shape));
+        }
         let probs = s.take(self.precision, "attention (probabilities)");
         let qkv = s.take(self.precision, "attention (q, k, v)");
         let dqkv = causal_attention_backward(
@@ -167,6 +217,7 @@ pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Se
                 dim,
                 heads,
                 precision: DType::F32,
+                kind: AttentionKind::Standard,
             }),
         ),
         ("proj".into(), lin(dim, dim)),
@@ -181,6 +232,16 @@ pub struct GptBlock {
 
 impl GptBlock {
     pub fn new(dim: usize, heads: usize, init: Option<Init>) -> Self {
+        Self::with_attention(dim, heads, init, AttentionKind::Standard)
+    }
+
+    /// A block whose attention runs `kind`'s kernel.
+    pub fn with_attention(
+        dim: usize,
+        heads: usize,
+        init: Option<Init>,
+        kind: AttentionKind,
+    ) -> Self {
         assert!(
             heads > 0 && dim.is_multiple_of(heads),
             "dim {dim} not divisible by {heads} heads"
@@ -203,6 +264,7 @@ impl GptBlock {
                         dim,
                         heads,
                         precision: DType::F32,
+                        kind,
                     }),
                 ),
                 ("proj".into(), lin(dim, dim, None)),

@@ -166,6 +166,7 @@ fn ties_share_initial_values_and_are_checked() {
         heads: 2,
         seq: 8,
         tie_embeddings: true,
+        attention: Default::default(),
     };
     let model = gpt::gpt(&cfg);
     let (tok, head) = (

@@ -36,6 +36,7 @@ fn small_gpt_config() -> GptConfig {
         heads: 2,
         seq: 8,
         tie_embeddings: false,
+        attention: Default::default(),
     }
 }
 

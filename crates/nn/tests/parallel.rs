@@ -154,6 +154,7 @@ fn gpt_model_step() {
         heads: 4,
         seq: 32,
         tie_embeddings: false,
+        attention: Default::default(),
     };
     let model = gpt::gpt(&cfg);
     let mut rng = SplitMix64::new(14);

@@ -551,6 +551,7 @@ fn gpt_small_model() {
         heads: 4,
         seq: 16,
         tie_embeddings: false,
+        attention: Default::default(),
     };
     check_model_case("gpt_small", &gpt::gpt(&cfg), &TIGHT);
 }

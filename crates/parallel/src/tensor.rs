@@ -942,6 +942,7 @@ fn rewrite(
                 dim: core.dim / tp.size(),
                 heads: core.heads / tp.size(),
                 precision: core.precision,
+                kind: core.kind,
             }));
         }
         if let Some(e) = any.downcast_ref::<GptEmbedding>() {

@@ -16,6 +16,7 @@ fn model() -> Model {
         heads: 2,
         seq: 8,
         tie_embeddings: false,
+        attention: Default::default(),
     })
 }
 

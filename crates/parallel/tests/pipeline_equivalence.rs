@@ -24,6 +24,7 @@ const GPT: BenchModel = BenchModel::Gpt(GptConfig {
     heads: 2,
     seq: 8,
     tie_embeddings: false,
+    attention: meshtrain_nn::transformer::AttentionKind::Standard,
 });
 
 fn config(

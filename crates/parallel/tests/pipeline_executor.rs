@@ -19,6 +19,7 @@ const CFG: GptConfig = GptConfig {
     heads: 2,
     seq: 8,
     tie_embeddings: false,
+    attention: meshtrain_nn::transformer::AttentionKind::Standard,
 };
 const GPT: BenchModel = BenchModel::Gpt(CFG);
 

@@ -259,6 +259,7 @@ fn tied_embeddings_across_pipeline_stages() {
         heads: 2,
         seq: 8,
         tie_embeddings: true,
+        attention: Default::default(),
     };
     let text: Vec<u8> = (0..4000u32).map(|i| (i * 7 % 251) as u8).collect();
     let job = |layout: &str| {

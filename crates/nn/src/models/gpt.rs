@@ -5,7 +5,7 @@
 use crate::layer::{Init, TensorPlan, TpStyle};
 use crate::layers::{LayerNorm, Linear, Seq};
 use crate::model::{Block, InputSpec, Model};
-use crate::transformer::{GptBlock, GptEmbedding};
+use crate::transformer::{AttentionKind, GptBlock, GptEmbedding};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -20,6 +20,11 @@ pub struct GptConfig {
     /// of `tok.weight`; with a pipeline the two stages add their gradients, as Megatron does).
     #[serde(default)]
     pub tie_embeddings: bool,
+    /// The attention kernel: "standard" (keeps the probabilities) or "flash"
+    /// (memory-efficient). Left out of descriptions when standard, so checkpoints of earlier
+    /// runs still describe the same model.
+    #[serde(default, skip_serializing_if = "AttentionKind::is_standard")]
+    pub attention: AttentionKind,
 }
 
 impl Default for GptConfig {
@@ -32,6 +37,7 @@ impl Default for GptConfig {
             heads: 4,
             seq: 128,
             tie_embeddings: false,
+            attention: AttentionKind::Standard,
         }
     }
 }
@@ -96,7 +102,7 @@ pub fn gpt(cfg: &GptConfig) -> Model {
     for i in 0..cfg.layers {
         blocks.push(Block::new(
             &format!("blocks.{i}"),
-            GptBlock::new(cfg.dim, cfg.heads, init),
+            GptBlock::with_attention(cfg.dim, cfg.heads, init, cfg.attention),
         ));
     }
     blocks.push(Block::new(

@@ -136,6 +136,7 @@ pub fn bench_gpt() -> GptConfig {
         heads: 4,
         seq: 64,
         tie_embeddings: false,
+        attention: Default::default(),
     }
 }
 
@@ -385,6 +386,7 @@ pub fn equivalence_sweep(steps: usize) -> Result<Vec<EquivalenceRow>, PipelineEr
         heads: 2,
         seq: 8,
         tie_embeddings: false,
+        attention: Default::default(),
     });
     let resnet = BenchModel::Resnet { width: 4 };
     let v2 = ScheduleKind::Interleaved {
