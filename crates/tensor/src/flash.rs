@@ -12,8 +12,9 @@
 //! `[B, T, 3·D]`, each head a contiguous `D/H` slice; products in f32 through
 //! [`small_gemm`].
 //!
-//! Not yet used by the GPT layer (issue 18): it becomes the default once it is at least as
-//! fast as [`crate::attention`] at the sequence lengths we train.
+//! A GPT runs it with `model.attention = "flash"`; it becomes the default once it is at least
+//! as fast as [`crate::attention`] at the sequence lengths we train, in every precision
+//! (issue 18).
 
 use crate::activation::fast_exp;
 use crate::attention::AttentionShape;
