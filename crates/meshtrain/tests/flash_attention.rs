@@ -4,13 +4,11 @@
 //! relative L2 ≤ 2e-4, as every layout-equivalence test), and a step keeps fewer activation
 //! bytes (no `H·T²` probabilities).
 
-use meshtrain::config::Config;
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_train::RunOptions;
-use std::path::Path;
 
 mod common;
-use common::{job, rel_diff, single_trainer, tiny_gpt_config};
+use common::{checkpoint_params, job, rel_diff, tiny_gpt_config, written_checkpoint};
 
 const STEPS: u64 = 10;
 
@@ -21,23 +19,7 @@ fn params_after(extra: &[&str]) -> Vec<f32> {
         .clone()
         .run(&RunOptions::default())
         .unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
-    let sharded = out.join("checkpoint");
-    let path = if sharded.is_dir() {
-        sharded
-    } else {
-        out.join("checkpoint.safetensors")
-    };
-    read(&cfg, &path)
-}
-
-fn read(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
-    let mut single = cfg.clone();
-    single.parallel.tp = 1;
-    single.parallel.zero = 0;
-    single.parallel.sequence_parallel = false;
-    let mut t = single_trainer(&single);
-    t.resume(checkpoint).unwrap_or_else(|e| panic!("{e:#}"));
-    t.local_params()
+    checkpoint_params(&cfg, &written_checkpoint(&out))
 }
 
 #[test]

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod common;
-use common::{job, rel_diff, root, single_trainer, tiny_gpt_config};
+use common::{checkpoint_params, job, rel_diff, root, tiny_gpt_config};
 
 const STEPS: u64 = 10;
 
@@ -43,16 +43,7 @@ fn train(extra: &[&str], resume: Option<&Path>) -> (Vec<f32>, PathBuf) {
     let summary = run(&cfg, &options);
     assert_eq!(summary.steps, STEPS);
     let checkpoint = out.join("checkpoint.safetensors");
-    (read_params(&cfg, &checkpoint), checkpoint)
-}
-
-fn read_params(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
-    let mut single = cfg.clone();
-    single.parallel.tp = 1;
-    single.parallel.sequence_parallel = false;
-    let mut t = single_trainer(&single);
-    t.resume(checkpoint).unwrap_or_else(|e| panic!("{e:#}"));
-    t.local_params()
+    (checkpoint_params(&cfg, &checkpoint), checkpoint)
 }
 
 #[test]

@@ -13,7 +13,9 @@ use meshtrain_train::{RunOptions, Summary};
 use std::path::Path;
 
 mod common;
-use common::{job, rel_diff, root, single_trainer, tiny_gpt_config};
+use common::{
+    checkpoint_params, job, rel_diff, root, single_trainer, tiny_gpt_config, written_checkpoint,
+};
 
 const STEPS: u64 = 10;
 
@@ -65,22 +67,7 @@ fn train_model(model: &str, extra: &[&str]) -> Vec<f32> {
     let summary = run(&cfg);
     assert_eq!(summary.steps, STEPS);
     // ZeRO runs write sharded checkpoints (a directory), the others one file.
-    let sharded = out.join("checkpoint");
-    if sharded.is_dir() {
-        read_params(&cfg, &sharded)
-    } else {
-        read_params(&cfg, &out.join("checkpoint.safetensors"))
-    }
-}
-
-fn read_params(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
-    let mut single = cfg.clone();
-    single.parallel.tp = 1;
-    single.parallel.zero = 0;
-    single.parallel.sequence_parallel = false;
-    let mut t = single_trainer(&single);
-    t.resume(checkpoint).unwrap_or_else(|e| panic!("{e:#}"));
-    t.local_params()
+    checkpoint_params(&cfg, &written_checkpoint(&out))
 }
 
 /// Trains `base` with DDP and with each ZeRO stage in `stages` and checks the stages end
@@ -306,7 +293,7 @@ fn train_until(extra: &[&str], until: u64, resume: Option<&Path>) -> std::path::
 fn params_of(checkpoint: &Path) -> Vec<f32> {
     let out = tempfile::tempdir().unwrap();
     let cfg = tiny_gpt_config(out.path(), STEPS, &[]);
-    read_params(&cfg, checkpoint)
+    checkpoint_params(&cfg, checkpoint)
 }
 
 /// Tolerance: the continued runs split the same global batches differently (two replicas of
@@ -328,12 +315,7 @@ fn a_zero3_checkpoint_resumes_on_other_layouts_as_the_uninterrupted_run() {
         vec![],
     ] {
         let out = train_until(&layout, 30, Some(&checkpoint));
-        let written = if layout.iter().any(|s| s.starts_with("parallel.zero")) {
-            out.join("checkpoint")
-        } else {
-            out.join("checkpoint.safetensors")
-        };
-        let d = rel_diff(&params_of(&written), &reference);
+        let d = rel_diff(&params_of(&written_checkpoint(&out)), &reference);
         eprintln!("resumed on {layout:?}: {d:.2e} from the uninterrupted run");
         assert!(d <= 2e-4, "resumed on {layout:?}: {d:.2e}");
         if layout == z3 {

@@ -42,6 +42,29 @@ pub fn single_trainer(cfg: &Config) -> Trainer {
         .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
+/// The checkpoint a run wrote into `out`: the sharded directory (ZeRO's default) or the
+/// whole file.
+pub fn written_checkpoint(out: &Path) -> PathBuf {
+    let sharded = out.join("checkpoint");
+    if sharded.is_dir() {
+        sharded
+    } else {
+        out.join("checkpoint.safetensors")
+    }
+}
+
+/// The whole model's parameters a checkpoint of `cfg`'s model holds (any layout wrote it),
+/// read back by one worker.
+pub fn checkpoint_params(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
+    let mut single = cfg.clone();
+    single.parallel.tp = 1;
+    single.parallel.zero = 0;
+    single.parallel.sequence_parallel = false;
+    let mut t = single_trainer(&single);
+    t.resume(checkpoint).unwrap_or_else(|e| panic!("{e:#}"));
+    t.local_params()
+}
+
 /// Relative L2 distance ‖a − b‖ / ‖b‖ (in f64).
 pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
