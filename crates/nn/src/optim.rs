@@ -297,15 +297,7 @@ impl Optimizer {
     /// An optimizer whose parameter groups are `segments` (from [`ParamGroups::resolve`]
     /// and [`segments_within`]); they must cover `0..len` in order.
     pub fn with_segments(config: OptimizerConfig, len: usize, segments: Vec<Segment>) -> Self {
-        let mut at = 0;
-        for s in &segments {
-            assert_eq!(
-                s.range.start, at,
-                "optimizer segments must cover the slice in order"
-            );
-            at = s.range.end;
-        }
-        assert_eq!(at, len, "optimizer segments must cover the slice");
+        assert_tiles(segments.iter().map(|s| &s.range), len, "optimizer segments");
         let v_len = match config {
             OptimizerConfig::Sgd { .. } => 0,
             OptimizerConfig::Adamw { .. } => len,
@@ -323,15 +315,11 @@ impl Optimizer {
     /// The same optimizer updating scattered elements: `pieces` cover the state in order
     /// (see [`StatePiece`]).
     pub fn scattered(mut self, pieces: Vec<StatePiece>) -> Self {
-        let mut at = 0;
-        for p in &pieces {
-            assert_eq!(
-                p.state.start, at,
-                "state pieces must cover the state in order"
-            );
-            at = p.state.end;
-        }
-        assert_eq!(at, self.m.len(), "state pieces must cover the state");
+        assert_tiles(
+            pieces.iter().map(|p| &p.state),
+            self.m.len(),
+            "state pieces",
+        );
         self.pieces = Some(pieces);
         self
     }
@@ -358,8 +346,8 @@ impl Optimizer {
             values: 0,
             grads: 0,
         }];
-        let pieces = match &self.pieces {
-            Some(p) => p.clone(),
+        let pieces: &[StatePiece] = match &self.pieces {
+            Some(p) => p,
             None => {
                 assert_eq!(params.len(), grads.len());
                 assert_eq!(
@@ -367,19 +355,24 @@ impl Optimizer {
                     self.m.len(),
                     "optimizer state sized for another slice"
                 );
-                whole.to_vec()
+                &whole
             }
         };
         self.step += 1;
-        for piece in &pieces {
-            for s in &self.segments {
+        // Pieces and segments both tile the state in order: one walk through the segments.
+        let mut first = 0;
+        for piece in pieces.iter().filter(|p| !p.state.is_empty()) {
+            while self.segments[first].range.end <= piece.state.start {
+                first += 1;
+            }
+            for s in self.segments[first..]
+                .iter()
+                .take_while(|s| s.range.start < piece.state.end)
+            {
                 let (start, end) = (
                     s.range.start.max(piece.state.start),
                     s.range.end.min(piece.state.end),
                 );
-                if start >= end {
-                    continue;
-                }
                 let r = start..end;
                 let shift =
                     |at: usize| at + start - piece.state.start..at + end - piece.state.start;
@@ -404,6 +397,16 @@ impl Optimizer {
             }
         }
     }
+}
+
+/// `ranges` cover `0..len` in order, each starting where the previous ended.
+fn assert_tiles<'a>(ranges: impl Iterator<Item = &'a Range<usize>>, len: usize, what: &str) {
+    let mut at = 0;
+    for r in ranges {
+        assert_eq!(r.start, at, "{what} must cover the slice in order");
+        at = r.end;
+    }
+    assert_eq!(at, len, "{what} must cover the slice");
 }
 
 /// One segment's update settings: the rule, the step count, the group's settings and the

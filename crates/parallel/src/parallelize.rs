@@ -58,7 +58,7 @@ use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
 use crate::tensor::{TpContext, TpGradSync};
 use crate::tied::TiedGrads;
 use crate::timeline::{Category, Timeline};
-use crate::zero::{FullState, ZeroOptions, ZeroStage};
+use crate::zero::{FullState, ZeroOptions, ZeroStage, ZeroSync};
 use crate::{Batch, ParallelError};
 use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, ParamGroups};
@@ -371,11 +371,11 @@ pub fn parallelize(
     )?;
 
     // 5. Tied parameters, across stages where the pipeline separated them.
-    let ties = TiedGrads::new(model, &partition, &mut stage, &pp)?;
+    let mut ties = TiedGrads::new(model, &partition, &mut stage, &pp)?;
 
     // Replicated parameters under tensor parallelism: summed over the tp group when
     // sequence parallelism split their inputs, and counted once in gradient norms.
-    let tp_sync = TpGradSync::new(
+    let mut tp_sync = TpGradSync::new(
         model,
         &stage.chunks,
         tp_context.as_ref(),
@@ -389,9 +389,7 @@ pub fn parallelize(
         }
     }
     // ZeRO updates this rank's pieces: ties, replicated sums and norms address them.
-    let sharding = sync.sharding();
-    let mut ties = ties;
-    let mut tp_sync = tp_sync;
+    let sharding = sync.as_zero_ref().map(ZeroSync::sharding);
     if let Some(sharding) = &sharding {
         ties.remap(|j, r| sharding.update_ranges(j, r));
         tp_sync.remap(|j, r| sharding.update_ranges(j, r));
@@ -490,7 +488,7 @@ impl Parallel {
 
     /// The ZeRO stage the replicas run (`None`: full replicas).
     pub fn zero_stage(&self) -> Option<ZeroStage> {
-        self.sync.sharding().map(|s| s.stage)
+        self.sync.as_zero_ref().map(ZeroSync::stage)
     }
 
     /// The data-parallel mode's name (`none` for one replica).

@@ -120,7 +120,7 @@ fn forward_blocked(
 /// One head's `t × hd` block of a row-major activation with row stride `stride`, starting
 /// at column `col`, copied transposed into `out` (`hd × t`, row-major): products against a
 /// transposed head (`Q·Kᵀ`, `dO·Vᵀ`) then read unit-stride rows, which [`small_gemm`] needs.
-fn transposed_head<'o>(
+pub(crate) fn transposed_head<'o>(
     x: &[f32],
     stride: usize,
     col: usize,

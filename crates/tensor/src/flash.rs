@@ -17,7 +17,7 @@
 //! (issue 18).
 
 use crate::activation::fast_exp;
-use crate::attention::AttentionShape;
+use crate::attention::{transposed_head, AttentionShape};
 use crate::matmul::{Mat, MatMut};
 use crate::small_gemm::small_gemm;
 
@@ -27,25 +27,6 @@ pub const TILE: usize = 32;
 /// `(start, end)` of the tiles of `t` rows.
 fn tiles(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(TILE)).map(move |i| (i * TILE, ((i + 1) * TILE).min(t)))
-}
-
-/// One head's `t × hd` block of a row-major activation (row stride `stride`, first column
-/// `col`) copied transposed into `out` (`hd × t`): the right-hand operand of `Q·Kᵀ` and
-/// `dO·Vᵀ` needs unit-stride rows.
-fn transposed<'o>(
-    x: &[f32],
-    stride: usize,
-    col: usize,
-    t: usize,
-    hd: usize,
-    out: &'o mut [f32],
-) -> Mat<'o> {
-    for i in 0..t {
-        for (j, &v) in x[i * stride + col..][..hd].iter().enumerate() {
-            out[j * t + i] = v;
-        }
-    }
-    Mat::new(&out[..hd * t], hd, t)
 }
 
 /// Forward; returns (out `[B, T, D]`, log-sum-exp `[B, H, T]` of each row's scaled scores).
@@ -65,7 +46,7 @@ pub fn flash_attention_forward(s: AttentionShape, qkv: &[f32]) -> (Vec<f32>, Vec
             for head in 0..h {
                 let qh = Mat::strided(&q[head * hd..], t, hd, 3 * d, 1);
                 let vh = Mat::strided(&q[2 * d + head * hd..], t, hd, 3 * d, 1);
-                let kt = transposed(q, 3 * d, d + head * hd, t, hd, kt);
+                let kt = transposed_head(q, 3 * d, d + head * hd, t, hd, kt);
                 for (r0, r1) in tiles(t) {
                     let rows = r1 - r0;
                     m[..rows].fill(f32::NEG_INFINITY);
@@ -142,8 +123,8 @@ pub fn flash_attention_backward(
                 let qh = Mat::strided(&q[head * hd..], t, hd, 3 * d, 1);
                 let kh = Mat::strided(&q[d + head * hd..], t, hd, 3 * d, 1);
                 let doh = Mat::strided(&dob[head * hd..], t, hd, d, 1);
-                let kt = transposed(q, 3 * d, d + head * hd, t, hd, kt);
-                let vt = transposed(q, 3 * d, 2 * d + head * hd, t, hd, vt);
+                let kt = transposed_head(q, 3 * d, d + head * hd, t, hd, kt);
+                let vt = transposed_head(q, 3 * d, 2 * d + head * hd, t, hd, vt);
                 // D_i = Σ_c dO_ic · O_ic: the row sums of dP ⊙ P, without P.
                 for (i, di) in delta.iter_mut().enumerate() {
                     let o = &ob[i * d + head * hd..][..hd];

@@ -720,17 +720,28 @@ pub fn consolidate(
     let started = std::time::Instant::now();
     let ckpt = ShardedCheckpoint::open(from)?;
     let index = &ckpt.index;
-    // The output's tensors in order: parameters (primaries), buffers, the flat moments.
+    // The output's tensors in order — parameters (primaries), buffers, the flat moments —
+    // with their byte offsets in the data section, and the jobs that fill them.
     enum Job<'a> {
         Tensor { name: String, shape: &'a [usize] },
         Moment { kind: &'static str, param: usize },
     }
-    let mut tensors: Vec<(String, Vec<usize>)> = Vec::new();
-    let mut jobs: Vec<(Job, u64)> = Vec::new(); // (what, byte offset in the data section)
+    let bytes = |shape: &[usize]| 4 * shape.iter().product::<usize>() as u64;
+    let mut header = serde_json::Map::new();
+    let mut jobs: Vec<(Job, u64)> = Vec::new();
     let mut at = 0u64;
-    for p in index.params.iter().filter(|p| p.tied_to.is_none()) {
-        let name = format!("param.{}", p.name);
-        tensors.push((name.clone(), p.shape.clone()));
+    let mut add = |name: String, shape: &[usize], at: u64| {
+        header.insert(
+            name,
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + bytes(shape)]}),
+        );
+    };
+    let whole = (index.params.iter().filter(|p| p.tied_to.is_none()))
+        .map(|p| ("param", p))
+        .chain(index.buffers.iter().map(|b| ("buffer", b)));
+    for (kind, p) in whole {
+        let name = format!("{kind}.{}", p.name);
+        add(name.clone(), &p.shape, at);
         jobs.push((
             Job::Tensor {
                 name,
@@ -738,19 +749,7 @@ pub fn consolidate(
             },
             at,
         ));
-        at += 4 * p.shape.iter().product::<usize>() as u64;
-    }
-    for b in &index.buffers {
-        let name = format!("buffer.{}", b.name);
-        tensors.push((name.clone(), b.shape.clone()));
-        jobs.push((
-            Job::Tensor {
-                name,
-                shape: &b.shape,
-            },
-            at,
-        ));
-        at += 4 * b.shape.iter().product::<usize>() as u64;
+        at += bytes(&p.shape);
     }
     let num_params: usize = index
         .params
@@ -763,26 +762,13 @@ pub fn consolidate(
         &["m"]
     };
     for &kind in kinds {
-        tensors.push((format!("optimizer.{kind}"), vec![num_params]));
-        let mut offset = at;
+        add(format!("optimizer.{kind}"), &[num_params], at);
         for (param, p) in index.params.iter().enumerate() {
-            jobs.push((Job::Moment { kind, param }, offset));
-            offset += 4 * p.shape.iter().product::<usize>() as u64;
+            jobs.push((Job::Moment { kind, param }, at));
+            at += bytes(&p.shape);
         }
-        at = offset;
     }
     let data_len = at;
-    // The header: offsets in the order above, the run's metadata.
-    let mut header = serde_json::Map::new();
-    let mut offset = 0u64;
-    for (name, shape) in &tensors {
-        let bytes = 4 * shape.iter().product::<usize>() as u64;
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + bytes]}),
-        );
-        offset += bytes;
-    }
     let mut metadata = serde_json::Map::new();
     let mut put = |k: &str, v: String| {
         metadata.insert(k.into(), serde_json::Value::String(v));
@@ -871,12 +857,12 @@ pub fn describe(ckpt: &ShardedCheckpoint) -> String {
     if let Some(s) = &i.loss_scaler {
         out += &format!("  fp16 loss scale {}\n", s.scale);
     }
-    for f in &i.files {
+    for (k, f) in i.files.iter().enumerate() {
         let pieces = i
             .tensors
             .values()
             .flat_map(|t| &t.pieces)
-            .filter(|p| i.files[p.file].path == f.path)
+            .filter(|p| p.file == k)
             .count();
         out += &format!(
             "  rank {:>4}: {} ({:.2} MiB, {pieces} pieces)\n",

@@ -22,7 +22,7 @@
 
 use super::{CommTiming, DataParallelError, Ddp, DdpConfig, GroupStatsReducer, SingleMaster};
 use crate::pipeline::{ChunkParams, GradsReady, StageChunk};
-use crate::zero::{Sharding, ZeroOptions, ZeroStage, ZeroSync};
+use crate::zero::{ZeroOptions, ZeroStage, ZeroSync};
 use crate::Batch;
 use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::{Model, StatsReducer};
@@ -194,11 +194,6 @@ pub trait GradSync: Send {
     /// After a pass outside a training step (evaluation): a collective of it failed.
     fn check_pass(&mut self) -> Result<(), DataParallelError> {
         Ok(())
-    }
-
-    /// Where each rank's pieces sit, when the update works on pieces (ZeRO).
-    fn sharding(&self) -> Option<Sharding> {
-        None
     }
 
     /// The sharded synchroniser itself (checkpoints of its pieces).

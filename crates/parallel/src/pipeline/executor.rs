@@ -278,9 +278,7 @@ impl Stage {
         rank: usize,
         seed: u64,
     ) -> Result<Stage, PipelineError> {
-        Stage::build(model, partition, schedule, rank, |blocks| {
-            model.init_blocks(seed, blocks)
-        })
+        Stage::new_with(model, partition, schedule, rank, seed, StageStores::Full)
     }
 
     /// Worker `rank`'s stage allocating only what `stores` says: a sharded data-parallel

@@ -24,9 +24,9 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Reduce-scatters left in flight when the next one starts: the previous block's reduction
-/// overlaps the current block's backward, and the wire buffers held during backward stay at
-/// about two blocks' worth (all of them in flight at once would be 1.5 × the model).
+/// Reduce-scatters in flight at most: one, so the previous block's reduction overlaps the
+/// current block's backward while the wire buffers held during backward stay at about two
+/// blocks' worth (all of them in flight at once would be 1.5 × the model).
 const MAX_REDUCES_IN_FLIGHT: usize = 1;
 
 /// Free buffers a chunk keeps for reuse (a step uses about this many at once).
@@ -76,7 +76,7 @@ enum Gathered {
 
 /// Where a finished reduce-scatter's slots go.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Into {
+enum ReduceInto {
     /// Added to the state-coordinate gradient shard (stages 2–3, every micro-batch).
     State,
     /// Written over this rank's pieces of the full gradient buffer (stage 1, once a step).
@@ -88,7 +88,7 @@ struct Reduce {
     work: Work,
     _send: Vec<f32>,
     recv: Vec<f32>,
-    into: Into,
+    into: ReduceInto,
 }
 
 /// This rank's share of one chunk and the collectives in flight for it.
@@ -340,7 +340,7 @@ impl ZeroChunk {
     }
 
     /// Starts block `b`'s reduce-scatter of `grads` (its range of gradients).
-    fn start_reduce(&mut self, b: usize, grads: &[f32], into: Into) {
+    fn start_reduce(&mut self, b: usize, grads: &[f32], into: ReduceInto) {
         if self.error.is_some() {
             return;
         }
@@ -388,14 +388,16 @@ impl ZeroChunk {
                     .saturating_duration_since(span.began)
                     .as_secs_f64();
                 match (r.into, full) {
-                    (Into::State, _) => {
+                    (ReduceInto::State, _) => {
                         self.layout
                             .accumulate_own(r.block, &r.recv, &mut self.shard_grads)
                     }
-                    (Into::Full, Some(full)) => {
+                    (ReduceInto::Full, Some(full)) => {
                         self.layout.unpack_own(r.block, &r.recv, Target::Full(full))
                     }
-                    (Into::Full, None) => unreachable!("stage 1 reduces finish with the store"),
+                    (ReduceInto::Full, None) => {
+                        unreachable!("stage 1 reduces finish with the store")
+                    }
                 }
             }
             Err(e) => {
@@ -412,13 +414,19 @@ impl ZeroChunk {
     /// (their blocks' gradients are final too, so their pieces can be written).
     pub fn block_final(&mut self, block: usize, grads: &mut [f32]) {
         let b = block - self.first_block;
+        self.make_room_for_reduce(Some(&mut *grads));
+        let range = self.layout.blocks[b].full.clone();
+        self.start_reduce(b, &grads[range], ReduceInto::Full);
+    }
+
+    /// Finishes the oldest reduce-scatters until another may start (`full`: the chunk's full
+    /// gradient buffer, for stage 1), counting the wait.
+    fn make_room_for_reduce(&mut self, mut full: Option<&mut [f32]>) {
         let t = Instant::now();
-        while self.reducing.len() > MAX_REDUCES_IN_FLIGHT.saturating_sub(1) {
-            self.finish_oldest_reduce(Some(&mut *grads), t);
+        while self.reducing.len() >= MAX_REDUCES_IN_FLIGHT {
+            self.finish_oldest_reduce(full.as_deref_mut(), t);
         }
         self.comm.reduce_wait_s += t.elapsed().as_secs_f64();
-        let range = self.layout.blocks[b].full.clone();
-        self.start_reduce(b, &grads[range], Into::Full);
     }
 
     /// Waits for every reduce-scatter of the step; stage 1 writes the averaged pieces into
@@ -470,7 +478,7 @@ impl ZeroChunk {
 
     /// A state-coordinate vector of every rank (parameters under stage 3, optimizer
     /// moments) joined into the chunk's full layout (`len` elements). Collective.
-    pub fn unshard(&mut self, state: &[f32], len: usize) -> Result<Vec<f32>, CommError> {
+    pub fn unshard(&self, state: &[f32], len: usize) -> Result<Vec<f32>, CommError> {
         let mut full = vec![0.0; len];
         for b in 0..self.layout.blocks.len() {
             let mut send = vec![0.0; self.layout.blocks[b].slots];
@@ -554,13 +562,9 @@ impl BlockParams for BoundChunk<'_> {
     fn backward_done(&mut self, block: usize) {
         let b = self.local(block);
         let z = &mut *self.chunk;
-        let t = Instant::now();
-        while z.reducing.len() > MAX_REDUCES_IN_FLIGHT.saturating_sub(1) {
-            z.finish_oldest_reduce(None, t);
-        }
-        z.comm.reduce_wait_s += t.elapsed().as_secs_f64();
+        z.make_room_for_reduce(None);
         let grads = std::mem::take(&mut z.block_grads);
-        z.start_reduce(b, &grads, Into::State);
+        z.start_reduce(b, &grads, ReduceInto::State);
         z.recycle(grads);
         if z.stage == ZeroStage::Parameters {
             z.free_gathered(b);

@@ -107,8 +107,6 @@ pub struct ZeroSync {
     chunks: Vec<ZeroChunk>,
     /// Pipeline workers (global chunk `c` is local chunk `c / workers`).
     workers: usize,
-    /// Time the step's backward passes started (collectives before it ran hidden).
-    backward_started: Option<Instant>,
 }
 
 impl ZeroSync {
@@ -176,10 +174,14 @@ impl ZeroSync {
             stage,
             chunks: zero_chunks,
             workers,
-            backward_started: None,
         }
     }
 
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// Where this rank's pieces sit, for re-addressing ties, replicated sums and norms.
     pub fn sharding(&self) -> Sharding {
         Sharding {
             stage: self.stage,
@@ -240,8 +242,7 @@ impl ZeroSync {
         let z = &mut self.chunks[j];
         let what = "gathering ZeRO shards for a checkpoint";
         let values = if z.stage() == ZeroStage::Parameters {
-            let state = z.shard_values.clone();
-            z.unshard(&state, len)
+            z.unshard(&z.shard_values, len)
                 .map_err(|e| DataParallelError::comm(what, e))?
         } else {
             values.to_vec()
@@ -339,9 +340,7 @@ impl GradSync for ZeroSync {
         Some((self.group.rank(), self.group.size()))
     }
 
-    fn begin_step(&mut self) {
-        self.backward_started = Some(Instant::now());
-    }
+    fn begin_step(&mut self) {}
 
     fn grads_ready(&mut self, ready: GradsReady<'_>) {
         if self.stage != ZeroStage::Optimizer {
@@ -417,10 +416,6 @@ impl GradSync for ZeroSync {
             }
         }
         Ok(())
-    }
-
-    fn sharding(&self) -> Option<Sharding> {
-        Some(ZeroSync::sharding(self))
     }
 
     fn as_zero(&mut self) -> Option<&mut ZeroSync> {
