@@ -2,20 +2,22 @@
 //!
 //! ```text
 //! mpi_collectives test            conformance suite + desync + mesh checks (exit 0 = pass)
-//! mpi_collectives FAULT [RANK]    after barrier #1, RANK (default: the last) misbehaves
-//!                                 while the others call all_reduce #2; every run must end
-//!                                 non-zero with an error naming the op, group and RANK:
+//! mpi_collectives FAULT [RANK [OP]]
+//!                                 after barrier #1, RANK (default: the last) misbehaves
+//!                                 while the others call OP #2 (all_reduce, the default,
+//!                                 or all_to_all); every run must end non-zero with an
+//!                                 error naming the op, group and RANK:
 //!   stuck    stops calling (sleeps); the others time out (4 s)
 //!   panic    panics
 //!   kill     kills itself with SIGKILL
-//!   exit     shuts MPI down cleanly without calling all_reduce #2
+//!   exit     shuts MPI down cleanly without calling OP #2
 //!   desync   calls broadcast #2 instead (caught by the fingerprint check)
 //! mpi_collectives bench [ARGS]    `meshtrain bench collectives --backend mpi` + raw MPI_Allreduce
 //! ```
 //!
-//! In the fault modes every other rank prints `waiting in all_reduce #2 since T ms`
-//! (Unix time) first, so the test script can measure how long the failure took to end
-//! the job.
+//! In the fault modes every other rank prints `waiting in OP #2 since T ms` (Unix
+//! time) first, so the test script can measure how long the failure took to end the
+//! job.
 
 use clap::Parser;
 use meshtrain_comm::bench::{run_bench, BenchBackend, BenchCollectivesArgs};
@@ -63,10 +65,15 @@ fn main() {
         Ok(group) => match Fault::parse(mode) {
             Some(fault) => {
                 let size = group.size();
-                match argv.get(2).map(|r| r.parse::<usize>()) {
-                    None => misbehave(group, fault, size - 1),
-                    Some(Ok(rank)) if rank < size => misbehave(group, fault, rank),
-                    Some(_) => Err(anyhow::anyhow!("RANK must be below {size}")),
+                let collective = match argv.get(3) {
+                    None => Some(Collective::AllReduce),
+                    Some(name) => Collective::parse(name),
+                };
+                match (argv.get(2).map(|r| r.parse::<usize>()), collective) {
+                    (_, None) => Err(anyhow::anyhow!("OP must be all_reduce or all_to_all")),
+                    (None, Some(op)) => misbehave(group, fault, size - 1, op),
+                    (Some(Ok(rank)), Some(op)) if rank < size => misbehave(group, fault, rank, op),
+                    (Some(_), Some(_)) => Err(anyhow::anyhow!("RANK must be below {size}")),
                 }
             }
             None => Err(anyhow::anyhow!("unknown mode '{mode}'")),
@@ -163,20 +170,65 @@ impl Fault {
     }
 }
 
-/// Barrier #1, then rank `culprit` misbehaves while the others all-reduce (#2).
-fn misbehave(world: Arc<dyn ProcessGroup>, fault: Fault, culprit: usize) -> anyhow::Result<()> {
+/// The collective the healthy ranks of a fault mode wait in: the failure detection
+/// (watchdog, failure monitor, fingerprints) must name whichever collective it is.
+#[derive(Clone, Copy)]
+enum Collective {
+    /// In place on 1000 f32 elements.
+    AllReduce,
+    /// 250 f32 elements for every rank.
+    AllToAll,
+}
+
+impl Collective {
+    fn parse(name: &str) -> Option<Collective> {
+        Some(match name {
+            "all_reduce" => Collective::AllReduce,
+            "all_to_all" => Collective::AllToAll,
+            _ => return None,
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllToAll => "all_to_all",
+        }
+    }
+
+    fn call(self, world: &dyn ProcessGroup) -> Result<(), CommError> {
+        match self {
+            Collective::AllReduce => {
+                let mut buf = vec![1.0f32; 1000];
+                world.all_reduce((&mut buf).into(), ReduceOp::Sum)
+            }
+            Collective::AllToAll => {
+                let input = vec![1.0f32; 250 * world.size()];
+                let mut output = vec![0.0f32; input.len()];
+                world.all_to_all((&input).into(), (&mut output).into())
+            }
+        }
+    }
+}
+
+/// Barrier #1, then rank `culprit` misbehaves while the others call `collective` (#2).
+fn misbehave(
+    world: Arc<dyn ProcessGroup>,
+    fault: Fault,
+    culprit: usize,
+    collective: Collective,
+) -> anyhow::Result<()> {
     world.barrier()?;
     let rank = world.rank();
-    let mut buf = vec![1.0f32; 1000];
+    let op = collective.name();
     if rank != culprit {
         let since = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis();
         // One write: `mpirun` merges the ranks' output line by line only if lines
         // are written whole.
-        std::io::stderr().write_all(
-            format!("rank {rank}: waiting in all_reduce #2 since {since} ms\n").as_bytes(),
-        )?;
-        world.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
-        anyhow::bail!("all_reduce #2 completed although rank {culprit} did not call it");
+        std::io::stderr()
+            .write_all(format!("rank {rank}: waiting in {op} #2 since {since} ms\n").as_bytes())?;
+        collective.call(world.as_ref())?;
+        anyhow::bail!("{op} #2 completed although rank {culprit} did not call it");
     }
     match fault {
         Fault::Stuck => std::thread::sleep(Duration::from_secs(60)),
@@ -190,7 +242,7 @@ fn misbehave(world: Arc<dyn ProcessGroup>, fault: Fault, culprit: usize) -> anyh
         }
         // Returning drops the group and the world: a clean MPI shutdown.
         Fault::Exit => return Ok(()),
-        Fault::Desync => world.broadcast((&mut buf).into(), 0)?,
+        Fault::Desync => world.broadcast((&mut vec![1.0f32; 1000]).into(), 0)?,
     }
     anyhow::bail!("rank {rank} was not stopped by its fault")
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # MPI backend tests: builds meshtrain-comm with `--features mpi` and runs the MPI
-# driver under mpirun with 2 and 4 processes. Fails loudly on any failure.
+# driver under mpirun: the conformance suite with 1 to 4 processes, the failure modes
+# with 2 and 4. Fails loudly on any failure.
 #
 # Needs: apt-get install -y libopenmpi-dev openmpi-bin libclang-dev
 # Usage (from the workspace root): crates/comm/scripts/mpi-tests.sh
@@ -52,37 +53,37 @@ stamp() {
     done
 }
 
-# run_fault NP MODE CULPRIT LIMIT_MS: runs a fault mode of the driver and checks,
-# from the moment the other ranks started waiting (they print `waiting in all_reduce #2
-# since T ms`), that the first rank's error line arrived within LIMIT_MS and that the
-# job ended non-zero within LIMIT_MS + TEARDOWN_MS; a hang killed by `timeout` fails
-# that bound. (The exit code alone cannot tell: mpirun reports a rank killed by
-# SIGKILL as 137, like `timeout -k`.)
+# run_fault NP MODE CULPRIT LIMIT_MS [OP]: runs a fault mode of the driver while the
+# other ranks call OP #2 (default all_reduce) and checks, from the moment they started
+# waiting (they print `waiting in OP #2 since T ms`), that the first rank's error line
+# arrived within LIMIT_MS and that the job ended non-zero within LIMIT_MS + TEARDOWN_MS;
+# a hang killed by `timeout` fails that bound. (The exit code alone cannot tell: mpirun
+# reports a rank killed by SIGKILL as 137, like `timeout -k`.)
 # Leaves the output in $OUT, each line prefixed with its arrival time.
 run_fault() {
-    local np=$1 mode=$2 culprit=$3 limit=$4 rc=0
-    OUT="$LOG/$mode.$np.$culprit"
-    run_mpi -np "$np" "$BIN" "$mode" "$culprit" 2>&1 | stamp >"$OUT" || rc=$?
+    local np=$1 mode=$2 culprit=$3 limit=$4 op=${5:-all_reduce} rc=0
+    OUT="$LOG/$mode.$op.$np.$culprit"
+    run_mpi -np "$np" "$BIN" "$mode" "$culprit" "$op" 2>&1 | stamp >"$OUT" || rc=$?
     local end since error_at latency ended
     end=$(date +%s%3N)
     if ((rc == 0)); then
         cat "$OUT" >&2
-        fail "$mode (rank $culprit of $np) exited 0"
+        fail "$mode in $op (rank $culprit of $np) exited 0"
     fi
-    since=$(awk '/waiting in all_reduce #2 since [0-9]+ ms/ {
+    since=$(awk '/waiting in [a-z_]+ #2 since [0-9]+ ms/ {
         if (min == "" || $(NF - 1) < min) min = $(NF - 1) } END { print min }' "$OUT")
     error_at=$(awk '/^[0-9]+ error: rank [0-9]+: / { print $1; exit }' "$OUT")
     if [[ -z "$since" || -z "$error_at" ]]; then
         cat "$OUT" >&2
-        fail "$mode (rank $culprit of $np): no rank reported waiting, or none printed an error"
+        fail "$mode in $op (rank $culprit of $np): no rank reported waiting, or none printed an error"
     fi
     latency=$((error_at - since))
     ended=$((end - since))
     if ((latency > limit || ended > limit + TEARDOWN_MS)); then
         cat "$OUT" >&2
-        fail "$mode (rank $culprit of $np): first error after ${latency} ms (limit ${limit} ms), job ended after ${ended} ms (limit $((limit + TEARDOWN_MS)) ms)"
+        fail "$mode in $op (rank $culprit of $np): first error after ${latency} ms (limit ${limit} ms), job ended after ${ended} ms (limit $((limit + TEARDOWN_MS)) ms)"
     fi
-    echo "  rank $culprit $mode, $np processes: exit code $rc, first error after ${latency} ms, job ended after ${ended} ms"
+    echo "  rank $culprit $mode in $op, $np processes: exit code $rc, first error after ${latency} ms, job ended after ${ended} ms"
 }
 
 # expect TEXT: the last run's output must contain TEXT (fixed string).
@@ -93,7 +94,8 @@ expect() {
     fi
 }
 
-for NP in 2 4; do
+# Conformance also with 1 process (the trivial group) and 3 (an odd group size).
+for NP in 1 2 3 4; do
     echo "mpi-tests: conformance suite, desync and mesh checks with $NP processes"
     if ! run_mpi -np "$NP" "$BIN" test >"$LOG/test.$NP" 2>&1; then
         cat "$LOG/test.$NP" >&2
@@ -104,7 +106,9 @@ for NP in 2 4; do
         fail "conformance suite with $NP processes did not report success"
     }
     grep "mpi conformance OK" "$LOG/test.$NP"
+done
 
+for NP in 2 4; do
     echo "mpi-tests: failures with $NP processes (error text, non-zero exit, time)"
     LAST=$((NP - 1))
     OP="all_reduce #2 on group 'world'"
@@ -125,6 +129,16 @@ for NP in 2 4; do
     # Different collectives at the same sequence number: the fingerprint check.
     run_fault "$NP" desync "$LAST" "$FAST_MS"
     expect "$OP: collective mismatch across ranks: rank 0: all_reduce sum #2 f32×1000;"
+    expect "rank $LAST: broadcast root=0 #2 f32×1000"
+
+    # The same detection in an all-to-all (250 elements for every rank).
+    OP="all_to_all #2 on group 'world'"
+    run_fault "$NP" stuck "$LAST" "$BOUND_MS" all_to_all
+    expect "$OP timed out after 4s: rank(s) [$LAST] (global) did not arrive (rank $LAST last seen after barrier #1 on group 'world'); aborting the MPI job"
+    run_fault "$NP" kill "$LAST" "$FAST_MS" all_to_all
+    expect "$OP cannot complete: rank(s) [$LAST] (global) stopped: rank $LAST died (connection lost without a clean exit: killed or crashed); last seen"
+    run_fault "$NP" desync "$LAST" "$FAST_MS" all_to_all
+    expect "$OP: collective mismatch across ranks: rank 0: all_to_all #2 f32×$((250 * NP));"
     expect "rank $LAST: broadcast root=0 #2 f32×1000"
 done
 

@@ -2,10 +2,11 @@
 //!
 //! Bandwidths follow nccl-tests (`doc/PERFORMANCE.md` there): `algbw = bytes / time`,
 //! and `busbw = algbw × factor` with factor `2(n-1)/n` for all-reduce, `(n-1)/n` for
-//! reduce-scatter and all-gather (bytes = the full, gathered size) and 1 for
-//! broadcast, so that numbers are comparable across worker counts and with the
-//! hardware's bandwidth. The single-thread memcpy bandwidth of each size is measured
-//! in the same run as the physical limit of a shared-memory transport.
+//! reduce-scatter and all-gather (bytes = the full, gathered size) and for all-to-all
+//! (bytes = one rank's buffer, of which the `(n-1)/n` bound for other ranks crosses
+//! the bus), and 1 for broadcast, so that numbers are comparable across worker counts
+//! and with the hardware's bandwidth. The single-thread memcpy bandwidth of each size
+//! is measured in the same run as the physical limit of a shared-memory transport.
 //!
 //! Timing: a few warm-up calls, then as many calls as fit in `--seconds` (at least
 //! `--min-iters`), with the iteration count agreed by all ranks; the time per call is
@@ -37,6 +38,7 @@ pub enum BenchOp {
     AllReduce,
     ReduceScatter,
     AllGather,
+    AllToAll,
     Broadcast,
 }
 
@@ -46,7 +48,7 @@ impl BenchOp {
         let n = n as f64;
         match self {
             BenchOp::AllReduce => 2.0 * (n - 1.0) / n,
-            BenchOp::ReduceScatter | BenchOp::AllGather => (n - 1.0) / n,
+            BenchOp::ReduceScatter | BenchOp::AllGather | BenchOp::AllToAll => (n - 1.0) / n,
             BenchOp::Broadcast => 1.0,
         }
     }
@@ -56,6 +58,7 @@ impl BenchOp {
             BenchOp::AllReduce => "all_reduce",
             BenchOp::ReduceScatter => "reduce_scatter",
             BenchOp::AllGather => "all_gather",
+            BenchOp::AllToAll => "all_to_all",
             BenchOp::Broadcast => "broadcast",
         }
     }
@@ -250,6 +253,14 @@ pub fn bench_group(
                     Ok(group.all_gather((&input).into(), (&mut output).into())?)
                 })?
             }
+            BenchOp::AllToAll => {
+                let whole = (elems / n).max(1) * n;
+                let input = vec![1.0f32; whole];
+                let mut output = vec![0.0f32; whole];
+                time_collective(group, args, &mut || {
+                    Ok(group.all_to_all((&input).into(), (&mut output).into())?)
+                })?
+            }
             BenchOp::Broadcast => {
                 let mut buf = vec![1.0f32; elems];
                 time_collective(group, args, &mut || {
@@ -431,6 +442,7 @@ mod tests {
         assert!((row.algbw_gbps - 8.0).abs() < 1e-9);
         assert!((row.busbw_gbps - 12.0).abs() < 1e-9);
         assert_eq!(BenchOp::AllGather.bus_factor(4), 0.75);
+        assert_eq!(BenchOp::AllToAll.bus_factor(4), 0.75);
         assert_eq!(BenchOp::Broadcast.bus_factor(4), 1.0);
         assert_eq!(BenchOp::AllReduce.bus_factor(2), 1.0);
     }
@@ -444,6 +456,7 @@ mod tests {
                 BenchOp::AllReduce,
                 BenchOp::AllGather,
                 BenchOp::ReduceScatter,
+                BenchOp::AllToAll,
                 BenchOp::Broadcast,
             ],
             sizes: vec!["4K".into(), "64K".into()],

@@ -8,6 +8,7 @@
 //! backend (`tests/threads.rs`) and on MPI (`examples/mpi_collectives.rs` under mpirun).
 
 use crate::dtype::{reference_reduce, Element, RawBuf, ReduceOp};
+use crate::error::CommError;
 use crate::group::ProcessGroup;
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
@@ -15,6 +16,15 @@ use half::{bf16, f16};
 /// Element counts exercised: empty, single, odd, around a cache line, more than one
 /// kernel block (4096) and not a multiple of anything.
 pub const SIZES: [usize; 6] = [0, 1, 7, 17, 1023, 4099];
+
+/// Per-rank chunk lengths of the all-to-all checks: empty, single, odd, around a cache
+/// line, and a few hundred. Large groups use shorter chunks, so that every (source,
+/// destination, element) still gets its own value (see [`ROUTED_CODES`]).
+pub const ALL_TO_ALL_CHUNKS: [usize; 5] = [0, 1, 7, 17, 300];
+
+/// How many distinct test values the all-to-all checks have: an exchange needs one per
+/// (source, destination, element), `size² × chunk` in all.
+pub const ROUTED_CODES: usize = 128 * 30 * 2;
 
 /// Small integer in [-30, 30], deterministic in (rank, index, salt).
 pub fn test_value(rank: usize, index: usize, salt: u64) -> f32 {
@@ -52,6 +62,36 @@ fn expect_equal<T: Element>(what: &str, got: &[T], expected: &[T]) -> Result<()>
 
 fn all_inputs<T: Element>(size: usize, len: usize, salt: u64) -> Vec<Vec<T>> {
     (0..size).map(|r| test_input::<T>(r, len, salt)).collect()
+}
+
+/// What rank `src` sends rank `dst` at `index` of its chunk, in an all-to-all of `chunk`
+/// elements per rank on `n` ranks. The test values of the reductions repeat (any value
+/// is fine there); an all-to-all only moves data, so each (src, dst, index) gets a value
+/// of its own, and a chunk from the wrong rank, to the wrong rank or shifted is caught.
+/// Values are exact in f32, bf16 and f16 — a significand 128..=255 (bf16 keeps 8 bits)
+/// times 2^e for e in -21..=8 (f16's normal range, up to 65280), either sign — and never
+/// zero, so a chunk left unwritten is caught too.
+fn routed_value<T: Element>(n: usize, chunk: usize, src: usize, dst: usize, index: usize) -> T {
+    let code = (src * n + dst) * chunk + index;
+    assert!(code < ROUTED_CODES, "routed value {code} would repeat");
+    let significand = (128 + code % 128) as f32;
+    let exponent = (code / 128 % 30) as i32 - 21;
+    let sign = if code / (128 * 30) == 0 { 1.0 } else { -1.0 };
+    T::from_f32(sign * significand * 2f32.powi(exponent))
+}
+
+/// Rank `rank`'s all-to-all input (chunk j for rank j) and the output it must receive
+/// (chunk i from rank i).
+fn all_to_all_case<T: Element>(n: usize, chunk: usize, rank: usize) -> (Vec<T>, Vec<T>) {
+    let mut input = Vec::with_capacity(n * chunk);
+    let mut expected = Vec::with_capacity(n * chunk);
+    for peer in 0..n {
+        for i in 0..chunk {
+            input.push(routed_value(n, chunk, rank, peer, i));
+            expected.push(routed_value(n, chunk, peer, rank, i));
+        }
+    }
+    (input, expected)
 }
 
 fn check_all_reduce<T: Element>(g: &dyn ProcessGroup, len: usize, op: ReduceOp) -> Result<()> {
@@ -92,6 +132,169 @@ fn check_all_gather<T: Element>(g: &dyn ProcessGroup, chunk: usize) -> Result<()
         &out,
         &inputs.concat(),
     )
+}
+
+fn check_all_to_all<T: Element>(g: &dyn ProcessGroup, chunk: usize) -> Result<()> {
+    let n = g.size();
+    let chunk = chunk.min(ROUTED_CODES / (n * n));
+    let (input, expected) = all_to_all_case::<T>(n, chunk, g.rank());
+    let mut out = vec![T::from_f32(0.0); chunk * n];
+    g.all_to_all((&input).into(), (&mut out).into())?;
+    expect_equal(
+        &format!("all_to_all {} chunk {chunk}", T::DTYPE),
+        &out,
+        &expected,
+    )
+}
+
+/// `result` must be an all_to_all `InvalidBuffer` error whose details contain `needle`.
+fn expect_invalid_all_to_all(
+    what: &str,
+    result: Result<(), CommError>,
+    needle: &str,
+) -> Result<()> {
+    match result {
+        Err(CommError::InvalidBuffer { ctx, details })
+            if ctx.op == "all_to_all" && details.contains(needle) =>
+        {
+            Ok(())
+        }
+        other => bail!("all_to_all with {what} gave {other:?}, expected InvalidBuffer ({needle})"),
+    }
+}
+
+/// Buffers that do not split into one equal chunk per rank, mismatched dtypes and
+/// overlapping views are rejected on every rank before anything moves, and the group
+/// stays usable.
+fn check_all_to_all_rejects_invalid_buffers(g: &dyn ProcessGroup) -> Result<()> {
+    let n = g.size();
+    let input = vec![1.0f32; 2 * n];
+    let mut longer = vec![0f32; 2 * n + 1];
+    expect_invalid_all_to_all(
+        "an output longer than the input",
+        g.all_to_all((&input).into(), (&mut longer).into()),
+        &format!("input has {} elements but output has {}", 2 * n, 2 * n + 1),
+    )?;
+    if n > 1 {
+        let uneven = vec![1.0f32; 2 * n + 1];
+        expect_invalid_all_to_all(
+            "a length that is not a multiple of the group size",
+            g.all_to_all((&uneven).into(), (&mut longer).into()),
+            &format!("is not a multiple of the group size {n}"),
+        )?;
+    }
+    let mut halves = vec![bf16::ZERO; 2 * n];
+    expect_invalid_all_to_all(
+        "an f32 input and a bf16 output",
+        g.all_to_all((&input).into(), (&mut halves).into()),
+        "input is f32 but output is bf16",
+    )?;
+    let mut shared = vec![0f32; 3 * n];
+    // SAFETY: `shared` outlives the Work, waited on at once; validation rejects the
+    // overlapping views before the operation could touch them.
+    let overlapping = unsafe {
+        let start = shared.as_mut_ptr();
+        g.all_to_all_async(
+            RawBuf::from_raw_parts(start, 2 * n),
+            RawBuf::from_raw_parts(start.add(n), 2 * n),
+        )?
+        .wait()
+    };
+    expect_invalid_all_to_all("overlapping input and output", overlapping, "overlap")?;
+    ensure!(
+        longer.iter().chain(&shared).all(|&x| x == 0.0) && halves.iter().all(|&x| x == bf16::ZERO),
+        "a rejected all_to_all wrote its output"
+    );
+    g.barrier()?;
+    Ok(())
+}
+
+/// `result` must be a desync error of collective #1 whose details name every text in
+/// `needles`; returns the name of the operation the error is about.
+fn expect_desync(
+    what: &str,
+    result: Result<(), CommError>,
+    needles: &[String],
+) -> Result<&'static str> {
+    match result {
+        Err(CommError::Desync { ctx, details })
+            if ctx.seq == 1
+                && needles
+                    .iter()
+                    .all(|needle| details.contains(needle.as_str())) =>
+        {
+            Ok(ctx.op)
+        }
+        other => bail!("{what} gave {other:?}, expected a desync error of #1 naming {needles:?}"),
+    }
+}
+
+/// Ranks that disagree on an all-to-all — another element count, or another collective
+/// at the same sequence number — all get a desync error naming it, before any data
+/// moves. Each case runs on a throw-away group of every rank, because a desync leaves
+/// its group unusable.
+fn check_all_to_all_desync(g: &dyn ProcessGroup) -> Result<()> {
+    let (n, rank) = (g.size(), g.rank());
+    if n < 2 || !g.config().check_desync {
+        return Ok(());
+    }
+    let everyone: Vec<usize> = (0..n).collect();
+
+    // Rank 0 sends 3 elements to every rank, the others 2.
+    let scratch = g.new_subgroup(&everyone)?;
+    let whole = if rank == 0 { 3 * n } else { 2 * n };
+    let input = vec![1.0f32; whole];
+    let mut output = vec![0f32; whole];
+    let op = expect_desync(
+        "all_to_all with rank 0 sending more elements",
+        scratch.all_to_all((&input).into(), (&mut output).into()),
+        &[
+            format!("rank {}: all_to_all #1 f32×{}", g.global_ranks()[0], 3 * n),
+            format!("rank {}: all_to_all #1 f32×{}", g.global_ranks()[1], 2 * n),
+        ],
+    )?;
+    ensure!(
+        op == "all_to_all",
+        "the desync error is about {op}, not all_to_all"
+    );
+    ensure!(
+        output.iter().all(|&x| x == 0.0),
+        "desynchronised all_to_all wrote its output"
+    );
+    drop(scratch);
+
+    // The last rank all-gathers where the others all-to-all.
+    let scratch = g.new_subgroup(&everyone)?;
+    let last = n - 1;
+    let input = vec![1.0f32; 2 * n];
+    let mut output = vec![0f32; 2 * n];
+    let result = if rank == last {
+        scratch.all_gather((&input[..2]).into(), (&mut output).into())
+    } else {
+        scratch.all_to_all((&input).into(), (&mut output).into())
+    };
+    let op = expect_desync(
+        "all_gather on the last rank against all_to_all on the others",
+        result,
+        &[
+            format!("rank {}: all_to_all #1 f32×{}", g.global_ranks()[0], 2 * n),
+            format!("rank {}: all_gather #1 f32×2", g.global_ranks()[last]),
+        ],
+    )?;
+    let own_op = if rank == last {
+        "all_gather"
+    } else {
+        "all_to_all"
+    };
+    ensure!(
+        op == own_op,
+        "the desync error is about {op}, not this rank's {own_op}"
+    );
+    ensure!(
+        output.iter().all(|&x| x == 0.0),
+        "desynchronised all_to_all wrote its output"
+    );
+    Ok(())
 }
 
 fn check_broadcast<T: Element>(g: &dyn ProcessGroup, len: usize) -> Result<()> {
@@ -207,6 +410,8 @@ fn check_async_ops(g: &dyn ProcessGroup) -> Result<()> {
     let mut scatter_out = vec![bf16::ZERO; 7];
     let gather_in = test_input::<f16>(r, 5, 12);
     let mut gather_out = vec![f16::ZERO; 5 * n];
+    let (mut exchange_in, exchange_expected) = all_to_all_case::<f16>(n, 3, r);
+    let mut exchange_out = vec![f16::ZERO; 3 * n];
     let mut bcast = test_input::<f32>(r, 9, 13);
     let send_buf = test_input::<f32>(r, 3, 14);
     let mut recv_buf = vec![0f32; 3];
@@ -225,6 +430,10 @@ fn check_async_ops(g: &dyn ProcessGroup) -> Result<()> {
             g.all_gather_async(
                 RawBuf::from_slice(&mut gather_in_copy),
                 RawBuf::from_slice(&mut gather_out),
+            )?,
+            g.all_to_all_async(
+                RawBuf::from_slice(&mut exchange_in),
+                RawBuf::from_slice(&mut exchange_out),
             )?,
             g.broadcast_async(RawBuf::from_slice(&mut bcast), n - 1)?,
         ];
@@ -247,6 +456,7 @@ fn check_async_ops(g: &dyn ProcessGroup) -> Result<()> {
         &gather_out,
         &all_inputs::<f16>(n, 5, 12).concat(),
     )?;
+    expect_equal("async all_to_all", &exchange_out, &exchange_expected)?;
     expect_equal("async broadcast", &bcast, &test_input::<f32>(n - 1, 9, 13))?;
     if n > 1 {
         expect_equal(
@@ -298,6 +508,9 @@ fn check_dtype<T: Element>(g: &dyn ProcessGroup) -> Result<()> {
             check_reduce_scatter::<T>(g, chunk, op)?;
         }
     }
+    for chunk in ALL_TO_ALL_CHUNKS {
+        check_all_to_all::<T>(g, chunk)?;
+    }
     Ok(())
 }
 
@@ -309,6 +522,8 @@ pub fn run_suite(g: &dyn ProcessGroup) -> Result<()> {
         check_dtype::<bf16>(g)?;
         check_dtype::<f16>(g)?;
         check_recv_size_mismatch(g)?;
+        check_all_to_all_rejects_invalid_buffers(g)?;
+        check_all_to_all_desync(g)?;
         check_async_buckets(g)?;
         check_async_ops(g)?;
         check_subgroups(g)?;

@@ -201,6 +201,13 @@ impl RawBuf {
     pub fn size_bytes(&self) -> usize {
         self.len * self.dtype.size_bytes()
     }
+
+    /// Whether the two views share any byte (an empty view shares none).
+    pub(crate) fn overlaps(&self, other: &RawBuf) -> bool {
+        let (a0, a1) = (self.ptr as usize, self.ptr as usize + self.size_bytes());
+        let (b0, b1) = (other.ptr as usize, other.ptr as usize + other.size_bytes());
+        a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1
+    }
 }
 
 /// A mutable buffer of any supported dtype, borrowed for the duration of a call.

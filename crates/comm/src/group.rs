@@ -60,6 +60,11 @@ pub enum Operation {
     },
     /// `output` has `size × input.len()` elements; chunk r is rank r's `input`.
     AllGather { input: RawBuf, output: RawBuf },
+    /// `input` and `output` have the same length, `size` equal chunks each: chunk j of
+    /// `input` goes to rank j, and chunk i of `output` is what rank i sent here (its
+    /// input chunk `rank`). The exchange behind expert and sequence parallelism, where
+    /// every rank holds a different piece for every other rank.
+    AllToAll { input: RawBuf, output: RawBuf },
     /// In place: every rank ends with `root`'s `buf`.
     Broadcast { buf: RawBuf, root: usize },
     /// Point-to-point: deliver `buf` to `dst`, matched by `tag`. Buffered: completes
@@ -78,6 +83,7 @@ pub(crate) const OP_REDUCE_SCATTER: u64 = 2;
 pub(crate) const OP_ALL_GATHER: u64 = 3;
 pub(crate) const OP_BROADCAST: u64 = 4;
 pub(crate) const OP_BARRIER: u64 = 5;
+pub(crate) const OP_ALL_TO_ALL: u64 = 6;
 
 /// What all ranks must agree on for a collective: compared across ranks before data
 /// is touched, so a desynchronised program fails with a clear message instead of
@@ -117,6 +123,7 @@ impl Fingerprint {
             OP_ALL_GATHER => "all_gather",
             OP_BROADCAST => "broadcast",
             OP_BARRIER => "barrier",
+            OP_ALL_TO_ALL => "all_to_all",
             _ => "unknown",
         };
         let dtype =
@@ -143,6 +150,7 @@ impl Operation {
             Operation::AllReduce { .. } => "all_reduce",
             Operation::ReduceScatter { .. } => "reduce_scatter",
             Operation::AllGather { .. } => "all_gather",
+            Operation::AllToAll { .. } => "all_to_all",
             Operation::Broadcast { .. } => "broadcast",
             Operation::Send { .. } => "send",
             Operation::Recv { .. } => "recv",
@@ -164,6 +172,9 @@ impl Operation {
                 (OP_REDUCE_SCATTER, op.code(), Some(output))
             }
             Operation::AllGather { input, .. } => (OP_ALL_GATHER, 0, Some(input)),
+            // The whole send buffer: with equal splits, equal totals mean equal chunks,
+            // which is what lets a rank read its chunk of a peer's input.
+            Operation::AllToAll { input, .. } => (OP_ALL_TO_ALL, 0, Some(input)),
             Operation::Broadcast { buf, root } => (OP_BROADCAST, root as u64 + 1, Some(buf)),
             Operation::Barrier | Operation::Send { .. } | Operation::Recv { .. } => {
                 (OP_BARRIER, 0, None)
@@ -227,6 +238,33 @@ impl Operation {
         match *self {
             Operation::ReduceScatter { input, output, .. } => check_blocks(input, output, true)?,
             Operation::AllGather { input, output } => check_blocks(input, output, false)?,
+            Operation::AllToAll { input, output } => {
+                if input.dtype != output.dtype {
+                    return Err(invalid_buffer(format!(
+                        "input is {} but output is {}",
+                        input.dtype, output.dtype
+                    )));
+                }
+                if input.len != output.len {
+                    return Err(invalid_buffer(format!(
+                        "input has {} elements but output has {}; all_to_all needs equal lengths",
+                        input.len, output.len
+                    )));
+                }
+                if !input.len.is_multiple_of(size) {
+                    return Err(invalid_buffer(format!(
+                        "length {} is not a multiple of the group size {size} (one equal chunk per rank)",
+                        input.len
+                    )));
+                }
+                // Unlike all-gather there is no in-place form: peers still read this
+                // rank's input chunks while it writes its output chunks.
+                if input.overlaps(&output) {
+                    return Err(invalid_buffer(
+                        "input and output overlap; all_to_all cannot run in place".to_string(),
+                    ));
+                }
+            }
             Operation::Broadcast { root, .. } => check_rank("root", root)?,
             Operation::Send { dst, .. } => {
                 check_rank("destination", dst)?;
@@ -560,6 +598,20 @@ pub trait ProcessGroup: Send + Sync {
         }
     }
 
+    /// All-to-all with equal splits: `input.len() == output.len()`, a multiple of
+    /// `size()`; chunk j of `input` goes to rank j and chunk i of `output` comes from
+    /// rank i.
+    fn all_to_all(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
+        // SAFETY: borrows held for this blocking call; a shared and an exclusive borrow
+        // cannot overlap.
+        unsafe {
+            self.run_raw(Operation::AllToAll {
+                input: input.raw(),
+                output: output.raw(),
+            })
+        }
+    }
+
     /// In-place broadcast from group rank `root`.
     fn broadcast(&self, mut buf: BufMut<'_>, root: usize) -> Result<(), CommError> {
         // SAFETY: `buf` is exclusively borrowed for this blocking call.
@@ -630,6 +682,14 @@ pub trait ProcessGroup: Send + Sync {
     /// See [`ProcessGroup::start_raw`].
     unsafe fn all_gather_async(&self, input: RawBuf, output: RawBuf) -> Result<Work, CommError> {
         self.start_raw(Operation::AllGather { input, output })
+    }
+
+    /// Asynchronous all-to-all on raw views (which must not overlap).
+    ///
+    /// # Safety
+    /// See [`ProcessGroup::start_raw`].
+    unsafe fn all_to_all_async(&self, input: RawBuf, output: RawBuf) -> Result<Work, CommError> {
+        self.start_raw(Operation::AllToAll { input, output })
     }
 
     /// Asynchronous broadcast on a raw view.

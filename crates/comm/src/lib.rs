@@ -1,8 +1,9 @@
 //! meshtrain-comm: collective communication for meshtrain.
 //!
 //! * [`ProcessGroup`]: the one trait every parallel mode talks to — all-reduce (sum,
-//!   average, max), reduce-scatter, all-gather, broadcast, send/recv, barrier on f32,
-//!   bf16 and f16 buffers; synchronous and asynchronous (a [`Work`] handle); sub-groups.
+//!   average, max), reduce-scatter, all-gather, all-to-all, broadcast, send/recv, barrier
+//!   on f32, bf16 and f16 buffers; synchronous and asynchronous (a [`Work`] handle);
+//!   sub-groups.
 //! * [`ThreadsWorld`]: the embedded shared-memory backend (N worker threads).
 //! * `mpi` (cargo feature `mpi`): OpenMPI backend, one worker per process.
 //! * [`DeviceMesh`]: ranks on named axes (dp, pp, tp, cp) with a group per axis.

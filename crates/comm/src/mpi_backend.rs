@@ -687,13 +687,6 @@ unsafe fn divide_f32(buf: RawBuf, size: usize) {
     values.iter_mut().for_each(|v| *v /= size as f32);
 }
 
-/// Whether two views share any byte.
-fn overlaps(a: RawBuf, b: RawBuf) -> bool {
-    let (a0, a1) = (a.ptr as usize, a.ptr as usize + a.size_bytes());
-    let (b0, b1) = (b.ptr as usize, b.ptr as usize + b.size_bytes());
-    a0 < b1 && b0 < a1
-}
-
 impl Executor for MpiCore {
     fn group_name(&self) -> &Arc<str> {
         &self.name
@@ -870,7 +863,7 @@ impl MpiCore {
                 let n = count(&ctx, output.len)?;
                 // Widen halves to f32; copy f32 input only if it overlaps the output
                 // (MPI forbids aliasing send and receive buffers).
-                let needs_copy = input.dtype != DType::F32 || overlaps(input, output);
+                let needs_copy = input.dtype != DType::F32 || input.overlaps(&output);
                 let wide_in = if needs_copy { widen(input) } else { Vec::new() };
                 let send: *const c_void = if needs_copy {
                     wide_in.as_ptr().cast()
@@ -907,12 +900,12 @@ impl MpiCore {
             }
             Operation::AllGather { input, output } => {
                 let n = count(&ctx, input.len)?;
-                let copy = if overlaps(input, output) {
+                let copy = if input.overlaps(&output) {
                     std::slice::from_raw_parts(input.ptr, input.size_bytes()).to_vec()
                 } else {
                     Vec::new()
                 };
-                let send: *const c_void = if overlaps(input, output) {
+                let send: *const c_void = if input.overlaps(&output) {
                     copy.as_ptr().cast()
                 } else {
                     input.ptr.cast_const().cast()
@@ -920,6 +913,23 @@ impl MpiCore {
                 let dt = datatype(input.dtype);
                 self.run_blocking(&ctx, "MPI_Allgather", || {
                     ffi::MPI_Allgather(send, n, dt, output.ptr.cast(), n, dt, comm)
+                })?;
+            }
+            Operation::AllToAll { input, output } => {
+                // `validate` guarantees equal lengths, a multiple of the group size, and
+                // no overlap (MPI forbids aliasing send and receive buffers).
+                let per_rank = count(&ctx, input.len / self.size)?;
+                let dt = datatype(input.dtype);
+                self.run_blocking(&ctx, "MPI_Alltoall", || {
+                    ffi::MPI_Alltoall(
+                        input.ptr.cast_const().cast(),
+                        per_rank,
+                        dt,
+                        output.ptr.cast(),
+                        per_rank,
+                        dt,
+                        comm,
+                    )
                 })?;
             }
             Operation::Broadcast { buf, root } => {

@@ -326,9 +326,9 @@ impl RankCore {
         }
         let input = match op {
             Operation::AllReduce { buf, .. } | Operation::Broadcast { buf, .. } => buf.ptr,
-            Operation::ReduceScatter { input, .. } | Operation::AllGather { input, .. } => {
-                input.ptr
-            }
+            Operation::ReduceScatter { input, .. }
+            | Operation::AllGather { input, .. }
+            | Operation::AllToAll { input, .. } => input.ptr,
             _ => std::ptr::null_mut(),
         };
         me.input.store(input, Ordering::Relaxed);
@@ -417,6 +417,20 @@ impl RankCore {
                     // `std::ptr::copy` (memmove): an in-place all-gather passes a chunk
                     // of the output as this rank's input.
                     std::ptr::copy(*src, output.ptr.add(k * bytes), bytes);
+                }
+            }
+            Operation::AllToAll { output, .. } => {
+                // Pull, like all-gather: chunk `rank` of every peer's input into chunk
+                // `src` of ours. The fingerprint check guaranteed equal lengths, so
+                // every peer's input has the chunk; the done phase keeps it alive
+                // until all ranks have copied; `validate` rejected overlapping views.
+                let chunk_bytes = output.size_bytes() / size;
+                for (src, input) in peers.iter().enumerate() {
+                    std::ptr::copy_nonoverlapping(
+                        input.add(rank * chunk_bytes),
+                        output.ptr.add(src * chunk_bytes),
+                        chunk_bytes,
+                    );
                 }
             }
             Operation::Broadcast { buf, root } => {

@@ -2,8 +2,8 @@
 //! handling (killed, stuck, erroring workers; desync) and the device mesh.
 
 use meshtrain_comm::{
-    conformance, reference_reduce, CommConfig, CommError, DeviceMesh, MeshAxis, MeshError, RawBuf,
-    ReduceOp, ThreadsWorld, WorkerFailure,
+    conformance, reference_reduce, CommConfig, CommError, DeviceMesh, MeshAxis, MeshError,
+    ProcessGroup, RawBuf, ReduceOp, ThreadsWorld, WorkerFailure,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -159,18 +159,23 @@ fn panicking_worker_fails_the_others_quickly() {
     );
 }
 
-#[test]
-fn stuck_worker_times_out_with_the_missing_rank() {
+/// Runs `n` workers; after barrier #1 the last one stops calling collectives (a hang
+/// outside communication) while the others call collective #2 through `call`. They
+/// must fail within the 1 s timeout naming `op`, #2, the group and the last rank: the
+/// first to time out marks the group broken, so a peer waiting alongside it may get
+/// `Broken` with that timeout as the cause.
+fn stuck_last_rank_times_out(
+    n: usize,
+    op: &'static str,
+    call: fn(&dyn ProcessGroup) -> Result<(), CommError>,
+) {
     let start = Instant::now();
-    let result = ThreadsWorld::run(2, config(1.0), |g| {
-        let mut buf = vec![1.0f32; 10];
+    let result = ThreadsWorld::run(n, config(1.0), move |g| {
         g.barrier()?;
-        if g.rank() == 1 {
-            // Stops calling collectives (a hang outside communication).
+        if g.rank() == g.size() - 1 {
             std::thread::sleep(Duration::from_secs(20));
         }
-        g.all_reduce((&mut buf).into(), ReduceOp::Max)?;
-        Ok::<_, CommError>(())
+        call(g.as_ref())
     });
     let elapsed = start.elapsed();
     let err = expect_one_world_failure(result);
@@ -180,19 +185,47 @@ fn stuck_worker_times_out_with_the_missing_rank() {
         elapsed >= Duration::from_secs(1),
         "timed out early: {elapsed:?}"
     );
-    match &err.failures[..] {
-        [(0, WorkerFailure::Error(CommError::Timeout { ctx, missing, .. })), (1, WorkerFailure::Abandoned)] =>
-        {
-            assert_eq!((ctx.op, ctx.seq, &*ctx.group), ("all_reduce", 2, "world"));
-            assert_eq!(missing, &vec![1]);
-        }
-        other => panic!("unexpected failures {other:?}"),
-    }
-    assert!(
-        err.to_string()
-            .contains("rank(s) [1] (global) did not arrive"),
-        "{err}"
+    let stuck = n - 1;
+    let timeout_text = format!(
+        "{op} #2 on group 'world' timed out after 1s: rank(s) [{stuck}] (global) did not arrive"
     );
+    assert_eq!(err.failures.len(), n, "{err}");
+    let mut timeouts = 0;
+    for (rank, failure) in &err.failures {
+        match failure {
+            WorkerFailure::Error(CommError::Timeout { ctx, missing, .. }) if *rank != stuck => {
+                assert_eq!((ctx.op, ctx.seq, &*ctx.group), (op, 2, "world"));
+                assert_eq!(missing, &vec![stuck]);
+                timeouts += 1;
+            }
+            WorkerFailure::Error(CommError::Broken { ctx, cause }) if *rank != stuck => {
+                assert_eq!((ctx.op, ctx.seq, &*ctx.group), (op, 2, "world"));
+                assert!(cause.contains(&timeout_text), "{cause}");
+            }
+            WorkerFailure::Abandoned if *rank == stuck => {}
+            other => panic!("unexpected failure of rank {rank}: {other:?}"),
+        }
+    }
+    assert!(timeouts >= 1, "no rank timed out: {err}");
+    let message = err.to_string();
+    assert!(message.contains(&timeout_text), "{message}");
+}
+
+#[test]
+fn stuck_worker_times_out_with_the_missing_rank() {
+    stuck_last_rank_times_out(2, "all_reduce", |g| {
+        let mut buf = vec![1.0f32; 10];
+        g.all_reduce((&mut buf).into(), ReduceOp::Max)
+    });
+}
+
+#[test]
+fn stuck_worker_times_out_an_all_to_all_with_the_missing_rank() {
+    stuck_last_rank_times_out(3, "all_to_all", |g| {
+        let input = vec![1.0f32; 4 * g.size()];
+        let mut output = vec![0.0f32; 4 * g.size()];
+        g.all_to_all((&input).into(), (&mut output).into())
+    });
 }
 
 #[test]
