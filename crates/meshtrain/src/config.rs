@@ -7,6 +7,7 @@ use crate::presets::{build_model, Task};
 use anyhow::{anyhow, bail, Context, Result};
 use meshtrain_nn::models::{GptConfig, LeNetVariant};
 use meshtrain_nn::optim::{OptimizerConfig, ParamGroup, ParamGroups, Selector};
+use meshtrain_parallel::context::CpMode;
 use meshtrain_parallel::data::{DdpConfig, GradCompression};
 use meshtrain_parallel::layout::Recompute;
 pub use meshtrain_parallel::parallelize::DpMode;
@@ -85,6 +86,15 @@ pub struct ParallelConfig {
     /// is `dp × tp × pp`. 1 = none.
     #[serde(default = "one_usize")]
     pub tp: usize,
+    /// Context-parallel workers per replica: each sequence is spread over `cp` workers
+    /// (GPT only; the world is `dp × tp × pp × cp`). 1 = none. See docs/long-sequences.md.
+    #[serde(default = "one_usize")]
+    pub cp: usize,
+    /// How attention spreads over the context-parallel workers: "ring" (key/value blocks
+    /// passed around, overlapped with compute) or "ulysses" (all-to-all to whole sequences of
+    /// a share of the heads; needs the heads divisible by tp × cp).
+    #[serde(default)]
+    pub cp_mode: CpMode,
     /// Sequence parallelism inside tensor parallelism: layer norms and residuals hold each
     /// worker's share of the tokens (needs tp > 1 and the sequence length divisible by tp).
     #[serde(default)]
@@ -137,6 +147,8 @@ impl Default for ParallelConfig {
         ParallelConfig {
             dp: 1,
             tp: 1,
+            cp: 1,
+            cp_mode: CpMode::Ring,
             sequence_parallel: false,
             dp_mode: DpMode::Ddp,
             bucket_cap_mb: default_bucket_mb(),
@@ -400,6 +412,9 @@ impl Config {
         if p.tp == 0 {
             bail!("parallel.tp must be at least 1");
         }
+        if p.cp == 0 {
+            bail!("parallel.cp must be at least 1");
+        }
         if t.accumulation_steps == 0 {
             bail!("train.accumulation_steps must be at least 1");
         }
@@ -441,6 +456,9 @@ impl Config {
             resolved.schedule.num_chunks(),
             resolved.layout.tp,
         )?;
+        let l = &resolved.layout;
+        meshtrain_parallel::context::check(&model, l.cp, options.cp_mode, l.tp)
+            .with_context(|| format!("parallel.cp_mode = \"{}\"", options.cp_mode))?;
         Ok(())
     }
 
@@ -471,6 +489,7 @@ impl Config {
             dp: p.dp,
             pp: p.pp,
             tp: p.tp,
+            cp: p.cp,
             sp: p.sequence_parallel,
             schedule: p
                 .schedule
@@ -522,6 +541,7 @@ impl Config {
                 reshard_after_forward: p.reshard_after_forward,
             },
             memory_limit_mb: self.train.memory_limit_mb,
+            cp_mode: p.cp_mode,
         })
     }
 

@@ -94,6 +94,11 @@ struct TrainArgs {
     /// parallel.sequence_parallel=true adds sequence parallelism.
     #[arg(long)]
     tp: Option<usize>,
+    /// Context-parallel workers: each sequence is spread over C workers (GPT only; world =
+    /// dp × tp × pp × cp). Same as --set parallel.cp=C; --set parallel.cp_mode="ulysses"
+    /// picks Ulysses over the default ring attention.
+    #[arg(long)]
+    cp: Option<usize>,
     /// Matrix products in fp32, bf16 or fp16 (mixed precision with f32 master weights; fp16
     /// adds dynamic loss scaling). Same as --set train.precision=P.
     #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
@@ -150,6 +155,9 @@ fn train(args: &TrainArgs) -> Result<()> {
     }
     if let Some(tp) = args.tp {
         overrides.push(format!("parallel.tp={tp}"));
+    }
+    if let Some(cp) = args.cp {
+        overrides.push(format!("parallel.cp={cp}"));
     }
     if let Some(precision) = &args.precision {
         overrides.push(format!("train.precision={}", toml_string(precision)));

@@ -9,12 +9,48 @@ use meshtrain_tensor::attention::{
 use meshtrain_tensor::flash::{flash_attention_backward, flash_attention_forward};
 use meshtrain_tensor::{DType, Tensor};
 
-/// Token + learned position embedding. Input: token ids `[B, T]` carried as exact f32 values.
+/// Which tokens of every sequence a worker holds. Under context parallelism the sequence is
+/// cut into `2·parts` equal chunks and worker `index` holds chunks `index` and
+/// `2·parts − 1 − index`, in that order: under a causal mask the early chunks attend to few
+/// keys and the late ones to many, so pairing them gives every worker the same attention
+/// work (Megatron-LM's and ring attention's load balancing). `parts = 1`: the whole sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SequenceShard {
+    pub parts: usize,
+    pub index: usize,
+}
+
+impl Default for SequenceShard {
+    fn default() -> Self {
+        SequenceShard { parts: 1, index: 0 }
+    }
+}
+
+impl SequenceShard {
+    /// The two chunks this worker holds (their indices among the `2·parts`).
+    pub fn chunks(&self) -> [usize; 2] {
+        [self.index, 2 * self.parts - 1 - self.index]
+    }
+
+    /// The position in the whole sequence of token `i` of the `local` tokens held.
+    pub fn position(&self, i: usize, local: usize) -> usize {
+        if self.parts == 1 {
+            return i;
+        }
+        let chunk = local / 2;
+        self.chunks()[i / chunk] * chunk + i % chunk
+    }
+}
+
+/// Token + learned position embedding. Input: token ids `[B, T]` carried as exact f32 values
+/// (under context parallelism `[B, T/cp]`: this worker's tokens, placed by `sequence`).
 pub struct GptEmbedding {
     pub vocab: usize,
     pub max_seq: usize,
     pub dim: usize,
     pub init_std: f32,
+    /// Which tokens of each sequence the input holds (their positions).
+    pub sequence: SequenceShard,
 }
 
 impl Layer for GptEmbedding {
@@ -53,7 +89,8 @@ impl Layer for GptEmbedding {
                 "token id {id} outside vocabulary of {}",
                 self.vocab
             );
-            let (te, pe) = (&tok[id * d..][..d], &pos[(i % t) * d..][..d]);
+            let at = self.sequence.position(i % t, t);
+            let (te, pe) = (&tok[id * d..][..d], &pos[at * d..][..d]);
             for k in 0..d {
                 row[k] = te[k] + pe[k];
             }
@@ -78,7 +115,7 @@ impl Layer for GptEmbedding {
         for (i, (row, &id)) in dy.data().chunks(d).zip(ids.data()).enumerate() {
             let gt = &mut gtok[id as usize * d..][..d];
             gt.iter_mut().zip(row).for_each(|(a, v)| *a += v);
-            let gp = &mut gpos[(i % t) * d..][..d];
+            let gp = &mut gpos[self.sequence.position(i % t, t) * d..][..d];
             gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
         }
         None
@@ -94,8 +131,8 @@ pub enum AttentionKind {
     #[default]
     Standard,
     /// Memory-efficient: keeps the output and `H·T` log-sum-exps, recomputes score tiles in
-    /// backward ([`meshtrain_tensor::flash`]); products in f32 whatever the precision (the
-    /// kept q/k/v and output are stored in it).
+    /// backward ([`meshtrain_tensor::flash`]); products in the layer's precision too (the
+    /// kept q/k/v and output are stored in it, the log-sum-exps in f32).
     Flash,
 }
 
@@ -138,7 +175,7 @@ impl Layer for AttentionCore {
     fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let shape = self.shape(&qkv);
         if self.kind == AttentionKind::Flash {
-            let (out, lse) = flash_attention_forward(shape, qkv.data());
+            let (out, lse) = flash_attention_forward(shape, qkv.data(), self.precision);
             let out = Tensor::from_vec(out, &[shape.batch, shape.seq, self.dim]);
             if mode.train {
                 s.keep(qkv, self.precision);
@@ -175,6 +212,7 @@ impl Layer for AttentionCore {
                 out.data(),
                 lse.data(),
                 dy.data(),
+                self.precision,
             );
             let shape = qkv.shape().to_vec();
             for dead in [qkv, out, lse, dy] {

@@ -507,6 +507,8 @@ fn gpt_embedding_param_grads() {
         max_seq: 6,
         dim: 4,
         init_std: 0.5,
+
+        sequence: Default::default(),
     };
     // Id 3 appears three times: its gradient row must accumulate.
     let ids = vec![3.0, 0.0, 10.0, 3.0, 7.0, 3.0, 1.0, 2.0, 5.0, 9.0];

@@ -346,6 +346,8 @@ fn embedding() {
         max_seq: t,
         dim: 4,
         init_std: 0.02,
+
+        sequence: Default::default(),
     };
     let mut params = f.values_shaped("param.weight", &[11, 4]);
     params.extend(vec![0.0; t * 4]);

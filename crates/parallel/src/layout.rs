@@ -114,7 +114,11 @@ impl Layout {
             ));
         }
         self.check_implemented()?;
-        crate::tensor::check(model, self.tp, self.sp)
+        crate::tensor::check(model, self.tp, self.sp, self.cp)
+            .map_err(|e| LayoutError::Invalid(e.to_string()))?;
+        // What every context-parallel mode needs (Ulysses' heads are checked where the mode
+        // is known: `parallelize`, and the command's config check).
+        crate::context::check_sequence(model, self.cp)
             .map_err(|e| LayoutError::Invalid(e.to_string()))?;
         let m = self.micro_batch_count(global_batch)?;
         let schedule = Schedule::new(self.schedule, self.pp, m).map_err(|e| {
@@ -186,12 +190,6 @@ impl Layout {
                  needs tp > 1"
                     .into(),
             ));
-        }
-        if self.cp > 1 {
-            return not_yet(
-                format!("cp={}", self.cp),
-                "context parallelism is an open issue",
-            );
         }
         if self.zero >= 2 && self.pp > 1 {
             return not_yet(

@@ -10,6 +10,9 @@
 //!   and the naive single-master DataParallel mode, behind one [`data::GradSync`] interface.
 //! * [`tensor`]: tensor parallelism (column/row-parallel linears, heads, vocab-parallel
 //!   embedding and cross-entropy) and sequence parallelism, by a model's plan.
+//! * [`context`]: context parallelism — one sequence over several workers, attention by ring
+//!   (key/value blocks passed around, overlapped with the block products) or Ulysses
+//!   (all-to-all to whole sequences of a share of the heads).
 //! * [`zero`]: ZeRO stages 1–3 (FSDP): data parallelism with sharded optimizer state,
 //!   gradients and parameters, one more [`data::GradSync`].
 //! * [`tied`]: parameters shared by several blocks (tied embeddings), across stages.
@@ -17,6 +20,7 @@
 //!
 //! Process groups are passed in explicitly (`Arc<dyn ProcessGroup>`); nothing here is global.
 
+pub mod context;
 pub mod data;
 pub mod layout;
 pub mod memory;
@@ -59,6 +63,8 @@ pub enum ParallelError {
     Mesh(#[from] meshtrain_comm::MeshError),
     #[error(transparent)]
     Tensor(#[from] tensor::TensorError),
+    #[error(transparent)]
+    Context(#[from] context::ContextError),
     #[error("mixed precision: {0}")]
     Precision(String),
     /// The layout's model states exceed the memory limit (`crate::memory::check_limit`).

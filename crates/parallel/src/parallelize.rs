@@ -44,6 +44,7 @@
 //! loss and norm shared over the world
 //! ```
 
+use crate::context::{CpContext, CpMode};
 pub use crate::data::DpMode;
 use crate::data::{
     grad_sync, CommTiming, DataParallel, DataParallelConfig, DdpConfig, GradSync,
@@ -60,7 +61,7 @@ use crate::tied::TiedGrads;
 use crate::timeline::{Category, Timeline};
 use crate::zero::{FullState, ZeroOptions, ZeroStage, ZeroSync};
 use crate::{Batch, ParallelError};
-use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp};
+use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, MeshLayout, ProcessGroup, ReduceOp};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, ParamGroups};
 use meshtrain_nn::{Loss, LossValue, Model, ParamStore, ShardSpec};
 use serde::Serialize;
@@ -90,6 +91,8 @@ pub struct ParallelOptions {
     pub inject_overflow: Option<(u64, usize)>,
     /// ZeRO's prefetching and resharding (the stage is part of the layout).
     pub zero: ZeroOptions,
+    /// How attention spreads over the context-parallel group (cp > 1).
+    pub cp_mode: CpMode,
     /// Refuse the layout when a worker's model states would exceed this many MiB
     /// ([`crate::memory::check_limit`]), before any parameter is allocated.
     pub memory_limit_mb: Option<f64>,
@@ -134,6 +137,14 @@ pub struct StepTimes {
     pub tp_comm_s: f64,
     /// Tensor parallelism: elements through tensor-parallel collectives.
     pub tp_comm_elems: u64,
+    /// Context parallelism: time attention waited for key/value blocks or all-to-alls
+    /// (included in `forward_s` and `backward_s`).
+    pub cp_comm_s: f64,
+    /// Context parallelism: time the transfers ran on the communication thread (the part
+    /// beyond `cp_comm_s` was hidden behind the block products).
+    pub cp_comm_busy_s: f64,
+    /// Context parallelism: elements this worker sent.
+    pub cp_comm_elems: u64,
 }
 
 impl StepTimes {
@@ -149,6 +160,9 @@ impl StepTimes {
         self.pipeline_idle_s += other.pipeline_idle_s;
         self.tp_comm_s += other.tp_comm_s;
         self.tp_comm_elems += other.tp_comm_elems;
+        self.cp_comm_s += other.cp_comm_s;
+        self.cp_comm_busy_s += other.cp_comm_busy_s;
+        self.cp_comm_elems += other.cp_comm_elems;
     }
 
     /// The times accumulated since `before` (an earlier copy of the same sum).
@@ -165,6 +179,9 @@ impl StepTimes {
             pipeline_idle_s: self.pipeline_idle_s - before.pipeline_idle_s,
             tp_comm_s: self.tp_comm_s - before.tp_comm_s,
             tp_comm_elems: self.tp_comm_elems - before.tp_comm_elems,
+            cp_comm_s: self.cp_comm_s - before.cp_comm_s,
+            cp_comm_busy_s: self.cp_comm_busy_s - before.cp_comm_busy_s,
+            cp_comm_elems: self.cp_comm_elems - before.cp_comm_elems,
         }
     }
 }
@@ -254,6 +271,7 @@ pub struct Parallel {
     sums: Option<Arc<GroupStatsReducer>>,
     tp_sync: TpGradSync,
     tp_context: Option<TpContext>,
+    cp_context: Option<CpContext>,
     /// The workers whose gradients make up one whole gradient: one replica's pp × tp, or
     /// under ZeRO every worker (each owns other pieces). Gradient norms are summed over them.
     norm_group: Arc<dyn ProcessGroup>,
@@ -278,27 +296,56 @@ pub fn parallelize(
         &[
             (MeshAxis::Dp, l.dp),
             (MeshAxis::Pp, l.pp),
+            (MeshAxis::Cp, l.cp),
             (MeshAxis::Tp, l.tp),
         ],
     )?;
-    let (dp, pp, tp) = (
+    let (dp, pp, tp, cp) = (
         mesh.group(MeshAxis::Dp).clone(),
         mesh.group(MeshAxis::Pp).clone(),
         mesh.group(MeshAxis::Tp).clone(),
+        mesh.group(MeshAxis::Cp).clone(),
     );
+    // Gradients are averaged over every worker that holds the same parameters on other
+    // data: the replicas, and under context parallelism the sequence chunks (Megatron's
+    // data-parallel × context-parallel group).
+    let data = if l.cp == 1 {
+        dp.clone()
+    } else {
+        let members = ranks_sharing(mesh.layout(), world.rank(), &[MeshAxis::Pp, MeshAxis::Tp])?;
+        world.new_named_subgroup(&members, &format!("dp-cp{members:?}"))?
+    };
+
+    // Context parallelism's conditions are on the whole model (heads before the split).
+    crate::context::check(model, l.cp, options.cp_mode, l.tp)?;
+    if l.cp > 1 && options.dp_mode == DpMode::SingleMaster {
+        return Err(ParallelError::Layout(crate::LayoutError::Invalid(format!(
+            "cp={}: the single master scatters whole samples; context parallelism needs \
+             dp_mode = ddp",
+            l.cp
+        ))));
+    }
 
     // 1. Tensor parallelism: the layers split by the model's plan (and the loss with them).
     let tp_context = (l.tp > 1).then(|| {
         let seq = model.input().and_then(|i| i.shape.first().copied());
-        TpContext::new(tp.clone(), l.sp, seq.unwrap_or(1))
+        TpContext::new(tp.clone(), l.sp, seq.unwrap_or(1) / l.cp)
     });
     let mut loss = training.loss.clone();
     if let Some(ctx) = &tp_context {
-        crate::tensor::check(model, l.tp, l.sp)?;
+        crate::tensor::check(model, l.tp, l.sp, l.cp)?;
         let whole = std::mem::replace(model, Model::new(Vec::new()));
         let (split, output) = crate::tensor::parallelize(whole, ctx);
         *model = split;
         loss = crate::tensor::parallel_loss(loss, output, ctx)?;
+    }
+
+    // 1a. Context parallelism: attention over the sequence spread on the cp group, the
+    // embedding told its tokens' positions (on tensor parallelism's share of the heads).
+    let cp_context = (l.cp > 1).then(|| CpContext::new(cp.clone(), options.cp_mode));
+    if let Some(ctx) = &cp_context {
+        let whole = std::mem::replace(model, Model::new(Vec::new()));
+        *model = crate::context::parallelize(whole, ctx);
     }
 
     // 1b. Precision: products in bf16/f16 with f32 accumulation; fp16 scales the loss.
@@ -311,14 +358,18 @@ pub fn parallelize(
     )?;
 
     // 2. Pipeline: this worker's chunks (the whole model when pp = 1).
+    let sample = match (sample, &cp_context) {
+        (Some(b), Some(ctx)) => Some(crate::context::shard_batch(b.clone(), ctx.shard())?),
+        (b, _) => b.cloned(),
+    };
     let probe = TimeProbe {
         world: world.as_ref(),
-        sample: sample.map(|b| (&b.x, b.y.as_slice())),
+        sample: sample.as_ref().map(|b| (&b.x, b.y.as_slice())),
         loss: loss.as_ref(),
     };
     // A sharded data-parallel mode keeps pieces: the stage does not materialise what it
     // shards (ZeRO-2 gradients; ZeRO-3 parameters too, initialised piece by piece).
-    let zero = ZeroStage::from_level(l.zero).filter(|_| l.dp > 1);
+    let zero = ZeroStage::from_level(l.zero).filter(|_| data.size() > 1);
     let stores = match zero {
         Some(ZeroStage::Parameters) => StageStores::BuffersOnly,
         Some(ZeroStage::Gradients) => StageStores::WithoutGradients,
@@ -352,14 +403,12 @@ pub fn parallelize(
         stores,
     )?;
 
-    // 3. Context parallelism: not yet (`Layout::resolve` rejects cp > 1).
-
-    // 4. Data parallelism: how the replicas stay equal.
+    // 4. Data parallelism: how the replicas (and context-parallel workers) stay equal.
     let DataParallel { mut sync, sums } = grad_sync(
         model,
         &mut stage.chunks,
         layout.schedule.workers,
-        &dp,
+        &data,
         DataParallelConfig {
             mode: options.dp_mode,
             ddp: options.ddp,
@@ -403,8 +452,8 @@ pub fn parallelize(
     } else if l.tp == 1 {
         pp.clone()
     } else {
+        let members = ranks_sharing(mesh.layout(), world.rank(), &[MeshAxis::Dp, MeshAxis::Cp])?;
         let d = mesh.coordinate(MeshAxis::Dp);
-        let members: Vec<usize> = (0..l.pp * l.tp).map(|i| d * l.pp * l.tp + i).collect();
         world.new_named_subgroup(&members, &format!("mp[dp{d}]"))?
     };
 
@@ -437,9 +486,33 @@ pub fn parallelize(
         sums,
         tp_sync,
         tp_context,
+        cp_context,
         norm_group,
         scaling,
     })
+}
+
+/// The world ranks whose coordinates on `axes` equal `rank`'s, in rank order.
+fn ranks_sharing(
+    layout: &MeshLayout,
+    rank: usize,
+    axes: &[MeshAxis],
+) -> Result<Vec<usize>, ParallelError> {
+    let mine: Vec<usize> = axes
+        .iter()
+        .map(|&a| layout.coordinate(rank, a))
+        .collect::<Result<_, _>>()?;
+    let mut members = Vec::new();
+    for r in 0..layout.world_size() {
+        let theirs: Vec<usize> = axes
+            .iter()
+            .map(|&a| layout.coordinate(r, a))
+            .collect::<Result<_, _>>()?;
+        if theirs == mine {
+            members.push(r);
+        }
+    }
+    Ok(members)
 }
 
 impl Parallel {
@@ -458,6 +531,20 @@ impl Parallel {
     /// World rank 0 (stage 0 of replica 0) prints, logs and writes files.
     pub fn is_lead(&self) -> bool {
         self.world().rank() == 0
+    }
+
+    /// What this worker's context-parallel attention communicated so far (`None` without
+    /// context parallelism).
+    pub fn cp_comm(&self) -> Option<crate::context::CpComm> {
+        self.cp_context.as_ref().map(|c| c.stats.snapshot())
+    }
+
+    /// This worker's tokens of a replica's batch (all of them without context parallelism).
+    fn own_tokens(&self, batch: Batch) -> Result<Batch, ParallelError> {
+        match &self.cp_context {
+            Some(ctx) => Ok(crate::context::shard_batch(batch, ctx.shard())?),
+            None => Ok(batch),
+        }
     }
 
     /// What this worker's tensor-parallel layers communicated so far (`None` without tensor
@@ -499,7 +586,12 @@ impl Parallel {
     /// The (rank, world) of the share of each global batch this worker loads, or `None` if
     /// it receives its share (the single master's other replicas).
     pub fn loads(&self) -> Option<(usize, usize)> {
-        self.sync.loads()
+        // The synchronisation runs over dp × cp workers; the context-parallel workers of a
+        // replica load the same samples (and each keeps its tokens).
+        let cp = self.mesh.size(MeshAxis::Cp);
+        self.sync
+            .loads()
+            .map(|(rank, size)| (rank / cp, size.div_ceil(cp)))
     }
 
     /// This replica's share of a step's batch from what this worker loaded.
@@ -522,12 +614,14 @@ impl Parallel {
         clip: Option<f32>,
         mut timeline: Option<&mut Timeline>,
     ) -> Result<StepStats, ParallelError> {
+        let share = self.own_tokens(share)?;
         let micro = MicroBatches::split_owned(share.x, share.y, self.layout.micro_batches())?;
         let pp = self.mesh.group(MeshAxis::Pp).clone();
         if let Some(t) = timeline.as_deref_mut() {
             t.clear();
         }
         let tp_before = self.tp_comm().unwrap_or_default();
+        let cp_before = self.cp_comm().unwrap_or_default();
         let Parallel {
             stage,
             sync,
@@ -571,6 +665,11 @@ impl Parallel {
             let tp = now.since(&tp_before);
             (times.tp_comm_s, times.tp_comm_elems) = (tp.wait_s, tp.elems());
         }
+        if let Some(now) = self.cp_comm() {
+            let cp = now.since(&cp_before);
+            (times.cp_comm_s, times.cp_comm_busy_s, times.cp_comm_elems) =
+                (cp.exposed_s, cp.busy_s, cp.elems);
+        }
 
         let t = Instant::now();
         let mut norm = 0.0;
@@ -611,7 +710,8 @@ impl Parallel {
         // the norm. Every worker gets both (for logs and the divergence check).
         let t = Instant::now();
         let world = self.mesh.world();
-        let replicas = self.mesh.size(MeshAxis::Dp) as f32;
+        // Context-parallel workers each have the mean over their tokens (equal counts).
+        let replicas = (self.mesh.size(MeshAxis::Dp) * self.mesh.size(MeshAxis::Cp)) as f32;
         let reports = self.mesh.coordinate(MeshAxis::Tp) == 0;
         let mut shared = [
             report
@@ -656,7 +756,14 @@ impl Parallel {
         sums: &mut EvalSums,
     ) -> Result<(), ParallelError> {
         let pp = self.mesh.group(MeshAxis::Pp).clone();
-        let samples = batch.samples;
+        // The sums run over dp × cp workers: one of a replica's context-parallel workers
+        // counts its samples, each its tokens' losses.
+        let samples = if self.mesh.coordinate(MeshAxis::Cp) == 0 {
+            batch.samples
+        } else {
+            0
+        };
+        let batch = self.own_tokens(batch)?;
         let micro = MicroBatches {
             inputs: vec![batch.x],
             targets: vec![batch.y],

@@ -31,7 +31,7 @@ use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, ReduceOp, 
 use meshtrain_nn::layers::Linear;
 use meshtrain_nn::loss::{LossError, LossValue};
 use meshtrain_nn::models::gpt;
-use meshtrain_nn::transformer::{AttentionCore, GptEmbedding};
+use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
 use meshtrain_nn::{Kept, Layer, Loss, Mode, Model, ParamSpec, Saved, ShardSpec, TpStyle};
 use meshtrain_tensor::activation::fast_exp;
 use meshtrain_tensor::par::take_buffer;
@@ -580,6 +580,19 @@ impl VocabParallelEmbedding {
         }
     }
 
+    /// The same split embedding holding the tokens `sequence` of each sequence (context
+    /// parallelism).
+    pub(crate) fn with_sequence(&self, sequence: SequenceShard) -> Self {
+        VocabParallelEmbedding {
+            whole: GptEmbedding {
+                sequence,
+                ..self.whole
+            },
+            specs: self.specs.clone(),
+            tp: self.tp.clone(),
+        }
+    }
+
     /// This rank's vocabulary rows: `[start, start + rows)`.
     fn rows(&self) -> Range<usize> {
         let rows = self.specs[0].shape[0];
@@ -589,6 +602,11 @@ impl VocabParallelEmbedding {
 }
 
 impl Layer for VocabParallelEmbedding {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        // Context parallelism finds it to tell it its tokens' positions.
+        Some(self)
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         self.specs.clone()
     }
@@ -618,7 +636,8 @@ impl Layer for VocabParallelEmbedding {
             (y, 0)
         };
         for (i, row) in y.chunks_mut(d).enumerate() {
-            let pe = &pos[((first_row + i) % t) * d..][..d];
+            let at = self.whole.sequence.position((first_row + i) % t, t);
+            let pe = &pos[at * d..][..d];
             row.iter_mut().zip(pe).for_each(|(v, p)| *v += p);
         }
         if mode.train {
@@ -654,7 +673,8 @@ impl Layer for VocabParallelEmbedding {
         // Position gradients from this rank's rows (all of them without sequence
         // parallelism; summed over the group later with it).
         for (i, row) in dy.data().chunks(d).enumerate() {
-            let gp = &mut gpos[((first_row + i) % t) * d..][..d];
+            let at = self.whole.sequence.position((first_row + i) % t, t);
+            let gp = &mut gpos[at * d..][..d];
             gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
         }
         let full = if tp.sequence_parallel {
@@ -789,7 +809,7 @@ pub enum TpOutput {
 }
 
 /// A layer's path: block and child names joined by dots, empty names skipped.
-fn join(prefix: &str, name: &str) -> String {
+pub(crate) fn join(prefix: &str, name: &str) -> String {
     match (prefix.is_empty(), name.is_empty()) {
         (_, true) => prefix.to_string(),
         (true, false) => name.to_string(),
@@ -807,9 +827,14 @@ fn style_of(model: &Model, path: &str) -> Option<TpStyle> {
 }
 
 /// Checks, without building anything, that `model` splits over `tp` ranks: the plan exists,
-/// and heads, split features and (with sequence parallelism) the tokens per sample divide
-/// by `tp`. The errors name the layer and the number.
-pub fn check(model: &Model, tp: usize, sequence_parallel: bool) -> Result<(), TensorError> {
+/// and heads, split features and (with sequence parallelism) the tokens per sample of each of
+/// `cp` context-parallel workers divide by `tp`. The errors name the layer and the number.
+pub fn check(
+    model: &Model,
+    tp: usize,
+    sequence_parallel: bool,
+    cp: usize,
+) -> Result<(), TensorError> {
     if tp == 1 {
         return Ok(());
     }
@@ -821,7 +846,12 @@ pub fn check(model: &Model, tp: usize, sequence_parallel: bool) -> Result<(), Te
             .input()
             .and_then(|i| i.shape.first().copied())
             .ok_or(TensorError::NoSequence)?;
-        divides(tp, "the sequence length (tokens per sample)", seq)?;
+        if cp == 1 {
+            divides(tp, "the sequence length (tokens per sample)", seq)?;
+        } else {
+            let what = format!("the tokens per sample on each of cp={cp} workers");
+            divides(tp, &what, seq / cp)?;
+        }
     }
     for block in &model.blocks {
         check_layer(model, block.layer.as_ref(), &block.name, tp)?;

@@ -35,8 +35,8 @@ fn main() {
             std::hint::black_box((o, d));
             best[0] = best[0].min(t.elapsed().as_secs_f64());
             let t = Instant::now();
-            let (o, l) = flash_attention_forward(s, &qkv);
-            let d = flash_attention_backward(s, &qkv, &o, &l, &dout);
+            let (o, l) = flash_attention_forward(s, &qkv, DType::F32);
+            let d = flash_attention_backward(s, &qkv, &o, &l, &dout, DType::F32);
             std::hint::black_box(d);
             best[1] = best[1].min(t.elapsed().as_secs_f64());
         }

@@ -20,7 +20,7 @@ use crate::DType;
 /// One of attention's small products with inputs in `precision`: f32 in place through
 /// [`small_gemm`]; bf16/f16 through [`crate::lowp`] on this thread (AMX packs a 32-row block
 /// in a few hundred cycles, so even these products gain).
-fn product(precision: DType, c: MatMut, a: Mat, b: Mat, accumulate: bool) {
+pub(crate) fn product(precision: DType, c: MatMut, a: Mat, b: Mat, accumulate: bool) {
     match precision {
         DType::F32 => small_gemm(c, a, b, accumulate),
         _ => crate::lowp::gemm_lowp(precision, c, a, b, accumulate, 1),

@@ -18,10 +18,12 @@ pub struct Breakdown {
     pub stages: usize,
     /// Tensor-parallel workers per stage (0 or 1 = none).
     pub tensor: usize,
+    /// Context-parallel workers per replica (0 or 1 = none).
+    pub context: usize,
     pub eval_s: f64,
     pub checkpoint_s: f64,
     pub steps: u64,
-    /// Workers (dp × pp).
+    /// Workers (dp × pp × cp × tp).
     pub workers: usize,
 }
 
@@ -42,12 +44,13 @@ impl Breakdown {
             workers: self.workers,
             stages: self.stages,
             tensor: self.tensor,
+            context: self.context,
             ..Breakdown::default()
         }
     }
 
     /// The accumulated times, in a fixed order, for element-wise reductions across workers.
-    pub fn times_mut(&mut self) -> [&mut f64; 9] {
+    pub fn times_mut(&mut self) -> [&mut f64; 11] {
         let t = &mut self.times;
         [
             &mut self.data_s,
@@ -59,6 +62,8 @@ impl Breakdown {
             &mut t.pipeline_idle_s,
             &mut t.tp_comm_s,
             &mut t.param_gather_s,
+            &mut t.cp_comm_s,
+            &mut t.cp_comm_busy_s,
         ]
     }
 
@@ -98,7 +103,7 @@ impl Breakdown {
     pub fn report(&self) -> String {
         let n = self.steps.max(1) as f64;
         let ms = |s: f64| s / n * 1e3;
-        let per_replica = self.stages.max(1) * self.tensor.max(1);
+        let per_replica = self.stages.max(1) * self.tensor.max(1) * self.context.max(1);
         let dp_workers = self.workers / per_replica;
         let comm = if dp_workers <= 1 && per_replica > 1 {
             "no data-parallel communication (one replica)".to_string()
@@ -126,6 +131,23 @@ impl Breakdown {
         } else {
             String::new()
         };
+        let tensor = if self.times.cp_comm_elems > 0 {
+            let (exposed, busy) = (self.times.cp_comm_s, self.times.cp_comm_busy_s);
+            format!(
+                "{tensor}; context-parallel attention waited {:.1} ms of the compute for \
+                 transfers that ran {:.1} ms ({:.0}% hidden; {:.1} M elements/step sent)",
+                ms(exposed),
+                ms(busy),
+                if busy > 0.0 {
+                    100.0 * (busy - exposed).max(0.0) / busy
+                } else {
+                    0.0
+                },
+                self.times.cp_comm_elems as f64 / n / 1e6
+            )
+        } else {
+            tensor
+        };
         let tensor = if self.times.param_gather_s > 0.0 {
             format!(
                 "{tensor}; ZeRO-3 parameter all-gathers exposed {:.1} ms of the compute",
@@ -138,6 +160,10 @@ impl Breakdown {
             let tp = match self.tensor {
                 0 | 1 => String::new(),
                 t => format!(" × tp {t}"),
+            };
+            let tp = match self.context {
+                0 | 1 => tp,
+                c => format!(" × cp {c}{tp}"),
             };
             (
                 format!(

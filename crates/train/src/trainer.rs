@@ -150,6 +150,7 @@ impl Trainer {
                 workers,
                 stages: resolved.layout.pp,
                 tensor: resolved.layout.tp,
+                context: resolved.layout.cp,
                 ..Breakdown::default()
             },
             total_steps: job.total_steps(),

@@ -58,6 +58,7 @@ pub fn written_checkpoint(out: &Path) -> PathBuf {
 pub fn checkpoint_params(cfg: &Config, checkpoint: &Path) -> Vec<f32> {
     let mut single = cfg.clone();
     single.parallel.tp = 1;
+    single.parallel.cp = 1;
     single.parallel.zero = 0;
     single.parallel.sequence_parallel = false;
     let mut t = single_trainer(&single);

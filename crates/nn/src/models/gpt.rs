@@ -97,6 +97,8 @@ pub fn gpt(cfg: &GptConfig) -> Model {
             max_seq: cfg.seq,
             dim: cfg.dim,
             init_std: 0.02,
+
+            sequence: Default::default(),
         },
     )];
     for i in 0..cfg.layers {

@@ -36,6 +36,12 @@ fn place_shards(
 }
 
 impl Parallel {
+    /// Whether this worker is in replica 0 and its first context-parallel worker: the
+    /// workers whose (identical, unsharded) copies of the parameters stand for all.
+    fn holds_first_copy(&self) -> bool {
+        self.mesh.coordinate(MeshAxis::Dp) == 0 && self.mesh.coordinate(MeshAxis::Cp) == 0
+    }
+
     /// The whole model's parameters, buffers and optimizer state on world rank 0 (`None`
     /// elsewhere): the contents of a standard checkpoint, whatever the layout. `model` is
     /// this worker's (possibly tensor-parallel) model, `whole` the model unsplit, whose
@@ -48,7 +54,7 @@ impl Parallel {
         whole: &Model,
     ) -> Result<Option<(ParamStore, Optimizer)>, ParallelError> {
         let locals = self.local_states(model)?;
-        if self.mesh.coordinate(MeshAxis::Dp) != 0 {
+        if !self.holds_first_copy() {
             return Ok(None);
         }
         // Per local chunk, on tensor-parallel rank 0: [values, buffers, m, v] in the whole
@@ -309,10 +315,7 @@ impl Parallel {
     /// each data-parallel rank its pieces, otherwise data-parallel rank 0 everything. Tied
     /// copies are their primary (written once). Call between steps.
     pub fn own_pieces<'a>(&'a self, model: &Model) -> Vec<StatePiece<'a>> {
-        let (dp, tp) = (
-            self.mesh.coordinate(MeshAxis::Dp),
-            self.mesh.coordinate(MeshAxis::Tp),
-        );
+        let (first, tp) = (self.holds_first_copy(), self.mesh.coordinate(MeshAxis::Tp));
         let second = self.optimizers.iter().any(Optimizer::has_second_moment);
         let zero = self.sync.as_zero_ref();
         let mut out = Vec::new();
@@ -343,7 +346,7 @@ impl Parallel {
                         };
                         (p.piece.start, values, p.state.clone())
                     }
-                    None if dp == 0 => (0, &chunk.store.values[local.clone()], local),
+                    None if first => (0, &chunk.store.values[local.clone()], local),
                     None => continue,
                 };
                 if values.is_empty() {
@@ -364,7 +367,7 @@ impl Parallel {
                     push("v", &optimizer.v[moments]);
                 }
             }
-            if dp == 0 && tp == 0 {
+            if first && tp == 0 {
                 let buffer_base = model.blocks_buffer_range(chunk.blocks.clone()).start;
                 for e in model.buffers() {
                     if chunk.blocks.contains(&e.block) {

@@ -1,0 +1,153 @@
+//! Context parallelism (one sequence spread over `cp` workers) against one worker holding the
+//! whole sequence: 10 GPT steps on the same global batch end at the same parameters up to
+//! the order of floating-point sums (ring attention merges key blocks in another order;
+//! relative L2 ≤ 2e-4, as every layout-equivalence test), alone and composed with data,
+//! tensor (with and without sequence parallelism) and pipeline parallelism and ZeRO. Layouts
+//! that cannot run are refused before work with the numbers; a worker keeps about `1/cp` of
+//! the activations.
+
+use meshtrain::config::Config;
+use meshtrain_comm::{CommConfig, ThreadsWorld};
+use meshtrain_train::RunOptions;
+
+mod common;
+use common::{checkpoint_params, job, rel_diff, root, tiny_gpt_config, written_checkpoint};
+
+const STEPS: u64 = 10;
+
+/// Parameters after 10 steps and the last evaluation loss.
+fn train(extra: &[&str]) -> (Vec<f32>, f64) {
+    let out = tempfile::tempdir().unwrap().keep();
+    let cfg = tiny_gpt_config(&out, STEPS, extra);
+    let summary = (*job(&cfg))
+        .clone()
+        .run(&RunOptions::default())
+        .unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
+    let eval = summary.eval_loss.expect("evaluated");
+    (checkpoint_params(&cfg, &written_checkpoint(&out)), eval)
+}
+
+#[test]
+fn ring_and_ulysses_train_like_one_worker_on_every_layout() {
+    let (single, single_eval) = train(&[]);
+    for layout in [
+        vec!["parallel.cp=2"],
+        vec!["parallel.cp=4"],
+        vec!["parallel.cp=2", "parallel.cp_mode=\"ulysses\""],
+        vec!["parallel.cp=4", "parallel.cp_mode=\"ulysses\""],
+        vec!["parallel.cp=2", "parallel.dp=2"],
+        vec![
+            "parallel.cp=2",
+            "parallel.dp=2",
+            "parallel.cp_mode=\"ulysses\"",
+        ],
+        vec!["parallel.cp=2", "parallel.tp=2"],
+        vec![
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.cp_mode=\"ulysses\"",
+        ],
+        vec!["parallel.cp=2", "parallel.pp=2", "parallel.micro_batches=2"],
+        vec!["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"],
+        vec![
+            "parallel.cp=2",
+            "model.attention=\"flash\"",
+            "parallel.cp_mode=\"ulysses\"",
+        ],
+    ] {
+        let (params, eval) = train(&layout);
+        let d = rel_diff(&params, &single);
+        let de = (eval - single_eval).abs() / single_eval;
+        eprintln!("{layout:?}: parameters {d:.2e}, eval loss {de:.2e}");
+        assert!(d <= 2e-4, "{layout:?}: parameters {d:.2e}");
+        assert!(de <= 1e-5, "{layout:?}: eval loss {eval} vs {single_eval}");
+    }
+}
+
+fn config_error(extra: &[&str]) -> String {
+    let out = tempfile::tempdir().unwrap();
+    let mut o: Vec<String> = [
+        "model.dim=32",
+        "model.layers=2",
+        "model.heads=4",
+        "model.seq=16",
+        "train.batch_size=8",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    o.push(format!("train.out_dir=\"{}\"", out.path().display()));
+    o.extend(extra.iter().map(|s| s.to_string()));
+    let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
+    let e = Config::from_toml_with_overrides(&text, &o)
+        .and_then(|c| c.validate().map(|_| c))
+        .err()
+        .unwrap_or_else(|| panic!("{extra:?} should be refused"));
+    format!("{e:#}")
+}
+
+#[test]
+fn layouts_that_cannot_run_are_refused_with_the_numbers() {
+    let e = config_error(&["parallel.cp=3"]);
+    assert!(
+        e.contains("sequence length is 16, not divisible by 6"),
+        "{e}"
+    );
+    let e = config_error(&["parallel.cp=8", "parallel.cp_mode=\"ulysses\""]);
+    assert!(
+        e.contains("attention heads") && e.contains("not divisible by 8"),
+        "{e}"
+    );
+    let e = config_error(&[
+        "parallel.cp=2",
+        "parallel.tp=4",
+        "parallel.cp_mode=\"ulysses\"",
+    ]);
+    assert!(
+        e.contains("(4/4)") && e.contains("not divisible by 2"),
+        "{e}"
+    );
+    let e = config_error(&["parallel.cp=0"]);
+    assert!(e.contains("parallel.cp must be at least 1"), "{e}");
+    let e = config_error(&["parallel.cp_mode=\"spiral\""]);
+    assert!(e.contains("spiral"), "{e}");
+    let lenet = std::fs::read_to_string(root().join("configs/lenet.toml")).unwrap();
+    let e = Config::from_toml_with_overrides(&lenet, &["parallel.cp=2".to_string()])
+        .and_then(|c| c.validate())
+        .unwrap_err();
+    let e = format!("{e:#}");
+    assert!(e.contains("cp=2") && e.contains("tokens per sample"), "{e}");
+}
+
+#[test]
+fn a_context_parallel_worker_keeps_about_one_cpth_of_the_activations() {
+    let peak = |cp: usize| {
+        let out = tempfile::tempdir().unwrap();
+        let cfg = tiny_gpt_config(
+            out.path(),
+            STEPS,
+            &[
+                "model.seq=128",
+                "model.attention=\"flash\"",
+                &format!("parallel.cp={cp}"),
+            ],
+        );
+        let j = job(&cfg);
+        let peaks = ThreadsWorld::run(cp, CommConfig::default(), move |group| {
+            let mut t = j.trainer(group, Some(1))?;
+            Ok::<_, anyhow::Error>(t.train_step()?.peak_activation_bytes)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        *peaks.iter().max().unwrap() as f64
+    };
+    let one = peak(1);
+    for cp in [2, 4] {
+        let ratio = peak(cp) / one;
+        eprintln!("cp={cp}: {ratio:.3} of one worker's activation bytes");
+        assert!(
+            (ratio - 1.0 / cp as f64).abs() < 0.1 / cp as f64,
+            "cp={cp}: {ratio:.3}"
+        );
+    }
+}

@@ -1,0 +1,807 @@
+//! Context parallelism: one sequence spread over the `cp` workers of a group, so that
+//! activation memory and attention work per worker fall by `cp` (Liu et al. 2023, ring
+//! attention; Jacobs et al. 2023, DeepSpeed-Ulysses; Megatron-LM's context parallelism).
+//!
+//! Every worker of the group holds `T/cp` tokens of each sample: the sequence is cut into
+//! `2·cp` chunks and worker `i` keeps chunks `i` and `2·cp − 1 − i`
+//! ([`SequenceShard`]), so that under the causal mask every worker has the same attention work.
+//! Everything but attention acts on each token alone, so it runs unchanged on the local
+//! tokens: [`shard_batch`] cuts the inputs and targets, the embedding adds the positions of
+//! its tokens, and the loss is each worker's mean over its tokens. Parameters are replicated
+//! over the group and their gradients are averaged over `dp × cp` workers (the data-parallel
+//! synchronisation runs over that group), which is the gradient of the mean over all tokens.
+//!
+//! Attention is the one layer that mixes tokens, and [`parallelize`] replaces it:
+//!
+//! * [`RingAttention`] (`cp_mode = "ring"`): each worker keeps its queries; the key/value
+//!   blocks travel around the ring by send/recv, the next block in flight while the current
+//!   one is multiplied (memory-efficient block kernels, [`meshtrain_tensor::flash`]), the
+//!   partial results merged by the log-sum-exp rule. Backward sends the blocks around again
+//!   with their gradient accumulators, which arrive home after a full turn.
+//! * [`UlyssesAttention`] (`cp_mode = "ulysses"`): an all-to-all turns "my tokens, all heads"
+//!   into "all tokens, my heads" (needs the heads divisible by cp), the model's own attention
+//!   kernel runs on whole sequences, and a second all-to-all turns the output back.
+//!
+//! Layers are rewritten after tensor parallelism, on its share of the heads.
+
+use crate::tensor::VocabParallelEmbedding;
+use crate::Batch;
+use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, Work};
+use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
+use meshtrain_nn::{InputKind, Layer, Mode, Model, Saved};
+use meshtrain_tensor::attention::AttentionShape;
+use meshtrain_tensor::flash::{
+    empty_state, flash_backward_into, flash_forward_into, interleave_heads, row_dots, BlockPair,
+    HeadRows, Heads,
+};
+use meshtrain_tensor::par::{recycle, take_buffer};
+use meshtrain_tensor::{DType, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How attention spreads over the context-parallel group.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpMode {
+    /// Key/value blocks passed around a ring, overlapped with the block products.
+    #[default]
+    Ring,
+    /// All-to-all to whole sequences of a share of the heads, and back.
+    Ulysses,
+}
+
+impl std::fmt::Display for CpMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CpMode::Ring => "ring",
+            CpMode::Ulysses => "ulysses",
+        })
+    }
+}
+
+impl std::str::FromStr for CpMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ring" => Ok(CpMode::Ring),
+            "ulysses" => Ok(CpMode::Ulysses),
+            other => Err(format!(
+                "unknown context-parallel mode '{other}' (expected ring or ulysses)"
+            )),
+        }
+    }
+}
+
+/// Why a model cannot be spread over a context-parallel group.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ContextError {
+    #[error(
+        "cp={cp}: context parallelism spreads token sequences; the model declares no tokens \
+         per sample (its input is not a token sequence)"
+    )]
+    NoSequence { cp: usize },
+    #[error("cp={cp}: {what} is {n}, not divisible by {by}")]
+    NotDivisible {
+        cp: usize,
+        what: String,
+        n: usize,
+        by: usize,
+    },
+    #[error("cp={cp}: the model has no attention layer to spread over the sequence")]
+    NoAttention { cp: usize },
+    #[error(
+        "cp={cp}: the targets are {targets} per batch of {samples} samples × {seq} tokens; \
+         context parallelism needs one target per token"
+    )]
+    Targets {
+        cp: usize,
+        targets: usize,
+        samples: usize,
+        seq: usize,
+    },
+}
+
+/// One worker's context-parallel setting.
+#[derive(Clone)]
+pub struct CpContext {
+    pub group: Arc<dyn ProcessGroup>,
+    pub mode: CpMode,
+    /// What this worker's attention communicated.
+    pub stats: Arc<CpCommStats>,
+}
+
+impl CpContext {
+    pub fn new(group: Arc<dyn ProcessGroup>, mode: CpMode) -> Self {
+        CpContext {
+            group,
+            mode,
+            stats: Arc::default(),
+        }
+    }
+
+    /// The tokens of each sequence this worker holds.
+    pub fn shard(&self) -> SequenceShard {
+        SequenceShard {
+            parts: self.group.size(),
+            index: self.group.rank(),
+        }
+    }
+}
+
+/// Context-parallel communication of one worker: elements it sent, the time its compute
+/// thread waited for transfers (exposed) and the time the transfers took on the
+/// communication thread (hidden behind compute where it exceeds the wait).
+#[derive(Debug, Default)]
+pub struct CpCommStats {
+    elems: AtomicU64,
+    exposed_ns: AtomicU64,
+    busy_ns: AtomicU64,
+}
+
+/// A snapshot of [`CpCommStats`], in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CpComm {
+    pub elems: u64,
+    pub exposed_s: f64,
+    pub busy_s: f64,
+}
+
+impl CpComm {
+    /// What happened since `before` (an earlier snapshot).
+    pub fn since(&self, before: &CpComm) -> CpComm {
+        CpComm {
+            elems: self.elems - before.elems,
+            exposed_s: self.exposed_s - before.exposed_s,
+            busy_s: self.busy_s - before.busy_s,
+        }
+    }
+}
+
+impl CpCommStats {
+    fn sent(&self, elems: usize) {
+        self.elems.fetch_add(elems as u64, Ordering::Relaxed);
+    }
+
+    fn add(counter: &AtomicU64, d: Duration) {
+        counter.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> CpComm {
+        let s = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64 * 1e-9;
+        CpComm {
+            elems: self.elems.load(Ordering::Relaxed),
+            exposed_s: s(&self.exposed_ns),
+            busy_s: s(&self.busy_ns),
+        }
+    }
+}
+
+fn fail(what: &str, e: CommError) -> ! {
+    // Layers cannot return errors; the worker fails with the operation's message.
+    panic!("context parallelism: {what}: {e}")
+}
+
+/// The tokens per sample of `model`'s declared input, if it takes token sequences.
+fn sequence_of(model: &Model) -> Option<usize> {
+    model
+        .input()
+        .filter(|i| matches!(i.kind, InputKind::Tokens { .. }))
+        .and_then(|i| i.shape.first().copied())
+}
+
+/// Checks, without building anything, that `model` spreads over `cp` workers in `mode` after
+/// tensor parallelism over `tp`: it declares its sequence length, which divides into `2·cp`
+/// chunks, it has attention, and under Ulysses each tensor-parallel rank's heads divide by
+/// `cp`. Layers other than attention and the GPT embedding must act on each token alone.
+pub fn check(model: &Model, cp: usize, mode: CpMode, tp: usize) -> Result<(), ContextError> {
+    if cp == 1 {
+        return Ok(());
+    }
+    let heads = check_sequence(model, cp)?;
+    if mode == CpMode::Ulysses {
+        for (path, h) in heads {
+            let local = h / tp.max(1);
+            if !local.is_multiple_of(cp) {
+                return Err(ContextError::NotDivisible {
+                    cp,
+                    what: format!("'{path}' attention heads per tensor-parallel rank ({h}/{tp})"),
+                    n: local,
+                    by: cp,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What every mode needs: the model declares its sequence length, which divides into `2·cp`
+/// chunks, and it has attention. Returns (path, heads) of its attention layers.
+pub fn check_sequence(model: &Model, cp: usize) -> Result<Vec<(String, usize)>, ContextError> {
+    if cp == 1 {
+        return Ok(Vec::new());
+    }
+    let seq = sequence_of(model).ok_or(ContextError::NoSequence { cp })?;
+    if !seq.is_multiple_of(2 * cp) {
+        return Err(ContextError::NotDivisible {
+            cp,
+            what: "the sequence length".into(),
+            n: seq,
+            by: 2 * cp,
+        });
+    }
+    let mut heads = Vec::new();
+    for block in &model.blocks {
+        attention_heads(block.layer.as_ref(), &block.name, &mut heads);
+    }
+    if heads.is_empty() {
+        return Err(ContextError::NoAttention { cp });
+    }
+    Ok(heads)
+}
+
+/// (path, heads) of every attention core in `layer` (at `path`).
+fn attention_heads(layer: &dyn Layer, path: &str, out: &mut Vec<(String, usize)>) {
+    if let Some(core) = layer
+        .as_any()
+        .and_then(|a| a.downcast_ref::<AttentionCore>())
+    {
+        out.push((path.to_string(), core.heads));
+    }
+    if let Some(children) = layer.children() {
+        for (name, child) in children.layers() {
+            attention_heads(child.as_ref(), &crate::tensor::join(path, name), out);
+        }
+    }
+}
+
+/// The context-parallel transform: attention replaced by its `cp.mode` form, embeddings told
+/// which positions this worker's tokens have. Call [`check`] first.
+pub fn parallelize(model: Model, cp: &CpContext) -> Model {
+    if cp.group.size() == 1 {
+        return model;
+    }
+    model
+        .transform_blocks(|blocks| -> Result<(), std::convert::Infallible> {
+            for block in blocks {
+                if let Some(new) = rewrite(block.layer.as_mut(), cp) {
+                    block.layer = new;
+                }
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| match e {})
+}
+
+/// The replacement of `layer`, or `None` to keep it (its children rewritten).
+fn rewrite(layer: &mut dyn Layer, cp: &CpContext) -> Option<Box<dyn Layer>> {
+    if let Some(any) = layer.as_any() {
+        if let Some(core) = any.downcast_ref::<AttentionCore>() {
+            return Some(match cp.mode {
+                CpMode::Ring => Box::new(RingAttention {
+                    dim: core.dim,
+                    heads: core.heads,
+                    precision: core.precision,
+                    cp: cp.clone(),
+                }),
+                CpMode::Ulysses => Box::new(UlyssesAttention {
+                    inner: AttentionCore {
+                        dim: core.dim / cp.group.size(),
+                        heads: core.heads / cp.group.size(),
+                        precision: core.precision,
+                        kind: core.kind,
+                    },
+                    cp: cp.clone(),
+                }),
+            });
+        }
+        if let Some(e) = any.downcast_ref::<GptEmbedding>() {
+            return Some(Box::new(GptEmbedding {
+                sequence: cp.shard(),
+                ..*e
+            }));
+        }
+        if let Some(e) = any.downcast_ref::<VocabParallelEmbedding>() {
+            return Some(Box::new(e.with_sequence(cp.shard())));
+        }
+    }
+    if let Some(children) = layer.children_mut() {
+        for (_, child) in children.layers_mut() {
+            if let Some(new) = rewrite(child.as_mut(), cp) {
+                *child = new;
+            }
+        }
+        children.relayout();
+    }
+    None
+}
+
+/// This worker's tokens of `batch` (inputs `[B, T]` → `[B, T/cp]`, one target per token
+/// likewise), for the shard `shard`.
+pub fn shard_batch(batch: Batch, shard: SequenceShard) -> Result<Batch, ContextError> {
+    if shard.parts == 1 {
+        return Ok(batch);
+    }
+    let (samples, seq) = (batch.x.dim(0), batch.x.dim(1));
+    if batch.y.len() != samples * seq {
+        return Err(ContextError::Targets {
+            cp: shard.parts,
+            targets: batch.y.len(),
+            samples,
+            seq,
+        });
+    }
+    let local = seq / shard.parts;
+    let chunk = local / 2;
+    let mut x = Vec::with_capacity(samples * local);
+    let mut y = Vec::with_capacity(samples * local);
+    let ids = batch.x.data();
+    for b in 0..samples {
+        for c in shard.chunks() {
+            let at = b * seq + c * chunk;
+            x.extend_from_slice(&ids[at..at + chunk]);
+            y.extend_from_slice(&batch.y[at..at + chunk]);
+        }
+    }
+    Ok(Batch {
+        x: Tensor::from_vec(x, &[samples, local]),
+        y,
+        samples: batch.samples,
+    })
+}
+
+/// The block pairs that rank `me`'s queries meet in rank `src`'s key/value block: of the two
+/// chunks on each side, a query chunk meets the earlier key chunks whole and its own chunk
+/// under the causal mask. `chunk` is the rows per chunk (half a worker's tokens).
+pub fn ring_pairs(me: SequenceShard, src: SequenceShard, chunk: usize) -> Vec<BlockPair> {
+    let mut pairs = Vec::new();
+    for (qi, &qc) in me.chunks().iter().enumerate() {
+        for (ki, &kc) in src.chunks().iter().enumerate() {
+            if kc <= qc {
+                pairs.push(BlockPair {
+                    q_start: qi * chunk,
+                    kv_start: ki * chunk,
+                    q_len: chunk,
+                    kv_len: chunk,
+                    causal: kc == qc,
+                });
+            }
+        }
+    }
+    pairs
+}
+
+/// Tags of the ring's messages (the context-parallel group carries nothing else).
+const KV_TAG: u32 = 0x7100;
+const DKV_TAG: u32 = 0x7101;
+
+/// A block on its way to the next rank while the previous rank's arrives; both buffers live
+/// here until [`Hop::finish`] has waited for the two transfers.
+struct Hop {
+    sent: Work,
+    arriving: Work,
+    outgoing: Vec<f32>,
+    incoming: Vec<f32>,
+}
+
+impl Hop {
+    /// Sends `outgoing` to the next rank and receives a block of the same size from the
+    /// previous one. The send goes first: the communication thread runs operations in order,
+    /// and a receive queued before it would hold back the send the neighbour is waiting for.
+    fn start(cp: &CpContext, mut outgoing: Vec<f32>, tag: u32) -> Hop {
+        let g = cp.group.as_ref();
+        let (n, r) = (g.size(), g.rank());
+        let mut incoming = take_buffer(outgoing.len());
+        cp.stats.sent(outgoing.len());
+        // SAFETY: both buffers move into the returned Hop and are neither written (outgoing)
+        // nor touched (incoming) until `finish` has waited for both operations; moving a Vec
+        // does not move its heap data. Dropping a Hop waits too (Work's drop).
+        let (sent, arriving) = unsafe {
+            let sent = g.send_async(RawBuf::from_slice(&mut outgoing), (r + 1) % n, tag);
+            let arriving = g.recv_async(RawBuf::from_slice(&mut incoming), (r + n - 1) % n, tag);
+            (sent, arriving)
+        };
+        Hop {
+            sent: sent.unwrap_or_else(|e| fail("ring send", e)),
+            arriving: arriving.unwrap_or_else(|e| fail("ring receive", e)),
+            outgoing,
+            incoming,
+        }
+    }
+
+    /// The block still being sent (readable meanwhile: a send only reads it).
+    fn outgoing(&self) -> &[f32] {
+        &self.outgoing
+    }
+
+    /// Waits for both transfers; returns (the block sent, the block received).
+    fn finish(self, stats: &CpCommStats) -> (Vec<f32>, Vec<f32>) {
+        let t = Instant::now();
+        let Hop {
+            sent,
+            arriving,
+            outgoing,
+            incoming,
+        } = self;
+        let sent = sent.wait_timed().unwrap_or_else(|e| fail("ring send", e));
+        let got = arriving
+            .wait_timed()
+            .unwrap_or_else(|e| fail("ring receive", e));
+        CpCommStats::add(&stats.exposed_ns, t.elapsed());
+        CpCommStats::add(&stats.busy_ns, sent.duration() + got.duration());
+        (outgoing, incoming)
+    }
+}
+
+/// `[B·rows, 2·D]`: the keys and values of a fused `[B·rows, 3·D]` activation, what travels.
+fn keys_and_values(qkv: &[f32], dim: usize) -> Vec<f32> {
+    let mut kv = take_buffer(qkv.len() / 3 * 2);
+    for (dst, row) in kv.chunks_mut(2 * dim).zip(qkv.chunks(3 * dim)) {
+        dst.copy_from_slice(&row[dim..]);
+    }
+    kv
+}
+
+/// Causal attention over a sequence spread around the context-parallel ring (see the module
+/// documentation). Input: this worker's fused q/k/v `[B, T/cp, 3·D]`; output `[B, T/cp, D]`.
+/// Keeps for backward what memory-efficient attention keeps: q/k/v, the output and the
+/// log-sum-exps.
+pub struct RingAttention {
+    pub dim: usize,
+    pub heads: usize,
+    pub precision: DType,
+    pub cp: CpContext,
+}
+
+impl RingAttention {
+    fn heads_of(&self, qkv: &Tensor) -> Heads {
+        Heads::of(AttentionShape {
+            batch: qkv.dim(0),
+            seq: qkv.dim(1),
+            dim: self.dim,
+            heads: self.heads,
+        })
+    }
+
+    /// The shard of the rank whose block this worker holds at ring step `step`.
+    fn source(&self, step: usize) -> SequenceShard {
+        let me = self.cp.shard();
+        SequenceShard {
+            parts: me.parts,
+            index: (me.index + me.parts - step) % me.parts,
+        }
+    }
+
+    /// The key/value rows of a travelling `[B, rows, 2·D]` block.
+    fn kv_rows<'a>(&self, kv: &'a [f32], rows: usize) -> [HeadRows<'a>; 2] {
+        let d = self.dim;
+        let at = |offset| HeadRows {
+            data: kv,
+            seq: rows,
+            stride: 2 * d,
+            offset,
+        };
+        [at(0), at(d)]
+    }
+}
+
+impl Layer for RingAttention {
+    fn set_precision(&mut self, precision: DType) {
+        self.precision = precision;
+    }
+
+    fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let (g, rows, d) = (self.heads_of(&qkv), qkv.dim(1), self.dim);
+        let n = self.cp.group.size();
+        let [q, _, _] = HeadRows::fused(qkv.data(), rows, d);
+        let (mut out_heads, mut lse) = empty_state(g, rows);
+        let mut block = keys_and_values(qkv.data(), d);
+        for step in 0..n {
+            let hop =
+                (step + 1 < n).then(|| Hop::start(&self.cp, std::mem::take(&mut block), KV_TAG));
+            let kv: &[f32] = match &hop {
+                Some(h) => h.outgoing(),
+                None => &block,
+            };
+            let [k, v] = self.kv_rows(kv, rows);
+            for pair in ring_pairs(self.cp.shard(), self.source(step), rows / 2) {
+                flash_forward_into(g, [q, k, v], pair, self.precision, &mut out_heads, &mut lse);
+            }
+            if let Some(hop) = hop {
+                let (sent, next) = hop.finish(&self.cp.stats);
+                recycle(sent);
+                block = next;
+            }
+        }
+        recycle(block);
+        let mut out = take_buffer(qkv.numel() / 3);
+        interleave_heads(g, &out_heads, (1, 0), rows, &mut out, d, 0);
+        let out = Tensor::from_vec(out, &[qkv.dim(0), rows, d]);
+        if mode.train {
+            s.keep(qkv, self.precision);
+            s.keep(out.clone(), self.precision);
+            let lse_shape = [g.batch, g.heads, rows];
+            s.keep(Tensor::from_vec(lse, &lse_shape), DType::F32);
+        }
+        out
+    }
+
+    fn backward(
+        &self,
+        _: &[f32],
+        _: &mut [f32],
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
+        let lse = s.take(DType::F32, "ring attention (log-sum-exp)");
+        let out = s.take(self.precision, "ring attention (output)");
+        let qkv = s.take(self.precision, "ring attention (q, k, v)");
+        let (g, rows, d) = (self.heads_of(&qkv), qkv.dim(1), self.dim);
+        let n = self.cp.group.size();
+        let [q, _, _] = HeadRows::fused(qkv.data(), rows, d);
+        let dout = HeadRows::dense(dy.data(), rows, d);
+        let delta = row_dots(g, HeadRows::dense(out.data(), rows, d), dout);
+        let mut dq = vec![0.0; g.head_major_len(rows)];
+        let mut block = keys_and_values(qkv.data(), d);
+        // The gradient accumulator of the block held at each step travels with it, one step
+        // behind: it is complete for this step's block only after this step's products.
+        let mut accumulator: Option<Hop> = None;
+        for step in 0..n {
+            let hop =
+                (step + 1 < n).then(|| Hop::start(&self.cp, std::mem::take(&mut block), KV_TAG));
+            let kv: &[f32] = match &hop {
+                Some(h) => h.outgoing(),
+                None => &block,
+            };
+            let [k, v] = self.kv_rows(kv, rows);
+            let mut dkv = vec![0.0; 2 * g.head_major_len(rows)];
+            for pair in ring_pairs(self.cp.shard(), self.source(step), rows / 2) {
+                let operands = [q, k, v];
+                flash_backward_into(
+                    g,
+                    operands,
+                    pair,
+                    self.precision,
+                    dout,
+                    lse.data(),
+                    &delta,
+                    &mut dq,
+                    &mut dkv,
+                );
+            }
+            if let Some(previous) = accumulator.take() {
+                let (sent, arrived) = previous.finish(&self.cp.stats);
+                recycle(sent);
+                meshtrain_tensor::par::add_assign(&mut dkv, &arrived);
+                recycle(arrived);
+            }
+            accumulator = Some(Hop::start(&self.cp, dkv, DKV_TAG));
+            if let Some(hop) = hop {
+                let (sent, next) = hop.finish(&self.cp.stats);
+                recycle(sent);
+                block = next;
+            }
+        }
+        recycle(block);
+        // After a whole turn this worker's own block's accumulator has come home.
+        let (sent, own) = accumulator
+            .expect("cp > 1: at least one step")
+            .finish(&self.cp.stats);
+        recycle(sent);
+        let mut dqkv = take_buffer(qkv.numel());
+        interleave_heads(g, &dq, (1, 0), rows, &mut dqkv, 3 * d, 0);
+        interleave_heads(g, &own, (2, 0), rows, &mut dqkv, 3 * d, d);
+        interleave_heads(g, &own, (2, 1), rows, &mut dqkv, 3 * d, 2 * d);
+        recycle(own);
+        recycle(delta);
+        let shape = qkv.shape().to_vec();
+        for dead in [qkv, out, lse, dy] {
+            dead.recycle();
+        }
+        Some(Tensor::from_vec(dqkv, &shape))
+    }
+}
+
+/// Causal attention with an all-to-all on either side (DeepSpeed-Ulysses): each worker runs
+/// `inner` (the model's own kernel, on `heads/cp` heads) over whole sequences. Input: this
+/// worker's fused q/k/v `[B, T/cp, 3·D]`; output `[B, T/cp, D]`.
+pub struct UlyssesAttention {
+    /// The attention of this worker's heads over whole sequences.
+    pub inner: AttentionCore,
+    pub cp: CpContext,
+}
+
+impl UlyssesAttention {
+    /// `[B, T/cp, parts·D]` (this worker's tokens, every head of `parts` side-by-side
+    /// tensors) → `[B, T, parts·D/cp]` (every token, this worker's heads), in sequence order.
+    fn to_heads(&self, x: &Tensor, parts: usize) -> Tensor {
+        let (n, b, rows) = (self.cp.group.size(), x.dim(0), x.dim(1));
+        let width = x.dim(2) / parts; // D
+        let share = width / n;
+        // Chunk j of what is sent: every token's columns of worker j's heads.
+        let mut send = take_buffer(x.numel());
+        let per_rank = x.numel() / n;
+        for (j, dst) in send.chunks_mut(per_rank).enumerate() {
+            for (row, out) in x
+                .data()
+                .chunks(parts * width)
+                .zip(dst.chunks_mut(parts * share))
+            {
+                for p in 0..parts {
+                    let src = &row[p * width + j * share..][..share];
+                    out[p * share..][..share].copy_from_slice(src);
+                }
+            }
+        }
+        let received = self.exchange(send);
+        // Chunk i received holds worker i's tokens: put them at their positions.
+        let seq = rows * n;
+        let row_len = parts * share;
+        let mut whole = take_buffer(x.numel());
+        for (i, chunk) in received.chunks(per_rank).enumerate() {
+            let shard = SequenceShard { parts: n, index: i };
+            for (k, row) in chunk.chunks(row_len).enumerate() {
+                let (sample, local) = (k / rows, k % rows);
+                let at = sample * seq + shard.position(local, rows);
+                whole[at * row_len..][..row_len].copy_from_slice(row);
+            }
+        }
+        recycle(received);
+        Tensor::from_vec(whole, &[b, seq, row_len])
+    }
+
+    /// The inverse of [`UlyssesAttention::to_heads`]: `[B, T, parts·D/cp]` → `[B, T/cp,
+    /// parts·D]`.
+    fn to_tokens(&self, y: &Tensor, parts: usize) -> Tensor {
+        let (n, b, seq) = (self.cp.group.size(), y.dim(0), y.dim(1));
+        let rows = seq / n;
+        let row_len = y.dim(2);
+        let share = row_len / parts;
+        // Chunk j of what is sent: worker j's tokens, this worker's heads.
+        let per_rank = y.numel() / n;
+        let mut send = take_buffer(y.numel());
+        for (j, dst) in send.chunks_mut(per_rank).enumerate() {
+            let shard = SequenceShard { parts: n, index: j };
+            for (k, out) in dst.chunks_mut(row_len).enumerate() {
+                let (sample, local) = (k / rows, k % rows);
+                let at = sample * seq + shard.position(local, rows);
+                out.copy_from_slice(&y.data()[at * row_len..][..row_len]);
+            }
+        }
+        let received = self.exchange(send);
+        // Chunk i received holds worker i's heads of this worker's tokens.
+        let width = share * n;
+        let mut local = take_buffer(y.numel());
+        for (i, chunk) in received.chunks(per_rank).enumerate() {
+            for (row, out) in chunk.chunks(row_len).zip(local.chunks_mut(parts * width)) {
+                for p in 0..parts {
+                    out[p * width + i * share..][..share]
+                        .copy_from_slice(&row[p * share..][..share]);
+                }
+            }
+        }
+        recycle(received);
+        Tensor::from_vec(local, &[b, rows, parts * width])
+    }
+
+    /// One all-to-all of `send` (chunk j to worker j), counted.
+    fn exchange(&self, send: Vec<f32>) -> Vec<f32> {
+        let g = self.cp.group.as_ref();
+        let mut received = take_buffer(send.len());
+        let t = Instant::now();
+        self.cp.stats.sent(send.len() / g.size() * (g.size() - 1));
+        if let Err(e) = g.all_to_all(BufRef::F32(&send), BufMut::F32(&mut received)) {
+            fail("all-to-all", e)
+        }
+        CpCommStats::add(&self.cp.stats.exposed_ns, t.elapsed());
+        CpCommStats::add(&self.cp.stats.busy_ns, t.elapsed());
+        recycle(send);
+        received
+    }
+}
+
+impl Layer for UlyssesAttention {
+    fn set_precision(&mut self, precision: DType) {
+        self.inner.precision = precision;
+    }
+
+    fn forward(&self, p: &[f32], b: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+        let whole = self.to_heads(&qkv, 3);
+        qkv.recycle();
+        let out = self.inner.forward(p, b, whole, mode, s);
+        let local = self.to_tokens(&out, 1);
+        out.recycle();
+        local
+    }
+
+    fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        s: Saved,
+        dy: Tensor,
+        need_input_grad: bool,
+    ) -> Option<Tensor> {
+        let whole = self.to_heads(&dy, 1);
+        dy.recycle();
+        let dqkv = self
+            .inner
+            .backward(p, g, s, whole, need_input_grad)
+            .expect("attention returns its input gradient");
+        let local = self.to_tokens(&dqkv, 3);
+        dqkv.recycle();
+        Some(local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_query_chunk_meets_each_earlier_key_chunk_once() {
+        for cp in [2usize, 3, 4] {
+            let chunk = 5;
+            // (query chunk, key chunk) over all ring steps and ranks.
+            let mut met = std::collections::BTreeSet::new();
+            for me in 0..cp {
+                let mine = SequenceShard {
+                    parts: cp,
+                    index: me,
+                };
+                let mut work = 0;
+                for src in 0..cp {
+                    let theirs = SequenceShard {
+                        parts: cp,
+                        index: src,
+                    };
+                    for p in ring_pairs(mine, theirs, chunk) {
+                        let q = mine.chunks()[p.q_start / chunk];
+                        let k = theirs.chunks()[p.kv_start / chunk];
+                        assert!(k <= q && p.causal == (k == q));
+                        assert!(met.insert((q, k)), "({q}, {k}) twice");
+                        work += if p.causal { 1 } else { 2 };
+                    }
+                }
+                // Load balance: every worker multiplies 2·cp half-blocks... the same amount.
+                assert_eq!(work, 2 * (2 * cp), "cp={cp} rank {me}");
+            }
+            let chunks = 2 * cp;
+            assert_eq!(met.len(), chunks * (chunks + 1) / 2);
+        }
+    }
+
+    #[test]
+    fn shards_cover_the_sequence_once() {
+        let (b, t, cp) = (2, 16, 4);
+        let ids: Vec<f32> = (0..b * t).map(|i| i as f32).collect();
+        let y: Vec<u32> = (0..(b * t) as u32).collect();
+        let mut seen = vec![0; b * t];
+        for index in 0..cp {
+            let shard = SequenceShard { parts: cp, index };
+            let batch = Batch {
+                x: Tensor::from_vec(ids.clone(), &[b, t]),
+                y: y.clone(),
+                samples: b,
+            };
+            let local = shard_batch(batch, shard).unwrap();
+            assert_eq!(local.x.shape(), &[b, t / cp]);
+            for (k, (&x, &y)) in local.x.data().iter().zip(&local.y).enumerate() {
+                let (sample, i) = (k / (t / cp), k % (t / cp));
+                let at = sample * t + shard.position(i, t / cp);
+                assert_eq!((x as usize, y as usize), (at, at));
+                seen[at] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1));
+        let bad = Batch {
+            x: Tensor::from_vec(ids, &[b, t]),
+            y: vec![0; b],
+            samples: b,
+        };
+        let e = shard_batch(bad, SequenceShard { parts: 2, index: 0 }).unwrap_err();
+        assert!(e.to_string().contains("one target per token"), "{e}");
+    }
+}
