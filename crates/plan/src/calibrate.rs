@@ -94,12 +94,12 @@ pub fn compare(predicted: &Evaluation, measured: &MeasuredStep) -> String {
         ),
         (
             "exposed communication",
-            t.dp_exposed_s + t.pp_p2p_s,
+            t.dp_exposed_s + t.cp_comm_s + t.pp_p2p_s,
             measured.comm_exposed_s,
         ),
         (
             "hidden communication",
-            t.dp_hidden_s,
+            t.dp_hidden_s + t.cp_hidden_s,
             measured.comm_hidden_s,
         ),
         ("pipeline bubble", t.bubble_s, measured.bubble_s),

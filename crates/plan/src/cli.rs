@@ -13,10 +13,10 @@ use crate::cluster::{ClusterSpec, Precision, GIB};
 use crate::cost::{Evaluation, Problem};
 use crate::diagnose::{diagnose, parse_measurements};
 use crate::explain::{losses, memo};
-use crate::layout::{Layout, Optimizer, TrainingSetup};
+use crate::layout::{AttentionKind, CpMode, Layout, Optimizer, TrainingSetup};
 use crate::model::ModelSpec;
 use crate::presets;
-use crate::search::search_feasible;
+use crate::search::{evaluate_layout, search_feasible};
 
 /// Arguments of `meshtrain plan`.
 #[derive(Debug, Clone, Args)]
@@ -47,6 +47,16 @@ pub struct PlanArgs {
     /// Reduce gradients only after backward (no overlap), as Megatron-LM did in 2021.
     #[arg(long)]
     pub no_overlap: bool,
+    /// Attention kernel the trainer runs (its `model.attention`): `flash`, the default because
+    /// current frameworks use memory-efficient attention (per-row log-sum-exps instead of the
+    /// a·s² probabilities, score tiles recomputed in backward), or `standard` (probabilities
+    /// kept, as in 2021–22 Megatron and the trainer's own default).
+    #[arg(long, default_value = "flash")]
+    pub attention: String,
+    /// Context-parallel mode the trainer uses (its `parallel.cp_mode`): `ring` or `ulysses`.
+    /// Left out, the planner tries both for every layout with cp > 1 and shows which it picked.
+    #[arg(long, value_name = "MODE")]
+    pub cp_mode: Option<String>,
     /// How many layouts to print.
     #[arg(long, default_value_t = 5)]
     pub top: usize,
@@ -56,7 +66,7 @@ pub struct PlanArgs {
     /// Print the recommendation memo for the best layout.
     #[arg(long)]
     pub explain: bool,
-    /// Evaluate this layout only instead of searching, e.g. `dp=2,tp=4,pp=4,mb=1,zero=1,
+    /// Evaluate this layout only instead of searching, e.g. `dp=2,tp=4,pp=4,cp=2,mb=1,zero=1,
     /// sp=on,recompute=selective,v=2,schedule=1f1b`.
     #[arg(long)]
     pub layout: Option<String>,
@@ -121,9 +131,18 @@ pub fn problem_from_args(args: &PlanArgs) -> anyhow::Result<Problem> {
         "sgd" => Optimizer::Sgd,
         other => bail!("unknown optimizer `{other}`; use adam or sgd"),
     };
+    let attention = AttentionKind::parse(&args.attention).map_err(anyhow::Error::msg)?;
+    let cp_mode = args
+        .cp_mode
+        .as_deref()
+        .map(CpMode::parse)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
     let setup = TrainingSetup {
         optimizer,
         overlap_grad_reduce: !args.no_overlap,
+        attention,
+        cp_mode,
         ..TrainingSetup::new(args.global_batch, precision)
     };
     Ok(Problem::new(model, cluster, setup)?)
@@ -142,9 +161,10 @@ struct JsonReport<'a> {
 fn table(problem: &Problem, plans: &[Evaluation]) -> String {
     let transformer = problem.model.transformer().is_some();
     let mut out = format!(
-        "{:>3}  {:<64} {:>8} {:>9} {:>12} {:>9} {:>6}  {}\n",
+        "{:>3}  {:<72} {:<8} {:>8} {:>9} {:>12} {:>9} {:>6}  {}\n",
         "#",
         "layout",
+        "cp mode",
         "mem GiB",
         "step s",
         if transformer { "tokens/s" } else { "samples/s" },
@@ -163,11 +183,17 @@ fn table(problem: &Problem, plans: &[Evaluation]) -> String {
             .filter(|(_, s)| *s > 0.0)
             .map(|(l, s)| format!("{} {:.1}%", l.name(), 100.0 * s / e.time.step_s))
             .unwrap_or_else(|| "-".into());
+        let cp_mode = if e.layout.cp > 1 {
+            e.layout.cp_mode.name()
+        } else {
+            "-"
+        };
         let _ = writeln!(
             out,
-            "{:>3}  {:<64} {:>8.1} {:>9.4} {:>12.0} {:>9.2} {:>5.1}%  {loss}",
+            "{:>3}  {:<72} {:<8} {:>8.1} {:>9.4} {:>12.0} {:>9.2} {:>5.1}%  {loss}",
             i + 1,
             e.layout.to_string(),
+            cp_mode,
             e.memory.total() / GIB,
             e.time.step_s,
             rate,
@@ -188,7 +214,7 @@ pub fn render(args: &PlanArgs) -> anyhow::Result<String> {
     let (plans, candidates, out_of_memory) = match &args.layout {
         Some(spec) => {
             let layout = Layout::parse(spec)?;
-            let evaluation = problem.evaluate(&layout)?;
+            let evaluation = evaluate_layout(&problem, &layout)?;
             if args.compare.is_none() {
                 // A layout that does not fit is an error with the numbers, unless the user
                 // only wants to compare it with a run.
@@ -218,7 +244,7 @@ pub fn render(args: &PlanArgs) -> anyhow::Result<String> {
         return Ok(serde_json::to_string_pretty(&report)? + "\n");
     }
     let mut out = format!(
-        "{} on {} × {}, global batch {}, {}: {} layouts evaluated, {} do not fit\n",
+        "{} on {} × {}, global batch {}, {}: {} layouts evaluated, {} do not fit",
         problem.model.name,
         problem.cluster.gpus,
         problem.cluster.name,
@@ -227,6 +253,10 @@ pub fn render(args: &PlanArgs) -> anyhow::Result<String> {
         candidates,
         out_of_memory
     );
+    if problem.model.transformer().is_some() {
+        let _ = write!(out, "; {} attention", problem.setup.attention.name());
+    }
+    out += "\n";
     out += &table(&problem, &plans);
     if let Some(path) = &args.compare {
         let runs = parse_measurements(&read(path)?)?;

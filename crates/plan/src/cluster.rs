@@ -219,12 +219,7 @@ impl ClusterSpec {
     /// node all-reduces almost at NVLink speed, but a group with one GPU per node only gets
     /// one network card).
     pub fn group_link(&self, size: u64, stride: u64) -> GroupLink {
-        let gpn = self.gpus_per_node;
-        let members_per_node = if stride >= gpn {
-            1
-        } else {
-            (gpn / stride.max(1)).min(size).max(1)
-        };
+        let members_per_node = self.members_per_node(size, stride);
         let spans_nodes = size > members_per_node;
         if !spans_nodes {
             GroupLink {
@@ -240,6 +235,51 @@ impl ClusterSpec {
                 crosses_nodes: true,
             }
         }
+    }
+}
+
+impl ClusterSpec {
+    /// Members of a group of `size` ranks, `stride` apart, that share a node.
+    fn members_per_node(&self, size: u64, stride: u64) -> u64 {
+        let gpn = self.gpus_per_node;
+        if stride >= gpn {
+            1
+        } else {
+            (gpn / stride.max(1)).min(size).max(1)
+        }
+    }
+
+    /// The link of one hop between neighbours of a ring over a group (ring attention's
+    /// point-to-point sends). Unlike a ring all-reduce, whose k rings per node use k network
+    /// cards at once, every rank sends its one block per step, and the step waits for the
+    /// hops that leave a node, each over one GPU's share of the network.
+    pub fn ring_hop_link(&self, size: u64, stride: u64) -> GroupLink {
+        let group = self.group_link(size, stride);
+        if group.crosses_nodes {
+            GroupLink {
+                bandwidth: self.inter_node.bandwidth_gbps * 1e9,
+                ..group
+            }
+        } else {
+            group
+        }
+    }
+
+    /// All-to-all over a group of `size` ranks, `stride` apart, in which each rank holds a
+    /// `bytes` buffer and keeps 1/size of it. The share bound for the k−1 other members of its
+    /// node travels over the intra-node link, the share bound for other nodes over the rank's
+    /// share of the network, both at once; nccl-tests reports all-to-all bus bandwidth with
+    /// the same (n−1)/n factor, so inside a node this is (n−1)/n · bytes / intra.
+    pub fn all_to_all_time(&self, bytes: f64, size: u64, stride: u64) -> f64 {
+        if size <= 1 {
+            return 0.0;
+        }
+        let n = size as f64;
+        let k = self.members_per_node(size, stride) as f64;
+        let on_node = (k - 1.0) / n * bytes / (self.intra_node.bandwidth_gbps * 1e9);
+        let off_node = (n - k) / n * bytes / (self.inter_node.bandwidth_gbps * 1e9);
+        let latency = self.group_link(size, stride).latency;
+        on_node.max(off_node) + (n - 1.0) * latency
     }
 }
 
@@ -304,6 +344,32 @@ mod tests {
         // Group of 16 with stride 2: 4 members per node.
         let g = c.group_link(16, 2);
         assert_eq!(g.bandwidth, (4.0 * c.inter_node.bandwidth_gbps) * 1e9);
+        // A ring of 16 with stride 1 spans two nodes: its hops wait for the two that leave a
+        // node, each over one GPU's card, not over the 8 cards an all-reduce ring set uses.
+        let hop = c.ring_hop_link(16, 1);
+        assert!(hop.crosses_nodes);
+        assert_eq!(hop.bandwidth, c.inter_node.bandwidth_gbps * 1e9);
+        assert_eq!(c.ring_hop_link(8, 1), c.group_link(8, 1));
+    }
+
+    #[test]
+    fn all_to_all_by_hand() {
+        let c = presets::cluster("h100-sxm-80gb")
+            .unwrap()
+            .with_gpus(32)
+            .unwrap();
+        // 4 ranks in one node: 3/4 of 1 GB leaves each rank over NVLink (360 GB/s), plus
+        // 3 steps of 3 µs.
+        let inside = c.all_to_all_time(1e9, 4, 1);
+        assert!((inside - (0.75e9 / 360e9 + 9e-6)).abs() < 1e-12, "{inside}");
+        // 16 ranks, 8 per node: 7/16 stays on NVLink, 8/16 leaves over the rank's 45 GB/s
+        // card and takes longer; 15 steps of 8 µs.
+        let across = c.all_to_all_time(1e9, 16, 1);
+        assert!(
+            (across - (0.5e9 / 45e9 + 15.0 * 8e-6)).abs() < 1e-12,
+            "{across}"
+        );
+        assert_eq!(c.all_to_all_time(1e9, 1, 1), 0.0);
     }
 
     #[test]

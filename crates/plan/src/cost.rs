@@ -9,11 +9,15 @@
 //!   by its producer, read by its consumer) and three times in backward;
 //! * tensor-parallel all-reduces (2 forward, 2 backward, 2 more under full recomputation) on
 //!   the link the tensor-parallel group sits on;
+//! * context-parallel exchanges: ring attention's K/V hops, of which only what exceeds the
+//!   attention compute of the block they overlap is exposed, or Ulysses' all-to-alls, exposed;
 //! * pipeline point-to-point sends.
 //!
-//! Then the pipeline adds its bubble, (p−1)/v micro-batch times; the data-parallel gradient
-//! reduction adds what the backward pass does not hide; the optimizer adds a memory-bound
-//! sweep over its shard of the states.
+//! Then the pipeline adds its bubble, (p−1)/v micro-batch times; the gradient reduction over
+//! the dp·cp ranks adds what the backward pass does not hide; the optimizer adds a
+//! memory-bound sweep over its shard of the states.
+
+use std::ops::Add;
 
 use serde::Serialize;
 
@@ -21,10 +25,10 @@ use crate::cluster::{
     all_reduce_time, reduce_scatter_time, send_time, ClusterSpec, GroupLink, GIB,
 };
 use crate::error::{PlanError, Result};
-use crate::layout::{Layout, Recompute, Schedule, TrainingSetup};
+use crate::layout::{AttentionKind, CpMode, Layout, Recompute, Schedule, TrainingSetup};
 use crate::memory::{
-    in_flight_microbatches, layer_activation_bytes, model_state_bytes, LayerActivations,
-    MemoryBreakdown,
+    attention_core_bytes, in_flight_microbatches, layer_activation_bytes, model_state_bytes,
+    LayerSplit, MemoryBreakdown,
 };
 use crate::model::{Architecture, GenericSpec, ModelSpec, TransformerSpec};
 
@@ -41,6 +45,14 @@ const GEMM_TILE: f64 = 128.0;
 /// Data-parallel gradient bucket (PyTorch DDP default 25 MB, in elements of 4 bytes); two are
 /// alive at once (one filling, one reducing).
 const DP_BUCKET_BYTES: f64 = 25.0 * 1024.0 * 1024.0 * 4.0;
+/// Share of a causal attention matrix the flash kernel computes: it skips the key tiles above
+/// the diagonal (the diagonal tiles' extra 1/(2·tiles) is neglected). Load-balanced ring
+/// attention gives every block the same share.
+const FLASH_CAUSAL_SHARE: f64 = 0.5;
+/// Extra backward work of the flash kernel, as a share of its forward: backward recomputes
+/// the score tiles QKᵀ, one of the forward's two products, instead of reading kept
+/// probabilities (attention core 1 + 2 → 1 + 2.5 forward times).
+const FLASH_RESCORING: f64 = 0.5;
 
 /// Everything the model predicts for one layout.
 #[derive(Debug, Clone, Serialize)]
@@ -64,6 +76,11 @@ pub struct StepTime {
     pub recompute_s: f64,
     /// Tensor-parallel all-reduces / all-gathers / reduce-scatters (not overlapped).
     pub tp_comm_s: f64,
+    /// Context-parallel exchanges on the critical path: ring hops beyond the attention compute
+    /// they overlap, or Ulysses' all-to-alls.
+    pub cp_comm_s: f64,
+    /// Ring hops hidden under attention compute.
+    pub cp_hidden_s: f64,
     /// Pipeline point-to-point sends on the critical path.
     pub pp_p2p_s: f64,
     /// Pipeline fill and drain.
@@ -77,15 +94,82 @@ pub struct StepTime {
     pub step_s: f64,
 }
 
+impl StepTime {
+    /// The parts that add up to the step: everything but the hidden communication.
+    pub fn exposed_sum(&self) -> f64 {
+        self.compute_s
+            + self.recompute_s
+            + self.tp_comm_s
+            + self.cp_comm_s
+            + self.pp_p2p_s
+            + self.bubble_s
+            + self.dp_exposed_s
+            + self.optimizer_s
+    }
+}
+
+/// Context-parallel communication time, split into what compute hides and what it does not.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct CpComm {
+    exposed: f64,
+    hidden: f64,
+}
+
+impl CpComm {
+    /// `hops` transfers of `hop` seconds, each running beside `compute` seconds of attention
+    /// work: only the excess is on the critical path.
+    fn overlapped(hops: f64, hop: f64, compute: f64) -> Self {
+        CpComm {
+            exposed: hops * (hop - compute).max(0.0),
+            hidden: hops * hop.min(compute),
+        }
+    }
+
+    fn exposed(time: f64) -> Self {
+        CpComm {
+            exposed: time,
+            hidden: 0.0,
+        }
+    }
+}
+
+impl Add for CpComm {
+    type Output = CpComm;
+
+    fn add(self, other: CpComm) -> CpComm {
+        CpComm {
+            exposed: self.exposed + other.exposed,
+            hidden: self.hidden + other.hidden,
+        }
+    }
+}
+
+/// One layer's attention core on one GPU for one micro-batch.
+struct AttentionStep {
+    /// Forward time of the core (all ring steps with a ring).
+    forward: f64,
+    /// The flash kernel's recomputation of score tiles in backward.
+    rescoring: f64,
+    comm_forward: CpComm,
+    comm_backward: CpComm,
+    /// Context-parallel send/receive buffers.
+    buffer_bytes: f64,
+    /// Whether the context-parallel group spans nodes.
+    crosses_nodes: bool,
+}
+
 /// Rates derived from the step time.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Throughput {
     pub tokens_per_s: f64,
     pub samples_per_s: f64,
     /// FLOPs the hardware executes per step, recomputation included (the convention of
-    /// Narayanan et al. 2021, whose TFLOP/s count recomputation).
+    /// Narayanan et al. 2021, whose TFLOP/s count recomputation); the flash kernel's backward
+    /// rescoring counts, the causal half of the scores it skips does not.
     pub hardware_flops: f64,
-    /// FLOPs of forward + backward without recomputation (the MFU convention).
+    /// FLOPs of forward + backward without recomputation, full s² attention (the MFU
+    /// convention). A causal flash kernel skips half of those score products, so at long
+    /// sequences MFU can exceed the hardware's FLOP utilisation.
     pub model_flops: f64,
     /// Hardware TFLOP/s per GPU.
     pub tflops_per_gpu: f64,
@@ -97,11 +181,12 @@ pub struct Throughput {
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Links {
     pub tp_crosses_nodes: bool,
+    pub cp_crosses_nodes: bool,
     pub dp_crosses_nodes: bool,
     pub pp_crosses_nodes: bool,
-    /// Bus bandwidth of the data-parallel group, bytes/s.
+    /// Bus bandwidth of the gradient-reduction (dp·cp) group, bytes/s.
     pub dp_bandwidth: f64,
-    /// Bytes each GPU reduces across data-parallel ranks per step.
+    /// Bytes each GPU reduces across the dp·cp ranks per step.
     pub dp_bytes: f64,
 }
 
@@ -132,8 +217,8 @@ impl Problem {
             layout: layout.to_string(),
             reason,
         };
-        if layout.dp == 0 || layout.tp == 0 || layout.pp == 0 {
-            return Err(bad("dp, tp and pp must all be at least 1".into()));
+        if layout.dp == 0 || layout.tp == 0 || layout.pp == 0 || layout.cp == 0 {
+            return Err(bad("dp, tp, pp and cp must all be at least 1".into()));
         }
         if layout.micro_batch == 0 || layout.interleave == 0 {
             return Err(bad(
@@ -142,7 +227,7 @@ impl Problem {
         }
         if layout.gpus() != self.cluster.gpus {
             return Err(bad(format!(
-                "dp·tp·pp = {} but the cluster has {} GPUs",
+                "dp·tp·pp·cp = {} but the cluster has {} GPUs",
                 layout.gpus(),
                 self.cluster.gpus
             )));
@@ -200,11 +285,15 @@ impl Problem {
                         t.ffn_hidden
                     )));
                 }
-                if layout.sp && t.seq_len % layout.tp != 0 {
+                if layout.sp && t.seq_len % (layout.tp * layout.cp) != 0 {
                     return Err(bad(format!(
-                        "sequence length {} is not divisible by tp for sequence parallelism",
-                        t.seq_len
+                        "sequence length {} is not divisible by tp·cp = {} for sequence parallelism",
+                        t.seq_len,
+                        layout.tp * layout.cp
                     )));
+                }
+                if layout.cp > 1 {
+                    check_context_parallel(t, layout).map_err(bad)?;
                 }
                 let chunks = layout.pp * layout.interleave;
                 if t.layers % chunks != 0 {
@@ -215,9 +304,9 @@ impl Problem {
                 }
             }
             Architecture::Generic(_) => {
-                if layout.tp > 1 || layout.pp > 1 || layout.sp {
+                if layout.tp > 1 || layout.pp > 1 || layout.cp > 1 || layout.sp {
                     return Err(bad(format!(
-                        "`{}` is planned with data parallelism only (tp = pp = 1)",
+                        "`{}` is planned with data parallelism only (tp = pp = cp = 1)",
                         self.model.name
                     )));
                 }
@@ -239,7 +328,8 @@ impl Problem {
         })
     }
 
-    fn peak(&self) -> f64 {
+    /// Peak FLOP/s of one GPU in the setup's precision.
+    pub fn peak(&self) -> f64 {
         self.cluster.peak_flops(self.setup.precision)
     }
 
@@ -263,38 +353,144 @@ impl Problem {
         }
     }
 
+    /// Roofline time of one kernel: `max(FLOPs / (peak · gemm_efficiency · wave), bytes / HBM
+    /// bandwidth)` plus one launch.
+    fn roofline_time(&self, flops: f64, bytes: f64, wave_efficiency: f64) -> f64 {
+        let compute = flops / (self.peak() * self.cluster.gemm_efficiency) / wave_efficiency;
+        compute.max(bytes / self.memory_bandwidth()) + self.kernel_overhead()
+    }
+
     /// Roofline time of `batch` GEMMs of m×k by k×n, plus one launch.
     fn gemm_time(&self, batch: f64, m: f64, n: f64, k: f64) -> f64 {
         let e = self.setup.precision.compute_bytes();
         let flops = 2.0 * batch * m * n * k;
         let bytes = e * batch * (m * k + k * n + m * n);
-        let compute = flops
-            / (self.peak() * self.cluster.gemm_efficiency)
-            / self.wave_efficiency(batch, m, n);
-        compute.max(bytes / self.memory_bandwidth()) + self.kernel_overhead()
+        self.roofline_time(flops, bytes, self.wave_efficiency(batch, m, n))
+    }
+
+    /// Forward time of the attention core (QKᵀ, softmax, ·V) of `heads` (micro-batch × heads
+    /// on this GPU) attention matrices of `queries` × `keys` with the given kernel. The
+    /// standard kernel is two GEMMs that write and read the scores in HBM (which makes them
+    /// memory-bound for small heads) and computes the masked half too. The flash kernel is one
+    /// fused kernel: the scores stay on chip, so HBM sees only Q, K, V and the output (K/V
+    /// re-reads across query tiles hit the L2 cache), and it skips the key tiles above the
+    /// causal diagonal. Its work is parallel over heads × query tiles.
+    fn attention_core_time(
+        &self,
+        kind: AttentionKind,
+        heads: f64,
+        queries: f64,
+        keys: f64,
+        head_dim: f64,
+    ) -> f64 {
+        match kind {
+            AttentionKind::Standard => {
+                self.gemm_time(heads, queries, keys, head_dim)
+                    + self.gemm_time(heads, queries, head_dim, keys)
+            }
+            AttentionKind::Flash => {
+                let e = self.setup.precision.compute_bytes();
+                let flops = FLASH_CAUSAL_SHARE * 2.0 * 2.0 * heads * queries * keys * head_dim;
+                let bytes = e * heads * head_dim * 2.0 * (queries + keys);
+                self.roofline_time(flops, bytes, self.wave_efficiency(heads, queries, head_dim))
+            }
+        }
+    }
+
+    /// The attention kernel a layout runs: the setup's, except that ring attention is built on
+    /// the memory-efficient kernel (each block's partial result is merged through its
+    /// log-sum-exp), so a ring never materialises scores.
+    pub fn attention_kernel(&self, layout: &Layout) -> AttentionKind {
+        if layout.cp > 1 && layout.cp_mode == CpMode::Ring {
+            AttentionKind::Flash
+        } else {
+            self.setup.attention
+        }
+    }
+
+    /// One layer's attention core on this GPU for one micro-batch, with the context-parallel
+    /// traffic around it.
+    fn attention_step(&self, t: &TransformerSpec, layout: &Layout) -> AttentionStep {
+        let kind = self.attention_kernel(layout);
+        let e = self.setup.precision.compute_bytes();
+        let b = layout.micro_batch as f64;
+        let (s, h, d) = (t.seq_len as f64, t.hidden as f64, t.head_dim() as f64);
+        let kv = t.kv_width() as f64;
+        let (tp, cp) = (layout.tp as f64, layout.cp as f64);
+        let heads = b * t.heads as f64 / tp;
+        let rescoring_share = match kind {
+            AttentionKind::Standard => 0.0,
+            AttentionKind::Flash => FLASH_RESCORING,
+        };
+        // Megatron's rank order puts the cp ranks right above the tp ranks: stride tp.
+        let crosses_nodes = self.cluster.group_link(layout.cp, layout.tp).crosses_nodes;
+        let step = |forward: f64, comm_forward, comm_backward, buffer_bytes| AttentionStep {
+            forward,
+            rescoring: rescoring_share * forward,
+            comm_forward,
+            comm_backward,
+            buffer_bytes,
+            crosses_nodes,
+        };
+        if layout.cp == 1 {
+            let forward = self.attention_core_time(kind, heads, s, s, d);
+            return step(forward, CpComm::default(), CpComm::default(), 0.0);
+        }
+        let chunk = s / cp;
+        match layout.cp_mode {
+            CpMode::Ring => {
+                // cp steps, each pairing this rank's queries with one rank's keys; load
+                // balancing gives every step the same (half-masked) work.
+                let block = self.attention_core_time(kind, heads, chunk, chunk, d);
+                let block_backward = (2.0 + rescoring_share) * block;
+                let kv_block = e * 2.0 * b * chunk * kv / tp;
+                let hop = send_time(kv_block, self.cluster.ring_hop_link(layout.cp, layout.tp));
+                // Forward: cp−1 hops of K/V. Backward: cp−1 hops carrying K/V and the dK/dV
+                // accumulators, then the accumulators' last hop home.
+                let comm_backward = CpComm::overlapped(cp - 1.0, 2.0 * hop, block_backward)
+                    + CpComm::overlapped(1.0, hop, block_backward);
+                step(
+                    cp * block,
+                    CpComm::overlapped(cp - 1.0, hop, block),
+                    comm_backward,
+                    // Send and receive buffers of a K/V block, and of a dK/dV block.
+                    4.0 * kv_block,
+                )
+            }
+            CpMode::Ulysses => {
+                let qkv = e * b * chunk * (h + 2.0 * kv) / tp;
+                let output = e * b * chunk * h / tp;
+                let all_to_all = |bytes| self.cluster.all_to_all_time(bytes, layout.cp, layout.tp);
+                let exchange = CpComm::exposed(all_to_all(qkv) + all_to_all(output));
+                let forward = self.attention_core_time(kind, heads / cp, s, s, d);
+                // The all-to-all receives q/k/v for whole sequences into a second buffer.
+                step(forward, exchange, exchange, qkv)
+            }
+        }
     }
 
     fn evaluate_transformer(&self, t: &TransformerSpec, layout: &Layout) -> Evaluation {
         let e = self.setup.precision.compute_bytes();
         let b = layout.micro_batch as f64;
-        let (s, h, a) = (t.seq_len as f64, t.hidden as f64, t.heads as f64);
+        let (s, h) = (t.seq_len as f64, t.hidden as f64);
         let (f, v_size) = (t.ffn_hidden as f64, t.vocab as f64);
         let tp = layout.tp as f64;
-        let tokens = b * s;
-        let head_dim = t.head_dim() as f64;
+        // Context parallelism gives each rank s/cp tokens of every sequence.
+        let tokens = b * s / layout.cp as f64;
         let microbatches = self.setup.global_batch / (layout.dp * layout.micro_batch);
         let m = microbatches as f64;
         let layers_per_gpu = (t.layers / layout.pp) as f64;
+        let attention = self.attention_kernel(layout);
+        let split = LayerSplit::of(layout);
 
         // --- one layer, one micro-batch, this GPU ---
         let qkv = self.gemm_time(1.0, tokens, (h + 2.0 * t.kv_width() as f64) / tp, h);
-        let attention_core =
-            self.gemm_time(b * a / tp, s, s, head_dim) + self.gemm_time(b * a / tp, s, head_dim, s);
+        let core = self.attention_step(t, layout);
         let projection = self.gemm_time(1.0, tokens, h, h / tp);
         let mlp_in = self.gemm_time(1.0, tokens, f * (t.mlp_matrices() - 1) as f64 / tp, h);
         let mlp_out = self.gemm_time(1.0, tokens, h, f / tp);
-        let gemm_forward = qkv + attention_core + projection + mlp_in + mlp_out;
-        let stored = layer_activation_bytes(t, b, e, layout.tp, layout.sp, Recompute::None);
+        let gemm_forward = qkv + core.forward + projection + mlp_in + mlp_out;
+        let stored = layer_activation_bytes(t, b, e, split, Recompute::None, attention);
         let launches = ELEMENTWISE_KERNELS_PER_LAYER * self.kernel_overhead();
         let elementwise_forward = FORWARD_ACCESSES * stored / self.memory_bandwidth() + launches;
         let elementwise_backward =
@@ -302,14 +498,15 @@ impl Problem {
         let layer_forward = gemm_forward + elementwise_forward;
         // Backward: a data-gradient and a weight-gradient GEMM per forward GEMM.
         let layer_backward = 2.0 * gemm_forward + elementwise_backward;
-        let layer_recompute = match layout.recompute {
-            Recompute::None => 0.0,
-            Recompute::Full => layer_forward,
-            Recompute::Selective => {
-                let scores = LayerActivations::new(t, b, e).attention_scores / tp;
-                attention_core + FORWARD_ACCESSES * scores / self.memory_bandwidth()
-            }
-        };
+        let layer_recompute = core.rescoring
+            + match layout.recompute {
+                Recompute::None => 0.0,
+                Recompute::Full => layer_forward,
+                Recompute::Selective => {
+                    let kept = attention_core_bytes(t, b, e, split, attention);
+                    core.forward + FORWARD_ACCESSES * kept / self.memory_bandwidth()
+                }
+            };
         let tp_link = self.cluster.group_link(layout.tp, 1);
         let tp_collectives = match layout.recompute {
             Recompute::Full => 6.0,
@@ -318,13 +515,26 @@ impl Problem {
         // With sequence parallelism each all-reduce becomes a reduce-scatter plus an
         // all-gather of the same total volume (Korthikanti et al. 2022 §4.2.2).
         let layer_tp = tp_collectives * all_reduce_time(tokens * h * e, layout.tp, tp_link);
+        // Recomputing a layer's forward repeats its context-parallel forward exchange; so does
+        // recomputing only the attention core when the core is a ring.
+        let cp_repeated = layout.recompute == Recompute::Full
+            || (layout.recompute == Recompute::Selective && layout.cp_mode == CpMode::Ring);
+        let layer_cp = core.comm_forward
+            + core.comm_backward
+            + if cp_repeated {
+                core.comm_forward
+            } else {
+                CpComm::default()
+            };
 
         // --- the last stage also computes the logits and the loss ---
         let logits_forward = self.gemm_time(1.0, tokens, v_size / tp, h)
             + 4.0 * tokens * v_size / tp / self.memory_bandwidth();
         let logits = 3.0 * logits_forward;
 
-        let pp_link = self.cluster.group_link(layout.pp, layout.tp * layout.dp);
+        let pp_link = self
+            .cluster
+            .group_link(layout.pp, layout.tp * layout.cp * layout.dp);
         // Megatron's scatter/gather optimisation: each tensor-parallel rank sends 1/t of the
         // boundary activation over its own network card.
         let p2p = if layout.pp > 1 {
@@ -336,7 +546,8 @@ impl Problem {
         let mb_compute = layers_per_gpu * (layer_forward + layer_backward) + logits;
         let mb_recompute = layers_per_gpu * layer_recompute;
         let mb_tp = layers_per_gpu * layer_tp;
-        let mb_total = mb_compute + mb_recompute + mb_tp + p2p;
+        let mb_cp = layers_per_gpu * layer_cp.exposed;
+        let mb_total = mb_compute + mb_recompute + mb_tp + mb_cp + p2p;
         let bubble_microbatches = match layout.schedule {
             Schedule::GPipe => (layout.pp - 1) as f64,
             Schedule::OneFOneB => (layout.pp - 1) as f64 / layout.interleave as f64,
@@ -358,6 +569,8 @@ impl Problem {
             compute_s: m * mb_compute,
             recompute_s: m * mb_recompute,
             tp_comm_s: m * mb_tp,
+            cp_comm_s: m * mb_cp,
+            cp_hidden_s: m * layers_per_gpu * layer_cp.hidden,
             pp_p2p_s: m * p2p,
             bubble_s: bubble_microbatches * mb_total,
             dp_exposed_s: dp_exposed,
@@ -365,29 +578,44 @@ impl Problem {
             optimizer_s: self.optimizer_time(params.max(), layout),
             step_s: 0.0,
         };
-        time.step_s = time.compute_s
-            + time.recompute_s
-            + time.tp_comm_s
-            + time.pp_p2p_s
-            + time.bubble_s
-            + time.dp_exposed_s
-            + time.optimizer_s;
+        time.step_s = time.exposed_sum();
 
         // --- FLOPs ---
         let batch = self.setup.global_batch as f64;
         let layer_flops = t.layer_forward_flops_per_sequence();
         let logits_flops = t.logits_forward_flops_per_sequence();
+        // Score products (QKᵀ and ·V) of one layer and sequence, counted in full (masked half
+        // included) as the FLOP conventions of Narayanan et al. do.
+        let score_products = 4.0 * s * s * h;
         let recompute_flops = match layout.recompute {
             Recompute::None => 0.0,
-            Recompute::Selective => 4.0 * s * s * h,
+            Recompute::Selective => score_products,
             Recompute::Full => layer_flops,
         };
+        // The flash kernel also rescores in backward, and skips the masked share of every
+        // score product it runs (forward, backward, rescoring, recomputed forward).
+        let (rescoring_flops, skipped_flops) = match attention {
+            AttentionKind::Standard => (0.0, 0.0),
+            AttentionKind::Flash => {
+                let recomputed = if layout.recompute == Recompute::None {
+                    0.0
+                } else {
+                    1.0
+                };
+                let passes = 3.0 + FLASH_RESCORING + recomputed;
+                (
+                    FLASH_RESCORING * score_products,
+                    (1.0 - FLASH_CAUSAL_SHARE) * passes * score_products,
+                )
+            }
+        };
         let model_flops = batch * 3.0 * (t.layers as f64 * layer_flops + logits_flops);
-        let hardware_flops = model_flops + batch * t.layers as f64 * recompute_flops;
+        let hardware_flops = model_flops
+            + batch * t.layers as f64 * (recompute_flops + rescoring_flops - skipped_flops);
 
         // --- memory: the first stage holds the most in-flight activations, the last the
         // logits; report whichever is larger ---
-        let per_layer = layer_activation_bytes(t, b, e, layout.tp, layout.sp, layout.recompute);
+        let per_layer = layer_activation_bytes(t, b, e, split, layout.recompute, attention);
         let working_set = if layout.recompute == Recompute::None {
             0.0
         } else {
@@ -404,6 +632,7 @@ impl Problem {
         let first_acts = in_flight_first * layers_per_gpu * per_layer + working_set;
         let last_acts = in_flight_last * layers_per_gpu * per_layer + working_set + logits_memory;
         let comm = self.comm_buffer_bytes(params.max(), layout, tokens * h * e / tp)
+            + core.buffer_bytes
             + if layout.zero >= 3 {
                 2.0 * t.params_per_layer() as f64 / tp * e
             } else {
@@ -411,7 +640,7 @@ impl Problem {
             };
         let bytes = self.setup.bytes_per_param();
         let build = |params: f64, activations: f64| {
-            let states = model_state_bytes(params, bytes, layout.zero, layout.dp);
+            let states = model_state_bytes(params, bytes, layout.zero, layout.gradient_group());
             MemoryBreakdown {
                 weights: states.weights,
                 gradients: states.gradients,
@@ -437,7 +666,8 @@ impl Problem {
             model_flops,
             Links {
                 tp_crosses_nodes: layout.tp > 1 && tp_link.crosses_nodes,
-                dp_crosses_nodes: layout.dp > 1 && dp_link.crosses_nodes,
+                cp_crosses_nodes: layout.cp > 1 && core.crosses_nodes,
+                dp_crosses_nodes: layout.gradient_group() > 1 && dp_link.crosses_nodes,
                 pp_crosses_nodes: layout.pp > 1 && pp_link.crosses_nodes,
                 dp_bandwidth: dp_link.bandwidth,
                 dp_bytes,
@@ -469,10 +699,14 @@ impl Problem {
             optimizer_s: self.optimizer_time(params, layout),
             ..StepTime::default()
         };
-        time.step_s = time.compute_s + time.dp_exposed_s + time.optimizer_s;
+        time.step_s = time.exposed_sum();
         let flops = g.flops_per_sample * self.setup.global_batch as f64;
-        let states =
-            model_state_bytes(params, self.setup.bytes_per_param(), layout.zero, layout.dp);
+        let states = model_state_bytes(
+            params,
+            self.setup.bytes_per_param(),
+            layout.zero,
+            layout.gradient_group(),
+        );
         let memory = MemoryBreakdown {
             weights: states.weights,
             gradients: states.gradients,
@@ -489,6 +723,7 @@ impl Problem {
             flops,
             Links {
                 tp_crosses_nodes: false,
+                cp_crosses_nodes: false,
                 dp_crosses_nodes: layout.dp > 1 && dp_link.crosses_nodes,
                 pp_crosses_nodes: false,
                 dp_bandwidth: dp_link.bandwidth,
@@ -551,7 +786,9 @@ impl Problem {
         }
     }
 
-    /// Exposed and hidden data-parallel communication per step, bytes reduced per GPU, link.
+    /// Exposed and hidden gradient (and ZeRO parameter) communication over the dp·cp ranks per
+    /// step, bytes reduced per GPU, link. With Megatron's rank order the dp·cp group is
+    /// contiguous above the tensor-parallel ranks.
     fn data_parallel_comm(
         &self,
         params: f64,
@@ -560,14 +797,14 @@ impl Problem {
         last_backward: f64,
         mb_compute: f64,
     ) -> (f64, f64, f64, GroupLink) {
-        let link = self.cluster.group_link(layout.dp, layout.tp);
+        let d = layout.gradient_group();
+        let link = self.cluster.group_link(d, layout.tp);
         let bytes = self.setup.bytes_per_param();
         let grad_bytes = params * bytes.gradients;
         let weight_bytes = params * bytes.weights;
-        if layout.dp == 1 {
+        if d == 1 {
             return (0.0, 0.0, grad_bytes, link);
         }
-        let d = layout.dp;
         match layout.zero {
             0..=2 => {
                 let (reduce, gather) = if layout.zero == 0 {
@@ -608,7 +845,7 @@ impl Problem {
     fn optimizer_time(&self, params: f64, layout: &Layout) -> f64 {
         let bytes = self.setup.bytes_per_param();
         let local = if layout.zero >= 1 {
-            params / layout.dp as f64
+            params / layout.gradient_group() as f64
         } else {
             params
         };
@@ -618,7 +855,7 @@ impl Problem {
 
     fn comm_buffer_bytes(&self, params: f64, layout: &Layout, boundary_bytes: f64) -> f64 {
         let mut total = 0.0;
-        if layout.dp > 1 && layout.zero < 3 {
+        if layout.gradient_group() > 1 && layout.zero < 3 {
             let grads = params * self.setup.bytes_per_param().gradients;
             total += 2.0 * grads.min(DP_BUCKET_BYTES);
         }
@@ -631,6 +868,37 @@ impl Problem {
         }
         total
     }
+}
+
+/// What context parallelism needs of the model's shape.
+fn check_context_parallel(t: &TransformerSpec, layout: &Layout) -> std::result::Result<(), String> {
+    let cp = layout.cp;
+    match layout.cp_mode {
+        CpMode::Ring => {
+            if !t.seq_len.is_multiple_of(2 * cp) {
+                return Err(format!(
+                    "sequence length {} does not split into 2·cp = {} equal chunks for load-balanced ring attention",
+                    t.seq_len,
+                    2 * cp
+                ));
+            }
+        }
+        CpMode::Ulysses => {
+            let heads = t.heads / layout.tp;
+            if !heads.is_multiple_of(cp) {
+                return Err(format!(
+                    "Ulysses gives each cp rank whole heads: {heads} heads per tensor-parallel rank are not divisible by cp = {cp}"
+                ));
+            }
+            if !t.seq_len.is_multiple_of(cp) {
+                return Err(format!(
+                    "sequence length {} is not divisible by cp = {cp}",
+                    t.seq_len
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -823,13 +1091,240 @@ mod tests {
         assert!((e.time.pp_p2p_s - 16.0 * 2.0 * send).abs() < 1e-12);
     }
 
+    /// gpt-7.5b (h = 4096, a = 32, 36 layers) at sequence length `seq` on `gpus` H100s.
+    fn long_gpt(gpus: u64, batch: u64, seq: u64, attention: AttentionKind) -> Problem {
+        let mut p = problem("gpt-7.5b", "h100", gpus, batch);
+        p.model = p.model.with_seq_len(seq).unwrap();
+        p.setup.attention = attention;
+        p
+    }
+
+    fn with_mode(spec: &str, cp_mode: CpMode) -> Layout {
+        Layout {
+            cp_mode,
+            ..Layout::parse(spec).unwrap()
+        }
+    }
+
+    #[test]
+    fn cp1_standard_attention_reproduces_the_numbers_before_cp_and_flash() {
+        // Printed by the cost model before context parallelism and the flash kernel existed:
+        // step, compute, recompute, tp, pp sends, bubble, dp exposed, dp hidden, optimizer
+        // (s), activations, memory total (bytes), hardware and model FLOPs.
+        #[rustfmt::skip]
+        let before = [
+            ("gpt-39b", "a100", 64, 64, "dp=2,tp=8,pp=4,mb=1,recompute=full", [4.763754819811816, 2.7149276026092304, 0.9016534798441025, 0.6849917818434782, 0.012183106782608696, 0.4044146222886956, 0.02593107814147902, 0.08388016081504272, 0.019653148302222225, 1996488704.0, 24606343168.0, 4.25510999949312e16, 3.19957883682816e16]),
+            ("gpt-7.5b", "h100", 32, 128, "dp=8,tp=4,mb=2,recompute=selective,sp=on,zero=1", [1.2060411433457852, 0.8905524880711183, 0.095143538688, 0.1817972736, 0.0, 0.0, 0.03635773866666667, 0.03635773866666667, 0.00219010432, 5926551552.0, 18585510912.0, 1.299622744031232e16, 1.2679568091512832e16]),
+            ("gpt-30b", "h100", 32, 256, "dp=4,tp=2,pp=4,sp=on,zero=1,mb=1,recompute=none,v=2", [6.604511099112621, 6.073998339242839, 0.0, 0.2689717589333333, 0.08556125297777777, 0.1506687035426707, 0.016220566933333333, 0.016220566933333333, 0.009090477482666667, 55226400768.0, 84907112448.0, 9.86855666394071e16, 9.86855666394071e16]),
+            ("gpt-1.7b", "a100", 16, 64, "dp=16,mb=1,zero=3", [0.6091358216697436, 0.6075174863097436, 0.0, 0.0, 0.0, 0.0, 0.0, 0.20347907478260868, 0.0016183353600000001, 16559112192.0, 20613750272.0, 1473208142266368.0, 1473208142266368.0]),
+            ("resnet18", "cpu", 2, 64, "dp=2,mb=32", [0.12112787329585797, 0.08192355029585797, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0028045945, 0.039204323, 8320000.0, 768758472.0, 12608000000.0, 12608000000.0]),
+            ("llama-70b", "h100", 32, 256, "tp=8,pp=4,mb=1,recompute=selective,sp=on,schedule=gpipe", [42.290683857996875, 30.845086103750106, 3.29489514496, 7.5412202382222215, 0.09953971768888889, 0.48961806099165495, 0.0, 0.0, 0.020324592384, 763274985472.0, 800277643264.0, 4.7734197808267264e17, 4.660829790142464e17]),
+            ("gpt", "cpu", 2, 32, "dp=2,mb=4", [0.5908733864142013, 0.5791615144142013, 0.0, 0.0, 0.0, 0.0, 0.0, 0.000840848, 0.011711872, 23855104.0, 627193856.0, 85362475008.0, 85362475008.0]),
+        ];
+        for (model, cluster, gpus, batch, spec, expected) in before {
+            let p = problem(model, cluster, gpus, batch);
+            assert_eq!(p.setup.attention, AttentionKind::Standard);
+            let e = p.evaluate(&Layout::parse(spec).unwrap()).unwrap();
+            let t = &e.time;
+            let got = [
+                t.step_s,
+                t.compute_s,
+                t.recompute_s,
+                t.tp_comm_s,
+                t.pp_p2p_s,
+                t.bubble_s,
+                t.dp_exposed_s,
+                t.dp_hidden_s,
+                t.optimizer_s,
+                e.memory.activations,
+                e.memory.total(),
+                e.throughput.hardware_flops,
+                e.throughput.model_flops,
+            ];
+            for (i, (g, x)) in got.iter().zip(expected).enumerate() {
+                assert!(
+                    (g - x).abs() <= 1e-12 * x.abs(),
+                    "{model} {spec}, quantity {i}: {g} vs {x}"
+                );
+            }
+            assert_eq!((t.cp_comm_s, t.cp_hidden_s), (0.0, 0.0));
+        }
+    }
+
+    #[test]
+    fn ring_hides_hops_shorter_than_a_block_and_exposes_the_rest() {
+        // Long sequences, cp = 4 inside a node: a hop carries a K/V block of 2·(s/cp)·h
+        // elements, 2·2·8192·4096 bytes over 360 GB/s NVLink plus 3 µs (0.38 ms), while one
+        // 8192² block of attention takes ~0.77 ms. Everything hides: per layer (cp−1) forward
+        // hops, (cp−1) backward hops carrying K/V and dK/dV, and the last dK/dV hop.
+        let long = long_gpt(8, 8, 32768, AttentionKind::Flash);
+        let e = long
+            .evaluate(&Layout::parse("dp=2,cp=4,zero=3,mb=1").unwrap())
+            .unwrap();
+        assert_eq!(e.layout.cp_mode, CpMode::Ring);
+        assert!(!e.links.cp_crosses_nodes);
+        assert_eq!(e.time.cp_comm_s, 0.0);
+        let hop = 2.0 * 2.0 * 8192.0 * 4096.0 / 360e9 + 3e-6;
+        let (microbatches, layers) = (4.0, 36.0);
+        let hidden = microbatches * layers * (3.0 + 2.0 * 3.0 + 1.0) * hop;
+        assert!(
+            (e.time.cp_hidden_s - hidden).abs() < 1e-12,
+            "{}",
+            e.time.cp_hidden_s
+        );
+
+        // Short sequences, cp = 8: a 256² block (~6 µs, 14.5 µs in backward) is less work
+        // than its 14.7 µs hop, so every hop shows its excess.
+        let short = long_gpt(8, 8, 2048, AttentionKind::Flash);
+        let e = short
+            .evaluate(&Layout::parse("cp=8,zero=3,mb=1").unwrap())
+            .unwrap();
+        let hop = 2.0 * 2.0 * 256.0 * 4096.0 / 360e9 + 3e-6;
+        let block = short.attention_core_time(AttentionKind::Flash, 32.0, 256.0, 256.0, 128.0);
+        let backward = 2.5 * block;
+        assert!(block < hop && backward < hop);
+        let excess = |hop: f64, compute: f64| (hop - compute).max(0.0);
+        let exposed =
+            7.0 * excess(hop, block) + 7.0 * excess(2.0 * hop, backward) + excess(hop, backward);
+        let hidden = 7.0 * block + 7.0 * backward + backward;
+        let (microbatches, layers) = (8.0, 36.0);
+        assert!(e.time.cp_comm_s > 0.0);
+        assert!((e.time.cp_comm_s - microbatches * layers * exposed).abs() < 1e-12);
+        assert!((e.time.cp_hidden_s - microbatches * layers * hidden).abs() < 1e-12);
+        // The exposed part is on the critical path.
+        let sum = e.time.compute_s + e.time.recompute_s + e.time.cp_comm_s + e.time.optimizer_s;
+        assert!((e.time.step_s - sum - e.time.dp_exposed_s).abs() < 1e-12);
+    }
+
+    #[test]
+    fn ulysses_all_to_alls_by_hand_and_its_head_rule() {
+        // gpt-7.5b, s = 32768, tp = 2, cp = 4 in one node: 16 heads per tensor-parallel rank
+        // go 4 to each cp rank. Per layer, forward and backward each all-to-all q/k/v
+        // (3·(s/cp)·h/tp elements per rank) and the output (1·(s/cp)·h/tp); 3/4 of each
+        // buffer leaves the rank over NVLink, 3 steps of 3 µs. Not overlapped.
+        let p = long_gpt(8, 8, 32768, AttentionKind::Flash);
+        let e = p
+            .evaluate(&with_mode("tp=2,cp=4,zero=3,mb=1", CpMode::Ulysses))
+            .unwrap();
+        let a2a = |elements: f64| 0.75 * 2.0 * elements / 360e9 + 3.0 * 3e-6;
+        let per_rank = 8192.0 * 4096.0 / 2.0;
+        let layer = 2.0 * (a2a(3.0 * per_rank) + a2a(per_rank));
+        let (microbatches, layers) = (8.0, 36.0);
+        assert!((e.time.cp_comm_s - microbatches * layers * layer).abs() < 1e-12);
+        assert_eq!(e.time.cp_hidden_s, 0.0);
+
+        // gpt-30b: 56 heads, 28 per rank at tp = 2: 8 Ulysses ranks cannot share them out;
+        // ring attention can run the same layout.
+        let p = problem("gpt-30b", "h100", 16, 16);
+        let err = p
+            .evaluate(&with_mode("tp=2,cp=8,zero=3", CpMode::Ulysses))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("28 heads per tensor-parallel rank are not divisible by cp = 8"),
+            "{err}"
+        );
+        assert!(p
+            .evaluate(&with_mode("tp=2,cp=8,zero=3", CpMode::Ring))
+            .is_ok());
+        assert!(p
+            .evaluate(&with_mode("tp=2,cp=4,dp=2,zero=3", CpMode::Ulysses))
+            .is_ok());
+        // Ring needs the sequence in 2·cp equal chunks.
+        let mut odd = problem("gpt-30b", "h100", 16, 16);
+        odd.model = odd.model.with_seq_len(2040).unwrap();
+        let err = odd
+            .evaluate(&with_mode("tp=1,cp=16,zero=3", CpMode::Ring))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("does not split into 2·cp = 32 equal chunks"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn flash_rescores_in_backward_and_skips_the_masked_half() {
+        let (b, s, h, layers) = (8.0, 4096.0, 4096.0, 36.0);
+        let standard = long_gpt(8, 8, 4096, AttentionKind::Standard);
+        let flash = long_gpt(8, 8, 4096, AttentionKind::Flash);
+        let layout = Layout::parse("dp=8,zero=1,mb=1").unwrap();
+        let (se, fe) = (
+            standard.evaluate(&layout).unwrap(),
+            flash.evaluate(&layout).unwrap(),
+        );
+        assert_eq!(se.time.recompute_s, 0.0);
+        // Backward recomputes QKᵀ: half of the forward attention core, every layer and
+        // micro-batch (one micro-batch of one sequence per replica here).
+        let core = flash.attention_core_time(AttentionKind::Flash, 32.0, s, s, 128.0);
+        assert!((fe.time.recompute_s - layers * 0.5 * core).abs() < 1e-15);
+        // Model FLOPs keep the full-score convention; the hardware runs the causal half of
+        // 3.5 score passes (forward, backward, rescoring) instead of all of 3.
+        assert_eq!(fe.throughput.model_flops, se.throughput.model_flops);
+        let scores = 4.0 * s * s * h;
+        let difference = fe.throughput.hardware_flops - se.throughput.hardware_flops;
+        let expected = b * layers * scores * (0.5 * 3.5 - 3.0);
+        assert!((difference - expected).abs() / expected.abs() < 1e-12);
+        // No a·s² probabilities in HBM: faster and smaller.
+        assert!(fe.time.step_s < se.time.step_s);
+        assert!(fe.memory.activations < se.memory.activations / 2.0);
+    }
+
+    #[test]
+    fn gradients_are_reduced_over_dp_times_cp() {
+        let mut p = problem("gpt-1.7b", "h100", 16, 16);
+        p.setup.overlap_grad_reduce = false;
+        p.setup.attention = AttentionKind::Flash;
+        let e = p
+            .evaluate(&Layout::parse("dp=4,cp=4,mb=1").unwrap())
+            .unwrap();
+        // 16 ranks, 8 per node: min(360, 8·45) = 360 GB/s bus bandwidth, 8 µs steps.
+        let bytes = presets::model("gpt-1.7b").unwrap().total_params() as f64 * 2.0;
+        let expected = 2.0 * 15.0 / 16.0 * bytes / 360e9 + 2.0 * 15.0 * 8e-6;
+        assert!((e.time.dp_exposed_s - expected).abs() < 1e-12);
+        assert!(e.links.dp_crosses_nodes && !e.links.cp_crosses_nodes);
+        // Weights stay whole on every cp rank; ZeRO-1 shards the optimizer over all 16.
+        let z = p
+            .evaluate(&Layout::parse("dp=4,cp=4,mb=1,zero=1").unwrap())
+            .unwrap();
+        let params = bytes / 2.0;
+        assert!((z.memory.weights - 2.0 * params).abs() < 1.0);
+        assert!((z.memory.optimizer - 12.0 * params / 16.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn context_parallel_activation_memory_is_one_over_cp() {
+        for (attention, mode) in [
+            (AttentionKind::Flash, CpMode::Ring),
+            (AttentionKind::Flash, CpMode::Ulysses),
+            (AttentionKind::Standard, CpMode::Ulysses),
+        ] {
+            let p = long_gpt(8, 8, 16384, attention);
+            let activations = |spec: &str| {
+                p.evaluate(&with_mode(spec, mode))
+                    .unwrap()
+                    .memory
+                    .activations
+            };
+            let whole = activations("dp=8,zero=3,mb=1,recompute=selective");
+            for cp in [2u64, 4] {
+                let spec = format!("dp={},cp={cp},zero=3,mb=1,recompute=selective", 8 / cp);
+                let ratio = activations(&spec) / whole;
+                assert!(
+                    (ratio - 1.0 / cp as f64).abs() < 1e-12,
+                    "{attention:?} {mode:?} cp = {cp}: {ratio}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn invalid_layouts_are_rejected_with_reasons() {
         let p = problem("gpt-30b", "h100", 32, 64);
         let cases = [
             (
                 "dp=4,tp=4,pp=1",
-                "dp·tp·pp = 16 but the cluster has 32 GPUs",
+                "dp·tp·pp·cp = 16 but the cluster has 32 GPUs",
             ),
             (
                 "dp=2,tp=16,pp=1",
@@ -843,6 +1338,7 @@ mod tests {
             ),
             ("dp=4,tp=8,zero=4", "ZeRO stage 4 does not exist"),
             ("dp=4,tp=4,pp=2,zero=3", "with pp > 1 use ZeRO-1"),
+            ("dp=4,tp=2,cp=0", "dp, tp, pp and cp must all be at least 1"),
         ];
         for (spec, message) in cases {
             let err = p

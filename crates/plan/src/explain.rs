@@ -1,17 +1,19 @@
-//! The recommendation memo: why the chosen layout fits, where gradients are synchronised and
-//! what that costs, what micro-batching buys over naive layer splitting, how mixed precision
-//! saves memory and stays stable, and what will stop perfect scaling.
+//! The recommendation memo: why the chosen layout fits, where gradients and activations are
+//! synchronised (context parallelism included) and what that costs, what micro-batching buys
+//! over naive layer splitting, how mixed precision saves memory and stays stable, and what
+//! will stop perfect scaling.
 
 use std::fmt::Write;
 
 use crate::cluster::{Precision, GIB};
 use crate::cost::{Evaluation, Problem};
-use crate::layout::{Layout, Recompute, Schedule, TrainingSetup};
+use crate::layout::{AttentionKind, CpMode, Layout, Recompute, Schedule, TrainingSetup};
 
 /// Causes of lost time in a step, as fractions of the step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Loss {
     TensorParallelComm,
+    ContextParallelComm,
     PipelineBubble,
     PipelineSends,
     DataParallelComm,
@@ -23,6 +25,7 @@ impl Loss {
     pub fn name(self) -> &'static str {
         match self {
             Loss::TensorParallelComm => "tensor-parallel all-reduces",
+            Loss::ContextParallelComm => "exposed context-parallel exchanges",
             Loss::PipelineBubble => "pipeline bubble",
             Loss::PipelineSends => "pipeline point-to-point sends",
             Loss::DataParallelComm => "exposed data-parallel gradient reduction",
@@ -34,6 +37,9 @@ impl Loss {
     /// The first thing to try against this loss in this layout.
     pub fn mitigation(self, layout: &Layout) -> &'static str {
         match self {
+            Loss::Recomputation if layout.recompute == Recompute::None => "none needed: this is the memory-efficient attention kernel recomputing its score tiles in backward, the price of not keeping the a·s² probabilities",
+            Loss::ContextParallelComm if layout.cp_mode == CpMode::Ulysses => "keep the cp group inside one node (tp·cp ≤ GPUs per node), or use ring attention, whose hops overlap the attention compute",
+            Loss::ContextParallelComm => "keep the cp group inside one node (tp·cp ≤ GPUs per node) or use fewer cp ranks: each ring hop hides under the attention of one (s/cp)² block, which shrinks quadratically as cp grows while the hop shrinks only linearly",
             Loss::Recomputation if layout.recompute == Recompute::Selective => "free memory to stop recomputing (a smaller micro-batch, a higher ZeRO stage, or sequence parallelism), or accept it: selective recomputation costs only the attention core",
             Loss::TensorParallelComm => "keep the tensor-parallel group inside one node (tp ≤ GPUs per node) and shrink tp, moving the freed factor to pipeline parallelism; add sequence parallelism so the same traffic also cuts activation memory",
             Loss::PipelineBubble => "raise the number of micro-batches per step (smaller micro-batches or a larger global batch) or use the interleaved 1F1B schedule (v model chunks per GPU divide the bubble by v)",
@@ -50,6 +56,7 @@ pub fn losses(e: &Evaluation) -> Vec<(Loss, f64)> {
     let t = &e.time;
     let mut v = vec![
         (Loss::TensorParallelComm, t.tp_comm_s),
+        (Loss::ContextParallelComm, t.cp_comm_s),
         (Loss::PipelineBubble, t.bubble_s),
         (Loss::PipelineSends, t.pp_p2p_s),
         (Loss::DataParallelComm, t.dp_exposed_s),
@@ -87,14 +94,14 @@ fn fp32_twin(problem: &Problem, layout: &Layout) -> Option<Evaluation> {
     p.evaluate(layout).ok()
 }
 
-/// Throughput of a single model replica (tp·pp GPUs, same per-replica batch, no ZeRO) and
+/// Throughput of a single model replica (tp·pp·cp GPUs, same per-replica batch, no ZeRO) and
 /// the scaling efficiency of `dp` replicas relative to it: what data parallelism costs.
 fn replica_scaling(problem: &Problem, best: &Evaluation) -> Option<((u64, f64), f64)> {
     let l = &best.layout;
     if l.dp == 1 {
         return None;
     }
-    let gpus = l.tp * l.pp;
+    let gpus = l.tp * l.pp * l.cp;
     let cluster = problem.cluster.with_gpus(gpus).ok()?;
     let setup = TrainingSetup {
         global_batch: problem.setup.global_batch / l.dp,
@@ -115,6 +122,40 @@ fn replica_scaling(problem: &Problem, best: &Evaluation) -> Option<((u64, f64), 
     ))
 }
 
+/// The command that runs `layout` as planned: the layout string plus the trainer options it
+/// cannot carry (the cp mode, and the attention kernel, whose trainer default is standard).
+pub fn train_command(problem: &Problem, layout: &Layout) -> String {
+    let mut command = format!("meshtrain train --layout \"{layout}\"");
+    if layout.cp > 1 {
+        command += &format!(" --set parallel.cp_mode=\"{}\"", layout.cp_mode.name());
+    }
+    if problem.model.transformer().is_some() && problem.setup.attention == AttentionKind::Flash {
+        command += " --set model.attention=\"flash\"";
+    }
+    command
+}
+
+/// The same layout with the other cp mode, when the planner chose the mode: its evaluation,
+/// or why it cannot run.
+fn other_cp_mode(
+    problem: &Problem,
+    best: &Evaluation,
+) -> Option<(CpMode, Result<Evaluation, String>)> {
+    let l = &best.layout;
+    if l.cp == 1 || problem.setup.cp_mode.is_some() {
+        return None;
+    }
+    let other = match l.cp_mode {
+        CpMode::Ring => CpMode::Ulysses,
+        CpMode::Ulysses => CpMode::Ring,
+    };
+    let layout = Layout {
+        cp_mode: other,
+        ..l.clone()
+    };
+    Some((other, problem.evaluate(&layout).map_err(|e| e.to_string())))
+}
+
 /// Writes the memo for the chosen evaluation.
 pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     let mut out = String::new();
@@ -125,7 +166,7 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
     let step = t.step_s;
     let _ = writeln!(
         out,
-        "Recommendation for {} on {} × {} ({} per node), global batch {}, {}:\n  {l}\n  predicted step {:.3} s, {:.0} tokens/s, {:.3} TFLOP/s per GPU, MFU {:.1}%\n  run it: meshtrain train --layout \"{l}\"\n",
+        "Recommendation for {} on {} × {} ({} per node), global batch {}, {}:\n  {l}\n  predicted step {:.3} s, {:.0} tokens/s, {:.3} TFLOP/s per GPU, MFU {:.1}%\n  run it: {}\n",
         problem.model.name,
         c.gpus,
         c.name,
@@ -135,7 +176,8 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
         step,
         best.throughput.tokens_per_s,
         best.throughput.tflops_per_gpu,
-        100.0 * best.throughput.mfu
+        100.0 * best.throughput.mfu,
+        train_command(problem, l)
     );
 
     // 1. Memory.
@@ -166,15 +208,36 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             l.pp
         ));
     }
+    if l.cp > 1 {
+        how.push(format!(
+            "context parallelism ({}) splits every sequence over {} GPUs, so each keeps 1/{} of the activations",
+            l.cp_mode.name(),
+            l.cp,
+            l.cp
+        ));
+    }
     if l.zero > 0 {
         let what = match l.zero {
             1 => "the optimizer states",
             2 => "optimizer states and gradients",
             _ => "optimizer states, gradients and weights",
         };
+        let group = if l.cp > 1 {
+            format!("{} data- × context-parallel ranks", l.gradient_group())
+        } else {
+            format!("{} data-parallel ranks", l.dp)
+        };
+        how.push(format!("ZeRO-{} shards {what} over the {group}", l.zero));
+    }
+    if problem.model.transformer().is_some() && problem.attention_kernel(l) == AttentionKind::Flash
+    {
+        let kernel = if problem.setup.attention == AttentionKind::Flash {
+            "the memory-efficient attention kernel"
+        } else {
+            "ring attention's blocks run the memory-efficient kernel (whatever model.attention says), which"
+        };
         how.push(format!(
-            "ZeRO-{} shards {what} over the {} data-parallel ranks",
-            l.zero, l.dp
+            "{kernel} keeps one log-sum-exp per row and head instead of the a·s² probabilities"
         ));
     }
     match l.recompute {
@@ -206,11 +269,31 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
 
     // 2. Communication.
     let _ = writeln!(out, "2. Where gradients and activations are synchronised");
-    if l.dp > 1 {
+    if l.gradient_group() > 1 {
         let link = if best.links.dp_crosses_nodes {
             "between nodes"
         } else {
             "inside a node"
+        };
+        let (label, who, ranks) = match (l.dp, l.cp) {
+            (_, 1) => (
+                "Data parallelism",
+                format!(
+                    "each of the {} replicas computes gradients of its own samples",
+                    l.dp
+                ),
+                l.dp.to_string(),
+            ),
+            (1, cp) => (
+                "Gradient reduction",
+                format!("the {cp} context-parallel ranks hold the same weights and compute gradients of different tokens of the same samples"),
+                cp.to_string(),
+            ),
+            (dp, cp) => (
+                "Data parallelism",
+                format!("each of the {dp} replicas (each spread over {cp} context-parallel ranks that hold the same weights) computes gradients of its own samples' tokens"),
+                format!("dp·cp = {}", l.gradient_group()),
+            ),
         };
         let how = match l.zero {
             0 => "all-reduced after backward".to_string(),
@@ -219,9 +302,7 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
         };
         let _ = writeln!(
             out,
-            "   Data parallelism: each of the {} replicas computes gradients of its own samples; gradients are {how}, across {} ranks {link}: {:.2} GB through each GPU's link per step at {:.0} GB/s bus bandwidth. That takes {:.3} s per step, of which {:.3} s hide under backward compute and {:.3} s ({:.1}% of the step) are exposed.",
-            l.dp,
-            l.dp,
+            "   {label}: {who}; gradients are {how}, across {ranks} ranks {link}: {:.2} GB through each GPU's link per step at {:.0} GB/s bus bandwidth. That takes {:.3} s per step, of which {:.3} s hide under backward compute and {:.3} s ({:.1}% of the step) are exposed.",
             best.links.dp_bytes / 1e9,
             best.links.dp_bandwidth / 1e9,
             t.dp_exposed_s + t.dp_hidden_s,
@@ -248,6 +329,54 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             t.tp_comm_s,
             pct(t.tp_comm_s, step)
         );
+    }
+    if l.cp > 1 {
+        let link = if best.links.cp_crosses_nodes {
+            "between nodes (tp·cp exceeds a node)"
+        } else {
+            "inside a node"
+        };
+        let how = match l.cp_mode {
+            CpMode::Ring => format!(
+                "ring attention: every layer passes K/V blocks {} hops around the ring in forward and K/V plus the dK/dV accumulators {} hops in backward, each hop overlapping the attention compute of one block; {:.3} s per step hide under it and {:.3} s ({:.1}% of the step) are exposed",
+                l.cp - 1,
+                l.cp,
+                t.cp_hidden_s,
+                t.cp_comm_s,
+                pct(t.cp_comm_s, step)
+            ),
+            CpMode::Ulysses => format!(
+                "Ulysses: every layer all-to-alls q/k/v (sequence shards to head shards) and its output back, in forward and again in backward, not overlapped: {:.3} s per step ({:.1}%) on the critical path",
+                t.cp_comm_s,
+                pct(t.cp_comm_s, step)
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "   Context parallelism over {} GPUs {link}, {how}.",
+            l.cp
+        );
+        if let Some((other, evaluation)) = other_cp_mode(problem, best) {
+            let verdict = match evaluation {
+                Ok(e) if !e.fits => format!(
+                    "would need {:.1} GiB per GPU and does not fit",
+                    gib(e.memory.total())
+                ),
+                Ok(e) => format!(
+                    "would take {:.3} s per step ({:+.1}%)",
+                    e.time.step_s,
+                    pct(e.time.step_s - step, step)
+                ),
+                Err(reason) => format!("cannot run it: {reason}"),
+            };
+            let _ = writeln!(
+                out,
+                "   The planner picked {} for this layout: {} {verdict}. Tell the trainer with --set parallel.cp_mode=\"{}\".",
+                l.cp_mode.name(),
+                other.name(),
+                l.cp_mode.name()
+            );
+        }
     }
     if l.pp > 1 {
         let _ = writeln!(
@@ -364,6 +493,14 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             }
         );
     }
+    let executed_share = best.throughput.tflops_per_gpu * 1e12 / problem.peak();
+    if best.throughput.mfu > executed_share {
+        let _ = writeln!(
+            out,
+            "   MFU counts the full s² attention (the published convention); the causal memory-efficient kernel skips its masked half, so MFU exceeds the {:.1}% of peak the GPUs execute.",
+            100.0 * executed_share
+        );
+    }
     if let Some((loss, secs)) = ranked.first().filter(|(_, s)| *s > 0.0) {
         let _ = writeln!(
             out,
@@ -399,7 +536,24 @@ mod tests {
         )
         .unwrap();
         let result = search_feasible(&problem).unwrap();
-        let text = memo(&problem, result.best().unwrap());
+        // With GQA's small K/V blocks two context-parallel ranks cost almost nothing, halve
+        // the activations and keep all 256 micro-batches in one pipeline (half the bubble of
+        // dp = 2): the best layout uses cp. The five questions are checked on the best layout
+        // with data parallelism.
+        let best = result.best().unwrap();
+        assert!(best.layout.cp > 1, "{}", best.layout);
+        let text = memo(&problem, best);
+        for needle in [
+            "run it: meshtrain train --layout \"dp=1 tp=2 pp=8 cp=2 ",
+            "--set parallel.cp_mode=\"ring\"",
+            "context parallelism (ring) splits every sequence over 2 GPUs",
+            "Context parallelism over 2 GPUs inside a node, ring attention",
+            "The planner picked ring for this layout: ulysses would",
+        ] {
+            assert!(text.contains(needle), "missing `{needle}` in:\n{text}");
+        }
+        let replicated = result.ranked.iter().find(|e| e.layout.dp > 1).unwrap();
+        let text = memo(&problem, replicated);
         for needle in [
             "run it: meshtrain train --layout \"dp=",
             "does not fit in 80 GiB",

@@ -32,9 +32,19 @@ pub struct TrainingSetup {
     /// Accumulate and reduce gradients in fp32 (Megatron `--accumulate-allreduce-grads-in-fp32`)
     /// instead of the compute precision.
     pub fp32_gradients: bool,
+    /// The attention kernel the trainer runs (`model.attention`): it decides whether a layer
+    /// keeps the a·s² probabilities for backward or recomputes them.
+    pub attention: AttentionKind,
+    /// The trainer's `parallel.cp_mode` when the user fixed it; `None` lets the planner try
+    /// both modes for every layout with cp > 1 and report the better one.
+    pub cp_mode: Option<CpMode>,
 }
 
 impl TrainingSetup {
+    /// Adam, overlapped gradient reduction, the standard attention kernel (the trainer's
+    /// default `model.attention`, so library callers that model a default training run, such
+    /// as `meshtrain bench calibrate`, keep their numbers; `meshtrain plan` defaults to flash),
+    /// and the cp mode left to the planner.
     pub fn new(global_batch: u64, precision: Precision) -> Self {
         TrainingSetup {
             global_batch,
@@ -42,6 +52,8 @@ impl TrainingSetup {
             optimizer: Optimizer::Adam,
             overlap_grad_reduce: true,
             fp32_gradients: false,
+            attention: AttentionKind::Standard,
+            cp_mode: None,
         }
     }
 
@@ -94,6 +106,69 @@ pub enum Recompute {
     Full,
 }
 
+/// The attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKind {
+    /// Materialises the scores and keeps the softmax output, dropout mask and dropout output
+    /// (a·s² elements each) for backward, as Megatron did in 2021–22.
+    Standard,
+    /// Memory-efficient attention (FlashAttention, Dao et al. 2022): tiles with an online
+    /// softmax keep only the output and each row's log-sum-exp, skip the tiles above the
+    /// causal diagonal, and recompute the score tiles in backward.
+    Flash,
+}
+
+impl AttentionKind {
+    /// `standard` or `flash` (the trainer's `model.attention` values).
+    pub fn parse(value: &str) -> std::result::Result<Self, String> {
+        match value.to_ascii_lowercase().as_str() {
+            "standard" => Ok(AttentionKind::Standard),
+            "flash" => Ok(AttentionKind::Flash),
+            _ => Err(format!("attention `{value}`: standard or flash")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Standard => "standard",
+            AttentionKind::Flash => "flash",
+        }
+    }
+}
+
+/// How context parallelism exchanges what attention needs across the ranks that each hold a
+/// slice of every sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpMode {
+    /// Ring attention, load-balanced (rank i holds chunks i and 2cp−1−i): K/V blocks travel
+    /// around the ring while the rank computes on the block it has, so only what a hop takes
+    /// beyond that compute is exposed. Every block runs the memory-efficient kernel.
+    Ring,
+    /// DeepSpeed-Ulysses: all-to-alls turn sequence shards into head shards for attention and
+    /// back; not overlapped. Needs heads/tp divisible by cp.
+    Ulysses,
+}
+
+impl CpMode {
+    /// `ring` or `ulysses` (the trainer's `parallel.cp_mode` values).
+    pub fn parse(value: &str) -> std::result::Result<Self, String> {
+        match value.to_ascii_lowercase().as_str() {
+            "ring" => Ok(CpMode::Ring),
+            "ulysses" => Ok(CpMode::Ulysses),
+            _ => Err(format!("cp mode `{value}`: ring or ulysses")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CpMode::Ring => "ring",
+            CpMode::Ulysses => "ulysses",
+        }
+    }
+}
+
 /// Pipeline schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Schedule {
@@ -105,16 +180,23 @@ pub enum Schedule {
 }
 
 /// One way of laying a training run out over the cluster. Ranks are numbered with tensor
-/// parallelism innermost, then data, then pipeline (Megatron's order), so tensor-parallel
-/// groups sit inside a node whenever `tp ≤ gpus_per_node`.
+/// parallelism innermost, then context, then data, then pipeline (Megatron's order), so
+/// tensor-parallel groups sit inside a node whenever `tp ≤ gpus_per_node` and context-parallel
+/// groups whenever `tp·cp ≤ gpus_per_node`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Layout {
     pub dp: u64,
     pub tp: u64,
     pub pp: u64,
+    /// Context parallelism: every sequence is split over `cp` ranks, which hold the same
+    /// parameters and reduce their gradients together with the data-parallel ranks.
+    pub cp: u64,
+    /// How the cp ranks exchange attention inputs; meaningless when cp = 1. Not part of the
+    /// layout string: the trainer takes it as `parallel.cp_mode` (the memo's run line says so).
+    pub cp_mode: CpMode,
     /// Sequence parallelism in the tensor-parallel regions (Korthikanti et al. 2022).
     pub sp: bool,
-    /// ZeRO stage 0–3 over the data-parallel group.
+    /// ZeRO stage 0–3 over the gradient group (the dp·cp ranks, see [`Layout::gradient_group`]).
     pub zero: u8,
     /// Sequences per micro-batch.
     pub micro_batch: u64,
@@ -131,6 +213,8 @@ impl Layout {
             dp,
             tp: 1,
             pp: 1,
+            cp: 1,
+            cp_mode: CpMode::Ring,
             sp: false,
             zero: 0,
             micro_batch,
@@ -141,13 +225,22 @@ impl Layout {
     }
 
     pub fn gpus(&self) -> u64 {
-        self.dp * self.tp * self.pp
+        self.dp * self.tp * self.pp * self.cp
     }
 
-    /// Parses `dp=4,tp=8,pp=1,mb=1,zero=1,sp=on,recompute=full,v=2,schedule=1f1b`, or the
-    /// form this type prints (`dp=4 tp=8 pp=2 sp zero=1 mb=2 recompute=selective
+    /// Ranks that hold the same parameters and reduce their gradients together (Megatron's
+    /// dp-cp group): context-parallel ranks see different tokens of the same samples, so their
+    /// gradients are partial sums just like those of data-parallel replicas. ZeRO shards over
+    /// this group too, since its reduce-scatter leaves each member a 1/(dp·cp) slice.
+    pub fn gradient_group(&self) -> u64 {
+        self.dp * self.cp
+    }
+
+    /// Parses `dp=4,tp=8,pp=1,cp=2,mb=1,zero=1,sp=on,recompute=full,v=2,schedule=1f1b`, or
+    /// the form this type prints (`dp=4 tp=8 pp=2 cp=2 sp zero=1 mb=2 recompute=selective
     /// 1f1b-interleaved(v=3)`), see [`layout_terms`]; omitted keys take the defaults of
-    /// [`Layout::data_parallel`] with dp=1, mb=1.
+    /// [`Layout::data_parallel`] with dp=1, mb=1. The cp mode is not a key (the trainer reads
+    /// it from `parallel.cp_mode`), so it starts as ring.
     pub fn parse(text: &str) -> Result<Self> {
         let mut layout = Layout::data_parallel(1, 1);
         let bad = |reason: String| PlanError::InvalidLayout {
@@ -164,6 +257,7 @@ impl Layout {
                 "dp" => layout.dp = number()?,
                 "tp" => layout.tp = number()?,
                 "pp" => layout.pp = number()?,
+                "cp" => layout.cp = number()?,
                 "mb" | "micro_batch" => layout.micro_batch = number()?,
                 "v" | "interleave" => layout.interleave = number()?,
                 "zero" => {
@@ -180,7 +274,7 @@ impl Layout {
                     }
                 }
                 // Accepted (a training run prints them) but not planned yet.
-                "cp" | "precision" | "m" | "micro_batches" => {}
+                "precision" | "m" | "micro_batches" => {}
                 other => return Err(bad(format!("unknown key `{other}`"))),
             }
         }
@@ -273,12 +367,13 @@ pub fn layout_terms(text: &str) -> std::result::Result<Vec<(String, String)>, St
 
 impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "dp={} tp={} pp={}", self.dp, self.tp, self.pp)?;
+        if self.cp > 1 {
+            write!(f, " cp={}", self.cp)?;
+        }
         write!(
             f,
-            "dp={} tp={} pp={}{} zero={} mb={} recompute={}",
-            self.dp,
-            self.tp,
-            self.pp,
+            "{} zero={} mb={} recompute={}",
             if self.sp { " sp" } else { "" },
             self.zero,
             self.micro_batch,
@@ -335,6 +430,38 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("`bogus` is not key=value"));
+    }
+
+    #[test]
+    fn context_parallel_layouts_parse_and_print() {
+        let l = Layout::parse("dp=2,tp=2,cp=4,mb=1,zero=1").unwrap();
+        assert_eq!(
+            (l.cp, l.cp_mode, l.gpus(), l.gradient_group()),
+            (4, CpMode::Ring, 16, 8)
+        );
+        assert_eq!(
+            l.to_string(),
+            "dp=2 tp=2 pp=1 cp=4 zero=1 mb=1 recompute=none"
+        );
+        assert_eq!(Layout::parse(&l.to_string()).unwrap(), l);
+        // cp = 1 prints as before, so older layout strings and tools see no change.
+        let plain = Layout::parse("dp=2,cp=1").unwrap();
+        assert_eq!(
+            plain.to_string(),
+            "dp=2 tp=1 pp=1 zero=0 mb=1 recompute=none"
+        );
+        assert!(Layout::parse("cp=two")
+            .unwrap_err()
+            .to_string()
+            .contains("`cp` needs a whole number"));
+        assert_eq!(CpMode::parse("Ulysses"), Ok(CpMode::Ulysses));
+        assert!(CpMode::parse("tree")
+            .unwrap_err()
+            .contains("ring or ulysses"));
+        assert_eq!(AttentionKind::parse("flash"), Ok(AttentionKind::Flash));
+        assert!(AttentionKind::parse("sparse")
+            .unwrap_err()
+            .contains("standard or flash"));
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! meshtrain-plan: a cost model and planner for parallel training layouts.
 //!
-//! Given a model, a cluster and a training setup, it predicts per-GPU memory and step time of
-//! any layout (data × tensor × pipeline × sequence parallelism, ZeRO stage, micro-batch size,
-//! recomputation, interleaving), searches all layouts for the fastest one that fits, explains
-//! the choice, and diagnoses measured step-time breakdowns. Pure computation: the only I/O is
+//! Given a model, a cluster and a training setup (attention kernel included), it predicts
+//! per-GPU memory and step time of any layout (data × tensor × pipeline × context × sequence
+//! parallelism, ring or Ulysses context exchange, ZeRO stage, micro-batch size, recomputation,
+//! interleaving), searches all layouts for the fastest one that fits, explains the choice, and
+//! diagnoses measured step-time breakdowns. Pure computation: the only I/O is
 //! in [`cli`], which reads TOML/JSON inputs.
 
 pub mod calibrate;
@@ -23,5 +24,5 @@ pub mod validation;
 pub use cluster::{ClusterSpec, Precision};
 pub use cost::{Evaluation, Problem, StepTime, Throughput};
 pub use error::{PlanError, Result};
-pub use layout::{Layout, Optimizer, Recompute, Schedule, TrainingSetup};
+pub use layout::{AttentionKind, CpMode, Layout, Optimizer, Recompute, Schedule, TrainingSetup};
 pub use model::{Architecture, ModelSpec, TransformerSpec};

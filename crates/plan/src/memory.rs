@@ -1,16 +1,17 @@
-//! Per-GPU memory: model states (ZeRO 0–3), activations (Korthikanti et al. 2022) and
-//! communication buffers.
+//! Per-GPU memory: model states (ZeRO 0–3), activations (Korthikanti et al. 2022, with the
+//! memory-efficient attention kernel and context parallelism) and communication buffers.
 
 use serde::Serialize;
 
-use crate::layout::{Layout, ParamBytes, Recompute, Schedule};
+use crate::layout::{AttentionKind, Layout, ParamBytes, Recompute, Schedule};
 use crate::model::TransformerSpec;
 
 /// Model-state bytes per GPU for `params` parameters held by this GPU before ZeRO sharding,
 /// following Rajbhandari et al. 2020 (ZeRO), §5: stage 1 shards optimizer states, stage 2
-/// also gradients, stage 3 also the weights, each over the `dp` data-parallel ranks.
-pub fn model_state_bytes(params: f64, bytes: ParamBytes, zero: u8, dp: u64) -> ModelStates {
-    let d = dp as f64;
+/// also gradients, stage 3 also the weights, each over the `group` ranks that reduce
+/// gradients together (the data-parallel ranks, times cp with context parallelism).
+pub fn model_state_bytes(params: f64, bytes: ParamBytes, zero: u8, group: u64) -> ModelStates {
+    let d = group as f64;
     let shard = |sharded: bool| if sharded { 1.0 / d } else { 1.0 };
     ModelStates {
         weights: params * bytes.weights * shard(zero >= 3),
@@ -33,62 +34,111 @@ impl ModelStates {
     }
 }
 
+/// How one layer's tensors are cut over the GPUs that compute it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerSplit {
+    pub tp: u64,
+    /// Sequence parallelism: the tensor-parallel ranks also split the layer-norm and dropout
+    /// activations by sequence position.
+    pub sp: bool,
+    pub cp: u64,
+}
+
+impl LayerSplit {
+    /// Tensor parallelism (and sp) only, as in Korthikanti et al.
+    pub fn tensor(tp: u64, sp: bool) -> Self {
+        LayerSplit { tp, sp, cp: 1 }
+    }
+
+    pub fn of(layout: &Layout) -> Self {
+        LayerSplit {
+            tp: layout.tp,
+            sp: layout.sp,
+            cp: layout.cp,
+        }
+    }
+}
+
 /// Activation bytes of one transformer layer for one micro-batch of `b` sequences on one GPU,
-/// generalising Korthikanti et al. 2022 (Table 2) to any element size `e`, MLP width and
-/// key/value width. With e = 2, f = 4h and multi-head attention it reduces to their
-/// sbh(34 + 5as/h) without parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism,
-/// sbh/t·(34 + 5as/h) with tensor + sequence parallelism, the 5as/h term dropped by selective
-/// recomputation, and 2sbh (2sbh/t with sp) of layer input under full recomputation.
+/// generalising Korthikanti et al. 2022 (Table 2) to any element size `e`, MLP width,
+/// key/value width, attention kernel and context parallelism. With e = 2, f = 4h, multi-head
+/// attention, the standard kernel and cp = 1 it reduces to their sbh(34 + 5as/h) without
+/// parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism, sbh/t·(34 + 5as/h) with
+/// tensor + sequence parallelism, the 5as/h term dropped by selective recomputation, and 2sbh
+/// (2sbh/t with sp) of layer input under full recomputation. The flash kernel replaces the
+/// 5as/h term by 4a/h (its f32 log-sum-exps), so memory grows linearly in s instead of
+/// quadratically.
+///
+/// Context parallelism divides every term by cp: a rank keeps the per-token tensors of its
+/// s/cp tokens, and its attention state is 1/cp of the whole (ring: its queries' rows;
+/// Ulysses: a/cp of the heads over the full sequence, a·s²/cp probabilities with the standard
+/// kernel).
 pub fn layer_activation_bytes(
     model: &TransformerSpec,
     b: f64,
     e: f64,
-    tp: u64,
-    sp: bool,
+    split: LayerSplit,
     recompute: Recompute,
+    attention: AttentionKind,
 ) -> f64 {
-    let parts = LayerActivations::new(model, b, e);
-    let t = tp as f64;
-    match recompute {
+    let parts = LayerActivations::new(model, b, e, attention);
+    let t = split.tp as f64;
+    let whole_sequences = match recompute {
         Recompute::Full => {
             let input = e * parts.sbh;
-            if sp {
+            if split.sp {
                 input / t
             } else {
                 input
             }
         }
         Recompute::None | Recompute::Selective => {
-            let scores = if recompute == Recompute::None {
-                parts.attention_scores
+            let core = if recompute == Recompute::None {
+                parts.attention_core
             } else {
                 0.0
             };
-            let split = parts.split + scores;
-            if sp {
-                (parts.replicated + split) / t
+            let split_part = parts.split + core;
+            if split.sp {
+                (parts.replicated + split_part) / t
             } else {
-                parts.replicated + split / t
+                parts.replicated + split_part / t
             }
         }
-    }
+    };
+    whole_sequences / split.cp as f64
+}
+
+/// What the attention core alone keeps for backward on one GPU: the bytes selective
+/// recomputation drops and rewrites.
+pub fn attention_core_bytes(
+    model: &TransformerSpec,
+    b: f64,
+    e: f64,
+    split: LayerSplit,
+    attention: AttentionKind,
+) -> f64 {
+    LayerActivations::new(model, b, e, attention).attention_core / (split.tp * split.cp) as f64
 }
 
 /// The three groups of Korthikanti et al.'s per-layer activations.
-pub(crate) struct LayerActivations {
+struct LayerActivations {
     /// s·b·h: one hidden-sized tensor, in elements.
-    pub sbh: f64,
+    sbh: f64,
     /// Not split by tensor parallelism: two layer-norm inputs, the QKV and fc1 inputs (e·sbh
     /// each) and two dropout masks (1 byte per element): sbh(4e + 2).
-    pub replicated: f64,
-    /// Split by tensor parallelism: Q, K, V, projection input and the MLP's inner activations.
-    pub split: f64,
-    /// Attention scores: softmax output (e), dropout mask (1), dropout output (e): a·s²·b·(2e+1).
-    pub attention_scores: f64,
+    replicated: f64,
+    /// Split by tensor parallelism: Q, K, V, projection input (which is also the attention
+    /// output the flash kernel keeps) and the MLP's inner activations.
+    split: f64,
+    /// What the attention kernel keeps beyond Q, K, V and its output. Standard: softmax output
+    /// (e), dropout mask (1), dropout output (e): a·s²·b·(2e+1). Flash: one f32 log-sum-exp
+    /// per row and head, 4·a·s·b.
+    attention_core: f64,
 }
 
 impl LayerActivations {
-    pub fn new(model: &TransformerSpec, b: f64, e: f64) -> Self {
+    fn new(model: &TransformerSpec, b: f64, e: f64, attention: AttentionKind) -> Self {
         let s = model.seq_len as f64;
         let h = model.hidden as f64;
         let a = model.heads as f64;
@@ -104,7 +154,10 @@ impl LayerActivations {
             sbh,
             replicated: sbh * (4.0 * e + 2.0),
             split: e * s * b * (2.0 * h + 2.0 * kv) + mlp_inner,
-            attention_scores: a * s * s * b * (2.0 * e + 1.0),
+            attention_core: match attention {
+                AttentionKind::Standard => a * s * s * b * (2.0 * e + 1.0),
+                AttentionKind::Flash => 4.0 * a * s * b,
+            },
         }
     }
 }
@@ -198,40 +251,92 @@ mod tests {
         let as_h = a as f64 * s as f64 / h as f64;
         let tf = t as f64;
         let close = |x: f64, y: f64| assert!((x - y).abs() / y < 1e-12, "{x} vs {y}");
+        let standard = |tp, sp, recompute| {
+            let split = LayerSplit::tensor(tp, sp);
+            layer_activation_bytes(&m, b, 2.0, split, recompute, AttentionKind::Standard)
+        };
         // No parallelism: sbh(34 + 5as/h).
         close(
-            layer_activation_bytes(&m, b, 2.0, 1, false, Recompute::None),
+            standard(1, false, Recompute::None),
             sbh * (34.0 + 5.0 * as_h),
         );
         // Tensor parallel: sbh(10 + 24/t + 5as/(ht)).
         close(
-            layer_activation_bytes(&m, b, 2.0, t, false, Recompute::None),
+            standard(t, false, Recompute::None),
             sbh * (10.0 + 24.0 / tf + 5.0 * as_h / tf),
         );
         // Tensor + sequence parallel: sbh/t (34 + 5as/h).
         close(
-            layer_activation_bytes(&m, b, 2.0, t, true, Recompute::None),
+            standard(t, true, Recompute::None),
             sbh / tf * (34.0 + 5.0 * as_h),
         );
         // Tensor parallel + selective recompute: sbh(10 + 24/t).
         close(
-            layer_activation_bytes(&m, b, 2.0, t, false, Recompute::Selective),
+            standard(t, false, Recompute::Selective),
             sbh * (10.0 + 24.0 / tf),
         );
         // Tensor + sequence parallel + selective: 34 sbh / t.
-        close(
-            layer_activation_bytes(&m, b, 2.0, t, true, Recompute::Selective),
-            34.0 * sbh / tf,
-        );
+        close(standard(t, true, Recompute::Selective), 34.0 * sbh / tf);
         // Full recompute: 2sbh, 2sbh/t with sp.
-        close(
-            layer_activation_bytes(&m, b, 2.0, t, false, Recompute::Full),
-            2.0 * sbh,
+        close(standard(t, false, Recompute::Full), 2.0 * sbh);
+        close(standard(t, true, Recompute::Full), 2.0 * sbh / tf);
+    }
+
+    #[test]
+    fn flash_activations_grow_linearly_standard_quadratically() {
+        let (h, a, b, e) = (4096u64, 32u64, 1.0f64, 2.0f64);
+        let bytes = |s: u64, attention| {
+            let split = LayerSplit::tensor(1, false);
+            layer_activation_bytes(&gpt(h, a, s), b, e, split, Recompute::None, attention)
+        };
+        let mut s = 512;
+        while s < 8192 {
+            // Flash: every term is per token, so doubling s doubles the bytes exactly.
+            let flash = bytes(2 * s, AttentionKind::Flash) / bytes(s, AttentionKind::Flash);
+            assert!((flash - 2.0).abs() < 1e-12, "s = {s}: ×{flash}");
+            // Standard: the per-token part doubles, the a·s²·b·(2e+1) scores quadruple.
+            let scores = |s: u64| {
+                bytes(s, AttentionKind::Standard) - bytes(s, AttentionKind::Flash)
+                    + 4.0 * (a * s) as f64 * b
+            };
+            let sf = s as f64;
+            assert!((scores(s) - a as f64 * sf * sf * b * (2.0 * e + 1.0)).abs() < 1e-3);
+            assert!((scores(2 * s) / scores(s) - 4.0).abs() < 1e-12);
+            s *= 2;
+        }
+        // By hand at s = 8192: standard sbh(34 + 5as/h) = 354·sbh = 11.0625 GiB, 10 GiB of
+        // it scores; flash 34·sbh plus 4·a·s·b bytes of log-sum-exps, 1.06 GiB.
+        let sbh = 8192.0 * 4096.0;
+        assert_eq!(
+            bytes(8192, AttentionKind::Standard),
+            11.0625 * (1u64 << 30) as f64
         );
-        close(
-            layer_activation_bytes(&m, b, 2.0, t, true, Recompute::Full),
-            2.0 * sbh / tf,
+        assert_eq!(
+            bytes(8192, AttentionKind::Flash),
+            34.0 * sbh + 4.0 * 32.0 * 8192.0
         );
+    }
+
+    #[test]
+    fn context_parallelism_divides_every_kept_tensor() {
+        let m = gpt(4096, 32, 8192);
+        for attention in [AttentionKind::Standard, AttentionKind::Flash] {
+            for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+                for (tp, sp) in [(1, false), (4, false), (4, true)] {
+                    let at = |cp| {
+                        let split = LayerSplit { tp, sp, cp };
+                        layer_activation_bytes(&m, 2.0, 2.0, split, recompute, attention)
+                    };
+                    for cp in [2, 4] {
+                        let ratio = at(cp) / at(1);
+                        assert!(
+                            (ratio - 1.0 / cp as f64).abs() < 1e-12,
+                            "cp = {cp}: {ratio}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -1,12 +1,12 @@
-//! Exhaustive search over layouts: dp × tp × pp × sp × ZeRO × micro-batch × recomputation ×
-//! interleaving × schedule. Every candidate costs a few hundred floating-point operations, so
+//! Exhaustive search over layouts: dp × tp × pp × cp (and its mode) × sp × ZeRO × micro-batch
+//! × recomputation × interleaving × schedule. Every candidate costs a few hundred floating-point operations, so
 //! even tens of thousands of them take milliseconds.
 
 use serde::Serialize;
 
 use crate::cost::{Evaluation, Problem};
 use crate::error::{PlanError, Result};
-use crate::layout::{Layout, Recompute, Schedule};
+use crate::layout::{CpMode, Layout, Recompute, Schedule};
 
 /// Outcome of a search.
 #[derive(Debug, Clone, Serialize)]
@@ -50,52 +50,80 @@ const MAX_MICRO_BATCH: u64 = 64;
 /// Largest number of interleaved model chunks per device the search tries.
 const MAX_INTERLEAVE: u64 = 8;
 
-/// All layouts the problem admits (before the memory check).
-pub fn enumerate(problem: &Problem) -> Vec<Layout> {
+/// A split of the cluster's GPUs.
+struct Mesh {
+    dp: u64,
+    tp: u64,
+    pp: u64,
+    cp: u64,
+}
+
+/// Every dp·tp·pp·cp = N split with cp a power of two and the global batch divisible over the
+/// replicas; models other than transformers get data parallelism only.
+fn meshes(problem: &Problem) -> Vec<Mesh> {
     let n = problem.cluster.gpus;
-    let transformer = problem.model.transformer().cloned();
+    let splits_model = problem.model.transformer().is_some();
     let mut out = Vec::new();
     for tp in divisors(n) {
         for pp in divisors(n / tp) {
-            let dp = n / (tp * pp);
-            if transformer.is_none() && (tp > 1 || pp > 1) {
-                continue;
+            for cp in power_of_two_divisors(n / (tp * pp), n) {
+                let dp = n / (tp * pp * cp);
+                if (splits_model || tp * pp * cp == 1)
+                    && problem.setup.global_batch.is_multiple_of(dp)
+                {
+                    out.push(Mesh { dp, tp, pp, cp });
+                }
             }
-            if !problem.setup.global_batch.is_multiple_of(dp) {
-                continue;
-            }
-            let per_replica = problem.setup.global_batch / dp;
-            let sp_options: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
-            let recompute_options: &[Recompute] = if transformer.is_some() {
-                &[Recompute::None, Recompute::Selective, Recompute::Full]
-            } else {
-                &[Recompute::None]
-            };
-            let interleave_options: Vec<u64> = match &transformer {
-                Some(t) if pp > 1 && t.layers % pp == 0 => divisors(t.layers / pp)
-                    .into_iter()
-                    .filter(|v| *v <= MAX_INTERLEAVE)
-                    .collect(),
-                _ => vec![1],
-            };
-            for micro_batch in power_of_two_divisors(per_replica, MAX_MICRO_BATCH) {
-                for &sp in sp_options {
-                    for zero in 0..=3u8 {
-                        if dp == 1 && zero > 0 {
-                            continue;
-                        }
-                        for &recompute in recompute_options {
-                            for &interleave in &interleave_options {
-                                let schedules: &[Schedule] = if pp > 1 && interleave == 1 {
-                                    &[Schedule::OneFOneB, Schedule::GPipe]
-                                } else {
-                                    &[Schedule::OneFOneB]
-                                };
-                                for &schedule in schedules {
+        }
+    }
+    out
+}
+
+/// All layouts the problem admits (before the memory check).
+pub fn enumerate(problem: &Problem) -> Vec<Layout> {
+    let transformer = problem.model.transformer().cloned();
+    let mut out = Vec::new();
+    for Mesh { dp, tp, pp, cp } in meshes(problem) {
+        let per_replica = problem.setup.global_batch / dp;
+        let sp_options: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+        let recompute_options: &[Recompute] = if transformer.is_some() {
+            &[Recompute::None, Recompute::Selective, Recompute::Full]
+        } else {
+            &[Recompute::None]
+        };
+        let interleave_options: Vec<u64> = match &transformer {
+            Some(t) if pp > 1 && t.layers % pp == 0 => divisors(t.layers / pp)
+                .into_iter()
+                .filter(|v| *v <= MAX_INTERLEAVE)
+                .collect(),
+            _ => vec![1],
+        };
+        // With cp = 1 the mode means nothing: one placeholder.
+        let cp_modes = match problem.setup.cp_mode {
+            Some(mode) if cp > 1 => vec![mode],
+            None if cp > 1 => vec![CpMode::Ring, CpMode::Ulysses],
+            _ => vec![CpMode::Ring],
+        };
+        // ZeRO shards over the dp·cp ranks that reduce gradients together.
+        let zero_stages = if dp * cp > 1 { 0..=3u8 } else { 0..=0 };
+        for micro_batch in power_of_two_divisors(per_replica, MAX_MICRO_BATCH) {
+            for &sp in sp_options {
+                for zero in zero_stages.clone() {
+                    for &recompute in recompute_options {
+                        for &interleave in &interleave_options {
+                            let schedules: &[Schedule] = if pp > 1 && interleave == 1 {
+                                &[Schedule::OneFOneB, Schedule::GPipe]
+                            } else {
+                                &[Schedule::OneFOneB]
+                            };
+                            for &schedule in schedules {
+                                for &cp_mode in &cp_modes {
                                     out.push(Layout {
                                         dp,
                                         tp,
                                         pp,
+                                        cp,
+                                        cp_mode,
                                         sp,
                                         zero,
                                         micro_batch,
@@ -112,6 +140,42 @@ pub fn enumerate(problem: &Problem) -> Vec<Layout> {
         }
     }
     out
+}
+
+/// Evaluates one given layout. With cp > 1 and the mode left to the planner it tries ring and
+/// Ulysses and returns the better (one that fits before one that does not, then the faster);
+/// if neither can run, the error names both reasons.
+pub fn evaluate_layout(problem: &Problem, layout: &Layout) -> Result<Evaluation> {
+    let modes = match problem.setup.cp_mode {
+        Some(mode) => vec![mode],
+        None if layout.cp > 1 => vec![CpMode::Ring, CpMode::Ulysses],
+        None => vec![layout.cp_mode],
+    };
+    let mut best: Option<Evaluation> = None;
+    let mut reasons = Vec::new();
+    for &cp_mode in &modes {
+        match problem.evaluate(&Layout {
+            cp_mode,
+            ..layout.clone()
+        }) {
+            Ok(e) => {
+                let better = best.as_ref().is_none_or(|b| {
+                    (e.fits, e.throughput.samples_per_s) > (b.fits, b.throughput.samples_per_s)
+                });
+                if better {
+                    best = Some(e);
+                }
+            }
+            Err(PlanError::InvalidLayout { reason, .. }) if modes.len() > 1 => {
+                reasons.push(format!("{}: {reason}", cp_mode.name()))
+            }
+            Err(other) => return Err(other),
+        }
+    }
+    best.ok_or_else(|| PlanError::InvalidLayout {
+        layout: layout.to_string(),
+        reason: reasons.join("; "),
+    })
 }
 
 /// Evaluates every buildable layout and ranks the ones that fit by predicted throughput.
@@ -169,6 +233,7 @@ fn speed_band(e: &Evaluation) -> i64 {
 fn complexity(l: &Layout) -> u32 {
     u32::from(l.tp > 1)
         + u32::from(l.pp > 1)
+        + u32::from(l.cp > 1)
         + u32::from(l.sp)
         + u32::from(l.zero)
         + match l.recompute {
@@ -204,7 +269,7 @@ pub fn search_feasible(problem: &Problem) -> Result<SearchResult> {
 mod tests {
     use super::*;
     use crate::cluster::Precision;
-    use crate::layout::TrainingSetup;
+    use crate::layout::{AttentionKind, TrainingSetup};
     use crate::presets;
 
     fn problem(model: &str, cluster: &str, gpus: u64, batch: u64) -> Problem {
@@ -249,6 +314,93 @@ mod tests {
                 assert!(complexity(&pair[0].layout) <= complexity(&pair[1].layout));
             }
         }
+    }
+
+    fn long_gpt_30b(attention: AttentionKind) -> Problem {
+        let mut p = problem("gpt-30b", "h100", 8, 8);
+        p.model = p.model.with_seq_len(32768).unwrap();
+        p.setup.attention = attention;
+        p
+    }
+
+    #[test]
+    fn long_sequences_get_context_parallelism() {
+        // A 30B GPT at s = 32768 on 8 × 80 GB with the kernel that keeps the probabilities
+        // (56·32768² scores per layer): no layout without cp fits; ring attention's blocks
+        // keep only log-sum-exps, and cp splits the rest.
+        let p = long_gpt_30b(AttentionKind::Standard);
+        let r = search_feasible(&p).unwrap();
+        assert!(r.ranked.iter().all(|e| e.layout.cp > 1));
+        assert!(enumerate(&p).iter().any(|l| l.cp == 1));
+        let best = r.best().unwrap();
+        assert_eq!(best.layout.cp_mode, CpMode::Ring);
+        assert!(best
+            .layout
+            .to_string()
+            .contains(&format!(" cp={} ", best.layout.cp)));
+        // With the flash kernel cp = 1 layouts fit too (tp = 8 with sp splits as much), but
+        // cp is faster: no tensor-parallel all-reduces, hops hidden under attention.
+        let p = long_gpt_30b(AttentionKind::Flash);
+        let r = search_feasible(&p).unwrap();
+        assert!(r.ranked.iter().any(|e| e.layout.cp == 1));
+        assert!(
+            r.best().unwrap().layout.cp > 1,
+            "{}",
+            r.best().unwrap().layout
+        );
+    }
+
+    #[test]
+    fn cp_degrees_and_modes_searched() {
+        let mut p = long_gpt_30b(AttentionKind::Flash);
+        let layouts = enumerate(&p);
+        let mut degrees: Vec<u64> = layouts.iter().map(|l| l.cp).collect();
+        degrees.sort_unstable();
+        degrees.dedup();
+        assert_eq!(degrees, [1, 2, 4, 8]);
+        assert!(layouts
+            .iter()
+            .all(|l| l.cp > 1 || l.cp_mode == CpMode::Ring));
+        assert!(layouts
+            .iter()
+            .any(|l| l.cp > 1 && l.cp_mode == CpMode::Ulysses));
+        // A mode the user fixed is the only one searched.
+        p.setup.cp_mode = Some(CpMode::Ulysses);
+        let r = search(&p).unwrap();
+        assert!(r
+            .ranked
+            .iter()
+            .all(|e| e.layout.cp == 1 || e.layout.cp_mode == CpMode::Ulysses));
+    }
+
+    #[test]
+    fn a_given_layout_gets_the_better_cp_mode_or_both_reasons() {
+        // gpt-30b has 56 heads: at tp = 1 and cp = 8 both modes run, at tp = 2 (28 heads per
+        // rank) only ring does.
+        let p = long_gpt_30b(AttentionKind::Flash);
+        let both = evaluate_layout(&p, &Layout::parse("cp=8,zero=3,mb=1").unwrap()).unwrap();
+        let other = p
+            .evaluate(&Layout {
+                cp_mode: match both.layout.cp_mode {
+                    CpMode::Ring => CpMode::Ulysses,
+                    CpMode::Ulysses => CpMode::Ring,
+                },
+                ..both.layout.clone()
+            })
+            .unwrap();
+        assert!(both.throughput.samples_per_s >= other.throughput.samples_per_s);
+        let mut small = problem("gpt-30b", "h100", 16, 16);
+        let ring = evaluate_layout(&small, &Layout::parse("tp=2,cp=8,zero=3").unwrap()).unwrap();
+        assert_eq!(ring.layout.cp_mode, CpMode::Ring);
+        small.model = small.model.with_seq_len(2040).unwrap();
+        let err = evaluate_layout(&small, &Layout::parse("tp=2,cp=8,zero=3").unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ring: sequence length 2040 does not split")
+                && err.contains("; ulysses: Ulysses gives each cp rank whole heads"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@ use serde::Serialize;
 use crate::cluster::Precision;
 use crate::cost::{Evaluation, Problem};
 use crate::error::Result;
-use crate::layout::{Layout, Optimizer, Recompute, Schedule, TrainingSetup};
+use crate::layout::{AttentionKind, CpMode, Layout, Optimizer, Recompute, Schedule, TrainingSetup};
 use crate::model::{Architecture, ModelSpec, TransformerSpec};
 use crate::presets;
 
@@ -72,7 +72,7 @@ pub const NARAYANAN_TABLE1: [NarayananRow; 10] = [
 
 /// The software of 2021 Megatron-LM as the paper describes it: fp16 with fp32 master weights,
 /// Adam, gradients reduced after the backward pass (no overlap), no distributed optimizer,
-/// no sequence parallelism, full recomputation.
+/// no sequence parallelism, full recomputation, attention that materialises the scores.
 pub fn narayanan_setup(batch: u64) -> TrainingSetup {
     TrainingSetup {
         global_batch: batch,
@@ -80,6 +80,8 @@ pub fn narayanan_setup(batch: u64) -> TrainingSetup {
         optimizer: Optimizer::Adam,
         overlap_grad_reduce: false,
         fp32_gradients: false,
+        attention: AttentionKind::Standard,
+        cp_mode: None,
     }
 }
 
@@ -89,6 +91,8 @@ pub fn narayanan_layout(row: &NarayananRow, micro_batch: u64) -> Layout {
         dp: row.gpus / (row.tp * row.pp),
         tp: row.tp,
         pp: row.pp,
+        cp: 1,
+        cp_mode: CpMode::Ring,
         sp: false,
         zero: 0,
         micro_batch,
@@ -196,6 +200,8 @@ pub fn predict_korthikanti(run: &KorthikantiRun) -> Result<Evaluation> {
         dp: run.gpus / (run.tp * run.pp),
         tp: run.tp,
         pp: run.pp,
+        cp: 1,
+        cp_mode: CpMode::Ring,
         sp: run.selective,
         zero: 0,
         micro_batch: 1,

@@ -228,3 +228,97 @@ fn shipped_examples_work() {
     assert_eq!(best["links"]["tp_crosses_nodes"], false, "{best}");
     assert_eq!(best["links"]["pp_crosses_nodes"], true, "{best}");
 }
+
+#[test]
+fn attention_and_cp_mode_flags() {
+    let base = [
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        "h100",
+        "--gpus",
+        "8",
+        "--seq",
+        "32768",
+        "--global-batch",
+        "8",
+    ];
+    let with = |extra: &[&str]| {
+        let mut line = base.to_vec();
+        line.extend_from_slice(extra);
+        render(&args(&line))
+    };
+    // Flash is the default, and the run line tells the trainer (whose default is standard).
+    let out = with(&[
+        "--layout",
+        "dp=2,cp=4,zero=3,mb=1,recompute=full",
+        "--explain",
+    ])
+    .unwrap();
+    assert!(out.contains("do not fit; flash attention"), "{out}");
+    let row = out.lines().nth(2).unwrap();
+    assert!(
+        row.contains("dp=2 tp=1 pp=1 cp=4 zero=3 mb=1 recompute=full") && row.contains("ring"),
+        "{out}"
+    );
+    assert!(
+        out.contains("--set parallel.cp_mode=\"ring\" --set model.attention=\"flash\""),
+        "{out}"
+    );
+    assert!(
+        out.contains("The planner picked ring for this layout"),
+        "{out}"
+    );
+    // A fixed mode is used as given, and no alternative is offered.
+    let fixed = [
+        "--layout",
+        "dp=2,cp=4,zero=3,mb=1,recompute=full",
+        "--explain",
+        "--cp-mode",
+    ];
+    let out = with(&[&fixed[..], &["ulysses"]].concat()).unwrap();
+    assert!(out.lines().nth(2).unwrap().contains("ulysses"), "{out}");
+    assert!(!out.contains("The planner picked"), "{out}");
+    // With the standard kernel Ulysses keeps a·s²/cp probabilities per layer (too many
+    // here); ring's blocks run the memory-efficient kernel regardless, and the trainer needs
+    // no attention option.
+    let out = with(&[&fixed[..], &["ring", "--attention", "standard"]].concat()).unwrap();
+    assert!(out.contains("do not fit; standard attention"), "{out}");
+    assert!(
+        out.contains("ring attention's blocks run the memory-efficient kernel"),
+        "{out}"
+    );
+    assert!(!out.contains("model.attention=\""), "{out}");
+    let err = with(&[&fixed[..], &["ulysses", "--attention", "standard"]].concat()).unwrap_err();
+    assert!(format!("{err:#}").contains("does not fit"), "{err:#}");
+    // Ulysses cannot give gpt-30b's 28 heads per tensor-parallel rank to 8 cp ranks.
+    let err = render(&args(&[
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        "h100",
+        "--gpus",
+        "16",
+        "--layout",
+        "tp=2,cp=8,zero=3",
+        "--cp-mode",
+        "ulysses",
+    ]))
+    .unwrap_err();
+    assert!(
+        format!("{err:#}")
+            .contains("28 heads per tensor-parallel rank are not divisible by cp = 8"),
+        "{err:#}"
+    );
+    for (flag, value, message) in [
+        ("--cp-mode", "tree", "cp mode `tree`: ring or ulysses"),
+        (
+            "--attention",
+            "sparse",
+            "attention `sparse`: standard or flash",
+        ),
+    ] {
+        let err = with(&[flag, value]).unwrap_err();
+        assert!(format!("{err:#}").contains(message), "{err:#}");
+    }
+}
