@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod calibrate;
 pub mod config;
+pub mod context_bench;
 pub mod pipeline_bench;
 pub mod plot;
 pub mod precision_bench;

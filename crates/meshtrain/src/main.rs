@@ -140,6 +140,10 @@ enum BenchCommand {
     /// traffic per step against 2Ψ/3Ψ, ZeRO-3 throughput with and without prefetching, and
     /// consolidating a large sharded checkpoint.
     Zero(meshtrain::zero_bench::BenchZeroArgs),
+    /// Long sequences: memory-efficient attention against the probability-keeping kernel
+    /// (GFLOP/s, memory at seq 512…8192), context parallelism's activation memory per
+    /// worker, a GPT over a memory limit trained at cp = 4, ring vs Ulysses at cp = 2.
+    Context(meshtrain::context_bench::BenchContextArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -260,6 +264,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Tensor(a)) => meshtrain::tensor_bench::run(&a),
         Command::Bench(BenchCommand::Precision(a)) => meshtrain::precision_bench::run(&a),
         Command::Bench(BenchCommand::Zero(a)) => meshtrain::zero_bench::run(&a),
+        Command::Bench(BenchCommand::Context(a)) => meshtrain::context_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
         Command::Checkpoint(c) => checkpoint(c),

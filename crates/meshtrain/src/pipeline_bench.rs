@@ -71,6 +71,14 @@ pub struct ThroughputRun {
     pub tp_comm_ms: f64,
     /// ZeRO-3: the part of `compute_ms` spent waiting for parameters being all-gathered.
     pub param_gather_ms: f64,
+    /// Context parallelism: the part of `compute_ms` attention waited for transfers, and
+    /// how long the transfers ran on the communication thread.
+    pub cp_comm_ms: f64,
+    pub cp_busy_ms: f64,
+    /// Context parallelism: million elements a worker sent per step.
+    pub cp_elems_m: f64,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
     /// Process CPU time (all threads) per sample.
     pub cpu_ms_per_sample: f64,
 }
@@ -210,6 +218,11 @@ pub fn measure_layout(
         comm_hidden_ms: mean(|b| b.times.comm_hidden_s),
         tp_comm_ms: mean(|b| b.times.tp_comm_s),
         param_gather_ms: mean(|b| b.times.param_gather_s),
+        cp_comm_ms: mean(|b| b.times.cp_comm_s),
+        cp_busy_ms: mean(|b| b.times.cp_comm_busy_s),
+        cp_elems_m: mean(|b| b.times.cp_comm_elems as f64) * 1e-9,
+        forward_ms: mean(|b| b.times.forward_s),
+        backward_ms: mean(|b| b.times.backward_s),
         cpu_ms_per_sample: results[0].2 / samples * 1e3,
     })
 }

@@ -286,8 +286,11 @@ fn impossible_layouts_fail_before_any_work_with_a_clear_message() {
         e.contains("attention heads is 2, not divisible by tp"),
         "{e}"
     );
-    let e = err(&strings(&["parallel.layout=\"cp=2\""]));
-    assert!(e.contains("cp=2 is not available yet"), "{e}");
+    let e = err(&strings(&["parallel.layout=\"cp=3\""]));
+    assert!(
+        e.contains("cp=3: the sequence length is 16, not divisible by 6"),
+        "{e}"
+    );
     let e = mpi_data_parallel_size(2, 2, 6).unwrap_err().to_string();
     assert!(
         e.contains("dp=2 × 2 worker(s) per replica = 4 but mpirun started 6 processes"),

@@ -251,12 +251,19 @@ fn measured_model_states_match_the_formula_and_a_memory_limit_refuses_ddp() {
         );
     }
     // A limit between ZeRO-3's and DDP's needs at dp = 4: DDP is refused before any step,
-    // with both figures; ZeRO-3 trains.
-    let ddp = memory_of(&["parallel.dp=4"]).predicted_mib;
-    let zero3 = memory_of(&["parallel.dp=4", "parallel.zero=3"]).predicted_mib;
-    let limit = format!("train.memory_limit_mb={}", (ddp + zero3) / 2.0);
+    // with both figures; ZeRO-3 trains. The limit covers the first step's activations and
+    // ZeRO's transient buffers too: an 8-layer GPT, so that model states dominate, and the
+    // limit above ZeRO-3's measured total.
+    let (wide, deep) = ("model.dim=128", "model.layers=8");
+    let ddp = memory_of(&["parallel.dp=4", wide, deep]).predicted_mib;
+    let z3 = memory_of(&["parallel.dp=4", "parallel.zero=3", wide, deep]);
+    let z3_total = z3.states_mib() + z3.transient_mib + z3.activations_mib;
+    eprintln!("DDP {ddp:.1} MiB of states; ZeRO-3 {z3_total:.1} MiB in all");
+    assert!(z3_total < ddp, "ZeRO-3 {z3_total:.1} vs DDP {ddp:.1} MiB");
+    let limit_mb = (ddp + z3_total) / 2.0;
+    let limit = format!("train.memory_limit_mb={limit_mb}");
     let out = tempfile::tempdir().unwrap();
-    let cfg = tiny_gpt_config(out.path(), 2, &["parallel.dp=4", &limit]);
+    let cfg = tiny_gpt_config(out.path(), 2, &["parallel.dp=4", wide, deep, &limit]);
     let err = (*job(&cfg))
         .clone()
         .run(&RunOptions::default())
@@ -268,8 +275,33 @@ fn measured_model_states_match_the_formula_and_a_memory_limit_refuses_ddp() {
         "{err}"
     );
     assert!(!out.path().join("checkpoint.safetensors").exists());
-    let r = memory_of(&["parallel.dp=4", "parallel.zero=3", &limit]);
-    assert!(r.states_mib() < (ddp + zero3) / 2.0);
+    let r = memory_of(&["parallel.dp=4", "parallel.zero=3", wide, deep, &limit]);
+    assert!(r.states_mib() < limit_mb);
+    // The same limit with the activations of a long sequence: refused after the first step,
+    // naming the activations.
+    let out = tempfile::tempdir().unwrap();
+    let long = tiny_gpt_config(
+        out.path(),
+        2,
+        &[
+            "parallel.dp=4",
+            "parallel.zero=3",
+            wide,
+            deep,
+            "model.seq=1024",
+            &limit,
+        ],
+    );
+    let err = (*job(&long))
+        .clone()
+        .run(&RunOptions::default())
+        .err()
+        .map(|e| format!("{e:#}"))
+        .expect("a long sequence over the limit ran");
+    assert!(
+        err.contains("MiB of activations") && err.contains("train.memory_limit_mb allows"),
+        "{err}"
+    );
 }
 
 /// Trains the tiny GPT on `extra`'s layout to step `until` (of a 40-step schedule),

@@ -126,9 +126,14 @@ impl Layer for GptEmbedding {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionKind {
+    /// The faster of the two at the sequence length of each call, as measured
+    /// (`meshtrain bench context --parts kernels`): standard below [`FLASH_FROM_SEQ`]
+    /// tokens, where its probabilities are small and flash's recomputation costs ~5%; flash
+    /// from there on, where it is 1.5–2x faster and keeps `O(T)` instead of `O(T²)`.
+    #[default]
+    Auto,
     /// Keeps the `H·T²` probabilities for backward ([`meshtrain_tensor::attention`]); its
     /// products run in the layer's precision.
-    #[default]
     Standard,
     /// Memory-efficient: keeps the output and `H·T` log-sum-exps, recomputes score tiles in
     /// backward ([`meshtrain_tensor::flash`]); products in the layer's precision too (the
@@ -136,9 +141,21 @@ pub enum AttentionKind {
     Flash,
 }
 
+/// From this many tokens per sequence `auto` attention runs the memory-efficient kernel.
+pub const FLASH_FROM_SEQ: usize = 512;
+
 impl AttentionKind {
-    pub fn is_standard(&self) -> bool {
-        *self == AttentionKind::Standard
+    pub fn is_auto(&self) -> bool {
+        *self == AttentionKind::Auto
+    }
+
+    /// The kernel a call over `seq` tokens runs (`Standard` or `Flash`).
+    pub fn at(self, seq: usize) -> AttentionKind {
+        match self {
+            AttentionKind::Auto if seq >= FLASH_FROM_SEQ => AttentionKind::Flash,
+            AttentionKind::Auto => AttentionKind::Standard,
+            kind => kind,
+        }
     }
 }
 
@@ -174,7 +191,7 @@ impl Layer for AttentionCore {
 
     fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let shape = self.shape(&qkv);
-        if self.kind == AttentionKind::Flash {
+        if self.kind.at(shape.seq) == AttentionKind::Flash {
             let (out, lse) = flash_attention_forward(shape, qkv.data(), self.precision);
             let out = Tensor::from_vec(out, &[shape.batch, shape.seq, self.dim]);
             if mode.train {
@@ -202,7 +219,7 @@ impl Layer for AttentionCore {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
-        if self.kind == AttentionKind::Flash {
+        if self.kind.at(dy.dim(1)) == AttentionKind::Flash {
             let lse = s.take(DType::F32, "attention (log-sum-exp)");
             let out = s.take(self.precision, "attention (output)");
             let qkv = s.take(self.precision, "attention (q, k, v)");
@@ -255,7 +272,7 @@ pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Se
                 dim,
                 heads,
                 precision: DType::F32,
-                kind: AttentionKind::Standard,
+                kind: AttentionKind::Auto,
             }),
         ),
         ("proj".into(), lin(dim, dim)),
@@ -270,7 +287,7 @@ pub struct GptBlock {
 
 impl GptBlock {
     pub fn new(dim: usize, heads: usize, init: Option<Init>) -> Self {
-        Self::with_attention(dim, heads, init, AttentionKind::Standard)
+        Self::with_attention(dim, heads, init, AttentionKind::Auto)
     }
 
     /// A block whose attention runs `kind`'s kernel.

@@ -31,8 +31,8 @@ use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
 use meshtrain_nn::{InputKind, Layer, Mode, Model, Saved};
 use meshtrain_tensor::attention::AttentionShape;
 use meshtrain_tensor::flash::{
-    empty_state, flash_backward_into, flash_forward_into, interleave_heads, row_dots, BlockPair,
-    HeadRows, Heads,
+    empty_state, flash_backward_into, flash_forward_into, interleave_heads, zeroed, BlockPair,
+    HeadRows, Heads, Upstream,
 };
 use meshtrain_tensor::par::{recycle, take_buffer};
 use meshtrain_tensor::{DType, Tensor};
@@ -517,6 +517,7 @@ impl Layer for RingAttention {
         recycle(block);
         let mut out = take_buffer(qkv.numel() / 3);
         interleave_heads(g, &out_heads, (1, 0), rows, &mut out, d, 0);
+        recycle(out_heads);
         let out = Tensor::from_vec(out, &[qkv.dim(0), rows, d]);
         if mode.train {
             s.keep(qkv, self.precision);
@@ -542,8 +543,12 @@ impl Layer for RingAttention {
         let n = self.cp.group.size();
         let [q, _, _] = HeadRows::fused(qkv.data(), rows, d);
         let dout = HeadRows::dense(dy.data(), rows, d);
-        let delta = row_dots(g, HeadRows::dense(out.data(), rows, d), dout);
-        let mut dq = vec![0.0; g.head_major_len(rows)];
+        let up = Upstream {
+            out: HeadRows::dense(out.data(), rows, d),
+            dout,
+            lse: lse.data(),
+        };
+        let mut dq = zeroed(g.head_major_len(rows));
         let mut block = keys_and_values(qkv.data(), d);
         // The gradient accumulator of the block held at each step travels with it, one step
         // behind: it is complete for this step's block only after this step's products.
@@ -556,20 +561,9 @@ impl Layer for RingAttention {
                 None => &block,
             };
             let [k, v] = self.kv_rows(kv, rows);
-            let mut dkv = vec![0.0; 2 * g.head_major_len(rows)];
+            let mut dkv = zeroed(2 * g.head_major_len(rows));
             for pair in ring_pairs(self.cp.shard(), self.source(step), rows / 2) {
-                let operands = [q, k, v];
-                flash_backward_into(
-                    g,
-                    operands,
-                    pair,
-                    self.precision,
-                    dout,
-                    lse.data(),
-                    &delta,
-                    &mut dq,
-                    &mut dkv,
-                );
+                flash_backward_into(g, [q, k, v], pair, self.precision, up, &mut dq, &mut dkv);
             }
             if let Some(previous) = accumulator.take() {
                 let (sent, arrived) = previous.finish(&self.cp.stats);
@@ -595,7 +589,7 @@ impl Layer for RingAttention {
         interleave_heads(g, &own, (2, 0), rows, &mut dqkv, 3 * d, d);
         interleave_heads(g, &own, (2, 1), rows, &mut dqkv, 3 * d, 2 * d);
         recycle(own);
-        recycle(delta);
+        recycle(dq);
         let shape = qkv.shape().to_vec();
         for dead in [qkv, out, lse, dy] {
             dead.recycle();

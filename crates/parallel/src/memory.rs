@@ -1,6 +1,7 @@
 //! Model-state memory per worker as the planner's ZeRO formula predicts it, and the limit
 //! a run refuses to exceed — checked when the layout is known and before any parameter is
-//! allocated.
+//! allocated, and again with the activations the first step measured
+//! ([`check_step_limit`]: activations depend on the model's code, which only a step shows).
 //!
 //! meshtrain keeps f32 parameters in every precision (bf16/fp16 products convert their
 //! inputs on the fly; the f32 parameters are the master weights), so a parameter costs 4
@@ -34,7 +35,8 @@ pub fn model_states(params: f64, optimizer: OptimizerConfig, layout: &Layout) ->
         params,
         bytes_per_param(optimizer),
         layout.zero,
-        layout.dp as u64,
+        // ZeRO shards over every worker that holds the same parameters: dp × cp.
+        (layout.dp * layout.cp) as u64,
     )
 }
 
@@ -82,6 +84,52 @@ pub fn check_limit(
     ))
 }
 
+/// Refuses to go on when the largest worker's first step held `states` bytes of model states
+/// and `activations` bytes of activations (kept for backward at the step's peak) together
+/// over `limit_mb` MiB, naming the figures and what divides the activations: context
+/// parallelism (per-token activations fall by cp; attention's too) and recomputation.
+pub fn check_step_limit(
+    limit_mb: f64,
+    states: f64,
+    activations: f64,
+    layout: &Layout,
+) -> Result<(), String> {
+    let need = (states + activations) / MIB;
+    if need <= limit_mb {
+        return Ok(());
+    }
+    let fits: Vec<String> = [2usize, 4, 8, 16]
+        .into_iter()
+        .filter(|&c| c > layout.cp)
+        .map(|c| {
+            (
+                c,
+                (states + activations * layout.cp as f64 / c as f64) / MIB,
+            )
+        })
+        .filter(|&(_, mib)| mib <= limit_mb)
+        .take(2)
+        .map(|(c, mib)| format!("cp={c} (about {mib:.0} MiB)"))
+        .collect();
+    let hint = if fits.is_empty() {
+        "no context-parallel size up to 16 fits; add recomputation (train.recompute) or \
+         shard the model states (ZeRO, tensor or pipeline parallelism)"
+            .to_string()
+    } else {
+        format!(
+            "activations are per token, so context parallelism divides them: {}",
+            fits.join(", ")
+        )
+    };
+    Err(format!(
+        "layout {layout}: the first step held {:.0} MiB of activations + {:.0} MiB of model \
+         states = {need:.0} MiB on the largest worker, but train.memory_limit_mb allows \
+         {limit_mb:.0} MiB; {hint}",
+        activations / MIB,
+        states / MIB,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,5 +160,27 @@ mod tests {
         );
         let e = check_limit(1.0, params, adam, &layout).unwrap_err();
         assert!(e.contains("no ZeRO stage fits at dp=4"), "{e}");
+    }
+
+    #[test]
+    fn the_step_limit_names_the_activations_and_the_cp_that_fits() {
+        let layout = Layout::default();
+        let mib = MIB;
+        assert!(check_step_limit(100.0, 20.0 * mib, 80.0 * mib, &layout).is_ok());
+        let e = check_step_limit(50.0, 20.0 * mib, 80.0 * mib, &layout).unwrap_err();
+        assert!(
+            e.contains("80 MiB of activations + 20 MiB") && e.contains("allows 50 MiB"),
+            "{e}"
+        );
+        assert!(
+            e.contains("cp=2 (about 60 MiB)") || e.contains("cp=4 (about 40 MiB)"),
+            "{e}"
+        );
+        assert!(
+            !e.contains("cp=2 (") && e.contains("cp=8 (about 30 MiB)"),
+            "{e}"
+        );
+        let e = check_step_limit(10.0, 20.0 * mib, 80.0 * mib, &layout).unwrap_err();
+        assert!(e.contains("no context-parallel size"), "{e}");
     }
 }

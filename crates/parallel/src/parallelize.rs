@@ -277,6 +277,9 @@ pub struct Parallel {
     norm_group: Arc<dyn ProcessGroup>,
     /// fp16's dynamic loss scale (`None` for fp32 and bf16).
     scaling: Option<LossScaling>,
+    /// `train.memory_limit_mb`, checked with measured activations after the first step
+    /// (then `None`).
+    step_memory_limit_mb: Option<f64>,
 }
 
 /// Applies the layout's dimensions to `model` for this worker of `world`, in the documented
@@ -489,6 +492,7 @@ pub fn parallelize(
         cp_context,
         norm_group,
         scaling,
+        step_memory_limit_mb: options.memory_limit_mb,
     })
 }
 
@@ -709,7 +713,7 @@ impl Parallel {
         // of it: the first one reports); world rank 0 (an updating worker in every mode) has
         // the norm. Every worker gets both (for logs and the divergence check).
         let t = Instant::now();
-        let world = self.mesh.world();
+        let world = self.mesh.world().clone();
         // Context-parallel workers each have the mean over their tokens (equal counts).
         let replicas = (self.mesh.size(MeshAxis::Dp) * self.mesh.size(MeshAxis::Cp)) as f32;
         let reports = self.mesh.coordinate(MeshAxis::Tp) == 0;
@@ -723,6 +727,22 @@ impl Parallel {
         if world.size() > 1 {
             world.all_reduce(BufMut::F32(&mut shared), ReduceOp::Sum)?;
             times.comm_exposed_s += t.elapsed().as_secs_f64();
+        }
+        if let Some(limit) = self.step_memory_limit_mb.take() {
+            let states = self.model_state_memory();
+            let mut most = [
+                (states.states() + states.transient_peak) as f32,
+                report.peak_activation_bytes as f32,
+            ];
+            // The largest worker's states and activations (a stage may have more of both).
+            world.all_reduce(BufMut::F32(&mut most), ReduceOp::Max)?;
+            crate::memory::check_step_limit(
+                limit,
+                most[0] as f64,
+                most[1] as f64,
+                &self.layout.layout,
+            )
+            .map_err(ParallelError::Memory)?;
         }
         Ok(StepStats {
             loss: shared[0],

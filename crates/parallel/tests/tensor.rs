@@ -114,15 +114,15 @@ fn a_plan_the_model_cannot_follow_is_an_error_naming_the_layer() {
             ("down".into(), TpStyle::Row),
         ],
     };
-    let e = check(&model(), 2, false).unwrap_err().to_string();
+    let e = check(&model(), 2, false, 1).unwrap_err().to_string();
     assert!(e.contains("no tensor-parallel plan"), "{e}");
     let planned = model().with_tensor_plan(plan);
-    check(&planned, 2, false).unwrap();
-    let e = check(&planned, 4, false).unwrap_err().to_string();
+    check(&planned, 2, false, 1).unwrap();
+    let e = check(&planned, 4, false, 1).unwrap_err().to_string();
     assert!(
         e.contains("'up' output features per group is 6, not divisible by tp"),
         "{e}"
     );
-    let e = check(&planned, 2, true).unwrap_err().to_string();
+    let e = check(&planned, 2, true, 1).unwrap_err().to_string();
     assert!(e.contains("tokens per sample"), "{e}");
 }

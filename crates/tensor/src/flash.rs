@@ -23,7 +23,7 @@
 //! Products run in the layer's precision (f32 through [`small_gemm`], bf16/f16 through
 //! [`crate::lowp`], as the probability-keeping kernel does); the softmax is f32.
 
-use crate::activation::fast_exp;
+use crate::activation::{fast_exp, lane_sum, lane_sum_zip};
 use crate::attention::{product, transposed_head, AttentionShape};
 use crate::matmul::{Mat, MatMut};
 use crate::par::{for_each_chunk_mut, for_each_chunk_pair_mut, take_buffer, with_scratch};
@@ -36,6 +36,10 @@ pub const TILE: usize = 32;
 /// and wide tiles mean few online-softmax rescalings and few, larger products (at T ≤ 256
 /// one tile holds every key, and the kernel does what the probability-keeping one does).
 pub const KEY_TILE: usize = 256;
+
+/// Backward: query rows per segment of the strip that meets one key tile (a `STRIP × TILE`
+/// score segment, 32 KiB).
+const STRIP: usize = 256;
 
 /// `(start, end)` of the tiles of `width` rows among `t`.
 fn tiles(t: usize, width: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -163,210 +167,318 @@ impl BlockPair {
     }
 }
 
-/// The starting state of [`flash_forward_into`]: no keys seen (output 0, log-sum-exp −∞),
-/// head-major `[B, H, rows, hd]` and `[B, H, rows]`.
+/// Where one head's rows of an output or gradient lie in a task's buffer: row `i` at
+/// `offset + i·stride`. Head-major buffers have `stride = head_dim`; a sample's rows of a
+/// `[T, width]` activation have `stride = width` and the head's column as offset.
+#[derive(Clone, Copy, Debug)]
+struct Place {
+    offset: usize,
+    stride: usize,
+}
+
+impl Place {
+    fn head_major(start: usize, hd: usize) -> Place {
+        Place {
+            offset: start * hd,
+            stride: hd,
+        }
+    }
+
+    /// Rows `start..start + len` (of `hd` values) as a matrix.
+    fn rows<'b>(&self, buf: &'b mut [f32], start: usize, len: usize, hd: usize) -> MatMut<'b> {
+        MatMut::strided(
+            &mut buf[self.offset + start * self.stride..],
+            len,
+            hd,
+            self.stride,
+            1,
+        )
+    }
+
+    fn row<'b>(&self, buf: &'b mut [f32], i: usize, hd: usize) -> &'b mut [f32] {
+        &mut buf[self.offset + i * self.stride..][..hd]
+    }
+}
+
+/// Whether the whole-product kernels give each task one sample (all its heads, written in
+/// place into the `[B, T, ·]` result) rather than one (sample, head) pair written head-major
+/// and interleaved afterwards: when there are samples enough to keep every thread busy.
+fn by_sample(g: Heads) -> bool {
+    g.batch >= crate::par::threads()
+}
+
+/// The starting state of [`flash_forward_into`]: no keys seen (log-sum-exp −∞), head-major
+/// `[B, H, rows, hd]` and `[B, H, rows]`. The output's values are unspecified until written:
+/// the first key tile of a row overwrites it.
 pub fn empty_state(g: Heads, rows: usize) -> (Vec<f32>, Vec<f32>) {
-    (
-        vec![0.0; g.head_major_len(rows)],
-        vec![f32::NEG_INFINITY; g.batch * g.heads * rows],
-    )
+    // Recycled buffers: a fresh allocation this size costs a page fault per 4 KiB.
+    let mut lse = take_buffer(g.batch * g.heads * rows);
+    lse.fill(f32::NEG_INFINITY);
+    (take_buffer(g.head_major_len(rows)), lse)
+}
+
+/// A zeroed head-major gradient buffer of `len` elements (recycled, see [`empty_state`]).
+pub fn zeroed(len: usize) -> Vec<f32> {
+    let mut v = take_buffer(len);
+    v.fill(0.0);
+    v
+}
+
+/// Forward of `pair` for head `h` of sample `b`, continuing each query row's online softmax
+/// from `(out, lse)` (`out` at `place`, `lse` this head's `q.seq` values).
+#[allow(clippy::too_many_arguments)]
+fn forward_head(
+    g: Heads,
+    (b, h): (usize, usize),
+    [q, k, v]: [HeadRows; 3],
+    pair: BlockPair,
+    precision: DType,
+    out: &mut [f32],
+    place: Place,
+    lse: &mut [f32],
+) {
+    let (hd, scale) = (g.head_dim, g.scale());
+    let l_run = &mut lse[pair.q_start..];
+    let qh = q.head(b, h, hd, pair.q_start, pair.q_len);
+    let vh = v.head(b, h, hd, pair.kv_start, pair.kv_len);
+    let at = |i: usize| pair.q_start + i;
+    with_scratch(hd * pair.kv_len + TILE * KEY_TILE + 2 * TILE, |scratch| {
+        let (kt, rest) = scratch.split_at_mut(hd * pair.kv_len);
+        let (tile, stats) = rest.split_at_mut(TILE * KEY_TILE);
+        let (m, l) = stats.split_at_mut(TILE);
+        let (kx, col) = k.sample(b, pair.kv_start, h, hd);
+        let kt = transposed_head(kx, k.stride, col, pair.kv_len, hd, kt);
+        for (r0, r1) in tiles(pair.q_len, TILE) {
+            let rows = r1 - r0;
+            // The kept state: a normalised output is an unnormalised one with l = 1 at
+            // m = lse (and l = 0 before any key).
+            for i in 0..rows {
+                m[i] = l_run[r0 + i];
+                l[i] = if m[i] == f32::NEG_INFINITY { 0.0 } else { 1.0 };
+            }
+            for (c0, c1) in pair.key_tiles(r1) {
+                let cols = c1 - c0;
+                let st = MatMut::strided(tile, rows, cols, KEY_TILE, 1);
+                let keys = kt.cols_range(c0, c1);
+                product(precision, st, qh.rows_range(r0, r1), keys, false);
+                for i in 0..rows {
+                    let valid = pair.visible(r0 + i, c0, cols);
+                    let row = &mut tile[i * KEY_TILE..][..cols];
+                    // scale > 0: the largest scaled score is the largest score, scaled.
+                    let tile_max = row[..valid]
+                        .iter()
+                        .fold(f32::NEG_INFINITY, |a, &v| a.max(v))
+                        * scale;
+                    let new_max = m[i].max(tile_max);
+                    let correction = fast_exp(m[i] - new_max);
+                    // Exponentiate first, sum after: a running sum inside the loop would
+                    // serialise it and keep `fast_exp` from vectorising.
+                    row[..valid]
+                        .iter_mut()
+                        .for_each(|v| *v = fast_exp(*v * scale - new_max));
+                    let sum = lane_sum(&row[..valid]);
+                    row[valid..].fill(0.0);
+                    let o = place.row(out, at(r0 + i), hd);
+                    if m[i] == f32::NEG_INFINITY {
+                        // Nothing accumulated yet: start from zero (the buffer is not
+                        // cleared beforehand).
+                        o.fill(0.0);
+                    } else if correction != 1.0 {
+                        o.iter_mut().for_each(|x| *x *= correction);
+                    }
+                    l[i] = l[i] * correction + sum;
+                    m[i] = new_max;
+                }
+                let p = Mat::strided(tile, rows, cols, KEY_TILE, 1);
+                let acc = place.rows(out, at(r0), rows, hd);
+                product(precision, acc, p, vh.rows_range(c0, c1), true);
+            }
+            for i in 0..rows {
+                if l[i] > 0.0 {
+                    let inv = 1.0 / l[i];
+                    place
+                        .row(out, at(r0 + i), hd)
+                        .iter_mut()
+                        .for_each(|x| *x *= inv);
+                    l_run[r0 + i] = m[i] + l[i].ln();
+                }
+            }
+        }
+    });
 }
 
 /// Forward of `pair`, continuing the online softmax of each query row from `(out, lse)`:
 /// `out` `[B, H, q.seq, hd]` holds the normalised output over the keys seen so far and `lse`
-/// `[B, H, q.seq]` their log-sum-exp (−∞: none yet); both end covering the pair's keys too.
+/// `[B, H, q.seq]` their log-sum-exp (−∞: none yet, the output's values then unspecified);
+/// both end covering the pair's keys too.
 pub fn flash_forward_into(
     g: Heads,
-    [q, k, v]: [HeadRows; 3],
+    operands: [HeadRows; 3],
     pair: BlockPair,
     precision: DType,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let (hd, scale) = (g.head_dim, g.scale());
-    assert_eq!(out.len(), g.head_major_len(q.seq));
-    assert_eq!(lse.len(), g.batch * g.heads * q.seq);
-    let unit = |u: usize, o: &mut [f32], l_run: &mut [f32]| {
-        let (b, h) = (u / g.heads, u % g.heads);
-        let o = &mut o[pair.q_start * hd..];
-        let l_run = &mut l_run[pair.q_start..];
-        let qh = q.head(b, h, hd, pair.q_start, pair.q_len);
-        let vh = v.head(b, h, hd, pair.kv_start, pair.kv_len);
-        with_scratch(hd * pair.kv_len + TILE * KEY_TILE + 2 * TILE, |scratch| {
-            let (kt, rest) = scratch.split_at_mut(hd * pair.kv_len);
-            let (tile, stats) = rest.split_at_mut(TILE * KEY_TILE);
-            let (m, l) = stats.split_at_mut(TILE);
-            let (kx, col) = k.sample(b, pair.kv_start, h, hd);
-            let kt = transposed_head(kx, k.stride, col, pair.kv_len, hd, kt);
-            for (r0, r1) in tiles(pair.q_len, TILE) {
-                let rows = r1 - r0;
-                // The kept state: a normalised output is an unnormalised one with l = 1 at
-                // m = lse (and l = 0 before any key).
-                for i in 0..rows {
-                    m[i] = l_run[r0 + i];
-                    l[i] = if m[i] == f32::NEG_INFINITY { 0.0 } else { 1.0 };
-                }
-                for (c0, c1) in pair.key_tiles(r1) {
-                    let cols = c1 - c0;
-                    let st = MatMut::strided(tile, rows, cols, KEY_TILE, 1);
-                    product(
-                        precision,
-                        st,
-                        qh.rows_range(r0, r1),
-                        kt.cols_range(c0, c1),
-                        false,
-                    );
-                    for i in 0..rows {
-                        let valid = pair.visible(r0 + i, c0, cols);
-                        let row = &mut tile[i * KEY_TILE..][..cols];
-                        let tile_max = row[..valid]
-                            .iter()
-                            .fold(f32::NEG_INFINITY, |a, &v| a.max(v * scale));
-                        let new_max = m[i].max(tile_max);
-                        let correction = fast_exp(m[i] - new_max);
-                        let mut sum = 0.0;
-                        for v in &mut row[..valid] {
-                            *v = fast_exp(*v * scale - new_max);
-                            sum += *v;
-                        }
-                        row[valid..].fill(0.0);
-                        l[i] = l[i] * correction + sum;
-                        m[i] = new_max;
-                        if correction != 1.0 {
-                            o[(r0 + i) * hd..][..hd]
-                                .iter_mut()
-                                .for_each(|x| *x *= correction);
-                        }
-                    }
-                    let p = Mat::strided(tile, rows, cols, KEY_TILE, 1);
-                    let acc = MatMut::new(&mut o[r0 * hd..(r0 + rows) * hd], rows, hd);
-                    product(precision, acc, p, vh.rows_range(c0, c1), true);
-                }
-                for i in 0..rows {
-                    if l[i] > 0.0 {
-                        let inv = 1.0 / l[i];
-                        o[(r0 + i) * hd..][..hd].iter_mut().for_each(|x| *x *= inv);
-                        l_run[r0 + i] = m[i] + l[i].ln();
-                    }
-                }
-            }
-        });
+    let (hd, rows) = (g.head_dim, operands[0].seq);
+    assert_eq!(out.len(), g.head_major_len(rows));
+    assert_eq!(lse.len(), g.batch * g.heads * rows);
+    let unit = |u: usize, o: &mut [f32], l: &mut [f32]| {
+        let place = Place::head_major(0, hd);
+        let bh = (u / g.heads, u % g.heads);
+        forward_head(g, bh, operands, pair, precision, o, place, l);
     };
-    for_each_chunk_pair_mut(out, q.seq * hd, lse, q.seq, unit);
+    for_each_chunk_pair_mut(out, rows * hd, lse, rows, unit);
 }
 
-/// `D_i = Σ_c a_ic · b_ic` per (sample, head, row): with the output and its gradient, the row
-/// sums of `dP ⊙ P` that flash backward needs without `P`. `[B, H, seq]`.
-pub fn row_dots(g: Heads, a: HeadRows, b: HeadRows) -> Vec<f32> {
-    let hd = g.head_dim;
-    let mut d = take_buffer(g.batch * g.heads * a.seq);
-    for_each_chunk_mut(&mut d, a.seq, |u, du| {
-        let (s, h) = (u / g.heads, u % g.heads);
-        let ((x, xc), (y, yc)) = (a.sample(s, 0, h, hd), b.sample(s, 0, h, hd));
-        for (i, di) in du.iter_mut().enumerate() {
-            let (x, y) = (&x[i * a.stride + xc..][..hd], &y[i * b.stride + yc..][..hd]);
-            *di = x.iter().zip(y).map(|(p, q)| p * q).sum();
-        }
-    });
-    d
+/// What backward needs besides q, k and v: the forward's final output and its gradient (the
+/// queries' rows) and final log-sum-exp `[B, H, q rows]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Upstream<'a> {
+    pub out: HeadRows<'a>,
+    pub dout: HeadRows<'a>,
+    pub lse: &'a [f32],
 }
 
-/// Backward of `pair`, adding into `dq` `[B, H, q.seq, hd]` and `dkv` `[B, H, 2, kv rows,
-/// hd]` (dk then dv per head; `kv rows` = `k.seq`). `lse` is the forward's final log-sum-exp
-/// and `delta` [`row_dots`] of the final output and `dout`, both `[B, H, q.seq]`; `dout` has
-/// the queries' rows.
+/// Which gradient a [`GradTargets`] row range belongs to.
+const DQ: usize = 0;
+const DK: usize = 1;
+const DV: usize = 2;
+
+/// Where backward writes one head's dQ, dK and dV (`which`: [`DQ`], [`DK`], [`DV`]).
+trait GradTargets {
+    fn rows(&mut self, which: usize, start: usize, len: usize, hd: usize) -> MatMut<'_>;
+}
+
+/// One sample's rows of the `[T, 3·D]` gradient of a fused q/k/v: the three at their places.
+struct Interleaved<'b> {
+    buf: &'b mut [f32],
+    places: [Place; 3],
+}
+
+impl GradTargets for Interleaved<'_> {
+    fn rows(&mut self, which: usize, start: usize, len: usize, hd: usize) -> MatMut<'_> {
+        self.places[which].rows(self.buf, start, len, hd)
+    }
+}
+
+/// Head-major buffers of one (sample, head): dQ, dK, dV each `[rows, hd]`.
+struct Separate<'b>([&'b mut [f32]; 3]);
+
+impl GradTargets for Separate<'_> {
+    fn rows(&mut self, which: usize, start: usize, len: usize, hd: usize) -> MatMut<'_> {
+        Place::head_major(0, hd).rows(self.0[which], start, len, hd)
+    }
+}
+
+/// Backward of `pair` for head `h` of sample `b`, into `grads`.
+/// `fresh`: the places hold nothing yet, so the first product into each row overwrites it
+/// (every query row meets key tile 0, and each key tile's first segment is its first touch:
+/// only for a pair that is the whole product).
 #[allow(clippy::too_many_arguments)]
-pub fn flash_backward_into(
+fn backward_head(
     g: Heads,
+    (b, h): (usize, usize),
     [q, k, v]: [HeadRows; 3],
     pair: BlockPair,
     precision: DType,
-    dout: HeadRows,
-    lse: &[f32],
-    delta: &[f32],
+    up: Upstream,
+    grads: &mut impl GradTargets,
+    fresh: bool,
+) {
+    let (hd, scale) = (g.head_dim, g.scale());
+    let u = b * g.heads + h;
+    let l = &up.lse[u * q.seq + pair.q_start..][..pair.q_len];
+    let qh = q.head(b, h, hd, pair.q_start, pair.q_len);
+    let kh = k.head(b, h, hd, pair.kv_start, pair.kv_len);
+    let doh = up.dout.head(b, h, hd, pair.q_start, pair.q_len);
+    let n = pair.kv_len;
+    with_scratch(2 * hd * n + 2 * STRIP * TILE + pair.q_len, |scratch| {
+        let (kt, rest) = scratch.split_at_mut(hd * n);
+        let (vt, rest) = rest.split_at_mut(hd * n);
+        let (ptile, rest) = rest.split_at_mut(STRIP * TILE);
+        let (dptile, delta) = rest.split_at_mut(STRIP * TILE);
+        // D_i = Σ_c dO_ic · O_ic: the row sums of dP ⊙ P, without P.
+        let ((o, oc), (go, gc)) = (
+            up.out.sample(b, pair.q_start, h, hd),
+            up.dout.sample(b, pair.q_start, h, hd),
+        );
+        for (i, di) in delta.iter_mut().enumerate() {
+            let o = &o[i * up.out.stride + oc..][..hd];
+            let go = &go[i * up.dout.stride + gc..][..hd];
+            *di = lane_sum_zip(o, go, |x, y| x * y);
+        }
+        let (kx, kc) = k.sample(b, pair.kv_start, h, hd);
+        let (vx, vc) = v.sample(b, pair.kv_start, h, hd);
+        let kt = transposed_head(kx, k.stride, kc, n, hd, kt);
+        let vt = transposed_head(vx, v.stride, vc, n, hd, vt);
+        // Key tile by key tile, the strip of queries that see it (under a causal mask
+        // those from the tile's first key on), in segments of STRIP rows: dK and dV of
+        // the tile are then products as deep as the segment, not as a query tile.
+        for (c0, c1) in tiles(n, TILE) {
+            let cols = c1 - c0;
+            let first = if pair.causal { c0 } else { 0 };
+            for (s0, s1) in tiles(pair.q_len - first, STRIP) {
+                let (r0, r1) = (first + s0, first + s1);
+                let rows = r1 - r0;
+                // P = exp(Q·Kᵀ·scale − lse), masked above a causal diagonal.
+                let st = MatMut::strided(ptile, rows, cols, TILE, 1);
+                let qs = qh.rows_range(r0, r1);
+                product(precision, st, qs, kt.cols_range(c0, c1), false);
+                let dpt = MatMut::strided(dptile, rows, cols, TILE, 1);
+                let dos = doh.rows_range(r0, r1);
+                product(precision, dpt, dos, vt.cols_range(c0, c1), false);
+                for i in 0..rows {
+                    let valid = pair.visible(r0 + i, c0, cols);
+                    let (pr, dr) = (
+                        &mut ptile[i * TILE..][..cols],
+                        &mut dptile[i * TILE..][..cols],
+                    );
+                    let (li, di) = (l[r0 + i], delta[r0 + i]);
+                    for (p, dp) in pr[..valid].iter_mut().zip(&mut dr[..valid]) {
+                        *p = fast_exp(*p * scale - li);
+                        // dS = P ⊙ (dP − D) · scale
+                        *dp = *p * (*dp - di) * scale;
+                    }
+                    pr[valid..].fill(0.0);
+                    dr[valid..].fill(0.0);
+                }
+                let p = Mat::strided(ptile, rows, cols, TILE, 1);
+                let ds = Mat::strided(dptile, rows, cols, TILE, 1);
+                // dV[c] += Pᵀ · dO[r]; dK[c] += dSᵀ · Q[r]; dQ[r] += dS · K[c]
+                let (kv_add, q_add) = (!fresh || s0 > 0, !fresh || c0 > 0);
+                let (ks, qs0) = (pair.kv_start + c0, pair.q_start + r0);
+                product(precision, grads.rows(DV, ks, cols, hd), p.t(), dos, kv_add);
+                product(precision, grads.rows(DK, ks, cols, hd), ds.t(), qs, kv_add);
+                let kc = kh.rows_range(c0, c1);
+                product(precision, grads.rows(DQ, qs0, rows, hd), ds, kc, q_add);
+            }
+        }
+    });
+}
+
+/// Backward of `pair`, adding into `dq` `[B, H, q.seq, hd]` and `dkv` `[B, H, 2, kv rows,
+/// hd]` (dk then dv per head; `kv rows` = `k.seq`).
+pub fn flash_backward_into(
+    g: Heads,
+    operands: [HeadRows; 3],
+    pair: BlockPair,
+    precision: DType,
+    up: Upstream,
     dq: &mut [f32],
     dkv: &mut [f32],
 ) {
-    let (hd, scale) = (g.head_dim, g.scale());
-    let kv_rows = k.seq;
-    assert_eq!(dq.len(), g.head_major_len(q.seq));
+    let hd = g.head_dim;
+    let (q_rows, kv_rows) = (operands[0].seq, operands[1].seq);
+    assert_eq!(dq.len(), g.head_major_len(q_rows));
     assert_eq!(dkv.len(), 2 * g.head_major_len(kv_rows));
     let unit = |u: usize, dq: &mut [f32], dkv: &mut [f32]| {
-        let (b, h) = (u / g.heads, u % g.heads);
-        let l = &lse[u * q.seq + pair.q_start..][..pair.q_len];
-        let delta = &delta[u * q.seq + pair.q_start..][..pair.q_len];
-        let dq = &mut dq[pair.q_start * hd..];
+        let bh = (u / g.heads, u % g.heads);
         let (dk, dv) = dkv.split_at_mut(kv_rows * hd);
-        let (dk, dv) = (&mut dk[pair.kv_start * hd..], &mut dv[pair.kv_start * hd..]);
-        let qh = q.head(b, h, hd, pair.q_start, pair.q_len);
-        let kh = k.head(b, h, hd, pair.kv_start, pair.kv_len);
-        let doh = dout.head(b, h, hd, pair.q_start, pair.q_len);
-        let n = pair.kv_len;
-        with_scratch(2 * hd * n + 2 * TILE * KEY_TILE, |scratch| {
-            let (kt, rest) = scratch.split_at_mut(hd * n);
-            let (vt, rest) = rest.split_at_mut(hd * n);
-            let (ptile, dptile) = rest.split_at_mut(TILE * KEY_TILE);
-            let (kx, kc) = k.sample(b, pair.kv_start, h, hd);
-            let (vx, vc) = v.sample(b, pair.kv_start, h, hd);
-            let kt = transposed_head(kx, k.stride, kc, n, hd, kt);
-            let vt = transposed_head(vx, v.stride, vc, n, hd, vt);
-            for (r0, r1) in tiles(pair.q_len, TILE) {
-                let rows = r1 - r0;
-                for (c0, c1) in pair.key_tiles(r1) {
-                    let cols = c1 - c0;
-                    // P = exp(Q·Kᵀ·scale − lse), masked above a causal diagonal.
-                    let st = MatMut::strided(ptile, rows, cols, KEY_TILE, 1);
-                    product(
-                        precision,
-                        st,
-                        qh.rows_range(r0, r1),
-                        kt.cols_range(c0, c1),
-                        false,
-                    );
-                    let dpt = MatMut::strided(dptile, rows, cols, KEY_TILE, 1);
-                    product(
-                        precision,
-                        dpt,
-                        doh.rows_range(r0, r1),
-                        vt.cols_range(c0, c1),
-                        false,
-                    );
-                    for i in 0..rows {
-                        let valid = pair.visible(r0 + i, c0, cols);
-                        let (pr, dr) = (
-                            &mut ptile[i * KEY_TILE..][..cols],
-                            &mut dptile[i * KEY_TILE..][..cols],
-                        );
-                        let (li, di) = (l[r0 + i], delta[r0 + i]);
-                        for j in 0..valid {
-                            pr[j] = fast_exp(pr[j] * scale - li);
-                            // dS = P ⊙ (dP − D) · scale
-                            dr[j] = pr[j] * (dr[j] - di) * scale;
-                        }
-                        pr[valid..].fill(0.0);
-                        dr[valid..].fill(0.0);
-                    }
-                    let p = Mat::strided(ptile, rows, cols, KEY_TILE, 1);
-                    let ds = Mat::strided(dptile, rows, cols, KEY_TILE, 1);
-                    // dV[c] += Pᵀ · dO[r]; dQ[r] += dS · K[c]; dK[c] += dSᵀ · Q[r]
-                    let dov = doh.rows_range(r0, r1);
-                    product(precision, head_rows(dv, hd, c0, cols), p.t(), dov, true);
-                    let kc = kh.rows_range(c0, c1);
-                    product(precision, head_rows(dq, hd, r0, rows), ds, kc, true);
-                    let qr = qh.rows_range(r0, r1);
-                    product(precision, head_rows(dk, hd, c0, cols), ds.t(), qr, true);
-                }
-            }
-        });
+        let mut grads = Separate([dq, dk, dv]);
+        backward_head(g, bh, operands, pair, precision, up, &mut grads, false);
     };
-    for_each_chunk_pair_mut(dq, q.seq * hd, dkv, 2 * kv_rows * hd, unit);
+    for_each_chunk_pair_mut(dq, q_rows * hd, dkv, 2 * kv_rows * hd, unit);
 }
-
-/// Rows `start..start + len` of one head's head-major `[rows, hd]` buffer.
-fn head_rows(buf: &mut [f32], hd: usize, start: usize, len: usize) -> MatMut<'_> {
-    MatMut::new(&mut buf[start * hd..(start + len) * hd], len, hd)
-}
-
 /// Writes head-major `src` (`[B, H, rows, hd]`, or `[B, H, parts, rows, hd]` read at `part`)
 /// into the columns of head 0.. of `dst` (`[B, rows, stride]` from column `offset`).
 pub fn interleave_heads(
@@ -395,15 +507,32 @@ pub fn flash_attention_forward(
     qkv: &[f32],
     precision: DType,
 ) -> (Vec<f32>, Vec<f32>) {
-    assert_eq!(qkv.len(), s.batch * s.seq * 3 * s.dim);
+    let (t, d) = (s.seq, s.dim);
+    assert_eq!(qkv.len(), s.batch * t * 3 * d);
     let g = Heads::of(s);
-    let (mut out_heads, mut lse) = empty_state(g, s.seq);
-    let operands = HeadRows::fused(qkv, s.seq, s.dim);
-    let pair = BlockPair::causal(s.seq);
-    flash_forward_into(g, operands, pair, precision, &mut out_heads, &mut lse);
-    let mut out = take_buffer(s.batch * s.seq * s.dim);
-    interleave_heads(g, &out_heads, (1, 0), s.seq, &mut out, s.dim, 0);
-    (out, lse)
+    let operands = HeadRows::fused(qkv, t, d);
+    let pair = BlockPair::causal(t);
+    let (mut staged, mut lse) = empty_state(g, t);
+    if !by_sample(g) {
+        flash_forward_into(g, operands, pair, precision, &mut staged, &mut lse);
+        let mut out = take_buffer(s.batch * t * d);
+        interleave_heads(g, &staged, (1, 0), t, &mut out, d, 0);
+        crate::par::recycle(staged);
+        return (out, lse);
+    }
+    // One task per sample, every head written in place.
+    staged.truncate(s.batch * t * d);
+    let hd = g.head_dim;
+    for_each_chunk_pair_mut(&mut staged, t * d, &mut lse, g.heads * t, |b, o, l| {
+        for (h, lh) in l.chunks_mut(t).enumerate() {
+            let place = Place {
+                offset: h * hd,
+                stride: d,
+            };
+            forward_head(g, (b, h), operands, pair, precision, o, place, lh);
+        }
+    });
+    (staged, lse)
 }
 
 /// Backward; returns dqkv `[B, T, 3·D]` from the forward's output and log-sum-exp.
@@ -417,20 +546,40 @@ pub fn flash_attention_backward(
 ) -> Vec<f32> {
     let (t, d) = (s.seq, s.dim);
     let g = Heads::of(s);
-    let dout = HeadRows::dense(dout, t, d);
-    let delta = row_dots(g, HeadRows::dense(out, t, d), dout);
-    let mut dq = vec![0.0; g.head_major_len(t)];
-    let mut dkv = vec![0.0; 2 * g.head_major_len(t)];
+    let up = Upstream {
+        out: HeadRows::dense(out, t, d),
+        dout: HeadRows::dense(dout, t, d),
+        lse,
+    };
     let operands = HeadRows::fused(qkv, t, d);
     let pair = BlockPair::causal(t);
-    flash_backward_into(
-        g, operands, pair, precision, dout, lse, &delta, &mut dq, &mut dkv,
-    );
-    crate::par::recycle(delta);
     let mut dqkv = take_buffer(qkv.len());
-    interleave_heads(g, &dq, (1, 0), t, &mut dqkv, 3 * d, 0);
-    interleave_heads(g, &dkv, (2, 0), t, &mut dqkv, 3 * d, d);
-    interleave_heads(g, &dkv, (2, 1), t, &mut dqkv, 3 * d, 2 * d);
+    if by_sample(g) {
+        // One task per sample; every element is written by a first product (`fresh`).
+        let hd = g.head_dim;
+        for_each_chunk_mut(&mut dqkv, t * 3 * d, |b, buf| {
+            for h in 0..g.heads {
+                let at = |part: usize| Place {
+                    offset: part * d + h * hd,
+                    stride: 3 * d,
+                };
+                let mut grads = Interleaved {
+                    buf: &mut *buf,
+                    places: [at(0), at(1), at(2)],
+                };
+                backward_head(g, (b, h), operands, pair, precision, up, &mut grads, true);
+            }
+        });
+    } else {
+        let mut dq = zeroed(g.head_major_len(t));
+        let mut dkv = zeroed(2 * g.head_major_len(t));
+        flash_backward_into(g, operands, pair, precision, up, &mut dq, &mut dkv);
+        interleave_heads(g, &dq, (1, 0), t, &mut dqkv, 3 * d, 0);
+        interleave_heads(g, &dkv, (2, 0), t, &mut dqkv, 3 * d, d);
+        interleave_heads(g, &dkv, (2, 1), t, &mut dqkv, 3 * d, 2 * d);
+        crate::par::recycle(dq);
+        crate::par::recycle(dkv);
+    }
     dqkv
 }
 
@@ -615,22 +764,15 @@ mod tests {
         close(&out, &out_ref, "output");
         close(&lse, &lse_ref, "log-sum-exp");
         let dout_rows = HeadRows::dense(&dout, t, d);
-        let delta = row_dots(g, HeadRows::dense(&out, t, d), dout_rows);
         let mut dq = vec![0.0; g.head_major_len(t)];
         let mut dkv = vec![0.0; 2 * g.head_major_len(t)];
+        let up = Upstream {
+            out: HeadRows::dense(&out, t, d),
+            dout: dout_rows,
+            lse: &lse,
+        };
         for &pair in pairs.iter().rev() {
-            let operands = [q, k, v];
-            flash_backward_into(
-                g,
-                operands,
-                pair,
-                DType::F32,
-                dout_rows,
-                &lse,
-                &delta,
-                &mut dq,
-                &mut dkv,
-            );
+            flash_backward_into(g, [q, k, v], pair, DType::F32, up, &mut dq, &mut dkv);
         }
         let mut dqkv = vec![0.0; qkv.len()];
         interleave_heads(g, &dq, (1, 0), t, &mut dqkv, 3 * d, 0);

@@ -21,9 +21,8 @@ fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// `n` standard normal values from `seed` (test inputs for the kernels' unit tests).
-#[cfg(test)]
-pub(crate) fn normal_values(n: usize, seed: u64) -> Vec<f32> {
+/// `n` standard normal values from `seed` (inputs for kernel tests and benchmarks).
+pub fn normal_values(n: usize, seed: u64) -> Vec<f32> {
     let mut r = SplitMix64::new(seed);
     (0..n).map(|_| r.normal()).collect()
 }

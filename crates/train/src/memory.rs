@@ -33,16 +33,23 @@ pub struct MemoryReport {
     pub transient_mib: f64,
     /// The planner's formula for parameters + gradients + optimizer state.
     pub predicted_mib: f64,
+    /// The most activation bytes a step of this worker kept for backward so far.
+    pub activations_mib: f64,
 }
 
 impl MemoryReport {
-    pub fn new(measured: ModelStateMemory, predicted: ModelStates) -> MemoryReport {
+    pub fn new(
+        measured: ModelStateMemory,
+        predicted: ModelStates,
+        activation_bytes: usize,
+    ) -> MemoryReport {
         MemoryReport {
             parameters_mib: measured.parameters as f64 / MIB,
             gradients_mib: measured.gradients as f64 / MIB,
             optimizer_mib: measured.optimizer as f64 / MIB,
             transient_mib: measured.transient_peak as f64 / MIB,
             predicted_mib: predicted.total() / MIB,
+            activations_mib: activation_bytes as f64 / MIB,
         }
     }
 
@@ -54,13 +61,15 @@ impl MemoryReport {
     pub fn report(&self) -> String {
         format!(
             "model states per worker {:.1} MiB (parameters {:.1}, gradients {:.1}, optimizer \
-             {:.1}; the formula predicts {:.1}), ZeRO transient peak {:.1} MiB",
+             {:.1}; the formula predicts {:.1}), ZeRO transient peak {:.1} MiB, activations \
+             {:.1} MiB at the peak of a step",
             self.states_mib(),
             self.parameters_mib,
             self.gradients_mib,
             self.optimizer_mib,
             self.predicted_mib,
-            self.transient_mib
+            self.transient_mib,
+            self.activations_mib
         )
     }
 }

@@ -105,9 +105,11 @@ impl Breakdown {
         let ms = |s: f64| s / n * 1e3;
         let per_replica = self.stages.max(1) * self.tensor.max(1) * self.context.max(1);
         let dp_workers = self.workers / per_replica;
-        let comm = if dp_workers <= 1 && per_replica > 1 {
+        // Gradients are averaged over the replicas and their context-parallel workers.
+        let sync_workers = dp_workers * self.context.max(1);
+        let comm = if sync_workers <= 1 && per_replica > 1 {
             "no data-parallel communication (one replica)".to_string()
-        } else if dp_workers <= 1 {
+        } else if sync_workers <= 1 {
             "communication 0 (single worker)".to_string()
         } else {
             let total = self.times.comm_exposed_s + self.times.comm_hidden_s;

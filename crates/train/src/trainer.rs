@@ -66,6 +66,8 @@ pub struct Trainer {
     timeline: Option<RecordedTimeline>,
     /// fp16: steps skipped so far because some worker's gradients overflowed.
     pub skipped_steps: Option<u64>,
+    /// The most activation bytes one of this worker's steps kept.
+    peak_activation_bytes: usize,
 }
 
 /// Below this loss scale even the largest gradient of an fp16 backward is below f16's
@@ -166,6 +168,7 @@ impl Trainer {
             show_progress: false,
             timeline,
             skipped_steps: None,
+            peak_activation_bytes: 0,
             job,
         })
     }
@@ -175,7 +178,7 @@ impl Trainer {
     pub fn memory_report(&mut self) -> MemoryReport {
         let measured = self.parallel.model_state_memory();
         let predicted = crate::memory::predicted(&self.parallel, &self.model, self.job.optimizer);
-        MemoryReport::new(measured, predicted)
+        MemoryReport::new(measured, predicted, self.peak_activation_bytes)
     }
 
     /// World rank 0 prints, logs and checkpoints for everyone.
@@ -253,6 +256,7 @@ impl Trainer {
             .install(|| parallel.train_step(model, share, lr, clip, timeline))
             .with_context(|| format!("training step {step}"))?;
         self.breakdown.add(&stats);
+        self.peak_activation_bytes = self.peak_activation_bytes.max(stats.peak_activation_bytes);
         if stats.loss_scale.is_some() {
             *self.skipped_steps.get_or_insert(0) += u64::from(stats.skipped);
         }

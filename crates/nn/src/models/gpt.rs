@@ -20,10 +20,12 @@ pub struct GptConfig {
     /// of `tok.weight`; with a pipeline the two stages add their gradients, as Megatron does).
     #[serde(default)]
     pub tie_embeddings: bool,
-    /// The attention kernel: "standard" (keeps the probabilities) or "flash"
-    /// (memory-efficient). Left out of descriptions when standard, so checkpoints of earlier
-    /// runs still describe the same model.
-    #[serde(default, skip_serializing_if = "AttentionKind::is_standard")]
+    /// The attention kernel: "auto" (the faster one at the model's sequence length: standard
+    /// below 512 tokens, flash from 512), "standard" (keeps the probabilities) or "flash"
+    /// (memory-efficient). Left out of descriptions when auto, so checkpoints of earlier runs
+    /// (which had no such field) still describe the same model; the kernels compute the
+    /// same function, only memory and speed differ.
+    #[serde(default, skip_serializing_if = "AttentionKind::is_auto")]
     pub attention: AttentionKind,
 }
 
@@ -37,7 +39,7 @@ impl Default for GptConfig {
             heads: 4,
             seq: 128,
             tie_embeddings: false,
-            attention: AttentionKind::Standard,
+            attention: AttentionKind::Auto,
         }
     }
 }
