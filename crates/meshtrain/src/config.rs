@@ -454,7 +454,7 @@ impl Config {
         options.partition.check(
             model.num_blocks(),
             resolved.schedule.num_chunks(),
-            resolved.layout.tp,
+            resolved.layout.tp * resolved.layout.cp,
         )?;
         let l = &resolved.layout;
         meshtrain_parallel::context::check(&model, l.cp, options.cp_mode, l.tp)
@@ -570,9 +570,15 @@ impl Config {
         }
     }
 
-    /// What the checkpoint stores to recognise the model (the `[model]` table).
+    /// What the checkpoint stores to recognise the model (the `[model]` table), without the
+    /// attention kernel: the kernels compute the same function, so a checkpoint trained with
+    /// one resumes with the other.
     pub fn model_description(&self) -> String {
-        toml::to_string(&self.model).unwrap_or_default()
+        let mut model = self.model.clone();
+        if let ModelConfig::Gpt(gpt) = &mut model {
+            gpt.attention = meshtrain_nn::transformer::AttentionKind::default();
+        }
+        toml::to_string(&model).unwrap_or_default()
     }
 
     /// The library job this config describes, on `task`'s data.

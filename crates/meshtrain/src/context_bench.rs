@@ -6,9 +6,9 @@
 //!   GFLOP/s of useful work (forward `2·B·T²·D`, backward `4·B·T²·D`: the causal half of the
 //!   products; flash's recomputed scores are not counted).
 //! * **memory**: what one attention layer keeps for backward at seq 512…8192 (batch 1), per
-//!   kernel; the most activation bytes a GPT worker holds in a step at cp = 1, 2, 4; and a
-//!   GPT at seq 8192 whose first step on one worker exceeds `train.memory_limit_mb`
-//!   training at cp = 4 under the same limit.
+//!   kernel, and the most activation bytes a GPT worker holds in a step at cp = 1, 2, 4.
+//! * **limit**: a GPT at seq 8192 whose first step on one worker exceeds
+//!   `train.memory_limit_mb`, trained at cp = 4 under the same limit.
 //! * **modes**: GPT step time at cp = 2, ring against Ulysses (and one worker), alternating,
 //!   with the breakdown: forward, backward, the time attention waited for transfers
 //!   (exposed) against how long the transfers ran (hidden behind the block products where
@@ -39,6 +39,9 @@ pub struct BenchContextArgs {
     /// Kernels: interleaved rounds (the median is reported).
     #[arg(long, default_value_t = 7)]
     pub rounds: usize,
+    /// Kernels: comma-separated sequence lengths (4096 tokens per call).
+    #[arg(long, default_value = "128,256,512,1024,2048")]
+    pub kernel_seqs: String,
     /// Modes: GPT sequence length and global batch of the cp = 2 comparison.
     #[arg(long, default_value_t = 2048)]
     pub seq: usize,
@@ -62,7 +65,7 @@ pub fn run(args: &BenchContextArgs) -> Result<()> {
         .filter(|p| !p.is_empty())
     {
         match part {
-            "kernels" => kernels(args),
+            "kernels" => kernels(args)?,
             "memory" => memory()?,
             "limit" => limit(args)?,
             "modes" => modes(args)?,
@@ -82,7 +85,7 @@ fn time_attention(s: AttentionShape, kind: AttentionKind, precision: DType) -> f
     let qkv = normal_values(s.batch * s.seq * 3 * s.dim, 1);
     let dout = normal_values(s.batch * s.seq * s.dim, 2);
     let t = Instant::now();
-    let grads = if kind.at(s.seq) == AttentionKind::Flash {
+    let grads = if kind == AttentionKind::Flash {
         let (out, lse) = flash_attention_forward(s, &qkv, precision);
         flash_attention_backward(s, &qkv, &out, &lse, &dout, precision)
     } else {
@@ -94,7 +97,16 @@ fn time_attention(s: AttentionShape, kind: AttentionKind, precision: DType) -> f
     t.elapsed().as_secs_f64()
 }
 
-fn kernels(args: &BenchContextArgs) {
+fn kernels(args: &BenchContextArgs) -> Result<()> {
+    let seqs: Vec<usize> = args
+        .kernel_seqs
+        .split(',')
+        .map(|v| v.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow!("--kernel-seqs: {e}"))?;
+    if let Some(bad) = seqs.iter().find(|&&t| t == 0 || t > 4096) {
+        bail!("--kernel-seqs: {bad} is not a sequence length between 1 and 4096");
+    }
     let pool = meshtrain_tensor::par::pool(args.threads);
     println!(
         "## Attention forward + backward, standard (keeps probabilities) vs flash \
@@ -104,7 +116,7 @@ fn kernels(args: &BenchContextArgs) {
          GFLOP/s | flash speed-up |\n|---|---|---|---|---|---|---|",
         args.threads, args.rounds
     );
-    for seq in [128usize, 256, 512, 1024, 2048] {
+    for seq in seqs {
         let s = AttentionShape {
             batch: (4096 / seq).max(1),
             seq,
@@ -137,6 +149,7 @@ fn kernels(args: &BenchContextArgs) {
         }
     }
     println!();
+    Ok(())
 }
 
 /// Bytes one attention layer of `kind` keeps for backward at `seq` (batch 1, width 256, 4
@@ -327,7 +340,8 @@ fn modes(args: &BenchContextArgs) -> Result<()> {
         let m = |f: fn(&ThroughputRun) -> f64| median(r.iter().map(f).collect());
         let (waited, busy) = (m(|x| x.cp_comm_ms), m(|x| x.cp_busy_ms));
         let hidden = if busy > 0.0 {
-            format!("{:.0}%", 100.0 * (busy - waited).max(0.0) / busy)
+            let hidden = meshtrain_parallel::context::CpComm::hidden_fraction(waited, busy);
+            format!("{:.0}%", 100.0 * hidden)
         } else {
             "—".into()
         };

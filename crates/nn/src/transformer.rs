@@ -76,8 +76,9 @@ impl Layer for GptEmbedding {
     fn forward(&self, p: &[f32], _: &mut [f32], ids: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.dim);
         assert!(
-            t <= self.max_seq,
-            "sequence {t} longer than the model's {}",
+            t * self.sequence.parts <= self.max_seq,
+            "sequence {} longer than the model's {}",
+            t * self.sequence.parts,
             self.max_seq
         );
         let (tok, pos) = p.split_at(self.vocab * d);
@@ -122,40 +123,26 @@ impl Layer for GptEmbedding {
     }
 }
 
-/// Which attention kernel a model runs.
+/// Which attention kernel a model runs. Both compute the same function; they differ in what
+/// they keep for backward and in speed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionKind {
-    /// The faster of the two at the sequence length of each call, as measured
-    /// (`meshtrain bench context --parts kernels`): standard below [`FLASH_FROM_SEQ`]
-    /// tokens, where its probabilities are small and flash's recomputation costs ~5%; flash
-    /// from there on, where it is 1.5–2x faster and keeps `O(T)` instead of `O(T²)`.
+    /// Memory-efficient: keeps the output and `H·T` log-sum-exps, recomputes score tiles in
+    /// backward ([`meshtrain_tensor::flash`]); products in the layer's precision (the kept
+    /// q/k/v and output are stored in it, the log-sum-exps in f32). The default: at least as
+    /// fast as the probability-keeping kernel from 128 tokens on (1.5–2.3x from 512), measured
+    /// by `meshtrain bench context --parts kernels`.
     #[default]
-    Auto,
+    Flash,
     /// Keeps the `H·T²` probabilities for backward ([`meshtrain_tensor::attention`]); its
     /// products run in the layer's precision.
     Standard,
-    /// Memory-efficient: keeps the output and `H·T` log-sum-exps, recomputes score tiles in
-    /// backward ([`meshtrain_tensor::flash`]); products in the layer's precision too (the
-    /// kept q/k/v and output are stored in it, the log-sum-exps in f32).
-    Flash,
 }
 
-/// From this many tokens per sequence `auto` attention runs the memory-efficient kernel.
-pub const FLASH_FROM_SEQ: usize = 512;
-
 impl AttentionKind {
-    pub fn is_auto(&self) -> bool {
-        *self == AttentionKind::Auto
-    }
-
-    /// The kernel a call over `seq` tokens runs (`Standard` or `Flash`).
-    pub fn at(self, seq: usize) -> AttentionKind {
-        match self {
-            AttentionKind::Auto if seq >= FLASH_FROM_SEQ => AttentionKind::Flash,
-            AttentionKind::Auto => AttentionKind::Standard,
-            kind => kind,
-        }
+    pub fn is_flash(&self) -> bool {
+        *self == AttentionKind::Flash
     }
 }
 
@@ -191,7 +178,7 @@ impl Layer for AttentionCore {
 
     fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let shape = self.shape(&qkv);
-        if self.kind.at(shape.seq) == AttentionKind::Flash {
+        if self.kind == AttentionKind::Flash {
             let (out, lse) = flash_attention_forward(shape, qkv.data(), self.precision);
             let out = Tensor::from_vec(out, &[shape.batch, shape.seq, self.dim]);
             if mode.train {
@@ -219,7 +206,7 @@ impl Layer for AttentionCore {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
-        if self.kind.at(dy.dim(1)) == AttentionKind::Flash {
+        if self.kind == AttentionKind::Flash {
             let lse = s.take(DType::F32, "attention (log-sum-exp)");
             let out = s.take(self.precision, "attention (output)");
             let qkv = s.take(self.precision, "attention (q, k, v)");
@@ -272,7 +259,7 @@ pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Se
                 dim,
                 heads,
                 precision: DType::F32,
-                kind: AttentionKind::Auto,
+                kind: AttentionKind::Flash,
             }),
         ),
         ("proj".into(), lin(dim, dim)),
@@ -287,7 +274,7 @@ pub struct GptBlock {
 
 impl GptBlock {
     pub fn new(dim: usize, heads: usize, init: Option<Init>) -> Self {
-        Self::with_attention(dim, heads, init, AttentionKind::Auto)
+        Self::with_attention(dim, heads, init, AttentionKind::Flash)
     }
 
     /// A block whose attention runs `kind`'s kernel.

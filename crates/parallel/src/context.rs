@@ -31,8 +31,8 @@ use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
 use meshtrain_nn::{InputKind, Layer, Mode, Model, Saved};
 use meshtrain_tensor::attention::AttentionShape;
 use meshtrain_tensor::flash::{
-    empty_state, flash_backward_into, flash_forward_into, interleave_heads, zeroed, BlockPair,
-    HeadRows, Heads, Upstream,
+    empty_state, flash_backward_into, flash_forward_into, interleave_heads, zeroed_buffer,
+    BlockPair, HeadRows, Heads, Upstream,
 };
 use meshtrain_tensor::par::{recycle, take_buffer};
 use meshtrain_tensor::{DType, Tensor};
@@ -92,6 +92,12 @@ pub enum ContextError {
     #[error("cp={cp}: the model has no attention layer to spread over the sequence")]
     NoAttention { cp: usize },
     #[error(
+        "cp={cp}: the model has no GPT embedding (meshtrain_nn::transformer::GptEmbedding), \
+         the layer that gives each worker's tokens their positions; a model placing positions \
+         in a layer of its own would train a different model under context parallelism"
+    )]
+    NoPositions { cp: usize },
+    #[error(
         "cp={cp}: the targets are {targets} per batch of {samples} samples × {seq} tokens; \
          context parallelism needs one target per token"
     )]
@@ -132,7 +138,8 @@ impl CpContext {
 
 /// Context-parallel communication of one worker: elements it sent, the time its compute
 /// thread waited for transfers (exposed) and the time the transfers took on the
-/// communication thread (hidden behind compute where it exceeds the wait).
+/// communication thread, from starting there to completing (a receive's includes waiting
+/// for the neighbour's send; the part beyond the exposed wait ran behind compute).
 #[derive(Debug, Default)]
 pub struct CpCommStats {
     elems: AtomicU64,
@@ -149,6 +156,15 @@ pub struct CpComm {
 }
 
 impl CpComm {
+    /// The share of the transfers' time that compute hid (the rest attention waited for).
+    pub fn hidden_fraction(exposed_s: f64, busy_s: f64) -> f64 {
+        if busy_s > 0.0 {
+            (busy_s - exposed_s).max(0.0) / busy_s
+        } else {
+            0.0
+        }
+    }
+
     /// What happened since `before` (an earlier snapshot).
     pub fn since(&self, before: &CpComm) -> CpComm {
         CpComm {
@@ -193,8 +209,10 @@ fn sequence_of(model: &Model) -> Option<usize> {
 
 /// Checks, without building anything, that `model` spreads over `cp` workers in `mode` after
 /// tensor parallelism over `tp`: it declares its sequence length, which divides into `2·cp`
-/// chunks, it has attention, and under Ulysses each tensor-parallel rank's heads divide by
-/// `cp`. Layers other than attention and the GPT embedding must act on each token alone.
+/// chunks, it has attention and a GPT embedding (which places positions), and under Ulysses
+/// each tensor-parallel rank's heads divide by `cp`. Layers other than attention and the
+/// embedding must act on each token alone (layer norms, linears, activations do; a user's
+/// layer mixing tokens would not be rewritten).
 pub fn check(model: &Model, cp: usize, mode: CpMode, tp: usize) -> Result<(), ContextError> {
     if cp == 1 {
         return Ok(());
@@ -217,7 +235,8 @@ pub fn check(model: &Model, cp: usize, mode: CpMode, tp: usize) -> Result<(), Co
 }
 
 /// What every mode needs: the model declares its sequence length, which divides into `2·cp`
-/// chunks, and it has attention. Returns (path, heads) of its attention layers.
+/// chunks, and it has attention and a GPT embedding. Returns (path, heads) of its attention
+/// layers.
 pub fn check_sequence(model: &Model, cp: usize) -> Result<Vec<(String, usize)>, ContextError> {
     if cp == 1 {
         return Ok(Vec::new());
@@ -231,27 +250,40 @@ pub fn check_sequence(model: &Model, cp: usize) -> Result<Vec<(String, usize)>, 
             by: 2 * cp,
         });
     }
-    let mut heads = Vec::new();
+    let mut found = Found::default();
     for block in &model.blocks {
-        attention_heads(block.layer.as_ref(), &block.name, &mut heads);
+        find_layers(block.layer.as_ref(), &block.name, &mut found);
     }
-    if heads.is_empty() {
+    if found.heads.is_empty() {
         return Err(ContextError::NoAttention { cp });
     }
-    Ok(heads)
+    if found.embeddings == 0 {
+        return Err(ContextError::NoPositions { cp });
+    }
+    Ok(found.heads)
 }
 
-/// (path, heads) of every attention core in `layer` (at `path`).
-fn attention_heads(layer: &dyn Layer, path: &str, out: &mut Vec<(String, usize)>) {
-    if let Some(core) = layer
-        .as_any()
-        .and_then(|a| a.downcast_ref::<AttentionCore>())
-    {
-        out.push((path.to_string(), core.heads));
+/// The layers context parallelism rewrites, found in a model.
+#[derive(Default)]
+struct Found {
+    /// (path, heads) of every attention core.
+    heads: Vec<(String, usize)>,
+    /// GPT embeddings (whole or vocabulary-parallel): the layers that place positions.
+    embeddings: usize,
+}
+
+fn find_layers(layer: &dyn Layer, path: &str, found: &mut Found) {
+    if let Some(any) = layer.as_any() {
+        if let Some(core) = any.downcast_ref::<AttentionCore>() {
+            found.heads.push((path.to_string(), core.heads));
+        }
+        if any.is::<GptEmbedding>() || any.is::<VocabParallelEmbedding>() {
+            found.embeddings += 1;
+        }
     }
     if let Some(children) = layer.children() {
         for (name, child) in children.layers() {
-            attention_heads(child.as_ref(), &crate::tensor::join(path, name), out);
+            find_layers(child.as_ref(), &crate::tensor::join(path, name), found);
         }
     }
 }
@@ -330,6 +362,14 @@ pub fn shard_batch(batch: Batch, shard: SequenceShard) -> Result<Batch, ContextE
             targets: batch.y.len(),
             samples,
             seq,
+        });
+    }
+    if !seq.is_multiple_of(2 * shard.parts) {
+        return Err(ContextError::NotDivisible {
+            cp: shard.parts,
+            what: "the batch's sequence length".into(),
+            n: seq,
+            by: 2 * shard.parts,
         });
     }
     let local = seq / shard.parts;
@@ -424,10 +464,11 @@ impl Hop {
             outgoing,
             incoming,
         } = self;
-        let sent = sent.wait_timed().unwrap_or_else(|e| fail("ring send", e));
-        let got = arriving
-            .wait_timed()
-            .unwrap_or_else(|e| fail("ring receive", e));
+        // Both waited for before either error panics: unwinding would free the buffers
+        // (locals drop in reverse order) while the other transfer may still use them.
+        let (sent, got) = (sent.wait_timed(), arriving.wait_timed());
+        let sent = sent.unwrap_or_else(|e| fail("ring send", e));
+        let got = got.unwrap_or_else(|e| fail("ring receive", e));
         CpCommStats::add(&stats.exposed_ns, t.elapsed());
         CpCommStats::add(&stats.busy_ns, sent.duration() + got.duration());
         (outgoing, incoming)
@@ -548,7 +589,7 @@ impl Layer for RingAttention {
             dout,
             lse: lse.data(),
         };
-        let mut dq = zeroed(g.head_major_len(rows));
+        let mut dq = zeroed_buffer(g.head_major_len(rows));
         let mut block = keys_and_values(qkv.data(), d);
         // The gradient accumulator of the block held at each step travels with it, one step
         // behind: it is complete for this step's block only after this step's products.
@@ -561,7 +602,7 @@ impl Layer for RingAttention {
                 None => &block,
             };
             let [k, v] = self.kv_rows(kv, rows);
-            let mut dkv = zeroed(2 * g.head_major_len(rows));
+            let mut dkv = zeroed_buffer(2 * g.head_major_len(rows));
             for pair in ring_pairs(self.cp.shard(), self.source(step), rows / 2) {
                 flash_backward_into(g, [q, k, v], pair, self.precision, up, &mut dq, &mut dkv);
             }
@@ -759,7 +800,8 @@ mod tests {
                         work += if p.causal { 1 } else { 2 };
                     }
                 }
-                // Load balance: every worker multiplies 2·cp half-blocks... the same amount.
+                // Load balance: counting a causal diagonal block as 1 and a whole block as 2,
+                // every worker does 2·(2·cp): the same work.
                 assert_eq!(work, 2 * (2 * cp), "cp={cp} rank {me}");
             }
             let chunks = 2 * cp;
@@ -797,5 +839,25 @@ mod tests {
         };
         let e = shard_batch(bad, SequenceShard { parts: 2, index: 0 }).unwrap_err();
         assert!(e.to_string().contains("one target per token"), "{e}");
+    }
+
+    /// A model whose positions no known embedding places would train a different model:
+    /// refused, as are models without attention or a token sequence.
+    #[test]
+    fn models_context_parallelism_cannot_place_are_refused() {
+        use meshtrain_nn::transformer::causal_self_attention;
+        use meshtrain_nn::{Block, InputSpec};
+        let attention_only =
+            Model::new(vec![Block::new("attn", causal_self_attention(8, 2, None))])
+                .with_input(InputSpec::tokens(8, 16));
+        let e = check(&attention_only, 2, CpMode::Ring, 1).unwrap_err();
+        assert_eq!(e, ContextError::NoPositions { cp: 2 });
+        let images = Model::new(vec![Block::new("attn", causal_self_attention(8, 2, None))])
+            .with_input(InputSpec::float(&[8]));
+        assert_eq!(
+            check(&images, 2, CpMode::Ring, 1).unwrap_err(),
+            ContextError::NoSequence { cp: 2 }
+        );
+        assert!(check(&images, 1, CpMode::Ring, 1).is_ok());
     }
 }

@@ -114,11 +114,12 @@ impl Layout {
             ));
         }
         self.check_implemented()?;
-        crate::tensor::check(model, self.tp, self.sp, self.cp)
-            .map_err(|e| LayoutError::Invalid(e.to_string()))?;
         // What every context-parallel mode needs (Ulysses' heads are checked where the mode
-        // is known: `parallelize`, and the command's config check).
+        // is known: `parallelize`, `Job::check` and the command's config check); first, since
+        // tensor parallelism's sequence check divides by cp.
         crate::context::check_sequence(model, self.cp)
+            .map_err(|e| LayoutError::Invalid(e.to_string()))?;
+        crate::tensor::check(model, self.tp, self.sp, self.cp)
             .map_err(|e| LayoutError::Invalid(e.to_string()))?;
         let m = self.micro_batch_count(global_batch)?;
         let schedule = Schedule::new(self.schedule, self.pp, m).map_err(|e| {

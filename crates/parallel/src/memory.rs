@@ -67,9 +67,9 @@ pub fn check_limit(
         .collect();
     let hint = if fits.is_empty() {
         format!(
-            "no ZeRO stage fits at dp={}: add data-parallel workers (ZeRO-3 divides \
-             everything by dp), tensor or pipeline parallelism",
-            layout.dp
+            "no ZeRO stage fits at dp={} × cp={}: add data-parallel workers (ZeRO-3 divides \
+             everything by dp × cp), tensor or pipeline parallelism",
+            layout.dp, layout.cp
         )
     } else {
         format!("at dp={} these fit: {}", layout.dp, fits.join(", "))
@@ -87,21 +87,23 @@ pub fn check_limit(
 /// Refuses to go on when the largest worker's first step held `states` bytes of model states
 /// and `activations` bytes of activations (kept for backward at the step's peak) together
 /// over `limit_mb` MiB, naming the figures and what divides the activations: context
-/// parallelism (per-token activations fall by cp; attention's too) and recomputation.
+/// parallelism over one of `cp_sizes` (the sizes the model allows; per-token activations
+/// fall by cp, attention's too) and recomputation.
 pub fn check_step_limit(
     limit_mb: f64,
     states: f64,
     activations: f64,
     layout: &Layout,
+    cp_sizes: &[usize],
 ) -> Result<(), String> {
     let need = (states + activations) / MIB;
     if need <= limit_mb {
         return Ok(());
     }
-    let fits: Vec<String> = [2usize, 4, 8, 16]
-        .into_iter()
-        .filter(|&c| c > layout.cp)
-        .map(|c| {
+    let fits: Vec<String> = cp_sizes
+        .iter()
+        .filter(|&&c| c > layout.cp)
+        .map(|&c| {
             (
                 c,
                 (states + activations * layout.cp as f64 / c as f64) / MIB,
@@ -112,8 +114,8 @@ pub fn check_step_limit(
         .map(|(c, mib)| format!("cp={c} (about {mib:.0} MiB)"))
         .collect();
     let hint = if fits.is_empty() {
-        "no context-parallel size up to 16 fits; add recomputation (train.recompute) or \
-         shard the model states (ZeRO, tensor or pipeline parallelism)"
+        "no context-parallel size the model allows fits; add recomputation \
+         (train.recompute) or shard the model states (ZeRO, tensor or pipeline parallelism)"
             .to_string()
     } else {
         format!(
@@ -166,8 +168,9 @@ mod tests {
     fn the_step_limit_names_the_activations_and_the_cp_that_fits() {
         let layout = Layout::default();
         let mib = MIB;
-        assert!(check_step_limit(100.0, 20.0 * mib, 80.0 * mib, &layout).is_ok());
-        let e = check_step_limit(50.0, 20.0 * mib, 80.0 * mib, &layout).unwrap_err();
+        let cps = [2, 4, 8, 16];
+        assert!(check_step_limit(100.0, 20.0 * mib, 80.0 * mib, &layout, &cps).is_ok());
+        let e = check_step_limit(50.0, 20.0 * mib, 80.0 * mib, &layout, &cps).unwrap_err();
         assert!(
             e.contains("80 MiB of activations + 20 MiB") && e.contains("allows 50 MiB"),
             "{e}"
@@ -180,7 +183,10 @@ mod tests {
             !e.contains("cp=2 (") && e.contains("cp=8 (about 30 MiB)"),
             "{e}"
         );
-        let e = check_step_limit(10.0, 20.0 * mib, 80.0 * mib, &layout).unwrap_err();
+        let e = check_step_limit(10.0, 20.0 * mib, 80.0 * mib, &layout, &cps).unwrap_err();
+        assert!(e.contains("no context-parallel size"), "{e}");
+        // A model that cannot spread its sequence gets no cp hint.
+        let e = check_step_limit(50.0, 20.0 * mib, 80.0 * mib, &layout, &[]).unwrap_err();
         assert!(e.contains("no context-parallel size"), "{e}");
     }
 }

@@ -4,11 +4,16 @@
 //! [`parallelize`] applies one module per dimension, always in this order:
 //!
 //! ```text
-//! mesh      = DeviceMesh(world, dp × pp × tp)                ranks laid out (tp innermost,
-//!                                                            so tensor-parallel ranks are
-//!                                                            neighbours), groups per axis
+//! mesh      = DeviceMesh(world, dp × pp × cp × tp)           ranks laid out (tp innermost,
+//!                                                            then cp, so tensor- and
+//!                                                            context-parallel ranks are
+//!                                                            neighbours), groups per axis,
+//!                                                            and the dp × cp group
 //! model     = tensor::parallelize(model, tp group)           layers split by the model's plan
 //!                                                            (the loss too: vocab-parallel)
+//! model     = context::parallelize(model, cp group)          attention over the sequence
+//!                                                            spread on the cp group (ring or
+//!                                                            Ulysses), embedding positions
 //! model     = precision::apply(model, precision)             products in bf16/f16 (f32 sums);
 //! loss      = LossScaling::for_precision(loss)               fp16: the loss scaled
 //! stage     = pipeline::split(model, schedule, partition)    this worker's chunk(s); the whole
@@ -16,8 +21,7 @@
 //!                                                            (first the partition: the memory
 //!                                                            limit is checked before any
 //!                                                            parameter is allocated)
-//! (context::parallelize: cp = 1 until that module exists)
-//! sync      = data::grad_sync(dp group)                      DDP | single master | nothing
+//! sync      = data::grad_sync(dp × cp group)                 DDP | single master | nothing
 //! ties      = tied::TiedGrads(model ties, pp group)          tied copies across stages
 //! tp sync   = tensor::TpGradSync(tp group)                   replicated parameters' gradients
 //!                                                            under sequence parallelism
@@ -25,7 +29,8 @@
 //! ```
 //!
 //! (Tensor parallelism changes layers' shapes, so it runs before the stage allocates them;
-//! the two commute: a pipeline cuts blocks, tensor parallelism splits inside them. Precision
+//! the two commute: a pipeline cuts blocks, tensor parallelism splits inside them. Context
+//! parallelism rewrites attention on tensor parallelism's share of the heads. Precision
 //! comes next, on the layers tensor parallelism put in place, and before the split, so that
 //! `partition = time` measures blocks as they will run.)
 //!
@@ -33,10 +38,12 @@
 //! not branch on the layout. Its phases, for every layout:
 //!
 //! ```text
-//! micro-batches = split(this replica's share, m)
+//! tokens        = this worker's tokens of the share (context parallelism; all of them else)
+//! micro-batches = split(this worker's share, m)
 //! sync.begin_step()
 //! stage.run_step(schedule)  — forwards, backwards, sends, receives; hooks → sync.grads_ready
-//! sync.finish()             — gradients averaged over the replicas (or gathered)
+//! sync.finish()             — gradients averaged over the replicas and their context-
+//!                             parallel workers (or gathered)
 //! fp16: unscale, agree on inf/NaN over the world; an overflow skips the update everywhere
 //! if sync.updates_parameters(): tp sync, ties.reduce(), clip (norm over one replica's
 //!                             pp × tp workers), optimizer step
@@ -280,6 +287,8 @@ pub struct Parallel {
     /// `train.memory_limit_mb`, checked with measured activations after the first step
     /// (then `None`).
     step_memory_limit_mb: Option<f64>,
+    /// The context-parallel sizes the model allows (for the limit's message).
+    cp_sizes: Vec<usize>,
 }
 
 /// Applies the layout's dimensions to `model` for this worker of `world`, in the documented
@@ -321,6 +330,11 @@ pub fn parallelize(
 
     // Context parallelism's conditions are on the whole model (heads before the split).
     crate::context::check(model, l.cp, options.cp_mode, l.tp)?;
+    // The context-parallel sizes this model allows: what a memory limit's message suggests.
+    let cp_sizes: Vec<usize> = [2, 4, 8, 16]
+        .into_iter()
+        .filter(|&c| crate::context::check(model, c, options.cp_mode, l.tp).is_ok())
+        .collect();
     if l.cp > 1 && options.dp_mode == DpMode::SingleMaster {
         return Err(ParallelError::Layout(crate::LayoutError::Invalid(format!(
             "cp={}: the single master scatters whole samples; context parallelism needs \
@@ -361,13 +375,14 @@ pub fn parallelize(
     )?;
 
     // 2. Pipeline: this worker's chunks (the whole model when pp = 1).
-    let sample = match (sample, &cp_context) {
-        (Some(b), Some(ctx)) => Some(crate::context::shard_batch(b.clone(), ctx.shard())?),
-        (b, _) => b.cloned(),
-    };
+    let schedule = layout.schedule.clone();
+    options
+        .partition
+        .check(model.num_blocks(), schedule.num_chunks(), l.tp * l.cp)?;
+    // (Only `partition = time` runs the sample, and it is refused with cp > 1.)
     let probe = TimeProbe {
         world: world.as_ref(),
-        sample: sample.as_ref().map(|b| (&b.x, b.y.as_slice())),
+        sample: sample.map(|b| (&b.x, b.y.as_slice())),
         loss: loss.as_ref(),
     };
     // A sharded data-parallel mode keeps pieces: the stage does not materialise what it
@@ -378,7 +393,6 @@ pub fn parallelize(
         Some(ZeroStage::Gradients) => StageStores::WithoutGradients,
         _ => StageStores::Full,
     };
-    let schedule = layout.schedule.clone();
     let partition = partition_for(model, &schedule, &options.partition, probe)?;
     // What each worker will hold is known now, before anything is allocated: a layout
     // whose model states exceed the memory limit on any worker stops here, on every worker.
@@ -456,8 +470,8 @@ pub fn parallelize(
         pp.clone()
     } else {
         let members = ranks_sharing(mesh.layout(), world.rank(), &[MeshAxis::Dp, MeshAxis::Cp])?;
-        let d = mesh.coordinate(MeshAxis::Dp);
-        world.new_named_subgroup(&members, &format!("mp[dp{d}]"))?
+        let (d, c) = (mesh.coordinate(MeshAxis::Dp), mesh.coordinate(MeshAxis::Cp));
+        world.new_named_subgroup(&members, &format!("mp[dp{d},cp{c}]"))?
     };
 
     let segments = training.groups.resolve(model, &training.optimizer);
@@ -493,6 +507,7 @@ pub fn parallelize(
         norm_group,
         scaling,
         step_memory_limit_mb: options.memory_limit_mb,
+        cp_sizes,
     })
 }
 
@@ -595,7 +610,7 @@ impl Parallel {
         let cp = self.mesh.size(MeshAxis::Cp);
         self.sync
             .loads()
-            .map(|(rank, size)| (rank / cp, size.div_ceil(cp)))
+            .map(|(rank, size)| (rank / cp, (size / cp).max(1)))
     }
 
     /// This replica's share of a step's batch from what this worker loaded.
@@ -643,7 +658,8 @@ impl Parallel {
         )?;
         let wait = Instant::now();
         let comm = self.sync.finish(&mut self.stage.chunks)?;
-        if let (Some(t), true) = (timeline.as_deref_mut(), self.mesh.size(MeshAxis::Dp) > 1) {
+        let synchronised = self.mesh.size(MeshAxis::Dp) * self.mesh.size(MeshAxis::Cp) > 1;
+        if let (Some(t), true) = (timeline.as_deref_mut(), synchronised) {
             t.record(
                 "dp all-reduce wait",
                 Category::Communication,
@@ -741,6 +757,7 @@ impl Parallel {
                 most[0] as f64,
                 most[1] as f64,
                 &self.layout.layout,
+                &self.cp_sizes,
             )
             .map_err(ParallelError::Memory)?;
         }
@@ -852,6 +869,13 @@ impl Parallel {
             self.layout.micro_batches(),
             l.micro_batch_size.unwrap_or(0),
         );
+        if let Some(cp) = &self.cp_context {
+            out += &format!(
+                "; each sequence spread over {} context-parallel workers ({} attention; \
+                 gradients averaged over dp × cp)",
+                l.cp, cp.mode
+            );
+        }
         if l.pp > 1 {
             let stages: Vec<String> = self
                 .partition

@@ -613,9 +613,10 @@ impl Layer for VocabParallelEmbedding {
 
     fn forward(&self, p: &[f32], _: &mut [f32], ids: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.whole.dim);
+        let whole_seq = t * self.whole.sequence.parts;
         assert!(
-            t <= self.whole.max_seq,
-            "sequence {t} longer than the model's {}",
+            whole_seq <= self.whole.max_seq,
+            "sequence {whole_seq} longer than the model's {}",
             self.whole.max_seq
         );
         let mine = self.rows();

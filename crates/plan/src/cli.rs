@@ -49,8 +49,8 @@ pub struct PlanArgs {
     pub no_overlap: bool,
     /// Attention kernel the trainer runs (its `model.attention`): `flash`, the default because
     /// current frameworks use memory-efficient attention (per-row log-sum-exps instead of the
-    /// a·s² probabilities, score tiles recomputed in backward), or `standard` (probabilities
-    /// kept, as in 2021–22 Megatron and the trainer's own default).
+    /// a·s² probabilities, score tiles recomputed in backward; also the trainer's default), or
+    /// `standard` (probabilities kept, as in 2021–22 Megatron).
     #[arg(long, default_value = "flash")]
     pub attention: String,
     /// Context-parallel mode the trainer uses (its `parallel.cp_mode`): `ring` or `ulysses`.

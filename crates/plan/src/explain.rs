@@ -123,14 +123,18 @@ fn replica_scaling(problem: &Problem, best: &Evaluation) -> Option<((u64, f64), 
 }
 
 /// The command that runs `layout` as planned: the layout string plus the trainer options it
-/// cannot carry (the cp mode, and the attention kernel, whose trainer default is standard).
+/// cannot carry (the cp mode, and the attention kernel when it is not the trainer's default,
+/// flash).
 pub fn train_command(problem: &Problem, layout: &Layout) -> String {
     let mut command = format!("meshtrain train --layout \"{layout}\"");
     if layout.cp > 1 {
         command += &format!(" --set parallel.cp_mode=\"{}\"", layout.cp_mode.name());
     }
-    if problem.model.transformer().is_some() && problem.setup.attention == AttentionKind::Flash {
-        command += " --set model.attention=\"flash\"";
+    // (Ring attention runs the memory-efficient block kernel whatever the option says.)
+    if problem.model.transformer().is_some()
+        && problem.attention_kernel(layout) == AttentionKind::Standard
+    {
+        command += " --set model.attention=\"standard\"";
     }
     command
 }

@@ -7,8 +7,8 @@
 //! `D_i = Σ dO_i ⊙ O_i` standing in for the row sums of `dP ⊙ P`. Tiles above the diagonal are
 //! skipped in both.
 //!
-//! Memory per sample: the output, `H·T` log-sum-exps and two `TILE × KEY_TILE` tiles, instead of
-//! `H·T²` probabilities ([`crate::attention`] keeps those). Same layout as there: `qkv` is
+//! Memory per sample: the output and `H·T` log-sum-exps kept for backward, and per thread a
+//! transposed key (and value) head and one or two score tiles, instead of `H·T²` probabilities ([`crate::attention`] keeps those). Same layout as there: `qkv` is
 //! `[B, T, 3·D]`, each head a contiguous `D/H` slice.
 //!
 //! The kernels underneath work on *block pairs* ([`BlockPair`]: some query rows against some
@@ -17,8 +17,10 @@
 //! is what ring attention needs: a rank meets the key/value blocks of the other ranks one at a
 //! time, and continuing the softmax from the normalised output and its log-sum-exp is the
 //! log-sum-exp merge rule (`lse = log(e^lse₁ + e^lse₂)`, `o = o₁·e^(lse₁−lse) + o₂·e^(lse₂−lse)`).
-//! Work is spread over (sample, head) pairs, so one long sequence still uses every core;
-//! results are kept head-major (`[B, H, rows, D/H]`) and interleaved back once.
+//! With samples enough for every thread, each task takes a sample and writes its heads in
+//! place; with fewer (long sequences), work is spread over (sample, head) pairs, kept
+//! head-major (`[B, H, rows, D/H]`) and interleaved back once — so one long sequence still
+//! uses as many cores as it has heads.
 //!
 //! Products run in the layer's precision (f32 through [`small_gemm`], bf16/f16 through
 //! [`crate::lowp`], as the probability-keeping kernel does); the softmax is f32.
@@ -218,7 +220,7 @@ pub fn empty_state(g: Heads, rows: usize) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// A zeroed head-major gradient buffer of `len` elements (recycled, see [`empty_state`]).
-pub fn zeroed(len: usize) -> Vec<f32> {
+pub fn zeroed_buffer(len: usize) -> Vec<f32> {
     let mut v = take_buffer(len);
     v.fill(0.0);
     v
@@ -520,8 +522,8 @@ pub fn flash_attention_forward(
         crate::par::recycle(staged);
         return (out, lse);
     }
-    // One task per sample, every head written in place.
-    staged.truncate(s.batch * t * d);
+    // One task per sample, every head written in place (`staged` has B·H·T·hd = B·T·D
+    // elements either way).
     let hd = g.head_dim;
     for_each_chunk_pair_mut(&mut staged, t * d, &mut lse, g.heads * t, |b, o, l| {
         for (h, lh) in l.chunks_mut(t).enumerate() {
@@ -571,8 +573,8 @@ pub fn flash_attention_backward(
             }
         });
     } else {
-        let mut dq = zeroed(g.head_major_len(t));
-        let mut dkv = zeroed(2 * g.head_major_len(t));
+        let mut dq = zeroed_buffer(g.head_major_len(t));
+        let mut dkv = zeroed_buffer(2 * g.head_major_len(t));
         flash_backward_into(g, operands, pair, precision, up, &mut dq, &mut dkv);
         interleave_heads(g, &dq, (1, 0), t, &mut dqkv, 3 * d, 0);
         interleave_heads(g, &dkv, (2, 0), t, &mut dqkv, 3 * d, d);
@@ -799,5 +801,39 @@ mod tests {
         let (eo, ed) = (max_err(&out, &out_ref), max_err(&dqkv, &d_ref));
         assert!(eo < 2e-2 && ed < 2e-2, "output {eo:.1e}, gradient {ed:.1e}");
         assert!(eo > 1e-5, "bf16 products should round ({eo:.1e})");
+    }
+
+    /// Both ways of spreading the work: a task per sample writing in place (as many samples
+    /// as threads) and a task per (sample, head) staged head-major (fewer samples than
+    /// threads), the same results on any machine.
+    #[test]
+    fn per_sample_and_per_head_tasks_agree() {
+        for &seq in &[1usize, 33, 70] {
+            let s = AttentionShape {
+                batch: 3,
+                seq,
+                dim: 16,
+                heads: 2,
+            };
+            let qkv = random(s.batch * seq * 3 * s.dim, 40 + seq as u64);
+            let dout = random(s.batch * seq * s.dim, 41);
+            let run = |threads: usize| {
+                crate::par::pool(threads).install(|| {
+                    assert_eq!(by_sample(Heads::of(s)), threads <= 3);
+                    let (out, lse) = flash_attention_forward(s, &qkv, DType::F32);
+                    let d = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::F32);
+                    (out, d)
+                })
+            };
+            let (out_ref, d_ref) = reference(s, &qkv, &dout);
+            for threads in [1, 8] {
+                let (out, d) = run(threads);
+                let (eo, ed) = (max_err(&out, &out_ref), max_err(&d, &d_ref));
+                assert!(
+                    eo < 1e-5 && ed < 1e-5,
+                    "T={seq}, {threads} threads: output {eo:.1e}, gradient {ed:.1e}"
+                );
+            }
+        }
     }
 }

@@ -370,9 +370,33 @@ impl Job {
             .check(
                 model.num_blocks(),
                 resolved.schedule.num_chunks(),
+                resolved.layout.tp * resolved.layout.cp,
+            )
+            .context("the layout cannot run")?;
+        let cp = resolved.layout.cp;
+        if cp > 1 {
+            meshtrain_parallel::context::check(
+                &model,
+                cp,
+                self.parallel.cp_mode,
                 resolved.layout.tp,
             )
             .context("the layout cannot run")?;
+            ensure!(
+                self.parallel.dp_mode == meshtrain_parallel::data::DpMode::Ddp,
+                "the layout cannot run: cp={cp}: the single master scatters whole samples; \
+                 context parallelism needs dp_mode = ddp"
+            );
+            let seq = model.input().map_or(0, |i| i.sample_len());
+            ensure!(
+                data.targets_per_sample() == seq,
+                "the layout cannot run: cp={cp} cuts every sample's {seq} tokens, and each \
+                 worker's loss needs its tokens' targets, but '{}' has {} target(s) per \
+                 sample",
+                data.name(),
+                data.targets_per_sample()
+            );
+        }
         if self.parallel.partition != PartitionSpec::Params && resolved.layout.pp == 1 {
             // Harmless (one chunk), but say so rather than ignore it silently.
             tracing::info!("parallel.partition applies to pipelines only (pp = 1 here)");

@@ -135,16 +135,13 @@ impl Breakdown {
         };
         let tensor = if self.times.cp_comm_elems > 0 {
             let (exposed, busy) = (self.times.cp_comm_s, self.times.cp_comm_busy_s);
+            let hidden = meshtrain_parallel::context::CpComm::hidden_fraction(exposed, busy);
             format!(
                 "{tensor}; context-parallel attention waited {:.1} ms of the compute for \
                  transfers that ran {:.1} ms ({:.0}% hidden; {:.1} M elements/step sent)",
                 ms(exposed),
                 ms(busy),
-                if busy > 0.0 {
-                    100.0 * (busy - exposed).max(0.0) / busy
-                } else {
-                    0.0
-                },
+                100.0 * hidden,
                 self.times.cp_comm_elems as f64 / n / 1e6
             )
         } else {

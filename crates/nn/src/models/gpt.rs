@@ -20,12 +20,11 @@ pub struct GptConfig {
     /// of `tok.weight`; with a pipeline the two stages add their gradients, as Megatron does).
     #[serde(default)]
     pub tie_embeddings: bool,
-    /// The attention kernel: "auto" (the faster one at the model's sequence length: standard
-    /// below 512 tokens, flash from 512), "standard" (keeps the probabilities) or "flash"
-    /// (memory-efficient). Left out of descriptions when auto, so checkpoints of earlier runs
-    /// (which had no such field) still describe the same model; the kernels compute the
-    /// same function, only memory and speed differ.
-    #[serde(default, skip_serializing_if = "AttentionKind::is_auto")]
+    /// The attention kernel: "flash" (memory-efficient, the default) or "standard" (keeps the
+    /// probabilities). Both compute the same function, so it is not part of the model's
+    /// identity: left out when it is the default, and model descriptions (what checkpoints
+    /// recognise a model by) leave it out always.
+    #[serde(default, skip_serializing_if = "AttentionKind::is_flash")]
     pub attention: AttentionKind,
 }
 
@@ -39,7 +38,7 @@ impl Default for GptConfig {
             heads: 4,
             seq: 128,
             tie_embeddings: false,
-            attention: AttentionKind::Auto,
+            attention: AttentionKind::Flash,
         }
     }
 }

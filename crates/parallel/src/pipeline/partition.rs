@@ -60,14 +60,15 @@ impl FromStr for PartitionSpec {
 }
 
 impl PartitionSpec {
-    /// Checks the spec against a model of `blocks` blocks cut into `chunks` chunks, split
-    /// over `tp` tensor-parallel workers, before any work.
-    pub fn check(&self, blocks: usize, chunks: usize, tp: usize) -> Result<(), PipelineError> {
-        if *self == PartitionSpec::Time && tp > 1 && chunks > 1 {
+    /// Checks the spec against a model of `blocks` blocks cut into `chunks` chunks, each
+    /// block spread over `spread` workers (tensor × context parallelism), before any work.
+    pub fn check(&self, blocks: usize, chunks: usize, spread: usize) -> Result<(), PipelineError> {
+        if *self == PartitionSpec::Time && spread > 1 && chunks > 1 {
             return Err(PipelineError::BadPartitionSpec {
                 spec: "time".into(),
-                reason: "it profiles the blocks on one worker, which tensor parallelism does \
-                         not allow: use params, balanced or explicit cuts with tp > 1"
+                reason: "it profiles the blocks on one worker, which tensor and context \
+                         parallelism do not allow (their layers talk to their group): use \
+                         params, balanced or explicit cuts with tp or cp > 1"
                     .into(),
             });
         }
