@@ -11,7 +11,10 @@ use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_train::RunOptions;
 
 mod common;
-use common::{checkpoint_params, job, rel_diff, root, tiny_gpt_config, written_checkpoint};
+use common::{
+    checkpoint_params, job, rel_diff, root, tiny_gpt_config, tiny_gpt_config_result, train_until,
+    written_checkpoint,
+};
 
 const STEPS: u64 = 10;
 
@@ -68,21 +71,7 @@ fn ring_and_ulysses_train_like_one_worker_on_every_layout() {
 
 fn config_error(extra: &[&str]) -> String {
     let out = tempfile::tempdir().unwrap();
-    let mut o: Vec<String> = [
-        "model.dim=32",
-        "model.layers=2",
-        "model.heads=4",
-        "model.seq=16",
-        "train.batch_size=8",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    o.push(format!("train.out_dir=\"{}\"", out.path().display()));
-    o.extend(extra.iter().map(|s| s.to_string()));
-    let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
-    let e = Config::from_toml_with_overrides(&text, &o)
-        .and_then(|c| c.validate().map(|_| c))
+    let e = tiny_gpt_config_result(out.path(), STEPS, extra)
         .err()
         .unwrap_or_else(|| panic!("{extra:?} should be refused"));
     format!("{e:#}")
@@ -151,23 +140,6 @@ fn a_context_parallel_worker_keeps_about_one_cpth_of_the_activations() {
             "cp={cp}: {ratio:.3}"
         );
     }
-}
-
-/// Trains to step `until` (of the 40-step schedule), resuming from `resume` if given; returns
-/// the output directory.
-fn train_until(extra: &[&str], until: u64, resume: Option<&std::path::Path>) -> std::path::PathBuf {
-    let out = tempfile::tempdir().unwrap().keep();
-    let cfg = tiny_gpt_config(&out, until, extra);
-    let options = RunOptions {
-        resume: resume.map(std::path::Path::to_path_buf),
-        ..RunOptions::default()
-    };
-    let summary = (*job(&cfg))
-        .clone()
-        .run(&options)
-        .unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
-    assert_eq!(summary.steps, until);
-    out
 }
 
 /// Checkpoints written under context parallelism (whole, and sharded under ZeRO over dp × cp)

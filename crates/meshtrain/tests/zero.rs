@@ -14,7 +14,8 @@ use std::path::Path;
 
 mod common;
 use common::{
-    checkpoint_params, job, rel_diff, root, single_trainer, tiny_gpt_config, written_checkpoint,
+    checkpoint_params, job, rel_diff, root, single_trainer, tiny_gpt_config, train_until,
+    written_checkpoint,
 };
 
 const STEPS: u64 = 10;
@@ -302,23 +303,6 @@ fn measured_model_states_match_the_formula_and_a_memory_limit_refuses_ddp() {
         err.contains("MiB of activations") && err.contains("train.memory_limit_mb allows"),
         "{err}"
     );
-}
-
-/// Trains the tiny GPT on `extra`'s layout to step `until` (of a 40-step schedule),
-/// resuming from `resume` if given; returns the output directory.
-fn train_until(extra: &[&str], until: u64, resume: Option<&Path>) -> std::path::PathBuf {
-    let out = tempfile::tempdir().unwrap().keep();
-    let cfg = tiny_gpt_config(&out, until, extra);
-    let options = RunOptions {
-        resume: resume.map(Path::to_path_buf),
-        ..RunOptions::default()
-    };
-    let summary = (*job(&cfg))
-        .clone()
-        .run(&options)
-        .unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
-    assert_eq!(summary.steps, until);
-    out
 }
 
 /// The parameters a checkpoint (sharded or whole) holds, read by one worker.

@@ -514,6 +514,32 @@ impl RingAttention {
         }
     }
 
+    /// Walks the ring: at each of its `cp` steps `visit` gets the key/value rows of the block
+    /// this worker holds and the block pairs its queries meet in it, while that block is
+    /// already on its way to the next worker (the last step's block goes nowhere).
+    fn around_the_ring(&self, qkv: &Tensor, mut visit: impl FnMut([HeadRows; 2], Vec<BlockPair>)) {
+        let (rows, n) = (qkv.dim(1), self.cp.group.size());
+        let mut block = keys_and_values(qkv.data(), self.dim);
+        for step in 0..n {
+            let hop =
+                (step + 1 < n).then(|| Hop::start(&self.cp, std::mem::take(&mut block), KV_TAG));
+            let kv: &[f32] = match &hop {
+                Some(h) => h.outgoing(),
+                None => &block,
+            };
+            visit(
+                self.kv_rows(kv, rows),
+                ring_pairs(self.cp.shard(), self.source(step), rows / 2),
+            );
+            if let Some(hop) = hop {
+                let (sent, next) = hop.finish(&self.cp.stats);
+                recycle(sent);
+                block = next;
+            }
+        }
+        recycle(block);
+    }
+
     /// The key/value rows of a travelling `[B, rows, 2·D]` block.
     fn kv_rows<'a>(&self, kv: &'a [f32], rows: usize) -> [HeadRows<'a>; 2] {
         let d = self.dim;
@@ -534,28 +560,13 @@ impl Layer for RingAttention {
 
     fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
         let (g, rows, d) = (self.heads_of(&qkv), qkv.dim(1), self.dim);
-        let n = self.cp.group.size();
         let [q, _, _] = HeadRows::fused(qkv.data(), rows, d);
         let (mut out_heads, mut lse) = empty_state(g, rows);
-        let mut block = keys_and_values(qkv.data(), d);
-        for step in 0..n {
-            let hop =
-                (step + 1 < n).then(|| Hop::start(&self.cp, std::mem::take(&mut block), KV_TAG));
-            let kv: &[f32] = match &hop {
-                Some(h) => h.outgoing(),
-                None => &block,
-            };
-            let [k, v] = self.kv_rows(kv, rows);
-            for pair in ring_pairs(self.cp.shard(), self.source(step), rows / 2) {
+        self.around_the_ring(&qkv, |[k, v], pairs| {
+            for pair in pairs {
                 flash_forward_into(g, [q, k, v], pair, self.precision, &mut out_heads, &mut lse);
             }
-            if let Some(hop) = hop {
-                let (sent, next) = hop.finish(&self.cp.stats);
-                recycle(sent);
-                block = next;
-            }
-        }
-        recycle(block);
+        });
         let mut out = take_buffer(qkv.numel() / 3);
         interleave_heads(g, &out_heads, (1, 0), rows, &mut out, d, 0);
         recycle(out_heads);
@@ -581,7 +592,6 @@ impl Layer for RingAttention {
         let out = s.take(self.precision, "ring attention (output)");
         let qkv = s.take(self.precision, "ring attention (q, k, v)");
         let (g, rows, d) = (self.heads_of(&qkv), qkv.dim(1), self.dim);
-        let n = self.cp.group.size();
         let [q, _, _] = HeadRows::fused(qkv.data(), rows, d);
         let dout = HeadRows::dense(dy.data(), rows, d);
         let up = Upstream {
@@ -590,20 +600,12 @@ impl Layer for RingAttention {
             lse: lse.data(),
         };
         let mut dq = zeroed_buffer(g.head_major_len(rows));
-        let mut block = keys_and_values(qkv.data(), d);
         // The gradient accumulator of the block held at each step travels with it, one step
         // behind: it is complete for this step's block only after this step's products.
         let mut accumulator: Option<Hop> = None;
-        for step in 0..n {
-            let hop =
-                (step + 1 < n).then(|| Hop::start(&self.cp, std::mem::take(&mut block), KV_TAG));
-            let kv: &[f32] = match &hop {
-                Some(h) => h.outgoing(),
-                None => &block,
-            };
-            let [k, v] = self.kv_rows(kv, rows);
+        self.around_the_ring(&qkv, |[k, v], pairs| {
             let mut dkv = zeroed_buffer(2 * g.head_major_len(rows));
-            for pair in ring_pairs(self.cp.shard(), self.source(step), rows / 2) {
+            for pair in pairs {
                 flash_backward_into(g, [q, k, v], pair, self.precision, up, &mut dq, &mut dkv);
             }
             if let Some(previous) = accumulator.take() {
@@ -613,13 +615,7 @@ impl Layer for RingAttention {
                 recycle(arrived);
             }
             accumulator = Some(Hop::start(&self.cp, dkv, DKV_TAG));
-            if let Some(hop) = hop {
-                let (sent, next) = hop.finish(&self.cp.stats);
-                recycle(sent);
-                block = next;
-            }
-        }
-        recycle(block);
+        });
         // After a whole turn this worker's own block's accumulator has come home.
         let (sent, own) = accumulator
             .expect("cp > 1: at least one step")

@@ -376,9 +376,13 @@ pub fn parallelize(
 
     // 2. Pipeline: this worker's chunks (the whole model when pp = 1).
     let schedule = layout.schedule.clone();
-    options
-        .partition
-        .check(model.num_blocks(), schedule.num_chunks(), l.tp * l.cp)?;
+    if schedule.num_chunks() > 1 {
+        // (Checked again for library callers: `partition = time` cannot profile tensor- or
+        // context-parallel layers on one worker.)
+        options
+            .partition
+            .check(model.num_blocks(), schedule.num_chunks(), l.tp * l.cp)?;
+    }
     // (Only `partition = time` runs the sample, and it is refused with cp > 1.)
     let probe = TimeProbe {
         world: world.as_ref(),

@@ -5,7 +5,7 @@
 use meshtrain::config::Config;
 use meshtrain::presets::Task;
 use meshtrain_comm::{CommConfig, ThreadsWorld};
-use meshtrain_train::{Job, Trainer};
+use meshtrain_train::{Job, RunOptions, Trainer};
 use std::path::Path;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -78,6 +78,15 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 /// them), width 32, 2 layers, context 16, batch 8, AdamW with clipping at 1.0, 10 steps
 /// (`max_steps`) writing into `out`; `extra` overrides come last.
 pub fn tiny_gpt_config(out: &Path, max_steps: u64, extra: &[&str]) -> Config {
+    tiny_gpt_config_result(out, max_steps, extra).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// [`tiny_gpt_config`], or the error a config check gives (tests of refused layouts).
+pub fn tiny_gpt_config_result(
+    out: &Path,
+    max_steps: u64,
+    extra: &[&str],
+) -> anyhow::Result<Config> {
     let mut o: Vec<String> = [
         "model.dim=32",
         "model.layers=2",
@@ -98,5 +107,24 @@ pub fn tiny_gpt_config(out: &Path, max_steps: u64, extra: &[&str]) -> Config {
     o.push(format!("train.max_steps={max_steps}"));
     o.extend(extra.iter().map(|s| s.to_string()));
     let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
-    Config::from_toml_with_overrides(&text, &o).unwrap_or_else(|e| panic!("{e:#}"))
+    let cfg = Config::from_toml_with_overrides(&text, &o)?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Trains the tiny GPT on `extra`'s layout to step `until` (of a 40-step schedule),
+/// resuming from `resume` if given; returns the output directory.
+pub fn train_until(extra: &[&str], until: u64, resume: Option<&Path>) -> std::path::PathBuf {
+    let out = tempfile::tempdir().unwrap().keep();
+    let cfg = tiny_gpt_config(&out, until, extra);
+    let options = RunOptions {
+        resume: resume.map(Path::to_path_buf),
+        ..RunOptions::default()
+    };
+    let summary = (*job(&cfg))
+        .clone()
+        .run(&options)
+        .unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
+    assert_eq!(summary.steps, until);
+    out
 }
