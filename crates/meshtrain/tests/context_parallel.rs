@@ -166,3 +166,68 @@ fn context_parallel_checkpoints_resume_on_any_layout() {
         assert!(d <= 2e-4, "{writer:?} → {reader:?}: {d:.2e}");
     }
 }
+
+/// A worker that stops answering in the middle of the ring (its model sleeps in forward):
+/// the other fails within the timeout, naming the operation and the missing rank.
+#[test]
+fn a_stuck_context_parallel_worker_fails_the_other_within_the_timeout() {
+    use meshtrain_nn::{Block, Layer, Mode, Saved};
+    use meshtrain_tensor::Tensor;
+    use std::time::{Duration, Instant};
+
+    /// Passes its input through, after sleeping past the timeout if `stuck` (worker 1's).
+    struct Sleepy {
+        stuck: bool,
+    }
+    impl Layer for Sleepy {
+        fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, _: Mode, _: &mut Saved) -> Tensor {
+            if self.stuck {
+                std::thread::sleep(Duration::from_secs(6));
+            }
+            x
+        }
+        fn backward(
+            &self,
+            _: &[f32],
+            _: &mut [f32],
+            _: Saved,
+            dy: Tensor,
+            _: bool,
+        ) -> Option<Tensor> {
+            Some(dy)
+        }
+    }
+
+    for mode in ["ring", "ulysses"] {
+        let out = tempfile::tempdir().unwrap();
+        let mode_set = format!("parallel.cp_mode=\"{mode}\"");
+        let cfg = tiny_gpt_config(out.path(), 2, &["parallel.cp=2", &mode_set]);
+        let mut job = (*job(&cfg)).clone();
+        let build = job.model.clone();
+        // The sleep sits between the embedding and the first block, so worker 0 waits in the
+        // first attention's transfer.
+        job.model = std::sync::Arc::new(move || {
+            let model = build();
+            let input = model.input().cloned().expect("a GPT declares its input");
+            let mut blocks = model.blocks;
+            // Each worker builds its model on its own thread.
+            let stuck = std::thread::current().name() == Some("meshtrain-worker-1");
+            blocks.insert(1, Block::new("sleepy", Sleepy { stuck }));
+            meshtrain_nn::Model::new(blocks).with_input(input)
+        });
+        let job = job.timeout(Duration::from_secs(1));
+        let started = Instant::now();
+        let err = format!("{:#}", job.run(&RunOptions::default()).unwrap_err());
+        let elapsed = started.elapsed();
+        eprintln!("{mode}: after {elapsed:?}: {err}");
+        assert!(err.contains("rank 0"), "{mode}: {err}");
+        assert!(err.contains("timed out"), "{mode}: {err}");
+        assert!(
+            err.contains("[1]"),
+            "{mode}: the missing rank is named: {err}"
+        );
+        let op = if mode == "ring" { "recv" } else { "all_to_all" };
+        assert!(err.contains(op), "{mode}: the operation is named: {err}");
+        assert!(elapsed < Duration::from_secs(5), "{mode}: took {elapsed:?}");
+    }
+}

@@ -6,26 +6,27 @@ use meshtrain_plan::layout::TrainingSetup;
 use meshtrain_plan::memory::model_state_bytes;
 use meshtrain_plan::search::search_feasible;
 use meshtrain_plan::validation::{
-    predict_korthikanti, predict_narayanan, KORTHIKANTI_530B, NARAYANAN_TABLE1,
+    predict_korthikanti, predict_narayanan, predict_published, KORTHIKANTI_530B, NARAYANAN_TABLE1,
+    PUBLISHED_RUNS,
 };
 use meshtrain_plan::{presets, Precision, Problem};
 
 fn main() -> anyhow::Result<()> {
-    println!("## Narayanan et al. 2021, Table 1 (A100 80GB, fp16, full recomputation)\n");
-    println!("| params | heads | hidden | layers | t | p | GPUs | batch | published TFLOP/s/GPU | predicted (mb=1) | error | predicted (mb=2) | error | bubble | TP comm | DP comm | mem GiB (mb=1) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("## Narayanan et al. 2021, Table 1 (A100 80GB, fp16, full recomputation; micro-batch and interleaving of the paper's artifact)\n");
+    println!("| params | t | p | GPUs | batch | mb | v | published TFLOP/s/GPU | predicted | error | bubble | TP comm | PP p2p | DP comm | fixed | mem GiB |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for row in &NARAYANAN_TABLE1 {
-        let one = predict_narayanan(row, 1)?;
-        let two = predict_narayanan(row, 2)?;
-        let t = &one.evaluation.time;
+        let p = predict_narayanan(row)?;
+        let t = &p.evaluation.time;
+        let share = |x: f64| 100.0 * x / t.step_s;
         println!(
-            "| {}B | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.1} | {:+.1}% | {:.1} | {:+.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} |",
-            row.billions, row.heads, row.hidden, row.layers, row.tp, row.pp, row.gpus, row.batch,
+            "| {}B | {} | {} | {} | {} | {} | {} | {:.0} | {:.1} | {:+.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.1} |",
+            row.billions, row.tp, row.pp, row.gpus, row.batch, row.micro_batch, row.interleave,
             row.published_tflops_per_gpu,
-            one.evaluation.throughput.tflops_per_gpu, one.error_percent,
-            two.evaluation.throughput.tflops_per_gpu, two.error_percent,
-            100.0 * t.bubble_s / t.step_s, 100.0 * t.tp_comm_s / t.step_s, 100.0 * t.dp_exposed_s / t.step_s,
-            one.evaluation.memory.total() / (1u64 << 30) as f64,
+            p.evaluation.throughput.tflops_per_gpu, p.error_percent,
+            share(t.bubble_s), share(t.tp_comm_s), share(t.pp_p2p_s), share(t.dp_exposed_s),
+            share(t.optimizer_s),
+            p.evaluation.memory.total() / (1u64 << 30) as f64,
         );
     }
     println!("\n## Korthikanti et al. 2022 (530B on 2240 A100s, abstract)\n");
@@ -40,6 +41,24 @@ fn main() -> anyhow::Result<()> {
             run.published_mfu_percent,
             mfu,
             100.0 * (mfu - run.published_mfu_percent) / run.published_mfu_percent
+        );
+    }
+    println!(
+        "\n## Further published runs (torchtitan FSDP2 on 64 A100 80GB, docs/performance.md)\n"
+    );
+    println!("| run | layout | published tokens/s/GPU | predicted | error | dp exposed |");
+    println!("|---|---|---|---|---|---|");
+    for run in &PUBLISHED_RUNS {
+        let e = predict_published(run)?;
+        let predicted = e.throughput.tokens_per_s / run.gpus as f64;
+        println!(
+            "| {} | {} | {:.0} | {:.0} | {:+.1}% | {:.1}% |",
+            run.label,
+            run.layout,
+            run.published_tokens_per_gpu,
+            predicted,
+            100.0 * (predicted - run.published_tokens_per_gpu) / run.published_tokens_per_gpu,
+            100.0 * e.time.dp_exposed_s / e.time.step_s
         );
     }
     println!("\n## ZeRO (Rajbhandari et al. 2020): 7.5B parameters, 64 GPUs, mixed-precision Adam (K = 12)\n");

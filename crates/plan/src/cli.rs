@@ -30,7 +30,7 @@ pub struct PlanArgs {
     #[arg(long, default_value = "cpu")]
     pub cluster: String,
     /// Number of GPUs (workers); defaults to the cluster preset's.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_gpus)]
     pub gpus: Option<u64>,
     /// Sequences (samples) per optimizer step over all replicas.
     #[arg(long, default_value_t = 64)]
@@ -98,6 +98,21 @@ fn load_model(arg: &str) -> anyhow::Result<ModelSpec> {
     } else {
         presets::model(arg)?
     })
+}
+
+/// `--gpus`: a positive whole number. Negative values are taken as values (not as unknown
+/// options) so that `--gpus -8` says what is wrong with it.
+fn parse_gpus(text: &str) -> std::result::Result<u64, String> {
+    match text.trim().parse::<i128>() {
+        // 0 passes on to the cluster check, which says the cluster needs a GPU.
+        Ok(n) if n >= 0 => u64::try_from(n).map_err(|_| format!("{n} GPUs is too many")),
+        Ok(n) => Err(format!(
+            "the number of GPUs cannot be negative (got {n}); give at least one GPU"
+        )),
+        Err(_) => Err(format!(
+            "the number of GPUs must be a whole number such as 8, got `{text}`"
+        )),
+    }
 }
 
 fn load_cluster(arg: &str) -> anyhow::Result<ClusterSpec> {

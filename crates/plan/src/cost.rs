@@ -22,13 +22,13 @@ use std::ops::Add;
 use serde::Serialize;
 
 use crate::cluster::{
-    all_reduce_time, reduce_scatter_time, send_time, ClusterSpec, GroupLink, GIB,
+    all_reduce_time, reduce_scatter_time, send_time, ClusterSpec, GroupLink, Precision, GIB,
 };
 use crate::error::{PlanError, Result};
 use crate::layout::{AttentionKind, CpMode, Layout, Recompute, Schedule, TrainingSetup};
 use crate::memory::{
-    attention_core_bytes, in_flight_microbatches, layer_activation_bytes, model_state_bytes,
-    LayerSplit, MemoryBreakdown,
+    attention_core_bytes, in_flight_microbatches, layer_activation_bytes, loss_bytes,
+    model_state_bytes, stage_layers, zero3_live_bytes, LayerSplit, MemoryBreakdown,
 };
 use crate::model::{Architecture, GenericSpec, ModelSpec, TransformerSpec};
 
@@ -49,6 +49,10 @@ const DP_BUCKET_BYTES: f64 = 25.0 * 1024.0 * 1024.0 * 4.0;
 /// the diagonal (the diagonal tiles' extra 1/(2·tiles) is neglected). Load-balanced ring
 /// attention gives every block the same share.
 const FLASH_CAUSAL_SHARE: f64 = 0.5;
+/// HBM accesses per byte a collective puts on the wire (see `Problem::overlap_contention`):
+/// a ring all-gather step writes the chunk it receives and reads it again to send it on (2);
+/// a reduce-scatter step also reads the local operand it adds (3). 2.5 is their mean.
+const OVERLAP_HBM_ACCESSES: f64 = 2.5;
 /// Extra backward work of the flash kernel, as a share of its forward: backward recomputes
 /// the score tiles QKᵀ, one of the forward's two products, instead of reading kept
 /// probabilities (attention core 1 + 2 → 1 + 2.5 forward times).
@@ -89,8 +93,16 @@ pub struct StepTime {
     pub dp_exposed_s: f64,
     /// Data-parallel communication hidden under backward.
     pub dp_hidden_s: f64,
+    /// Adding each micro-batch's weight gradients into the accumulation buffer (see
+    /// `Problem::accumulation_time`).
+    pub accumulate_s: f64,
     /// Optimizer update.
     pub optimizer_s: f64,
+    /// Fixed per-step bookkeeping around the update: mixed-precision gradient copy, fp16
+    /// unscale and inf check, gradient-clipping norm and its all-reduce, the tied-embedding
+    /// gradient all-reduce between first and last pipeline stage (see
+    /// `Problem::step_bookkeeping_time`).
+    pub fixed_s: f64,
     pub step_s: f64,
 }
 
@@ -104,7 +116,9 @@ impl StepTime {
             + self.pp_p2p_s
             + self.bubble_s
             + self.dp_exposed_s
+            + self.accumulate_s
             + self.optimizer_s
+            + self.fixed_s
     }
 }
 
@@ -186,7 +200,10 @@ pub struct Links {
     pub pp_crosses_nodes: bool,
     /// Bus bandwidth of the gradient-reduction (dp·cp) group, bytes/s.
     pub dp_bandwidth: f64,
-    /// Bytes each GPU reduces across the dp·cp ranks per step.
+    /// Bytes of the buffers the data-parallel (dp·cp) collectives of one step cover: the
+    /// gradients reduced, plus for ZeRO-1/2 the updated weights gathered once, and for ZeRO-3
+    /// the weights gathered for forward and again for backward and the gradients
+    /// reduce-scattered, every micro-batch.
     pub dp_bytes: f64,
 }
 
@@ -248,11 +265,11 @@ impl Problem {
         if layout.sp && layout.tp == 1 {
             return Err(bad("sequence parallelism needs tp > 1".into()));
         }
-        if layout.pp > 1 && layout.zero > 1 {
-            return Err(bad(
-                "ZeRO-2/3 shard gradients that pipeline micro-batches keep accumulating; with pp > 1 use ZeRO-1 (the distributed optimizer), as DeepSpeed and Megatron do".into(),
-            ));
-        }
+        // ZeRO-2/3 with pp > 1 (FSDP with a pipeline, as torchtitan runs it) is evaluated:
+        // every micro-batch reduce-scatters its gradients into the shards and ZeRO-3 gathers
+        // the stage's weights again for each micro-batch's forward and backward, so memory
+        // holds shards plus the units in flight (`zero3_live_bytes`). The time of those
+        // per-micro-batch collectives belongs to `data_parallel_comm`.
         let microbatches = self.setup.global_batch / per_step;
         if layout.interleave > 1 {
             if layout.pp == 1 || layout.schedule != Schedule::OneFOneB {
@@ -295,10 +312,12 @@ impl Problem {
                 if layout.cp > 1 {
                     check_context_parallel(t, layout).map_err(bad)?;
                 }
+                // Layer counts that do not divide evenly are split as Megatron does, the first
+                // and last stage holding fewer (see `stage_layers`); every chunk needs one.
                 let chunks = layout.pp * layout.interleave;
-                if t.layers % chunks != 0 {
+                if t.layers < chunks {
                     return Err(bad(format!(
-                        "{} layers do not split into pp·v = {chunks} equal stages",
+                        "{} layers cannot fill pp·v = {chunks} pipeline chunks",
                         t.layers
                     )));
                 }
@@ -479,7 +498,8 @@ impl Problem {
         let tokens = b * s / layout.cp as f64;
         let microbatches = self.setup.global_batch / (layout.dp * layout.micro_batch);
         let m = microbatches as f64;
-        let layers_per_gpu = (t.layers / layout.pp) as f64;
+        // The fullest (and slowest) stage's layers when they do not divide evenly.
+        let layers_per_gpu = stage_layers(t.layers, layout.pp, layout.interleave) as f64;
         let attention = self.attention_kernel(layout);
         let split = LayerSplit::of(layout);
 
@@ -556,13 +576,19 @@ impl Problem {
         let params = self.transformer_params_per_gpu(t, layout);
         let per_mb_backward =
             layers_per_gpu * (layer_backward + layer_recompute) + 2.0 * logits / 3.0;
-        let (dp_exposed, dp_hidden, dp_bytes, dp_link) = self.data_parallel_comm(
-            params.max(),
-            layout,
-            microbatches,
-            per_mb_backward,
-            mb_compute,
-        );
+        let units = ShardUnits {
+            count: layers_per_gpu,
+            forward: layer_forward,
+            backward: layer_backward + layer_recompute,
+        };
+        let (dp_exposed, dp_hidden, dp_bytes, dp_link) =
+            self.data_parallel_comm(params.max(), layout, microbatches, per_mb_backward, units);
+        let embedding_sync = if layout.pp > 1 && t.tied_embeddings {
+            let bytes = (t.vocab * t.hidden) as f64 / tp * self.setup.bytes_per_param().gradients;
+            all_reduce_time(bytes, 2, pp_link)
+        } else {
+            0.0
+        };
 
         let mut time = StepTime {
             microbatches,
@@ -575,7 +601,9 @@ impl Problem {
             bubble_s: bubble_microbatches * mb_total,
             dp_exposed_s: dp_exposed,
             dp_hidden_s: dp_hidden,
+            accumulate_s: self.accumulation_time(params.max(), layout, microbatches),
             optimizer_s: self.optimizer_time(params.max(), layout),
+            fixed_s: self.step_bookkeeping_time(params.max(), layout, embedding_sync),
             step_s: 0.0,
         };
         time.step_s = time.exposed_sum();
@@ -628,13 +656,14 @@ impl Problem {
         } else {
             1.0
         };
-        let logits_memory = tokens * v_size / tp * (4.0 + e);
+        let logits_memory = loss_bytes(tokens, v_size / tp, e, in_flight_last);
         let first_acts = in_flight_first * layers_per_gpu * per_layer + working_set;
         let last_acts = in_flight_last * layers_per_gpu * per_layer + working_set + logits_memory;
         let comm = self.comm_buffer_bytes(params.max(), layout, tokens * h * e / tp)
             + core.buffer_bytes
             + if layout.zero >= 3 {
-                2.0 * t.params_per_layer() as f64 / tp * e
+                let unit = t.params_per_layer().max(t.vocab * t.hidden) as f64 / tp;
+                zero3_live_bytes(unit, e, self.setup.bytes_per_param().gradients)
             } else {
                 0.0
             };
@@ -647,7 +676,7 @@ impl Problem {
                 optimizer: states.optimizer,
                 activations,
                 comm_buffers: comm,
-                reserved: self.cluster.reserved_memory_gib * GIB,
+                reserved: self.reserved_bytes(activations + comm),
             }
         };
         let first = build(params.first, first_acts);
@@ -689,14 +718,23 @@ impl Problem {
         // Backward is about two thirds of the work.
         let per_mb_backward = 2.0 * mb_compute / 3.0;
         let params = g.params as f64;
+        // Without a layer structure the model is one ZeRO-3 unit: gathered whole before its
+        // forward and its backward, nothing to prefetch it under.
+        let units = ShardUnits {
+            count: 1.0,
+            forward: mb_compute - per_mb_backward,
+            backward: per_mb_backward,
+        };
         let (dp_exposed, dp_hidden, dp_bytes, dp_link) =
-            self.data_parallel_comm(params, layout, microbatches, per_mb_backward, mb_compute);
+            self.data_parallel_comm(params, layout, microbatches, per_mb_backward, units);
         let mut time = StepTime {
             microbatches,
             compute_s: m * mb_compute,
             dp_exposed_s: dp_exposed,
             dp_hidden_s: dp_hidden,
+            accumulate_s: self.accumulation_time(params, layout, microbatches),
             optimizer_s: self.optimizer_time(params, layout),
+            fixed_s: self.step_bookkeeping_time(params, layout, 0.0),
             ..StepTime::default()
         };
         time.step_s = time.exposed_sum();
@@ -707,13 +745,14 @@ impl Problem {
             layout.zero,
             layout.gradient_group(),
         );
+        let comm_buffers = self.comm_buffer_bytes(params, layout, 0.0);
         let memory = MemoryBreakdown {
             weights: states.weights,
             gradients: states.gradients,
             optimizer: states.optimizer,
             activations,
-            comm_buffers: self.comm_buffer_bytes(params, layout, 0.0),
-            reserved: self.cluster.reserved_memory_gib * GIB,
+            comm_buffers,
+            reserved: self.reserved_bytes(activations + comm_buffers),
         };
         self.finish(
             layout,
@@ -772,7 +811,8 @@ impl Problem {
                 last: all,
             };
         }
-        let layers = (t.layers / layout.pp * t.params_per_layer()) as f64;
+        let layers =
+            (stage_layers(t.layers, layout.pp, layout.interleave) * t.params_per_layer()) as f64;
         // With tied embeddings the last stage keeps its own copy of the word embedding for
         // the output layer (Megatron), synchronised by an extra all-reduce.
         let output = if t.tied_embeddings {
@@ -787,15 +827,46 @@ impl Problem {
     }
 
     /// Exposed and hidden gradient (and ZeRO parameter) communication over the dp·cp ranks per
-    /// step, bytes reduced per GPU, link. With Megatron's rank order the dp·cp group is
-    /// contiguous above the tensor-parallel ranks.
+    /// step, the bytes those collectives cover per step (see [`Links::dp_bytes`]), link. With
+    /// Megatron's rank order the dp·cp group is contiguous above the tensor-parallel ranks.
     fn data_parallel_comm(
         &self,
         params: f64,
         layout: &Layout,
         microbatches: u64,
         last_backward: f64,
-        mb_compute: f64,
+        units: ShardUnits,
+    ) -> (f64, f64, f64, GroupLink) {
+        let (exposed, hidden, covered, link) =
+            self.data_parallel_collectives(params, layout, microbatches, last_backward, units);
+        (
+            exposed + self.overlap_contention(hidden, link),
+            hidden,
+            covered,
+            link,
+        )
+    }
+
+    /// What overlapped communication costs the compute it hides under: a collective running
+    /// at bus bandwidth `B` moves its bytes through the GPU's memory too (a ring step writes
+    /// what it receives and reads what it sends on; a reduce-scatter also reads the local
+    /// operand to add), about [`OVERLAP_HBM_ACCESSES`] HBM accesses per byte on the wire, and
+    /// that HBM bandwidth is taken from the kernels running beside it. Charged in full on the
+    /// critical path: compute-bound GEMMs absorb part of it, the SMs NCCL's kernels occupy
+    /// add to it, and the two are taken to cancel. On NVLink (360 GB/s against 3 TB/s of
+    /// HBM) hiding a collective costs ~30% of its duration; between nodes a few percent.
+    fn overlap_contention(&self, hidden: f64, link: GroupLink) -> f64 {
+        OVERLAP_HBM_ACCESSES * hidden * link.bandwidth / self.memory_bandwidth()
+    }
+
+    /// The data-parallel collectives: exposed and hidden time, bytes covered, link.
+    fn data_parallel_collectives(
+        &self,
+        params: f64,
+        layout: &Layout,
+        microbatches: u64,
+        last_backward: f64,
+        units: ShardUnits,
     ) -> (f64, f64, f64, GroupLink) {
         let d = layout.gradient_group();
         let link = self.cluster.group_link(d, layout.tp);
@@ -805,6 +876,7 @@ impl Problem {
         if d == 1 {
             return (0.0, 0.0, grad_bytes, link);
         }
+        let m = microbatches as f64;
         match layout.zero {
             0..=2 => {
                 let (reduce, gather) = if layout.zero == 0 {
@@ -815,29 +887,118 @@ impl Problem {
                         reduce_scatter_time(weight_bytes, d, link),
                     )
                 };
+                // ZeRO-2 keeps only its shard of the gradients, so every micro-batch's
+                // gradients are reduce-scattered into the shards during its backward
+                // (DeepSpeed's stage 2 reduces at each backward; with pp > 1 the same holds
+                // per stage); ZeRO-0/1 accumulate locally and reduce once per step.
+                let reductions = if layout.zero == 2 { m } else { 1.0 };
                 let hidden = if self.setup.overlap_grad_reduce {
-                    reduce.min(last_backward)
+                    reductions * reduce.min(last_backward)
                 } else {
                     0.0
                 };
-                (reduce + gather - hidden, hidden, grad_bytes, link)
+                let covered =
+                    reductions * grad_bytes + if layout.zero == 0 { 0.0 } else { weight_bytes };
+                (reductions * reduce + gather - hidden, hidden, covered, link)
             }
             _ => {
-                // ZeRO-3 gathers the weights for forward and again for backward, and
-                // reduce-scatters gradients, every micro-batch; prefetching overlaps this
-                // with the micro-batch's compute.
-                let per_mb = 2.0 * reduce_scatter_time(weight_bytes, d, link)
-                    + reduce_scatter_time(grad_bytes, d, link);
-                let exposed_per_mb = (per_mb - mb_compute).max(0.0);
-                let m = microbatches as f64;
+                let (exposed, hidden) = zero3_exposure(
+                    units,
+                    reduce_scatter_time(weight_bytes / units.count, d, link),
+                    reduce_scatter_time(grad_bytes / units.count, d, link),
+                );
                 (
-                    m * exposed_per_mb,
-                    m * (per_mb - exposed_per_mb),
-                    grad_bytes,
+                    m * exposed,
+                    m * hidden,
+                    m * (2.0 * weight_bytes + grad_bytes),
                     link,
                 )
             }
         }
+    }
+
+    /// Gradient accumulation over a step's micro-batches: the first micro-batch's weight
+    /// gradients initialise the buffer and every later one is added to it, a memory-bound pass
+    /// that reads the new gradients (compute precision, `e` bytes per parameter) and reads and
+    /// writes the buffer (`g` bytes each). This is how PyTorch autograd accumulates `.grad` and
+    /// how Megatron-LM's local DDP of 2021 accumulated `main_grad` (`main_grad.add_(grad)` in a
+    /// backward hook); a weight-gradient GEMM that accumulates in place (Megatron-Core's
+    /// `gradient_accumulation_fusion`) avoids it, so this errs towards the slower software.
+    /// ZeRO-2/3 reduce-scatter each micro-batch's gradients and add only the 1/d shard.
+    /// It matters when the per-GPU parameters are large next to a micro-batch's compute: one
+    /// sequence through a 20-billion-parameter pipeline stage.
+    fn accumulation_time(&self, params: f64, layout: &Layout, microbatches: u64) -> f64 {
+        if microbatches <= 1 {
+            return 0.0;
+        }
+        let bytes = self.setup.bytes_per_param();
+        let local = if layout.zero >= 2 {
+            params / layout.gradient_group() as f64
+        } else {
+            params
+        };
+        let e = self.setup.precision.compute_bytes();
+        (microbatches - 1) as f64 * local * (e + 2.0 * bytes.gradients) / self.memory_bandwidth()
+    }
+
+    /// Per-step work around the optimizer update that real trainers do (Megatron-LM's
+    /// `Float16OptimizerWithFloat16Params.step`, PyTorch's `GradScaler` and
+    /// `clip_grad_norm_`), each a memory-bound pass over this GPU's gradient shard, plus
+    /// latency-bound scalar all-reduces:
+    /// * mixed precision: copy the compute-precision gradients into the fp32 main gradients
+    ///   (read `g`, write 4 bytes), unless they are kept in fp32 already;
+    /// * fp16 only (dynamic loss scaling): unscale the gradients and check them for inf/NaN
+    ///   (read and write 4 bytes), and all-reduce the found-inf flag over the model-parallel
+    ///   ranks so that every stage skips the same steps;
+    /// * gradient clipping (every published recipe clips, usually at norm 1.0): read every
+    ///   gradient for the squared norm (4 bytes) and all-reduce it over the model-parallel
+    ///   ranks (all ranks when the gradients are sharded);
+    /// * `embedding_sync` seconds: with pp > 1 and tied embeddings, the word-embedding
+    ///   gradients of the first and the last stage are all-reduced between the two (Megatron's
+    ///   `allreduce_embedding_grads`).
+    ///
+    /// Scalar all-reduces are latency-bound; NCCL runs them as a tree, 2·⌈log₂ n⌉ latencies.
+    /// Data loading is not charged: loader workers prefetch the next batch on the CPU while the
+    /// GPU computes, and copying s·b token ids to the GPU is negligible.
+    fn step_bookkeeping_time(&self, params: f64, layout: &Layout, embedding_sync: f64) -> f64 {
+        let precision = self.setup.precision;
+        let bytes = self.setup.bytes_per_param();
+        let local = if layout.zero >= 1 {
+            params / layout.gradient_group() as f64
+        } else {
+            params
+        };
+        let copy = if precision.is_mixed() && bytes.gradients < 4.0 {
+            bytes.gradients + 4.0
+        } else {
+            0.0
+        };
+        let unscale = if precision == Precision::Fp16 {
+            8.0
+        } else {
+            0.0
+        };
+        let norm = 4.0;
+        let passes = [copy, unscale, norm].iter().filter(|&&b| b > 0.0).count() as f64;
+        let sweeps = local * (copy + unscale + norm) / self.memory_bandwidth()
+            + passes * self.kernel_overhead();
+        let ranks = if layout.zero >= 1 {
+            self.cluster.gpus
+        } else {
+            layout.tp * layout.cp * layout.pp
+        };
+        let scalar = if ranks > 1 {
+            let link = self.cluster.group_link(ranks, 1);
+            2.0 * (ranks as f64).log2().ceil() * link.latency
+        } else {
+            0.0
+        };
+        let scalars = if precision == Precision::Fp16 {
+            2.0
+        } else {
+            1.0
+        };
+        sweeps + scalars * scalar + embedding_sync
     }
 
     /// A memory-bound sweep: read and write every optimizer state, read the gradient, write
@@ -853,6 +1014,16 @@ impl Problem {
         local * touched / self.memory_bandwidth() + 4.0 * self.kernel_overhead()
     }
 
+    /// The cluster's fixed reservation plus the allocator's stranded share of the `transient`
+    /// bytes (see `DEFAULT_ALLOCATOR_FRAGMENTATION`).
+    fn reserved_bytes(&self, transient: f64) -> f64 {
+        self.cluster.reserved_memory_gib * GIB + self.cluster.allocator_fragmentation * transient
+    }
+
+    /// Buffers outside the model states: gradient buckets in flight (Megatron's contiguous
+    /// grad buffer and DDP with `gradient_as_bucket_view` reduce the gradients in place, so
+    /// only the two buckets being filled and reduced are extra), pipeline send/receive
+    /// buffers, and the tensor-parallel gather of a boundary activation.
     fn comm_buffer_bytes(&self, params: f64, layout: &Layout, boundary_bytes: f64) -> f64 {
         let mut total = 0.0;
         if layout.gradient_group() > 1 && layout.zero < 3 {
@@ -911,6 +1082,36 @@ impl StageParams {
     fn max(&self) -> f64 {
         self.first.max(self.last)
     }
+}
+
+/// The units ZeRO-3 gathers one at a time (FSDP wraps each transformer layer; DeepSpeed
+/// prefetches by module) and the compute each runs per micro-batch, for its overlap.
+#[derive(Debug, Clone, Copy)]
+struct ShardUnits {
+    /// Units on this GPU (the stage's layers).
+    count: f64,
+    /// Forward seconds of one unit for one micro-batch.
+    forward: f64,
+    /// Backward (and recomputation) seconds of one unit for one micro-batch.
+    backward: f64,
+}
+
+/// Exposed and hidden ZeRO-3 communication of one micro-batch, given the time to gather one
+/// unit's weights and to reduce-scatter its gradients. Every micro-batch gathers the weights
+/// again for forward and for backward (they are freed after use; that is what ZeRO-3 saves).
+/// With prefetching the gather of unit i+1 runs while unit i computes, so only what exceeds
+/// the unit's compute shows, and the first unit's gather in each pass has nothing to hide
+/// under. In backward the gather of the next unit and the reduce-scatter of the previous one
+/// share the link. The last reduce-scatter of a pass waits for nothing to hide it. Each
+/// collective also pays its ring latency (d−1 steps), which at many ranks and small
+/// micro-batches is what is left exposed.
+fn zero3_exposure(units: ShardUnits, gather: f64, scatter: f64) -> (f64, f64) {
+    let rest = (units.count - 1.0).max(0.0);
+    let forward = gather + rest * (gather - units.forward).max(0.0);
+    let backward = gather + rest * (gather + scatter - units.backward).max(0.0) + scatter;
+    let total = units.count * (2.0 * gather + scatter);
+    let exposed = (forward + backward).min(total);
+    (exposed, total - exposed)
 }
 
 impl Evaluation {
@@ -985,8 +1186,9 @@ mod tests {
                 .activations
         };
         let ratio = keep("gpipe") / keep("1f1b");
-        // 32/4 = 8, up to the logits the last stage holds once in both.
-        assert!((ratio - 8.0).abs() < 0.1, "{ratio}");
+        // 32/4 = 8, up to the loss: GPipe's last stage also keeps every micro-batch's fp32
+        // softmax until its backward, 1F1B one.
+        assert!((ratio - 8.0).abs() < 0.2, "{ratio}");
     }
 
     #[test]
@@ -1007,7 +1209,10 @@ mod tests {
         assert!(e.links.dp_crosses_nodes);
         p.setup.overlap_grad_reduce = true;
         let o = p.evaluate(&layout).unwrap();
-        assert!((o.time.dp_exposed_s + o.time.dp_hidden_s - expected).abs() < 1e-12);
+        // Hiding the all-reduce costs the backward its HBM traffic: 2.5 accesses per byte on
+        // the wire, 184 GB/s against 1800 GB/s of HBM.
+        let contention = 2.5 * o.time.dp_hidden_s * 184e9 / 1800e9;
+        assert!((o.time.dp_exposed_s + o.time.dp_hidden_s - expected - contention).abs() < 1e-12);
         assert!(o.time.dp_hidden_s > 0.0 && o.time.step_s < e.time.step_s);
     }
 
@@ -1045,7 +1250,9 @@ mod tests {
             + e.time.pp_p2p_s
             + e.time.bubble_s
             + e.time.dp_exposed_s
-            + e.time.optimizer_s;
+            + e.time.accumulate_s
+            + e.time.optimizer_s
+            + e.time.fixed_s;
         assert!((sum - e.time.step_s).abs() < 1e-12);
     }
 
@@ -1083,7 +1290,18 @@ mod tests {
         assert!((e.memory.optimizer - 12.0 * params / 4.0).abs() < 1.0);
         // Optimizer sweep over a quarter of the states: 2·12 + 2 + 2 bytes per parameter.
         let sweep = params / 4.0 * 28.0 / 1800e9 + 4.0 * 3e-6;
+        // Bookkeeping on the same quarter (bf16): copy the gradients to fp32 (2 + 4 bytes) and
+        // read them for the clipping norm (4); the norm's all-reduce over all 64 ranks (ZeRO
+        // shards the gradients) as a tree, 2·6 inter-node latencies; the tied word embedding's
+        // gradients all-reduced between the first and last stage, 51200·8192/8 bf16 elements.
+        let bookkeeping = params / 4.0 * 10.0 / 1800e9 + 2.0 * 3e-6 + 12.0 * 8e-6;
+        let embedding = 51200.0 * 8192.0 / 8.0 * 2.0 / 23e9 + 2.0 * 8e-6;
         assert!((e.time.optimizer_s - sweep).abs() < 1e-12);
+        assert!((e.time.fixed_s - bookkeeping - embedding).abs() < 1e-12);
+        // Gradient accumulation over the 16 micro-batches: 15 passes reading the new bf16
+        // gradients and reading and writing the buffer.
+        let accumulate = 15.0 * params * 6.0 / 1800e9;
+        assert!((e.time.accumulate_s - accumulate).abs() < 1e-12);
         // 16 micro-batches, each sends s·b·h·2/t bytes forward and backward between nodes
         // (pipeline neighbours are 32 ranks apart) over one 23 GB/s card.
         let send = 2048.0 * 8192.0 * 2.0 / 8.0 / 23e9 + 8e-6;
@@ -1110,30 +1328,40 @@ mod tests {
     fn cp1_standard_attention_reproduces_the_numbers_before_cp_and_flash() {
         // Printed by the cost model before context parallelism and the flash kernel existed:
         // step, compute, recompute, tp, pp sends, bubble, dp exposed, dp hidden, optimizer
-        // (s), activations, memory total (bytes), hardware and model FLOPs.
+        // (s), activations, memory total (bytes), hardware and model FLOPs. The two memory
+        // figures were re-pinned when the loss's fp32 logit gradient, ZeRO-3's gathered units
+        // in flight and allocator fragmentation were added (issue 19).
         #[rustfmt::skip]
         let before = [
-            ("gpt-39b", "a100", 64, 64, "dp=2,tp=8,pp=4,mb=1,recompute=full", [4.763754819811816, 2.7149276026092304, 0.9016534798441025, 0.6849917818434782, 0.012183106782608696, 0.4044146222886956, 0.02593107814147902, 0.08388016081504272, 0.019653148302222225, 1996488704.0, 24606343168.0, 4.25510999949312e16, 3.19957883682816e16]),
-            ("gpt-7.5b", "h100", 32, 128, "dp=8,tp=4,mb=2,recompute=selective,sp=on,zero=1", [1.2060411433457852, 0.8905524880711183, 0.095143538688, 0.1817972736, 0.0, 0.0, 0.03635773866666667, 0.03635773866666667, 0.00219010432, 5926551552.0, 18585510912.0, 1.299622744031232e16, 1.2679568091512832e16]),
-            ("gpt-30b", "h100", 32, 256, "dp=4,tp=2,pp=4,sp=on,zero=1,mb=1,recompute=none,v=2", [6.604511099112621, 6.073998339242839, 0.0, 0.2689717589333333, 0.08556125297777777, 0.1506687035426707, 0.016220566933333333, 0.016220566933333333, 0.009090477482666667, 55226400768.0, 84907112448.0, 9.86855666394071e16, 9.86855666394071e16]),
-            ("gpt-1.7b", "a100", 16, 64, "dp=16,mb=1,zero=3", [0.6091358216697436, 0.6075174863097436, 0.0, 0.0, 0.0, 0.0, 0.0, 0.20347907478260868, 0.0016183353600000001, 16559112192.0, 20613750272.0, 1473208142266368.0, 1473208142266368.0]),
+            ("gpt-39b", "a100", 64, 64, "dp=2,tp=8,pp=4,mb=1,recompute=full", [4.763754819811816, 2.7149276026092304, 0.9016534798441025, 0.6849917818434782, 0.012183106782608696, 0.4044146222886956, 0.02593107814147902, 0.08388016081504272, 0.019653148302222225, 1996488704.0, 24944823500.8, 4.25510999949312e16, 3.19957883682816e16]),
+            ("gpt-7.5b", "h100", 32, 128, "dp=8,tp=4,mb=2,recompute=selective,sp=on,zero=1", [1.2060411433457852, 0.8905524880711183, 0.095143538688, 0.1817972736, 0.0, 0.0, 0.03635773866666667, 0.03635773866666667, 0.00219010432, 6136266752.0, 19752156569.6, 1.299622744031232e16, 1.2679568091512832e16]),
+            ("gpt-30b", "h100", 32, 256, "dp=4,tp=2,pp=4,sp=on,zero=1,mb=1,recompute=none,v=2", [6.604511099112621, 6.073998339242839, 0.0, 0.2689717589333333, 0.08556125297777777, 0.1506687035426707, 0.016220566933333333, 0.016220566933333333, 0.009090477482666667, 55226400768.0, 93235741900.8, 9.86855666394071e16, 9.86855666394071e16]),
+            ("gpt-1.7b", "a100", 16, 64, "dp=16,mb=1,zero=3", [0.6091358216697436, 0.6075174863097436, 0.0, 0.0, 0.0, 0.0, 0.0, 0.20347907478260868, 0.0016183353600000001, 16978542592.0, 24138995404.8, 1473208142266368.0, 1473208142266368.0]),
             ("resnet18", "cpu", 2, 64, "dp=2,mb=32", [0.12112787329585797, 0.08192355029585797, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0028045945, 0.039204323, 8320000.0, 768758472.0, 12608000000.0, 12608000000.0]),
-            ("llama-70b", "h100", 32, 256, "tp=8,pp=4,mb=1,recompute=selective,sp=on,schedule=gpipe", [42.290683857996875, 30.845086103750106, 3.29489514496, 7.5412202382222215, 0.09953971768888889, 0.48961806099165495, 0.0, 0.0, 0.020324592384, 763274985472.0, 800277643264.0, 4.7734197808267264e17, 4.660829790142464e17]),
-            ("gpt", "cpu", 2, 32, "dp=2,mb=4", [0.5908733864142013, 0.5791615144142013, 0.0, 0.0, 0.0, 0.0, 0.0, 0.000840848, 0.011711872, 23855104.0, 627193856.0, 85362475008.0, 85362475008.0]),
+            ("llama-70b", "h100", 32, 256, "tp=8,pp=4,mb=1,recompute=selective,sp=on,schedule=gpipe", [42.290683857996875, 30.845086103750106, 3.29489514496, 7.5412202382222215, 0.09953971768888889, 0.48961806099165495, 0.0, 0.0, 0.020324592384, 788408041472.0, 943687004979.2, 4.7734197808267264e17, 4.660829790142464e17]),
+            ("gpt", "cpu", 2, 32, "dp=2,mb=4", [0.5908733864142013, 0.5791615144142013, 0.0, 0.0, 0.0, 0.0, 0.0, 0.000840848, 0.011711872, 24379392.0, 627718144.0, 85362475008.0, 85362475008.0]),
         ];
         for (model, cluster, gpus, batch, spec, expected) in before {
             let p = problem(model, cluster, gpus, batch);
             assert_eq!(p.setup.attention, AttentionKind::Standard);
             let e = p.evaluate(&Layout::parse(spec).unwrap()).unwrap();
             let t = &e.time;
+            // Issue 19 added gradient accumulation, the per-step bookkeeping and the HBM
+            // contention of overlapped data-parallel traffic to the step (subtracted here),
+            // and ZeRO-3's per-layer prefetch exposure, which has its own test: the ZeRO-3
+            // row's step and dp times are not compared.
+            let zero3 = spec.contains("zero=3");
+            let l = &e.layout;
+            let dp_link = p.cluster.group_link(l.gradient_group(), l.tp);
+            let contention = p.overlap_contention(t.dp_hidden_s, dp_link);
             let got = [
-                t.step_s,
+                t.step_s - t.accumulate_s - t.fixed_s - contention,
                 t.compute_s,
                 t.recompute_s,
                 t.tp_comm_s,
                 t.pp_p2p_s,
                 t.bubble_s,
-                t.dp_exposed_s,
+                t.dp_exposed_s - contention,
                 t.dp_hidden_s,
                 t.optimizer_s,
                 e.memory.activations,
@@ -1142,6 +1370,9 @@ mod tests {
                 e.throughput.model_flops,
             ];
             for (i, (g, x)) in got.iter().zip(expected).enumerate() {
+                if zero3 && matches!(i, 0 | 6 | 7) {
+                    continue;
+                }
                 assert!(
                     (g - x).abs() <= 1e-12 * x.abs(),
                     "{model} {spec}, quantity {i}: {g} vs {x}"
@@ -1192,7 +1423,12 @@ mod tests {
         assert!((e.time.cp_comm_s - microbatches * layers * exposed).abs() < 1e-12);
         assert!((e.time.cp_hidden_s - microbatches * layers * hidden).abs() < 1e-12);
         // The exposed part is on the critical path.
-        let sum = e.time.compute_s + e.time.recompute_s + e.time.cp_comm_s + e.time.optimizer_s;
+        let sum = e.time.compute_s
+            + e.time.recompute_s
+            + e.time.cp_comm_s
+            + e.time.accumulate_s
+            + e.time.optimizer_s
+            + e.time.fixed_s;
         assert!((e.time.step_s - sum - e.time.dp_exposed_s).abs() < 1e-12);
     }
 
@@ -1271,6 +1507,101 @@ mod tests {
     }
 
     #[test]
+    fn zero3_gathers_every_microbatch_and_exposes_what_compute_does_not_hide() {
+        // gpt-1.7b on 16 A100s (2 nodes), ZeRO-3, 4 micro-batches of one sequence. Each of the
+        // 24 layers (embeddings folded in evenly) is gathered for forward and for backward
+        // and its gradients reduce-scattered, every micro-batch: ring collectives over 16
+        // ranks at min(230, 8·23) = 184 GB/s with 15 steps of 8 µs.
+        let p = problem("gpt-1.7b", "a100", 16, 64);
+        let e = p
+            .evaluate(&Layout::parse("dp=16,mb=1,zero=3").unwrap())
+            .unwrap();
+        let params = presets::model("gpt-1.7b").unwrap().total_params() as f64;
+        let collective = |bytes: f64| 15.0 / 16.0 * bytes / 184e9 + 15.0 * 8e-6;
+        let gather = collective(2.0 * params / 24.0);
+        let scatter = gather;
+        // A layer's forward (~1.5 ms) outlasts the next layer's gather (~0.8 ms): only the
+        // first gather of each pass and the last reduce-scatter show.
+        // The hidden rest costs its HBM traffic (2.5 accesses per byte on the wire).
+        let total = 4.0 * 24.0 * (2.0 * gather + scatter);
+        let exposed = 4.0 * (2.0 * gather + scatter);
+        let contention = 2.5 * (total - exposed) * 184e9 / 1800e9;
+        assert!(
+            (e.time.dp_exposed_s - exposed - contention).abs() < 1e-12,
+            "{}",
+            e.time.dp_exposed_s
+        );
+        assert!((e.time.dp_hidden_s - (total - exposed)).abs() < 1e-12);
+        // The traffic is the weights twice and the gradients once per micro-batch, not the
+        // gradient size once.
+        assert!((e.links.dp_bytes - 4.0 * 3.0 * 2.0 * params).abs() < 1.0);
+
+        // On 6 GB/s per GPU between nodes the gathers outlast the layers and show.
+        let mut slow = p.clone();
+        slow.cluster = crate::cluster::ClusterSpec::from_toml(include_str!(
+            "../presets/examples/h100-slow-inter-node.toml"
+        ))
+        .unwrap()
+        .with_gpus(16)
+        .unwrap();
+        let s = slow
+            .evaluate(&Layout::parse("dp=16,mb=1,zero=3").unwrap())
+            .unwrap();
+        let link = slow.cluster.group_link(16, 1);
+        let c = |bytes: f64| 15.0 / 16.0 * bytes / link.bandwidth + 15.0 * link.latency;
+        let floor = 4.0 * (2.0 * c(2.0 * params / 24.0) + c(2.0 * params / 24.0));
+        assert!(s.time.dp_exposed_s > 5.0 * floor, "{}", s.time.dp_exposed_s);
+        assert!(s.time.dp_exposed_s > s.time.compute_s);
+    }
+
+    #[test]
+    fn uneven_stages_run_at_the_fullest_stages_pace() {
+        // 126 layers on 16 stages: the fullest stage holds ⌈126/16⌉ = 8 layers, as every
+        // stage of a 128-layer model does, so the pipeline's pace is the same.
+        let with_layers = |layers: u64| {
+            let mut p = problem("gpt-39b", "a100", 128, 256);
+            if let Architecture::Transformer(t) = &mut p.model.architecture {
+                t.layers = layers;
+            }
+            p.evaluate(&Layout::parse("dp=1,tp=8,pp=16,mb=1,recompute=full").unwrap())
+                .unwrap()
+        };
+        let (uneven, even) = (with_layers(126), with_layers(128));
+        assert!((uneven.time.compute_s - even.time.compute_s).abs() < 1e-12);
+        assert!((uneven.time.bubble_s - even.time.bubble_s).abs() < 1e-12);
+        // An even 112-layer split (7 per stage) is faster.
+        assert!(with_layers(112).time.compute_s < uneven.time.compute_s);
+    }
+
+    #[test]
+    fn zero3_with_a_pipeline_gathers_each_stage_every_microbatch() {
+        // gpt-39b, pp = 2 stages of 24 layers, tp = 8, dp = 4 ZeRO-3 ranks (stride 8: across
+        // nodes), 16 micro-batches: each gathers the stage's weights twice and reduce-scatters
+        // its gradients.
+        let p = problem("gpt-39b", "a100", 64, 64);
+        let e = p
+            .evaluate(&Layout::parse("dp=4,tp=8,pp=2,mb=1,zero=3,recompute=full").unwrap())
+            .unwrap();
+        assert_eq!(e.time.microbatches, 16);
+        let t = presets::model("gpt-39b").unwrap();
+        let t = t.transformer().unwrap();
+        let layers = 24.0 * t.params_per_layer() as f64;
+        let stage = (layers + (51200.0 + 2048.0) * 8192.0) / 8.0;
+        assert!((e.links.dp_bytes - 16.0 * 3.0 * 2.0 * stage).abs() < 1.0);
+        // Every layer's two gathers and reduce-scatter, every micro-batch: one card per rank
+        // between nodes (23 GB/s), 3 ring steps. A layer's forward at one sequence and
+        // t = 8 (~2 ms) is shorter than its gather (~7 ms): most of it shows.
+        let link = p.cluster.group_link(4, 8);
+        let c = |bytes: f64| 0.75 * bytes / link.bandwidth + 3.0 * link.latency;
+        let unit = c(2.0 * stage / 24.0);
+        let total = 16.0 * 24.0 * 3.0 * unit;
+        let contention = p.overlap_contention(e.time.dp_hidden_s, link);
+        let exposed = e.time.dp_exposed_s - contention;
+        assert!((exposed + e.time.dp_hidden_s - total).abs() < 1e-9);
+        assert!(exposed > 0.5 * total, "{exposed} of {total}");
+    }
+
+    #[test]
     fn gradients_are_reduced_over_dp_times_cp() {
         let mut p = problem("gpt-1.7b", "h100", 16, 16);
         p.setup.overlap_grad_reduce = false;
@@ -1332,12 +1663,8 @@ mod tests {
             ),
             ("dp=32,mb=3", "not a multiple of dp·micro_batch"),
             ("dp=32,sp=on", "sequence parallelism needs tp > 1"),
-            (
-                "dp=1,tp=8,pp=4,v=5",
-                "48 layers do not split into pp·v = 20",
-            ),
+            ("dp=1,tp=8,pp=4,v=16", "48 layers cannot fill pp·v = 64"),
             ("dp=4,tp=8,zero=4", "ZeRO stage 4 does not exist"),
-            ("dp=4,tp=4,pp=2,zero=3", "with pp > 1 use ZeRO-1"),
             ("dp=4,tp=2,cp=0", "dp, tp, pp and cp must all be at least 1"),
         ];
         for (spec, message) in cases {
@@ -1347,5 +1674,33 @@ mod tests {
                 .to_string();
             assert!(err.contains(message), "{spec}: {err}");
         }
+    }
+
+    #[test]
+    fn sharded_states_with_a_pipeline_and_uneven_stages_evaluate() {
+        let p = problem("gpt-30b", "h100", 32, 64);
+        let memory = |spec: &str| p.evaluate(&Layout::parse(spec).unwrap()).unwrap().memory;
+        // ZeRO-3 with pp = 2 shards all states of a stage over its dp = 4 ranks.
+        let (z1, z3) = (
+            memory("dp=4,tp=4,pp=2,zero=1"),
+            memory("dp=4,tp=4,pp=2,zero=3"),
+        );
+        assert!((z3.weights * 4.0 - z1.weights).abs() < 1.0);
+        assert!((z3.gradients * 4.0 - z1.gradients).abs() < 1.0);
+        assert_eq!(z3.optimizer, z1.optimizer);
+        // 48 layers on pp·v = 20 chunks: the fullest stage holds 5 chunks of ⌈48/20⌉ = 3
+        // layers, as with 60 layers split evenly.
+        let mut model = p.model.clone();
+        if let Architecture::Transformer(t) = &mut model.architecture {
+            t.layers = 60;
+        }
+        let even = Problem::new(model, p.cluster.clone(), p.setup.clone())
+            .unwrap()
+            .evaluate(&Layout::parse("dp=1,tp=8,pp=4,v=5,mb=1").unwrap())
+            .unwrap();
+        let uneven = p
+            .evaluate(&Layout::parse("dp=1,tp=8,pp=4,v=5,mb=1").unwrap())
+            .unwrap();
+        assert_eq!(uneven.memory, even.memory);
     }
 }

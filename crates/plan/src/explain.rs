@@ -19,6 +19,8 @@ pub enum Loss {
     DataParallelComm,
     Recomputation,
     Optimizer,
+    GradientAccumulation,
+    StepBookkeeping,
 }
 
 impl Loss {
@@ -31,7 +33,35 @@ impl Loss {
             Loss::DataParallelComm => "exposed data-parallel gradient reduction",
             Loss::Recomputation => "activation recomputation",
             Loss::Optimizer => "optimizer step",
+            Loss::GradientAccumulation => "gradient accumulation over micro-batches",
+            Loss::StepBookkeeping => {
+                "per-step bookkeeping (gradient copy, clipping norm, embedding sync)"
+            }
         }
+    }
+
+    /// [`Loss::name`], naming ZeRO-3's traffic for what it is.
+    pub fn label(self, layout: &Layout) -> &'static str {
+        match self {
+            Loss::DataParallelComm if layout.zero >= 3 => {
+                "data-parallel sharding traffic (ZeRO-3 weight gathers and gradient reduce-scatters)"
+            }
+            _ => self.name(),
+        }
+    }
+
+    /// Whether this loss exists because the work is spread over GPUs (communication and the
+    /// pipeline's idle time), as opposed to a cost every GPU would pay on its own
+    /// (recomputation, the optimizer, accumulation, bookkeeping). Only these stop scaling.
+    pub fn grows_with_gpus(self) -> bool {
+        matches!(
+            self,
+            Loss::TensorParallelComm
+                | Loss::ContextParallelComm
+                | Loss::PipelineBubble
+                | Loss::PipelineSends
+                | Loss::DataParallelComm
+        )
     }
 
     /// The first thing to try against this loss in this layout.
@@ -44,9 +74,13 @@ impl Loss {
             Loss::TensorParallelComm => "keep the tensor-parallel group inside one node (tp ≤ GPUs per node) and shrink tp, moving the freed factor to pipeline parallelism; add sequence parallelism so the same traffic also cuts activation memory",
             Loss::PipelineBubble => "raise the number of micro-batches per step (smaller micro-batches or a larger global batch) or use the interleaved 1F1B schedule (v model chunks per GPU divide the bubble by v)",
             Loss::PipelineSends => "place consecutive pipeline stages inside a node, or use fewer, larger stages",
+            Loss::DataParallelComm if layout.zero >= 3 => "keep ZeRO-3's per-micro-batch weight gathers off the slow link: shard over the GPUs of one node and move the factor that crosses nodes to pipeline parallelism (only one activation per micro-batch crosses then), or drop to ZeRO-1 if memory allows (weights gathered once per step)",
+            Loss::DataParallelComm if layout.zero == 2 => "ZeRO-2 reduce-scatters the gradients of every micro-batch: drop to ZeRO-1 (one reduction per step, gradients accumulated locally) if memory allows, or use larger micro-batches so fewer reductions carry the same samples",
             Loss::DataParallelComm => "overlap the gradient all-reduce with backward (bucketed, reverse layer order), reduce in bf16, and grow the per-GPU batch with gradient accumulation so the same all-reduce is paid once for more compute; keep the data-parallel group's traffic on as many network cards as possible",
             Loss::Recomputation => "switch from full to selective recomputation (only the attention core) if memory allows; sequence parallelism frees the memory to do so",
             Loss::Optimizer => "shard the optimizer (ZeRO-1 / distributed optimizer) so each GPU updates only its slice",
+            Loss::GradientAccumulation => "use larger micro-batches (fewer accumulation passes per step), or a weight-gradient GEMM that accumulates in place (Megatron-Core's gradient_accumulation_fusion)",
+            Loss::StepBookkeeping => "shard the optimizer so the per-step passes cover only a slice; untie the embeddings or keep first and last pipeline stage in one node",
         }
     }
 }
@@ -62,6 +96,8 @@ pub fn losses(e: &Evaluation) -> Vec<(Loss, f64)> {
         (Loss::DataParallelComm, t.dp_exposed_s),
         (Loss::Recomputation, t.recompute_s),
         (Loss::Optimizer, t.optimizer_s),
+        (Loss::GradientAccumulation, t.accumulate_s),
+        (Loss::StepBookkeeping, t.fixed_s),
     ];
     v.sort_by(|a, b| b.1.total_cmp(&a.1));
     v
@@ -94,32 +130,166 @@ fn fp32_twin(problem: &Problem, layout: &Layout) -> Option<Evaluation> {
     p.evaluate(layout).ok()
 }
 
-/// Throughput of a single model replica (tp·pp·cp GPUs, same per-replica batch, no ZeRO) and
-/// the scaling efficiency of `dp` replicas relative to it: what data parallelism costs.
-fn replica_scaling(problem: &Problem, best: &Evaluation) -> Option<((u64, f64), f64)> {
-    let l = &best.layout;
-    if l.dp == 1 {
-        return None;
-    }
-    let gpus = l.tp * l.pp * l.cp;
-    let cluster = problem.cluster.with_gpus(gpus).ok()?;
-    let setup = TrainingSetup {
-        global_batch: problem.setup.global_batch / l.dp,
-        ..problem.setup.clone()
-    };
-    let p = Problem::new(problem.model.clone(), cluster, setup).ok()?;
-    let one = p
-        .evaluate(&Layout {
-            dp: 1,
-            zero: 0,
+/// The losses that exist because the work is spread over GPUs (see [`Loss::grows_with_gpus`]),
+/// largest exposed time first.
+pub fn scaling_losses(e: &Evaluation) -> Vec<(Loss, f64)> {
+    losses(e)
+        .into_iter()
+        .filter(|(loss, _)| loss.grows_with_gpus())
+        .collect()
+}
+
+/// Share of perfect scaling: the step without the losses of [`scaling_losses`] (every GPU
+/// doing only its own share of the work, nothing exposed waiting for another) over the
+/// predicted step. At most 1 by construction; per-GPU costs such as recomputation or the
+/// optimizer count as work, since one GPU alone would pay them too.
+pub fn scaling_efficiency(e: &Evaluation) -> f64 {
+    let lost: f64 = scaling_losses(e).iter().map(|(_, s)| s).sum();
+    ((e.time.step_s - lost) / e.time.step_s).clamp(0.0, 1.0)
+}
+
+/// The loss that stops perfect scaling: the largest exposed one of [`scaling_losses`]; when
+/// none is exposed, the data-parallel traffic if any (it grows with the replicas even while
+/// compute hides it).
+pub fn scaling_bottleneck(e: &Evaluation) -> Option<(Loss, f64)> {
+    scaling_losses(e)
+        .into_iter()
+        .find(|(_, s)| *s > 0.0)
+        .or_else(|| (e.time.dp_hidden_s > 0.0).then_some((Loss::DataParallelComm, 0.0)))
+}
+
+/// Layouts on the same GPUs that apply the first mitigation of `loss` to `layout`.
+pub fn mitigation_variants(problem: &Problem, layout: &Layout, loss: Loss) -> Vec<Layout> {
+    let l = layout;
+    let mut out = Vec::new();
+    match loss {
+        Loss::DataParallelComm => {
+            // Move the factor of the data-parallel group that crosses nodes to the pipeline.
+            let group = l.dp * l.tp * l.cp;
+            let per_node = problem.cluster.gpus_per_node;
+            if group > per_node && group.is_multiple_of(per_node) {
+                let f = group / per_node;
+                if l.dp.is_multiple_of(f) {
+                    let mut stages = vec![l.zero, 1, 0];
+                    stages.dedup();
+                    for zero in stages {
+                        out.push(Layout {
+                            dp: l.dp / f,
+                            pp: l.pp * f,
+                            zero,
+                            ..l.clone()
+                        });
+                    }
+                }
+            }
+            for zero in (0..l.zero).rev() {
+                out.push(Layout { zero, ..l.clone() });
+            }
+            out.push(Layout {
+                micro_batch: 2 * l.micro_batch,
+                ..l.clone()
+            });
+        }
+        Loss::PipelineBubble => {
+            out.push(Layout {
+                interleave: 2 * l.interleave,
+                ..l.clone()
+            });
+            if l.micro_batch > 1 {
+                out.push(Layout {
+                    micro_batch: l.micro_batch / 2,
+                    ..l.clone()
+                });
+            }
+        }
+        Loss::PipelineSends if l.pp.is_multiple_of(2) => out.push(Layout {
+            pp: l.pp / 2,
+            dp: 2 * l.dp,
+            interleave: 1,
             ..l.clone()
-        })
-        .ok()?;
-    let rate = one.throughput.samples_per_s;
-    Some((
-        (gpus, rate),
-        best.throughput.samples_per_s / (l.dp as f64 * rate),
-    ))
+        }),
+        Loss::TensorParallelComm => {
+            if !l.sp {
+                out.push(Layout {
+                    sp: true,
+                    ..l.clone()
+                });
+            }
+            if l.tp.is_multiple_of(2) {
+                out.push(Layout {
+                    tp: l.tp / 2,
+                    pp: 2 * l.pp,
+                    ..l.clone()
+                });
+            }
+        }
+        Loss::ContextParallelComm => {
+            let other = match l.cp_mode {
+                CpMode::Ring => CpMode::Ulysses,
+                CpMode::Ulysses => CpMode::Ring,
+            };
+            out.push(Layout {
+                cp_mode: other,
+                ..l.clone()
+            });
+            if l.cp.is_multiple_of(2) {
+                out.push(Layout {
+                    cp: l.cp / 2,
+                    dp: 2 * l.dp,
+                    ..l.clone()
+                });
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
+/// The fastest layout of [`mitigation_variants`] that can run and fits, evaluated by the
+/// same model that ranked `best`. Each variant is also tried with the micro-batch sizes and
+/// recomputation modes its new shape may need (a pipeline wants more, smaller micro-batches;
+/// fewer shards may need recomputation to fit).
+pub fn best_mitigation(problem: &Problem, best: &Evaluation, loss: Loss) -> Option<Evaluation> {
+    let mut tried = Vec::new();
+    for variant in mitigation_variants(problem, &best.layout, loss) {
+        // A variant that only changes the micro-batch keeps its size; the others may re-pick it.
+        let only_micro_batch = Layout {
+            micro_batch: best.layout.micro_batch,
+            ..variant.clone()
+        } == best.layout;
+        let mut sizes = vec![variant.micro_batch];
+        if !only_micro_batch {
+            sizes.extend([1, 2, 4]);
+        }
+        sizes.dedup();
+        for micro_batch in sizes {
+            for recompute in [
+                variant.recompute,
+                Recompute::None,
+                Recompute::Selective,
+                Recompute::Full,
+            ] {
+                let layout = Layout {
+                    micro_batch,
+                    recompute,
+                    ..variant.clone()
+                };
+                // Changing only the recomputation is not the mitigation.
+                let same_shape = Layout {
+                    recompute: best.layout.recompute,
+                    ..layout.clone()
+                } == best.layout;
+                if !same_shape && !tried.contains(&layout) {
+                    tried.push(layout);
+                }
+            }
+        }
+    }
+    tried
+        .iter()
+        .filter_map(|layout| problem.evaluate(layout).ok())
+        .filter(|e| e.fits)
+        .min_by(|a, b| a.time.step_s.total_cmp(&b.time.step_s))
 }
 
 /// The command that runs `layout` as planned: the layout string plus the trainer options it
@@ -301,12 +471,20 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
         };
         let how = match l.zero {
             0 => "all-reduced after backward".to_string(),
-            1 | 2 => "reduce-scattered after backward (each rank keeps the slice it updates) and the updated weights all-gathered".to_string(),
-            _ => format!("reduce-scattered, and the weights all-gathered before each forward and backward, in each of the {} micro-batches", t.microbatches),
+            1 => "reduce-scattered after backward (each rank keeps the slice it updates) and the updated weights all-gathered".to_string(),
+            2 => format!("reduce-scattered during the backward of each of the {} micro-batches (ZeRO-2 keeps only its slice of the gradients, so it cannot accumulate them whole) and the updated weights all-gathered once", t.microbatches),
+            _ => {
+                let weights = best.memory.weights * l.gradient_group() as f64;
+                format!(
+                    "reduce-scattered, and the weights ({:.2} GB for this stage) all-gathered before each forward and again before each backward, in each of the {} micro-batches, so the traffic is about three times the weights per micro-batch, not the gradient size once",
+                    weights / 1e9,
+                    t.microbatches
+                )
+            }
         };
         let _ = writeln!(
             out,
-            "   {label}: {who}; gradients are {how}, across {ranks} ranks {link}: {:.2} GB through each GPU's link per step at {:.0} GB/s bus bandwidth. That takes {:.3} s per step, of which {:.3} s hide under backward compute and {:.3} s ({:.1}% of the step) are exposed.",
+            "   {label}: {who}; gradients are {how}, across {ranks} ranks {link}: {:.2} GB through each GPU's link per step at {:.0} GB/s bus bandwidth. That takes {:.3} s per step, of which {:.3} s hide under backward compute; {:.3} s ({:.1}% of the step) are exposed, counting the memory bandwidth the hidden part takes from the compute beside it.",
             best.links.dp_bytes / 1e9,
             best.links.dp_bandwidth / 1e9,
             t.dp_exposed_s + t.dp_hidden_s,
@@ -480,18 +658,48 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    if let Some((replica, efficiency)) = replica_scaling(problem, best) {
+    let per_gpu: Vec<String> = ranked
+        .iter()
+        .filter(|(loss, s)| !loss.grows_with_gpus() && *s > 0.0)
+        .map(|(loss, s)| format!("{} {:.1}%", loss.name(), pct(*s, step)))
+        .collect();
+    if !per_gpu.is_empty() {
         let _ = writeln!(
             out,
-            "   Scaling: one replica ({} GPU{}) would process {:.1} samples/s with the same per-replica batch; {} replicas reach {:.1}, i.e. {:.1}% of perfect scaling{}.",
-            replica.0,
-            if replica.0 == 1 { "" } else { "s" },
-            replica.1,
-            l.dp,
-            best.throughput.samples_per_s,
-            100.0 * efficiency,
-            if efficiency > 1.0 && l.zero > 0 {
-                " (above 100% because ZeRO splits the optimizer step across the replicas, work a lone replica does in full)"
+            "   Per-GPU costs, which one GPU alone would pay too and which do not limit scaling: {}.",
+            per_gpu.join(", ")
+        );
+    }
+    let efficiency = scaling_efficiency(best);
+    let spread: Vec<String> = scaling_losses(best)
+        .iter()
+        .filter(|(_, s)| *s > 0.0)
+        .map(|(loss, s)| format!("{} {:.3} s ({:.1}%)", loss.label(l), s, pct(*s, step)))
+        .collect();
+    let _ = writeln!(
+        out,
+        "   Costs of spreading the work over {} GPUs: {}. Without them (every GPU busy with its own share) a step would take {:.3} s; the predicted {:.3} s is {:.1}% of perfect scaling.",
+        c.gpus,
+        if spread.is_empty() {
+            "none exposed".to_string()
+        } else {
+            spread.join(", ")
+        },
+        step * efficiency,
+        step,
+        100.0 * efficiency
+    );
+    if l.gradient_group() > 1 && t.dp_hidden_s > 0.0 {
+        let busy = t.dp_exposed_s + t.dp_hidden_s;
+        let _ = writeln!(
+            out,
+            "   The data-parallel traffic ({}) costs {:.3} s per step ({:.1}% of the step), {:.3} s of it hidden under compute: it grows with the number of replicas{}.",
+            if best.links.dp_crosses_nodes { "between nodes" } else { "inside a node" },
+            busy,
+            pct(busy, step),
+            t.dp_hidden_s,
+            if l.zero >= 3 {
+                ", and with ZeRO-3 it is paid again every micro-batch"
             } else {
                 ""
             }
@@ -505,13 +713,85 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             100.0 * executed_share
         );
     }
-    if let Some((loss, secs)) = ranked.first().filter(|(_, s)| *s > 0.0) {
+    if let Some((loss, secs)) = scaling_bottleneck(best) {
+        let size = if secs > 0.0 {
+            format!("{:.1}% of the step exposed", pct(secs, step))
+        } else {
+            format!(
+                "hidden under compute today, {:.1}% of the step on the link",
+                pct(t.dp_hidden_s, step)
+            )
+        };
         let _ = writeln!(
             out,
-            "   Most likely bottleneck: {} ({:.1}% of the step). First mitigation: {}.",
-            loss.name(),
-            pct(*secs, step),
+            "   Most likely bottleneck for scaling: {} ({size}). First mitigation: {}.",
+            loss.label(l),
             loss.mitigation(l)
+        );
+        // The first mitigation, predicted; when it does not pay, the next scaling losses'
+        // mitigations in turn (at most three), so the memo ends with one that gains if any.
+        let mut candidates = vec![loss];
+        candidates.extend(
+            scaling_losses(best)
+                .into_iter()
+                .filter(|(other, s)| *other != loss && *s > 0.0)
+                .map(|(other, _)| other)
+                .take(2),
+        );
+        for (i, candidate) in candidates.iter().enumerate() {
+            let lead = if i == 0 {
+                "Predicted by the same model: applying it,".to_string()
+            } else {
+                format!(
+                    "   Next, against {} ({}):",
+                    candidate.label(l),
+                    candidate.mitigation(l)
+                )
+            };
+            let Some(m) = best_mitigation(problem, best, *candidate) else {
+                let _ = writeln!(
+                    out,
+                    "   {} no layout on these GPUs that applies it can run and fit.",
+                    lead.trim_start()
+                );
+                continue;
+            };
+            let change = pct(m.time.step_s - step, step);
+            let verdict = if change < 0.0 {
+                format!("{:.1}% faster", -change)
+            } else {
+                format!(
+                    "{change:.1}% slower: {} there",
+                    losses(&m)
+                        .iter()
+                        .filter(|(_, s)| *s > 0.0)
+                        .take(2)
+                        .map(|(loss, s)| format!(
+                            "{} {:.1}%",
+                            loss.label(&m.layout),
+                            pct(*s, m.time.step_s)
+                        ))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            };
+            let _ = writeln!(
+                out,
+                "   {} {} would take {:.3} s per step ({verdict}), {:.1}% of perfect scaling, {:.1} GiB per GPU.",
+                lead.trim_start(),
+                m.layout,
+                m.time.step_s,
+                100.0 * scaling_efficiency(&m),
+                gib(m.memory.total())
+            );
+            if change < 0.0 {
+                break;
+            }
+        }
+    } else {
+        let _ = writeln!(
+            out,
+            "   Nothing grows with the GPU count here: the step is all per-GPU work."
         );
     }
     let memory_bound = best.time.compute_s > 0.0;
@@ -547,8 +827,9 @@ mod tests {
         let best = result.best().unwrap();
         assert!(best.layout.cp > 1, "{}", best.layout);
         let text = memo(&problem, best);
+        let run = format!("run it: meshtrain train --layout \"{}\"", best.layout);
+        assert!(text.contains(&run), "missing `{run}` in:\n{text}");
         for needle in [
-            "run it: meshtrain train --layout \"dp=1 tp=2 pp=8 cp=2 ",
             "--set parallel.cp_mode=\"ring\"",
             "context parallelism (ring) splits every sequence over 2 GPUs",
             "Context parallelism over 2 GPUs inside a node, ring attention",

@@ -16,6 +16,7 @@ pub mod error;
 pub mod explain;
 pub mod layout;
 pub mod memory;
+pub mod memory_validation;
 pub mod model;
 pub mod presets;
 pub mod search;

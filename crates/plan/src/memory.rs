@@ -183,6 +183,36 @@ pub fn in_flight_microbatches(layout: &Layout, microbatches: u64) -> f64 {
     }
 }
 
+/// Layers the fullest pipeline stage holds: `v` chunks of ⌈L/(p·v)⌉ layers. When the layer
+/// count does not divide evenly (126 layers on 16 stages), Megatron lets the first and the
+/// last stage hold fewer (`--decoder-first-pipeline-num-layers`,
+/// `--decoder-last-pipeline-num-layers`); no split can give every stage fewer than this, so
+/// it bounds both the memory of the fullest stage and the time of the slowest.
+pub fn stage_layers(layers: u64, pp: u64, interleave: u64) -> u64 {
+    layers.div_ceil(pp * interleave) * interleave
+}
+
+/// Bytes the loss holds on the last pipeline stage's GPU for `tokens` tokens of a micro-batch
+/// and `vocab_per_rank` = V/tp logits per token, while `pending` micro-batches await their
+/// backward there (1 with 1F1B, all m with GPipe). Megatron's vocab-parallel cross entropy
+/// (and PyTorch's, under autocast) computes in fp32: each pending micro-batch keeps the
+/// output GEMM's logits in compute precision (`e` bytes, alive while the loss reads them) and
+/// their fp32 copy turned into the softmax it saves for backward (4 bytes); backward then
+/// writes the fp32 gradient of the logits (4 bytes) for one micro-batch at a time.
+pub fn loss_bytes(tokens: f64, vocab_per_rank: f64, e: f64, pending: f64) -> f64 {
+    tokens * vocab_per_rank * (pending * (e + 4.0) + 4.0)
+}
+
+/// Bytes ZeRO-3 (FSDP) holds unsharded on one GPU besides its shards: the unit being
+/// computed and the one prefetched behind it, in compute precision `e` (FSDP's rate limiter
+/// allows two all-gathers in flight, and DeepSpeed prefetches the next bucket), and the
+/// unit's full gradient (`grad_bytes` per parameter) before it is reduce-scattered. `unit`
+/// is the largest wrapped unit's parameters on this GPU: a layer, or the word embedding,
+/// which the root unit keeps gathered through forward.
+pub fn zero3_live_bytes(unit: f64, e: f64, grad_bytes: f64) -> f64 {
+    unit * (2.0 * e + grad_bytes)
+}
+
 /// Per-GPU memory in bytes, by kind.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct MemoryBreakdown {
@@ -191,7 +221,9 @@ pub struct MemoryBreakdown {
     pub optimizer: f64,
     pub activations: f64,
     pub comm_buffers: f64,
-    /// Runtime reservation from the cluster preset (CUDA context, allocator slack).
+    /// Runtime reservation: the cluster's fixed `reserved_memory_gib` (CUDA context, NCCL,
+    /// workspaces) plus what the allocator strands, `allocator_fragmentation` times the
+    /// transient bytes (activations and buffers).
     pub reserved: f64,
 }
 

@@ -146,13 +146,37 @@ impl TransformerSpec {
     }
 }
 
+/// A TOML error as a [`PlanError::Parse`] that points at the right place. The toml crate
+/// locates a missing field at the table that lacks it, which for the top-level keys is the
+/// whole file, printed as "line 1"; name the table (and its header's line) instead.
+pub(crate) fn toml_error(what: &str, text: &str, e: toml::de::Error) -> PlanError {
+    let reason = match e.span() {
+        Some(span) if e.message().starts_with("missing field") => {
+            let start = span.start.min(text.len());
+            let line = text[..start].matches('\n').count() + 1;
+            let header = text[start..].lines().next().unwrap_or("").trim();
+            // The top-level table's span also starts at byte 0, header or not.
+            if header.starts_with('[') && start > 0 {
+                format!("{} in the {header} table (line {line})", e.message())
+            } else if header.starts_with('[') {
+                format!("{} among the top-level keys or in {header}", e.message())
+            } else {
+                format!("{} among the top-level keys", e.message())
+            }
+        }
+        _ => e.to_string(),
+    };
+    PlanError::Parse {
+        what: what.into(),
+        reason,
+    }
+}
+
 impl ModelSpec {
     /// Parses the TOML form.
     pub fn from_toml(text: &str) -> Result<Self> {
-        let file: ModelFile = toml::from_str(text).map_err(|e| PlanError::Parse {
-            what: "model TOML".into(),
-            reason: e.to_string(),
-        })?;
+        let file: ModelFile =
+            toml::from_str(text).map_err(|e| toml_error("model TOML", text, e))?;
         let architecture = match (file.transformer, file.generic) {
             (Some(t), None) => Architecture::Transformer(t),
             (None, Some(g)) => Architecture::Generic(g),
@@ -350,5 +374,19 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("exactly one"));
+    }
+
+    #[test]
+    fn a_missing_field_names_its_table_not_line_1() {
+        let text = "name = 'x'\n\n[transformer]\nlayers = 2\nheads = 2\nffn_hidden = 32\nvocab = 10\nseq_len = 4\n";
+        let err = ModelSpec::from_toml(text).unwrap_err().to_string();
+        assert!(err.contains("missing field `hidden`"), "{err}");
+        assert!(err.contains("[transformer] table (line 3)"), "{err}");
+        assert!(!err.contains("line 1"), "{err}");
+        let err = ModelSpec::from_toml(&text[12..]).unwrap_err().to_string();
+        assert!(
+            err.contains("missing field `hidden` among the top-level keys or in [transformer]"),
+            "{err}"
+        );
     }
 }

@@ -104,7 +104,9 @@ pub fn enumerate(problem: &Problem) -> Vec<Layout> {
             None if cp > 1 => vec![CpMode::Ring, CpMode::Ulysses],
             _ => vec![CpMode::Ring],
         };
-        // ZeRO shards over the dp·cp ranks that reduce gradients together.
+        // ZeRO shards over the dp·cp ranks that reduce gradients together. With a pipeline,
+        // ZeRO-2/3 pay their per-micro-batch reduce-scatters and (ZeRO-3) gathers of the
+        // stage's layers in the time model (`data_parallel_comm`), so they compete fairly.
         let zero_stages = if dp * cp > 1 { 0..=3u8 } else { 0..=0 };
         for micro_batch in power_of_two_divisors(per_replica, MAX_MICRO_BATCH) {
             for &sp in sp_options {

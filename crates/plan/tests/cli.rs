@@ -121,6 +121,19 @@ fn a_layout_that_does_not_fit_is_a_clear_error() {
 fn bad_inputs_give_clear_errors() {
     let zero = render(&args(&["--cluster", "h100", "--gpus", "0"])).unwrap_err();
     assert!(format!("{zero:#}").contains("at least one GPU"), "{zero:#}");
+    let negative = Cli::try_parse_from(["plan", "--gpus", "-8"])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        negative.contains("cannot be negative (got -8)"),
+        "{negative}"
+    );
+    let maybe = render(&args(&["--cluster", "h100", "--layout", "tp=2,sp=maybe"]));
+    assert!(
+        format!("{:#}", maybe.unwrap_err()).contains("`maybe` is not on or off"),
+        "sp=maybe must be an error"
+    );
     let heads = temp_file("heads.toml", "name='odd'\n[transformer]\nlayers=2\nhidden=100\nheads=3\nffn_hidden=400\nvocab=10\nseq_len=8\n");
     let err = render(&args(&["--model", &heads])).unwrap_err();
     assert!(
@@ -322,4 +335,106 @@ fn attention_and_cp_mode_flags() {
         let err = with(&[flag, value]).unwrap_err();
         assert!(format!("{err:#}").contains(message), "{err:#}");
     }
+}
+
+/// Every "N% of perfect scaling" in a memo.
+fn scaling_claims(memo: &str) -> Vec<f64> {
+    memo.split("% of perfect scaling")
+        .filter_map(|before| {
+            let number: String = before
+                .chars()
+                .rev()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            number.parse().ok()
+        })
+        .collect()
+}
+
+/// Issue 19: the memo of a ZeRO-3 layout over a slow inter-node link quoted the gradient size
+/// as the traffic, claimed 104.7% of perfect scaling and named recomputation the bottleneck.
+#[test]
+fn zero3_memo_counts_the_gathers_stays_under_perfect_scaling_and_names_the_sharding_traffic() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/presets/examples");
+    let cluster = format!("{dir}/h100-slow-inter-node.toml");
+    let out = render(&args(&[
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        &cluster,
+        "--global-batch",
+        "256",
+        "--layout",
+        "dp=32,zero=3,mb=8,recompute=full",
+        "--explain",
+    ]))
+    .unwrap();
+    // 30B parameters in bf16 (~60 GB): gathered for forward and for backward and reduced
+    // once, in the one micro-batch: ~180 GB, not the 60 GB of gradients.
+    assert!(
+        out.contains("179.89 GB through each GPU's link per step"),
+        "{out}"
+    );
+    assert!(out.contains("all-gathered before each forward and again before each backward"));
+    let claims = scaling_claims(&out);
+    assert!(!claims.is_empty(), "{out}");
+    assert!(claims.iter().all(|&c| c <= 100.0), "{claims:?}\n{out}");
+    assert!(
+        out.contains("Most likely bottleneck for scaling: data-parallel sharding traffic"),
+        "{out}"
+    );
+    assert!(!out.contains("bottleneck for scaling: activation recomputation"));
+    // Recomputation is named as what it is: a per-GPU cost.
+    assert!(out.contains("which do not limit scaling: activation recomputation"));
+    assert!(out.contains("Predicted by the same model"), "{out}");
+}
+
+/// The background scenario (a model that does not fit one GPU, 32 GPUs, fast links inside
+/// nodes and slow between): the memo's numbers are the layout table's, it names what stops
+/// 32× scaling and predicts the first mitigation with the same model.
+#[test]
+fn background_memo_agrees_with_the_table_and_predicts_its_mitigation() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/presets/examples");
+    let cluster = format!("{dir}/h100-slow-inter-node.toml");
+    let line = [
+        "--model",
+        "gpt-30b",
+        "--cluster",
+        &cluster,
+        "--global-batch",
+        "256",
+        "--top",
+        "1",
+    ];
+    let json = render(&args(&[&line[..], &["--json"]].concat())).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let best = &v["plans"][0];
+    let step = best["time"]["step_s"].as_f64().unwrap();
+    let out = render(&args(&[&line[..], &["--explain"]].concat())).unwrap();
+    assert!(out.contains("does not fit in 80 GiB"), "{out}");
+    assert!(
+        out.contains(&format!("predicted step {step:.3} s")),
+        "{out}"
+    );
+    let exposed = best["time"]["dp_exposed_s"].as_f64().unwrap();
+    assert!(
+        out.contains(&format!(
+            "{exposed:.3} s ({:.1}% of the step) are exposed",
+            100.0 * exposed / step
+        )),
+        "{out}"
+    );
+    for needle in [
+        "Costs of spreading the work over 32 GPUs",
+        "of perfect scaling",
+        "Most likely bottleneck for scaling",
+        "First mitigation",
+        "Predicted by the same model: applying it,",
+    ] {
+        assert!(out.contains(needle), "missing `{needle}` in:\n{out}");
+    }
+    assert!(scaling_claims(&out).iter().all(|&c| c <= 100.0));
 }
