@@ -16,7 +16,6 @@ use std::fmt;
 use crate::cluster::{Precision, GIB};
 use crate::error::Result;
 use crate::layout::{Layout, Recompute, TrainingSetup};
-use crate::model::{Architecture, ModelSpec, TransformerSpec};
 use crate::presets;
 use crate::Problem;
 
@@ -115,20 +114,8 @@ pub struct MemoryCase {
 pub fn korthikanti_2022() -> Result<Vec<MemoryCase>> {
     let mut cases = Vec::new();
     for m in TABLE3 {
-        let model = ModelSpec {
-            name: format!("gpt-{}", m.name),
-            architecture: Architecture::Transformer(TransformerSpec {
-                layers: m.layers,
-                hidden: m.hidden,
-                heads: m.heads,
-                kv_heads: None,
-                ffn_hidden: 4 * m.hidden,
-                gated_mlp: false,
-                vocab: 51200,
-                seq_len: 2048,
-                tied_embeddings: true,
-            }),
-        };
+        let name = format!("gpt-{}", m.name);
+        let model = crate::validation::megatron_gpt(&name, m.layers, m.hidden, m.heads);
         let cluster = presets::cluster("a100-80gb")?.with_gpus(m.gpus)?;
         // Megatron accumulates and reduces gradients in fp32 (its `main_grad` buffer).
         let setup = TrainingSetup {

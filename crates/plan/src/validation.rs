@@ -201,22 +201,29 @@ pub const KORTHIKANTI_530B: [KorthikantiRun; 2] = [
     },
 ];
 
-/// Predicted MFU (percent) for a Korthikanti et al. run, micro-batch 1, no interleaving.
-pub fn predict_korthikanti(run: &KorthikantiRun) -> Result<Evaluation> {
-    let model = ModelSpec {
-        name: run.label.to_string(),
+/// The GPT of the Megatron-LM papers (Narayanan et al. 2021, Korthikanti et al. 2022):
+/// `layers` pre-LN blocks of width `hidden` with a 4·hidden MLP, vocabulary 51200, sequence
+/// 2048, the head tied to the embedding.
+pub fn megatron_gpt(name: &str, layers: u64, hidden: u64, heads: u64) -> ModelSpec {
+    ModelSpec {
+        name: name.to_string(),
         architecture: Architecture::Transformer(TransformerSpec {
-            layers: run.layers,
-            hidden: run.hidden,
-            heads: run.heads,
+            layers,
+            hidden,
+            heads,
             kv_heads: None,
-            ffn_hidden: 4 * run.hidden,
+            ffn_hidden: 4 * hidden,
             gated_mlp: false,
             vocab: 51200,
             seq_len: 2048,
             tied_embeddings: true,
         }),
-    };
+    }
+}
+
+/// Predicted MFU (percent) for a Korthikanti et al. run, micro-batch 1, no interleaving.
+pub fn predict_korthikanti(run: &KorthikantiRun) -> Result<Evaluation> {
+    let model = megatron_gpt(run.label, run.layers, run.hidden, run.heads);
     let cluster = presets::cluster("a100-80gb")?.with_gpus(run.gpus)?;
     let setup = TrainingSetup {
         precision: Precision::Bf16,
