@@ -167,6 +167,23 @@ impl MeshLayout {
             .map_or(0, |i| coords[i]))
     }
 
+    /// The ranks whose coordinates on every one of `axes` equal `rank`'s, in rank order: the
+    /// members of a group spanning the other axes (the dp × cp group that shares pp and tp
+    /// coordinates). [`MeshLayout::axis_ranks`] is the case of one free axis.
+    pub fn ranks_sharing(&self, rank: usize, axes: &[MeshAxis]) -> Result<Vec<usize>, MeshError> {
+        let on_axes = |r: usize| -> Result<Vec<usize>, MeshError> {
+            axes.iter().map(|&a| self.coordinate(r, a)).collect()
+        };
+        let mine = on_axes(rank)?;
+        let mut members = Vec::new();
+        for r in 0..self.world_size() {
+            if on_axes(r)? == mine {
+                members.push(r);
+            }
+        }
+        Ok(members)
+    }
+
     /// The ranks that share every coordinate of `rank` except along `axis`, ordered
     /// by their coordinate on `axis`: the members of `rank`'s group along `axis`.
     pub fn axis_ranks(&self, rank: usize, axis: MeshAxis) -> Result<Vec<usize>, MeshError> {
@@ -328,5 +345,23 @@ mod tests {
         assert_eq!(layout.axis_ranks(3, Dp).unwrap(), vec![1, 3]);
         assert_eq!(layout.coords(3).unwrap(), vec![1, 1]);
         assert!(layout.coords(4).is_err());
+    }
+
+    #[test]
+    fn ranks_sharing_spans_the_other_axes() {
+        let layout = MeshLayout::new(&[(Dp, 2), (Pp, 2), (Cp, 2), (Tp, 2)]).unwrap();
+        // Rank 5 = (dp 0, pp 1, cp 0, tp 1): the dp × cp group keeps pp 1 and tp 1.
+        assert_eq!(
+            layout.ranks_sharing(5, &[Pp, Tp]).unwrap(),
+            vec![5, 7, 13, 15]
+        );
+        // One free axis is that axis's group.
+        for rank in 0..16 {
+            assert_eq!(
+                layout.ranks_sharing(rank, &[Dp, Pp, Cp]).unwrap(),
+                layout.axis_ranks(rank, Tp).unwrap()
+            );
+        }
+        assert!(layout.ranks_sharing(16, &[Dp]).is_err());
     }
 }

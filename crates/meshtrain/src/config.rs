@@ -457,7 +457,7 @@ impl Config {
             resolved.layout.tp * resolved.layout.cp,
         )?;
         let l = &resolved.layout;
-        meshtrain_parallel::context::check(&model, l.cp, options.cp_mode, l.tp)
+        meshtrain_parallel::context::check(&model, l.cp, options.cp_mode, options.dp_mode, l.tp)
             .with_context(|| format!("parallel.cp_mode = \"{}\"", options.cp_mode))?;
         Ok(())
     }

@@ -98,6 +98,15 @@ fn layouts_that_cannot_run_are_refused_with_the_numbers() {
         e.contains("(4/4)") && e.contains("not divisible by 2"),
         "{e}"
     );
+    let e = config_error(&[
+        "parallel.cp=2",
+        "parallel.dp=2",
+        "parallel.dp_mode=\"single-master\"",
+    ]);
+    assert!(
+        e.contains("cp=2: the single master scatters whole samples"),
+        "{e}"
+    );
     let e = config_error(&["parallel.cp=0"]);
     assert!(e.contains("parallel.cp must be at least 1"), "{e}");
     let e = config_error(&["parallel.cp_mode=\"spiral\""]);

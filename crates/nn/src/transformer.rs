@@ -40,6 +40,13 @@ impl SequenceShard {
         let chunk = local / 2;
         self.chunks()[i / chunk] * chunk + i % chunk
     }
+
+    /// Where row `k` of the `[B·local, ·]` rows this worker holds sits in the whole
+    /// `[B·local·parts, ·]` batch (sample by sample, each in sequence order).
+    pub fn whole_row(&self, k: usize, local: usize) -> usize {
+        let (sample, i) = (k / local, k % local);
+        sample * local * self.parts + self.position(i, local)
+    }
 }
 
 /// Token + learned position embedding. Input: token ids `[B, T]` carried as exact f32 values

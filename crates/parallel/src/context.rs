@@ -24,6 +24,7 @@
 //!
 //! Layers are rewritten after tensor parallelism, on its share of the heads.
 
+use crate::data::DpMode;
 use crate::tensor::VocabParallelEmbedding;
 use crate::Batch;
 use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, Work};
@@ -31,10 +32,10 @@ use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
 use meshtrain_nn::{InputKind, Layer, Mode, Model, Saved};
 use meshtrain_tensor::attention::AttentionShape;
 use meshtrain_tensor::flash::{
-    empty_state, flash_backward_into, flash_forward_into, interleave_heads, zeroed_buffer,
-    BlockPair, HeadRows, Heads, Upstream,
+    empty_state, flash_backward_into, flash_forward_into, interleave_heads, BlockPair, HeadRows,
+    Heads, Upstream,
 };
-use meshtrain_tensor::par::{recycle, take_buffer};
+use meshtrain_tensor::par::{filled_buffer, recycle, take_buffer};
 use meshtrain_tensor::{DType, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -97,6 +98,11 @@ pub enum ContextError {
          in a layer of its own would train a different model under context parallelism"
     )]
     NoPositions { cp: usize },
+    #[error(
+        "cp={cp}: the single master scatters whole samples; context parallelism needs \
+         dp_mode = ddp"
+    )]
+    SingleMaster { cp: usize },
     #[error(
         "cp={cp}: the targets are {targets} per batch of {samples} samples × {seq} tokens; \
          context parallelism needs one target per token"
@@ -208,14 +214,24 @@ fn sequence_of(model: &Model) -> Option<usize> {
 }
 
 /// Checks, without building anything, that `model` spreads over `cp` workers in `mode` after
-/// tensor parallelism over `tp`: it declares its sequence length, which divides into `2·cp`
-/// chunks, it has attention and a GPT embedding (which places positions), and under Ulysses
-/// each tensor-parallel rank's heads divide by `cp`. Layers other than attention and the
-/// embedding must act on each token alone (layer norms, linears, activations do; a user's
-/// layer mixing tokens would not be rewritten).
-pub fn check(model: &Model, cp: usize, mode: CpMode, tp: usize) -> Result<(), ContextError> {
+/// tensor parallelism over `tp`, with replicas kept equal by `dp_mode`: it declares its
+/// sequence length, which divides into `2·cp` chunks, it has attention and a GPT embedding
+/// (which places positions), under Ulysses each tensor-parallel rank's heads divide by `cp`,
+/// and the replicas synchronise by DDP (the single master scatters whole samples). Layers
+/// other than attention and the embedding must act on each token alone (layer norms,
+/// linears, activations do; a user's layer mixing tokens would not be rewritten).
+pub fn check(
+    model: &Model,
+    cp: usize,
+    mode: CpMode,
+    dp_mode: DpMode,
+    tp: usize,
+) -> Result<(), ContextError> {
     if cp == 1 {
         return Ok(());
+    }
+    if dp_mode == DpMode::SingleMaster {
+        return Err(ContextError::SingleMaster { cp });
     }
     let heads = check_sequence(model, cp)?;
     if mode == CpMode::Ulysses {
@@ -599,12 +615,12 @@ impl Layer for RingAttention {
             dout,
             lse: lse.data(),
         };
-        let mut dq = zeroed_buffer(g.head_major_len(rows));
+        let mut dq = filled_buffer(g.head_major_len(rows), 0.0);
         // The gradient accumulator of the block held at each step travels with it, one step
         // behind: it is complete for this step's block only after this step's products.
         let mut accumulator: Option<Hop> = None;
         self.around_the_ring(&qkv, |[k, v], pairs| {
-            let mut dkv = zeroed_buffer(2 * g.head_major_len(rows));
+            let mut dkv = filled_buffer(2 * g.head_major_len(rows), 0.0);
             for pair in pairs {
                 flash_backward_into(g, [q, k, v], pair, self.precision, up, &mut dq, &mut dkv);
             }
@@ -674,8 +690,7 @@ impl UlyssesAttention {
         for (i, chunk) in received.chunks(per_rank).enumerate() {
             let shard = SequenceShard { parts: n, index: i };
             for (k, row) in chunk.chunks(row_len).enumerate() {
-                let (sample, local) = (k / rows, k % rows);
-                let at = sample * seq + shard.position(local, rows);
+                let at = shard.whole_row(k, rows);
                 whole[at * row_len..][..row_len].copy_from_slice(row);
             }
         }
@@ -696,8 +711,7 @@ impl UlyssesAttention {
         for (j, dst) in send.chunks_mut(per_rank).enumerate() {
             let shard = SequenceShard { parts: n, index: j };
             for (k, out) in dst.chunks_mut(row_len).enumerate() {
-                let (sample, local) = (k / rows, k % rows);
-                let at = sample * seq + shard.position(local, rows);
+                let at = shard.whole_row(k, rows);
                 out.copy_from_slice(&y.data()[at * row_len..][..row_len]);
             }
         }
@@ -846,14 +860,14 @@ mod tests {
         let attention_only =
             Model::new(vec![Block::new("attn", causal_self_attention(8, 2, None))])
                 .with_input(InputSpec::tokens(8, 16));
-        let e = check(&attention_only, 2, CpMode::Ring, 1).unwrap_err();
+        let e = check(&attention_only, 2, CpMode::Ring, DpMode::Ddp, 1).unwrap_err();
         assert_eq!(e, ContextError::NoPositions { cp: 2 });
         let images = Model::new(vec![Block::new("attn", causal_self_attention(8, 2, None))])
             .with_input(InputSpec::float(&[8]));
         assert_eq!(
-            check(&images, 2, CpMode::Ring, 1).unwrap_err(),
+            check(&images, 2, CpMode::Ring, DpMode::Ddp, 1).unwrap_err(),
             ContextError::NoSequence { cp: 2 }
         );
-        assert!(check(&images, 1, CpMode::Ring, 1).is_ok());
+        assert!(check(&images, 1, CpMode::Ring, DpMode::Ddp, 1).is_ok());
     }
 }

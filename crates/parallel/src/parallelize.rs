@@ -68,7 +68,7 @@ use crate::tied::TiedGrads;
 use crate::timeline::{Category, Timeline};
 use crate::zero::{FullState, ZeroOptions, ZeroStage, ZeroSync};
 use crate::{Batch, ParallelError};
-use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, MeshLayout, ProcessGroup, ReduceOp};
+use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, ParamGroups};
 use meshtrain_nn::{Loss, LossValue, Model, ParamStore, ShardSpec};
 use serde::Serialize;
@@ -324,24 +324,20 @@ pub fn parallelize(
     let data = if l.cp == 1 {
         dp.clone()
     } else {
-        let members = ranks_sharing(mesh.layout(), world.rank(), &[MeshAxis::Pp, MeshAxis::Tp])?;
+        let members = mesh
+            .layout()
+            .ranks_sharing(world.rank(), &[MeshAxis::Pp, MeshAxis::Tp])?;
         world.new_named_subgroup(&members, &format!("dp-cp{members:?}"))?
     };
 
     // Context parallelism's conditions are on the whole model (heads before the split).
-    crate::context::check(model, l.cp, options.cp_mode, l.tp)?;
+    let cp_check = |cp| crate::context::check(model, cp, options.cp_mode, options.dp_mode, l.tp);
+    cp_check(l.cp)?;
     // The context-parallel sizes this model allows: what a memory limit's message suggests.
     let cp_sizes: Vec<usize> = [2, 4, 8, 16]
         .into_iter()
-        .filter(|&c| crate::context::check(model, c, options.cp_mode, l.tp).is_ok())
+        .filter(|&c| cp_check(c).is_ok())
         .collect();
-    if l.cp > 1 && options.dp_mode == DpMode::SingleMaster {
-        return Err(ParallelError::Layout(crate::LayoutError::Invalid(format!(
-            "cp={}: the single master scatters whole samples; context parallelism needs \
-             dp_mode = ddp",
-            l.cp
-        ))));
-    }
 
     // 1. Tensor parallelism: the layers split by the model's plan (and the loss with them).
     let tp_context = (l.tp > 1).then(|| {
@@ -473,7 +469,9 @@ pub fn parallelize(
     } else if l.tp == 1 {
         pp.clone()
     } else {
-        let members = ranks_sharing(mesh.layout(), world.rank(), &[MeshAxis::Dp, MeshAxis::Cp])?;
+        let members = mesh
+            .layout()
+            .ranks_sharing(world.rank(), &[MeshAxis::Dp, MeshAxis::Cp])?;
         let (d, c) = (mesh.coordinate(MeshAxis::Dp), mesh.coordinate(MeshAxis::Cp));
         world.new_named_subgroup(&members, &format!("mp[dp{d},cp{c}]"))?
     };
@@ -513,29 +511,6 @@ pub fn parallelize(
         step_memory_limit_mb: options.memory_limit_mb,
         cp_sizes,
     })
-}
-
-/// The world ranks whose coordinates on `axes` equal `rank`'s, in rank order.
-fn ranks_sharing(
-    layout: &MeshLayout,
-    rank: usize,
-    axes: &[MeshAxis],
-) -> Result<Vec<usize>, ParallelError> {
-    let mine: Vec<usize> = axes
-        .iter()
-        .map(|&a| layout.coordinate(rank, a))
-        .collect::<Result<_, _>>()?;
-    let mut members = Vec::new();
-    for r in 0..layout.world_size() {
-        let theirs: Vec<usize> = axes
-            .iter()
-            .map(|&a| layout.coordinate(r, a))
-            .collect::<Result<_, _>>()?;
-        if theirs == mine {
-            members.push(r);
-        }
-    }
-    Ok(members)
 }
 
 impl Parallel {

@@ -28,7 +28,9 @@
 use crate::activation::{fast_exp, lane_sum, lane_sum_zip};
 use crate::attention::{product, transposed_head, AttentionShape};
 use crate::matmul::{Mat, MatMut};
-use crate::par::{for_each_chunk_mut, for_each_chunk_pair_mut, take_buffer, with_scratch};
+use crate::par::{
+    filled_buffer, for_each_chunk_mut, for_each_chunk_pair_mut, take_buffer, with_scratch,
+};
 use crate::DType;
 
 /// Query rows per tile.
@@ -214,16 +216,8 @@ fn by_sample(g: Heads) -> bool {
 /// the first key tile of a row overwrites it.
 pub fn empty_state(g: Heads, rows: usize) -> (Vec<f32>, Vec<f32>) {
     // Recycled buffers: a fresh allocation this size costs a page fault per 4 KiB.
-    let mut lse = take_buffer(g.batch * g.heads * rows);
-    lse.fill(f32::NEG_INFINITY);
+    let lse = filled_buffer(g.batch * g.heads * rows, f32::NEG_INFINITY);
     (take_buffer(g.head_major_len(rows)), lse)
-}
-
-/// A zeroed head-major gradient buffer of `len` elements (recycled, see [`empty_state`]).
-pub fn zeroed_buffer(len: usize) -> Vec<f32> {
-    let mut v = take_buffer(len);
-    v.fill(0.0);
-    v
 }
 
 /// Forward of `pair` for head `h` of sample `b`, continuing each query row's online softmax
@@ -573,8 +567,8 @@ pub fn flash_attention_backward(
             }
         });
     } else {
-        let mut dq = zeroed_buffer(g.head_major_len(t));
-        let mut dkv = zeroed_buffer(2 * g.head_major_len(t));
+        let mut dq = filled_buffer(g.head_major_len(t), 0.0);
+        let mut dkv = filled_buffer(2 * g.head_major_len(t), 0.0);
         flash_backward_into(g, operands, pair, precision, up, &mut dq, &mut dkv);
         interleave_heads(g, &dq, (1, 0), t, &mut dqkv, 3 * d, 0);
         interleave_heads(g, &dkv, (2, 0), t, &mut dqkv, 3 * d, d);

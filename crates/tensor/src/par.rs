@@ -221,6 +221,14 @@ pub fn take_buffer(len: usize) -> Vec<f32> {
     }
 }
 
+/// [`take_buffer`] with every element set to `value` (a recycled buffer cleared, instead of
+/// `vec![value; len]`'s fresh allocation and its page faults).
+pub fn filled_buffer(len: usize, value: f32) -> Vec<f32> {
+    let mut buf = take_buffer(len);
+    buf.fill(value);
+    buf
+}
+
 /// Return a buffer for reuse by [`take_buffer`] / [`with_scratch`] on this thread.
 pub fn recycle(buf: Vec<f32>) {
     SCRATCH.with(|s| {

@@ -375,18 +375,15 @@ impl Job {
             .context("the layout cannot run")?;
         let cp = resolved.layout.cp;
         if cp > 1 {
+            let p = &self.parallel;
             meshtrain_parallel::context::check(
                 &model,
                 cp,
-                self.parallel.cp_mode,
+                p.cp_mode,
+                p.dp_mode,
                 resolved.layout.tp,
             )
             .context("the layout cannot run")?;
-            ensure!(
-                self.parallel.dp_mode == meshtrain_parallel::data::DpMode::Ddp,
-                "the layout cannot run: cp={cp}: the single master scatters whole samples; \
-                 context parallelism needs dp_mode = ddp"
-            );
             let seq = model.input().map_or(0, |i| i.sample_len());
             ensure!(
                 data.targets_per_sample() == seq,

@@ -124,7 +124,8 @@ impl Breakdown {
             )
         };
         // Pipeline runs report the mean over all workers (stages differ).
-        let tensor = if self.times.tp_comm_elems > 0 {
+        // Communication that forward and backward waited in (part of the compute time).
+        let in_compute = if self.times.tp_comm_elems > 0 {
             format!(
                 "; tensor-parallel collectives {:.1} ms of the compute ({:.1} M elements/step)",
                 ms(self.times.tp_comm_s),
@@ -133,11 +134,11 @@ impl Breakdown {
         } else {
             String::new()
         };
-        let tensor = if self.times.cp_comm_elems > 0 {
+        let in_compute = if self.times.cp_comm_elems > 0 {
             let (exposed, busy) = (self.times.cp_comm_s, self.times.cp_comm_busy_s);
             let hidden = meshtrain_parallel::context::CpComm::hidden_fraction(exposed, busy);
             format!(
-                "{tensor}; context-parallel attention waited {:.1} ms of the compute for \
+                "{in_compute}; context-parallel attention waited {:.1} ms of the compute for \
                  transfers that ran {:.1} ms ({:.0}% hidden; {:.1} M elements/step sent)",
                 ms(exposed),
                 ms(busy),
@@ -145,15 +146,15 @@ impl Breakdown {
                 self.times.cp_comm_elems as f64 / n / 1e6
             )
         } else {
-            tensor
+            in_compute
         };
-        let tensor = if self.times.param_gather_s > 0.0 {
+        let in_compute = if self.times.param_gather_s > 0.0 {
             format!(
-                "{tensor}; ZeRO-3 parameter all-gathers exposed {:.1} ms of the compute",
+                "{in_compute}; ZeRO-3 parameter all-gathers exposed {:.1} ms of the compute",
                 ms(self.times.param_gather_s)
             )
         } else {
-            tensor
+            in_compute
         };
         let (layout, pipeline) = if per_replica > 1 {
             let tp = match self.tensor {
@@ -186,7 +187,7 @@ impl Breakdown {
         };
         format!(
             "per step ({layout}): {:.1} ms = compute {:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}) \
-             + exposed communication {:.1} ms{pipeline} + data {:.1} ms; {comm}{tensor}; eval {:.1} s, checkpoints {:.1} s in total",
+             + exposed communication {:.1} ms{pipeline} + data {:.1} ms; {comm}{in_compute}; eval {:.1} s, checkpoints {:.1} s in total",
             ms(self.step_s()),
             ms(self.compute_s()),
             ms(self.times.forward_s),
