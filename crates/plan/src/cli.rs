@@ -13,7 +13,7 @@ use crate::cluster::{ClusterSpec, Precision, GIB};
 use crate::cost::{Evaluation, Problem};
 use crate::diagnose::{diagnose, parse_measurements};
 use crate::explain::{losses, memo};
-use crate::layout::{AttentionKind, CpMode, Layout, Optimizer, TrainingSetup};
+use crate::layout::{AttentionKind, CpMode, ElementwiseKernels, Layout, Optimizer, TrainingSetup};
 use crate::model::ModelSpec;
 use crate::presets;
 use crate::search::{evaluate_layout, search_feasible};
@@ -38,7 +38,8 @@ pub struct PlanArgs {
     /// Sequence length (transformers); defaults to the model's.
     #[arg(long)]
     pub seq: Option<u64>,
-    /// fp32, bf16 or fp16; defaults to bf16 where the hardware has fast 16-bit math, else fp32.
+    /// fp32, bf16, fp16 or fp8 (fp8 GEMMs inside bf16 layers; needs a cluster with an fp8
+    /// peak); defaults to bf16 where the hardware has fast 16-bit math, else fp32.
     #[arg(long)]
     pub precision: Option<String>,
     /// adam or sgd.
@@ -53,6 +54,11 @@ pub struct PlanArgs {
     /// `standard` (probabilities kept, as in 2021–22 Megatron).
     #[arg(long, default_value = "flash")]
     pub attention: String,
+    /// How the framework runs element-wise work: `fused` (Megatron's fused kernels,
+    /// `torch.compile`) or `eager` (one PyTorch kernel per operation, norms and rotary
+    /// embeddings in fp32).
+    #[arg(long, default_value = "fused")]
+    pub elementwise: String,
     /// Context-parallel mode the trainer uses (its `parallel.cp_mode`): `ring` or `ulysses`.
     /// Left out, the planner tries both for every layout with cp > 1 and shows which it picked.
     #[arg(long, value_name = "MODE")]
@@ -153,11 +159,13 @@ pub fn problem_from_args(args: &PlanArgs) -> anyhow::Result<Problem> {
         .map(CpMode::parse)
         .transpose()
         .map_err(anyhow::Error::msg)?;
+    let elementwise = ElementwiseKernels::parse(&args.elementwise).map_err(anyhow::Error::msg)?;
     let setup = TrainingSetup {
         optimizer,
         overlap_grad_reduce: !args.no_overlap,
         attention,
         cp_mode,
+        elementwise,
         ..TrainingSetup::new(args.global_batch, precision)
     };
     Ok(Problem::new(model, cluster, setup)?)

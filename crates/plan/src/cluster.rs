@@ -18,6 +18,11 @@ pub enum Precision {
     Bf16,
     /// fp16 compute with fp32 master weights, optimizer states and dynamic loss scaling.
     Fp16,
+    /// fp8 matrix multiplications (NVIDIA Transformer Engine's recipe: inputs cast to e4m3,
+    /// gradients to e5m2, each tensor with its own scale) inside bf16 layers: activations,
+    /// element-wise work and communication stay bf16, master weights and optimizer states
+    /// fp32. Only GEMMs run at the fp8 peak; the cluster must state one.
+    Fp8,
 }
 
 impl Precision {
@@ -26,17 +31,19 @@ impl Precision {
             "fp32" | "f32" | "float32" => Ok(Precision::Fp32),
             "bf16" | "bfloat16" => Ok(Precision::Bf16),
             "fp16" | "f16" | "float16" | "half" => Ok(Precision::Fp16),
+            "fp8" | "float8" | "e4m3" => Ok(Precision::Fp8),
             other => Err(PlanError::InvalidSetup(format!(
-                "unknown precision `{other}`; use fp32, bf16 or fp16"
+                "unknown precision `{other}`; use fp32, bf16, fp16 or fp8"
             ))),
         }
     }
 
-    /// Bytes of one weight, activation or gradient element in compute precision.
+    /// Bytes of one weight, activation or gradient element in compute precision (fp8 layers
+    /// keep bf16 activations and weights; only the GEMM operands are cast).
     pub fn compute_bytes(self) -> f64 {
         match self {
             Precision::Fp32 => 4.0,
-            Precision::Bf16 | Precision::Fp16 => 2.0,
+            Precision::Bf16 | Precision::Fp16 | Precision::Fp8 => 2.0,
         }
     }
 
@@ -49,6 +56,7 @@ impl Precision {
             Precision::Fp32 => "fp32",
             Precision::Bf16 => "bf16",
             Precision::Fp16 => "fp16",
+            Precision::Fp8 => "fp8",
         }
     }
 }
@@ -60,6 +68,9 @@ pub struct PeakTflops {
     pub fp32: f64,
     pub bf16: f64,
     pub fp16: f64,
+    /// Dense fp8 tensor-core peak; absent on GPUs without fp8 tensor cores (A100, CPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<f64>,
 }
 
 /// One class of link (inside a node, or between nodes).
@@ -140,12 +151,27 @@ impl ClusterSpec {
         Ok(c)
     }
 
+    /// Peak FLOP/s of the matrix multiplications in `precision` (0 for fp8 on a cluster
+    /// without an fp8 peak, which [`ClusterSpec::supports`] refuses first).
     pub fn peak_flops(&self, precision: Precision) -> f64 {
         1e12 * match precision {
             Precision::Fp32 => self.peak_tflops.fp32,
             Precision::Bf16 => self.peak_tflops.bf16,
             Precision::Fp16 => self.peak_tflops.fp16,
+            Precision::Fp8 => self.peak_tflops.fp8.unwrap_or(0.0),
         }
+    }
+
+    /// Whether the cluster can run `precision`: fp8 needs an `fp8` entry in `peak_tflops`.
+    pub fn supports(&self, precision: Precision) -> Result<()> {
+        if precision == Precision::Fp8 && self.peak_tflops.fp8.is_none() {
+            return Err(PlanError::InvalidSetup(format!(
+                "cluster `{}` has no fp8 peak (peak_tflops.fp8): its GPUs have no fp8 tensor \
+                 cores, or the cluster file does not say; use bf16 or add the peak",
+                self.name
+            )));
+        }
+        Ok(())
     }
 
     pub fn usable_memory_bytes(&self) -> f64 {
@@ -178,6 +204,7 @@ impl ClusterSpec {
             ("peak_tflops.fp32", self.peak_tflops.fp32),
             ("peak_tflops.bf16", self.peak_tflops.bf16),
             ("peak_tflops.fp16", self.peak_tflops.fp16),
+            ("peak_tflops.fp8", self.peak_tflops.fp8.unwrap_or(1.0)),
             ("memory_bandwidth_gbps", self.memory_bandwidth_gbps),
             ("intra_node.bandwidth_gbps", self.intra_node.bandwidth_gbps),
             ("inter_node.bandwidth_gbps", self.inter_node.bandwidth_gbps),

@@ -25,7 +25,9 @@ use crate::cluster::{
     all_reduce_time, reduce_scatter_time, send_time, ClusterSpec, GroupLink, Precision, GIB,
 };
 use crate::error::{PlanError, Result};
-use crate::layout::{AttentionKind, CpMode, Layout, Recompute, Schedule, TrainingSetup};
+use crate::layout::{
+    AttentionKind, CpMode, ElementwiseKernels, Layout, Recompute, Schedule, TrainingSetup,
+};
 use crate::memory::{
     attention_core_bytes, in_flight_microbatches, layer_activation_bytes, loss_bytes,
     model_state_bytes, stage_layers, zero3_live_bytes, LayerSplit, MemoryBreakdown,
@@ -57,6 +59,56 @@ const OVERLAP_HBM_ACCESSES: f64 = 2.5;
 /// the score tiles QKᵀ, one of the forward's two products, instead of reading kept
 /// probabilities (attention core 1 + 2 → 1 + 2.5 forward times).
 const FLASH_RESCORING: f64 = 0.5;
+
+/// Backward of an eager element-wise operation reads what it saved and the incoming gradient
+/// and writes the outgoing gradient: about twice its forward traffic, and as many launches.
+const EAGER_BACKWARD_FACTOR: f64 = 2.0;
+
+/// Memory traffic (bytes) and kernel launches of one layer's element-wise work in forward for
+/// `tokens` tokens when PyTorch runs every operation as its own kernel, op by op (the code of
+/// torchtitan's Llama; per element of the tensor each op touches, `e` = compute bytes):
+/// * two RMSNorms computed in fp32: cast up (e + 4), square (4 + 4), mean (4), scale (4 + 4),
+///   cast down (4 + e), times the weight (2e): 28 + 4e bytes per element of h, 6 kernels;
+/// * two residual adds: 3e per element of h;
+/// * rotary embeddings of Q and K in fp32 complex arithmetic (the Llama family, recognised by
+///   its gated MLP): cast up (e + 4), complex product (4 + 4), cast down (4 + e): 16 + 2e per
+///   element of h + kv width, 3 kernels each;
+/// * the MLP activation: SiLU(gate) · up reads and writes 5e per element of ffn (GELU 2e);
+/// * the attention output made contiguous again after the heads' transpose: 2e per element
+///   of h.
+///
+/// Norms and residual adds run on whole sequences unless sequence parallelism splits them;
+/// the rest is split by tensor parallelism; context parallelism splits everything. No dropout
+/// (the Llama recipes train without it).
+fn eager_elementwise_forward(
+    t: &TransformerSpec,
+    tokens: f64,
+    e: f64,
+    split: LayerSplit,
+) -> (f64, f64) {
+    let (h, f) = (t.hidden as f64, t.ffn_hidden as f64);
+    let tp = split.tp as f64;
+    let replicated_share = if split.sp { 1.0 / tp } else { 1.0 };
+    let norms = 2.0 * (28.0 + 4.0 * e) * h;
+    let residual = 2.0 * 3.0 * e * h;
+    let (rotary, rotary_kernels) = if t.gated_mlp {
+        ((16.0 + 2.0 * e) * (h + t.kv_width() as f64), 6.0)
+    } else {
+        (0.0, 0.0)
+    };
+    let activation = if t.gated_mlp {
+        5.0 * e * f
+    } else {
+        2.0 * e * f
+    };
+    let transpose = 2.0 * e * h;
+    let per_token = replicated_share * (norms + residual) + (rotary + activation + transpose) / tp;
+    let kernels = 2.0 * 6.0 + 2.0 + rotary_kernels + if t.gated_mlp { 2.0 } else { 1.0 } + 1.0;
+    (tokens * per_token, kernels)
+}
+
+/// Bytes an fp8 cast moves per element: the bf16 input read (2) and the fp8 copy written (1).
+const FP8_CAST_BYTES: f64 = 3.0;
 
 /// Everything the model predicts for one layout.
 #[derive(Debug, Clone, Serialize)]
@@ -220,6 +272,7 @@ impl Problem {
         model.validate()?;
         cluster.validate()?;
         setup.validate()?;
+        cluster.supports(setup.precision)?;
         Ok(Problem {
             model,
             cluster,
@@ -348,8 +401,25 @@ impl Problem {
     }
 
     /// Peak FLOP/s of one GPU in the setup's precision.
+    /// Peak FLOP/s of the matrix multiplications in the setup's precision.
     pub fn peak(&self) -> f64 {
         self.cluster.peak_flops(self.setup.precision)
+    }
+
+    /// Peak FLOP/s of the attention core: fp8 recipes keep attention in bf16 (Transformer
+    /// Engine runs its fused attention on bf16 inputs), everything else runs it in the setup's
+    /// precision.
+    fn attention_peak(&self) -> f64 {
+        match self.setup.precision {
+            Precision::Fp8 => self.cluster.peak_flops(Precision::Bf16),
+            other => self.cluster.peak_flops(other),
+        }
+    }
+
+    /// The peak MFU is quoted against: the bf16 peak for fp8 runs (the usual convention, so
+    /// fp8 and bf16 runs of one model compare), otherwise the setup's.
+    pub fn mfu_peak(&self) -> f64 {
+        self.attention_peak()
     }
 
     fn memory_bandwidth(&self) -> f64 {
@@ -374,17 +444,32 @@ impl Problem {
 
     /// Roofline time of one kernel: `max(FLOPs / (peak · gemm_efficiency · wave), bytes / HBM
     /// bandwidth)` plus one launch.
-    fn roofline_time(&self, flops: f64, bytes: f64, wave_efficiency: f64) -> f64 {
-        let compute = flops / (self.peak() * self.cluster.gemm_efficiency) / wave_efficiency;
+    fn roofline_time(&self, flops: f64, bytes: f64, wave_efficiency: f64, peak: f64) -> f64 {
+        let compute = flops / (peak * self.cluster.gemm_efficiency) / wave_efficiency;
         compute.max(bytes / self.memory_bandwidth()) + self.kernel_overhead()
     }
 
-    /// Roofline time of `batch` GEMMs of m×k by k×n, plus one launch.
+    /// Roofline time of `batch` GEMMs of m×k by k×n of a layer's weights, plus one launch.
+    /// In fp8 the m×k activation operand is first cast by its own kernel, which reads it in
+    /// bf16, writes it in fp8 and updates the tensor's running maximum ([`FP8_CAST_BYTES`]);
+    /// the weight's cast is made once per step and reused by every micro-batch, so it is not
+    /// charged here.
     fn gemm_time(&self, batch: f64, m: f64, n: f64, k: f64) -> f64 {
+        let cast = if self.setup.precision == Precision::Fp8 {
+            FP8_CAST_BYTES * batch * m * k / self.memory_bandwidth() + self.kernel_overhead()
+        } else {
+            0.0
+        };
+        self.gemm_time_at(self.peak(), batch, m, n, k) + cast
+    }
+
+    /// [`Problem::gemm_time`] at a given peak (the attention core's products run at
+    /// [`Problem::attention_peak`]).
+    fn gemm_time_at(&self, peak: f64, batch: f64, m: f64, n: f64, k: f64) -> f64 {
         let e = self.setup.precision.compute_bytes();
         let flops = 2.0 * batch * m * n * k;
         let bytes = e * batch * (m * k + k * n + m * n);
-        self.roofline_time(flops, bytes, self.wave_efficiency(batch, m, n))
+        self.roofline_time(flops, bytes, self.wave_efficiency(batch, m, n), peak)
     }
 
     /// Forward time of the attention core (QKᵀ, softmax, ·V) of `heads` (micro-batch × heads
@@ -404,14 +489,16 @@ impl Problem {
     ) -> f64 {
         match kind {
             AttentionKind::Standard => {
-                self.gemm_time(heads, queries, keys, head_dim)
-                    + self.gemm_time(heads, queries, head_dim, keys)
+                let peak = self.attention_peak();
+                self.gemm_time_at(peak, heads, queries, keys, head_dim)
+                    + self.gemm_time_at(peak, heads, queries, head_dim, keys)
             }
             AttentionKind::Flash => {
                 let e = self.setup.precision.compute_bytes();
                 let flops = FLASH_CAUSAL_SHARE * 2.0 * 2.0 * heads * queries * keys * head_dim;
                 let bytes = e * heads * head_dim * 2.0 * (queries + keys);
-                self.roofline_time(flops, bytes, self.wave_efficiency(heads, queries, head_dim))
+                let wave = self.wave_efficiency(heads, queries, head_dim);
+                self.roofline_time(flops, bytes, wave, self.attention_peak())
             }
         }
     }
@@ -511,10 +598,27 @@ impl Problem {
         let mlp_out = self.gemm_time(1.0, tokens, h, f / tp);
         let gemm_forward = qkv + core.forward + projection + mlp_in + mlp_out;
         let stored = layer_activation_bytes(t, b, e, split, Recompute::None, attention);
-        let launches = ELEMENTWISE_KERNELS_PER_LAYER * self.kernel_overhead();
-        let elementwise_forward = FORWARD_ACCESSES * stored / self.memory_bandwidth() + launches;
-        let elementwise_backward =
-            BACKWARD_ACCESSES * stored / self.memory_bandwidth() + 2.0 * launches;
+        let (elementwise_forward, elementwise_backward) = match self.setup.elementwise {
+            ElementwiseKernels::Fused => {
+                let launches = ELEMENTWISE_KERNELS_PER_LAYER * self.kernel_overhead();
+                (
+                    FORWARD_ACCESSES * stored / self.memory_bandwidth() + launches,
+                    BACKWARD_ACCESSES * stored / self.memory_bandwidth() + 2.0 * launches,
+                )
+            }
+            ElementwiseKernels::Eager => {
+                // The attention core's own element-wise work (standard attention's softmax and
+                // dropout over a·s² scores) is one kernel each in either mode.
+                let core = attention_core_bytes(t, b, e, split, attention);
+                let (bytes, kernels) = eager_elementwise_forward(t, tokens, e, split);
+                let forward = bytes / self.memory_bandwidth() + kernels * self.kernel_overhead();
+                (
+                    forward + FORWARD_ACCESSES * core / self.memory_bandwidth(),
+                    EAGER_BACKWARD_FACTOR * forward
+                        + BACKWARD_ACCESSES * core / self.memory_bandwidth(),
+                )
+            }
+        };
         let layer_forward = gemm_forward + elementwise_forward;
         // Backward: a data-gradient and a weight-gradient GEMM per forward GEMM.
         let layer_backward = 2.0 * gemm_forward + elementwise_backward;
@@ -555,10 +659,19 @@ impl Problem {
         let pp_link = self
             .cluster
             .group_link(layout.pp, layout.tp * layout.cp * layout.dp);
-        // Megatron's scatter/gather optimisation: each tensor-parallel rank sends 1/t of the
-        // boundary activation over its own network card.
+        // Megatron's scatter/gather optimisation (Narayanan et al. 2021 §4.1): each
+        // tensor-parallel rank sends 1/t of the boundary activation over its own network card,
+        // and the receiving stage all-gathers the pieces over its tensor-parallel link before
+        // it can start. Every model chunk boundary pays both, forward and backward.
         let p2p = if layout.pp > 1 {
-            2.0 * layout.interleave as f64 * send_time(tokens * h * e / tp, pp_link)
+            let boundary = tokens * h * e;
+            let gather = if layout.sp {
+                // Sequence parallelism keeps the boundary split along the sequence.
+                0.0
+            } else {
+                reduce_scatter_time(boundary, layout.tp, tp_link)
+            };
+            2.0 * layout.interleave as f64 * (send_time(boundary / tp, pp_link) + gather)
         } else {
             0.0
         };
@@ -789,7 +902,7 @@ impl Problem {
             hardware_flops,
             model_flops,
             tflops_per_gpu: hardware_flops / (gpus * time.step_s) / 1e12,
-            mfu: model_flops / (gpus * time.step_s * self.peak()),
+            mfu: model_flops / (gpus * time.step_s * self.mfu_peak()),
         };
         Evaluation {
             layout: layout.clone(),
@@ -1144,10 +1257,18 @@ mod tests {
     use crate::cluster::Precision;
     use crate::presets;
 
+    /// A problem on a preset cluster. The A100's compute rates are pinned to the figures the
+    /// hand computations below were written with (80% GEMM efficiency, 1800 GB/s), so those
+    /// tests check the model's arithmetic, not the preset's measured rates.
     fn problem(model: &str, cluster: &str, gpus: u64, batch: u64) -> Problem {
+        let mut cluster = presets::cluster(cluster).unwrap().with_gpus(gpus).unwrap();
+        if cluster.name == "a100-80gb" {
+            cluster.gemm_efficiency = 0.80;
+            cluster.memory_bandwidth_gbps = 1800.0;
+        }
         Problem::new(
             presets::model(model).unwrap(),
-            presets::cluster(cluster).unwrap().with_gpus(gpus).unwrap(),
+            cluster,
             TrainingSetup::new(batch, Precision::Bf16),
         )
         .unwrap()
@@ -1304,7 +1425,12 @@ mod tests {
         assert!((e.time.accumulate_s - accumulate).abs() < 1e-12);
         // 16 micro-batches, each sends s·b·h·2/t bytes forward and backward between nodes
         // (pipeline neighbours are 32 ranks apart) over one 23 GB/s card.
-        let send = 2048.0 * 8192.0 * 2.0 / 8.0 / 23e9 + 8e-6;
+        // Each receiving stage then all-gathers the eight pieces over NVLink (230 GB/s, 3 us
+        // per ring step): 7/8 of the boundary plus 7 latencies.
+        let send = 2048.0 * 8192.0 * 2.0 / 8.0 / 23e9
+            + 8e-6
+            + 7.0 / 8.0 * 2048.0 * 8192.0 * 2.0 / 230e9
+            + 7.0 * 3e-6;
         assert!(e.links.pp_crosses_nodes);
         assert!((e.time.pp_p2p_s - 16.0 * 2.0 * send).abs() < 1e-12);
     }
@@ -1354,13 +1480,25 @@ mod tests {
             let l = &e.layout;
             let dp_link = p.cluster.group_link(l.gradient_group(), l.tp);
             let contention = p.overlap_contention(t.dp_hidden_s, dp_link);
+            // Issue 19 also added the scatter/gather all-gather after each pipeline send
+            // (pipelines without sequence parallelism), per micro-batch and per bubble slot.
+            let gather = if l.pp > 1 && !l.sp {
+                let t_spec = p.model.transformer().unwrap();
+                let boundary = (l.micro_batch * t_spec.seq_len * t_spec.hidden) as f64 * 2.0;
+                let tp_link = p.cluster.group_link(l.tp, 1);
+                2.0 * l.interleave as f64 * reduce_scatter_time(boundary, l.tp, tp_link)
+            } else {
+                0.0
+            };
+            let m = t.microbatches as f64;
+            let bubble_slots = (l.pp - 1) as f64 / l.interleave as f64;
             let got = [
-                t.step_s - t.accumulate_s - t.fixed_s - contention,
+                t.step_s - t.accumulate_s - t.fixed_s - contention - (m + bubble_slots) * gather,
                 t.compute_s,
                 t.recompute_s,
                 t.tp_comm_s,
-                t.pp_p2p_s,
-                t.bubble_s,
+                t.pp_p2p_s - m * gather,
+                t.bubble_s - bubble_slots * gather,
                 t.dp_exposed_s - contention,
                 t.dp_hidden_s,
                 t.optimizer_s,
@@ -1647,6 +1785,82 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn fp8_speeds_up_only_the_gemms_and_needs_an_fp8_peak() {
+        let a100 = Problem::new(
+            presets::model("gpt-7.5b").unwrap(),
+            presets::cluster("a100").unwrap().with_gpus(8).unwrap(),
+            TrainingSetup::new(64, Precision::Fp8),
+        );
+        let Err(err) = a100 else {
+            panic!("fp8 accepted on an A100, which has no fp8 tensor cores");
+        };
+        let err = err.to_string();
+        assert!(err.contains("a100-80gb") && err.contains("fp8"), "{err}");
+
+        let layout = Layout::parse("dp=2,tp=4,mb=2,recompute=selective,sp=on").unwrap();
+        let run = |precision| {
+            let mut p = problem("gpt-7.5b", "h100", 8, 64);
+            p.setup.precision = precision;
+            p.evaluate(&layout).unwrap()
+        };
+        let (bf16, fp8) = (run(Precision::Bf16), run(Precision::Fp8));
+        // Activations, communication and states are bf16/fp32 in both.
+        assert_eq!(bf16.memory.total(), fp8.memory.total());
+        assert_eq!(bf16.time.tp_comm_s, fp8.time.tp_comm_s);
+        assert_eq!(bf16.throughput.model_flops, fp8.throughput.model_flops);
+        // Faster, but less than twice: attention, element-wise work and the casts stay.
+        let speedup = bf16.time.step_s / fp8.time.step_s;
+        assert!(speedup > 1.2 && speedup < 1.9, "{speedup}");
+        // MFU is quoted against the bf16 peak, so it rises by the same factor.
+        let mfu_ratio = fp8.throughput.mfu / bf16.throughput.mfu;
+        assert!(
+            (mfu_ratio - speedup).abs() < 1e-9,
+            "{mfu_ratio} vs {speedup}"
+        );
+    }
+
+    #[test]
+    fn eager_elementwise_traffic_by_hand() {
+        // gpt-1.7b (h = 2304, GELU MLP of 9216, no rotary), bf16, tp = 2 without sp, 4096
+        // tokens: norms and residual adds on whole sequences, the GELU and the transpose copy
+        // split over tp.
+        let model = presets::model("gpt-1.7b").unwrap();
+        let t = model.transformer().unwrap();
+        let split = LayerSplit {
+            tp: 2,
+            sp: false,
+            cp: 1,
+        };
+        let (bytes, kernels) = eager_elementwise_forward(t, 4096.0, 2.0, split);
+        let per_token = 2.0 * 36.0 * 2304.0 + 12.0 * 2304.0 + (4.0 * 9216.0 + 4.0 * 2304.0) / 2.0;
+        assert!(
+            (bytes / (4096.0 * per_token) - 1.0).abs() < 1e-12,
+            "{bytes}"
+        );
+        assert_eq!(kernels, 16.0);
+        // Sequence parallelism splits the norms and residual adds too.
+        let sp = LayerSplit { sp: true, ..split };
+        let (sp_bytes, _) = eager_elementwise_forward(t, 4096.0, 2.0, sp);
+        let sp_per_token =
+            (2.0 * 36.0 * 2304.0 + 12.0 * 2304.0) / 2.0 + (4.0 * 9216.0 + 4.0 * 2304.0) / 2.0;
+        assert!((sp_bytes / (4096.0 * sp_per_token) - 1.0).abs() < 1e-12);
+
+        // A whole step: eager is slower than fused on a Llama model, by less than the
+        // element-wise share could explain if it were all of the step.
+        let layout = Layout::parse("dp=8,zero=3,mb=1,recompute=selective").unwrap();
+        let run = |elementwise| {
+            let mut p = problem("llama-70b", "a100", 8, 8);
+            p.setup.elementwise = elementwise;
+            p.evaluate(&layout).unwrap()
+        };
+        let fused = run(ElementwiseKernels::Fused);
+        let eager = run(ElementwiseKernels::Eager);
+        assert!(eager.time.step_s > fused.time.step_s);
+        assert!(eager.time.step_s < 1.5 * fused.time.step_s);
+        assert_eq!(eager.memory.total(), fused.memory.total());
     }
 
     #[test]

@@ -621,6 +621,14 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
                 c.peak_tflops.bf16, c.peak_tflops.fp32
             );
         }
+        Precision::Fp8 => {
+            let _ = writeln!(
+                out,
+                "   Matrix multiplications run in fp8 ({:.0} vs {:.0} TFLOP/s bf16): each GEMM's inputs are cast to e4m3 (gradients to e5m2) with a per-tensor scale kept from the tensor's recent maxima, and the product accumulates in fp32. Everything else stays as in bf16 training: activations, element-wise work, attention and communication in bf16 (2 bytes), master weights and Adam moments in fp32. Only the GEMM share of the step gets faster, so the gain is below 2×. meshtrain's own trainer has no fp8 kernels: the run line below trains the same layout in bf16, and the fp8 figures are for a GPU stack with them (Transformer Engine).",
+                problem.cluster.peak_flops(Precision::Fp8) / 1e12,
+                c.peak_tflops.bf16,
+            );
+        }
         precision => {
             let twin = fp32_twin(problem, l);
             let saving = twin
@@ -705,7 +713,7 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
             }
         );
     }
-    let executed_share = best.throughput.tflops_per_gpu * 1e12 / problem.peak();
+    let executed_share = best.throughput.tflops_per_gpu * 1e12 / problem.mfu_peak();
     if best.throughput.mfu > executed_share {
         let _ = writeln!(
             out,

@@ -38,6 +38,41 @@ pub struct TrainingSetup {
     /// The trainer's `parallel.cp_mode` when the user fixed it; `None` lets the planner try
     /// both modes for every layout with cp > 1 and report the better one.
     pub cp_mode: Option<CpMode>,
+    /// How the layers' element-wise work runs: fused kernels (Megatron, compiled graphs) or
+    /// one kernel per operation (PyTorch eager).
+    pub elementwise: ElementwiseKernels,
+}
+
+/// How a framework runs a layer's element-wise work (norms, activations, rotary embeddings,
+/// residual adds). It decides the memory traffic, which for small hidden sizes and long
+/// sequences is a large share of the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ElementwiseKernels {
+    /// Fused kernels that read each stored activation once and write it once (Megatron-LM's
+    /// fused layer norm, bias-GELU, bias-dropout-add and softmax; `torch.compile`).
+    Fused,
+    /// One kernel per PyTorch operation, with norms and rotary embeddings computed in fp32
+    /// (torchtitan's published runs without `torch.compile`).
+    Eager,
+}
+
+impl ElementwiseKernels {
+    /// `fused` or `eager`.
+    pub fn parse(value: &str) -> std::result::Result<Self, String> {
+        match value.to_ascii_lowercase().as_str() {
+            "fused" | "compiled" => Ok(ElementwiseKernels::Fused),
+            "eager" => Ok(ElementwiseKernels::Eager),
+            _ => Err(format!("element-wise kernels `{value}`: fused or eager")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ElementwiseKernels::Fused => "fused",
+            ElementwiseKernels::Eager => "eager",
+        }
+    }
 }
 
 impl TrainingSetup {
@@ -54,6 +89,7 @@ impl TrainingSetup {
             fp32_gradients: false,
             attention: AttentionKind::Standard,
             cp_mode: None,
+            elementwise: ElementwiseKernels::Fused,
         }
     }
 

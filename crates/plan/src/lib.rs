@@ -25,5 +25,8 @@ pub mod validation;
 pub use cluster::{ClusterSpec, Precision};
 pub use cost::{Evaluation, Problem, StepTime, Throughput};
 pub use error::{PlanError, Result};
-pub use layout::{AttentionKind, CpMode, Layout, Optimizer, Recompute, Schedule, TrainingSetup};
+pub use layout::{
+    AttentionKind, CpMode, ElementwiseKernels, Layout, Optimizer, Recompute, Schedule,
+    TrainingSetup,
+};
 pub use model::{Architecture, ModelSpec, TransformerSpec};

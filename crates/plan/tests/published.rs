@@ -1,18 +1,16 @@
-//! Validation against published runs: Table 1 of Narayanan et al. 2021 within ±15%.
-//! The cost model has no per-row constants; the A100 preset's figures are datasheet and
-//! nccl-tests-style numbers (see presets/clusters/a100-80gb.toml).
+//! Validation against published runs: Table 1 of Narayanan et al. 2021 within ±10% with no
+//! systematic sign. The cost model has no per-row constants; the A100 preset's compute rates
+//! are measured (a published GEMM and streaming benchmark) and its links are nccl-tests-style
+//! numbers (see presets/clusters/a100-80gb.toml).
 
 use meshtrain_plan::validation::{predict_narayanan, NARAYANAN_TABLE1};
 
 /// Table 1 with the paper's own micro-batch sizes, interleaving and DDP implementation (from
-/// its artifact, `examples/sc21/run_table_1.sh`). Issue 19 asks for ±10% with no systematic
-/// sign; the model reaches that for six rows and stays optimistic on the others (see
-/// docs/planner.md, "Table 1"), so this asserts the bound that holds, ±16%, and prints the
-/// signed errors.
+/// its artifact, `examples/sc21/run_table_1.sh`): every row within ±10%, and the errors do not
+/// all lean one way (at least one row under and one over).
 #[test]
 fn narayanan_table1_with_published_micro_batches() {
-    let mut worst: f64 = 0.0;
-    let mut within_10 = 0;
+    let mut errors = Vec::new();
     for row in &NARAYANAN_TABLE1 {
         let p = predict_narayanan(row).unwrap();
         assert!(
@@ -30,20 +28,24 @@ fn narayanan_table1_with_published_micro_batches() {
             p.error_percent
         );
         assert!(
-            p.error_percent.abs() <= 16.0,
+            p.error_percent.abs() <= 10.0,
             "{}: predicted {:.1} vs published {:.1} TFLOP/s ({:+.1}%)",
             row.preset,
             p.evaluation.throughput.tflops_per_gpu,
             row.published_tflops_per_gpu,
             p.error_percent
         );
-        if p.error_percent.abs() <= 10.0 {
-            within_10 += 1;
-        }
-        worst = worst.max(p.error_percent.abs());
+        errors.push(p.error_percent);
     }
-    eprintln!("worst error {worst:.1}%, {within_10} of 10 rows within ±10%");
-    assert!(within_10 >= 4, "{within_10}");
+    let under = errors.iter().filter(|e| **e < 0.0).count();
+    let over = errors.iter().filter(|e| **e > 0.0).count();
+    let mean = errors.iter().sum::<f64>() / errors.len() as f64;
+    eprintln!("{under} rows under, {over} over, mean error {mean:+.1}%");
+    assert!(
+        under >= 1 && over >= 1,
+        "errors all of one sign: {errors:?}"
+    );
+    assert!(mean.abs() <= 5.0, "mean error {mean:+.1}%");
 }
 
 #[test]
@@ -73,7 +75,7 @@ fn hardware_flops_follow_narayanan_equation_3() {
 }
 
 #[test]
-fn korthikanti_530b_mfu_within_15_percent() {
+fn korthikanti_530b_mfu_within_10_percent() {
     use meshtrain_plan::validation::{predict_korthikanti, KORTHIKANTI_530B};
     for run in &KORTHIKANTI_530B {
         let e = predict_korthikanti(run).unwrap();
@@ -81,7 +83,7 @@ fn korthikanti_530b_mfu_within_15_percent() {
         let mfu = 100.0 * e.throughput.mfu;
         let err = (mfu - run.published_mfu_percent) / run.published_mfu_percent;
         assert!(
-            err.abs() <= 0.15,
+            err.abs() <= 0.10,
             "{}: predicted MFU {mfu:.1}% vs {}%",
             run.label,
             run.published_mfu_percent
@@ -106,9 +108,10 @@ fn further_published_runs_side_by_side() {
             100.0 * e.time.dp_exposed_s / e.time.step_s,
             run.source
         );
-        // The model is optimistic on these eager-PyTorch runs (see docs/planner.md, "Further
-        // published runs"); this bounds how far and keeps the comparison printed.
+        // With eager element-wise kernels modelled, three runs are within ±4%; the 8B run's
+        // selective-op checkpointing (every other matmul output recomputed) is modelled as
+        // attention-core recomputation and stays optimistic (docs/planner.md).
         assert!(e.fits, "{}", run.label);
-        assert!((0.0..=45.0).contains(&err), "{}: {err:+.1}%", run.label);
+        assert!(err.abs() <= 20.0, "{}: {err:+.1}%", run.label);
     }
 }
