@@ -25,6 +25,12 @@ pub struct Measurements {
     pub allreduce_latency_us: Option<f64>,
     /// Fixed cost of one framework op, µs.
     pub kernel_overhead_us: Option<f64>,
+    /// Bandwidth of one host's link to the others, GB/s (a point-to-point transfer between
+    /// two hosts, e.g. `meshtrain bench collectives` across the shaped link of
+    /// `scripts/netns-cluster.sh`). Replaces the cluster's `inter_node` bandwidth.
+    pub inter_node_bandwidth_gbps: Option<f64>,
+    /// One-way latency between hosts, µs. Replaces the cluster's `inter_node` latency.
+    pub inter_node_latency_us: Option<f64>,
 }
 
 impl Measurements {
@@ -76,6 +82,12 @@ impl Measurements {
         }
         if let Some(k) = self.kernel_overhead_us {
             c.kernel_overhead_us = k;
+        }
+        if let Some(bw) = self.inter_node_bandwidth_gbps {
+            c.inter_node.bandwidth_gbps = bw;
+        }
+        if let Some(lat) = self.inter_node_latency_us {
+            c.inter_node.latency_us = lat;
         }
         c.name = format!("{} (calibrated)", c.name);
         c.validate()?;

@@ -13,7 +13,9 @@ use crate::cluster::{ClusterSpec, Precision, GIB};
 use crate::cost::{Evaluation, Problem};
 use crate::diagnose::{diagnose, parse_measurements};
 use crate::explain::{losses, memo};
-use crate::layout::{AttentionKind, CpMode, ElementwiseKernels, Layout, Optimizer, TrainingSetup};
+use crate::layout::{
+    AttentionKind, CpMode, ElementwiseKernels, GradReduce, Layout, Optimizer, TrainingSetup,
+};
 use crate::model::ModelSpec;
 use crate::presets;
 use crate::search::{evaluate_layout, search_feasible};
@@ -59,6 +61,11 @@ pub struct PlanArgs {
     /// embeddings in fp32).
     #[arg(long, default_value = "fused")]
     pub elementwise: String,
+    /// The data-parallel all-reduce across nodes (the trainer's `parallel.grad_reduce`):
+    /// `flat` (one ring, as NCCL with a card per GPU) or `hierarchical` (inside the node, then
+    /// the shards across nodes, then inside the node again).
+    #[arg(long, default_value = "flat")]
+    pub grad_reduce: String,
     /// Context-parallel mode the trainer uses (its `parallel.cp_mode`): `ring` or `ulysses`.
     /// Left out, the planner tries both for every layout with cp > 1 and shows which it picked.
     #[arg(long, value_name = "MODE")]
@@ -160,12 +167,14 @@ pub fn problem_from_args(args: &PlanArgs) -> anyhow::Result<Problem> {
         .transpose()
         .map_err(anyhow::Error::msg)?;
     let elementwise = ElementwiseKernels::parse(&args.elementwise).map_err(anyhow::Error::msg)?;
+    let grad_reduce = GradReduce::parse(&args.grad_reduce).map_err(anyhow::Error::msg)?;
     let setup = TrainingSetup {
         optimizer,
         overlap_grad_reduce: !args.no_overlap,
         attention,
         cp_mode,
         elementwise,
+        grad_reduce,
         ..TrainingSetup::new(args.global_batch, precision)
     };
     Ok(Problem::new(model, cluster, setup)?)

@@ -132,7 +132,13 @@ pub struct ClusterSpec {
     #[serde(default)]
     pub sm_count: Option<u64>,
     pub intra_node: LinkSpec,
+    /// One network card's link between nodes (per GPU on DGX-style nodes).
     pub inter_node: LinkSpec,
+    /// Network cards per node, each at `inter_node`'s bandwidth. Left out: one per GPU (DGX
+    /// A100/H100). A node with one shared card (our namespace "hosts", most Ethernet
+    /// clusters) gives all its ranks' cross-node traffic one link.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nics_per_node: Option<u64>,
 }
 
 impl ClusterSpec {
@@ -282,7 +288,8 @@ impl ClusterSpec {
                 crosses_nodes: false,
             }
         } else {
-            let inter = members_per_node as f64 * self.inter_node.bandwidth_gbps;
+            let inter =
+                members_per_node.min(self.nics_per_node()) as f64 * self.inter_node.bandwidth_gbps;
             GroupLink {
                 bandwidth: inter.min(self.intra_node.bandwidth_gbps) * 1e9,
                 latency: self.inter_node.latency_us * 1e-6,
@@ -293,6 +300,37 @@ impl ClusterSpec {
 }
 
 impl ClusterSpec {
+    /// Network cards per node (one per GPU unless the file says otherwise).
+    pub fn nics_per_node(&self) -> u64 {
+        self.nics_per_node.unwrap_or(self.gpus_per_node).max(1)
+    }
+
+    /// Hierarchical all-reduce of `bytes` over a group of `size` ranks, `stride` apart, that
+    /// spans nodes: reduce-scatter among the group's `k` members on each node (intra-node
+    /// link), all-reduce of each `1/k` shard among the nodes (the `k` shards' all-reduces run at
+    /// once and share the node's cards), all-gather inside the node. Across `H` nodes each
+    /// node's cards carry `2(H−1)/H · bytes` instead of a flat ring's `2(n−1)/n · bytes`; the
+    /// price is the two intra-node phases. `None` when the group stays inside one node or has
+    /// one member per node (nothing to gather locally).
+    pub fn hierarchical_all_reduce_time(&self, bytes: f64, size: u64, stride: u64) -> Option<f64> {
+        let k = self.members_per_node(size, stride);
+        if k <= 1 || size <= k || !size.is_multiple_of(k) {
+            return None;
+        }
+        let nodes = size / k;
+        let intra = self.group_link(k, stride);
+        let cards = k.min(self.nics_per_node()) as f64 * self.inter_node.bandwidth_gbps * 1e9;
+        let across = GroupLink {
+            bandwidth: cards / k as f64,
+            latency: self.inter_node.latency_us * 1e-6,
+            crosses_nodes: true,
+        };
+        Some(
+            2.0 * reduce_scatter_time(bytes, k, intra)
+                + all_reduce_time(bytes / k as f64, nodes, across),
+        )
+    }
+
     /// Members of a group of `size` ranks, `stride` apart, that share a node.
     fn members_per_node(&self, size: u64, stride: u64) -> u64 {
         let gpn = self.gpus_per_node;
@@ -375,6 +413,40 @@ mod tests {
         assert_eq!(all_reduce_time(1e9, 1, link), 0.0);
         assert!((reduce_scatter_time(1e9, 4, link) - t / 2.0).abs() < 1e-15);
         assert!((send_time(1e6, link) - (1e-5 + 1e-6)).abs() < 1e-15);
+    }
+
+    #[test]
+    fn hierarchical_all_reduce_by_hand_on_hosts_with_one_card() {
+        let c =
+            ClusterSpec::from_toml(include_str!("../presets/examples/cpu-2-hosts.toml")).unwrap();
+        let (intra, inter) = (8e9, 0.125e9);
+        let (lat_intra, lat_inter) = (5e-6, 500e-6);
+        let bytes = 44e6;
+        // Flat ring over 4 ranks, 2 per host, one card per host: the card carries the ring's
+        // 2·3/4 of the bytes, 6 steps of the inter-host latency.
+        let flat = all_reduce_time(bytes, 4, c.group_link(4, 1));
+        assert!((flat - (1.5 * bytes / inter + 6.0 * lat_inter)).abs() < 1e-12);
+        // Hierarchical: reduce-scatter and all-gather between the host's 2 ranks (half the
+        // bytes each, one step), and the two half-size all-reduces across 2 hosts sharing the
+        // card: 2·1/2·(bytes/2) / (inter/2) each, 2 steps.
+        let hierarchical = c.hierarchical_all_reduce_time(bytes, 4, 1).unwrap();
+        let expected = 2.0 * (0.5 * bytes / intra + lat_intra) + (bytes / inter + 2.0 * lat_inter);
+        assert!(
+            (hierarchical - expected).abs() < 1e-12,
+            "{hierarchical} vs {expected}"
+        );
+        assert!(flat / hierarchical > 1.4, "{}", flat / hierarchical);
+        // One rank per host, or a group inside one host: nothing to do hierarchically.
+        assert_eq!(c.hierarchical_all_reduce_time(bytes, 2, 2), None);
+        assert_eq!(c.hierarchical_all_reduce_time(bytes, 2, 1), None);
+        // With a card per GPU (DGX), NCCL's flat rings already use every card: hierarchical
+        // only adds the intra-node phases.
+        let dgx = presets::cluster("h100-sxm-80gb")
+            .unwrap()
+            .with_gpus(32)
+            .unwrap();
+        let flat = all_reduce_time(1e9, 32, dgx.group_link(32, 1));
+        assert!(dgx.hierarchical_all_reduce_time(1e9, 32, 1).unwrap() > flat);
     }
 
     #[test]

@@ -26,7 +26,8 @@ use crate::cluster::{
 };
 use crate::error::{PlanError, Result};
 use crate::layout::{
-    AttentionKind, CpMode, ElementwiseKernels, Layout, Recompute, Schedule, TrainingSetup,
+    AttentionKind, CpMode, ElementwiseKernels, GradReduce, Layout, Recompute, Schedule,
+    TrainingSetup,
 };
 use crate::memory::{
     attention_core_bytes, in_flight_microbatches, layer_activation_bytes, loss_bytes,
@@ -972,6 +973,20 @@ impl Problem {
         OVERLAP_HBM_ACCESSES * hidden * link.bandwidth / self.memory_bandwidth()
     }
 
+    /// The data-parallel all-reduce of `bytes` over `d` ranks `stride` apart: a flat ring, or
+    /// the hierarchical one where the setup asks for it and the group spans nodes with several
+    /// members on each.
+    fn gradient_all_reduce_time(&self, bytes: f64, d: u64, stride: u64) -> f64 {
+        let flat = || all_reduce_time(bytes, d, self.cluster.group_link(d, stride));
+        match self.setup.grad_reduce {
+            GradReduce::Flat => flat(),
+            GradReduce::Hierarchical => self
+                .cluster
+                .hierarchical_all_reduce_time(bytes, d, stride)
+                .unwrap_or_else(flat),
+        }
+    }
+
     /// The data-parallel collectives: exposed and hidden time, bytes covered, link.
     fn data_parallel_collectives(
         &self,
@@ -993,7 +1008,7 @@ impl Problem {
         match layout.zero {
             0..=2 => {
                 let (reduce, gather) = if layout.zero == 0 {
-                    (all_reduce_time(grad_bytes, d, link), 0.0)
+                    (self.gradient_all_reduce_time(grad_bytes, d, layout.tp), 0.0)
                 } else {
                     (
                         reduce_scatter_time(grad_bytes, d, link),

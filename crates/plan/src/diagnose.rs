@@ -31,6 +31,12 @@ pub struct MeasuredStep {
     /// scaling), i.e. proportional to `workers`.
     #[serde(default)]
     pub samples_per_step: Option<f64>,
+    /// Hosts the workers ran on (a run reports it; absent: not known).
+    #[serde(default)]
+    pub hosts: Option<u64>,
+    /// The data-parallel all-reduce the run used: `flat` or `hierarchical`.
+    #[serde(default)]
+    pub grad_reduce: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -97,7 +103,27 @@ impl MeasuredStep {
         if self.step() <= 0.0 {
             return Err(bad("the step takes no time".into()));
         }
+        if let Some(hosts) = self.hosts {
+            if hosts == 0 || hosts > self.workers {
+                return Err(bad(format!(
+                    "hosts must be between 1 and the {} workers, got {hosts}",
+                    self.workers
+                )));
+            }
+        }
+        if let Some(kind) = &self.grad_reduce {
+            if kind != "flat" && kind != "hierarchical" {
+                return Err(bad(format!(
+                    "grad_reduce must be \"flat\" or \"hierarchical\", got {kind:?}"
+                )));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether the run's workers were spread over more than one host.
+    fn crosses_hosts(&self) -> bool {
+        self.hosts.is_some_and(|h| h > 1)
     }
 
     /// The exposed parts of the step.
@@ -145,6 +171,23 @@ fn advice(loss: &str) -> &'static str {
         "optimizer" => "shard the optimizer states (ZeRO-1) or fuse the update",
         _ => "profile the step: time is going somewhere the breakdown does not name",
     }
+}
+
+/// What cuts the traffic a data-parallel run sends between hosts, most effective first for
+/// this run: hierarchical reduction when it reduced flat with several workers per host, then
+/// what every run can do.
+fn inter_host_fixes(run: &MeasuredStep) -> String {
+    let per_host = run.workers / run.hosts.unwrap_or(1).max(1);
+    let mut fixes = Vec::new();
+    if run.grad_reduce.as_deref() != Some("hierarchical") && per_host > 1 {
+        fixes.push(format!(
+            "hierarchical reduction (`--set parallel.grad_reduce=\"hierarchical\"`): reduce-scatter among the {per_host} workers of each host, all-reduce only the 1/{per_host} shards across hosts, all-gather inside the host, so the link between hosts carries 2(H−1)/H of the gradients instead of a flat ring's 2(n−1)/n"
+        ));
+    }
+    fixes.push("bf16 on the wire (`--set parallel.compression=\"bf16\"`): half the bytes".into());
+    fixes.push("larger buckets (`parallel.bucket_cap_mb`): fewer messages, each paying the link's latency once".into());
+    fixes.push("gradient accumulation (`train.accumulation_steps`) with a larger batch per worker: the same reduction for more samples".into());
+    format!("Fixes, most effective first: {}.", fixes.join("; "))
 }
 
 /// The diagnosis as text.
@@ -211,7 +254,16 @@ pub fn diagnose(runs: &[MeasuredStep]) -> String {
         ];
         let total: f64 = growth.iter().map(|(_, g)| g.max(0.0)).sum();
         if let Some((name, g)) = growth.iter().copied().max_by(|x, y| x.1.total_cmp(&y.1)) {
-            if g > 0.0 {
+            if g > 0.0 && name == "exposed communication" && !a.crosses_hosts() && b.crosses_hosts()
+            {
+                let _ = writeln!(
+                    out,
+                    "  the regression comes mostly from the inter-host gradient reduction: the run left one host for {} (exposed communication accounts for {:.0}% of the added per-sample time; every all-reduce now crosses the slower link between hosts). {}",
+                    b.hosts.unwrap_or(2),
+                    100.0 * g / total,
+                    inter_host_fixes(b)
+                );
+            } else if g > 0.0 {
                 let _ = writeln!(
                     out,
                     "  the regression comes mostly from {name}: it accounts for {:.0}% of the added per-sample time. First mitigation: {}.",
@@ -263,6 +315,53 @@ comm_hidden_s = 0.1
         );
     }
 
+    /// A run that leaves its host: 2 workers on one host, then 2 hosts × 2 workers reducing
+    /// flat over the link between them.
+    #[test]
+    fn names_the_inter_host_reduction_and_hierarchical_first() {
+        let runs = parse_measurements(
+            r#"
+[[run]]
+workers = 2
+hosts = 1
+compute_s = 1.0
+comm_exposed_s = 0.05
+grad_reduce = "flat"
+
+[[run]]
+workers = 4
+hosts = 2
+compute_s = 1.0
+comm_exposed_s = 0.9
+grad_reduce = "flat"
+"#,
+        )
+        .unwrap();
+        let text = diagnose(&runs);
+        assert!(
+            text.contains(
+                "mostly from the inter-host gradient reduction: the run left one host for 2"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("Fixes, most effective first: hierarchical reduction"),
+            "{text}"
+        );
+        // Already hierarchical: the advice starts with bf16 on the wire.
+        let mut hier = runs.clone();
+        hier[1].grad_reduce = Some("hierarchical".into());
+        let text = diagnose(&hier);
+        assert!(
+            text.contains("Fixes, most effective first: bf16 on the wire"),
+            "{text}"
+        );
+        // Without host counts the generic advice stands.
+        let mut unknown = runs;
+        unknown[1].hosts = None;
+        assert!(diagnose(&unknown).contains("mostly from exposed communication"));
+    }
+
     #[test]
     fn json_and_single_run_inputs() {
         let one = r#"{"workers": 4, "compute_s": 0.5, "bubble_s": 0.3, "data_s": 0.1}"#;
@@ -288,5 +387,17 @@ comm_hidden_s = 0.1
             "{neg}"
         );
         assert!(parse_measurements("not = [valid").is_err());
+        let hosts =
+            parse_measurements("{\"workers\": 2, \"hosts\": 3, \"compute_s\": 1.0}").unwrap_err();
+        assert!(
+            hosts
+                .to_string()
+                .contains("hosts must be between 1 and the 2 workers"),
+            "{hosts}"
+        );
+        let kind =
+            parse_measurements("{\"workers\": 2, \"compute_s\": 1.0, \"grad_reduce\": \"tree\"}")
+                .unwrap_err();
+        assert!(kind.to_string().contains("grad_reduce must be"), "{kind}");
     }
 }

@@ -41,6 +41,39 @@ pub struct TrainingSetup {
     /// How the layers' element-wise work runs: fused kernels (Megatron, compiled graphs) or
     /// one kernel per operation (PyTorch eager).
     pub elementwise: ElementwiseKernels,
+    /// How the data-parallel all-reduce crosses nodes (the trainer's `parallel.grad_reduce`).
+    pub grad_reduce: GradReduce,
+}
+
+/// How the data-parallel gradient all-reduce (ZeRO-0) is organised when its group spans nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradReduce {
+    /// One ring over all ranks (NCCL's rings, one per network card; MPI_Allreduce).
+    Flat,
+    /// Reduce-scatter inside each node, all-reduce of the shards across nodes, all-gather
+    /// inside the node (`meshtrain`'s hierarchical DDP).
+    Hierarchical,
+}
+
+impl GradReduce {
+    /// `flat` or `hierarchical`.
+    pub fn parse(value: &str) -> std::result::Result<Self, String> {
+        match value.to_ascii_lowercase().as_str() {
+            "flat" => Ok(GradReduce::Flat),
+            "hierarchical" => Ok(GradReduce::Hierarchical),
+            _ => Err(format!(
+                "gradient reduction `{value}`: flat or hierarchical"
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GradReduce::Flat => "flat",
+            GradReduce::Hierarchical => "hierarchical",
+        }
+    }
 }
 
 /// How a framework runs a layer's element-wise work (norms, activations, rotary embeddings,
@@ -90,6 +123,7 @@ impl TrainingSetup {
             attention: AttentionKind::Standard,
             cp_mode: None,
             elementwise: ElementwiseKernels::Fused,
+            grad_reduce: GradReduce::Flat,
         }
     }
 

@@ -26,7 +26,7 @@ pub use cluster::{ClusterSpec, Precision};
 pub use cost::{Evaluation, Problem, StepTime, Throughput};
 pub use error::{PlanError, Result};
 pub use layout::{
-    AttentionKind, CpMode, ElementwiseKernels, Layout, Optimizer, Recompute, Schedule,
+    AttentionKind, CpMode, ElementwiseKernels, GradReduce, Layout, Optimizer, Recompute, Schedule,
     TrainingSetup,
 };
 pub use model::{Architecture, ModelSpec, TransformerSpec};

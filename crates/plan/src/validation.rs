@@ -7,7 +7,7 @@ use crate::cluster::Precision;
 use crate::cost::{Evaluation, Problem};
 use crate::error::Result;
 use crate::layout::{
-    AttentionKind, CpMode, ElementwiseKernels, Layout, Optimizer, Recompute, Schedule,
+    AttentionKind, CpMode, ElementwiseKernels, GradReduce, Layout, Optimizer, Recompute, Schedule,
     TrainingSetup,
 };
 use crate::model::{Architecture, ModelSpec, TransformerSpec};
@@ -104,6 +104,7 @@ pub fn narayanan_setup(batch: u64) -> TrainingSetup {
         attention: AttentionKind::Standard,
         cp_mode: None,
         elementwise: ElementwiseKernels::Fused,
+        grad_reduce: GradReduce::Flat,
     }
 }
 
