@@ -150,6 +150,16 @@ mod tests {
         assert_eq!(c.intra_node.bandwidth_gbps, 5.5);
         assert_eq!(c.kernel_overhead_us, 12.0);
         assert_eq!(c.memory_bandwidth_gbps, cpu.memory_bandwidth_gbps);
+        // The link between hosts, measured across a shaped link, replaces the inter-node one.
+        let link = Measurements::parse(
+            "inter_node_bandwidth_gbps = 0.117\ninter_node_latency_us = 640.0\n",
+        )
+        .unwrap()
+        .apply(&cpu)
+        .unwrap();
+        assert_eq!(link.inter_node.bandwidth_gbps, 0.117);
+        assert_eq!(link.inter_node.latency_us, 640.0);
+        assert_eq!(link.intra_node, cpu.intra_node);
         // A machine measured faster than the preset's nominal peak has a higher peak.
         let faster = Measurements {
             matmul_gflops: Some(195.0),
