@@ -62,8 +62,11 @@ pub struct PlanArgs {
     #[arg(long, default_value = "fused")]
     pub elementwise: String,
     /// The data-parallel all-reduce across nodes (the trainer's `parallel.grad_reduce`):
-    /// `flat` (one ring, as NCCL with a card per GPU) or `hierarchical` (inside the node, then
-    /// the shards across nodes, then inside the node again).
+    /// `flat` (one ring, as NCCL with a card per GPU), `hierarchical` (inside the node, then
+    /// the shards across nodes, then inside the node again; plain DDP only) or `auto` (the
+    /// trainer's default rule: hierarchical when the group spans nodes with several of its
+    /// ranks on each). The default, flat, is what NCCL-based GPU trainers do; the printed run
+    /// line names the choice whenever the trainer's `auto` would decide otherwise.
     #[arg(long, default_value = "flat")]
     pub grad_reduce: String,
     /// Context-parallel mode the trainer uses (its `parallel.cp_mode`): `ring` or `ulysses`.
@@ -88,8 +91,8 @@ pub struct PlanArgs {
     #[arg(long, value_name = "FILE")]
     pub diagnose: Option<String>,
     /// Measured hardware figures (TOML/JSON: matmul_gflops, memory_bandwidth_gbps,
-    /// allreduce_bus_bandwidth_gbps, allreduce_latency_us, kernel_overhead_us) replacing the
-    /// cluster preset's.
+    /// allreduce_bus_bandwidth_gbps, allreduce_latency_us, kernel_overhead_us,
+    /// inter_node_bandwidth_gbps, inter_node_latency_us) replacing the cluster preset's.
     #[arg(long, value_name = "FILE")]
     pub measured: Option<String>,
     /// With --layout: a measured breakdown of that layout's run to compare with the prediction.

@@ -222,6 +222,11 @@ impl ClusterSpec {
                 )));
             }
         }
+        if self.nics_per_node == Some(0) {
+            return Err(bad(
+                "nics_per_node must be at least 1 (leave it out for one card per GPU)".into(),
+            ));
+        }
         if !(0.0..1.0).contains(&self.allocator_fragmentation) {
             return Err(bad(format!(
                 "allocator_fragmentation must be in [0, 1), got {}",
@@ -288,8 +293,7 @@ impl ClusterSpec {
                 crosses_nodes: false,
             }
         } else {
-            let inter =
-                members_per_node.min(self.nics_per_node()) as f64 * self.inter_node.bandwidth_gbps;
+            let inter = members_per_node as f64 * self.network_share_gbps();
             GroupLink {
                 bandwidth: inter.min(self.intra_node.bandwidth_gbps) * 1e9,
                 latency: self.inter_node.latency_us * 1e-6,
@@ -303,6 +307,13 @@ impl ClusterSpec {
     /// Network cards per node (one per GPU unless the file says otherwise).
     pub fn nics_per_node(&self) -> u64 {
         self.nics_per_node.unwrap_or(self.gpus_per_node).max(1)
+    }
+
+    /// One GPU's share of its node's network, GB/s: every GPU of a node runs its own group's
+    /// collective at the same time, so with fewer cards than GPUs they split the cards.
+    pub fn network_share_gbps(&self) -> f64 {
+        let cards_per_gpu = (self.nics_per_node() as f64 / self.gpus_per_node as f64).min(1.0);
+        self.inter_node.bandwidth_gbps * cards_per_gpu
     }
 
     /// Hierarchical all-reduce of `bytes` over a group of `size` ranks, `stride` apart, that
@@ -319,7 +330,8 @@ impl ClusterSpec {
         }
         let nodes = size / k;
         let intra = self.group_link(k, stride);
-        let cards = k.min(self.nics_per_node()) as f64 * self.inter_node.bandwidth_gbps * 1e9;
+        // The group's k members on a node own k GPUs' share of the node's cards.
+        let cards = k as f64 * self.network_share_gbps() * 1e9;
         let across = GroupLink {
             bandwidth: cards / k as f64,
             latency: self.inter_node.latency_us * 1e-6,
@@ -349,7 +361,7 @@ impl ClusterSpec {
         let group = self.group_link(size, stride);
         if group.crosses_nodes {
             GroupLink {
-                bandwidth: self.inter_node.bandwidth_gbps * 1e9,
+                bandwidth: self.network_share_gbps() * 1e9,
                 ..group
             }
         } else {
@@ -369,7 +381,7 @@ impl ClusterSpec {
         let n = size as f64;
         let k = self.members_per_node(size, stride) as f64;
         let on_node = (k - 1.0) / n * bytes / (self.intra_node.bandwidth_gbps * 1e9);
-        let off_node = (n - k) / n * bytes / (self.inter_node.bandwidth_gbps * 1e9);
+        let off_node = (n - k) / n * bytes / (self.network_share_gbps() * 1e9);
         let latency = self.group_link(size, stride).latency;
         on_node.max(off_node) + (n - 1.0) * latency
     }
@@ -439,6 +451,19 @@ mod tests {
         // One rank per host, or a group inside one host: nothing to do hierarchically.
         assert_eq!(c.hierarchical_all_reduce_time(bytes, 2, 2), None);
         assert_eq!(c.hierarchical_all_reduce_time(bytes, 2, 1), None);
+        // tp = 2 inside each host, dp = 2 across: each host's two data-parallel groups (one
+        // per tensor-parallel rank) run at once and split the host's one card.
+        let across = c.group_link(2, 2);
+        assert!(across.crosses_nodes);
+        assert_eq!(across.bandwidth, inter / 2.0);
+        assert_eq!(c.ring_hop_link(2, 2).bandwidth, inter / 2.0);
+        let mut zero = c.clone();
+        zero.nics_per_node = Some(0);
+        assert!(zero
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("nics_per_node"));
         // With a card per GPU (DGX), NCCL's flat rings already use every card: hierarchical
         // only adds the intra-node phases.
         let dgx = presets::cluster("h100-sxm-80gb")

@@ -62,7 +62,8 @@ const OVERLAP_HBM_ACCESSES: f64 = 2.5;
 const FLASH_RESCORING: f64 = 0.5;
 
 /// Backward of an eager element-wise operation reads what it saved and the incoming gradient
-/// and writes the outgoing gradient: about twice its forward traffic, and as many launches.
+/// and writes the outgoing gradient: about twice its forward traffic; autograd launches about
+/// twice as many kernels too (the factor applies to the launches as well).
 const EAGER_BACKWARD_FACTOR: f64 = 2.0;
 
 /// Memory traffic (bytes) and kernel launches of one layer's element-wise work in forward for
@@ -291,6 +292,20 @@ impl Problem {
         if layout.dp == 0 || layout.tp == 0 || layout.pp == 0 || layout.cp == 0 {
             return Err(bad("dp, tp, pp and cp must all be at least 1".into()));
         }
+        if self.setup.precision == Precision::Fp8 && self.model.transformer().is_none() {
+            return Err(bad(
+                "fp8 is modelled for transformers only (their linear layers are the fp8 GEMMs); \
+                 use bf16 for this model"
+                    .into(),
+            ));
+        }
+        if self.setup.grad_reduce == GradReduce::Hierarchical && layout.zero > 0 {
+            return Err(bad(format!(
+                "hierarchical gradient reduction is an all-reduce for plain DDP; ZeRO-{} \
+                 reduce-scatters its gradients (use --grad-reduce auto or flat)",
+                layout.zero
+            )));
+        }
         if layout.micro_batch == 0 || layout.interleave == 0 {
             return Err(bad(
                 "micro-batch size and interleave must be at least 1".into()
@@ -450,18 +465,24 @@ impl Problem {
         compute.max(bytes / self.memory_bandwidth()) + self.kernel_overhead()
     }
 
-    /// Roofline time of `batch` GEMMs of m×k by k×n of a layer's weights, plus one launch.
-    /// In fp8 the m×k activation operand is first cast by its own kernel, which reads it in
-    /// bf16, writes it in fp8 and updates the tensor's running maximum ([`FP8_CAST_BYTES`]);
-    /// the weight's cast is made once per step and reused by every micro-batch, so it is not
-    /// charged here.
+    /// Roofline time of `batch` GEMMs of m×k by k×n of a layer's weights, plus one launch
+    /// (in fp8 the operand casts are charged per layer, [`Problem::fp8_cast_time`]).
     fn gemm_time(&self, batch: f64, m: f64, n: f64, k: f64) -> f64 {
-        let cast = if self.setup.precision == Precision::Fp8 {
-            FP8_CAST_BYTES * batch * m * k / self.memory_bandwidth() + self.kernel_overhead()
+        self.gemm_time_at(self.peak(), batch, m, n, k)
+    }
+
+    /// fp8's casts for GEMMs whose activation operands (forward) or output gradients
+    /// (backward) hold `elements` in total over `gemms` GEMMs: each is read in bf16 and
+    /// written in fp8 by its own kernel, which also records the tensor's maximum for the next
+    /// step's scale ([`FP8_CAST_BYTES`] per element). The weights' casts are made once per
+    /// step and reused by every micro-batch (Transformer Engine's weight cache), so they are
+    /// not charged per micro-batch. Zero for other precisions.
+    fn fp8_cast_time(&self, elements: f64, gemms: f64) -> f64 {
+        if self.setup.precision == Precision::Fp8 {
+            FP8_CAST_BYTES * elements / self.memory_bandwidth() + gemms * self.kernel_overhead()
         } else {
             0.0
-        };
-        self.gemm_time_at(self.peak(), batch, m, n, k) + cast
+        }
     }
 
     /// [`Problem::gemm_time`] at a given peak (the attention core's products run at
@@ -598,6 +619,13 @@ impl Problem {
         let mlp_in = self.gemm_time(1.0, tokens, f * (t.mlp_matrices() - 1) as f64 / tp, h);
         let mlp_out = self.gemm_time(1.0, tokens, h, f / tp);
         let gemm_forward = qkv + core.forward + projection + mlp_in + mlp_out;
+        // fp8: forward casts each GEMM's input, backward each GEMM's output gradient (the
+        // data- and weight-gradient GEMMs share it).
+        let inputs = tokens * (2.0 * h + (h + f) / tp);
+        let outputs = tokens
+            * ((h + 2.0 * t.kv_width() as f64 + f * (t.mlp_matrices() - 1) as f64) / tp + 2.0 * h);
+        let cast_forward = self.fp8_cast_time(inputs, 4.0);
+        let cast_backward = self.fp8_cast_time(outputs, 4.0);
         let stored = layer_activation_bytes(t, b, e, split, Recompute::None, attention);
         let (elementwise_forward, elementwise_backward) = match self.setup.elementwise {
             ElementwiseKernels::Fused => {
@@ -620,9 +648,9 @@ impl Problem {
                 )
             }
         };
-        let layer_forward = gemm_forward + elementwise_forward;
+        let layer_forward = gemm_forward + elementwise_forward + cast_forward;
         // Backward: a data-gradient and a weight-gradient GEMM per forward GEMM.
-        let layer_backward = 2.0 * gemm_forward + elementwise_backward;
+        let layer_backward = 2.0 * gemm_forward + elementwise_backward + cast_backward;
         let layer_recompute = core.rescoring
             + match layout.recompute {
                 Recompute::None => 0.0,
@@ -653,7 +681,9 @@ impl Problem {
             };
 
         // --- the last stage also computes the logits and the loss ---
-        let logits_forward = self.gemm_time(1.0, tokens, v_size / tp, h)
+        // The output layer stays in bf16 under fp8 recipes (Megatron-Core's output layer is
+        // not a Transformer Engine layer; torchtitan's float8 conversion skips `output`).
+        let logits_forward = self.gemm_time_at(self.attention_peak(), 1.0, tokens, v_size / tp, h)
             + 4.0 * tokens * v_size / tp / self.memory_bandwidth();
         let logits = 3.0 * logits_forward;
 
@@ -782,10 +812,18 @@ impl Problem {
                 0.0
             };
         let bytes = self.setup.bytes_per_param();
+        // fp8 keeps a cast copy of every weight and of its transpose between micro-batches
+        // (Transformer Engine's weight cache, 1 byte each); under ZeRO-3 only the gathered
+        // units have one, counted as transient.
+        let fp8_cache = if self.setup.precision == Precision::Fp8 && layout.zero < 3 {
+            2.0
+        } else {
+            0.0
+        };
         let build = |params: f64, activations: f64| {
             let states = model_state_bytes(params, bytes, layout.zero, layout.gradient_group());
             MemoryBreakdown {
-                weights: states.weights,
+                weights: states.weights + fp8_cache * params,
                 gradients: states.gradients,
                 optimizer: states.optimizer,
                 activations,
@@ -980,7 +1018,7 @@ impl Problem {
         let flat = || all_reduce_time(bytes, d, self.cluster.group_link(d, stride));
         match self.setup.grad_reduce {
             GradReduce::Flat => flat(),
-            GradReduce::Hierarchical => self
+            GradReduce::Auto | GradReduce::Hierarchical => self
                 .cluster
                 .hierarchical_all_reduce_time(bytes, d, stride)
                 .unwrap_or_else(flat),
@@ -1822,8 +1860,11 @@ mod tests {
             p.evaluate(&layout).unwrap()
         };
         let (bf16, fp8) = (run(Precision::Bf16), run(Precision::Fp8));
-        // Activations, communication and states are bf16/fp32 in both.
-        assert_eq!(bf16.memory.total(), fp8.memory.total());
+        // Activations, communication and states are bf16/fp32 in both; fp8 adds its weight
+        // cache (an fp8 copy and its transpose, 2 bytes per bf16 weight's 2).
+        assert_eq!(fp8.memory.weights, 2.0 * bf16.memory.weights);
+        assert_eq!(bf16.memory.activations, fp8.memory.activations);
+        assert_eq!(bf16.memory.optimizer, fp8.memory.optimizer);
         assert_eq!(bf16.time.tp_comm_s, fp8.time.tp_comm_s);
         assert_eq!(bf16.throughput.model_flops, fp8.throughput.model_flops);
         // Faster, but less than twice: attention, element-wise work and the casts stay.
@@ -1834,6 +1875,17 @@ mod tests {
         assert!(
             (mfu_ratio - speedup).abs() < 1e-9,
             "{mfu_ratio} vs {speedup}"
+        );
+        // Models without linear layers to cast are refused.
+        let mut resnet = problem("resnet18", "h100", 8, 64);
+        resnet.setup.precision = Precision::Fp8;
+        let err = resnet
+            .evaluate(&Layout::parse("dp=8").unwrap())
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("fp8 is modelled for transformers only"),
+            "{err}"
         );
     }
 

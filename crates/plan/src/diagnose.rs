@@ -177,11 +177,18 @@ fn advice(loss: &str) -> &'static str {
 /// this run: hierarchical reduction when it reduced flat with several workers per host, then
 /// what every run can do.
 fn inter_host_fixes(run: &MeasuredStep) -> String {
-    let per_host = run.workers / run.hosts.unwrap_or(1).max(1);
+    let hosts = run.hosts.unwrap_or(1).max(1);
+    let even = run.workers.is_multiple_of(hosts);
+    let per_host = run.workers / hosts;
     let mut fixes = Vec::new();
-    if run.grad_reduce.as_deref() != Some("hierarchical") && per_host > 1 {
+    if even && per_host > 1 && run.grad_reduce.as_deref() != Some("hierarchical") {
+        let condition = if run.grad_reduce.is_none() {
+            " (if the run reduced flat; its breakdown does not say)"
+        } else {
+            ""
+        };
         fixes.push(format!(
-            "hierarchical reduction (`--set parallel.grad_reduce=\"hierarchical\"`): reduce-scatter among the {per_host} workers of each host, all-reduce only the 1/{per_host} shards across hosts, all-gather inside the host, so the link between hosts carries 2(H−1)/H of the gradients instead of a flat ring's 2(n−1)/n"
+            "hierarchical reduction{condition} (`--set parallel.grad_reduce=\"hierarchical\"`): reduce-scatter among the {per_host} workers of each host, all-reduce only the 1/{per_host} shards across hosts, all-gather inside the host, so each host's link carries 2(H−1)/H of the gradients instead of a flat ring's 2(n−1)/n"
         ));
     }
     fixes.push("bf16 on the wire (`--set parallel.compression=\"bf16\"`): half the bytes".into());
@@ -254,7 +261,7 @@ pub fn diagnose(runs: &[MeasuredStep]) -> String {
         ];
         let total: f64 = growth.iter().map(|(_, g)| g.max(0.0)).sum();
         if let Some((name, g)) = growth.iter().copied().max_by(|x, y| x.1.total_cmp(&y.1)) {
-            if g > 0.0 && name == "exposed communication" && !a.crosses_hosts() && b.crosses_hosts()
+            if g > 0.0 && name == "exposed communication" && a.hosts == Some(1) && b.crosses_hosts()
             {
                 let _ = writeln!(
                     out,
@@ -356,10 +363,25 @@ grad_reduce = "flat"
             text.contains("Fixes, most effective first: bf16 on the wire"),
             "{text}"
         );
-        // Without host counts the generic advice stands.
-        let mut unknown = runs;
-        unknown[1].hosts = None;
-        assert!(diagnose(&unknown).contains("mostly from exposed communication"));
+        // Not saying how the run reduced: hierarchical comes first, conditionally.
+        let mut unsaid = runs.clone();
+        unsaid[1].grad_reduce = None;
+        assert!(
+            diagnose(&unsaid).contains("hierarchical reduction (if the run reduced flat"),
+            "{}",
+            diagnose(&unsaid)
+        );
+        // Uneven hosts (5 workers on 2) cannot reduce hierarchically.
+        let mut uneven = runs.clone();
+        uneven[1].workers = 5;
+        assert!(diagnose(&uneven).contains("Fixes, most effective first: bf16 on the wire"));
+        // Without host counts, on either side, the generic advice stands.
+        for side in 0..2 {
+            let mut unknown = runs.clone();
+            unknown[side].hosts = None;
+            let text = diagnose(&unknown);
+            assert!(text.contains("mostly from exposed communication"), "{text}");
+        }
     }
 
     #[test]

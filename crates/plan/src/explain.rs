@@ -7,7 +7,9 @@ use std::fmt::Write;
 
 use crate::cluster::{Precision, GIB};
 use crate::cost::{Evaluation, Problem};
-use crate::layout::{AttentionKind, CpMode, Layout, Recompute, Schedule, TrainingSetup};
+use crate::layout::{
+    AttentionKind, CpMode, GradReduce, Layout, Recompute, Schedule, TrainingSetup,
+};
 
 /// Causes of lost time in a step, as fractions of the step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +78,7 @@ impl Loss {
             Loss::PipelineSends => "place consecutive pipeline stages inside a node, or use fewer, larger stages",
             Loss::DataParallelComm if layout.zero >= 3 => "keep ZeRO-3's per-micro-batch weight gathers off the slow link: shard over the GPUs of one node and move the factor that crosses nodes to pipeline parallelism (only one activation per micro-batch crosses then), or drop to ZeRO-1 if memory allows (weights gathered once per step)",
             Loss::DataParallelComm if layout.zero == 2 => "ZeRO-2 reduce-scatters the gradients of every micro-batch: drop to ZeRO-1 (one reduction per step, gradients accumulated locally) if memory allows, or use larger micro-batches so fewer reductions carry the same samples",
-            Loss::DataParallelComm => "overlap the gradient all-reduce with backward (bucketed, reverse layer order), reduce in bf16, and grow the per-GPU batch with gradient accumulation so the same all-reduce is paid once for more compute; keep the data-parallel group's traffic on as many network cards as possible, and where a node has fewer cards than workers reduce hierarchically (`parallel.grad_reduce = \"hierarchical\"`: inside the node first, so only 1/k of the gradients per worker crosses the card)",
+            Loss::DataParallelComm => "overlap the gradient all-reduce with backward (bucketed, reverse layer order), reduce in bf16, and grow the per-GPU batch with gradient accumulation so the same all-reduce is paid once for more compute; keep the data-parallel group's traffic on as many network cards as possible, and where a node has fewer cards than workers reduce hierarchically (`parallel.grad_reduce = \"hierarchical\"`: inside the node first, so each node's cards carry 2(H−1)/H of the gradients over H nodes instead of a flat ring's 2(n−1)/n)",
             Loss::Recomputation => "switch from full to selective recomputation (only the attention core) if memory allows; sequence parallelism frees the memory to do so",
             Loss::Optimizer => "shard the optimizer (ZeRO-1 / distributed optimizer) so each GPU updates only its slice",
             Loss::GradientAccumulation => "use larger micro-batches (fewer accumulation passes per step), or a weight-gradient GEMM that accumulates in place (Megatron-Core's gradient_accumulation_fusion)",
@@ -297,6 +299,19 @@ pub fn best_mitigation(problem: &Problem, best: &Evaluation, loss: Loss) -> Opti
 /// flash).
 pub fn train_command(problem: &Problem, layout: &Layout) -> String {
     let mut command = format!("meshtrain train --layout \"{layout}\"");
+    // The trainer's default is `auto`; name the planned reduction where `auto` would pick
+    // another (a plain-DDP group spanning nodes with several ranks on each).
+    let spans = problem
+        .cluster
+        .hierarchical_all_reduce_time(1.0, layout.gradient_group(), layout.tp)
+        .is_some();
+    let planned = match problem.setup.grad_reduce {
+        GradReduce::Auto => None,
+        chosen => Some(chosen),
+    };
+    if let Some(chosen) = planned.filter(|_| spans && layout.zero == 0) {
+        command += &format!(" --set parallel.grad_reduce=\"{}\"", chosen.name());
+    }
     if layout.cp > 1 {
         command += &format!(" --set parallel.cp_mode=\"{}\"", layout.cp_mode.name());
     }

@@ -49,6 +49,9 @@ pub struct TrainingSetup {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GradReduce {
+    /// The trainer's default rule: hierarchical when the group spans nodes with more than one
+    /// of its ranks on each, flat otherwise (and always flat under ZeRO).
+    Auto,
     /// One ring over all ranks (NCCL's rings, one per network card; MPI_Allreduce).
     Flat,
     /// Reduce-scatter inside each node, all-reduce of the shards across nodes, all-gather
@@ -57,19 +60,21 @@ pub enum GradReduce {
 }
 
 impl GradReduce {
-    /// `flat` or `hierarchical`.
+    /// `auto`, `flat` or `hierarchical`.
     pub fn parse(value: &str) -> std::result::Result<Self, String> {
         match value.to_ascii_lowercase().as_str() {
+            "auto" => Ok(GradReduce::Auto),
             "flat" => Ok(GradReduce::Flat),
             "hierarchical" => Ok(GradReduce::Hierarchical),
             _ => Err(format!(
-                "gradient reduction `{value}`: flat or hierarchical"
+                "gradient reduction `{value}`: auto, flat or hierarchical"
             )),
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
+            GradReduce::Auto => "auto",
             GradReduce::Flat => "flat",
             GradReduce::Hierarchical => "hierarchical",
         }
