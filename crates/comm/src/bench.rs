@@ -16,10 +16,12 @@
 use crate::dtype::ReduceOp;
 use crate::group::{CommConfig, ProcessGroup};
 use crate::threads::ThreadsWorld;
+use crate::topology::{GroupHosts, HierarchicalGroup};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Which communication backend to measure.
@@ -98,6 +100,19 @@ pub struct BenchCollectivesArgs {
     /// With the MPI backend, also time raw `MPI_Allreduce` on the same buffers.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub raw_mpi: bool,
+    /// Compare the flat all-reduce with the hierarchical one (reduce-scatter inside each
+    /// host, all-reduce across hosts, all-gather inside the host) in interleaved rounds,
+    /// instead of measuring `--ops`.
+    #[arg(long)]
+    pub hierarchical: bool,
+    /// Hosts of this many consecutive ranks: simulated on the threads backend; under MPI it
+    /// overrides the detected placement (0: threads one host, MPI the detected hosts).
+    #[arg(long, default_value_t = 0)]
+    pub ranks_per_host: usize,
+    /// Interleaved rounds (flat, hierarchical, flat, …) of `--hierarchical`; the median
+    /// time of each is reported.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
 }
 
 /// One measured row.
@@ -281,6 +296,99 @@ pub fn bench_group(
     Ok(rows)
 }
 
+/// Flat against hierarchical all-reduce of f32 sums on `group` at every size, in `rounds`
+/// interleaved rounds so that both see the same machine (a noisy neighbour or a warming
+/// link hits both); each row has the median time of its rounds. Rows are the same on
+/// every rank. Fails when the hosts hold different numbers of the group's ranks.
+pub fn compare_hierarchical(
+    group: &Arc<dyn ProcessGroup>,
+    backend: &str,
+    sizes: &[usize],
+    memcpy: &[f64],
+    args: &BenchCollectivesArgs,
+) -> Result<Vec<(BenchRecord, BenchRecord)>> {
+    let hierarchical = HierarchicalGroup::new(group.clone())?;
+    let flat: &dyn ProcessGroup = group.as_ref();
+    let median = |mut runs: Vec<(usize, f64)>| {
+        runs.sort_by(|a, b| a.1.total_cmp(&b.1));
+        runs[runs.len() / 2]
+    };
+    let mut rows = Vec::new();
+    for (&bytes, &memcpy_gbps) in sizes.iter().zip(memcpy) {
+        let elems = (bytes / 4).max(1);
+        let mut buf = vec![1.0f32; elems];
+        let (mut flat_runs, mut hier_runs) = (Vec::new(), Vec::new());
+        for _ in 0..args.rounds.max(1) {
+            for (target, runs) in [
+                (flat, &mut flat_runs),
+                (&hierarchical as &dyn ProcessGroup, &mut hier_runs),
+            ] {
+                runs.push(time_collective(flat, args, &mut || {
+                    Ok(target.all_reduce((&mut buf).into(), ReduceOp::Sum)?)
+                })?);
+            }
+        }
+        let row = |name: &str, (iters, seconds): (usize, f64)| {
+            let n = group.size();
+            record(
+                name,
+                BenchOp::AllReduce,
+                n,
+                elems * 4,
+                iters,
+                seconds,
+                memcpy_gbps,
+            )
+        };
+        rows.push((
+            row(backend, median(flat_runs)),
+            row(&format!("{backend}-hier"), median(hier_runs)),
+        ));
+    }
+    Ok(rows)
+}
+
+/// Prints where `group`'s ranks are (the first line of a hierarchical comparison).
+pub fn describe_hosts(group: &dyn ProcessGroup) -> String {
+    let hosts = GroupHosts::of(group);
+    let lists: Vec<String> = hosts
+        .members
+        .iter()
+        .map(|m| {
+            let globals: Vec<String> = m
+                .iter()
+                .map(|&r| group.global_ranks()[r].to_string())
+                .collect();
+            format!("[{}]", globals.join(","))
+        })
+        .collect();
+    format!(
+        "{} ranks on {} host(s): {}",
+        group.size(),
+        hosts.num_hosts(),
+        lists.join(" ")
+    )
+}
+
+/// Reports the rows of [`compare_hierarchical`] with the time ratio of each size.
+pub fn report_comparison(
+    rows: &[(BenchRecord, BenchRecord)],
+    rounds: usize,
+    json: Option<&PathBuf>,
+) -> Result<()> {
+    for (flat, hierarchical) in rows {
+        report(flat, json)?;
+        report(hierarchical, json)?;
+        println!(
+            "{:>60} hierarchical/flat time ratio {:.3} (median of {} interleaved rounds)",
+            "",
+            hierarchical.time_us / flat.time_us,
+            rounds.max(1)
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn record(
     backend: &str,
     op: BenchOp,
@@ -396,14 +504,27 @@ fn run_threads(args: &BenchCollectivesArgs) -> Result<()> {
             .join(", ")
     );
     print_header();
+    let config = CommConfig::default()
+        .with_desync_check(false)
+        .with_ranks_per_host(args.ranks_per_host);
     for &n in &args.workers {
+        if args.hierarchical {
+            let (sizes, memcpy, worker_args) = (sizes.clone(), memcpy.clone(), args.clone());
+            let rows = ThreadsWorld::run(n, config.clone(), move |g| {
+                let hosts = describe_hosts(g.as_ref());
+                compare_hierarchical(&g, "threads", &sizes, &memcpy, &worker_args)
+                    .map(|rows| (hosts, rows))
+            })
+            .map_err(|e| anyhow::anyhow!("benchmark failed: {e}"))?;
+            println!("{}", rows[0].0);
+            report_comparison(&rows[0].1, args.rounds, args.json.as_ref())?;
+            continue;
+        }
         for &op in &args.ops {
             let (sizes, memcpy, worker_args) = (sizes.clone(), memcpy.clone(), args.clone());
-            let rows = ThreadsWorld::run(
-                n,
-                CommConfig::default().with_desync_check(false),
-                move |g| bench_group(g.as_ref(), "threads", op, &sizes, &memcpy, &worker_args),
-            )
+            let rows = ThreadsWorld::run(n, config.clone(), move |g| {
+                bench_group(g.as_ref(), "threads", op, &sizes, &memcpy, &worker_args)
+            })
             .map_err(|e| anyhow::anyhow!("benchmark failed: {e}"))?;
             for row in &rows[0] {
                 report(row, args.json.as_ref())?;
@@ -465,7 +586,20 @@ mod tests {
             warmup: 1,
             json: None,
             raw_mpi: false,
+            hierarchical: false,
+            ranks_per_host: 0,
+            rounds: 1,
         };
-        run_bench(args).unwrap();
+        run_bench(args.clone()).unwrap();
+        // Flat against hierarchical on 2 simulated hosts of 2 workers.
+        run_bench(BenchCollectivesArgs {
+            workers: vec![4],
+            hierarchical: true,
+            ranks_per_host: 2,
+            rounds: 2,
+            sizes: vec!["4K".into(), "1000".into()],
+            ..args
+        })
+        .unwrap();
     }
 }

@@ -202,6 +202,24 @@ impl RawBuf {
         self.len * self.dtype.size_bytes()
     }
 
+    /// The view of elements `start..start + len` of this one.
+    ///
+    /// # Panics
+    /// If the range does not lie inside the view.
+    pub(crate) fn sub(&self, start: usize, len: usize) -> RawBuf {
+        assert!(
+            start + len <= self.len,
+            "sub-view {start}+{len} of a view of {}",
+            self.len
+        );
+        RawBuf {
+            // In bounds of the same allocation: checked above.
+            ptr: self.ptr.wrapping_add(start * self.dtype.size_bytes()),
+            len,
+            dtype: self.dtype,
+        }
+    }
+
     /// Whether the two views share any byte (an empty view shares none).
     pub(crate) fn overlaps(&self, other: &RawBuf) -> bool {
         let (a0, a1) = (self.ptr as usize, self.ptr as usize + self.size_bytes());

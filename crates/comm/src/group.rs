@@ -3,6 +3,7 @@
 
 use crate::dtype::{BufMut, BufRef, RawBuf, ReduceOp};
 use crate::error::{CommError, OpContext};
+use crate::topology::HostPlacement;
 use half::{bf16, f16};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -21,6 +22,11 @@ pub struct CommConfig {
     /// (it needs the check for memory safety and it costs a few loads); for MPI it costs
     /// one small extra all-gather per collective. On by default in debug builds.
     pub check_desync: bool,
+    /// Which ranks share a host ([`HostPlacement`]): what hierarchical collectives and the
+    /// placement checks of tensor parallelism go by. The threads backend takes it as given
+    /// (`RanksPerHost` simulates hosts); the MPI backend replaces `OneHost` by the placement
+    /// it detects (`MESHTRAIN_HOST`, else `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`).
+    pub hosts: HostPlacement,
 }
 
 impl Default for CommConfig {
@@ -28,6 +34,7 @@ impl Default for CommConfig {
         CommConfig {
             timeout: DEFAULT_TIMEOUT,
             check_desync: cfg!(debug_assertions),
+            hosts: HostPlacement::OneHost,
         }
     }
 }
@@ -40,6 +47,16 @@ impl CommConfig {
 
     pub fn with_desync_check(mut self, on: bool) -> Self {
         self.check_desync = on;
+        self
+    }
+
+    /// Simulated (threads) or asserted hosts of `n` consecutive ranks each; `n = 0` is one host.
+    pub fn with_ranks_per_host(mut self, n: usize) -> Self {
+        self.hosts = if n == 0 {
+            HostPlacement::OneHost
+        } else {
+            HostPlacement::RanksPerHost(n)
+        };
         self
     }
 }

@@ -7,6 +7,8 @@
 //! * [`ThreadsWorld`]: the embedded shared-memory backend (N worker threads).
 //! * `mpi` (cargo feature `mpi`): OpenMPI backend, one worker per process.
 //! * [`DeviceMesh`]: ranks on named axes (dp, pp, tp, cp) with a group per axis.
+//! * [`HostPlacement`]: which ranks share a host; [`HierarchicalGroup`]: an all-reduce in
+//!   two tiers (inside each host, then across hosts) behind the same trait.
 //! * Every operation has a timeout and names the op, sequence number, group and
 //!   missing ranks when it fails; mismatched collectives are detected (desync check).
 //!
@@ -24,6 +26,7 @@ pub mod mpi_backend;
 #[cfg(any(feature = "mpi", test))]
 mod mpi_monitor;
 mod threads;
+mod topology;
 
 pub use dtype::{reference_reduce, BufMut, BufRef, DType, Element, RawBuf, ReduceOp};
 pub use error::{CommError, OpContext};
@@ -34,3 +37,4 @@ pub use group::{
 pub use half::{bf16, f16};
 pub use mesh::{DeviceMesh, MeshAxis, MeshError, MeshLayout};
 pub use threads::{ThreadsGroup, ThreadsWorld, WorkerFailure, WorldError, FAILURE_GRACE};
+pub use topology::{GroupHosts, HierarchicalGroup, HostPlacement, DEFAULT_PIECE_BYTES};

@@ -25,14 +25,16 @@
 //! minimum of `MPI_TAG_UB`).
 
 use crate::bench::{
-    bench_group, print_header, record, report, sizes_and_memcpy, time_collective,
-    BenchCollectivesArgs, BenchOp, BenchRecord,
+    bench_group, compare_hierarchical, describe_hosts, print_header, record, report,
+    report_comparison, sizes_and_memcpy, time_collective, BenchCollectivesArgs, BenchOp,
+    BenchRecord,
 };
 use crate::dtype::{with_element, DType, Element, RawBuf, ReduceOp};
 use crate::engine::{AsyncEngine, Executor};
 use crate::error::{fmt_ranks, CommError, OpContext};
 use crate::group::{validate_subgroup, CommConfig, Fingerprint, Operation, ProcessGroup, Work};
 use crate::mpi_monitor::{self, GroupTrack, Monitor, ShutdownAgreement, ALL_ENTERED};
+use crate::topology::HostPlacement;
 use anyhow::{anyhow, Result};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
@@ -335,28 +337,109 @@ impl MpiShared {
     }
 }
 
-/// Sets up the failure monitor (see `mpi_monitor`): rank 0 starts the hub, the
-/// address travels by `MPI_Bcast` — at initialisation, before anything can hang —
-/// and every rank connects. On any problem the job runs without it (with a warning):
-/// timeouts still end a stuck run, only without naming the missing ranks.
-fn start_monitor(rank: usize, size: usize) -> Option<Arc<Monitor>> {
+/// Where every rank runs, exchanged once at initialisation.
+struct Hosts {
+    /// Equal for ranks on one host: `MESHTRAIN_HOST` where set (the netns cluster sets it,
+    /// since its namespaces share one host name), else the processor name and the first rank
+    /// of the rank's `MPI_COMM_TYPE_SHARED` communicator (the ranks that can share memory).
+    labels: Vec<String>,
+    /// `MPI_Get_processor_name` of every rank (how a peer host is reached by name).
+    names: Vec<String>,
+}
+
+/// Environment variable naming the host a rank runs on (overrides what MPI reports).
+pub const HOST_ENV: &str = "MESHTRAIN_HOST";
+/// Environment variable with an IPv4 address other hosts reach this rank's host at: where
+/// rank 0's failure monitor is reached when its host name does not resolve to it.
+pub const HOST_ADDR_ENV: &str = "MESHTRAIN_HOST_ADDR";
+
+impl Hosts {
+    /// Every rank's host label and processor name; a description of the MPI call that
+    /// failed otherwise.
+    fn discover(rank: usize, size: usize) -> Result<Hosts, String> {
+        const LEN: usize = ffi::MPI_MAX_PROCESSOR_NAME as usize;
+        let mut name = [0u8; LEN];
+        let mut len: c_int = 0;
+        // SAFETY: the buffer holds MPI_MAX_PROCESSOR_NAME bytes, as MPI requires.
+        let code = unsafe { ffi::MPI_Get_processor_name(name.as_mut_ptr().cast(), &mut len) };
+        if code != 0 {
+            return Err(format!("MPI_Get_processor_name failed (MPI error {code})"));
+        }
+        let name =
+            String::from_utf8_lossy(&name[..len.clamp(0, LEN as c_int) as usize]).into_owned();
+        let label = match std::env::var(HOST_ENV) {
+            Ok(host) if !host.is_empty() => host,
+            _ => format!("{name}#{}", first_rank_sharing_memory(rank)?),
+        };
+        Ok(Hosts {
+            labels: all_gather_strings(&label, size)?,
+            names: all_gather_strings(&name, size)?,
+        })
+    }
+}
+
+/// The lowest world rank of this rank's `MPI_COMM_TYPE_SHARED` communicator.
+fn first_rank_sharing_memory(rank: usize) -> Result<usize, String> {
+    // SAFETY: reading MPI's predefined handles; out-pointers are valid; the communicator
+    // created here is freed before returning.
+    unsafe {
+        let mut shared: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
+        let code = ffi::MPI_Comm_split_type(
+            ffi::RSMPI_COMM_WORLD,
+            ffi::RSMPI_COMM_TYPE_SHARED,
+            rank as c_int,
+            ffi::RSMPI_INFO_NULL,
+            &mut shared,
+        );
+        if code != 0 {
+            return Err(format!("MPI_Comm_split_type failed (MPI error {code})"));
+        }
+        let mine = rank as c_int;
+        let mut first: c_int = mine;
+        let code = ffi::MPI_Allreduce(
+            (&mine as *const c_int).cast(),
+            (&mut first as *mut c_int).cast(),
+            1,
+            ffi::RSMPI_INT32_T,
+            ffi::RSMPI_MIN,
+            shared,
+        );
+        ffi::MPI_Comm_free(&mut shared);
+        if code != 0 {
+            return Err(format!(
+                "MPI_Allreduce on the shared-memory communicator failed (MPI error {code})"
+            ));
+        }
+        Ok(first as usize)
+    }
+}
+
+/// Sets up the failure monitor (see `mpi_monitor`): rank 0 starts the hub, its address
+/// travels by `MPI_Bcast` — at initialisation, before anything can hang — and every rank
+/// connects. On any problem the job runs without it (with a warning): timeouts still end a
+/// stuck run, only without naming the missing ranks.
+///
+/// Ranks on rank 0's host connect over loopback. Others connect to rank 0's
+/// `MESHTRAIN_HOST_ADDR` if it has one, else to its processor name: network namespaces on
+/// one machine share one host name, which resolves to none of their addresses.
+fn start_monitor(rank: usize, size: usize, hosts: Result<&Hosts, &String>) -> Option<Arc<Monitor>> {
     let warn = |what: String| {
         print_line(&format!(
             "warning: rank {rank}: {what}; the MPI backend runs without its failure \
              monitor (timeouts cannot name the missing ranks)"
         ));
     };
-    let hosts = match host_names(size) {
+    let hosts = match hosts {
         Ok(hosts) => hosts,
-        Err(code) => {
-            warn(format!("exchanging host names failed (MPI error {code})"));
+        Err(e) => {
+            warn(format!("finding the ranks' hosts failed: {e}"));
             return None;
         }
     };
     // One host: the hub listens on loopback only; otherwise on every interface.
-    let single_host = hosts.iter().all(|h| *h == hosts[0]);
-    // [port, token]; port 0 = no hub.
-    let mut endpoint = [0u64; 2];
+    let single_host = hosts.labels.iter().all(|h| *h == hosts.labels[0]);
+    // [port, token, IPv4 address of rank 0's host or 0]; port 0 = no hub.
+    let mut endpoint = [0u64; 3];
     if rank == 0 {
         let token = mpi_monitor::random_token();
         let bind = if single_host {
@@ -364,16 +447,26 @@ fn start_monitor(rank: usize, size: usize) -> Option<Arc<Monitor>> {
         } else {
             Ipv4Addr::UNSPECIFIED
         };
+        let advertised = match std::env::var(HOST_ADDR_ENV) {
+            Ok(text) => match text.parse::<Ipv4Addr>() {
+                Ok(addr) => u64::from(u32::from(addr)),
+                Err(_) => {
+                    warn(format!("{HOST_ADDR_ENV}='{text}' is not an IPv4 address"));
+                    0
+                }
+            },
+            Err(_) => 0,
+        };
         match mpi_monitor::start_hub(bind.into(), size, token) {
-            Ok(port) => endpoint = [u64::from(port), token],
+            Ok(port) => endpoint = [u64::from(port), token, advertised],
             Err(e) => warn(format!("cannot start the failure monitor on {bind}: {e}")),
         }
     }
-    // SAFETY: a 2-element u64 buffer on every rank; MPI is initialised.
+    // SAFETY: a 3-element u64 buffer on every rank; MPI is initialised.
     let code = unsafe {
         ffi::MPI_Bcast(
             endpoint.as_mut_ptr().cast(),
-            2,
+            3,
             ffi::RSMPI_UINT64_T,
             0,
             ffi::RSMPI_COMM_WORLD,
@@ -385,14 +478,16 @@ fn start_monitor(rank: usize, size: usize) -> Option<Arc<Monitor>> {
         ));
         return None;
     }
-    let [port, token] = endpoint;
+    let [port, token, advertised] = endpoint;
     let port = u16::try_from(port).ok().filter(|&p| p != 0)?;
-    let host = if hosts[rank] == hosts[0] {
-        "127.0.0.1"
+    let host = if hosts.labels[rank] == hosts.labels[0] {
+        "127.0.0.1".to_string()
+    } else if let Some(addr) = u32::try_from(advertised).ok().filter(|&a| a != 0) {
+        Ipv4Addr::from(addr).to_string()
     } else {
-        hosts[0].as_str()
+        hosts.names[0].clone()
     };
-    let addresses: Vec<SocketAddr> = match (host, port).to_socket_addrs() {
+    let addresses: Vec<SocketAddr> = match (host.as_str(), port).to_socket_addrs() {
         Ok(addresses) => addresses.collect(),
         Err(e) => {
             warn(format!("cannot resolve rank 0's host '{host}': {e}"));
@@ -410,22 +505,17 @@ fn start_monitor(rank: usize, size: usize) -> Option<Arc<Monitor>> {
     }
 }
 
-/// Every rank's host name (`MPI_Get_processor_name`), by rank; an MPI error code on
-/// failure.
-fn host_names(size: usize) -> Result<Vec<String>, c_int> {
-    const LEN: usize = ffi::MPI_MAX_PROCESSOR_NAME as usize;
-    let mut mine = [0u8; LEN];
-    let mut len: c_int = 0;
-    // SAFETY: the buffer holds MPI_MAX_PROCESSOR_NAME bytes, as MPI requires.
-    let code = unsafe { ffi::MPI_Get_processor_name(mine.as_mut_ptr().cast(), &mut len) };
-    if code != 0 {
-        return Err(code);
-    }
+/// Every rank's `mine` (at most 512 bytes), by rank.
+fn all_gather_strings(mine: &str, size: usize) -> Result<Vec<String>, String> {
+    const LEN: usize = 512;
+    let mut padded = [0u8; LEN];
+    let bytes = &mine.as_bytes()[..mine.len().min(LEN)];
+    padded[..bytes.len()].copy_from_slice(bytes);
     let mut all = vec![0u8; LEN * size];
     // SAFETY: LEN bytes from every rank into a buffer of size × LEN.
     let code = unsafe {
         ffi::MPI_Allgather(
-            mine.as_ptr().cast(),
+            padded.as_ptr().cast(),
             LEN as c_int,
             ffi::RSMPI_UINT8_T,
             all.as_mut_ptr().cast(),
@@ -435,7 +525,9 @@ fn host_names(size: usize) -> Result<Vec<String>, c_int> {
         )
     };
     if code != 0 {
-        return Err(code);
+        return Err(format!(
+            "MPI_Allgather of host names failed (MPI error {code})"
+        ));
     }
     Ok(all
         .chunks_exact(LEN)
@@ -548,7 +640,12 @@ impl MpiWorld {
         let lock = (threading < Threading::Multiple).then(|| Mutex::new(()));
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
-        let monitor = start_monitor(rank, size);
+        let hosts = Hosts::discover(rank, size);
+        let monitor = start_monitor(rank, size, hosts.as_ref());
+        let mut config = config;
+        if let (HostPlacement::OneHost, Ok(hosts)) = (&config.hosts, &hosts) {
+            config.hosts = HostPlacement::from_labels(&hosts.labels);
+        }
         if let Some(monitor) = &monitor {
             install_panic_hook(monitor);
         }
@@ -1333,7 +1430,11 @@ impl ProcessGroup for MpiGroup {
 /// `meshtrain bench collectives --backend mpi`, under `mpirun -np N`: our MPI
 /// backend's collectives and, for all-reduce, raw `MPI_Allreduce` on the same sizes.
 pub fn run_bench_mpi(args: &BenchCollectivesArgs) -> Result<()> {
-    let world = MpiWorld::init(CommConfig::default().with_desync_check(false))?;
+    let world = MpiWorld::init(
+        CommConfig::default()
+            .with_desync_check(false)
+            .with_ranks_per_host(args.ranks_per_host),
+    )?;
     let result = bench_on_world(&world, args);
     if let Err(e) = &result {
         world.abort_with_error(format_args!("{e:#}"), 1);
@@ -1346,7 +1447,20 @@ fn bench_on_world(world: &MpiWorld, args: &BenchCollectivesArgs) -> Result<()> {
     let (sizes, memcpy) = sizes_and_memcpy(args)?;
     let lead = group.rank() == 0;
     if lead {
+        if args.hierarchical {
+            println!("{}", describe_hosts(group.as_ref()));
+        }
         print_header();
+    }
+    if args.hierarchical {
+        // Size by size, so the rows appear as they are measured.
+        for (i, &bytes) in sizes.iter().enumerate() {
+            let rows = compare_hierarchical(&group, "mpi", &[bytes], &memcpy[i..], args)?;
+            if lead {
+                report_comparison(&rows, args.rounds, args.json.as_ref())?;
+            }
+        }
+        return Ok(());
     }
     for &op in &args.ops {
         // Size by size, our call then the raw MPI call, so both see the same load.

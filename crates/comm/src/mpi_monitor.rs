@@ -11,6 +11,10 @@
 //!   number) and whether it has left it. The rank's monitor thread sends changes every
 //!   [`REPORT_INTERVAL`]; collectives only update an uncontended mutex, because a
 //!   socket write per collective would cost as much as a small MPI all-reduce.
+//! * **Heartbeat.** With nothing to report a rank still sends `beat` every
+//!   [`BEAT_INTERVAL`]. A stopped (SIGSTOP) or cut-off rank keeps its socket open, so it
+//!   never "dies" for the hub; its silence ([`SILENT_AFTER`]) names it instead, even when it
+//!   had already entered the collective the others time out in.
 //! * **How it stopped.** `panicked` (from the panic hook, after sending the exact
 //!   position), `failed` (an error given to `MpiWorld::abort_with_error`), `exited`
 //!   (clean shutdown, acknowledged by the hub). A connection that closes without one
@@ -33,7 +37,7 @@
 //!
 //! ```text
 //! rank → hub   hello TOKEN RANK | group ID KEY NAME | at ID OP SEQ DONE
-//!              panicked MSG | failed MSG | exited | query QID KEY
+//!              panicked MSG | failed MSG | exited | query QID KEY | beat
 //! hub → rank   stopped RANK KIND DESCRIPTION (KEY SEQ)*    (to every rank)
 //!              reply QID (RANK SEQ NOTE)* | bye | all-exited
 //! ```
@@ -53,6 +57,14 @@ pub(crate) const ALL_ENTERED: &str = "all members entered it";
 /// How often a rank's position changes reach the hub, so how stale the "last seen"
 /// position of a killed rank may be.
 const REPORT_INTERVAL: Duration = Duration::from_millis(20);
+/// A rank with nothing to report still tells the hub it is alive this often. A process
+/// that is stopped (SIGSTOP, a debugger) or cut off (its host's link went down) keeps its
+/// socket open, so only its silence tells the hub it is gone.
+const BEAT_INTERVAL: Duration = Duration::from_millis(200);
+/// Silence after which the hub calls a connected rank unresponsive in its answers.
+const SILENT_AFTER: Duration = Duration::from_millis(1500);
+/// How the hub's note on an unresponsive rank begins.
+const SILENT_NOTE: &str = "has sent nothing for";
 /// Longest wait for the hub's answer to a query or to `exited`. A timed-out
 /// collective spends at most this on top of its timeout before the job is aborted.
 const REPLY_WAIT: Duration = Duration::from_millis(300);
@@ -248,6 +260,8 @@ pub(crate) struct Monitor {
     /// Called when a peer stopped (wakes the watchdog of blocked collectives).
     waker: OnceLock<Box<dyn Fn() + Send + Sync>>,
     panic_message: Mutex<Option<String>>,
+    /// When this rank last wrote to the hub (for the heartbeat).
+    last_write: Mutex<Instant>,
 }
 
 impl fmt::Debug for Monitor {
@@ -342,6 +356,7 @@ impl Monitor {
             any_stopped: AtomicBool::new(false),
             waker: OnceLock::new(),
             panic_message: Mutex::new(None),
+            last_write: Mutex::new(Instant::now()),
         });
         let weak = Arc::downgrade(&monitor);
         std::thread::Builder::new()
@@ -384,10 +399,16 @@ impl Monitor {
             }
         }
         text.push_str(message);
+        let mut last_write = lock(&self.last_write);
+        if text.is_empty() && last_write.elapsed() >= BEAT_INTERVAL {
+            text.push_str("beat\n");
+        }
         if !text.is_empty() {
             // A failed write means the hub is gone; the monitor thread notices that.
             let _ = lock(&self.writer).write_all(text.as_bytes());
+            *last_write = Instant::now();
         }
+        drop(last_write);
         drop(tracks);
     }
 
@@ -540,11 +561,20 @@ impl Monitor {
         };
         let others =
             |report: &&PeerReport| report.rank != self.rank && track.members.contains(&report.rank);
-        let absent: Vec<&PeerReport> = reports
+        let mut absent: Vec<&PeerReport> = reports
             .iter()
             .filter(others)
             .filter(|r| r.reached < seq)
             .collect();
+        // Every member entered it, but some have gone silent since (stopped, or cut off by
+        // the network): those are the ones the collective waits for.
+        if absent.is_empty() {
+            absent = reports
+                .iter()
+                .filter(others)
+                .filter(|r| r.note.starts_with(SILENT_NOTE))
+                .collect();
+        }
         // If every member entered it, the ranks' positions are the useful part.
         let described = if absent.is_empty() {
             reports.iter().filter(others).collect()
@@ -695,6 +725,8 @@ struct RankRecord {
     /// The `stopped` line sent to the peers, kept for ranks that connect later (a rank can
     /// fail before a slower peer's connection reaches the hub).
     stop_notice: Option<String>,
+    /// When the hub last heard from the rank (any line, heartbeats included).
+    last_heard: Option<Instant>,
 }
 
 impl RankRecord {
@@ -826,6 +858,7 @@ impl Hub {
     fn handle(&self, rank: usize, line: &str) {
         let fields: Vec<&str> = line.split('\t').collect();
         let mut ranks = lock(&self.ranks);
+        ranks[rank].last_heard = Some(Instant::now());
         match fields[0] {
             "group" => {
                 let (Some(id), Some(key), Some(name)) =
@@ -879,8 +912,19 @@ impl Hub {
                 };
                 let mut reply = format!("reply\t{query}");
                 for (r, record) in ranks.iter().enumerate() {
+                    let silent = record
+                        .last_heard
+                        .map(|heard| heard.elapsed())
+                        .filter(|silence| *silence >= SILENT_AFTER && !record.stopped);
                     let note = if !record.connected {
                         "is not connected to the failure monitor".to_string()
+                    } else if let Some(silence) = silent {
+                        format!(
+                            "{SILENT_NOTE} {:.1} s (stopped, stuck outside the program, or cut \
+                             off from the network); last seen {}",
+                            silence.as_secs_f64(),
+                            record.position()
+                        )
                     } else {
                         format!("last seen {}", record.position())
                     };
@@ -1030,6 +1074,35 @@ mod tests {
             .starts_with("rank 2 died"));
         assert!(woken.load(Ordering::SeqCst), "the waker was not called");
         assert!(monitors[0].stopped_rank(1).is_none());
+    }
+
+    #[test]
+    fn a_silent_rank_inside_the_collective_is_named_by_its_silence() {
+        let monitors = job(3);
+        let tracks = world(&monitors);
+        let _inside: Vec<_> = tracks.iter().map(|t| t.enter("all_reduce", 1)).collect();
+        wait_for("every rank's position", || {
+            let missing = monitors[0].missing_ranks(&tracks[0], 1)?;
+            missing.ranks.is_empty().then_some(())
+        });
+        // Rank 2 is stopped (SIGSTOP) or cut off: its socket stays open, it only says nothing
+        // more (holding its writer's lock freezes its reports and heartbeats).
+        let frozen = lock(&monitors[2].writer);
+        let missing = wait_for("rank 2's silence", || {
+            let missing = monitors[0].missing_ranks(&tracks[0], 1)?;
+            (missing.ranks == vec![2]).then_some(missing)
+        });
+        assert!(
+            missing.note.starts_with("rank 2 has sent nothing for")
+                && missing
+                    .note
+                    .ends_with("last seen in all_reduce #1 on group 'world'"),
+            "{}",
+            missing.note
+        );
+        // Rank 1 keeps beating and is not named.
+        assert!(!missing.note.contains("rank 1"), "{}", missing.note);
+        drop(frozen);
     }
 
     #[test]

@@ -65,6 +65,9 @@ fn allreduce_figures(workers: usize, large: usize) -> Result<(f64, f64)> {
         warmup: 3,
         json: None,
         raw_mpi: false,
+        hierarchical: false,
+        ranks_per_host: 0,
+        rounds: 1,
     };
     let sizes = vec![4096, large];
     let memcpy = vec![0.0, 0.0];
@@ -135,6 +138,9 @@ fn measured_step(run: &ScalingRun) -> MeasuredStep {
         optimizer_s: run.optimizer_ms / 1e3,
         step_s: Some(run.step_ms / 1e3),
         samples_per_step: Some(run.global_batch as f64),
+        // Calibration runs are threads of this one process.
+        hosts: Some(1),
+        grad_reduce: None,
     }
 }
 
@@ -156,6 +162,8 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         allreduce_bus_bandwidth_gbps: Some(busbw),
         allreduce_latency_us: Some(latency),
         kernel_overhead_us: Some(overhead),
+        inter_node_bandwidth_gbps: None,
+        inter_node_latency_us: None,
     };
     let bench_toml = toml::to_string(&measurements)?;
     print!("{bench_toml}");
@@ -302,6 +310,8 @@ fn throughput_step(
         optimizer_s: run.optimizer_ms / 1e3,
         step_s: Some(run.step_ms / 1e3),
         samples_per_step: Some(global_batch as f64),
+        hosts: Some(1),
+        grad_reduce: None,
     }
 }
 

@@ -8,11 +8,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use meshtrain_nn::models::{GptConfig, LeNetVariant};
 use meshtrain_nn::optim::{OptimizerConfig, ParamGroup, ParamGroups, Selector};
 use meshtrain_parallel::context::CpMode;
-use meshtrain_parallel::data::{DdpConfig, GradCompression};
+use meshtrain_parallel::data::{DdpConfig, GradCompression, GradReduce};
 use meshtrain_parallel::layout::Recompute;
 pub use meshtrain_parallel::parallelize::DpMode;
 use meshtrain_parallel::pipeline::{PartitionSpec, ScheduleKind, SendMode};
-use meshtrain_parallel::precision::{LossScaleConfig, Precision};
+use meshtrain_parallel::precision::{parse_trainer_precision, LossScaleConfig};
 use meshtrain_parallel::zero::ZeroOptions;
 use meshtrain_parallel::{Layout, ParallelOptions};
 use meshtrain_train::{CheckpointFormat, Job, Length, LrSchedule};
@@ -75,6 +75,15 @@ pub struct ParallelConfig {
     /// Overlap each bucket's all-reduce with the rest of backward.
     #[serde(default = "yes")]
     pub overlap: bool,
+    /// DDP's all-reduce: "auto" (hierarchical when the data-parallel group spans several
+    /// hosts with more than one of its ranks on some host), "flat" or "hierarchical"
+    /// (inside each host, then across hosts).
+    #[serde(default)]
+    pub grad_reduce: GradReduce,
+    /// Hosts of this many consecutive ranks: simulated hosts on the threads backend; under
+    /// mpirun it overrides the detected placement. 0: one host (threads), detected (MPI).
+    #[serde(default)]
+    pub ranks_per_host: usize,
     /// Batch-norm statistics over the global batch (SyncBatchNorm) instead of per worker.
     #[serde(default)]
     pub sync_batch_norm: bool,
@@ -155,6 +164,8 @@ impl Default for ParallelConfig {
             first_bucket_mb: 1.0,
             compression: GradCompression::None,
             overlap: true,
+            grad_reduce: GradReduce::Auto,
+            ranks_per_host: 0,
             sync_batch_norm: false,
             pp: 1,
             schedule: default_pipeline_schedule(),
@@ -286,6 +297,10 @@ pub struct TrainConfig {
     /// an index; loads into any layout). See docs/zero.md.
     #[serde(default)]
     pub checkpoint_format: CheckpointFormat,
+    /// Write the every-N-steps checkpoints from an in-memory snapshot on a background
+    /// thread, so training does not wait for the disk (false: write them synchronously).
+    #[serde(default = "yes")]
+    pub checkpoint_background: bool,
 }
 
 fn default_precision() -> String {
@@ -501,7 +516,7 @@ impl Config {
             } else {
                 Recompute::None
             },
-            precision: Precision::parse(&t.precision)
+            precision: parse_trainer_precision(&t.precision)
                 .map_err(|e| anyhow!("train.precision: {e}"))?,
             zero: p.zero,
             ..Layout::default()
@@ -522,6 +537,7 @@ impl Config {
                 first_bucket_mb: p.first_bucket_mb,
                 compression: p.compression,
                 overlap: p.overlap,
+                reduce: p.grad_reduce,
             },
             sync_batch_norm: p.sync_batch_norm,
             partition: p
@@ -542,6 +558,7 @@ impl Config {
             },
             memory_limit_mb: self.train.memory_limit_mb,
             cp_mode: p.cp_mode,
+            ranks_per_host: p.ranks_per_host,
         })
     }
 
@@ -629,6 +646,7 @@ impl Config {
         job.grad_clip = t.grad_clip;
         job.eval_every = t.eval_every;
         job.checkpoint_every = self.checkpoint.every_steps;
+        job.checkpoint_background = t.checkpoint_background;
         job.timeline = self.parallel.timeline.clone();
         if let Some(secs) = self.parallel.timeout_s {
             job.timeout = Duration::from_secs_f64(secs);

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use meshtrain::bench::{run_models, BenchModelsArgs};
 use meshtrain::config::Config;
 use meshtrain::presets::Task;
+use meshtrain::train_cli::TrainArgs;
 use meshtrain_train::RunOptions;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -35,6 +36,10 @@ enum Command {
     Plan(meshtrain_plan::cli::PlanArgs),
     /// Draw a run's training curves (loss, accuracy or unigram baseline) into a PNG.
     Plot(meshtrain::plot::PlotArgs),
+    /// Run a training job under mpirun and restart it from its last checkpoint when a
+    /// worker dies, hangs or loses its link (same world or a smaller one):
+    /// `meshtrain launch --np 4 --max-restarts 2 -- --config configs/gpt.toml`.
+    Launch(meshtrain::launch::LaunchArgs),
     /// Inspect or convert sharded checkpoints (written under ZeRO, or with
     /// train.checkpoint_format = "sharded").
     #[command(subcommand)]
@@ -56,63 +61,6 @@ enum CheckpointCommand {
         /// The file to write, e.g. checkpoint.safetensors.
         out: PathBuf,
     },
-}
-
-#[derive(clap::Args)]
-struct TrainArgs {
-    /// Config file, e.g. configs/lenet.toml.
-    #[arg(long, default_value = "configs/lenet.toml")]
-    config: PathBuf,
-    /// Override a config value: --set train.batch_size=128 (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    overrides: Vec<String>,
-    /// Resume from a checkpoint of the same model (default: none).
-    #[arg(long)]
-    resume: Option<PathBuf>,
-    /// Start from a checkpoint's weights with a fresh optimizer at step 0 (fine-tuning; the
-    /// checkpoint may come from another model configuration whose tensors match).
-    #[arg(long, value_name = "CHECKPOINT", conflicts_with = "resume")]
-    init_from: Option<PathBuf>,
-    /// A layout, e.g. "dp=2,pp=2,mb=4,schedule=1f1b" or what `meshtrain plan` printed; the
-    /// keys it names override the config's (same as --set parallel.layout=...).
-    #[arg(long)]
-    layout: Option<String>,
-    /// Data-parallel workers (threads of this process; under mpirun the MPI world size).
-    /// Same as --set parallel.dp=N.
-    #[arg(long)]
-    dp: Option<usize>,
-    /// How replicas synchronise: ddp (bucketed all-reduce overlapped with backward) or
-    /// single-master (scatter / gather to rank 0 / broadcast, like nn.DataParallel).
-    #[arg(long, value_parser = ["ddp", "single-master"])]
-    dp_mode: Option<String>,
-    /// Pipeline stages: the model is cut into P stages on P workers (world = dp × tp × pp).
-    /// Same as --set parallel.pp=P.
-    #[arg(long)]
-    pp: Option<usize>,
-    /// Tensor-parallel workers: each GPT layer is split over T workers (Megatron-style;
-    /// world = dp × tp × pp). Same as --set parallel.tp=T; --set
-    /// parallel.sequence_parallel=true adds sequence parallelism.
-    #[arg(long)]
-    tp: Option<usize>,
-    /// Context-parallel workers: each sequence is spread over C workers (GPT only; world =
-    /// dp × tp × pp × cp). Same as --set parallel.cp=C; --set parallel.cp_mode="ulysses"
-    /// picks Ulysses over the default ring attention.
-    #[arg(long)]
-    cp: Option<usize>,
-    /// Matrix products in fp32, bf16 or fp16 (mixed precision with f32 master weights; fp16
-    /// adds dynamic loss scaling). Same as --set train.precision=P.
-    #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
-    precision: Option<String>,
-    /// Pipeline schedule: gpipe, 1f1b or interleaved[:V] (V chunks per worker, default 2).
-    #[arg(long)]
-    schedule: Option<String>,
-    /// Micro-batches per step and data-parallel replica (pipeline runs).
-    #[arg(long)]
-    micro_batches: Option<usize>,
-    /// Write a Chrome trace of the last step to FILE.json (open it in
-    /// https://ui.perfetto.dev) and a PNG of it next to it.
-    #[arg(long, value_name = "FILE.json")]
-    timeline: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -147,38 +95,7 @@ enum BenchCommand {
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
-    let mut overrides = args.overrides.clone();
-    if let Some(dp) = args.dp {
-        overrides.push(format!("parallel.dp={dp}"));
-    }
-    if let Some(mode) = &args.dp_mode {
-        overrides.push(format!("parallel.dp_mode=\"{mode}\""));
-    }
-    if let Some(pp) = args.pp {
-        overrides.push(format!("parallel.pp={pp}"));
-    }
-    if let Some(tp) = args.tp {
-        overrides.push(format!("parallel.tp={tp}"));
-    }
-    if let Some(cp) = args.cp {
-        overrides.push(format!("parallel.cp={cp}"));
-    }
-    if let Some(precision) = &args.precision {
-        overrides.push(format!("train.precision={}", toml_string(precision)));
-    }
-    if let Some(schedule) = &args.schedule {
-        overrides.push(format!("parallel.schedule={}", toml_string(schedule)));
-    }
-    if let Some(m) = args.micro_batches {
-        overrides.push(format!("parallel.micro_batches={m}"));
-    }
-    if let Some(path) = &args.timeline {
-        let path = path.to_string_lossy();
-        overrides.push(format!("parallel.timeline={}", toml_string(&path)));
-    }
-    if let Some(layout) = &args.layout {
-        overrides.push(format!("parallel.layout={}", toml_string(layout)));
-    }
+    let overrides = args.overrides();
     let cfg = Config::load(&args.config, &overrides)?;
     let task = Task::load(&cfg)?;
     let job = cfg.job(&task)?;
@@ -217,11 +134,6 @@ fn train(args: &TrainArgs) -> Result<()> {
         println!("peak memory {rss:.0} MiB (the largest process)");
     }
     Ok(())
-}
-
-/// `s` as a TOML string literal (so no value is mistaken for a number or a table).
-fn toml_string(s: &str) -> String {
-    toml::Value::String(s.to_string()).to_string()
 }
 
 /// Errors are the user's to read (a bad config, a missing file, a dead worker): print the
@@ -267,6 +179,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Context(a)) => meshtrain::context_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
+        Command::Launch(a) => meshtrain::launch::run(&a),
         Command::Checkpoint(c) => checkpoint(c),
     }
 }

@@ -249,7 +249,8 @@ impl Layout {
                 "sp" => layout.sp = parse_flag(&value).map_err(bad)?,
                 "recompute" => layout.recompute = Recompute::parse(&value).map_err(bad)?,
                 "precision" => {
-                    layout.precision = Precision::parse(&value).map_err(|e| bad(e.to_string()))?
+                    layout.precision =
+                        crate::precision::parse_trainer_precision(&value).map_err(bad)?
                 }
                 "schedule" => one_f_one_b = Some(value == "1f1b"),
                 other => return Err(bad(format!("unknown key `{other}`"))),

@@ -54,8 +54,8 @@
 use crate::context::{CpContext, CpMode};
 pub use crate::data::DpMode;
 use crate::data::{
-    grad_sync, CommTiming, DataParallel, DataParallelConfig, DdpConfig, GradSync,
-    GroupStatsReducer, ShareShape, SyncHooks,
+    grad_sync, CommTiming, DataParallel, DataParallelConfig, DataParallelError, DdpConfig,
+    GradReduce, GradSync, GroupStatsReducer, ShareShape, SyncHooks,
 };
 use crate::layout::{Recompute, ResolvedLayout};
 use crate::pipeline::{
@@ -68,7 +68,7 @@ use crate::tied::TiedGrads;
 use crate::timeline::{Category, Timeline};
 use crate::zero::{FullState, ZeroOptions, ZeroStage, ZeroSync};
 use crate::{Batch, ParallelError};
-use meshtrain_comm::{BufMut, DeviceMesh, MeshAxis, ProcessGroup, ReduceOp};
+use meshtrain_comm::{BufMut, DeviceMesh, GroupHosts, MeshAxis, ProcessGroup, ReduceOp};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, ParamGroups};
 use meshtrain_nn::{Loss, LossValue, Model, ParamStore, ShardSpec};
 use serde::Serialize;
@@ -103,6 +103,10 @@ pub struct ParallelOptions {
     /// Refuse the layout when a worker's model states would exceed this many MiB
     /// ([`crate::memory::check_limit`]), before any parameter is allocated.
     pub memory_limit_mb: Option<f64>,
+    /// Hosts of this many consecutive ranks (0: as the backend knows them): simulates hosts
+    /// on the threads backend, overrides MPI's detected placement. Read by the launcher,
+    /// which builds the world's `CommConfig`; parallelize goes by the world's placement.
+    pub ranks_per_host: usize,
 }
 
 /// What the model is trained with (the parts of a step that are not about parallelism).
@@ -329,6 +333,26 @@ pub fn parallelize(
             .ranks_sharing(world.rank(), &[MeshAxis::Pp, MeshAxis::Tp])?;
         world.new_named_subgroup(&members, &format!("dp-cp{members:?}"))?
     };
+
+    // Placement, before any work: tensor-parallel groups inside a host, and a hierarchical
+    // reduction only over hosts holding equal numbers of the data-parallel group's ranks.
+    let hosts = &world.config().hosts;
+    crate::tensor::check_within_hosts(mesh.layout(), world.global_ranks(), hosts)?;
+    if options.ddp.reduce == GradReduce::Hierarchical {
+        if options.dp_mode != DpMode::Ddp || l.zero > 0 {
+            return Err(DataParallelError::Config(
+                "parallel.grad_reduce = \"hierarchical\" is DDP's bucket all-reduce; use it \
+                 with dp_mode = \"ddp\" and zero = 0"
+                    .into(),
+            )
+            .into());
+        }
+        options
+            .ddp
+            .reduce
+            .is_hierarchical(&GroupHosts::of(data.as_ref()), data.name())
+            .map_err(DataParallelError::Config)?;
+    }
 
     // Context parallelism's conditions are on the whole model (heads before the split).
     let cp_check = |cp| crate::context::check(model, cp, options.cp_mode, options.dp_mode, l.tp);
@@ -835,6 +859,12 @@ impl Parallel {
             correct: (!v[2].is_nan()).then_some(v[2]),
             samples: v[3],
         })
+    }
+
+    /// How the gradients are synchronised (`ddp`, `ddp, hierarchical all-reduce`, `zero-2`,
+    /// …), as the run's description names it.
+    pub fn grad_sync_name(&self) -> &'static str {
+        self.sync.name()
     }
 
     /// One line on how the model is laid out, for the start of a run.

@@ -27,11 +27,26 @@ use std::sync::Arc;
 
 pub use meshtrain_plan::cluster::Precision;
 
-/// The input type of a precision's matrix products.
+/// A precision the trainer runs: fp32, bf16 or fp16. The planner also models fp8 GEMMs for
+/// GPU clusters, which the trainer's kernels do not have, so fp8 is refused here with a
+/// message that says so.
+pub fn parse_trainer_precision(text: &str) -> Result<Precision, String> {
+    match Precision::parse(text).map_err(|e| e.to_string())? {
+        Precision::Fp8 => Err(format!(
+            "`{text}`: the trainer computes in fp32, bf16 or fp16; fp8 is a planner option \
+             (`meshtrain plan --precision fp8`) for GPU clusters with fp8 tensor cores"
+        )),
+        precision => Ok(precision),
+    }
+}
+
+/// The input type of a precision's matrix products. fp8, which the trainer refuses at parse
+/// time ([`parse_trainer_precision`]), would run as bf16: its layers keep bf16 operands
+/// outside the GEMMs.
 pub fn product_dtype(precision: Precision) -> DType {
     match precision {
         Precision::Fp32 => DType::F32,
-        Precision::Bf16 => DType::BF16,
+        Precision::Bf16 | Precision::Fp8 => DType::BF16,
         Precision::Fp16 => DType::F16,
     }
 }

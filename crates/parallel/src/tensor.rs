@@ -27,7 +27,10 @@
 //! whole tensor it is), and the trainer gathers and splits by it.
 
 use crate::pipeline::StageChunk;
-use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, ReduceOp, Work};
+use meshtrain_comm::{
+    BufMut, BufRef, CommError, HostPlacement, MeshAxis, MeshLayout, ProcessGroup, RawBuf, ReduceOp,
+    Work,
+};
 use meshtrain_nn::layers::Linear;
 use meshtrain_nn::loss::{LossError, LossValue};
 use meshtrain_nn::models::gpt;
@@ -55,6 +58,60 @@ pub enum TensorError {
     },
     #[error("sequence parallelism needs the tokens per sample (the model's declared input)")]
     NoSequence,
+    #[error(
+        "tp={tp} must stay inside a host (tensor parallelism exchanges activations in every \
+         layer), but the hosts hold {per_host} ranks and the tensor-parallel group of ranks \
+         {ranks} spans {hosts} of them: use a tp that divides the ranks per host"
+    )]
+    AcrossHosts {
+        tp: usize,
+        /// Ranks per host, e.g. `2` or `2, 2, 1` when uneven.
+        per_host: String,
+        ranks: String,
+        hosts: usize,
+    },
+}
+
+/// Checks that every tensor-parallel group of the mesh `layout` (over `world_ranks`, the
+/// world ranks of the mesh's ranks) lies on one host of `hosts`. The mesh puts tp innermost,
+/// so with hosts of consecutive ranks this holds exactly when tp divides the ranks per host.
+pub fn check_within_hosts(
+    layout: &MeshLayout,
+    world_ranks: &[usize],
+    hosts: &HostPlacement,
+) -> Result<(), TensorError> {
+    let tp = layout.size(MeshAxis::Tp);
+    if tp == 1 {
+        return Ok(());
+    }
+    let to_world =
+        |members: &[usize]| -> Vec<usize> { members.iter().map(|&r| world_ranks[r]).collect() };
+    for rank in 0..layout.world_size() {
+        let members = layout
+            .axis_ranks(rank, MeshAxis::Tp)
+            .expect("rank inside the mesh");
+        let spread = hosts.group_hosts(&to_world(&members));
+        if spread.num_hosts() > 1 {
+            let all: Vec<usize> = (0..layout.world_size()).collect();
+            let per_host = hosts.group_hosts(&to_world(&all));
+            let counts = match per_host.uniform_ranks_per_host() {
+                Some(n) => n.to_string(),
+                None => per_host
+                    .members
+                    .iter()
+                    .map(|m| m.len().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            };
+            return Err(TensorError::AcrossHosts {
+                tp,
+                per_host: counts,
+                ranks: format!("{:?}", to_world(&members)),
+                hosts: spread.num_hosts(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// One worker's tensor-parallel setting.

@@ -69,6 +69,7 @@ fn run(compression: GradCompression, blocks_from: usize) -> (Vec<Vec<f32>>, Vec<
             first_bucket_mb: 0.005,
             compression,
             overlap: true,
+            ..DdpConfig::default()
         };
         let mut ddp = Ddp::new(&m, group.clone(), cfg).map_err(|e| e.to_string())?;
         assert!(ddp.buckets().len() > 2, "test wants several buckets");

@@ -66,7 +66,8 @@ impl Measurements {
                 c.peak_tflops.bf16 *= scale;
                 c.peak_tflops.fp16 *= scale;
             }
-            c.gemm_efficiency = g / (c.peak_tflops.fp32 * 1e3);
+            // (min: the rescaled peak can round a hair below the measured rate.)
+            c.gemm_efficiency = (g / (c.peak_tflops.fp32 * 1e3)).min(1.0);
         }
         if let Some(bw) = self.memory_bandwidth_gbps {
             c.memory_bandwidth_gbps = bw;

@@ -139,6 +139,21 @@ pub struct ClusterSpec {
     /// clusters) gives all its ranks' cross-node traffic one link.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nics_per_node: Option<u64>,
+    /// Whether communication can run beside compute without taking its processor. GPUs move
+    /// data with copy engines, NICs and a few SMs, so a collective hides under backward
+    /// (default true). CPU workers with no core to spare (as many ranks as cores, or more) run
+    /// the transport's progress, the copies and the reductions on the cores that compute:
+    /// whatever a collective takes is added to the step, overlapped or not.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub comm_overlaps_compute: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(value: &bool) -> bool {
+    *value
 }
 
 impl ClusterSpec {
@@ -464,6 +479,13 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("nics_per_node"));
+        // Four ranks on two cores: nothing hides (the flag is read from the file).
+        assert!(!c.comm_overlaps_compute);
+        assert!(
+            presets::cluster("h100-sxm-80gb")
+                .unwrap()
+                .comm_overlaps_compute
+        );
         // With a card per GPU (DGX), NCCL's flat rings already use every card: hierarchical
         // only adds the intra-node phases.
         let dgx = presets::cluster("h100-sxm-80gb")

@@ -991,6 +991,10 @@ impl Problem {
     ) -> (f64, f64, f64, GroupLink) {
         let (exposed, hidden, covered, link) =
             self.data_parallel_collectives(params, layout, microbatches, last_backward, units);
+        if !self.cluster.comm_overlaps_compute {
+            // No spare processor: the overlapped part costs its full time too.
+            return (exposed + hidden, 0.0, covered, link);
+        }
         (
             exposed + self.overlap_contention(hidden, link),
             hidden,
@@ -1928,6 +1932,42 @@ mod tests {
         assert!(eager.time.step_s > fused.time.step_s);
         assert!(eager.time.step_s < 1.5 * fused.time.step_s);
         assert_eq!(eager.memory.total(), fused.memory.total());
+    }
+
+    #[test]
+    fn without_a_spare_core_overlapped_communication_is_paid_in_full() {
+        let cluster =
+            ClusterSpec::from_toml(include_str!("../presets/examples/cpu-2-hosts.toml")).unwrap();
+        let layout = Layout::parse("dp=4,mb=8").unwrap();
+        let run = |overlaps: bool| {
+            let mut c = cluster.clone();
+            c.comm_overlaps_compute = overlaps;
+            let p = Problem::new(
+                presets::model("gpt").unwrap(),
+                c,
+                TrainingSetup::new(32, Precision::Fp32),
+            )
+            .unwrap();
+            p.evaluate(&layout).unwrap()
+        };
+        let (gpu_like, cpu) = (run(true), run(false));
+        assert!(gpu_like.time.dp_hidden_s > 0.0);
+        assert_eq!(cpu.time.dp_hidden_s, 0.0);
+        // The whole all-reduce is exposed: what was hidden joins the exposed time (the
+        // contention charge of hiding is not paid on top).
+        let contention = gpu_like.time.dp_exposed_s
+            - (all_reduce_time(13_293_568.0, 4, cluster.group_link(4, 1))
+                - gpu_like.time.dp_hidden_s);
+        assert!(
+            (cpu.time.dp_exposed_s
+                - (gpu_like.time.dp_exposed_s - contention + gpu_like.time.dp_hidden_s))
+                .abs()
+                < 1e-9,
+            "{} vs {}",
+            cpu.time.dp_exposed_s,
+            gpu_like.time.dp_exposed_s + gpu_like.time.dp_hidden_s
+        );
+        assert!(cpu.time.step_s > gpu_like.time.step_s);
     }
 
     #[test]

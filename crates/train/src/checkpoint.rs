@@ -4,16 +4,21 @@
 //!
 //! Writing is atomic: a temporary file in the same directory, fsync, rename, fsync of the
 //! directory — a crash leaves the previous checkpoint or the new one, never a torn file (a
-//! stale temporary file from a crash is removed by the next run). Reading trusts nothing:
+//! stale temporary file from a crash is removed by the next run). A [`Snapshot`] is what a
+//! save writes, borrowed from the training state (a synchronous save copies nothing) or
+//! owned (`into_owned`: a background writer's copy, so training goes on while it is
+//! written, see [`crate::writer`]). Reading trusts nothing:
 //! a truncated or foreign file, a tensor of the wrong shape, non-finite values, or a
 //! checkpoint of another model are errors that name the file.
 
+use crate::dataset::SamplerPosition;
 use anyhow::{bail, Context, Result};
 use meshtrain_nn::optim::Optimizer;
 use meshtrain_nn::{Model, ParamStore};
 use meshtrain_parallel::precision::LossScaler;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -32,6 +37,8 @@ pub struct TrainState<'a> {
     pub config: &'a str,
     /// fp16's dynamic loss scale, so a resumed run continues with the same scale.
     pub loss_scaler: Option<LossScaler>,
+    /// Where the data sampler stands (checked on resume).
+    pub sampler: Option<SamplerPosition>,
 }
 
 /// What [`load`] restored.
@@ -43,6 +50,8 @@ pub struct Restored {
     pub model_description: String,
     /// The fp16 loss scaler's state, if the run that wrote it had one.
     pub loss_scaler: Option<LossScaler>,
+    /// The data sampler's position it records (checkpoints before it was recorded: none).
+    pub sampler: Option<SamplerPosition>,
 }
 
 /// How much of a checkpoint to restore.
@@ -66,45 +75,90 @@ pub fn temporary_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-pub fn save(path: &Path, state: &TrainState) -> Result<()> {
-    let model = state.model;
-    let mut views: Vec<(String, TensorView)> = Vec::new();
-    for (i, e) in model.params().iter().enumerate() {
-        // A tied copy is its primary: stored once.
-        if model.tied_primary(i).is_none() {
-            views.push((
-                format!("param.{}", e.name),
-                view(&state.store.values[e.range.clone()], e.shape.clone()),
+/// What a checkpoint file holds: its tensors and metadata, borrowed from the training state
+/// or owned by a background writer.
+pub struct Snapshot<'a> {
+    tensors: Vec<(String, Vec<usize>, Cow<'a, [f32]>)>,
+    metadata: HashMap<String, String>,
+}
+
+impl<'a> Snapshot<'a> {
+    /// The checkpoint of `state`, borrowing its values.
+    pub fn of(state: &'a TrainState) -> Result<Snapshot<'a>> {
+        let model = state.model;
+        let mut tensors = Vec::new();
+        for (i, e) in model.params().iter().enumerate() {
+            // A tied copy is its primary: stored once.
+            if model.tied_primary(i).is_none() {
+                let values = &state.store.values[e.range.clone()];
+                tensors.push((format!("param.{}", e.name), e.shape.clone(), values.into()));
+            }
+        }
+        for e in model.buffers() {
+            let values = &state.store.buffers[e.range.clone()];
+            tensors.push((format!("buffer.{}", e.name), e.shape.clone(), values.into()));
+        }
+        let opt = state.optimizer;
+        tensors.push((
+            "optimizer.m".into(),
+            vec![opt.m.len()],
+            opt.m.as_slice().into(),
+        ));
+        if !opt.v.is_empty() {
+            tensors.push((
+                "optimizer.v".into(),
+                vec![opt.v.len()],
+                opt.v.as_slice().into(),
             ));
         }
+        let mut metadata: HashMap<String, String> = [
+            ("format".to_string(), FORMAT.to_string()),
+            ("step".to_string(), state.step.to_string()),
+            ("optimizer_step".to_string(), opt.step.to_string()),
+            ("model".to_string(), state.model_description.to_string()),
+            ("config".to_string(), state.config.to_string()),
+        ]
+        .into();
+        if let Some(scaler) = &state.loss_scaler {
+            metadata.insert("loss_scaler".into(), serde_json::to_string(scaler)?);
+        }
+        if let Some(sampler) = &state.sampler {
+            metadata.insert("sampler".into(), serde_json::to_string(sampler)?);
+        }
+        Ok(Snapshot { tensors, metadata })
     }
-    for e in model.buffers() {
-        views.push((
-            format!("buffer.{}", e.name),
-            view(&state.store.buffers[e.range.clone()], e.shape.clone()),
-        ));
+
+    /// A copy that owns its values (the copy is what a background save costs the training
+    /// thread).
+    pub fn into_owned(self) -> Snapshot<'static> {
+        Snapshot {
+            tensors: (self.tensors.into_iter())
+                .map(|(name, shape, values)| (name, shape, Cow::Owned(values.into_owned())))
+                .collect(),
+            metadata: self.metadata,
+        }
     }
-    let opt = state.optimizer;
-    views.push(("optimizer.m".into(), view(&opt.m, vec![opt.m.len()])));
-    if !opt.v.is_empty() {
-        views.push(("optimizer.v".into(), view(&opt.v, vec![opt.v.len()])));
+
+    /// Writes the checkpoint file atomically at `path`, streamed (no serialised copy).
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let views: Vec<(&str, TensorView)> = (self.tensors.iter())
+            .map(|(name, shape, values)| (name.as_str(), view(values, shape.clone())))
+            .collect();
+        replace_atomically(path, |tmp| {
+            safetensors::serialize_to_file(views, &Some(self.metadata.clone()), tmp)
+                .with_context(|| format!("writing {}", tmp.display()))
+        })
     }
-    let mut metadata: HashMap<String, String> = [
-        ("format".to_string(), FORMAT.to_string()),
-        ("step".to_string(), state.step.to_string()),
-        ("optimizer_step".to_string(), opt.step.to_string()),
-        ("model".to_string(), state.model_description.to_string()),
-        ("config".to_string(), state.config.to_string()),
-    ]
-    .into();
-    if let Some(scaler) = &state.loss_scaler {
-        metadata.insert("loss_scaler".into(), serde_json::to_string(scaler)?);
+
+    /// The bytes of tensor data.
+    pub fn data_bytes(&self) -> usize {
+        self.tensors.iter().map(|(_, _, v)| 4 * v.len()).sum()
     }
-    // Streamed into the temporary file (no serialised copy of the model in memory).
-    replace_atomically(path, |tmp| {
-        safetensors::serialize_to_file(views, &Some(metadata), tmp)
-            .with_context(|| format!("writing {}", tmp.display()))
-    })
+}
+
+/// Writes `state`'s checkpoint at `path` (atomically, without copying the state).
+pub fn save(path: &Path, state: &TrainState) -> Result<()> {
+    Snapshot::of(state)?.write(path)
 }
 
 /// Replaces `path` by the file `write` creates at the temporary path it is given: `write`,
@@ -212,6 +266,7 @@ pub fn load(
             step: 0,
             model_description: saved_model,
             loss_scaler: None,
+            sampler: None,
         });
     }
     optimizer.m = read_f32(&st, "optimizer.m", &[optimizer.m.len()], path)?;
@@ -228,10 +283,20 @@ pub fn load(
         })?),
         None => None,
     };
+    let sampler = match meta.get("sampler") {
+        Some(text) => Some(serde_json::from_str(text).with_context(|| {
+            format!(
+                "checkpoint {}: its sampler entry is corrupt: {text}",
+                path.display()
+            )
+        })?),
+        None => None,
+    };
     Ok(Restored {
         step: number("step")?,
         model_description: saved_model,
         loss_scaler,
+        sampler,
     })
 }
 

@@ -69,6 +69,96 @@ pub enum Sampling {
     Random,
 }
 
+/// Where the training sampler stands after some steps: stored in every checkpoint and checked
+/// on resume. The samples of step `s` are a pure function of the sampling, the seed, the
+/// dataset's size and the global batch (not of the world: the replicas' shares of a step
+/// always join to the same global batch); a resumed run whose settings changed any of them
+/// would silently train on another stream, so a mismatch is an error, not a warning.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SamplerPosition {
+    /// `"epochs"` or `"random"` ([`Sampling`]).
+    pub sampling: String,
+    pub seed: u64,
+    pub dataset_len: usize,
+    pub global_batch: usize,
+    /// Samples drawn so far over all replicas (steps × global batch).
+    pub samples_consumed: u64,
+    /// The epoch the next step draws from, and how many of its samples were drawn
+    /// (epochs only; 0 for random draws).
+    pub epoch: u64,
+    pub samples_into_epoch: u64,
+}
+
+impl SamplerPosition {
+    /// The position after `steps` steps of global batch `global_batch` (`steps_per_epoch`:
+    /// whole batches per epoch, unused for random draws).
+    pub fn after(
+        steps: u64,
+        sampling: Sampling,
+        seed: u64,
+        dataset_len: usize,
+        global_batch: usize,
+        steps_per_epoch: u64,
+    ) -> SamplerPosition {
+        let (name, epoch, into) = match sampling {
+            Sampling::Epochs if steps_per_epoch > 0 => (
+                "epochs",
+                steps / steps_per_epoch,
+                (steps % steps_per_epoch) * global_batch as u64,
+            ),
+            Sampling::Epochs => ("epochs", 0, 0),
+            Sampling::Random => ("random", 0, 0),
+        };
+        SamplerPosition {
+            sampling: name.into(),
+            seed,
+            dataset_len,
+            global_batch,
+            samples_consumed: steps * global_batch as u64,
+            epoch,
+            samples_into_epoch: into,
+        }
+    }
+
+    /// Checks that a run at `self` continues the stream of the checkpoint `file` that
+    /// recorded `saved`: the error names every field that differs.
+    pub fn check_continues(
+        &self,
+        saved: &SamplerPosition,
+        file: &std::path::Path,
+    ) -> anyhow::Result<()> {
+        let fields = |p: &SamplerPosition| {
+            [
+                ("sampling", p.sampling.clone()),
+                ("seed", p.seed.to_string()),
+                ("dataset samples", p.dataset_len.to_string()),
+                ("global batch", p.global_batch.to_string()),
+                ("samples consumed", p.samples_consumed.to_string()),
+                ("epoch", p.epoch.to_string()),
+                ("samples into the epoch", p.samples_into_epoch.to_string()),
+            ]
+        };
+        let differ: Vec<String> = fields(saved)
+            .into_iter()
+            .zip(fields(self))
+            .filter(|(a, b)| a.1 != b.1)
+            .map(|((name, was), (_, now))| {
+                format!("{name} {was} in the checkpoint, {now} in this run")
+            })
+            .collect();
+        anyhow::ensure!(
+            differ.is_empty(),
+            "sampler position mismatch: checkpoint {} was written with the data sampler at a \
+             position this run does not continue from ({}); resuming would train on other \
+             samples than the interrupted run: keep the seed, the dataset and the global batch \
+             (train.batch_size) of the run that wrote it",
+            file.display(),
+            differ.join("; ")
+        );
+        Ok(())
+    }
+}
+
 /// How an evaluation set is visited.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EvalPlan {

@@ -103,6 +103,10 @@ pub struct Job {
     pub eval_every: Option<u64>,
     /// Save a checkpoint every N steps (always at the end).
     pub checkpoint_every: Option<u64>,
+    /// Write the every-N-steps checkpoints on a background thread from an in-memory
+    /// snapshot, so training waits for a memory copy instead of the disk (the final one is
+    /// written before the run returns either way). See [`crate::writer`].
+    pub checkpoint_background: bool,
     /// Metrics, checkpoints and the breakdown go here.
     pub out_dir: PathBuf,
     pub layout: Layout,
@@ -169,6 +173,7 @@ impl Job {
             log_every: 50,
             eval_every: None,
             checkpoint_every: None,
+            checkpoint_background: true,
             out_dir: PathBuf::from("runs/latest"),
             layout: Layout::default(),
             parallel: ParallelOptions::default(),

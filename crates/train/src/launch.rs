@@ -101,7 +101,9 @@ impl Job {
         }
         let job = Arc::new(self);
         let options = options.clone();
-        let config = CommConfig::default().with_timeout(job.timeout);
+        let config = CommConfig::default()
+            .with_timeout(job.timeout)
+            .with_ranks_per_host(job.parallel.ranks_per_host);
         let summaries = ThreadsWorld::run(workers, config, move |group| {
             run_worker(&job, group, None, &options).map_err(|e| format!("{e:#}"))
         })
@@ -207,7 +209,9 @@ fn print_start(t: &Trainer) {
 #[cfg(feature = "mpi")]
 fn run_mpi(mut job: Job, options: &RunOptions) -> Result<Summary> {
     use meshtrain_comm::mpi_backend::MpiWorld;
-    let config = CommConfig::default().with_timeout(job.timeout);
+    let config = CommConfig::default()
+        .with_timeout(job.timeout)
+        .with_ranks_per_host(job.parallel.ranks_per_host);
     let world = MpiWorld::init(config).context("initialising MPI")?;
     let group = world
         .world_group()

@@ -38,9 +38,11 @@ pub mod metrics;
 pub mod sharded;
 pub mod timeline;
 pub mod trainer;
+pub mod writer;
 
 pub use dataset::{
-    BatchMut, Dataset, DatasetError, EvalPlan, ImageData, Inputs, Sampling, TextWindows,
+    BatchMut, Dataset, DatasetError, EvalPlan, ImageData, Inputs, SamplerPosition, Sampling,
+    TextWindows,
 };
 pub use job::{CheckpointFormat, EvalSpec, Job, Length, LrSchedule, ModelFn, DEFAULT_TIMEOUT};
 pub use launch::{launched_by_mpi, RunOptions, TIMEOUT_ENV};

@@ -21,10 +21,23 @@ pub struct Breakdown {
     /// Context-parallel workers per replica (0 or 1 = none).
     pub context: usize,
     pub eval_s: f64,
+    /// Time the training thread spent on checkpoints (all of the write when synchronous).
     pub checkpoint_s: f64,
+    /// Checkpoints saved, and of `checkpoint_s`: snapshotting the state into memory for a
+    /// background write, and waiting for the previous background write to end.
+    pub checkpoints: u64,
+    pub checkpoint_snapshot_s: f64,
+    pub checkpoint_wait_s: f64,
+    /// Time the writer thread spent writing (not training time unless waited for).
+    pub checkpoint_background_s: f64,
     pub steps: u64,
     /// Workers (dp × pp × cp × tp).
     pub workers: usize,
+    /// Hosts the workers run on (1 for the threads backend unless it simulates hosts).
+    pub hosts: usize,
+    /// DDP's all-reduce, `flat` or `hierarchical`; `None` when the gradients are not
+    /// all-reduced by DDP (ZeRO, the single master, one replica).
+    pub grad_reduce: Option<&'static str>,
 }
 
 impl Breakdown {
@@ -97,6 +110,8 @@ impl Breakdown {
             "optimizer_s": self.times.optimizer_s / n,
             "step_s": self.step_s() / n,
             "samples_per_step": samples_per_step as f64,
+            "hosts": self.hosts.max(1),
+            "grad_reduce": self.grad_reduce,
         })
     }
 
@@ -187,7 +202,7 @@ impl Breakdown {
         };
         format!(
             "per step ({layout}): {:.1} ms = compute {:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}) \
-             + exposed communication {:.1} ms{pipeline} + data {:.1} ms; {comm}{in_compute}; eval {:.1} s, checkpoints {:.1} s in total",
+             + exposed communication {:.1} ms{pipeline} + data {:.1} ms; {comm}{in_compute}; eval {:.1} s, {}",
             ms(self.step_s()),
             ms(self.compute_s()),
             ms(self.times.forward_s),
@@ -196,7 +211,24 @@ impl Breakdown {
             ms(self.times.comm_exposed_s),
             ms(self.data_s),
             self.eval_s,
-            self.checkpoint_s
+            self.checkpoint_report()
+        )
+    }
+
+    /// What checkpoints cost the training thread: with background writes, the snapshots and
+    /// the waits for the writer, beside what the writer spent.
+    pub fn checkpoint_report(&self) -> String {
+        let total = format!(
+            "checkpoints {:.2} s in total ({} saved",
+            self.checkpoint_s, self.checkpoints
+        );
+        if self.checkpoint_background_s == 0.0 && self.checkpoint_snapshot_s == 0.0 {
+            return total + ")";
+        }
+        format!(
+            "{total}; snapshots {:.3} s + waiting for the writer {:.3} s on the training \
+             thread, {:.2} s written in the background)",
+            self.checkpoint_snapshot_s, self.checkpoint_wait_s, self.checkpoint_background_s
         )
     }
 }

@@ -5,19 +5,26 @@
 //! DIR/step-00000020-<id>/shard-00001-of-00004.safetensors
 //! ```
 //!
-//! Each worker writes its [`StatePiece`]s — runs of the whole model's tensors, placed by
-//! tensor-parallel shard and flat offset ([`Parallel::own_pieces`]: ZeRO ranks their pieces,
-//! other layouts data-parallel rank 0) — into one safetensors file of its own, then world
-//! rank 0 collects every worker's list and writes `index.json`: per tensor its whole shape
+//! Each worker writes its pieces ([`meshtrain_parallel::parallelize::StatePiece`]) — runs of
+//! the whole model's tensors, placed by tensor-parallel shard and flat offset
+//! ([`Parallel::own_pieces`]: ZeRO ranks their pieces, other layouts data-parallel rank 0) —
+//! into one safetensors file of its own and a report of what it wrote beside it, then world
+//! rank 0 collects every worker's report and writes `index.json`: per tensor its whole shape
 //! and pieces (file, key, shard, offset, length, CRC-32), the model's parameter order (for
-//! consolidation) and the run's metadata.
+//! consolidation) and the run's metadata (step, loss scaler, sampler position).
+//!
+//! **In the background**: [`snapshot`] copies nothing and [`ShardedSnapshot::into_owned`]
+//! copies this worker's pieces, so training can go on while [`ShardedSnapshot::write`]
+//! runs on a writer thread (reports are files for that reason: the thread does not use
+//! the process group).
 //!
 //! **Atomic**: shard files go into a directory no index names yet; the index is written to
 //! a temporary file, flushed and renamed over the old one (the commit), and only then are
 //! older step directories removed. A crash at any point leaves the previous index and the
-//! files it names intact. A worker that fails to write makes the save fail everywhere (rank
-//! 0 collects every worker's outcome before committing), so no index ever names a missing
-//! file.
+//! files it names intact. A worker that fails to write makes the save fail (rank 0 reads
+//! every worker's report before committing; a synchronous [`save`] then tells every worker,
+//! a background one fails on that worker and rank 0 when they next wait for it), so no
+//! index ever names a missing file.
 //!
 //! **Reading** parses the index and, per tensor asked for, reads only that tensor's pieces
 //! (positioned reads of the byte ranges the shard files' headers give), checks each piece's
@@ -27,25 +34,26 @@
 //! the file.
 
 use crate::checkpoint::replace_atomically;
+use crate::dataset::SamplerPosition;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use meshtrain_comm::{BufMut, ProcessGroup};
 use meshtrain_nn::optim::Optimizer;
 use meshtrain_nn::{Model, ShardSpec};
-use meshtrain_parallel::parallelize::{StatePart, StatePiece};
+use meshtrain_parallel::parallelize::StatePart;
 use meshtrain_parallel::precision::LossScaler;
 use meshtrain_parallel::Parallel;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Duration;
 
 pub const FORMAT: &str = "meshtrain-sharded-checkpoint-v1";
 pub const INDEX_FILE: &str = "index.json";
-/// Message tag of the piece lists sent to rank 0.
-const TAG: u32 = 0x5eed;
 
 /// What `index.json` holds.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -57,6 +65,9 @@ pub struct Index {
     pub model: String,
     pub config: String,
     pub loss_scaler: Option<LossScaler>,
+    /// Where the data sampler stood (absent in checkpoints written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sampler: Option<SamplerPosition>,
     /// The layout and world that wrote it.
     pub layout: String,
     pub world: usize,
@@ -115,6 +126,11 @@ pub struct SaveMeta<'a> {
     pub model_description: &'a str,
     pub config: &'a str,
     pub loss_scaler: Option<LossScaler>,
+    /// Where the data sampler stands (checked on resume).
+    pub sampler: Option<SamplerPosition>,
+    /// How long rank 0 waits for the other workers' shards before giving up on the save
+    /// (the run's collective timeout).
+    pub wait_for_workers: Duration,
 }
 
 /// Whether `path` is a sharded checkpoint (a directory, or an `index.json`).
@@ -131,7 +147,10 @@ fn directory(path: &Path) -> &Path {
     }
 }
 
-/// What a worker reports to rank 0 after writing its file.
+/// What a worker reports to rank 0 after writing its file: a small JSON file beside its
+/// shard (`report-RRRRR.json`). A file, not a message, so the report can come from a
+/// background writer thread, which must not use the process group the training thread is
+/// using; sharded checkpoints already need a directory every worker sees.
 #[derive(Serialize, Deserialize)]
 struct Written {
     rank: usize,
@@ -140,25 +159,42 @@ struct Written {
     error: Option<String>,
 }
 
-/// Writes this worker's pieces and, on world rank 0, the index (a collective over the
-/// world; every worker calls it between steps). `model` is this worker's model, `whole` the
-/// unsplit model.
-pub fn save(
+/// One piece of this worker's state, borrowed from its stores or owned by a snapshot.
+struct Piece<'a> {
+    tensor: String,
+    shape: Vec<usize>,
+    split: Option<ShardSpec>,
+    offset: usize,
+    data: Cow<'a, [f32]>,
+}
+
+/// One worker's part of a sharded checkpoint: its pieces and, on world rank 0, the index to
+/// complete once every worker has reported. [`snapshot`] takes it between steps;
+/// [`ShardedSnapshot::write`] may run on another thread.
+pub struct ShardedSnapshot<'a> {
+    dir: PathBuf,
+    /// This save's own directory inside `dir`.
+    step_dir: String,
+    rank: usize,
+    size: usize,
+    pieces: Vec<Piece<'a>>,
+    /// Rank 0: the index without its files and tensors.
+    index: Option<Index>,
+    wait_for_workers: Duration,
+}
+
+/// This worker's part of the checkpoint `dir` (a collective over the world: rank 0 names
+/// the save's directory; every worker calls it between steps). Borrows the pieces; `model`
+/// is this worker's model, `whole` the unsplit model.
+pub fn snapshot<'a>(
     dir: &Path,
-    parallel: &mut Parallel,
+    parallel: &'a Parallel,
     model: &Model,
     whole: &Model,
     meta: &SaveMeta<'_>,
-) -> Result<()> {
+) -> Result<ShardedSnapshot<'a>> {
     let world = parallel.world().clone();
     let (rank, size) = (world.rank(), world.size());
-    let optimizer_step = parallel.optimizers.first().map_or(0, |o| o.step);
-    let moments = if parallel.optimizers.iter().any(Optimizer::has_second_moment) {
-        2
-    } else {
-        1
-    };
-    let pieces = parallel.own_pieces(model);
     // A directory of this save's own: rank 0 names it, so a re-save of the same step never
     // writes into files the current index names.
     let id = broadcast_u64(
@@ -167,42 +203,61 @@ pub fn save(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
     )?;
-    let step_dir = format!("step-{:08}-{id:016x}", meta.step);
-    let written = write_shard(dir, &step_dir, rank, size, &pieces);
-    let report = match written {
-        Ok((file, pieces)) => Written {
-            rank,
-            file,
-            pieces,
-            error: None,
-        },
-        Err(e) => Written {
-            rank,
-            file: None,
-            pieces: Vec::new(),
-            error: Some(format!("{e:#}")),
-        },
-    };
-    let reports = gather_json(world.as_ref(), &report)?;
-    let outcome: Result<()> = match reports {
-        None => Ok(()),
-        Some(reports) => {
-            let index = assemble(
-                reports,
-                Facts {
-                    meta,
-                    optimizer_step,
-                    layout: parallel.layout.layout.to_string(),
-                    world: size,
-                    moments,
-                    whole,
-                },
-            );
-            index.and_then(|index| commit(dir, &step_dir, &index))
+    let pieces = (parallel.own_pieces(model).into_iter())
+        .map(|p| Piece {
+            tensor: p.tensor,
+            shape: p.shape,
+            split: p.split,
+            offset: p.offset,
+            data: Cow::Borrowed(p.data),
+        })
+        .collect();
+    let index = (rank == 0).then(|| {
+        let moments = if parallel.optimizers.iter().any(Optimizer::has_second_moment) {
+            2
+        } else {
+            1
+        };
+        Index {
+            format: FORMAT.into(),
+            step: meta.step,
+            optimizer_step: parallel.optimizers.first().map_or(0, |o| o.step),
+            model: meta.model_description.into(),
+            config: meta.config.into(),
+            loss_scaler: meta.loss_scaler,
+            sampler: meta.sampler.clone(),
+            layout: parallel.layout.layout.to_string(),
+            world: size,
+            moments,
+            params: param_infos(whole),
+            buffers: whole.buffers().iter().map(|e| info(e, None)).collect(),
+            files: Vec::new(),
+            tensors: BTreeMap::new(),
         }
-    };
-    // Everyone learns whether the index was committed.
-    let ok = broadcast_u64(world.as_ref(), outcome.is_ok() as u64)?;
+    });
+    Ok(ShardedSnapshot {
+        dir: dir.to_path_buf(),
+        step_dir: format!("step-{:08}-{id:016x}", meta.step),
+        rank,
+        size,
+        pieces,
+        index,
+        wait_for_workers: meta.wait_for_workers,
+    })
+}
+
+/// Writes this worker's pieces and, on world rank 0, the index (a collective over the
+/// world; every worker calls it between steps): a [`snapshot`] written at once, then every
+/// worker learns whether the index was committed.
+pub fn save(
+    dir: &Path,
+    parallel: &Parallel,
+    model: &Model,
+    whole: &Model,
+    meta: &SaveMeta<'_>,
+) -> Result<()> {
+    let outcome = snapshot(dir, parallel, model, whole, meta)?.write();
+    let ok = broadcast_u64(parallel.world().as_ref(), outcome.is_ok() as u64)?;
     match (outcome, ok) {
         (Err(e), _) => Err(e),
         (Ok(()), 1) => Ok(()),
@@ -213,83 +268,181 @@ pub fn save(
     }
 }
 
-/// The key of a piece in its shard file.
-fn piece_key(p: &StatePiece) -> String {
-    match &p.split {
-        Some(s) => format!("{}@tp{}@{}", p.tensor, s.index, p.offset),
-        None => format!("{}@{}", p.tensor, p.offset),
-    }
-}
-
-#[allow(clippy::type_complexity)]
-fn write_shard(
-    dir: &Path,
-    step_dir: &str,
-    rank: usize,
-    size: usize,
-    pieces: &[StatePiece],
-) -> Result<(Option<FileEntry>, Vec<(String, Vec<usize>, PieceEntry)>)> {
-    if pieces.is_empty() {
-        return Ok((None, Vec::new()));
-    }
-    let relative = format!("{step_dir}/shard-{rank:05}-of-{size:05}.safetensors");
-    let path = dir.join(&relative);
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = pieces
-        .iter()
-        .map(|p| {
-            let view = safetensors::tensor::TensorView::new(
-                safetensors::Dtype::F32,
-                vec![p.data.len()],
-                bytemuck::cast_slice(p.data),
-            )
-            .expect("a flat f32 view");
-            (piece_key(p), view)
-        })
-        .collect();
-    // Streamed into a temporary file (no serialised copy in memory), flushed, renamed.
-    replace_atomically(&path, |tmp| {
-        safetensors::serialize_to_file(views, &None, tmp)
-            .with_context(|| format!("writing {}", tmp.display()))
-    })?;
-    let bytes = std::fs::metadata(&path)
-        .with_context(|| format!("reading the size of {}", path.display()))?
-        .len();
-    let described = pieces
-        .iter()
-        .map(|p| {
-            (
-                p.tensor.clone(),
-                p.shape.clone(),
-                PieceEntry {
-                    file: rank, // replaced by the file's index on rank 0
-                    key: piece_key(p),
-                    split: p.split.clone(),
+impl ShardedSnapshot<'_> {
+    /// A copy that owns its pieces, for a background writer.
+    pub fn into_owned(self) -> ShardedSnapshot<'static> {
+        ShardedSnapshot {
+            pieces: (self.pieces.into_iter())
+                .map(|p| Piece {
+                    data: Cow::Owned(p.data.into_owned()),
+                    tensor: p.tensor,
+                    shape: p.shape,
+                    split: p.split,
                     offset: p.offset,
-                    len: p.data.len(),
-                    crc32: crc32fast::hash(bytemuck::cast_slice(p.data)),
-                },
-            )
+                })
+                .collect(),
+            dir: self.dir,
+            step_dir: self.step_dir,
+            rank: self.rank,
+            size: self.size,
+            index: self.index,
+            wait_for_workers: self.wait_for_workers,
+        }
+    }
+
+    /// Writes this worker's shard file and its report; on world rank 0 then waits for every
+    /// worker's report and commits the index (no collective: any thread may run it).
+    pub fn write(&self) -> Result<()> {
+        let written = self.write_shard();
+        let report = match &written {
+            Ok((file, pieces)) => Written {
+                rank: self.rank,
+                file: file.clone(),
+                pieces: pieces.clone(),
+                error: None,
+            },
+            Err(e) => Written {
+                rank: self.rank,
+                file: None,
+                pieces: Vec::new(),
+                error: Some(format!("{e:#}")),
+            },
+        };
+        let path = self.report_path(self.rank);
+        let text = serde_json::to_vec(&report)?;
+        replace_atomically(&path, |tmp| {
+            std::fs::write(tmp, &text).with_context(|| format!("writing {}", tmp.display()))
+        })?;
+        written?;
+        let Some(index) = &self.index else {
+            return Ok(());
+        };
+        let reports = self.collect_reports()?;
+        let index = assemble(reports, index.clone())?;
+        commit(&self.dir, &self.step_dir, &index)
+    }
+
+    fn report_path(&self, rank: usize) -> PathBuf {
+        (self.dir.join(&self.step_dir)).join(format!("report-{rank:05}.json"))
+    }
+
+    /// Rank 0: every worker's report, waiting up to `wait_for_workers` for them.
+    fn collect_reports(&self) -> Result<Vec<Written>> {
+        let deadline = std::time::Instant::now() + self.wait_for_workers;
+        let mut reports: Vec<Option<Written>> = (0..self.size).map(|_| None).collect();
+        loop {
+            for (rank, slot) in reports.iter_mut().enumerate() {
+                if slot.is_none() {
+                    let path = self.report_path(rank);
+                    if let Ok(text) = std::fs::read(&path) {
+                        *slot = Some(serde_json::from_slice(&text).with_context(|| {
+                            format!("{} is not a checkpoint report", path.display())
+                        })?);
+                    }
+                }
+            }
+            let missing: Vec<usize> = (reports.iter().enumerate())
+                .filter(|(_, r)| r.is_none())
+                .map(|(rank, _)| rank)
+                .collect();
+            if missing.is_empty() {
+                return Ok(reports.into_iter().flatten().collect());
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "saving the sharded checkpoint {}: rank(s) {missing:?} did not report their \
+                 shard in {} within {:?}",
+                self.dir.display(),
+                self.dir.join(&self.step_dir).display(),
+                self.wait_for_workers
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn write_shard(&self) -> Result<(Option<FileEntry>, Vec<(String, Vec<usize>, PieceEntry)>)> {
+        if self.pieces.is_empty() {
+            return Ok((None, Vec::new()));
+        }
+        let (rank, size) = (self.rank, self.size);
+        let relative = format!("{}/shard-{rank:05}-of-{size:05}.safetensors", self.step_dir);
+        let path = self.dir.join(&relative);
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = (self.pieces.iter())
+            .map(|p| {
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    vec![p.data.len()],
+                    bytemuck::cast_slice(&p.data),
+                )
+                .expect("a flat f32 view");
+                (p.key(), view)
+            })
+            .collect();
+        // Streamed into a temporary file (no serialised copy in memory), flushed, renamed.
+        replace_atomically(&path, |tmp| {
+            safetensors::serialize_to_file(views, &None, tmp)
+                .with_context(|| format!("writing {}", tmp.display()))
+        })?;
+        let bytes = std::fs::metadata(&path)
+            .with_context(|| format!("reading the size of {}", path.display()))?
+            .len();
+        let described = (self.pieces.iter())
+            .map(|p| {
+                (
+                    p.tensor.clone(),
+                    p.shape.clone(),
+                    PieceEntry {
+                        file: rank, // replaced by the file's index on rank 0
+                        key: p.key(),
+                        split: p.split.clone(),
+                        offset: p.offset,
+                        len: p.data.len(),
+                        crc32: crc32fast::hash(bytemuck::cast_slice(&p.data)),
+                    },
+                )
+            })
+            .collect();
+        let file = FileEntry {
+            path: relative,
+            bytes,
+            rank,
+        };
+        Ok((Some(file), described))
+    }
+}
+
+impl Piece<'_> {
+    /// The piece's key in its shard file.
+    fn key(&self) -> String {
+        match &self.split {
+            Some(s) => format!("{}@tp{}@{}", self.tensor, s.index, self.offset),
+            None => format!("{}@{}", self.tensor, self.offset),
+        }
+    }
+}
+
+fn info(e: &meshtrain_nn::ParamEntry, tied_to: Option<String>) -> ParamInfo {
+    ParamInfo {
+        name: e.name.clone(),
+        shape: e.shape.clone(),
+        tied_to,
+    }
+}
+
+/// The model's parameters in order, tied copies naming their primary.
+fn param_infos(whole: &Model) -> Vec<ParamInfo> {
+    (whole.params().iter().enumerate())
+        .map(|(i, e)| {
+            let tied = (whole.tied_primary(i)).map(|p| whole.params()[p].name.clone());
+            info(e, tied)
         })
-        .collect();
-    let file = FileEntry {
-        path: relative,
-        bytes,
-        rank,
-    };
-    Ok((Some(file), described))
+        .collect()
 }
 
-struct Facts<'a> {
-    meta: &'a SaveMeta<'a>,
-    optimizer_step: u64,
-    layout: String,
-    world: usize,
-    moments: usize,
-    whole: &'a Model,
-}
-
-/// Rank 0: the index from every worker's report (or the first worker's error).
-fn assemble(reports: Vec<Written>, facts: Facts<'_>) -> Result<Index> {
+/// Rank 0: the index from every worker's report (or the first worker's error) and the
+/// index's other facts.
+fn assemble(reports: Vec<Written>, mut index: Index) -> Result<Index> {
     if let Some(r) = reports.iter().find(|r| r.error.is_some()) {
         bail!(
             "worker {} could not write its checkpoint shard: {}",
@@ -297,16 +450,14 @@ fn assemble(reports: Vec<Written>, facts: Facts<'_>) -> Result<Index> {
             r.error.as_deref().unwrap_or_default()
         );
     }
-    let whole = facts.whole;
-    let mut files = Vec::new();
-    let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
     for r in reports {
         let Some(file) = r.file else { continue };
-        let at = files.len();
-        files.push(file);
+        let at = index.files.len();
+        index.files.push(file);
         for (tensor, shape, mut piece) in r.pieces {
             piece.file = at;
-            tensors
+            index
+                .tensors
                 .entry(tensor)
                 .or_insert_with(|| TensorEntry {
                     shape,
@@ -316,38 +467,6 @@ fn assemble(reports: Vec<Written>, facts: Facts<'_>) -> Result<Index> {
                 .push(piece);
         }
     }
-    let info = |e: &meshtrain_nn::ParamEntry, tied_to: Option<String>| ParamInfo {
-        name: e.name.clone(),
-        shape: e.shape.clone(),
-        tied_to,
-    };
-    let params = whole
-        .params()
-        .iter()
-        .enumerate()
-        .map(|(i, e)| {
-            let tied = whole
-                .tied_primary(i)
-                .map(|p| whole.params()[p].name.clone());
-            info(e, tied)
-        })
-        .collect();
-    let buffers = whole.buffers().iter().map(|e| info(e, None)).collect();
-    let index = Index {
-        format: FORMAT.into(),
-        step: facts.meta.step,
-        optimizer_step: facts.optimizer_step,
-        model: facts.meta.model_description.into(),
-        config: facts.meta.config.into(),
-        loss_scaler: facts.meta.loss_scaler,
-        layout: facts.layout,
-        world: facts.world,
-        moments: facts.moments,
-        params,
-        buffers,
-        files,
-        tensors,
-    };
     index.check_coverage()?;
     Ok(index)
 }
@@ -379,50 +498,6 @@ fn broadcast_u64(world: &dyn ProcessGroup, value: u64) -> Result<u64> {
     ];
     world.broadcast(BufMut::F32(&mut words), 0)?;
     Ok(words[0].to_bits() as u64 | ((words[1].to_bits() as u64) << 32))
-}
-
-/// Every worker's `value` on world rank 0 (JSON bytes as f32 words: lengths by all-gather,
-/// the bytes point to point); `None` elsewhere.
-fn gather_json<T: Serialize + for<'de> Deserialize<'de>>(
-    world: &dyn ProcessGroup,
-    value: &T,
-) -> Result<Option<Vec<T>>> {
-    let to_words = |bytes: &[u8]| -> Vec<f32> {
-        bytes
-            .chunks(4)
-            .map(|c| {
-                let mut w = [0u8; 4];
-                w[..c.len()].copy_from_slice(c);
-                f32::from_bits(u32::from_le_bytes(w))
-            })
-            .collect()
-    };
-    let bytes = serde_json::to_vec(value)?;
-    let mut lengths = vec![0.0f32; world.size()];
-    let mine = [f32::from_bits(bytes.len() as u32)];
-    world.all_gather((&mine[..]).into(), (&mut lengths[..]).into())?;
-    let lengths: Vec<usize> = lengths.iter().map(|l| l.to_bits() as usize).collect();
-    if world.rank() != 0 {
-        world.send((&to_words(&bytes)[..]).into(), 0, TAG)?;
-        return Ok(None);
-    }
-    let mut out = Vec::with_capacity(world.size());
-    for (r, &len) in lengths.iter().enumerate() {
-        let theirs = if r == 0 {
-            bytes.clone()
-        } else {
-            let mut words = vec![0.0f32; len.div_ceil(4)];
-            world.recv((&mut words[..]).into(), r, TAG)?;
-            let mut b: Vec<u8> = words
-                .iter()
-                .flat_map(|w| w.to_bits().to_le_bytes())
-                .collect();
-            b.truncate(len);
-            b
-        };
-        out.push(serde_json::from_slice(&theirs).context("a worker's checkpoint report")?);
-    }
-    Ok(Some(out))
 }
 
 impl Index {

@@ -8,16 +8,17 @@
 //! writes metrics and checkpoints; a checkpoint gathers the stages first, so it is the same
 //! file whatever the layout.
 
-use crate::checkpoint::{self, Restore, TrainState};
-use crate::dataset::{random_indices, EvalPlan, Sampling};
+use crate::checkpoint::{self, Restore, Snapshot, TrainState};
+use crate::dataset::{random_indices, EvalPlan, SamplerPosition, Sampling};
 use crate::job::CheckpointFormat;
 use crate::job::{load, Job};
 use crate::memory::MemoryReport;
 use crate::metrics::{peak_rss_mb, Breakdown, EvalRecord, MetricsFile, Summary, TrainRecord};
 use crate::timeline::RecordedTimeline;
+use crate::writer::{CheckpointWriter, Waited};
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use meshtrain_comm::{BufMut, ProcessGroup, ReduceOp};
+use meshtrain_comm::{BufMut, GroupHosts, ProcessGroup, ReduceOp};
 use meshtrain_data::{eval_shard, DistributedSampler, SplitMix64, Tail};
 use meshtrain_nn::optim::Optimizer;
 use meshtrain_nn::schedule::{scale_lr_linearly, Schedule};
@@ -68,6 +69,8 @@ pub struct Trainer {
     pub skipped_steps: Option<u64>,
     /// The most activation bytes one of this worker's steps kept.
     peak_activation_bytes: usize,
+    /// Background checkpoint writes, one in flight at a time.
+    writer: CheckpointWriter,
 }
 
 /// Below this loss scale even the largest gradient of an fp16 backward is below f16's
@@ -150,6 +153,12 @@ impl Trainer {
             whole: (job.model)(),
             breakdown: Breakdown {
                 workers,
+                hosts: GroupHosts::of(world.as_ref()).num_hosts(),
+                grad_reduce: match parallel.grad_sync_name() {
+                    "ddp" if resolved.layout.dp * resolved.layout.cp > 1 => Some("flat"),
+                    name if name.contains("hierarchical") => Some("hierarchical"),
+                    _ => None,
+                },
                 stages: resolved.layout.pp,
                 tensor: resolved.layout.tp,
                 context: resolved.layout.cp,
@@ -169,6 +178,7 @@ impl Trainer {
             timeline,
             skipped_steps: None,
             peak_activation_bytes: 0,
+            writer: CheckpointWriter::default(),
             job,
         })
     }
@@ -355,50 +365,107 @@ impl Trainer {
         Ok(Some(sums))
     }
 
-    /// Writes the checkpoint (a collective: the stages gather on rank 0, which writes the
-    /// standard file — the same as a single worker's).
+    /// Writes the checkpoint and returns once it is on disk (a collective: the stages
+    /// gather on rank 0, which writes the standard file — the same as a single worker's; or
+    /// every worker writes its pieces of a sharded checkpoint).
     pub fn save_checkpoint(&mut self, path: &Path) -> Result<()> {
+        self.checkpoint(path, false)
+    }
+
+    fn account_wait(&mut self, waited: Waited) {
+        self.breakdown.checkpoint_wait_s += waited.wait.as_secs_f64();
+        self.breakdown.checkpoint_background_s += waited.write.as_secs_f64();
+    }
+
+    /// Where the data sampler stands after `step` steps of this job.
+    pub fn sampler_position(&self, step: u64) -> SamplerPosition {
+        let job = &self.job;
+        SamplerPosition::after(
+            step,
+            job.sampling,
+            job.seed,
+            job.train_data.len(),
+            job.batch_size,
+            self.steps_per_epoch,
+        )
+    }
+
+    /// Saves the checkpoint (a collective), after waiting for the previous background write:
+    /// `background` snapshots it into memory and writes it on the writer thread.
+    fn checkpoint(&mut self, path: &Path, background: bool) -> Result<()> {
         let t = Instant::now();
+        // Checkpoints land in order: the previous background write first.
+        let waited = self.writer.wait()?;
+        self.account_wait(waited);
+        let snapshot_started = Instant::now();
         let loss_scaler = self.parallel.loss_scaler();
+        let sampler = Some(self.sampler_position(self.step));
         if self.sharded_checkpoints() {
             let meta = crate::sharded::SaveMeta {
                 step: self.step,
                 model_description: &self.job.model_description,
                 config: &self.job.config_text,
                 loss_scaler,
+                sampler,
+                wait_for_workers: self.job.timeout,
             };
-            crate::sharded::save(path, &mut self.parallel, &self.model, &self.whole, &meta)
-                .with_context(|| format!("saving the sharded checkpoint {}", path.display()))?;
-            self.breakdown.checkpoint_s += t.elapsed().as_secs_f64();
-            return Ok(());
-        }
-        let state = |store, optimizer| TrainState {
-            model: &self.whole,
-            store,
-            optimizer,
-            step: self.step,
-            model_description: &self.job.model_description,
-            config: &self.job.config_text,
-            loss_scaler,
-        };
-        let whole_chunk = self.parallel.stage.schedule().num_chunks() == 1
-            && self.parallel.layout.layout.tp == 1
-            && self.parallel.zero_stage().is_none();
-        if whole_chunk {
-            // One whole chunk is the whole model: rank 0 writes it as it is, no gathered copy.
-            if self.is_lead() {
-                let chunk = &self.parallel.stage.chunks[0];
-                checkpoint::save(path, &state(&chunk.store, &self.parallel.optimizers[0]))?;
+            let failed = || format!("saving the sharded checkpoint {}", path.display());
+            if background {
+                let snapshot =
+                    crate::sharded::snapshot(path, &self.parallel, &self.model, &self.whole, &meta)
+                        .with_context(failed)?
+                        .into_owned();
+                self.breakdown.checkpoint_snapshot_s += snapshot_started.elapsed().as_secs_f64();
+                self.writer
+                    .start(path.to_path_buf(), move || snapshot.write())?;
+            } else {
+                crate::sharded::save(path, &self.parallel, &self.model, &self.whole, &meta)
+                    .with_context(failed)?;
             }
         } else {
-            let gathered = self
-                .parallel
-                .gather_state(&self.model, &self.whole)
-                .context("gathering the model for a checkpoint")?;
-            if let (Some((store, optimizer)), true) = (gathered, self.is_lead()) {
-                checkpoint::save(path, &state(&store, &optimizer))?;
+            let whole_chunk = self.parallel.stage.schedule().num_chunks() == 1
+                && self.parallel.layout.layout.tp == 1
+                && self.parallel.zero_stage().is_none();
+            let gathered = if whole_chunk {
+                None
+            } else {
+                self.parallel
+                    .gather_state(&self.model, &self.whole)
+                    .context("gathering the model for a checkpoint")?
+            };
+            // One whole chunk is the whole model: rank 0 writes it as it is, no gathered copy.
+            let (store, optimizer) = match &gathered {
+                Some((store, optimizer)) => (store, optimizer),
+                None => (
+                    &self.parallel.stage.chunks[0].store,
+                    &self.parallel.optimizers[0],
+                ),
+            };
+            if self.is_lead() && (whole_chunk || gathered.is_some()) {
+                let state = TrainState {
+                    model: &self.whole,
+                    store,
+                    optimizer,
+                    step: self.step,
+                    model_description: &self.job.model_description,
+                    config: &self.job.config_text,
+                    loss_scaler,
+                    sampler,
+                };
+                let snapshot = Snapshot::of(&state)?;
+                if background {
+                    let snapshot = snapshot.into_owned();
+                    self.breakdown.checkpoint_snapshot_s +=
+                        snapshot_started.elapsed().as_secs_f64();
+                    let path = path.to_path_buf();
+                    self.writer
+                        .start(path.clone(), move || snapshot.write(&path))?;
+                } else {
+                    snapshot.write(path)?;
+                }
             }
         }
+        self.breakdown.checkpoints += 1;
         self.breakdown.checkpoint_s += t.elapsed().as_secs_f64();
         Ok(())
     }
@@ -410,6 +477,7 @@ impl Trainer {
             let ckpt = crate::sharded::ShardedCheckpoint::open(path)?;
             let index = &ckpt.index;
             checkpoint::check_same_model(path, &index.model, &self.job.model_description)?;
+            self.check_sampler(path, index.step, index.sampler.as_ref())?;
             ckpt.load_into(&mut self.parallel, &self.model, &self.whole, true)?;
             if let Some(scaler) = index.loss_scaler {
                 self.parallel.restore_loss_scaler(scaler);
@@ -418,6 +486,7 @@ impl Trainer {
             return Ok(());
         }
         let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
+        self.check_sampler(path, restored.step, restored.sampler.as_ref())?;
         self.parallel
             .load_state(&self.model, &self.whole, &full, Some(&optimizer));
         if let Some(scaler) = restored.loss_scaler {
@@ -425,6 +494,15 @@ impl Trainer {
         }
         self.step = restored.step;
         Ok(())
+    }
+
+    /// A checkpoint at `step` that recorded its sampler position `saved` must be where this
+    /// job's sampler stands after `step` steps (older checkpoints recorded none).
+    fn check_sampler(&self, path: &Path, step: u64, saved: Option<&SamplerPosition>) -> Result<()> {
+        match saved {
+            Some(saved) => self.sampler_position(step).check_continues(saved, path),
+            None => Ok(()),
+        }
     }
 
     /// Starts from a checkpoint's weights (parameters and buffers), with a fresh optimizer at
@@ -623,14 +701,16 @@ impl Trainer {
             if eval_due || self.step == self.total_steps {
                 self.eval_and_log(&pb, &mut last_eval)?;
             }
+            // The last step's checkpoint is the final one, below.
             if let Some(every) = self.job.checkpoint_every.filter(|&e| e > 0) {
-                if self.step.is_multiple_of(every) {
+                if self.step.is_multiple_of(every) && self.step < stop {
                     let p = self.checkpoint_path();
-                    self.save_checkpoint(&p)?;
+                    self.checkpoint(&p, self.job.checkpoint_background)?;
                 }
             }
         }
         pb.finish_and_clear();
+        // The final checkpoint is on disk before the run returns.
         let p = self.checkpoint_path();
         self.save_checkpoint(&p)?;
         self.finish_run()?;

@@ -3,7 +3,8 @@
 //!
 //! * [`Ddp`]: PyTorch-DDP style — buckets over the flat gradient buffer, each all-reduced as
 //!   soon as backward has finished it, overlapping communication with the rest of backward;
-//!   optional bf16 gradients on the wire; `no_sync` for gradient accumulation.
+//!   optional bf16 gradients on the wire; `no_sync` for gradient accumulation; flat or
+//!   hierarchical (inside hosts, then across) all-reduce ([`GradReduce`]).
 //! * [`SingleMaster`]: the naive `nn.DataParallel` style (scatter, gather gradients to rank
 //!   0, update there, broadcast weights), for comparison.
 //! * [`GroupStatsReducer`]: the all-reduce behind SyncBatchNorm.
@@ -20,7 +21,7 @@ mod sync;
 mod sync_bn;
 
 pub use buckets::{plan_buckets, Bucket};
-pub use ddp::{broadcast_state, CommTiming, Ddp, DdpConfig, GradCompression};
+pub use ddp::{broadcast_state, CommTiming, Ddp, DdpConfig, GradCompression, GradReduce};
 pub use naive::{SingleMaster, MASTER};
 pub use sync::{
     grad_sync, DataParallel, DataParallelConfig, DdpSync, DpMode, GradSync, NoSync, ShareShape,

@@ -106,13 +106,12 @@ pub fn grad_sync(
                     .into(),
             ))
         }
-        (DpMode::Ddp, None) => Box::new(DdpSync::new(
-            model,
-            chunks,
-            pipeline_workers,
-            dp.clone(),
-            ddp,
-        )?),
+        (DpMode::Ddp, None) => {
+            let (group, hierarchical) = ddp.reduce.reduction_group(dp)?;
+            let mut sync = DdpSync::new(model, chunks, pipeline_workers, group, ddp)?;
+            sync.hierarchical = hierarchical;
+            Box::new(sync)
+        }
         (DpMode::SingleMaster, None) => Box::new(SingleMasterSync::new(dp.clone())),
     };
     sync.init(chunks)?;
@@ -236,6 +235,8 @@ pub struct DdpSync {
     first_block: Vec<usize>,
     /// Pipeline workers (global chunk `c` is local chunk `c / workers`).
     workers: usize,
+    /// `group` all-reduces inside each host first (for logs).
+    hierarchical: bool,
 }
 
 impl DdpSync {
@@ -265,13 +266,18 @@ impl DdpSync {
             ddps,
             first_block: chunks.iter().map(|c| c.blocks.start).collect(),
             workers,
+            hierarchical: false,
         })
     }
 }
 
 impl GradSync for DdpSync {
     fn name(&self) -> &'static str {
-        "ddp"
+        if self.hierarchical {
+            "ddp, hierarchical all-reduce"
+        } else {
+            "ddp"
+        }
     }
 
     fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError> {

@@ -1,0 +1,106 @@
+//! The arguments of `meshtrain train`, shared with `meshtrain launch` (which reads the job
+//! they describe to size its worlds, then hands them to every restart).
+
+use std::path::PathBuf;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// Config file, e.g. configs/lenet.toml.
+    #[arg(long, default_value = "configs/lenet.toml")]
+    pub config: PathBuf,
+    /// Override a config value: --set train.batch_size=128 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Resume from a checkpoint of the same model (default: none).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Start from a checkpoint's weights with a fresh optimizer at step 0 (fine-tuning; the
+    /// checkpoint may come from another model configuration whose tensors match).
+    #[arg(long, value_name = "CHECKPOINT", conflicts_with = "resume")]
+    pub init_from: Option<PathBuf>,
+    /// A layout, e.g. "dp=2,pp=2,mb=4,schedule=1f1b" or what `meshtrain plan` printed; the
+    /// keys it names override the config's (same as --set parallel.layout=...).
+    #[arg(long)]
+    pub layout: Option<String>,
+    /// Data-parallel workers (threads of this process; under mpirun the MPI world size).
+    /// Same as --set parallel.dp=N.
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// How replicas synchronise: ddp (bucketed all-reduce overlapped with backward) or
+    /// single-master (scatter / gather to rank 0 / broadcast, like nn.DataParallel).
+    #[arg(long, value_parser = ["ddp", "single-master"])]
+    pub dp_mode: Option<String>,
+    /// Pipeline stages: the model is cut into P stages on P workers (world = dp × tp × pp).
+    /// Same as --set parallel.pp=P.
+    #[arg(long)]
+    pub pp: Option<usize>,
+    /// Tensor-parallel workers: each GPT layer is split over T workers (Megatron-style;
+    /// world = dp × tp × pp). Same as --set parallel.tp=T; --set
+    /// parallel.sequence_parallel=true adds sequence parallelism.
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Context-parallel workers: each sequence is spread over C workers (GPT only; world =
+    /// dp × tp × pp × cp). Same as --set parallel.cp=C; --set parallel.cp_mode="ulysses"
+    /// picks Ulysses over the default ring attention.
+    #[arg(long)]
+    pub cp: Option<usize>,
+    /// Matrix products in fp32, bf16 or fp16 (mixed precision with f32 master weights; fp16
+    /// adds dynamic loss scaling). Same as --set train.precision=P.
+    #[arg(long, value_parser = ["fp32", "bf16", "fp16"])]
+    pub precision: Option<String>,
+    /// Pipeline schedule: gpipe, 1f1b or interleaved[:V] (V chunks per worker, default 2).
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Micro-batches per step and data-parallel replica (pipeline runs).
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
+    /// Write a Chrome trace of the last step to FILE.json (open it in
+    /// https://ui.perfetto.dev) and a PNG of it next to it.
+    #[arg(long, value_name = "FILE.json")]
+    pub timeline: Option<PathBuf>,
+}
+
+impl TrainArgs {
+    /// The config overrides these arguments stand for: the `--set` ones, then the ones the
+    /// shorthand flags (`--dp`, `--layout`, ...) add.
+    pub fn overrides(&self) -> Vec<String> {
+        let mut overrides = self.overrides.clone();
+        if let Some(dp) = self.dp {
+            overrides.push(format!("parallel.dp={dp}"));
+        }
+        if let Some(mode) = &self.dp_mode {
+            overrides.push(format!("parallel.dp_mode=\"{mode}\""));
+        }
+        if let Some(pp) = self.pp {
+            overrides.push(format!("parallel.pp={pp}"));
+        }
+        if let Some(tp) = self.tp {
+            overrides.push(format!("parallel.tp={tp}"));
+        }
+        if let Some(cp) = self.cp {
+            overrides.push(format!("parallel.cp={cp}"));
+        }
+        if let Some(precision) = &self.precision {
+            overrides.push(format!("train.precision={}", toml_string(precision)));
+        }
+        if let Some(schedule) = &self.schedule {
+            overrides.push(format!("parallel.schedule={}", toml_string(schedule)));
+        }
+        if let Some(m) = self.micro_batches {
+            overrides.push(format!("parallel.micro_batches={m}"));
+        }
+        if let Some(path) = &self.timeline {
+            let path = path.to_string_lossy();
+            overrides.push(format!("parallel.timeline={}", toml_string(&path)));
+        }
+        if let Some(layout) = &self.layout {
+            overrides.push(format!("parallel.layout={}", toml_string(layout)));
+        }
+        overrides
+    }
+}
+
+/// `s` as a TOML string literal (so no value is mistaken for a number or a table).
+pub fn toml_string(s: &str) -> String {
+    toml::Value::String(s.to_string()).to_string()
+}
