@@ -101,7 +101,7 @@ print(f"inside a host: {intra_bw:.3f} GB/s, {intra_lat:.1f} us per step; "
 def breakdown(name):
     return json.load(open(f"{results}/{name}/breakdown.json"))
 
-# (run, planner model, GPUs, layout, grad reduce, compression note)
+# planner model: [(run, GPUs, layout, grad reduce)]
 runs = {
     "gpt": [("gpt-1host-dp2", 2, "dp=2,mb=16", "flat"),
             ("gpt-2hosts-flat", 4, "dp=4,mb=8", "flat"),
@@ -115,7 +115,7 @@ runs = {
                  ("resnet-2hosts-flat-bf16", 4, "dp=4,mb=32", "flat")],
 }
 
-def predict(model, gpus, batch, layout, reduce, gflops, bf16, per_core=1):
+def predict(model, gpus, batch, layout, reduce, gflops, per_core=1):
     # A rank's share of the machine: its matrix rate (fitted), memory bandwidth (the
     # preset's 8 GB/s) and time per framework op (the preset's 20 us) scale with the ranks
     # per core.
@@ -130,12 +130,7 @@ def predict(model, gpus, batch, layout, reduce, gflops, bf16, per_core=1):
             "--global-batch", str(batch), "--layout", layout, "--grad-reduce", reduce,
             "--precision", "fp32", "--measured", path, "--json"]
     plan = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
-    t = plan["plans"][0]["time"]
-    if bf16:
-        # bf16 on the wire halves the data-parallel bytes; the planner's fp32 setup sends f32.
-        t["step_s"] -= t["dp_exposed_s"] / 2
-        t["dp_exposed_s"] /= 2
-    return t
+    return plan["plans"][0]["time"]
 
 print()
 print("| run | samples/s | efficiency vs 1 host | exposed comm ms | predicted step ms | measured step ms | error |")
@@ -147,7 +142,7 @@ for model, rows in runs.items():
     lo, hi = 1.0, 1000.0
     for _ in range(40):
         mid = (lo * hi) ** 0.5
-        t = predict(model, 2, batch, rows[0][2], "flat", mid, False)
+        t = predict(model, 2, batch, rows[0][2], "flat", mid)
         if t["compute_s"] + t["recompute_s"] > first["compute_s"]:
             lo = mid
         else:
@@ -159,7 +154,7 @@ for model, rows in runs.items():
         per_core = gpus / 2  # ranks per core on this 2-core machine
         # The MPI backend widens bf16 buckets to f32 on the wire (MPI has no bf16 sum), so
         # the bf16 run is predicted like the flat one.
-        t = predict(model, gpus, batch, layout, reduce, rate, False, per_core)
+        t = predict(model, gpus, batch, layout, reduce, rate, per_core)
         throughput = b["samples_per_step"] / b["step_s"]
         key = "tp" if "tp2" in name else "dp"
         base.setdefault(key, throughput)

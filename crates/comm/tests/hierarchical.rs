@@ -3,6 +3,8 @@
 //! flat all-reduce up to the order of additions, in every use DDP makes of it, and a stuck
 //! rank fails the others within the timeout, naming the operation and the missing rank.
 
+mod common;
+
 use meshtrain_comm::{
     bf16, reference_reduce, CommConfig, CommError, GroupHosts, HierarchicalGroup, ProcessGroup,
     RawBuf, ReduceOp, ThreadsWorld, WorkerFailure,
@@ -17,19 +19,9 @@ fn hosts_of(ranks_per_host: usize, timeout_s: f64) -> CommConfig {
         .with_ranks_per_host(ranks_per_host)
 }
 
-/// Values of many magnitudes and both signs, different on every rank.
+/// Values of many magnitudes (2^-6 … 2^6) and both signs, different on every rank.
 fn values(rank: usize, len: usize) -> Vec<f32> {
-    let mut state =
-        0x9E37_79B9_7F4A_7C15u64 ^ (rank as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let mantissa = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            mantissa * 2f32.powi(((state >> 8) % 12) as i32 - 6)
-        })
-        .collect()
+    common::random_floats(rank, len, 12)
 }
 
 /// Sizes around the ranks per host (2, 3): divisible or not, shorter than a host, empty.

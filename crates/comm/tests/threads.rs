@@ -1,6 +1,8 @@
 //! Threads backend: conformance against serial references, determinism, failure
 //! handling (killed, stuck, erroring workers; desync) and the device mesh.
 
+mod common;
+
 use meshtrain_comm::{
     conformance, reference_reduce, CommConfig, CommError, DeviceMesh, MeshAxis, MeshError,
     ProcessGroup, RawBuf, ReduceOp, ThreadsWorld, WorkerFailure,
@@ -26,20 +28,9 @@ fn conformance_suite_for_1_to_5_workers() {
     }
 }
 
-/// Pseudo-random floats of all magnitudes, so that the summation order matters.
+/// Pseudo-random floats of all magnitudes (2^-10 … 2^10), so that the summation order matters.
 fn random_floats(rank: usize, len: usize) -> Vec<f32> {
-    let mut state =
-        0x1234_5678_9ABC_DEF0u64 ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let mantissa = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            let exponent = ((state >> 8) % 20) as i32 - 10;
-            mantissa * 2f32.powi(exponent)
-        })
-        .collect()
+    common::random_floats(rank, len, 20)
 }
 
 #[test]

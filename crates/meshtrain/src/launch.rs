@@ -270,14 +270,11 @@ fn checkpoint_step(path: &Path) -> Option<u64> {
             .ok()
             .map(|c| c.index.step);
     }
-    use std::io::Read;
-    let mut file = std::fs::File::open(path).ok()?;
-    let mut n = [0u8; 8];
-    file.read_exact(&mut n).ok()?;
-    let mut header = vec![0u8; usize::try_from(u64::from_le_bytes(n)).ok()?.min(100 << 20)];
-    file.read_exact(&mut header).ok()?;
-    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
-    header["__metadata__"]["step"].as_str()?.parse().ok()
+    let header = meshtrain_train::checkpoint::read_safetensors_header(path, "checkpoint").ok()?;
+    header.entries.get("__metadata__")?["step"]
+        .as_str()?
+        .parse()
+        .ok()
 }
 
 /// The newest modification time of the job's progress files: its metrics and checkpoints.

@@ -347,11 +347,12 @@ pub fn parallelize(
             )
             .into());
         }
-        options
-            .ddp
-            .reduce
-            .is_hierarchical(&GroupHosts::of(data.as_ref()), data.name())
-            .map_err(DataParallelError::Config)?;
+        crate::data::is_hierarchical(
+            options.ddp.reduce,
+            &GroupHosts::of(data.as_ref()),
+            data.name(),
+        )
+        .map_err(DataParallelError::Config)?;
     }
 
     // Context parallelism's conditions are on the whole model (heads before the split).
@@ -861,10 +862,10 @@ impl Parallel {
         })
     }
 
-    /// How the gradients are synchronised (`ddp`, `ddp, hierarchical all-reduce`, `zero-2`,
-    /// …), as the run's description names it.
-    pub fn grad_sync_name(&self) -> &'static str {
-        self.sync.name()
+    /// How the gradients are all-reduced across replicas: `flat`, `hierarchical`, or `None`
+    /// when they are not all-reduced by DDP (ZeRO, the single master, one replica).
+    pub fn all_reduce_kind(&self) -> Option<&'static str> {
+        self.sync.all_reduce_kind()
     }
 
     /// One line on how the model is laid out, for the start of a run.

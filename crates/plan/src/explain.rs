@@ -305,11 +305,8 @@ pub fn train_command(problem: &Problem, layout: &Layout) -> String {
         .cluster
         .hierarchical_all_reduce_time(1.0, layout.gradient_group(), layout.tp)
         .is_some();
-    let planned = match problem.setup.grad_reduce {
-        GradReduce::Auto => None,
-        chosen => Some(chosen),
-    };
-    if let Some(chosen) = planned.filter(|_| spans && layout.zero == 0) {
+    let chosen = problem.setup.grad_reduce;
+    if chosen != GradReduce::Auto && spans && layout.zero == 0 {
         command += &format!(" --set parallel.grad_reduce=\"{}\"", chosen.name());
     }
     if layout.cp > 1 {

@@ -45,12 +45,15 @@ pub struct TrainingSetup {
     pub grad_reduce: GradReduce,
 }
 
-/// How the data-parallel gradient all-reduce (ZeRO-0) is organised when its group spans nodes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// How the data-parallel gradient all-reduce (ZeRO-0) is organised when its group spans nodes:
+/// the planner's input and the trainer's `parallel.grad_reduce` (one type for both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GradReduce {
     /// The trainer's default rule: hierarchical when the group spans nodes with more than one
-    /// of its ranks on each, flat otherwise (and always flat under ZeRO).
+    /// of its ranks on each (and every node the same number), flat otherwise (and always flat
+    /// under ZeRO).
+    #[default]
     Auto,
     /// One ring over all ranks (NCCL's rings, one per network card; MPI_Allreduce).
     Flat,

@@ -64,6 +64,65 @@ pub enum Restore {
     Weights,
 }
 
+/// A safetensors file's JSON header, read without its tensors, with the file left open for
+/// reading tensors at their offsets.
+pub struct SafetensorsHeader {
+    pub file: std::fs::File,
+    /// Bytes of the JSON header (the data section starts at `8 + header_len`).
+    pub header_len: u64,
+    pub file_len: u64,
+    /// Every entry of the header: tensors by name, and `__metadata__`.
+    pub entries: HashMap<String, serde_json::Value>,
+}
+
+/// Reads the header of the safetensors file at `path`; `what` names it in errors
+/// ("checkpoint shard …"): a missing file, a truncated or corrupt header.
+pub fn read_safetensors_header(path: &Path, what: &str) -> Result<SafetensorsHeader> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)
+        .with_context(|| format!("cannot open {what} {}", path.display()))?;
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n)
+        .with_context(|| format!("{what} {} is truncated", path.display()))?;
+    let header_len = u64::from_le_bytes(n);
+    let file_len = file.metadata()?.len();
+    anyhow::ensure!(
+        header_len + 8 <= file_len && header_len < 100 << 20,
+        "{what} {} is corrupt (bad header length)",
+        path.display()
+    );
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)
+        .with_context(|| format!("{what} {} is truncated", path.display()))?;
+    let entries = serde_json::from_slice(&header)
+        .with_context(|| format!("{what} {} has a corrupt header", path.display()))?;
+    Ok(SafetensorsHeader {
+        file,
+        header_len,
+        file_len,
+        entries,
+    })
+}
+
+/// The JSON entry `key` of a checkpoint's metadata, if it has one; a corrupt entry is an
+/// error naming the file.
+fn optional_json<T: serde::de::DeserializeOwned>(
+    meta: &HashMap<String, String>,
+    key: &str,
+    path: &Path,
+) -> Result<Option<T>> {
+    meta.get(key)
+        .map(|text| {
+            serde_json::from_str(text).with_context(|| {
+                format!(
+                    "checkpoint {}: its {key} entry is corrupt: {text}",
+                    path.display()
+                )
+            })
+        })
+        .transpose()
+}
+
 fn view(data: &[f32], shape: Vec<usize>) -> TensorView<'_> {
     TensorView::new(Dtype::F32, shape, bytemuck::cast_slice(data)).expect("tensor view sizes match")
 }
@@ -274,24 +333,8 @@ pub fn load(
         optimizer.v = read_f32(&st, "optimizer.v", &[optimizer.v.len()], path)?;
     }
     optimizer.step = number("optimizer_step")?;
-    let loss_scaler = match meta.get("loss_scaler") {
-        Some(text) => Some(serde_json::from_str(text).with_context(|| {
-            format!(
-                "checkpoint {}: its loss_scaler entry is corrupt: {text}",
-                path.display()
-            )
-        })?),
-        None => None,
-    };
-    let sampler = match meta.get("sampler") {
-        Some(text) => Some(serde_json::from_str(text).with_context(|| {
-            format!(
-                "checkpoint {}: its sampler entry is corrupt: {text}",
-                path.display()
-            )
-        })?),
-        None => None,
-    };
+    let loss_scaler = optional_json(&meta, "loss_scaler", path)?;
+    let sampler = optional_json(&meta, "sampler", path)?;
     Ok(Restored {
         step: number("step")?,
         model_description: saved_model,

@@ -33,7 +33,7 @@
 //! shard, a checksum mismatch, or an index that does not match the model is an error naming
 //! the file.
 
-use crate::checkpoint::replace_atomically;
+use crate::checkpoint::{read_safetensors_header, replace_atomically, SafetensorsHeader};
 use crate::dataset::SamplerPosition;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use meshtrain_comm::{BufMut, ProcessGroup};
@@ -46,7 +46,6 @@ use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -737,23 +736,12 @@ impl ShardedCheckpoint {
 
 /// Opens a shard file and reads its header (each key's absolute byte range).
 fn open_shard(path: &Path) -> Result<OpenShard> {
-    let mut file = File::open(path)
-        .with_context(|| format!("cannot open checkpoint shard {}", path.display()))?;
-    let mut n = [0u8; 8];
-    file.read_exact(&mut n)
-        .with_context(|| format!("checkpoint shard {} is truncated", path.display()))?;
-    let n = u64::from_le_bytes(n);
-    let file_len = file.metadata()?.len();
-    ensure!(
-        n + 8 <= file_len && n < 100 << 20,
-        "checkpoint shard {} is corrupt (bad header length)",
-        path.display()
-    );
-    let mut header = vec![0u8; n as usize];
-    file.read_exact(&mut header)
-        .with_context(|| format!("checkpoint shard {} is truncated", path.display()))?;
-    let parsed: HashMap<String, serde_json::Value> = serde_json::from_slice(&header)
-        .with_context(|| format!("checkpoint shard {} has a corrupt header", path.display()))?;
+    let SafetensorsHeader {
+        file,
+        header_len: n,
+        file_len,
+        entries: parsed,
+    } = read_safetensors_header(path, "checkpoint shard")?;
     let mut ranges = HashMap::new();
     for (key, info) in parsed {
         if key == "__metadata__" {

@@ -154,11 +154,7 @@ impl Trainer {
             breakdown: Breakdown {
                 workers,
                 hosts: GroupHosts::of(world.as_ref()).num_hosts(),
-                grad_reduce: match parallel.grad_sync_name() {
-                    "ddp" if resolved.layout.dp * resolved.layout.cp > 1 => Some("flat"),
-                    name if name.contains("hierarchical") => Some("hierarchical"),
-                    _ => None,
-                },
+                grad_reduce: parallel.all_reduce_kind(),
                 stages: resolved.layout.pp,
                 tensor: resolved.layout.tp,
                 context: resolved.layout.cp,

@@ -32,57 +32,43 @@ pub enum GradCompression {
     Bf16,
 }
 
-/// How DDP all-reduces its buckets over the data-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GradReduce {
-    /// Hierarchical when the group spans several hosts and some host holds more than one of
-    /// its ranks (and every host the same number); flat otherwise.
-    #[default]
-    Auto,
-    /// One all-reduce over the whole group.
-    Flat,
-    /// Reduce-scatter inside each host, all-reduce of the shards across hosts, all-gather
-    /// inside the host ([`HierarchicalGroup`]): the slow links carry 1/L of the bytes.
-    Hierarchical,
+/// How DDP all-reduces its buckets over the data-parallel group: the planner's type, so a
+/// plan and a run name the same choice (`auto`, `flat`, `hierarchical`).
+pub use meshtrain_plan::layout::GradReduce;
+
+/// Whether `reduce` reduces a group placed on `hosts` hierarchically (`auto`: when the group
+/// spans several hosts, some host holds more than one of its ranks, and every host the same
+/// number); an error (naming the group and its hosts) when hierarchical was asked for and
+/// the hosts hold different numbers of the group's ranks.
+pub fn is_hierarchical(
+    reduce: GradReduce,
+    hosts: &GroupHosts,
+    group_name: &str,
+) -> Result<bool, String> {
+    match reduce {
+        GradReduce::Flat => Ok(false),
+        GradReduce::Auto => Ok(hosts.hierarchy_helps() && hosts.uniform_ranks_per_host().is_some()),
+        GradReduce::Hierarchical => hosts
+            .check_hierarchical(group_name)
+            .map(|_| true)
+            .map_err(|e| format!("parallel.grad_reduce = \"hierarchical\": {e}")),
+    }
 }
 
-impl GradReduce {
-    /// Whether a group placed on `hosts` is reduced hierarchically; an error (naming the
-    /// group and its hosts) when hierarchical was asked for and the hosts hold different
-    /// numbers of the group's ranks.
-    pub fn is_hierarchical(self, hosts: &GroupHosts, group_name: &str) -> Result<bool, String> {
-        match self {
-            GradReduce::Flat => Ok(false),
-            GradReduce::Auto => {
-                Ok(hosts.hierarchy_helps() && hosts.uniform_ranks_per_host().is_some())
-            }
-            GradReduce::Hierarchical => hosts
-                .check_hierarchical(group_name)
-                .map(|_| true)
-                .map_err(|e| format!("parallel.grad_reduce = \"hierarchical\": {e}")),
-        }
+/// The group DDP all-reduces its buckets over under `reduce`, and whether it is
+/// hierarchical: `dp` itself, or `dp` reduced inside each host first (a collective over
+/// `dp`: every member calls it).
+pub fn reduction_group(
+    reduce: GradReduce,
+    dp: &Arc<dyn ProcessGroup>,
+) -> Result<(Arc<dyn ProcessGroup>, bool), DataParallelError> {
+    let hosts = GroupHosts::of(dp.as_ref());
+    if !is_hierarchical(reduce, &hosts, dp.name()).map_err(DataParallelError::Config)? {
+        return Ok((dp.clone(), false));
     }
-
-    /// The group DDP all-reduces its buckets over, and whether it is hierarchical: `dp`
-    /// itself, or `dp` reduced inside each host first (a collective over `dp`: every member
-    /// calls it).
-    pub fn reduction_group(
-        self,
-        dp: &Arc<dyn ProcessGroup>,
-    ) -> Result<(Arc<dyn ProcessGroup>, bool), DataParallelError> {
-        let hosts = GroupHosts::of(dp.as_ref());
-        if !self
-            .is_hierarchical(&hosts, dp.name())
-            .map_err(DataParallelError::Config)?
-        {
-            return Ok((dp.clone(), false));
-        }
-        let group = HierarchicalGroup::new(dp.clone()).map_err(|e| {
-            DataParallelError::comm("creating the hierarchical reduction groups", e)
-        })?;
-        Ok((Arc::new(group), true))
-    }
+    let group = HierarchicalGroup::new(dp.clone())
+        .map_err(|e| DataParallelError::comm("creating the hierarchical reduction groups", e))?;
+    Ok((Arc::new(group), true))
 }
 
 /// DDP settings (PyTorch's defaults).

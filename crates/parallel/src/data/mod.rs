@@ -21,7 +21,10 @@ mod sync;
 mod sync_bn;
 
 pub use buckets::{plan_buckets, Bucket};
-pub use ddp::{broadcast_state, CommTiming, Ddp, DdpConfig, GradCompression, GradReduce};
+pub use ddp::{
+    broadcast_state, is_hierarchical, reduction_group, CommTiming, Ddp, DdpConfig, GradCompression,
+    GradReduce,
+};
 pub use naive::{SingleMaster, MASTER};
 pub use sync::{
     grad_sync, DataParallel, DataParallelConfig, DdpSync, DpMode, GradSync, NoSync, ShareShape,

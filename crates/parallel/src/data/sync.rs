@@ -107,7 +107,7 @@ pub fn grad_sync(
             ))
         }
         (DpMode::Ddp, None) => {
-            let (group, hierarchical) = ddp.reduce.reduction_group(dp)?;
+            let (group, hierarchical) = super::ddp::reduction_group(ddp.reduce, dp)?;
             let mut sync = DdpSync::new(model, chunks, pipeline_workers, group, ddp)?;
             sync.hierarchical = hierarchical;
             Box::new(sync)
@@ -144,6 +144,12 @@ pub struct ShareShape {
 pub trait GradSync: Send {
     /// For logs: `ddp`, `single-master`.
     fn name(&self) -> &'static str;
+
+    /// For step breakdowns: `flat` or `hierarchical` when the gradients are all-reduced over
+    /// more than one replica, `None` when they are synchronised another way (or not at all).
+    fn all_reduce_kind(&self) -> Option<&'static str> {
+        None
+    }
 
     /// Makes every replica start from the same parameters and buffers (rank 0's).
     fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError>;
@@ -277,6 +283,14 @@ impl GradSync for DdpSync {
             "ddp, hierarchical all-reduce"
         } else {
             "ddp"
+        }
+    }
+
+    fn all_reduce_kind(&self) -> Option<&'static str> {
+        match (self.group.size() > 1, self.hierarchical) {
+            (false, _) => None,
+            (true, false) => Some("flat"),
+            (true, true) => Some("hierarchical"),
         }
     }
 
