@@ -20,7 +20,7 @@ use crate::presets::Task;
 use anyhow::{anyhow, bail, Result};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_nn::transformer::{AttentionCore, AttentionKind};
-use meshtrain_nn::{Layer, Mode, Saved};
+use meshtrain_nn::{Layer, Mode, Params, ParamsMut, Saved};
 use meshtrain_tensor::attention::{
     causal_attention_backward, causal_attention_forward, AttentionShape,
 };
@@ -167,7 +167,13 @@ fn attention_kept_bytes(kind: AttentionKind, seq: usize) -> usize {
         train: true,
         update_stats: true,
     };
-    let out = core.forward(&[], &mut [], qkv, mode, &mut saved);
+    let out = core.forward(
+        Params::Host(&[]),
+        ParamsMut::Host(&mut []),
+        qkv,
+        mode,
+        &mut saved,
+    );
     std::hint::black_box(out);
     saved.bytes()
 }

@@ -10,6 +10,8 @@ pub mod bench;
 pub mod calibrate;
 pub mod config;
 pub mod context_bench;
+#[cfg(feature = "cuda")]
+pub mod gpu_bench;
 pub mod launch;
 pub mod pipeline_bench;
 pub mod plot;

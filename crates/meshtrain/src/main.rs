@@ -92,6 +92,11 @@ enum BenchCommand {
     /// (GFLOP/s, memory at seq 512…8192), context parallelism's activation memory per
     /// worker, a GPT over a memory limit trained at cp = 4, ring vs Ulysses at cp = 2.
     Context(meshtrain::context_bench::BenchContextArgs),
+    /// The CUDA backend on this machine's GPU: every kernel against its CPU twin, 20 GPT
+    /// steps against the CPU, products against cuBLASLt's best algorithm, kernels' bandwidth
+    /// against a copy, and the GPT-2 124M step in tokens/s with its per-kernel time.
+    #[cfg(feature = "cuda")]
+    Gpu(meshtrain::gpu_bench::BenchGpuArgs),
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
@@ -177,6 +182,8 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Precision(a)) => meshtrain::precision_bench::run(&a),
         Command::Bench(BenchCommand::Zero(a)) => meshtrain::zero_bench::run(&a),
         Command::Bench(BenchCommand::Context(a)) => meshtrain::context_bench::run(&a),
+        #[cfg(feature = "cuda")]
+        Command::Bench(BenchCommand::Gpu(a)) => meshtrain::gpu_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
         Command::Launch(a) => meshtrain::launch::run(&a),

@@ -54,6 +54,10 @@ pub struct TrainArgs {
     /// Micro-batches per step and data-parallel replica (pipeline runs).
     #[arg(long)]
     pub micro_batches: Option<usize>,
+    /// Where the step runs: cpu (default), cuda (GPU 0) or cuda:N. Same as --set
+    /// train.device="cuda:N". See docs/gpu.md.
+    #[arg(long)]
+    pub device: Option<String>,
     /// Write a Chrome trace of the last step to FILE.json (open it in
     /// https://ui.perfetto.dev) and a PNG of it next to it.
     #[arg(long, value_name = "FILE.json")]
@@ -88,6 +92,9 @@ impl TrainArgs {
         }
         if let Some(m) = self.micro_batches {
             overrides.push(format!("parallel.micro_batches={m}"));
+        }
+        if let Some(device) = &self.device {
+            overrides.push(format!("train.device={}", toml_string(device)));
         }
         if let Some(path) = &self.timeline {
             let path = path.to_string_lossy();

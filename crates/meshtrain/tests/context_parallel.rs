@@ -8,6 +8,7 @@
 
 use meshtrain::config::Config;
 use meshtrain_comm::{CommConfig, ThreadsWorld};
+use meshtrain_nn::{Params, ParamsMut};
 use meshtrain_train::RunOptions;
 
 mod common;
@@ -189,7 +190,14 @@ fn a_stuck_context_parallel_worker_fails_the_other_within_the_timeout() {
         stuck: bool,
     }
     impl Layer for Sleepy {
-        fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, _: Mode, _: &mut Saved) -> Tensor {
+        fn forward(
+            &self,
+            _: Params<'_>,
+            _: ParamsMut<'_>,
+            x: Tensor,
+            _: Mode,
+            _: &mut Saved,
+        ) -> Tensor {
             if self.stuck {
                 std::thread::sleep(Duration::from_secs(6));
             }
@@ -197,8 +205,8 @@ fn a_stuck_context_parallel_worker_fails_the_other_within_the_timeout() {
         }
         fn backward(
             &self,
-            _: &[f32],
-            _: &mut [f32],
+            _: Params<'_>,
+            _: ParamsMut<'_>,
             _: Saved,
             dy: Tensor,
             _: bool,

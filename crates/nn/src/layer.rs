@@ -2,8 +2,158 @@
 
 use meshtrain_tensor::dtype::HalfTensor;
 use meshtrain_tensor::rng::SplitMix64;
-use meshtrain_tensor::{DType, Tensor};
+use meshtrain_tensor::{DType, Device, Tensor};
+use std::ops::Range;
 use std::sync::Arc;
+
+/// A layer's parameters, as the model's flat buffer holds them where the step runs: host
+/// values, or on a GPU the f32 masters beside their 16-bit compute copy. A layer slices it
+/// the way it sliced `&[f32]` before ([`Params::split_at`], [`Params::slice`]) and reads the
+/// host values with [`Params::host`] on its CPU path.
+#[derive(Clone, Copy)]
+pub enum Params<'a> {
+    Host(&'a [f32]),
+    #[cfg(feature = "cuda")]
+    Device(meshtrain_tensor::cuda::DeviceParams<'a>),
+}
+
+impl<'a> Params<'a> {
+    /// The host values. On a GPU this is a programming error: the layer's CPU path was
+    /// reached with device parameters ([`Layer::runs_on`] should have said it has no CUDA
+    /// kernels).
+    pub fn host(self) -> &'a [f32] {
+        match self {
+            Params::Host(p) => p,
+            #[cfg(feature = "cuda")]
+            Params::Device(p) => panic!("{}", host_code_on_device(p.device().ordinal())),
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        match self {
+            Params::Host(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Params::Device(p) => Device::Cuda(p.device().ordinal()),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Params::Host(p) => p.len(),
+            #[cfg(feature = "cuda")]
+            Params::Device(p) => p.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn slice(self, range: Range<usize>) -> Params<'a> {
+        match self {
+            Params::Host(p) => Params::Host(&p[range]),
+            #[cfg(feature = "cuda")]
+            Params::Device(p) => Params::Device(p.slice(range)),
+        }
+    }
+
+    pub fn split_at(self, mid: usize) -> (Params<'a>, Params<'a>) {
+        let len = self.len();
+        (self.slice(0..mid), self.slice(mid..len))
+    }
+}
+
+impl<'a> From<&'a [f32]> for Params<'a> {
+    fn from(p: &'a [f32]) -> Self {
+        Params::Host(p)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for Params<'a> {
+    fn from(p: &'a Vec<f32>) -> Self {
+        Params::Host(p)
+    }
+}
+
+/// Values a layer writes: its gradients (accumulated into) or its buffers (batch-norm
+/// running statistics), on the host or on a GPU (f32).
+pub enum ParamsMut<'a> {
+    Host(&'a mut [f32]),
+    #[cfg(feature = "cuda")]
+    Device(meshtrain_tensor::cuda::DeviceGrads<'a>),
+}
+
+impl<'a> ParamsMut<'a> {
+    /// The host values (see [`Params::host`]).
+    pub fn host(self) -> &'a mut [f32] {
+        match self {
+            ParamsMut::Host(p) => p,
+            #[cfg(feature = "cuda")]
+            ParamsMut::Device(p) => panic!("{}", host_code_on_device(p.device().ordinal())),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            ParamsMut::Host(p) => p.len(),
+            #[cfg(feature = "cuda")]
+            ParamsMut::Device(p) => p.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A shorter-lived view of `range`.
+    pub fn slice(&mut self, range: Range<usize>) -> ParamsMut<'_> {
+        match self {
+            ParamsMut::Host(p) => ParamsMut::Host(&mut p[range]),
+            #[cfg(feature = "cuda")]
+            ParamsMut::Device(p) => ParamsMut::Device(p.slice(range)),
+        }
+    }
+
+    /// A shorter-lived view of all of it.
+    pub fn reborrow(&mut self) -> ParamsMut<'_> {
+        let len = self.len();
+        self.slice(0..len)
+    }
+
+    pub fn split_at(self, mid: usize) -> (ParamsMut<'a>, ParamsMut<'a>) {
+        match self {
+            ParamsMut::Host(p) => {
+                let (a, b) = p.split_at_mut(mid);
+                (ParamsMut::Host(a), ParamsMut::Host(b))
+            }
+            #[cfg(feature = "cuda")]
+            ParamsMut::Device(p) => {
+                let (a, b) = p.split_at(mid);
+                (ParamsMut::Device(a), ParamsMut::Device(b))
+            }
+        }
+    }
+}
+
+impl<'a> From<&'a mut [f32]> for ParamsMut<'a> {
+    fn from(p: &'a mut [f32]) -> Self {
+        ParamsMut::Host(p)
+    }
+}
+
+impl<'a> From<&'a mut Vec<f32>> for ParamsMut<'a> {
+    fn from(p: &'a mut Vec<f32>) -> Self {
+        ParamsMut::Host(p)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn host_code_on_device(ordinal: usize) -> String {
+    format!(
+        "parameters on cuda:{ordinal} reached a layer's host code: the layer has no CUDA \
+         kernels (its Layer::runs_on should say so, and the trainer then refuses the device)"
+    )
+}
 
 /// Sums small statistics across the data-parallel workers: what makes batch norm
 /// SyncBatchNorm. The parallel crate implements it over a process group, so `nn` itself
@@ -318,6 +468,11 @@ impl Kept {
 
 /// A layer: parameters are given as slices of the model's flat buffers, in the order of
 /// [`Layer::params`]; gradients are *accumulated* into `grads` (so micro-batches add up).
+///
+/// The buffers live where the step runs ([`Params`]): on the host, a layer reads
+/// `params.host()`; on a GPU, its tensors are device tensors and it runs device kernels
+/// (`meshtrain_tensor::cuda::ops`). A layer written only for the CPU keeps working there;
+/// to run on a GPU it adds a device path and says so in [`Layer::runs_on`].
 pub trait Layer: Send + Sync {
     /// Trainable parameters, in storage order.
     fn params(&self) -> Vec<ParamSpec> {
@@ -331,8 +486,8 @@ pub trait Layer: Send + Sync {
 
     fn forward(
         &self,
-        params: &[f32],
-        buffers: &mut [f32],
+        params: Params<'_>,
+        buffers: ParamsMut<'_>,
         x: Tensor,
         mode: Mode,
         saved: &mut Saved,
@@ -341,12 +496,23 @@ pub trait Layer: Send + Sync {
     /// Returns the input gradient when `need_dx` (the first layer of a model skips it).
     fn backward(
         &self,
-        params: &[f32],
-        grads: &mut [f32],
+        params: Params<'_>,
+        grads: ParamsMut<'_>,
         saved: Saved,
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor>;
+
+    /// Whether this layer has kernels for `device`. A composite layer runs where all its
+    /// children run; a leaf runs on the CPU unless it says more. A trainer asks before any
+    /// work, so `--device cuda` with a layer that has no CUDA kernels is a clear error naming
+    /// the layer, not a failure inside it.
+    fn runs_on(&self, device: Device) -> bool {
+        match self.children() {
+            Some(children) => children.layers().iter().all(|(_, l)| l.runs_on(device)),
+            None => device.is_cpu(),
+        }
+    }
 
     /// Gives every batch-norm layer inside this one the reducer that synchronises its batch
     /// statistics across workers (SyncBatchNorm), or `None` for local statistics again.

@@ -1,6 +1,8 @@
 //! The basic layers, and [`Children`], the bookkeeping composite layers share.
 
-use crate::layer::{spec_len, Init, Kept, Layer, Mode, ParamSpec, Saved, StatsReducer};
+use crate::layer::{
+    spec_len, Init, Kept, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, StatsReducer,
+};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
 use meshtrain_tensor::lowp::{self, Bf16Rows};
@@ -8,8 +10,8 @@ use meshtrain_tensor::matmul::{gemm_in, run_pair, Mat, MatMut};
 use meshtrain_tensor::norm;
 use meshtrain_tensor::pool::{self, PoolGeometry};
 use meshtrain_tensor::tensor::swap_leading_axes;
-use meshtrain_tensor::DType;
 use meshtrain_tensor::Tensor;
+use meshtrain_tensor::{DType, Device};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -96,16 +98,16 @@ impl Children {
     pub fn forward(
         &self,
         i: usize,
-        p: &[f32],
-        b: &mut [f32],
+        p: Params<'_>,
+        b: &mut ParamsMut<'_>,
         x: Tensor,
         mode: Mode,
         saved: &mut Saved,
     ) -> Tensor {
         let mut s = Saved::default();
         let y = self.layers[i].1.forward(
-            &p[self.params[i].clone()],
-            &mut b[self.buffers[i].clone()],
+            p.slice(self.params[i].clone()),
+            b.slice(self.buffers[i].clone()),
             x,
             mode,
             &mut s,
@@ -125,15 +127,15 @@ impl Children {
     pub fn backward(
         &self,
         i: usize,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: &mut ParamsMut<'_>,
         saved: Saved,
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
         self.layers[i].1.backward(
-            &p[self.params[i].clone()],
-            &mut g[self.params[i].clone()],
+            p.slice(self.params[i].clone()),
+            g.slice(self.params[i].clone()),
             saved,
             dy,
             need_dx,
@@ -170,13 +172,20 @@ impl Layer for Seq {
     fn buffers(&self) -> Vec<ParamSpec> {
         self.0.buffer_specs()
     }
-    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
-        (0..self.0.len()).fold(x, |x, i| self.0.forward(i, p, b, x, mode, s))
+    fn forward(
+        &self,
+        p: Params<'_>,
+        mut b: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        (0..self.0.len()).fold(x, |x, i| self.0.forward(i, p, &mut b, x, mode, s))
     }
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        mut g: ParamsMut<'_>,
         s: Saved,
         dy: Tensor,
         need_dx: bool,
@@ -200,7 +209,9 @@ impl Layer for Seq {
                 break;
             }
             let want = need_dx || i > first_needed;
-            dy = self.0.backward(i, p, g, child, dy.expect("gradient"), want);
+            dy = self
+                .0
+                .backward(i, p, &mut g, child, dy.expect("gradient"), want);
         }
         dy.filter(|_| need_dx)
     }
@@ -271,7 +282,14 @@ impl Layer for Linear {
         v
     }
 
-    fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
         assert_eq!(
             x.shape().last(),
             Some(&self.inputs),
@@ -281,6 +299,11 @@ impl Layer for Linear {
             self.inputs,
             x.shape()
         );
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::linear_forward(self, p, x, mode, s);
+        }
+        let p = p.host();
         let rows = x.numel() / self.inputs;
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("non-empty shape") = self.outputs;
@@ -339,12 +362,18 @@ impl Layer for Linear {
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::linear_backward(self, p, g, s, dy, need_dx);
+        }
+        let p = p.host();
+        let g = g.host();
         let mut dz = dy;
         let x = self.backward_prologue(g, &mut s, &mut dz);
         let shape = x.shape().to_vec();
@@ -373,6 +402,10 @@ impl Layer for Linear {
 
     fn set_precision(&mut self, precision: DType) {
         self.precision = precision;
+    }
+
+    fn runs_on(&self, _: Device) -> bool {
+        true
     }
 }
 
@@ -529,7 +562,15 @@ impl Layer for Conv2d {
         v
     }
 
-    fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let p = p.host();
         let sp = Self::spatial(&x);
         assert_eq!(x.dim(0), self.geom.in_channels, "Conv2d: channel mismatch");
         let nw = self.geom.out_channels * self.geom.patch_len();
@@ -558,12 +599,14 @@ impl Layer for Conv2d {
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        let p = p.host();
+        let g = g.host();
         let columns = self
             .geom
             .keeps_columns()
@@ -647,7 +690,16 @@ impl Layer for BatchNorm2d {
         ]
     }
 
-    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        b: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let p = p.host();
+        let b = b.host();
         let c = self.channels;
         let (gamma, beta) = p.split_at(c);
         let mut count = x.numel() / c;
@@ -678,12 +730,14 @@ impl Layer for BatchNorm2d {
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        let p = p.host();
+        let g = g.host();
         let c = self.channels;
         let xhat = s.tensors.pop().expect("BatchNorm: saved xhat");
         let var = s.stats.pop().expect("BatchNorm: saved var");
@@ -720,11 +774,19 @@ impl Layer for BatchNorm2d {
 pub struct LayerNorm {
     pub dim: usize,
     pub eps: f32,
+    /// The dtype of the output on a GPU: the mixed-precision product dtype, since what reads
+    /// a norm's output is a product, which rounds its input to it anyway (on the CPU the
+    /// output stays f32 and the product rounds it). Statistics are f32 either way.
+    pub precision: DType,
 }
 
 impl LayerNorm {
     pub fn new(dim: usize) -> Self {
-        LayerNorm { dim, eps: 1e-5 }
+        LayerNorm {
+            dim,
+            eps: 1e-5,
+            precision: DType::F32,
+        }
     }
 }
 
@@ -736,7 +798,27 @@ impl Layer for LayerNorm {
         ]
     }
 
-    fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn set_precision(&mut self, precision: DType) {
+        self.precision = precision;
+    }
+
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
+    fn forward(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::layer_norm_forward(self, p, x, mode, s);
+        }
+        let p = p.host();
         let (gamma, beta) = p.split_at(self.dim);
         let (y, mean, rstd) = norm::layer_norm_forward(x.data(), self.dim, gamma, beta, self.eps);
         let shape = x.shape().to_vec();
@@ -750,12 +832,18 @@ impl Layer for LayerNorm {
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _need_dx: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return Some(crate::device::layer_norm_backward(self, p, g, s, dy));
+        }
+        let p = p.host();
+        let g = g.host();
         let rstd = s.stats.pop().expect("LayerNorm: rstd");
         let mean = s.stats.pop().expect("LayerNorm: mean");
         let x = s.tensors.pop().expect("LayerNorm: input");
@@ -781,7 +869,22 @@ impl Layer for LayerNorm {
 pub struct Act(pub Activation);
 
 impl Layer for Act {
-    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::device::act_forward(self.0, x, mode, s);
+        }
         let mut y = Tensor::for_overwrite(x.shape());
         self.0.forward(x.data(), y.data_mut());
         if mode.train {
@@ -796,13 +899,17 @@ impl Layer for Act {
 
     fn backward(
         &self,
-        _: &[f32],
-        _: &mut [f32],
+        _: Params<'_>,
+        _: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
         let kept = s.tensors.pop().expect("Act: saved tensor");
+        #[cfg(feature = "cuda")]
+        if kept.device().is_cuda() {
+            return Some(crate::device::act_backward(self.0, kept, dy));
+        }
         let mut dx = dy;
         self.0.backward_in_place(kept.data(), dx.data_mut());
         kept.recycle();
@@ -846,7 +953,14 @@ impl Pool2d {
 }
 
 impl Layer for Pool2d {
-    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
         let (c, n, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
         let (oh, ow) = self.geom.output_size(h, w);
         let y = match self.kind {
@@ -867,8 +981,8 @@ impl Layer for Pool2d {
 
     fn backward(
         &self,
-        _: &[f32],
-        _: &mut [f32],
+        _: Params<'_>,
+        _: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _: bool,
@@ -891,7 +1005,14 @@ impl Layer for Pool2d {
 pub struct ToChannelMajor;
 
 impl Layer for ToChannelMajor {
-    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, _: Mode, _: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        _: Mode,
+        _: &mut Saved,
+    ) -> Tensor {
         let (n, c, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
         let data = if c == 1 {
             x.into_vec()
@@ -900,7 +1021,14 @@ impl Layer for ToChannelMajor {
         };
         Tensor::from_vec(data, &[c, n, h, w])
     }
-    fn backward(&self, _: &[f32], _: &mut [f32], _: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        _: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
         let (c, n, h, w) = (dy.dim(0), dy.dim(1), dy.dim(2), dy.dim(3));
         Some(Tensor::from_vec(
             swap_leading_axes(dy.data(), c, n, h * w),
@@ -916,7 +1044,14 @@ pub struct Flatten {
 }
 
 impl Layer for Flatten {
-    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
         let (c, n, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
         if mode.train {
             s.stats.push(vec![c as f32, n as f32, h as f32, w as f32]);
@@ -938,8 +1073,8 @@ impl Layer for Flatten {
 
     fn backward(
         &self,
-        _: &[f32],
-        _: &mut [f32],
+        _: Params<'_>,
+        _: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _: bool,

@@ -14,6 +14,8 @@
 //! Forward returns what backward needs as a [`Saved`] value instead of storing it in the layer,
 //! so a pipeline stage can hold several micro-batches in flight at once.
 
+#[cfg(feature = "cuda")]
+pub mod device;
 pub mod layer;
 pub mod layers;
 pub mod loss;
@@ -24,7 +26,8 @@ pub mod schedule;
 pub mod transformer;
 
 pub use layer::{
-    Init, Kept, Layer, Mode, ParamSpec, Saved, ShardSpec, StatsReducer, TensorPlan, TpStyle,
+    Init, Kept, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, ShardSpec, StatsReducer,
+    TensorPlan, TpStyle,
 };
 pub use loss::{CrossEntropy, Loss, LossError, LossValue};
 pub use model::{

@@ -75,6 +75,41 @@ pub trait Loss: Send + Sync {
     fn check_targets(&self, _targets: &[u32]) -> Result<(), LossError> {
         Ok(())
     }
+
+    /// The loss of a model output on a GPU. A loss with device kernels adds Σ per-target
+    /// loss and Σ correct into the two f64 at `sums` (device memory: the host reads them
+    /// once per step) and returns `None` as the value; the default computes on the host
+    /// (the output copied over, the gradient copied back) and returns the value.
+    /// `targets_on_device` holds the targets as i32. With `grad_scale`, also returns the
+    /// gradient of `grad_scale × mean`, on the output's device.
+    #[cfg(feature = "cuda")]
+    fn forward_backward_on_device(
+        &self,
+        output: Tensor,
+        targets: &[u32],
+        targets_on_device: u64,
+        grad_scale: Option<f32>,
+        sums: u64,
+    ) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
+        let _ = (targets_on_device, sums);
+        let host = output.to_host();
+        let (value, grad) = self.forward_backward(&host, targets, grad_scale.unwrap_or(1.0))?;
+        let grad = match (grad_scale, output.cuda()) {
+            (Some(_), Some(out)) => Some(Tensor::from_cuda(
+                meshtrain_tensor::cuda::error::ok_or_raise(
+                    meshtrain_tensor::cuda::CudaTensor::from_host(
+                        out.device(),
+                        grad.data(),
+                        meshtrain_tensor::DType::F32,
+                    ),
+                ),
+                output.shape(),
+            )),
+            (Some(_), None) => Some(grad),
+            (None, _) => None,
+        };
+        Ok((Some(value), grad))
+    }
 }
 
 /// Softmax cross-entropy over `classes` classes, PyTorch's `nn.CrossEntropyLoss` with mean
@@ -130,6 +165,41 @@ impl Loss for CrossEntropy {
             correct: Some(correct),
         };
         Ok((value, Tensor::from_vec(grad, output.shape())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn forward_backward_on_device(
+        &self,
+        output: Tensor,
+        targets: &[u32],
+        targets_on_device: u64,
+        grad_scale: Option<f32>,
+        sums: u64,
+    ) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
+        self.check_output(&output, targets)?;
+        let Some(logits) = output.cuda().cloned() else {
+            return Err(LossError::OutputSize {
+                loss: format!("{} (on a GPU)", self.name()),
+                elements: 0,
+                targets: targets.len(),
+                per_target: self.classes,
+                expected: targets.len() * self.classes,
+                shape: output.shape().to_vec(),
+            });
+        };
+        let rows = targets.len();
+        let shape = output.shape().to_vec();
+        drop(output);
+        let grad =
+            meshtrain_tensor::cuda::error::ok_or_raise(meshtrain_tensor::cuda::ops::cross_entropy(
+                logits,
+                targets_on_device,
+                rows,
+                self.classes,
+                grad_scale.map(|s| s / rows as f32),
+                sums,
+            ));
+        Ok((None, grad.map(|g| Tensor::from_cuda(g, &shape))))
     }
 
     fn check_targets(&self, targets: &[u32]) -> Result<(), LossError> {

@@ -4,7 +4,9 @@
 //! takes ([`InputSpec`], checked against a dataset before any work), and parameters tied
 //! across blocks ([`TiedParams`], e.g. a GPT's token embedding and output head).
 
-use crate::layer::{spec_len, Layer, Mode, ParamSpec, Saved, ShardSpec, StatsReducer, TensorPlan};
+use crate::layer::{
+    spec_len, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, ShardSpec, StatsReducer, TensorPlan,
+};
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::{DType, Tensor};
 use std::ops::Range;
@@ -637,10 +639,13 @@ impl Model {
             hook: &'b mut dyn FnMut(usize, &mut ParamStore),
         }
         impl BlockParams for Hooked<'_, '_> {
-            fn forward_view(&mut self, block: usize) -> (&[f32], &mut [f32]) {
+            fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
                 self.inner.forward_view(block)
             }
-            fn backward_view(&mut self, block: usize) -> (&[f32], &mut [f32], &mut [f32]) {
+            fn backward_view(
+                &mut self,
+                block: usize,
+            ) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
                 self.inner.backward_view(block)
             }
             fn backward_done(&mut self, block: usize) {
@@ -713,14 +718,14 @@ impl Model {
 /// execution order, and every `*_view` is followed by the matching `*_done`.
 pub trait BlockParams {
     /// Block `block`'s parameters and buffers, for its forward.
-    fn forward_view(&mut self, block: usize) -> (&[f32], &mut [f32]);
+    fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>);
 
     /// Block `block`'s forward is done (its gathered parameters may go).
     fn forward_done(&mut self, _block: usize) {}
 
     /// Block `block`'s parameters, gradient buffer (gradients are accumulated into it) and
     /// buffers, for its backward (and a recomputed forward before it).
-    fn backward_view(&mut self, block: usize) -> (&[f32], &mut [f32], &mut [f32]);
+    fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>);
 
     /// Block `block`'s backward is done: its gradients of this pass are complete.
     fn backward_done(&mut self, _block: usize) {}
@@ -734,24 +739,27 @@ struct StoreParams<'a> {
 }
 
 impl BlockParams for StoreParams<'_> {
-    fn forward_view(&mut self, block: usize) -> (&[f32], &mut [f32]) {
+    fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
         let (p, b) = (
             self.model.param_slot(block, self.base),
             self.model.buffer_slot(block, self.base),
         );
-        (&self.store.values[p], &mut self.store.buffers[b])
+        (
+            Params::Host(&self.store.values[p]),
+            ParamsMut::Host(&mut self.store.buffers[b]),
+        )
     }
 
-    fn backward_view(&mut self, block: usize) -> (&[f32], &mut [f32], &mut [f32]) {
+    fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
         let (p, b) = (
             self.model.param_slot(block, self.base),
             self.model.buffer_slot(block, self.base),
         );
         let store = &mut *self.store;
         (
-            &store.values[p.clone()],
-            &mut store.grads[p],
-            &mut store.buffers[b],
+            Params::Host(&store.values[p.clone()]),
+            ParamsMut::Host(&mut store.grads[p]),
+            ParamsMut::Host(&mut store.buffers[b]),
         )
     }
 }

@@ -1,13 +1,13 @@
 //! GPT layers: token + position embedding, causal self-attention, the pre-LN block.
 
-use crate::layer::{Init, Layer, Mode, ParamSpec, Saved};
+use crate::layer::{Init, Layer, Mode, ParamSpec, Params, ParamsMut, Saved};
 use crate::layers::{Children, LayerNorm, Linear, Seq};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::attention::{
     causal_attention_backward, causal_attention_forward, AttentionShape,
 };
 use meshtrain_tensor::flash::{flash_attention_backward, flash_attention_forward};
-use meshtrain_tensor::{DType, Tensor};
+use meshtrain_tensor::{DType, Device, Tensor};
 
 /// Which tokens of every sequence a worker holds. Under context parallelism the sequence is
 /// cut into `2·parts` equal chunks and worker `index` holds chunks `index` and
@@ -80,7 +80,18 @@ impl Layer for GptEmbedding {
         ]
     }
 
-    fn forward(&self, p: &[f32], _: &mut [f32], ids: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
+    fn forward(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        ids: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.dim);
         assert!(
             t * self.sequence.parts <= self.max_seq,
@@ -88,6 +99,11 @@ impl Layer for GptEmbedding {
             t * self.sequence.parts,
             self.max_seq
         );
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::embedding_forward(self, p, ids, mode, s);
+        }
+        let p = p.host();
         let (tok, pos) = p.split_at(self.vocab * d);
         let mut y = vec![0.0f32; b * t * d];
         for (i, (row, &id)) in y.chunks_mut(d).zip(ids.data()).enumerate() {
@@ -111,12 +127,18 @@ impl Layer for GptEmbedding {
 
     fn backward(
         &self,
-        _: &[f32],
-        g: &mut [f32],
+        _: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let ParamsMut::Device(g) = g {
+            crate::device::embedding_backward(self, g, s, dy);
+            return None;
+        }
+        let g = g.host();
         let ids = s.tensors.pop().expect("embedding: saved ids");
         let (t, d) = (ids.dim(1), self.dim);
         let (gtok, gpos) = g.split_at_mut(self.vocab * d);
@@ -183,7 +205,22 @@ impl Layer for AttentionCore {
         Some(self)
     }
 
-    fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        qkv: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if qkv.device().is_cuda() {
+            return crate::device::attention_forward(self, qkv, mode, s);
+        }
         let shape = self.shape(&qkv);
         if self.kind == AttentionKind::Flash {
             let (out, lse) = flash_attention_forward(shape, qkv.data(), self.precision);
@@ -207,12 +244,16 @@ impl Layer for AttentionCore {
 
     fn backward(
         &self,
-        _: &[f32],
-        _: &mut [f32],
+        _: Params<'_>,
+        _: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if dy.device().is_cuda() {
+            return Some(crate::device::attention_backward(self, s, dy));
+        }
         if self.kind == AttentionKind::Flash {
             let lse = s.take(DType::F32, "attention (log-sum-exp)");
             let out = s.take(self.precision, "attention (output)");
@@ -339,33 +380,47 @@ impl Layer for GptBlock {
         Some(&mut self.parts)
     }
 
-    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        mut b: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
         let c = &self.parts;
-        let h = c.forward(0, p, b, x.clone(), mode, s);
-        let h = (1..4).fold(h, |h, i| c.forward(i, p, b, h, mode, s));
+        let h = c.forward(0, p, &mut b, x.clone(), mode, s);
+        let h = (1..4).fold(h, |h, i| c.forward(i, p, &mut b, h, mode, s));
         let mut x1 = x;
-        meshtrain_tensor::par::add_assign(x1.data_mut(), h.data());
-        let h = (4..7).fold(x1.clone(), |h, i| c.forward(i, p, b, h, mode, s));
-        meshtrain_tensor::par::add_assign(x1.data_mut(), h.data());
+        x1.add_assign(&h);
+        let h = (4..7).fold(x1.clone(), |h, i| c.forward(i, p, &mut b, h, mode, s));
+        x1.add_assign(&h);
         x1
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], s: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        p: Params<'_>,
+        mut g: ParamsMut<'_>,
+        s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
         let c = &self.parts;
         let mut saved: Vec<Saved> = s.children;
         let mut grad = dy.clone();
         for i in (4..7).rev() {
             let st = saved.pop().expect("block: saved state");
-            grad = c.backward(i, p, g, st, grad, true).expect("gradient");
+            grad = c.backward(i, p, &mut g, st, grad, true).expect("gradient");
         }
         let mut dx1 = dy;
-        meshtrain_tensor::par::add_assign(dx1.data_mut(), grad.data());
+        dx1.add_assign(&grad);
         let mut grad = dx1.clone();
         for i in (0..4).rev() {
             let st = saved.pop().expect("block: saved state");
-            grad = c.backward(i, p, g, st, grad, true).expect("gradient");
+            grad = c.backward(i, p, &mut g, st, grad, true).expect("gradient");
         }
-        meshtrain_tensor::par::add_assign(dx1.data_mut(), grad.data());
+        dx1.add_assign(&grad);
         Some(dx1)
     }
 }

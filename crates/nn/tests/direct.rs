@@ -7,7 +7,7 @@ mod common;
 
 use common::{assert_close, normal_vec};
 use meshtrain_nn::layers::{Act, Children, Conv2d, Linear, Pool2d, Seq};
-use meshtrain_nn::{Layer, Mode, Saved};
+use meshtrain_nn::{Layer, Mode, ParamsMut, Saved};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
@@ -83,7 +83,13 @@ fn pool_direct(x: &[f32], dims: [usize; 4], k: usize, s: usize, p: usize, max: b
 
 fn forward(layer: &dyn Layer, params: &[f32], x: &[f32], dims: [usize; 4]) -> Tensor {
     let x = Tensor::from_vec(x.to_vec(), &dims);
-    layer.forward(params, &mut [], x, Mode::EVAL, &mut Saved::default())
+    layer.forward(
+        params.into(),
+        ParamsMut::Host(&mut []),
+        x,
+        Mode::EVAL,
+        &mut Saved::default(),
+    )
 }
 
 #[test]
@@ -172,10 +178,16 @@ fn linear_bias_forward_and_gradient_match_definition_on_any_pool() {
         meshtrain_tensor::par::pool(threads).install(|| {
             let mut saved = Saved::default();
             let xt = Tensor::from_vec(x.clone(), &[rows, inputs]);
-            let y = linear.forward(&params, &mut [], xt, Mode::TRAIN, &mut saved);
+            let y = linear.forward(
+                (&params).into(),
+                ParamsMut::Host(&mut []),
+                xt,
+                Mode::TRAIN,
+                &mut saved,
+            );
             let mut grads = vec![0.0f32; params.len()];
             let dyt = Tensor::from_vec(dy.clone(), &[rows, outputs]);
-            linear.backward(&params, &mut grads, saved, dyt, false);
+            linear.backward((&params).into(), (&mut grads).into(), saved, dyt, false);
             (y.data().to_vec(), grads[outputs * inputs..].to_vec())
         })
     };
@@ -214,10 +226,16 @@ fn linear_with_fused_activation_equals_linear_then_act() {
         meshtrain_tensor::par::pool(threads).install(|| {
             let mut saved = Saved::default();
             let xt = Tensor::from_vec(x.clone(), &[rows, inputs]);
-            let y = layer.forward(&params, &mut [], xt, Mode::TRAIN, &mut saved);
+            let y = layer.forward(
+                (&params).into(),
+                ParamsMut::Host(&mut []),
+                xt,
+                Mode::TRAIN,
+                &mut saved,
+            );
             let mut grads = vec![0.0f32; params.len()];
             let dyt = Tensor::from_vec(dy.clone(), &[rows, outputs]);
-            let dx = layer.backward(&params, &mut grads, saved, dyt, true);
+            let dx = layer.backward((&params).into(), (&mut grads).into(), saved, dyt, true);
             (
                 y.data().to_vec(),
                 dx.expect("input gradient").data().to_vec(),

@@ -57,8 +57,8 @@ fn random_params(specs: &[ParamSpec], rng: &mut SplitMix64) -> Vec<f32> {
 fn loss(layer: &dyn Layer, params: &[f32], buffers: &[f32], x: &Tensor, r: &[f32]) -> f64 {
     let mut b = buffers.to_vec();
     let y = layer.forward(
-        params,
-        &mut b,
+        params.into(),
+        (&mut b).into(),
         x.clone(),
         Mode::TRAIN,
         &mut Saved::default(),
@@ -223,14 +223,20 @@ impl<'a> Check<'a> {
         // Analytic gradients.
         let mut saved = Saved::default();
         let mut b = buffers.clone();
-        let y = layer.forward(&params, &mut b, input.clone(), Mode::TRAIN, &mut saved);
+        let y = layer.forward(
+            (&params).into(),
+            (&mut b).into(),
+            input.clone(),
+            Mode::TRAIN,
+            &mut saved,
+        );
         let r = normal_vec(&mut SplitMix64::new(0x5eed), y.numel(), 1.0);
         let base = loss(layer, &params, &buffers, &input, &r);
         let noise = noise_floor(y.data(), &r, step);
         let mut grads = vec![0.0f32; params.len()];
         let dx = layer.backward(
-            &params,
-            &mut grads,
+            (&params).into(),
+            (&mut grads).into(),
             saved,
             Tensor::from_vec(r.clone(), y.shape()),
             true,
@@ -387,8 +393,8 @@ fn batch_norm_running_statistics() {
     let mut buffers = start.clone();
     let xt = tensor(x.clone(), &[c, n, 3, 3]);
     bn.forward(
-        &params,
-        &mut buffers,
+        (&params).into(),
+        (&mut buffers).into(),
         xt.clone(),
         Mode::TRAIN,
         &mut Saved::default(),
@@ -413,8 +419,8 @@ fn batch_norm_running_statistics() {
     }
     let after_train = buffers.clone();
     bn.forward(
-        &params,
-        &mut buffers,
+        (&params).into(),
+        (&mut buffers).into(),
         xt.clone(),
         Mode::RECOMPUTE,
         &mut Saved::default(),
@@ -423,7 +429,13 @@ fn batch_norm_running_statistics() {
         buffers, after_train,
         "recomputation must not update running stats"
     );
-    bn.forward(&params, &mut buffers, xt, Mode::EVAL, &mut Saved::default());
+    bn.forward(
+        (&params).into(),
+        (&mut buffers).into(),
+        xt,
+        Mode::EVAL,
+        &mut Saved::default(),
+    );
     assert_eq!(buffers, after_train, "eval must not update running stats");
 }
 

@@ -40,11 +40,17 @@ fn layer_step(layer: &dyn Layer, x: &Tensor, seed: u64, threads: usize) -> StepR
     }
     par::pool(threads).install(|| {
         let mut saved = Saved::default();
-        let y = layer.forward(&params, &mut buffers, x.clone(), Mode::TRAIN, &mut saved);
+        let y = layer.forward(
+            (&params).into(),
+            (&mut buffers).into(),
+            x.clone(),
+            Mode::TRAIN,
+            &mut saved,
+        );
         let r = normal_vec(&mut SplitMix64::new(seed ^ 1), y.numel(), 1.0);
         let mut grads = vec![0.0; params.len()];
         let dy = Tensor::from_vec(r, y.shape());
-        let dx = layer.backward(&params, &mut grads, saved, dy, true);
+        let dx = layer.backward((&params).into(), (&mut grads).into(), saved, dy, true);
         (y, dx, grads, buffers)
     })
 }

@@ -32,7 +32,7 @@ use meshtrain_nn::models::{gpt, lenet, resnet, GptConfig, LeNetVariant};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
 use meshtrain_nn::schedule::Schedule;
 use meshtrain_nn::transformer::{causal_self_attention, GptBlock, GptEmbedding};
-use meshtrain_nn::{Layer, Mode, Model, Saved};
+use meshtrain_nn::{Layer, Mode, Model, ParamsMut, Saved};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::loss::softmax_cross_entropy;
 use meshtrain_tensor::tensor::swap_leading_axes;
@@ -180,7 +180,13 @@ fn check_layer_case(file: &str, layer: &dyn Layer, layout: Layout, mode: Mode) {
     let to_ours_out = to_theirs_out; // an involution
     let input = to_ours_in(f.tensor("input"));
     let mut saved = Saved::default();
-    let y = layer.forward(&params, &mut buffers, input, mode, &mut saved);
+    let y = layer.forward(
+        (&params).into(),
+        (&mut buffers).into(),
+        input,
+        mode,
+        &mut saved,
+    );
     let y = to_theirs_out(y);
     let want = f.tensor("output");
     assert_eq!(y.shape(), want.shape(), "{file}: output shape");
@@ -198,7 +204,7 @@ fn check_layer_case(file: &str, layer: &dyn Layer, layout: Layout, mode: Mode) {
     }
     let dy = to_ours_out(f.tensor("grad_output"));
     let mut grads = vec![0.0f32; params.len()];
-    let dx = layer.backward(&params, &mut grads, saved, dy, true);
+    let dx = layer.backward((&params).into(), (&mut grads).into(), saved, dy, true);
     if f.has("grad_input") {
         let dx = to_theirs_out_input(dx.expect("input gradient"), layout);
         let want = f.tensor("grad_input");
@@ -352,11 +358,23 @@ fn embedding() {
     let mut params = f.values_shaped("param.weight", &[11, 4]);
     params.extend(vec![0.0; t * 4]);
     let mut saved = Saved::default();
-    let y = emb.forward(&params, &mut [], ids, Mode::TRAIN, &mut saved);
+    let y = emb.forward(
+        (&params).into(),
+        ParamsMut::Host(&mut []),
+        ids,
+        Mode::TRAIN,
+        &mut saved,
+    );
     assert_close("embedding output", y.data(), &f.values("output"), 2e-5, 0.0);
     let dy = f.tensor("grad_output");
     let mut grads = vec![0.0; params.len()];
-    emb.backward(&params, &mut grads, saved, dy.clone(), false);
+    emb.backward(
+        (&params).into(),
+        (&mut grads).into(),
+        saved,
+        dy.clone(),
+        false,
+    );
     assert_close(
         "embedding grad.weight",
         &grads[..44],

@@ -29,7 +29,7 @@ use crate::tensor::VocabParallelEmbedding;
 use crate::Batch;
 use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, Work};
 use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
-use meshtrain_nn::{InputKind, Layer, Mode, Model, Saved};
+use meshtrain_nn::{InputKind, Layer, Mode, Model, Params, ParamsMut, Saved};
 use meshtrain_tensor::attention::AttentionShape;
 use meshtrain_tensor::flash::{
     empty_state, flash_backward_into, flash_forward_into, interleave_heads, BlockPair, HeadRows,
@@ -574,7 +574,14 @@ impl Layer for RingAttention {
         self.precision = precision;
     }
 
-    fn forward(&self, _: &[f32], _: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        qkv: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
         let (g, rows, d) = (self.heads_of(&qkv), qkv.dim(1), self.dim);
         let [q, _, _] = HeadRows::fused(qkv.data(), rows, d);
         let (mut out_heads, mut lse) = empty_state(g, rows);
@@ -598,8 +605,8 @@ impl Layer for RingAttention {
 
     fn backward(
         &self,
-        _: &[f32],
-        _: &mut [f32],
+        _: Params<'_>,
+        _: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _: bool,
@@ -752,10 +759,19 @@ impl Layer for UlyssesAttention {
         self.inner.precision = precision;
     }
 
-    fn forward(&self, p: &[f32], b: &mut [f32], qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        b: ParamsMut<'_>,
+        qkv: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let p = p.host();
+        let b = b.host();
         let whole = self.to_heads(&qkv, 3);
         qkv.recycle();
-        let out = self.inner.forward(p, b, whole, mode, s);
+        let out = self.inner.forward(p.into(), b.into(), whole, mode, s);
         let local = self.to_tokens(&out, 1);
         out.recycle();
         local
@@ -763,17 +779,19 @@ impl Layer for UlyssesAttention {
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         s: Saved,
         dy: Tensor,
         need_input_grad: bool,
     ) -> Option<Tensor> {
+        let p = p.host();
+        let g = g.host();
         let whole = self.to_heads(&dy, 1);
         dy.recycle();
         let dqkv = self
             .inner
-            .backward(p, g, s, whole, need_input_grad)
+            .backward(p.into(), g.into(), s, whole, need_input_grad)
             .expect("attention returns its input gradient");
         let local = self.to_tokens(&dqkv, 3);
         dqkv.recycle();

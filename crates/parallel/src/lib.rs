@@ -22,6 +22,8 @@
 
 pub mod context;
 pub mod data;
+#[cfg(feature = "cuda")]
+pub mod device;
 pub mod layout;
 pub mod memory;
 pub mod parallelize;
@@ -34,7 +36,8 @@ pub mod zero;
 
 pub use layout::{Layout, LayoutError, ResolvedLayout};
 pub use parallelize::{
-    parallelize, EvalSums, ModelStateMemory, Parallel, ParallelOptions, StepStats, StepTimes,
+    parallelize, DeviceMemory, EvalSums, ModelStateMemory, Parallel, ParallelOptions, StepStats,
+    StepTimes,
 };
 
 use meshtrain_tensor::Tensor;
@@ -65,9 +68,15 @@ pub enum ParallelError {
     Tensor(#[from] tensor::TensorError),
     #[error(transparent)]
     Context(#[from] context::ContextError),
+    #[error(transparent)]
+    Loss(#[from] meshtrain_nn::LossError),
     #[error("mixed precision: {0}")]
     Precision(String),
     /// The layout's model states exceed the memory limit (`crate::memory::check_limit`).
     #[error("{0}")]
     Memory(String),
+    /// The GPU cannot run this (a layout, a layer, a missing library, out of memory, a
+    /// failed kernel).
+    #[error("{0}")]
+    Device(String),
 }

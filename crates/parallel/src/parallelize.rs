@@ -103,6 +103,10 @@ pub struct ParallelOptions {
     /// Refuse the layout when a worker's model states would exceed this many MiB
     /// ([`crate::memory::check_limit`]), before any parameter is allocated.
     pub memory_limit_mb: Option<f64>,
+    /// Where the step runs: the CPU, or a CUDA GPU (one worker today).
+    pub device: meshtrain_tensor::Device,
+    /// f32 products on the GPU may use TF32 tensor cores (`train.tf32`).
+    pub tf32: bool,
     /// Hosts of this many consecutive ranks (0: as the backend knows them): simulates hosts
     /// on the threads backend, overrides MPI's detected placement. Read by the launcher,
     /// which builds the world's `CommConfig`; parallelize goes by the world's placement.
@@ -233,6 +237,37 @@ impl ModelStateMemory {
     }
 }
 
+/// A GPU's memory as the run's caching allocator saw it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DeviceMemory {
+    /// "cuda:0 (NVIDIA H100 80GB HBM3)".
+    pub device: String,
+    /// Bytes held by live tensors and buffers now, and at most since the run started.
+    pub in_use_bytes: usize,
+    pub peak_bytes: usize,
+    /// Freed blocks the allocator keeps for reuse.
+    pub cached_bytes: usize,
+    /// Calls to the driver's allocation (flat after the first step).
+    pub device_allocs: u64,
+    pub total_bytes: usize,
+}
+
+impl DeviceMemory {
+    pub fn report(&self) -> String {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        format!(
+            "GPU memory on {}: peak {:.0} MiB held by tensors, {:.0} MiB now, {:.0} MiB \
+             cached for reuse, {} device allocations, of {:.0} MiB",
+            self.device,
+            mib(self.peak_bytes),
+            mib(self.in_use_bytes),
+            mib(self.cached_bytes),
+            self.device_allocs,
+            mib(self.total_bytes)
+        )
+    }
+}
+
 /// Evaluation sums over a whole evaluation set (all replicas' shares).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EvalSums {
@@ -293,6 +328,10 @@ pub struct Parallel {
     step_memory_limit_mb: Option<f64>,
     /// The context-parallel sizes the model allows (for the limit's message).
     cp_sizes: Vec<usize>,
+    /// The step on a GPU, when the run has one (the stage's host store is then the
+    /// checkpoint mirror).
+    #[cfg(feature = "cuda")]
+    device: Option<crate::device::DeviceStep>,
 }
 
 /// Applies the layout's dimensions to `model` for this worker of `world`, in the documented
@@ -333,6 +372,18 @@ pub fn parallelize(
             .ranks_sharing(world.rank(), &[MeshAxis::Pp, MeshAxis::Tp])?;
         world.new_named_subgroup(&members, &format!("dp-cp{members:?}"))?
     };
+
+    // The device, before any work: a GPU runs one worker, and every layer needs its kernels.
+    #[cfg(feature = "cuda")]
+    crate::device::check(model, l, options.device)?;
+    #[cfg(not(feature = "cuda"))]
+    if options.device.is_cuda() {
+        return Err(ParallelError::Device(
+            "this meshtrain was built without the `cuda` feature: rebuild with default \
+             features for --device cuda"
+                .into(),
+        ));
+    }
 
     // Placement, before any work: tensor-parallel groups inside a host, and a hierarchical
     // reduction only over hosts holding equal numbers of the data-parallel group's ranks.
@@ -514,7 +565,23 @@ pub fn parallelize(
             .collect(),
         None => stage.optimizers_with_groups(model, training.optimizer, &segments),
     };
+    #[cfg(feature = "cuda")]
+    let device = match options.device {
+        meshtrain_tensor::Device::Cuda(ordinal) => Some(crate::device::DeviceStep::new(
+            ordinal,
+            model,
+            &stage.chunks[0].store,
+            &optimizers[0],
+            &stage.chunks[0].norm_skip,
+            crate::precision::product_dtype(l.precision),
+            options.tf32,
+            options.memory_limit_mb,
+        )?),
+        meshtrain_tensor::Device::Cpu => None,
+    };
     Ok(Parallel {
+        #[cfg(feature = "cuda")]
+        device,
         options: StepOptions {
             loss,
             recompute: l.recompute == Recompute::Full,
@@ -579,6 +646,16 @@ impl Parallel {
     /// This worker's model-state bytes, measured (call between steps: during a step ZeRO's
     /// pieces move between stores).
     pub fn model_state_memory(&mut self) -> ModelStateMemory {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            let (parameters, gradients, optimizer) = d.state_bytes();
+            return ModelStateMemory {
+                parameters,
+                gradients,
+                optimizer,
+                transient_peak: 0,
+            };
+        }
         let mut m = ModelStateMemory::default();
         for chunk in &self.stage.chunks {
             m.parameters += chunk.store.values.capacity() * 4;
@@ -638,6 +715,21 @@ impl Parallel {
         mut timeline: Option<&mut Timeline>,
     ) -> Result<StepStats, ParallelError> {
         let share = self.own_tokens(share)?;
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_mut() {
+            let micro = self.layout.micro_batches();
+            let world = self.mesh.world().clone();
+            return d.train_step(
+                model,
+                share,
+                micro,
+                lr,
+                clip,
+                &self.options,
+                self.scaling.as_mut(),
+                world.as_ref(),
+            );
+        }
         let micro = MicroBatches::split_owned(share.x, share.y, self.layout.micro_batches())?;
         let pp = self.mesh.group(MeshAxis::Pp).clone();
         if let Some(t) = timeline.as_deref_mut() {
@@ -775,6 +867,60 @@ impl Parallel {
         })
     }
 
+    /// Where the step runs.
+    pub fn device(&self) -> meshtrain_tensor::Device {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            return meshtrain_tensor::Device::Cuda(d.device().ordinal());
+        }
+        meshtrain_tensor::Device::Cpu
+    }
+
+    /// The GPU's memory, when the run has one.
+    pub fn device_memory(&self) -> Option<DeviceMemory> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            let dev = d.device();
+            let stats = dev.memory_stats();
+            return Some(DeviceMemory {
+                device: format!("cuda:{} ({})", dev.ordinal(), dev.name()),
+                in_use_bytes: stats.in_use,
+                peak_bytes: stats.peak_in_use,
+                cached_bytes: stats.cached,
+                device_allocs: stats.device_allocs,
+                total_bytes: dev.memory_info().1,
+            });
+        }
+        None
+    }
+
+    /// The GPU's step, when the run has one.
+    #[cfg(feature = "cuda")]
+    pub fn device_step(&self) -> Option<&crate::device::DeviceStep> {
+        self.device.as_ref()
+    }
+
+    /// On a GPU: copies the device's parameters, buffers and optimizer state into the
+    /// stage's host store and optimizer (before a checkpoint reads them). A no-op on the CPU.
+    pub fn pull_from_device(&mut self) -> Result<(), ParallelError> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            let chunk = &mut self.stage.chunks[0];
+            d.download(&mut chunk.store, &mut self.optimizers[0])?;
+        }
+        Ok(())
+    }
+
+    /// On a GPU: replaces the device state by the stage's host store and optimizer (after a
+    /// checkpoint was loaded into them). A no-op on the CPU.
+    pub fn push_to_device(&mut self) -> Result<(), ParallelError> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &mut self.device {
+            d.upload(&self.stage.chunks[0].store, &self.optimizers[0])?;
+        }
+        Ok(())
+    }
+
     /// fp16's loss scaler state (for checkpoints); `None` for fp32 and bf16.
     pub fn loss_scaler(&self) -> Option<LossScaler> {
         self.scaling.as_ref().map(LossScaling::scaler)
@@ -805,6 +951,12 @@ impl Parallel {
             0
         };
         let batch = self.own_tokens(batch)?;
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_mut() {
+            // The sums stay on the device until `reduce_eval`.
+            let _ = (sums, samples);
+            return d.eval_batch(model, batch, &self.options);
+        }
         let micro = MicroBatches {
             inputs: vec![batch.x],
             targets: vec![batch.y],
@@ -824,7 +976,20 @@ impl Parallel {
     }
 
     /// The evaluation sums of every replica, exact (f64) and the same on every worker.
-    pub fn reduce_eval(&self, sums: EvalSums) -> Result<EvalSums, ParallelError> {
+    pub fn reduce_eval(&mut self, sums: EvalSums) -> Result<EvalSums, ParallelError> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device.as_mut() {
+            let dev = d.eval_sums()?;
+            return Ok(EvalSums {
+                loss_sum: sums.loss_sum + dev.loss_sum,
+                count: sums.count + dev.count,
+                correct: match (sums.correct, dev.correct) {
+                    (None, None) => None,
+                    (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+                },
+                samples: sums.samples + dev.samples,
+            });
+        }
         let pp = self.mesh.group(MeshAxis::Pp);
         let mut v = [
             sums.loss_sum,
@@ -879,6 +1044,17 @@ impl Parallel {
             self.layout.micro_batches(),
             l.micro_batch_size.unwrap_or(0),
         );
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            let dev = d.device();
+            out += &format!(
+                "; on GPU cuda:{} ({}, sm_{}), parameters, gradients, optimizer state and \
+                 activations on the device",
+                dev.ordinal(),
+                dev.name(),
+                dev.arch()
+            );
+        }
         if let Some(cp) = &self.cp_context {
             out += &format!(
                 "; each sequence spread over {} context-parallel workers ({} attention; \

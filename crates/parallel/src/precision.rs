@@ -173,6 +173,25 @@ impl Loss for ScaledLoss {
         self.inner.classes()
     }
 
+    #[cfg(feature = "cuda")]
+    fn forward_backward_on_device(
+        &self,
+        output: Tensor,
+        targets: &[u32],
+        targets_on_device: u64,
+        grad_scale: Option<f32>,
+        sums: u64,
+    ) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
+        let scale = f32::from_bits(self.scale.load(Ordering::Relaxed));
+        self.inner.forward_backward_on_device(
+            output,
+            targets,
+            targets_on_device,
+            grad_scale.map(|s| s * scale),
+            sums,
+        )
+    }
+
     fn check_targets(&self, targets: &[u32]) -> Result<(), LossError> {
         self.inner.check_targets(targets)
     }
@@ -250,6 +269,21 @@ impl LossScaling {
         for g in grads.iter_mut() {
             found_inf |= unscale(g, inverse);
         }
+        self.decide(found_inf, world)
+    }
+
+    /// The scale gradients are divided by this step.
+    pub fn scale(&self) -> f32 {
+        self.scaler.scale
+    }
+
+    /// After this worker's gradients were unscaled (`found_inf`: one overflowed): agrees
+    /// with every worker of `world` whether to skip, and updates the scale.
+    pub fn decide(
+        &mut self,
+        mut found_inf: bool,
+        world: &dyn ProcessGroup,
+    ) -> Result<ScaleOutcome, ParallelError> {
         if self.inject_overflow == Some((self.steps, world.rank())) {
             found_inf = true;
         }

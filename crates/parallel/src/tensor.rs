@@ -35,7 +35,9 @@ use meshtrain_nn::layers::Linear;
 use meshtrain_nn::loss::{LossError, LossValue};
 use meshtrain_nn::models::gpt;
 use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
-use meshtrain_nn::{Kept, Layer, Loss, Mode, Model, ParamSpec, Saved, ShardSpec, TpStyle};
+use meshtrain_nn::{
+    Kept, Layer, Loss, Mode, Model, ParamSpec, Params, ParamsMut, Saved, ShardSpec, TpStyle,
+};
 use meshtrain_tensor::activation::fast_exp;
 use meshtrain_tensor::par::take_buffer;
 use meshtrain_tensor::{DType, Tensor};
@@ -452,15 +454,24 @@ impl Layer for ColumnParallel {
         self.specs.clone()
     }
 
-    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        b: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let p = p.host();
+        let b = b.host();
         let tp = &self.tp;
         if !tp.sequence_parallel {
-            return self.inner.forward(p, b, x, mode, s);
+            return self.inner.forward(p.into(), b.into(), x, mode, s);
         }
         let rows = x.numel() / self.inner.inputs * tp.size();
         let full = tp.gather_rows(x.data());
         let full = Tensor::from_vec(full, &gathered_shape(rows, tp.seq, self.inner.inputs));
-        let y = self.inner.forward(p, b, full, mode, s);
+        let y = self.inner.forward(p.into(), b.into(), full, mode, s);
         if mode.train {
             // Keep this rank's tokens, not the gathered input: backward gathers again.
             let from_end = usize::from(self.inner.activation.is_some());
@@ -471,12 +482,14 @@ impl Layer for ColumnParallel {
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        let p = p.host();
+        let g = g.host();
         let tp = &self.tp;
         let mut dz = dy;
         let x = self.inner.backward_prologue(g, &mut s, &mut dz);
@@ -559,10 +572,19 @@ impl Layer for RowParallel {
         self.specs.clone()
     }
 
-    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        b: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let p = p.host();
+        let b = b.host();
         let tp = &self.tp;
         let nw = self.inner.inputs * self.outputs;
-        let partial = self.inner.forward(&p[..nw], b, x, mode, s);
+        let partial = self.inner.forward(p[..nw].into(), b.into(), x, mode, s);
         let rows = partial.numel() / self.outputs;
         let mut y = if tp.sequence_parallel {
             let local = tp.scatter_rows(partial.data());
@@ -584,12 +606,14 @@ impl Layer for RowParallel {
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         s: Saved,
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        let p = p.host();
+        let g = g.host();
         let tp = &self.tp;
         let nw = self.inner.inputs * self.outputs;
         if self.bias {
@@ -610,7 +634,8 @@ impl Layer for RowParallel {
         } else {
             dy
         };
-        self.inner.backward(&p[..nw], &mut g[..nw], s, dy, need_dx)
+        self.inner
+            .backward(p[..nw].into(), (&mut g[..nw]).into(), s, dy, need_dx)
     }
 }
 
@@ -668,7 +693,15 @@ impl Layer for VocabParallelEmbedding {
         self.specs.clone()
     }
 
-    fn forward(&self, p: &[f32], _: &mut [f32], ids: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        ids: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let p = p.host();
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.whole.dim);
         let whole_seq = t * self.whole.sequence.parts;
         assert!(
@@ -712,12 +745,13 @@ impl Layer for VocabParallelEmbedding {
 
     fn backward(
         &self,
-        _: &[f32],
-        g: &mut [f32],
+        _: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        let g = g.host();
         let ids = s.tensors.pop().expect("embedding: saved ids");
         let (t, d) = (ids.dim(1), self.whole.dim);
         let mine = self.rows();

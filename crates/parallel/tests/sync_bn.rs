@@ -2,7 +2,7 @@
 
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_nn::layers::BatchNorm2d;
-use meshtrain_nn::{Layer, Mode, Saved, StatsReducer};
+use meshtrain_nn::{Layer, Mode, Params, ParamsMut, Saved, StatsReducer};
 use meshtrain_parallel::data::GroupStatsReducer;
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
@@ -36,17 +36,17 @@ fn sync_batch_norm_equals_batch_norm_on_the_global_batch() {
     let mut buffers = vec![0.0, 0.0, 0.0, 1.0, 1.0, 1.0];
     let mut saved = Saved::default();
     let y = bn.forward(
-        &params,
-        &mut buffers,
+        Params::Host(&params[..]),
+        ParamsMut::Host(&mut buffers[..]),
         Tensor::from_vec(x.clone(), &[c, n * hw]),
         Mode::TRAIN,
         &mut saved,
     );
-    let mut g = vec![0.0; 6];
+    let mut g = [0.0f32; 6];
     let dx = bn
         .backward(
-            &params,
-            &mut g,
+            Params::Host(&params[..]),
+            ParamsMut::Host(&mut g[..]),
             saved,
             Tensor::from_vec(dy.clone(), &[c, n * hw]),
             true,
@@ -67,17 +67,23 @@ fn sync_batch_norm_equals_batch_norm_on_the_global_batch() {
         let mut b = vec![0.0, 0.0, 0.0, 1.0, 1.0, 1.0];
         let mut s = Saved::default();
         let y = bn.forward(
-            &params,
-            &mut b,
+            Params::Host(&params[..]),
+            ParamsMut::Host(&mut b[..]),
             Tensor::from_vec(slice(&xs, w), &[c, local]),
             Mode::TRAIN,
             &mut s,
         );
-        let mut g = vec![0.0; 6];
+        let mut g = [0.0f32; 6];
         // Local losses are means over the local batch: their gradients are `world`× larger.
         let ldy: Vec<f32> = slice(&dys, w).iter().map(|v| v * world as f32).collect();
         let dx = bn
-            .backward(&params, &mut g, s, Tensor::from_vec(ldy, &[c, local]), true)
+            .backward(
+                Params::Host(&params[..]),
+                ParamsMut::Host(&mut g[..]),
+                s,
+                Tensor::from_vec(ldy, &[c, local]),
+                true,
+            )
             .unwrap();
         Ok::<_, String>((y.data().to_vec(), dx.data().to_vec(), b))
     })

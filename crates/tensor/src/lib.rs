@@ -7,6 +7,9 @@
 //! over slices (in the spirit of llm.c), with matrix products behind one function
 //! ([`matmul::gemm`]) backed by the `gemm` crate (or OpenBLAS behind the `openblas` feature).
 //!
+//! With the `cuda` feature (on by default) tensors may also live on a GPU ([`cuda`]), loaded
+//! at run time: a [`Tensor`]'s kernels are chosen by its [`Device`].
+//!
 //! Layout conventions:
 //! * tensors are contiguous and row-major; [`Tensor`] is an owned buffer plus a shape;
 //! * convolutional activations use the **CNHW** layout (channel-major batch): a convolution
@@ -19,6 +22,9 @@
 pub mod activation;
 pub mod attention;
 pub mod conv;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 pub mod dtype;
 pub mod flash;
 pub mod loss;
@@ -31,5 +37,6 @@ pub mod rng;
 pub mod small_gemm;
 pub mod tensor;
 
+pub use device::Device;
 pub use dtype::DType;
 pub use tensor::Tensor;

@@ -2,15 +2,41 @@
 
 use std::fmt;
 
-/// An owned, contiguous, row-major f32 buffer with a shape.
+/// An owned, contiguous, row-major buffer with a shape: f32 values in host memory, or
+/// (with the `cuda` feature) values of any [`DType`] in a GPU's memory.
 ///
 /// Deliberately simple: layers own their layouts (see the crate docs for CNHW) and kernels
 /// work on slices, so a tensor never needs strides. Integer inputs such as token ids travel
-/// as exact f32 values (exact below 2^24, far above any vocabulary we use).
-#[derive(Clone, PartialEq)]
+/// as exact f32 values (exact below 2^24, far above any vocabulary we use). A layer's
+/// kernels are chosen by where its tensors are ([`Tensor::device`]).
+#[derive(Clone)]
 pub struct Tensor {
-    data: Vec<f32>,
+    storage: Storage,
     shape: Vec<usize>,
+}
+
+#[derive(Clone)]
+enum Storage {
+    Host(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaTensor),
+}
+
+impl PartialEq for Tensor {
+    /// Host tensors compare by shape and values; device tensors are equal only to
+    /// themselves (the same buffer), since comparing values would copy them to the host.
+    fn eq(&self, other: &Self) -> bool {
+        if self.shape != other.shape {
+            return false;
+        }
+        match (&self.storage, &other.storage) {
+            (Storage::Host(a), Storage::Host(b)) => a == b,
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(a), Storage::Cuda(b)) => a.same_buffer(b),
+            #[cfg(feature = "cuda")]
+            _ => false,
+        }
+    }
 }
 
 impl Tensor {
@@ -22,14 +48,68 @@ impl Tensor {
             "tensor data length does not match shape {shape:?}"
         );
         Tensor {
-            data,
+            storage: Storage::Host(data),
             shape: shape.to_vec(),
+        }
+    }
+
+    /// A tensor over device values (`shape`'s element count of them).
+    #[cfg(feature = "cuda")]
+    pub fn from_cuda(values: crate::cuda::CudaTensor, shape: &[usize]) -> Self {
+        assert_eq!(
+            values.len(),
+            shape.iter().product::<usize>(),
+            "device tensor length does not match shape {shape:?}"
+        );
+        Tensor {
+            storage: Storage::Cuda(values),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// The device values, if the tensor is on a GPU.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(&self) -> Option<&crate::cuda::CudaTensor> {
+        match &self.storage {
+            Storage::Cuda(c) => Some(c),
+            Storage::Host(_) => None,
+        }
+    }
+
+    /// Where the values are.
+    pub fn device(&self) -> crate::Device {
+        match &self.storage {
+            Storage::Host(_) => crate::Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => crate::Device::Cuda(c.device().ordinal()),
+        }
+    }
+
+    /// The element type: f32 on the host; on a GPU whatever the producing kernel wrote.
+    pub fn dtype(&self) -> crate::DType {
+        match &self.storage {
+            Storage::Host(_) => crate::DType::F32,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => c.dtype(),
+        }
+    }
+
+    /// The same values in host memory (copied from a GPU, widened to f32; the host waits
+    /// for the device).
+    pub fn to_host(&self) -> Tensor {
+        match &self.storage {
+            Storage::Host(_) => self.clone(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => Tensor::from_vec(
+                crate::cuda::error::ok_or_raise(c.to_host_f32()),
+                &self.shape,
+            ),
         }
     }
 
     pub fn zeros(shape: &[usize]) -> Self {
         Tensor {
-            data: vec![0.0; shape.iter().product()],
+            storage: Storage::Host(vec![0.0; shape.iter().product()]),
             shape: shape.to_vec(),
         }
     }
@@ -39,7 +119,7 @@ impl Tensor {
     /// saves the zero-fill of [`Tensor::zeros`].
     pub fn for_overwrite(shape: &[usize]) -> Self {
         Tensor {
-            data: crate::par::take_buffer(shape.iter().product()),
+            storage: Storage::Host(crate::par::take_buffer(shape.iter().product())),
             shape: shape.to_vec(),
         }
     }
@@ -47,7 +127,12 @@ impl Tensor {
     /// Hand the buffer back to this thread's pool for a later [`Tensor::for_overwrite`]:
     /// called by backward passes on activations that are dead from then on.
     pub fn recycle(self) {
-        crate::par::recycle(self.data);
+        match self.storage {
+            Storage::Host(data) => crate::par::recycle(data),
+            // A device buffer goes back to the caching allocator when its last holder drops.
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => {}
+        }
     }
 
     pub fn scalar(value: f32) -> Self {
@@ -63,19 +148,33 @@ impl Tensor {
     }
 
     pub fn numel(&self) -> usize {
-        self.data.len()
+        self.shape.iter().product()
     }
 
+    /// The host values. A device tensor reaching host code is a programming error (layers
+    /// dispatch on [`Tensor::device`]; the trainer checks every layer runs on the device).
     pub fn data(&self) -> &[f32] {
-        &self.data
+        match &self.storage {
+            Storage::Host(data) => data,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => panic!("{}", on_device(c)),
+        }
     }
 
     pub fn data_mut(&mut self) -> &mut [f32] {
-        &mut self.data
+        match &mut self.storage {
+            Storage::Host(data) => data,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => panic!("{}", on_device(c)),
+        }
     }
 
     pub fn into_vec(self) -> Vec<f32> {
-        self.data
+        match self.storage {
+            Storage::Host(data) => data,
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => panic!("{}", on_device(&c)),
+        }
     }
 
     /// The same data under another shape with the same element count.
@@ -90,17 +189,39 @@ impl Tensor {
         self
     }
 
+    /// `self += other` element-wise (same element count): the residual add. On a GPU the sum
+    /// is f32 whatever `other`'s dtype, and a buffer another tensor shares is not written
+    /// (the sum goes to a new one).
+    pub fn add_assign(&mut self, other: &Tensor) {
+        assert_eq!(
+            self.numel(),
+            other.numel(),
+            "adding tensors of different sizes"
+        );
+        match &mut self.storage {
+            Storage::Host(data) => crate::par::add_assign(data, other.data()),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => {
+                let b = other
+                    .cuda()
+                    .unwrap_or_else(|| panic!("adding a host tensor to one on {:?}", c.device()));
+                let a = std::mem::replace(c, b.clone());
+                *c = crate::cuda::error::ok_or_raise(crate::cuda::ops::add(a, b));
+            }
+        }
+    }
+
     /// Bytes held by the buffer (for memory accounting).
     pub fn bytes(&self) -> usize {
-        self.data.len() * std::mem::size_of::<f32>()
+        self.numel() * self.dtype().size_bytes()
     }
 
     /// Largest absolute element-wise difference to `other` (same shape required).
     pub fn max_abs_diff(&self, other: &Tensor) -> f32 {
         assert_eq!(self.shape, other.shape);
-        self.data
+        self.data()
             .iter()
-            .zip(&other.data)
+            .zip(other.data())
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f32::max)
     }
@@ -108,9 +229,30 @@ impl Tensor {
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let head: Vec<f32> = self.data.iter().take(6).copied().collect();
-        write!(f, "Tensor{:?} {:?}…", self.shape, head)
+        match &self.storage {
+            Storage::Host(data) => {
+                let head: Vec<f32> = data.iter().take(6).copied().collect();
+                write!(f, "Tensor{:?} {:?}…", self.shape, head)
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => write!(
+                f,
+                "Tensor{:?} {} on {:?}",
+                self.shape,
+                c.dtype(),
+                c.device()
+            ),
+        }
     }
+}
+
+#[cfg(feature = "cuda")]
+fn on_device(c: &crate::cuda::CudaTensor) -> String {
+    format!(
+        "a tensor on {:?} reached code that reads host values: the layer has no CUDA kernels \
+         (Layer::runs_on should say so) or a caller forgot Tensor::to_host",
+        c.device()
+    )
 }
 
 /// Convert an NCHW buffer to CNHW (or back: the permutation swaps the two leading axes and is

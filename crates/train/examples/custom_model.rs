@@ -13,10 +13,12 @@
 
 use meshtrain_train::nn::layers::Linear;
 use meshtrain_train::nn::optim::{OptimizerConfig, ParamGroups};
-use meshtrain_train::nn::{Block, CrossEntropy, InputSpec, Layer, Mode, Model, ParamSpec, Saved};
+use meshtrain_train::nn::{
+    Block, CrossEntropy, InputSpec, Layer, Mode, Model, ParamSpec, Params, ParamsMut, Saved,
+};
 use meshtrain_train::tensor::activation::Activation;
 use meshtrain_train::tensor::rng::SplitMix64;
-use meshtrain_train::tensor::{DType, Tensor};
+use meshtrain_train::tensor::{DType, Device, Tensor};
 use meshtrain_train::{
     BatchMut, Dataset, DatasetError, EvalPlan, Inputs, Job, LrSchedule, RunOptions,
 };
@@ -111,37 +113,51 @@ impl Layer for ResidualMlp {
         specs
     }
 
-    fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    /// Our layer is made of built-in linears and a residual add, so it runs wherever they
+    /// do (both have CUDA kernels): on a GPU it needs no code of its own.
+    fn runs_on(&self, device: Device) -> bool {
+        self.fc1.runs_on(device) && self.fc2.runs_on(device)
+    }
+
+    /// `Params` are the model's flat buffer wherever it lives (host values or GPU memory):
+    /// we only slice them and hand the slices to the linears, which pick their kernels.
+    fn forward(
+        &self,
+        p: Params<'_>,
+        mut b: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
         let (p1, p2) = p.split_at(self.fc1_len());
         let (mut s1, mut s2) = (Saved::default(), Saved::default());
-        let h = self.fc1.forward(p1, &mut [], x.clone(), mode, &mut s1);
-        let y = self.fc2.forward(p2, &mut [], h, mode, &mut s2);
+        let h = self
+            .fc1
+            .forward(p1, b.slice(0..0), x.clone(), mode, &mut s1);
+        let y = self.fc2.forward(p2, b.slice(0..0), h, mode, &mut s2);
         s.children.extend([s1, s2]);
-        let out: Vec<f32> = x.data().iter().zip(y.data()).map(|(a, b)| a + b).collect();
-        Tensor::from_vec(out, x.shape())
+        let mut out = x;
+        out.add_assign(&y);
+        out
     }
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
         let (p1, p2) = p.split_at(self.fc1_len());
-        let (g1, g2) = g.split_at_mut(self.fc1_len());
+        let (g1, g2) = g.split_at(self.fc1_len());
         let s2 = s.children.pop().expect("fc2's saved state");
         let s1 = s.children.pop().expect("fc1's saved state");
         let dh = self.fc2.backward(p2, g2, s2, dy.clone(), true)?;
         let dx = self.fc1.backward(p1, g1, s1, dh, need_dx)?;
-        let sum: Vec<f32> = dy
-            .data()
-            .iter()
-            .zip(dx.data())
-            .map(|(a, b)| a + b)
-            .collect();
-        need_dx.then(|| Tensor::from_vec(sum, dy.shape()))
+        let mut sum = dy;
+        sum.add_assign(&dx);
+        need_dx.then_some(sum)
     }
 }
 

@@ -38,6 +38,8 @@ pub struct Breakdown {
     /// DDP's all-reduce, `flat` or `hierarchical`; `None` when the gradients are not
     /// all-reduced by DDP (ZeRO, the single master, one replica).
     pub grad_reduce: Option<&'static str>,
+    /// On a GPU: its memory (peak and current bytes of the caching allocator).
+    pub device_memory: Option<meshtrain_parallel::DeviceMemory>,
 }
 
 impl Breakdown {
@@ -112,6 +114,7 @@ impl Breakdown {
             "samples_per_step": samples_per_step as f64,
             "hosts": self.hosts.max(1),
             "grad_reduce": self.grad_reduce,
+            "device_memory": self.device_memory,
         })
     }
 
@@ -212,7 +215,10 @@ impl Breakdown {
             ms(self.data_s),
             self.eval_s,
             self.checkpoint_report()
-        )
+        ) + &self
+            .device_memory
+            .as_ref()
+            .map_or(String::new(), |m| format!("; {}", m.report()))
     }
 
     /// What checkpoints cost the training thread: with background writes, the snapshots and

@@ -194,7 +194,11 @@ impl Trainer {
 
     /// This worker's parameters (its stage's chunks, in model order): the whole model
     /// without a pipeline.
-    pub fn local_params(&self) -> Vec<f32> {
+    pub fn local_params(&mut self) -> Vec<f32> {
+        // A GPU run's values are on the device; the host store mirrors them after this.
+        if let Err(e) = self.parallel.pull_from_device() {
+            panic!("copying the parameters from the GPU: {e}");
+        }
         self.parallel
             .stage
             .chunks
@@ -393,6 +397,10 @@ impl Trainer {
         // Checkpoints land in order: the previous background write first.
         let waited = self.writer.wait()?;
         self.account_wait(waited);
+        // On a GPU the stage's host store is the checkpoint's mirror: fill it first.
+        self.parallel
+            .pull_from_device()
+            .context("copying the model state from the GPU for a checkpoint")?;
         let snapshot_started = Instant::now();
         let loss_scaler = self.parallel.loss_scaler();
         let sampler = Some(self.sampler_position(self.step));
@@ -479,6 +487,7 @@ impl Trainer {
                 self.parallel.restore_loss_scaler(scaler);
             }
             self.step = index.step;
+            self.parallel.push_to_device()?;
             return Ok(());
         }
         let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
@@ -489,6 +498,7 @@ impl Trainer {
             self.parallel.restore_loss_scaler(scaler);
         }
         self.step = restored.step;
+        self.parallel.push_to_device()?;
         Ok(())
     }
 
@@ -508,11 +518,13 @@ impl Trainer {
         if crate::sharded::is_sharded(path) {
             let ckpt = crate::sharded::ShardedCheckpoint::open(path)?;
             ckpt.load_into(&mut self.parallel, &self.model, &self.whole, false)?;
+            self.parallel.push_to_device()?;
             return Ok(ckpt.index.model.clone());
         }
         let (full, _, restored) = self.read_checkpoint(path, Restore::Weights)?;
         self.parallel
             .load_state(&self.model, &self.whole, &full, None);
+        self.parallel.push_to_device()?;
         Ok(restored.model_description)
     }
 
@@ -706,6 +718,7 @@ impl Trainer {
             }
         }
         pb.finish_and_clear();
+        self.breakdown.device_memory = self.parallel.device_memory();
         // The final checkpoint is on disk before the run returns.
         let p = self.checkpoint_path();
         self.save_checkpoint(&p)?;

@@ -12,7 +12,9 @@ use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_train::nn::layers::Linear;
 use meshtrain_train::nn::models::{gpt, GptConfig};
 use meshtrain_train::nn::optim::{OptimizerConfig, ParamGroups};
-use meshtrain_train::nn::{Block, CrossEntropy, InputSpec, Layer, Mode, Model, ParamSpec, Saved};
+use meshtrain_train::nn::{
+    Block, CrossEntropy, InputSpec, Layer, Mode, Model, ParamSpec, Params, ParamsMut, Saved,
+};
 use meshtrain_train::tensor::activation::Activation;
 use meshtrain_train::tensor::rng::SplitMix64;
 use meshtrain_train::tensor::Tensor;
@@ -99,7 +101,15 @@ impl Layer for Scale {
             meshtrain_train::nn::Init::Ones,
         )]
     }
-    fn forward(&self, p: &[f32], _: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let p = p.host();
         if self.sleep {
             std::thread::sleep(Duration::from_secs(6));
         }
@@ -115,12 +125,14 @@ impl Layer for Scale {
     }
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        let p = p.host();
+        let g = g.host();
         let x = s.tensors.pop().expect("saved input");
         for (xr, dr) in x.data().chunks(self.dim).zip(dy.data().chunks(self.dim)) {
             for k in 0..self.dim {

@@ -3,7 +3,7 @@
 //! a linear classifier. Convolutions carry a bias, as in D2L. Widths are configurable so tests
 //! can run a narrow copy of the same architecture.
 
-use crate::layer::{Layer, Mode, ParamSpec, Saved, StatsReducer};
+use crate::layer::{Layer, Mode, ParamSpec, Params, ParamsMut, Saved, StatsReducer};
 use crate::layers::{
     Act, BatchNorm2d, Children, Conv2d, Flatten, Linear, Pool2d, Seq, ToChannelMajor,
 };
@@ -57,11 +57,18 @@ impl Layer for Residual {
         self.parts.buffer_specs()
     }
 
-    fn forward(&self, p: &[f32], b: &mut [f32], x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        p: Params<'_>,
+        mut b: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
         let c = &self.parts;
-        let y = (0..5).fold(x.clone(), |h, i| c.forward(i, p, b, h, mode, s));
+        let y = (0..5).fold(x.clone(), |h, i| c.forward(i, p, &mut b, h, mode, s));
         let shortcut = if self.projection {
-            c.forward(5, p, b, x, mode, s)
+            c.forward(5, p, &mut b, x, mode, s)
         } else {
             x
         };
@@ -78,8 +85,8 @@ impl Layer for Residual {
 
     fn backward(
         &self,
-        p: &[f32],
-        g: &mut [f32],
+        p: Params<'_>,
+        mut g: ParamsMut<'_>,
         mut s: Saved,
         dy: Tensor,
         need_dx: bool,
@@ -95,14 +102,14 @@ impl Layer for Residual {
         let mut saved = s.children;
         let dshort = if self.projection {
             let st = saved.pop().expect("residual: conv3 state");
-            c.backward(5, p, g, st, d.clone(), need_dx)
+            c.backward(5, p, &mut g, st, d.clone(), need_dx)
         } else {
             Some(d.clone())
         };
         let mut grad = d;
         for i in (0..5).rev() {
             let st = saved.pop().expect("residual: saved state");
-            grad = c.backward(i, p, g, st, grad, need_dx || i > 0)?;
+            grad = c.backward(i, p, &mut g, st, grad, need_dx || i > 0)?;
         }
         let mut dx = grad;
         if let Some(ds) = dshort {

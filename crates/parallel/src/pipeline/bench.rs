@@ -17,7 +17,9 @@ use crate::timeline::{idle_fraction, Category, Span, Timeline};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_nn::models::{gpt, resnet, GptConfig};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
-use meshtrain_nn::{Block, CrossEntropy, Layer, Loss, Mode, Model, ParamStore, Saved};
+use meshtrain_nn::{
+    Block, CrossEntropy, Layer, Loss, Mode, Model, ParamStore, Params, ParamsMut, Saved,
+};
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::{par, Tensor};
 use std::collections::HashMap;
@@ -32,12 +34,26 @@ pub struct SleepBlock {
 }
 
 impl Layer for SleepBlock {
-    fn forward(&self, _: &[f32], _: &mut [f32], x: Tensor, _: Mode, _: &mut Saved) -> Tensor {
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        _: Mode,
+        _: &mut Saved,
+    ) -> Tensor {
         std::thread::sleep(self.forward);
         x
     }
 
-    fn backward(&self, _: &[f32], _: &mut [f32], _: Saved, dy: Tensor, _: bool) -> Option<Tensor> {
+    fn backward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        _: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
         std::thread::sleep(self.backward);
         Some(dy)
     }

@@ -18,7 +18,7 @@
 use super::shards::{ShardLayout, Source, Target};
 use super::ZeroStage;
 use meshtrain_comm::{CommError, ProcessGroup, RawBuf, ReduceOp, Work};
-use meshtrain_nn::{BlockParams, ParamStore};
+use meshtrain_nn::{BlockParams, ParamStore, Params, ParamsMut};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -514,7 +514,7 @@ impl BoundChunk<'_> {
 }
 
 impl BlockParams for BoundChunk<'_> {
-    fn forward_view(&mut self, block: usize) -> (&[f32], &mut [f32]) {
+    fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
         let b = self.local(block);
         let z = &mut *self.chunk;
         let values: &[f32] = if z.stage == ZeroStage::Parameters {
@@ -527,7 +527,10 @@ impl BlockParams for BoundChunk<'_> {
         } else {
             &self.store.values[z.layout.blocks[b].full.clone()]
         };
-        (values, &mut self.store.buffers[z.buffers[b].clone()])
+        (
+            Params::Host(values),
+            ParamsMut::Host(&mut self.store.buffers[z.buffers[b].clone()]),
+        )
     }
 
     fn forward_done(&mut self, block: usize) {
@@ -538,7 +541,7 @@ impl BlockParams for BoundChunk<'_> {
         }
     }
 
-    fn backward_view(&mut self, block: usize) -> (&[f32], &mut [f32], &mut [f32]) {
+    fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
         let b = self.local(block);
         let z = &mut *self.chunk;
         let len = z.layout.blocks[b].full.len();
@@ -553,9 +556,9 @@ impl BlockParams for BoundChunk<'_> {
             _ => &self.store.values[z.layout.blocks[b].full.clone()],
         };
         (
-            values,
-            &mut z.block_grads,
-            &mut self.store.buffers[z.buffers[b].clone()],
+            Params::Host(values),
+            ParamsMut::Host(&mut z.block_grads),
+            ParamsMut::Host(&mut self.store.buffers[z.buffers[b].clone()]),
         )
     }
 

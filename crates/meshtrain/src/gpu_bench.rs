@@ -1,0 +1,858 @@
+//! `meshtrain bench gpu`: the CUDA backend on this machine's GPU, in four parts.
+//!
+//! * `check`: every device kernel against its CPU twin on fresh random inputs (fp32 within
+//!   1e-5, bf16/f16 within 1e-2, NaN never passes), the optimizers against
+//!   `meshtrain_nn::optim`, then 20 GPT steps on the GPU against the CPU (fp32: parameters
+//!   within 1e-4 relative L2; bf16: every step's loss within 1%) and two GPU runs
+//!   bit-identical;
+//! * `products`: each matrix product of a GPT-2 124M step against the fastest of the
+//!   algorithms cuBLASLt's heuristic offers for the same shape (ours / best);
+//! * `kernels`: each fused kernel's bandwidth against a device-to-device copy;
+//! * `step`: the GPT-2 124M step (12 × 768, 12 heads, 1024 tokens, vocabulary 50304, batch
+//!   16, bf16, AdamW, clipping) in tokens/s, its device memory, and where its time goes
+//!   (one profiled step).
+//!
+//! Every number comes from the same process on the same card; the GPU-check script runs
+//! PyTorch's anchor beside it.
+
+use crate::config::Config;
+use crate::presets::Task;
+use anyhow::{bail, Context, Result};
+use meshtrain_comm::{CommConfig, ThreadsWorld};
+use meshtrain_nn::optim::{GroupHyper, Optimizer, OptimizerConfig, Segment};
+use meshtrain_tensor::cuda::blas::{F32Math, Gemm};
+use meshtrain_tensor::cuda::check::{self, rel_l2, CheckResult};
+use meshtrain_tensor::cuda::ops::{self, AttnShape};
+use meshtrain_tensor::cuda::train_ops::{self, AdamW, FlatState, SegmentRow, SegmentTable};
+use meshtrain_tensor::cuda::{CudaDevice, CudaError, CudaTensor, DeviceGrads, DeviceParams};
+use meshtrain_tensor::rng::SplitMix64;
+use meshtrain_tensor::DType;
+use meshtrain_train::RunOptions;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchGpuArgs {
+    /// Parts to run: check, products, kernels, step (comma-separated).
+    #[arg(long, default_value = "check,products,kernels,step")]
+    pub parts: String,
+    /// The GPU.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// GPT-2 step: sequences per batch.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// GPT-2 step: timed steps (after 3 warm-up steps).
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    /// Repetitions per timed product or kernel.
+    #[arg(long, default_value_t = 20)]
+    pub reps: usize,
+    /// Where the repository's configs/ are (the GPT comparison trains configs/gpt.toml).
+    #[arg(long, default_value = ".")]
+    pub root: PathBuf,
+}
+
+fn cuda(e: CudaError) -> anyhow::Error {
+    anyhow::anyhow!("{e}")
+}
+
+pub fn run(args: &BenchGpuArgs) -> Result<()> {
+    let dev = CudaDevice::get(args.device).map_err(cuda)?;
+    let (free, total) = dev.memory_info();
+    println!(
+        "GPU cuda:{} {} (sm_{}, {} multiprocessors, {:.1} of {:.1} GiB free), NVRTC {}",
+        dev.ordinal(),
+        dev.name(),
+        dev.arch(),
+        dev.multiprocessors(),
+        free as f64 / (1u64 << 30) as f64,
+        total as f64 / (1u64 << 30) as f64,
+        meshtrain_tensor::cuda::compile::nvrtc_version().map_err(cuda)?
+    );
+    let t = Instant::now();
+    dev.load_all_kernels().map_err(cuda)?;
+    println!(
+        "kernels compiled and loaded in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let mut failed = Vec::new();
+    for part in args
+        .parts
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
+        match part {
+            "check" => failed.extend(check_part(&dev, args)?),
+            "products" => products(&dev, args)?,
+            "kernels" => kernels(&dev, args)?,
+            "step" => step(args)?,
+            other => bail!("unknown part '{other}' (check, products, kernels, step)"),
+        }
+    }
+    if !failed.is_empty() {
+        bail!(
+            "{} GPU check(s) failed:\n{}",
+            failed.len(),
+            failed.join("\n")
+        );
+    }
+    Ok(())
+}
+
+fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+}
+
+/// The `check` part; returns the failures.
+fn check_part(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<Vec<String>> {
+    let seed = seed();
+    println!("\n== check: every device kernel against its CPU twin (seed {seed})");
+    let mut results = check::run_all(dev, seed);
+    results.extend(check_optimizers(dev, seed ^ 0x0b7));
+    for r in &results {
+        println!("{r}");
+    }
+    let mut failed: Vec<String> = results
+        .iter()
+        .filter(|r| !r.passed)
+        .map(|r| r.to_string())
+        .collect();
+    println!(
+        "kernels: {} of {} checks passed",
+        results.len() - failed.len(),
+        results.len()
+    );
+    println!("\n== check: 20 GPT steps on the GPU against the CPU");
+    match compare_gpt(args) {
+        Ok(lines) => {
+            for (ok, line) in lines {
+                println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+                if !ok {
+                    failed.push(line);
+                }
+            }
+        }
+        Err(e) => {
+            println!("FAIL GPT comparison: {e:#}");
+            failed.push(format!("GPT comparison: {e:#}"));
+        }
+    }
+    Ok(failed)
+}
+
+/// AdamW and SGD on the device against `Optimizer::step` on the host: two parameter groups,
+/// a clipping factor, the 16-bit copy refreshed, three steps; and the gradient norm.
+fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
+    let mut out = Vec::new();
+    let mut rng = SplitMix64::new(seed);
+    let n = 100_003;
+    let split = 40_000;
+    let segments = vec![
+        Segment {
+            range: 0..split,
+            hyper: GroupHyper {
+                weight_decay: 0.1,
+                lr_scale: 1.0,
+            },
+        },
+        Segment {
+            range: split..n,
+            hyper: GroupHyper {
+                weight_decay: 0.0,
+                lr_scale: 0.5,
+            },
+        },
+    ];
+    let configs = [
+        OptimizerConfig::Adamw {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        },
+        OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.1,
+        },
+    ];
+    for config in configs {
+        let name = match config {
+            OptimizerConfig::Adamw { .. } => "AdamW",
+            OptimizerConfig::Sgd { .. } => "SGD",
+        };
+        let r = (|| -> Result<Vec<CheckResult>, CudaError> {
+            let mut p: Vec<f32> = (0..n).map(|_| rng.normal() * 0.5).collect();
+            let mut host = Optimizer::with_segments(config, n, segments.clone());
+            let rows: Vec<SegmentRow> = segments
+                .iter()
+                .map(|s| SegmentRow {
+                    end: s.range.end,
+                    weight_decay: s.hyper.weight_decay,
+                    lr_scale: s.hyper.lr_scale,
+                })
+                .collect();
+            let table = SegmentTable::new(dev, &rows)?;
+            let p_dev = CudaTensor::from_host(dev, &p, DType::F32)?;
+            let half = CudaTensor::alloc(dev, n, DType::BF16, "half copy")?;
+            let m = CudaTensor::zeros(dev, n, DType::F32, "m")?;
+            let v = CudaTensor::zeros(dev, n, DType::F32, "v")?;
+            let scalars = dev.alloc_zeroed(8, "norm")?;
+            let mut norms = (0.0f32, 0.0f32);
+            for step in 1..=3u64 {
+                let g: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+                let g_dev = CudaTensor::from_host(dev, &g, DType::F32)?;
+                // Clip to a norm below the gradients' (so the factor is used).
+                let clip = 100.0;
+                train_ops::grad_norm(
+                    dev,
+                    g_dev.ptr(),
+                    std::slice::from_ref(&(0..n)),
+                    Some(clip),
+                    scalars.ptr(),
+                )?;
+                let mut clipped = g.clone();
+                let host_norm = meshtrain_nn::optim::clip_grad_norm(&mut clipped, clip);
+                let lr = 1e-3;
+                host.step(&mut p, &clipped, lr);
+                let state = FlatState {
+                    params: p_dev.ptr(),
+                    grads: g_dev.ptr(),
+                    m: m.ptr(),
+                    v: v.ptr(),
+                    half: Some((half.ptr(), DType::BF16)),
+                    len: n,
+                };
+                let mul = Some(scalars.ptr() + 4);
+                match config {
+                    OptimizerConfig::Adamw {
+                        beta1, beta2, eps, ..
+                    } => train_ops::adamw(
+                        dev,
+                        state,
+                        &table,
+                        AdamW {
+                            lr,
+                            beta1,
+                            beta2,
+                            eps,
+                            step,
+                        },
+                        mul,
+                    )?,
+                    OptimizerConfig::Sgd { momentum, .. } => {
+                        train_ops::sgd(dev, state, &table, lr, momentum, step, mul)?
+                    }
+                }
+                let got: Vec<f32> = dev.download(scalars.ptr(), 2)?;
+                norms = (got[0], host_norm);
+            }
+            let mut half_want = p.clone();
+            meshtrain_tensor::dtype::round_through_bf16(&mut half_want);
+            Ok(vec![
+                result(
+                    format!("{name} parameters (3 steps, 2 groups, clipped)"),
+                    &p_dev.to_host_f32()?,
+                    &p,
+                    1e-5,
+                ),
+                result(
+                    format!("{name} bf16 compute copy"),
+                    &half.to_host_f32()?,
+                    &half_want,
+                    1e-2,
+                ),
+                result(
+                    format!("{name} gradient norm"),
+                    &[norms.0],
+                    &[norms.1],
+                    1e-5,
+                ),
+            ])
+        })();
+        match r {
+            Ok(v) => out.extend(v),
+            Err(e) => out.push(CheckResult {
+                name: format!("{name} optimizer"),
+                rel_err: f64::INFINITY,
+                tolerance: 0.0,
+                passed: false,
+                error: Some(e.to_string()),
+            }),
+        }
+    }
+    out
+}
+
+fn result(name: String, got: &[f32], want: &[f32], tolerance: f64) -> CheckResult {
+    let rel_err = rel_l2(got, want);
+    CheckResult {
+        name,
+        rel_err,
+        tolerance,
+        passed: rel_err <= tolerance,
+        error: None,
+    }
+}
+
+/// One run of `configs/gpt.toml` (shrunk by `overrides`) for 20 steps: the final parameters
+/// and each step's loss.
+fn gpt_run(root: &Path, overrides: &[String]) -> Result<GptRun> {
+    let out = std::env::temp_dir().join(format!("meshtrain-gpu-check-{}", seed()));
+    let mut o: Vec<String> = [
+        "train.steps=20",
+        "train.log_every=1",
+        "train.eval_every=1000",
+        "train.eval_batches=1",
+        "schedule.warmup_steps=5",
+        "train.checkpoint_background=false",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    o.push(format!("train.out_dir=\"{}\"", out.display()));
+    o.extend(overrides.iter().cloned());
+    let text = std::fs::read_to_string(root.join("configs/gpt.toml"))
+        .with_context(|| format!("reading {}/configs/gpt.toml", root.display()))?;
+    let cfg = Config::from_toml_with_overrides(&text, &o)?;
+    cfg.validate()?;
+    let task = Task::load(&cfg)?;
+    let job = cfg.job(&task)?;
+    job.clone().run(&RunOptions::default())?;
+    // The parameters, as a resumed one-worker trainer on the CPU holds them.
+    let mut cpu = cfg.clone();
+    cpu.train.device = meshtrain_tensor::Device::Cpu;
+    let cpu_job = Arc::new(cpu.job(&task)?);
+    let mut t = cpu_job.trainer(ThreadsWorld::single(CommConfig::default()), None)?;
+    t.resume(&out.join("checkpoint.safetensors"))?;
+    let params = t.local_params();
+    let mut losses = Vec::new();
+    for line in std::fs::read_to_string(out.join("metrics.jsonl"))?.lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        if v["kind"] == "train" {
+            losses.push(v["loss"].as_f64().unwrap_or(f64::NAN));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&out);
+    Ok((params, losses))
+}
+
+/// A run's final parameters and its losses, step by step.
+type GptRun = (Vec<f32>, Vec<f64>);
+
+/// GPU against CPU, 20 GPT steps: (passed, line) per comparison. fp32 compares the
+/// parameters (≤ 1e-4 relative L2); bf16, fp16 (with loss scaling) and fp32 with TF32
+/// products compare every step's loss (≤ 1%); fp32 and bf16 also run twice on the GPU and
+/// must agree bit for bit.
+fn compare_gpt(args: &BenchGpuArgs) -> Result<Vec<(bool, String)>> {
+    let mut lines = Vec::new();
+    let gpu = format!("train.device=\"cuda:{}\"", args.device);
+    let cases: [(&str, &str, &[&str]); 4] = [
+        ("fp32", "fp32", &[]),
+        ("bf16", "bf16", &[]),
+        ("fp16", "fp16", &[]),
+        ("fp32 with TF32", "fp32", &["train.tf32=true"]),
+    ];
+    let mut cpu_runs: Vec<(&str, GptRun)> = Vec::new();
+    for (label, precision, extra) in cases {
+        let p = format!("train.precision=\"{precision}\"");
+        let (cpu_params, cpu_losses) = match cpu_runs.iter().find(|(k, _)| *k == precision) {
+            Some((_, run)) => run.clone(),
+            None => {
+                let run = gpt_run(&args.root, std::slice::from_ref(&p))?;
+                cpu_runs.push((precision, run.clone()));
+                run
+            }
+        };
+        let mut gpu_overrides = vec![p.clone(), gpu.clone()];
+        gpu_overrides.extend(extra.iter().map(|s| s.to_string()));
+        let t = Instant::now();
+        let (gpu_params, gpu_losses) = gpt_run(&args.root, &gpu_overrides)?;
+        let gpu_s = t.elapsed().as_secs_f64();
+        let rel = rel_l2(&gpu_params, &cpu_params);
+        let worst_loss = gpu_losses
+            .iter()
+            .zip(&cpu_losses)
+            .map(|(g, c)| ((g - c) / c).abs())
+            .fold(0.0f64, f64::max);
+        let lengths = gpu_losses.len() == cpu_losses.len() && !gpu_losses.is_empty();
+        let finals = format!(
+            "final loss GPU {:.4} CPU {:.4}; {gpu_s:.1} s",
+            gpu_losses.last().unwrap_or(&f64::NAN),
+            cpu_losses.last().unwrap_or(&f64::NAN)
+        );
+        if label == "fp32" {
+            lines.push((
+                rel <= 1e-4 && lengths,
+                format!(
+                    "GPT fp32, 20 steps: parameters GPU vs CPU relative L2 {rel:.2e} (≤ 1e-4); \
+                     losses differ by at most {:.2e} relative; {finals}",
+                    worst_loss
+                ),
+            ));
+        } else {
+            lines.push((
+                worst_loss <= 0.01 && lengths,
+                format!(
+                    "GPT {label}, 20 steps: every step's loss within {:.3}% of the CPU's \
+                     (≤ 1%); parameters relative L2 {rel:.2e}; {finals}",
+                    worst_loss * 100.0
+                ),
+            ));
+        }
+        if label == "fp32" || label == "bf16" {
+            let (again_params, again_losses) = gpt_run(&args.root, &gpu_overrides)?;
+            let identical = again_params
+                .iter()
+                .zip(&gpu_params)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && again_params.len() == gpu_params.len()
+                && again_losses == gpu_losses;
+            lines.push((
+                identical,
+                format!("GPT {label}: two GPU runs bit-identical (parameters and losses)"),
+            ));
+        }
+    }
+    Ok(lines)
+}
+
+/// Median device milliseconds of `f` over `reps` runs (after 3 warm-ups).
+fn time_ms(
+    dev: &CudaDevice,
+    reps: usize,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64> {
+    for _ in 0..3 {
+        f().map_err(cuda)?;
+    }
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let a = dev.record_event().map_err(cuda)?;
+        f().map_err(cuda)?;
+        let b = dev.record_event().map_err(cuda)?;
+        times.push(a.ms_until(&b).map_err(cuda)? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn random_tensor(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    n: usize,
+    dtype: DType,
+    scale: f32,
+) -> Result<CudaTensor> {
+    // Hundreds of millions of values for the largest shapes: drawn in parallel, each chunk
+    // from its own stream.
+    use rayon::prelude::*;
+    let base = rng.next_u64();
+    let mut v = vec![0.0f32; n];
+    v.par_chunks_mut(1 << 20)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let mut r = SplitMix64::derive(base, i as u64);
+            chunk.iter_mut().for_each(|x| *x = r.normal() * scale);
+        });
+    CudaTensor::from_host(dev, &v, dtype).map_err(cuda)
+}
+
+/// The `products` part.
+fn products(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
+    println!("\n== products: a GPT-2 124M step's matrix products (16384 tokens, bf16 in, f32 accumulation) against cuBLASLt's best algorithm");
+    println!(
+        "{:<34} {:>9} {:>11} {:>11} {:>8}",
+        "product", "algos", "ours TF/s", "best TF/s", "ours/best"
+    );
+    let rows = 16 * 1024;
+    let mut rng = SplitMix64::new(seed());
+    let bf = DType::BF16;
+    let shapes: [(&str, usize, usize, bool); 5] = [
+        ("qkv", 768, 2304, true),
+        ("proj", 768, 768, true),
+        ("fc1", 768, 3072, true),
+        ("fc2", 3072, 768, true),
+        ("lm head", 768, 50304, false),
+    ];
+    let mut worst: f64 = 1.0;
+    for (name, inputs, outputs, bias) in shapes {
+        let x = random_tensor(dev, &mut rng, rows * inputs, bf, 1.0)?;
+        let w = random_tensor(dev, &mut rng, inputs * outputs + outputs, bf, 0.02)?;
+        let dy = random_tensor(dev, &mut rng, rows * outputs, bf, 1.0)?;
+        let y = CudaTensor::alloc(dev, rows * outputs, bf, "y").map_err(cuda)?;
+        let dx = CudaTensor::alloc(dev, rows * inputs, bf, "dx").map_err(cuda)?;
+        let dw = CudaTensor::zeros(dev, inputs * outputs, DType::F32, "dw").map_err(cuda)?;
+        let base = Gemm {
+            m: outputs,
+            n: rows,
+            k: inputs,
+            transa: true,
+            transb: false,
+            a: w.ptr(),
+            lda: inputs,
+            b: x.ptr(),
+            ldb: inputs,
+            input: bf,
+            d: y.ptr(),
+            ldd: outputs,
+            output: bf,
+            accumulate: false,
+            bias: bias.then(|| w.ptr() + (inputs * outputs * 2) as u64),
+            alpha: 1.0,
+            math: F32Math::Exact,
+        };
+        let products = [
+            (format!("{name} forward"), base),
+            (
+                format!("{name} input grad"),
+                Gemm {
+                    m: inputs,
+                    n: rows,
+                    k: outputs,
+                    transa: false,
+                    b: dy.ptr(),
+                    ldb: outputs,
+                    d: dx.ptr(),
+                    ldd: inputs,
+                    bias: None,
+                    ..base
+                },
+            ),
+            (
+                format!("{name} weight grad"),
+                Gemm {
+                    m: inputs,
+                    n: outputs,
+                    k: rows,
+                    transa: false,
+                    transb: true,
+                    a: x.ptr(),
+                    lda: inputs,
+                    b: dy.ptr(),
+                    ldb: outputs,
+                    d: dw.ptr(),
+                    ldd: inputs,
+                    output: DType::F32,
+                    accumulate: true,
+                    bias: None,
+                    ..base
+                },
+            ),
+        ];
+        for (label, g) in products {
+            let algos = dev.with_blas(|b| b.algorithms(&g)).map_err(cuda)?;
+            let ours = time_ms(dev, args.reps, || dev.with_blas(|b| b.gemm(&g)))?;
+            let mut best = ours;
+            for choice in 0..algos {
+                let t = time_ms(dev, args.reps, || {
+                    dev.with_blas(|b| b.gemm_with(&g, choice))
+                })?;
+                best = best.min(t);
+            }
+            let tf = |ms: f64| g.flops() / (ms * 1e-3) / 1e12;
+            worst = worst.min(best / ours);
+            println!(
+                "{label:<34} {algos:>9} {:>11.0} {:>11.0} {:>8.3}",
+                tf(ours),
+                tf(best),
+                best / ours
+            );
+        }
+    }
+    println!("products: the slowest is at {worst:.3} of cuBLASLt's best algorithm for its shape");
+    Ok(())
+}
+
+/// The `kernels` part: bandwidth of each fused kernel against a device-to-device copy.
+fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
+    println!(
+        "\n== kernels: bandwidth against a device-to-device copy (GPT-2 124M shapes, 16384 tokens)"
+    );
+    let mut rng = SplitMix64::new(seed());
+    let (rows, d, hidden, vocab) = (16 * 1024, 768, 3072, 50304);
+    let copy_bytes = 1usize << 30;
+    let a = dev.alloc(copy_bytes, "copy source").map_err(cuda)?;
+    let b = dev.alloc(copy_bytes, "copy target").map_err(cuda)?;
+    let copy_ms = time_ms(dev, args.reps, || dev.copy(b.ptr(), a.ptr(), copy_bytes))?;
+    let copy_gbs = 2.0 * copy_bytes as f64 / (copy_ms * 1e-3) / 1e9;
+    println!("device-to-device copy: {copy_gbs:.0} GB/s (read + write)");
+    println!(
+        "{:<44} {:>9} {:>9} {:>9}",
+        "kernel", "ms", "GB/s", "vs copy"
+    );
+    let report = |name: &str, ms: f64, bytes: f64| {
+        let gbs = bytes / (ms * 1e-3) / 1e9;
+        println!("{name:<44} {ms:>9.3} {gbs:>9.0} {:>9.2}", gbs / copy_gbs);
+    };
+    let bf = DType::BF16;
+    let n = rows * d;
+    let x = random_tensor(dev, &mut rng, n, DType::F32, 1.0)?;
+    let p = random_tensor(dev, &mut rng, 2 * d, DType::F32, 1.0)?;
+    // SAFETY: `p` holds 2·d values for the views' life.
+    let params = unsafe { DeviceParams::new(dev, p.ptr(), None, 2 * d) };
+    let ms = time_ms(dev, args.reps, || {
+        ops::layer_norm_forward(&x, params, d, 1e-5, bf, true).map(|_| ())
+    })?;
+    report("layer norm forward (f32 in, bf16 out)", ms, n as f64 * 6.0);
+    let (_, stats) = ops::layer_norm_forward(&x, params, d, 1e-5, bf, true).map_err(cuda)?;
+    let (mean, rstd) = stats.expect("kept");
+    let dy = random_tensor(dev, &mut rng, n, bf, 1.0)?;
+    let g = CudaTensor::zeros(dev, 2 * d, DType::F32, "grads").map_err(cuda)?;
+    let ms = time_ms(dev, args.reps, || {
+        // SAFETY: `g` holds 2·d values.
+        let grads = unsafe { DeviceGrads::new(dev, g.ptr(), 2 * d) };
+        ops::layer_norm_backward(&x, params, &mean, &rstd, &dy, grads, d).map(|_| ())
+    })?;
+    report(
+        "layer norm backward (dx + dγ/dβ)",
+        ms,
+        n as f64 * (4.0 + 2.0 + 4.0 + 4.0 + 2.0),
+    );
+    let h = random_tensor(dev, &mut rng, rows * hidden, bf, 1.0)?;
+    let ms = time_ms(dev, args.reps, || {
+        ops::activation_forward(&h, ops::ActKind::Gelu).map(|_| ())
+    })?;
+    report("GELU forward (bf16)", ms, (rows * hidden) as f64 * 4.0);
+    let dh = random_tensor(dev, &mut rng, rows * hidden, bf, 1.0)?;
+    let ms = time_ms(dev, args.reps, || {
+        ops::activation_backward(&h, &dh, ops::ActKind::Gelu).map(|_| ())
+    })?;
+    report("GELU backward (bf16)", ms, (rows * hidden) as f64 * 6.0);
+    let r = random_tensor(dev, &mut rng, n, bf, 1.0)?;
+    let ms = time_ms(dev, args.reps, || ops::add(x.clone(), &r).map(|_| ()))?;
+    report("residual add (f32 + bf16 -> f32)", ms, n as f64 * 10.0);
+    let ms = time_ms(dev, args.reps, || ops::to_dtype(&x, bf).map(|_| ()))?;
+    report("convert f32 -> bf16", ms, n as f64 * 6.0);
+    let out = dev.alloc(hidden * 4, "column sums").map_err(cuda)?;
+    let ms = time_ms(dev, args.reps, || {
+        ops::column_sums(&h, rows, hidden, out.ptr(), true)
+    })?;
+    report(
+        "bias gradient (column sums, bf16)",
+        ms,
+        (rows * hidden) as f64 * 2.0,
+    );
+    let logits = random_tensor(dev, &mut rng, rows * vocab, bf, 2.0)?;
+    let targets: Vec<i32> = (0..rows).map(|_| rng.below(vocab as u64) as i32).collect();
+    let t = dev.upload(&targets, "targets").map_err(cuda)?;
+    let sums = dev.alloc_zeroed(16, "sums").map_err(cuda)?;
+    // The kernel overwrites the logits with their gradient and hands the buffer back: each
+    // repetition reads the previous one's output (finite values of the same size).
+    let mut held = Some(logits);
+    let ms = time_ms(dev, args.reps, || {
+        let l = held.take().expect("the logits are handed back");
+        let g = ops::cross_entropy(l, t.ptr(), rows, vocab, Some(1e-4), sums.ptr())?;
+        held = g;
+        Ok(())
+    })?;
+    report(
+        "softmax + cross-entropy (bf16 logits, grad in place)",
+        ms,
+        (rows * vocab) as f64 * 4.0,
+    );
+    let params_n = 124_475_904usize;
+    let pv = random_tensor(dev, &mut rng, params_n, DType::F32, 0.02)?;
+    let gv = random_tensor(dev, &mut rng, params_n, DType::F32, 1e-3)?;
+    let m = CudaTensor::zeros(dev, params_n, DType::F32, "m").map_err(cuda)?;
+    let v = CudaTensor::zeros(dev, params_n, DType::F32, "v").map_err(cuda)?;
+    let half = CudaTensor::alloc(dev, params_n, bf, "half").map_err(cuda)?;
+    let table = SegmentTable::new(
+        dev,
+        &[SegmentRow {
+            end: params_n,
+            weight_decay: 0.1,
+            lr_scale: 1.0,
+        }],
+    )
+    .map_err(cuda)?;
+    let mut step = 0;
+    let ms = time_ms(dev, args.reps, || {
+        step += 1;
+        train_ops::adamw(
+            dev,
+            FlatState {
+                params: pv.ptr(),
+                grads: gv.ptr(),
+                m: m.ptr(),
+                v: v.ptr(),
+                half: Some((half.ptr(), bf)),
+                len: params_n,
+            },
+            &table,
+            AdamW {
+                lr: 3e-4,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                step,
+            },
+            None,
+        )
+    })?;
+    report(
+        "AdamW over 124M parameters (+ bf16 copy)",
+        ms,
+        params_n as f64 * 30.0,
+    );
+    let scalars = dev.alloc_zeroed(8, "norm").map_err(cuda)?;
+    let ms = time_ms(dev, args.reps, || {
+        train_ops::grad_norm(
+            dev,
+            gv.ptr(),
+            std::slice::from_ref(&(0..params_n)),
+            Some(1.0),
+            scalars.ptr(),
+        )
+    })?;
+    report("gradient norm over 124M", ms, params_n as f64 * 4.0);
+    // Attention: FLOP rate (causal: half the score matrix).
+    let shape = AttnShape {
+        batch: 16,
+        seq: 1024,
+        heads: 12,
+        head_dim: 64,
+    };
+    let qkv = random_tensor(dev, &mut rng, 16 * 1024 * 3 * 768, bf, 1.0)?;
+    let fwd = time_ms(dev, args.reps, || {
+        ops::attention_forward(&qkv, shape).map(|_| ())
+    })?;
+    let (o, lse) = ops::attention_forward(&qkv, shape).map_err(cuda)?;
+    let dout = random_tensor(dev, &mut rng, 16 * 1024 * 768, bf, 1.0)?;
+    let bwd = time_ms(dev, args.reps, || {
+        ops::attention_backward(&qkv, &o, &lse, &dout, shape).map(|_| ())
+    })?;
+    let flops = 4.0 * 16.0 * 12.0 * 1024.0 * 1024.0 * 64.0 / 2.0;
+    println!(
+        "attention 16×1024, 12 heads of 64 (causal): forward {fwd:.3} ms ({:.0} TFLOP/s), backward {bwd:.3} ms ({:.0} TFLOP/s of 2.5× the forward's FLOPs)",
+        flops / (fwd * 1e-3) / 1e12,
+        2.5 * flops / (bwd * 1e-3) / 1e12
+    );
+    Ok(())
+}
+
+/// The `step` part: GPT-2 124M training steps on the GPU.
+fn step(args: &BenchGpuArgs) -> Result<()> {
+    println!(
+        "\n== step: GPT-2 124M (12 layers, 768 wide, 12 heads, 1024 tokens, vocabulary 50304, tied embeddings), batch {} × 1024, bf16, AdamW, clip 1.0",
+        args.batch
+    );
+    let overrides: Vec<String> = [
+        "model.vocab=50304",
+        "model.dim=768",
+        "model.layers=12",
+        "model.heads=12",
+        "model.seq=1024",
+        "model.tie_embeddings=true",
+        "train.precision=\"bf16\"",
+        "train.steps=1000",
+        "train.eval_every=100000",
+        "schedule.warmup_steps=10",
+        "schedule.lr=3e-4",
+        "optimizer.beta2=0.999",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([
+        format!("train.batch_size={}", args.batch),
+        format!("train.device=\"cuda:{}\"", args.device),
+        "train.out_dir=\"/tmp/meshtrain-gpt2-bench\"".to_string(),
+    ])
+    .collect();
+    let text = std::fs::read_to_string(args.root.join("configs/gpt.toml"))
+        .with_context(|| format!("reading {}/configs/gpt.toml", args.root.display()))?;
+    let cfg = Config::from_toml_with_overrides(&text, &overrides)?;
+    cfg.validate()?;
+    let task = Task::load(&cfg)?;
+    let job = Arc::new(cfg.job(&task)?);
+    let t = Instant::now();
+    let mut trainer = job.trainer(ThreadsWorld::single(CommConfig::default()), None)?;
+    println!(
+        "model built and uploaded in {:.1} s: {} parameters",
+        t.elapsed().as_secs_f64(),
+        trainer.whole.num_unique_params()
+    );
+    let dev = CudaDevice::get(args.device).map_err(cuda)?;
+    let mut losses = Vec::new();
+    for _ in 0..3 {
+        losses.push(trainer.train_step()?.loss);
+    }
+    let mut times = Vec::new();
+    for _ in 0..args.steps {
+        let t = Instant::now();
+        let s = trainer.train_step()?;
+        times.push(t.elapsed().as_secs_f64());
+        losses.push(s.loss);
+    }
+    times.sort_by(f64::total_cmp);
+    let med = times[times.len() / 2];
+    let tokens = (args.batch * 1024) as f64;
+    let mem = trainer
+        .parallel
+        .device_memory()
+        .context("the step ran on the GPU")?;
+    println!(
+        "RESULT meshtrain B={} T=1024 step_ms={:.2} min_ms={:.2} tok_s={:.0} peak_mem_GiB={:.2} loss={:.3}",
+        args.batch,
+        med * 1e3,
+        times[0] * 1e3,
+        tokens / med,
+        mem.peak_bytes as f64 / (1u64 << 30) as f64,
+        losses.last().copied().unwrap_or(f32::NAN)
+    );
+    println!("losses: {losses:?}");
+    dev.profile_start();
+    let t = Instant::now();
+    trainer.train_step()?;
+    let wall = t.elapsed().as_secs_f64() * 1e3;
+    let table = dev.profile_finish().map_err(cuda)?;
+    let total: f64 = table.iter().map(|r| r.1).sum();
+    println!(
+        "one profiled step: {wall:.1} ms wall, {total:.1} ms inside kernels and products ({} launches); by kernel:",
+        table.iter().map(|r| r.2).sum::<usize>()
+    );
+    println!("{:<52} {:>9} {:>7} {:>7}", "kernel", "ms", "calls", "share");
+    for (name, ms, calls) in table.iter().take(40) {
+        println!(
+            "{name:<52} {ms:>9.3} {calls:>7} {:>6.1}%",
+            100.0 * ms / total.max(1e-9)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The comparison's harness on the CPU alone: a run's parameters and per-step losses
+    /// come back, and the same run twice gives the same bits (what the GPU check asks of
+    /// the GPU).
+    #[test]
+    fn a_short_gpt_run_reports_its_parameters_and_losses() {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let shrink: Vec<String> = [
+            "model.dim=32",
+            "model.layers=1",
+            "model.heads=2",
+            "model.seq=16",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let (params, losses) = gpt_run(&root, &shrink).unwrap();
+        assert_eq!(losses.len(), 20);
+        assert!(losses.iter().all(|l| l.is_finite()));
+        assert!(losses[19] < losses[0], "{losses:?}");
+        let (again, again_losses) = gpt_run(&root, &shrink).unwrap();
+        assert_eq!(losses, again_losses);
+        assert!(params
+            .iter()
+            .zip(&again)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}

@@ -1,0 +1,130 @@
+//! `--device cuda`: what can be checked without a GPU (the flag and config, the clear error
+//! when the driver is missing, layouts and models refused before any work), and with one
+//! (GPU against CPU, checkpoints moving between the two), skipped with the reason printed
+//! when there is none and required with `MESHTRAIN_REQUIRE_GPU=1`.
+
+mod common;
+
+use common::{checkpoint_params, job, rel_diff, tiny_gpt_config, written_checkpoint};
+use meshtrain::config::Config;
+use meshtrain_tensor::Device;
+use meshtrain_train::RunOptions;
+
+fn gpu() -> bool {
+    let available = meshtrain_tensor::cuda::probe::gpu_available();
+    if !available {
+        assert!(
+            std::env::var("MESHTRAIN_REQUIRE_GPU").as_deref() != Ok("1"),
+            "MESHTRAIN_REQUIRE_GPU=1 but no usable CUDA GPU (driver missing or no device)"
+        );
+        eprintln!("skipped: no CUDA GPU (the driver or a device is missing)");
+    }
+    available
+}
+
+fn run(cfg: &Config, options: &RunOptions) -> anyhow::Result<meshtrain_train::Summary> {
+    (*job(cfg)).clone().run(options)
+}
+
+#[test]
+fn the_device_is_a_config_value_and_a_flag() {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(out.path(), 2, &["train.device=\"cuda:1\""]);
+    assert_eq!(cfg.train.device, Device::Cuda(1));
+    assert_eq!(cfg.parallel_options().unwrap().device, Device::Cuda(1));
+    let cfg = tiny_gpt_config(out.path(), 2, &[]);
+    assert_eq!(cfg.train.device, Device::Cpu, "the CPU is the default");
+    let e = common::tiny_gpt_config_result(out.path(), 2, &["train.device=\"tpu\""])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cpu, cuda or cuda:N"), "{e}");
+    let args = meshtrain::train_cli::TrainArgs {
+        device: Some("cuda".into()),
+        ..clap_defaults()
+    };
+    assert!(args
+        .overrides()
+        .contains(&"train.device=\"cuda\"".to_string()));
+}
+
+fn clap_defaults() -> meshtrain::train_cli::TrainArgs {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: meshtrain::train_cli::TrainArgs,
+    }
+    Wrapper::parse_from(["meshtrain"]).args
+}
+
+#[test]
+fn without_a_driver_the_error_names_the_library_before_any_step() {
+    if meshtrain_tensor::cuda::probe::gpu_available() {
+        eprintln!("skipped: this machine has a GPU");
+        return;
+    }
+    let out = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(out.path(), 2, &["train.device=\"cuda\""]);
+    let e = format!("{:#}", run(&cfg, &RunOptions::default()).unwrap_err());
+    assert!(
+        e.contains("libcuda.so.1") || e.contains("NVRTC") || e.contains("no CUDA GPU"),
+        "{e}"
+    );
+    assert!(e.contains("--device cpu") || e.contains("install"), "{e}");
+    assert!(
+        !out.path().join("metrics.jsonl").exists(),
+        "no step ran: {e}"
+    );
+}
+
+#[test]
+fn a_gpu_refuses_layouts_and_models_it_cannot_run_before_any_work() {
+    let out = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(out.path(), 2, &["train.device=\"cuda\"", "parallel.dp=2"]);
+    let e = format!("{:#}", run(&cfg, &RunOptions::default()).unwrap_err());
+    assert!(e.contains("one worker per GPU"), "{e}");
+    let text = std::fs::read_to_string(common::root().join("configs/lenet.toml")).unwrap();
+    let lenet = Config::from_toml_with_overrides(
+        &text,
+        &[
+            "train.device=\"cuda\"".into(),
+            "parallel.dp=1".into(),
+            format!("train.out_dir=\"{}\"", out.path().display()),
+        ],
+    )
+    .unwrap();
+    let e = format!("{:#}", run(&lenet, &RunOptions::default()).unwrap_err());
+    assert!(e.contains("without CUDA kernels"), "{e}");
+}
+
+/// fp32 on the GPU learns what the CPU learns; a GPU checkpoint resumes on the CPU and the
+/// reverse, to the same parameters as an uninterrupted run.
+#[test]
+fn gpu_training_matches_the_cpu_and_checkpoints_move_between_them() {
+    if !gpu() {
+        return;
+    }
+    let steps = 6;
+    let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+    let cpu_cfg = tiny_gpt_config(dirs[0].path(), steps, &[]);
+    run(&cpu_cfg, &RunOptions::default()).unwrap();
+    let cpu = checkpoint_params(&cpu_cfg, &written_checkpoint(dirs[0].path()));
+    let gpu_cfg = tiny_gpt_config(dirs[1].path(), steps, &["train.device=\"cuda\""]);
+    run(&gpu_cfg, &RunOptions::default()).unwrap();
+    let gpu = checkpoint_params(&gpu_cfg, &written_checkpoint(dirs[1].path()));
+    assert!(rel_diff(&gpu, &cpu) < 1e-4, "{}", rel_diff(&gpu, &cpu));
+    // Half the run on the GPU, the rest on the CPU (and the reverse).
+    for (first, second, dir) in [("cuda", "cpu", 2), ("cpu", "cuda", 3)] {
+        let d = dirs[dir].path();
+        let a = tiny_gpt_config(d, steps / 2, &[&format!("train.device=\"{first}\"")]);
+        run(&a, &RunOptions::default()).unwrap();
+        let b = tiny_gpt_config(d, steps, &[&format!("train.device=\"{second}\"")]);
+        let resume = RunOptions {
+            resume: Some(written_checkpoint(d)),
+            ..RunOptions::default()
+        };
+        run(&b, &resume).unwrap();
+        let moved = checkpoint_params(&b, &written_checkpoint(d));
+        assert!(rel_diff(&moved, &cpu) < 1e-4, "{first} then {second}");
+    }
+}

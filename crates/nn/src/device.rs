@@ -1,0 +1,311 @@
+//! The CUDA arms of the built-in layers. Each layer is written once (its parameters, what it
+//! keeps for backward, how it composes); when its parameters or tensors are on a GPU, its
+//! forward and backward come here and run `meshtrain_tensor::cuda::ops` instead of the CPU
+//! kernels. What is kept for backward goes into [`Saved::tensors`] as device tensors, in
+//! the dtype the kernels wrote (16 bits under mixed precision).
+//!
+//! Device errors (out of memory, a failed launch) cannot travel through the layer contract,
+//! which returns tensors: they are raised ([`ok`]) and caught by the device step at its
+//! boundary, which returns them as errors.
+
+use crate::layer::{Mode, ParamsMut, Saved};
+use crate::layers::{LayerNorm, Linear};
+use crate::transformer::{AttentionCore, GptEmbedding};
+use meshtrain_tensor::activation::Activation;
+use meshtrain_tensor::cuda::error::ok_or_raise as ok;
+use meshtrain_tensor::cuda::ops::{self, ActKind, AttnShape, LinearShape};
+use meshtrain_tensor::cuda::{CudaDevice, CudaTensor, DeviceGrads, DeviceParams};
+use meshtrain_tensor::{DType, Tensor};
+use std::sync::Arc;
+
+/// `x`'s values on `dev`: a device tensor as it is, a host one uploaded (f32): a model's
+/// first layer meets the batch this way.
+pub fn on_device(x: &Tensor, dev: &Arc<CudaDevice>) -> CudaTensor {
+    match x.cuda() {
+        Some(c) => c.clone(),
+        None => ok(CudaTensor::from_host(dev, x.data(), DType::F32)),
+    }
+}
+
+fn wrap(t: CudaTensor, shape: &[usize]) -> Tensor {
+    Tensor::from_cuda(t, shape)
+}
+
+fn device_grads(g: ParamsMut<'_>) -> DeviceGrads<'_> {
+    match g {
+        ParamsMut::Device(g) => g,
+        ParamsMut::Host(_) => panic!("device parameters with host gradients"),
+    }
+}
+
+fn kept(s: &mut Saved, what: &str) -> CudaTensor {
+    let t = s
+        .tensors
+        .pop()
+        .unwrap_or_else(|| panic!("{what}: nothing saved for backward"));
+    t.cuda()
+        .unwrap_or_else(|| panic!("{what}: a host tensor kept by a device forward"))
+        .clone()
+}
+
+pub fn act_kind(a: Activation) -> ActKind {
+    match a {
+        Activation::Relu => ActKind::Relu,
+        Activation::Sigmoid => ActKind::Sigmoid,
+        Activation::Tanh => ActKind::Tanh,
+        Activation::Gelu => ActKind::Gelu,
+    }
+}
+
+fn out_shape(x: &Tensor, last: usize) -> Vec<usize> {
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("non-empty shape") = last;
+    shape
+}
+
+pub fn linear_forward(
+    l: &Linear,
+    p: DeviceParams<'_>,
+    x: Tensor,
+    mode: Mode,
+    s: &mut Saved,
+) -> Tensor {
+    let dev = p.device();
+    let xs = on_device(&x, dev);
+    let shape = LinearShape {
+        rows: x.numel() / l.inputs,
+        inputs: l.inputs,
+        outputs: l.outputs,
+    };
+    let y_shape = out_shape(&x, l.outputs);
+    // Keep the input as the product reads it (rounded to 16 bits under mixed precision).
+    let xs = ok(ops::to_dtype(&xs, l.precision));
+    let z = ok(ops::linear_forward(
+        &xs,
+        p,
+        shape,
+        l.bias,
+        l.precision,
+        dev.f32_math(),
+    ));
+    let Some(act) = l.activation else {
+        if mode.train {
+            s.tensors.push(wrap(xs, x.shape()));
+        }
+        return wrap(z, &y_shape);
+    };
+    let kind = act_kind(act);
+    let y = ok(ops::activation_forward(&z, kind));
+    if mode.train {
+        s.tensors.push(wrap(xs, x.shape()));
+        let act_input = if kind.backward_uses_output() {
+            y.clone()
+        } else {
+            z
+        };
+        s.tensors.push(wrap(act_input, &y_shape));
+    }
+    wrap(y, &y_shape)
+}
+
+pub fn linear_backward(
+    l: &Linear,
+    p: DeviceParams<'_>,
+    g: ParamsMut<'_>,
+    mut s: Saved,
+    dy: Tensor,
+    need_dx: bool,
+) -> Option<Tensor> {
+    let dev = p.device();
+    let mut dz = on_device(&dy, dev);
+    if let Some(act) = l.activation {
+        let saved = kept(&mut s, "Linear (activation)");
+        dz = ok(ops::activation_backward(&saved, &dz, act_kind(act)));
+    }
+    let x = s.tensors.pop().expect("Linear: nothing saved for backward");
+    let xs = x
+        .cuda()
+        .expect("Linear: a host input kept by a device forward");
+    let shape = LinearShape {
+        rows: x.numel() / l.inputs,
+        inputs: l.inputs,
+        outputs: l.outputs,
+    };
+    let dx = ok(ops::linear_backward(
+        xs,
+        &dz,
+        p,
+        device_grads(g),
+        shape,
+        l.bias,
+        l.precision,
+        dev.f32_math(),
+        need_dx,
+    ));
+    dx.map(|dx| wrap(dx, x.shape()))
+}
+
+pub fn layer_norm_forward(
+    n: &LayerNorm,
+    p: DeviceParams<'_>,
+    x: Tensor,
+    mode: Mode,
+    s: &mut Saved,
+) -> Tensor {
+    let xs = on_device(&x, p.device());
+    let (y, stats) = ok(ops::layer_norm_forward(
+        &xs,
+        p,
+        n.dim,
+        n.eps,
+        n.precision,
+        mode.train,
+    ));
+    if let Some((mean, rstd)) = stats {
+        let rows = [mean.len()];
+        s.tensors.push(wrap(xs, x.shape()));
+        s.tensors.push(wrap(mean, &rows));
+        s.tensors.push(wrap(rstd, &rows));
+    }
+    wrap(y, x.shape())
+}
+
+pub fn layer_norm_backward(
+    n: &LayerNorm,
+    p: DeviceParams<'_>,
+    g: ParamsMut<'_>,
+    mut s: Saved,
+    dy: Tensor,
+) -> Tensor {
+    let rstd = kept(&mut s, "LayerNorm (rstd)");
+    let mean = kept(&mut s, "LayerNorm (mean)");
+    let x = s.tensors.pop().expect("LayerNorm: input");
+    let xs = x
+        .cuda()
+        .expect("LayerNorm: a host input kept by a device forward");
+    let dys = on_device(&dy, p.device());
+    let dx = ok(ops::layer_norm_backward(
+        xs,
+        p,
+        &mean,
+        &rstd,
+        &dys,
+        device_grads(g),
+        n.dim,
+    ));
+    wrap(dx, x.shape())
+}
+
+pub fn act_forward(act: Activation, x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    let xs = x.cuda().expect("a device activation's input").clone();
+    let kind = act_kind(act);
+    let y = wrap(ok(ops::activation_forward(&xs, kind)), x.shape());
+    if mode.train {
+        s.tensors.push(if kind.backward_uses_output() {
+            y.clone()
+        } else {
+            x
+        });
+    }
+    y
+}
+
+pub fn act_backward(act: Activation, kept: Tensor, dy: Tensor) -> Tensor {
+    let saved = kept.cuda().expect("device activation state");
+    let dys = on_device(&dy, saved.device());
+    wrap(
+        ok(ops::activation_backward(saved, &dys, act_kind(act))),
+        kept.shape(),
+    )
+}
+
+fn positions(e: &GptEmbedding, t: usize) -> Vec<i32> {
+    (0..t).map(|i| e.sequence.position(i, t) as i32).collect()
+}
+
+/// The token ids of `ids` (host values: the batch comes from the host, so nothing is
+/// copied back).
+fn ids_of(ids: &Tensor, vocab: usize) -> Vec<i32> {
+    let host = ids.to_host();
+    ok(ops::token_ids(host.data(), vocab))
+}
+
+pub fn embedding_forward(
+    e: &GptEmbedding,
+    p: DeviceParams<'_>,
+    ids: Tensor,
+    mode: Mode,
+    s: &mut Saved,
+) -> Tensor {
+    let (b, t, d) = (ids.dim(0), ids.dim(1), e.dim);
+    let token_ids = ids_of(&ids, e.vocab);
+    let y = ok(ops::embedding_forward(
+        p.device(),
+        &token_ids,
+        p,
+        e.vocab,
+        d,
+        &positions(e, t),
+    ));
+    if mode.train {
+        // The ids stay on the host: backward groups tokens by id there.
+        s.tensors.push(ids.to_host());
+    }
+    wrap(y, &[b, t, d])
+}
+
+pub fn embedding_backward(e: &GptEmbedding, g: DeviceGrads<'_>, mut s: Saved, dy: Tensor) {
+    let ids = s.tensors.pop().expect("embedding: saved ids");
+    let t = ids.dim(1);
+    let token_ids = ids_of(&ids, e.vocab);
+    let dys = on_device(&dy, g.device());
+    ok(ops::embedding_backward(
+        &dys,
+        &token_ids,
+        g,
+        e.vocab,
+        e.dim,
+        &positions(e, t),
+    ));
+}
+
+fn attn_shape(a: &AttentionCore, qkv: &Tensor) -> AttnShape {
+    AttnShape {
+        batch: qkv.dim(0),
+        seq: qkv.dim(1),
+        heads: a.heads,
+        head_dim: a.dim / a.heads,
+    }
+}
+
+/// Both attention kernels compute the same function; on a GPU the memory-efficient one runs
+/// whatever the layer's kind (the probability-keeping kernel exists for the CPU).
+pub fn attention_forward(a: &AttentionCore, qkv: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    let shape = attn_shape(a, &qkv);
+    let q = ok(ops::to_dtype(
+        qkv.cuda().expect("device q/k/v"),
+        a.precision,
+    ));
+    let (out, lse) = ok(ops::attention_forward(&q, shape));
+    let out_shape = [shape.batch, shape.seq, a.dim];
+    if mode.train {
+        s.tensors.push(wrap(q, qkv.shape()));
+        s.tensors.push(wrap(out.clone(), &out_shape));
+        s.tensors
+            .push(wrap(lse, &[shape.batch, a.heads, shape.seq]));
+    }
+    wrap(out, &out_shape)
+}
+
+pub fn attention_backward(a: &AttentionCore, mut s: Saved, dy: Tensor) -> Tensor {
+    let lse = kept(&mut s, "attention (log-sum-exp)");
+    let out = kept(&mut s, "attention (output)");
+    let qkv = s.tensors.pop().expect("attention: q/k/v");
+    let shape = attn_shape(a, &qkv);
+    let qs = qkv.cuda().expect("device q/k/v");
+    let dys = on_device(&dy, qs.device());
+    wrap(
+        ok(ops::attention_backward(qs, &out, &lse, &dys, shape)),
+        qkv.shape(),
+    )
+}

@@ -1,0 +1,590 @@
+//! Matrix products on cuBLASLt: bf16/f16 inputs with f32 accumulation (and f32 or 16-bit
+//! outputs), or f32 inputs in true f32 or, as an explicit option, TF32.
+//!
+//! cuBLAS is column-major and meshtrain's tensors are row-major; [`Gemm`] is the
+//! column-major description, and [`super::ops`] turns each row-major product of a layer into
+//! one (a row-major `X` is the column-major `Xᵀ` of the same memory). A plan (descriptors,
+//! layouts and the heuristic's chosen algorithm) is made once per shape and reused.
+
+use super::context::CudaDevice;
+use super::error::CudaError;
+use crate::DType;
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// How f32 products are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum F32Math {
+    /// True f32 (`CUBLAS_COMPUTE_32F`): the CPU's results to f32 rounding.
+    #[default]
+    Exact,
+    /// TF32 tensor cores (10-bit mantissas in, f32 accumulation): ~7x faster, ~1e-3 relative
+    /// error. Only when asked for (`train.tf32`).
+    Tf32,
+}
+
+/// `D = α·op(A)·op(B) + β·C` in cuBLAS's column-major terms, `C = D` (β = 1 when
+/// `accumulate`), with an optional bias of D's type added to every column (length `m`).
+#[derive(Clone, Copy, Debug)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub transa: bool,
+    pub transb: bool,
+    pub a: u64,
+    pub lda: usize,
+    pub b: u64,
+    pub ldb: usize,
+    /// The type of A and B.
+    pub input: DType,
+    pub d: u64,
+    pub ldd: usize,
+    pub output: DType,
+    pub accumulate: bool,
+    pub bias: Option<u64>,
+    pub alpha: f32,
+    pub math: F32Math,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct PlanKey {
+    m: usize,
+    n: usize,
+    k: usize,
+    transa: bool,
+    transb: bool,
+    lda: usize,
+    ldb: usize,
+    ldd: usize,
+    input: DType,
+    output: DType,
+    bias: bool,
+    math: F32Math,
+    /// Pointer alignments (bytes, up to 256): algorithms are chosen for them.
+    align: [u32; 4],
+}
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    /// Algorithms the heuristic offered, best first.
+    algos: Vec<sys::cublasLtMatmulHeuristicResult_t>,
+}
+
+// SAFETY: cuBLASLt descriptors are plain host objects, used under the device's blas lock.
+unsafe impl Send for Plan {}
+
+/// cuBLASLt on one device: its handle, a workspace and the plans made so far.
+pub struct Blas {
+    device: Arc<CudaDevice>,
+    handle: sys::cublasLtHandle_t,
+    workspace: super::context::DevBuf,
+    plans: HashMap<PlanKey, Plan>,
+}
+
+// SAFETY: the handle is used under the device's blas lock only.
+unsafe impl Send for Blas {}
+
+/// cuBLASLt's recommended workspace on Hopper.
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// How many algorithms the heuristic is asked for (the first is used; the benchmark times
+/// them all).
+const ALGOS_ASKED: i32 = 8;
+
+fn data_type(d: DType) -> sys::cudaDataType {
+    match d {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+    }
+}
+
+/// The largest power of two up to 256 dividing `ptr`.
+pub fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        return 256;
+    }
+    (1u64 << ptr.trailing_zeros().min(8)) as u32
+}
+
+impl Gemm {
+    /// Checks the description before cuBLASLt sees it (a wrong leading dimension would
+    /// read out of bounds).
+    pub fn validate(&self) -> Result<(), CudaError> {
+        let (a_rows, _) = if self.transa {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        };
+        let (b_rows, _) = if self.transb {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        };
+        let bad = |what: &str| {
+            Err(CudaError::Unsupported(format!(
+                "matrix product {}x{}x{}: {what}",
+                self.m, self.n, self.k
+            )))
+        };
+        if self.m == 0 || self.n == 0 || self.k == 0 {
+            return bad("empty dimension");
+        }
+        if self.lda < a_rows.max(1) || self.ldb < b_rows.max(1) || self.ldd < self.m {
+            return bad("a leading dimension is smaller than its matrix's rows");
+        }
+        if self.input == DType::F32 && self.output != DType::F32 {
+            return bad("f32 inputs need an f32 output");
+        }
+        if self.bias.is_some() && self.accumulate {
+            return bad("a bias with accumulation");
+        }
+        Ok(())
+    }
+
+    fn key(&self) -> PlanKey {
+        PlanKey {
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            transa: self.transa,
+            transb: self.transb,
+            lda: self.lda,
+            ldb: self.ldb,
+            ldd: self.ldd,
+            input: self.input,
+            output: self.output,
+            bias: self.bias.is_some(),
+            math: self.math,
+            align: [
+                alignment(self.a),
+                alignment(self.b),
+                alignment(self.d),
+                self.bias.map_or(256, alignment),
+            ],
+        }
+    }
+
+    /// Floating-point operations of the product.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+}
+
+impl Blas {
+    pub fn new(device: Arc<CudaDevice>) -> Result<Blas, CudaError> {
+        super::probe::require_cublaslt()?;
+        device.bind()?;
+        let handle = lt::create_handle().map_err(|e| CudaError::blas("creating a handle", e))?;
+        let workspace = device.alloc(WORKSPACE_BYTES, "the cuBLASLt workspace")?;
+        Ok(Blas {
+            device,
+            handle,
+            workspace,
+            plans: HashMap::new(),
+        })
+    }
+
+    fn plan(&mut self, g: &Gemm) -> Result<&Plan, CudaError> {
+        let key = g.key();
+        if !self.plans.contains_key(&key) {
+            let mut plan = self.make_plan(g, &key)?;
+            if autotune_enabled() && plan.algos.len() > 1 {
+                self.autotune(g, &key, &mut plan)?;
+            }
+            self.plans.insert(key, plan);
+        }
+        Ok(&self.plans[&key])
+    }
+
+    /// Puts the fastest of the heuristic's algorithms first: cuBLASLt's first guess was
+    /// measured up to 25% slower than its best on a GPT-2 shape (the lm head's weight
+    /// gradient on an H100). The choice is remembered on disk per device and shape, so every
+    /// later run uses the same algorithm and gives the same bits.
+    fn autotune(&self, g: &Gemm, key: &PlanKey, plan: &mut Plan) -> Result<(), CudaError> {
+        let id = format!("{} {key:?}", self.device.name());
+        let remembered = remembered_algos()
+            .lock()
+            .expect("algorithm cache")
+            .get(&id)
+            .cloned();
+        if let Some(data) = remembered {
+            if let Some(i) = plan.algos.iter().position(|a| a.algo.data == data) {
+                plan.algos.swap(0, i);
+                return Ok(());
+            }
+        }
+        // Time on scratch output: an accumulating product must not add into its real
+        // output, and a plain one's output is overwritten by the real call anyway.
+        let scratch = if g.accumulate {
+            Some(
+                self.device
+                    .alloc(g.ldd * g.n * g.output.size_bytes(), "autotuning scratch")?,
+            )
+        } else {
+            None
+        };
+        let trial = Gemm {
+            d: scratch.as_ref().map_or(g.d, |s| s.ptr()),
+            accumulate: false,
+            ..*g
+        };
+        let mut best = (f32::INFINITY, 0);
+        for i in 0..plan.algos.len() {
+            let run = || self.launch(&trial, plan, i);
+            if run().is_err() {
+                continue;
+            }
+            let start = self.device.record_event()?;
+            for _ in 0..3 {
+                run()?;
+            }
+            let ms = start.ms_until(&self.device.record_event()?)?;
+            if ms < best.0 {
+                best = (ms, i);
+            }
+        }
+        plan.algos.swap(0, best.1);
+        remember_algo(id, plan.algos[0].algo.data);
+        Ok(())
+    }
+
+    fn make_plan(&self, g: &Gemm, key: &PlanKey) -> Result<Plan, CudaError> {
+        let what = || {
+            format!(
+                "a {}x{}x{} product ({} in, {} out)",
+                g.m, g.n, g.k, g.input, g.output
+            )
+        };
+        let compute = match (g.input, g.math) {
+            (DType::F32, F32Math::Tf32) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let err = |e| CudaError::blas(what(), e);
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F).map_err(err)?;
+        let set_desc = |attr: sys::cublasLtMatmulDescAttributes_t, value: &[u8]| {
+            // SAFETY: `desc` is live; the value has the attribute's size.
+            unsafe {
+                lt::set_matmul_desc_attribute(desc, attr, value.as_ptr() as *const _, value.len())
+            }
+            .map_err(err)
+        };
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        set_desc(
+            A::CUBLASLT_MATMUL_DESC_TRANSA,
+            &(g.transa as i32).to_ne_bytes(),
+        )?;
+        set_desc(
+            A::CUBLASLT_MATMUL_DESC_TRANSB,
+            &(g.transb as i32).to_ne_bytes(),
+        )?;
+        if g.bias.is_some() {
+            let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
+            set_desc(A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue.to_ne_bytes())?;
+        }
+        let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
+        let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
+        let layout = |t: DType, rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(data_type(t), rows as u64, cols as u64, ld as i64).map_err(err)
+        };
+        let layouts = [
+            layout(g.input, a_rows, a_cols, g.lda)?,
+            layout(g.input, b_rows, b_cols, g.ldb)?,
+            layout(g.output, g.m, g.n, g.ldd)?,
+        ];
+        let pref = lt::create_matmul_pref().map_err(err)?;
+        let set_pref = |attr: sys::cublasLtMatmulPreferenceAttributes_t, value: &[u8]| {
+            // SAFETY: `pref` is live; the value has the attribute's size.
+            unsafe {
+                lt::set_matmul_pref_attribute(pref, attr, value.as_ptr() as *const _, value.len())
+            }
+            .map_err(err)
+        };
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        set_pref(
+            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &(WORKSPACE_BYTES as u64).to_ne_bytes(),
+        )?;
+        for (attr, align) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[0]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[1]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[2]),
+        ] {
+            set_pref(attr, &align.to_ne_bytes())?;
+        }
+        let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+            vec![unsafe { std::mem::zeroed() }; ALGOS_ASKED as usize];
+        let mut count = 0i32;
+        // SAFETY: every descriptor is live; `results` has room for ALGOS_ASKED entries.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                desc,
+                layouts[0],
+                layouts[1],
+                layouts[2],
+                layouts[2],
+                pref,
+                ALGOS_ASKED,
+                results.as_mut_ptr(),
+                &mut count,
+            )
+        };
+        // SAFETY: created above.
+        unsafe {
+            let _ = lt::destroy_matmul_pref(pref);
+        }
+        status.result().map_err(err)?;
+        results.truncate(count.max(0) as usize);
+        results.retain(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
+        if results.is_empty() {
+            return Err(CudaError::Blas {
+                what: what(),
+                detail: "cuBLASLt has no algorithm for this shape, type and alignment".into(),
+            });
+        }
+        Ok(Plan {
+            desc,
+            layouts,
+            algos: results,
+        })
+    }
+
+    /// Queues the product with the heuristic's best algorithm.
+    pub fn gemm(&mut self, g: &Gemm) -> Result<(), CudaError> {
+        self.gemm_with(g, 0)
+    }
+
+    /// How many algorithms the heuristic offers for `g`.
+    pub fn algorithms(&mut self, g: &Gemm) -> Result<usize, CudaError> {
+        g.validate()?;
+        Ok(self.plan(g)?.algos.len())
+    }
+
+    /// Queues the product with the heuristic's algorithm number `choice` (after autotuning:
+    /// 0 is the fastest).
+    pub fn gemm_with(&mut self, g: &Gemm, choice: usize) -> Result<(), CudaError> {
+        g.validate()?;
+        self.device.bind()?;
+        let device = self.device.clone();
+        let started = device
+            .profiling()
+            .then(|| device.record_event())
+            .transpose()?;
+        self.plan(g)?;
+        let plan = &self.plans[&g.key()];
+        self.launch(g, plan, choice)?;
+        if let Some(start) = started {
+            let name = format!(
+                "gemm {}x{}x{} {}{} {}->{}",
+                g.m,
+                g.n,
+                g.k,
+                if g.transa { 'T' } else { 'N' },
+                if g.transb { 'T' } else { 'N' },
+                g.input,
+                g.output
+            );
+            device.profiled(name, start)?;
+        }
+        Ok(())
+    }
+
+    /// Queues `g` with `plan`'s algorithm `choice` on the stream.
+    fn launch(&self, g: &Gemm, plan: &Plan, choice: usize) -> Result<(), CudaError> {
+        let stream = self.device.cu_stream() as sys::cudaStream_t;
+        let algo = plan.algos.get(choice).unwrap_or(&plan.algos[0]);
+        let what = || format!("a {}x{}x{} product", g.m, g.n, g.k);
+        if let Some(bias) = g.bias {
+            // SAFETY: the descriptor is live; the bias pointer is a device address.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &bias as *const u64 as *const _,
+                    std::mem::size_of::<u64>(),
+                )
+            }
+            .map_err(|e| CudaError::blas(what(), e))?;
+        }
+        let beta: f32 = if g.accumulate { 1.0 } else { 0.0 };
+        // SAFETY: the pointers are device addresses of buffers at least as large as the
+        // layouts say (checked by the callers in ops.rs), the workspace is ours, and alpha
+        // and beta are host f32 scalars (the default pointer mode).
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                &g.alpha as *const f32 as *const _,
+                &beta as *const f32 as *const _,
+                g.a as *const _,
+                plan.layouts[0],
+                g.b as *const _,
+                plan.layouts[1],
+                g.d as *const _,
+                plan.layouts[2],
+                g.d as *mut _,
+                plan.layouts[2],
+                &algo.algo,
+                self.workspace.ptr() as *mut _,
+                WORKSPACE_BYTES,
+                stream,
+            )
+        }
+        .map_err(|e| CudaError::blas(what(), e))
+    }
+}
+
+/// Whether products are autotuned (`MESHTRAIN_GEMM_AUTOTUNE=0` keeps cuBLASLt's first
+/// guess).
+fn autotune_enabled() -> bool {
+    std::env::var("MESHTRAIN_GEMM_AUTOTUNE").map_or(true, |v| v != "0")
+}
+
+/// The algorithms chosen so far, per device and shape: loaded from, and written to,
+/// `gemm-algorithms.txt` in the kernel cache folder.
+fn remembered_algos() -> &'static std::sync::Mutex<HashMap<String, [u64; 8]>> {
+    static CACHE: std::sync::OnceLock<std::sync::Mutex<HashMap<String, [u64; 8]>>> =
+        std::sync::OnceLock::new();
+    CACHE.get_or_init(|| {
+        let mut map = HashMap::new();
+        if let Some(path) = algos_file() {
+            for line in std::fs::read_to_string(path).unwrap_or_default().lines() {
+                if let Some((id, data)) = line.rsplit_once('\t') {
+                    let words: Vec<u64> = data
+                        .split(',')
+                        .filter_map(|w| u64::from_str_radix(w, 16).ok())
+                        .collect();
+                    if let Ok(words) = <[u64; 8]>::try_from(words) {
+                        map.insert(id.to_string(), words);
+                    }
+                }
+            }
+        }
+        std::sync::Mutex::new(map)
+    })
+}
+
+fn algos_file() -> Option<std::path::PathBuf> {
+    super::compile::cache_dir().map(|d| d.join("gemm-algorithms.txt"))
+}
+
+fn remember_algo(id: String, data: [u64; 8]) {
+    let line = format!(
+        "{id}\t{}\n",
+        data.iter()
+            .map(|w| format!("{w:x}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    remembered_algos()
+        .lock()
+        .expect("algorithm cache")
+        .insert(id, data);
+    if let Some(path) = algos_file() {
+        use std::io::Write;
+        // Appending one whole line is atomic enough for a cache; a torn file only costs a
+        // re-tune.
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = f.write_all(line.as_bytes());
+        }
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        let _ = self.device.bind();
+        for plan in self.plans.values() {
+            // SAFETY: created by make_plan, destroyed once.
+            unsafe {
+                let _ = lt::destroy_matmul_desc(plan.desc);
+                for l in plan.layouts {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+            }
+        }
+        // SAFETY: created in `new`.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemm() -> Gemm {
+        Gemm {
+            m: 64,
+            n: 32,
+            k: 16,
+            transa: true,
+            transb: false,
+            a: 0x1000,
+            lda: 16,
+            b: 0x2000,
+            ldb: 16,
+            input: DType::BF16,
+            d: 0x3000,
+            ldd: 64,
+            output: DType::BF16,
+            accumulate: false,
+            bias: None,
+            alpha: 1.0,
+            math: F32Math::Exact,
+        }
+    }
+
+    #[test]
+    fn descriptions_are_checked_before_cublas_sees_them() {
+        assert!(gemm().validate().is_ok());
+        let e = Gemm { lda: 8, ..gemm() }.validate().unwrap_err();
+        assert!(e.to_string().contains("leading dimension"), "{e}");
+        let e = Gemm { ldd: 10, ..gemm() }.validate().unwrap_err();
+        assert!(e.to_string().contains("leading dimension"), "{e}");
+        let e = Gemm {
+            input: DType::F32,
+            ..gemm()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("f32 inputs need an f32 output"),
+            "{e}"
+        );
+        let e = Gemm {
+            bias: Some(0x4000),
+            accumulate: true,
+            ..gemm()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("bias with accumulation"), "{e}");
+        assert!(Gemm { k: 0, ..gemm() }.validate().is_err());
+    }
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_up_to_256() {
+        assert_eq!(alignment(0x1000), 256);
+        assert_eq!(alignment(0x1002), 2);
+        assert_eq!(alignment(0x1010), 16);
+        assert_eq!(alignment(0x1080), 128);
+        // Plans differ by alignment (an algorithm for 16-byte pointers may not take 2).
+        let a = gemm().key();
+        let b = Gemm {
+            a: 0x1002,
+            ..gemm()
+        }
+        .key();
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,607 @@
+//! Every device operation against its CPU twin on fresh random inputs: the CPU kernels are
+//! the reference (they are tested against f64 definitions elsewhere). Used by the GPU tests
+//! (skipped without a GPU) and by `meshtrain bench gpu --check` on the GPU machine.
+//!
+//! Tolerances (relative L2 error `‖gpu − cpu‖ / ‖cpu‖`): 1e-5 for f32 paths, 1e-2 for
+//! bf16/f16 ones; a NaN or infinity anywhere fails.
+
+use super::blas::F32Math;
+use super::context::CudaDevice;
+use super::error::CudaError;
+use super::ops::{self, ActKind, AttnShape, LinearShape};
+use super::{CudaTensor, DeviceGrads, DeviceParams};
+use crate::activation::Activation;
+use crate::attention::AttentionShape;
+use crate::matmul::{gemm_in, Mat, MatMut};
+use crate::rng::SplitMix64;
+use crate::DType;
+use std::sync::Arc;
+
+/// One comparison.
+#[derive(Clone, Debug)]
+pub struct CheckResult {
+    pub name: String,
+    pub rel_err: f64,
+    pub tolerance: f64,
+    pub passed: bool,
+    /// Why it failed, when it failed before comparing (an error).
+    pub error: Option<String>,
+}
+
+impl std::fmt::Display for CheckResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.error {
+            Some(e) => write!(f, "FAIL {:<44} error: {e}", self.name),
+            None => write!(
+                f,
+                "{} {:<44} rel err {:.2e} (tolerance {:.0e})",
+                if self.passed { "ok  " } else { "FAIL" },
+                self.name,
+                self.rel_err,
+                self.tolerance
+            ),
+        }
+    }
+}
+
+/// `‖got − want‖ / ‖want‖` in f64; infinite when anything is not finite or lengths differ.
+pub fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() || got.iter().chain(want).any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        diff += (g as f64 - w as f64).powi(2);
+        norm += (w as f64).powi(2);
+    }
+    if norm == 0.0 {
+        return diff.sqrt();
+    }
+    (diff / norm).sqrt()
+}
+
+/// The tolerance of a path in `dtype`.
+pub fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        _ => 1e-2,
+    }
+}
+
+fn result(name: String, got: &[f32], want: &[f32], tolerance: f64) -> CheckResult {
+    let rel_err = rel_l2(got, want);
+    CheckResult {
+        name,
+        rel_err,
+        tolerance,
+        passed: rel_err <= tolerance,
+        error: None,
+    }
+}
+
+fn failed(name: String, e: CudaError) -> CheckResult {
+    CheckResult {
+        name,
+        rel_err: f64::INFINITY,
+        tolerance: 0.0,
+        passed: false,
+        error: Some(e.to_string()),
+    }
+}
+
+/// Values rounded to `dtype` (what the device holds after an upload in it).
+fn rounded(values: &[f32], dtype: DType) -> Vec<f32> {
+    let mut v = values.to_vec();
+    match dtype {
+        DType::F32 => {}
+        DType::BF16 => crate::dtype::round_through_bf16(&mut v),
+        DType::F16 => crate::dtype::round_through_f16(&mut v),
+    }
+    v
+}
+
+fn random(rng: &mut SplitMix64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() * scale).collect()
+}
+
+/// Parameters on the device: the f32 masters and their copy in `dtype`.
+struct DeviceValues {
+    master: CudaTensor,
+    half: Option<CudaTensor>,
+}
+
+impl DeviceValues {
+    fn new(dev: &Arc<CudaDevice>, values: &[f32], dtype: DType) -> Result<Self, CudaError> {
+        Ok(DeviceValues {
+            master: CudaTensor::from_host(dev, values, DType::F32)?,
+            half: match dtype {
+                DType::F32 => None,
+                d => Some(CudaTensor::from_host(dev, values, d)?),
+            },
+        })
+    }
+
+    fn params(&self) -> DeviceParams<'_> {
+        // SAFETY: both tensors hold `len` values and live as long as the view.
+        unsafe {
+            DeviceParams::new(
+                self.master.device(),
+                self.master.ptr(),
+                self.half.as_ref().map(|h| (h.ptr(), h.dtype())),
+                self.master.len(),
+            )
+        }
+    }
+}
+
+fn grads_of(t: &CudaTensor) -> DeviceGrads<'_> {
+    // SAFETY: an f32 tensor of `len` values owned by the caller for the view's life.
+    unsafe { DeviceGrads::new(t.device(), t.ptr(), t.len()) }
+}
+
+/// Runs every check with inputs drawn from `seed`.
+pub fn run_all(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
+    let mut out = Vec::new();
+    let mut rng = SplitMix64::new(seed);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let s = ops::suffix(dtype);
+        for (rows, inputs, outputs) in [(96, 80, 48), (257, 64, 200)] {
+            let name = format!("linear {rows}x{inputs}->{outputs} {s}");
+            out.extend(
+                check_linear(
+                    dev,
+                    &mut rng,
+                    LinearShape {
+                        rows,
+                        inputs,
+                        outputs,
+                    },
+                    dtype,
+                )
+                .unwrap_or_else(|e| vec![failed(name, e)]),
+            );
+        }
+        for (rows, d) in [(100, 768), (37, 130)] {
+            let name = format!("layer norm {rows}x{d} {s}");
+            out.extend(
+                check_layer_norm(dev, &mut rng, rows, d, dtype)
+                    .unwrap_or_else(|e| vec![failed(name, e)]),
+            );
+        }
+        for act in [
+            Activation::Gelu,
+            Activation::Relu,
+            Activation::Tanh,
+            Activation::Sigmoid,
+        ] {
+            let name = format!("activation {act:?} {s}");
+            out.extend(
+                check_activation(dev, &mut rng, act, 10_001, dtype)
+                    .unwrap_or_else(|e| vec![failed(name, e)]),
+            );
+        }
+        let name = format!("residual add {s}");
+        out.push(check_add(dev, &mut rng, 9_999, dtype).unwrap_or_else(|e| failed(name, e)));
+        let name = format!("cross-entropy {s}");
+        out.extend(
+            check_cross_entropy(dev, &mut rng, 67, 1000, dtype)
+                .unwrap_or_else(|e| vec![failed(name, e)]),
+        );
+        let shapes = [
+            (2, 256, 2, 64),
+            (1, 200, 3, 64),
+            (2, 130, 2, 32),
+            (1, 128, 2, 128),
+            (1, 1, 1, 64),
+        ];
+        for (batch, seq, heads, head_dim) in shapes {
+            let shape = AttnShape {
+                batch,
+                seq,
+                heads,
+                head_dim,
+            };
+            let name = format!("attention {batch}x{seq} h{heads}x{head_dim} {s}");
+            out.extend(
+                check_attention(dev, &mut rng, shape, dtype)
+                    .unwrap_or_else(|e| vec![failed(name, e)]),
+            );
+        }
+    }
+    out
+}
+
+fn check_linear(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    shape: LinearShape,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let LinearShape {
+        rows,
+        inputs,
+        outputs,
+    } = shape;
+    let s = ops::suffix(dtype);
+    let x = rounded(&random(rng, rows * inputs, 1.0), dtype);
+    let mut p = random(rng, inputs * outputs + outputs, 0.1);
+    // The device's 16-bit copy rounds the weights; the CPU rounds product inputs alike, but
+    // the bias it adds in f32: round it here so both add the same bias.
+    let bias_rounded = rounded(&p[inputs * outputs..], dtype);
+    p[inputs * outputs..].copy_from_slice(&bias_rounded);
+    let dy = rounded(&random(rng, rows * outputs, 1.0), dtype);
+    let g0 = random(rng, p.len(), 0.01);
+
+    // CPU: y = x·Wᵀ + b; dW += dyᵀ·x; db += Σ dy; dx = dy·W.
+    let (w, b) = p.split_at(inputs * outputs);
+    let mut y = vec![0.0f32; rows * outputs];
+    gemm_in(
+        dtype,
+        MatMut::new(&mut y, rows, outputs),
+        Mat::new(&x, rows, inputs),
+        Mat::new(w, outputs, inputs).t(),
+        false,
+    );
+    for r in y.chunks_mut(outputs) {
+        r.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+    }
+    let mut g = g0.clone();
+    let (gw, gb) = g.split_at_mut(inputs * outputs);
+    gemm_in(
+        dtype,
+        MatMut::new(gw, outputs, inputs),
+        Mat::new(&dy, rows, outputs).t(),
+        Mat::new(&x, rows, inputs),
+        true,
+    );
+    for r in dy.chunks(outputs) {
+        gb.iter_mut().zip(r).for_each(|(a, v)| *a += v);
+    }
+    let mut dx = vec![0.0f32; rows * inputs];
+    gemm_in(
+        dtype,
+        MatMut::new(&mut dx, rows, inputs),
+        Mat::new(&dy, rows, outputs),
+        Mat::new(w, outputs, inputs),
+        false,
+    );
+
+    let params = DeviceValues::new(dev, &p, dtype)?;
+    let x_dev = CudaTensor::from_host(dev, &x, dtype)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, dtype)?;
+    let g_dev = CudaTensor::from_host(dev, &g0, DType::F32)?;
+    let y_dev = ops::linear_forward(&x_dev, params.params(), shape, true, dtype, F32Math::Exact)?;
+    let dx_dev = ops::linear_backward(
+        &x_dev,
+        &dy_dev,
+        params.params(),
+        grads_of(&g_dev),
+        shape,
+        true,
+        dtype,
+        F32Math::Exact,
+        true,
+    )?
+    .expect("asked for dx");
+    let tol = tolerance(dtype);
+    let name = |what: &str| format!("linear {rows}x{inputs}->{outputs} {what} {s}");
+    Ok(vec![
+        result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
+        result(name("weight+bias grad"), &g_dev.to_host_f32()?, &g, tol),
+        result(name("input grad"), &dx_dev.to_host_f32()?, &dx, tol),
+    ])
+}
+
+fn check_layer_norm(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    rows: usize,
+    d: usize,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let s = ops::suffix(dtype);
+    let x: Vec<f32> = random(rng, rows * d, 2.0).iter().map(|v| v + 0.5).collect();
+    let p: Vec<f32> = (0..2 * d)
+        .map(|i| {
+            if i < d {
+                1.0 + 0.1 * rng.normal()
+            } else {
+                0.1 * rng.normal()
+            }
+        })
+        .collect();
+    let dy = rounded(&random(rng, rows * d, 1.0), dtype);
+    let g0 = random(rng, 2 * d, 0.01);
+    let (gamma, beta) = p.split_at(d);
+    let (y, mean, rstd) = crate::norm::layer_norm_forward(&x, d, gamma, beta, 1e-5);
+    let mut g = g0.clone();
+    let (dgamma, dbeta) = g.split_at_mut(d);
+    let dx = crate::norm::layer_norm_backward(&x, d, gamma, &mean, &rstd, &dy, dgamma, dbeta);
+
+    let params = DeviceValues::new(dev, &p, DType::F32)?;
+    let x_dev = CudaTensor::from_host(dev, &x, DType::F32)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, dtype)?;
+    let g_dev = CudaTensor::from_host(dev, &g0, DType::F32)?;
+    let (y_dev, stats) = ops::layer_norm_forward(&x_dev, params.params(), d, 1e-5, dtype, true)?;
+    let (m_dev, r_dev) = stats.expect("kept");
+    let dx_dev = ops::layer_norm_backward(
+        &x_dev,
+        params.params(),
+        &m_dev,
+        &r_dev,
+        &dy_dev,
+        grads_of(&g_dev),
+        d,
+    )?;
+    let name = |what: &str| format!("layer norm {rows}x{d} {what} {s}");
+    Ok(vec![
+        result(name("forward"), &y_dev.to_host_f32()?, &y, tolerance(dtype)),
+        result(name("mean"), &m_dev.to_host_f32()?, &mean, 1e-5),
+        result(name("rstd"), &r_dev.to_host_f32()?, &rstd, 1e-5),
+        // dx and the parameter gradients are f32 sums of (rounded) dy: f32 tolerance when
+        // dy is f32.
+        result(
+            name("input grad"),
+            &dx_dev.to_host_f32()?,
+            &dx,
+            tolerance(dtype),
+        ),
+        result(
+            name("gamma+beta grad"),
+            &g_dev.to_host_f32()?,
+            &g,
+            tolerance(dtype),
+        ),
+    ])
+}
+
+fn act_kind(a: Activation) -> ActKind {
+    match a {
+        Activation::Relu => ActKind::Relu,
+        Activation::Sigmoid => ActKind::Sigmoid,
+        Activation::Tanh => ActKind::Tanh,
+        Activation::Gelu => ActKind::Gelu,
+    }
+}
+
+fn check_activation(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    act: Activation,
+    n: usize,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let s = ops::suffix(dtype);
+    let x = rounded(&random(rng, n, 2.0), dtype);
+    let dy = rounded(&random(rng, n, 1.0), dtype);
+    let mut y = vec![0.0f32; n];
+    act.forward(&x, &mut y);
+    let saved = if act.backward_uses_output() {
+        rounded(&y, dtype)
+    } else {
+        x.clone()
+    };
+    let mut dx = dy.clone();
+    act.backward_in_place(&saved, &mut dx);
+    let x_dev = CudaTensor::from_host(dev, &x, dtype)?;
+    let y_dev = ops::activation_forward(&x_dev, act_kind(act))?;
+    let saved_dev = CudaTensor::from_host(dev, &saved, dtype)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, dtype)?;
+    let dx_dev = ops::activation_backward(&saved_dev, &dy_dev, act_kind(act))?;
+    // The CPU's erf/tanh/exp are polynomial approximations good to ~1e-7 relative.
+    let tol = tolerance(dtype).max(1e-5);
+    Ok(vec![
+        result(
+            format!("activation {act:?} forward {s}"),
+            &y_dev.to_host_f32()?,
+            &y,
+            tol,
+        ),
+        result(
+            format!("activation {act:?} backward {s}"),
+            &dx_dev.to_host_f32()?,
+            &dx,
+            tol,
+        ),
+    ])
+}
+
+fn check_add(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    n: usize,
+    dtype: DType,
+) -> Result<CheckResult, CudaError> {
+    let a = random(rng, n, 1.0);
+    let b = rounded(&random(rng, n, 1.0), dtype);
+    let want: Vec<f32> = a.iter().zip(&b).map(|(a, b)| a + b).collect();
+    let a_dev = CudaTensor::from_host(dev, &a, DType::F32)?;
+    let b_dev = CudaTensor::from_host(dev, &b, dtype)?;
+    let y = ops::add(a_dev, &b_dev)?;
+    Ok(result(
+        format!("residual add {}", ops::suffix(dtype)),
+        &y.to_host_f32()?,
+        &want,
+        1e-6,
+    ))
+}
+
+fn check_cross_entropy(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    rows: usize,
+    classes: usize,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let s = ops::suffix(dtype);
+    let logits = rounded(&random(rng, rows * classes, 3.0), dtype);
+    let targets: Vec<u32> = (0..rows)
+        .map(|_| rng.below(classes as u64) as u32)
+        .collect();
+    let grad_scale = 0.5;
+    let (mean, grad, correct) =
+        crate::loss::softmax_cross_entropy(&logits, classes, &targets, grad_scale);
+    let t_dev: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
+    let t_dev = dev.upload(&t_dev, "targets")?;
+    let sums = dev.alloc_zeroed(16, "loss sums")?;
+    let l_dev = CudaTensor::from_host(dev, &logits, dtype)?;
+    let g_dev = ops::cross_entropy(
+        l_dev,
+        t_dev.ptr(),
+        rows,
+        classes,
+        Some(grad_scale / rows as f32),
+        sums.ptr(),
+    )?
+    .expect("asked for the gradient");
+    let got: Vec<f64> = dev.download(sums.ptr(), 2)?;
+    let got_mean = (got[0] / rows as f64) as f32;
+    let mut out = vec![
+        result(
+            format!("cross-entropy loss {s}"),
+            &[got_mean],
+            &[mean],
+            1e-5,
+        ),
+        result(
+            format!("cross-entropy gradient {s}"),
+            &g_dev.to_host_f32()?,
+            &grad,
+            tolerance(dtype),
+        ),
+    ];
+    out.push(CheckResult {
+        name: format!("cross-entropy correct count {s}"),
+        rel_err: (got[1] - correct as f64).abs(),
+        tolerance: 0.0,
+        passed: got[1] == correct as f64,
+        error: None,
+    });
+    Ok(out)
+}
+
+fn check_attention(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    shape: AttnShape,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let AttnShape {
+        batch,
+        seq,
+        heads,
+        head_dim,
+    } = shape;
+    let s = ops::suffix(dtype);
+    let d = shape.dim();
+    let qkv = rounded(&random(rng, batch * seq * 3 * d, 1.0), dtype);
+    let dout = rounded(&random(rng, batch * seq * d, 1.0), dtype);
+    let cpu_shape = AttentionShape {
+        batch,
+        seq,
+        dim: d,
+        heads,
+    };
+    let (out, lse) = crate::flash::flash_attention_forward(cpu_shape, &qkv, dtype);
+    let out_kept = rounded(&out, dtype);
+    let dqkv =
+        crate::flash::flash_attention_backward(cpu_shape, &qkv, &out_kept, &lse, &dout, dtype);
+    let qkv_dev = CudaTensor::from_host(dev, &qkv, dtype)?;
+    let (out_dev, lse_dev) = ops::attention_forward(&qkv_dev, shape)?;
+    let dout_dev = CudaTensor::from_host(dev, &dout, dtype)?;
+    let dqkv_dev = ops::attention_backward(&qkv_dev, &out_dev, &lse_dev, &dout_dev, shape)?;
+    let tol = tolerance(dtype);
+    let name = |what: &str| format!("attention {batch}x{seq} h{heads}x{head_dim} {what} {s}");
+    let mut results = vec![
+        result(name("forward"), &out_dev.to_host_f32()?, &out, tol),
+        result(
+            name("log-sum-exp"),
+            &lse_dev.to_host_f32()?,
+            &lse,
+            tol.min(1e-3),
+        ),
+    ];
+    let got = dqkv_dev.to_host_f32()?;
+    let pick = |v: &[f32], part: usize| -> Vec<f32> {
+        v.chunks(3 * d)
+            .flat_map(|row| row[part * d..(part + 1) * d].to_vec())
+            .collect()
+    };
+    // q, k and v gradients apart: each comes from its own kernel. A one-token sequence has
+    // dq = dk = 0 exactly (softmax over one key): both sides hold rounding noise there, so
+    // their difference is measured against the size of dv instead.
+    let dv_norm = pick(&dqkv, 2)
+        .iter()
+        .map(|v| (*v as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    for (part, what) in ["dq", "dk", "dv"].iter().enumerate() {
+        let (g, w) = (pick(&got, part), pick(&dqkv, part));
+        if seq == 1 && part < 2 {
+            let diff = g
+                .iter()
+                .zip(&w)
+                .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let rel_err = if g.iter().all(|v| v.is_finite()) {
+                diff / dv_norm.max(1e-30)
+            } else {
+                f64::INFINITY
+            };
+            results.push(CheckResult {
+                name: name(&format!("{what} (zero: against |dv|)")),
+                rel_err,
+                tolerance: tol,
+                passed: rel_err <= tol,
+                error: None,
+            });
+        } else {
+            results.push(result(name(what), &g, &w, tol));
+        }
+    }
+    Ok(results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_error_fails_on_nan_and_length() {
+        assert_eq!(rel_l2(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((rel_l2(&[1.1], &[1.0]) - 0.1).abs() < 1e-6);
+        assert!(rel_l2(&[f32::NAN], &[1.0]).is_infinite());
+        assert!(rel_l2(&[1.0], &[f32::INFINITY]).is_infinite());
+        assert!(rel_l2(&[1.0], &[1.0, 2.0]).is_infinite());
+        assert_eq!(rel_l2(&[0.0], &[0.0]), 0.0);
+    }
+
+    /// The GPU checks: skipped (with the reason printed) without a GPU, required with
+    /// `MESHTRAIN_REQUIRE_GPU=1`.
+    #[test]
+    fn every_device_operation_matches_its_cpu_twin() {
+        if !super::super::probe::gpu_available() {
+            assert!(
+                std::env::var("MESHTRAIN_REQUIRE_GPU").as_deref() != Ok("1"),
+                "MESHTRAIN_REQUIRE_GPU=1 but no usable CUDA GPU (driver missing or no device)"
+            );
+            eprintln!("skipped: no CUDA GPU (the driver or a device is missing)");
+            return;
+        }
+        let dev = CudaDevice::get(0).expect("GPU 0");
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        let results = run_all(&dev, seed);
+        let failed: Vec<String> = results
+            .iter()
+            .filter(|r| !r.passed)
+            .map(|r| r.to_string())
+            .collect();
+        for r in &results {
+            eprintln!("{r}");
+        }
+        assert!(failed.is_empty(), "seed {seed}:\n{}", failed.join("\n"));
+    }
+}

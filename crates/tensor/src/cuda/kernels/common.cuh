@@ -1,0 +1,212 @@
+// common.cuh: device helpers shared by the kernel files (see ABI.md). Prepended after the
+// prelude on the GPU (NVRTC) and after cuda_emu.h on the CPU, so it includes nothing itself.
+//
+// - scalar conversions `to_f32` / `from_f32<T>` for float, bf16 and f16;
+// - 4- and 8-element vector loads/stores that convert to/from float registers (16-byte
+//   accesses for 8 16-bit values or 4 floats; 8-byte accesses for 4 16-bit values);
+// - warp reductions (xor butterfly: every lane ends with the same bits, since IEEE addition
+//   and fmaxf are commutative, so the result does not depend on the lane that reads it);
+// - block reductions in a fixed order (warp butterflies, then warp 0 combines the warp totals
+//   in the same butterfly order): the result depends only on the values and blockDim.
+
+// NVRTC's headers (the prelude's cuda_bf16.h/cuda_fp16.h/mma.h) do not define INFINITY, which
+// ABI.md promises; the emulator's libm does.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// memcpy is an NVRTC built-in; g++ always knows __builtin_memcpy (whatever the emulator
+// header includes).
+#if defined(__CUDACC_RTC__)
+#define MT_MEMCPY memcpy
+#else
+#define MT_MEMCPY __builtin_memcpy
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Scalar conversions.
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(f16 x) { return __half2float(x); }
+
+template <class T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+/// Round to nearest even.
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
+/// Round to nearest even.
+template <> __device__ __forceinline__ f16 from_f32<f16>(float x) { return __float2half(x); }
+
+// ---------------------------------------------------------------------------------------
+// Alignment and bit copies.
+
+/// Whether `p` is a multiple of `bytes` (a power of two).
+__device__ __forceinline__ bool is_aligned(const void* p, unsigned bytes) {
+    return (reinterpret_cast<unsigned long long>(p) & (unsigned long long)(bytes - 1)) == 0;
+}
+
+/// Floats before `p + h` is 16-byte aligned (p itself 4-byte aligned), at most n: the scalar
+/// head of a float4 loop over a view that may start anywhere.
+__device__ __forceinline__ long long align16_head(const float* p, long long n) {
+    const unsigned mis = (unsigned)(reinterpret_cast<unsigned long long>(p) & 15u);
+    const long long h = (long long)(((16u - mis) & 15u) / 4u);
+    return h < n ? h : n;
+}
+
+/// The bits of `from` as a `To` of the same size. Through memcpy, the one type pun that is
+/// defined in C++ (g++ -O2 would be entitled to break a pointer cast between unrelated
+/// types); both compilers turn it into a register move.
+template <class To, class From>
+__device__ __forceinline__ To bit_copy(const From& from) {
+    static_assert(sizeof(To) == sizeof(From), "bit_copy between types of different sizes");
+    To to;
+    MT_MEMCPY(&to, &from, sizeof(To));
+    return to;
+}
+
+/// Two 16-bit values packed in a 32-bit word (low half first, as in memory) <-> floats.
+template <class H> __device__ __forceinline__ float2 unpack2(unsigned w);
+template <> __device__ __forceinline__ float2 unpack2<bf16>(unsigned w) {
+    return __bfloat1622float2(bit_copy<__nv_bfloat162>(w));
+}
+template <> __device__ __forceinline__ float2 unpack2<f16>(unsigned w) {
+    return __half22float2(bit_copy<__half2>(w));
+}
+template <class H> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<bf16>(float lo, float hi) {
+    return bit_copy<unsigned>(__floats2bfloat162_rn(lo, hi));
+}
+template <> __device__ __forceinline__ unsigned pack2<f16>(float lo, float hi) {
+    return bit_copy<unsigned>(__floats2half2_rn(lo, hi));
+}
+
+// ---------------------------------------------------------------------------------------
+// Vector loads and stores. `p` must be aligned to the access: 4·sizeof(T) bytes for the
+// 4-element forms (one float4, or one uint2 of 16-bit values), 16 bytes for the 8-element
+// forms (two float4, or one uint4 of 16-bit values).
+
+template <class T>
+__device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
+    if constexpr (sizeof(T) == 4) {
+        const float4 q = *reinterpret_cast<const float4*>(p);
+        v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+    } else {
+        const uint2 q = *reinterpret_cast<const uint2*>(p);
+        const float2 a = unpack2<T>(q.x), b = unpack2<T>(q.y);
+        v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
+    if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+        *reinterpret_cast<uint2*>(p) = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+    if constexpr (sizeof(T) == 4) {
+        const float4 a = reinterpret_cast<const float4*>(p)[0];
+        const float4 b = reinterpret_cast<const float4*>(p)[1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+        const uint4 q = *reinterpret_cast<const uint4*>(p);
+        const float2 a = unpack2<T>(q.x), b = unpack2<T>(q.y);
+        const float2 c = unpack2<T>(q.z), e = unpack2<T>(q.w);
+        v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+        v[4] = c.x; v[5] = c.y; v[6] = e.x; v[7] = e.y;
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
+    if constexpr (sizeof(T) == 4) {
+        reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+        *reinterpret_cast<uint4*>(p) = make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]),
+                                                  pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7]));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Grid-stride indices (64-bit: flat buffers can exceed 2^31 elements).
+
+__device__ __forceinline__ long long global_thread() {
+    return (long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ long long grid_threads() {
+    return (long long)gridDim.x * blockDim.x;
+}
+
+// ---------------------------------------------------------------------------------------
+// Warp reductions over all 32 lanes (every lane must call them; every lane gets the result).
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// Block reductions: every thread of the block must call them (they hold __syncthreads), with
+// blockDim.x a multiple of 32 and at most 1024; every thread gets the result. Order: each
+// warp's butterfly, then warp 0's butterfly over the warp totals (padded with the identity).
+// They may be called several times in a row: the first barrier keeps a call from
+// overwriting the slots that the previous call's readers still read.
+
+struct SumOp {
+    template <class T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+template <class T, class Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+template <class T, class Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, T identity) {
+    __shared__ T slots[32];
+    __shared__ T total;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    v = warp_reduce(v, op);
+    __syncthreads();
+    if (lane == 0) slots[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        T t = lane < warps ? slots[lane] : identity;
+        t = warp_reduce(t, op);
+        if (lane == 0) total = t;
+    }
+    __syncthreads();
+    return total;
+}
+
+/// Σ over the block, fp32, fixed order.
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, SumOp(), 0.0f); }
+/// Σ over the block, double, fixed order.
+__device__ __forceinline__ double block_sum_d(double v) { return block_reduce(v, SumOp(), 0.0); }
+/// Max over the block (NaN-ignoring, like fmaxf).
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp(), -INFINITY); }

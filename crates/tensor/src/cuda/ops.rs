@@ -1,0 +1,940 @@
+//! The operations layers run on device tensors: each checks shapes and dtypes on the host,
+//! then queues its kernels (or cuBLASLt product) on the device's stream. Each is the twin of
+//! a CPU kernel ([`super::check`] compares them on fresh random inputs).
+//!
+//! Dtypes follow the CPU's mixed-precision policy: matrix products read `precision` inputs
+//! (bf16/f16 with f32 accumulation, or f32), the residual stream, norms' statistics, softmax,
+//! losses and every reduction stay f32. Products write their output in `precision` (what the
+//! next product reads anyway); norms read the f32 residual stream.
+
+use super::blas::{F32Math, Gemm};
+use super::context::{Args, CudaDevice, Launch};
+use super::error::CudaError;
+use super::{CudaTensor, DeviceGrads, DeviceParams};
+use crate::DType;
+use std::sync::Arc;
+
+/// The kernel-name suffix of a dtype (`kernels/ABI.md`).
+pub fn suffix(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+    }
+}
+
+/// Threads per block of the element-wise kernels, and the most blocks a grid-stride launch
+/// uses (enough to fill an H100's 132 multiprocessors many times over).
+const THREADS: u32 = 256;
+const MAX_BLOCKS: usize = 132 * 32;
+/// Rows summed per block in the deterministic column sums (bias and layer-norm parameter
+/// gradients): fixed, so the summation order never depends on the device. 256 rows: the
+/// finishing sum over the blocks is latency-bound (~15 µs over 256 partials per column on an
+/// H100, 73 times a GPT-2 step at 64 rows per block).
+pub const ROWS_PER_BLOCK: usize = 256;
+
+fn unsupported(text: String) -> CudaError {
+    CudaError::Unsupported(text)
+}
+
+fn check_len(t: &CudaTensor, len: usize, what: &str) -> Result<(), CudaError> {
+    if t.len() != len {
+        return Err(unsupported(format!(
+            "{what}: expected {len} values, the tensor has {}",
+            t.len()
+        )));
+    }
+    Ok(())
+}
+
+/// `x` in `dtype`: itself, or a converted copy.
+pub fn to_dtype(x: &CudaTensor, dtype: DType) -> Result<CudaTensor, CudaError> {
+    if x.dtype() == dtype {
+        return Ok(x.clone());
+    }
+    let dev = x.device();
+    let y = CudaTensor::alloc(dev, x.len(), dtype, "a converted tensor")?;
+    convert_into(dev, x.ptr(), x.dtype(), y.ptr(), dtype, x.len())?;
+    Ok(y)
+}
+
+/// Converts `n` values between f32 and a 16-bit type (one of the two is f32).
+pub fn convert_into(
+    dev: &CudaDevice,
+    src: u64,
+    from: DType,
+    dst: u64,
+    to: DType,
+    n: usize,
+) -> Result<(), CudaError> {
+    let kernel = match (from, to) {
+        (DType::F32, DType::BF16) => "convert_f32_bf16",
+        (DType::F32, DType::F16) => "convert_f32_f16",
+        (DType::BF16, DType::F32) => "convert_bf16_f32",
+        (DType::F16, DType::F32) => "convert_f16_f32",
+        (a, b) if a == b => return dev.copy(dst, src, n * a.size_bytes()),
+        (a, b) => return Err(unsupported(format!("no conversion from {a} to {b}"))),
+    };
+    dev.launch(
+        "elementwise.cu",
+        kernel,
+        Launch::grid_stride(n, THREADS, MAX_BLOCKS),
+        Args::new().ptr(src).ptr(dst).i64(n as i64),
+    )
+}
+
+/// The weight's address in the product's dtype.
+fn weight_in(w: &DeviceParams, precision: DType, what: &str) -> Result<u64, CudaError> {
+    w.in_dtype(precision)
+        .ok_or_else(|| missing_copy(what, precision))
+}
+
+fn missing_copy(what: &str, precision: DType) -> CudaError {
+    unsupported(format!(
+        "{what}: the parameters have no {precision} compute copy (the device store was made \
+         for another precision)"
+    ))
+}
+
+/// A linear layer's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearShape {
+    pub rows: usize,
+    pub inputs: usize,
+    pub outputs: usize,
+}
+
+/// `y = x·Wᵀ + b` with `x` `[rows, inputs]`, W `[outputs, inputs]` (PyTorch's layout), the
+/// bias (if any) right after W in `p`; products in `precision`, `y` in `precision`.
+pub fn linear_forward(
+    x: &CudaTensor,
+    p: DeviceParams,
+    shape: LinearShape,
+    bias: bool,
+    precision: DType,
+    math: F32Math,
+) -> Result<CudaTensor, CudaError> {
+    let LinearShape {
+        rows,
+        inputs,
+        outputs,
+    } = shape;
+    check_len(x, rows * inputs, "linear layer input")?;
+    let nw = inputs * outputs;
+    let (w, b) = p.split_at(nw);
+    let dev = x.device().clone();
+    let x = to_dtype(x, precision)?;
+    let y = CudaTensor::alloc(&dev, rows * outputs, precision, "a linear layer's output")?;
+    // cuBLASLt's bias epilogue wants an aligned vector: a bias at an odd place of the flat
+    // buffer (a user's model) is copied to an aligned block first (`outputs` values).
+    let mut aligned_bias = None;
+    let bias_ptr = if bias {
+        let ptr = weight_in(&b.slice(0..outputs), precision, "linear bias")?;
+        if ptr % 16 == 0 {
+            Some(ptr)
+        } else {
+            let bytes = outputs * precision.size_bytes();
+            let copy = dev.alloc(bytes, "an aligned bias")?;
+            dev.copy(copy.ptr(), ptr, bytes)?;
+            let at = copy.ptr();
+            aligned_bias = Some(copy);
+            Some(at)
+        }
+    } else {
+        None
+    };
+    let g = Gemm {
+        m: outputs,
+        n: rows,
+        k: inputs,
+        transa: true,
+        transb: false,
+        a: weight_in(&w, precision, "linear weight")?,
+        lda: inputs,
+        b: x.ptr(),
+        ldb: inputs,
+        input: precision,
+        d: y.ptr(),
+        ldd: outputs,
+        output: precision,
+        accumulate: false,
+        bias: bias_ptr,
+        alpha: 1.0,
+        math,
+    };
+    dev.with_blas(|blas| blas.gemm(&g))?;
+    drop(aligned_bias);
+    Ok(y)
+}
+
+/// Backward of [`linear_forward`]: `dW += dyᵀ·x`, `db += Σ_rows dy` (into `grads`: weight
+/// then bias, f32) and, if `need_dx`, `dx = dy·W` (in `precision`). `x` is the kept input.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward(
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    p: DeviceParams,
+    grads: DeviceGrads,
+    shape: LinearShape,
+    bias: bool,
+    precision: DType,
+    math: F32Math,
+    need_dx: bool,
+) -> Result<Option<CudaTensor>, CudaError> {
+    let LinearShape {
+        rows,
+        inputs,
+        outputs,
+    } = shape;
+    check_len(x, rows * inputs, "linear layer kept input")?;
+    check_len(dy, rows * outputs, "linear layer output gradient")?;
+    let dev = x.device().clone();
+    let x = to_dtype(x, precision)?;
+    let dy = to_dtype(dy, precision)?;
+    let nw = inputs * outputs;
+    let (gw, gb) = grads.split_at(nw);
+    // dWᵀ (column-major in × out) = xᵀ·dy.
+    let g = Gemm {
+        m: inputs,
+        n: outputs,
+        k: rows,
+        transa: false,
+        transb: true,
+        a: x.ptr(),
+        lda: inputs,
+        b: dy.ptr(),
+        ldb: outputs,
+        input: precision,
+        d: gw.ptr(),
+        ldd: inputs,
+        output: DType::F32,
+        accumulate: true,
+        bias: None,
+        alpha: 1.0,
+        math,
+    };
+    dev.with_blas(|blas| blas.gemm(&g))?;
+    if bias {
+        column_sums(&dy, rows, outputs, gb.ptr(), true)?;
+    }
+    if !need_dx {
+        return Ok(None);
+    }
+    let w = p.slice(0..nw);
+    let dx = CudaTensor::alloc(
+        &dev,
+        rows * inputs,
+        precision,
+        "a linear layer's input gradient",
+    )?;
+    // dxᵀ (column-major in × rows) = Wᵀ·dyᵀ.
+    let g = Gemm {
+        m: inputs,
+        n: rows,
+        k: outputs,
+        transa: false,
+        transb: false,
+        a: weight_in(&w, precision, "linear weight")?,
+        lda: inputs,
+        b: dy.ptr(),
+        ldb: outputs,
+        input: precision,
+        d: dx.ptr(),
+        ldd: inputs,
+        output: precision,
+        accumulate: false,
+        bias: None,
+        alpha: 1.0,
+        math,
+    };
+    dev.with_blas(|blas| blas.gemm(&g))?;
+    Ok(Some(dx))
+}
+
+/// `out[c] (+)= Σ_r y[r, c]` for `y` `[rows, cols]`, in a fixed order (two kernels:
+/// per-block partial sums, then their sum in block order).
+pub fn column_sums(
+    y: &CudaTensor,
+    rows: usize,
+    cols: usize,
+    out: u64,
+    accumulate: bool,
+) -> Result<(), CudaError> {
+    check_len(y, rows * cols, "column sums")?;
+    let dev = y.device();
+    let blocks = rows.div_ceil(ROWS_PER_BLOCK).max(1);
+    let partial = dev.alloc(blocks * cols * 4, "column-sum partials")?;
+    dev.launch(
+        "bias.cu",
+        &format!("colsum_partial_{}", suffix(y.dtype())),
+        Launch {
+            grid: (cols.div_ceil(THREADS as usize) as u32, blocks as u32, 1),
+            block: (THREADS, 1, 1),
+            smem: 0,
+        },
+        Args::new()
+            .ptr(y.ptr())
+            .ptr(partial.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(cols)
+            .usize_as_i32(ROWS_PER_BLOCK),
+    )?;
+    finish_columns(dev, partial.ptr(), blocks, cols, out, accumulate)
+}
+
+/// `out[c] (+)= Σ_b partial[b, c]` in block order.
+fn finish_columns(
+    dev: &CudaDevice,
+    partial: u64,
+    blocks: usize,
+    cols: usize,
+    out: u64,
+    accumulate: bool,
+) -> Result<(), CudaError> {
+    dev.launch(
+        "bias.cu",
+        "colsum_finish",
+        Launch::grid_stride(cols, THREADS, MAX_BLOCKS),
+        Args::new()
+            .ptr(partial)
+            .ptr(out)
+            .usize_as_i32(blocks)
+            .usize_as_i32(cols)
+            .i32(accumulate as i32),
+    )
+}
+
+/// Element-wise activation codes of `elementwise.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActKind {
+    Relu = 0,
+    Sigmoid = 1,
+    Tanh = 2,
+    Gelu = 3,
+}
+
+impl ActKind {
+    /// Whether backward reads the output (sigmoid, tanh) rather than the input.
+    pub fn backward_uses_output(self) -> bool {
+        matches!(self, ActKind::Sigmoid | ActKind::Tanh)
+    }
+}
+
+/// `y = act(x)` in x's dtype.
+pub fn activation_forward(x: &CudaTensor, act: ActKind) -> Result<CudaTensor, CudaError> {
+    let dev = x.device();
+    let y = CudaTensor::alloc(dev, x.len(), x.dtype(), "an activation's output")?;
+    dev.launch(
+        "elementwise.cu",
+        &format!("act_fwd_{}", suffix(x.dtype())),
+        Launch::grid_stride(x.len(), THREADS, MAX_BLOCKS),
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(y.ptr())
+            .i64(x.len() as i64)
+            .i32(act as i32),
+    )?;
+    Ok(y)
+}
+
+/// `dx = dy·act'(saved)` (saved: the output for sigmoid/tanh, else the input), in saved's
+/// dtype.
+pub fn activation_backward(
+    saved: &CudaTensor,
+    dy: &CudaTensor,
+    act: ActKind,
+) -> Result<CudaTensor, CudaError> {
+    check_len(dy, saved.len(), "activation gradient")?;
+    let dev = saved.device();
+    let dy = to_dtype(dy, saved.dtype())?;
+    let dx = CudaTensor::alloc(dev, saved.len(), saved.dtype(), "an activation's gradient")?;
+    dev.launch(
+        "elementwise.cu",
+        &format!("act_bwd_{}", suffix(saved.dtype())),
+        Launch::grid_stride(saved.len(), THREADS, MAX_BLOCKS),
+        Args::new()
+            .ptr(saved.ptr())
+            .ptr(dy.ptr())
+            .ptr(dx.ptr())
+            .i64(saved.len() as i64)
+            .i32(act as i32),
+    )?;
+    Ok(dx)
+}
+
+/// `a + b` in f32 (`a` f32, `b` any dtype): the residual add. Written into `a`'s buffer when
+/// no one else holds it.
+pub fn add(a: CudaTensor, b: &CudaTensor) -> Result<CudaTensor, CudaError> {
+    check_len(b, a.len(), "residual add")?;
+    let dev = a.device().clone();
+    let a = to_dtype(&a, DType::F32)?;
+    let y = if a.is_unique() {
+        a.clone()
+    } else {
+        CudaTensor::alloc(&dev, a.len(), DType::F32, "a residual sum")?
+    };
+    dev.launch(
+        "elementwise.cu",
+        &format!("add_f32_{}", suffix(b.dtype())),
+        Launch::grid_stride(a.len(), THREADS, MAX_BLOCKS),
+        Args::new()
+            .ptr(a.ptr())
+            .ptr(b.ptr())
+            .ptr(y.ptr())
+            .i64(a.len() as i64),
+    )?;
+    Ok(y)
+}
+
+/// Layer norm over rows of `d` of the f32 `x`: `(y in out_dtype, mean, rstd)` (the
+/// statistics only when `keep_stats`).
+pub fn layer_norm_forward(
+    x: &CudaTensor,
+    p: DeviceParams,
+    d: usize,
+    eps: f32,
+    out_dtype: DType,
+    keep_stats: bool,
+) -> Result<(CudaTensor, Option<(CudaTensor, CudaTensor)>), CudaError> {
+    let dev = x.device().clone();
+    let x = to_dtype(x, DType::F32)?;
+    let rows = x.len() / d;
+    check_len(&x, rows * d, "layer norm input")?;
+    let (gamma, beta) = p.split_at(d);
+    let y = CudaTensor::alloc(&dev, x.len(), out_dtype, "a layer norm's output")?;
+    let stats = if keep_stats {
+        Some((
+            CudaTensor::alloc(&dev, rows, DType::F32, "layer norm means")?,
+            CudaTensor::alloc(&dev, rows, DType::F32, "layer norm scales")?,
+        ))
+    } else {
+        None
+    };
+    let (mean, rstd) = stats.as_ref().map_or((0, 0), |(m, r)| (m.ptr(), r.ptr()));
+    dev.launch(
+        "layernorm.cu",
+        &format!("layernorm_fwd_{}", suffix(out_dtype)),
+        Launch::linear(rows.div_ceil(8), THREADS),
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(gamma.master())
+            .ptr(beta.master())
+            .ptr(y.ptr())
+            .ptr(mean)
+            .ptr(rstd)
+            .usize_as_i32(rows)
+            .usize_as_i32(d)
+            .f32(eps),
+    )?;
+    Ok((y, stats))
+}
+
+/// Layer-norm backward: returns dx (f32) and adds [dγ | dβ] into `grads`.
+pub fn layer_norm_backward(
+    x: &CudaTensor,
+    p: DeviceParams,
+    mean: &CudaTensor,
+    rstd: &CudaTensor,
+    dy: &CudaTensor,
+    grads: DeviceGrads,
+    d: usize,
+) -> Result<CudaTensor, CudaError> {
+    let dev = x.device().clone();
+    let x = to_dtype(x, DType::F32)?;
+    let rows = x.len() / d;
+    check_len(dy, x.len(), "layer norm output gradient")?;
+    check_len(mean, rows, "layer norm means")?;
+    let dx = CudaTensor::alloc(&dev, x.len(), DType::F32, "a layer norm's input gradient")?;
+    let t = suffix(dy.dtype());
+    dev.launch(
+        "layernorm.cu",
+        &format!("layernorm_bwd_dx_{t}"),
+        Launch::linear(rows.div_ceil(8), THREADS),
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(p.master())
+            .ptr(mean.ptr())
+            .ptr(rstd.ptr())
+            .ptr(dy.ptr())
+            .ptr(dx.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(d),
+    )?;
+    let blocks = rows.div_ceil(ROWS_PER_BLOCK).max(1);
+    let partial = dev.alloc(blocks * 2 * d * 4, "layer norm gradient partials")?;
+    dev.launch(
+        "layernorm.cu",
+        &format!("layernorm_bwd_params_{t}"),
+        Launch {
+            grid: (d.div_ceil(THREADS as usize) as u32, blocks as u32, 1),
+            block: (THREADS, 1, 1),
+            smem: 0,
+        },
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(mean.ptr())
+            .ptr(rstd.ptr())
+            .ptr(dy.ptr())
+            .ptr(partial.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(d)
+            .usize_as_i32(ROWS_PER_BLOCK),
+    )?;
+    finish_columns(&dev, partial.ptr(), blocks, 2 * d, grads.ptr(), true)?;
+    Ok(dx)
+}
+
+/// Token rows grouped by token id, for a deterministic embedding gradient: `order` lists the
+/// rows (`i` of `ids`) sorted stably by id, `starts[u]..starts[u+1]` are the rows of the
+/// `u`-th distinct id `uniq[u]`. A counting sort on the host: the ids are there anyway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenGroups {
+    pub order: Vec<i32>,
+    pub starts: Vec<i32>,
+    pub uniq: Vec<i32>,
+}
+
+impl TokenGroups {
+    pub fn of(ids: &[i32], vocab: usize) -> TokenGroups {
+        let mut counts = vec![0i32; vocab + 1];
+        for &id in ids {
+            counts[id as usize + 1] += 1;
+        }
+        let mut uniq = Vec::new();
+        let mut starts = Vec::new();
+        for (id, &c) in counts[1..].iter().enumerate() {
+            if c > 0 {
+                uniq.push(id as i32);
+            }
+        }
+        for i in 1..counts.len() {
+            counts[i] += counts[i - 1];
+        }
+        for &u in &uniq {
+            starts.push(counts[u as usize]);
+        }
+        starts.push(ids.len() as i32);
+        let mut next = counts;
+        let mut order = vec![0i32; ids.len()];
+        for (row, &id) in ids.iter().enumerate() {
+            order[next[id as usize] as usize] = row as i32;
+            next[id as usize] += 1;
+        }
+        TokenGroups {
+            order,
+            starts,
+            uniq,
+        }
+    }
+}
+
+/// Token ids as i32, checked against the vocabulary.
+pub fn token_ids(values: &[f32], vocab: usize) -> Result<Vec<i32>, CudaError> {
+    values
+        .iter()
+        .map(|&v| {
+            let id = v as i64;
+            if v < 0.0 || id as f32 != v || id as usize >= vocab {
+                Err(unsupported(format!(
+                    "token id {v} outside vocabulary of {vocab}"
+                )))
+            } else {
+                Ok(id as i32)
+            }
+        })
+        .collect()
+}
+
+/// Token + position embedding: `y[i] = wte[ids[i]] + wpe[pos_of[i % seq]]` (f32),
+/// parameters `[wte (vocab × d) | wpe (max_seq × d)]`.
+pub fn embedding_forward(
+    dev: &Arc<CudaDevice>,
+    ids: &[i32],
+    p: DeviceParams,
+    vocab: usize,
+    d: usize,
+    pos_of: &[i32],
+) -> Result<CudaTensor, CudaError> {
+    let seq = pos_of.len();
+    let tokens = ids.len();
+    let (wte, wpe) = p.split_at(vocab * d);
+    let ids_dev = dev.upload(ids, "token ids")?;
+    let pos_dev = dev.upload(pos_of, "token positions")?;
+    let y = CudaTensor::alloc(dev, tokens * d, DType::F32, "the embedding's output")?;
+    dev.launch(
+        "embedding.cu",
+        "embedding_fwd",
+        Launch::grid_stride(tokens * d, THREADS, MAX_BLOCKS),
+        Args::new()
+            .ptr(ids_dev.ptr())
+            .ptr(wte.master())
+            .ptr(wpe.master())
+            .ptr(pos_dev.ptr())
+            .ptr(y.ptr())
+            .usize_as_i32(tokens)
+            .usize_as_i32(seq)
+            .usize_as_i32(d),
+    )?;
+    Ok(y)
+}
+
+/// Backward of [`embedding_forward`]: adds into `grads` = [dwte | dwpe].
+pub fn embedding_backward(
+    dy: &CudaTensor,
+    ids: &[i32],
+    grads: DeviceGrads,
+    vocab: usize,
+    d: usize,
+    pos_of: &[i32],
+) -> Result<(), CudaError> {
+    let dev = dy.device().clone();
+    let dy = to_dtype(dy, DType::F32)?;
+    let seq = pos_of.len();
+    let batch = ids.len() / seq;
+    check_len(&dy, ids.len() * d, "embedding output gradient")?;
+    let groups = TokenGroups::of(ids, vocab);
+    let (gte, gpe) = grads.split_at(vocab * d);
+    let order = dev.upload(&groups.order, "embedding token order")?;
+    let starts = dev.upload(&groups.starts, "embedding token groups")?;
+    let uniq = dev.upload(&groups.uniq, "embedding token ids")?;
+    let pos_dev = dev.upload(pos_of, "token positions")?;
+    dev.launch(
+        "embedding.cu",
+        "embedding_bwd_tokens",
+        Launch::linear(groups.uniq.len().min(MAX_BLOCKS * 4), THREADS),
+        Args::new()
+            .ptr(dy.ptr())
+            .ptr(order.ptr())
+            .ptr(starts.ptr())
+            .ptr(uniq.ptr())
+            .ptr(gte.ptr())
+            .usize_as_i32(groups.uniq.len())
+            .usize_as_i32(d),
+    )?;
+    dev.launch(
+        "embedding.cu",
+        "embedding_bwd_positions",
+        Launch::grid_stride(seq * d, THREADS, MAX_BLOCKS),
+        Args::new()
+            .ptr(dy.ptr())
+            .ptr(pos_dev.ptr())
+            .ptr(gpe.ptr())
+            .usize_as_i32(batch)
+            .usize_as_i32(seq)
+            .usize_as_i32(d),
+    )
+}
+
+/// Attention's shape: `qkv` `[batch, seq, 3·heads·head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    pub fn dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    fn check(&self, dtype: DType) -> Result<(), CudaError> {
+        if ![32, 64, 128].contains(&self.head_dim) {
+            return Err(unsupported(format!(
+                "CUDA attention handles head sizes 32, 64 and 128; this model's heads are {} \
+                 wide (dim / heads)",
+                self.head_dim
+            )));
+        }
+        if self.seq == 0 || self.batch == 0 {
+            return Err(unsupported("attention over an empty batch".into()));
+        }
+        let _ = dtype;
+        Ok(())
+    }
+
+    fn args(&self) -> Args {
+        Args::new()
+            .usize_as_i32(self.batch)
+            .usize_as_i32(self.seq)
+            .usize_as_i32(self.heads)
+            .f32(1.0 / (self.head_dim as f32).sqrt())
+    }
+}
+
+/// Query rows per block of the tensor-core attention kernels, and their threads.
+pub const ATTN_TILE: usize = 64;
+const ATTN_THREADS: u32 = 128;
+
+/// Dynamic shared memory of the tensor-core kernels (bytes), by kernel and head size: the
+/// layouts at the top of `attention.cu`.
+pub fn attention_smem(kernel: &str, head_dim: usize) -> u32 {
+    let tile = ATTN_TILE;
+    let half_tile = tile * (head_dim + 8) * 2; // a 64-row 16-bit tile, rows padded by 8
+    let f32_tile = tile * (head_dim.max(tile) + 4) * 4; // scores or staging, f32
+    let score_half = tile * (tile + 8) * 2; // probabilities or dS, 16-bit
+    let rows = 2 * tile * 4; // a tile's log-sum-exps and D values
+    (match kernel {
+        // Q, K, V; scores; probabilities.
+        "fwd" => 3 * half_tile + f32_tile + score_half,
+        // K, V (the block's), Q, dO; scores / dP; P and dS; lse and D.
+        "dkdv" => 4 * half_tile + f32_tile + 2 * score_half + rows,
+        // Q, dO (the block's), K, V; scores / dP; dS; lse and D.
+        "dq" => 4 * half_tile + f32_tile + score_half + rows,
+        _ => 0,
+    }) as u32
+}
+
+/// Causal attention forward: `(out [batch, seq, heads·hd] in qkv's dtype, lse [batch, heads,
+/// seq] f32)`. 16-bit inputs run the tensor-core kernel, f32 the exact one.
+pub fn attention_forward(
+    qkv: &CudaTensor,
+    shape: AttnShape,
+) -> Result<(CudaTensor, CudaTensor), CudaError> {
+    shape.check(qkv.dtype())?;
+    let AttnShape {
+        batch,
+        seq,
+        heads,
+        head_dim,
+    } = shape;
+    check_len(qkv, batch * seq * 3 * shape.dim(), "attention q/k/v")?;
+    let dev = qkv.device().clone();
+    let dtype = qkv.dtype();
+    let out = CudaTensor::alloc(&dev, batch * seq * shape.dim(), dtype, "attention output")?;
+    let lse = CudaTensor::alloc(
+        &dev,
+        batch * heads * seq,
+        DType::F32,
+        "attention log-sum-exps",
+    )?;
+    let args = append(
+        Args::new().ptr(qkv.ptr()).ptr(out.ptr()).ptr(lse.ptr()),
+        shape.args(),
+    );
+    let launch = attention_launch(shape, dtype, "fwd");
+    dev.launch(
+        "attention.cu",
+        &attention_kernel("fwd", dtype, head_dim),
+        launch,
+        args,
+    )?;
+    Ok((out, lse))
+}
+
+fn append(a: Args, b: Args) -> Args {
+    a.append(b)
+}
+
+/// Kernel names of `attention.cu`: `attn_{part}_{dtype}_hd{head_dim}`.
+pub fn attention_kernel(part: &str, dtype: DType, head_dim: usize) -> String {
+    format!("attn_{part}_{}_hd{head_dim}", suffix(dtype))
+}
+
+/// The launch of an attention kernel: tensor-core kernels take a 64-row tile per block of
+/// 128 threads; the f32 kernels a warp per query (or key) row, 4 rows per block.
+pub fn attention_launch(shape: AttnShape, dtype: DType, part: &str) -> Launch {
+    let bh = (shape.batch * shape.heads) as u32;
+    if dtype == DType::F32 {
+        return Launch {
+            grid: (shape.seq.div_ceil(4) as u32, bh, 1),
+            block: (128, 1, 1),
+            smem: 0,
+        };
+    }
+    Launch {
+        grid: (shape.seq.div_ceil(ATTN_TILE) as u32, bh, 1),
+        block: (ATTN_THREADS, 1, 1),
+        smem: attention_smem(part, shape.head_dim),
+    }
+}
+
+/// Causal attention backward: `dqkv` in qkv's dtype from the kept `qkv`, `out`, `lse` and
+/// the output gradient.
+pub fn attention_backward(
+    qkv: &CudaTensor,
+    out: &CudaTensor,
+    lse: &CudaTensor,
+    dout: &CudaTensor,
+    shape: AttnShape,
+) -> Result<CudaTensor, CudaError> {
+    shape.check(qkv.dtype())?;
+    let AttnShape {
+        batch,
+        seq,
+        heads,
+        head_dim,
+    } = shape;
+    let dtype = qkv.dtype();
+    check_len(out, batch * seq * shape.dim(), "attention output")?;
+    check_len(lse, batch * heads * seq, "attention log-sum-exps")?;
+    let dev = qkv.device().clone();
+    let out = to_dtype(out, dtype)?;
+    let dout = to_dtype(dout, dtype)?;
+    check_len(&dout, out.len(), "attention output gradient")?;
+    // D = rowsum(dO ∘ O) per (sample, head, query), f32.
+    let d_rows = CudaTensor::alloc(&dev, batch * heads * seq, DType::F32, "attention D")?;
+    dev.launch(
+        "attention.cu",
+        &format!("attn_bwd_prep_{}", suffix(dtype)),
+        Launch::grid_stride(batch * heads * seq * 32, 256, MAX_BLOCKS * 4),
+        append(
+            Args::new()
+                .ptr(out.ptr())
+                .ptr(dout.ptr())
+                .ptr(d_rows.ptr())
+                .usize_as_i32(head_dim),
+            shape.args(),
+        ),
+    )?;
+    let dqkv = CudaTensor::alloc(&dev, qkv.len(), dtype, "attention input gradient")?;
+    for part in ["dkdv", "dq"] {
+        dev.launch(
+            "attention.cu",
+            &attention_kernel(part, dtype, head_dim),
+            attention_launch(shape, dtype, part),
+            append(
+                Args::new()
+                    .ptr(qkv.ptr())
+                    .ptr(dout.ptr())
+                    .ptr(lse.ptr())
+                    .ptr(d_rows.ptr())
+                    .ptr(dqkv.ptr()),
+                shape.args(),
+            ),
+        )?;
+    }
+    Ok(dqkv)
+}
+
+/// Fused softmax cross-entropy over rows of `classes` logits: adds Σ loss and Σ correct into
+/// the two doubles at `sums`, and (with `grad_scale`) overwrites the logits with the gradient
+/// of `grad_scale · Σ loss` (grad_scale includes 1/rows), returning them.
+pub fn cross_entropy(
+    logits: CudaTensor,
+    targets: u64,
+    rows: usize,
+    classes: usize,
+    grad_scale: Option<f32>,
+    sums: u64,
+) -> Result<Option<CudaTensor>, CudaError> {
+    check_len(&logits, rows * classes, "cross-entropy logits")?;
+    let dev = logits.device().clone();
+    let scratch = dev.alloc(rows * 8, "per-row losses")?;
+    let (losses, correct) = (scratch.ptr(), scratch.ptr() + (rows * 4) as u64);
+    // Written in place only when no one else reads the logits.
+    let logits = if grad_scale.is_some() && !logits.is_unique() {
+        let copy = CudaTensor::alloc(&dev, logits.len(), logits.dtype(), "logits")?;
+        dev.copy(copy.ptr(), logits.ptr(), logits.bytes())?;
+        copy
+    } else {
+        logits
+    };
+    dev.launch(
+        "cross_entropy.cu",
+        &format!("softmax_xent_{}", suffix(logits.dtype())),
+        Launch::linear(rows.min(65_535), 512),
+        Args::new()
+            .ptr(logits.ptr())
+            .ptr(targets)
+            .ptr(losses)
+            .ptr(correct)
+            .usize_as_i32(rows)
+            .usize_as_i32(classes)
+            .f32(grad_scale.unwrap_or(0.0))
+            .i32(grad_scale.is_some() as i32),
+    )?;
+    dev.launch(
+        "cross_entropy.cu",
+        "xent_sum",
+        Launch::linear(1, 256),
+        Args::new()
+            .ptr(losses)
+            .ptr(correct)
+            .usize_as_i32(rows)
+            .ptr(sums),
+    )?;
+    Ok(grad_scale.map(|_| logits))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_groups_are_a_stable_sort_by_id() {
+        let ids = [5, 2, 5, 0, 2, 5];
+        let g = TokenGroups::of(&ids, 8);
+        assert_eq!(g.uniq, vec![0, 2, 5]);
+        assert_eq!(g.starts, vec![0, 1, 3, 6]);
+        assert_eq!(g.order, vec![3, 1, 4, 0, 2, 5]);
+        // Every row once; rows of an id in increasing order.
+        for (u, &id) in g.uniq.iter().enumerate() {
+            let rows = &g.order[g.starts[u] as usize..g.starts[u + 1] as usize];
+            assert!(rows.windows(2).all(|w| w[0] < w[1]));
+            assert!(rows.iter().all(|&r| ids[r as usize] == id));
+        }
+        let empty = TokenGroups::of(&[], 4);
+        assert_eq!(
+            (empty.order.len(), empty.starts, empty.uniq.len()),
+            (0, vec![0], 0)
+        );
+    }
+
+    #[test]
+    fn token_ids_are_checked() {
+        assert_eq!(token_ids(&[0.0, 3.0], 4).unwrap(), vec![0, 3]);
+        let e = token_ids(&[4.0], 4).unwrap_err().to_string();
+        assert!(e.contains("token id 4 outside vocabulary of 4"), "{e}");
+        assert!(token_ids(&[1.5], 4).is_err());
+        assert!(token_ids(&[-1.0], 4).is_err());
+    }
+
+    #[test]
+    fn attention_shapes_outside_the_kernels_are_refused_by_name() {
+        let s = AttnShape {
+            batch: 2,
+            seq: 16,
+            heads: 2,
+            head_dim: 48,
+        };
+        let e = s.check(DType::BF16).unwrap_err().to_string();
+        assert!(
+            e.contains("head sizes 32, 64 and 128") && e.contains("48"),
+            "{e}"
+        );
+        assert!(AttnShape { head_dim: 64, ..s }.check(DType::BF16).is_ok());
+    }
+
+    #[test]
+    fn attention_launches_cover_the_sequence_and_fit_shared_memory() {
+        let s = AttnShape {
+            batch: 16,
+            seq: 1024,
+            heads: 12,
+            head_dim: 64,
+        };
+        let l = attention_launch(s, DType::BF16, "fwd");
+        assert_eq!(l.grid, (16, 192, 1));
+        assert_eq!(l.block, (128, 1, 1));
+        // Ragged sequences get a last partial tile.
+        let l = attention_launch(AttnShape { seq: 100, ..s }, DType::BF16, "dq");
+        assert_eq!(l.grid.0, 2);
+        // Every kernel fits an H100's 227 KiB (and an A100's 163 KiB) at head size 128.
+        for part in ["fwd", "dkdv", "dq"] {
+            assert!(attention_smem(part, 128) <= 163 * 1024, "{part}");
+        }
+        assert_eq!(attention_smem("fwd", 64), 3 * 9216 + 17408 + 9216);
+        assert_eq!(
+            attention_smem("dkdv", 64),
+            4 * 9216 + 17408 + 2 * 9216 + 512
+        );
+        let l = attention_launch(s, DType::F32, "fwd");
+        assert_eq!(l.grid, (256, 192, 1));
+        assert_eq!(
+            attention_kernel("dkdv", DType::F16, 128),
+            "attn_dkdv_f16_hd128"
+        );
+    }
+}

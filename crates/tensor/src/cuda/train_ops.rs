@@ -1,0 +1,235 @@
+//! What a training step does over the flat device buffers: optimizer updates (which also
+//! refresh the 16-bit compute copy), the global gradient norm and its clipping factor, fp16
+//! unscaling, tied-parameter gradient sums. The same rules as `meshtrain_nn::optim` on the
+//! CPU; every reduction in a fixed order, so two runs are bit-identical.
+
+use super::context::{Args, CudaDevice, DevBuf, Launch};
+use super::error::CudaError;
+use crate::DType;
+use std::ops::Range;
+use std::sync::Arc;
+
+const THREADS: u32 = 256;
+/// Blocks of the optimizer's grid-stride launches, and of the sum of squares: fixed (not
+/// derived from the device), so the norm's summation order is the same on every GPU.
+const UPDATE_BLOCKS: usize = 132 * 16;
+pub const NORM_BLOCKS: usize = 1024;
+
+/// Parameter groups as the kernels read them: element `i` belongs to the first segment whose
+/// end exceeds it.
+pub struct SegmentTable {
+    ends: DevBuf,
+    weight_decay: DevBuf,
+    lr_scale: DevBuf,
+    count: usize,
+}
+
+/// One group's run of the flat buffer: (end, weight decay, learning-rate scale).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SegmentRow {
+    pub end: usize,
+    pub weight_decay: f32,
+    pub lr_scale: f32,
+}
+
+impl SegmentTable {
+    pub fn new(dev: &Arc<CudaDevice>, rows: &[SegmentRow]) -> Result<SegmentTable, CudaError> {
+        assert!(
+            rows.windows(2).all(|w| w[0].end <= w[1].end),
+            "segments in order"
+        );
+        let ends: Vec<i64> = rows.iter().map(|r| r.end as i64).collect();
+        let wd: Vec<f32> = rows.iter().map(|r| r.weight_decay).collect();
+        let lr: Vec<f32> = rows.iter().map(|r| r.lr_scale).collect();
+        Ok(SegmentTable {
+            ends: dev.upload(&ends, "optimizer segments")?,
+            weight_decay: dev.upload(&wd, "optimizer segments")?,
+            lr_scale: dev.upload(&lr, "optimizer segments")?,
+            count: rows.len(),
+        })
+    }
+
+    fn args(&self) -> Args {
+        Args::new()
+            .ptr(self.ends.ptr())
+            .ptr(self.weight_decay.ptr())
+            .ptr(self.lr_scale.ptr())
+            .usize_as_i32(self.count)
+    }
+}
+
+/// The flat buffers one optimizer updates.
+#[derive(Clone, Copy, Debug)]
+pub struct FlatState {
+    pub params: u64,
+    pub grads: u64,
+    /// First moment (AdamW) or momentum (SGD).
+    pub m: u64,
+    /// Second moment (AdamW only).
+    pub v: u64,
+    /// The 16-bit compute copy to refresh, if any.
+    pub half: Option<(u64, DType)>,
+    pub len: usize,
+}
+
+fn half_suffix(half: Option<(u64, DType)>) -> (&'static str, u64) {
+    match half {
+        None | Some((_, DType::F32)) => ("none", 0),
+        Some((p, DType::BF16)) => ("bf16", p),
+        Some((p, DType::F16)) => ("f16", p),
+    }
+}
+
+/// AdamW's hyper-parameters for one step.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// The step number (1 for the first update).
+    pub step: u64,
+}
+
+/// One AdamW update, PyTorch's arrangement (as `meshtrain_nn::optim`): the bias corrections
+/// folded into two scalars computed here in f32 exactly as the CPU does.
+pub fn adamw(
+    dev: &CudaDevice,
+    s: FlatState,
+    table: &SegmentTable,
+    h: AdamW,
+    grad_mul: Option<u64>,
+) -> Result<(), CudaError> {
+    let t = h.step as i32;
+    let c1 = 1.0 - h.beta1.powi(t);
+    let c2 = 1.0 - h.beta2.powi(t);
+    let inv_sqrt_c2 = 1.0 / c2.sqrt();
+    let (suffix, half) = half_suffix(s.half);
+    dev.launch(
+        "optimizer.cu",
+        &format!("adamw_{suffix}"),
+        Launch::grid_stride(s.len, THREADS, UPDATE_BLOCKS),
+        Args::new()
+            .ptr(s.params)
+            .ptr(s.grads)
+            .ptr(s.m)
+            .ptr(s.v)
+            .ptr(half)
+            .i64(s.len as i64)
+            .append(table.args())
+            .f32(h.lr)
+            .f32(h.beta1)
+            .f32(h.beta2)
+            .f32(h.eps)
+            .f32(c1)
+            .f32(inv_sqrt_c2)
+            .ptr(grad_mul.unwrap_or(0)),
+    )
+}
+
+/// One SGD (momentum) update.
+pub fn sgd(
+    dev: &CudaDevice,
+    s: FlatState,
+    table: &SegmentTable,
+    lr: f32,
+    momentum: f32,
+    step: u64,
+    grad_mul: Option<u64>,
+) -> Result<(), CudaError> {
+    let (suffix, half) = half_suffix(s.half);
+    dev.launch(
+        "optimizer.cu",
+        &format!("sgd_{suffix}"),
+        Launch::grid_stride(s.len, THREADS, UPDATE_BLOCKS),
+        Args::new()
+            .ptr(s.params)
+            .ptr(s.grads)
+            .ptr(s.m)
+            .ptr(half)
+            .i64(s.len as i64)
+            .append(table.args())
+            .f32(lr)
+            .f32(momentum)
+            .i32((step == 1) as i32)
+            .ptr(grad_mul.unwrap_or(0)),
+    )
+}
+
+/// The global L2 norm of the gradients in `ranges` of `grads` (tied copies left out by the
+/// caller) into `out[0]`, and the clipping factor for `max_norm` into `out[1]` (1 when
+/// there is nothing to clip): the optimizer multiplies the gradients by it, so the host
+/// never waits for the norm.
+pub fn grad_norm(
+    dev: &Arc<CudaDevice>,
+    grads: u64,
+    ranges: &[Range<usize>],
+    max_norm: Option<f32>,
+    out: u64,
+) -> Result<(), CudaError> {
+    let ranges: Vec<&Range<usize>> = ranges.iter().filter(|r| !r.is_empty()).collect();
+    let slots = ranges.len().max(1) * NORM_BLOCKS;
+    let partial = dev.alloc_zeroed(slots * 8, "gradient norm partials")?;
+    for (i, r) in ranges.iter().enumerate() {
+        dev.launch(
+            "optimizer.cu",
+            "sumsq_partial",
+            Launch::linear(NORM_BLOCKS, THREADS),
+            Args::new()
+                .ptr(grads + (r.start * 4) as u64)
+                .i64(r.len() as i64)
+                .ptr(partial.ptr() + (i * NORM_BLOCKS * 8) as u64),
+        )?;
+    }
+    dev.launch(
+        "optimizer.cu",
+        "norm_finish",
+        Launch::linear(1, THREADS),
+        Args::new()
+            .ptr(partial.ptr())
+            .usize_as_i32(slots)
+            .f32(max_norm.unwrap_or(0.0))
+            .ptr(out),
+    )
+}
+
+/// `g *= factor`, setting the int at `found_inf` to 1 if any result is not finite (fp16's
+/// loss-scaling check).
+pub fn unscale_check(
+    dev: &CudaDevice,
+    grads: u64,
+    len: usize,
+    factor: f32,
+    found_inf: u64,
+) -> Result<(), CudaError> {
+    dev.launch(
+        "elementwise.cu",
+        "unscale_check_f32",
+        Launch::grid_stride(len, THREADS, UPDATE_BLOCKS),
+        Args::new()
+            .ptr(grads)
+            .i64(len as i64)
+            .f32(factor)
+            .ptr(found_inf),
+    )
+}
+
+/// Both `a` and `b` become `a + b` (the gradients of a tied parameter's two places).
+pub fn tie_sum(dev: &CudaDevice, a: u64, b: u64, len: usize) -> Result<(), CudaError> {
+    dev.launch(
+        "elementwise.cu",
+        "tie_sum_f32",
+        Launch::grid_stride(len, THREADS, UPDATE_BLOCKS),
+        Args::new().ptr(a).ptr(b).i64(len as i64),
+    )
+}
+
+/// `x *= s` over `len` f32 values.
+pub fn scale(dev: &CudaDevice, x: u64, len: usize, s: f32) -> Result<(), CudaError> {
+    dev.launch(
+        "elementwise.cu",
+        "scale_f32",
+        Launch::grid_stride(len, THREADS, UPDATE_BLOCKS),
+        Args::new().ptr(x).i64(len as i64).f32(s),
+    )
+}

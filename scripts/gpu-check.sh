@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU check in one command.
+#
+#   bash scripts/gpu-check.sh            here (cargo present): builds the release binary into
+#                                        .gpu/ (ignored by git, ~20 MiB stripped), which is
+#                                        what the GPU machine runs: it has no Rust toolchain.
+#   bash scripts/gpu-check.sh run        on the GPU machine: every kernel against its CPU twin,
+#                                        20 GPT steps against the CPU (fp32 and bf16), two GPU
+#                                        runs bit-identical, products against cuBLASLt's best
+#                                        algorithm, kernels against the copy rate, the GPT-2
+#                                        124M step, and PyTorch's anchor on the same card;
+#                                        a summary table last. Logs go to $OUT (or /tmp).
+#
+# With the `device` tool of this workplace, after building here:
+#   run(command="bash scripts/gpu-check.sh run", carry=[".gpu"], timeout_s=480)
+# Set GPU_CHECK_PARTS (default check,step,torch,products,kernels) and GPU_CHECK_TORCH (default
+# eager; eager,compile adds torch.compile, ~1 more minute) to run less or more.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+mode=${1:-auto}
+if [ "$mode" = auto ]; then
+    if command -v cargo >/dev/null; then mode=build; else mode=run; fi
+fi
+
+case "$mode" in
+build)
+    set -e
+    # For any x86-64 CPU with AVX2 (the project's own builds tune for this machine's CPU,
+    # .cargo/config.toml, whose AVX-512/AMX code would stop with SIGILL on another host).
+    RUSTFLAGS="-C target-cpu=x86-64-v3" cargo build --release -p meshtrain --target-dir target/gpu
+    mkdir -p .gpu
+    cp target/gpu/release/meshtrain .gpu/meshtrain
+    strip --strip-debug .gpu/meshtrain 2>/dev/null || true
+    ls -la .gpu/meshtrain
+    echo "built .gpu/meshtrain; on the GPU machine: bash scripts/gpu-check.sh run (carry .gpu)"
+    ;;
+run)
+    logs=${OUT:-/tmp/gpu-check}
+    mkdir -p "$logs"
+    bin=.gpu/meshtrain
+    [ -x "$bin" ] || bin=target/release/meshtrain
+    if [ ! -x "$bin" ]; then
+        echo "no meshtrain binary: run 'bash scripts/gpu-check.sh' on a machine with cargo first" >&2
+        exit 2
+    fi
+    set +u # cuda-libs.sh reads variables it may not have set
+    # shellcheck disable=SC1091
+    source scripts/gpu/cuda-libs.sh
+    set -u
+    export MESHTRAIN_KERNEL_CACHE=/tmp/meshtrain-kernel-cache
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+    # The parts, most telling first (so a call cut short still has them): the checks, the
+    # GPT-2 step, PyTorch's anchor beside it, then products and kernels.
+    parts=${GPU_CHECK_PARTS:-check,step,torch,products,kernels}
+    torch_modes=${GPU_CHECK_TORCH-eager}
+    status=0
+    for part in ${parts//,/ }; do
+        if [ "$part" = torch ]; then
+            [ -n "$torch_modes" ] || continue
+            echo "=== PyTorch anchor ($torch_modes)"
+            PYTHONUNBUFFERED=1 timeout 90 python3 scripts/gpu/pytorch_gpt2_bench.py \
+                --batch 16 --steps 20 --modes "$torch_modes" 2>&1 | tee "$logs/pytorch.log"
+            continue
+        fi
+        echo "=== meshtrain bench gpu --parts $part"
+        start=$(date +%s)
+        # The checks synchronise after every launch, so a failing kernel names itself.
+        case $part in
+        check) limit=150 sync=1 ;;
+        step) limit=90 sync=0 ;;
+        *) limit=60 sync=0 ;;
+        esac
+        MESHTRAIN_CUDA_SYNC=$sync timeout "$limit" "$bin" bench gpu --parts "$part" --root . 2>&1 \
+            | tee "$logs/$part.log"
+        rc=${PIPESTATUS[0]}
+        echo "=== $part: exit $rc in $(( $(date +%s) - start )) s"
+        [ "$rc" = 0 ] || status=1
+    done
+    echo
+    echo "================ summary (one card, one call) ================"
+    if [ -f "$logs/check.log" ]; then
+        total=$(grep -cE '^(ok  |FAIL) ' "$logs/check.log")
+        failed=$(grep -cE '^FAIL ' "$logs/check.log")
+        echo "checks: $((total - failed)) of $total passed"
+        grep -E '^FAIL ' "$logs/check.log" | head -20
+        grep -E '^(ok  |FAIL) GPT' "$logs/check.log"
+    fi
+    [ -f "$logs/products.log" ] && grep -E '^products:' "$logs/products.log"
+    if [ -f "$logs/kernels.log" ]; then
+        grep -E 'copy:|vs copy|attention ' "$logs/kernels.log"
+        awk '/^[a-zA-Z].* [0-9.]+ +[0-9]+ +[0-9.]+$/ {print}' "$logs/kernels.log" | head -20
+    fi
+    ours=$(grep -h '^RESULT meshtrain' "$logs/step.log" 2>/dev/null | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+    [ -n "$ours" ] && grep -h '^RESULT meshtrain' "$logs/step.log"
+    for mode in ${torch_modes//,/ }; do
+        theirs=$(grep -h "^RESULT torch-$mode" "$logs/pytorch.log" 2>/dev/null | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+        [ -n "$theirs" ] && grep -h "^RESULT torch-$mode" "$logs/pytorch.log"
+        if [ -n "$ours" ] && [ -n "$theirs" ]; then
+            echo "meshtrain / torch-$mode tokens/s: $(awk -v a="$ours" -v b="$theirs" 'BEGIN{printf "%.3f", a/b}')"
+        fi
+    done
+    exit $status
+    ;;
+*)
+    echo "usage: bash scripts/gpu-check.sh [build|run]" >&2
+    exit 2
+    ;;
+esac
