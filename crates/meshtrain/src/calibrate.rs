@@ -141,6 +141,7 @@ fn measured_step(run: &ScalingRun) -> MeasuredStep {
         // Calibration runs are threads of this one process.
         hosts: Some(1),
         grad_reduce: None,
+        device_memory: None,
     }
 }
 
@@ -312,6 +313,7 @@ fn throughput_step(
         samples_per_step: Some(global_batch as f64),
         hosts: Some(1),
         grad_reduce: None,
+        device_memory: None,
     }
 }
 

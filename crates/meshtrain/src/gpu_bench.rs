@@ -20,9 +20,9 @@ use crate::presets::Task;
 use anyhow::{bail, Context, Result};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_nn::optim::{GroupHyper, Optimizer, OptimizerConfig, Segment};
-use meshtrain_tensor::cuda::blas::{F32Math, Gemm};
-use meshtrain_tensor::cuda::check::{self, rel_l2, CheckResult};
-use meshtrain_tensor::cuda::ops::{self, AttnShape};
+use meshtrain_tensor::cuda::blas::F32Math;
+use meshtrain_tensor::cuda::check::{self, rel_l2, result, CheckResult};
+use meshtrain_tensor::cuda::ops::{self, AttnShape, LinearProducts, LinearShape};
 use meshtrain_tensor::cuda::train_ops::{self, AdamW, FlatState, SegmentRow, SegmentTable};
 use meshtrain_tensor::cuda::{CudaDevice, CudaError, CudaTensor, DeviceGrads, DeviceParams};
 use meshtrain_tensor::rng::SplitMix64;
@@ -288,17 +288,6 @@ fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
     out
 }
 
-fn result(name: String, got: &[f32], want: &[f32], tolerance: f64) -> CheckResult {
-    let rel_err = rel_l2(got, want);
-    CheckResult {
-        name,
-        rel_err,
-        tolerance,
-        passed: rel_err <= tolerance,
-        error: None,
-    }
-}
-
 /// One run of `configs/gpt.toml` (shrunk by `overrides`) for 20 steps: the final parameters
 /// and each step's loss.
 fn gpt_run(root: &Path, overrides: &[String]) -> Result<GptRun> {
@@ -487,61 +476,28 @@ fn products(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
         let y = CudaTensor::alloc(dev, rows * outputs, bf, "y").map_err(cuda)?;
         let dx = CudaTensor::alloc(dev, rows * inputs, bf, "dx").map_err(cuda)?;
         let dw = CudaTensor::zeros(dev, inputs * outputs, DType::F32, "dw").map_err(cuda)?;
-        let base = Gemm {
-            m: outputs,
-            n: rows,
-            k: inputs,
-            transa: true,
-            transb: false,
-            a: w.ptr(),
-            lda: inputs,
-            b: x.ptr(),
-            ldb: inputs,
-            input: bf,
-            d: y.ptr(),
-            ldd: outputs,
-            output: bf,
-            accumulate: false,
-            bias: bias.then(|| w.ptr() + (inputs * outputs * 2) as u64),
-            alpha: 1.0,
+        let linear = LinearProducts {
+            shape: LinearShape {
+                rows,
+                inputs,
+                outputs,
+            },
+            precision: bf,
             math: F32Math::Exact,
         };
+        let bias_ptr = bias.then(|| w.ptr() + (inputs * outputs * 2) as u64);
         let products = [
-            (format!("{name} forward"), base),
+            (
+                format!("{name} forward"),
+                linear.forward(x.ptr(), w.ptr(), bias_ptr, y.ptr()),
+            ),
             (
                 format!("{name} input grad"),
-                Gemm {
-                    m: inputs,
-                    n: rows,
-                    k: outputs,
-                    transa: false,
-                    b: dy.ptr(),
-                    ldb: outputs,
-                    d: dx.ptr(),
-                    ldd: inputs,
-                    bias: None,
-                    ..base
-                },
+                linear.input_grad(dy.ptr(), w.ptr(), dx.ptr()),
             ),
             (
                 format!("{name} weight grad"),
-                Gemm {
-                    m: inputs,
-                    n: outputs,
-                    k: rows,
-                    transa: false,
-                    transb: true,
-                    a: x.ptr(),
-                    lda: inputs,
-                    b: dy.ptr(),
-                    ldb: outputs,
-                    d: dw.ptr(),
-                    ldd: inputs,
-                    output: DType::F32,
-                    accumulate: true,
-                    bias: None,
-                    ..base
-                },
+                linear.weight_grad(x.ptr(), dy.ptr(), dw.ptr()),
             ),
         ];
         for (label, g) in products {

@@ -37,6 +37,10 @@ pub struct MeasuredStep {
     /// The data-parallel all-reduce the run used: `flat` or `hierarchical`.
     #[serde(default)]
     pub grad_reduce: Option<String>,
+    /// A GPU run's memory figures (peak and current bytes of its allocator): reported
+    /// beside the times, not used by the planner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_memory: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]

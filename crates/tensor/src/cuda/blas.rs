@@ -232,19 +232,23 @@ impl Blas {
             accumulate: false,
             ..*g
         };
+        // Each candidate's median of 7 runs after 2 warm-ups: a sum of 3 runs picked a
+        // candidate 10% off the best on two GPT-2 shapes (timing noise on an H100).
         let mut best = (f32::INFINITY, 0);
         for i in 0..plan.algos.len() {
             let run = || self.launch(&trial, plan, i);
-            if run().is_err() {
+            if run().is_err() || run().is_err() {
                 continue;
             }
-            let start = self.device.record_event()?;
-            for _ in 0..3 {
+            let mut times = Vec::with_capacity(7);
+            for _ in 0..7 {
+                let start = self.device.record_event()?;
                 run()?;
+                times.push(start.ms_until(&self.device.record_event()?)?);
             }
-            let ms = start.ms_until(&self.device.record_event()?)?;
-            if ms < best.0 {
-                best = (ms, i);
+            times.sort_by(f32::total_cmp);
+            if times[3] < best.0 {
+                best = (times[3], i);
             }
         }
         plan.algos.swap(0, best.1);

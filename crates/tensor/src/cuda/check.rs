@@ -68,7 +68,8 @@ pub fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-fn result(name: String, got: &[f32], want: &[f32], tolerance: f64) -> CheckResult {
+/// A comparison of `got` against `want` within `tolerance` (relative L2).
+pub fn result(name: String, got: &[f32], want: &[f32], tolerance: f64) -> CheckResult {
     let rel_err = rel_l2(got, want);
     CheckResult {
         name,

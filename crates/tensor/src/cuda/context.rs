@@ -746,3 +746,50 @@ pub fn oom(e: &CudaError) -> Option<&OutOfMemory> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_sit_in_eight_byte_slots_the_driver_reads_from_the_start() {
+        let a = Args::new()
+            .ptr(0xdead_beef_0000)
+            .i32(-2)
+            .i64(1 << 40)
+            .f32(1.5)
+            .usize_as_i32(7)
+            .append(Args::new().i32(3));
+        assert_eq!(
+            a.slots,
+            vec![
+                0xdead_beef_0000,
+                0xffff_fffe, // an int: its four little-endian bytes first
+                1 << 40,
+                1.5f32.to_bits() as u64,
+                7,
+                3
+            ]
+        );
+        // The driver reads sizeof(int) = 4 bytes from a slot: the value, sign included.
+        assert_eq!(
+            i32::from_le_bytes(a.slots[1].to_le_bytes()[..4].try_into().unwrap()),
+            -2
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "does not fit a kernel's int argument")]
+    fn sizes_past_an_int_are_refused() {
+        let _ = Args::new().usize_as_i32(1 << 31);
+    }
+
+    #[test]
+    fn grid_stride_launches_cover_small_inputs_and_cap_large_ones() {
+        assert_eq!(Launch::grid_stride(0, 256, 100).grid, (1, 1, 1));
+        assert_eq!(Launch::grid_stride(257, 256, 100).grid, (2, 1, 1));
+        assert_eq!(Launch::grid_stride(1 << 30, 256, 100).grid, (100, 1, 1));
+        assert_eq!(Launch::linear(0, 128).grid, (1, 1, 1));
+        assert_eq!(Launch::linear(5, 128).block, (128, 1, 1));
+    }
+}

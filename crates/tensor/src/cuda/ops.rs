@@ -104,6 +104,101 @@ pub struct LinearShape {
     pub outputs: usize,
 }
 
+/// A linear layer's three products as cuBLASLt's column-major descriptions. Row-major `X`
+/// (`rows × inputs`) is column-major `Xᵀ` over the same memory, so `Y = X·Wᵀ` is computed as
+/// `Yᵀ = W·Xᵀ` (W's memory read transposed), `dX = dY·W` as `dXᵀ = Wᵀ·dYᵀ`, and `dW += dYᵀ·X`
+/// as `dWᵀ += Xᵀ·dY` (dY's memory read transposed), with no copy of any operand.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearProducts {
+    pub shape: LinearShape,
+    /// The inputs' dtype (and the outputs' of the forward and input-gradient products).
+    pub precision: DType,
+    pub math: F32Math,
+}
+
+impl LinearProducts {
+    fn base(&self, m: usize, n: usize, k: usize) -> Gemm {
+        Gemm {
+            m,
+            n,
+            k,
+            transa: false,
+            transb: false,
+            a: 0,
+            lda: 0,
+            b: 0,
+            ldb: 0,
+            input: self.precision,
+            d: 0,
+            ldd: 0,
+            output: self.precision,
+            accumulate: false,
+            bias: None,
+            alpha: 1.0,
+            math: self.math,
+        }
+    }
+
+    /// `y = x·Wᵀ (+ bias)`.
+    pub fn forward(&self, x: u64, w: u64, bias: Option<u64>, y: u64) -> Gemm {
+        let LinearShape {
+            rows,
+            inputs,
+            outputs,
+        } = self.shape;
+        Gemm {
+            transa: true,
+            a: w,
+            lda: inputs,
+            b: x,
+            ldb: inputs,
+            d: y,
+            ldd: outputs,
+            bias,
+            ..self.base(outputs, rows, inputs)
+        }
+    }
+
+    /// `dx = dy·W`.
+    pub fn input_grad(&self, dy: u64, w: u64, dx: u64) -> Gemm {
+        let LinearShape {
+            rows,
+            inputs,
+            outputs,
+        } = self.shape;
+        Gemm {
+            a: w,
+            lda: inputs,
+            b: dy,
+            ldb: outputs,
+            d: dx,
+            ldd: inputs,
+            ..self.base(inputs, rows, outputs)
+        }
+    }
+
+    /// `dW += dyᵀ·x`, accumulated in f32.
+    pub fn weight_grad(&self, x: u64, dy: u64, dw: u64) -> Gemm {
+        let LinearShape {
+            rows,
+            inputs,
+            outputs,
+        } = self.shape;
+        Gemm {
+            transb: true,
+            a: x,
+            lda: inputs,
+            b: dy,
+            ldb: outputs,
+            d: dw,
+            ldd: inputs,
+            output: DType::F32,
+            accumulate: true,
+            ..self.base(inputs, outputs, rows)
+        }
+    }
+}
+
 /// `y = x·Wᵀ + b` with `x` `[rows, inputs]`, W `[outputs, inputs]` (PyTorch's layout), the
 /// bias (if any) right after W in `p`; products in `precision`, `y` in `precision`.
 pub fn linear_forward(
@@ -143,25 +238,17 @@ pub fn linear_forward(
     } else {
         None
     };
-    let g = Gemm {
-        m: outputs,
-        n: rows,
-        k: inputs,
-        transa: true,
-        transb: false,
-        a: weight_in(&w, precision, "linear weight")?,
-        lda: inputs,
-        b: x.ptr(),
-        ldb: inputs,
-        input: precision,
-        d: y.ptr(),
-        ldd: outputs,
-        output: precision,
-        accumulate: false,
-        bias: bias_ptr,
-        alpha: 1.0,
+    let products = LinearProducts {
+        shape,
+        precision,
         math,
     };
+    let g = products.forward(
+        x.ptr(),
+        weight_in(&w, precision, "linear weight")?,
+        bias_ptr,
+        y.ptr(),
+    );
     dev.with_blas(|blas| blas.gemm(&g))?;
     drop(aligned_bias);
     Ok(y)
@@ -193,61 +280,26 @@ pub fn linear_backward(
     let dy = to_dtype(dy, precision)?;
     let nw = inputs * outputs;
     let (gw, gb) = grads.split_at(nw);
-    // dWᵀ (column-major in × out) = xᵀ·dy.
-    let g = Gemm {
-        m: inputs,
-        n: outputs,
-        k: rows,
-        transa: false,
-        transb: true,
-        a: x.ptr(),
-        lda: inputs,
-        b: dy.ptr(),
-        ldb: outputs,
-        input: precision,
-        d: gw.ptr(),
-        ldd: inputs,
-        output: DType::F32,
-        accumulate: true,
-        bias: None,
-        alpha: 1.0,
+    let products = LinearProducts {
+        shape,
+        precision,
         math,
     };
-    dev.with_blas(|blas| blas.gemm(&g))?;
+    dev.with_blas(|blas| blas.gemm(&products.weight_grad(x.ptr(), dy.ptr(), gw.ptr())))?;
     if bias {
         column_sums(&dy, rows, outputs, gb.ptr(), true)?;
     }
     if !need_dx {
         return Ok(None);
     }
-    let w = p.slice(0..nw);
+    let w = weight_in(&p.slice(0..nw), precision, "linear weight")?;
     let dx = CudaTensor::alloc(
         &dev,
         rows * inputs,
         precision,
         "a linear layer's input gradient",
     )?;
-    // dxᵀ (column-major in × rows) = Wᵀ·dyᵀ.
-    let g = Gemm {
-        m: inputs,
-        n: rows,
-        k: outputs,
-        transa: false,
-        transb: false,
-        a: weight_in(&w, precision, "linear weight")?,
-        lda: inputs,
-        b: dy.ptr(),
-        ldb: outputs,
-        input: precision,
-        d: dx.ptr(),
-        ldd: inputs,
-        output: precision,
-        accumulate: false,
-        bias: None,
-        alpha: 1.0,
-        math,
-    };
-    dev.with_blas(|blas| blas.gemm(&g))?;
+    dev.with_blas(|blas| blas.gemm(&products.input_grad(dy.ptr(), w, dx.ptr())))?;
     Ok(Some(dx))
 }
 
@@ -861,6 +913,56 @@ pub fn cross_entropy(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The descriptions the H100 run verified (session 12), now built in one place.
+    #[test]
+    fn a_linear_layers_products_in_column_major_terms() {
+        let p = LinearProducts {
+            shape: LinearShape {
+                rows: 16384,
+                inputs: 768,
+                outputs: 2304,
+            },
+            precision: DType::BF16,
+            math: F32Math::Exact,
+        };
+        let f = p.forward(1, 2, Some(3), 4);
+        assert_eq!(
+            (f.m, f.n, f.k, f.transa, f.transb),
+            (2304, 16384, 768, true, false)
+        );
+        assert_eq!(
+            (f.a, f.lda, f.b, f.ldb, f.d, f.ldd),
+            (2, 768, 1, 768, 4, 2304)
+        );
+        assert_eq!(
+            (f.bias, f.output, f.accumulate),
+            (Some(3), DType::BF16, false)
+        );
+        let i = p.input_grad(5, 2, 6);
+        assert_eq!(
+            (i.m, i.n, i.k, i.transa, i.transb),
+            (768, 16384, 2304, false, false)
+        );
+        assert_eq!(
+            (i.a, i.lda, i.b, i.ldb, i.d, i.ldd),
+            (2, 768, 5, 2304, 6, 768)
+        );
+        assert_eq!((i.bias, i.output, i.accumulate), (None, DType::BF16, false));
+        let w = p.weight_grad(1, 5, 7);
+        assert_eq!(
+            (w.m, w.n, w.k, w.transa, w.transb),
+            (768, 2304, 16384, false, true)
+        );
+        assert_eq!(
+            (w.a, w.lda, w.b, w.ldb, w.d, w.ldd),
+            (1, 768, 5, 2304, 7, 768)
+        );
+        assert_eq!((w.bias, w.output, w.accumulate), (None, DType::F32, true));
+        for g in [f, i, w] {
+            g.validate().unwrap();
+        }
+    }
 
     #[test]
     fn token_groups_are_a_stable_sort_by_id() {
