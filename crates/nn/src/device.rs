@@ -48,15 +48,6 @@ fn kept(s: &mut Saved, what: &str) -> CudaTensor {
         .clone()
 }
 
-pub fn act_kind(a: Activation) -> ActKind {
-    match a {
-        Activation::Relu => ActKind::Relu,
-        Activation::Sigmoid => ActKind::Sigmoid,
-        Activation::Tanh => ActKind::Tanh,
-        Activation::Gelu => ActKind::Gelu,
-    }
-}
-
 fn out_shape(x: &Tensor, last: usize) -> Vec<usize> {
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("non-empty shape") = last;
@@ -94,7 +85,7 @@ pub fn linear_forward(
         }
         return wrap(z, &y_shape);
     };
-    let kind = act_kind(act);
+    let kind = ActKind::from(act);
     let y = ok(ops::activation_forward(&z, kind));
     if mode.train {
         s.tensors.push(wrap(xs, x.shape()));
@@ -120,7 +111,7 @@ pub fn linear_backward(
     let mut dz = on_device(&dy, dev);
     if let Some(act) = l.activation {
         let saved = kept(&mut s, "Linear (activation)");
-        dz = ok(ops::activation_backward(&saved, &dz, act_kind(act)));
+        dz = ok(ops::activation_backward(&saved, &dz, ActKind::from(act)));
     }
     let x = s.tensors.pop().expect("Linear: nothing saved for backward");
     let xs = x
@@ -198,7 +189,7 @@ pub fn layer_norm_backward(
 
 pub fn act_forward(act: Activation, x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
     let xs = x.cuda().expect("a device activation's input").clone();
-    let kind = act_kind(act);
+    let kind = ActKind::from(act);
     let y = wrap(ok(ops::activation_forward(&xs, kind)), x.shape());
     if mode.train {
         s.tensors.push(if kind.backward_uses_output() {
@@ -214,20 +205,13 @@ pub fn act_backward(act: Activation, kept: Tensor, dy: Tensor) -> Tensor {
     let saved = kept.cuda().expect("device activation state");
     let dys = on_device(&dy, saved.device());
     wrap(
-        ok(ops::activation_backward(saved, &dys, act_kind(act))),
+        ok(ops::activation_backward(saved, &dys, ActKind::from(act))),
         kept.shape(),
     )
 }
 
 fn positions(e: &GptEmbedding, t: usize) -> Vec<i32> {
     (0..t).map(|i| e.sequence.position(i, t) as i32).collect()
-}
-
-/// The token ids of `ids` (host values: the batch comes from the host, so nothing is
-/// copied back).
-fn ids_of(ids: &Tensor, vocab: usize) -> Vec<i32> {
-    let host = ids.to_host();
-    ok(ops::token_ids(host.data(), vocab))
 }
 
 pub fn embedding_forward(
@@ -238,7 +222,9 @@ pub fn embedding_forward(
     s: &mut Saved,
 ) -> Tensor {
     let (b, t, d) = (ids.dim(0), ids.dim(1), e.dim);
-    let token_ids = ids_of(&ids, e.vocab);
+    // The batch comes from the host, so its ids are read there, checked once and kept there:
+    // backward groups tokens by id on the host.
+    let token_ids = ok(ops::token_ids(ids.to_host().data(), e.vocab));
     let y = ok(ops::embedding_forward(
         p.device(),
         &token_ids,
@@ -248,16 +234,20 @@ pub fn embedding_forward(
         &positions(e, t),
     ));
     if mode.train {
-        // The ids stay on the host: backward groups tokens by id there.
-        s.tensors.push(ids.to_host());
+        s.indices
+            .push(token_ids.iter().map(|&i| i as u32).collect());
     }
     wrap(y, &[b, t, d])
 }
 
 pub fn embedding_backward(e: &GptEmbedding, g: DeviceGrads<'_>, mut s: Saved, dy: Tensor) {
-    let ids = s.tensors.pop().expect("embedding: saved ids");
-    let t = ids.dim(1);
-    let token_ids = ids_of(&ids, e.vocab);
+    let token_ids: Vec<i32> = s
+        .indices
+        .pop()
+        .expect("embedding: saved ids")
+        .into_iter()
+        .map(|i| i as i32)
+        .collect();
     let dys = on_device(&dy, g.device());
     ok(ops::embedding_backward(
         &dys,
@@ -265,7 +255,7 @@ pub fn embedding_backward(e: &GptEmbedding, g: DeviceGrads<'_>, mut s: Saved, dy
         g,
         e.vocab,
         e.dim,
-        &positions(e, t),
+        &positions(e, dy.dim(1)),
     ));
 }
 

@@ -92,24 +92,36 @@ pub trait Loss: Send + Sync {
         sums: u64,
     ) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
         let _ = (targets_on_device, sums);
-        let host = output.to_host();
-        let (value, grad) = self.forward_backward(&host, targets, grad_scale.unwrap_or(1.0))?;
-        let grad = match (grad_scale, output.cuda()) {
-            (Some(_), Some(out)) => Some(Tensor::from_cuda(
-                meshtrain_tensor::cuda::error::ok_or_raise(
-                    meshtrain_tensor::cuda::CudaTensor::from_host(
-                        out.device(),
-                        grad.data(),
-                        meshtrain_tensor::DType::F32,
-                    ),
-                ),
-                output.shape(),
-            )),
-            (Some(_), None) => Some(grad),
-            (None, _) => None,
-        };
-        Ok((Some(value), grad))
+        on_the_host(self, output, targets, grad_scale)
     }
+}
+
+/// A loss computed on the host for an output that may be on a GPU: the output copied over,
+/// the gradient (with `grad_scale`) copied back to the output's device. What
+/// [`Loss::forward_backward_on_device`] does for a loss without device kernels.
+#[cfg(feature = "cuda")]
+pub fn on_the_host<L: Loss + ?Sized>(
+    loss: &L,
+    output: Tensor,
+    targets: &[u32],
+    grad_scale: Option<f32>,
+) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
+    let (value, grad) =
+        loss.forward_backward(&output.to_host(), targets, grad_scale.unwrap_or(1.0))?;
+    let grad = grad_scale.map(|_| match output.cuda() {
+        Some(out) => Tensor::from_cuda(
+            meshtrain_tensor::cuda::error::ok_or_raise(
+                meshtrain_tensor::cuda::CudaTensor::from_host(
+                    out.device(),
+                    grad.data(),
+                    meshtrain_tensor::DType::F32,
+                ),
+            ),
+            output.shape(),
+        ),
+        None => grad,
+    });
+    Ok((Some(value), grad))
 }
 
 /// Softmax cross-entropy over `classes` classes, PyTorch's `nn.CrossEntropyLoss` with mean
@@ -178,14 +190,7 @@ impl Loss for CrossEntropy {
     ) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
         self.check_output(&output, targets)?;
         let Some(logits) = output.cuda().cloned() else {
-            return Err(LossError::OutputSize {
-                loss: format!("{} (on a GPU)", self.name()),
-                elements: 0,
-                targets: targets.len(),
-                per_target: self.classes,
-                expected: targets.len() * self.classes,
-                shape: output.shape().to_vec(),
-            });
+            return on_the_host(self, output, targets, grad_scale);
         };
         let rows = targets.len();
         let shape = output.shape().to_vec();

@@ -217,7 +217,7 @@ impl DeviceStep {
             at = skip.end;
         }
         norm_ranges.push(at..len);
-        let step = DeviceStep {
+        let mut step = DeviceStep {
             values: f(len * 4, "the parameters")?,
             half,
             grads: f(len * 4, "the gradients")?,
@@ -243,7 +243,6 @@ impl DeviceStep {
             len,
             dev,
         };
-        let mut step = step;
         step.upload(store, optimizer)?;
         Ok(step)
     }
@@ -336,10 +335,7 @@ impl DeviceStep {
     ) -> Result<StepStats, ParallelError> {
         let samples = share.samples;
         let micro = MicroBatches::split_owned(share.x, share.y, micro_batches)?;
-        let states = {
-            let (p, g, o) = self.state_bytes();
-            p + g + o
-        };
+        let states = self.states_total();
         match catch(|| self.step_inner(model, micro, lr, clip, options, scaling, world)) {
             Ok(r) => r,
             Err(CudaError::OutOfMemory { oom }) => {
@@ -368,7 +364,7 @@ impl DeviceStep {
         let m = micro.inputs.len();
         let grad_scale = 1.0 / m as f32;
         let (mut host_loss, mut count) = (0.0f64, 0usize);
-        let (mut forward_ms, mut backward_ms) = (0.0f32, 0.0f32);
+        let mut marks = Vec::with_capacity(m);
         let recompute = options.recompute;
         let blocks = 0..model.num_blocks();
         for (x, y) in micro.inputs.into_iter().zip(micro.targets) {
@@ -398,8 +394,8 @@ impl DeviceStep {
                 false,
             );
             let t2 = d.record_event().map_err(device_error)?;
-            forward_ms += t0.ms_until(&t1).map_err(device_error)?;
-            backward_ms += t1.ms_until(&t2).map_err(device_error)?;
+            // Read after the step's one wait below: reading now would stop the host here.
+            marks.push([t0, t1, t2]);
         }
         let opt_start = d.record_event().map_err(device_error)?;
         for (primary, copies) in &self.ties {
@@ -488,10 +484,12 @@ impl DeviceStep {
         let norm = f32::from_le_bytes(results[0..4].try_into().expect("4 bytes"));
         let loss_sum = f64::from_le_bytes(results[8..16].try_into().expect("8 bytes")) + host_loss;
         let optimizer_ms = opt_start.ms_until(&end).map_err(device_error)?;
-        let states: usize = {
-            let (p, g, o) = self.state_bytes();
-            p + g + o
-        };
+        let (mut forward_ms, mut backward_ms) = (0.0f32, 0.0f32);
+        for [t0, t1, t2] in &marks {
+            forward_ms += t0.ms_until(t1).map_err(device_error)?;
+            backward_ms += t1.ms_until(t2).map_err(device_error)?;
+        }
+        let states = self.states_total();
         Ok(StepStats {
             loss: (loss_sum / count.max(1) as f64) as f32,
             grad_norm: if skipped { 0.0 } else { norm },
@@ -568,6 +566,12 @@ impl DeviceStep {
             *sums.correct.get_or_insert(0.0) += dev[1];
         }
         Ok(sums)
+    }
+
+    /// Bytes of the model states on the device, all together.
+    fn states_total(&self) -> usize {
+        let (p, g, o) = self.state_bytes();
+        p + g + o
     }
 
     /// Bytes of the model states on the device.

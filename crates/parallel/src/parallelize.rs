@@ -867,15 +867,6 @@ impl Parallel {
         })
     }
 
-    /// Where the step runs.
-    pub fn device(&self) -> meshtrain_tensor::Device {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            return meshtrain_tensor::Device::Cuda(d.device().ordinal());
-        }
-        meshtrain_tensor::Device::Cpu
-    }
-
     /// The GPU's memory, when the run has one.
     pub fn device_memory(&self) -> Option<DeviceMemory> {
         #[cfg(feature = "cuda")]
@@ -892,12 +883,6 @@ impl Parallel {
             });
         }
         None
-    }
-
-    /// The GPU's step, when the run has one.
-    #[cfg(feature = "cuda")]
-    pub fn device_step(&self) -> Option<&crate::device::DeviceStep> {
-        self.device.as_ref()
     }
 
     /// On a GPU: copies the device's parameters, buffers and optimizer state into the

@@ -356,15 +356,6 @@ fn check_layer_norm(
     ])
 }
 
-fn act_kind(a: Activation) -> ActKind {
-    match a {
-        Activation::Relu => ActKind::Relu,
-        Activation::Sigmoid => ActKind::Sigmoid,
-        Activation::Tanh => ActKind::Tanh,
-        Activation::Gelu => ActKind::Gelu,
-    }
-}
-
 fn check_activation(
     dev: &Arc<CudaDevice>,
     rng: &mut SplitMix64,
@@ -385,10 +376,10 @@ fn check_activation(
     let mut dx = dy.clone();
     act.backward_in_place(&saved, &mut dx);
     let x_dev = CudaTensor::from_host(dev, &x, dtype)?;
-    let y_dev = ops::activation_forward(&x_dev, act_kind(act))?;
+    let y_dev = ops::activation_forward(&x_dev, ActKind::from(act))?;
     let saved_dev = CudaTensor::from_host(dev, &saved, dtype)?;
     let dy_dev = CudaTensor::from_host(dev, &dy, dtype)?;
-    let dx_dev = ops::activation_backward(&saved_dev, &dy_dev, act_kind(act))?;
+    let dx_dev = ops::activation_backward(&saved_dev, &dy_dev, ActKind::from(act))?;
     // The CPU's erf/tanh/exp are polynomial approximations good to ~1e-7 relative.
     let tol = tolerance(dtype).max(1e-5);
     Ok(vec![

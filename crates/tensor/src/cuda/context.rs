@@ -6,7 +6,7 @@
 //! norm once per step, checkpoints). Handles are shared (`Arc<CudaDevice>`) and made once
 //! per process and GPU ([`CudaDevice::get`]).
 
-use super::alloc::{Block, CachingAllocator, MemoryStats, OutOfMemory, RawMemory};
+use super::alloc::{Block, CachingAllocator, MemoryStats, RawMemory};
 use super::blas::Blas;
 use super::compile::{self, KernelFile};
 use super::error::CudaError;
@@ -736,14 +736,6 @@ impl Drop for DevBuf {
         if let Ok(mut a) = self.device.allocator.lock() {
             a.release(self.block);
         }
-    }
-}
-
-/// Out of memory, for callers that add what would fit.
-pub fn oom(e: &CudaError) -> Option<&OutOfMemory> {
-    match e {
-        CudaError::OutOfMemory { oom } => Some(oom),
-        _ => None,
     }
 }
 

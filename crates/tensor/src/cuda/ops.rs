@@ -365,6 +365,18 @@ pub enum ActKind {
     Gelu = 3,
 }
 
+impl From<crate::activation::Activation> for ActKind {
+    fn from(a: crate::activation::Activation) -> Self {
+        use crate::activation::Activation;
+        match a {
+            Activation::Relu => ActKind::Relu,
+            Activation::Sigmoid => ActKind::Sigmoid,
+            Activation::Tanh => ActKind::Tanh,
+            Activation::Gelu => ActKind::Gelu,
+        }
+    }
+}
+
 impl ActKind {
     /// Whether backward reads the output (sigmoid, tanh) rather than the input.
     pub fn backward_uses_output(self) -> bool {
@@ -691,7 +703,7 @@ impl AttnShape {
         self.heads * self.head_dim
     }
 
-    fn check(&self, dtype: DType) -> Result<(), CudaError> {
+    fn check(&self) -> Result<(), CudaError> {
         if ![32, 64, 128].contains(&self.head_dim) {
             return Err(unsupported(format!(
                 "CUDA attention handles head sizes 32, 64 and 128; this model's heads are {} \
@@ -702,7 +714,6 @@ impl AttnShape {
         if self.seq == 0 || self.batch == 0 {
             return Err(unsupported("attention over an empty batch".into()));
         }
-        let _ = dtype;
         Ok(())
     }
 
@@ -744,7 +755,7 @@ pub fn attention_forward(
     qkv: &CudaTensor,
     shape: AttnShape,
 ) -> Result<(CudaTensor, CudaTensor), CudaError> {
-    shape.check(qkv.dtype())?;
+    shape.check()?;
     let AttnShape {
         batch,
         seq,
@@ -811,7 +822,7 @@ pub fn attention_backward(
     dout: &CudaTensor,
     shape: AttnShape,
 ) -> Result<CudaTensor, CudaError> {
-    shape.check(qkv.dtype())?;
+    shape.check()?;
     let AttnShape {
         batch,
         seq,
@@ -1001,12 +1012,12 @@ mod tests {
             heads: 2,
             head_dim: 48,
         };
-        let e = s.check(DType::BF16).unwrap_err().to_string();
+        let e = s.check().unwrap_err().to_string();
         assert!(
             e.contains("head sizes 32, 64 and 128") && e.contains("48"),
             "{e}"
         );
-        assert!(AttnShape { head_dim: 64, ..s }.check(DType::BF16).is_ok());
+        assert!(AttnShape { head_dim: 64, ..s }.check().is_ok());
     }
 
     #[test]
