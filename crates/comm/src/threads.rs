@@ -674,34 +674,74 @@ pub enum WorkerFailure<E> {
     Abandoned,
 }
 
-/// The failures of a [`ThreadsWorld::run`], one entry per failed rank, in rank order.
-/// `world_size == 0` (and no failures) means the run was asked for zero workers.
+/// The failures of a [`ThreadsWorld::run`], one entry per failed rank, in the order they
+/// failed: the first is the root cause, the others usually its knock-on effects (a peer's
+/// collective that could not complete). `world_size == 0` (and no failures) means the run
+/// was asked for zero workers.
 #[derive(Debug)]
 pub struct WorldError<E> {
     pub failures: Vec<(usize, WorkerFailure<E>)>,
     pub world_size: usize,
 }
 
+impl<E: fmt::Display> WorkerFailure<E> {
+    fn describe(&self) -> String {
+        match self {
+            WorkerFailure::Error(e) => format!("failed: {e}"),
+            WorkerFailure::Panic(msg) => format!("panicked: {msg}"),
+            WorkerFailure::Abandoned => {
+                format!("did not finish within {FAILURE_GRACE:?} of the first failure (abandoned)")
+            }
+        }
+    }
+}
+
+/// The gist of a knock-on failure: its first clause (the operation that could not
+/// complete), without the root cause it repeats.
+fn gist(text: &str) -> &str {
+    let text = text.split_once(": ").map_or(text, |(head, _)| head);
+    match text.char_indices().nth(100) {
+        Some((cut, _)) => &text[..cut],
+        None => text,
+    }
+}
+
+/// The root cause first and once: the first failure whole, then the ranks that failed the
+/// same way, then one line per knock-on failure.
 impl<E: fmt::Display> fmt::Display for WorldError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.world_size == 0 {
             return write!(f, "a threads world needs at least one worker, got 0");
         }
-        write!(
-            f,
-            "{} of {} workers failed",
-            self.failures.len(),
-            self.world_size
-        )?;
-        for (rank, failure) in &self.failures {
-            match failure {
-                WorkerFailure::Error(e) => write!(f, "; rank {rank} failed: {e}")?,
-                WorkerFailure::Panic(msg) => write!(f, "; rank {rank} panicked: {msg}")?,
-                WorkerFailure::Abandoned => write!(
-                    f,
-                    "; rank {rank} did not finish within {FAILURE_GRACE:?} of the first failure (abandoned)"
-                )?,
+        let Some((first, root)) = self.failures.first() else {
+            return write!(f, "no worker of {} failed", self.world_size);
+        };
+        let root = root.describe();
+        let (same, others): (Vec<_>, Vec<_>) = (self.failures.iter())
+            .map(|(rank, failure)| (*rank, failure.describe()))
+            .partition(|(_, d)| *d == root);
+        match same.len() {
+            1 if self.world_size == 1 => write!(f, "{root}")?,
+            1 => write!(f, "rank {first} {root}")?,
+            n if n == self.world_size => write!(f, "every worker {root}")?,
+            _ => {
+                let ranks: Vec<String> = same.iter().map(|(r, _)| r.to_string()).collect();
+                write!(f, "ranks {} {root}", ranks.join(", "))?
             }
+        }
+        if !others.is_empty() {
+            let knock_on: Vec<String> = (others.iter())
+                .map(|(rank, d)| {
+                    let d = d.strip_prefix("failed: ").unwrap_or(d);
+                    format!("rank {rank} ({})", gist(d))
+                })
+                .collect();
+            write!(
+                f,
+                "; then {} other worker(s) stopped: {}",
+                others.len(),
+                knock_on.join(", ")
+            )?;
         }
         Ok(())
     }
@@ -810,6 +850,8 @@ impl ThreadsWorld {
         drop(tx);
 
         let mut outcomes: Vec<Option<Result<T, WorkerFailure<E>>>> = (0..n).map(|_| None).collect();
+        // Ranks in the order their outcomes arrived: the first failure is the root cause.
+        let mut arrival = Vec::with_capacity(n);
         let mut received = 0;
         let mut give_up_at: Option<Instant> = None;
         while received < n {
@@ -826,16 +868,18 @@ impl ThreadsWorld {
                 give_up_at = Some(Instant::now() + FAILURE_GRACE);
             }
             outcomes[rank] = Some(outcome);
+            arrival.push(rank);
             received += 1;
         }
 
-        let mut values = Vec::with_capacity(n);
+        // Ranks that never reported come last, after those that did.
+        arrival.extend((0..n).filter(|r| outcomes[*r].is_none()));
         let mut failures = Vec::new();
-        for (rank, outcome) in outcomes.into_iter().enumerate() {
-            match outcome {
-                Some(Ok(value)) => values.push(value),
+        for &rank in &arrival {
+            match outcomes[rank].take_if(|o| o.is_err()) {
                 Some(Err(failure)) => failures.push((rank, failure)),
-                None => {
+                Some(Ok(_)) => unreachable!("only failures are taken"),
+                None if outcomes[rank].is_none() => {
                     world.mark(
                         rank,
                         RANK_FAILED,
@@ -843,8 +887,14 @@ impl ThreadsWorld {
                     );
                     failures.push((rank, WorkerFailure::Abandoned));
                 }
+                None => {}
             }
         }
+        let values: Vec<T> = outcomes
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .collect();
         if failures.is_empty() {
             Ok(values)
         } else {

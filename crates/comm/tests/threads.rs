@@ -231,11 +231,24 @@ fn worker_returning_early_is_reported_by_its_peers() {
     });
     let err = expect_one_world_failure(result);
     let text = err.to_string();
-    assert!(text.contains("rank 0 failed: rank 0 gave up"), "{text}");
+    // The root cause first and once; the peer's knock-on failure summarised after it.
+    assert!(
+        text.starts_with(
+            "rank 0 failed: rank 0 gave up; then 1 other worker(s) stopped: rank 1 (recv"
+        ),
+        "{text}"
+    );
+    assert_eq!(text.matches("gave up").count(), 1, "{text}");
     assert!(
         text.contains("recv on group 'world' cannot complete"),
         "{text}"
     );
+    // The same fault on every worker (a config every worker checks) is said once.
+    let result = ThreadsWorld::run(3, config(30.0), |_| {
+        Err::<(), _>(anyhow::anyhow!("bad config"))
+    });
+    let text = expect_one_world_failure(result).to_string();
+    assert_eq!(text, "every worker failed: bad config");
 }
 
 #[test]

@@ -305,6 +305,10 @@ pub struct TrainConfig {
     /// Where the step runs: "cpu" (the default), "cuda" (GPU 0) or "cuda:N". See docs/gpu.md.
     #[serde(default)]
     pub device: Device,
+    /// Also write the metrics as TensorBoard event files into this directory
+    /// (`tensorboard --logdir DIR`).
+    #[serde(default)]
+    pub tensorboard: Option<PathBuf>,
     /// On a GPU, let f32 matrix products use TF32 tensor cores (~7x faster, ~1e-3 relative
     /// error; PyTorch's `allow_tf32`). Off by default: f32 means f32.
     #[serde(default)]
@@ -343,12 +347,31 @@ fn one() -> f32 {
     1.0
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+fn default_checkpoint_minutes() -> f64 {
+    meshtrain_train::DEFAULT_CHECKPOINT_MINUTES
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            every_steps: None,
+            every_minutes: default_checkpoint_minutes(),
+            resume: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointConfig {
     /// Save every N steps (0 or absent: only at the end).
     #[serde(default)]
     pub every_steps: Option<u64>,
+    /// Also save when this many minutes have passed since the last checkpoint (default 10;
+    /// 0: only `every_steps` and the end), so a long run is never lost whole. Written in the
+    /// background like `every_steps`.
+    #[serde(default = "default_checkpoint_minutes")]
+    pub every_minutes: f64,
     /// Resume from this checkpoint file.
     #[serde(default)]
     pub resume: Option<PathBuf>,
@@ -424,6 +447,12 @@ impl Config {
         }
         if t.log_every == 0 {
             bail!("train.log_every must be at least 1");
+        }
+        let minutes = self.checkpoint.every_minutes;
+        if !(minutes.is_finite() && minutes >= 0.0) {
+            bail!(
+                "checkpoint.every_minutes must be a number of minutes ≥ 0 (0: off), not {minutes}"
+            );
         }
         let p = &self.parallel;
         if p.dp == 0 {
@@ -656,8 +685,10 @@ impl Config {
         job.grad_clip = t.grad_clip;
         job.eval_every = t.eval_every;
         job.checkpoint_every = self.checkpoint.every_steps;
+        job.checkpoint_every_minutes = Some(self.checkpoint.every_minutes).filter(|&m| m != 0.0);
         job.checkpoint_background = t.checkpoint_background;
         job.timeline = self.parallel.timeline.clone();
+        job.tensorboard = t.tensorboard.clone();
         if let Some(secs) = self.parallel.timeout_s {
             job.timeout = Duration::from_secs_f64(secs);
         }

@@ -24,6 +24,7 @@ use crate::presets::Task;
 use crate::train_cli::TrainArgs;
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
+use meshtrain_train::StopRequest;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Instant, SystemTime};
@@ -171,6 +172,9 @@ pub enum Outcome {
     Succeeded,
     /// The job failed: how (mpirun's exit status).
     Failed(String),
+    /// A signal asked the launcher to stop; it forwarded the request and the job saved a
+    /// checkpoint and ended. Not a failure: nothing to restart.
+    Stopped(i32),
 }
 
 /// What the supervisor asks for each attempt.
@@ -184,7 +188,8 @@ pub struct Attempt {
 /// Runs attempts until one succeeds or `max_restarts` restarts are used: before each, counts
 /// the available slots (`slots`) and picks the world (`world_for(available, min)`, `min` =
 /// `min_workers` or the first attempt's world). Generic over how slots are counted and how an
-/// attempt runs, so the policy is tested without MPI.
+/// attempt runs, so the policy is tested without MPI. Returns the last attempt and how it
+/// ended: [`Outcome::Succeeded`] or [`Outcome::Stopped`].
 pub fn supervise(
     max_restarts: u32,
     min_workers: Option<usize>,
@@ -192,7 +197,7 @@ pub fn supervise(
     world_for: impl Fn(usize, usize) -> Result<usize>,
     mut attempt: impl FnMut(Attempt) -> Result<Outcome>,
     mut say: impl FnMut(String),
-) -> Result<Attempt> {
+) -> Result<(Attempt, Outcome)> {
     let mut min = min_workers.unwrap_or(1);
     let mut failures: Vec<String> = Vec::new();
     for number in 1.. {
@@ -210,7 +215,7 @@ pub fn supervise(
         let this = Attempt { number, world };
         let started = Instant::now();
         match attempt(this)? {
-            Outcome::Succeeded => return Ok(this),
+            done @ (Outcome::Succeeded | Outcome::Stopped(_)) => return Ok((this, done)),
             Outcome::Failed(how) => {
                 let line = format!(
                     "attempt {number} ({world} workers) failed after {:.1} s: {how}",
@@ -291,16 +296,27 @@ fn last_progress(out_dir: &Path) -> Option<SystemTime> {
 }
 
 /// Waits for `child` (mpirun) to exit, or kills it (SIGTERM, then SIGKILL 5 s later) once the
-/// job has shown no progress for `stall_timeout` seconds: `Err` says so.
+/// job has shown no progress for `stall_timeout` seconds: `Err` says so. When `stop` is
+/// requested, sends mpirun SIGUSR1 once, which Open MPI forwards to every rank (SIGINT or
+/// SIGTERM would make it kill the ranks a second later, before their checkpoint), and
+/// goes on waiting.
 fn wait_making_progress(
     child: &mut std::process::Child,
     out_dir: &Path,
     stall_timeout: f64,
+    stop: &StopRequest,
 ) -> Result<std::result::Result<std::process::ExitStatus, String>> {
     let started = SystemTime::now();
+    let mut forwarded = false;
     loop {
         if let Some(status) = child.try_wait()? {
             return Ok(Ok(status));
+        }
+        if !forwarded && stop.requested().is_some() {
+            forwarded = true;
+            let _ = Command::new("kill")
+                .args(["-USR1", &child.id().to_string()])
+                .status();
         }
         let since = last_progress(out_dir)
             .filter(|t| *t > started)
@@ -328,6 +344,42 @@ fn wait_making_progress(
     }
 }
 
+/// Set in the environment of the workers `meshtrain launch` starts: the launcher, not each
+/// job, says how to resume.
+pub const LAUNCHED_ENV: &str = "MESHTRAIN_LAUNCHED";
+
+/// The command that resumes a stopped run from `checkpoint`: this process's command line
+/// `args` (program first) without its `--resume`/`--init-from`, plus `--resume checkpoint`,
+/// after `mpirun -np N` when it runs under mpirun.
+pub fn resume_command(args: &[String], checkpoint: &Path) -> String {
+    let mut kept = without_option(&without_option(args, "--resume"), "--init-from");
+    kept.push("--resume".into());
+    kept.push(checkpoint.display().to_string());
+    let mpi_size = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok());
+    let mut words: Vec<String> = match mpi_size {
+        Some(n) => vec!["mpirun".into(), "-np".into(), n],
+        None => Vec::new(),
+    };
+    words.extend(kept);
+    words
+        .iter()
+        .map(|w| shell_word(w))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `word` as the shell reads it back: quoted when it holds anything but plain characters.
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:,+@%".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
+}
+
 /// `args` without the option `name` (`--name VALUE` or `--name=VALUE`).
 fn without_option(args: &[String], name: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -346,8 +398,10 @@ fn without_option(args: &[String], name: &str) -> Vec<String> {
 }
 
 /// `meshtrain launch`.
-pub fn run(args: &LaunchArgs) -> Result<()> {
+pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
     let launched = SystemTime::now();
+    let stop = StopRequest::on_signals()?;
+    check_mpirun(&args.mpirun)?;
     /// `meshtrain train`'s command line, to read the job's arguments.
     #[derive(Parser)]
     struct TrainCommand {
@@ -438,6 +492,10 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
             }
         );
         let mut command = Command::new(&args.mpirun);
+        // Its own process group: a Ctrl-C in the terminal reaches the launcher only, which
+        // asks the ranks to stop gracefully; mpirun would kill them.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        command.env(LAUNCHED_ENV, "1").args(["-x", LAUNCHED_ENV]);
         command.arg("-np").arg(a.world.to_string());
         if args.hostfile.is_some() {
             command.arg("--hostfile").arg(&live_hostfile);
@@ -455,10 +513,13 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         let mut child = command
             .spawn()
             .with_context(|| format!("starting {}", args.mpirun))?;
-        let status = match wait_making_progress(&mut child, &out_dir, args.stall_timeout)? {
+        let status = match wait_making_progress(&mut child, &out_dir, args.stall_timeout, &stop)? {
             Ok(status) => status,
             Err(stalled) => return Ok(Outcome::Failed(stalled)),
         };
+        if let Some(signal) = stop.requested() {
+            return Ok(Outcome::Stopped(signal));
+        }
         if !status.success() {
             return Ok(Outcome::Failed(format!(
                 "{} exited with {status}",
@@ -477,7 +538,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
             )),
         })
     };
-    let done = supervise(
+    let (done, outcome) = supervise(
         args.max_restarts,
         args.min_workers,
         slots,
@@ -485,9 +546,55 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         attempt,
         |line| eprintln!("launch: {line}"),
     )?;
+    if let Outcome::Stopped(signal) = outcome {
+        let name = meshtrain_train::stop::signal_name(signal);
+        match newest_checkpoint(&out_dir, launched) {
+            Some((path, step)) => {
+                eprintln!(
+                    "launch: stopped by {name} on attempt {}: the job saved its checkpoint at \
+                     step {step} ({})",
+                    done.number,
+                    path.display()
+                );
+                let args: Vec<String> = std::env::args().collect();
+                eprintln!("launch: resume with: {}", resume_command(&args, &path));
+            }
+            None => eprintln!(
+                "launch: stopped by {name} on attempt {}: the job saved no checkpoint since the \
+                 launch began",
+                done.number
+            ),
+        }
+        let status = meshtrain_train::stop::exit_status(signal);
+        return Ok(std::process::ExitCode::from(status as u8));
+    }
     eprintln!(
         "launch: the job finished on attempt {} with {} workers",
         done.number, done.world
+    );
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Refuses to start without the mpirun program, naming it and where it comes from (rather
+/// than "No such file or directory" from the first attempt).
+fn check_mpirun(mpirun: &str) -> Result<()> {
+    let found = if mpirun.contains('/') {
+        Path::new(mpirun).is_file()
+    } else {
+        std::env::var_os("PATH")
+            .is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join(mpirun).is_file()))
+    };
+    ensure!(
+        found,
+        "meshtrain launch runs the job under mpirun, and '{mpirun}' was not found{}: install \
+         Open MPI (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev; Fedora: dnf \
+         install openmpi-devel) and build meshtrain with --features mpi, or give the program \
+         with --mpirun PATH",
+        if mpirun.contains('/') {
+            String::new()
+        } else {
+            " on the PATH".to_string()
+        }
     );
     Ok(())
 }
@@ -570,7 +677,7 @@ mod tests {
             |line| said.push(line),
         )
         .unwrap();
-        assert_eq!((outcome.number, worlds), (2, vec![4, 3]));
+        assert_eq!((outcome.0.number, worlds), (2, vec![4, 3]));
         assert!(said[0].contains("restart 1 of at most 5"), "{said:?}");
         // Down to one slot with --min-workers 2: a clear error, not a smaller job.
         let available = RefCell::new(vec![4, 1]);
@@ -614,7 +721,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut child = Command::new("sleep").arg("30").spawn().unwrap();
         let started = Instant::now();
-        let outcome = wait_making_progress(&mut child, dir.path(), 0.5).unwrap();
+        let outcome =
+            wait_making_progress(&mut child, dir.path(), 0.5, &StopRequest::new()).unwrap();
         assert!(
             outcome.unwrap_err().contains("no progress for"),
             "the stalled job ended by itself"

@@ -4,11 +4,13 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use meshtrain::bench::{run_models, BenchModelsArgs};
 use meshtrain::config::Config;
+use meshtrain::launch::LAUNCHED_ENV;
 use meshtrain::presets::Task;
 use meshtrain::train_cli::TrainArgs;
-use meshtrain_train::RunOptions;
+use meshtrain_train::{stop, RunOptions, StopRequest};
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(
@@ -99,7 +101,10 @@ enum BenchCommand {
     Gpu(meshtrain::gpu_bench::BenchGpuArgs),
 }
 
-fn train(args: &TrainArgs) -> Result<()> {
+fn train(args: &TrainArgs) -> Result<ExitCode> {
+    // First, so that a Ctrl-C while the data loads is a stop after the first step, not a
+    // kill.
+    let stop = StopRequest::on_signals()?;
     let overrides = args.overrides();
     let cfg = Config::load(&args.config, &overrides)?;
     let task = Task::load(&cfg)?;
@@ -109,6 +114,7 @@ fn train(args: &TrainArgs) -> Result<()> {
         init_from: args.init_from.clone(),
         show_progress: std::io::stderr().is_terminal(),
         verbose: true,
+        stop: Some(stop.clone()),
     };
     let lead = !meshtrain_train::launched_by_mpi()
         || std::env::var("OMPI_COMM_WORLD_RANK").is_ok_and(|r| r == "0");
@@ -117,10 +123,31 @@ fn train(args: &TrainArgs) -> Result<()> {
         for notice in cfg.notices() {
             println!("note: {notice}");
         }
+        announce_stop_requests(stop);
     }
     let summary = job.run(&options)?;
+    if let Some(stopped) = &summary.stopped {
+        if summary.rank == 0 {
+            println!(
+                "stopped by {} after step {}: checkpoint saved to {}",
+                stop::signal_name(stopped.signal),
+                stopped.step,
+                stopped.checkpoint.display()
+            );
+            if std::env::var_os(LAUNCHED_ENV).is_none() {
+                println!(
+                    "resume with: {}",
+                    meshtrain::launch::resume_command(
+                        &std::env::args().collect::<Vec<_>>(),
+                        &stopped.checkpoint
+                    )
+                );
+            }
+        }
+        return Ok(ExitCode::from(stop::exit_status(stopped.signal) as u8));
+    }
     if summary.rank != 0 {
-        return Ok(());
+        return Ok(ExitCode::SUCCESS);
     }
     println!(
         "done: {} steps, final train loss {:.4}",
@@ -138,15 +165,37 @@ fn train(args: &TrainArgs) -> Result<()> {
     if let Some(rss) = summary.peak_rss_mb {
         println!("peak memory {rss:.0} MiB (the largest process)");
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Says at once that a signal was heard (the loop acts on it only after the step in flight,
+/// which can take a while), from a thread that watches the request.
+fn announce_stop_requests(stop: StopRequest) {
+    std::thread::spawn(move || loop {
+        if let Some(signal) = stop.requested() {
+            let again = if signal == stop::SIGUSR1 {
+                String::new()
+            } else {
+                format!(" ({} again aborts at once)", stop::signal_name(signal))
+            };
+            eprintln!(
+                "{}: finishing the step in flight, then saving a checkpoint{again}",
+                stop::signal_name(signal)
+            );
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    });
 }
 
 /// Errors are the user's to read (a bad config, a missing file, a dead worker): print the
 /// message and its causes, never the stack trace that returning `Err` from `main` would add
 /// whenever RUST_BACKTRACE is set. Panics keep their backtraces.
-fn main() -> std::process::ExitCode {
+fn main() -> ExitCode {
     match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(code) => code,
+        // Under mpirun, another rank printed this fault.
+        Err(e) if e.is::<meshtrain_train::ReportedElsewhere>() => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("Error: {e}");
             let causes: Vec<String> = e.chain().skip(1).map(|c| c.to_string()).collect();
@@ -156,12 +205,12 @@ fn main() -> std::process::ExitCode {
                     eprintln!("    {cause}");
                 }
             }
-            std::process::ExitCode::FAILURE
+            ExitCode::FAILURE
         }
     }
 }
 
-fn run() -> Result<()> {
+fn run() -> Result<ExitCode> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -171,8 +220,9 @@ fn run() -> Result<()> {
         // Colour codes only for a terminal: logs redirected to a file stay plain text.
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match Cli::parse().command {
-        Command::Train(a) => train(&a),
+    let done = match Cli::parse().command {
+        Command::Train(a) => return train(&a),
+        Command::Launch(a) => return meshtrain::launch::run(&a),
         Command::Bench(BenchCommand::Models(a)) => run_models(&a),
         Command::Bench(BenchCommand::Collectives(a)) => meshtrain_comm::bench::run_bench(a),
         Command::Bench(BenchCommand::Scaling(a)) => meshtrain::scaling::run_scaling(&a).map(|_| ()),
@@ -186,9 +236,9 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Gpu(a)) => meshtrain::gpu_bench::run(&a),
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
-        Command::Launch(a) => meshtrain::launch::run(&a),
         Command::Checkpoint(c) => checkpoint(c),
-    }
+    };
+    done.map(|()| ExitCode::SUCCESS)
 }
 
 fn checkpoint(command: CheckpointCommand) -> Result<()> {

@@ -58,6 +58,10 @@ pub struct TrainArgs {
     /// train.device="cuda:N". See docs/gpu.md.
     #[arg(long)]
     pub device: Option<String>,
+    /// Also write the metrics as TensorBoard event files into DIR (`tensorboard --logdir
+    /// DIR`). Same as --set train.tensorboard="DIR".
+    #[arg(long, value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Write a Chrome trace of the last step to FILE.json (open it in
     /// https://ui.perfetto.dev) and a PNG of it next to it.
     #[arg(long, value_name = "FILE.json")]
@@ -99,6 +103,10 @@ impl TrainArgs {
         if let Some(path) = &self.timeline {
             let path = path.to_string_lossy();
             overrides.push(format!("parallel.timeline={}", toml_string(&path)));
+        }
+        if let Some(dir) = &self.tensorboard {
+            let dir = dir.to_string_lossy();
+            overrides.push(format!("train.tensorboard={}", toml_string(&dir)));
         }
         if let Some(layout) = &self.layout {
             overrides.push(format!("parallel.layout={}", toml_string(layout)));

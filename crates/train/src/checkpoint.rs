@@ -277,6 +277,77 @@ fn read_f32(st: &SafeTensors, name: &str, shape: &[usize], file: &Path) -> Resul
     Ok(values)
 }
 
+/// Checks a checkpoint before any worker starts, from its header alone (a large file is not
+/// read twice): a missing, truncated or foreign file, a checkpoint of another model (for
+/// [`Restore::Everything`]), or a tensor the model needs that is absent or of another shape.
+/// A sharded checkpoint's index and shard sizes are checked the same way.
+pub fn check(path: &Path, model: &Model, model_description: &str, restore: Restore) -> Result<()> {
+    if crate::sharded::is_sharded(path) {
+        let ckpt = crate::sharded::ShardedCheckpoint::open(path)?;
+        if restore == Restore::Everything {
+            check_same_model(path, &ckpt.index.model, model_description)?;
+        }
+        return Ok(());
+    }
+    anyhow::ensure!(
+        path.exists(),
+        "checkpoint {} does not exist{}",
+        path.display(),
+        match path.parent().filter(|p| p.is_dir()) {
+            Some(dir) if dir.join("checkpoint").is_dir() => format!(
+                " (this run's directory holds a sharded checkpoint: {})",
+                dir.join("checkpoint").display()
+            ),
+            _ => String::new(),
+        }
+    );
+    let header = read_safetensors_header(path, "checkpoint")?;
+    let meta = header.entries.get("__metadata__");
+    let field = |k: &str| meta.and_then(|m| m[k].as_str()).unwrap_or_default();
+    if field("format") != FORMAT {
+        bail!("{} is not a meshtrain checkpoint", path.display());
+    }
+    let data_len = header.file_len - 8 - header.header_len;
+    let described = (header.entries.values())
+        .filter_map(|e| e["data_offsets"][1].as_u64())
+        .max()
+        .unwrap_or(0);
+    anyhow::ensure!(
+        described <= data_len,
+        "checkpoint {} is truncated: its header describes {} bytes of tensors, the file holds \
+         {data_len} (an interrupted copy?)",
+        path.display(),
+        described
+    );
+    if restore == Restore::Everything {
+        check_same_model(path, field("model"), model_description)?;
+    }
+    let mut needed: Vec<(String, Vec<usize>)> = (model.params().iter().enumerate())
+        .filter(|(i, _)| model.tied_primary(*i).is_none())
+        .map(|(_, p)| (format!("param.{}", p.name), p.shape.clone()))
+        .collect();
+    needed
+        .extend((model.buffers().iter()).map(|b| (format!("buffer.{}", b.name), b.shape.clone())));
+    for (name, shape) in needed {
+        let entry = header.entries.get(&name).with_context(|| {
+            format!(
+                "checkpoint {} has no tensor '{name}' (another model?)",
+                path.display()
+            )
+        })?;
+        let saved: Vec<usize> = (entry["shape"].as_array().into_iter().flatten())
+            .filter_map(|d| d.as_u64().map(|d| d as usize))
+            .collect();
+        anyhow::ensure!(
+            saved == shape && entry["dtype"] == "F32",
+            "checkpoint {}: tensor '{name}' is {} {saved:?}, the model needs F32 {shape:?}",
+            path.display(),
+            entry["dtype"].as_str().unwrap_or("?")
+        );
+    }
+    Ok(())
+}
+
 /// Loads a checkpoint into `store` (and, for [`Restore::Everything`], `optimizer`). With
 /// `Everything`, a checkpoint that describes another model than `model_description` is an
 /// error unless the description is empty on either side.

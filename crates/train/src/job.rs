@@ -103,6 +103,10 @@ pub struct Job {
     pub eval_every: Option<u64>,
     /// Save a checkpoint every N steps (always at the end).
     pub checkpoint_every: Option<u64>,
+    /// Save a checkpoint when this many minutes have passed since the last one (default
+    /// 10): a long run is never more than this much work from its last checkpoint, whether
+    /// or not anyone thought of `checkpoint_every`. Rank 0's clock decides for everyone.
+    pub checkpoint_every_minutes: Option<f64>,
     /// Write the every-N-steps checkpoints on a background thread from an in-memory
     /// snapshot, so training waits for a memory copy instead of the disk (the final one is
     /// written before the run returns either way). See [`crate::writer`].
@@ -113,6 +117,9 @@ pub struct Job {
     pub parallel: ParallelOptions,
     /// Write a Chrome trace (and a PNG) of the last training step here.
     pub timeline: Option<PathBuf>,
+    /// Also write the metrics (loss, learning rate, gradient norm, throughput, evaluation,
+    /// the summary's memory and breakdown) as TensorBoard event files into this directory.
+    pub tensorboard: Option<PathBuf>,
     /// How long a collective may wait for its peers before every worker fails with the
     /// operation, its sequence number and the missing ranks.
     pub timeout: Duration,
@@ -136,6 +143,9 @@ pub enum CheckpointFormat {
     /// `checkpoint/`: every worker writes its pieces, plus an index.
     Sharded,
 }
+
+/// Minutes between the checkpoints every run saves unless told otherwise.
+pub const DEFAULT_CHECKPOINT_MINUTES: f64 = 10.0;
 
 /// The default collective timeout: long enough for a slow evaluation or checkpoint on one
 /// worker, short enough that a dead worker is reported within minutes.
@@ -173,11 +183,13 @@ impl Job {
             log_every: 50,
             eval_every: None,
             checkpoint_every: None,
+            checkpoint_every_minutes: Some(DEFAULT_CHECKPOINT_MINUTES),
             checkpoint_background: true,
             out_dir: PathBuf::from("runs/latest"),
             layout: Layout::default(),
             parallel: ParallelOptions::default(),
             timeline: None,
+            tensorboard: None,
             timeout: DEFAULT_TIMEOUT,
             config_text: String::new(),
             checkpoint_format: CheckpointFormat::Auto,
@@ -317,6 +329,12 @@ impl Job {
         ensure!(self.batch_size > 0, "train.batch_size must be at least 1");
         ensure!(self.threads != Some(0), "train.threads must be at least 1");
         ensure!(self.log_every > 0, "train.log_every must be at least 1");
+        if let Some(m) = self.checkpoint_every_minutes {
+            ensure!(
+                m.is_finite() && m >= 0.0,
+                "checkpoint.every_minutes must be a number of minutes ≥ 0 (0: none), got {m}"
+            );
+        }
         let lr = &self.lr;
         ensure!(
             lr.lr > 0.0 && lr.lr.is_finite(),

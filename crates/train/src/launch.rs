@@ -1,14 +1,29 @@
 //! Starting a job: `layout.world_size()` worker threads of this process (the threads
 //! backend), or one worker per process under `mpirun` (feature `mpi`).
 
+use crate::checkpoint::Restore;
 use crate::job::Job;
 use crate::metrics::Summary;
+use crate::stop::StopRequest;
 use crate::trainer::{threads_per_worker, Trainer};
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use meshtrain_comm::{CommConfig, ProcessGroup, ThreadsWorld};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The error of a rank whose fault another rank printed (under `mpirun`, a check that
+/// failed on several ranks is printed once): the command exits non-zero without a message.
+#[derive(Debug)]
+pub struct ReportedElsewhere;
+
+impl std::fmt::Display for ReportedElsewhere {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the job failed its checks (another rank printed why)")
+    }
+}
+
+impl std::error::Error for ReportedElsewhere {}
 
 /// What a run needs besides its job.
 #[derive(Clone, Debug, Default)]
@@ -22,6 +37,10 @@ pub struct RunOptions {
     pub show_progress: bool,
     /// Print the run's description and notices (rank 0 only).
     pub verbose: bool,
+    /// Stop gracefully when this is set: the workers finish the step in flight, agree on the
+    /// last step and save a checkpoint ([`crate::stop`]). [`StopRequest::on_signals`] ties it
+    /// to SIGINT, SIGTERM and SIGUSR1, as `meshtrain train` does.
+    pub stop: Option<StopRequest>,
 }
 
 /// The environment variable that overrides a job's collective timeout, in seconds (for
@@ -96,6 +115,7 @@ impl Job {
         }
         let workers = self.layout.world_size();
         self.check(workers)?;
+        self.preflight(options)?;
         if options.verbose {
             println!("data: {}", self.describe_data());
         }
@@ -114,6 +134,24 @@ impl Job {
             .context("rank 0 returned no summary")
     }
 
+    /// What can be found wrong before any worker starts, checked once: the output directory
+    /// (a file, or not writable) and the checkpoints to resume or start from (missing,
+    /// truncated, foreign, of another model), read from their headers. Every worker would
+    /// otherwise find the same fault, and the user read it once per worker.
+    pub fn preflight(&self, options: &RunOptions) -> Result<()> {
+        check_out_dir(&self.out_dir)?;
+        let model = (self.model)();
+        if let Some(path) = &options.resume {
+            crate::checkpoint::check(path, &model, &self.model_description, Restore::Everything)
+                .map_err(|e| anyhow!("cannot resume: {e:#}"))?;
+        }
+        if let Some(path) = &options.init_from {
+            crate::checkpoint::check(path, &model, "", Restore::Weights)
+                .map_err(|e| anyhow!("cannot take the initial weights (--init-from): {e:#}"))?;
+        }
+        Ok(())
+    }
+
     /// One line on the data, for the start of a run.
     pub fn describe_data(&self) -> String {
         let d = &self.train_data;
@@ -129,6 +167,32 @@ impl Job {
     }
 }
 
+/// The output directory exists (created if needed), is a directory and takes files.
+fn check_out_dir(dir: &Path) -> Result<()> {
+    ensure!(
+        !dir.exists() || dir.is_dir(),
+        "the output directory {} (train.out_dir) is a file: metrics and checkpoints go into a \
+         directory; give another path",
+        dir.display()
+    );
+    std::fs::create_dir_all(dir).with_context(|| {
+        format!(
+            "cannot create the output directory {} (train.out_dir)",
+            dir.display()
+        )
+    })?;
+    let probe = dir.join(format!(".meshtrain-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"").with_context(|| {
+        format!(
+            "the output directory {} (train.out_dir) is not writable: metrics and checkpoints \
+             could not be saved",
+            dir.display()
+        )
+    })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 /// One worker: builds its trainer, restores a checkpoint if asked, runs.
 fn run_worker(
     job: &Arc<Job>,
@@ -140,6 +204,9 @@ fn run_worker(
     let mut trainer = job.trainer(world, threads)?;
     let lead = trainer.is_lead();
     trainer.show_progress = options.show_progress && lead;
+    if let Some(stop) = &options.stop {
+        trainer.stop = stop.clone();
+    }
     let verbose = options.verbose && lead;
     if let Some(path) = &options.init_from {
         let from = trainer.init_from(path)?;
@@ -217,21 +284,48 @@ fn run_mpi(mut job: Job, options: &RunOptions) -> Result<Summary> {
         .world_group()
         .context("creating the MPI world group")?;
     let size = group.size();
-    let result = (|| {
+    let rank = group.rank();
+    let prepared = (|| {
         let l = &job.layout;
         job.layout.dp = mpi_data_parallel_size(l.dp, l.tp * l.pp * l.cp, size)?;
         job.check(size)?;
+        job.preflight(options)?;
         let local: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(size);
-        let threads = threads_per_worker(job.threads, local);
-        if options.verbose && group.rank() == 0 {
-            println!("MPI: {size} ranks; data: {}", job.describe_data());
-        }
-        run_worker(&Arc::new(job), group, Some(threads), options)
+        Ok(threads_per_worker(job.threads, local))
     })();
-    match result {
+    // The checks fail alike on every rank (the same config) or on a few (a host's disk):
+    // every rank learns which before any work, the first of them alone prints, and all end
+    // without waiting for peers that will never come.
+    let mut failed = vec![0.0f32; size];
+    failed[rank] = f32::from(u8::from(prepared.is_err()));
+    if let Err(e) = group.all_reduce(
+        meshtrain_comm::BufMut::F32(&mut failed),
+        meshtrain_comm::ReduceOp::Sum,
+    ) {
+        world.abort_with_error(format_args!("checking the job on every rank: {e}"), 1)
+    }
+    let first_failed = failed.iter().position(|&f| f > 0.0);
+    let threads = match (prepared, first_failed) {
+        (Ok(threads), None) => threads,
+        (Err(e), Some(first)) if first == rank => {
+            drop(group);
+            drop(world);
+            return Err(e);
+        }
+        (_, Some(_)) => {
+            drop(group);
+            drop(world);
+            return Err(ReportedElsewhere.into());
+        }
+        (Err(e), None) => return Err(e.context("the ranks disagree on which failed")),
+    };
+    if options.verbose && rank == 0 {
+        println!("MPI: {size} ranks; data: {}", job.describe_data());
+    }
+    match run_worker(&Arc::new(job), group, Some(threads), options) {
         Ok(summary) => {
             drop(world);
             Ok(summary)

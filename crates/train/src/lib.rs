@@ -36,6 +36,8 @@ pub mod launch;
 pub mod memory;
 pub mod metrics;
 pub mod sharded;
+pub mod stop;
+pub mod tensorboard;
 pub mod timeline;
 pub mod trainer;
 pub mod writer;
@@ -44,9 +46,13 @@ pub use dataset::{
     BatchMut, Dataset, DatasetError, EvalPlan, ImageData, Inputs, SamplerPosition, Sampling,
     TextWindows,
 };
-pub use job::{CheckpointFormat, EvalSpec, Job, Length, LrSchedule, ModelFn, DEFAULT_TIMEOUT};
-pub use launch::{launched_by_mpi, RunOptions, TIMEOUT_ENV};
-pub use metrics::{peak_rss_mb, Breakdown, Summary};
+pub use job::{
+    CheckpointFormat, EvalSpec, Job, Length, LrSchedule, ModelFn, DEFAULT_CHECKPOINT_MINUTES,
+    DEFAULT_TIMEOUT,
+};
+pub use launch::{launched_by_mpi, ReportedElsewhere, RunOptions, TIMEOUT_ENV};
+pub use metrics::{peak_rss_mb, Breakdown, Stopped, Summary};
+pub use stop::StopRequest;
 pub use trainer::{threads_per_worker, Trainer};
 
 pub use meshtrain_parallel::data::{DdpConfig, GradCompression};

@@ -265,6 +265,21 @@ pub struct Summary {
     /// rank 0 is the one to print).
     #[serde(skip)]
     pub rank: usize,
+    /// Set when a signal (or the caller's [`crate::StopRequest`]) stopped the run before its
+    /// end: it finished the step in flight and saved this checkpoint, to resume from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<Stopped>,
+}
+
+/// How a run that was asked to stop ended.
+#[derive(Clone, Debug, Serialize)]
+pub struct Stopped {
+    /// The signal that asked (SIGINT = 2, SIGTERM = 15, SIGUSR1 = 10).
+    pub signal: i32,
+    /// The step every worker stopped after (the checkpoint's step).
+    pub step: u64,
+    /// The checkpoint written at that step.
+    pub checkpoint: std::path::PathBuf,
 }
 
 #[derive(Serialize)]
@@ -301,10 +316,18 @@ pub(crate) struct EvalRecord {
 /// and the old summary) and appends.
 pub(crate) struct MetricsFile {
     file: std::fs::File,
+    /// The same scalars as TensorBoard events, when the run asked for them.
+    tensorboard: Option<crate::tensorboard::EventWriter>,
 }
 
 impl MetricsFile {
-    pub fn open(path: &Path, resumed_at: Option<u64>) -> Result<MetricsFile> {
+    /// Opens `path` (keeping the records up to `resumed_at` of a resumed run) and, with
+    /// `tensorboard`, a new event file in that directory.
+    pub fn open(
+        path: &Path,
+        resumed_at: Option<u64>,
+        tensorboard: Option<&Path>,
+    ) -> Result<MetricsFile> {
         let kept: Vec<String> = match (resumed_at, std::fs::File::open(path)) {
             (Some(step), Ok(f)) => std::io::BufReader::new(f)
                 .lines()
@@ -321,12 +344,23 @@ impl MetricsFile {
         for line in kept {
             writeln!(file, "{line}").with_context(|| format!("writing {}", path.display()))?;
         }
-        Ok(MetricsFile { file })
+        let tensorboard = tensorboard
+            .map(crate::tensorboard::EventWriter::create)
+            .transpose()?;
+        Ok(MetricsFile { file, tensorboard })
     }
 
-    pub fn write<T: Serialize>(&mut self, record: &T) -> Result<()> {
+    /// Writes `record` as one JSON line, and its numbers as TensorBoard scalars at `step`.
+    pub fn write<T: Serialize>(&mut self, record: &T, step: u64) -> Result<()> {
         serde_json::to_writer(&mut self.file, record)?;
         self.file.write_all(b"\n")?;
+        if let Some(events) = &mut self.tensorboard {
+            let scalars = crate::tensorboard::record_scalars(&serde_json::to_value(record)?);
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            events.add_scalars(step, now, &scalars)?;
+        }
         Ok(())
     }
 }

@@ -13,7 +13,10 @@ use crate::dataset::{random_indices, EvalPlan, SamplerPosition, Sampling};
 use crate::job::CheckpointFormat;
 use crate::job::{load, Job};
 use crate::memory::MemoryReport;
-use crate::metrics::{peak_rss_mb, Breakdown, EvalRecord, MetricsFile, Summary, TrainRecord};
+use crate::metrics::{
+    peak_rss_mb, Breakdown, EvalRecord, MetricsFile, Stopped, Summary, TrainRecord,
+};
+use crate::stop::{self, StopRequest};
 use crate::timeline::RecordedTimeline;
 use crate::writer::{CheckpointWriter, Waited};
 use anyhow::{Context, Result};
@@ -71,6 +74,9 @@ pub struct Trainer {
     peak_activation_bytes: usize,
     /// Background checkpoint writes, one in flight at a time.
     writer: CheckpointWriter,
+    /// Read between steps: once set (a signal, or the caller), every worker stops after the
+    /// same step and saves a checkpoint ([`crate::stop`]).
+    pub stop: StopRequest,
 }
 
 /// Below this loss scale even the largest gradient of an fp16 backward is below f16's
@@ -175,6 +181,7 @@ impl Trainer {
             skipped_steps: None,
             peak_activation_bytes: 0,
             writer: CheckpointWriter::default(),
+            stop: StopRequest::new(),
             job,
         })
     }
@@ -613,7 +620,7 @@ impl Trainer {
 
     fn write_metric<T: serde::Serialize>(&mut self, record: &T) -> Result<()> {
         match self.metrics.as_mut() {
-            Some(m) => m.write(record),
+            Some(m) => m.write(record, self.step),
             None => Ok(()),
         }
     }
@@ -646,6 +653,7 @@ impl Trainer {
             self.metrics = Some(MetricsFile::open(
                 &out.join("metrics.jsonl"),
                 resumed.then_some(self.step),
+                self.job.tensorboard.as_deref(),
             )?);
         }
         let pb = if self.show_progress && lead {
@@ -667,6 +675,8 @@ impl Trainer {
         let mut samples_total = 0usize;
         let before = self.breakdown.clone();
         let global_samples = self.job.batch_size;
+        let mut last_checkpoint = Instant::now();
+        let mut stopped_by = None;
         while self.step < stop {
             let lr = self.schedule.lr(self.step);
             let stats = self.train_step()?;
@@ -709,12 +719,26 @@ impl Trainer {
             if eval_due || self.step == self.total_steps {
                 self.eval_and_log(&pb, &mut last_eval)?;
             }
+            // Every worker takes the same decisions here, or some would wait in a collective
+            // the others never join: the step count is the same everywhere; a signal may
+            // have reached one worker only, and rank 0's clock decides the timed checkpoint.
+            let by_steps = (self.job.checkpoint_every.filter(|&e| e > 0))
+                .is_some_and(|every| self.step.is_multiple_of(every));
+            let by_time = lead
+                && stop::checkpoint_due(
+                    self.job.checkpoint_every_minutes,
+                    last_checkpoint.elapsed(),
+                );
+            let (signal, by_time) = self.agree_between_steps(self.stop.requested(), by_time)?;
+            if let Some(signal) = signal {
+                stopped_by = Some(signal);
+                break;
+            }
             // The last step's checkpoint is the final one, below.
-            if let Some(every) = self.job.checkpoint_every.filter(|&e| e > 0) {
-                if self.step.is_multiple_of(every) && self.step < stop {
-                    let p = self.checkpoint_path();
-                    self.checkpoint(&p, self.job.checkpoint_background)?;
-                }
+            if (by_steps || by_time) && self.step < stop {
+                let p = self.checkpoint_path();
+                self.checkpoint(&p, self.job.checkpoint_background)?;
+                last_checkpoint = Instant::now();
             }
         }
         pb.finish_and_clear();
@@ -743,6 +767,11 @@ impl Trainer {
             wall_s: started.elapsed().as_secs_f64(),
             layout: self.parallel.layout.layout.to_string(),
             rank: self.parallel.world().rank(),
+            stopped: stopped_by.map(|signal| Stopped {
+                signal,
+                step: self.step,
+                checkpoint: p.clone(),
+            }),
         };
         #[derive(serde::Serialize)]
         struct Tagged<'a> {
@@ -761,6 +790,33 @@ impl Trainer {
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(summary)
+    }
+
+    /// After a step, every worker's view of whether to stop (the signal that asked, if any)
+    /// and whether rank 0's clock calls for a checkpoint, made the same on every worker (one
+    /// all-reduce of two numbers; nothing on a single worker).
+    fn agree_between_steps(
+        &self,
+        stop: Option<i32>,
+        checkpoint_due: bool,
+    ) -> Result<(Option<i32>, bool)> {
+        let world = self.parallel.world();
+        if world.size() == 1 {
+            return Ok((stop, checkpoint_due));
+        }
+        let mut views = [
+            stop.unwrap_or(0) as f32,
+            f32::from(u8::from(checkpoint_due)),
+        ];
+        world
+            .all_reduce(BufMut::F32(&mut views), ReduceOp::Max)
+            .with_context(|| {
+                format!(
+                    "agreeing after step {} whether to stop or checkpoint",
+                    self.step
+                )
+            })?;
+        Ok(((views[0] > 0.0).then_some(views[0] as i32), views[1] > 0.0))
     }
 
     /// End of a run (every worker): averages the step-time breakdown over all workers (they

@@ -1,0 +1,142 @@
+//! Stopping a run without losing it: a [`StopRequest`] that signals (SIGINT, SIGTERM,
+//! SIGUSR1) or the caller set, and that the training loop reads between steps.
+//!
+//! Why between steps: a step half done has no consistent state to save (the gradients of some
+//! replicas reduced, the optimizer of some stages stepped). So the worker finishes the step in
+//! flight, every worker agrees on the same last step (one small all-reduce per step, the only
+//! cost of being stoppable), writes the checkpoint and ends with
+//! [`Summary::stopped`](crate::Summary) set; the command then exits with `128 + signal`, the
+//! status a shell reports for a process killed by that signal (130 for Ctrl-C, 143 for
+//! SIGTERM). A second SIGINT or SIGTERM exits at once: the user who presses Ctrl-C twice
+//! means it. SIGUSR1 — what SLURM sends before a time limit, and what `mpirun` forwards to
+//! every rank — only ever asks, so a scheduler's repeated warnings cannot abort a
+//! checkpoint being written.
+
+use anyhow::{Context, Result};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+pub use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+
+/// A request to stop after the step in flight: the signal that asked (0: none). Clones share
+/// the request, so one installed handler reaches every worker thread.
+#[derive(Clone, Debug, Default)]
+pub struct StopRequest {
+    signal: Arc<AtomicUsize>,
+}
+
+impl StopRequest {
+    /// A request nothing has made yet (set it with [`StopRequest::request`]).
+    pub fn new() -> StopRequest {
+        StopRequest::default()
+    }
+
+    /// The request SIGINT, SIGTERM and SIGUSR1 make from now on, in this process: the first
+    /// of them asks to stop after the step in flight; a later SIGINT or SIGTERM exits at once
+    /// with `128 + signal`. Installed once per process (later calls return the same request).
+    pub fn on_signals() -> Result<StopRequest> {
+        static INSTALLED: OnceLock<StopRequest> = OnceLock::new();
+        if let Some(request) = INSTALLED.get() {
+            return Ok(request.clone());
+        }
+        let request = StopRequest::new();
+        let asked = Arc::new(AtomicBool::new(false));
+        for signal in [SIGINT, SIGTERM] {
+            // Registered first, so it runs before the flag below is set: it exits only on a
+            // signal after the first.
+            signal_hook::flag::register_conditional_shutdown(
+                signal,
+                exit_status(signal),
+                asked.clone(),
+            )
+            .with_context(|| format!("installing the {} handler", signal_name(signal)))?;
+            signal_hook::flag::register(signal, asked.clone())
+                .with_context(|| format!("installing the {} handler", signal_name(signal)))?;
+        }
+        for signal in [SIGINT, SIGTERM, SIGUSR1] {
+            register_first(signal, &request.signal)
+                .with_context(|| format!("installing the {} handler", signal_name(signal)))?;
+        }
+        Ok(INSTALLED.get_or_init(|| request).clone())
+    }
+
+    /// Asks to stop after the step in flight, as `signal` would.
+    pub fn request(&self, signal: i32) {
+        let _ = self.signal.compare_exchange(
+            0,
+            signal.max(1) as usize,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+    }
+
+    /// The signal that asked to stop, if one has.
+    pub fn requested(&self) -> Option<i32> {
+        match self.signal.load(Ordering::SeqCst) {
+            0 => None,
+            s => Some(s as i32),
+        }
+    }
+}
+
+/// Records `signal` in `slot` unless an earlier signal already did (the first one names the
+/// stop), from the signal handler (an atomic operation is all a handler may do).
+fn register_first(signal: i32, slot: &Arc<AtomicUsize>) -> std::io::Result<()> {
+    let slot = slot.clone();
+    // SAFETY: the action is one atomic compare-exchange: async-signal-safe, no allocation,
+    // no lock.
+    unsafe {
+        signal_hook::low_level::register(signal, move || {
+            let _ = slot.compare_exchange(0, signal as usize, Ordering::SeqCst, Ordering::SeqCst);
+        })
+    }
+    .map(|_| ())
+}
+
+/// The exit status of a run stopped by `signal`: `128 + signal`, as shells report a process
+/// the signal killed (130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1).
+pub fn exit_status(signal: i32) -> i32 {
+    128 + signal
+}
+
+/// `SIGINT`, `SIGTERM`, ... for messages.
+pub fn signal_name(signal: i32) -> String {
+    match signal {
+        SIGINT => "SIGINT".into(),
+        SIGTERM => "SIGTERM".into(),
+        SIGUSR1 => "SIGUSR1".into(),
+        s => format!("signal {s}"),
+    }
+}
+
+/// Whether a periodic checkpoint is due: `every_minutes` since the last one (or the start).
+pub(crate) fn checkpoint_due(every_minutes: Option<f64>, since_last: std::time::Duration) -> bool {
+    every_minutes.is_some_and(|m| m > 0.0 && since_last.as_secs_f64() >= m * 60.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_first_request_names_the_stop() {
+        let stop = StopRequest::new();
+        assert_eq!(stop.requested(), None);
+        let shared = stop.clone();
+        shared.request(SIGTERM);
+        stop.request(SIGINT);
+        assert_eq!(stop.requested(), Some(SIGTERM));
+        assert_eq!(exit_status(SIGINT), 130);
+        assert_eq!(exit_status(SIGTERM), 143);
+        assert_eq!(signal_name(SIGUSR1), "SIGUSR1");
+    }
+
+    #[test]
+    fn checkpoints_fall_due_by_time() {
+        assert!(!checkpoint_due(None, Duration::from_secs(3600)));
+        assert!(!checkpoint_due(Some(0.0), Duration::from_secs(3600)));
+        assert!(!checkpoint_due(Some(10.0), Duration::from_secs(599)));
+        assert!(checkpoint_due(Some(10.0), Duration::from_secs(600)));
+    }
+}
