@@ -109,8 +109,14 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
     let cfg = Config::load(&args.config, &overrides)?;
     let task = Task::load(&cfg)?;
     let job = cfg.job(&task)?;
+    let resume = args.resume.clone().or(cfg.checkpoint.resume.clone());
+    anyhow::ensure!(
+        resume.is_some() || !args.reshape,
+        "--reshape changes the batch of a resumed run: give the checkpoint with --resume"
+    );
     let options = RunOptions {
-        resume: args.resume.clone().or(cfg.checkpoint.resume.clone()),
+        resume,
+        reshape: args.reshape,
         init_from: args.init_from.clone(),
         show_progress: std::io::stderr().is_terminal(),
         verbose: true,
@@ -120,7 +126,7 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
         || std::env::var("OMPI_COMM_WORLD_RANK").is_ok_and(|r| r == "0");
     if lead {
         println!("meshtrain: {}", task.source);
-        for notice in cfg.notices() {
+        for notice in cfg.notices().into_iter().chain(job.notices()) {
             println!("note: {notice}");
         }
         announce_stop_requests(stop);
@@ -157,7 +163,7 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
         println!("test accuracy {:.2}%", acc * 100.0);
     }
     if let (Some(l), Some(b)) = (summary.eval_loss, summary.unigram_baseline) {
-        println!("validation loss {l:.4} nats/char vs unigram baseline {b:.4}");
+        println!("validation loss {l:.4} nats/token vs unigram baseline {b:.4}");
     }
     println!("throughput {:.1} samples/s", summary.samples_per_s);
     println!("{}", summary.breakdown.report());

@@ -187,7 +187,7 @@ impl RunMetrics {
             );
         }
         let loss_unit = if is_text {
-            "loss (nats/char)"
+            "loss (nats/token)"
         } else {
             "cross-entropy loss"
         };
@@ -212,7 +212,7 @@ impl RunMetrics {
         let outcome = match (self.final_test_accuracy, self.final_eval_loss) {
             (Some(a), _) => format!(": final test accuracy {:.2}%", a * 100.0),
             (None, Some(l)) if is_text => format!(
-                ": final validation loss {l:.3} nats/char (unigram {:.3})",
+                ": final validation loss {l:.3} nats/token (unigram {:.3})",
                 baseline.unwrap_or(f64::NAN)
             ),
             _ => String::new(),

@@ -14,6 +14,11 @@ pub struct TrainArgs {
     /// Resume from a checkpoint of the same model (default: none).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// With --resume: go on with another global batch (or a world that needs one) than the
+    /// checkpoint's; the optimizer state is kept and the data continue at the same sample
+    /// position (docs/checkpoints.md).
+    #[arg(long)]
+    pub reshape: bool,
     /// Start from a checkpoint's weights with a fresh optimizer at step 0 (fine-tuning; the
     /// checkpoint may come from another model configuration whose tensors match).
     #[arg(long, value_name = "CHECKPOINT", conflicts_with = "resume")]
@@ -54,6 +59,11 @@ pub struct TrainArgs {
     /// Micro-batches per step and data-parallel replica (pipeline runs).
     #[arg(long)]
     pub micro_batches: Option<usize>,
+    /// The Fashion-MNIST directory (its four IDX .gz files), searched before the system
+    /// package, the cache and a download. Same as --set data.data_dir=DIR. See
+    /// docs/data.md.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
     /// Where the step runs: cpu (default), cuda (GPU 0) or cuda:N. Same as --set
     /// train.device="cuda:N". See docs/gpu.md.
     #[arg(long)]
@@ -103,6 +113,10 @@ impl TrainArgs {
         if let Some(path) = &self.timeline {
             let path = path.to_string_lossy();
             overrides.push(format!("parallel.timeline={}", toml_string(&path)));
+        }
+        if let Some(dir) = &self.data_dir {
+            let dir = dir.to_string_lossy();
+            overrides.push(format!("data.data_dir={}", toml_string(&dir)));
         }
         if let Some(dir) = &self.tensorboard {
             let dir = dir.to_string_lossy();

@@ -283,12 +283,14 @@ fn impossible_layouts_fail_before_any_work_with_a_clear_message() {
     );
     let e = err(&strings(&["parallel.layout=\"tp=4\""]));
     assert!(
-        e.contains("attention heads is 2, not divisible by tp"),
+        e.contains("has 2 attention heads, not divisible by tp"),
         "{e}"
     );
     let e = err(&strings(&["parallel.layout=\"cp=3\""]));
     assert!(
-        e.contains("cp=3: the sequence length is 16, not divisible by 6"),
+        e.contains(
+            "cp=3: the sequence length is 16, not divisible by 6 (2 × cp: under a causal mask"
+        ),
         "{e}"
     );
     let e = mpi_data_parallel_size(2, 2, 6).unwrap_err().to_string();

@@ -173,7 +173,7 @@ fn layouts_the_model_cannot_split_fail_before_any_work() {
     };
     let e = err(&["parallel.tp=8"]);
     assert!(
-        e.contains("attention heads is 4, not divisible by tp"),
+        e.contains("has 4 attention heads, not divisible by tp (each tensor-parallel worker computes whole heads): choose tp among 2, 4"),
         "{e}"
     );
     let e = err(&["parallel.tp=4", "parallel.sequence_parallel=true"]);

@@ -75,6 +75,11 @@ impl std::str::FromStr for CpMode {
     }
 }
 
+/// Why a sequence is cut into 2·cp chunks, for the error that says it cannot be.
+const BALANCED_CHUNKS: &str = " (2 × cp: under a causal mask the end of a sequence attends to \
+     more tokens than its start, so each worker takes one chunk from each end, 2 × cp chunks in \
+     all, and their work is equal)";
+
 /// Why a model cannot be spread over a context-parallel group.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ContextError {
@@ -83,12 +88,14 @@ pub enum ContextError {
          per sample (its input is not a token sequence)"
     )]
     NoSequence { cp: usize },
-    #[error("cp={cp}: {what} is {n}, not divisible by {by}")]
+    #[error("cp={cp}: {what} is {n}, not divisible by {by}{why}")]
     NotDivisible {
         cp: usize,
         what: String,
         n: usize,
         by: usize,
+        /// Why that divisor (empty: it is cp).
+        why: &'static str,
     },
     #[error("cp={cp}: the model has no attention layer to spread over the sequence")]
     NoAttention { cp: usize },
@@ -243,6 +250,7 @@ pub fn check(
                     what: format!("'{path}' attention heads per tensor-parallel rank ({h}/{tp})"),
                     n: local,
                     by: cp,
+                    why: "",
                 });
             }
         }
@@ -264,6 +272,7 @@ pub fn check_sequence(model: &Model, cp: usize) -> Result<Vec<(String, usize)>, 
             what: "the sequence length".into(),
             n: seq,
             by: 2 * cp,
+            why: BALANCED_CHUNKS,
         });
     }
     let mut found = Found::default();
@@ -386,6 +395,7 @@ pub fn shard_batch(batch: Batch, shard: SequenceShard) -> Result<Batch, ContextE
             what: "the batch's sequence length".into(),
             n: seq,
             by: 2 * shard.parts,
+            why: BALANCED_CHUNKS,
         });
     }
     let local = seq / shard.parts;

@@ -44,6 +44,19 @@ use meshtrain_tensor::{DType, Tensor};
 use std::ops::Range;
 use std::sync::Arc;
 
+/// `n`'s divisors above 1, for messages ("2, 4, 8").
+fn divisors(n: usize) -> String {
+    let all: Vec<String> = (2..=n)
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect();
+    if all.is_empty() {
+        "none above 1".into()
+    } else {
+        all.join(", ")
+    }
+}
+
 /// Why a model cannot be split as asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TensorError {
@@ -51,6 +64,16 @@ pub enum TensorError {
     NoPlan { tp: usize },
     #[error("tp={tp}: {what} is {n}, not divisible by tp")]
     NotDivisible { tp: usize, what: String, n: usize },
+    #[error(
+        "tp={tp}: '{path}' has {heads} attention heads, not divisible by tp (each \
+         tensor-parallel worker computes whole heads): choose tp among {}",
+        divisors(*heads)
+    )]
+    Heads {
+        tp: usize,
+        path: String,
+        heads: usize,
+    },
     #[error("tp={tp}: '{path}' is split {style:?}, but {reason}")]
     Unsupported {
         tp: usize,
@@ -945,8 +968,36 @@ pub fn check(
             divides(tp, &what, seq / cp)?;
         }
     }
+    // Heads first: they are what tensor parallelism splits attention by, and the fused
+    // projection before them only fails as their consequence (its per-group features are
+    // heads × head width).
+    for block in &model.blocks {
+        check_heads(block.layer.as_ref(), &block.name, tp)?;
+    }
     for block in &model.blocks {
         check_layer(model, block.layer.as_ref(), &block.name, tp)?;
+    }
+    Ok(())
+}
+
+/// Every attention core's heads divide over `tp` (each rank keeps whole heads).
+fn check_heads(layer: &dyn Layer, path: &str, tp: usize) -> Result<(), TensorError> {
+    if let Some(core) = layer
+        .as_any()
+        .and_then(|a| a.downcast_ref::<AttentionCore>())
+    {
+        if !core.heads.is_multiple_of(tp) {
+            return Err(TensorError::Heads {
+                tp,
+                path: path.into(),
+                heads: core.heads,
+            });
+        }
+    }
+    if let Some(children) = layer.children() {
+        for (name, child) in children.layers() {
+            check_heads(child.as_ref(), &join(path, name), tp)?;
+        }
     }
     Ok(())
 }

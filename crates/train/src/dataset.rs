@@ -151,7 +151,8 @@ impl SamplerPosition {
             "sampler position mismatch: checkpoint {} was written with the data sampler at a \
              position this run does not continue from ({}); resuming would train on other \
              samples than the interrupted run: keep the seed, the dataset and the global batch \
-             (train.batch_size) of the run that wrote it",
+             (train.batch_size) of the run that wrote it, or resume with --reshape to go on \
+             with another global batch from the same sample position",
             file.display(),
             differ.join("; ")
         );

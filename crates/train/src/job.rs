@@ -321,6 +321,25 @@ impl Job {
         self.max_steps.map_or(total, |m| m.min(total))
     }
 
+    /// What the run should say about settings that are legal but probably not meant: a
+    /// warm-up that the run never leaves.
+    pub fn notices(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        let warmup = self.lr.warmup_steps;
+        // The schedule's length (max_steps stops early on purpose, the schedule unchanged).
+        let run = self.total_steps();
+        if warmup > 0 && warmup >= run && run > 0 {
+            let suggested = (run / 10).max(1);
+            notes.push(format!(
+                "schedule.warmup_steps={warmup} but the run trains {run} steps: the learning \
+                 rate never leaves warm-up (it reaches {:.0}% of schedule.lr at the last step); \
+                 lower schedule.warmup_steps, e.g. to {suggested} (a tenth of the run)",
+                100.0 * run as f64 / warmup as f64
+            ));
+        }
+        notes
+    }
+
     /// Checks everything that can be checked before any work, for a world of `world`
     /// workers: settings, the layout against the world, the batch and the model, the data
     /// against the model and the loss (one sample through the model). Returns the resolved

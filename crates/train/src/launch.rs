@@ -30,6 +30,10 @@ impl std::error::Error for ReportedElsewhere {}
 pub struct RunOptions {
     /// Continue from this checkpoint (same model; every worker reads it).
     pub resume: Option<PathBuf>,
+    /// With `resume`: the global batch may differ from the checkpoint's; the optimizer
+    /// state is kept and the data stream continues at the same sample position
+    /// ([`Trainer::resume_reshaped`]).
+    pub reshape: bool,
     /// Start from this checkpoint's weights with a fresh optimizer at step 0 (fine-tuning;
     /// the checkpoint may come from another model configuration with matching tensors).
     pub init_from: Option<PathBuf>,
@@ -223,9 +227,12 @@ fn run_worker(
         }
     }
     if let Some(path) = &options.resume {
-        trainer.resume(path)?;
+        let changed = trainer.resume_reshaped(path, options.reshape)?;
         if verbose {
             println!("resumed from {} at step {}", path.display(), trainer.step);
+            if let Some(changed) = changed {
+                println!("reshaped: {changed}; optimizer state kept");
+            }
         }
     }
     if verbose {

@@ -1,7 +1,9 @@
 //! meshtrain as a library: train your own model on your own data with every parallel layout
 //! meshtrain has — data parallelism (DDP or the single-master mode), pipelines (GPipe, 1F1B,
-//! interleaved), both at once — with checkpoints that resume exactly in any layout, metrics,
-//! a progress bar, a step-time breakdown and a timeline.
+//! interleaved), tensor, sequence and context parallelism, ZeRO 1–3, combined — with
+//! checkpoints that resume exactly in any layout, a graceful stop on signals
+//! ([`StopRequest`]), metrics, TensorBoard events, a progress bar, a step-time breakdown and
+//! a timeline.
 //!
 //! You give:
 //! * a model: [`nn::Model`], blocks with explicit forward and backward over one flat

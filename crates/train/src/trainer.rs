@@ -233,12 +233,26 @@ impl Trainer {
         }
     }
 
+    /// Passes over the training set after `step` steps: whole shuffled passes, or, for data
+    /// drawn at random (text windows), the targets seen over the targets the set holds.
     fn epoch_of(&self, step: u64) -> f64 {
-        if self.steps_per_epoch == 0 {
-            0.0
-        } else {
-            step as f64 / self.steps_per_epoch as f64
+        if self.steps_per_epoch > 0 {
+            return step as f64 / self.steps_per_epoch as f64;
         }
+        let data = &self.job.train_data;
+        let seen = step as f64 * self.job.batch_size as f64 * data.targets_per_sample() as f64;
+        seen / data.len().max(1) as f64
+    }
+
+    /// A throughput for the log: samples/s with three significant digits (a batch of one
+    /// long sequence is well under 1 sample/s), and tokens/s for token sequences.
+    fn describe_rate(&self, samples_per_s: f64) -> String {
+        let tokens = self.job.train_data.targets_per_sample();
+        let mut text = format!("{} samples/s", significant(samples_per_s));
+        if tokens > 1 {
+            text += &format!(" ({} tokens/s)", significant(samples_per_s * tokens as f64));
+        }
+        text
     }
 
     /// One training step (step number `self.step`): this worker's share of the batch, the
@@ -482,31 +496,111 @@ impl Trainer {
     }
 
     /// Continues from a checkpoint written by any layout (every worker reads the file and
-    /// keeps its share). The checkpoint must be of the same model.
+    /// keeps its share). The checkpoint must be of the same model and data stream (seed,
+    /// dataset, global batch); see [`Trainer::resume_reshaped`] for another global batch.
     pub fn resume(&mut self, path: &Path) -> Result<()> {
-        if crate::sharded::is_sharded(path) {
+        self.resume_reshaped(path, false).map(|_| ())
+    }
+
+    /// [`Trainer::resume`], and with `reshape` a global batch other than the checkpoint's
+    /// (a batch ramp, or fewer workers that cannot take the old one): the optimizer state
+    /// is kept and the data stream goes on at the same sample position. Returns what
+    /// changed, to say so.
+    ///
+    /// Shuffled epochs: the step is renumbered to the new batch's count at the same place in
+    /// the same epoch (step 300 of batch 8 into an epoch is step 150 of batch 16), so the
+    /// epoch's remaining samples come next and the schedule and every later resume see a run
+    /// that had this batch throughout; the place must be a whole number of new batches.
+    /// Random draws: the step stays (each step's draw is fresh whatever its size).
+    pub fn resume_reshaped(&mut self, path: &Path, reshape: bool) -> Result<Option<String>> {
+        let (step, sampler, loss_scaler) = if crate::sharded::is_sharded(path) {
             let ckpt = crate::sharded::ShardedCheckpoint::open(path)?;
             let index = &ckpt.index;
             checkpoint::check_same_model(path, &index.model, &self.job.model_description)?;
-            self.check_sampler(path, index.step, index.sampler.as_ref())?;
+            let position = (index.step, index.sampler.clone(), index.loss_scaler);
             ckpt.load_into(&mut self.parallel, &self.model, &self.whole, true)?;
-            if let Some(scaler) = index.loss_scaler {
-                self.parallel.restore_loss_scaler(scaler);
+            position
+        } else {
+            let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
+            self.parallel
+                .load_state(&self.model, &self.whole, &full, Some(&optimizer));
+            (restored.step, restored.sampler, restored.loss_scaler)
+        };
+        let (step, changed) = match (reshape, &sampler) {
+            (true, Some(saved)) => {
+                let (step, changed) = self.reshaped_step(path, step, saved)?;
+                (step, Some(changed))
             }
-            self.step = index.step;
-            self.parallel.push_to_device()?;
-            return Ok(());
-        }
-        let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
-        self.check_sampler(path, restored.step, restored.sampler.as_ref())?;
-        self.parallel
-            .load_state(&self.model, &self.whole, &full, Some(&optimizer));
-        if let Some(scaler) = restored.loss_scaler {
+            (true, None) => anyhow::bail!(
+                "--reshape: checkpoint {} records no data sampler position (written before \
+                 it was recorded), so the stream cannot be continued with another batch",
+                path.display()
+            ),
+            (false, _) => {
+                self.check_sampler(path, step, sampler.as_ref())?;
+                (step, None)
+            }
+        };
+        if let Some(scaler) = loss_scaler {
             self.parallel.restore_loss_scaler(scaler);
         }
-        self.step = restored.step;
+        self.step = step;
         self.parallel.push_to_device()?;
-        Ok(())
+        Ok(changed)
+    }
+
+    /// The step this job continues at from a checkpoint at `step` whose sampler stood at
+    /// `saved`, under `--reshape` (see [`Trainer::resume_reshaped`]), and a line on what
+    /// changed.
+    fn reshaped_step(
+        &self,
+        path: &Path,
+        step: u64,
+        saved: &SamplerPosition,
+    ) -> Result<(u64, String)> {
+        let now = self.sampler_position(step);
+        let same_stream = [
+            ("sampling", &saved.sampling, &now.sampling),
+            ("seed", &saved.seed.to_string(), &now.seed.to_string()),
+            (
+                "dataset samples",
+                &saved.dataset_len.to_string(),
+                &now.dataset_len.to_string(),
+            ),
+        ];
+        for (what, was, is) in same_stream {
+            anyhow::ensure!(
+                was == is,
+                "--reshape continues the same data stream with another batch, but the {what} \
+                 differs: {was} in checkpoint {}, {is} in this run",
+                path.display()
+            );
+        }
+        let (old, new) = (saved.global_batch, self.job.batch_size);
+        let continued = if self.steps_per_epoch == 0 {
+            step
+        } else {
+            let into = saved.samples_into_epoch;
+            anyhow::ensure!(
+                into.is_multiple_of(new as u64),
+                "--reshape: checkpoint {} stopped {into} samples into epoch {}, not a whole \
+                 number of batches of {new}: choose a global batch that divides {into} \
+                 (or resume from a checkpoint at an epoch's end)",
+                path.display(),
+                saved.epoch
+            );
+            saved.epoch * self.steps_per_epoch + into / new as u64
+        };
+        let mut changed = format!("global batch {old} → {new}");
+        if continued != step {
+            changed += &format!(
+                ": step {step} continues as step {continued} (epoch {}, {} samples into it)",
+                saved.epoch, saved.samples_into_epoch
+            );
+        } else {
+            changed += &format!(": step {step} continues with fresh draws of {new} samples");
+        }
+        Ok((continued, changed))
     }
 
     /// A checkpoint at `step` that recorded its sampler position `saved` must be where this
@@ -668,6 +762,9 @@ impl Trainer {
             .expect("progress template"),
         );
         pb.set_position(self.step);
+        // The elapsed time moves even while a long first step runs.
+        pb.enable_steady_tick(std::time::Duration::from_secs(1));
+        let first_step = self.step + 1;
         let started = Instant::now();
         let (mut window_t, mut window_samples) = (Instant::now(), 0usize);
         let mut last_eval = (None, None);
@@ -685,16 +782,23 @@ impl Trainer {
             window_samples += global_samples;
             samples_total += global_samples;
             pb.inc(1);
-            if self.step.is_multiple_of(self.job.log_every) || self.step == stop {
+            let logged = self.step.is_multiple_of(self.job.log_every) || self.step == stop;
+            // The first step is printed whatever the interval: it can take long (a long
+            // sequence, a cold start), and silence then looks like a hang.
+            if logged || self.step == first_step {
                 let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
-                pb.set_message(format!("loss {loss:.4} | {sps:.0} samples/s"));
+                let rate = self.describe_rate(sps);
+                pb.set_message(format!("loss {loss:.4} | {rate}"));
                 if !self.show_progress && lead {
                     println!(
-                        "step {:>6} epoch {:>5.2} loss {loss:.4} lr {lr:.2e} {sps:.0} samples/s",
+                        "step {:>6} epoch {:>6.3} loss {loss:.4} lr {lr:.2e} {rate}",
                         self.step,
                         self.epoch_of(self.step)
                     );
                 }
+            }
+            if logged {
+                let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
                 let record = TrainRecord {
                     kind: "train",
                     step: self.step,
@@ -850,6 +954,16 @@ impl Trainer {
             recorded.finish(world.as_ref(), &title, l.layout.pp)?;
         }
         Ok(())
+    }
+}
+
+/// `x` with three significant digits (no decimals from 100 on).
+fn significant(x: f64) -> String {
+    match x.abs() {
+        a if a >= 100.0 || a == 0.0 => format!("{x:.0}"),
+        a if a >= 10.0 => format!("{x:.1}"),
+        a if a >= 1.0 => format!("{x:.2}"),
+        _ => format!("{x:.3}"),
     }
 }
 
