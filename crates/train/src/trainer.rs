@@ -79,6 +79,9 @@ pub struct Trainer {
     pub stop: StopRequest,
 }
 
+/// Seconds after which a first step still running is said to be running.
+const FIRST_STEP_NOTICE_S: u64 = 10;
+
 /// Below this loss scale even the largest gradient of an fp16 backward is below f16's
 /// smallest subnormal (2⁻²⁴): the scaler has nothing left to try.
 const MIN_LOSS_SCALE: f32 = 1.0 / 16_777_216.0;
@@ -765,6 +768,22 @@ impl Trainer {
         // The elapsed time moves even while a long first step runs.
         pb.enable_steady_tick(std::time::Duration::from_secs(1));
         let first_step = self.step + 1;
+        // A first step of minutes (a very long sequence) would leave a log silent: say once
+        // that it runs, if it is still running after a while.
+        let first_done = (lead && !self.show_progress).then(|| {
+            let (done, wait) = std::sync::mpsc::channel::<()>();
+            let tokens = self.job.batch_size * self.job.train_data.targets_per_sample();
+            std::thread::spawn(move || {
+                let after = std::time::Duration::from_secs(FIRST_STEP_NOTICE_S);
+                if wait.recv_timeout(after) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                    println!(
+                        "step {first_step} still running after {FIRST_STEP_NOTICE_S} s \
+                         ({tokens} targets per step; the first step also warms up)"
+                    );
+                }
+            });
+            done
+        });
         let started = Instant::now();
         let (mut window_t, mut window_samples) = (Instant::now(), 0usize);
         let mut last_eval = (None, None);
@@ -777,6 +796,11 @@ impl Trainer {
         while self.step < stop {
             let lr = self.schedule.lr(self.step);
             let stats = self.train_step()?;
+            if self.step == first_step {
+                if let Some(done) = &first_done {
+                    let _ = done.send(());
+                }
+            }
             let loss = stats.loss;
             last_loss = loss;
             window_samples += global_samples;
