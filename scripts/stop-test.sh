@@ -7,7 +7,8 @@
 #   2. `meshtrain launch --np 2` and SIGTERM to the launcher (what a scheduler sends): it
 #      forwards the stop to every rank (SIGUSR1 through mpirun), does not restart, exits 143
 #      and prints the command that resumes; that command, run to 3 steps later, is
-#      bit-identical to an uninterrupted run.
+#      bit-identical to an uninterrupted run;
+#   3. SIGTERM twice to the launcher: it ends the job at once (no rank left running), 143.
 # (The threads backend: crates/meshtrain/tests/graceful_stop.rs.)
 #
 # Needs OpenMPI (see scripts/mpi-common.sh).
@@ -123,4 +124,16 @@ eval "$RESUME" --set train.max_steps=$UNTIL >"$OUT/launch-resumed.log" 2>&1 \
     >"$OUT/launch-straight.log" 2>&1 || { cat "$OUT/launch-straight.log"; fail "the uninterrupted run"; }
 same_state "$RUN/checkpoint.safetensors" "$OUT/launch-straight/checkpoint.safetensors" \
     || fail "the resumed run differs"
+echo "3. meshtrain launch, SIGTERM twice: the job ends at once, no rank left behind"
+RUN="$OUT/twice"
+"$BIN" launch --np 2 --mpirun-arg=--oversubscribe -- "${JOB[@]}" --set "train.out_dir=\"$RUN\"" \
+    >"$OUT/twice.log" 2>&1 &
+LAUNCH=$!
+wait_for_step "$RUN" 3
+kill -TERM $LAUNCH; sleep 0.05; kill -TERM $LAUNCH
+status=0; wait $LAUNCH || status=$?
+[ "$status" = 143 ] || { cat "$OUT/twice.log"; fail "launch exited $status, not 143"; }
+sleep 2
+[ -z "$(rank_pids "$RUN")" ] || fail "ranks still running after the launcher exited"
+echo "  exit 143, no rank left running"
 echo "stop-test: passed"

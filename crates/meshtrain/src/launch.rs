@@ -318,6 +318,14 @@ fn wait_making_progress(
                 .args(["-USR1", &child.id().to_string()])
                 .status();
         }
+        // A second Ctrl-C: the job ends now, not after its checkpoint (mpirun kills the
+        // ranks on SIGTERM), and the launcher with it.
+        if stop.insisted() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            return Ok(Ok(child.wait()?));
+        }
         let since = last_progress(out_dir)
             .filter(|t| *t > started)
             .unwrap_or(started);
@@ -400,7 +408,7 @@ fn without_option(args: &[String], name: &str) -> Vec<String> {
 /// `meshtrain launch`.
 pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
     let launched = SystemTime::now();
-    let stop = StopRequest::on_signals()?;
+    let stop = StopRequest::on_signals_supervising()?;
     check_mpirun(&args.mpirun)?;
     /// `meshtrain train`'s command line, to read the job's arguments.
     #[derive(Parser)]

@@ -69,7 +69,7 @@ pub struct ThroughputRun {
     pub comm_hidden_ms: f64,
     /// Tensor-parallel collectives: the part of `compute_ms` spent waiting in them.
     pub tp_comm_ms: f64,
-    /// ZeRO-3: the part of `compute_ms` spent waiting for parameters being all-gathered.
+    /// ZeRO-3: the part of `comm_exposed_ms` spent waiting for parameters being all-gathered.
     pub param_gather_ms: f64,
     /// Context parallelism: the part of `compute_ms` attention waited for transfers, and
     /// how long the transfers ran on the communication thread.

@@ -162,7 +162,7 @@ fn throughput(args: &BenchZeroArgs) -> Result<()> {
     println!(
         "## Throughput at dp = 2, {} threads in all (GPT {}×{}, batch {}; alternating, {} \
          rounds of {} timed steps)\n\n| layout | samples/s (each round) | vs DDP | step ms | \
-         compute ms | of which all-gather wait ms | comm exposed ms | comm hidden ms |\n\
+         compute ms | comm exposed ms | of which all-gather wait ms | comm hidden ms |\n\
          |---|---|---|---|---|---|---|---|",
         args.threads, args.dim, args.layers, args.batch, args.pairs, args.steps
     );
@@ -223,8 +223,8 @@ fn throughput(args: &BenchZeroArgs) -> Result<()> {
             median(&ratios),
             col(|x| x.step_ms),
             col(|x| x.compute_ms),
-            col(|x| x.param_gather_ms),
             col(|x| x.comm_exposed_ms),
+            col(|x| x.param_gather_ms),
             col(|x| x.comm_hidden_ms),
         );
     }

@@ -131,18 +131,21 @@ pub struct StepTimes {
     /// Backward compute (time spent launching communication from its hooks excluded).
     pub backward_s: f64,
     pub optimizer_s: f64,
-    /// Communication the worker waited for (gradient synchronisation after backward, the
-    /// single master's scatter/gather/broadcast).
+    /// Data-parallel communication the worker waited for (gradient synchronisation after
+    /// backward, the single master's scatter/gather/broadcast, ZeRO's waits for parameters
+    /// and reduce-scatters inside forward and backward).
     pub comm_exposed_s: f64,
-    /// Communication that ran while backward was computing.
+    /// Data-parallel communication that ran while forward or backward was computing: the
+    /// time the communication thread was running collectives before the worker waited for
+    /// them (not the compute time between issuing a collective and waiting for it).
     pub comm_hidden_s: f64,
     /// Bytes this worker put into gradient synchronisation.
     pub comm_bytes: u64,
     /// The same traffic in the ZeRO paper's units (an all-reduce counts twice): 2Ψ per step
     /// for DDP and ZeRO-1/2, 3Ψ for ZeRO-3.
     pub comm_traffic_bytes: u64,
-    /// ZeRO-3: time forward and backward waited for parameters being all-gathered
-    /// (included in `forward_s` and `backward_s`).
+    /// ZeRO-3: time forward and backward waited for parameters being all-gathered (part of
+    /// `comm_exposed_s`; not in `forward_s` and `backward_s`).
     pub param_gather_s: f64,
     /// Pipelines: time not computing inside the pipelined part of the step (the bubble and
     /// transfers).
@@ -765,7 +768,7 @@ impl Parallel {
             );
         }
         let mut times = StepTimes {
-            forward_s: report.forward_s,
+            forward_s: report.forward_s - comm.in_forward_s,
             backward_s: report.backward_s - comm.in_backward_s,
             comm_exposed_s: comm.exposed_s,
             comm_hidden_s: comm.hidden_s,

@@ -18,7 +18,7 @@ use crate::layout::{
 };
 use crate::model::ModelSpec;
 use crate::presets;
-use crate::search::{evaluate_layout, search_feasible};
+use crate::search::{evaluate_layout, search_feasible, TIE};
 
 /// Arguments of `meshtrain plan`.
 #[derive(Debug, Clone, Args)]
@@ -234,6 +234,24 @@ fn table(problem: &Problem, plans: &[Evaluation]) -> String {
             rate,
             e.throughput.tflops_per_gpu,
             100.0 * e.throughput.mfu
+        );
+    }
+    // The order (`search::rank`): the recommendation, then fastest first. Say so where the
+    // recommendation is not the fastest row, so the step times read as intended.
+    if let Some((i, fastest)) = plans
+        .iter()
+        .enumerate()
+        .skip(1)
+        .min_by(|(_, a), (_, b)| a.time.step_s.total_cmp(&b.time.step_s))
+        .filter(|(_, f)| f.time.step_s < plans[0].time.step_s)
+    {
+        let _ = writeln!(
+            out,
+            "  #1 is recommended over the fastest, #{} ({:.4} s), as the simplest layout predicted \
+             within {:.1}% of it (inside the time model's resolution); the others follow fastest first",
+            i + 1,
+            fastest.time.step_s,
+            100.0 * (TIE - 1.0)
         );
     }
     out

@@ -11,7 +11,9 @@ use crate::layout::{CpMode, Layout, Recompute, Schedule};
 /// Outcome of a search.
 #[derive(Debug, Clone, Serialize)]
 pub struct SearchResult {
-    /// Feasible layouts, fastest (most tokens or samples per second) first.
+    /// Feasible layouts: the recommendation first (the simplest of the layouts predicted
+    /// within [`TIE`] of the fastest, see [`rank`]), then all the others fastest (most
+    /// tokens or samples per second, i.e. shortest step) first.
     pub ranked: Vec<Evaluation>,
     /// Layouts that could be built and were evaluated.
     pub candidates: usize,
@@ -204,30 +206,47 @@ pub fn search(problem: &Problem) -> Result<SearchResult> {
             }
         }
     }
-    // Fastest first. Layouts within the model's resolution (0.5% throughput bands) count as
-    // equally fast; among those the simpler layout wins, then the one with more headroom.
-    ranked.sort_by(|a, b| {
-        speed_band(b)
-            .cmp(&speed_band(a))
-            .then(complexity(&a.layout).cmp(&complexity(&b.layout)))
-            .then(a.memory.total().total_cmp(&b.memory.total()))
-            .then(
-                b.throughput
-                    .samples_per_s
-                    .total_cmp(&a.throughput.samples_per_s),
-            )
-    });
     Ok(SearchResult {
-        ranked,
+        ranked: rank(ranked),
         candidates,
         out_of_memory,
         closest_miss,
     })
 }
 
-/// Throughput band of width 0.5%: differences below it are inside the model's error.
-fn speed_band(e: &Evaluation) -> i64 {
-    (e.throughput.samples_per_s.ln() / 1.005f64.ln()).floor() as i64
+/// Predicted throughputs within this factor of each other are inside the cost model's
+/// resolution: a layout at most 0.5% slower than the fastest counts as equally fast.
+pub const TIE: f64 = 1.005;
+
+/// Orders feasible layouts for printing and recommending: first the recommendation — of the
+/// layouts predicted at most 0.5% ([`TIE`]) slower than the fastest, the simplest
+/// ([`complexity`]), then the one with the most memory headroom, then the faster — and after
+/// it every other layout fastest first (equal throughputs: simpler, then less memory). So the
+/// step times after the first row never go down the list, and the first row is at most 0.5%
+/// slower than the fastest layout (the second row when it is not the fastest itself).
+///
+/// (Sorting everything by 0.5% bands of throughput and by simplicity inside a band, as before,
+/// printed slower layouts above faster ones all down the table.)
+pub fn rank(mut ranked: Vec<Evaluation>) -> Vec<Evaluation> {
+    let speed = |e: &Evaluation| e.throughput.samples_per_s;
+    let simpler = |a: &Evaluation, b: &Evaluation| {
+        complexity(&a.layout)
+            .cmp(&complexity(&b.layout))
+            .then(a.memory.total().total_cmp(&b.memory.total()))
+    };
+    ranked.sort_by(|a, b| speed(b).total_cmp(&speed(a)).then(simpler(a, b)));
+    let Some(fastest) = ranked.first().map(speed) else {
+        return ranked;
+    };
+    let recommended = ranked
+        .iter()
+        .enumerate()
+        .take_while(|(_, e)| speed(e) * TIE >= fastest)
+        .min_by(|(_, a), (_, b)| simpler(a, b).then(speed(b).total_cmp(&speed(a))))
+        .map_or(0, |(i, _)| i);
+    let best = ranked.remove(recommended);
+    ranked.insert(0, best);
+    ranked
 }
 
 /// How much machinery a layout needs: each extra parallel dimension, ZeRO stage,
@@ -289,9 +308,15 @@ mod tests {
         let p = problem("gpt-30b", "h100", 32, 256);
         let r = search_feasible(&p).unwrap();
         assert!(r.candidates > 1000, "{}", r.candidates);
-        // Sorted by 0.5% throughput bands: no later layout is more than 0.5% faster.
-        for pair in r.ranked.windows(2) {
-            assert!(pair[1].throughput.samples_per_s <= 1.005 * pair[0].throughput.samples_per_s);
+        // The recommendation is at most 0.5% slower than the fastest; the rest fastest first.
+        let fastest = r
+            .ranked
+            .iter()
+            .map(|e| e.throughput.samples_per_s)
+            .fold(0.0, f64::max);
+        assert!(r.ranked[0].throughput.samples_per_s * TIE >= fastest);
+        for pair in r.ranked[1..].windows(2) {
+            assert!(pair[1].throughput.samples_per_s <= pair[0].throughput.samples_per_s);
         }
         assert!(r.ranked.iter().all(|e| e.fits));
         // 30B with Adam needs 16 bytes/param = 480 GB of states: plain data parallelism on
@@ -309,13 +334,66 @@ mod tests {
         let p = problem("resnet18", "cpu", 2, 256);
         let best = search_feasible(&p).unwrap().ranked[0].clone();
         assert_eq!((best.layout.dp, best.layout.tp, best.layout.pp), (2, 1, 1));
-        // Inside one 0.5% throughput band, simpler layouts come first.
+        // The recommendation is the simplest layout within 0.5% of the fastest.
         let r = search_feasible(&problem("gpt-30b", "h100", 32, 256)).unwrap();
-        for pair in r.ranked.windows(2) {
-            if speed_band(&pair[0]) == speed_band(&pair[1]) {
-                assert!(complexity(&pair[0].layout) <= complexity(&pair[1].layout));
-            }
+        let fastest = r
+            .ranked
+            .iter()
+            .map(|e| e.throughput.samples_per_s)
+            .fold(0.0, f64::max);
+        let best = r.best().unwrap();
+        for e in r
+            .ranked
+            .iter()
+            .filter(|e| e.throughput.samples_per_s * TIE >= fastest)
+        {
+            assert!(
+                complexity(&best.layout) <= complexity(&e.layout),
+                "{} before {}",
+                best.layout,
+                e.layout
+            );
         }
+    }
+
+    /// Issue 28: `meshtrain plan --cluster cpu --model gpt` printed longer predicted steps
+    /// above shorter ones all down its table (1.1830 s at #12 above 1.1798 s at #13 and
+    /// 1.1786 s at #15): 0.5% throughput bands, simpler layouts first inside a band.
+    #[test]
+    fn layouts_after_the_recommendation_are_listed_fastest_first() {
+        let c = presets::cluster("cpu").unwrap();
+        let mut setup = TrainingSetup::new(64, Precision::Fp32);
+        setup.attention = AttentionKind::Flash;
+        let p = Problem::new(presets::model("gpt").unwrap(), c, setup).unwrap();
+        let r = search_feasible(&p).unwrap();
+        assert!(r.ranked.len() > 30, "{}", r.ranked.len());
+        let steps: Vec<f64> = r.ranked.iter().map(|e| e.time.step_s).collect();
+        for (i, pair) in steps[1..].windows(2).enumerate() {
+            assert!(
+                pair[0] <= pair[1],
+                "#{} {} ({:.4} s) listed above the faster #{} {} ({:.4} s)",
+                i + 2,
+                r.ranked[i + 1].layout,
+                pair[0],
+                i + 3,
+                r.ranked[i + 2].layout,
+                pair[1]
+            );
+        }
+        // The first row is the recommendation: at most 0.5% slower than the fastest, and no
+        // layout that close is simpler.
+        let fastest = r
+            .ranked
+            .iter()
+            .map(|e| e.throughput.samples_per_s)
+            .fold(0.0, f64::max);
+        let best = r.best().unwrap();
+        assert!(best.throughput.samples_per_s * TIE >= fastest);
+        assert!(r
+            .ranked
+            .iter()
+            .filter(|e| e.throughput.samples_per_s * TIE >= fastest)
+            .all(|e| complexity(&best.layout) <= complexity(&e.layout)));
     }
 
     fn long_gpt_30b(attention: AttentionKind) -> Problem {

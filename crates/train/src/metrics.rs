@@ -168,7 +168,8 @@ impl Breakdown {
         };
         let in_compute = if self.times.param_gather_s > 0.0 {
             format!(
-                "{in_compute}; ZeRO-3 parameter all-gathers exposed {:.1} ms of the compute",
+                "{in_compute}; of the exposed communication, ZeRO-3 parameter all-gathers \
+                 {:.1} ms",
                 ms(self.times.param_gather_s)
             )
         } else {

@@ -18,11 +18,22 @@ use std::sync::{Arc, OnceLock};
 
 pub use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 
-/// A request to stop after the step in flight: the signal that asked (0: none). Clones share
-/// the request, so one installed handler reaches every worker thread.
+/// A request to stop after the step in flight: the signal that asked (0: none), and whether
+/// a second SIGINT/SIGTERM insisted. Clones share the request, so one installed handler
+/// reaches every worker thread.
 #[derive(Clone, Debug, Default)]
 pub struct StopRequest {
     signal: Arc<AtomicUsize>,
+    insisted: Arc<AtomicBool>,
+}
+
+/// What a second SIGINT or SIGTERM does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SecondSignal {
+    /// Exits the process at once (a training process: nothing of its own to clean up).
+    Exits,
+    /// Sets [`StopRequest::insisted`] (a supervisor, which must end its child job first).
+    Insists,
 }
 
 impl StopRequest {
@@ -35,29 +46,20 @@ impl StopRequest {
     /// of them asks to stop after the step in flight; a later SIGINT or SIGTERM exits at once
     /// with `128 + signal`. Installed once per process (later calls return the same request).
     pub fn on_signals() -> Result<StopRequest> {
-        static INSTALLED: OnceLock<StopRequest> = OnceLock::new();
-        if let Some(request) = INSTALLED.get() {
-            return Ok(request.clone());
-        }
-        let request = StopRequest::new();
-        let asked = Arc::new(AtomicBool::new(false));
-        for signal in [SIGINT, SIGTERM] {
-            // Registered first, so it runs before the flag below is set: it exits only on a
-            // signal after the first.
-            signal_hook::flag::register_conditional_shutdown(
-                signal,
-                exit_status(signal),
-                asked.clone(),
-            )
-            .with_context(|| format!("installing the {} handler", signal_name(signal)))?;
-            signal_hook::flag::register(signal, asked.clone())
-                .with_context(|| format!("installing the {} handler", signal_name(signal)))?;
-        }
-        for signal in [SIGINT, SIGTERM, SIGUSR1] {
-            register_first(signal, &request.signal)
-                .with_context(|| format!("installing the {} handler", signal_name(signal)))?;
-        }
-        Ok(INSTALLED.get_or_init(|| request).clone())
+        install(SecondSignal::Exits)
+    }
+
+    /// [`StopRequest::on_signals`] for a process that supervises a job (`meshtrain
+    /// launch`): a second SIGINT or SIGTERM does not exit but sets
+    /// [`StopRequest::insisted`], so the supervisor can end its job before it exits rather
+    /// than leave it running.
+    pub fn on_signals_supervising() -> Result<StopRequest> {
+        install(SecondSignal::Insists)
+    }
+
+    /// Whether a second SIGINT or SIGTERM came after the first (supervisors only).
+    pub fn insisted(&self) -> bool {
+        self.insisted.load(Ordering::SeqCst)
     }
 
     /// Asks to stop after the step in flight, as `signal` would.
@@ -77,6 +79,50 @@ impl StopRequest {
             s => Some(s as i32),
         }
     }
+}
+
+/// Installs the process's handlers once (the first call decides what a second signal does).
+fn install(second: SecondSignal) -> Result<StopRequest> {
+    static INSTALLED: OnceLock<StopRequest> = OnceLock::new();
+    if let Some(request) = INSTALLED.get() {
+        return Ok(request.clone());
+    }
+    let request = StopRequest::new();
+    let failed = |signal| format!("installing the {} handler", signal_name(signal));
+    for signal in [SIGINT, SIGTERM] {
+        match second {
+            SecondSignal::Exits => {
+                let asked = Arc::new(AtomicBool::new(false));
+                // Registered first, so it runs before the flag below is set: it exits only
+                // on a signal after the first.
+                signal_hook::flag::register_conditional_shutdown(
+                    signal,
+                    exit_status(signal),
+                    asked.clone(),
+                )
+                .with_context(|| failed(signal))?;
+                signal_hook::flag::register(signal, asked).with_context(|| failed(signal))?;
+            }
+            SecondSignal::Insists => {
+                let (slot, insisted) = (request.signal.clone(), request.insisted.clone());
+                // SAFETY: atomic loads and stores only: async-signal-safe, no allocation, no
+                // lock. Registered before the first-signal handler, so it sees the slot as
+                // the previous signal left it.
+                unsafe {
+                    signal_hook::low_level::register(signal, move || {
+                        if slot.load(Ordering::SeqCst) != 0 {
+                            insisted.store(true, Ordering::SeqCst);
+                        }
+                    })
+                }
+                .with_context(|| failed(signal))?;
+            }
+        }
+    }
+    for signal in [SIGINT, SIGTERM, SIGUSR1] {
+        register_first(signal, &request.signal).with_context(|| failed(signal))?;
+    }
+    Ok(INSTALLED.get_or_init(|| request).clone())
 }
 
 /// Records `signal` in `slot` unless an earlier signal already did (the first one names the

@@ -107,17 +107,21 @@ pub struct CommTiming {
     pub exposed_s: f64,
     /// Communication that ran while backward was still computing.
     pub hidden_s: f64,
-    /// The part of `exposed_s` spent inside backward's hooks (launching, bf16 conversion):
-    /// subtract it from backward's wall time to get backward's compute.
+    /// The part of `exposed_s` spent inside backward's hooks (launching, bf16 conversion,
+    /// ZeRO's waits for parameters and reduce-scatters): subtract it from backward's wall
+    /// time to get backward's compute.
     pub in_backward_s: f64,
+    /// The part of `exposed_s` spent inside forward's hooks (ZeRO-3's waits for
+    /// parameters): subtract it from forward's wall time to get forward's compute.
+    pub in_forward_s: f64,
     /// Bytes this rank put into collectives (all-reduce buffers, reduce-scatter inputs,
     /// all-gather outputs).
     pub bytes: usize,
     /// The same traffic in the units of the ZeRO paper: an all-reduce counts twice (it is a
     /// reduce-scatter and an all-gather), so DDP moves 2Ψ per step, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ.
     pub traffic_bytes: usize,
-    /// Time forward and backward waited for parameters being all-gathered (ZeRO-3;
-    /// included in their times).
+    /// Time forward and backward waited for parameters being all-gathered (ZeRO-3; part of
+    /// `exposed_s`, `in_forward_s` and `in_backward_s`).
     pub param_gather_s: f64,
 }
 
@@ -126,6 +130,7 @@ impl CommTiming {
         self.exposed_s += other.exposed_s;
         self.hidden_s += other.hidden_s;
         self.in_backward_s += other.in_backward_s;
+        self.in_forward_s += other.in_forward_s;
         self.bytes += other.bytes;
         self.traffic_bytes += other.traffic_bytes;
         self.param_gather_s += other.param_gather_s;

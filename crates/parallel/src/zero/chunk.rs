@@ -17,7 +17,7 @@
 
 use super::shards::{ShardLayout, Source, Target};
 use super::ZeroStage;
-use meshtrain_comm::{CommError, ProcessGroup, RawBuf, ReduceOp, Work};
+use meshtrain_comm::{CommError, OpSpan, ProcessGroup, RawBuf, ReduceOp, Work};
 use meshtrain_nn::{BlockParams, ParamStore, Params, ParamsMut};
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -56,11 +56,17 @@ impl Default for ZeroOptions {
 pub struct ChunkComm {
     /// Payload bytes (reduce-scatter inputs, all-gather outputs).
     pub bytes: usize,
-    /// Time forward and backward waited for parameters being gathered.
-    pub gather_wait_s: f64,
+    /// Time forward waited for parameters being gathered (stage 3).
+    pub forward_gather_wait_s: f64,
+    /// Time backward waited for parameters being gathered (stage 3).
+    pub backward_gather_wait_s: f64,
     /// Time backward waited for earlier reduce-scatters (the in-flight bound).
     pub reduce_wait_s: f64,
-    /// Time the collectives ran while compute went on.
+    /// Time the collectives ran on the communication thread while the compute thread went
+    /// on: per collective, from the moment it began running to the moment it finished or
+    /// the compute thread began waiting for it, whichever came first. (The part after that
+    /// is in the waits above; the collectives run one at a time on the communication
+    /// thread, so these spans never overlap.)
     pub hidden_s: f64,
 }
 
@@ -291,19 +297,25 @@ impl ZeroChunk {
         }
     }
 
-    /// Waits for block `b`'s parameters (zeros after an error).
-    fn wait_gathered(&mut self, b: usize) {
+    /// Waits for block `b`'s parameters (zeros after an error); `backward`: the wait is
+    /// backward's (else forward's).
+    fn wait_gathered(&mut self, b: usize, backward: bool) {
         let len = self.layout.blocks[b].full.len();
         let values = match std::mem::replace(&mut self.gathered[b], Gathered::Empty) {
             Gathered::Ready(v) => v,
             Gathered::InFlight { work, _send, recv } => {
                 let t = Instant::now();
                 let result = work.wait_timed();
-                self.comm.gather_wait_s += t.elapsed().as_secs_f64();
+                let waited = t.elapsed().as_secs_f64();
+                if backward {
+                    self.comm.backward_gather_wait_s += waited;
+                } else {
+                    self.comm.forward_gather_wait_s += waited;
+                }
                 let mut values = self.buffer(len);
                 match result {
                     Ok(span) => {
-                        self.comm.hidden_s += t.saturating_duration_since(span.began).as_secs_f64();
+                        self.comm.hidden_s += overlapped(span, t);
                         self.layout.unpack_all(b, &recv, &mut values);
                     }
                     Err(e) => {
@@ -330,13 +342,14 @@ impl ZeroChunk {
         }
     }
 
-    /// Stage 3: makes block `b`'s parameters available, prefetching `next`'s.
-    fn gather(&mut self, b: usize, next: Option<usize>) {
+    /// Stage 3: makes block `b`'s parameters available, prefetching `next`'s (`backward`:
+    /// for backward, else for forward).
+    fn gather(&mut self, b: usize, next: Option<usize>, backward: bool) {
         self.start_gather(b);
         if let Some(n) = next.filter(|_| self.options.prefetch) {
             self.start_gather(n);
         }
-        self.wait_gathered(b);
+        self.wait_gathered(b, backward);
     }
 
     /// Starts block `b`'s reduce-scatter of `grads` (its range of gradients).
@@ -382,11 +395,7 @@ impl ZeroChunk {
         };
         match r.work.wait_timed() {
             Ok(span) => {
-                self.comm.hidden_s += span
-                    .finished
-                    .min(since)
-                    .saturating_duration_since(span.began)
-                    .as_secs_f64();
+                self.comm.hidden_s += overlapped(span, since);
                 match (r.into, full) {
                     (ReduceInto::State, _) => {
                         self.layout
@@ -501,6 +510,16 @@ impl ZeroChunk {
     }
 }
 
+/// Seconds of a collective that ran `span` hidden behind compute, when the compute thread
+/// began waiting for it at `wait_began`: the part of the span before that moment. A
+/// collective that had long finished counts its own duration, not the compute done since.
+fn overlapped(span: OpSpan, wait_began: Instant) -> f64 {
+    span.finished
+        .min(wait_began)
+        .saturating_duration_since(span.began)
+        .as_secs_f64()
+}
+
 /// A [`ZeroChunk`] bound to its chunk's store for one pass.
 pub struct BoundChunk<'a> {
     chunk: &'a mut ZeroChunk,
@@ -519,7 +538,7 @@ impl BlockParams for BoundChunk<'_> {
         let z = &mut *self.chunk;
         let values: &[f32] = if z.stage == ZeroStage::Parameters {
             let next = (b + 1 < z.layout.blocks.len()).then_some(b + 1);
-            z.gather(b, next);
+            z.gather(b, next, false);
             match &z.gathered[b] {
                 Gathered::Ready(v) => v,
                 _ => unreachable!("wait_gathered leaves the block ready"),
@@ -546,7 +565,7 @@ impl BlockParams for BoundChunk<'_> {
         let z = &mut *self.chunk;
         let len = z.layout.blocks[b].full.len();
         if z.stage == ZeroStage::Parameters {
-            z.gather(b, b.checked_sub(1));
+            z.gather(b, b.checked_sub(1), true);
         }
         let old = std::mem::take(&mut z.block_grads);
         z.recycle(old);
@@ -571,6 +590,75 @@ impl BlockParams for BoundChunk<'_> {
         z.recycle(grads);
         if z.stage == ZeroStage::Parameters {
             z.free_gathered(b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshtrain_comm::{CommConfig, ThreadsWorld};
+    use std::time::Duration;
+
+    /// Issue 28: a prefetched all-gather that finished long before its block ran was counted
+    /// as hidden for all the compute between its start and its wait, so ZeRO-3 reported about
+    /// its whole forward and backward time as hidden communication (a compute/communication
+    /// ratio of 1.0 for 40 MB per step). Hidden time is the time the collectives ran, at most.
+    #[test]
+    fn prefetched_gathers_count_the_time_they_ran_not_the_compute_they_waited_behind() {
+        const BLOCKS: usize = 4;
+        const COMPUTE: Duration = Duration::from_millis(30);
+        let comms = ThreadsWorld::run(2, CommConfig::default(), |group| {
+            // One parameter of 1024 elements per block.
+            let blocks: Vec<Vec<Range<usize>>> = (0..BLOCKS)
+                .map(|b| std::iter::once(b * 1024..(b + 1) * 1024).collect())
+                .collect();
+            let layout = ShardLayout::new(&blocks, group.size(), group.rank());
+            let mut chunk = ZeroChunk::new(
+                layout,
+                ZeroStage::Parameters,
+                group,
+                ZeroOptions::default(),
+                0,
+                vec![0..0; BLOCKS],
+            );
+            let mut store = ParamStore {
+                values: Vec::new(),
+                grads: Vec::new(),
+                buffers: Vec::new(),
+            };
+            {
+                let mut bound = chunk.bind(&mut store);
+                for b in 0..BLOCKS {
+                    let _ = bound.forward_view(b);
+                    std::thread::sleep(COMPUTE);
+                    bound.forward_done(b);
+                }
+                for b in (0..BLOCKS).rev() {
+                    let _ = bound.backward_view(b);
+                    std::thread::sleep(COMPUTE);
+                    bound.backward_done(b);
+                }
+            }
+            chunk.finish_reduces(&mut []);
+            if let Some(e) = chunk.take_error() {
+                return Err(e.to_string());
+            }
+            Ok::<_, String>(chunk.take_comm())
+        })
+        .unwrap();
+        let compute = (2 * BLOCKS) as f64 * COMPUTE.as_secs_f64();
+        for comm in comms {
+            // 2 × 4 gathers and 4 reduce-scatters of 4 KiB: microseconds each. Before the fix
+            // 6 of the gathers counted the 30 ms block they were prefetched behind: ≥ 180 ms.
+            assert!(
+                comm.hidden_s < 0.25 * compute,
+                "{:.1} ms hidden of {:.0} ms of compute for 48 KiB of collectives",
+                comm.hidden_s * 1e3,
+                compute * 1e3
+            );
+            assert!(comm.forward_gather_wait_s < 0.25 * compute, "{comm:?}");
+            assert!(comm.backward_gather_wait_s < 0.25 * compute, "{comm:?}");
         }
     }
 }

@@ -367,9 +367,14 @@ impl GradSync for ZeroSync {
             let comm = z.take_comm();
             timing.bytes += comm.bytes;
             timing.hidden_s += comm.hidden_s;
-            timing.param_gather_s += comm.gather_wait_s;
-            timing.in_backward_s += comm.reduce_wait_s;
-            timing.exposed_s += comm.reduce_wait_s;
+            // Forward and backward waiting in their hooks for parameters or for the
+            // in-flight bound of reduce-scatters is communication the compute waited for:
+            // exposed, and taken out of forward's and backward's compute.
+            let gather_wait_s = comm.forward_gather_wait_s + comm.backward_gather_wait_s;
+            timing.param_gather_s += gather_wait_s;
+            timing.in_forward_s += comm.forward_gather_wait_s;
+            timing.in_backward_s += comm.backward_gather_wait_s + comm.reduce_wait_s;
+            timing.exposed_s += gather_wait_s + comm.reduce_wait_s;
             if let Some(e) = z.take_error() {
                 error.get_or_insert(e);
             }
