@@ -204,7 +204,17 @@ fn run_worker(
     threads: Option<usize>,
     options: &RunOptions,
 ) -> Result<Summary> {
-    let rank = world.rank();
+    let mut trainer = prepare_worker(job, world, threads, options)?;
+    train_worker(&mut trainer, options)
+}
+
+/// A worker's trainer, with its checkpoint restored: everything before the first step.
+fn prepare_worker(
+    job: &Arc<Job>,
+    world: Arc<dyn ProcessGroup>,
+    threads: Option<usize>,
+    options: &RunOptions,
+) -> Result<Trainer> {
     let mut trainer = job.trainer(world, threads)?;
     let lead = trainer.is_lead();
     trainer.show_progress = options.show_progress && lead;
@@ -238,8 +248,13 @@ fn run_worker(
     if verbose {
         print_start(&trainer);
     }
+    Ok(trainer)
+}
+
+/// Trains a prepared worker to the end (or a stop).
+fn train_worker(trainer: &mut Trainer, options: &RunOptions) -> Result<Summary> {
     let mut summary = trainer.run(options.resume.is_some())?;
-    summary.rank = rank;
+    summary.rank = trainer.parallel.world().rank();
     Ok(summary)
 }
 
@@ -306,40 +321,60 @@ fn run_mpi(mut job: Job, options: &RunOptions) -> Result<Summary> {
     // The checks fail alike on every rank (the same config) or on a few (a host's disk):
     // every rank learns which before any work, the first of them alone prints, and all end
     // without waiting for peers that will never come.
-    let mut failed = vec![0.0f32; size];
-    failed[rank] = f32::from(u8::from(prepared.is_err()));
-    if let Err(e) = group.all_reduce(
-        meshtrain_comm::BufMut::F32(&mut failed),
-        meshtrain_comm::ReduceOp::Sum,
-    ) {
-        world.abort_with_error(format_args!("checking the job on every rank: {e}"), 1)
-    }
-    let first_failed = failed.iter().position(|&f| f > 0.0);
-    let threads = match (prepared, first_failed) {
-        (Ok(threads), None) => threads,
-        (Err(e), Some(first)) if first == rank => {
+    let threads = match settle(&group, prepared) {
+        Ok(threads) => threads,
+        Err(e) => {
             drop(group);
             drop(world);
             return Err(e);
         }
-        (_, Some(_)) => {
-            drop(group);
-            drop(world);
-            return Err(ReportedElsewhere.into());
-        }
-        (Err(e), None) => return Err(e.context("the ranks disagree on which failed")),
     };
     if options.verbose && rank == 0 {
         println!("MPI: {size} ranks; data: {}", job.describe_data());
     }
-    match run_worker(&Arc::new(job), group, Some(threads), options) {
+    // Setting up the layout and restoring a checkpoint fail alike on every rank too (a
+    // memory limit no layout meets, a checkpoint of another data stream): said once.
+    let prepared = prepare_worker(&Arc::new(job), group.clone(), Some(threads), options);
+    let mut trainer = match settle(&group, prepared) {
+        Ok(trainer) => trainer,
+        Err(e) => {
+            drop(group);
+            drop(world);
+            return Err(e);
+        }
+    };
+    match train_worker(&mut trainer, options) {
         Ok(summary) => {
+            drop(trainer);
+            drop(group);
             drop(world);
             Ok(summary)
         }
         // Prints `error: rank R: training failed: …` and tells the peers blocked on
         // this rank why they cannot go on, then ends the job.
         Err(e) => world.abort_with_error(format_args!("training failed: {e:#}"), 1),
+    }
+}
+
+/// Every rank's `outcome`, made known to all (one all-reduce): the value when every rank
+/// succeeded; otherwise the error on the first rank that failed and [`ReportedElsewhere`] on
+/// the others, so that one rank prints and every rank ends.
+#[cfg(feature = "mpi")]
+fn settle<T>(group: &Arc<dyn ProcessGroup>, outcome: Result<T>) -> Result<T> {
+    let (rank, size) = (group.rank(), group.size());
+    let mut failed = vec![0.0f32; size];
+    failed[rank] = f32::from(u8::from(outcome.is_err()));
+    group
+        .all_reduce(
+            meshtrain_comm::BufMut::F32(&mut failed),
+            meshtrain_comm::ReduceOp::Sum,
+        )
+        .context("learning which ranks failed their checks")?;
+    match (outcome, failed.iter().position(|&f| f > 0.0)) {
+        (Ok(value), None) => Ok(value),
+        (Err(e), Some(first)) if first == rank => Err(e),
+        (_, Some(_)) => Err(ReportedElsewhere.into()),
+        (Err(e), None) => Err(e.context("the ranks disagree on which failed")),
     }
 }
 
