@@ -18,6 +18,7 @@ pub mod fashion;
 pub mod idx;
 pub mod images;
 pub mod sampler;
+pub mod shards;
 pub mod text;
 
 pub use batching::{rank_share, EpochBatches, EpochShuffler};
@@ -26,4 +27,5 @@ pub use fashion::{load_split, resolve, FashionMnist, ResolveOptions, Source, Spl
 pub use images::{ImageDataset, Normalization};
 pub use meshtrain_tensor::rng::SplitMix64;
 pub use sampler::{eval_shard, DistributedSampler, Tail};
+pub use shards::{open_shards, write_shard, ShardError, TokenShard};
 pub use text::{unigram_entropy_nats, TextBatchSampler, TextCorpus, VOCAB_SIZE};

@@ -234,6 +234,13 @@ pub struct DataConfig {
     pub train_limit: Option<usize>,
     /// Evaluate on only the first N test images.
     pub test_limit: Option<usize>,
+    /// GPT: train on these token shards (a glob, e.g. "data/tok/train_*.bin") instead of
+    /// the built-in Shakespeare bytes: `meshtrain tokenize`'s output or llm.c's.
+    #[serde(default)]
+    pub train_files: Option<String>,
+    /// GPT: evaluate on these token shards (a glob).
+    #[serde(default)]
+    pub val_files: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -413,7 +420,7 @@ impl Config {
                 if t.steps.is_none() {
                     bail!("GPT training needs train.steps");
                 }
-                if g.vocab < 256 {
+                if g.vocab < 256 && self.data.train_files.is_none() {
                     bail!(
                         "GPT trains on bytes: model.vocab must be at least 256, got {}",
                         g.vocab

@@ -19,5 +19,6 @@ pub mod precision_bench;
 pub mod presets;
 pub mod scaling;
 pub mod tensor_bench;
+pub mod tokenize;
 pub mod train_cli;
 pub mod zero_bench;

@@ -42,6 +42,9 @@ enum Command {
     /// worker dies, hangs or loses its link (same world or a smaller one):
     /// `meshtrain launch --np 4 --max-restarts 2 -- --config configs/gpt.toml`.
     Launch(meshtrain::launch::LaunchArgs),
+    /// Turn text files into token shards (GPT-2 or cl100k BPE, llm.c's file format) to train
+    /// on with data.train_files: `meshtrain tokenize --input corpus.txt --out data/tok`.
+    Tokenize(meshtrain::tokenize::TokenizeArgs),
     /// Inspect or convert sharded checkpoints (written under ZeRO, or with
     /// train.checkpoint_format = "sharded").
     #[command(subcommand)]
@@ -243,6 +246,7 @@ fn run() -> Result<ExitCode> {
         Command::Plan(a) => meshtrain_plan::cli::run(&a),
         Command::Plot(a) => meshtrain::plot::run(&a),
         Command::Checkpoint(c) => checkpoint(c),
+        Command::Tokenize(a) => meshtrain::tokenize::run(&a),
     };
     done.map(|()| ExitCode::SUCCESS)
 }

@@ -8,7 +8,7 @@ use meshtrain_data::{
 };
 use meshtrain_nn::models::{gpt, lenet, resnet};
 use meshtrain_nn::{CrossEntropy, Loss, Model};
-use meshtrain_train::{Dataset, EvalPlan, EvalSpec, ImageData, Sampling, TextWindows};
+use meshtrain_train::{Dataset, EvalPlan, EvalSpec, ImageData, Sampling, TextWindows, TokenFiles};
 use std::sync::Arc;
 
 pub fn build_model(cfg: &ModelConfig) -> Model {
@@ -41,6 +41,7 @@ impl Task {
     /// better is found), the Shakespeare bytes for GPT.
     pub fn load(cfg: &Config) -> Result<Task> {
         Ok(match &cfg.model {
+            ModelConfig::Gpt(g) if cfg.data.train_files.is_some() => token_files(cfg, g)?,
             ModelConfig::Gpt(g) => {
                 let corpus = TextCorpus::shakespeare().context("loading the Shakespeare corpus")?;
                 let source = format!(
@@ -104,6 +105,58 @@ impl Task {
             }
         })
     }
+}
+
+/// A GPT on token shards (`data.train_files`, `data.val_files`: `meshtrain tokenize`'s or
+/// llm.c's), windows drawn at random as for the built-in text.
+fn token_files(cfg: &Config, g: &meshtrain_nn::models::gpt::GptConfig) -> Result<Task> {
+    let pattern = cfg.data.train_files.as_deref().unwrap_or_default();
+    let train = TokenFiles::open("train shards", pattern, g.seq, g.vocab)
+        .with_context(|| format!("data.train_files = \"{pattern}\""))?;
+    let mut source = format!("token files {pattern} ({})", train.describe());
+    let eval = match cfg.data.val_files.as_deref() {
+        Some(pattern) => {
+            let val = TokenFiles::open("validation shards", pattern, g.seq, g.vocab)
+                .with_context(|| format!("data.val_files = \"{pattern}\""))?;
+            source += &format!("; validation {pattern} ({})", val.describe());
+            let baseline = unigram_entropy_of(&val.tokens());
+            Some(EvalSpec {
+                data: Arc::new(val),
+                plan: EvalPlan::Random {
+                    batches: cfg.train.eval_batches.max(1),
+                    batch_size: cfg.train.batch_size,
+                    seed: EVAL_SEED,
+                },
+                accuracy: false,
+                perplexity: true,
+                baseline: Some(baseline),
+            })
+        }
+        None => None,
+    };
+    Ok(Task {
+        train: Arc::new(train),
+        sampling: Sampling::Random,
+        eval,
+        loss: Arc::new(CrossEntropy::new(g.vocab)),
+        source,
+    })
+}
+
+/// The entropy of the tokens' frequencies, in nats: the loss of a model that ignores context.
+fn unigram_entropy_of(tokens: &[u32]) -> f64 {
+    let mut counts = std::collections::HashMap::<u32, u64>::new();
+    for &t in tokens {
+        *counts.entry(t).or_default() += 1;
+    }
+    let n = tokens.len().max(1) as f64;
+    counts
+        .values()
+        .map(|&c| {
+            let p = c as f64 / n;
+            -p * p.ln()
+        })
+        .sum()
 }
 
 fn truncate(d: &mut ImageDataset, n: usize) {

@@ -276,3 +276,97 @@ impl Dataset for TextWindows {
         Ok(())
     }
 }
+
+/// Windows of `seq` tokens (and their next-token targets) from memory-mapped token shards
+/// ([`meshtrain_data::shards`]): every position of every shard where a window and its targets
+/// fit is a sample; a window never crosses from one shard into the next.
+pub struct TokenFiles {
+    pub name: String,
+    shards: Vec<meshtrain_data::TokenShard>,
+    /// Samples before each shard's first, and after the last (prefix sums).
+    starts: Vec<usize>,
+    pub seq: usize,
+    pub vocab: usize,
+}
+
+impl TokenFiles {
+    /// The shards `pattern` names, for a model of `vocab` tokens and `seq` positions: every
+    /// token is checked against the vocabulary (an error names the file and the offset).
+    pub fn open(name: &str, pattern: &str, seq: usize, vocab: usize) -> anyhow::Result<Self> {
+        let shards = meshtrain_data::open_shards(pattern)?;
+        let mut starts = vec![0];
+        for shard in &shards {
+            shard.check_vocab(vocab)?;
+            let windows = shard.len().saturating_sub(seq);
+            starts.push(starts.last().unwrap() + windows);
+        }
+        anyhow::ensure!(
+            *starts.last().unwrap() > 0,
+            "{pattern}: no shard holds more than {seq} tokens (one window and its targets)"
+        );
+        Ok(TokenFiles {
+            name: name.to_string(),
+            shards,
+            starts,
+            seq,
+            vocab,
+        })
+    }
+
+    /// The tokens of every shard, in order (for a unigram baseline: small sets only).
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut all = Vec::new();
+        for shard in &self.shards {
+            let mut tokens = vec![0; shard.len()];
+            shard.read(0, &mut tokens);
+            all.extend(tokens);
+        }
+        all
+    }
+
+    /// The files and token count, for the run's first line.
+    pub fn describe(&self) -> String {
+        let tokens: usize = self.shards.iter().map(|s| s.len()).sum();
+        format!("{} shard(s), {tokens} tokens", self.shards.len())
+    }
+}
+
+impl Dataset for TokenFiles {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn len(&self) -> usize {
+        *self.starts.last().unwrap()
+    }
+
+    fn input(&self) -> InputSpec {
+        InputSpec::tokens(self.seq, self.vocab)
+    }
+
+    fn targets_per_sample(&self) -> usize {
+        self.seq
+    }
+
+    fn fill(&self, indices: &[usize], batch: BatchMut<'_>) -> Result<(), DatasetError> {
+        let Inputs::Tokens(x) = batch.inputs else {
+            return Err("token files have token inputs".into());
+        };
+        let seq = self.seq;
+        let mut window = vec![0u32; seq + 1];
+        for ((&i, xr), yr) in indices
+            .iter()
+            .zip(x.chunks_exact_mut(seq))
+            .zip(batch.targets.chunks_exact_mut(seq))
+        {
+            if i >= self.len() {
+                return Err(format!("sample {i} is outside 0..{}", self.len()).into());
+            }
+            let shard = self.starts.partition_point(|&s| s <= i) - 1;
+            self.shards[shard].read(i - self.starts[shard], &mut window);
+            xr.copy_from_slice(&window[..seq]);
+            yr.copy_from_slice(&window[1..]);
+        }
+        Ok(())
+    }
+}

@@ -46,7 +46,7 @@ pub mod writer;
 
 pub use dataset::{
     BatchMut, Dataset, DatasetError, EvalPlan, ImageData, Inputs, SamplerPosition, Sampling,
-    TextWindows,
+    TextWindows, TokenFiles,
 };
 pub use job::{
     CheckpointFormat, EvalSpec, Job, Length, LrSchedule, ModelFn, DEFAULT_CHECKPOINT_MINUTES,

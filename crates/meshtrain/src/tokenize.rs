@@ -1,0 +1,204 @@
+//! `meshtrain tokenize`: text files to token shards (llm.c's format, see
+//! `meshtrain_data::shards`) with GPT-2's or cl100k's BPE, so a model trains on a user's own
+//! text without a line of Rust: `data.train_files = "OUT/train_*.bin"`.
+//!
+//! The BPE is tiktoken-rs's, whose vocabularies ship inside the crate (no download). Text is
+//! cut into pieces after lone newlines between printable characters — where the BPE's
+//! pre-tokenising regex splits alike in a piece and in the whole — and the pieces are encoded
+//! in parallel, so the tokens are exactly those of encoding the whole file at once (tested).
+
+use anyhow::{bail, ensure, Context, Result};
+use meshtrain_data::write_shard;
+use rayon::prelude::*;
+use std::path::PathBuf;
+use std::time::Instant;
+use tiktoken_rs::CoreBPE;
+
+#[derive(clap::Args, Debug)]
+pub struct TokenizeArgs {
+    /// Text files (UTF-8); each is one document, preceded by the end-of-text token as in
+    /// GPT-2's training data.
+    #[arg(long = "input", required = true, num_args = 1..)]
+    pub inputs: Vec<PathBuf>,
+    /// The directory for the shards: train_000000.bin, …, val_000000.bin, ….
+    #[arg(long)]
+    pub out: PathBuf,
+    /// gpt2 (50,257 tokens, llm.c's u16 shards) or cl100k (100,277, u32 shards).
+    #[arg(long, default_value = "gpt2", value_parser = ["gpt2", "cl100k"])]
+    pub encoding: String,
+    /// The share of the tokens, taken from the end, that goes to validation shards.
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    /// Tokens per shard (llm.c writes 100 M).
+    #[arg(long, default_value_t = 100_000_000)]
+    pub shard_tokens: usize,
+}
+
+/// A BPE and what it calls its end-of-text token and vocabulary size.
+struct Encoding {
+    bpe: CoreBPE,
+    end_of_text: u32,
+    vocab: usize,
+}
+
+fn encoding(name: &str) -> Result<Encoding> {
+    let (bpe, vocab) = match name {
+        "gpt2" => (tiktoken_rs::r50k_base()?, 50_257),
+        "cl100k" => (tiktoken_rs::cl100k_base()?, 100_277),
+        other => bail!("unknown encoding {other} (gpt2 or cl100k)"),
+    };
+    let end_of_text = bpe.encode_with_special_tokens("<|endoftext|>");
+    ensure!(
+        end_of_text.len() == 1,
+        "{name} has no single end-of-text token"
+    );
+    Ok(Encoding {
+        end_of_text: end_of_text[0],
+        bpe,
+        vocab,
+    })
+}
+
+/// Pieces of `text` of about `target` bytes, cut after a lone newline between two printable
+/// characters, where both BPEs' pre-tokenisers split the same way in a piece and in the
+/// whole text (the newline is one pre-token, or ends one, and never joins what follows).
+pub fn pieces(text: &str, target: usize) -> Vec<&str> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < bytes.len() {
+        let mut cut = (start + target).min(bytes.len());
+        while cut < bytes.len() {
+            // A lone newline between printable characters: a longer run of white space
+            // before the cut would be one pre-token at a piece's end but two inside the text.
+            if cut >= start + 2
+                && bytes[cut - 1] == b'\n'
+                && bytes[cut - 2].is_ascii_graphic()
+                && bytes[cut].is_ascii_graphic()
+            {
+                break;
+            }
+            cut += 1;
+        }
+        out.push(&text[start..cut]);
+        start = cut;
+    }
+    out
+}
+
+/// `text` as tokens, encoded in parallel pieces.
+fn encode(enc: &Encoding, text: &str) -> Vec<u32> {
+    let parts: Vec<Vec<u32>> = pieces(text, 1 << 20)
+        .par_iter()
+        .map(|p| enc.bpe.encode_ordinary(p))
+        .collect();
+    parts.concat()
+}
+
+pub fn run(args: &TokenizeArgs) -> Result<()> {
+    ensure!(
+        (0.0..1.0).contains(&args.val_fraction),
+        "--val-fraction must be in [0, 1), got {}",
+        args.val_fraction
+    );
+    ensure!(args.shard_tokens > 0, "--shard-tokens must be at least 1");
+    let enc = encoding(&args.encoding)?;
+    let started = Instant::now();
+    let mut tokens = Vec::new();
+    let mut bytes = 0usize;
+    for path in &args.inputs {
+        let raw = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        bytes += raw.len();
+        let text = String::from_utf8_lossy(&raw);
+        tokens.push(enc.end_of_text);
+        tokens.extend(encode(&enc, &text));
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let val = (tokens.len() as f64 * args.val_fraction) as usize;
+    let (train, validation) = tokens.split_at(tokens.len() - val);
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let mut written = Vec::new();
+    for (split, part) in [("train", train), ("val", validation)] {
+        for (k, shard) in part.chunks(args.shard_tokens).enumerate() {
+            let path = args.out.join(format!("{split}_{k:06}.bin"));
+            write_shard(&path, shard, enc.vocab)?;
+            written.push(path);
+        }
+    }
+    println!(
+        "{} tokens from {:.1} MB of text in {seconds:.2} s ({:.1} MB/s, {:.2} M tokens/s; {} \
+         BPE, {} tokens per byte)",
+        tokens.len(),
+        bytes as f64 / 1e6,
+        bytes as f64 / 1e6 / seconds.max(1e-9),
+        tokens.len() as f64 / 1e6 / seconds.max(1e-9),
+        args.encoding,
+        format_args!("{:.3}", tokens.len() as f64 / bytes.max(1) as f64)
+    );
+    println!(
+        "wrote {} train and {} validation tokens: {}",
+        train.len(),
+        validation.len(),
+        written
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "train with: --set 'data.train_files=\"{0}/train_*.bin\"' --set \
+         'data.val_files=\"{0}/val_*.bin\"' --set model.vocab={1}",
+        args.out.display(),
+        enc.vocab
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_encode_as_the_whole() {
+        for (name, end_of_text) in [("gpt2", 50256), ("cl100k", 100257)] {
+            pieces_encode_as_the_whole_with(name, end_of_text);
+        }
+    }
+
+    fn pieces_encode_as_the_whole_with(name: &str, end_of_text: u32) {
+        let enc = encoding(name).unwrap();
+        let text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n\
+                    All:\n  Speak, speak.\n\nFirst Citizen:\nYou are all resolved rather to \
+                    die than to famish?\n!\n'tis 12345\r\nsaid \u{3000}\u{e9}l\u{e8}ve\n"
+            .repeat(50);
+        let whole = enc.bpe.encode_ordinary(&text);
+        for target in [1, 7, 100, 1000] {
+            let parts = pieces(&text, target);
+            assert_eq!(parts.concat(), text);
+            let joined: Vec<u32> = parts
+                .iter()
+                .flat_map(|p| enc.bpe.encode_ordinary(p))
+                .collect();
+            assert_eq!(joined, whole, "pieces of {target} bytes");
+        }
+        assert_eq!(enc.end_of_text, end_of_text);
+        // And a real corpus, in pieces of 64 KiB.
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../data/shakespeare/input.txt"
+        );
+        let corpus = std::fs::read_to_string(path).unwrap();
+        let parts = pieces(&corpus, 1 << 16);
+        assert!(parts.len() > 10);
+        let joined: Vec<u32> = parts
+            .iter()
+            .flat_map(|p| enc.bpe.encode_ordinary(p))
+            .collect();
+        assert_eq!(
+            joined,
+            enc.bpe.encode_ordinary(&corpus),
+            "{name} on the corpus"
+        );
+    }
+}
