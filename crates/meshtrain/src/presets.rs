@@ -56,21 +56,15 @@ impl Task {
                         g.seq,
                     )),
                     sampling: Sampling::Random,
-                    eval: Some(EvalSpec {
-                        data: Arc::new(TextWindows::bytes(
+                    eval: Some(text_eval(
+                        cfg,
+                        Arc::new(TextWindows::bytes(
                             "Shakespeare validation",
                             &corpus.val,
                             g.seq,
                         )),
-                        plan: EvalPlan::Random {
-                            batches: cfg.train.eval_batches.max(1),
-                            batch_size: cfg.train.batch_size,
-                            seed: EVAL_SEED,
-                        },
-                        accuracy: false,
-                        perplexity: true,
-                        baseline: Some(unigram_entropy_nats(&corpus.val)),
-                    }),
+                        unigram_entropy_nats(&corpus.val),
+                    )),
                     loss: Arc::new(CrossEntropy::new(g.vocab)),
                     source,
                 }
@@ -120,17 +114,7 @@ fn token_files(cfg: &Config, g: &meshtrain_nn::models::gpt::GptConfig) -> Result
                 .with_context(|| format!("data.val_files = \"{pattern}\""))?;
             source += &format!("; validation {pattern} ({})", val.describe());
             let baseline = unigram_entropy_of(&val.tokens());
-            Some(EvalSpec {
-                data: Arc::new(val),
-                plan: EvalPlan::Random {
-                    batches: cfg.train.eval_batches.max(1),
-                    batch_size: cfg.train.batch_size,
-                    seed: EVAL_SEED,
-                },
-                accuracy: false,
-                perplexity: true,
-                baseline: Some(baseline),
-            })
+            Some(text_eval(cfg, Arc::new(val), baseline))
         }
         None => None,
     };
@@ -141,6 +125,22 @@ fn token_files(cfg: &Config, g: &meshtrain_nn::models::gpt::GptConfig) -> Result
         loss: Arc::new(CrossEntropy::new(g.vocab)),
         source,
     })
+}
+
+/// Evaluation on windows of a text: fixed random windows, the loss as perplexity beside the
+/// unigram `baseline`.
+fn text_eval(cfg: &Config, data: Arc<dyn Dataset>, baseline: f64) -> EvalSpec {
+    EvalSpec {
+        data,
+        plan: EvalPlan::Random {
+            batches: cfg.train.eval_batches.max(1),
+            batch_size: cfg.train.batch_size,
+            seed: EVAL_SEED,
+        },
+        accuracy: false,
+        perplexity: true,
+        baseline: Some(baseline),
+    }
 }
 
 /// The entropy of the tokens' frequencies, in nats: the loss of a model that ignores context.

@@ -4,48 +4,14 @@
 
 mod common;
 
-use common::root;
 use std::path::Path;
-use std::process::Command;
 
-/// `meshtrain train` on the tiny GPT over 2 workers into `out`, with `extra` arguments:
-/// (success, stdout, stderr).
+/// `meshtrain train` on the tiny GPT over 2 workers into `out` for 3 steps, with `extra`
+/// arguments: (success, stdout, stderr).
 fn train(out: &Path, extra: &[&str]) -> (bool, String, String) {
-    let out_dir = format!("train.out_dir=\"{}\"", out.display());
-    let mut args = vec![
-        "train",
-        "--config",
-        "configs/gpt.toml",
-        "--dp",
-        "2",
-        "--set",
-        "model.dim=32",
-        "--set",
-        "model.layers=2",
-        "--set",
-        "model.heads=2",
-        "--set",
-        "model.seq=16",
-        "--set",
-        "train.batch_size=8",
-        "--set",
-        "train.steps=3",
-        "--set",
-        "train.threads=2",
-        "--set",
-        &out_dir,
-    ];
+    let mut args = vec!["--set", "train.steps=3"];
     args.extend(extra);
-    let out = Command::new(env!("CARGO_BIN_EXE_meshtrain"))
-        .current_dir(root())
-        .args(&args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    common::meshtrain(&common::tiny_gpt_args(out, &args))
 }
 
 /// The run failed before any step, saying `what` once, on one line, and nothing of workers.

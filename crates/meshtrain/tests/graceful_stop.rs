@@ -16,39 +16,18 @@ use std::time::{Duration, Instant};
 /// `meshtrain train` on the tiny GPT over 2 workers, long enough that it is mid-run when
 /// signalled, logging every step into `out`.
 fn start_tiny_gpt(out: &Path, extra: &[&str]) -> Child {
-    let mut args: Vec<String> = [
-        "train",
-        "--config",
-        "configs/gpt.toml",
-        "--dp",
-        "2",
-        "--set",
-        "model.dim=32",
-        "--set",
-        "model.layers=2",
-        "--set",
-        "model.heads=2",
-        "--set",
-        "model.seq=16",
-        "--set",
-        "train.batch_size=8",
+    let mut args = vec![
         "--set",
         "train.steps=100000",
         "--set",
         "train.eval_every=100000",
         "--set",
-        "train.threads=2",
-        "--set",
         "train.log_every=1",
-    ]
-    .map(String::from)
-    .to_vec();
-    args.push("--set".into());
-    args.push(format!("train.out_dir=\"{}\"", out.display()));
-    args.extend(extra.iter().map(|s| s.to_string()));
+    ];
+    args.extend(extra);
     Command::new(env!("CARGO_BIN_EXE_meshtrain"))
         .current_dir(root())
-        .args(&args)
+        .args(common::tiny_gpt_args(out, &args))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -276,11 +255,11 @@ fn a_library_caller_can_stop_a_run() {
 #[test]
 fn checkpoints_fall_due_by_time() {
     let dir = tempfile::tempdir().unwrap();
-    // 0.6 ms: due after every step.
+    // 60 ns: due after every step.
     let cfg = tiny_gpt_config(
         dir.path(),
         6,
-        &["parallel.dp=2", "checkpoint.every_minutes=0.00001"],
+        &["parallel.dp=2", "checkpoint.every_minutes=0.000000001"],
     );
     let summary = (*job(&cfg)).clone().run(&RunOptions::default()).unwrap();
     assert_eq!(summary.breakdown.checkpoints, 6, "5 timed + the final one");

@@ -2,21 +2,7 @@
 
 mod common;
 
-use common::root;
-use std::process::Command;
-
-fn meshtrain(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshtrain"))
-        .current_dir(root())
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::meshtrain;
 
 /// `--data-dir` is a flag, as the run's first line, the README and docs/data.md say.
 #[test]

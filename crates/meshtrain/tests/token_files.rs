@@ -4,22 +4,8 @@
 
 mod common;
 
-use common::root;
+use common::{meshtrain, root};
 use std::path::Path;
-use std::process::Command;
-
-fn meshtrain(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshtrain"))
-        .current_dir(root())
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 fn train_on(shards: &Path, out: &Path, vocab: usize) -> (bool, String, String) {
     let train = format!("data.train_files=\"{}/train_*.bin\"", shards.display());

@@ -309,11 +309,7 @@ mod tests {
         let r = search_feasible(&p).unwrap();
         assert!(r.candidates > 1000, "{}", r.candidates);
         // The recommendation is at most 0.5% slower than the fastest; the rest fastest first.
-        let fastest = r
-            .ranked
-            .iter()
-            .map(|e| e.throughput.samples_per_s)
-            .fold(0.0, f64::max);
+        let fastest = fastest_of(&r);
         assert!(r.ranked[0].throughput.samples_per_s * TIE >= fastest);
         for pair in r.ranked[1..].windows(2) {
             assert!(pair[1].throughput.samples_per_s <= pair[0].throughput.samples_per_s);
@@ -329,6 +325,13 @@ mod tests {
         assert!(best.memory.total() <= 80.0 * crate::cluster::GIB);
     }
 
+    /// The highest predicted throughput among `r`'s layouts.
+    fn fastest_of(r: &SearchResult) -> f64 {
+        (r.ranked.iter())
+            .map(|e| e.throughput.samples_per_s)
+            .fold(0.0, f64::max)
+    }
+
     #[test]
     fn small_cpu_models_get_data_parallelism() {
         let p = problem("resnet18", "cpu", 2, 256);
@@ -336,11 +339,7 @@ mod tests {
         assert_eq!((best.layout.dp, best.layout.tp, best.layout.pp), (2, 1, 1));
         // The recommendation is the simplest layout within 0.5% of the fastest.
         let r = search_feasible(&problem("gpt-30b", "h100", 32, 256)).unwrap();
-        let fastest = r
-            .ranked
-            .iter()
-            .map(|e| e.throughput.samples_per_s)
-            .fold(0.0, f64::max);
+        let fastest = fastest_of(&r);
         let best = r.best().unwrap();
         for e in r
             .ranked
@@ -382,11 +381,7 @@ mod tests {
         }
         // The first row is the recommendation: at most 0.5% slower than the fastest, and no
         // layout that close is simpler.
-        let fastest = r
-            .ranked
-            .iter()
-            .map(|e| e.throughput.samples_per_s)
-            .fold(0.0, f64::max);
+        let fastest = fastest_of(&r);
         let best = r.best().unwrap();
         assert!(best.throughput.samples_per_s * TIE >= fastest);
         assert!(r

@@ -258,22 +258,9 @@ impl Dataset for TextWindows {
     }
 
     fn fill(&self, indices: &[usize], batch: BatchMut<'_>) -> Result<(), DatasetError> {
-        let Inputs::Tokens(x) = batch.inputs else {
-            return Err("text windows have token inputs".into());
-        };
-        let seq = self.seq;
-        for ((&i, xr), yr) in indices
-            .iter()
-            .zip(x.chunks_exact_mut(seq))
-            .zip(batch.targets.chunks_exact_mut(seq))
-        {
-            if i >= self.len() {
-                return Err(format!("sample {i} is outside 0..{}", self.len()).into());
-            }
-            xr.copy_from_slice(&self.tokens[i..i + seq]);
-            yr.copy_from_slice(&self.tokens[i + 1..i + seq + 1]);
-        }
-        Ok(())
+        fill_windows(self.len(), self.seq, indices, batch, |i, window| {
+            window.copy_from_slice(&self.tokens[i..i + self.seq + 1]);
+        })
     }
 }
 
@@ -349,24 +336,38 @@ impl Dataset for TokenFiles {
     }
 
     fn fill(&self, indices: &[usize], batch: BatchMut<'_>) -> Result<(), DatasetError> {
-        let Inputs::Tokens(x) = batch.inputs else {
-            return Err("token files have token inputs".into());
-        };
-        let seq = self.seq;
-        let mut window = vec![0u32; seq + 1];
-        for ((&i, xr), yr) in indices
-            .iter()
-            .zip(x.chunks_exact_mut(seq))
-            .zip(batch.targets.chunks_exact_mut(seq))
-        {
-            if i >= self.len() {
-                return Err(format!("sample {i} is outside 0..{}", self.len()).into());
-            }
+        fill_windows(self.len(), self.seq, indices, batch, |i, window| {
             let shard = self.starts.partition_point(|&s| s <= i) - 1;
-            self.shards[shard].read(i - self.starts[shard], &mut window);
-            xr.copy_from_slice(&window[..seq]);
-            yr.copy_from_slice(&window[1..]);
-        }
-        Ok(())
+            self.shards[shard].read(i - self.starts[shard], window);
+        })
     }
+}
+
+/// Fills `batch` with the windows `indices` of a token stream of `len` windows of `seq`
+/// tokens: `read(i, window)` writes window `i`'s `seq + 1` tokens, the inputs and, shifted by
+/// one, their next-token targets.
+fn fill_windows(
+    len: usize,
+    seq: usize,
+    indices: &[usize],
+    batch: BatchMut<'_>,
+    read: impl Fn(usize, &mut [u32]),
+) -> Result<(), DatasetError> {
+    let Inputs::Tokens(x) = batch.inputs else {
+        return Err("token windows have token inputs".into());
+    };
+    let mut window = vec![0u32; seq + 1];
+    for ((&i, xr), yr) in indices
+        .iter()
+        .zip(x.chunks_exact_mut(seq))
+        .zip(batch.targets.chunks_exact_mut(seq))
+    {
+        if i >= len {
+            return Err(format!("sample {i} is outside 0..{len}").into());
+        }
+        read(i, &mut window);
+        xr.copy_from_slice(&window[..seq]);
+        yr.copy_from_slice(&window[1..]);
+    }
+    Ok(())
 }

@@ -128,3 +128,39 @@ pub fn train_until(extra: &[&str], until: u64, resume: Option<&Path>) -> std::pa
     assert_eq!(summary.steps, until);
     out
 }
+
+/// Runs the `meshtrain` command from the workspace root: (success, stdout, stderr).
+pub fn meshtrain<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshtrain"))
+        .current_dir(root())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `meshtrain train`'s arguments for the tiny GPT (width 32, 2 layers, 2 heads, context 16,
+/// batch 8, 2 threads) over 2 workers writing into `out`, then `extra`.
+pub fn tiny_gpt_args(out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["train", "--config", "configs/gpt.toml", "--dp", "2"]
+        .map(String::from)
+        .to_vec();
+    let out_dir = format!("train.out_dir=\"{}\"", out.display());
+    for set in [
+        "model.dim=32",
+        "model.layers=2",
+        "model.heads=2",
+        "model.seq=16",
+        "train.batch_size=8",
+        "train.threads=2",
+        &out_dir,
+    ] {
+        args.extend(["--set".to_string(), set.to_string()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
