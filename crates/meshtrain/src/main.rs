@@ -42,6 +42,9 @@ enum Command {
     /// worker dies, hangs or loses its link (same world or a smaller one):
     /// `meshtrain launch --np 4 --max-restarts 2 -- --config configs/gpt.toml`.
     Launch(meshtrain::launch::LaunchArgs),
+    /// Text from a trained GPT checkpoint, streamed as it comes:
+    /// `meshtrain generate --checkpoint runs/gpt/checkpoint.safetensors --prompt "ROMEO:"`.
+    Generate(meshtrain::generate::GenerateArgs),
     /// Turn text files into token shards (GPT-2 or cl100k BPE, llm.c's file format) to train
     /// on with data.train_files: `meshtrain tokenize --input corpus.txt --out data/tok`.
     Tokenize(meshtrain::tokenize::TokenizeArgs),
@@ -247,6 +250,7 @@ fn run() -> Result<ExitCode> {
         Command::Plot(a) => meshtrain::plot::run(&a),
         Command::Checkpoint(c) => checkpoint(c),
         Command::Tokenize(a) => meshtrain::tokenize::run(&a),
+        Command::Generate(a) => meshtrain::generate::run(&a),
     };
     done.map(|()| ExitCode::SUCCESS)
 }
