@@ -812,8 +812,13 @@ impl ThreadsWorld {
         }
         let (world, shared) = Self::world(n, config);
         let worker = Arc::new(worker);
-        let (tx, rx) = mpsc::channel::<(usize, Result<T, WorkerFailure<E>>)>();
+        // (rank, the order it failed in, outcome): the order is taken before the failure is
+        // marked, so a peer woken by the mark and failing as a consequence comes after it,
+        // however the threads are scheduled.
+        let (tx, rx) = mpsc::channel::<(usize, usize, Result<T, WorkerFailure<E>>)>();
+        let failed_so_far = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         for rank in 0..n {
+            let worker_failed_so_far = Arc::clone(&failed_so_far);
             let group: Arc<dyn ProcessGroup> =
                 Arc::new(ThreadsGroup::new(Arc::clone(&shared), rank));
             let worker = Arc::clone(&worker);
@@ -822,7 +827,12 @@ impl ThreadsWorld {
             let spawned = std::thread::Builder::new()
                 .name(format!("meshtrain-worker-{rank}"))
                 .spawn(move || {
-                    let outcome = match catch_unwind(AssertUnwindSafe(|| worker(group))) {
+                    let result = catch_unwind(AssertUnwindSafe(|| worker(group)));
+                    let order = match &result {
+                        Ok(Ok(_)) => usize::MAX,
+                        _ => worker_failed_so_far.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+                    };
+                    let outcome = match result {
                         Ok(Ok(value)) => {
                             worker_world.mark(rank, RANK_FINISHED, "finished".to_string());
                             Ok(value)
@@ -837,12 +847,13 @@ impl ThreadsWorld {
                             Err(WorkerFailure::Panic(msg))
                         }
                     };
-                    let _ = worker_tx.send((rank, outcome));
+                    let _ = worker_tx.send((rank, order, outcome));
                 });
             if let Err(e) = spawned {
                 world.mark(rank, RANK_FAILED, format!("could not start: {e}"));
                 let _ = tx.send((
                     rank,
+                    failed_so_far.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
                     Err(WorkerFailure::Panic(format!("thread spawn failed: {e}"))),
                 ));
             }
@@ -850,8 +861,8 @@ impl ThreadsWorld {
         drop(tx);
 
         let mut outcomes: Vec<Option<Result<T, WorkerFailure<E>>>> = (0..n).map(|_| None).collect();
-        // Ranks in the order their outcomes arrived: the first failure is the root cause.
-        let mut arrival = Vec::with_capacity(n);
+        // The order each rank failed in: the first failure is the root cause.
+        let mut order = vec![usize::MAX; n];
         let mut received = 0;
         let mut give_up_at: Option<Instant> = None;
         while received < n {
@@ -861,19 +872,20 @@ impl ThreadsWorld {
                     .recv_timeout(at.saturating_duration_since(Instant::now()))
                     .ok(),
             };
-            let Some((rank, outcome)) = message else {
+            let Some((rank, failed_as, outcome)) = message else {
                 break;
             };
             if outcome.is_err() && give_up_at.is_none() {
                 give_up_at = Some(Instant::now() + FAILURE_GRACE);
             }
             outcomes[rank] = Some(outcome);
-            arrival.push(rank);
+            order[rank] = failed_as;
             received += 1;
         }
 
-        // Ranks that never reported come last, after those that did.
-        arrival.extend((0..n).filter(|r| outcomes[*r].is_none()));
+        // Failed ranks in the order they failed; those that never reported come last.
+        let mut arrival: Vec<usize> = (0..n).collect();
+        arrival.sort_by_key(|&r| order[r]);
         let mut failures = Vec::new();
         for &rank in &arrival {
             match outcomes[rank].take_if(|o| o.is_err()) {

@@ -185,6 +185,15 @@ pub fn write_shard(path: &Path, tokens: &[u32], vocab: usize) -> Result<(), Shar
     for h in header {
         bytes.extend_from_slice(&h.to_le_bytes());
     }
+    if let Some(index) = tokens.iter().position(|&t| t as usize >= vocab) {
+        return Err(ShardError::TokenOutOfRange {
+            path: path.to_path_buf(),
+            token: tokens[index],
+            index,
+            offset: HEADER_BYTES + index * if narrow { 2 } else { 4 },
+            vocab,
+        });
+    }
     for &t in tokens {
         if narrow {
             bytes.extend_from_slice(&(t as u16).to_le_bytes());

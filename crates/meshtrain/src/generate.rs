@@ -74,11 +74,12 @@ impl Tokenizer {
         })
     }
 
-    /// The tokens a sample may be: the logits of every ordinary token, and the end of text
-    /// last (a padded vocabulary's extra rows and unused special ids are never drawn).
+    /// The tokens a sample may be: the logits of every byte, or of every ordinary token and
+    /// the end of text last (a padded vocabulary's extra rows and unused special ids are
+    /// never drawn).
     fn candidates(&self, logits: &[f32]) -> Vec<f32> {
         match self {
-            Tokenizer::Bytes => logits.to_vec(),
+            Tokenizer::Bytes => logits[..256.min(logits.len())].to_vec(),
             Tokenizer::Bpe {
                 ordinary,
                 end_of_text,

@@ -24,6 +24,7 @@ use crate::presets::Task;
 use crate::train_cli::TrainArgs;
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
+use meshtrain_train::stop::{resume_command, without_option, LAUNCHED_ENV};
 use meshtrain_train::StopRequest;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -321,8 +322,18 @@ fn wait_making_progress(
         // A second Ctrl-C: the job ends now, not after its checkpoint (mpirun kills the
         // ranks on SIGTERM), and the launcher with it.
         if stop.insisted() {
+            let pid = child.id().to_string();
+            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            for _ in 0..100 {
+                if let Some(status) = child.try_wait()? {
+                    return Ok(Ok(status));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            // mpirun did not end within 10 s: its whole process group (the ranks it
+            // started locally included) is killed.
             let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
+                .args(["-KILL", &format!("-{pid}")])
                 .status();
             return Ok(Ok(child.wait()?));
         }
@@ -330,7 +341,8 @@ fn wait_making_progress(
             .filter(|t| *t > started)
             .unwrap_or(started);
         let idle = since.elapsed().map_or(0.0, |d| d.as_secs_f64());
-        if stall_timeout > 0.0 && idle > stall_timeout {
+        // A stopping job is writing its checkpoint: not a stall to restart from.
+        if stall_timeout > 0.0 && idle > stall_timeout && !forwarded {
             let pid = child.id().to_string();
             let _ = Command::new("kill").args(["-TERM", &pid]).status();
             for _ in 0..50 {
@@ -350,59 +362,6 @@ fn wait_making_progress(
         }
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
-}
-
-/// Set in the environment of the workers `meshtrain launch` starts: the launcher, not each
-/// job, says how to resume.
-pub const LAUNCHED_ENV: &str = "MESHTRAIN_LAUNCHED";
-
-/// The command that resumes a stopped run from `checkpoint`: this process's command line
-/// `args` (program first) without its `--resume`/`--init-from`, plus `--resume checkpoint`,
-/// after `mpirun -np N` when it runs under mpirun.
-pub fn resume_command(args: &[String], checkpoint: &Path) -> String {
-    let mut kept = without_option(&without_option(args, "--resume"), "--init-from");
-    kept.push("--resume".into());
-    kept.push(checkpoint.display().to_string());
-    let mpi_size = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok());
-    let mut words: Vec<String> = match mpi_size {
-        Some(n) => vec!["mpirun".into(), "-np".into(), n],
-        None => Vec::new(),
-    };
-    words.extend(kept);
-    words
-        .iter()
-        .map(|w| shell_word(w))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-/// `word` as the shell reads it back: quoted when it holds anything but plain characters.
-fn shell_word(word: &str) -> String {
-    let plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:,+@%".contains(c);
-    if !word.is_empty() && word.chars().all(plain) {
-        word.to_string()
-    } else {
-        format!("'{}'", word.replace('\'', "'\\''"))
-    }
-}
-
-/// `args` without the option `name` (`--name VALUE` or `--name=VALUE`).
-fn without_option(args: &[String], name: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut skip = false;
-    for a in args {
-        if std::mem::take(&mut skip) {
-            continue;
-        }
-        if a == name {
-            skip = true;
-        } else if !a.starts_with(&format!("{name}=")) {
-            out.push(a.clone());
-        }
-    }
-    out
 }
 
 /// `meshtrain launch`.

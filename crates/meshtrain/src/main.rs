@@ -4,7 +4,6 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use meshtrain::bench::{run_models, BenchModelsArgs};
 use meshtrain::config::Config;
-use meshtrain::launch::LAUNCHED_ENV;
 use meshtrain::presets::Task;
 use meshtrain::train_cli::TrainArgs;
 use meshtrain_train::{stop, RunOptions, StopRequest};
@@ -127,6 +126,7 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
         show_progress: std::io::stderr().is_terminal(),
         verbose: true,
         stop: Some(stop.clone()),
+        command_line: Some(std::env::args().collect()),
     };
     let lead = !meshtrain_train::launched_by_mpi()
         || std::env::var("OMPI_COMM_WORLD_RANK").is_ok_and(|r| r == "0");
@@ -138,24 +138,8 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
         announce_stop_requests(stop);
     }
     let summary = job.run(&options)?;
+    // The trainer said where the checkpoint is and how to resume.
     if let Some(stopped) = &summary.stopped {
-        if summary.rank == 0 {
-            println!(
-                "stopped by {} after step {}: checkpoint saved to {}",
-                stop::signal_name(stopped.signal),
-                stopped.step,
-                stopped.checkpoint.display()
-            );
-            if std::env::var_os(LAUNCHED_ENV).is_none() {
-                println!(
-                    "resume with: {}",
-                    meshtrain::launch::resume_command(
-                        &std::env::args().collect::<Vec<_>>(),
-                        &stopped.checkpoint
-                    )
-                );
-            }
-        }
         return Ok(ExitCode::from(stop::exit_status(stopped.signal) as u8));
     }
     if summary.rank != 0 {

@@ -45,6 +45,9 @@ pub struct RunOptions {
     /// last step and save a checkpoint ([`crate::stop`]). [`StopRequest::on_signals`] ties it
     /// to SIGINT, SIGTERM and SIGUSR1, as `meshtrain train` does.
     pub stop: Option<StopRequest>,
+    /// The command line that started this run (program first): a stopped run prints it,
+    /// with `--resume` at its checkpoint, as the command that resumes it.
+    pub command_line: Option<Vec<String>>,
 }
 
 /// The environment variable that overrides a job's collective timeout, in seconds (for
@@ -221,6 +224,7 @@ fn prepare_worker(
     if let Some(stop) = &options.stop {
         trainer.stop = stop.clone();
     }
+    trainer.command_line = options.command_line.clone();
     let verbose = options.verbose && lead;
     if let Some(path) = &options.init_from {
         let from = trainer.init_from(path)?;
@@ -364,12 +368,17 @@ fn settle<T>(group: &Arc<dyn ProcessGroup>, outcome: Result<T>) -> Result<T> {
     let (rank, size) = (group.rank(), group.size());
     let mut failed = vec![0.0f32; size];
     failed[rank] = f32::from(u8::from(outcome.is_err()));
-    group
-        .all_reduce(
-            meshtrain_comm::BufMut::F32(&mut failed),
-            meshtrain_comm::ReduceOp::Sum,
-        )
-        .context("learning which ranks failed their checks")?;
+    if let Err(e) = group.all_reduce(
+        meshtrain_comm::BufMut::F32(&mut failed),
+        meshtrain_comm::ReduceOp::Sum,
+    ) {
+        // A rank that failed on its own while its peers were in another collective: its
+        // own error is the one to print (the peers report theirs).
+        return Err(match outcome {
+            Err(own) => own,
+            Ok(_) => anyhow!(e).context("learning which ranks failed their checks"),
+        });
+    }
     match (outcome, failed.iter().position(|&f| f > 0.0)) {
         (Ok(value), None) => Ok(value),
         (Err(e), Some(first)) if first == rank => Err(e),

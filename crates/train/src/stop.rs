@@ -13,10 +13,11 @@
 //! checkpoint being written.
 
 use anyhow::{Context, Result};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
-pub use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+pub use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 
 /// A request to stop after the step in flight: the signal that asked (0: none), and whether
 /// a second SIGINT/SIGTERM insisted. Clones share the request, so one installed handler
@@ -89,10 +90,11 @@ fn install(second: SecondSignal) -> Result<StopRequest> {
     }
     let request = StopRequest::new();
     let failed = |signal| format!("installing the {} handler", signal_name(signal));
+    // One flag for SIGINT and SIGTERM: a SIGTERM after a Ctrl-C is a second signal too.
+    let asked = Arc::new(AtomicBool::new(false));
     for signal in [SIGINT, SIGTERM] {
         match second {
             SecondSignal::Exits => {
-                let asked = Arc::new(AtomicBool::new(false));
                 // Registered first, so it runs before the flag below is set: it exits only
                 // on a signal after the first.
                 signal_hook::flag::register_conditional_shutdown(
@@ -101,7 +103,8 @@ fn install(second: SecondSignal) -> Result<StopRequest> {
                     asked.clone(),
                 )
                 .with_context(|| failed(signal))?;
-                signal_hook::flag::register(signal, asked).with_context(|| failed(signal))?;
+                signal_hook::flag::register(signal, asked.clone())
+                    .with_context(|| failed(signal))?;
             }
             SecondSignal::Insists => {
                 let (slot, insisted) = (request.signal.clone(), request.insisted.clone());
@@ -119,7 +122,13 @@ fn install(second: SecondSignal) -> Result<StopRequest> {
             }
         }
     }
-    for signal in [SIGINT, SIGTERM, SIGUSR1] {
+    // A supervisor also stops on SIGHUP (its terminal closed): the job it started runs in a
+    // process group of its own, which the terminal's hang-up does not reach.
+    let asking: &[i32] = match second {
+        SecondSignal::Exits => &[SIGINT, SIGTERM, SIGUSR1],
+        SecondSignal::Insists => &[SIGINT, SIGTERM, SIGUSR1, SIGHUP],
+    };
+    for &signal in asking {
         register_first(signal, &request.signal).with_context(|| failed(signal))?;
     }
     Ok(INSTALLED.get_or_init(|| request).clone())
@@ -151,8 +160,62 @@ pub fn signal_name(signal: i32) -> String {
         SIGINT => "SIGINT".into(),
         SIGTERM => "SIGTERM".into(),
         SIGUSR1 => "SIGUSR1".into(),
+        SIGHUP => "SIGHUP".into(),
         s => format!("signal {s}"),
     }
+}
+
+/// Set in the environment of the workers `meshtrain launch` starts: the launcher, not each
+/// job, says how to resume.
+pub const LAUNCHED_ENV: &str = "MESHTRAIN_LAUNCHED";
+
+/// The command that resumes a stopped run from `checkpoint`: this process's command line
+/// `args` (program first) without its `--resume`/`--init-from`, plus `--resume checkpoint`,
+/// after `mpirun -np N` when it runs under mpirun.
+pub fn resume_command(args: &[String], checkpoint: &Path) -> String {
+    let mut kept = without_option(&without_option(args, "--resume"), "--init-from");
+    kept.push("--resume".into());
+    kept.push(checkpoint.display().to_string());
+    let mpi_size = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok());
+    let mut words: Vec<String> = match mpi_size {
+        Some(n) => vec!["mpirun".into(), "-np".into(), n],
+        None => Vec::new(),
+    };
+    words.extend(kept);
+    words
+        .iter()
+        .map(|w| shell_word(w))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `word` as the shell reads it back: quoted when it holds anything but plain characters.
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:,+@%".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
+}
+
+/// `args` without the option `name` (`--name VALUE` or `--name=VALUE`).
+pub fn without_option(args: &[String], name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut skip = false;
+    for a in args {
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        if a == name {
+            skip = true;
+        } else if !a.starts_with(&format!("{name}=")) {
+            out.push(a.clone());
+        }
+    }
+    out
 }
 
 /// Whether a periodic checkpoint is due: `every_minutes` since the last one (or the start).

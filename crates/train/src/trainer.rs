@@ -77,6 +77,8 @@ pub struct Trainer {
     /// Read between steps: once set (a signal, or the caller), every worker stops after the
     /// same step and saves a checkpoint ([`crate::stop`]).
     pub stop: StopRequest,
+    /// The command that started the run, for the resume command a stop prints.
+    pub command_line: Option<Vec<String>>,
 }
 
 /// Seconds after which a first step still running is said to be running.
@@ -185,6 +187,7 @@ impl Trainer {
             peak_activation_bytes: 0,
             writer: CheckpointWriter::default(),
             stop: StopRequest::new(),
+            command_line: None,
             job,
         })
     }
@@ -858,7 +861,8 @@ impl Trainer {
                     last_checkpoint.elapsed(),
                 );
             let (signal, by_time) = self.agree_between_steps(self.stop.requested(), by_time)?;
-            if let Some(signal) = signal {
+            // A signal during the last step: the run ends as it would have anyway.
+            if let Some(signal) = signal.filter(|_| self.step < stop) {
                 stopped_by = Some(signal);
                 break;
             }
@@ -874,6 +878,20 @@ impl Trainer {
         // The final checkpoint is on disk before the run returns.
         let p = self.checkpoint_path();
         self.save_checkpoint(&p)?;
+        // Said before the collectives that end the run: under mpirun a rank that exits
+        // first gets the others killed, and the message must be out by then.
+        if let (Some(signal), true) = (stopped_by, lead) {
+            println!(
+                "stopped by {} after step {}: checkpoint saved to {}",
+                stop::signal_name(signal),
+                self.step,
+                p.display()
+            );
+            let launched = std::env::var_os(stop::LAUNCHED_ENV).is_some();
+            if let (Some(args), false) = (&self.command_line, launched) {
+                println!("resume with: {}", stop::resume_command(args, &p));
+            }
+        }
         self.finish_run()?;
         // Under mpirun every worker is a process: report the largest.
         let mut rss = [peak_rss_mb().unwrap_or(0.0) as f32];
