@@ -190,17 +190,10 @@ fn announce_stop_requests(stop: StopRequest) {
 fn main() -> ExitCode {
     match run() {
         Ok(code) => code,
-        // Under mpirun, another rank printed this fault.
+        // Under mpirun, this fault was printed once already.
         Err(e) if e.is::<meshtrain_train::ReportedElsewhere>() => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("Error: {e}");
-            let causes: Vec<String> = e.chain().skip(1).map(|c| c.to_string()).collect();
-            if !causes.is_empty() {
-                eprintln!("\nCaused by:");
-                for cause in causes {
-                    eprintln!("    {cause}");
-                }
-            }
+            meshtrain_train::print_error(&e);
             ExitCode::FAILURE
         }
     }

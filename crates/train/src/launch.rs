@@ -12,14 +12,28 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The error of a rank whose fault another rank printed (under `mpirun`, a check that
-/// failed on several ranks is printed once): the command exits non-zero without a message.
+/// The error of a rank whose fault was printed already (under `mpirun`, a check that failed
+/// on several ranks is printed once, by the first): the command exits non-zero without a
+/// message.
 #[derive(Debug)]
 pub struct ReportedElsewhere;
 
 impl std::fmt::Display for ReportedElsewhere {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the job failed its checks (another rank printed why)")
+        f.write_str("the job failed its checks (one rank printed why)")
+    }
+}
+
+/// Prints an error for the user: its message, then its causes, never a backtrace (what
+/// `meshtrain` prints for every error).
+pub fn print_error(e: &anyhow::Error) {
+    eprintln!("Error: {e}");
+    let causes: Vec<String> = e.chain().skip(1).map(|c| c.to_string()).collect();
+    if !causes.is_empty() {
+        eprintln!("\nCaused by:");
+        for cause in causes {
+            eprintln!("    {cause}");
+        }
     }
 }
 
@@ -381,8 +395,15 @@ fn settle<T>(group: &Arc<dyn ProcessGroup>, outcome: Result<T>) -> Result<T> {
     }
     match (outcome, failed.iter().position(|&f| f > 0.0)) {
         (Ok(value), None) => Ok(value),
-        (Err(e), Some(first)) if first == rank => Err(e),
-        (_, Some(_)) => Err(ReportedElsewhere.into()),
+        (outcome, Some(first)) => {
+            if let (Err(e), true) = (&outcome, first == rank) {
+                print_error(e);
+            }
+            // Nobody exits before the error is out: mpirun ends the job, printing rank
+            // included, as soon as the first rank exits non-zero.
+            let _ = group.barrier();
+            Err(ReportedElsewhere.into())
+        }
         (Err(e), None) => Err(e.context("the ranks disagree on which failed")),
     }
 }
