@@ -12,12 +12,12 @@ use crate::config::{Config, ModelConfig};
 use crate::presets::build_model;
 use anyhow::{bail, ensure, Context, Result};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
-use meshtrain_nn::{Mode, ParamStore};
+use meshtrain_nn::{Mode, Model, ParamStore};
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
 use meshtrain_train::checkpoint::{self, Restore};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
@@ -162,6 +162,30 @@ pub fn sample(logits: &[f32], temperature: f32, top_k: usize, rng: &mut SplitMix
     order[order.len() - 1]
 }
 
+/// `cfg`'s model with the parameters and buffers of `checkpoint` (no optimizer state).
+pub fn load_weights(checkpoint: &Path, cfg: &Config) -> Result<(Model, ParamStore)> {
+    let model = build_model(&cfg.model);
+    let mut store = ParamStore {
+        values: vec![0.0; model.num_params()],
+        grads: Vec::new(),
+        buffers: vec![0.0; model.num_buffers()],
+    };
+    let sgd = OptimizerConfig::Sgd {
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    let mut unused = Optimizer::new(sgd, 0);
+    checkpoint::load(
+        checkpoint,
+        &model,
+        "",
+        &mut store,
+        &mut unused,
+        Restore::Weights,
+    )?;
+    Ok((model, store))
+}
+
 pub fn run(args: &GenerateArgs) -> Result<()> {
     let header = checkpoint::read_safetensors_header(&args.checkpoint, "checkpoint")?;
     let config_text = header
@@ -187,27 +211,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         Some(name) => Tokenizer::named(name)?,
         None => Tokenizer::of_run(&cfg)?,
     };
-    let model = build_model(&cfg.model);
-    let mut store = ParamStore {
-        values: vec![0.0; model.num_params()],
-        grads: Vec::new(),
-        buffers: vec![0.0; model.num_buffers()],
-    };
-    let mut unused = Optimizer::new(
-        OptimizerConfig::Sgd {
-            momentum: 0.0,
-            weight_decay: 0.0,
-        },
-        0,
-    );
-    checkpoint::load(
-        &args.checkpoint,
-        &model,
-        "",
-        &mut store,
-        &mut unused,
-        Restore::Weights,
-    )?;
+    let (model, mut store) = load_weights(&args.checkpoint, &cfg)?;
     let mut tokens = tokenizer.encode(&args.prompt);
     ensure!(!tokens.is_empty(), "the prompt is empty");
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= gpt.vocab) {

@@ -4,11 +4,8 @@
 mod common;
 
 use common::{meshtrain, tiny_gpt_config};
-use meshtrain::presets::build_model;
-use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
-use meshtrain_nn::{Mode, ParamStore};
+use meshtrain_nn::Mode;
 use meshtrain_tensor::Tensor;
-use meshtrain_train::checkpoint::{self, Restore};
 
 #[test]
 fn a_trained_gpt_generates_text() {
@@ -34,28 +31,7 @@ fn a_trained_gpt_generates_text() {
     assert_eq!(greedy.len(), "ROMEO:".len() + 12 + 1, "{greedy:?}");
 
     // The first greedy byte is the argmax of the model's own forward over the prompt.
-    let model = build_model(&cfg.model);
-    let mut store = ParamStore {
-        values: vec![0.0; model.num_params()],
-        grads: Vec::new(),
-        buffers: vec![0.0; model.num_buffers()],
-    };
-    let mut optimizer = Optimizer::new(
-        OptimizerConfig::Sgd {
-            momentum: 0.0,
-            weight_decay: 0.0,
-        },
-        0,
-    );
-    checkpoint::load(
-        &ckpt,
-        &model,
-        "",
-        &mut store,
-        &mut optimizer,
-        Restore::Weights,
-    )
-    .unwrap();
+    let (model, mut store) = meshtrain::generate::load_weights(&ckpt, &cfg).unwrap();
     let prompt: Vec<f32> = "ROMEO:".bytes().map(f32::from).collect();
     let (logits, _) = model.forward_all(&mut store, Tensor::from_vec(prompt, &[1, 6]), Mode::EVAL);
     let last = &logits.data()[5 * 256..];
