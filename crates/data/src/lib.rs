@@ -28,4 +28,6 @@ pub use images::{ImageDataset, Normalization};
 pub use meshtrain_tensor::rng::SplitMix64;
 pub use sampler::{eval_shard, DistributedSampler, Tail};
 pub use shards::{open_shards, write_shard, ShardError, TokenShard};
-pub use text::{unigram_entropy_nats, TextBatchSampler, TextCorpus, VOCAB_SIZE};
+pub use text::{
+    unigram_entropy_nats, unigram_entropy_of_tokens, TextBatchSampler, TextCorpus, VOCAB_SIZE,
+};

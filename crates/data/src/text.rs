@@ -84,11 +84,23 @@ impl TextCorpus {
 /// the cross-entropy a model that ignores context could at best reach on
 /// this text, so GPT's loss is reported against it. 0 for empty input.
 pub fn unigram_entropy_nats(bytes: &[u8]) -> f64 {
-    let mut counts = [0u64; VOCAB_SIZE];
-    for &byte in bytes {
-        counts[byte as usize] += 1;
+    unigram_entropy_of_tokens(bytes.iter().map(|&b| u32::from(b)))
+}
+
+/// The same for any token ids: the entropy of their frequencies, in nats. Counts are kept
+/// per id and summed in id order, so the result is the same bits on every run.
+pub fn unigram_entropy_of_tokens(tokens: impl IntoIterator<Item = u32>) -> f64 {
+    let mut counts: Vec<u64> = vec![0; VOCAB_SIZE];
+    let mut total = 0u64;
+    for t in tokens {
+        let t = t as usize;
+        if t >= counts.len() {
+            counts.resize(t + 1, 0);
+        }
+        counts[t] += 1;
+        total += 1;
     }
-    let total = bytes.len() as f64;
+    let total = total as f64;
     counts
         .iter()
         .filter(|&&count| count > 0)

@@ -10,6 +10,7 @@
 
 use crate::config::{Config, ModelConfig};
 use crate::presets::build_model;
+use crate::tokenize::{encoding, encoding_of_vocab, Encoding};
 use anyhow::{bail, ensure, Context, Result};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
 use meshtrain_nn::{Mode, Model, ParamStore};
@@ -48,30 +49,33 @@ pub struct GenerateArgs {
 /// Text to tokens and back.
 enum Tokenizer {
     Bytes,
-    /// A BPE: its ordinary tokens are `0..ordinary`; generation stops at `end_of_text`.
-    Bpe {
-        bpe: Box<tiktoken_rs::CoreBPE>,
-        ordinary: usize,
-        end_of_text: u32,
-    },
+    /// A BPE: generation never draws its special tokens but the end of text, and stops there.
+    Bpe(Box<Encoding>),
 }
 
 impl Tokenizer {
     fn named(name: &str) -> Result<Tokenizer> {
         Ok(match name {
             "bytes" => Tokenizer::Bytes,
-            "gpt2" => Tokenizer::Bpe {
-                bpe: Box::new(tiktoken_rs::r50k_base()?),
-                ordinary: 50_256,
-                end_of_text: 50_256,
-            },
-            "cl100k" => Tokenizer::Bpe {
-                bpe: Box::new(tiktoken_rs::cl100k_base()?),
-                ordinary: 100_256,
-                end_of_text: 100_257,
-            },
-            other => bail!("unknown encoding {other}"),
+            name => Tokenizer::Bpe(Box::new(encoding(name)?)),
         })
+    }
+
+    /// What a run trained on: its token shards' vocabulary, or bytes.
+    fn of_run(cfg: &Config) -> Result<Tokenizer> {
+        let Some(pattern) = &cfg.data.train_files else {
+            return Ok(Tokenizer::Bytes);
+        };
+        let shards = meshtrain_data::open_shards(pattern)
+            .context("the run's data.train_files (or give --encoding)")?;
+        let vocab = shards[0].vocab;
+        match encoding_of_vocab(vocab) {
+            Some(name) => Tokenizer::named(name),
+            None => bail!(
+                "the run's shards record a vocabulary of {vocab}, not GPT-2's or cl100k's: give \
+                 --encoding"
+            ),
+        }
     }
 
     /// The tokens a sample may be: the logits of every byte, or of every ordinary token and
@@ -80,13 +84,9 @@ impl Tokenizer {
     fn candidates(&self, logits: &[f32]) -> Vec<f32> {
         match self {
             Tokenizer::Bytes => logits[..256.min(logits.len())].to_vec(),
-            Tokenizer::Bpe {
-                ordinary,
-                end_of_text,
-                ..
-            } => {
-                let mut c = logits[..(*ordinary).min(logits.len())].to_vec();
-                if let Some(&eot) = logits.get(*end_of_text as usize) {
+            Tokenizer::Bpe(enc) => {
+                let mut c = logits[..enc.ordinary.min(logits.len())].to_vec();
+                if let Some(&eot) = logits.get(enc.end_of_text as usize) {
                     c.push(eot);
                 }
                 c
@@ -97,32 +97,15 @@ impl Tokenizer {
     /// The token a candidate index stands for, or `None` for the end of text.
     fn token(&self, candidate: usize) -> Option<u32> {
         match self {
-            Tokenizer::Bpe { ordinary, .. } if candidate >= *ordinary => None,
+            Tokenizer::Bpe(enc) if candidate >= enc.ordinary => None,
             _ => Some(candidate as u32),
-        }
-    }
-
-    /// What a run trained on: its token shards' vocabulary, or bytes.
-    fn of_run(cfg: &Config) -> Result<Tokenizer> {
-        let Some(pattern) = &cfg.data.train_files else {
-            return Ok(Tokenizer::Bytes);
-        };
-        let shards = meshtrain_data::open_shards(pattern)
-            .context("the run's data.train_files (or give --encoding)")?;
-        match shards[0].vocab {
-            50_257 => Tokenizer::named("gpt2"),
-            100_277 => Tokenizer::named("cl100k"),
-            v => bail!(
-                "the run's shards record a vocabulary of {v}, not GPT-2's or cl100k's: give \
-                 --encoding"
-            ),
         }
     }
 
     fn encode(&self, text: &str) -> Vec<u32> {
         match self {
             Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
-            Tokenizer::Bpe { bpe, .. } => bpe.encode_ordinary(text),
+            Tokenizer::Bpe(enc) => enc.bpe.encode_ordinary(text),
         }
     }
 
@@ -130,7 +113,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Bytes => vec![token as u8],
             // An ordinary token (see `candidates`): always in the decoder.
-            Tokenizer::Bpe { bpe, .. } => bpe
+            Tokenizer::Bpe(enc) => (enc.bpe)
                 ._decode_native_and_split(vec![token])
                 .next()
                 .unwrap_or_default(),

@@ -4,7 +4,8 @@
 use crate::config::{Config, ModelConfig};
 use anyhow::{Context, Result};
 use meshtrain_data::{
-    unigram_entropy_nats, FashionMnist, ImageDataset, Normalization, ResolveOptions, TextCorpus,
+    unigram_entropy_nats, unigram_entropy_of_tokens, FashionMnist, ImageDataset, Normalization,
+    ResolveOptions, TextCorpus,
 };
 use meshtrain_nn::models::{gpt, lenet, resnet};
 use meshtrain_nn::{CrossEntropy, Loss, Model};
@@ -113,7 +114,7 @@ fn token_files(cfg: &Config, g: &meshtrain_nn::models::gpt::GptConfig) -> Result
             let val = TokenFiles::open("validation shards", pattern, g.seq, g.vocab)
                 .with_context(|| format!("data.val_files = \"{pattern}\""))?;
             source += &format!("; validation {pattern} ({})", val.describe());
-            let baseline = unigram_entropy_of(&val.tokens());
+            let baseline = unigram_entropy_of_tokens(val.tokens());
             Some(text_eval(cfg, Arc::new(val), baseline))
         }
         None => None,
@@ -141,22 +142,6 @@ fn text_eval(cfg: &Config, data: Arc<dyn Dataset>, baseline: f64) -> EvalSpec {
         perplexity: true,
         baseline: Some(baseline),
     }
-}
-
-/// The entropy of the tokens' frequencies, in nats: the loss of a model that ignores context.
-fn unigram_entropy_of(tokens: &[u32]) -> f64 {
-    let mut counts = std::collections::HashMap::<u32, u64>::new();
-    for &t in tokens {
-        *counts.entry(t).or_default() += 1;
-    }
-    let n = tokens.len().max(1) as f64;
-    counts
-        .values()
-        .map(|&c| {
-            let p = c as f64 / n;
-            -p * p.ln()
-        })
-        .sum()
 }
 
 fn truncate(d: &mut ImageDataset, n: usize) {

@@ -35,17 +35,28 @@ pub struct TokenizeArgs {
 }
 
 /// A BPE and what it calls its end-of-text token and vocabulary size.
-struct Encoding {
-    bpe: CoreBPE,
-    end_of_text: u32,
-    vocab: usize,
+pub struct Encoding {
+    pub bpe: CoreBPE,
+    pub end_of_text: u32,
+    /// Its ordinary (non-special) tokens are `0..ordinary`.
+    pub ordinary: usize,
+    /// Every id it has, special ones included: what the shards record.
+    pub vocab: usize,
 }
 
-fn encoding(name: &str) -> Result<Encoding> {
-    let (bpe, vocab) = match name {
-        "gpt2" => (tiktoken_rs::r50k_base()?, 50_257),
-        "cl100k" => (tiktoken_rs::cl100k_base()?, 100_277),
-        other => bail!("unknown encoding {other} (gpt2 or cl100k)"),
+/// The encodings `tokenize` writes and `generate` reads: (name, vocabulary size, ordinary
+/// tokens).
+const ENCODINGS: [(&str, usize, usize); 2] =
+    [("gpt2", 50_257, 50_256), ("cl100k", 100_277, 100_256)];
+
+/// The encoding called `name` (gpt2 or cl100k).
+pub fn encoding(name: &str) -> Result<Encoding> {
+    let Some(&(_, vocab, ordinary)) = ENCODINGS.iter().find(|(n, ..)| *n == name) else {
+        bail!("unknown encoding {name} (gpt2 or cl100k)");
+    };
+    let bpe = match name {
+        "gpt2" => tiktoken_rs::r50k_base()?,
+        _ => tiktoken_rs::cl100k_base()?,
     };
     let end_of_text = bpe.encode_with_special_tokens("<|endoftext|>");
     ensure!(
@@ -55,8 +66,17 @@ fn encoding(name: &str) -> Result<Encoding> {
     Ok(Encoding {
         end_of_text: end_of_text[0],
         bpe,
+        ordinary,
         vocab,
     })
+}
+
+/// The name of the encoding whose vocabulary has `vocab` ids (what a shard records).
+pub fn encoding_of_vocab(vocab: usize) -> Option<&'static str> {
+    ENCODINGS
+        .iter()
+        .find(|(_, v, _)| *v == vocab)
+        .map(|(n, ..)| *n)
 }
 
 /// Pieces of `text` of about `target` bytes, cut after a lone newline between two printable

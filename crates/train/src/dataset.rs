@@ -300,15 +300,9 @@ impl TokenFiles {
         })
     }
 
-    /// The tokens of every shard, in order (for a unigram baseline: small sets only).
-    pub fn tokens(&self) -> Vec<u32> {
-        let mut all = Vec::new();
-        for shard in &self.shards {
-            let mut tokens = vec![0; shard.len()];
-            shard.read(0, &mut tokens);
-            all.extend(tokens);
-        }
-        all
+    /// The tokens of every shard, in order, read from the maps as they are asked for.
+    pub fn tokens(&self) -> impl Iterator<Item = u32> + '_ {
+        (self.shards.iter()).flat_map(|shard| (0..shard.len()).map(|i| shard.token(i)))
     }
 
     /// The files and token count, for the run's first line.

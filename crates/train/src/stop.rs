@@ -107,14 +107,14 @@ fn install(second: SecondSignal) -> Result<StopRequest> {
                     .with_context(|| failed(signal))?;
             }
             SecondSignal::Insists => {
-                let (slot, insisted) = (request.signal.clone(), request.insisted.clone());
+                let request = request.clone();
                 // SAFETY: atomic loads and stores only: async-signal-safe, no allocation, no
-                // lock. Registered before the first-signal handler, so it sees the slot as
+                // lock. Registered before the first-signal handler, so it sees the request as
                 // the previous signal left it.
                 unsafe {
                     signal_hook::low_level::register(signal, move || {
-                        if slot.load(Ordering::SeqCst) != 0 {
-                            insisted.store(true, Ordering::SeqCst);
+                        if request.requested().is_some() {
+                            request.insisted.store(true, Ordering::SeqCst);
                         }
                     })
                 }
@@ -129,23 +129,18 @@ fn install(second: SecondSignal) -> Result<StopRequest> {
         SecondSignal::Insists => &[SIGINT, SIGTERM, SIGUSR1, SIGHUP],
     };
     for &signal in asking {
-        register_first(signal, &request.signal).with_context(|| failed(signal))?;
+        register_first(signal, &request).with_context(|| failed(signal))?;
     }
     Ok(INSTALLED.get_or_init(|| request).clone())
 }
 
-/// Records `signal` in `slot` unless an earlier signal already did (the first one names the
-/// stop), from the signal handler (an atomic operation is all a handler may do).
-fn register_first(signal: i32, slot: &Arc<AtomicUsize>) -> std::io::Result<()> {
-    let slot = slot.clone();
-    // SAFETY: the action is one atomic compare-exchange: async-signal-safe, no allocation,
+/// Makes `signal` ask `request` to stop ([`StopRequest::request`]: the first signal names the
+/// stop), from the signal handler.
+fn register_first(signal: i32, request: &StopRequest) -> std::io::Result<()> {
+    let request = request.clone();
+    // SAFETY: `request` is one atomic compare-exchange: async-signal-safe, no allocation,
     // no lock.
-    unsafe {
-        signal_hook::low_level::register(signal, move || {
-            let _ = slot.compare_exchange(0, signal as usize, Ordering::SeqCst, Ordering::SeqCst);
-        })
-    }
-    .map(|_| ())
+    unsafe { signal_hook::low_level::register(signal, move || request.request(signal)) }.map(|_| ())
 }
 
 /// The exit status of a run stopped by `signal`: `128 + signal`, as shells report a process

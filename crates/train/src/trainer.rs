@@ -812,8 +812,8 @@ impl Trainer {
             let logged = self.step.is_multiple_of(self.job.log_every) || self.step == stop;
             // The first step is printed whatever the interval: it can take long (a long
             // sequence, a cold start), and silence then looks like a hang.
+            let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
             if logged || self.step == first_step {
-                let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
                 let rate = self.describe_rate(sps);
                 pb.set_message(format!("loss {loss:.4} | {rate}"));
                 if !self.show_progress && lead {
@@ -825,7 +825,6 @@ impl Trainer {
                 }
             }
             if logged {
-                let sps = window_samples as f64 / window_t.elapsed().as_secs_f64();
                 let record = TrainRecord {
                     kind: "train",
                     step: self.step,
