@@ -5,7 +5,7 @@
 
 use crate::presets::{build_model, Task};
 use anyhow::{anyhow, bail, Context, Result};
-use meshtrain_nn::models::{GptConfig, LeNetVariant};
+use meshtrain_nn::models::{GptConfig, LeNetVariant, LlamaConfig};
 use meshtrain_nn::optim::{OptimizerConfig, ParamGroup, ParamGroups, Selector};
 use meshtrain_parallel::context::CpMode;
 use meshtrain_parallel::data::{DdpConfig, GradCompression, GradReduce};
@@ -218,6 +218,43 @@ pub enum ModelConfig {
         width: usize,
     },
     Gpt(GptConfig),
+    Llama(LlamaConfig),
+}
+
+/// What the data and the tokens need to know of a language model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LanguageShape {
+    pub vocab: usize,
+    /// Tokens per sample.
+    pub seq: usize,
+}
+
+impl ModelConfig {
+    /// The vocabulary and context of a language model (GPT or Llama); `None` for the image
+    /// models.
+    pub fn language(&self) -> Option<LanguageShape> {
+        match self {
+            ModelConfig::Gpt(g) => Some(LanguageShape {
+                vocab: g.vocab,
+                seq: g.seq,
+            }),
+            ModelConfig::Llama(l) => Some(LanguageShape {
+                vocab: l.vocab,
+                seq: l.seq,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The model's own check of its sizes.
+    fn validate(&self) -> Result<()> {
+        match self {
+            ModelConfig::Gpt(g) => g.validate().map_err(anyhow::Error::msg),
+            ModelConfig::Llama(l) => l.validate().map_err(anyhow::Error::msg),
+            ModelConfig::Resnet18 { width } if *width == 0 => bail!("model.width must be positive"),
+            _ => Ok(()),
+        }
+    }
 }
 
 fn default_resnet_width() -> usize {
@@ -414,21 +451,21 @@ impl Config {
         if t.threads == Some(0) {
             bail!("train.threads must be at least 1");
         }
-        match &self.model {
-            ModelConfig::Gpt(g) => {
-                g.validate().map_err(anyhow::Error::msg)?;
+        self.model.validate()?;
+        match self.model.language() {
+            Some(lm) => {
                 if t.steps.is_none() {
-                    bail!("GPT training needs train.steps");
+                    bail!("language models train for train.steps");
                 }
-                if g.vocab < 256 && self.data.train_files.is_none() {
+                if lm.vocab < 256 && self.data.train_files.is_none() {
                     bail!(
-                        "GPT trains on bytes: model.vocab must be at least 256, got {}",
-                        g.vocab
+                        "without data.train_files a language model trains on bytes: \
+                         model.vocab must be at least 256, got {}",
+                        lm.vocab
                     );
                 }
             }
-            ModelConfig::Resnet18 { width } if *width == 0 => bail!("model.width must be positive"),
-            _ => {
+            None => {
                 if t.epochs.is_none() && t.steps.is_none() {
                     bail!("image models need train.epochs (or train.steps)");
                 }
@@ -638,8 +675,10 @@ impl Config {
     /// one resumes with the other.
     pub fn model_description(&self) -> String {
         let mut model = self.model.clone();
-        if let ModelConfig::Gpt(gpt) = &mut model {
-            gpt.attention = meshtrain_nn::transformer::AttentionKind::default();
+        match &mut model {
+            ModelConfig::Gpt(gpt) => gpt.attention = Default::default(),
+            ModelConfig::Llama(llama) => llama.attention = Default::default(),
+            _ => {}
         }
         toml::to_string(&model).unwrap_or_default()
     }

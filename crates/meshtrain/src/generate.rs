@@ -8,7 +8,7 @@
 //! whole window's forward (fine for the models this CPU trains; the cache is issue 29's
 //! remaining work).
 
-use crate::config::{Config, ModelConfig};
+use crate::config::Config;
 use crate::presets::build_model;
 use crate::tokenize::{encoding, encoding_of_vocab, Encoding};
 use anyhow::{bail, ensure, Context, Result};
@@ -183,9 +183,9 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     };
     let cfg = Config::from_toml_with_overrides(config_text, &[])
         .context("the run config stored in the checkpoint")?;
-    let ModelConfig::Gpt(gpt) = &cfg.model else {
+    let Some(gpt) = cfg.model.language() else {
         bail!(
-            "{} is not a GPT checkpoint: generate needs a language model",
+            "{} holds an image model: generate needs a language model (GPT or Llama)",
             args.checkpoint.display()
         );
     };

@@ -1,13 +1,13 @@
 //! The built-in models and tasks: what `meshtrain train` builds from a config's `[model]`
 //! table. They go through the library's public API like any user's model and data.
 
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, LanguageShape, ModelConfig};
 use anyhow::{Context, Result};
 use meshtrain_data::{
     unigram_entropy_nats, unigram_entropy_of_tokens, FashionMnist, ImageDataset, Normalization,
     ResolveOptions, TextCorpus,
 };
-use meshtrain_nn::models::{gpt, lenet, resnet};
+use meshtrain_nn::models::{gpt, lenet, llama, resnet};
 use meshtrain_nn::{CrossEntropy, Loss, Model};
 use meshtrain_train::{Dataset, EvalPlan, EvalSpec, ImageData, Sampling, TextWindows, TokenFiles};
 use std::sync::Arc;
@@ -17,6 +17,7 @@ pub fn build_model(cfg: &ModelConfig) -> Model {
         ModelConfig::Lenet { variant } => lenet::lenet(*variant),
         ModelConfig::Resnet18 { width } => resnet::resnet18(*width, 10),
         ModelConfig::Gpt(g) => gpt::gpt(g),
+        ModelConfig::Llama(l) => llama::llama(l),
     }
 }
 
@@ -39,11 +40,12 @@ const EVAL_SEED: u64 = 0xE7A1;
 
 impl Task {
     /// Fashion-MNIST for the image models (the subset shipped in the repository if nothing
-    /// better is found), the Shakespeare bytes for GPT.
+    /// better is found); for language models the token files of `data.train_files`, else the
+    /// Shakespeare bytes.
     pub fn load(cfg: &Config) -> Result<Task> {
-        Ok(match &cfg.model {
-            ModelConfig::Gpt(g) if cfg.data.train_files.is_some() => token_files(cfg, g)?,
-            ModelConfig::Gpt(g) => {
+        Ok(match cfg.model.language() {
+            Some(g) if cfg.data.train_files.is_some() => token_files(cfg, g)?,
+            Some(g) => {
                 let corpus = TextCorpus::shakespeare().context("loading the Shakespeare corpus")?;
                 let source = format!(
                     "Shakespeare bytes ({} train / {} validation)",
@@ -102,9 +104,9 @@ impl Task {
     }
 }
 
-/// A GPT on token shards (`data.train_files`, `data.val_files`: `meshtrain tokenize`'s or
+/// A language model on token shards (`data.train_files`, `data.val_files`: `meshtrain tokenize`'s or
 /// llm.c's), windows drawn at random as for the built-in text.
-fn token_files(cfg: &Config, g: &meshtrain_nn::models::gpt::GptConfig) -> Result<Task> {
+fn token_files(cfg: &Config, g: LanguageShape) -> Result<Task> {
     let pattern = cfg.data.train_files.as_deref().unwrap_or_default();
     let train = TokenFiles::open("train shards", pattern, g.seq, g.vocab)
         .with_context(|| format!("data.train_files = \"{pattern}\""))?;

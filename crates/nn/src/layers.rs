@@ -865,6 +865,102 @@ impl Layer for LayerNorm {
     }
 }
 
+/// RMS norm over the last dimension (Llama's norm): `x / √(mean(x²) + eps) · weight`, no
+/// bias and no mean subtraction.
+pub struct RmsNorm {
+    pub dim: usize,
+    pub eps: f32,
+}
+
+impl RmsNorm {
+    pub fn new(dim: usize, eps: f32) -> Self {
+        RmsNorm { dim, eps }
+    }
+}
+
+impl Layer for RmsNorm {
+    fn params(&self) -> Vec<ParamSpec> {
+        vec![ParamSpec::new("weight", &[self.dim], Init::Ones)]
+    }
+
+    fn forward(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let (y, rstd) = norm::rms_norm_forward(x.data(), self.dim, p.host(), self.eps);
+        let shape = x.shape().to_vec();
+        if mode.train {
+            s.tensors.push(x);
+            s.stats.push(rstd);
+        }
+        Tensor::from_vec(y, &shape)
+    }
+
+    fn backward(
+        &self,
+        p: Params<'_>,
+        g: ParamsMut<'_>,
+        mut s: Saved,
+        dy: Tensor,
+        _need_dx: bool,
+    ) -> Option<Tensor> {
+        let rstd = s.stats.pop().expect("RmsNorm: rstd");
+        let x = s.tensors.pop().expect("RmsNorm: input");
+        let dx = norm::rms_norm_backward(x.data(), self.dim, p.host(), &rstd, dy.data(), g.host());
+        let shape = x.shape().to_vec();
+        x.recycle();
+        dy.recycle();
+        Some(Tensor::from_vec(dx, &shape))
+    }
+}
+
+/// SwiGLU over the last dimension: `[a | b]` → `silu(a)·b`, halving the width. After a
+/// column-parallel `[gate | up]` projection split in two groups, each rank's input is its own
+/// `[gate | up]` pair, so the layer needs no tensor-parallel form.
+pub struct SwiGlu;
+
+impl Layer for SwiGlu {
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let mut shape = x.shape().to_vec();
+        let width = *shape.last().expect("SwiGLU: a shaped input");
+        assert!(width.is_multiple_of(2), "SwiGLU: odd width {width}");
+        *shape.last_mut().unwrap() = width / 2;
+        let y = meshtrain_tensor::activation::swiglu_forward(x.data(), width / 2);
+        if mode.train {
+            s.tensors.push(x);
+        }
+        Tensor::from_vec(y, &shape)
+    }
+
+    fn backward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
+        let x = s.tensors.pop().expect("SwiGLU: saved input");
+        let half = x.shape().last().copied().unwrap_or(0) / 2;
+        let dx = meshtrain_tensor::activation::swiglu_backward(x.data(), dy.data(), half);
+        let shape = x.shape().to_vec();
+        x.recycle();
+        dy.recycle();
+        Some(Tensor::from_vec(dx, &shape))
+    }
+}
+
 /// An element-wise activation.
 pub struct Act(pub Activation);
 

@@ -1,12 +1,15 @@
 //! GPT layers: token + position embedding, causal self-attention, the pre-LN block.
 
 use crate::layer::{Init, Layer, Mode, ParamSpec, Params, ParamsMut, Saved};
-use crate::layers::{Children, LayerNorm, Linear, Seq};
+use crate::layers::{Children, LayerNorm, Linear, RmsNorm, Seq, SwiGlu};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::attention::{
     causal_attention_backward, causal_attention_forward, AttentionShape,
 };
 use meshtrain_tensor::flash::{flash_attention_backward, flash_attention_forward};
+use meshtrain_tensor::rotary::{
+    rotary_expand_backward, rotary_expand_forward, rotary_tables, RotaryShape,
+};
 use meshtrain_tensor::{DType, Device, Tensor};
 
 /// Which tokens of every sequence a worker holds. Under context parallelism the sequence is
@@ -49,13 +52,17 @@ impl SequenceShard {
     }
 }
 
-/// Token + learned position embedding. Input: token ids `[B, T]` carried as exact f32 values
-/// (under context parallelism `[B, T/cp]`: this worker's tokens, placed by `sequence`).
+/// Token embedding, plus a learned position embedding when `learned_positions` (GPT; Llama
+/// places positions by rotating q and k instead: [`Rotary`]). Input: token ids `[B, T]`
+/// carried as exact f32 values (under context parallelism `[B, T/cp]`: this worker's tokens,
+/// placed by `sequence`).
 pub struct GptEmbedding {
     pub vocab: usize,
     pub max_seq: usize,
     pub dim: usize,
     pub init_std: f32,
+    /// A `pos.weight` table of `max_seq` rows added to the token rows.
+    pub learned_positions: bool,
     /// Which tokens of each sequence the input holds (their positions).
     pub sequence: SequenceShard,
 }
@@ -66,22 +73,24 @@ impl Layer for GptEmbedding {
     }
 
     fn params(&self) -> Vec<ParamSpec> {
-        vec![
-            ParamSpec::new(
-                "tok.weight",
-                &[self.vocab, self.dim],
-                Init::Normal(self.init_std),
-            ),
-            ParamSpec::new(
+        let mut specs = vec![ParamSpec::new(
+            "tok.weight",
+            &[self.vocab, self.dim],
+            Init::Normal(self.init_std),
+        )];
+        if self.learned_positions {
+            specs.push(ParamSpec::new(
                 "pos.weight",
                 &[self.max_seq, self.dim],
                 Init::Normal(self.init_std),
-            ),
-        ]
+            ));
+        }
+        specs
     }
 
-    fn runs_on(&self, _: Device) -> bool {
-        true
+    fn runs_on(&self, device: Device) -> bool {
+        // The CUDA kernel adds a position table.
+        device.is_cpu() || self.learned_positions
     }
 
     fn forward(
@@ -113,10 +122,15 @@ impl Layer for GptEmbedding {
                 "token id {id} outside vocabulary of {}",
                 self.vocab
             );
-            let at = self.sequence.position(i % t, t);
-            let (te, pe) = (&tok[id * d..][..d], &pos[at * d..][..d]);
-            for k in 0..d {
-                row[k] = te[k] + pe[k];
+            let te = &tok[id * d..][..d];
+            if self.learned_positions {
+                let at = self.sequence.position(i % t, t);
+                let pe = &pos[at * d..][..d];
+                for k in 0..d {
+                    row[k] = te[k] + pe[k];
+                }
+            } else {
+                row.copy_from_slice(te);
             }
         }
         if mode.train {
@@ -145,8 +159,10 @@ impl Layer for GptEmbedding {
         for (i, (row, &id)) in dy.data().chunks(d).zip(ids.data()).enumerate() {
             let gt = &mut gtok[id as usize * d..][..d];
             gt.iter_mut().zip(row).for_each(|(a, v)| *a += v);
-            let gp = &mut gpos[self.sequence.position(i % t, t) * d..][..d];
-            gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+            if self.learned_positions {
+                let gp = &mut gpos[self.sequence.position(i % t, t) * d..][..d];
+                gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+            }
         }
         None
     }
@@ -290,6 +306,84 @@ impl Layer for AttentionCore {
     }
 }
 
+/// Rotary positions and grouped-query heads between a fused q/k/v projection and the
+/// attention core: `[B, T, (H + 2·H_kv)·hd]` in the grouped layout →
+/// `[B, T, 3·H·hd]` (see [`meshtrain_tensor::rotary`]). Under tensor parallelism `heads` and
+/// `kv_heads` are this rank's (whole groups); under context parallelism `sequence` places the
+/// tokens, so each rotates by its position in the whole sequence.
+pub struct Rotary {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub theta: f64,
+    pub sequence: SequenceShard,
+}
+
+impl Rotary {
+    fn shape(&self, rows: usize, seq: usize) -> RotaryShape {
+        RotaryShape {
+            batch: rows / seq,
+            seq,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    fn tables(&self, seq: usize) -> (Vec<f32>, Vec<f32>) {
+        let positions: Vec<usize> = (0..seq).map(|i| self.sequence.position(i, seq)).collect();
+        rotary_tables(&positions, self.head_dim, self.theta)
+    }
+}
+
+impl Layer for Rotary {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
+    fn forward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let (b, t) = (x.dim(0), x.dim(1));
+        let shape = self.shape(b * t, t);
+        assert_eq!(
+            x.shape().last(),
+            Some(&shape.input_width()),
+            "rotary: input width for {shape:?}"
+        );
+        let (cos, sin) = self.tables(t);
+        let y = rotary_expand_forward(shape, x.data(), &cos, &sin);
+        if mode.train {
+            s.stats.push(cos);
+            s.stats.push(sin);
+        }
+        x.recycle();
+        Tensor::from_vec(y, &[b, t, shape.output_width()])
+    }
+
+    fn backward(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
+        let sin = s.stats.pop().expect("rotary: saved sines");
+        let cos = s.stats.pop().expect("rotary: saved cosines");
+        let (b, t) = (dy.dim(0), dy.dim(1));
+        let shape = self.shape(b * t, t);
+        let dx = rotary_expand_backward(shape, dy.data(), &cos, &sin);
+        dy.recycle();
+        Some(Tensor::from_vec(dx, &[b, t, shape.input_width()]))
+    }
+}
+
 /// Causal multi-head self-attention: `proj(attention(qkv(x)))`; parameters `qkv.*`, `proj.*`.
 pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Seq {
     let lin = |i, o| {
@@ -314,18 +408,38 @@ pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Se
     ]))
 }
 
-/// Pre-LN transformer block: `x + attn(ln1(x))`, then `+ fc2(gelu(fc1(ln2(·))))`.
-pub struct GptBlock {
-    /// ln1, qkv, core, proj, ln2, fc1 (with GELU), fc2 — in this order.
+/// A pre-norm transformer block: `x + attention(x)`, then `+ mlp(·)`, each branch a chain of
+/// children beginning with its norm. GPT ([`TransformerBlock::with_attention`]): layer norms, fused q/k/v
+/// with biases, GELU MLP. Llama ([`TransformerBlock::llama`]): RMS norms, rotary positions,
+/// grouped-query attention, SwiGLU MLP, no biases.
+pub struct TransformerBlock {
+    /// The attention branch's children, then the MLP branch's.
     parts: Children,
+    /// How many of `parts` the attention branch holds.
+    attention_parts: usize,
 }
 
-impl GptBlock {
+/// The GPT form's name, kept for the code and tests that build GPT blocks.
+pub type GptBlock = TransformerBlock;
+
+/// The shape of one Llama block.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LlamaBlockShape {
+    pub dim: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Inner width of the SwiGLU MLP.
+    pub ffn: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f32,
+}
+
+impl TransformerBlock {
     pub fn new(dim: usize, heads: usize, init: Option<Init>) -> Self {
         Self::with_attention(dim, heads, init, AttentionKind::Flash)
     }
 
-    /// A block whose attention runs `kind`'s kernel.
+    /// A GPT block whose attention runs `kind`'s kernel.
     pub fn with_attention(
         dim: usize,
         heads: usize,
@@ -344,7 +458,7 @@ impl GptBlock {
                 None => Box::new(l),
             }
         };
-        GptBlock {
+        TransformerBlock {
             parts: Children::new(vec![
                 ("ln1".into(), Box::new(LayerNorm::new(dim))),
                 ("qkv".into(), lin(dim, 3 * dim, None)),
@@ -363,11 +477,71 @@ impl GptBlock {
                 ("fc1".into(), lin(dim, 4 * dim, Some(Activation::Gelu))),
                 ("fc2".into(), lin(4 * dim, dim, None)),
             ]),
+            attention_parts: 4,
+        }
+    }
+
+    /// A Llama block: `attn_norm`, `qkv` (grouped layout, see [`Rotary`]), rotary + GQA, the
+    /// attention core, `proj`; `mlp_norm`, `gate_up` (`[gate | up]`), SwiGLU, `down`. Weights
+    /// drawn from `init` (`Init::Normal(0.02)` as Hugging Face's `initializer_range`).
+    pub fn llama(shape: LlamaBlockShape, init: Init, kind: AttentionKind) -> Self {
+        let LlamaBlockShape {
+            dim,
+            heads,
+            kv_heads,
+            ffn,
+            ..
+        } = shape;
+        assert!(
+            heads > 0
+                && dim.is_multiple_of(heads)
+                && kv_heads > 0
+                && heads.is_multiple_of(kv_heads),
+            "Llama block: dim {dim}, heads {heads}, kv_heads {kv_heads}"
+        );
+        let head_dim = dim / heads;
+        let lin = |i, o| Box::new(Linear::new(i, o, false).with_init(init)) as Box<dyn Layer>;
+        TransformerBlock {
+            parts: Children::new(vec![
+                (
+                    "attn_norm".into(),
+                    Box::new(RmsNorm::new(dim, shape.norm_eps)),
+                ),
+                ("qkv".into(), lin(dim, (heads + 2 * kv_heads) * head_dim)),
+                (
+                    String::new(),
+                    Box::new(Rotary {
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        theta: shape.rope_theta,
+                        sequence: SequenceShard::default(),
+                    }),
+                ),
+                (
+                    String::new(),
+                    Box::new(AttentionCore {
+                        dim,
+                        heads,
+                        precision: DType::F32,
+                        kind,
+                    }),
+                ),
+                ("proj".into(), lin(dim, dim)),
+                (
+                    "mlp_norm".into(),
+                    Box::new(RmsNorm::new(dim, shape.norm_eps)),
+                ),
+                ("gate_up".into(), lin(dim, 2 * ffn)),
+                (String::new(), Box::new(SwiGlu)),
+                ("down".into(), lin(ffn, dim)),
+            ]),
+            attention_parts: 5,
         }
     }
 }
 
-impl Layer for GptBlock {
+impl Layer for TransformerBlock {
     fn params(&self) -> Vec<ParamSpec> {
         self.parts.param_specs()
     }
@@ -388,12 +562,12 @@ impl Layer for GptBlock {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
-        let c = &self.parts;
+        let (c, split) = (&self.parts, self.attention_parts);
         let h = c.forward(0, p, &mut b, x.clone(), mode, s);
-        let h = (1..4).fold(h, |h, i| c.forward(i, p, &mut b, h, mode, s));
+        let h = (1..split).fold(h, |h, i| c.forward(i, p, &mut b, h, mode, s));
         let mut x1 = x;
         x1.add_assign(&h);
-        let h = (4..7).fold(x1.clone(), |h, i| c.forward(i, p, &mut b, h, mode, s));
+        let h = (split..c.len()).fold(x1.clone(), |h, i| c.forward(i, p, &mut b, h, mode, s));
         x1.add_assign(&h);
         x1
     }
@@ -406,21 +580,81 @@ impl Layer for GptBlock {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
-        let c = &self.parts;
+        let (c, split) = (&self.parts, self.attention_parts);
         let mut saved: Vec<Saved> = s.children;
         let mut grad = dy.clone();
-        for i in (4..7).rev() {
+        for i in (split..c.len()).rev() {
             let st = saved.pop().expect("block: saved state");
             grad = c.backward(i, p, &mut g, st, grad, true).expect("gradient");
         }
         let mut dx1 = dy;
         dx1.add_assign(&grad);
         let mut grad = dx1.clone();
-        for i in (0..4).rev() {
+        for i in (0..split).rev() {
             let st = saved.pop().expect("block: saved state");
             grad = c.backward(i, p, &mut g, st, grad, true).expect("gradient");
         }
         dx1.add_assign(&grad);
         Some(dx1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshtrain_tensor::rng::normal_values;
+
+    /// A context-parallel worker's rotary layer, given the worker's tokens, gives exactly the
+    /// rows the unsharded layer gives those tokens at their places in the whole sequence; told
+    /// nothing of its shard it rotates by local positions, which is a different function.
+    #[test]
+    fn rotary_under_context_parallelism_rotates_by_whole_sequence_positions() {
+        let (seq, parts) = (8, 2);
+        let whole = Rotary {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 6,
+            theta: 10_000.0,
+            sequence: SequenceShard::default(),
+        };
+        let width = (4 + 2 * 2) * 6;
+        let x = normal_values(seq * width, 3);
+        let run = |layer: &Rotary, x: Vec<f32>, t: usize| {
+            let y = layer.forward(
+                Params::Host(&[]),
+                ParamsMut::Host(&mut []),
+                Tensor::from_vec(x, &[1, t, width]),
+                Mode::EVAL,
+                &mut Saved::default(),
+            );
+            y.data().to_vec()
+        };
+        let full = run(&whole, x.clone(), seq);
+        let out_width = full.len() / seq;
+        for index in 0..parts {
+            let shard = SequenceShard { parts, index };
+            let local = seq / parts;
+            let mine: Vec<f32> = (0..local)
+                .flat_map(|i| x[shard.position(i, local) * width..][..width].to_vec())
+                .collect();
+            let sharded = Rotary {
+                sequence: shard,
+                ..whole
+            };
+            let got = run(&sharded, mine.clone(), local);
+            for i in 0..local {
+                let at = shard.position(i, local);
+                assert_eq!(
+                    &got[i * out_width..][..out_width],
+                    &full[at * out_width..][..out_width],
+                    "worker {index}, token {i} (position {at})"
+                );
+            }
+            let unaware = run(&whole, mine, local);
+            assert_ne!(
+                unaware, got,
+                "worker {index}: local positions went unnoticed"
+            );
+        }
     }
 }

@@ -21,9 +21,14 @@ mod common;
 
 use common::{away_from_zero, distinct_values, normal_vec};
 use meshtrain_nn::layers::ToChannelMajor;
-use meshtrain_nn::layers::{Act, BatchNorm2d, Conv2d, Flatten, LayerNorm, Linear, Pool2d};
+use meshtrain_nn::layers::{
+    Act, BatchNorm2d, Conv2d, Flatten, LayerNorm, Linear, Pool2d, RmsNorm, SwiGlu,
+};
 use meshtrain_nn::models::resnet::Residual;
-use meshtrain_nn::transformer::{causal_self_attention, GptBlock, GptEmbedding};
+use meshtrain_nn::transformer::{
+    causal_self_attention, AttentionKind, GptBlock, GptEmbedding, LlamaBlockShape, Rotary,
+    SequenceShard, TransformerBlock,
+};
 use meshtrain_nn::{Init, Layer, Mode, ParamSpec, Saved};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::rng::SplitMix64;
@@ -519,7 +524,7 @@ fn gpt_embedding_param_grads() {
         max_seq: 6,
         dim: 4,
         init_std: 0.5,
-
+        learned_positions: true,
         sequence: Default::default(),
     };
     // Id 3 appears three times: its gradient row must accumulate.
@@ -568,4 +573,40 @@ fn residual_blocks() {
     c.step = 1e-3;
     c.max_kink_fraction = 0.1;
     c.run();
+}
+
+#[test]
+fn llama_layers() {
+    Check::new(
+        "rms norm",
+        &RmsNorm::new(7, 1e-5),
+        normal(140, &[3, 4, 7]),
+        141,
+    )
+    .run();
+    Check::new("swiglu", &SwiGlu, normal(142, &[3, 4, 10]), 143).run();
+    // 6 query heads sharing 2 key/value heads of width 4, positions of the second of two
+    // context-parallel workers (non-contiguous: chunks 1 and 2 of 4).
+    let rotary = Rotary {
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 4,
+        theta: 100.0,
+        sequence: SequenceShard { parts: 2, index: 1 },
+    };
+    Check::new("rotary + GQA", &rotary, normal(144, &[2, 4, 40]), 145).run();
+}
+
+#[test]
+fn llama_block() {
+    let shape = LlamaBlockShape {
+        dim: 16,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 24,
+        rope_theta: 10_000.0,
+        norm_eps: 1e-5,
+    };
+    let block = TransformerBlock::llama(shape, Init::Normal(0.3), AttentionKind::Flash);
+    Check::new("llama block", &block, normal(150, &[2, 5, 16]), 151).run();
 }

@@ -352,7 +352,7 @@ fn embedding() {
         max_seq: t,
         dim: 4,
         init_std: 0.02,
-
+        learned_positions: true,
         sequence: Default::default(),
     };
     let mut params = f.values_shaped("param.weight", &[11, 4]);

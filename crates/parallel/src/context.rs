@@ -28,7 +28,7 @@ use crate::data::DpMode;
 use crate::tensor::VocabParallelEmbedding;
 use crate::Batch;
 use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, Work};
-use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
+use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary, SequenceShard};
 use meshtrain_nn::{InputKind, Layer, Mode, Model, Params, ParamsMut, Saved};
 use meshtrain_tensor::attention::AttentionShape;
 use meshtrain_tensor::flash::{
@@ -357,6 +357,12 @@ fn rewrite(layer: &mut dyn Layer, cp: &CpContext) -> Option<Box<dyn Layer>> {
             return Some(Box::new(GptEmbedding {
                 sequence: cp.shard(),
                 ..*e
+            }));
+        }
+        if let Some(r) = any.downcast_ref::<Rotary>() {
+            return Some(Box::new(Rotary {
+                sequence: cp.shard(),
+                ..*r
             }));
         }
         if let Some(e) = any.downcast_ref::<VocabParallelEmbedding>() {

@@ -34,7 +34,7 @@ use meshtrain_comm::{
 use meshtrain_nn::layers::Linear;
 use meshtrain_nn::loss::{LossError, LossValue};
 use meshtrain_nn::models::gpt;
-use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, SequenceShard};
+use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary, SequenceShard};
 use meshtrain_nn::{
     Kept, Layer, Loss, Mode, Model, ParamSpec, Params, ParamsMut, Saved, ShardSpec, TpStyle,
 };
@@ -73,6 +73,17 @@ pub enum TensorError {
         tp: usize,
         path: String,
         heads: usize,
+    },
+    #[error(
+        "tp={tp}: '{path}' has {kv_heads} key/value heads, not divisible by tp (each \
+         tensor-parallel worker holds whole key/value groups; replicating them across workers \
+         is not supported yet): choose tp among {}",
+        divisors(*kv_heads)
+    )]
+    KvHeads {
+        tp: usize,
+        path: String,
+        kv_heads: usize,
     },
     #[error("tp={tp}: '{path}' is split {style:?}, but {reason}")]
     Unsupported {
@@ -749,10 +760,12 @@ impl Layer for VocabParallelEmbedding {
             tp.all_reduce(&mut y);
             (y, 0)
         };
-        for (i, row) in y.chunks_mut(d).enumerate() {
-            let at = self.whole.sequence.position((first_row + i) % t, t);
-            let pe = &pos[at * d..][..d];
-            row.iter_mut().zip(pe).for_each(|(v, p)| *v += p);
+        if self.whole.learned_positions {
+            for (i, row) in y.chunks_mut(d).enumerate() {
+                let at = self.whole.sequence.position((first_row + i) % t, t);
+                let pe = &pos[at * d..][..d];
+                row.iter_mut().zip(pe).for_each(|(v, p)| *v += p);
+            }
         }
         if mode.train {
             s.tensors.push(ids);
@@ -787,10 +800,12 @@ impl Layer for VocabParallelEmbedding {
         };
         // Position gradients from this rank's rows (all of them without sequence
         // parallelism; summed over the group later with it).
-        for (i, row) in dy.data().chunks(d).enumerate() {
-            let at = self.whole.sequence.position((first_row + i) % t, t);
-            let gp = &mut gpos[at * d..][..d];
-            gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+        if self.whole.learned_positions {
+            for (i, row) in dy.data().chunks(d).enumerate() {
+                let at = self.whole.sequence.position((first_row + i) % t, t);
+                let gp = &mut gpos[at * d..][..d];
+                gp.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+            }
         }
         let full = if tp.sequence_parallel {
             tp.gather_rows(dy.data())
@@ -980,8 +995,18 @@ pub fn check(
     Ok(())
 }
 
-/// Every attention core's heads divide over `tp` (each rank keeps whole heads).
+/// Every attention core's heads, and every rotary layer's key/value heads, divide over `tp`
+/// (each rank keeps whole heads and whole key/value groups).
 fn check_heads(layer: &dyn Layer, path: &str, tp: usize) -> Result<(), TensorError> {
+    if let Some(rotary) = layer.as_any().and_then(|a| a.downcast_ref::<Rotary>()) {
+        if !rotary.kv_heads.is_multiple_of(tp) {
+            return Err(TensorError::KvHeads {
+                tp,
+                path: path.into(),
+                kv_heads: rotary.kv_heads,
+            });
+        }
+    }
     if let Some(core) = layer
         .as_any()
         .and_then(|a| a.downcast_ref::<AttentionCore>())
@@ -1116,6 +1141,13 @@ fn rewrite(
                 heads: core.heads / tp.size(),
                 precision: core.precision,
                 kind: core.kind,
+            }));
+        }
+        if let Some(r) = any.downcast_ref::<Rotary>() {
+            return Some(Box::new(Rotary {
+                heads: r.heads / tp.size(),
+                kv_heads: r.kv_heads / tp.size(),
+                ..*r
             }));
         }
         if let Some(e) = any.downcast_ref::<GptEmbedding>() {

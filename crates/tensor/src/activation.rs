@@ -213,6 +213,45 @@ impl Activation {
     }
 }
 
+/// SwiGLU (Shazeer 2020), the gated MLP activation of Llama: each row of `x` is `[a | b]`
+/// (gate, then up projection, `half` values each) and `y = silu(a) · b`, `silu(a) = a·σ(a)`.
+pub fn swiglu_forward(x: &[f32], half: usize) -> Vec<f32> {
+    let rows = x.len() / (2 * half);
+    let mut y = par::take_buffer(rows * half);
+    let chunk = par::chunk_len(y.len(), par::PARALLEL_MIN_LEN).div_ceil(half) * half;
+    par::for_each_chunk_mut(&mut y, chunk, |c, yc| {
+        let first = c * chunk / half;
+        for (k, yr) in yc.chunks_mut(half).enumerate() {
+            let (a, b) = x[(first + k) * 2 * half..][..2 * half].split_at(half);
+            for i in 0..half {
+                yr[i] = a[i] * sigmoid(a[i]) * b[i];
+            }
+        }
+    });
+    y
+}
+
+/// The gradient of [`swiglu_forward`]: `da = dy·b·σ(a)·(1 + a·(1 − σ(a)))`, `db = dy·silu(a)`.
+pub fn swiglu_backward(x: &[f32], dy: &[f32], half: usize) -> Vec<f32> {
+    let mut dx = par::take_buffer(x.len());
+    let chunk = par::chunk_len(dx.len(), par::PARALLEL_MIN_LEN).div_ceil(2 * half) * 2 * half;
+    par::for_each_chunk_mut(&mut dx, chunk, |c, dc| {
+        let first = c * chunk / (2 * half);
+        for (k, dr) in dc.chunks_mut(2 * half).enumerate() {
+            let r = first + k;
+            let (a, b) = x[r * 2 * half..][..2 * half].split_at(half);
+            let g = &dy[r * half..][..half];
+            let (da, db) = dr.split_at_mut(half);
+            for i in 0..half {
+                let s = sigmoid(a[i]);
+                da[i] = g[i] * b[i] * s * (1.0 + a[i] * (1.0 - s));
+                db[i] = g[i] * a[i] * s;
+            }
+        }
+    });
+    dx
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

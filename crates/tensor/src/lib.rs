@@ -34,6 +34,7 @@ pub mod norm;
 pub mod par;
 pub mod pool;
 pub mod rng;
+pub mod rotary;
 pub mod small_gemm;
 pub mod tensor;
 

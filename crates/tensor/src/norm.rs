@@ -185,3 +185,60 @@ pub fn layer_norm_backward(
     }
     dx
 }
+
+/// RMS norm over the last dimension `d` (Zhang & Sennrich 2019, Llama's norm):
+/// `y = x / √(mean(x²) + eps) · w`. Returns (y, 1/rms per row).
+pub fn rms_norm_forward(x: &[f32], d: usize, weight: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+    let rows = x.len() / d;
+    // Every row is written below.
+    let mut y = crate::par::take_buffer(x.len());
+    let mut rstd = vec![0.0f32; rows];
+    let one = |r: usize, yr: &mut [f32], st: &mut [f32]| {
+        let xr = &x[r * d..][..d];
+        let mean_square = lane_sum_zip(xr, xr, |a, b| a * b) / d as f32;
+        let rs = 1.0 / (mean_square + eps).sqrt();
+        for i in 0..d {
+            yr[i] = xr[i] * rs * weight[i];
+        }
+        st[0] = rs;
+    };
+    for_each_chunk_pair_mut(&mut y, d, &mut rstd, 1, one);
+    (y, rstd)
+}
+
+/// RMS-norm backward: returns dx and accumulates dweight. With `h = x·rs` and `g = dy·w`,
+/// `dx = rs·(g − h·mean(g·h))`; the weight gradient sums `dy·h` over rows in fixed chunks (the
+/// same bits on any pool size).
+pub fn rms_norm_backward(
+    x: &[f32],
+    d: usize,
+    weight: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    dweight: &mut [f32],
+) -> Vec<f32> {
+    // Every row is written below.
+    let mut dx = crate::par::take_buffer(x.len());
+    let chunk = LN_CHUNK_ROWS * d;
+    let run = |ci: usize, dxc: &mut [f32]| -> Vec<f32> {
+        let mut part = vec![0.0f32; d];
+        for (lr, dxr) in dxc.chunks_mut(d).enumerate() {
+            let r = ci * LN_CHUNK_ROWS + lr;
+            let (xr, dyr, rs) = (&x[r * d..][..d], &dy[r * d..][..d], rstd[r]);
+            for i in 0..d {
+                dxr[i] = dyr[i] * weight[i];
+                part[i] += dyr[i] * xr[i] * rs;
+            }
+            let mgh = lane_sum_zip(dxr, xr, |g, x| g * x * rs) / d as f32;
+            for i in 0..d {
+                dxr[i] = rs * (dxr[i] - xr[i] * rs * mgh);
+            }
+        }
+        part
+    };
+    let parts: Vec<Vec<f32>> = map_chunks_mut(&mut dx, chunk, run);
+    for p in parts {
+        dweight.iter_mut().zip(p).for_each(|(a, v)| *a += v);
+    }
+    dx
+}

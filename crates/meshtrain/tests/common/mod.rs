@@ -87,11 +87,48 @@ pub fn tiny_gpt_config_result(
     max_steps: u64,
     extra: &[&str],
 ) -> anyhow::Result<Config> {
-    let mut o: Vec<String> = [
+    let model = [
         "model.dim=32",
         "model.layers=2",
         "model.heads=4",
         "model.seq=16",
+    ];
+    tiny_config("configs/gpt.toml", &model, out, max_steps, extra)
+}
+
+/// The tiny Llama of the Llama tests: the tiny GPT's run (width 32, 2 layers, 4 heads,
+/// context 16, batch 8, 10 steps) with 2 key/value heads and a SwiGLU MLP of 48.
+pub fn tiny_llama_config(out: &Path, max_steps: u64, extra: &[&str]) -> Config {
+    tiny_llama_config_result(out, max_steps, extra).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// [`tiny_llama_config`], or the error a config check gives.
+pub fn tiny_llama_config_result(
+    out: &Path,
+    max_steps: u64,
+    extra: &[&str],
+) -> anyhow::Result<Config> {
+    let model = [
+        "model.dim=32",
+        "model.layers=2",
+        "model.heads=4",
+        "model.kv_heads=2",
+        "model.ffn=48",
+        "model.seq=16",
+    ];
+    tiny_config("configs/llama.toml", &model, out, max_steps, extra)
+}
+
+/// A shipped config (`file`) made tiny by `model`'s overrides and the shared run settings
+/// (batch 8, 40-step schedule stopped at `max_steps`, one thread per worker), then `extra`.
+fn tiny_config(
+    file: &str,
+    model: &[&str],
+    out: &Path,
+    max_steps: u64,
+    extra: &[&str],
+) -> anyhow::Result<Config> {
+    let run = [
         "train.batch_size=8",
         "train.steps=40",
         "train.eval_every=5",
@@ -99,14 +136,12 @@ pub fn tiny_gpt_config_result(
         "schedule.warmup_steps=5",
         "train.threads=1",
         "train.log_every=1000",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    ];
+    let mut o: Vec<String> = model.iter().chain(&run).map(|s| s.to_string()).collect();
     o.push(format!("train.out_dir=\"{}\"", out.display()));
     o.push(format!("train.max_steps={max_steps}"));
     o.extend(extra.iter().map(|s| s.to_string()));
-    let text = std::fs::read_to_string(root().join("configs/gpt.toml")).unwrap();
+    let text = std::fs::read_to_string(root().join(file)).unwrap();
     let cfg = Config::from_toml_with_overrides(&text, &o)?;
     cfg.validate()?;
     Ok(cfg)

@@ -98,7 +98,7 @@ pub fn gpt(cfg: &GptConfig) -> Model {
             max_seq: cfg.seq,
             dim: cfg.dim,
             init_std: 0.02,
-
+            learned_positions: true,
             sequence: Default::default(),
         },
     )];

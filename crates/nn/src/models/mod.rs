@@ -2,7 +2,9 @@
 
 pub mod gpt;
 pub mod lenet;
+pub mod llama;
 pub mod resnet;
 
 pub use gpt::GptConfig;
 pub use lenet::LeNetVariant;
+pub use llama::LlamaConfig;

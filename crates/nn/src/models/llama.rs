@@ -1,0 +1,241 @@
+//! A Llama-family decoder (Touvron et al. 2023): token embedding (no position table),
+//! `layers` pre-norm blocks with RMS norms, rotary positions, grouped-query attention and a
+//! SwiGLU MLP, no biases, a final RMS norm and an untied linear head (tied on request). Input
+//! token ids `[B, T]`, output logits `[B, T, vocab]`. The tensor names and layouts map one to
+//! one onto Hugging Face's `LlamaForCausalLM` (q/k/v fused in the grouped layout, gate and up
+//! fused), so its weights load and export without arithmetic.
+
+use crate::layer::{Init, TensorPlan, TpStyle};
+use crate::layers::{Linear, RmsNorm, Seq};
+use crate::model::{Block, InputSpec, Model};
+use crate::transformer::{AttentionKind, GptEmbedding, LlamaBlockShape, TransformerBlock};
+use serde::{Deserialize, Serialize};
+
+fn default_theta() -> f64 {
+    10_000.0
+}
+
+fn default_eps() -> f32 {
+    1e-5
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlamaConfig {
+    pub vocab: usize,
+    pub dim: usize,
+    pub layers: usize,
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention); `heads` is multi-head attention, 1
+    /// multi-query attention.
+    pub kv_heads: usize,
+    /// Inner width of the SwiGLU MLP (Llama-2-7B: 11008 for dim 4096).
+    pub ffn: usize,
+    /// Tokens per sample (the longest context trained).
+    pub seq: usize,
+    /// Rotary base θ.
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default = "default_eps")]
+    pub norm_eps: f32,
+    #[serde(default)]
+    pub tie_embeddings: bool,
+    /// The attention kernel (see [`crate::models::GptConfig::attention`]).
+    #[serde(default, skip_serializing_if = "AttentionKind::is_flash")]
+    pub attention: AttentionKind,
+}
+
+impl LlamaConfig {
+    /// Checks that the shape can be built, with a message a user can act on.
+    pub fn validate(&self) -> Result<(), String> {
+        let sizes = [
+            ("vocab", self.vocab),
+            ("dim", self.dim),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("ffn", self.ffn),
+            ("seq", self.seq),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("Llama {name} must be positive"));
+        }
+        if !self.dim.is_multiple_of(self.heads) {
+            return Err(format!(
+                "Llama dim {} is not divisible by heads {}",
+                self.dim, self.heads
+            ));
+        }
+        if !(self.dim / self.heads).is_multiple_of(2) {
+            return Err(format!(
+                "Llama head size {} (dim / heads) must be even: rotary positions rotate pairs",
+                self.dim / self.heads
+            ));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(format!(
+                "Llama heads {} must be a multiple of kv_heads {} (every key/value head serves \
+                 the same number of query heads)",
+                self.heads, self.kv_heads
+            ));
+        }
+        let theta_ok = self.rope_theta.partial_cmp(&1.0) == Some(std::cmp::Ordering::Greater);
+        let eps_ok = self.norm_eps.partial_cmp(&0.0) == Some(std::cmp::Ordering::Greater);
+        if !theta_ok || !eps_ok {
+            return Err(format!(
+                "Llama rope_theta must exceed 1 and norm_eps be positive (got {} and {})",
+                self.rope_theta, self.norm_eps
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.dim / self.heads
+    }
+
+    /// Parameters, counted from the shapes the model builds.
+    pub fn params(&self) -> usize {
+        let (d, v, f) = (self.dim, self.vocab, self.ffn);
+        let qkv = d * (self.heads + 2 * self.kv_heads) * self.head_dim();
+        let block = 2 * d + qkv + d * d + 3 * d * f;
+        let head = if self.tie_embeddings { 0 } else { v * d };
+        v * d + self.layers * block + d + head
+    }
+
+    /// Forward + backward FLOPs per sequence (matrix products only, ×3 for backward).
+    pub fn train_flops_per_sequence(&self) -> f64 {
+        let (t, d, v) = (self.seq as f64, self.dim as f64, self.vocab as f64);
+        let qkv = d * ((self.heads + 2 * self.kv_heads) * self.head_dim()) as f64;
+        let per_layer = 2.0 * (qkv + d * d + 3.0 * d * self.ffn as f64) + 4.0 * t * d;
+        let per_token = self.layers as f64 * per_layer + 2.0 * d * v;
+        3.0 * per_token * t
+    }
+
+    fn block_shape(&self) -> LlamaBlockShape {
+        LlamaBlockShape {
+            dim: self.dim,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            ffn: self.ffn,
+            rope_theta: self.rope_theta,
+            norm_eps: self.norm_eps,
+        }
+    }
+}
+
+/// Megatron-LM's split of a Llama: q/k/v column-parallel by key/value group (the grouped
+/// layout makes an even split of the rows a split by whole groups), `[gate | up]`
+/// column-parallel with gate and up split separately, `proj` and `down` row-parallel, the
+/// head split over the vocabulary.
+pub fn tensor_plan() -> TensorPlan {
+    TensorPlan {
+        rules: vec![
+            ("*qkv".into(), TpStyle::Column { groups: 1 }),
+            ("*proj".into(), TpStyle::Row),
+            ("*gate_up".into(), TpStyle::Column { groups: 2 }),
+            ("*down".into(), TpStyle::Row),
+            ("head".into(), TpStyle::VocabHead),
+        ],
+    }
+}
+
+/// Weights N(0, 0.02) (Hugging Face's `initializer_range`), norms one.
+pub fn llama(cfg: &LlamaConfig) -> Model {
+    if let Err(e) = cfg.validate() {
+        panic!("invalid Llama config: {e}");
+    }
+    let init = Init::Normal(0.02);
+    let mut blocks = vec![Block::new(
+        "",
+        GptEmbedding {
+            vocab: cfg.vocab,
+            max_seq: cfg.seq,
+            dim: cfg.dim,
+            init_std: 0.02,
+            learned_positions: false,
+            sequence: Default::default(),
+        },
+    )];
+    for i in 0..cfg.layers {
+        blocks.push(Block::new(
+            &format!("blocks.{i}"),
+            TransformerBlock::llama(cfg.block_shape(), init, cfg.attention),
+        ));
+    }
+    blocks.push(Block::new(
+        "",
+        Seq::new(vec![
+            ("norm", Box::new(RmsNorm::new(cfg.dim, cfg.norm_eps))),
+            (
+                "head",
+                Box::new(Linear::new(cfg.dim, cfg.vocab, false).with_init(init)),
+            ),
+        ]),
+    ));
+    let model = Model::new(blocks)
+        .with_input(InputSpec::tokens(cfg.seq, cfg.vocab))
+        .with_tensor_plan(tensor_plan());
+    if cfg.tie_embeddings {
+        return model
+            .tie("head.weight", "tok.weight")
+            .expect("the head and the token embedding are both [vocab, dim]");
+    }
+    model
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> LlamaConfig {
+        LlamaConfig {
+            vocab: 50,
+            dim: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 48,
+            seq: 8,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+            tie_embeddings: false,
+            attention: AttentionKind::Flash,
+        }
+    }
+
+    #[test]
+    fn counts_its_parameters() {
+        for tie in [false, true] {
+            let cfg = LlamaConfig {
+                tie_embeddings: tie,
+                ..small()
+            };
+            let model = llama(&cfg);
+            assert_eq!(model.num_unique_params(), cfg.params(), "tie {tie}");
+        }
+    }
+
+    #[test]
+    fn rejects_shapes_it_cannot_build() {
+        let bad = |c: LlamaConfig| c.validate().unwrap_err();
+        assert!(bad(LlamaConfig {
+            kv_heads: 3,
+            ..small()
+        })
+        .contains("multiple of kv_heads"));
+        assert!(bad(LlamaConfig {
+            heads: 5,
+            ..small()
+        })
+        .contains("not divisible"));
+        assert!(bad(LlamaConfig {
+            dim: 12,
+            heads: 4,
+            kv_heads: 4,
+            ..small()
+        })
+        .contains("even"));
+        assert!(bad(LlamaConfig { ffn: 0, ..small() }).contains("ffn"));
+    }
+}

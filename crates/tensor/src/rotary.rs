@@ -1,0 +1,283 @@
+//! Rotary position embeddings (RoPE, Su et al. 2021) and grouped-query attention's sharing of
+//! key/value heads (Ainslie et al. 2023), as one pass between a Llama block's fused q/k/v
+//! projection and the attention kernels.
+//!
+//! Why one pass: the attention kernels ([`crate::attention`], [`crate::flash`], ring attention
+//! and Ulysses on top of them) take a fused `[Q | K | V]` row with one key/value head per
+//! query head. Rotating q and k and repeating each key/value head for the query heads of its
+//! group produces exactly that row, so every attention kernel and every context-parallel form
+//! serves Llama unchanged. The price is the repeated key/value heads in the kept activations
+//! (`3·H` heads instead of `H + 2·H_kv`); the weights and the projection's FLOPs keep GQA's
+//! savings.
+//!
+//! The projection's output is laid out by key/value group (Megatron-LM's layout for GQA): for
+//! group `j`, its `H/H_kv` query heads, then key head `j`, then value head `j`. A split of
+//! those rows into `tp` equal parts is a split by whole groups, so tensor parallelism needs no
+//! special case. The rotation is Hugging Face Llama's ("rotate half": element `i` pairs with
+//! `i + head_dim/2`, angle `position · θ^(−2i/head_dim)`), so its weights load unpermuted.
+
+use crate::par::{chunk_len, for_each_chunk_mut, PARALLEL_MIN_LEN};
+
+/// The shape of one rotary pass: `batch · seq` token rows of `heads` query heads and
+/// `kv_heads` key/value heads of `head_dim` values each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RotaryShape {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl RotaryShape {
+    /// Width of an input row: the fused projection's outputs.
+    pub fn input_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Width of an output row: `[Q | K | V]`, one key/value head per query head.
+    pub fn output_width(&self) -> usize {
+        3 * self.heads * self.head_dim
+    }
+
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+/// The cosines and sines of every (position, frequency) pair, `[positions.len(), head_dim/2]`
+/// each. Computed as Hugging Face computes them (an f32 inverse frequency times an f32
+/// position, the angle's cosine rounded to f32), so that the same weights give the same logits.
+pub fn rotary_tables(positions: &[usize], head_dim: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let inverse: Vec<f32> = (0..half)
+        .map(|i| (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32)
+        .collect();
+    let mut cos = Vec::with_capacity(positions.len() * half);
+    let mut sin = Vec::with_capacity(positions.len() * half);
+    for &p in positions {
+        for &f in &inverse {
+            let angle = (p as f32 * f) as f64;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// `out = R·x` for one head: pairs `(i, i + h/2)` rotated by their angle.
+fn rotate(x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
+    let half = cos.len();
+    let (x0, x1) = x.split_at(half);
+    let (o0, o1) = out.split_at_mut(half);
+    for i in 0..half {
+        o0[i] = x0[i] * cos[i] - x1[i] * sin[i];
+        o1[i] = x1[i] * cos[i] + x0[i] * sin[i];
+    }
+}
+
+/// `out = Rᵀ·y` for one head (the rotation's gradient).
+fn rotate_back(y: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
+    let half = cos.len();
+    let (y0, y1) = y.split_at(half);
+    let (o0, o1) = out.split_at_mut(half);
+    for i in 0..half {
+        o0[i] = y0[i] * cos[i] + y1[i] * sin[i];
+        o1[i] = y1[i] * cos[i] - y0[i] * sin[i];
+    }
+}
+
+/// Rows per parallel task: enough elements to pay for a task.
+fn rows_per_task(rows: usize, width: usize) -> usize {
+    (chunk_len(rows * width, PARALLEL_MIN_LEN) / width).max(1)
+}
+
+/// Rotates q and k and repeats key/value heads: `x` `[B·T, (H + 2·H_kv)·hd]` in the grouped
+/// layout → `[B·T, 3·H·hd]` (`[Q | K | V]`). `cos`/`sin` are [`rotary_tables`] of the `T`
+/// tokens' positions.
+pub fn rotary_expand_forward(shape: RotaryShape, x: &[f32], cos: &[f32], sin: &[f32]) -> Vec<f32> {
+    let (hd, g, h) = (shape.head_dim, shape.group(), shape.heads);
+    let (win, wout) = (shape.input_width(), shape.output_width());
+    let rows = shape.batch * shape.seq;
+    assert_eq!(x.len(), rows * win, "rotary input: {shape:?}");
+    let half = hd / 2;
+    let mut out = crate::par::take_buffer(rows * wout);
+    let task = rows_per_task(rows, wout);
+    for_each_chunk_mut(&mut out, task * wout, |c, block| {
+        for (k, o) in block.chunks_mut(wout).enumerate() {
+            let r = c * task + k;
+            let t = r % shape.seq;
+            let (cos, sin) = (&cos[t * half..][..half], &sin[t * half..][..half]);
+            let xr = &x[r * win..][..win];
+            let (oq, okv) = o.split_at_mut(h * hd);
+            let (ok, ov) = okv.split_at_mut(h * hd);
+            for j in 0..shape.kv_heads {
+                let group = &xr[j * (g + 2) * hd..][..(g + 2) * hd];
+                let (q, kv) = group.split_at(g * hd);
+                let (k_in, v_in) = kv.split_at(hd);
+                let first = j * g;
+                for m in 0..g {
+                    rotate(
+                        &q[m * hd..][..hd],
+                        cos,
+                        sin,
+                        &mut oq[(first + m) * hd..][..hd],
+                    );
+                }
+                rotate(k_in, cos, sin, &mut ok[first * hd..][..hd]);
+                for m in 1..g {
+                    ok.copy_within(first * hd..(first + 1) * hd, (first + m) * hd);
+                }
+                for m in 0..g {
+                    ov[(first + m) * hd..][..hd].copy_from_slice(v_in);
+                }
+            }
+        }
+    });
+    out
+}
+
+/// The gradient of [`rotary_expand_forward`]: `dy` `[B·T, 3·H·hd]` → `[B·T, (H + 2·H_kv)·hd]`
+/// (query gradients rotated back; each key/value head's gradient summed over the query heads
+/// of its group, keys then rotated back).
+pub fn rotary_expand_backward(
+    shape: RotaryShape,
+    dy: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+) -> Vec<f32> {
+    let (hd, g, h) = (shape.head_dim, shape.group(), shape.heads);
+    let (win, wout) = (shape.input_width(), shape.output_width());
+    let rows = shape.batch * shape.seq;
+    assert_eq!(dy.len(), rows * wout, "rotary gradient: {shape:?}");
+    let half = hd / 2;
+    let mut dx = crate::par::take_buffer(rows * win);
+    let task = rows_per_task(rows, win);
+    for_each_chunk_mut(&mut dx, task * win, |c, block| {
+        let mut sum = vec![0.0f32; hd];
+        for (k, d) in block.chunks_mut(win).enumerate() {
+            let r = c * task + k;
+            let t = r % shape.seq;
+            let (cos, sin) = (&cos[t * half..][..half], &sin[t * half..][..half]);
+            let yr = &dy[r * wout..][..wout];
+            let (dq, dkv) = yr.split_at(h * hd);
+            let (dk, dv) = dkv.split_at(h * hd);
+            for j in 0..shape.kv_heads {
+                let group = &mut d[j * (g + 2) * hd..][..(g + 2) * hd];
+                let (q, kv) = group.split_at_mut(g * hd);
+                let (k_out, v_out) = kv.split_at_mut(hd);
+                let first = j * g;
+                for m in 0..g {
+                    rotate_back(
+                        &dq[(first + m) * hd..][..hd],
+                        cos,
+                        sin,
+                        &mut q[m * hd..][..hd],
+                    );
+                }
+                sum.copy_from_slice(&dk[first * hd..][..hd]);
+                for m in 1..g {
+                    let more = &dk[(first + m) * hd..][..hd];
+                    sum.iter_mut().zip(more).for_each(|(s, v)| *s += v);
+                }
+                rotate_back(&sum, cos, sin, k_out);
+                v_out.copy_from_slice(&dv[first * hd..][..hd]);
+                for m in 1..g {
+                    let more = &dv[(first + m) * hd..][..hd];
+                    v_out.iter_mut().zip(more).for_each(|(s, v)| *s += v);
+                }
+            }
+        }
+    });
+    dx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    /// The rotation in f64 from its definition: a complex multiplication of the pair
+    /// `(x_i, x_{i+h/2})` by `e^{i·p·θ^(−2i/hd)}`.
+    fn rotate_f64(x: &[f32], p: usize, theta: f64) -> Vec<f64> {
+        let (hd, half) = (x.len(), x.len() / 2);
+        let mut out = vec![0.0; hd];
+        for i in 0..half {
+            let angle = p as f64 * theta.powf(-((2 * i) as f64) / hd as f64);
+            let (re, im) = (x[i] as f64, x[i + half] as f64);
+            out[i] = re * angle.cos() - im * angle.sin();
+            out[i + half] = re * angle.sin() + im * angle.cos();
+        }
+        out
+    }
+
+    #[test]
+    fn forward_rotates_and_repeats_by_group() {
+        let shape = RotaryShape {
+            batch: 2,
+            seq: 5,
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 8,
+        };
+        let mut rng = SplitMix64::new(7);
+        let x: Vec<f32> = (0..shape.batch * shape.seq * shape.input_width())
+            .map(|_| rng.normal())
+            .collect();
+        let positions: Vec<usize> = (0..shape.seq).map(|t| 3 * t + 1).collect();
+        let (cos, sin) = rotary_tables(&positions, 8, 10000.0);
+        let y = rotary_expand_forward(shape, &x, &cos, &sin);
+        let (hd, g) = (8, 3);
+        for r in 0..shape.batch * shape.seq {
+            let p = positions[r % shape.seq];
+            let xr = &x[r * shape.input_width()..][..shape.input_width()];
+            let yr = &y[r * shape.output_width()..][..shape.output_width()];
+            for head in 0..shape.heads {
+                let j = head / g;
+                let base = j * (g + 2) * hd;
+                let q = &xr[base + (head % g) * hd..][..hd];
+                let k = &xr[base + g * hd..][..hd];
+                let v = &xr[base + (g + 1) * hd..][..hd];
+                let want = [rotate_f64(q, p, 1e4), rotate_f64(k, p, 1e4)];
+                for (part, want) in want.iter().enumerate() {
+                    let got = &yr[(part * shape.heads + head) * hd..][..hd];
+                    for (a, b) in got.iter().zip(want) {
+                        assert!((*a as f64 - b).abs() < 1e-5, "{a} vs {b}");
+                    }
+                }
+                assert_eq!(&yr[(2 * shape.heads + head) * hd..][..hd], v);
+            }
+        }
+    }
+
+    /// ⟨backward(dy), x⟩ = ⟨dy, forward(x)⟩: the backward is the forward's transpose.
+    #[test]
+    fn backward_is_the_transpose() {
+        let shape = RotaryShape {
+            batch: 1,
+            seq: 4,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 6,
+        };
+        let mut rng = SplitMix64::new(11);
+        let n_in = shape.seq * shape.input_width();
+        let n_out = shape.seq * shape.output_width();
+        let x: Vec<f32> = (0..n_in).map(|_| rng.normal()).collect();
+        let dy: Vec<f32> = (0..n_out).map(|_| rng.normal()).collect();
+        let (cos, sin) = rotary_tables(&[0, 1, 2, 3], 6, 500.0);
+        let y = rotary_expand_forward(shape, &x, &cos, &sin);
+        let dx = rotary_expand_backward(shape, &dy, &cos, &sin);
+        let dot = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum::<f64>()
+        };
+        let (lhs, rhs) = (dot(&dx, &x), dot(&dy, &y));
+        assert!(
+            (lhs - rhs).abs() < 1e-4 * lhs.abs().max(1.0),
+            "{lhs} vs {rhs}"
+        );
+    }
+}
