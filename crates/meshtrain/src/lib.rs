@@ -10,6 +10,7 @@ pub mod bench;
 pub mod calibrate;
 pub mod config;
 pub mod context_bench;
+pub mod export;
 pub mod generate;
 #[cfg(feature = "cuda")]
 pub mod gpu_bench;

@@ -44,6 +44,11 @@ enum Command {
     /// Text from a trained GPT checkpoint, streamed as it comes:
     /// `meshtrain generate --checkpoint runs/gpt/checkpoint.safetensors --prompt "ROMEO:"`.
     Generate(meshtrain::generate::GenerateArgs),
+    /// Write a GPT or Llama checkpoint as a Hugging Face transformers model directory
+    /// (config.json + model.safetensors): `meshtrain export --checkpoint
+    /// runs/llama/checkpoint.safetensors --format hf --out hf-model`. `train --init-from DIR`
+    /// reads such a directory back (yours, or downloaded GPT-2 / Llama weights).
+    Export(meshtrain::export::ExportArgs),
     /// Turn text files into token shards (GPT-2 or cl100k BPE, llm.c's file format) to train
     /// on with data.train_files: `meshtrain tokenize --input corpus.txt --out data/tok`.
     Tokenize(meshtrain::tokenize::TokenizeArgs),
@@ -228,6 +233,7 @@ fn run() -> Result<ExitCode> {
         Command::Checkpoint(c) => checkpoint(c),
         Command::Tokenize(a) => meshtrain::tokenize::run(&a),
         Command::Generate(a) => meshtrain::generate::run(&a),
+        Command::Export(a) => meshtrain::export::run(&a),
     };
     done.map(|()| ExitCode::SUCCESS)
 }

@@ -879,6 +879,11 @@ impl RmsNorm {
 }
 
 impl Layer for RmsNorm {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        // Hugging Face export reads its epsilon.
+        Some(self)
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         vec![ParamSpec::new("weight", &[self.dim], Init::Ones)]
     }

@@ -123,7 +123,7 @@ fn optional_json<T: serde::de::DeserializeOwned>(
         .transpose()
 }
 
-fn view(data: &[f32], shape: Vec<usize>) -> TensorView<'_> {
+pub(crate) fn view(data: &[f32], shape: Vec<usize>) -> TensorView<'_> {
     TensorView::new(Dtype::F32, shape, bytemuck::cast_slice(data)).expect("tensor view sizes match")
 }
 

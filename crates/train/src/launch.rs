@@ -167,8 +167,12 @@ impl Job {
                 .map_err(|e| anyhow!("cannot resume: {e:#}"))?;
         }
         if let Some(path) = &options.init_from {
-            crate::checkpoint::check(path, &model, "", Restore::Weights)
-                .map_err(|e| anyhow!("cannot take the initial weights (--init-from): {e:#}"))?;
+            let checked = if crate::hf::is_model_dir(path) {
+                crate::hf::check(path, &model)
+            } else {
+                crate::checkpoint::check(path, &model, "", Restore::Weights)
+            };
+            checked.map_err(|e| anyhow!("cannot take the initial weights (--init-from): {e:#}"))?;
         }
         Ok(())
     }

@@ -33,6 +33,7 @@
 
 pub mod checkpoint;
 pub mod dataset;
+pub mod hf;
 pub mod job;
 pub mod launch;
 pub mod memory;

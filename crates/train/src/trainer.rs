@@ -620,8 +620,18 @@ impl Trainer {
 
     /// Starts from a checkpoint's weights (parameters and buffers), with a fresh optimizer at
     /// step 0: deliberate fine-tuning, allowed from another model configuration whose
-    /// tensors match by name and shape. Returns the model description the checkpoint holds.
+    /// tensors match by name and shape. `path` may also be a Hugging Face model directory
+    /// (`config.json` + safetensors, GPT-2 or Llama: [`crate::hf`]). Returns the model
+    /// description the checkpoint holds.
     pub fn init_from(&mut self, path: &Path) -> Result<String> {
+        if crate::hf::is_model_dir(path) {
+            let mut full = self.empty_store();
+            let from = crate::hf::load(path, &self.whole, &mut full)?;
+            self.parallel
+                .load_state(&self.model, &self.whole, &full, None);
+            self.parallel.push_to_device()?;
+            return Ok(from);
+        }
         if crate::sharded::is_sharded(path) {
             let ckpt = crate::sharded::ShardedCheckpoint::open(path)?;
             ckpt.load_into(&mut self.parallel, &self.model, &self.whole, false)?;

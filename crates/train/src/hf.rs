@@ -1,0 +1,979 @@
+//! Hugging Face interop: a GPT or Llama as a `transformers` model directory
+//! (`config.json` + `model.safetensors`), out ([`export`]) and in ([`load`], `--init-from DIR`).
+//!
+//! Why by architecture rather than by a table of names: the two layouts differ beyond names.
+//! GPT-2's `Conv1D` stores its weights `[in, out]` (ours, like `nn.Linear`, `[out, in]`), and
+//! our Llama fuses q/k/v in the grouped layout of [`meshtrain_tensor::rotary`] and gate/up in
+//! one `[gate | up]` matrix where Hugging Face keeps `q_proj`, `k_proj`, `v_proj`,
+//! `gate_proj` and `up_proj`. The rotation convention is Hugging Face's already (rotate half),
+//! so no row permutation of q or k is needed.
+//!
+//! What a model is read from: the layers themselves ([`Architecture::of`]: the attention
+//! core's heads, the rotary layer's key/value heads and θ, the RMS norm's ε, the shapes of
+//! the embedding and MLP), so export needs no config and import can compare what the
+//! directory says with the model it is loaded into: heads that differ with the same shapes
+//! would load without complaint and compute another function.
+//!
+//! Weights stored in bf16 or f16 (most downloaded Llamas) are widened to f32; checkpoints
+//! split over several files (`model.safetensors.index.json`) are read file by file.
+
+use anyhow::{bail, ensure, Context, Result};
+use meshtrain_nn::layers::RmsNorm;
+use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary};
+use meshtrain_nn::{Layer, Model, ParamStore};
+use safetensors::{Dtype, SafeTensors};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// Which `transformers` model class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `GPT2LMHeadModel`: learned positions, layer norms, GELU MLP, biases.
+    Gpt2,
+    /// `LlamaForCausalLM`: rotary positions, RMS norms, GQA, SwiGLU, no biases.
+    Llama,
+}
+
+/// What a GPT or Llama is, as far as its function goes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Architecture {
+    pub family: Family,
+    pub vocab: usize,
+    pub dim: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// MLP inner width (GPT: 4·dim).
+    pub ffn: usize,
+    /// Positions the model was built for (GPT-2's position table; Llama's context).
+    pub seq: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    pub tied: bool,
+}
+
+/// The first layer of type `T` in `model`, depth first.
+fn find<T: 'static>(model: &Model) -> Option<&T> {
+    fn walk<T: 'static>(layer: &dyn Layer) -> Option<&T> {
+        if let Some(found) = layer.as_any().and_then(|a| a.downcast_ref::<T>()) {
+            return Some(found);
+        }
+        let children = layer.children()?;
+        children
+            .layers()
+            .iter()
+            .find_map(|(_, l)| walk::<T>(l.as_ref()))
+    }
+    model
+        .blocks
+        .iter()
+        .find_map(|b| walk::<T>(b.layer.as_ref()))
+}
+
+impl Architecture {
+    /// The architecture of a built-in GPT or Llama (`meshtrain_nn::models`), read from its
+    /// layers; an error for any other model.
+    pub fn of(model: &Model) -> Result<Architecture> {
+        let not_lm = || {
+            anyhow::anyhow!(
+                "only the built-in GPT and Llama models convert to and from Hugging Face \
+                 (this model has no token embedding and attention)"
+            )
+        };
+        let embedding = find::<GptEmbedding>(model).ok_or_else(not_lm)?;
+        let core = find::<AttentionCore>(model).ok_or_else(not_lm)?;
+        let layers = (0..)
+            .take_while(|i| model.blocks.iter().any(|b| b.name == format!("blocks.{i}")))
+            .count();
+        let shape = |name: &str| -> Result<Vec<usize>> {
+            let i = model
+                .param_index(name)
+                .with_context(|| format!("the model has no tensor '{name}'"))?;
+            Ok(model.params()[i].shape.clone())
+        };
+        let tied = model
+            .param_index("head.weight")
+            .is_some_and(|i| model.tied_primary(i).is_some());
+        let (vocab, dim) = (embedding.vocab, embedding.dim);
+        Ok(match find::<Rotary>(model) {
+            Some(rotary) => Architecture {
+                family: Family::Llama,
+                vocab,
+                dim,
+                layers,
+                heads: rotary.heads,
+                kv_heads: rotary.kv_heads,
+                ffn: shape("blocks.0.gate_up.weight")?[0] / 2,
+                seq: embedding.max_seq,
+                rope_theta: rotary.theta,
+                norm_eps: find::<RmsNorm>(model).map_or(1e-5, |n| n.eps as f64),
+                tied,
+            },
+            None => Architecture {
+                family: Family::Gpt2,
+                vocab,
+                dim,
+                layers,
+                heads: core.heads,
+                kv_heads: core.heads,
+                ffn: shape("blocks.0.fc1.weight")?[0],
+                seq: embedding.max_seq,
+                rope_theta: 0.0,
+                norm_eps: 1e-5,
+                tied,
+            },
+        })
+    }
+
+    fn head_dim(&self) -> usize {
+        self.dim / self.heads
+    }
+
+    /// `config.json` for `transformers`.
+    pub fn config_json(&self) -> Value {
+        match self.family {
+            Family::Gpt2 => json!({
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "vocab_size": self.vocab,
+                "n_positions": self.seq,
+                "n_ctx": self.seq,
+                "n_embd": self.dim,
+                "n_layer": self.layers,
+                "n_head": self.heads,
+                "n_inner": self.ffn,
+                // Ours is the exact (erf) GELU, which transformers calls "gelu".
+                "activation_function": "gelu",
+                "layer_norm_epsilon": self.norm_eps,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0,
+                "tie_word_embeddings": self.tied,
+                "torch_dtype": "float32",
+                "bos_token_id": 50256,
+                "eos_token_id": 50256,
+            }),
+            Family::Llama => json!({
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": self.vocab,
+                "hidden_size": self.dim,
+                "intermediate_size": self.ffn,
+                "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim(),
+                "max_position_embeddings": self.seq,
+                "rms_norm_eps": self.norm_eps,
+                "rope_theta": self.rope_theta,
+                "hidden_act": "silu",
+                "attention_bias": false,
+                "mlp_bias": false,
+                "tie_word_embeddings": self.tied,
+                "torch_dtype": "float32",
+            }),
+        }
+    }
+
+    /// The architecture a `config.json` describes.
+    pub fn from_config_json(v: &Value, file: &Path) -> Result<Architecture> {
+        let int = |key: &str| -> Result<usize> {
+            v[key]
+                .as_u64()
+                .map(|n| n as usize)
+                .with_context(|| format!("{} has no integer '{key}'", file.display()))
+        };
+        let float = |key: &str, default: f64| v[key].as_f64().unwrap_or(default);
+        let tied = v["tie_word_embeddings"].as_bool().unwrap_or(true);
+        Ok(match v["model_type"].as_str().unwrap_or_default() {
+            "gpt2" => {
+                let dim = int("n_embd")?;
+                let act = v["activation_function"].as_str().unwrap_or("gelu_new");
+                ensure!(
+                    act == "gelu",
+                    "{}: activation_function \"{act}\": meshtrain's GPT computes the exact \
+                     (erf) GELU, which transformers calls \"gelu\"; the tanh approximation of \
+                     the original GPT-2 (\"gelu_new\") differs by up to ~1e-3 and is not \
+                     built in yet",
+                    file.display()
+                );
+                Architecture {
+                    family: Family::Gpt2,
+                    vocab: int("vocab_size")?,
+                    dim,
+                    layers: int("n_layer")?,
+                    heads: int("n_head")?,
+                    kv_heads: int("n_head")?,
+                    ffn: v["n_inner"].as_u64().map_or(4 * dim, |n| n as usize),
+                    seq: int("n_positions")?,
+                    rope_theta: 0.0,
+                    norm_eps: float("layer_norm_epsilon", 1e-5),
+                    tied,
+                }
+            }
+            "llama" => {
+                let heads = int("num_attention_heads")?;
+                let dim = int("hidden_size")?;
+                if let Some(hd) = v["head_dim"].as_u64() {
+                    ensure!(
+                        hd as usize * heads == dim,
+                        "{}: head_dim {hd} × {heads} heads is not hidden_size {dim}; \
+                         meshtrain's Llama has dim = heads × head size",
+                        file.display()
+                    );
+                }
+                let act = v["hidden_act"].as_str().unwrap_or("silu");
+                ensure!(
+                    act == "silu",
+                    "{}: hidden_act \"{act}\" (meshtrain's Llama has SwiGLU: \"silu\")",
+                    file.display()
+                );
+                ensure!(
+                    v["rope_scaling"].is_null(),
+                    "{}: rope_scaling {} (Llama 3.1's long-context rotary scaling) is not \
+                     supported yet",
+                    file.display(),
+                    v["rope_scaling"]
+                );
+                for bias in ["attention_bias", "mlp_bias"] {
+                    ensure!(
+                        !v[bias].as_bool().unwrap_or(false),
+                        "{}: {bias} = true, but meshtrain's Llama has no biases",
+                        file.display()
+                    );
+                }
+                Architecture {
+                    family: Family::Llama,
+                    vocab: int("vocab_size")?,
+                    dim,
+                    layers: int("num_hidden_layers")?,
+                    heads,
+                    kv_heads: v["num_key_value_heads"]
+                        .as_u64()
+                        .map_or(heads, |n| n as usize),
+                    ffn: int("intermediate_size")?,
+                    seq: int("max_position_embeddings")?,
+                    rope_theta: float("rope_theta", 10_000.0),
+                    norm_eps: float("rms_norm_eps", 1e-6),
+                    tied,
+                }
+            }
+            other => bail!(
+                "{}: model_type \"{other}\"; meshtrain reads \"gpt2\" and \"llama\" models",
+                file.display()
+            ),
+        })
+    }
+
+    /// The `[model]` table of a meshtrain config that builds this architecture.
+    pub fn model_toml(&self) -> String {
+        match self.family {
+            Family::Gpt2 => format!(
+                "[model]\nkind = \"gpt\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nseq = {}\ntie_embeddings = {}\n",
+                self.vocab, self.dim, self.layers, self.heads, self.seq, self.tied
+            ),
+            Family::Llama => format!(
+                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n",
+                self.vocab, self.dim, self.layers, self.heads, self.kv_heads, self.ffn, self.seq,
+                self.rope_theta, self.norm_eps, self.tied
+            ),
+        }
+    }
+
+    /// Why a model of architecture `self` cannot take the weights of `from`, or `None`.
+    /// Fine-tuning may change the context (positions beyond a GPT's table are refused) and
+    /// untie a tied head; everything else must agree.
+    fn mismatch(&self, from: &Architecture) -> Option<String> {
+        let mut diffs = Vec::new();
+        let mut differ = |what: &str, ours: String, theirs: String| {
+            if ours != theirs {
+                diffs.push(format!("{what} {theirs} (the model: {ours})"));
+            }
+        };
+        differ(
+            "family",
+            format!("{:?}", self.family),
+            format!("{:?}", from.family),
+        );
+        for (what, ours, theirs) in [
+            ("vocab", self.vocab, from.vocab),
+            ("dim", self.dim, from.dim),
+            ("layers", self.layers, from.layers),
+            ("heads", self.heads, from.heads),
+            ("kv_heads", self.kv_heads, from.kv_heads),
+            ("ffn", self.ffn, from.ffn),
+        ] {
+            differ(what, ours.to_string(), theirs.to_string());
+        }
+        if self.family == Family::Llama {
+            differ(
+                "rope_theta",
+                format!("{:?}", self.rope_theta),
+                format!("{:?}", from.rope_theta),
+            );
+        }
+        if (self.norm_eps - from.norm_eps).abs() > 1e-3 * from.norm_eps {
+            diffs.push(format!(
+                "norm eps {:e} (the model: {:e})",
+                from.norm_eps, self.norm_eps
+            ));
+        }
+        if self.family == Family::Gpt2 && self.seq > from.seq {
+            diffs.push(format!(
+                "positions {} (the model's context {} needs more)",
+                from.seq, self.seq
+            ));
+        }
+        if self.tied && !from.tied {
+            diffs.push("an untied head (the model ties its head to the embedding)".into());
+        }
+        (!diffs.is_empty()).then(|| diffs.join(", "))
+    }
+}
+
+/// A tensor in Hugging Face's naming and layout: (name, shape, values).
+type HfTensor = (String, Vec<usize>, Vec<f32>);
+
+/// Reads one Hugging Face tensor by name, checking it has the shape given.
+type ReadTensor<'a> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>> + 'a;
+
+/// `[rows, cols]` → `[cols, rows]`.
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = values[r * cols + c];
+        }
+    }
+    out
+}
+
+/// The rows of the grouped q/k/v weight (`[(H + 2·H_kv)·hd, dim]`) as (q, k, v) row ranges:
+/// for key/value group `j`, its query heads, then key head `j`, then value head `j`.
+fn grouped_rows(arch: &Architecture) -> Vec<(std::ops::Range<usize>, char, usize)> {
+    let (hd, g) = (arch.head_dim(), arch.heads / arch.kv_heads);
+    let mut rows = Vec::new();
+    for j in 0..arch.kv_heads {
+        let base = j * (g + 2) * hd;
+        for m in 0..g {
+            rows.push((base + m * hd..base + (m + 1) * hd, 'q', j * g + m));
+        }
+        rows.push((base + g * hd..base + (g + 1) * hd, 'k', j));
+        rows.push((base + (g + 1) * hd..base + (g + 2) * hd, 'v', j));
+    }
+    rows
+}
+
+/// Our tensors (by our names) → Hugging Face's.
+fn to_hf(arch: &Architecture, ours: &dyn Fn(&str) -> Vec<f32>) -> Vec<HfTensor> {
+    let (d, f, v) = (arch.dim, arch.ffn, arch.vocab);
+    let mut out: Vec<HfTensor> = Vec::new();
+    let mut put = |name: String, shape: &[usize], values: Vec<f32>| {
+        out.push((name, shape.to_vec(), values));
+    };
+    match arch.family {
+        Family::Gpt2 => {
+            put("transformer.wte.weight".into(), &[v, d], ours("tok.weight"));
+            put(
+                "transformer.wpe.weight".into(),
+                &[arch.seq, d],
+                ours("pos.weight"),
+            );
+            for i in 0..arch.layers {
+                let (b, h) = (format!("blocks.{i}"), format!("transformer.h.{i}"));
+                for (o, t) in [("ln1", "ln_1"), ("ln2", "ln_2")] {
+                    for p in ["weight", "bias"] {
+                        put(format!("{h}.{t}.{p}"), &[d], ours(&format!("{b}.{o}.{p}")));
+                    }
+                }
+                // Conv1D: weights [in, out].
+                for (o, t, inputs, outputs) in [
+                    ("qkv", "attn.c_attn", d, 3 * d),
+                    ("proj", "attn.c_proj", d, d),
+                    ("fc1", "mlp.c_fc", d, f),
+                    ("fc2", "mlp.c_proj", f, d),
+                ] {
+                    let w = ours(&format!("{b}.{o}.weight"));
+                    put(
+                        format!("{h}.{t}.weight"),
+                        &[inputs, outputs],
+                        transpose(&w, outputs, inputs),
+                    );
+                    put(
+                        format!("{h}.{t}.bias"),
+                        &[outputs],
+                        ours(&format!("{b}.{o}.bias")),
+                    );
+                }
+            }
+            put("transformer.ln_f.weight".into(), &[d], ours("ln_f.weight"));
+            put("transformer.ln_f.bias".into(), &[d], ours("ln_f.bias"));
+        }
+        Family::Llama => {
+            let hd = arch.head_dim();
+            put(
+                "model.embed_tokens.weight".into(),
+                &[v, d],
+                ours("tok.weight"),
+            );
+            for i in 0..arch.layers {
+                let (b, h) = (format!("blocks.{i}"), format!("model.layers.{i}"));
+                put(
+                    format!("{h}.input_layernorm.weight"),
+                    &[d],
+                    ours(&format!("{b}.attn_norm.weight")),
+                );
+                put(
+                    format!("{h}.post_attention_layernorm.weight"),
+                    &[d],
+                    ours(&format!("{b}.mlp_norm.weight")),
+                );
+                let qkv = ours(&format!("{b}.qkv.weight"));
+                let mut q = vec![0.0; arch.heads * hd * d];
+                let mut k = vec![0.0; arch.kv_heads * hd * d];
+                let mut vv = vec![0.0; arch.kv_heads * hd * d];
+                for (rows, which, head) in grouped_rows(arch) {
+                    let dst = match which {
+                        'q' => &mut q,
+                        'k' => &mut k,
+                        _ => &mut vv,
+                    };
+                    dst[head * hd * d..][..hd * d]
+                        .copy_from_slice(&qkv[rows.start * d..rows.end * d]);
+                }
+                put(
+                    format!("{h}.self_attn.q_proj.weight"),
+                    &[arch.heads * hd, d],
+                    q,
+                );
+                put(
+                    format!("{h}.self_attn.k_proj.weight"),
+                    &[arch.kv_heads * hd, d],
+                    k,
+                );
+                put(
+                    format!("{h}.self_attn.v_proj.weight"),
+                    &[arch.kv_heads * hd, d],
+                    vv,
+                );
+                put(
+                    format!("{h}.self_attn.o_proj.weight"),
+                    &[d, d],
+                    ours(&format!("{b}.proj.weight")),
+                );
+                let gate_up = ours(&format!("{b}.gate_up.weight"));
+                let (gate, up) = gate_up.split_at(f * d);
+                put(format!("{h}.mlp.gate_proj.weight"), &[f, d], gate.to_vec());
+                put(format!("{h}.mlp.up_proj.weight"), &[f, d], up.to_vec());
+                put(
+                    format!("{h}.mlp.down_proj.weight"),
+                    &[d, f],
+                    ours(&format!("{b}.down.weight")),
+                );
+            }
+            put("model.norm.weight".into(), &[d], ours("norm.weight"));
+        }
+    }
+    if !arch.tied {
+        put("lm_head.weight".into(), &[v, d], ours("head.weight"));
+    }
+    out
+}
+
+/// Hugging Face's tensors (read by name, with the shape expected) → ours, by our names.
+/// `seq` is the model's context: a GPT takes the first `seq` rows of the position table.
+fn from_hf(
+    arch: &Architecture,
+    seq: usize,
+    hf: &mut ReadTensor<'_>,
+) -> Result<BTreeMap<String, Vec<f32>>> {
+    let (d, f, v) = (arch.dim, arch.ffn, arch.vocab);
+    let mut out = BTreeMap::new();
+    match arch.family {
+        Family::Gpt2 => {
+            out.insert("tok.weight".into(), hf("transformer.wte.weight", &[v, d])?);
+            let pos = hf("transformer.wpe.weight", &[arch.seq, d])?;
+            out.insert("pos.weight".into(), pos[..seq * d].to_vec());
+            for i in 0..arch.layers {
+                let (b, h) = (format!("blocks.{i}"), format!("transformer.h.{i}"));
+                for (o, t) in [("ln1", "ln_1"), ("ln2", "ln_2")] {
+                    for p in ["weight", "bias"] {
+                        out.insert(format!("{b}.{o}.{p}"), hf(&format!("{h}.{t}.{p}"), &[d])?);
+                    }
+                }
+                for (o, t, inputs, outputs) in [
+                    ("qkv", "attn.c_attn", d, 3 * d),
+                    ("proj", "attn.c_proj", d, d),
+                    ("fc1", "mlp.c_fc", d, f),
+                    ("fc2", "mlp.c_proj", f, d),
+                ] {
+                    let w = hf(&format!("{h}.{t}.weight"), &[inputs, outputs])?;
+                    out.insert(format!("{b}.{o}.weight"), transpose(&w, inputs, outputs));
+                    out.insert(
+                        format!("{b}.{o}.bias"),
+                        hf(&format!("{h}.{t}.bias"), &[outputs])?,
+                    );
+                }
+            }
+            out.insert("ln_f.weight".into(), hf("transformer.ln_f.weight", &[d])?);
+            out.insert("ln_f.bias".into(), hf("transformer.ln_f.bias", &[d])?);
+            let head = if arch.tied {
+                out["tok.weight"].clone()
+            } else {
+                hf("lm_head.weight", &[v, d])?
+            };
+            out.insert("head.weight".into(), head);
+        }
+        Family::Llama => {
+            let hd = arch.head_dim();
+            out.insert(
+                "tok.weight".into(),
+                hf("model.embed_tokens.weight", &[v, d])?,
+            );
+            for i in 0..arch.layers {
+                let (b, h) = (format!("blocks.{i}"), format!("model.layers.{i}"));
+                out.insert(
+                    format!("{b}.attn_norm.weight"),
+                    hf(&format!("{h}.input_layernorm.weight"), &[d])?,
+                );
+                out.insert(
+                    format!("{b}.mlp_norm.weight"),
+                    hf(&format!("{h}.post_attention_layernorm.weight"), &[d])?,
+                );
+                let q = hf(
+                    &format!("{h}.self_attn.q_proj.weight"),
+                    &[arch.heads * hd, d],
+                )?;
+                let k = hf(
+                    &format!("{h}.self_attn.k_proj.weight"),
+                    &[arch.kv_heads * hd, d],
+                )?;
+                let vv = hf(
+                    &format!("{h}.self_attn.v_proj.weight"),
+                    &[arch.kv_heads * hd, d],
+                )?;
+                let mut qkv = vec![0.0; (arch.heads + 2 * arch.kv_heads) * hd * d];
+                for (rows, which, head) in grouped_rows(arch) {
+                    let src = match which {
+                        'q' => &q,
+                        'k' => &k,
+                        _ => &vv,
+                    };
+                    qkv[rows.start * d..rows.end * d]
+                        .copy_from_slice(&src[head * hd * d..][..hd * d]);
+                }
+                out.insert(format!("{b}.qkv.weight"), qkv);
+                out.insert(
+                    format!("{b}.proj.weight"),
+                    hf(&format!("{h}.self_attn.o_proj.weight"), &[d, d])?,
+                );
+                let mut gate_up = hf(&format!("{h}.mlp.gate_proj.weight"), &[f, d])?;
+                gate_up.extend(hf(&format!("{h}.mlp.up_proj.weight"), &[f, d])?);
+                out.insert(format!("{b}.gate_up.weight"), gate_up);
+                out.insert(
+                    format!("{b}.down.weight"),
+                    hf(&format!("{h}.mlp.down_proj.weight"), &[d, f])?,
+                );
+            }
+            out.insert("norm.weight".into(), hf("model.norm.weight", &[d])?);
+            let head = if arch.tied {
+                out["tok.weight"].clone()
+            } else {
+                hf("lm_head.weight", &[v, d])?
+            };
+            out.insert("head.weight".into(), head);
+        }
+    }
+    Ok(out)
+}
+
+/// Writes `model` with parameters `values` (the whole model's flat store) as a `transformers`
+/// directory: `config.json` and `model.safetensors` (f32, metadata `format = pt`, which
+/// `transformers` requires).
+pub fn export(model: &Model, values: &[f32], dir: &Path) -> Result<Architecture> {
+    let arch = Architecture::of(model)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let ours = |name: &str| -> Vec<f32> {
+        let i = model
+            .param_index(name)
+            .unwrap_or_else(|| panic!("no tensor {name}"));
+        let i = model.tied_primary(i).unwrap_or(i);
+        values[model.params()[i].range.clone()].to_vec()
+    };
+    let tensors = to_hf(&arch, &ours);
+    let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(name, shape, values)| {
+            (
+                name.as_str(),
+                crate::checkpoint::view(values, shape.clone()),
+            )
+        })
+        .collect();
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let weights = dir.join("model.safetensors");
+    crate::checkpoint::replace_atomically(&weights, |tmp| {
+        safetensors::serialize_to_file(views, &Some(metadata), tmp)
+            .with_context(|| format!("writing {}", tmp.display()))
+    })?;
+    let config = serde_json::to_string_pretty(&arch.config_json())?;
+    std::fs::write(dir.join("config.json"), config + "\n")
+        .with_context(|| format!("writing {}", dir.join("config.json").display()))?;
+    Ok(arch)
+}
+
+/// Whether `path` is a Hugging Face model directory (it holds a `config.json`).
+pub fn is_model_dir(path: &Path) -> bool {
+    path.is_dir() && path.join("config.json").is_file()
+}
+
+/// The weight files of a model directory, by tensor name.
+fn weight_files(dir: &Path) -> Result<HashMap<String, PathBuf>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index)
+            .with_context(|| format!("cannot read {}", index.display()))?;
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not JSON", index.display()))?;
+        let map = v["weight_map"]
+            .as_object()
+            .with_context(|| format!("{} has no weight_map", index.display()))?;
+        return Ok(map
+            .iter()
+            .filter_map(|(k, f)| Some((k.clone(), dir.join(f.as_str()?))))
+            .collect());
+    }
+    if !single.is_file() {
+        let torch = dir.join("pytorch_model.bin");
+        bail!(
+            "{} holds no model.safetensors{}",
+            dir.display(),
+            if torch.is_file() {
+                " (only pytorch_model.bin, a pickle meshtrain does not read: convert it with \
+                 transformers, `AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, \
+                 safe_serialization=True)`)"
+            } else {
+                ""
+            }
+        );
+    }
+    let header = crate::checkpoint::read_safetensors_header(&single, "weights")?;
+    Ok(header
+        .entries
+        .keys()
+        .filter(|k| *k != "__metadata__")
+        .map(|k| (k.clone(), single.clone()))
+        .collect())
+}
+
+/// Reads tensors from memory-mapped safetensors files, widening bf16/f16 to f32.
+struct Reader {
+    files: HashMap<String, PathBuf>,
+    mapped: HashMap<PathBuf, memmap2::Mmap>,
+}
+
+impl Reader {
+    fn read(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let file = self
+            .files
+            .get(name)
+            .with_context(|| format!("the weights have no tensor '{name}'"))?
+            .clone();
+        if !self.mapped.contains_key(&file) {
+            let f = std::fs::File::open(&file)
+                .with_context(|| format!("cannot open {}", file.display()))?;
+            // SAFETY: the file is only read; a concurrent writer could change what we read,
+            // which would be caught as a corrupt tensor at worst, never memory unsafety in Rust
+            // code that copies the bytes out at once.
+            let map = unsafe { memmap2::Mmap::map(&f) }
+                .with_context(|| format!("cannot map {}", file.display()))?;
+            self.mapped.insert(file.clone(), map);
+        }
+        let st = SafeTensors::deserialize(&self.mapped[&file])
+            .with_context(|| format!("{} is corrupt or not a safetensors file", file.display()))?;
+        let t = st
+            .tensor(name)
+            .with_context(|| format!("{} has no tensor '{name}'", file.display()))?;
+        ensure!(
+            t.shape() == shape,
+            "{}: tensor '{name}' has shape {:?}, the architecture in config.json needs {shape:?}",
+            file.display(),
+            t.shape()
+        );
+        let bytes = t.data();
+        let values: Vec<f32> = match t.dtype() {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => bail!(
+                "{}: tensor '{name}' is {other:?}; meshtrain reads F32, BF16 and F16",
+                file.display()
+            ),
+        };
+        if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
+            bail!(
+                "{}: tensor '{name}' holds a non-finite value at element {bad}",
+                file.display()
+            );
+        }
+        Ok(values)
+    }
+}
+
+/// The architecture of a model directory, checked against `model`'s: the error names what
+/// differs and the `[model]` table that would match.
+fn matching_architecture(dir: &Path, model: &Model) -> Result<Architecture> {
+    let config_file = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_file)
+        .with_context(|| format!("cannot read {}", config_file.display()))?;
+    let v: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not JSON", config_file.display()))?;
+    let theirs = Architecture::from_config_json(&v, &config_file)?;
+    let ours = Architecture::of(model)?;
+    if let Some(diff) = ours.mismatch(&theirs) {
+        bail!(
+            "{} holds a different model: {diff}. A config whose model matches it:\n{}",
+            dir.display(),
+            theirs.model_toml()
+        );
+    }
+    Ok(theirs)
+}
+
+/// Checks, without reading any weights, that the directory describes `model` and holds every
+/// tensor it needs with the right shape (for the one-line check before a run starts).
+pub fn check(dir: &Path, model: &Model) -> Result<()> {
+    let arch = matching_architecture(dir, model)?;
+    let files = weight_files(dir)?;
+    let mut headers: HashMap<PathBuf, HashMap<String, Value>> = HashMap::new();
+    let mut missing = None;
+    let seq = Architecture::of(model)?.seq;
+    from_hf(&arch, seq, &mut |name, shape| {
+        let Some(file) = files.get(name) else {
+            missing.get_or_insert_with(|| name.to_string());
+            return Ok(vec![0.0; shape.iter().product()]);
+        };
+        if !headers.contains_key(file) {
+            let h = crate::checkpoint::read_safetensors_header(file, "weights")?;
+            headers.insert(file.clone(), h.entries);
+        }
+        let entry = headers[file]
+            .get(name)
+            .with_context(|| format!("{} has no tensor '{name}'", file.display()))?;
+        let got: Vec<usize> = entry["shape"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|n| n.as_u64().map(|n| n as usize))
+                    .collect()
+            })
+            .unwrap_or_default();
+        ensure!(
+            got == shape,
+            "{}: tensor '{name}' has shape {got:?}, config.json's architecture needs {shape:?}",
+            file.display()
+        );
+        Ok(vec![0.0; shape.iter().product()])
+    })?;
+    if let Some(name) = missing {
+        bail!("{} lacks the tensor '{name}'", dir.display());
+    }
+    Ok(())
+}
+
+/// Loads a model directory's weights into `store` (the whole model's), converted to our
+/// names and layouts. Returns a description of what was loaded.
+pub fn load(dir: &Path, model: &Model, store: &mut ParamStore) -> Result<String> {
+    let arch = matching_architecture(dir, model)?;
+    let seq = Architecture::of(model)?.seq;
+    let mut reader = Reader {
+        files: weight_files(dir)?,
+        mapped: HashMap::new(),
+    };
+    let tensors = from_hf(&arch, seq, &mut |name, shape| reader.read(name, shape))?;
+    for (i, entry) in model.params().iter().enumerate() {
+        // A tied copy holds its primary's values.
+        let owner = &model.params()[model.tied_primary(i).unwrap_or(i)].name;
+        let values = tensors
+            .get(owner)
+            .with_context(|| format!("no Hugging Face tensor maps to '{owner}'"))?;
+        ensure!(
+            values.len() == entry.range.len(),
+            "'{}': {} values for a tensor of {}",
+            entry.name,
+            values.len(),
+            entry.range.len()
+        );
+        store.values[entry.range.clone()].copy_from_slice(values);
+    }
+    Ok(format!(
+        "Hugging Face {} ({})",
+        match arch.family {
+            Family::Gpt2 => "GPT-2",
+            Family::Llama => "Llama",
+        },
+        dir.display()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshtrain_nn::models::{gpt, llama, GptConfig, LlamaConfig};
+
+    fn tiny_llama(tied: bool) -> Model {
+        llama::llama(&LlamaConfig {
+            vocab: 40,
+            dim: 24,
+            layers: 2,
+            heads: 6,
+            kv_heads: 2,
+            ffn: 20,
+            seq: 8,
+            rope_theta: 500.0,
+            norm_eps: 1e-6,
+            tie_embeddings: tied,
+            attention: Default::default(),
+        })
+    }
+
+    fn tiny_gpt() -> Model {
+        gpt::gpt(&GptConfig {
+            vocab: 30,
+            dim: 16,
+            layers: 2,
+            heads: 4,
+            seq: 8,
+            tie_embeddings: false,
+            attention: Default::default(),
+        })
+    }
+
+    fn random_store(model: &Model, seed: u64) -> ParamStore {
+        ParamStore {
+            values: meshtrain_tensor::rng::normal_values(model.num_params(), seed),
+            grads: Vec::new(),
+            buffers: vec![0.0; model.num_buffers()],
+        }
+    }
+
+    /// Tied copies take their primary's values, as a model's store keeps them.
+    fn sync_tied(model: &Model, values: &mut [f32]) {
+        for (i, entry) in model.params().iter().enumerate() {
+            if let Some(p) = model.tied_primary(i) {
+                let from = values[model.params()[p].range.clone()].to_vec();
+                values[entry.range.clone()].copy_from_slice(&from);
+            }
+        }
+    }
+
+    /// Export then import gives back every parameter bit for bit, and the files are what
+    /// transformers expects: its tensor names and shapes, and the config's sizes.
+    #[test]
+    fn round_trips_exactly() {
+        for (name, model) in [
+            ("gpt", tiny_gpt()),
+            ("llama", tiny_llama(false)),
+            ("llama tied", tiny_llama(true)),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut store = random_store(&model, 5);
+            sync_tied(&model, &mut store.values);
+            let arch = export(&model, &store.values, dir.path()).unwrap();
+            check(dir.path(), &model).unwrap();
+            let mut back = random_store(&model, 6);
+            load(dir.path(), &model, &mut back).unwrap();
+            assert!(back.values == store.values, "{name}: values changed");
+            let header = crate::checkpoint::read_safetensors_header(
+                &dir.path().join("model.safetensors"),
+                "w",
+            )
+            .unwrap();
+            let names: Vec<&String> = header.entries.keys().collect();
+            match arch.family {
+                Family::Llama => {
+                    let q = &header.entries["model.layers.1.self_attn.q_proj.weight"]["shape"];
+                    assert_eq!(q, &json!([24, 24]), "{name}");
+                    let k = &header.entries["model.layers.1.self_attn.k_proj.weight"]["shape"];
+                    assert_eq!(k, &json!([8, 24]), "{name}");
+                    assert_eq!(
+                        names.iter().any(|n| *n == "lm_head.weight"),
+                        !arch.tied,
+                        "{name}"
+                    );
+                }
+                Family::Gpt2 => {
+                    let fc = &header.entries["transformer.h.0.mlp.c_fc.weight"]["shape"];
+                    assert_eq!(fc, &json!([16, 64]), "{name}: Conv1D is [in, out]");
+                }
+            }
+        }
+    }
+
+    /// The q/k/v split undoes the grouped layout: q head h of the fused weight is rows
+    /// h·hd.. of q_proj, whatever group it sits in.
+    #[test]
+    fn grouped_qkv_splits_by_head() {
+        let model = tiny_llama(false);
+        let mut store = random_store(&model, 1);
+        let i = model.param_index("blocks.0.qkv.weight").unwrap();
+        let range = model.params()[i].range.clone();
+        // Row r of the fused weight holds the value r everywhere.
+        for (r, row) in store.values[range].chunks_mut(24).enumerate() {
+            row.fill(r as f32);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        export(&model, &store.values, dir.path()).unwrap();
+        let mut reader = Reader {
+            files: weight_files(dir.path()).unwrap(),
+            mapped: HashMap::new(),
+        };
+        let q = reader
+            .read("model.layers.0.self_attn.q_proj.weight", &[24, 24])
+            .unwrap();
+        let k = reader
+            .read("model.layers.0.self_attn.k_proj.weight", &[8, 24])
+            .unwrap();
+        // hd = 4, 3 query heads per group, group width 5 heads = 20 rows.
+        assert_eq!(q[4 * 24], 4.0, "q head 1 from group 0");
+        assert_eq!(q[12 * 24], 20.0, "q head 3 opens group 1");
+        assert_eq!(k[0], 12.0, "k head 0 after group 0's 3 query heads");
+        assert_eq!(k[4 * 24], 32.0, "k head 1 after group 1's query heads");
+    }
+
+    #[test]
+    fn a_different_model_is_named_with_the_config_that_would_match() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = tiny_llama(false);
+        export(&model, &random_store(&model, 2).values, dir.path()).unwrap();
+        let other = llama::llama(&LlamaConfig {
+            vocab: 40,
+            dim: 24,
+            layers: 2,
+            heads: 6,
+            kv_heads: 3,
+            ffn: 20,
+            seq: 8,
+            rope_theta: 500.0,
+            norm_eps: 1e-6,
+            tie_embeddings: false,
+            attention: Default::default(),
+        });
+        let err = format!("{:#}", check(dir.path(), &other).unwrap_err());
+        assert!(err.contains("kv_heads 2 (the model: 3)"), "{err}");
+        assert!(err.contains("kv_heads = 2"), "{err}");
+        let err = format!("{:#}", check(dir.path(), &tiny_gpt()).unwrap_err());
+        assert!(err.contains("family Llama (the model: Gpt2)"), "{err}");
+    }
+}

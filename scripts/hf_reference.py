@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Hugging Face references for crates/meshtrain/tests/hf_interop.rs, from `transformers` itself.
+
+Writes into crates/meshtrain/tests/refs/hf/:
+  meshtrain-*/logits.json  transformers' logits for models meshtrain exported (run first:
+                           MESHTRAIN_HF_WRITE=1 cargo test --release -p meshtrain
+                           --test hf_interop -- write)
+  hf-*/                    models transformers initialised at random and saved
+                           (config.json + model.safetensors), with their logits.json
+All logits are for the token ids in ids.json, in fp32 on the CPU, with the attention
+implementation "eager" (plain softmax(QK^T)V).
+
+Setup (PyPI only; the default Linux wheel of torch is the CUDA build, which runs on a CPU):
+  python3 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers safetensors
+  /tmp/hfvenv/bin/python scripts/hf_reference.py
+"""
+import argparse
+import json
+import pathlib
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+REFS = ROOT / "crates/meshtrain/tests/refs/hf"
+
+
+def logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.tensor(ids, dtype=torch.long)).logits
+    return out.float().tolist()
+
+
+def write_logits(directory, values):
+    (directory / "logits.json").write_text(json.dumps(values) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.parse_args()
+    torch.manual_seed(0)
+    ids = json.loads((REFS / "ids.json").read_text())
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+
+    for directory in sorted(REFS.glob("meshtrain-*")):
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, torch_dtype=torch.float32, attn_implementation="eager")
+        write_logits(directory, logits(model, ids))
+        print(f"{directory.name}: {type(model).__name__} logits written")
+
+    # Models transformers initialises itself. Wider than the usual 0.02 so that every layer
+    # moves the logits; GPT-2 with the exact GELU ("gelu"), which meshtrain's GPT computes.
+    made = {
+        "hf-gpt2": GPT2LMHeadModel(GPT2Config(
+            vocab_size=256, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+            activation_function="gelu", initializer_range=0.2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "hf-llama": LlamaForCausalLM(LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+            initializer_range=0.2)),
+    }
+    for name, model in made.items():
+        # Norm weights start at one; move them so a swapped or ignored norm weight shows.
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "norm" in pname or "ln_" in pname:
+                    p.add_(0.3 * torch.randn_like(p))
+        directory = REFS / name
+        model.save_pretrained(directory, safe_serialization=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, torch_dtype=torch.float32, attn_implementation="eager")
+        write_logits(directory, logits(model, ids))
+        print(f"{name}: saved with its logits")
+
+
+if __name__ == "__main__":
+    main()
