@@ -92,3 +92,26 @@ fn tensor_parallelism_that_splits_a_key_value_head_is_refused() {
         "{msg}"
     );
 }
+
+/// `meshtrain plan --model configs/X.toml` plans the network `meshtrain train --config
+/// configs/X.toml` builds: the planner reads the training config's `[model]` table and counts
+/// the parameters the trainer allocates.
+#[test]
+fn the_planner_and_the_trainer_read_one_model_description() {
+    for file in [
+        "configs/llama.toml",
+        "configs/llama-bpe.toml",
+        "configs/gpt.toml",
+    ] {
+        let text = std::fs::read_to_string(common::root().join(file)).unwrap();
+        let planned = meshtrain_plan::model::ModelSpec::from_toml(&text)
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let cfg = meshtrain::config::Config::from_toml_with_overrides(&text, &[]).unwrap();
+        let built = meshtrain::presets::build_model(&cfg.model);
+        assert_eq!(
+            planned.total_params(),
+            built.num_unique_params() as u64,
+            "{file}"
+        );
+    }
+}

@@ -21,7 +21,10 @@ pub struct TransformerSpec {
     pub kv_heads: Option<u64>,
     /// Inner size of the MLP (4·hidden for GPT).
     pub ffn_hidden: u64,
-    /// Gated MLP (SwiGLU: three weight matrices instead of two).
+    /// The Llama family: a gated MLP (SwiGLU: three weight matrices instead of two), and with
+    /// it what comes with that family: rotary positions (no position table), RMS norms (a
+    /// weight, no bias) and no biases in the linear layers. Without it, GPT-2/Megatron's
+    /// conventions: learned positions, layer norms, biases.
     #[serde(default)]
     pub gated_mlp: bool,
     pub vocab: u64,
@@ -93,10 +96,14 @@ impl TransformerSpec {
     }
 
     /// Parameters of one transformer layer: QKV, output projection, MLP (with biases as in
-    /// GPT-2/Megatron) and two layer norms.
+    /// GPT-2/Megatron) and two layer norms; for the Llama family (`gated_mlp`) no biases and
+    /// two RMS norms.
     pub fn params_per_layer(&self) -> u64 {
         let h = self.hidden;
         let qkv_out = h + 2 * self.kv_width();
+        if self.gated_mlp {
+            return h * qkv_out + h * h + 3 * h * self.ffn_hidden + 2 * h;
+        }
         let attention = h * qkv_out + qkv_out + h * h + h;
         let mlp_biases = if self.gated_mlp {
             2 * self.ffn_hidden + h
@@ -108,9 +115,10 @@ impl TransformerSpec {
         attention + mlp + layer_norms
     }
 
-    /// Input embedding plus learned positions.
+    /// Input embedding plus learned positions (none for the Llama family: rotary).
     pub fn embedding_params(&self) -> u64 {
-        self.vocab * self.hidden + self.seq_len * self.hidden
+        let positions = if self.gated_mlp { 0 } else { self.seq_len };
+        (self.vocab + positions) * self.hidden
     }
 
     /// Output head (zero when tied to the input embedding) plus the final layer norm.
@@ -120,7 +128,8 @@ impl TransformerSpec {
         } else {
             self.vocab * self.hidden
         };
-        head + 2 * self.hidden
+        let final_norm = if self.gated_mlp { 1 } else { 2 } * self.hidden;
+        head + final_norm
     }
 
     pub fn total_params(&self) -> u64 {
@@ -173,8 +182,13 @@ pub(crate) fn toml_error(what: &str, text: &str, e: toml::de::Error) -> PlanErro
 }
 
 impl ModelSpec {
-    /// Parses the TOML form.
+    /// Parses the TOML form, or a `meshtrain train` config (its `[model]` table of kind "gpt"
+    /// or "llama"), so that `plan --model configs/llama.toml` plans the network
+    /// `train --config configs/llama.toml` builds.
     pub fn from_toml(text: &str) -> Result<Self> {
+        if let Some(model) = Self::from_train_config(text)? {
+            return Ok(model);
+        }
         let file: ModelFile =
             toml::from_str(text).map_err(|e| toml_error("model TOML", text, e))?;
         let architecture = match (file.transformer, file.generic) {
@@ -193,6 +207,76 @@ impl ModelSpec {
         };
         model.validate()?;
         Ok(model)
+    }
+
+    /// The transformer a training config's `[model]` table describes; `None` when `text` is
+    /// not a training config.
+    fn from_train_config(text: &str) -> Result<Option<Self>> {
+        let Ok(value) = text.parse::<toml::Table>() else {
+            return Ok(None);
+        };
+        let Some(table) = value.get("model").and_then(|m| m.as_table()) else {
+            return Ok(None);
+        };
+        let Some(kind) = table.get("kind").and_then(|k| k.as_str()) else {
+            return Ok(None);
+        };
+        let bad = |reason: String| PlanError::InvalidModel {
+            model: kind.to_string(),
+            reason,
+        };
+        let int = |key: &str| -> Result<u64> {
+            table
+                .get(key)
+                .and_then(|v| v.as_integer())
+                .and_then(|v| u64::try_from(v).ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "the training config's [model] has no whole number '{key}'"
+                    ))
+                })
+        };
+        let tied = table
+            .get("tie_embeddings")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        let (dim, heads) = (int("dim")?, int("heads")?);
+        let spec = match kind {
+            "gpt" => TransformerSpec {
+                layers: int("layers")?,
+                hidden: dim,
+                heads,
+                kv_heads: None,
+                ffn_hidden: 4 * dim,
+                gated_mlp: false,
+                vocab: int("vocab")?,
+                seq_len: int("seq")?,
+                tied_embeddings: tied,
+            },
+            "llama" => TransformerSpec {
+                layers: int("layers")?,
+                hidden: dim,
+                heads,
+                kv_heads: Some(int("kv_heads")?),
+                ffn_hidden: int("ffn")?,
+                gated_mlp: true,
+                vocab: int("vocab")?,
+                seq_len: int("seq")?,
+                tied_embeddings: tied,
+            },
+            other => {
+                return Err(bad(format!(
+                    "a training config of model kind \"{other}\": the planner plans transformers \
+                     (kind \"gpt\" or \"llama\") or a model file"
+                )))
+            }
+        };
+        let model = ModelSpec {
+            name: format!("{kind} {}x{} (training config)", spec.layers, spec.hidden),
+            architecture: Architecture::Transformer(spec),
+        };
+        model.validate()?;
+        Ok(Some(model))
     }
 
     pub fn transformer(&self) -> Option<&TransformerSpec> {
