@@ -51,11 +51,12 @@ def main():
         print(f"{directory.name}: {type(model).__name__} logits written")
 
     # Models transformers initialises itself. Wider than the usual 0.02 so that every layer
-    # moves the logits; GPT-2 with the exact GELU ("gelu"), which meshtrain's GPT computes.
+    # moves the logits; GPT-2 with its own default GELU, the tanh approximation ("gelu_new"),
+    # as the downloaded GPT-2 weights have it (meshtrain: model.gelu = "tanh").
     made = {
         "hf-gpt2": GPT2LMHeadModel(GPT2Config(
             vocab_size=256, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-            activation_function="gelu", initializer_range=0.2,
+            initializer_range=0.2,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
         "hf-llama": LlamaForCausalLM(LlamaConfig(
             vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -147,7 +147,7 @@ fn transformers_weights_through_init_from_give_its_logits() {
     for (name, table) in [
         (
             "hf-gpt2",
-            "kind = \"gpt\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nseq = 16\ntie_embeddings = true\n",
+            "kind = \"gpt\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nseq = 16\ntie_embeddings = true\ngelu = \"tanh\"\n",
         ),
         (
             "hf-llama",

@@ -446,6 +446,18 @@ impl TransformerBlock {
         init: Option<Init>,
         kind: AttentionKind,
     ) -> Self {
+        Self::gpt(dim, heads, init, kind, Activation::Gelu)
+    }
+
+    /// A GPT block whose attention runs `kind`'s kernel and whose MLP applies `activation`
+    /// (a GELU: exact, or GPT-2's tanh approximation).
+    pub fn gpt(
+        dim: usize,
+        heads: usize,
+        init: Option<Init>,
+        kind: AttentionKind,
+        activation: Activation,
+    ) -> Self {
         assert!(
             heads > 0 && dim.is_multiple_of(heads),
             "dim {dim} not divisible by {heads} heads"
@@ -474,7 +486,7 @@ impl TransformerBlock {
                 ("proj".into(), lin(dim, dim, None)),
                 ("ln2".into(), Box::new(LayerNorm::new(dim))),
                 // GELU fused into fc1 (one sweep over the 4·dim-wide output each way).
-                ("fc1".into(), lin(dim, 4 * dim, Some(Activation::Gelu))),
+                ("fc1".into(), lin(dim, 4 * dim, Some(activation))),
                 ("fc2".into(), lin(4 * dim, dim, None)),
             ]),
             attention_parts: 4,

@@ -508,6 +508,7 @@ fn activations() {
         ("sigmoid", Activation::Sigmoid),
         ("tanh", Activation::Tanh),
         ("gelu", Activation::Gelu),
+        ("gelu (tanh)", Activation::GeluTanh),
     ]
     .into_iter()
     .enumerate()

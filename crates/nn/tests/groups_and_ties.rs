@@ -167,6 +167,7 @@ fn ties_share_initial_values_and_are_checked() {
         seq: 8,
         tie_embeddings: true,
         attention: Default::default(),
+        gelu: Default::default(),
     };
     let model = gpt::gpt(&cfg);
     let (tok, head) = (

@@ -37,6 +37,7 @@ fn small_gpt_config() -> GptConfig {
         seq: 8,
         tie_embeddings: false,
         attention: Default::default(),
+        gelu: Default::default(),
     }
 }
 

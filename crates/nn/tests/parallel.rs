@@ -161,6 +161,7 @@ fn gpt_model_step() {
         seq: 32,
         tie_embeddings: false,
         attention: Default::default(),
+        gelu: Default::default(),
     };
     let model = gpt::gpt(&cfg);
     let mut rng = SplitMix64::new(14);

@@ -572,6 +572,7 @@ fn gpt_small_model() {
         seq: 16,
         tie_embeddings: false,
         attention: Default::default(),
+        gelu: Default::default(),
     };
     check_model_case("gpt_small", &gpt::gpt(&cfg), &TIGHT);
 }

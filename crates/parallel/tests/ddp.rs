@@ -17,6 +17,7 @@ fn model() -> Model {
         seq: 8,
         tie_embeddings: false,
         attention: Default::default(),
+        gelu: Default::default(),
     })
 }
 

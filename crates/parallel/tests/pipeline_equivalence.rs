@@ -25,6 +25,7 @@ const GPT: BenchModel = BenchModel::Gpt(GptConfig {
     seq: 8,
     tie_embeddings: false,
     attention: meshtrain_nn::transformer::AttentionKind::Standard,
+    gelu: meshtrain_nn::models::gpt::Gelu::Erf,
 });
 
 fn config(

@@ -20,6 +20,7 @@ const CFG: GptConfig = GptConfig {
     seq: 8,
     tie_embeddings: false,
     attention: meshtrain_nn::transformer::AttentionKind::Standard,
+    gelu: meshtrain_nn::models::gpt::Gelu::Erf,
 };
 const GPT: BenchModel = BenchModel::Gpt(CFG);
 

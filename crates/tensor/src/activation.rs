@@ -146,13 +146,38 @@ pub fn gelu_grad(x: f32) -> f32 {
     madd(x * INV_SQRT_2PI, gaussian, madd(0.5, erf, 0.5))
 }
 
+/// √(2/π), the tanh approximation's scale.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+/// The cubic term of the tanh approximation.
+const GELU_CUBIC: f32 = 0.044_715;
+
+/// GELU's tanh approximation, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`: what the original
+/// GPT-2 was trained with (`gelu_new` in Hugging Face, `approximate="tanh"` in PyTorch), so
+/// that its downloaded weights compute the function they were trained for.
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    let t = fast_tanh(SQRT_2_OVER_PI * madd(GELU_CUBIC * x, x * x, x));
+    let half_x = 0.5 * x;
+    madd(half_x, t, half_x)
+}
+
+#[inline(always)]
+pub fn gelu_tanh_grad(x: f32) -> f32 {
+    let t = fast_tanh(SQRT_2_OVER_PI * madd(GELU_CUBIC * x, x * x, x));
+    let inner_grad = SQRT_2_OVER_PI * madd(3.0 * GELU_CUBIC, x * x, 1.0);
+    madd(0.5, t, 0.5) + 0.5 * x * (1.0 - t * t) * inner_grad
+}
+
 /// The activations meshtrain's models use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
     Relu,
     Sigmoid,
     Tanh,
+    /// Exact (erf) GELU.
     Gelu,
+    /// GELU's tanh approximation ([`gelu_tanh`]).
+    GeluTanh,
 }
 
 impl Activation {
@@ -178,6 +203,7 @@ impl Activation {
             Activation::Sigmoid => map(x, y, sigmoid),
             Activation::Tanh => map(x, y, fast_tanh),
             Activation::Gelu => map(x, y, gelu),
+            Activation::GeluTanh => map(x, y, gelu_tanh),
         }
     }
 
@@ -209,6 +235,7 @@ impl Activation {
             Activation::Sigmoid => update(saved, grad, |y, g| g * y * (1.0 - y)),
             Activation::Tanh => update(saved, grad, |y, g| g * (1.0 - y * y)),
             Activation::Gelu => update(saved, grad, |x, g| g * gelu_grad(x)),
+            Activation::GeluTanh => update(saved, grad, |x, g| g * gelu_tanh_grad(x)),
         }
     }
 }
@@ -255,6 +282,29 @@ pub fn swiglu_backward(x: &[f32], dy: &[f32], half: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gelu_tanh_matches_its_formula_in_f64() {
+        let mut x = -9.0f64;
+        while x < 9.0 {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let t = (c * (x + 0.044715 * x * x * x)).tanh();
+            let want = 0.5 * x * (1.0 + t);
+            let dwant =
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
+            let got = gelu_tanh(x as f32) as f64;
+            let dgot = gelu_tanh_grad(x as f32) as f64;
+            assert!(
+                (got - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "gelu_tanh({x}): {got} vs {want}"
+            );
+            assert!(
+                (dgot - dwant).abs() <= 1e-6 * dwant.abs().max(1.0),
+                "grad({x}): {dgot} vs {dwant}"
+            );
+            x += 0.0173;
+        }
+    }
 
     #[test]
     fn fast_exp_and_erf_match_libm() {

@@ -18,9 +18,10 @@
 //! split over several files (`model.safetensors.index.json`) are read file by file.
 
 use anyhow::{bail, ensure, Context, Result};
-use meshtrain_nn::layers::RmsNorm;
+use meshtrain_nn::layers::{Linear, RmsNorm};
 use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary};
 use meshtrain_nn::{Layer, Model, ParamStore};
+use meshtrain_tensor::activation::Activation;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -51,24 +52,33 @@ pub struct Architecture {
     pub rope_theta: f64,
     pub norm_eps: f64,
     pub tied: bool,
+    /// GPT-2's MLP computes GELU's tanh approximation (`gelu_new`) rather than the exact one.
+    pub gelu_tanh: bool,
 }
 
-/// The first layer of type `T` in `model`, depth first.
-fn find<T: 'static>(model: &Model) -> Option<&T> {
-    fn walk<T: 'static>(layer: &dyn Layer) -> Option<&T> {
+/// The first layer of type `T` in `model` that `wanted` accepts, depth first.
+fn find_where<T: 'static>(model: &Model, wanted: impl Fn(&T) -> bool) -> Option<&T> {
+    fn walk<'a, T: 'static>(layer: &'a dyn Layer, wanted: &dyn Fn(&T) -> bool) -> Option<&'a T> {
         if let Some(found) = layer.as_any().and_then(|a| a.downcast_ref::<T>()) {
-            return Some(found);
+            if wanted(found) {
+                return Some(found);
+            }
         }
         let children = layer.children()?;
         children
             .layers()
             .iter()
-            .find_map(|(_, l)| walk::<T>(l.as_ref()))
+            .find_map(|(_, l)| walk::<T>(l.as_ref(), wanted))
     }
     model
         .blocks
         .iter()
-        .find_map(|b| walk::<T>(b.layer.as_ref()))
+        .find_map(|b| walk::<T>(b.layer.as_ref(), &wanted))
+}
+
+/// The first layer of type `T` in `model`, depth first.
+fn find<T: 'static>(model: &Model) -> Option<&T> {
+    find_where(model, |_: &T| true)
 }
 
 impl Architecture {
@@ -109,6 +119,7 @@ impl Architecture {
                 rope_theta: rotary.theta,
                 norm_eps: find::<RmsNorm>(model).map_or(1e-5, |n| n.eps as f64),
                 tied,
+                gelu_tanh: false,
             },
             None => Architecture {
                 family: Family::Gpt2,
@@ -122,6 +133,8 @@ impl Architecture {
                 rope_theta: 0.0,
                 norm_eps: 1e-5,
                 tied,
+                gelu_tanh: find_where(model, |l: &Linear| l.activation.is_some())
+                    .is_some_and(|l| l.activation == Some(Activation::GeluTanh)),
             },
         })
     }
@@ -143,8 +156,7 @@ impl Architecture {
                 "n_layer": self.layers,
                 "n_head": self.heads,
                 "n_inner": self.ffn,
-                // Ours is the exact (erf) GELU, which transformers calls "gelu".
-                "activation_function": "gelu",
+                "activation_function": if self.gelu_tanh { "gelu_new" } else { "gelu" },
                 "layer_norm_epsilon": self.norm_eps,
                 "resid_pdrop": 0.0,
                 "embd_pdrop": 0.0,
@@ -190,14 +202,15 @@ impl Architecture {
             "gpt2" => {
                 let dim = int("n_embd")?;
                 let act = v["activation_function"].as_str().unwrap_or("gelu_new");
-                ensure!(
-                    act == "gelu",
-                    "{}: activation_function \"{act}\": meshtrain's GPT computes the exact \
-                     (erf) GELU, which transformers calls \"gelu\"; the tanh approximation of \
-                     the original GPT-2 (\"gelu_new\") differs by up to ~1e-3 and is not \
-                     built in yet",
-                    file.display()
-                );
+                let gelu_tanh = match act {
+                    "gelu" => false,
+                    "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => true,
+                    other => bail!(
+                        "{}: activation_function \"{other}\"; meshtrain's GPT computes the \
+                         exact GELU (\"gelu\") or its tanh approximation (\"gelu_new\")",
+                        file.display()
+                    ),
+                };
                 Architecture {
                     family: Family::Gpt2,
                     vocab: int("vocab_size")?,
@@ -210,6 +223,7 @@ impl Architecture {
                     rope_theta: 0.0,
                     norm_eps: float("layer_norm_epsilon", 1e-5),
                     tied,
+                    gelu_tanh,
                 }
             }
             "llama" => {
@@ -257,6 +271,7 @@ impl Architecture {
                     rope_theta: float("rope_theta", 10_000.0),
                     norm_eps: float("rms_norm_eps", 1e-6),
                     tied,
+                    gelu_tanh: false,
                 }
             }
             other => bail!(
@@ -270,8 +285,14 @@ impl Architecture {
     pub fn model_toml(&self) -> String {
         match self.family {
             Family::Gpt2 => format!(
-                "[model]\nkind = \"gpt\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nseq = {}\ntie_embeddings = {}\n",
-                self.vocab, self.dim, self.layers, self.heads, self.seq, self.tied
+                "[model]\nkind = \"gpt\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nseq = {}\ntie_embeddings = {}\ngelu = \"{}\"\n",
+                self.vocab,
+                self.dim,
+                self.layers,
+                self.heads,
+                self.seq,
+                self.tied,
+                if self.gelu_tanh { "tanh" } else { "erf" }
             ),
             Family::Llama => format!(
                 "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n",
@@ -323,6 +344,14 @@ impl Architecture {
             diffs.push(format!(
                 "positions {} (the model's context {} needs more)",
                 from.seq, self.seq
+            ));
+        }
+        if self.gelu_tanh != from.gelu_tanh {
+            let name = |tanh: bool| if tanh { "tanh" } else { "erf" };
+            diffs.push(format!(
+                "GELU {} (the model: {})",
+                name(from.gelu_tanh),
+                name(self.gelu_tanh)
             ));
         }
         if self.tied && !from.tied {
@@ -857,6 +886,7 @@ mod tests {
             seq: 8,
             tie_embeddings: false,
             attention: Default::default(),
+            gelu: Default::default(),
         })
     }
 

@@ -272,6 +272,7 @@ fn tied_embeddings_across_pipeline_stages() {
         seq: 8,
         tie_embeddings: true,
         attention: Default::default(),
+        gelu: Default::default(),
     };
     let text: Vec<u8> = (0..4000u32).map(|i| (i * 7 % 251) as u8).collect();
     let job = |layout: &str| {

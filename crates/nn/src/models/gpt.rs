@@ -6,6 +6,7 @@ use crate::layer::{Init, TensorPlan, TpStyle};
 use crate::layers::{LayerNorm, Linear, Seq};
 use crate::model::{Block, InputSpec, Model};
 use crate::transformer::{AttentionKind, GptBlock, GptEmbedding};
+use meshtrain_tensor::activation::Activation;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -26,6 +27,33 @@ pub struct GptConfig {
     /// recognise a model by) leave it out always.
     #[serde(default, skip_serializing_if = "AttentionKind::is_flash")]
     pub attention: AttentionKind,
+    /// The MLP's GELU: "erf" (exact, PyTorch's default) or "tanh" (the approximation the
+    /// original GPT-2 was trained with: Hugging Face's `gelu_new`). Part of the model's
+    /// identity (the functions differ by up to ~1e-3); left out when it is the default.
+    #[serde(default, skip_serializing_if = "Gelu::is_erf")]
+    pub gelu: Gelu,
+}
+
+/// Which GELU a GPT's MLP computes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Gelu {
+    #[default]
+    Erf,
+    Tanh,
+}
+
+impl Gelu {
+    pub fn is_erf(&self) -> bool {
+        *self == Gelu::Erf
+    }
+
+    pub fn activation(self) -> Activation {
+        match self {
+            Gelu::Erf => Activation::Gelu,
+            Gelu::Tanh => Activation::GeluTanh,
+        }
+    }
 }
 
 impl Default for GptConfig {
@@ -39,6 +67,7 @@ impl Default for GptConfig {
             seq: 128,
             tie_embeddings: false,
             attention: AttentionKind::Flash,
+            gelu: Gelu::Erf,
         }
     }
 }
@@ -105,7 +134,13 @@ pub fn gpt(cfg: &GptConfig) -> Model {
     for i in 0..cfg.layers {
         blocks.push(Block::new(
             &format!("blocks.{i}"),
-            GptBlock::with_attention(cfg.dim, cfg.heads, init, cfg.attention),
+            GptBlock::gpt(
+                cfg.dim,
+                cfg.heads,
+                init,
+                cfg.attention,
+                cfg.gelu.activation(),
+            ),
         ));
     }
     blocks.push(Block::new(

@@ -137,6 +137,7 @@ pub fn bench_gpt() -> GptConfig {
         seq: 64,
         tie_embeddings: false,
         attention: Default::default(),
+        gelu: Default::default(),
     }
 }
 
@@ -387,6 +388,7 @@ pub fn equivalence_sweep(steps: usize) -> Result<Vec<EquivalenceRow>, PipelineEr
         seq: 8,
         tie_embeddings: false,
         attention: Default::default(),
+        gelu: Default::default(),
     });
     let resnet = BenchModel::Resnet { width: 4 };
     let v2 = ScheduleKind::Interleaved {

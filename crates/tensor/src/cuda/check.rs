@@ -171,6 +171,7 @@ pub fn run_all(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
         }
         for act in [
             Activation::Gelu,
+            Activation::GeluTanh,
             Activation::Relu,
             Activation::Tanh,
             Activation::Sigmoid,

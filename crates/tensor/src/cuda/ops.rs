@@ -363,6 +363,7 @@ pub enum ActKind {
     Sigmoid = 1,
     Tanh = 2,
     Gelu = 3,
+    GeluTanh = 4,
 }
 
 impl From<crate::activation::Activation> for ActKind {
@@ -373,6 +374,7 @@ impl From<crate::activation::Activation> for ActKind {
             Activation::Sigmoid => ActKind::Sigmoid,
             Activation::Tanh => ActKind::Tanh,
             Activation::Gelu => ActKind::Gelu,
+            Activation::GeluTanh => ActKind::GeluTanh,
         }
     }
 }

@@ -65,11 +65,13 @@ extern "C" __global__ void __launch_bounds__(256)
 add_f32_f16(const float* a, const f16* b, float* y, long long n) { add_impl(a, b, y, n); }
 
 // ---------------------------------------------------------------------------------------
-// Activations. `kind` is uniform, so it selects one of four monomorphised loops instead of
+// Activations. `kind` is uniform, so it selects one of five monomorphised loops instead of
 // branching per element.
 
 #define MT_INV_SQRT2 0.70710678118654752f
 #define MT_INV_SQRT_2PI 0.39894228040143268f
+#define MT_SQRT_2_OVER_PI 0.79788456080286536f
+#define MT_GELU_CUBIC 0.044715f
 
 template <int K>
 __device__ __forceinline__ float act_value(float x) {
@@ -79,6 +81,11 @@ __device__ __forceinline__ float act_value(float x) {
         return 1.0f / (1.0f + expf(-x));
     } else if constexpr (K == 2) {
         return tanhf(x);
+    } else if constexpr (K == 4) {
+        // GELU's tanh approximation (GPT-2's "gelu_new").
+        const float t = tanhf(MT_SQRT_2_OVER_PI * fmaf(MT_GELU_CUBIC * x, x * x, x));
+        const float hx = 0.5f * x;
+        return fmaf(hx, t, hx);
     } else {
         const float hx = 0.5f * x;  // 0.5·x·(1 + erf(x/√2)) as the CPU: hx·erf + hx
         return fmaf(hx, erff(x * MT_INV_SQRT2), hx);
@@ -94,6 +101,10 @@ __device__ __forceinline__ float act_grad(float s, float dy) {
         return dy * s * (1.0f - s);
     } else if constexpr (K == 2) {
         return dy * (1.0f - s * s);
+    } else if constexpr (K == 4) {
+        const float t = tanhf(MT_SQRT_2_OVER_PI * fmaf(MT_GELU_CUBIC * s, s * s, s));
+        const float inner = MT_SQRT_2_OVER_PI * fmaf(3.0f * MT_GELU_CUBIC, s * s, 1.0f);
+        return dy * (fmaf(0.5f, t, 0.5f) + 0.5f * s * (1.0f - t * t) * inner);
     } else {
         // Φ(x) + x·φ(x) with φ(x) = exp(−x²/2)/√(2π) = exp(−u²)/√(2π), u = x/√2.
         const float u = s * MT_INV_SQRT2;
@@ -143,6 +154,7 @@ __device__ __forceinline__ void act_fwd_impl(const T* x, T* y, long long n, int 
         case 0: act_fwd_loop<T, 0>(x, y, n); break;
         case 1: act_fwd_loop<T, 1>(x, y, n); break;
         case 2: act_fwd_loop<T, 2>(x, y, n); break;
+        case 4: act_fwd_loop<T, 4>(x, y, n); break;
         default: act_fwd_loop<T, 3>(x, y, n); break;
     }
 }
@@ -154,6 +166,7 @@ __device__ __forceinline__ void act_bwd_impl(const T* saved, const T* dy, T* dx,
         case 0: act_bwd_loop<T, 0>(saved, dy, dx, n); break;
         case 1: act_bwd_loop<T, 1>(saved, dy, dx, n); break;
         case 2: act_bwd_loop<T, 2>(saved, dy, dx, n); break;
+        case 4: act_bwd_loop<T, 4>(saved, dy, dx, n); break;
         default: act_bwd_loop<T, 3>(saved, dy, dx, n); break;
     }
 }
