@@ -50,16 +50,46 @@ pub fn check(model: &Model, layout: &Layout, device: Device) -> Result<(), Paral
             } else {
                 format!("block {i} ({})", block.name)
             };
+            let leaf = first_cpu_only_leaf(block.layer.as_ref(), &block.name, device);
             return Err(ParallelError::Device(format!(
-                "{name} has a layer without CUDA kernels (GPU kernels exist today for linear \
-                 layers, layer norm, activations, GPT embeddings and attention; convolutions, \
-                 pooling and batch norm come with the conv-net wave): train this model with \
-                 --device cpu"
+                "{name} has a layer without CUDA kernels ({leaf}; GPU kernels exist today for \
+                 linear layers, layer norm, activations, GPT embeddings with learned positions \
+                 and attention; convolutions, pooling and batch norm come with the conv-net \
+                 wave, and Llama's RMS norm, rotary positions and SwiGLU with the next GPU \
+                 wave): train this model with --device cpu"
             )));
         }
     }
     CudaDevice::get(ordinal).map_err(device_error)?;
     Ok(())
+}
+
+/// The path of the first leaf layer under `layer` (at `path`) without kernels for `device`,
+/// children named by their names or, unnamed, by their place (`blocks.0.#2`).
+fn first_cpu_only_leaf(layer: &dyn meshtrain_nn::Layer, path: &str, device: Device) -> String {
+    let Some(children) = layer.children() else {
+        return if path.is_empty() {
+            "the block's own layer".into()
+        } else {
+            format!("'{path}'")
+        };
+    };
+    for (i, (name, child)) in children.layers().iter().enumerate() {
+        if !child.runs_on(device) {
+            let part = if name.is_empty() {
+                format!("#{i}")
+            } else {
+                name.clone()
+            };
+            let child_path = if path.is_empty() {
+                part
+            } else {
+                format!("{path}.{part}")
+            };
+            return first_cpu_only_leaf(child.as_ref(), &child_path, device);
+        }
+    }
+    format!("'{path}'")
 }
 
 /// An allocation that failed in a step, with what would fit: the step's activations grow
@@ -630,6 +660,31 @@ mod tests {
             "{e}"
         );
         assert!(e.contains("--device cpu"), "{e}");
+    }
+
+    /// A Llama's first CPU-only leaf inside a block is named by its path.
+    #[test]
+    fn a_llama_layer_without_cuda_kernels_is_named_by_its_path() {
+        let cfg = meshtrain_nn::models::LlamaConfig {
+            vocab: 64,
+            dim: 32,
+            layers: 1,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 48,
+            seq: 8,
+            rope_theta: 1e4,
+            norm_eps: 1e-5,
+            tie_embeddings: false,
+            attention: Default::default(),
+        };
+        let mut model = meshtrain_nn::models::llama::llama(&cfg);
+        // Past the embedding (itself CPU-only without a position table): the block.
+        model.blocks.remove(0);
+        let e = check(&model, &Layout::default(), Device::Cuda(0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'blocks.0.attn_norm'"), "{e}");
     }
 
     #[test]
