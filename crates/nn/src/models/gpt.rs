@@ -3,8 +3,8 @@
 //! (`tie_embeddings`, as GPT-2 does). Input token ids `[B, T]`, output logits `[B, T, vocab]`.
 
 use crate::layer::{Init, TensorPlan, TpStyle};
-use crate::layers::{LayerNorm, Linear, Seq};
-use crate::model::{Block, InputSpec, Model};
+use crate::layers::LayerNorm;
+use crate::model::Model;
 use crate::transformer::{AttentionKind, GptBlock, GptEmbedding};
 use meshtrain_tensor::activation::Activation;
 use serde::{Deserialize, Serialize};
@@ -119,47 +119,28 @@ pub fn tensor_plan() -> TensorPlan {
 /// GPT-2 style initialisation: weights N(0, 0.02), biases zero.
 pub fn gpt(cfg: &GptConfig) -> Model {
     cfg.validate().expect("invalid GPT config");
-    let init = Some(Init::Normal(0.02));
-    let mut blocks = vec![Block::new(
-        "",
-        GptEmbedding {
-            vocab: cfg.vocab,
-            max_seq: cfg.seq,
-            dim: cfg.dim,
-            init_std: 0.02,
-            learned_positions: true,
-            sequence: Default::default(),
-        },
-    )];
-    for i in 0..cfg.layers {
-        blocks.push(Block::new(
-            &format!("blocks.{i}"),
-            GptBlock::gpt(
-                cfg.dim,
-                cfg.heads,
-                init,
-                cfg.attention,
-                cfg.gelu.activation(),
-            ),
-        ));
-    }
-    blocks.push(Block::new(
-        "",
-        Seq::new(vec![
-            ("ln_f", Box::new(LayerNorm::new(cfg.dim))),
-            (
-                "head",
-                Box::new(Linear::new(cfg.dim, cfg.vocab, false).with_init(Init::Normal(0.02))),
-            ),
-        ]),
-    ));
-    let model = Model::new(blocks)
-        .with_input(InputSpec::tokens(cfg.seq, cfg.vocab))
-        .with_tensor_plan(tensor_plan());
-    if cfg.tie_embeddings {
-        return model
-            .tie("head.weight", "tok.weight")
-            .expect("the head and the token embedding are both [vocab, dim]");
-    }
-    model
+    let init = Init::Normal(0.02);
+    let embedding = GptEmbedding {
+        vocab: cfg.vocab,
+        max_seq: cfg.seq,
+        dim: cfg.dim,
+        init_std: 0.02,
+        learned_positions: true,
+        sequence: Default::default(),
+    };
+    let blocks = (0..cfg.layers)
+        .map(|_| {
+            let gelu = cfg.gelu.activation();
+            GptBlock::gpt(cfg.dim, cfg.heads, Some(init), cfg.attention, gelu)
+        })
+        .collect();
+    let norm = Box::new(LayerNorm::new(cfg.dim));
+    super::decoder(
+        embedding,
+        blocks,
+        ("ln_f", norm),
+        init,
+        tensor_plan(),
+        cfg.tie_embeddings,
+    )
 }

@@ -6,8 +6,8 @@
 //! fused), so its weights load and export without arithmetic.
 
 use crate::layer::{Init, TensorPlan, TpStyle};
-use crate::layers::{Linear, RmsNorm, Seq};
-use crate::model::{Block, InputSpec, Model};
+use crate::layers::RmsNorm;
+use crate::model::Model;
 use crate::transformer::{AttentionKind, GptEmbedding, LlamaBlockShape, TransformerBlock};
 use serde::{Deserialize, Serialize};
 
@@ -146,42 +146,26 @@ pub fn llama(cfg: &LlamaConfig) -> Model {
         panic!("invalid Llama config: {e}");
     }
     let init = Init::Normal(0.02);
-    let mut blocks = vec![Block::new(
-        "",
-        GptEmbedding {
-            vocab: cfg.vocab,
-            max_seq: cfg.seq,
-            dim: cfg.dim,
-            init_std: 0.02,
-            learned_positions: false,
-            sequence: Default::default(),
-        },
-    )];
-    for i in 0..cfg.layers {
-        blocks.push(Block::new(
-            &format!("blocks.{i}"),
-            TransformerBlock::llama(cfg.block_shape(), init, cfg.attention),
-        ));
-    }
-    blocks.push(Block::new(
-        "",
-        Seq::new(vec![
-            ("norm", Box::new(RmsNorm::new(cfg.dim, cfg.norm_eps))),
-            (
-                "head",
-                Box::new(Linear::new(cfg.dim, cfg.vocab, false).with_init(init)),
-            ),
-        ]),
-    ));
-    let model = Model::new(blocks)
-        .with_input(InputSpec::tokens(cfg.seq, cfg.vocab))
-        .with_tensor_plan(tensor_plan());
-    if cfg.tie_embeddings {
-        return model
-            .tie("head.weight", "tok.weight")
-            .expect("the head and the token embedding are both [vocab, dim]");
-    }
-    model
+    let embedding = GptEmbedding {
+        vocab: cfg.vocab,
+        max_seq: cfg.seq,
+        dim: cfg.dim,
+        init_std: 0.02,
+        learned_positions: false,
+        sequence: Default::default(),
+    };
+    let blocks = (0..cfg.layers)
+        .map(|_| TransformerBlock::llama(cfg.block_shape(), init, cfg.attention))
+        .collect();
+    let norm = Box::new(RmsNorm::new(cfg.dim, cfg.norm_eps));
+    super::decoder(
+        embedding,
+        blocks,
+        ("norm", norm),
+        init,
+        tensor_plan(),
+        cfg.tie_embeddings,
+    )
 }
 
 #[cfg(test)]
