@@ -309,6 +309,14 @@ pub struct TrainConfig {
     /// GPT: validation batches per evaluation.
     #[serde(default = "default_eval_batches")]
     pub eval_batches: usize,
+    /// Language models: at each evaluation, rank 0 prints a sample of this many tokens
+    /// continuing the start of a text (a newline for bytes, the end-of-text token for a BPE),
+    /// drawn as `meshtrain generate` draws with its default temperature and top-k and
+    /// `train.seed`: the last sample is what `generate` prints from the final checkpoint.
+    /// 0 turns it off; default [`DEFAULT_SAMPLE_TOKENS`] (image models: must be left out
+    /// or 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample_tokens: Option<usize>,
     /// Where metrics, checkpoints and plots go.
     #[serde(default = "default_out_dir")]
     pub out_dir: PathBuf,
@@ -369,6 +377,12 @@ fn default_log_every() -> u64 {
 fn default_eval_batches() -> usize {
     20
 }
+
+/// Tokens of the sample a language-model run prints at each evaluation unless
+/// `train.sample_tokens` says otherwise: a couple of lines of text, enough to see what the
+/// model writes, and milliseconds to decode for the models a CPU trains.
+pub const DEFAULT_SAMPLE_TOKENS: usize = 64;
+
 fn default_out_dir() -> PathBuf {
     PathBuf::from("runs/latest")
 }
@@ -468,6 +482,12 @@ impl Config {
             None => {
                 if t.epochs.is_none() && t.steps.is_none() {
                     bail!("image models need train.epochs (or train.steps)");
+                }
+                if let Some(n) = t.sample_tokens.filter(|&n| n > 0) {
+                    bail!(
+                        "train.sample_tokens = {n}: samples of text are for language models \
+                         (GPT, Llama); leave it out for an image model"
+                    );
                 }
             }
         }

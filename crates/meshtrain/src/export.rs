@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
 pub struct ExportArgs {
-    /// A checkpoint of a GPT or Llama run (checkpoint.safetensors; a sharded one: consolidate
-    /// it first with `meshtrain checkpoint consolidate`).
+    /// A checkpoint of a GPT or Llama run: its checkpoint.safetensors or the run directory (a
+    /// sharded one: consolidate it first with `meshtrain checkpoint consolidate`).
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// The format: "hf" (Hugging Face transformers: GPT2LMHeadModel or LlamaForCausalLM).
@@ -20,6 +20,34 @@ pub struct ExportArgs {
     /// The directory to write (created if missing).
     #[arg(long)]
     pub out: PathBuf,
+}
+
+/// The whole checkpoint file `path` names: the file itself, or a run directory's
+/// `checkpoint.safetensors`; a sharded checkpoint is an error that says how to join it.
+pub fn whole_checkpoint(path: &Path) -> Result<PathBuf> {
+    if meshtrain_train::sharded::is_sharded(path) {
+        bail!(
+            "{} is a sharded checkpoint: join it first with `meshtrain checkpoint consolidate {} \
+             checkpoint.safetensors`",
+            path.display(),
+            path.display()
+        );
+    }
+    if path.is_dir() {
+        let file = path.join("checkpoint.safetensors");
+        if file.is_file() {
+            return Ok(file);
+        }
+        let sharded = path.join("checkpoint");
+        if meshtrain_train::sharded::is_sharded(&sharded) {
+            return whole_checkpoint(&sharded);
+        }
+        bail!(
+            "{} is a directory without a checkpoint.safetensors",
+            path.display()
+        );
+    }
+    Ok(path.to_path_buf())
 }
 
 /// The run config a checkpoint stores (what rebuilds its model).
@@ -40,14 +68,15 @@ pub fn run_config(checkpoint: &Path) -> Result<Config> {
 }
 
 pub fn run(args: &ExportArgs) -> Result<()> {
-    let cfg = run_config(&args.checkpoint)?;
+    let checkpoint = whole_checkpoint(&args.checkpoint)?;
+    let cfg = run_config(&checkpoint)?;
     if cfg.model.language().is_none() {
         bail!(
             "{} holds an image model; Hugging Face export covers the GPT and Llama models",
-            args.checkpoint.display()
+            checkpoint.display()
         );
     }
-    let (model, store) = load_weights(&args.checkpoint, &cfg)?;
+    let (model, store) = load_weights(&checkpoint, &cfg)?;
     let arch = meshtrain_train::hf::export(&model, &store.values, &args.out)?;
     println!(
         "wrote {} ({} for transformers: {:?}, {} parameters): load it with \

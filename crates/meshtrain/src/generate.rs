@@ -1,14 +1,19 @@
-//! `meshtrain generate`: text from a trained GPT checkpoint, tokens printed as they come.
+//! `meshtrain generate`: text from a trained GPT or Llama checkpoint, tokens printed as they
+//! come.
 //!
 //! The checkpoint carries the run's config, so the model is rebuilt from it and its weights
 //! loaded; the tokens are decoded with what the run trained on: bytes for the built-in text,
-//! or the BPE whose vocabulary the run's token shards record. Each new token comes from one
-//! forward pass over the last `seq` tokens (the model's context), with temperature and top-k
-//! sampling from a seeded generator; there is no key/value cache yet, so a token costs a
-//! whole window's forward (fine for the models this CPU trains; the cache is issue 29's
-//! remaining work).
+//! or the BPE whose vocabulary the run's token shards record. Tokens are drawn with
+//! temperature and top-k from a seeded generator. The model decodes incrementally with a
+//! key/value cache ([`crate::decode`]): the prompt is one forward (a prefill), then each new
+//! token one row through the layers and its attention over the cache, instead of a forward
+//! over the whole window per token. `--no-cache` keeps that window forward (the model's own
+//! [`Model::forward_all`] over the last `seq` tokens), to measure the cache against; the
+//! two agree while the text fits the context and differ in how they window it beyond (see
+//! [`Decoder::step`]). The time and tokens/s go to stderr at the end.
 
-use crate::config::Config;
+use crate::config::{Config, ModelConfig};
+use crate::decode::Decoder;
 use crate::presets::build_model;
 use crate::tokenize::{encoding, encoding_of_vocab, Encoding};
 use anyhow::{bail, ensure, Context, Result};
@@ -19,11 +24,17 @@ use meshtrain_tensor::Tensor;
 use meshtrain_train::checkpoint::{self, Restore};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// `--temperature`'s default (and the training log's samples').
+pub const GENERATE_TEMPERATURE: f32 = 0.8;
+/// `--top-k`'s default (and the training log's samples').
+pub const GENERATE_TOP_K: usize = 40;
 
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
-    /// A checkpoint of a GPT run (checkpoint.safetensors; a sharded one: consolidate it first
-    /// with `meshtrain checkpoint consolidate`).
+    /// A checkpoint of a GPT or Llama run (checkpoint.safetensors; a sharded one:
+    /// consolidate it first with `meshtrain checkpoint consolidate`).
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// The text to continue.
@@ -33,10 +44,10 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
     /// Softmax temperature: below 1 sharper, above 1 flatter; 0 picks the likeliest token.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = GENERATE_TEMPERATURE)]
     pub temperature: f32,
     /// Sample among the K likeliest tokens only (0: all).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = GENERATE_TOP_K)]
     pub top_k: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -44,17 +55,21 @@ pub struct GenerateArgs {
     /// data was).
     #[arg(long, value_parser = ["bytes", "gpt2", "cl100k"])]
     pub encoding: Option<String>,
+    /// Run the whole window's forward for every token instead of the key/value cache (the
+    /// path before the cache: to measure the cache's speed-up).
+    #[arg(long)]
+    pub no_cache: bool,
 }
 
 /// Text to tokens and back.
-enum Tokenizer {
+pub enum Tokenizer {
     Bytes,
     /// A BPE: generation never draws its special tokens but the end of text, and stops there.
     Bpe(Box<Encoding>),
 }
 
 impl Tokenizer {
-    fn named(name: &str) -> Result<Tokenizer> {
+    pub fn named(name: &str) -> Result<Tokenizer> {
         Ok(match name {
             "bytes" => Tokenizer::Bytes,
             name => Tokenizer::Bpe(Box::new(encoding(name)?)),
@@ -62,7 +77,7 @@ impl Tokenizer {
     }
 
     /// What a run trained on: its token shards' vocabulary, or bytes.
-    fn of_run(cfg: &Config) -> Result<Tokenizer> {
+    pub fn of_run(cfg: &Config) -> Result<Tokenizer> {
         let Some(pattern) = &cfg.data.train_files else {
             return Ok(Tokenizer::Bytes);
         };
@@ -102,7 +117,16 @@ impl Tokenizer {
         }
     }
 
-    fn encode(&self, text: &str) -> Vec<u32> {
+    /// The start of a text: the end-of-text token for a BPE (GPT-2's documents begin after
+    /// one), a newline for bytes (the built-in corpus's lines).
+    pub fn start_of_text(&self) -> Vec<u32> {
+        match self {
+            Tokenizer::Bytes => vec![u32::from(b'\n')],
+            Tokenizer::Bpe(enc) => vec![enc.end_of_text],
+        }
+    }
+
+    pub fn encode(&self, text: &str) -> Vec<u32> {
         match self {
             Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
             Tokenizer::Bpe(enc) => enc.bpe.encode_ordinary(text),
@@ -169,24 +193,113 @@ pub fn load_weights(checkpoint: &Path, cfg: &Config) -> Result<(Model, ParamStor
     Ok((model, store))
 }
 
+/// How tokens are drawn (see [`sample`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub seed: u64,
+}
+
+/// Where each next token's logits come from.
+pub enum NextLogits<'a> {
+    /// The key/value cache: the prompt prefilled (its last `seq` tokens), then a step per
+    /// token.
+    Cached(Box<Decoder>),
+    /// A forward of the whole model over the last `seq` tokens for every token.
+    Window {
+        model: &'a Model,
+        store: &'a mut ParamStore,
+        vocab: usize,
+        seq: usize,
+    },
+}
+
+impl NextLogits<'_> {
+    /// The logits of the token after `tokens`; `first`: the first call for this text (the
+    /// others add one token to the previous call's).
+    fn after(&mut self, tokens: &[u32], first: bool) -> Result<Vec<f32>> {
+        match self {
+            NextLogits::Cached(decoder) => match (first, tokens.last()) {
+                (false, Some(&last)) => decoder.step(last),
+                _ => decoder.prefill(&tokens[tokens.len().saturating_sub(decoder.seq())..]),
+            },
+            NextLogits::Window {
+                model,
+                store,
+                vocab,
+                seq,
+            } => {
+                let window = &tokens[tokens.len().saturating_sub(*seq)..];
+                let x = Tensor::from_vec(
+                    window.iter().map(|&t| t as f32).collect(),
+                    &[1, window.len()],
+                );
+                let (logits, _) = model.forward_all(store, x, Mode::EVAL);
+                let logits = logits.data();
+                Ok(logits[logits.len() - *vocab..].to_vec())
+            }
+        }
+    }
+}
+
+/// Draws up to `max_tokens` tokens continuing `prompt` (non-empty, in the vocabulary) and
+/// hands each one's bytes to `emit`; returns how many it drew (fewer when the end of text
+/// was drawn).
+pub fn continue_text(
+    next: &mut NextLogits<'_>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: Sampling,
+    mut emit: impl FnMut(&[u8]) -> Result<()>,
+) -> Result<usize> {
+    ensure!(!prompt.is_empty(), "the prompt is empty");
+    let mut rng = SplitMix64::new(sampling.seed);
+    let mut tokens = prompt.to_vec();
+    for drawn in 0..max_tokens {
+        let logits = next.after(&tokens, drawn == 0)?;
+        let candidates = tokenizer.candidates(&logits);
+        let pick = sample(&candidates, sampling.temperature, sampling.top_k, &mut rng);
+        let Some(token) = tokenizer.token(pick) else {
+            return Ok(drawn); // the end of text
+        };
+        tokens.push(token);
+        emit(&tokenizer.bytes(token))?;
+    }
+    Ok(max_tokens)
+}
+
+/// A sample of up to `max_tokens` tokens from the start of a text
+/// ([`Tokenizer::start_of_text`]) by `config`'s model with parameters `values` (laid out as
+/// `model`): what the training log shows at each evaluation. Invalid UTF-8 (a character cut
+/// by the last token) is replaced.
+pub fn sample_text(
+    config: &ModelConfig,
+    model: &Model,
+    values: &[f32],
+    tokenizer: &Tokenizer,
+    max_tokens: usize,
+    sampling: Sampling,
+) -> Result<String> {
+    let decoder = Decoder::new(config, model, values)?;
+    let mut next = NextLogits::Cached(Box::new(decoder));
+    let mut bytes = Vec::new();
+    let prompt = tokenizer.start_of_text();
+    continue_text(&mut next, tokenizer, &prompt, max_tokens, sampling, |b| {
+        bytes.extend_from_slice(b);
+        Ok(())
+    })?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
 pub fn run(args: &GenerateArgs) -> Result<()> {
-    let header = checkpoint::read_safetensors_header(&args.checkpoint, "checkpoint")?;
-    let config_text = header
-        .entries
-        .get("__metadata__")
-        .and_then(|m| m["config"].as_str());
-    let Some(config_text) = config_text.filter(|t| !t.is_empty()) else {
-        bail!(
-            "checkpoint {} holds no run config to rebuild its model from",
-            args.checkpoint.display()
-        );
-    };
-    let cfg = Config::from_toml_with_overrides(config_text, &[])
-        .context("the run config stored in the checkpoint")?;
-    let Some(gpt) = cfg.model.language() else {
+    let checkpoint = crate::export::whole_checkpoint(&args.checkpoint)?;
+    let cfg = crate::export::run_config(&checkpoint)?;
+    let Some(lm) = cfg.model.language() else {
         bail!(
             "{} holds an image model: generate needs a language model (GPT or Llama)",
-            args.checkpoint.display()
+            checkpoint.display()
         );
     };
     ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
@@ -194,47 +307,69 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         Some(name) => Tokenizer::named(name)?,
         None => Tokenizer::of_run(&cfg)?,
     };
-    let (model, mut store) = load_weights(&args.checkpoint, &cfg)?;
-    let mut tokens = tokenizer.encode(&args.prompt);
-    ensure!(!tokens.is_empty(), "the prompt is empty");
-    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= gpt.vocab) {
+    let (model, mut store) = load_weights(&checkpoint, &cfg)?;
+    let prompt = tokenizer.encode(&args.prompt);
+    ensure!(!prompt.is_empty(), "the prompt is empty");
+    if let Some(&t) = prompt.iter().find(|&&t| t as usize >= lm.vocab) {
         bail!(
             "the prompt's token {t} is outside the model's vocabulary of {}",
-            gpt.vocab
+            lm.vocab
         );
     }
-    let mut rng = SplitMix64::new(args.seed);
+    let mut next = if args.no_cache {
+        NextLogits::Window {
+            model: &model,
+            store: &mut store,
+            vocab: lm.vocab,
+            seq: lm.seq,
+        }
+    } else {
+        let decoder = Decoder::new(&cfg.model, &model, &store.values)?;
+        // The decoder has its copy of the weights.
+        store.values = Vec::new();
+        NextLogits::Cached(Box::new(decoder))
+    };
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        seed: args.seed,
+    };
     let mut out = std::io::stdout().lock();
     write!(out, "{}", args.prompt)?;
     // Bytes not yet printed: a character's bytes may come in several tokens.
     let mut pending: Vec<u8> = Vec::new();
-    for _ in 0..args.max_tokens {
-        let window = &tokens[tokens.len().saturating_sub(gpt.seq)..];
-        let x = Tensor::from_vec(
-            window.iter().map(|&t| t as f32).collect(),
-            &[1, window.len()],
-        );
-        let (logits, _) = model.forward_all(&mut store, x, Mode::EVAL);
-        let logits = logits.data();
-        let last = &logits[logits.len() - gpt.vocab..];
-        let candidates = tokenizer.candidates(last);
-        let drawn = sample(&candidates, args.temperature, args.top_k, &mut rng);
-        let Some(next) = tokenizer.token(drawn) else {
-            break; // the end of text
-        };
-        tokens.push(next);
-        pending.extend(tokenizer.bytes(next));
-        let valid = match std::str::from_utf8(&pending) {
-            Ok(s) => s.len(),
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(_) => pending.len(),
-        };
-        out.write_all(&pending[..valid])?;
-        out.flush()?;
-        pending.drain(..valid);
-    }
+    let started = Instant::now();
+    let drawn = continue_text(
+        &mut next,
+        &tokenizer,
+        &prompt,
+        args.max_tokens,
+        sampling,
+        |bytes| {
+            pending.extend_from_slice(bytes);
+            let valid = match std::str::from_utf8(&pending) {
+                Ok(s) => s.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => pending.len(),
+            };
+            out.write_all(&pending[..valid])?;
+            out.flush()?;
+            pending.drain(..valid);
+            Ok(())
+        },
+    )?;
+    let seconds = started.elapsed().as_secs_f64();
     out.write_all(&pending)?;
     writeln!(out)?;
+    eprintln!(
+        "generated {drawn} tokens in {seconds:.3} s ({:.0} tokens/s, {})",
+        drawn as f64 / seconds.max(1e-9),
+        if args.no_cache {
+            "no cache: a forward over the window per token"
+        } else {
+            "key/value cache"
+        }
+    );
     Ok(())
 }
 

@@ -132,6 +132,7 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
         verbose: true,
         stop: Some(stop.clone()),
         command_line: Some(std::env::args().collect()),
+        after_eval: meshtrain::train_cli::eval_samples(&cfg),
     };
     let lead = !meshtrain_train::launched_by_mpi()
         || std::env::var("OMPI_COMM_WORLD_RANK").is_ok_and(|r| r == "0");

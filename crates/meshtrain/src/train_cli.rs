@@ -1,7 +1,12 @@
 //! The arguments of `meshtrain train`, shared with `meshtrain launch` (which reads the job
 //! they describe to size its worlds, then hands them to every restart).
 
+use crate::config::{Config, DEFAULT_SAMPLE_TOKENS};
+use crate::generate::{sample_text, Sampling, Tokenizer, GENERATE_TEMPERATURE, GENERATE_TOP_K};
+use anyhow::Context;
+use meshtrain_train::launch::EvalHook;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct TrainArgs {
@@ -132,4 +137,55 @@ impl TrainArgs {
 /// `s` as a TOML string literal (so no value is mistaken for a number or a table).
 pub fn toml_string(s: &str) -> String {
     toml::Value::String(s.to_string()).to_string()
+}
+
+/// The hook that prints a sample of text at each evaluation of a language-model run
+/// (`train.sample_tokens`, default [`DEFAULT_SAMPLE_TOKENS`]; `None` when off or for an
+/// image model): on rank 0, the gathered whole model continues the start of a text
+/// ([`Tokenizer::start_of_text`]) through the key/value-cache decoder, drawn as `meshtrain
+/// generate` draws with its default temperature and top-k and `train.seed`, the same draws
+/// at every evaluation so that samples differ by the model alone. The line is
+/// `sample: "…"`, the text escaped as a Rust string (newlines as `\n`): one greppable line
+/// per evaluation, as the log's other lines are.
+///
+/// Every worker of a run must get the same answer (the hook makes the evaluation a gather):
+/// it depends on the config alone. Shards whose vocabulary is neither GPT-2's nor cl100k's
+/// cannot be decoded: a note says so (on rank 0) and the run has no samples.
+pub fn eval_samples(cfg: &Config) -> Option<EvalHook> {
+    let tokens = cfg.train.sample_tokens.unwrap_or(DEFAULT_SAMPLE_TOKENS);
+    if tokens == 0 || cfg.model.language().is_none() {
+        return None;
+    }
+    let tokenizer = match Tokenizer::of_run(cfg) {
+        Ok(tokenizer) => Arc::new(tokenizer),
+        // Shards of a vocabulary generate cannot decode either: the run trains as before.
+        Err(e) => {
+            let rank0 = !meshtrain_train::launched_by_mpi()
+                || ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+                    .iter()
+                    .any(|v| std::env::var(v).is_ok_and(|r| r == "0"));
+            if rank0 {
+                println!("note: no text samples at evaluation (train.sample_tokens): {e:#}");
+            }
+            return None;
+        }
+    };
+    let model_cfg = cfg.model.clone();
+    let sampling = Sampling {
+        temperature: GENERATE_TEMPERATURE,
+        top_k: GENERATE_TOP_K,
+        seed: cfg.train.seed,
+    };
+    Some(EvalHook::new(move |_step, model, store| {
+        let text = sample_text(
+            &model_cfg,
+            model,
+            &store.values,
+            &tokenizer,
+            tokens,
+            sampling,
+        )
+        .context("drawing a sample")?;
+        Ok(Some(format!("sample: {text:?}")))
+    }))
 }

@@ -8,6 +8,7 @@ use crate::stop::StopRequest;
 use crate::trainer::{threads_per_worker, Trainer};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use meshtrain_comm::{CommConfig, ProcessGroup, ThreadsWorld};
+use meshtrain_nn::{Model, ParamStore};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,6 +63,38 @@ pub struct RunOptions {
     /// The command line that started this run (program first): a stopped run prints it,
     /// with `--resume` at its checkpoint, as the command that resumes it.
     pub command_line: Option<Vec<String>>,
+    /// Called on world rank 0 after each evaluation with the whole model ([`EvalHook`]):
+    /// `meshtrain train` sets one that prints a sample of text.
+    pub after_eval: Option<EvalHook>,
+}
+
+/// What to do with the whole model after each evaluation, on world rank 0: called with the
+/// step, the unsplit model and its parameters (gathered from every worker, whatever the
+/// layout), it returns a line to print under the evaluation's (or `None`). An error is
+/// printed and training goes on: a failed sample must not cost the run.
+///
+/// Why a hook: the trainer is model-agnostic, while what to do with a language model's
+/// weights (decode text with its tokenizer) belongs to the program that knows the model.
+/// Setting one costs every worker a gather of the whole model state at each evaluation (as a
+/// whole-file checkpoint does; no gather when one worker holds the whole model).
+#[derive(Clone)]
+pub struct EvalHook(pub Arc<EvalFn>);
+
+/// The function an [`EvalHook`] calls: (step, whole model, its parameters) → a line to print.
+pub type EvalFn = dyn Fn(u64, &Model, &ParamStore) -> Result<Option<String>> + Send + Sync;
+
+impl EvalHook {
+    pub fn new(
+        f: impl Fn(u64, &Model, &ParamStore) -> Result<Option<String>> + Send + Sync + 'static,
+    ) -> Self {
+        EvalHook(Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for EvalHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EvalHook(..)")
+    }
 }
 
 /// The environment variable that overrides a job's collective timeout, in seconds (for
@@ -243,6 +276,7 @@ fn prepare_worker(
         trainer.stop = stop.clone();
     }
     trainer.command_line = options.command_line.clone();
+    trainer.after_eval = options.after_eval.clone();
     let verbose = options.verbose && lead;
     if let Some(path) = &options.init_from {
         let from = trainer.init_from(path)?;

@@ -79,6 +79,9 @@ pub struct Trainer {
     pub stop: StopRequest,
     /// The command that started the run, for the resume command a stop prints.
     pub command_line: Option<Vec<String>>,
+    /// Called on rank 0 with the whole model after each evaluation (a text sample); every
+    /// worker must have it set or none (it makes the evaluation a gather).
+    pub after_eval: Option<crate::launch::EvalHook>,
 }
 
 /// Seconds after which a first step still running is said to be running.
@@ -188,6 +191,7 @@ impl Trainer {
             writer: CheckpointWriter::default(),
             stop: StopRequest::new(),
             command_line: None,
+            after_eval: None,
             job,
         })
     }
@@ -454,9 +458,7 @@ impl Trainer {
                     .with_context(failed)?;
             }
         } else {
-            let whole_chunk = self.parallel.stage.schedule().num_chunks() == 1
-                && self.parallel.layout.layout.tp == 1
-                && self.parallel.zero_stage().is_none();
+            let whole_chunk = self.holds_whole_model();
             let gathered = if whole_chunk {
                 None
             } else {
@@ -686,6 +688,7 @@ impl Trainer {
         let Some(sums) = self.evaluate()? else {
             return Ok(());
         };
+        let after = self.run_after_eval()?;
         let eval = self
             .job
             .eval
@@ -720,12 +723,55 @@ impl Trainer {
         if let Some(b) = eval.baseline {
             line += &format!("; unigram baseline {b:.4}");
         }
-        if self.show_progress {
-            pb.println(line);
-        } else {
-            println!("{line}");
+        for line in std::iter::once(line).chain(after) {
+            if self.show_progress {
+                pb.println(line);
+            } else {
+                println!("{line}");
+            }
         }
         self.write_metric(&record)
+    }
+
+    /// Whether every worker's one chunk is the whole model (no pipeline, tensor split or
+    /// ZeRO pieces): then rank 0 has it as it is, and checkpoints and the evaluation hook need
+    /// no gathered copy.
+    fn holds_whole_model(&self) -> bool {
+        self.parallel.stage.schedule().num_chunks() == 1
+            && self.parallel.layout.layout.tp == 1
+            && self.parallel.zero_stage().is_none()
+    }
+
+    /// Runs the [`Trainer::after_eval`] hook, if any, on the whole model: a collective (every
+    /// worker takes part in the gather, as for a whole-file checkpoint); rank 0 returns the
+    /// hook's line, or the hook's error as a line (a failed sample does not stop training).
+    /// Its time counts as evaluation time.
+    fn run_after_eval(&mut self) -> Result<Option<String>> {
+        let Some(hook) = self.after_eval.clone() else {
+            return Ok(None);
+        };
+        let t = Instant::now();
+        self.parallel
+            .pull_from_device()
+            .context("copying the model from the GPU for the evaluation hook")?;
+        let gathered = if self.holds_whole_model() {
+            None
+        } else {
+            self.parallel
+                .gather_state(&self.model, &self.whole)
+                .context("gathering the model for the evaluation hook")?
+        };
+        if !self.is_lead() {
+            return Ok(None);
+        }
+        let store = match &gathered {
+            Some((store, _)) => store,
+            None => &self.parallel.stage.chunks[0].store,
+        };
+        let line = hook.0(self.step, &self.whole, store)
+            .unwrap_or_else(|e| Some(format!("after-evaluation hook failed: {e:#}")));
+        self.breakdown.eval_s += t.elapsed().as_secs_f64();
+        Ok(line)
     }
 
     fn write_metric<T: serde::Serialize>(&mut self, record: &T) -> Result<()> {
