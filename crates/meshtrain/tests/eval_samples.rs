@@ -5,33 +5,21 @@
 
 mod common;
 
-use common::meshtrain;
+use common::{meshtrain, tiny_gpt_command};
 use std::path::Path;
 
 /// `meshtrain train` on the tiny GPT (width 32, 2 layers, 4 heads, context 16, batch 8):
 /// 6 steps, evaluating at steps 3 and 6, seed 5, writing into `out`, then `extra`.
 fn train(out: &Path, extra: &[&str]) -> String {
-    let mut args: Vec<String> = ["train", "--config", "configs/gpt.toml"]
-        .map(String::from)
-        .to_vec();
-    let out_dir = format!("train.out_dir=\"{}\"", out.display());
-    for set in [
-        "model.dim=32",
-        "model.layers=2",
+    let sets = [
         "model.heads=4",
-        "model.seq=16",
-        "train.batch_size=8",
         "train.steps=6",
         "train.eval_every=3",
         "train.eval_batches=1",
         "train.seed=5",
-        "train.threads=2",
         "schedule.warmup_steps=1",
-        &out_dir,
-    ] {
-        args.extend(["--set".to_string(), set.to_string()]);
-    }
-    args.extend(extra.iter().map(|s| s.to_string()));
+    ];
+    let args = tiny_gpt_command(out, &sets, extra);
     let (ok, stdout, stderr) = meshtrain(&args);
     assert!(ok, "{extra:?}: {stderr}\n{stdout}");
     stdout

@@ -181,19 +181,27 @@ pub fn meshtrain<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (bool, String, String
 /// `meshtrain train`'s arguments for the tiny GPT (width 32, 2 layers, 2 heads, context 16,
 /// batch 8, 2 threads) over 2 workers writing into `out`, then `extra`.
 pub fn tiny_gpt_args(out: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--config", "configs/gpt.toml", "--dp", "2"]
+    let mut flags = vec!["--dp", "2"];
+    flags.extend(extra);
+    tiny_gpt_command(out, &["model.heads=2"], &flags)
+}
+
+/// `meshtrain train`'s arguments for the tiny GPT (width 32, 2 layers, context 16, batch 8,
+/// 2 threads) writing into `out`, then `sets` as `--set` overrides, then `extra`.
+pub fn tiny_gpt_command(out: &Path, sets: &[&str], extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["train", "--config", "configs/gpt.toml"]
         .map(String::from)
         .to_vec();
     let out_dir = format!("train.out_dir=\"{}\"", out.display());
-    for set in [
+    let base = [
         "model.dim=32",
         "model.layers=2",
-        "model.heads=2",
         "model.seq=16",
         "train.batch_size=8",
         "train.threads=2",
         &out_dir,
-    ] {
+    ];
+    for set in base.iter().chain(sets) {
         args.extend(["--set".to_string(), set.to_string()]);
     }
     args.extend(extra.iter().map(|s| s.to_string()));
