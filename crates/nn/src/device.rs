@@ -9,12 +9,13 @@
 //! boundary, which returns them as errors.
 
 use crate::layer::{Mode, ParamsMut, Saved};
-use crate::layers::{LayerNorm, Linear};
-use crate::transformer::{AttentionCore, GptEmbedding};
+use crate::layers::{LayerNorm, Linear, RmsNorm};
+use crate::transformer::{AttentionCore, GptEmbedding, Rotary};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::cuda::error::ok_or_raise as ok;
 use meshtrain_tensor::cuda::ops::{self, ActKind, AttnShape, LinearShape};
 use meshtrain_tensor::cuda::{CudaDevice, CudaTensor, DeviceGrads, DeviceParams};
+use meshtrain_tensor::rotary::RotaryShape;
 use meshtrain_tensor::{DType, Tensor};
 use std::sync::Arc;
 
@@ -187,6 +188,112 @@ pub fn layer_norm_backward(
     wrap(dx, x.shape())
 }
 
+pub fn rms_norm_forward(
+    n: &RmsNorm,
+    p: DeviceParams<'_>,
+    x: Tensor,
+    mode: Mode,
+    s: &mut Saved,
+) -> Tensor {
+    let xs = on_device(&x, p.device());
+    let (y, rstd) = ok(ops::rms_norm_forward(
+        &xs,
+        p,
+        n.dim,
+        n.eps,
+        n.precision,
+        mode.train,
+    ));
+    if let Some(rstd) = rstd {
+        let rows = [rstd.len()];
+        s.tensors.push(wrap(xs, x.shape()));
+        s.tensors.push(wrap(rstd, &rows));
+    }
+    wrap(y, x.shape())
+}
+
+pub fn rms_norm_backward(
+    n: &RmsNorm,
+    p: DeviceParams<'_>,
+    g: ParamsMut<'_>,
+    mut s: Saved,
+    dy: Tensor,
+) -> Tensor {
+    let rstd = kept(&mut s, "RmsNorm (rstd)");
+    let x = s.tensors.pop().expect("RmsNorm: input");
+    let xs = x
+        .cuda()
+        .expect("RmsNorm: a host input kept by a device forward");
+    let dys = on_device(&dy, p.device());
+    let dx = ok(ops::rms_norm_backward(
+        xs,
+        p,
+        &rstd,
+        &dys,
+        device_grads(g),
+        n.dim,
+    ));
+    wrap(dx, x.shape())
+}
+
+/// Rows `[a | b]` → `silu(a)·b` in x's dtype (the product dtype under mixed precision: the
+/// gate/up projection wrote it, the down projection reads it); the input is kept.
+pub fn swiglu_forward(x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
+    let xs = x.cuda().expect("a device SwiGLU's input").clone();
+    let half = x.shape().last().copied().unwrap_or(0) / 2;
+    let y = wrap(ok(ops::swiglu_forward(&xs, half)), &out_shape(&x, half));
+    if mode.train {
+        s.tensors.push(x);
+    }
+    y
+}
+
+pub fn swiglu_backward(kept: Tensor, dy: Tensor) -> Tensor {
+    let xs = kept.cuda().expect("device SwiGLU state");
+    let half = kept.shape().last().copied().unwrap_or(0) / 2;
+    let dys = on_device(&dy, xs.device());
+    wrap(ok(ops::swiglu_backward(xs, &dys, half)), kept.shape())
+}
+
+/// The rotary tables of `t` tokens, computed on the host by the CPU's own function (so the
+/// angles are bit-identical to the CPU's) and uploaded.
+fn rotary_tables(r: &Rotary, t: usize, dev: &Arc<CudaDevice>) -> (CudaTensor, CudaTensor) {
+    let (cos, sin) = r.tables(t);
+    (
+        ok(CudaTensor::from_host(dev, &cos, DType::F32)),
+        ok(CudaTensor::from_host(dev, &sin, DType::F32)),
+    )
+}
+
+/// Rotary + GQA on a device tensor, in its dtype; keeps the (device) tables for backward.
+pub fn rotary_forward(
+    r: &Rotary,
+    shape: RotaryShape,
+    x: Tensor,
+    mode: Mode,
+    s: &mut Saved,
+) -> Tensor {
+    let xs = x.cuda().expect("a device rotary input");
+    let (cos, sin) = rotary_tables(r, shape.seq, xs.device());
+    let y = ok(ops::rotary_forward(xs, shape, &cos, &sin));
+    if mode.train {
+        let table = [shape.seq, shape.head_dim / 2];
+        s.tensors.push(wrap(cos, &table));
+        s.tensors.push(wrap(sin, &table));
+    }
+    wrap(y, &[shape.batch, shape.seq, shape.output_width()])
+}
+
+pub fn rotary_backward(shape: RotaryShape, mut s: Saved, dy: Tensor) -> Tensor {
+    let sin = kept(&mut s, "rotary (sines)");
+    let cos = kept(&mut s, "rotary (cosines)");
+    let dys = on_device(&dy, sin.device());
+    wrap(
+        ok(ops::rotary_backward(&dys, shape, &cos, &sin)),
+        &[shape.batch, shape.seq, shape.input_width()],
+    )
+}
+
 pub fn act_forward(act: Activation, x: Tensor, mode: Mode, s: &mut Saved) -> Tensor {
     let xs = x.cuda().expect("a device activation's input").clone();
     let kind = ActKind::from(act);
@@ -210,8 +317,10 @@ pub fn act_backward(act: Activation, kept: Tensor, dy: Tensor) -> Tensor {
     )
 }
 
-fn positions(e: &GptEmbedding, t: usize) -> Vec<i32> {
-    (0..t).map(|i| e.sequence.position(i, t) as i32).collect()
+/// The position-table rows of `t` tokens, or `None` for an embedding without a table.
+fn positions(e: &GptEmbedding, t: usize) -> Option<Vec<i32>> {
+    e.learned_positions
+        .then(|| (0..t).map(|i| e.sequence.position(i, t) as i32).collect())
 }
 
 pub fn embedding_forward(
@@ -231,7 +340,7 @@ pub fn embedding_forward(
         p,
         e.vocab,
         d,
-        &positions(e, t),
+        positions(e, t).as_deref(),
     ));
     if mode.train {
         s.indices
@@ -255,7 +364,7 @@ pub fn embedding_backward(e: &GptEmbedding, g: DeviceGrads<'_>, mut s: Saved, dy
         g,
         e.vocab,
         e.dim,
-        &positions(e, dy.dim(1)),
+        positions(e, dy.dim(1)).as_deref(),
     ));
 }
 
@@ -298,4 +407,46 @@ pub fn attention_backward(a: &AttentionCore, mut s: Saved, dy: Tensor) -> Tensor
         ok(ops::attention_backward(qs, &out, &lse, &dys, shape)),
         qkv.shape(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transformer::SequenceShard;
+    use meshtrain_tensor::Device;
+
+    fn embedding(learned_positions: bool, sequence: SequenceShard) -> GptEmbedding {
+        GptEmbedding {
+            vocab: 10,
+            max_seq: 8,
+            dim: 4,
+            init_std: 0.02,
+            learned_positions,
+            sequence,
+        }
+    }
+
+    /// The device embedding adds the position rows the CPU adds, and none (a null table)
+    /// without a position table.
+    #[test]
+    fn the_device_embedding_gets_positions_only_with_a_table() {
+        assert_eq!(
+            positions(&embedding(false, SequenceShard::default()), 4),
+            None
+        );
+        assert_eq!(
+            positions(&embedding(true, SequenceShard::default()), 4),
+            Some(vec![0, 1, 2, 3])
+        );
+        // A context-parallel worker's tokens sit at their places in the whole sequence.
+        let shard = SequenceShard { parts: 2, index: 0 };
+        assert_eq!(
+            positions(&embedding(true, shard), 4),
+            Some(vec![0, 1, 6, 7])
+        );
+        for learned in [false, true] {
+            let e = embedding(learned, SequenceShard::default());
+            assert!(crate::Layer::runs_on(&e, Device::Cuda(0)));
+        }
+    }
 }

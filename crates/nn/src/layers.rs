@@ -870,11 +870,18 @@ impl Layer for LayerNorm {
 pub struct RmsNorm {
     pub dim: usize,
     pub eps: f32,
+    /// The dtype of the output on a GPU, as [`LayerNorm::precision`]: the mixed-precision
+    /// product dtype (what reads the norm's output is a product). The CPU keeps f32.
+    pub precision: DType,
 }
 
 impl RmsNorm {
     pub fn new(dim: usize, eps: f32) -> Self {
-        RmsNorm { dim, eps }
+        RmsNorm {
+            dim,
+            eps,
+            precision: DType::F32,
+        }
     }
 }
 
@@ -888,6 +895,14 @@ impl Layer for RmsNorm {
         vec![ParamSpec::new("weight", &[self.dim], Init::Ones)]
     }
 
+    fn set_precision(&mut self, precision: DType) {
+        self.precision = precision;
+    }
+
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
     fn forward(
         &self,
         p: Params<'_>,
@@ -896,6 +911,10 @@ impl Layer for RmsNorm {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::rms_norm_forward(self, p, x, mode, s);
+        }
         let (y, rstd) = norm::rms_norm_forward(x.data(), self.dim, p.host(), self.eps);
         let shape = x.shape().to_vec();
         if mode.train {
@@ -913,6 +932,10 @@ impl Layer for RmsNorm {
         dy: Tensor,
         _need_dx: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return Some(crate::device::rms_norm_backward(self, p, g, s, dy));
+        }
         let rstd = s.stats.pop().expect("RmsNorm: rstd");
         let x = s.tensors.pop().expect("RmsNorm: input");
         let dx = norm::rms_norm_backward(x.data(), self.dim, p.host(), &rstd, dy.data(), g.host());
@@ -929,6 +952,10 @@ impl Layer for RmsNorm {
 pub struct SwiGlu;
 
 impl Layer for SwiGlu {
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
     fn forward(
         &self,
         _: Params<'_>,
@@ -940,6 +967,10 @@ impl Layer for SwiGlu {
         let mut shape = x.shape().to_vec();
         let width = *shape.last().expect("SwiGLU: a shaped input");
         assert!(width.is_multiple_of(2), "SwiGLU: odd width {width}");
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::device::swiglu_forward(x, mode, s);
+        }
         *shape.last_mut().unwrap() = width / 2;
         let y = meshtrain_tensor::activation::swiglu_forward(x.data(), width / 2);
         if mode.train {
@@ -957,6 +988,10 @@ impl Layer for SwiGlu {
         _: bool,
     ) -> Option<Tensor> {
         let x = s.tensors.pop().expect("SwiGLU: saved input");
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return Some(crate::device::swiglu_backward(x, dy));
+        }
         let half = x.shape().last().copied().unwrap_or(0) / 2;
         let dx = meshtrain_tensor::activation::swiglu_backward(x.data(), dy.data(), half);
         let shape = x.shape().to_vec();

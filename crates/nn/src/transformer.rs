@@ -88,9 +88,9 @@ impl Layer for GptEmbedding {
         specs
     }
 
-    fn runs_on(&self, device: Device) -> bool {
-        // The CUDA kernel adds a position table.
-        device.is_cpu() || self.learned_positions
+    fn runs_on(&self, _: Device) -> bool {
+        // The CUDA kernel adds the position table, or (a null table) none.
+        true
     }
 
     fn forward(
@@ -330,7 +330,9 @@ impl Rotary {
         }
     }
 
-    fn tables(&self, seq: usize) -> (Vec<f32>, Vec<f32>) {
+    /// The cosines and sines of `seq` tokens at their places in the whole sequence (the
+    /// device arm uploads these same host tables).
+    pub(crate) fn tables(&self, seq: usize) -> (Vec<f32>, Vec<f32>) {
         let positions: Vec<usize> = (0..seq).map(|i| self.sequence.position(i, seq)).collect();
         rotary_tables(&positions, self.head_dim, self.theta)
     }
@@ -339,6 +341,10 @@ impl Rotary {
 impl Layer for Rotary {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
+    }
+
+    fn runs_on(&self, _: Device) -> bool {
+        true
     }
 
     fn forward(
@@ -356,6 +362,10 @@ impl Layer for Rotary {
             Some(&shape.input_width()),
             "rotary: input width for {shape:?}"
         );
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::device::rotary_forward(self, shape, x, mode, s);
+        }
         let (cos, sin) = self.tables(t);
         let y = rotary_expand_forward(shape, x.data(), &cos, &sin);
         if mode.train {
@@ -374,10 +384,15 @@ impl Layer for Rotary {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
-        let sin = s.stats.pop().expect("rotary: saved sines");
-        let cos = s.stats.pop().expect("rotary: saved cosines");
         let (b, t) = (dy.dim(0), dy.dim(1));
         let shape = self.shape(b * t, t);
+        // A device forward kept its tables as device tensors (the CPU's as host stats).
+        #[cfg(feature = "cuda")]
+        if s.tensors.last().is_some_and(|k| k.device().is_cuda()) {
+            return Some(crate::device::rotary_backward(shape, s, dy));
+        }
+        let sin = s.stats.pop().expect("rotary: saved sines");
+        let cos = s.stats.pop().expect("rotary: saved cosines");
         let dx = rotary_expand_backward(shape, dy.data(), &cos, &sin);
         dy.recycle();
         Some(Tensor::from_vec(dx, &[b, t, shape.input_width()]))

@@ -14,6 +14,7 @@ use crate::activation::Activation;
 use crate::attention::AttentionShape;
 use crate::matmul::{gemm_in, Mat, MatMut};
 use crate::rng::SplitMix64;
+use crate::rotary::RotaryShape;
 use crate::DType;
 use std::sync::Arc;
 
@@ -169,6 +170,40 @@ pub fn run_all(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
                     .unwrap_or_else(|e| vec![failed(name, e)]),
             );
         }
+        // Llama's layers: RMS norm (vector and scalar rows), rotary + GQA (groups of 3, 1 and
+        // 2 query heads per key/value head; head sizes on every kernel path), SwiGLU.
+        for (rows, d) in [(100, 768), (37, 130)] {
+            let name = format!("rms norm {rows}x{d} {s}");
+            out.extend(
+                check_rms_norm(dev, &mut rng, rows, d, dtype)
+                    .unwrap_or_else(|e| vec![failed(name, e)]),
+            );
+        }
+        for (batch, seq, heads, kv_heads, head_dim) in [
+            (2, 33, 6, 2, 64),
+            (1, 17, 4, 4, 32),
+            (2, 9, 4, 2, 6),
+            (1, 5, 2, 1, 128),
+        ] {
+            let shape = RotaryShape {
+                batch,
+                seq,
+                heads,
+                kv_heads,
+                head_dim,
+            };
+            let name = format!("rotary {batch}x{seq} h{heads}/{kv_heads}x{head_dim} {s}");
+            out.extend(
+                check_rotary(dev, &mut rng, shape, dtype).unwrap_or_else(|e| vec![failed(name, e)]),
+            );
+        }
+        for (rows, half) in [(97, 688), (13, 37)] {
+            let name = format!("swiglu {rows}x{half} {s}");
+            out.extend(
+                check_swiglu(dev, &mut rng, rows, half, dtype)
+                    .unwrap_or_else(|e| vec![failed(name, e)]),
+            );
+        }
         for act in [
             Activation::Gelu,
             Activation::GeluTanh,
@@ -209,6 +244,15 @@ pub fn run_all(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
                     .unwrap_or_else(|e| vec![failed(name, e)]),
             );
         }
+    }
+    // The embedding is f32 whatever the precision: with a position table (GPT) and without
+    // (Llama).
+    for positions in [true, false] {
+        let name = format!("embedding positions={positions}");
+        out.extend(
+            check_embedding(dev, &mut rng, 50, 4, 24, 68, positions)
+                .unwrap_or_else(|e| vec![failed(name, e)]),
+        );
     }
     out
 }
@@ -354,6 +398,168 @@ fn check_layer_norm(
             &g,
             tolerance(dtype),
         ),
+    ])
+}
+
+fn check_rms_norm(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    rows: usize,
+    d: usize,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let s = ops::suffix(dtype);
+    let x: Vec<f32> = random(rng, rows * d, 2.0).iter().map(|v| v + 0.5).collect();
+    let w: Vec<f32> = (0..d).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+    let dy = rounded(&random(rng, rows * d, 1.0), dtype);
+    let g0 = random(rng, d, 0.01);
+    let (y, rstd) = crate::norm::rms_norm_forward(&x, d, &w, 1e-5);
+    let mut g = g0.clone();
+    let dx = crate::norm::rms_norm_backward(&x, d, &w, &rstd, &dy, &mut g);
+
+    let params = DeviceValues::new(dev, &w, DType::F32)?;
+    let x_dev = CudaTensor::from_host(dev, &x, DType::F32)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, dtype)?;
+    let g_dev = CudaTensor::from_host(dev, &g0, DType::F32)?;
+    let (y_dev, r_dev) = ops::rms_norm_forward(&x_dev, params.params(), d, 1e-5, dtype, true)?;
+    let r_dev = r_dev.expect("kept");
+    let dx_dev = ops::rms_norm_backward(
+        &x_dev,
+        params.params(),
+        &r_dev,
+        &dy_dev,
+        grads_of(&g_dev),
+        d,
+    )?;
+    let tol = tolerance(dtype);
+    let name = |what: &str| format!("rms norm {rows}x{d} {what} {s}");
+    Ok(vec![
+        result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
+        result(name("rstd"), &r_dev.to_host_f32()?, &rstd, 1e-5),
+        // f32 sums of (rounded) dy: f32 tolerance when dy is f32.
+        result(name("input grad"), &dx_dev.to_host_f32()?, &dx, tol),
+        result(name("weight grad"), &g_dev.to_host_f32()?, &g, tol),
+    ])
+}
+
+fn check_rotary(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    shape: RotaryShape,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let RotaryShape {
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_dim,
+    } = shape;
+    let s = ops::suffix(dtype);
+    let rows = batch * seq;
+    let x = rounded(&random(rng, rows * shape.input_width(), 1.0), dtype);
+    let dy = rounded(&random(rng, rows * shape.output_width(), 1.0), dtype);
+    // A context-parallel worker's positions: not 0, 1, 2, ...
+    let positions: Vec<usize> = (0..seq).map(|t| 2 * t + 3).collect();
+    let (cos, sin) = crate::rotary::rotary_tables(&positions, head_dim, 10_000.0);
+    let y = crate::rotary::rotary_expand_forward(shape, &x, &cos, &sin);
+    let dx = crate::rotary::rotary_expand_backward(shape, &dy, &cos, &sin);
+
+    let cos_dev = CudaTensor::from_host(dev, &cos, DType::F32)?;
+    let sin_dev = CudaTensor::from_host(dev, &sin, DType::F32)?;
+    let x_dev = CudaTensor::from_host(dev, &x, dtype)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, dtype)?;
+    let y_dev = ops::rotary_forward(&x_dev, shape, &cos_dev, &sin_dev)?;
+    let dx_dev = ops::rotary_backward(&dy_dev, shape, &cos_dev, &sin_dev)?;
+    let tol = tolerance(dtype);
+    let name =
+        |what: &str| format!("rotary {batch}x{seq} h{heads}/{kv_heads}x{head_dim} {what} {s}");
+    Ok(vec![
+        result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
+        result(name("backward"), &dx_dev.to_host_f32()?, &dx, tol),
+    ])
+}
+
+fn check_swiglu(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    rows: usize,
+    half: usize,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let s = ops::suffix(dtype);
+    let x = rounded(&random(rng, rows * 2 * half, 2.0), dtype);
+    let dy = rounded(&random(rng, rows * half, 1.0), dtype);
+    let y = crate::activation::swiglu_forward(&x, half);
+    let dx = crate::activation::swiglu_backward(&x, &dy, half);
+    let x_dev = CudaTensor::from_host(dev, &x, dtype)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, dtype)?;
+    let y_dev = ops::swiglu_forward(&x_dev, half)?;
+    let dx_dev = ops::swiglu_backward(&x_dev, &dy_dev, half)?;
+    // The CPU's exp is a polynomial approximation good to ~1e-7 relative.
+    let tol = tolerance(dtype).max(1e-5);
+    Ok(vec![
+        result(
+            format!("swiglu {rows}x{half} forward {s}"),
+            &y_dev.to_host_f32()?,
+            &y,
+            tol,
+        ),
+        result(
+            format!("swiglu {rows}x{half} backward {s}"),
+            &dx_dev.to_host_f32()?,
+            &dx,
+            tol,
+        ),
+    ])
+}
+
+/// The embedding's CPU twin is the layer's own loop (`meshtrain_nn`'s `GptEmbedding`): a
+/// gather (plus the position row), and its scatter-add, written out here.
+fn check_embedding(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    vocab: usize,
+    batch: usize,
+    seq: usize,
+    d: usize,
+    positions: bool,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let max_seq = seq + 3;
+    let table = vocab * d + if positions { max_seq * d } else { 0 };
+    let p = random(rng, table, 1.0);
+    let ids: Vec<i32> = (0..batch * seq)
+        .map(|_| rng.below(vocab as u64) as i32)
+        .collect();
+    // Distinct rows of the position table, not in order.
+    let pos_of: Vec<i32> = (0..seq).map(|t| (seq - 1 - t) as i32 + 2).collect();
+    let dy = random(rng, batch * seq * d, 1.0);
+    let g0 = random(rng, table, 0.01);
+    let mut y = vec![0.0f32; batch * seq * d];
+    let mut g = g0.clone();
+    for (i, (row, dyr)) in y.chunks_mut(d).zip(dy.chunks(d)).enumerate() {
+        let te = ids[i] as usize * d;
+        row.copy_from_slice(&p[te..te + d]);
+        g[te..te + d].iter_mut().zip(dyr).for_each(|(a, v)| *a += v);
+        if positions {
+            let pe = vocab * d + pos_of[i % seq] as usize * d;
+            row.iter_mut()
+                .zip(&p[pe..pe + d])
+                .for_each(|(a, v)| *a += v);
+            g[pe..pe + d].iter_mut().zip(dyr).for_each(|(a, v)| *a += v);
+        }
+    }
+    let params = DeviceValues::new(dev, &p, DType::F32)?;
+    let pos = positions.then_some(pos_of.as_slice());
+    let y_dev = ops::embedding_forward(dev, &ids, params.params(), vocab, d, pos)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, DType::F32)?;
+    let g_dev = CudaTensor::from_host(dev, &g0, DType::F32)?;
+    ops::embedding_backward(&dy_dev, &ids, grads_of(&g_dev), vocab, d, pos)?;
+    let name = |what: &str| format!("embedding {batch}x{seq} d{d} positions={positions} {what}");
+    Ok(vec![
+        // A gather (and one f32 add): exact.
+        result(name("forward"), &y_dev.to_host_f32()?, &y, 0.0),
+        result(name("gradient"), &g_dev.to_host_f32()?, &g, 1e-5),
     ])
 }
 

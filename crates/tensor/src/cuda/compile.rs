@@ -53,6 +53,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "attention.cu",
         source: include_str!("kernels/attention.cu"),
     },
+    KernelFile {
+        name: "llama.cu",
+        source: include_str!("kernels/llama.cu"),
+    },
 ];
 
 /// The kernel file called `name`.
@@ -367,6 +371,16 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             v.extend(each("attn_bwd_prep"));
             v
         }
+        "llama.cu" => [
+            each("rmsnorm_fwd"),
+            each("rmsnorm_bwd_dx"),
+            each("rmsnorm_bwd_params"),
+            each("rotary_fwd"),
+            each("rotary_bwd"),
+            each("swiglu_fwd"),
+            each("swiglu_bwd"),
+        ]
+        .concat(),
         _ => Vec::new(),
     }
 }
@@ -463,6 +477,11 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), KERNEL_FILES.len());
         assert!(kernel_file("attention.cu").is_some());
+        assert!(kernel_file("llama.cu").is_some());
+        // Every listed file says which kernels it must export.
+        for f in KERNEL_FILES {
+            assert!(!expected_kernels(f.name).is_empty(), "{}", f.name);
+        }
         assert!(full_source(KERNEL_FILES[0]).contains("typedef __nv_bfloat16 bf16"));
     }
 }

@@ -11,6 +11,7 @@ use super::blas::{F32Math, Gemm};
 use super::context::{Args, CudaDevice, Launch};
 use super::error::CudaError;
 use super::{CudaTensor, DeviceGrads, DeviceParams};
+use crate::rotary::RotaryShape;
 use crate::DType;
 use std::sync::Arc;
 
@@ -550,6 +551,117 @@ pub fn layer_norm_backward(
     Ok(dx)
 }
 
+/// RMS norm over rows of `d` of the f32 `x` (weight `w`, `d` values): `(y in out_dtype,
+/// rstd)` (the statistics only when `keep_stats`).
+pub fn rms_norm_forward(
+    x: &CudaTensor,
+    w: DeviceParams,
+    d: usize,
+    eps: f32,
+    out_dtype: DType,
+    keep_stats: bool,
+) -> Result<(CudaTensor, Option<CudaTensor>), CudaError> {
+    let dev = x.device().clone();
+    let x = to_dtype(x, DType::F32)?;
+    let rows = x.len() / d;
+    check_len(&x, rows * d, "RMS norm input")?;
+    check_params(&w, d, "RMS norm weight")?;
+    let y = CudaTensor::alloc(&dev, x.len(), out_dtype, "an RMS norm's output")?;
+    let rstd = if keep_stats {
+        Some(CudaTensor::alloc(
+            &dev,
+            rows,
+            DType::F32,
+            "RMS norm scales",
+        )?)
+    } else {
+        None
+    };
+    dev.launch(
+        "llama.cu",
+        &format!("rmsnorm_fwd_{}", suffix(out_dtype)),
+        Launch::linear(rows.div_ceil(8), THREADS),
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(w.master())
+            .ptr(y.ptr())
+            .ptr(rstd.as_ref().map_or(0, |r| r.ptr()))
+            .usize_as_i32(rows)
+            .usize_as_i32(d)
+            .f32(eps),
+    )?;
+    Ok((y, rstd))
+}
+
+/// RMS-norm backward: returns dx (f32) and adds dw into `grads` (`d` values).
+pub fn rms_norm_backward(
+    x: &CudaTensor,
+    w: DeviceParams,
+    rstd: &CudaTensor,
+    dy: &CudaTensor,
+    grads: DeviceGrads,
+    d: usize,
+) -> Result<CudaTensor, CudaError> {
+    let dev = x.device().clone();
+    let x = to_dtype(x, DType::F32)?;
+    let rows = x.len() / d;
+    check_len(dy, x.len(), "RMS norm output gradient")?;
+    check_len(rstd, rows, "RMS norm scales")?;
+    check_params(&w, d, "RMS norm weight")?;
+    if grads.len() != d {
+        return Err(unsupported(format!(
+            "RMS norm weight gradient: expected {d} values, the view has {}",
+            grads.len()
+        )));
+    }
+    let dx = CudaTensor::alloc(&dev, x.len(), DType::F32, "an RMS norm's input gradient")?;
+    let t = suffix(dy.dtype());
+    dev.launch(
+        "llama.cu",
+        &format!("rmsnorm_bwd_dx_{t}"),
+        Launch::linear(rows.div_ceil(8), THREADS),
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(w.master())
+            .ptr(rstd.ptr())
+            .ptr(dy.ptr())
+            .ptr(dx.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(d),
+    )?;
+    let blocks = rows.div_ceil(ROWS_PER_BLOCK).max(1);
+    let partial = dev.alloc(blocks * d * 4, "RMS norm gradient partials")?;
+    dev.launch(
+        "llama.cu",
+        &format!("rmsnorm_bwd_params_{t}"),
+        Launch {
+            grid: (d.div_ceil(THREADS as usize) as u32, blocks as u32, 1),
+            block: (THREADS, 1, 1),
+            smem: 0,
+        },
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(rstd.ptr())
+            .ptr(dy.ptr())
+            .ptr(partial.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(d)
+            .usize_as_i32(ROWS_PER_BLOCK),
+    )?;
+    finish_columns(&dev, partial.ptr(), blocks, d, grads.ptr(), true)?;
+    Ok(dx)
+}
+
+fn check_params(p: &DeviceParams, len: usize, what: &str) -> Result<(), CudaError> {
+    if p.len() != len {
+        return Err(unsupported(format!(
+            "{what}: expected {len} values, the parameters have {}",
+            p.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Token rows grouped by token id, for a deterministic embedding gradient: `order` lists the
 /// rows (`i` of `ids`) sorted stably by id, `starts[u]..starts[u+1]` are the rows of the
 /// `u`-th distinct id `uniq[u]`. A counting sort on the host: the ids are there anyway.
@@ -611,22 +723,31 @@ pub fn token_ids(values: &[f32], vocab: usize) -> Result<Vec<i32>, CudaError> {
         .collect()
 }
 
-/// Token + position embedding: `y[i] = wte[ids[i]] + wpe[pos_of[i % seq]]` (f32),
-/// parameters `[wte (vocab × d) | wpe (max_seq × d)]`.
+/// Token (+ position) embedding: `y[i] = wte[ids[i]] (+ wpe[pos_of[i % seq]])` (f32),
+/// parameters `[wte (vocab × d) | wpe (max_seq × d)]`, or `wte` alone when `pos_of` is
+/// `None` (a model without a position table: Llama's rotary positions).
 pub fn embedding_forward(
     dev: &Arc<CudaDevice>,
     ids: &[i32],
     p: DeviceParams,
     vocab: usize,
     d: usize,
-    pos_of: &[i32],
+    pos_of: Option<&[i32]>,
 ) -> Result<CudaTensor, CudaError> {
-    let seq = pos_of.len();
     let tokens = ids.len();
+    check_embedding_params(p.len(), vocab, d, pos_of)?;
     let (wte, wpe) = p.split_at(vocab * d);
     let ids_dev = dev.upload(ids, "token ids")?;
-    let pos_dev = dev.upload(pos_of, "token positions")?;
+    let pos_dev = match pos_of {
+        Some(pos) => Some(dev.upload(pos, "token positions")?),
+        None => None,
+    };
     let y = CudaTensor::alloc(dev, tokens * d, DType::F32, "the embedding's output")?;
+    // No table: null `wpe` and `pos_of` (the kernel reads neither, nor `seq`).
+    let (wpe, pos_ptr, seq) = match (&pos_dev, pos_of) {
+        (Some(buf), Some(pos)) => (wpe.master(), buf.ptr(), pos.len()),
+        _ => (0, 0, 1),
+    };
     dev.launch(
         "embedding.cu",
         "embedding_fwd",
@@ -634,8 +755,8 @@ pub fn embedding_forward(
         Args::new()
             .ptr(ids_dev.ptr())
             .ptr(wte.master())
-            .ptr(wpe.master())
-            .ptr(pos_dev.ptr())
+            .ptr(wpe)
+            .ptr(pos_ptr)
             .ptr(y.ptr())
             .usize_as_i32(tokens)
             .usize_as_i32(seq)
@@ -644,26 +765,54 @@ pub fn embedding_forward(
     Ok(y)
 }
 
-/// Backward of [`embedding_forward`]: adds into `grads` = [dwte | dwpe].
+/// The embedding's parameters hold the token table, and the position table when positions
+/// are given.
+fn check_embedding_params(
+    len: usize,
+    vocab: usize,
+    d: usize,
+    pos_of: Option<&[i32]>,
+) -> Result<(), CudaError> {
+    let short = match pos_of {
+        // The position table's rows: at least every position named.
+        Some(pos) => {
+            let rows = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(0);
+            len < vocab * d + rows * d
+        }
+        None => len < vocab * d,
+    };
+    if short {
+        return Err(unsupported(format!(
+            "embedding: {len} parameter values cannot hold a {vocab} x {d} token table{}",
+            if pos_of.is_some() {
+                " and the positions' rows"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(())
+}
+
+/// Backward of [`embedding_forward`]: adds into `grads` = [dwte | dwpe] (dwte alone when
+/// `pos_of` is `None`).
 pub fn embedding_backward(
     dy: &CudaTensor,
     ids: &[i32],
     grads: DeviceGrads,
     vocab: usize,
     d: usize,
-    pos_of: &[i32],
+    pos_of: Option<&[i32]>,
 ) -> Result<(), CudaError> {
     let dev = dy.device().clone();
     let dy = to_dtype(dy, DType::F32)?;
-    let seq = pos_of.len();
-    let batch = ids.len() / seq;
     check_len(&dy, ids.len() * d, "embedding output gradient")?;
+    check_embedding_params(grads.len(), vocab, d, pos_of)?;
     let groups = TokenGroups::of(ids, vocab);
     let (gte, gpe) = grads.split_at(vocab * d);
     let order = dev.upload(&groups.order, "embedding token order")?;
     let starts = dev.upload(&groups.starts, "embedding token groups")?;
     let uniq = dev.upload(&groups.uniq, "embedding token ids")?;
-    let pos_dev = dev.upload(pos_of, "token positions")?;
     dev.launch(
         "embedding.cu",
         "embedding_bwd_tokens",
@@ -677,6 +826,12 @@ pub fn embedding_backward(
             .usize_as_i32(groups.uniq.len())
             .usize_as_i32(d),
     )?;
+    let Some(pos_of) = pos_of else {
+        return Ok(());
+    };
+    let seq = pos_of.len();
+    let batch = ids.len() / seq;
+    let pos_dev = dev.upload(pos_of, "token positions")?;
     dev.launch(
         "embedding.cu",
         "embedding_bwd_positions",
@@ -689,6 +844,188 @@ pub fn embedding_backward(
             .usize_as_i32(seq)
             .usize_as_i32(d),
     )
+}
+
+/// Rotary positions + grouped-query heads (`crate::rotary`): checks the shape the kernels
+/// handle, and that the tables are `[seq, head_dim/2]` f32 each.
+pub fn check_rotary_shape(shape: RotaryShape) -> Result<(), CudaError> {
+    let RotaryShape {
+        heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = shape;
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(unsupported(format!(
+            "rotary positions rotate pairs of a head's values: head size {head_dim} is not even"
+        )));
+    }
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(unsupported(format!(
+            "rotary: {heads} query heads are not a multiple of {kv_heads} key/value heads"
+        )));
+    }
+    Ok(())
+}
+
+fn check_tables(shape: RotaryShape, cos: &CudaTensor, sin: &CudaTensor) -> Result<(), CudaError> {
+    check_rotary_shape(shape)?;
+    for (t, what) in [(cos, "rotary cosines"), (sin, "rotary sines")] {
+        check_len(t, shape.seq * shape.head_dim / 2, what)?;
+        if t.dtype() != DType::F32 {
+            return Err(unsupported(format!(
+                "{what}: f32 tables, not {}",
+                t.dtype()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The grid-stride launch of a rotary or SwiGLU pass over `pairs` pairs of values of rows
+/// whose halves are `half` wide: the kernels take 16 bytes of a half per thread when they
+/// can (`kernels/llama.cu`).
+pub fn pairs_launch(pairs: usize, half: usize, dtype: DType) -> Launch {
+    let w = 16 / dtype.size_bytes();
+    let units = if half.is_multiple_of(w) {
+        pairs / w
+    } else {
+        pairs
+    };
+    Launch::grid_stride(units, THREADS, MAX_BLOCKS)
+}
+
+fn rotary_args(
+    input: &CudaTensor,
+    cos: &CudaTensor,
+    sin: &CudaTensor,
+    out: &CudaTensor,
+    s: RotaryShape,
+) -> Args {
+    Args::new()
+        .ptr(input.ptr())
+        .ptr(cos.ptr())
+        .ptr(sin.ptr())
+        .ptr(out.ptr())
+        .usize_as_i32(s.batch * s.seq)
+        .usize_as_i32(s.seq)
+        .usize_as_i32(s.heads)
+        .usize_as_i32(s.kv_heads)
+        .usize_as_i32(s.head_dim)
+}
+
+/// Rotates q and k and repeats the key/value heads: `x` `[B·T, (H + 2·H_kv)·hd]` in the
+/// grouped layout → `[B·T, 3·H·hd]` (`[Q | K | V]`) in x's dtype. `cos`/`sin` are
+/// [`crate::rotary::rotary_tables`] of the `T` tokens' positions, uploaded (f32).
+pub fn rotary_forward(
+    x: &CudaTensor,
+    shape: RotaryShape,
+    cos: &CudaTensor,
+    sin: &CudaTensor,
+) -> Result<CudaTensor, CudaError> {
+    check_tables(shape, cos, sin)?;
+    let rows = shape.batch * shape.seq;
+    check_len(x, rows * shape.input_width(), "rotary input")?;
+    let dev = x.device().clone();
+    let y = CudaTensor::alloc(
+        &dev,
+        rows * shape.output_width(),
+        x.dtype(),
+        "the rotary pass's output",
+    )?;
+    let half = shape.head_dim / 2;
+    dev.launch(
+        "llama.cu",
+        &format!("rotary_fwd_{}", suffix(x.dtype())),
+        pairs_launch(rows * 3 * shape.heads * half, half, x.dtype()),
+        rotary_args(x, cos, sin, &y, shape),
+    )?;
+    Ok(y)
+}
+
+/// The gradient of [`rotary_forward`]: `dy` `[B·T, 3·H·hd]` → `[B·T, (H + 2·H_kv)·hd]` in
+/// dy's dtype (each key/value head's gradient summed over its group's query heads in order).
+pub fn rotary_backward(
+    dy: &CudaTensor,
+    shape: RotaryShape,
+    cos: &CudaTensor,
+    sin: &CudaTensor,
+) -> Result<CudaTensor, CudaError> {
+    check_tables(shape, cos, sin)?;
+    let rows = shape.batch * shape.seq;
+    check_len(dy, rows * shape.output_width(), "rotary output gradient")?;
+    let dev = dy.device().clone();
+    let dx = CudaTensor::alloc(
+        &dev,
+        rows * shape.input_width(),
+        dy.dtype(),
+        "the rotary pass's input gradient",
+    )?;
+    let half = shape.head_dim / 2;
+    dev.launch(
+        "llama.cu",
+        &format!("rotary_bwd_{}", suffix(dy.dtype())),
+        pairs_launch(
+            rows * (shape.heads + 2 * shape.kv_heads) * half,
+            half,
+            dy.dtype(),
+        ),
+        rotary_args(dy, cos, sin, &dx, shape),
+    )?;
+    Ok(dx)
+}
+
+/// SwiGLU over rows `[a | b]` of `2·half` values: `silu(a)·b` (`half` values a row), in x's
+/// dtype.
+pub fn swiglu_forward(x: &CudaTensor, half: usize) -> Result<CudaTensor, CudaError> {
+    let rows = swiglu_rows(x, half)?;
+    let dev = x.device().clone();
+    let y = CudaTensor::alloc(&dev, rows * half, x.dtype(), "SwiGLU's output")?;
+    dev.launch(
+        "llama.cu",
+        &format!("swiglu_fwd_{}", suffix(x.dtype())),
+        pairs_launch(rows * half, half, x.dtype()),
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(y.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(half),
+    )?;
+    Ok(y)
+}
+
+/// The gradient of [`swiglu_forward`] from the kept input: `[da | db]` rows in x's dtype.
+pub fn swiglu_backward(
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    half: usize,
+) -> Result<CudaTensor, CudaError> {
+    let rows = swiglu_rows(x, half)?;
+    check_len(dy, rows * half, "SwiGLU output gradient")?;
+    let dev = x.device().clone();
+    let dy = to_dtype(dy, x.dtype())?;
+    let dx = CudaTensor::alloc(&dev, x.len(), x.dtype(), "SwiGLU's input gradient")?;
+    dev.launch(
+        "llama.cu",
+        &format!("swiglu_bwd_{}", suffix(x.dtype())),
+        pairs_launch(rows * half, half, x.dtype()),
+        Args::new()
+            .ptr(x.ptr())
+            .ptr(dy.ptr())
+            .ptr(dx.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(half),
+    )?;
+    Ok(dx)
+}
+
+fn swiglu_rows(x: &CudaTensor, half: usize) -> Result<usize, CudaError> {
+    if half == 0 {
+        return Err(unsupported("SwiGLU over rows of width 0".into()));
+    }
+    let rows = x.len() / (2 * half);
+    check_len(x, rows * 2 * half, "SwiGLU input")?;
+    Ok(rows)
 }
 
 /// Attention's shape: `qkv` `[batch, seq, 3·heads·head_dim]`.
@@ -1004,6 +1341,58 @@ mod tests {
         assert!(e.contains("token id 4 outside vocabulary of 4"), "{e}");
         assert!(token_ids(&[1.5], 4).is_err());
         assert!(token_ids(&[-1.0], 4).is_err());
+    }
+
+    #[test]
+    fn rotary_shapes_outside_the_kernels_are_refused_by_name() {
+        let s = RotaryShape {
+            batch: 2,
+            seq: 8,
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 64,
+        };
+        assert!(check_rotary_shape(s).is_ok());
+        let e = check_rotary_shape(RotaryShape { head_dim: 7, ..s })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("head size 7 is not even"), "{e}");
+        let e = check_rotary_shape(RotaryShape { kv_heads: 4, ..s })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("6 query heads") && e.contains("4 key/value"),
+            "{e}"
+        );
+        assert!(check_rotary_shape(RotaryShape { kv_heads: 0, ..s }).is_err());
+    }
+
+    /// 16 bytes of a row's half per thread where the half allows it, one value otherwise.
+    #[test]
+    fn pair_launches_cover_every_unit() {
+        // 4096 pairs of f32 halves of 32: 1024 float4 units, 4 blocks of 256.
+        assert_eq!(pairs_launch(4096, 32, DType::F32).grid, (4, 1, 1));
+        // bf16: 8 values per unit.
+        assert_eq!(pairs_launch(4096, 32, DType::BF16).grid, (2, 1, 1));
+        // A half of 12 bf16 values: one value per unit.
+        assert_eq!(pairs_launch(4096, 12, DType::BF16).grid, (16, 1, 1));
+        assert_eq!(pairs_launch(0, 12, DType::F16).grid, (1, 1, 1));
+        // Large passes are grid-strided.
+        assert_eq!(
+            pairs_launch(1 << 30, 1, DType::F32).grid.0 as usize,
+            MAX_BLOCKS
+        );
+    }
+
+    #[test]
+    fn embedding_parameters_must_hold_the_tables() {
+        assert!(check_embedding_params(10 * 4, 10, 4, None).is_ok());
+        assert!(check_embedding_params(10 * 4 + 8 * 4, 10, 4, Some(&[0, 7])).is_ok());
+        let e = check_embedding_params(10 * 4, 10, 4, Some(&[0, 1]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("10 x 4 token table and the positions"), "{e}");
+        assert!(check_embedding_params(39, 10, 4, None).is_err());
     }
 
     #[test]

@@ -1,4 +1,4 @@
-// embedding.cu: token + position embedding and its deterministic backward. See ABI.md.
+// embedding.cu: token (+ position) embedding and its deterministic backward. See ABI.md.
 //
 // All three kernels work on float4 chunks of a row when d is a multiple of 4 and the
 // buffers are 16-byte aligned (row starts are then aligned too), else element by element.
@@ -7,12 +7,17 @@
 // owned by the threads of its columns. Sums run in increasing row order.
 
 // ---------------------------------------------------------------------------------------
-// Forward: any grid over tokens·d (or tokens·d/4 chunks).
+// Forward: any grid over tokens·d (or tokens·d/4 chunks). A null `wpe` means no position
+// table (Llama's token-only embedding: positions come from the rotary pass): y = wte[id];
+// `pos_of` and `seq` are then not read.
 
-extern "C" __global__ void __launch_bounds__(256)
-embedding_fwd(const int* __restrict__ ids, const float* __restrict__ wte,
-              const float* __restrict__ wpe, const int* __restrict__ pos_of,
-              float* __restrict__ y, int tokens, int seq, int d) {
+template <bool POSITIONS>
+__device__ __forceinline__ void embedding_fwd_impl(const int* __restrict__ ids,
+                                                   const float* __restrict__ wte,
+                                                   const float* __restrict__ wpe,
+                                                   const int* __restrict__ pos_of,
+                                                   float* __restrict__ y, int tokens, int seq,
+                                                   int d) {
     const long long t = global_thread(), stride = grid_threads();
     const long long n = (long long)tokens * d;
     if ((d & 3) == 0 && is_aligned(wte, 16) && is_aligned(wpe, 16) && is_aligned(y, 16)) {
@@ -23,14 +28,33 @@ embedding_fwd(const int* __restrict__ ids, const float* __restrict__ wte,
         for (long long i = t; i < n / 4; i += stride) {
             const int tok = (int)(i / d4), c4 = (int)(i - (long long)tok * d4);
             const float4 a = te[(long long)ids[tok] * d4 + c4];
-            const float4 b = pe[(long long)pos_of[tok % seq] * d4 + c4];
-            y4[i] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+            if constexpr (POSITIONS) {
+                const float4 b = pe[(long long)pos_of[tok % seq] * d4 + c4];
+                y4[i] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+            } else {
+                y4[i] = a;
+            }
         }
     } else {
         for (long long i = t; i < n; i += stride) {
             const int tok = (int)(i / d), c = (int)(i - (long long)tok * d);
-            y[i] = wte[(long long)ids[tok] * d + c] + wpe[(long long)pos_of[tok % seq] * d + c];
+            if constexpr (POSITIONS) {
+                y[i] = wte[(long long)ids[tok] * d + c] +
+                       wpe[(long long)pos_of[tok % seq] * d + c];
+            } else {
+                y[i] = wte[(long long)ids[tok] * d + c];
+            }
         }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+embedding_fwd(const int* ids, const float* wte, const float* wpe, const int* pos_of, float* y,
+              int tokens, int seq, int d) {
+    if (wpe != nullptr) {
+        embedding_fwd_impl<true>(ids, wte, wpe, pos_of, y, tokens, seq, d);
+    } else {
+        embedding_fwd_impl<false>(ids, wte, wpe, pos_of, y, tokens, seq, d);
     }
 }
 
