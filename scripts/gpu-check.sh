@@ -5,7 +5,8 @@
 #                                        .gpu/ (ignored by git, ~20 MiB stripped), which is
 #                                        what the GPU machine runs: it has no Rust toolchain.
 #   bash scripts/gpu-check.sh run        on the GPU machine: every kernel against its CPU twin,
-#                                        20 GPT steps against the CPU (fp32 and bf16), two GPU
+#                                        20 GPT and 20 Llama steps against the CPU (fp32, bf16,
+#                                        fp16, TF32), two GPU
 #                                        runs bit-identical, products against cuBLASLt's best
 #                                        algorithm, kernels against the copy rate, the GPT-2
 #                                        124M step, and PyTorch's anchor on the same card;
@@ -67,7 +68,7 @@ run)
         start=$(date +%s)
         # The checks synchronise after every launch, so a failing kernel names itself.
         case $part in
-        check) limit=150 sync=1 ;;
+        check) limit=210 sync=1 ;;
         step) limit=90 sync=0 ;;
         *) limit=60 sync=0 ;;
         esac
@@ -84,7 +85,7 @@ run)
         failed=$(grep -cE '^FAIL ' "$logs/check.log")
         echo "checks: $((total - failed)) of $total passed"
         grep -E '^FAIL ' "$logs/check.log" | head -20
-        grep -E '^(ok  |FAIL) GPT' "$logs/check.log"
+        grep -E '^(ok  |FAIL) (GPT|Llama)' "$logs/check.log"
     fi
     [ -f "$logs/products.log" ] && grep -E '^products:' "$logs/products.log"
     if [ -f "$logs/kernels.log" ]; then

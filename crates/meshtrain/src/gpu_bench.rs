@@ -2,7 +2,7 @@
 //!
 //! * `check`: every device kernel against its CPU twin on fresh random inputs (fp32 within
 //!   1e-5, bf16/f16 within 1e-2, NaN never passes), the optimizers against
-//!   `meshtrain_nn::optim`, then 20 GPT steps on the GPU against the CPU (fp32: parameters
+//!   `meshtrain_nn::optim`, then 20 GPT and 20 Llama steps on the GPU against the CPU (fp32: parameters
 //!   within 1e-4 relative L2; bf16: every step's loss within 1%) and two GPU runs
 //!   bit-identical;
 //! * `products`: each matrix product of a GPT-2 124M step against the fastest of the
@@ -49,7 +49,8 @@ pub struct BenchGpuArgs {
     /// Repetitions per timed product or kernel.
     #[arg(long, default_value_t = 20)]
     pub reps: usize,
-    /// Where the repository's configs/ are (the GPT comparison trains configs/gpt.toml).
+    /// Where the repository's configs/ are (the comparisons train configs/gpt.toml and
+    /// configs/llama.toml).
     #[arg(long, default_value = ".")]
     pub root: PathBuf,
 }
@@ -127,19 +128,22 @@ fn check_part(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<Vec<String>>
         results.len() - failed.len(),
         results.len()
     );
-    println!("\n== check: 20 GPT steps on the GPU against the CPU");
-    match compare_gpt(args) {
-        Ok(lines) => {
-            for (ok, line) in lines {
-                println!("{} {line}", if ok { "ok  " } else { "FAIL" });
-                if !ok {
-                    failed.push(line);
+    for model in [Compared::Gpt, Compared::Llama] {
+        let name = model.name();
+        println!("\n== check: 20 {name} steps on the GPU against the CPU");
+        match compare_model(args, model) {
+            Ok(lines) => {
+                for (ok, line) in lines {
+                    println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+                    if !ok {
+                        failed.push(line);
+                    }
                 }
             }
-        }
-        Err(e) => {
-            println!("FAIL GPT comparison: {e:#}");
-            failed.push(format!("GPT comparison: {e:#}"));
+            Err(e) => {
+                println!("FAIL {name} comparison: {e:#}");
+                failed.push(format!("{name} comparison: {e:#}"));
+            }
         }
     }
     Ok(failed)
@@ -288,9 +292,9 @@ fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
     out
 }
 
-/// One run of `configs/gpt.toml` (shrunk by `overrides`) for 20 steps: the final parameters
-/// and each step's loss.
-fn gpt_run(root: &Path, overrides: &[String]) -> Result<GptRun> {
+/// One run of `model`'s config (`configs/gpt.toml` or `configs/llama.toml`, changed by
+/// `overrides`) for 20 steps: the final parameters and each step's loss.
+fn model_run(root: &Path, model: Compared, overrides: &[String]) -> Result<GptRun> {
     let out = std::env::temp_dir().join(format!("meshtrain-gpu-check-{}", seed()));
     let mut o: Vec<String> = [
         "train.steps=20",
@@ -305,8 +309,9 @@ fn gpt_run(root: &Path, overrides: &[String]) -> Result<GptRun> {
     .collect();
     o.push(format!("train.out_dir=\"{}\"", out.display()));
     o.extend(overrides.iter().cloned());
-    let text = std::fs::read_to_string(root.join("configs/gpt.toml"))
-        .with_context(|| format!("reading {}/configs/gpt.toml", root.display()))?;
+    let file = model.config();
+    let text = std::fs::read_to_string(root.join(file))
+        .with_context(|| format!("reading {}/{file}", root.display()))?;
     let cfg = Config::from_toml_with_overrides(&text, &o)?;
     cfg.validate()?;
     let task = Task::load(&cfg)?;
@@ -333,11 +338,35 @@ fn gpt_run(root: &Path, overrides: &[String]) -> Result<GptRun> {
 /// A run's final parameters and its losses, step by step.
 type GptRun = (Vec<f32>, Vec<f64>);
 
-/// GPU against CPU, 20 GPT steps: (passed, line) per comparison. fp32 compares the
+/// A model the GPU check trains on both devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Compared {
+    Gpt,
+    Llama,
+}
+
+impl Compared {
+    fn config(self) -> &'static str {
+        match self {
+            Compared::Gpt => "configs/gpt.toml",
+            Compared::Llama => "configs/llama.toml",
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Compared::Gpt => "GPT",
+            Compared::Llama => "Llama",
+        }
+    }
+}
+
+/// GPU against CPU, 20 steps of `model`: (passed, line) per comparison. fp32 compares the
 /// parameters (≤ 1e-4 relative L2); bf16, fp16 (with loss scaling) and fp32 with TF32
 /// products compare every step's loss (≤ 1%); fp32 and bf16 also run twice on the GPU and
 /// must agree bit for bit.
-fn compare_gpt(args: &BenchGpuArgs) -> Result<Vec<(bool, String)>> {
+fn compare_model(args: &BenchGpuArgs, model: Compared) -> Result<Vec<(bool, String)>> {
+    let name = model.name();
     let mut lines = Vec::new();
     let gpu = format!("train.device=\"cuda:{}\"", args.device);
     let cases: [(&str, &str, &[&str]); 4] = [
@@ -352,7 +381,7 @@ fn compare_gpt(args: &BenchGpuArgs) -> Result<Vec<(bool, String)>> {
         let (cpu_params, cpu_losses) = match cpu_runs.iter().find(|(k, _)| *k == precision) {
             Some((_, run)) => run.clone(),
             None => {
-                let run = gpt_run(&args.root, std::slice::from_ref(&p))?;
+                let run = model_run(&args.root, model, std::slice::from_ref(&p))?;
                 cpu_runs.push((precision, run.clone()));
                 run
             }
@@ -360,7 +389,7 @@ fn compare_gpt(args: &BenchGpuArgs) -> Result<Vec<(bool, String)>> {
         let mut gpu_overrides = vec![p.clone(), gpu.clone()];
         gpu_overrides.extend(extra.iter().map(|s| s.to_string()));
         let t = Instant::now();
-        let (gpu_params, gpu_losses) = gpt_run(&args.root, &gpu_overrides)?;
+        let (gpu_params, gpu_losses) = model_run(&args.root, model, &gpu_overrides)?;
         let gpu_s = t.elapsed().as_secs_f64();
         let rel = rel_l2(&gpu_params, &cpu_params);
         let worst_loss = gpu_losses
@@ -378,7 +407,7 @@ fn compare_gpt(args: &BenchGpuArgs) -> Result<Vec<(bool, String)>> {
             lines.push((
                 rel <= 1e-4 && lengths,
                 format!(
-                    "GPT fp32, 20 steps: parameters GPU vs CPU relative L2 {rel:.2e} (≤ 1e-4); \
+                    "{name} fp32, 20 steps: parameters GPU vs CPU relative L2 {rel:.2e} (≤ 1e-4); \
                      losses differ by at most {:.2e} relative; {finals}",
                     worst_loss
                 ),
@@ -387,14 +416,14 @@ fn compare_gpt(args: &BenchGpuArgs) -> Result<Vec<(bool, String)>> {
             lines.push((
                 worst_loss <= 0.01 && lengths,
                 format!(
-                    "GPT {label}, 20 steps: every step's loss within {:.3}% of the CPU's \
+                    "{name} {label}, 20 steps: every step's loss within {:.3}% of the CPU's \
                      (≤ 1%); parameters relative L2 {rel:.2e}; {finals}",
                     worst_loss * 100.0
                 ),
             ));
         }
         if label == "fp32" || label == "bf16" {
-            let (again_params, again_losses) = gpt_run(&args.root, &gpu_overrides)?;
+            let (again_params, again_losses) = model_run(&args.root, model, &gpu_overrides)?;
             let identical = again_params
                 .iter()
                 .zip(&gpu_params)
@@ -403,7 +432,7 @@ fn compare_gpt(args: &BenchGpuArgs) -> Result<Vec<(bool, String)>> {
                 && again_losses == gpu_losses;
             lines.push((
                 identical,
-                format!("GPT {label}: two GPU runs bit-identical (parameters and losses)"),
+                format!("{name} {label}: two GPU runs bit-identical (parameters and losses)"),
             ));
         }
     }
@@ -785,30 +814,31 @@ fn step(args: &BenchGpuArgs) -> Result<()> {
 mod tests {
     use super::*;
 
-    /// The comparison's harness on the CPU alone: a run's parameters and per-step losses
-    /// come back, and the same run twice gives the same bits (what the GPU check asks of
-    /// the GPU).
+    /// The comparison's harness on the CPU alone, for both models: a run's parameters and
+    /// per-step losses come back, and the same run twice gives the same bits (what the GPU
+    /// check asks of the GPU).
     #[test]
-    fn a_short_gpt_run_reports_its_parameters_and_losses() {
+    fn a_short_run_reports_its_parameters_and_losses() {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let shrink: Vec<String> = [
+        let small = [
             "model.dim=32",
             "model.layers=1",
             "model.heads=2",
             "model.seq=16",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let (params, losses) = gpt_run(&root, &shrink).unwrap();
-        assert_eq!(losses.len(), 20);
-        assert!(losses.iter().all(|l| l.is_finite()));
-        assert!(losses[19] < losses[0], "{losses:?}");
-        let (again, again_losses) = gpt_run(&root, &shrink).unwrap();
-        assert_eq!(losses, again_losses);
-        assert!(params
-            .iter()
-            .zip(&again)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        ];
+        let llama = ["model.kv_heads=1", "model.ffn=48"];
+        for (model, extra) in [(Compared::Gpt, &[][..]), (Compared::Llama, &llama[..])] {
+            let shrink: Vec<String> = small.iter().chain(extra).map(|s| s.to_string()).collect();
+            let (params, losses) = model_run(&root, model, &shrink).unwrap();
+            assert_eq!(losses.len(), 20, "{model:?}");
+            assert!(losses.iter().all(|l| l.is_finite()), "{model:?}");
+            assert!(losses[19] < losses[0], "{model:?}: {losses:?}");
+            let (again, again_losses) = model_run(&root, model, &shrink).unwrap();
+            assert_eq!(losses, again_losses, "{model:?}");
+            assert!(params
+                .iter()
+                .zip(&again)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
     }
 }
