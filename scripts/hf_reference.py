@@ -10,6 +10,11 @@ Writes into crates/meshtrain/tests/refs/hf/:
 All logits are for the token ids in ids.json, in fp32 on the CPU, with the attention
 implementation "eager" (plain softmax(QK^T)V).
 
+And into crates/meshtrain/tests/refs/tokenizers/ (for tests/hf_tokenizer.rs): two small
+tokenizer.json files trained on the corpus with Hugging Face's `tokenizers` (byte-level BPE as
+GPT-2 / Llama 3; SentencePiece-style BPE with byte fallback as Llama 2), each with the ids and
+decoding of a sample text (encoded.json).
+
 Setup (PyPI only; the default Linux wheel of torch is the CUDA build, which runs on a CPU):
   python3 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers safetensors
   /tmp/hfvenv/bin/python scripts/hf_reference.py
@@ -20,6 +25,7 @@ import pathlib
 
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -35,6 +41,48 @@ def logits(model, ids):
 
 def write_logits(directory, values):
     (directory / "logits.json").write_text(json.dumps(values) + "\n")
+
+
+TOKENIZER_TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks? Café naïve — "
+                  "東京 ☃\n\nJULIET:\n  O Romeo!")
+
+
+def byte_level_tokenizer(lines):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(lines, trainer)
+    return tok
+
+
+def sentencepiece_tokenizer(lines):
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=700, special_tokens=specials))
+    return tok
+
+
+def tokenizer_references():
+    out = REFS.parent / "tokenizers"
+    lines = (ROOT / "data/shakespeare/input.txt").read_text().splitlines()
+    for name, make in [("bytelevel", byte_level_tokenizer),
+                       ("sentencepiece", sentencepiece_tokenizer)]:
+        directory = out / name
+        directory.mkdir(parents=True, exist_ok=True)
+        make(lines).save(str(directory / "tokenizer.json"))
+        tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        ids = tok.encode(TOKENIZER_TEXT, add_special_tokens=False).ids
+        record = {"text": TOKENIZER_TEXT, "ids": ids,
+                  "decoded": tok.decode(ids, skip_special_tokens=False),
+                  "vocab": tok.get_vocab_size(True)}
+        (directory / "encoded.json").write_text(json.dumps(record, ensure_ascii=False) + "\n")
+        print(f"tokenizer {name}: vocabulary {record['vocab']}, {len(ids)} ids")
 
 
 def main():
@@ -76,6 +124,8 @@ def main():
             directory, torch_dtype=torch.float32, attn_implementation="eager")
         write_logits(directory, logits(model, ids))
         print(f"{name}: saved with its logits")
+
+    tokenizer_references()
 
 
 if __name__ == "__main__":

@@ -278,6 +278,11 @@ pub struct DataConfig {
     /// GPT: evaluate on these token shards (a glob).
     #[serde(default)]
     pub val_files: Option<String>,
+    /// The Hugging Face tokenizer.json the shards were written with (`meshtrain tokenize
+    /// --tokenizer`): what the training log's samples and `generate` decode with. Not needed
+    /// for GPT-2 or cl100k shards (their vocabulary size names them).
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

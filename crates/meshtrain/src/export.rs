@@ -25,29 +25,33 @@ pub struct ExportArgs {
 /// The whole checkpoint file `path` names: the file itself, or a run directory's
 /// `checkpoint.safetensors`; a sharded checkpoint is an error that says how to join it.
 pub fn whole_checkpoint(path: &Path) -> Result<PathBuf> {
-    if meshtrain_train::sharded::is_sharded(path) {
-        bail!(
-            "{} is a sharded checkpoint: join it first with `meshtrain checkpoint consolidate {} \
-             checkpoint.safetensors`",
-            path.display(),
-            path.display()
-        );
+    let sharded = |dir: &Path| -> anyhow::Error {
+        anyhow::anyhow!(
+            "{} is a sharded checkpoint: join it first with `meshtrain checkpoint consolidate \
+             {} checkpoint.safetensors`",
+            dir.display(),
+            dir.display()
+        )
+    };
+    if path.file_name().is_some_and(|n| n == "index.json") {
+        return Err(sharded(path.parent().unwrap_or(Path::new("."))));
     }
-    if path.is_dir() {
-        let file = path.join("checkpoint.safetensors");
-        if file.is_file() {
-            return Ok(file);
-        }
-        let sharded = path.join("checkpoint");
-        if meshtrain_train::sharded::is_sharded(&sharded) {
-            return whole_checkpoint(&sharded);
-        }
-        bail!(
-            "{} is a directory without a checkpoint.safetensors",
-            path.display()
-        );
+    if !path.is_dir() {
+        return Ok(path.to_path_buf());
     }
-    Ok(path.to_path_buf())
+    let file = path.join("checkpoint.safetensors");
+    if file.is_file() {
+        return Ok(file);
+    }
+    for dir in [path.to_path_buf(), path.join("checkpoint")] {
+        if dir.join("index.json").is_file() {
+            return Err(sharded(&dir));
+        }
+    }
+    bail!(
+        "{} is a directory without a checkpoint (checkpoint.safetensors)",
+        path.display()
+    )
 }
 
 /// The run config a checkpoint stores (what rebuilds its model).
@@ -92,4 +96,36 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         args.out.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_is_found_in_a_run_directory_and_a_sharded_one_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = format!("{:#}", whole_checkpoint(dir.path()).unwrap_err());
+        assert!(err.contains("without a checkpoint"), "{err}");
+        let file = dir.path().join("checkpoint.safetensors");
+        std::fs::write(&file, b"x").unwrap();
+        assert_eq!(whole_checkpoint(dir.path()).unwrap(), file);
+        assert_eq!(whole_checkpoint(&file).unwrap(), file);
+        std::fs::remove_file(&file).unwrap();
+        let shards = dir.path().join("checkpoint");
+        std::fs::create_dir(&shards).unwrap();
+        std::fs::write(shards.join("index.json"), b"{}").unwrap();
+        for given in [
+            dir.path().to_path_buf(),
+            shards.clone(),
+            shards.join("index.json"),
+        ] {
+            let err = format!("{:#}", whole_checkpoint(&given).unwrap_err());
+            assert!(
+                err.contains("sharded checkpoint") && err.contains("consolidate"),
+                "{}: {err}",
+                given.display()
+            );
+        }
+    }
 }

@@ -15,7 +15,7 @@
 use crate::config::{Config, ModelConfig};
 use crate::decode::Decoder;
 use crate::presets::build_model;
-use crate::tokenize::{encoding, encoding_of_vocab, Encoding};
+use crate::tokenize::{encoding, encoding_of_vocab, Encoding, HfTokenizer};
 use anyhow::{bail, ensure, Context, Result};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
 use meshtrain_nn::{Mode, Model, ParamStore};
@@ -55,6 +55,9 @@ pub struct GenerateArgs {
     /// data was).
     #[arg(long, value_parser = ["bytes", "gpt2", "cl100k"])]
     pub encoding: Option<String>,
+    /// A Hugging Face tokenizer.json to decode with (default: the run's data.tokenizer).
+    #[arg(long, conflicts_with = "encoding")]
+    pub tokenizer: Option<PathBuf>,
     /// Run the whole window's forward for every token instead of the key/value cache (the
     /// path before the cache: to measure the cache's speed-up).
     #[arg(long)]
@@ -66,6 +69,9 @@ pub enum Tokenizer {
     Bytes,
     /// A BPE: generation never draws its special tokens but the end of text, and stops there.
     Bpe(Box<Encoding>),
+    /// A Hugging Face tokenizer.json: likewise, its special tokens are never drawn but the
+    /// end of text, if it has one.
+    Hf(Box<HfTokenizer>),
 }
 
 impl Tokenizer {
@@ -76,8 +82,11 @@ impl Tokenizer {
         })
     }
 
-    /// What a run trained on: its token shards' vocabulary, or bytes.
+    /// What a run trained on: its `data.tokenizer`, its token shards' vocabulary, or bytes.
     pub fn of_run(cfg: &Config) -> Result<Tokenizer> {
+        if let Some(path) = &cfg.data.tokenizer {
+            return Ok(Tokenizer::Hf(Box::new(HfTokenizer::open(path)?)));
+        }
         let Some(pattern) = &cfg.data.train_files else {
             return Ok(Tokenizer::Bytes);
         };
@@ -88,7 +97,7 @@ impl Tokenizer {
             Some(name) => Tokenizer::named(name),
             None => bail!(
                 "the run's shards record a vocabulary of {vocab}, not GPT-2's or cl100k's: give \
-                 --encoding"
+                 the tokenizer.json they were written with (data.tokenizer, or --tokenizer)"
             ),
         }
     }
@@ -106,6 +115,17 @@ impl Tokenizer {
                 }
                 c
             }
+            Tokenizer::Hf(hf) => {
+                let mut c = logits[..hf.vocab.min(logits.len())].to_vec();
+                for &id in &hf.special {
+                    if Some(id) != hf.end_of_text {
+                        if let Some(v) = c.get_mut(id as usize) {
+                            *v = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                c
+            }
         }
     }
 
@@ -113,6 +133,7 @@ impl Tokenizer {
     fn token(&self, candidate: usize) -> Option<u32> {
         match self {
             Tokenizer::Bpe(enc) if candidate >= enc.ordinary => None,
+            Tokenizer::Hf(hf) if Some(candidate as u32) == hf.end_of_text => None,
             _ => Some(candidate as u32),
         }
     }
@@ -123,14 +144,19 @@ impl Tokenizer {
         match self {
             Tokenizer::Bytes => vec![u32::from(b'\n')],
             Tokenizer::Bpe(enc) => vec![enc.end_of_text],
+            Tokenizer::Hf(hf) => match hf.end_of_text {
+                Some(eot) => vec![eot],
+                None => hf.encode("\n").unwrap_or_default(),
+            },
         }
     }
 
-    pub fn encode(&self, text: &str) -> Vec<u32> {
-        match self {
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(match self {
             Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
             Tokenizer::Bpe(enc) => enc.bpe.encode_ordinary(text),
-        }
+            Tokenizer::Hf(hf) => hf.encode(text)?,
+        })
     }
 
     fn bytes(&self, token: u32) -> Vec<u8> {
@@ -141,6 +167,7 @@ impl Tokenizer {
                 ._decode_native_and_split(vec![token])
                 .next()
                 .unwrap_or_default(),
+            Tokenizer::Hf(hf) => hf.token_bytes(token),
         }
     }
 }
@@ -305,10 +332,13 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
     let tokenizer = match &args.encoding {
         Some(name) => Tokenizer::named(name)?,
-        None => Tokenizer::of_run(&cfg)?,
+        None => match &args.tokenizer {
+            Some(path) => Tokenizer::Hf(Box::new(HfTokenizer::open(path)?)),
+            None => Tokenizer::of_run(&cfg)?,
+        },
     };
     let (model, mut store) = load_weights(&checkpoint, &cfg)?;
-    let prompt = tokenizer.encode(&args.prompt);
+    let prompt = tokenizer.encode(&args.prompt)?;
     ensure!(!prompt.is_empty(), "the prompt is empty");
     if let Some(&t) = prompt.iter().find(|&&t| t as usize >= lm.vocab) {
         bail!(

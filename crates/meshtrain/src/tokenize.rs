@@ -6,6 +6,11 @@
 //! cut into pieces after lone newlines between printable characters — where the BPE's
 //! pre-tokenising regex splits alike in a piece and in the whole — and the pieces are encoded
 //! in parallel, so the tokens are exactly those of encoding the whole file at once (tested).
+//!
+//! A user's own vocabulary comes as a Hugging Face `tokenizer.json` (`--tokenizer FILE`, read
+//! by the `tokenizers` crate: byte-level BPE as GPT-2 and Llama 3, or SentencePiece-style BPE
+//! with byte fallback as Llama 2). Each file is encoded whole: a SentencePiece normaliser
+//! marks the start of its input, so pieces would not encode as the whole.
 
 use anyhow::{bail, ensure, Context, Result};
 use meshtrain_data::write_shard;
@@ -26,6 +31,10 @@ pub struct TokenizeArgs {
     /// gpt2 (50,257 tokens, llm.c's u16 shards) or cl100k (100,277, u32 shards).
     #[arg(long, default_value = "gpt2", value_parser = ["gpt2", "cl100k"])]
     pub encoding: String,
+    /// A Hugging Face tokenizer.json to encode with instead (your model's own vocabulary);
+    /// train with data.tokenizer set to it, so that samples and generate decode with it.
+    #[arg(long, conflicts_with = "encoding")]
+    pub tokenizer: Option<PathBuf>,
     /// The share of the tokens, taken from the end, that goes to validation shards.
     #[arg(long, default_value_t = 0.1)]
     pub val_fraction: f64,
@@ -79,6 +88,110 @@ pub fn encoding_of_vocab(vocab: usize) -> Option<&'static str> {
         .map(|(n, ..)| *n)
 }
 
+/// A Hugging Face `tokenizer.json`, read with the `tokenizers` crate.
+pub struct HfTokenizer {
+    pub inner: tokenizers::Tokenizer,
+    /// The token that separates documents, if the vocabulary has one of the usual names.
+    pub end_of_text: Option<u32>,
+    /// Every id, added tokens included: what the shards record.
+    pub vocab: usize,
+    /// The special (control) tokens: never drawn but the end of text, never printed. Byte
+    /// fallback tokens (`<0xNN>`) are text, even where a vocabulary marks them special.
+    pub special: Vec<u32>,
+    /// Tokens are strings of GPT-2's byte-to-character alphabet (a `ByteLevel` decoder),
+    /// rather than text with `▁` for spaces and `<0xNN>` byte-fallback tokens.
+    byte_level: bool,
+}
+
+/// Names of the end-of-text token in the common vocabularies (GPT-2, Llama 2, Llama 3, Gemma).
+const END_OF_TEXT_NAMES: [&str; 5] = [
+    "<|endoftext|>",
+    "</s>",
+    "<|end_of_text|>",
+    "<eos>",
+    "<|im_end|>",
+];
+
+impl HfTokenizer {
+    pub fn open(path: &std::path::Path) -> Result<HfTokenizer> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| anyhow::anyhow!("cannot read tokenizer {}: {e}", path.display()))?;
+        let decoder = inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_string(d).ok())
+            .unwrap_or_default();
+        let end_of_text = END_OF_TEXT_NAMES.iter().find_map(|n| inner.token_to_id(n));
+        let mut special: Vec<u32> = (inner.get_added_tokens_decoder().iter())
+            .filter(|(_, t)| t.special && !is_byte_token(&t.content))
+            .map(|(&id, _)| id)
+            .collect();
+        special.sort_unstable();
+        Ok(HfTokenizer {
+            vocab: inner.get_vocab_size(true),
+            special,
+            byte_level: decoder.contains("\"ByteLevel\""),
+            end_of_text,
+            inner,
+        })
+    }
+
+    /// The tokens of `text`, without the special tokens a template would add.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The bytes `id` stands for in running text, so that a stream of tokens prints as the
+    /// text it encodes (a character's bytes may come in several tokens).
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(piece) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        if let Some(byte) = byte_token(&piece) {
+            return vec![byte];
+        }
+        if self.byte_level {
+            let alphabet = byte_level_alphabet();
+            return piece
+                .chars()
+                .filter_map(|c| alphabet.iter().position(|&a| a == c).map(|b| b as u8))
+                .collect();
+        }
+        piece.replace('\u{2581}', " ").into_bytes()
+    }
+}
+
+/// A SentencePiece byte-fallback token, `<0xNN>`.
+fn byte_token(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
+}
+
+fn is_byte_token(piece: &str) -> bool {
+    byte_token(piece).is_some()
+}
+
+/// GPT-2's byte-level alphabet: the character byte `b` is written as (`bytes_to_unicode`).
+/// Printable Latin-1 bytes stand for themselves; the others are mapped to 256 + k in order.
+fn byte_level_alphabet() -> [char; 256] {
+    let mut out = ['\0'; 256];
+    let mut next = 256u32;
+    for (b, slot) in out.iter_mut().enumerate() {
+        let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+        *slot = if printable {
+            char::from(b as u8)
+        } else {
+            let c = char::from_u32(next).expect("a valid code point");
+            next += 1;
+            c
+        };
+    }
+    out
+}
+
 /// Pieces of `text` of about `target` bytes, cut after a lone newline between two printable
 /// characters, where both BPEs' pre-tokenisers split the same way in a piece and in the
 /// whole text (the newline is one pre-token, or ends one, and never joins what follows).
@@ -106,6 +219,9 @@ pub fn pieces(text: &str, target: usize) -> Vec<&str> {
     out
 }
 
+/// Text to tokens, with the encoder a run chose.
+type TextEncoder = Box<dyn Fn(&str) -> Result<Vec<u32>>>;
+
 /// `text` as tokens, encoded in parallel pieces.
 fn encode(enc: &Encoding, text: &str) -> Vec<u32> {
     let parts: Vec<Vec<u32>> = pieces(text, 1 << 20)
@@ -122,7 +238,30 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         args.val_fraction
     );
     ensure!(args.shard_tokens > 0, "--shard-tokens must be at least 1");
-    let enc = encoding(&args.encoding)?;
+    let (name, vocab, separator, encode_text): (String, usize, Option<u32>, TextEncoder) =
+        match &args.tokenizer {
+            Some(path) => {
+                let hf = HfTokenizer::open(path)?;
+                let name = format!("tokenizer {}", path.display());
+                (
+                    name,
+                    hf.vocab,
+                    hf.end_of_text,
+                    Box::new(move |t| hf.encode(t)),
+                )
+            }
+            None => {
+                let enc = encoding(&args.encoding)?;
+                let name = format!("{} BPE", args.encoding);
+                let (vocab, eot) = (enc.vocab, enc.end_of_text);
+                (
+                    name,
+                    vocab,
+                    Some(eot),
+                    Box::new(move |t| Ok(encode(&enc, t))),
+                )
+            }
+        };
     let started = Instant::now();
     let mut tokens = Vec::new();
     let mut bytes = 0usize;
@@ -130,8 +269,8 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         let raw = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
         bytes += raw.len();
         let text = String::from_utf8_lossy(&raw);
-        tokens.push(enc.end_of_text);
-        tokens.extend(encode(&enc, &text));
+        tokens.extend(separator);
+        tokens.extend(encode_text(&text).with_context(|| format!("encoding {}", path.display()))?);
     }
     let seconds = started.elapsed().as_secs_f64();
     let val = (tokens.len() as f64 * args.val_fraction) as usize;
@@ -142,18 +281,18 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
     for (split, part) in [("train", train), ("val", validation)] {
         for (k, shard) in part.chunks(args.shard_tokens).enumerate() {
             let path = args.out.join(format!("{split}_{k:06}.bin"));
-            write_shard(&path, shard, enc.vocab)?;
+            write_shard(&path, shard, vocab)?;
             written.push(path);
         }
     }
     println!(
-        "{} tokens from {:.1} MB of text in {seconds:.2} s ({:.1} MB/s, {:.2} M tokens/s; {} \
-         BPE, {} tokens per byte)",
+        "{} tokens from {:.1} MB of text in {seconds:.2} s ({:.1} MB/s, {:.2} M tokens/s; {}, \
+         {} tokens per byte)",
         tokens.len(),
         bytes as f64 / 1e6,
         bytes as f64 / 1e6 / seconds.max(1e-9),
         tokens.len() as f64 / 1e6 / seconds.max(1e-9),
-        args.encoding,
+        name,
         format_args!("{:.3}", tokens.len() as f64 / bytes.max(1) as f64)
     );
     println!(
@@ -166,11 +305,15 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let decode_with = match &args.tokenizer {
+        Some(path) => format!(" --set 'data.tokenizer=\"{}\"'", path.display()),
+        None => String::new(),
+    };
     println!(
         "train with: --set 'data.train_files=\"{0}/train_*.bin\"' --set \
-         'data.val_files=\"{0}/val_*.bin\"' --set model.vocab={1}",
+         'data.val_files=\"{0}/val_*.bin\"' --set model.vocab={1}{decode_with}",
         args.out.display(),
-        enc.vocab
+        vocab
     );
     Ok(())
 }
