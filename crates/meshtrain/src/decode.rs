@@ -139,15 +139,14 @@ struct Lookup<'a> {
 
 impl Lookup<'_> {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let Some(i) = self.model.param_index(name) else {
+        // A tied copy (the head tied to the token embedding) reads its primary: copies are
+        // kept equal to it, but the primary is the one a checkpoint stores.
+        let Some((entry, values)) = self.model.stored_param(self.values, name) else {
             bail!(
                 "the parameters hold no tensor '{name}', which a {} of this config needs",
                 self.kind
             );
         };
-        // A tied copy (the head tied to the token embedding) reads its primary: copies are
-        // kept equal to it, but the primary is the one a checkpoint stores.
-        let entry = &self.model.params()[self.model.tied_primary(i).unwrap_or(i)];
         ensure!(
             entry.shape == shape,
             "tensor '{name}' is {:?}, but a {} of this config needs {shape:?} (a model split \
@@ -155,7 +154,7 @@ impl Lookup<'_> {
             entry.shape,
             self.kind
         );
-        Ok(self.values[entry.range.clone()].to_vec())
+        Ok(values.to_vec())
     }
 
     fn linear(
@@ -418,14 +417,14 @@ impl Decoder {
         for layer in &mut self.layers {
             let h = layer.attn_norm.apply(&x, d);
             let qkv = layer.qkv.apply(&h);
-            // [Q | K | V] rows of `heads` heads each, Q read from `q` with stride `q_stride`.
-            let (q, q_stride) = match &rotary {
+            // [Q | K | V] rows of `heads` heads each.
+            let qkv = match &rotary {
                 None => {
                     for row in qkv.chunks(3 * d) {
                         layer.keys.extend_from_slice(&row[d..2 * d]);
                         layer.values.extend_from_slice(&row[2 * d..]);
                     }
-                    (qkv, 3 * d)
+                    qkv
                 }
                 Some((cos, sin)) => {
                     let rs = RotaryShape {
@@ -447,10 +446,10 @@ impl Decoder {
                                 .extend_from_slice(&row[2 * d + j * g * hd..][..hd]);
                         }
                     }
-                    (expanded, 3 * d)
+                    expanded
                 }
             };
-            let out = attend(shape, &q, q_stride, &layer.keys, &layer.values, start);
+            let out = attend(shape, &qkv, &layer.keys, &layer.values, start);
             let y = layer.proj.apply(&out);
             x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
             let h = layer.mlp_norm.apply(&x, d);
@@ -477,22 +476,16 @@ struct Shape {
 }
 
 /// Causal attention of the new rows' queries over the cache: row `i` (position
-/// `start + i`) meets the keys of positions `0..=start + i`. `q` holds the rows' queries
-/// (`heads · head_dim` values at the start of each `q_stride`-wide row); `keys`/`values`
+/// `start + i`) meets the keys of positions `0..=start + i`. `qkv` holds the rows' `[Q | K |
+/// V]` (the queries are the first `heads · head_dim` values of each row); `keys`/`values`
 /// `[positions, kv_heads · head_dim]`, query head `h` reading key/value head
 /// `h / (heads / kv_heads)`. Softmax with the maximum subtracted, the weighted sums in f64.
 /// A long prefill's rows in parallel (they are independent).
-fn attend(
-    s: Shape,
-    q: &[f32],
-    q_stride: usize,
-    keys: &[f32],
-    values: &[f32],
-    start: usize,
-) -> Vec<f32> {
+fn attend(s: Shape, qkv: &[f32], keys: &[f32], values: &[f32], start: usize) -> Vec<f32> {
     let (hd, h) = (s.head_dim, s.heads);
     let (d, kv_width, group) = (h * hd, s.kv_heads * hd, h / s.kv_heads);
-    let rows = q.len() / q_stride;
+    let stride = 3 * d;
+    let rows = qkv.len() / stride;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0f32; rows * d];
     let row = |(i, out_row): (usize, &mut [f32])| {
@@ -500,7 +493,7 @@ fn attend(
         let mut scores = vec![0.0f32; len];
         let mut acc = vec![0.0f64; hd];
         for head in 0..h {
-            let qh = &q[i * q_stride + head * hd..][..hd];
+            let qh = &qkv[i * stride + head * hd..][..hd];
             let kv = (head / group) * hd;
             let mut max = f32::NEG_INFINITY;
             for (j, s) in scores.iter_mut().enumerate() {

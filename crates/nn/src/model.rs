@@ -335,6 +335,18 @@ impl Model {
         self.params.iter().position(|e| e.name == name)
     }
 
+    /// The parameter called `name` as stored (a tied copy's primary: the one a checkpoint
+    /// holds) and its values in the whole model's flat `values`.
+    pub fn stored_param<'v>(
+        &self,
+        values: &'v [f32],
+        name: &str,
+    ) -> Option<(&ParamEntry, &'v [f32])> {
+        let i = self.param_index(name)?;
+        let entry = &self.params[self.tied_primary(i).unwrap_or(i)];
+        Some((entry, &values[entry.range.clone()]))
+    }
+
     /// Parameters counting each tied group once (what PyTorch's `numel` sum reports).
     pub fn num_unique_params(&self) -> usize {
         let copies: usize = self

@@ -24,7 +24,7 @@ use meshtrain_nn::{Layer, Model, ParamStore};
 use meshtrain_tensor::activation::Activation;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// Which `transformers` model class.
@@ -361,12 +361,6 @@ impl Architecture {
     }
 }
 
-/// A tensor in Hugging Face's naming and layout: (name, shape, values).
-type HfTensor = (String, Vec<usize>, Vec<f32>);
-
-/// Reads one Hugging Face tensor by name, checking it has the shape given.
-type ReadTensor<'a> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>> + 'a;
-
 /// `[rows, cols]` → `[cols, rows]`.
 fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0; values.len()];
@@ -378,243 +372,229 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// The rows of the grouped q/k/v weight (`[(H + 2·H_kv)·hd, dim]`) as (q, k, v) row ranges:
-/// for key/value group `j`, its query heads, then key head `j`, then value head `j`.
-fn grouped_rows(arch: &Architecture) -> Vec<(std::ops::Range<usize>, char, usize)> {
-    let (hd, g) = (arch.head_dim(), arch.heads / arch.kv_heads);
-    let mut rows = Vec::new();
-    for j in 0..arch.kv_heads {
-        let base = j * (g + 2) * hd;
-        for m in 0..g {
-            rows.push((base + m * hd..base + (m + 1) * hd, 'q', j * g + m));
-        }
-        rows.push((base + g * hd..base + (g + 1) * hd, 'k', j));
-        rows.push((base + (g + 1) * hd..base + (g + 2) * hd, 'v', j));
-    }
-    rows
+/// Where a Hugging Face tensor's values sit in ours.
+enum Place {
+    /// The same values, in the same order.
+    Whole,
+    /// Its `[in, out]` (GPT-2's `Conv1D`) is our `[out, in]`.
+    Transposed,
+    /// Runs of its rows (`width` values each) among ours: (its first row, our first row,
+    /// rows). Splits of a fused tensor (q/k/v, gate/up), and a GPT's position table cut to
+    /// the model's context.
+    Rows {
+        width: usize,
+        runs: Vec<(usize, usize, usize)>,
+    },
 }
 
-/// Our tensors (by our names) → Hugging Face's.
-fn to_hf(arch: &Architecture, ours: &dyn Fn(&str) -> Vec<f32>) -> Vec<HfTensor> {
+/// One Hugging Face tensor (name, shape) and where it goes in ours (name, place). One table
+/// of these serves export, import and the pre-run check, so the three cannot disagree.
+struct Piece {
+    hf: String,
+    shape: Vec<usize>,
+    ours: String,
+    place: Place,
+}
+
+fn piece(hf: String, shape: &[usize], ours: String, place: Place) -> Piece {
+    Piece {
+        hf,
+        shape: shape.to_vec(),
+        ours,
+        place,
+    }
+}
+
+/// The tensors of a `transformers` model of architecture `arch` and where each goes in a
+/// meshtrain model whose context is `seq` (a GPT takes the first `seq` rows of the position
+/// table). A tied head's `head.weight` comes from the embedding: the same Hugging Face
+/// tensor appears twice, and only an untied one has `lm_head.weight`.
+fn pieces(arch: &Architecture, seq: usize) -> Vec<Piece> {
     let (d, f, v) = (arch.dim, arch.ffn, arch.vocab);
-    let mut out: Vec<HfTensor> = Vec::new();
-    let mut put = |name: String, shape: &[usize], values: Vec<f32>| {
-        out.push((name, shape.to_vec(), values));
+    let mut out = Vec::new();
+    let embedding = match arch.family {
+        Family::Gpt2 => "transformer.wte.weight",
+        Family::Llama => "model.embed_tokens.weight",
     };
+    out.push(piece(
+        embedding.into(),
+        &[v, d],
+        "tok.weight".into(),
+        Place::Whole,
+    ));
     match arch.family {
         Family::Gpt2 => {
-            put("transformer.wte.weight".into(), &[v, d], ours("tok.weight"));
-            put(
+            let positions = Place::Rows {
+                width: d,
+                runs: vec![(0, 0, seq)],
+            };
+            out.push(piece(
                 "transformer.wpe.weight".into(),
                 &[arch.seq, d],
-                ours("pos.weight"),
-            );
+                "pos.weight".into(),
+                positions,
+            ));
             for i in 0..arch.layers {
                 let (b, h) = (format!("blocks.{i}"), format!("transformer.h.{i}"));
                 for (o, t) in [("ln1", "ln_1"), ("ln2", "ln_2")] {
                     for p in ["weight", "bias"] {
-                        put(format!("{h}.{t}.{p}"), &[d], ours(&format!("{b}.{o}.{p}")));
+                        let (theirs, ours) = (format!("{h}.{t}.{p}"), format!("{b}.{o}.{p}"));
+                        out.push(piece(theirs, &[d], ours, Place::Whole));
                     }
                 }
-                // Conv1D: weights [in, out].
                 for (o, t, inputs, outputs) in [
                     ("qkv", "attn.c_attn", d, 3 * d),
                     ("proj", "attn.c_proj", d, d),
                     ("fc1", "mlp.c_fc", d, f),
                     ("fc2", "mlp.c_proj", f, d),
                 ] {
-                    let w = ours(&format!("{b}.{o}.weight"));
-                    put(
-                        format!("{h}.{t}.weight"),
+                    let (theirs, ours) = (format!("{h}.{t}"), format!("{b}.{o}"));
+                    out.push(piece(
+                        format!("{theirs}.weight"),
                         &[inputs, outputs],
-                        transpose(&w, outputs, inputs),
-                    );
-                    put(
-                        format!("{h}.{t}.bias"),
+                        format!("{ours}.weight"),
+                        Place::Transposed,
+                    ));
+                    out.push(piece(
+                        format!("{theirs}.bias"),
                         &[outputs],
-                        ours(&format!("{b}.{o}.bias")),
-                    );
+                        format!("{ours}.bias"),
+                        Place::Whole,
+                    ));
                 }
             }
-            put("transformer.ln_f.weight".into(), &[d], ours("ln_f.weight"));
-            put("transformer.ln_f.bias".into(), &[d], ours("ln_f.bias"));
+            for p in ["weight", "bias"] {
+                out.push(piece(
+                    format!("transformer.ln_f.{p}"),
+                    &[d],
+                    format!("ln_f.{p}"),
+                    Place::Whole,
+                ));
+            }
         }
         Family::Llama => {
-            let hd = arch.head_dim();
-            put(
-                "model.embed_tokens.weight".into(),
-                &[v, d],
-                ours("tok.weight"),
-            );
+            let (hd, g) = (arch.head_dim(), arch.heads / arch.kv_heads);
+            // The grouped q/k/v rows (see `meshtrain_tensor::rotary`): for key/value group
+            // `j`, its query heads, then key head `j`, then value head `j`.
+            let group_row = |j: usize| j * (g + 2) * hd;
+            let q_runs: Vec<_> = (0..arch.heads)
+                .map(|head| (head * hd, group_row(head / g) + (head % g) * hd, hd))
+                .collect();
+            let kv_runs = |offset: usize| -> Vec<(usize, usize, usize)> {
+                (0..arch.kv_heads)
+                    .map(|j| (j * hd, group_row(j) + offset * hd, hd))
+                    .collect()
+            };
             for i in 0..arch.layers {
                 let (b, h) = (format!("blocks.{i}"), format!("model.layers.{i}"));
-                put(
-                    format!("{h}.input_layernorm.weight"),
-                    &[d],
-                    ours(&format!("{b}.attn_norm.weight")),
-                );
-                put(
-                    format!("{h}.post_attention_layernorm.weight"),
-                    &[d],
-                    ours(&format!("{b}.mlp_norm.weight")),
-                );
-                let qkv = ours(&format!("{b}.qkv.weight"));
-                let mut q = vec![0.0; arch.heads * hd * d];
-                let mut k = vec![0.0; arch.kv_heads * hd * d];
-                let mut vv = vec![0.0; arch.kv_heads * hd * d];
-                for (rows, which, head) in grouped_rows(arch) {
-                    let dst = match which {
-                        'q' => &mut q,
-                        'k' => &mut k,
-                        _ => &mut vv,
-                    };
-                    dst[head * hd * d..][..hd * d]
-                        .copy_from_slice(&qkv[rows.start * d..rows.end * d]);
+                let qkv = format!("{b}.qkv.weight");
+                for (t, rows, runs) in [
+                    ("q_proj", arch.heads, q_runs.clone()),
+                    ("k_proj", arch.kv_heads, kv_runs(g)),
+                    ("v_proj", arch.kv_heads, kv_runs(g + 1)),
+                ] {
+                    out.push(piece(
+                        format!("{h}.self_attn.{t}.weight"),
+                        &[rows * hd, d],
+                        qkv.clone(),
+                        Place::Rows { width: d, runs },
+                    ));
                 }
-                put(
-                    format!("{h}.self_attn.q_proj.weight"),
-                    &[arch.heads * hd, d],
-                    q,
-                );
-                put(
-                    format!("{h}.self_attn.k_proj.weight"),
-                    &[arch.kv_heads * hd, d],
-                    k,
-                );
-                put(
-                    format!("{h}.self_attn.v_proj.weight"),
-                    &[arch.kv_heads * hd, d],
-                    vv,
-                );
-                put(
-                    format!("{h}.self_attn.o_proj.weight"),
-                    &[d, d],
-                    ours(&format!("{b}.proj.weight")),
-                );
-                let gate_up = ours(&format!("{b}.gate_up.weight"));
-                let (gate, up) = gate_up.split_at(f * d);
-                put(format!("{h}.mlp.gate_proj.weight"), &[f, d], gate.to_vec());
-                put(format!("{h}.mlp.up_proj.weight"), &[f, d], up.to_vec());
-                put(
-                    format!("{h}.mlp.down_proj.weight"),
-                    &[d, f],
-                    ours(&format!("{b}.down.weight")),
-                );
+                let gate_up = format!("{b}.gate_up.weight");
+                for (t, first) in [("gate_proj", 0), ("up_proj", f)] {
+                    out.push(piece(
+                        format!("{h}.mlp.{t}.weight"),
+                        &[f, d],
+                        gate_up.clone(),
+                        Place::Rows {
+                            width: d,
+                            runs: vec![(0, first, f)],
+                        },
+                    ));
+                }
+                for (t, o, shape) in [
+                    ("input_layernorm", "attn_norm", vec![d]),
+                    ("post_attention_layernorm", "mlp_norm", vec![d]),
+                    ("self_attn.o_proj", "proj", vec![d, d]),
+                    ("mlp.down_proj", "down", vec![d, f]),
+                ] {
+                    out.push(piece(
+                        format!("{h}.{t}.weight"),
+                        &shape,
+                        format!("{b}.{o}.weight"),
+                        Place::Whole,
+                    ));
+                }
             }
-            put("model.norm.weight".into(), &[d], ours("norm.weight"));
+            out.push(piece(
+                "model.norm.weight".into(),
+                &[d],
+                "norm.weight".into(),
+                Place::Whole,
+            ));
         }
     }
-    if !arch.tied {
-        put("lm_head.weight".into(), &[v, d], ours("head.weight"));
-    }
+    let head = if arch.tied {
+        embedding
+    } else {
+        "lm_head.weight"
+    };
+    out.push(piece(
+        head.into(),
+        &[v, d],
+        "head.weight".into(),
+        Place::Whole,
+    ));
     out
 }
 
-/// Hugging Face's tensors (read by name, with the shape expected) → ours, by our names.
-/// `seq` is the model's context: a GPT takes the first `seq` rows of the position table.
-fn from_hf(
-    arch: &Architecture,
-    seq: usize,
-    hf: &mut ReadTensor<'_>,
-) -> Result<BTreeMap<String, Vec<f32>>> {
-    let (d, f, v) = (arch.dim, arch.ffn, arch.vocab);
-    let mut out = BTreeMap::new();
-    match arch.family {
-        Family::Gpt2 => {
-            out.insert("tok.weight".into(), hf("transformer.wte.weight", &[v, d])?);
-            let pos = hf("transformer.wpe.weight", &[arch.seq, d])?;
-            out.insert("pos.weight".into(), pos[..seq * d].to_vec());
-            for i in 0..arch.layers {
-                let (b, h) = (format!("blocks.{i}"), format!("transformer.h.{i}"));
-                for (o, t) in [("ln1", "ln_1"), ("ln2", "ln_2")] {
-                    for p in ["weight", "bias"] {
-                        out.insert(format!("{b}.{o}.{p}"), hf(&format!("{h}.{t}.{p}"), &[d])?);
-                    }
+impl Piece {
+    /// This tensor in Hugging Face's layout, taken from our tensor `ours`.
+    fn take(&self, ours: &[f32]) -> Vec<f32> {
+        match &self.place {
+            Place::Whole => ours.to_vec(),
+            Place::Transposed => transpose(ours, self.shape[1], self.shape[0]),
+            Place::Rows { width, runs } => {
+                let mut out = vec![0.0; self.shape.iter().product()];
+                for &(theirs, mine, rows) in runs {
+                    out[theirs * width..][..rows * width]
+                        .copy_from_slice(&ours[mine * width..][..rows * width]);
                 }
-                for (o, t, inputs, outputs) in [
-                    ("qkv", "attn.c_attn", d, 3 * d),
-                    ("proj", "attn.c_proj", d, d),
-                    ("fc1", "mlp.c_fc", d, f),
-                    ("fc2", "mlp.c_proj", f, d),
-                ] {
-                    let w = hf(&format!("{h}.{t}.weight"), &[inputs, outputs])?;
-                    out.insert(format!("{b}.{o}.weight"), transpose(&w, inputs, outputs));
-                    out.insert(
-                        format!("{b}.{o}.bias"),
-                        hf(&format!("{h}.{t}.bias"), &[outputs])?,
-                    );
-                }
+                out
             }
-            out.insert("ln_f.weight".into(), hf("transformer.ln_f.weight", &[d])?);
-            out.insert("ln_f.bias".into(), hf("transformer.ln_f.bias", &[d])?);
-            let head = if arch.tied {
-                out["tok.weight"].clone()
-            } else {
-                hf("lm_head.weight", &[v, d])?
-            };
-            out.insert("head.weight".into(), head);
-        }
-        Family::Llama => {
-            let hd = arch.head_dim();
-            out.insert(
-                "tok.weight".into(),
-                hf("model.embed_tokens.weight", &[v, d])?,
-            );
-            for i in 0..arch.layers {
-                let (b, h) = (format!("blocks.{i}"), format!("model.layers.{i}"));
-                out.insert(
-                    format!("{b}.attn_norm.weight"),
-                    hf(&format!("{h}.input_layernorm.weight"), &[d])?,
-                );
-                out.insert(
-                    format!("{b}.mlp_norm.weight"),
-                    hf(&format!("{h}.post_attention_layernorm.weight"), &[d])?,
-                );
-                let q = hf(
-                    &format!("{h}.self_attn.q_proj.weight"),
-                    &[arch.heads * hd, d],
-                )?;
-                let k = hf(
-                    &format!("{h}.self_attn.k_proj.weight"),
-                    &[arch.kv_heads * hd, d],
-                )?;
-                let vv = hf(
-                    &format!("{h}.self_attn.v_proj.weight"),
-                    &[arch.kv_heads * hd, d],
-                )?;
-                let mut qkv = vec![0.0; (arch.heads + 2 * arch.kv_heads) * hd * d];
-                for (rows, which, head) in grouped_rows(arch) {
-                    let src = match which {
-                        'q' => &q,
-                        'k' => &k,
-                        _ => &vv,
-                    };
-                    qkv[rows.start * d..rows.end * d]
-                        .copy_from_slice(&src[head * hd * d..][..hd * d]);
-                }
-                out.insert(format!("{b}.qkv.weight"), qkv);
-                out.insert(
-                    format!("{b}.proj.weight"),
-                    hf(&format!("{h}.self_attn.o_proj.weight"), &[d, d])?,
-                );
-                let mut gate_up = hf(&format!("{h}.mlp.gate_proj.weight"), &[f, d])?;
-                gate_up.extend(hf(&format!("{h}.mlp.up_proj.weight"), &[f, d])?);
-                out.insert(format!("{b}.gate_up.weight"), gate_up);
-                out.insert(
-                    format!("{b}.down.weight"),
-                    hf(&format!("{h}.mlp.down_proj.weight"), &[d, f])?,
-                );
-            }
-            out.insert("norm.weight".into(), hf("model.norm.weight", &[d])?);
-            let head = if arch.tied {
-                out["tok.weight"].clone()
-            } else {
-                hf("lm_head.weight", &[v, d])?
-            };
-            out.insert("head.weight".into(), head);
         }
     }
-    Ok(out)
+
+    /// Puts this tensor's values `theirs` (Hugging Face's layout) into our tensor `ours`.
+    fn put(&self, theirs: &[f32], ours: &mut [f32]) -> Result<()> {
+        let fits = match &self.place {
+            Place::Whole | Place::Transposed => theirs.len() == ours.len(),
+            Place::Rows { width, runs } => runs.iter().all(|&(t, m, rows)| {
+                (t + rows) * width <= theirs.len() && (m + rows) * width <= ours.len()
+            }),
+        };
+        ensure!(
+            fits,
+            "'{}' ({} values) does not fit '{}' ({} values)",
+            self.hf,
+            theirs.len(),
+            self.ours,
+            ours.len()
+        );
+        match &self.place {
+            Place::Whole => ours.copy_from_slice(theirs),
+            Place::Transposed => {
+                ours.copy_from_slice(&transpose(theirs, self.shape[0], self.shape[1]))
+            }
+            Place::Rows { width, runs } => {
+                for &(t, m, rows) in runs {
+                    ours[m * width..][..rows * width]
+                        .copy_from_slice(&theirs[t * width..][..rows * width]);
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Writes `model` with parameters `values` (the whole model's flat store) as a `transformers`
@@ -623,14 +603,17 @@ fn from_hf(
 pub fn export(model: &Model, values: &[f32], dir: &Path) -> Result<Architecture> {
     let arch = Architecture::of(model)?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let ours = |name: &str| -> Vec<f32> {
-        let i = model
-            .param_index(name)
-            .unwrap_or_else(|| panic!("no tensor {name}"));
-        let i = model.tied_primary(i).unwrap_or(i);
-        values[model.params()[i].range.clone()].to_vec()
-    };
-    let tensors = to_hf(&arch, &ours);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for p in pieces(&arch, arch.seq) {
+        // A tied head's piece repeats the embedding's tensor: written once.
+        if tensors.iter().all(|(name, ..)| *name != p.hf) {
+            let (_, ours) = model
+                .stored_param(values, &p.ours)
+                .with_context(|| format!("the model has no tensor '{}'", p.ours))?;
+            let values = p.take(ours);
+            tensors.push((p.hf.clone(), p.shape.clone(), values));
+        }
+    }
     let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
         .iter()
         .map(|(name, shape, values)| {
@@ -761,8 +744,9 @@ impl Reader {
 }
 
 /// The architecture of a model directory, checked against `model`'s: the error names what
-/// differs and the `[model]` table that would match.
-fn matching_architecture(dir: &Path, model: &Model) -> Result<Architecture> {
+/// differs and the `[model]` table that would match. Returns it with the tensors it holds
+/// and where they go in `model`.
+fn matching_pieces(dir: &Path, model: &Model) -> Result<(Architecture, Vec<Piece>)> {
     let config_file = dir.join("config.json");
     let text = std::fs::read_to_string(&config_file)
         .with_context(|| format!("cannot read {}", config_file.display()))?;
@@ -777,29 +761,27 @@ fn matching_architecture(dir: &Path, model: &Model) -> Result<Architecture> {
             theirs.model_toml()
         );
     }
-    Ok(theirs)
+    let pieces = pieces(&theirs, ours.seq);
+    Ok((theirs, pieces))
 }
 
 /// Checks, without reading any weights, that the directory describes `model` and holds every
 /// tensor it needs with the right shape (for the one-line check before a run starts).
 pub fn check(dir: &Path, model: &Model) -> Result<()> {
-    let arch = matching_architecture(dir, model)?;
+    let (_, pieces) = matching_pieces(dir, model)?;
     let files = weight_files(dir)?;
     let mut headers: HashMap<PathBuf, HashMap<String, Value>> = HashMap::new();
-    let mut missing = None;
-    let seq = Architecture::of(model)?.seq;
-    from_hf(&arch, seq, &mut |name, shape| {
-        let Some(file) = files.get(name) else {
-            missing.get_or_insert_with(|| name.to_string());
-            return Ok(vec![0.0; shape.iter().product()]);
+    for p in &pieces {
+        let Some(file) = files.get(&p.hf) else {
+            bail!("{} lacks the tensor '{}'", dir.display(), p.hf);
         };
         if !headers.contains_key(file) {
             let h = crate::checkpoint::read_safetensors_header(file, "weights")?;
             headers.insert(file.clone(), h.entries);
         }
         let entry = headers[file]
-            .get(name)
-            .with_context(|| format!("{} has no tensor '{name}'", file.display()))?;
+            .get(&p.hf)
+            .with_context(|| format!("{} has no tensor '{}'", file.display(), p.hf))?;
         let got: Vec<usize> = entry["shape"]
             .as_array()
             .map(|a| {
@@ -809,14 +791,12 @@ pub fn check(dir: &Path, model: &Model) -> Result<()> {
             })
             .unwrap_or_default();
         ensure!(
-            got == shape,
-            "{}: tensor '{name}' has shape {got:?}, config.json's architecture needs {shape:?}",
-            file.display()
+            got == p.shape,
+            "{}: tensor '{}' has shape {got:?}, config.json's architecture needs {:?}",
+            file.display(),
+            p.hf,
+            p.shape
         );
-        Ok(vec![0.0; shape.iter().product()])
-    })?;
-    if let Some(name) = missing {
-        bail!("{} lacks the tensor '{name}'", dir.display());
     }
     Ok(())
 }
@@ -824,27 +804,32 @@ pub fn check(dir: &Path, model: &Model) -> Result<()> {
 /// Loads a model directory's weights into `store` (the whole model's), converted to our
 /// names and layouts. Returns a description of what was loaded.
 pub fn load(dir: &Path, model: &Model, store: &mut ParamStore) -> Result<String> {
-    let arch = matching_architecture(dir, model)?;
-    let seq = Architecture::of(model)?.seq;
+    let (arch, pieces) = matching_pieces(dir, model)?;
     let mut reader = Reader {
         files: weight_files(dir)?,
         mapped: HashMap::new(),
     };
-    let tensors = from_hf(&arch, seq, &mut |name, shape| reader.read(name, shape))?;
+    let mut filled = vec![false; model.params().len()];
+    for p in &pieces {
+        let i = model
+            .param_index(&p.ours)
+            .with_context(|| format!("'{}' maps to '{}', which the model lacks", p.hf, p.ours))?;
+        let theirs = reader.read(&p.hf, &p.shape)?;
+        p.put(&theirs, &mut store.values[model.params()[i].range.clone()])?;
+        filled[i] = true;
+    }
     for (i, entry) in model.params().iter().enumerate() {
         // A tied copy holds its primary's values.
-        let owner = &model.params()[model.tied_primary(i).unwrap_or(i)].name;
-        let values = tensors
-            .get(owner)
-            .with_context(|| format!("no Hugging Face tensor maps to '{owner}'"))?;
+        let primary = model.tied_primary(i).unwrap_or(i);
         ensure!(
-            values.len() == entry.range.len(),
-            "'{}': {} values for a tensor of {}",
-            entry.name,
-            values.len(),
-            entry.range.len()
+            filled[primary],
+            "no Hugging Face tensor maps to '{}'",
+            model.params()[primary].name
         );
-        store.values[entry.range.clone()].copy_from_slice(values);
+        if primary != i {
+            let from = store.values[model.params()[primary].range.clone()].to_vec();
+            store.values[entry.range.clone()].copy_from_slice(&from);
+        }
     }
     Ok(format!(
         "Hugging Face {} ({})",
