@@ -134,8 +134,7 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
         command_line: Some(std::env::args().collect()),
         after_eval: meshtrain::train_cli::eval_samples(&cfg),
     };
-    let lead = !meshtrain_train::launched_by_mpi()
-        || std::env::var("OMPI_COMM_WORLD_RANK").is_ok_and(|r| r == "0");
+    let lead = meshtrain_train::lead_process();
     if lead {
         println!("meshtrain: {}", task.source);
         for notice in cfg.notices().into_iter().chain(job.notices()) {

@@ -160,11 +160,7 @@ pub fn eval_samples(cfg: &Config) -> Option<EvalHook> {
         Ok(tokenizer) => Arc::new(tokenizer),
         // Shards of a vocabulary generate cannot decode either: the run trains as before.
         Err(e) => {
-            let rank0 = !meshtrain_train::launched_by_mpi()
-                || ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
-                    .iter()
-                    .any(|v| std::env::var(v).is_ok_and(|r| r == "0"));
-            if rank0 {
+            if meshtrain_train::lead_process() {
                 println!("note: no text samples at evaluation (train.sample_tokens): {e:#}");
             }
             return None;

@@ -108,6 +108,16 @@ pub fn launched_by_mpi() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
+/// Whether this process is the one that prints a run's one-time lines before the workers
+/// start: the only process, or world rank 0 of an `mpirun` launch (read from the launcher's
+/// environment: no communicator exists yet).
+pub fn lead_process() -> bool {
+    !launched_by_mpi()
+        || ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+            .iter()
+            .any(|v| std::env::var(v).is_ok_and(|r| r == "0"))
+}
+
 /// The collective timeout: `MESHTRAIN_TIMEOUT_S` if set, else the job's.
 pub fn timeout_from_env(job_timeout: Duration) -> Result<Duration> {
     match std::env::var(TIMEOUT_ENV) {

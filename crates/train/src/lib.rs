@@ -53,7 +53,9 @@ pub use job::{
     CheckpointFormat, EvalSpec, Job, Length, LrSchedule, ModelFn, DEFAULT_CHECKPOINT_MINUTES,
     DEFAULT_TIMEOUT,
 };
-pub use launch::{launched_by_mpi, print_error, ReportedElsewhere, RunOptions, TIMEOUT_ENV};
+pub use launch::{
+    launched_by_mpi, lead_process, print_error, ReportedElsewhere, RunOptions, TIMEOUT_ENV,
+};
 pub use metrics::{peak_rss_mb, Breakdown, Stopped, Summary};
 pub use stop::StopRequest;
 pub use trainer::{threads_per_worker, Trainer};
