@@ -98,9 +98,10 @@ pub struct HfTokenizer {
     /// The special (control) tokens: never drawn but the end of text, never printed. Byte
     /// fallback tokens (`<0xNN>`) are text, even where a vocabulary marks them special.
     pub special: Vec<u32>,
-    /// Tokens are strings of GPT-2's byte-to-character alphabet (a `ByteLevel` decoder),
-    /// rather than text with `▁` for spaces and `<0xNN>` byte-fallback tokens.
-    byte_level: bool,
+    /// For a `ByteLevel` decoder, whose tokens are strings of GPT-2's byte-to-character
+    /// alphabet, the byte each character stands for; `None`: tokens are text with `▁` for
+    /// spaces and `<0xNN>` byte-fallback tokens.
+    byte_level: Option<std::collections::HashMap<char, u8>>,
 }
 
 /// Names of the end-of-text token in the common vocabularies (GPT-2, Llama 2, Llama 3, Gemma).
@@ -122,14 +123,16 @@ impl HfTokenizer {
             .unwrap_or_default();
         let end_of_text = END_OF_TEXT_NAMES.iter().find_map(|n| inner.token_to_id(n));
         let mut special: Vec<u32> = (inner.get_added_tokens_decoder().iter())
-            .filter(|(_, t)| t.special && !is_byte_token(&t.content))
+            .filter(|(_, t)| t.special && byte_token(&t.content).is_none())
             .map(|(&id, _)| id)
             .collect();
         special.sort_unstable();
         Ok(HfTokenizer {
             vocab: inner.get_vocab_size(true),
             special,
-            byte_level: decoder.contains("\"ByteLevel\""),
+            byte_level: decoder
+                .contains("\"ByteLevel\"")
+                .then(|| (0..=255).map(|b| (byte_level_char(b), b)).collect()),
             end_of_text,
             inner,
         })
@@ -153,11 +156,10 @@ impl HfTokenizer {
         if let Some(byte) = byte_token(&piece) {
             return vec![byte];
         }
-        if self.byte_level {
-            let alphabet = byte_level_alphabet();
+        if let Some(bytes) = &self.byte_level {
             return piece
                 .chars()
-                .filter_map(|c| alphabet.iter().position(|&a| a == c).map(|b| b as u8))
+                .filter_map(|c| bytes.get(&c).copied())
                 .collect();
         }
         piece.replace('\u{2581}', " ").into_bytes()
@@ -170,26 +172,15 @@ fn byte_token(piece: &str) -> Option<u8> {
     (hex.len() == 2).then(|| u8::from_str_radix(hex, 16).ok())?
 }
 
-fn is_byte_token(piece: &str) -> bool {
-    byte_token(piece).is_some()
-}
-
-/// GPT-2's byte-level alphabet: the character byte `b` is written as (`bytes_to_unicode`).
-/// Printable Latin-1 bytes stand for themselves; the others are mapped to 256 + k in order.
-fn byte_level_alphabet() -> [char; 256] {
-    let mut out = ['\0'; 256];
-    let mut next = 256u32;
-    for (b, slot) in out.iter_mut().enumerate() {
-        let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
-        *slot = if printable {
-            char::from(b as u8)
-        } else {
-            let c = char::from_u32(next).expect("a valid code point");
-            next += 1;
-            c
-        };
+/// The character GPT-2's byte-level alphabet writes byte `b` as (`bytes_to_unicode`):
+/// printable Latin-1 bytes stand for themselves, the others are 256 + k in byte order.
+fn byte_level_char(b: u8) -> char {
+    let printable = |b: u8| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    if printable(b) {
+        return char::from(b);
     }
-    out
+    let earlier = (0..b).filter(|&e| !printable(e)).count() as u32;
+    char::from_u32(256 + earlier).expect("a valid code point")
 }
 
 /// Pieces of `text` of about `target` bytes, cut after a lone newline between two printable
