@@ -923,24 +923,7 @@ pub fn rotary_forward(
     cos: &CudaTensor,
     sin: &CudaTensor,
 ) -> Result<CudaTensor, CudaError> {
-    check_tables(shape, cos, sin)?;
-    let rows = shape.batch * shape.seq;
-    check_len(x, rows * shape.input_width(), "rotary input")?;
-    let dev = x.device().clone();
-    let y = CudaTensor::alloc(
-        &dev,
-        rows * shape.output_width(),
-        x.dtype(),
-        "the rotary pass's output",
-    )?;
-    let half = shape.head_dim / 2;
-    dev.launch(
-        "llama.cu",
-        &format!("rotary_fwd_{}", suffix(x.dtype())),
-        pairs_launch(rows * 3 * shape.heads * half, half, x.dtype()),
-        rotary_args(x, cos, sin, &y, shape),
-    )?;
-    Ok(y)
+    rotary_pass(x, shape, cos, sin, false)
 }
 
 /// The gradient of [`rotary_forward`]: `dy` `[B·T, 3·H·hd]` → `[B·T, (H + 2·H_kv)·hd]` in
@@ -951,28 +934,50 @@ pub fn rotary_backward(
     cos: &CudaTensor,
     sin: &CudaTensor,
 ) -> Result<CudaTensor, CudaError> {
+    rotary_pass(dy, shape, cos, sin, true)
+}
+
+/// One rotary pass, forward or backward: the kernels take the same arguments and one thread
+/// unit per pair of values of the row they write (`kernels/llama.cu`).
+fn rotary_pass(
+    input: &CudaTensor,
+    shape: RotaryShape,
+    cos: &CudaTensor,
+    sin: &CudaTensor,
+    backward: bool,
+) -> Result<CudaTensor, CudaError> {
     check_tables(shape, cos, sin)?;
     let rows = shape.batch * shape.seq;
-    check_len(dy, rows * shape.output_width(), "rotary output gradient")?;
-    let dev = dy.device().clone();
-    let dx = CudaTensor::alloc(
-        &dev,
-        rows * shape.input_width(),
-        dy.dtype(),
-        "the rotary pass's input gradient",
-    )?;
-    let half = shape.head_dim / 2;
+    let (read, written, kernel, what, output) = if backward {
+        let input_gradient = "the rotary pass's input gradient";
+        let (read, written) = (shape.output_width(), shape.input_width());
+        (
+            read,
+            written,
+            "rotary_bwd",
+            "rotary output gradient",
+            input_gradient,
+        )
+    } else {
+        let (read, written) = (shape.input_width(), shape.output_width());
+        (
+            read,
+            written,
+            "rotary_fwd",
+            "rotary input",
+            "the rotary pass's output",
+        )
+    };
+    check_len(input, rows * read, what)?;
+    let dev = input.device().clone();
+    let out = CudaTensor::alloc(&dev, rows * written, input.dtype(), output)?;
     dev.launch(
         "llama.cu",
-        &format!("rotary_bwd_{}", suffix(dy.dtype())),
-        pairs_launch(
-            rows * (shape.heads + 2 * shape.kv_heads) * half,
-            half,
-            dy.dtype(),
-        ),
-        rotary_args(dy, cos, sin, &dx, shape),
+        &format!("{kernel}_{}", suffix(input.dtype())),
+        pairs_launch(rows * written / 2, shape.head_dim / 2, input.dtype()),
+        rotary_args(input, cos, sin, &out, shape),
     )?;
-    Ok(dx)
+    Ok(out)
 }
 
 /// SwiGLU over rows `[a | b]` of `2·half` values: `silu(a)·b` (`half` values a row), in x's
