@@ -9,12 +9,16 @@
 #                                        fp16, TF32), two GPU
 #                                        runs bit-identical, products against cuBLASLt's best
 #                                        algorithm, kernels against the copy rate, the GPT-2
-#                                        124M step, and PyTorch's anchor on the same card;
-#                                        a summary table last. Logs go to $OUT (or /tmp).
+#                                        124M step, PyTorch's anchor on the same card, and
+#                                        the BPE Llama trained on the GPU with a generation
+#                                        from its checkpoint, generation with the key/value
+#                                        cache on the GPU against the CPU (a GPT and that
+#                                        Llama); a summary table last. Logs go to $OUT (or
+#                                        /tmp).
 #
 # With the `device` tool of this workplace, after building here:
 #   run(command="bash scripts/gpu-check.sh run", carry=[".gpu"], timeout_s=480)
-# Set GPU_CHECK_PARTS (default check,step,torch,products,kernels) and GPU_CHECK_TORCH (default
+# Set GPU_CHECK_PARTS (default check,step,torch,products,llama,generate,kernels) and GPU_CHECK_TORCH (default
 # eager; eager,compile adds torch.compile, ~1 more minute) to run less or more.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,7 +57,7 @@ run)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
     # The parts, most telling first (so a call cut short still has them): the checks, the
     # GPT-2 step, PyTorch's anchor beside it, then products and kernels.
-    parts=${GPU_CHECK_PARTS:-check,step,torch,products,kernels}
+    parts=${GPU_CHECK_PARTS:-check,step,torch,products,llama,generate,kernels}
     torch_modes=${GPU_CHECK_TORCH-eager}
     status=0
     for part in ${parts//,/ }; do
@@ -62,6 +66,79 @@ run)
             echo "=== PyTorch anchor ($torch_modes)"
             PYTHONUNBUFFERED=1 timeout 90 python3 scripts/gpu/pytorch_gpt2_bench.py \
                 --batch 16 --steps 20 --modes "$torch_modes" 2>&1 | tee "$logs/pytorch.log"
+            continue
+        fi
+        if [ "$part" = llama ]; then
+            # Issue 29 on the GPU: the ~10M Llama trained from BPE tokens of the shipped text
+            # (configs/llama-bpe.toml: 600 steps, samples in the log), then generation from
+            # its checkpoint.
+            echo "=== Llama from GPT-2 BPE tokens on the GPU (configs/llama-bpe.toml, bf16)"
+            start=$(date +%s)
+            tok=/tmp/meshtrain-shakespeare-bpe
+            "$bin" tokenize --input data/shakespeare/input.txt --out "$tok" 2>&1 | tail -2
+            timeout 150 "$bin" train --config configs/llama-bpe.toml --device cuda --precision bf16 \
+                --set "data.train_files=\"$tok/train_*.bin\"" --set "data.val_files=\"$tok/val_*.bin\"" \
+                --set 'train.out_dir="/tmp/meshtrain-llama-bpe"' 2>&1 | tee "$logs/llama.log" \
+                | grep -vE '^step ' | tail -30
+            rc=${PIPESTATUS[0]}
+            grep -E '^step +600 ' "$logs/llama.log"
+            timeout 60 "$bin" generate --checkpoint /tmp/meshtrain-llama-bpe/checkpoint.safetensors \
+                --prompt "ROMEO:" --max-tokens 80 2>&1 | tee -a "$logs/llama.log"
+            echo "=== llama: exit $rc in $(( $(date +%s) - start )) s"
+            [ "$rc" = 0 ] || status=1
+            continue
+        fi
+        if [ "$part" = generate ]; then
+            # generate --device cuda (weights, key/value cache and activations on the GPU,
+            # f32) against --device cpu: a GPT (learned positions, heads of 64, 100 steps
+            # trained here on the GPU) and the BPE Llama of the llama part if it ran (GQA 6
+            # over 2 heads of 32, tied head, 50257 tokens). 300 tokens: past both contexts
+            # (128), so the window restarts are in. --compare-cpu decodes on both in
+            # lockstep and prints the largest relative difference of the logits (want
+            # <= 1e-4) and at how many steps the likeliest token differs (want 0).
+            echo "=== generate: the key/value cache on the GPU against the CPU"
+            start=$(date +%s)
+            gen=/tmp/meshtrain-generate # the texts (not under $OUT: it returns 8 files)
+            mkdir -p "$gen"
+            rc=0
+            timeout 90 "$bin" train --config configs/gpt.toml --device cuda \
+                --set train.max_steps=100 --set 'train.out_dir="/tmp/meshtrain-gen-gpt"' \
+                2>&1 | tail -2
+            for ckpt in /tmp/meshtrain-gen-gpt/checkpoint.safetensors \
+                /tmp/meshtrain-llama-bpe/checkpoint.safetensors; do
+                [ -f "$ckpt" ] || { echo "no $ckpt"; continue; }
+                echo "--- $ckpt"
+                for sampling in "--temperature 0" "--temperature 0.8 --top-k 40 --seed 7"; do
+                    for dev in cuda cpu; do
+                        # shellcheck disable=SC2086
+                        timeout 60 "$bin" generate --checkpoint "$ckpt" --prompt "ROMEO:" \
+                            --max-tokens 300 $sampling --device $dev \
+                            >"$gen/generate-$dev.txt" 2>"$gen/generate-$dev.err" || rc=1
+                        sed "s/^/$dev: /" "$gen/generate-$dev.err" | tail -3
+                    done
+                    if cmp -s "$gen/generate-cuda.txt" "$gen/generate-cpu.txt"; then
+                        echo "RESULT generate $sampling: the same text on cuda and cpu" \
+                            | tee -a "$logs/generate.log"
+                    else
+                        echo "RESULT generate $sampling: THE TEXTS DIFFER (cuda, then cpu):" \
+                            | tee -a "$logs/generate.log"
+                        head -c 600 "$gen/generate-cuda.txt"; echo
+                        head -c 600 "$gen/generate-cpu.txt"; echo
+                    fi
+                done
+                timeout 90 "$bin" generate --checkpoint "$ckpt" --prompt "ROMEO:" \
+                    --max-tokens 300 --temperature 0 --device cuda --compare-cpu \
+                    2>&1 >/dev/null | sed 's/^/RESULT compare: /' | tee -a "$logs/generate.log" \
+                    || rc=1
+                # The speed alone: 1000 tokens on the GPU, then the CPU.
+                for dev in cuda cpu; do
+                    timeout 60 "$bin" generate --checkpoint "$ckpt" --prompt "ROMEO:" \
+                        --max-tokens 1000 --device $dev 2>&1 >/dev/null | grep tokens/s \
+                        | sed 's/^/RESULT speed: /' | tee -a "$logs/generate.log"
+                done
+            done
+            echo "=== generate: exit $rc in $(( $(date +%s) - start )) s"
+            [ "$rc" = 0 ] || status=1
             continue
         fi
         echo "=== meshtrain bench gpu --parts $part"
@@ -92,6 +169,11 @@ run)
         grep -E 'copy:|vs copy|attention ' "$logs/kernels.log"
         awk '/^[a-zA-Z].* [0-9.]+ +[0-9]+ +[0-9.]+$/ {print}' "$logs/kernels.log" | head -20
     fi
+    if [ -f "$logs/llama.log" ]; then
+        grep -E '^eval step' "$logs/llama.log" | tail -1 | sed 's/^/Llama BPE on the GPU: /'
+        grep -E '^(validation loss|throughput|per step)' "$logs/llama.log"
+    fi
+    [ -f "$logs/generate.log" ] && grep -E '^RESULT (generate|compare|speed)' "$logs/generate.log"
     ours=$(grep -h '^RESULT meshtrain' "$logs/step.log" 2>/dev/null | sed -E 's/.*tok_s=([0-9]+).*/\1/')
     [ -n "$ours" ] && grep -h '^RESULT meshtrain' "$logs/step.log"
     for mode in ${torch_modes//,/ }; do

@@ -13,6 +13,11 @@
 //! Llama's cache keeps the `H_kv` key/value heads (keys already rotated), not the `H` heads
 //! the attention kernels' `[Q | K | V]` row repeats them into: grouped-query attention's
 //! memory saving is the cache's.
+//!
+//! The model runs on the host (`HostModel`) or on a GPU (`cuda`: the same pieces with the
+//! weights, the cache and the activations in device memory, in f32); [`Decoder`] keeps what
+//! does not depend on where (the tokens cached, the checks, the window past the context), so
+//! both give `meshtrain generate` the same `prefill`/`step`.
 
 use crate::config::ModelConfig;
 use anyhow::{bail, ensure, Result};
@@ -21,7 +26,11 @@ use meshtrain_tensor::activation::{swiglu_forward, Activation};
 use meshtrain_tensor::matmul::{gemm, Mat, MatMut};
 use meshtrain_tensor::norm::{layer_norm_forward, rms_norm_forward};
 use meshtrain_tensor::rotary::{rotary_expand_forward, rotary_tables, RotaryShape};
+use meshtrain_tensor::Device;
 use rayon::prelude::*;
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 /// Below this many multiply-adds attention runs its rows on the calling thread.
 const PARALLEL_MIN_MACS: usize = 1 << 18;
@@ -30,24 +39,48 @@ const PARALLEL_MIN_MACS: usize = 1 << 18;
 const LAYER_NORM_EPS: f32 = 1e-5;
 
 /// A GPT or Llama that decodes one token at a time, keeping every layer's keys and values of
-/// the positions so far. [`Decoder::prefill`] starts a text, [`Decoder::step`] adds a token;
-/// both return the logits of the next token.
+/// the positions so far, on the host or a GPU. [`Decoder::prefill`] starts a text,
+/// [`Decoder::step`] adds a token; both return the logits of the next token.
 pub struct Decoder {
     vocab: usize,
+    /// The model's context: positions run `0..seq`.
+    seq: usize,
+    /// The tokens whose keys and values the cache holds: token `i` is at position `i`.
+    tokens: Vec<u32>,
+    model: Box<dyn Layers>,
+}
+
+/// Where a decoder's model runs: its weights and cache, and the pass of new tokens through
+/// every layer.
+trait Layers: Send {
+    /// Runs `tokens` (checked: in the vocabulary, fitting the context after `start`) through
+    /// every layer at positions `start..`, writing their keys and values into the cache at
+    /// those positions; the logits of the last row, or of every row when `all`.
+    fn extend(&mut self, tokens: &[u32], start: usize, all: bool) -> Result<Vec<f32>>;
+
+    /// Drops the cached positions from `len` on (the host frees them; a device's cache keeps
+    /// its room).
+    fn truncate(&mut self, len: usize);
+
+    /// The f32 values the cache holds for `positions` positions.
+    fn cache_len(&self, positions: usize) -> usize;
+
+    /// Where it runs: "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)".
+    fn device(&self) -> String;
+}
+
+/// The model on the host: the layers' tensors as the model's flat parameters hold them.
+struct HostModel {
     dim: usize,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    /// The model's context: positions run `0..seq`.
-    seq: usize,
     /// `tok.weight`, `[vocab, dim]`.
     tok: Vec<f32>,
     positions: Positions,
     layers: Vec<Layer>,
     final_norm: Norm,
     head: Linear,
-    /// The tokens whose keys and values the cache holds: token `i` is at position `i`.
-    tokens: Vec<u32>,
 }
 
 enum Positions {
@@ -193,11 +226,73 @@ impl Lookup<'_> {
     }
 }
 
+/// Opens `device` (nothing for the CPU): a GPU that cannot be used fails here, naming what is
+/// missing, so a command can say so before reading a checkpoint.
+pub fn open_device(device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => cuda::open(ordinal).map(|_| ()),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => bail!(
+            "--device {device}: this meshtrain was built without the CUDA backend (the `cuda` \
+             feature); rebuild with default features, or generate with --device cpu"
+        ),
+    }
+}
+
 impl Decoder {
     /// The decoder of `config`'s model with the parameters `values`, laid out as `model`
-    /// (the whole model `config` builds) lays them out; the tensors are copied, so `values`
-    /// may go. Fails, naming the tensor, if one is missing or of another shape.
+    /// (the whole model `config` builds) lays them out, on the host; the tensors are copied,
+    /// so `values` may go. Fails, naming the tensor, if one is missing or of another shape.
     pub fn new(config: &ModelConfig, model: &Model, values: &[f32]) -> Result<Decoder> {
+        Self::on(Device::Cpu, config, model, values)
+    }
+
+    /// [`Decoder::new`] on `device`: on a GPU the weights, the cache (sized for the whole
+    /// context) and every activation live in its memory, the logits come back to the host.
+    /// Fails before any work when the GPU cannot be used (which library is missing), or when
+    /// this build has no CUDA backend.
+    pub fn on(
+        device: Device,
+        config: &ModelConfig,
+        model: &Model,
+        values: &[f32],
+    ) -> Result<Decoder> {
+        let Some(lm) = config.language() else {
+            bail!("the decoder takes a language model (GPT or Llama), not an image model");
+        };
+        let layers: Box<dyn Layers> = match device {
+            Device::Cpu => Box::new(HostModel::new(config, model, values)?),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                // The GPU first: without one, say so before copying any weights.
+                let dev = cuda::open(ordinal)?;
+                let host = HostModel::new(config, model, values)?;
+                Box::new(cuda::CudaModel::upload(&host, lm.seq, dev)?)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => {
+                open_device(device)?;
+                unreachable!("open_device refuses a GPU without the CUDA backend")
+            }
+        };
+        Ok(Decoder {
+            vocab: lm.vocab,
+            seq: lm.seq,
+            tokens: Vec::new(),
+            model: layers,
+        })
+    }
+
+    /// Where the model runs: "cpu", or the GPU ("cuda:0 (its name)").
+    pub fn device(&self) -> String {
+        self.model.device()
+    }
+}
+
+impl HostModel {
+    fn new(config: &ModelConfig, model: &Model, values: &[f32]) -> Result<HostModel> {
         ensure!(
             values.len() == model.num_params(),
             "{} parameter values for a model of {}",
@@ -230,19 +325,16 @@ impl Decoder {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                Ok(Decoder {
-                    vocab: g.vocab,
+                Ok(HostModel {
                     dim: d,
                     heads: g.heads,
                     kv_heads: g.heads,
                     head_dim: d / g.heads,
-                    seq: g.seq,
                     tok: p.get("tok.weight", &[g.vocab, d])?,
                     positions: Positions::Learned(p.get("pos.weight", &[g.seq, d])?),
                     layers,
                     final_norm: p.layer_norm("ln_f", d)?,
                     head: p.linear("head", d, g.vocab, false, None)?,
-                    tokens: Vec::new(),
                 })
             }
             ModelConfig::Llama(l) => {
@@ -277,13 +369,11 @@ impl Decoder {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                Ok(Decoder {
-                    vocab: l.vocab,
+                Ok(HostModel {
                     dim: d,
                     heads: l.heads,
                     kv_heads: l.kv_heads,
                     head_dim: hd,
-                    seq: l.seq,
                     tok: p.get("tok.weight", &[l.vocab, d])?,
                     positions: Positions::Rotary {
                         theta: l.rope_theta,
@@ -291,13 +381,14 @@ impl Decoder {
                     layers,
                     final_norm: p.rms_norm("norm", d, l.norm_eps)?,
                     head: p.linear("head", d, l.vocab, false, None)?,
-                    tokens: Vec::new(),
                 })
             }
             _ => bail!("the decoder takes a language model (GPT or Llama), not an image model"),
         }
     }
+}
 
+impl Decoder {
     /// The vocabulary: every logits row has this many values.
     pub fn vocab(&self) -> usize {
         self.vocab
@@ -316,24 +407,21 @@ impl Decoder {
     /// The f32 values the cache holds: every layer's keys and values of every position,
     /// `2 · layers · kv_heads · head_dim` per position.
     pub fn cache_len(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| l.keys.len() + l.values.len())
-            .sum()
+        self.model.cache_len(self.tokens.len())
     }
 
     /// Starts a text: the cache is emptied and filled with `tokens` (at most the model's
     /// context) at positions `0..`; returns the logits of the token after the last.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.check_prefill(tokens)?;
-        Ok(self.extend(tokens, false))
+        self.extend(tokens, false)
     }
 
     /// [`Decoder::prefill`] returning the logits after every token, `[tokens.len(), vocab]`
     /// (what a forward over `tokens` gives; for checking the decoder against one).
     pub fn prefill_all(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         self.check_prefill(tokens)?;
-        Ok(self.extend(tokens, true))
+        self.extend(tokens, true)
     }
 
     /// Adds `token` after the cached ones and returns the logits of the token after it.
@@ -357,7 +445,7 @@ impl Decoder {
             window.push(token);
             return self.prefill(&window);
         }
-        Ok(self.extend(&[token], false))
+        self.extend(&[token], false)
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -381,19 +469,54 @@ impl Decoder {
         );
         self.check_tokens(tokens)?;
         self.tokens.clear();
-        for layer in &mut self.layers {
-            layer.keys.clear();
-            layer.values.clear();
-        }
+        self.model.truncate(0);
         Ok(())
     }
 
-    /// Runs `tokens` (checked: in the vocabulary, fitting the context) through every layer at
-    /// the positions after the cached ones, adding their keys and values to the cache; the
-    /// logits of the last row, or of every row when `all`.
-    fn extend(&mut self, tokens: &[u32], all: bool) -> Vec<f32> {
-        let (d, t, start) = (self.dim, tokens.len(), self.tokens.len());
-        debug_assert!(start + t <= self.seq);
+    /// Runs `tokens` (checked: in the vocabulary, fitting the context) through the model at
+    /// the positions after the cached ones; the logits of the last row, or of every row when
+    /// `all`. A failure (a device's) leaves an empty cache: the next text starts afresh.
+    fn extend(&mut self, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        let start = self.tokens.len();
+        debug_assert!(start + tokens.len() <= self.seq);
+        match self.model.extend(tokens, start, all) {
+            Ok(logits) => {
+                self.tokens.extend_from_slice(tokens);
+                Ok(logits)
+            }
+            Err(e) => {
+                self.tokens.clear();
+                self.model.truncate(0);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Layers for HostModel {
+    fn truncate(&mut self, len: usize) {
+        let kv = len * self.kv_heads * self.head_dim;
+        for layer in &mut self.layers {
+            layer.keys.truncate(kv);
+            layer.values.truncate(kv);
+        }
+    }
+
+    fn cache_len(&self, _positions: usize) -> usize {
+        self.layers
+            .iter()
+            .map(|l| l.keys.len() + l.values.len())
+            .sum()
+    }
+
+    fn device(&self) -> String {
+        Device::Cpu.to_string()
+    }
+
+    fn extend(&mut self, tokens: &[u32], start: usize, all: bool) -> Result<Vec<f32>> {
+        let (d, t) = (self.dim, tokens.len());
+        // Positions from `start` on are this text's: the cache's earlier contents past it go.
+        self.truncate(start);
         let mut x = vec![0.0f32; t * d];
         for (i, (row, &id)) in x.chunks_mut(d).zip(tokens).enumerate() {
             row.copy_from_slice(&self.tok[id as usize * d..][..d]);
@@ -461,10 +584,9 @@ impl Decoder {
             };
             x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
         }
-        self.tokens.extend_from_slice(tokens);
         let rows = if all { &x[..] } else { &x[(t - 1) * d..] };
         let h = self.final_norm.apply(rows, d);
-        self.head.apply(&h)
+        Ok(self.head.apply(&h))
     }
 }
 

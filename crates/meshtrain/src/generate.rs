@@ -10,7 +10,10 @@
 //! over the whole window per token. `--no-cache` keeps that window forward (the model's own
 //! [`Model::forward_all`] over the last `seq` tokens), to measure the cache against; the
 //! two agree while the text fits the context and differ in how they window it beyond (see
-//! [`Decoder::step`]). The time and tokens/s go to stderr at the end.
+//! [`Decoder::step`]). `--device cuda` runs the cached decoder on a GPU (weights, cache and
+//! activations in its memory, f32); the logits come back for the same sampling, so the same
+//! seed draws the same tokens wherever the logits agree. The time and tokens/s go to stderr at
+//! the end, with the device named.
 
 use crate::config::{Config, ModelConfig};
 use crate::decode::Decoder;
@@ -20,7 +23,7 @@ use anyhow::{bail, ensure, Context, Result};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
 use meshtrain_nn::{Mode, Model, ParamStore};
 use meshtrain_tensor::rng::SplitMix64;
-use meshtrain_tensor::Tensor;
+use meshtrain_tensor::{Device, Tensor};
 use meshtrain_train::checkpoint::{self, Restore};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -62,6 +65,16 @@ pub struct GenerateArgs {
     /// path before the cache: to measure the cache's speed-up).
     #[arg(long)]
     pub no_cache: bool,
+    /// Where the model decodes: cpu (default), cuda (GPU 0) or cuda:N, as `train --device`.
+    /// On a GPU the weights, the key/value cache and the activations live in its memory (f32);
+    /// the logits come back for sampling.
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// Also decode on the CPU, in lockstep (fed the same tokens), and print the largest
+    /// relative difference between the two devices' logits over the steps: a check of
+    /// --device cuda (the time then includes the CPU's).
+    #[arg(long, conflicts_with = "no_cache")]
+    pub compare_cpu: bool,
 }
 
 /// Text to tokens and back.
@@ -233,6 +246,13 @@ pub enum NextLogits<'a> {
     /// The key/value cache: the prompt prefilled (its last `seq` tokens), then a step per
     /// token.
     Cached(Box<Decoder>),
+    /// The key/value cache on a device (whose logits are used) and the CPU's, fed the same
+    /// tokens, their logits compared (`--compare-cpu`).
+    Compared {
+        decoder: Box<Decoder>,
+        cpu: Box<Decoder>,
+        compared: Comparison,
+    },
     /// A forward of the whole model over the last `seq` tokens for every token.
     Window {
         model: &'a Model,
@@ -246,11 +266,21 @@ impl NextLogits<'_> {
     /// The logits of the token after `tokens`; `first`: the first call for this text (the
     /// others add one token to the previous call's).
     fn after(&mut self, tokens: &[u32], first: bool) -> Result<Vec<f32>> {
+        let cached = |decoder: &mut Decoder| match (first, tokens.last()) {
+            (false, Some(&last)) => decoder.step(last),
+            _ => decoder.prefill(&tokens[tokens.len().saturating_sub(decoder.seq())..]),
+        };
         match self {
-            NextLogits::Cached(decoder) => match (first, tokens.last()) {
-                (false, Some(&last)) => decoder.step(last),
-                _ => decoder.prefill(&tokens[tokens.len().saturating_sub(decoder.seq())..]),
-            },
+            NextLogits::Cached(decoder) => cached(decoder),
+            NextLogits::Compared {
+                decoder,
+                cpu,
+                compared,
+            } => {
+                let got = cached(decoder)?;
+                compared.add(&got, &cached(cpu)?);
+                Ok(got)
+            }
             NextLogits::Window {
                 model,
                 store,
@@ -266,6 +296,39 @@ impl NextLogits<'_> {
                 let logits = logits.data();
                 Ok(logits[logits.len() - *vocab..].to_vec())
             }
+        }
+    }
+}
+
+/// Two devices' logits over the steps of a text (`--compare-cpu`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Comparison {
+    /// The largest relative L2 difference ‖got − want‖ / ‖want‖ of a step's logits.
+    pub worst: f64,
+    /// Steps compared.
+    pub steps: usize,
+    /// Steps whose likeliest token differs.
+    pub argmax_differs: usize,
+}
+
+impl Comparison {
+    fn add(&mut self, got: &[f32], want: &[f32]) {
+        let (mut diff, mut norm) = (0.0f64, 0.0f64);
+        for (&g, &w) in got.iter().zip(want) {
+            diff += (f64::from(g) - f64::from(w)).powi(2);
+            norm += f64::from(w).powi(2);
+        }
+        let e = if got.len() != want.len() {
+            f64::INFINITY
+        } else {
+            (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+        };
+        // NaN counts as the worst.
+        self.worst = if e.is_nan() { e } else { self.worst.max(e) };
+        self.steps += 1;
+        let argmax = |l: &[f32]| sample(l, 0.0, 0, &mut SplitMix64::new(0));
+        if argmax(got) != argmax(want) {
+            self.argmax_differs += 1;
         }
     }
 }
@@ -321,6 +384,13 @@ pub fn sample_text(
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
+    ensure!(
+        !(args.no_cache && args.device.is_cuda()),
+        "--no-cache runs the model's forward on the CPU: drop --device {} (or --no-cache)",
+        args.device
+    );
+    // A GPU that cannot be used is said before the checkpoint is read.
+    crate::decode::open_device(args.device)?;
     let checkpoint = crate::export::whole_checkpoint(&args.checkpoint)?;
     let cfg = crate::export::run_config(&checkpoint)?;
     let Some(lm) = cfg.model.language() else {
@@ -346,6 +416,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             lm.vocab
         );
     }
+    let mut device = Device::Cpu.to_string();
     let mut next = if args.no_cache {
         NextLogits::Window {
             model: &model,
@@ -354,10 +425,23 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             seq: lm.seq,
         }
     } else {
-        let decoder = Decoder::new(&cfg.model, &model, &store.values)?;
-        // The decoder has its copy of the weights.
+        let decoder = Box::new(Decoder::on(args.device, &cfg.model, &model, &store.values)?);
+        device = decoder.device();
+        let cpu = if args.compare_cpu {
+            Some(Box::new(Decoder::new(&cfg.model, &model, &store.values)?))
+        } else {
+            None
+        };
+        // The decoders have their copies of the weights.
         store.values = Vec::new();
-        NextLogits::Cached(Box::new(decoder))
+        match cpu {
+            Some(cpu) => NextLogits::Compared {
+                decoder,
+                cpu,
+                compared: Comparison::default(),
+            },
+            None => NextLogits::Cached(decoder),
+        }
     };
     let sampling = Sampling {
         temperature: args.temperature,
@@ -392,14 +476,23 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     out.write_all(&pending)?;
     writeln!(out)?;
     eprintln!(
-        "generated {drawn} tokens in {seconds:.3} s ({:.0} tokens/s, {})",
+        "generated {drawn} tokens in {seconds:.3} s ({:.0} tokens/s on {device}, {})",
         drawn as f64 / seconds.max(1e-9),
         if args.no_cache {
             "no cache: a forward over the window per token"
+        } else if args.compare_cpu {
+            "key/value cache, and the CPU's beside it"
         } else {
             "key/value cache"
         }
     );
+    if let NextLogits::Compared { compared, .. } = &next {
+        eprintln!(
+            "logits on {device} against the CPU's: largest relative difference {:.2e} over {} \
+             steps; the likeliest token differs at {} of them",
+            compared.worst, compared.steps, compared.argmax_differs
+        );
+    }
     Ok(())
 }
 

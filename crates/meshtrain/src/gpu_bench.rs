@@ -113,11 +113,10 @@ fn seed() -> u64 {
 fn check_part(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<Vec<String>> {
     let seed = seed();
     println!("\n== check: every device kernel against its CPU twin (seed {seed})");
-    let mut results = check::run_all(dev, seed);
-    results.extend(check_optimizers(dev, seed ^ 0x0b7));
-    for r in &results {
-        println!("{r}");
-    }
+    let mut results = check::run_all(dev, seed, &mut |r| println!("{r}"));
+    let optimizers = check_optimizers(dev, seed ^ 0x0b7);
+    optimizers.iter().for_each(|r| println!("{r}"));
+    results.extend(optimizers);
     let mut failed: Vec<String> = results
         .iter()
         .filter(|r| !r.passed)
@@ -439,7 +438,10 @@ fn compare_model(args: &BenchGpuArgs, model: Compared) -> Result<Vec<(bool, Stri
     Ok(lines)
 }
 
-/// Median device milliseconds of `f` over `reps` runs (after 3 warm-ups).
+/// Device milliseconds of one run of `f`: the median over 5 batches of `reps` runs queued
+/// back to back between two events (after 3 warm-ups), each batch's time over `reps`. Queued
+/// back to back, a run does not wait for the host's launch of it: a ~40 µs kernel timed
+/// alone between two events read ~6 µs of launch latency as its own time.
 fn time_ms(
     dev: &CudaDevice,
     reps: usize,
@@ -448,12 +450,15 @@ fn time_ms(
     for _ in 0..3 {
         f().map_err(cuda)?;
     }
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps.max(1) {
+    let reps = reps.max(1);
+    let mut times = Vec::with_capacity(5);
+    for _ in 0..5 {
         let a = dev.record_event().map_err(cuda)?;
-        f().map_err(cuda)?;
+        for _ in 0..reps {
+            f().map_err(cuda)?;
+        }
         let b = dev.record_event().map_err(cuda)?;
-        times.push(a.ms_until(&b).map_err(cuda)? as f64);
+        times.push(a.ms_until(&b).map_err(cuda)? as f64 / reps as f64);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
@@ -531,6 +536,8 @@ fn products(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
         ];
         for (label, g) in products {
             let algos = dev.with_blas(|b| b.algorithms(&g)).map_err(cuda)?;
+            // Our choice made on these operands, as a step makes it on its own.
+            dev.with_blas(|b| b.retune(&g)).map_err(cuda)?;
             let ours = time_ms(dev, args.reps, || dev.with_blas(|b| b.gemm(&g)))?;
             let mut best = ours;
             for choice in 0..algos {
@@ -591,7 +598,7 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
     let ms = time_ms(dev, args.reps, || {
         // SAFETY: `g` holds 2·d values.
         let grads = unsafe { DeviceGrads::new(dev, g.ptr(), 2 * d) };
-        ops::layer_norm_backward(&x, params, &mean, &rstd, &dy, grads, d).map(|_| ())
+        ops::layer_norm_backward(&x, params, &mean, &rstd, &dy, grads, d, None).map(|_| ())
     })?;
     report(
         "layer norm backward (dx + dγ/dβ)",

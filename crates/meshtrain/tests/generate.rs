@@ -1,18 +1,36 @@
 //! `meshtrain generate`: text from a checkpoint, the model rebuilt from the run config it
 //! holds; greedy decoding follows the model's own forward pass, sampling its seed. The
 //! key/value-cache decoder behind it gives the model's own logits at every position, for GPT
-//! and for Llama with grouped-query attention, and keeps only the key/value heads.
+//! and for Llama with grouped-query attention, and keeps only the key/value heads. On a GPU
+//! (`--device cuda`) it gives the CPU's logits and tokens; without one, `--device cuda` says
+//! which library is missing (the GPU tests are skipped with the reason printed, and required
+//! with `MESHTRAIN_REQUIRE_GPU=1`).
 
 mod common;
 
 use common::{rel_diff, tiny_gpt_config, tiny_llama_config};
 use meshtrain::config::Config;
 use meshtrain::decode::Decoder;
+use meshtrain::generate::{continue_text, sample, NextLogits, Sampling, Tokenizer};
 use meshtrain::presets::build_model;
 use meshtrain_nn::{Mode, Model, ParamStore};
-use meshtrain_tensor::rng::normal_values;
-use meshtrain_tensor::Tensor;
+use meshtrain_tensor::rng::{normal_values, SplitMix64};
+use meshtrain_tensor::{Device, Tensor};
 use std::path::Path;
+
+/// Whether a CUDA GPU can be used; without one the GPU checks are skipped with the reason
+/// printed, unless `MESHTRAIN_REQUIRE_GPU=1`.
+fn gpu() -> bool {
+    let available = meshtrain_tensor::cuda::probe::gpu_available();
+    if !available {
+        assert!(
+            std::env::var("MESHTRAIN_REQUIRE_GPU").as_deref() != Ok("1"),
+            "MESHTRAIN_REQUIRE_GPU=1 but no usable CUDA GPU (driver missing or no device)"
+        );
+        eprintln!("skipped: no CUDA GPU (the driver or a device is missing)");
+    }
+    available
+}
 
 /// The model's own logits after every token of `tokens`, `[T, vocab]`.
 fn forward_logits(model: &Model, store: &mut ParamStore, tokens: &[u32]) -> Vec<f32> {
@@ -153,9 +171,145 @@ fn the_decoder_refuses_what_it_cannot_decode() {
     );
 }
 
-/// Runs `meshtrain generate` on `ckpt` with the prompt "ROMEO:" and `extra`: (stdout's
-/// bytes, stderr). Bytes: a barely trained model may draw bytes that are no UTF-8.
-fn generate(ckpt: &Path, extra: &[&str]) -> (Vec<u8>, String) {
+/// The CPU decoder and the GPU's on the same perturbed model of `cfg`: a prefill of the first
+/// `split` tokens (every row's logits), a step per token to the end of the context and past
+/// it (the window restart), every logits row within 1e-4 (relative L2, f32 on both); then
+/// greedy generation of `2·seq` byte tokens from a prompt draws the same tokens on both
+/// (near-ties aside).
+fn gpu_decoder_matches_the_cpu(cfg: &Config, split: usize) {
+    let (model, store) = perturbed_model(cfg);
+    let lm = cfg.model.language().unwrap();
+    let (seq, vocab) = (lm.seq, lm.vocab);
+    let mut cpu = Decoder::new(&cfg.model, &model, &store.values).unwrap();
+    let mut gpu = Decoder::on(Device::Cuda(0), &cfg.model, &model, &store.values).unwrap();
+    assert!(gpu.device().starts_with("cuda:0"), "{}", gpu.device());
+    assert_eq!(cpu.device(), "cpu");
+    let tokens: Vec<u32> = normal_values(seq + 5, 9)
+        .iter()
+        .map(|v| ((v.abs() * 1000.0) as usize % vocab) as u32)
+        .collect();
+    let close = |got: &[f32], want: &[f32], what: String| {
+        let e = rel_diff(got, want);
+        assert!(e <= 1e-4, "{what}: relative difference {e:e}");
+    };
+    let (want, got) = (
+        cpu.prefill_all(&tokens[..split]).unwrap(),
+        gpu.prefill_all(&tokens[..split]).unwrap(),
+    );
+    assert_eq!(got.len(), split * vocab);
+    for i in 0..split {
+        let row = |l: &[f32]| l[i * vocab..][..vocab].to_vec();
+        close(&row(&got), &row(&want), format!("prefill, position {i}"));
+    }
+    for (i, &t) in tokens.iter().enumerate().skip(split) {
+        let want = cpu.step(t).unwrap();
+        let got = gpu.step(t).unwrap();
+        close(&got, &want, format!("step {i}"));
+        assert_eq!(gpu.context(), cpu.context(), "step {i}");
+    }
+    assert_eq!(gpu.cache_len(), cpu.cache_len());
+    // A new text on the same decoders: the prefill overwrites the cache.
+    let prompt = &tokens[3..9];
+    close(
+        &gpu.prefill(prompt).unwrap(),
+        &cpu.prefill(prompt).unwrap(),
+        "a second prefill".into(),
+    );
+
+    // Greedy decoding, both fed the CPU's choice: the same token at every step but where
+    // the CPU's two best logits are closer than the devices' difference (a near-tie, which
+    // either may break).
+    let prompt: Vec<u32> = b"ROMEO:"
+        .iter()
+        .map(|&b| u32::from(b) % vocab as u32)
+        .collect();
+    let (mut want, mut got) = (cpu.prefill(&prompt).unwrap(), gpu.prefill(&prompt).unwrap());
+    let mut rng = SplitMix64::new(1);
+    let mut near_ties = 0;
+    for i in 0..2 * seq {
+        close(&got, &want, format!("greedy step {i}"));
+        let bytes = 256.min(vocab);
+        let a = sample(&want[..bytes], 0.0, 0, &mut rng);
+        let b = sample(&got[..bytes], 0.0, 0, &mut rng);
+        if a != b {
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let gap = (want[a] - want[b]).abs();
+            assert!(
+                gap <= 1e-4 * scale,
+                "greedy step {i}: the CPU picks {a}, the GPU {b}, {gap} apart"
+            );
+            near_ties += 1;
+        }
+        want = cpu.step(a as u32).unwrap();
+        got = gpu.step(a as u32).unwrap();
+    }
+    // Through the loop `meshtrain generate` runs: the same text (unless a near-tie above
+    // let the GPU choose otherwise).
+    let greedy = Sampling {
+        temperature: 0.0,
+        top_k: 0,
+        seed: 1,
+    };
+    let mut texts = Vec::new();
+    for decoder in [cpu, gpu] {
+        let mut next = NextLogits::Cached(Box::new(decoder));
+        let mut bytes = Vec::new();
+        let drawn = continue_text(
+            &mut next,
+            &Tokenizer::Bytes,
+            &prompt,
+            2 * seq,
+            greedy,
+            |b| {
+                bytes.extend_from_slice(b);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(drawn, 2 * seq);
+        texts.push(bytes);
+    }
+    if near_ties == 0 {
+        assert_eq!(texts[0], texts[1], "greedy tokens, CPU against GPU");
+    }
+}
+
+#[test]
+fn the_gpu_decoder_gives_the_cpus_logits_and_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // (config, tokens prefilled): heads of 8 values (the tiny GPT), a tied head, heads of 32
+    // and 64 with long prefills; Llama's grouped-query heads (4 over 2 of 8 values, 2 over 1
+    // of 128), rotary positions, SwiGLU, RMS norms. Built before the GPU check: without a GPU
+    // the configs are still checked.
+    let wide = ["model.dim=128", "model.heads=4", "model.seq=64"];
+    let wider = ["model.dim=128", "model.heads=2", "model.seq=160"];
+    let llama = [
+        "model.dim=256",
+        "model.heads=2",
+        "model.kv_heads=1",
+        "model.ffn=384",
+        "model.seq=140",
+    ];
+    let cases = [
+        (tiny_gpt_config(d, 1, &[]), 5),
+        (tiny_gpt_config(d, 1, &["model.tie_embeddings=true"]), 5),
+        (tiny_gpt_config(d, 1, &wide), 50),
+        (tiny_gpt_config(d, 1, &wider), 150),
+        (tiny_llama_config(d, 1, &[]), 5),
+        (tiny_llama_config(d, 1, &llama), 130),
+    ];
+    if !gpu() {
+        return;
+    }
+    for (cfg, split) in &cases {
+        gpu_decoder_matches_the_cpu(cfg, *split);
+    }
+}
+
+/// Runs `meshtrain generate` on `ckpt` with the prompt "ROMEO:" and `extra`: (success,
+/// stdout's bytes, stderr). Bytes: a barely trained model may draw bytes that are no UTF-8.
+fn try_generate(ckpt: &Path, extra: &[&str]) -> (bool, Vec<u8>, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshtrain"))
         .current_dir(common::root())
         .args(["generate", "--checkpoint"])
@@ -165,8 +319,14 @@ fn generate(ckpt: &Path, extra: &[&str]) -> (Vec<u8>, String) {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "{stderr}");
-    (out.stdout, stderr)
+    (out.status.success(), out.stdout, stderr)
+}
+
+/// [`try_generate`], which must succeed: (stdout's bytes, stderr).
+fn generate(ckpt: &Path, extra: &[&str]) -> (Vec<u8>, String) {
+    let (ok, stdout, stderr) = try_generate(ckpt, extra);
+    assert!(ok, "{stderr}");
+    (stdout, stderr)
 }
 
 /// Generation from a checkpoint of `cfg` trained 6 steps: exactly --max-tokens bytes; the
@@ -187,7 +347,7 @@ fn trained_model_generates_text(cfg: &Config) {
     assert!(cached.starts_with(b"ROMEO:"), "{cached:?}");
     assert_eq!(cached.len(), "ROMEO:".len() + 10 + 1, "{cached:?}");
     assert!(
-        stderr.contains("generated 10 tokens in") && stderr.contains("tokens/s"),
+        stderr.contains("generated 10 tokens in") && stderr.contains("tokens/s on cpu"),
         "{stderr}"
     );
     let (window, stderr) = generate(&ckpt, &[&greedy[..], &["--no-cache"]].concat());
@@ -210,6 +370,70 @@ fn trained_model_generates_text(cfg: &Config) {
     assert!(a.starts_with(b"ROMEO:"), "{a:?}");
     assert_eq!(a.len(), "ROMEO:".len() + 40 + 1, "{a:?}");
     assert_eq!(a, b);
+
+    // On a GPU: the same greedy text, the device named with the speed; without one, the
+    // missing library named (no panic), before any text.
+    // --compare-cpu on the CPU: the same decoder twice, no difference.
+    let (text, stderr) = generate(&ckpt, &[&greedy[..], &["--compare-cpu"]].concat());
+    assert_eq!(text, cached);
+    assert_eq!(largest_difference(&stderr), 0.0, "{stderr}");
+    let on_gpu = try_generate(
+        &ckpt,
+        &[&greedy[..], &["--device", "cuda", "--compare-cpu"]].concat(),
+    );
+    if gpu() {
+        let (ok, text, stderr) = on_gpu;
+        assert!(ok, "{stderr}");
+        assert!(stderr.contains("tokens/s on cuda:0"), "{stderr}");
+        let worst = largest_difference(&stderr);
+        assert!(worst <= 1e-4, "{stderr}");
+        if stderr.contains("differs at 0 of them") {
+            assert_eq!(text, cached, "greedy text on the GPU against the CPU");
+        }
+    } else {
+        no_gpu_is_said_clearly(on_gpu);
+    }
+}
+
+/// The largest relative difference `generate --compare-cpu` reports.
+fn largest_difference(stderr: &str) -> f64 {
+    let after = stderr
+        .split("largest relative difference ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no comparison reported: {stderr}"));
+    after.split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// `generate --device cuda` where no GPU can be used: a failure naming what is missing and
+/// the way out, no panic, no text.
+fn no_gpu_is_said_clearly((ok, stdout, stderr): (bool, Vec<u8>, String)) {
+    assert!(!ok, "generated without a GPU: {stderr}");
+    assert!(
+        stderr.contains("libcuda.so.1") || stderr.contains("NVRTC") || stderr.contains("GPU"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--device cpu"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stdout.is_empty(), "{stdout:?}");
+}
+
+#[test]
+fn generate_takes_the_devices_train_takes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_gpt_config(dir.path(), 1, &[]);
+    (*common::job(&cfg))
+        .clone()
+        .run(&meshtrain_train::RunOptions::default())
+        .unwrap();
+    let ckpt = cfg.train.out_dir.join("checkpoint.safetensors");
+    let (ok, _, stderr) = try_generate(&ckpt, &["--device", "tpu"]);
+    assert!(!ok && stderr.contains("cpu, cuda or cuda:N"), "{stderr}");
+    let (ok, _, stderr) = try_generate(&ckpt, &["--device", "cuda", "--no-cache"]);
+    assert!(!ok && stderr.contains("--no-cache"), "{stderr}");
+    let (text, stderr) = generate(&ckpt, &["--device", "cpu", "--max-tokens", "3"]);
+    assert_eq!(text.len(), "ROMEO:".len() + 3 + 1, "{stderr}");
+    // A GPU number the machine does not have (or no GPU at all): said, no panic.
+    no_gpu_is_said_clearly(try_generate(&ckpt, &["--device", "cuda:99"]));
 }
 
 #[test]

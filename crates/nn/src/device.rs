@@ -28,6 +28,14 @@ pub fn on_device(x: &Tensor, dev: &Arc<CudaDevice>) -> CudaTensor {
     }
 }
 
+/// `t`'s device values, taken out of it (a host tensor is uploaded).
+fn device_values(t: Tensor, dev: &Arc<CudaDevice>) -> CudaTensor {
+    match t.into_cuda() {
+        Ok((values, _)) => values,
+        Err(host) => on_device(&host, dev),
+    }
+}
+
 fn wrap(t: CudaTensor, shape: &[usize]) -> Tensor {
     Tensor::from_cuda(t, shape)
 }
@@ -162,12 +170,15 @@ pub fn layer_norm_forward(
     wrap(y, x.shape())
 }
 
+/// With `add_into`, the input gradient is added into it (the residual stream's gradient) and
+/// the sum returned.
 pub fn layer_norm_backward(
     n: &LayerNorm,
     p: DeviceParams<'_>,
     g: ParamsMut<'_>,
     mut s: Saved,
     dy: Tensor,
+    add_into: Option<Tensor>,
 ) -> Tensor {
     let rstd = kept(&mut s, "LayerNorm (rstd)");
     let mean = kept(&mut s, "LayerNorm (mean)");
@@ -184,6 +195,7 @@ pub fn layer_norm_backward(
         &dys,
         device_grads(g),
         n.dim,
+        add_into.map(|t| device_values(t, p.device())),
     ));
     wrap(dx, x.shape())
 }
@@ -212,12 +224,15 @@ pub fn rms_norm_forward(
     wrap(y, x.shape())
 }
 
+/// With `add_into`, the input gradient is added into it (the residual stream's gradient) and
+/// the sum returned.
 pub fn rms_norm_backward(
     n: &RmsNorm,
     p: DeviceParams<'_>,
     g: ParamsMut<'_>,
     mut s: Saved,
     dy: Tensor,
+    add_into: Option<Tensor>,
 ) -> Tensor {
     let rstd = kept(&mut s, "RmsNorm (rstd)");
     let x = s.tensors.pop().expect("RmsNorm: input");
@@ -232,6 +247,7 @@ pub fn rms_norm_backward(
         &dys,
         device_grads(g),
         n.dim,
+        add_into.map(|t| device_values(t, p.device())),
     ));
     wrap(dx, x.shape())
 }

@@ -466,6 +466,21 @@ impl Kept {
     }
 }
 
+/// [`Layer::backward_add_into`]'s default: `dx += layer.backward(..)`.
+pub fn add_backward_into<L: Layer + ?Sized>(
+    layer: &L,
+    params: Params<'_>,
+    grads: ParamsMut<'_>,
+    saved: Saved,
+    dy: Tensor,
+    dx: &mut Tensor,
+) {
+    let g = layer
+        .backward(params, grads, saved, dy, true)
+        .expect("a residual branch's first layer returns its input gradient");
+    dx.add_assign(&g);
+}
+
 /// A layer: parameters are given as slices of the model's flat buffers, in the order of
 /// [`Layer::params`]; gradients are *accumulated* into `grads` (so micro-batches add up).
 ///
@@ -502,6 +517,22 @@ pub trait Layer: Send + Sync {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor>;
+
+    /// Adds the input gradient into `dx` instead of returning it: where a residual branch
+    /// begins (its first layer), the branch's gradient joins the stream's. The default adds
+    /// what [`Layer::backward`] returns; a norm on a GPU adds inside its own kernel, which
+    /// saves a pass over the residual stream per branch and gives the same bits (one f32
+    /// addition either way).
+    fn backward_add_into(
+        &self,
+        params: Params<'_>,
+        grads: ParamsMut<'_>,
+        saved: Saved,
+        dy: Tensor,
+        dx: &mut Tensor,
+    ) {
+        add_backward_into(self, params, grads, saved, dy, dx);
+    }
 
     /// Whether this layer has kernels for `device`. A composite layer runs where all its
     /// children run; a leaf runs on the CPU unless it says more. A trainer asks before any

@@ -141,6 +141,26 @@ impl Children {
             need_dx,
         )
     }
+
+    /// Child `i`'s backward with its input gradient added into `dx`
+    /// ([`Layer::backward_add_into`]).
+    pub fn backward_add_into(
+        &self,
+        i: usize,
+        p: Params<'_>,
+        g: &mut ParamsMut<'_>,
+        saved: Saved,
+        dy: Tensor,
+        dx: &mut Tensor,
+    ) {
+        self.layers[i].1.backward_add_into(
+            p.slice(self.params[i].clone()),
+            g.slice(self.params[i].clone()),
+            saved,
+            dy,
+            dx,
+        )
+    }
 }
 
 /// Layers applied one after the other.
@@ -840,7 +860,7 @@ impl Layer for LayerNorm {
     ) -> Option<Tensor> {
         #[cfg(feature = "cuda")]
         if let Params::Device(p) = p {
-            return Some(crate::device::layer_norm_backward(self, p, g, s, dy));
+            return Some(crate::device::layer_norm_backward(self, p, g, s, dy, None));
         }
         let p = p.host();
         let g = g.host();
@@ -862,6 +882,24 @@ impl Layer for LayerNorm {
         x.recycle();
         dy.recycle();
         Some(Tensor::from_vec(dx, &shape))
+    }
+
+    /// On a GPU the input gradient is added into `dx` by the backward kernel itself.
+    #[cfg(feature = "cuda")]
+    fn backward_add_into(
+        &self,
+        p: Params<'_>,
+        g: ParamsMut<'_>,
+        s: Saved,
+        dy: Tensor,
+        dx: &mut Tensor,
+    ) {
+        if let Params::Device(p) = p {
+            let into = std::mem::replace(dx, Tensor::from_vec(Vec::new(), &[0]));
+            *dx = crate::device::layer_norm_backward(self, p, g, s, dy, Some(into));
+            return;
+        }
+        crate::layer::add_backward_into(self, p, g, s, dy, dx);
     }
 }
 
@@ -934,7 +972,7 @@ impl Layer for RmsNorm {
     ) -> Option<Tensor> {
         #[cfg(feature = "cuda")]
         if let Params::Device(p) = p {
-            return Some(crate::device::rms_norm_backward(self, p, g, s, dy));
+            return Some(crate::device::rms_norm_backward(self, p, g, s, dy, None));
         }
         let rstd = s.stats.pop().expect("RmsNorm: rstd");
         let x = s.tensors.pop().expect("RmsNorm: input");
@@ -943,6 +981,24 @@ impl Layer for RmsNorm {
         x.recycle();
         dy.recycle();
         Some(Tensor::from_vec(dx, &shape))
+    }
+
+    /// On a GPU the input gradient is added into `dx` by the backward kernel itself.
+    #[cfg(feature = "cuda")]
+    fn backward_add_into(
+        &self,
+        p: Params<'_>,
+        g: ParamsMut<'_>,
+        s: Saved,
+        dy: Tensor,
+        dx: &mut Tensor,
+    ) {
+        if let Params::Device(p) = p {
+            let into = std::mem::replace(dx, Tensor::from_vec(Vec::new(), &[0]));
+            *dx = crate::device::rms_norm_backward(self, p, g, s, dy, Some(into));
+            return;
+        }
+        crate::layer::add_backward_into(self, p, g, s, dy, dx);
     }
 }
 

@@ -609,20 +609,19 @@ impl Layer for TransformerBlock {
     ) -> Option<Tensor> {
         let (c, split) = (&self.parts, self.attention_parts);
         let mut saved: Vec<Saved> = s.children;
-        let mut grad = dy.clone();
-        for i in (split..c.len()).rev() {
+        // Each branch's layers from the last to the second; the first (the norm) adds its
+        // input gradient into the stream's (`backward_add_into`: in its kernel on a GPU).
+        let mut dx = dy;
+        for branch in [split..c.len(), 0..split] {
+            let mut grad = dx.clone();
+            for i in (branch.start + 1..branch.end).rev() {
+                let st = saved.pop().expect("block: saved state");
+                grad = c.backward(i, p, &mut g, st, grad, true).expect("gradient");
+            }
             let st = saved.pop().expect("block: saved state");
-            grad = c.backward(i, p, &mut g, st, grad, true).expect("gradient");
+            c.backward_add_into(branch.start, p, &mut g, st, grad, &mut dx);
         }
-        let mut dx1 = dy;
-        dx1.add_assign(&grad);
-        let mut grad = dx1.clone();
-        for i in (0..split).rev() {
-            let st = saved.pop().expect("block: saved state");
-            grad = c.backward(i, p, &mut g, st, grad, true).expect("gradient");
-        }
-        dx1.add_assign(&grad);
-        Some(dx1)
+        Some(dx)
     }
 }
 

@@ -76,6 +76,16 @@ impl Tensor {
         }
     }
 
+    /// The device values and the shape, taken out of the tensor (so a kernel may write into
+    /// a buffer no one else holds); a host tensor is handed back unchanged.
+    #[cfg(feature = "cuda")]
+    pub fn into_cuda(self) -> Result<(crate::cuda::CudaTensor, Vec<usize>), Tensor> {
+        match self.storage {
+            Storage::Cuda(c) => Ok((c, self.shape)),
+            Storage::Host(_) => Err(self),
+        }
+    }
+
     /// Where the values are.
     pub fn device(&self) -> crate::Device {
         match &self.storage {

@@ -141,9 +141,35 @@ fn grads_of(t: &CudaTensor) -> DeviceGrads<'_> {
     unsafe { DeviceGrads::new(t.device(), t.ptr(), t.len()) }
 }
 
-/// Runs every check with inputs drawn from `seed`.
-pub fn run_all(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
-    let mut out = Vec::new();
+/// The results so far, each handed to `report` as it is made: a kernel that takes the process
+/// down (an illegal address poisons the context) still leaves every earlier line printed.
+struct Results<'a> {
+    all: Vec<CheckResult>,
+    report: &'a mut dyn FnMut(&CheckResult),
+}
+
+impl Results<'_> {
+    fn push(&mut self, r: CheckResult) {
+        (self.report)(&r);
+        self.all.push(r);
+    }
+
+    fn extend(&mut self, rs: Vec<CheckResult>) {
+        rs.into_iter().for_each(|r| self.push(r));
+    }
+}
+
+/// Runs every check with inputs drawn from `seed`, calling `report` with each result as it is
+/// made.
+pub fn run_all(
+    dev: &Arc<CudaDevice>,
+    seed: u64,
+    report: &mut dyn FnMut(&CheckResult),
+) -> Vec<CheckResult> {
+    let mut out = Results {
+        all: Vec::new(),
+        report,
+    };
     let mut rng = SplitMix64::new(seed);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         let s = ops::suffix(dtype);
@@ -254,7 +280,7 @@ pub fn run_all(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
                 .unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
-    out
+    out.all
 }
 
 fn check_linear(
@@ -378,6 +404,7 @@ fn check_layer_norm(
         &dy_dev,
         grads_of(&g_dev),
         d,
+        None,
     )?;
     let name = |what: &str| format!("layer norm {rows}x{d} {what} {s}");
     Ok(vec![
@@ -430,6 +457,7 @@ fn check_rms_norm(
         &dy_dev,
         grads_of(&g_dev),
         d,
+        None,
     )?;
     let tol = tolerance(dtype);
     let name = |what: &str| format!("rms norm {rows}x{d} {what} {s}");
@@ -792,7 +820,7 @@ mod tests {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
-        let results = run_all(&dev, seed);
+        let results = run_all(&dev, seed, &mut |_| {});
         let failed: Vec<String> = results
             .iter()
             .filter(|r| !r.passed)

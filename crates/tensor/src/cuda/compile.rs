@@ -57,6 +57,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "llama.cu",
         source: include_str!("kernels/llama.cu"),
     },
+    KernelFile {
+        name: "decode.cu",
+        source: include_str!("kernels/decode.cu"),
+    },
 ];
 
 /// The kernel file called `name`.
@@ -326,6 +330,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
         }
         "bias.cu" => {
             let mut v = each("colsum_partial");
+            v.extend(each("colsum_partial_vec"));
             v.push("colsum_finish".into());
             v
         }
@@ -381,6 +386,9 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             each("swiglu_bwd"),
         ]
         .concat(),
+        "decode.cu" => ["decode_append_kv_f32", "decode_attn_f32"]
+            .map(String::from)
+            .to_vec(),
         _ => Vec::new(),
     }
 }
@@ -478,6 +486,7 @@ mod tests {
         assert_eq!(names.len(), KERNEL_FILES.len());
         assert!(kernel_file("attention.cu").is_some());
         assert!(kernel_file("llama.cu").is_some());
+        assert!(kernel_file("decode.cu").is_some());
         // Every listed file says which kernels it must export.
         for f in KERNEL_FILES {
             assert!(!expected_kernels(f.name).is_empty(), "{}", f.name);

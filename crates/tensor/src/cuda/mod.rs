@@ -10,7 +10,8 @@
 //! * [`blas`]: matrix products on cuBLASLt;
 //! * [`ops`]: the operations layers call on device tensors (shape and dtype checks, then
 //!   launches), each the twin of a CPU kernel it is tested against ([`check`]);
-//! * [`train_ops`]: what a training step does over flat buffers (optimizers, norms).
+//! * [`train_ops`]: what a training step does over flat buffers (optimizers, norms);
+//! * [`decode`]: incremental decoding's key/value cache and attention over it.
 //!
 //! A device tensor ([`CudaTensor`]) holds a reference-counted buffer, so cloning one (a
 //! layer keeping its input for backward) copies nothing; operations write new buffers.
@@ -20,6 +21,7 @@ pub mod blas;
 pub mod check;
 pub mod compile;
 pub mod context;
+pub mod decode;
 pub mod error;
 pub mod ops;
 pub mod probe;

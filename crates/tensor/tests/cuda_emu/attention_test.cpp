@@ -1,4 +1,4 @@
-// attention.cu on the CPU emulator: the tensor-core (WMMA) kernels in bf16 and f16 and the
+// attention.cu on the CPU emulator: the tensor-core kernels (mma.sync fragments) in bf16 and f16 and the
 // exact f32 kernels, forward and backward, against a double-precision definition of causal
 // attention, on ragged sequence lengths (a last partial 64-row tile) and every head size.
 #include "cuda_emu.h"
@@ -17,14 +17,10 @@ struct Shape {
 
 /// The shared memory the Rust side gives each tensor-core kernel (ops::attention_smem).
 size_t smem(const char* part, int hd) {
-    const size_t tile = 64;
-    const size_t half_tile = tile * (hd + 8) * 2;
-    const size_t f32_tile = tile * (std::max<size_t>(hd, tile) + 4) * 4;
-    const size_t score_half = tile * (tile + 8) * 2;
-    const size_t rows = 2 * tile * 4;
-    if (!strcmp(part, "fwd")) return 3 * half_tile + f32_tile + score_half;
-    if (!strcmp(part, "dkdv")) return 4 * half_tile + f32_tile + 2 * score_half + rows;
-    return 4 * half_tile + f32_tile + score_half + rows;
+    const size_t half_tile = 64 * (hd + 8) * 2;
+    if (!strcmp(part, "fwd")) return 5 * half_tile;
+    if (!strcmp(part, "dkdv")) return 6 * half_tile + 4 * 64 * 4;
+    return 6 * half_tile;
 }
 
 /// Causal attention in double: out, lse, and the gradients for dout.
@@ -93,7 +89,7 @@ std::vector<double> part(const std::vector<double>& v, int D, int which) {
 }
 
 template <class T> struct Kernels;
-#define KERNELS(TYPE, NAME, HD)                                                                  \
+#define KERNELS(TYPE, NAME, HD)                                                            \
     template <> struct Kernels<TYPE##_hd<HD>> {                                                  \
         static constexpr auto fwd = attn_fwd_##NAME##_hd##HD;                                    \
         static constexpr auto dkdv = attn_dkdv_##NAME##_hd##HD;                                  \
@@ -160,6 +156,9 @@ int main() {
     kt::Tally tally;
     // Ragged lengths: a last tile of 2 rows (130), exactly one tile (64), a short one (70).
     run<bf16, Kernels<bf16_hd<64>>>(tally, {1, 130, 2, 64}, 1);
+    // Several query tiles and a ragged last one.
+    run<bf16, Kernels<bf16_hd<64>>>(tally, {1, 300, 1, 64}, 8);
+    run<f16, Kernels<f16_hd<32>>>(tally, {1, 200, 1, 32}, 9);
     run<bf16, Kernels<bf16_hd<32>>>(tally, {2, 64, 1, 32}, 2);
     run<bf16, Kernels<bf16_hd<128>>>(tally, {1, 70, 1, 128}, 3);
     run<f16, Kernels<f16_hd<64>>>(tally, {1, 100, 2, 64}, 4);

@@ -2008,6 +2008,110 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 } // namespace nvcuda
 
 // =======================================================================================
+// Register-level tensor-core fragments (common.cuh's mt_ldmatrix_x4, mt_mma_16816 and
+// mt_cp_async_16; on the GPU they are one PTX instruction each: ldmatrix, mma.sync
+// m16n8k16, cp.async). Their lane layouts ARE specified by PTX, and the kernels rely on
+// them, so the emulator reproduces them exactly:
+// - ldmatrix .x4: lane l gives the address of row l%8 of 8x8 matrix l/8 (16 bytes); lane t
+//   receives in register i the elements (row t/4, columns 2(t%4), 2(t%4)+1) of matrix i, or
+//   with .trans (rows 2(t%4) and 2(t%4)+1, column t/4); the first element in the low half.
+// - mma m16n8k16 row.col, f32 accumulators: A (16x16) a0 = (g, c..c+1), a1 = (g+8, c..),
+//   a2 = (g, c+8..), a3 = (g+8, c+8..); B (16x8, k x n) b0 = (k c..c+1, n g), b1 =
+//   (k c+8.., n g); C/D (16x8) d0,d1 = (g, c..c+1), d2,d3 = (g+8, c..c+1), where g = lane/4
+//   and c = 2(lane%4). Products exact, summed in double, rounded to float once (as WMMA).
+// Both are warp collectives: every lane writes its operands into a per-warp staging area,
+// the warp meets at a barrier, every lane computes its own results from all operands, and
+// meets again before the staging area can be reused. cp.async copies at once (zero-filling
+// what lies beyond src_bytes); the commit/wait pair is then trivially satisfied, so a
+// missing wait is NOT detected here (NVRTC and a GPU run are the test of that).
+// =======================================================================================
+namespace emu_frag {
+inline unsigned linear_thread() {
+    return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+// [warp][lane][slot]: 32 warps of a 1024-thread block.
+inline unsigned long long (&staging())[32][32][8] {
+    static unsigned long long area[32][32][8];
+    return area;
+}
+inline float half_bits_to_float(unsigned short h, bool bf) {
+    return bf ? ::emu::detail::bf16_bits_to_float(h) : ::emu::detail::f16_bits_to_float(h);
+}
+} // namespace emu_frag
+
+inline void mt_ldmatrix_x4_impl(unsigned* r, const void* row, bool trans) {
+    const unsigned t = emu_frag::linear_thread(), warp = t / 32, lane = t % 32;
+    auto& st = emu_frag::staging()[warp];
+    st[lane][0] = (unsigned long long)(uintptr_t)row;
+    __syncwarp();
+    for (int i = 0; i < 4; ++i) {
+        unsigned short lo, hi;
+        if (!trans) {
+            const unsigned short* p =
+                (const unsigned short*)(uintptr_t)st[8 * i + lane / 4][0] + 2 * (lane % 4);
+            lo = p[0];
+            hi = p[1];
+        } else {
+            lo = ((const unsigned short*)(uintptr_t)st[8 * i + 2 * (lane % 4)][0])[lane / 4];
+            hi = ((const unsigned short*)(uintptr_t)st[8 * i + 2 * (lane % 4) + 1][0])[lane / 4];
+        }
+        r[i] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+    __syncwarp();
+}
+inline void mt_ldmatrix_x4(unsigned* r, const void* row) { mt_ldmatrix_x4_impl(r, row, false); }
+inline void mt_ldmatrix_x4_trans(unsigned* r, const void* row) {
+    mt_ldmatrix_x4_impl(r, row, true);
+}
+
+template <class T> inline void mt_mma_16816(float* d, const unsigned* a, const unsigned* b) {
+    static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
+                  "mma m16n8k16 takes bf16 or f16");
+    constexpr bool bf = std::is_same<T, __nv_bfloat16>::value;
+    const unsigned t = emu_frag::linear_thread(), warp = t / 32, lane = t % 32;
+    auto& st = emu_frag::staging()[warp];
+    for (int i = 0; i < 4; ++i) st[lane][i] = a[i];
+    st[lane][4] = b[0];
+    st[lane][5] = b[1];
+    __syncwarp();
+    float A[16][16], B[16][8];
+    for (int s = 0; s < 32; ++s) {
+        const int g = s / 4, c = 2 * (s % 4);
+        auto put = [&](float* dst, unsigned long long v) {
+            dst[0] = emu_frag::half_bits_to_float((unsigned short)(v & 0xFFFF), bf);
+            dst[1] = emu_frag::half_bits_to_float((unsigned short)((v >> 16) & 0xFFFF), bf);
+        };
+        put(&A[g][c], st[s][0]);
+        put(&A[g + 8][c], st[s][1]);
+        put(&A[g][c + 8], st[s][2]);
+        put(&A[g + 8][c + 8], st[s][3]);
+        float b0[2], b1[2];
+        put(b0, st[s][4]);
+        put(b1, st[s][5]);
+        B[c][g] = b0[0];
+        B[c + 1][g] = b0[1];
+        B[c + 8][g] = b1[0];
+        B[c + 9][g] = b1[1];
+    }
+    __syncwarp();
+    const int g = lane / 4, c = 2 * (lane % 4);
+    const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {c, c + 1, c, c + 1};
+    for (int i = 0; i < 4; ++i) {
+        double acc = d[i];
+        for (int k = 0; k < 16; ++k) acc += (double)A[rows[i]][k] * (double)B[k][cols[i]];
+        d[i] = (float)acc;
+    }
+}
+
+inline void mt_cp_async_16(void* smem, const void* gmem, int src_bytes) {
+    unsigned char* dst = (unsigned char*)smem;
+    const unsigned char* src = (const unsigned char*)gmem;
+    for (int i = 0; i < 16; ++i) dst[i] = i < src_bytes ? src[i] : 0;
+}
+inline void mt_cp_async_commit() {}
+template <int N> inline void mt_cp_async_wait() {}
+
+// =======================================================================================
 // The test API.
 // =======================================================================================
 namespace emu {

@@ -74,7 +74,7 @@ static void test_forward(void (*fwd)(const float*, const float*, const float*, T
 }
 
 template <class T>
-static void test_backward(void (*dx_kernel)(const float*, const float*, const float*, const float*, const T*, float*, int, int),
+static void test_backward(void (*dx_kernel)(const float*, const float*, const float*, const float*, const T*, float*, int, int, int),
                           void (*params_kernel)(const float*, const float*, const float*, const T*, float*, int, int, int)) {
     Rng rng(32);
     const double eps = 1e-5;
@@ -101,7 +101,7 @@ static void test_backward(void (*dx_kernel)(const float*, const float*, const fl
         }
         fill_poison(dx, n);
         emu::launch(dx_kernel, dim3((rows + 7) / 8), dim3(256), 0, (const float*)x, (const float*)gamma,
-                    (const float*)mean, (const float*)rstd, (const T*)dy, dx, rows, d);
+                    (const float*)mean, (const float*)rstd, (const T*)dy, dx, rows, d, 0);
         std::vector<double> want(n), scale(n);
         std::vector<double> dgamma(d, 0.0), dbeta(d, 0.0);
         for (int r = 0; r < rows; ++r) {
@@ -126,6 +126,18 @@ static void test_backward(void (*dx_kernel)(const float*, const float*, const fl
         }
         const std::string tag = fmt("layernorm_bwd %s rows=%d d=%d", type_name<T>(), rows, d);
         tally.check(tag + " dx", scaled_l2(read(dx, n), want, scale), 1e-5);
+        // accumulate = 1 adds the same values into what dx holds: exactly (the residual
+        // add's bits), element for element.
+        {
+            float* acc = buffer<float>(n);
+            const auto base = fill_random(acc, n, rng, -1.0f, 1.0f);
+            emu::launch(dx_kernel, dim3((rows + 7) / 8), dim3(256), 0, (const float*)x,
+                        (const float*)gamma, (const float*)mean, (const float*)rstd, (const T*)dy,
+                        acc, rows, d, 1);
+            bool exact = true;
+            for (size_t i = 0; i < n; ++i) exact &= acc[i] == (float)base[i] + dx[i];
+            tally.check_true(tag + " dx accumulated bit-exactly", exact);
+        }
 
         for (int rpb : {64, 4}) {
             const int nb = (rows + rpb - 1) / rpb;

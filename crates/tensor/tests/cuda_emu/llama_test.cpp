@@ -70,7 +70,7 @@ static void test_rms_forward(void (*fwd)(const float*, const float*, T*, float*,
 }
 
 template <class T>
-static void test_rms_backward(void (*dx_kernel)(const float*, const float*, const float*, const T*, float*, int, int),
+static void test_rms_backward(void (*dx_kernel)(const float*, const float*, const float*, const T*, float*, int, int, int),
                               void (*params_kernel)(const float*, const float*, const T*, float*, int, int, int)) {
     Rng rng(42);
     const double eps = 1e-5;
@@ -93,7 +93,7 @@ static void test_rms_backward(void (*dx_kernel)(const float*, const float*, cons
             fill_poison(dx, n);
             const unsigned grid = off ? 1 : (rows + 7) / 8;
             emu::launch(dx_kernel, dim3(grid), dim3(256), 0, (const float*)x, (const float*)w,
-                        (const float*)rstd, (const T*)dy, dx, rows, d);
+                        (const float*)rstd, (const T*)dy, dx, rows, d, 0);
             std::vector<double> want(n), scale(n), dw(d, 0.0);
             for (int r = 0; r < rows; ++r) {
                 double mgh = 0.0;
@@ -114,6 +114,15 @@ static void test_rms_backward(void (*dx_kernel)(const float*, const float*, cons
             }
             const std::string tag = fmt("rmsnorm_bwd %s rows=%d d=%d off=%d", type_name<T>(), rows, d, off);
             tally.check(tag + " dx", scaled_l2(read(dx, n), want, scale), 1e-5);
+            {
+                float* acc = buffer<float>(n);
+                const auto base = fill_random(acc, n, rng, -1.0f, 1.0f);
+                emu::launch(dx_kernel, dim3(grid), dim3(256), 0, (const float*)x, (const float*)w,
+                            (const float*)rstd, (const T*)dy, acc, rows, d, 1);
+                bool exact = true;
+                for (size_t i = 0; i < n; ++i) exact &= acc[i] == (float)base[i] + dx[i];
+                tally.check_true(tag + " dx accumulated bit-exactly", exact);
+            }
 
             for (int rpb : {64, 4}) {
                 const int nb = (rows + rpb - 1) / rpb;

@@ -4,18 +4,27 @@
 // Layout: qkv is [B, T, 3·D] (q, k, v; head h at columns h·HD..), out/dout [B, T, D],
 // lse [B, H, T] (natural log of Σ_k exp(scale·q·k)), D_rows [B, H, T] = Σ_d dout·out.
 //
-// 16-bit inputs (bf16, f16) run on tensor cores through WMMA: a block of 4 warps owns a
-// 64-row tile (16 rows a warp); score tiles go through shared memory (f32), where the
-// online softmax reads them by row, and probabilities go back to shared memory in 16 bits as
-// the next product's input. Backward is two kernels so that no gradient is summed with
-// atomics (two runs are bit-identical): one per key tile (dK, dV over the query tiles at or
-// below the diagonal), one per query tile (dQ over the key tiles up to the diagonal). f32
-// inputs run exact SIMT kernels (a warp per row) for the CPU comparison and f32 training.
+// 16-bit inputs (bf16, f16) run on tensor cores with register-level fragments (mma.sync
+// m16n8k16 with f32 accumulators, operands loaded from shared memory by ldmatrix): a block
+// of 4 warps owns a 64-row tile, 16 rows a warp. Scores stay in registers: an accumulator
+// fragment of S holds, per lane, the same (row, column) pairs that an A-operand fragment of
+// P needs, so the online softmax runs on the accumulators and P feeds the next product
+// without touching shared memory. The next key (or query) tile is copied in with cp.async
+// while the current one is computed (two shared-memory buffers). Backward is two kernels so
+// that no gradient is summed with atomics (two runs are bit-identical): one per key tile
+// (dK, dV over the query tiles at or below the diagonal), one per query tile (dQ over the key
+// tiles up to the diagonal). f32 inputs run exact SIMT kernels (a warp per row) for the CPU
+// comparison and f32 training.
 //
-// Shared-memory layout (bytes; Rust's ops::attention_smem computes the same): 16-bit tiles
-// of 64 rows × (HD + 8) (the padding keeps rows off each other's banks and keeps every
-// 16-row fragment 32-byte aligned), an f32 tile of 64 × (max(64, HD) + 4), 16-bit score
-// tiles of 64 × 72, and 64-float rows.
+// Shared memory (Rust's ops::attention_smem computes the same): 16-bit tiles of 64 rows ×
+// (HD + 8) values. The 16-byte padding puts the 8 rows an ldmatrix reads on distinct banks
+// and keeps every row 16-byte aligned for cp.async. forward: Q + 2 K + 2 V tiles; dkdv: K, V
+// + 2 Q + 2 dO tiles + 2 × 2 rows of 64 floats (lse, D); dq: Q, dO + 2 K + 2 V tiles.
+//
+// Fragment lane layouts (g = lane/4, c = 2·(lane%4)); PTX's, see prelude.cuh:
+//   accumulator (16 × 8): [0], [1] = (row g, cols c, c+1); [2], [3] = (row g+8, cols c, c+1);
+//   A (16 × 16): r0 = (g, c..c+1), r1 = (g+8, c..), r2 = (g, c+8..), r3 = (g+8, c+8..);
+//   B (16 × 8, k × n): r0 = (k c..c+1, n g), r1 = (k c+8.., n g).
 
 namespace attn {
 
@@ -24,110 +33,154 @@ constexpr int THREADS = 128; // 4 warps × 16 rows
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
-template <int HD> struct Dims {
-    static constexpr int LDH = HD + 8;                         // 16-bit tile row
-    static constexpr int LDS = (HD > TILE ? HD : TILE) + 4;    // f32 tile row
-    static constexpr int LDP = TILE + 8;                       // 16-bit score row
-    static constexpr int HALF_TILE = TILE * LDH;               // elements
-    static constexpr int F32_TILE = TILE * LDS;                // elements
-    static constexpr int SCORE_TILE = TILE * LDP;              // elements
-};
-
 __device__ __forceinline__ float to_float(bf16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(f16 v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ bf16 from_float<bf16>(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ f16 from_float<f16>(float v) { return __float2half(v); }
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 
-// Loads rows r0..r0+TILE of one head (HD values from `src`, rows `stride` apart) into a
-// shared tile with rows `ld` apart; rows at or past `rows` are zero (so padded keys and
-// values contribute exact zeros, never garbage). 16-byte accesses: HD, the row stride and
-// the head offset are multiples of 8 elements, buffers 256-byte aligned.
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<bf16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack2<f16>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Queues rows r0..r0+TILE of one head (HD values from `src`, rows `stride` apart) into a
+// shared tile with rows HD + 8 apart, 16 bytes per cp.async; rows at or past `rows` are
+// zero-filled (padded keys and values contribute exact zeros, never garbage). HD, the row
+// stride and the head offset are multiples of 8 values; buffers are 256-byte aligned.
 template <typename T, int HD>
-__device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, long long stride, int r0,
-                                          int rows) {
-    constexpr int VECS = HD / 8; // 16-byte vectors per row
+__device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long stride, int r0,
+                                                int rows) {
+    constexpr int VECS = HD / 8, LD = HD + 8;
     for (int v = threadIdx.x; v < TILE * VECS; v += THREADS) {
         const int r = v / VECS, c = (v % VECS) * 8;
-        uint4 value = make_uint4(0, 0, 0, 0);
-        if (r0 + r < rows) {
-            value = *reinterpret_cast<const uint4*>(src + (long long)(r0 + r) * stride + c);
-        }
-        *reinterpret_cast<uint4*>(dst + r * ld + c) = value;
+        const bool inside = r0 + r < rows;
+        mt_cp_async_16(dst + r * LD + c, inside ? src + (long long)(r0 + r) * stride + c : src,
+                       inside ? 16 : 0);
     }
 }
 
-// Writes rows r0.. of an f32 tile (rows `ld` apart) times `scale` to one head's columns of a
-// 16-bit tensor, skipping rows at or past `rows`.
-template <typename T, int HD>
-__device__ __forceinline__ void store_tile(T* dst, long long stride, const float* src, int ld,
-                                           int r0, int rows, float scale) {
-    for (int v = threadIdx.x; v < TILE * HD / 2; v += THREADS) {
-        const int r = v / (HD / 2), c = (v % (HD / 2)) * 2;
-        if (r0 + r < rows) {
-            T* out = dst + (long long)(r0 + r) * stride + c;
-            out[0] = from_float<T>(src[r * ld + c] * scale);
-            out[1] = from_float<T>(src[r * ld + c + 1] * scale);
-        }
-    }
+// This lane's row address for an ldmatrix .x4 of the 16 × 16 block at (r0, c0) of a tile
+// with rows `ld` apart, in the order of an A operand (rows r0.. are M, columns c0.. are K),
+// or, with .trans, of the B operands of two n-tiles (rows r0.. are K, columns c0.. and
+// c0 + 8.. the two n-tiles): registers 0, 1 feed n-tile 0 and 2, 3 n-tile 1.
+template <typename T>
+__device__ __forceinline__ const T* frag_rows(const T* tile, int ld, int r0, int c0, int lane) {
+    return tile + (r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8;
 }
 
-using namespace nvcuda;
+// This lane's row address for an ldmatrix .x4 (no .trans) of the B operands of two n-tiles
+// when the operand is stored transposed, n-major (rows n0..n0+15 are N, columns k0..k0+15
+// are K; e.g. Kᵀ read from K's rows): registers 0, 1 feed n-tile 0 and 2, 3 n-tile 1.
+template <typename T>
+__device__ __forceinline__ const T* frag_cols(const T* tile, int ld, int n0, int k0, int lane) {
+    return tile + (n0 + ((lane >> 4) << 3) + (lane & 7)) * ld + k0 + ((lane >> 3) & 1) * 8;
+}
 
-// acc[j] (16 rows × 16 columns j) += A (16 × K, row-major, lda) · B, for `NB` column tiles of
-// B. B_T: B given as its transpose, row-major (`b + j·16·ldb` is row 16j of Bᵀ): the product
-// with Kᵀ or Vᵀ reads K or V's rows directly. Otherwise B row-major (k rows, ldb apart).
-template <typename T, int K, int NB, bool B_T>
-__device__ __forceinline__ void mma_rows(wmma::fragment<wmma::accumulator, 16, 16, 16, float>* acc,
-                                         const T* a, int lda, const T* b, int ldb) {
+// acc[n] (16 × 8 accumulators, n over N/8 tiles) += A · B with A in registers (K/16 k-chunks
+// of fragments) and B = Xᵀ for a shared tile X stored n-major (X's rows are B's columns):
+// S = Q·Kᵀ, dPᵀ = V·dOᵀ, and the like.
+template <typename T, int K, int N>
+__device__ __forceinline__ void mma_a_xt(float (*acc)[4], const unsigned (*a)[4], const T* x,
+                                         int ld, int lane) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-        wmma::load_matrix_sync(fa, a + kk * 16, lda);
 #pragma unroll
-        for (int j = 0; j < NB; ++j) {
-            if (B_T) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-                wmma::load_matrix_sync(fb, b + j * 16 * ldb + kk * 16, ldb);
-                wmma::mma_sync(acc[j], fa, fb, acc[j]);
-            } else {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
-                wmma::load_matrix_sync(fb, b + kk * 16 * ldb + j * 16, ldb);
-                wmma::mma_sync(acc[j], fa, fb, acc[j]);
-            }
+        for (int np = 0; np < N / 16; ++np) {
+            unsigned b[4];
+            mt_ldmatrix_x4(b, frag_cols(x, ld, np * 16, kk * 16, lane));
+            mt_mma_16816<T>(acc[2 * np], a[kk], b);
+            mt_mma_16816<T>(acc[2 * np + 1], a[kk], b + 2);
         }
     }
 }
 
-template <int NB>
-__device__ __forceinline__ void zero(wmma::fragment<wmma::accumulator, 16, 16, 16, float>* acc) {
+// acc[n] += A · X for a shared tile X stored k-major (rows are K, columns N): P·V, Pᵀ·dO,
+// dS·K, dSᵀ·Q.
+template <typename T, int K, int N>
+__device__ __forceinline__ void mma_a_x(float (*acc)[4], const unsigned (*a)[4], const T* x,
+                                        int ld, int lane) {
 #pragma unroll
-    for (int j = 0; j < NB; ++j) wmma::fill_fragment(acc[j], 0.0f);
+    for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            unsigned b[4];
+            mt_ldmatrix_x4_trans(b, frag_rows(x, ld, kk * 16, np * 16, lane));
+            mt_mma_16816<T>(acc[2 * np], a[kk], b);
+            mt_mma_16816<T>(acc[2 * np + 1], a[kk], b + 2);
+        }
+    }
 }
 
-template <int NB>
-__device__ __forceinline__ void store_rows(float* dst, int ld,
-                                           wmma::fragment<wmma::accumulator, 16, 16, 16, float>* acc) {
+// The A fragments of the warp's 16 rows (starting at row r0) of a shared tile, K = HD.
+template <typename T, int HD>
+__device__ __forceinline__ void load_rows(unsigned (*a)[4], const T* tile, int r0, int lane) {
 #pragma unroll
-    for (int j = 0; j < NB; ++j) wmma::store_matrix_sync(dst + j * 16, acc[j], ld, wmma::mem_row_major);
+    for (int kk = 0; kk < HD / 16; ++kk) mt_ldmatrix_x4(a[kk], frag_rows(tile, HD + 8, r0, kk * 16, lane));
+}
+
+// 16 × N accumulators as the A fragments of a 16 × N operand (N/16 k-chunks), rounded to T.
+template <typename T, int N>
+__device__ __forceinline__ void to_a(unsigned (*a)[4], const float (*acc)[4]) {
+#pragma unroll
+    for (int kc = 0; kc < N / 16; ++kc) {
+        a[kc][0] = pack2<T>(acc[2 * kc][0], acc[2 * kc][1]);
+        a[kc][1] = pack2<T>(acc[2 * kc][2], acc[2 * kc][3]);
+        a[kc][2] = pack2<T>(acc[2 * kc + 1][0], acc[2 * kc + 1][1]);
+        a[kc][3] = pack2<T>(acc[2 * kc + 1][2], acc[2 * kc + 1][3]);
+    }
+}
+
+template <int N> __device__ __forceinline__ void zero(float (*acc)[4]) {
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+
+// Writes the warp's 16 × HD accumulators (times `scale`) to rows r0.. of one head's columns
+// of a 16-bit tensor (rows `stride` apart), skipping rows at or past `rows`: staged in the
+// warp's own 16 rows of the shared tile `stage` (which no other warp reads), then copied out
+// 16 bytes per access.
+template <typename T, int HD>
+__device__ __forceinline__ void store_rows(T* dst, long long stride, const float (*acc)[4],
+                                           float scale, T* stage, int r0, int rows, int lane) {
+    constexpr int LD = HD + 8;
+    const int g = lane / 4, c = 2 * (lane % 4);
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+        *reinterpret_cast<unsigned*>(stage + g * LD + 8 * n + c) =
+            pack2<T>(acc[n][0] * scale, acc[n][1] * scale);
+        *reinterpret_cast<unsigned*>(stage + (g + 8) * LD + 8 * n + c) =
+            pack2<T>(acc[n][2] * scale, acc[n][3] * scale);
+    }
+    __syncwarp();
+    for (int v = lane; v < 16 * HD / 8; v += 32) {
+        const int r = v / (HD / 8), col = (v % (HD / 8)) * 8;
+        if (r0 + r < rows) {
+            *reinterpret_cast<uint4*>(dst + (long long)(r0 + r) * stride + col) =
+                *reinterpret_cast<const uint4*>(stage + r * LD + col);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------
 // Forward: a block per (64-query tile, sample·head), latest tiles first (they have the most
-// keys). Each lane owns half of one row of its warp's 16: the online-softmax statistics of
-// that row, and the output columns half, half + 2, … (interleaved, so lanes of a warp touch
-// different banks).
+// keys). Each warp: S = Q·Kᵀ for its 16 rows in registers, the online softmax on the
+// accumulators (each row's 16 values of a lane, then the 4 lanes of the row), O += P·V.
+// (Two 16-row m-tiles a warp, so that each K/V fragment read from shared memory feeds two
+// products, took 240 registers, 2 blocks a multiprocessor instead of 3, and ran the GPT-2
+// step's forward 7% slower on an H100; a generic version with an m-tile loop and a
+// diagonal skip ran 15% slower even at one m-tile.)
 template <typename T, int HD>
 __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, float scale) {
-    using Dm = Dims<HD>;
+    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
     DYNAMIC_SMEM(unsigned char, smem);
     T* sQ = reinterpret_cast<T*>(smem);
-    T* sK = sQ + Dm::HALF_TILE;
-    T* sV = sK + Dm::HALF_TILE;
-    float* sS = reinterpret_cast<float*>(sV + Dm::HALF_TILE);
-    T* sP = reinterpret_cast<T*>(sS + Dm::F32_TILE);
+    T* sK = sQ + TILE_VALUES; // two buffers
+    T* sV = sK + 2 * TILE_VALUES;
 
     const int tile = gridDim.x - 1 - blockIdx.x;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
@@ -136,79 +189,114 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
     const long long stride = 3LL * D;
     const T* base = qkv + (long long)b * Tn * stride + h * HD;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = warp * 16 + lane / 2, half = lane % 2;
-    const int qi = q0 + row;
-    const float scale2 = scale * LOG2E; // scores in log2 units: exp2f is one instruction
+    const int g = lane / 4, c = 2 * (lane % 4);
+    const int row0 = q0 + warp * 16 + g; // this lane's rows: row0 and row0 + 8
+    const float scale2 = scale * LOG2E;  // scores in log2 units: exp2f is one instruction
+    const int key_tiles = (min(q0 + TILE, Tn) - 1) / TILE + 1;
 
-    load_tile<T, HD>(sQ, Dm::LDH, base, stride, q0, Tn);
-    float o[HD / 2];
-#pragma unroll
-    for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
-    float m = -INFINITY, l = 0.0f;
+    load_tile_async<T, HD>(sQ, base, stride, q0, Tn);
+    load_tile_async<T, HD>(sK, base + D, stride, 0, Tn);
+    load_tile_async<T, HD>(sV, base + 2 * D, stride, 0, Tn);
+    mt_cp_async_commit();
 
-    const int last_key = min(q0 + TILE, Tn) - 1; // the block's last query sees keys ≤ it
-    const int key_tiles = last_key / TILE + 1;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[(HD > TILE ? HD : TILE) / 16];
+    unsigned qa[HD / 16][4];
+    float o[HD / 8][4];
+    zero<HD>(o);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     for (int kt = 0; kt < key_tiles; ++kt) {
-        const int k0 = kt * TILE;
-        __syncthreads(); // everyone is done with the previous K and V
-        load_tile<T, HD>(sK, Dm::LDH, base + D, stride, k0, Tn);
-        load_tile<T, HD>(sV, Dm::LDH, base + 2 * D, stride, k0, Tn);
+        const int buf = kt & 1;
+        if (kt + 1 < key_tiles) {
+            const int nb = (buf ^ 1) * TILE_VALUES;
+            load_tile_async<T, HD>(sK + nb, base + D, stride, (kt + 1) * TILE, Tn);
+            load_tile_async<T, HD>(sV + nb, base + 2 * D, stride, (kt + 1) * TILE, Tn);
+            mt_cp_async_commit();
+            mt_cp_async_wait<1>();
+        } else {
+            mt_cp_async_wait<0>();
+        }
         __syncthreads();
+        if (kt == 0) load_rows<T, HD>(qa, sQ, warp * 16, lane);
+        const T* K = sK + buf * TILE_VALUES;
+        const T* V = sV + buf * TILE_VALUES;
 
-        // S = Q·Kᵀ for this warp's 16 rows.
-        zero<TILE / 16>(acc);
-        mma_rows<T, HD, TILE / 16, true>(acc, sQ + warp * 16 * Dm::LDH, Dm::LDH, sK, Dm::LDH);
-        store_rows<TILE / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, acc);
-        __syncwarp();
+        float s[TILE / 8][4];
+        zero<TILE>(s);
+        mma_a_xt<T, HD, TILE>(s, qa, K, LD, lane);
 
-        // Online softmax over this tile's keys of the row.
-        float* srow = sS + row * Dm::LDS;
-        float mx = -INFINITY;
+        // Scale, and mask on the last tile (the only one holding keys past the diagonal or
+        // past the sequence: tiles are aligned, so earlier keys precede every row).
+        const bool edge = kt == key_tiles - 1;
+        const int k0 = kt * TILE;
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int j = 0; j < TILE / 2; ++j) {
-            const int c = half + 2 * j, kj = k0 + c;
-            const float s = (kj <= qi && kj < Tn) ? srow[c] * scale2 : -INFINITY;
-            srow[c] = s;
-            mx = fmaxf(mx, s);
+        for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
+                float v = s[j][e] * scale2;
+                if (edge && (key > row || key >= Tn)) v = -INFINITY;
+                s[j][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
         }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        const float m_new = fmaxf(m, mx);
-        const float m_base = (m_new == -INFINITY) ? 0.0f : m_new; // a fully masked row so far
-        const float alpha = exp2f(m - m_base);
-        float sum = 0.0f;
-        T* prow = sP + row * Dm::LDP;
+        float base_[2], alpha[2];
 #pragma unroll
-        for (int j = 0; j < TILE / 2; ++j) {
-            const int c = half + 2 * j;
-            const float p = exp2f(srow[c] - m_base);
-            sum += p;
-            prow[c] = from_float<T>(p);
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            const float m_new = fmaxf(m[i], mx[i]);
+            base_[i] = m_new == -INFINITY ? 0.0f : m_new; // a fully masked row so far
+            alpha[i] = exp2f(m[i] - base_[i]);
+            m[i] = m_new;
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l = l * alpha + sum;
-        m = m_new;
+        float sum[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < HD / 2; ++i) o[i] *= alpha;
-        __syncwarp();
-
-        // O += P·V for the warp's rows, staged through its rows of sS.
-        zero<HD / 16>(acc);
-        mma_rows<T, TILE, HD / 16, false>(acc, sP + warp * 16 * Dm::LDP, Dm::LDP, sV, Dm::LDH);
-        store_rows<HD / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, acc);
-        __syncwarp();
+        for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
-        for (int i = 0; i < HD / 2; ++i) o[i] += srow[half + 2 * i];
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(s[j][e] - base_[e >> 1]);
+                s[j][e] = p;
+                sum[e >> 1] += p;
+            }
+        }
+        // Each lane keeps its part of the row sums; the row's 4 lanes add them at the end.
+        l[0] = l[0] * alpha[0] + sum[0];
+        l[1] = l[1] * alpha[1] + sum[1];
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+        unsigned pa[TILE / 16][4];
+        to_a<T, TILE>(pa, s);
+        mma_a_x<T, TILE, HD>(o, pa, V, LD, lane);
+        __syncthreads(); // everyone is done with this buffer before it is refilled
     }
 
-    // Normalise, stage the tile in sS and write it with whole rows per thread group.
-    const float inv_l = 1.0f / l;
-    __syncwarp();
 #pragma unroll
-    for (int i = 0; i < HD / 2; ++i) sS[row * Dm::LDS + half + 2 * i] = o[i] * inv_l;
-    if (half == 0 && qi < Tn) lse[((long long)b * H + h) * Tn + qi] = (m + log2f(l)) * LN2;
-    __syncthreads();
-    store_tile<T, HD>(out + (long long)b * Tn * D + h * HD, D, sS, Dm::LDS, q0, Tn, 1.0f);
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+        o[n][0] *= inv[0];
+        o[n][1] *= inv[0];
+        o[n][2] *= inv[1];
+        o[n][3] *= inv[1];
+    }
+    if (lane % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (row0 + 8 * i < Tn) lse[((long long)b * H + h) * Tn + row0 + 8 * i] = (m[i] + log2f(l[i])) * LN2;
+        }
+    }
+    // The warp's own rows of sQ (only it read them, at kt = 0) stage the output.
+    store_rows<T, HD>(out + (long long)b * Tn * D + h * HD, D, o, 1.0f,
+                      sQ + warp * 16 * LD, q0 + warp * 16, Tn, lane);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -219,17 +307,14 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
 template <typename T, int HD>
 __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, const float* Drows,
                               T* dqkv, int B, int Tn, int H, float scale) {
-    using Dm = Dims<HD>;
+    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
     DYNAMIC_SMEM(unsigned char, smem);
     T* sK = reinterpret_cast<T*>(smem);
-    T* sV = sK + Dm::HALF_TILE;
-    T* sQ = sV + Dm::HALF_TILE;
-    T* sdO = sQ + Dm::HALF_TILE;
-    float* sS = reinterpret_cast<float*>(sdO + Dm::HALF_TILE);
-    T* sP = reinterpret_cast<T*>(sS + Dm::F32_TILE);
-    T* sdS = sP + Dm::SCORE_TILE;
-    float* sL = reinterpret_cast<float*>(sdS + Dm::SCORE_TILE);
-    float* sD = sL + TILE;
+    T* sV = sK + TILE_VALUES;
+    T* sQ = sV + TILE_VALUES;      // two buffers
+    T* sdO = sQ + 2 * TILE_VALUES; // two buffers
+    float* sL = reinterpret_cast<float*>(sdO + 2 * TILE_VALUES); // two rows: lse · log2(e)
+    float* sD = sL + 2 * TILE;                                   // two rows
 
     const int k0 = blockIdx.x * TILE;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
@@ -240,75 +325,102 @@ __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, con
     const float* lse_bh = lse + ((long long)b * H + h) * Tn;
     const float* D_bh = Drows + ((long long)b * H + h) * Tn;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = warp * 16 + lane / 2, half = lane % 2;
-    const int kj = k0 + row;
+    const int g = lane / 4, c = 2 * (lane % 4);
+    const int key0 = k0 + warp * 16 + g; // this lane's keys: key0 and key0 + 8
+    const float scale2 = scale * LOG2E;
 
-    load_tile<T, HD>(sK, Dm::LDH, base + D, stride, k0, Tn);
-    load_tile<T, HD>(sV, Dm::LDH, base + 2 * D, stride, k0, Tn);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dK[HD / 16], dV[HD / 16];
-    zero<HD / 16>(dK);
-    zero<HD / 16>(dV);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[TILE / 16];
-    float p[TILE / 2];
-
-    const int q_tiles = (Tn + TILE - 1) / TILE;
-    for (int qt = k0 / TILE; qt < q_tiles; ++qt) {
-        const int q0 = qt * TILE;
-        __syncthreads(); // everyone is done with the previous Q, dO, lse and D
-        load_tile<T, HD>(sQ, Dm::LDH, base, stride, q0, Tn);
-        load_tile<T, HD>(sdO, Dm::LDH, dbase, D, q0, Tn);
+    // The query tile's rows of lse and D (plain loads: a row's start need not be 16-byte
+    // aligned); padded queries get lse = ∞, so P = 0.
+    auto load_rows_of = [&](int slot, int q0) {
         for (int r = threadIdx.x; r < TILE; r += THREADS) {
             const bool valid = q0 + r < Tn;
-            sL[r] = valid ? lse_bh[q0 + r] : INFINITY; // P = 0 for padded queries
-            sD[r] = valid ? D_bh[q0 + r] : 0.0f;
+            sL[slot * TILE + r] = valid ? lse_bh[q0 + r] * LOG2E : INFINITY;
+            sD[slot * TILE + r] = valid ? D_bh[q0 + r] : 0.0f;
+        }
+    };
+    const int qt0 = k0 / TILE, q_tiles = (Tn + TILE - 1) / TILE;
+    load_tile_async<T, HD>(sK, base + D, stride, k0, Tn);
+    load_tile_async<T, HD>(sV, base + 2 * D, stride, k0, Tn);
+    load_tile_async<T, HD>(sQ, base, stride, k0, Tn);
+    load_tile_async<T, HD>(sdO, dbase, D, k0, Tn);
+    mt_cp_async_commit();
+    load_rows_of(0, k0);
+
+    float dk[HD / 8][4], dv[HD / 8][4];
+    zero<HD>(dk);
+    zero<HD>(dv);
+    for (int qt = qt0; qt < q_tiles; ++qt) {
+        const int buf = (qt - qt0) & 1;
+        if (qt + 1 < q_tiles) {
+            const int nb = (buf ^ 1) * TILE_VALUES;
+            load_tile_async<T, HD>(sQ + nb, base, stride, (qt + 1) * TILE, Tn);
+            load_tile_async<T, HD>(sdO + nb, dbase, D, (qt + 1) * TILE, Tn);
+            mt_cp_async_commit();
+            load_rows_of(buf ^ 1, (qt + 1) * TILE);
+            mt_cp_async_wait<1>();
+        } else {
+            mt_cp_async_wait<0>();
         }
         __syncthreads();
+        const T* Q = sQ + buf * TILE_VALUES;
+        const T* dO = sdO + buf * TILE_VALUES;
+        const float* L = sL + buf * TILE;
+        const float* Dq = sD + buf * TILE;
+        const int q0 = qt * TILE;
 
-        // Sᵀ = K·Qᵀ → Pᵀ (registers and sP).
-        zero<TILE / 16>(acc);
-        mma_rows<T, HD, TILE / 16, true>(acc, sK + warp * 16 * Dm::LDH, Dm::LDH, sQ, Dm::LDH);
-        store_rows<TILE / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, acc);
-        __syncwarp();
-        float* srow = sS + row * Dm::LDS;
-        T* prow = sP + row * Dm::LDP;
-#pragma unroll
-        for (int j = 0; j < TILE / 2; ++j) {
-            const int c = half + 2 * j, qi = q0 + c;
-            const bool valid = qi >= kj && qi < Tn && kj < Tn;
-            p[j] = valid ? exp2f((srow[c] * scale - sL[c]) * LOG2E) : 0.0f;
-            prow[c] = from_float<T>(p[j]);
+        // Sᵀ = K·Qᵀ → Pᵀ, in registers.
+        float st[TILE / 8][4];
+        zero<TILE>(st);
+        {
+            unsigned ka[HD / 16][4];
+            load_rows<T, HD>(ka, sK, warp * 16, lane);
+            mma_a_xt<T, HD, TILE>(st, ka, Q, LD, lane);
         }
-        __syncwarp();
-
+        // The diagonal tile (the first) and the last one (padded queries) need the mask.
+        const bool edge = qt == qt0 || q0 + TILE > Tn;
+#pragma unroll
+        for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int q = 8 * j + c + (e & 1), key = key0 + (e >> 1) * 8;
+                float p = exp2f(st[j][e] * scale2 - L[q]);
+                if (edge && (q0 + q < key || q0 + q >= Tn || key >= Tn)) p = 0.0f;
+                st[j][e] = p;
+            }
+        }
+        unsigned pa[TILE / 16][4];
+        to_a<T, TILE>(pa, st);
         // dV += Pᵀ·dO.
-        mma_rows<T, TILE, HD / 16, false>(dV, sP + warp * 16 * Dm::LDP, Dm::LDP, sdO, Dm::LDH);
+        mma_a_x<T, TILE, HD>(dv, pa, dO, LD, lane);
 
-        // dPᵀ = V·dOᵀ → dSᵀ.
-        zero<TILE / 16>(acc);
-        mma_rows<T, HD, TILE / 16, true>(acc, sV + warp * 16 * Dm::LDH, Dm::LDH, sdO, Dm::LDH);
-        store_rows<TILE / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, acc);
-        __syncwarp();
-        T* dsrow = sdS + row * Dm::LDP;
-#pragma unroll
-        for (int j = 0; j < TILE / 2; ++j) {
-            const int c = half + 2 * j;
-            dsrow[c] = from_float<T>(p[j] * (srow[c] - sD[c]));
+        // dPᵀ = V·dOᵀ → dSᵀ = Pᵀ∘(dPᵀ − D).
+        float dpt[TILE / 8][4];
+        zero<TILE>(dpt);
+        {
+            unsigned va[HD / 16][4];
+            load_rows<T, HD>(va, sV, warp * 16, lane);
+            mma_a_xt<T, HD, TILE>(dpt, va, dO, LD, lane);
         }
-        __syncwarp();
-
+#pragma unroll
+        for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int q = 8 * j + c + (e & 1);
+                dpt[j][e] = st[j][e] * (dpt[j][e] - Dq[q]);
+            }
+        }
+        unsigned dsa[TILE / 16][4];
+        to_a<T, TILE>(dsa, dpt);
         // dK += dSᵀ·Q.
-        mma_rows<T, TILE, HD / 16, false>(dK, sdS + warp * 16 * Dm::LDP, Dm::LDP, sQ, Dm::LDH);
+        mma_a_x<T, TILE, HD>(dk, dsa, Q, LD, lane);
+        __syncthreads(); // everyone is done with this buffer before it is refilled
     }
 
+    // The warp's own rows of sK and sV (only it read them) stage dK and dV.
     T* out = dqkv + (long long)b * Tn * stride + h * HD;
-    __syncthreads();
-    store_rows<HD / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, dK);
-    __syncthreads();
-    store_tile<T, HD>(out + D, stride, sS, Dm::LDS, k0, Tn, scale);
-    __syncthreads();
-    store_rows<HD / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, dV);
-    __syncthreads();
-    store_tile<T, HD>(out + 2 * D, stride, sS, Dm::LDS, k0, Tn, 1.0f);
+    store_rows<T, HD>(out + D, stride, dk, scale, sK + warp * 16 * LD, k0 + warp * 16, Tn, lane);
+    store_rows<T, HD>(out + 2 * D, stride, dv, 1.0f, sV + warp * 16 * LD, k0 + warp * 16, Tn,
+                      lane);
 }
 
 // Backward, part 2: a block per (64-query tile, sample·head), latest first. Each warp owns
@@ -317,16 +429,12 @@ __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, con
 template <typename T, int HD>
 __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const float* Drows,
                             T* dqkv, int B, int Tn, int H, float scale) {
-    using Dm = Dims<HD>;
+    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
     DYNAMIC_SMEM(unsigned char, smem);
     T* sQ = reinterpret_cast<T*>(smem);
-    T* sdO = sQ + Dm::HALF_TILE;
-    T* sK = sdO + Dm::HALF_TILE;
-    T* sV = sK + Dm::HALF_TILE;
-    float* sS = reinterpret_cast<float*>(sV + Dm::HALF_TILE);
-    T* sdS = reinterpret_cast<T*>(sS + Dm::F32_TILE);
-    float* sL = reinterpret_cast<float*>(sdS + Dm::SCORE_TILE);
-    float* sD = sL + TILE;
+    T* sdO = sQ + TILE_VALUES;
+    T* sK = sdO + TILE_VALUES; // two buffers
+    T* sV = sK + 2 * TILE_VALUES;
 
     const int tile = gridDim.x - 1 - blockIdx.x;
     const int q0 = tile * TILE;
@@ -336,67 +444,82 @@ __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const
     const T* base = qkv + (long long)b * Tn * stride + h * HD;
     const T* dbase = dout + (long long)b * Tn * D + h * HD;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = warp * 16 + lane / 2, half = lane % 2;
-    const int qi = q0 + row;
-
-    load_tile<T, HD>(sQ, Dm::LDH, base, stride, q0, Tn);
-    load_tile<T, HD>(sdO, Dm::LDH, dbase, D, q0, Tn);
-    for (int r = threadIdx.x; r < TILE; r += THREADS) {
-        const bool valid = q0 + r < Tn;
-        sL[r] = valid ? lse[((long long)b * H + h) * Tn + q0 + r] : INFINITY;
-        sD[r] = valid ? Drows[((long long)b * H + h) * Tn + q0 + r] : 0.0f;
+    const int g = lane / 4, c = 2 * (lane % 4);
+    const int row0 = q0 + warp * 16 + g; // this lane's queries: row0 and row0 + 8
+    const float scale2 = scale * LOG2E;
+    float lse2[2], d_row[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = row0 + 8 * i;
+        const long long at = ((long long)b * H + h) * Tn + r;
+        lse2[i] = r < Tn ? lse[at] * LOG2E : INFINITY; // padded queries: P = 0
+        d_row[i] = r < Tn ? Drows[at] : 0.0f;
     }
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dQ[HD / 16];
-    zero<HD / 16>(dQ);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[TILE / 16];
-    float p[TILE / 2];
+    const int key_tiles = (min(q0 + TILE, Tn) - 1) / TILE + 1;
 
-    const int last_key = min(q0 + TILE, Tn) - 1;
-    const int key_tiles = last_key / TILE + 1;
+    load_tile_async<T, HD>(sQ, base, stride, q0, Tn);
+    load_tile_async<T, HD>(sdO, dbase, D, q0, Tn);
+    load_tile_async<T, HD>(sK, base + D, stride, 0, Tn);
+    load_tile_async<T, HD>(sV, base + 2 * D, stride, 0, Tn);
+    mt_cp_async_commit();
+
+    unsigned qa[HD / 16][4], doa[HD / 16][4];
+    float dq[HD / 8][4];
+    zero<HD>(dq);
     for (int kt = 0; kt < key_tiles; ++kt) {
+        const int buf = kt & 1;
+        if (kt + 1 < key_tiles) {
+            const int nb = (buf ^ 1) * TILE_VALUES;
+            load_tile_async<T, HD>(sK + nb, base + D, stride, (kt + 1) * TILE, Tn);
+            load_tile_async<T, HD>(sV + nb, base + 2 * D, stride, (kt + 1) * TILE, Tn);
+            mt_cp_async_commit();
+            mt_cp_async_wait<1>();
+        } else {
+            mt_cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (kt == 0) {
+            load_rows<T, HD>(qa, sQ, warp * 16, lane);
+            load_rows<T, HD>(doa, sdO, warp * 16, lane);
+        }
+        const T* K = sK + buf * TILE_VALUES;
+        const T* V = sV + buf * TILE_VALUES;
         const int k0 = kt * TILE;
-        __syncthreads();
-        load_tile<T, HD>(sK, Dm::LDH, base + D, stride, k0, Tn);
-        load_tile<T, HD>(sV, Dm::LDH, base + 2 * D, stride, k0, Tn);
-        __syncthreads();
-        const float lse_row = sL[row], d_row = sD[row];
 
-        // S = Q·Kᵀ → P (registers).
-        zero<TILE / 16>(acc);
-        mma_rows<T, HD, TILE / 16, true>(acc, sQ + warp * 16 * Dm::LDH, Dm::LDH, sK, Dm::LDH);
-        store_rows<TILE / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, acc);
-        __syncwarp();
-        float* srow = sS + row * Dm::LDS;
+        // S = Q·Kᵀ → P.
+        float s[TILE / 8][4];
+        zero<TILE>(s);
+        mma_a_xt<T, HD, TILE>(s, qa, K, LD, lane);
+        const bool edge = kt == key_tiles - 1;
 #pragma unroll
-        for (int j = 0; j < TILE / 2; ++j) {
-            const int c = half + 2 * j, kj = k0 + c;
-            const bool valid = kj <= qi && kj < Tn && qi < Tn;
-            p[j] = valid ? exp2f((srow[c] * scale - lse_row) * LOG2E) : 0.0f;
-        }
-        __syncwarp();
-
-        // dP = dO·Vᵀ → dS.
-        zero<TILE / 16>(acc);
-        mma_rows<T, HD, TILE / 16, true>(acc, sdO + warp * 16 * Dm::LDH, Dm::LDH, sV, Dm::LDH);
-        store_rows<TILE / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, acc);
-        __syncwarp();
-        T* dsrow = sdS + row * Dm::LDP;
+        for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
-        for (int j = 0; j < TILE / 2; ++j) {
-            const int c = half + 2 * j;
-            dsrow[c] = from_float<T>(p[j] * (srow[c] - d_row));
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
+                float p = exp2f(s[j][e] * scale2 - lse2[e >> 1]);
+                if (edge && (key > row || key >= Tn)) p = 0.0f;
+                s[j][e] = p;
+            }
         }
-        __syncwarp();
-
+        // dP = dO·Vᵀ → dS = P∘(dP − D).
+        float dp[TILE / 8][4];
+        zero<TILE>(dp);
+        mma_a_xt<T, HD, TILE>(dp, doa, V, LD, lane);
+#pragma unroll
+        for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - d_row[e >> 1]);
+        }
+        unsigned dsa[TILE / 16][4];
+        to_a<T, TILE>(dsa, dp);
         // dQ += dS·K.
-        mma_rows<T, TILE, HD / 16, false>(dQ, sdS + warp * 16 * Dm::LDP, Dm::LDP, sK, Dm::LDH);
+        mma_a_x<T, TILE, HD>(dq, dsa, K, LD, lane);
+        __syncthreads(); // everyone is done with this buffer before it is refilled
     }
 
-    __syncthreads();
-    store_rows<HD / 16>(sS + warp * 16 * Dm::LDS, Dm::LDS, dQ);
-    __syncthreads();
-    store_tile<T, HD>(dqkv + (long long)b * Tn * stride + h * HD, stride, sS, Dm::LDS, q0, Tn,
-                      scale);
+    // The warp's own rows of sQ (only it read them, at kt = 0) stage dQ.
+    store_rows<T, HD>(dqkv + (long long)b * Tn * stride + h * HD, stride, dq, scale,
+                      sQ + warp * 16 * LD, q0 + warp * 16, Tn, lane);
 }
 
 // ---------------------------------------------------------------------------------------

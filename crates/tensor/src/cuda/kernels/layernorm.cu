@@ -122,7 +122,8 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
                                                       const float* __restrict__ mean,
                                                       const float* __restrict__ rstd,
                                                       const T* __restrict__ dy,
-                                                      float* __restrict__ dx, int rows, int d) {
+                                                      float* __restrict__ dx, int rows, int d,
+                                                      int accumulate) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const float d_f = (float)d;
@@ -176,6 +177,15 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
                         const float h = (xv[k][e] - mu) * rs;
                         o[e] = rs * (gv[k][e] - mg - h * mgh);
                     }
+                    if (accumulate) {
+                        // dx = dx + (this gradient): the residual add's operand order, so
+                        // the sum has the bits the separate add gave.
+                        const float4 a = reinterpret_cast<const float4*>(dxr)[j];
+                        o[0] = a.x + o[0];
+                        o[1] = a.y + o[1];
+                        o[2] = a.z + o[2];
+                        o[3] = a.w + o[3];
+                    }
                     store4(dxr + 4 * j, o);
                 }
             }
@@ -191,7 +201,8 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
             for (int c = lane; c < d; c += 32) {
                 const float g = to_f32(dyr[c]) * gamma[c];
                 const float h = (xr[c] - mu) * rs;
-                dxr[c] = rs * (g - mg - h * mgh);
+                const float v = rs * (g - mg - h * mgh);
+                dxr[c] = accumulate ? dxr[c] + v : v;
             }
         }
     }
@@ -199,18 +210,18 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
 
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_dx_f32(const float* x, const float* gamma, const float* mean, const float* rstd,
-                     const float* dy, float* dx, int rows, int d) {
-    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d);
+                     const float* dy, float* dx, int rows, int d, int accumulate) {
+    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_dx_bf16(const float* x, const float* gamma, const float* mean, const float* rstd,
-                      const bf16* dy, float* dx, int rows, int d) {
-    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d);
+                      const bf16* dy, float* dx, int rows, int d, int accumulate) {
+    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_dx_f16(const float* x, const float* gamma, const float* mean, const float* rstd,
-                     const f16* dy, float* dx, int rows, int d) {
-    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d);
+                     const f16* dy, float* dx, int rows, int d, int accumulate) {
+    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d, accumulate);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -120,7 +120,8 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
                                                     const float* __restrict__ w,
                                                     const float* __restrict__ rstd,
                                                     const T* __restrict__ dy,
-                                                    float* __restrict__ dx, int rows, int d) {
+                                                    float* __restrict__ dx, int rows, int d,
+                                                    int accumulate) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const float d_f = (float)d;
@@ -166,6 +167,15 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
                     float o[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) o[e] = rs * (gv[k][e] - xv[k][e] * rs * mgh);
+                    if (accumulate) {
+                        // dx = dx + (this gradient): the residual add's operand order, so
+                        // the sum has the bits the separate add gave.
+                        const float4 a = reinterpret_cast<const float4*>(dxr)[j];
+                        o[0] = a.x + o[0];
+                        o[1] = a.y + o[1];
+                        o[2] = a.z + o[2];
+                        o[3] = a.w + o[3];
+                    }
                     store4(dxr + 4 * j, o);
                 }
             }
@@ -178,7 +188,8 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
             const float mgh = warp_sum(sgh) / d_f;
             for (int c = lane; c < d; c += 32) {
                 const float g = to_f32(dyr[c]) * w[c];
-                dxr[c] = rs * (g - xr[c] * rs * mgh);
+                const float v = rs * (g - xr[c] * rs * mgh);
+                dxr[c] = accumulate ? dxr[c] + v : v;
             }
         }
     }
@@ -186,18 +197,18 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
 
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_dx_f32(const float* x, const float* w, const float* rstd, const float* dy,
-                   float* dx, int rows, int d) {
-    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d);
+                   float* dx, int rows, int d, int accumulate) {
+    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_dx_bf16(const float* x, const float* w, const float* rstd, const bf16* dy,
-                    float* dx, int rows, int d) {
-    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d);
+                    float* dx, int rows, int d, int accumulate) {
+    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_dx_f16(const float* x, const float* w, const float* rstd, const f16* dy,
-                   float* dx, int rows, int d) {
-    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d);
+                   float* dx, int rows, int d, int accumulate) {
+    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d, accumulate);
 }
 
 // ---------------------------------------------------------------------------------------
