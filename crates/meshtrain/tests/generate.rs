@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{rel_diff, tiny_gpt_config, tiny_llama_config};
+use common::{gpu, rel_diff, tiny_gpt_config, tiny_llama_config};
 use meshtrain::config::Config;
 use meshtrain::decode::Decoder;
 use meshtrain::generate::{continue_text, sample, NextLogits, Sampling, Tokenizer};
@@ -17,20 +17,6 @@ use meshtrain_nn::{Mode, Model, ParamStore};
 use meshtrain_tensor::rng::{normal_values, SplitMix64};
 use meshtrain_tensor::{Device, Tensor};
 use std::path::Path;
-
-/// Whether a CUDA GPU can be used; without one the GPU checks are skipped with the reason
-/// printed, unless `MESHTRAIN_REQUIRE_GPU=1`.
-fn gpu() -> bool {
-    let available = meshtrain_tensor::cuda::probe::gpu_available();
-    if !available {
-        assert!(
-            std::env::var("MESHTRAIN_REQUIRE_GPU").as_deref() != Ok("1"),
-            "MESHTRAIN_REQUIRE_GPU=1 but no usable CUDA GPU (driver missing or no device)"
-        );
-        eprintln!("skipped: no CUDA GPU (the driver or a device is missing)");
-    }
-    available
-}
 
 /// The model's own logits after every token of `tokens`, `[T, vocab]`.
 fn forward_logits(model: &Model, store: &mut ParamStore, tokens: &[u32]) -> Vec<f32> {

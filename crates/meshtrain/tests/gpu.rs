@@ -5,22 +5,10 @@
 
 mod common;
 
-use common::{checkpoint_params, job, rel_diff, tiny_gpt_config, written_checkpoint};
+use common::{checkpoint_params, gpu, job, rel_diff, tiny_gpt_config, written_checkpoint};
 use meshtrain::config::Config;
 use meshtrain_tensor::Device;
 use meshtrain_train::RunOptions;
-
-fn gpu() -> bool {
-    let available = meshtrain_tensor::cuda::probe::gpu_available();
-    if !available {
-        assert!(
-            std::env::var("MESHTRAIN_REQUIRE_GPU").as_deref() != Ok("1"),
-            "MESHTRAIN_REQUIRE_GPU=1 but no usable CUDA GPU (driver missing or no device)"
-        );
-        eprintln!("skipped: no CUDA GPU (the driver or a device is missing)");
-    }
-    available
-}
 
 fn run(cfg: &Config, options: &RunOptions) -> anyhow::Result<meshtrain_train::Summary> {
     (*job(cfg)).clone().run(options)

@@ -810,6 +810,34 @@ impl LayerNorm {
     }
 }
 
+/// A norm's [`Layer::backward_add_into`]: on a GPU `device_backward` adds the input gradient
+/// into the stream's inside its kernel (given the stream's gradient to add into); on the
+/// CPU, the default.
+#[cfg(feature = "cuda")]
+fn norm_backward_add_into<L: Layer>(
+    norm: &L,
+    p: Params<'_>,
+    g: ParamsMut<'_>,
+    s: Saved,
+    dy: Tensor,
+    dx: &mut Tensor,
+    device_backward: fn(
+        &L,
+        meshtrain_tensor::cuda::DeviceParams<'_>,
+        ParamsMut<'_>,
+        Saved,
+        Tensor,
+        Option<Tensor>,
+    ) -> Tensor,
+) {
+    if let Params::Device(p) = p {
+        let into = std::mem::replace(dx, Tensor::from_vec(Vec::new(), &[0]));
+        *dx = device_backward(norm, p, g, s, dy, Some(into));
+        return;
+    }
+    crate::layer::add_backward_into(norm, p, g, s, dy, dx);
+}
+
 impl Layer for LayerNorm {
     fn params(&self) -> Vec<ParamSpec> {
         vec![
@@ -894,12 +922,7 @@ impl Layer for LayerNorm {
         dy: Tensor,
         dx: &mut Tensor,
     ) {
-        if let Params::Device(p) = p {
-            let into = std::mem::replace(dx, Tensor::from_vec(Vec::new(), &[0]));
-            *dx = crate::device::layer_norm_backward(self, p, g, s, dy, Some(into));
-            return;
-        }
-        crate::layer::add_backward_into(self, p, g, s, dy, dx);
+        norm_backward_add_into(self, p, g, s, dy, dx, crate::device::layer_norm_backward);
     }
 }
 
@@ -993,12 +1016,7 @@ impl Layer for RmsNorm {
         dy: Tensor,
         dx: &mut Tensor,
     ) {
-        if let Params::Device(p) = p {
-            let into = std::mem::replace(dx, Tensor::from_vec(Vec::new(), &[0]));
-            *dx = crate::device::rms_norm_backward(self, p, g, s, dy, Some(into));
-            return;
-        }
-        crate::layer::add_backward_into(self, p, g, s, dy, dx);
+        norm_backward_add_into(self, p, g, s, dy, dx, crate::device::rms_norm_backward);
     }
 }
 

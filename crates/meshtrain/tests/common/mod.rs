@@ -207,3 +207,17 @@ pub fn tiny_gpt_command(out: &Path, sets: &[&str], extra: &[&str]) -> Vec<String
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
+
+/// Whether a CUDA GPU can be used; without one the GPU tests are skipped with the reason
+/// printed, unless `MESHTRAIN_REQUIRE_GPU=1` (then they fail).
+pub fn gpu() -> bool {
+    let available = meshtrain_tensor::cuda::probe::gpu_available();
+    if !available {
+        assert!(
+            std::env::var("MESHTRAIN_REQUIRE_GPU").as_deref() != Ok("1"),
+            "MESHTRAIN_REQUIRE_GPU=1 but no usable CUDA GPU (driver missing or no device)"
+        );
+        eprintln!("skipped: no CUDA GPU (the driver or a device is missing)");
+    }
+    available
+}
