@@ -111,6 +111,14 @@ def main():
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
             rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
             initializer_range=0.2)),
+        # Llama 3.1's rotary rescaling (as tests/hf_interop.rs's LLAMA3_SCALED).
+        "hf-llama3-scaled": LlamaForCausalLM(LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 256})),
     }
     for name, model in made.items():
         # Norm weights start at one; move them so a swapped or ignored norm weight shows.

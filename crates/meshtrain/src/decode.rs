@@ -25,7 +25,7 @@ use meshtrain_nn::Model;
 use meshtrain_tensor::activation::{swiglu_forward, Activation};
 use meshtrain_tensor::matmul::{gemm, Mat, MatMut};
 use meshtrain_tensor::norm::{layer_norm_forward, rms_norm_forward};
-use meshtrain_tensor::rotary::{rotary_expand_forward, rotary_tables, RotaryShape};
+use meshtrain_tensor::rotary::{rotary_expand_forward, rotary_tables, Rope, RotaryShape};
 use meshtrain_tensor::Device;
 use rayon::prelude::*;
 
@@ -87,7 +87,7 @@ enum Positions {
     /// GPT: `pos.weight`, `[seq, dim]`, added to the token rows.
     Learned(Vec<f32>),
     /// Llama: q and k rotated by their position (rotary base θ).
-    Rotary { theta: f64 },
+    Rotary { rope: Rope },
 }
 
 enum Norm {
@@ -375,9 +375,7 @@ impl HostModel {
                     kv_heads: l.kv_heads,
                     head_dim: hd,
                     tok: p.get("tok.weight", &[l.vocab, d])?,
-                    positions: Positions::Rotary {
-                        theta: l.rope_theta,
-                    },
+                    positions: Positions::Rotary { rope: l.rope() },
                     layers,
                     final_norm: p.rms_norm("norm", d, l.norm_eps)?,
                     head: p.linear("head", d, l.vocab, false, None)?,
@@ -526,9 +524,9 @@ impl Layers for HostModel {
             }
         }
         let rotary = match self.positions {
-            Positions::Rotary { theta } => {
+            Positions::Rotary { rope } => {
                 let positions: Vec<usize> = (start..start + t).collect();
-                Some(rotary_tables(&positions, self.head_dim, theta))
+                Some(rotary_tables(&positions, self.head_dim, &rope))
             }
             Positions::Learned(_) => None,
         };

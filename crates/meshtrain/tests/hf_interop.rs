@@ -45,8 +45,14 @@ fn exported_models() -> Vec<(&'static str, &'static str)> {
             "meshtrain-llama-mqa-tied",
             "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 1\nffn = 40\nseq = 16\nrope_theta = 500.0\nnorm_eps = 1e-6\ntie_embeddings = true\n",
         ),
+        ("meshtrain-llama3-scaled", LLAMA3_SCALED),
     ]
 }
+
+/// A Llama with Llama 3.1's rotary rescaling. Head size 8 at θ = 500000 has wavelengths
+/// 6.3, 167, 4443 and 118,000 positions: against an original context of 256 (low 1, high
+/// 4: bounds 256 and 64) one is kept, one blended and two stretched 8 times.
+const LLAMA3_SCALED: &str = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 500000.0\nnorm_eps = 1e-5\n[model.rope_scaling]\nfactor = 8.0\nlow_freq_factor = 1.0\nhigh_freq_factor = 4.0\noriginal_max_position_embeddings = 256\n";
 
 /// A run config around a `[model]` table (what the trainer needs beyond the model).
 fn config(model: &str) -> Config {
@@ -153,6 +159,8 @@ fn transformers_weights_through_init_from_give_its_logits() {
             "hf-llama",
             "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 10000.0\nnorm_eps = 1e-6\n",
         ),
+        // Saved by transformers 5 (`rope_parameters`: θ and the llama3 scaling together).
+        ("hf-llama3-scaled", LLAMA3_SCALED),
     ] {
         let dir = refs().join(name);
         let cfg = config(table);

@@ -8,7 +8,7 @@ use meshtrain_tensor::attention::{
 };
 use meshtrain_tensor::flash::{flash_attention_backward, flash_attention_forward};
 use meshtrain_tensor::rotary::{
-    rotary_expand_backward, rotary_expand_forward, rotary_tables, RotaryShape,
+    rotary_expand_backward, rotary_expand_forward, rotary_tables, Rope, RotaryShape,
 };
 use meshtrain_tensor::{DType, Device, Tensor};
 
@@ -315,7 +315,7 @@ pub struct Rotary {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    pub theta: f64,
+    pub rope: Rope,
     pub sequence: SequenceShard,
 }
 
@@ -334,7 +334,7 @@ impl Rotary {
     /// device arm uploads these same host tables).
     pub(crate) fn tables(&self, seq: usize) -> (Vec<f32>, Vec<f32>) {
         let positions: Vec<usize> = (0..seq).map(|i| self.sequence.position(i, seq)).collect();
-        rotary_tables(&positions, self.head_dim, self.theta)
+        rotary_tables(&positions, self.head_dim, &self.rope)
     }
 }
 
@@ -445,7 +445,7 @@ pub struct LlamaBlockShape {
     pub kv_heads: usize,
     /// Inner width of the SwiGLU MLP.
     pub ffn: usize,
-    pub rope_theta: f64,
+    pub rope: Rope,
     pub norm_eps: f32,
 }
 
@@ -541,7 +541,7 @@ impl TransformerBlock {
                         heads,
                         kv_heads,
                         head_dim,
-                        theta: shape.rope_theta,
+                        rope: shape.rope,
                         sequence: SequenceShard::default(),
                     }),
                 ),
@@ -640,7 +640,7 @@ mod tests {
             heads: 4,
             kv_heads: 2,
             head_dim: 6,
-            theta: 10_000.0,
+            rope: Rope::new(10_000.0),
             sequence: SequenceShard::default(),
         };
         let width = (4 + 2 * 2) * 6;

@@ -592,7 +592,7 @@ fn llama_layers() {
         heads: 6,
         kv_heads: 2,
         head_dim: 4,
-        theta: 100.0,
+        rope: meshtrain_tensor::rotary::Rope::new(100.0),
         sequence: SequenceShard { parts: 2, index: 1 },
     };
     Check::new("rotary + GQA", &rotary, normal(144, &[2, 4, 40]), 145).run();
@@ -605,7 +605,7 @@ fn llama_block() {
         heads: 4,
         kv_heads: 2,
         ffn: 24,
-        rope_theta: 10_000.0,
+        rope: meshtrain_tensor::rotary::Rope::new(10_000.0),
         norm_eps: 1e-5,
     };
     let block = TransformerBlock::llama(shape, Init::Normal(0.3), AttentionKind::Flash);

@@ -675,6 +675,7 @@ mod tests {
             ffn: 48,
             seq: 8,
             rope_theta: 1e4,
+            rope_scaling: None,
             norm_eps: 1e-5,
             tie_embeddings: false,
             attention: Default::default(),

@@ -45,14 +45,94 @@ impl RotaryShape {
     }
 }
 
+/// The rotary frequencies: the base θ (`rope_theta`) and, for Llama 3.1 and later, their
+/// long-context rescaling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    pub theta: f64,
+    pub scaling: Option<RopeScaling>,
+}
+
+/// Llama 3.1's rescaling of the rotary frequencies for a context longer than the one the
+/// model was first trained on (Hugging Face's `rope_type = "llama3"`): a frequency whose
+/// wavelength exceeds `original_context / low_freq_factor` turns `factor` times slower, one
+/// whose wavelength is under `original_context / high_freq_factor` stays, and those between
+/// are interpolated smoothly. Downloaded Llama 3.x weights were trained with it, so their
+/// logits need it.
+/// In a config (`[model.rope_scaling]`) its fields carry Hugging Face's names.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    /// `original_max_position_embeddings`.
+    #[serde(rename = "original_max_position_embeddings")]
+    pub original_context: usize,
+}
+
+impl Rope {
+    /// Plain rotary positions of base `theta`.
+    pub fn new(theta: f64) -> Self {
+        Rope {
+            theta,
+            scaling: None,
+        }
+    }
+
+    /// The `head_dim / 2` inverse frequencies `θ^(−2i/head_dim)` (rounded to f32, as
+    /// Hugging Face holds them), rescaled where `scaling` says.
+    pub fn inverse_frequencies(&self, head_dim: usize) -> Vec<f32> {
+        (0..head_dim / 2)
+            .map(|i| {
+                let plain = (1.0 / self.theta.powf((2 * i) as f64 / head_dim as f64)) as f32;
+                match &self.scaling {
+                    None => plain,
+                    Some(s) => s.rescale(plain as f64) as f32,
+                }
+            })
+            .collect()
+    }
+}
+
+impl RopeScaling {
+    fn rescale(&self, inverse: f64) -> f64 {
+        let wavelength = 2.0 * std::f64::consts::PI / inverse;
+        let context = self.original_context as f64;
+        if wavelength < context / self.high_freq_factor {
+            inverse
+        } else if wavelength > context / self.low_freq_factor {
+            inverse / self.factor
+        } else {
+            let smooth = (context / wavelength - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - smooth) * inverse / self.factor + smooth * inverse
+        }
+    }
+
+    /// Why the values cannot be used, if they cannot (a zero factor, factors out of order).
+    pub fn problem(&self) -> Option<String> {
+        let ok = self.factor > 0.0
+            && self.low_freq_factor > 0.0
+            && self.high_freq_factor > self.low_freq_factor
+            && self.original_context > 0;
+        (!ok).then(|| {
+            format!(
+                "rope_scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and \
+                 original_max_position_embeddings > 0 (got factor {}, low_freq_factor {}, \
+                 high_freq_factor {}, original_max_position_embeddings {})",
+                self.factor, self.low_freq_factor, self.high_freq_factor, self.original_context
+            )
+        })
+    }
+}
+
 /// The cosines and sines of every (position, frequency) pair, `[positions.len(), head_dim/2]`
 /// each. Computed as Hugging Face computes them (an f32 inverse frequency times an f32
 /// position, the angle's cosine rounded to f32), so that the same weights give the same logits.
-pub fn rotary_tables(positions: &[usize], head_dim: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
+pub fn rotary_tables(positions: &[usize], head_dim: usize, rope: &Rope) -> (Vec<f32>, Vec<f32>) {
     let half = head_dim / 2;
-    let inverse: Vec<f32> = (0..half)
-        .map(|i| (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32)
-        .collect();
+    let inverse = rope.inverse_frequencies(head_dim);
     let mut cos = Vec::with_capacity(positions.len() * half);
     let mut sin = Vec::with_capacity(positions.len() * half);
     for &p in positions {
@@ -225,7 +305,7 @@ mod tests {
             .map(|_| rng.normal())
             .collect();
         let positions: Vec<usize> = (0..shape.seq).map(|t| 3 * t + 1).collect();
-        let (cos, sin) = rotary_tables(&positions, 8, 10000.0);
+        let (cos, sin) = rotary_tables(&positions, 8, &Rope::new(10000.0));
         let y = rotary_expand_forward(shape, &x, &cos, &sin);
         let (hd, g) = (8, 3);
         for r in 0..shape.batch * shape.seq {
@@ -265,7 +345,7 @@ mod tests {
         let n_out = shape.seq * shape.output_width();
         let x: Vec<f32> = (0..n_in).map(|_| rng.normal()).collect();
         let dy: Vec<f32> = (0..n_out).map(|_| rng.normal()).collect();
-        let (cos, sin) = rotary_tables(&[0, 1, 2, 3], 6, 500.0);
+        let (cos, sin) = rotary_tables(&[0, 1, 2, 3], 6, &Rope::new(500.0));
         let y = rotary_expand_forward(shape, &x, &cos, &sin);
         let dx = rotary_expand_backward(shape, &dy, &cos, &sin);
         let dot = |a: &[f32], b: &[f32]| {
@@ -279,5 +359,46 @@ mod tests {
             (lhs - rhs).abs() < 1e-4 * lhs.abs().max(1.0),
             "{lhs} vs {rhs}"
         );
+    }
+
+    /// Llama 3.1's rescaling, frequency by frequency against its definition: the short
+    /// wavelengths kept, the long ones `factor` times slower, those between interpolated.
+    #[test]
+    fn llama3_scaling_keeps_short_stretches_long_and_blends_between() {
+        let scaling = RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 64,
+        };
+        let plain = Rope::new(10_000.0).inverse_frequencies(8);
+        let scaled = Rope {
+            theta: 10_000.0,
+            scaling: Some(scaling),
+        }
+        .inverse_frequencies(8);
+        // Wavelengths 2π/f: 6.3 (< 64/4: kept), 62.8 (between 16 and 64), 628 and 6283
+        // (> 64: divided by 8).
+        assert_eq!(scaled[0], plain[0]);
+        let f = plain[1] as f64;
+        let smooth = (64.0 / (2.0 * std::f64::consts::PI / f) - 1.0) / 3.0;
+        let blended = (1.0 - smooth) * f / 8.0 + smooth * f;
+        assert!(
+            (scaled[1] as f64 - blended).abs() < 1e-9 * f.max(1.0),
+            "{scaled:?}"
+        );
+        assert!(scaled[1] < plain[1] && scaled[1] > plain[1] / 8.0);
+        for i in 2..4 {
+            assert_eq!(scaled[i], (plain[i] as f64 / 8.0) as f32);
+        }
+        assert!(scaling.problem().is_none());
+        let bad = RopeScaling {
+            high_freq_factor: 0.5,
+            ..scaling
+        };
+        assert!(bad
+            .problem()
+            .unwrap()
+            .contains("low_freq_factor < high_freq_factor"));
     }
 }

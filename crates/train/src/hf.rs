@@ -22,6 +22,7 @@ use meshtrain_nn::layers::{Linear, RmsNorm};
 use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary};
 use meshtrain_nn::{Layer, Model, ParamStore};
 use meshtrain_tensor::activation::Activation;
+use meshtrain_tensor::rotary::RopeScaling;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -50,6 +51,8 @@ pub struct Architecture {
     /// Positions the model was built for (GPT-2's position table; Llama's context).
     pub seq: usize,
     pub rope_theta: f64,
+    /// Llama 3.1's rotary rescaling (`rope_type = "llama3"`), if the model has it.
+    pub rope_scaling: Option<RopeScaling>,
     pub norm_eps: f64,
     pub tied: bool,
     /// GPT-2's MLP computes GELU's tanh approximation (`gelu_new`) rather than the exact one.
@@ -79,6 +82,59 @@ fn find_where<T: 'static>(model: &Model, wanted: impl Fn(&T) -> bool) -> Option<
 /// The first layer of type `T` in `model`, depth first.
 fn find<T: 'static>(model: &Model) -> Option<&T> {
     find_where(model, |_: &T| true)
+}
+
+/// A Llama `config.json`'s rotary frequencies: transformers 5 writes them as
+/// `rope_parameters` (`rope_theta`, `rope_type`, and the scaling's values beside them); older
+/// files, and most downloaded ones, as a top-level `rope_theta` and `rope_scaling` (with
+/// `rope_type`, or `type` in the oldest). Plain (`default`) and Llama 3.1's `llama3` are
+/// read; any other scaling is refused by name rather than loaded wrong.
+fn rope_of_config(v: &Value, file: &Path) -> Result<(f64, Option<RopeScaling>)> {
+    let params = &v["rope_parameters"];
+    let theta = params["rope_theta"]
+        .as_f64()
+        .or_else(|| v["rope_theta"].as_f64())
+        .unwrap_or(10_000.0);
+    let scaling = if params.is_object() {
+        params
+    } else {
+        &v["rope_scaling"]
+    };
+    if scaling.is_null() {
+        return Ok((theta, None));
+    }
+    let kind = scaling["rope_type"]
+        .as_str()
+        .or_else(|| scaling["type"].as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok((theta, None)),
+        "llama3" => {
+            let number = |key: &str| {
+                scaling[key].as_f64().with_context(|| {
+                    format!(
+                        "{}: the llama3 rotary scaling has no '{key}'",
+                        file.display()
+                    )
+                })
+            };
+            let s = RopeScaling {
+                factor: number("factor")?,
+                low_freq_factor: number("low_freq_factor")?,
+                high_freq_factor: number("high_freq_factor")?,
+                original_context: number("original_max_position_embeddings")? as usize,
+            };
+            if let Some(problem) = s.problem() {
+                bail!("{}: {problem}", file.display());
+            }
+            Ok((theta, Some(s)))
+        }
+        other => bail!(
+            "{}: rotary scaling \"{other}\"; meshtrain's Llama computes plain rotary positions \
+             and Llama 3.1's \"llama3\" rescaling",
+            file.display()
+        ),
+    }
 }
 
 impl Architecture {
@@ -116,7 +172,8 @@ impl Architecture {
                 kv_heads: rotary.kv_heads,
                 ffn: shape("blocks.0.gate_up.weight")?[0] / 2,
                 seq: embedding.max_seq,
-                rope_theta: rotary.theta,
+                rope_theta: rotary.rope.theta,
+                rope_scaling: rotary.rope.scaling,
                 norm_eps: find::<RmsNorm>(model).map_or(1e-5, |n| n.eps as f64),
                 tied,
                 gelu_tanh: false,
@@ -131,6 +188,7 @@ impl Architecture {
                 ffn: shape("blocks.0.fc1.weight")?[0],
                 seq: embedding.max_seq,
                 rope_theta: 0.0,
+                rope_scaling: None,
                 norm_eps: 1e-5,
                 tied,
                 gelu_tanh: find_where(model, |l: &Linear| l.activation.is_some())
@@ -179,6 +237,13 @@ impl Architecture {
                 "max_position_embeddings": self.seq,
                 "rms_norm_eps": self.norm_eps,
                 "rope_theta": self.rope_theta,
+                "rope_scaling": self.rope_scaling.map(|s| json!({
+                    "rope_type": "llama3",
+                    "factor": s.factor,
+                    "low_freq_factor": s.low_freq_factor,
+                    "high_freq_factor": s.high_freq_factor,
+                    "original_max_position_embeddings": s.original_context,
+                })),
                 "hidden_act": "silu",
                 "attention_bias": false,
                 "mlp_bias": false,
@@ -221,6 +286,7 @@ impl Architecture {
                     ffn: v["n_inner"].as_u64().map_or(4 * dim, |n| n as usize),
                     seq: int("n_positions")?,
                     rope_theta: 0.0,
+                    rope_scaling: None,
                     norm_eps: float("layer_norm_epsilon", 1e-5),
                     tied,
                     gelu_tanh,
@@ -243,13 +309,7 @@ impl Architecture {
                     "{}: hidden_act \"{act}\" (meshtrain's Llama has SwiGLU: \"silu\")",
                     file.display()
                 );
-                ensure!(
-                    v["rope_scaling"].is_null(),
-                    "{}: rope_scaling {} (Llama 3.1's long-context rotary scaling) is not \
-                     supported yet",
-                    file.display(),
-                    v["rope_scaling"]
-                );
+                let (rope_theta, rope_scaling) = rope_of_config(v, file)?;
                 for bias in ["attention_bias", "mlp_bias"] {
                     ensure!(
                         !v[bias].as_bool().unwrap_or(false),
@@ -268,7 +328,8 @@ impl Architecture {
                         .map_or(heads, |n| n as usize),
                     ffn: int("intermediate_size")?,
                     seq: int("max_position_embeddings")?,
-                    rope_theta: float("rope_theta", 10_000.0),
+                    rope_theta,
+                    rope_scaling,
                     norm_eps: float("rms_norm_eps", 1e-6),
                     tied,
                     gelu_tanh: false,
@@ -295,9 +356,13 @@ impl Architecture {
                 if self.gelu_tanh { "tanh" } else { "erf" }
             ),
             Family::Llama => format!(
-                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n",
+                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n{}",
                 self.vocab, self.dim, self.layers, self.heads, self.kv_heads, self.ffn, self.seq,
-                self.rope_theta, self.norm_eps, self.tied
+                self.rope_theta, self.norm_eps, self.tied,
+                self.rope_scaling.map_or(String::new(), |s| format!(
+                    "\n[model.rope_scaling]\nfactor = {:?}\nlow_freq_factor = {:?}\nhigh_freq_factor = {:?}\noriginal_max_position_embeddings = {}\n",
+                    s.factor, s.low_freq_factor, s.high_freq_factor, s.original_context
+                ))
             ),
         }
     }
@@ -332,6 +397,11 @@ impl Architecture {
                 "rope_theta",
                 format!("{:?}", self.rope_theta),
                 format!("{:?}", from.rope_theta),
+            );
+            differ(
+                "rope_scaling",
+                format!("{:?}", self.rope_scaling),
+                format!("{:?}", from.rope_scaling),
             );
         }
         if (self.norm_eps - from.norm_eps).abs() > 1e-3 * from.norm_eps {
@@ -856,6 +926,7 @@ mod tests {
             ffn: 20,
             seq: 8,
             rope_theta: 500.0,
+            rope_scaling: None,
             norm_eps: 1e-6,
             tie_embeddings: tied,
             attention: Default::default(),
@@ -981,6 +1052,7 @@ mod tests {
             ffn: 20,
             seq: 8,
             rope_theta: 500.0,
+            rope_scaling: None,
             norm_eps: 1e-6,
             tie_embeddings: false,
             attention: Default::default(),
@@ -990,5 +1062,36 @@ mod tests {
         assert!(err.contains("kv_heads = 2"), "{err}");
         let err = format!("{:#}", check(dir.path(), &tiny_gpt()).unwrap_err());
         assert!(err.contains("family Llama (the model: Gpt2)"), "{err}");
+    }
+
+    /// A `config.json`'s rotary frequencies in both of transformers' forms (5.x's
+    /// `rope_parameters`; the top-level `rope_theta` and `rope_scaling` of older files and
+    /// most downloads, `type` in the oldest); another scaling refused by name.
+    #[test]
+    fn rotary_frequencies_are_read_in_either_form() {
+        let file = Path::new("config.json");
+        let llama3 = Some(RopeScaling {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 8192,
+        });
+        let v5 = json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+            "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}});
+        assert_eq!(rope_of_config(&v5, file).unwrap(), (500000.0, llama3));
+        let legacy = json!({"rope_theta": 500000.0, "rope_scaling": {"type": "llama3",
+            "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}});
+        assert_eq!(rope_of_config(&legacy, file).unwrap(), (500000.0, llama3));
+        let plain = json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}});
+        assert_eq!(rope_of_config(&plain, file).unwrap(), (1e6, None));
+        assert_eq!(rope_of_config(&json!({}), file).unwrap(), (10_000.0, None));
+        let yarn = json!({"rope_theta": 1e4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}});
+        let e = rope_of_config(&yarn, file).unwrap_err().to_string();
+        assert!(e.contains("\"yarn\"") && e.contains("llama3"), "{e}");
+        let missing = json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}});
+        let e = rope_of_config(&missing, file).unwrap_err().to_string();
+        assert!(e.contains("'factor'"), "{e}");
     }
 }

@@ -11,7 +11,7 @@ use anyhow::{ensure, Context, Result};
 use meshtrain_tensor::cuda::decode::{self as kv, DecodeShape};
 use meshtrain_tensor::cuda::ops::{self, ActKind, LinearShape};
 use meshtrain_tensor::cuda::{CudaDevice, CudaTensor, DeviceParams, F32Math};
-use meshtrain_tensor::rotary::{rotary_tables, RotaryShape};
+use meshtrain_tensor::rotary::{rotary_tables, Rope, RotaryShape};
 use meshtrain_tensor::DType;
 use std::sync::Arc;
 
@@ -156,8 +156,8 @@ pub(super) struct CudaModel {
     head_dim: usize,
     /// `[tok.weight | pos.weight]` (GPT) or `tok.weight` (Llama), as the embedding reads it.
     embedding: Params,
-    /// Llama's rotary base; GPT's positions are the embedding's table.
-    theta: Option<f64>,
+    /// Llama's rotary frequencies; GPT's positions are the embedding's table.
+    rope: Option<Rope>,
     layers: Vec<DevLayer>,
     final_norm: DevNorm,
     head: DevLinear,
@@ -176,14 +176,14 @@ impl CudaModel {
              at most {} (generate with --device cpu)",
             kv::max_positions(hd)
         );
-        let (embedding, theta) = match &host.positions {
+        let (embedding, rope) = match &host.positions {
             Positions::Learned(pos) => (
                 Params::upload(&dev, &[&host.tok, pos], "the embedding tables")?,
                 None,
             ),
-            Positions::Rotary { theta } => (
+            Positions::Rotary { rope } => (
                 Params::upload(&dev, &[&host.tok], "the token embedding")?,
-                Some(*theta),
+                Some(*rope),
             ),
         };
         let head = if host.head.weight == host.tok && host.head.bias.is_none() {
@@ -234,7 +234,7 @@ impl CudaModel {
             kv_heads: host.kv_heads,
             head_dim: hd,
             embedding,
-            theta,
+            rope,
             layers,
             final_norm: DevNorm::upload(&dev, &host.final_norm)?,
             head,
@@ -250,7 +250,7 @@ impl CudaModel {
         let (dev, d, t) = (&self.dev, self.dim, tokens.len());
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let positions: Vec<usize> = (start..start + t).collect();
-        let pos_of: Option<Vec<i32>> = match self.theta {
+        let pos_of: Option<Vec<i32>> = match self.rope {
             None => Some(positions.iter().map(|&p| p as i32).collect()),
             Some(_) => None,
         };
@@ -264,9 +264,9 @@ impl CudaModel {
         )?;
         // The host's tables of these positions (the CPU decoder's bits), as the rotary pass
         // of training takes them.
-        let rotary = match self.theta {
-            Some(theta) => {
-                let (cos, sin) = rotary_tables(&positions, self.head_dim, theta);
+        let rotary = match &self.rope {
+            Some(rope) => {
+                let (cos, sin) = rotary_tables(&positions, self.head_dim, rope);
                 Some((
                     CudaTensor::from_host(dev, &cos, DType::F32)?,
                     CudaTensor::from_host(dev, &sin, DType::F32)?,

@@ -9,6 +9,7 @@ use crate::layer::{Init, TensorPlan, TpStyle};
 use crate::layers::RmsNorm;
 use crate::model::Model;
 use crate::transformer::{AttentionKind, GptEmbedding, LlamaBlockShape, TransformerBlock};
+use meshtrain_tensor::rotary::{Rope, RopeScaling};
 use serde::{Deserialize, Serialize};
 
 fn default_theta() -> f64 {
@@ -36,6 +37,11 @@ pub struct LlamaConfig {
     /// Rotary base θ.
     #[serde(default = "default_theta")]
     pub rope_theta: f64,
+    /// Llama 3.1's long-context rescaling of the rotary frequencies (`[model.rope_scaling]`:
+    /// factor, low_freq_factor, high_freq_factor, original_max_position_embeddings, as in
+    /// Hugging Face's config); none by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     #[serde(default = "default_eps")]
     pub norm_eps: f32,
     #[serde(default)]
@@ -87,7 +93,18 @@ impl LlamaConfig {
                 self.rope_theta, self.norm_eps
             ));
         }
+        if let Some(problem) = self.rope_scaling.and_then(|s| s.problem()) {
+            return Err(format!("Llama {problem}"));
+        }
         Ok(())
+    }
+
+    /// The rotary frequencies the blocks use.
+    pub fn rope(&self) -> Rope {
+        Rope {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling,
+        }
     }
 
     pub fn head_dim(&self) -> usize {
@@ -118,7 +135,7 @@ impl LlamaConfig {
             heads: self.heads,
             kv_heads: self.kv_heads,
             ffn: self.ffn,
-            rope_theta: self.rope_theta,
+            rope: self.rope(),
             norm_eps: self.norm_eps,
         }
     }
@@ -182,6 +199,7 @@ mod tests {
             ffn: 48,
             seq: 8,
             rope_theta: 10_000.0,
+            rope_scaling: None,
             norm_eps: 1e-5,
             tie_embeddings: false,
             attention: AttentionKind::Flash,

@@ -489,7 +489,8 @@ fn check_rotary(
     let dy = rounded(&random(rng, rows * shape.output_width(), 1.0), dtype);
     // A context-parallel worker's positions: not 0, 1, 2, ...
     let positions: Vec<usize> = (0..seq).map(|t| 2 * t + 3).collect();
-    let (cos, sin) = crate::rotary::rotary_tables(&positions, head_dim, 10_000.0);
+    let (cos, sin) =
+        crate::rotary::rotary_tables(&positions, head_dim, &crate::rotary::Rope::new(10_000.0));
     let y = crate::rotary::rotary_expand_forward(shape, &x, &cos, &sin);
     let dx = crate::rotary::rotary_expand_backward(shape, &dy, &cos, &sin);
 
