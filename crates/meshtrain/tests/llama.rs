@@ -36,6 +36,10 @@ fn llama_on_every_parallel_dimension_matches_one_worker() {
     for layout in [
         "tp=2",
         "tp=2,sp=on",
+        // More ranks than key/value heads: each head replicated over 2 ranks.
+        "tp=4",
+        "tp=4,sp=on",
+        "dp=2,tp=4,zero=1",
         "cp=2",
         "cp=2 ulysses",
         "pp=2,m=2",
@@ -58,10 +62,13 @@ fn llama_on_every_parallel_dimension_matches_one_worker() {
     // Multi-query attention (one key/value head for all) and tied embeddings.
     let mqa = ["model.kv_heads=1", "model.tie_embeddings=true"];
     let (single, _) = train(&mqa);
-    let (split, _) = train(&[mqa[0], mqa[1], "parallel.layout=\"pp=2,m=2,dp=2\""]);
-    let d = rel_diff(&split, &single);
-    eprintln!("llama MQA, tied, pp=2 × dp=2: {d:.2e}");
-    assert!(d <= 2e-4, "MQA: {d:.2e}");
+    for layout in ["pp=2,m=2,dp=2", "tp=2", "tp=4,pp=2,m=2"] {
+        let setting = format!("parallel.layout=\"{layout}\"");
+        let (split, _) = train(&[mqa[0], mqa[1], &setting]);
+        let d = rel_diff(&split, &single);
+        eprintln!("llama MQA, tied, {layout}: {d:.2e}");
+        assert!(d <= 2e-4, "MQA {layout}: {d:.2e}");
+    }
 }
 
 #[test]
@@ -79,16 +86,27 @@ fn llama_in_bf16_matches_one_bf16_worker() {
     }
 }
 
-/// tp must split whole key/value groups: 2 key/value heads over tp = 4 is refused before
-/// any work, naming the layer and the tp values that work.
+/// tp must give each rank whole key/value groups, or replicas of one: 4 key/value heads for
+/// 12 query heads over tp = 6 (neither) is refused before any work, naming the layer and the
+/// tp values that work.
 #[test]
 fn tensor_parallelism_that_splits_a_key_value_head_is_refused() {
     let out = tempfile::tempdir().unwrap().keep();
-    let err = tiny_llama_config_result(&out, STEPS, &["parallel.layout=\"tp=4\""])
-        .expect_err("tp=4 over 2 key/value heads must be refused");
+    let err = tiny_llama_config_result(
+        &out,
+        STEPS,
+        &[
+            "model.dim=48",
+            "model.heads=12",
+            "model.kv_heads=4",
+            "parallel.layout=\"tp=6\"",
+        ],
+    )
+    .expect_err("tp=6 over 4 key/value heads must be refused");
     let msg = format!("{err:#}");
     assert!(
-        msg.contains("2 key/value heads") && msg.contains("choose tp among 2"),
+        msg.contains("4 key/value heads for 12 query heads")
+            && msg.contains("choose tp among 1, 2, 4, 12"),
         "{msg}"
     );
 }
@@ -113,5 +131,48 @@ fn the_planner_and_the_trainer_read_one_model_description() {
             built.num_unique_params() as u64,
             "{file}"
         );
+    }
+}
+
+/// Checkpoints written with key/value heads replicated over tensor-parallel ranks (tp=4 over
+/// 2 heads; whole, and sharded with every rank's replica in its piece) resume on other
+/// layouts as the uninterrupted one-worker run.
+#[test]
+fn replicated_key_value_heads_checkpoint_and_resume_on_any_layout() {
+    fn until(extra: &[&str], steps: u64, resume: Option<&std::path::Path>) -> std::path::PathBuf {
+        let out = tempfile::tempdir().unwrap().keep();
+        let cfg = tiny_llama_config(&out, steps, extra);
+        let options = RunOptions {
+            resume: resume.map(std::path::Path::to_path_buf),
+            ..RunOptions::default()
+        };
+        let summary = (*job(&cfg))
+            .clone()
+            .run(&options)
+            .unwrap_or_else(|e| panic!("{extra:?}: {e:#}"));
+        assert_eq!(summary.steps, steps);
+        out
+    }
+    let cfg = tiny_llama_config(std::path::Path::new("/unused"), STEPS, &[]);
+    let uninterrupted = checkpoint_params(&cfg, &written_checkpoint(&until(&[], STEPS, None)));
+    for (writer, reader) in [
+        (
+            vec![
+                "parallel.layout=\"tp=4\"",
+                "train.checkpoint_format=\"sharded\"",
+            ],
+            vec!["parallel.layout=\"tp=2\""],
+        ),
+        (vec!["parallel.layout=\"tp=4\""], vec![]),
+        (vec![], vec!["parallel.layout=\"tp=4,sp=on\""]),
+    ] {
+        let first = until(&writer, 5, None);
+        let resumed = until(&reader, STEPS, Some(&written_checkpoint(&first)));
+        let d = rel_diff(
+            &checkpoint_params(&cfg, &written_checkpoint(&resumed)),
+            &uninterrupted,
+        );
+        eprintln!("llama {writer:?} → {reader:?}: {d:.2e}");
+        assert!(d <= 2e-4, "{writer:?} → {reader:?}: {d:.2e}");
     }
 }

@@ -242,6 +242,21 @@ pub struct ShardSpec {
     pub full_shape: Vec<usize>,
     /// Length of one group along `dim` after padding (a multiple of `parts`).
     pub padded_group: usize,
+    /// Groups dealt to ranks instead of cut across them (see [`Deal`]); `None`: every rank
+    /// holds a piece of every group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deal: Option<Deal>,
+}
+
+/// Grouped-query attention on more tensor-parallel ranks than key/value heads: the fused
+/// q/k/v rows' `groups` key/value groups are dealt out, `replicas` consecutive ranks per
+/// group. Each of them holds its `1/replicas` of the group's query rows (all but the last
+/// `tail` rows of the group) and the group's whole key and value rows (the `tail`): those
+/// are replicated, and their gradients are summed over the group's ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Deal {
+    pub replicas: usize,
+    pub tail: usize,
 }
 
 impl ShardSpec {
@@ -263,7 +278,36 @@ impl ShardSpec {
             groups,
             full_shape: full_shape.to_vec(),
             padded_group: group.div_ceil(parts) * parts,
+            deal: None,
         }
+    }
+
+    /// Rank `index`'s share when `groups` groups along dimension 0 are dealt to
+    /// `groups · deal.replicas` ranks ([`Deal`]). The caller checks that a group's rows less
+    /// the tail divide by `replicas`.
+    pub fn dealt(full_shape: &[usize], groups: usize, deal: Deal, index: usize) -> Self {
+        ShardSpec {
+            deal: Some(deal),
+            ..ShardSpec::new(full_shape, 0, groups, groups * deal.replicas, index)
+        }
+    }
+
+    /// With groups dealt: (this rank's group, its query rows per group, the tail rows).
+    fn dealt_rows(&self, deal: Deal) -> (usize, usize, usize) {
+        let group = self.full_shape[self.dim] / self.groups;
+        (
+            self.index / deal.replicas,
+            (group - deal.tail) / deal.replicas,
+            deal.tail,
+        )
+    }
+
+    /// With groups dealt: the range of this shard's rows (along `dim`) that other ranks hold
+    /// too (the replicated tail), and the group whose tail it is.
+    pub fn replicated_rows(&self) -> Option<(Range<usize>, usize)> {
+        let deal = self.deal?;
+        let (group, rows, tail) = self.dealt_rows(deal);
+        Some((rows..rows + tail, group))
     }
 
     /// Length of one group's share along `dim`.
@@ -273,7 +317,13 @@ impl ShardSpec {
 
     pub fn local_shape(&self) -> Vec<usize> {
         let mut shape = self.full_shape.clone();
-        shape[self.dim] = self.groups * self.chunk();
+        shape[self.dim] = match self.deal {
+            Some(deal) => {
+                let (_, rows, tail) = self.dealt_rows(deal);
+                rows + tail
+            }
+            None => self.groups * self.chunk(),
+        };
         shape
     }
 
@@ -288,6 +338,20 @@ impl ShardSpec {
     /// length), padding rows excluded (they have no place in the whole tensor).
     fn runs(&self, mut f: impl FnMut(usize, usize, usize)) {
         let (outer, len, inner) = self.view();
+        if let Some(deal) = self.deal {
+            let (g, rows, tail) = self.dealt_rows(deal);
+            let group = len / self.groups;
+            let start = g * group;
+            let local_len = rows + tail;
+            for o in 0..outer {
+                let (whole, local) = (o * len, o * local_len);
+                let q = start + (self.index % deal.replicas) * rows;
+                f((whole + q) * inner, local * inner, rows * inner);
+                let t = start + group - tail;
+                f((whole + t) * inner, (local + rows) * inner, tail * inner);
+            }
+            return;
+        }
         let group = len / self.groups;
         let chunk = self.chunk();
         let local_len = self.groups * chunk;
@@ -324,6 +388,11 @@ pub enum TpStyle {
     /// Output features split (`groups` equal groups split separately, e.g. 3 for a fused
     /// q/k/v projection); the input is replicated; no communication forward.
     Column { groups: usize },
+    /// A fused q/k/v projection in the grouped-query layout (per key/value group: its query
+    /// heads, then its key and value head, `head_dim` rows each): column-parallel by whole
+    /// groups when tp divides `kv_heads`; on `r·kv_heads` ranks each group is dealt to `r`
+    /// ranks that split its query heads and hold its key and value heads whole ([`Deal`]).
+    GroupedQkv { kv_heads: usize, head_dim: usize },
     /// Input features split; the partial outputs are all-reduced (or reduce-scattered under
     /// sequence parallelism); the bias is replicated.
     Row,
@@ -577,4 +646,35 @@ pub trait Layer: Send + Sync {
 /// Total element count of a spec list.
 pub fn spec_len(specs: &[ParamSpec]) -> usize {
     specs.iter().map(ParamSpec::len).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two key/value groups of 2 query rows + 1 key + 1 value row (tail 2), dealt to 4 ranks
+    /// (2 replicas a group), 3 columns: each rank holds one query row of its group and the
+    /// group's key and value rows; putting every rank's share back rebuilds the whole tensor.
+    #[test]
+    fn dealt_groups_give_each_rank_its_query_rows_and_the_whole_tail() {
+        let full = [8usize, 3];
+        let whole: Vec<f32> = (0..24).map(|v| v as f32).collect();
+        let deal = Deal {
+            replicas: 2,
+            tail: 2,
+        };
+        let mut rebuilt = vec![f32::NAN; 24];
+        for rank in 0..4 {
+            let s = ShardSpec::dealt(&full, 2, deal, rank);
+            assert_eq!(s.local_shape(), vec![3, 3]);
+            let local = s.take(&whole);
+            let (group, query) = (rank / 2, rank % 2);
+            let row = |r: usize| whole[r * 3..r * 3 + 3].to_vec();
+            let want = [row(group * 4 + query), row(group * 4 + 2), row(group * 4 + 3)].concat();
+            assert_eq!(local, want, "rank {rank}");
+            assert_eq!(s.replicated_rows(), Some((1..3, group)));
+            s.put(&local, &mut rebuilt);
+        }
+        assert_eq!(rebuilt, whole);
+    }
 }

@@ -26,7 +26,7 @@ pub mod schedule;
 pub mod transformer;
 
 pub use layer::{
-    Init, Kept, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, ShardSpec, StatsReducer,
+    Deal, Init, Kept, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, ShardSpec, StatsReducer,
     TensorPlan, TpStyle,
 };
 pub use loss::{CrossEntropy, Loss, LossError, LossValue};

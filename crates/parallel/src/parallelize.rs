@@ -533,6 +533,11 @@ pub fn parallelize(
             }
         }
     }
+    for (chunk, ranges) in stage.chunks.iter_mut().zip(tp_sync.kv_left_out_of_norms()) {
+        for range in ranges {
+            chunk.leave_out_of_norms(range);
+        }
+    }
     // ZeRO updates this rank's pieces: ties, replicated sums and norms address them.
     let sharding = sync.as_zero_ref().map(ZeroSync::sharding);
     if let Some(sharding) = &sharding {

@@ -36,7 +36,7 @@ use meshtrain_nn::loss::{LossError, LossValue};
 use meshtrain_nn::models::gpt;
 use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary, SequenceShard};
 use meshtrain_nn::{
-    Kept, Layer, Loss, Mode, Model, ParamSpec, Params, ParamsMut, Saved, ShardSpec, TpStyle,
+    Deal, Kept, Layer, Loss, Mode, Model, ParamSpec, Params, ParamsMut, Saved, ShardSpec, TpStyle,
 };
 use meshtrain_tensor::activation::fast_exp;
 use meshtrain_tensor::par::take_buffer;
@@ -45,6 +45,22 @@ use std::ops::Range;
 use std::sync::Arc;
 
 /// `n`'s divisors above 1, for messages ("2, 4, 8").
+/// The tp values a grouped-query attention of `kv_heads` key/value heads for `heads` query
+/// heads can take: divisors of `kv_heads`, and multiples of it that divide `heads`.
+fn kv_tp_choices(kv_heads: usize, heads: usize) -> String {
+    (1..=heads)
+        .filter(|&tp| kv_heads_fit(tp, kv_heads, heads))
+        .map(|tp| tp.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Whether tp ranks can share `kv_heads` key/value heads: whole groups each, or each group
+/// replicated over `tp / kv_heads` ranks that split its query heads.
+fn kv_heads_fit(tp: usize, kv_heads: usize, heads: usize) -> bool {
+    kv_heads.is_multiple_of(tp) || (tp.is_multiple_of(kv_heads) && heads.is_multiple_of(tp))
+}
+
 fn divisors(n: usize) -> String {
     let all: Vec<String> = (2..=n)
         .filter(|d| n.is_multiple_of(*d))
@@ -75,15 +91,16 @@ pub enum TensorError {
         heads: usize,
     },
     #[error(
-        "tp={tp}: '{path}' has {kv_heads} key/value heads, not divisible by tp (each \
-         tensor-parallel worker holds whole key/value groups; replicating them across workers \
-         is not supported yet): choose tp among {}",
-        divisors(*kv_heads)
+        "tp={tp}: '{path}' has {kv_heads} key/value heads for {heads} query heads: each \
+         tensor-parallel worker holds whole key/value groups, or, on a multiple of kv_heads \
+         workers, replicas of one group's key/value head; choose tp among {}",
+        kv_tp_choices(*kv_heads, *heads)
     )]
     KvHeads {
         tp: usize,
         path: String,
         kv_heads: usize,
+        heads: usize,
     },
     #[error("tp={tp}: '{path}' is split {style:?}, but {reason}")]
     Unsupported {
@@ -456,9 +473,30 @@ impl ColumnParallel {
     /// multiple of tp (Megatron's padded vocabulary).
     fn new(whole: &Linear, groups: usize, tp: TpContext) -> ColumnParallel {
         let (size, rank) = (tp.size(), tp.rank());
-        let specs = shard_specs(whole.params(), |_, shape| {
-            Some(ShardSpec::new(shape, 0, groups, size, rank))
-        });
+        Self::with_shards(whole, tp, |shape| {
+            ShardSpec::new(shape, 0, groups, size, rank)
+        })
+    }
+
+    /// A grouped-query q/k/v projection on `r · kv_heads` ranks: this rank's group's share
+    /// of its query rows and the group's key and value rows ([`Deal`]).
+    fn dealt(whole: &Linear, kv_heads: usize, head_dim: usize, tp: TpContext) -> ColumnParallel {
+        let deal = Deal {
+            replicas: tp.size() / kv_heads,
+            tail: 2 * head_dim,
+        };
+        let rank = tp.rank();
+        Self::with_shards(whole, tp, |shape| {
+            ShardSpec::dealt(shape, kv_heads, deal, rank)
+        })
+    }
+
+    fn with_shards(
+        whole: &Linear,
+        tp: TpContext,
+        shard: impl Fn(&[usize]) -> ShardSpec,
+    ) -> ColumnParallel {
+        let specs = shard_specs(whole.params(), |_, shape| Some(shard(shape)));
         let local_outputs = specs[0].shape[0];
         let inner = Linear {
             outputs: local_outputs,
@@ -999,11 +1037,12 @@ pub fn check(
 /// (each rank keeps whole heads and whole key/value groups).
 fn check_heads(layer: &dyn Layer, path: &str, tp: usize) -> Result<(), TensorError> {
     if let Some(rotary) = layer.as_any().and_then(|a| a.downcast_ref::<Rotary>()) {
-        if !rotary.kv_heads.is_multiple_of(tp) {
+        if !kv_heads_fit(tp, rotary.kv_heads, rotary.heads) {
             return Err(TensorError::KvHeads {
                 tp,
                 path: path.into(),
                 kv_heads: rotary.kv_heads,
+                heads: rotary.heads,
             });
         }
     }
@@ -1067,6 +1106,9 @@ fn check_layer(model: &Model, layer: &dyn Layer, path: &str, tp: usize) -> Resul
                         linear.outputs / groups,
                     )
                 }
+                // Whole groups, or replicated ones: the rotary layer's heads decide
+                // (check_heads), and the rows follow from them.
+                Some(TpStyle::GroupedQkv { .. }) => Ok(()),
                 Some(TpStyle::Row) => {
                     if linear.activation.is_some() {
                         return Err(TensorError::Unsupported {
@@ -1146,7 +1188,8 @@ fn rewrite(
         if let Some(r) = any.downcast_ref::<Rotary>() {
             return Some(Box::new(Rotary {
                 heads: r.heads / tp.size(),
-                kv_heads: r.kv_heads / tp.size(),
+                // On more ranks than key/value heads, one (replicated) head each.
+                kv_heads: (r.kv_heads / tp.size()).max(1),
                 ..*r
             }));
         }
@@ -1157,6 +1200,13 @@ fn rewrite(
             return match style_of(plan, path) {
                 Some(TpStyle::Column { groups }) => {
                     Some(Box::new(ColumnParallel::new(linear, groups, tp.clone())))
+                }
+                Some(TpStyle::GroupedQkv { kv_heads, head_dim }) => {
+                    Some(Box::new(if kv_heads.is_multiple_of(tp.size()) {
+                        ColumnParallel::new(linear, 1, tp.clone())
+                    } else {
+                        ColumnParallel::dealt(linear, kv_heads, head_dim, tp.clone())
+                    }))
                 }
                 Some(TpStyle::Row) => Some(Box::new(RowParallel::new(linear, tp.clone()))),
                 Some(TpStyle::VocabHead) => {
@@ -1219,12 +1269,29 @@ pub fn gpt_plan() -> meshtrain_nn::TensorPlan {
 /// Sums the gradients of replicated parameters over the tensor-parallel group when sequence
 /// parallelism gave each rank only its tokens' share of them (layer norms, row-parallel
 /// biases, position embeddings). Without sequence parallelism every rank computed the same
-/// gradient and nothing is sent.
+/// gradient and nothing is sent. And on more ranks than key/value heads ([`Deal`]), sums the
+/// gradients of each replicated key/value head over the ranks that share it (each computed
+/// only its query heads' part).
 pub struct TpGradSync {
     group: Option<Arc<dyn ProcessGroup>>,
     /// Per local chunk: ranges of replicated parameters in its gradient buffer.
     replicated: Vec<Vec<Range<usize>>>,
+    /// The group for the key/value replicas' sums (any tp with dealt groups).
+    kv_group: Option<Arc<dyn ProcessGroup>>,
+    /// Per local chunk: ranges of replicated key/value rows, with their group among how many.
+    kv: Vec<Vec<KvRows>>,
+    /// Whether this rank is not its key/value group's first replica (the rows then stay out
+    /// of gradient norms, which count them once).
+    kv_not_first: bool,
     scratch: Vec<f32>,
+}
+
+/// Replicated key/value rows of a dealt q/k/v projection, in a chunk's gradient buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct KvRows {
+    range: Range<usize>,
+    group: usize,
+    groups: usize,
 }
 
 impl TpGradSync {
@@ -1243,11 +1310,40 @@ impl TpGradSync {
             .iter()
             .map(|chunk| replicated_ranges(model, chunk.blocks.clone()))
             .collect();
+        let kv: Vec<Vec<KvRows>> = chunks
+            .iter()
+            .map(|chunk| kv_replica_rows(model, chunk.blocks.clone()))
+            .collect();
+        let kv_not_first = model
+            .params()
+            .iter()
+            .filter_map(|e| e.shard().filter(|s| s.deal.is_some()))
+            .any(|s| s.deal.is_some_and(|d| s.index % d.replicas != 0));
+        let kv_group = tp
+            .filter(|t| t.size() > 1 && kv.iter().any(|c| !c.is_empty()))
+            .map(|t| t.group.clone());
         TpGradSync {
             group,
             replicated,
+            kv_group,
+            kv,
+            kv_not_first,
             scratch: Vec::new(),
         }
+    }
+
+    /// Per local chunk, what this rank leaves out of gradient norms that another rank of the
+    /// group counts: the replicated key/value rows on all but their group's first replica.
+    pub fn kv_left_out_of_norms(&self) -> Vec<Vec<Range<usize>>> {
+        self.kv
+            .iter()
+            .map(|rows| {
+                rows.iter()
+                    .filter(|_| self.kv_not_first)
+                    .map(|r| r.range.clone())
+                    .collect()
+            })
+            .collect()
     }
 
     /// Per local chunk, the ranges of replicated (unsharded) parameters: counted once in
@@ -1262,10 +1358,22 @@ impl TpGradSync {
         for (j, ranges) in self.replicated.iter_mut().enumerate() {
             *ranges = ranges.iter().flat_map(|r| map(j, r)).collect();
         }
+        for (j, rows) in self.kv.iter_mut().enumerate() {
+            *rows = rows
+                .iter()
+                .flat_map(|k| {
+                    map(j, &k.range)
+                        .into_iter()
+                        .map(|range| KvRows { range, ..k.clone() })
+                })
+                .collect();
+        }
     }
 
-    /// Sums the replicated parameters' gradients over the group (one all-reduce per chunk).
+    /// Sums the replicated parameters' gradients over the group (one all-reduce per chunk),
+    /// and each replicated key/value head's over its replicas.
     pub fn reduce(&mut self, chunks: &mut [StageChunk]) -> Result<(), CommError> {
+        self.reduce_kv(chunks)?;
         let Some(group) = &self.group else {
             return Ok(());
         };
@@ -1284,6 +1392,58 @@ impl TpGradSync {
         }
         Ok(())
     }
+
+    /// Each rank's replicated key/value gradients go into its group's slot of a buffer that
+    /// is zero elsewhere; one all-reduce over the tensor-parallel group sums every group's
+    /// replicas at once, and each rank reads its group's slot back. (The rows have the same
+    /// places and lengths on every rank: dealt shards have equal shapes.)
+    fn reduce_kv(&mut self, chunks: &mut [StageChunk]) -> Result<(), CommError> {
+        let Some(group) = &self.kv_group else {
+            return Ok(());
+        };
+        for (chunk, rows) in chunks.iter_mut().zip(&self.kv) {
+            if rows.is_empty() {
+                continue;
+            }
+            let g = &mut chunk.store.grads;
+            self.scratch.clear();
+            for k in rows {
+                let at = self.scratch.len();
+                self.scratch.resize(at + k.groups * k.range.len(), 0.0);
+                let slot = at + k.group * k.range.len();
+                self.scratch[slot..slot + k.range.len()].copy_from_slice(&g[k.range.clone()]);
+            }
+            group.all_reduce(BufMut::F32(&mut self.scratch), ReduceOp::Sum)?;
+            let mut at = 0;
+            for k in rows {
+                let slot = at + k.group * k.range.len();
+                g[k.range.clone()].copy_from_slice(&self.scratch[slot..slot + k.range.len()]);
+                at += k.groups * k.range.len();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Ranges (relative to the chunk of `blocks`) of the replicated key/value rows of dealt
+/// q/k/v projections, with their group.
+fn kv_replica_rows(model: &Model, blocks: Range<usize>) -> Vec<KvRows> {
+    let base = model.blocks_param_range(blocks.clone()).start;
+    let mut out = Vec::new();
+    for e in model.params().iter().filter(|e| blocks.contains(&e.block)) {
+        let Some(shard) = e.shard() else { continue };
+        let Some((rows, group)) = shard.replicated_rows() else {
+            continue;
+        };
+        let inner: usize = shard.local_shape()[1..].iter().product();
+        let start = e.range.start - base;
+        out.push(KvRows {
+            range: start + rows.start * inner..start + rows.end * inner,
+            group,
+            groups: shard.groups,
+        });
+    }
+    out
 }
 
 /// Ranges (relative to the chunk of `blocks`) of the parameters without a shard.

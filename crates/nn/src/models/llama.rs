@@ -142,13 +142,20 @@ impl LlamaConfig {
 }
 
 /// Megatron-LM's split of a Llama: q/k/v column-parallel by key/value group (the grouped
-/// layout makes an even split of the rows a split by whole groups), `[gate | up]`
-/// column-parallel with gate and up split separately, `proj` and `down` row-parallel, the
-/// head split over the vocabulary.
-pub fn tensor_plan() -> TensorPlan {
+/// layout makes an even split of the rows a split by whole groups; on more ranks than
+/// key/value heads each group's key and value heads are replicated over its ranks),
+/// `[gate | up]` column-parallel with gate and up split separately, `proj` and `down`
+/// row-parallel, the head split over the vocabulary.
+pub fn tensor_plan(cfg: &LlamaConfig) -> TensorPlan {
     TensorPlan {
         rules: vec![
-            ("*qkv".into(), TpStyle::Column { groups: 1 }),
+            (
+                "*qkv".into(),
+                TpStyle::GroupedQkv {
+                    kv_heads: cfg.kv_heads,
+                    head_dim: cfg.head_dim(),
+                },
+            ),
             ("*proj".into(), TpStyle::Row),
             ("*gate_up".into(), TpStyle::Column { groups: 2 }),
             ("*down".into(), TpStyle::Row),
@@ -180,7 +187,7 @@ pub fn llama(cfg: &LlamaConfig) -> Model {
         blocks,
         ("norm", norm),
         init,
-        tensor_plan(),
+        tensor_plan(cfg),
         cfg.tie_embeddings,
     )
 }
