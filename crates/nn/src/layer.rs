@@ -670,7 +670,12 @@ mod tests {
             let local = s.take(&whole);
             let (group, query) = (rank / 2, rank % 2);
             let row = |r: usize| whole[r * 3..r * 3 + 3].to_vec();
-            let want = [row(group * 4 + query), row(group * 4 + 2), row(group * 4 + 3)].concat();
+            let want = [
+                row(group * 4 + query),
+                row(group * 4 + 2),
+                row(group * 4 + 3),
+            ]
+            .concat();
             assert_eq!(local, want, "rank {rank}");
             assert_eq!(s.replicated_rows(), Some((1..3, group)));
             s.put(&local, &mut rebuilt);
