@@ -1337,11 +1337,9 @@ impl TpGradSync {
     pub fn kv_left_out_of_norms(&self) -> Vec<Vec<Range<usize>>> {
         self.kv
             .iter()
-            .map(|rows| {
-                rows.iter()
-                    .filter(|_| self.kv_not_first)
-                    .map(|r| r.range.clone())
-                    .collect()
+            .map(|rows| match self.kv_not_first {
+                true => rows.iter().map(|r| r.range.clone()).collect(),
+                false => Vec::new(),
             })
             .collect()
     }

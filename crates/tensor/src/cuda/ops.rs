@@ -612,27 +612,21 @@ pub fn layer_norm_backward(
             .usize_as_i32(d)
             .i32(accumulate as i32),
     )?;
-    let blocks = rows.div_ceil(ROWS_PER_BLOCK).max(1);
-    let partial = dev.alloc(blocks * 2 * d * 4, "layer norm gradient partials")?;
-    dev.launch(
-        "layernorm.cu",
-        &format!("layernorm_bwd_params_{t}"),
-        Launch {
-            grid: (d.div_ceil(THREADS as usize) as u32, blocks as u32, 1),
-            block: (THREADS, 1, 1),
-            smem: 0,
-        },
-        Args::new()
-            .ptr(x.ptr())
-            .ptr(mean.ptr())
-            .ptr(rstd.ptr())
-            .ptr(dy.ptr())
-            .ptr(partial.ptr())
-            .usize_as_i32(rows)
-            .usize_as_i32(d)
-            .usize_as_i32(ROWS_PER_BLOCK),
+    let inputs = Args::new()
+        .ptr(x.ptr())
+        .ptr(mean.ptr())
+        .ptr(rstd.ptr())
+        .ptr(dy.ptr());
+    let kernel = format!("layernorm_bwd_params_{t}");
+    add_norm_param_grads(
+        &dev,
+        ("layernorm.cu", &kernel),
+        inputs,
+        rows,
+        d,
+        2 * d,
+        grads,
     )?;
-    finish_columns(&dev, partial.ptr(), blocks, 2 * d, grads.ptr(), true)?;
     finish_input_grad(dx, pending)
 }
 
@@ -717,27 +711,42 @@ pub fn rms_norm_backward(
             .usize_as_i32(d)
             .i32(accumulate as i32),
     )?;
+    let inputs = Args::new().ptr(x.ptr()).ptr(rstd.ptr()).ptr(dy.ptr());
+    let kernel = format!("rmsnorm_bwd_params_{t}");
+    add_norm_param_grads(&dev, ("llama.cu", &kernel), inputs, rows, d, d, grads)?;
+    finish_input_grad(dx, pending)
+}
+
+/// A norm's parameter gradients added into `grads` (`width` values: γ and β, or the weight):
+/// `kernel` (file, name) writes each block of rows' column sums over `d` columns from its
+/// `inputs`, followed by the partials, rows, d and the rows per block; the partials are then
+/// summed in block order.
+fn add_norm_param_grads(
+    dev: &Arc<CudaDevice>,
+    (file, kernel): (&'static str, &str),
+    inputs: Args,
+    rows: usize,
+    d: usize,
+    width: usize,
+    grads: DeviceGrads,
+) -> Result<(), CudaError> {
     let blocks = rows.div_ceil(ROWS_PER_BLOCK).max(1);
-    let partial = dev.alloc(blocks * d * 4, "RMS norm gradient partials")?;
+    let partial = dev.alloc(blocks * width * 4, "norm gradient partials")?;
     dev.launch(
-        "llama.cu",
-        &format!("rmsnorm_bwd_params_{t}"),
+        file,
+        kernel,
         Launch {
             grid: (d.div_ceil(THREADS as usize) as u32, blocks as u32, 1),
             block: (THREADS, 1, 1),
             smem: 0,
         },
-        Args::new()
-            .ptr(x.ptr())
-            .ptr(rstd.ptr())
-            .ptr(dy.ptr())
+        inputs
             .ptr(partial.ptr())
             .usize_as_i32(rows)
             .usize_as_i32(d)
             .usize_as_i32(ROWS_PER_BLOCK),
     )?;
-    finish_columns(&dev, partial.ptr(), blocks, d, grads.ptr(), true)?;
-    finish_input_grad(dx, pending)
+    finish_columns(dev, partial.ptr(), blocks, width, grads.ptr(), true)
 }
 
 fn check_params(p: &DeviceParams, len: usize, what: &str) -> Result<(), CudaError> {

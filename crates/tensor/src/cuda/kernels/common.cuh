@@ -106,6 +106,18 @@ __device__ __forceinline__ void store4(T* p, const float (&v)[4]) {
     }
 }
 
+// Stores 4 floats at p (16-byte aligned), or with `accumulate` adds them to what p holds:
+// p + v, the residual add's operand order, so the sum has the bits a separate add gives.
+__device__ __forceinline__ void store4_or_add(float* p, float (&v)[4], int accumulate) {
+    if (accumulate) {
+        float a[4];
+        load4(p, a);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = a[e] + v[e];
+    }
+    store4(p, v);
+}
+
 template <class T>
 __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
     if constexpr (sizeof(T) == 4) {

@@ -177,16 +177,7 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
                         const float h = (xv[k][e] - mu) * rs;
                         o[e] = rs * (gv[k][e] - mg - h * mgh);
                     }
-                    if (accumulate) {
-                        // dx = dx + (this gradient): the residual add's operand order, so
-                        // the sum has the bits the separate add gave.
-                        const float4 a = reinterpret_cast<const float4*>(dxr)[j];
-                        o[0] = a.x + o[0];
-                        o[1] = a.y + o[1];
-                        o[2] = a.z + o[2];
-                        o[3] = a.w + o[3];
-                    }
-                    store4(dxr + 4 * j, o);
+                    store4_or_add(dxr + 4 * j, o, accumulate);
                 }
             }
         } else {
