@@ -11,6 +11,8 @@ use std::fmt;
 
 /// Element type of a buffer: the project's one dtype enum, from the tensor core.
 pub use meshtrain_tensor::DType;
+/// Where a buffer's memory is: the project's one device enum, from the tensor core.
+pub use meshtrain_tensor::Device;
 
 /// Stable small code of a dtype, used in collective fingerprints.
 pub(crate) fn dtype_code(dtype: DType) -> u64 {
@@ -146,11 +148,19 @@ impl ReduceOp {
 /// It carries no lifetime: whoever builds one promises (see the `unsafe` constructors)
 /// that the memory stays valid, and is not accessed by anything else, until the
 /// operation that uses it has completed.
+///
+/// It also says where the memory is: host memory ([`Device::Cpu`]), which every backend
+/// reads and writes, or a GPU's ([`Device::Cuda`]), an address only that device's copies
+/// and kernels may touch. The threads and MPI backends refuse device views; wrapped in a
+/// [`StagedGroup`](crate::StagedGroup) they stage them through host memory, and NCCL takes
+/// them as they are. So a parallel dimension hands the group slices of its flat buffers
+/// wherever they live, and is written once for both devices.
 #[derive(Debug, Clone, Copy)]
 pub struct RawBuf {
     pub(crate) ptr: *mut u8,
     pub(crate) len: usize,
     pub(crate) dtype: DType,
+    pub(crate) device: Device,
 }
 
 // SAFETY: a RawBuf is only an address; the unsafe constructors put the burden of
@@ -170,6 +180,7 @@ impl RawBuf {
             ptr: slice.as_mut_ptr().cast(),
             len: slice.len(),
             dtype: T::DTYPE,
+            device: Device::Cpu,
         }
     }
 
@@ -183,7 +194,35 @@ impl RawBuf {
             ptr: ptr.cast(),
             len,
             dtype: T::DTYPE,
+            device: Device::Cpu,
         }
+    }
+
+    /// A view of `len` elements of `dtype` at address `addr` in the memory of `device`
+    /// (a GPU's device pointer, such as a `DevBuf`'s `ptr()` plus an offset).
+    ///
+    /// # Safety
+    /// As for [`RawBuf::from_slice`]: the range must lie in a live allocation of `device`,
+    /// aligned for `dtype`, untouched by anyone else (kernels included) until every operation
+    /// given this view has completed. Work queued on the device's compute stream before the
+    /// operation is started is ordered before it.
+    pub unsafe fn on_device(addr: u64, len: usize, dtype: DType, device: Device) -> RawBuf {
+        RawBuf {
+            ptr: addr as *mut u8,
+            len,
+            dtype,
+            device,
+        }
+    }
+
+    /// Where the memory is.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The address of the first element: a host address, or a device pointer.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
     }
 
     pub fn len(&self) -> usize {
@@ -217,11 +256,16 @@ impl RawBuf {
             ptr: self.ptr.wrapping_add(start * self.dtype.size_bytes()),
             len,
             dtype: self.dtype,
+            device: self.device,
         }
     }
 
-    /// Whether the two views share any byte (an empty view shares none).
+    /// Whether the two views share any byte (an empty view shares none; views of different
+    /// devices' memories share none).
     pub(crate) fn overlaps(&self, other: &RawBuf) -> bool {
+        if self.device != other.device {
+            return false;
+        }
         let (a0, a1) = (self.ptr as usize, self.ptr as usize + self.size_bytes());
         let (b0, b1) = (other.ptr as usize, other.ptr as usize + other.size_bytes());
         a0 < a1 && b0 < b1 && a0 < b1 && b0 < a1
@@ -271,6 +315,7 @@ impl BufRef<'_> {
             ptr: ptr.cast_mut(),
             len,
             dtype,
+            device: Device::Cpu,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The [`ProcessGroup`] trait every backend implements, the operation descriptions
 //! that cross it, and the [`Work`] handle of asynchronous operations.
 
-use crate::dtype::{BufMut, BufRef, RawBuf, ReduceOp};
+use crate::dtype::{BufMut, BufRef, Device, RawBuf, ReduceOp};
 use crate::error::{CommError, OpContext};
 use crate::topology::HostPlacement;
 use half::{bf16, f16};
@@ -175,6 +175,43 @@ impl Operation {
         }
     }
 
+    /// The buffers the operation reads or writes (none for a barrier).
+    pub fn buffers(&self) -> Vec<RawBuf> {
+        match *self {
+            Operation::AllReduce { buf, .. }
+            | Operation::Broadcast { buf, .. }
+            | Operation::Send { buf, .. }
+            | Operation::Recv { buf, .. } => vec![buf],
+            Operation::ReduceScatter { input, output, .. }
+            | Operation::AllGather { input, output }
+            | Operation::AllToAll { input, output } => vec![input, output],
+            Operation::Barrier => Vec::new(),
+        }
+    }
+
+    /// Where the operation's memory is: the device of its buffers (the host for a barrier).
+    /// [`Operation::validate`] checks they agree.
+    pub fn device(&self) -> Device {
+        self.buffers().first().map_or(Device::Cpu, |b| b.device())
+    }
+
+    /// For backends that move host memory (threads, MPI, the hierarchical all-reduce): a
+    /// device pointer is an address the host must never dereference, so a device buffer is
+    /// an error naming the way to pass it, not a crash.
+    pub(crate) fn require_host(&self, ctx: &OpContext) -> Result<(), CommError> {
+        match self.device() {
+            Device::Cpu => Ok(()),
+            device => Err(CommError::InvalidBuffer {
+                ctx: ctx.clone(),
+                details: format!(
+                    "the buffer is in {device}'s memory, and this backend moves host memory: \
+                     wrap the group in a StagedGroup (copies through pinned host memory) or \
+                     use the NCCL backend"
+                ),
+            }),
+        }
+    }
+
     /// True for operations that all ranks of the group take part in (and that are
     /// therefore numbered and fingerprinted).
     pub fn is_collective(&self) -> bool {
@@ -252,6 +289,14 @@ impl Operation {
             }
             Ok(())
         };
+        let buffers = self.buffers();
+        if let Some(other) = buffers.iter().find(|b| b.device() != buffers[0].device()) {
+            return Err(invalid_buffer(format!(
+                "the input is in {}'s memory but the output in {}'s: both must be on one device",
+                buffers[0].device(),
+                other.device()
+            )));
+        }
         match *self {
             Operation::ReduceScatter { input, output, .. } => check_blocks(input, output, true)?,
             Operation::AllGather { input, output } => check_blocks(input, output, false)?,

@@ -25,10 +25,11 @@ mod mesh;
 pub mod mpi_backend;
 #[cfg(any(feature = "mpi", test))]
 mod mpi_monitor;
+mod staged;
 mod threads;
 mod topology;
 
-pub use dtype::{reference_reduce, BufMut, BufRef, DType, Element, RawBuf, ReduceOp};
+pub use dtype::{reference_reduce, BufMut, BufRef, DType, Device, Element, RawBuf, ReduceOp};
 pub use error::{CommError, OpContext};
 pub use group::{
     CommConfig, Fingerprint, OpSpan, Operation, OwnedBuf, OwnedWork, ProcessGroup, Work,
@@ -36,5 +37,8 @@ pub use group::{
 };
 pub use half::{bf16, f16};
 pub use mesh::{DeviceMesh, MeshAxis, MeshError, MeshLayout};
+#[cfg(feature = "cuda")]
+pub use staged::CudaMemory;
+pub use staged::{DeviceAlloc, DeviceMemory, HostBackedDevice, HostStage, StagedGroup};
 pub use threads::{ThreadsGroup, ThreadsWorld, WorkerFailure, WorldError, FAILURE_GRACE};
 pub use topology::{GroupHosts, HierarchicalGroup, HostPlacement, DEFAULT_PIECE_BYTES};

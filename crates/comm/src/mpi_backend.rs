@@ -1325,7 +1325,9 @@ impl MpiGroup {
         } else {
             0
         };
-        op.validate(&self.core.ctx(op, seq), self.core.rank, self.core.size)?;
+        let ctx = self.core.ctx(op, seq);
+        op.validate(&ctx, self.core.rank, self.core.size)?;
+        op.require_host(&ctx)?;
         Ok(seq)
     }
 }

@@ -574,6 +574,7 @@ impl ThreadsGroup {
         };
         let ctx = self.core.ctx(op, seq);
         op.validate(&ctx, self.core.rank, self.size())?;
+        op.require_host(&ctx)?;
         Ok(seq)
     }
 }

@@ -261,7 +261,9 @@ impl HierarchicalGroup {
         } else {
             0
         };
-        op.validate(&self.core.ctx(op, seq), self.rank(), self.size())?;
+        let ctx = self.core.ctx(op, seq);
+        op.validate(&ctx, self.rank(), self.size())?;
+        op.require_host(&ctx)?;
         Ok(seq)
     }
 }
@@ -293,6 +295,7 @@ impl Hierarchy {
                 ptr,
                 len: padded,
                 dtype: buf.dtype(),
+                device: crate::dtype::Device::Cpu,
             }
         };
         // Average: each phase divides by its group's size, L then H: the sum over L × H.

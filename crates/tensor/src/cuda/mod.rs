@@ -28,7 +28,7 @@ pub mod probe;
 pub mod train_ops;
 
 pub use blas::F32Math;
-pub use context::{CudaDevice, DevBuf};
+pub use context::{CudaDevice, DevBuf, PinnedBuf};
 pub use error::CudaError;
 
 use crate::DType;
