@@ -7,9 +7,10 @@
 //! comparison can be bit-exact for every backend. The same suite runs on the threads
 //! backend (`tests/threads.rs`) and on MPI (`examples/mpi_collectives.rs` under mpirun).
 
-use crate::dtype::{reference_reduce, Element, RawBuf, ReduceOp};
+use crate::dtype::{reference_reduce, DType, Element, RawBuf, ReduceOp};
 use crate::error::CommError;
-use crate::group::ProcessGroup;
+use crate::group::{Operation, ProcessGroup};
+use crate::staged::{DeviceAlloc, DeviceMemory};
 use anyhow::{bail, ensure, Context, Result};
 use half::{bf16, f16};
 
@@ -531,4 +532,304 @@ pub fn run_suite(g: &dyn ProcessGroup) -> Result<()> {
         Ok(())
     };
     run().with_context(|| format!("conformance suite on rank {rank} of {}", g.size()))
+}
+
+/// Host values put into a device's memory and read back, for the device suite.
+struct OnDevice<'a> {
+    memory: &'a dyn DeviceMemory,
+}
+
+fn bytes_of<T: Element>(values: &[T]) -> &[u8] {
+    // SAFETY: f32, bf16 and f16 (the sealed `Element` types) are plain bits.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast(), std::mem::size_of_val(values)) }
+}
+
+impl OnDevice<'_> {
+    fn put<T: Element>(&self, values: &[T]) -> Result<DeviceAlloc> {
+        let alloc = self
+            .memory
+            .alloc(std::mem::size_of_val(values))
+            .map_err(anyhow::Error::msg)?;
+        self.memory
+            .upload(alloc.addr(), bytes_of(values))
+            .map_err(anyhow::Error::msg)?;
+        Ok(alloc)
+    }
+
+    fn zeros<T: Element>(&self, len: usize) -> Result<DeviceAlloc> {
+        self.put(&vec![T::from_f32(0.0); len])
+    }
+
+    fn get<T: Element>(&self, alloc: &DeviceAlloc, len: usize) -> Result<Vec<T>> {
+        let mut out = vec![T::from_f32(0.0); len];
+        // SAFETY: as in `bytes_of`; every bit pattern is a value of these types.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), std::mem::size_of_val(&out[..]))
+        };
+        self.memory
+            .download(alloc.addr(), bytes)
+            .map_err(anyhow::Error::msg)?;
+        Ok(out)
+    }
+}
+
+/// A view of the first `len` elements of `alloc`.
+fn view<T: Element>(alloc: &DeviceAlloc, len: usize) -> RawBuf {
+    // SAFETY: the suite keeps `alloc` alive and untouched until the operation completed.
+    unsafe { alloc.view(T::DTYPE, len) }
+}
+
+/// The operations of the device suite.
+#[derive(Clone, Copy, Debug)]
+enum DeviceCase {
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
+    AllGather,
+    AllToAll,
+    Broadcast,
+    SendRecv,
+}
+
+/// Runs `op` synchronously or started and waited for.
+fn run_op(g: &dyn ProcessGroup, op: Operation, asynchronous: bool) -> Result<(), CommError> {
+    // SAFETY: the callers' buffers outlive the call, and the Work is waited on here.
+    unsafe {
+        if asynchronous {
+            g.start_raw(op)?.wait()
+        } else {
+            g.run_raw(op)
+        }
+    }
+}
+
+/// One operation on device buffers of `len` elements per rank (a chunk, for the operations
+/// that have them), against the serial reference.
+fn check_device_case<T: Element>(
+    g: &dyn ProcessGroup,
+    d: &OnDevice,
+    case: DeviceCase,
+    len: usize,
+    asynchronous: bool,
+) -> Result<()> {
+    let (n, r) = (g.size(), g.rank());
+    let what = format!(
+        "{case:?} {} len {len} on {}{}",
+        T::DTYPE,
+        d.memory.device(),
+        if asynchronous { " (async)" } else { "" }
+    );
+    let (got, expected) = match case {
+        DeviceCase::AllReduce(op) => {
+            let inputs = all_inputs::<T>(n, len, 1);
+            let buf = d.put(&inputs[r])?;
+            let buf_view = view::<T>(&buf, len);
+            run_op(g, Operation::AllReduce { buf: buf_view, op }, asynchronous)?;
+            (d.get::<T>(&buf, len)?, reference_reduce(&inputs, op))
+        }
+        DeviceCase::ReduceScatter(op) => {
+            let inputs = all_inputs::<T>(n, len * n, 2);
+            let (input, output) = (d.put(&inputs[r])?, d.zeros::<T>(len)?);
+            let (input, output_view) = (view::<T>(&input, len * n), view::<T>(&output, len));
+            let scatter = Operation::ReduceScatter {
+                input,
+                output: output_view,
+                op,
+            };
+            run_op(g, scatter, asynchronous)?;
+            let full = reference_reduce(&inputs, op);
+            (
+                d.get::<T>(&output, len)?,
+                full[r * len..(r + 1) * len].to_vec(),
+            )
+        }
+        DeviceCase::AllGather => {
+            let inputs = all_inputs::<T>(n, len, 3);
+            let (input, output) = (d.put(&inputs[r])?, d.zeros::<T>(len * n)?);
+            let gather = Operation::AllGather {
+                input: view::<T>(&input, len),
+                output: view::<T>(&output, len * n),
+            };
+            run_op(g, gather, asynchronous)?;
+            (d.get::<T>(&output, len * n)?, inputs.concat())
+        }
+        DeviceCase::AllToAll => {
+            let chunk = len.min(ROUTED_CODES / (n * n));
+            let (input, expected) = all_to_all_case::<T>(n, chunk, r);
+            let (input, output) = (d.put(&input)?, d.zeros::<T>(chunk * n)?);
+            let exchange = Operation::AllToAll {
+                input: view::<T>(&input, chunk * n),
+                output: view::<T>(&output, chunk * n),
+            };
+            run_op(g, exchange, asynchronous)?;
+            (d.get::<T>(&output, chunk * n)?, expected)
+        }
+        DeviceCase::Broadcast => {
+            let root = n - 1;
+            let buf = d.put(&test_input::<T>(r, len, 4))?;
+            let buf_view = view::<T>(&buf, len);
+            run_op(
+                g,
+                Operation::Broadcast {
+                    buf: buf_view,
+                    root,
+                },
+                asynchronous,
+            )?;
+            (d.get::<T>(&buf, len)?, test_input::<T>(root, len, 4))
+        }
+        DeviceCase::SendRecv => {
+            if n < 2 {
+                return Ok(());
+            }
+            let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+            let (sent, received) = (d.put(&test_input::<T>(r, len, 5))?, d.zeros::<T>(len)?);
+            let send = Operation::Send {
+                buf: view::<T>(&sent, len),
+                dst: next,
+                tag: 20,
+            };
+            let recv = Operation::Recv {
+                buf: view::<T>(&received, len),
+                src: prev,
+                tag: 20,
+            };
+            // SAFETY: both buffers live until the Works are waited on.
+            let works = unsafe { [g.start_raw(send)?, g.start_raw(recv)?] };
+            for work in works {
+                work.wait()?;
+            }
+            (d.get::<T>(&received, len)?, test_input::<T>(prev, len, 5))
+        }
+    };
+    expect_equal(&what, &got, &expected)
+}
+
+const DEVICE_CASES: [DeviceCase; 9] = [
+    DeviceCase::AllReduce(ReduceOp::Sum),
+    DeviceCase::AllReduce(ReduceOp::Average),
+    DeviceCase::AllReduce(ReduceOp::Max),
+    DeviceCase::ReduceScatter(ReduceOp::Sum),
+    DeviceCase::ReduceScatter(ReduceOp::Average),
+    DeviceCase::AllGather,
+    DeviceCase::AllToAll,
+    DeviceCase::Broadcast,
+    DeviceCase::SendRecv,
+];
+
+fn check_device_dtype<T: Element>(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> {
+    for len in SIZES {
+        for case in DEVICE_CASES {
+            check_device_case::<T>(g, d, case, len, false)?;
+        }
+    }
+    for case in DEVICE_CASES {
+        check_device_case::<T>(g, d, case, 1023, true)?;
+    }
+    Ok(())
+}
+
+/// DDP's pattern on a device: asynchronous all-reduces of disjoint buckets of one flat
+/// gradient buffer, all in flight at once, and a synchronous one after them.
+fn check_device_buckets(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> {
+    let len = 10_007;
+    let inputs = all_inputs::<f32>(g.size(), len, 7);
+    let flat = d.put(&inputs[g.rank()])?;
+    let bounds = [0, 3, 4000, 4001, 9000, len];
+    let mut works = Vec::new();
+    for b in (0..bounds.len() - 1).rev() {
+        let (lo, hi) = (bounds[b], bounds[b + 1]);
+        // SAFETY: disjoint buckets of `flat`, which lives until every Work is waited on.
+        let bucket = unsafe {
+            RawBuf::on_device(
+                flat.addr() + 4 * lo as u64,
+                hi - lo,
+                DType::F32,
+                flat.device(),
+            )
+        };
+        works.push(unsafe { g.all_reduce_async(bucket, ReduceOp::Average)? });
+    }
+    let after = d.put(&test_input::<f32>(g.rank(), 33, 8))?;
+    run_op(
+        g,
+        Operation::AllReduce {
+            buf: view::<f32>(&after, 33),
+            op: ReduceOp::Max,
+        },
+        false,
+    )?;
+    for work in works {
+        work.wait()?;
+    }
+    expect_equal(
+        "async bucketed all_reduce on the device",
+        &d.get::<f32>(&flat, len)?,
+        &reference_reduce(&inputs, ReduceOp::Average),
+    )?;
+    expect_equal(
+        "sync all_reduce after async ones on the device",
+        &d.get::<f32>(&after, 33)?,
+        &reference_reduce(&all_inputs::<f32>(g.size(), 33, 8), ReduceOp::Max),
+    )
+}
+
+/// Sub-groups of even and odd ranks reduce device buffers independently.
+fn check_device_subgroups(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> {
+    let parity = g.rank() % 2;
+    let members: Vec<usize> = (0..g.size()).filter(|r| r % 2 == parity).collect();
+    let sub = g.new_subgroup(&members)?;
+    check_device_case::<f32>(
+        sub.as_ref(),
+        d,
+        DeviceCase::AllReduce(ReduceOp::Sum),
+        1023,
+        false,
+    )?;
+    check_device_case::<bf16>(sub.as_ref(), d, DeviceCase::AllGather, 17, true)?;
+    g.barrier()?;
+    Ok(())
+}
+
+/// One buffer on the host and one on the device in the same operation is refused before
+/// any data moves, naming both places.
+fn check_mixed_places_refused(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> {
+    let n = g.size();
+    let output = d.zeros::<f32>(n)?;
+    let mut input = vec![1f32; 1];
+    // SAFETY: both live past the (refused) call.
+    let gather = unsafe {
+        Operation::AllGather {
+            input: RawBuf::from_slice(&mut input),
+            output: view::<f32>(&output, n),
+        }
+    };
+    match run_op(g, gather, false) {
+        Err(CommError::InvalidBuffer { details, .. }) if details.contains("one device") => Ok(()),
+        other => bail!("a host input with a device output: expected InvalidBuffer, got {other:?}"),
+    }
+}
+
+/// Runs the suite on device buffers in `memory`: every operation, every dtype, synchronous
+/// and asynchronous, DDP's bucket pattern and sub-groups. For groups that take device
+/// buffers ([`StagedGroup`](crate::StagedGroup), NCCL); every rank of `g` must call it.
+pub fn run_device_suite(g: &dyn ProcessGroup, memory: &dyn DeviceMemory) -> Result<()> {
+    let rank = g.rank();
+    let d = OnDevice { memory };
+    let run = || -> Result<()> {
+        check_device_dtype::<f32>(g, &d)?;
+        check_device_dtype::<bf16>(g, &d)?;
+        check_device_dtype::<f16>(g, &d)?;
+        check_device_buckets(g, &d)?;
+        check_device_subgroups(g, &d)?;
+        check_mixed_places_refused(g, &d)?;
+        run_op(g, Operation::Barrier, true)?;
+        Ok(())
+    };
+    run().with_context(|| {
+        format!(
+            "device conformance suite on rank {rank} of {} ({})",
+            g.size(),
+            memory.device()
+        )
+    })
 }

@@ -390,6 +390,9 @@ impl ProcessGroup for StagedGroup {
     }
 }
 
+/// A stand-in device's allocations by base address: (bytes, the memory).
+type FakeAllocations = Arc<Mutex<BTreeMap<u64, (usize, Vec<u64>)>>>;
+
 /// Addresses of [`HostBackedDevice`] allocations start here: a non-canonical x86-64 address
 /// (and past any 48-bit address space elsewhere), so dereferencing one on the host faults.
 const FAKE_DEVICE_BASE: u64 = 0xdead_0000_0000_0000;
@@ -399,8 +402,7 @@ const FAKE_DEVICE_BASE: u64 = 0xdead_0000_0000_0000;
 /// as with a GPU. It counts the bytes copied each way.
 pub struct HostBackedDevice {
     device: Device,
-    /// Allocations by base address: (bytes, the memory).
-    allocations: Arc<Mutex<BTreeMap<u64, (usize, Vec<u64>)>>>,
+    allocations: FakeAllocations,
     next: AtomicU64,
     downloaded: AtomicUsize,
     uploaded: AtomicUsize,
@@ -495,7 +497,7 @@ impl DeviceMemory for HostBackedDevice {
 /// Frees a [`HostBackedDevice`] allocation when its [`DeviceAlloc`] is dropped.
 struct FakeAllocation {
     addr: u64,
-    allocations: Arc<Mutex<BTreeMap<u64, (usize, Vec<u64>)>>>,
+    allocations: FakeAllocations,
 }
 
 impl Drop for FakeAllocation {
