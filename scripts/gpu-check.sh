@@ -5,6 +5,8 @@
 #                                        .gpu/ (ignored by git, ~20 MiB stripped), which is
 #                                        what the GPU machine runs: it has no Rust toolchain.
 #   bash scripts/gpu-check.sh run        on the GPU machine: every kernel against its CPU twin,
+#                                        several ranks on the GPU(s) through staged collectives
+#                                        (the device conformance suite at 1, 2 and 4 ranks),
 #                                        20 GPT and 20 Llama steps against the CPU (fp32, bf16,
 #                                        fp16, TF32), two GPU
 #                                        runs bit-identical, products against cuBLASLt's best
@@ -18,7 +20,7 @@
 #
 # With the `device` tool of this workplace, after building here:
 #   run(command="bash scripts/gpu-check.sh run", carry=[".gpu"], timeout_s=480)
-# Set GPU_CHECK_PARTS (default check,step,torch,products,llama,generate,kernels) and GPU_CHECK_TORCH (default
+# Set GPU_CHECK_PARTS (default check,multi,step,torch,products,llama,generate,kernels) and GPU_CHECK_TORCH (default
 # eager; eager,compile adds torch.compile, ~1 more minute) to run less or more.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +59,7 @@ run)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
     # The parts, most telling first (so a call cut short still has them): the checks, the
     # GPT-2 step, PyTorch's anchor beside it, then products and kernels.
-    parts=${GPU_CHECK_PARTS:-check,step,torch,products,llama,generate,kernels}
+    parts=${GPU_CHECK_PARTS:-check,multi,step,torch,products,llama,generate,kernels}
     torch_modes=${GPU_CHECK_TORCH-eager}
     status=0
     for part in ${parts//,/ }; do
@@ -146,6 +148,7 @@ run)
         # The checks synchronise after every launch, so a failing kernel names itself.
         case $part in
         check) limit=210 sync=1 ;;
+        multi) limit=120 sync=0 ;;
         step) limit=90 sync=0 ;;
         *) limit=60 sync=0 ;;
         esac
@@ -163,6 +166,10 @@ run)
         echo "checks: $((total - failed)) of $total passed"
         grep -E '^FAIL ' "$logs/check.log" | head -20
         grep -E '^(ok  |FAIL) (GPT|Llama)' "$logs/check.log"
+    fi
+    if [ -f "$logs/multi.log" ]; then
+        grep -E '^(ok  |FAIL) ' "$logs/multi.log"
+        grep -E '^staged all_reduce' "$logs/multi.log"
     fi
     [ -f "$logs/products.log" ] && grep -E '^products:' "$logs/products.log"
     if [ -f "$logs/kernels.log" ]; then

@@ -1,4 +1,4 @@
-//! `meshtrain bench gpu`: the CUDA backend on this machine's GPU, in four parts.
+//! `meshtrain bench gpu`: the CUDA backend on this machine's GPU, in five parts.
 //!
 //! * `check`: every device kernel against its CPU twin on fresh random inputs (fp32 within
 //!   1e-5, bf16/f16 within 1e-2, NaN never passes), the optimizers against
@@ -8,6 +8,8 @@
 //! * `products`: each matrix product of a GPT-2 124M step against the fastest of the
 //!   algorithms cuBLASLt's heuristic offers for the same shape (ours / best);
 //! * `kernels`: each fused kernel's bandwidth against a device-to-device copy;
+//! * `multi`: several ranks on the GPU(s): the device conformance suite through staged
+//!   collectives at 1, 2 and 4 ranks, and a staged all-reduce's rate (`gpu_multi`);
 //! * `step`: the GPT-2 124M step (12 × 768, 12 heads, 1024 tokens, vocabulary 50304, batch
 //!   16, bf16, AdamW, clipping) in tokens/s, its device memory, and where its time goes
 //!   (one profiled step).
@@ -34,7 +36,7 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchGpuArgs {
-    /// Parts to run: check, products, kernels, step (comma-separated).
+    /// Parts to run: check, multi, products, kernels, step (comma-separated).
     #[arg(long, default_value = "check,products,kernels,step")]
     pub parts: String,
     /// The GPU.
@@ -90,7 +92,8 @@ pub fn run(args: &BenchGpuArgs) -> Result<()> {
             "products" => products(&dev, args)?,
             "kernels" => kernels(&dev, args)?,
             "step" => step(args)?,
-            other => bail!("unknown part '{other}' (check, products, kernels, step)"),
+            "multi" => failed.extend(crate::gpu_multi::run()?),
+            other => bail!("unknown part '{other}' (check, multi, products, kernels, step)"),
         }
     }
     if !failed.is_empty() {

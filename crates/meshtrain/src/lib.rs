@@ -15,6 +15,8 @@ pub mod export;
 pub mod generate;
 #[cfg(feature = "cuda")]
 pub mod gpu_bench;
+#[cfg(feature = "cuda")]
+pub mod gpu_multi;
 pub mod launch;
 pub mod pipeline_bench;
 pub mod plot;

@@ -198,15 +198,21 @@ impl CudaDevice {
         Ok(device)
     }
 
-    fn open(ordinal: usize) -> Result<CudaDevice, CudaError> {
-        probe::require_all()?;
-        let count = std::panic::catch_unwind(|| {
+    /// How many GPUs the driver sees.
+    pub fn count() -> Result<usize, CudaError> {
+        probe::require_driver()?;
+        std::panic::catch_unwind(|| {
             cu::init()
                 .and_then(|_| cu::device::get_count())
                 .map(|n| n.max(0) as usize)
         })
         .map_err(|_| CudaError::driver("initialising", "the driver library panicked"))?
-        .map_err(|e| CudaError::driver("initialising the driver", e))?;
+        .map_err(|e| CudaError::driver("initialising the driver", e))
+    }
+
+    fn open(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        probe::require_all()?;
+        let count = Self::count()?;
         if ordinal >= count {
             return Err(CudaError::NoDevice { ordinal, count });
         }
