@@ -10,8 +10,8 @@
 //! [`DeviceStep::upload`] after one is loaded, so checkpoints keep their one format and a
 //! GPU run resumes on the CPU and the reverse.
 
+use crate::engine::{MicroBatches, StepOptions};
 use crate::layout::Layout;
-use crate::pipeline::{MicroBatches, StepOptions};
 use crate::precision::LossScaling;
 use crate::{Batch, EvalSums, ParallelError, StepStats, StepTimes};
 use meshtrain_comm::ProcessGroup;

@@ -8,7 +8,7 @@
 //! size, the global batch and the model *before any work starts*, and names the numbers when
 //! they do not fit.
 
-use crate::pipeline::{Schedule, ScheduleKind};
+use crate::engine::{Schedule, ScheduleKind};
 use meshtrain_nn::Model;
 pub use meshtrain_plan::cluster::Precision;
 pub use meshtrain_plan::layout::Recompute;

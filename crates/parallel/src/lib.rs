@@ -3,9 +3,12 @@
 //!
 //! * [`layout`]: dp × tp × pp × cp and the step settings, parsed, printed and checked
 //!   before any work.
-//! * [`pipeline`]: stage partitioning, schedules as data (GPipe, 1F1B, interleaved 1F1B) and
-//!   the executor that runs them over point-to-point operations. A run without a pipeline is
-//!   a one-stage schedule.
+//! * [`engine`]: the step every layout runs, at the bottom: a worker's chunks of flat
+//!   parameters and gradients, its program as data (schedules: GPipe, 1F1B, interleaved 1F1B,
+//!   or the one-stage schedule of a run without a pipeline), and the executor that runs it
+//!   over point-to-point operations, with hooks where the dimensions above join in.
+//! * [`pipeline`]: the pipeline dimension: cutting the model into stages (by parameters,
+//!   measured time, explicit cuts), and its measurements.
 //! * [`data`]: data parallelism — DDP (bucketed gradient all-reduce overlapped with backward)
 //!   and the naive single-master DataParallel mode, behind one [`data::GradSync`] interface.
 //! * [`tensor`]: tensor parallelism (column/row-parallel linears, heads, vocab-parallel
@@ -24,6 +27,7 @@ pub mod context;
 pub mod data;
 #[cfg(feature = "cuda")]
 pub mod device;
+pub mod engine;
 pub mod layout;
 pub mod memory;
 pub mod parallelize;
@@ -57,7 +61,7 @@ pub enum ParallelError {
     #[error(transparent)]
     Layout(#[from] LayoutError),
     #[error(transparent)]
-    Pipeline(#[from] pipeline::PipelineError),
+    Pipeline(#[from] engine::PipelineError),
     #[error(transparent)]
     DataParallel(#[from] data::DataParallelError),
     #[error(transparent)]

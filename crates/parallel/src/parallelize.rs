@@ -57,11 +57,9 @@ use crate::data::{
     grad_sync, CommTiming, DataParallel, DataParallelConfig, DataParallelError, DdpConfig,
     GradReduce, GradSync, GroupStatsReducer, ShareShape, SyncHooks,
 };
+use crate::engine::{MicroBatches, Partition, SendMode, Stage, StageStores, StepOptions};
 use crate::layout::{Recompute, ResolvedLayout};
-use crate::pipeline::{
-    partition_for, MicroBatches, Partition, PartitionSpec, SendMode, Stage, StageStores,
-    StepOptions, TimeProbe,
-};
+use crate::pipeline::{partition_for, PartitionSpec, TimeProbe};
 use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
 use crate::tensor::{TpContext, TpGradSync};
 use crate::tied::TiedGrads;

@@ -26,7 +26,7 @@
 //! Checkpoints stay whole: every sharded parameter carries a [`ShardSpec`] (which part of the
 //! whole tensor it is), and the trainer gathers and splits by it.
 
-use crate::pipeline::StageChunk;
+use crate::engine::StageChunk;
 use meshtrain_comm::{
     BufMut, BufRef, CommError, HostPlacement, MeshAxis, MeshLayout, ProcessGroup, RawBuf, ReduceOp,
     Work,

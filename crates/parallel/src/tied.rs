@@ -6,7 +6,7 @@
 //! all-reduce over just those stages (Megatron's embedding group); on one stage it is a
 //! local addition. Norms count the parameter once: copies go into their chunk's `norm_skip`.
 
-use crate::pipeline::{Partition, Stage, StageChunk};
+use crate::engine::{Partition, Stage, StageChunk};
 use meshtrain_comm::{BufMut, CommError, ProcessGroup, ReduceOp};
 use meshtrain_nn::Model;
 use std::ops::Range;

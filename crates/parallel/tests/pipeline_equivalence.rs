@@ -12,10 +12,10 @@
 
 use meshtrain_nn::models::GptConfig;
 use meshtrain_nn::optim::OptimizerConfig;
+use meshtrain_parallel::engine::{ScheduleKind, SendMode};
 use meshtrain_parallel::pipeline::bench::{
     max_abs_diff, run_pipeline, run_reference, BenchModel, PartitionChoice, RunConfig,
 };
-use meshtrain_parallel::pipeline::{ScheduleKind, SendMode};
 
 const GPT: BenchModel = BenchModel::Gpt(GptConfig {
     vocab: 32,

@@ -4,10 +4,10 @@
 use meshtrain_comm::{CommConfig, ProcessGroup, ThreadsWorld};
 use meshtrain_nn::models::{gpt, GptConfig};
 use meshtrain_nn::{Mode, Model};
-use meshtrain_parallel::pipeline::bench::BenchModel;
-use meshtrain_parallel::pipeline::{
+use meshtrain_parallel::engine::{
     MicroBatches, NoHooks, Partition, PipelineError, Schedule, ScheduleKind, Stage, StepOptions,
 };
+use meshtrain_parallel::pipeline::bench::BenchModel;
 use meshtrain_parallel::timeline::{chrome_trace, idle_fraction, Category, Span, Timeline};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -71,7 +71,7 @@ fn grads_ready_fires_once_per_block_with_final_gradients() {
                 micro.clone(),
                 &options(false),
                 None,
-                &mut |ready: meshtrain_parallel::pipeline::GradsReady<'_>| {
+                &mut |ready: meshtrain_parallel::engine::GradsReady<'_>| {
                     let grads = ready.store.grads[ready.range.clone()].to_vec();
                     seen.push((ready.chunk, ready.block, grads));
                 },

@@ -1,6 +1,6 @@
 //! Schedules and partitions as data: no model runs here.
 
-use meshtrain_parallel::pipeline::{Action, Partition, PipelineError, Schedule, ScheduleKind};
+use meshtrain_parallel::engine::{Action, Partition, PipelineError, Schedule, ScheduleKind};
 use std::collections::HashMap;
 
 const KINDS: [ScheduleKind; 4] = [

@@ -61,8 +61,9 @@ pub use stop::StopRequest;
 pub use trainer::{threads_per_worker, Trainer};
 
 pub use meshtrain_parallel::data::{DdpConfig, GradCompression};
+pub use meshtrain_parallel::engine::{ScheduleKind, SendMode};
 pub use meshtrain_parallel::parallelize::DpMode;
-pub use meshtrain_parallel::pipeline::{PartitionSpec, ScheduleKind, SendMode};
+pub use meshtrain_parallel::pipeline::PartitionSpec;
 pub use meshtrain_parallel::{Layout, ParallelOptions};
 
 /// Collectives and process groups (`meshtrain-comm`).

@@ -30,7 +30,7 @@ pub use sync::{
     grad_sync, DataParallel, DataParallelConfig, DdpSync, DpMode, GradSync, NoSync, ShareShape,
     SingleMasterSync, SyncHooks,
 };
-pub use sync_bn::{sum_f64, GroupStatsReducer};
+pub use sync_bn::GroupStatsReducer;
 
 use meshtrain_comm::CommError;
 

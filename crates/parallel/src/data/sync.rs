@@ -21,7 +21,7 @@
 //! replicas synchronise over that stage's data-parallel group.
 
 use super::{CommTiming, DataParallelError, Ddp, DdpConfig, GroupStatsReducer, SingleMaster};
-use crate::pipeline::{ChunkParams, GradsReady, StageChunk};
+use crate::engine::{ChunkParams, GradsReady, StageChunk};
 use crate::zero::{ZeroOptions, ZeroStage, ZeroSync};
 use crate::Batch;
 use meshtrain_comm::ProcessGroup;
@@ -215,7 +215,7 @@ pub trait GradSync: Send {
 /// A [`GradSync`] as the hooks of a pipeline pass.
 pub struct SyncHooks<'a>(pub &'a mut dyn GradSync);
 
-impl crate::pipeline::StepHooks for SyncHooks<'_> {
+impl crate::engine::StepHooks for SyncHooks<'_> {
     fn grads_ready(&mut self, ready: GradsReady<'_>) {
         self.0.grads_ready(ready)
     }

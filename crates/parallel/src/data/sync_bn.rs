@@ -1,6 +1,7 @@
 //! The communication behind SyncBatchNorm: exact f64 sums of batch statistics over a group.
 
-use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup};
+use crate::engine::sum_f64;
+use meshtrain_comm::{CommError, ProcessGroup};
 use meshtrain_nn::StatsReducer;
 use std::sync::Arc;
 
@@ -24,36 +25,6 @@ impl GroupStatsReducer {
     pub fn try_sum(&self, values: &mut [f64]) -> Result<(), CommError> {
         sum_f64(self.group.as_ref(), values)
     }
-}
-
-/// Replaces `values` with their f64 sum over `group`, added in rank order on every rank (so
-/// bit-identical everywhere): each f64 travels as two f32 words through an all-gather.
-pub fn sum_f64(group: &dyn ProcessGroup, values: &mut [f64]) -> Result<(), CommError> {
-    let world = group.size();
-    if world == 1 {
-        return Ok(());
-    }
-    let words: Vec<f32> = values
-        .iter()
-        .flat_map(|v| {
-            let bits = v.to_bits();
-            [
-                f32::from_bits(bits as u32),
-                f32::from_bits((bits >> 32) as u32),
-            ]
-        })
-        .collect();
-    let mut gathered = vec![0.0f32; words.len() * world];
-    group.all_gather(BufRef::F32(&words), BufMut::F32(&mut gathered))?;
-    for (i, v) in values.iter_mut().enumerate() {
-        *v = (0..world)
-            .map(|r| {
-                let w = &gathered[r * words.len() + 2 * i..];
-                f64::from_bits(w[0].to_bits() as u64 | ((w[1].to_bits() as u64) << 32))
-            })
-            .sum();
-    }
-    Ok(())
 }
 
 impl StatsReducer for GroupStatsReducer {

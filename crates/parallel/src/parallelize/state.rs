@@ -10,7 +10,7 @@ use super::*;
 fn place_shards(
     model: &Model,
     whole: &Model,
-    chunk: &crate::pipeline::StageChunk,
+    chunk: &crate::engine::StageChunk,
     bases: (usize, usize),
     rank: usize,
     part: &[f32],
@@ -143,7 +143,7 @@ impl Parallel {
         &self,
         model: &Model,
         whole: &Model,
-        chunk: &crate::pipeline::StageChunk,
+        chunk: &crate::engine::StageChunk,
         local: Vec<Vec<f32>>,
     ) -> Result<Vec<Vec<f32>>, ParallelError> {
         let tp = self.mesh.group(MeshAxis::Tp);

@@ -8,11 +8,11 @@
 //! using a core (they sleep), which gives honestly equal-cost stages for any p. Real models
 //! are measured at p = 2 (one core per worker).
 
-use super::executor::{MicroBatches, NoHooks, Stage, StepOptions, StepReport};
-use super::partition::{profile_block_times, Partition};
-use super::schedule::{Action, Schedule, ScheduleKind};
-use super::transport::SendMode;
-use super::PipelineError;
+use super::partition::profile_block_times;
+use crate::engine::{
+    Action, MicroBatches, NoHooks, Partition, PipelineError, Schedule, ScheduleKind, SendMode,
+    Stage, StepOptions, StepReport,
+};
 use crate::timeline::{idle_fraction, Category, Span, Timeline};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_nn::models::{gpt, resnet, GptConfig};

@@ -5,9 +5,7 @@
 use super::bench::{
     max_abs_diff, median, run_pipeline, run_reference, BenchModel, PartitionChoice, RunConfig,
 };
-use super::schedule::ScheduleKind;
-use super::transport::SendMode;
-use super::PipelineError;
+use crate::engine::{PipelineError, ScheduleKind, SendMode};
 use meshtrain_nn::models::GptConfig;
 use meshtrain_nn::optim::OptimizerConfig;
 use serde::Serialize;
@@ -220,8 +218,8 @@ pub fn bubble_sweep(sweep: &BubbleSweep) -> Result<Vec<BubbleRow>, PipelineError
 /// the sum over the worker's chunks of a plain forward's `Activations::bytes`.
 fn per_micro_bytes(
     model: BenchModel,
-    partition: &super::Partition,
-    schedule: &super::Schedule,
+    partition: &crate::engine::Partition,
+    schedule: &crate::engine::Schedule,
     recompute: bool,
     micro_batch_size: usize,
 ) -> Vec<usize> {
@@ -324,7 +322,7 @@ pub fn recompute_cost(
     let bench = BenchModel::Gpt(bench_gpt());
     let model = bench.build();
     let n = model.num_blocks();
-    let halves = super::Partition::by_params(&model, 2)?;
+    let halves = crate::engine::Partition::by_params(&model, 2)?;
     let (x, _) = bench.batch(micro_batch_size, 3, 0);
     let mut rows = Vec::new();
     meshtrain_tensor::par::pool(1).install(|| {

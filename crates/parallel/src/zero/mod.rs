@@ -17,7 +17,7 @@
 //! Gradient norms are summed over the whole world (every rank owns different pieces).
 //!
 //! Stage 1 composes with pipelines (Megatron's distributed optimizer); stages 2–3 gather and
-//! reduce per block inside the executor's passes ([`crate::pipeline::ChunkParams`]), and with
+//! reduce per block inside the executor's passes ([`crate::engine::ChunkParams`]), and with
 //! a pipeline those passes interleave across micro-batches of several chunks: refused before
 //! work starts (`Layout::resolve`).
 
@@ -28,7 +28,7 @@ pub use chunk::{ChunkComm, ZeroChunk, ZeroOptions};
 pub use shards::{merge_ranges, ShardLayout};
 
 use crate::data::{CommTiming, DataParallelError, GradSync};
-use crate::pipeline::{ChunkParams, GradsReady, StageChunk};
+use crate::engine::{ChunkParams, GradsReady, StageChunk};
 use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, Segment, StatePiece};
 use meshtrain_nn::{BlockParams, Model, ParamStore};

@@ -528,7 +528,7 @@ impl Stage {
             .iter()
             .map(StageChunk::grad_sum_of_squares)
             .sum::<f64>()];
-        crate::data::sum_f64(group, &mut sum)?;
+        super::sum_f64(group, &mut sum)?;
         Ok(sum[0].sqrt() as f32)
     }
 
