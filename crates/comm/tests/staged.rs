@@ -170,3 +170,43 @@ fn a_staged_group_refuses_another_devices_buffers() {
         Ok(())
     });
 }
+
+/// A rank that never reaches a staged collective: the others fail within the timeout, naming
+/// the operation, its sequence number and the missing rank, as on host buffers (the wrapped
+/// backend's own failure handling, unchanged by staging).
+#[test]
+fn a_missing_rank_times_out_with_the_operation_and_its_rank_named() {
+    let config = CommConfig::default()
+        .with_timeout(Duration::from_millis(800))
+        .with_desync_check(true);
+    let device = HostBackedDevice::new(Device::Cuda(0));
+    let outcomes = ThreadsWorld::run(2, config, move |g| {
+        let staged = StagedGroup::new(g, device.clone());
+        if staged.rank() == 1 {
+            // Stuck elsewhere past the timeout.
+            std::thread::sleep(Duration::from_millis(2000));
+            return Ok::<_, String>(String::new());
+        }
+        let buf = device.alloc(4 * 8).map_err(|e| e.to_string())?;
+        let started = std::time::Instant::now();
+        // SAFETY: `buf` outlives the call.
+        let err = unsafe {
+            staged.run_raw(Operation::AllReduce {
+                buf: buf.view(DType::F32, 8),
+                op: ReduceOp::Sum,
+            })
+        }
+        .expect_err("rank 1 never came");
+        assert!(
+            started.elapsed() < Duration::from_millis(1900),
+            "waited too long"
+        );
+        Ok(err.to_string())
+    })
+    .unwrap();
+    let message = &outcomes[0];
+    assert!(
+        message.contains("all_reduce #1") && message.contains("[1]"),
+        "{message}"
+    );
+}
