@@ -6,6 +6,8 @@
 //!   sub-groups.
 //! * [`ThreadsWorld`]: the embedded shared-memory backend (N worker threads).
 //! * `mpi` (cargo feature `mpi`): OpenMPI backend, one worker per process.
+//! * [`NcclGroup`] (cargo feature `cuda`): NCCL on device buffers, one GPU per rank,
+//!   bootstrapped through a host group.
 //! * [`DeviceMesh`]: ranks on named axes (dp, pp, tp, cp) with a group per axis.
 //! * [`HostPlacement`]: which ranks share a host; [`HierarchicalGroup`]: an all-reduce in
 //!   two tiers (inside each host, then across hosts) behind the same trait.
@@ -25,6 +27,8 @@ mod mesh;
 pub mod mpi_backend;
 #[cfg(any(feature = "mpi", test))]
 mod mpi_monitor;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod staged;
 mod threads;
 mod topology;
@@ -37,6 +41,8 @@ pub use group::{
 };
 pub use half::{bf16, f16};
 pub use mesh::{DeviceMesh, MeshAxis, MeshError, MeshLayout};
+#[cfg(feature = "cuda")]
+pub use nccl::{nccl_available, NcclGroup, NcclVersion};
 #[cfg(feature = "cuda")]
 pub use staged::CudaMemory;
 pub use staged::{DeviceAlloc, DeviceMemory, HostBackedDevice, HostStage, StagedGroup};
