@@ -6,7 +6,8 @@
 #                                        what the GPU machine runs: it has no Rust toolchain.
 #   bash scripts/gpu-check.sh run        on the GPU machine: every kernel against its CPU twin,
 #                                        several ranks on the GPU(s) through staged collectives
-#                                        (the device conformance suite at 1, 2 and 4 ranks),
+#                                        (the device conformance suite at 1, 2 and 4 ranks) and
+#                                        NCCL (the suite, the watchdog's abort),
 #                                        20 GPT and 20 Llama steps against the CPU (fp32, bf16,
 #                                        fp16, TF32), two GPU
 #                                        runs bit-identical, products against cuBLASLt's best
@@ -39,7 +40,20 @@ build)
     mkdir -p .gpu
     cp target/gpu/release/meshtrain .gpu/meshtrain
     strip --strip-debug .gpu/meshtrain 2>/dev/null || true
-    ls -la .gpu/meshtrain
+    # The NCCL backend's GPU tests (tests/nccl*.rs: the device conformance suite on NCCL, the
+    # watchdog's abort of a live communicator, two ranks on one GPU from NCCL 2.30), carried as
+    # test binaries for the multi part.
+    RUSTFLAGS="-C target-cpu=x86-64-v3" cargo test --release -p meshtrain-comm --no-run \
+        --target-dir target/gpu --test nccl --test nccl_timeout --test nccl_two_ranks_one_gpu \
+        --message-format=json 2>/dev/null | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        shutil.copy(m["executable"], ".gpu/test-" + m["target"]["name"])
+        print("carried", m["target"]["name"])'
+    strip --strip-debug .gpu/test-* 2>/dev/null || true
+    ls -la .gpu/
     echo "built .gpu/meshtrain; on the GPU machine: bash scripts/gpu-check.sh run (carry .gpu)"
     ;;
 run)
@@ -155,6 +169,15 @@ run)
         MESHTRAIN_CUDA_SYNC=$sync timeout "$limit" "$bin" bench gpu --parts "$part" --root . 2>&1 \
             | tee "$logs/$part.log"
         rc=${PIPESTATUS[0]}
+        if [ "$part" = multi ]; then
+            # NCCL on the GPU(s): its own test binaries, each test an ok, FAIL or skip line.
+            for t in .gpu/test-nccl*; do
+                [ -x "$t" ] || continue
+                timeout 120 "$t" --test-threads=1 --nocapture 2>&1 \
+                    | awk -f scripts/gpu/test-lines.awk | tee -a "$logs/$part.log"
+                [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+            done
+        fi
         echo "=== $part: exit $rc in $(( $(date +%s) - start )) s"
         [ "$rc" = 0 ] || status=1
     done
@@ -168,7 +191,7 @@ run)
         grep -E '^(ok  |FAIL) (GPT|Llama)' "$logs/check.log"
     fi
     if [ -f "$logs/multi.log" ]; then
-        grep -E '^(ok  |FAIL) ' "$logs/multi.log"
+        grep -E '^(ok  |FAIL|skip) ' "$logs/multi.log"
         grep -E '^staged all_reduce' "$logs/multi.log"
     fi
     [ -f "$logs/products.log" ] && grep -E '^products:' "$logs/products.log"
