@@ -54,8 +54,8 @@
 use crate::context::{CpContext, CpMode};
 pub use crate::data::DpMode;
 use crate::data::{
-    grad_sync, CommTiming, DataParallel, DataParallelConfig, DataParallelError, DdpConfig,
-    GradReduce, GradSync, GroupStatsReducer, ShareShape, SyncHooks,
+    CommTiming, DataParallelError, DdpConfig, GradReduce, GradSync, GroupStatsReducer, ShareShape,
+    SyncHooks,
 };
 use crate::engine::{MicroBatches, Partition, SendMode, Stage, StageStores, StepOptions};
 use crate::layout::{Recompute, ResolvedLayout};
@@ -74,6 +74,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod state;
+mod sync;
+
+pub use sync::{grad_sync, DataParallel, DataParallelConfig};
 
 pub use state::{StatePart, StatePiece};
 
@@ -537,7 +540,7 @@ pub fn parallelize(
         }
     }
     // ZeRO updates this rank's pieces: ties, replicated sums and norms address them.
-    let sharding = sync.as_zero_ref().map(ZeroSync::sharding);
+    let sharding = crate::zero::of(sync.as_ref()).map(ZeroSync::sharding);
     if let Some(sharding) = &sharding {
         ties.remap(|j, r| sharding.update_ranges(j, r));
         tp_sync.remap(|j, r| sharding.update_ranges(j, r));
@@ -559,7 +562,7 @@ pub fn parallelize(
     };
 
     let segments = training.groups.resolve(model, &training.optimizer);
-    let optimizers = match sync.as_zero() {
+    let optimizers = match crate::zero::of_mut(sync.as_mut()) {
         Some(zero) => stage
             .chunks
             .iter()
@@ -670,7 +673,7 @@ impl Parallel {
         for opt in &self.optimizers {
             m.optimizer += (opt.m.capacity() + opt.v.capacity()) * 4;
         }
-        if let Some(zero) = self.sync.as_zero() {
+        if let Some(zero) = crate::zero::of_mut(self.sync.as_mut()) {
             let (grads, values, transient) = zero.memory();
             m.gradients += grads;
             m.parameters += values;
@@ -681,7 +684,7 @@ impl Parallel {
 
     /// The ZeRO stage the replicas run (`None`: full replicas).
     pub fn zero_stage(&self) -> Option<ZeroStage> {
-        self.sync.as_zero_ref().map(ZeroSync::stage)
+        crate::zero::of(self.sync.as_ref()).map(ZeroSync::stage)
     }
 
     /// The data-parallel mode's name (`none` for one replica).

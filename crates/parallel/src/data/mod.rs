@@ -9,8 +9,8 @@
 //!   0, update there, broadcast weights), for comparison.
 //! * [`GroupStatsReducer`]: the all-reduce behind SyncBatchNorm.
 //! * [`GradSync`]: the one interface the training step sees, implemented by [`DdpSync`],
-//!   [`SingleMasterSync`], [`NoSync`] and ZeRO's [`crate::zero::ZeroSync`]; [`grad_sync`]
-//!   picks one for a layout.
+//!   [`SingleMasterSync`], [`NoSync`] and ZeRO's `crate::zero::ZeroSync`;
+//!   `crate::parallelize::grad_sync` picks one for a layout.
 //!
 //! The distributed sampler lives with the data (`meshtrain_data::DistributedSampler`).
 
@@ -26,10 +26,7 @@ pub use ddp::{
     GradReduce,
 };
 pub use naive::{SingleMaster, MASTER};
-pub use sync::{
-    grad_sync, DataParallel, DataParallelConfig, DdpSync, DpMode, GradSync, NoSync, ShareShape,
-    SingleMasterSync, SyncHooks,
-};
+pub use sync::{DdpSync, DpMode, GradSync, NoSync, ShareShape, SingleMasterSync, SyncHooks};
 pub use sync_bn::GroupStatsReducer;
 
 use meshtrain_comm::CommError;

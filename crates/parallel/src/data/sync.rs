@@ -14,18 +14,17 @@
 //!   runs, every replica updates (PyTorch DDP).
 //! * [`SingleMasterSync`]: the master loads the whole batch and scatters it, gathers the
 //!   gradients, updates alone and broadcasts the weights (`nn.DataParallel`).
-//! * [`ZeroSync`](crate::zero::ZeroSync): ZeRO stages 1–3 — reduce-scatter, an update of
+//! * `crate::zero::ZeroSync`: ZeRO stages 1–3 — reduce-scatter, an update of
 //!   this rank's pieces, all-gather (and under stage 3 parameters gathered per block).
 //!
 //! Both work per pipeline chunk, so they compose with any pipeline layout: each stage's
 //! replicas synchronise over that stage's data-parallel group.
 
-use super::{CommTiming, DataParallelError, Ddp, DdpConfig, GroupStatsReducer, SingleMaster};
+use super::{CommTiming, DataParallelError, Ddp, DdpConfig, SingleMaster};
 use crate::engine::{ChunkParams, GradsReady, StageChunk};
-use crate::zero::{ZeroOptions, ZeroStage, ZeroSync};
 use crate::Batch;
 use meshtrain_comm::ProcessGroup;
-use meshtrain_nn::{Model, StatsReducer};
+use meshtrain_nn::Model;
 use meshtrain_tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -40,92 +39,6 @@ pub enum DpMode {
     Ddp,
     /// nn.DataParallel style: scatter, gather gradients to rank 0, update there, broadcast.
     SingleMaster,
-}
-
-/// How the data-parallel replicas are set up: the mode, DDP's buckets, ZeRO's stage
-/// (`None`: full replicas) and options, SyncBatchNorm.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct DataParallelConfig {
-    pub mode: DpMode,
-    pub ddp: DdpConfig,
-    pub zero: Option<ZeroStage>,
-    pub zero_options: ZeroOptions,
-    pub sync_batch_norm: bool,
-    /// The parameters' seed: ZeRO-3 initialises each rank's pieces from it.
-    pub seed: u64,
-}
-
-/// The data-parallel transform: the [`GradSync`] of this worker's `chunks` (of a pipeline of
-/// `pipeline_workers` stages) over the data-parallel group `dp`, with the replicas made equal
-/// (rank 0's parameters), and the exact summer over `dp` (evaluation sums; installed into
-/// the model's batch norms for SyncBatchNorm when asked). One replica gets [`NoSync`] and no
-/// summer.
-pub fn grad_sync(
-    model: &mut Model,
-    chunks: &mut [StageChunk],
-    pipeline_workers: usize,
-    dp: &Arc<dyn ProcessGroup>,
-    config: DataParallelConfig,
-) -> Result<DataParallel, DataParallelError> {
-    let DataParallelConfig {
-        mode,
-        ddp,
-        zero,
-        zero_options,
-        sync_batch_norm,
-        seed,
-    } = config;
-    if dp.size() == 1 {
-        return Ok(DataParallel {
-            sync: Box::new(NoSync),
-            sums: None,
-        });
-    }
-    let all: Vec<usize> = (0..dp.size()).collect();
-    let stats = dp
-        .new_named_subgroup(&all, &format!("{}-stats", dp.name()))
-        .map_err(|e| DataParallelError::comm("creating the statistics group", e))?;
-    let sums = Arc::new(GroupStatsReducer::new(stats));
-    if sync_batch_norm {
-        model.set_stats_reducer(Some(sums.clone() as Arc<dyn StatsReducer>));
-    }
-    let mut sync: Box<dyn GradSync> = match (mode, zero) {
-        (DpMode::Ddp, Some(stage)) => Box::new(ZeroSync::new(
-            model,
-            chunks,
-            pipeline_workers,
-            dp.clone(),
-            stage,
-            zero_options,
-            seed,
-        )),
-        (DpMode::SingleMaster, Some(_)) => {
-            return Err(DataParallelError::Config(
-                "ZeRO shards the replicas of DDP; the single-master mode has no replicas to \
-                 shard (use dp_mode = \"ddp\")"
-                    .into(),
-            ))
-        }
-        (DpMode::Ddp, None) => {
-            let (group, hierarchical) = super::ddp::reduction_group(ddp.reduce, dp)?;
-            let mut sync = DdpSync::new(model, chunks, pipeline_workers, group, ddp)?;
-            sync.hierarchical = hierarchical;
-            Box::new(sync)
-        }
-        (DpMode::SingleMaster, None) => Box::new(SingleMasterSync::new(dp.clone())),
-    };
-    sync.init(chunks)?;
-    Ok(DataParallel {
-        sync,
-        sums: Some(sums),
-    })
-}
-
-/// What [`grad_sync`] sets up.
-pub struct DataParallel {
-    pub sync: Box<dyn GradSync>,
-    /// Exact f64 sums over the data-parallel group (`None` for one replica).
-    pub sums: Option<Arc<GroupStatsReducer>>,
 }
 
 /// What one replica's share of a global batch looks like (so a replica that receives its
@@ -201,13 +114,14 @@ pub trait GradSync: Send {
         Ok(())
     }
 
-    /// The sharded synchroniser itself (checkpoints of its pieces).
-    fn as_zero(&mut self) -> Option<&mut ZeroSync> {
+    /// The implementation itself, for the synchronisers whose state others read (ZeRO's
+    /// pieces, through `crate::zero::of`): the interface does not name the modes above it.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }
 
-    /// The sharded synchroniser, to read its pieces.
-    fn as_zero_ref(&self) -> Option<&ZeroSync> {
+    /// As [`GradSync::as_any`], to change that state (checkpoints of the pieces).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
 }
@@ -274,6 +188,14 @@ impl DdpSync {
             workers,
             hierarchical: false,
         })
+    }
+}
+
+impl DdpSync {
+    /// Says (for logs and breakdowns) that `group` all-reduces inside each host first.
+    pub fn hierarchical(mut self, hierarchical: bool) -> DdpSync {
+        self.hierarchical = hierarchical;
+        self
     }
 }
 

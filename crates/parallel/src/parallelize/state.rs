@@ -116,7 +116,7 @@ impl Parallel {
         let mut out = Vec::with_capacity(self.stage.chunks.len());
         for (j, chunk) in self.stage.chunks.iter().enumerate() {
             let optimizer = &self.optimizers[j];
-            let FullState { values, m, v } = match self.sync.as_zero() {
+            let FullState { values, m, v } = match crate::zero::of_mut(self.sync.as_mut()) {
                 Some(zero) => {
                     let len = model.blocks_param_range(chunk.blocks.clone()).len();
                     zero.unshard(j, &chunk.store.values, optimizer, len)?
@@ -285,7 +285,7 @@ impl Parallel {
                 None => None,
             };
             let target = &mut self.optimizers[j];
-            match self.sync.as_zero() {
+            match crate::zero::of_mut(self.sync.as_mut()) {
                 Some(zero) => {
                     let moments = moments.as_ref().map(|(m, v, step)| (&m[..], &v[..], *step));
                     zero.install(j, &mut chunk.store, values, moments, target);
@@ -317,7 +317,7 @@ impl Parallel {
     pub fn own_pieces<'a>(&'a self, model: &Model) -> Vec<StatePiece<'a>> {
         let (first, tp) = (self.holds_first_copy(), self.mesh.coordinate(MeshAxis::Tp));
         let second = self.optimizers.iter().any(Optimizer::has_second_moment);
-        let zero = self.sync.as_zero_ref();
+        let zero = crate::zero::of(self.sync.as_ref());
         let mut out = Vec::new();
         for (j, chunk) in self.stage.chunks.iter().enumerate() {
             let base = model.blocks_param_range(chunk.blocks.clone()).start;

@@ -100,6 +100,16 @@ pub struct FullState {
     pub v: Vec<f32>,
 }
 
+/// The ZeRO synchroniser behind `sync`, if it is one (its pieces, stage and memory).
+pub fn of(sync: &dyn GradSync) -> Option<&ZeroSync> {
+    sync.as_any()?.downcast_ref()
+}
+
+/// As [`of`], to change the pieces (loading a checkpoint, writing the optimizer's state).
+pub fn of_mut(sync: &mut dyn GradSync) -> Option<&mut ZeroSync> {
+    sync.as_any_mut()?.downcast_mut()
+}
+
 /// ZeRO over each of this worker's pipeline chunks.
 pub struct ZeroSync {
     group: Arc<dyn ProcessGroup>,
@@ -423,11 +433,11 @@ impl GradSync for ZeroSync {
         Ok(())
     }
 
-    fn as_zero(&mut self) -> Option<&mut ZeroSync> {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
 
-    fn as_zero_ref(&self) -> Option<&ZeroSync> {
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }
 }
