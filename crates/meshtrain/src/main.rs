@@ -6,6 +6,7 @@ use meshtrain::bench::{run_models, BenchModelsArgs};
 use meshtrain::config::Config;
 use meshtrain::presets::Task;
 use meshtrain::train_cli::TrainArgs;
+use meshtrain_parallel::DeviceCheck;
 use meshtrain_train::{stop, RunOptions, StopRequest};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -116,7 +117,13 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
     // kill.
     let stop = StopRequest::on_signals()?;
     let overrides = args.overrides();
-    let cfg = Config::load(&args.config, &overrides)?;
+    let mut cfg = Config::load(&args.config, &overrides)?;
+    // Under a launcher, every process of a host takes the GPU of its local rank.
+    cfg.train.device =
+        meshtrain_train::local_device(cfg.train.device, |name| std::env::var(name).ok())?;
+    // Before the data loads and anything is written: a GPU the machine does not have, or
+    // cannot run this layout or model on, is said at once.
+    cfg.check_device(&cfg.layout()?, DeviceCheck::Opening)?;
     let task = Task::load(&cfg)?;
     let job = cfg.job(&task)?;
     let resume = args.resume.clone().or(cfg.checkpoint.resume.clone());

@@ -1,8 +1,9 @@
-//! What a new user tripped over (issue 28), each checked through the command they ran.
+//! What a new user tripped over (issues 28 and 36), each checked through the command they
+//! ran.
 
 mod common;
 
-use common::meshtrain;
+use common::{meshtrain, tiny_gpt_command};
 
 /// `--data-dir` is a flag, as the run's first line, the README and docs/data.md say.
 #[test]
@@ -104,5 +105,87 @@ fn launch_without_mpirun_names_it() {
              (Debian/Ubuntu: apt-get install openmpi-bin libopenmpi-dev"
         ),
         "{stderr}"
+    );
+}
+
+// What a new user tripped over next (issue 36).
+
+/// Whether this machine has the NVIDIA driver. The tests of what a machine without it says
+/// skip themselves there, saying so.
+fn has_driver() -> bool {
+    let present = meshtrain_tensor::cuda::probe::require_driver().is_ok();
+    if present {
+        eprintln!("skipped: this machine has the NVIDIA driver (libcuda.so.1)");
+    }
+    present
+}
+
+/// All that a machine without the driver answers `--device cuda` with: one line.
+const NO_DRIVER: &str = "Error: --device cuda needs the NVIDIA driver (libcuda.so.1), which \
+                         could not be loaded: install the NVIDIA driver for your GPU (nvidia-smi \
+                         must list it) or make its folder visible on LD_LIBRARY_PATH; without a \
+                         GPU, train with --device cpu\n";
+
+/// `--device cuda`, `cuda:7`, and `cuda` over two workers, without the driver: the one line
+/// naming it (before the layout the GPU could not run either), said before the data loads
+/// (no `meshtrain:` or `data:` line) and before the output directory is made.
+#[test]
+fn a_missing_driver_is_said_at_once_in_one_line() {
+    if has_driver() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("runs").join("gpt");
+    for extra in [
+        &["--device", "cuda"][..],
+        &["--device", "cuda:7"],
+        &["--device", "cuda", "--dp", "2"],
+    ] {
+        let (ok, stdout, stderr) = meshtrain(&tiny_gpt_command(&out, &[], extra));
+        assert!(!ok, "{extra:?}");
+        assert_eq!(stderr, NO_DRIVER, "{extra:?}");
+        assert_eq!(stdout, "", "nothing loaded or printed first: {extra:?}");
+        assert!(!dir.path().join("runs").exists(), "{extra:?}");
+    }
+}
+
+/// A start that fails leaves no new run directory behind: a checkpoint to resume or start
+/// from that is not there (checked before the directory is made), and a layout over the
+/// memory limit (found after: the directory this run made is removed again, its parent too;
+/// the error says "failed" once). A directory that existed before stays.
+#[test]
+fn a_failed_start_leaves_no_new_run_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("runs").join("gpt");
+    let missing = dir.path().join("missing.safetensors");
+    let missing = missing.to_str().unwrap();
+    let cases = [
+        (
+            vec!["--resume", missing],
+            "Error: cannot resume: checkpoint ",
+        ),
+        (
+            vec!["--init-from", missing],
+            "Error: cannot take the initial weights (--init-from): checkpoint ",
+        ),
+        (
+            vec!["--set", "train.memory_limit_mb=0.01"],
+            "Error: training failed: setting up the parallel layout: layout dp=1",
+        ),
+    ];
+    for (extra, says) in &cases {
+        let (ok, _, stderr) = meshtrain(&tiny_gpt_command(&out, &[], extra));
+        assert!(!ok, "{extra:?}");
+        assert!(stderr.starts_with(says), "{extra:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(!stderr.contains("failed: failed"), "{stderr}");
+        assert!(!dir.path().join("runs").exists(), "{extra:?}");
+    }
+    std::fs::create_dir_all(&out).unwrap();
+    let (ok, _, _) = meshtrain(&tiny_gpt_command(&out, &[], &cases[2].0));
+    assert!(!ok);
+    assert!(
+        out.is_dir(),
+        "the directory that existed before the run stays"
     );
 }
