@@ -39,8 +39,10 @@ enum Command {
     /// Draw a run's training curves (loss, accuracy or unigram baseline) into a PNG.
     Plot(meshtrain::plot::PlotArgs),
     /// Run a training job under mpirun and restart it from its last checkpoint when a
-    /// worker dies, hangs or loses its link (same world or a smaller one):
-    /// `meshtrain launch --np 4 --max-restarts 2 -- --config configs/gpt.toml`.
+    /// worker dies, hangs or loses its link (same world or a smaller one; any other failure
+    /// ends it at once): `meshtrain launch --np 4 --max-restarts 2 -- --config
+    /// configs/gpt.toml`, or one process per GPU of this machine: `meshtrain launch --gpus 4
+    /// -- --config configs/gpt.toml`.
     Launch(meshtrain::launch::LaunchArgs),
     /// Text from a trained GPT checkpoint, streamed as it comes:
     /// `meshtrain generate --checkpoint runs/gpt/checkpoint.safetensors --prompt "ROMEO:"`.
