@@ -11,7 +11,8 @@
 #      the restart runs on 3 workers (dp 4 → 3, global batch 12 kept); final parameters
 #      within a relative L2 distance of 1e-4 of the uninterrupted run (only the order of the
 #      gradient average's additions differs), final losses within 1e-3;
-#   4. --max-restarts used up, --min-workers that cannot be met: clear errors, non-zero exit.
+#   4. --max-restarts used up, --min-workers that cannot be met, a job that fails its checks
+#      (not restarted: a restart would fail the same way): clear errors, non-zero exit.
 #
 # ELASTIC_CLUSTER=netns runs on a 2-host × 2-rank cluster of network namespaces
 # (scripts/netns-cluster.sh, needs root) instead of this host: 1 and 2 as above, and 3 becomes
@@ -59,8 +60,11 @@ fi
 # $OUT/NAME.status; sets LAUNCH_PID. `finished NAME` waits and fails on a non-zero status.
 launch_job() {
     local name=$1; shift
-    { "$BIN" launch "$@" "${MPI[@]}" -- "${JOB[@]}" --set "train.out_dir=\"$OUT/$name\""
-      echo $? >"$OUT/$name.status"; } 2>&1 \
+    # (The status is recorded whatever it is: under `set -e` a failed launch would end the
+    # group before the echo.)
+    { local status=0
+      "$BIN" launch "$@" "${MPI[@]}" -- "${JOB[@]}" --set "train.out_dir=\"$OUT/$name\"" || status=$?
+      echo $status >"$OUT/$name.status"; } 2>&1 \
         | python3 -u -c 'import sys, time
 for line in sys.stdin: print(f"{time.time():.3f} {line}", end="", flush=True)' \
         >"$OUT/$name.log" &
@@ -212,12 +216,32 @@ same_state shrink straight 1e-4 || { echo "elastic-test: FAILED: shrink too far 
 same_loss shrink
 
 echo "== --max-restarts used up"
-if "$BIN" launch --np 2 --max-restarts 1 "${MPI[@]}" -- "${JOB[@]}" \
-    --set 'train.out_dir="/proc/nope"' >"$OUT/exhausted.log" 2>&1; then
-    echo "elastic-test: FAILED: a job failing every time succeeded"; exit 1
+# A failure worth a restart (rank 1 killed at step 5) with none allowed.
+launch_job exhausted --np 2 --max-restarts 0
+wait_for_step exhausted 5
+kill -KILL "$(rank_pid exhausted 1)"
+for ((i = 0; i < 3000; i++)); do [ -f "$OUT/exhausted.status" ] && break; sleep 0.1; done
+sleep 0.5  # the last lines through the timestamper
+if [ "$(cat "$OUT/exhausted.status" 2>/dev/null)" = 0 ]; then
+    echo "elastic-test: FAILED: a job whose rank was killed succeeded"; exit 1
 fi
-grep "failed 2 time(s) and --max-restarts 1 is used up" "$OUT/exhausted.log" | cut -c1-200 | sed 's/^/  /' \
-    || { cat "$OUT/exhausted.log"; exit 1; }
+grep -o "Error: the job failed 1 time(s) and --max-restarts 0 is used up.*" "$OUT/exhausted.log" \
+    | cut -c1-200 | sed 's/^/  /' || { cat "$OUT/exhausted.log"; exit 1; }
+
+echo "== a job that fails its checks: not restarted"
+# Without Open MPI's root switches in the environment: as root, launch adds them itself, so
+# mpirun starts and the job's own error is what ends it.
+if env -u OMPI_ALLOW_RUN_AS_ROOT -u OMPI_ALLOW_RUN_AS_ROOT_CONFIRM \
+    "$BIN" launch --np 2 --max-restarts 3 "${MPI[@]}" -- "${JOB[@]}" \
+    --set 'train.out_dir="/proc/nope"' >"$OUT/check.log" 2>&1; then
+    echo "elastic-test: FAILED: a job failing its checks succeeded"; exit 1
+fi
+if grep -q "launch: attempt 2" "$OUT/check.log" \
+    || ! grep -q ": the job's own error, which a restart would meet again: Error: " "$OUT/check.log" \
+    || ! grep -q "; not restarted: " "$OUT/check.log"; then
+    echo "elastic-test: FAILED: a job failing its checks was restarted"; cat "$OUT/check.log"; exit 1
+fi
+grep -E "^(launch: running as root|Error: attempt 1)" "$OUT/check.log" | cut -c1-200 | sed 's/^/  /'
 
 echo "== --min-workers that cannot be met"
 if "$BIN" launch --np 4 --min-workers 5 "${MPI[@]}" -- "${JOB[@]}" >"$OUT/min.log" 2>&1; then

@@ -12,10 +12,11 @@ export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_cop
 
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
-# Same target dir as the tests, so only the crates behind the feature rebuild.
+# Same target dir as the tests (CARGO_TARGET_DIR if set), so only the crates behind the
+# feature rebuild.
 cargo build --release -p meshtrain --features mpi
 BIN="$OUT/meshtrain-mpi"
-cp target/release/meshtrain "$BIN"
+cp "${CARGO_TARGET_DIR:-target}/release/meshtrain" "$BIN"
 
 final_loss() { grep -o 'final train loss [0-9.]*' "$1" | awk '{print $4}'; }
 

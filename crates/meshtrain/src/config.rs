@@ -15,7 +15,7 @@ pub use meshtrain_parallel::parallelize::DpMode;
 use meshtrain_parallel::pipeline::PartitionSpec;
 use meshtrain_parallel::precision::{parse_trainer_precision, LossScaleConfig};
 use meshtrain_parallel::zero::ZeroOptions;
-use meshtrain_parallel::{Layout, ParallelOptions};
+use meshtrain_parallel::{DeviceCheck, Layout, ParallelOptions};
 use meshtrain_tensor::Device;
 use meshtrain_train::{CheckpointFormat, Job, Length, LrSchedule};
 use serde::{Deserialize, Serialize};
@@ -581,6 +581,19 @@ impl Config {
         let l = &resolved.layout;
         meshtrain_parallel::context::check(&model, l.cp, options.cp_mode, options.dp_mode, l.tp)
             .with_context(|| format!("parallel.cp_mode = \"{}\"", options.cp_mode))?;
+        Ok(())
+    }
+
+    /// Whether this machine can run the config's model on its `train.device` under `layout`
+    /// (the config's own, or the one a launcher is about to start), asked before the data
+    /// loads: it needs the model and the layout only ([`meshtrain_parallel::check_device`]).
+    /// A run on the CPU always can.
+    pub fn check_device(&self, layout: &Layout, how: DeviceCheck) -> Result<()> {
+        if self.train.device.is_cpu() {
+            return Ok(());
+        }
+        let model = build_model(&self.model);
+        meshtrain_parallel::check_device(&model, layout, self.train.device, how)?;
         Ok(())
     }
 

@@ -28,7 +28,7 @@ fn rank_memory(rank: usize, gpus: usize) -> Result<std::sync::Arc<CudaMemory>, S
 
 /// Runs the part and returns its failures (each also printed as a `FAIL` line).
 pub fn run() -> Result<Vec<String>> {
-    let gpus = CudaDevice::count().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let gpus = meshtrain_tensor::cuda::probe::device_count().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!("\n== multi: ranks on {gpus} GPU(s), collectives on device buffers");
     let mut failed = Vec::new();
     for ranks in [1, 2, 4] {

@@ -18,24 +18,42 @@
 //! would have. Unlike torchrun, workers are not replaced while the others wait: MPI jobs are
 //! all or nothing, so the whole job restarts, which costs one job start-up and the steps
 //! since the checkpoint.
+//!
+//! Only a failure a restart can mend is restarted: a rank that died, was killed, hung or lost
+//! its link ([`classify_failure`] reads mpirun's exit status and the end of what it and the
+//! ranks printed, passed through as it came). Anything else — mpirun refusing to start, a
+//! program built without MPI, a check every rank fails, an error of the job's own — ends the
+//! launch at once with its message. What can be checked here is checked before mpirun starts:
+//! the job's arguments and config, and without a hostfile (every rank on this machine) its
+//! device: `--gpus N` on a machine without the NVIDIA driver fails at once.
 
 use crate::config::Config;
 use crate::presets::Task;
 use crate::train_cli::TrainArgs;
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
+use meshtrain_parallel::DeviceCheck;
+use meshtrain_tensor::Device;
 use meshtrain_train::stop::{resume_command, without_option, LAUNCHED_ENV};
 use meshtrain_train::StopRequest;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitStatus};
+use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime};
 
 #[derive(clap::Args, Debug)]
 pub struct LaunchArgs {
     /// The most workers (processes) to start (default: the slots of the hostfile's live
-    /// hosts; without a hostfile this is required).
+    /// hosts, or --gpus; without either this is required).
     #[arg(long)]
     pub np: Option<usize>,
+    /// Start N processes on this machine, one per GPU: rank r trains on cuda:r, the GPU its
+    /// local rank picks (cuda:B+r with `--device cuda:B` among the job's arguments). Sets the
+    /// job's device to cuda and --np to N. Checked before mpirun starts: without the NVIDIA
+    /// driver, or with a layout this build cannot run on GPUs, it fails at once.
+    #[arg(long, value_name = "N", conflicts_with = "hostfile")]
+    pub gpus: Option<usize>,
     /// Open MPI hostfile (`HOST slots=N` per line), read again before every (re)start: a
     /// host removed from it, or failing --probe, is left out of the next attempt.
     #[arg(long)]
@@ -49,8 +67,10 @@ pub struct LaunchArgs {
     /// world keeps tp × pp × cp and the global batch, and shrinks dp).
     #[arg(long)]
     pub min_workers: Option<usize>,
-    /// Restarts allowed for the whole job (not per worker); then the last failure is an
-    /// error.
+    /// Restarts allowed for the whole job (not per worker), for failures a restart can mend
+    /// (a rank that died, hung or lost its link); then the last failure is an error. Any other
+    /// failure (mpirun refusing to start, a program without MPI, a check the job fails) ends
+    /// the launch at once.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
     /// One more argument for mpirun, before the program (repeatable):
@@ -171,11 +191,125 @@ pub fn choose_world(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     Succeeded,
-    /// The job failed: how (mpirun's exit status).
-    Failed(String),
+    /// The job failed: how, and whether a restart can mend it.
+    Failed(Failure),
     /// A signal asked the launcher to stop; it forwarded the request and the job saved a
     /// checkpoint and ended. Not a failure: nothing to restart.
     Stopped(i32),
+}
+
+/// Why an attempt failed, and whether a restart can mend it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// A rank died, was killed, hung or lost its link (a survivor's error names a collective
+    /// that timed out or a peer killed or crashed, mpirun a rank ended by a signal, or the
+    /// job stopped making progress): the job goes on from its checkpoint.
+    Restartable(String),
+    /// Anything else: mpirun refused to start, the program lacks MPI, every rank failed a
+    /// check before training, an error of the job's own. A restart would fail the same way,
+    /// so the launch ends with this.
+    Final(String),
+}
+
+/// What mpirun or the ranks print when the job cannot run at all (matched in lowercase), and
+/// what that means for the user: a restart would meet the same refusal.
+const CANNOT_RUN: [(&str, &str); 5] = [
+    (
+        "attempt to run as root",
+        "mpirun refused to run as root: set OMPI_ALLOW_RUN_AS_ROOT=1 and \
+         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (launch sets both when it runs as root and they are \
+         unset), or pass --mpirun-arg=--allow-run-as-root",
+    ),
+    (
+        "built without mpi support",
+        "the meshtrain program was built without MPI support: rebuild it with `cargo build \
+         --release -p meshtrain --features mpi`",
+    ),
+    (
+        "not enough slots available",
+        "mpirun found fewer slots than the workers asked for: lower --np, give a --hostfile \
+         with more slots, or pass --mpirun-arg=--oversubscribe",
+    ),
+    (
+        "unable to find the specified executable",
+        "mpirun could not find the meshtrain program (on every host, it must be at the same \
+         path)",
+    ),
+    (
+        "unable to launch the specified application",
+        "mpirun could not start the meshtrain program",
+    ),
+];
+
+/// What a rank's error says when a peer died or hung (matched in lowercase): the failure
+/// monitor's words for a rank whose connection closed without a clean exit, and a
+/// collective's timeout (a stopped, stuck or cut-off rank).
+const PEER_LOST: [&str; 2] = ["killed or crashed", "did not arrive"];
+
+/// What mpirun says when a rank or a host was lost (matched in lowercase): a rank ended by a
+/// signal (kill -9, the OOM killer, a crash), a host's daemon unreachable.
+const RANK_LOST: [&str; 2] = ["exited on signal", "lost communication with"];
+
+/// Whether a failed attempt is worth a restart, read from mpirun's `status` and `output`, the
+/// end of what mpirun and the ranks printed; `ended` says how the attempt ended, for the
+/// messages (`mpirun exited with exit status: 1`; or with 0 but no final checkpoint, which
+/// Open MPI does when told not to abort on a rank's non-zero status). In this order:
+///
+/// 1. a refusal to run at all ([`CANNOT_RUN`]: as root, without MPI, too few slots, no
+///    program) is final;
+/// 2. mpirun ended by a signal is restartable (something killed it, not the job);
+/// 3. the first error a rank printed (`Error: …` from a check, `error: rank R: …` from
+///    training; the first is the cause, later ones its knock-on effects) decides: a peer lost
+///    ([`PEER_LOST`]) is restartable, any other error final (a restart would meet it again);
+/// 4. without an error line, mpirun's report of a lost rank or host ([`RANK_LOST`]: mpirun
+///    may end the survivors before they print) is restartable, and anything else final.
+///
+pub fn classify_failure(ended: &str, status: ExitStatus, output: &str) -> Failure {
+    let lines: Vec<&str> = output.lines().map(str::trim).collect();
+    let lower = output.to_lowercase();
+    if let Some((_, meaning)) = CANNOT_RUN.iter().find(|(text, _)| lower.contains(text)) {
+        return Failure::Final(format!("{meaning} ({ended})"));
+    }
+    if std::os::unix::process::ExitStatusExt::signal(&status).is_some() {
+        return Failure::Restartable(ended.to_string());
+    }
+    let said = |line: &str| clipped(line, 300);
+    // `Error: …` (a check, printed by `meshtrain train`) or `error: rank R: …` (training),
+    // as printed or tagged by mpirun (`[1,0]<stderr>:Error: …`).
+    let first_error = lines.iter().find(|line| {
+        let line = line.to_lowercase();
+        line.starts_with("error: ") || line.contains(">:error: ") || line.contains("error: rank ")
+    });
+    if let Some(line) = first_error {
+        let lower = line.to_lowercase();
+        return if PEER_LOST.iter().any(|text| lower.contains(text)) {
+            Failure::Restartable(format!("{ended}: a rank died or hung: {}", said(line)))
+        } else {
+            Failure::Final(format!(
+                "{ended}: the job's own error, which a restart \
+                 would meet again: {}",
+                said(line)
+            ))
+        };
+    }
+    if let Some(line) = (lines.iter()).find(|line| {
+        let line = line.to_lowercase();
+        RANK_LOST.iter().any(|text| line.contains(text))
+    }) {
+        return Failure::Restartable(format!("{ended}: a rank or host was lost: {}", said(line)));
+    }
+    Failure::Final(format!(
+        "{ended}, and nothing it or the ranks printed says that a rank \
+         died or hung (the output above says why it failed)"
+    ))
+}
+
+/// `text`, cut after `max` characters.
+fn clipped(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_string(),
+    }
 }
 
 /// What the supervisor asks for each attempt.
@@ -186,7 +320,8 @@ pub struct Attempt {
     pub world: usize,
 }
 
-/// Runs attempts until one succeeds or `max_restarts` restarts are used: before each, counts
+/// Runs attempts until one succeeds, fails in a way a restart cannot mend
+/// ([`Failure::Final`]), or `max_restarts` restarts are used: before each, counts
 /// the available slots (`slots`) and picks the world (`world_for(available, min)`, `min` =
 /// `min_workers` or the first attempt's world). Generic over how slots are counted and how an
 /// attempt runs, so the policy is tested without MPI. Returns the last attempt and how it
@@ -215,13 +350,29 @@ pub fn supervise(
         }
         let this = Attempt { number, world };
         let started = Instant::now();
-        match attempt(this)? {
+        let outcome = attempt(this)?;
+        let failed = |how: &str| {
+            format!(
+                "attempt {number} ({world} workers) failed after {:.1} s: {how}",
+                started.elapsed().as_secs_f64()
+            )
+        };
+        match outcome {
             done @ (Outcome::Succeeded | Outcome::Stopped(_)) => return Ok((this, done)),
-            Outcome::Failed(how) => {
-                let line = format!(
-                    "attempt {number} ({world} workers) failed after {:.1} s: {how}",
-                    started.elapsed().as_secs_f64()
+            Outcome::Failed(Failure::Final(how)) => {
+                let earlier = if failures.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (before it: {})", failures.join("; "))
+                };
+                bail!(
+                    "{}; not restarted: only a rank that died or hung is worth a restart, and a \
+                     restart would fail the same way{earlier}",
+                    failed(&how)
                 );
+            }
+            Outcome::Failed(Failure::Restartable(how)) => {
+                let line = failed(&how);
                 let restarts = number - 1;
                 failures.push(line.clone());
                 ensure!(
@@ -369,18 +520,46 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
     let launched = SystemTime::now();
     let stop = StopRequest::on_signals_supervising()?;
     check_mpirun(&args.mpirun)?;
+    let np = processes_to_start(args.np, args.gpus)?;
     /// `meshtrain train`'s command line, to read the job's arguments.
     #[derive(Parser)]
     struct TrainCommand {
         #[command(flatten)]
         args: TrainArgs,
     }
-    let train = TrainCommand::try_parse_from(
+    let mut train = TrainCommand::try_parse_from(
         std::iter::once("meshtrain train".to_string()).chain(args.train.iter().cloned()),
     )
     .map_err(|e| anyhow::anyhow!("the job's arguments (after --): {e}"))?
     .args;
+    let mut job_args = args.train.clone();
+    if args.gpus.is_some() {
+        train_on_gpus(&mut train, &mut job_args)?;
+    }
     let cfg = Config::load(&train.config, &train.overrides())?;
+    // The workers of one data-parallel replica, fixed; launch sets dp.
+    let layout = cfg.layout()?;
+    let per_replica = layout.tp * layout.pp * layout.cp;
+    // The device before the data loads and before mpirun starts. Without a hostfile every rank
+    // runs on this machine, so what it lacks (the driver, the GPUs) no rank will have, and what
+    // this build cannot run on GPUs (several workers) no rank can: one error now, rather than
+    // one per rank after a start.
+    if let (Some(np), None) = (np, &args.hostfile) {
+        let mut first_world = layout.clone();
+        first_world.dp = (np / per_replica).max(1);
+        cfg.check_device(&first_world, DeviceCheck::WithoutOpening)?;
+    }
+    let run_as_root = run_as_root_env(effective_user_id(), |name| std::env::var(name).ok());
+    if !run_as_root.is_empty() {
+        let settings: Vec<String> = (run_as_root.iter())
+            .map(|(name, value)| format!("{name}={value}"))
+            .collect();
+        eprintln!(
+            "launch: running as root, so mpirun gets {} (Open MPI refuses to run as root \
+             otherwise)",
+            settings.join(" ")
+        );
+    }
     let task = Task::load(&cfg)?;
     let out_dir = cfg.train.out_dir.clone();
     // The job at a data-parallel size: as the `--dp` the attempts pass.
@@ -391,8 +570,6 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
     };
     // Whether `world` workers can run the job: dp = world / (tp × pp × cp), checked as a run
     // of that world checks itself.
-    let layout = cfg.layout()?;
-    let per_replica = layout.tp * layout.pp * layout.cp;
     let fits = |world: usize| -> Result<()> {
         let dp = world / per_replica;
         let job = Config::load(&train.config, &with_dp(dp))?.job(&task)?;
@@ -409,9 +586,10 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
     let live_hostfile = out_dir.join("launch-hostfile");
     let slots = || -> Result<usize> {
         let Some(path) = &args.hostfile else {
-            return args
-                .np
-                .context("give --np (the most workers) or --hostfile (the hosts and slots)");
+            return np.context(
+                "give --np (the most workers), --gpus (one per GPU of this machine) or \
+                 --hostfile (the hosts and slots)",
+            );
         };
         let (live, dead) = live_hosts(read_hostfile(path)?, args.probe.as_deref());
         for d in &dead {
@@ -435,11 +613,11 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
         std::fs::write(&live_hostfile, text)
             .with_context(|| format!("writing {}", live_hostfile.display()))?;
         let total: usize = live.iter().map(|h| h.slots).sum();
-        Ok(args.np.map_or(total, |np| np.min(total)))
+        Ok(np.map_or(total, |np| np.min(total)))
     };
     let program = std::env::current_exe().context("locating the meshtrain program")?;
     // Launch decides dp; restarts decide what to resume from.
-    let first_args = without_option(&args.train, "--dp");
+    let first_args = without_option(&job_args, "--dp");
     let restart_args = without_option(&first_args, "--resume");
     let attempt = |a: Attempt| -> Result<Outcome> {
         let resume = if a.number > 1 {
@@ -463,6 +641,12 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
         // asks the ranks to stop gracefully; mpirun would kill them.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         command.env(LAUNCHED_ENV, "1").args(["-x", LAUNCHED_ENV]);
+        command.envs(run_as_root.iter().copied());
+        // Passed through as it comes, its end kept: what mpirun and the ranks said decides
+        // whether a failure is worth a restart.
+        command
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
         command.arg("-np").arg(a.world.to_string());
         if args.hostfile.is_some() {
             command.arg("--hostfile").arg(&live_hostfile);
@@ -480,29 +664,35 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
         let mut child = command
             .spawn()
             .with_context(|| format!("starting {}", args.mpirun))?;
-        let status = match wait_making_progress(&mut child, &out_dir, args.stall_timeout, &stop)? {
+        let relay = Relay::start(&mut child);
+        let waited = wait_making_progress(&mut child, &out_dir, args.stall_timeout, &stop)?;
+        let output = relay.finish();
+        let status = match waited {
             Ok(status) => status,
-            Err(stalled) => return Ok(Outcome::Failed(stalled)),
+            Err(stalled) => return Ok(Outcome::Failed(Failure::Restartable(stalled))),
         };
         if let Some(signal) = stop.requested() {
             return Ok(Outcome::Stopped(signal));
         }
         if !status.success() {
-            return Ok(Outcome::Failed(format!(
-                "{} exited with {status}",
-                args.mpirun
-            )));
+            let ended = format!("{} exited with {status}", args.mpirun);
+            return Ok(Outcome::Failed(classify_failure(&ended, status, &output)));
         }
         // mpirun's status alone is not proof (with some MCA settings it exits 0 after a
-        // rank's MPI_Abort): the job ends by writing its final checkpoint.
+        // rank's MPI_Abort, or after every rank failed its checks): the job ends by writing
+        // its final checkpoint, and what the ranks printed tells whether a restart can mend
+        // its absence.
         Ok(match newest_checkpoint(&out_dir, launched) {
             Some((_, step)) if step == stop_step => Outcome::Succeeded,
-            found => Outcome::Failed(format!(
-                "{} exited with {status}, but the job's newest checkpoint is {} of the {stop_step} \
-                 steps",
-                args.mpirun,
-                found.map_or("none".into(), |(_, step)| format!("at step {step}"))
-            )),
+            found => {
+                let ended = format!(
+                    "{} exited with {status}, but the job's newest checkpoint is {} of the \
+                     {stop_step} steps",
+                    args.mpirun,
+                    found.map_or("none".into(), |(_, step)| format!("at step {step}"))
+                );
+                Outcome::Failed(classify_failure(&ended, status, &output))
+            }
         })
     };
     let (done, outcome) = supervise(
@@ -540,6 +730,124 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
         done.number, done.world
     );
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The most processes to start: `--np`, or one per GPU with `--gpus` (the two must agree).
+fn processes_to_start(np: Option<usize>, gpus: Option<usize>) -> Result<Option<usize>> {
+    match (np, gpus) {
+        (_, Some(0)) => bail!("--gpus 0: give the number of GPUs to train on, one process each"),
+        (Some(np), Some(gpus)) if np != gpus => bail!(
+            "--np {np} and --gpus {gpus}: --gpus starts one process per GPU; leave --np out or \
+             give the same number"
+        ),
+        (np, gpus) => Ok(np.or(gpus)),
+    }
+}
+
+/// The job on GPUs, for `--gpus`: its device is cuda, each rank on the GPU of its local rank
+/// (`--device cuda` is added to its arguments when they name no device; `--device cuda:B`
+/// stays, B the first GPU). `--device cpu` contradicts it.
+fn train_on_gpus(train: &mut TrainArgs, job_args: &mut Vec<String>) -> Result<()> {
+    match train.device.as_deref().map(str::parse::<Device>) {
+        None => {
+            train.device = Some("cuda".into());
+            job_args.extend(["--device".to_string(), "cuda".to_string()]);
+        }
+        Some(Ok(Device::Cuda(_))) => {}
+        Some(Ok(Device::Cpu)) => bail!(
+            "--gpus trains on GPUs, but the job's arguments say --device cpu: leave --device \
+             out, or give cuda:N (the first GPU of the job)"
+        ),
+        Some(Err(e)) => bail!("the job's --device: {e}"),
+    }
+    Ok(())
+}
+
+/// Open MPI's two switches that let `mpirun` run as root, which it refuses otherwise (in a
+/// container, users often are root); both must be 1.
+const RUN_AS_ROOT_ENV: [&str; 2] = ["OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"];
+
+/// What mpirun's environment gets so that it runs under a launcher whose effective user id is
+/// `euid`: as root, each of Open MPI's switches ([`RUN_AS_ROOT_ENV`]) set to 1 unless the user
+/// set it (`env` looks a variable up); nothing for anyone else.
+pub fn run_as_root_env(
+    euid: u32,
+    env: impl Fn(&str) -> Option<String>,
+) -> Vec<(&'static str, &'static str)> {
+    if euid != 0 {
+        return Vec::new();
+    }
+    (RUN_AS_ROOT_ENV.into_iter())
+        .filter(|name| env(name).is_none())
+        .map(|name| (name, "1"))
+        .collect()
+}
+
+fn effective_user_id() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// How much of the end of mpirun's output is kept to classify a failure: the ranks' errors
+/// and mpirun's report come last.
+const KEPT_OUTPUT_BYTES: usize = 64 * 1024;
+
+/// mpirun's stdout and stderr passed through to this process's as they come (a thread each),
+/// the end of both kept for [`classify_failure`].
+struct Relay {
+    kept: Arc<Mutex<Vec<u8>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Relay {
+    fn start(child: &mut std::process::Child) -> Relay {
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        let mut threads = Vec::new();
+        if let Some(from) = child.stdout.take() {
+            let kept = kept.clone();
+            threads.push(std::thread::spawn(move || {
+                pass_through(from, std::io::stdout(), &kept)
+            }));
+        }
+        if let Some(from) = child.stderr.take() {
+            let kept = kept.clone();
+            threads.push(std::thread::spawn(move || {
+                pass_through(from, std::io::stderr(), &kept)
+            }));
+        }
+        Relay { kept, threads }
+    }
+
+    /// The kept output, once both streams have ended, or 2 s after mpirun exited: a rank left
+    /// on an unreachable host may hold them open.
+    fn finish(self) -> String {
+        let deadline = Instant::now() + std::time::Duration::from_secs(2);
+        while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        String::from_utf8_lossy(&kept).into_owned()
+    }
+}
+
+/// Copies `from` to `to` until it ends, appending to `kept` (its last
+/// [`KEPT_OUTPUT_BYTES`]). A closed `to` does not stop the reading: mpirun must not block on
+/// a full pipe.
+fn pass_through(mut from: impl Read, mut to: impl Write, kept: &Mutex<Vec<u8>>) {
+    let mut buf = [0u8; 8192];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return,
+        };
+        let _ = to.write_all(&buf[..n]).and_then(|()| to.flush());
+        let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+        kept.extend_from_slice(&buf[..n]);
+        let over = kept.len().saturating_sub(KEPT_OUTPUT_BYTES);
+        kept.drain(..over);
+    }
 }
 
 /// Refuses to start without the mpirun program, naming it and where it comes from (rather
@@ -608,7 +916,10 @@ mod tests {
             |a, min| choose_world(a, min, 1, even_batch),
             |a| {
                 runs.borrow_mut().push(a);
-                Ok(Outcome::Failed(format!("exit {}", a.number)))
+                Ok(Outcome::Failed(Failure::Restartable(format!(
+                    "exit {}",
+                    a.number
+                ))))
             },
             |_| {},
         )
@@ -638,7 +949,7 @@ mod tests {
                 Ok(if a.number == 2 {
                     Outcome::Succeeded
                 } else {
-                    Outcome::Failed("killed".into())
+                    Outcome::Failed(Failure::Restartable("killed".into()))
                 })
             },
             |line| said.push(line),
@@ -653,7 +964,7 @@ mod tests {
             Some(2),
             || Ok(available.borrow_mut().remove(0)),
             |a, min| choose_world(a, min, 1, even_batch),
-            |_| Ok(Outcome::Failed("killed".into())),
+            |_| Ok(Outcome::Failed(Failure::Restartable("killed".into()))),
             |_| {},
         )
         .unwrap_err();
@@ -673,13 +984,219 @@ mod tests {
             None,
             || Ok(available.borrow_mut().remove(0)),
             |a, min| choose_world(a, min, 1, even_batch),
-            |_| Ok(Outcome::Failed("killed".into())),
+            |_| Ok(Outcome::Failed(Failure::Restartable("killed".into()))),
             |_| {},
         )
         .unwrap_err();
         assert!(
             format!("{err:#}").contains("--min-workers 4 cannot be satisfied"),
             "{err:#}"
+        );
+    }
+
+    #[test]
+    fn a_failure_a_restart_cannot_mend_ends_the_launch_at_once() {
+        let runs = RefCell::new(0);
+        let err = supervise(
+            3,
+            None,
+            || Ok(2),
+            |a, min| choose_world(a, min, 1, even_batch),
+            |a| {
+                *runs.borrow_mut() += 1;
+                Ok(Outcome::Failed(if a.number == 1 {
+                    Failure::Restartable("rank 1 killed".into())
+                } else {
+                    Failure::Final("mpirun refused to run as root".into())
+                }))
+            },
+            |_| {},
+        )
+        .unwrap_err();
+        let err = format!("{err:#}");
+        assert_eq!(*runs.borrow(), 2, "no restart after the final failure");
+        assert!(
+            err.starts_with("attempt 2 (2 workers) failed after")
+                && err.contains("mpirun refused to run as root; not restarted: only a rank")
+                && err.contains("(before it: attempt 1 (2 workers) failed after")
+                && err.contains("rank 1 killed"),
+            "{err}"
+        );
+    }
+
+    /// What mpirun and the ranks print, as they print it, and what launch makes of it.
+    #[test]
+    fn only_a_rank_that_died_or_hung_is_worth_a_restart() {
+        use std::os::unix::process::ExitStatusExt;
+        let exit_1 = ExitStatus::from_raw(1 << 8);
+        let ended = "mpirun exited with exit status: 1";
+        let classify = |output: &str| classify_failure(ended, exit_1, output);
+        let restartable = |output: &str| match classify(output) {
+            Failure::Restartable(how) => how,
+            Failure::Final(how) => panic!("final: {how}\n{output}"),
+        };
+        let fin = |output: &str| match classify(output) {
+            Failure::Final(how) => how,
+            Failure::Restartable(how) => panic!("restartable: {how}\n{output}"),
+        };
+        // Open MPI 4.1's refusal, as root without the switches.
+        let root = fin(
+            "--------------------------------------------------------------------------\n\
+             mpirun has detected an attempt to run as root.\n\n\
+             Running as root is *strongly* discouraged as any mistake (e.g., in\n\
+             You can override this protection by adding the --allow-run-as-root option\n\
+             to the cmd line or by setting two environment variables in the following way:\n",
+        );
+        assert!(
+            root.starts_with("mpirun refused to run as root: set OMPI_ALLOW_RUN_AS_ROOT=1")
+                && root.ends_with("(mpirun exited with exit status: 1)"),
+            "{root}"
+        );
+        // A program without MPI: every rank says so.
+        let no_mpi = fin(
+            "Error: started under mpirun, but this meshtrain was built without MPI \
+             support: rebuild with `cargo build --release -p meshtrain --features mpi`\n\
+             Error: started under mpirun, but this meshtrain was built without MPI support: …\n\
+             Primary job  terminated normally, but 1 process returned\n\
+             a non-zero exit code. Per user-direction, the job has been aborted.\n",
+        );
+        assert!(no_mpi.contains("built without MPI support"), "{no_mpi}");
+        let slots = fin("There are not enough slots available in the system to satisfy the 4\n");
+        assert!(slots.contains("--oversubscribe"), "{slots}");
+        // A check every rank fails before training: printed once (`Error: …`), all exit 1.
+        let check = fin(
+            "meshtrain: Shakespeare bytes (1042409 train / 115824 validation)\n\
+             Error: the output directory /proc/nope (train.out_dir) is not writable\n\
+             mpirun detected that one or more processes exited with non-zero status, thus \
+             causing\nthe job to be terminated. The first process to do so was:\n",
+        );
+        assert!(
+            check.contains(
+                ": the job's own error, which a restart would meet again: \
+                 Error: the output directory /proc/nope"
+            ),
+            "{check}"
+        );
+        // kill -9 of rank 2: the survivors name it.
+        let killed = restartable(
+            "step 25 | loss 2.1\n\
+             error: rank 0: training failed: all_reduce #52 on group 'world' cannot complete: \
+             rank(s) [2] (global) stopped: rank 2 died (connection lost without a clean exit: \
+             killed or crashed); last seen in all_reduce #52; aborting the MPI job\n\
+             error: rank 1: training failed: all_reduce #52 …\n",
+        );
+        assert!(
+            killed.starts_with(
+                "mpirun exited with exit status: 1: a rank died or hung: error: rank 0"
+            ),
+            "{killed}"
+        );
+        // SIGSTOP of rank 1: the survivors time out; tagged output too.
+        restartable(
+            "[1,0]<stderr>:error: rank 0: training failed: all_reduce #52 on group \
+             'world' timed out after 3s: rank(s) [1] (global) did not arrive (rank 1 has sent \
+             nothing for 3.0 s (stopped, stuck outside the program, or cut off from the \
+             network)); aborting the MPI job\n",
+        );
+        // mpirun ended the job before any survivor printed.
+        let signal = restartable(
+            "mpirun noticed that process rank 2 with PID 0 on node n0 \
+             exited on signal 9 (Killed).\n",
+        );
+        assert!(
+            signal.contains("a rank or host was lost: mpirun noticed"),
+            "{signal}"
+        );
+        restartable("ORTE has lost communication with a remote daemon.\n");
+        // A rank's own error, and a peer's knock-on error naming it: final.
+        fin(
+            "error: rank 1: training failed: the loss is NaN at step 12; aborting the MPI job\n\
+             error: rank 0: training failed: all_reduce #80 on group 'world' cannot complete: \
+             rank(s) [1] (global) stopped: rank 1 failed: the loss is NaN at step 12\n\
+             mpirun noticed that process rank 0 with PID 0 on node n0 exited on signal 15.\n",
+        );
+        // Nothing to go on.
+        let silent = fin("");
+        assert!(
+            silent.contains("nothing it or the ranks printed"),
+            "{silent}"
+        );
+        // mpirun itself killed (not by launch's stall timeout, which says so itself).
+        // Told not to abort on a rank's non-zero status, mpirun exits 0 after every rank failed
+        // its checks, or after a rank's MPI_Abort: no final checkpoint, and the ranks' errors
+        // decide.
+        let exit_0 = ExitStatus::from_raw(0);
+        let no_checkpoint = "mpirun exited with exit status: 0, but the job's newest checkpoint \
+                             is none of the 100 steps";
+        let check = classify_failure(
+            no_checkpoint,
+            exit_0,
+            "Error: cannot create the output directory /proc/nope (train.out_dir)\n",
+        );
+        assert!(matches!(check, Failure::Final(_)), "{check:?}");
+        let aborted = classify_failure(
+            no_checkpoint,
+            exit_0,
+            "error: rank 0: all_reduce #56 on group 'dp[0,1,2,3]' cannot complete: rank(s) [2] \
+             (global) stopped: rank 2 died (connection lost without a clean exit: killed or \
+             crashed); aborting the MPI job\n",
+        );
+        assert!(matches!(aborted, Failure::Restartable(_)), "{aborted:?}");
+        let killed = "mpirun exited with signal: 9 (SIGKILL)";
+        assert_eq!(
+            classify_failure(killed, ExitStatus::from_raw(9), ""),
+            Failure::Restartable(killed.into())
+        );
+    }
+
+    #[test]
+    fn as_root_mpirun_gets_open_mpis_switches_unless_the_user_set_them() {
+        let unset = |_: &str| None;
+        assert_eq!(
+            run_as_root_env(0, unset),
+            [
+                ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+                ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            ]
+        );
+        assert!(run_as_root_env(1000, unset).is_empty());
+        let user_set = |name: &str| (name == "OMPI_ALLOW_RUN_AS_ROOT").then(|| "0".to_string());
+        assert_eq!(
+            run_as_root_env(0, user_set),
+            [("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")]
+        );
+    }
+
+    #[test]
+    fn gpus_sets_the_processes_and_the_device() {
+        assert_eq!(processes_to_start(None, Some(4)).unwrap(), Some(4));
+        assert_eq!(processes_to_start(Some(4), Some(4)).unwrap(), Some(4));
+        assert_eq!(processes_to_start(Some(3), None).unwrap(), Some(3));
+        assert!(processes_to_start(Some(2), Some(4)).is_err());
+        assert!(processes_to_start(None, Some(0)).is_err());
+        let parse = |args: &[&str]| {
+            #[derive(Parser)]
+            struct Wrapper {
+                #[command(flatten)]
+                args: TrainArgs,
+            }
+            Wrapper::parse_from(std::iter::once("train").chain(args.iter().copied())).args
+        };
+        let mut train = parse(&["--config", "configs/gpt.toml"]);
+        let mut args: Vec<String> = vec!["--config".into(), "configs/gpt.toml".into()];
+        train_on_gpus(&mut train, &mut args).unwrap();
+        assert_eq!(train.device.as_deref(), Some("cuda"));
+        assert_eq!(args[2..], ["--device", "cuda"]);
+        let mut train = parse(&["--device", "cuda:2"]);
+        let mut args = vec!["--device".to_string(), "cuda:2".to_string()];
+        train_on_gpus(&mut train, &mut args).unwrap();
+        assert_eq!(args, ["--device", "cuda:2"], "the first GPU kept");
+        let mut train = parse(&["--device", "cpu"]);
+        let err = train_on_gpus(&mut train, &mut Vec::new()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("the job's arguments say --device cpu"),
+            "{err}"
         );
     }
 

@@ -6,6 +6,7 @@ use meshtrain::bench::{run_models, BenchModelsArgs};
 use meshtrain::config::Config;
 use meshtrain::presets::Task;
 use meshtrain::train_cli::TrainArgs;
+use meshtrain_parallel::DeviceCheck;
 use meshtrain_train::{stop, RunOptions, StopRequest};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -38,8 +39,10 @@ enum Command {
     /// Draw a run's training curves (loss, accuracy or unigram baseline) into a PNG.
     Plot(meshtrain::plot::PlotArgs),
     /// Run a training job under mpirun and restart it from its last checkpoint when a
-    /// worker dies, hangs or loses its link (same world or a smaller one):
-    /// `meshtrain launch --np 4 --max-restarts 2 -- --config configs/gpt.toml`.
+    /// worker dies, hangs or loses its link (same world or a smaller one; any other failure
+    /// ends it at once): `meshtrain launch --np 4 --max-restarts 2 -- --config
+    /// configs/gpt.toml`, or one process per GPU of this machine: `meshtrain launch --gpus 4
+    /// -- --config configs/gpt.toml`.
     Launch(meshtrain::launch::LaunchArgs),
     /// Text from a trained GPT checkpoint, streamed as it comes:
     /// `meshtrain generate --checkpoint runs/gpt/checkpoint.safetensors --prompt "ROMEO:"`.
@@ -116,7 +119,13 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
     // kill.
     let stop = StopRequest::on_signals()?;
     let overrides = args.overrides();
-    let cfg = Config::load(&args.config, &overrides)?;
+    let mut cfg = Config::load(&args.config, &overrides)?;
+    // Under a launcher, every process of a host takes the GPU of its local rank.
+    cfg.train.device =
+        meshtrain_train::local_device(cfg.train.device, |name| std::env::var(name).ok())?;
+    // Before the data loads and anything is written: a GPU the machine does not have, or
+    // cannot run this layout or model on, is said at once.
+    cfg.check_device(&cfg.layout()?, DeviceCheck::Opening)?;
     let task = Task::load(&cfg)?;
     let job = cfg.job(&task)?;
     let resume = args.resume.clone().or(cfg.checkpoint.resume.clone());

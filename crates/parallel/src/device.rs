@@ -5,7 +5,7 @@
 //! the optimizer update run there too. The host reads eight bytes of results per step.
 //!
 //! Today the GPU runs one worker (dp = tp = pp = cp = 1); the layout is checked before any
-//! work ([`check`]). The host copy of the state in the [`crate::Parallel`]'s stage is the
+//! work ([`check`], through [`crate::check_device`]). The host copy of the state in the [`crate::Parallel`]'s stage is the
 //! checkpoint mirror: [`DeviceStep::download`] fills it before a checkpoint,
 //! [`DeviceStep::upload`] after one is loaded, so checkpoints keep their one format and a
 //! GPU run resumes on the CPU and the reverse.
@@ -13,7 +13,7 @@
 use crate::engine::{MicroBatches, StepOptions};
 use crate::layout::Layout;
 use crate::precision::LossScaling;
-use crate::{Batch, EvalSums, ParallelError, StepStats, StepTimes};
+use crate::{Batch, DeviceCheck, EvalSums, ParallelError, StepStats, StepTimes};
 use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
 use meshtrain_nn::{BlockParams, Mode, Model, ParamStore, Params, ParamsMut};
@@ -28,19 +28,47 @@ fn device_error(e: CudaError) -> ParallelError {
     ParallelError::Device(e.to_string())
 }
 
-/// Refuses, before any work, what the GPU cannot run yet: a layout of several workers, and a
-/// model with a layer that has no CUDA kernels (named).
-pub fn check(model: &Model, layout: &Layout, device: Device) -> Result<(), ParallelError> {
+/// Refuses, before any work, what this machine's GPU cannot run, in the order a user can act
+/// on it: a missing driver or library and a GPU that does not exist first (the machine), then
+/// a layout of several workers (this build), then a model with a layer that has no CUDA
+/// kernels (named). With [`DeviceCheck::Opening`] it then opens the GPU (its context; a
+/// compute capability below 8.0 is refused there).
+pub fn check(
+    model: &Model,
+    layout: &Layout,
+    device: Device,
+    how: DeviceCheck,
+) -> Result<(), ParallelError> {
     let Device::Cuda(ordinal) = device else {
         return Ok(());
     };
+    meshtrain_tensor::cuda::probe::require_gpu(ordinal).map_err(device_error)?;
+    refuse_what_one_gpu_cannot_run(model, layout, ordinal)?;
+    if how == DeviceCheck::Opening {
+        CudaDevice::get(ordinal).map_err(device_error)?;
+    }
+    Ok(())
+}
+
+/// What this build's GPU step cannot run on any machine: a layout of several workers (or
+/// ZeRO), and a model with a layer that has no CUDA kernels (named, with the way out).
+fn refuse_what_one_gpu_cannot_run(
+    model: &Model,
+    layout: &Layout,
+    ordinal: usize,
+) -> Result<(), ParallelError> {
+    let device = Device::Cuda(ordinal);
     if layout.world_size() > 1 || layout.zero > 0 {
+        let spread = if layout.world_size() > 1 {
+            format!("spreads the model over {} workers", layout.world_size())
+        } else {
+            format!("shards the model states (ZeRO stage {})", layout.zero)
+        };
         return Err(ParallelError::Device(format!(
-            "--device cuda runs one worker per GPU today; the layout {layout} spreads the model \
-             over {} workers (data, tensor, pipeline and context parallelism on GPUs come with \
-             the NCCL backend). Train with the default layout on cuda:{ordinal}, or with this \
-             layout on --device cpu",
-            layout.world_size()
+            "multi-GPU layouts (data, tensor, pipeline or context parallelism, ZeRO) are not yet \
+             available in this build of meshtrain: --device cuda trains one worker on one GPU, \
+             and the layout {layout} {spread}. Train with the default layout on cuda:{ordinal}, \
+             or with this layout on --device cpu"
         )));
     }
     for (i, block) in model.blocks.iter().enumerate() {
@@ -59,7 +87,6 @@ pub fn check(model: &Model, layout: &Layout, device: Device) -> Result<(), Paral
             )));
         }
     }
-    CudaDevice::get(ordinal).map_err(device_error)?;
     Ok(())
 }
 
@@ -632,26 +659,60 @@ mod tests {
             dp: 2,
             ..Layout::default()
         };
-        let e = check(&model, &layout, Device::Cuda(0))
+        let e = refuse_what_one_gpu_cannot_run(&model, &layout, 0)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("one worker per GPU") && e.contains("2 workers"),
+            e.starts_with(
+                "multi-GPU layouts (data, tensor, pipeline or context parallelism, ZeRO) are not \
+                 yet available in this build of meshtrain"
+            ) && e.contains("spreads the model over 2 workers")
+                && e.ends_with("or with this layout on --device cpu"),
             "{e}"
         );
         let zero = Layout {
             zero: 1,
             ..Layout::default()
         };
-        assert!(check(&model, &zero, Device::Cuda(0)).is_err());
+        let e = refuse_what_one_gpu_cannot_run(&model, &zero, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shards the model states (ZeRO stage 1)"), "{e}");
+        assert!(refuse_what_one_gpu_cannot_run(&model, &Layout::default(), 0).is_ok());
         // The CPU takes any layout here (parallelize checks the rest).
-        assert!(check(&model, &layout, Device::Cpu).is_ok());
+        assert!(check(&model, &layout, Device::Cpu, DeviceCheck::Opening).is_ok());
+    }
+
+    /// Without the driver, that is said first, whatever else the GPU could not run: it is
+    /// what the user can act on (a layout of two workers, a model without kernels come after).
+    #[test]
+    fn a_missing_driver_is_named_first() {
+        if meshtrain_tensor::cuda::probe::require_driver().is_ok() {
+            eprintln!("skipped: this machine has the NVIDIA driver");
+            return;
+        }
+        let layout = Layout {
+            dp: 2,
+            ..Layout::default()
+        };
+        for model in [gpt(&GptConfig::default()), lenet(LeNetVariant::Relu)] {
+            for how in [DeviceCheck::WithoutOpening, DeviceCheck::Opening] {
+                let e = check(&model, &layout, Device::Cuda(0), how)
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    e.starts_with("--device cuda needs the NVIDIA driver (libcuda.so.1)")
+                        && e.ends_with("without a GPU, train with --device cpu"),
+                    "{e}"
+                );
+            }
+        }
     }
 
     #[test]
     fn a_layer_without_cuda_kernels_is_named() {
         let model = lenet(LeNetVariant::Relu);
-        let e = check(&model, &Layout::default(), Device::Cuda(0))
+        let e = refuse_what_one_gpu_cannot_run(&model, &Layout::default(), 0)
             .unwrap_err()
             .to_string();
         assert!(
@@ -662,8 +723,7 @@ mod tests {
     }
 
     /// A Llama has CUDA kernels for every layer (token-only embedding, RMS norms, rotary +
-    /// GQA, attention, SwiGLU, linears): the per-layer check passes, and `check` refuses it
-    /// (if at all) only for want of a GPU here, never for a layer.
+    /// GQA, attention, SwiGLU, linears): the per-layer check passes.
     #[test]
     fn a_llama_passes_the_per_layer_check() {
         let cfg = meshtrain_nn::models::LlamaConfig {
@@ -686,10 +746,7 @@ mod tests {
             .iter()
             .all(|b| b.layer.runs_on(Device::Cuda(0))));
         assert!(model.blocks.iter().all(|b| b.layer.runs_on(Device::Cpu)));
-        if let Err(e) = check(&model, &Layout::default(), Device::Cuda(0)) {
-            let e = e.to_string();
-            assert!(!e.contains("without CUDA kernels"), "{e}");
-        }
+        assert!(refuse_what_one_gpu_cannot_run(&model, &Layout::default(), 0).is_ok());
     }
 
     #[test]

@@ -40,8 +40,8 @@ pub mod zero;
 
 pub use layout::{Layout, LayoutError, ResolvedLayout};
 pub use parallelize::{
-    parallelize, DeviceMemory, EvalSums, ModelStateMemory, Parallel, ParallelOptions, StepStats,
-    StepTimes,
+    check_device, parallelize, DeviceCheck, DeviceMemory, EvalSums, ModelStateMemory, Parallel,
+    ParallelOptions, StepStats, StepTimes,
 };
 
 use meshtrain_tensor::Tensor;

@@ -58,7 +58,7 @@ use crate::data::{
     SyncHooks,
 };
 use crate::engine::{MicroBatches, Partition, SendMode, Stage, StageStores, StepOptions};
-use crate::layout::{Recompute, ResolvedLayout};
+use crate::layout::{Layout, Recompute, ResolvedLayout};
 use crate::pipeline::{partition_for, PartitionSpec, TimeProbe};
 use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
 use crate::tensor::{TpContext, TpGradSync};
@@ -338,6 +338,45 @@ pub struct Parallel {
     device: Option<crate::device::DeviceStep>,
 }
 
+/// How far [`check_device`] goes on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceCheck {
+    /// The libraries, the GPU's number, the layout and the layers' kernels, without opening
+    /// the GPU: what a launcher asks before it starts workers on the GPUs (a context of its
+    /// own would hold GPU memory for the whole job).
+    WithoutOpening,
+    /// All that, then the GPU opened (its context and compute capability): what the process
+    /// that trains on it asks.
+    Opening,
+}
+
+/// Whether `device` can run `model` under `layout` on this machine, asked before any work
+/// (before the data loads, when a caller can: it needs the model and the layout only). The
+/// CPU always can; a GPU needs the driver and the CUDA libraries, the GPU itself, one worker,
+/// and CUDA kernels for every layer ([`crate::device::check`]), each refused with one message
+/// that says what to do.
+pub fn check_device(
+    model: &Model,
+    layout: &Layout,
+    device: meshtrain_tensor::Device,
+    how: DeviceCheck,
+) -> Result<(), ParallelError> {
+    #[cfg(feature = "cuda")]
+    return crate::device::check(model, layout, device, how);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (model, layout, how);
+        if device.is_cuda() {
+            return Err(ParallelError::Device(
+                "this meshtrain was built without the `cuda` feature: rebuild with default \
+                 features for --device cuda"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Applies the layout's dimensions to `model` for this worker of `world`, in the documented
 /// order. Every worker of `world` calls it with the same arguments. `sample` is one
 /// micro-batch, needed only to measure block times for `partition = time`.
@@ -377,17 +416,9 @@ pub fn parallelize(
         world.new_named_subgroup(&members, &format!("dp-cp{members:?}"))?
     };
 
-    // The device, before any work: a GPU runs one worker, and every layer needs its kernels.
-    #[cfg(feature = "cuda")]
-    crate::device::check(model, l, options.device)?;
-    #[cfg(not(feature = "cuda"))]
-    if options.device.is_cuda() {
-        return Err(ParallelError::Device(
-            "this meshtrain was built without the `cuda` feature: rebuild with default \
-             features for --device cuda"
-                .into(),
-        ));
-    }
+    // The device, before any work: the GPU is there, runs one worker, and every layer has
+    // its kernels.
+    check_device(model, l, options.device, DeviceCheck::Opening)?;
 
     // Placement, before any work: tensor-parallel groups inside a host, and a hierarchical
     // reduction only over hosts holding equal numbers of the data-parallel group's ranks.

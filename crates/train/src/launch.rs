@@ -7,8 +7,10 @@ use crate::metrics::Summary;
 use crate::stop::StopRequest;
 use crate::trainer::{threads_per_worker, Trainer};
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use meshtrain_comm::{CommConfig, ProcessGroup, ThreadsWorld};
+use meshtrain_comm::{CommConfig, ProcessGroup, ThreadsWorld, WorkerFailure, WorldError};
 use meshtrain_nn::{Model, ParamStore};
+use meshtrain_parallel::{check_device, DeviceCheck};
+use meshtrain_tensor::Device;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,6 +120,36 @@ pub fn lead_process() -> bool {
             .any(|v| std::env::var(v).is_ok_and(|r| r == "0"))
 }
 
+/// The environment variables in which launchers give a process its rank among the processes
+/// of its host, in the order they are read: Open MPI's `mpirun`, then SLURM's `srun`.
+pub const LOCAL_RANK_ENV: [&str; 2] = ["OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"];
+
+/// This process's rank among those of its host, when a launcher started it. `env` looks a
+/// variable up: `|name| std::env::var(name).ok()` in a process, a table in tests.
+pub fn local_rank(env: impl Fn(&str) -> Option<String>) -> Result<Option<usize>> {
+    for name in LOCAL_RANK_ENV {
+        if let Some(value) = env(name) {
+            let rank = value.trim().parse().map_err(|_| {
+                anyhow!("{name}={value} is not a process's rank on its host (a number ≥ 0)")
+            })?;
+            return Ok(Some(rank));
+        }
+    }
+    Ok(None)
+}
+
+/// The device this process trains on. Several processes of a host each need a GPU of their
+/// own, and the one launch command line they share cannot name it, so under a launcher the
+/// local rank picks it: `cuda` (or `cuda:B`) names the host's first GPU for the job and local
+/// rank r trains on `cuda:r` (`cuda:B+r`). The CPU, and any device outside a launcher, stay
+/// as given. `env` as for [`local_rank`].
+pub fn local_device(device: Device, env: impl Fn(&str) -> Option<String>) -> Result<Device> {
+    match (device, local_rank(env)?) {
+        (Device::Cuda(first), Some(rank)) => Ok(Device::Cuda(first + rank)),
+        _ => Ok(device),
+    }
+}
+
 /// The collective timeout: `MESHTRAIN_TIMEOUT_S` if set, else the job's.
 pub fn timeout_from_env(job_timeout: Duration) -> Result<Duration> {
     match std::env::var(TIMEOUT_ENV) {
@@ -179,7 +211,7 @@ impl Job {
         }
         let workers = self.layout.world_size();
         self.check(workers)?;
-        self.preflight(options)?;
+        let created = self.preflight(options)?;
         if options.verbose {
             println!("data: {}", self.describe_data());
         }
@@ -191,20 +223,34 @@ impl Job {
         let summaries = ThreadsWorld::run(workers, config, move |group| {
             run_worker(&job, group, None, &options).map_err(|e| format!("{e:#}"))
         })
-        .map_err(|e| anyhow!("training failed: {e}"))?;
+        .map_err(|e| {
+            created.remove_if_empty();
+            training_failed(e)
+        })?;
         summaries
             .into_iter()
             .next()
             .context("rank 0 returned no summary")
     }
 
-    /// What can be found wrong before any worker starts, checked once: the output directory
-    /// (a file, or not writable) and the checkpoints to resume or start from (missing,
-    /// truncated, foreign, of another model), read from their headers. Every worker would
-    /// otherwise find the same fault, and the user read it once per worker.
-    pub fn preflight(&self, options: &RunOptions) -> Result<()> {
-        check_out_dir(&self.out_dir)?;
+    /// What can be found wrong before any worker starts, checked once and before anything
+    /// is written: the device (the driver and CUDA libraries, the GPU, the layout, every
+    /// layer's kernels: [`check_device`]), the checkpoints to resume or start from (missing,
+    /// truncated, foreign, of another model, read from their headers), and last the output
+    /// directory (a file, or not writable), created only once everything else passed. Every
+    /// worker would otherwise find the same fault, and the user read it once per worker.
+    ///
+    /// Returns the directories it created, for the caller to remove
+    /// ([`CreatedDirs::remove_if_empty`]) if the start fails after all: a run that never
+    /// trained leaves no empty output directory behind.
+    pub fn preflight(&self, options: &RunOptions) -> Result<CreatedDirs> {
         let model = (self.model)();
+        check_device(
+            &model,
+            &self.layout,
+            self.parallel.device,
+            DeviceCheck::Opening,
+        )?;
         if let Some(path) = &options.resume {
             crate::checkpoint::check(path, &model, &self.model_description, Restore::Everything)
                 .map_err(|e| anyhow!("cannot resume: {e:#}"))?;
@@ -217,7 +263,7 @@ impl Job {
             };
             checked.map_err(|e| anyhow!("cannot take the initial weights (--init-from): {e:#}"))?;
         }
-        Ok(())
+        create_out_dir(&self.out_dir)
     }
 
     /// One line on the data, for the start of a run.
@@ -235,30 +281,78 @@ impl Job {
     }
 }
 
-/// The output directory exists (created if needed), is a directory and takes files.
-fn check_out_dir(dir: &Path) -> Result<()> {
+/// The directories a run created for its output, the deepest first (never one that existed
+/// before): a run whose start fails removes them again, so that a mistyped flag leaves no
+/// empty `runs/…` behind.
+#[derive(Debug, Default)]
+#[must_use = "a failed start removes the directories it created"]
+pub struct CreatedDirs(Vec<PathBuf>);
+
+impl CreatedDirs {
+    /// Creates `dir` and its missing parents, remembering which were missing.
+    fn create(dir: &Path) -> std::io::Result<CreatedDirs> {
+        let missing = dir
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .map(Path::to_path_buf)
+            .collect();
+        std::fs::create_dir_all(dir)?;
+        Ok(CreatedDirs(missing))
+    }
+
+    /// Removes the directories this run created, the deepest first, each only while it is
+    /// empty: one that holds a file (the run's metrics, anyone's) stays, and so do the
+    /// directories above it.
+    pub fn remove_if_empty(&self) {
+        for dir in &self.0 {
+            if std::fs::remove_dir(dir).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Creates the output directory if needed and checks that it is a directory that takes
+/// files; returns what it created.
+fn create_out_dir(dir: &Path) -> Result<CreatedDirs> {
     ensure!(
         !dir.exists() || dir.is_dir(),
         "the output directory {} (train.out_dir) is a file: metrics and checkpoints go into a \
          directory; give another path",
         dir.display()
     );
-    std::fs::create_dir_all(dir).with_context(|| {
+    let created = CreatedDirs::create(dir).with_context(|| {
         format!(
             "cannot create the output directory {} (train.out_dir)",
             dir.display()
         )
     })?;
     let probe = dir.join(format!(".meshtrain-write-test-{}", std::process::id()));
-    std::fs::write(&probe, b"").with_context(|| {
-        format!(
+    if let Err(e) = std::fs::write(&probe, b"") {
+        created.remove_if_empty();
+        return Err(anyhow!(e).context(format!(
             "the output directory {} (train.out_dir) is not writable: metrics and checkpoints \
              could not be saved",
             dir.display()
-        )
-    })?;
+        )));
+    }
     let _ = std::fs::remove_file(&probe);
-    Ok(())
+    Ok(created)
+}
+
+/// A threads world's failure as the user reads it, "failed" said once: one worker's error as
+/// `training failed: …`, several workers' as the world words it (`rank 1 failed: …; then …`,
+/// `every worker failed: …`), which names who.
+fn training_failed(e: WorldError<String>) -> anyhow::Error {
+    match e.failures.as_slice() {
+        [(_, WorkerFailure::Error(cause))] if e.world_size == 1 => {
+            anyhow!("training failed: {cause}")
+        }
+        [(_, WorkerFailure::Panic(message))] if e.world_size == 1 => {
+            anyhow!("training panicked: {message}")
+        }
+        _ => anyhow!("training on {} workers: {e}", e.world_size),
+    }
 }
 
 /// One worker: builds its trainer, restores a checkpoint if asked, runs.
@@ -373,11 +467,13 @@ fn run_mpi(mut job: Job, options: &RunOptions) -> Result<Summary> {
         .context("creating the MPI world group")?;
     let size = group.size();
     let rank = group.rank();
+    // What this rank's preflight created: removed again, if empty, when the start fails.
+    let mut created = CreatedDirs::default();
     let prepared = (|| {
         let l = &job.layout;
         job.layout.dp = mpi_data_parallel_size(l.dp, l.tp * l.pp * l.cp, size)?;
         job.check(size)?;
-        job.preflight(options)?;
+        created = job.preflight(options)?;
         let local: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -390,6 +486,7 @@ fn run_mpi(mut job: Job, options: &RunOptions) -> Result<Summary> {
     let threads = match settle(&group, prepared) {
         Ok(threads) => threads,
         Err(e) => {
+            created.remove_if_empty();
             drop(group);
             drop(world);
             return Err(e);
@@ -404,6 +501,7 @@ fn run_mpi(mut job: Job, options: &RunOptions) -> Result<Summary> {
     let mut trainer = match settle(&group, prepared) {
         Ok(trainer) => trainer,
         Err(e) => {
+            created.remove_if_empty();
             drop(group);
             drop(world);
             return Err(e);
@@ -418,7 +516,10 @@ fn run_mpi(mut job: Job, options: &RunOptions) -> Result<Summary> {
         }
         // Prints `error: rank R: training failed: …` and tells the peers blocked on
         // this rank why they cannot go on, then ends the job.
-        Err(e) => world.abort_with_error(format_args!("training failed: {e:#}"), 1),
+        Err(e) => {
+            created.remove_if_empty();
+            world.abort_with_error(format_args!("training failed: {e:#}"), 1)
+        }
     }
 }
 
@@ -463,4 +564,79 @@ fn run_mpi(_job: Job, _options: &RunOptions) -> Result<Summary> {
         "started under mpirun, but this meshtrain was built without MPI support: \
          rebuild with `cargo build --release -p meshtrain --features mpi`"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| {
+            (vars.iter())
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn the_local_rank_picks_the_gpu_under_a_launcher() {
+        let mpirun = [("OMPI_COMM_WORLD_LOCAL_RANK", "3")];
+        assert_eq!(
+            local_device(Device::Cuda(0), env(&mpirun)).unwrap(),
+            Device::Cuda(3)
+        );
+        // cuda:B names the host's first GPU for the job.
+        assert_eq!(
+            local_device(Device::Cuda(4), env(&mpirun)).unwrap(),
+            Device::Cuda(7)
+        );
+        assert_eq!(
+            local_device(Device::Cpu, env(&mpirun)).unwrap(),
+            Device::Cpu
+        );
+        let slurm = [("SLURM_LOCALID", "1")];
+        assert_eq!(
+            local_device(Device::Cuda(0), env(&slurm)).unwrap(),
+            Device::Cuda(1)
+        );
+        // mpirun inside a SLURM allocation: mpirun's own local rank counts.
+        let both = [("SLURM_LOCALID", "0"), ("OMPI_COMM_WORLD_LOCAL_RANK", "2")];
+        assert_eq!(
+            local_device(Device::Cuda(0), env(&both)).unwrap(),
+            Device::Cuda(2)
+        );
+        // No launcher: the device as given.
+        assert_eq!(
+            local_device(Device::Cuda(5), env(&[])).unwrap(),
+            Device::Cuda(5)
+        );
+        let err = local_device(Device::Cuda(0), env(&[("SLURM_LOCALID", "x")])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "SLURM_LOCALID=x is not a process's rank on its host (a number ≥ 0)"
+        );
+    }
+
+    #[test]
+    fn a_failed_start_removes_only_the_directories_it_created() {
+        let root = tempfile::tempdir().unwrap();
+        let existing = root.path().join("runs");
+        std::fs::create_dir(&existing).unwrap();
+        let out = existing.join("gpt").join("today");
+        let created = CreatedDirs::create(&out).unwrap();
+        assert!(out.is_dir());
+        created.remove_if_empty();
+        assert!(!existing.join("gpt").exists(), "both new levels removed");
+        assert!(existing.is_dir(), "the directory that existed before stays");
+        // A directory that holds a file stays, and so does its parent.
+        let created = CreatedDirs::create(&out).unwrap();
+        std::fs::write(out.join("metrics.jsonl"), b"{}").unwrap();
+        created.remove_if_empty();
+        assert!(out.join("metrics.jsonl").is_file());
+        // One that existed before is never listed.
+        let again = CreatedDirs::create(&out).unwrap();
+        std::fs::remove_file(out.join("metrics.jsonl")).unwrap();
+        again.remove_if_empty();
+        assert!(out.is_dir());
+    }
 }

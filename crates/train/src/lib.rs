@@ -54,7 +54,8 @@ pub use job::{
     DEFAULT_TIMEOUT,
 };
 pub use launch::{
-    launched_by_mpi, lead_process, print_error, ReportedElsewhere, RunOptions, TIMEOUT_ENV,
+    launched_by_mpi, lead_process, local_device, local_rank, print_error, CreatedDirs,
+    ReportedElsewhere, RunOptions, LOCAL_RANK_ENV, TIMEOUT_ENV,
 };
 pub use metrics::{peak_rss_mb, Breakdown, Stopped, Summary};
 pub use stop::StopRequest;

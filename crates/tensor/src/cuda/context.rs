@@ -198,24 +198,8 @@ impl CudaDevice {
         Ok(device)
     }
 
-    /// How many GPUs the driver sees.
-    pub fn count() -> Result<usize, CudaError> {
-        probe::require_driver()?;
-        std::panic::catch_unwind(|| {
-            cu::init()
-                .and_then(|_| cu::device::get_count())
-                .map(|n| n.max(0) as usize)
-        })
-        .map_err(|_| CudaError::driver("initialising", "the driver library panicked"))?
-        .map_err(|e| CudaError::driver("initialising the driver", e))
-    }
-
     fn open(ordinal: usize) -> Result<CudaDevice, CudaError> {
-        probe::require_all()?;
-        let count = Self::count()?;
-        if ordinal >= count {
-            return Err(CudaError::NoDevice { ordinal, count });
-        }
+        probe::require_gpu(ordinal)?;
         let ctx =
             CudaContext::new(ordinal).map_err(|e| CudaError::driver("creating a context", e))?;
         // Our tensors are raw device pointers ordered by one stream: cudarc's per-slice

@@ -61,15 +61,33 @@ pub fn require_all() -> Result<(), CudaError> {
     super::compile::include_dirs().map(|_| ())
 }
 
+/// How many GPUs the driver sees (the driver's library required; no context is created, so
+/// asking holds no GPU memory).
+pub fn device_count() -> Result<usize, CudaError> {
+    require_driver()?;
+    std::panic::catch_unwind(|| {
+        cudarc::driver::result::init()
+            .and_then(|_| cudarc::driver::result::device::get_count())
+            .map(|n| n.max(0) as usize)
+    })
+    .map_err(|_| CudaError::driver("initialising", "the driver library panicked"))?
+    .map_err(|e| CudaError::driver("initialising the driver", e))
+}
+
+/// Everything GPU `ordinal` needs before it is opened, in the order a user fixes them: the
+/// libraries ([`require_all`]), then the GPU itself. Creates no context: a launcher asks this
+/// for the GPUs its workers will open, and holds none of their memory.
+pub fn require_gpu(ordinal: usize) -> Result<(), CudaError> {
+    require_all()?;
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(CudaError::NoDevice { ordinal, count });
+    }
+    Ok(())
+}
+
 /// Whether this process can use a GPU at all (driver present and at least one device):
 /// tests skip GPU checks when it cannot.
 pub fn gpu_available() -> bool {
-    if require_driver().is_err() {
-        return false;
-    }
-    std::panic::catch_unwind(|| {
-        cudarc::driver::result::init().is_ok()
-            && cudarc::driver::result::device::get_count().is_ok_and(|n| n > 0)
-    })
-    .unwrap_or(false)
+    device_count().is_ok_and(|n| n > 0)
 }
