@@ -58,7 +58,8 @@ for line in sys.stdin:
     ;;
 run)
     logs=${OUT:-/tmp/gpu-check}
-    mkdir -p "$logs"
+    planner=/tmp/meshtrain-planner # measured.toml and breakdown.json (not under $OUT: 8 files)
+    mkdir -p "$logs" "$planner"
     bin=.gpu/meshtrain
     [ -x "$bin" ] || bin=target/release/meshtrain
     if [ ! -x "$bin" ]; then
@@ -166,8 +167,8 @@ run)
         step) limit=90 sync=0 ;;
         *) limit=60 sync=0 ;;
         esac
-        MESHTRAIN_CUDA_SYNC=$sync timeout "$limit" "$bin" bench gpu --parts "$part" --root . 2>&1 \
-            | tee "$logs/$part.log"
+        MESHTRAIN_CUDA_SYNC=$sync timeout "$limit" "$bin" bench gpu --parts "$part" --root . \
+            --out-dir "$planner" 2>&1 | tee "$logs/$part.log"
         rc=${PIPESTATUS[0]}
         if [ "$part" = multi ]; then
             # NCCL on the GPU(s): its own test binaries, each test an ok, FAIL or skip line.
@@ -181,6 +182,20 @@ run)
         echo "=== $part: exit $rc in $(( $(date +%s) - start )) s"
         [ "$rc" = 0 ] || status=1
     done
+    # The planner with the rates just measured on this card (products, kernels: measured.toml)
+    # against meshtrain's own GPT-2 124M step of this call (step: breakdown.json); both files
+    # and the comparison go into step.log ($OUT returns at most 8 files).
+    if [ -f "$planner/measured.toml" ] && [ -f "$planner/breakdown.json" ]; then
+        card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+        case "$card" in *H200*) cluster=h200 ;; *H100*) cluster=h100 ;; *A100*) cluster=a100 ;; *) cluster=h100 ;; esac
+        {
+            echo "=== the planner against this call's step"
+            cat "$planner/measured.toml" "$planner/breakdown.json"
+            "$bin" plan --model gpt2-124m --cluster "$cluster" --gpus 1 --global-batch 16 \
+                --layout dp=1,mb=16 --measured "$planner/measured.toml" \
+                --compare "$planner/breakdown.json" 2>&1
+        } | tee -a "$logs/step.log"
+    fi
     echo
     echo "================ summary (one card, one call) ================"
     if [ -f "$logs/check.log" ]; then
@@ -195,6 +210,7 @@ run)
         grep -E '^staged all_reduce' "$logs/multi.log"
     fi
     [ -f "$logs/products.log" ] && grep -E '^products:' "$logs/products.log"
+    grep -E '^step ' "$logs/step.log" 2>/dev/null | sed 's/^/planner vs measured /'
     if [ -f "$logs/kernels.log" ]; then
         grep -E 'copy:|vs copy|attention ' "$logs/kernels.log"
         awk '/^[a-zA-Z].* [0-9.]+ +[0-9]+ +[0-9.]+$/ {print}' "$logs/kernels.log" | head -20

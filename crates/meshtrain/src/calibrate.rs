@@ -163,8 +163,7 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         allreduce_bus_bandwidth_gbps: Some(busbw),
         allreduce_latency_us: Some(latency),
         kernel_overhead_us: Some(overhead),
-        inter_node_bandwidth_gbps: None,
-        inter_node_latency_us: None,
+        ..Measurements::default()
     };
     let bench_toml = toml::to_string(&measurements)?;
     print!("{bench_toml}");

@@ -22,6 +22,7 @@ use crate::presets::Task;
 use anyhow::{bail, Context, Result};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_nn::optim::{GroupHyper, Optimizer, OptimizerConfig, Segment};
+use meshtrain_plan::calibrate::Measurements;
 use meshtrain_tensor::cuda::blas::F32Math;
 use meshtrain_tensor::cuda::check::{self, rel_l2, result, CheckResult};
 use meshtrain_tensor::cuda::ops::{self, AttnShape, LinearProducts, LinearShape};
@@ -55,6 +56,12 @@ pub struct BenchGpuArgs {
     /// configs/llama.toml).
     #[arg(long, default_value = ".")]
     pub root: PathBuf,
+    /// Write the rates measured here for the planner into DIR/measured.toml (the products'
+    /// median rate, the copy rate, the attention kernel's rate; merged with what earlier parts
+    /// wrote there: `meshtrain plan --measured`) and the step part's breakdown into
+    /// DIR/breakdown.json (`meshtrain plan --compare`).
+    #[arg(long, value_name = "DIR")]
+    pub out_dir: Option<PathBuf>,
 }
 
 fn cuda(e: CudaError) -> anyhow::Error {
@@ -89,8 +96,20 @@ pub fn run(args: &BenchGpuArgs) -> Result<()> {
     {
         match part {
             "check" => failed.extend(check_part(&dev, args)?),
-            "products" => products(&dev, args)?,
-            "kernels" => kernels(&dev, args)?,
+            "products" => {
+                let matmul_tflops = products(&dev, args)?;
+                record(&dev, args, |m| {
+                    m.matmul_precision = Some(meshtrain_plan::Precision::Bf16);
+                    m.matmul_gflops = Some(matmul_tflops * 1e3);
+                })?;
+            }
+            "kernels" => {
+                let (copy_gbs, attention_tflops) = kernels(&dev, args)?;
+                record(&dev, args, |m| {
+                    m.memory_bandwidth_gbps = Some(copy_gbs);
+                    m.attention_tflops = Some(attention_tflops);
+                })?;
+            }
             "step" => step(args)?,
             "multi" => failed.extend(crate::gpu_multi::run()?),
             other => bail!("unknown part '{other}' (check, multi, products, kernels, step)"),
@@ -104,6 +123,54 @@ pub fn run(args: &BenchGpuArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Updates `--out-dir`'s measured.toml with what a part measured (a no-op without
+/// `--out-dir`).
+fn record(
+    dev: &CudaDevice,
+    args: &BenchGpuArgs,
+    update: impl FnOnce(&mut Measurements),
+) -> Result<()> {
+    let Some(dir) = &args.out_dir else {
+        return Ok(());
+    };
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("measured.toml");
+    let earlier = std::fs::read_to_string(&path).ok();
+    let card = format!("{} (cuda:{}, sm_{})", dev.name(), dev.ordinal(), dev.arch());
+    let text = merged_measurements(earlier.as_deref(), &card, update)?;
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    println!("measured rates for the planner: {}", path.display());
+    Ok(())
+}
+
+/// `earlier` (a measured.toml, if any) with `update` applied, headed by the card and the
+/// command the numbers came from, so the file says where they are from.
+fn merged_measurements(
+    earlier: Option<&str>,
+    card: &str,
+    update: impl FnOnce(&mut Measurements),
+) -> Result<String> {
+    let mut measured = match earlier {
+        Some(text) => Measurements::parse(text)?,
+        None => Measurements::default(),
+    };
+    update(&mut measured);
+    let date = std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .unwrap_or_default();
+    Ok(format!(
+        "# Rates measured on {card} by `meshtrain bench gpu` ({}), for\n\
+         # `meshtrain plan --measured`: the GPT-2 124M step's products (median, bf16), a\n\
+         # device-to-device copy, the attention kernel (forward and backward together).\n{}",
+        date.trim(),
+        toml::to_string(&measured)?
+    ))
 }
 
 fn seed() -> u64 {
@@ -489,7 +556,8 @@ fn random_tensor(
 }
 
 /// The `products` part.
-fn products(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
+/// The `products` part; returns the median rate of our choices, TFLOP/s.
+fn products(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<f64> {
     println!("\n== products: a GPT-2 124M step's matrix products (16384 tokens, bf16 in, f32 accumulation) against cuBLASLt's best algorithm");
     println!(
         "{:<34} {:>9} {:>11} {:>11} {:>8}",
@@ -506,6 +574,7 @@ fn products(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
         ("lm head", 768, 50304, false),
     ];
     let mut worst: f64 = 1.0;
+    let mut rates = Vec::new();
     for (name, inputs, outputs, bias) in shapes {
         let x = random_tensor(dev, &mut rng, rows * inputs, bf, 1.0)?;
         let w = random_tensor(dev, &mut rng, inputs * outputs + outputs, bf, 0.02)?;
@@ -551,6 +620,7 @@ fn products(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
             }
             let tf = |ms: f64| g.flops() / (ms * 1e-3) / 1e12;
             worst = worst.min(best / ours);
+            rates.push(tf(ours));
             println!(
                 "{label:<34} {algos:>9} {:>11.0} {:>11.0} {:>8.3}",
                 tf(ours),
@@ -560,11 +630,14 @@ fn products(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
         }
     }
     println!("products: the slowest is at {worst:.3} of cuBLASLt's best algorithm for its shape");
-    Ok(())
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[rates.len() / 2])
 }
 
-/// The `kernels` part: bandwidth of each fused kernel against a device-to-device copy.
-fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
+/// The `kernels` part: bandwidth of each fused kernel against a device-to-device copy;
+/// returns the copy rate (GB/s) and the attention kernel's rate (TFLOP/s, forward and
+/// backward together, as the planner counts them).
+fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
     println!(
         "\n== kernels: bandwidth against a device-to-device copy (GPT-2 124M shapes, 16384 tokens)"
     );
@@ -727,7 +800,7 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<()> {
         flops / (fwd * 1e-3) / 1e12,
         2.5 * flops / (bwd * 1e-3) / 1e12
     );
-    Ok(())
+    Ok((copy_gbs, 3.5 * flops / ((fwd + bwd) * 1e-3) / 1e12))
 }
 
 /// The `step` part: GPT-2 124M training steps on the GPU.
@@ -776,12 +849,26 @@ fn step(args: &BenchGpuArgs) -> Result<()> {
     for _ in 0..3 {
         losses.push(trainer.train_step()?.loss);
     }
+    let warm = trainer.breakdown.clone();
     let mut times = Vec::new();
     for _ in 0..args.steps {
         let t = Instant::now();
         let s = trainer.train_step()?;
         times.push(t.elapsed().as_secs_f64());
         losses.push(s.loss);
+    }
+    if let Some(dir) = &args.out_dir {
+        // The timed steps' breakdown, as `train` writes it, for `meshtrain plan --compare`.
+        let mut timed = trainer.breakdown.since(&warm);
+        timed.device_memory = trainer.parallel.device_memory();
+        let path = dir.join("breakdown.json");
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&timed.measured_step(args.batch))? + "\n",
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
+        println!("the timed steps' breakdown: {}", path.display());
     }
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
@@ -823,6 +910,34 @@ fn step(args: &BenchGpuArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each part adds its rates to what earlier parts wrote, and the file names the card; the
+    /// planner reads it back.
+    #[test]
+    fn measured_rates_merge_across_parts_and_name_the_card() {
+        let card = "NVIDIA H200 (cuda:0, sm_90)";
+        let first = merged_measurements(None, card, |m| {
+            m.matmul_precision = Some(meshtrain_plan::Precision::Bf16);
+            m.matmul_gflops = Some(700_000.0);
+        })
+        .unwrap();
+        let both = merged_measurements(Some(&first), card, |m| {
+            m.memory_bandwidth_gbps = Some(4300.0);
+            m.attention_tflops = Some(120.0);
+        })
+        .unwrap();
+        assert!(
+            both.starts_with("# Rates measured on NVIDIA H200 (cuda:0, sm_90)"),
+            "{both}"
+        );
+        let read = Measurements::parse(&both).unwrap();
+        assert_eq!(read.matmul_gflops, Some(700_000.0));
+        assert_eq!(read.matmul_precision, Some(meshtrain_plan::Precision::Bf16));
+        assert_eq!(read.memory_bandwidth_gbps, Some(4300.0));
+        assert_eq!(read.attention_tflops, Some(120.0));
+        let h200 = meshtrain_plan::presets::cluster("h200").unwrap();
+        assert!(read.apply(&h200).is_ok());
+    }
 
     /// The comparison's harness on the CPU alone, for both models: a run's parameters and
     /// per-step losses come back, and the same run twice gives the same bits (what the GPU

@@ -126,6 +126,13 @@ pub struct ClusterSpec {
     pub memory_bandwidth_gbps: f64,
     /// Fixed cost of launching one kernel / op, microseconds.
     pub kernel_overhead_us: f64,
+    /// The achieved rate of the trainer's memory-efficient attention kernel, TFLOP/s
+    /// (counting the causal half of the score products; backward at 2.5× the forward's
+    /// FLOPs), when measured (`meshtrain bench gpu --parts kernels`). Hand-written attention
+    /// kernels run far below a GEMM's rate (meshtrain's: ~110 TFLOP/s against cuBLASLt's ~680
+    /// on an H100); without a measurement attention is charged at `peak · gemm_efficiency`.
+    #[serde(default)]
+    pub attention_tflops: Option<f64>,
     /// Streaming multiprocessors. When given, GEMMs pay for wave quantisation: 128×128
     /// output tiles run in waves of `sm_count`, and a last, partly filled wave costs a full
     /// one. Leave out for CPUs.

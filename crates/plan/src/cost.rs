@@ -519,8 +519,17 @@ impl Problem {
                 let e = self.setup.precision.compute_bytes();
                 let flops = FLASH_CAUSAL_SHARE * 2.0 * 2.0 * heads * queries * keys * head_dim;
                 let bytes = e * heads * head_dim * 2.0 * (queries + keys);
-                let wave = self.wave_efficiency(heads, queries, head_dim);
-                self.roofline_time(flops, bytes, wave, self.attention_peak())
+                match self.cluster.attention_tflops {
+                    // A measured kernel's rate already holds its waves and its efficiency.
+                    Some(rate) => {
+                        (flops / (rate * 1e12)).max(bytes / self.memory_bandwidth())
+                            + self.kernel_overhead()
+                    }
+                    None => {
+                        let wave = self.wave_efficiency(heads, queries, head_dim);
+                        self.roofline_time(flops, bytes, wave, self.attention_peak())
+                    }
+                }
             }
         }
     }

@@ -10,6 +10,10 @@ const MODELS: &[(&str, &str)] = &[
     ("lenet", include_str!("../presets/models/lenet.toml")),
     ("resnet18", include_str!("../presets/models/resnet18.toml")),
     ("gpt", include_str!("../presets/models/gpt.toml")),
+    (
+        "gpt2-124m",
+        include_str!("../presets/models/gpt2-124m.toml"),
+    ),
     ("gpt-1.7b", include_str!("../presets/models/gpt-1.7b.toml")),
     ("gpt-3.6b", include_str!("../presets/models/gpt-3.6b.toml")),
     ("gpt-7.5b", include_str!("../presets/models/gpt-7.5b.toml")),
