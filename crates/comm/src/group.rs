@@ -615,8 +615,20 @@ pub trait ProcessGroup: Send + Sync {
     /// A group of the given ranks (ranks of *this* group, listed in the order that
     /// defines the new group's ranks). Must be called by every listed rank, in the same
     /// order relative to other sub-group creations with the same rank list; ranks not
-    /// listed need not call it. The caller must be listed.
-    fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError>;
+    /// listed need not call it. The caller must be listed. Named after this group and the
+    /// members' world ranks (`world/sub[0,2]`).
+    fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
+        let globals: Vec<usize> = ranks
+            .iter()
+            .filter_map(|&r| self.global_ranks().get(r).copied())
+            .collect();
+        let name = format!(
+            "{}/sub{}",
+            self.name(),
+            crate::error::fmt_ranks(&globals).replace(' ', "")
+        );
+        self.new_named_subgroup(ranks, &name)
+    }
 
     /// [`ProcessGroup::new_subgroup`] with an explicit name for errors and logs
     /// (e.g. `dp[0,2]` from a [`DeviceMesh`](crate::DeviceMesh)).

@@ -1363,19 +1363,6 @@ impl ProcessGroup for MpiGroup {
         self.engine.start(&self.core, op, seq)
     }
 
-    fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let globals: Vec<usize> = ranks
-            .iter()
-            .filter_map(|&r| self.core.global_ranks.get(r).copied())
-            .collect();
-        let name = format!(
-            "{}/sub{}",
-            self.core.name,
-            fmt_ranks(&globals).replace(' ', "")
-        );
-        self.new_named_subgroup(ranks, &name)
-    }
-
     /// Uses `MPI_Comm_create_group`, which only the members call.
     fn new_named_subgroup(
         &self,

@@ -375,11 +375,6 @@ impl ProcessGroup for StagedGroup {
         Ok(Work::new(completion))
     }
 
-    fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let inner = self.inner.new_subgroup(ranks)?;
-        Ok(StagedGroup::new(inner, self.memory.clone()))
-    }
-
     fn new_named_subgroup(
         &self,
         ranks: &[usize],

@@ -25,7 +25,7 @@
 
 use crate::dtype::{reduce_into, with_element, RawBuf};
 use crate::engine::{AsyncEngine, Executor};
-use crate::error::{fmt_ranks, CommError, OpContext};
+use crate::error::{CommError, OpContext};
 use crate::group::{CommConfig, Fingerprint, Operation, ProcessGroup, Work};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -608,19 +608,6 @@ impl ProcessGroup for ThreadsGroup {
     unsafe fn start_raw(&self, op: Operation) -> Result<Work, CommError> {
         let seq = self.prepare(&op);
         self.engine.start(&self.core, op, seq)
-    }
-
-    fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let globals: Vec<usize> = ranks
-            .iter()
-            .filter_map(|&r| self.global_ranks().get(r).copied())
-            .collect();
-        let name = format!(
-            "{}/sub{}",
-            self.name(),
-            fmt_ranks(&globals).replace(' ', "")
-        );
-        self.new_named_subgroup(ranks, &name)
     }
 
     fn new_named_subgroup(

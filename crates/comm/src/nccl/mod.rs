@@ -40,7 +40,7 @@
 mod watch;
 
 use crate::dtype::{DType, Device, RawBuf, ReduceOp};
-use crate::error::{fmt_ranks, CommError, OpContext};
+use crate::error::{CommError, OpContext};
 use crate::group::{CommConfig, Operation, ProcessGroup, Work};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cusys;
@@ -1119,19 +1119,6 @@ impl ProcessGroup for NcclGroup {
     /// Sub-groups are new communicators, made with a fresh unique id sent through a bootstrap
     /// sub-group of the same ranks: only the listed ranks call (the trait's contract), unlike
     /// `ncclCommSplit`, which every rank of the parent would have to call.
-    fn new_subgroup(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let globals: Vec<usize> = ranks
-            .iter()
-            .filter_map(|&r| self.shared.global_ranks.get(r).copied())
-            .collect();
-        let name = format!(
-            "{}/sub{}",
-            self.shared.name,
-            fmt_ranks(&globals).replace(' ', "")
-        );
-        self.new_named_subgroup(ranks, &name)
-    }
-
     fn new_named_subgroup(
         &self,
         ranks: &[usize],
