@@ -7,7 +7,7 @@
 //! comparison can be bit-exact for every backend. The same suite runs on the threads
 //! backend (`tests/threads.rs`) and on MPI (`examples/mpi_collectives.rs` under mpirun).
 
-use crate::dtype::{reference_reduce, DType, Element, RawBuf, ReduceOp};
+use crate::dtype::{reference_reduce, Element, RawBuf, ReduceOp};
 use crate::error::CommError;
 use crate::group::{Operation, ProcessGroup};
 use crate::staged::{DeviceAlloc, DeviceMemory};
@@ -539,11 +539,6 @@ struct OnDevice<'a> {
     memory: &'a dyn DeviceMemory,
 }
 
-fn bytes_of<T: Element>(values: &[T]) -> &[u8] {
-    // SAFETY: f32, bf16 and f16 (the sealed `Element` types) are plain bits.
-    unsafe { std::slice::from_raw_parts(values.as_ptr().cast(), std::mem::size_of_val(values)) }
-}
-
 impl OnDevice<'_> {
     fn put<T: Element>(&self, values: &[T]) -> Result<DeviceAlloc> {
         let alloc = self
@@ -551,7 +546,7 @@ impl OnDevice<'_> {
             .alloc(std::mem::size_of_val(values))
             .map_err(anyhow::Error::msg)?;
         self.memory
-            .upload(alloc.addr(), bytes_of(values))
+            .upload(alloc.addr(), bytemuck::cast_slice(values))
             .map_err(anyhow::Error::msg)?;
         Ok(alloc)
     }
@@ -562,12 +557,8 @@ impl OnDevice<'_> {
 
     fn get<T: Element>(&self, alloc: &DeviceAlloc, len: usize) -> Result<Vec<T>> {
         let mut out = vec![T::from_f32(0.0); len];
-        // SAFETY: as in `bytes_of`; every bit pattern is a value of these types.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), std::mem::size_of_val(&out[..]))
-        };
         self.memory
-            .download(alloc.addr(), bytes)
+            .download(alloc.addr(), bytemuck::cast_slice_mut(&mut out))
             .map_err(anyhow::Error::msg)?;
         Ok(out)
     }
@@ -738,15 +729,9 @@ fn check_device_buckets(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> {
     let mut works = Vec::new();
     for b in (0..bounds.len() - 1).rev() {
         let (lo, hi) = (bounds[b], bounds[b + 1]);
-        // SAFETY: disjoint buckets of `flat`, which lives until every Work is waited on.
-        let bucket = unsafe {
-            RawBuf::on_device(
-                flat.addr() + 4 * lo as u64,
-                hi - lo,
-                DType::F32,
-                flat.device(),
-            )
-        };
+        // Disjoint buckets of `flat`, which lives until every Work is waited on.
+        let bucket = view::<f32>(&flat, len).sub(lo, hi - lo);
+        // SAFETY: as above.
         works.push(unsafe { g.all_reduce_async(bucket, ReduceOp::Average)? });
     }
     let after = d.put(&test_input::<f32>(g.rank(), 33, 8))?;

@@ -42,7 +42,9 @@ mod sealed {
 /// A floating-point element that collectives can move and reduce.
 ///
 /// Sealed: the backends rely on the exact set of types (MPI datatypes, byte sizes).
-pub trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static + sealed::Sealed {
+pub trait Element:
+    bytemuck::Pod + Send + Sync + PartialEq + fmt::Debug + 'static + sealed::Sealed
+{
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(value: f32) -> Self;

@@ -175,24 +175,26 @@ impl Operation {
         }
     }
 
-    /// The buffers the operation reads or writes (none for a barrier).
-    pub fn buffers(&self) -> Vec<RawBuf> {
-        match *self {
+    /// The buffers the operation reads or writes (none for a barrier). Allocation-free: every
+    /// host backend asks it of every operation.
+    pub fn buffers(&self) -> impl Iterator<Item = RawBuf> {
+        let pair = match *self {
             Operation::AllReduce { buf, .. }
             | Operation::Broadcast { buf, .. }
             | Operation::Send { buf, .. }
-            | Operation::Recv { buf, .. } => vec![buf],
+            | Operation::Recv { buf, .. } => [Some(buf), None],
             Operation::ReduceScatter { input, output, .. }
             | Operation::AllGather { input, output }
-            | Operation::AllToAll { input, output } => vec![input, output],
-            Operation::Barrier => Vec::new(),
-        }
+            | Operation::AllToAll { input, output } => [Some(input), Some(output)],
+            Operation::Barrier => [None, None],
+        };
+        pair.into_iter().flatten()
     }
 
     /// Where the operation's memory is: the device of its buffers (the host for a barrier).
     /// [`Operation::validate`] checks they agree.
     pub fn device(&self) -> Device {
-        self.buffers().first().map_or(Device::Cpu, |b| b.device())
+        self.buffers().next().map_or(Device::Cpu, |b| b.device())
     }
 
     /// For backends that move host memory (threads, MPI, the hierarchical all-reduce): a
@@ -289,11 +291,11 @@ impl Operation {
             }
             Ok(())
         };
-        let buffers = self.buffers();
-        if let Some(other) = buffers.iter().find(|b| b.device() != buffers[0].device()) {
+        let device = self.device();
+        if let Some(other) = self.buffers().find(|b| b.device() != device) {
             return Err(invalid_buffer(format!(
-                "the input is in {}'s memory but the output in {}'s: both must be on one device",
-                buffers[0].device(),
+                "the input is in {device}'s memory but the output in {}'s: both must be on one \
+                 device",
                 other.device()
             )));
         }

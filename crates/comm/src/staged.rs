@@ -134,17 +134,18 @@ pub trait DeviceMemory: Send + Sync {
     fn alloc(&self, bytes: usize) -> Result<DeviceAlloc, String>;
 }
 
-/// A device buffer of an operation and its host stage.
+/// A device buffer of an operation and its host stage: `upload_bytes` go back to the device
+/// once the host operation completes (0 for an input, whose stage only has to outlive it).
 struct Staged {
     device_addr: u64,
-    bytes: usize,
+    upload_bytes: usize,
     stage: HostStage,
 }
 
 /// Copies waiting for an asynchronous staged operation to finish.
 struct Pending {
     work: Work,
-    outputs: Vec<Staged>,
+    stages: Vec<Staged>,
     completion: Arc<Completion>,
     ctx: OpContext,
 }
@@ -183,9 +184,9 @@ impl StagedGroup {
     }
 
     /// The host operation standing in for `op`: every device buffer replaced by a stage,
-    /// the inputs' bytes downloaded into theirs. Returns the stages of the outputs, whose
-    /// bytes go back to the device once the host operation completes.
-    fn stage(&self, op: Operation) -> Result<(Operation, Vec<Staged>), CommError> {
+    /// the inputs' bytes downloaded into theirs. Returns the stages (the outputs' bytes go back
+    /// to the device once the host operation completes) and the context errors name.
+    fn stage(&self, op: Operation) -> Result<(Operation, Vec<Staged>, OpContext), CommError> {
         let ctx = self.ctx(&op);
         op.validate(&ctx, self.rank(), self.size())?;
         let device = self.memory.device();
@@ -202,8 +203,8 @@ impl StagedGroup {
             ctx: ctx.clone(),
             details: format!("staging through host memory: {what}: {e}"),
         };
-        let mut outputs = Vec::new();
-        // Stage one buffer: `read` downloads its bytes, `written` keeps the stage to upload.
+        let mut stages = Vec::new();
+        // Stage one buffer: `read` downloads its bytes, `written` uploads them afterwards.
         let mut stage = |buf: RawBuf, read: bool, written: bool| -> Result<RawBuf, CommError> {
             let bytes = buf.size_bytes();
             let mut stage = self
@@ -216,21 +217,11 @@ impl StagedGroup {
                     .map_err(|e| failed("copying the input from the device", e))?;
             }
             let view = stage.view_for(buf);
-            if written {
-                outputs.push(Staged {
-                    device_addr: buf.addr(),
-                    bytes,
-                    stage,
-                });
-            } else {
-                // Inputs only need to live until the host operation completes: keep them
-                // with the outputs, uploading nothing.
-                outputs.push(Staged {
-                    device_addr: buf.addr(),
-                    bytes: 0,
-                    stage,
-                });
-            }
+            stages.push(Staged {
+                device_addr: buf.addr(),
+                upload_bytes: if written { bytes } else { 0 },
+                stage,
+            });
             Ok(view)
         };
         let rank = self.rank();
@@ -268,7 +259,7 @@ impl StagedGroup {
             },
             Operation::Barrier => Operation::Barrier,
         };
-        Ok((host_op, outputs))
+        Ok((host_op, stages, ctx))
     }
 
     fn finisher(&self) -> mpsc::Sender<Pending> {
@@ -283,7 +274,7 @@ impl StagedGroup {
                         // In submission order, as the wrapped group completes them.
                         for pending in rx {
                             let result = pending.work.wait().and_then(|()| {
-                                upload(memory.as_ref(), pending.outputs, &pending.ctx)
+                                upload(memory.as_ref(), pending.stages, &pending.ctx)
                             });
                             pending.completion.complete(result);
                         }
@@ -295,18 +286,18 @@ impl StagedGroup {
     }
 }
 
-/// Copies the outputs' stages back to the device.
+/// Copies the outputs' stages back to the device (and lets every stage go).
 fn upload(
     memory: &dyn DeviceMemory,
-    outputs: Vec<Staged>,
+    stages: Vec<Staged>,
     ctx: &OpContext,
 ) -> Result<(), CommError> {
-    for mut staged in outputs {
-        if staged.bytes > 0 {
+    for mut staged in stages {
+        if staged.upload_bytes > 0 {
             memory
                 .upload(
                     staged.device_addr,
-                    &staged.stage.as_mut_slice()[..staged.bytes],
+                    &staged.stage.as_mut_slice()[..staged.upload_bytes],
                 )
                 .map_err(|e| CommError::Backend {
                     ctx: ctx.clone(),
@@ -344,11 +335,10 @@ impl ProcessGroup for StagedGroup {
         if op.device() == Device::Cpu {
             return self.inner.run_raw(op);
         }
-        let ctx = self.ctx(&op);
-        let (host_op, outputs) = self.stage(op)?;
-        // SAFETY: the stages live until `outputs` is dropped, after the call.
+        let (host_op, stages, ctx) = self.stage(op)?;
+        // SAFETY: the stages live until `stages` is dropped, after the call.
         self.inner.run_raw(host_op)?;
-        upload(self.memory.as_ref(), outputs, &ctx)
+        upload(self.memory.as_ref(), stages, &ctx)
     }
 
     unsafe fn start_raw(&self, op: Operation) -> Result<Work, CommError> {
@@ -357,19 +347,18 @@ impl ProcessGroup for StagedGroup {
         }
         let completion = Arc::new(Completion::default());
         completion.begin();
-        let ctx = self.ctx(&op);
-        let (host_op, outputs) = self.stage(op)?;
+        let (host_op, stages, ctx) = self.stage(op)?;
         // SAFETY: the stages move into `Pending` and live until its work has completed.
         let work = self.inner.start_raw(host_op)?;
         self.finisher()
             .send(Pending {
                 work,
-                outputs,
+                stages,
                 completion: completion.clone(),
-                ctx,
+                ctx: ctx.clone(),
             })
             .map_err(|_| CommError::Broken {
-                ctx: self.ctx(&op),
+                ctx,
                 cause: "the staging thread has stopped".into(),
             })?;
         Ok(Work::new(completion))
@@ -441,14 +430,9 @@ impl HostBackedDevice {
                 "{len} bytes at {addr:#x} run past the allocation of {bytes} bytes at {base:#x}"
             ));
         }
-        let all: &mut [u8] = bytemuck_bytes(memory);
+        let all: &mut [u8] = bytemuck::cast_slice_mut(memory);
         Ok(f(&mut all[offset..offset + len]))
     }
-}
-
-fn bytemuck_bytes(words: &mut [u64]) -> &mut [u8] {
-    // SAFETY: u64 words viewed as their bytes; u8 has no alignment or validity requirement.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), words.len() * 8) }
 }
 
 impl DeviceMemory for HostBackedDevice {

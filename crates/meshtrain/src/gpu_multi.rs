@@ -8,8 +8,8 @@
 
 use anyhow::Result;
 use meshtrain_comm::{
-    conformance, CommConfig, CudaMemory, DType, DeviceMemory, Operation, ProcessGroup, RawBuf,
-    ReduceOp, StagedGroup, ThreadsWorld,
+    conformance, CommConfig, CudaMemory, DType, DeviceMemory, Operation, ProcessGroup, ReduceOp,
+    StagedGroup, ThreadsWorld,
 };
 use meshtrain_tensor::cuda::CudaDevice;
 use std::time::{Duration, Instant};
@@ -74,7 +74,7 @@ fn staged_all_reduce_rate(ranks: usize, gpus: usize, bytes: usize) -> Result<Str
             let start = Instant::now();
             // SAFETY: `buf` lives until the call returns; nothing else touches it.
             unsafe {
-                let view = RawBuf::on_device(buf.addr(), bytes / 4, DType::F32, buf.device());
+                let view = buf.view(DType::F32, bytes / 4);
                 staged.run_raw(Operation::AllReduce {
                     buf: view,
                     op: ReduceOp::Average,
