@@ -78,7 +78,7 @@ fn device_conformance_suite_on_one_rank_per_gpu() {
     let Some(_) = gpu("device_conformance_suite_on_one_rank_per_gpu") else {
         return;
     };
-    let count = cudarc::driver::result::device::get_count().unwrap_or(0) as usize;
+    let count = probe::device_count().unwrap_or(0);
     if count < 2 {
         eprintln!("device_conformance_suite_on_one_rank_per_gpu: skipped, {count} GPU(s)");
         return;

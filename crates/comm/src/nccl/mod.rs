@@ -46,7 +46,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys as cusys;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::sys as nccl;
-use meshtrain_tensor::cuda::{CudaDevice, DevBuf, PinnedBuf};
+use meshtrain_tensor::cuda::{probe, CudaDevice, DevBuf, PinnedBuf};
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -122,18 +122,11 @@ fn missing_library_text(driver: bool, nccl: bool) -> Option<String> {
     None
 }
 
-/// Whether a CUDA library loads. cudarc's loaders panic when a library is missing, so the
-/// check runs inside `catch_unwind`.
-fn loads(check: unsafe fn() -> bool) -> bool {
-    // SAFETY: the checks only try to dlopen the library by its candidate names.
-    catch_unwind(|| unsafe { check() }).unwrap_or(false)
-}
-
 /// Checks that the NVIDIA driver and NCCL can be loaded, and returns NCCL's version; the
 /// error names the missing library and how to get it. Never panics.
 pub fn nccl_available() -> Result<NcclVersion, String> {
-    let driver = loads(cusys::is_culib_present);
-    let library = driver && loads(nccl::is_culib_present);
+    let driver = probe::present(cusys::is_culib_present);
+    let library = driver && probe::present(nccl::is_culib_present);
     if let Some(text) = missing_library_text(driver, library) {
         return Err(text);
     }
@@ -1194,7 +1187,7 @@ mod tests {
     /// of panicking in cudarc's loader; with a driver and no NCCL it names libnccl.so.2.
     #[test]
     fn the_probe_never_panics_and_names_what_is_missing() {
-        let driver = loads(cusys::is_culib_present);
+        let driver = probe::present(cusys::is_culib_present);
         match nccl_available() {
             Ok(version) => assert!(driver && version.major >= 2, "{version}"),
             // No driver (as here): the driver is named, not NCCL.

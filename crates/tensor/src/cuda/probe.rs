@@ -7,7 +7,9 @@
 
 use super::error::CudaError;
 
-fn present(check: unsafe fn() -> bool) -> bool {
+/// Whether the library behind one of cudarc's `is_culib_present` checks loads (the driver's,
+/// NVRTC's, cuBLAS's, NCCL's): never panics.
+pub fn present(check: unsafe fn() -> bool) -> bool {
     // SAFETY: the checks only try to dlopen the library by its candidate names.
     std::panic::catch_unwind(|| unsafe { check() }).unwrap_or(false)
 }
