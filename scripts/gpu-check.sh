@@ -163,7 +163,7 @@ run)
         # The checks synchronise after every launch, so a failing kernel names itself.
         case $part in
         check) limit=210 sync=1 ;;
-        multi) limit=120 sync=0 ;;
+        multi) limit=300 sync=0 ;;
         step) limit=90 sync=0 ;;
         *) limit=60 sync=0 ;;
         esac

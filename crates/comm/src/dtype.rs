@@ -247,7 +247,7 @@ impl RawBuf {
     ///
     /// # Panics
     /// If the range does not lie inside the view.
-    pub(crate) fn sub(&self, start: usize, len: usize) -> RawBuf {
+    pub fn sub(&self, start: usize, len: usize) -> RawBuf {
         assert!(
             start + len <= self.len,
             "sub-view {start}+{len} of a view of {}",

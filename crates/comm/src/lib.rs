@@ -29,6 +29,7 @@ pub mod mpi_backend;
 mod mpi_monitor;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod routed;
 mod staged;
 mod threads;
 mod topology;
@@ -43,6 +44,7 @@ pub use half::{bf16, f16};
 pub use mesh::{DeviceMesh, MeshAxis, MeshError, MeshLayout};
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, NcclGroup, NcclVersion};
+pub use routed::RoutedGroup;
 #[cfg(feature = "cuda")]
 pub use staged::CudaMemory;
 pub use staged::{DeviceAlloc, DeviceMemory, HostBackedDevice, HostStage, StagedGroup};

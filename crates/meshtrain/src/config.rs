@@ -131,6 +131,11 @@ pub struct ParallelConfig {
     /// thread; better when the workers already use every core, see docs/pipeline.md).
     #[serde(default = "default_pipeline_sends")]
     pub sends: String,
+    /// Tests: place each chunk's state on a stand-in device in host memory, so the device
+    /// half of the step (bound views, loss sums on the device, the checkpoint mirror, the
+    /// flat arithmetic behind `DeviceState`) runs without a GPU. Results equal the CPU's.
+    #[serde(default)]
+    pub stand_in_device: bool,
     /// A layout string (`"dp=2,pp=2,mb=4,schedule=1f1b"`, or what `meshtrain plan` prints):
     /// the keys it names override dp, pp, schedule, micro_batches and train.recompute.
     #[serde(default)]
@@ -176,6 +181,7 @@ impl Default for ParallelConfig {
             timeline: None,
             sends: default_pipeline_sends(),
             layout: None,
+            stand_in_device: false,
             zero: 0,
             zero_prefetch: true,
             reshard_after_forward: true,
@@ -678,6 +684,7 @@ impl Config {
             },
             memory_limit_mb: self.train.memory_limit_mb,
             device: self.train.device,
+            stand_in_device: self.parallel.stand_in_device,
             tf32: self.train.tf32,
             cp_mode: p.cp_mode,
             ranks_per_host: p.ranks_per_host,

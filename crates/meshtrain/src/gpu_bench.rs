@@ -111,7 +111,7 @@ pub fn run(args: &BenchGpuArgs) -> Result<()> {
                 })?;
             }
             "step" => step(args)?,
-            "multi" => failed.extend(crate::gpu_multi::run()?),
+            "multi" => failed.extend(crate::gpu_multi::run(&args.root)?),
             other => bail!("unknown part '{other}' (check, multi, products, kernels, step)"),
         }
     }
@@ -261,14 +261,7 @@ fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
         let r = (|| -> Result<Vec<CheckResult>, CudaError> {
             let mut p: Vec<f32> = (0..n).map(|_| rng.normal() * 0.5).collect();
             let mut host = Optimizer::with_segments(config, n, segments.clone());
-            let rows: Vec<SegmentRow> = segments
-                .iter()
-                .map(|s| SegmentRow {
-                    end: s.range.end,
-                    weight_decay: s.hyper.weight_decay,
-                    lr_scale: s.hyper.lr_scale,
-                })
-                .collect();
+            let rows = meshtrain_nn::optim::segment_rows(&segments);
             let table = SegmentTable::new(dev, &rows)?;
             let p_dev = CudaTensor::from_host(dev, &p, DType::F32)?;
             let half = CudaTensor::alloc(dev, n, DType::BF16, "half copy")?;
@@ -364,9 +357,37 @@ fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
 /// One run of `model`'s config (`configs/gpt.toml` or `configs/llama.toml`, changed by
 /// `overrides`) for 20 steps: the final parameters and each step's loss.
 fn model_run(root: &Path, model: Compared, overrides: &[String]) -> Result<GptRun> {
+    let mut o = vec!["train.steps=20".to_string()];
+    o.extend(overrides.iter().cloned());
+    let run = train_and_read(root, model.config(), &o, None)?;
+    let _ = std::fs::remove_dir_all(&run.out);
+    Ok((run.params, run.losses))
+}
+
+/// What a run of the GPU checks left.
+pub(crate) struct Trained {
+    /// The whole model's parameters, read back from the run's checkpoint by one worker on
+    /// the CPU (so any layout and device compare).
+    pub params: Vec<f32>,
+    /// The training loss of every step.
+    pub losses: Vec<f64>,
+    /// The run's directory (its checkpoint: `checkpoint.safetensors`); the caller removes it.
+    pub out: PathBuf,
+    /// World rank 0's model states, measured on its device and predicted by the planner.
+    pub memory: meshtrain_train::memory::MemoryReport,
+}
+
+/// One run of `file` (a config under `root`, changed by `overrides`: losses logged every
+/// step, no evaluation, the checkpoint written in the foreground), resumed from `resume`
+/// when given.
+pub(crate) fn train_and_read(
+    root: &Path,
+    file: &str,
+    overrides: &[String],
+    resume: Option<&Path>,
+) -> Result<Trained> {
     let out = std::env::temp_dir().join(format!("meshtrain-gpu-check-{}", seed()));
     let mut o: Vec<String> = [
-        "train.steps=20",
         "train.log_every=1",
         "train.eval_every=1000",
         "train.eval_batches=1",
@@ -378,17 +399,22 @@ fn model_run(root: &Path, model: Compared, overrides: &[String]) -> Result<GptRu
     .collect();
     o.push(format!("train.out_dir=\"{}\"", out.display()));
     o.extend(overrides.iter().cloned());
-    let file = model.config();
     let text = std::fs::read_to_string(root.join(file))
         .with_context(|| format!("reading {}/{file}", root.display()))?;
     let cfg = Config::from_toml_with_overrides(&text, &o)?;
     cfg.validate()?;
     let task = Task::load(&cfg)?;
     let job = cfg.job(&task)?;
-    job.clone().run(&RunOptions::default())?;
+    let options = RunOptions {
+        resume: resume.map(Path::to_path_buf),
+        ..RunOptions::default()
+    };
+    let summary = job.clone().run(&options)?;
     // The parameters, as a resumed one-worker trainer on the CPU holds them.
     let mut cpu = cfg.clone();
     cpu.train.device = meshtrain_tensor::Device::Cpu;
+    cpu.parallel.dp = 1;
+    cpu.parallel.stand_in_device = false;
     let cpu_job = Arc::new(cpu.job(&task)?);
     let mut t = cpu_job.trainer(ThreadsWorld::single(CommConfig::default()), None)?;
     t.resume(&out.join("checkpoint.safetensors"))?;
@@ -400,8 +426,12 @@ fn model_run(root: &Path, model: Compared, overrides: &[String]) -> Result<GptRu
             losses.push(v["loss"].as_f64().unwrap_or(f64::NAN));
         }
     }
-    let _ = std::fs::remove_dir_all(&out);
-    Ok((params, losses))
+    Ok(Trained {
+        params,
+        losses,
+        out,
+        memory: summary.memory,
+    })
 }
 
 /// A run's final parameters and its losses, step by step.

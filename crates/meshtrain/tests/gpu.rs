@@ -65,19 +65,24 @@ fn without_a_driver_the_error_names_the_library_before_any_step() {
     );
 }
 
-/// On a GPU, what this build cannot run there (several workers, a model without kernels) is
-/// refused before any work; without one, the missing piece of the machine is named first,
-/// since that is what the user can act on (the wordings themselves: `device.rs`'s tests).
+/// On a GPU, what this build cannot run there (tensor parallelism, a model without kernels)
+/// is refused before any work; without one, the missing piece of the machine is named
+/// first, since that is what the user can act on (the wordings themselves: `device.rs`'s
+/// tests).
 #[test]
 fn a_gpu_refuses_layouts_and_models_it_cannot_run_before_any_work() {
     let usable = meshtrain_tensor::cuda::probe::require_gpu(0).is_ok();
     let names_the_missing_piece =
         |e: &str| e.contains("libcuda.so.1") || e.contains("NVRTC") || e.contains("no CUDA GPU");
     let out = tempfile::tempdir().unwrap();
-    let cfg = tiny_gpt_config(out.path(), 2, &["train.device=\"cuda\"", "parallel.dp=2"]);
+    let cfg = tiny_gpt_config(
+        out.path(),
+        2,
+        &["train.device=\"cuda\"", "parallel.dp=2", "parallel.tp=2"],
+    );
     let e = format!("{:#}", run(&cfg, &RunOptions::default()).unwrap_err());
     if usable {
-        assert!(e.contains("multi-GPU layouts"), "{e}");
+        assert!(e.contains("uses tensor parallelism (2 workers)"), "{e}");
     } else {
         assert!(names_the_missing_piece(&e), "{e}");
     }

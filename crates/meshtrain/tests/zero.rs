@@ -14,8 +14,8 @@ use std::path::Path;
 
 mod common;
 use common::{
-    checkpoint_params, job, rel_diff, root, single_trainer, tiny_gpt_config, train_until,
-    written_checkpoint,
+    checkpoint_params, job, rel_diff, root, single_trainer, tiny_gpt_config, tiny_resnet_config,
+    train_until, written_checkpoint,
 };
 
 const STEPS: u64 = 10;
@@ -25,31 +25,6 @@ fn run(cfg: &Config) -> Summary {
         .clone()
         .run(&RunOptions::default())
         .unwrap_or_else(|e| panic!("{e:#}"))
-}
-
-/// ResNet-18 at width 4 on 512 Fashion-MNIST images, batch 16 (SGD with momentum and
-/// weight decay, batch norm synchronised so that replicas see the global batch).
-fn resnet_config(out: &Path, extra: &[&str]) -> Config {
-    let text = std::fs::read_to_string(root().join("configs/resnet18.toml")).unwrap();
-    let data = root().join("data/fashion-mnist-subset");
-    let mut o: Vec<String> = [
-        "model.width=4",
-        "train.batch_size=16",
-        "train.steps=40",
-        "train.threads=1",
-        "train.log_every=1000",
-        "data.train_limit=512",
-        "data.test_limit=64",
-        "parallel.sync_batch_norm=true",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    o.push(format!("data.data_dir=\"{}\"", data.display()));
-    o.push(format!("train.out_dir=\"{}\"", out.display()));
-    o.push(format!("train.max_steps={STEPS}"));
-    o.extend(extra.iter().map(|s| s.to_string()));
-    Config::from_toml_with_overrides(&text, &o).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// The whole GPT's parameters after `STEPS` steps of `extra`'s layout, read back from the
@@ -62,7 +37,10 @@ fn train(extra: &[&str]) -> Vec<f32> {
 fn train_model(model: &str, extra: &[&str]) -> Vec<f32> {
     let out = tempfile::tempdir().unwrap().keep();
     let cfg = match model {
-        "resnet" => resnet_config(&out, extra),
+        "resnet" => {
+            let synced = [&["parallel.sync_batch_norm=true"], extra].concat();
+            tiny_resnet_config(&out, STEPS, &synced)
+        }
         _ => tiny_gpt_config(&out, STEPS, extra),
     };
     let summary = run(&cfg);

@@ -49,6 +49,20 @@ pub struct Segment {
     pub hyper: GroupHyper,
 }
 
+/// The segments as the CUDA optimizer kernels' segment table reads them (one row per
+/// segment: where it ends, its weight decay and learning-rate scale).
+#[cfg(feature = "cuda")]
+pub fn segment_rows(segments: &[Segment]) -> Vec<meshtrain_tensor::cuda::train_ops::SegmentRow> {
+    segments
+        .iter()
+        .map(|s| meshtrain_tensor::cuda::train_ops::SegmentRow {
+            end: s.range.end,
+            weight_decay: s.hyper.weight_decay,
+            lr_scale: s.hyper.lr_scale,
+        })
+        .collect()
+}
+
 /// The segments of `whole` (covering a whole model's buffer) that fall inside `range`,
 /// shifted so `range.start` is 0: an optimizer over a pipeline chunk or a shard.
 pub fn segments_within(whole: &[Segment], range: Range<usize>) -> Vec<Segment> {

@@ -1,38 +1,38 @@
-//! A training step on a CUDA GPU: the model's flat parameter, gradient, buffer and
-//! optimizer buffers live on the device for the whole run; forward and backward run the same
-//! [`Model`] code (each layer choosing its CUDA kernels from its device parameters), the loss
-//! accumulates its sums on the device, and the gradient norm, clipping, fp16 unscaling and
-//! the optimizer update run there too. The host reads eight bytes of results per step.
+//! What a run on a GPU needs around the one step (the engine's, for both devices): the
+//! checks before any work (the machine, the pieces of a layout that have a device form, the
+//! layers' kernels), the collectives that take device buffers (NCCL with one GPU per rank,
+//! else staged through host memory), placing each chunk's state on the device
+//! ([`crate::engine::DeviceState`]), and the boundary around a step where a device error
+//! becomes an error and an out-of-memory becomes advice on what would fit.
 //!
-//! Today the GPU runs one worker (dp = tp = pp = cp = 1); the layout is checked before any
-//! work ([`check`], through [`crate::check_device`]). The host copy of the state in the [`crate::Parallel`]'s stage is the
-//! checkpoint mirror: [`DeviceStep::download`] fills it before a checkpoint,
-//! [`DeviceStep::upload`] after one is loaded, so checkpoints keep their one format and a
-//! GPU run resumes on the CPU and the reverse.
+//! The host copy of the state in the [`crate::Parallel`]'s stage is the checkpoint mirror:
+//! `Parallel::pull_from_device` fills it before a checkpoint, `push_to_device` after one is
+//! loaded, so checkpoints keep their one format and a GPU run resumes on the CPU and the
+//! reverse.
 
-use crate::engine::{MicroBatches, StepOptions};
+use crate::data::{DpMode, GradCompression};
+use crate::engine::{Stage, StandIn};
 use crate::layout::Layout;
-use crate::precision::LossScaling;
-use crate::{Batch, DeviceCheck, EvalSums, ParallelError, StepStats, StepTimes};
+use crate::{DeviceCheck, ParallelError, ParallelOptions};
 use meshtrain_comm::ProcessGroup;
-use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
-use meshtrain_nn::{BlockParams, Mode, Model, ParamStore, Params, ParamsMut};
-use meshtrain_tensor::cuda::error::catch;
-use meshtrain_tensor::cuda::train_ops::{self, AdamW, FlatState, SegmentRow, SegmentTable};
-use meshtrain_tensor::cuda::{CudaDevice, CudaError, DevBuf, DeviceGrads, DeviceParams, F32Math};
+use meshtrain_nn::optim::Optimizer;
+use meshtrain_nn::Model;
 use meshtrain_tensor::{DType, Device};
-use std::ops::Range;
 use std::sync::Arc;
 
+#[cfg(feature = "cuda")]
+use meshtrain_tensor::cuda::{CudaDevice, CudaError, F32Math};
+
+#[cfg(feature = "cuda")]
 fn device_error(e: CudaError) -> ParallelError {
     ParallelError::Device(e.to_string())
 }
 
 /// Refuses, before any work, what this machine's GPU cannot run, in the order a user can act
 /// on it: a missing driver or library and a GPU that does not exist first (the machine), then
-/// a layout of several workers (this build), then a model with a layer that has no CUDA
-/// kernels (named). With [`DeviceCheck::Opening`] it then opens the GPU (its context; a
-/// compute capability below 8.0 is refused there).
+/// a layout whose pieces have no device form yet (this build), then a model with a layer that
+/// has no CUDA kernels (named). With [`DeviceCheck::Opening`] it then opens the GPU (its
+/// context; a compute capability below 8.0 is refused there).
 pub fn check(
     model: &Model,
     layout: &Layout,
@@ -42,35 +42,37 @@ pub fn check(
     let Device::Cuda(ordinal) = device else {
         return Ok(());
     };
-    meshtrain_tensor::cuda::probe::require_gpu(ordinal).map_err(device_error)?;
-    refuse_what_one_gpu_cannot_run(model, layout, ordinal)?;
-    if how == DeviceCheck::Opening {
-        CudaDevice::get(ordinal).map_err(device_error)?;
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (model, layout, how, ordinal);
+        Err(ParallelError::Device(
+            "this meshtrain was built without the `cuda` feature: rebuild with default \
+             features for --device cuda"
+                .into(),
+        ))
     }
-    Ok(())
+    #[cfg(feature = "cuda")]
+    {
+        meshtrain_tensor::cuda::probe::require_gpu(ordinal).map_err(device_error)?;
+        refuse_what_gpus_cannot_run(model, layout, ordinal)?;
+        if how == DeviceCheck::Opening {
+            CudaDevice::get(ordinal).map_err(device_error)?;
+        }
+        Ok(())
+    }
 }
 
-/// What this build's GPU step cannot run on any machine: a layout of several workers (or
-/// ZeRO), and a model with a layer that has no CUDA kernels (named, with the way out).
-fn refuse_what_one_gpu_cannot_run(
+/// What this build's GPU step cannot run on any machine: a layout with pieces that have no
+/// device form yet ([`refuse_layout`]), and a model with a layer that has no CUDA kernels
+/// (named, with the way out).
+#[cfg(feature = "cuda")]
+fn refuse_what_gpus_cannot_run(
     model: &Model,
     layout: &Layout,
     ordinal: usize,
 ) -> Result<(), ParallelError> {
     let device = Device::Cuda(ordinal);
-    if layout.world_size() > 1 || layout.zero > 0 {
-        let spread = if layout.world_size() > 1 {
-            format!("spreads the model over {} workers", layout.world_size())
-        } else {
-            format!("shards the model states (ZeRO stage {})", layout.zero)
-        };
-        return Err(ParallelError::Device(format!(
-            "multi-GPU layouts (data, tensor, pipeline or context parallelism, ZeRO) are not yet \
-             available in this build of meshtrain: --device cuda trains one worker on one GPU, \
-             and the layout {layout} {spread}. Train with the default layout on cuda:{ordinal}, \
-             or with this layout on --device cpu"
-        )));
-    }
+    refuse_layout(layout, &format!("cuda:{ordinal}"))?;
     for (i, block) in model.blocks.iter().enumerate() {
         if !block.layer.runs_on(device) {
             let name = if block.name.is_empty() {
@@ -90,8 +92,214 @@ fn refuse_what_one_gpu_cannot_run(
     Ok(())
 }
 
+/// The pieces of a layout whose device form comes later (tensor, sequence, pipeline and
+/// context parallelism; ZeRO on device buffers), refused for a run on `device`. Data
+/// parallelism (DDP) over any number of GPUs runs.
+pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError> {
+    let mut pieces = Vec::new();
+    for (size, name) in [
+        (layout.tp, "tensor"),
+        (layout.pp, "pipeline"),
+        (layout.cp, "context"),
+    ] {
+        if size > 1 {
+            pieces.push(format!("{name} parallelism ({size} workers)"));
+        }
+    }
+    if layout.sp {
+        pieces.push("sequence parallelism".into());
+    }
+    if layout.zero > 0 {
+        pieces.push(format!("ZeRO stage {}", layout.zero));
+    }
+    if pieces.is_empty() {
+        return Ok(());
+    }
+    Err(ParallelError::Device(format!(
+        "the layout {layout} uses {}, which this build of meshtrain runs on the CPU only: on \
+         GPUs it trains data-parallel replicas (dp = N, one GPU each, or several ranks sharing \
+         one through staged collectives). Train with dp only on {device}, or with this layout \
+         on --device cpu",
+        pieces.join(" and ")
+    )))
+}
+
+/// The data-parallel settings a GPU run cannot take yet (the layout's shape is checked by
+/// [`check`]): the single master gathers replicas' gradients through host vectors, and
+/// DDP's bf16 wire converts on the host.
+pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), ParallelError> {
+    if options.stand_in_device {
+        refuse_layout(layout, "the stand-in device")?;
+    } else if !options.device.is_cuda() {
+        return Ok(());
+    }
+    if layout.dp == 1 {
+        return Ok(());
+    }
+    if options.dp_mode == DpMode::SingleMaster {
+        return Err(ParallelError::Device(
+            "dp_mode = \"single-master\" gathers gradients on the host: on GPUs use \
+             dp_mode = \"ddp\" (the default)"
+                .into(),
+        ));
+    }
+    if options.ddp.compression == GradCompression::Bf16 {
+        return Err(ParallelError::Device(
+            "grad_compression = \"bf16\" converts gradients on the host: on GPUs leave it \
+             at \"none\""
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Which collectives a GPU run's world uses, for the run's first lines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceCollectives {
+    /// One process (or thread) per GPU: NCCL, on the device buffers as they are.
+    Nccl,
+    /// Ranks sharing a GPU, or no NCCL: each operation's device buffers copied through
+    /// pinned host memory and reduced by the host backend (correct, slow).
+    Staged,
+}
+
+/// The world a run on `device` trains over: `world` itself on the CPU or for one worker;
+/// for several workers on GPUs, NCCL for device buffers (host buffers staying on `world`)
+/// when every rank has a GPU of its own and the machine has libnccl, else `world` staged
+/// through host memory. Every rank of `world` calls it.
+pub fn collectives_for(
+    world: Arc<dyn ProcessGroup>,
+    device: Device,
+) -> Result<(Arc<dyn ProcessGroup>, Option<DeviceCollectives>), ParallelError> {
+    let Device::Cuda(ordinal) = device else {
+        return Ok((world, None));
+    };
+    if world.size() == 1 {
+        return Ok((world, None));
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        Err(ParallelError::Device(
+            "this meshtrain was built without the `cuda` feature".into(),
+        ))
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use meshtrain_comm::{
+            nccl_available, BufMut, CudaMemory, NcclGroup, RoutedGroup, StagedGroup,
+        };
+        let dev = CudaDevice::get(ordinal).map_err(device_error)?;
+        // Each rank's (host, GPU): NCCL refuses two ranks on one GPU.
+        let host = world
+            .config()
+            .hosts
+            .host_of(world.global_ranks()[world.rank()]);
+        let mine = [host as f32, ordinal as f32];
+        let mut all = vec![0.0f32; 2 * world.size()];
+        world.all_gather(meshtrain_comm::BufRef::F32(&mine), BufMut::F32(&mut all))?;
+        let mut places: Vec<(u32, u32)> =
+            all.chunks(2).map(|p| (p[0] as u32, p[1] as u32)).collect();
+        places.sort_unstable();
+        places.dedup();
+        let own_gpus = places.len() == world.size();
+        if own_gpus && nccl_available().is_ok() {
+            // NCCL for the gradients; the step's host numbers (losses, flags, counts) stay on
+            // the host group.
+            let config = world.config().clone();
+            let nccl = NcclGroup::from_bootstrap(world.as_ref(), dev, config)?;
+            let routed = RoutedGroup::new(world, nccl)?;
+            return Ok((routed, Some(DeviceCollectives::Nccl)));
+        }
+        let staged = StagedGroup::new(world, CudaMemory::new(dev));
+        Ok((staged, Some(DeviceCollectives::Staged)))
+    }
+}
+
+/// Places every chunk of `stage` on the run's device (`options.device`, or the host-backed
+/// stand-in of tests): its state from the chunk's store and `optimizers`, the 16-bit copy
+/// in `precision`. Nothing on the CPU.
+pub fn place(
+    model: &Model,
+    stage: &mut Stage,
+    optimizers: &[Optimizer],
+    options: &ParallelOptions,
+    precision: DType,
+) -> Result<(), ParallelError> {
+    if options.stand_in_device {
+        for (chunk, opt) in stage.chunks.iter_mut().zip(optimizers) {
+            let state = StandIn::place(model, chunk.blocks.clone(), &chunk.store, opt)?;
+            chunk.device = Some(Box::new(state));
+        }
+        return Ok(());
+    }
+    let Device::Cuda(ordinal) = options.device else {
+        return Ok(());
+    };
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (ordinal, precision);
+        Err(ParallelError::Device(
+            "this meshtrain was built without the `cuda` feature".into(),
+        ))
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let dev = CudaDevice::get(ordinal).map_err(device_error)?;
+        dev.set_f32_math(if options.tf32 {
+            F32Math::Tf32
+        } else {
+            F32Math::Exact
+        });
+        dev.set_memory_limit(
+            options
+                .memory_limit_mb
+                .map(|mb| (mb * 1024.0 * 1024.0) as usize),
+        );
+        dev.load_all_kernels().map_err(device_error)?;
+        for (chunk, opt) in stage.chunks.iter_mut().zip(optimizers) {
+            let state = crate::engine::cuda_chunk::CudaChunk::place(
+                &dev,
+                model,
+                chunk.blocks.clone(),
+                &chunk.store,
+                opt,
+                precision,
+            )?;
+            chunk.device = Some(Box::new(state));
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f` (a step or an evaluation over `samples` samples, beside `states` bytes of model
+/// states) so that an error raised on the device inside it becomes an error: an
+/// out-of-memory says what batch would fit.
+pub fn guarded<T>(
+    samples: usize,
+    states: usize,
+    f: impl FnOnce() -> Result<T, ParallelError>,
+) -> Result<T, ParallelError> {
+    #[cfg(feature = "cuda")]
+    {
+        match meshtrain_tensor::cuda::error::catch(f) {
+            Ok(r) => r,
+            Err(CudaError::OutOfMemory { oom }) => {
+                Err(ParallelError::Device(out_of_memory(&oom, samples, states)))
+            }
+            Err(e) => Err(device_error(e)),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (samples, states);
+        f()
+    }
+}
+
 /// The path of the first leaf layer under `layer` (at `path`) without kernels for `device`,
 /// children named by their names or, unnamed, by their place (`blocks.0.#2`).
+#[cfg(feature = "cuda")]
 fn first_cpu_only_leaf(layer: &dyn meshtrain_nn::Layer, path: &str, device: Device) -> String {
     let Some(children) = layer.children() else {
         return if path.is_empty() {
@@ -121,6 +329,7 @@ fn first_cpu_only_leaf(layer: &dyn meshtrain_nn::Layer, path: &str, device: Devi
 /// An allocation that failed in a step, with what would fit: the step's activations grow
 /// with the samples per step, so a batch scaled by the room left over what the step held
 /// when it failed (a lower bound on its need) is the largest that could fit.
+#[cfg(feature = "cuda")]
 fn out_of_memory(
     oom: &meshtrain_tensor::cuda::alloc::OutOfMemory,
     samples: usize,
@@ -144,507 +353,7 @@ fn out_of_memory(
     format!("{}; {advice}", CudaError::OutOfMemory { oom: oom.clone() })
 }
 
-/// Byte offsets in the small device buffer the step's scalars live in.
-const NORM: u64 = 0; // f32 norm, f32 clipping factor
-const LOSS_SUMS: u64 = 8; // f64 Σ loss, f64 Σ correct
-const EVAL_SUMS: u64 = 24; // the same for evaluation
-const FOUND_INF: u64 = 40; // i32
-const SCALARS: usize = 64;
-
-/// The model's state on one GPU, and its step.
-pub struct DeviceStep {
-    dev: Arc<CudaDevice>,
-    len: usize,
-    values: DevBuf,
-    /// The 16-bit compute copy of the values under mixed precision.
-    half: Option<(DevBuf, DType)>,
-    grads: DevBuf,
-    buffers: DevBuf,
-    buffers_len: usize,
-    m: DevBuf,
-    v: Option<DevBuf>,
-    steps: u64,
-    config: OptimizerConfig,
-    segments: SegmentTable,
-    /// Tied parameters: (primary, copies) ranges of the flat buffer.
-    ties: Vec<(Range<usize>, Vec<Range<usize>>)>,
-    /// What gradient norms count (tied copies once).
-    norm_ranges: Vec<Range<usize>>,
-    scalars: DevBuf,
-    /// Evaluation counts the host knows (targets, and losses computed on the host).
-    eval_host: EvalSums,
-    /// Whether a loss added evaluation sums on the device since the last read.
-    eval_on_device: bool,
-}
-
-/// The flat buffers as [`BlockParams`]: block `i`'s slices of them.
-struct Blocks<'a> {
-    model: &'a Model,
-    step: &'a DeviceStep,
-}
-
-impl Blocks<'_> {
-    fn params(&self, block: usize) -> Params<'_> {
-        let r = self.model.block_param_range(block);
-        let s = self.step;
-        // SAFETY: the buffers hold the whole model's `len` values and outlive the view.
-        Params::Device(unsafe {
-            DeviceParams::new(
-                &s.dev,
-                s.values.ptr() + (r.start * 4) as u64,
-                s.half
-                    .as_ref()
-                    .map(|(h, d)| (h.ptr() + (r.start * d.size_bytes()) as u64, *d)),
-                r.len(),
-            )
-        })
-    }
-
-    fn f32_view(&self, buf: &DevBuf, r: Range<usize>) -> ParamsMut<'_> {
-        // SAFETY: in bounds of a buffer the step owns; blocks are viewed one at a time.
-        ParamsMut::Device(unsafe {
-            DeviceGrads::new(&self.step.dev, buf.ptr() + (r.start * 4) as u64, r.len())
-        })
-    }
-}
-
-impl BlockParams for Blocks<'_> {
-    fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
-        let br = self.model.blocks_buffer_range(block..block + 1);
-        (self.params(block), self.f32_view(&self.step.buffers, br))
-    }
-
-    fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
-        let pr = self.model.block_param_range(block);
-        let br = self.model.blocks_buffer_range(block..block + 1);
-        (
-            self.params(block),
-            self.f32_view(&self.step.grads, pr),
-            self.f32_view(&self.step.buffers, br),
-        )
-    }
-}
-
-impl DeviceStep {
-    /// The state of `store` and `optimizer` (a whole model's) uploaded to GPU `ordinal`;
-    /// `precision`'s 16-bit type gets a compute copy.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        ordinal: usize,
-        model: &Model,
-        store: &ParamStore,
-        optimizer: &Optimizer,
-        norm_skip: &[Range<usize>],
-        precision: DType,
-        tf32: bool,
-        memory_limit_mb: Option<f64>,
-    ) -> Result<DeviceStep, ParallelError> {
-        let dev = CudaDevice::get(ordinal).map_err(device_error)?;
-        dev.set_f32_math(if tf32 { F32Math::Tf32 } else { F32Math::Exact });
-        dev.set_memory_limit(memory_limit_mb.map(|mb| (mb * 1024.0 * 1024.0) as usize));
-        dev.load_all_kernels().map_err(device_error)?;
-        let len = store.values.len();
-        let f = |bytes: usize, what: &str| dev.alloc(bytes.max(4), what).map_err(device_error);
-        let rows: Vec<SegmentRow> = optimizer
-            .segments()
-            .iter()
-            .map(|s| SegmentRow {
-                end: s.range.end,
-                weight_decay: s.hyper.weight_decay,
-                lr_scale: s.hyper.lr_scale,
-            })
-            .collect();
-        let half = match precision {
-            DType::F32 => None,
-            d => Some((f(len * 2, "the 16-bit parameter copy")?, d)),
-        };
-        let mut ties = Vec::new();
-        for t in model.ties() {
-            let params = model.params();
-            ties.push((
-                params[t.primary].range.clone(),
-                t.copies.iter().map(|&c| params[c].range.clone()).collect(),
-            ));
-        }
-        let mut norm_ranges = Vec::new();
-        let mut at = 0;
-        for skip in norm_skip {
-            norm_ranges.push(at..skip.start);
-            at = skip.end;
-        }
-        norm_ranges.push(at..len);
-        let mut step = DeviceStep {
-            values: f(len * 4, "the parameters")?,
-            half,
-            grads: f(len * 4, "the gradients")?,
-            buffers: f(store.buffers.len() * 4, "the buffers")?,
-            buffers_len: store.buffers.len(),
-            m: f(len * 4, "the optimizer's first moments")?,
-            v: match optimizer.config {
-                OptimizerConfig::Adamw { .. } => {
-                    Some(f(len * 4, "the optimizer's second moments")?)
-                }
-                OptimizerConfig::Sgd { .. } => None,
-            },
-            steps: optimizer.step,
-            config: optimizer.config,
-            segments: SegmentTable::new(&dev, &rows).map_err(device_error)?,
-            ties,
-            norm_ranges,
-            scalars: dev
-                .alloc_zeroed(SCALARS, "step scalars")
-                .map_err(device_error)?,
-            eval_host: EvalSums::default(),
-            eval_on_device: false,
-            len,
-            dev,
-        };
-        step.upload(store, optimizer)?;
-        Ok(step)
-    }
-
-    pub fn device(&self) -> &Arc<CudaDevice> {
-        &self.dev
-    }
-
-    /// Replaces the device state by `store`'s values and buffers and `optimizer`'s moments
-    /// and step (after a checkpoint was loaded into them).
-    pub fn upload(
-        &mut self,
-        store: &ParamStore,
-        optimizer: &Optimizer,
-    ) -> Result<(), ParallelError> {
-        let d = &self.dev;
-        let r = (|| {
-            d.upload_to(self.values.ptr(), &store.values)?;
-            d.upload_to(self.buffers.ptr(), &store.buffers)?;
-            d.memset_zero(self.grads.ptr(), self.len * 4)?;
-            if optimizer.m.len() == self.len {
-                d.upload_to(self.m.ptr(), &optimizer.m)?;
-            } else {
-                d.memset_zero(self.m.ptr(), self.len * 4)?;
-            }
-            if let Some(v) = &self.v {
-                if optimizer.v.len() == self.len {
-                    d.upload_to(v.ptr(), &optimizer.v)?;
-                } else {
-                    d.memset_zero(v.ptr(), self.len * 4)?;
-                }
-            }
-            self.refresh_half()?;
-            d.synchronize()
-        })();
-        self.steps = optimizer.step;
-        r.map_err(device_error)
-    }
-
-    fn refresh_half(&self) -> Result<(), CudaError> {
-        if let Some((half, dtype)) = &self.half {
-            meshtrain_tensor::cuda::ops::convert_into(
-                &self.dev,
-                self.values.ptr(),
-                DType::F32,
-                half.ptr(),
-                *dtype,
-                self.len,
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Copies the device state into `store` and `optimizer` (for a checkpoint).
-    pub fn download(
-        &self,
-        store: &mut ParamStore,
-        optimizer: &mut Optimizer,
-    ) -> Result<(), ParallelError> {
-        let d = &self.dev;
-        let r = (|| {
-            d.download_into(&mut store.values, self.values.ptr())?;
-            d.download_into(&mut store.buffers[..self.buffers_len], self.buffers.ptr())?;
-            if optimizer.m.len() == self.len {
-                d.download_into(&mut optimizer.m, self.m.ptr())?;
-            }
-            if let Some(v) = &self.v {
-                if optimizer.v.len() == self.len {
-                    d.download_into(&mut optimizer.v, v.ptr())?;
-                }
-            }
-            Ok(())
-        })();
-        optimizer.step = self.steps;
-        r.map_err(device_error)
-    }
-
-    /// One training step on `share`; see the module docs.
-    #[allow(clippy::too_many_arguments)]
-    pub fn train_step(
-        &mut self,
-        model: &Model,
-        share: Batch,
-        micro_batches: usize,
-        lr: f32,
-        clip: Option<f32>,
-        options: &StepOptions,
-        scaling: Option<&mut LossScaling>,
-        world: &dyn ProcessGroup,
-    ) -> Result<StepStats, ParallelError> {
-        let samples = share.samples;
-        let micro = MicroBatches::split_owned(share.x, share.y, micro_batches)?;
-        let states = self.states_total();
-        match catch(|| self.step_inner(model, micro, lr, clip, options, scaling, world)) {
-            Ok(r) => r,
-            Err(CudaError::OutOfMemory { oom }) => {
-                Err(ParallelError::Device(out_of_memory(&oom, samples, states)))
-            }
-            Err(e) => Err(device_error(e)),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn step_inner(
-        &mut self,
-        model: &Model,
-        micro: MicroBatches,
-        lr: f32,
-        clip: Option<f32>,
-        options: &StepOptions,
-        scaling: Option<&mut LossScaling>,
-        world: &dyn ProcessGroup,
-    ) -> Result<StepStats, ParallelError> {
-        let d = self.dev.clone();
-        let e = |r: Result<(), CudaError>| r.map_err(device_error);
-        d.bind().map_err(device_error)?;
-        e(d.memset_zero(self.grads.ptr(), self.len * 4))?;
-        e(d.memset_zero(self.scalars.ptr() + LOSS_SUMS, 16))?;
-        let m = micro.inputs.len();
-        let grad_scale = 1.0 / m as f32;
-        let (mut host_loss, mut count) = (0.0f64, 0usize);
-        let mut marks = Vec::with_capacity(m);
-        let recompute = options.recompute;
-        let blocks = 0..model.num_blocks();
-        for (x, y) in micro.inputs.into_iter().zip(micro.targets) {
-            let t0 = d.record_event().map_err(device_error)?;
-            let targets: Vec<i32> = y.iter().map(|&t| t as i32).collect();
-            let targets_dev = d.upload(&targets, "targets").map_err(device_error)?;
-            let mut views = Blocks { model, step: self };
-            let (out, acts) =
-                model.forward_with(&mut views, x, blocks.clone(), Mode::TRAIN, &|_| recompute);
-            let (value, grad) = options.loss.forward_backward_on_device(
-                out,
-                &y,
-                targets_dev.ptr(),
-                Some(grad_scale),
-                self.scalars.ptr() + LOSS_SUMS,
-            )?;
-            if let Some(v) = value {
-                host_loss += v.mean as f64 * v.count as f64;
-            }
-            count += y.len();
-            let t1 = d.record_event().map_err(device_error)?;
-            let mut views = Blocks { model, step: self };
-            model.backward_with(
-                &mut views,
-                acts,
-                grad.expect("asked for the gradient"),
-                false,
-            );
-            let t2 = d.record_event().map_err(device_error)?;
-            // Read after the step's one wait below: reading now would stop the host here.
-            marks.push([t0, t1, t2]);
-        }
-        let opt_start = d.record_event().map_err(device_error)?;
-        for (primary, copies) in &self.ties {
-            for c in copies {
-                e(train_ops::tie_sum(
-                    &d,
-                    self.grads.ptr() + (primary.start * 4) as u64,
-                    self.grads.ptr() + (c.start * 4) as u64,
-                    primary.len(),
-                ))?;
-            }
-            for c in copies.iter().take(copies.len().saturating_sub(1)) {
-                e(d.copy(
-                    self.grads.ptr() + (c.start * 4) as u64,
-                    self.grads.ptr() + (primary.start * 4) as u64,
-                    primary.len() * 4,
-                ))?;
-            }
-        }
-        let mut outcome = None;
-        if let Some(scaling) = scaling {
-            e(d.memset_zero(self.scalars.ptr() + FOUND_INF, 4))?;
-            e(train_ops::unscale_check(
-                &d,
-                self.grads.ptr(),
-                self.len,
-                1.0 / scaling.scale(),
-                self.scalars.ptr() + FOUND_INF,
-            ))?;
-            let found: Vec<i32> = d
-                .download(self.scalars.ptr() + FOUND_INF, 1)
-                .map_err(device_error)?;
-            outcome = Some(scaling.decide(found[0] != 0, world)?);
-        }
-        let skipped = outcome.is_some_and(|o| o.skipped);
-        if !skipped {
-            e(train_ops::grad_norm(
-                &d,
-                self.grads.ptr(),
-                &self.norm_ranges,
-                clip,
-                self.scalars.ptr() + NORM,
-            ))?;
-            self.steps += 1;
-            let clip_factor = clip.map(|_| self.scalars.ptr() + NORM + 4);
-            let state = FlatState {
-                params: self.values.ptr(),
-                grads: self.grads.ptr(),
-                m: self.m.ptr(),
-                v: self.v.as_ref().map_or(0, |v| v.ptr()),
-                half: self.half.as_ref().map(|(h, t)| (h.ptr(), *t)),
-                len: self.len,
-            };
-            match self.config {
-                OptimizerConfig::Adamw {
-                    beta1, beta2, eps, ..
-                } => e(train_ops::adamw(
-                    &d,
-                    state,
-                    &self.segments,
-                    AdamW {
-                        lr,
-                        beta1,
-                        beta2,
-                        eps,
-                        step: self.steps,
-                    },
-                    clip_factor,
-                ))?,
-                OptimizerConfig::Sgd { momentum, .. } => e(train_ops::sgd(
-                    &d,
-                    state,
-                    &self.segments,
-                    lr,
-                    momentum,
-                    self.steps,
-                    clip_factor,
-                ))?,
-            }
-        }
-        let end = d.record_event().map_err(device_error)?;
-        // The step's only wait: eight bytes of results.
-        let results: Vec<u8> = d
-            .download(self.scalars.ptr(), (EVAL_SUMS) as usize)
-            .map_err(device_error)?;
-        let norm = f32::from_le_bytes(results[0..4].try_into().expect("4 bytes"));
-        let loss_sum = f64::from_le_bytes(results[8..16].try_into().expect("8 bytes")) + host_loss;
-        let optimizer_ms = opt_start.ms_until(&end).map_err(device_error)?;
-        let (mut forward_ms, mut backward_ms) = (0.0f32, 0.0f32);
-        for [t0, t1, t2] in &marks {
-            forward_ms += t0.ms_until(t1).map_err(device_error)?;
-            backward_ms += t1.ms_until(t2).map_err(device_error)?;
-        }
-        let states = self.states_total();
-        Ok(StepStats {
-            loss: (loss_sum / count.max(1) as f64) as f32,
-            grad_norm: if skipped { 0.0 } else { norm },
-            times: StepTimes {
-                forward_s: forward_ms as f64 / 1e3,
-                backward_s: backward_ms as f64 / 1e3,
-                optimizer_s: optimizer_ms as f64 / 1e3,
-                ..StepTimes::default()
-            },
-            // What the step held beyond the model states: activations, logits, scratch.
-            peak_activation_bytes: d.memory_stats().peak_in_use.saturating_sub(states),
-            skipped,
-            loss_scale: outcome.map(|o| o.scale),
-        })
-    }
-
-    /// Evaluates one batch: its loss sums stay on the device until [`DeviceStep::eval_sums`].
-    pub fn eval_batch(
-        &mut self,
-        model: &Model,
-        batch: Batch,
-        options: &StepOptions,
-    ) -> Result<(), ParallelError> {
-        let d = self.dev.clone();
-        let samples = batch.samples;
-        let r = catch(|| -> Result<(), ParallelError> {
-            d.bind().map_err(device_error)?;
-            let targets: Vec<i32> = batch.y.iter().map(|&t| t as i32).collect();
-            let targets_dev = d.upload(&targets, "targets").map_err(device_error)?;
-            let mut views = Blocks { model, step: self };
-            let (out, _) = model.forward_with(
-                &mut views,
-                batch.x,
-                0..model.num_blocks(),
-                Mode::EVAL,
-                &|_| false,
-            );
-            let (value, _) = options.loss.forward_backward_on_device(
-                out,
-                &batch.y,
-                targets_dev.ptr(),
-                None,
-                self.scalars.ptr() + EVAL_SUMS,
-            )?;
-            let host = &mut self.eval_host;
-            host.count += batch.y.len() as f64;
-            host.samples += samples as f64;
-            match value {
-                Some(v) => {
-                    host.loss_sum += v.mean as f64 * v.count as f64;
-                    if let Some(c) = v.correct {
-                        *host.correct.get_or_insert(0.0) += c as f64;
-                    }
-                }
-                None => self.eval_on_device = true,
-            }
-            Ok(())
-        });
-        r.map_err(device_error)?
-    }
-
-    /// The evaluation sums since the last call (the host waits for the device).
-    pub fn eval_sums(&mut self) -> Result<EvalSums, ParallelError> {
-        let dev: Vec<f64> = self
-            .dev
-            .download(self.scalars.ptr() + EVAL_SUMS, 2)
-            .map_err(device_error)?;
-        self.dev
-            .memset_zero(self.scalars.ptr() + EVAL_SUMS, 16)
-            .map_err(device_error)?;
-        let mut sums = std::mem::take(&mut self.eval_host);
-        if std::mem::take(&mut self.eval_on_device) {
-            sums.loss_sum += dev[0];
-            *sums.correct.get_or_insert(0.0) += dev[1];
-        }
-        Ok(sums)
-    }
-
-    /// Bytes of the model states on the device, all together.
-    fn states_total(&self) -> usize {
-        let (p, g, o) = self.state_bytes();
-        p + g + o
-    }
-
-    /// Bytes of the model states on the device.
-    pub fn state_bytes(&self) -> (usize, usize, usize) {
-        let half = self
-            .half
-            .as_ref()
-            .map_or(0, |(_, d)| self.len * d.size_bytes());
-        (
-            self.len * 4 + half,
-            self.len * 4,
-            self.len * 4 * (1 + usize::from(self.v.is_some())),
-        )
-    }
-}
-
-#[cfg(test)]
+#[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
     use meshtrain_nn::models::gpt::gpt;
@@ -653,34 +362,76 @@ mod tests {
     use meshtrain_tensor::cuda::alloc::OutOfMemory;
 
     #[test]
-    fn a_gpu_runs_one_worker_and_says_so_before_any_work() {
+    fn gpus_run_data_parallel_layouts_and_name_what_they_cannot_yet() {
         let model = gpt(&GptConfig::default());
+        let dp = Layout {
+            dp: 4,
+            ..Layout::default()
+        };
+        assert!(refuse_what_gpus_cannot_run(&model, &dp, 0).is_ok());
+        assert!(refuse_what_gpus_cannot_run(&model, &Layout::default(), 0).is_ok());
+        let tp = Layout {
+            dp: 2,
+            tp: 2,
+            ..Layout::default()
+        };
+        let e = refuse_what_gpus_cannot_run(&model, &tp, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "uses tensor parallelism (2 workers), which this build of meshtrain \
+                        runs on the CPU only"
+            ) && e.ends_with("or with this layout on --device cpu"),
+            "{e}"
+        );
+        let zero = Layout {
+            dp: 2,
+            zero: 1,
+            pp: 2,
+            ..Layout::default()
+        };
+        let e = refuse_what_gpus_cannot_run(&model, &zero, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("uses pipeline parallelism (2 workers) and ZeRO stage 1"),
+            "{e}"
+        );
+        // The CPU takes any layout here (parallelize checks the rest).
+        assert!(check(&model, &tp, Device::Cpu, DeviceCheck::Opening).is_ok());
+    }
+
+    #[test]
+    fn data_parallel_settings_a_gpu_cannot_take_are_named() {
         let layout = Layout {
             dp: 2,
             ..Layout::default()
         };
-        let e = refuse_what_one_gpu_cannot_run(&model, &layout, 0)
-            .unwrap_err()
-            .to_string();
+        let gpu = ParallelOptions {
+            device: Device::Cuda(0),
+            ..ParallelOptions::default()
+        };
+        assert!(check_options(&gpu, &layout).is_ok());
+        let master = ParallelOptions {
+            dp_mode: DpMode::SingleMaster,
+            ..gpu.clone()
+        };
+        let e = check_options(&master, &layout).unwrap_err().to_string();
         assert!(
-            e.starts_with(
-                "multi-GPU layouts (data, tensor, pipeline or context parallelism, ZeRO) are not \
-                 yet available in this build of meshtrain"
-            ) && e.contains("spreads the model over 2 workers")
-                && e.ends_with("or with this layout on --device cpu"),
+            e.contains("single-master") && e.contains("on GPUs use"),
             "{e}"
         );
-        let zero = Layout {
-            zero: 1,
-            ..Layout::default()
+        let mut bf16 = gpu.clone();
+        bf16.ddp.compression = GradCompression::Bf16;
+        let e = check_options(&bf16, &layout).unwrap_err().to_string();
+        assert!(e.contains("grad_compression = \"bf16\""), "{e}");
+        // The CPU takes both.
+        let cpu = ParallelOptions {
+            device: Device::Cpu,
+            ..bf16
         };
-        let e = refuse_what_one_gpu_cannot_run(&model, &zero, 0)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("shards the model states (ZeRO stage 1)"), "{e}");
-        assert!(refuse_what_one_gpu_cannot_run(&model, &Layout::default(), 0).is_ok());
-        // The CPU takes any layout here (parallelize checks the rest).
-        assert!(check(&model, &layout, Device::Cpu, DeviceCheck::Opening).is_ok());
+        assert!(check_options(&cpu, &layout).is_ok());
     }
 
     /// Without the driver, that is said first, whatever else the GPU could not run: it is
@@ -712,7 +463,7 @@ mod tests {
     #[test]
     fn a_layer_without_cuda_kernels_is_named() {
         let model = lenet(LeNetVariant::Relu);
-        let e = refuse_what_one_gpu_cannot_run(&model, &Layout::default(), 0)
+        let e = refuse_what_gpus_cannot_run(&model, &Layout::default(), 0)
             .unwrap_err()
             .to_string();
         assert!(
@@ -746,7 +497,7 @@ mod tests {
             .iter()
             .all(|b| b.layer.runs_on(Device::Cuda(0))));
         assert!(model.blocks.iter().all(|b| b.layer.runs_on(Device::Cpu)));
-        assert!(refuse_what_one_gpu_cannot_run(&model, &Layout::default(), 0).is_ok());
+        assert!(refuse_what_gpus_cannot_run(&model, &Layout::default(), 0).is_ok());
     }
 
     #[test]

@@ -25,7 +25,6 @@
 
 pub mod context;
 pub mod data;
-#[cfg(feature = "cuda")]
 pub mod device;
 pub mod engine;
 pub mod layout;

@@ -3,16 +3,18 @@
 //! allocated, and again with the activations the first step measured
 //! ([`check_step_limit`]: activations depend on the model's code, which only a step shows).
 //!
-//! meshtrain keeps f32 parameters in every precision (bf16/fp16 products convert their
-//! inputs on the fly; the f32 parameters are the master weights), so a parameter costs 4
-//! bytes of weight, 4 of gradient and 8 of AdamW moments (4 for SGD's momentum): the
+//! meshtrain keeps f32 parameters in every precision (the master weights), so a parameter
+//! costs 4 bytes of weight, 4 of gradient and 8 of AdamW moments (4 for SGD's momentum): the
 //! planner's `model_state_bytes` with those byte counts, sharded by the ZeRO stage over the
-//! data-parallel group.
+//! data-parallel group. On the CPU bf16/fp16 products convert their inputs on the fly; on a
+//! GPU the products read a 16-bit copy of the weights kept beside the master (2 bytes more,
+//! refreshed by the update), which [`model_states_on`] counts.
 
-use crate::layout::Layout;
+use crate::layout::{Layout, Precision};
 use meshtrain_nn::optim::OptimizerConfig;
 use meshtrain_plan::layout::ParamBytes;
 use meshtrain_plan::memory::{model_state_bytes, ModelStates};
+use meshtrain_tensor::Device;
 
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -29,11 +31,26 @@ pub fn bytes_per_param(optimizer: OptimizerConfig) -> ParamBytes {
 }
 
 /// The planner's model-state bytes of a worker holding `params` parameters before ZeRO
-/// sharding (its pipeline chunks, its tensor-parallel shards) under `layout`.
+/// sharding (its pipeline chunks, its tensor-parallel shards) under `layout`, on the CPU.
 pub fn model_states(params: f64, optimizer: OptimizerConfig, layout: &Layout) -> ModelStates {
+    model_states_on(params, optimizer, layout, Device::Cpu)
+}
+
+/// [`model_states`] on `device`: a GPU under mixed precision also keeps the weights' 16-bit
+/// compute copy.
+pub fn model_states_on(
+    params: f64,
+    optimizer: OptimizerConfig,
+    layout: &Layout,
+    device: Device,
+) -> ModelStates {
+    let mut bytes = bytes_per_param(optimizer);
+    if device.is_cuda() && layout.precision != Precision::Fp32 {
+        bytes.weights += crate::precision::product_dtype(layout.precision).size_bytes() as f64;
+    }
     model_state_bytes(
         params,
-        bytes_per_param(optimizer),
+        bytes,
         layout.zero,
         // ZeRO shards over every worker that holds the same parameters: dp × cp.
         (layout.dp * layout.cp) as u64,
@@ -41,15 +58,16 @@ pub fn model_states(params: f64, optimizer: OptimizerConfig, layout: &Layout) ->
 }
 
 /// Refuses `layout` when a worker holding `params` parameters (the most any worker holds)
-/// needs more than `limit_mb` MiB of model states, naming both figures and the ZeRO stages
-/// that would fit.
+/// needs more than `limit_mb` MiB of model states on `device`, naming both figures and the
+/// ZeRO stages that would fit.
 pub fn check_limit(
     limit_mb: f64,
     params: f64,
     optimizer: OptimizerConfig,
     layout: &Layout,
+    device: Device,
 ) -> Result<(), String> {
-    let states = model_states(params, optimizer, layout);
+    let states = model_states_on(params, optimizer, layout, device);
     let need = states.total() / MIB;
     if need <= limit_mb {
         return Ok(());
@@ -59,7 +77,7 @@ pub fn check_limit(
             zero,
             ..layout.clone()
         };
-        model_states(params, optimizer, &layout).total() / MIB
+        model_states_on(params, optimizer, &layout, device).total() / MIB
     };
     let fits: Vec<String> = (0..=3u8)
         .filter(|&z| stage_mib(z) <= limit_mb)
@@ -136,6 +154,36 @@ pub fn check_step_limit(
 mod tests {
     use super::*;
 
+    /// A GPU under mixed precision keeps a 16-bit copy of the weights (2 bytes a parameter,
+    /// sharded with them under ZeRO-3); fp32 and the CPU keep none.
+    #[test]
+    fn a_gpu_counts_the_16_bit_compute_copy() {
+        let adam = OptimizerConfig::Adamw {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let gpu = Device::Cuda(0);
+        let bf16 = Layout {
+            precision: Precision::Bf16,
+            ..Layout::default()
+        };
+        assert_eq!(model_states_on(1e6, adam, &bf16, gpu).weights, 6e6);
+        assert_eq!(model_states_on(1e6, adam, &bf16, gpu).total(), 18e6);
+        assert_eq!(model_states_on(1e6, adam, &bf16, Device::Cpu).weights, 4e6);
+        assert_eq!(
+            model_states_on(1e6, adam, &Layout::default(), gpu).weights,
+            4e6
+        );
+        let sharded = Layout {
+            dp: 4,
+            zero: 3,
+            ..bf16
+        };
+        assert_eq!(model_states_on(1e6, adam, &sharded, gpu).weights, 1.5e6);
+    }
+
     #[test]
     fn the_limit_names_both_figures_and_the_stages_that_fit() {
         let adam = OptimizerConfig::Adamw {
@@ -150,8 +198,8 @@ mod tests {
         };
         // 2²⁰ parameters: 16 MiB of states under DDP, 4 MiB under ZeRO-3 at dp = 4.
         let params = (1u64 << 20) as f64;
-        assert!(check_limit(16.0, params, adam, &layout).is_ok());
-        let e = check_limit(9.0, params, adam, &layout).unwrap_err();
+        assert!(check_limit(16.0, params, adam, &layout, Device::Cpu).is_ok());
+        let e = check_limit(9.0, params, adam, &layout, Device::Cpu).unwrap_err();
         assert!(
             e.contains("need 16 MiB") && e.contains("allows 9 MiB"),
             "{e}"
@@ -160,7 +208,7 @@ mod tests {
             e.contains("zero=2 (7 MiB), zero=3 (4 MiB)") && !e.contains("zero=1"),
             "{e}"
         );
-        let e = check_limit(1.0, params, adam, &layout).unwrap_err();
+        let e = check_limit(1.0, params, adam, &layout, Device::Cpu).unwrap_err();
         assert!(e.contains("no ZeRO stage fits at dp=4"), "{e}");
     }
 

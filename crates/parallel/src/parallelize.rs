@@ -104,8 +104,11 @@ pub struct ParallelOptions {
     /// Refuse the layout when a worker's model states would exceed this many MiB
     /// ([`crate::memory::check_limit`]), before any parameter is allocated.
     pub memory_limit_mb: Option<f64>,
-    /// Where the step runs: the CPU, or a CUDA GPU (one worker today).
+    /// Where the step runs: the CPU, or CUDA GPUs (`cuda:N`: this worker's).
     pub device: meshtrain_tensor::Device,
+    /// Tests only: place every chunk's state on a stand-in device in host memory
+    /// ([`crate::engine::StandIn`]), to run the device half of the step without a GPU.
+    pub stand_in_device: bool,
     /// f32 products on the GPU may use TF32 tensor cores (`train.tf32`).
     pub tf32: bool,
     /// Hosts of this many consecutive ranks (0: as the backend knows them): simulates hosts
@@ -241,20 +244,7 @@ impl ModelStateMemory {
     }
 }
 
-/// A GPU's memory as the run's caching allocator saw it.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct DeviceMemory {
-    /// "cuda:0 (NVIDIA H100 80GB HBM3)".
-    pub device: String,
-    /// Bytes held by live tensors and buffers now, and at most since the run started.
-    pub in_use_bytes: usize,
-    pub peak_bytes: usize,
-    /// Freed blocks the allocator keeps for reuse.
-    pub cached_bytes: usize,
-    /// Calls to the driver's allocation (flat after the first step).
-    pub device_allocs: u64,
-    pub total_bytes: usize,
-}
+pub use crate::engine::DeviceMemory;
 
 impl DeviceMemory {
     pub fn report(&self) -> String {
@@ -332,10 +322,8 @@ pub struct Parallel {
     step_memory_limit_mb: Option<f64>,
     /// The context-parallel sizes the model allows (for the limit's message).
     cp_sizes: Vec<usize>,
-    /// The step on a GPU, when the run has one (the stage's host store is then the
-    /// checkpoint mirror).
-    #[cfg(feature = "cuda")]
-    device: Option<crate::device::DeviceStep>,
+    /// The collectives of a run on several GPUs (`None`: the host's, for host buffers).
+    device_collectives: Option<crate::device::DeviceCollectives>,
 }
 
 /// How far [`check_device`] goes on a GPU.
@@ -352,29 +340,16 @@ pub enum DeviceCheck {
 
 /// Whether `device` can run `model` under `layout` on this machine, asked before any work
 /// (before the data loads, when a caller can: it needs the model and the layout only). The
-/// CPU always can; a GPU needs the driver and the CUDA libraries, the GPU itself, one worker,
-/// and CUDA kernels for every layer ([`crate::device::check`]), each refused with one message
-/// that says what to do.
+/// CPU always can; a GPU needs the driver and the CUDA libraries, the GPU itself, a layout
+/// whose pieces have a device form, and CUDA kernels for every layer
+/// ([`crate::device::check`]), each refused with one message that says what to do.
 pub fn check_device(
     model: &Model,
     layout: &Layout,
     device: meshtrain_tensor::Device,
     how: DeviceCheck,
 ) -> Result<(), ParallelError> {
-    #[cfg(feature = "cuda")]
-    return crate::device::check(model, layout, device, how);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (model, layout, how);
-        if device.is_cuda() {
-            return Err(ParallelError::Device(
-                "this meshtrain was built without the `cuda` feature: rebuild with default \
-                 features for --device cuda"
-                    .into(),
-            ));
-        }
-        Ok(())
-    }
+    crate::device::check(model, layout, device, how)
 }
 
 /// Applies the layout's dimensions to `model` for this worker of `world`, in the documented
@@ -389,6 +364,11 @@ pub fn parallelize(
     sample: Option<&Batch>,
 ) -> Result<Parallel, ParallelError> {
     let l = &layout.layout;
+    // The device, before any work: the GPU is there, the layout's pieces run on it, and
+    // every layer has its kernels. Several GPUs reduce over NCCL or staged collectives.
+    check_device(model, l, options.device, DeviceCheck::Opening)?;
+    crate::device::check_options(options, l)?;
+    let (world, device_collectives) = crate::device::collectives_for(world, options.device)?;
     let mesh = DeviceMesh::new(
         world.clone(),
         &[
@@ -415,10 +395,6 @@ pub fn parallelize(
             .ranks_sharing(world.rank(), &[MeshAxis::Pp, MeshAxis::Tp])?;
         world.new_named_subgroup(&members, &format!("dp-cp{members:?}"))?
     };
-
-    // The device, before any work: the GPU is there, runs one worker, and every layer has
-    // its kernels.
-    check_device(model, l, options.device, DeviceCheck::Opening)?;
 
     // Placement, before any work: tensor-parallel groups inside a host, and a hierarchical
     // reduction only over hosts holding equal numbers of the data-parallel group's ranks.
@@ -519,7 +495,7 @@ pub fn parallelize(
             .sum();
         let mut most = [mine as f32];
         world.all_reduce(BufMut::F32(&mut most), ReduceOp::Max)?;
-        crate::memory::check_limit(limit, most[0] as f64, training.optimizer, l)
+        crate::memory::check_limit(limit, most[0] as f64, training.optimizer, l, options.device)
             .map_err(ParallelError::Memory)?;
     }
     let mut stage = Stage::new_with(
@@ -605,23 +581,17 @@ pub fn parallelize(
             .collect(),
         None => stage.optimizers_with_groups(model, training.optimizer, &segments),
     };
-    #[cfg(feature = "cuda")]
-    let device = match options.device {
-        meshtrain_tensor::Device::Cuda(ordinal) => Some(crate::device::DeviceStep::new(
-            ordinal,
-            model,
-            &stage.chunks[0].store,
-            &optimizers[0],
-            &stage.chunks[0].norm_skip,
-            crate::precision::product_dtype(l.precision),
-            options.tf32,
-            options.memory_limit_mb,
-        )?),
-        meshtrain_tensor::Device::Cpu => None,
-    };
+    // 6. Placement: each chunk's state on the run's device for the whole run (the stores
+    // stay as the checkpoint mirror). Nothing on the CPU.
+    crate::device::place(
+        model,
+        &mut stage,
+        &optimizers,
+        options,
+        crate::precision::product_dtype(l.precision),
+    )?;
     Ok(Parallel {
-        #[cfg(feature = "cuda")]
-        device,
+        device_collectives,
         options: StepOptions {
             loss,
             recompute: l.recompute == Recompute::Full,
@@ -686,23 +656,21 @@ impl Parallel {
     /// This worker's model-state bytes, measured (call between steps: during a step ZeRO's
     /// pieces move between stores).
     pub fn model_state_memory(&mut self) -> ModelStateMemory {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            let (parameters, gradients, optimizer) = d.state_bytes();
-            return ModelStateMemory {
-                parameters,
-                gradients,
-                optimizer,
-                transient_peak: 0,
-            };
-        }
         let mut m = ModelStateMemory::default();
-        for chunk in &self.stage.chunks {
-            m.parameters += chunk.store.values.capacity() * 4;
-            m.gradients += chunk.store.grads.capacity() * 4;
-        }
-        for opt in &self.optimizers {
-            m.optimizer += (opt.m.capacity() + opt.v.capacity()) * 4;
+        for (chunk, opt) in self.stage.chunks.iter().zip(&self.optimizers) {
+            match &chunk.device {
+                Some(d) => {
+                    let (parameters, gradients, optimizer) = d.state_bytes();
+                    m.parameters += parameters;
+                    m.gradients += gradients;
+                    m.optimizer += optimizer;
+                }
+                None => {
+                    m.parameters += chunk.store.values.capacity() * 4;
+                    m.gradients += chunk.store.grads.capacity() * 4;
+                    m.optimizer += (opt.m.capacity() + opt.v.capacity()) * 4;
+                }
+            }
         }
         if let Some(zero) = crate::zero::of_mut(self.sync.as_mut()) {
             let (grads, values, transient) = zero.memory();
@@ -711,6 +679,20 @@ impl Parallel {
             m.transient_peak = transient;
         }
         m
+    }
+
+    /// Bytes of model states on the device (0 on the CPU): what an out-of-memory's advice
+    /// leaves beside the activations.
+    fn device_state_bytes(&self) -> usize {
+        self.stage
+            .chunks
+            .iter()
+            .filter_map(|c| c.device.as_ref())
+            .map(|d| {
+                let (p, g, o) = d.state_bytes();
+                p + g + o
+            })
+            .sum()
     }
 
     /// The ZeRO stage the replicas run (`None`: full replicas).
@@ -752,24 +734,24 @@ impl Parallel {
         share: Batch,
         lr: f32,
         clip: Option<f32>,
+        timeline: Option<&mut Timeline>,
+    ) -> Result<StepStats, ParallelError> {
+        let samples = share.samples;
+        let states = self.device_state_bytes();
+        crate::device::guarded(samples, states, || {
+            self.train_step_unguarded(model, share, lr, clip, timeline)
+        })
+    }
+
+    fn train_step_unguarded(
+        &mut self,
+        model: &Model,
+        share: Batch,
+        lr: f32,
+        clip: Option<f32>,
         mut timeline: Option<&mut Timeline>,
     ) -> Result<StepStats, ParallelError> {
         let share = self.own_tokens(share)?;
-        #[cfg(feature = "cuda")]
-        if let Some(d) = self.device.as_mut() {
-            let micro = self.layout.micro_batches();
-            let world = self.mesh.world().clone();
-            return d.train_step(
-                model,
-                share,
-                micro,
-                lr,
-                clip,
-                &self.options,
-                self.scaling.as_mut(),
-                world.as_ref(),
-            );
-        }
         let micro = MicroBatches::split_owned(share.x, share.y, self.layout.micro_batches())?;
         let pp = self.mesh.group(MeshAxis::Pp).clone();
         if let Some(t) = timeline.as_deref_mut() {
@@ -831,13 +813,8 @@ impl Parallel {
         let mut norm = 0.0;
         let scaled = match &mut self.scaling {
             Some(scaling) => {
-                let mut grads: Vec<&mut [f32]> = self
-                    .stage
-                    .chunks
-                    .iter_mut()
-                    .map(|c| &mut c.store.grads[..])
-                    .collect();
-                Some(scaling.unscale_and_check(&mut grads, self.mesh.world().as_ref())?)
+                let found_inf = self.stage.unscale_grads(1.0 / scaling.scale());
+                Some(scaling.decide(found_inf, self.mesh.world().as_ref())?)
             }
             None => None,
         };
@@ -907,41 +884,38 @@ impl Parallel {
         })
     }
 
+    /// Where this worker's state lives during steps: its chunks' device, or the CPU.
+    pub fn device(&self) -> meshtrain_tensor::Device {
+        self.stage
+            .chunks
+            .iter()
+            .find_map(|c| c.device.as_ref().map(|d| d.device()))
+            .unwrap_or(meshtrain_tensor::Device::Cpu)
+    }
+
     /// The GPU's memory, when the run has one.
     pub fn device_memory(&self) -> Option<DeviceMemory> {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            let dev = d.device();
-            let stats = dev.memory_stats();
-            return Some(DeviceMemory {
-                device: format!("cuda:{} ({})", dev.ordinal(), dev.name()),
-                in_use_bytes: stats.in_use,
-                peak_bytes: stats.peak_in_use,
-                cached_bytes: stats.cached,
-                device_allocs: stats.device_allocs,
-                total_bytes: dev.memory_info().1,
-            });
-        }
-        None
+        self.stage
+            .chunks
+            .iter()
+            .find_map(|c| c.device.as_ref().map(|d| d.memory()))
     }
 
     /// On a GPU: copies the device's parameters, buffers and optimizer state into the
-    /// stage's host store and optimizer (before a checkpoint reads them). A no-op on the CPU.
+    /// stage's host stores and optimizers (before a checkpoint reads them). A no-op on the
+    /// CPU.
     pub fn pull_from_device(&mut self) -> Result<(), ParallelError> {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            let chunk = &mut self.stage.chunks[0];
-            d.download(&mut chunk.store, &mut self.optimizers[0])?;
+        for (chunk, opt) in self.stage.chunks.iter_mut().zip(&mut self.optimizers) {
+            chunk.pull_from_device(opt)?;
         }
         Ok(())
     }
 
-    /// On a GPU: replaces the device state by the stage's host store and optimizer (after a
+    /// On a GPU: replaces the device state by the stage's host stores and optimizers (after a
     /// checkpoint was loaded into them). A no-op on the CPU.
     pub fn push_to_device(&mut self) -> Result<(), ParallelError> {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &mut self.device {
-            d.upload(&self.stage.chunks[0].store, &self.optimizers[0])?;
+        for (chunk, opt) in self.stage.chunks.iter_mut().zip(&self.optimizers) {
+            chunk.push_to_device(opt)?;
         }
         Ok(())
     }
@@ -976,45 +950,29 @@ impl Parallel {
             0
         };
         let batch = self.own_tokens(batch)?;
-        #[cfg(feature = "cuda")]
-        if let Some(d) = self.device.as_mut() {
-            // The sums stay on the device until `reduce_eval`.
-            let _ = (sums, samples);
-            return d.eval_batch(model, batch, &self.options);
-        }
         let micro = MicroBatches {
             inputs: vec![batch.x],
             targets: vec![batch.y],
         };
-        let values = self.stage.evaluate(
-            model,
-            pp.as_ref(),
-            micro,
-            &self.options,
-            &mut SyncHooks(self.sync.as_mut()),
-        );
-        self.sync.check_pass()?;
-        if let Some(values) = values? {
-            values.iter().for_each(|v| sums.add(v, samples));
-        }
-        Ok(())
+        let states = self.device_state_bytes();
+        crate::device::guarded(batch.samples, states, || {
+            let values = self.stage.evaluate(
+                model,
+                pp.as_ref(),
+                micro,
+                &self.options,
+                &mut SyncHooks(self.sync.as_mut()),
+            );
+            self.sync.check_pass()?;
+            if let Some(values) = values? {
+                values.iter().for_each(|v| sums.add(v, samples));
+            }
+            Ok(())
+        })
     }
 
     /// The evaluation sums of every replica, exact (f64) and the same on every worker.
     pub fn reduce_eval(&mut self, sums: EvalSums) -> Result<EvalSums, ParallelError> {
-        #[cfg(feature = "cuda")]
-        if let Some(d) = self.device.as_mut() {
-            let dev = d.eval_sums()?;
-            return Ok(EvalSums {
-                loss_sum: sums.loss_sum + dev.loss_sum,
-                count: sums.count + dev.count,
-                correct: match (sums.correct, dev.correct) {
-                    (None, None) => None,
-                    (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
-                },
-                samples: sums.samples + dev.samples,
-            });
-        }
         let pp = self.mesh.group(MeshAxis::Pp);
         let mut v = [
             sums.loss_sum,
@@ -1069,16 +1027,20 @@ impl Parallel {
             self.layout.micro_batches(),
             l.micro_batch_size.unwrap_or(0),
         );
-        #[cfg(feature = "cuda")]
-        if let Some(d) = &self.device {
-            let dev = d.device();
+        if let Some(d) = self.stage.chunks.iter().find_map(|c| c.device.as_ref()) {
             out += &format!(
-                "; on GPU cuda:{} ({}, sm_{}), parameters, gradients, optimizer state and \
-                 activations on the device",
-                dev.ordinal(),
-                dev.name(),
-                dev.arch()
+                "; on GPU {}, parameters, gradients, optimizer state and activations on the \
+                 device",
+                d.describe()
             );
+            out += match self.device_collectives {
+                Some(crate::device::DeviceCollectives::Nccl) => ", gradients reduced over NCCL",
+                Some(crate::device::DeviceCollectives::Staged) => {
+                    ", gradients reduced through host memory (staged: ranks share a GPU, or \
+                     NCCL is missing)"
+                }
+                None => "",
+            };
         }
         if let Some(cp) = &self.cp_context {
             out += &format!(

@@ -256,29 +256,15 @@ impl LossScaling {
             .store(scaler.scale.to_bits(), Ordering::Relaxed);
     }
 
-    /// After backward and the gradient reduction: divides this worker's gradients by the
-    /// scale, agrees with every worker of `world` whether any gradient overflowed, and
-    /// updates the scale. Every worker of `world` calls it once per step.
-    pub fn unscale_and_check(
-        &mut self,
-        grads: &mut [&mut [f32]],
-        world: &dyn ProcessGroup,
-    ) -> Result<ScaleOutcome, ParallelError> {
-        let inverse = 1.0 / self.scaler.scale;
-        let mut found_inf = false;
-        for g in grads.iter_mut() {
-            found_inf |= unscale(g, inverse);
-        }
-        self.decide(found_inf, world)
-    }
-
     /// The scale gradients are divided by this step.
     pub fn scale(&self) -> f32 {
         self.scaler.scale
     }
 
-    /// After this worker's gradients were unscaled (`found_inf`: one overflowed): agrees
-    /// with every worker of `world` whether to skip, and updates the scale.
+    /// After this worker's gradients were unscaled (`found_inf`: one overflowed, from
+    /// `Stage::unscale_grads` by [`LossScaling::scale`]): agrees with every worker of `world`
+    /// whether to skip, and updates the scale. Every worker of `world` calls it once per
+    /// step.
     pub fn decide(
         &mut self,
         mut found_inf: bool,
@@ -303,20 +289,9 @@ impl LossScaling {
     }
 }
 
-/// Multiplies every gradient by `factor` and tells whether any is inf or NaN (one pass).
-pub fn unscale(grads: &mut [f32], factor: f32) -> bool {
-    let chunk = meshtrain_tensor::par::PARALLEL_MIN_LEN;
-    meshtrain_tensor::par::map_chunks_mut(grads, chunk, |_, part| {
-        let mut bad = false;
-        for v in part.iter_mut() {
-            *v *= factor;
-            bad |= !v.is_finite();
-        }
-        bad
-    })
-    .into_iter()
-    .any(|bad| bad)
-}
+/// Multiplies every gradient by `factor`, telling whether any is inf or NaN (the host arm of
+/// a chunk's unscaling; the step reaches it through `StageChunk::unscale_grads`).
+pub use crate::engine::device::unscale;
 
 #[cfg(test)]
 mod tests {

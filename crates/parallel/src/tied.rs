@@ -6,7 +6,7 @@
 //! all-reduce over just those stages (Megatron's embedding group); on one stage it is a
 //! local addition. Norms count the parameter once: copies go into their chunk's `norm_skip`.
 
-use crate::engine::{Partition, Stage, StageChunk};
+use crate::engine::{Partition, PipelineError, Stage, StageChunk};
 use meshtrain_comm::{BufMut, CommError, ProcessGroup, ReduceOp};
 use meshtrain_nn::Model;
 use std::ops::Range;
@@ -104,11 +104,34 @@ impl TiedGrads {
 
     /// Gives every tied copy the sum of all copies' gradients (primary first, then the
     /// copies in order, then across stages).
-    pub fn reduce(&mut self, chunks: &mut [StageChunk]) -> Result<(), CommError> {
+    pub fn reduce(&mut self, chunks: &mut [StageChunk]) -> Result<(), PipelineError> {
         for tie in &self.ties {
             let Some(((j0, r0), rest)) = tie.held.split_first() else {
                 continue;
             };
+            // The copies this worker holds in one chunk (all of them without interleaving):
+            // summed in place on the chunk's device, then over the tie's stages.
+            if rest.iter().all(|(j, _)| j == j0) {
+                let chunk = &mut chunks[*j0];
+                let ranges: Vec<Range<usize>> = tie.held.iter().map(|(_, r)| r.clone()).collect();
+                chunk.sum_grads(&ranges);
+                if let Some(group) = &tie.group {
+                    let primary = chunk.grads_buf().sub(r0.start, r0.len());
+                    // SAFETY: the chunk's gradients, untouched until the wait returns.
+                    unsafe { group.all_reduce_async(primary, ReduceOp::Sum)?.wait()? };
+                    for (_, r) in rest {
+                        chunk.copy_grads(r.clone(), r0.clone());
+                    }
+                }
+                continue;
+            }
+            if chunks.iter().any(|c| c.device.is_some()) {
+                return Err(PipelineError::Device(
+                    "a tied parameter held in two chunks of one worker (an interleaved \
+                     pipeline) is summed on the host only: run this layout with --device cpu"
+                        .into(),
+                ));
+            }
             self.scratch.clear();
             self.scratch
                 .extend_from_slice(&chunks[*j0].store.grads[r0.clone()]);

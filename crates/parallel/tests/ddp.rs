@@ -1,6 +1,6 @@
 //! DDP against a hand-computed average, and a backward that leaves blocks out.
 
-use meshtrain_comm::{CommConfig, ThreadsWorld};
+use meshtrain_comm::{CommConfig, RawBuf, ThreadsWorld};
 use meshtrain_nn::models::{gpt, GptConfig};
 use meshtrain_nn::{Mode, Model, ParamStore};
 use meshtrain_parallel::data::{Ddp, DdpConfig, GradCompression};
@@ -77,9 +77,14 @@ fn run(compression: GradCompression, blocks_from: usize) -> (Vec<Vec<f32>>, Vec<
         ddp.prepare(true);
         let rank = group.rank();
         local_grads(&m, &mut store, rank, blocks_from..n, &mut |i, s| {
-            ddp.block_ready(i, s)
+            // SAFETY: the store's gradients outlive the step and are only written by
+            // backward's earlier blocks, outside the buckets in flight.
+            ddp.block_ready(i, unsafe { RawBuf::from_slice(&mut s.grads) })
         });
-        let timing = ddp.finish(&mut store).map_err(|e| e.to_string())?;
+        // SAFETY: as above; `finish` waits for every operation on them.
+        let timing = ddp
+            .finish(unsafe { RawBuf::from_slice(&mut store.grads) })
+            .map_err(|e| e.to_string())?;
         assert!(timing.bytes > 0);
         Ok::<_, String>(store.grads)
     })

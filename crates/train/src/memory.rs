@@ -4,7 +4,7 @@
 
 use meshtrain_nn::optim::OptimizerConfig;
 use meshtrain_nn::Model;
-use meshtrain_parallel::memory::model_states;
+use meshtrain_parallel::memory::model_states_on;
 use meshtrain_parallel::{ModelStateMemory, Parallel};
 use meshtrain_plan::memory::ModelStates;
 use serde::Serialize;
@@ -20,7 +20,12 @@ pub fn predicted(parallel: &Parallel, model: &Model, optimizer: OptimizerConfig)
         .iter()
         .map(|c| model.blocks_param_range(c.blocks.clone()).len())
         .sum();
-    model_states(params as f64, optimizer, &parallel.layout.layout)
+    model_states_on(
+        params as f64,
+        optimizer,
+        &parallel.layout.layout,
+        parallel.device(),
+    )
 }
 
 /// Measured and predicted model-state memory of one worker (MiB), for the run's summary.

@@ -119,6 +119,30 @@ pub fn tiny_llama_config_result(
     tiny_config("configs/llama.toml", &model, out, max_steps, extra)
 }
 
+/// ResNet-18 at width 4 on 512 Fashion-MNIST images, batch 16 (SGD with momentum and
+/// weight decay, batch norm), `max_steps` of a 40-step schedule, then `extra`.
+pub fn tiny_resnet_config(out: &Path, max_steps: u64, extra: &[&str]) -> Config {
+    let text = std::fs::read_to_string(root().join("configs/resnet18.toml")).unwrap();
+    let data = root().join("data/fashion-mnist-subset");
+    let mut o: Vec<String> = [
+        "model.width=4",
+        "train.batch_size=16",
+        "train.steps=40",
+        "train.threads=1",
+        "train.log_every=1000",
+        "data.train_limit=512",
+        "data.test_limit=64",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    o.push(format!("data.data_dir=\"{}\"", data.display()));
+    o.push(format!("train.out_dir=\"{}\"", out.display()));
+    o.push(format!("train.max_steps={max_steps}"));
+    o.extend(extra.iter().map(|s| s.to_string()));
+    Config::from_toml_with_overrides(&text, &o).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
 /// A shipped config (`file`) made tiny by `model`'s overrides and the shared run settings
 /// (batch 8, 40-step schedule stopped at `max_steps`, one thread per worker), then `extra`.
 fn tiny_config(

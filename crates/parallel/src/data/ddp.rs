@@ -153,6 +153,18 @@ pub fn broadcast_state(
     Ok(())
 }
 
+/// The host f32 slice a gradient view is (bf16 compression converts on the host: a run on a
+/// device is refused it before any work).
+fn host_f32<'a>(grads: RawBuf) -> &'a mut [f32] {
+    assert!(
+        grads.device().is_cpu() && grads.dtype() == meshtrain_comm::DType::F32,
+        "DDP's bf16 wire converts host f32 gradients"
+    );
+    // SAFETY: a host f32 view (checked) of the gradient buffer DDP owns during the step; no
+    // operation is in flight on this bucket while it is converted.
+    unsafe { std::slice::from_raw_parts_mut(grads.addr() as *mut f32, grads.len()) }
+}
+
 /// The DDP gradient synchroniser of one rank.
 pub struct Ddp {
     group: Arc<dyn ProcessGroup>,
@@ -258,8 +270,9 @@ impl Ddp {
         }
     }
 
-    /// The backward hook: block `block`'s gradients in `store` are final.
-    pub fn block_ready(&mut self, block: usize, store: &mut ParamStore) {
+    /// The backward hook: block `block`'s gradients in `grads` (the whole gradient buffer
+    /// DDP was planned over, on the host or on a device) are final.
+    pub fn block_ready(&mut self, block: usize, grads: RawBuf) {
         if !self.syncing || !self.config.overlap {
             return;
         }
@@ -268,32 +281,30 @@ impl Ddp {
         }
         let t = Instant::now();
         while self.launched < self.buckets.len() && self.remaining[self.launched] == 0 {
-            self.launch(store);
+            self.launch(grads);
         }
         self.hook_s += t.elapsed().as_secs_f64();
     }
 
-    fn launch(&mut self, store: &mut ParamStore) {
+    fn launch(&mut self, grads: RawBuf) {
         let b = self.launched;
         self.launched += 1;
         if self.error.is_some() {
             return;
         }
         let range = self.buckets[b].grads.clone();
-        self.grads_ptr = store.grads.as_ptr() as usize;
+        self.grads_ptr = grads.addr() as usize;
+        let bucket = grads.sub(range.start, range.len());
         // SAFETY: the bucket's range of the gradient buffer (or its own wire buffer) is not
         // touched by anyone until `finish` has waited for this operation: backward only
         // writes the gradients of earlier blocks, which lie in other buckets, and `finish`
         // checks it is given the same buffer.
         let started = unsafe {
             match self.config.compression {
-                GradCompression::None => self.group.all_reduce_async(
-                    RawBuf::from_slice(&mut store.grads[range]),
-                    ReduceOp::Average,
-                ),
+                GradCompression::None => self.group.all_reduce_async(bucket, ReduceOp::Average),
                 GradCompression::Bf16 => {
                     let wire = &mut self.wire[b];
-                    for (w, g) in wire.iter_mut().zip(&store.grads[range]) {
+                    for (w, g) in wire.iter_mut().zip(host_f32(bucket)) {
                         *w = bf16::from_f32(*g);
                     }
                     self.group
@@ -308,8 +319,8 @@ impl Ddp {
     }
 
     /// Call after backward: starts the buckets not started yet, waits for all, and leaves the
-    /// gradients averaged over the ranks in `store.grads`.
-    pub fn finish(&mut self, store: &mut ParamStore) -> Result<CommTiming, DataParallelError> {
+    /// gradients averaged over the ranks in `grads` (the buffer the hooks were given).
+    pub fn finish(&mut self, grads: RawBuf) -> Result<CommTiming, DataParallelError> {
         if !self.syncing {
             return Ok(CommTiming::default());
         }
@@ -318,12 +329,12 @@ impl Ddp {
         if !self.in_flight.is_empty() {
             assert_eq!(
                 self.grads_ptr,
-                store.grads.as_ptr() as usize,
-                "Ddp::finish must get the store whose gradients are being reduced"
+                grads.addr() as usize,
+                "Ddp::finish must get the buffer whose gradients are being reduced"
             );
         }
         while self.launched < self.buckets.len() {
-            self.launch(store);
+            self.launch(grads);
         }
         let mut timing = CommTiming::default();
         let mut first_error = self.error.take();
@@ -343,7 +354,8 @@ impl Ddp {
             }
             timing.bytes += bucket.len() * self.wire_bytes_per_elem();
             if self.config.compression == GradCompression::Bf16 {
-                for (g, w) in store.grads[bucket.grads.clone()]
+                let range = bucket.grads.clone();
+                for (g, w) in host_f32(grads.sub(range.start, range.len()))
                     .iter_mut()
                     .zip(&self.wire[b])
                 {

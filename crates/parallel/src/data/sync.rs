@@ -234,14 +234,14 @@ impl GradSync for DdpSync {
     fn grads_ready(&mut self, ready: GradsReady<'_>) {
         let j = ready.chunk / self.workers;
         if let Some(ddp) = self.ddps.get_mut(j) {
-            ddp.block_ready(ready.block - self.first_block[j], ready.store);
+            ddp.block_ready(ready.block - self.first_block[j], ready.grads);
         }
     }
 
     fn finish(&mut self, chunks: &mut [StageChunk]) -> Result<CommTiming, DataParallelError> {
         let mut timing = CommTiming::default();
         for (ddp, chunk) in self.ddps.iter_mut().zip(chunks) {
-            timing.add(ddp.finish(&mut chunk.store)?);
+            timing.add(ddp.finish(chunk.grads_buf())?);
         }
         Ok(timing)
     }

@@ -16,12 +16,13 @@
 //! * [`GradsReady`] fires for each block during a chunk's *last* backward of the step: from
 //!   then on that block's gradients are final and a data-parallel all-reduce may start.
 
+use super::device::DeviceState;
 use super::partition::Partition;
 use super::schedule::{Action, Schedule};
 use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, SendMode, TAG_LIMIT};
 use super::PipelineError;
 use crate::timeline::{timed, Category, Timeline};
-use meshtrain_comm::ProcessGroup;
+use meshtrain_comm::{ProcessGroup, RawBuf};
 use meshtrain_nn::model::Activations;
 use meshtrain_nn::optim::{segments_within, Optimizer, OptimizerConfig, Segment};
 use meshtrain_nn::{BlockParams, Loss, LossValue, Mode, Model, ParamStore};
@@ -32,16 +33,20 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// One contiguous range of blocks held by a worker, with its parameters.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct StageChunk {
     /// Global chunk index (model order).
     pub index: usize,
     pub blocks: Range<usize>,
-    /// Parameters, gradients and buffers of `blocks` only.
+    /// Parameters, gradients and buffers of `blocks` only; with `device`, the checkpoint
+    /// mirror of the device's state (filled by [`DeviceState::download`]).
     pub store: ParamStore,
     /// Ranges of `store.grads` that gradient norms leave out (tied copies, whose primary
     /// counts for them).
     pub norm_skip: Vec<Range<usize>>,
+    /// Where the chunk's state lives during steps when not in `store`: a GPU's memory. Every
+    /// method below goes to it or to the store; nothing above the engine asks which.
+    pub device: Option<Box<dyn DeviceState>>,
 }
 
 impl StageChunk {
@@ -51,9 +56,94 @@ impl StageChunk {
         self.norm_skip.sort_by_key(|r| r.start);
     }
 
+    /// The chunk's whole gradient buffer, for collectives: the store's, or the device's.
+    pub fn grads_buf(&mut self) -> RawBuf {
+        match &mut self.device {
+            Some(d) => d.grads(),
+            // SAFETY: the store's gradients outlive the operations a step starts on them (the
+            // step waits for them before the store is touched again).
+            None => unsafe { RawBuf::from_slice(&mut self.store.grads) },
+        }
+    }
+
+    /// Every range of `held` (chunk-local, equal lengths) becomes their sum, added in order
+    /// (a tied parameter's copies within this chunk).
+    pub fn sum_grads(&mut self, held: &[Range<usize>]) {
+        let Some((first, rest)) = held.split_first() else {
+            return;
+        };
+        match &mut self.device {
+            Some(d) => {
+                for r in rest {
+                    d.tie_sum(first.clone(), r.clone());
+                }
+                for r in rest.iter().take(rest.len().saturating_sub(1)) {
+                    d.copy_grads(r.clone(), first.clone());
+                }
+            }
+            None => {
+                let grads = &mut self.store.grads;
+                for r in rest {
+                    for (i, k) in first.clone().zip(r.clone()) {
+                        grads[i] += grads[k];
+                    }
+                }
+                for r in rest {
+                    grads.copy_within(first.clone(), r.start);
+                }
+            }
+        }
+    }
+
+    /// The gradients of `src` copied over `dst` (chunk-local ranges of equal length).
+    pub fn copy_grads(&mut self, dst: Range<usize>, src: Range<usize>) {
+        match &mut self.device {
+            Some(d) => d.copy_grads(dst, src),
+            None => self.store.grads.copy_within(src, dst.start),
+        }
+    }
+
+    /// Multiplies the gradients by `inverse` (fp16's unscaling); whether any became inf or
+    /// NaN.
+    pub fn unscale_grads(&mut self, inverse: f32) -> bool {
+        match &mut self.device {
+            Some(d) => d.unscale_check(inverse),
+            None => super::device::unscale(&mut self.store.grads, inverse),
+        }
+    }
+
+    /// Gradients set to zero.
+    pub fn zero_grads(&mut self) {
+        match &mut self.device {
+            Some(d) => d.zero_grads(),
+            None => self.store.zero_grads(),
+        }
+    }
+
+    /// Copies the device's state into the store and `optimizer` (before a checkpoint reads
+    /// them); nothing on the host.
+    pub fn pull_from_device(&mut self, optimizer: &mut Optimizer) -> Result<(), PipelineError> {
+        match &self.device {
+            Some(d) => d.download(&mut self.store, optimizer),
+            None => Ok(()),
+        }
+    }
+
+    /// Replaces the device's state by the store and `optimizer` (after a checkpoint was
+    /// loaded into them); nothing on the host.
+    pub fn push_to_device(&mut self, optimizer: &Optimizer) -> Result<(), PipelineError> {
+        match &mut self.device {
+            Some(d) => d.upload(&self.store, optimizer),
+            None => Ok(()),
+        }
+    }
+
     /// `Σ g²` over this chunk's gradients, without `norm_skip`.
-    fn grad_sum_of_squares(&self) -> f64 {
+    fn grad_sum_of_squares(&mut self) -> f64 {
         use meshtrain_nn::optim::sum_of_squares;
+        if let Some(d) = &mut self.device {
+            return d.grad_sum_of_squares(&self.norm_skip);
+        }
         if self.norm_skip.is_empty() {
             return sum_of_squares(&self.store.grads);
         }
@@ -80,7 +170,7 @@ pub enum StageStores {
 }
 
 /// A worker's share of a pipelined model and the program it runs each step.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Stage {
     rank: usize,
     schedule: Schedule,
@@ -208,12 +298,16 @@ impl StepReport {
 }
 
 /// A block's gradients just became final for this step (during its chunk's last backward):
-/// `store.grads[range]` holds them. The place to start a data-parallel all-reduce.
+/// `grads` (the chunk's whole gradient buffer, on the chunk's device) holds them at `range`.
+/// The place to start a data-parallel all-reduce.
 pub struct GradsReady<'a> {
     pub chunk: usize,
     pub block: usize,
-    /// The block's range within `store` (stage-local).
+    /// The block's range within the chunk (stage-local).
     pub range: Range<usize>,
+    /// The chunk's gradient buffer: `store.grads`, or the device's.
+    pub grads: RawBuf,
+    /// The chunk's host store (its gradients are `grads` only on the CPU).
     pub store: &'a mut ParamStore,
 }
 
@@ -250,7 +344,8 @@ impl<F: FnMut(GradsReady<'_>)> StepHooks for F {
     }
 }
 
-/// A forward pass over `chunk`'s blocks, with its parameters from `params` or its store.
+/// A forward pass over `chunk`'s blocks, with its parameters from `params`, its device or
+/// its store.
 fn forward_chunk(
     model: &Model,
     chunk: &mut StageChunk,
@@ -260,11 +355,48 @@ fn forward_chunk(
     recompute: bool,
 ) -> (Tensor, Activations) {
     let blocks = chunk.blocks.clone();
-    match params {
-        Some(p) => model.forward_with(p.bind(&mut chunk.store).as_mut(), x, blocks, mode, &|_| {
-            recompute
-        }),
-        None => model.forward_local(&mut chunk.store, x, blocks, mode, &|_| recompute),
+    let keep = |_| recompute;
+    match (params, &mut chunk.device) {
+        (Some(p), _) => {
+            model.forward_with(p.bind(&mut chunk.store).as_mut(), x, blocks, mode, &keep)
+        }
+        (None, Some(d)) => {
+            let mut nothing = |_| {};
+            let mut bound = d.bind(model, &mut nothing);
+            model.forward_with(bound.as_mut(), x, blocks, mode, &keep)
+        }
+        (None, None) => model.forward_local(&mut chunk.store, x, blocks, mode, &keep),
+    }
+}
+
+/// What a chunk's forward produced: the loss (its value, or `None` when its sums stayed on
+/// the device) and the gradient of the output, or the output for the next chunk.
+enum Produced {
+    Loss(Option<LossValue>, Tensor),
+    Output(Tensor),
+}
+
+/// The loss of the last chunk's output: on the chunk's device when it has one (a value of
+/// `None`: the sums stay there), else on the host.
+fn chunk_loss(
+    chunk: &mut StageChunk,
+    loss: &dyn Loss,
+    y: Tensor,
+    targets: &[u32],
+    grad_scale: f32,
+) -> Result<(Option<LossValue>, Tensor), PipelineError> {
+    match &mut chunk.device {
+        Some(d) => {
+            let (value, grad) = d.loss(loss, y, targets, Some(grad_scale))?;
+            let grad = grad.ok_or_else(|| {
+                PipelineError::InvalidSchedule("the loss gave no gradient".into())
+            })?;
+            Ok((value, grad))
+        }
+        None => {
+            let (value, grad) = loss.forward_backward(&y, targets, grad_scale)?;
+            Ok((Some(value), grad))
+        }
     }
 }
 
@@ -378,6 +510,7 @@ impl Stage {
                     store: store_of(blocks.clone()),
                     blocks,
                     norm_skip: Vec::new(),
+                    device: None,
                 }
             })
             .collect();
@@ -448,8 +581,13 @@ impl Stage {
             None,
             || {
                 for (chunk, opt) in self.chunks.iter_mut().zip(optimizers) {
-                    opt.step(&mut chunk.store.values, &chunk.store.grads, lr);
-                    chunk.store.zero_grads();
+                    match &mut chunk.device {
+                        Some(d) => d.step(opt, lr),
+                        None => {
+                            opt.step(&mut chunk.store.values, &chunk.store.grads, lr);
+                            chunk.store.zero_grads();
+                        }
+                    }
                 }
             },
         );
@@ -514,7 +652,14 @@ impl Stage {
     }
 
     pub fn zero_grads(&mut self) {
-        self.chunks.iter_mut().for_each(|c| c.store.zero_grads());
+        self.chunks.iter_mut().for_each(StageChunk::zero_grads);
+    }
+
+    /// Multiplies every chunk's gradients by `inverse`; whether any became inf or NaN.
+    pub fn unscale_grads(&mut self, inverse: f32) -> bool {
+        self.chunks
+            .iter_mut()
+            .fold(false, |found, c| c.unscale_grads(inverse) | found)
     }
 
     /// Global gradient L2 norm over the workers of `group` (the pipeline stages, a
@@ -522,10 +667,10 @@ impl Stage {
     /// gets the same value. Tied copies count once. The partial sums of squares are added in
     /// f64, so the norm is the single worker's to within f64 rounding (in practice the same
     /// f32).
-    pub fn grad_norm(&self, group: &dyn ProcessGroup) -> Result<f32, PipelineError> {
+    pub fn grad_norm(&mut self, group: &dyn ProcessGroup) -> Result<f32, PipelineError> {
         let mut sum = [self
             .chunks
-            .iter()
+            .iter_mut()
             .map(StageChunk::grad_sum_of_squares)
             .sum::<f64>()];
         super::sum_f64(group, &mut sum)?;
@@ -539,11 +684,20 @@ impl Stage {
         group: &dyn ProcessGroup,
         max_norm: f32,
     ) -> Result<f32, PipelineError> {
+        // One chunk on a device that alone holds the whole gradient: the norm and the factor
+        // stay on the device, and the update applies the factor (one pass fewer).
+        if let ([chunk], 1) = (&mut self.chunks[..], group.size()) {
+            if let Some(d) = &mut chunk.device {
+                return Ok(d.norm_and_clip(&chunk.norm_skip, Some(max_norm)));
+            }
+        }
         let norm = self.grad_norm(group)?;
-        if norm > max_norm && norm > 0.0 {
-            let k = max_norm / (norm + 1e-6);
+        if let Some(k) = super::device::clip_factor(norm, max_norm) {
             for c in &mut self.chunks {
-                c.store.grads.iter_mut().for_each(|g| *g *= k);
+                match &mut c.device {
+                    Some(d) => d.scale_grads(k),
+                    None => c.store.grads.iter_mut().for_each(|g| *g *= k),
+                }
             }
         }
         Ok(norm)
@@ -597,7 +751,14 @@ impl Stage {
         let mut pending: Vec<PendingSend> = Vec::new();
         let mut report = StepReport::default();
         let (mut in_flight, mut loss_sum, mut correct) = (0usize, 0.0f64, None::<usize>);
+        // Micro-batches whose loss summed on the device, and their targets.
+        let (mut on_device, mut device_targets) = (0usize, 0usize);
         let grad_scale = 1.0 / m as f32;
+        for chunk in chunks.iter_mut() {
+            if let Some(d) = &mut chunk.device {
+                d.begin();
+            }
+        }
 
         for (pos, &action) in schedule.actions[self.rank].iter().enumerate() {
             let (c, i) = (action.chunk(), action.micro());
@@ -653,7 +814,10 @@ impl Stage {
                     };
                     let targets = (c == last).then(|| targets[i].as_slice());
                     let t = Instant::now();
-                    let (y, acts, loss) = timed(
+                    if let Some(d) = &mut chunk.device {
+                        d.begin_span();
+                    }
+                    let (acts, out) = timed(
                         &mut timeline,
                         || name("F", c, i),
                         Category::Forward,
@@ -667,28 +831,43 @@ impl Stage {
                                 Mode::TRAIN,
                                 options.recompute,
                             );
-                            let loss =
-                                targets.map(|t| options.loss.forward_backward(&y, t, grad_scale));
-                            (y, acts, loss)
+                            let out = match targets {
+                                Some(t) => {
+                                    chunk_loss(chunk, options.loss.as_ref(), y, t, grad_scale)
+                                        .map(|(value, dlogits)| Produced::Loss(value, dlogits))
+                                }
+                                None => Ok(Produced::Output(y)),
+                            };
+                            (acts, out)
                         },
                     );
+                    if let Some(d) = &mut chunk.device {
+                        d.end_span(true);
+                    }
                     report.forward_s += t.elapsed().as_secs_f64();
                     in_flight += acts.bytes();
                     report.peak_activation_bytes = report.peak_activation_bytes.max(in_flight);
                     stash.insert((c, i), acts);
-                    match loss {
-                        Some(result) => {
-                            let (value, dlogits) = result?;
-                            loss_sum += value.mean as f64;
-                            if let Some(ok) = value.correct {
-                                *correct.get_or_insert(0) += ok;
+                    match out? {
+                        Produced::Loss(value, dlogits) => {
+                            match value {
+                                Some(value) => {
+                                    loss_sum += value.mean as f64;
+                                    if let Some(ok) = value.correct {
+                                        *correct.get_or_insert(0) += ok;
+                                    }
+                                }
+                                None => {
+                                    on_device += 1;
+                                    device_targets += targets.map_or(0, <[u32]>::len);
+                                }
                             }
                             upstream.insert((c, i), dlogits);
                         }
-                        None if p == 1 => {
+                        Produced::Output(y) if p == 1 => {
                             inputs.insert((c + 1, i), y);
                         }
-                        None => {
+                        Produced::Output(y) => {
                             outputs.insert((c, i), y);
                         }
                     }
@@ -700,6 +879,9 @@ impl Stage {
                     let is_final = final_backward.get(&c) == Some(&pos);
                     let base = model.blocks_param_range(chunk.blocks.clone()).start;
                     let t = Instant::now();
+                    if let Some(d) = &mut chunk.device {
+                        d.begin_span();
+                    }
                     let dx = timed(
                         &mut timeline,
                         || name("B", c, i),
@@ -710,6 +892,8 @@ impl Stage {
                                 let mut bound = params.bind(&mut chunk.store);
                                 return model.backward_with(bound.as_mut(), acts, dy, c > 0);
                             }
+                            let grads = chunk.grads_buf();
+                            let StageChunk { store, device, .. } = chunk;
                             let mut ready = |block: usize, store: &mut ParamStore| {
                                 if is_final {
                                     let r = model.block_param_range(block);
@@ -717,13 +901,24 @@ impl Stage {
                                         chunk: c,
                                         block,
                                         range: r.start - base..r.end - base,
+                                        grads,
                                         store,
                                     });
                                 }
                             };
-                            model.backward_local(&mut chunk.store, acts, dy, c > 0, &mut ready)
+                            match device {
+                                Some(d) => {
+                                    let mut on_device = |block: usize| ready(block, store);
+                                    let mut bound = d.bind(model, &mut on_device);
+                                    model.backward_with(bound.as_mut(), acts, dy, c > 0)
+                                }
+                                None => model.backward_local(store, acts, dy, c > 0, &mut ready),
+                            }
                         },
                     );
+                    if let Some(d) = &mut chunk.device {
+                        d.end_span(false);
+                    }
                     report.backward_s += t.elapsed().as_secs_f64();
                     if c > 0 {
                         let dx = dx.ok_or_else(|| {
@@ -742,6 +937,28 @@ impl Stage {
         }
         for send in pending {
             send.work.wait()?;
+        }
+        // On a device the host saw launches: the passes' times, the peak and the loss sums
+        // are the device's (the host waits for it here).
+        let mut device_times = None::<(f64, f64)>;
+        for chunk in chunks.iter_mut() {
+            let Some(d) = &mut chunk.device else {
+                continue;
+            };
+            let (f, b) = d.take_span_times();
+            let t = device_times.get_or_insert((0.0, 0.0));
+            (t.0, t.1) = (t.0 + f, t.1 + b);
+            report.peak_activation_bytes =
+                report.peak_activation_bytes.max(d.peak_activation_bytes());
+            if chunk.index == last && on_device > 0 {
+                let (sum, right) = d.take_sums(super::device::Sums::Train);
+                // The per-target sums as the mean of each micro-batch's mean (equal sizes).
+                loss_sum += sum * on_device as f64 / device_targets.max(1) as f64;
+                *correct.get_or_insert(0) += right as usize;
+            }
+        }
+        if let Some((f, b)) = device_times {
+            (report.forward_s, report.backward_s) = (f, b);
         }
         if schedule.worker_of(last) == self.rank {
             report.loss = Some((loss_sum / m as f64) as f32);
@@ -774,6 +991,11 @@ impl Stage {
             |chunk: usize, micro: usize| tag(chunk, micro, Direction::Activation, last + 1);
         let mut pending = Vec::new();
         let mut losses = Vec::new();
+        for chunk in self.chunks.iter_mut() {
+            if let Some(d) = &mut chunk.device {
+                d.begin();
+            }
+        }
         for i in 0..m {
             let mut carried: Option<Tensor> = None;
             for (j, chunk) in self.chunks.iter_mut().enumerate() {
@@ -791,7 +1013,20 @@ impl Stage {
                     let t = targets.get(i).ok_or_else(|| {
                         PipelineError::InvalidSchedule(format!("no targets for micro-batch {i}"))
                     })?;
-                    losses.push(options.loss.forward(&y, t)?);
+                    losses.push(match &mut chunk.device {
+                        Some(d) => match d.loss(options.loss.as_ref(), y, t, None)?.0 {
+                            Some(value) => value,
+                            None => {
+                                let (sum, right) = d.take_sums(super::device::Sums::Eval);
+                                LossValue {
+                                    mean: (sum / t.len().max(1) as f64) as f32,
+                                    count: t.len(),
+                                    correct: Some(right as usize),
+                                }
+                            }
+                        },
+                        None => options.loss.forward(&y, t)?,
+                    });
                 } else if p == 1 {
                     carried = Some(y);
                 } else {

@@ -13,6 +13,10 @@
 //!   gradients over micro-batches; [`StepHooks`] is where a dimension joins the passes (a
 //!   block's gradients are final; where a block's parameters are).
 //!
+//! * [`device`]: a chunk's flat state on a device ([`DeviceState`]: the CUDA one in
+//!   `cuda_chunk`, and a stand-in in host memory for tests), the line below which the one
+//!   step is device-specific.
+//!
 //! A step, per worker:
 //!
 //! ```text
@@ -20,11 +24,15 @@
 //! let report = stage.run_step(&model, pp_group, micro, &options, timeline, &mut hooks)?;
 //! ```
 
+#[cfg(feature = "cuda")]
+pub mod cuda_chunk;
+pub mod device;
 pub mod executor;
 pub mod partition;
 pub mod schedule;
 mod transport;
 
+pub use device::{DeviceMemory, DeviceState, StandIn};
 pub use executor::{
     ChunkParams, GradsReady, MicroBatches, NoHooks, Stage, StageChunk, StageStores, StepHooks,
     StepOptions, StepReport,
@@ -139,6 +147,9 @@ pub enum PipelineError {
         src: usize,
         details: String,
     },
+    /// A device could not take or give back a chunk's state (placement, checkpoints).
+    #[error("{0}")]
+    Device(String),
     #[error(transparent)]
     Comm(#[from] CommError),
     #[error(transparent)]

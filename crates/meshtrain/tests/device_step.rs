@@ -1,0 +1,194 @@
+//! The one step's device half, without a GPU: every chunk placed on the stand-in device
+//! (`parallel.stand_in_device`, host memory behind the `DeviceState` line), so the run goes
+//! through what a GPU run goes through (parameters bound as the device's views, the
+//! grads-ready hook raised from `backward_done`, DDP's buckets on the device's gradient
+//! buffer, tied sums, fp16 unscaling, norms, clipping and the update behind the trait, the
+//! loss summed "on the device", the host store as the checkpoint mirror) with the host's
+//! arithmetic. So a run on it must equal the CPU run bit for bit: any step the fold drops,
+//! repeats or reorders shows here. The CUDA implementation of the same trait is checked
+//! against these on a GPU (`scripts/gpu-check.sh`, the `multi` part).
+
+use meshtrain::config::Config;
+use meshtrain_train::{RunOptions, Summary};
+use std::path::Path;
+
+mod common;
+use common::{
+    checkpoint_params, job, tiny_gpt_config, tiny_llama_config, tiny_resnet_config,
+    written_checkpoint,
+};
+
+const STEPS: u64 = 6;
+const STAND_IN: &str = "parallel.stand_in_device=true";
+
+fn run(cfg: &Config, resume: Option<&Path>) -> Summary {
+    let options = RunOptions {
+        resume: resume.map(Path::to_path_buf),
+        ..RunOptions::default()
+    };
+    (*job(cfg))
+        .clone()
+        .run(&options)
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// (parameters from the written checkpoint, summary) of `model`'s tiny run with `extra`.
+fn train(model: &str, until: u64, extra: &[&str], resume: Option<&Path>) -> (Vec<f32>, Summary) {
+    let out = tempfile::tempdir().unwrap().keep();
+    let cfg = match model {
+        "llama" => tiny_llama_config(&out, until, extra),
+        "resnet" => tiny_resnet_config(&out, until, extra),
+        _ => tiny_gpt_config(&out, until, extra),
+    };
+    let summary = run(&cfg, resume);
+    assert_eq!(summary.steps, until, "{extra:?}");
+    (checkpoint_params(&cfg, &written_checkpoint(&out)), summary)
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-5 * b.abs().max(1.0)
+}
+
+/// Each layout and setting on the stand-in device against the same run on the CPU.
+fn equal_to_the_cpu(model: &str, extra: &[&str]) {
+    let (host, host_summary) = train(model, STEPS, extra, None);
+    let mut placed = extra.to_vec();
+    placed.push(STAND_IN);
+    let (device, device_summary) = train(model, STEPS, &placed, None);
+    assert_ne!(
+        host,
+        train(model, 1, extra, None).0,
+        "{extra:?}: training moved nothing"
+    );
+    assert!(
+        host.iter()
+            .zip(&device)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{model} {extra:?}: the parameters differ from the CPU run's"
+    );
+    // Losses are summed per target on a device (the CPU averages micro-batch means).
+    assert!(
+        close(
+            device_summary.final_train_loss as f64,
+            host_summary.final_train_loss as f64
+        ),
+        "{extra:?}: training loss {} on the device, {} on the CPU",
+        device_summary.final_train_loss,
+        host_summary.final_train_loss
+    );
+    let (d, h) = (
+        device_summary.eval_loss.unwrap(),
+        host_summary.eval_loss.unwrap(),
+    );
+    assert!(close(d, h), "{extra:?}: evaluation loss {d} vs {h}");
+    assert_eq!(
+        device_summary.test_accuracy.is_some(),
+        host_summary.test_accuracy.is_some()
+    );
+}
+
+#[test]
+fn one_worker_on_the_device_equals_the_cpu() {
+    equal_to_the_cpu("gpt", &[]);
+}
+
+/// Tied embedding and head: their gradients summed in place on the device.
+#[test]
+fn tied_parameters_are_summed_on_the_device() {
+    equal_to_the_cpu("gpt", &["model.tie_embeddings=true"]);
+}
+
+/// DDP's buckets as views of the device's gradient buffer, several per step, with
+/// gradient accumulation (the hook fires on the last micro-batch only).
+#[test]
+fn ddp_buckets_on_the_device_gradients_equal_the_cpu() {
+    equal_to_the_cpu(
+        "gpt",
+        &[
+            "parallel.dp=2",
+            "parallel.bucket_cap_mb=0.01",
+            "parallel.first_bucket_mb=0.002",
+        ],
+    );
+    equal_to_the_cpu("gpt", &["parallel.dp=2", "train.accumulation_steps=2"]);
+}
+
+/// fp16: the unscale-and-check and the skip decision through the device.
+#[test]
+fn fp16_loss_scaling_on_the_device_equals_the_cpu() {
+    equal_to_the_cpu("gpt", &["train.precision=\"fp16\"", "parallel.dp=2"]);
+}
+
+/// A Llama (RMS norms, rotary, grouped key/value heads, SwiGLU) under DDP, with a clip that
+/// never bites (the update without a pending factor).
+#[test]
+fn llama_on_the_device_equals_the_cpu() {
+    equal_to_the_cpu("llama", &["parallel.dp=2", "train.grad_clip=1e9"]);
+}
+
+/// ResNet-18 (width 4, batch 16): batch norm's running statistics live in the device's buffers (and reach the checkpoint
+/// through the mirror); SGD with momentum; no clipping, so the norm is the plain one.
+/// SyncBatchNorm's sums go over the data-parallel group as on the CPU.
+#[test]
+fn resnet_buffers_and_sgd_on_the_device_equal_the_cpu() {
+    equal_to_the_cpu(
+        "resnet",
+        &[
+            "parallel.dp=2",
+            "parallel.sync_batch_norm=true",
+            "train.eval_every=3",
+            "train.eval_batches=2",
+        ],
+    );
+}
+
+/// The host store is the checkpoint mirror: a run stopped on the device and resumed there
+/// (its state uploaded from the checkpoint) ends where the straight CPU run ends, and a
+/// device checkpoint resumes on the CPU.
+#[test]
+fn checkpoints_move_between_the_device_and_the_cpu() {
+    let straight = train("gpt", STEPS, &["parallel.dp=2"], None).0;
+    let out = tempfile::tempdir().unwrap().keep();
+    let cfg = tiny_gpt_config(&out, 3, &["parallel.dp=2", STAND_IN]);
+    run(&cfg, None);
+    let checkpoint = written_checkpoint(&out);
+    let on_device = train(
+        "gpt",
+        STEPS,
+        &["parallel.dp=2", STAND_IN],
+        Some(&checkpoint),
+    )
+    .0;
+    let on_cpu = train("gpt", STEPS, &["parallel.dp=2"], Some(&checkpoint)).0;
+    for (what, got) in [("the device", &on_device), ("the CPU", &on_cpu)] {
+        assert!(
+            got.iter()
+                .zip(&straight)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "resumed on {what}: the parameters differ from the straight run's"
+        );
+    }
+}
+
+/// The layouts whose device form comes later are refused before any work, named.
+#[test]
+fn layouts_without_a_device_form_are_refused_by_name() {
+    for (layout, named) in [
+        ("parallel.tp=2", "tensor parallelism (2 workers)"),
+        ("parallel.pp=2", "pipeline parallelism (2 workers)"),
+        ("parallel.zero=1", "ZeRO stage 1"),
+    ] {
+        let out = tempfile::tempdir().unwrap().keep();
+        let cfg = tiny_gpt_config(&out, 2, &["parallel.dp=2", layout, STAND_IN]);
+        let e = (*job(&cfg))
+            .clone()
+            .run(&RunOptions::default())
+            .map(|_| ())
+            .unwrap_err();
+        let text = format!("{e:#}");
+        assert!(
+            text.contains(named) && text.contains("on --device cpu"),
+            "{layout}: {text}"
+        );
+    }
+}

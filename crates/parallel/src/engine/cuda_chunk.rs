@@ -1,0 +1,455 @@
+//! A chunk's flat state on a CUDA GPU ([`DeviceState`]): values (and their 16-bit compute
+//! copy under mixed precision), gradients, buffers and optimizer moments in device memory for
+//! the whole run. Layers choose their CUDA kernels from the device views [`CudaChunk::bind`]
+//! gives them; the loss adds its sums on the device; norms, clipping, fp16 unscaling, tied
+//! sums and the optimizer run as the kernels of `meshtrain_tensor::cuda::train_ops`. Pass
+//! times come from events on the compute stream. The host reads a few bytes per step.
+//!
+//! Inside a step, errors are raised as device panics and caught around the step, where an
+//! out-of-memory becomes advice on what would fit.
+
+use super::device::{kept_ranges, DeviceMemory, DeviceState, Sums};
+use super::PipelineError;
+use meshtrain_comm::RawBuf;
+use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
+use meshtrain_nn::{BlockParams, Loss, LossError, LossValue, Model, ParamStore, Params, ParamsMut};
+use meshtrain_tensor::cuda::context::Event;
+use meshtrain_tensor::cuda::error::ok_or_raise;
+use meshtrain_tensor::cuda::train_ops::{self, AdamW, FlatState, SegmentTable};
+use meshtrain_tensor::cuda::{CudaDevice, CudaError, DevBuf, DeviceGrads, DeviceParams};
+use meshtrain_tensor::{DType, Device, Tensor};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Byte offsets in the small device buffer the step's scalars live in.
+const NORM: u64 = 0; // f32 norm, f32 clipping factor
+const TRAIN_SUMS: u64 = 8; // f64 Σ loss, f64 Σ correct
+const EVAL_SUMS: u64 = 24; // the same for evaluation
+const FOUND_INF: u64 = 40; // i32
+const SCALARS: usize = 64;
+
+fn placing(e: CudaError) -> PipelineError {
+    PipelineError::Device(e.to_string())
+}
+
+/// One chunk's state on one GPU.
+pub struct CudaChunk {
+    dev: Arc<CudaDevice>,
+    len: usize,
+    values: DevBuf,
+    /// The 16-bit compute copy of the values under mixed precision.
+    half: Option<(DevBuf, DType)>,
+    grads: DevBuf,
+    buffers: DevBuf,
+    buffers_len: usize,
+    m: DevBuf,
+    v: Option<DevBuf>,
+    config: OptimizerConfig,
+    segments: SegmentTable,
+    scalars: DevBuf,
+    /// The clipping factor at `NORM + 4` applies to the next update.
+    clip_pending: bool,
+    /// The chunk's first parameter and buffer in the whole model's numbering.
+    param_base: usize,
+    buffer_base: usize,
+    span: Option<Event>,
+    spans: Vec<(Event, Event, bool)>,
+}
+
+impl CudaChunk {
+    /// The state of a chunk holding `blocks` of `model`, uploaded from `store` and
+    /// `optimizer` to `dev`; `precision`'s 16-bit type gets a compute copy.
+    pub fn place(
+        dev: &Arc<CudaDevice>,
+        model: &Model,
+        blocks: Range<usize>,
+        store: &ParamStore,
+        optimizer: &Optimizer,
+        precision: DType,
+    ) -> Result<CudaChunk, PipelineError> {
+        let len = store.values.len();
+        let f = |bytes: usize, what: &str| dev.alloc(bytes.max(4), what).map_err(placing);
+        let rows = meshtrain_nn::optim::segment_rows(optimizer.segments());
+        let half = match precision {
+            DType::F32 => None,
+            d => Some((f(len * 2, "the 16-bit parameter copy")?, d)),
+        };
+        let mut chunk = CudaChunk {
+            values: f(len * 4, "the parameters")?,
+            half,
+            grads: f(len * 4, "the gradients")?,
+            buffers: f(store.buffers.len() * 4, "the buffers")?,
+            buffers_len: store.buffers.len(),
+            m: f(len * 4, "the optimizer's first moments")?,
+            v: match optimizer.config {
+                OptimizerConfig::Adamw { .. } => {
+                    Some(f(len * 4, "the optimizer's second moments")?)
+                }
+                OptimizerConfig::Sgd { .. } => None,
+            },
+            config: optimizer.config,
+            segments: SegmentTable::new(dev, &rows).map_err(placing)?,
+            scalars: dev.alloc_zeroed(SCALARS, "step scalars").map_err(placing)?,
+            clip_pending: false,
+            param_base: model.blocks_param_range(blocks.clone()).start,
+            buffer_base: model.blocks_buffer_range(blocks).start,
+            span: None,
+            spans: Vec::new(),
+            len,
+            dev: dev.clone(),
+        };
+        chunk.upload(store, optimizer)?;
+        Ok(chunk)
+    }
+
+    fn refresh_half(&self) -> Result<(), CudaError> {
+        if let Some((half, dtype)) = &self.half {
+            meshtrain_tensor::cuda::ops::convert_into(
+                &self.dev,
+                self.values.ptr(),
+                DType::F32,
+                half.ptr(),
+                *dtype,
+                self.len,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn grad_ptr(&self, at: usize) -> u64 {
+        self.grads.ptr() + (at * 4) as u64
+    }
+}
+
+/// The flat buffers as [`BlockParams`]: block `i`'s slices of them.
+struct Blocks<'a> {
+    model: &'a Model,
+    chunk: &'a CudaChunk,
+    on_ready: &'a mut dyn FnMut(usize),
+}
+
+impl Blocks<'_> {
+    fn param_range(&self, block: usize) -> Range<usize> {
+        let r = self.model.block_param_range(block);
+        r.start - self.chunk.param_base..r.end - self.chunk.param_base
+    }
+
+    fn params(&self, block: usize) -> Params<'_> {
+        let r = self.param_range(block);
+        let c = self.chunk;
+        // SAFETY: the buffers hold the chunk's `len` values and outlive the view.
+        Params::Device(unsafe {
+            DeviceParams::new(
+                &c.dev,
+                c.values.ptr() + (r.start * 4) as u64,
+                c.half
+                    .as_ref()
+                    .map(|(h, d)| (h.ptr() + (r.start * d.size_bytes()) as u64, *d)),
+                r.len(),
+            )
+        })
+    }
+
+    fn f32_view(&self, buf: &DevBuf, r: Range<usize>) -> ParamsMut<'_> {
+        // SAFETY: in bounds of a buffer the chunk owns; blocks are viewed one at a time.
+        ParamsMut::Device(unsafe {
+            DeviceGrads::new(&self.chunk.dev, buf.ptr() + (r.start * 4) as u64, r.len())
+        })
+    }
+
+    fn buffer_range(&self, block: usize) -> Range<usize> {
+        let r = self.model.blocks_buffer_range(block..block + 1);
+        r.start - self.chunk.buffer_base..r.end - self.chunk.buffer_base
+    }
+}
+
+impl BlockParams for Blocks<'_> {
+    fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
+        let br = self.buffer_range(block);
+        (self.params(block), self.f32_view(&self.chunk.buffers, br))
+    }
+
+    fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
+        let pr = self.param_range(block);
+        let br = self.buffer_range(block);
+        (
+            self.params(block),
+            self.f32_view(&self.chunk.grads, pr),
+            self.f32_view(&self.chunk.buffers, br),
+        )
+    }
+
+    fn backward_done(&mut self, block: usize) {
+        (self.on_ready)(block)
+    }
+}
+
+impl DeviceState for CudaChunk {
+    fn device(&self) -> Device {
+        Device::Cuda(self.dev.ordinal())
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "cuda:{} ({}, sm_{})",
+            self.dev.ordinal(),
+            self.dev.name(),
+            self.dev.arch()
+        )
+    }
+
+    fn memory(&self) -> DeviceMemory {
+        let stats = self.dev.memory_stats();
+        DeviceMemory {
+            device: format!("cuda:{} ({})", self.dev.ordinal(), self.dev.name()),
+            in_use_bytes: stats.in_use,
+            peak_bytes: stats.peak_in_use,
+            cached_bytes: stats.cached,
+            device_allocs: stats.device_allocs,
+            total_bytes: self.dev.memory_info().1,
+        }
+    }
+
+    fn state_bytes(&self) -> (usize, usize, usize) {
+        let half = self
+            .half
+            .as_ref()
+            .map_or(0, |(_, d)| self.len * d.size_bytes());
+        (
+            self.len * 4 + half,
+            self.len * 4,
+            self.len * 4 * (1 + usize::from(self.v.is_some())),
+        )
+    }
+
+    fn peak_activation_bytes(&self) -> usize {
+        let (p, g, o) = self.state_bytes();
+        self.dev
+            .memory_stats()
+            .peak_in_use
+            .saturating_sub(p + g + o)
+    }
+
+    fn upload(&mut self, store: &ParamStore, optimizer: &Optimizer) -> Result<(), PipelineError> {
+        let d = &self.dev;
+        let moment = |buf: &DevBuf, host: &[f32]| {
+            if host.len() == self.len {
+                d.upload_to(buf.ptr(), host)
+            } else {
+                d.memset_zero(buf.ptr(), self.len * 4)
+            }
+        };
+        let r = (|| {
+            d.upload_to(self.values.ptr(), &store.values)?;
+            d.upload_to(self.buffers.ptr(), &store.buffers)?;
+            d.memset_zero(self.grads.ptr(), self.len * 4)?;
+            moment(&self.m, &optimizer.m)?;
+            if let Some(v) = &self.v {
+                moment(v, &optimizer.v)?;
+            }
+            self.refresh_half()?;
+            d.synchronize()
+        })();
+        self.clip_pending = false;
+        r.map_err(placing)
+    }
+
+    fn download(
+        &self,
+        store: &mut ParamStore,
+        optimizer: &mut Optimizer,
+    ) -> Result<(), PipelineError> {
+        let d = &self.dev;
+        let r = (|| {
+            d.download_into(&mut store.values, self.values.ptr())?;
+            d.download_into(&mut store.buffers[..self.buffers_len], self.buffers.ptr())?;
+            if optimizer.m.len() == self.len {
+                d.download_into(&mut optimizer.m, self.m.ptr())?;
+            }
+            if let Some(v) = &self.v {
+                if optimizer.v.len() == self.len {
+                    d.download_into(&mut optimizer.v, v.ptr())?;
+                }
+            }
+            Ok(())
+        })();
+        r.map_err(placing)
+    }
+
+    fn bind<'a>(
+        &'a mut self,
+        model: &'a Model,
+        on_ready: &'a mut dyn FnMut(usize),
+    ) -> Box<dyn BlockParams + 'a> {
+        Box::new(Blocks {
+            model,
+            chunk: self,
+            on_ready,
+        })
+    }
+
+    fn begin(&mut self) {
+        ok_or_raise(self.dev.bind());
+    }
+
+    fn loss(
+        &mut self,
+        loss: &dyn Loss,
+        output: Tensor,
+        targets: &[u32],
+        grad_scale: Option<f32>,
+    ) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
+        let sums = match grad_scale {
+            Some(_) => TRAIN_SUMS,
+            None => EVAL_SUMS,
+        };
+        let on_device: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
+        let on_device = ok_or_raise(self.dev.upload(&on_device, "targets"));
+        loss.forward_backward_on_device(
+            output,
+            targets,
+            on_device.ptr(),
+            grad_scale,
+            self.scalars.ptr() + sums,
+        )
+    }
+
+    fn take_sums(&mut self, which: Sums) -> (f64, f64) {
+        let at = self.scalars.ptr()
+            + match which {
+                Sums::Train => TRAIN_SUMS,
+                Sums::Eval => EVAL_SUMS,
+            };
+        let sums: Vec<f64> = ok_or_raise(self.dev.download(at, 2));
+        ok_or_raise(self.dev.memset_zero(at, 16));
+        (sums[0], sums[1])
+    }
+
+    fn begin_span(&mut self) {
+        self.span = Some(ok_or_raise(self.dev.record_event()));
+    }
+
+    fn end_span(&mut self, forward: bool) {
+        if let Some(start) = self.span.take() {
+            let end = ok_or_raise(self.dev.record_event());
+            self.spans.push((start, end, forward));
+        }
+    }
+
+    fn take_span_times(&mut self) -> (f64, f64) {
+        let (mut forward, mut backward) = (0.0, 0.0);
+        for (start, end, is_forward) in self.spans.drain(..) {
+            let s = ok_or_raise(start.ms_until(&end)) as f64 / 1e3;
+            if is_forward {
+                forward += s;
+            } else {
+                backward += s;
+            }
+        }
+        (forward, backward)
+    }
+
+    fn grads(&mut self) -> RawBuf {
+        // SAFETY: the chunk's gradient buffer, alive as long as the chunk; the collectives
+        // given it are waited for within the step.
+        unsafe { RawBuf::on_device(self.grads.ptr(), self.len, DType::F32, self.device()) }
+    }
+
+    fn tie_sum(&mut self, a: Range<usize>, b: Range<usize>) {
+        ok_or_raise(train_ops::tie_sum(
+            &self.dev,
+            self.grad_ptr(a.start),
+            self.grad_ptr(b.start),
+            a.len(),
+        ));
+    }
+
+    fn copy_grads(&mut self, dst: Range<usize>, src: Range<usize>) {
+        ok_or_raise(self.dev.copy(
+            self.grad_ptr(dst.start),
+            self.grad_ptr(src.start),
+            src.len() * 4,
+        ));
+    }
+
+    fn unscale_check(&mut self, inverse: f32) -> bool {
+        let flag = self.scalars.ptr() + FOUND_INF;
+        ok_or_raise(self.dev.memset_zero(flag, 4));
+        ok_or_raise(train_ops::unscale_check(
+            &self.dev,
+            self.grads.ptr(),
+            self.len,
+            inverse,
+            flag,
+        ));
+        let found: Vec<i32> = ok_or_raise(self.dev.download(flag, 1));
+        found[0] != 0
+    }
+
+    fn grad_sum_of_squares(&mut self, skip: &[Range<usize>]) -> f64 {
+        let norm = self.norm_and_clip(skip, None) as f64;
+        norm * norm
+    }
+
+    fn norm_and_clip(&mut self, skip: &[Range<usize>], max_norm: Option<f32>) -> f32 {
+        ok_or_raise(train_ops::grad_norm(
+            &self.dev,
+            self.grads.ptr(),
+            &kept_ranges(skip, self.len),
+            max_norm,
+            self.scalars.ptr() + NORM,
+        ));
+        self.clip_pending = max_norm.is_some();
+        let norm: Vec<f32> = ok_or_raise(self.dev.download(self.scalars.ptr() + NORM, 1));
+        norm[0]
+    }
+
+    fn scale_grads(&mut self, k: f32) {
+        ok_or_raise(train_ops::scale(&self.dev, self.grads.ptr(), self.len, k));
+    }
+
+    fn step(&mut self, optimizer: &mut Optimizer, lr: f32) {
+        optimizer.step += 1;
+        let clip_factor =
+            std::mem::take(&mut self.clip_pending).then(|| self.scalars.ptr() + NORM + 4);
+        let state = FlatState {
+            params: self.values.ptr(),
+            grads: self.grads.ptr(),
+            m: self.m.ptr(),
+            v: self.v.as_ref().map_or(0, |v| v.ptr()),
+            half: self.half.as_ref().map(|(h, t)| (h.ptr(), *t)),
+            len: self.len,
+        };
+        ok_or_raise(match self.config {
+            OptimizerConfig::Adamw {
+                beta1, beta2, eps, ..
+            } => train_ops::adamw(
+                &self.dev,
+                state,
+                &self.segments,
+                AdamW {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    step: optimizer.step,
+                },
+                clip_factor,
+            ),
+            OptimizerConfig::Sgd { momentum, .. } => train_ops::sgd(
+                &self.dev,
+                state,
+                &self.segments,
+                lr,
+                momentum,
+                optimizer.step,
+                clip_factor,
+            ),
+        });
+        self.zero_grads();
+    }
+
+    fn zero_grads(&mut self) {
+        ok_or_raise(self.dev.memset_zero(self.grads.ptr(), self.len * 4));
+    }
+}

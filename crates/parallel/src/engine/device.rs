@@ -1,0 +1,411 @@
+//! A chunk's flat state on a device: the line below which the one step is device-specific.
+//!
+//! On the CPU a chunk's parameters, gradients, buffers and optimizer moments are the vectors
+//! of its [`ParamStore`] and its [`Optimizer`]. On a GPU they live in device memory for the
+//! whole run, and the host store becomes the checkpoint mirror ([`DeviceState::download`]
+//! before a checkpoint, [`DeviceState::upload`] after one is loaded). The executor, the
+//! data-parallel modes, the tied sums, clipping, loss scaling and the optimizer reach that
+//! state only through a [`StageChunk`](super::StageChunk)'s methods, which go to the store
+//! or to this trait: nothing above the engine asks which device a run is on.
+//!
+//! Implementations: the CUDA one (`cuda_chunk.rs`: the kernels of
+//! `meshtrain_tensor::cuda::train_ops`, events for timing, the allocator's peak for memory)
+//! and [`StandIn`], a device whose memory is the host's, with which the tests run the device
+//! half of the step on machines without a GPU (its arithmetic is the host's, so a run placed
+//! on it must equal the host run bit for bit).
+//!
+//! Errors inside a step are raised as device panics (`meshtrain_tensor::cuda::error::raise`)
+//! and turned into errors, with out-of-memory advice, around the whole step by the caller;
+//! placement and the checkpoint copies return them.
+
+use super::PipelineError;
+use meshtrain_comm::RawBuf;
+use meshtrain_nn::optim::{sum_of_squares, Optimizer};
+use meshtrain_nn::{BlockParams, Loss, LossError, LossValue, Model, ParamStore, Params, ParamsMut};
+use meshtrain_tensor::{Device, Tensor};
+use std::ops::Range;
+use std::time::Instant;
+
+/// A GPU's memory, for reports.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct DeviceMemory {
+    /// "cuda:0 (NVIDIA H100 80GB HBM3)".
+    pub device: String,
+    /// Bytes held by live tensors and buffers now, and at most since the run started.
+    pub in_use_bytes: usize,
+    pub peak_bytes: usize,
+    /// Freed blocks the allocator keeps for reuse.
+    pub cached_bytes: usize,
+    /// Calls to the driver's allocation (flat after the first step).
+    pub device_allocs: u64,
+    pub total_bytes: usize,
+}
+
+/// Which of the two loss sums a device keeps: the training step's or evaluation's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sums {
+    Train,
+    Eval,
+}
+
+/// One chunk's parameters, gradients, buffers and optimizer moments on a device, and the
+/// arithmetic a step does over them. Ranges are chunk-local (0 is the chunk's first
+/// parameter).
+pub trait DeviceState: Send {
+    /// The device the state lives on.
+    fn device(&self) -> Device;
+
+    /// "cuda:0 (NVIDIA H100 80GB HBM3, sm_90)", for the run's first lines.
+    fn describe(&self) -> String;
+
+    /// The device's memory now.
+    fn memory(&self) -> DeviceMemory;
+
+    /// Bytes of (parameters with their 16-bit copy, gradients, optimizer moments).
+    fn state_bytes(&self) -> (usize, usize, usize);
+
+    /// What the step held at its peak beyond the model states (activations, logits, scratch).
+    fn peak_activation_bytes(&self) -> usize;
+
+    /// Replaces the device state by `store`'s values and buffers and `optimizer`'s moments
+    /// (gradients zeroed).
+    fn upload(&mut self, store: &ParamStore, optimizer: &Optimizer) -> Result<(), PipelineError>;
+
+    /// Copies the values, buffers and moments into `store` and `optimizer` (a checkpoint's
+    /// mirror).
+    fn download(
+        &self,
+        store: &mut ParamStore,
+        optimizer: &mut Optimizer,
+    ) -> Result<(), PipelineError>;
+
+    /// The chunk's blocks (of `model`) as [`BlockParams`] over the device buffers for one
+    /// pass; `on_ready(block)` is called as each block's backward ends.
+    fn bind<'a>(
+        &'a mut self,
+        model: &'a Model,
+        on_ready: &'a mut dyn FnMut(usize),
+    ) -> Box<dyn BlockParams + 'a>;
+
+    /// Before a step's or an evaluation's passes (binds the device to this thread).
+    fn begin(&mut self);
+
+    /// The loss of `output` (the last chunk's) against `targets`, with the gradient of
+    /// `grad_scale × mean` when given. A value of `None` means the per-target sums were added
+    /// on the device, into the training or evaluation sums (`grad_scale` given or not), for
+    /// [`DeviceState::take_sums`].
+    fn loss(
+        &mut self,
+        loss: &dyn Loss,
+        output: Tensor,
+        targets: &[u32],
+        grad_scale: Option<f32>,
+    ) -> Result<(Option<LossValue>, Option<Tensor>), LossError>;
+
+    /// Σ loss and Σ correct added on the device since the last call (the host waits for the
+    /// device), then zeroed.
+    fn take_sums(&mut self, which: Sums) -> (f64, f64);
+
+    /// Starts timing a pass on the device's own clock (the host only sees launches).
+    fn begin_span(&mut self);
+
+    /// Ends the span begun last, as forward or backward time.
+    fn end_span(&mut self, forward: bool);
+
+    /// Seconds of forward and of backward spans since the last call.
+    fn take_span_times(&mut self) -> (f64, f64);
+
+    /// The whole gradient buffer, for collectives (a view of the device's memory).
+    fn grads(&mut self) -> RawBuf;
+
+    /// Gradients `a` and `b` (of equal length) both become `a + b`.
+    fn tie_sum(&mut self, a: Range<usize>, b: Range<usize>);
+
+    /// Gradients `src` copied over `dst`.
+    fn copy_grads(&mut self, dst: Range<usize>, src: Range<usize>);
+
+    /// Multiplies every gradient by `inverse`; whether any became inf or NaN.
+    fn unscale_check(&mut self, inverse: f32) -> bool;
+
+    /// `Σ g²` over the gradients outside `skip` (sorted, disjoint).
+    fn grad_sum_of_squares(&mut self, skip: &[Range<usize>]) -> f64;
+
+    /// The gradient norm outside `skip`, when this chunk alone makes up the whole gradient;
+    /// with `max_norm`, the clipping factor is kept for the next [`DeviceState::step`]
+    /// (gradients untouched until then: one pass fewer over them).
+    fn norm_and_clip(&mut self, skip: &[Range<usize>], max_norm: Option<f32>) -> f32;
+
+    /// Gradients times `k`.
+    fn scale_grads(&mut self, k: f32);
+
+    /// One update by `optimizer`'s rule (its step counter advanced; its moments are the
+    /// device's from the last upload on) at `lr`, then the gradients zeroed.
+    fn step(&mut self, optimizer: &mut Optimizer, lr: f32);
+
+    /// Gradients set to zero.
+    fn zero_grads(&mut self);
+}
+
+impl std::fmt::Debug for dyn DeviceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+/// Ranges of `0..len` outside `skip` (sorted, disjoint).
+pub fn kept_ranges(skip: &[Range<usize>], len: usize) -> Vec<Range<usize>> {
+    let mut kept = Vec::with_capacity(skip.len() + 1);
+    let mut at = 0;
+    for s in skip {
+        kept.push(at..s.start);
+        at = s.end;
+    }
+    kept.push(at..len);
+    kept
+}
+
+/// Multiplies every gradient by `factor` and tells whether any is inf or NaN (one pass, over
+/// the cores).
+pub fn unscale(grads: &mut [f32], factor: f32) -> bool {
+    let chunk = meshtrain_tensor::par::PARALLEL_MIN_LEN;
+    meshtrain_tensor::par::map_chunks_mut(grads, chunk, |_, part| {
+        let mut bad = false;
+        for v in part.iter_mut() {
+            *v *= factor;
+            bad |= !v.is_finite();
+        }
+        bad
+    })
+    .into_iter()
+    .any(|bad| bad)
+}
+
+/// The clipping factor for a gradient of norm `norm` under `max_norm` (as
+/// `optim::clip_grad_norm`): `None` when nothing is clipped.
+pub fn clip_factor(norm: f32, max_norm: f32) -> Option<f32> {
+    (norm > max_norm && norm > 0.0).then(|| max_norm / (norm + 1e-6))
+}
+
+/// A device whose memory is the host's: the device half of the step (placement, bound
+/// views, grads-ready from `backward_done`, loss sums kept "on the device", the mirror's
+/// copies, flat arithmetic through this trait) run without a GPU. Its arithmetic is the
+/// host's, in the host's order, so a run on it equals the host run bit for bit; the loss it
+/// reports is summed per target as a GPU's is.
+#[derive(Debug, Default)]
+pub struct StandIn {
+    values: Vec<f32>,
+    grads: Vec<f32>,
+    buffers: Vec<f32>,
+    param_base: usize,
+    buffer_base: usize,
+    /// (Σ loss, Σ correct) of training and of evaluation.
+    sums: [(f64, f64); 2],
+    clip: Option<f32>,
+    span: Option<Instant>,
+    span_times: (f64, f64),
+    /// Copies between the host store and this "device", for tests: (uploads, downloads).
+    pub copies: (usize, usize),
+}
+
+impl StandIn {
+    /// The state of a chunk holding `blocks` of `model`, from `store` and `optimizer`.
+    pub fn place(
+        model: &Model,
+        blocks: Range<usize>,
+        store: &ParamStore,
+        optimizer: &Optimizer,
+    ) -> Result<StandIn, PipelineError> {
+        let mut state = StandIn {
+            param_base: model.blocks_param_range(blocks.clone()).start,
+            buffer_base: model.blocks_buffer_range(blocks).start,
+            ..StandIn::default()
+        };
+        state.upload(store, optimizer)?;
+        Ok(state)
+    }
+}
+
+struct StandInBlocks<'a> {
+    model: &'a Model,
+    state: &'a mut StandIn,
+    on_ready: &'a mut dyn FnMut(usize),
+}
+
+impl StandInBlocks<'_> {
+    fn ranges(&self, block: usize) -> (Range<usize>, Range<usize>) {
+        let p = self.model.block_param_range(block);
+        let b = self.model.blocks_buffer_range(block..block + 1);
+        let (pb, bb) = (self.state.param_base, self.state.buffer_base);
+        (p.start - pb..p.end - pb, b.start - bb..b.end - bb)
+    }
+}
+
+impl BlockParams for StandInBlocks<'_> {
+    fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
+        let (p, b) = self.ranges(block);
+        let s = &mut *self.state;
+        (
+            Params::Host(&s.values[p]),
+            ParamsMut::Host(&mut s.buffers[b]),
+        )
+    }
+
+    fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
+        let (p, b) = self.ranges(block);
+        let s = &mut *self.state;
+        (
+            Params::Host(&s.values[p.clone()]),
+            ParamsMut::Host(&mut s.grads[p]),
+            ParamsMut::Host(&mut s.buffers[b]),
+        )
+    }
+
+    fn backward_done(&mut self, block: usize) {
+        (self.on_ready)(block)
+    }
+}
+
+impl DeviceState for StandIn {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn describe(&self) -> String {
+        "a stand-in device in host memory".into()
+    }
+
+    fn memory(&self) -> DeviceMemory {
+        DeviceMemory {
+            device: self.describe(),
+            ..DeviceMemory::default()
+        }
+    }
+
+    fn state_bytes(&self) -> (usize, usize, usize) {
+        (self.values.len() * 4, self.grads.len() * 4, 0)
+    }
+
+    fn peak_activation_bytes(&self) -> usize {
+        0
+    }
+
+    fn upload(&mut self, store: &ParamStore, _: &Optimizer) -> Result<(), PipelineError> {
+        self.values.clone_from(&store.values);
+        self.buffers.clone_from(&store.buffers);
+        self.grads = vec![0.0; store.values.len()];
+        self.copies.0 += 1;
+        Ok(())
+    }
+
+    fn download(&self, store: &mut ParamStore, _: &mut Optimizer) -> Result<(), PipelineError> {
+        store.values.copy_from_slice(&self.values);
+        store.buffers.copy_from_slice(&self.buffers);
+        Ok(())
+    }
+
+    fn bind<'a>(
+        &'a mut self,
+        model: &'a Model,
+        on_ready: &'a mut dyn FnMut(usize),
+    ) -> Box<dyn BlockParams + 'a> {
+        Box::new(StandInBlocks {
+            model,
+            state: self,
+            on_ready,
+        })
+    }
+
+    fn begin(&mut self) {}
+
+    fn loss(
+        &mut self,
+        loss: &dyn Loss,
+        output: Tensor,
+        targets: &[u32],
+        grad_scale: Option<f32>,
+    ) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
+        let (value, grad) = match grad_scale {
+            Some(s) => {
+                let (v, g) = loss.forward_backward(&output, targets, s)?;
+                (v, Some(g))
+            }
+            None => (loss.forward(&output, targets)?, None),
+        };
+        let sums = &mut self.sums[usize::from(grad_scale.is_none())];
+        sums.0 += value.mean as f64 * value.count as f64;
+        sums.1 += value.correct.unwrap_or(0) as f64;
+        Ok((None, grad))
+    }
+
+    fn take_sums(&mut self, which: Sums) -> (f64, f64) {
+        std::mem::take(&mut self.sums[usize::from(which == Sums::Eval)])
+    }
+
+    fn begin_span(&mut self) {
+        self.span = Some(Instant::now());
+    }
+
+    fn end_span(&mut self, forward: bool) {
+        let s = self.span.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        if forward {
+            self.span_times.0 += s;
+        } else {
+            self.span_times.1 += s;
+        }
+    }
+
+    fn take_span_times(&mut self) -> (f64, f64) {
+        std::mem::take(&mut self.span_times)
+    }
+
+    fn grads(&mut self) -> RawBuf {
+        // SAFETY: the buffer lives as long as the state; callers keep the collectives'
+        // exclusive use of it (the RawBuf contract).
+        unsafe { RawBuf::from_slice(&mut self.grads) }
+    }
+
+    fn tie_sum(&mut self, a: Range<usize>, b: Range<usize>) {
+        for (i, j) in a.zip(b) {
+            let s = self.grads[i] + self.grads[j];
+            self.grads[i] = s;
+            self.grads[j] = s;
+        }
+    }
+
+    fn copy_grads(&mut self, dst: Range<usize>, src: Range<usize>) {
+        self.grads.copy_within(src, dst.start);
+    }
+
+    fn unscale_check(&mut self, inverse: f32) -> bool {
+        unscale(&mut self.grads, inverse)
+    }
+
+    fn grad_sum_of_squares(&mut self, skip: &[Range<usize>]) -> f64 {
+        kept_ranges(skip, self.grads.len())
+            .into_iter()
+            .map(|r| sum_of_squares(&self.grads[r]))
+            .sum()
+    }
+
+    fn norm_and_clip(&mut self, skip: &[Range<usize>], max_norm: Option<f32>) -> f32 {
+        let norm = self.grad_sum_of_squares(skip).sqrt() as f32;
+        self.clip = max_norm.and_then(|m| clip_factor(norm, m));
+        norm
+    }
+
+    fn scale_grads(&mut self, k: f32) {
+        self.grads.iter_mut().for_each(|g| *g *= k);
+    }
+
+    fn step(&mut self, optimizer: &mut Optimizer, lr: f32) {
+        if let Some(k) = self.clip.take() {
+            self.scale_grads(k);
+        }
+        optimizer.step(&mut self.values, &self.grads, lr);
+        self.zero_grads();
+    }
+
+    fn zero_grads(&mut self) {
+        self.grads.iter_mut().for_each(|g| *g = 0.0);
+    }
+}
