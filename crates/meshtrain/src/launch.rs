@@ -34,6 +34,7 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
 use meshtrain_parallel::DeviceCheck;
 use meshtrain_tensor::Device;
+use meshtrain_train::launch::GPUS_ENV;
 use meshtrain_train::stop::{resume_command, without_option, LAUNCHED_ENV};
 use meshtrain_train::StopRequest;
 use std::io::{Read, Write};
@@ -50,8 +51,10 @@ pub struct LaunchArgs {
     pub np: Option<usize>,
     /// Start N processes on this machine, one per GPU: rank r trains on cuda:r, the GPU its
     /// local rank picks (cuda:B+r with `--device cuda:B` among the job's arguments). Sets the
-    /// job's device to cuda and --np to N. Checked before mpirun starts: without the NVIDIA
-    /// driver, or with a layout this build cannot run on GPUs, it fails at once.
+    /// job's device to cuda and --np to N; with --np a multiple of N, the ranks share the N
+    /// GPUs in turn (rank r on cuda:r mod N, collectives staged through host memory: for
+    /// tests, and models too small to fill a GPU). Checked before mpirun starts: without the
+    /// NVIDIA driver, or with a layout this build cannot run on GPUs, it fails at once.
     #[arg(long, value_name = "N", conflicts_with = "hostfile")]
     pub gpus: Option<usize>,
     /// Open MPI hostfile (`HOST slots=N` per line), read again before every (re)start: a
@@ -641,6 +644,12 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
         // asks the ranks to stop gracefully; mpirun would kill them.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         command.env(LAUNCHED_ENV, "1").args(["-x", LAUNCHED_ENV]);
+        if let Some(gpus) = args.gpus {
+            // The ranks of this machine share its GPUs in turn when there are more of them.
+            command
+                .env(GPUS_ENV, gpus.to_string())
+                .args(["-x", GPUS_ENV]);
+        }
         command.envs(run_as_root.iter().copied());
         // Passed through as it comes, its end kept: what mpirun and the ranks said decides
         // whether a failure is worth a restart.
@@ -732,13 +741,14 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-/// The most processes to start: `--np`, or one per GPU with `--gpus` (the two must agree).
+/// The most processes to start: `--np`, or one per GPU with `--gpus` (or a multiple of it:
+/// ranks sharing the GPUs).
 fn processes_to_start(np: Option<usize>, gpus: Option<usize>) -> Result<Option<usize>> {
     match (np, gpus) {
         (_, Some(0)) => bail!("--gpus 0: give the number of GPUs to train on, one process each"),
-        (Some(np), Some(gpus)) if np != gpus => bail!(
-            "--np {np} and --gpus {gpus}: --gpus starts one process per GPU; leave --np out or \
-             give the same number"
+        (Some(np), Some(gpus)) if np < gpus || !np.is_multiple_of(gpus) => bail!(
+            "--np {np} and --gpus {gpus}: --gpus starts one process per GPU, or shares the GPUs \
+             evenly among more; leave --np out or give a multiple of {gpus}"
         ),
         (np, gpus) => Ok(np.or(gpus)),
     }
@@ -1173,6 +1183,12 @@ mod tests {
         assert_eq!(processes_to_start(Some(4), Some(4)).unwrap(), Some(4));
         assert_eq!(processes_to_start(Some(3), None).unwrap(), Some(3));
         assert!(processes_to_start(Some(2), Some(4)).is_err());
+        // Ranks sharing GPUs evenly.
+        assert_eq!(processes_to_start(Some(4), Some(2)).unwrap(), Some(4));
+        let e = processes_to_start(Some(3), Some(2))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("give a multiple of 2"), "{e}");
         assert!(processes_to_start(None, Some(0)).is_err());
         let parse = |args: &[&str]| {
             #[derive(Parser)]

@@ -10,7 +10,7 @@
 //! loaded, so checkpoints keep their one format and a GPU run resumes on the CPU and the
 //! reverse.
 
-use crate::data::{DpMode, GradCompression};
+use crate::data::{DpMode, GradCompression, GradReduce};
 use crate::engine::{Stage, StandIn};
 use crate::layout::Layout;
 use crate::{DeviceCheck, ParallelError, ParallelOptions};
@@ -140,6 +140,13 @@ pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), P
         return Err(ParallelError::Device(
             "dp_mode = \"single-master\" gathers gradients on the host: on GPUs use \
              dp_mode = \"ddp\" (the default)"
+                .into(),
+        ));
+    }
+    if options.ddp.reduce == GradReduce::Hierarchical {
+        return Err(ParallelError::Device(
+            "grad_reduce = \"hierarchical\" reduces through host groups: on GPUs NCCL \
+             arranges its own rings and trees across hosts; leave it at \"auto\" or \"flat\""
                 .into(),
         ));
     }
@@ -426,7 +433,17 @@ mod tests {
         bf16.ddp.compression = GradCompression::Bf16;
         let e = check_options(&bf16, &layout).unwrap_err().to_string();
         assert!(e.contains("grad_compression = \"bf16\""), "{e}");
-        // The CPU takes both.
+        assert!(
+            check_options(&bf16, &Layout::default()).is_ok(),
+            "one worker reduces nothing"
+        );
+        let mut hierarchical = gpu.clone();
+        hierarchical.ddp.reduce = GradReduce::Hierarchical;
+        let e = check_options(&hierarchical, &layout)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("NCCL arranges its own rings"), "{e}");
+        // The CPU takes them.
         let cpu = ParallelOptions {
             device: Device::Cpu,
             ..bf16

@@ -515,7 +515,16 @@ pub fn parallelize(
         &data,
         DataParallelConfig {
             mode: options.dp_mode,
-            ddp: options.ddp,
+            ddp: DdpConfig {
+                // On GPUs NCCL picks its own rings and trees across hosts (and the staged
+                // path is for ranks of one host): DDP's buckets go flat.
+                reduce: if options.device.is_cuda() {
+                    GradReduce::Flat
+                } else {
+                    options.ddp.reduce
+                },
+                ..options.ddp
+            },
             zero,
             zero_options: options.zero,
             seed: training.seed,

@@ -138,14 +138,29 @@ pub fn local_rank(env: impl Fn(&str) -> Option<String>) -> Result<Option<usize>>
     Ok(None)
 }
 
-/// The device this process trains on. Several processes of a host each need a GPU of their
-/// own, and the one launch command line they share cannot name it, so under a launcher the
-/// local rank picks it: `cuda` (or `cuda:B`) names the host's first GPU for the job and local
-/// rank r trains on `cuda:r` (`cuda:B+r`). The CPU, and any device outside a launcher, stay
-/// as given. `env` as for [`local_rank`].
+/// How many GPUs of a host its ranks share, when a launcher starts more ranks than GPUs
+/// (`meshtrain launch --gpus N --np M`, M a multiple of N): local rank r then trains on GPU
+/// `r mod N`, and ranks on one GPU reduce through staged collectives.
+pub const GPUS_ENV: &str = "MESHTRAIN_GPUS";
+
+/// The device this process trains on. Several processes of a host each need a GPU, and the
+/// one launch command line they share cannot name it, so under a launcher the local rank
+/// picks it: `cuda` (or `cuda:B`) names the host's first GPU for the job and local rank r
+/// trains on `cuda:r` (`cuda:B+r`), or on `cuda:B + r mod N` when [`GPUS_ENV`] says the ranks
+/// share N GPUs. The CPU, and any device outside a launcher, stay as given. `env` as for
+/// [`local_rank`].
 pub fn local_device(device: Device, env: impl Fn(&str) -> Option<String>) -> Result<Device> {
+    let shared = match env(GPUS_ENV) {
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => bail!("{GPUS_ENV}={v} is not a number of GPUs (a number ≥ 1)"),
+        },
+        None => None,
+    };
     match (device, local_rank(env)?) {
-        (Device::Cuda(first), Some(rank)) => Ok(Device::Cuda(first + rank)),
+        (Device::Cuda(first), Some(rank)) => {
+            Ok(Device::Cuda(first + rank % shared.unwrap_or(usize::MAX)))
+        }
         _ => Ok(device),
     }
 }
@@ -609,6 +624,18 @@ mod tests {
         assert_eq!(
             local_device(Device::Cuda(5), env(&[])).unwrap(),
             Device::Cuda(5)
+        );
+        // More ranks than GPUs: local ranks 0..4 over 2 GPUs from cuda:1 share them in turn.
+        let on = |rank: &str| {
+            let shared = [("OMPI_COMM_WORLD_LOCAL_RANK", rank), (GPUS_ENV, "2")];
+            local_device(Device::Cuda(1), env(&shared)).unwrap()
+        };
+        assert_eq!(["0", "1", "2", "3"].map(on), [1, 2, 1, 2].map(Device::Cuda));
+        let e = local_device(Device::Cuda(0), env(&[(GPUS_ENV, "0")])).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("MESHTRAIN_GPUS=0 is not a number of GPUs"),
+            "{e}"
         );
         let err = local_device(Device::Cuda(0), env(&[("SLURM_LOCALID", "x")])).unwrap_err();
         assert_eq!(

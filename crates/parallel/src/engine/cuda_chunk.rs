@@ -8,7 +8,7 @@
 //! Inside a step, errors are raised as device panics and caught around the step, where an
 //! out-of-memory becomes advice on what would fit.
 
-use super::device::{kept_ranges, DeviceMemory, DeviceState, Sums};
+use super::device::{kept_ranges, DeviceMemory, DeviceState, Phase, PhaseTimes, Sums};
 use super::PipelineError;
 use meshtrain_comm::RawBuf;
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
@@ -53,7 +53,7 @@ pub struct CudaChunk {
     param_base: usize,
     buffer_base: usize,
     span: Option<Event>,
-    spans: Vec<(Event, Event, bool)>,
+    spans: Vec<(Event, Event, Phase)>,
 }
 
 impl CudaChunk {
@@ -329,24 +329,19 @@ impl DeviceState for CudaChunk {
         self.span = Some(ok_or_raise(self.dev.record_event()));
     }
 
-    fn end_span(&mut self, forward: bool) {
+    fn end_span(&mut self, phase: Phase) {
         if let Some(start) = self.span.take() {
             let end = ok_or_raise(self.dev.record_event());
-            self.spans.push((start, end, forward));
+            self.spans.push((start, end, phase));
         }
     }
 
-    fn take_span_times(&mut self) -> (f64, f64) {
-        let (mut forward, mut backward) = (0.0, 0.0);
-        for (start, end, is_forward) in self.spans.drain(..) {
-            let s = ok_or_raise(start.ms_until(&end)) as f64 / 1e3;
-            if is_forward {
-                forward += s;
-            } else {
-                backward += s;
-            }
+    fn take_span_times(&mut self) -> PhaseTimes {
+        let mut times = PhaseTimes::default();
+        for (start, end, phase) in self.spans.drain(..) {
+            times.add(phase, ok_or_raise(start.ms_until(&end)) as f64 / 1e3);
         }
-        (forward, backward)
+        times
     }
 
     fn grads(&mut self) -> RawBuf {
@@ -451,5 +446,9 @@ impl DeviceState for CudaChunk {
 
     fn zero_grads(&mut self) {
         ok_or_raise(self.dev.memset_zero(self.grads.ptr(), self.len * 4));
+    }
+
+    fn wait(&mut self) {
+        ok_or_raise(self.dev.synchronize());
     }
 }

@@ -41,6 +41,30 @@ pub struct DeviceMemory {
     pub total_bytes: usize,
 }
 
+/// The parts of a step a device times on its own clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Forward,
+    Backward,
+}
+
+/// Seconds a device spent in each [`Phase`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PhaseTimes {
+    pub forward: f64,
+    pub backward: f64,
+}
+
+impl PhaseTimes {
+    /// Adds `seconds` to `phase`.
+    pub fn add(&mut self, phase: Phase, seconds: f64) {
+        match phase {
+            Phase::Forward => self.forward += seconds,
+            Phase::Backward => self.backward += seconds,
+        }
+    }
+}
+
 /// Which of the two loss sums a device keeps: the training step's or evaluation's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sums {
@@ -106,14 +130,14 @@ pub trait DeviceState: Send {
     /// device), then zeroed.
     fn take_sums(&mut self, which: Sums) -> (f64, f64);
 
-    /// Starts timing a pass on the device's own clock (the host only sees launches).
+    /// Starts timing a phase on the device's own clock (the host only sees launches).
     fn begin_span(&mut self);
 
-    /// Ends the span begun last, as forward or backward time.
-    fn end_span(&mut self, forward: bool);
+    /// Ends the span begun last, as `phase`'s time.
+    fn end_span(&mut self, phase: Phase);
 
-    /// Seconds of forward and of backward spans since the last call.
-    fn take_span_times(&mut self) -> (f64, f64);
+    /// Seconds of each phase's spans since the last call (the host waits for the device).
+    fn take_span_times(&mut self) -> PhaseTimes;
 
     /// The whole gradient buffer, for collectives (a view of the device's memory).
     fn grads(&mut self) -> RawBuf;
@@ -144,6 +168,10 @@ pub trait DeviceState: Send {
 
     /// Gradients set to zero.
     fn zero_grads(&mut self);
+
+    /// Returns once the work queued on the device so far has run (so the host's clock
+    /// covers it).
+    fn wait(&mut self);
 }
 
 impl std::fmt::Debug for dyn DeviceState {
@@ -202,7 +230,7 @@ pub struct StandIn {
     sums: [(f64, f64); 2],
     clip: Option<f32>,
     span: Option<Instant>,
-    span_times: (f64, f64),
+    span_times: PhaseTimes,
     /// Copies between the host store and this "device", for tests: (uploads, downloads).
     pub copies: (usize, usize),
 }
@@ -345,16 +373,12 @@ impl DeviceState for StandIn {
         self.span = Some(Instant::now());
     }
 
-    fn end_span(&mut self, forward: bool) {
+    fn end_span(&mut self, phase: Phase) {
         let s = self.span.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
-        if forward {
-            self.span_times.0 += s;
-        } else {
-            self.span_times.1 += s;
-        }
+        self.span_times.add(phase, s);
     }
 
-    fn take_span_times(&mut self) -> (f64, f64) {
+    fn take_span_times(&mut self) -> PhaseTimes {
         std::mem::take(&mut self.span_times)
     }
 
@@ -408,4 +432,6 @@ impl DeviceState for StandIn {
     fn zero_grads(&mut self) {
         self.grads.iter_mut().for_each(|g| *g = 0.0);
     }
+
+    fn wait(&mut self) {}
 }

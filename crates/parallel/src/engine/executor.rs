@@ -16,7 +16,7 @@
 //! * [`GradsReady`] fires for each block during a chunk's *last* backward of the step: from
 //!   then on that block's gradients are final and a data-parallel all-reduce may start.
 
-use super::device::DeviceState;
+use super::device::{DeviceState, Phase};
 use super::partition::Partition;
 use super::schedule::{Action, Schedule};
 use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, SendMode, TAG_LIMIT};
@@ -563,6 +563,8 @@ impl Stage {
     }
 
     /// Updates every chunk with its optimizer, then zeroes the gradients for the next step.
+    /// Chunks on a device wait for their update, so the host's clock (and the timeline)
+    /// covers it rather than its launches.
     pub fn optimizer_step(
         &mut self,
         optimizers: &mut [Optimizer],
@@ -582,7 +584,10 @@ impl Stage {
             || {
                 for (chunk, opt) in self.chunks.iter_mut().zip(optimizers) {
                     match &mut chunk.device {
-                        Some(d) => d.step(opt, lr),
+                        Some(d) => {
+                            d.step(opt, lr);
+                            d.wait();
+                        }
                         None => {
                             opt.step(&mut chunk.store.values, &chunk.store.grads, lr);
                             chunk.store.zero_grads();
@@ -842,7 +847,7 @@ impl Stage {
                         },
                     );
                     if let Some(d) = &mut chunk.device {
-                        d.end_span(true);
+                        d.end_span(Phase::Forward);
                     }
                     report.forward_s += t.elapsed().as_secs_f64();
                     in_flight += acts.bytes();
@@ -917,7 +922,7 @@ impl Stage {
                         },
                     );
                     if let Some(d) = &mut chunk.device {
-                        d.end_span(false);
+                        d.end_span(Phase::Backward);
                     }
                     report.backward_s += t.elapsed().as_secs_f64();
                     if c > 0 {
@@ -945,9 +950,9 @@ impl Stage {
             let Some(d) = &mut chunk.device else {
                 continue;
             };
-            let (f, b) = d.take_span_times();
+            let spans = d.take_span_times();
             let t = device_times.get_or_insert((0.0, 0.0));
-            (t.0, t.1) = (t.0 + f, t.1 + b);
+            (t.0, t.1) = (t.0 + spans.forward, t.1 + spans.backward);
             report.peak_activation_bytes =
                 report.peak_activation_bytes.max(d.peak_activation_bytes());
             if chunk.index == last && on_device > 0 {
