@@ -170,6 +170,19 @@ pub enum DeviceCollectives {
     Staged,
 }
 
+/// The collectives for ranks on `places` (each rank's host and GPU): NCCL when no two share
+/// a GPU and `nccl` (the library loads), else staged (NCCL refuses two ranks on one GPU).
+pub fn choose_collectives(places: &[(u32, u32)], nccl: bool) -> DeviceCollectives {
+    let mut distinct = places.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if nccl && distinct.len() == places.len() {
+        DeviceCollectives::Nccl
+    } else {
+        DeviceCollectives::Staged
+    }
+}
+
 /// The world a run on `device` trains over: `world` itself on the CPU or for one worker;
 /// for several workers on GPUs, NCCL for device buffers (host buffers staying on `world`)
 /// when every rank has a GPU of its own and the machine has libnccl, else `world` staged
@@ -205,12 +218,9 @@ pub fn collectives_for(
         let mine = [host as f32, ordinal as f32];
         let mut all = vec![0.0f32; 2 * world.size()];
         world.all_gather(meshtrain_comm::BufRef::F32(&mine), BufMut::F32(&mut all))?;
-        let mut places: Vec<(u32, u32)> =
+        let places: Vec<(u32, u32)> =
             all.chunks(2).map(|p| (p[0] as u32, p[1] as u32)).collect();
-        places.sort_unstable();
-        places.dedup();
-        let own_gpus = places.len() == world.size();
-        if own_gpus && nccl_available().is_ok() {
+        if choose_collectives(&places, nccl_available().is_ok()) == DeviceCollectives::Nccl {
             // NCCL for the gradients; the step's host numbers (losses, flags, counts) stay on
             // the host group.
             let config = world.config().clone();
@@ -358,6 +368,23 @@ fn out_of_memory(
             .to_string()
     };
     format!("{}; {advice}", CudaError::OutOfMemory { oom: oom.clone() })
+}
+
+#[cfg(test)]
+mod placement_tests {
+    use super::*;
+
+    #[test]
+    fn nccl_when_every_rank_has_its_own_gpu_else_staged() {
+        use DeviceCollectives::{Nccl, Staged};
+        // Two hosts of two GPUs each: the same GPU number on two hosts is two GPUs.
+        let own = [(0, 0), (0, 1), (1, 0), (1, 1)];
+        assert_eq!(choose_collectives(&own, true), Nccl);
+        assert_eq!(choose_collectives(&own, false), Staged, "no libnccl");
+        // Ranks sharing a GPU (the lent machine, launch --gpus 1 --np 2).
+        assert_eq!(choose_collectives(&[(0, 0), (0, 0)], true), Staged);
+        assert_eq!(choose_collectives(&[(0, 0), (0, 1), (0, 1)], true), Staged);
+    }
 }
 
 #[cfg(all(test, feature = "cuda"))]
