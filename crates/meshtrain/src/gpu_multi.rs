@@ -135,6 +135,59 @@ fn states_as_planned(failed: &mut Vec<String>, run: &str, trained: &Trained) {
     );
 }
 
+/// The last dp = 2 step's timeline on rank 0 (Chrome trace at `trace`): its spans as a table
+/// (ms from the step's first span; row 0 compute, 1 communication), and whether the first
+/// bucket's all-reduce began before the backward pass ended (overlap).
+fn buckets_under_backward(failed: &mut Vec<String>, trace: &Path) -> Result<()> {
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(trace)?)?;
+    let mut spans: Vec<(String, u64, f64, f64)> = json["traceEvents"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == 0)
+        .filter_map(|e| {
+            let (ts, dur) = (e["ts"].as_f64()?, e["dur"].as_f64()?);
+            Some((
+                e["name"].as_str()?.to_string(),
+                e["tid"].as_u64()?,
+                ts,
+                ts + dur,
+            ))
+        })
+        .collect();
+    spans.sort_by(|a, b| a.2.total_cmp(&b.2));
+    let origin = spans.first().map_or(0.0, |s| s.2);
+    println!("dp=2 step on rank 0 (ms from its first span; row 0 compute, 1 communication):");
+    for (name, row, start, end) in &spans {
+        println!(
+            "  row {row}  {:>8.3} … {:>8.3}  {name}",
+            (start - origin) / 1e3,
+            (end - origin) / 1e3
+        );
+    }
+    let backward_end = spans
+        .iter()
+        .filter(|s| s.0.starts_with('B'))
+        .map(|s| s.3)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let first_bucket = spans
+        .iter()
+        .filter(|s| s.0.starts_with("bucket "))
+        .map(|s| s.2)
+        .fold(f64::INFINITY, f64::min);
+    verdict(
+        failed,
+        first_bucket < backward_end,
+        format!(
+            "dp=2 timeline: the first bucket's all-reduce began {:.3} ms before backward ended \
+             (> 0: it overlapped)",
+            (backward_end - first_bucket) / 1e3
+        ),
+    );
+    Ok(())
+}
+
 /// Prints an `ok`/`FAIL` line for `what` and keeps the failures.
 fn verdict(failed: &mut Vec<String>, ok: bool, what: String) {
     if ok {
@@ -152,9 +205,16 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     let runs = Runs { root, device };
     let train = |max_steps, extra: &[&str], resume| runs.train(max_steps, extra, resume);
     let one = train(STEPS, &[], None)?;
+    let trace = std::env::temp_dir().join(format!("meshtrain-multi-{}.json", std::process::id()));
     for dp in [2, 4] {
         let layout = format!("parallel.dp={dp}");
-        let many = train(STEPS, &[&layout], None)?;
+        let timeline = format!("parallel.timeline=\"{}\"", trace.display());
+        let extra: &[&str] = if dp == 2 {
+            &[&layout, &timeline]
+        } else {
+            &[&layout]
+        };
+        let many = train(STEPS, extra, None)?;
         let d = rel_l2(&many.params, &one.params);
         verdict(
             failed,
@@ -167,6 +227,9 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         states_as_planned(failed, &format!("fp32 dp={dp}"), &many);
         let _ = std::fs::remove_dir_all(&many.out);
     }
+    buckets_under_backward(failed, &trace)?;
+    let _ = std::fs::remove_file(&trace);
+    let _ = std::fs::remove_file(trace.with_extension("png"));
     let bf16 = "train.precision=\"bf16\"";
     let one16 = train(STEPS, &[bf16], None)?;
     let two16 = train(STEPS, &[bf16, "parallel.dp=2"], None)?;
@@ -270,6 +333,10 @@ mod tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let mut failed = Vec::new();
         training(&mut failed, &root, "cpu").unwrap();
+        // Whether the first bucket began before backward ended is up to the scheduler on a
+        // shared two-core machine (the communication thread may wait for a core): the
+        // line is printed, not required, here.
+        failed.retain(|f| !f.starts_with("dp=2 timeline"));
         assert!(failed.is_empty(), "{failed:#?}");
     }
 }

@@ -551,6 +551,12 @@ pub fn run(args: &LaunchArgs) -> Result<std::process::ExitCode> {
         let mut first_world = layout.clone();
         first_world.dp = (np / per_replica).max(1);
         cfg.check_device(&first_world, DeviceCheck::WithoutOpening)?;
+        // --gpus N: the job's last GPU too (`no CUDA GPU number 7: the driver sees 2 …`).
+        if let (Some(gpus), Device::Cuda(first)) = (args.gpus, cfg.train.device) {
+            let mut last = cfg.clone();
+            last.train.device = Device::Cuda(first + gpus - 1);
+            last.check_device(&first_world, DeviceCheck::WithoutOpening)?;
+        }
     }
     let run_as_root = run_as_root_env(effective_user_id(), |name| std::env::var(name).ok());
     if !run_as_root.is_empty() {

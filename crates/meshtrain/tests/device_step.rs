@@ -192,3 +192,47 @@ fn layouts_without_a_device_form_are_refused_by_name() {
         );
     }
 }
+
+/// A dp = 2 step's timeline: the passes on the compute row (on a device, from the device's
+/// clock), each DDP bucket's all-reduce on the communication row, and what the compute
+/// thread waited for at the end on the compute row; the same on the CPU.
+#[test]
+fn a_data_parallel_timeline_has_the_buckets_on_the_communication_row() {
+    for placed in [false, true] {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let trace = dir.join("step.json");
+        let timeline = format!("parallel.timeline=\"{}\"", trace.display());
+        let mut extra = vec![
+            "parallel.dp=2",
+            "parallel.bucket_cap_mb=0.01",
+            "parallel.first_bucket_mb=0.002",
+            &timeline,
+        ];
+        if placed {
+            extra.push(STAND_IN);
+        }
+        train("gpt", 2, &extra, None);
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+        let events: Vec<_> = json["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == 0)
+            .collect();
+        let lane = |name: &str| {
+            let found: Vec<_> = events.iter().filter(|e| e["name"] == name).collect();
+            assert_eq!(found.len(), 1, "placed {placed}: {name} × {}", found.len());
+            found[0]["tid"].as_u64().unwrap()
+        };
+        for compute in ["F0", "B0", "opt", "dp all-reduce wait"] {
+            assert_eq!(lane(compute), 0, "placed {placed}: {compute}");
+        }
+        let buckets = events
+            .iter()
+            .filter(|e| e["name"].as_str().unwrap().starts_with("bucket "))
+            .count();
+        assert!(buckets >= 3, "placed {placed}: {buckets} bucket spans");
+        assert_eq!(lane("bucket 0"), 1, "placed {placed}");
+    }
+}

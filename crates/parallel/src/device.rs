@@ -218,8 +218,7 @@ pub fn collectives_for(
         let mine = [host as f32, ordinal as f32];
         let mut all = vec![0.0f32; 2 * world.size()];
         world.all_gather(meshtrain_comm::BufRef::F32(&mine), BufMut::F32(&mut all))?;
-        let places: Vec<(u32, u32)> =
-            all.chunks(2).map(|p| (p[0] as u32, p[1] as u32)).collect();
+        let places: Vec<(u32, u32)> = all.chunks(2).map(|p| (p[0] as u32, p[1] as u32)).collect();
         if choose_collectives(&places, nccl_available().is_ok()) == DeviceCollectives::Nccl {
             // NCCL for the gradients; the step's host numbers (losses, flags, counts) stay on
             // the host group.

@@ -786,10 +786,22 @@ impl Parallel {
         let wait = Instant::now();
         let comm = self.sync.finish(&mut self.stage.chunks)?;
         let synchronised = self.mesh.size(MeshAxis::Dp) * self.mesh.size(MeshAxis::Cp) > 1;
+        let buckets = self.sync.take_comm_spans();
         if let (Some(t), true) = (timeline.as_deref_mut(), synchronised) {
+            // Each bucket's all-reduce where it ran (under backward when it overlapped), on
+            // the communication row; then what the compute thread waited for at the end.
+            for (label, span) in buckets {
+                t.record(
+                    label,
+                    Category::Communication,
+                    span.began,
+                    span.finished,
+                    None,
+                );
+            }
             t.record(
                 "dp all-reduce wait",
-                Category::Communication,
+                Category::CommWait,
                 wait,
                 Instant::now(),
                 None,

@@ -23,6 +23,9 @@ pub enum Category {
     Optimizer,
     /// Collective communication (all-reduce of a gradient bucket, ...).
     Communication,
+    /// The compute thread waiting for communication to finish (DDP's last buckets after
+    /// backward): exposed communication, on the compute row.
+    CommWait,
     Other,
 }
 
@@ -35,6 +38,7 @@ impl Category {
             Category::RecvWait => "recv-wait",
             Category::Optimizer => "optimizer",
             Category::Communication => "communication",
+            Category::CommWait => "comm-wait",
             Category::Other => "other",
         }
     }

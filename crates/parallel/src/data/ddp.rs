@@ -16,7 +16,7 @@ use super::buckets::{plan_buckets, Bucket};
 use super::DataParallelError;
 use half::bf16;
 use meshtrain_comm::{
-    BufMut, CommError, GroupHosts, HierarchicalGroup, ProcessGroup, RawBuf, ReduceOp, Work,
+    BufMut, CommError, GroupHosts, HierarchicalGroup, OpSpan, ProcessGroup, RawBuf, ReduceOp, Work,
 };
 use meshtrain_nn::{Model, ParamStore};
 use std::sync::Arc;
@@ -184,6 +184,8 @@ pub struct Ddp {
     /// Time spent launching (and converting) inside backward's hooks this step.
     hook_s: f64,
     error: Option<CommError>,
+    /// When each bucket's all-reduce of the last step ran: (bucket, span).
+    spans: Vec<(usize, OpSpan)>,
 }
 
 impl Ddp {
@@ -242,6 +244,7 @@ impl Ddp {
             grads_ptr: 0,
             hook_s: 0.0,
             error: None,
+            spans: Vec::new(),
         })
     }
 
@@ -342,6 +345,7 @@ impl Ddp {
             let bucket = &self.buckets[b];
             match work.wait_timed() {
                 Ok(span) => {
+                    self.spans.push((b, span));
                     // The part of the operation that ran before backward ended was hidden.
                     let hidden_end = span.finished.min(t0);
                     timing.hidden_s += hidden_end
@@ -370,6 +374,11 @@ impl Ddp {
         timing.in_backward_s = self.hook_s;
         timing.exposed_s = t0.elapsed().as_secs_f64() + self.hook_s;
         Ok(timing)
+    }
+
+    /// When each bucket's all-reduce ran since the last call (for a step's timeline).
+    pub fn take_spans(&mut self) -> Vec<(usize, OpSpan)> {
+        std::mem::take(&mut self.spans)
     }
 
     fn wire_bytes_per_elem(&self) -> usize {

@@ -23,7 +23,7 @@
 use super::{CommTiming, DataParallelError, Ddp, DdpConfig, SingleMaster};
 use crate::engine::{ChunkParams, GradsReady, StageChunk};
 use crate::Batch;
-use meshtrain_comm::ProcessGroup;
+use meshtrain_comm::{OpSpan, ProcessGroup};
 use meshtrain_nn::Model;
 use meshtrain_tensor::Tensor;
 use serde::{Deserialize, Serialize};
@@ -112,6 +112,12 @@ pub trait GradSync: Send {
     /// After a pass outside a training step (evaluation): a collective of it failed.
     fn check_pass(&mut self) -> Result<(), DataParallelError> {
         Ok(())
+    }
+
+    /// The collectives of the last step that ran beside compute, labelled, for its timeline
+    /// (DDP's bucket all-reduces); drained by each call.
+    fn take_comm_spans(&mut self) -> Vec<(String, OpSpan)> {
+        Vec::new()
     }
 
     /// The implementation itself, for the synchronisers whose state others read (ZeRO's
@@ -244,6 +250,22 @@ impl GradSync for DdpSync {
             timing.add(ddp.finish(chunk.grads_buf())?);
         }
         Ok(timing)
+    }
+
+    fn take_comm_spans(&mut self) -> Vec<(String, OpSpan)> {
+        let chunks = self.ddps.len();
+        let mut spans = Vec::new();
+        for (j, ddp) in self.ddps.iter_mut().enumerate() {
+            for (b, span) in ddp.take_spans() {
+                let label = if chunks == 1 {
+                    format!("bucket {b}")
+                } else {
+                    format!("bucket {b}·c{j}")
+                };
+                spans.push((label, span));
+            }
+        }
+        spans
     }
 }
 

@@ -8,7 +8,7 @@
 //! Inside a step, errors are raised as device panics and caught around the step, where an
 //! out-of-memory becomes advice on what would fit.
 
-use super::device::{kept_ranges, DeviceMemory, DeviceState, Phase, PhaseTimes, Sums};
+use super::device::{kept_ranges, DeviceMemory, DeviceState, Sums};
 use super::PipelineError;
 use meshtrain_comm::RawBuf;
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
@@ -20,6 +20,7 @@ use meshtrain_tensor::cuda::{CudaDevice, CudaError, DevBuf, DeviceGrads, DeviceP
 use meshtrain_tensor::{DType, Device, Tensor};
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Byte offsets in the small device buffer the step's scalars live in.
 const NORM: u64 = 0; // f32 norm, f32 clipping factor
@@ -52,8 +53,10 @@ pub struct CudaChunk {
     /// The chunk's first parameter and buffer in the whole model's numbering.
     param_base: usize,
     buffer_base: usize,
+    /// The event [`DeviceState::begin`] recorded on the idle device, and the host's time then.
+    anchor: Option<(Event, Instant)>,
     span: Option<Event>,
-    spans: Vec<(Event, Event, Phase)>,
+    spans: Vec<(Event, Event)>,
 }
 
 impl CudaChunk {
@@ -93,6 +96,7 @@ impl CudaChunk {
             clip_pending: false,
             param_base: model.blocks_param_range(blocks.clone()).start,
             buffer_base: model.blocks_buffer_range(blocks).start,
+            anchor: None,
             span: None,
             spans: Vec::new(),
             len,
@@ -290,6 +294,7 @@ impl DeviceState for CudaChunk {
 
     fn begin(&mut self) {
         ok_or_raise(self.dev.bind());
+        self.anchor = Some((ok_or_raise(self.dev.record_event()), Instant::now()));
     }
 
     fn loss(
@@ -329,19 +334,23 @@ impl DeviceState for CudaChunk {
         self.span = Some(ok_or_raise(self.dev.record_event()));
     }
 
-    fn end_span(&mut self, phase: Phase) {
+    fn end_span(&mut self) {
         if let Some(start) = self.span.take() {
             let end = ok_or_raise(self.dev.record_event());
-            self.spans.push((start, end, phase));
+            self.spans.push((start, end));
         }
     }
 
-    fn take_span_times(&mut self) -> PhaseTimes {
-        let mut times = PhaseTimes::default();
-        for (start, end, phase) in self.spans.drain(..) {
-            times.add(phase, ok_or_raise(start.ms_until(&end)) as f64 / 1e3);
-        }
-        times
+    fn take_spans(&mut self) -> Vec<(Instant, Instant)> {
+        let Some((anchor, host)) = &self.anchor else {
+            return Vec::new();
+        };
+        let at = |e: &Event| {
+            let ms = ok_or_raise(anchor.ms_until(e)).max(0.0);
+            *host + std::time::Duration::from_secs_f64(ms as f64 / 1e3)
+        };
+        let spans = self.spans.drain(..).collect::<Vec<_>>();
+        spans.iter().map(|(s, e)| (at(s), at(e))).collect()
     }
 
     fn grads(&mut self) -> RawBuf {

@@ -41,30 +41,6 @@ pub struct DeviceMemory {
     pub total_bytes: usize,
 }
 
-/// The parts of a step a device times on its own clock.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Phase {
-    Forward,
-    Backward,
-}
-
-/// Seconds a device spent in each [`Phase`].
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct PhaseTimes {
-    pub forward: f64,
-    pub backward: f64,
-}
-
-impl PhaseTimes {
-    /// Adds `seconds` to `phase`.
-    pub fn add(&mut self, phase: Phase, seconds: f64) {
-        match phase {
-            Phase::Forward => self.forward += seconds,
-            Phase::Backward => self.backward += seconds,
-        }
-    }
-}
-
 /// Which of the two loss sums a device keeps: the training step's or evaluation's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sums {
@@ -111,7 +87,8 @@ pub trait DeviceState: Send {
         on_ready: &'a mut dyn FnMut(usize),
     ) -> Box<dyn BlockParams + 'a>;
 
-    /// Before a step's or an evaluation's passes (binds the device to this thread).
+    /// Before a step's or an evaluation's passes: binds the device to this thread, and
+    /// anchors its clock to the host's (the device is idle here: the last update waited).
     fn begin(&mut self);
 
     /// The loss of `output` (the last chunk's) against `targets`, with the gradient of
@@ -130,14 +107,16 @@ pub trait DeviceState: Send {
     /// device), then zeroed.
     fn take_sums(&mut self, which: Sums) -> (f64, f64);
 
-    /// Starts timing a phase on the device's own clock (the host only sees launches).
+    /// Starts timing a pass on the device's own clock (the host only sees launches).
     fn begin_span(&mut self);
 
-    /// Ends the span begun last, as `phase`'s time.
-    fn end_span(&mut self, phase: Phase);
+    /// Ends the span begun last.
+    fn end_span(&mut self);
 
-    /// Seconds of each phase's spans since the last call (the host waits for the device).
-    fn take_span_times(&mut self) -> PhaseTimes;
+    /// When the spans ended since the last call ran on the device, in the order they ended,
+    /// on the host's clock through the anchor of [`DeviceState::begin`] (the host waits for
+    /// the device).
+    fn take_spans(&mut self) -> Vec<(Instant, Instant)>;
 
     /// The whole gradient buffer, for collectives (a view of the device's memory).
     fn grads(&mut self) -> RawBuf;
@@ -230,7 +209,7 @@ pub struct StandIn {
     sums: [(f64, f64); 2],
     clip: Option<f32>,
     span: Option<Instant>,
-    span_times: PhaseTimes,
+    spans: Vec<(Instant, Instant)>,
     /// Copies between the host store and this "device", for tests: (uploads, downloads).
     pub copies: (usize, usize),
 }
@@ -373,13 +352,14 @@ impl DeviceState for StandIn {
         self.span = Some(Instant::now());
     }
 
-    fn end_span(&mut self, phase: Phase) {
-        let s = self.span.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
-        self.span_times.add(phase, s);
+    fn end_span(&mut self) {
+        if let Some(start) = self.span.take() {
+            self.spans.push((start, Instant::now()));
+        }
     }
 
-    fn take_span_times(&mut self) -> PhaseTimes {
-        std::mem::take(&mut self.span_times)
+    fn take_spans(&mut self) -> Vec<(Instant, Instant)> {
+        std::mem::take(&mut self.spans)
     }
 
     fn grads(&mut self) -> RawBuf {

@@ -16,7 +16,7 @@
 //! * [`GradsReady`] fires for each block during a chunk's *last* backward of the step: from
 //!   then on that block's gradients are final and a data-parallel all-reduce may start.
 
-use super::device::{DeviceState, Phase};
+use super::device::DeviceState;
 use super::partition::Partition;
 use super::schedule::{Action, Schedule};
 use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, SendMode, TAG_LIMIT};
@@ -758,6 +758,9 @@ impl Stage {
         let (mut in_flight, mut loss_sum, mut correct) = (0usize, 0.0f64, None::<usize>);
         // Micro-batches whose loss summed on the device, and their targets.
         let (mut on_device, mut device_targets) = (0usize, 0usize);
+        // Per local chunk on a device, what each of its timed passes was (in order).
+        let mut device_spans: Vec<Vec<(Category, usize, Option<String>)>> =
+            vec![Vec::new(); chunks.len()];
         let grad_scale = 1.0 / m as f32;
         for chunk in chunks.iter_mut() {
             if let Some(d) = &mut chunk.device {
@@ -819,11 +822,17 @@ impl Stage {
                     };
                     let targets = (c == last).then(|| targets[i].as_slice());
                     let t = Instant::now();
-                    if let Some(d) = &mut chunk.device {
-                        d.begin_span();
-                    }
+                    // A chunk on a device times its passes on the device's clock (below);
+                    // the host's would show launches.
+                    let mut host_timeline = match &mut chunk.device {
+                        Some(d) => {
+                            d.begin_span();
+                            None
+                        }
+                        None => timeline.as_deref_mut(),
+                    };
                     let (acts, out) = timed(
-                        &mut timeline,
+                        &mut host_timeline,
                         || name("F", c, i),
                         Category::Forward,
                         Some(i),
@@ -847,7 +856,9 @@ impl Stage {
                         },
                     );
                     if let Some(d) = &mut chunk.device {
-                        d.end_span(Phase::Forward);
+                        d.end_span();
+                        let label = timeline.is_some().then(|| name("F", c, i));
+                        device_spans[j].push((Category::Forward, i, label));
                     }
                     report.forward_s += t.elapsed().as_secs_f64();
                     in_flight += acts.bytes();
@@ -884,11 +895,15 @@ impl Stage {
                     let is_final = final_backward.get(&c) == Some(&pos);
                     let base = model.blocks_param_range(chunk.blocks.clone()).start;
                     let t = Instant::now();
-                    if let Some(d) = &mut chunk.device {
-                        d.begin_span();
-                    }
+                    let mut host_timeline = match &mut chunk.device {
+                        Some(d) => {
+                            d.begin_span();
+                            None
+                        }
+                        None => timeline.as_deref_mut(),
+                    };
                     let dx = timed(
-                        &mut timeline,
+                        &mut host_timeline,
                         || name("B", c, i),
                         Category::Backward,
                         Some(i),
@@ -922,7 +937,9 @@ impl Stage {
                         },
                     );
                     if let Some(d) = &mut chunk.device {
-                        d.end_span(Phase::Backward);
+                        d.end_span();
+                        let label = timeline.is_some().then(|| name("B", c, i));
+                        device_spans[j].push((Category::Backward, i, label));
                     }
                     report.backward_s += t.elapsed().as_secs_f64();
                     if c > 0 {
@@ -943,16 +960,26 @@ impl Stage {
         for send in pending {
             send.work.wait()?;
         }
-        // On a device the host saw launches: the passes' times, the peak and the loss sums
-        // are the device's (the host waits for it here).
+        // On a device the host saw launches: the passes' times (and their spans in the
+        // timeline), the peak and the loss sums are the device's (the host waits for it here).
         let mut device_times = None::<(f64, f64)>;
-        for chunk in chunks.iter_mut() {
+        for (chunk, labels) in chunks.iter_mut().zip(&mut device_spans) {
             let Some(d) = &mut chunk.device else {
                 continue;
             };
-            let spans = d.take_span_times();
             let t = device_times.get_or_insert((0.0, 0.0));
-            (t.0, t.1) = (t.0 + spans.forward, t.1 + spans.backward);
+            for ((start, end), (category, micro, label)) in
+                d.take_spans().into_iter().zip(labels.drain(..))
+            {
+                let seconds = end.saturating_duration_since(start).as_secs_f64();
+                match category {
+                    Category::Forward => t.0 += seconds,
+                    _ => t.1 += seconds,
+                }
+                if let (Some(timeline), Some(label)) = (timeline.as_deref_mut(), label) {
+                    timeline.record(label, category, start, end, Some(micro));
+                }
+            }
             report.peak_activation_bytes =
                 report.peak_activation_bytes.max(d.peak_activation_bytes());
             if chunk.index == last && on_device > 0 {
