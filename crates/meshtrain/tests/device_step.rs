@@ -2,7 +2,9 @@
 //! (`parallel.stand_in_device`, host memory behind the `DeviceState` line), so the run goes
 //! through what a GPU run goes through (parameters bound as the device's views, the
 //! grads-ready hook raised from `backward_done`, DDP's buckets on the device's gradient
-//! buffer, tied sums, fp16 unscaling, norms, clipping and the update behind the trait, the
+//! buffer staged through host memory as ranks sharing one GPU stage them (`StagedGroup`,
+//! its asynchronous uploads included), tied sums, fp16 unscaling, norms, clipping and the
+//! update behind the trait, the
 //! loss summed "on the device", the host store as the checkpoint mirror) with the host's
 //! arithmetic. So a run on it must equal the CPU run bit for bit: any step the fold drops,
 //! repeats or reorders shows here. The CUDA implementation of the same trait is checked

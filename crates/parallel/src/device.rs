@@ -183,20 +183,28 @@ pub fn choose_collectives(places: &[(u32, u32)], nccl: bool) -> DeviceCollective
     }
 }
 
-/// The world a run on `device` trains over: `world` itself on the CPU or for one worker;
-/// for several workers on GPUs, NCCL for device buffers (host buffers staying on `world`)
-/// when every rank has a GPU of its own and the machine has libnccl, else `world` staged
-/// through host memory. Every rank of `world` calls it.
+/// The world a run on `options.device` trains over: `world` itself on the CPU or for one
+/// worker; for several workers on GPUs, NCCL for device buffers (host buffers staying on
+/// `world`) when every rank has a GPU of its own and the machine has libnccl, else `world`
+/// staged through host memory (as on the stand-in device of tests). Every rank of `world`
+/// calls it.
 pub fn collectives_for(
     world: Arc<dyn ProcessGroup>,
-    device: Device,
+    options: &ParallelOptions,
 ) -> Result<(Arc<dyn ProcessGroup>, Option<DeviceCollectives>), ParallelError> {
-    let Device::Cuda(ordinal) = device else {
-        return Ok((world, None));
-    };
     if world.size() == 1 {
         return Ok((world, None));
     }
+    if options.stand_in_device {
+        let memory = Arc::new(crate::engine::device::StandInMemory);
+        return Ok((
+            meshtrain_comm::StagedGroup::new(world, memory),
+            Some(DeviceCollectives::Staged),
+        ));
+    }
+    let Device::Cuda(ordinal) = options.device else {
+        return Ok((world, None));
+    };
     #[cfg(not(feature = "cuda"))]
     {
         let _ = ordinal;

@@ -368,7 +368,7 @@ pub fn parallelize(
     // every layer has its kernels. Several GPUs reduce over NCCL or staged collectives.
     check_device(model, l, options.device, DeviceCheck::Opening)?;
     crate::device::check_options(options, l)?;
-    let (world, device_collectives) = crate::device::collectives_for(world, options.device)?;
+    let (world, device_collectives) = crate::device::collectives_for(world, options)?;
     let mesh = DeviceMesh::new(
         world.clone(),
         &[

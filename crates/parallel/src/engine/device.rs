@@ -193,6 +193,50 @@ pub fn clip_factor(norm: f32, max_norm: f32) -> Option<f32> {
     (norm > max_norm && norm > 0.0).then(|| max_norm / (norm + 1e-6))
 }
 
+/// The device the stand-in's gradient buffers say they are in, so that collectives treat them
+/// as a GPU's (the host backends refuse them; [`StandInMemory`] stages them).
+pub const STAND_IN_GPU: Device = Device::Cuda(0);
+
+/// The stand-in's memory as a `StagedGroup` sees it: [`STAND_IN_GPU`]'s addresses are host
+/// addresses, so staging copies are `memcpy`s. With it, a run on the stand-in reduces DDP's
+/// buckets through staging (inputs down in the hook, the host operation, outputs up on the
+/// staging thread), as ranks sharing one GPU do.
+pub struct StandInMemory;
+
+impl meshtrain_comm::DeviceMemory for StandInMemory {
+    fn device(&self) -> Device {
+        STAND_IN_GPU
+    }
+
+    fn host_stage(&self, bytes: usize) -> Result<meshtrain_comm::HostStage, String> {
+        Ok(meshtrain_comm::HostStage::heap(bytes))
+    }
+
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<(), String> {
+        // SAFETY: `src` is a stand-in buffer's host address, valid for `dst.len()` bytes
+        // while the operation that staged it runs (the RawBuf contract).
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<(), String> {
+        // SAFETY: as for `download`; the destination is the operation's output.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<meshtrain_comm::DeviceAlloc, String> {
+        let mut words = vec![0u64; bytes.div_ceil(8)];
+        let addr = words.as_mut_ptr() as u64;
+        Ok(meshtrain_comm::DeviceAlloc::new(
+            addr,
+            bytes,
+            STAND_IN_GPU,
+            Box::new(words),
+        ))
+    }
+}
+
 /// A device whose memory is the host's: the device half of the step (placement, bound
 /// views, grads-ready from `backward_done`, loss sums kept "on the device", the mirror's
 /// copies, flat arithmetic through this trait) run without a GPU. Its arithmetic is the
@@ -364,8 +408,16 @@ impl DeviceState for StandIn {
 
     fn grads(&mut self) -> RawBuf {
         // SAFETY: the buffer lives as long as the state; callers keep the collectives'
-        // exclusive use of it (the RawBuf contract).
-        unsafe { RawBuf::from_slice(&mut self.grads) }
+        // exclusive use of it (the RawBuf contract). Tagged as the stand-in GPU's memory, so
+        // collectives stage it as a GPU's ([`StandInMemory`]).
+        unsafe {
+            RawBuf::on_device(
+                self.grads.as_mut_ptr() as u64,
+                self.grads.len(),
+                meshtrain_comm::DType::F32,
+                STAND_IN_GPU,
+            )
+        }
     }
 
     fn tie_sum(&mut self, a: Range<usize>, b: Range<usize>) {
