@@ -84,6 +84,23 @@ impl Runs<'_> {
     /// 40-step schedule with `extra`'s settings, resumed from `resume` when given; AdamW
     /// with clipping, fp32 products exact (no TF32) unless `extra` says otherwise.
     fn train(&self, max_steps: u64, extra: &[&str], resume: Option<&Path>) -> Result<Trained> {
+        self.train_model("configs/gpt.toml", max_steps, extra, resume)
+    }
+
+    /// The same run of a small Llama (2 of 4 key/value heads, a SwiGLU of 256).
+    fn train_llama(&self, max_steps: u64, extra: &[&str]) -> Result<Trained> {
+        let mut llama = vec!["model.kv_heads=2", "model.ffn=256"];
+        llama.extend(extra);
+        self.train_model("configs/llama.toml", max_steps, &llama, None)
+    }
+
+    fn train_model(
+        &self,
+        config: &str,
+        max_steps: u64,
+        extra: &[&str],
+        resume: Option<&Path>,
+    ) -> Result<Trained> {
         let mut o: Vec<String> = [
             "model.dim=128",
             "model.layers=2",
@@ -100,7 +117,7 @@ impl Runs<'_> {
         o.push(format!("train.device=\"{}\"", self.device));
         o.push(format!("train.max_steps={max_steps}"));
         o.extend(extra.iter().map(|s| s.to_string()));
-        train_and_read(self.root, "configs/gpt.toml", &o, resume)
+        train_and_read(self.root, config, &o, resume)
     }
 }
 
@@ -228,6 +245,21 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         let _ = std::fs::remove_dir_all(&many.out);
     }
     buckets_under_backward(failed, &trace)?;
+    // A Llama's layers (RMS norms, rotary positions over grouped key/value heads, SwiGLU).
+    let llama_one = runs.train_llama(STEPS, &[])?;
+    let llama_two = runs.train_llama(STEPS, &["parallel.dp=2"])?;
+    let d = rel_l2(&llama_two.params, &llama_one.params);
+    verdict(
+        failed,
+        d <= 1e-5,
+        format!(
+            "fp32 Llama dp=2 (staged) vs one GPU after {STEPS} steps: parameters {d:.2e} \
+             relative L2 (≤ 1e-5)"
+        ),
+    );
+    for run in [llama_one, llama_two] {
+        let _ = std::fs::remove_dir_all(&run.out);
+    }
     let _ = std::fs::remove_file(&trace);
     let _ = std::fs::remove_file(trace.with_extension("png"));
     let bf16 = "train.precision=\"bf16\"";
