@@ -246,22 +246,6 @@ impl ModelStateMemory {
 
 pub use crate::engine::DeviceMemory;
 
-impl DeviceMemory {
-    pub fn report(&self) -> String {
-        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
-        format!(
-            "GPU memory on {}: peak {:.0} MiB held by tensors, {:.0} MiB now, {:.0} MiB \
-             cached for reuse, {} device allocations, of {:.0} MiB",
-            self.device,
-            mib(self.peak_bytes),
-            mib(self.in_use_bytes),
-            mib(self.cached_bytes),
-            self.device_allocs,
-            mib(self.total_bytes)
-        )
-    }
-}
-
 /// Evaluation sums over a whole evaluation set (all replicas' shares).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EvalSums {
@@ -905,21 +889,21 @@ impl Parallel {
         })
     }
 
+    /// The device this worker's chunks are placed on (all of them are on the same one), if
+    /// any.
+    fn placed(&self) -> Option<&dyn crate::engine::DeviceState> {
+        self.stage.chunks.iter().find_map(|c| c.device.as_deref())
+    }
+
     /// Where this worker's state lives during steps: its chunks' device, or the CPU.
     pub fn device(&self) -> meshtrain_tensor::Device {
-        self.stage
-            .chunks
-            .iter()
-            .find_map(|c| c.device.as_ref().map(|d| d.device()))
-            .unwrap_or(meshtrain_tensor::Device::Cpu)
+        self.placed()
+            .map_or(meshtrain_tensor::Device::Cpu, |d| d.device())
     }
 
     /// The GPU's memory, when the run has one.
     pub fn device_memory(&self) -> Option<DeviceMemory> {
-        self.stage
-            .chunks
-            .iter()
-            .find_map(|c| c.device.as_ref().map(|d| d.memory()))
+        self.placed().map(|d| d.memory())
     }
 
     /// On a GPU: copies the device's parameters, buffers and optimizer state into the
@@ -1048,7 +1032,7 @@ impl Parallel {
             self.layout.micro_batches(),
             l.micro_batch_size.unwrap_or(0),
         );
-        if let Some(d) = self.stage.chunks.iter().find_map(|c| c.device.as_ref()) {
+        if let Some(d) = self.placed() {
             out += &format!(
                 "; on GPU {}, parameters, gradients, optimizer state and activations on the \
                  device",

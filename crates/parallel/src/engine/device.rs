@@ -153,6 +153,22 @@ pub trait DeviceState: Send {
     fn wait(&mut self);
 }
 
+impl DeviceMemory {
+    pub fn report(&self) -> String {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        format!(
+            "GPU memory on {}: peak {:.0} MiB held by tensors, {:.0} MiB now, {:.0} MiB \
+             cached for reuse, {} device allocations, of {:.0} MiB",
+            self.device,
+            mib(self.peak_bytes),
+            mib(self.in_use_bytes),
+            mib(self.cached_bytes),
+            self.device_allocs,
+            mib(self.total_bytes)
+        )
+    }
+}
+
 impl std::fmt::Debug for dyn DeviceState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.describe())
@@ -169,6 +185,16 @@ pub fn kept_ranges(skip: &[Range<usize>], len: usize) -> Vec<Range<usize>> {
     }
     kept.push(at..len);
     kept
+}
+
+/// `Σ g²` over `grads` outside `skip` (sorted, disjoint), the kept runs added in order (the
+/// host's gradient norm, tied copies counted once).
+pub fn sum_of_squares_outside(grads: &[f32], skip: &[Range<usize>]) -> f64 {
+    let mut sum = 0.0;
+    for kept in kept_ranges(skip, grads.len()) {
+        sum += sum_of_squares(&grads[kept]);
+    }
+    sum
 }
 
 /// Multiplies every gradient by `factor` and tells whether any is inf or NaN (one pass, over
@@ -437,10 +463,7 @@ impl DeviceState for StandIn {
     }
 
     fn grad_sum_of_squares(&mut self, skip: &[Range<usize>]) -> f64 {
-        kept_ranges(skip, self.grads.len())
-            .into_iter()
-            .map(|r| sum_of_squares(&self.grads[r]))
-            .sum()
+        sum_of_squares_outside(&self.grads, skip)
     }
 
     fn norm_and_clip(&mut self, skip: &[Range<usize>], max_norm: Option<f32>) -> f32 {

@@ -140,20 +140,10 @@ impl StageChunk {
 
     /// `Σ g²` over this chunk's gradients, without `norm_skip`.
     fn grad_sum_of_squares(&mut self) -> f64 {
-        use meshtrain_nn::optim::sum_of_squares;
-        if let Some(d) = &mut self.device {
-            return d.grad_sum_of_squares(&self.norm_skip);
+        match &mut self.device {
+            Some(d) => d.grad_sum_of_squares(&self.norm_skip),
+            None => super::device::sum_of_squares_outside(&self.store.grads, &self.norm_skip),
         }
-        if self.norm_skip.is_empty() {
-            return sum_of_squares(&self.store.grads);
-        }
-        let mut at = 0;
-        let mut sum = 0.0;
-        for skip in &self.norm_skip {
-            sum += sum_of_squares(&self.store.grads[at..skip.start]);
-            at = skip.end;
-        }
-        sum + sum_of_squares(&self.store.grads[at..])
     }
 }
 
@@ -366,6 +356,41 @@ fn forward_chunk(
             model.forward_with(bound.as_mut(), x, blocks, mode, &keep)
         }
         (None, None) => model.forward_local(&mut chunk.store, x, blocks, mode, &keep),
+    }
+}
+
+/// A pass a chunk on a device timed on its own clock: what it was (forward or backward), its
+/// micro-batch, and its timeline label when the step records one.
+type DevicePass = (Category, usize, Option<String>);
+
+/// Starts timing a pass of a chunk: on a device, on the device's clock (the host's would show
+/// only launches), so the host records it in `timeline` only on the CPU (the timeline it
+/// returns for [`timed`]).
+fn begin_pass<'t>(
+    device: &mut Option<Box<dyn DeviceState>>,
+    timeline: &'t mut Option<&mut Timeline>,
+) -> Option<&'t mut Timeline> {
+    match device {
+        Some(d) => {
+            d.begin_span();
+            None
+        }
+        None => timeline.as_deref_mut(),
+    }
+}
+
+/// Ends the pass [`begin_pass`] began: on a device, its span is kept with what it was
+/// (`label` when the step records a timeline), to be read after the passes.
+fn end_pass(
+    device: &mut Option<Box<dyn DeviceState>>,
+    passes: &mut Vec<DevicePass>,
+    category: Category,
+    micro: usize,
+    label: impl FnOnce() -> Option<String>,
+) {
+    if let Some(d) = device {
+        d.end_span();
+        passes.push((category, micro, label()));
     }
 }
 
@@ -759,8 +784,7 @@ impl Stage {
         // Micro-batches whose loss summed on the device, and their targets.
         let (mut on_device, mut device_targets) = (0usize, 0usize);
         // Per local chunk on a device, what each of its timed passes was (in order).
-        let mut device_spans: Vec<Vec<(Category, usize, Option<String>)>> =
-            vec![Vec::new(); chunks.len()];
+        let mut device_spans: Vec<Vec<DevicePass>> = vec![Vec::new(); chunks.len()];
         let grad_scale = 1.0 / m as f32;
         for chunk in chunks.iter_mut() {
             if let Some(d) = &mut chunk.device {
@@ -822,15 +846,7 @@ impl Stage {
                     };
                     let targets = (c == last).then(|| targets[i].as_slice());
                     let t = Instant::now();
-                    // A chunk on a device times its passes on the device's clock (below);
-                    // the host's would show launches.
-                    let mut host_timeline = match &mut chunk.device {
-                        Some(d) => {
-                            d.begin_span();
-                            None
-                        }
-                        None => timeline.as_deref_mut(),
-                    };
+                    let mut host_timeline = begin_pass(&mut chunk.device, &mut timeline);
                     let (acts, out) = timed(
                         &mut host_timeline,
                         || name("F", c, i),
@@ -855,11 +871,13 @@ impl Stage {
                             (acts, out)
                         },
                     );
-                    if let Some(d) = &mut chunk.device {
-                        d.end_span();
-                        let label = timeline.is_some().then(|| name("F", c, i));
-                        device_spans[j].push((Category::Forward, i, label));
-                    }
+                    end_pass(
+                        &mut chunk.device,
+                        &mut device_spans[j],
+                        Category::Forward,
+                        i,
+                        || timeline.is_some().then(|| name("F", c, i)),
+                    );
                     report.forward_s += t.elapsed().as_secs_f64();
                     in_flight += acts.bytes();
                     report.peak_activation_bytes = report.peak_activation_bytes.max(in_flight);
@@ -895,13 +913,7 @@ impl Stage {
                     let is_final = final_backward.get(&c) == Some(&pos);
                     let base = model.blocks_param_range(chunk.blocks.clone()).start;
                     let t = Instant::now();
-                    let mut host_timeline = match &mut chunk.device {
-                        Some(d) => {
-                            d.begin_span();
-                            None
-                        }
-                        None => timeline.as_deref_mut(),
-                    };
+                    let mut host_timeline = begin_pass(&mut chunk.device, &mut timeline);
                     let dx = timed(
                         &mut host_timeline,
                         || name("B", c, i),
@@ -936,11 +948,13 @@ impl Stage {
                             }
                         },
                     );
-                    if let Some(d) = &mut chunk.device {
-                        d.end_span();
-                        let label = timeline.is_some().then(|| name("B", c, i));
-                        device_spans[j].push((Category::Backward, i, label));
-                    }
+                    end_pass(
+                        &mut chunk.device,
+                        &mut device_spans[j],
+                        Category::Backward,
+                        i,
+                        || timeline.is_some().then(|| name("B", c, i)),
+                    );
                     report.backward_s += t.elapsed().as_secs_f64();
                     if c > 0 {
                         let dx = dx.ok_or_else(|| {
