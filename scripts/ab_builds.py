@@ -35,6 +35,8 @@ GPT = ['--config', 'configs/gpt.toml', '--set', 'model.dim=32', '--set', 'model.
 RESNET = ['--config', 'configs/resnet18.toml', '--set', 'model.width=4',
           '--set', 'train.batch_size=16', '--set', 'data.train_limit=512',
           '--set', 'data.test_limit=64', '--set', 'train.max_steps=8']
+# ZeRO writes sharded checkpoints by default; the comparison reads one file.
+WHOLE = 'train.checkpoint_format="whole"'
 IDENTITY = {
     'lenet-dp1': LENET + ['--dp', '1'],
     'lenet-dp2': LENET + ['--dp', '2'],
@@ -51,6 +53,10 @@ IDENTITY = {
                                       '--micro-batches', '2'],
     'resnet-dp2-syncbn': RESNET + ['--dp', '2', '--set', 'parallel.sync_batch_norm=true'],
     'resnet-pp2': RESNET + ['--pp', '2', '--schedule', '1f1b', '--micro-batches', '2'],
+    'gpt-dp2-zero1': GPT + ['--dp', '2', '--set', 'parallel.zero=1', '--set', WHOLE],
+    'gpt-dp2-zero2': GPT + ['--dp', '2', '--set', 'parallel.zero=2', '--set', WHOLE],
+    'gpt-dp2-zero3-accumulate2': GPT + ['--dp', '2', '--set', 'parallel.zero=3', '--set', WHOLE,
+                                        '--set', 'train.accumulation_steps=2'],
 }
 
 THROUGHPUT = {
@@ -68,6 +74,8 @@ THROUGHPUT = {
                 '--set', 'train.log_every=10'],
     'gpt_pp2': ['--config', 'configs/gpt.toml', '--pp', '2', '--micro-batches', '8', '--set',
                 'train.max_steps=40', '--set', 'train.log_every=10'],
+    'gpt_dp2_zero3': ['--config', 'configs/gpt.toml', '--dp', '2', '--set', 'parallel.zero=3',
+                      '--set', 'train.max_steps=40', '--set', 'train.log_every=10'],
 }
 
 

@@ -144,6 +144,74 @@ fn resnet_buffers_and_sgd_on_the_device_equal_the_cpu() {
     );
 }
 
+/// ZeRO-1 over the device's buffers: each block's reduce-scatter packed from the device's
+/// gradients into wire buffers in the device's memory (copy plans), this rank's pieces
+/// updated, the parameters all-gathered back into the device's buffer; with accumulation,
+/// tied embeddings (summed in the pieces) and a clip that bites (the norm over every rank's
+/// pieces). Equal to the CPU's ZeRO-1, and to DDP on the device, bit for bit.
+#[test]
+fn zero1_on_the_device_equals_the_cpu_and_ddp() {
+    let zero1 = [
+        "parallel.dp=2",
+        "parallel.zero=1",
+        "model.tie_embeddings=true",
+        "train.accumulation_steps=2",
+        "train.grad_clip=0.05",
+    ];
+    equal_to_the_cpu("gpt", &zero1);
+    let mut ddp = zero1.to_vec();
+    ddp.retain(|s| *s != "parallel.zero=1");
+    ddp.push(STAND_IN);
+    let mut placed = zero1.to_vec();
+    placed.push(STAND_IN);
+    let (zero, _) = train("gpt", STEPS, &placed, None);
+    let (ddp, _) = train("gpt", STEPS, &ddp, None);
+    assert!(
+        zero.iter()
+            .zip(&ddp)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "ZeRO-1 on the device differs from DDP on the device"
+    );
+    // AdamW's moments and SGD's momentum both over the pieces.
+    equal_to_the_cpu(
+        "resnet",
+        &[
+            "parallel.dp=2",
+            "parallel.zero=1",
+            "train.eval_every=3",
+            "train.eval_batches=2",
+        ],
+    );
+}
+
+/// A ZeRO-1 run stopped on the device resumes on the device and on the CPU where the
+/// straight CPU run ends (its moments come back from the device's pieces).
+#[test]
+fn zero1_checkpoints_move_between_the_device_and_the_cpu() {
+    let layout = ["parallel.dp=2", "parallel.zero=1"];
+    let straight = train("gpt", STEPS, &layout, None).0;
+    let out = tempfile::tempdir().unwrap().keep();
+    let cfg = tiny_gpt_config(&out, 3, &[layout[0], layout[1], STAND_IN]);
+    run(&cfg, None);
+    let checkpoint = written_checkpoint(&out);
+    let on_device = train(
+        "gpt",
+        STEPS,
+        &[layout[0], layout[1], STAND_IN],
+        Some(&checkpoint),
+    )
+    .0;
+    let on_cpu = train("gpt", STEPS, &layout, Some(&checkpoint)).0;
+    for (what, got) in [("the device", &on_device), ("the CPU", &on_cpu)] {
+        assert!(
+            got.iter()
+                .zip(&straight)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "ZeRO-1 resumed on {what}: the parameters differ from the straight run's"
+        );
+    }
+}
+
 /// The host store is the checkpoint mirror: a run stopped on the device and resumed there
 /// (its state uploaded from the checkpoint) ends where the straight CPU run ends, and a
 /// device checkpoint resumes on the CPU.
@@ -178,7 +246,8 @@ fn layouts_without_a_device_form_are_refused_by_name() {
     for (layout, named) in [
         ("parallel.tp=2", "tensor parallelism (2 workers)"),
         ("parallel.pp=2", "pipeline parallelism (2 workers)"),
-        ("parallel.zero=1", "ZeRO stage 1"),
+        ("parallel.zero=2", "ZeRO stage 2"),
+        ("parallel.zero=3", "ZeRO stage 3"),
     ] {
         let out = tempfile::tempdir().unwrap().keep();
         let cfg = tiny_gpt_config(&out, 2, &["parallel.dp=2", layout, STAND_IN]);

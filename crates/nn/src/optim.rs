@@ -348,6 +348,12 @@ impl Optimizer {
         &self.segments
     }
 
+    /// Where the state's parts sit in the parameters and gradients, when scattered
+    /// ([`Optimizer::scattered`]); `None`: element `k` of the state is element `k` of both.
+    pub fn pieces(&self) -> Option<&[StatePiece]> {
+        self.pieces.as_deref()
+    }
+
     /// Bytes of optimizer state (for memory reports).
     pub fn state_bytes(&self) -> usize {
         (self.m.len() + self.v.len()) * 4

@@ -583,6 +583,7 @@ pub fn parallelize(
         options,
         crate::precision::product_dtype(l.precision),
     )?;
+    sync.placed(&stage.chunks);
     Ok(Parallel {
         device_collectives,
         options: StepOptions {

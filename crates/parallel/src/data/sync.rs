@@ -67,6 +67,10 @@ pub trait GradSync: Send {
     /// Makes every replica start from the same parameters and buffers (rank 0's).
     fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError>;
 
+    /// The chunks' state was placed on their device (`StageChunk::device`): a mode that
+    /// keeps flat buffers of its own allocates them there from now on.
+    fn placed(&mut self, _chunks: &[StageChunk]) {}
+
     /// The (rank, world) of the share of each global batch this worker loads itself, or
     /// `None` if it loads nothing and receives its share in [`GradSync::share`].
     fn loads(&self) -> Option<(usize, usize)>;

@@ -9,17 +9,19 @@
 //! out-of-memory becomes advice on what would fit.
 
 use super::device::{kept_ranges, DeviceMemory, DeviceState, Sums};
+use super::flat::{Apply, CopyPlan, FlatBuf, FlatMemory, Run};
 use super::PipelineError;
 use meshtrain_comm::RawBuf;
-use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
+use meshtrain_nn::optim::{Optimizer, OptimizerConfig, StatePiece};
 use meshtrain_nn::{BlockParams, Loss, LossError, LossValue, Model, ParamStore, Params, ParamsMut};
 use meshtrain_tensor::cuda::context::Event;
 use meshtrain_tensor::cuda::error::ok_or_raise;
 use meshtrain_tensor::cuda::train_ops::{self, AdamW, FlatState, SegmentTable};
 use meshtrain_tensor::cuda::{CudaDevice, CudaError, DevBuf, DeviceGrads, DeviceParams};
 use meshtrain_tensor::{DType, Device, Tensor};
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Byte offsets in the small device buffer the step's scalars live in.
@@ -43,8 +45,13 @@ pub struct CudaChunk {
     grads: DevBuf,
     buffers: DevBuf,
     buffers_len: usize,
+    /// The optimizer's moments: `moments` elements (the chunk's, or under ZeRO this rank's
+    /// pieces of every parameter).
     m: DevBuf,
     v: Option<DevBuf>,
+    moments: usize,
+    /// Under ZeRO, where the moments' pieces sit in the parameters and gradients.
+    pieces: Option<PieceUpdate>,
     config: OptimizerConfig,
     segments: SegmentTable,
     scalars: DevBuf,
@@ -77,19 +84,26 @@ impl CudaChunk {
             DType::F32 => None,
             d => Some((f(len * 2, "the 16-bit parameter copy")?, d)),
         };
+        let moments = optimizer.m.len();
+        let pieces = match optimizer.pieces() {
+            Some(pieces) => Some(PieceUpdate::new(dev, pieces).map_err(placing)?),
+            None => None,
+        };
         let mut chunk = CudaChunk {
             values: f(len * 4, "the parameters")?,
             half,
             grads: f(len * 4, "the gradients")?,
             buffers: f(store.buffers.len() * 4, "the buffers")?,
             buffers_len: store.buffers.len(),
-            m: f(len * 4, "the optimizer's first moments")?,
+            m: f(moments * 4, "the optimizer's first moments")?,
             v: match optimizer.config {
                 OptimizerConfig::Adamw { .. } => {
-                    Some(f(len * 4, "the optimizer's second moments")?)
+                    Some(f(moments * 4, "the optimizer's second moments")?)
                 }
                 OptimizerConfig::Sgd { .. } => None,
             },
+            moments,
+            pieces,
             config: optimizer.config,
             segments: SegmentTable::new(dev, &rows).map_err(placing)?,
             scalars: dev.alloc_zeroed(SCALARS, "step scalars").map_err(placing)?,
@@ -122,6 +136,128 @@ impl CudaChunk {
 
     fn grad_ptr(&self, at: usize) -> u64 {
         self.grads.ptr() + (at * 4) as u64
+    }
+}
+
+/// A copy plan's runs in device memory, for `train_ops::copy_runs`.
+struct DeviceRuns {
+    table: DevBuf,
+    count: usize,
+    max_len: usize,
+}
+
+impl DeviceRuns {
+    fn upload(dev: &Arc<CudaDevice>, plan: &CopyPlan) -> Result<DeviceRuns, CudaError> {
+        let table: Vec<i64> = plan
+            .runs()
+            .iter()
+            .flat_map(|r| [r.src.map_or(-1, |s| s as i64), r.dst as i64, r.len as i64])
+            .collect();
+        Ok(DeviceRuns {
+            table: dev.upload(&table, "a copy plan")?,
+            count: plan.runs().len(),
+            max_len: plan.runs().iter().map(|r| r.len).max().unwrap_or(0),
+        })
+    }
+
+    fn apply(&self, dev: &CudaDevice, src: u64, dst: u64, how: Apply) -> Result<(), CudaError> {
+        train_ops::copy_runs(
+            dev,
+            src,
+            dst,
+            self.table.ptr(),
+            self.count,
+            self.max_len,
+            how == Apply::Add,
+        )
+    }
+}
+
+/// The update over a ZeRO rank's pieces: the pieces' parameters and gradients gathered into
+/// contiguous buffers beside the moments (taken from the allocator's cache for the update
+/// only: working memory, like activations, not model state), the update kernels run over
+/// them as over any flat buffer, the parameters scattered back (three copies of this rank's
+/// share per step).
+struct PieceUpdate {
+    gather_values: DeviceRuns,
+    gather_grads: DeviceRuns,
+    scatter_values: DeviceRuns,
+}
+
+impl PieceUpdate {
+    fn new(dev: &Arc<CudaDevice>, pieces: &[StatePiece]) -> Result<PieceUpdate, CudaError> {
+        let runs = |at: fn(&StatePiece) -> usize| {
+            let runs = pieces.iter().map(|p| Run {
+                src: Some(at(p)),
+                dst: p.state.start,
+                len: p.state.len(),
+            });
+            CopyPlan::new(runs.collect())
+        };
+        let gather_values = runs(|p| p.values);
+        Ok(PieceUpdate {
+            scatter_values: DeviceRuns::upload(dev, &gather_values.inverse())?,
+            gather_values: DeviceRuns::upload(dev, &gather_values)?,
+            gather_grads: DeviceRuns::upload(dev, &runs(|p| p.grads))?,
+        })
+    }
+}
+
+/// A GPU's memory for a dimension's own flat buffers (ZeRO's wire buffers), with the copy
+/// plans it has been given uploaded once each.
+struct CudaFlat {
+    dev: Arc<CudaDevice>,
+    plans: Mutex<HashMap<u64, Arc<DeviceRuns>>>,
+}
+
+impl CudaFlat {
+    fn runs(&self, plan: &CopyPlan) -> Arc<DeviceRuns> {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        plans
+            .entry(plan.id())
+            .or_insert_with(|| Arc::new(ok_or_raise(DeviceRuns::upload(&self.dev, plan))))
+            .clone()
+    }
+
+    fn check(&self, buf: &RawBuf) {
+        assert!(
+            buf.device() == FlatMemory::device(self) && buf.dtype() == DType::F32,
+            "a copy plan on {:?} over a {} buffer of {:?}",
+            FlatMemory::device(self),
+            buf.dtype(),
+            buf.device()
+        );
+    }
+}
+
+impl FlatMemory for CudaFlat {
+    fn device(&self) -> Device {
+        Device::Cuda(self.dev.ordinal())
+    }
+
+    fn alloc(&self, len: usize) -> FlatBuf {
+        let buf = ok_or_raise(self.dev.alloc(len.max(1) * 4, "ZeRO's collective buffers"));
+        // SAFETY: `buf` holds `len` f32 and is kept alive by the FlatBuf.
+        unsafe { FlatBuf::from_owner(buf.ptr(), len, FlatMemory::device(self), Box::new(buf)) }
+    }
+
+    fn apply(&self, plan: &CopyPlan, src: RawBuf, dst: RawBuf, how: Apply) {
+        self.check(&src);
+        self.check(&dst);
+        let (dst_len, src_len) = plan.extents();
+        assert!(
+            dst_len <= dst.len() && src_len <= src.len(),
+            "a copy plan out of bounds"
+        );
+        ok_or_raise(
+            self.runs(plan)
+                .apply(&self.dev, src.addr(), dst.addr(), how),
+        );
+    }
+
+    fn zero(&self, dst: RawBuf) {
+        self.check(&dst);
+        ok_or_raise(self.dev.memset_zero(dst.addr(), dst.len() * 4));
     }
 }
 
@@ -222,7 +358,7 @@ impl DeviceState for CudaChunk {
         (
             self.len * 4 + half,
             self.len * 4,
-            self.len * 4 * (1 + usize::from(self.v.is_some())),
+            self.moments * 4 * (1 + usize::from(self.v.is_some())),
         )
     }
 
@@ -237,10 +373,10 @@ impl DeviceState for CudaChunk {
     fn upload(&mut self, store: &ParamStore, optimizer: &Optimizer) -> Result<(), PipelineError> {
         let d = &self.dev;
         let moment = |buf: &DevBuf, host: &[f32]| {
-            if host.len() == self.len {
+            if host.len() == self.moments {
                 d.upload_to(buf.ptr(), host)
             } else {
-                d.memset_zero(buf.ptr(), self.len * 4)
+                d.memset_zero(buf.ptr(), self.moments * 4)
             }
         };
         let r = (|| {
@@ -267,11 +403,11 @@ impl DeviceState for CudaChunk {
         let r = (|| {
             d.download_into(&mut store.values, self.values.ptr())?;
             d.download_into(&mut store.buffers[..self.buffers_len], self.buffers.ptr())?;
-            if optimizer.m.len() == self.len {
+            if optimizer.m.len() == self.moments {
                 d.download_into(&mut optimizer.m, self.m.ptr())?;
             }
             if let Some(v) = &self.v {
-                if optimizer.v.len() == self.len {
+                if optimizer.v.len() == self.moments {
                     d.download_into(&mut optimizer.v, v.ptr())?;
                 }
             }
@@ -359,6 +495,22 @@ impl DeviceState for CudaChunk {
         unsafe { RawBuf::on_device(self.grads.ptr(), self.len, DType::F32, self.device()) }
     }
 
+    fn values(&mut self) -> RawBuf {
+        // SAFETY: the chunk's parameter buffer, as for `grads`.
+        unsafe { RawBuf::on_device(self.values.ptr(), self.len, DType::F32, self.device()) }
+    }
+
+    fn values_changed(&mut self) {
+        ok_or_raise(self.refresh_half());
+    }
+
+    fn flat_memory(&self) -> Arc<dyn FlatMemory> {
+        Arc::new(CudaFlat {
+            dev: self.dev.clone(),
+            plans: Mutex::default(),
+        })
+    }
+
     fn tie_sum(&mut self, a: Range<usize>, b: Range<usize>) {
         ok_or_raise(train_ops::tie_sum(
             &self.dev,
@@ -416,13 +568,43 @@ impl DeviceState for CudaChunk {
         optimizer.step += 1;
         let clip_factor =
             std::mem::take(&mut self.clip_pending).then(|| self.scalars.ptr() + NORM + 4);
-        let state = FlatState {
-            params: self.values.ptr(),
-            grads: self.grads.ptr(),
-            m: self.m.ptr(),
-            v: self.v.as_ref().map_or(0, |v| v.ptr()),
-            half: self.half.as_ref().map(|(h, t)| (h.ptr(), *t)),
-            len: self.len,
+        // Under ZeRO the update runs over this rank's pieces gathered into contiguous
+        // buffers; the 16-bit copy is refreshed once every rank's pieces are back
+        // (`values_changed` after the all-gather).
+        let mut pieces_at = None;
+        let state = match &self.pieces {
+            None => FlatState {
+                params: self.values.ptr(),
+                grads: self.grads.ptr(),
+                m: self.m.ptr(),
+                v: self.v.as_ref().map_or(0, |v| v.ptr()),
+                half: self.half.as_ref().map(|(h, t)| (h.ptr(), *t)),
+                len: self.len,
+            },
+            Some(p) => {
+                let d = &self.dev;
+                let bytes = self.moments.max(1) * 4;
+                let values = ok_or_raise(d.alloc(bytes, "this rank's parameter pieces"));
+                let grads = ok_or_raise(d.alloc(bytes, "this rank's gradient pieces"));
+                ok_or_raise(
+                    p.gather_values
+                        .apply(d, self.values.ptr(), values.ptr(), Apply::Copy),
+                );
+                ok_or_raise(
+                    p.gather_grads
+                        .apply(d, self.grads.ptr(), grads.ptr(), Apply::Copy),
+                );
+                let (values_at, grads_at) = (values.ptr(), grads.ptr());
+                pieces_at = Some((values, grads));
+                FlatState {
+                    params: values_at,
+                    grads: grads_at,
+                    m: self.m.ptr(),
+                    v: self.v.as_ref().map_or(0, |v| v.ptr()),
+                    half: None,
+                    len: self.moments,
+                }
+            }
         };
         ok_or_raise(match self.config {
             OptimizerConfig::Adamw {
@@ -450,6 +632,14 @@ impl DeviceState for CudaChunk {
                 clip_factor,
             ),
         });
+        if let (Some(p), Some((values, _grads))) = (&self.pieces, pieces_at) {
+            ok_or_raise(p.scatter_values.apply(
+                &self.dev,
+                values.ptr(),
+                self.values.ptr(),
+                Apply::Copy,
+            ));
+        }
         self.zero_grads();
     }
 

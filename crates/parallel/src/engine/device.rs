@@ -18,12 +18,14 @@
 //! and turned into errors, with out-of-memory advice, around the whole step by the caller;
 //! placement and the checkpoint copies return them.
 
+use super::flat::{FlatMemory, HostFlat};
 use super::PipelineError;
 use meshtrain_comm::RawBuf;
 use meshtrain_nn::optim::{sum_of_squares, Optimizer};
 use meshtrain_nn::{BlockParams, Loss, LossError, LossValue, Model, ParamStore, Params, ParamsMut};
 use meshtrain_tensor::{Device, Tensor};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// A GPU's memory, for reports.
@@ -120,6 +122,17 @@ pub trait DeviceState: Send {
 
     /// The whole gradient buffer, for collectives (a view of the device's memory).
     fn grads(&mut self) -> RawBuf;
+
+    /// The whole fp32 parameter buffer, for collectives (ZeRO's all-gather of the updated
+    /// pieces).
+    fn values(&mut self) -> RawBuf;
+
+    /// The parameters were written from outside ([`DeviceState::values`]): refresh what is
+    /// derived from them (the 16-bit compute copy).
+    fn values_changed(&mut self);
+
+    /// The device's memory for a dimension's own flat buffers and copy plans (ZeRO's).
+    fn flat_memory(&self) -> Arc<dyn FlatMemory>;
 
     /// Gradients `a` and `b` (of equal length) both become `a + b`.
     fn tie_sum(&mut self, a: Range<usize>, b: Range<usize>);
@@ -444,6 +457,26 @@ impl DeviceState for StandIn {
                 STAND_IN_GPU,
             )
         }
+    }
+
+    fn values(&mut self) -> RawBuf {
+        // SAFETY: as for `grads`.
+        unsafe {
+            RawBuf::on_device(
+                self.values.as_mut_ptr() as u64,
+                self.values.len(),
+                meshtrain_comm::DType::F32,
+                STAND_IN_GPU,
+            )
+        }
+    }
+
+    fn values_changed(&mut self) {}
+
+    fn flat_memory(&self) -> Arc<dyn FlatMemory> {
+        Arc::new(HostFlat {
+            device: STAND_IN_GPU,
+        })
     }
 
     fn tie_sum(&mut self, a: Range<usize>, b: Range<usize>) {

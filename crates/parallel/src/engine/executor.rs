@@ -66,6 +66,24 @@ impl StageChunk {
         }
     }
 
+    /// The chunk's whole parameter buffer (fp32), for collectives: the store's, or the
+    /// device's. After writing it, call [`StageChunk::values_changed`].
+    pub fn values_buf(&mut self) -> RawBuf {
+        match &mut self.device {
+            Some(d) => d.values(),
+            // SAFETY: as for `grads_buf`.
+            None => unsafe { RawBuf::from_slice(&mut self.store.values) },
+        }
+    }
+
+    /// The parameters were written through [`StageChunk::values_buf`]: a device refreshes
+    /// what it derives from them (the 16-bit compute copy).
+    pub fn values_changed(&mut self) {
+        if let Some(d) = &mut self.device {
+            d.values_changed();
+        }
+    }
+
     /// Every range of `held` (chunk-local, equal lengths) becomes their sum, added in order
     /// (a tied parameter's copies within this chunk).
     pub fn sum_grads(&mut self, held: &[Range<usize>]) {

@@ -13,6 +13,8 @@
 //!   gradients over micro-batches; [`StepHooks`] is where a dimension joins the passes (a
 //!   block's gradients are final; where a block's parameters are).
 //!
+//! * [`flat`]: a dimension's own flat buffers in the chunk's memory, and copy plans between
+//!   them (ZeRO's wire buffers, written once for both devices).
 //! * [`device`]: a chunk's flat state on a device ([`DeviceState`]: the CUDA one in
 //!   `cuda_chunk`, and a stand-in in host memory for tests), the line below which the one
 //!   step is device-specific.
@@ -28,6 +30,7 @@
 pub mod cuda_chunk;
 pub mod device;
 pub mod executor;
+pub mod flat;
 pub mod partition;
 pub mod schedule;
 mod transport;
@@ -37,6 +40,7 @@ pub use executor::{
     ChunkParams, GradsReady, MicroBatches, NoHooks, Stage, StageChunk, StageStores, StepHooks,
     StepOptions, StepReport,
 };
+pub use flat::{Apply, CopyPlan, FlatBuf, FlatMemory, HostFlat, Run};
 pub use partition::Partition;
 pub use schedule::{Action, Schedule, ScheduleKind, Simulation};
 pub use transport::SendMode;

@@ -15,10 +15,12 @@
 //! collective is remembered, the pass goes on with zeros and no further collectives (so a
 //! dead peer costs one timeout, not one per block), and the step reports the error.
 
-use super::shards::{ShardLayout, Source, Target};
+use super::shards::{Coordinates, ShardLayout};
 use super::ZeroStage;
+use crate::engine::flat::{Apply, CopyPlan, FlatBuf, FlatMemory, HostFlat};
 use meshtrain_comm::{CommError, OpSpan, ProcessGroup, RawBuf, ReduceOp, Work};
 use meshtrain_nn::{BlockParams, ParamStore, Params, ParamsMut};
+use meshtrain_tensor::Device;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -74,10 +76,10 @@ enum Gathered {
     Empty,
     InFlight {
         work: Work,
-        _send: Vec<f32>,
-        recv: Vec<f32>,
+        _send: FlatBuf,
+        recv: FlatBuf,
     },
-    Ready(Vec<f32>),
+    Ready(FlatBuf),
 }
 
 /// Where a finished reduce-scatter's slots go.
@@ -92,9 +94,40 @@ enum ReduceInto {
 struct Reduce {
     block: usize,
     work: Work,
-    _send: Vec<f32>,
-    recv: Vec<f32>,
+    _send: FlatBuf,
+    recv: FlatBuf,
     into: ReduceInto,
+}
+
+/// One block's copies between its parameters (offsets within the block's full range), this
+/// rank's state, this rank's slots and the wire, as plans built once.
+struct BlockPlans {
+    /// Block → every rank's slots (a reduce-scatter's input); its inverse: an all-gather's
+    /// result into the block.
+    pack_all: CopyPlan,
+    unpack_all: CopyPlan,
+    /// Block → this rank's slots, and back over its pieces.
+    own_from_block: CopyPlan,
+    own_to_block: CopyPlan,
+    /// State → this rank's slots, and back.
+    own_from_state: CopyPlan,
+    own_to_state: CopyPlan,
+}
+
+impl BlockPlans {
+    fn new(layout: &ShardLayout, b: usize) -> BlockPlans {
+        let pack_all = layout.pack_all(b);
+        let own_from_block = layout.pack_own(b, Coordinates::Block);
+        let own_from_state = layout.pack_own(b, Coordinates::State);
+        BlockPlans {
+            unpack_all: pack_all.inverse(),
+            own_to_block: own_from_block.inverse(),
+            own_to_state: own_from_state.inverse(),
+            pack_all,
+            own_from_block,
+            own_from_state,
+        }
+    }
 }
 
 /// This rank's share of one chunk and the collectives in flight for it.
@@ -107,6 +140,10 @@ pub struct ZeroChunk {
     first_block: usize,
     /// Per block, its buffers' range in the chunk's store.
     buffers: Vec<Range<usize>>,
+    plans: Vec<BlockPlans>,
+    /// Where the wire buffers and gathered blocks live: the chunk's memory (the host's, or
+    /// the GPU its state is placed on).
+    memory: Arc<dyn FlatMemory>,
     /// Stages 2–3: this rank's gradient pieces (state coordinates), summed over the step's
     /// micro-batches. During the update they sit in the chunk's store instead.
     pub shard_grads: Vec<f32>,
@@ -115,10 +152,10 @@ pub struct ZeroChunk {
     pub shard_values: Vec<f32>,
     gathered: Vec<Gathered>,
     /// Stages 2–3: the gradient buffer of the block in backward.
-    block_grads: Vec<f32>,
+    block_grads: Option<FlatBuf>,
     reducing: VecDeque<Reduce>,
     /// Free buffers for the next blocks' collectives and parameters.
-    pool: Vec<Vec<f32>>,
+    pool: Vec<FlatBuf>,
     error: Option<CommError>,
     comm: ChunkComm,
     /// Bytes of the buffers for gathered parameters, collectives and block gradients
@@ -148,6 +185,10 @@ impl ZeroChunk {
         ZeroChunk {
             shard_grads: sharded(stage >= ZeroStage::Gradients),
             shard_values: sharded(stage >= ZeroStage::Parameters),
+            plans: (0..blocks).map(|b| BlockPlans::new(&layout, b)).collect(),
+            memory: Arc::new(HostFlat {
+                device: Device::Cpu,
+            }),
             layout,
             stage,
             group,
@@ -155,7 +196,7 @@ impl ZeroChunk {
             first_block,
             buffers,
             gathered: (0..blocks).map(|_| Gathered::Empty).collect(),
-            block_grads: Vec::new(),
+            block_grads: None,
             reducing: VecDeque::new(),
             pool: Vec::new(),
             error: None,
@@ -167,6 +208,21 @@ impl ZeroChunk {
 
     pub fn stage(&self) -> ZeroStage {
         self.stage
+    }
+
+    /// Keeps the wire buffers in `memory` from now on (the chunk's state was placed there):
+    /// the collectives then run on the GPU's buffers as DDP's do. Stage 1 only: stages 2–3
+    /// also hand blocks to the passes, which read them on the host for now.
+    pub fn use_memory(&mut self, memory: Arc<dyn FlatMemory>) {
+        assert!(
+            self.stage == ZeroStage::Optimizer || memory.device() == Device::Cpu,
+            "ZeRO stage {} keeps its blocks on the host",
+            self.stage as u8
+        );
+        self.end_pass();
+        self.pool.clear();
+        self.transient = 0;
+        self.memory = memory;
     }
 
     /// This chunk as the [`BlockParams`] of a pass over `store` (its buffers, and under
@@ -212,10 +268,10 @@ impl ZeroChunk {
     /// one), holding whatever it held before: every caller overwrites it whole (a
     /// collective's output, a packing, an unpacking) except the gradient buffer, which
     /// [`ZeroChunk::zeroed`] clears. Reusing the few buffers a step needs, instead of
-    /// allocating and freeing multi-MiB vectors per block, keeps the process's memory at
+    /// allocating and freeing multi-MiB buffers per block, keeps the process's memory at
     /// what is in use: freed blocks in the allocator's per-thread arenas are not returned to
     /// the system.
-    fn buffer(&mut self, len: usize) -> Vec<f32> {
+    fn buffer(&mut self, len: usize) -> FlatBuf {
         let fit = self
             .pool
             .iter()
@@ -228,26 +284,22 @@ impl ZeroChunk {
             None => {
                 self.transient += len * 4;
                 self.transient_peak = self.transient_peak.max(self.transient);
-                Vec::with_capacity(len)
+                self.memory.alloc(len)
             }
         };
-        if v.len() >= len {
-            v.truncate(len);
-        } else {
-            v.resize(len, 0.0);
-        }
+        v.set_len(len);
         v
     }
 
     /// A zero-filled buffer from the pool (gradients accumulate into it).
-    fn zeroed(&mut self, len: usize) -> Vec<f32> {
+    fn zeroed(&mut self, len: usize) -> FlatBuf {
         let mut v = self.buffer(len);
-        v.fill(0.0);
+        self.memory.zero(v.raw());
         v
     }
 
     /// Gives a buffer back to the pool (beyond `MAX_POOLED` free ones, the smallest goes).
-    fn recycle(&mut self, v: Vec<f32>) {
+    fn recycle(&mut self, v: FlatBuf) {
         if v.capacity() == 0 {
             return;
         }
@@ -264,6 +316,19 @@ impl ZeroChunk {
         }
     }
 
+    /// This rank's state (stages 2–3: gradient or parameter pieces) as a view for plans.
+    fn state_view(state: &mut [f32]) -> RawBuf {
+        // SAFETY: the shard vectors live as long as the chunk and are only touched by the
+        // chunk's own plans and collectives, which it waits for.
+        unsafe { RawBuf::from_slice(state) }
+    }
+
+    /// Block `b`'s range of a full-layout buffer of the chunk (its gradients or parameters).
+    fn block_of(&self, full: RawBuf, b: usize) -> RawBuf {
+        let r = &self.layout.blocks[b].full;
+        full.sub(r.start, r.len())
+    }
+
     /// Starts block `b`'s all-gather from this rank's pieces in `source` (nothing if it is
     /// gathered or in flight, or after an error).
     fn start_gather(&mut self, b: usize) {
@@ -271,15 +336,18 @@ impl ZeroChunk {
             return;
         }
         let mut send = self.buffer(self.layout.blocks[b].slots);
-        self.layout
-            .pack_own(b, Source::State(&self.shard_values), &mut send);
+        let state = Self::state_view(&mut self.shard_values);
+        self.memory.apply(
+            &self.plans[b].own_from_state,
+            state,
+            send.raw(),
+            Apply::Copy,
+        );
         let mut recv = self.buffer(self.layout.wire_len(b));
-        // SAFETY: both vectors move into `Gathered::InFlight` with the work (moving a Vec
-        // does not move its heap block) and are dropped only after the work was waited for.
-        let started = unsafe {
-            self.group
-                .all_gather_async(RawBuf::from_slice(&mut send), RawBuf::from_slice(&mut recv))
-        };
+        // SAFETY: both buffers move into `Gathered::InFlight` with the work (moving a
+        // FlatBuf does not move its memory) and are dropped only after the work was waited
+        // for.
+        let started = unsafe { self.group.all_gather_async(send.raw(), recv.raw()) };
         match started {
             Ok(work) => {
                 self.comm.bytes += recv.len() * 4;
@@ -313,13 +381,19 @@ impl ZeroChunk {
                     self.comm.forward_gather_wait_s += waited;
                 }
                 let mut values = self.buffer(len);
+                let mut recv = recv;
                 match result {
                     Ok(span) => {
                         self.comm.hidden_s += overlapped(span, t);
-                        self.layout.unpack_all(b, &recv, &mut values);
+                        self.memory.apply(
+                            &self.plans[b].unpack_all,
+                            recv.raw(),
+                            values.raw(),
+                            Apply::Copy,
+                        );
                     }
                     Err(e) => {
-                        values.fill(0.0);
+                        self.memory.zero(values.raw());
                         self.error.get_or_insert(e);
                     }
                 }
@@ -353,20 +427,18 @@ impl ZeroChunk {
     }
 
     /// Starts block `b`'s reduce-scatter of `grads` (its range of gradients).
-    fn start_reduce(&mut self, b: usize, grads: &[f32], into: ReduceInto) {
+    fn start_reduce(&mut self, b: usize, grads: RawBuf, into: ReduceInto) {
         if self.error.is_some() {
             return;
         }
         let mut send = self.buffer(self.layout.wire_len(b));
-        self.layout.pack_all(b, grads, &mut send);
+        self.memory
+            .apply(&self.plans[b].pack_all, grads, send.raw(), Apply::Copy);
         let mut recv = self.buffer(self.layout.blocks[b].slots);
         // SAFETY: as in `start_gather`: the buffers live in the `Reduce` until waited for.
         let started = unsafe {
-            self.group.reduce_scatter_async(
-                RawBuf::from_slice(&mut send),
-                RawBuf::from_slice(&mut recv),
-                ReduceOp::Average,
-            )
+            self.group
+                .reduce_scatter_async(send.raw(), recv.raw(), ReduceOp::Average)
         };
         match started {
             Ok(work) => {
@@ -389,23 +461,28 @@ impl ZeroChunk {
 
     /// Waits for the oldest reduce-scatter and applies it (`full`: the chunk's full
     /// gradient buffer, for stage 1).
-    fn finish_oldest_reduce(&mut self, full: Option<&mut [f32]>, since: Instant) -> bool {
-        let Some(r) = self.reducing.pop_front() else {
+    fn finish_oldest_reduce(&mut self, full: Option<RawBuf>, since: Instant) -> bool {
+        let Some(mut r) = self.reducing.pop_front() else {
             return false;
         };
         match r.work.wait_timed() {
             Ok(span) => {
                 self.comm.hidden_s += overlapped(span, since);
+                let plans = &self.plans[r.block];
                 match (r.into, full) {
                     (ReduceInto::State, _) => {
-                        self.layout
-                            .accumulate_own(r.block, &r.recv, &mut self.shard_grads)
+                        let state = Self::state_view(&mut self.shard_grads);
+                        self.memory
+                            .apply(&plans.own_to_state, r.recv.raw(), state, Apply::Add)
                     }
                     (ReduceInto::Full, Some(full)) => {
-                        self.layout.unpack_own(r.block, &r.recv, Target::Full(full))
+                        let block = self.block_of(full, r.block);
+                        let plans = &self.plans[r.block];
+                        self.memory
+                            .apply(&plans.own_to_block, r.recv.raw(), block, Apply::Copy)
                     }
                     (ReduceInto::Full, None) => {
-                        unreachable!("stage 1 reduces finish with the store")
+                        unreachable!("stage 1 reduces finish with the gradient buffer")
                     }
                 }
             }
@@ -419,45 +496,47 @@ impl ZeroChunk {
     }
 
     /// Stage 1: model block `block` has its final gradients in `grads` (the chunk's full
-    /// buffer): start its reduce-scatter, after finishing the older ones beyond the bound
-    /// (their blocks' gradients are final too, so their pieces can be written).
-    pub fn block_final(&mut self, block: usize, grads: &mut [f32]) {
+    /// buffer, where its state lives): start its reduce-scatter, after finishing the older
+    /// ones beyond the bound (their blocks' gradients are final too, so their pieces can be
+    /// written).
+    pub fn block_final(&mut self, block: usize, grads: RawBuf) {
         let b = block - self.first_block;
-        self.make_room_for_reduce(Some(&mut *grads));
-        let range = self.layout.blocks[b].full.clone();
-        self.start_reduce(b, &grads[range], ReduceInto::Full);
+        self.make_room_for_reduce(Some(grads));
+        let block_grads = self.block_of(grads, b);
+        self.start_reduce(b, block_grads, ReduceInto::Full);
     }
 
     /// Finishes the oldest reduce-scatters until another may start (`full`: the chunk's full
     /// gradient buffer, for stage 1), counting the wait.
-    fn make_room_for_reduce(&mut self, mut full: Option<&mut [f32]>) {
+    fn make_room_for_reduce(&mut self, full: Option<RawBuf>) {
         let t = Instant::now();
         while self.reducing.len() >= MAX_REDUCES_IN_FLIGHT {
-            self.finish_oldest_reduce(full.as_deref_mut(), t);
+            self.finish_oldest_reduce(full, t);
         }
         self.comm.reduce_wait_s += t.elapsed().as_secs_f64();
     }
 
     /// Waits for every reduce-scatter of the step; stage 1 writes the averaged pieces into
-    /// `full_grads`. Returns the time waited.
-    pub fn finish_reduces(&mut self, full_grads: &mut [f32]) -> f64 {
+    /// `full_grads` (the chunk's gradient buffer). Returns the time waited.
+    pub fn finish_reduces(&mut self, full_grads: Option<RawBuf>) -> f64 {
         let t = Instant::now();
-        while self.finish_oldest_reduce(Some(&mut *full_grads), t) {}
+        while self.finish_oldest_reduce(full_grads, t) {}
         t.elapsed().as_secs_f64()
     }
 
     /// Replicas of this chunk's full parameters agree again: every rank's updated pieces
-    /// all-gathered into `values` (stages 1–2). At most two blocks in flight.
-    pub fn all_gather_values(&mut self, values: &mut [f32]) -> Result<(), CommError> {
-        let mut in_flight: VecDeque<(usize, Work, Vec<f32>, Vec<f32>)> = VecDeque::new();
+    /// all-gathered into `values` (the chunk's parameter buffer, stages 1–2). At most two
+    /// blocks in flight.
+    pub fn all_gather_values(&mut self, values: RawBuf) -> Result<(), CommError> {
+        let mut in_flight: VecDeque<(usize, Work, FlatBuf, FlatBuf)> = VecDeque::new();
         let wait_one = |z: &mut ZeroChunk,
-                        values: &mut [f32],
-                        (b, work, send, recv): (usize, Work, Vec<f32>, Vec<f32>)|
+                        (b, work, send, mut recv): (usize, Work, FlatBuf, FlatBuf)|
          -> Result<(), CommError> {
             let result = work.wait();
             if result.is_ok() {
-                let range = z.layout.blocks[b].full.clone();
-                z.layout.unpack_all(b, &recv, &mut values[range]);
+                let block = z.block_of(values, b);
+                z.memory
+                    .apply(&z.plans[b].unpack_all, recv.raw(), block, Apply::Copy);
             }
             z.recycle(send);
             z.recycle(recv);
@@ -465,22 +544,25 @@ impl ZeroChunk {
         };
         for b in 0..self.layout.blocks.len() {
             let mut send = self.buffer(self.layout.blocks[b].slots);
-            self.layout.pack_own(b, Source::Full(values), &mut send);
+            let block = self.block_of(values, b);
+            self.memory.apply(
+                &self.plans[b].own_from_block,
+                block,
+                send.raw(),
+                Apply::Copy,
+            );
             let mut recv = self.buffer(self.layout.wire_len(b));
             // SAFETY: the buffers stay in `in_flight` until waited for.
-            let work = unsafe {
-                self.group
-                    .all_gather_async(RawBuf::from_slice(&mut send), RawBuf::from_slice(&mut recv))
-            }?;
+            let work = unsafe { self.group.all_gather_async(send.raw(), recv.raw()) }?;
             self.comm.bytes += recv.len() * 4;
             in_flight.push_back((b, work, send, recv));
             if in_flight.len() > 1 {
                 let oldest = in_flight.pop_front().expect("two in flight");
-                wait_one(self, values, oldest)?;
+                wait_one(self, oldest)?;
             }
         }
         while let Some(last) = in_flight.pop_front() {
-            wait_one(self, values, last)?;
+            wait_one(self, last)?;
         }
         Ok(())
     }
@@ -489,13 +571,15 @@ impl ZeroChunk {
     /// moments) joined into the chunk's full layout (`len` elements). Collective.
     pub fn unshard(&self, state: &[f32], len: usize) -> Result<Vec<f32>, CommError> {
         let mut full = vec![0.0; len];
-        for b in 0..self.layout.blocks.len() {
+        for (b, plans) in self.plans.iter().enumerate() {
             let mut send = vec![0.0; self.layout.blocks[b].slots];
-            self.layout.pack_own(b, Source::State(state), &mut send);
+            plans.own_from_state.apply_on_host(state, &mut send, false);
             let mut recv = vec![0.0; self.layout.wire_len(b)];
             self.group.all_gather((&send).into(), (&mut recv).into())?;
             let range = self.layout.blocks[b].full.clone();
-            self.layout.unpack_all(b, &recv, &mut full[range]);
+            plans
+                .unpack_all
+                .apply_on_host(&recv, &mut full[range], false);
         }
         Ok(full)
     }
@@ -540,7 +624,7 @@ impl BlockParams for BoundChunk<'_> {
             let next = (b + 1 < z.layout.blocks.len()).then_some(b + 1);
             z.gather(b, next, false);
             match &z.gathered[b] {
-                Gathered::Ready(v) => v,
+                Gathered::Ready(v) => v.host_slice().expect("ZeRO-3's blocks on the host"),
                 _ => unreachable!("wait_gathered leaves the block ready"),
             }
         } else {
@@ -567,16 +651,20 @@ impl BlockParams for BoundChunk<'_> {
         if z.stage == ZeroStage::Parameters {
             z.gather(b, b.checked_sub(1), true);
         }
-        let old = std::mem::take(&mut z.block_grads);
-        z.recycle(old);
-        z.block_grads = z.zeroed(len);
+        if let Some(old) = z.block_grads.take() {
+            z.recycle(old);
+        }
+        z.block_grads = Some(z.zeroed(len));
         let values: &[f32] = match (&z.gathered[b], z.stage) {
-            (Gathered::Ready(v), ZeroStage::Parameters) => v,
+            (Gathered::Ready(v), ZeroStage::Parameters) => {
+                v.host_slice().expect("ZeRO-3's blocks on the host")
+            }
             _ => &self.store.values[z.layout.blocks[b].full.clone()],
         };
+        let grads = z.block_grads.as_mut().and_then(FlatBuf::host_slice_mut);
         (
             Params::Host(values),
-            ParamsMut::Host(&mut z.block_grads),
+            ParamsMut::Host(grads.expect("ZeRO-2/3's block gradients on the host")),
             ParamsMut::Host(&mut self.store.buffers[z.buffers[b].clone()]),
         )
     }
@@ -585,9 +673,10 @@ impl BlockParams for BoundChunk<'_> {
         let b = self.local(block);
         let z = &mut *self.chunk;
         z.make_room_for_reduce(None);
-        let grads = std::mem::take(&mut z.block_grads);
-        z.start_reduce(b, &grads, ReduceInto::State);
-        z.recycle(grads);
+        if let Some(mut grads) = z.block_grads.take() {
+            z.start_reduce(b, grads.raw(), ReduceInto::State);
+            z.recycle(grads);
+        }
         if z.stage == ZeroStage::Parameters {
             z.free_gathered(b);
         }
@@ -640,7 +729,7 @@ mod tests {
                     bound.backward_done(b);
                 }
             }
-            chunk.finish_reduces(&mut []);
+            chunk.finish_reduces(None);
             if let Some(e) = chunk.take_error() {
                 return Err(e.to_string());
             }

@@ -346,6 +346,14 @@ impl GradSync for ZeroSync {
         Ok(())
     }
 
+    fn placed(&mut self, chunks: &[StageChunk]) {
+        for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
+            if let Some(device) = &chunk.device {
+                z.use_memory(device.flat_memory());
+            }
+        }
+    }
+
     fn loads(&self) -> Option<(usize, usize)> {
         Some((self.group.rank(), self.group.size()))
     }
@@ -358,7 +366,7 @@ impl GradSync for ZeroSync {
         }
         let j = ready.chunk / self.workers;
         if let Some(z) = self.chunks.get_mut(j) {
-            z.block_final(ready.block, &mut ready.store.grads);
+            z.block_final(ready.block, ready.grads);
         }
     }
 
@@ -373,7 +381,8 @@ impl GradSync for ZeroSync {
         let mut timing = CommTiming::default();
         let mut error = None;
         for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
-            timing.exposed_s += z.finish_reduces(&mut chunk.store.grads);
+            let full_grads = (self.stage == ZeroStage::Optimizer).then(|| chunk.grads_buf());
+            timing.exposed_s += z.finish_reduces(full_grads);
             let comm = z.take_comm();
             timing.bytes += comm.bytes;
             timing.hidden_s += comm.hidden_s;
@@ -412,8 +421,9 @@ impl GradSync for ZeroSync {
             if self.stage == ZeroStage::Parameters {
                 std::mem::swap(&mut chunk.store.values, &mut z.shard_values);
             } else {
-                z.all_gather_values(&mut chunk.store.values)
+                z.all_gather_values(chunk.values_buf())
                     .map_err(|e| DataParallelError::comm("all-gathering updated parameters", e))?;
+                chunk.values_changed();
                 let comm = z.take_comm();
                 timing.bytes += comm.bytes;
             }

@@ -17,6 +17,7 @@
 //!   `ceil(len / ranks)` elements per parameter (pieces padded with zeros), ranks one after
 //!   the other, so reduce-scatter and all-gather move equal counts.
 
+use crate::engine::flat::{CopyPlan, Run};
 use std::ops::Range;
 
 /// One parameter's cut.
@@ -120,72 +121,36 @@ impl ShardLayout {
         &self.params[self.blocks[block].params.clone()]
     }
 
-    /// Block `block`'s parameters (`full`: its range of the full buffer) into the slots of
-    /// every rank (`wire`, [`ShardLayout::wire_len`] elements), padding with zeros.
-    pub fn pack_all(&self, block: usize, full: &[f32], wire: &mut [f32]) {
+    /// Block `block`'s parameters (offsets within the block's full range) into the slots of
+    /// every rank ([`ShardLayout::wire_len`] elements), padded with zeros: a reduce-scatter's
+    /// input. Its [`CopyPlan::inverse`] is the all-gather's result back into parameters.
+    pub fn pack_all(&self, block: usize) -> CopyPlan {
         let b = &self.blocks[block];
-        debug_assert_eq!(full.len(), b.full.len());
-        debug_assert_eq!(wire.len(), self.wire_len(block));
+        let mut runs = Vec::new();
         for k in 0..self.ranks {
             for p in self.block_params(block) {
                 let piece = p.piece_of(k);
-                let src = p.full.start - b.full.start;
-                let dst = &mut wire[k * b.slots + p.slot_at..][..p.slot];
-                dst[..piece.len()].copy_from_slice(&full[src + piece.start..src + piece.end]);
-                dst[piece.len()..].fill(0.0);
+                let dst = k * b.slots + p.slot_at;
+                let src = p.full.start - b.full.start + piece.start;
+                runs.extend(slot_runs(Some(src), dst, piece.len(), p.slot));
             }
         }
+        CopyPlan::new(runs)
     }
 
-    /// The inverse of [`ShardLayout::pack_all`]: every rank's slots into the block's full
-    /// range (an all-gather's result into parameters).
-    pub fn unpack_all(&self, block: usize, wire: &[f32], full: &mut [f32]) {
+    /// This rank's slots of block `block` ([`BlockShard::slots`] elements, padded with zeros)
+    /// from its pieces in `from`: state coordinates, or offsets within the block's full
+    /// range. Its [`CopyPlan::inverse`] writes the slots back over the pieces.
+    pub fn pack_own(&self, block: usize, from: Coordinates) -> CopyPlan {
         let b = &self.blocks[block];
-        debug_assert_eq!(full.len(), b.full.len());
-        for k in 0..self.ranks {
-            for p in self.block_params(block) {
-                let piece = p.piece_of(k);
-                let dst = p.full.start - b.full.start;
-                full[dst + piece.start..dst + piece.end]
-                    .copy_from_slice(&wire[k * b.slots + p.slot_at..][..piece.len()]);
-            }
-        }
-    }
-
-    /// This rank's slots of block `block` (`slots`: [`BlockShard::slots`] elements) from its
-    /// pieces, read from `source`.
-    pub fn pack_own(&self, block: usize, source: Source<'_>, slots: &mut [f32]) {
-        for p in self.block_params(block) {
-            let dst = &mut slots[p.slot_at..p.slot_at + p.slot];
-            let src = match source {
-                Source::State(s) => &s[p.state.clone()],
-                Source::Full(f) => &f[p.piece_full()],
+        let runs = self.block_params(block).iter().flat_map(|p| {
+            let src = match from {
+                Coordinates::State => p.state.start,
+                Coordinates::Block => p.piece_full().start - b.full.start,
             };
-            dst[..src.len()].copy_from_slice(src);
-            dst[src.len()..].fill(0.0);
-        }
-    }
-
-    /// This rank's slots of block `block` into its pieces of `target` (overwriting).
-    pub fn unpack_own(&self, block: usize, slots: &[f32], mut target: Target<'_>) {
-        for p in self.block_params(block) {
-            let src = &slots[p.slot_at..p.slot_at + p.piece.len()];
-            match &mut target {
-                Target::State(state) => state[p.state.clone()].copy_from_slice(src),
-                Target::Full(full) => full[p.piece_full()].copy_from_slice(src),
-            }
-        }
-    }
-
-    /// Adds this rank's slots of block `block` to its pieces in state coordinates.
-    pub fn accumulate_own(&self, block: usize, slots: &[f32], state: &mut [f32]) {
-        for p in self.block_params(block) {
-            let src = &slots[p.slot_at..p.slot_at + p.piece.len()];
-            state[p.state.clone()]
-                .iter_mut()
-                .zip(src)
-                .for_each(|(s, g)| *s += g);
-        }
+            slot_runs(Some(src), p.slot_at, p.piece.len(), p.slot)
+        });
+        CopyPlan::new(runs.collect())
     }
 
     /// The state ranges of the parameters lying inside `full` (a range made of whole
@@ -221,17 +186,25 @@ impl ShardLayout {
     }
 }
 
-/// Where [`ShardLayout::pack_own`] reads this rank's pieces.
-#[derive(Clone, Copy)]
-pub enum Source<'a> {
-    State(&'a [f32]),
-    Full(&'a [f32]),
+/// Where [`ShardLayout::pack_own`] finds this rank's pieces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Coordinates {
+    /// State coordinates (the pieces one after the other).
+    State,
+    /// Offsets within the block's range of the full buffer.
+    Block,
 }
 
-/// Where [`ShardLayout::unpack_own`] writes this rank's pieces.
-pub enum Target<'a> {
-    State(&'a mut [f32]),
-    Full(&'a mut [f32]),
+/// One slot of `slot` elements at `dst`: `len` from `src`, then zeros.
+fn slot_runs(src: Option<usize>, dst: usize, len: usize, slot: usize) -> [Run; 2] {
+    [
+        Run { src, dst, len },
+        Run {
+            src: None,
+            dst: dst + len,
+            len: slot - len,
+        },
+    ]
 }
 
 /// Sorted, non-overlapping ranges covering the union of `ranges`.
@@ -282,20 +255,27 @@ mod tests {
         let layouts: Vec<_> = (0..3).map(|r| ShardLayout::new(&blocks(), 3, r)).collect();
         for b in 0..2 {
             let range = layouts[0].blocks[b].full.clone();
+            let block = &full[range.clone()];
             let mut wire = vec![f32::NAN; layouts[0].wire_len(b)];
-            layouts[0].pack_all(b, &full[range.clone()], &mut wire);
+            let pack_all = layouts[0].pack_all(b);
+            assert_eq!(pack_all.extents(), (wire.len(), range.len()));
+            pack_all.apply_on_host(block, &mut wire, false);
             // What a reduce-scatter leaves on rank k is slice k of the wire; each rank's
             // own packing of its pieces is exactly that slice.
             let slots = layouts[0].blocks[b].slots;
             let mut gathered = Vec::new();
             for (k, l) in layouts.iter().enumerate() {
                 let mut own = vec![f32::NAN; slots];
-                l.pack_own(b, Source::Full(&full), &mut own);
+                l.pack_own(b, Coordinates::Block)
+                    .apply_on_host(block, &mut own, false);
                 assert_eq!(own, wire[k * slots..(k + 1) * slots].to_vec(), "rank {k}");
                 gathered.extend(own);
             }
             let mut back = vec![0.0; range.len()];
-            layouts[1].unpack_all(b, &gathered, &mut back);
+            layouts[1]
+                .pack_all(b)
+                .inverse()
+                .apply_on_host(&gathered, &mut back, false);
             assert_eq!(back, full[range].to_vec());
         }
     }
@@ -307,16 +287,27 @@ mod tests {
         let mut state = vec![0.0; l.state_len];
         let mut slots = vec![0.0; 3];
         for b in 0..2 {
-            l.pack_own(b, Source::Full(&full), &mut slots);
-            l.unpack_own(b, &slots, Target::State(&mut state));
+            let block = &full[l.blocks[b].full.clone()];
+            l.pack_own(b, Coordinates::Block)
+                .apply_on_host(block, &mut slots, false);
+            l.pack_own(b, Coordinates::State)
+                .inverse()
+                .apply_on_host(&slots, &mut state, false);
         }
         // Rank 1: elements 2..4 of the first parameter, 5..6 (the 1-element parameter's
         // piece 1 is empty), 9..12 of the third.
         assert_eq!(state, vec![2.0, 3.0, 9.0, 10.0, 11.0]);
         let mut twice = state.clone();
-        l.pack_own(1, Source::State(&state), &mut slots);
-        l.accumulate_own(1, &slots, &mut twice);
+        let own = l.pack_own(1, Coordinates::State);
+        own.apply_on_host(&state, &mut slots, false);
+        own.inverse().apply_on_host(&slots, &mut twice, true);
         assert_eq!(twice, vec![2.0, 3.0, 18.0, 20.0, 22.0]);
+        // Back over the pieces of the full buffer, nothing else touched.
+        let mut again = vec![-1.0; 7];
+        l.pack_own(1, Coordinates::Block)
+            .inverse()
+            .apply_on_host(&slots, &mut again, false);
+        assert_eq!(again, vec![-1.0, -1.0, -1.0, 9.0, 10.0, 11.0, -1.0]);
         assert_eq!(l.state_ranges(&(6..13)), vec![2..5]);
         assert_eq!(l.state_ranges(&(0..6)), vec![0..2, 2..2]);
         assert_eq!(l.not_owned(13), vec![0..2, 4..9, 12..13]);

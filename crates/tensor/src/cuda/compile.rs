@@ -325,7 +325,15 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             v.extend(each("add_f32"));
             v.extend(each("act_fwd"));
             v.extend(each("act_bwd"));
-            v.extend(["scale_f32", "tie_sum_f32", "unscale_check_f32"].map(String::from));
+            v.extend(
+                [
+                    "scale_f32",
+                    "tie_sum_f32",
+                    "unscale_check_f32",
+                    "copy_runs_f32",
+                ]
+                .map(String::from),
+            );
             v
         }
         "bias.cu" => {

@@ -233,3 +233,43 @@ pub fn scale(dev: &CudaDevice, x: u64, len: usize, s: f32) -> Result<(), CudaErr
         Args::new().ptr(x).i64(len as i64).f32(s),
     )
 }
+
+/// A copy plan over flat f32 buffers (ZeRO's pieces into slots and back): `runs` is a device
+/// table of `count` runs, three i64 each (source offset or −1 for zeros, destination
+/// offset, length), the longest `max_len`; `add` adds instead of copying.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_runs(
+    dev: &CudaDevice,
+    src: u64,
+    dst: u64,
+    runs: u64,
+    count: usize,
+    max_len: usize,
+    add: bool,
+) -> Result<(), CudaError> {
+    if count == 0 {
+        return Ok(());
+    }
+    // Runs over y (at most 65535 blocks there: the kernel strides over the rest), each run's
+    // elements over x: as many blocks as the longest run needs, up to 64.
+    let launch = Launch {
+        grid: (
+            max_len.div_ceil(THREADS as usize).clamp(1, 64) as u32,
+            count.min(65_535) as u32,
+            1,
+        ),
+        block: (THREADS, 1, 1),
+        smem: 0,
+    };
+    dev.launch(
+        "elementwise.cu",
+        "copy_runs_f32",
+        launch,
+        Args::new()
+            .ptr(src)
+            .ptr(dst)
+            .ptr(runs)
+            .usize_as_i32(count)
+            .i32(add as i32),
+    )
+}

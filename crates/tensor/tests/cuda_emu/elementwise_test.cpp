@@ -169,6 +169,50 @@ static void test_flat_f32() {
     }
 }
 
+/// copy_runs_f32 against a plain loop: random plans of disjoint destination runs (some of
+/// zeros), copies and adds, grids smaller than the plan in both directions so runs and
+/// elements both take the strided paths; elements outside the runs stay as they were.
+static void test_copy_runs() {
+    Rng rng(13);
+    for (int trial = 0; trial < 6; ++trial) {
+        const int count = 1 + (int)(rng.next() % 9);
+        std::vector<long long> table;
+        long long at = 0, src_len = 1;
+        for (int r = 0; r < count; ++r) {
+            const long long len = (long long)(rng.next() % (trial < 3 ? 40 : 1500));
+            const long long gap = (long long)(rng.next() % 3);
+            const bool zeros = rng.next() % 4 == 0;
+            const long long src = zeros ? -1 : (long long)(rng.next() % 3000);
+            table.push_back(src);
+            table.push_back(at + gap);
+            table.push_back(len);
+            if (!zeros) src_len = std::max(src_len, src + len);
+            at += gap + len;
+        }
+        const long long dst_len = at + 1;
+        float* src = buffer<float>(src_len);
+        const auto sv = fill_random(src, src_len, rng, -3.0f, 3.0f);
+        long long* runs = buffer<long long>(table.size());
+        std::copy(table.begin(), table.end(), runs);
+        for (int add = 0; add < 2; ++add) {
+            float* dst = buffer<float>(dst_len);
+            auto want = fill_random(dst, dst_len, rng, -3.0f, 3.0f);
+            for (int r = 0; r < count; ++r) {
+                const long long s = table[3 * r], d = table[3 * r + 1], len = table[3 * r + 2];
+                for (long long i = 0; i < len; ++i) {
+                    const double v = s < 0 ? 0.0 : sv[s + i];
+                    if (!add) want[d + i] = v;
+                    else if (s >= 0) want[d + i] = (double)((float)want[d + i] + (float)v);
+                }
+            }
+            emu::launch(copy_runs_f32, dim3(2, 3), dim3(256), 0, (const float*)src, dst,
+                        (const long long*)runs, count, add);
+            tally.check(fmt("copy_runs_f32 trial=%d add=%d", trial, add),
+                        rel_l2(read(dst, dst_len), want), 0.0);
+        }
+    }
+}
+
 int main() {
     test_convert(convert_f32_bf16, "convert_f32_bf16");
     test_convert(convert_f32_f16, "convert_f32_f16");
@@ -181,5 +225,6 @@ int main() {
     test_act<bf16>(act_fwd_bf16, act_bwd_bf16);
     test_act<f16>(act_fwd_f16, act_bwd_f16);
     test_flat_f32();
+    test_copy_runs();
     return tally.finish("elementwise");
 }

@@ -269,3 +269,27 @@ unscale_check_f32(float* g, long long n, float factor, int* found_inf) {
     }
     if (bad) *found_inf = 1;
 }
+
+/// Copy plans (crates/parallel/src/engine/flat.rs, ZeRO's packing of pieces into slots and
+/// back): run r of `runs` is three i64 (src, dst, len) and moves len floats from src + s to
+/// dst + d, zeros when s < 0; with `add`, adds them instead (zeros runs change nothing).
+/// Runs never overlap in dst and never read dst, so blocks need no coordination: runs go
+/// over grid y, a run's elements over grid x.
+extern "C" __global__ void __launch_bounds__(256)
+copy_runs_f32(const float* __restrict__ src, float* __restrict__ dst,
+              const long long* __restrict__ runs, int count, int add) {
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (int r = blockIdx.y; r < count; r += gridDim.y) {
+        const long long s = runs[3 * r], d = runs[3 * r + 1], len = runs[3 * r + 2];
+        for (long long i = first; i < len; i += stride) {
+            if (s < 0) {
+                if (!add) dst[d + i] = 0.0f;
+            } else if (add) {
+                dst[d + i] += src[s + i];
+            } else {
+                dst[d + i] = src[s + i];
+            }
+        }
+    }
+}
