@@ -197,6 +197,27 @@ fn buckets_under_backward(failed: &mut Vec<String>, trace: &Path) -> Result<()> 
     Ok(())
 }
 
+/// Whether run `a`'s loss was within 0.1% of `b`'s at every step.
+fn close_losses(failed: &mut Vec<String>, what: &str, a: &Trained, b: &Trained) {
+    // A loss that is not finite counts as infinitely far (f64::max would skip a NaN).
+    let worst = b
+        .losses
+        .iter()
+        .zip(&a.losses)
+        .map(|(x, y)| ((x - y) / x).abs())
+        .map(|r| if r.is_finite() { r } else { f64::INFINITY })
+        .fold(0.0f64, f64::max);
+    verdict(
+        failed,
+        a.losses.len() == STEPS as usize && b.losses.len() == STEPS as usize && worst <= 1e-3,
+        format!(
+            "{what}: losses within {:.3}% at every one of {} steps (≤ 0.1%)",
+            worst * 100.0,
+            a.losses.len()
+        ),
+    );
+}
+
 /// Whether run `a` ended with exactly `b`'s parameters (else how far apart they are).
 fn same_bits(failed: &mut Vec<String>, a_name: &str, a: &Trained, b_name: &str, b: &Trained) {
     let same = a.params.len() == b.params.len()
@@ -274,6 +295,19 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     );
     states_as_planned(failed, "fp32 ZeRO-1 dp=2", &zero1);
     let _ = std::fs::remove_dir_all(&zero1.out);
+    // DDP's bf16 wire converted on the GPU, against the same run on the CPU.
+    let wire = ["parallel.dp=2", "parallel.compression=\"bf16\""];
+    let wire_gpu = train(STEPS, &wire, None)?;
+    let wire_cpu = train(STEPS, &[wire[0], wire[1], "train.device=\"cpu\""], None)?;
+    close_losses(
+        failed,
+        "GPT dp=2 with DDP's bf16 wire on the GPU vs on the CPU",
+        &wire_gpu,
+        &wire_cpu,
+    );
+    for run in [wire_gpu, wire_cpu] {
+        let _ = std::fs::remove_dir_all(&run.out);
+    }
     // A Llama's layers (RMS norms, rotary positions over grouped key/value heads, SwiGLU).
     let llama_one = runs.train_llama(STEPS, &[])?;
     let llama_two = runs.train_llama(STEPS, &["parallel.dp=2"])?;
@@ -305,25 +339,7 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     same_bits(failed, "bf16 GPT ZeRO-1 dp=2", &zero16, "DDP dp=2", &two16);
     states_as_planned(failed, "bf16 ZeRO-1 dp=2", &zero16);
     let _ = std::fs::remove_dir_all(&zero16.out);
-    // A loss that is not finite counts as infinitely far (f64::max would skip a NaN).
-    let worst = one16
-        .losses
-        .iter()
-        .zip(&two16.losses)
-        .map(|(a, b)| ((a - b) / a).abs())
-        .map(|r| if r.is_finite() { r } else { f64::INFINITY })
-        .fold(0.0f64, f64::max);
-    verdict(
-        failed,
-        one16.losses.len() == STEPS as usize
-            && two16.losses.len() == STEPS as usize
-            && worst <= 1e-3,
-        format!(
-            "bf16 GPT dp=2 vs one GPU: losses within {:.3}% at every one of {} steps (≤ 0.1%)",
-            worst * 100.0,
-            two16.losses.len()
-        ),
-    );
+    close_losses(failed, "bf16 GPT dp=2 vs one GPU", &two16, &one16);
     // A dp = 2 checkpoint from the GPU, resumed on one GPU and on the CPU.
     let half = train(STEPS / 2, &["parallel.dp=2"], None)?;
     let checkpoint = half.out.join("checkpoint.safetensors");

@@ -115,6 +115,21 @@ fn ddp_buckets_on_the_device_gradients_equal_the_cpu() {
     equal_to_the_cpu("gpt", &["parallel.dp=2", "train.accumulation_steps=2"]);
 }
 
+/// DDP's bf16 wire on the device: each bucket rounded into a wire copy in the device's
+/// memory, all-reduced, and widened back into the device's gradients (on a GPU by the
+/// conversion kernels).
+#[test]
+fn ddp_bf16_wire_on_the_device_equals_the_cpu() {
+    equal_to_the_cpu(
+        "gpt",
+        &[
+            "parallel.dp=2",
+            "parallel.compression=\"bf16\"",
+            "parallel.bucket_cap_mb=0.01",
+        ],
+    );
+}
+
 /// fp16: the unscale-and-check and the skip decision through the device.
 #[test]
 fn fp16_loss_scaling_on_the_device_equals_the_cpu() {

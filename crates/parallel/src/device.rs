@@ -10,7 +10,7 @@
 //! loaded, so checkpoints keep their one format and a GPU run resumes on the CPU and the
 //! reverse.
 
-use crate::data::{DpMode, GradCompression, GradReduce};
+use crate::data::{DpMode, GradReduce};
 use crate::engine::{Stage, StandIn};
 use crate::layout::Layout;
 use crate::{DeviceCheck, ParallelError, ParallelOptions};
@@ -126,8 +126,8 @@ pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError>
 }
 
 /// The data-parallel settings a GPU run cannot take yet (the layout's shape is checked by
-/// [`check`]): the single master gathers replicas' gradients through host vectors, and
-/// DDP's bf16 wire converts on the host.
+/// [`check`]): the single master gathers replicas' gradients through host vectors, and a
+/// hierarchical reduction goes through host groups.
 pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), ParallelError> {
     if options.stand_in_device {
         refuse_layout(layout, "the stand-in device")?;
@@ -148,13 +148,6 @@ pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), P
         return Err(ParallelError::Device(
             "grad_reduce = \"hierarchical\" reduces through host groups: on GPUs NCCL \
              arranges its own rings and trees across hosts; leave it at \"auto\" or \"flat\""
-                .into(),
-        ));
-    }
-    if options.ddp.compression == GradCompression::Bf16 {
-        return Err(ParallelError::Device(
-            "grad_compression = \"bf16\" converts gradients on the host: on GPUs leave it \
-             at \"none\""
                 .into(),
         ));
     }
@@ -297,12 +290,31 @@ pub fn place(
     }
 }
 
-/// Runs `f` (a step or an evaluation over `samples` samples, beside `states` bytes of model
-/// states) so that an error raised on the device inside it becomes an error: an
-/// out-of-memory says what batch would fit.
+/// What a worker holds on its device beside a step's activations, and what sharding more of
+/// it would free (for out-of-memory advice).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatesOnDevice {
+    /// Bytes of model states (parameters with their 16-bit copy, gradients, moments).
+    pub bytes: usize,
+    /// A ZeRO stage this run could take on its device, over how many ranks, and the bytes
+    /// per rank it would free.
+    pub sharding: Option<ShardingRoom>,
+}
+
+/// See [`StatesOnDevice::sharding`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardingRoom {
+    pub stage: u8,
+    pub ranks: usize,
+    pub frees: usize,
+}
+
+/// Runs `f` (a step or an evaluation over `samples` samples, beside `states`) so that an
+/// error raised on the device inside it becomes an error: an out-of-memory says what batch
+/// would fit, and what a ZeRO stage would free.
 pub fn guarded<T>(
     samples: usize,
-    states: usize,
+    states: StatesOnDevice,
     f: impl FnOnce() -> Result<T, ParallelError>,
 ) -> Result<T, ParallelError> {
     #[cfg(feature = "cuda")]
@@ -358,12 +370,23 @@ fn first_cpu_only_leaf(layer: &dyn meshtrain_nn::Layer, path: &str, device: Devi
 fn out_of_memory(
     oom: &meshtrain_tensor::cuda::alloc::OutOfMemory,
     samples: usize,
-    states: usize,
+    states: StatesOnDevice,
 ) -> String {
     let limit = oom.limit.unwrap_or(oom.in_use + oom.free);
-    let room = limit.saturating_sub(states) as f64;
-    let needed = (oom.in_use + oom.bytes).saturating_sub(states).max(1) as f64;
+    let room = limit.saturating_sub(states.bytes) as f64;
+    let needed = (oom.in_use + oom.bytes).saturating_sub(states.bytes).max(1) as f64;
     let fits = ((samples as f64) * room / needed).floor() as usize;
+    let sharded = states.sharding.map(|s| {
+        let fits = ((samples as f64) * (room + s.frees as f64) / needed).floor() as usize;
+        format!(
+            "; with ZeRO stage {stage} (parallel.zero = {stage}: each of the {ranks} ranks keeps \
+             the optimizer moments of its pieces only) {:.0} MiB more per GPU would be free, \
+             room for about {fits} samples per step",
+            s.frees as f64 / (1u64 << 20) as f64,
+            stage = s.stage,
+            ranks = s.ranks,
+        )
+    });
     let advice = if fits >= 1 {
         format!(
             "at most about {fits} samples per step (of {samples}) would fit: lower \
@@ -375,7 +398,11 @@ fn out_of_memory(
          optimizer moments): the model is too large for this GPU alone"
             .to_string()
     };
-    format!("{}; {advice}", CudaError::OutOfMemory { oom: oom.clone() })
+    format!(
+        "{}; {advice}{}",
+        CudaError::OutOfMemory { oom: oom.clone() },
+        sharded.unwrap_or_default()
+    )
 }
 
 #[cfg(test)]
@@ -473,14 +500,10 @@ mod tests {
             e.contains("single-master") && e.contains("on GPUs use"),
             "{e}"
         );
+        // DDP's bf16 wire converts on the device.
         let mut bf16 = gpu.clone();
-        bf16.ddp.compression = GradCompression::Bf16;
-        let e = check_options(&bf16, &layout).unwrap_err().to_string();
-        assert!(e.contains("grad_compression = \"bf16\""), "{e}");
-        assert!(
-            check_options(&bf16, &Layout::default()).is_ok(),
-            "one worker reduces nothing"
-        );
+        bf16.ddp.compression = crate::data::GradCompression::Bf16;
+        assert!(check_options(&bf16, &layout).is_ok());
         let mut hierarchical = gpu.clone();
         hierarchical.ddp.reduce = GradReduce::Hierarchical;
         let e = check_options(&hierarchical, &layout)
@@ -490,7 +513,7 @@ mod tests {
         // The CPU takes them.
         let cpu = ParallelOptions {
             device: Device::Cpu,
-            ..bf16
+            ..hierarchical
         };
         assert!(check_options(&cpu, &layout).is_ok());
     }
@@ -584,7 +607,11 @@ mod tests {
         };
         // 10 GiB of states; the step held 20 GiB of activations and wanted 2 more for 32
         // samples; 21 GiB of room beside the states → about 30 samples.
-        let text = out_of_memory(&oom, 32, 10 * gib);
+        let states = StatesOnDevice {
+            bytes: 10 * gib,
+            sharding: None,
+        };
+        let text = out_of_memory(&oom, 32, states);
         assert!(
             text.contains("a linear layer's output needs 2048.0 MiB"),
             "{text}"
@@ -593,12 +620,32 @@ mod tests {
             text.contains("at most about 30 samples per step (of 32)"),
             "{text}"
         );
+        assert!(!text.contains("ZeRO"), "{text}");
+        // DDP over 4 ranks with 8 GiB of moments each: ZeRO-1 would free 6 GiB, room for
+        // 27 GiB / 22 GiB × 32 ≈ 39 samples.
+        let dp4 = StatesOnDevice {
+            sharding: Some(ShardingRoom {
+                stage: 1,
+                ranks: 4,
+                frees: 6 * gib,
+            }),
+            ..states
+        };
+        let text = out_of_memory(&oom, 32, dp4);
+        assert!(
+            text.contains(
+                "with ZeRO stage 1 (parallel.zero = 1: each of the 4 ranks keeps the optimizer \
+                 moments of its pieces only) 6144 MiB more per GPU would be free, room for about \
+                 39 samples per step"
+            ),
+            "{text}"
+        );
         let tiny = OutOfMemory {
             in_use: 10 * gib,
             free: 0,
             ..oom
         };
-        let text = out_of_memory(&tiny, 32, 10 * gib);
+        let text = out_of_memory(&tiny, 32, states);
         assert!(text.contains("not even one sample"), "{text}");
     }
 }

@@ -675,18 +675,25 @@ impl Parallel {
         m
     }
 
-    /// Bytes of model states on the device (0 on the CPU): what an out-of-memory's advice
-    /// leaves beside the activations.
-    fn device_state_bytes(&self) -> usize {
-        self.stage
-            .chunks
-            .iter()
-            .filter_map(|c| c.device.as_ref())
-            .map(|d| {
-                let (p, g, o) = d.state_bytes();
-                p + g + o
-            })
-            .sum()
+    /// Model states on the device (none on the CPU): what an out-of-memory's advice leaves
+    /// beside the activations, and what ZeRO-1 (the stage GPUs run) would free when the
+    /// replicas hold every moment.
+    fn states_on_device(&self) -> crate::device::StatesOnDevice {
+        let (mut bytes, mut moments) = (0, 0);
+        for d in self.stage.chunks.iter().filter_map(|c| c.device.as_ref()) {
+            let (p, g, o) = d.state_bytes();
+            bytes += p + g + o;
+            moments += o;
+        }
+        let ranks = self.layout.layout.dp * self.layout.layout.cp;
+        let sharding = (self.zero_stage().is_none() && ranks > 1 && moments > 0).then(|| {
+            crate::device::ShardingRoom {
+                stage: 1,
+                ranks,
+                frees: moments - moments / ranks,
+            }
+        });
+        crate::device::StatesOnDevice { bytes, sharding }
     }
 
     /// The ZeRO stage the replicas run (`None`: full replicas).
@@ -731,7 +738,7 @@ impl Parallel {
         timeline: Option<&mut Timeline>,
     ) -> Result<StepStats, ParallelError> {
         let samples = share.samples;
-        let states = self.device_state_bytes();
+        let states = self.states_on_device();
         crate::device::guarded(samples, states, || {
             self.train_step_unguarded(model, share, lr, clip, timeline)
         })
@@ -960,7 +967,7 @@ impl Parallel {
             inputs: vec![batch.x],
             targets: vec![batch.y],
         };
-        let states = self.device_state_bytes();
+        let states = self.states_on_device();
         crate::device::guarded(batch.samples, states, || {
             let values = self.stage.evaluate(
                 model,

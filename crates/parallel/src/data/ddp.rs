@@ -14,7 +14,7 @@
 
 use super::buckets::{plan_buckets, Bucket};
 use super::DataParallelError;
-use half::bf16;
+use crate::engine::flat::{FlatBuf, FlatMemory, HostFlat};
 use meshtrain_comm::{
     BufMut, CommError, GroupHosts, HierarchicalGroup, OpSpan, ProcessGroup, RawBuf, ReduceOp, Work,
 };
@@ -153,16 +153,19 @@ pub fn broadcast_state(
     Ok(())
 }
 
-/// The host f32 slice a gradient view is (bf16 compression converts on the host: a run on a
-/// device is refused it before any work).
-fn host_f32<'a>(grads: RawBuf) -> &'a mut [f32] {
-    assert!(
-        grads.device().is_cpu() && grads.dtype() == meshtrain_comm::DType::F32,
-        "DDP's bf16 wire converts host f32 gradients"
-    );
-    // SAFETY: a host f32 view (checked) of the gradient buffer DDP owns during the step; no
-    // operation is in flight on this bucket while it is converted.
-    unsafe { std::slice::from_raw_parts_mut(grads.addr() as *mut f32, grads.len()) }
+/// One bf16 wire copy per bucket when the wire is bf16, in `memory`.
+fn wire_buffers(
+    buckets: &[Bucket],
+    compression: GradCompression,
+    memory: &dyn FlatMemory,
+) -> Vec<FlatBuf> {
+    match compression {
+        GradCompression::None => Vec::new(),
+        GradCompression::Bf16 => buckets
+            .iter()
+            .map(|b| memory.alloc(b.len().div_ceil(2)))
+            .collect(),
+    }
 }
 
 /// The DDP gradient synchroniser of one rank.
@@ -176,8 +179,9 @@ pub struct Ddp {
     /// Buckets launched so far in this step (they go in order).
     launched: usize,
     in_flight: Vec<(usize, Work)>,
-    /// bf16 wire copies, one per bucket (allocated once).
-    wire: Vec<Vec<bf16>>,
+    /// bf16 wire copies, one per bucket (allocated once), in the memory of the gradients.
+    wire: Vec<FlatBuf>,
+    memory: Arc<dyn FlatMemory>,
     syncing: bool,
     /// Address of the gradient buffer the in-flight operations point into.
     grads_ptr: usize,
@@ -227,10 +231,10 @@ impl Ddp {
                 bucket_of_block[blk] = Some(bi);
             }
         }
-        let wire = match config.compression {
-            GradCompression::None => Vec::new(),
-            GradCompression::Bf16 => buckets.iter().map(|b| vec![bf16::ZERO; b.len()]).collect(),
-        };
+        let memory: Arc<dyn FlatMemory> = Arc::new(HostFlat {
+            device: meshtrain_tensor::Device::Cpu,
+        });
+        let wire = wire_buffers(&buckets, config.compression, memory.as_ref());
         Ok(Ddp {
             group,
             config,
@@ -240,6 +244,7 @@ impl Ddp {
             launched: 0,
             in_flight: Vec::new(),
             wire,
+            memory,
             syncing: false,
             grads_ptr: 0,
             hook_s: 0.0,
@@ -250,6 +255,13 @@ impl Ddp {
 
     pub fn group(&self) -> &Arc<dyn ProcessGroup> {
         &self.group
+    }
+
+    /// The gradients live in `memory` from now on (their chunk was placed on a device): the
+    /// bf16 wire copies move there too, and the conversions run there.
+    pub fn use_memory(&mut self, memory: Arc<dyn FlatMemory>) {
+        self.wire = wire_buffers(&self.buckets, self.config.compression, memory.as_ref());
+        self.memory = memory;
     }
 
     pub fn buckets(&self) -> &[Bucket] {
@@ -306,12 +318,9 @@ impl Ddp {
             match self.config.compression {
                 GradCompression::None => self.group.all_reduce_async(bucket, ReduceOp::Average),
                 GradCompression::Bf16 => {
-                    let wire = &mut self.wire[b];
-                    for (w, g) in wire.iter_mut().zip(host_f32(bucket)) {
-                        *w = bf16::from_f32(*g);
-                    }
-                    self.group
-                        .all_reduce_async(RawBuf::from_slice(wire), ReduceOp::Average)
+                    let wire = self.wire[b].raw_bf16(range.len());
+                    self.memory.convert(bucket, wire);
+                    self.group.all_reduce_async(wire, ReduceOp::Average)
                 }
             }
         };
@@ -359,12 +368,9 @@ impl Ddp {
             timing.bytes += bucket.len() * self.wire_bytes_per_elem();
             if self.config.compression == GradCompression::Bf16 {
                 let range = bucket.grads.clone();
-                for (g, w) in host_f32(grads.sub(range.start, range.len()))
-                    .iter_mut()
-                    .zip(&self.wire[b])
-                {
-                    *g = w.to_f32();
-                }
+                let wire = self.wire[b].raw_bf16(range.len());
+                self.memory
+                    .convert(wire, grads.sub(range.start, range.len()));
             }
         }
         if let Some(e) = first_error {

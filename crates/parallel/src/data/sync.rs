@@ -233,6 +233,14 @@ impl GradSync for DdpSync {
         Ok(())
     }
 
+    fn placed(&mut self, chunks: &[StageChunk]) {
+        for (ddp, chunk) in self.ddps.iter_mut().zip(chunks) {
+            if let Some(device) = &chunk.device {
+                ddp.use_memory(device.flat_memory());
+            }
+        }
+    }
+
     fn loads(&self) -> Option<(usize, usize)> {
         Some((self.group.rank(), self.group.size()))
     }

@@ -259,6 +259,23 @@ impl FlatMemory for CudaFlat {
         self.check(&dst);
         ok_or_raise(self.dev.memset_zero(dst.addr(), dst.len() * 4));
     }
+
+    fn convert(&self, src: RawBuf, dst: RawBuf) {
+        let on_this = |b: &RawBuf| b.device() == FlatMemory::device(self);
+        assert!(
+            on_this(&src) && on_this(&dst),
+            "a conversion on another device"
+        );
+        assert_eq!(src.len(), dst.len(), "a conversion between unequal buffers");
+        ok_or_raise(meshtrain_tensor::cuda::ops::convert_into(
+            &self.dev,
+            src.addr(),
+            src.dtype(),
+            dst.addr(),
+            dst.dtype(),
+            src.len(),
+        ));
+    }
 }
 
 /// The flat buffers as [`BlockParams`]: block `i`'s slices of them.

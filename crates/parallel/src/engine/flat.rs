@@ -196,6 +196,18 @@ impl FlatBuf {
         unsafe { RawBuf::on_device(self.addr, self.len, meshtrain_comm::DType::F32, self.device) }
     }
 
+    /// A view of the first `len` bf16 values of the buffer's memory (a wire copy of `len`
+    /// f32 values takes half the buffer).
+    pub fn raw_bf16(&mut self, len: usize) -> RawBuf {
+        assert!(
+            len <= 2 * self.capacity,
+            "{len} bf16 in a buffer of {} f32",
+            self.capacity
+        );
+        // SAFETY: in bounds of the owned allocation (checked), as for `raw`.
+        unsafe { RawBuf::on_device(self.addr, len, meshtrain_comm::DType::BF16, self.device) }
+    }
+
     /// The elements, when the memory is the host's (the host, or the stand-in GPU).
     pub fn host_slice(&self) -> Option<&[f32]> {
         self._owner
@@ -229,6 +241,10 @@ pub trait FlatMemory: Send + Sync {
 
     /// `dst` set to zeros.
     fn zero(&self, dst: RawBuf);
+
+    /// `src` converted into `dst` (equal lengths): f32 to bf16 rounding to nearest even, or
+    /// bf16 to f32 (DDP's bf16 wire).
+    fn convert(&self, src: RawBuf, dst: RawBuf);
 }
 
 /// Memory whose addresses are the host's: the host itself, or the stand-in GPU
@@ -286,6 +302,33 @@ impl FlatMemory for HostFlat {
         // SAFETY: as in `apply`.
         unsafe { host_view(dst).fill(0.0) }
     }
+
+    fn convert(&self, src: RawBuf, dst: RawBuf) {
+        use half::bf16;
+        use meshtrain_comm::DType;
+        assert!(src.device() == self.device && dst.device() == self.device);
+        assert_eq!(src.len(), dst.len(), "a conversion between unequal buffers");
+        let n = src.len();
+        // SAFETY: host memory of this memory's device (checked), `n` elements of the checked
+        // types each, held by the caller for the call; the two never overlap (a wire copy).
+        unsafe {
+            match (src.dtype(), dst.dtype()) {
+                (DType::F32, DType::BF16) => {
+                    let s = std::slice::from_raw_parts(src.addr() as *const f32, n);
+                    let d = std::slice::from_raw_parts_mut(dst.addr() as *mut bf16, n);
+                    d.iter_mut()
+                        .zip(s)
+                        .for_each(|(w, g)| *w = bf16::from_f32(*g));
+                }
+                (DType::BF16, DType::F32) => {
+                    let s = std::slice::from_raw_parts(src.addr() as *const bf16, n);
+                    let d = std::slice::from_raw_parts_mut(dst.addr() as *mut f32, n);
+                    d.iter_mut().zip(s).for_each(|(g, w)| *g = w.to_f32());
+                }
+                (a, b) => panic!("no conversion from {a} to {b}"),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -341,5 +384,12 @@ mod tests {
         memory.apply(&plan, src.raw(), dst.raw(), Apply::Add);
         assert_eq!(dst.host_slice().unwrap(), &[0.0, 2.0, 4.0]);
         assert_eq!(dst.capacity(), 5);
+        // Through a bf16 wire copy and back: 1 + 2⁻⁹ rounds to even (1), 3 is exact.
+        let mut values = FlatBuf::host(vec![1.0 + 1.0 / 512.0, 3.0], Device::Cpu);
+        let mut wire = memory.alloc(1);
+        memory.convert(values.raw(), wire.raw_bf16(2));
+        memory.zero(values.raw());
+        memory.convert(wire.raw_bf16(2), values.raw());
+        assert_eq!(values.host_slice().unwrap(), &[1.0, 3.0]);
     }
 }
