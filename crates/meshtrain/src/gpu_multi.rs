@@ -6,7 +6,7 @@
 //! and dtype, sync and async, DDP's buckets, sub-groups), then a staged all-reduce is timed
 //! against the bus it crosses. Then training: a small GPT at dp = 2 and 4 (ranks sharing the
 //! GPU, staged) against one GPU on the same global batch (fp32 parameters after 20 steps
-//! within 1e-5 relative L2; bf16 losses within 0.1% at every step), ZeRO-1 at dp = 2 bit for
+//! within 1e-5 relative L2; bf16 losses within 0.1% at every step), ZeRO-1/2/3 at dp = 2 bit for
 //! bit against DDP at dp = 2 (fp32 and bf16), and a dp = 2 GPU checkpoint resumed on one GPU
 //! and on the CPU.
 
@@ -280,21 +280,20 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         }
     }
     buckets_under_backward(failed, &trace)?;
-    // ZeRO-1 over the device's buffers (reduce-scatters packed from the GPU's gradients by
-    // copy plans, this rank's pieces updated, the parameters all-gathered back) against DDP
-    // at the same dp: bit for bit, as on the CPU.
+    // ZeRO 1-3 over the device's buffers (reduce-scatters packed on the GPU by copy plans,
+    // from its gradients or, under stages 2-3, from each block's own gradient buffer into
+    // the GPU's piece-sized one; stage 3 gathering each block into GPU memory, with its
+    // bf16 copy, for its pass) against DDP at the same dp: bit for bit, as on the CPU.
     let whole = "train.checkpoint_format=\"whole\"";
-    let zero1 = train(STEPS, &["parallel.dp=2", "parallel.zero=1", whole], None)?;
     let ddp2 = ddp2.expect("the dp=2 run");
-    same_bits(
-        failed,
-        "fp32 GPT ZeRO-1 dp=2 (staged)",
-        &zero1,
-        "DDP dp=2",
-        &ddp2,
-    );
-    states_as_planned(failed, "fp32 ZeRO-1 dp=2", &zero1);
-    let _ = std::fs::remove_dir_all(&zero1.out);
+    for stage in [1, 2, 3] {
+        let zero = format!("parallel.zero={stage}");
+        let sharded = train(STEPS, &["parallel.dp=2", &zero, whole], None)?;
+        let name = format!("fp32 GPT ZeRO-{stage} dp=2 (staged)");
+        same_bits(failed, &name, &sharded, "DDP dp=2", &ddp2);
+        states_as_planned(failed, &format!("fp32 ZeRO-{stage} dp=2"), &sharded);
+        let _ = std::fs::remove_dir_all(&sharded.out);
+    }
     // DDP's bf16 wire converted on the GPU, against the same run on the CPU.
     let wire = ["parallel.dp=2", "parallel.compression=\"bf16\""];
     let wire_gpu = train(STEPS, &wire, None)?;
@@ -331,14 +330,14 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     states_as_planned(failed, "bf16 dp=2", &two16);
     // Under bf16 the 16-bit copy the passes read is refreshed after the all-gather (DDP
     // refreshes it inside the update): a stale copy would show here.
-    let zero16 = train(
-        STEPS,
-        &[bf16, "parallel.dp=2", "parallel.zero=1", whole],
-        None,
-    )?;
-    same_bits(failed, "bf16 GPT ZeRO-1 dp=2", &zero16, "DDP dp=2", &two16);
-    states_as_planned(failed, "bf16 ZeRO-1 dp=2", &zero16);
-    let _ = std::fs::remove_dir_all(&zero16.out);
+    for stage in [1, 2, 3] {
+        let zero = format!("parallel.zero={stage}");
+        let sharded = train(STEPS, &[bf16, "parallel.dp=2", &zero, whole], None)?;
+        let name = format!("bf16 GPT ZeRO-{stage} dp=2");
+        same_bits(failed, &name, &sharded, "DDP dp=2", &two16);
+        states_as_planned(failed, &format!("bf16 ZeRO-{stage} dp=2"), &sharded);
+        let _ = std::fs::remove_dir_all(&sharded.out);
+    }
     close_losses(failed, "bf16 GPT dp=2 vs one GPU", &two16, &one16);
     // A dp = 2 checkpoint from the GPU, resumed on one GPU and on the CPU.
     let half = train(STEPS / 2, &["parallel.dp=2"], None)?;

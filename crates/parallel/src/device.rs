@@ -93,9 +93,8 @@ fn refuse_what_gpus_cannot_run(
 }
 
 /// The pieces of a layout whose device form comes later (tensor, sequence, pipeline and
-/// context parallelism; ZeRO stages 2 and 3, whose passes read blocks from ZeRO's own
-/// buffers), refused for a run on `device`. Data parallelism (DDP, and ZeRO-1 over device
-/// buffers) over any number of GPUs runs.
+/// context parallelism), refused for a run on `device`. Data parallelism (DDP, or ZeRO 1–3
+/// over the device's buffers) over any number of GPUs runs.
 pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError> {
     let mut pieces = Vec::new();
     for (size, name) in [
@@ -110,16 +109,13 @@ pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError>
     if layout.sp {
         pieces.push("sequence parallelism".into());
     }
-    if layout.zero > 1 {
-        pieces.push(format!("ZeRO stage {} (stage 1 runs on GPUs)", layout.zero));
-    }
     if pieces.is_empty() {
         return Ok(());
     }
     Err(ParallelError::Device(format!(
         "the layout {layout} uses {}, which this build of meshtrain runs on the CPU only: on \
          GPUs it trains data-parallel replicas (dp = N, one GPU each, or several ranks sharing \
-         one through staged collectives), with ZeRO stage 1 or without. Train with dp only \
+         one through staged collectives), with ZeRO or without. Train with dp only \
          on {device}, or with this layout on --device cpu",
         pieces.join(" and ")
     )))
@@ -454,28 +450,28 @@ mod tests {
             ) && e.ends_with("or with this layout on --device cpu"),
             "{e}"
         );
-        let zero = Layout {
+        let pipeline = Layout {
             dp: 2,
-            zero: 2,
+            zero: 1,
             pp: 2,
             ..Layout::default()
         };
-        let e = refuse_what_gpus_cannot_run(&model, &zero, 0)
+        let e = refuse_what_gpus_cannot_run(&model, &pipeline, 0)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains(
-                "uses pipeline parallelism (2 workers) and ZeRO stage 2 (stage 1 runs on GPUs)"
-            ),
+            e.contains("uses pipeline parallelism (2 workers), which"),
             "{e}"
         );
-        // ZeRO-1 runs on GPUs: its buffers are the device's.
-        let zero1 = Layout {
-            dp: 2,
-            zero: 1,
-            ..Layout::default()
-        };
-        refuse_what_gpus_cannot_run(&model, &zero1, 0).unwrap();
+        // ZeRO's stages run on GPUs: their buffers are the device's.
+        for zero in [1, 2, 3] {
+            let layout = Layout {
+                dp: 2,
+                zero,
+                ..Layout::default()
+            };
+            refuse_what_gpus_cannot_run(&model, &layout, 0).unwrap();
+        }
         // The CPU takes any layout here (parallelize checks the rest).
         assert!(check(&model, &tp, Device::Cpu, DeviceCheck::Opening).is_ok());
     }

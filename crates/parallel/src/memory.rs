@@ -37,7 +37,8 @@ pub fn model_states(params: f64, optimizer: OptimizerConfig, layout: &Layout) ->
 }
 
 /// [`model_states`] on `device`: a GPU under mixed precision also keeps the weights' 16-bit
-/// compute copy.
+/// compute copy (except under ZeRO-3, where only the gathered blocks have one, for the pass
+/// that reads them: working memory, not model state).
 pub fn model_states_on(
     params: f64,
     optimizer: OptimizerConfig,
@@ -45,7 +46,7 @@ pub fn model_states_on(
     device: Device,
 ) -> ModelStates {
     let mut bytes = bytes_per_param(optimizer);
-    if device.is_cuda() && layout.precision != Precision::Fp32 {
+    if device.is_cuda() && layout.precision != Precision::Fp32 && layout.zero < 3 {
         bytes.weights += crate::precision::product_dtype(layout.precision).size_bytes() as f64;
     }
     model_state_bytes(
@@ -176,12 +177,15 @@ mod tests {
             model_states_on(1e6, adam, &Layout::default(), gpu).weights,
             4e6
         );
-        let sharded = Layout {
+        // ZeRO-2 shards no weights; ZeRO-3 shards them, and only the gathered blocks have a
+        // 16-bit copy (for their pass).
+        let sharded = |zero| Layout {
             dp: 4,
-            zero: 3,
-            ..bf16
+            zero,
+            ..bf16.clone()
         };
-        assert_eq!(model_states_on(1e6, adam, &sharded, gpu).weights, 1.5e6);
+        assert_eq!(model_states_on(1e6, adam, &sharded(2), gpu).weights, 6e6);
+        assert_eq!(model_states_on(1e6, adam, &sharded(3), gpu).weights, 1e6);
     }
 
     #[test]

@@ -576,6 +576,9 @@ pub fn parallelize(
     };
     // 6. Placement: each chunk's state on the run's device for the whole run (the stores
     // stay as the checkpoint mirror). Nothing on the CPU.
+    if options.stand_in_device || options.device.is_cuda() {
+        sync.placing(&mut stage.chunks);
+    }
     crate::device::place(
         model,
         &mut stage,
@@ -583,7 +586,7 @@ pub fn parallelize(
         options,
         crate::precision::product_dtype(l.precision),
     )?;
-    sync.placed(&stage.chunks);
+    sync.placed(&mut stage.chunks);
     Ok(Parallel {
         device_collectives,
         options: StepOptions {

@@ -67,9 +67,13 @@ pub trait GradSync: Send {
     /// Makes every replica start from the same parameters and buffers (rank 0's).
     fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError>;
 
+    /// The chunks' state is about to be placed on their device (from the stores): a mode that
+    /// holds state outside the stores hands it over here (ZeRO-3's parameter pieces).
+    fn placing(&mut self, _chunks: &mut [StageChunk]) {}
+
     /// The chunks' state was placed on their device (`StageChunk::device`): a mode that
     /// keeps flat buffers of its own allocates them there from now on.
-    fn placed(&mut self, _chunks: &[StageChunk]) {}
+    fn placed(&mut self, _chunks: &mut [StageChunk]) {}
 
     /// The (rank, world) of the share of each global batch this worker loads itself, or
     /// `None` if it loads nothing and receives its share in [`GradSync::share`].
@@ -233,7 +237,7 @@ impl GradSync for DdpSync {
         Ok(())
     }
 
-    fn placed(&mut self, chunks: &[StageChunk]) {
+    fn placed(&mut self, chunks: &mut [StageChunk]) {
         for (ddp, chunk) in self.ddps.iter_mut().zip(chunks) {
             if let Some(device) = &chunk.device {
                 ddp.use_memory(device.flat_memory());

@@ -42,7 +42,14 @@ pub struct CudaChunk {
     values: DevBuf,
     /// The 16-bit compute copy of the values under mixed precision.
     half: Option<(DevBuf, DType)>,
+    /// The 16-bit type the passes compute in (F32: none), for ZeRO-3's gathered blocks.
+    compute: DType,
+    /// Whether `values` are the chunk's whole parameters (not ZeRO-3's pieces of them: then
+    /// the passes read gathered blocks, and the pieces need no 16-bit copy).
+    whole: bool,
+    /// The gradients: the chunk's `len`, or under ZeRO-2 this rank's pieces only.
     grads: DevBuf,
+    grads_len: usize,
     buffers: DevBuf,
     buffers_len: usize,
     /// The optimizer's moments: `moments` elements (the chunk's, or under ZeRO this rank's
@@ -80,11 +87,14 @@ impl CudaChunk {
         let len = store.values.len();
         let f = |bytes: usize, what: &str| dev.alloc(bytes.max(4), what).map_err(placing);
         let rows = meshtrain_nn::optim::segment_rows(optimizer.segments());
+        let whole = len == model.blocks_param_range(blocks.clone()).len();
         let half = match precision {
+            _ if !whole => None,
             DType::F32 => None,
             d => Some((f(len * 2, "the 16-bit parameter copy")?, d)),
         };
         let moments = optimizer.m.len();
+        let grads_len = super::device::gradient_len(store, optimizer);
         let pieces = match optimizer.pieces() {
             Some(pieces) => Some(PieceUpdate::new(dev, pieces).map_err(placing)?),
             None => None,
@@ -92,7 +102,10 @@ impl CudaChunk {
         let mut chunk = CudaChunk {
             values: f(len * 4, "the parameters")?,
             half,
-            grads: f(len * 4, "the gradients")?,
+            compute: precision,
+            whole,
+            grads: f(grads_len * 4, "the gradients")?,
+            grads_len,
             buffers: f(store.buffers.len() * 4, "the buffers")?,
             buffers_len: store.buffers.len(),
             m: f(moments * 4, "the optimizer's first moments")?,
@@ -208,6 +221,8 @@ impl PieceUpdate {
 struct CudaFlat {
     dev: Arc<CudaDevice>,
     plans: Mutex<HashMap<u64, Arc<DeviceRuns>>>,
+    /// The 16-bit type the passes compute in, if any.
+    compute: Option<DType>,
 }
 
 impl CudaFlat {
@@ -260,6 +275,24 @@ impl FlatMemory for CudaFlat {
         ok_or_raise(self.dev.memset_zero(dst.addr(), dst.len() * 4));
     }
 
+    fn view_mut<'a>(&'a self, buf: &'a mut FlatBuf) -> ParamsMut<'a> {
+        let view = buf.raw();
+        self.check(&view);
+        // SAFETY: the buffer's memory on this GPU, borrowed with the view.
+        ParamsMut::Device(unsafe { DeviceGrads::new(&self.dev, view.addr(), view.len()) })
+    }
+
+    fn compute_copy(&self) -> Option<DType> {
+        self.compute
+    }
+
+    fn params_view<'a>(&'a self, values: &'a FlatBuf, half: Option<&'a FlatBuf>) -> Params<'a> {
+        let half = half.zip(self.compute).map(|(h, d)| (h.addr(), d));
+        // SAFETY: the buffers hold `values.len()` values (and as many 16-bit ones) on this
+        // GPU and are borrowed with the view.
+        Params::Device(unsafe { DeviceParams::new(&self.dev, values.addr(), half, values.len()) })
+    }
+
     fn convert(&self, src: RawBuf, dst: RawBuf) {
         let on_this = |b: &RawBuf| b.device() == FlatMemory::device(self);
         assert!(
@@ -285,21 +318,27 @@ struct Blocks<'a> {
     on_ready: &'a mut dyn FnMut(usize),
 }
 
-impl Blocks<'_> {
-    fn param_range(&self, block: usize) -> Range<usize> {
-        let r = self.model.block_param_range(block);
-        r.start - self.chunk.param_base..r.end - self.chunk.param_base
+impl CudaChunk {
+    /// Block `block`'s (of `model`) parameters within the chunk.
+    fn param_range(&self, model: &Model, block: usize) -> Range<usize> {
+        let r = model.block_param_range(block);
+        r.start - self.param_base..r.end - self.param_base
     }
 
-    fn params(&self, block: usize) -> Params<'_> {
-        let r = self.param_range(block);
-        let c = self.chunk;
+    /// Block `block`'s buffers within the chunk.
+    fn buffer_range(&self, model: &Model, block: usize) -> Range<usize> {
+        let r = model.blocks_buffer_range(block..block + 1);
+        r.start - self.buffer_base..r.end - self.buffer_base
+    }
+
+    /// The parameters `r` (and their 16-bit copy) as a layer's view.
+    fn params_at(&self, r: Range<usize>) -> Params<'_> {
         // SAFETY: the buffers hold the chunk's `len` values and outlive the view.
         Params::Device(unsafe {
             DeviceParams::new(
-                &c.dev,
-                c.values.ptr() + (r.start * 4) as u64,
-                c.half
+                &self.dev,
+                self.values.ptr() + (r.start * 4) as u64,
+                self.half
                     .as_ref()
                     .map(|(h, d)| (h.ptr() + (r.start * d.size_bytes()) as u64, *d)),
                 r.len(),
@@ -310,29 +349,31 @@ impl Blocks<'_> {
     fn f32_view(&self, buf: &DevBuf, r: Range<usize>) -> ParamsMut<'_> {
         // SAFETY: in bounds of a buffer the chunk owns; blocks are viewed one at a time.
         ParamsMut::Device(unsafe {
-            DeviceGrads::new(&self.chunk.dev, buf.ptr() + (r.start * 4) as u64, r.len())
+            DeviceGrads::new(&self.dev, buf.ptr() + (r.start * 4) as u64, r.len())
         })
-    }
-
-    fn buffer_range(&self, block: usize) -> Range<usize> {
-        let r = self.model.blocks_buffer_range(block..block + 1);
-        r.start - self.chunk.buffer_base..r.end - self.chunk.buffer_base
     }
 }
 
 impl BlockParams for Blocks<'_> {
     fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
-        let br = self.buffer_range(block);
-        (self.params(block), self.f32_view(&self.chunk.buffers, br))
+        let c = self.chunk;
+        let (pr, br) = (
+            c.param_range(self.model, block),
+            c.buffer_range(self.model, block),
+        );
+        (c.params_at(pr), c.f32_view(&c.buffers, br))
     }
 
     fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
-        let pr = self.param_range(block);
-        let br = self.buffer_range(block);
+        let c = self.chunk;
+        let (pr, br) = (
+            c.param_range(self.model, block),
+            c.buffer_range(self.model, block),
+        );
         (
-            self.params(block),
-            self.f32_view(&self.chunk.grads, pr),
-            self.f32_view(&self.chunk.buffers, br),
+            c.params_at(pr.clone()),
+            c.f32_view(&c.grads, pr),
+            c.f32_view(&c.buffers, br),
         )
     }
 
@@ -374,7 +415,7 @@ impl DeviceState for CudaChunk {
             .map_or(0, |(_, d)| self.len * d.size_bytes());
         (
             self.len * 4 + half,
-            self.len * 4,
+            self.grads_len * 4,
             self.moments * 4 * (1 + usize::from(self.v.is_some())),
         )
     }
@@ -399,7 +440,7 @@ impl DeviceState for CudaChunk {
         let r = (|| {
             d.upload_to(self.values.ptr(), &store.values)?;
             d.upload_to(self.buffers.ptr(), &store.buffers)?;
-            d.memset_zero(self.grads.ptr(), self.len * 4)?;
+            d.memset_zero(self.grads.ptr(), self.grads_len * 4)?;
             moment(&self.m, &optimizer.m)?;
             if let Some(v) = &self.v {
                 moment(v, &optimizer.v)?;
@@ -443,6 +484,15 @@ impl DeviceState for CudaChunk {
             chunk: self,
             on_ready,
         })
+    }
+
+    fn block_views(&mut self, model: &Model, block: usize) -> (Option<Params<'_>>, ParamsMut<'_>) {
+        let (pr, br) = (
+            self.param_range(model, block),
+            self.buffer_range(model, block),
+        );
+        let values = self.whole.then(|| self.params_at(pr));
+        (values, self.f32_view(&self.buffers, br))
     }
 
     fn begin(&mut self) {
@@ -509,7 +559,7 @@ impl DeviceState for CudaChunk {
     fn grads(&mut self) -> RawBuf {
         // SAFETY: the chunk's gradient buffer, alive as long as the chunk; the collectives
         // given it are waited for within the step.
-        unsafe { RawBuf::on_device(self.grads.ptr(), self.len, DType::F32, self.device()) }
+        unsafe { RawBuf::on_device(self.grads.ptr(), self.grads_len, DType::F32, self.device()) }
     }
 
     fn values(&mut self) -> RawBuf {
@@ -525,6 +575,7 @@ impl DeviceState for CudaChunk {
         Arc::new(CudaFlat {
             dev: self.dev.clone(),
             plans: Mutex::default(),
+            compute: (self.compute != DType::F32).then_some(self.compute),
         })
     }
 
@@ -551,7 +602,7 @@ impl DeviceState for CudaChunk {
         ok_or_raise(train_ops::unscale_check(
             &self.dev,
             self.grads.ptr(),
-            self.len,
+            self.grads_len,
             inverse,
             flag,
         ));
@@ -568,7 +619,7 @@ impl DeviceState for CudaChunk {
         ok_or_raise(train_ops::grad_norm(
             &self.dev,
             self.grads.ptr(),
-            &kept_ranges(skip, self.len),
+            &kept_ranges(skip, self.grads_len),
             max_norm,
             self.scalars.ptr() + NORM,
         ));
@@ -578,7 +629,12 @@ impl DeviceState for CudaChunk {
     }
 
     fn scale_grads(&mut self, k: f32) {
-        ok_or_raise(train_ops::scale(&self.dev, self.grads.ptr(), self.len, k));
+        ok_or_raise(train_ops::scale(
+            &self.dev,
+            self.grads.ptr(),
+            self.grads_len,
+            k,
+        ));
     }
 
     fn step(&mut self, optimizer: &mut Optimizer, lr: f32) {
@@ -661,7 +717,7 @@ impl DeviceState for CudaChunk {
     }
 
     fn zero_grads(&mut self) {
-        ok_or_raise(self.dev.memset_zero(self.grads.ptr(), self.len * 4));
+        ok_or_raise(self.dev.memset_zero(self.grads.ptr(), self.grads_len * 4));
     }
 
     fn wait(&mut self) {

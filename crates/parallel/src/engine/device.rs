@@ -89,6 +89,11 @@ pub trait DeviceState: Send {
         on_ready: &'a mut dyn FnMut(usize),
     ) -> Box<dyn BlockParams + 'a>;
 
+    /// Block `block`'s (of `model`) parameters and buffers as the device's views, for a
+    /// dimension that hands the passes its own gradient or parameter buffers (ZeRO-2/3); the
+    /// parameters only when the state holds the whole chunk's (not ZeRO-3's pieces).
+    fn block_views(&mut self, model: &Model, block: usize) -> (Option<Params<'_>>, ParamsMut<'_>);
+
     /// Before a step's or an evaluation's passes: binds the device to this thread, and
     /// anchors its clock to the host's (the device is idle here: the last update waited).
     fn begin(&mut self);
@@ -120,7 +125,9 @@ pub trait DeviceState: Send {
     /// the device).
     fn take_spans(&mut self) -> Vec<(Instant, Instant)>;
 
-    /// The whole gradient buffer, for collectives (a view of the device's memory).
+    /// The whole gradient buffer, for collectives (a view of the device's memory). Its
+    /// address stays the same for the state's life ([`DeviceState::upload`] writes into it),
+    /// so a dimension may keep the view (ZeRO-2 adds its pieces there).
     fn grads(&mut self) -> RawBuf;
 
     /// The whole fp32 parameter buffer, for collectives (ZeRO's all-gather of the updated
@@ -185,6 +192,17 @@ impl DeviceMemory {
 impl std::fmt::Debug for dyn DeviceState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.describe())
+    }
+}
+
+/// Elements of a placed chunk's gradient buffer: the chunk's parameters, or, when its store
+/// holds no gradients (ZeRO-2 keeps this rank's pieces of them instead), the optimizer's
+/// (the pieces it updates).
+pub fn gradient_len(store: &ParamStore, optimizer: &Optimizer) -> usize {
+    if store.grads.is_empty() && !store.values.is_empty() {
+        optimizer.m.len()
+    } else {
+        store.values.len()
     }
 }
 
@@ -286,6 +304,10 @@ pub struct StandIn {
     values: Vec<f32>,
     grads: Vec<f32>,
     buffers: Vec<f32>,
+    /// See [`gradient_len`].
+    grads_len: usize,
+    /// Whether `values` are the chunk's whole parameters (not ZeRO-3's pieces of them).
+    whole: bool,
     param_base: usize,
     buffer_base: usize,
     /// (Σ loss, Σ correct) of training and of evaluation.
@@ -307,7 +329,9 @@ impl StandIn {
     ) -> Result<StandIn, PipelineError> {
         let mut state = StandIn {
             param_base: model.blocks_param_range(blocks.clone()).start,
-            buffer_base: model.blocks_buffer_range(blocks).start,
+            buffer_base: model.blocks_buffer_range(blocks.clone()).start,
+            grads_len: gradient_len(store, optimizer),
+            whole: store.values.len() == model.blocks_param_range(blocks.clone()).len(),
             ..StandIn::default()
         };
         state.upload(store, optimizer)?;
@@ -382,7 +406,9 @@ impl DeviceState for StandIn {
     fn upload(&mut self, store: &ParamStore, _: &Optimizer) -> Result<(), PipelineError> {
         self.values.clone_from(&store.values);
         self.buffers.clone_from(&store.buffers);
-        self.grads = vec![0.0; store.values.len()];
+        // In place once allocated: the buffers keep their addresses for the state's life.
+        self.grads.clear();
+        self.grads.resize(self.grads_len, 0.0);
         self.copies.0 += 1;
         Ok(())
     }
@@ -403,6 +429,19 @@ impl DeviceState for StandIn {
             state: self,
             on_ready,
         })
+    }
+
+    fn block_views(&mut self, model: &Model, block: usize) -> (Option<Params<'_>>, ParamsMut<'_>) {
+        let p = model.block_param_range(block);
+        let b = model.blocks_buffer_range(block..block + 1);
+        let (pb, bb) = (self.param_base, self.buffer_base);
+        let values = self
+            .whole
+            .then(|| Params::Host(&self.values[p.start - pb..p.end - pb]));
+        (
+            values,
+            ParamsMut::Host(&mut self.buffers[b.start - bb..b.end - bb]),
+        )
     }
 
     fn begin(&mut self) {}

@@ -323,8 +323,15 @@ pub struct GradsReady<'a> {
 /// chunk's store: ZeRO-3 gathers each block's just in time, ZeRO-2 reduces each block's
 /// gradients as its backward ends ([`BlockParams`]).
 pub trait ChunkParams {
-    /// The chunk's parameters for one pass over `store` (which holds its buffers).
-    fn bind<'a>(&'a mut self, store: &'a mut ParamStore) -> Box<dyn BlockParams + 'a>;
+    /// The chunk's parameters for one pass over `store` (which holds its buffers), or over
+    /// `device` when the chunk's state is placed on one (its views of the parameters and
+    /// buffers of `model`'s blocks).
+    fn bind<'a>(
+        &'a mut self,
+        model: &'a Model,
+        store: &'a mut ParamStore,
+        device: Option<&'a mut Box<dyn DeviceState>>,
+    ) -> Box<dyn BlockParams + 'a>;
 }
 
 /// What a pipeline pass tells the data-parallel mode and asks of it: any
@@ -365,8 +372,9 @@ fn forward_chunk(
     let blocks = chunk.blocks.clone();
     let keep = |_| recompute;
     match (params, &mut chunk.device) {
-        (Some(p), _) => {
-            model.forward_with(p.bind(&mut chunk.store).as_mut(), x, blocks, mode, &keep)
+        (Some(p), device) => {
+            let mut bound = p.bind(model, &mut chunk.store, device.as_mut());
+            model.forward_with(bound.as_mut(), x, blocks, mode, &keep)
         }
         (None, Some(d)) => {
             let mut nothing = |_| {};
@@ -939,7 +947,8 @@ impl Stage {
                         Some(i),
                         || {
                             if let Some(params) = hooks.chunk_params(j) {
-                                let mut bound = params.bind(&mut chunk.store);
+                                let mut bound =
+                                    params.bind(model, &mut chunk.store, chunk.device.as_mut());
                                 return model.backward_with(bound.as_mut(), acts, dy, c > 0);
                             }
                             let grads = chunk.grads_buf();

@@ -7,6 +7,7 @@
 //! many times: loops on the host, one kernel launch on a GPU (the run table uploaded once).
 
 use meshtrain_comm::RawBuf;
+use meshtrain_nn::{Params, ParamsMut};
 use meshtrain_tensor::Device;
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -171,6 +172,11 @@ impl FlatBuf {
         self.len == 0
     }
 
+    /// Where the memory begins (a host address, or a device pointer).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
     pub fn capacity(&self) -> usize {
         self.capacity
     }
@@ -199,13 +205,19 @@ impl FlatBuf {
     /// A view of the first `len` bf16 values of the buffer's memory (a wire copy of `len`
     /// f32 values takes half the buffer).
     pub fn raw_bf16(&mut self, len: usize) -> RawBuf {
+        self.raw_as(meshtrain_comm::DType::BF16, len)
+    }
+
+    /// A view of the first `len` values of `dtype` in the buffer's memory (a 16-bit copy
+    /// takes half of it).
+    pub fn raw_as(&mut self, dtype: meshtrain_comm::DType, len: usize) -> RawBuf {
         assert!(
-            len <= 2 * self.capacity,
-            "{len} bf16 in a buffer of {} f32",
+            len * dtype.size_bytes() <= self.capacity * 4,
+            "{len} {dtype} in a buffer of {} f32",
             self.capacity
         );
         // SAFETY: in bounds of the owned allocation (checked), as for `raw`.
-        unsafe { RawBuf::on_device(self.addr, len, meshtrain_comm::DType::BF16, self.device) }
+        unsafe { RawBuf::on_device(self.addr, len, dtype, self.device) }
     }
 
     /// The elements, when the memory is the host's (the host, or the stand-in GPU).
@@ -241,6 +253,17 @@ pub trait FlatMemory: Send + Sync {
 
     /// `dst` set to zeros.
     fn zero(&self, dst: RawBuf);
+
+    /// `buf` as the gradient view a layer's backward writes (ZeRO-2's block gradients).
+    fn view_mut<'a>(&'a self, buf: &'a mut FlatBuf) -> ParamsMut<'a>;
+
+    /// The 16-bit type the passes compute in on this device, whose copy of gathered
+    /// parameters a layer reads beside the f32 values (`None`: f32 only, as on the host).
+    fn compute_copy(&self) -> Option<meshtrain_comm::DType>;
+
+    /// `values` (f32) and their 16-bit copy as the parameter view a layer reads (ZeRO-3's
+    /// gathered blocks).
+    fn params_view<'a>(&'a self, values: &'a FlatBuf, half: Option<&'a FlatBuf>) -> Params<'a>;
 
     /// `src` converted into `dst` (equal lengths): f32 to bf16 rounding to nearest even, or
     /// bf16 to f32 (DDP's bf16 wire).
@@ -301,6 +324,21 @@ impl FlatMemory for HostFlat {
         assert_eq!(dst.device(), self.device);
         // SAFETY: as in `apply`.
         unsafe { host_view(dst).fill(0.0) }
+    }
+
+    fn view_mut<'a>(&'a self, buf: &'a mut FlatBuf) -> ParamsMut<'a> {
+        ParamsMut::Host(
+            buf.host_slice_mut()
+                .expect("host memory holds host vectors"),
+        )
+    }
+
+    fn compute_copy(&self) -> Option<meshtrain_comm::DType> {
+        None
+    }
+
+    fn params_view<'a>(&'a self, values: &'a FlatBuf, _: Option<&'a FlatBuf>) -> Params<'a> {
+        Params::Host(values.host_slice().expect("host memory holds host vectors"))
     }
 
     fn convert(&self, src: RawBuf, dst: RawBuf) {

@@ -340,7 +340,7 @@ impl Parallel {
                             .iter()
                             .find(|p| p.full == local)
                             .expect("every parameter has a piece");
-                        let values = match z.shard_values(j) {
+                        let values = match z.shard_values(j, &chunk.store.values) {
                             Some(sv) => &sv[p.state.clone()],
                             None => &chunk.store.values[p.piece_full()],
                         };

@@ -18,8 +18,9 @@
 use super::shards::{Coordinates, ShardLayout};
 use super::ZeroStage;
 use crate::engine::flat::{Apply, CopyPlan, FlatBuf, FlatMemory, HostFlat};
+use crate::engine::DeviceState;
 use meshtrain_comm::{CommError, OpSpan, ProcessGroup, RawBuf, ReduceOp, Work};
-use meshtrain_nn::{BlockParams, ParamStore, Params, ParamsMut};
+use meshtrain_nn::{BlockParams, Model, ParamStore, Params, ParamsMut};
 use meshtrain_tensor::Device;
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -79,7 +80,11 @@ enum Gathered {
         _send: FlatBuf,
         recv: FlatBuf,
     },
-    Ready(FlatBuf),
+    /// The block's f32 parameters, and on a device computing in 16 bits their copy.
+    Ready {
+        values: FlatBuf,
+        half: Option<FlatBuf>,
+    },
 }
 
 /// Where a finished reduce-scatter's slots go.
@@ -145,8 +150,15 @@ pub struct ZeroChunk {
     /// the GPU its state is placed on).
     memory: Arc<dyn FlatMemory>,
     /// Stages 2–3: this rank's gradient pieces (state coordinates), summed over the step's
-    /// micro-batches. During the update they sit in the chunk's store instead.
+    /// micro-batches. During the update they sit in the chunk's store instead. Empty when
+    /// the chunk is placed on a device, whose gradient buffer holds them ([`Self::place`]).
     pub shard_grads: Vec<f32>,
+    /// Stages 2–3 on a device: the device's gradient buffer, this rank's pieces in state
+    /// coordinates, where the reduce-scatters add.
+    device_grads: Option<RawBuf>,
+    /// Stage 3 on a device: the device's parameter buffer, this rank's pieces in state
+    /// coordinates, which the all-gathers send.
+    device_values: Option<RawBuf>,
     /// Stage 3: this rank's parameter pieces (state coordinates); in the store during the
     /// update.
     pub shard_values: Vec<f32>,
@@ -197,6 +209,8 @@ impl ZeroChunk {
             buffers,
             gathered: (0..blocks).map(|_| Gathered::Empty).collect(),
             block_grads: None,
+            device_grads: None,
+            device_values: None,
             reducing: VecDeque::new(),
             pool: Vec::new(),
             error: None,
@@ -210,25 +224,62 @@ impl ZeroChunk {
         self.stage
     }
 
-    /// Keeps the wire buffers in `memory` from now on (the chunk's state was placed there):
-    /// the collectives then run on the GPU's buffers as DDP's do. Stage 1 only: stages 2–3
-    /// also hand blocks to the passes, which read them on the host for now.
-    pub fn use_memory(&mut self, memory: Arc<dyn FlatMemory>) {
-        assert!(
-            self.stage == ZeroStage::Optimizer || memory.device() == Device::Cpu,
-            "ZeRO stage {} keeps its blocks on the host",
-            self.stage as u8
-        );
+    /// The chunk's state was placed on a device: the wire buffers and gathered blocks live
+    /// in its `memory` from now on (the collectives then run on the device's buffers, as
+    /// DDP's do); under stages 2–3 the reduce-scatters add into the device's gradient buffer
+    /// (`grads`: this rank's pieces), and under stage 3 the all-gathers send from its
+    /// parameter buffer (`values`: this rank's pieces, which [`ZeroSync`] put in the store
+    /// for placement).
+    ///
+    /// [`ZeroSync`]: super::ZeroSync
+    pub fn place(&mut self, memory: Arc<dyn FlatMemory>, grads: RawBuf, values: RawBuf) {
         self.end_pass();
         self.pool.clear();
         self.transient = 0;
+        if self.stage >= ZeroStage::Gradients {
+            assert_eq!(
+                grads.len(),
+                self.layout.state_len,
+                "the device's gradient pieces"
+            );
+            self.device_grads = Some(grads);
+            self.shard_grads = Vec::new();
+        }
+        if self.stage == ZeroStage::Parameters {
+            assert_eq!(
+                values.len(),
+                self.layout.state_len,
+                "the device's parameter pieces"
+            );
+            self.device_values = Some(values);
+        }
         self.memory = memory;
     }
 
+    /// Whether this rank's parameter pieces (stage 3) live in the device's parameter buffer
+    /// (and the store mirrors them).
+    pub fn values_on_device(&self) -> bool {
+        self.device_values.is_some()
+    }
+
+    /// Whether this rank's gradient pieces live in the device's gradient buffer (so they
+    /// are where the update reads them, with nothing to swap).
+    pub fn grads_on_device(&self) -> bool {
+        self.device_grads.is_some()
+    }
+
     /// This chunk as the [`BlockParams`] of a pass over `store` (its buffers, and under
-    /// stage 2 its parameters).
-    pub fn bind<'a>(&'a mut self, store: &'a mut ParamStore) -> BoundChunk<'a> {
-        BoundChunk { chunk: self, store }
+    /// stage 2 its parameters), or over `device`'s views of them when placed.
+    pub fn bind<'a>(
+        &'a mut self,
+        store: &'a mut ParamStore,
+        device: Option<(&'a Model, &'a mut Box<dyn DeviceState>)>,
+    ) -> BoundChunk<'a> {
+        BoundChunk {
+            chunk: self,
+            store,
+            device,
+        }
     }
 
     /// The step's communication so far (and resets it).
@@ -336,7 +387,10 @@ impl ZeroChunk {
             return;
         }
         let mut send = self.buffer(self.layout.blocks[b].slots);
-        let state = Self::state_view(&mut self.shard_values);
+        let state = match self.device_values {
+            Some(values) => values,
+            None => Self::state_view(&mut self.shard_values),
+        };
         self.memory.apply(
             &self.plans[b].own_from_state,
             state,
@@ -369,8 +423,11 @@ impl ZeroChunk {
     /// backward's (else forward's).
     fn wait_gathered(&mut self, b: usize, backward: bool) {
         let len = self.layout.blocks[b].full.len();
-        let values = match std::mem::replace(&mut self.gathered[b], Gathered::Empty) {
-            Gathered::Ready(v) => v,
+        let mut values = match std::mem::replace(&mut self.gathered[b], Gathered::Empty) {
+            ready @ Gathered::Ready { .. } => {
+                self.gathered[b] = ready;
+                return;
+            }
             Gathered::InFlight { work, _send, recv } => {
                 let t = Instant::now();
                 let result = work.wait_timed();
@@ -406,13 +463,24 @@ impl ZeroChunk {
                 self.zeroed(len)
             }
         };
-        self.gathered[b] = Gathered::Ready(values);
+        // The 16-bit copy the passes read on a device computing in 16 bits.
+        let half = self.memory.compute_copy().map(|dtype| {
+            let mut half = self.buffer(len.div_ceil(2));
+            self.memory.convert(values.raw(), half.raw_as(dtype, len));
+            half
+        });
+        self.gathered[b] = Gathered::Ready { values, half };
     }
 
     /// Frees block `b`'s gathered parameters.
     fn free_gathered(&mut self, b: usize) {
-        if let Gathered::Ready(v) = std::mem::replace(&mut self.gathered[b], Gathered::Empty) {
-            self.recycle(v);
+        if let Gathered::Ready { values, half } =
+            std::mem::replace(&mut self.gathered[b], Gathered::Empty)
+        {
+            self.recycle(values);
+            if let Some(half) = half {
+                self.recycle(half);
+            }
         }
     }
 
@@ -471,7 +539,10 @@ impl ZeroChunk {
                 let plans = &self.plans[r.block];
                 match (r.into, full) {
                     (ReduceInto::State, _) => {
-                        let state = Self::state_view(&mut self.shard_grads);
+                        let state = match self.device_grads {
+                            Some(grads) => grads,
+                            None => Self::state_view(&mut self.shard_grads),
+                        };
                         self.memory
                             .apply(&plans.own_to_state, r.recv.raw(), state, Apply::Add)
                     }
@@ -608,70 +679,119 @@ fn overlapped(span: OpSpan, wait_began: Instant) -> f64 {
 pub struct BoundChunk<'a> {
     chunk: &'a mut ZeroChunk,
     store: &'a mut ParamStore,
+    /// On a device: the model and the device's state, whose views of the chunk's parameters
+    /// (stage 2) and buffers the passes read.
+    device: Option<(&'a Model, &'a mut Box<dyn DeviceState>)>,
 }
 
-impl BoundChunk<'_> {
-    fn local(&self, block: usize) -> usize {
-        block - self.chunk.first_block
+/// Block `block`'s buffers, and its parameters when the stage holds them whole (`full`:
+/// their range in the store): the device's views, or the store's.
+fn whole_views<'v>(
+    store: &'v mut ParamStore,
+    device: &'v mut Option<(&Model, &mut Box<dyn DeviceState>)>,
+    block: usize,
+    full: Option<Range<usize>>,
+    buffers: Range<usize>,
+) -> (Option<Params<'v>>, ParamsMut<'v>) {
+    match device {
+        Some((model, d)) => d.block_views(model, block),
+        None => (
+            full.map(|r| Params::Host(&store.values[r])),
+            ParamsMut::Host(&mut store.buffers[buffers]),
+        ),
+    }
+}
+
+/// Block `b`'s parameters: stage 3's gathered ones (in `memory`, with their 16-bit copy),
+/// or else `whole`.
+fn block_params<'v>(
+    stage: ZeroStage,
+    gathered: &'v Gathered,
+    memory: &'v dyn FlatMemory,
+    whole: Option<Params<'v>>,
+) -> Params<'v> {
+    match gathered {
+        Gathered::Ready { values, half } if stage == ZeroStage::Parameters => {
+            memory.params_view(values, half.as_ref())
+        }
+        _ => whole.expect("stages 1-2 hold the whole parameters"),
+    }
+}
+
+impl ZeroChunk {
+    /// Stage 3: block `b` gathered for a pass (`next` prefetched). Then where the pass reads
+    /// its parameters (the store's range, when the stage holds them whole) and buffers.
+    fn prepare_block(
+        &mut self,
+        b: usize,
+        next: Option<usize>,
+        backward: bool,
+    ) -> (Option<Range<usize>>, Range<usize>) {
+        if self.stage == ZeroStage::Parameters {
+            self.gather(b, next, backward);
+            return (None, self.buffers[b].clone());
+        }
+        (
+            Some(self.layout.blocks[b].full.clone()),
+            self.buffers[b].clone(),
+        )
     }
 }
 
 impl BlockParams for BoundChunk<'_> {
     fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
-        let b = self.local(block);
-        let z = &mut *self.chunk;
-        let values: &[f32] = if z.stage == ZeroStage::Parameters {
-            let next = (b + 1 < z.layout.blocks.len()).then_some(b + 1);
-            z.gather(b, next, false);
-            match &z.gathered[b] {
-                Gathered::Ready(v) => v.host_slice().expect("ZeRO-3's blocks on the host"),
-                _ => unreachable!("wait_gathered leaves the block ready"),
-            }
-        } else {
-            &self.store.values[z.layout.blocks[b].full.clone()]
-        };
-        (
-            Params::Host(values),
-            ParamsMut::Host(&mut self.store.buffers[z.buffers[b].clone()]),
-        )
+        let BoundChunk {
+            chunk,
+            store,
+            device,
+        } = self;
+        let b = block - chunk.first_block;
+        let next = (b + 1 < chunk.layout.blocks.len()).then_some(b + 1);
+        let (full, buffers) = chunk.prepare_block(b, next, false);
+        let (whole, buffers) = whole_views(store, device, block, full, buffers);
+        let z: &ZeroChunk = chunk;
+        let values = block_params(z.stage, &z.gathered[b], z.memory.as_ref(), whole);
+        (values, buffers)
     }
 
     fn forward_done(&mut self, block: usize) {
-        let b = self.local(block);
         let z = &mut *self.chunk;
+        let b = block - z.first_block;
         if z.stage == ZeroStage::Parameters && z.options.reshard_after_forward {
             z.free_gathered(b);
         }
     }
 
     fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
-        let b = self.local(block);
-        let z = &mut *self.chunk;
-        let len = z.layout.blocks[b].full.len();
-        if z.stage == ZeroStage::Parameters {
-            z.gather(b, b.checked_sub(1), true);
+        let BoundChunk {
+            chunk,
+            store,
+            device,
+        } = self;
+        let b = block - chunk.first_block;
+        let (full, buffers) = chunk.prepare_block(b, b.checked_sub(1), true);
+        if let Some(old) = chunk.block_grads.take() {
+            chunk.recycle(old);
         }
-        if let Some(old) = z.block_grads.take() {
-            z.recycle(old);
-        }
-        z.block_grads = Some(z.zeroed(len));
-        let values: &[f32] = match (&z.gathered[b], z.stage) {
-            (Gathered::Ready(v), ZeroStage::Parameters) => {
-                v.host_slice().expect("ZeRO-3's blocks on the host")
-            }
-            _ => &self.store.values[z.layout.blocks[b].full.clone()],
-        };
-        let grads = z.block_grads.as_mut().and_then(FlatBuf::host_slice_mut);
-        (
-            Params::Host(values),
-            ParamsMut::Host(grads.expect("ZeRO-2/3's block gradients on the host")),
-            ParamsMut::Host(&mut self.store.buffers[z.buffers[b].clone()]),
-        )
+        let len = chunk.layout.blocks[b].full.len();
+        chunk.block_grads = Some(chunk.zeroed(len));
+        let (whole, buffers) = whole_views(store, device, block, full, buffers);
+        let ZeroChunk {
+            stage,
+            gathered,
+            memory,
+            block_grads,
+            ..
+        } = &mut **chunk;
+        let memory: &Arc<dyn FlatMemory> = memory;
+        let values = block_params(*stage, &gathered[b], memory.as_ref(), whole);
+        let grads = memory.view_mut(block_grads.as_mut().expect("just set"));
+        (values, grads, buffers)
     }
 
     fn backward_done(&mut self, block: usize) {
-        let b = self.local(block);
         let z = &mut *self.chunk;
+        let b = block - z.first_block;
         z.make_room_for_reduce(None);
         if let Some(mut grads) = z.block_grads.take() {
             z.start_reduce(b, grads.raw(), ReduceInto::State);
@@ -717,7 +837,7 @@ mod tests {
                 buffers: Vec::new(),
             };
             {
-                let mut bound = chunk.bind(&mut store);
+                let mut bound = chunk.bind(&mut store, None);
                 for b in 0..BLOCKS {
                     let _ = bound.forward_view(b);
                     std::thread::sleep(COMPUTE);

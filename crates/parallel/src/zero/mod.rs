@@ -28,7 +28,7 @@ pub use chunk::{ChunkComm, ZeroChunk, ZeroOptions};
 pub use shards::{merge_ranges, ShardLayout};
 
 use crate::data::{CommTiming, DataParallelError, GradSync};
-use crate::engine::{ChunkParams, GradsReady, StageChunk};
+use crate::engine::{ChunkParams, DeviceState, GradsReady, StageChunk};
 use meshtrain_comm::ProcessGroup;
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig, Segment, StatePiece};
 use meshtrain_nn::{BlockParams, Model, ParamStore};
@@ -252,7 +252,13 @@ impl ZeroSync {
         let z = &mut self.chunks[j];
         let what = "gathering ZeRO shards for a checkpoint";
         let values = if z.stage() == ZeroStage::Parameters {
-            z.unshard(&z.shard_values, len)
+            // On a device the pieces are the store's (the device's mirror).
+            let pieces = if z.values_on_device() {
+                values
+            } else {
+                &z.shard_values
+            };
+            z.unshard(pieces, len)
                 .map_err(|e| DataParallelError::comm(what, e))?
         } else {
             values.to_vec()
@@ -275,9 +281,14 @@ impl ZeroSync {
     }
 
     /// Under stage 3, local chunk `j`'s parameter pieces (state coordinates; between steps).
-    pub fn shard_values(&self, j: usize) -> Option<&[f32]> {
+    /// `store_values`: the chunk's store's, which hold the pieces on a device.
+    pub fn shard_values<'s>(&'s self, j: usize, store_values: &'s [f32]) -> Option<&'s [f32]> {
         let z = &self.chunks[j];
-        (z.stage() == ZeroStage::Parameters).then_some(&z.shard_values[..])
+        match (z.stage(), z.values_on_device()) {
+            (ZeroStage::Parameters, true) => Some(store_values),
+            (ZeroStage::Parameters, false) => Some(&z.shard_values[..]),
+            _ => None,
+        }
     }
 
     /// Continues from full-layout state: keeps this rank's pieces of the moments (and of
@@ -292,7 +303,10 @@ impl ZeroSync {
     ) {
         let z = &mut self.chunks[j];
         z.end_pass();
-        if z.stage() == ZeroStage::Parameters {
+        if z.stage() == ZeroStage::Parameters && z.values_on_device() {
+            // The store mirrors the device's pieces.
+            store.values = z.shard_of(&full_values);
+        } else if z.stage() == ZeroStage::Parameters {
             z.shard_values = z.shard_of(&full_values);
             store.values = Vec::new();
         } else {
@@ -346,10 +360,21 @@ impl GradSync for ZeroSync {
         Ok(())
     }
 
-    fn placed(&mut self, chunks: &[StageChunk]) {
+    fn placing(&mut self, chunks: &mut [StageChunk]) {
+        // Stage 3's pieces become the store's, so the device holds them as its parameters
+        // (and the store mirrors them for checkpoints).
+        if self.stage == ZeroStage::Parameters {
+            for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
+                chunk.store.values = std::mem::take(&mut z.shard_values);
+            }
+        }
+    }
+
+    fn placed(&mut self, chunks: &mut [StageChunk]) {
         for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
             if let Some(device) = &chunk.device {
-                z.use_memory(device.flat_memory());
+                let memory = device.flat_memory();
+                z.place(memory, chunk.grads_buf(), chunk.values_buf());
             }
         }
     }
@@ -397,10 +422,10 @@ impl GradSync for ZeroSync {
             if let Some(e) = z.take_error() {
                 error.get_or_insert(e);
             }
-            if self.stage >= ZeroStage::Gradients {
+            if self.stage >= ZeroStage::Gradients && !z.grads_on_device() {
                 std::mem::swap(&mut chunk.store.grads, &mut z.shard_grads);
             }
-            if self.stage == ZeroStage::Parameters {
+            if self.stage == ZeroStage::Parameters && !z.values_on_device() {
                 std::mem::swap(&mut chunk.store.values, &mut z.shard_values);
             }
         }
@@ -415,11 +440,13 @@ impl GradSync for ZeroSync {
         let t = Instant::now();
         let mut timing = CommTiming::default();
         for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
-            if self.stage >= ZeroStage::Gradients {
+            if self.stage >= ZeroStage::Gradients && !z.grads_on_device() {
                 std::mem::swap(&mut chunk.store.grads, &mut z.shard_grads);
             }
             if self.stage == ZeroStage::Parameters {
-                std::mem::swap(&mut chunk.store.values, &mut z.shard_values);
+                if !z.values_on_device() {
+                    std::mem::swap(&mut chunk.store.values, &mut z.shard_values);
+                }
             } else {
                 z.all_gather_values(chunk.values_buf())
                     .map_err(|e| DataParallelError::comm("all-gathering updated parameters", e))?;
@@ -453,7 +480,13 @@ impl GradSync for ZeroSync {
 }
 
 impl ChunkParams for ZeroChunk {
-    fn bind<'a>(&'a mut self, store: &'a mut ParamStore) -> Box<dyn BlockParams + 'a> {
-        Box::new(ZeroChunk::bind(self, store))
+    fn bind<'a>(
+        &'a mut self,
+        model: &'a Model,
+        store: &'a mut ParamStore,
+        device: Option<&'a mut Box<dyn DeviceState>>,
+    ) -> Box<dyn BlockParams + 'a> {
+        let device = device.map(|d| (model, d));
+        Box::new(ZeroChunk::bind(self, store, device))
     }
 }
