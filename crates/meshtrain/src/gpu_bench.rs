@@ -280,6 +280,7 @@ fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
                     std::slice::from_ref(&(0..n)),
                     Some(clip),
                     scalars.ptr(),
+                    None,
                 )?;
                 let mut clipped = g.clone();
                 let host_norm = meshtrain_nn::optim::clip_grad_norm(&mut clipped, clip);
@@ -805,6 +806,7 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
             std::slice::from_ref(&(0..params_n)),
             Some(1.0),
             scalars.ptr(),
+            None,
         )
     })?;
     report("gradient norm over 124M", ms, params_n as f64 * 4.0);

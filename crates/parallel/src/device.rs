@@ -286,6 +286,23 @@ pub fn place(
     }
 }
 
+/// Runs `f` (device work outside a step: a data-parallel mode's own buffers placed beside
+/// the chunks' states) so that an error raised on the device inside it (an out-of-memory
+/// above all) becomes an error naming `what`, instead of a silent exit.
+pub fn caught(what: &str, f: impl FnOnce()) -> Result<(), ParallelError> {
+    #[cfg(feature = "cuda")]
+    {
+        meshtrain_tensor::cuda::error::catch(f)
+            .map_err(|e| ParallelError::Device(format!("{what}: {e}")))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = what;
+        f();
+        Ok(())
+    }
+}
+
 /// What a worker holds on its device beside a step's activations, and what sharding more of
 /// it would free (for out-of-memory advice).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

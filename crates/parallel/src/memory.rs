@@ -46,7 +46,9 @@ pub fn model_states_on(
     device: Device,
 ) -> ModelStates {
     let mut bytes = bytes_per_param(optimizer);
-    if device.is_cuda() && layout.precision != Precision::Fp32 && layout.zero < 3 {
+    // (ZeRO needs more than one worker to shard anything: at dp × cp = 1 it is off.)
+    let zero3 = layout.zero >= 3 && layout.dp * layout.cp > 1;
+    if device.is_cuda() && layout.precision != Precision::Fp32 && !zero3 {
         bytes.weights += crate::precision::product_dtype(layout.precision).size_bytes() as f64;
     }
     model_state_bytes(
@@ -186,6 +188,12 @@ mod tests {
         };
         assert_eq!(model_states_on(1e6, adam, &sharded(2), gpu).weights, 6e6);
         assert_eq!(model_states_on(1e6, adam, &sharded(3), gpu).weights, 1e6);
+        // One worker under zero = 3 shards nothing: its chunk keeps the copy.
+        let alone = Layout {
+            dp: 1,
+            ..sharded(3)
+        };
+        assert_eq!(model_states_on(1e6, adam, &alone, gpu).weights, 6e6);
     }
 
     #[test]

@@ -586,7 +586,9 @@ pub fn parallelize(
         options,
         crate::precision::product_dtype(l.precision),
     )?;
-    sync.placed(&mut stage.chunks);
+    crate::device::caught("placing the data-parallel buffers on the GPU", || {
+        sync.placed(&mut stage.chunks)
+    })?;
     Ok(Parallel {
         device_collectives,
         options: StepOptions {

@@ -29,6 +29,7 @@ const NORM: u64 = 0; // f32 norm, f32 clipping factor
 const TRAIN_SUMS: u64 = 8; // f64 Σ loss, f64 Σ correct
 const EVAL_SUMS: u64 = 24; // the same for evaluation
 const FOUND_INF: u64 = 40; // i32
+const SUM_OF_SQUARES: u64 = 48; // f64, this chunk's share of a norm over several workers
 const SCALARS: usize = 64;
 
 fn placing(e: CudaError) -> PipelineError {
@@ -150,6 +151,19 @@ impl CudaChunk {
     fn grad_ptr(&self, at: usize) -> u64 {
         self.grads.ptr() + (at * 4) as u64
     }
+
+    /// The norm of the gradients outside `skip` (and its clipping factor for `max_norm`) into
+    /// the step's scalars, and with `total` the f64 sum of squares there.
+    fn launch_norm(&self, skip: &[Range<usize>], max_norm: Option<f32>, total: Option<u64>) {
+        ok_or_raise(train_ops::grad_norm(
+            &self.dev,
+            self.grads.ptr(),
+            &kept_ranges(skip, self.grads_len),
+            max_norm,
+            self.scalars.ptr() + NORM,
+            total,
+        ));
+    }
 }
 
 /// A copy plan's runs in device memory, for `train_ops::copy_runs`.
@@ -193,7 +207,8 @@ impl DeviceRuns {
 /// share per step).
 struct PieceUpdate {
     gather_values: DeviceRuns,
-    gather_grads: DeviceRuns,
+    /// `None` when the gradients already are the pieces in state order (ZeRO-2).
+    gather_grads: Option<DeviceRuns>,
     scatter_values: DeviceRuns,
 }
 
@@ -211,7 +226,10 @@ impl PieceUpdate {
         Ok(PieceUpdate {
             scatter_values: DeviceRuns::upload(dev, &gather_values.inverse())?,
             gather_values: DeviceRuns::upload(dev, &gather_values)?,
-            gather_grads: DeviceRuns::upload(dev, &runs(|p| p.grads))?,
+            gather_grads: match pieces.iter().all(|p| p.grads == p.state.start) {
+                true => None,
+                false => Some(DeviceRuns::upload(dev, &runs(|p| p.grads))?),
+            },
         })
     }
 }
@@ -479,6 +497,10 @@ impl DeviceState for CudaChunk {
         model: &'a Model,
         on_ready: &'a mut dyn FnMut(usize),
     ) -> Box<dyn BlockParams + 'a> {
+        assert!(
+            self.whole,
+            "a chunk holding ZeRO-3's pieces binds through ZeRO's gathered blocks"
+        );
         Box::new(Blocks {
             model,
             chunk: self,
@@ -611,18 +633,16 @@ impl DeviceState for CudaChunk {
     }
 
     fn grad_sum_of_squares(&mut self, skip: &[Range<usize>]) -> f64 {
-        let norm = self.norm_and_clip(skip, None) as f64;
-        norm * norm
+        // The f64 sum itself, not the f32 norm squared: the workers' shares are added in f64
+        // before the one square root, as on the CPU (and as one worker's whole norm is).
+        let total = self.scalars.ptr() + SUM_OF_SQUARES;
+        self.launch_norm(skip, None, Some(total));
+        let sum: Vec<f64> = ok_or_raise(self.dev.download(total, 1));
+        sum[0]
     }
 
     fn norm_and_clip(&mut self, skip: &[Range<usize>], max_norm: Option<f32>) -> f32 {
-        ok_or_raise(train_ops::grad_norm(
-            &self.dev,
-            self.grads.ptr(),
-            &kept_ranges(skip, self.grads_len),
-            max_norm,
-            self.scalars.ptr() + NORM,
-        ));
+        self.launch_norm(skip, max_norm, None);
         self.clip_pending = max_norm.is_some();
         let norm: Vec<f32> = ok_or_raise(self.dev.download(self.scalars.ptr() + NORM, 1));
         norm[0]
@@ -658,16 +678,21 @@ impl DeviceState for CudaChunk {
                 let d = &self.dev;
                 let bytes = self.moments.max(1) * 4;
                 let values = ok_or_raise(d.alloc(bytes, "this rank's parameter pieces"));
-                let grads = ok_or_raise(d.alloc(bytes, "this rank's gradient pieces"));
                 ok_or_raise(
                     p.gather_values
                         .apply(d, self.values.ptr(), values.ptr(), Apply::Copy),
                 );
-                ok_or_raise(
-                    p.gather_grads
-                        .apply(d, self.grads.ptr(), grads.ptr(), Apply::Copy),
-                );
-                let (values_at, grads_at) = (values.ptr(), grads.ptr());
+                // ZeRO-2's gradients are the pieces already, in order.
+                let grads = match &p.gather_grads {
+                    Some(gather) => {
+                        let grads = ok_or_raise(d.alloc(bytes, "this rank's gradient pieces"));
+                        ok_or_raise(gather.apply(d, self.grads.ptr(), grads.ptr(), Apply::Copy));
+                        Some(grads)
+                    }
+                    None => None,
+                };
+                let values_at = values.ptr();
+                let grads_at = grads.as_ref().map_or(self.grads.ptr(), DevBuf::ptr);
                 pieces_at = Some((values, grads));
                 FlatState {
                     params: values_at,

@@ -159,13 +159,15 @@ pub fn sgd(
 /// The global L2 norm of the gradients in `ranges` of `grads` (tied copies left out by the
 /// caller) into `out[0]`, and the clipping factor for `max_norm` into `out[1]` (1 when
 /// there is nothing to clip): the optimizer multiplies the gradients by it, so the host
-/// never waits for the norm.
+/// never waits for the norm. With `total`, the f64 sum of squares is written there too (a
+/// worker's share of a norm summed over several).
 pub fn grad_norm(
     dev: &Arc<CudaDevice>,
     grads: u64,
     ranges: &[Range<usize>],
     max_norm: Option<f32>,
     out: u64,
+    total: Option<u64>,
 ) -> Result<(), CudaError> {
     let ranges: Vec<&Range<usize>> = ranges.iter().filter(|r| !r.is_empty()).collect();
     let slots = ranges.len().max(1) * NORM_BLOCKS;
@@ -189,7 +191,8 @@ pub fn grad_norm(
             .ptr(partial.ptr())
             .usize_as_i32(slots)
             .f32(max_norm.unwrap_or(0.0))
-            .ptr(out),
+            .ptr(out)
+            .ptr(total.unwrap_or(0)),
     )
 }
 

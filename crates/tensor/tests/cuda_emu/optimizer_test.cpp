@@ -177,7 +177,11 @@ static void test_norm() {
         const float max_norm = mode == 0 ? 0.0f : mode == 1 ? (float)(norm * 2) : (float)(norm / 3);
         float* out = buffer<float>(2);
         out[0] = out[1] = NAN;
-        emu::launch(norm_finish, dim3(1), dim3(256), 0, (const double*)partial, 3 * blocks, max_norm, out);
+        double* total_out = buffer<double>(1);
+        *total_out = NAN;
+        emu::launch(norm_finish, dim3(1), dim3(256), 0, (const double*)partial, 3 * blocks, max_norm, out,
+                    total_out);
+        tally.check(fmt("norm_finish mode=%d sum of squares", mode), std::fabs(*total_out - want) / want, 1e-13);
         const double factor = mode == 2 ? max_norm / ((float)norm + 1e-6f) : 1.0;
         tally.check(fmt("norm_finish mode=%d norm", mode), std::fabs(out[0] - norm) / norm, 1e-7);
         tally.check(fmt("norm_finish mode=%d factor", mode), std::fabs(out[1] - factor) / factor, 1e-6);
@@ -188,13 +192,13 @@ static void test_norm() {
     double w2 = 0.0;
     for (int i = 0; i < many; ++i) w2 += (p2[i] = rng.uniform());
     float* out = buffer<float>(2);
-    emu::launch(norm_finish, dim3(1), dim3(256), 0, (const double*)p2, many, 1.0f, out);
+    emu::launch(norm_finish, dim3(1), dim3(256), 0, (const double*)p2, many, 1.0f, out, (double*)nullptr);
     tally.check("norm_finish 1000 partials norm", std::fabs(out[0] - std::sqrt(w2)) / std::sqrt(w2), 1e-7);
     tally.check("norm_finish 1000 partials factor", std::fabs(out[1] - 1.0f / ((float)std::sqrt(w2) + 1e-6f)), 1e-7);
     float* zeros = buffer<float>(10);
     for (int i = 0; i < 10; ++i) zeros[i] = 0.0f;
     emu::launch(sumsq_partial, dim3(2), dim3(256), 0, (const float*)zeros, 10LL, p2);
-    emu::launch(norm_finish, dim3(1), dim3(256), 0, (const double*)p2, 2, 1.0f, out);
+    emu::launch(norm_finish, dim3(1), dim3(256), 0, (const double*)p2, 2, 1.0f, out, (double*)nullptr);
     tally.check_true("norm of zeros", out[0] == 0.0f && out[1] == 1.0f);
 }
 

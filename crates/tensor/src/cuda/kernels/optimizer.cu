@@ -263,13 +263,15 @@ sumsq_partial(const float* __restrict__ g, long long n, double* __restrict__ par
 /// the CPU's clip_grad_norm (f64 sum, its sqrt rounded to f32, the factor in f32).
 extern "C" __global__ void __launch_bounds__(256)
 norm_finish(const double* __restrict__ partial, int nblocks, float max_norm,
-            float* __restrict__ out) {
+            float* __restrict__ out, double* __restrict__ total_out) {
     double s = 0.0;
     for (int b = threadIdx.x; b < nblocks; b += blockDim.x) s += partial[b];
     const double total = block_sum_d(s);
     if (threadIdx.x == 0) {
         const float norm = (float)sqrt(total);
         out[0] = norm;
+        // The sum of squares itself, for a norm summed over several workers in f64.
+        if (total_out) *total_out = total;
         out[1] = (max_norm > 0.0f && norm > max_norm && norm > 0.0f) ? max_norm / (norm + 1e-6f)
                                                                      : 1.0f;
     }
