@@ -265,6 +265,26 @@ fn zero_checkpoint_moves(layout: [&str; 2]) {
     }
 }
 
+/// A placed chunk's gradients live on the device only: the host store keeps its values
+/// and buffers (the checkpoint mirror) and frees its gradient buffer, and training goes on
+/// without it.
+#[test]
+fn a_placed_chunk_keeps_no_gradients_on_the_host() {
+    let out = tempfile::tempdir().unwrap().keep();
+    let cfg = tiny_gpt_config(&out, 2, &[STAND_IN]);
+    let mut trainer = common::single_trainer(&cfg);
+    let chunk = &trainer.parallel.stage.chunks[0];
+    assert!(chunk.device.is_some(), "placed on the stand-in");
+    assert!(chunk.store.grads.is_empty() && chunk.store.grads.capacity() == 0);
+    assert!(!chunk.store.values.is_empty());
+    let before = trainer.local_params();
+    for _ in 0..2 {
+        trainer.train_step().unwrap_or_else(|e| panic!("{e:#}"));
+    }
+    assert_ne!(trainer.local_params(), before, "two steps moved nothing");
+    assert!(trainer.parallel.stage.chunks[0].store.grads.is_empty());
+}
+
 /// The host store is the checkpoint mirror: a run stopped on the device and resumed there
 /// (its state uploaded from the checkpoint) ends where the straight CPU run ends, and a
 /// device checkpoint resumes on the CPU.

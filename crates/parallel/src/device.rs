@@ -244,6 +244,7 @@ pub fn place(
         for (chunk, opt) in stage.chunks.iter_mut().zip(optimizers) {
             let state = StandIn::place(model, chunk.blocks.clone(), &chunk.store, opt)?;
             chunk.device = Some(Box::new(state));
+            release_host_gradients(chunk);
         }
         return Ok(());
     }
@@ -281,9 +282,17 @@ pub fn place(
                 precision,
             )?;
             chunk.device = Some(Box::new(state));
+            release_host_gradients(chunk);
         }
         Ok(())
     }
+}
+
+/// A placed chunk's gradients live on its device for the whole run, and no checkpoint holds
+/// gradients: the host store's copy is freed (4 bytes per parameter of host memory per
+/// rank; the values and buffers stay as the checkpoint mirror).
+fn release_host_gradients(chunk: &mut crate::engine::StageChunk) {
+    chunk.store.grads = Vec::new();
 }
 
 /// Runs `f` (device work outside a step: a data-parallel mode's own buffers placed beside

@@ -131,7 +131,8 @@ pub trait DeviceState: Send {
     fn grads(&mut self) -> RawBuf;
 
     /// The whole fp32 parameter buffer, for collectives (ZeRO's all-gather of the updated
-    /// pieces).
+    /// pieces). Its address stays the same for the state's life, as the gradients' does
+    /// (ZeRO-3 keeps the view).
     fn values(&mut self) -> RawBuf;
 
     /// The parameters were written from outside ([`DeviceState::values`]): refresh what is
@@ -404,9 +405,10 @@ impl DeviceState for StandIn {
     }
 
     fn upload(&mut self, store: &ParamStore, _: &Optimizer) -> Result<(), PipelineError> {
+        // In place once allocated (equal lengths reuse the allocation): the buffers keep
+        // their addresses for the state's life.
         self.values.clone_from(&store.values);
         self.buffers.clone_from(&store.buffers);
-        // In place once allocated: the buffers keep their addresses for the state's life.
         self.grads.clear();
         self.grads.resize(self.grads_len, 0.0);
         self.copies.0 += 1;
