@@ -386,35 +386,46 @@ impl ZeroChunk {
         if !matches!(self.gathered[b], Gathered::Empty) || self.error.is_some() {
             return;
         }
-        let mut send = self.buffer(self.layout.blocks[b].slots);
         let state = match self.device_values {
             Some(values) => values,
             None => Self::state_view(&mut self.shard_values),
         };
-        self.memory.apply(
-            &self.plans[b].own_from_state,
-            state,
-            send.raw(),
-            Apply::Copy,
-        );
-        let mut recv = self.buffer(self.layout.wire_len(b));
-        // SAFETY: both buffers move into `Gathered::InFlight` with the work (moving a
-        // FlatBuf does not move its memory) and are dropped only after the work was waited
-        // for.
-        let started = unsafe { self.group.all_gather_async(send.raw(), recv.raw()) };
-        match started {
-            Ok(work) => {
-                self.comm.bytes += recv.len() * 4;
+        match self.start_all_gather(b, |p| &p.own_from_state, state) {
+            Ok((work, send, recv)) => {
                 self.gathered[b] = Gathered::InFlight {
                     work,
                     _send: send,
                     recv,
                 };
             }
+            Err(e) => self.error = Some(e),
+        }
+    }
+
+    /// Packs this rank's slots of block `b` from `source` by the block's plan `own` and
+    /// starts their all-gather into a wire buffer: (work, send, receive buffers), which the
+    /// caller holds until the work was waited for.
+    fn start_all_gather(
+        &mut self,
+        b: usize,
+        own: fn(&BlockPlans) -> &CopyPlan,
+        source: RawBuf,
+    ) -> Result<(Work, FlatBuf, FlatBuf), CommError> {
+        let mut send = self.buffer(self.layout.blocks[b].slots);
+        self.memory
+            .apply(own(&self.plans[b]), source, send.raw(), Apply::Copy);
+        let mut recv = self.buffer(self.layout.wire_len(b));
+        // SAFETY: both buffers go to the caller with the work (moving a FlatBuf does not
+        // move its memory), which drops them only after the work was waited for.
+        match unsafe { self.group.all_gather_async(send.raw(), recv.raw()) } {
+            Ok(work) => {
+                self.comm.bytes += recv.len() * 4;
+                Ok((work, send, recv))
+            }
             Err(e) => {
                 self.recycle(send);
                 self.recycle(recv);
-                self.error = Some(e);
+                Err(e)
             }
         }
     }
@@ -614,18 +625,8 @@ impl ZeroChunk {
             result
         };
         for b in 0..self.layout.blocks.len() {
-            let mut send = self.buffer(self.layout.blocks[b].slots);
             let block = self.block_of(values, b);
-            self.memory.apply(
-                &self.plans[b].own_from_block,
-                block,
-                send.raw(),
-                Apply::Copy,
-            );
-            let mut recv = self.buffer(self.layout.wire_len(b));
-            // SAFETY: the buffers stay in `in_flight` until waited for.
-            let work = unsafe { self.group.all_gather_async(send.raw(), recv.raw()) }?;
-            self.comm.bytes += recv.len() * 4;
+            let (work, send, recv) = self.start_all_gather(b, |p| &p.own_from_block, block)?;
             in_flight.push_back((b, work, send, recv));
             if in_flight.len() > 1 {
                 let oldest = in_flight.pop_front().expect("two in flight");
