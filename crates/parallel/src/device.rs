@@ -10,8 +10,8 @@
 //! loaded, so checkpoints keep their one format and a GPU run resumes on the CPU and the
 //! reverse.
 
-use crate::data::{DpMode, GradReduce};
-use crate::engine::{Stage, StandIn};
+use crate::data::{DpMode, GradReduce, GradSync};
+use crate::engine::{DeviceState, PipelineError, Stage, StageChunk, StandIn};
 use crate::layout::Layout;
 use crate::{DeviceCheck, ParallelError, ParallelOptions};
 use meshtrain_comm::ProcessGroup;
@@ -230,68 +230,91 @@ pub fn collectives_for(
     }
 }
 
+/// One chunk's state on the run's device, from its store and optimizer.
+type PlaceChunk<'m> =
+    Box<dyn Fn(&StageChunk, &Optimizer) -> Result<Box<dyn DeviceState>, PipelineError> + 'm>;
+
 /// Places every chunk of `stage` on the run's device (`options.device`, or the host-backed
 /// stand-in of tests): its state from the chunk's store and `optimizers`, the 16-bit copy
-/// in `precision`. Nothing on the CPU.
+/// in `precision`, with the data-parallel mode `sync` told before (to hand over what it
+/// holds outside the stores) and after (to put its own buffers there). Nothing on the CPU.
 pub fn place(
     model: &Model,
     stage: &mut Stage,
     optimizers: &[Optimizer],
     options: &ParallelOptions,
     precision: DType,
+    sync: &mut dyn GradSync,
 ) -> Result<(), ParallelError> {
-    if options.stand_in_device {
-        for (chunk, opt) in stage.chunks.iter_mut().zip(optimizers) {
+    let place_chunk: PlaceChunk<'_> = if options.stand_in_device {
+        Box::new(|chunk, opt| {
             let state = StandIn::place(model, chunk.blocks.clone(), &chunk.store, opt)?;
-            chunk.device = Some(Box::new(state));
-            release_host_gradients(chunk);
-        }
-        return Ok(());
-    }
-    let Device::Cuda(ordinal) = options.device else {
+            Ok(Box::new(state) as Box<dyn DeviceState>)
+        })
+    } else if let Device::Cuda(ordinal) = options.device {
+        place_on_gpu(model, ordinal, options, precision)?
+    } else {
         return Ok(());
     };
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (ordinal, precision);
-        Err(ParallelError::Device(
-            "this meshtrain was built without the `cuda` feature".into(),
-        ))
+    sync.placing(&mut stage.chunks);
+    for (chunk, opt) in stage.chunks.iter_mut().zip(optimizers) {
+        chunk.device = Some(place_chunk(chunk, opt)?);
+        release_host_gradients(chunk);
     }
-    #[cfg(feature = "cuda")]
-    {
-        let dev = CudaDevice::get(ordinal).map_err(device_error)?;
-        dev.set_f32_math(if options.tf32 {
-            F32Math::Tf32
-        } else {
-            F32Math::Exact
-        });
-        dev.set_memory_limit(
-            options
-                .memory_limit_mb
-                .map(|mb| (mb * 1024.0 * 1024.0) as usize),
-        );
-        dev.load_all_kernels().map_err(device_error)?;
-        for (chunk, opt) in stage.chunks.iter_mut().zip(optimizers) {
-            let state = crate::engine::cuda_chunk::CudaChunk::place(
-                &dev,
-                model,
-                chunk.blocks.clone(),
-                &chunk.store,
-                opt,
-                precision,
-            )?;
-            chunk.device = Some(Box::new(state));
-            release_host_gradients(chunk);
-        }
-        Ok(())
-    }
+    caught("placing the data-parallel buffers on the GPU", || {
+        sync.placed(&mut stage.chunks)
+    })
+}
+
+/// How a chunk's state goes to GPU `ordinal`, once the GPU is set up for the run.
+#[cfg(feature = "cuda")]
+fn place_on_gpu<'m>(
+    model: &'m Model,
+    ordinal: usize,
+    options: &ParallelOptions,
+    precision: DType,
+) -> Result<PlaceChunk<'m>, ParallelError> {
+    let dev = CudaDevice::get(ordinal).map_err(device_error)?;
+    dev.set_f32_math(if options.tf32 {
+        F32Math::Tf32
+    } else {
+        F32Math::Exact
+    });
+    dev.set_memory_limit(
+        options
+            .memory_limit_mb
+            .map(|mb| (mb * 1024.0 * 1024.0) as usize),
+    );
+    dev.load_all_kernels().map_err(device_error)?;
+    Ok(Box::new(move |chunk, opt| {
+        let state = crate::engine::cuda_chunk::CudaChunk::place(
+            &dev,
+            model,
+            chunk.blocks.clone(),
+            &chunk.store,
+            opt,
+            precision,
+        )?;
+        Ok(Box::new(state) as Box<dyn DeviceState>)
+    }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn place_on_gpu<'m>(
+    _: &'m Model,
+    _: usize,
+    _: &ParallelOptions,
+    _: DType,
+) -> Result<PlaceChunk<'m>, ParallelError> {
+    Err(ParallelError::Device(
+        "this meshtrain was built without the `cuda` feature".into(),
+    ))
 }
 
 /// A placed chunk's gradients live on its device for the whole run, and no checkpoint holds
 /// gradients: the host store's copy is freed (4 bytes per parameter of host memory per
 /// rank; the values and buffers stay as the checkpoint mirror).
-fn release_host_gradients(chunk: &mut crate::engine::StageChunk) {
+fn release_host_gradients(chunk: &mut StageChunk) {
     chunk.store.grads = Vec::new();
 }
 

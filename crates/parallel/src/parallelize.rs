@@ -576,19 +576,14 @@ pub fn parallelize(
     };
     // 6. Placement: each chunk's state on the run's device for the whole run (the stores
     // stay as the checkpoint mirror). Nothing on the CPU.
-    if options.stand_in_device || options.device.is_cuda() {
-        sync.placing(&mut stage.chunks);
-    }
     crate::device::place(
         model,
         &mut stage,
         &optimizers,
         options,
         crate::precision::product_dtype(l.precision),
+        sync.as_mut(),
     )?;
-    crate::device::caught("placing the data-parallel buffers on the GPU", || {
-        sync.placed(&mut stage.chunks)
-    })?;
     Ok(Parallel {
         device_collectives,
         options: StepOptions {
@@ -681,8 +676,8 @@ impl Parallel {
     }
 
     /// Model states on the device (none on the CPU): what an out-of-memory's advice leaves
-    /// beside the activations, and what ZeRO-1 (the stage GPUs run) would free when the
-    /// replicas hold every moment.
+    /// beside the activations, and what ZeRO-1 (the first stage, which shards the
+    /// moments) would free when the replicas hold every moment.
     fn states_on_device(&self) -> crate::device::StatesOnDevice {
         let (mut bytes, mut moments) = (0, 0);
         for d in self.stage.chunks.iter().filter_map(|c| c.device.as_ref()) {

@@ -8,7 +8,7 @@
 //! Inside a step, errors are raised as device panics and caught around the step, where an
 //! out-of-memory becomes advice on what would fit.
 
-use super::device::{kept_ranges, DeviceMemory, DeviceState, Sums};
+use super::device::{kept_ranges, ChunkPlace, DeviceMemory, DeviceState, Sums};
 use super::flat::{Apply, CopyPlan, FlatBuf, FlatMemory, Run};
 use super::PipelineError;
 use meshtrain_comm::RawBuf;
@@ -65,9 +65,8 @@ pub struct CudaChunk {
     scalars: DevBuf,
     /// The clipping factor at `NORM + 4` applies to the next update.
     clip_pending: bool,
-    /// The chunk's first parameter and buffer in the whole model's numbering.
-    param_base: usize,
-    buffer_base: usize,
+    /// Where the chunk sits in the whole model.
+    place: ChunkPlace,
     /// The event [`DeviceState::begin`] recorded on the idle device, and the host's time then.
     anchor: Option<(Event, Instant)>,
     span: Option<Event>,
@@ -88,7 +87,8 @@ impl CudaChunk {
         let len = store.values.len();
         let f = |bytes: usize, what: &str| dev.alloc(bytes.max(4), what).map_err(placing);
         let rows = meshtrain_nn::optim::segment_rows(optimizer.segments());
-        let whole = len == model.blocks_param_range(blocks.clone()).len();
+        let place = ChunkPlace::of(model, blocks);
+        let whole = place.holds_whole(len);
         let half = match precision {
             _ if !whole => None,
             DType::F32 => None,
@@ -122,8 +122,7 @@ impl CudaChunk {
             segments: SegmentTable::new(dev, &rows).map_err(placing)?,
             scalars: dev.alloc_zeroed(SCALARS, "step scalars").map_err(placing)?,
             clip_pending: false,
-            param_base: model.blocks_param_range(blocks.clone()).start,
-            buffer_base: model.blocks_buffer_range(blocks).start,
+            place,
             anchor: None,
             span: None,
             spans: Vec::new(),
@@ -232,6 +231,34 @@ impl PieceUpdate {
             },
         })
     }
+
+    /// The `len` pieces' parameters from `values`, and their gradients from `grads` (unless
+    /// they are the pieces already), into working buffers.
+    fn gather(&self, dev: &Arc<CudaDevice>, values: u64, grads: u64, len: usize) -> PieceWork {
+        let bytes = len.max(1) * 4;
+        let buffer = |what: &str| ok_or_raise(dev.alloc(bytes, what));
+        let pieces = buffer("this rank's parameter pieces");
+        ok_or_raise(
+            self.gather_values
+                .apply(dev, values, pieces.ptr(), Apply::Copy),
+        );
+        let grads = self.gather_grads.as_ref().map(|gather| {
+            let pieces = buffer("this rank's gradient pieces");
+            ok_or_raise(gather.apply(dev, grads, pieces.ptr(), Apply::Copy));
+            pieces
+        });
+        PieceWork {
+            values: pieces,
+            grads,
+        }
+    }
+}
+
+/// A ZeRO update's working buffers (see [`PieceUpdate`]).
+struct PieceWork {
+    values: DevBuf,
+    /// `None`: the chunk's gradient buffer holds the pieces.
+    grads: Option<DevBuf>,
 }
 
 /// A GPU's memory for a dimension's own flat buffers (ZeRO's wire buffers), with the copy
@@ -277,11 +304,7 @@ impl FlatMemory for CudaFlat {
     fn apply(&self, plan: &CopyPlan, src: RawBuf, dst: RawBuf, how: Apply) {
         self.check(&src);
         self.check(&dst);
-        let (dst_len, src_len) = plan.extents();
-        assert!(
-            dst_len <= dst.len() && src_len <= src.len(),
-            "a copy plan out of bounds"
-        );
+        plan.assert_fits(&src, &dst);
         ok_or_raise(
             self.runs(plan)
                 .apply(&self.dev, src.addr(), dst.addr(), how),
@@ -337,18 +360,6 @@ struct Blocks<'a> {
 }
 
 impl CudaChunk {
-    /// Block `block`'s (of `model`) parameters within the chunk.
-    fn param_range(&self, model: &Model, block: usize) -> Range<usize> {
-        let r = model.block_param_range(block);
-        r.start - self.param_base..r.end - self.param_base
-    }
-
-    /// Block `block`'s buffers within the chunk.
-    fn buffer_range(&self, model: &Model, block: usize) -> Range<usize> {
-        let r = model.blocks_buffer_range(block..block + 1);
-        r.start - self.buffer_base..r.end - self.buffer_base
-    }
-
     /// The parameters `r` (and their 16-bit copy) as a layer's view.
     fn params_at(&self, r: Range<usize>) -> Params<'_> {
         // SAFETY: the buffers hold the chunk's `len` values and outlive the view.
@@ -375,19 +386,13 @@ impl CudaChunk {
 impl BlockParams for Blocks<'_> {
     fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
         let c = self.chunk;
-        let (pr, br) = (
-            c.param_range(self.model, block),
-            c.buffer_range(self.model, block),
-        );
+        let (pr, br) = c.place.block(self.model, block);
         (c.params_at(pr), c.f32_view(&c.buffers, br))
     }
 
     fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
         let c = self.chunk;
-        let (pr, br) = (
-            c.param_range(self.model, block),
-            c.buffer_range(self.model, block),
-        );
+        let (pr, br) = c.place.block(self.model, block);
         (
             c.params_at(pr.clone()),
             c.f32_view(&c.grads, pr),
@@ -509,10 +514,7 @@ impl DeviceState for CudaChunk {
     }
 
     fn block_views(&mut self, model: &Model, block: usize) -> (Option<Params<'_>>, ParamsMut<'_>) {
-        let (pr, br) = (
-            self.param_range(model, block),
-            self.buffer_range(model, block),
-        );
+        let (pr, br) = self.place.block(model, block);
         let values = self.whole.then(|| self.params_at(pr));
         (values, self.f32_view(&self.buffers, br))
     }
@@ -664,8 +666,9 @@ impl DeviceState for CudaChunk {
         // Under ZeRO the update runs over this rank's pieces gathered into contiguous
         // buffers; the 16-bit copy is refreshed once every rank's pieces are back
         // (`values_changed` after the all-gather).
-        let mut pieces_at = None;
-        let state = match &self.pieces {
+        let work = (self.pieces.as_ref())
+            .map(|p| p.gather(&self.dev, self.values.ptr(), self.grads.ptr(), self.moments));
+        let state = match &work {
             None => FlatState {
                 params: self.values.ptr(),
                 grads: self.grads.ptr(),
@@ -674,35 +677,14 @@ impl DeviceState for CudaChunk {
                 half: self.half.as_ref().map(|(h, t)| (h.ptr(), *t)),
                 len: self.len,
             },
-            Some(p) => {
-                let d = &self.dev;
-                let bytes = self.moments.max(1) * 4;
-                let values = ok_or_raise(d.alloc(bytes, "this rank's parameter pieces"));
-                ok_or_raise(
-                    p.gather_values
-                        .apply(d, self.values.ptr(), values.ptr(), Apply::Copy),
-                );
-                // ZeRO-2's gradients are the pieces already, in order.
-                let grads = match &p.gather_grads {
-                    Some(gather) => {
-                        let grads = ok_or_raise(d.alloc(bytes, "this rank's gradient pieces"));
-                        ok_or_raise(gather.apply(d, self.grads.ptr(), grads.ptr(), Apply::Copy));
-                        Some(grads)
-                    }
-                    None => None,
-                };
-                let values_at = values.ptr();
-                let grads_at = grads.as_ref().map_or(self.grads.ptr(), DevBuf::ptr);
-                pieces_at = Some((values, grads));
-                FlatState {
-                    params: values_at,
-                    grads: grads_at,
-                    m: self.m.ptr(),
-                    v: self.v.as_ref().map_or(0, |v| v.ptr()),
-                    half: None,
-                    len: self.moments,
-                }
-            }
+            Some(w) => FlatState {
+                params: w.values.ptr(),
+                grads: w.grads.as_ref().map_or(self.grads.ptr(), DevBuf::ptr),
+                m: self.m.ptr(),
+                v: self.v.as_ref().map_or(0, |v| v.ptr()),
+                half: None,
+                len: self.moments,
+            },
         };
         ok_or_raise(match self.config {
             OptimizerConfig::Adamw {
@@ -730,10 +712,10 @@ impl DeviceState for CudaChunk {
                 clip_factor,
             ),
         });
-        if let (Some(p), Some((values, _grads))) = (&self.pieces, pieces_at) {
+        if let (Some(p), Some(w)) = (&self.pieces, &work) {
             ok_or_raise(p.scatter_values.apply(
                 &self.dev,
-                values.ptr(),
+                w.values.ptr(),
                 self.values.ptr(),
                 Apply::Copy,
             ));

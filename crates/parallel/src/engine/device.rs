@@ -196,6 +196,38 @@ impl std::fmt::Debug for dyn DeviceState {
     }
 }
 
+/// Where a chunk sits in the whole model, for a device state to find its blocks' parameters
+/// and buffers within the chunk's flat buffers.
+#[derive(Clone, Debug, Default)]
+pub struct ChunkPlace {
+    params: Range<usize>,
+    buffers_start: usize,
+}
+
+impl ChunkPlace {
+    /// The chunk holding `blocks` of `model`.
+    pub fn of(model: &Model, blocks: Range<usize>) -> ChunkPlace {
+        ChunkPlace {
+            params: model.blocks_param_range(blocks.clone()),
+            buffers_start: model.blocks_buffer_range(blocks).start,
+        }
+    }
+
+    /// Whether `values` parameters are the chunk's whole parameters (not ZeRO-3's pieces of
+    /// them).
+    pub fn holds_whole(&self, values: usize) -> bool {
+        values == self.params.len()
+    }
+
+    /// Block `block`'s (of `model`) parameters and buffers within the chunk.
+    pub fn block(&self, model: &Model, block: usize) -> (Range<usize>, Range<usize>) {
+        let p = model.block_param_range(block);
+        let b = model.blocks_buffer_range(block..block + 1);
+        let (pb, bb) = (self.params.start, self.buffers_start);
+        (p.start - pb..p.end - pb, b.start - bb..b.end - bb)
+    }
+}
+
 /// Elements of a placed chunk's gradient buffer: the chunk's parameters, or, when its store
 /// holds no gradients (ZeRO-2 keeps this rank's pieces of them instead), the optimizer's
 /// (the pieces it updates).
@@ -309,8 +341,7 @@ pub struct StandIn {
     grads_len: usize,
     /// Whether `values` are the chunk's whole parameters (not ZeRO-3's pieces of them).
     whole: bool,
-    param_base: usize,
-    buffer_base: usize,
+    place: ChunkPlace,
     /// (Σ loss, Σ correct) of training and of evaluation.
     sums: [(f64, f64); 2],
     clip: Option<f32>,
@@ -328,11 +359,11 @@ impl StandIn {
         store: &ParamStore,
         optimizer: &Optimizer,
     ) -> Result<StandIn, PipelineError> {
+        let place = ChunkPlace::of(model, blocks);
         let mut state = StandIn {
-            param_base: model.blocks_param_range(blocks.clone()).start,
-            buffer_base: model.blocks_buffer_range(blocks.clone()).start,
             grads_len: gradient_len(store, optimizer),
-            whole: store.values.len() == model.blocks_param_range(blocks.clone()).len(),
+            whole: place.holds_whole(store.values.len()),
+            place,
             ..StandIn::default()
         };
         state.upload(store, optimizer)?;
@@ -346,18 +377,25 @@ struct StandInBlocks<'a> {
     on_ready: &'a mut dyn FnMut(usize),
 }
 
-impl StandInBlocks<'_> {
-    fn ranges(&self, block: usize) -> (Range<usize>, Range<usize>) {
-        let p = self.model.block_param_range(block);
-        let b = self.model.blocks_buffer_range(block..block + 1);
-        let (pb, bb) = (self.state.param_base, self.state.buffer_base);
-        (p.start - pb..p.end - pb, b.start - bb..b.end - bb)
+/// `buf` tagged as the stand-in GPU's memory, so collectives stage it as a GPU's
+/// ([`StandInMemory`]).
+fn stand_in_view(buf: &mut [f32]) -> RawBuf {
+    // SAFETY: the stand-in's buffers live as long as the state and keep their addresses
+    // (see `DeviceState::grads`); callers keep the collectives' exclusive use of them (the
+    // RawBuf contract).
+    unsafe {
+        RawBuf::on_device(
+            buf.as_mut_ptr() as u64,
+            buf.len(),
+            meshtrain_comm::DType::F32,
+            STAND_IN_GPU,
+        )
     }
 }
 
 impl BlockParams for StandInBlocks<'_> {
     fn forward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>) {
-        let (p, b) = self.ranges(block);
+        let (p, b) = self.state.place.block(self.model, block);
         let s = &mut *self.state;
         (
             Params::Host(&s.values[p]),
@@ -366,7 +404,7 @@ impl BlockParams for StandInBlocks<'_> {
     }
 
     fn backward_view(&mut self, block: usize) -> (Params<'_>, ParamsMut<'_>, ParamsMut<'_>) {
-        let (p, b) = self.ranges(block);
+        let (p, b) = self.state.place.block(self.model, block);
         let s = &mut *self.state;
         (
             Params::Host(&s.values[p.clone()]),
@@ -434,16 +472,9 @@ impl DeviceState for StandIn {
     }
 
     fn block_views(&mut self, model: &Model, block: usize) -> (Option<Params<'_>>, ParamsMut<'_>) {
-        let p = model.block_param_range(block);
-        let b = model.blocks_buffer_range(block..block + 1);
-        let (pb, bb) = (self.param_base, self.buffer_base);
-        let values = self
-            .whole
-            .then(|| Params::Host(&self.values[p.start - pb..p.end - pb]));
-        (
-            values,
-            ParamsMut::Host(&mut self.buffers[b.start - bb..b.end - bb]),
-        )
+        let (p, b) = self.place.block(model, block);
+        let values = self.whole.then(|| Params::Host(&self.values[p]));
+        (values, ParamsMut::Host(&mut self.buffers[b]))
     }
 
     fn begin(&mut self) {}
@@ -487,29 +518,11 @@ impl DeviceState for StandIn {
     }
 
     fn grads(&mut self) -> RawBuf {
-        // SAFETY: the buffer lives as long as the state; callers keep the collectives'
-        // exclusive use of it (the RawBuf contract). Tagged as the stand-in GPU's memory, so
-        // collectives stage it as a GPU's ([`StandInMemory`]).
-        unsafe {
-            RawBuf::on_device(
-                self.grads.as_mut_ptr() as u64,
-                self.grads.len(),
-                meshtrain_comm::DType::F32,
-                STAND_IN_GPU,
-            )
-        }
+        stand_in_view(&mut self.grads)
     }
 
     fn values(&mut self) -> RawBuf {
-        // SAFETY: as for `grads`.
-        unsafe {
-            RawBuf::on_device(
-                self.values.as_mut_ptr() as u64,
-                self.values.len(),
-                meshtrain_comm::DType::F32,
-                STAND_IN_GPU,
-            )
-        }
+        stand_in_view(&mut self.values)
     }
 
     fn values_changed(&mut self) {}

@@ -75,6 +75,18 @@ impl CopyPlan {
         (dst, src)
     }
 
+    /// Panics unless `src` and `dst` hold the elements the runs read and write.
+    pub fn assert_fits(&self, src: &RawBuf, dst: &RawBuf) {
+        let (dst_len, src_len) = self.extents();
+        assert!(
+            dst_len <= dst.len() && src_len <= src.len(),
+            "a copy plan out of bounds: it reads {src_len} and writes {dst_len} elements, \
+             buffers of {} and {}",
+            src.len(),
+            dst.len()
+        );
+    }
+
     /// The copy back: every run's destination to its source (zeros runs have none).
     pub fn inverse(&self) -> CopyPlan {
         let runs = self.runs.iter().filter_map(|r| {
@@ -306,11 +318,7 @@ impl FlatMemory for HostFlat {
             src.device(),
             dst.device()
         );
-        let (dst_len, src_len) = plan.extents();
-        assert!(
-            dst_len <= dst.len() && src_len <= src.len(),
-            "a copy plan out of bounds"
-        );
+        plan.assert_fits(&src, &dst);
         // SAFETY: host memory (checked by device above: this memory's buffers are host
         // memory), in bounds (checked); the caller holds both buffers for the call, and a
         // plan never reads and writes one buffer.

@@ -439,7 +439,11 @@ impl ZeroChunk {
                 self.gathered[b] = ready;
                 return;
             }
-            Gathered::InFlight { work, _send, recv } => {
+            Gathered::InFlight {
+                work,
+                _send,
+                mut recv,
+            } => {
                 let t = Instant::now();
                 let result = work.wait_timed();
                 let waited = t.elapsed().as_secs_f64();
@@ -449,7 +453,6 @@ impl ZeroChunk {
                     self.comm.forward_gather_wait_s += waited;
                 }
                 let mut values = self.buffer(len);
-                let mut recv = recv;
                 match result {
                     Ok(span) => {
                         self.comm.hidden_s += overlapped(span, t);
