@@ -5,7 +5,7 @@
 //! buffer staged through host memory as ranks sharing one GPU stage them (`StagedGroup`,
 //! its asynchronous uploads included), tied sums, fp16 unscaling, norms, clipping and the
 //! update behind the trait, the
-//! loss summed "on the device", the host store as the checkpoint mirror) with the host's
+//! loss summed "on the device", checkpoints read from the device) with the host's
 //! arithmetic. So a run on it must equal the CPU run bit for bit: any step the fold drops,
 //! repeats or reorders shows here. The CUDA implementation of the same trait is checked
 //! against these on a GPU (`scripts/gpu-check.sh`, the `multi` part).
@@ -214,7 +214,7 @@ fn zero2_on_the_device_equals_the_cpu_and_ddp() {
     zero_on_the_device_equals_the_cpu_and_ddp("parallel.zero=2");
 }
 
-/// ZeRO-3: the device holds this rank's parameter pieces (the store mirrors them), each
+/// ZeRO-3: the device holds this rank's parameter pieces (the host keeps no copy), each
 /// block is all-gathered into the device's memory for its pass (the next one prefetched),
 /// and the update runs over the pieces as over any flat buffer.
 #[test]
@@ -262,27 +262,143 @@ fn checkpoint_moves(layout: &[&str]) {
     }
 }
 
-/// A placed chunk's gradients live on the device only: the host store keeps its values
-/// and buffers (the checkpoint mirror) and frees its gradient buffer, and training goes on
-/// without it.
+/// A placed chunk's state lives on the device only: the host keeps no parameters,
+/// gradients, buffers or optimizer moments between steps (only the optimizer's settings and
+/// step count), training goes on without them, and neither a checkpoint nor a copy of the
+/// parameters leaves a host copy behind.
 #[test]
-fn a_placed_chunk_keeps_no_gradients_on_the_host() {
+fn a_placed_chunk_keeps_no_state_on_the_host() {
     let out = tempfile::tempdir().unwrap().keep();
     let cfg = tiny_gpt_config(&out, 2, &[STAND_IN]);
     let mut trainer = common::single_trainer(&cfg);
-    let chunk = &trainer.parallel.stage.chunks[0];
-    assert!(chunk.device.is_some(), "placed on the stand-in");
-    assert!(chunk.store.grads.is_empty() && chunk.store.grads.capacity() == 0);
-    assert!(!chunk.store.values.is_empty());
+    let nothing_on_the_host = |t: &meshtrain_train::Trainer, when: &str| {
+        let (chunk, optimizer) = (&t.parallel.stage.chunks[0], &t.parallel.optimizers[0]);
+        assert!(chunk.device.is_some(), "placed on the stand-in");
+        let host = [
+            &chunk.store.values,
+            &chunk.store.grads,
+            &chunk.store.buffers,
+            &optimizer.m,
+            &optimizer.v,
+        ];
+        assert!(
+            host.iter().all(|v| v.capacity() == 0),
+            "{when}: the host holds {:?} elements",
+            host.map(|v| v.capacity())
+        );
+    };
+    nothing_on_the_host(&trainer, "after placement");
     let before = trainer.local_params();
+    nothing_on_the_host(&trainer, "after copying the parameters");
     for _ in 0..2 {
         trainer.train_step().unwrap_or_else(|e| panic!("{e:#}"));
     }
     assert_ne!(trainer.local_params(), before, "two steps moved nothing");
-    assert!(trainer.parallel.stage.chunks[0].store.grads.is_empty());
+    trainer
+        .save_checkpoint(&out.join("checkpoint.safetensors"))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    nothing_on_the_host(&trainer, "after a checkpoint");
+    assert_eq!(trainer.parallel.optimizers[0].step, 2);
+    // Read from the device in pieces of 5 elements, the file is the same.
+    let state = meshtrain_train::checkpoint::TrainState {
+        model: &trainer.whole,
+        source: meshtrain_train::checkpoint::StateSource::Worker(&trainer.parallel),
+        step: 2,
+        model_description: "",
+        config: "",
+        loss_scaler: None,
+        sampler: None,
+    };
+    let snapshot = meshtrain_train::checkpoint::Snapshot::of(&state).unwrap();
+    let written = |name: &str, piece: usize| {
+        let path = out.join(name);
+        (snapshot.write_in_pieces(&path, Some(&trainer.parallel), piece)).unwrap();
+        std::fs::read(path).unwrap()
+    };
+    assert_eq!(
+        written("a.safetensors", 5),
+        written("b.safetensors", 1 << 24)
+    );
 }
 
-/// The host store is the checkpoint mirror: a run stopped on the device and resumed there
+/// The checkpoint a run on the device writes (each tensor streamed from the device, or
+/// gathered through a transient host copy) holds the bytes the CPU run's holds: whole files
+/// of one chunk and of ZeRO's gathered pieces, sharded files of replicas and of ZeRO's
+/// pieces, compared tensor by tensor (whole files) and piece checksum by piece checksum
+/// (sharded).
+#[test]
+fn device_checkpoints_hold_the_cpus_bytes() {
+    let layouts: [&[&str]; 5] = [
+        &["parallel.dp=2"],
+        &["parallel.dp=2", "train.checkpoint_format=\"sharded\""],
+        &["parallel.dp=2", "parallel.zero=1"],
+        &["parallel.dp=2", "parallel.zero=3"],
+        &[
+            "parallel.dp=2",
+            "parallel.zero=2",
+            "train.checkpoint_format=\"whole\"",
+        ],
+    ];
+    for layout in layouts {
+        let written = |extra: &[&str]| {
+            let out = tempfile::tempdir().unwrap().keep();
+            run(&tiny_gpt_config(&out, 3, extra), None);
+            written_checkpoint(&out)
+        };
+        let on_cpu = written(layout);
+        let on_device = written(&[layout, &[STAND_IN]].concat());
+        assert_eq!(
+            checkpoint_contents(&on_device),
+            checkpoint_contents(&on_cpu),
+            "{layout:?}: the device's checkpoint differs from the CPU's"
+        );
+    }
+}
+
+/// What a checkpoint holds, for comparing two: a whole file's tensors (name, shape, bytes)
+/// and metadata but the run's settings; a sharded one's pieces (tensor, key, offset,
+/// length, CRC-32) and step.
+fn checkpoint_contents(path: &Path) -> Vec<String> {
+    if path.is_dir() {
+        let text = std::fs::read_to_string(path.join("index.json")).unwrap();
+        let index: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let mut out = vec![format!("step {}", index["step"])];
+        for (name, entry) in index["tensors"].as_object().unwrap() {
+            for piece in entry["pieces"].as_array().unwrap() {
+                out.push(format!(
+                    "{name} {} {} {} {}",
+                    piece["key"], piece["offset"], piece["len"], piece["crc32"]
+                ));
+            }
+        }
+        assert!(out.len() > 1, "{} holds no pieces", path.display());
+        return out;
+    }
+    let bytes = std::fs::read(path).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<String> = (file.tensors().into_iter())
+        .map(|(name, t)| {
+            use std::hash::{Hash, Hasher};
+            let mut hash = std::collections::hash_map::DefaultHasher::new();
+            t.data().hash(&mut hash);
+            format!("{name} {:?} {:x}", t.shape(), hash.finish())
+        })
+        .collect();
+    let mut meta: Vec<_> = header
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    meta.retain(|(k, _)| k != "config");
+    meta.sort();
+    out.extend(meta.into_iter().map(|(k, v)| format!("{k}={v}")));
+    out.sort();
+    out
+}
+
+/// Checkpoints move between devices: a run stopped on the device and resumed there
 /// (its state uploaded from the checkpoint) ends where the straight CPU run ends, and a
 /// device checkpoint resumes on the CPU.
 #[test]

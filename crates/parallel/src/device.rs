@@ -5,10 +5,12 @@
 //! ([`crate::engine::DeviceState`]), and the boundary around a step where a device error
 //! becomes an error and an out-of-memory becomes advice on what would fit.
 //!
-//! The host copy of the state in the [`crate::Parallel`]'s stage is the checkpoint mirror:
-//! `Parallel::pull_from_device` fills it before a checkpoint, `push_to_device` after one is
-//! loaded, so checkpoints keep their one format and a GPU run resumes on the CPU and the
-//! reverse.
+//! Once placed, the host keeps no copy of a chunk's state: checkpoints read the device a
+//! bounded piece at a time (`Parallel::read_state`), and what needs the whole state on the
+//! host (loading a checkpoint, a gathered whole file, the evaluation hook) fills the stage's
+//! stores for as long as it runs (`Parallel::pull_from_device`, then `release_host_state`
+//! or `push_to_device`), so checkpoints keep their one format and a GPU run resumes on the
+//! CPU and the reverse.
 
 use crate::data::{DpMode, GradReduce, GradSync};
 use crate::engine::{DeviceState, PipelineError, Stage, StageChunk, StandIn};
@@ -241,7 +243,7 @@ type PlaceChunk<'m> =
 pub fn place(
     model: &Model,
     stage: &mut Stage,
-    optimizers: &[Optimizer],
+    optimizers: &mut [Optimizer],
     options: &ParallelOptions,
     precision: DType,
     sync: &mut dyn GradSync,
@@ -259,7 +261,7 @@ pub fn place(
     sync.placing(&mut stage.chunks);
     for (chunk, opt) in stage.chunks.iter_mut().zip(optimizers) {
         chunk.device = Some(place_chunk(chunk, opt)?);
-        release_host_gradients(chunk);
+        chunk.release_host_state(opt);
     }
     caught("placing the data-parallel buffers on the GPU", || {
         sync.placed(&mut stage.chunks)
@@ -309,13 +311,6 @@ fn place_on_gpu<'m>(
     Err(ParallelError::Device(
         "this meshtrain was built without the `cuda` feature".into(),
     ))
-}
-
-/// A placed chunk's gradients live on its device for the whole run, and no checkpoint holds
-/// gradients: the host store's copy is freed (4 bytes per parameter of host memory per
-/// rank; the values and buffers stay as the checkpoint mirror).
-fn release_host_gradients(chunk: &mut StageChunk) {
-    chunk.store.grads = Vec::new();
 }
 
 /// Runs `f` (device work outside a step: a data-parallel mode's own buffers placed beside

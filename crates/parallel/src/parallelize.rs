@@ -57,7 +57,9 @@ use crate::data::{
     CommTiming, DataParallelError, DdpConfig, GradReduce, GradSync, GroupStatsReducer, ShareShape,
     SyncHooks,
 };
-use crate::engine::{MicroBatches, Partition, SendMode, Stage, StageStores, StepOptions};
+use crate::engine::{
+    MicroBatches, Partition, SendMode, Stage, StageStores, StateKind, StepOptions,
+};
 use crate::layout::{Layout, Recompute, ResolvedLayout};
 use crate::pipeline::{partition_for, PartitionSpec, TimeProbe};
 use crate::precision::{LossScaleConfig, LossScaler, LossScaling};
@@ -78,7 +80,7 @@ mod sync;
 
 pub use sync::{grad_sync, DataParallel, DataParallelConfig};
 
-pub use state::{StatePart, StatePiece};
+pub use state::{StatePart, StatePiece, StateRange};
 
 /// The settings of the parallel modules that are not part of the layout's shape.
 #[derive(Clone, Debug, Default)]
@@ -562,7 +564,7 @@ pub fn parallelize(
     };
 
     let segments = training.groups.resolve(model, &training.optimizer);
-    let optimizers = match crate::zero::of_mut(sync.as_mut()) {
+    let mut optimizers = match crate::zero::of_mut(sync.as_mut()) {
         Some(zero) => stage
             .chunks
             .iter()
@@ -574,12 +576,12 @@ pub fn parallelize(
             .collect(),
         None => stage.optimizers_with_groups(model, training.optimizer, &segments),
     };
-    // 6. Placement: each chunk's state on the run's device for the whole run (the stores
-    // stay as the checkpoint mirror). Nothing on the CPU.
+    // 6. Placement: each chunk's state on the run's device for the whole run (the host
+    // keeps no copy of it). Nothing on the CPU.
     crate::device::place(
         model,
         &mut stage,
-        &optimizers,
+        &mut optimizers,
         options,
         crate::precision::product_dtype(l.precision),
         sync.as_mut(),
@@ -914,9 +916,10 @@ impl Parallel {
         self.placed().map(|d| d.memory())
     }
 
-    /// On a GPU: copies the device's parameters, buffers and optimizer state into the
-    /// stage's host stores and optimizers (before a checkpoint reads them). A no-op on the
-    /// CPU.
+    /// On a GPU: fills the stage's host stores and optimizers with the device's parameters,
+    /// buffers and optimizer state, for what needs the whole state on the host (a gathered
+    /// checkpoint, the evaluation hook); free it again with
+    /// [`Parallel::release_host_state`]. A no-op on the CPU.
     pub fn pull_from_device(&mut self) -> Result<(), ParallelError> {
         for (chunk, opt) in self.stage.chunks.iter_mut().zip(&mut self.optimizers) {
             chunk.pull_from_device(opt)?;
@@ -925,12 +928,38 @@ impl Parallel {
     }
 
     /// On a GPU: replaces the device state by the stage's host stores and optimizers (after a
-    /// checkpoint was loaded into them). A no-op on the CPU.
+    /// checkpoint was loaded into them), then frees the host copy. A no-op on the CPU.
     pub fn push_to_device(&mut self) -> Result<(), ParallelError> {
-        for (chunk, opt) in self.stage.chunks.iter_mut().zip(&self.optimizers) {
+        for (chunk, opt) in self.stage.chunks.iter_mut().zip(&mut self.optimizers) {
             chunk.push_to_device(opt)?;
         }
         Ok(())
+    }
+
+    /// On a GPU: frees the host copy [`Parallel::pull_from_device`] filled. A no-op on the
+    /// CPU.
+    pub fn release_host_state(&mut self) {
+        for (chunk, opt) in self.stage.chunks.iter_mut().zip(&mut self.optimizers) {
+            chunk.release_host_state(opt);
+        }
+    }
+
+    /// Runs `f` with the whole state on the host: filled from the device first and freed
+    /// after (on the CPU, `f` as it is).
+    pub fn with_host_state<T>(
+        &mut self,
+        f: impl FnOnce(&mut Parallel) -> T,
+    ) -> Result<T, ParallelError> {
+        self.pull_from_device()?;
+        let out = f(self);
+        self.release_host_state();
+        Ok(out)
+    }
+
+    /// Whether the chunks' state lives on a device (the host holds none of it between
+    /// steps: a checkpoint reads it through [`Parallel::read_state`]).
+    pub fn is_placed(&self) -> bool {
+        self.placed().is_some()
     }
 
     /// fp16's loss scaler state (for checkpoints); `None` for fp32 and bf16.

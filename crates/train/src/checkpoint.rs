@@ -12,23 +12,40 @@
 //! checkpoint of another model are errors that name the file.
 
 use crate::dataset::SamplerPosition;
+use crate::tensor_file::{OutTensor, TensorData};
 use anyhow::{bail, Context, Result};
 use meshtrain_nn::optim::Optimizer;
 use meshtrain_nn::{Model, ParamStore};
+use meshtrain_parallel::engine::StateKind;
+use meshtrain_parallel::parallelize::StateRange;
 use meshtrain_parallel::precision::LossScaler;
+use meshtrain_parallel::Parallel;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 pub const FORMAT: &str = "meshtrain-checkpoint-v1";
 
+/// Where a checkpoint's parameters, buffers and optimizer state are.
+#[derive(Clone, Copy)]
+pub enum StateSource<'a> {
+    /// A store and optimizer in host memory (a gathered copy, or a CPU worker's own).
+    Host {
+        store: &'a ParamStore,
+        optimizer: &'a Optimizer,
+    },
+    /// A worker whose one chunk is the whole model, read wherever its state lives (on a
+    /// device a bounded piece at a time, with no host copy of the model).
+    Worker(&'a Parallel),
+}
+
 /// Everything needed to continue a run exactly where it stopped.
 pub struct TrainState<'a> {
     pub model: &'a Model,
-    pub store: &'a ParamStore,
-    pub optimizer: &'a Optimizer,
+    pub source: StateSource<'a>,
     /// Steps completed.
     pub step: u64,
     /// What model this is (compared on resume); empty = not checked.
@@ -135,45 +152,77 @@ pub fn temporary_path(path: &Path) -> PathBuf {
 }
 
 /// What a checkpoint file holds: its tensors and metadata, borrowed from the training state
-/// or owned by a background writer.
+/// (in host memory, or read from the device as the file is written) or owned by a
+/// background writer.
 pub struct Snapshot<'a> {
-    tensors: Vec<(String, Vec<usize>, Cow<'a, [f32]>)>,
+    tensors: Vec<OutTensor<'a>>,
     metadata: HashMap<String, String>,
 }
 
 impl<'a> Snapshot<'a> {
-    /// The checkpoint of `state`, borrowing its values.
-    pub fn of(state: &'a TrainState) -> Result<Snapshot<'a>> {
+    /// The checkpoint of `state`, borrowing its values (or naming where the worker holds
+    /// them).
+    pub fn of(state: &TrainState<'a>) -> Result<Snapshot<'a>> {
         let model = state.model;
+        // Each tensor's elements: `range` of `kind` in the host store or the worker's chunk.
+        let data = |kind: StateKind, range: Range<usize>| -> TensorData<'a> {
+            match state.source {
+                StateSource::Host { store, optimizer } => {
+                    let held = match kind {
+                        StateKind::Values => &store.values,
+                        StateKind::Buffers => &store.buffers,
+                        StateKind::FirstMoment => &optimizer.m,
+                        StateKind::SecondMoment => &optimizer.v,
+                    };
+                    TensorData::Host(Cow::Borrowed(&held[range]))
+                }
+                StateSource::Worker(_) => TensorData::State(StateRange {
+                    chunk: 0,
+                    kind,
+                    range,
+                }),
+            }
+        };
         let mut tensors = Vec::new();
+        let mut push = |name: String, shape: Vec<usize>, data: TensorData<'a>| {
+            tensors.push(OutTensor { name, shape, data })
+        };
         for (i, e) in model.params().iter().enumerate() {
             // A tied copy is its primary: stored once.
             if model.tied_primary(i).is_none() {
-                let values = &state.store.values[e.range.clone()];
-                tensors.push((format!("param.{}", e.name), e.shape.clone(), values.into()));
+                let values = data(StateKind::Values, e.range.clone());
+                push(format!("param.{}", e.name), e.shape.clone(), values);
             }
         }
         for e in model.buffers() {
-            let values = &state.store.buffers[e.range.clone()];
-            tensors.push((format!("buffer.{}", e.name), e.shape.clone(), values.into()));
+            let values = data(StateKind::Buffers, e.range.clone());
+            push(format!("buffer.{}", e.name), e.shape.clone(), values);
         }
-        let opt = state.optimizer;
-        tensors.push((
-            "optimizer.m".into(),
-            vec![opt.m.len()],
-            opt.m.as_slice().into(),
-        ));
-        if !opt.v.is_empty() {
-            tensors.push((
-                "optimizer.v".into(),
-                vec![opt.v.len()],
-                opt.v.as_slice().into(),
-            ));
+        let (optimizer_step, moments) = match state.source {
+            StateSource::Host { optimizer, .. } => {
+                (optimizer.step, [optimizer.m.len(), optimizer.v.len()])
+            }
+            StateSource::Worker(parallel) => (
+                parallel.optimizers[0].step,
+                [StateKind::FirstMoment, StateKind::SecondMoment]
+                    .map(|kind| parallel.state_len(0, kind)),
+            ),
+        };
+        let kinds = [StateKind::FirstMoment, StateKind::SecondMoment];
+        for ((name, kind), len) in ["optimizer.m", "optimizer.v"]
+            .into_iter()
+            .zip(kinds)
+            .zip(moments)
+        {
+            // SGD has no second moment.
+            if name == "optimizer.m" || len > 0 {
+                push(name.into(), vec![len], data(kind, 0..len));
+            }
         }
         let mut metadata: HashMap<String, String> = [
             ("format".to_string(), FORMAT.to_string()),
             ("step".to_string(), state.step.to_string()),
-            ("optimizer_step".to_string(), opt.step.to_string()),
+            ("optimizer_step".to_string(), optimizer_step.to_string()),
             ("model".to_string(), state.model_description.to_string()),
             ("config".to_string(), state.config.to_string()),
         ]
@@ -187,37 +236,60 @@ impl<'a> Snapshot<'a> {
         Ok(Snapshot { tensors, metadata })
     }
 
-    /// A copy that owns its values (the copy is what a background save costs the training
-    /// thread).
-    pub fn into_owned(self) -> Snapshot<'static> {
-        Snapshot {
-            tensors: (self.tensors.into_iter())
-                .map(|(name, shape, values)| (name, shape, Cow::Owned(values.into_owned())))
-                .collect(),
+    /// A copy that owns its values in host memory, read from `source` when it names the
+    /// worker's state (the copy is what a background save costs the training thread).
+    pub fn into_owned(self, source: Option<&Parallel>) -> Result<Snapshot<'static>> {
+        let tensors = (self.tensors.into_iter())
+            .map(|t| {
+                Ok(OutTensor {
+                    data: t.data.into_owned(source)?,
+                    name: t.name,
+                    shape: t.shape,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Snapshot {
+            tensors,
             metadata: self.metadata,
-        }
+        })
     }
 
-    /// Writes the checkpoint file atomically at `path`, streamed (no serialised copy).
-    pub fn write(&self, path: &Path) -> Result<()> {
-        let views: Vec<(&str, TensorView)> = (self.tensors.iter())
-            .map(|(name, shape, values)| (name.as_str(), view(values, shape.clone())))
-            .collect();
+    /// Writes the checkpoint file atomically at `path`, streamed: no serialised copy, and the
+    /// worker's state (`source`, for a [`StateSource::Worker`] snapshot) read a bounded piece
+    /// at a time when it is on a device.
+    pub fn write(&self, path: &Path, source: Option<&Parallel>) -> Result<()> {
+        self.write_in_pieces(path, source, crate::tensor_file::PIECE_ELEMENTS)
+    }
+
+    /// [`Snapshot::write`], reading a device at most `piece_elements` at a time (the host
+    /// memory a write holds beyond the file's buffer).
+    pub fn write_in_pieces(
+        &self,
+        path: &Path,
+        source: Option<&Parallel>,
+        piece_elements: usize,
+    ) -> Result<()> {
+        let metadata = Some(self.metadata.clone());
         replace_atomically(path, |tmp| {
-            safetensors::serialize_to_file(views, &Some(self.metadata.clone()), tmp)
-                .with_context(|| format!("writing {}", tmp.display()))
+            let written =
+                crate::tensor_file::write(tmp, &self.tensors, &metadata, source, piece_elements);
+            written.map(|_| ())
         })
     }
 
     /// The bytes of tensor data.
     pub fn data_bytes(&self) -> usize {
-        self.tensors.iter().map(|(_, _, v)| 4 * v.len()).sum()
+        self.tensors.iter().map(|t| 4 * t.data.len()).sum()
     }
 }
 
 /// Writes `state`'s checkpoint at `path` (atomically, without copying the state).
 pub fn save(path: &Path, state: &TrainState) -> Result<()> {
-    Snapshot::of(state)?.write(path)
+    let source = match state.source {
+        StateSource::Worker(parallel) => Some(parallel),
+        StateSource::Host { .. } => None,
+    };
+    Snapshot::of(state)?.write(path, source)
 }
 
 /// Replaces `path` by the file `write` creates at the temporary path it is given: `write`,

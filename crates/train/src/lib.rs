@@ -40,6 +40,7 @@ pub mod memory;
 pub mod metrics;
 pub mod sharded;
 pub mod stop;
+pub mod tensor_file;
 pub mod tensorboard;
 pub mod timeline;
 pub mod trainer;

@@ -35,6 +35,7 @@
 
 use crate::checkpoint::{read_safetensors_header, replace_atomically, SafetensorsHeader};
 use crate::dataset::SamplerPosition;
+use crate::tensor_file::{OutTensor, TensorData, PIECE_ELEMENTS};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use meshtrain_comm::{BufMut, ProcessGroup};
 use meshtrain_nn::optim::Optimizer;
@@ -43,7 +44,6 @@ use meshtrain_parallel::parallelize::StatePart;
 use meshtrain_parallel::precision::LossScaler;
 use meshtrain_parallel::Parallel;
 use serde::{Deserialize, Serialize};
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -158,13 +158,13 @@ struct Written {
     error: Option<String>,
 }
 
-/// One piece of this worker's state, borrowed from its stores or owned by a snapshot.
+/// One piece of this worker's state: where the worker holds it, or owned by a snapshot.
 struct Piece<'a> {
     tensor: String,
     shape: Vec<usize>,
     split: Option<ShardSpec>,
     offset: usize,
-    data: Cow<'a, [f32]>,
+    data: TensorData<'a>,
 }
 
 /// One worker's part of a sharded checkpoint: its pieces and, on world rank 0, the index to
@@ -208,7 +208,7 @@ pub fn snapshot<'a>(
             shape: p.shape,
             split: p.split,
             offset: p.offset,
-            data: Cow::Borrowed(p.data),
+            data: TensorData::State(p.data),
         })
         .collect();
     let index = (rank == 0).then(|| {
@@ -255,7 +255,7 @@ pub fn save(
     whole: &Model,
     meta: &SaveMeta<'_>,
 ) -> Result<()> {
-    let outcome = snapshot(dir, parallel, model, whole, meta)?.write();
+    let outcome = snapshot(dir, parallel, model, whole, meta)?.write(Some(parallel));
     let ok = broadcast_u64(parallel.world().as_ref(), outcome.is_ok() as u64)?;
     match (outcome, ok) {
         (Err(e), _) => Err(e),
@@ -268,31 +268,37 @@ pub fn save(
 }
 
 impl ShardedSnapshot<'_> {
-    /// A copy that owns its pieces, for a background writer.
-    pub fn into_owned(self) -> ShardedSnapshot<'static> {
-        ShardedSnapshot {
+    /// A copy that owns its pieces in host memory (read from `source`, the worker whose
+    /// snapshot it is), for a background writer.
+    pub fn into_owned(self, source: &Parallel) -> Result<ShardedSnapshot<'static>> {
+        let source = Some(source);
+        Ok(ShardedSnapshot {
             pieces: (self.pieces.into_iter())
-                .map(|p| Piece {
-                    data: Cow::Owned(p.data.into_owned()),
-                    tensor: p.tensor,
-                    shape: p.shape,
-                    split: p.split,
-                    offset: p.offset,
+                .map(|p| {
+                    Ok(Piece {
+                        data: p.data.into_owned(source)?,
+                        tensor: p.tensor,
+                        shape: p.shape,
+                        split: p.split,
+                        offset: p.offset,
+                    })
                 })
-                .collect(),
+                .collect::<Result<_>>()?,
             dir: self.dir,
             step_dir: self.step_dir,
             rank: self.rank,
             size: self.size,
             index: self.index,
             wait_for_workers: self.wait_for_workers,
-        }
+        })
     }
 
     /// Writes this worker's shard file and its report; on world rank 0 then waits for every
     /// worker's report and commits the index (no collective: any thread may run it).
-    pub fn write(&self) -> Result<()> {
-        let written = self.write_shard();
+    /// `source` is the worker whose state the pieces name (`None` for an owned snapshot):
+    /// on a device they are read a bounded piece at a time as the file is written.
+    pub fn write(&self, source: Option<&Parallel>) -> Result<()> {
+        let written = self.write_shard(source);
         let report = match &written {
             Ok((file, pieces)) => Written {
                 rank: self.rank,
@@ -360,34 +366,35 @@ impl ShardedSnapshot<'_> {
     }
 
     #[allow(clippy::type_complexity)]
-    fn write_shard(&self) -> Result<(Option<FileEntry>, Vec<(String, Vec<usize>, PieceEntry)>)> {
+    fn write_shard(
+        &self,
+        source: Option<&Parallel>,
+    ) -> Result<(Option<FileEntry>, Vec<(String, Vec<usize>, PieceEntry)>)> {
         if self.pieces.is_empty() {
             return Ok((None, Vec::new()));
         }
         let (rank, size) = (self.rank, self.size);
         let relative = format!("{}/shard-{rank:05}-of-{size:05}.safetensors", self.step_dir);
         let path = self.dir.join(&relative);
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = (self.pieces.iter())
-            .map(|p| {
-                let view = safetensors::tensor::TensorView::new(
-                    safetensors::Dtype::F32,
-                    vec![p.data.len()],
-                    bytemuck::cast_slice(&p.data),
-                )
-                .expect("a flat f32 view");
-                (p.key(), view)
+        let tensors: Vec<OutTensor> = (self.pieces.iter())
+            .map(|p| OutTensor {
+                name: p.key(),
+                shape: vec![p.data.len()],
+                data: p.data.clone(),
             })
             .collect();
-        // Streamed into a temporary file (no serialised copy in memory), flushed, renamed.
+        // Streamed into a temporary file (no serialised copy in memory, a device's state a
+        // bounded piece at a time), the checksums computed as it passes, flushed, renamed.
+        let mut crcs = Vec::new();
         replace_atomically(&path, |tmp| {
-            safetensors::serialize_to_file(views, &None, tmp)
-                .with_context(|| format!("writing {}", tmp.display()))
+            crcs = crate::tensor_file::write(tmp, &tensors, &None, source, PIECE_ELEMENTS)?;
+            Ok(())
         })?;
         let bytes = std::fs::metadata(&path)
             .with_context(|| format!("reading the size of {}", path.display()))?
             .len();
-        let described = (self.pieces.iter())
-            .map(|p| {
+        let described = (self.pieces.iter().zip(crcs))
+            .map(|(p, crc32)| {
                 (
                     p.tensor.clone(),
                     p.shape.clone(),
@@ -397,7 +404,7 @@ impl ShardedSnapshot<'_> {
                         split: p.split.clone(),
                         offset: p.offset,
                         len: p.data.len(),
-                        crc32: crc32fast::hash(bytemuck::cast_slice(&p.data)),
+                        crc32,
                     },
                 )
             })

@@ -8,7 +8,7 @@
 //! writes metrics and checkpoints; a checkpoint gathers the stages first, so it is the same
 //! file whatever the layout.
 
-use crate::checkpoint::{self, Restore, Snapshot, TrainState};
+use crate::checkpoint::{self, Restore, Snapshot, StateSource, TrainState};
 use crate::dataset::{random_indices, EvalPlan, SamplerPosition, Sampling};
 use crate::job::CheckpointFormat;
 use crate::job::{load, Job};
@@ -212,16 +212,13 @@ impl Trainer {
     /// This worker's parameters (its stage's chunks, in model order): the whole model
     /// without a pipeline.
     pub fn local_params(&mut self) -> Vec<f32> {
-        // A GPU run's values are on the device; the host store mirrors them after this.
-        if let Err(e) = self.parallel.pull_from_device() {
-            panic!("copying the parameters from the GPU: {e}");
-        }
-        self.parallel
-            .stage
-            .chunks
-            .iter()
-            .flat_map(|c| c.store.values.iter().copied())
-            .collect()
+        // A GPU run's values are on the device: copied to the host for as long as this runs.
+        let copied = self.parallel.with_host_state(|p| {
+            (p.stage.chunks.iter())
+                .flat_map(|c| c.store.values.iter().copied())
+                .collect()
+        });
+        copied.unwrap_or_else(|e| panic!("copying the parameters from the GPU: {e}"))
     }
 
     /// Where this run's checkpoint goes: `checkpoint.safetensors`, or the directory
@@ -422,16 +419,16 @@ impl Trainer {
     }
 
     /// Saves the checkpoint (a collective), after waiting for the previous background write:
-    /// `background` snapshots it into memory and writes it on the writer thread.
+    /// `background` snapshots it into memory and writes it on the writer thread. A state on a
+    /// device is written in the foreground, read from the device a bounded piece at a time
+    /// as the file is written (a background write would need the full host copy this
+    /// avoids).
     fn checkpoint(&mut self, path: &Path, background: bool) -> Result<()> {
         let t = Instant::now();
         // Checkpoints land in order: the previous background write first.
         let waited = self.writer.wait()?;
         self.account_wait(waited);
-        // On a GPU the stage's host store is the checkpoint's mirror: fill it first.
-        self.parallel
-            .pull_from_device()
-            .context("copying the model state from the GPU for a checkpoint")?;
+        let background = background && !self.parallel.is_placed();
         let snapshot_started = Instant::now();
         let loss_scaler = self.parallel.loss_scaler();
         let sampler = Some(self.sampler_position(self.step));
@@ -448,11 +445,11 @@ impl Trainer {
             if background {
                 let snapshot =
                     crate::sharded::snapshot(path, &self.parallel, &self.model, &self.whole, &meta)
-                        .with_context(failed)?
-                        .into_owned();
+                        .and_then(|snapshot| snapshot.into_owned(&self.parallel))
+                        .with_context(failed)?;
                 self.breakdown.checkpoint_snapshot_s += snapshot_started.elapsed().as_secs_f64();
                 self.writer
-                    .start(path.to_path_buf(), move || snapshot.write())?;
+                    .start(path.to_path_buf(), move || snapshot.write(None))?;
             } else {
                 crate::sharded::save(path, &self.parallel, &self.model, &self.whole, &meta)
                     .with_context(failed)?;
@@ -466,19 +463,16 @@ impl Trainer {
                     .gather_state(&self.model, &self.whole)
                     .context("gathering the model for a checkpoint")?
             };
-            // One whole chunk is the whole model: rank 0 writes it as it is, no gathered copy.
-            let (store, optimizer) = match &gathered {
-                Some((store, optimizer)) => (store, optimizer),
-                None => (
-                    &self.parallel.stage.chunks[0].store,
-                    &self.parallel.optimizers[0],
-                ),
+            // One whole chunk is the whole model: rank 0 writes it from where it lives, no
+            // gathered copy.
+            let source = match &gathered {
+                Some((store, optimizer)) => StateSource::Host { store, optimizer },
+                None => StateSource::Worker(&self.parallel),
             };
             if self.is_lead() && (whole_chunk || gathered.is_some()) {
                 let state = TrainState {
                     model: &self.whole,
-                    store,
-                    optimizer,
+                    source,
                     step: self.step,
                     model_description: &self.job.model_description,
                     config: &self.job.config_text,
@@ -487,14 +481,14 @@ impl Trainer {
                 };
                 let snapshot = Snapshot::of(&state)?;
                 if background {
-                    let snapshot = snapshot.into_owned();
+                    let snapshot = snapshot.into_owned(Some(&self.parallel))?;
                     self.breakdown.checkpoint_snapshot_s +=
                         snapshot_started.elapsed().as_secs_f64();
                     let path = path.to_path_buf();
                     self.writer
-                        .start(path.clone(), move || snapshot.write(&path))?;
+                        .start(path.clone(), move || snapshot.write(&path, None))?;
                 } else {
-                    snapshot.write(path)?;
+                    snapshot.write(path, Some(&self.parallel))?;
                 }
             }
         }
@@ -531,7 +525,7 @@ impl Trainer {
         } else {
             let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
             self.parallel
-                .load_state(&self.model, &self.whole, &full, Some(&optimizer));
+                .load_state(&self.model, &self.whole, &full, Some(&optimizer))?;
             (restored.step, restored.sampler, restored.loss_scaler)
         };
         let (step, changed) = match (reshape, &sampler) {
@@ -553,7 +547,6 @@ impl Trainer {
             self.parallel.restore_loss_scaler(scaler);
         }
         self.step = step;
-        self.parallel.push_to_device()?;
         Ok(changed)
     }
 
@@ -630,20 +623,17 @@ impl Trainer {
             let mut full = self.empty_store();
             let from = crate::hf::load(path, &self.whole, &mut full)?;
             self.parallel
-                .load_state(&self.model, &self.whole, &full, None);
-            self.parallel.push_to_device()?;
+                .load_state(&self.model, &self.whole, &full, None)?;
             return Ok(from);
         }
         if crate::sharded::is_sharded(path) {
             let ckpt = crate::sharded::ShardedCheckpoint::open(path)?;
             ckpt.load_into(&mut self.parallel, &self.model, &self.whole, false)?;
-            self.parallel.push_to_device()?;
             return Ok(ckpt.index.model.clone());
         }
         let (full, _, restored) = self.read_checkpoint(path, Restore::Weights)?;
         self.parallel
-            .load_state(&self.model, &self.whole, &full, None);
-        self.parallel.push_to_device()?;
+            .load_state(&self.model, &self.whole, &full, None)?;
         Ok(restored.model_description)
     }
 
@@ -751,9 +741,6 @@ impl Trainer {
             return Ok(None);
         };
         let t = Instant::now();
-        self.parallel
-            .pull_from_device()
-            .context("copying the model from the GPU for the evaluation hook")?;
         let gathered = if self.holds_whole_model() {
             None
         } else {
@@ -764,12 +751,18 @@ impl Trainer {
         if !self.is_lead() {
             return Ok(None);
         }
-        let store = match &gathered {
-            Some((store, _)) => store,
-            None => &self.parallel.stage.chunks[0].store,
+        let (step, whole) = (self.step, &self.whole);
+        let run = |store: &ParamStore| {
+            hook.0(step, whole, store)
+                .unwrap_or_else(|e| Some(format!("after-evaluation hook failed: {e:#}")))
         };
-        let line = hook.0(self.step, &self.whole, store)
-            .unwrap_or_else(|e| Some(format!("after-evaluation hook failed: {e:#}")));
+        let line = match &gathered {
+            Some((store, _)) => run(store),
+            // A GPU run's model is copied to the host for as long as the hook runs.
+            None => (self.parallel)
+                .with_host_state(|p| run(&p.stage.chunks[0].store))
+                .context("copying the model from the GPU for the evaluation hook")?,
+        };
         self.breakdown.eval_s += t.elapsed().as_secs_f64();
         Ok(line)
     }

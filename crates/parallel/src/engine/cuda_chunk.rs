@@ -8,7 +8,7 @@
 //! Inside a step, errors are raised as device panics and caught around the step, where an
 //! out-of-memory becomes advice on what would fit.
 
-use super::device::{kept_ranges, ChunkPlace, DeviceMemory, DeviceState, Sums};
+use super::device::{kept_ranges, ChunkPlace, DeviceMemory, DeviceState, StateKind, Sums};
 use super::flat::{Apply, CopyPlan, FlatBuf, FlatMemory, Run};
 use super::PipelineError;
 use meshtrain_comm::RawBuf;
@@ -131,6 +131,16 @@ impl CudaChunk {
         };
         chunk.upload(store, optimizer)?;
         Ok(chunk)
+    }
+
+    /// Where `kind` lives on the device and its length (`None`: SGD's second moment).
+    fn state(&self, kind: StateKind) -> Option<(u64, usize)> {
+        match kind {
+            StateKind::Values => Some((self.values.ptr(), self.len)),
+            StateKind::Buffers => Some((self.buffers.ptr(), self.buffers_len)),
+            StateKind::FirstMoment => Some((self.m.ptr(), self.moments)),
+            StateKind::SecondMoment => self.v.as_ref().map(|v| (v.ptr(), self.moments)),
+        }
     }
 
     fn refresh_half(&self) -> Result<(), CudaError> {
@@ -475,26 +485,21 @@ impl DeviceState for CudaChunk {
         r.map_err(placing)
     }
 
-    fn download(
-        &self,
-        store: &mut ParamStore,
-        optimizer: &mut Optimizer,
-    ) -> Result<(), PipelineError> {
-        let d = &self.dev;
-        let r = (|| {
-            d.download_into(&mut store.values, self.values.ptr())?;
-            d.download_into(&mut store.buffers[..self.buffers_len], self.buffers.ptr())?;
-            if optimizer.m.len() == self.moments {
-                d.download_into(&mut optimizer.m, self.m.ptr())?;
-            }
-            if let Some(v) = &self.v {
-                if optimizer.v.len() == self.moments {
-                    d.download_into(&mut optimizer.v, v.ptr())?;
-                }
-            }
-            Ok(())
-        })();
-        r.map_err(placing)
+    fn state_len(&self, kind: StateKind) -> usize {
+        self.state(kind).map_or(0, |(_, len)| len)
+    }
+
+    fn read(&self, kind: StateKind, at: usize, into: &mut [f32]) -> Result<(), PipelineError> {
+        let Some((buf, len)) = self.state(kind) else {
+            return Ok(());
+        };
+        if at + into.len() > len {
+            return Err(PipelineError::Device(format!(
+                "reading {kind:?} {at}..{} of {len} elements",
+                at + into.len()
+            )));
+        }
+        (self.dev.download_into(into, buf + 4 * at as u64)).map_err(placing)
     }
 
     fn bind<'a>(

@@ -2,8 +2,10 @@
 //!
 //! On the CPU a chunk's parameters, gradients, buffers and optimizer moments are the vectors
 //! of its [`ParamStore`] and its [`Optimizer`]. On a GPU they live in device memory for the
-//! whole run, and the host store becomes the checkpoint mirror ([`DeviceState::download`]
-//! before a checkpoint, [`DeviceState::upload`] after one is loaded). The executor, the
+//! whole run, and the host keeps no copy of them: a checkpoint reads them a bounded piece at
+//! a time ([`DeviceState::read`]), and only what needs the whole state on the host (loading
+//! a checkpoint, a gathered whole file) fills the host store for as long as it runs
+//! ([`DeviceState::download`], [`DeviceState::upload`], then freed). The executor, the
 //! data-parallel modes, the tied sums, clipping, loss scaling and the optimizer reach that
 //! state only through a [`StageChunk`](super::StageChunk)'s methods, which go to the store
 //! or to this trait: nothing above the engine asks which device a run is on.
@@ -43,6 +45,17 @@ pub struct DeviceMemory {
     pub total_bytes: usize,
 }
 
+/// One of a chunk's state vectors, as a checkpoint reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum StateKind {
+    /// The fp32 parameters (under ZeRO-3 this rank's pieces).
+    Values,
+    Buffers,
+    /// The optimizer's first moment (SGD's momentum), and AdamW's second.
+    FirstMoment,
+    SecondMoment,
+}
+
 /// Which of the two loss sums a device keeps: the training step's or evaluation's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sums {
@@ -73,13 +86,35 @@ pub trait DeviceState: Send {
     /// (gradients zeroed).
     fn upload(&mut self, store: &ParamStore, optimizer: &Optimizer) -> Result<(), PipelineError>;
 
-    /// Copies the values, buffers and moments into `store` and `optimizer` (a checkpoint's
-    /// mirror).
+    /// Elements of one of the state's vectors (ZeRO's pieces count as they are held).
+    fn state_len(&self, kind: StateKind) -> usize;
+
+    /// Copies `into.len()` elements of `kind` from element `at` on into `into`: a checkpoint
+    /// reads the device this way, a bounded piece at a time, with no copy of the whole state
+    /// on the host.
+    fn read(&self, kind: StateKind, at: usize, into: &mut [f32]) -> Result<(), PipelineError>;
+
+    /// Copies the values, buffers and moments into `store` and `optimizer`, sized to the
+    /// device's (a transient host copy, for what needs the whole state on the host: a
+    /// gathered whole-file checkpoint, loading one).
     fn download(
         &self,
         store: &mut ParamStore,
         optimizer: &mut Optimizer,
-    ) -> Result<(), PipelineError>;
+    ) -> Result<(), PipelineError> {
+        let host = [
+            (StateKind::Values, &mut store.values),
+            (StateKind::Buffers, &mut store.buffers),
+            (StateKind::FirstMoment, &mut optimizer.m),
+            (StateKind::SecondMoment, &mut optimizer.v),
+        ];
+        for (kind, into) in host {
+            into.clear();
+            into.resize(self.state_len(kind), 0.0);
+            self.read(kind, 0, into)?;
+        }
+        Ok(())
+    }
 
     /// The chunk's blocks (of `model`) as [`BlockParams`] over the device buffers for one
     /// pass; `on_ready(block)` is called as each block's backward ends.
@@ -337,6 +372,9 @@ pub struct StandIn {
     values: Vec<f32>,
     grads: Vec<f32>,
     buffers: Vec<f32>,
+    /// The optimizer's moments live on the device, as a GPU's do (the host's optimizer keeps
+    /// only its settings and step count while the chunk is placed).
+    moments: Option<Optimizer>,
     /// See [`gradient_len`].
     grads_len: usize,
     /// Whether `values` are the chunk's whole parameters (not ZeRO-3's pieces of them).
@@ -364,10 +402,23 @@ impl StandIn {
             grads_len: gradient_len(store, optimizer),
             whole: place.holds_whole(store.values.len()),
             place,
+            moments: Some(optimizer.clone()),
             ..StandIn::default()
         };
         state.upload(store, optimizer)?;
         Ok(state)
+    }
+}
+
+impl StandIn {
+    fn state(&self, kind: StateKind) -> &[f32] {
+        let moments = self.moments.as_ref();
+        match kind {
+            StateKind::Values => &self.values,
+            StateKind::Buffers => &self.buffers,
+            StateKind::FirstMoment => moments.map_or(&[], |o| &o.m),
+            StateKind::SecondMoment => moments.map_or(&[], |o| &o.v),
+        }
     }
 }
 
@@ -442,20 +493,45 @@ impl DeviceState for StandIn {
         0
     }
 
-    fn upload(&mut self, store: &ParamStore, _: &Optimizer) -> Result<(), PipelineError> {
+    fn upload(&mut self, store: &ParamStore, optimizer: &Optimizer) -> Result<(), PipelineError> {
         // In place once allocated (equal lengths reuse the allocation): the buffers keep
         // their addresses for the state's life.
         self.values.clone_from(&store.values);
         self.buffers.clone_from(&store.buffers);
         self.grads.clear();
         self.grads.resize(self.grads_len, 0.0);
+        // Moments of another length (none loaded: starting from weights) start at zero, as
+        // a GPU's do.
+        let own = self
+            .moments
+            .as_mut()
+            .expect("a placed stand-in has moments");
+        for (mine, host) in [(&mut own.m, &optimizer.m), (&mut own.v, &optimizer.v)] {
+            if host.len() == mine.len() {
+                mine.copy_from_slice(host);
+            } else {
+                mine.iter_mut().for_each(|x| *x = 0.0);
+            }
+        }
+        own.step = optimizer.step;
         self.copies.0 += 1;
         Ok(())
     }
 
-    fn download(&self, store: &mut ParamStore, _: &mut Optimizer) -> Result<(), PipelineError> {
-        store.values.copy_from_slice(&self.values);
-        store.buffers.copy_from_slice(&self.buffers);
+    fn state_len(&self, kind: StateKind) -> usize {
+        self.state(kind).len()
+    }
+
+    fn read(&self, kind: StateKind, at: usize, into: &mut [f32]) -> Result<(), PipelineError> {
+        let held = self.state(kind);
+        let piece = held.get(at..at + into.len()).ok_or_else(|| {
+            PipelineError::Device(format!(
+                "reading {kind:?} {at}..{} of {} elements",
+                at + into.len(),
+                held.len()
+            ))
+        })?;
+        into.copy_from_slice(piece);
         Ok(())
     }
 
@@ -567,7 +643,14 @@ impl DeviceState for StandIn {
         if let Some(k) = self.clip.take() {
             self.scale_grads(k);
         }
-        optimizer.step(&mut self.values, &self.grads, lr);
+        // The host's optimizer brings the step count; the moments are this device's.
+        let own = self
+            .moments
+            .as_mut()
+            .expect("a placed stand-in has moments");
+        own.step = optimizer.step;
+        own.step(&mut self.values, &self.grads, lr);
+        optimizer.step = own.step;
         self.zero_grads();
     }
 

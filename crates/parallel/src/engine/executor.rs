@@ -16,7 +16,7 @@
 //! * [`GradsReady`] fires for each block during a chunk's *last* backward of the step: from
 //!   then on that block's gradients are final and a data-parallel all-reduce may start.
 
-use super::device::DeviceState;
+use super::device::{DeviceState, StateKind};
 use super::partition::Partition;
 use super::schedule::{Action, Schedule};
 use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, SendMode, TAG_LIMIT};
@@ -38,8 +38,8 @@ pub struct StageChunk {
     /// Global chunk index (model order).
     pub index: usize,
     pub blocks: Range<usize>,
-    /// Parameters, gradients and buffers of `blocks` only; with `device`, the checkpoint
-    /// mirror of the device's state (filled by [`DeviceState::download`]).
+    /// Parameters, gradients and buffers of `blocks` only; with `device`, empty but while
+    /// something needs the whole state on the host (filled by [`DeviceState::download`]).
     pub store: ParamStore,
     /// Ranges of `store.grads` that gradient norms leave out (tied copies, whose primary
     /// counts for them).
@@ -138,8 +138,8 @@ impl StageChunk {
         }
     }
 
-    /// Copies the device's state into the store and `optimizer` (before a checkpoint reads
-    /// them); nothing on the host.
+    /// Fills the store and `optimizer`'s moments from the device (a transient host copy, for
+    /// what needs the whole state on the host); nothing on the host.
     pub fn pull_from_device(&mut self, optimizer: &mut Optimizer) -> Result<(), PipelineError> {
         match &self.device {
             Some(d) => d.download(&mut self.store, optimizer),
@@ -148,12 +148,41 @@ impl StageChunk {
     }
 
     /// Replaces the device's state by the store and `optimizer` (after a checkpoint was
-    /// loaded into them); nothing on the host.
-    pub fn push_to_device(&mut self, optimizer: &Optimizer) -> Result<(), PipelineError> {
+    /// loaded into them), then frees the host copy; nothing on the host.
+    pub fn push_to_device(&mut self, optimizer: &mut Optimizer) -> Result<(), PipelineError> {
         match &mut self.device {
-            Some(d) => d.upload(&self.store, optimizer),
-            None => Ok(()),
+            Some(d) => d.upload(&self.store, optimizer)?,
+            None => return Ok(()),
         }
+        self.release_host_state(optimizer);
+        Ok(())
+    }
+
+    /// A placed chunk's host copy freed: its state lives on the device, and a checkpoint
+    /// reads it from there ([`DeviceState::read`]). Nothing on the host.
+    pub fn release_host_state(&mut self, optimizer: &mut Optimizer) {
+        if self.device.is_some() {
+            for host in [
+                &mut self.store.values,
+                &mut self.store.grads,
+                &mut self.store.buffers,
+                &mut optimizer.m,
+                &mut optimizer.v,
+            ] {
+                *host = Vec::new();
+            }
+        }
+    }
+
+    /// Copies `into.len()` elements of `kind` from element `at` on from the device, when
+    /// the chunk is placed (`None`: the state is the store's and the optimizer's).
+    pub fn read_from_device(
+        &self,
+        kind: StateKind,
+        at: usize,
+        into: &mut [f32],
+    ) -> Option<Result<(), PipelineError>> {
+        self.device.as_ref().map(|d| d.read(kind, at, into))
     }
 
     /// `Σ g²` over this chunk's gradients, without `norm_skip`.

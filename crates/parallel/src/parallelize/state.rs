@@ -3,6 +3,7 @@
 //! state read back into any layout.
 
 use super::*;
+use std::ops::Range;
 
 /// Writes rank `rank`'s part `part` of `chunk` (in `model`'s layout, starting at `bases.0`)
 /// into `joined` (the whole model's layout, starting at `bases.1`): sharded parameters into
@@ -49,6 +50,15 @@ impl Parallel {
     /// stage's tensor-parallel ranks join their shards on their rank 0, and those gather the
     /// stages on pipeline rank 0. Call it on every worker.
     pub fn gather_state(
+        &mut self,
+        model: &Model,
+        whole: &Model,
+    ) -> Result<Option<(ParamStore, Optimizer)>, ParallelError> {
+        // On a device the gather reads the host copy, filled for as long as it runs.
+        self.with_host_state(|p| p.gather_host_state(model, whole))?
+    }
+
+    fn gather_host_state(
         &mut self,
         model: &Model,
         whole: &Model,
@@ -213,8 +223,8 @@ impl Parallel {
         whole: &Model,
         full: &ParamStore,
         optimizer: Option<&Optimizer>,
-    ) {
-        let mut read = |part: StatePart| -> Result<Vec<f32>, String> {
+    ) -> Result<(), ParallelError> {
+        let mut read = |part: StatePart| -> Result<Vec<f32>, ParallelError> {
             let (src, range) = match part {
                 StatePart::Values(i) => (&full.values, whole.params()[i].range.clone()),
                 StatePart::FirstMoment(i) => (
@@ -231,15 +241,33 @@ impl Parallel {
         };
         let moments = optimizer.map(|o| o.step);
         self.load_state_with(model, moments, &mut read)
-            .expect("a whole-model state holds every tensor");
     }
 
     /// Continues from a state read tensor by tensor: `read` returns one whole tensor of the
     /// unsplit model ([`StatePart`]; its parameters and buffers are numbered as `model`'s,
     /// which tensor parallelism splits but does not reorder), and is asked only for the tensors of this
     /// worker's chunks (a sharded checkpoint reads just those). `moments` is the optimizer's
-    /// step count when the moments are restored too (`None`: weights only).
-    pub fn load_state_with<E>(
+    /// step count when the moments are restored too (`None`: weights only). On a device the
+    /// state passes through a host copy, filled first (what is not loaded stays as it was)
+    /// and freed once uploaded.
+    pub fn load_state_with<E: From<ParallelError>>(
+        &mut self,
+        model: &Model,
+        moments: Option<u64>,
+        read: &mut dyn FnMut(StatePart) -> Result<Vec<f32>, E>,
+    ) -> Result<(), E> {
+        self.pull_from_device()?;
+        let loaded = self.load_host_state(model, moments, read);
+        match loaded {
+            Ok(()) => Ok(self.push_to_device()?),
+            Err(e) => {
+                self.release_host_state();
+                Err(e)
+            }
+        }
+    }
+
+    fn load_host_state<E>(
         &mut self,
         model: &Model,
         moments: Option<u64>,
@@ -314,14 +342,13 @@ impl Parallel {
     /// their rank, replicated parameters and buffers by tensor-parallel rank 0; under ZeRO
     /// each data-parallel rank its pieces, otherwise data-parallel rank 0 everything. Tied
     /// copies are their primary (written once). Call between steps.
-    pub fn own_pieces<'a>(&'a self, model: &Model) -> Vec<StatePiece<'a>> {
+    pub fn own_pieces(&self, model: &Model) -> Vec<StatePiece> {
         let (first, tp) = (self.holds_first_copy(), self.mesh.coordinate(MeshAxis::Tp));
         let second = self.optimizers.iter().any(Optimizer::has_second_moment);
         let zero = crate::zero::of(self.sync.as_ref());
         let mut out = Vec::new();
         for (j, chunk) in self.stage.chunks.iter().enumerate() {
             let base = model.blocks_param_range(chunk.blocks.clone()).start;
-            let optimizer = &self.optimizers[j];
             for (i, e) in model.params().iter().enumerate() {
                 if !chunk.blocks.contains(&e.block) || model.tied_primary(i).is_some() {
                     continue;
@@ -331,8 +358,8 @@ impl Parallel {
                 }
                 let local = e.range.start - base..e.range.end - base;
                 // Offset within the local tensor, and where this rank's values and moments
-                // of it sit: (values source, its range, the moments' range).
-                let (offset, values, moments): (usize, &[f32], _) = match zero {
+                // of it sit: (offset, the values' range, the moments' range).
+                let (offset, values, moments) = match zero {
                     Some(z) => {
                         let p = z
                             .layout(j)
@@ -340,31 +367,35 @@ impl Parallel {
                             .iter()
                             .find(|p| p.full == local)
                             .expect("every parameter has a piece");
-                        let values = match z.shard_values(j, &chunk.store.values) {
-                            Some(sv) => &sv[p.state.clone()],
-                            None => &chunk.store.values[p.piece_full()],
+                        let values = match z.holds_value_pieces(j) {
+                            true => p.state.clone(),
+                            false => p.piece_full(),
                         };
                         (p.piece.start, values, p.state.clone())
                     }
-                    None if first => (0, &chunk.store.values[local.clone()], local),
+                    None if first => (0, local.clone(), local),
                     None => continue,
                 };
                 if values.is_empty() {
                     continue;
                 }
-                let mut push = |kind: &str, data: &'a [f32]| {
+                let mut push = |kind: &str, state: StateKind, range: Range<usize>| {
                     out.push(StatePiece {
                         tensor: format!("{kind}.{}", e.name),
                         shape: e.full_shape(),
                         split: e.shard().cloned(),
                         offset,
-                        data,
+                        data: StateRange {
+                            chunk: j,
+                            kind: state,
+                            range,
+                        },
                     })
                 };
-                push("param", values);
-                push("m", &optimizer.m[moments.clone()]);
+                push("param", StateKind::Values, values);
+                push("m", StateKind::FirstMoment, moments.clone());
                 if second {
-                    push("v", &optimizer.v[moments]);
+                    push("v", StateKind::SecondMoment, moments);
                 }
             }
             if first && tp == 0 {
@@ -376,8 +407,11 @@ impl Parallel {
                             shape: e.shape.clone(),
                             split: None,
                             offset: 0,
-                            data: &chunk.store.buffers
-                                [e.range.start - buffer_base..e.range.end - buffer_base],
+                            data: StateRange {
+                                chunk: j,
+                                kind: StateKind::Buffers,
+                                range: e.range.start - buffer_base..e.range.end - buffer_base,
+                            },
                         });
                     }
                 }
@@ -385,6 +419,74 @@ impl Parallel {
         }
         out
     }
+
+    /// Local chunk `j`'s whole `kind` vector, when it is in host memory (not placed on a
+    /// device; under ZeRO-3 this rank's parameter pieces).
+    fn host_vector(&self, j: usize, kind: StateKind) -> Option<&[f32]> {
+        let chunk = &self.stage.chunks[j];
+        if chunk.device.is_some() {
+            return None;
+        }
+        let optimizer = &self.optimizers[j];
+        Some(match kind {
+            StateKind::Values => {
+                let zero = crate::zero::of(self.sync.as_ref());
+                match zero.and_then(|z| z.shard_values(j)) {
+                    Some(pieces) => pieces,
+                    None => &chunk.store.values,
+                }
+            }
+            StateKind::Buffers => &chunk.store.buffers,
+            StateKind::FirstMoment => &optimizer.m,
+            StateKind::SecondMoment => &optimizer.v,
+        })
+    }
+
+    /// The elements `at` names, when they are in host memory (not placed on a device): a
+    /// checkpoint writes them as they are.
+    pub fn host_state(&self, at: &StateRange) -> Option<&[f32]> {
+        (self.host_vector(at.chunk, at.kind)).map(|held| &held[at.range.clone()])
+    }
+
+    /// Elements of local chunk `j`'s `kind`, wherever it lives (ZeRO's pieces as held).
+    pub fn state_len(&self, j: usize, kind: StateKind) -> usize {
+        match &self.stage.chunks[j].device {
+            Some(d) => d.state_len(kind),
+            None => self.host_vector(j, kind).map_or(0, <[f32]>::len),
+        }
+    }
+
+    /// Copies `into.len()` elements of `at` from its element `offset` on into `into`, from
+    /// the host or the device (a checkpoint reads a placed state a bounded piece at a time
+    /// this way). Call between steps.
+    pub fn read_state(
+        &self,
+        at: &StateRange,
+        offset: usize,
+        into: &mut [f32],
+    ) -> Result<(), ParallelError> {
+        let end = offset + into.len();
+        assert!(end <= at.range.len(), "reading past {at:?}");
+        if let Some(held) = self.host_state(at) {
+            into.copy_from_slice(&held[offset..end]);
+            return Ok(());
+        }
+        let chunk = &self.stage.chunks[at.chunk];
+        match chunk.read_from_device(at.kind, at.range.start + offset, into) {
+            Some(read) => Ok(read?),
+            None => unreachable!("a chunk off the host is on a device"),
+        }
+    }
+}
+
+/// A run of one of a worker's state vectors: local chunk `chunk`'s `kind`, elements
+/// `range` (ZeRO-3's parameter pieces in their state coordinates). Plain data: a checkpoint
+/// reads it through [`Parallel::read_state`] wherever it lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateRange {
+    pub chunk: usize,
+    pub kind: StateKind,
+    pub range: Range<usize>,
 }
 
 /// One whole tensor of the unsplit model, as [`Parallel::load_state_with`] asks for it
@@ -400,13 +502,14 @@ pub enum StatePart {
 /// A run of one tensor that one worker holds: `data` is elements `offset..` of the tensor's
 /// tensor-parallel shard `split` (of the whole tensor when `split` is `None`), flat.
 #[derive(Clone, Debug, PartialEq)]
-pub struct StatePiece<'a> {
+pub struct StatePiece {
     /// `param.NAME`, `m.NAME`, `v.NAME` or `buffer.NAME`.
     pub tensor: String,
     /// The whole tensor's shape.
     pub shape: Vec<usize>,
     pub split: Option<ShardSpec>,
     pub offset: usize,
-    /// Borrowed from the worker's stores: a save copies nothing before writing.
-    pub data: &'a [f32],
+    /// Where the worker holds it (read through [`Parallel::read_state`]: a save copies
+    /// nothing before writing).
+    pub data: StateRange,
 }

@@ -257,7 +257,7 @@ impl ZeroChunk {
     }
 
     /// Whether this rank's parameter pieces (stage 3) live in the device's parameter buffer
-    /// (and the store mirrors them).
+    /// (the host store holds them only while a load or a gathered checkpoint needs them).
     pub fn values_on_device(&self) -> bool {
         self.device_values.is_some()
     }

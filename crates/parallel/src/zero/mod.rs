@@ -280,15 +280,17 @@ impl ZeroSync {
         &self.chunks[j].layout
     }
 
-    /// Under stage 3, local chunk `j`'s parameter pieces (state coordinates; between steps).
-    /// `store_values`: the chunk's store's, which hold the pieces on a device.
-    pub fn shard_values<'s>(&'s self, j: usize, store_values: &'s [f32]) -> Option<&'s [f32]> {
+    /// Whether local chunk `j`'s parameters are this rank's pieces (stage 3, in state
+    /// coordinates) rather than whole.
+    pub fn holds_value_pieces(&self, j: usize) -> bool {
+        self.chunks[j].stage() == ZeroStage::Parameters
+    }
+
+    /// Under stage 3 on the host, local chunk `j`'s parameter pieces (state coordinates;
+    /// between steps). On a device they are the device's parameters.
+    pub fn shard_values(&self, j: usize) -> Option<&[f32]> {
         let z = &self.chunks[j];
-        match (z.stage(), z.values_on_device()) {
-            (ZeroStage::Parameters, true) => Some(store_values),
-            (ZeroStage::Parameters, false) => Some(&z.shard_values[..]),
-            _ => None,
-        }
+        (z.stage() == ZeroStage::Parameters && !z.values_on_device()).then_some(&z.shard_values[..])
     }
 
     /// Continues from full-layout state: keeps this rank's pieces of the moments (and of
@@ -362,7 +364,7 @@ impl GradSync for ZeroSync {
 
     fn placing(&mut self, chunks: &mut [StageChunk]) {
         // Stage 3's pieces become the store's, so the device holds them as its parameters
-        // (and the store mirrors them for checkpoints).
+        // (the store frees them once placed).
         if self.stage == ZeroStage::Parameters {
             for (z, chunk) in self.chunks.iter_mut().zip(chunks) {
                 chunk.store.values = std::mem::take(&mut z.shard_values);
