@@ -125,7 +125,8 @@ pub fn write(
     );
     let file =
         std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    let mut out = std::io::BufWriter::with_capacity(8 << 20, file);
+    // Small tensors gather in the buffer; a larger slice (or a device piece) bypasses it.
+    let mut out = std::io::BufWriter::with_capacity(256 << 10, file);
     let written = |e| anyhow::Error::new(e).context(format!("writing {}", path.display()));
     out.write_all(&header(tensors, metadata)?)
         .map_err(written)?;
