@@ -321,23 +321,22 @@ fn a_placed_chunk_keeps_no_state_on_the_host() {
     );
 }
 
-/// The checkpoint a run on the device writes (each tensor streamed from the device, or
-/// gathered through a transient host copy) holds the bytes the CPU run's holds: whole files
-/// of one chunk and of ZeRO's gathered pieces, sharded files of replicas and of ZeRO's
-/// pieces, compared tensor by tensor (whole files) and piece checksum by piece checksum
-/// (sharded).
+/// The checkpoint a run on the device writes (each tensor streamed from the device, ZeRO's
+/// pieces gathered window by window as rank 0 writes) holds the bytes the CPU run's holds:
+/// whole files of one chunk and of ZeRO-1/2/3's gathered pieces, sharded files of replicas
+/// and of ZeRO's pieces, compared tensor by tensor (whole files) and piece checksum by piece
+/// checksum (sharded).
 #[test]
 fn device_checkpoints_hold_the_cpus_bytes() {
-    let layouts: [&[&str]; 5] = [
+    const WHOLE: &str = "train.checkpoint_format=\"whole\"";
+    let layouts: [&[&str]; 7] = [
         &["parallel.dp=2"],
         &["parallel.dp=2", "train.checkpoint_format=\"sharded\""],
         &["parallel.dp=2", "parallel.zero=1"],
         &["parallel.dp=2", "parallel.zero=3"],
-        &[
-            "parallel.dp=2",
-            "parallel.zero=2",
-            "train.checkpoint_format=\"whole\"",
-        ],
+        &["parallel.dp=2", "parallel.zero=1", WHOLE],
+        &["parallel.dp=2", "parallel.zero=2", WHOLE],
+        &["parallel.dp=2", "parallel.zero=3", WHOLE],
     ];
     for layout in layouts {
         let written = |extra: &[&str]| {
@@ -353,6 +352,73 @@ fn device_checkpoints_hold_the_cpus_bytes() {
             "{layout:?}: the device's checkpoint differs from the CPU's"
         );
     }
+}
+
+/// ZeRO-3's whole file gathered in windows of 5 elements (windows that cut through every
+/// rank's pieces, the second rank serving them) is the file gathered in windows of 16 Mi,
+/// and holds the tensors of the whole state gathered first (the CPU's background path).
+#[test]
+fn a_gathered_whole_file_is_the_same_in_any_window() {
+    let out = tempfile::tempdir().unwrap().keep();
+    let layout = ["parallel.dp=2", "parallel.zero=3", STAND_IN];
+    let cfg = tiny_gpt_config(&out, 2, &layout);
+    let job = job(&cfg);
+    let files = meshtrain_comm::ThreadsWorld::run(2, Default::default(), move |group| {
+        let mut t = job.trainer(group, Some(1))?;
+        for _ in 0..2 {
+            t.train_step()?;
+        }
+        anyhow::ensure!(
+            t.parallel.gathers_by_range(),
+            "ZeRO-3 at dp=2 gathers by range"
+        );
+        let gathered = t.parallel.gather_state(&t.model, &t.whole)?;
+        let state = meshtrain_train::checkpoint::TrainState {
+            model: &t.whole,
+            source: meshtrain_train::checkpoint::StateSource::Gathered(&t.parallel),
+            step: 2,
+            model_description: "",
+            config: "",
+            loss_scaler: None,
+            sampler: None,
+        };
+        let snapshot = meshtrain_train::checkpoint::Snapshot::of(&state)?;
+        let mut files = Vec::new();
+        if let Some((store, optimizer)) = &gathered {
+            let whole = meshtrain_train::checkpoint::TrainState {
+                source: meshtrain_train::checkpoint::StateSource::Host { store, optimizer },
+                ..state
+            };
+            let path = out.join("gathered.safetensors");
+            meshtrain_train::checkpoint::save(&path, &whole)?;
+            files.push(std::fs::read(path)?);
+        }
+        for (name, piece) in [("small.safetensors", 5), ("large.safetensors", 1 << 24)] {
+            let path = out.join(name);
+            if t.is_lead() {
+                snapshot.write_in_pieces(&path, Some(&t.parallel), piece)?;
+                files.push(std::fs::read(path)?);
+            } else {
+                snapshot.serve_in_pieces(&t.parallel, piece)?;
+            }
+        }
+        Ok::<_, anyhow::Error>(files)
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let lead = &files[0];
+    assert_eq!(lead.len(), 3);
+    assert_eq!(lead[1], lead[2], "the windows changed the file");
+    let dir = tempfile::tempdir().unwrap();
+    let contents = |bytes: &[u8]| {
+        let path = dir.path().join("file.safetensors");
+        std::fs::write(&path, bytes).unwrap();
+        checkpoint_contents(&path)
+    };
+    assert_eq!(
+        contents(&lead[1]),
+        contents(&lead[0]),
+        "gathered by range and whole differ"
+    );
 }
 
 /// What a checkpoint holds, for comparing two: a whole file's tensors (name, shape, bytes)

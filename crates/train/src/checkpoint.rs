@@ -40,6 +40,12 @@ pub enum StateSource<'a> {
     /// A worker whose one chunk is the whole model, read wherever its state lives (on a
     /// device a bounded piece at a time, with no host copy of the model).
     Worker(&'a Parallel),
+    /// ZeRO's ranks, each holding pieces of the one chunk
+    /// ([`Parallel::gathers_by_range`]): the moments (and under stage 3 the parameters)
+    /// gathered a window at a time as the file is written; every rank builds the same
+    /// snapshot, one writes it ([`Snapshot::write`]) and the others serve the gathers
+    /// ([`Snapshot::serve`]).
+    Gathered(&'a Parallel),
 }
 
 /// Everything needed to continue a run exactly where it stopped.
@@ -181,6 +187,21 @@ impl<'a> Snapshot<'a> {
                     kind,
                     range,
                 }),
+                StateSource::Gathered(parallel) => match kind {
+                    StateKind::Buffers => TensorData::State(StateRange {
+                        chunk: 0,
+                        kind,
+                        range,
+                    }),
+                    StateKind::Values if !parallel.holds_value_pieces(0) => {
+                        TensorData::State(StateRange {
+                            chunk: 0,
+                            kind,
+                            range,
+                        })
+                    }
+                    _ => TensorData::Gathered(kind, range),
+                },
             }
         };
         let mut tensors = Vec::new();
@@ -207,6 +228,12 @@ impl<'a> Snapshot<'a> {
                 [StateKind::FirstMoment, StateKind::SecondMoment]
                     .map(|kind| parallel.state_len(0, kind)),
             ),
+            // The moments of every parameter of the whole model, SGD without a second.
+            StateSource::Gathered(parallel) => {
+                let second = parallel.state_len(0, StateKind::SecondMoment) > 0;
+                let n = model.num_params();
+                (parallel.optimizers[0].step, [n, if second { n } else { 0 }])
+            }
         };
         let kinds = [StateKind::FirstMoment, StateKind::SecondMoment];
         for ((name, kind), len) in ["optimizer.m", "optimizer.v"]
@@ -261,8 +288,19 @@ impl<'a> Snapshot<'a> {
         self.write_in_pieces(path, source, crate::tensor_file::PIECE_ELEMENTS)
     }
 
-    /// [`Snapshot::write`], reading a device at most `piece_elements` at a time (the host
-    /// memory a write holds beyond the file's buffer).
+    /// A rank's part in the gathers of a [`StateSource::Gathered`] snapshot another rank
+    /// writes (a collective over the ZeRO group; nothing to do for other snapshots).
+    pub fn serve(&self, source: &Parallel) -> Result<()> {
+        self.serve_in_pieces(source, crate::tensor_file::PIECE_ELEMENTS)
+    }
+
+    /// [`Snapshot::serve`] for a [`Snapshot::write_in_pieces`] of `piece_elements`.
+    pub fn serve_in_pieces(&self, source: &Parallel, piece_elements: usize) -> Result<()> {
+        crate::tensor_file::serve(&self.tensors, source, piece_elements)
+    }
+
+    /// [`Snapshot::write`], reading a device or gathering at most `piece_elements` at a time
+    /// (the host memory a write holds beyond the file's buffer).
     pub fn write_in_pieces(
         &self,
         path: &Path,
@@ -286,7 +324,7 @@ impl<'a> Snapshot<'a> {
 /// Writes `state`'s checkpoint at `path` (atomically, without copying the state).
 pub fn save(path: &Path, state: &TrainState) -> Result<()> {
     let source = match state.source {
-        StateSource::Worker(parallel) => Some(parallel),
+        StateSource::Worker(parallel) | StateSource::Gathered(parallel) => Some(parallel),
         StateSource::Host { .. } => None,
     };
     Snapshot::of(state)?.write(path, source)

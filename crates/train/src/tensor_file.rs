@@ -10,12 +10,14 @@
 //! CRC-32 is computed as its bytes pass, for the sharded index.
 
 use anyhow::{Context, Result};
+use meshtrain_parallel::engine::StateKind;
 use meshtrain_parallel::parallelize::StateRange;
 use meshtrain_parallel::Parallel;
 use safetensors::tensor::{Dtype, View};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
+use std::ops::Range;
 use std::path::Path;
 
 /// Elements read from a device at a time: 64 MiB of f32, the most a write holds on the host
@@ -29,6 +31,10 @@ pub enum TensorData<'a> {
     Host(Cow<'a, [f32]>),
     /// A run of a worker's state, wherever it lives ([`Parallel::read_state`]).
     State(StateRange),
+    /// Elements of the chunk's full-layout parameters or moments that ZeRO cut over the
+    /// ranks, gathered a window at a time ([`Parallel::gather_range`]: every rank takes part,
+    /// the writing rank through [`write`], the others through [`serve`]).
+    Gathered(StateKind, Range<usize>),
 }
 
 /// One tensor of a file: its name, shape and elements.
@@ -44,6 +50,7 @@ impl TensorData<'_> {
         match self {
             TensorData::Host(values) => values.len(),
             TensorData::State(at) => at.range.len(),
+            TensorData::Gathered(_, range) => range.len(),
         }
     }
 
@@ -61,6 +68,9 @@ impl TensorData<'_> {
                 let mut values = vec![0.0; at.range.len()];
                 source.read_state(&at, 0, &mut values)?;
                 values
+            }
+            TensorData::Gathered(..) => {
+                anyhow::bail!("a gathered tensor is written as it is gathered, never copied")
             }
         })))
     }
@@ -106,11 +116,31 @@ fn header(tensors: &[OutTensor], metadata: &Option<HashMap<String, String>>) -> 
     Ok(safetensors::serialize(views, metadata)?)
 }
 
+/// The pieces a file of `tensors` is written in: (tensor index, elements of that tensor),
+/// tensors in the header's order (by name: every tensor is F32), at most `piece_elements`
+/// each. The writer and the ranks serving a gather go through the same list.
+fn pieces(tensors: &[OutTensor], piece_elements: usize) -> Vec<(usize, Range<usize>)> {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by(|&a, &b| tensors[a].name.cmp(&tensors[b].name));
+    let mut out = Vec::new();
+    for i in order {
+        let len = tensors[i].data.len();
+        out.extend(
+            (0..len)
+                .step_by(piece_elements)
+                .map(|at| (i, at..len.min(at + piece_elements))),
+        );
+    }
+    out
+}
+
 /// Writes `tensors` as a safetensors file at `path` (not atomically: see
 /// [`crate::checkpoint::replace_atomically`]), reading [`TensorData::State`] tensors held on
-/// a device through `source` at most `piece_elements` at a time ([`PIECE_ELEMENTS`] unless
-/// a caller bounds the host memory otherwise). Returns each tensor's CRC-32, in the order
-/// of `tensors`.
+/// a device through `source`, and gathering [`TensorData::Gathered`] ones (the other ranks
+/// in [`serve`]), at most `piece_elements` at a time ([`PIECE_ELEMENTS`] unless a caller
+/// bounds the host memory otherwise). Returns each tensor's CRC-32, in the order of
+/// `tensors`. A file that cannot be written still takes its part in every gather, so the
+/// other ranks never wait for it; the error comes at the end.
 pub fn write(
     path: &Path,
     tensors: &[OutTensor],
@@ -123,50 +153,83 @@ pub fn write(
         "writing {}: pieces of no elements",
         path.display()
     );
-    let file =
-        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    // Small tensors gather in the buffer; a larger slice (or a device piece) bypasses it.
-    let mut out = std::io::BufWriter::with_capacity(256 << 10, file);
     let written = |e| anyhow::Error::new(e).context(format!("writing {}", path.display()));
-    out.write_all(&header(tensors, metadata)?)
-        .map_err(written)?;
-    // The data in the header's order: by name (every tensor is F32).
-    let mut order: Vec<usize> = (0..tensors.len()).collect();
-    order.sort_by(|&a, &b| tensors[a].name.cmp(&tensors[b].name));
-    let mut crcs = vec![0; tensors.len()];
+    let mut failed: Option<anyhow::Error> = None;
+    let mut out = match std::fs::File::create(path) {
+        // Small tensors gather in the buffer; a larger slice (or a device piece) bypasses it.
+        Ok(file) => Some(std::io::BufWriter::with_capacity(256 << 10, file)),
+        Err(e) => {
+            failed = Some(anyhow::Error::new(e).context(format!("creating {}", path.display())));
+            None
+        }
+    };
+    if let Some(out) = &mut out {
+        if let Err(e) = out.write_all(&header(tensors, metadata)?) {
+            failed = Some(written(e));
+        }
+    }
+    let need = || source.context("a tensor of the worker's state without the worker");
+    let mut crcs = vec![crc32fast::Hasher::new(); tensors.len()];
     let mut piece = Vec::new();
-    for i in order {
-        let mut crc = crc32fast::Hasher::new();
-        let mut put = |values: &[f32], out: &mut std::io::BufWriter<std::fs::File>| {
-            let bytes: &[u8] = bytemuck::cast_slice(values);
-            crc.update(bytes);
-            out.write_all(bytes).map_err(written)
-        };
-        match &tensors[i].data {
-            TensorData::Host(values) => put(values, &mut out)?,
-            TensorData::State(at) => {
-                let source = source.context("a tensor of the worker's state without the worker")?;
-                match source.host_state(at) {
-                    Some(values) => put(values, &mut out)?,
-                    None => {
-                        let mut offset = 0;
-                        while offset < at.range.len() {
-                            let n = piece_elements.min(at.range.len() - offset);
-                            piece.resize(n, 0.0);
-                            source.read_state(at, offset, &mut piece).with_context(|| {
-                                format!("reading {} from the device", tensors[i].name)
-                            })?;
-                            put(&piece, &mut out)?;
-                            offset += n;
-                        }
-                    }
+    for (i, part) in pieces(tensors, piece_elements) {
+        let name = &tensors[i].name;
+        let values: &[f32] = match &tensors[i].data {
+            _ if failed.is_some() && !matches!(tensors[i].data, TensorData::Gathered(..)) => {
+                continue;
+            }
+            TensorData::Host(values) => &values[part],
+            TensorData::State(at) => match need()?.host_state(at) {
+                Some(values) => &values[part],
+                None => {
+                    piece.resize(part.len(), 0.0);
+                    need()?
+                        .read_state(at, part.start, &mut piece)
+                        .with_context(|| format!("reading {name} from the device"))?;
+                    &piece
                 }
+            },
+            TensorData::Gathered(kind, range) => {
+                piece.resize(part.len(), 0.0);
+                let window = range.start + part.start..range.start + part.end;
+                (need()?.gather_range(*kind, window, Some(&mut piece)))
+                    .with_context(|| format!("gathering {name} from the ranks' pieces"))?;
+                &piece
+            }
+        };
+        if failed.is_some() {
+            continue;
+        }
+        let bytes: &[u8] = bytemuck::cast_slice(values);
+        crcs[i].update(bytes);
+        if let Some(out) = &mut out {
+            if let Err(e) = out.write_all(bytes) {
+                failed = Some(written(e));
             }
         }
-        crcs[i] = crc.finalize();
     }
-    out.flush().map_err(written)?;
-    Ok(crcs)
+    if let (None, Some(out)) = (&failed, &mut out) {
+        if let Err(e) = out.flush() {
+            failed = Some(written(e));
+        }
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(crcs.into_iter().map(crc32fast::Hasher::finalize).collect()),
+    }
+}
+
+/// A rank's part in the gathers of a file another rank [`write`]s with the same `tensors`
+/// (in its own layout: the same names and lengths) and `piece_elements`: its runs of every
+/// [`TensorData::Gathered`] piece, sent in the writer's order.
+pub fn serve(tensors: &[OutTensor], source: &Parallel, piece_elements: usize) -> Result<()> {
+    for (i, part) in pieces(tensors, piece_elements) {
+        if let TensorData::Gathered(kind, range) = &tensors[i].data {
+            let window = range.start + part.start..range.start + part.end;
+            (source.gather_range(*kind, window, None))
+                .with_context(|| format!("sending my pieces of {}", tensors[i].name))?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -456,7 +456,11 @@ impl Trainer {
             }
         } else {
             let whole_chunk = self.holds_whole_model();
-            let gathered = if whole_chunk {
+            // ZeRO's pieces gathered window by window as rank 0 writes (in the foreground: a
+            // collective), or the whole state gathered first (pipelines, tensor parallelism,
+            // and the CPU's background writes, which copy it anyway).
+            let by_range = !whole_chunk && !background && self.parallel.gathers_by_range();
+            let gathered = if whole_chunk || by_range {
                 None
             } else {
                 self.parallel
@@ -467,18 +471,19 @@ impl Trainer {
             // gathered copy.
             let source = match &gathered {
                 Some((store, optimizer)) => StateSource::Host { store, optimizer },
+                None if by_range => StateSource::Gathered(&self.parallel),
                 None => StateSource::Worker(&self.parallel),
             };
-            if self.is_lead() && (whole_chunk || gathered.is_some()) {
-                let state = TrainState {
-                    model: &self.whole,
-                    source,
-                    step: self.step,
-                    model_description: &self.job.model_description,
-                    config: &self.job.config_text,
-                    loss_scaler,
-                    sampler,
-                };
+            let state = TrainState {
+                model: &self.whole,
+                source,
+                step: self.step,
+                model_description: &self.job.model_description,
+                config: &self.job.config_text,
+                loss_scaler,
+                sampler,
+            };
+            if self.is_lead() && (whole_chunk || by_range || gathered.is_some()) {
                 let snapshot = Snapshot::of(&state)?;
                 if background {
                     let snapshot = snapshot.into_owned(Some(&self.parallel))?;
@@ -490,6 +495,10 @@ impl Trainer {
                 } else {
                     snapshot.write(path, Some(&self.parallel))?;
                 }
+            } else if by_range {
+                Snapshot::of(&state)?
+                    .serve(&self.parallel)
+                    .context("sending this rank's pieces for the checkpoint")?;
             }
         }
         self.breakdown.checkpoints += 1;

@@ -479,6 +479,91 @@ impl Parallel {
     }
 }
 
+impl Parallel {
+    /// Whether a whole-file checkpoint can be written tensor by tensor from the workers'
+    /// ZeRO pieces ([`Parallel::gather_range`]) instead of gathering the whole state first
+    /// ([`Parallel::gather_state`]): one chunk per worker and data parallelism only (the
+    /// layouts that run on GPUs); with a pipeline or tensor parallelism, the gather.
+    pub fn gathers_by_range(&self) -> bool {
+        let l = &self.layout.layout;
+        crate::zero::of(self.sync.as_ref()).is_some()
+            && self.stage.schedule().num_chunks() == 1
+            && l.tp == 1
+            && l.cp == 1
+    }
+
+    /// Whether local chunk `j`'s parameters are held as ZeRO-3's pieces (state coordinates)
+    /// rather than whole.
+    pub fn holds_value_pieces(&self, j: usize) -> bool {
+        crate::zero::of(self.sync.as_ref()).is_some_and(|z| z.holds_value_pieces(j))
+    }
+
+    /// Elements `window` of the chunk's full-layout `kind` vector (parameters or moments,
+    /// whose elements ZeRO cut into one piece per rank), gathered on rank 0 of the ZeRO
+    /// group into `into` (`window.len()` elements there; `None` on the other ranks, which
+    /// send their runs of it). A collective over that group when
+    /// [`Parallel::gathers_by_range`]: every rank calls it with the same windows in the same
+    /// order. Each rank reads its runs from wherever its state lives (a device a run at a
+    /// time), so no rank holds more than the window.
+    pub fn gather_range(
+        &self,
+        kind: StateKind,
+        window: Range<usize>,
+        into: Option<&mut [f32]>,
+    ) -> Result<(), ParallelError> {
+        let zero = crate::zero::of(self.sync.as_ref()).expect("gathers_by_range");
+        let (group, layout) = (zero.group(), zero.layout(0));
+        let (me, ranks) = (group.rank(), group.size());
+        const TAG: u32 = 0x7a00;
+        let own = |rank: usize| layout.owned_within(rank, &window);
+        let read = |state: Range<usize>, into: &mut [f32]| {
+            let at = StateRange {
+                chunk: 0,
+                kind,
+                range: state,
+            };
+            self.read_state(&at, 0, into)
+        };
+        let Some(into) = into else {
+            let runs = own(me);
+            let mut packed = vec![0.0; runs.iter().map(|(full, _)| full.len()).sum()];
+            let mut at = 0;
+            for (full, state) in runs {
+                read(state, &mut packed[at..at + full.len()])?;
+                at += full.len();
+            }
+            if !packed.is_empty() {
+                group.send((&packed).into(), 0, TAG)?;
+            }
+            return Ok(());
+        };
+        assert_eq!(
+            into.len(),
+            window.len(),
+            "one element per element of the window"
+        );
+        let place = |full: &Range<usize>| full.start - window.start..full.end - window.start;
+        for (full, state) in own(me) {
+            read(state, &mut into[place(&full)])?;
+        }
+        let mut packed = Vec::new();
+        for rank in (0..ranks).filter(|&r| r != me) {
+            let runs = own(rank);
+            packed.resize(runs.iter().map(|(full, _)| full.len()).sum(), 0.0);
+            if packed.is_empty() {
+                continue;
+            }
+            group.recv((&mut packed).into(), rank, TAG)?;
+            let mut at = 0;
+            for (full, _) in runs {
+                into[place(&full)].copy_from_slice(&packed[at..at + full.len()]);
+                at += full.len();
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A run of one of a worker's state vectors: local chunk `chunk`'s `kind`, elements
 /// `range` (ZeRO-3's parameter pieces in their state coordinates). Plain data: a checkpoint
 /// reads it through [`Parallel::read_state`] wherever it lives.

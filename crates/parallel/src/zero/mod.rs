@@ -275,6 +275,11 @@ impl ZeroSync {
         Ok(FullState { values, m, v })
     }
 
+    /// The group the pieces are cut over.
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.group
+    }
+
     /// Local chunk `j`'s cut.
     pub fn layout(&self, j: usize) -> &ShardLayout {
         &self.chunks[j].layout

@@ -164,6 +164,30 @@ impl ShardLayout {
             .collect()
     }
 
+    /// The runs of `window` (full coordinates) that rank `rank` owns, in parameter order,
+    /// each as (full range, the same elements in that rank's state coordinates): what a
+    /// rank contributes when one range of a full-layout vector is gathered, and where the
+    /// gathering rank puts it.
+    pub fn owned_within(
+        &self,
+        rank: usize,
+        window: &Range<usize>,
+    ) -> Vec<(Range<usize>, Range<usize>)> {
+        let mut out = Vec::new();
+        let mut state = 0;
+        for p in &self.params {
+            let piece = p.piece_of(rank);
+            let (start, end) = (p.full.start + piece.start, p.full.start + piece.end);
+            let (a, b) = (start.max(window.start), end.min(window.end));
+            if a < b {
+                let at = state + (a - start);
+                out.push((a..b, at..at + (b - a)));
+            }
+            state += piece.len();
+        }
+        out
+    }
+
     /// This rank's pieces in full coordinates, in order.
     pub fn pieces_full(&self) -> Vec<Range<usize>> {
         self.params.iter().map(ParamShard::piece_full).collect()
@@ -223,6 +247,44 @@ pub fn merge_ranges(mut ranges: Vec<Range<usize>>) -> Vec<Range<usize>> {
 
 #[cfg(test)]
 mod tests {
+
+    /// Every element of any window is owned by exactly one rank, and a rank's own runs
+    /// sit where its state coordinates say.
+    #[test]
+    fn every_window_is_owned_once_and_in_state_coordinates() {
+        let blocks = vec![vec![0..7, 7..8], vec![8..8, 8..21], vec![21..24]];
+        for ranks in 1..=4 {
+            for window in [0..24, 3..19, 7..8, 20..23, 5..5] {
+                let mut owner = [0; 24];
+                for rank in 0..ranks {
+                    let layout = ShardLayout::new(&blocks, ranks, rank);
+                    let mut state_at = None;
+                    for (full, state) in layout.owned_within(rank, &window) {
+                        assert_eq!(full.len(), state.len());
+                        assert!(state_at.is_none_or(|at| state.start >= at), "in order");
+                        state_at = Some(state.end);
+                        for (f, s) in full.clone().zip(state) {
+                            owner[f] += 1;
+                            let p = (layout.params.iter())
+                                .find(|p| p.piece_full().contains(&f))
+                                .expect("a rank's own element is in one of its pieces");
+                            assert_eq!(s, p.state.start + (f - p.piece_full().start));
+                        }
+                    }
+                    // Seen from another rank, the same runs.
+                    let other = ShardLayout::new(&blocks, ranks, (rank + 1) % ranks);
+                    assert_eq!(
+                        other.owned_within(rank, &window),
+                        layout.owned_within(rank, &window)
+                    );
+                }
+                for (f, n) in owner.iter().enumerate() {
+                    assert_eq!(*n, usize::from(window.contains(&f)), "element {f}");
+                }
+            }
+        }
+    }
+
     use super::*;
 
     /// Two blocks: [0..5, 5..6] and [6..13]; three ranks.
