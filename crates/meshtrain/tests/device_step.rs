@@ -264,8 +264,8 @@ fn checkpoint_moves(layout: &[&str]) {
 
 /// A placed chunk's state lives on the device only: the host keeps no parameters,
 /// gradients, buffers or optimizer moments between steps (only the optimizer's settings and
-/// step count), training goes on without them, and neither a checkpoint nor a copy of the
-/// parameters leaves a host copy behind.
+/// step count), training goes on without them, and neither a checkpoint, a copy of the
+/// parameters nor loading a checkpoint leaves a host copy behind.
 #[test]
 fn a_placed_chunk_keeps_no_state_on_the_host() {
     let out = tempfile::tempdir().unwrap().keep();
@@ -299,6 +299,19 @@ fn a_placed_chunk_keeps_no_state_on_the_host() {
         .unwrap_or_else(|e| panic!("{e:#}"));
     nothing_on_the_host(&trainer, "after a checkpoint");
     assert_eq!(trainer.parallel.optimizers[0].step, 2);
+    // Loading writes each tensor to the device as it is read.
+    let trained = trainer.local_params();
+    let mut fresh = common::single_trainer(&cfg);
+    fresh
+        .resume(&out.join("checkpoint.safetensors"))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    nothing_on_the_host(&fresh, "after loading a checkpoint");
+    assert_eq!(
+        fresh.local_params(),
+        trained,
+        "the loaded parameters differ"
+    );
+    assert_eq!(fresh.parallel.optimizers[0].step, 2);
     // Read from the device in pieces of 5 elements, the file is the same.
     let state = meshtrain_train::checkpoint::TrainState {
         model: &trainer.whole,

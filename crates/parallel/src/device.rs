@@ -6,11 +6,11 @@
 //! becomes an error and an out-of-memory becomes advice on what would fit.
 //!
 //! Once placed, the host keeps no copy of a chunk's state: checkpoints read the device a
-//! bounded piece at a time (`Parallel::read_state`), and what needs the whole state on the
-//! host (loading a checkpoint, a gathered whole file, the evaluation hook) fills the stage's
-//! stores for as long as it runs (`Parallel::pull_from_device`, then `release_host_state`
-//! or `push_to_device`), so checkpoints keep their one format and a GPU run resumes on the
-//! CPU and the reverse.
+//! bounded piece at a time (`Parallel::read_state`), loading writes it a tensor at a time
+//! (`Parallel::write_state`), and what needs the whole state on the host (a gather-first
+//! whole file, the evaluation hook) fills the stage's stores for as long as it runs
+//! (`Parallel::pull_from_device`, then `release_host_state`), so checkpoints keep their one
+//! format and a GPU run resumes on the CPU and the reverse.
 
 use crate::data::{DpMode, GradReduce, GradSync};
 use crate::engine::{DeviceState, PipelineError, Stage, StageChunk, StandIn};

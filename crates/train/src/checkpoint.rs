@@ -17,11 +17,10 @@ use anyhow::{bail, Context, Result};
 use meshtrain_nn::optim::Optimizer;
 use meshtrain_nn::{Model, ParamStore};
 use meshtrain_parallel::engine::StateKind;
-use meshtrain_parallel::parallelize::StateRange;
+use meshtrain_parallel::parallelize::{StatePart, StateRange};
 use meshtrain_parallel::precision::LossScaler;
 use meshtrain_parallel::Parallel;
 use safetensors::tensor::{Dtype, TensorView};
-use safetensors::SafeTensors;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -357,36 +356,6 @@ pub fn replace_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) 
         .with_context(|| format!("flushing directory {}", dir.display()))
 }
 
-fn read_f32(st: &SafeTensors, name: &str, shape: &[usize], file: &Path) -> Result<Vec<f32>> {
-    let t = st
-        .tensor(name)
-        .with_context(|| format!("checkpoint {} has no tensor '{name}'", file.display()))?;
-    if t.dtype() != Dtype::F32 || t.shape() != shape {
-        bail!(
-            "checkpoint {}: tensor '{name}' is {:?} {:?}, the model needs F32 {:?}",
-            file.display(),
-            t.dtype(),
-            t.shape(),
-            shape
-        );
-    }
-    let values: Vec<f32> = t
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    let bad = values.iter().filter(|v| !v.is_finite()).count();
-    if bad > 0 {
-        bail!(
-            "checkpoint {}: tensor '{name}' holds {bad} non-finite value(s) (NaN or infinity) \
-             out of {}; it was saved from a diverged run and cannot be trained from",
-            file.display(),
-            values.len()
-        );
-    }
-    Ok(values)
-}
-
 /// Checks a checkpoint before any worker starts, from its header alone (a large file is not
 /// read twice): a missing, truncated or foreign file, a checkpoint of another model (for
 /// [`Restore::Everything`]), or a tensor the model needs that is absent or of another shape.
@@ -411,27 +380,8 @@ pub fn check(path: &Path, model: &Model, model_description: &str, restore: Resto
             _ => String::new(),
         }
     );
-    let header = read_safetensors_header(path, "checkpoint")?;
-    let meta = header.entries.get("__metadata__");
-    let field = |k: &str| meta.and_then(|m| m[k].as_str()).unwrap_or_default();
-    if field("format") != FORMAT {
-        bail!("{} is not a meshtrain checkpoint", path.display());
-    }
-    let data_len = header.file_len - 8 - header.header_len;
-    let described = (header.entries.values())
-        .filter_map(|e| e["data_offsets"][1].as_u64())
-        .max()
-        .unwrap_or(0);
-    anyhow::ensure!(
-        described <= data_len,
-        "checkpoint {} is truncated: its header describes {} bytes of tensors, the file holds \
-         {data_len} (an interrupted copy?)",
-        path.display(),
-        described
-    );
-    if restore == Restore::Everything {
-        check_same_model(path, field("model"), model_description)?;
-    }
+    let file = CheckpointFile::open(path)?;
+    file.restored(restore, model_description)?;
     let mut needed: Vec<(String, Vec<usize>)> = (model.params().iter().enumerate())
         .filter(|(i, _)| model.tied_primary(*i).is_none())
         .map(|(_, p)| (format!("param.{}", p.name), p.shape.clone()))
@@ -439,28 +389,191 @@ pub fn check(path: &Path, model: &Model, model_description: &str, restore: Resto
     needed
         .extend((model.buffers().iter()).map(|b| (format!("buffer.{}", b.name), b.shape.clone())));
     for (name, shape) in needed {
-        let entry = header.entries.get(&name).with_context(|| {
-            format!(
-                "checkpoint {} has no tensor '{name}' (another model?)",
-                path.display()
-            )
-        })?;
+        if let Err(e) = file.entry(&name, &shape) {
+            bail!("{e:#} (another model?)");
+        }
+    }
+    Ok(())
+}
+
+/// A whole-file checkpoint opened for reading tensor by tensor: positioned reads of the
+/// byte ranges its header gives, so a worker reads only the tensors (and the runs of the
+/// optimizer's flat moments) it holds, one at a time, never the file at once. Every tensor
+/// read is checked: its type and shape, its bytes within the file, its values finite.
+pub struct CheckpointFile {
+    path: PathBuf,
+    file: std::fs::File,
+    /// Where the data section starts.
+    data_start: u64,
+    entries: HashMap<String, serde_json::Value>,
+    metadata: HashMap<String, String>,
+}
+
+impl CheckpointFile {
+    /// Opens `path`: a missing, truncated, corrupt or foreign file is an error naming it.
+    pub fn open(path: &Path) -> Result<CheckpointFile> {
+        let header = read_safetensors_header(path, "checkpoint")?;
+        let data_start = 8 + header.header_len;
+        let mut entries = header.entries;
+        let metadata: HashMap<String, String> = match entries.remove("__metadata__") {
+            Some(meta) => serde_json::from_value(meta).with_context(|| {
+                format!("checkpoint {} has a corrupt metadata entry", path.display())
+            })?,
+            None => HashMap::new(),
+        };
+        if metadata.get("format").map(String::as_str) != Some(FORMAT) {
+            bail!("{} is not a meshtrain checkpoint", path.display());
+        }
+        let described = (entries.values())
+            .filter_map(|e| e["data_offsets"][1].as_u64())
+            .max()
+            .unwrap_or(0);
+        let data_len = header.file_len - data_start;
+        anyhow::ensure!(
+            described <= data_len,
+            "checkpoint {} is truncated: its header describes {described} bytes of tensors, the \
+             file holds {data_len} (an interrupted copy?)",
+            path.display()
+        );
+        Ok(CheckpointFile {
+            path: path.to_path_buf(),
+            file: header.file,
+            data_start,
+            entries,
+            metadata,
+        })
+    }
+
+    /// The step, model and positions it records; with [`Restore::Everything`], a checkpoint
+    /// of another model than `model_description` is an error (unless either is empty).
+    pub fn restored(&self, restore: Restore, model_description: &str) -> Result<Restored> {
+        let saved_model = self.metadata.get("model").cloned().unwrap_or_default();
+        if restore == Restore::Weights {
+            return Ok(Restored {
+                step: 0,
+                model_description: saved_model,
+                loss_scaler: None,
+                sampler: None,
+            });
+        }
+        check_same_model(&self.path, &saved_model, model_description)?;
+        Ok(Restored {
+            step: self.number("step")?,
+            model_description: saved_model,
+            loss_scaler: optional_json(&self.metadata, "loss_scaler", &self.path)?,
+            sampler: optional_json(&self.metadata, "sampler", &self.path)?,
+        })
+    }
+
+    /// The metadata number `key` (`step`, `optimizer_step`).
+    pub fn number(&self, key: &str) -> Result<u64> {
+        (self.metadata.get(key))
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("checkpoint {} lacks '{key}'", self.path.display()))
+    }
+
+    /// Tensor `name`, which the model needs as F32 of `shape`.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        self.elements(name, shape, 0..shape.iter().product())
+    }
+
+    /// Elements `range` of tensor `name` (flat), which the model needs as F32 of `shape`:
+    /// one parameter's run of the optimizer's flat moments.
+    pub fn elements(&self, name: &str, shape: &[usize], range: Range<usize>) -> Result<Vec<f32>> {
+        let path = self.path.display();
+        let start = self.entry(name, shape)?;
+        assert!(
+            range.end <= shape.iter().product(),
+            "elements past the tensor"
+        );
+        let mut bytes = vec![0u8; 4 * range.len()];
+        let at = start + 4 * range.start as u64;
+        use std::os::unix::fs::FileExt;
+        (self.file.read_exact_at(&mut bytes, at))
+            .with_context(|| format!("checkpoint {path} is truncated (reading '{name}')"))?;
+        let values: Vec<f32> = (bytes.chunks_exact(4))
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let bad = values.iter().filter(|v| !v.is_finite()).count();
+        anyhow::ensure!(
+            bad == 0,
+            "checkpoint {path}: tensor '{name}' holds {bad} non-finite value(s) (NaN or \
+             infinity) out of {}; it was saved from a diverged run and cannot be trained from",
+            values.len()
+        );
+        Ok(values)
+    }
+
+    /// Where tensor `name` starts in the file, once its header entry is checked: F32 of
+    /// `shape`, its bytes as many as the shape says.
+    fn entry(&self, name: &str, shape: &[usize]) -> Result<u64> {
+        let path = self.path.display();
+        let entry = (self.entries.get(name))
+            .with_context(|| format!("checkpoint {path} has no tensor '{name}'"))?;
         let saved: Vec<usize> = (entry["shape"].as_array().into_iter().flatten())
             .filter_map(|d| d.as_u64().map(|d| d as usize))
             .collect();
         anyhow::ensure!(
             saved == shape && entry["dtype"] == "F32",
-            "checkpoint {}: tensor '{name}' is {} {saved:?}, the model needs F32 {shape:?}",
-            path.display(),
+            "checkpoint {path}: tensor '{name}' is {} {saved:?}, the model needs F32 {shape:?}",
             entry["dtype"].as_str().unwrap_or("?")
         );
+        let bytes = 4 * shape.iter().product::<usize>() as u64;
+        let offsets = entry["data_offsets"].as_array();
+        match offsets.map(|o| (o.first().and_then(|x| x.as_u64()), o.get(1))) {
+            Some((Some(start), Some(end))) if end.as_u64() == Some(start + bytes) => {
+                Ok(self.data_start + start)
+            }
+            _ => bail!("checkpoint {path}: tensor '{name}' has corrupt offsets"),
+        }
     }
-    Ok(())
+
+    /// Whole-model tensor `part` of `whole` as [`Parallel::load_state_with`] asks for it: a
+    /// parameter (a tied copy is stored as its primary), a buffer, or a parameter's run of
+    /// the flat moments.
+    pub fn part(&self, whole: &Model, part: StatePart) -> Result<Vec<f32>> {
+        let moments = |name: &str, i: usize| {
+            let range = whole.params()[i].range.clone();
+            self.elements(name, &[whole.num_params()], range)
+        };
+        match part {
+            StatePart::Values(i) => {
+                let owner = &whole.params()[whole.tied_primary(i).unwrap_or(i)];
+                self.tensor(&format!("param.{}", owner.name), &whole.params()[i].shape)
+            }
+            StatePart::Buffer(i) => {
+                let e = &whole.buffers()[i];
+                self.tensor(&format!("buffer.{}", e.name), &e.shape)
+            }
+            StatePart::FirstMoment(i) => moments("optimizer.m", i),
+            StatePart::SecondMoment(i) => moments("optimizer.v", i),
+        }
+    }
+
+    /// Reads this worker's share into `parallel` (`model` its model, `whole` the unsplit
+    /// one, the file's layout), tensor by tensor: with [`Restore::Everything`] the moments
+    /// and the optimizer's step too. Returns what the file records.
+    pub fn load_into(
+        &self,
+        parallel: &mut Parallel,
+        model: &Model,
+        whole: &Model,
+        model_description: &str,
+        restore: Restore,
+    ) -> Result<Restored> {
+        let restored = self.restored(restore, model_description)?;
+        let moments = match restore {
+            Restore::Everything => Some(self.number("optimizer_step")?),
+            Restore::Weights => None,
+        };
+        parallel.load_state_with(model, moments, &mut |part| self.part(whole, part))?;
+        Ok(restored)
+    }
 }
 
-/// Loads a checkpoint into `store` (and, for [`Restore::Everything`], `optimizer`). With
-/// `Everything`, a checkpoint that describes another model than `model_description` is an
-/// error unless the description is empty on either side.
+/// Loads a checkpoint into `store` (and, for [`Restore::Everything`], `optimizer`), tensor by
+/// tensor. With `Everything`, a checkpoint that describes another model than
+/// `model_description` is an error unless the description is empty on either side.
 pub fn load(
     path: &Path,
     model: &Model,
@@ -469,59 +582,24 @@ pub fn load(
     optimizer: &mut Optimizer,
     restore: Restore,
 ) -> Result<Restored> {
-    let bytes = std::fs::read(path)
-        .with_context(|| format!("cannot read checkpoint {}", path.display()))?;
-    let (_, meta) = SafeTensors::read_metadata(&bytes).with_context(|| {
-        format!(
-            "checkpoint {} is corrupt or not a safetensors file",
-            path.display()
-        )
-    })?;
-    let st = SafeTensors::deserialize(&bytes)
-        .with_context(|| format!("checkpoint {} is corrupt or truncated", path.display()))?;
-    let meta = meta.metadata().clone().unwrap_or_default();
-    if meta.get("format").map(String::as_str) != Some(FORMAT) {
-        bail!("{} is not a meshtrain checkpoint", path.display());
-    }
-    let number = |k: &str| -> Result<u64> {
-        meta.get(k)
-            .and_then(|v| v.parse().ok())
-            .with_context(|| format!("checkpoint {} lacks '{k}'", path.display()))
-    };
-    let saved_model = meta.get("model").cloned().unwrap_or_default();
-    if restore == Restore::Everything {
-        check_same_model(path, &saved_model, model_description)?;
-    }
+    let file = CheckpointFile::open(path)?;
+    let restored = file.restored(restore, model_description)?;
     for (i, e) in model.params().iter().enumerate() {
-        let owner = &model.params()[model.tied_primary(i).unwrap_or(i)];
-        let v = read_f32(&st, &format!("param.{}", owner.name), &e.shape, path)?;
-        store.values[e.range.clone()].copy_from_slice(&v);
+        let values = file.part(model, StatePart::Values(i))?;
+        store.values[e.range.clone()].copy_from_slice(&values);
     }
-    for e in model.buffers() {
-        let v = read_f32(&st, &format!("buffer.{}", e.name), &e.shape, path)?;
-        store.buffers[e.range.clone()].copy_from_slice(&v);
+    for (i, e) in model.buffers().iter().enumerate() {
+        let values = file.part(model, StatePart::Buffer(i))?;
+        store.buffers[e.range.clone()].copy_from_slice(&values);
     }
-    if restore == Restore::Weights {
-        return Ok(Restored {
-            step: 0,
-            model_description: saved_model,
-            loss_scaler: None,
-            sampler: None,
-        });
+    if restore == Restore::Everything {
+        optimizer.m = file.tensor("optimizer.m", &[optimizer.m.len()])?;
+        if !optimizer.v.is_empty() {
+            optimizer.v = file.tensor("optimizer.v", &[optimizer.v.len()])?;
+        }
+        optimizer.step = file.number("optimizer_step")?;
     }
-    optimizer.m = read_f32(&st, "optimizer.m", &[optimizer.m.len()], path)?;
-    if !optimizer.v.is_empty() {
-        optimizer.v = read_f32(&st, "optimizer.v", &[optimizer.v.len()], path)?;
-    }
-    optimizer.step = number("optimizer_step")?;
-    let loss_scaler = optional_json(&meta, "loss_scaler", path)?;
-    let sampler = optional_json(&meta, "sampler", path)?;
-    Ok(Restored {
-        step: number("step")?,
-        model_description: saved_model,
-        loss_scaler,
-        sampler,
-    })
+    Ok(restored)
 }
 
 /// Resuming continues the same model: a checkpoint (`path`) that describes another model
@@ -546,4 +624,64 @@ pub fn check_same_model(path: &Path, saved_model: &str, model_description: &str)
 /// A multi-line description (a checkpoint's model) on one line, for messages.
 pub fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A checkpoint file of one tensor `param.x` whose header says `entry` (dtype, shape,
+    /// offsets), followed by `data`.
+    fn file_with(dir: &Path, entry: &str, data: &[f32]) -> PathBuf {
+        let mut header = format!(
+            "{{\"__metadata__\":{{\"format\":\"{FORMAT}\",\"step\":\"3\"}},\"param.x\":{entry}}}"
+        )
+        .into_bytes();
+        header.resize(header.len().div_ceil(8) * 8, b' ');
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(&header);
+        bytes.extend(data.iter().flat_map(|v| v.to_le_bytes()));
+        let path = dir.join(format!("f{}.safetensors", entry.len() + 16 * data.len()));
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_checkpoint_file_reads_tensors_and_runs_and_names_what_is_wrong() {
+        let dir = tempfile_dir();
+        let ok = r#"{"dtype":"F32","shape":[3],"data_offsets":[0,12]}"#;
+        let file = CheckpointFile::open(&file_with(&dir, ok, &[1.0, 2.0, 3.0])).unwrap();
+        assert_eq!(file.tensor("param.x", &[3]).unwrap(), [1.0, 2.0, 3.0]);
+        assert_eq!(file.elements("param.x", &[3], 1..3).unwrap(), [2.0, 3.0]);
+        assert_eq!(file.number("step").unwrap(), 3);
+        let err = |e: anyhow::Error| format!("{e:#}");
+        assert!(err(file.tensor("param.x", &[4]).unwrap_err()).contains("needs F32 [4]"));
+        assert!(err(file.tensor("param.y", &[3]).unwrap_err()).contains("no tensor 'param.y'"));
+        assert!(err(file.number("optimizer_step").unwrap_err()).contains("lacks"));
+        // Offsets that disagree with the shape, or none at all.
+        for bad in [
+            r#"{"dtype":"F32","shape":[3],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[3],"data_offsets":[]}"#,
+        ] {
+            let file = CheckpointFile::open(&file_with(&dir, bad, &[1.0, 2.0, 3.0])).unwrap();
+            let e = err(file.tensor("param.x", &[3]).unwrap_err());
+            assert!(e.contains("corrupt offsets"), "{e}");
+        }
+        // A non-finite value is named with its tensor.
+        let nan = CheckpointFile::open(&file_with(&dir, ok, &[1.0, f32::NAN, 3.0])).unwrap();
+        let e = err(nan.tensor("param.x", &[3]).unwrap_err());
+        assert!(e.contains("param.x") && e.contains("non-finite"), "{e}");
+        // Data shorter than the header says: truncated, found at open.
+        let e = err(CheckpointFile::open(&file_with(&dir, ok, &[1.0]))
+            .err()
+            .unwrap());
+        assert!(e.contains("truncated"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("meshtrain-ckpt-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
 }

@@ -23,7 +23,6 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use meshtrain_comm::{BufMut, GroupHosts, ProcessGroup, ReduceOp};
 use meshtrain_data::{eval_shard, DistributedSampler, SplitMix64, Tail};
-use meshtrain_nn::optim::Optimizer;
 use meshtrain_nn::schedule::{scale_lr_linearly, Schedule};
 use meshtrain_nn::{InputSpec, Model, ParamStore};
 use meshtrain_parallel::data::ShareShape;
@@ -532,9 +531,14 @@ impl Trainer {
             ckpt.load_into(&mut self.parallel, &self.model, &self.whole, true)?;
             position
         } else {
-            let (full, optimizer, restored) = self.read_checkpoint(path, Restore::Everything)?;
-            self.parallel
-                .load_state(&self.model, &self.whole, &full, Some(&optimizer))?;
+            // Each worker reads its tensors from the file, one at a time.
+            let restored = checkpoint::CheckpointFile::open(path)?.load_into(
+                &mut self.parallel,
+                &self.model,
+                &self.whole,
+                &self.job.model_description,
+                Restore::Everything,
+            )?;
             (restored.step, restored.sampler, restored.loss_scaler)
         };
         let (step, changed) = match (reshape, &sampler) {
@@ -640,34 +644,14 @@ impl Trainer {
             ckpt.load_into(&mut self.parallel, &self.model, &self.whole, false)?;
             return Ok(ckpt.index.model.clone());
         }
-        let (full, _, restored) = self.read_checkpoint(path, Restore::Weights)?;
-        self.parallel
-            .load_state(&self.model, &self.whole, &full, None)?;
-        Ok(restored.model_description)
-    }
-
-    /// The whole model's state from a checkpoint (the optimizer's only with
-    /// `Restore::Everything`).
-    fn read_checkpoint(
-        &self,
-        path: &Path,
-        restore: Restore,
-    ) -> Result<(ParamStore, Optimizer, checkpoint::Restored)> {
-        let mut full = self.empty_store();
-        let len = match restore {
-            Restore::Everything => self.whole.num_params(),
-            Restore::Weights => 0,
-        };
-        let mut optimizer = Optimizer::new(self.job.optimizer, len);
-        let restored = checkpoint::load(
-            path,
+        let restored = checkpoint::CheckpointFile::open(path)?.load_into(
+            &mut self.parallel,
+            &self.model,
             &self.whole,
             &self.job.model_description,
-            &mut full,
-            &mut optimizer,
-            restore,
+            Restore::Weights,
         )?;
-        Ok((full, optimizer, restored))
+        Ok(restored.model_description)
     }
 
     /// A store for the whole (unsplit) model, to read a checkpoint into.

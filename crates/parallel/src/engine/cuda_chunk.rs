@@ -143,6 +143,21 @@ impl CudaChunk {
         }
     }
 
+    /// The device address of `len` elements of `kind` from element `at` on, checked.
+    fn state_at(
+        &self,
+        kind: StateKind,
+        at: usize,
+        len: usize,
+        what: &str,
+    ) -> Result<u64, PipelineError> {
+        match self.state(kind) {
+            Some((buf, held)) if at + len <= held => Ok(buf + 4 * at as u64),
+            None if len == 0 => Ok(0),
+            _ => Err(super::device::out_of_range(what, kind, at, len)),
+        }
+    }
+
     fn refresh_half(&self) -> Result<(), CudaError> {
         if let Some((half, dtype)) = &self.half {
             meshtrain_tensor::cuda::ops::convert_into(
@@ -490,16 +505,13 @@ impl DeviceState for CudaChunk {
     }
 
     fn read(&self, kind: StateKind, at: usize, into: &mut [f32]) -> Result<(), PipelineError> {
-        let Some((buf, len)) = self.state(kind) else {
-            return Ok(());
-        };
-        if at + into.len() > len {
-            return Err(PipelineError::Device(format!(
-                "reading {kind:?} {at}..{} of {len} elements",
-                at + into.len()
-            )));
-        }
-        (self.dev.download_into(into, buf + 4 * at as u64)).map_err(placing)
+        let buf = self.state_at(kind, at, into.len(), "reading")?;
+        (self.dev.download_into(into, buf)).map_err(placing)
+    }
+
+    fn write(&mut self, kind: StateKind, at: usize, from: &[f32]) -> Result<(), PipelineError> {
+        let buf = self.state_at(kind, at, from.len(), "writing")?;
+        (self.dev.upload_to(buf, from)).map_err(placing)
     }
 
     fn bind<'a>(

@@ -3,9 +3,10 @@
 //! On the CPU a chunk's parameters, gradients, buffers and optimizer moments are the vectors
 //! of its [`ParamStore`] and its [`Optimizer`]. On a GPU they live in device memory for the
 //! whole run, and the host keeps no copy of them: a checkpoint reads them a bounded piece at
-//! a time ([`DeviceState::read`]), and only what needs the whole state on the host (loading
-//! a checkpoint, a gathered whole file) fills the host store for as long as it runs
-//! ([`DeviceState::download`], [`DeviceState::upload`], then freed). The executor, the
+//! a time ([`DeviceState::read`]) and loading writes them a tensor at a time
+//! ([`DeviceState::write`]); only what needs the whole state on the host (a gather-first
+//! whole file, the evaluation hook) fills the host store for as long as it runs
+//! ([`DeviceState::download`], then freed). The executor, the
 //! data-parallel modes, the tied sums, clipping, loss scaling and the optimizer reach that
 //! state only through a [`StageChunk`](super::StageChunk)'s methods, which go to the store
 //! or to this trait: nothing above the engine asks which device a run is on.
@@ -94,9 +95,14 @@ pub trait DeviceState: Send {
     /// on the host.
     fn read(&self, kind: StateKind, at: usize, into: &mut [f32]) -> Result<(), PipelineError>;
 
+    /// Writes `from` over `from.len()` elements of `kind` from element `at` on (a checkpoint
+    /// being loaded, one tensor at a time); after parameters, call
+    /// [`DeviceState::values_changed`].
+    fn write(&mut self, kind: StateKind, at: usize, from: &[f32]) -> Result<(), PipelineError>;
+
     /// Copies the values, buffers and moments into `store` and `optimizer`, sized to the
     /// device's (a transient host copy, for what needs the whole state on the host: a
-    /// gathered whole-file checkpoint, loading one).
+    /// gather-first whole-file checkpoint, the evaluation hook).
     fn download(
         &self,
         store: &mut ParamStore,
@@ -410,6 +416,14 @@ impl StandIn {
     }
 }
 
+/// An access past the end of a device's state vector, as an error naming it.
+pub fn out_of_range(what: &str, kind: StateKind, at: usize, len: usize) -> PipelineError {
+    PipelineError::Device(format!(
+        "{what} elements {at}..{} of the {kind:?}: past the end of the device's",
+        at + len
+    ))
+}
+
 impl StandIn {
     fn state(&self, kind: StateKind) -> &[f32] {
         let moments = self.moments.as_ref();
@@ -523,15 +537,23 @@ impl DeviceState for StandIn {
     }
 
     fn read(&self, kind: StateKind, at: usize, into: &mut [f32]) -> Result<(), PipelineError> {
-        let held = self.state(kind);
-        let piece = held.get(at..at + into.len()).ok_or_else(|| {
-            PipelineError::Device(format!(
-                "reading {kind:?} {at}..{} of {} elements",
-                at + into.len(),
-                held.len()
-            ))
-        })?;
-        into.copy_from_slice(piece);
+        let piece = self.state(kind).get(at..at + into.len());
+        into.copy_from_slice(piece.ok_or_else(|| out_of_range("reading", kind, at, into.len()))?);
+        Ok(())
+    }
+
+    fn write(&mut self, kind: StateKind, at: usize, from: &[f32]) -> Result<(), PipelineError> {
+        let moments = self.moments.as_mut();
+        let held: &mut [f32] = match kind {
+            StateKind::Values => &mut self.values,
+            StateKind::Buffers => &mut self.buffers,
+            StateKind::FirstMoment => moments.map_or(&mut [], |o| &mut o.m),
+            StateKind::SecondMoment => moments.map_or(&mut [], |o| &mut o.v),
+        };
+        let piece = held.get_mut(at..at + from.len());
+        piece
+            .ok_or_else(|| out_of_range("writing", kind, at, from.len()))?
+            .copy_from_slice(from);
         Ok(())
     }
 

@@ -247,92 +247,124 @@ impl Parallel {
     /// unsplit model ([`StatePart`]; its parameters and buffers are numbered as `model`'s,
     /// which tensor parallelism splits but does not reorder), and is asked only for the tensors of this
     /// worker's chunks (a sharded checkpoint reads just those). `moments` is the optimizer's
-    /// step count when the moments are restored too (`None`: weights only). On a device the
-    /// state passes through a host copy, filled first (what is not loaded stays as it was)
-    /// and freed once uploaded.
+    /// step count when the moments are restored too (`None`: weights only). Each tensor goes
+    /// where this worker holds it (its tensor-parallel shard; under ZeRO its pieces) as soon
+    /// as it is read: into the host store or the device, one tensor at a time, so no copy of
+    /// the whole state is ever made.
     pub fn load_state_with<E: From<ParallelError>>(
         &mut self,
         model: &Model,
         moments: Option<u64>,
         read: &mut dyn FnMut(StatePart) -> Result<Vec<f32>, E>,
     ) -> Result<(), E> {
-        self.pull_from_device()?;
-        let loaded = self.load_host_state(model, moments, read);
-        match loaded {
-            Ok(()) => Ok(self.push_to_device()?),
-            Err(e) => {
-                self.release_host_state();
-                Err(e)
-            }
-        }
-    }
-
-    fn load_host_state<E>(
-        &mut self,
-        model: &Model,
-        moments: Option<u64>,
-        read: &mut dyn FnMut(StatePart) -> Result<Vec<f32>, E>,
-    ) -> Result<(), E> {
         let second = self.optimizers.iter().any(Optimizer::has_second_moment);
-        for (j, chunk) in self.stage.chunks.iter_mut().enumerate() {
-            let blocks = chunk.blocks.clone();
-            let range = model.blocks_param_range(blocks.clone());
+        if let Some(zero) = crate::zero::of_mut(self.sync.as_mut()) {
+            // Blocks a pass left gathered are freed, so the next step gathers the loaded ones.
+            zero.end_passes();
+        }
+        for j in 0..self.stage.chunks.len() {
+            let blocks = self.stage.chunks[j].blocks.clone();
+            let base = model.blocks_param_range(blocks.clone()).start;
             let buffer_base = model.blocks_buffer_range(blocks.clone()).start;
             for (i, e) in model.buffers().iter().enumerate() {
                 if blocks.contains(&e.block) {
-                    let r = e.range.start - buffer_base..e.range.end - buffer_base;
-                    chunk.store.buffers[r].copy_from_slice(&read(StatePart::Buffer(i))?);
+                    let range = e.range.start - buffer_base..e.range.end - buffer_base;
+                    let at = StateRange::of(j, StateKind::Buffers, range);
+                    self.write_state(&at, &read(StatePart::Buffer(i))?)?;
                 }
             }
-            // This worker's (tensor-parallel) share of the chunk, in its full layout.
-            let mut local = |part: fn(usize) -> StatePart| -> Result<Vec<f32>, E> {
-                let mut dst = vec![0.0; range.len()];
-                for (i, e) in model.params().iter().enumerate() {
-                    if !blocks.contains(&e.block) {
-                        continue;
-                    }
-                    let src = read(part(i))?;
-                    let dst = &mut dst[e.range.start - range.start..e.range.end - range.start];
-                    match e.shard() {
-                        Some(shard) => dst.copy_from_slice(&shard.take(&src)),
-                        None => dst.copy_from_slice(&src),
-                    }
+            for (i, e) in model.params().iter().enumerate() {
+                if !blocks.contains(&e.block) {
+                    continue;
                 }
-                Ok(dst)
-            };
-            let values = local(StatePart::Values)?;
-            let moments = match moments {
-                Some(step) => {
-                    let v = if second {
-                        local(StatePart::SecondMoment)?
-                    } else {
-                        Vec::new()
-                    };
-                    Some((local(StatePart::FirstMoment)?, v, step))
+                let local = e.range.start - base..e.range.end - base;
+                // This worker's (tensor-parallel) share of the tensor, in its full layout.
+                let share = |whole: Vec<f32>| match e.shard() {
+                    Some(shard) => shard.take(&whole),
+                    None => whole,
+                };
+                let (values, held) = self.held_runs(j, local);
+                let tensor = share(read(StatePart::Values(i))?);
+                let at = StateRange::of(j, StateKind::Values, values.1);
+                self.write_state(&at, &tensor[values.0])?;
+                if moments.is_none() {
+                    continue;
                 }
-                None => None,
-            };
-            let target = &mut self.optimizers[j];
-            match crate::zero::of_mut(self.sync.as_mut()) {
-                Some(zero) => {
-                    let moments = moments.as_ref().map(|(m, v, step)| (&m[..], &v[..], *step));
-                    zero.install(j, &mut chunk.store, values, moments, target);
+                let mut kinds = vec![(StatePart::FirstMoment(i), StateKind::FirstMoment)];
+                if second {
+                    kinds.push((StatePart::SecondMoment(i), StateKind::SecondMoment));
                 }
-                None => {
-                    chunk.store.values = values;
-                    if let Some((m, v, step)) = moments {
-                        target.m = m;
-                        if target.has_second_moment() {
-                            target.v = v;
-                        }
-                        target.step = step;
-                    }
+                for (part, kind) in kinds {
+                    let tensor = share(read(part)?);
+                    let at = StateRange::of(j, kind, held.1.clone());
+                    self.write_state(&at, &tensor[held.0.clone()])?;
                 }
             }
-            if !chunk.store.grads.is_empty() {
-                chunk.store.zero_grads();
+            if let Some(step) = moments {
+                self.optimizers[j].step = step;
+            }
+            let chunk = &mut self.stage.chunks[j];
+            chunk.values_changed();
+            if chunk.device.is_some() || !chunk.store.grads.is_empty() {
+                chunk.zero_grads();
             }
         }
+        Ok(())
+    }
+
+    /// Where local chunk `j` holds its parameter at `local` (chunk-local full coordinates),
+    /// as (elements of the parameter, where they sit) for its values and for its moments:
+    /// all of it at `local`, or under ZeRO this rank's piece in state coordinates (the
+    /// values whole unless stage 3 cut them too).
+    #[allow(clippy::type_complexity)]
+    fn held_runs(
+        &self,
+        j: usize,
+        local: Range<usize>,
+    ) -> ((Range<usize>, Range<usize>), (Range<usize>, Range<usize>)) {
+        let whole = (0..local.len(), local.clone());
+        let Some(zero) = crate::zero::of(self.sync.as_ref()) else {
+            return (whole.clone(), whole);
+        };
+        let p = (zero.layout(j).params.iter())
+            .find(|p| p.full == local)
+            .expect("every parameter has a piece");
+        let piece = (p.piece.clone(), p.state.clone());
+        let values = if zero.holds_value_pieces(j) {
+            piece.clone()
+        } else {
+            whole
+        };
+        (values, piece)
+    }
+
+    /// Writes `from` over the elements `at` names, in host memory or on the device (a
+    /// checkpoint being loaded, one tensor at a time). Call between steps; a device's
+    /// derived state (its 16-bit copy) is refreshed by [`StageChunk::values_changed`].
+    pub fn write_state(&mut self, at: &StateRange, from: &[f32]) -> Result<(), ParallelError> {
+        assert_eq!(
+            from.len(),
+            at.range.len(),
+            "one element per element of {at:?}"
+        );
+        let chunk = &mut self.stage.chunks[at.chunk];
+        if let Some(d) = &mut chunk.device {
+            return Ok(d.write(at.kind, at.range.start, from)?);
+        }
+        let optimizer = &mut self.optimizers[at.chunk];
+        let held: &mut [f32] = match at.kind {
+            StateKind::Values => {
+                let zero = crate::zero::of_mut(self.sync.as_mut());
+                match zero.and_then(|z| z.shard_values_mut(at.chunk)) {
+                    Some(pieces) => pieces,
+                    None => &mut chunk.store.values,
+                }
+            }
+            StateKind::Buffers => &mut chunk.store.buffers,
+            StateKind::FirstMoment => &mut optimizer.m,
+            StateKind::SecondMoment => &mut optimizer.v,
+        };
+        held[at.range.clone()].copy_from_slice(from);
         Ok(())
     }
 
@@ -572,6 +604,12 @@ pub struct StateRange {
     pub chunk: usize,
     pub kind: StateKind,
     pub range: Range<usize>,
+}
+
+impl StateRange {
+    pub fn of(chunk: usize, kind: StateKind, range: Range<usize>) -> StateRange {
+        StateRange { chunk, kind, range }
+    }
 }
 
 /// One whole tensor of the unsplit model, as [`Parallel::load_state_with`] asks for it

@@ -285,6 +285,19 @@ impl ZeroSync {
         &self.chunks[j].layout
     }
 
+    /// Under stage 3 on the host, local chunk `j`'s parameter pieces to write (a checkpoint
+    /// being loaded; between steps).
+    pub fn shard_values_mut(&mut self, j: usize) -> Option<&mut [f32]> {
+        let z = &mut self.chunks[j];
+        (z.stage() == ZeroStage::Parameters && !z.values_on_device())
+            .then_some(&mut z.shard_values[..])
+    }
+
+    /// Frees every block a pass left gathered (before the state is replaced).
+    pub fn end_passes(&mut self) {
+        self.chunks.iter_mut().for_each(ZeroChunk::end_pass);
+    }
+
     /// Whether local chunk `j`'s parameters are this rank's pieces (stage 3, in state
     /// coordinates) rather than whole.
     pub fn holds_value_pieces(&self, j: usize) -> bool {
@@ -296,36 +309,6 @@ impl ZeroSync {
     pub fn shard_values(&self, j: usize) -> Option<&[f32]> {
         let z = &self.chunks[j];
         (z.stage() == ZeroStage::Parameters && !z.values_on_device()).then_some(&z.shard_values[..])
-    }
-
-    /// Continues from full-layout state: keeps this rank's pieces of the moments (and of
-    /// the parameters under stage 3).
-    pub fn install(
-        &mut self,
-        j: usize,
-        store: &mut ParamStore,
-        full_values: Vec<f32>,
-        moments: Option<(&[f32], &[f32], u64)>,
-        optimizer: &mut Optimizer,
-    ) {
-        let z = &mut self.chunks[j];
-        z.end_pass();
-        if z.stage() == ZeroStage::Parameters && z.values_on_device() {
-            // The store mirrors the device's pieces.
-            store.values = z.shard_of(&full_values);
-        } else if z.stage() == ZeroStage::Parameters {
-            z.shard_values = z.shard_of(&full_values);
-            store.values = Vec::new();
-        } else {
-            store.values = full_values;
-        }
-        if let Some((m, v, step)) = moments {
-            optimizer.m = z.shard_of(m);
-            if optimizer.has_second_moment() {
-                optimizer.v = z.shard_of(v);
-            }
-            optimizer.step = step;
-        }
     }
 
     /// Bytes this worker's chunks hold in shards (gradients, parameters) and the most
