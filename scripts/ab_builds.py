@@ -57,6 +57,7 @@ IDENTITY = {
     'gpt-dp2-zero2': GPT + ['--dp', '2', '--set', 'parallel.zero=2', '--set', WHOLE],
     'gpt-dp2-zero3-accumulate2': GPT + ['--dp', '2', '--set', 'parallel.zero=3', '--set', WHOLE,
                                         '--set', 'train.accumulation_steps=2'],
+    'gpt-tp2-sp': GPT + ['--set', 'parallel.tp=2', '--set', 'parallel.sequence_parallel=true'],
 }
 
 THROUGHPUT = {

@@ -485,26 +485,65 @@ fn checkpoints_move_between_the_device_and_the_cpu() {
     checkpoint_moves(&["parallel.dp=2"]);
 }
 
-/// The layouts whose device form comes later are refused before any work, named.
+/// Every layout the CPU runs, run through the device half of the step on the stand-in
+/// (each pipeline stage's chunks placed, tensor parallelism's sequence-parallel and
+/// key/value sums over wire buffers in the chunk's memory, context parallelism, hybrids with
+/// ZeRO): bit for bit the CPU run. What a GPU still lacks for them (activations and their
+/// collectives in device memory) is refused before a GPU run starts (unit tests in
+/// `meshtrain_parallel::device`).
 #[test]
-fn layouts_without_a_device_form_are_refused_by_name() {
-    for (layout, named) in [
-        ("parallel.tp=2", "tensor parallelism (2 workers)"),
-        ("parallel.pp=2", "pipeline parallelism (2 workers)"),
-    ] {
-        let out = tempfile::tempdir().unwrap().keep();
-        let cfg = tiny_gpt_config(&out, 2, &["parallel.dp=2", layout, STAND_IN]);
-        let e = (*job(&cfg))
-            .clone()
-            .run(&RunOptions::default())
-            .map(|_| ())
-            .unwrap_err();
-        let text = format!("{e:#}");
-        assert!(
-            text.contains(named) && text.contains("on --device cpu"),
-            "{layout}: {text}"
-        );
+fn every_layout_on_the_stand_in_equals_the_cpu() {
+    let gpt: [&[&str]; 9] = [
+        &["parallel.pp=2", "parallel.micro_batches=4"],
+        &[
+            "parallel.pp=2",
+            "parallel.micro_batches=4",
+            "parallel.schedule=\"gpipe\"",
+        ],
+        &[
+            "parallel.pp=2",
+            "parallel.micro_batches=4",
+            "parallel.schedule=\"interleaved\"",
+        ],
+        &["parallel.tp=2"],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        &["parallel.cp=2"],
+        &["parallel.cp=2", "parallel.cp_mode=\"ulysses\""],
+        &[
+            "parallel.dp=2",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "parallel.micro_batches=4",
+            "parallel.zero=1",
+        ],
+        &[
+            "parallel.dp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.zero=3",
+        ],
+    ];
+    for layout in gpt {
+        equal_to_the_cpu("gpt", layout);
     }
+    // Llama's key/value heads dealt over four ranks (their replicas' sums), and a pipeline
+    // of tensor-parallel stages.
+    equal_to_the_cpu(
+        "llama",
+        &["parallel.tp=4", "parallel.sequence_parallel=true"],
+    );
+    equal_to_the_cpu(
+        "llama",
+        &["parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2"],
+    );
+}
+
+/// A pipeline of tensor-parallel stages stopped on the stand-in resumes there and on the
+/// CPU where the straight CPU run ends (the gathered whole file, then each stage's shards
+/// written to its placed chunks tensor by tensor).
+#[test]
+fn hybrid_checkpoints_move_between_the_device_and_the_cpu() {
+    checkpoint_moves(&["parallel.pp=2", "parallel.tp=2", "parallel.micro_batches=2"]);
 }
 
 /// A dp = 2 step's timeline: the passes on the compute row (on a device, from the device's

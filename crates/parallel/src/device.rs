@@ -126,10 +126,13 @@ pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError>
 /// The data-parallel settings a GPU run cannot take yet (the layout's shape is checked by
 /// [`check`]): the single master gathers replicas' gradients through host vectors, and a
 /// hierarchical reduction goes through host groups.
+/// The stand-in device takes every layout: tensor, sequence, pipeline and context
+/// parallelism run their device half there (placed chunks, gradients summed over wire
+/// buffers in the chunk's memory) with the host's arithmetic; what a GPU still lacks for
+/// them (activations and their collectives in device memory) is refused by
+/// [`refuse_layout`] before a GPU run starts.
 pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), ParallelError> {
-    if options.stand_in_device {
-        refuse_layout(layout, "the stand-in device")?;
-    } else if !options.device.is_cuda() {
+    if !options.stand_in_device && !options.device.is_cuda() {
         return Ok(());
     }
     if layout.dp == 1 {

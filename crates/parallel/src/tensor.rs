@@ -26,6 +26,7 @@
 //! Checkpoints stay whole: every sharded parameter carries a [`ShardSpec`] (which part of the
 //! whole tensor it is), and the trainer gathers and splits by it.
 
+use crate::engine::flat::{Apply, CopyPlan, FlatBuf, FlatMemory, Run};
 use crate::engine::StageChunk;
 use meshtrain_comm::{
     BufMut, BufRef, CommError, HostPlacement, MeshAxis, MeshLayout, ProcessGroup, RawBuf, ReduceOp,
@@ -1283,7 +1284,49 @@ pub struct TpGradSync {
     /// Whether this rank is not its key/value group's first replica (the rows then stay out
     /// of gradient norms, which count them once).
     kv_not_first: bool,
-    scratch: Vec<f32>,
+    /// Per local chunk, built at the first sum (after ZeRO remapped the ranges): the
+    /// replicated gradients' and the key/value rows' wire buffers in the chunk's memory.
+    packed: Vec<[Option<Packed>; 2]>,
+}
+
+/// Gradient runs of one chunk summed over a group through a wire buffer in the chunk's
+/// memory (the host's or its device's): packed by a copy plan, all-reduced, unpacked. So the
+/// sums are written once for both devices.
+struct Packed {
+    memory: Arc<dyn FlatMemory>,
+    pack: CopyPlan,
+    unpack: CopyPlan,
+    wire: FlatBuf,
+}
+
+impl Packed {
+    /// The wire of `len` elements that `pack`'s runs fill from the gradients (and zero);
+    /// its inverse reads the sums back.
+    fn new(chunk: &StageChunk, pack: Vec<Run>, len: usize) -> Packed {
+        let memory = chunk.flat_memory();
+        let pack = CopyPlan::new(pack);
+        Packed {
+            unpack: pack.inverse(),
+            wire: memory.alloc(len),
+            memory,
+            pack,
+        }
+    }
+
+    /// Packs `chunk`'s gradients, sums the wire over `group`, writes the sums back.
+    fn sum(&mut self, chunk: &mut StageChunk, group: &dyn ProcessGroup) -> Result<(), CommError> {
+        let memory = &self.memory;
+        memory.apply(&self.pack, chunk.grads_buf(), self.wire.raw(), Apply::Copy);
+        // SAFETY: the wire is this sum's alone, and the call waits for the operation.
+        unsafe { group.all_reduce_async(self.wire.raw(), ReduceOp::Sum) }?.wait()?;
+        memory.apply(
+            &self.unpack,
+            self.wire.raw(),
+            chunk.grads_buf(),
+            Apply::Copy,
+        );
+        Ok(())
+    }
 }
 
 /// Replicated key/value rows of a dealt q/k/v projection, in a chunk's gradient buffer.
@@ -1328,7 +1371,7 @@ impl TpGradSync {
             kv_group,
             kv,
             kv_not_first,
-            scratch: Vec::new(),
+            packed: chunks.iter().map(|_| [None, None]).collect(),
         }
     }
 
@@ -1375,18 +1418,25 @@ impl TpGradSync {
         let Some(group) = &self.group else {
             return Ok(());
         };
-        for (chunk, ranges) in chunks.iter_mut().zip(&self.replicated) {
-            let g = &mut chunk.store.grads;
-            self.scratch.clear();
-            for r in ranges {
-                self.scratch.extend_from_slice(&g[r.clone()]);
-            }
-            group.all_reduce(BufMut::F32(&mut self.scratch), ReduceOp::Sum)?;
-            let mut at = 0;
-            for r in ranges {
-                g[r.clone()].copy_from_slice(&self.scratch[at..at + r.len()]);
-                at += r.len();
-            }
+        for ((chunk, ranges), packed) in chunks
+            .iter_mut()
+            .zip(&self.replicated)
+            .zip(&mut self.packed)
+        {
+            let packed = packed[0].get_or_insert_with(|| {
+                let mut runs = Vec::new();
+                let mut at = 0;
+                for r in ranges {
+                    runs.push(Run {
+                        src: Some(r.start),
+                        dst: at,
+                        len: r.len(),
+                    });
+                    at += r.len();
+                }
+                Packed::new(chunk, runs, at)
+            });
+            packed.sum(chunk, group.as_ref())?;
         }
         Ok(())
     }
@@ -1399,25 +1449,28 @@ impl TpGradSync {
         let Some(group) = &self.kv_group else {
             return Ok(());
         };
-        for (chunk, rows) in chunks.iter_mut().zip(&self.kv) {
+        for ((chunk, rows), packed) in chunks.iter_mut().zip(&self.kv).zip(&mut self.packed) {
             if rows.is_empty() {
                 continue;
             }
-            let g = &mut chunk.store.grads;
-            self.scratch.clear();
-            for k in rows {
-                let at = self.scratch.len();
-                self.scratch.resize(at + k.groups * k.range.len(), 0.0);
-                let slot = at + k.group * k.range.len();
-                self.scratch[slot..slot + k.range.len()].copy_from_slice(&g[k.range.clone()]);
-            }
-            group.all_reduce(BufMut::F32(&mut self.scratch), ReduceOp::Sum)?;
-            let mut at = 0;
-            for k in rows {
-                let slot = at + k.group * k.range.len();
-                g[k.range.clone()].copy_from_slice(&self.scratch[slot..slot + k.range.len()]);
-                at += k.groups * k.range.len();
-            }
+            let packed = packed[1].get_or_insert_with(|| {
+                let mut runs = Vec::new();
+                let mut at = 0;
+                for k in rows {
+                    let len = k.range.len();
+                    for g in 0..k.groups {
+                        let src = (g == k.group).then_some(k.range.start);
+                        runs.push(Run {
+                            src,
+                            dst: at + g * len,
+                            len,
+                        });
+                    }
+                    at += k.groups * len;
+                }
+                Packed::new(chunk, runs, at)
+            });
+            packed.sum(chunk, group.as_ref())?;
         }
         Ok(())
     }

@@ -76,6 +76,17 @@ impl StageChunk {
         }
     }
 
+    /// The memory a dimension's own flat buffers for this chunk live in: the device's, or
+    /// the host's.
+    pub fn flat_memory(&self) -> Arc<dyn super::flat::FlatMemory> {
+        match &self.device {
+            Some(d) => d.flat_memory(),
+            None => Arc::new(super::flat::HostFlat {
+                device: meshtrain_tensor::Device::Cpu,
+            }),
+        }
+    }
+
     /// The parameters were written through [`StageChunk::values_buf`]: a device refreshes
     /// what it derives from them (the 16-bit compute copy).
     pub fn values_changed(&mut self) {
