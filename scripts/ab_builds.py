@@ -75,6 +75,9 @@ THROUGHPUT = {
                 '--set', 'train.log_every=10'],
     'gpt_pp2': ['--config', 'configs/gpt.toml', '--pp', '2', '--micro-batches', '8', '--set',
                 'train.max_steps=40', '--set', 'train.log_every=10'],
+    'gpt_tp2_sp': ['--config', 'configs/gpt.toml', '--set', 'parallel.tp=2', '--set',
+                   'parallel.sequence_parallel=true', '--set', 'train.max_steps=40',
+                   '--set', 'train.log_every=10'],
     'gpt_dp2_zero3': ['--config', 'configs/gpt.toml', '--dp', '2', '--set', 'parallel.zero=3',
                       '--set', 'train.max_steps=40', '--set', 'train.log_every=10'],
 }

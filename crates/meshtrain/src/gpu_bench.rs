@@ -372,7 +372,8 @@ pub(crate) struct Trained {
     pub params: Vec<f32>,
     /// The training loss of every step.
     pub losses: Vec<f64>,
-    /// The run's directory (its checkpoint: `checkpoint.safetensors`); the caller removes it.
+    /// The run's directory (its checkpoint: `checkpoint.safetensors`, or `checkpoint/` when
+    /// sharded); the caller removes it.
     pub out: PathBuf,
     /// World rank 0's model states, measured on its device and predicted by the planner.
     pub memory: meshtrain_train::memory::MemoryReport,
@@ -418,7 +419,12 @@ pub(crate) fn train_and_read(
     cpu.parallel.stand_in_device = false;
     let cpu_job = Arc::new(cpu.job(&task)?);
     let mut t = cpu_job.trainer(ThreadsWorld::single(CommConfig::default()), None)?;
-    t.resume(&out.join("checkpoint.safetensors"))?;
+    // A whole file, or (ZeRO's default) a sharded checkpoint.
+    let sharded = out.join("checkpoint");
+    t.resume(&match sharded.is_dir() {
+        true => sharded,
+        false => out.join("checkpoint.safetensors"),
+    })?;
     let params = t.local_params();
     let mut losses = Vec::new();
     for line in std::fs::read_to_string(out.join("metrics.jsonl"))?.lines() {

@@ -918,11 +918,12 @@ impl Parallel {
 
     /// On a GPU: fills the stage's host stores and optimizers with the device's parameters,
     /// buffers and optimizer state, for what needs the whole state on the host (a gathered
-    /// checkpoint, the evaluation hook); free it again with
+    /// checkpoint, the evaluation hook): the vectors of `kinds` ([`StateKind::ALL`], or the
+    /// model alone: [`StateKind::MODEL`]); free it again with
     /// [`Parallel::release_host_state`]. A no-op on the CPU.
-    pub fn pull_from_device(&mut self) -> Result<(), ParallelError> {
+    pub fn pull_from_device(&mut self, kinds: &[StateKind]) -> Result<(), ParallelError> {
         for (chunk, opt) in self.stage.chunks.iter_mut().zip(&mut self.optimizers) {
-            chunk.pull_from_device(opt)?;
+            chunk.pull_from_device(opt, kinds)?;
         }
         Ok(())
     }
@@ -944,13 +945,14 @@ impl Parallel {
         }
     }
 
-    /// Runs `f` with the whole state on the host: filled from the device first and freed
+    /// Runs `f` with the state's `kinds` on the host: filled from the device first and freed
     /// after (on the CPU, `f` as it is).
     pub fn with_host_state<T>(
         &mut self,
+        kinds: &[StateKind],
         f: impl FnOnce(&mut Parallel) -> T,
     ) -> Result<T, ParallelError> {
-        self.pull_from_device()?;
+        self.pull_from_device(kinds)?;
         let out = f(self);
         self.release_host_state();
         Ok(out)

@@ -26,6 +26,7 @@ use meshtrain_data::{eval_shard, DistributedSampler, SplitMix64, Tail};
 use meshtrain_nn::schedule::{scale_lr_linearly, Schedule};
 use meshtrain_nn::{InputSpec, Model, ParamStore};
 use meshtrain_parallel::data::ShareShape;
+use meshtrain_parallel::engine::StateKind;
 use meshtrain_parallel::parallelize::Training;
 use meshtrain_parallel::pipeline::PartitionSpec;
 use meshtrain_parallel::zero::ZeroStage;
@@ -212,7 +213,7 @@ impl Trainer {
     /// without a pipeline.
     pub fn local_params(&mut self) -> Vec<f32> {
         // A GPU run's values are on the device: copied to the host for as long as this runs.
-        let copied = self.parallel.with_host_state(|p| {
+        let copied = self.parallel.with_host_state(&StateKind::MODEL, |p| {
             (p.stage.chunks.iter())
                 .flat_map(|c| c.store.values.iter().copied())
                 .collect()
@@ -753,7 +754,7 @@ impl Trainer {
             Some((store, _)) => run(store),
             // A GPU run's model is copied to the host for as long as the hook runs.
             None => (self.parallel)
-                .with_host_state(|p| run(&p.stage.chunks[0].store))
+                .with_host_state(&StateKind::MODEL, |p| run(&p.stage.chunks[0].store))
                 .context("copying the model from the GPU for the evaluation hook")?,
         };
         self.breakdown.eval_s += t.elapsed().as_secs_f64();

@@ -57,6 +57,18 @@ pub enum StateKind {
     SecondMoment,
 }
 
+impl StateKind {
+    /// Everything a checkpoint holds.
+    pub const ALL: [StateKind; 4] = [
+        StateKind::Values,
+        StateKind::Buffers,
+        StateKind::FirstMoment,
+        StateKind::SecondMoment,
+    ];
+    /// The model alone: what evaluating or sampling from it needs.
+    pub const MODEL: [StateKind; 2] = [StateKind::Values, StateKind::Buffers];
+}
+
 /// Which of the two loss sums a device keeps: the training step's or evaluation's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Sums {
@@ -100,13 +112,14 @@ pub trait DeviceState: Send {
     /// [`DeviceState::values_changed`].
     fn write(&mut self, kind: StateKind, at: usize, from: &[f32]) -> Result<(), PipelineError>;
 
-    /// Copies the values, buffers and moments into `store` and `optimizer`, sized to the
-    /// device's (a transient host copy, for what needs the whole state on the host: a
-    /// gather-first whole-file checkpoint, the evaluation hook).
+    /// Copies the `kinds` of the values, buffers and moments into `store` and `optimizer`,
+    /// sized to the device's (a transient host copy, for what needs the whole state on the
+    /// host: a gather-first whole-file checkpoint, the model for the evaluation hook).
     fn download(
         &self,
         store: &mut ParamStore,
         optimizer: &mut Optimizer,
+        kinds: &[StateKind],
     ) -> Result<(), PipelineError> {
         let host = [
             (StateKind::Values, &mut store.values),
@@ -114,7 +127,7 @@ pub trait DeviceState: Send {
             (StateKind::FirstMoment, &mut optimizer.m),
             (StateKind::SecondMoment, &mut optimizer.v),
         ];
-        for (kind, into) in host {
+        for (kind, into) in host.into_iter().filter(|(k, _)| kinds.contains(k)) {
             into.clear();
             into.resize(self.state_len(kind), 0.0);
             self.read(kind, 0, into)?;

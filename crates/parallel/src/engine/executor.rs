@@ -149,11 +149,15 @@ impl StageChunk {
         }
     }
 
-    /// Fills the store and `optimizer`'s moments from the device (a transient host copy, for
-    /// what needs the whole state on the host); nothing on the host.
-    pub fn pull_from_device(&mut self, optimizer: &mut Optimizer) -> Result<(), PipelineError> {
+    /// Fills the store and `optimizer`'s moments (those of `kinds`) from the device (a
+    /// transient host copy, for what needs the state on the host); nothing on the host.
+    pub fn pull_from_device(
+        &mut self,
+        optimizer: &mut Optimizer,
+        kinds: &[StateKind],
+    ) -> Result<(), PipelineError> {
         match &self.device {
-            Some(d) => d.download(&mut self.store, optimizer),
+            Some(d) => d.download(&mut self.store, optimizer, kinds),
             None => Ok(()),
         }
     }

@@ -55,7 +55,7 @@ impl Parallel {
         whole: &Model,
     ) -> Result<Option<(ParamStore, Optimizer)>, ParallelError> {
         // On a device the gather reads the host copy, filled for as long as it runs.
-        self.with_host_state(|p| p.gather_host_state(model, whole))?
+        self.with_host_state(&StateKind::ALL, |p| p.gather_host_state(model, whole))?
     }
 
     fn gather_host_state(
