@@ -11,6 +11,7 @@
 //! against these on a GPU (`scripts/gpu-check.sh`, the `multi` part).
 
 use meshtrain::config::Config;
+use meshtrain_train::checkpoint::StateSource;
 use meshtrain_train::{RunOptions, Summary};
 use std::path::Path;
 
@@ -313,15 +314,7 @@ fn a_placed_chunk_keeps_no_state_on_the_host() {
     );
     assert_eq!(fresh.parallel.optimizers[0].step, 2);
     // Read from the device in pieces of 5 elements, the file is the same.
-    let state = meshtrain_train::checkpoint::TrainState {
-        model: &trainer.whole,
-        source: meshtrain_train::checkpoint::StateSource::Worker(&trainer.parallel),
-        step: 2,
-        model_description: "",
-        config: "",
-        loss_scaler: None,
-        sampler: None,
-    };
+    let state = state_at_step_2(&trainer, StateSource::Worker(&trainer.parallel));
     let snapshot = meshtrain_train::checkpoint::Snapshot::of(&state).unwrap();
     let written = |name: &str, piece: usize| {
         let path = out.join(name);
@@ -386,20 +379,12 @@ fn a_gathered_whole_file_is_the_same_in_any_window() {
             "ZeRO-3 at dp=2 gathers by range"
         );
         let gathered = t.parallel.gather_state(&t.model, &t.whole)?;
-        let state = meshtrain_train::checkpoint::TrainState {
-            model: &t.whole,
-            source: meshtrain_train::checkpoint::StateSource::Gathered(&t.parallel),
-            step: 2,
-            model_description: "",
-            config: "",
-            loss_scaler: None,
-            sampler: None,
-        };
+        let state = state_at_step_2(&t, StateSource::Gathered(&t.parallel));
         let snapshot = meshtrain_train::checkpoint::Snapshot::of(&state)?;
         let mut files = Vec::new();
         if let Some((store, optimizer)) = &gathered {
             let whole = meshtrain_train::checkpoint::TrainState {
-                source: meshtrain_train::checkpoint::StateSource::Host { store, optimizer },
+                source: StateSource::Host { store, optimizer },
                 ..state
             };
             let path = out.join("gathered.safetensors");
@@ -432,6 +417,22 @@ fn a_gathered_whole_file_is_the_same_in_any_window() {
         contents(&lead[0]),
         "gathered by range and whole differ"
     );
+}
+
+/// `trainer`'s checkpoint after its two steps, from `source`, with no description.
+fn state_at_step_2<'a>(
+    trainer: &'a meshtrain_train::Trainer,
+    source: StateSource<'a>,
+) -> meshtrain_train::checkpoint::TrainState<'a> {
+    meshtrain_train::checkpoint::TrainState {
+        model: &trainer.whole,
+        source,
+        step: 2,
+        model_description: "",
+        config: "",
+        loss_scaler: None,
+        sampler: None,
+    }
 }
 
 /// What a checkpoint holds, for comparing two: a whole file's tensors (name, shape, bytes)
