@@ -928,15 +928,6 @@ impl Parallel {
         Ok(())
     }
 
-    /// On a GPU: replaces the device state by the stage's host stores and optimizers (after a
-    /// checkpoint was loaded into them), then frees the host copy. A no-op on the CPU.
-    pub fn push_to_device(&mut self) -> Result<(), ParallelError> {
-        for (chunk, opt) in self.stage.chunks.iter_mut().zip(&mut self.optimizers) {
-            chunk.push_to_device(opt)?;
-        }
-        Ok(())
-    }
-
     /// On a GPU: frees the host copy [`Parallel::pull_from_device`] filled. A no-op on the
     /// CPU.
     pub fn release_host_state(&mut self) {

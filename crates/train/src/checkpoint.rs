@@ -173,34 +173,18 @@ impl<'a> Snapshot<'a> {
         let data = |kind: StateKind, range: Range<usize>| -> TensorData<'a> {
             match state.source {
                 StateSource::Host { store, optimizer } => {
-                    let held = match kind {
-                        StateKind::Values => &store.values,
-                        StateKind::Buffers => &store.buffers,
-                        StateKind::FirstMoment => &optimizer.m,
-                        StateKind::SecondMoment => &optimizer.v,
-                    };
-                    TensorData::Host(Cow::Borrowed(&held[range]))
+                    TensorData::Host(Cow::Borrowed(&kind.on_host(store, optimizer)[range]))
                 }
-                StateSource::Worker(_) => TensorData::State(StateRange {
-                    chunk: 0,
-                    kind,
-                    range,
-                }),
-                StateSource::Gathered(parallel) => match kind {
-                    StateKind::Buffers => TensorData::State(StateRange {
-                        chunk: 0,
-                        kind,
-                        range,
-                    }),
-                    StateKind::Values if !parallel.holds_value_pieces(0) => {
-                        TensorData::State(StateRange {
-                            chunk: 0,
-                            kind,
-                            range,
-                        })
-                    }
-                    _ => TensorData::Gathered(kind, range),
-                },
+                // ZeRO cut the moments, and under stage 3 the parameters, over the ranks.
+                StateSource::Gathered(parallel)
+                    if kind != StateKind::Buffers
+                        && (kind != StateKind::Values || parallel.holds_value_pieces(0)) =>
+                {
+                    TensorData::Gathered(kind, range)
+                }
+                StateSource::Worker(_) | StateSource::Gathered(_) => {
+                    TensorData::State(StateRange::of(0, kind, range))
+                }
             }
         };
         let mut tensors = Vec::new();

@@ -67,6 +67,30 @@ impl StateKind {
     ];
     /// The model alone: what evaluating or sampling from it needs.
     pub const MODEL: [StateKind; 2] = [StateKind::Values, StateKind::Buffers];
+
+    /// The host vector holding this kind: of the store, or of the optimizer.
+    pub fn on_host<'a>(self, store: &'a ParamStore, optimizer: &'a Optimizer) -> &'a Vec<f32> {
+        match self {
+            StateKind::Values => &store.values,
+            StateKind::Buffers => &store.buffers,
+            StateKind::FirstMoment => &optimizer.m,
+            StateKind::SecondMoment => &optimizer.v,
+        }
+    }
+
+    /// [`StateKind::on_host`], to write.
+    pub fn on_host_mut<'a>(
+        self,
+        store: &'a mut ParamStore,
+        optimizer: &'a mut Optimizer,
+    ) -> &'a mut Vec<f32> {
+        match self {
+            StateKind::Values => &mut store.values,
+            StateKind::Buffers => &mut store.buffers,
+            StateKind::FirstMoment => &mut optimizer.m,
+            StateKind::SecondMoment => &mut optimizer.v,
+        }
+    }
 }
 
 /// Which of the two loss sums a device keeps: the training step's or evaluation's.
@@ -121,13 +145,8 @@ pub trait DeviceState: Send {
         optimizer: &mut Optimizer,
         kinds: &[StateKind],
     ) -> Result<(), PipelineError> {
-        let host = [
-            (StateKind::Values, &mut store.values),
-            (StateKind::Buffers, &mut store.buffers),
-            (StateKind::FirstMoment, &mut optimizer.m),
-            (StateKind::SecondMoment, &mut optimizer.v),
-        ];
-        for (kind, into) in host.into_iter().filter(|(k, _)| kinds.contains(k)) {
+        for &kind in kinds {
+            let into = kind.on_host_mut(store, optimizer);
             into.clear();
             into.resize(self.state_len(kind), 0.0);
             self.read(kind, 0, into)?;

@@ -162,17 +162,6 @@ impl StageChunk {
         }
     }
 
-    /// Replaces the device's state by the store and `optimizer` (after a checkpoint was
-    /// loaded into them), then frees the host copy; nothing on the host.
-    pub fn push_to_device(&mut self, optimizer: &mut Optimizer) -> Result<(), PipelineError> {
-        match &mut self.device {
-            Some(d) => d.upload(&self.store, optimizer)?,
-            None => return Ok(()),
-        }
-        self.release_host_state(optimizer);
-        Ok(())
-    }
-
     /// A placed chunk's host copy freed: its state lives on the device, and a checkpoint
     /// reads it from there ([`DeviceState::read`]). Nothing on the host.
     pub fn release_host_state(&mut self, optimizer: &mut Optimizer) {

@@ -283,10 +283,10 @@ impl Parallel {
                     Some(shard) => shard.take(&whole),
                     None => whole,
                 };
-                let (values, held) = self.held_runs(j, local);
+                let (values, moments_held) = self.held(j, local);
                 let tensor = share(read(StatePart::Values(i))?);
-                let at = StateRange::of(j, StateKind::Values, values.1);
-                self.write_state(&at, &tensor[values.0])?;
+                let at = StateRange::of(j, StateKind::Values, values.at);
+                self.write_state(&at, &tensor[values.of])?;
                 if moments.is_none() {
                     continue;
                 }
@@ -296,8 +296,8 @@ impl Parallel {
                 }
                 for (part, kind) in kinds {
                     let tensor = share(read(part)?);
-                    let at = StateRange::of(j, kind, held.1.clone());
-                    self.write_state(&at, &tensor[held.0.clone()])?;
+                    let at = StateRange::of(j, kind, moments_held.at.clone());
+                    self.write_state(&at, &tensor[moments_held.of.clone()])?;
                 }
             }
             if let Some(step) = moments {
@@ -312,24 +312,24 @@ impl Parallel {
         Ok(())
     }
 
-    /// Where local chunk `j` holds its parameter at `local` (chunk-local full coordinates),
-    /// as (elements of the parameter, where they sit) for its values and for its moments:
-    /// all of it at `local`, or under ZeRO this rank's piece in state coordinates (the
-    /// values whole unless stage 3 cut them too).
-    #[allow(clippy::type_complexity)]
-    fn held_runs(
-        &self,
-        j: usize,
-        local: Range<usize>,
-    ) -> ((Range<usize>, Range<usize>), (Range<usize>, Range<usize>)) {
-        let whole = (0..local.len(), local.clone());
+    /// What local chunk `j` holds of its parameter at `local` (chunk-local full
+    /// coordinates), (values, moments): all of it at `local`, or under ZeRO this rank's
+    /// piece in state coordinates (the values whole unless stage 3 cut them too).
+    fn held(&self, j: usize, local: Range<usize>) -> (Held, Held) {
+        let whole = Held {
+            of: 0..local.len(),
+            at: local.clone(),
+        };
         let Some(zero) = crate::zero::of(self.sync.as_ref()) else {
             return (whole.clone(), whole);
         };
         let p = (zero.layout(j).params.iter())
             .find(|p| p.full == local)
             .expect("every parameter has a piece");
-        let piece = (p.piece.clone(), p.state.clone());
+        let piece = Held {
+            of: p.piece.clone(),
+            at: p.state.clone(),
+        };
         let values = if zero.holds_value_pieces(j) {
             piece.clone()
         } else {
@@ -351,18 +351,13 @@ impl Parallel {
         if let Some(d) = &mut chunk.device {
             return Ok(d.write(at.kind, at.range.start, from)?);
         }
-        let optimizer = &mut self.optimizers[at.chunk];
-        let held: &mut [f32] = match at.kind {
-            StateKind::Values => {
-                let zero = crate::zero::of_mut(self.sync.as_mut());
-                match zero.and_then(|z| z.shard_values_mut(at.chunk)) {
-                    Some(pieces) => pieces,
-                    None => &mut chunk.store.values,
-                }
-            }
-            StateKind::Buffers => &mut chunk.store.buffers,
-            StateKind::FirstMoment => &mut optimizer.m,
-            StateKind::SecondMoment => &mut optimizer.v,
+        // ZeRO-3 keeps its parameter pieces beside the store on the host.
+        let zero = crate::zero::of_mut(self.sync.as_mut());
+        let held: &mut [f32] = match zero.and_then(|z| z.shard_values_mut(at.chunk)) {
+            Some(pieces) if at.kind == StateKind::Values => pieces,
+            _ => at
+                .kind
+                .on_host_mut(&mut chunk.store, &mut self.optimizers[at.chunk]),
         };
         held[at.range.clone()].copy_from_slice(from);
         Ok(())
@@ -388,26 +383,15 @@ impl Parallel {
                 if e.shard().is_none() && tp != 0 {
                     continue;
                 }
+                if zero.is_none() && !first {
+                    continue;
+                }
                 let local = e.range.start - base..e.range.end - base;
-                // Offset within the local tensor, and where this rank's values and moments
-                // of it sit: (offset, the values' range, the moments' range).
-                let (offset, values, moments) = match zero {
-                    Some(z) => {
-                        let p = z
-                            .layout(j)
-                            .params
-                            .iter()
-                            .find(|p| p.full == local)
-                            .expect("every parameter has a piece");
-                        let values = match z.holds_value_pieces(j) {
-                            true => p.state.clone(),
-                            false => p.piece_full(),
-                        };
-                        (p.piece.start, values, p.state.clone())
-                    }
-                    None if first => (0, local.clone(), local),
-                    None => continue,
-                };
+                // This rank writes the elements of the tensor it holds moments of (under ZeRO
+                // its piece, else all), from its values and moments.
+                let (values, moments) = self.held(j, local);
+                let (offset, values, moments) =
+                    (moments.of.start, values.narrowed(&moments.of), moments.at);
                 if values.is_empty() {
                     continue;
                 }
@@ -459,19 +443,12 @@ impl Parallel {
         if chunk.device.is_some() {
             return None;
         }
-        let optimizer = &self.optimizers[j];
-        Some(match kind {
-            StateKind::Values => {
-                let zero = crate::zero::of(self.sync.as_ref());
-                match zero.and_then(|z| z.shard_values(j)) {
-                    Some(pieces) => pieces,
-                    None => &chunk.store.values,
-                }
-            }
-            StateKind::Buffers => &chunk.store.buffers,
-            StateKind::FirstMoment => &optimizer.m,
-            StateKind::SecondMoment => &optimizer.v,
-        })
+        // ZeRO-3 keeps its parameter pieces beside the store on the host.
+        let zero = crate::zero::of(self.sync.as_ref());
+        match zero.and_then(|z| z.shard_values(j)) {
+            Some(pieces) if kind == StateKind::Values => Some(pieces),
+            _ => Some(kind.on_host(&chunk.store, &self.optimizers[j])),
+        }
     }
 
     /// The elements `at` names, when they are in host memory (not placed on a device): a
@@ -604,6 +581,22 @@ pub struct StateRange {
     pub chunk: usize,
     pub kind: StateKind,
     pub range: Range<usize>,
+}
+
+/// Elements `of` a parameter that a worker holds, and where they sit (`at`, as long) in
+/// its vector of them.
+#[derive(Clone, Debug)]
+struct Held {
+    of: Range<usize>,
+    at: Range<usize>,
+}
+
+impl Held {
+    /// Where the parameter's elements `of` (within `self.of`) sit.
+    fn narrowed(&self, of: &Range<usize>) -> Range<usize> {
+        let start = self.at.start + (of.start - self.of.start);
+        start..start + of.len()
+    }
 }
 
 impl StateRange {
