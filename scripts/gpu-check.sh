@@ -74,7 +74,7 @@ run)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
     # The parts, most telling first (so a call cut short still has them): the checks, the
     # GPT-2 step, PyTorch's anchor beside it, then products and kernels.
-    parts=${GPU_CHECK_PARTS:-check,multi,step,torch,products,llama,generate,kernels}
+    parts=${GPU_CHECK_PARTS:-check,multi,layouts,step,torch,products,llama,generate,kernels}
     torch_modes=${GPU_CHECK_TORCH-eager}
     status=0
     for part in ${parts//,/ }; do
@@ -164,6 +164,7 @@ run)
         case $part in
         check) limit=210 sync=1 ;;
         multi) limit=300 sync=0 ;;
+        layouts) limit=180 sync=0 ;;
         step) limit=90 sync=0 ;;
         *) limit=60 sync=0 ;;
         esac

@@ -10,6 +10,8 @@
 //! * `kernels`: each fused kernel's bandwidth against a device-to-device copy;
 //! * `multi`: several ranks on the GPU(s): the device conformance suite through staged
 //!   collectives at 1, 2 and 4 ranks, and a staged all-reduce's rate (`gpu_multi`);
+//! * `layouts`: pipelines (1F1B, interleaved), ring context parallelism and an 8-rank
+//!   dp × pp × cp hybrid against one GPU, and their checkpoints across devices (`gpu_multi`);
 //! * `step`: the GPT-2 124M step (12 × 768, 12 heads, 1024 tokens, vocabulary 50304, batch
 //!   16, bf16, AdamW, clipping) in tokens/s, its device memory, and where its time goes
 //!   (one profiled step).
@@ -37,7 +39,7 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchGpuArgs {
-    /// Parts to run: check, multi, products, kernels, step (comma-separated).
+    /// Parts to run: check, multi, layouts, products, kernels, step (comma-separated).
     #[arg(long, default_value = "check,products,kernels,step")]
     pub parts: String,
     /// The GPU.
@@ -112,7 +114,10 @@ pub fn run(args: &BenchGpuArgs) -> Result<()> {
             }
             "step" => step(args)?,
             "multi" => failed.extend(crate::gpu_multi::run(&args.root)?),
-            other => bail!("unknown part '{other}' (check, multi, products, kernels, step)"),
+            "layouts" => failed.extend(crate::gpu_multi::run_layouts(&args.root)?),
+            other => {
+                bail!("unknown part '{other}' (check, multi, layouts, products, kernels, step)")
+            }
         }
     }
     if !failed.is_empty() {
@@ -415,8 +420,10 @@ pub(crate) fn train_and_read(
     // The parameters, as a resumed one-worker trainer on the CPU holds them.
     let mut cpu = cfg.clone();
     cpu.train.device = meshtrain_tensor::Device::Cpu;
-    cpu.parallel.dp = 1;
-    cpu.parallel.stand_in_device = false;
+    let p = &mut cpu.parallel;
+    (p.dp, p.tp, p.pp, p.cp, p.sequence_parallel) = (1, 1, 1, 1, false);
+    (p.micro_batches, p.layout, p.timeline) = (1, None, None);
+    p.stand_in_device = false;
     let cpu_job = Arc::new(cpu.job(&task)?);
     let mut t = cpu_job.trainer(ThreadsWorld::single(CommConfig::default()), None)?;
     // A whole file, or (ZeRO's default) a sharded checkpoint.

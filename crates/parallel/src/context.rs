@@ -25,9 +25,10 @@
 //! Layers are rewritten after tensor parallelism, on its share of the heads.
 
 use crate::data::DpMode;
+use crate::engine::{tensor_like, tensor_view};
 use crate::tensor::VocabParallelEmbedding;
 use crate::Batch;
-use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, RawBuf, Work};
+use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup, Work};
 use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary, SequenceShard};
 use meshtrain_nn::{InputKind, Layer, Mode, Model, Params, ParamsMut, Saved};
 use meshtrain_tensor::attention::AttentionShape;
@@ -211,6 +212,9 @@ fn fail(what: &str, e: CommError) -> ! {
     // Layers cannot return errors; the worker fails with the operation's message.
     panic!("context parallelism: {what}: {e}")
 }
+
+#[cfg(feature = "cuda")]
+mod ring_cuda;
 
 /// The tokens per sample of `model`'s declared input, if it takes token sequences.
 fn sequence_of(model: &Model) -> Option<usize> {
@@ -448,30 +452,31 @@ pub fn ring_pairs(me: SequenceShard, src: SequenceShard, chunk: usize) -> Vec<Bl
 const KV_TAG: u32 = 0x7100;
 const DKV_TAG: u32 = 0x7101;
 
-/// A block on its way to the next rank while the previous rank's arrives; both buffers live
-/// here until [`Hop::finish`] has waited for the two transfers.
+/// A block on its way to the next rank while the previous rank's arrives; both tensors live
+/// here until [`Hop::finish`] has waited for the two transfers. The blocks are host or
+/// device tensors alike ([`tensor_view`]): the ring is written once for both devices.
 struct Hop {
     sent: Work,
     arriving: Work,
-    outgoing: Vec<f32>,
-    incoming: Vec<f32>,
+    outgoing: Tensor,
+    incoming: Tensor,
 }
 
 impl Hop {
     /// Sends `outgoing` to the next rank and receives a block of the same size from the
     /// previous one. The send goes first: the communication thread runs operations in order,
     /// and a receive queued before it would hold back the send the neighbour is waiting for.
-    fn start(cp: &CpContext, mut outgoing: Vec<f32>, tag: u32) -> Hop {
+    fn start(cp: &CpContext, mut outgoing: Tensor, tag: u32) -> Hop {
         let g = cp.group.as_ref();
         let (n, r) = (g.size(), g.rank());
-        let mut incoming = take_buffer(outgoing.len());
-        cp.stats.sent(outgoing.len());
-        // SAFETY: both buffers move into the returned Hop and are neither written (outgoing)
-        // nor touched (incoming) until `finish` has waited for both operations; moving a Vec
-        // does not move its heap data. Dropping a Hop waits too (Work's drop).
+        let mut incoming = tensor_like(&outgoing, outgoing.shape());
+        cp.stats.sent(outgoing.numel());
+        // SAFETY: both tensors move into the returned Hop and are neither written (outgoing)
+        // nor touched (incoming) until `finish` has waited for both operations; moving a
+        // tensor does not move its values. Dropping a Hop waits too (Work's drop).
         let (sent, arriving) = unsafe {
-            let sent = g.send_async(RawBuf::from_slice(&mut outgoing), (r + 1) % n, tag);
-            let arriving = g.recv_async(RawBuf::from_slice(&mut incoming), (r + n - 1) % n, tag);
+            let sent = g.send_async(tensor_view(&mut outgoing), (r + 1) % n, tag);
+            let arriving = g.recv_async(tensor_view(&mut incoming), (r + n - 1) % n, tag);
             (sent, arriving)
         };
         Hop {
@@ -483,12 +488,12 @@ impl Hop {
     }
 
     /// The block still being sent (readable meanwhile: a send only reads it).
-    fn outgoing(&self) -> &[f32] {
+    fn outgoing(&self) -> &Tensor {
         &self.outgoing
     }
 
     /// Waits for both transfers; returns (the block sent, the block received).
-    fn finish(self, stats: &CpCommStats) -> (Vec<f32>, Vec<f32>) {
+    fn finish(self, stats: &CpCommStats) -> (Tensor, Tensor) {
         let t = Instant::now();
         let Hop {
             sent,
@@ -519,7 +524,9 @@ fn keys_and_values(qkv: &[f32], dim: usize) -> Vec<f32> {
 /// Causal attention over a sequence spread around the context-parallel ring (see the module
 /// documentation). Input: this worker's fused q/k/v `[B, T/cp, 3·D]`; output `[B, T/cp, D]`.
 /// Keeps for backward what memory-efficient attention keeps: q/k/v, the output and the
-/// log-sum-exps.
+/// log-sum-exps. The ring (which block is where, what travels when) is one code for both
+/// devices; the block products are the CPU's [`meshtrain_tensor::flash`] kernels or, on a
+/// GPU, `cuda::ops::ring`'s (`ring_cuda.rs`).
 pub struct RingAttention {
     pub dim: usize,
     pub heads: usize,
@@ -546,30 +553,54 @@ impl RingAttention {
         }
     }
 
-    /// Walks the ring: at each of its `cp` steps `visit` gets the key/value rows of the block
-    /// this worker holds and the block pairs its queries meet in it, while that block is
-    /// already on its way to the next worker (the last step's block goes nowhere).
-    fn around_the_ring(&self, qkv: &Tensor, mut visit: impl FnMut([HeadRows; 2], Vec<BlockPair>)) {
-        let (rows, n) = (qkv.dim(1), self.cp.group.size());
-        let mut block = keys_and_values(qkv.data(), self.dim);
+    /// Walks the ring from this worker's own key/value block `[B, rows, 2·D]`: at each of
+    /// its `cp` steps `visit` gets the block this worker holds and the block pairs its
+    /// queries meet in it, while that block is already on its way to the next worker (the
+    /// last step's block goes nowhere).
+    fn around_the_ring(&self, own: Tensor, mut visit: impl FnMut(&Tensor, Vec<BlockPair>)) {
+        let (rows, n) = (own.dim(1), self.cp.group.size());
+        let mut block = Some(own);
         for step in 0..n {
-            let hop =
-                (step + 1 < n).then(|| Hop::start(&self.cp, std::mem::take(&mut block), KV_TAG));
-            let kv: &[f32] = match &hop {
+            let hop = (step + 1 < n).then(|| {
+                let outgoing = block.take().expect("the held block");
+                Hop::start(&self.cp, outgoing, KV_TAG)
+            });
+            let kv = match &hop {
                 Some(h) => h.outgoing(),
-                None => &block,
+                None => block.as_ref().expect("the held block"),
             };
-            visit(
-                self.kv_rows(kv, rows),
-                ring_pairs(self.cp.shard(), self.source(step), rows / 2),
-            );
+            visit(kv, ring_pairs(self.cp.shard(), self.source(step), rows / 2));
             if let Some(hop) = hop {
                 let (sent, next) = hop.finish(&self.cp.stats);
-                recycle(sent);
-                block = next;
+                sent.recycle();
+                block = Some(next);
             }
         }
-        recycle(block);
+        if let Some(last) = block {
+            last.recycle();
+        }
+    }
+
+    /// Backward's hand-off at each ring step: the gradient accumulator of the block held at
+    /// the previous step (travelling one step behind its block) has arrived; it is added into
+    /// `dkv`, this step's block's products, and the sum goes on to the next worker.
+    fn pass_on(&self, accumulator: &mut Option<Hop>, mut dkv: Tensor) {
+        if let Some(previous) = accumulator.take() {
+            let (sent, arrived) = previous.finish(&self.cp.stats);
+            sent.recycle();
+            dkv.add_assign(&arrived);
+            arrived.recycle();
+        }
+        *accumulator = Some(Hop::start(&self.cp, dkv, DKV_TAG));
+    }
+
+    /// After a whole turn this worker's own block's accumulator has come home.
+    fn home(&self, accumulator: Option<Hop>) -> Tensor {
+        let (sent, own) = accumulator
+            .expect("cp > 1: at least one step")
+            .finish(&self.cp.stats);
+        sent.recycle();
+        own
     }
 
     /// The key/value rows of a travelling `[B, rows, 2·D]` block.
@@ -583,11 +614,21 @@ impl RingAttention {
         };
         [at(0), at(d)]
     }
+
+    /// This worker's own key/value block, on the host.
+    fn own_block(&self, qkv: &Tensor) -> Tensor {
+        let kv = keys_and_values(qkv.data(), self.dim);
+        Tensor::from_vec(kv, &[qkv.dim(0), qkv.dim(1), 2 * self.dim])
+    }
 }
 
 impl Layer for RingAttention {
     fn set_precision(&mut self, precision: DType) {
         self.precision = precision;
+    }
+
+    fn runs_on(&self, device: meshtrain_tensor::Device) -> bool {
+        device.is_cpu() || cfg!(feature = "cuda")
     }
 
     fn forward(
@@ -598,10 +639,15 @@ impl Layer for RingAttention {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if qkv.device().is_cuda() {
+            return self.forward_cuda(qkv, mode, s);
+        }
         let (g, rows, d) = (self.heads_of(&qkv), qkv.dim(1), self.dim);
         let [q, _, _] = HeadRows::fused(qkv.data(), rows, d);
         let (mut out_heads, mut lse) = empty_state(g, rows);
-        self.around_the_ring(&qkv, |[k, v], pairs| {
+        self.around_the_ring(self.own_block(&qkv), |kv, pairs| {
+            let [k, v] = self.kv_rows(kv.data(), rows);
             for pair in pairs {
                 flash_forward_into(g, [q, k, v], pair, self.precision, &mut out_heads, &mut lse);
             }
@@ -627,6 +673,10 @@ impl Layer for RingAttention {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if dy.device().is_cuda() {
+            return Some(self.backward_cuda(s, dy));
+        }
         let lse = s.take(DType::F32, "ring attention (log-sum-exp)");
         let out = s.take(self.precision, "ring attention (output)");
         let qkv = s.take(self.precision, "ring attention (q, k, v)");
@@ -642,29 +692,21 @@ impl Layer for RingAttention {
         // The gradient accumulator of the block held at each step travels with it, one step
         // behind: it is complete for this step's block only after this step's products.
         let mut accumulator: Option<Hop> = None;
-        self.around_the_ring(&qkv, |[k, v], pairs| {
-            let mut dkv = filled_buffer(2 * g.head_major_len(rows), 0.0);
+        self.around_the_ring(self.own_block(&qkv), |kv, pairs| {
+            let [k, v] = self.kv_rows(kv.data(), rows);
+            let dkv_len = 2 * g.head_major_len(rows);
+            let mut dkv = filled_buffer(dkv_len, 0.0);
             for pair in pairs {
                 flash_backward_into(g, [q, k, v], pair, self.precision, up, &mut dq, &mut dkv);
             }
-            if let Some(previous) = accumulator.take() {
-                let (sent, arrived) = previous.finish(&self.cp.stats);
-                recycle(sent);
-                meshtrain_tensor::par::add_assign(&mut dkv, &arrived);
-                recycle(arrived);
-            }
-            accumulator = Some(Hop::start(&self.cp, dkv, DKV_TAG));
+            self.pass_on(&mut accumulator, Tensor::from_vec(dkv, &[dkv_len]));
         });
-        // After a whole turn this worker's own block's accumulator has come home.
-        let (sent, own) = accumulator
-            .expect("cp > 1: at least one step")
-            .finish(&self.cp.stats);
-        recycle(sent);
+        let own = self.home(accumulator);
         let mut dqkv = take_buffer(qkv.numel());
         interleave_heads(g, &dq, (1, 0), rows, &mut dqkv, 3 * d, 0);
-        interleave_heads(g, &own, (2, 0), rows, &mut dqkv, 3 * d, d);
-        interleave_heads(g, &own, (2, 1), rows, &mut dqkv, 3 * d, 2 * d);
-        recycle(own);
+        interleave_heads(g, own.data(), (2, 0), rows, &mut dqkv, 3 * d, d);
+        interleave_heads(g, own.data(), (2, 1), rows, &mut dqkv, 3 * d, 2 * d);
+        own.recycle();
         recycle(dq);
         let shape = qkv.shape().to_vec();
         for dead in [qkv, out, lse, dy] {

@@ -12,6 +12,7 @@
 //! (`Parallel::pull_from_device`, then `release_host_state`), so checkpoints keep their one
 //! format and a GPU run resumes on the CPU and the reverse.
 
+use crate::context::CpMode;
 use crate::data::{DpMode, GradReduce, GradSync};
 use crate::engine::{DeviceState, PipelineError, Stage, StageChunk, StandIn};
 use crate::layout::Layout;
@@ -94,19 +95,17 @@ fn refuse_what_gpus_cannot_run(
     Ok(())
 }
 
-/// The pieces of a layout whose device form comes later (tensor, sequence, pipeline and
-/// context parallelism), refused for a run on `device`. Data parallelism (DDP, or ZeRO 1–3
-/// over the device's buffers) over any number of GPUs runs.
+/// The pieces of a layout whose device form comes later (tensor and sequence
+/// parallelism: their collectives on activations and the vocabulary-parallel loss run on
+/// host tensors), refused for a run on `device`. Data parallelism (DDP, or ZeRO 1–3 over the
+/// device's buffers), pipelines (activations sent device to device) and ring context
+/// parallelism (its block kernels and the blocks' hops on device buffers) run over any
+/// number of GPUs; Ulysses' all-to-alls are refused by [`check_options`], which knows the
+/// mode.
 pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError> {
     let mut pieces = Vec::new();
-    for (size, name) in [
-        (layout.tp, "tensor"),
-        (layout.pp, "pipeline"),
-        (layout.cp, "context"),
-    ] {
-        if size > 1 {
-            pieces.push(format!("{name} parallelism ({size} workers)"));
-        }
+    if layout.tp > 1 {
+        pieces.push(format!("tensor parallelism ({} workers)", layout.tp));
     }
     if layout.sp {
         pieces.push("sequence parallelism".into());
@@ -116,9 +115,10 @@ pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError>
     }
     Err(ParallelError::Device(format!(
         "the layout {layout} uses {}, which this build of meshtrain runs on the CPU only: on \
-         GPUs it trains data-parallel replicas (dp = N, one GPU each, or several ranks sharing \
-         one through staged collectives), with ZeRO or without. Train with dp only \
-         on {device}, or with this layout on --device cpu",
+         GPUs it trains data-parallel replicas (dp, with ZeRO or without), pipelines (pp) \
+         and ring context parallelism (cp), one GPU per rank or several ranks sharing one \
+         through staged collectives. Drop tp and sp on {device}, or train this layout on \
+         --device cpu",
         pieces.join(" and ")
     )))
 }
@@ -128,12 +128,20 @@ pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError>
 /// hierarchical reduction goes through host groups.
 /// The stand-in device takes every layout: tensor, sequence, pipeline and context
 /// parallelism run their device half there (placed chunks, gradients summed over wire
-/// buffers in the chunk's memory) with the host's arithmetic; what a GPU still lacks for
-/// them (activations and their collectives in device memory) is refused by
-/// [`refuse_layout`] before a GPU run starts.
+/// buffers in the chunk's memory) with the host's arithmetic; what a GPU still lacks
+/// (tensor parallelism's collectives on activations, Ulysses' all-to-alls) is refused
+/// before a GPU run starts: here and by [`refuse_layout`].
 pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), ParallelError> {
     if !options.stand_in_device && !options.device.is_cuda() {
         return Ok(());
+    }
+    if options.device.is_cuda() && layout.cp > 1 && options.cp_mode == CpMode::Ulysses {
+        return Err(ParallelError::Device(format!(
+            "cp_mode = \"ulysses\" reshuffles heads and tokens on host tensors, which this \
+             build runs on the CPU only: on GPUs use cp_mode = \"ring\" (the default) for \
+             cp = {}, or train Ulysses on --device cpu",
+            layout.cp
+        )));
     }
     if layout.dp == 1 {
         return Ok(());
@@ -494,22 +502,42 @@ mod tests {
             e.contains(
                 "uses tensor parallelism (2 workers), which this build of meshtrain \
                         runs on the CPU only"
-            ) && e.ends_with("or with this layout on --device cpu"),
+            ) && e.ends_with("or train this layout on --device cpu"),
             "{e}"
         );
-        let pipeline = Layout {
-            dp: 2,
-            zero: 1,
-            pp: 2,
+        let sp = Layout {
+            tp: 2,
+            sp: true,
             ..Layout::default()
         };
-        let e = refuse_what_gpus_cannot_run(&model, &pipeline, 0)
+        let e = refuse_what_gpus_cannot_run(&model, &sp, 0)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("uses pipeline parallelism (2 workers), which"),
+            e.contains("tensor parallelism (2 workers) and sequence parallelism"),
             "{e}"
         );
+        // Pipelines and ring context parallelism have their device forms.
+        for layout in [
+            Layout {
+                dp: 2,
+                zero: 1,
+                pp: 2,
+                ..Layout::default()
+            },
+            Layout {
+                cp: 2,
+                ..Layout::default()
+            },
+            Layout {
+                dp: 2,
+                pp: 2,
+                cp: 2,
+                ..Layout::default()
+            },
+        ] {
+            refuse_what_gpus_cannot_run(&model, &layout, 0).unwrap();
+        }
         // ZeRO's stages run on GPUs: their buffers are the device's.
         for zero in [1, 2, 3] {
             let layout = Layout {
@@ -521,6 +549,36 @@ mod tests {
         }
         // The CPU takes any layout here (parallelize checks the rest).
         assert!(check(&model, &tp, Device::Cpu, DeviceCheck::Opening).is_ok());
+    }
+
+    #[test]
+    fn ulysses_is_refused_on_gpus_and_ring_runs() {
+        let layout = Layout {
+            cp: 2,
+            ..Layout::default()
+        };
+        let gpu = ParallelOptions {
+            device: Device::Cuda(0),
+            ..ParallelOptions::default()
+        };
+        assert_eq!(gpu.cp_mode, CpMode::Ring);
+        check_options(&gpu, &layout).unwrap();
+        let ulysses = ParallelOptions {
+            cp_mode: CpMode::Ulysses,
+            ..gpu.clone()
+        };
+        let e = check_options(&ulysses, &layout).unwrap_err().to_string();
+        assert!(
+            e.contains("cp_mode = \"ulysses\"") && e.contains("cp_mode = \"ring\""),
+            "{e}"
+        );
+        // The stand-in runs both (its activations are host tensors).
+        let stand_in = ParallelOptions {
+            device: Device::Cpu,
+            stand_in_device: true,
+            ..ulysses
+        };
+        check_options(&stand_in, &layout).unwrap();
     }
 
     #[test]

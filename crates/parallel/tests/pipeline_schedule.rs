@@ -326,3 +326,38 @@ fn partition_errors() {
         );
     }
 }
+
+/// NCCL carries no tags: each pair's messages must be received in the order they are sent.
+/// Every schedule the trainer builds keeps that order, or the GPU refuses it.
+#[test]
+fn every_schedule_receives_each_pairs_messages_in_the_order_they_are_sent() {
+    let out_of_order: Vec<String> = all_schedules()
+        .iter()
+        .filter_map(|s| {
+            let (kind, p, m) = (s.kind, s.workers, s.micro_batches);
+            let e = s.check_in_order_between_pairs().err()?;
+            Some(format!("{kind:?} p={p} m={m}: {e}"))
+        })
+        .collect();
+    assert!(out_of_order.is_empty(), "{out_of_order:#?}");
+}
+
+#[test]
+fn a_pair_whose_messages_cross_is_named() {
+    let mut s = Schedule::new(ScheduleKind::GPipe, 2, 2).unwrap();
+    // Worker 1 takes micro-batch 1's activation before micro-batch 0's.
+    let program = &mut s.actions[1];
+    let at = |program: &Vec<Action>, micro| {
+        program
+            .iter()
+            .position(|a| *a == Action::RecvActivation { chunk: 1, micro })
+            .unwrap()
+    };
+    let (a, b) = (at(program, 0), at(program, 1));
+    program.swap(a, b);
+    let e = s.check_in_order_between_pairs().unwrap_err();
+    assert!(
+        e.contains("worker 1 receives") && e.contains("from worker 0"),
+        "{e}"
+    );
+}

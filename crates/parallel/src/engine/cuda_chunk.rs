@@ -612,6 +612,10 @@ impl DeviceState for CudaChunk {
         ok_or_raise(self.refresh_half());
     }
 
+    fn activation_home(&self) -> crate::engine::ActivationHome {
+        crate::engine::ActivationHome::Cuda(self.dev.clone())
+    }
+
     fn flat_memory(&self) -> Arc<dyn FlatMemory> {
         Arc::new(CudaFlat {
             dev: self.dev.clone(),

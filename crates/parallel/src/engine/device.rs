@@ -215,6 +215,12 @@ pub trait DeviceState: Send {
     /// The device's memory for a dimension's own flat buffers and copy plans (ZeRO's).
     fn flat_memory(&self) -> Arc<dyn FlatMemory>;
 
+    /// Where the chunk's activations live, so that a pipeline's received tensors land there:
+    /// the host's memory unless the passes run on a GPU (the stand-in's run on the host).
+    fn activation_home(&self) -> super::transport::ActivationHome {
+        super::transport::ActivationHome::Host
+    }
+
     /// Gradients `a` and `b` (of equal length) both become `a + b`.
     fn tie_sum(&mut self, a: Range<usize>, b: Range<usize>);
 

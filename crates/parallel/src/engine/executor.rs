@@ -50,6 +50,14 @@ pub struct StageChunk {
 }
 
 impl StageChunk {
+    /// Where this chunk's activations live (a pipeline's receives land there).
+    pub fn activation_home(&self) -> super::transport::ActivationHome {
+        self.device
+            .as_ref()
+            .map(|d| d.activation_home())
+            .unwrap_or_default()
+    }
+
     /// Leaves `range` of the gradients out of norms (`norm_skip` stays sorted).
     pub fn leave_out_of_norms(&mut self, range: Range<usize>) {
         self.norm_skip.push(range);
@@ -865,12 +873,13 @@ impl Stage {
                         _ => (Direction::Grad, c + 1, &mut upstream, "recv grad "),
                     };
                     let t = Instant::now();
+                    let home = chunk.activation_home();
                     let received = timed(
                         &mut timeline,
                         || name(label, c, i),
                         Category::RecvWait,
                         Some(i),
-                        || recv_tensor(group, peer % p, tag_for(c, i, dir)),
+                        || recv_tensor(group, peer % p, tag_for(c, i, dir), &home),
                     )?;
                     report.recv_wait_s += t.elapsed().as_secs_f64();
                     into.insert((c, i), received);
@@ -1111,7 +1120,10 @@ impl Stage {
                         PipelineError::InvalidSchedule(format!("no input for micro-batch {i}"))
                     })?,
                     (_, Some(x)) => x, // p = 1: the previous chunk is ours
-                    (_, None) => recv_tensor(group, (c - 1) % p, tag_for(c, i))?,
+                    (_, None) => {
+                        let home = chunk.activation_home();
+                        recv_tensor(group, (c - 1) % p, tag_for(c, i), &home)?
+                    }
                 };
                 let (y, _) =
                     forward_chunk(model, chunk, hooks.chunk_params(j), x, Mode::EVAL, false);

@@ -43,7 +43,7 @@ pub use executor::{
 pub use flat::{Apply, CopyPlan, FlatBuf, FlatMemory, HostFlat, Run};
 pub use partition::Partition;
 pub use schedule::{Action, Schedule, ScheduleKind, Simulation};
-pub use transport::SendMode;
+pub use transport::{tensor_like, tensor_view, ActivationHome, SendMode};
 
 use meshtrain_comm::{BufMut, BufRef, CommError, ProcessGroup};
 

@@ -280,6 +280,53 @@ impl Schedule {
         out
     }
 
+    /// The worker at the other end of a transfer action (`None` for compute).
+    fn peer(&self, a: &Action) -> Option<usize> {
+        let c = a.chunk();
+        match a {
+            Action::SendActivation { .. } => Some(self.worker_of(c + 1)),
+            Action::RecvGrad { .. } => Some(self.worker_of(c + 1)),
+            Action::RecvActivation { .. } | Action::SendGrad { .. } => {
+                c.checked_sub(1).map(|c| self.worker_of(c))
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether every worker receives each peer's messages in the order that peer sends them,
+    /// or the first pair and place where it does not. A transport without tags needs it:
+    /// NCCL matches a pair's sends and receives by their order alone, so a message received
+    /// out of turn would take another's place (same size) or hang (another size).
+    pub fn check_in_order_between_pairs(&self) -> Result<(), String> {
+        let p = self.workers;
+        let mut sent = vec![vec![Vec::new(); p]; p];
+        let mut received = vec![vec![Vec::new(); p]; p];
+        for (w, program) in self.actions.iter().enumerate() {
+            for a in program {
+                if let (Some(m), Some(peer)) = (a.message(), self.peer(a)) {
+                    if a.is_send() {
+                        sent[w][peer].push(m);
+                    } else {
+                        received[peer][w].push(m);
+                    }
+                }
+            }
+        }
+        for from in 0..p {
+            for to in 0..p {
+                let (s, r) = (&sent[from][to], &received[from][to]);
+                if let Some(i) = (0..s.len().min(r.len())).find(|&i| s[i] != r[i]) {
+                    return Err(format!(
+                        "worker {to} receives {:?} from worker {from} where worker {from} \
+                         sends {:?} (message {i} between them)",
+                        r[i], s[i]
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the invariants the executor relies on: each worker forwards and backwards every
     /// micro-batch exactly once on each of its chunks; every compute action finds its input
     /// (received earlier, handed over by its own neighbouring chunk, or the loss); each send

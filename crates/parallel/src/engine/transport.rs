@@ -4,18 +4,109 @@
 //! shapes need agreeing on beforehand (messages with one tag arrive in order). The tag is
 //! derived from (micro-batch, receiving chunk, direction), so a receive names exactly the
 //! tensor it waits for. Sends are posted asynchronously and the buffers kept until they
-//! complete, so compute goes on while the communication thread copies.
+//! complete, so compute goes on while the communication thread copies. Tensors on a GPU go
+//! from device memory to device memory (the header, a few numbers, from host memory): the
+//! header carries the dtype, and the receiver allocates where its stage's activations live
+//! ([`ActivationHome`]).
 
 use super::PipelineError;
 use meshtrain_comm::{ProcessGroup, RawBuf, Work};
-use meshtrain_tensor::Tensor;
+use meshtrain_tensor::{DType, Tensor};
+
+/// A tensor's values as a collective's buffer, wherever they live: host memory, or a GPU's
+/// (in the tensor's dtype), so that one code sends activations on either device.
+///
+/// # Safety
+/// As for [`RawBuf::on_device`]: `t` must stay alive, and nobody else (kernels included) may
+/// read or write its values, until every operation given the view has completed.
+pub unsafe fn tensor_view(t: &mut Tensor) -> RawBuf {
+    #[cfg(feature = "cuda")]
+    if let Some(c) = t.cuda() {
+        // SAFETY: the caller's contract; the buffer holds `len` values of its dtype.
+        return unsafe {
+            RawBuf::on_device(
+                c.ptr(),
+                c.len(),
+                c.dtype(),
+                meshtrain_tensor::Device::Cuda(c.device().ordinal()),
+            )
+        };
+    }
+    // SAFETY: the caller's contract.
+    unsafe { RawBuf::from_slice(t.data_mut()) }
+}
+
+/// A tensor of `shape` where `like` lives and in its dtype, its values unspecified (what a
+/// receive writes into).
+pub fn tensor_like(like: &Tensor, shape: &[usize]) -> Tensor {
+    #[cfg(feature = "cuda")]
+    if let Some(c) = like.cuda() {
+        let n = shape.iter().product();
+        let values =
+            meshtrain_tensor::cuda::error::ok_or_raise(meshtrain_tensor::cuda::CudaTensor::alloc(
+                c.device(),
+                n,
+                c.dtype(),
+                "a received tensor",
+            ));
+        return Tensor::from_cuda(values, shape);
+    }
+    let _ = like; // host tensors: f32 in host memory
+    Tensor::for_overwrite(shape)
+}
+
+/// Where a stage's activations live, so a received tensor lands there: host memory, or the
+/// stage's GPU (the chunk's [`super::DeviceState::activation_home`]).
+#[derive(Clone, Default)]
+pub enum ActivationHome {
+    #[default]
+    Host,
+    #[cfg(feature = "cuda")]
+    Cuda(std::sync::Arc<meshtrain_tensor::cuda::CudaDevice>),
+}
+
+impl ActivationHome {
+    /// A tensor of `shape` and `dtype` here, its values unspecified; `None` for a dtype this
+    /// home cannot hold (host activations are f32).
+    fn tensor_for_overwrite(&self, shape: &[usize], dtype: DType) -> Option<Tensor> {
+        match self {
+            ActivationHome::Host => (dtype == DType::F32).then(|| Tensor::for_overwrite(shape)),
+            #[cfg(feature = "cuda")]
+            ActivationHome::Cuda(dev) => {
+                let n = shape.iter().product();
+                let values = meshtrain_tensor::cuda::error::ok_or_raise(
+                    meshtrain_tensor::cuda::CudaTensor::alloc(dev, n, dtype, "a received tensor"),
+                );
+                Some(Tensor::from_cuda(values, shape))
+            }
+        }
+    }
+}
 
 /// Tags every backend accepts (MPI guarantees 0..=32767).
 pub(super) const TAG_LIMIT: usize = 32768;
-/// Header: number of dimensions, then up to 7 dimensions, as exact f32 integers.
+/// Header: number of dimensions, then up to 6 dimensions, then the data's dtype, as exact
+/// f32 integers.
 const HEADER_LEN: usize = 8;
+/// Where the header keeps the dtype.
+const HEADER_DTYPE: usize = HEADER_LEN - 1;
 /// Largest dimension an f32 header carries exactly.
 const MAX_HEADER_DIM: usize = 1 << 24;
+
+/// The dtype's number in a header.
+fn dtype_code(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 1.0,
+        DType::BF16 => 2.0,
+        DType::F16 => 3.0,
+    }
+}
+
+fn dtype_of_code(code: f32) -> Option<DType> {
+    [DType::F32, DType::BF16, DType::F16]
+        .into_iter()
+        .find(|&d| dtype_code(d) == code)
+}
 
 /// How a stage sends its tensors.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -41,24 +132,25 @@ pub(super) fn tag(chunk: usize, micro: usize, dir: Direction, num_chunks: usize)
     ((micro * num_chunks + chunk) * 2 + dir as usize) as u32
 }
 
-/// A posted send and the buffer it reads. Field order matters: `work` is dropped (which
+/// A posted send and the tensor it reads. Field order matters: `work` is dropped (which
 /// waits for the send) before `payload` is freed.
 pub(super) struct PendingSend {
     pub(super) work: Work,
-    _payload: Vec<f32>,
+    _payload: Tensor,
 }
 
-/// Sends the header and the data of `t` to `dst` without waiting for the receiver.
+/// Sends the header and the data of `t` (host or device memory, any dtype) to `dst` without
+/// waiting for the receiver.
 pub(super) fn post_send(
     group: &dyn ProcessGroup,
-    t: Tensor,
+    mut t: Tensor,
     dst: usize,
     tag: u32,
     mode: SendMode,
     pending: &mut Vec<PendingSend>,
 ) -> Result<(), PipelineError> {
     let shape = t.shape();
-    if shape.len() >= HEADER_LEN || shape.iter().any(|&d| d >= MAX_HEADER_DIM) {
+    if shape.len() >= HEADER_DTYPE || shape.iter().any(|&d| d >= MAX_HEADER_DIM) {
         return Err(PipelineError::BadHeader {
             rank: group.rank(),
             src: group.rank(),
@@ -71,9 +163,15 @@ pub(super) fn post_send(
         .iter_mut()
         .zip(shape)
         .for_each(|(h, &d)| *h = d as f32);
+    header[HEADER_DTYPE] = dtype_code(t.dtype());
     if mode == SendMode::Inline {
         group.send((&header).into(), dst, tag)?;
-        group.send((&t.into_vec()).into(), dst, tag)?;
+        if t.device().is_cpu() {
+            group.send(t.data().into(), dst, tag)?;
+        } else {
+            // SAFETY: `t` lives here until the send has been waited for.
+            unsafe { group.send_async(tensor_view(&mut t), dst, tag) }?.wait()?;
+        }
         return Ok(());
     }
     // Finished sends are collected as we go (keeping their errors), so the list stays short.
@@ -85,12 +183,12 @@ pub(super) fn post_send(
             k += 1;
         }
     }
-    for mut payload in [header, t.into_vec()] {
-        // SAFETY: the heap block of `payload` does not move when the Vec moves into the
+    let header = Tensor::from_vec(header, &[HEADER_LEN]);
+    for mut payload in [header, t] {
+        // SAFETY: the values of `payload` do not move when the tensor moves into the
         // PendingSend, which waits for the send (in `Drop` of `Work`, or explicitly) before
-        // freeing it; nothing else reads or writes it meanwhile.
-        let work =
-            unsafe { group.send_async(RawBuf::from_slice(payload.as_mut_slice()), dst, tag) }?;
+        // freeing them; nothing else reads or writes them meanwhile.
+        let work = unsafe { group.send_async(tensor_view(&mut payload), dst, tag) }?;
         pending.push(PendingSend {
             work,
             _payload: payload,
@@ -99,11 +197,12 @@ pub(super) fn post_send(
     Ok(())
 }
 
-/// Receives a header and then the tensor it describes.
+/// Receives a header and then the tensor it describes, into `home`.
 pub(super) fn recv_tensor(
     group: &dyn ProcessGroup,
     src: usize,
     tag: u32,
+    home: &ActivationHome,
 ) -> Result<Tensor, PipelineError> {
     let mut header = vec![0.0f32; HEADER_LEN];
     group.recv((&mut header).into(), src, tag)?;
@@ -113,11 +212,81 @@ pub(super) fn recv_tensor(
         details,
     };
     let ndim = header[0] as usize;
-    if header[0] != ndim as f32 || ndim == 0 || ndim >= HEADER_LEN {
+    if header[0] != ndim as f32 || ndim == 0 || ndim >= HEADER_DTYPE {
         return Err(bad(format!("{header:?}")));
     }
+    let dtype = dtype_of_code(header[HEADER_DTYPE])
+        .ok_or_else(|| bad(format!("no dtype numbered {}", header[HEADER_DTYPE])))?;
     let shape: Vec<usize> = header[1..=ndim].iter().map(|&d| d as usize).collect();
-    let mut data = vec![0.0f32; shape.iter().product()];
-    group.recv((&mut data).into(), src, tag)?;
-    Ok(Tensor::from_vec(data, &shape))
+    let mut t = home.tensor_for_overwrite(&shape, dtype).ok_or_else(|| {
+        bad(format!(
+            "a {dtype:?} tensor sent to a stage whose activations are host f32 (stages on \
+             different devices?)"
+        ))
+    })?;
+    if t.device().is_cpu() {
+        group.recv(t.data_mut().into(), src, tag)?;
+    } else {
+        // SAFETY: `t` lives here, untouched, until the receive has been waited for.
+        unsafe { group.recv_async(tensor_view(&mut t), src, tag) }?.wait()?;
+    }
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshtrain_comm::{CommConfig, ThreadsWorld};
+
+    /// A tensor goes from one stage to the next with its shape and dtype, in either send mode,
+    /// and a header naming a dtype the receiving stage cannot hold is refused by name.
+    #[test]
+    fn tensors_arrive_with_their_shape_and_dtype_and_a_foreign_dtype_is_refused() {
+        let got = ThreadsWorld::run(2, CommConfig::default(), |group| {
+            let values: Vec<f32> = (0..24).map(|v| v as f32 * 0.5 - 3.0).collect();
+            if group.rank() == 0 {
+                let mut pending = Vec::new();
+                for (tag, mode) in [(1, SendMode::Async), (2, SendMode::Inline)] {
+                    let t = Tensor::from_vec(values.clone(), &[2, 3, 4]);
+                    post_send(group.as_ref(), t, 1, tag, mode, &mut pending)?;
+                }
+                // A header that says bf16, as a GPU stage would send.
+                let mut header = vec![0.0f32; HEADER_LEN];
+                header[..3].copy_from_slice(&[2.0, 3.0, 8.0]);
+                header[HEADER_DTYPE] = dtype_code(DType::BF16);
+                group.send((&header).into(), 1, 3)?;
+                for p in pending {
+                    p.work.wait()?;
+                }
+                return Ok::<_, PipelineError>(Vec::new());
+            }
+            let home = ActivationHome::Host;
+            let mut seen = Vec::new();
+            for tag in [1, 2] {
+                let t = recv_tensor(group.as_ref(), 0, tag, &home)?;
+                assert_eq!(t.shape(), &[2, 3, 4]);
+                assert_eq!(t.data(), values.as_slice());
+                seen.push(t.dtype());
+            }
+            let e = recv_tensor(group.as_ref(), 0, 3, &home)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("BF16 tensor sent to a stage whose activations are host f32"),
+                "{e}"
+            );
+            Ok(seen)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(got[1], vec![DType::F32, DType::F32]);
+    }
+
+    #[test]
+    fn every_dtype_has_its_own_header_number() {
+        for d in [DType::F32, DType::BF16, DType::F16] {
+            assert_eq!(dtype_of_code(dtype_code(d)), Some(d));
+        }
+        assert_eq!(dtype_of_code(0.0), None);
+        assert_eq!(dtype_of_code(1.5), None);
+    }
 }

@@ -374,7 +374,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
         .to_vec(),
         "attention.cu" => {
             let mut v = Vec::new();
-            for part in ["fwd", "dkdv", "dq"] {
+            for part in ["fwd", "dkdv", "dq", "ring_fwd", "ring_dkdv", "ring_dq"] {
                 for t in types {
                     for hd in [32, 64, 128] {
                         v.push(format!("attn_{part}_{t}_hd{hd}"));
@@ -382,6 +382,9 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
                 }
             }
             v.extend(each("attn_bwd_prep"));
+            v.extend(each("attn_ring_kv"));
+            v.extend(each("attn_ring_join"));
+            v.push("attn_ring_start".into());
             v
         }
         "llama.cu" => [

@@ -48,6 +48,16 @@ fn check_len(t: &CudaTensor, len: usize, what: &str) -> Result<(), CudaError> {
     Ok(())
 }
 
+fn check_dtype(t: &CudaTensor, dtype: DType, what: &str) -> Result<(), CudaError> {
+    if t.dtype() != dtype {
+        return Err(unsupported(format!(
+            "{what}: expected {dtype:?} values, the tensor holds {:?}",
+            t.dtype()
+        )));
+    }
+    Ok(())
+}
+
 /// `x` in `dtype`: itself, or a converted copy.
 pub fn to_dtype(x: &CudaTensor, dtype: DType) -> Result<CudaTensor, CudaError> {
     if x.dtype() == dtype {
@@ -1271,24 +1281,7 @@ pub fn attention_backward(
     check_len(out, batch * seq * shape.dim(), "attention output")?;
     check_len(lse, batch * heads * seq, "attention log-sum-exps")?;
     let dev = qkv.device().clone();
-    let out = to_dtype(out, dtype)?;
-    let dout = to_dtype(dout, dtype)?;
-    check_len(&dout, out.len(), "attention output gradient")?;
-    // D = rowsum(dO ∘ O) per (sample, head, query), f32.
-    let d_rows = CudaTensor::alloc(&dev, batch * heads * seq, DType::F32, "attention D")?;
-    dev.launch(
-        "attention.cu",
-        &format!("attn_bwd_prep_{}", suffix(dtype)),
-        Launch::grid_stride(batch * heads * seq * 32, 256, MAX_BLOCKS * 4),
-        append(
-            Args::new()
-                .ptr(out.ptr())
-                .ptr(dout.ptr())
-                .ptr(d_rows.ptr())
-                .usize_as_i32(head_dim),
-            shape.args(),
-        ),
-    )?;
+    let (dout, d_rows) = attention_d_rows(out, dout, dtype, shape)?;
     let dqkv = CudaTensor::alloc(&dev, qkv.len(), dtype, "attention input gradient")?;
     for part in ["dkdv", "dq"] {
         dev.launch(
@@ -1307,6 +1300,292 @@ pub fn attention_backward(
         )?;
     }
     Ok(dqkv)
+}
+
+/// Backward's `D = rowsum(dO ∘ O)` per (sample, head, query) `[batch, heads, seq]` f32, and
+/// the output gradient in `dtype` (the kernels' operand type).
+fn attention_d_rows(
+    out: &CudaTensor,
+    dout: &CudaTensor,
+    dtype: DType,
+    shape: AttnShape,
+) -> Result<(CudaTensor, CudaTensor), CudaError> {
+    let AttnShape {
+        batch,
+        seq,
+        heads,
+        head_dim,
+    } = shape;
+    let out = to_dtype(out, dtype)?;
+    let dout = to_dtype(dout, dtype)?;
+    check_len(&dout, out.len(), "attention output gradient")?;
+    let dev = out.device().clone();
+    let d_rows = CudaTensor::alloc(&dev, batch * heads * seq, DType::F32, "attention D")?;
+    dev.launch(
+        "attention.cu",
+        &format!("attn_bwd_prep_{}", suffix(dtype)),
+        Launch::grid_stride(batch * heads * seq * 32, 256, MAX_BLOCKS * 4),
+        append(
+            Args::new()
+                .ptr(out.ptr())
+                .ptr(dout.ptr())
+                .ptr(d_rows.ptr())
+                .usize_as_i32(head_dim),
+            shape.args(),
+        ),
+    )?;
+    Ok((dout, d_rows))
+}
+
+/// Ring attention on a rank's block of `shape.seq` rows per sample (its load-balanced
+/// chunks): the forward meets the key/value blocks of the ring one at a time, each as
+/// [`BlockPair`]s of this block's query rows against the held block's key rows, and keeps
+/// the normalised output and log-sum-exp in f32 between them (each pair's result merged by
+/// the log-sum-exp rule inside the kernel); the backward takes the final log-sum-exp and
+/// adds each pair's gradients into f32 accumulators (dQ here, dK and dV into the held
+/// block's, which travels). `parallel::context::RingAttention` drives these over the ring.
+pub mod ring {
+    use super::*;
+    use crate::flash::BlockPair;
+
+    /// The forward's state: the output `[batch, seq, dim]` and log-sum-exp `[batch, heads,
+    /// seq]`, f32, before any key (log-sum-exp −∞).
+    pub struct RingState {
+        pub out: CudaTensor,
+        pub lse: CudaTensor,
+    }
+
+    /// Checks a pair against the block's rows before any launch (the kernels trust it).
+    pub fn check_pair(shape: AttnShape, pair: BlockPair) -> Result<(), CudaError> {
+        let BlockPair {
+            q_start,
+            kv_start,
+            q_len,
+            kv_len,
+            ..
+        } = pair;
+        if q_len == 0 || kv_len == 0 || q_start + q_len > shape.seq || kv_start + kv_len > shape.seq
+        {
+            return Err(unsupported(format!(
+                "a ring attention pair {pair:?} outside the block's {} rows (or empty)",
+                shape.seq
+            )));
+        }
+        Ok(())
+    }
+
+    fn pair_args(shape: AttnShape, pair: BlockPair) -> Args {
+        Args::new()
+            .usize_as_i32(shape.batch)
+            .usize_as_i32(shape.seq)
+            .usize_as_i32(shape.heads)
+            .usize_as_i32(pair.q_start)
+            .usize_as_i32(pair.kv_start)
+            .usize_as_i32(pair.q_len)
+            .usize_as_i32(pair.kv_len)
+            .i32(i32::from(pair.causal))
+            .f32(1.0 / (shape.head_dim as f32).sqrt())
+    }
+
+    /// The launch of a pair's kernel: as [`attention_launch`] over the rows the kernel's
+    /// blocks walk (queries for `fwd` and `dq`, keys for `dkdv`).
+    pub fn pair_launch(shape: AttnShape, dtype: DType, part: &str, pair: BlockPair) -> Launch {
+        let rows = if part == "dkdv" {
+            pair.kv_len
+        } else {
+            pair.q_len
+        };
+        attention_launch(AttnShape { seq: rows, ..shape }, dtype, part)
+    }
+
+    fn rows_of(shape: AttnShape) -> usize {
+        shape.batch * shape.seq
+    }
+
+    /// The keys and values of this rank's fused q/k/v: the block `[batch, seq, 2·dim]` that
+    /// travels around the ring, in q/k/v's dtype.
+    pub fn keys_values(qkv: &CudaTensor, shape: AttnShape) -> Result<CudaTensor, CudaError> {
+        shape.check()?;
+        let (n, d) = (rows_of(shape), shape.dim());
+        check_len(qkv, n * 3 * d, "ring attention q/k/v")?;
+        let dtype = qkv.dtype();
+        let kv = CudaTensor::alloc(
+            qkv.device(),
+            n * 2 * d,
+            dtype,
+            "ring attention key/value block",
+        )?;
+        qkv.device().launch(
+            "attention.cu",
+            &format!("attn_ring_kv_{}", suffix(dtype)),
+            Launch::grid_stride(n * 2 * d, 256, MAX_BLOCKS),
+            Args::new()
+                .ptr(qkv.ptr())
+                .ptr(kv.ptr())
+                .i64(n as i64)
+                .usize_as_i32(d),
+        )?;
+        Ok(kv)
+    }
+
+    /// f32 zeros of `len` values (an accumulator), or with `lse` a log-sum-exp of −∞ beside.
+    fn started(
+        dev: &Arc<CudaDevice>,
+        len: usize,
+        lse: usize,
+        what: &str,
+    ) -> Result<(CudaTensor, CudaTensor), CudaError> {
+        let out = CudaTensor::alloc(dev, len, DType::F32, what)?;
+        let l = CudaTensor::alloc(dev, lse.max(1), DType::F32, "ring attention log-sum-exps")?;
+        dev.launch(
+            "attention.cu",
+            "attn_ring_start",
+            Launch::grid_stride(len.max(lse), 256, MAX_BLOCKS),
+            Args::new()
+                .ptr(out.ptr())
+                .i64(len as i64)
+                .ptr(l.ptr())
+                .i64(lse as i64),
+        )?;
+        Ok((out, l))
+    }
+
+    /// The forward's state before any key.
+    pub fn start(dev: &Arc<CudaDevice>, shape: AttnShape) -> Result<RingState, CudaError> {
+        shape.check()?;
+        let (out, lse) = started(
+            dev,
+            rows_of(shape) * shape.dim(),
+            shape.batch * shape.heads * shape.seq,
+            "ring attention output",
+        )?;
+        Ok(RingState { out, lse })
+    }
+
+    /// An f32 gradient accumulator of `len` zeros.
+    pub fn accumulator(dev: &Arc<CudaDevice>, len: usize) -> Result<CudaTensor, CudaError> {
+        Ok(started(dev, len, 0, "ring attention gradient accumulator")?.0)
+    }
+
+    /// Merges `pair` of this rank's queries (`qkv`) against the held block `kv` into `state`.
+    pub fn forward_pair(
+        qkv: &CudaTensor,
+        kv: &CudaTensor,
+        state: &mut RingState,
+        shape: AttnShape,
+        pair: BlockPair,
+    ) -> Result<(), CudaError> {
+        check_pair(shape, pair)?;
+        let (n, d, dtype) = (rows_of(shape), shape.dim(), qkv.dtype());
+        check_len(qkv, n * 3 * d, "ring attention q/k/v")?;
+        check_len(kv, n * 2 * d, "ring attention key/value block")?;
+        check_len(&state.out, n * d, "ring attention output")?;
+        check_len(
+            &state.lse,
+            shape.batch * shape.heads * shape.seq,
+            "ring attention log-sum-exps",
+        )?;
+        check_dtype(kv, dtype, "ring attention key/value block")?;
+        qkv.device().launch(
+            "attention.cu",
+            &attention_kernel("ring_fwd", dtype, shape.head_dim),
+            pair_launch(shape, dtype, "fwd", pair),
+            Args::new()
+                .ptr(qkv.ptr())
+                .ptr(kv.ptr())
+                .ptr(state.out.ptr())
+                .ptr(state.lse.ptr())
+                .append(pair_args(shape, pair)),
+        )
+    }
+
+    /// What the backward of every pair reads: the output gradient in q/k/v's dtype and the
+    /// rows' `D = Σ dO ∘ O`, from the forward's final output (in any dtype).
+    pub fn backward_rows(
+        out: &CudaTensor,
+        dout: &CudaTensor,
+        dtype: DType,
+        shape: AttnShape,
+    ) -> Result<(CudaTensor, CudaTensor), CudaError> {
+        shape.check()?;
+        check_len(out, rows_of(shape) * shape.dim(), "ring attention output")?;
+        attention_d_rows(out, dout, dtype, shape)
+    }
+
+    /// Adds `pair`'s dQ into `dq` `[batch, seq, dim]` and its dK, dV into `dkv` (the held
+    /// block's accumulator, `[batch, seq, 2·dim]`), both f32; `lse` is the forward's final.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_pair(
+        qkv: &CudaTensor,
+        kv: &CudaTensor,
+        (dout, d_rows): (&CudaTensor, &CudaTensor),
+        lse: &CudaTensor,
+        dq: &mut CudaTensor,
+        dkv: &mut CudaTensor,
+        shape: AttnShape,
+        pair: BlockPair,
+    ) -> Result<(), CudaError> {
+        check_pair(shape, pair)?;
+        let (n, d, dtype) = (rows_of(shape), shape.dim(), qkv.dtype());
+        let stats = shape.batch * shape.heads * shape.seq;
+        check_len(qkv, n * 3 * d, "ring attention q/k/v")?;
+        check_len(kv, n * 2 * d, "ring attention key/value block")?;
+        check_len(dout, n * d, "ring attention output gradient")?;
+        check_len(lse, stats, "ring attention log-sum-exps")?;
+        check_len(d_rows, stats, "ring attention D")?;
+        check_len(dq, n * d, "ring attention dQ accumulator")?;
+        check_len(dkv, n * 2 * d, "ring attention dK/dV accumulator")?;
+        check_dtype(kv, dtype, "ring attention key/value block")?;
+        check_dtype(dout, dtype, "ring attention output gradient")?;
+        for (part, acc) in [("dkdv", &*dkv), ("dq", &*dq)] {
+            check_dtype(acc, DType::F32, "ring attention gradient accumulator")?;
+            qkv.device().launch(
+                "attention.cu",
+                &attention_kernel(&format!("ring_{part}"), dtype, shape.head_dim),
+                pair_launch(shape, dtype, part, pair),
+                Args::new()
+                    .ptr(qkv.ptr())
+                    .ptr(kv.ptr())
+                    .ptr(dout.ptr())
+                    .ptr(lse.ptr())
+                    .ptr(d_rows.ptr())
+                    .ptr(acc.ptr())
+                    .append(pair_args(shape, pair)),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The fused gradient `[batch, seq, 3·dim]` in `dtype` from the dQ accumulator and this
+    /// rank's own block's dK/dV accumulator (home after a whole turn of the ring).
+    pub fn join(
+        dq: &CudaTensor,
+        dkv: &CudaTensor,
+        dtype: DType,
+        shape: AttnShape,
+    ) -> Result<CudaTensor, CudaError> {
+        let (n, d) = (rows_of(shape), shape.dim());
+        check_len(dq, n * d, "ring attention dQ accumulator")?;
+        check_len(dkv, n * 2 * d, "ring attention dK/dV accumulator")?;
+        let dqkv = CudaTensor::alloc(
+            dq.device(),
+            n * 3 * d,
+            dtype,
+            "ring attention input gradient",
+        )?;
+        dq.device().launch(
+            "attention.cu",
+            &format!("attn_ring_join_{}", suffix(dtype)),
+            Launch::grid_stride(n * 3 * d, 256, MAX_BLOCKS),
+            Args::new()
+                .ptr(dq.ptr())
+                .ptr(dkv.ptr())
+                .ptr(dqkv.ptr())
+                .i64(n as i64)
+                .usize_as_i32(d),
+        )?;
+        Ok(dqkv)
+    }
 }
 
 /// Fused softmax cross-entropy over rows of `classes` logits: adds Σ loss and Σ correct into
@@ -1583,5 +1862,58 @@ mod tests {
             attention_kernel("dkdv", DType::F16, 128),
             "attn_dkdv_f16_hd128"
         );
+    }
+
+    #[test]
+    fn ring_pairs_are_checked_against_the_block_and_launched_over_their_rows() {
+        use crate::flash::BlockPair;
+        let s = AttnShape {
+            batch: 2,
+            seq: 200,
+            heads: 3,
+            head_dim: 64,
+        };
+        let pair = BlockPair {
+            q_start: 100,
+            kv_start: 0,
+            q_len: 100,
+            kv_len: 70,
+            causal: false,
+        };
+        ring::check_pair(s, pair).unwrap();
+        // Queries walk the forward's and dQ's blocks, keys dK/dV's.
+        assert_eq!(
+            ring::pair_launch(s, DType::BF16, "fwd", pair).grid,
+            (2, 6, 1)
+        );
+        assert_eq!(
+            ring::pair_launch(s, DType::BF16, "dq", pair).grid,
+            (2, 6, 1)
+        );
+        let l = ring::pair_launch(s, DType::BF16, "dkdv", pair);
+        assert_eq!(l.grid, (2, 6, 1));
+        assert_eq!(l.smem, attention_smem("dkdv", 64));
+        assert_eq!(
+            ring::pair_launch(s, DType::F32, "dkdv", pair).grid,
+            (18, 6, 1)
+        );
+        assert_eq!(
+            attention_kernel("ring_dkdv", DType::F32, 64),
+            "attn_ring_dkdv_f32_hd64"
+        );
+        for bad in [
+            BlockPair {
+                q_start: 101,
+                ..pair
+            },
+            BlockPair {
+                kv_start: 131,
+                ..pair
+            },
+            BlockPair { q_len: 0, ..pair },
+        ] {
+            let e = ring::check_pair(s, bad).unwrap_err().to_string();
+            assert!(e.contains("outside the block's 200 rows"), "{e}");
+        }
     }
 }

@@ -167,6 +167,115 @@ __device__ __forceinline__ void store_rows(T* dst, long long stride, const float
 }
 
 // ---------------------------------------------------------------------------------------
+// Block pairs. Every kernel below works on one (sample, head)'s pair of a block of query
+// rows and a block of key rows, each operand at its row 0 with rows `*_stride` values
+// apart. A causal pair starts at the same sequence position on both sides (query i sees
+// keys 0..=i); any other pair's keys all precede its queries (every key is seen). The whole
+// causal product over a fused [B, T, 3·D] activation is the pair (T, T, causal) of each
+// sample's head ([`fused_pair`]); ring attention meets another rank's key/value block as
+// such pairs ([`ring_pair`]).
+template <typename T> struct Pair {
+    const T* q;
+    const T* k;           // v is `v_at` values after k (D in both layouts)
+    const T* dout;        // backward: the queries' output gradient rows
+    const float* lse;     // backward: the queries' final log-sum-exps
+    const float* Drows;   // backward: the queries' Σ dout·out
+    long long q_stride, kv_stride, dout_stride;
+    int v_at, q_rows, kv_rows;
+    bool causal;
+
+    __device__ __forceinline__ const T* v() const { return k + v_at; }
+
+    // Key tiles the query tile starting at q0 meets: under a causal mask those up to the
+    // diagonal.
+    __device__ __forceinline__ int key_tiles(int q0) const {
+        const int all = (kv_rows + TILE - 1) / TILE;
+        return causal ? min((min(q0 + TILE, q_rows) - 1) / TILE + 1, all) : all;
+    }
+    // Keys query `row` sees (the SIMT kernels).
+    __device__ __forceinline__ int keys_of(int row) const {
+        return causal ? min(row + 1, kv_rows) : kv_rows;
+    }
+    // Whether query `row` does not see key `key`.
+    __device__ __forceinline__ bool hidden(int row, int key) const {
+        return (causal && key > row) || key >= kv_rows || row >= q_rows;
+    }
+};
+
+// Sample b, head h of the whole causal product over a fused [B, Tn, 3·D] activation.
+template <typename T, int HD>
+__device__ __forceinline__ Pair<T> fused_pair(const T* qkv, const T* dout, const float* lse,
+                                              const float* Drows, int b, int h, int Tn, int H) {
+    const int D = H * HD;
+    const T* base = qkv + (long long)b * Tn * 3 * D + h * HD;
+    const long long rows_at = ((long long)b * H + h) * Tn;
+    Pair<T> p;
+    p.q = base;
+    p.k = base + D;
+    p.v_at = D;
+    p.dout = dout ? dout + (long long)b * Tn * D + h * HD : nullptr;
+    p.lse = lse ? lse + rows_at : nullptr;
+    p.Drows = Drows ? Drows + rows_at : nullptr;
+    p.q_stride = p.kv_stride = 3LL * D;
+    p.dout_stride = D;
+    p.q_rows = p.kv_rows = Tn;
+    p.causal = true;
+    return p;
+}
+
+// Ring attention's pair: rows q_start.. of this rank's fused [B, rows, 3·D] activation
+// against rows kv_start.. of a travelling key/value block [B, rows, 2·D] (k, then v); dout
+// [B, rows, D], lse and D rows [B, H, rows] of this rank's queries.
+template <typename T, int HD>
+__device__ __forceinline__ Pair<T> ring_pair(const T* qkv, const T* kv, const T* dout,
+                                             const float* lse, const float* Drows, int b, int h,
+                                             int rows, int H, int q_start, int kv_start,
+                                             int q_len, int kv_len, int causal) {
+    const int D = H * HD;
+    const long long q_row = (long long)b * rows + q_start, kv_row = (long long)b * rows + kv_start;
+    const long long rows_at = ((long long)b * H + h) * rows + q_start;
+    Pair<T> p;
+    p.q = qkv + q_row * 3 * D + h * HD;
+    p.k = kv + kv_row * 2 * D + h * HD;
+    p.v_at = D;
+    p.dout = dout ? dout + q_row * D + h * HD : nullptr;
+    p.lse = lse ? lse + rows_at : nullptr;
+    p.Drows = Drows ? Drows + rows_at : nullptr;
+    p.q_stride = 3LL * D;
+    p.kv_stride = 2LL * D;
+    p.dout_stride = D;
+    p.q_rows = q_len;
+    p.kv_rows = kv_len;
+    p.causal = causal != 0;
+    return p;
+}
+
+// The log-sum-exp merge of a kept state (output `o₁`, log-sum-exp `lse₁`; −∞ before any
+// key) with a block's (`o₂`, `lse₂`): lse = log(e^lse₁ + e^lse₂), o = o₁·e^(lse₁−lse) +
+// o₂·e^(lse₂−lse). Returns lse and the two weights; a state with no keys yet weighs 0 and
+// its output is never read (it may be anything, even NaN).
+struct Merge {
+    float lse, w_kept, w_block;
+    __device__ __forceinline__ static Merge of(float kept, float block) {
+        Merge r;
+        if (kept == -INFINITY) {
+            r.lse = block;
+            r.w_kept = 0.0f;
+            r.w_block = 1.0f;
+            return r;
+        }
+        const float mx = fmaxf(kept, block);
+        r.lse = mx + logf(expf(kept - mx) + expf(block - mx));
+        r.w_kept = expf(kept - r.lse);
+        r.w_block = expf(block - r.lse);
+        return r;
+    }
+    __device__ __forceinline__ float apply(float kept, float block) const {
+        return w_kept == 0.0f ? block * w_block : kept * w_kept + block * w_block;
+    }
+};
+
+// ---------------------------------------------------------------------------------------
 // Forward: a block per (64-query tile, sample·head), latest tiles first (they have the most
 // keys). Each warp: S = Q·Kᵀ for its 16 rows in registers, the online softmax on the
 // accumulators (each row's 16 values of a lane, then the 4 lanes of the row), O += P·V.
@@ -174,41 +283,37 @@ __device__ __forceinline__ void store_rows(T* dst, long long stride, const float
 // products, took 240 registers, 2 blocks a multiprocessor instead of 3, and ran the GPT-2
 // step's forward 7% slower on an H100; a generic version with an m-tile loop and a
 // diagonal skip ran 15% slower even at one m-tile.)
+//
+// `forward_tiles` leaves the warp's normalised output rows in `o` and each of the lane's two
+// rows' maximum `m` (log2 units) and sum `l` (whole row); the kernels differ in where that
+// goes. Shared memory: Q, then two K and two V tiles; the warp's own rows of Q stage output.
 template <typename T, int HD>
-__device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, float scale) {
+__device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
+                                              float (*o)[4], float* m, float* l) {
     constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
-    DYNAMIC_SMEM(unsigned char, smem);
-    T* sQ = reinterpret_cast<T*>(smem);
     T* sK = sQ + TILE_VALUES; // two buffers
     T* sV = sK + 2 * TILE_VALUES;
-
-    const int tile = gridDim.x - 1 - blockIdx.x;
-    const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const int q0 = tile * TILE;
-    const int D = H * HD;
-    const long long stride = 3LL * D;
-    const T* base = qkv + (long long)b * Tn * stride + h * HD;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, c = 2 * (lane % 4);
-    const int row0 = q0 + warp * 16 + g; // this lane's rows: row0 and row0 + 8
-    const float scale2 = scale * LOG2E;  // scores in log2 units: exp2f is one instruction
-    const int key_tiles = (min(q0 + TILE, Tn) - 1) / TILE + 1;
+    const int c = 2 * (lane % 4);
+    const int row0 = q0 + warp * 16 + lane / 4; // this lane's rows: row0 and row0 + 8
+    const float scale2 = scale * LOG2E;         // scores in log2 units: exp2f is one instruction
+    const int key_tiles = p.key_tiles(q0);
 
-    load_tile_async<T, HD>(sQ, base, stride, q0, Tn);
-    load_tile_async<T, HD>(sK, base + D, stride, 0, Tn);
-    load_tile_async<T, HD>(sV, base + 2 * D, stride, 0, Tn);
+    load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    load_tile_async<T, HD>(sK, p.k, p.kv_stride, 0, p.kv_rows);
+    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, 0, p.kv_rows);
     mt_cp_async_commit();
 
     unsigned qa[HD / 16][4];
-    float o[HD / 8][4];
     zero<HD>(o);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
     for (int kt = 0; kt < key_tiles; ++kt) {
         const int buf = kt & 1;
         if (kt + 1 < key_tiles) {
             const int nb = (buf ^ 1) * TILE_VALUES;
-            load_tile_async<T, HD>(sK + nb, base + D, stride, (kt + 1) * TILE, Tn);
-            load_tile_async<T, HD>(sV + nb, base + 2 * D, stride, (kt + 1) * TILE, Tn);
+            load_tile_async<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            load_tile_async<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
             mt_cp_async_commit();
             mt_cp_async_wait<1>();
         } else {
@@ -224,7 +329,7 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
         mma_a_xt<T, HD, TILE>(s, qa, K, LD, lane);
 
         // Scale, and mask on the last tile (the only one holding keys past the diagonal or
-        // past the sequence: tiles are aligned, so earlier keys precede every row).
+        // past the block: tiles are aligned, so earlier keys precede every row).
         const bool edge = kt == key_tiles - 1;
         const int k0 = kt * TILE;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -234,7 +339,7 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
                 float v = s[j][e] * scale2;
-                if (edge && (key > row || key >= Tn)) v = -INFINITY;
+                if (edge && ((p.causal && key > row) || key >= p.kv_rows)) v = -INFINITY;
                 s[j][e] = v;
                 mx[e >> 1] = fmaxf(mx[e >> 1], v);
             }
@@ -254,9 +359,9 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
         for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[j][e] - base_[e >> 1]);
-                s[j][e] = p;
-                sum[e >> 1] += p;
+                const float pr = exp2f(s[j][e] - base_[e >> 1]);
+                s[j][e] = pr;
+                sum[e >> 1] += pr;
             }
         }
         // Each lane keeps its part of the row sums; the row's 4 lanes add them at the end.
@@ -288,6 +393,21 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
         o[n][2] *= inv[1];
         o[n][3] *= inv[1];
     }
+}
+
+template <typename T, int HD>
+__device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, float scale) {
+    constexpr int LD = HD + 8;
+    DYNAMIC_SMEM(unsigned char, smem);
+    T* sQ = reinterpret_cast<T*>(smem);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TILE;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<T> p = fused_pair<T, HD>(qkv, nullptr, nullptr, nullptr, b, h, Tn, H);
+    float o[HD / 8][4], m[2], l[2];
+    forward_tiles<T, HD>(p, q0, sQ, scale, o, m, l);
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row0 = q0 + warp * 16 + lane / 4;
     if (lane % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -295,66 +415,132 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
         }
     }
     // The warp's own rows of sQ (only it read them, at kt = 0) stage the output.
+    const int D = H * HD;
     store_rows<T, HD>(out + (long long)b * Tn * D + h * HD, D, o, 1.0f,
                       sQ + warp * 16 * LD, q0 + warp * 16, Tn, lane);
 }
 
+// Merges the warp's 16 × HD normalised block output (rows r0.., the lane's two rows' m, l
+// as `forward_tiles` leaves them) into a kept f32 state: `out` rows `stride` apart, `lse`
+// one per row, rows at or past `rows` untouched. Each lane updates the values it holds;
+// every lane of a row reads the row's kept log-sum-exp before one of them writes it.
+template <int HD>
+__device__ __forceinline__ void merge_rows(float* out, long long stride, float* lse,
+                                           const float (*o)[4], const float* m, const float* l,
+                                           int r0, int rows, int lane) {
+    const int g = lane / 4, c = 2 * (lane % 4);
+    Merge mg[2];
+    bool live[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = r0 + g + 8 * i;
+        live[i] = r < rows && l[i] > 0.0f;
+        if (live[i]) mg[i] = Merge::of(lse[r], (m[i] + log2f(l[i])) * LN2);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (!live[i]) continue;
+        const int r = r0 + g + 8 * i;
+        if (lane % 4 == 0) lse[r] = mg[i].lse;
+        float* row = out + (long long)r * stride;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            float2* at = reinterpret_cast<float2*>(row + 8 * n + c);
+            const float2 kept = *at;
+            *at = make_float2(mg[i].apply(kept.x, o[n][2 * i]), mg[i].apply(kept.y, o[n][2 * i + 1]));
+        }
+    }
+}
+
+// Adds the warp's 16 × HD accumulators (times `scale`) into rows r0.. of an f32 tensor (rows
+// `stride` apart), skipping rows at or past `rows`: each lane its own values.
+template <int HD>
+__device__ __forceinline__ void add_rows(float* dst, long long stride, const float (*acc)[4],
+                                         float scale, int r0, int rows, int lane) {
+    const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = r0 + g + 8 * i;
+        if (r >= rows) continue;
+        float* row = dst + (long long)r * stride;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            float2* at = reinterpret_cast<float2*>(row + 8 * n + c);
+            const float2 was = *at;
+            *at = make_float2(was.x + acc[n][2 * i] * scale, was.y + acc[n][2 * i + 1] * scale);
+        }
+    }
+}
+
+// Ring attention, forward of one pair: the block's output and log-sum-exp merged into the
+// kept f32 state `out` [B, rows, D] and `lse` [B, H, rows] at the pair's query rows.
+template <typename T, int HD>
+__device__ void ring_forward(const T* qkv, const T* kv, float* out, float* lse, int B, int rows,
+                             int H, int q_start, int kv_start, int q_len, int kv_len, int causal,
+                             float scale) {
+    DYNAMIC_SMEM(unsigned char, smem);
+    T* sQ = reinterpret_cast<T*>(smem);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TILE;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<T> p = ring_pair<T, HD>(qkv, kv, nullptr, nullptr, nullptr, b, h, rows, H, q_start,
+                                       kv_start, q_len, kv_len, causal);
+    float o[HD / 8][4], m[2], l[2];
+    forward_tiles<T, HD>(p, q0, sQ, scale, o, m, l);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int D = H * HD;
+    merge_rows<HD>(out + ((long long)b * rows + q_start) * D + h * HD, D,
+                   lse + ((long long)b * H + h) * rows + q_start, o, m, l, q0 + warp * 16, q_len,
+                   lane);
+}
+
 // ---------------------------------------------------------------------------------------
 // Backward, part 1: a block per (64-key tile, sample·head). Each warp owns 16 keys and
-// accumulates their dK and dV in registers over the query tiles from the diagonal down:
+// accumulates their dK and dV in registers over the query tiles from the diagonal down
+// (every query tile when the pair is not causal):
 //   Sᵀ = K·Qᵀ, Pᵀ = exp(scale·Sᵀ − lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D),
-//   dK += dSᵀ·Q (× scale at the end).
+//   dK += dSᵀ·Q (× scale when stored).
+// Shared memory: K, V, two Q and two dO tiles, two rows each of lse and D.
 template <typename T, int HD>
-__device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, const float* Drows,
-                              T* dqkv, int B, int Tn, int H, float scale) {
+__device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, float scale,
+                                           float (*dk)[4], float (*dv)[4]) {
     constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
-    DYNAMIC_SMEM(unsigned char, smem);
-    T* sK = reinterpret_cast<T*>(smem);
     T* sV = sK + TILE_VALUES;
     T* sQ = sV + TILE_VALUES;      // two buffers
     T* sdO = sQ + 2 * TILE_VALUES; // two buffers
     float* sL = reinterpret_cast<float*>(sdO + 2 * TILE_VALUES); // two rows: lse · log2(e)
     float* sD = sL + 2 * TILE;                                   // two rows
-
-    const int k0 = blockIdx.x * TILE;
-    const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const int D = H * HD;
-    const long long stride = 3LL * D;
-    const T* base = qkv + (long long)b * Tn * stride + h * HD;
-    const T* dbase = dout + (long long)b * Tn * D + h * HD;
-    const float* lse_bh = lse + ((long long)b * H + h) * Tn;
-    const float* D_bh = Drows + ((long long)b * H + h) * Tn;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, c = 2 * (lane % 4);
-    const int key0 = k0 + warp * 16 + g; // this lane's keys: key0 and key0 + 8
+    const int c = 2 * (lane % 4);
+    const int key0 = k0 + warp * 16 + lane / 4; // this lane's keys: key0 and key0 + 8
     const float scale2 = scale * LOG2E;
 
     // The query tile's rows of lse and D (plain loads: a row's start need not be 16-byte
     // aligned); padded queries get lse = ∞, so P = 0.
     auto load_rows_of = [&](int slot, int q0) {
         for (int r = threadIdx.x; r < TILE; r += THREADS) {
-            const bool valid = q0 + r < Tn;
-            sL[slot * TILE + r] = valid ? lse_bh[q0 + r] * LOG2E : INFINITY;
-            sD[slot * TILE + r] = valid ? D_bh[q0 + r] : 0.0f;
+            const bool valid = q0 + r < p.q_rows;
+            sL[slot * TILE + r] = valid ? p.lse[q0 + r] * LOG2E : INFINITY;
+            sD[slot * TILE + r] = valid ? p.Drows[q0 + r] : 0.0f;
         }
     };
-    const int qt0 = k0 / TILE, q_tiles = (Tn + TILE - 1) / TILE;
-    load_tile_async<T, HD>(sK, base + D, stride, k0, Tn);
-    load_tile_async<T, HD>(sV, base + 2 * D, stride, k0, Tn);
-    load_tile_async<T, HD>(sQ, base, stride, k0, Tn);
-    load_tile_async<T, HD>(sdO, dbase, D, k0, Tn);
-    mt_cp_async_commit();
-    load_rows_of(0, k0);
-
-    float dk[HD / 8][4], dv[HD / 8][4];
+    const int qt0 = p.causal ? k0 / TILE : 0, q_tiles = (p.q_rows + TILE - 1) / TILE;
     zero<HD>(dk);
     zero<HD>(dv);
+    if (qt0 >= q_tiles) return; // no query sees these keys (a causal pair with fewer queries)
+    load_tile_async<T, HD>(sK, p.k, p.kv_stride, k0, p.kv_rows);
+    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, k0, p.kv_rows);
+    load_tile_async<T, HD>(sQ, p.q, p.q_stride, qt0 * TILE, p.q_rows);
+    load_tile_async<T, HD>(sdO, p.dout, p.dout_stride, qt0 * TILE, p.q_rows);
+    mt_cp_async_commit();
+    load_rows_of(0, qt0 * TILE);
+
     for (int qt = qt0; qt < q_tiles; ++qt) {
         const int buf = (qt - qt0) & 1;
         if (qt + 1 < q_tiles) {
             const int nb = (buf ^ 1) * TILE_VALUES;
-            load_tile_async<T, HD>(sQ + nb, base, stride, (qt + 1) * TILE, Tn);
-            load_tile_async<T, HD>(sdO + nb, dbase, D, (qt + 1) * TILE, Tn);
+            load_tile_async<T, HD>(sQ + nb, p.q, p.q_stride, (qt + 1) * TILE, p.q_rows);
+            load_tile_async<T, HD>(sdO + nb, p.dout, p.dout_stride, (qt + 1) * TILE, p.q_rows);
             mt_cp_async_commit();
             load_rows_of(buf ^ 1, (qt + 1) * TILE);
             mt_cp_async_wait<1>();
@@ -376,16 +562,17 @@ __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, con
             load_rows<T, HD>(ka, sK, warp * 16, lane);
             mma_a_xt<T, HD, TILE>(st, ka, Q, LD, lane);
         }
-        // The diagonal tile (the first) and the last one (padded queries) need the mask.
-        const bool edge = qt == qt0 || q0 + TILE > Tn;
+        // The diagonal tile (a causal pair's first) and the last one (padded queries) need
+        // the mask; padded keys are never stored.
+        const bool edge = (p.causal && qt == qt0) || q0 + TILE > p.q_rows;
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int q = 8 * j + c + (e & 1), key = key0 + (e >> 1) * 8;
-                float p = exp2f(st[j][e] * scale2 - L[q]);
-                if (edge && (q0 + q < key || q0 + q >= Tn || key >= Tn)) p = 0.0f;
-                st[j][e] = p;
+                float pr = exp2f(st[j][e] * scale2 - L[q]);
+                if (edge && p.hidden(q0 + q, key)) pr = 0.0f;
+                st[j][e] = pr;
             }
         }
         unsigned pa[TILE / 16][4];
@@ -415,63 +602,91 @@ __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, con
         mma_a_x<T, TILE, HD>(dk, dsa, Q, LD, lane);
         __syncthreads(); // everyone is done with this buffer before it is refilled
     }
+}
+
+template <typename T, int HD>
+__device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, const float* Drows,
+                              T* dqkv, int B, int Tn, int H, float scale) {
+    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
+    DYNAMIC_SMEM(unsigned char, smem);
+    T* sK = reinterpret_cast<T*>(smem);
+    T* sV = sK + TILE_VALUES;
+    const int k0 = blockIdx.x * TILE;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H);
+    float dk[HD / 8][4], dv[HD / 8][4];
+    dkdv_tiles<T, HD>(p, k0, sK, scale, dk, dv);
 
     // The warp's own rows of sK and sV (only it read them) stage dK and dV.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int D = H * HD;
+    const long long stride = 3LL * D;
     T* out = dqkv + (long long)b * Tn * stride + h * HD;
     store_rows<T, HD>(out + D, stride, dk, scale, sK + warp * 16 * LD, k0 + warp * 16, Tn, lane);
     store_rows<T, HD>(out + 2 * D, stride, dv, 1.0f, sV + warp * 16 * LD, k0 + warp * 16, Tn,
                       lane);
 }
 
-// Backward, part 2: a block per (64-query tile, sample·head), latest first. Each warp owns
-// 16 queries and accumulates their dQ over the key tiles up to the diagonal:
-//   S = Q·Kᵀ, P = exp(scale·S − lse), dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K (× scale).
+// Ring attention, dK and dV of one pair, added into the travelling block's f32 accumulator
+// `dkv` [B, rows, 2·D] (dK, then dV) at the pair's key rows.
 template <typename T, int HD>
-__device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const float* Drows,
-                            T* dqkv, int B, int Tn, int H, float scale) {
-    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
+__device__ void ring_dkdv(const T* qkv, const T* kv, const T* dout, const float* lse,
+                          const float* Drows, float* dkv, int B, int rows, int H, int q_start,
+                          int kv_start, int q_len, int kv_len, int causal, float scale) {
     DYNAMIC_SMEM(unsigned char, smem);
-    T* sQ = reinterpret_cast<T*>(smem);
+    T* sK = reinterpret_cast<T*>(smem);
+    const int k0 = blockIdx.x * TILE;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<T> p = ring_pair<T, HD>(qkv, kv, dout, lse, Drows, b, h, rows, H, q_start, kv_start,
+                                       q_len, kv_len, causal);
+    float dk[HD / 8][4], dv[HD / 8][4];
+    dkdv_tiles<T, HD>(p, k0, sK, scale, dk, dv);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int D = H * HD;
+    float* at = dkv + ((long long)b * rows + kv_start) * 2 * D + h * HD;
+    add_rows<HD>(at, 2LL * D, dk, scale, k0 + warp * 16, kv_len, lane);
+    add_rows<HD>(at + D, 2LL * D, dv, 1.0f, k0 + warp * 16, kv_len, lane);
+}
+
+// Backward, part 2: a block per (64-query tile, sample·head), latest first. Each warp owns
+// 16 queries and accumulates their dQ over the key tiles they meet:
+//   S = Q·Kᵀ, P = exp(scale·S − lse), dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K (× scale when
+//   stored).
+// Shared memory: Q, dO, two K and two V tiles.
+template <typename T, int HD>
+__device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
+                                         float (*dq)[4]) {
+    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
     T* sdO = sQ + TILE_VALUES;
     T* sK = sdO + TILE_VALUES; // two buffers
     T* sV = sK + 2 * TILE_VALUES;
-
-    const int tile = gridDim.x - 1 - blockIdx.x;
-    const int q0 = tile * TILE;
-    const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const int D = H * HD;
-    const long long stride = 3LL * D;
-    const T* base = qkv + (long long)b * Tn * stride + h * HD;
-    const T* dbase = dout + (long long)b * Tn * D + h * HD;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, c = 2 * (lane % 4);
-    const int row0 = q0 + warp * 16 + g; // this lane's queries: row0 and row0 + 8
+    const int c = 2 * (lane % 4);
+    const int row0 = q0 + warp * 16 + lane / 4; // this lane's queries: row0 and row0 + 8
     const float scale2 = scale * LOG2E;
     float lse2[2], d_row[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int r = row0 + 8 * i;
-        const long long at = ((long long)b * H + h) * Tn + r;
-        lse2[i] = r < Tn ? lse[at] * LOG2E : INFINITY; // padded queries: P = 0
-        d_row[i] = r < Tn ? Drows[at] : 0.0f;
+        lse2[i] = r < p.q_rows ? p.lse[r] * LOG2E : INFINITY; // padded queries: P = 0
+        d_row[i] = r < p.q_rows ? p.Drows[r] : 0.0f;
     }
-    const int key_tiles = (min(q0 + TILE, Tn) - 1) / TILE + 1;
+    const int key_tiles = p.key_tiles(q0);
 
-    load_tile_async<T, HD>(sQ, base, stride, q0, Tn);
-    load_tile_async<T, HD>(sdO, dbase, D, q0, Tn);
-    load_tile_async<T, HD>(sK, base + D, stride, 0, Tn);
-    load_tile_async<T, HD>(sV, base + 2 * D, stride, 0, Tn);
+    load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    load_tile_async<T, HD>(sdO, p.dout, p.dout_stride, q0, p.q_rows);
+    load_tile_async<T, HD>(sK, p.k, p.kv_stride, 0, p.kv_rows);
+    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, 0, p.kv_rows);
     mt_cp_async_commit();
 
     unsigned qa[HD / 16][4], doa[HD / 16][4];
-    float dq[HD / 8][4];
     zero<HD>(dq);
     for (int kt = 0; kt < key_tiles; ++kt) {
         const int buf = kt & 1;
         if (kt + 1 < key_tiles) {
             const int nb = (buf ^ 1) * TILE_VALUES;
-            load_tile_async<T, HD>(sK + nb, base + D, stride, (kt + 1) * TILE, Tn);
-            load_tile_async<T, HD>(sV + nb, base + 2 * D, stride, (kt + 1) * TILE, Tn);
+            load_tile_async<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            load_tile_async<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
             mt_cp_async_commit();
             mt_cp_async_wait<1>();
         } else {
@@ -496,9 +711,9 @@ __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
-                float p = exp2f(s[j][e] * scale2 - lse2[e >> 1]);
-                if (edge && (key > row || key >= Tn)) p = 0.0f;
-                s[j][e] = p;
+                float pr = exp2f(s[j][e] * scale2 - lse2[e >> 1]);
+                if (edge && ((p.causal && key > row) || key >= p.kv_rows)) pr = 0.0f;
+                s[j][e] = pr;
             }
         }
         // dP = dO·Vᵀ → dS = P∘(dP − D).
@@ -516,10 +731,43 @@ __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const
         mma_a_x<T, TILE, HD>(dq, dsa, K, LD, lane);
         __syncthreads(); // everyone is done with this buffer before it is refilled
     }
+}
 
+template <typename T, int HD>
+__device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const float* Drows,
+                            T* dqkv, int B, int Tn, int H, float scale) {
+    constexpr int LD = HD + 8;
+    DYNAMIC_SMEM(unsigned char, smem);
+    T* sQ = reinterpret_cast<T*>(smem);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TILE;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H);
+    float dq[HD / 8][4];
+    dq_tiles<T, HD>(p, q0, sQ, scale, dq);
     // The warp's own rows of sQ (only it read them, at kt = 0) stage dQ.
-    store_rows<T, HD>(dqkv + (long long)b * Tn * stride + h * HD, stride, dq, scale,
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    store_rows<T, HD>(dqkv + (long long)b * Tn * 3 * H * HD + h * HD, 3LL * H * HD, dq, scale,
                       sQ + warp * 16 * LD, q0 + warp * 16, Tn, lane);
+}
+
+// Ring attention, dQ of one pair, added into the f32 accumulator `dq` [B, rows, D] at the
+// pair's query rows.
+template <typename T, int HD>
+__device__ void ring_dq(const T* qkv, const T* kv, const T* dout, const float* lse,
+                        const float* Drows, float* dq, int B, int rows, int H, int q_start,
+                        int kv_start, int q_len, int kv_len, int causal, float scale) {
+    DYNAMIC_SMEM(unsigned char, smem);
+    T* sQ = reinterpret_cast<T*>(smem);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TILE;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<T> p = ring_pair<T, HD>(qkv, kv, dout, lse, Drows, b, h, rows, H, q_start, kv_start,
+                                       q_len, kv_len, causal);
+    float acc[HD / 8][4];
+    dq_tiles<T, HD>(p, q0, sQ, scale, acc);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int D = H * HD;
+    add_rows<HD>(dq + ((long long)b * rows + q_start) * D + h * HD, D, acc, scale, q0 + warp * 16,
+                 q_len, lane);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -550,6 +798,38 @@ __device__ __forceinline__ float warp_total(float v) {
     return v;
 }
 
+// Query row qi's online softmax over the keys it sees: the lane's values of its
+// unnormalised output in `o`, the row's maximum `m` and sum `l` (natural units).
+template <int HD>
+__device__ __forceinline__ void forward_row_f32(const Pair<float>& p, int qi, float scale,
+                                                float* o, float& m, float& l) {
+    constexpr int PER = HD / 32;
+    const int lane = threadIdx.x % 32;
+    float q[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        q[i] = p.q[(long long)qi * p.q_stride + lane + 32 * i];
+        o[i] = 0.0f;
+    }
+    m = -INFINITY;
+    l = 0.0f;
+    const int keys = p.keys_of(qi);
+    for (int kj = 0; kj < keys; ++kj) {
+        const float* k = p.k + (long long)kj * p.kv_stride;
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) s += q[i] * k[lane + 32 * i];
+        s = warp_total(s) * scale;
+        const float m_new = fmaxf(m, s);
+        const float alpha = expf(m - m_new), pr = expf(s - m_new);
+        l = l * alpha + pr;
+        m = m_new;
+        const float* v = p.v() + (long long)kj * p.kv_stride;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) o[i] = o[i] * alpha + pr * v[lane + 32 * i];
+    }
+}
+
 template <int HD>
 __device__ void forward_f32(const float* qkv, float* out, float* lse, int B, int Tn, int H,
                             float scale) {
@@ -558,34 +838,72 @@ __device__ void forward_f32(const float* qkv, float* out, float* lse, int B, int
     const int qi = blockIdx.x * 4 + warp;
     if (qi >= Tn) return;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<float> p = fused_pair<float, HD>(qkv, nullptr, nullptr, nullptr, b, h, Tn, H);
+    float o[PER], m, l;
+    forward_row_f32<HD>(p, qi, scale, o, m, l);
     const int D = H * HD;
-    const long long stride = 3LL * D;
-    const float* base = qkv + (long long)b * Tn * stride + h * HD;
-    float q[PER], o[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        q[i] = base[(long long)qi * stride + lane + 32 * i];
-        o[i] = 0.0f;
-    }
-    float m = -INFINITY, l = 0.0f;
-    for (int kj = 0; kj <= qi; ++kj) {
-        const float* k = base + (long long)kj * stride + D;
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) s += q[i] * k[lane + 32 * i];
-        s = warp_total(s) * scale;
-        const float m_new = fmaxf(m, s);
-        const float alpha = expf(m - m_new), p = expf(s - m_new);
-        l = l * alpha + p;
-        m = m_new;
-        const float* v = k + D;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) o[i] = o[i] * alpha + p * v[lane + 32 * i];
-    }
     float* dst = out + ((long long)b * Tn + qi) * D + h * HD;
 #pragma unroll
     for (int i = 0; i < PER; ++i) dst[lane + 32 * i] = o[i] / l;
     if (lane == 0) lse[((long long)b * H + h) * Tn + qi] = m + logf(l);
+}
+
+template <int HD>
+__device__ void ring_forward_f32(const float* qkv, const float* kv, float* out, float* lse, int B,
+                                 int rows, int H, int q_start, int kv_start, int q_len,
+                                 int kv_len, int causal, float scale) {
+    constexpr int PER = HD / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int qi = blockIdx.x * 4 + warp;
+    if (qi >= q_len) return;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<float> p = ring_pair<float, HD>(qkv, kv, nullptr, nullptr, nullptr, b, h, rows, H,
+                                               q_start, kv_start, q_len, kv_len, causal);
+    float o[PER], m, l;
+    forward_row_f32<HD>(p, qi, scale, o, m, l);
+    if (l == 0.0f) return; // no key in this pair (never for a ring's pairs)
+    const int D = H * HD;
+    float* kept_lse = lse + ((long long)b * H + h) * rows + q_start + qi;
+    const Merge mg = Merge::of(*kept_lse, m + logf(l));
+    __syncwarp(); // every lane has read the kept log-sum-exp
+    if (lane == 0) *kept_lse = mg.lse;
+    float* dst = out + ((long long)b * rows + q_start + qi) * D + h * HD;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) dst[lane + 32 * i] = mg.apply(dst[lane + 32 * i], o[i] / l);
+}
+
+// Key kj's dK (unscaled) and dV over the queries that see it.
+template <int HD>
+__device__ __forceinline__ void dkdv_row_f32(const Pair<float>& p, int kj, float scale, float* dk,
+                                             float* dv) {
+    constexpr int PER = HD / 32;
+    const int lane = threadIdx.x % 32;
+    float k[PER], v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        k[i] = p.k[(long long)kj * p.kv_stride + lane + 32 * i];
+        v[i] = p.v()[(long long)kj * p.kv_stride + lane + 32 * i];
+        dk[i] = dv[i] = 0.0f;
+    }
+    for (int qi = p.causal ? kj : 0; qi < p.q_rows; ++qi) {
+        const float* q = p.q + (long long)qi * p.q_stride;
+        const float* g = p.dout + (long long)qi * p.dout_stride;
+        float s = 0.0f, dp = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            s += q[lane + 32 * i] * k[i];
+            dp += g[lane + 32 * i] * v[i];
+        }
+        s = warp_total(s);
+        dp = warp_total(dp);
+        const float pr = expf(s * scale - p.lse[qi]);
+        const float ds = pr * (dp - p.Drows[qi]);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            dv[i] += pr * g[lane + 32 * i];
+            dk[i] += ds * q[lane + 32 * i];
+        }
+    }
 }
 
 template <int HD>
@@ -596,39 +914,11 @@ __device__ void dkdv_f32(const float* qkv, const float* dout, const float* lse, 
     const int kj = blockIdx.x * 4 + warp;
     if (kj >= Tn) return;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<float> p = fused_pair<float, HD>(qkv, dout, lse, Drows, b, h, Tn, H);
+    float dk[PER], dv[PER];
+    dkdv_row_f32<HD>(p, kj, scale, dk, dv);
     const int D = H * HD;
-    const long long stride = 3LL * D;
-    const float* base = qkv + (long long)b * Tn * stride + h * HD;
-    const float* dbase = dout + (long long)b * Tn * D + h * HD;
-    const float* lse_bh = lse + ((long long)b * H + h) * Tn;
-    const float* D_bh = Drows + ((long long)b * H + h) * Tn;
-    float k[PER], v[PER], dk[PER], dv[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        k[i] = base[(long long)kj * stride + D + lane + 32 * i];
-        v[i] = base[(long long)kj * stride + 2 * D + lane + 32 * i];
-        dk[i] = dv[i] = 0.0f;
-    }
-    for (int qi = kj; qi < Tn; ++qi) {
-        const float* q = base + (long long)qi * stride;
-        const float* g = dbase + (long long)qi * D;
-        float s = 0.0f, dp = 0.0f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            s += q[lane + 32 * i] * k[i];
-            dp += g[lane + 32 * i] * v[i];
-        }
-        s = warp_total(s);
-        dp = warp_total(dp);
-        const float p = expf(s * scale - lse_bh[qi]);
-        const float ds = p * (dp - D_bh[qi]);
-#pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            dv[i] += p * g[lane + 32 * i];
-            dk[i] += ds * q[lane + 32 * i];
-        }
-    }
-    float* dst = dqkv + ((long long)b * Tn + kj) * stride + h * HD;
+    float* dst = dqkv + ((long long)b * Tn + kj) * 3 * D + h * HD;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         dst[D + lane + 32 * i] = dk[i] * scale;
@@ -637,29 +927,46 @@ __device__ void dkdv_f32(const float* qkv, const float* dout, const float* lse, 
 }
 
 template <int HD>
-__device__ void dq_f32(const float* qkv, const float* dout, const float* lse, const float* Drows,
-                       float* dqkv, int B, int Tn, int H, float scale) {
+__device__ void ring_dkdv_f32(const float* qkv, const float* kv, const float* dout,
+                              const float* lse, const float* Drows, float* dkv, int B, int rows,
+                              int H, int q_start, int kv_start, int q_len, int kv_len, int causal,
+                              float scale) {
     constexpr int PER = HD / 32;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int qi = blockIdx.x * 4 + warp;
-    if (qi >= Tn) return;
+    const int kj = blockIdx.x * 4 + warp;
+    if (kj >= kv_len) return;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<float> p = ring_pair<float, HD>(qkv, kv, dout, lse, Drows, b, h, rows, H, q_start,
+                                               kv_start, q_len, kv_len, causal);
+    float dk[PER], dv[PER];
+    dkdv_row_f32<HD>(p, kj, scale, dk, dv);
     const int D = H * HD;
-    const long long stride = 3LL * D;
-    const float* base = qkv + (long long)b * Tn * stride + h * HD;
-    const float* g = dout + ((long long)b * Tn + qi) * D + h * HD;
-    const float l = lse[((long long)b * H + h) * Tn + qi];
-    const float dd = Drows[((long long)b * H + h) * Tn + qi];
-    float q[PER], go[PER], dq[PER];
+    float* dst = dkv + ((long long)b * rows + kv_start + kj) * 2 * D + h * HD;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-        q[i] = base[(long long)qi * stride + lane + 32 * i];
-        go[i] = g[lane + 32 * i];
+        dst[lane + 32 * i] += dk[i] * scale;
+        dst[D + lane + 32 * i] += dv[i];
+    }
+}
+
+// Query qi's dQ (unscaled) over the keys it sees.
+template <int HD>
+__device__ __forceinline__ void dq_row_f32(const Pair<float>& p, int qi, float scale, float* dq) {
+    constexpr int PER = HD / 32;
+    const int lane = threadIdx.x % 32;
+    const float l = p.lse[qi];
+    const float dd = p.Drows[qi];
+    float q[PER], go[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        q[i] = p.q[(long long)qi * p.q_stride + lane + 32 * i];
+        go[i] = p.dout[(long long)qi * p.dout_stride + lane + 32 * i];
         dq[i] = 0.0f;
     }
-    for (int kj = 0; kj <= qi; ++kj) {
-        const float* k = base + (long long)kj * stride + D;
-        const float* v = k + D;
+    const int keys = p.keys_of(qi);
+    for (int kj = 0; kj < keys; ++kj) {
+        const float* k = p.k + (long long)kj * p.kv_stride;
+        const float* v = p.v() + (long long)kj * p.kv_stride;
         float s = 0.0f, dp = 0.0f;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
@@ -672,14 +979,85 @@ __device__ void dq_f32(const float* qkv, const float* dout, const float* lse, co
 #pragma unroll
         for (int i = 0; i < PER; ++i) dq[i] += ds * k[lane + 32 * i];
     }
-    float* dst = dqkv + ((long long)b * Tn + qi) * stride + h * HD;
+}
+
+template <int HD>
+__device__ void dq_f32(const float* qkv, const float* dout, const float* lse, const float* Drows,
+                       float* dqkv, int B, int Tn, int H, float scale) {
+    constexpr int PER = HD / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int qi = blockIdx.x * 4 + warp;
+    if (qi >= Tn) return;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<float> p = fused_pair<float, HD>(qkv, dout, lse, Drows, b, h, Tn, H);
+    float dq[PER];
+    dq_row_f32<HD>(p, qi, scale, dq);
+    float* dst = dqkv + ((long long)b * Tn + qi) * 3 * H * HD + h * HD;
 #pragma unroll
     for (int i = 0; i < PER; ++i) dst[lane + 32 * i] = dq[i] * scale;
 }
 
+template <int HD>
+__device__ void ring_dq_f32(const float* qkv, const float* kv, const float* dout, const float* lse,
+                            const float* Drows, float* dq, int B, int rows, int H, int q_start,
+                            int kv_start, int q_len, int kv_len, int causal, float scale) {
+    constexpr int PER = HD / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int qi = blockIdx.x * 4 + warp;
+    if (qi >= q_len) return;
+    const int b = blockIdx.y / H, h = blockIdx.y % H;
+    const Pair<float> p = ring_pair<float, HD>(qkv, kv, dout, lse, Drows, b, h, rows, H, q_start,
+                                               kv_start, q_len, kv_len, causal);
+    float acc[PER];
+    dq_row_f32<HD>(p, qi, scale, acc);
+    float* dst = dq + ((long long)b * rows + q_start + qi) * H * HD + h * HD;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) dst[lane + 32 * i] += acc[i] * scale;
+}
+
+// ---------------------------------------------------------------------------------------
+// Ring attention's moves (grid-stride loops over rows × values).
+
+// kv [N, 2·D] = the keys and values of qkv [N, 3·D]: the block that travels.
+template <typename T>
+__device__ void ring_keys_values(const T* qkv, T* kv, long long n, int D) {
+    const long long t = global_thread(), stride = grid_threads();
+    for (long long i = t; i < n * 2 * D; i += stride) {
+        const long long row = i / (2 * D);
+        kv[i] = qkv[row * 3 * D + D + i % (2 * D)];
+    }
+}
+
+// dqkv [N, 3·D] in T = (dq [N, D], dkv [N, 2·D]) of f32 accumulators.
+template <typename T>
+__device__ void ring_join(const float* dq, const float* dkv, T* dqkv, long long n, int D) {
+    const long long t = global_thread(), stride = grid_threads();
+    for (long long i = t; i < n * 3 * D; i += stride) {
+        const long long row = i / (3 * D);
+        const int col = (int)(i % (3 * D));
+        const float v = col < D ? dq[row * D + col] : dkv[row * 2 * D + col - D];
+        dqkv[i] = from_f32<T>(v);
+    }
+}
+
+// The state before any key: lse = −∞ (the output is not read until the first merge writes
+// it, but starts at zero so that nothing undefined is ever read back).
+__device__ void ring_start(float* out, long long n_out, float* lse, long long n_lse) {
+    const long long t = global_thread(), stride = grid_threads();
+    for (long long i = t; i < n_out; i += stride) out[i] = 0.0f;
+    for (long long i = t; i < n_lse; i += stride) lse[i] = -INFINITY;
+}
+
 } // namespace attn
 
-// The exported kernels: attn_{fwd,dkdv,dq}_{bf16,f16,f32}_hd{32,64,128}, attn_bwd_prep_{t}.
+// The exported kernels: attn_{fwd,dkdv,dq}_{bf16,f16,f32}_hd{32,64,128}, attn_bwd_prep_{t};
+// ring attention's attn_ring_{fwd,dkdv,dq}_{t}_hd{n} (one block pair, merged or added into
+// f32 state), attn_ring_kv_{t}, attn_ring_join_{t} and attn_ring_start.
+#define ATTN_RING_ARGS                                                                         \
+    int B, int rows, int H, int q_start, int kv_start, int q_len, int kv_len, int causal,      \
+        float scale
+#define ATTN_RING_PASS B, rows, H, q_start, kv_start, q_len, kv_len, causal, scale
+
 #define ATTN_HALF(T, NAME, HD)                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         attn_fwd_##NAME##_hd##HD(const T* qkv, T* out, float* lse, int B, int Tn, int H,       \
@@ -695,6 +1073,20 @@ __device__ void dq_f32(const float* qkv, const float* dout, const float* lse, co
         const T* qkv, const T* dout, const float* lse, const float* Drows, T* dqkv, int B,     \
         int Tn, int H, float scale) {                                                          \
         attn::backward_dq<T, HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale);                \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_ring_fwd_##NAME##_hd##HD(           \
+        const T* qkv, const T* kv, float* out, float* lse, ATTN_RING_ARGS) {                   \
+        attn::ring_forward<T, HD>(qkv, kv, out, lse, ATTN_RING_PASS);                          \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_ring_dkdv_##NAME##_hd##HD(          \
+        const T* qkv, const T* kv, const T* dout, const float* lse, const float* Drows,        \
+        float* dkv, ATTN_RING_ARGS) {                                                          \
+        attn::ring_dkdv<T, HD>(qkv, kv, dout, lse, Drows, dkv, ATTN_RING_PASS);                \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_ring_dq_##NAME##_hd##HD(            \
+        const T* qkv, const T* kv, const T* dout, const float* lse, const float* Drows,        \
+        float* dq, ATTN_RING_ARGS) {                                                           \
+        attn::ring_dq<T, HD>(qkv, kv, dout, lse, Drows, dq, ATTN_RING_PASS);                   \
     }
 
 #define ATTN_F32(HD)                                                                           \
@@ -712,6 +1104,20 @@ __device__ void dq_f32(const float* qkv, const float* dout, const float* lse, co
         const float* qkv, const float* dout, const float* lse, const float* Drows,             \
         float* dqkv, int B, int Tn, int H, float scale) {                                      \
         attn::dq_f32<HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale);                        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_ring_fwd_f32_hd##HD(                \
+        const float* qkv, const float* kv, float* out, float* lse, ATTN_RING_ARGS) {           \
+        attn::ring_forward_f32<HD>(qkv, kv, out, lse, ATTN_RING_PASS);                         \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_ring_dkdv_f32_hd##HD(               \
+        const float* qkv, const float* kv, const float* dout, const float* lse,                \
+        const float* Drows, float* dkv, ATTN_RING_ARGS) {                                      \
+        attn::ring_dkdv_f32<HD>(qkv, kv, dout, lse, Drows, dkv, ATTN_RING_PASS);               \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_ring_dq_f32_hd##HD(                 \
+        const float* qkv, const float* kv, const float* dout, const float* lse,                \
+        const float* Drows, float* dq, ATTN_RING_ARGS) {                                       \
+        attn::ring_dq_f32<HD>(qkv, kv, dout, lse, Drows, dq, ATTN_RING_PASS);                  \
     }
 
 ATTN_HALF(bf16, bf16, 32)
@@ -728,7 +1134,20 @@ ATTN_F32(128)
     extern "C" __global__ void attn_bwd_prep_##NAME(const T* out, const T* dout, float* Drows, \
                                                     int HD, int B, int Tn, int H, float scale) { \
         attn::backward_prep<T>(out, dout, Drows, HD, B, Tn, H);                                \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        attn_ring_kv_##NAME(const T* qkv, T* kv, long long n, int D) {                         \
+        attn::ring_keys_values<T>(qkv, kv, n, D);                                              \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        attn_ring_join_##NAME(const float* dq, const float* dkv, T* dqkv, long long n, int D) { \
+        attn::ring_join<T>(dq, dkv, dqkv, n, D);                                               \
     }
 ATTN_PREP(bf16, bf16)
 ATTN_PREP(f16, f16)
 ATTN_PREP(float, f32)
+
+extern "C" __global__ void __launch_bounds__(256)
+attn_ring_start(float* out, long long n_out, float* lse, long long n_lse) {
+    attn::ring_start(out, n_out, lse, n_lse);
+}
