@@ -205,11 +205,13 @@ fn rank0_spans(trace: &Path, what: &str) -> Result<Vec<(String, u64, f64, f64)>>
     Ok(spans)
 }
 
-/// Pipelines and ring context parallelism on `device` against one worker there (issue 37's
-/// `layouts` part): fp32 parameters within 1e-5 relative L2 after 20 steps, bf16 losses
-/// within 0.1% at every step, a pp = 2 step's sends and receives on rank 0's timeline, and
-/// an 8-rank layout's checkpoint resumed on one worker and on the CPU (and the reverse).
-/// On a GPU the ranks share it through staged collectives.
+/// Tensor, sequence, pipeline and ring context parallelism and their hybrids on `device`
+/// against one worker there (issue 37's `layouts` part): fp32 parameters within 1e-5
+/// relative L2 after 20 steps (GPT: tp, tp + sp, 1F1B, interleaved, ring, two 8-rank
+/// hybrids; Llama: tp = 4 over 2 key/value heads with sp, and on a GPU ring attention at
+/// 2,048 tokens), bf16 losses within 0.1% at every step, a pp = 2 step's sends and receives
+/// on rank 0's timeline, and an 8-rank layout's checkpoint resumed on one worker and on the
+/// CPU (and the reverse). On a GPU the ranks share it through staged collectives.
 fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     let start = Instant::now();
     let runs = Runs { root, device };
@@ -225,7 +227,20 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         "parallel.micro_batches=2",
         whole,
     ];
-    let layouts: [(&str, &[&str]); 4] = [
+    let megatron: &[&str] = &[
+        "parallel.dp=2",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.zero=1",
+        "parallel.micro_batches=2",
+        whole,
+    ];
+    let layouts: [(&str, &[&str]); 7] = [
+        ("tp=2", &["parallel.tp=2"]),
+        (
+            "tp=2 + sp",
+            &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ),
         (
             "pp=2 1F1B",
             &[
@@ -245,6 +260,7 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         ),
         ("cp=2 ring", &["parallel.cp=2"]),
         ("dp=2 × pp=2 × cp=2 ZeRO-1 (8 ranks)", hybrid),
+        ("dp=2 × tp=2 × pp=2 ZeRO-1 (8 ranks)", megatron),
     ];
     for (name, extra) in layouts {
         let many = runs.train(STEPS, extra, None)?;
@@ -259,6 +275,39 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         );
         let _ = std::fs::remove_dir_all(&many.out);
     }
+    // A Llama's grouped key/value heads dealt over tp = 4 (2 ranks per key/value head),
+    // with sequence parallelism; on a GPU also ring attention over 2,048 tokens.
+    let llama_one = runs.train_llama(STEPS, &[])?;
+    let mut llamas: Vec<(&str, Vec<&str>, Option<Trained>)> = vec![(
+        "tp=4 over 2 key/value heads + sp",
+        vec!["parallel.tp=4", "parallel.sequence_parallel=true"],
+        None,
+    )];
+    if device == "cuda" {
+        let long = ["model.seq=2048", "train.batch_size=2"];
+        let one_long = runs.train_llama(STEPS, &long)?;
+        let mut ring = long.to_vec();
+        ring.push("parallel.cp=2");
+        llamas.push(("cp=2 ring at 2,048 tokens", ring, Some(one_long)));
+    }
+    for (name, extra, reference) in llamas {
+        let many = runs.train_llama(STEPS, &extra)?;
+        let one = reference.as_ref().unwrap_or(&llama_one);
+        let d = rel_l2(&many.params, &one.params);
+        verdict(
+            failed,
+            d <= 1e-5,
+            format!(
+                "fp32 Llama {name} on {device} vs one worker after {STEPS} steps: parameters \
+                 {d:.2e} relative L2 (≤ 1e-5)"
+            ),
+        );
+        let _ = std::fs::remove_dir_all(&many.out);
+        if let Some(r) = reference {
+            let _ = std::fs::remove_dir_all(&r.out);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&llama_one.out);
     let spans = rank0_spans(&trace, "pp=2 1F1B step")?;
     let count = |prefix: &str| spans.iter().filter(|s| s.0.starts_with(prefix)).count();
     let (sends, recvs) = (count("send "), count("recv "));
@@ -273,6 +322,10 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     let bf16 = "train.precision=\"bf16\"";
     let one16 = runs.train(STEPS, &[bf16], None)?;
     for (name, extra) in [
+        (
+            "tp=2 + sp",
+            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
+        ),
         (
             "pp=2 1F1B",
             &["parallel.pp=2", "parallel.micro_batches=4"][..],
@@ -290,9 +343,9 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         );
         let _ = std::fs::remove_dir_all(&many.out);
     }
-    // The 8-rank layout's checkpoint on one worker and on the CPU, and one worker's on the
+    // An 8-rank layout's checkpoint on one worker and on the CPU, and one worker's on the
     // 8 ranks.
-    let half = runs.train(STEPS / 2, hybrid, None)?;
+    let half = runs.train(STEPS / 2, megatron, None)?;
     let checkpoint = half.out.join("checkpoint.safetensors");
     for (on, extra, limit) in [
         ("one worker", &[][..], 1e-5),
@@ -304,7 +357,7 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
             failed,
             d <= limit,
             format!(
-                "dp=2 × pp=2 × cp=2 checkpoint from {device} at step {} resumed on {on} to \
+                "dp=2 × tp=2 × pp=2 checkpoint from {device} at step {} resumed on {on} to \
                  {STEPS}: {d:.2e} relative L2 from the straight one-worker run (≤ {limit:.0e})",
                 STEPS / 2
             ),
@@ -314,7 +367,7 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     let first = runs.train(STEPS / 2, &[], None)?;
     let resumed = runs.train(
         STEPS,
-        hybrid,
+        megatron,
         Some(&first.out.join("checkpoint.safetensors")),
     )?;
     let d = rel_l2(&resumed.params, &one.params);
@@ -322,7 +375,7 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         failed,
         d <= 1e-5,
         format!(
-            "one worker's checkpoint at step {} resumed on dp=2 × pp=2 × cp=2 to {STEPS}: \
+            "one worker's checkpoint at step {} resumed on dp=2 × tp=2 × pp=2 to {STEPS}: \
              {d:.2e} relative L2 from the straight one-worker run (≤ 1e-5)",
             STEPS / 2
         ),
@@ -336,7 +389,7 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
 
 /// The `layouts` part on the GPU(s).
 pub fn run_layouts(root: &Path) -> Result<Vec<String>> {
-    println!("\n== layouts: pipelines and ring context parallelism, ranks sharing the GPU(s)");
+    println!("\n== layouts: tensor, sequence, pipeline and context parallelism, ranks sharing the GPU(s)");
     let mut failed = Vec::new();
     if let Err(e) = layouts(&mut failed, root, "cuda") {
         println!("FAIL layouts on the GPU: {e:#}");
@@ -594,8 +647,8 @@ mod tests {
         assert!(failed.is_empty(), "{failed:#?}");
     }
 
-    /// The layout checks' own logic on the CPU, where pipelines and context parallelism are
-    /// known to equal one worker: every line must say ok.
+    /// The layout checks' own logic on the CPU, where every layout is known to equal one
+    /// worker: every line must say ok.
     #[test]
     fn the_layout_checks_pass_on_the_cpu() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");

@@ -65,8 +65,8 @@ fn without_a_driver_the_error_names_the_library_before_any_step() {
     );
 }
 
-/// On a GPU, what this build cannot run there (tensor parallelism, a model without kernels)
-/// is refused before any work; without one, the missing piece of the machine is named
+/// On a GPU, what this build cannot run there (Ulysses context parallelism, a model without
+/// kernels) is refused before any work; without one, the missing piece of the machine is named
 /// first, since that is what the user can act on (the wordings themselves: `device.rs`'s
 /// tests).
 #[test]
@@ -78,11 +78,15 @@ fn a_gpu_refuses_layouts_and_models_it_cannot_run_before_any_work() {
     let cfg = tiny_gpt_config(
         out.path(),
         2,
-        &["train.device=\"cuda\"", "parallel.dp=2", "parallel.tp=2"],
+        &[
+            "train.device=\"cuda\"",
+            "parallel.cp=2",
+            "parallel.cp_mode=\"ulysses\"",
+        ],
     );
     let e = format!("{:#}", run(&cfg, &RunOptions::default()).unwrap_err());
     if usable {
-        assert!(e.contains("uses tensor parallelism (2 workers)"), "{e}");
+        assert!(e.contains("cp_mode = \"ulysses\" reshuffles heads"), "{e}");
     } else {
         assert!(names_the_missing_piece(&e), "{e}");
     }

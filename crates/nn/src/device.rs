@@ -112,10 +112,26 @@ pub fn linear_backward(
     l: &Linear,
     p: DeviceParams<'_>,
     g: ParamsMut<'_>,
-    mut s: Saved,
+    s: Saved,
     dy: Tensor,
     need_dx: bool,
 ) -> Option<Tensor> {
+    linear_backward_then(l, p, g, s, dy, need_dx, |dx| dx)
+}
+
+/// [`linear_backward`], with `after_dx` given the input gradient as soon as its product is
+/// queued and before the weight gradient's (`ops::LinearGrads::backward`): tensor
+/// parallelism starts its all-reduce (or reduce-scatter) of it there, so that the collective
+/// runs while the weight gradient is computed. Returns what `after_dx` returns.
+pub fn linear_backward_then<R>(
+    l: &Linear,
+    p: DeviceParams<'_>,
+    g: ParamsMut<'_>,
+    mut s: Saved,
+    dy: Tensor,
+    need_dx: bool,
+    after_dx: impl FnOnce(Option<Tensor>) -> R,
+) -> R {
     let dev = p.device();
     let mut dz = on_device(&dy, dev);
     if let Some(act) = l.activation {
@@ -126,23 +142,20 @@ pub fn linear_backward(
     let xs = x
         .cuda()
         .expect("Linear: a host input kept by a device forward");
-    let shape = LinearShape {
-        rows: x.numel() / l.inputs,
-        inputs: l.inputs,
-        outputs: l.outputs,
+    let grads = ops::LinearGrads {
+        shape: LinearShape {
+            rows: x.numel() / l.inputs,
+            inputs: l.inputs,
+            outputs: l.outputs,
+        },
+        bias: l.bias,
+        precision: l.precision,
+        math: dev.f32_math(),
     };
-    let dx = ok(ops::linear_backward(
-        xs,
-        &dz,
-        p,
-        device_grads(g),
-        shape,
-        l.bias,
-        l.precision,
-        dev.f32_math(),
-        need_dx,
-    ));
-    dx.map(|dx| wrap(dx, x.shape()))
+    let shape = x.shape().to_vec();
+    ok(grads.backward(xs, &dz, p, device_grads(g), need_dx, |dx| {
+        after_dx(dx.map(|dx| wrap(dx, &shape)))
+    }))
 }
 
 pub fn layer_norm_forward(

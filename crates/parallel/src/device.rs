@@ -57,7 +57,8 @@ pub fn check(
     #[cfg(feature = "cuda")]
     {
         meshtrain_tensor::cuda::probe::require_gpu(ordinal).map_err(device_error)?;
-        refuse_what_gpus_cannot_run(model, layout, ordinal)?;
+        let _ = layout; // every layout's dimensions run on GPUs (`check_options` has the rest)
+        refuse_what_gpus_cannot_run(model, ordinal)?;
         if how == DeviceCheck::Opening {
             CudaDevice::get(ordinal).map_err(device_error)?;
         }
@@ -65,17 +66,13 @@ pub fn check(
     }
 }
 
-/// What this build's GPU step cannot run on any machine: a layout with pieces that have no
-/// device form yet ([`refuse_layout`]), and a model with a layer that has no CUDA kernels
-/// (named, with the way out).
+/// What this build's GPU step cannot run on any machine: a model with a layer that has no
+/// CUDA kernels (named, with the way out). Every layout's dimensions have their device
+/// forms; the settings a GPU cannot take (Ulysses, single-master, hierarchical reduction)
+/// are refused by [`check_options`], which knows them.
 #[cfg(feature = "cuda")]
-fn refuse_what_gpus_cannot_run(
-    model: &Model,
-    layout: &Layout,
-    ordinal: usize,
-) -> Result<(), ParallelError> {
+fn refuse_what_gpus_cannot_run(model: &Model, ordinal: usize) -> Result<(), ParallelError> {
     let device = Device::Cuda(ordinal);
-    refuse_layout(layout, &format!("cuda:{ordinal}"))?;
     for (i, block) in model.blocks.iter().enumerate() {
         if !block.layer.runs_on(device) {
             let name = if block.name.is_empty() {
@@ -95,42 +92,13 @@ fn refuse_what_gpus_cannot_run(
     Ok(())
 }
 
-/// The pieces of a layout whose device form comes later (tensor and sequence
-/// parallelism: their collectives on activations and the vocabulary-parallel loss run on
-/// host tensors), refused for a run on `device`. Data parallelism (DDP, or ZeRO 1–3 over the
-/// device's buffers), pipelines (activations sent device to device) and ring context
-/// parallelism (its block kernels and the blocks' hops on device buffers) run over any
-/// number of GPUs; Ulysses' all-to-alls are refused by [`check_options`], which knows the
-/// mode.
-pub fn refuse_layout(layout: &Layout, device: &str) -> Result<(), ParallelError> {
-    let mut pieces = Vec::new();
-    if layout.tp > 1 {
-        pieces.push(format!("tensor parallelism ({} workers)", layout.tp));
-    }
-    if layout.sp {
-        pieces.push("sequence parallelism".into());
-    }
-    if pieces.is_empty() {
-        return Ok(());
-    }
-    Err(ParallelError::Device(format!(
-        "the layout {layout} uses {}, which this build of meshtrain runs on the CPU only: on \
-         GPUs it trains data-parallel replicas (dp, with ZeRO or without), pipelines (pp) \
-         and ring context parallelism (cp), one GPU per rank or several ranks sharing one \
-         through staged collectives. Drop tp and sp on {device}, or train this layout on \
-         --device cpu",
-        pieces.join(" and ")
-    )))
-}
-
 /// The data-parallel settings a GPU run cannot take yet (the layout's shape is checked by
 /// [`check`]): the single master gathers replicas' gradients through host vectors, and a
 /// hierarchical reduction goes through host groups.
 /// The stand-in device takes every layout: tensor, sequence, pipeline and context
 /// parallelism run their device half there (placed chunks, gradients summed over wire
 /// buffers in the chunk's memory) with the host's arithmetic; what a GPU still lacks
-/// (tensor parallelism's collectives on activations, Ulysses' all-to-alls) is refused
-/// before a GPU run starts: here and by [`refuse_layout`].
+/// (Ulysses' all-to-alls on device tensors) is refused here before a GPU run starts.
 pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), ParallelError> {
     if !options.stand_in_device && !options.device.is_cuda() {
         return Ok(());
@@ -482,43 +450,27 @@ mod tests {
     use meshtrain_tensor::cuda::alloc::OutOfMemory;
 
     #[test]
-    fn gpus_run_data_parallel_layouts_and_name_what_they_cannot_yet() {
-        let model = gpt(&GptConfig::default());
-        let dp = Layout {
-            dp: 4,
-            ..Layout::default()
+    fn gpus_take_every_layouts_dimensions() {
+        let gpu = ParallelOptions {
+            device: Device::Cuda(0),
+            ..ParallelOptions::default()
         };
-        assert!(refuse_what_gpus_cannot_run(&model, &dp, 0).is_ok());
-        assert!(refuse_what_gpus_cannot_run(&model, &Layout::default(), 0).is_ok());
-        let tp = Layout {
-            dp: 2,
-            tp: 2,
-            ..Layout::default()
-        };
-        let e = refuse_what_gpus_cannot_run(&model, &tp, 0)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains(
-                "uses tensor parallelism (2 workers), which this build of meshtrain \
-                        runs on the CPU only"
-            ) && e.ends_with("or train this layout on --device cpu"),
-            "{e}"
-        );
-        let sp = Layout {
-            tp: 2,
-            sp: true,
-            ..Layout::default()
-        };
-        let e = refuse_what_gpus_cannot_run(&model, &sp, 0)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("tensor parallelism (2 workers) and sequence parallelism"),
-            "{e}"
-        );
-        // Pipelines and ring context parallelism have their device forms.
-        for layout in [
+        let layouts = [
+            Layout::default(),
+            Layout {
+                dp: 4,
+                ..Layout::default()
+            },
+            Layout {
+                dp: 2,
+                tp: 2,
+                ..Layout::default()
+            },
+            Layout {
+                tp: 2,
+                sp: true,
+                ..Layout::default()
+            },
             Layout {
                 dp: 2,
                 zero: 1,
@@ -531,12 +483,15 @@ mod tests {
             },
             Layout {
                 dp: 2,
+                tp: 2,
                 pp: 2,
                 cp: 2,
+                zero: 1,
                 ..Layout::default()
             },
-        ] {
-            refuse_what_gpus_cannot_run(&model, &layout, 0).unwrap();
+        ];
+        for layout in layouts {
+            check_options(&gpu, &layout).unwrap();
         }
         // ZeRO's stages run on GPUs: their buffers are the device's.
         for zero in [1, 2, 3] {
@@ -545,10 +500,8 @@ mod tests {
                 zero,
                 ..Layout::default()
             };
-            refuse_what_gpus_cannot_run(&model, &layout, 0).unwrap();
+            check_options(&gpu, &layout).unwrap();
         }
-        // The CPU takes any layout here (parallelize checks the rest).
-        assert!(check(&model, &tp, Device::Cpu, DeviceCheck::Opening).is_ok());
     }
 
     #[test]
@@ -648,7 +601,7 @@ mod tests {
     #[test]
     fn a_layer_without_cuda_kernels_is_named() {
         let model = lenet(LeNetVariant::Relu);
-        let e = refuse_what_gpus_cannot_run(&model, &Layout::default(), 0)
+        let e = refuse_what_gpus_cannot_run(&model, 0)
             .unwrap_err()
             .to_string();
         assert!(
@@ -682,7 +635,7 @@ mod tests {
             .iter()
             .all(|b| b.layer.runs_on(Device::Cuda(0))));
         assert!(model.blocks.iter().all(|b| b.layer.runs_on(Device::Cpu)));
-        assert!(refuse_what_gpus_cannot_run(&model, &Layout::default(), 0).is_ok());
+        assert!(refuse_what_gpus_cannot_run(&model, 0).is_ok());
     }
 
     #[test]

@@ -27,10 +27,9 @@
 //! whole tensor it is), and the trainer gathers and splits by it.
 
 use crate::engine::flat::{Apply, CopyPlan, FlatBuf, FlatMemory, Run};
-use crate::engine::StageChunk;
+use crate::engine::{tensor_like, tensor_view, StageChunk};
 use meshtrain_comm::{
-    BufMut, BufRef, CommError, HostPlacement, MeshAxis, MeshLayout, ProcessGroup, RawBuf, ReduceOp,
-    Work,
+    BufMut, BufRef, CommError, HostPlacement, MeshAxis, MeshLayout, ProcessGroup, ReduceOp, Work,
 };
 use meshtrain_nn::layers::Linear;
 use meshtrain_nn::loss::{LossError, LossValue};
@@ -348,17 +347,22 @@ fn gathered_shape(rows: usize, seq: usize, width: usize) -> Vec<usize> {
     vec![rows / seq, seq, width]
 }
 
-/// A collective running on the communication thread while compute goes on, with the buffers
-/// it reads and writes (kept alive until it is waited for).
+#[cfg(feature = "cuda")]
+mod tp_cuda;
+
+/// A collective running on the communication thread (a GPU's communication stream) while
+/// compute goes on, with the tensors it reads and writes (kept alive until it is waited
+/// for). Host and device tensors alike ([`tensor_view`]): the layers' collectives are
+/// written once for both devices.
 struct InFlight {
     work: Work,
-    /// The buffer the result lands in.
-    out: Vec<f32>,
+    /// The tensor the result lands in.
+    out: Tensor,
     stats: Arc<TpCommStats>,
 }
 
 impl InFlight {
-    fn wait(self, what: &str) -> Vec<f32> {
+    fn wait(self, what: &str) -> Tensor {
         let t = std::time::Instant::now();
         if let Err(e) = self.work.wait() {
             fail(what, e)
@@ -369,12 +373,12 @@ impl InFlight {
 }
 
 /// Starts the in-place all-reduce of `buf`.
-fn start_all_reduce(tp: &TpContext, mut buf: Vec<f32>) -> InFlight {
+fn start_all_reduce(tp: &TpContext, mut buf: Tensor) -> InFlight {
     let group = tp.group.as_ref();
-    tp.stats.begin(Kind::AllReduce, buf.len());
+    tp.stats.begin(Kind::AllReduce, buf.numel());
     // SAFETY: `buf` moves into the returned value and is neither read nor written until
-    // `wait`, which waits for the operation first; moving a Vec does not move its heap data.
-    let work = unsafe { group.all_reduce_async(RawBuf::from_slice(&mut buf), ReduceOp::Sum) };
+    // `wait`, which waits for the operation first; moving a tensor does not move its values.
+    let work = unsafe { group.all_reduce_async(tensor_view(&mut buf), ReduceOp::Sum) };
     InFlight {
         work: work.unwrap_or_else(|e| fail("all-reduce", e)),
         out: buf,
@@ -382,19 +386,15 @@ fn start_all_reduce(tp: &TpContext, mut buf: Vec<f32>) -> InFlight {
     }
 }
 
-/// Starts the reduce-scatter of `full` (which must stay alive: it is returned with the
-/// result, see [`InFlightPair`]).
-fn start_scatter(tp: &TpContext, mut full: Vec<f32>) -> InFlightPair {
+/// Starts the reduce-scatter of `full` into a tensor of `local_shape` (`full` stays alive:
+/// it is returned with the result, see [`InFlightPair`]).
+fn start_scatter(tp: &TpContext, mut full: Tensor, local_shape: &[usize]) -> InFlightPair {
     let group = tp.group.as_ref();
-    tp.stats.begin(Kind::ReduceScatter, full.len());
-    let mut out = take_buffer(full.len() / group.size());
-    // SAFETY: both buffers move into the returned value and are untouched until `wait`.
+    tp.stats.begin(Kind::ReduceScatter, full.numel());
+    let mut out = tensor_like(&full, local_shape);
+    // SAFETY: both tensors move into the returned value and are untouched until `wait`.
     let work = unsafe {
-        group.reduce_scatter_async(
-            RawBuf::from_slice(&mut full),
-            RawBuf::from_slice(&mut out),
-            ReduceOp::Sum,
-        )
+        group.reduce_scatter_async(tensor_view(&mut full), tensor_view(&mut out), ReduceOp::Sum)
     };
     InFlightPair {
         inner: InFlight {
@@ -406,15 +406,15 @@ fn start_scatter(tp: &TpContext, mut full: Vec<f32>) -> InFlightPair {
     }
 }
 
-/// Starts the all-gather of `local` (kept alive with the result).
-fn start_gather(tp: &TpContext, mut local: Vec<f32>) -> InFlightPair {
+/// Starts the all-gather of `local` into a tensor of `full_shape` (kept alive with the
+/// result).
+fn start_gather(tp: &TpContext, mut local: Tensor, full_shape: &[usize]) -> InFlightPair {
     let group = tp.group.as_ref();
-    tp.stats.begin(Kind::AllGather, local.len() * group.size());
-    let mut out = take_buffer(local.len() * group.size());
-    // SAFETY: both buffers move into the returned value and are untouched until `wait`.
-    let work = unsafe {
-        group.all_gather_async(RawBuf::from_slice(&mut local), RawBuf::from_slice(&mut out))
-    };
+    tp.stats
+        .begin(Kind::AllGather, local.numel() * group.size());
+    let mut out = tensor_like(&local, full_shape);
+    // SAFETY: both tensors move into the returned value and are untouched until `wait`.
+    let work = unsafe { group.all_gather_async(tensor_view(&mut local), tensor_view(&mut out)) };
     InFlightPair {
         inner: InFlight {
             work: work.unwrap_or_else(|e| fail("all-gather", e)),
@@ -425,17 +425,17 @@ fn start_gather(tp: &TpContext, mut local: Vec<f32>) -> InFlightPair {
     }
 }
 
-/// An in-flight collective with a separate input buffer.
+/// An in-flight collective with a separate input tensor.
 struct InFlightPair {
     inner: InFlight,
-    _input: Vec<f32>,
+    _input: Tensor,
 }
 
 impl InFlightPair {
-    fn wait(self, what: &str) -> Vec<f32> {
+    fn wait(self, what: &str) -> Tensor {
         let InFlightPair { inner, _input } = self;
         let out = inner.wait(what);
-        drop(_input);
+        _input.recycle();
         out
     }
 }
@@ -519,6 +519,10 @@ fn clone_linear(l: &Linear) -> Linear {
 }
 
 impl Layer for ColumnParallel {
+    fn runs_on(&self, device: meshtrain_tensor::Device) -> bool {
+        device.is_cpu() || cfg!(feature = "cuda")
+    }
+
     fn set_precision(&mut self, precision: DType) {
         self.inner.set_precision(precision);
     }
@@ -535,6 +539,10 @@ impl Layer for ColumnParallel {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if p.device().is_cuda() {
+            return self.forward_cuda(p, b, x, mode, s);
+        }
         let p = p.host();
         let b = b.host();
         let tp = &self.tp;
@@ -561,6 +569,10 @@ impl Layer for ColumnParallel {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if p.device().is_cuda() {
+            return self.backward_cuda(p, g, s, dy, need_dx);
+        }
         let p = p.host();
         let g = g.host();
         let tp = &self.tp;
@@ -570,34 +582,26 @@ impl Layer for ColumnParallel {
             let shape = x.shape().to_vec();
             let dx = need_dx.then(|| {
                 let dx = self.inner.input_gradient(p, &dz, &shape);
-                start_all_reduce(tp, dx.into_vec())
+                start_all_reduce(tp, dx)
             });
             self.inner.weight_gradient(g, &dz, &x);
             x.recycle();
             dz.recycle();
-            return dx
-                .map(|d| Tensor::from_vec(d.wait("all-reduce of the input gradient"), &shape));
+            return dx.map(|d| d.wait("all-reduce of the input gradient"));
         }
         // Gather the tokens again while the input gradient is computed, then reduce-scatter
         // that while the weight gradient is.
         let local_shape = x.shape().to_vec();
         let rows = x.numel() / self.inner.inputs * tp.size();
-        let gathering = start_gather(tp, x.into_tensor().into_vec());
-        let scattering = need_dx.then(|| {
-            let full_shape = gathered_shape(rows, tp.seq, self.inner.inputs);
-            let dx = self.inner.input_gradient(p, &dz, &full_shape);
-            dx.into_vec()
-        });
-        let x_full = Kept::F32(Tensor::from_vec(
-            gathering.wait("all-gather of the input"),
-            &gathered_shape(rows, tp.seq, self.inner.inputs),
-        ));
-        let scattering = scattering.map(|dx| start_scatter(tp, dx));
+        let full_shape = gathered_shape(rows, tp.seq, self.inner.inputs);
+        let gathering = start_gather(tp, x.into_tensor(), &full_shape);
+        let scattering = need_dx.then(|| self.inner.input_gradient(p, &dz, &full_shape));
+        let x_full = Kept::F32(gathering.wait("all-gather of the input"));
+        let scattering = scattering.map(|dx| start_scatter(tp, dx, &local_shape));
         self.inner.weight_gradient(g, &dz, &x_full);
         x_full.recycle();
         dz.recycle();
-        scattering
-            .map(|d| Tensor::from_vec(d.wait("reduce-scatter of the input gradient"), &local_shape))
+        scattering.map(|d| d.wait("reduce-scatter of the input gradient"))
     }
 }
 
@@ -637,6 +641,10 @@ impl RowParallel {
 }
 
 impl Layer for RowParallel {
+    fn runs_on(&self, device: meshtrain_tensor::Device) -> bool {
+        device.is_cpu() || cfg!(feature = "cuda")
+    }
+
     fn set_precision(&mut self, precision: DType) {
         self.inner.set_precision(precision);
     }
@@ -653,6 +661,10 @@ impl Layer for RowParallel {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if p.device().is_cuda() {
+            return self.forward_cuda(p, b, x, mode, s);
+        }
         let p = p.host();
         let b = b.host();
         let tp = &self.tp;
@@ -685,6 +697,10 @@ impl Layer for RowParallel {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if p.device().is_cuda() {
+            return self.backward_cuda(p, g, s, dy, need_dx);
+        }
         let p = p.host();
         let g = g.host();
         let tp = &self.tp;
@@ -757,6 +773,10 @@ impl VocabParallelEmbedding {
 }
 
 impl Layer for VocabParallelEmbedding {
+    fn runs_on(&self, device: meshtrain_tensor::Device) -> bool {
+        device.is_cpu() || cfg!(feature = "cuda")
+    }
+
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         // Context parallelism finds it to tell it its tokens' positions.
         Some(self)
@@ -774,6 +794,10 @@ impl Layer for VocabParallelEmbedding {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if p.device().is_cuda() {
+            return self.forward_cuda(p, ids, mode, s);
+        }
         let p = p.host();
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.whole.dim);
         let whole_seq = t * self.whole.sequence.parts;
@@ -826,6 +850,11 @@ impl Layer for VocabParallelEmbedding {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if !matches!(g, ParamsMut::Host(_)) {
+            self.backward_cuda(g, s, dy);
+            return None;
+        }
         let g = g.host();
         let ids = s.tensors.pop().expect("embedding: saved ids");
         let (t, d) = (ids.dim(1), self.whole.dim);
@@ -879,6 +908,22 @@ impl VocabParallelCrossEntropy {
         let start = self.group.rank() * self.columns;
         start.min(self.vocab)..(start + self.columns).min(self.vocab)
     }
+
+    /// `columns` logits per target, and targets inside the vocabulary.
+    fn check_output(&self, output: &Tensor, targets: &[u32]) -> Result<(), LossError> {
+        let (rows, c) = (targets.len(), self.columns);
+        if output.numel() != rows * c {
+            return Err(LossError::OutputSize {
+                loss: self.name(),
+                elements: output.numel(),
+                targets: rows,
+                per_target: c,
+                expected: rows * c,
+                shape: output.shape().to_vec(),
+            });
+        }
+        self.check_targets(targets)
+    }
 }
 
 impl Loss for VocabParallelCrossEntropy {
@@ -898,6 +943,18 @@ impl Loss for VocabParallelCrossEntropy {
         meshtrain_nn::CrossEntropy::new(self.vocab).check_targets(targets)
     }
 
+    #[cfg(feature = "cuda")]
+    fn forward_backward_on_device(
+        &self,
+        output: Tensor,
+        targets: &[u32],
+        targets_on_device: u64,
+        grad_scale: Option<f32>,
+        sums: u64,
+    ) -> Result<(Option<LossValue>, Option<Tensor>), LossError> {
+        self.forward_backward_cuda(output, targets, targets_on_device, grad_scale, sums)
+    }
+
     fn forward_backward(
         &self,
         output: &Tensor,
@@ -906,17 +963,7 @@ impl Loss for VocabParallelCrossEntropy {
     ) -> Result<(LossValue, Tensor), LossError> {
         let rows = targets.len();
         let c = self.columns;
-        if output.numel() != rows * c {
-            return Err(LossError::OutputSize {
-                loss: self.name(),
-                elements: output.numel(),
-                targets: rows,
-                per_target: c,
-                expected: rows * c,
-                shape: output.shape().to_vec(),
-            });
-        }
-        self.check_targets(targets)?;
+        self.check_output(output, targets)?;
         let ids = self.ids();
         let real = ids.len();
         let logits = output.data();

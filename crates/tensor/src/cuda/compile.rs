@@ -339,6 +339,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
         "bias.cu" => {
             let mut v = each("colsum_partial");
             v.extend(each("colsum_partial_vec"));
+            v.extend(each("bias_add"));
             v.push("colsum_finish".into());
             v
         }
@@ -358,6 +359,9 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
         "cross_entropy.cu" => {
             let mut v = each("softmax_xent");
             v.push("xent_sum".into());
+            for part in ["max", "sums", "finish"] {
+                v.extend(each(&format!("vp_xent_{part}")));
+            }
             v
         }
         "optimizer.cu" => [

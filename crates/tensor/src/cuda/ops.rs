@@ -279,39 +279,110 @@ pub fn linear_backward(
     math: F32Math,
     need_dx: bool,
 ) -> Result<Option<CudaTensor>, CudaError> {
-    let LinearShape {
-        rows,
-        inputs,
-        outputs,
-    } = shape;
-    check_len(x, rows * inputs, "linear layer kept input")?;
-    check_len(dy, rows * outputs, "linear layer output gradient")?;
-    let dev = x.device().clone();
-    let x = to_dtype(x, precision)?;
-    let dy = to_dtype(dy, precision)?;
-    let nw = inputs * outputs;
-    let (gw, gb) = grads.split_at(nw);
-    let products = LinearProducts {
+    let products = LinearGrads {
         shape,
+        bias,
         precision,
         math,
     };
-    dev.with_blas(|blas| blas.gemm(&products.weight_grad(x.ptr(), dy.ptr(), gw.ptr())))?;
-    if bias {
-        column_sums(&dy, rows, outputs, gb.ptr(), true)?;
+    products.backward(x, dy, p, grads, need_dx, |dx| dx)
+}
+
+/// What a linear layer's backward needs besides its tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearGrads {
+    pub shape: LinearShape,
+    pub bias: bool,
+    pub precision: DType,
+    pub math: F32Math,
+}
+
+impl LinearGrads {
+    /// [`linear_backward`], the input gradient first: `after_dx` gets it as soon as its
+    /// product is queued, before the weight gradient's, so a caller can start a collective
+    /// on it (tensor parallelism's all-reduce on the communication stream) that runs while
+    /// the weight gradient is computed. Returns what `after_dx` returns.
+    pub fn backward<R>(
+        &self,
+        x: &CudaTensor,
+        dy: &CudaTensor,
+        p: DeviceParams,
+        grads: DeviceGrads,
+        need_dx: bool,
+        after_dx: impl FnOnce(Option<CudaTensor>) -> R,
+    ) -> Result<R, CudaError> {
+        let LinearShape {
+            rows,
+            inputs,
+            outputs,
+        } = self.shape;
+        check_len(x, rows * inputs, "linear layer kept input")?;
+        check_len(dy, rows * outputs, "linear layer output gradient")?;
+        let dev = x.device().clone();
+        let x = to_dtype(x, self.precision)?;
+        let dy = to_dtype(dy, self.precision)?;
+        let nw = inputs * outputs;
+        let (gw, gb) = grads.split_at(nw);
+        let products = LinearProducts {
+            shape: self.shape,
+            precision: self.precision,
+            math: self.math,
+        };
+        let dx = if need_dx {
+            let w = weight_in(&p.slice(0..nw), self.precision, "linear weight")?;
+            let dx = CudaTensor::alloc(
+                &dev,
+                rows * inputs,
+                self.precision,
+                "a linear layer's input gradient",
+            )?;
+            dev.with_blas(|blas| blas.gemm(&products.input_grad(dy.ptr(), w, dx.ptr())))?;
+            Some(dx)
+        } else {
+            None
+        };
+        let after = after_dx(dx);
+        dev.with_blas(|blas| blas.gemm(&products.weight_grad(x.ptr(), dy.ptr(), gw.ptr())))?;
+        if self.bias {
+            column_sums(&dy, rows, outputs, gb.ptr(), true)?;
+        }
+        Ok(after)
     }
-    if !need_dx {
-        return Ok(None);
+}
+
+/// `y[r, ·] += bias` for `y` `[rows, cols]`, the bias read in `y`'s dtype (the masters for
+/// f32, the compute copy for 16 bits) and the sum rounded once: a row-parallel layer's bias,
+/// added after its partial products are summed over the group. Written into `y` when no one
+/// else holds it.
+pub fn bias_add(y: CudaTensor, bias: DeviceParams, cols: usize) -> Result<CudaTensor, CudaError> {
+    if cols == 0 || !y.len().is_multiple_of(cols) || bias.len() != cols {
+        return Err(unsupported(format!(
+            "bias add: {} values in rows of {cols} with a bias of {}",
+            y.len(),
+            bias.len()
+        )));
     }
-    let w = weight_in(&p.slice(0..nw), precision, "linear weight")?;
-    let dx = CudaTensor::alloc(
-        &dev,
-        rows * inputs,
-        precision,
-        "a linear layer's input gradient",
+    let dev = y.device().clone();
+    let dtype = y.dtype();
+    let b = weight_in(&bias, dtype, "bias")?;
+    let y = if y.is_unique() {
+        y
+    } else {
+        let copy = CudaTensor::alloc(&dev, y.len(), dtype, "a biased output")?;
+        dev.copy(copy.ptr(), y.ptr(), y.bytes())?;
+        copy
+    };
+    dev.launch(
+        "bias.cu",
+        &format!("bias_add_{}", suffix(dtype)),
+        Launch::grid_stride(y.len(), THREADS, MAX_BLOCKS),
+        Args::new()
+            .ptr(y.ptr())
+            .ptr(b)
+            .i64((y.len() / cols) as i64)
+            .usize_as_i32(cols),
     )?;
-    dev.with_blas(|blas| blas.gemm(&products.input_grad(dy.ptr(), w, dx.ptr())))?;
-    Ok(Some(dx))
+    Ok(y)
 }
 
 /// `out[c] (+)= Σ_r y[r, c]` for `y` `[rows, cols]`, in a fixed order (two kernels:
@@ -772,6 +843,8 @@ fn check_params(p: &DeviceParams, len: usize, what: &str) -> Result<(), CudaErro
 /// Token rows grouped by token id, for a deterministic embedding gradient: `order` lists the
 /// rows (`i` of `ids`) sorted stably by id, `starts[u]..starts[u+1]` are the rows of the
 /// `u`-th distinct id `uniq[u]`. A counting sort on the host: the ids are there anyway.
+/// Negative ids (tokens outside this table: a vocabulary-parallel rank's share) are in no
+/// group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenGroups {
     pub order: Vec<i32>,
@@ -782,7 +855,7 @@ pub struct TokenGroups {
 impl TokenGroups {
     pub fn of(ids: &[i32], vocab: usize) -> TokenGroups {
         let mut counts = vec![0i32; vocab + 1];
-        for &id in ids {
+        for &id in ids.iter().filter(|&&id| id >= 0) {
             counts[id as usize + 1] += 1;
         }
         let mut uniq = Vec::new();
@@ -798,10 +871,11 @@ impl TokenGroups {
         for &u in &uniq {
             starts.push(counts[u as usize]);
         }
-        starts.push(ids.len() as i32);
+        let grouped = counts[vocab];
+        starts.push(grouped);
         let mut next = counts;
-        let mut order = vec![0i32; ids.len()];
-        for (row, &id) in ids.iter().enumerate() {
+        let mut order = vec![0i32; grouped as usize];
+        for (row, &id) in ids.iter().enumerate().filter(|(_, &id)| id >= 0) {
             order[next[id as usize] as usize] = row as i32;
             next[id as usize] += 1;
         }
@@ -1638,6 +1712,138 @@ pub fn cross_entropy(
     Ok(grad_scale.map(|_| logits))
 }
 
+/// The vocabulary-parallel cross-entropy's kernels (tensor parallelism's loss): this rank
+/// holds `cols` logits of each of `rows` rows (its share of the padded vocabulary), the first
+/// `real` of them the real ids `start..start + real`. The caller all-reduces the maxima
+/// (max) after [`VocabParallelXent::maxima`] and the sums (sum) after
+/// [`VocabParallelXent::sums`]: per-row numbers, never the logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabParallelXent {
+    pub rows: usize,
+    pub cols: usize,
+    pub real: usize,
+    pub start: usize,
+}
+
+impl VocabParallelXent {
+    fn launch(&self) -> Launch {
+        Launch::linear(self.rows.min(65_535), 256)
+    }
+
+    fn check(&self, logits: &CudaTensor) -> Result<(), CudaError> {
+        if self.real > self.cols {
+            return Err(unsupported(format!(
+                "vocabulary-parallel cross-entropy: {} real ids in {} columns",
+                self.real, self.cols
+            )));
+        }
+        check_len(logits, self.rows * self.cols, "vocabulary-parallel logits")
+    }
+
+    /// Each row's maximum over this rank's real logits, `[rows]` f32.
+    pub fn maxima(&self, logits: &CudaTensor) -> Result<CudaTensor, CudaError> {
+        self.check(logits)?;
+        let dev = logits.device();
+        let m = CudaTensor::alloc(dev, self.rows, DType::F32, "the logits' row maxima")?;
+        dev.launch(
+            "cross_entropy.cu",
+            &format!("vp_xent_max_{}", suffix(logits.dtype())),
+            self.launch(),
+            Args::new()
+                .ptr(logits.ptr())
+                .ptr(m.ptr())
+                .usize_as_i32(self.rows)
+                .usize_as_i32(self.cols)
+                .usize_as_i32(self.real),
+        )?;
+        Ok(m)
+    }
+
+    /// `[rows]` Σ exp(x − m) over this rank's real logits, then `[rows]` the target's logit
+    /// where this rank holds it (0 elsewhere); `m` the group's maxima, `targets` i32 on the
+    /// device.
+    pub fn sums(
+        &self,
+        logits: &CudaTensor,
+        targets: u64,
+        m: &CudaTensor,
+    ) -> Result<CudaTensor, CudaError> {
+        self.check(logits)?;
+        check_len(m, self.rows, "the logits' row maxima")?;
+        let dev = logits.device();
+        let sums = CudaTensor::alloc(dev, 2 * self.rows, DType::F32, "the softmax sums")?;
+        dev.launch(
+            "cross_entropy.cu",
+            &format!("vp_xent_sums_{}", suffix(logits.dtype())),
+            self.launch(),
+            Args::new()
+                .ptr(logits.ptr())
+                .ptr(targets)
+                .ptr(m.ptr())
+                .ptr(sums.ptr())
+                .usize_as_i32(self.rows)
+                .usize_as_i32(self.cols)
+                .usize_as_i32(self.real)
+                .usize_as_i32(self.start),
+        )?;
+        Ok(sums)
+    }
+
+    /// The losses and correct counts added into the two f64 at `step_sums` (as
+    /// [`cross_entropy`]), and with `grad_scale` the gradient of `grad_scale × Σ loss`
+    /// written over the logits (padding columns 0) and returned; `m` and `sums` the group's.
+    pub fn finish(
+        &self,
+        logits: CudaTensor,
+        targets: u64,
+        (m, sums): (&CudaTensor, &CudaTensor),
+        grad_scale: Option<f32>,
+        step_sums: u64,
+    ) -> Result<Option<CudaTensor>, CudaError> {
+        self.check(&logits)?;
+        check_len(sums, 2 * self.rows, "the softmax sums")?;
+        let dev = logits.device().clone();
+        let scratch = dev.alloc(self.rows * 8, "per-row losses")?;
+        let (losses, correct) = (scratch.ptr(), scratch.ptr() + (self.rows * 4) as u64);
+        let logits = if grad_scale.is_some() && !logits.is_unique() {
+            let copy = CudaTensor::alloc(&dev, logits.len(), logits.dtype(), "logits")?;
+            dev.copy(copy.ptr(), logits.ptr(), logits.bytes())?;
+            copy
+        } else {
+            logits
+        };
+        dev.launch(
+            "cross_entropy.cu",
+            &format!("vp_xent_finish_{}", suffix(logits.dtype())),
+            self.launch(),
+            Args::new()
+                .ptr(logits.ptr())
+                .ptr(targets)
+                .ptr(m.ptr())
+                .ptr(sums.ptr())
+                .ptr(losses)
+                .ptr(correct)
+                .usize_as_i32(self.rows)
+                .usize_as_i32(self.cols)
+                .usize_as_i32(self.real)
+                .usize_as_i32(self.start)
+                .f32(grad_scale.unwrap_or(0.0))
+                .i32(grad_scale.is_some() as i32),
+        )?;
+        dev.launch(
+            "cross_entropy.cu",
+            "xent_sum",
+            Launch::linear(1, 256),
+            Args::new()
+                .ptr(losses)
+                .ptr(correct)
+                .usize_as_i32(self.rows)
+                .ptr(step_sums),
+        )?;
+        Ok(grad_scale.map(|_| logits))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1748,6 +1954,12 @@ mod tests {
             assert!(rows.windows(2).all(|w| w[0] < w[1]));
             assert!(rows.iter().all(|&r| ids[r as usize] == id));
         }
+        // Tokens of other ranks' rows take no part.
+        let g = TokenGroups::of(&[-1, 3, -1, 1, 3], 4);
+        assert_eq!(
+            (g.uniq, g.starts, g.order),
+            (vec![1, 3], vec![0, 1, 3], vec![3, 1, 4])
+        );
         let empty = TokenGroups::of(&[], 4);
         assert_eq!(
             (empty.order.len(), empty.starts, empty.uniq.len()),

@@ -148,7 +148,31 @@ template <class T> static void test_vector_bounds(void (*vec)(const T*, float*, 
                 rel_l2(read(partial, (size_t)nb * s.cols), want_vec_partial(yv, s, nb)), 0.0);
 }
 
+/// bias_add: every row plus the bias, rounded to T once, on a ragged shape and a grid too
+/// small to cover it (the grid-stride loop).
+template <class T>
+static void test_bias_add(void (*kernel)(T*, const T*, long long, int)) {
+    kt::Rng rng(77);
+    for (int grid : {1, 7}) {
+        const long long rows = 37;
+        const int cols = 29;
+        T* y = kt::buffer<T>(rows * cols);
+        T* b = kt::buffer<T>(cols);
+        const auto yv = kt::fill_random(y, rows * cols, rng, -2.0f, 2.0f);
+        const auto bv = kt::fill_random(b, cols, rng, -1.0f, 1.0f);
+        emu::launch(kernel, dim3(grid), dim3(256), 0, y, (const T*)b, rows, cols);
+        std::vector<double> want(rows * cols);
+        for (long long i = 0; i < rows * cols; ++i)
+            want[i] = to_f32(from_f32<T>((float)yv[i] + (float)bv[i % cols]));
+        tally.check(kt::fmt("bias_add %s grid=%d", kt::type_name<T>(), grid),
+                    kt::rel_l2(kt::read(y, rows * cols), want), 0.0);
+    }
+}
+
 int main() {
+    test_bias_add<float>(bias_add_f32);
+    test_bias_add<bf16>(bias_add_bf16);
+    test_bias_add<f16>(bias_add_f16);
     test_colsum<float>(colsum_partial_f32, colsum_partial_vec_f32);
     test_colsum<bf16>(colsum_partial_bf16, colsum_partial_vec_bf16);
     test_colsum<f16>(colsum_partial_f16, colsum_partial_vec_f16);

@@ -10,6 +10,17 @@ using namespace kt;
 
 static Tally tally;
 
+template <class T> struct VpKernels;
+#define VP_KERNELS(TYPE, NAME)                                                                 \
+    template <> struct VpKernels<TYPE> {                                                       \
+        static constexpr auto max = vp_xent_max_##NAME;                                        \
+        static constexpr auto sums = vp_xent_sums_##NAME;                                      \
+        static constexpr auto finish = vp_xent_finish_##NAME;                                  \
+    };
+VP_KERNELS(float, f32)
+VP_KERNELS(bf16, bf16)
+VP_KERNELS(f16, f16)
+
 template <class T>
 static void test_xent(void (*kernel)(T*, const int*, float*, int*, int, int, float, int)) {
     // (rows, v): scalar path (v % 8 != 0), vector path, v > 8·512 (several chunks per thread,
@@ -110,10 +121,93 @@ static void test_xent_sum_many() {
     tally.check_true("xent_sum rows=1000 correct", out[1] == want_c);
 }
 
+/// The vocabulary-parallel kernels on `tp` simulated ranks (each its share of a padded
+/// vocabulary; the all-reduces done here on the host) against the whole-vocabulary softmax
+/// cross-entropy in double: losses, correct, the gradient of every real column, zero padding.
+template <class T>
+static void test_vocab_parallel(int rows, int vocab, int tp, uint64_t seed) {
+    Rng rng(seed);
+    const int padded = (vocab + tp - 1) / tp * tp, cols = padded / tp;
+    const float grad_scale = 0.25f;
+    std::vector<double> whole((size_t)rows * vocab);
+    std::vector<T*> logits(tp);
+    std::vector<int> tv(rows);
+    int* targets = buffer<int>(rows);
+    for (int r = 0; r < rows; ++r) targets[r] = tv[r] = (int)rng.below(vocab);
+    for (int k = 0; k < tp; ++k) {
+        logits[k] = buffer<T>((size_t)rows * cols);
+        const auto v = fill_random(logits[k], (size_t)rows * cols, rng, -6.0f, 6.0f);
+        for (int r = 0; r < rows; ++r)
+            for (int j = 0; j < cols; ++j)
+                if (k * cols + j < vocab) whole[(size_t)r * vocab + k * cols + j] = v[(size_t)r * cols + j];
+    }
+    auto real_of = [&](int k) { return std::max(0, std::min(cols, vocab - k * cols)); };
+    std::vector<float*> m(tp), sums(tp), losses(tp);
+    std::vector<int*> correct(tp);
+    for (int k = 0; k < tp; ++k) {
+        m[k] = buffer<float>(rows);
+        sums[k] = buffer<float>(2 * rows);
+        losses[k] = buffer<float>(rows);
+        correct[k] = buffer<int>(rows);
+    }
+    const dim3 grid(std::min(rows, 3)), block(256);
+    const char* name = type_name<T>();
+    for (int k = 0; k < tp; ++k) emu::launch(VpKernels<T>::max, grid, block, 0, (const T*)logits[k], m[k], rows, cols, real_of(k));
+    for (int r = 0; r < rows; ++r) {  // all-reduce (Max)
+        float mx = -INFINITY;
+        for (int k = 0; k < tp; ++k) mx = std::max(mx, m[k][r]);
+        for (int k = 0; k < tp; ++k) m[k][r] = mx;
+    }
+    for (int k = 0; k < tp; ++k)
+        emu::launch(VpKernels<T>::sums, grid, block, 0, (const T*)logits[k], (const int*)targets, (const float*)m[k],
+                    sums[k], rows, cols, real_of(k), k * cols);
+    for (int i = 0; i < 2 * rows; ++i) {  // all-reduce (Sum)
+        float total = 0.0f;
+        for (int k = 0; k < tp; ++k) total += sums[k][i];
+        for (int k = 0; k < tp; ++k) sums[k][i] = total;
+    }
+    for (int k = 0; k < tp; ++k)
+        emu::launch(VpKernels<T>::finish, grid, block, 0, logits[k], (const int*)targets, (const float*)m[k],
+                    (const float*)sums[k], losses[k], correct[k], rows, cols, real_of(k), k * cols, grad_scale, 1);
+    std::vector<double> want_loss(rows), got_grad, want_grad;
+    bool correct_ok = true, padding_zero = true;
+    for (int r = 0; r < rows; ++r) {
+        double mx = -INFINITY;
+        for (int j = 0; j < vocab; ++j) mx = std::max(mx, whole[(size_t)r * vocab + j]);
+        double s = 0.0;
+        for (int j = 0; j < vocab; ++j) s += std::exp(whole[(size_t)r * vocab + j] - mx);
+        const double t = whole[(size_t)r * vocab + tv[r]];
+        want_loss[r] = std::log(s) + mx - t;
+        for (int k = 0; k < tp; ++k) correct_ok &= correct[k][r] == (t >= mx ? 1 : 0);
+        for (int k = 0; k < tp; ++k)
+            for (int j = 0; j < cols; ++j) {
+                const double g = to_f32(logits[k][(size_t)r * cols + j]);
+                const int id = k * cols + j;
+                if (id >= vocab) {
+                    padding_zero &= g == 0.0;
+                    continue;
+                }
+                got_grad.push_back(g);
+                want_grad.push_back(grad_scale * (std::exp(whole[(size_t)r * vocab + id] - mx) / s - (id == tv[r])));
+            }
+    }
+    const std::string tag = fmt("vocab-parallel xent %s rows=%d vocab=%d tp=%d", name, rows, vocab, tp);
+    for (int k = 0; k < tp; ++k) tally.check(tag + fmt(" loss (rank %d)", k), rel_l2(read(losses[k], rows), want_loss), 1e-5);
+    tally.check_true(tag + " correct", correct_ok);
+    tally.check_true(tag + " padding gradient 0", padding_zero);
+    tally.check(tag + " gradient", rel_l2(got_grad, want_grad), tol<T>());
+}
+
 int main() {
     test_xent<float>(softmax_xent_f32);
     test_xent<bf16>(softmax_xent_bf16);
     test_xent<f16>(softmax_xent_f16);
     test_xent_sum_many();
+    // A vocabulary padded to a multiple of tp (the last rank holds padding), rows over a grid
+    // smaller than them, a vocabulary wider than a block.
+    test_vocab_parallel<float>(5, 37, 2, 61);
+    test_vocab_parallel<float>(4, 700, 4, 62);
+    test_vocab_parallel<bf16>(3, 50, 3, 63);
+    test_vocab_parallel<f16>(2, 600, 2, 64);
     return tally.finish("cross_entropy");
 }

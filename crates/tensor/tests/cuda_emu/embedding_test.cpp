@@ -100,6 +100,36 @@ static void test(int vocab, int batch, int seq, int max_seq, int d, uint64_t see
     }
 }
 
+/// A vocabulary-parallel rank's share: ids < 0 are tokens of other ranks' rows, whose table
+/// part is zero (positions still added when the table is given).
+static void test_foreign_ids(int d, bool positions, uint64_t seed) {
+    Rng rng(seed);
+    const int vocab = 5, tokens = 23, seq = 23;
+    float* wte = buffer<float>((size_t)vocab * d);
+    float* wpe = buffer<float>((size_t)seq * d);
+    const auto tev = fill_random(wte, (size_t)vocab * d, rng, -1.0f, 1.0f);
+    const auto pev = fill_random(wpe, (size_t)seq * d, rng, -1.0f, 1.0f);
+    int* ids = buffer<int>(tokens);
+    int* pos_of = buffer<int>(seq);
+    for (int i = 0; i < tokens; ++i) {
+        ids[i] = rng.below(3) == 0 ? -1 : (int)rng.below(vocab);
+        pos_of[i] = i;
+    }
+    float* y = buffer<float>((size_t)tokens * d);
+    fill_poison(y, (size_t)tokens * d);
+    emu::launch(embedding_fwd, dim3(grid_for((long long)tokens * d)), dim3(256), 0, (const int*)ids,
+                (const float*)wte, positions ? (const float*)wpe : (const float*)nullptr,
+                (const int*)pos_of, y, tokens, seq, d);
+    std::vector<double> want((size_t)tokens * d);
+    for (int i = 0; i < tokens; ++i)
+        for (int c = 0; c < d; ++c) {
+            const float a = ids[i] < 0 ? 0.0f : (float)tev[(size_t)ids[i] * d + c];
+            want[(size_t)i * d + c] = positions ? (double)(a + (float)pev[(size_t)i * d + c]) : a;
+        }
+    tally.check(fmt("embedding with foreign ids d=%d positions=%d", d, (int)positions),
+                rel_l2(read(y, (size_t)tokens * d), want), 0.0);
+}
+
 int main() {
     test(11, 3, 4, 6, 8, 41);     // float4 path
     test(11, 3, 4, 4, 6, 42);     // scalar path (d % 4 != 0)
@@ -107,5 +137,7 @@ int main() {
     test(50, 5, 9, 12, 260, 44);  // > 256 columns per row, batch > the 4-row unroll
     test(3, 9, 2, 5, 12, 45);     // few ids, many repeats
     test(2, 20, 3, 4, 8, 46);     // ids with 16+ rows: full batches and a partial one
+    for (int d : {8, 6})
+        for (bool positions : {false, true}) test_foreign_ids(d, positions, 40 + d);
     return tally.finish("embedding");
 }

@@ -218,3 +218,24 @@ colsum_finish(const float* __restrict__ partial, float* __restrict__ out, int nb
         if (t < MT_FINISH_COLS && c < cols) out[c] = accumulate ? out[c] + (float)s : (float)s;
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// y[r, c] += b[c] for y [rows, cols] in T and the bias in T (the products' dtype): the bias
+// of a row-parallel layer, added once its partial products are summed over the group.
+// Grid-stride over rows·cols, block 256; the sum is f32, rounded to T once.
+
+template <class T>
+__device__ __forceinline__ void bias_add_impl(T* __restrict__ y, const T* __restrict__ b,
+                                              long long rows, int cols) {
+    const long long t = global_thread(), stride = grid_threads();
+    for (long long i = t; i < rows * cols; i += stride) {
+        y[i] = from_f32<T>(to_f32(y[i]) + to_f32(b[i % cols]));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+bias_add_f32(float* y, const float* b, long long rows, int cols) { bias_add_impl(y, b, rows, cols); }
+extern "C" __global__ void __launch_bounds__(256)
+bias_add_bf16(bf16* y, const bf16* b, long long rows, int cols) { bias_add_impl(y, b, rows, cols); }
+extern "C" __global__ void __launch_bounds__(256)
+bias_add_f16(f16* y, const f16* b, long long rows, int cols) { bias_add_impl(y, b, rows, cols); }

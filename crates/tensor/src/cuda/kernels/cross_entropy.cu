@@ -194,3 +194,99 @@ xent_sum(const float* __restrict__ losses, const int* __restrict__ correct, int 
         out[1] += total_correct;
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Vocabulary-parallel cross-entropy (tensor parallelism's loss): each rank holds `cols`
+// logits of a row (its share of the padded vocabulary), of which the first `real` are the
+// real ids start..start+real (padding takes no part). Three kernels around two all-reduces
+// of per-row numbers, never the logits (the CPU's arrangement, crates/parallel/src/tensor.rs):
+//   vp_xent_max:    m[r] = max over the rank's real logits (then all-reduced with Max);
+//   vp_xent_sums:   sums[r] = Σ exp(x − m[r]) over them, sums[rows + r] = the target's logit
+//                   if the target is one of them, else 0 (then all-reduced with Sum);
+//   vp_xent_finish: losses[r] = ln s + m − t, correct[r] = t ≥ m, and with write_grad the
+//                   gradient over the logits, exp(x − m)·(grad_scale/s) − [j = target]·grad_scale
+//                   (padding columns 0).
+// Block per row (grid-stride over rows), 256 threads, fixed-order block reductions.
+
+template <class T>
+__device__ __forceinline__ void vp_xent_max_impl(const T* __restrict__ logits,
+                                                 float* __restrict__ m, int rows, int cols,
+                                                 int real) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* row = logits + (long long)r * cols;
+        float v = -INFINITY;
+        for (int j = threadIdx.x; j < real; j += blockDim.x) v = fmaxf(v, to_f32(row[j]));
+        v = block_max(v);
+        if (threadIdx.x == 0) m[r] = v;
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void vp_xent_sums_impl(const T* __restrict__ logits,
+                                                  const int* __restrict__ targets,
+                                                  const float* __restrict__ m,
+                                                  float* __restrict__ sums, int rows, int cols,
+                                                  int real, int start) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* row = logits + (long long)r * cols;
+        float s = 0.0f;
+        for (int j = threadIdx.x; j < real; j += blockDim.x) s += expf(to_f32(row[j]) - m[r]);
+        s = block_sum(s);
+        if (threadIdx.x == 0) {
+            const int local = targets[r] - start;
+            sums[r] = s;
+            sums[rows + r] = (local >= 0 && local < real) ? to_f32(row[local]) : 0.0f;
+        }
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void vp_xent_finish_impl(T* __restrict__ logits,
+                                                    const int* __restrict__ targets,
+                                                    const float* __restrict__ m,
+                                                    const float* __restrict__ sums,
+                                                    float* __restrict__ losses,
+                                                    int* __restrict__ correct, int rows, int cols,
+                                                    int real, int start, float grad_scale,
+                                                    int write_grad) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float s = sums[r], t = sums[rows + r], mx = m[r];
+        if (threadIdx.x == 0) {
+            losses[r] = logf(s) + mx - t;
+            correct[r] = t >= mx ? 1 : 0;
+        }
+        if (!write_grad) continue;
+        T* row = logits + (long long)r * cols;
+        const int local = targets[r] - start;
+        const float k = grad_scale / s;
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+            float g = 0.0f;
+            if (j < real) {
+                g = expf(to_f32(row[j]) - mx) * k;
+                if (j == local) g -= grad_scale;
+            }
+            row[j] = from_f32<T>(g);
+        }
+    }
+}
+
+#define VP_XENT(T, NAME)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        vp_xent_max_##NAME(const T* logits, float* m, int rows, int cols, int real) {          \
+        vp_xent_max_impl(logits, m, rows, cols, real);                                         \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        vp_xent_sums_##NAME(const T* logits, const int* targets, const float* m, float* sums,  \
+                            int rows, int cols, int real, int start) {                         \
+        vp_xent_sums_impl(logits, targets, m, sums, rows, cols, real, start);                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) vp_xent_finish_##NAME(                   \
+        T* logits, const int* targets, const float* m, const float* sums, float* losses,       \
+        int* correct, int rows, int cols, int real, int start, float grad_scale,               \
+        int write_grad) {                                                                      \
+        vp_xent_finish_impl(logits, targets, m, sums, losses, correct, rows, cols, real, start, \
+                            grad_scale, write_grad);                                           \
+    }
+VP_XENT(float, f32)
+VP_XENT(bf16, bf16)
+VP_XENT(f16, f16)

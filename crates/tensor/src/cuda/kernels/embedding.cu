@@ -9,7 +9,8 @@
 // ---------------------------------------------------------------------------------------
 // Forward: any grid over tokens·d (or tokens·d/4 chunks). A null `wpe` means no position
 // table (Llama's token-only embedding: positions come from the rotary pass): y = wte[id];
-// `pos_of` and `seq` are then not read.
+// `pos_of` and `seq` are then not read. A negative id is a token outside this table (a
+// vocabulary-parallel rank's share): its row of the table part is zero.
 
 template <bool POSITIONS>
 __device__ __forceinline__ void embedding_fwd_impl(const int* __restrict__ ids,
@@ -27,7 +28,9 @@ __device__ __forceinline__ void embedding_fwd_impl(const int* __restrict__ ids,
         float4* y4 = reinterpret_cast<float4*>(y);
         for (long long i = t; i < n / 4; i += stride) {
             const int tok = (int)(i / d4), c4 = (int)(i - (long long)tok * d4);
-            const float4 a = te[(long long)ids[tok] * d4 + c4];
+            const int id = ids[tok];
+            const float4 a = id < 0 ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                                    : te[(long long)id * d4 + c4];
             if constexpr (POSITIONS) {
                 const float4 b = pe[(long long)pos_of[tok % seq] * d4 + c4];
                 y4[i] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
@@ -38,11 +41,12 @@ __device__ __forceinline__ void embedding_fwd_impl(const int* __restrict__ ids,
     } else {
         for (long long i = t; i < n; i += stride) {
             const int tok = (int)(i / d), c = (int)(i - (long long)tok * d);
+            const int id = ids[tok];
+            const float a = id < 0 ? 0.0f : wte[(long long)id * d + c];
             if constexpr (POSITIONS) {
-                y[i] = wte[(long long)ids[tok] * d + c] +
-                       wpe[(long long)pos_of[tok % seq] * d + c];
+                y[i] = a + wpe[(long long)pos_of[tok % seq] * d + c];
             } else {
-                y[i] = wte[(long long)ids[tok] * d + c];
+                y[i] = a;
             }
         }
     }
