@@ -58,6 +58,8 @@ IDENTITY = {
     'gpt-dp2-zero3-accumulate2': GPT + ['--dp', '2', '--set', 'parallel.zero=3', '--set', WHOLE,
                                         '--set', 'train.accumulation_steps=2'],
     'gpt-tp2-sp': GPT + ['--set', 'parallel.tp=2', '--set', 'parallel.sequence_parallel=true'],
+    'gpt-tp2': GPT + ['--set', 'parallel.tp=2'],
+    'gpt-cp2-ring': GPT + ['--set', 'parallel.cp=2'],
 }
 
 THROUGHPUT = {
@@ -78,6 +80,8 @@ THROUGHPUT = {
     'gpt_tp2_sp': ['--config', 'configs/gpt.toml', '--set', 'parallel.tp=2', '--set',
                    'parallel.sequence_parallel=true', '--set', 'train.max_steps=40',
                    '--set', 'train.log_every=10'],
+    'gpt_cp2_ring': ['--config', 'configs/gpt.toml', '--set', 'parallel.cp=2', '--set',
+                     'train.max_steps=40', '--set', 'train.log_every=10'],
     'gpt_dp2_zero3': ['--config', 'configs/gpt.toml', '--dp', '2', '--set', 'parallel.zero=3',
                       '--set', 'train.max_steps=40', '--set', 'train.log_every=10'],
 }

@@ -207,8 +207,8 @@ fn rank0_spans(trace: &Path, what: &str) -> Result<Vec<(String, u64, f64, f64)>>
 
 /// Tensor, sequence, pipeline and ring context parallelism and their hybrids on `device`
 /// against one worker there (issue 37's `layouts` part): fp32 parameters within 1e-5
-/// relative L2 after 20 steps (GPT: tp, tp + sp, 1F1B, interleaved, ring, two 8-rank
-/// hybrids; Llama: tp = 4 over 2 key/value heads with sp, and on a GPU ring attention at
+/// relative L2 after 20 steps (GPT: tp, tp + sp, 1F1B, interleaved, ring, Ulysses, two
+/// 8-rank hybrids; Llama: tp = 4 over 2 key/value heads with sp, and on a GPU ring attention at
 /// 2,048 tokens), bf16 losses within 0.1% at every step, a pp = 2 step's sends and receives
 /// on rank 0's timeline, and an 8-rank layout's checkpoint resumed on one worker and on the
 /// CPU (and the reverse). On a GPU the ranks share it through staged collectives.
@@ -235,7 +235,7 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         "parallel.micro_batches=2",
         whole,
     ];
-    let layouts: [(&str, &[&str]); 7] = [
+    let layouts: [(&str, &[&str]); 8] = [
         ("tp=2", &["parallel.tp=2"]),
         (
             "tp=2 + sp",
@@ -259,6 +259,10 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
             ],
         ),
         ("cp=2 ring", &["parallel.cp=2"]),
+        (
+            "cp=2 Ulysses",
+            &["parallel.cp=2", "parallel.cp_mode=\"ulysses\""],
+        ),
         ("dp=2 × pp=2 × cp=2 ZeRO-1 (8 ranks)", hybrid),
         ("dp=2 × tp=2 × pp=2 ZeRO-1 (8 ranks)", megatron),
     ];
@@ -273,6 +277,15 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
                  {d:.2e} relative L2 (≤ 1e-5)"
             ),
         );
+        // Every term of the planner's per-layer formula divides by t under tp + sp and by
+        // cp under context parallelism (plan::memory::layer_activation_bytes).
+        let split = match name {
+            "tp=2 + sp" | "cp=2 ring" => Some(2.0),
+            _ => None,
+        };
+        if let Some(parts) = split {
+            activations_as_planned(failed, name, &many, &one, parts);
+        }
         let _ = std::fs::remove_dir_all(&many.out);
     }
     // A Llama's grouped key/value heads dealt over tp = 4 (2 ranks per key/value head),
@@ -396,6 +409,29 @@ pub fn run_layouts(root: &Path) -> Result<Vec<String>> {
         failed.push(format!("layouts on the GPU: {e:#}"));
     }
     Ok(failed)
+}
+
+/// Rank 0's activation bytes kept for backward under `name` against one worker's: the
+/// planner's formula says `1/parts` of them; within 10%.
+fn activations_as_planned(
+    failed: &mut Vec<String>,
+    name: &str,
+    many: &Trained,
+    one: &Trained,
+    parts: f64,
+) {
+    let (mine, whole) = (many.memory.activations_mib, one.memory.activations_mib);
+    let ratio = mine / whole.max(f64::MIN_POSITIVE);
+    let off = (ratio * parts - 1.0).abs();
+    verdict(
+        failed,
+        off <= 0.1,
+        format!(
+            "{name}: rank 0 keeps {mine:.2} MiB of activations, {ratio:.3} of one worker's \
+             {whole:.2} MiB; the planner's formula says 1/{parts}: {:.1}% off (≤ 10%)",
+            off * 100.0
+        ),
+    );
 }
 
 /// Whether run `a`'s loss was within 0.1% of `b`'s at every step.

@@ -65,7 +65,7 @@ fn without_a_driver_the_error_names_the_library_before_any_step() {
     );
 }
 
-/// On a GPU, what this build cannot run there (Ulysses context parallelism, a model without
+/// On a GPU, what this build cannot run there (the single-master mode, a model without
 /// kernels) is refused before any work; without one, the missing piece of the machine is named
 /// first, since that is what the user can act on (the wordings themselves: `device.rs`'s
 /// tests).
@@ -80,13 +80,13 @@ fn a_gpu_refuses_layouts_and_models_it_cannot_run_before_any_work() {
         2,
         &[
             "train.device=\"cuda\"",
-            "parallel.cp=2",
-            "parallel.cp_mode=\"ulysses\"",
+            "parallel.dp=2",
+            "parallel.dp_mode=\"single-master\"",
         ],
     );
     let e = format!("{:#}", run(&cfg, &RunOptions::default()).unwrap_err());
     if usable {
-        assert!(e.contains("cp_mode = \"ulysses\" reshuffles heads"), "{e}");
+        assert!(e.contains("dp_mode = \"single-master\" gathers"), "{e}");
     } else {
         assert!(names_the_missing_piece(&e), "{e}");
     }

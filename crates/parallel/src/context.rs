@@ -25,6 +25,7 @@
 //! Layers are rewritten after tensor parallelism, on its share of the heads.
 
 use crate::data::DpMode;
+use crate::engine::flat::{CopyPlan, Run};
 use crate::engine::{tensor_like, tensor_view};
 use crate::tensor::VocabParallelEmbedding;
 use crate::Batch;
@@ -215,6 +216,8 @@ fn fail(what: &str, e: CommError) -> ! {
 
 #[cfg(feature = "cuda")]
 mod ring_cuda;
+#[cfg(feature = "cuda")]
+mod ulysses_cuda;
 
 /// The tokens per sample of `model`'s declared input, if it takes token sequences.
 fn sequence_of(model: &Model) -> Option<usize> {
@@ -354,6 +357,7 @@ fn rewrite(layer: &mut dyn Layer, cp: &CpContext) -> Option<Box<dyn Layer>> {
                         kind: core.kind,
                     },
                     cp: cp.clone(),
+                    moves: MovesCache::default(),
                 }),
             });
         }
@@ -716,6 +720,92 @@ impl Layer for RingAttention {
     }
 }
 
+/// Ulysses' reshuffles around one of its all-to-alls as copy plans (plain data, the same
+/// for every step of a shape): `pack` lays out what goes to each worker (chunk j for worker
+/// j), `unpack` puts what came from each worker where it belongs. The CPU's loops
+/// ([`UlyssesAttention::to_heads`], [`UlyssesAttention::to_tokens`]) move exactly these runs
+/// (a unit test holds them to it); a GPU runs the plans.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UlyssesMoves {
+    pub pack: CopyPlan,
+    pub unpack: CopyPlan,
+}
+
+impl UlyssesMoves {
+    /// "My tokens, every head" → "every token, my heads": `[B, rows, parts·width]` on each of
+    /// `n` workers → `[B, rows·n, parts·width/n]`.
+    pub fn to_heads(n: usize, batch: usize, rows: usize, width: usize, parts: usize) -> Self {
+        let share = width / n;
+        let tokens = batch * rows;
+        let per_rank = tokens * parts * share;
+        let row_len = parts * share;
+        let mut pack = Vec::with_capacity(n * tokens * parts);
+        for j in 0..n {
+            for row in 0..tokens {
+                for p in 0..parts {
+                    pack.push(Run {
+                        src: Some(row * parts * width + p * width + j * share),
+                        dst: j * per_rank + row * row_len + p * share,
+                        len: share,
+                    });
+                }
+            }
+        }
+        let mut unpack = Vec::with_capacity(n * tokens);
+        for i in 0..n {
+            let shard = SequenceShard { parts: n, index: i };
+            for k in 0..tokens {
+                unpack.push(Run {
+                    src: Some(i * per_rank + k * row_len),
+                    dst: shard.whole_row(k, rows) * row_len,
+                    len: row_len,
+                });
+            }
+        }
+        UlyssesMoves {
+            pack: CopyPlan::new(pack),
+            unpack: CopyPlan::new(unpack),
+        }
+    }
+
+    /// The way back: `[B, seq, row_len]` (every token, my heads of `parts` tensors) on each
+    /// of `n` workers → `[B, seq/n, parts·row_len/parts·n]`.
+    pub fn to_tokens(n: usize, batch: usize, seq: usize, row_len: usize, parts: usize) -> Self {
+        let rows = seq / n;
+        let tokens = batch * rows;
+        let share = row_len / parts;
+        let width = share * n;
+        let per_rank = tokens * row_len;
+        let mut pack = Vec::with_capacity(n * tokens);
+        for j in 0..n {
+            let shard = SequenceShard { parts: n, index: j };
+            for k in 0..tokens {
+                pack.push(Run {
+                    src: Some(shard.whole_row(k, rows) * row_len),
+                    dst: j * per_rank + k * row_len,
+                    len: row_len,
+                });
+            }
+        }
+        let mut unpack = Vec::with_capacity(n * tokens * parts);
+        for i in 0..n {
+            for row in 0..tokens {
+                for p in 0..parts {
+                    unpack.push(Run {
+                        src: Some(i * per_rank + row * row_len + p * share),
+                        dst: row * parts * width + p * width + i * share,
+                        len: share,
+                    });
+                }
+            }
+        }
+        UlyssesMoves {
+            pack: CopyPlan::new(pack),
+            unpack: CopyPlan::new(unpack),
+        }
+    }
+}
+
 /// Causal attention with an all-to-all on either side (DeepSpeed-Ulysses): each worker runs
 /// `inner` (the model's own kernel, on `heads/cp` heads) over whole sequences. Input: this
 /// worker's fused q/k/v `[B, T/cp, 3·D]`; output `[B, T/cp, D]`.
@@ -723,6 +813,49 @@ pub struct UlyssesAttention {
     /// The attention of this worker's heads over whole sequences.
     pub inner: AttentionCore,
     pub cp: CpContext,
+    /// The GPU arm's plans by shape (built once; their run tables uploaded once).
+    pub moves: MovesCache,
+}
+
+/// Ulysses' [`UlyssesMoves`] by shape, each built once, with what a device keeps of them.
+#[derive(Default)]
+pub struct MovesCache {
+    plans: std::sync::Mutex<std::collections::HashMap<MovesKey, Arc<CachedMoves>>>,
+}
+
+/// Which reshuffle (`to_heads` or not), and its (workers, batch, rows or seq, width or row
+/// length, parts).
+type MovesKey = (bool, [usize; 5]);
+
+/// One shape's plans, and (on a GPU) their run tables in its memory, uploaded on first use.
+pub struct CachedMoves {
+    pub moves: UlyssesMoves,
+    #[cfg(feature = "cuda")]
+    tables: std::sync::OnceLock<[meshtrain_tensor::cuda::DevBuf; 2]>,
+}
+
+impl MovesCache {
+    /// The plans of `to_heads` (or `to_tokens`) for (workers, batch, rows or seq, width or
+    /// row length, parts), built on first use.
+    pub fn get(&self, to_heads: bool, shape: [usize; 5]) -> Arc<CachedMoves> {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        plans
+            .entry((to_heads, shape))
+            .or_insert_with(|| {
+                let [n, b, rows, width, parts] = shape;
+                let moves = if to_heads {
+                    UlyssesMoves::to_heads(n, b, rows, width, parts)
+                } else {
+                    UlyssesMoves::to_tokens(n, b, rows, width, parts)
+                };
+                Arc::new(CachedMoves {
+                    moves,
+                    #[cfg(feature = "cuda")]
+                    tables: std::sync::OnceLock::new(),
+                })
+            })
+            .clone()
+    }
 }
 
 impl UlyssesAttention {
@@ -817,6 +950,10 @@ impl Layer for UlyssesAttention {
         self.inner.precision = precision;
     }
 
+    fn runs_on(&self, device: meshtrain_tensor::Device) -> bool {
+        device.is_cpu() || cfg!(feature = "cuda")
+    }
+
     fn forward(
         &self,
         p: Params<'_>,
@@ -825,6 +962,12 @@ impl Layer for UlyssesAttention {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if qkv.device().is_cuda() {
+            let whole = self.to_heads_cuda(&qkv, 3);
+            let out = self.inner.forward(p, b, whole, mode, s);
+            return self.to_tokens_cuda(&out, 1);
+        }
         let p = p.host();
         let b = b.host();
         let whole = self.to_heads(&qkv, 3);
@@ -843,6 +986,15 @@ impl Layer for UlyssesAttention {
         dy: Tensor,
         need_input_grad: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if dy.device().is_cuda() {
+            let whole = self.to_heads_cuda(&dy, 1);
+            let dqkv = self
+                .inner
+                .backward(p, g, s, whole, need_input_grad)
+                .expect("attention returns its input gradient");
+            return Some(self.to_tokens_cuda(&dqkv, 3));
+        }
         let p = p.host();
         let g = g.host();
         let whole = self.to_heads(&dy, 1);
@@ -860,6 +1012,64 @@ impl Layer for UlyssesAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The plans a GPU runs move exactly what the CPU's loops move: each worker's packed
+    /// chunks, exchanged by the real all-to-all and unpacked by the plans, equal
+    /// `to_heads` and `to_tokens` (3 parts: q/k/v; 1: an output or its gradient), bit for bit.
+    #[test]
+    fn ulysses_moves_are_the_cpus_reshuffles() {
+        use meshtrain_comm::{CommConfig, ThreadsWorld};
+        for n in [2, 3] {
+            ThreadsWorld::run(n, CommConfig::default(), move |group| {
+                let (b, rows, width) = (2, 4, 6);
+                let layer = UlyssesAttention {
+                    inner: AttentionCore {
+                        dim: width,
+                        heads: n,
+                        precision: DType::F32,
+                        kind: meshtrain_nn::transformer::AttentionKind::Flash,
+                    },
+                    cp: CpContext::new(group.clone(), CpMode::Ulysses),
+                    moves: MovesCache::default(),
+                };
+                let exchange = |send: &[f32]| {
+                    let mut got = vec![0.0f32; send.len()];
+                    group
+                        .all_to_all(BufRef::F32(send), BufMut::F32(&mut got))
+                        .unwrap();
+                    got
+                };
+                let run = |plans: &UlyssesMoves, x: &[f32]| {
+                    let mut send = vec![f32::NAN; x.len()];
+                    plans.pack.apply_on_host(x, &mut send, false);
+                    let received = exchange(&send);
+                    let mut out = vec![f32::NAN; x.len()];
+                    plans.unpack.apply_on_host(&received, &mut out, false);
+                    out
+                };
+                for parts in [3, 1] {
+                    let r = group.rank();
+                    let values = (0..b * rows * parts * width)
+                        .map(|i| (r * 10_000 + i) as f32)
+                        .collect::<Vec<f32>>();
+                    let x = Tensor::from_vec(values, &[b, rows, parts * width]);
+                    let whole = layer.to_heads(&x, parts);
+                    let plans = UlyssesMoves::to_heads(n, b, rows, width, parts);
+                    assert_eq!(
+                        run(&plans, x.data()),
+                        whole.data(),
+                        "to_heads, {parts} parts"
+                    );
+                    let back = layer.to_tokens(&whole, parts);
+                    let plans = UlyssesMoves::to_tokens(n, b, rows * n, whole.dim(2), parts);
+                    assert_eq!(run(&plans, whole.data()), back.data(), "to_tokens");
+                    assert_eq!(back.data(), x.data(), "the way back undoes the way there");
+                }
+                Ok::<_, String>(())
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
 
     #[test]
     fn every_query_chunk_meets_each_earlier_key_chunk_once() {

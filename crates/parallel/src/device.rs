@@ -12,7 +12,6 @@
 //! (`Parallel::pull_from_device`, then `release_host_state`), so checkpoints keep their one
 //! format and a GPU run resumes on the CPU and the reverse.
 
-use crate::context::CpMode;
 use crate::data::{DpMode, GradReduce, GradSync};
 use crate::engine::{DeviceState, PipelineError, Stage, StageChunk, StandIn};
 use crate::layout::Layout;
@@ -68,8 +67,8 @@ pub fn check(
 
 /// What this build's GPU step cannot run on any machine: a model with a layer that has no
 /// CUDA kernels (named, with the way out). Every layout's dimensions have their device
-/// forms; the settings a GPU cannot take (Ulysses, single-master, hierarchical reduction)
-/// are refused by [`check_options`], which knows them.
+/// forms; the settings a GPU cannot take (single-master, hierarchical reduction) are refused
+/// by [`check_options`], which knows them.
 #[cfg(feature = "cuda")]
 fn refuse_what_gpus_cannot_run(model: &Model, ordinal: usize) -> Result<(), ParallelError> {
     let device = Device::Cuda(ordinal);
@@ -95,21 +94,11 @@ fn refuse_what_gpus_cannot_run(model: &Model, ordinal: usize) -> Result<(), Para
 /// The data-parallel settings a GPU run cannot take yet (the layout's shape is checked by
 /// [`check`]): the single master gathers replicas' gradients through host vectors, and a
 /// hierarchical reduction goes through host groups.
-/// The stand-in device takes every layout: tensor, sequence, pipeline and context
-/// parallelism run their device half there (placed chunks, gradients summed over wire
-/// buffers in the chunk's memory) with the host's arithmetic; what a GPU still lacks
-/// (Ulysses' all-to-alls on device tensors) is refused here before a GPU run starts.
+/// Every layout's dimensions run on GPUs (and on the stand-in device, whose activations are
+/// host tensors); what is left here are data-parallel settings that go through host groups.
 pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), ParallelError> {
     if !options.stand_in_device && !options.device.is_cuda() {
         return Ok(());
-    }
-    if options.device.is_cuda() && layout.cp > 1 && options.cp_mode == CpMode::Ulysses {
-        return Err(ParallelError::Device(format!(
-            "cp_mode = \"ulysses\" reshuffles heads and tokens on host tensors, which this \
-             build runs on the CPU only: on GPUs use cp_mode = \"ring\" (the default) for \
-             cp = {}, or train Ulysses on --device cpu",
-            layout.cp
-        )));
     }
     if layout.dp == 1 {
         return Ok(());
@@ -492,6 +481,11 @@ mod tests {
         ];
         for layout in layouts {
             check_options(&gpu, &layout).unwrap();
+            let ulysses = ParallelOptions {
+                cp_mode: crate::context::CpMode::Ulysses,
+                ..gpu.clone()
+            };
+            check_options(&ulysses, &layout).unwrap();
         }
         // ZeRO's stages run on GPUs: their buffers are the device's.
         for zero in [1, 2, 3] {
@@ -502,36 +496,6 @@ mod tests {
             };
             check_options(&gpu, &layout).unwrap();
         }
-    }
-
-    #[test]
-    fn ulysses_is_refused_on_gpus_and_ring_runs() {
-        let layout = Layout {
-            cp: 2,
-            ..Layout::default()
-        };
-        let gpu = ParallelOptions {
-            device: Device::Cuda(0),
-            ..ParallelOptions::default()
-        };
-        assert_eq!(gpu.cp_mode, CpMode::Ring);
-        check_options(&gpu, &layout).unwrap();
-        let ulysses = ParallelOptions {
-            cp_mode: CpMode::Ulysses,
-            ..gpu.clone()
-        };
-        let e = check_options(&ulysses, &layout).unwrap_err().to_string();
-        assert!(
-            e.contains("cp_mode = \"ulysses\"") && e.contains("cp_mode = \"ring\""),
-            "{e}"
-        );
-        // The stand-in runs both (its activations are host tensors).
-        let stand_in = ParallelOptions {
-            device: Device::Cpu,
-            stand_in_device: true,
-            ..ulysses
-        };
-        check_options(&stand_in, &layout).unwrap();
     }
 
     #[test]

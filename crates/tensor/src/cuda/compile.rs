@@ -331,6 +331,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
                     "tie_sum_f32",
                     "unscale_check_f32",
                     "copy_runs_f32",
+                    "copy_runs_u16",
                 ]
                 .map(String::from),
             );

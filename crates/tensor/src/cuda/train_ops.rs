@@ -255,15 +255,7 @@ pub fn copy_runs(
     }
     // Runs over y (at most 65535 blocks there: the kernel strides over the rest), each run's
     // elements over x: as many blocks as the longest run needs, up to 64.
-    let launch = Launch {
-        grid: (
-            max_len.div_ceil(THREADS as usize).clamp(1, 64) as u32,
-            count.min(65_535) as u32,
-            1,
-        ),
-        block: (THREADS, 1, 1),
-        smem: 0,
-    };
+    let launch = copy_runs_launch(count, max_len);
     dev.launch(
         "elementwise.cu",
         "copy_runs_f32",
@@ -274,5 +266,44 @@ pub fn copy_runs(
             .ptr(runs)
             .usize_as_i32(count)
             .i32(add as i32),
+    )
+}
+
+/// [`copy_runs`]'s launch shape: runs over y, each run's elements over x.
+fn copy_runs_launch(count: usize, max_len: usize) -> Launch {
+    Launch {
+        grid: (
+            max_len.div_ceil(THREADS as usize).clamp(1, 64) as u32,
+            count.min(65_535) as u32,
+            1,
+        ),
+        block: (THREADS, 1, 1),
+        smem: 0,
+    }
+}
+
+/// A copy plan over values of `dtype` (activations: Ulysses' reshuffles), copies only: the
+/// f32 kernel, or the 16-bit one moving bf16 or f16 bits.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_runs_of(
+    dev: &CudaDevice,
+    dtype: DType,
+    src: u64,
+    dst: u64,
+    runs: u64,
+    count: usize,
+    max_len: usize,
+) -> Result<(), CudaError> {
+    if dtype == DType::F32 {
+        return copy_runs(dev, src, dst, runs, count, max_len, false);
+    }
+    if count == 0 {
+        return Ok(());
+    }
+    dev.launch(
+        "elementwise.cu",
+        "copy_runs_u16",
+        copy_runs_launch(count, max_len),
+        Args::new().ptr(src).ptr(dst).ptr(runs).usize_as_i32(count),
     )
 }

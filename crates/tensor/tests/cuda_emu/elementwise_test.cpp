@@ -210,6 +210,20 @@ static void test_copy_runs() {
             tally.check(fmt("copy_runs_f32 trial=%d add=%d", trial, add),
                         rel_l2(read(dst, dst_len), want), 0.0);
         }
+        // The 16-bit copy: the same plan over bits (zeros runs write 0).
+        unsigned short* src16 = buffer<unsigned short>(src_len);
+        unsigned short* dst16 = buffer<unsigned short>(dst_len);
+        for (long long i = 0; i < src_len; ++i) src16[i] = (unsigned short)(rng.next() & 0xffff);
+        for (long long i = 0; i < dst_len; ++i) dst16[i] = (unsigned short)(rng.next() & 0xffff);
+        std::vector<unsigned short> want16(dst16, dst16 + dst_len);
+        for (int r = 0; r < count; ++r) {
+            const long long s = table[3 * r], d = table[3 * r + 1], len = table[3 * r + 2];
+            for (long long i = 0; i < len; ++i) want16[d + i] = s < 0 ? 0 : src16[s + i];
+        }
+        emu::launch(copy_runs_u16, dim3(2, 3), dim3(256), 0, (const unsigned short*)src16, dst16,
+                    (const long long*)runs, count);
+        tally.check_true(fmt("copy_runs_u16 trial=%d", trial),
+                         std::equal(want16.begin(), want16.end(), dst16));
     }
 }
 

@@ -275,6 +275,19 @@ unscale_check_f32(float* g, long long n, float factor, int* found_inf) {
 /// dst + d, zeros when s < 0; with `add`, adds them instead (zeros runs change nothing).
 /// Runs never overlap in dst and never read dst, so blocks need no coordination: runs go
 /// over grid y, a run's elements over grid x.
+/// copy_runs_u16: the same plans over 16-bit values (bf16 or f16 bits: activations moved by
+/// Ulysses' all-to-all reshuffles), copies only (`add` must be 0; zeros runs write 0 bits).
+extern "C" __global__ void __launch_bounds__(256)
+copy_runs_u16(const unsigned short* __restrict__ src, unsigned short* __restrict__ dst,
+              const long long* __restrict__ runs, int count) {
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (int r = blockIdx.y; r < count; r += gridDim.y) {
+        const long long s = runs[3 * r], d = runs[3 * r + 1], len = runs[3 * r + 2];
+        for (long long i = first; i < len; i += stride) dst[d + i] = s < 0 ? 0 : src[s + i];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 copy_runs_f32(const float* __restrict__ src, float* __restrict__ dst,
               const long long* __restrict__ runs, int count, int add) {
