@@ -268,15 +268,8 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     ];
     for (name, extra) in layouts {
         let many = runs.train(STEPS, extra, None)?;
-        let d = rel_l2(&many.params, &one.params);
-        verdict(
-            failed,
-            d <= 1e-5,
-            format!(
-                "fp32 GPT {name} on {device} vs one worker after {STEPS} steps: parameters \
-                 {d:.2e} relative L2 (≤ 1e-5)"
-            ),
-        );
+        let what = format!("fp32 GPT {name} on {device} vs one worker");
+        same_model(failed, &what, &many, &one);
         // Every term of the planner's per-layer formula divides by t under tp + sp and by
         // cp under context parallelism (plan::memory::layer_activation_bytes).
         let split = match name {
@@ -306,15 +299,8 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     for (name, extra, reference) in llamas {
         let many = runs.train_llama(STEPS, &extra)?;
         let one = reference.as_ref().unwrap_or(&llama_one);
-        let d = rel_l2(&many.params, &one.params);
-        verdict(
-            failed,
-            d <= 1e-5,
-            format!(
-                "fp32 Llama {name} on {device} vs one worker after {STEPS} steps: parameters \
-                 {d:.2e} relative L2 (≤ 1e-5)"
-            ),
-        );
+        let what = format!("fp32 Llama {name} on {device} vs one worker");
+        same_model(failed, &what, &many, one);
         let _ = std::fs::remove_dir_all(&many.out);
         if let Some(r) = reference {
             let _ = std::fs::remove_dir_all(&r.out);
@@ -455,6 +441,16 @@ fn close_losses(failed: &mut Vec<String>, what: &str, a: &Trained, b: &Trained) 
     );
 }
 
+/// Whether run `many` ended within 1e-5 relative L2 of `one`'s parameters.
+fn same_model(failed: &mut Vec<String>, what: &str, many: &Trained, one: &Trained) {
+    let d = rel_l2(&many.params, &one.params);
+    verdict(
+        failed,
+        d <= 1e-5,
+        format!("{what} after {STEPS} steps: parameters {d:.2e} relative L2 (≤ 1e-5)"),
+    );
+}
+
 /// Whether run `a` ended with exactly `b`'s parameters (else how far apart they are).
 fn same_bits(failed: &mut Vec<String>, a_name: &str, a: &Trained, b_name: &str, b: &Trained) {
     let same = a.params.len() == b.params.len()
@@ -501,15 +497,8 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
             &[&layout]
         };
         let many = train(STEPS, extra, None)?;
-        let d = rel_l2(&many.params, &one.params);
-        verdict(
-            failed,
-            d <= 1e-5,
-            format!(
-                "fp32 GPT dp={dp} (staged, ranks sharing the GPU) vs one GPU after {STEPS} \
-                 steps: parameters {d:.2e} relative L2 (≤ 1e-5)"
-            ),
-        );
+        let what = format!("fp32 GPT dp={dp} (staged, ranks sharing the GPU) vs one GPU");
+        same_model(failed, &what, &many, &one);
         states_as_planned(failed, &format!("fp32 dp={dp}"), &many);
         let _ = std::fs::remove_dir_all(&many.out);
         if dp == 2 {
@@ -547,14 +536,11 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     // A Llama's layers (RMS norms, rotary positions over grouped key/value heads, SwiGLU).
     let llama_one = runs.train_llama(STEPS, &[])?;
     let llama_two = runs.train_llama(STEPS, &["parallel.dp=2"])?;
-    let d = rel_l2(&llama_two.params, &llama_one.params);
-    verdict(
+    same_model(
         failed,
-        d <= 1e-5,
-        format!(
-            "fp32 Llama dp=2 (staged) vs one GPU after {STEPS} steps: parameters {d:.2e} \
-             relative L2 (≤ 1e-5)"
-        ),
+        "fp32 Llama dp=2 (staged) vs one GPU",
+        &llama_two,
+        &llama_one,
     );
     for run in [llama_one, llama_two] {
         let _ = std::fs::remove_dir_all(&run.out);

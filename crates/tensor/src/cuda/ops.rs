@@ -365,13 +365,7 @@ pub fn bias_add(y: CudaTensor, bias: DeviceParams, cols: usize) -> Result<CudaTe
     let dev = y.device().clone();
     let dtype = y.dtype();
     let b = weight_in(&bias, dtype, "bias")?;
-    let y = if y.is_unique() {
-        y
-    } else {
-        let copy = CudaTensor::alloc(&dev, y.len(), dtype, "a biased output")?;
-        dev.copy(copy.ptr(), y.ptr(), y.bytes())?;
-        copy
-    };
+    let y = writable(y, true)?;
     dev.launch(
         "bias.cu",
         &format!("bias_add_{}", suffix(dtype)),
@@ -1482,24 +1476,38 @@ pub mod ring {
         shape.check()?;
         let (n, d) = (rows_of(shape), shape.dim());
         check_len(qkv, n * 3 * d, "ring attention q/k/v")?;
-        let dtype = qkv.dtype();
-        let kv = CudaTensor::alloc(
-            qkv.device(),
+        moved(
+            "attn_ring_kv",
+            &[qkv],
             n * 2 * d,
-            dtype,
-            "ring attention key/value block",
-        )?;
-        qkv.device().launch(
+            qkv.dtype(),
+            shape,
+            "key/value block",
+        )
+    }
+
+    /// `attention.cu`'s `{kernel}_{dtype}` over `rows_of(shape)` rows: `inputs`, then a new
+    /// tensor of `len` values of `dtype` it writes, then the rows and the width.
+    fn moved(
+        kernel: &str,
+        inputs: &[&CudaTensor],
+        len: usize,
+        dtype: DType,
+        shape: AttnShape,
+        what: &str,
+    ) -> Result<CudaTensor, CudaError> {
+        let dev = inputs[0].device();
+        let out = CudaTensor::alloc(dev, len, dtype, &format!("ring attention {what}"))?;
+        let args = inputs.iter().fold(Args::new(), |a, t| a.ptr(t.ptr()));
+        dev.launch(
             "attention.cu",
-            &format!("attn_ring_kv_{}", suffix(dtype)),
-            Launch::grid_stride(n * 2 * d, 256, MAX_BLOCKS),
-            Args::new()
-                .ptr(qkv.ptr())
-                .ptr(kv.ptr())
-                .i64(n as i64)
-                .usize_as_i32(d),
+            &format!("{kernel}_{}", suffix(dtype)),
+            Launch::grid_stride(len, 256, MAX_BLOCKS),
+            args.ptr(out.ptr())
+                .i64(rows_of(shape) as i64)
+                .usize_as_i32(shape.dim()),
         )?;
-        Ok(kv)
+        Ok(out)
     }
 
     /// f32 zeros of `len` values (an accumulator), or with `lse` a log-sum-exp of −∞ beside.
@@ -1641,25 +1649,65 @@ pub mod ring {
         let (n, d) = (rows_of(shape), shape.dim());
         check_len(dq, n * d, "ring attention dQ accumulator")?;
         check_len(dkv, n * 2 * d, "ring attention dK/dV accumulator")?;
-        let dqkv = CudaTensor::alloc(
-            dq.device(),
+        moved(
+            "attn_ring_join",
+            &[dq, dkv],
             n * 3 * d,
             dtype,
-            "ring attention input gradient",
-        )?;
-        dq.device().launch(
-            "attention.cu",
-            &format!("attn_ring_join_{}", suffix(dtype)),
-            Launch::grid_stride(n * 3 * d, 256, MAX_BLOCKS),
-            Args::new()
-                .ptr(dq.ptr())
-                .ptr(dkv.ptr())
-                .ptr(dqkv.ptr())
-                .i64(n as i64)
-                .usize_as_i32(d),
-        )?;
-        Ok(dqkv)
+            shape,
+            "input gradient",
+        )
     }
+}
+
+/// Per-row losses and correct flags of a cross-entropy kernel, device scratch, summed into a
+/// step's two f64 by `xent_sum` (a fixed-order sum).
+struct RowLosses {
+    scratch: super::DevBuf,
+    rows: usize,
+}
+
+impl RowLosses {
+    fn new(dev: &Arc<CudaDevice>, rows: usize) -> Result<RowLosses, CudaError> {
+        Ok(RowLosses {
+            scratch: dev.alloc(rows * 8, "per-row losses")?,
+            rows,
+        })
+    }
+
+    fn losses(&self) -> u64 {
+        self.scratch.ptr()
+    }
+
+    fn correct(&self) -> u64 {
+        self.scratch.ptr() + (self.rows * 4) as u64
+    }
+
+    /// Σ loss and Σ correct added into the two f64 at `sums`.
+    fn add_into(&self, sums: u64) -> Result<(), CudaError> {
+        self.scratch.device().launch(
+            "cross_entropy.cu",
+            "xent_sum",
+            Launch::linear(1, 256),
+            Args::new()
+                .ptr(self.losses())
+                .ptr(self.correct())
+                .usize_as_i32(self.rows)
+                .ptr(sums),
+        )
+    }
+}
+
+/// `t` as a kernel may overwrite it (when it will: `write`): itself when no one else reads
+/// it, else a copy.
+fn writable(t: CudaTensor, write: bool) -> Result<CudaTensor, CudaError> {
+    if !write || t.is_unique() {
+        return Ok(t);
+    }
+    let dev = t.device();
+    let copy = CudaTensor::alloc(dev, t.len(), t.dtype(), "a tensor written in place")?;
+    dev.copy(copy.ptr(), t.ptr(), t.bytes())?;
+    Ok(copy)
 }
 
 /// Fused softmax cross-entropy over rows of `classes` logits: adds Σ loss and Σ correct into
@@ -1675,16 +1723,9 @@ pub fn cross_entropy(
 ) -> Result<Option<CudaTensor>, CudaError> {
     check_len(&logits, rows * classes, "cross-entropy logits")?;
     let dev = logits.device().clone();
-    let scratch = dev.alloc(rows * 8, "per-row losses")?;
-    let (losses, correct) = (scratch.ptr(), scratch.ptr() + (rows * 4) as u64);
-    // Written in place only when no one else reads the logits.
-    let logits = if grad_scale.is_some() && !logits.is_unique() {
-        let copy = CudaTensor::alloc(&dev, logits.len(), logits.dtype(), "logits")?;
-        dev.copy(copy.ptr(), logits.ptr(), logits.bytes())?;
-        copy
-    } else {
-        logits
-    };
+    let rows_out = RowLosses::new(&dev, rows)?;
+    let (losses, correct) = (rows_out.losses(), rows_out.correct());
+    let logits = writable(logits, grad_scale.is_some())?;
     dev.launch(
         "cross_entropy.cu",
         &format!("softmax_xent_{}", suffix(logits.dtype())),
@@ -1699,16 +1740,7 @@ pub fn cross_entropy(
             .f32(grad_scale.unwrap_or(0.0))
             .i32(grad_scale.is_some() as i32),
     )?;
-    dev.launch(
-        "cross_entropy.cu",
-        "xent_sum",
-        Launch::linear(1, 256),
-        Args::new()
-            .ptr(losses)
-            .ptr(correct)
-            .usize_as_i32(rows)
-            .ptr(sums),
-    )?;
+    rows_out.add_into(sums)?;
     Ok(grad_scale.map(|_| logits))
 }
 
@@ -1803,15 +1835,9 @@ impl VocabParallelXent {
         self.check(&logits)?;
         check_len(sums, 2 * self.rows, "the softmax sums")?;
         let dev = logits.device().clone();
-        let scratch = dev.alloc(self.rows * 8, "per-row losses")?;
-        let (losses, correct) = (scratch.ptr(), scratch.ptr() + (self.rows * 4) as u64);
-        let logits = if grad_scale.is_some() && !logits.is_unique() {
-            let copy = CudaTensor::alloc(&dev, logits.len(), logits.dtype(), "logits")?;
-            dev.copy(copy.ptr(), logits.ptr(), logits.bytes())?;
-            copy
-        } else {
-            logits
-        };
+        let rows_out = RowLosses::new(&dev, self.rows)?;
+        let (losses, correct) = (rows_out.losses(), rows_out.correct());
+        let logits = writable(logits, grad_scale.is_some())?;
         dev.launch(
             "cross_entropy.cu",
             &format!("vp_xent_finish_{}", suffix(logits.dtype())),
@@ -1830,16 +1856,7 @@ impl VocabParallelXent {
                 .f32(grad_scale.unwrap_or(0.0))
                 .i32(grad_scale.is_some() as i32),
         )?;
-        dev.launch(
-            "cross_entropy.cu",
-            "xent_sum",
-            Launch::linear(1, 256),
-            Args::new()
-                .ptr(losses)
-                .ptr(correct)
-                .usize_as_i32(self.rows)
-                .ptr(step_sums),
-        )?;
+        rows_out.add_into(step_sums)?;
         Ok(grad_scale.map(|_| logits))
     }
 }
