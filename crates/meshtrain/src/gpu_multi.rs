@@ -308,12 +308,20 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     }
     let _ = std::fs::remove_dir_all(&llama_one.out);
     let spans = rank0_spans(&trace, "pp=2 1F1B step")?;
-    let count = |prefix: &str| spans.iter().filter(|s| s.0.starts_with(prefix)).count();
-    let (sends, recvs) = (count("send "), count("recv "));
+    let count = |prefix: &str, row: u64| {
+        spans
+            .iter()
+            .filter(|s| s.0.starts_with(prefix) && s.1 == row)
+            .count()
+    };
+    let (sends, recvs, transfers) = (count("send ", 0), count("recv ", 0), count("xfer ", 1));
     verdict(
         failed,
-        sends > 0 && recvs > 0,
-        format!("pp=2 timeline on rank 0: {sends} send and {recvs} receive span(s) (both > 0)"),
+        sends > 0 && recvs > 0 && transfers == sends,
+        format!(
+            "pp=2 timeline on rank 0: {sends} send and {recvs} receive span(s) on the compute \
+             row, {transfers} transfer(s) on the communication row (one per send)"
+        ),
     );
     let _ = std::fs::remove_file(&trace);
     let _ = std::fs::remove_file(trace.with_extension("png"));

@@ -334,6 +334,18 @@ fn timeline_spans_and_chrome_trace() {
         assert!(mine
             .iter()
             .any(|s| s.category == Category::RecvWait && s.label == recv));
+        // Each asynchronous send's transfer, when it ran, on the communication row.
+        let sent = if w == 0 { "xfer act " } else { "xfer grad " };
+        let transfers: Vec<&Span> = mine
+            .iter()
+            .filter(|s| s.category == Category::Communication)
+            .collect();
+        assert_eq!(transfers.len(), 2, "worker {w}: {transfers:?}");
+        for t in transfers {
+            assert_eq!(t.category.lane(), 1);
+            assert!(t.label.starts_with(sent), "{}", t.label);
+            assert!(t.micro.is_some(), "{}", t.label);
+        }
     }
     let all: Vec<Span> = spans.concat();
     let json: serde_json::Value = serde_json::from_str(&chrome_trace(&all).to_string()).unwrap();

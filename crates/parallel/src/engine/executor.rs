@@ -19,7 +19,10 @@
 use super::device::{DeviceState, StateKind};
 use super::partition::Partition;
 use super::schedule::{Action, Schedule};
-use super::transport::{post_send, recv_tensor, tag, Direction, PendingSend, SendMode, TAG_LIMIT};
+use super::transport::{
+    finish_all, finish_done, post_send, recv_tensor, tag, Direction, PendingSend, SendMode,
+    TAG_LIMIT,
+};
 use super::PipelineError;
 use crate::timeline::{timed, Category, Timeline};
 use meshtrain_comm::{ProcessGroup, RawBuf};
@@ -893,14 +896,19 @@ impl Stage {
                         _ => (Direction::Grad, c - 1, &mut input_grads, "send grad "),
                     };
                     let tensor = take(from, (c, i), action)?;
+                    finish_done(&mut pending, &mut timeline)?;
+                    let transfer = timeline.is_some().then(|| {
+                        let kind = label.replacen("send", "xfer", 1);
+                        (name(&kind, c, i), i)
+                    });
                     timed(
                         &mut timeline,
                         || name(label, c, i),
                         Category::Send,
                         Some(i),
                         || {
-                            let (dst, t) = (peer % p, tag_for(peer, i, dir));
-                            post_send(group, tensor, dst, t, options.sends, &mut pending)
+                            let to = (peer % p, tag_for(peer, i, dir));
+                            post_send(group, tensor, to, options.sends, &mut pending, transfer)
                         },
                     )?;
                 }
@@ -1040,9 +1048,7 @@ impl Stage {
                 }
             }
         }
-        for send in pending {
-            send.work.wait()?;
-        }
+        finish_all(pending, &mut timeline)?;
         // On a device the host saw launches: the passes' times (and their spans in the
         // timeline), the peak and the loss sums are the device's (the host waits for it here).
         let mut device_times = None::<(f64, f64)>;
@@ -1148,14 +1154,13 @@ impl Stage {
                 } else if p == 1 {
                     carried = Some(y);
                 } else {
-                    let (dst, t) = ((c + 1) % p, tag_for(c + 1, i));
-                    post_send(group, y, dst, t, options.sends, &mut pending)?;
+                    finish_done(&mut pending, &mut None)?;
+                    let to = ((c + 1) % p, tag_for(c + 1, i));
+                    post_send(group, y, to, options.sends, &mut pending, None)?;
                 }
             }
         }
-        for send in pending {
-            send.work.wait()?;
-        }
+        finish_all(pending, &mut None)?;
         let holds_last = self.schedule.worker_of(last) == self.rank;
         Ok(holds_last.then_some(losses))
     }

@@ -10,7 +10,8 @@
 //! ([`ActivationHome`]).
 
 use super::PipelineError;
-use meshtrain_comm::{ProcessGroup, RawBuf, Work};
+use crate::timeline::{Category, Timeline};
+use meshtrain_comm::{CommError, ProcessGroup, RawBuf, Work};
 use meshtrain_tensor::{DType, Tensor};
 
 /// A tensor's values as a collective's buffer, wherever they live: host memory, or a GPU's
@@ -135,19 +136,73 @@ pub(super) fn tag(chunk: usize, micro: usize, dir: Direction, num_chunks: usize)
 /// A posted send and the tensor it reads. Field order matters: `work` is dropped (which
 /// waits for the send) before `payload` is freed.
 pub(super) struct PendingSend {
-    pub(super) work: Work,
+    work: Work,
     _payload: Tensor,
+    /// The timeline's name and micro-batch of the transfer (the data, not the header).
+    transfer: Option<(String, usize)>,
+}
+
+impl PendingSend {
+    /// Waits for the send; with a timeline, records when it ran, on the communication row
+    /// (the compute row's `send` span is only its posting).
+    pub(super) fn finish(self, timeline: &mut Option<&mut Timeline>) -> Result<(), CommError> {
+        let PendingSend {
+            work,
+            _payload,
+            transfer,
+        } = self;
+        let span = work.wait_timed()?;
+        if let (Some(t), Some((label, micro))) = (timeline.as_deref_mut(), transfer) {
+            t.record(
+                label,
+                Category::Communication,
+                span.began,
+                span.finished,
+                Some(micro),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Finishes the sends of `pending` that are done (keeping their errors), so the list stays
+/// short and their transfers reach the timeline.
+pub(super) fn finish_done(
+    pending: &mut Vec<PendingSend>,
+    timeline: &mut Option<&mut Timeline>,
+) -> Result<(), CommError> {
+    let mut k = 0;
+    while k < pending.len() {
+        if pending[k].work.is_done() {
+            pending.swap_remove(k).finish(timeline)?;
+        } else {
+            k += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Finishes every send of `pending`.
+pub(super) fn finish_all(
+    pending: Vec<PendingSend>,
+    timeline: &mut Option<&mut Timeline>,
+) -> Result<(), CommError> {
+    for send in pending {
+        send.finish(timeline)?;
+    }
+    Ok(())
 }
 
 /// Sends the header and the data of `t` (host or device memory, any dtype) to `dst` without
-/// waiting for the receiver.
+/// waiting for the receiver; `transfer` names the data's transfer for the timeline
+/// ([`PendingSend::finish`]).
 pub(super) fn post_send(
     group: &dyn ProcessGroup,
     mut t: Tensor,
-    dst: usize,
-    tag: u32,
+    (dst, tag): (usize, u32),
     mode: SendMode,
     pending: &mut Vec<PendingSend>,
+    transfer: Option<(String, usize)>,
 ) -> Result<(), PipelineError> {
     let shape = t.shape();
     if shape.len() >= HEADER_DTYPE || shape.iter().any(|&d| d >= MAX_HEADER_DIM) {
@@ -174,17 +229,8 @@ pub(super) fn post_send(
         }
         return Ok(());
     }
-    // Finished sends are collected as we go (keeping their errors), so the list stays short.
-    let mut k = 0;
-    while k < pending.len() {
-        if pending[k].work.is_done() {
-            pending.swap_remove(k).work.wait()?;
-        } else {
-            k += 1;
-        }
-    }
     let header = Tensor::from_vec(header, &[HEADER_LEN]);
-    for mut payload in [header, t] {
+    for (mut payload, transfer) in [(header, None), (t, transfer)] {
         // SAFETY: the values of `payload` do not move when the tensor moves into the
         // PendingSend, which waits for the send (in `Drop` of `Work`, or explicitly) before
         // freeing them; nothing else reads or writes them meanwhile.
@@ -192,6 +238,7 @@ pub(super) fn post_send(
         pending.push(PendingSend {
             work,
             _payload: payload,
+            transfer,
         });
     }
     Ok(())
@@ -248,16 +295,14 @@ mod tests {
                 let mut pending = Vec::new();
                 for (tag, mode) in [(1, SendMode::Async), (2, SendMode::Inline)] {
                     let t = Tensor::from_vec(values.clone(), &[2, 3, 4]);
-                    post_send(group.as_ref(), t, 1, tag, mode, &mut pending)?;
+                    post_send(group.as_ref(), t, (1, tag), mode, &mut pending, None)?;
                 }
                 // A header that says bf16, as a GPU stage would send.
                 let mut header = vec![0.0f32; HEADER_LEN];
                 header[..3].copy_from_slice(&[2.0, 3.0, 8.0]);
                 header[HEADER_DTYPE] = dtype_code(DType::BF16);
                 group.send((&header).into(), 1, 3)?;
-                for p in pending {
-                    p.work.wait()?;
-                }
+                finish_all(pending, &mut None)?;
                 return Ok::<_, PipelineError>(Vec::new());
             }
             let home = ActivationHome::Host;
