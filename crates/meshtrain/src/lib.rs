@@ -10,6 +10,7 @@ pub mod bench;
 pub mod calibrate;
 pub mod config;
 pub mod context_bench;
+pub mod corpus;
 pub mod decode;
 pub mod export;
 pub mod generate;

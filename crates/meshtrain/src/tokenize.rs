@@ -1,6 +1,7 @@
-//! `meshtrain tokenize`: text files to token shards (llm.c's format, see
+//! `meshtrain tokenize`: documents to token shards (llm.c's format, see
 //! `meshtrain_data::shards`) with GPT-2's or cl100k's BPE, so a model trains on a user's own
-//! text without a line of Rust: `data.train_files = "OUT/train_*.bin"`.
+//! text without a line of Rust: `data.train_files = "OUT/train_*.bin"`. The documents come
+//! from text files or JSON lines, gzipped or not ([`crate::corpus`]).
 //!
 //! The BPE is tiktoken-rs's, whose vocabularies ship inside the crate (no download). Text is
 //! cut into pieces after lone newlines between printable characters — where the BPE's
@@ -21,10 +22,22 @@ use tiktoken_rs::CoreBPE;
 
 #[derive(clap::Args, Debug)]
 pub struct TokenizeArgs {
-    /// Text files (UTF-8); each is one document, preceded by the end-of-text token as in
-    /// GPT-2's training data.
+    /// Files of documents: UTF-8 text (the file is one document) or JSON lines (one
+    /// document per line, see --text-field), either possibly gzip-compressed; the format is
+    /// taken from the content and the extension (`meshtrain::corpus`). Each document is
+    /// preceded by the end-of-text token, as in GPT-2's training data.
     #[arg(long = "input", required = true, num_args = 1..)]
     pub inputs: Vec<PathBuf>,
+    /// The field of a JSON line that holds its document's text.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// Leave out malformed JSON lines (counted and reported) instead of stopping at the
+    /// first, which is named by file and line.
+    #[arg(long)]
+    pub skip_bad: bool,
+    /// Stop after this many documents (a trial run on the start of a corpus).
+    #[arg(long)]
+    pub max_documents: Option<usize>,
     /// The directory for the shards: train_000000.bin, …, val_000000.bin, ….
     #[arg(long)]
     pub out: PathBuf,
@@ -255,13 +268,25 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         };
     let started = Instant::now();
     let mut tokens = Vec::new();
-    let mut bytes = 0usize;
-    for path in &args.inputs {
-        let raw = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        bytes += raw.len();
-        let text = String::from_utf8_lossy(&raw);
-        tokens.extend(separator);
-        tokens.extend(encode_text(&text).with_context(|| format!("encoding {}", path.display()))?);
+    let (mut bytes, mut documents, mut skipped) = (0usize, 0usize, 0usize);
+    let limit = args.max_documents.unwrap_or(usize::MAX);
+    'files: for path in &args.inputs {
+        let docs = crate::corpus::read_documents(path, &args.text_field, args.skip_bad)?;
+        skipped += docs.skipped;
+        for text in docs.texts {
+            if documents == limit {
+                break 'files;
+            }
+            documents += 1;
+            bytes += text.len();
+            tokens.extend(separator);
+            tokens.extend(
+                encode_text(&text).with_context(|| format!("encoding {}", path.display()))?,
+            );
+        }
+    }
+    if skipped > 0 {
+        println!("left out {skipped} malformed line(s) (--skip-bad)");
     }
     let seconds = started.elapsed().as_secs_f64();
     let val = (tokens.len() as f64 * args.val_fraction) as usize;
@@ -277,8 +302,8 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         }
     }
     println!(
-        "{} tokens from {:.1} MB of text in {seconds:.2} s ({:.1} MB/s, {:.2} M tokens/s; {}, \
-         {} tokens per byte)",
+        "{} tokens of {documents} document(s) from {:.1} MB of text in {seconds:.2} s ({:.1} \
+         MB/s, {:.2} M tokens/s; {}, {} tokens per byte)",
         tokens.len(),
         bytes as f64 / 1e6,
         bytes as f64 / 1e6 / seconds.max(1e-9),

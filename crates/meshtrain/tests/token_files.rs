@@ -91,3 +91,74 @@ fn a_gpt_trains_on_its_users_text() {
         "{stderr}"
     );
 }
+
+/// A corpus as JSON lines (gzipped, with other fields and a malformed line) tokenizes to the
+/// same shards as its documents given as text files; a binary file is refused, naming the
+/// offset of its first byte that is not UTF-8.
+#[test]
+fn json_lines_tokenize_as_their_documents_and_binary_input_is_refused() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(root().join("data/shakespeare/input.txt")).unwrap();
+    let docs = [&text[..6_000], &text[6_000..9_000], &text[9_000..15_000]];
+    let mut inputs = Vec::new();
+    for (i, doc) in docs.iter().enumerate() {
+        let path = dir.path().join(format!("doc{i}.txt"));
+        std::fs::write(&path, doc).unwrap();
+        inputs.push(path.to_str().unwrap().to_string());
+    }
+    let mut lines = String::new();
+    for (i, doc) in docs.iter().enumerate() {
+        lines += &serde_json::json!({"id": i, "text": doc}).to_string();
+        lines += "\n";
+        if i == 0 {
+            lines += "{not json\n";
+        }
+    }
+    let jsonl = dir.path().join("corpus.jsonl.gz");
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(lines.as_bytes()).unwrap();
+    std::fs::write(&jsonl, gz.finish().unwrap()).unwrap();
+    let tokenize = |inputs: &[&str], out: &str, extra: &[&str]| {
+        let out = dir.path().join(out);
+        let mut args = vec!["tokenize", "--input"];
+        args.extend(inputs);
+        args.extend(["--out", out.to_str().unwrap(), "--shard-tokens", "100000"]);
+        args.extend(extra);
+        (meshtrain(&args), out)
+    };
+    let text_inputs: Vec<&str> = inputs.iter().map(String::as_str).collect();
+    let ((ok, stdout, stderr), from_text) = tokenize(&text_inputs, "text", &[]);
+    assert!(ok && stdout.contains("3 document(s)"), "{stdout}{stderr}");
+    let ((ok, _, stderr), _) = tokenize(&[jsonl.to_str().unwrap()], "bad", &[]);
+    assert!(
+        !ok && stderr.contains("corpus.jsonl.gz:2: not a JSON object"),
+        "{stderr}"
+    );
+    let ((ok, stdout, stderr), from_lines) =
+        tokenize(&[jsonl.to_str().unwrap()], "lines", &["--skip-bad"]);
+    assert!(
+        ok && stdout.contains("left out 1 malformed line"),
+        "{stdout}{stderr}"
+    );
+    for shard in ["train_000000.bin", "val_000000.bin"] {
+        let a = std::fs::read(from_text.join(shard)).unwrap();
+        let b = std::fs::read(from_lines.join(shard)).unwrap();
+        assert!(
+            a == b,
+            "{shard} differs between the text files and the JSON lines"
+        );
+    }
+    // Two documents at most.
+    let ((ok, stdout, stderr), _) = tokenize(&text_inputs, "two", &["--max-documents", "2"]);
+    assert!(
+        ok && stdout.contains("of 2 document(s)"),
+        "{stdout}{stderr}"
+    );
+    // 64 bytes of noise given as text.
+    let noise = dir.path().join("noise.bin");
+    let bytes: Vec<u8> = (0u8..64).map(|i| i.wrapping_mul(37) | 0x80).collect();
+    std::fs::write(&noise, &bytes).unwrap();
+    let ((ok, _, stderr), _) = tokenize(&[noise.to_str().unwrap()], "noise", &[]);
+    assert!(!ok && stderr.contains("byte offset 0 is 0x80"), "{stderr}");
+}
