@@ -1,11 +1,13 @@
 //! The documents in the files `meshtrain tokenize` is given. A file is plain UTF-8 text (one
-//! document) or JSON lines (one document per line, its text in a field, `text` by default),
-//! either of them gzip-compressed; the format comes from the content (gzip's, zstd's and
-//! Parquet's magic bytes, a first `{`) and the extension (`.jsonl`, `.ndjson`, `.json`,
-//! under `.gz`). A file that is none of these, or text that is not UTF-8, is refused with the
-//! offset of its first bad byte, never tokenized as if it were text. A malformed line is
-//! named (file and line) and stops the run, or with `skip_bad` is counted and left out.
-//! Parquet and zstd are recognised and refused by name (they come with issue 40's readers).
+//! document), JSON lines (one document per line, its text in a field, `text` by default),
+//! either of them gzip-compressed, or Parquet (one document per row, its text in a column,
+//! read a row group at a time: the file is never in memory whole). The format comes from the
+//! content (Parquet's, gzip's and zstd's magic bytes, a first `{`) and the extension
+//! (`.jsonl`, `.ndjson`, `.json`, under `.gz`). A file that is none of these, or text that is
+//! not UTF-8, is refused with the offset of its first bad byte, never tokenized as if it were
+//! text. A malformed line (or a row without text) is named (file and line, or row group and
+//! row) and stops the run, or with `skip_bad` is counted and left out. zstd-compressed text is
+//! recognised and refused by name.
 
 use anyhow::{bail, Context, Result};
 use std::io::Read;
@@ -18,6 +20,8 @@ pub enum Format {
     Text,
     /// One JSON object per line, the document in one of its fields.
     JsonLines,
+    /// One row per document, its text in one column.
+    Parquet,
 }
 
 /// What [`read_documents`] found in one file.
@@ -47,16 +51,20 @@ pub fn format_of(name: &str, bytes: &[u8]) -> Format {
     }
 }
 
-/// The file's bytes, gunzipped when they are gzip's; Parquet and zstd refused by name.
+/// Whether the file starts with Parquet's magic bytes.
+fn is_parquet(path: &Path) -> Result<bool> {
+    let mut magic = [0u8; 4];
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let n = file
+        .read(&mut magic)
+        .with_context(|| format!("reading {}", path.display()))?;
+    Ok(n == 4 && magic == PARQUET)
+}
+
+/// The file's bytes, gunzipped when they are gzip's; zstd refused by name.
 fn contents(path: &Path) -> Result<Vec<u8>> {
     let raw = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    if raw.starts_with(PARQUET) {
-        bail!(
-            "{}: a Parquet file, which this build does not read yet: export its text column \
-             as JSON lines (e.g. pandas' to_json(orient=\"records\", lines=True)) and give that",
-            path.display()
-        );
-    }
     if raw.starts_with(ZSTD) {
         bail!(
             "{}: zstd-compressed, which this build does not read yet: decompress it first \
@@ -88,26 +96,49 @@ fn utf8<'a>(path: &Path, bytes: &'a [u8]) -> Result<&'a str> {
 }
 
 /// The documents of the file at `path`: the whole text, or the `text_field` of each JSON
-/// line (blank lines skipped). A malformed line stops with its file and line number, or
-/// with `skip_bad` is counted in [`Documents::skipped`].
+/// line (blank lines skipped) or Parquet row. A malformed line or row stops with where it
+/// is, or with `skip_bad` is counted in [`Documents::skipped`].
 pub fn read_documents(path: &Path, text_field: &str, skip_bad: bool) -> Result<Documents> {
+    let mut texts = Vec::new();
+    let skipped = for_each_document(path, text_field, skip_bad, |doc| {
+        texts.push(doc);
+        Ok(true)
+    })?;
+    Ok(Documents { texts, skipped })
+}
+
+/// [`read_documents`] a document at a time: `f` gets each one in order and returns whether
+/// to go on. Returns the number left out under `skip_bad`.
+pub fn for_each_document(
+    path: &Path,
+    text_field: &str,
+    skip_bad: bool,
+    mut f: impl FnMut(String) -> Result<bool>,
+) -> Result<usize> {
+    if is_parquet(path)? {
+        return parquet_documents(path, text_field, skip_bad, f);
+    }
     let bytes = contents(path)?;
     let name = path.to_string_lossy();
     match format_of(&name, &bytes) {
-        Format::Text => Ok(Documents {
-            texts: vec![utf8(path, &bytes)?.to_string()],
-            skipped: 0,
-        }),
+        Format::Text | Format::Parquet => {
+            f(utf8(path, &bytes)?.to_string())?;
+            Ok(0)
+        }
         Format::JsonLines => {
             let text = utf8(path, &bytes)?;
-            let mut docs = Documents::default();
+            let mut skipped = 0;
             for (i, line) in text.lines().enumerate() {
                 if line.trim().is_empty() {
                     continue;
                 }
                 match document_of(line, text_field) {
-                    Ok(doc) => docs.texts.push(doc),
-                    Err(_) if skip_bad => docs.skipped += 1,
+                    Ok(doc) => {
+                        if !f(doc)? {
+                            break;
+                        }
+                    }
+                    Err(_) if skip_bad => skipped += 1,
                     Err(why) => bail!(
                         "{}:{}: {why} (--skip-bad leaves such lines out and counts them)",
                         path.display(),
@@ -115,9 +146,67 @@ pub fn read_documents(path: &Path, text_field: &str, skip_bad: bool) -> Result<D
                     ),
                 }
             }
-            Ok(docs)
+            Ok(skipped)
         }
     }
+}
+
+/// The `text_field` column of a Parquet file, a row group at a time (only that column is
+/// read); a row whose text is null stops with its row group and row, or is skipped.
+fn parquet_documents(
+    path: &Path,
+    text_field: &str,
+    skip_bad: bool,
+    mut f: impl FnMut(String) -> Result<bool>,
+) -> Result<usize> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::RowAccessor;
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let reader = SerializedFileReader::new(file)
+        .with_context(|| format!("{}: not a readable Parquet file", path.display()))?;
+    let root = reader.metadata().file_metadata().schema_descr_ptr();
+    let root = root.root_schema();
+    let Some(column) = root.get_fields().iter().find(|c| c.name() == text_field) else {
+        let names: Vec<&str> = root.get_fields().iter().map(|c| c.name()).collect();
+        bail!(
+            "{}: no column \"{text_field}\" (it has {}; --text-field names another)",
+            path.display(),
+            names.join(", ")
+        );
+    };
+    let only_text = parquet::schema::types::Type::group_type_builder(root.name())
+        .with_fields(vec![column.clone()])
+        .build()?;
+    let mut skipped = 0;
+    for g in 0..reader.num_row_groups() {
+        let at = |r: usize| format!("{}: row group {g}, row {r}", path.display());
+        let group = reader.get_row_group(g).with_context(|| at(0))?;
+        let rows = group
+            .get_row_iter(Some(only_text.clone()))
+            .with_context(|| at(0))?;
+        for (r, row) in rows.enumerate() {
+            let text = row.with_context(|| at(r)).and_then(|row| {
+                Ok(row
+                    .get_string(0)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .clone())
+            });
+            match text {
+                Ok(doc) => {
+                    if !f(doc)? {
+                        return Ok(skipped);
+                    }
+                }
+                Err(_) if skip_bad => skipped += 1,
+                Err(e) => bail!(
+                    "{}: the column \"{text_field}\" holds no text here: {e:#} (--skip-bad \
+                     leaves such rows out and counts them)",
+                    at(r)
+                ),
+            }
+        }
+    }
+    Ok(skipped)
 }
 
 /// The `field` of one JSON line, or why there is none.
@@ -132,9 +221,81 @@ fn document_of(line: &str, field: &str) -> Result<String, String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::io::Write;
+
+    /// A Parquet file of `rows` (an id and a text that may be null), in row groups of
+    /// `group` rows, snappy-compressed.
+    pub(crate) fn write_parquet(path: &Path, rows: &[Option<&str>], group: usize) {
+        use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+        use parquet::file::properties::WriterProperties;
+        use parquet::file::writer::SerializedFileWriter;
+        let schema = parquet::schema::parser::parse_message_type(
+            "message doc { REQUIRED INT64 id; OPTIONAL BYTE_ARRAY text (UTF8); }",
+        )
+        .unwrap();
+        let props = WriterProperties::builder()
+            .set_compression(parquet::basic::Compression::SNAPPY)
+            .build();
+        let file = std::fs::File::create(path).unwrap();
+        let mut w =
+            SerializedFileWriter::new(file, std::sync::Arc::new(schema), props.into()).unwrap();
+        for (k, chunk) in rows.chunks(group).enumerate() {
+            let mut rg = w.next_row_group().unwrap();
+            let ids: Vec<i64> = (0..chunk.len()).map(|i| (k * group + i) as i64).collect();
+            let mut col = rg.next_column().unwrap().unwrap();
+            col.typed::<Int64Type>()
+                .write_batch(&ids, None, None)
+                .unwrap();
+            col.close().unwrap();
+            let values: Vec<ByteArray> = chunk
+                .iter()
+                .flatten()
+                .map(|t| ByteArray::from(*t))
+                .collect();
+            let defs: Vec<i16> = chunk.iter().map(|t| i16::from(t.is_some())).collect();
+            let mut col = rg.next_column().unwrap().unwrap();
+            col.typed::<ByteArrayType>()
+                .write_batch(&values, Some(&defs), None)
+                .unwrap();
+            col.close().unwrap();
+            rg.close().unwrap();
+        }
+        w.close().unwrap();
+    }
+
+    #[test]
+    fn parquet_rows_are_documents_read_a_row_group_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("corpus.parquet");
+        let rows = [
+            Some("one"),
+            Some("two — ü"),
+            None,
+            Some("four"),
+            Some("five"),
+        ];
+        write_parquet(&path, &rows, 2);
+        let e = format!("{:#}", read_documents(&path, "text", false).unwrap_err());
+        assert!(
+            e.contains("row group 1, row 0") && e.contains("holds no text"),
+            "{e}"
+        );
+        let docs = read_documents(&path, "text", true).unwrap();
+        let want: Vec<String> = rows.iter().flatten().map(|t| t.to_string()).collect();
+        assert_eq!((docs.texts, docs.skipped), (want, 1));
+        let e = format!("{:#}", read_documents(&path, "body", false).unwrap_err());
+        assert!(e.contains("no column \"body\" (it has id, text"), "{e}");
+        // Stopping early reads no further.
+        let mut seen = Vec::new();
+        for_each_document(&path, "text", true, |d| {
+            seen.push(d);
+            Ok(seen.len() < 2)
+        })
+        .unwrap();
+        assert_eq!(seen, vec!["one".to_string(), "two — ü".to_string()]);
+    }
 
     fn gzip(bytes: &[u8]) -> Vec<u8> {
         let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
@@ -198,7 +359,7 @@ mod tests {
         let e = format!("{:#}", read_documents(&path, "text", false).unwrap_err());
         assert!(e.contains("byte offset 5 is 0xc8"), "{e}");
         for (name, magic, what) in [
-            ("x.parquet", PARQUET, "a Parquet file"),
+            ("x.parquet", PARQUET, "not a readable Parquet file"),
             ("x.jsonl.zst", ZSTD, "zstd-compressed"),
         ] {
             let path = dir.path().join(name);

@@ -1,7 +1,7 @@
 //! `meshtrain tokenize`: documents to token shards (llm.c's format, see
 //! `meshtrain_data::shards`) with GPT-2's or cl100k's BPE, so a model trains on a user's own
 //! text without a line of Rust: `data.train_files = "OUT/train_*.bin"`. The documents come
-//! from text files or JSON lines, gzipped or not ([`crate::corpus`]).
+//! from text files, JSON lines (gzipped or not) or Parquet ([`crate::corpus`]).
 //!
 //! The BPE is tiktoken-rs's, whose vocabularies ship inside the crate (no download). Text is
 //! cut into pieces after lone newlines between printable characters — where the BPE's
@@ -22,13 +22,15 @@ use tiktoken_rs::CoreBPE;
 
 #[derive(clap::Args, Debug)]
 pub struct TokenizeArgs {
-    /// Files of documents: UTF-8 text (the file is one document) or JSON lines (one
-    /// document per line, see --text-field), either possibly gzip-compressed; the format is
-    /// taken from the content and the extension (`meshtrain::corpus`). Each document is
+    /// Files of documents: UTF-8 text (the file is one document), JSON lines (one document
+    /// per line, see --text-field), either possibly gzip-compressed, or Parquet (one document
+    /// per row, the --text-field column); the format is taken from the content and the
+    /// extension (`meshtrain::corpus`). Each document is
     /// preceded by the end-of-text token, as in GPT-2's training data.
     #[arg(long = "input", required = true, num_args = 1..)]
     pub inputs: Vec<PathBuf>,
-    /// The field of a JSON line that holds its document's text.
+    /// The field of a JSON line (or the column of a Parquet file) that holds its document's
+    /// text.
     #[arg(long, default_value = "text")]
     pub text_field: String,
     /// Leave out malformed JSON lines (counted and reported) instead of stopping at the
@@ -270,20 +272,20 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
     let mut tokens = Vec::new();
     let (mut bytes, mut documents, mut skipped) = (0usize, 0usize, 0usize);
     let limit = args.max_documents.unwrap_or(usize::MAX);
-    'files: for path in &args.inputs {
-        let docs = crate::corpus::read_documents(path, &args.text_field, args.skip_bad)?;
-        skipped += docs.skipped;
-        for text in docs.texts {
-            if documents == limit {
-                break 'files;
-            }
-            documents += 1;
-            bytes += text.len();
-            tokens.extend(separator);
-            tokens.extend(
-                encode_text(&text).with_context(|| format!("encoding {}", path.display()))?,
-            );
+    for path in &args.inputs {
+        if documents == limit {
+            break;
         }
+        skipped +=
+            crate::corpus::for_each_document(path, &args.text_field, args.skip_bad, |text| {
+                documents += 1;
+                bytes += text.len();
+                tokens.extend(separator);
+                tokens.extend(
+                    encode_text(&text).with_context(|| format!("encoding {}", path.display()))?,
+                );
+                Ok(documents < limit)
+            })?;
     }
     if skipped > 0 {
         println!("left out {skipped} malformed line(s) (--skip-bad)");
@@ -337,6 +339,46 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A corpus as Parquet rows (row groups of 2, a null row skipped) tokenizes to the same
+    /// shards as its documents given as text files.
+    #[test]
+    fn parquet_rows_tokenize_as_their_documents() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../data/shakespeare/input.txt"),
+        )
+        .unwrap();
+        let docs = [&text[..4_000], &text[4_000..7_000], &text[7_000..12_000]];
+        let mut files = Vec::new();
+        for (i, doc) in docs.iter().enumerate() {
+            let path = dir.path().join(format!("doc{i}.txt"));
+            std::fs::write(&path, doc).unwrap();
+            files.push(path);
+        }
+        let parquet = dir.path().join("corpus.parquet");
+        let rows = [Some(docs[0]), None, Some(docs[1]), Some(docs[2])];
+        crate::corpus::tests::write_parquet(&parquet, &rows, 2);
+        let args = |inputs: Vec<PathBuf>, out: &str| TokenizeArgs {
+            inputs,
+            out: dir.path().join(out),
+            encoding: "gpt2".into(),
+            tokenizer: None,
+            val_fraction: 0.1,
+            shard_tokens: 100_000,
+            text_field: "text".into(),
+            skip_bad: true,
+            max_documents: None,
+        };
+        run(&args(files, "text")).unwrap();
+        run(&args(vec![parquet], "rows")).unwrap();
+        for shard in ["train_000000.bin", "val_000000.bin"] {
+            let a = std::fs::read(dir.path().join("text").join(shard)).unwrap();
+            let b = std::fs::read(dir.path().join("rows").join(shard)).unwrap();
+            assert!(a == b, "{shard} differs");
+        }
+    }
 
     #[test]
     fn pieces_encode_as_the_whole() {

@@ -354,7 +354,7 @@ pub fn parallelize(
     // every layer has its kernels. Several GPUs reduce over NCCL or staged collectives.
     check_device(model, l, options.device, DeviceCheck::Opening)?;
     crate::device::check_options(options, l)?;
-    let (world, device_collectives) = crate::device::collectives_for(world, options)?;
+    let (world, device_collectives) = crate::device::collectives_for(world, options, l)?;
     let mesh = DeviceMesh::new(
         world.clone(),
         &[

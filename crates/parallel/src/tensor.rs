@@ -374,6 +374,12 @@ impl InFlight {
 
 /// Starts the in-place all-reduce of `buf`.
 fn start_all_reduce(tp: &TpContext, mut buf: Tensor) -> InFlight {
+    // In place: nobody else may hold a device tensor's buffer (a host one is owned).
+    #[cfg(feature = "cuda")]
+    debug_assert!(
+        buf.cuda().is_none_or(|c| c.is_unique()),
+        "an all-reduce in place of a shared tensor"
+    );
     let group = tp.group.as_ref();
     tp.stats.begin(Kind::AllReduce, buf.numel());
     // SAFETY: `buf` moves into the returned value and is neither read nor written until

@@ -1040,7 +1040,9 @@ impl NcclGroup {
         let work = shared.track(ctx, signal.clone());
         if !op.is_collective() {
             state.deferred.push(Deferred { op, signal });
-            state.deferred_since.get_or_insert_with(Instant::now);
+            // The window counts from the last deferred operation, so that a send and the
+            // receive posted right after it go out as one NCCL group.
+            state.deferred_since = Some(Instant::now());
             if !defer {
                 shared.flush_deferred(&mut state);
             }

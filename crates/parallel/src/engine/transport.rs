@@ -198,7 +198,7 @@ pub(super) fn finish_all(
 /// ([`PendingSend::finish`]).
 pub(super) fn post_send(
     group: &dyn ProcessGroup,
-    mut t: Tensor,
+    t: Tensor,
     (dst, tag): (usize, u32),
     mode: SendMode,
     pending: &mut Vec<PendingSend>,
@@ -219,14 +219,12 @@ pub(super) fn post_send(
         .zip(shape)
         .for_each(|(h, &d)| *h = d as f32);
     header[HEADER_DTYPE] = dtype_code(t.dtype());
-    if mode == SendMode::Inline {
+    // A device tensor always goes asynchronously: a GPU backend's send may complete only
+    // once it is received, and waiting for that here could wait for a receive the peer
+    // posts only after its own send to us.
+    if mode == SendMode::Inline && t.device().is_cpu() {
         group.send((&header).into(), dst, tag)?;
-        if t.device().is_cpu() {
-            group.send(t.data().into(), dst, tag)?;
-        } else {
-            // SAFETY: `t` lives here until the send has been waited for.
-            unsafe { group.send_async(tensor_view(&mut t), dst, tag) }?.wait()?;
-        }
+        group.send(t.data().into(), dst, tag)?;
         return Ok(());
     }
     let header = Tensor::from_vec(header, &[HEADER_LEN]);

@@ -180,7 +180,7 @@ impl VocabParallelEmbedding {
     /// The ids as rows of this rank's table: `id − start` for its own, −1 (a zero row, no
     /// gradient) for the others'.
     fn local_ids(&self, ids: &Tensor) -> Vec<i32> {
-        let all = ok(ops::token_ids(ids.data(), self.whole.vocab));
+        let all = ok(ops::token_ids(ids.to_host().data(), self.whole.vocab));
         let mine = self.rows();
         all.into_iter()
             .map(|id| {
@@ -211,6 +211,14 @@ impl VocabParallelEmbedding {
     ) -> Tensor {
         let p = device_params(p);
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.whole.dim);
+        // On every rank, before any collective (only rank 0 reads the position table, and
+        // the others would wait for it in the sum).
+        let whole_seq = t * self.whole.sequence.parts;
+        assert!(
+            whole_seq <= self.whole.max_seq,
+            "sequence {whole_seq} longer than the model's {}",
+            self.whole.max_seq
+        );
         let tp = &self.tp;
         let local_ids = self.local_ids(&ids);
         // Rank 0 adds the positions before the sum (every rank's rows sum to the token's

@@ -563,7 +563,12 @@ pub fn activation_backward(
 pub fn add(a: CudaTensor, b: &CudaTensor) -> Result<CudaTensor, CudaError> {
     check_len(b, a.len(), "residual add")?;
     let dev = a.device().clone();
-    let a = to_dtype(&a, DType::F32)?;
+    // An f32 `a` itself (a clone would keep its buffer shared, never written in place).
+    let a = if a.dtype() == DType::F32 {
+        a
+    } else {
+        to_dtype(&a, DType::F32)?
+    };
     let y = if a.is_unique() {
         a.clone()
     } else {
