@@ -770,6 +770,18 @@ impl VocabParallelEmbedding {
         }
     }
 
+    /// Panics unless `t` tokens per sample (this worker's share of the sequence) fit the
+    /// model's positions. Every rank checks before any collective: only rank 0 reads the
+    /// position table on a GPU, and the others would wait for it in the sum.
+    fn check_sequence(&self, t: usize) {
+        let whole_seq = t * self.whole.sequence.parts;
+        assert!(
+            whole_seq <= self.whole.max_seq,
+            "sequence {whole_seq} longer than the model's {}",
+            self.whole.max_seq
+        );
+    }
+
     /// This rank's vocabulary rows: `[start, start + rows)`.
     fn rows(&self) -> Range<usize> {
         let rows = self.specs[0].shape[0];
@@ -806,12 +818,7 @@ impl Layer for VocabParallelEmbedding {
         }
         let p = p.host();
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.whole.dim);
-        let whole_seq = t * self.whole.sequence.parts;
-        assert!(
-            whole_seq <= self.whole.max_seq,
-            "sequence {whole_seq} longer than the model's {}",
-            self.whole.max_seq
-        );
+        self.check_sequence(t);
         let mine = self.rows();
         let (tok, pos) = p.split_at(mine.len() * d);
         let mut y = vec![0.0f32; b * t * d];

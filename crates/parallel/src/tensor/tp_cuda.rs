@@ -211,14 +211,7 @@ impl VocabParallelEmbedding {
     ) -> Tensor {
         let p = device_params(p);
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.whole.dim);
-        // On every rank, before any collective (only rank 0 reads the position table, and
-        // the others would wait for it in the sum).
-        let whole_seq = t * self.whole.sequence.parts;
-        assert!(
-            whole_seq <= self.whole.max_seq,
-            "sequence {whole_seq} longer than the model's {}",
-            self.whole.max_seq
-        );
+        self.check_sequence(t);
         let tp = &self.tp;
         let local_ids = self.local_ids(&ids);
         // Rank 0 adds the positions before the sum (every rank's rows sum to the token's
