@@ -235,11 +235,15 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         "parallel.micro_batches=2",
         whole,
     ];
-    let layouts: [(&str, &[&str]); 8] = [
-        ("tp=2", &["parallel.tp=2"]),
+    // (name, settings, what the planner's per-layer formula divides a rank's activations
+    // by: every term by t under tp + sp and by cp under context parallelism,
+    // plan::memory::layer_activation_bytes; checked where given).
+    let layouts: [(&str, &[&str], Option<f64>); 8] = [
+        ("tp=2", &["parallel.tp=2"], None),
         (
             "tp=2 + sp",
             &["parallel.tp=2", "parallel.sequence_parallel=true"],
+            Some(2.0),
         ),
         (
             "pp=2 1F1B",
@@ -249,6 +253,7 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
                 "parallel.micro_batches=4",
                 &timeline,
             ],
+            None,
         ),
         (
             "pp=2 interleaved",
@@ -257,25 +262,21 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
                 "parallel.schedule=\"interleaved\"",
                 "parallel.micro_batches=4",
             ],
+            None,
         ),
-        ("cp=2 ring", &["parallel.cp=2"]),
+        ("cp=2 ring", &["parallel.cp=2"], Some(2.0)),
         (
             "cp=2 Ulysses",
             &["parallel.cp=2", "parallel.cp_mode=\"ulysses\""],
+            None,
         ),
-        ("dp=2 × pp=2 × cp=2 ZeRO-1 (8 ranks)", hybrid),
-        ("dp=2 × tp=2 × pp=2 ZeRO-1 (8 ranks)", megatron),
+        ("dp=2 × pp=2 × cp=2 ZeRO-1 (8 ranks)", hybrid, None),
+        ("dp=2 × tp=2 × pp=2 ZeRO-1 (8 ranks)", megatron, None),
     ];
-    for (name, extra) in layouts {
+    for (name, extra, split) in layouts {
         let many = runs.train(STEPS, extra, None)?;
         let what = format!("fp32 GPT {name} on {device} vs one worker");
         same_model(failed, &what, &many, &one);
-        // Every term of the planner's per-layer formula divides by t under tp + sp and by
-        // cp under context parallelism (plan::memory::layer_activation_bytes).
-        let split = match name {
-            "tp=2 + sp" | "cp=2 ring" => Some(2.0),
-            _ => None,
-        };
         if let Some(parts) = split {
             activations_as_planned(failed, name, &many, &one, parts);
         }

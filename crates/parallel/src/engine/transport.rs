@@ -40,20 +40,9 @@ pub unsafe fn tensor_view(t: &mut Tensor) -> RawBuf {
 /// A tensor of `shape` where `like` lives and in its dtype, its values unspecified (what a
 /// receive writes into).
 pub fn tensor_like(like: &Tensor, shape: &[usize]) -> Tensor {
-    #[cfg(feature = "cuda")]
-    if let Some(c) = like.cuda() {
-        let n = shape.iter().product();
-        let values =
-            meshtrain_tensor::cuda::error::ok_or_raise(meshtrain_tensor::cuda::CudaTensor::alloc(
-                c.device(),
-                n,
-                c.dtype(),
-                "a received tensor",
-            ));
-        return Tensor::from_cuda(values, shape);
-    }
-    let _ = like; // host tensors: f32 in host memory
-    Tensor::for_overwrite(shape)
+    ActivationHome::of(like)
+        .tensor_for_overwrite(shape, like.dtype())
+        .expect("a host tensor is f32, which host memory holds")
 }
 
 /// Where a stage's activations live, so a received tensor lands there: host memory, or the
@@ -67,6 +56,16 @@ pub enum ActivationHome {
 }
 
 impl ActivationHome {
+    /// Where `t` lives.
+    pub fn of(t: &Tensor) -> ActivationHome {
+        #[cfg(feature = "cuda")]
+        if let Some(c) = t.cuda() {
+            return ActivationHome::Cuda(c.device().clone());
+        }
+        let _ = t; // a host tensor
+        ActivationHome::Host
+    }
+
     /// A tensor of `shape` and `dtype` here, its values unspecified; `None` for a dtype this
     /// home cannot hold (host activations are f32).
     fn tensor_for_overwrite(&self, shape: &[usize], dtype: DType) -> Option<Tensor> {

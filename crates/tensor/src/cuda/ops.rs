@@ -1767,6 +1767,20 @@ impl VocabParallelXent {
         Launch::linear(self.rows.min(65_535), 256)
     }
 
+    /// The kernels' shape arguments: rows, columns and real ids (and with `start`, where
+    /// they begin).
+    fn shape_args(&self, args: Args, start: bool) -> Args {
+        let args = args
+            .usize_as_i32(self.rows)
+            .usize_as_i32(self.cols)
+            .usize_as_i32(self.real);
+        if start {
+            args.usize_as_i32(self.start)
+        } else {
+            args
+        }
+    }
+
     fn check(&self, logits: &CudaTensor) -> Result<(), CudaError> {
         if self.real > self.cols {
             return Err(unsupported(format!(
@@ -1786,12 +1800,7 @@ impl VocabParallelXent {
             "cross_entropy.cu",
             &format!("vp_xent_max_{}", suffix(logits.dtype())),
             self.launch(),
-            Args::new()
-                .ptr(logits.ptr())
-                .ptr(m.ptr())
-                .usize_as_i32(self.rows)
-                .usize_as_i32(self.cols)
-                .usize_as_i32(self.real),
+            self.shape_args(Args::new().ptr(logits.ptr()).ptr(m.ptr()), false),
         )?;
         Ok(m)
     }
@@ -1813,15 +1822,14 @@ impl VocabParallelXent {
             "cross_entropy.cu",
             &format!("vp_xent_sums_{}", suffix(logits.dtype())),
             self.launch(),
-            Args::new()
-                .ptr(logits.ptr())
-                .ptr(targets)
-                .ptr(m.ptr())
-                .ptr(sums.ptr())
-                .usize_as_i32(self.rows)
-                .usize_as_i32(self.cols)
-                .usize_as_i32(self.real)
-                .usize_as_i32(self.start),
+            self.shape_args(
+                Args::new()
+                    .ptr(logits.ptr())
+                    .ptr(targets)
+                    .ptr(m.ptr())
+                    .ptr(sums.ptr()),
+                true,
+            ),
         )?;
         Ok(sums)
     }
@@ -1847,19 +1855,18 @@ impl VocabParallelXent {
             "cross_entropy.cu",
             &format!("vp_xent_finish_{}", suffix(logits.dtype())),
             self.launch(),
-            Args::new()
-                .ptr(logits.ptr())
-                .ptr(targets)
-                .ptr(m.ptr())
-                .ptr(sums.ptr())
-                .ptr(losses)
-                .ptr(correct)
-                .usize_as_i32(self.rows)
-                .usize_as_i32(self.cols)
-                .usize_as_i32(self.real)
-                .usize_as_i32(self.start)
-                .f32(grad_scale.unwrap_or(0.0))
-                .i32(grad_scale.is_some() as i32),
+            self.shape_args(
+                Args::new()
+                    .ptr(logits.ptr())
+                    .ptr(targets)
+                    .ptr(m.ptr())
+                    .ptr(sums.ptr())
+                    .ptr(losses)
+                    .ptr(correct),
+                true,
+            )
+            .f32(grad_scale.unwrap_or(0.0))
+            .i32(grad_scale.is_some() as i32),
         )?;
         rows_out.add_into(step_sums)?;
         Ok(grad_scale.map(|_| logits))
