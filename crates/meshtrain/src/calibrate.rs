@@ -180,6 +180,7 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         warmup: 3,
         dp_mode: "ddp".into(),
         overrides: Vec::new(),
+        device: None,
         json: None,
         png: None,
         diagnose_dir: None,

@@ -115,8 +115,12 @@ pub fn run(args: &BenchGpuArgs) -> Result<()> {
             "step" => step(args)?,
             "multi" => failed.extend(crate::gpu_multi::run(&args.root)?),
             "layouts" => failed.extend(crate::gpu_multi::run_layouts(&args.root)?),
+            "convnets" => failed.extend(crate::gpu_convnets::run(&args.root)?),
             other => {
-                bail!("unknown part '{other}' (check, multi, layouts, products, kernels, step)")
+                bail!(
+                    "unknown part '{other}' (check, multi, layouts, convnets, products, \
+                     kernels, step)"
+                )
             }
         }
     }

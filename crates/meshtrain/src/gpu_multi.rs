@@ -72,7 +72,7 @@ pub fn run(root: &Path) -> Result<Vec<String>> {
     Ok(failed)
 }
 
-const STEPS: u64 = 20;
+pub(crate) const STEPS: u64 = 20;
 
 /// Where the runs of [`training`] train.
 struct Runs<'a> {
@@ -431,6 +431,17 @@ fn activations_as_planned(
 
 /// Whether run `a`'s loss was within 0.1% of `b`'s at every step.
 fn close_losses(failed: &mut Vec<String>, what: &str, a: &Trained, b: &Trained) {
+    close_losses_within(failed, what, a, b, 1e-3);
+}
+
+/// Whether run `a`'s loss was within `tolerance` (relative) of `b`'s at every step.
+pub(crate) fn close_losses_within(
+    failed: &mut Vec<String>,
+    what: &str,
+    a: &Trained,
+    b: &Trained,
+    tolerance: f64,
+) {
     // A loss that is not finite counts as infinitely far (f64::max would skip a NaN).
     let worst = b
         .losses
@@ -441,17 +452,18 @@ fn close_losses(failed: &mut Vec<String>, what: &str, a: &Trained, b: &Trained) 
         .fold(0.0f64, f64::max);
     verdict(
         failed,
-        a.losses.len() == STEPS as usize && b.losses.len() == STEPS as usize && worst <= 1e-3,
+        a.losses.len() == STEPS as usize && b.losses.len() == STEPS as usize && worst <= tolerance,
         format!(
-            "{what}: losses within {:.3}% at every one of {} steps (≤ 0.1%)",
+            "{what}: losses within {:.3}% at every one of {} steps (≤ {}%)",
             worst * 100.0,
-            a.losses.len()
+            a.losses.len(),
+            tolerance * 100.0
         ),
     );
 }
 
 /// Whether run `many` ended within 1e-5 relative L2 of `one`'s parameters.
-fn same_model(failed: &mut Vec<String>, what: &str, many: &Trained, one: &Trained) {
+pub(crate) fn same_model(failed: &mut Vec<String>, what: &str, many: &Trained, one: &Trained) {
     let d = rel_l2(&many.params, &one.params);
     verdict(
         failed,
@@ -479,7 +491,7 @@ fn same_bits(failed: &mut Vec<String>, a_name: &str, a: &Trained, b_name: &str, 
 }
 
 /// Prints an `ok`/`FAIL` line for `what` and keeps the failures.
-fn verdict(failed: &mut Vec<String>, ok: bool, what: String) {
+pub(crate) fn verdict(failed: &mut Vec<String>, ok: bool, what: String) {
     if ok {
         println!("ok   {what}");
     } else {

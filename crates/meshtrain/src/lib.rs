@@ -17,6 +17,8 @@ pub mod generate;
 #[cfg(feature = "cuda")]
 pub mod gpu_bench;
 #[cfg(feature = "cuda")]
+pub mod gpu_convnets;
+#[cfg(feature = "cuda")]
 pub mod gpu_multi;
 pub mod launch;
 pub mod pipeline_bench;

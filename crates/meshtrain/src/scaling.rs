@@ -13,7 +13,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use meshtrain_comm::{CommConfig, ThreadsWorld};
 use meshtrain_train::Breakdown;
 use serde::Serialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -40,6 +40,12 @@ pub struct BenchScalingArgs {
     /// Extra config overrides for every run (e.g. parallel.overlap=false).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
+    /// Where the workers run: cpu (threads), or cuda: one GPU per worker where there are
+    /// enough (NCCL), else workers sharing the GPU(s) through staged collectives. On a GPU the
+    /// table is followed by the planner's prediction for 1, 2 and 8 GPUs of the lent kind
+    /// (H200) on NVLink.
+    #[arg(long)]
+    pub device: Option<String>,
     /// Append one JSON line per run to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -161,7 +167,42 @@ pub(crate) fn parse_list(s: &str) -> Vec<String> {
         .collect()
 }
 
+/// The model's config with the bench's settings, from the repository at `root`.
+fn base_config(root: &Path, model: &str, args: &BenchScalingArgs) -> Result<Config> {
+    let mode = match args.dp_mode.as_str() {
+        "ddp" => DpMode::Ddp,
+        "single-master" => DpMode::SingleMaster,
+        other => bail!("unknown --dp-mode '{other}' (ddp, single-master)"),
+    };
+    let (file, mut overrides) = model_config(model)?;
+    overrides.extend(args.overrides.iter().cloned());
+    if let Some(device) = &args.device {
+        overrides.push(format!("train.device=\"{device}\""));
+    }
+    overrides.push("train.log_every=1000000".into());
+    let mut base = Config::load(&root.join(file), &overrides)?;
+    base.parallel.dp_mode = mode;
+    Ok(base)
+}
+
+/// One (model, workers) measurement of the repository at `root`'s config for `model`.
+pub fn measure_one(
+    root: &Path,
+    model: &str,
+    workers: usize,
+    args: &BenchScalingArgs,
+) -> Result<ScalingRun> {
+    let base = base_config(root, model, args)?;
+    let task = Task::load(&base)?;
+    measure(model, workers, args, &task, &base)
+}
+
 pub fn run_scaling(args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
+    run_scaling_in(Path::new("."), args)
+}
+
+/// [`run_scaling`] with the configs of the repository at `root`.
+pub fn run_scaling_in(root: &Path, args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
     let workers: Vec<usize> = parse_list(&args.workers)
         .iter()
         .map(|w| w.parse().with_context(|| format!("bad worker count '{w}'")))
@@ -169,22 +210,14 @@ pub fn run_scaling(args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
     if workers.contains(&0) {
         bail!("worker counts must be at least 1");
     }
-    let mode = match args.dp_mode.as_str() {
-        "ddp" => DpMode::Ddp,
-        "single-master" => DpMode::SingleMaster,
-        other => bail!("unknown --dp-mode '{other}' (ddp, single-master)"),
-    };
     println!(
         "| model | workers | thr/worker | samples/s | vs 1 worker | step ms | compute ms | comm exposed ms | comm hidden ms | data ms | comm MB/step | compute/comm |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut runs = Vec::new();
+    let mut bases = Vec::new();
     for model in parse_list(&args.models) {
-        let (file, mut overrides) = model_config(&model)?;
-        overrides.extend(args.overrides.iter().cloned());
-        overrides.push("train.log_every=1000000".into());
-        let mut base = Config::load(&PathBuf::from(&file), &overrides)?;
-        base.parallel.dp_mode = mode;
+        let base = base_config(root, &model, args)?;
         let task = Task::load(&base)?;
         let mut one = None;
         for &w in &workers {
@@ -228,12 +261,117 @@ pub fn run_scaling(args: &BenchScalingArgs) -> Result<Vec<ScalingRun>> {
             let ours: Vec<&ScalingRun> = runs.iter().filter(|r| r.model == model).collect();
             write_diagnose_file(dir, &model, &ours)?;
         }
+        bases.push((model, base));
+    }
+    if base_device(&bases).is_cuda() {
+        println!(
+            "\nWorkers sharing one GPU show the synchronisation's cost (every gradient crosses \
+             pinned host memory) but not the speed-up: they take turns on the same \
+             multiprocessors. What N GPUs of their own would do, the planner's prediction \
+             for the lent kind (H200, NVLink inside a node):"
+        );
+        for (model, base) in &bases {
+            print_prediction(model, &predict_on_gpus(model, base, &[1, 2, 8])?);
+        }
     }
     if let Some(path) = &args.png {
         draw_breakdown_chart(path, &runs)?;
         println!("chart: {}", path.display());
     }
     Ok(runs)
+}
+
+fn base_device(bases: &[(String, Config)]) -> meshtrain_tensor::Device {
+    bases
+        .first()
+        .map_or(meshtrain_tensor::Device::Cpu, |(_, b)| b.train.device)
+}
+
+/// One row of the planner's prediction: GPUs, samples/s, step, compute and exposed
+/// data-parallel communication (seconds), and the computation-to-synchronisation ratio
+/// (infinite on one GPU).
+#[derive(Clone, Copy, Debug)]
+pub struct Predicted {
+    pub gpus: u64,
+    pub samples_per_s: f64,
+    pub step_s: f64,
+    pub compute_s: f64,
+    pub comm_exposed_s: f64,
+    pub compute_to_comm: f64,
+}
+
+/// The planner's step for `model` (its preset) at `base`'s global batch, precision and
+/// optimizer on `gpus` H200s of one NVLink node, data-parallel: the
+/// computation-to-synchronisation ratio that decides whether more GPUs help, in numbers for
+/// real GPUs.
+pub fn predict_on_gpus(model: &str, base: &Config, gpus: &[u64]) -> Result<Vec<Predicted>> {
+    use meshtrain_plan::{presets, Layout, Optimizer, Precision, Problem, TrainingSetup};
+    let spec = presets::model(match model {
+        "lenet" | "lenet-relu" => "lenet",
+        other => other,
+    })?;
+    let precision = match base.train.precision.as_str() {
+        "bf16" => Precision::Bf16,
+        "fp16" => Precision::Fp16,
+        _ => Precision::Fp32,
+    };
+    let optimizer = match base.optimizer {
+        meshtrain_nn::optim::OptimizerConfig::Adamw { .. } => Optimizer::Adam,
+        meshtrain_nn::optim::OptimizerConfig::Sgd { .. } => Optimizer::Sgd,
+    };
+    let setup = TrainingSetup {
+        optimizer,
+        ..TrainingSetup::new(base.train.batch_size as u64, precision)
+    };
+    gpus.iter()
+        .map(|&n| {
+            let cluster = presets::cluster("h200")?.with_gpus(n)?;
+            let problem = Problem::new(spec.clone(), cluster, setup.clone())?;
+            // Each replica's share in one micro-batch, as the trainer runs it.
+            let share = (base.train.batch_size as u64 / n).max(1);
+            let layout = Layout::parse(&format!("dp={n},mb={share}"))?;
+            let e = meshtrain_plan::search::evaluate_layout(&problem, &layout)?;
+            let t = &e.time;
+            let comm = t.dp_exposed_s + t.dp_hidden_s;
+            Ok(Predicted {
+                gpus: n,
+                samples_per_s: e.throughput.samples_per_s,
+                step_s: t.step_s,
+                compute_s: t.compute_s,
+                comm_exposed_s: t.dp_exposed_s,
+                compute_to_comm: if n > 1 && comm > 0.0 {
+                    t.compute_s / comm
+                } else {
+                    f64::INFINITY
+                },
+            })
+        })
+        .collect()
+}
+
+fn print_prediction(model: &str, rows: &[Predicted]) {
+    println!(
+        "\n| {model} on H200 (planner) | samples/s | vs 1 GPU | step ms | compute ms | dp comm exposed ms | compute/comm |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let one = rows.first().map_or(1.0, |r| r.samples_per_s);
+    for r in rows {
+        println!(
+            "| {} GPU{} | {:.0} | {:.2} | {:.3} | {:.3} | {:.3} | {} |",
+            r.gpus,
+            if r.gpus == 1 { "" } else { "s" },
+            r.samples_per_s,
+            r.samples_per_s / one,
+            r.step_s * 1e3,
+            r.compute_s * 1e3,
+            r.comm_exposed_s * 1e3,
+            if r.compute_to_comm.is_finite() {
+                format!("{:.1}", r.compute_to_comm)
+            } else {
+                "-".into()
+            }
+        );
+    }
 }
 
 /// The chart of the study: per model, one bar per worker count, each bar the step time split
@@ -311,4 +449,50 @@ fn write_diagnose_file(dir: &std::path::Path, model: &str, runs: &[&ScalingRun])
     }
     let path = dir.join(format!("{model}.toml"));
     std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// D2L's conclusion in the planner's numbers for H200s: ResNet-18 gains from 8 GPUs,
+    /// LeNet hardly does. On GPUs the reason is not the bytes synchronised (NVLink moves
+    /// LeNet's 0.25 MB in microseconds) but that LeNet's step is launch-bound: a smaller
+    /// share per GPU does not shrink it.
+    #[test]
+    fn the_planner_says_resnet_scales_and_lenet_less() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let args = BenchScalingArgs {
+            models: String::new(),
+            workers: "1".into(),
+            threads: 1,
+            steps: None,
+            warmup: 0,
+            dp_mode: "ddp".into(),
+            overrides: Vec::new(),
+            device: None,
+            json: None,
+            png: None,
+            diagnose_dir: None,
+        };
+        let gain = |model: &str| {
+            let base = base_config(&root, model, &args).unwrap();
+            let rows = predict_on_gpus(model, &base, &[1, 2, 8]).unwrap();
+            assert_eq!(rows.len(), 3);
+            assert!(rows[0].compute_to_comm.is_infinite());
+            assert!(rows.iter().all(|r| r.samples_per_s > 0.0 && r.step_s > 0.0));
+            (
+                rows[2].samples_per_s / rows[0].samples_per_s,
+                rows[1].compute_to_comm,
+            )
+        };
+        let (lenet, _) = gain("lenet");
+        let (resnet, resnet_ratio) = gain("resnet18");
+        assert!(resnet > lenet, "8-GPU gain: ResNet {resnet} LeNet {lenet}");
+        assert!(lenet < 1.5, "LeNet on 8 GPUs: {lenet}x");
+        assert!(
+            resnet_ratio > 1.0,
+            "ResNet's compute/comm on 2 GPUs: {resnet_ratio}"
+        );
+    }
 }

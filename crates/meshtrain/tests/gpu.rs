@@ -2,6 +2,7 @@
 //! when the driver is missing, layouts and models refused before any work), and with one
 //! (GPU against CPU, checkpoints moving between the two), skipped with the reason printed
 //! when there is none and required with `MESHTRAIN_REQUIRE_GPU=1`.
+#![cfg(feature = "cuda")]
 
 mod common;
 
@@ -65,12 +66,12 @@ fn without_a_driver_the_error_names_the_library_before_any_step() {
     );
 }
 
-/// On a GPU, what this build cannot run there (the single-master mode, a model without
-/// kernels) is refused before any work; without one, the missing piece of the machine is named
-/// first, since that is what the user can act on (the wordings themselves: `device.rs`'s
-/// tests).
+/// On a GPU, what this build cannot run there (the single-master mode) is refused before any
+/// work, and LeNet (every layer has kernels) trains; without one, the missing piece of the
+/// machine is named first, since that is what the user can act on (the wordings themselves:
+/// `device.rs`'s tests).
 #[test]
-fn a_gpu_refuses_layouts_and_models_it_cannot_run_before_any_work() {
+fn a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet() {
     let usable = meshtrain_tensor::cuda::probe::require_gpu(0).is_ok();
     let names_the_missing_piece =
         |e: &str| e.contains("libcuda.so.1") || e.contains("NVRTC") || e.contains("no CUDA GPU");
@@ -96,15 +97,20 @@ fn a_gpu_refuses_layouts_and_models_it_cannot_run_before_any_work() {
         &[
             "train.device=\"cuda\"".into(),
             "parallel.dp=1".into(),
+            "train.max_steps=3".into(),
             format!("train.out_dir=\"{}\"", out.path().display()),
         ],
     )
     .unwrap();
-    let e = format!("{:#}", run(&lenet, &RunOptions::default()).unwrap_err());
-    if usable {
-        assert!(e.contains("without CUDA kernels"), "{e}");
-    } else {
-        assert!(names_the_missing_piece(&e), "{e}");
+    // LeNet has CUDA kernels for every layer: it trains on a GPU, and without one the
+    // missing piece is named.
+    match run(&lenet, &RunOptions::default()) {
+        Ok(_) => assert!(usable, "LeNet trained on cuda without a usable GPU"),
+        Err(e) => {
+            let e = format!("{e:#}");
+            assert!(!usable, "LeNet on a usable GPU: {e}");
+            assert!(names_the_missing_piece(&e), "{e}");
+        }
     }
 }
 

@@ -19,6 +19,8 @@ use meshtrain_tensor::rotary::RotaryShape;
 use meshtrain_tensor::{DType, Tensor};
 use std::sync::Arc;
 
+pub mod convnet;
+
 /// `x`'s values on `dev`: a device tensor as it is, a host one uploaded (f32): a model's
 /// first layer meets the batch this way.
 pub fn on_device(x: &Tensor, dev: &Arc<CudaDevice>) -> CudaTensor {

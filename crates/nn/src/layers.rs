@@ -564,6 +564,10 @@ impl Layer for Conv2d {
         self.precision = precision;
     }
 
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         let g = &self.geom;
         let bound = 1.0 / (g.patch_len() as f32).sqrt();
@@ -590,9 +594,13 @@ impl Layer for Conv2d {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        assert_eq!(x.dim(0), self.geom.in_channels, "Conv2d: channel mismatch");
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::convnet::conv_forward(self, p, x, mode, s);
+        }
         let p = p.host();
         let sp = Self::spatial(&x);
-        assert_eq!(x.dim(0), self.geom.in_channels, "Conv2d: channel mismatch");
         let nw = self.geom.out_channels * self.geom.patch_len();
         let bias = self.bias.then(|| &p[nw..]);
         let (y, columns) = conv2d_forward(
@@ -625,6 +633,10 @@ impl Layer for Conv2d {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::convnet::conv_backward(self, p, g, s, dy, need_dx);
+        }
         let p = p.host();
         let g = g.host();
         let columns = self
@@ -694,9 +706,18 @@ impl BatchNorm2d {
         let count = flat.pop().expect("count") as usize;
         (flat.chunks(2).map(|p| [p[0], p[1]]).collect(), count)
     }
+
+    /// SyncBatchNorm's reducer, when one is installed.
+    pub fn reducer(&self) -> Option<&Arc<dyn StatsReducer>> {
+        self.sync.as_ref()
+    }
 }
 
 impl Layer for BatchNorm2d {
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
     fn params(&self) -> Vec<ParamSpec> {
         vec![
             ParamSpec::new("weight", &[self.channels], Init::Ones),
@@ -718,6 +739,10 @@ impl Layer for BatchNorm2d {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::convnet::batch_norm_forward(self, p, b, x, mode, s);
+        }
         let p = p.host();
         let b = b.host();
         let c = self.channels;
@@ -756,6 +781,10 @@ impl Layer for BatchNorm2d {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::convnet::batch_norm_backward(self, p, g, s, dy, need_dx);
+        }
         let p = p.host();
         let g = g.host();
         let c = self.channels;
@@ -1163,6 +1192,10 @@ impl Pool2d {
 }
 
 impl Layer for Pool2d {
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
     fn forward(
         &self,
         _: Params<'_>,
@@ -1171,6 +1204,10 @@ impl Layer for Pool2d {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::device::convnet::pool_forward(self, x, mode, s);
+        }
         let (c, n, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
         let (oh, ow) = self.geom.output_size(h, w);
         let y = match self.kind {
@@ -1197,6 +1234,10 @@ impl Layer for Pool2d {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if dy.device().is_cuda() {
+            return Some(crate::device::convnet::pool_backward(self, s, dy));
+        }
         let hw = s.stats.pop().expect("Pool: saved size");
         let (h, w) = (hw[0] as usize, hw[1] as usize);
         let (c, n) = (dy.dim(0), dy.dim(1));
@@ -1215,14 +1256,30 @@ impl Layer for Pool2d {
 pub struct ToChannelMajor;
 
 impl Layer for ToChannelMajor {
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
+    /// On a GPU (device parameters: the model's other layers live there) the host batch is
+    /// uploaded here, the model's first layer.
     fn forward(
         &self,
-        _: Params<'_>,
+        p: Params<'_>,
         _: ParamsMut<'_>,
         x: Tensor,
         _: Mode,
         _: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::convnet::to_channel_major_forward(x, p.device());
+        }
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let dev = x.cuda().expect("a device tensor").device().clone();
+            return crate::device::convnet::to_channel_major_forward(x, &dev);
+        }
+        let _ = p;
         let (n, c, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
         let data = if c == 1 {
             x.into_vec()
@@ -1239,6 +1296,10 @@ impl Layer for ToChannelMajor {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if dy.device().is_cuda() {
+            return Some(crate::device::convnet::to_channel_major_backward(dy));
+        }
         let (c, n, h, w) = (dy.dim(0), dy.dim(1), dy.dim(2), dy.dim(3));
         Some(Tensor::from_vec(
             swap_leading_axes(dy.data(), c, n, h * w),
@@ -1254,6 +1315,10 @@ pub struct Flatten {
 }
 
 impl Layer for Flatten {
+    fn runs_on(&self, _: Device) -> bool {
+        true
+    }
+
     fn forward(
         &self,
         _: Params<'_>,
@@ -1262,6 +1327,10 @@ impl Layer for Flatten {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::device::convnet::flatten_forward(self, x, mode, s);
+        }
         let (c, n, h, w) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
         if mode.train {
             s.stats.push(vec![c as f32, n as f32, h as f32, w as f32]);
@@ -1289,6 +1358,10 @@ impl Layer for Flatten {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        #[cfg(feature = "cuda")]
+        if dy.device().is_cuda() {
+            return Some(crate::device::convnet::flatten_backward(self, s, dy));
+        }
         let d = s.stats.pop().expect("Flatten: saved shape");
         let (c, n, h, w) = (d[0] as usize, d[1] as usize, d[2] as usize, d[3] as usize);
         let dx = if self.global_average {

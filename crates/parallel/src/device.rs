@@ -81,10 +81,12 @@ fn refuse_what_gpus_cannot_run(model: &Model, ordinal: usize) -> Result<(), Para
             };
             let leaf = first_cpu_only_leaf(block.layer.as_ref(), &block.name, device);
             return Err(ParallelError::Device(format!(
-                "{name} has a layer without CUDA kernels ({leaf}; GPU kernels exist today for \
-                 linear layers, layer and RMS norm, activations and SwiGLU, token embeddings, \
-                 rotary positions and attention; convolutions, pooling and batch norm come \
-                 with the conv-net wave): train this model with --device cpu"
+                "{name} has a layer without CUDA kernels ({leaf}; GPU kernels exist for the \
+                 built-in layers: linear, convolution, batch norm, pooling, layer and RMS \
+                 norm, activations and SwiGLU, token embeddings, rotary positions and \
+                 attention; a layer of your own runs on a GPU when its `runs_on` says so and \
+                 its forward and backward take device tensors): train this model with \
+                 --device cpu"
             )));
         }
     }
@@ -582,17 +584,60 @@ mod tests {
         }
     }
 
+    /// A user's layer that says nothing about devices: CPU only (the trait's default).
+    struct HostOnly;
+
+    impl meshtrain_nn::layer::Layer for HostOnly {
+        fn forward(
+            &self,
+            _: meshtrain_nn::layer::Params<'_>,
+            _: meshtrain_nn::layer::ParamsMut<'_>,
+            x: meshtrain_tensor::Tensor,
+            _: meshtrain_nn::layer::Mode,
+            _: &mut meshtrain_nn::layer::Saved,
+        ) -> meshtrain_tensor::Tensor {
+            x
+        }
+
+        fn backward(
+            &self,
+            _: meshtrain_nn::layer::Params<'_>,
+            _: meshtrain_nn::layer::ParamsMut<'_>,
+            _: meshtrain_nn::layer::Saved,
+            dy: meshtrain_tensor::Tensor,
+            _: bool,
+        ) -> Option<meshtrain_tensor::Tensor> {
+            Some(dy)
+        }
+    }
+
     #[test]
     fn a_layer_without_cuda_kernels_is_named() {
-        let model = lenet(LeNetVariant::Relu);
+        let mut model = lenet(LeNetVariant::Relu);
+        model
+            .blocks
+            .insert(1, meshtrain_nn::model::Block::new("mine", HostOnly));
         let e = refuse_what_gpus_cannot_run(&model, 0)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("block 0") && e.contains("without CUDA kernels"),
+            e.contains("block 1 (mine)") && e.contains("without CUDA kernels"),
             "{e}"
         );
         assert!(e.contains("--device cpu"), "{e}");
+    }
+
+    /// The conv nets have CUDA kernels for every layer: convolutions, batch norm, pooling,
+    /// the layout changes, ResNet's residual join.
+    #[test]
+    fn the_conv_nets_pass_the_per_layer_check() {
+        for model in [
+            lenet(LeNetVariant::Relu),
+            lenet(LeNetVariant::Sigmoid),
+            meshtrain_nn::models::resnet::resnet18(8, 10),
+        ] {
+            assert!(refuse_what_gpus_cannot_run(&model, 0).is_ok());
+        }
     }
 
     /// A Llama has CUDA kernels for every layer (token-only embedding, RMS norms, rotary +

@@ -72,6 +72,10 @@ impl Layer for Residual {
         } else {
             x
         };
+        #[cfg(feature = "cuda")]
+        if y.device().is_cuda() {
+            return crate::device::convnet::residual_join_forward(y, shortcut, mode, s);
+        }
         let mut out = y;
         out.data_mut()
             .iter_mut()
@@ -93,12 +97,7 @@ impl Layer for Residual {
     ) -> Option<Tensor> {
         let c = &self.parts;
         let out = s.tensors.pop().expect("residual: saved output");
-        let mut d = dy;
-        d.data_mut().iter_mut().zip(out.data()).for_each(|(g, o)| {
-            if *o <= 0.0 {
-                *g = 0.0
-            }
-        });
+        let d = join_gradient(&out, dy);
         let mut saved = s.children;
         let dshort = if self.projection {
             let st = saved.pop().expect("residual: conv3 state");
@@ -111,11 +110,10 @@ impl Layer for Residual {
             let st = saved.pop().expect("residual: saved state");
             grad = c.backward(i, p, &mut g, st, grad, need_dx || i > 0)?;
         }
-        let mut dx = grad;
-        if let Some(ds) = dshort {
-            meshtrain_tensor::par::add_assign(dx.data_mut(), ds.data());
-        }
-        Some(dx)
+        Some(match dshort {
+            Some(ds) => add_gradients(grad, &ds),
+            None => grad,
+        })
     }
 
     fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
@@ -129,6 +127,32 @@ impl Layer for Residual {
     fn children_mut(&mut self) -> Option<&mut Children> {
         Some(&mut self.parts)
     }
+}
+
+/// The gradient at the join's sum: `dy` where the output `relu(y + shortcut)` is positive.
+fn join_gradient(out: &Tensor, dy: Tensor) -> Tensor {
+    #[cfg(feature = "cuda")]
+    if out.device().is_cuda() {
+        return crate::device::convnet::residual_join_backward(out, dy);
+    }
+    let mut d = dy;
+    d.data_mut().iter_mut().zip(out.data()).for_each(|(g, o)| {
+        if *o <= 0.0 {
+            *g = 0.0
+        }
+    });
+    d
+}
+
+/// The block's input gradient: the branch's plus the shortcut's.
+fn add_gradients(branch: Tensor, shortcut: &Tensor) -> Tensor {
+    #[cfg(feature = "cuda")]
+    if branch.device().is_cuda() {
+        return crate::device::convnet::add(branch, shortcut);
+    }
+    let mut dx = branch;
+    meshtrain_tensor::par::add_assign(dx.data_mut(), shortcut.data());
+    dx
 }
 
 /// ResNet-18 with stage widths `(w, 2w, 4w, 8w)`; D2L uses w = 64.

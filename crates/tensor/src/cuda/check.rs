@@ -18,6 +18,8 @@ use crate::rotary::RotaryShape;
 use crate::DType;
 use std::sync::Arc;
 
+mod convnet;
+
 /// One comparison.
 #[derive(Clone, Debug)]
 pub struct CheckResult {
@@ -270,6 +272,8 @@ pub fn run_all(
                     .unwrap_or_else(|e| vec![failed(name, e)]),
             );
         }
+        // The convolutional nets' operations (LeNet, ResNet-18).
+        out.extend(convnet::run(dev, &mut rng, dtype));
     }
     // The embedding is f32 whatever the precision: with a position table (GPT) and without
     // (Llama).

@@ -61,6 +61,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "decode.cu",
         source: include_str!("kernels/decode.cu"),
     },
+    KernelFile {
+        name: "conv.cu",
+        source: include_str!("kernels/conv.cu"),
+    },
 ];
 
 /// The kernel file called `name`.
@@ -405,6 +409,28 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
         "decode.cu" => ["decode_append_kv_f32", "decode_attn_f32"]
             .map(String::from)
             .to_vec(),
+        "conv.cu" => {
+            let mut v: Vec<String> = [
+                "im2col",
+                "col2im",
+                "channel_bias_add",
+                "channel_partials",
+                "bn_apply",
+                "bn_input_grad",
+                "maxpool_fwd",
+                "maxpool_bwd",
+                "avgpool_fwd",
+                "avgpool_bwd",
+                "swap_axes",
+                "global_avg_fwd",
+                "global_avg_bwd",
+            ]
+            .iter()
+            .flat_map(|base| each(base))
+            .collect();
+            v.extend(["channel_finish", "bn_moments", "bn_param_grads"].map(String::from));
+            v
+        }
         _ => Vec::new(),
     }
 }

@@ -63,7 +63,7 @@ struct Module {
 // SAFETY: as for `Function`.
 unsafe impl Send for Module {}
 
-/// Kernel arguments, each at most 8 bytes (pointers, `long long`, `int`, `float`), kept in
+/// Kernel arguments, each at most 8 bytes (pointers, `long long`, `int`, `float`, `double`), kept in
 /// place until the launch copies them.
 #[derive(Default)]
 pub struct Args {
@@ -101,6 +101,12 @@ impl Args {
 
     pub fn f32(mut self, v: f32) -> Self {
         self.slots.push(v.to_bits() as u64);
+        self
+    }
+
+    /// A `double` (batch norm's counts: the statistics are computed in double).
+    pub fn f64(mut self, v: f64) -> Self {
+        self.slots.push(v.to_bits());
         self
     }
 

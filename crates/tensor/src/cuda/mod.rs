@@ -21,6 +21,7 @@ pub mod blas;
 pub mod check;
 pub mod compile;
 pub mod context;
+pub mod convnet;
 pub mod decode;
 pub mod error;
 pub mod ops;

@@ -26,19 +26,19 @@ pub fn suffix(d: DType) -> &'static str {
 
 /// Threads per block of the element-wise kernels, and the most blocks a grid-stride launch
 /// uses (enough to fill an H100's 132 multiprocessors many times over).
-const THREADS: u32 = 256;
-const MAX_BLOCKS: usize = 132 * 32;
+pub(super) const THREADS: u32 = 256;
+pub(super) const MAX_BLOCKS: usize = 132 * 32;
 /// Rows summed per block in the deterministic column sums (bias and layer-norm parameter
 /// gradients): fixed, so the summation order never depends on the device. 256 rows: the
 /// finishing sum over the blocks is latency-bound (~15 µs over 256 partials per column on an
 /// H100, 73 times a GPT-2 step at 64 rows per block).
 pub const ROWS_PER_BLOCK: usize = 256;
 
-fn unsupported(text: String) -> CudaError {
+pub(super) fn unsupported(text: String) -> CudaError {
     CudaError::Unsupported(text)
 }
 
-fn check_len(t: &CudaTensor, len: usize, what: &str) -> Result<(), CudaError> {
+pub(super) fn check_len(t: &CudaTensor, len: usize, what: &str) -> Result<(), CudaError> {
     if t.len() != len {
         return Err(unsupported(format!(
             "{what}: expected {len} values, the tensor has {}",
@@ -95,7 +95,7 @@ pub fn convert_into(
 }
 
 /// The weight's address in the product's dtype.
-fn weight_in(w: &DeviceParams, precision: DType, what: &str) -> Result<u64, CudaError> {
+pub(super) fn weight_in(w: &DeviceParams, precision: DType, what: &str) -> Result<u64, CudaError> {
     w.in_dtype(precision)
         .ok_or_else(|| missing_copy(what, precision))
 }
