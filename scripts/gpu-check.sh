@@ -16,12 +16,15 @@
 #                                        the BPE Llama trained on the GPU with a generation
 #                                        from its checkpoint, generation with the key/value
 #                                        cache on the GPU against the CPU (a GPT and that
-#                                        Llama); a summary table last. Logs go to $OUT (or
-#                                        /tmp).
+#                                        Llama), LeNet and ResNet-18 against the CPU and
+#                                        beside PyTorch (convnets) and trained to the
+#                                        configs' accuracy (accuracy); a summary table last.
+#                                        Logs go to $OUT (or /tmp).
 #
 # With the `device` tool of this workplace, after building here:
 #   run(command="bash scripts/gpu-check.sh run", carry=[".gpu"], timeout_s=480)
-# Set GPU_CHECK_PARTS (default check,multi,step,torch,products,llama,generate,kernels) and GPU_CHECK_TORCH (default
+# Set GPU_CHECK_PARTS (default check,multi,layouts,convnets,step,torch,products,llama,generate,
+# kernels,accuracy) and GPU_CHECK_TORCH (default
 # eager; eager,compile adds torch.compile, ~1 more minute) to run less or more.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +56,16 @@ for line in sys.stdin:
         shutil.copy(m["executable"], ".gpu/test-" + m["target"]["name"])
         print("carried", m["target"]["name"])'
     strip --strip-debug .gpu/test-* 2>/dev/null || true
+    # The full Fashion-MNIST (30 MB; the GPU machine has no internet and the repository ships
+    # a 12,000-image subset) for the accuracy part, when this machine has it.
+    for dir in /usr/share/datasets/fashion-mnist "${MESHTRAIN_DATA:-$HOME/.cache/meshtrain}/fashion-mnist"; do
+        if [ -f "$dir/train-images-idx3-ubyte.gz" ]; then
+            mkdir -p .gpu/fashion-mnist
+            cp "$dir"/*-ubyte.gz .gpu/fashion-mnist/
+            echo "carried Fashion-MNIST from $dir"
+            break
+        fi
+    done
     ls -la .gpu/
     echo "built .gpu/meshtrain; on the GPU machine: bash scripts/gpu-check.sh run (carry .gpu)"
     ;;
@@ -74,7 +87,7 @@ run)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
     # The parts, most telling first (so a call cut short still has them): the checks, the
     # GPT-2 step, PyTorch's anchor beside it, then products and kernels.
-    parts=${GPU_CHECK_PARTS:-check,multi,layouts,step,torch,products,llama,generate,kernels}
+    parts=${GPU_CHECK_PARTS:-check,multi,layouts,convnets,step,torch,products,llama,generate,kernels,accuracy}
     torch_modes=${GPU_CHECK_TORCH-eager}
     status=0
     for part in ${parts//,/ }; do
@@ -83,6 +96,41 @@ run)
             echo "=== PyTorch anchor ($torch_modes)"
             PYTHONUNBUFFERED=1 timeout 90 python3 scripts/gpu/pytorch_gpt2_bench.py \
                 --batch 16 --steps 20 --modes "$torch_modes" 2>&1 | tee "$logs/pytorch.log"
+            continue
+        fi
+        if [ "$part" = accuracy ]; then
+            # Issue 38: the main job's models trained on the GPU as the configs say (LeNet 5
+            # epochs, want >= 88% test accuracy; ResNet-18 5 epochs, want >= 91%), one GPU, on
+            # the full Fashion-MNIST when the build carried it; their curves in one PNG.
+            echo "=== accuracy: LeNet and ResNet-18 trained on the GPU"
+            start=$(date +%s)
+            data=()
+            if [ -f .gpu/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+                data=(--data-dir .gpu/fashion-mnist)
+            else
+                echo "note: no full Fashion-MNIST carried: the shipped 12,000-image subset (lower accuracy)"
+            fi
+            rc=0
+            for spec in "lenet 88" "resnet18 91"; do
+                set -- $spec
+                timeout 200 "$bin" train --config "configs/$1.toml" --device cuda --dp 1 \
+                    "${data[@]}" --set "train.out_dir=\"/tmp/meshtrain-acc-$1\"" 2>&1 \
+                    | grep -vE '^step ' | tail -12 | tee -a "$logs/accuracy.log"
+                [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+                acc=$(grep -h '"kind":"eval"' "/tmp/meshtrain-acc-$1/metrics.jsonl" 2>/dev/null \
+                    | tail -1 | sed -E 's/.*"accuracy":([0-9.]+).*/\1/')
+                if [ -n "$acc" ] && awk -v a="$acc" -v w="$2" 'BEGIN{exit !(a * 100 >= w)}'; then
+                    echo "ok   $1 on the GPU: test accuracy $acc (>= $2%)" | tee -a "$logs/accuracy.log"
+                else
+                    echo "FAIL $1 on the GPU: test accuracy ${acc:-none} (>= $2%)" | tee -a "$logs/accuracy.log"
+                    rc=1
+                fi
+            done
+            "$bin" plot --metrics /tmp/meshtrain-acc-lenet/metrics.jsonl \
+                --metrics /tmp/meshtrain-acc-resnet18/metrics.jsonl \
+                --out "$logs/convnets-gpu-curves.png" 2>&1 | tail -1
+            echo "=== accuracy: exit $rc in $(( $(date +%s) - start )) s"
+            [ "$rc" = 0 ] || status=1
             continue
         fi
         if [ "$part" = llama ]; then
@@ -165,12 +213,28 @@ run)
         check) limit=210 sync=1 ;;
         multi) limit=300 sync=0 ;;
         layouts) limit=180 sync=0 ;;
+        convnets) limit=240 sync=0 ;;
         step) limit=90 sync=0 ;;
         *) limit=60 sync=0 ;;
         esac
         MESHTRAIN_CUDA_SYNC=$sync timeout "$limit" "$bin" bench gpu --parts "$part" --root . \
             --out-dir "$planner" 2>&1 | tee "$logs/$part.log"
         rc=${PIPESTATUS[0]}
+        if [ "$part" = convnets ]; then
+            # PyTorch on the same card in the same call, and the ratios.
+            PYTHONUNBUFFERED=1 timeout 120 python3 scripts/gpu/pytorch_convnets_bench.py \
+                --steps 50 2>&1 | tee -a "$logs/$part.log"
+            for model in lenet resnet18; do
+                for prec in fp32 tf32 bf16; do
+                    ours=$(grep -h "^RESULT meshtrain-$model $prec " "$logs/$part.log" | sed -E 's/.*step_ms=([0-9.]+).*/\1/')
+                    theirs=$(grep -h "^RESULT torch-$model $prec " "$logs/$part.log" | sed -E 's/.*step_ms=([0-9.]+).*/\1/')
+                    if [ -n "$ours" ] && [ -n "$theirs" ]; then
+                        echo "RESULT ratio $model $prec: meshtrain is $(awk -v a="$ours" -v b="$theirs" 'BEGIN{printf "%.2f", b/a}')x PyTorch eager ($ours vs $theirs ms/step)" \
+                            | tee -a "$logs/$part.log"
+                    fi
+                done
+            done
+        fi
         if [ "$part" = multi ]; then
             # NCCL on the GPU(s): its own test binaries, each test an ok, FAIL or skip line.
             for t in .gpu/test-nccl*; do
@@ -210,6 +274,9 @@ run)
         grep -E '^(ok  |FAIL|skip) ' "$logs/multi.log"
         grep -E '^staged all_reduce' "$logs/multi.log"
     fi
+    for f in layouts convnets accuracy; do
+        [ -f "$logs/$f.log" ] && grep -E '^(ok  |FAIL) |^RESULT ratio' "$logs/$f.log"
+    done
     [ -f "$logs/products.log" ] && grep -E '^products:' "$logs/products.log"
     grep -E '^step ' "$logs/step.log" 2>/dev/null | sed 's/^/planner vs measured /'
     if [ -f "$logs/kernels.log" ]; then
