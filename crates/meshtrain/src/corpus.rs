@@ -1,17 +1,23 @@
 //! The documents in the files `meshtrain tokenize` is given. A file is plain UTF-8 text (one
 //! document), JSON lines (one document per line, its text in a field, `text` by default),
-//! either of them gzip-compressed, or Parquet (one document per row, its text in a column,
-//! read a row group at a time: the file is never in memory whole). The format comes from the
-//! content (Parquet's, gzip's and zstd's magic bytes, a first `{`) and the extension
-//! (`.jsonl`, `.ndjson`, `.json`, under `.gz`). A file that is none of these, or text that is
-//! not UTF-8, is refused with the offset of its first bad byte, never tokenized as if it were
-//! text. A malformed line (or a row without text) is named (file and line, or row group and
-//! row) and stops the run, or with `skip_bad` is counted and left out. zstd-compressed text is
-//! recognised and refused by name.
+//! either of them gzip-compressed, or Parquet (one document per row, its text in a column).
+//! Every format is streamed: JSON lines a line at a time through the decompressor, Parquet a
+//! row group at a time (only the text column), and a text file, when the caller can take it
+//! in parts ([`Document::continues`]), in pieces of about a given size cut where the BPE's
+//! pre-tokeniser splits alike in a piece and in the whole. So memory does not grow with a
+//! file's size. The format comes from the content (Parquet's, gzip's and zstd's magic bytes,
+//! a first `{`) and the extension (`.jsonl`, `.ndjson`, `.json`, under `.gz`). A file that is
+//! none of these, or text that is not UTF-8, is refused with the offset of its first bad byte,
+//! never tokenized as if it were text. A malformed line (or a row without text) is named (file
+//! and line, or row group and row) and stops the run, or with `skip_bad` is counted and left
+//! out. zstd-compressed text is recognised and refused by name.
+//!
+//! Inputs may be files, directories (every file under them, in name order, hidden ones left
+//! out) and glob patterns ([`expand_inputs`]).
 
 use anyhow::{bail, Context, Result};
-use std::io::Read;
-use std::path::Path;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
 
 /// How a file holds its documents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,12 +38,21 @@ pub struct Documents {
     pub skipped: usize,
 }
 
+/// A document, or a piece of one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Document {
+    pub text: String,
+    /// This text continues the previous document (a later piece of a large text file): no
+    /// separator before it.
+    pub continues: bool,
+}
+
 const GZIP: &[u8] = &[0x1f, 0x8b];
 const ZSTD: &[u8] = &[0x28, 0xb5, 0x2f, 0xfd];
 const PARQUET: &[u8] = b"PAR1";
 
-/// The format of `bytes` (already decompressed), named `name` (its extension counts).
-pub fn format_of(name: &str, bytes: &[u8]) -> Format {
+/// The format of a file named `name` whose (decompressed) contents start with `start`.
+pub fn format_of(name: &str, start: &[u8]) -> Format {
     let name = name.strip_suffix(".gz").unwrap_or(name);
     if [".jsonl", ".ndjson", ".json"]
         .iter()
@@ -45,10 +60,68 @@ pub fn format_of(name: &str, bytes: &[u8]) -> Format {
     {
         return Format::JsonLines;
     }
-    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+    match start.iter().find(|b| !b.is_ascii_whitespace()) {
         Some(b'{') => Format::JsonLines,
         _ => Format::Text,
     }
+}
+
+fn has_glob_characters(s: &str) -> bool {
+    s.contains(['*', '?', '['])
+}
+
+/// The files `inputs` name, in order: a file as it is, a directory as every file under it
+/// (recursively, in name order, names starting with `.` left out), a glob pattern as its
+/// matches in name order. A missing file, an empty directory or a pattern that matches
+/// nothing is an error naming it.
+pub fn expand_inputs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for input in inputs {
+        let text = input.to_string_lossy();
+        if !input.exists() && has_glob_characters(&text) {
+            let mut matched: Vec<PathBuf> = glob::glob(&text)
+                .with_context(|| format!("--input {text}: not a valid glob pattern"))?
+                .filter_map(|p| p.ok())
+                .filter(|p| p.is_file())
+                .collect();
+            matched.sort();
+            if matched.is_empty() {
+                bail!("--input {text}: no file matches the pattern");
+            }
+            files.extend(matched);
+        } else if input.is_dir() {
+            let before = files.len();
+            files_under(input, &mut files)?;
+            if files.len() == before {
+                bail!("--input {}: the directory holds no files", input.display());
+            }
+        } else if input.is_file() {
+            files.push(input.clone());
+        } else {
+            bail!("--input {}: no such file or directory", input.display());
+        }
+    }
+    Ok(files)
+}
+
+fn files_under(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            !p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
+        .collect();
+    entries.sort();
+    for path in entries {
+        if path.is_dir() {
+            files_under(&path, out)?;
+        } else if path.is_file() {
+            out.push(path);
+        }
+    }
+    Ok(())
 }
 
 /// Whether the file starts with Parquet's magic bytes.
@@ -62,35 +135,51 @@ fn is_parquet(path: &Path) -> Result<bool> {
     Ok(n == 4 && magic == PARQUET)
 }
 
-/// The file's bytes, gunzipped when they are gzip's; zstd refused by name.
-fn contents(path: &Path) -> Result<Vec<u8>> {
-    let raw = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    if raw.starts_with(ZSTD) {
+/// The file's contents as a stream, gunzipped when they are gzip's; zstd refused by name.
+fn open_stream(path: &Path) -> Result<Box<dyn BufRead>> {
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut raw = BufReader::with_capacity(1 << 20, file);
+    let start = raw
+        .fill_buf()
+        .with_context(|| format!("reading {}", path.display()))?;
+    if start.starts_with(ZSTD) {
         bail!(
             "{}: zstd-compressed, which this build does not read yet: decompress it first \
              (zstd -d) or recompress it with gzip",
             path.display()
         );
     }
-    if !raw.starts_with(GZIP) {
-        return Ok(raw);
+    if !start.starts_with(GZIP) {
+        return Ok(Box::new(raw));
     }
-    let mut out = Vec::new();
-    flate2::read::MultiGzDecoder::new(&raw[..])
-        .read_to_end(&mut out)
-        .with_context(|| format!("{}: a damaged gzip stream", path.display()))?;
-    Ok(out)
+    Ok(Box::new(BufReader::with_capacity(
+        1 << 20,
+        flate2::bufread::MultiGzDecoder::new(raw),
+    )))
 }
 
-/// `bytes` as UTF-8, or an error naming the first byte that is not (and its offset).
-fn utf8<'a>(path: &Path, bytes: &'a [u8]) -> Result<&'a str> {
-    std::str::from_utf8(bytes).map_err(|e| {
-        let at = e.valid_up_to();
+/// A read error of the (decompressed) stream, named: a plain file's reads fail only for
+/// the disk's reasons, so bad or missing data is the decompressor's.
+fn stream_error(path: &Path, e: std::io::Error) -> anyhow::Error {
+    use std::io::ErrorKind::{InvalidData, InvalidInput, UnexpectedEof};
+    if matches!(e.kind(), InvalidInput | InvalidData | UnexpectedEof) {
+        anyhow::anyhow!("{}: a damaged gzip stream: {e}", path.display())
+    } else {
+        anyhow::anyhow!("reading {}: {e}", path.display())
+    }
+}
+
+/// `bytes` (which start at byte `offset` of the file's text) as UTF-8, or an error naming the
+/// first byte that is not (and its offset in the file).
+fn utf8(path: &Path, bytes: Vec<u8>, offset: u64) -> Result<String> {
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
         anyhow::anyhow!(
-            "{}: neither UTF-8 text nor a format meshtrain reads (JSON lines, gzip): byte \
-             offset {at} is 0x{:02x}",
+            "{}: neither UTF-8 text nor a format meshtrain reads (JSON lines, gzip, Parquet): \
+             byte offset {} is 0x{:02x}",
             path.display(),
-            bytes[at]
+            offset + at as u64,
+            e.as_bytes()[at]
         )
     })
 }
@@ -100,55 +189,143 @@ fn utf8<'a>(path: &Path, bytes: &'a [u8]) -> Result<&'a str> {
 /// is, or with `skip_bad` is counted in [`Documents::skipped`].
 pub fn read_documents(path: &Path, text_field: &str, skip_bad: bool) -> Result<Documents> {
     let mut texts = Vec::new();
-    let skipped = for_each_document(path, text_field, skip_bad, |doc| {
-        texts.push(doc);
+    let skipped = for_each_document(path, text_field, skip_bad, None, |doc| {
+        texts.push(doc.text);
         Ok(true)
     })?;
     Ok(Documents { texts, skipped })
 }
 
 /// [`read_documents`] a document at a time: `f` gets each one in order and returns whether
-/// to go on. Returns the number left out under `skip_bad`.
+/// to go on. With `text_pieces`, a text file comes in pieces of about that many bytes (the
+/// later ones [`Document::continues`]), cut after a lone newline between printable ASCII
+/// characters, where GPT-2's and cl100k's pre-tokenisers split alike in a piece and in the
+/// whole (`tokenize::pieces`' rule); without, whole. Returns the number left out under
+/// `skip_bad`.
 pub fn for_each_document(
     path: &Path,
     text_field: &str,
     skip_bad: bool,
-    mut f: impl FnMut(String) -> Result<bool>,
+    text_pieces: Option<usize>,
+    mut f: impl FnMut(Document) -> Result<bool>,
 ) -> Result<usize> {
     if is_parquet(path)? {
-        return parquet_documents(path, text_field, skip_bad, f);
+        return parquet_documents(path, text_field, skip_bad, |text| {
+            f(Document {
+                text,
+                continues: false,
+            })
+        });
     }
-    let bytes = contents(path)?;
-    let name = path.to_string_lossy();
-    match format_of(&name, &bytes) {
+    let mut stream = open_stream(path)?;
+    let start = stream.fill_buf().map_err(|e| stream_error(path, e))?;
+    match format_of(&path.to_string_lossy(), start) {
         Format::Text | Format::Parquet => {
-            f(utf8(path, &bytes)?.to_string())?;
+            text_documents(path, stream, text_pieces.unwrap_or(usize::MAX), f)?;
             Ok(0)
         }
-        Format::JsonLines => {
-            let text = utf8(path, &bytes)?;
-            let mut skipped = 0;
-            for (i, line) in text.lines().enumerate() {
-                if line.trim().is_empty() {
-                    continue;
-                }
-                match document_of(line, text_field) {
-                    Ok(doc) => {
-                        if !f(doc)? {
-                            break;
-                        }
-                    }
-                    Err(_) if skip_bad => skipped += 1,
-                    Err(why) => bail!(
-                        "{}:{}: {why} (--skip-bad leaves such lines out and counts them)",
-                        path.display(),
-                        i + 1
-                    ),
-                }
+        Format::JsonLines => json_lines(path, stream, text_field, skip_bad, f),
+    }
+}
+
+/// A text file as one document, in pieces of about `target` bytes.
+fn text_documents(
+    path: &Path,
+    mut stream: Box<dyn BufRead>,
+    target: usize,
+    mut f: impl FnMut(Document) -> Result<bool>,
+) -> Result<()> {
+    let mut pending: Vec<u8> = Vec::new();
+    let (mut offset, mut first, mut searched) = (0u64, true, 0usize);
+    let mut emit = |bytes: Vec<u8>, offset: u64, first: &mut bool| -> Result<bool> {
+        let text = utf8(path, bytes, offset)?;
+        let go_on = f(Document {
+            text,
+            continues: !*first,
+        })?;
+        *first = false;
+        Ok(go_on)
+    };
+    loop {
+        let chunk = stream.fill_buf().map_err(|e| stream_error(path, e))?;
+        if chunk.is_empty() {
+            break;
+        }
+        let n = chunk.len();
+        pending.extend_from_slice(chunk);
+        stream.consume(n);
+        while pending.len() > target {
+            // Resume the search where the last one stopped (a long line without a cut).
+            let Some(cut) = piece_end(&pending, target.max(searched)) else {
+                searched = pending.len();
+                break;
+            };
+            searched = 0;
+            let rest = pending.split_off(cut);
+            let piece = std::mem::replace(&mut pending, rest);
+            let len = piece.len() as u64;
+            if !emit(piece, offset, &mut first)? {
+                return Ok(());
             }
-            Ok(skipped)
+            offset += len;
         }
     }
+    if !pending.is_empty() || first {
+        emit(pending, offset, &mut first)?;
+    }
+    Ok(())
+}
+
+/// Where a piece of `bytes` may end, at `from` or later: after a lone newline between two
+/// printable ASCII characters (the byte after it must be there to tell).
+fn piece_end(bytes: &[u8], from: usize) -> Option<usize> {
+    (from.max(2)..bytes.len()).find(|&cut| {
+        bytes[cut - 1] == b'\n'
+            && bytes[cut - 2].is_ascii_graphic()
+            && bytes[cut].is_ascii_graphic()
+    })
+}
+
+/// JSON lines, one at a time.
+fn json_lines(
+    path: &Path,
+    mut stream: Box<dyn BufRead>,
+    text_field: &str,
+    skip_bad: bool,
+    mut f: impl FnMut(Document) -> Result<bool>,
+) -> Result<usize> {
+    let (mut skipped, mut offset) = (0, 0u64);
+    let mut raw = Vec::new();
+    for number in 1.. {
+        raw.clear();
+        let n = stream
+            .read_until(b'\n', &mut raw)
+            .map_err(|e| stream_error(path, e))?;
+        if n == 0 {
+            break;
+        }
+        let line = utf8(path, std::mem::take(&mut raw), offset)?;
+        offset += n as u64;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match document_of(&line, text_field) {
+            Ok(text) => {
+                if !f(Document {
+                    text,
+                    continues: false,
+                })? {
+                    break;
+                }
+            }
+            Err(_) if skip_bad => skipped += 1,
+            Err(why) => bail!(
+                "{}:{number}: {why} (--skip-bad leaves such lines out and counts them)",
+                path.display()
+            ),
+        }
+    }
+    Ok(skipped)
 }
 
 /// The `text_field` column of a Parquet file, a row group at a time (only that column is
@@ -289,8 +466,8 @@ pub(crate) mod tests {
         assert!(e.contains("no column \"body\" (it has id, text"), "{e}");
         // Stopping early reads no further.
         let mut seen = Vec::new();
-        for_each_document(&path, "text", true, |d| {
-            seen.push(d);
+        for_each_document(&path, "text", true, None, |d| {
+            seen.push(d.text);
             Ok(seen.len() < 2)
         })
         .unwrap();

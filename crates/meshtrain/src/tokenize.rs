@@ -3,6 +3,11 @@
 //! text without a line of Rust: `data.train_files = "OUT/train_*.bin"`. The documents come
 //! from text files, JSON lines (gzipped or not) or Parquet ([`crate::corpus`]).
 //!
+//! The corpus streams: one thread reads documents in order into batches (two ahead), every
+//! core encodes a batch, shards are written as they fill into `OUT/.tokenize-partial/` and
+//! moved into `OUT` only when the run has finished. The validation split is by documents
+//! ([`goes_to_validation`]).
+//!
 //! The BPE is tiktoken-rs's, whose vocabularies ship inside the crate (no download). Text is
 //! cut into pieces after lone newlines between printable characters — where the BPE's
 //! pre-tokenising regex splits alike in a piece and in the whole — and the pieces are encoded
@@ -25,7 +30,8 @@ pub struct TokenizeArgs {
     /// Files of documents: UTF-8 text (the file is one document), JSON lines (one document
     /// per line, see --text-field), either possibly gzip-compressed, or Parquet (one document
     /// per row, the --text-field column); the format is taken from the content and the
-    /// extension (`meshtrain::corpus`). Each document is
+    /// extension (`meshtrain::corpus`). A directory means every file under it, a quoted
+    /// glob pattern ('corpus/*.jsonl.gz') its matches, both in name order. Each document is
     /// preceded by the end-of-text token, as in GPT-2's training data.
     #[arg(long = "input", required = true, num_args = 1..)]
     pub inputs: Vec<PathBuf>,
@@ -50,7 +56,9 @@ pub struct TokenizeArgs {
     /// train with data.tokenizer set to it, so that samples and generate decode with it.
     #[arg(long, conflicts_with = "encoding")]
     pub tokenizer: Option<PathBuf>,
-    /// The share of the tokens, taken from the end, that goes to validation shards.
+    /// The share of the documents that goes to validation shards: every (1/f)-th document,
+    /// spread over the corpus. A corpus of fewer documents (one text file) gives the last f
+    /// of its tokens instead. 0: no validation shards.
     #[arg(long, default_value_t = 0.1)]
     pub val_fraction: f64,
     /// Tokens per shard (llm.c writes 100 M).
@@ -225,8 +233,8 @@ pub fn pieces(text: &str, target: usize) -> Vec<&str> {
     out
 }
 
-/// Text to tokens, with the encoder a run chose.
-type TextEncoder = Box<dyn Fn(&str) -> Result<Vec<u32>>>;
+/// Text to tokens, with the encoder a run chose (called from every core at once).
+type TextEncoder = Box<dyn Fn(&str) -> Result<Vec<u32>> + Send + Sync>;
 
 /// `text` as tokens, encoded in parallel pieces.
 fn encode(enc: &Encoding, text: &str) -> Vec<u32> {
@@ -237,6 +245,211 @@ fn encode(enc: &Encoding, text: &str) -> Vec<u32> {
     parts.concat()
 }
 
+/// Text read ahead of the encoders, per batch: enough documents for every core, few enough
+/// that memory does not grow with the corpus (two batches in flight).
+const BATCH_BYTES: usize = 8 << 20;
+/// A text file (one document) comes in pieces of about this size with GPT-2's or cl100k's
+/// BPE, whose pieces encode as the whole; a `tokenizer.json` takes a document whole.
+const TEXT_PIECE_BYTES: usize = 1 << 20;
+/// Where a run writes its shards until it has finished.
+const PARTIAL_DIR: &str = ".tokenize-partial";
+
+/// Whether document `i` (from 0) goes to validation: when ⌊(i+1)·f⌋ > ⌊i·f⌋, i.e. every
+/// (1/f)-th document, spread over the whole corpus, the same on every run.
+pub fn goes_to_validation(i: u64, fraction: f64) -> bool {
+    ((i + 1) as f64 * fraction).floor() > (i as f64 * fraction).floor()
+}
+
+/// One split's shards, written as they fill (each file complete before it has its name).
+struct Shards {
+    dir: PathBuf,
+    split: &'static str,
+    shard_tokens: usize,
+    vocab: usize,
+    buffer: Vec<u32>,
+    written: Vec<String>,
+    tokens: u64,
+}
+
+impl Shards {
+    fn new(dir: &std::path::Path, split: &'static str, shard_tokens: usize, vocab: usize) -> Self {
+        Shards {
+            dir: dir.to_path_buf(),
+            split,
+            shard_tokens,
+            vocab,
+            buffer: Vec::new(),
+            written: Vec::new(),
+            tokens: 0,
+        }
+    }
+
+    fn push(&mut self, tokens: &[u32]) -> Result<()> {
+        self.tokens += tokens.len() as u64;
+        self.buffer.extend_from_slice(tokens);
+        while self.buffer.len() >= self.shard_tokens {
+            let rest = self.buffer.split_off(self.shard_tokens);
+            let full = std::mem::replace(&mut self.buffer, rest);
+            self.write(&full)?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if !self.buffer.is_empty() {
+            let last = std::mem::take(&mut self.buffer);
+            self.write(&last)?;
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, tokens: &[u32]) -> Result<()> {
+        let name = format!("{}_{:06}.bin", self.split, self.written.len());
+        let tmp = self.dir.join(format!("{name}.tmp"));
+        write_shard(&tmp, tokens, self.vocab)?;
+        std::fs::rename(&tmp, self.dir.join(&name))
+            .with_context(|| format!("naming {}", self.dir.join(&name).display()))?;
+        self.written.push(name);
+        Ok(())
+    }
+}
+
+/// The split of a stream of documents into training and validation shards by documents
+/// ([`goes_to_validation`]). Until the first validation document is drawn the documents are
+/// held back: a corpus that ends before one is (fewer than 1/f documents, such as one text
+/// file) is split by tokens instead, its last f of them to validation.
+struct Split {
+    fraction: f64,
+    documents: u64,
+    current_is_validation: bool,
+    /// The documents so far (whether each goes to validation, its tokens) while no
+    /// validation document has been drawn.
+    held: Option<Vec<(bool, Vec<u32>)>>,
+    train: Shards,
+    val: Shards,
+}
+
+impl Split {
+    fn new(fraction: f64, train: Shards, val: Shards) -> Self {
+        Split {
+            fraction,
+            documents: 0,
+            current_is_validation: false,
+            held: (fraction > 0.0).then(Vec::new),
+            train,
+            val,
+        }
+    }
+
+    /// The tokens of a new document (its separator first), or with `continues` more of the
+    /// current one.
+    fn add(&mut self, continues: bool, tokens: Vec<u32>) -> Result<()> {
+        if !continues {
+            self.current_is_validation = goes_to_validation(self.documents, self.fraction);
+            self.documents += 1;
+        }
+        if let Some(held) = &mut self.held {
+            match held.last_mut() {
+                Some((_, last)) if continues => last.extend(tokens),
+                _ => held.push((self.current_is_validation, tokens)),
+            }
+            if !self.current_is_validation {
+                return Ok(());
+            }
+            for (validation, tokens) in self.held.take().expect("held") {
+                self.to_split(validation, &tokens)?;
+            }
+            return Ok(());
+        }
+        self.to_split(self.current_is_validation, &tokens)
+    }
+
+    fn to_split(&mut self, validation: bool, tokens: &[u32]) -> Result<()> {
+        if validation {
+            self.val.push(tokens)
+        } else {
+            self.train.push(tokens)
+        }
+    }
+
+    /// Writes what is left; says how the split was made.
+    fn finish(&mut self) -> Result<&'static str> {
+        let how = match self.held.take() {
+            Some(held) => {
+                let all: Vec<u32> = held.into_iter().flat_map(|(_, t)| t).collect();
+                let val = (all.len() as f64 * self.fraction) as usize;
+                self.train.push(&all[..all.len() - val])?;
+                self.val.push(&all[all.len() - val..])?;
+                "by tokens (fewer documents than 1/--val-fraction): the last tokens"
+            }
+            None if self.fraction > 0.0 => "by documents: every (1/--val-fraction)-th document",
+            None => "none (--val-fraction 0)",
+        };
+        self.train.finish()?;
+        self.val.finish()?;
+        Ok(how)
+    }
+}
+
+/// What the reader hands the encoders: documents (or pieces) in corpus order.
+type Batch = Vec<crate::corpus::Document>;
+
+/// Reads `files`' documents in order into batches for `tx`, at most `limit` documents.
+/// Returns (documents, bytes, malformed lines left out).
+fn read_corpus(
+    files: &[PathBuf],
+    args: &TokenizeArgs,
+    limit: usize,
+    tx: std::sync::mpsc::SyncSender<Batch>,
+) -> Result<(usize, usize, usize)> {
+    let text_pieces = args.tokenizer.is_none().then_some(TEXT_PIECE_BYTES);
+    let (mut documents, mut bytes, mut skipped) = (0usize, 0usize, 0usize);
+    let mut batch = Batch::new();
+    let mut batch_bytes = 0usize;
+    for path in files {
+        if documents == limit {
+            break;
+        }
+        skipped += crate::corpus::for_each_document(
+            path,
+            &args.text_field,
+            args.skip_bad,
+            text_pieces,
+            |doc| {
+                if !doc.continues {
+                    if documents == limit {
+                        return Ok(false);
+                    }
+                    documents += 1;
+                }
+                bytes += doc.text.len();
+                batch_bytes += doc.text.len();
+                batch.push(doc);
+                if batch_bytes >= BATCH_BYTES {
+                    batch_bytes = 0;
+                    tx.send(std::mem::take(&mut batch))
+                        .map_err(|_| anyhow::anyhow!("the encoders stopped"))?;
+                }
+                Ok(true)
+            },
+        )?;
+    }
+    if !batch.is_empty() {
+        tx.send(batch)
+            .map_err(|_| anyhow::anyhow!("the encoders stopped"))?;
+    }
+    Ok((documents, bytes, skipped))
+}
+
+/// The progress line: documents, tokens and the rate (drawn only on a terminal).
+fn progress_bar() -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new_spinner();
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{spinner} {elapsed} {msg}") {
+        bar.set_style(style);
+    }
+    bar
+}
+
 pub fn run(args: &TokenizeArgs) -> Result<()> {
     ensure!(
         (0.0..1.0).contains(&args.val_fraction),
@@ -244,6 +457,7 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         args.val_fraction
     );
     ensure!(args.shard_tokens > 0, "--shard-tokens must be at least 1");
+    let files = crate::corpus::expand_inputs(&args.inputs)?;
     let (name, vocab, separator, encode_text): (String, usize, Option<u32>, TextEncoder) =
         match &args.tokenizer {
             Some(path) => {
@@ -268,72 +482,164 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
                 )
             }
         };
-    let started = Instant::now();
-    let mut tokens = Vec::new();
-    let (mut bytes, mut documents, mut skipped) = (0usize, 0usize, 0usize);
-    let limit = args.max_documents.unwrap_or(usize::MAX);
-    for path in &args.inputs {
-        if documents == limit {
-            break;
-        }
-        skipped +=
-            crate::corpus::for_each_document(path, &args.text_field, args.skip_bad, |text| {
-                documents += 1;
-                bytes += text.len();
-                tokens.extend(separator);
-                tokens.extend(
-                    encode_text(&text).with_context(|| format!("encoding {}", path.display()))?,
-                );
-                Ok(documents < limit)
-            })?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let partial = args.out.join(PARTIAL_DIR);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial)
+            .with_context(|| format!("removing an earlier run's {}", partial.display()))?;
     }
+    std::fs::create_dir_all(&partial).with_context(|| format!("creating {}", partial.display()))?;
+    let mut split = Split::new(
+        args.val_fraction,
+        Shards::new(&partial, "train", args.shard_tokens, vocab),
+        Shards::new(&partial, "val", args.shard_tokens, vocab),
+    );
+    let started = Instant::now();
+    let limit = args.max_documents.unwrap_or(usize::MAX);
+    let bar = progress_bar();
+    let (read, encoded) = std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Batch>(2);
+        let reader = scope.spawn(|| read_corpus(&files, args, limit, tx));
+        let encoded = (|| -> Result<()> {
+            let (mut documents, mut bytes) = (0u64, 0usize);
+            for batch in rx {
+                let tokens: Vec<Result<Vec<u32>>> =
+                    batch.par_iter().map(|d| encode_text(&d.text)).collect();
+                for (doc, tokens) in batch.iter().zip(tokens) {
+                    let mut all = Vec::new();
+                    if !doc.continues {
+                        all.extend(separator);
+                        documents += 1;
+                    }
+                    all.extend(tokens.context("encoding a document")?);
+                    bytes += doc.text.len();
+                    split.add(doc.continues, all)?;
+                }
+                let seconds = started.elapsed().as_secs_f64().max(1e-9);
+                bar.set_message(format!(
+                    "{documents} documents, {} tokens, {:.1} MB/s",
+                    split.train.tokens + split.val.tokens,
+                    bytes as f64 / 1e6 / seconds
+                ));
+                bar.tick();
+            }
+            Ok(())
+        })();
+        let read = reader.join().expect("the corpus reader panicked");
+        (read, encoded)
+    });
+    bar.finish_and_clear();
+    // An encoder's error first: the reader then only saw its partner stop.
+    let outcome = encoded.and(read).and_then(|(documents, bytes, skipped)| {
+        ensure!(
+            documents > 0,
+            "no documents in {} (empty files, or every line left out)",
+            files
+                .iter()
+                .map(|f| f.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let how = split.finish()?;
+        Ok((documents, bytes, skipped, how))
+    });
+    let (documents, bytes, skipped, how) = match outcome {
+        Ok(done) => done,
+        Err(e) => {
+            let kept = split.train.written.len() + split.val.written.len();
+            let _ = std::fs::remove_dir_all(&partial);
+            return Err(e.context(format!(
+                "nothing in {} changed ({kept} shard(s) written before the error were removed)",
+                args.out.display()
+            )));
+        }
+    };
+    let replaced = finish_shards(&args.out, &partial)?;
     if skipped > 0 {
         println!("left out {skipped} malformed line(s) (--skip-bad)");
     }
-    let seconds = started.elapsed().as_secs_f64();
-    let val = (tokens.len() as f64 * args.val_fraction) as usize;
-    let (train, validation) = tokens.split_at(tokens.len() - val);
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
-    let mut written = Vec::new();
-    for (split, part) in [("train", train), ("val", validation)] {
-        for (k, shard) in part.chunks(args.shard_tokens).enumerate() {
-            let path = args.out.join(format!("{split}_{k:06}.bin"));
-            write_shard(&path, shard, vocab)?;
-            written.push(path);
-        }
+    if replaced > 0 {
+        println!(
+            "replaced {replaced} shard(s) of an earlier run in {}",
+            args.out.display()
+        );
     }
+    let seconds = started.elapsed().as_secs_f64();
+    let tokens = split.train.tokens + split.val.tokens;
     println!(
-        "{} tokens of {documents} document(s) from {:.1} MB of text in {seconds:.2} s ({:.1} \
-         MB/s, {:.2} M tokens/s; {}, {} tokens per byte)",
-        tokens.len(),
+        "{tokens} tokens of {documents} document(s) from {} file(s), {:.1} MB of text in \
+         {seconds:.2} s ({:.1} MB/s, {:.2} M tokens/s; {name}, {:.3} tokens per byte)",
+        files.len(),
         bytes as f64 / 1e6,
         bytes as f64 / 1e6 / seconds.max(1e-9),
-        tokens.len() as f64 / 1e6 / seconds.max(1e-9),
-        name,
-        format_args!("{:.3}", tokens.len() as f64 / bytes.max(1) as f64)
+        tokens as f64 / 1e6 / seconds.max(1e-9),
+        tokens as f64 / bytes.max(1) as f64
     );
+    let shards = |s: &Shards| match s.written.len() {
+        0 => "none".to_string(),
+        1 => s.written[0].clone(),
+        n => format!("{} … {} ({n} shards)", s.written[0], s.written[n - 1]),
+    };
     println!(
-        "wrote {} train and {} validation tokens: {}",
-        train.len(),
-        validation.len(),
-        written
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+        "wrote {} train tokens ({}) and {} validation tokens ({}) to {}; validation split: {how}",
+        split.train.tokens,
+        shards(&split.train),
+        split.val.tokens,
+        shards(&split.val),
+        args.out.display()
     );
     let decode_with = match &args.tokenizer {
         Some(path) => format!(" --set 'data.tokenizer=\"{}\"'", path.display()),
         None => String::new(),
     };
+    let val_files = if split.val.written.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " --set 'data.val_files=\"{}/val_*.bin\"'",
+            args.out.display()
+        )
+    };
     println!(
-        "train with: --set 'data.train_files=\"{0}/train_*.bin\"' --set \
-         'data.val_files=\"{0}/val_*.bin\"' --set model.vocab={1}{decode_with}",
+        "train with: --set 'data.train_files=\"{}/train_*.bin\"'{val_files} --set \
+         model.vocab={vocab}{decode_with}",
         args.out.display(),
-        vocab
     );
+    if split.val.written.is_empty() {
+        println!(
+            "(no validation shards, so no validation loss: --val-fraction above 0 makes them)"
+        );
+    }
     Ok(())
+}
+
+/// Moves a finished run's shards from `partial` into `out`, after removing an earlier run's
+/// (`train_*.bin`, `val_*.bin`) there; returns how many were removed.
+fn finish_shards(out: &std::path::Path, partial: &std::path::Path) -> Result<usize> {
+    let is_shard = |name: &str| {
+        (name.starts_with("train_") || name.starts_with("val_")) && name.ends_with(".bin")
+    };
+    let mut replaced = 0;
+    for entry in std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))? {
+        let path = entry?.path();
+        if path.is_file()
+            && path
+                .file_name()
+                .is_some_and(|n| is_shard(&n.to_string_lossy()))
+        {
+            std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+            replaced += 1;
+        }
+    }
+    for entry in std::fs::read_dir(partial)? {
+        let path = entry?.path();
+        let name = path.file_name().expect("a file name").to_owned();
+        std::fs::rename(&path, out.join(&name))
+            .with_context(|| format!("moving {} into {}", path.display(), out.display()))?;
+    }
+    std::fs::remove_dir(partial).with_context(|| format!("removing {}", partial.display()))?;
+    Ok(replaced)
 }
 
 #[cfg(test)]
@@ -378,6 +684,197 @@ mod tests {
             let b = std::fs::read(dir.path().join("rows").join(shard)).unwrap();
             assert!(a == b, "{shard} differs");
         }
+    }
+
+    fn args_for(inputs: Vec<PathBuf>, out: PathBuf) -> TokenizeArgs {
+        TokenizeArgs {
+            inputs,
+            out,
+            encoding: "gpt2".into(),
+            tokenizer: None,
+            val_fraction: 0.2,
+            shard_tokens: 1000,
+            text_field: "text".into(),
+            skip_bad: false,
+            max_documents: None,
+        }
+    }
+
+    /// Every token of a split's shards, in shard order.
+    fn split_tokens(dir: &std::path::Path, split: &str) -> Vec<u32> {
+        let pattern = format!("{}/{split}_*.bin", dir.display());
+        meshtrain_data::shards::open_shards(&pattern)
+            .map(|shards| {
+                shards
+                    .iter()
+                    .flat_map(|s| (0..s.len()).map(|i| s.token(i)).collect::<Vec<_>>())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn shakespeare() -> String {
+        std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../data/shakespeare/input.txt"),
+        )
+        .unwrap()
+    }
+
+    /// Every (1/f)-th document goes to validation; shards are written as they fill (1000
+    /// tokens each here), and together hold exactly each split's documents in order.
+    #[test]
+    fn validation_is_every_fifth_document_and_shards_fill_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = shakespeare();
+        let docs: Vec<&str> = (0..25).map(|i| &text[i * 1_500..(i + 1) * 1_500]).collect();
+        let lines: String = docs
+            .iter()
+            .map(|d| serde_json::json!({ "text": d }).to_string() + "\n")
+            .collect();
+        let corpus = dir.path().join("corpus.jsonl");
+        std::fs::write(&corpus, lines).unwrap();
+        run(&args_for(vec![corpus], dir.path().join("out"))).unwrap();
+        let enc = encoding("gpt2").unwrap();
+        let (mut train, mut val) = (Vec::new(), Vec::new());
+        for (i, d) in docs.iter().enumerate() {
+            let to = if goes_to_validation(i as u64, 0.2) {
+                &mut val
+            } else {
+                &mut train
+            };
+            to.push(enc.end_of_text);
+            to.extend(enc.bpe.encode_ordinary(d));
+        }
+        assert_eq!(
+            (0..25u64)
+                .filter(|&i| goes_to_validation(i, 0.2))
+                .collect::<Vec<_>>(),
+            vec![4, 9, 14, 19, 24]
+        );
+        let out = dir.path().join("out");
+        assert!(out.join("train_000001.bin").exists(), "several shards");
+        assert_eq!(split_tokens(&out, "train"), train);
+        assert_eq!(split_tokens(&out, "val"), val);
+        assert!(!out.join(PARTIAL_DIR).exists());
+    }
+
+    /// A text file comes in pieces (the later ones continue its document) that encode as
+    /// the whole file does.
+    #[test]
+    fn a_large_text_file_streams_in_pieces_that_encode_as_the_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = shakespeare();
+        let path = dir.path().join("input.txt");
+        std::fs::write(&path, &text).unwrap();
+        let mut parts = Vec::new();
+        crate::corpus::for_each_document(&path, "text", false, Some(10_000), |d| {
+            assert_eq!(d.continues, !parts.is_empty());
+            parts.push(d.text);
+            Ok(true)
+        })
+        .unwrap();
+        assert!(parts.len() > 50, "{} pieces", parts.len());
+        assert_eq!(parts.concat(), text);
+        let enc = encoding("gpt2").unwrap();
+        let joined: Vec<u32> = parts
+            .iter()
+            .flat_map(|p| enc.bpe.encode_ordinary(p))
+            .collect();
+        assert_eq!(joined, enc.bpe.encode_ordinary(&text));
+    }
+
+    /// One text file (fewer documents than 1/f) is split by tokens, as before: its last f
+    /// of them; with --val-fraction 0 there are no validation shards at all.
+    #[test]
+    fn a_single_document_is_split_by_tokens_and_zero_means_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("input.txt");
+        std::fs::write(&path, &shakespeare()[..50_000]).unwrap();
+        let out = dir.path().join("out");
+        run(&TokenizeArgs {
+            shard_tokens: 1 << 20,
+            ..args_for(vec![path.clone()], out.clone())
+        })
+        .unwrap();
+        let (train, val) = (split_tokens(&out, "train"), split_tokens(&out, "val"));
+        let all = train.len() + val.len();
+        assert_eq!(val.len(), (all as f64 * 0.2) as usize);
+        run(&TokenizeArgs {
+            val_fraction: 0.0,
+            ..args_for(vec![path], out.clone())
+        })
+        .unwrap();
+        assert!(
+            split_tokens(&out, "val").is_empty(),
+            "the earlier run's val shards replaced"
+        );
+        assert_eq!(split_tokens(&out, "train").len(), all);
+    }
+
+    /// A run that fails (a malformed line in the second file) leaves the output directory as
+    /// it was; an empty input is an error, not a one-token shard.
+    #[test]
+    fn a_failed_or_empty_run_leaves_nothing_looking_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("a.jsonl");
+        let bad = dir.path().join("b.jsonl");
+        let long = shakespeare()[..20_000].to_string();
+        std::fs::write(
+            &good,
+            serde_json::json!({ "text": long }).to_string() + "\n",
+        )
+        .unwrap();
+        std::fs::write(&bad, "{\"text\": \"fine\"}\n{broken\n").unwrap();
+        let out = dir.path().join("out");
+        let e = run(&args_for(vec![good.clone(), bad], out.clone())).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("b.jsonl:2: not a JSON object") && e.contains("nothing in"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "{e}");
+        let empty = dir.path().join("empty.txt");
+        std::fs::write(&empty, "").unwrap();
+        let blank = dir.path().join("blank.jsonl");
+        std::fs::write(&blank, "\n\n").unwrap();
+        let e = format!(
+            "{:#}",
+            run(&args_for(vec![blank], out.clone())).unwrap_err()
+        );
+        assert!(e.contains("no documents in"), "{e}");
+        assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
+        // An empty text file is one (empty) document: its separator is a corpus.
+        run(&args_for(vec![empty], out.clone())).unwrap();
+    }
+
+    /// A directory is every file under it, a glob its matches, both in name order.
+    #[test]
+    fn directories_and_globs_expand_in_name_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = dir.path().join("corpus");
+        std::fs::create_dir_all(corpus.join("sub")).unwrap();
+        for name in ["b.txt", "a.txt", "sub/c.txt", ".hidden"] {
+            std::fs::write(corpus.join(name), name).unwrap();
+        }
+        let files = crate::corpus::expand_inputs(&[corpus.clone()]).unwrap();
+        let names: Vec<String> = files
+            .iter()
+            .map(|f| f.strip_prefix(&corpus).unwrap().display().to_string())
+            .collect();
+        assert_eq!(names, ["a.txt", "b.txt", "sub/c.txt"]);
+        let pattern = PathBuf::from(format!("{}/*.txt", corpus.display()));
+        assert_eq!(crate::corpus::expand_inputs(&[pattern]).unwrap().len(), 2);
+        let none = PathBuf::from(format!("{}/*.parquet", corpus.display()));
+        let e = crate::corpus::expand_inputs(&[none])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no file matches"), "{e}");
+        let missing = dir.path().join("missing.txt");
+        let e = crate::corpus::expand_inputs(&[missing])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no such file"), "{e}");
     }
 
     #[test]

@@ -162,3 +162,41 @@ fn json_lines_tokenize_as_their_documents_and_binary_input_is_refused() {
     let ((ok, _, stderr), _) = tokenize(&[noise.to_str().unwrap()], "noise", &[]);
     assert!(!ok && stderr.contains("byte offset 0 is 0x80"), "{stderr}");
 }
+
+/// What a new user tripped over (issue 40): `--val-fraction 0` printed a `data.val_files`
+/// setting that, pasted, failed with "no file matches"; an empty input wrote a one-token
+/// shard and exited 0.
+#[test]
+fn no_validation_split_prints_no_validation_setting_and_an_empty_input_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("input.txt");
+    std::fs::write(&input, "A small text.\nWith two lines.\n").unwrap();
+    let out = dir.path().join("out");
+    let (ok, stdout, stderr) = meshtrain(&[
+        "tokenize",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--val-fraction",
+        "0",
+    ]);
+    assert!(ok, "{stdout}{stderr}");
+    assert!(
+        !stdout.contains("data.val_files") && stdout.contains("no validation shards"),
+        "{stdout}"
+    );
+    assert!(out.join("train_000000.bin").exists() && !out.join("val_000000.bin").exists());
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n").unwrap();
+    let out2 = dir.path().join("out2");
+    let (ok, stdout, stderr) = meshtrain(&[
+        "tokenize",
+        "--input",
+        empty.to_str().unwrap(),
+        "--out",
+        out2.to_str().unwrap(),
+    ]);
+    assert!(!ok && stderr.contains("no documents in"), "{stdout}{stderr}");
+    assert!(!out2.join("train_000000.bin").exists());
+}
