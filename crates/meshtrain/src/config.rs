@@ -465,8 +465,16 @@ impl Config {
     pub fn load(path: &Path, overrides: &[String]) -> Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config file {}", path.display()))?;
-        Self::from_toml_with_overrides(&text, overrides)
-            .with_context(|| format!("in config {}", path.display()))
+        // The value at fault may be the file's or the command line's (--set, --device, …):
+        // name both.
+        Self::from_toml_with_overrides(&text, overrides).with_context(|| match overrides {
+            [] => format!("in config {}", path.display()),
+            _ => format!(
+                "in config {} with the command line's {}",
+                path.display(),
+                overrides.join(" ")
+            ),
+        })
     }
 
     pub fn validate(&self) -> Result<()> {

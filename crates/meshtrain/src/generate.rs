@@ -47,7 +47,8 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
     /// Softmax temperature: below 1 sharper, above 1 flatter; 0 picks the likeliest token.
-    #[arg(long, default_value_t = GENERATE_TEMPERATURE)]
+    /// (A negative or NaN value is refused with a message, not taken for another flag.)
+    #[arg(long, default_value_t = GENERATE_TEMPERATURE, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Sample among the K likeliest tokens only (0: all).
     #[arg(long, default_value_t = GENERATE_TOP_K)]
@@ -87,7 +88,54 @@ pub enum Tokenizer {
     Hf(Box<HfTokenizer>),
 }
 
+/// How many ids past a tokenizer's own a model's vocabulary may have (padding to a multiple
+/// of 64 or 128, as GPT-2's 50,257 becomes 50,304): more, and the model was trained on other
+/// tokens.
+const VOCAB_PADDING: usize = 1024;
+
 impl Tokenizer {
+    /// Ids the tokenizer has.
+    pub fn vocab(&self) -> usize {
+        match self {
+            Tokenizer::Bytes => 256,
+            Tokenizer::Bpe(enc) => enc.vocab,
+            Tokenizer::Hf(hf) => hf.vocab,
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Tokenizer::Bytes => "bytes (256 ids)".into(),
+            Tokenizer::Bpe(enc) => format!("a BPE of {} ids", enc.vocab),
+            Tokenizer::Hf(hf) => format!("a tokenizer.json of {} ids", hf.vocab),
+        }
+    }
+
+    /// Refuses a tokenizer that cannot be the one a model of `vocab` ids was trained on: its
+    /// ids must fit, and the model must not have many more (then its tokens are another
+    /// vocabulary's, and decoding them with this one prints garbage). Names the encodings
+    /// that fit.
+    pub fn check_fits(&self, vocab: usize) -> Result<()> {
+        let own = self.vocab();
+        if own <= vocab && vocab < own + VOCAB_PADDING {
+            return Ok(());
+        }
+        let fitting: Vec<&str> = [("bytes", 256), ("gpt2", 50_257), ("cl100k", 100_277)]
+            .iter()
+            .filter(|(_, v)| *v <= vocab && vocab < v + VOCAB_PADDING)
+            .map(|(n, _)| *n)
+            .collect();
+        let suggestion = match fitting.as_slice() {
+            [] => "the tokenizer.json it was trained with (--tokenizer)".to_string(),
+            names => format!("--encoding {}", names.join(" or ")),
+        };
+        bail!(
+            "the model's vocabulary has {vocab} ids, which {} cannot be: give {suggestion} (or \
+             leave both out to use what the run trained on)",
+            self.name()
+        )
+    }
+
     pub fn named(name: &str) -> Result<Tokenizer> {
         Ok(match name {
             "bytes" => Tokenizer::Bytes,
@@ -407,6 +455,11 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         );
     };
     ensure!(args.max_tokens > 0, "--max-tokens must be at least 1");
+    ensure!(
+        args.temperature.is_finite() && args.temperature >= 0.0,
+        "--temperature must be 0 (always the likeliest token) or positive, got {}",
+        args.temperature
+    );
     let tokenizer = match &args.encoding {
         Some(name) => Tokenizer::named(name)?,
         None => match &args.tokenizer {
@@ -414,6 +467,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             None => Tokenizer::of_run(&cfg)?,
         },
     };
+    tokenizer.check_fits(lm.vocab)?;
     let (model, mut store) = load_weights(&checkpoint, &cfg)?;
     let prompt = tokenizer.encode(&args.prompt)?;
     ensure!(!prompt.is_empty(), "the prompt is empty");

@@ -16,9 +16,9 @@ use std::process::ExitCode;
 #[command(
     name = "meshtrain",
     version,
-    about = "Train neural networks across many workers (data, pipeline and tensor parallelism)",
-    long_about = "meshtrain trains LeNet, ResNet-18 and GPT models on one worker or many, and tells you \
-                  where the step time goes.\n\nStart with:\n  meshtrain train --config configs/lenet.toml\n\
+    about = "Train neural networks across many workers (data, tensor, pipeline and context parallelism, ZeRO)",
+    long_about = "meshtrain trains LeNet, ResNet-18, GPT and Llama models (or your own, as a library) on \
+                  CPU cores or GPUs, one worker or many, and tells you where the step time goes.\n\nStart with:\n  meshtrain train --config configs/lenet.toml\n\
                   Override any config value with --set, e.g. --set train.epochs=1 --set schedule.lr=0.05"
 )]
 struct Cli {
@@ -30,7 +30,8 @@ struct Cli {
 enum Command {
     /// Train a model from a TOML config (see configs/).
     Train(TrainArgs),
-    /// Benchmarks: model throughput, collectives.
+    /// Benchmarks: models, collectives, scaling (data parallelism), calibrate (the planner),
+    /// pipeline, tensor, precision, zero, context (long sequences), gpu.
     #[command(subcommand)]
     Bench(BenchCommand),
     /// Recommend a parallel layout (DP×TP×PP×SP, ZeRO, micro-batches, precision) for a model
@@ -44,7 +45,7 @@ enum Command {
     /// configs/gpt.toml`, or one process per GPU of this machine: `meshtrain launch --gpus 4
     /// -- --config configs/gpt.toml`.
     Launch(meshtrain::launch::LaunchArgs),
-    /// Text from a trained GPT checkpoint, streamed as it comes:
+    /// Text from a trained GPT or Llama checkpoint, streamed as it comes:
     /// `meshtrain generate --checkpoint runs/gpt/checkpoint.safetensors --prompt "ROMEO:"`.
     Generate(meshtrain::generate::GenerateArgs),
     /// Write a GPT or Llama checkpoint as a Hugging Face transformers model directory
@@ -55,17 +56,19 @@ enum Command {
     /// Turn text files into token shards (GPT-2 or cl100k BPE, llm.c's file format) to train
     /// on with data.train_files: `meshtrain tokenize --input corpus.txt --out data/tok`.
     Tokenize(meshtrain::tokenize::TokenizeArgs),
-    /// Inspect or convert sharded checkpoints (written under ZeRO, or with
-    /// train.checkpoint_format = "sharded").
+    /// Inspect checkpoints, or join sharded ones (written under ZeRO, or with
+    /// train.checkpoint_format = "sharded") into one file.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
 }
 
 #[derive(Subcommand)]
 enum CheckpointCommand {
-    /// What a sharded checkpoint holds: step, layout, tensors, shard files.
+    /// What a checkpoint holds: step, model, tensors (a sharded one: its layout and shard
+    /// files too).
     Info {
-        /// The checkpoint directory (or its index.json).
+        /// A checkpoint.safetensors, a sharded checkpoint's directory (or its index.json), or
+        /// a run directory holding either.
         path: PathBuf,
     },
     /// Join a sharded checkpoint into one checkpoint.safetensors (the format every run
@@ -247,8 +250,28 @@ fn run() -> Result<ExitCode> {
     done.map(|()| ExitCode::SUCCESS)
 }
 
+/// The checkpoint a path given to `checkpoint info` means: itself, or in a run directory its
+/// `checkpoint.safetensors` or `checkpoint/` (sharded).
+fn checkpoint_in(path: &std::path::Path) -> std::path::PathBuf {
+    if path.is_dir() && !path.join("index.json").is_file() {
+        for inside in ["checkpoint.safetensors", "checkpoint"] {
+            if path.join(inside).exists() {
+                return path.join(inside);
+            }
+        }
+    }
+    path.to_path_buf()
+}
+
 fn checkpoint(command: CheckpointCommand) -> Result<()> {
     use meshtrain_train::sharded::{consolidate, describe, is_sharded, ShardedCheckpoint};
+    if let CheckpointCommand::Info { path } = &command {
+        let path = checkpoint_in(path);
+        if !is_sharded(&path) {
+            print!("{}", meshtrain_train::checkpoint::describe_file(&path)?);
+            return Ok(());
+        }
+    }
     let path = match &command {
         CheckpointCommand::Info { path } | CheckpointCommand::Consolidate { path, .. } => path,
     };
@@ -261,7 +284,10 @@ fn checkpoint(command: CheckpointCommand) -> Result<()> {
     }
     match command {
         CheckpointCommand::Info { path } => {
-            print!("{}", describe(&ShardedCheckpoint::open(&path)?));
+            print!(
+                "{}",
+                describe(&ShardedCheckpoint::open(&checkpoint_in(&path))?)
+            );
         }
         CheckpointCommand::Consolidate { path, out } => {
             let bar = if std::io::stderr().is_terminal() {

@@ -284,17 +284,36 @@ pub fn plot_runs(metrics: &[PathBuf], out_png: &Path) -> Result<(), PlotError> {
     let figure = if figures.len() == 1 {
         figures.remove(0).1
     } else {
-        let what = if finals.iter().any(|f| f.ends_with('%')) {
-            "final test accuracy"
-        } else {
-            "final evaluation loss"
-        };
-        overlay(figures, format!("{what}: {}", finals.join(", ")))
+        let title = overlay_title(&finals);
+        overlay(figures, title)
     };
     line_panels(out_png, &figure).map_err(|source| PlotError::Chart {
         path: out_png.to_owned(),
         source,
     })
+}
+
+/// The title of several runs in one figure, from each run's final figure ("lenet 88.00%",
+/// "gpt 1.234"): what the figures are, named per run when classifiers and language models
+/// are mixed.
+fn overlay_title(finals: &[String]) -> String {
+    let accuracies = finals.iter().filter(|f| f.ends_with('%')).count();
+    if accuracies == finals.len() {
+        format!("final test accuracy: {}", finals.join(", "))
+    } else if accuracies == 0 {
+        format!("final evaluation loss: {}", finals.join(", "))
+    } else {
+        // Classifiers beside language models: each figure says what it is.
+        let named: Vec<String> = finals
+            .iter()
+            .map(|f| match f.rsplit_once(' ') {
+                Some((name, v)) if v.ends_with('%') => format!("{name} test accuracy {v}"),
+                Some((name, v)) => format!("{name} evaluation loss {v}"),
+                None => f.clone(),
+            })
+            .collect();
+        format!("final: {}", named.join(", "))
+    }
 }
 
 /// Runs' figures merged under `title`: panel i holds every run's panel-i series, named
@@ -396,6 +415,20 @@ mod tests {
     }
 
     /// Several runs overlay panel by panel, each series named by its run's directory.
+    #[test]
+    fn an_overlay_title_says_what_each_figure_is() {
+        let f = |v: &[&str]| overlay_title(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(
+            f(&["a 80.00%", "b 90.00%"]),
+            "final test accuracy: a 80.00%, b 90.00%"
+        );
+        assert_eq!(f(&["gpt 1.234"]), "final evaluation loss: gpt 1.234");
+        assert_eq!(
+            f(&["lenet 88.00%", "gpt 1.234"]),
+            "final: lenet test accuracy 88.00%, gpt evaluation loss 1.234"
+        );
+    }
+
     #[test]
     fn runs_overlay_in_one_figure() {
         let root = tempfile::tempdir().unwrap();

@@ -44,12 +44,12 @@ pub struct TrainArgs {
     /// Same as --set parallel.pp=P.
     #[arg(long)]
     pub pp: Option<usize>,
-    /// Tensor-parallel workers: each GPT layer is split over T workers (Megatron-style;
-    /// world = dp × tp × pp). Same as --set parallel.tp=T; --set
+    /// Tensor-parallel workers: each transformer layer (GPT, Llama) is split over T workers
+    /// (Megatron-style; world = dp × tp × pp). Same as --set parallel.tp=T; --set
     /// parallel.sequence_parallel=true adds sequence parallelism.
     #[arg(long)]
     pub tp: Option<usize>,
-    /// Context-parallel workers: each sequence is spread over C workers (GPT only; world =
+    /// Context-parallel workers: each sequence is spread over C workers (GPT, Llama; world =
     /// dp × tp × pp × cp). Same as --set parallel.cp=C; --set parallel.cp_mode="ulysses"
     /// picks Ulysses over the default ring attention.
     #[arg(long)]

@@ -350,6 +350,27 @@ fn trained_model_generates_text(cfg: &Config) {
         .unwrap();
     assert_eq!(cached[6], argmax as u8, "{cached:?}");
 
+    // What a new user tripped over (issue 40): a negative or NaN temperature was taken
+    // silently (or as another flag), and a tokenizer whose ids are not the model's printed
+    // garbage with exit 0.
+    for temperature in ["--temperature=-1", "--temperature=nan"] {
+        let (ok, _, stderr) = try_generate(&ckpt, &[temperature]);
+        assert!(
+            !ok && stderr.contains("--temperature must be 0"),
+            "{stderr}"
+        );
+    }
+    let (ok, _, stderr) = try_generate(&ckpt, &["--temperature", "-1"]);
+    assert!(
+        !ok && stderr.contains("--temperature must be 0"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = try_generate(&ckpt, &["--encoding", "gpt2"]);
+    assert!(
+        !ok && stderr.contains("vocabulary has 256 ids") && stderr.contains("--encoding bytes"),
+        "{stderr}"
+    );
+
     // Sampling: the same seed gives the same text (40 tokens: past the context).
     let a = generate(&ckpt, &["--max-tokens", "40", "--seed", "3"]).0;
     let b = generate(&ckpt, &["--max-tokens", "40", "--seed", "3"]).0;

@@ -370,3 +370,77 @@ fn launch_lets_mpirun_run_as_root_unless_told_otherwise() {
     let (switches, stderr) = started_with(&[("OMPI_ALLOW_RUN_AS_ROOT", "0")]);
     assert_eq!(switches, [if root { "0 1" } else { "0 unset" }], "{stderr}");
 }
+
+// What a new user tripped over next (issue 40).
+
+/// The help says what meshtrain trains today, and every bench subcommand is named.
+#[test]
+fn help_texts_are_current() {
+    let (_, top, _) = meshtrain(&["--help"]);
+    assert!(top.contains("Llama") && top.contains("GPUs"), "{top}");
+    assert!(
+        [
+            "models",
+            "collectives",
+            "scaling",
+            "calibrate",
+            "pipeline",
+            "tensor",
+            "precision"
+        ]
+        .iter()
+        .chain(&["zero", "context", "gpu"])
+        .all(|b| top.contains(b)),
+        "{top}"
+    );
+    let (_, generate, _) = meshtrain(&["generate", "--help"]);
+    assert!(generate.contains("Llama"), "{generate}");
+    let (_, train, _) = meshtrain(&["train", "--help"]);
+    assert!(!train.contains("GPT only"), "{train}");
+}
+
+/// `checkpoint info` takes a whole checkpoint and a run directory, not only a sharded one;
+/// a value at fault from the command line is said to be the command line's; `plan`'s run
+/// line pastes (it names the config).
+#[test]
+fn checkpoints_configs_and_plans_say_what_a_user_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let (ok, _, stderr) = meshtrain(&tiny_gpt_command(&run, &["train.max_steps=2"], &[]));
+    assert!(ok, "{stderr}");
+    for path in [run.clone(), run.join("checkpoint.safetensors")] {
+        let (ok, stdout, stderr) =
+            meshtrain(&["checkpoint".as_ref(), "info".as_ref(), path.as_os_str()]);
+        assert!(
+            ok && stdout.contains("step 2") && stdout.contains("kind = \"gpt\""),
+            "{stdout}{stderr}"
+        );
+    }
+    let (ok, _, stderr) = meshtrain(&[
+        "train",
+        "--config",
+        "configs/gpt.toml",
+        "--set",
+        "train.batch_size=0",
+    ]);
+    assert!(
+        !ok && stderr.contains("with the command line's train.batch_size=0"),
+        "{stderr}"
+    );
+    let (ok, stdout, _) = meshtrain(&[
+        "plan",
+        "--model",
+        "gpt",
+        "--cluster",
+        "cpu",
+        "--gpus",
+        "2",
+        "--global-batch",
+        "32",
+        "--explain",
+    ]);
+    assert!(
+        ok && stdout.contains("meshtrain train --config configs/gpt.toml --layout"),
+        "{stdout}"
+    );
+}

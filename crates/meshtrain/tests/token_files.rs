@@ -197,6 +197,9 @@ fn no_validation_split_prints_no_validation_setting_and_an_empty_input_is_refuse
         "--out",
         out2.to_str().unwrap(),
     ]);
-    assert!(!ok && stderr.contains("no documents in"), "{stdout}{stderr}");
+    assert!(
+        !ok && stderr.contains("no documents in"),
+        "{stdout}{stderr}"
+    );
     assert!(!out2.join("train_000000.bin").exists());
 }

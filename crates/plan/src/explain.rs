@@ -48,6 +48,11 @@ impl Loss {
             Loss::DataParallelComm if layout.zero >= 3 => {
                 "data-parallel sharding traffic (ZeRO-3 weight gathers and gradient reduce-scatters)"
             }
+            // Without recomputation what is recomputed is the memory-efficient attention
+            // kernel's score tiles in its backward: not activation recomputation.
+            Loss::Recomputation if layout.recompute == Recompute::None => {
+                "attention backward's rescoring (the flash kernel's recomputed score tiles)"
+            }
             _ => self.name(),
         }
     }
@@ -294,11 +299,19 @@ pub fn best_mitigation(problem: &Problem, best: &Evaluation, loss: Loss) -> Opti
         .min_by(|a, b| a.time.step_s.total_cmp(&b.time.step_s))
 }
 
-/// The command that runs `layout` as planned: the layout string plus the trainer options it
-/// cannot carry (the cp mode, and the attention kernel when it is not the trainer's default,
-/// flash).
+/// The command that runs `layout` as planned: the model's config (the repository's for the
+/// built-in models), the layout string plus the trainer options it cannot carry (the cp mode,
+/// and the attention kernel when it is not the trainer's default, flash).
 pub fn train_command(problem: &Problem, layout: &Layout) -> String {
-    let mut command = format!("meshtrain train --layout \"{layout}\"");
+    let config = match problem.model.name.as_str() {
+        "gpt" => "configs/gpt.toml".to_string(),
+        "lenet" => "configs/lenet-sigmoid.toml".to_string(),
+        "resnet18" => "configs/resnet18.toml".to_string(),
+        "llama" => "configs/llama.toml".to_string(),
+        // A preset without a trainer config: the user's config for it (its [model] table).
+        other => format!("<your config for {other}>"),
+    };
+    let mut command = format!("meshtrain train --config {config} --layout \"{layout}\"");
     // The trainer's default is `auto`; name the planned reduction where `auto` would pick
     // another (a plain-DDP group spanning nodes with several ranks on each).
     let spans = problem
@@ -847,7 +860,10 @@ mod tests {
         let best = result.best().unwrap();
         assert!(best.layout.cp > 1, "{}", best.layout);
         let text = memo(&problem, best);
-        let run = format!("run it: meshtrain train --layout \"{}\"", best.layout);
+        let run = format!(
+            "run it: meshtrain train --config <your config for llama-70b> --layout \"{}\"",
+            best.layout
+        );
         assert!(text.contains(&run), "missing `{run}` in:\n{text}");
         for needle in [
             "--set parallel.cp_mode=\"ring\"",
@@ -860,7 +876,7 @@ mod tests {
         let replicated = result.ranked.iter().find(|e| e.layout.dp > 1).unwrap();
         let text = memo(&problem, replicated);
         for needle in [
-            "run it: meshtrain train --layout \"dp=",
+            "run it: meshtrain train --config <your config for llama-70b> --layout \"dp=",
             "does not fit in 80 GiB",
             "Per GPU: weights",
             "What stays in fp32: the master weights",
@@ -871,6 +887,37 @@ mod tests {
         ] {
             assert!(text.contains(needle), "missing `{needle}` in:\n{text}");
         }
+    }
+
+    /// The run line of a built-in model pastes as it is: its config exists in the
+    /// repository; a recompute-free layout's rescoring is not called activation
+    /// recomputation.
+    #[test]
+    fn the_run_line_names_a_config_that_exists() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for model in ["gpt", "lenet", "resnet18"] {
+            let cluster = presets::cluster("cpu").unwrap().with_gpus(2).unwrap();
+            let problem = Problem::new(
+                presets::model(model).unwrap(),
+                cluster,
+                TrainingSetup::new(32, Precision::Fp32),
+            )
+            .unwrap();
+            let layout = Layout::parse("dp=2,mb=16").unwrap();
+            let command = train_command(&problem, &layout);
+            let config = command
+                .split_whitespace()
+                .skip_while(|w| *w != "--config")
+                .nth(1)
+                .unwrap_or_else(|| panic!("no --config in {command}"));
+            assert!(root.join(config).is_file(), "{command}");
+        }
+        let none = Layout::parse("dp=2,mb=16").unwrap();
+        assert!(!Loss::Recomputation
+            .label(&none)
+            .contains("activation recomputation"));
+        let full = Layout::parse("dp=2,mb=16,recompute=full").unwrap();
+        assert_eq!(Loss::Recomputation.label(&full), "activation recomputation");
     }
 
     #[test]

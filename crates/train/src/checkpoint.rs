@@ -406,7 +406,16 @@ impl CheckpointFile {
             None => HashMap::new(),
         };
         if metadata.get("format").map(String::as_str) != Some(FORMAT) {
-            bail!("{} is not a meshtrain checkpoint", path.display());
+            let hf_dir = path.parent().filter(|d| d.join("config.json").is_file());
+            match hf_dir {
+                Some(dir) => bail!(
+                    "{} is not a meshtrain checkpoint but a Hugging Face model's weights: give \
+                     its directory, {} (train --init-from reads it with its config.json)",
+                    path.display(),
+                    dir.display()
+                ),
+                None => bail!("{} is not a meshtrain checkpoint", path.display()),
+            }
         }
         let described = (entries.values())
             .filter_map(|e| e["data_offsets"][1].as_u64())
@@ -606,6 +615,37 @@ pub fn check_same_model(path: &Path, saved_model: &str, model_description: &str)
 }
 
 /// A multi-line description (a checkpoint's model) on one line, for messages.
+/// A readable summary of a whole checkpoint file (`meshtrain checkpoint info`): its step,
+/// model, tensors and size; opening it checks it as a resume would (truncated, foreign).
+pub fn describe_file(path: &Path) -> Result<String> {
+    let file = CheckpointFile::open(path)?;
+    let meta = |key: &str| {
+        file.metadata
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| "?".into())
+    };
+    let count = |prefix: &str| {
+        file.entries
+            .keys()
+            .filter(|k| k.starts_with(prefix))
+            .count()
+    };
+    let bytes = file.file.metadata().map(|m| m.len()).unwrap_or(0);
+    Ok(format!(
+        "checkpoint {}\n  step {} (optimizer step {})\n  model: {}\n  {} parameter tensors, {} \
+         buffers, {} optimizer state tensor(s); {:.1} MiB\n",
+        path.display(),
+        meta("step"),
+        meta("optimizer_step"),
+        one_line(&meta("model")),
+        count("param."),
+        count("buffer."),
+        count("optimizer."),
+        bytes as f64 / (1024.0 * 1024.0)
+    ))
+}
+
 pub fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
 }

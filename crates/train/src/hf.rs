@@ -37,6 +37,12 @@ pub enum Family {
     Llama,
 }
 
+/// The f32 `x` as the decimal it was written as (its shortest round-trip form): 1e-5, not
+/// the 9.999999747378752e-6 its f64 widening would put into a config.json.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
 /// What a GPT or Llama is, as far as its function goes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Architecture {
@@ -174,7 +180,7 @@ impl Architecture {
                 seq: embedding.max_seq,
                 rope_theta: rotary.rope.theta,
                 rope_scaling: rotary.rope.scaling,
-                norm_eps: find::<RmsNorm>(model).map_or(1e-5, |n| n.eps as f64),
+                norm_eps: find::<RmsNorm>(model).map_or(1e-5, |n| decimal(n.eps)),
                 tied,
                 gelu_tanh: false,
             },

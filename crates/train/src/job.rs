@@ -331,9 +331,10 @@ impl Job {
         if warmup > 0 && warmup >= run && run > 0 {
             let suggested = (run / 10).max(1);
             notes.push(format!(
-                "schedule.warmup_steps={warmup} but the run trains {run} steps: the learning \
+                "schedule.warmup_steps={warmup} but the run trains {run} step{}: the learning \
                  rate never leaves warm-up (it reaches {:.0}% of schedule.lr at the last step); \
                  lower schedule.warmup_steps, e.g. to {suggested} (a tenth of the run)",
+                if run == 1 { "" } else { "s" },
                 100.0 * run as f64 / warmup as f64
             ));
         }
