@@ -56,7 +56,7 @@ def main():
         out = subprocess.run([args.meshtrain, 'tokenize', '--input', path, '--out',
                               os.path.join(tmp, 'tok'), '--val-fraction', '0'],
                              capture_output=True, text=True, check=True).stdout
-        m = re.search(r'^(\d+) tokens from .* \(([\d.]+) MB/s', out, re.M)
+        m = re.search(r'^(\d+) tokens of .* \(([\d.]+) MB/s', out, re.M)
         ours_tokens, ours_mbs = int(m.group(1)) - 1, float(m.group(2))  # less the end-of-text
     enc, which = gpt2_encoding()
     t = time.perf_counter()

@@ -181,10 +181,6 @@ pub fn write_shard(path: &Path, tokens: &[u32], vocab: usize) -> Result<(), Shar
         ),
     })?;
     header[3] = vocab as i32;
-    let mut bytes = Vec::with_capacity(HEADER_BYTES + tokens.len() * if narrow { 2 } else { 4 });
-    for h in header {
-        bytes.extend_from_slice(&h.to_le_bytes());
-    }
     if let Some(index) = tokens.iter().position(|&t| t as usize >= vocab) {
         return Err(ShardError::TokenOutOfRange {
             path: path.to_path_buf(),
@@ -194,15 +190,25 @@ pub fn write_shard(path: &Path, tokens: &[u32], vocab: usize) -> Result<(), Shar
             vocab,
         });
     }
-    for &t in tokens {
-        if narrow {
-            bytes.extend_from_slice(&(t as u16).to_le_bytes());
-        } else {
-            bytes.extend_from_slice(&t.to_le_bytes());
-        }
+    // Streamed through a buffer: a shard of 100 M tokens is never copied whole.
+    let mut file =
+        std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(path).map_err(io)?);
+    for h in header {
+        file.write_all(&h.to_le_bytes()).map_err(io)?;
     }
-    let mut file = std::fs::File::create(path).map_err(io)?;
-    file.write_all(&bytes).map_err(io)?;
+    let mut chunk = Vec::with_capacity(1 << 16);
+    for part in tokens.chunks(1 << 14) {
+        chunk.clear();
+        for &t in part {
+            if narrow {
+                chunk.extend_from_slice(&(t as u16).to_le_bytes());
+            } else {
+                chunk.extend_from_slice(&t.to_le_bytes());
+            }
+        }
+        file.write_all(&chunk).map_err(io)?;
+    }
+    let file = file.into_inner().map_err(|e| io(e.into_error()))?;
     file.sync_all().map_err(io)
 }
 

@@ -4,6 +4,7 @@
 
 use crate::config::Config;
 use crate::generate::load_weights;
+use crate::generate::Tokenizer;
 use anyhow::{bail, Context, Result};
 use meshtrain_train::checkpoint;
 use std::path::{Path, PathBuf};
@@ -82,9 +83,26 @@ pub fn run(args: &ExportArgs) -> Result<()> {
     }
     let (model, store) = load_weights(&checkpoint, &cfg)?;
     let arch = meshtrain_train::hf::export(&model, &store.values, &args.out)?;
+    let lm = cfg.model.language().expect("checked above");
+    match run_tokenizer(&cfg, lm.vocab) {
+        Ok(tokenizer) => {
+            let files = crate::tokenizer_export::write(
+                &args.out,
+                &tokenizer,
+                cfg.data.tokenizer.as_deref(),
+                lm.seq,
+            )?;
+            println!(
+                "with its tokenizer ({}): {}",
+                tokenizer.describe(),
+                files.join(", ")
+            );
+        }
+        Err(e) => println!("without tokenizer files: {e:#}"),
+    }
     println!(
         "wrote {} ({} for transformers: {:?}, {} parameters): load it with \
-         AutoModelForCausalLM.from_pretrained(\"{}\")",
+         AutoModelForCausalLM.from_pretrained(\"{}\") and AutoTokenizer.from_pretrained(\"{}\")",
         args.out.display(),
         if arch.tied {
             "tied head"
@@ -93,9 +111,22 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         },
         arch.family,
         model.num_unique_params(),
+        args.out.display(),
         args.out.display()
     );
     Ok(())
+}
+
+/// The tokenizer the run trained with: its data.tokenizer, its shards' BPE, bytes; when the
+/// shards are gone, the encoding the model's vocabulary fits.
+fn run_tokenizer(cfg: &crate::config::Config, vocab: usize) -> Result<Tokenizer> {
+    Tokenizer::of_run(cfg).or_else(|e| {
+        ["bytes", "gpt2", "cl100k"]
+            .iter()
+            .filter_map(|name| Tokenizer::named(name).ok())
+            .find(|t| t.check_fits(vocab).is_ok())
+            .ok_or(e)
+    })
 }
 
 #[cfg(test)]

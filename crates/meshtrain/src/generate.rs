@@ -103,6 +103,11 @@ impl Tokenizer {
         }
     }
 
+    /// What it is, for messages.
+    pub fn describe(&self) -> String {
+        self.name()
+    }
+
     fn name(&self) -> String {
         match self {
             Tokenizer::Bytes => "bytes (256 ids)".into(),

@@ -28,5 +28,6 @@ pub mod presets;
 pub mod scaling;
 pub mod tensor_bench;
 pub mod tokenize;
+pub mod tokenizer_export;
 pub mod train_cli;
 pub mod zero_bench;

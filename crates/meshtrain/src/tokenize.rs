@@ -197,7 +197,7 @@ fn byte_token(piece: &str) -> Option<u8> {
 
 /// The character GPT-2's byte-level alphabet writes byte `b` as (`bytes_to_unicode`):
 /// printable Latin-1 bytes stand for themselves, the others are 256 + k in byte order.
-fn byte_level_char(b: u8) -> char {
+pub(crate) fn byte_level_char(b: u8) -> char {
     let printable = |b: u8| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
     if printable(b) {
         return char::from(b);
@@ -247,10 +247,10 @@ fn encode(enc: &Encoding, text: &str) -> Vec<u32> {
 
 /// Text read ahead of the encoders, per batch: enough documents for every core, few enough
 /// that memory does not grow with the corpus (two batches in flight).
-const BATCH_BYTES: usize = 8 << 20;
+const BATCH_BYTES: usize = 16 << 20;
 /// A text file (one document) comes in pieces of about this size with GPT-2's or cl100k's
 /// BPE, whose pieces encode as the whole; a `tokenizer.json` takes a document whole.
-const TEXT_PIECE_BYTES: usize = 1 << 20;
+const TEXT_PIECE_BYTES: usize = 256 << 10;
 /// Where a run writes its shards until it has finished.
 const PARTIAL_DIR: &str = ".tokenize-partial";
 

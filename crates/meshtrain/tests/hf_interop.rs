@@ -234,6 +234,19 @@ fn export_and_init_from_through_the_command() {
         serde_json::from_str(&std::fs::read_to_string(hf_dir.join("config.json")).unwrap())
             .unwrap();
     assert_eq!(config["num_key_value_heads"], 2);
+    // The tokenizer travels with the model (issue 40): this Llama trained on bytes, so its
+    // tokenizer.json gives each byte its own id, and the generation config has no end of
+    // text to stop at.
+    assert!(stdout.contains("with its tokenizer (bytes"), "{stdout}");
+    let tokenizer: tokenizers::Tokenizer =
+        tokenizers::Tokenizer::from_file(hf_dir.join("tokenizer.json")).unwrap();
+    let ids = tokenizer.encode("ROMEO: ü", false).unwrap().get_ids().to_vec();
+    assert_eq!(ids, "ROMEO: ü".bytes().map(u32::from).collect::<Vec<_>>());
+    for file in ["tokenizer_config.json", "generation_config.json"] {
+        let v: Value =
+            serde_json::from_str(&std::fs::read_to_string(hf_dir.join(file)).unwrap()).unwrap();
+        assert!(v.is_object(), "{file}");
+    }
 
     let mut fine_tune = args.clone();
     fine_tune.extend(["--init-from", hf_dir.to_str().unwrap()]);

@@ -203,3 +203,74 @@ fn no_validation_split_prints_no_validation_setting_and_an_empty_input_is_refuse
     );
     assert!(!out2.join("train_000000.bin").exists());
 }
+
+/// Corpora written by independent writers (`scripts/corpus_reference.py`: pyarrow's Parquet,
+/// zstd and snappy, row groups of 4 and 5 with a null row; Python's gzip JSON lines; the
+/// documents as text files in a directory) tokenize to exactly the same shards, whose ids
+/// are tiktoken's for the documents, each after the end-of-text token, every tenth document
+/// in validation.
+#[test]
+fn independent_writers_corpora_give_tiktokens_ids() {
+    let refs = root().join("crates/meshtrain/tests/refs/corpus");
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(refs.join("ids.json")).unwrap()).unwrap();
+    let eot = want["end_of_text"].as_u64().unwrap() as u32;
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for (i, doc) in want["documents"].as_array().unwrap().iter().enumerate() {
+        let to = if meshtrain::tokenize::goes_to_validation(i as u64, 0.1) {
+            &mut val
+        } else {
+            &mut train
+        };
+        to.push(eot);
+        to.extend(
+            doc.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32),
+        );
+    }
+    assert!(!val.is_empty());
+    let dir = tempfile::tempdir().unwrap();
+    let mut shards = Vec::new();
+    for input in [
+        "text",
+        "docs.jsonl.gz",
+        "docs.snappy.parquet",
+        "docs.zstd.parquet",
+    ] {
+        let out = dir.path().join(input);
+        let (ok, stdout, stderr) = meshtrain(&[
+            "tokenize",
+            "--input",
+            refs.join(input).to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--skip-bad",
+            "--shard-tokens",
+            "1000",
+        ]);
+        assert!(
+            ok && stdout.contains("12 document(s)"),
+            "{input}: {stdout}{stderr}"
+        );
+        let read = |split: &str| -> Vec<u32> {
+            meshtrain_data::open_shards(&format!("{}/{split}_*.bin", out.display()))
+                .unwrap()
+                .iter()
+                .flat_map(|s| (0..s.len()).map(|i| s.token(i)).collect::<Vec<_>>())
+                .collect()
+        };
+        assert_eq!(read("train"), train, "{input}: train");
+        assert_eq!(read("val"), val, "{input}: validation");
+        let bytes: Vec<Vec<u8>> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| std::fs::read(e.unwrap().path()).unwrap())
+            .collect();
+        shards.push(bytes.len());
+    }
+    assert!(
+        shards.iter().all(|&n| n == shards[0] && n > 2),
+        "{shards:?}"
+    );
+}
