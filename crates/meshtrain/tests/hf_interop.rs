@@ -180,6 +180,78 @@ fn transformers_weights_through_init_from_give_its_logits() {
     }
 }
 
+/// Mistral is the Llama block with a sliding window: transformers' Llama reference saved as a
+/// Mistral (its config's model_type and architecture changed, the same weights) gives the
+/// reference's logits through --init-from when the window is off or no shorter than the
+/// model's context (then a sliding window is full causal attention, so transformers'
+/// Mistral computes exactly its Llama's logits); a window shorter than the context is refused
+/// naming it, as Qwen's and mixture-of-experts models are.
+#[test]
+fn a_mistral_loads_as_the_llama_block_and_a_binding_window_is_refused() {
+    let table = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 10000.0\nnorm_eps = 1e-6\n";
+    let llama = refs().join("hf-llama");
+    let reference = reference_logits(&llama);
+    for (window, ok) in [
+        (None, true),
+        (Some(16), true),
+        (Some(4096), true),
+        (Some(8), false),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        for file in ["model.safetensors", "logits.json"] {
+            if llama.join(file).exists() {
+                std::fs::copy(llama.join(file), dir.path().join(file)).unwrap();
+            }
+        }
+        let mut hf_config: Value =
+            serde_json::from_str(&std::fs::read_to_string(llama.join("config.json")).unwrap())
+                .unwrap();
+        hf_config["model_type"] = "mistral".into();
+        hf_config["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        hf_config["sliding_window"] = serde_json::json!(window);
+        std::fs::write(dir.path().join("config.json"), hf_config.to_string()).unwrap();
+        let cfg = config(table);
+        let mut trainer = single_trainer(&cfg);
+        match trainer.init_from(dir.path()) {
+            Ok(_) => {
+                assert!(ok, "window {window:?} accepted");
+                let model = build_model(&cfg.model);
+                let mut store = ParamStore {
+                    values: trainer.local_params(),
+                    grads: Vec::new(),
+                    buffers: vec![0.0; model.num_buffers()],
+                };
+                let d = max_rel(&logits_of(&model, &mut store), &reference);
+                assert!(d <= 1e-4, "window {window:?}: {d:.2e}");
+            }
+            Err(e) => {
+                let e = format!("{e:#}");
+                assert!(!ok, "window {window:?}: {e}");
+                assert!(e.contains("sliding window of 8 positions"), "{e}");
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut hf_config: Value =
+        serde_json::from_str(&std::fs::read_to_string(llama.join("config.json")).unwrap()).unwrap();
+    hf_config["model_type"] = "qwen2".into();
+    std::fs::write(dir.path().join("config.json"), hf_config.to_string()).unwrap();
+    std::fs::copy(
+        llama.join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let cfg = config(table);
+    let e = format!(
+        "{:#}",
+        single_trainer(&cfg).init_from(dir.path()).unwrap_err()
+    );
+    assert!(
+        e.contains("\"qwen2\"") && e.contains("biases on q/k/v"),
+        "{e}"
+    );
+}
+
 /// The CLI end to end: `export --format hf` writes the directory; `train --init-from` it
 /// fine-tunes; a directory of another shape is refused before any work with the `[model]`
 /// table that would match.
@@ -240,7 +312,11 @@ fn export_and_init_from_through_the_command() {
     assert!(stdout.contains("with its tokenizer (bytes"), "{stdout}");
     let tokenizer: tokenizers::Tokenizer =
         tokenizers::Tokenizer::from_file(hf_dir.join("tokenizer.json")).unwrap();
-    let ids = tokenizer.encode("ROMEO: ü", false).unwrap().get_ids().to_vec();
+    let ids = tokenizer
+        .encode("ROMEO: ü", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
     assert_eq!(ids, "ROMEO: ü".bytes().map(u32::from).collect::<Vec<_>>());
     for file in ["tokenizer_config.json", "generation_config.json"] {
         let v: Value =

@@ -63,6 +63,9 @@ pub struct Architecture {
     pub tied: bool,
     /// GPT-2's MLP computes GELU's tanh approximation (`gelu_new`) rather than the exact one.
     pub gelu_tanh: bool,
+    /// Mistral's sliding window (each position attends to at most this many, itself
+    /// included): the same as full causal attention for a context no longer than it.
+    pub sliding_window: Option<usize>,
 }
 
 /// The first layer of type `T` in `model` that `wanted` accepts, depth first.
@@ -183,6 +186,7 @@ impl Architecture {
                 norm_eps: find::<RmsNorm>(model).map_or(1e-5, |n| decimal(n.eps)),
                 tied,
                 gelu_tanh: false,
+                sliding_window: None,
             },
             None => Architecture {
                 family: Family::Gpt2,
@@ -199,6 +203,7 @@ impl Architecture {
                 tied,
                 gelu_tanh: find_where(model, |l: &Linear| l.activation.is_some())
                     .is_some_and(|l| l.activation == Some(Activation::GeluTanh)),
+                sliding_window: None,
             },
         })
     }
@@ -296,9 +301,12 @@ impl Architecture {
                     norm_eps: float("layer_norm_epsilon", 1e-5),
                     tied,
                     gelu_tanh,
+                    sliding_window: None,
                 }
             }
-            "llama" => {
+            // Mistral (and SmolLM, whose model_type is "llama") is the Llama block; Mistral's
+            // sliding window, where it has one, is checked against the model's context.
+            family @ ("llama" | "mistral") => {
                 let heads = int("num_attention_heads")?;
                 let dim = int("hidden_size")?;
                 if let Some(hd) = v["head_dim"].as_u64() {
@@ -339,11 +347,25 @@ impl Architecture {
                     norm_eps: float("rms_norm_eps", 1e-6),
                     tied,
                     gelu_tanh: false,
+                    sliding_window: match family {
+                        "mistral" => v["sliding_window"].as_u64().map(|w| w as usize),
+                        _ => None,
+                    },
                 }
             }
             other => bail!(
-                "{}: model_type \"{other}\"; meshtrain reads \"gpt2\" and \"llama\" models",
-                file.display()
+                "{}: model_type \"{other}\"; meshtrain reads \"gpt2\", \"llama\" (SmolLM too) \
+                 and \"mistral\" models{}",
+                file.display(),
+                match other {
+                    "qwen2" | "qwen3" =>
+                        " (Qwen's biases on q/k/v and Qwen3's norms on q and \
+                                          k are not in meshtrain's Llama yet)",
+                    "mixtral" | "qwen2_moe" | "qwen3_moe" =>
+                        " (mixture-of-experts layers are not \
+                                                              supported)",
+                    _ => "",
+                }
             ),
         })
     }
@@ -420,6 +442,13 @@ impl Architecture {
             diffs.push(format!(
                 "positions {} (the model's context {} needs more)",
                 from.seq, self.seq
+            ));
+        }
+        if let Some(window) = from.sliding_window.filter(|&w| w < self.seq) {
+            diffs.push(format!(
+                "a sliding window of {window} positions (the model attends to all of its {}: \
+                 the same only for seq ≤ {window}; set model.seq = {window} or less)",
+                self.seq
             ));
         }
         if self.gelu_tanh != from.gelu_tanh {
