@@ -117,6 +117,13 @@ enum BenchCommand {
     Gpu(meshtrain::gpu_bench::BenchGpuArgs),
 }
 
+/// The `tokenizer.json` of a Hugging Face model directory given to `--init-from`, if it has
+/// one.
+fn tokenizer_beside_weights(dir: &std::path::Path) -> Option<std::path::PathBuf> {
+    let path = dir.join("tokenizer.json");
+    (dir.is_dir() && path.is_file()).then_some(path)
+}
+
 fn train(args: &TrainArgs) -> Result<ExitCode> {
     // First, so that a Ctrl-C while the data loads is a stop after the first step, not a
     // kill.
@@ -129,6 +136,19 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
     // Before the data loads and anything is written: a GPU the machine does not have, or
     // cannot run this layout or model on, is said at once.
     cfg.check_device(&cfg.layout()?, DeviceCheck::Opening)?;
+    let from_dir = args.init_from.as_deref().and_then(tokenizer_beside_weights);
+    if let (Some(path), None) = (from_dir, &cfg.data.tokenizer) {
+        // The tokenizer that came with the weights decodes the samples, and generate
+        // later (the run config keeps it), unless the config names one.
+        if meshtrain_train::lead_process() {
+            println!(
+                "note: decoding with {} (the --init-from directory's tokenizer; \
+                 data.tokenizer names another)",
+                path.display()
+            );
+        }
+        cfg.data.tokenizer = Some(path);
+    }
     let task = Task::load(&cfg)?;
     let job = cfg.job(&task)?;
     let resume = args.resume.clone().or(cfg.checkpoint.resume.clone());

@@ -329,6 +329,21 @@ fn export_and_init_from_through_the_command() {
     let (ok, stdout, stderr) = meshtrain(&fine_tune);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("initial weights from"), "{stdout}");
+    // The directory's tokenizer decodes the run's samples and, kept in its config, generate.
+    assert!(
+        stdout.contains("decoding with") && stdout.contains("tokenizer.json"),
+        "{stdout}"
+    );
+    let (ok, text, stderr) = meshtrain(&[
+        "generate",
+        "--checkpoint",
+        out.join("checkpoint.safetensors").to_str().unwrap(),
+        "--prompt",
+        "ROMEO:",
+        "--max-tokens",
+        "5",
+    ]);
+    assert!(ok && text.starts_with("ROMEO:"), "{text}{stderr}");
 
     let mut wrong = fine_tune.clone();
     wrong.extend(["--set", "model.kv_heads=4"]);
