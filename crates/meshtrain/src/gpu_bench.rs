@@ -379,6 +379,8 @@ pub(crate) struct Trained {
     /// The whole model's parameters, read back from the run's checkpoint by one worker on
     /// the CPU (so any layout and device compare).
     pub params: Vec<f32>,
+    /// Its buffers (batch norm's running statistics), read back alike.
+    pub buffers: Vec<f32>,
     /// The training loss of every step.
     pub losses: Vec<f64>,
     /// The run's directory (its checkpoint: `checkpoint.safetensors`, or `checkpoint/` when
@@ -437,6 +439,7 @@ pub(crate) fn train_and_read(
         false => out.join("checkpoint.safetensors"),
     })?;
     let params = t.local_params();
+    let buffers = t.local_buffers();
     let mut losses = Vec::new();
     for line in std::fs::read_to_string(out.join("metrics.jsonl"))?.lines() {
         let v: serde_json::Value = serde_json::from_str(line)?;
@@ -446,6 +449,7 @@ pub(crate) fn train_and_read(
     }
     Ok(Trained {
         params,
+        buffers,
         losses,
         out,
         memory: summary.memory,

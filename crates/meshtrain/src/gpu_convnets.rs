@@ -1,11 +1,11 @@
 //! The `convnets` part of `meshtrain bench gpu`: LeNet and ResNet-18, the background's first
 //! models, on the GPU.
 //!
-//! 1. 20 steps of each (LeNet in both variants, ResNet-18 at D2L's width) on the GPU against
-//!    the CPU on the same batches: fp32 parameters within 1e-5 relative L2 (the GPU's
-//!    checkpoint read back on the CPU, so checkpoints move between the devices too; ResNet-18,
-//!    chaotic at the rounding level, over its first 3 steps and within 1% in loss over 20);
-//!    bf16 losses within 1% of the CPU's bf16 at every step.
+//! 1. Each net (LeNet in both variants, ResNet-18 at D2L's width) on the GPU against the CPU
+//!    on the same batches: fp32 parameters and batch norm's running statistics within 1e-5
+//!    relative L2 after 3 steps (the GPU's checkpoint read back on the CPU, so checkpoints
+//!    move between the devices too), after 20 within 2e-4 (LeNet) or losses within 1%
+//!    (ResNet-18, chaotic at the rounding level); bf16 losses within 1% of the CPU's bf16.
 //! 2. Data parallelism on the GPU: dp = 2 (ranks sharing the GPU through staged collectives,
 //!    or NCCL across GPUs) against one GPU on the same global batch; ResNet-18 with
 //!    SyncBatchNorm, whose statistics are then those of the whole batch.
@@ -46,33 +46,43 @@ struct Net {
     name: &'static str,
     config: &'static str,
     settings: &'static [&'static str],
-    /// Steps after which the parameters must agree within 1e-5: all 20 for LeNet. ResNet-18
-    /// is chaotic at the rounding level (where a pre-activation sits within rounding of zero
-    /// or two pooled values tie, the last bit of a sum decides where the gradient flows: one
-    /// CPU worker whose initial weights are nudged by 1e-7 ends 20 steps ~5e-2 away,
-    /// `tests/data_parallel.rs`), so it is held to 1e-5 over its first 3 steps, before any
-    /// such flip, and to 1% in loss over all 20.
-    exact_steps: u64,
+    /// How far 20 steps may drift from the CPU: the parameters' relative L2 (LeNet), or, for
+    /// a net chaotic at the rounding level, only the losses. Every net is held to 1e-5 (its
+    /// parameters and buffers) over its first [`EXACT_STEPS`] steps, before a ReLU kink or a
+    /// pooling tie can send a gradient another way. ResNet-18 is such a net: one CPU worker
+    /// whose initial weights are nudged by 1e-7 ends 20 steps ~5e-2 away
+    /// (`tests/data_parallel.rs`). LeNet's 2e-4 is what the CPU suite allows a change in the
+    /// order of sums over 20 steps.
+    long: Drift,
 }
+
+#[derive(Clone, Copy)]
+enum Drift {
+    Parameters(f64),
+    Losses(f64),
+}
+
+/// Steps over which every net must match to 1e-5.
+const EXACT_STEPS: u64 = 3;
 
 const NETS: [Net; 3] = [
     Net {
         name: "LeNet (ReLU, max pooling)",
         config: "configs/lenet.toml",
         settings: &[],
-        exact_steps: STEPS,
+        long: Drift::Parameters(2e-4),
     },
     Net {
         name: "LeNet (sigmoid, average pooling)",
         config: "configs/lenet.toml",
         settings: &["model.variant=\"sigmoid\""],
-        exact_steps: STEPS,
+        long: Drift::Parameters(2e-4),
     },
     Net {
         name: "ResNet-18",
         config: "configs/resnet18.toml",
         settings: &["train.batch_size=64"],
-        exact_steps: 3,
+        long: Drift::Losses(1e-2),
     },
 ];
 
@@ -98,13 +108,52 @@ impl Net {
     }
 }
 
-/// Whether `a` ended within 1e-5 relative L2 of `b`'s parameters after `steps` steps.
-fn same_parameters(failed: &mut Vec<String>, what: &str, steps: u64, a: &Trained, b: &Trained) {
+/// Whether `a` ended within `tolerance` relative L2 of `b`'s parameters (and buffers: batch
+/// norm's running statistics, which the training loss never reads) after `steps` steps.
+fn same_state(
+    failed: &mut Vec<String>,
+    what: &str,
+    steps: u64,
+    tolerance: f64,
+    a: &Trained,
+    b: &Trained,
+) {
     let d = rel_l2(&a.params, &b.params);
+    let buffers = if b.buffers.is_empty() {
+        String::new()
+    } else {
+        format!(", buffers {:.2e}", rel_l2(&a.buffers, &b.buffers))
+    };
+    let worst = d.max(if b.buffers.is_empty() {
+        0.0
+    } else {
+        rel_l2(&a.buffers, &b.buffers)
+    });
     verdict(
         failed,
-        d <= 1e-5,
-        format!("{what} after {steps} steps: parameters {d:.2e} relative L2 (≤ 1e-5)"),
+        worst <= tolerance,
+        format!("{what} after {steps} steps: parameters {d:.2e}{buffers} relative L2 (≤ {tolerance:.0e})"),
+    );
+}
+
+/// Whether `a`'s loss was within `tolerance` (relative) of `b`'s at every one of its steps.
+fn same_losses(failed: &mut Vec<String>, what: &str, tolerance: f64, a: &Trained, b: &Trained) {
+    let worst = a
+        .losses
+        .iter()
+        .zip(&b.losses)
+        .map(|(x, y)| ((x - y) / y).abs())
+        .map(|r| if r.is_finite() { r } else { f64::INFINITY })
+        .fold(0.0f64, f64::max);
+    verdict(
+        failed,
+        !a.losses.is_empty() && a.losses.len() == b.losses.len() && worst <= tolerance,
+        format!(
+            "{what}: losses within {:.3}% at every one of {} steps (≤ {}%)",
+            worst * 100.0,
+            a.losses.len(),
+            tolerance * 100.0
+        ),
     );
 }
 
@@ -113,46 +162,39 @@ fn same_parameters(failed: &mut Vec<String>, what: &str, steps: u64, a: &Trained
 fn checks(failed: &mut Vec<String>, root: &Path, device: &str, nets: &[Net]) -> Result<()> {
     let start = Instant::now();
     for net in nets {
-        let exact = net.exact_steps;
-        let mut runs = Vec::new();
+        let short = |device: &str, extra: &[&str]| net.train(root, device, EXACT_STEPS, extra);
+        let cpu_short = short("cpu", &[])?;
+        let here_short = short(device, &[])?;
+        let what = format!("fp32 {} on {device} vs the CPU", net.name);
+        same_state(failed, &what, EXACT_STEPS, 1e-5, &here_short, &cpu_short);
         let cpu = net.train(root, "cpu", STEPS, &[])?;
         let here = net.train(root, device, STEPS, &[])?;
-        let what = format!("fp32 {} on {device} vs the CPU", net.name);
-        close_losses_within(
-            failed,
-            &what,
-            &here,
-            &cpu,
-            if exact == STEPS { 1e-3 } else { 1e-2 },
-        );
-        if exact == STEPS {
-            same_parameters(failed, &what, STEPS, &here, &cpu);
-        } else {
-            let cpu_short = net.train(root, "cpu", exact, &[])?;
-            let here_short = net.train(root, device, exact, &[])?;
-            same_parameters(failed, &what, exact, &here_short, &cpu_short);
-            runs.extend([cpu_short, here_short]);
+        match net.long {
+            Drift::Parameters(tolerance) => {
+                same_state(failed, &what, STEPS, tolerance, &here, &cpu);
+                close_losses_within(failed, &what, &here, &cpu, 1e-3);
+            }
+            Drift::Losses(tolerance) => close_losses_within(failed, &what, &here, &cpu, tolerance),
         }
+        // bf16 rounds in more places on the GPU (it keeps every activation in bf16, the CPU
+        // only the products' inputs): losses within 1%, over the exact steps for a chaotic
+        // net.
         let bf16 = ["train.precision=\"bf16\""];
-        let cpu16 = net.train(root, "cpu", STEPS, &bf16)?;
-        let here16 = net.train(root, device, STEPS, &bf16)?;
-        let what = format!("bf16 {} on {device} vs bf16 on the CPU", net.name);
-        close_losses_within(failed, &what, &here16, &cpu16, 1e-2);
-        let dp2 = ["parallel.dp=2", "parallel.sync_batch_norm=true"];
-        let two = net.train(root, device, exact, &dp2)?;
-        let one = if exact == STEPS {
-            None
-        } else {
-            Some(net.train(root, device, exact, &[])?)
+        let bf16_steps = match net.long {
+            Drift::Parameters(_) => STEPS,
+            Drift::Losses(_) => EXACT_STEPS,
         };
+        let cpu16 = net.train(root, "cpu", bf16_steps, &bf16)?;
+        let here16 = net.train(root, device, bf16_steps, &bf16)?;
+        let what = format!("bf16 {} on {device} vs bf16 on the CPU", net.name);
+        same_losses(failed, &what, 1e-2, &here16, &cpu16);
+        let two = short(device, &["parallel.dp=2", "parallel.sync_batch_norm=true"])?;
         let what = format!(
             "fp32 {} dp=2 on {device} (SyncBatchNorm where it has batch norm) vs one worker there",
             net.name
         );
-        same_parameters(failed, &what, exact, &two, one.as_ref().unwrap_or(&here));
-        runs.extend([cpu, here, cpu16, here16, two]);
-        runs.extend(one);
-        for run in runs {
+        same_state(failed, &what, EXACT_STEPS, 1e-5, &two, &here_short);
+        for run in [cpu_short, here_short, cpu, here, cpu16, here16, two] {
             let _ = std::fs::remove_dir_all(&run.out);
         }
     }
@@ -233,7 +275,7 @@ mod tests {
                 name: "ResNet-18 (width 8)",
                 config: "configs/resnet18.toml",
                 settings: &["train.batch_size=32", "model.width=8"],
-                exact_steps: 3,
+                long: Drift::Losses(1e-2),
             },
         ];
         let mut failed = Vec::new();

@@ -357,14 +357,14 @@ impl Split {
                 return Ok(());
             }
             for (validation, tokens) in self.held.take().expect("held") {
-                self.to_split(validation, &tokens)?;
+                self.write_to(validation, &tokens)?;
             }
             return Ok(());
         }
-        self.to_split(self.current_is_validation, &tokens)
+        self.write_to(self.current_is_validation, &tokens)
     }
 
-    fn to_split(&mut self, validation: bool, tokens: &[u32]) -> Result<()> {
+    fn write_to(&mut self, validation: bool, tokens: &[u32]) -> Result<()> {
         if validation {
             self.val.push(tokens)
         } else {
@@ -857,7 +857,7 @@ mod tests {
         for name in ["b.txt", "a.txt", "sub/c.txt", ".hidden"] {
             std::fs::write(corpus.join(name), name).unwrap();
         }
-        let files = crate::corpus::expand_inputs(&[corpus.clone()]).unwrap();
+        let files = crate::corpus::expand_inputs(std::slice::from_ref(&corpus)).unwrap();
         let names: Vec<String> = files
             .iter()
             .map(|f| f.strip_prefix(&corpus).unwrap().display().to_string())

@@ -1234,8 +1234,10 @@ impl Layer for Pool2d {
         dy: Tensor,
         _: bool,
     ) -> Option<Tensor> {
+        // The device arm keeps the whole input shape (4 numbers), the CPU's the plane's (2):
+        // backward follows what forward kept, whatever device `dy` arrives on.
         #[cfg(feature = "cuda")]
-        if dy.device().is_cuda() {
+        if s.stats.last().is_some_and(|shape| shape.len() == 4) {
             return Some(crate::device::convnet::pool_backward(self, s, dy));
         }
         let hw = s.stats.pop().expect("Pool: saved size");

@@ -221,6 +221,16 @@ impl Trainer {
         copied.unwrap_or_else(|e| panic!("copying the parameters from the GPU: {e}"))
     }
 
+    /// This worker's buffers (batch norm's running statistics), in model order.
+    pub fn local_buffers(&mut self) -> Vec<f32> {
+        let copied = self.parallel.with_host_state(&StateKind::MODEL, |p| {
+            (p.stage.chunks.iter())
+                .flat_map(|c| c.store.buffers.iter().copied())
+                .collect()
+        });
+        copied.unwrap_or_else(|e| panic!("copying the buffers from the GPU: {e}"))
+    }
+
     /// Where this run's checkpoint goes: `checkpoint.safetensors`, or the directory
     /// `checkpoint/` for sharded checkpoints.
     pub fn checkpoint_path(&self) -> PathBuf {

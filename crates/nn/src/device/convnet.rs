@@ -116,6 +116,13 @@ pub fn batch_norm_forward(
     let norm = batch_norm(bn);
     let xs = on_device(&x, dev);
     let running = grads_of(b, "BatchNorm2d (running statistics)");
+    assert_eq!(
+        running.len(),
+        2 * bn.channels,
+        "BatchNorm2d: running statistics of {} values for {} channels",
+        running.len(),
+        bn.channels
+    );
     if !mode.train {
         let (y, _) = ok(norm.apply(&xs, running.ptr(), p, false));
         return wrap(y, x.shape());
@@ -146,7 +153,8 @@ pub fn batch_norm_backward(
     let stats = kept(&mut s, "BatchNorm2d (statistics)");
     let xhat = kept(&mut s, "BatchNorm2d (normalised input)");
     let count = s.indices.pop().expect("BatchNorm2d: saved count")[0] as usize;
-    let dys = on_device(&dy, dev);
+    // In x̂'s dtype once, for both of the backward's kernels.
+    let dys = ok(ops::to_dtype(&on_device(&dy, dev), xhat.dtype()));
     let sums = ok(norm.grad_sums(&dys, &xhat, grads_of(g, "BatchNorm2d")));
     if !need_dx {
         return None;

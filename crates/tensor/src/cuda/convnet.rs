@@ -619,6 +619,8 @@ impl BatchNorm {
         p: DeviceParams,
         keep: bool,
     ) -> Result<(CudaTensor, Option<CudaTensor>), CudaError> {
+        // (`stats` is a pointer: the callers hold its 2·C values, a training batch's
+        // [`BatchStats`] or the layer's running buffers, whose length the layer checks.)
         let plane = self.check(x, p.len())?;
         let dev = x.device();
         let y = CudaTensor::alloc(dev, x.len(), x.dtype(), "a batch norm's output")?;
@@ -743,6 +745,15 @@ impl PoolShape {
         }
         if average && g.padding != 0 {
             return Err(unsupported("average pooling with padding".into()));
+        }
+        // PyTorch's rule: a window never sees only padding (its output would be -inf, and
+        // which input its gradient goes to undefined).
+        if 2 * g.padding > g.kernel {
+            return Err(unsupported(format!(
+                "pooling with padding {} over a {}-wide window: the padding must be at most half \
+                 the window",
+                g.padding, g.kernel
+            )));
         }
         if x_len != self.planes * self.height * self.width {
             return Err(unsupported(format!(
@@ -910,6 +921,8 @@ pub fn global_average_forward(
         "global average pooling's input",
     )?;
     check_int("a pooled plane's size", plane)?;
+    check_int("the channels", channels)?;
+    check_int("the batch", batch)?;
     let dev = x.device();
     let y = CudaTensor::alloc(
         dev,
@@ -943,6 +956,9 @@ pub fn global_average_backward(
         channels * batch,
         "global average pooling's output gradient",
     )?;
+    check_int("a pooled plane's size", plane)?;
+    check_int("the channels", channels)?;
+    check_int("the batch", batch)?;
     let dev = dy.device();
     let dx = CudaTensor::alloc(
         dev,

@@ -47,6 +47,26 @@ pub(super) fn run(dev: &Arc<CudaDevice>, rng: &mut SplitMix64, dtype: DType) -> 
         let name = format!("conv {i}->{o} k{k}s{st}p{p} {n}x{h}x{w} {s}");
         out.extend(check_conv(dev, rng, shape, dtype).unwrap_or_else(|e| vec![failed(name, e)]));
     }
+    // Without a bias and without the input gradient (a network's first convolution).
+    let shape = ConvShape {
+        geom: ConvGeometry {
+            in_channels: 3,
+            out_channels: 4,
+            kernel: 3,
+            stride: 1,
+            padding: 1,
+        },
+        input: Spatial {
+            batch: 2,
+            height: 5,
+            width: 6,
+        },
+    };
+    let name = format!("conv 3->4 k3s1p1 no bias, no dx {s}");
+    out.extend(
+        check_conv_weight_grad_only(dev, rng, shape, dtype)
+            .unwrap_or_else(|e| vec![failed(name, e)]),
+    );
     // (channels, values per channel): a CNHW map, a [C, N] one, a channel past one part.
     for (c, plane) in [(6, 4 * 5 * 5), (10, 7), (3, 20_000)] {
         let name = format!("batch norm {c}x{plane} {s}");
@@ -142,6 +162,62 @@ fn check_conv(
         result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
         result(name("weight+bias grad"), &g_dev.to_host_f32()?, &grads, tol),
         result(name("input grad"), &dx_dev.to_host_f32()?, &dx, tol),
+    ])
+}
+
+/// A convolution without a bias whose input gradient is not asked for: its forward and
+/// weight gradient only.
+fn check_conv_weight_grad_only(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    shape: ConvShape,
+    dtype: DType,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let g = shape.geom;
+    let s = ops::suffix(dtype);
+    let nw = g.out_channels * g.patch_len();
+    let x = rounded(&random(rng, shape.input_len(), 1.0), dtype);
+    let w = random(rng, nw, 0.2);
+    let dy = rounded(&random(rng, shape.output_len(), 1.0), dtype);
+    let (y, _) = conv2d_forward(&g, shape.input, &x, &w, None, false, dtype);
+    let mut gw = vec![0.0f32; nw];
+    let none = conv2d_backward(
+        &g,
+        shape.input,
+        &x,
+        None,
+        &w,
+        &dy,
+        &mut gw,
+        None,
+        false,
+        dtype,
+    );
+    assert!(none.is_none());
+    let layer = ConvLayer {
+        shape,
+        bias: false,
+        precision: dtype,
+        math: F32Math::Exact,
+    };
+    let params = DeviceValues::new(dev, &w, dtype)?;
+    let x_dev = CudaTensor::from_host(dev, &x, dtype)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, dtype)?;
+    let g_dev = CudaTensor::zeros(dev, nw, DType::F32, "weight gradient")?;
+    let y_dev = layer.forward(&x_dev, params.params())?;
+    let dx = layer.backward(&x_dev, &dy_dev, params.params(), grads_of(&g_dev), false)?;
+    let tol = tolerance(dtype);
+    let name = |what: &str| format!("conv no bias, no dx {what} {s}");
+    Ok(vec![
+        result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
+        result(name("weight grad"), &g_dev.to_host_f32()?, &gw, tol),
+        CheckResult {
+            name: name("returns no input gradient"),
+            rel_err: 0.0,
+            tolerance: 0.0,
+            passed: dx.is_none(),
+            error: None,
+        },
     ])
 }
 

@@ -16,8 +16,9 @@
 // - Batch norm's arithmetic is the CPU's (`norm.rs`): moments from the sums in double,
 //   running statistics with the unbiased variance, `y = γ·x̂ + β` with `x̂ = (x − μ)·rstd`.
 // - Pooling and the layout changes are element-wise gathers in the CPU's order of additions
-//   (on the emulator bit-identical to the CPU's; NVRTC may fuse a multiply into the next
-//   addition, so on a GPU average pooling's gradient can differ in the last bit).
+//   (on the emulator bit-identical to the CPU's). NVRTC fuses multiplies into additions by
+//   default, so on a GPU average pooling's gradient, batch norm's arithmetic and the running
+//   update can differ from the CPU in the last bit (the checks' tolerances allow it).
 //
 // Every kernel takes T = float, bf16 or f16 for its activations (f32 arithmetic inside,
 // rounded to T once); statistics and parameters are f32, sums double.
