@@ -30,9 +30,10 @@ def main():
     ours = subprocess.run(
         [a.meshtrain, "generate", "--checkpoint", a.checkpoint, "--prompt", a.prompt,
          "--max-tokens", str(a.max_tokens), "--temperature", "0"],
-        capture_output=True, text=True, check=True).stdout.rstrip("\n")
+        capture_output=True, text=True, check=True).stdout
+    ours = ours[:-1] if ours.endswith("\n") else ours  # the newline generate ends with
     tokenizer = AutoTokenizer.from_pretrained(a.exported)
-    model = AutoModelForCausalLM.from_pretrained(a.exported, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(a.exported, dtype=torch.float32)
     generate = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
     theirs = generate(a.prompt, max_new_tokens=a.max_tokens, do_sample=False,
                       return_full_text=True)[0]["generated_text"]

@@ -26,7 +26,8 @@ import pathlib
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFS = ROOT / "crates/meshtrain/tests/refs/hf"
@@ -87,12 +88,14 @@ def tokenizer_references():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.parse_args()
+    parser.add_argument("--only", nargs="*", help="write only these hf-* references (new ones), "
+                        "leaving the others and the tokenizers as they are")
+    args = parser.parse_args()
     torch.manual_seed(0)
     ids = json.loads((REFS / "ids.json").read_text())
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
 
-    for directory in sorted(REFS.glob("meshtrain-*")):
+    for directory in sorted(REFS.glob("meshtrain-*")) if not args.only else []:
         model = AutoModelForCausalLM.from_pretrained(
             directory, torch_dtype=torch.float32, attn_implementation="eager")
         write_logits(directory, logits(model, ids))
@@ -119,7 +122,23 @@ def main():
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 256})),
+        # Mistral: the Llama block with a sliding window, here no shorter than the context
+        # (meshtrain refuses a shorter one); untied.
+        "hf-mistral": MistralForCausalLM(MistralConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=16,
+            rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=16,
+            tie_word_embeddings=False, initializer_range=0.2)),
+        # SmolLM2's shape of Llama: tied embeddings, θ = 100000, heads of 8 over 3 key/value
+        # heads.
+        "hf-smollm": LlamaForCausalLM(LlamaConfig(
+            vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=16,
+            rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+            initializer_range=0.2)),
     }
+    if args.only:
+        made = {name: model for name, model in made.items() if name in args.only}
     for name, model in made.items():
         # Norm weights start at one; move them so a swapped or ignored norm weight shows.
         with torch.no_grad():
@@ -133,7 +152,8 @@ def main():
         write_logits(directory, logits(model, ids))
         print(f"{name}: saved with its logits")
 
-    tokenizer_references()
+    if not args.only:
+        tokenizer_references()
 
 
 if __name__ == "__main__":

@@ -161,6 +161,16 @@ fn transformers_weights_through_init_from_give_its_logits() {
         ),
         // Saved by transformers 5 (`rope_parameters`: θ and the llama3 scaling together).
         ("hf-llama3-scaled", LLAMA3_SCALED),
+        // Issue 40's families: a Mistral (its sliding window no shorter than the context;
+        // multi-query) and SmolLM2's shape of Llama (tied, θ = 100000, 6 heads over 3).
+        (
+            "hf-mistral",
+            "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 1\nffn = 48\nseq = 16\nrope_theta = 1000000.0\nnorm_eps = 1e-5\n",
+        ),
+        (
+            "hf-smollm",
+            "kind = \"llama\"\nvocab = 256\ndim = 48\nlayers = 2\nheads = 6\nkv_heads = 3\nffn = 64\nseq = 16\nrope_theta = 100000.0\nnorm_eps = 1e-5\ntie_embeddings = true\n",
+        ),
     ] {
         let dir = refs().join(name);
         let cfg = config(table);
