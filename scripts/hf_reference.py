@@ -27,7 +27,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFS = ROOT / "crates/meshtrain/tests/refs/hf"
@@ -88,14 +89,16 @@ def tokenizer_references():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", help="write only these hf-* references (new ones), "
-                        "leaving the others and the tokenizers as they are")
+    parser.add_argument("--only", nargs="*", help="write only these references (new ones: hf-* "
+                        "models, or meshtrain-* logits), leaving the others and the tokenizers "
+                        "as they are")
     args = parser.parse_args()
     torch.manual_seed(0)
     ids = json.loads((REFS / "ids.json").read_text())
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
 
-    for directory in sorted(REFS.glob("meshtrain-*")) if not args.only else []:
+    exported = [d for d in sorted(REFS.glob("meshtrain-*")) if not args.only or d.name in args.only]
+    for directory in exported:
         model = AutoModelForCausalLM.from_pretrained(
             directory, torch_dtype=torch.float32, attn_implementation="eager")
         write_logits(directory, logits(model, ids))
@@ -129,6 +132,12 @@ def main():
             num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=16,
             rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=16,
             tie_word_embeddings=False, initializer_range=0.2)),
+        # Qwen2 (Qwen2.5's small models): the Llama block with biases on q, k and v, tied.
+        "hf-qwen2": Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+            use_sliding_window=False, initializer_range=0.2)),
         # SmolLM2's shape of Llama: tied embeddings, θ = 100000, heads of 8 over 3 key/value
         # heads.
         "hf-smollm": LlamaForCausalLM(LlamaConfig(

@@ -69,6 +69,17 @@ fn llama_on_every_parallel_dimension_matches_one_worker() {
         eprintln!("llama MQA, tied, {layout}: {d:.2e}");
         assert!(d <= 2e-4, "MQA {layout}: {d:.2e}");
     }
+    // Qwen2's q/k/v biases: split with their rows (by key/value group, dealt on more ranks
+    // than groups, their replicated key/value part summed over the ranks sharing it).
+    let qwen2 = ["model.qkv_bias=true", "model.tie_embeddings=true"];
+    let (single, _) = train(&qwen2);
+    for layout in ["dp=2", "tp=2", "tp=4", "tp=2,sp=on", "dp=2,tp=2,pp=2,m=2"] {
+        let setting = format!("parallel.layout=\"{layout}\"");
+        let (split, _) = train(&[qwen2[0], qwen2[1], &setting]);
+        let d = rel_diff(&split, &single);
+        eprintln!("llama with q/k/v biases (Qwen2), {layout}: {d:.2e}");
+        assert!(d <= 2e-4, "Qwen2 {layout}: {d:.2e}");
+    }
 }
 
 #[test]
@@ -132,6 +143,22 @@ fn the_planner_and_the_trainer_read_one_model_description() {
             "{file}"
         );
     }
+    // The switch Qwen2 needs is counted by both.
+    let text = std::fs::read_to_string(common::root().join("configs/llama.toml")).unwrap();
+    let text = text.replacen("[model]\n", "[model]\nqkv_bias = true\n", 1);
+    let planned = meshtrain_plan::model::ModelSpec::from_toml(&text).unwrap();
+    let cfg = meshtrain::config::Config::from_toml_with_overrides(&text, &[]).unwrap();
+    let built = meshtrain::presets::build_model(&cfg.model);
+    assert_eq!(planned.total_params(), built.num_unique_params() as u64);
+    let plain = meshtrain::presets::build_model(
+        &meshtrain::config::Config::from_toml_with_overrides(
+            &std::fs::read_to_string(common::root().join("configs/llama.toml")).unwrap(),
+            &[],
+        )
+        .unwrap()
+        .model,
+    );
+    assert!(built.num_unique_params() > plain.num_unique_params());
 }
 
 /// Checkpoints written with key/value heads replicated over tensor-parallel ranks (tp=4 over

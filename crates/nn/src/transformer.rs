@@ -447,6 +447,8 @@ pub struct LlamaBlockShape {
     pub ffn: usize,
     pub rope: Rope,
     pub norm_eps: f32,
+    /// Biases on the q/k/v projection (Qwen2).
+    pub qkv_bias: bool,
 }
 
 impl TransformerBlock {
@@ -534,7 +536,13 @@ impl TransformerBlock {
                     "attn_norm".into(),
                     Box::new(RmsNorm::new(dim, shape.norm_eps)),
                 ),
-                ("qkv".into(), lin(dim, (heads + 2 * kv_heads) * head_dim)),
+                (
+                    "qkv".into(),
+                    Box::new(
+                        Linear::new(dim, (heads + 2 * kv_heads) * head_dim, shape.qkv_bias)
+                            .with_init(init),
+                    ),
+                ),
                 (
                     String::new(),
                     Box::new(Rotary {

@@ -607,6 +607,7 @@ fn llama_block() {
         ffn: 24,
         rope: meshtrain_tensor::rotary::Rope::new(10_000.0),
         norm_eps: 1e-5,
+        qkv_bias: false,
     };
     let block = TransformerBlock::llama(shape, Init::Normal(0.3), AttentionKind::Flash);
     Check::new("llama block", &block, normal(150, &[2, 5, 16]), 151).run();

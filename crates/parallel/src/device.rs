@@ -657,6 +657,7 @@ mod tests {
             norm_eps: 1e-5,
             tie_embeddings: false,
             attention: Default::default(),
+            qkv_bias: false,
         };
         let model = meshtrain_nn::models::llama::llama(&cfg);
         assert!(model

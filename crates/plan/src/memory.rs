@@ -255,6 +255,7 @@ mod tests {
             vocab: 1000,
             seq_len: s,
             tied_embeddings: true,
+            qkv_bias: false,
         }
     }
 

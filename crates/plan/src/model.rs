@@ -32,6 +32,9 @@ pub struct TransformerSpec {
     /// Input embedding and output head share one matrix.
     #[serde(default)]
     pub tied_embeddings: bool,
+    /// Biases on the q/k/v projections in a gated-MLP (Llama-family) model: Qwen2's.
+    #[serde(default)]
+    pub qkv_bias: bool,
 }
 
 /// A network the planner treats as an opaque block of compute (data parallelism only).
@@ -102,7 +105,8 @@ impl TransformerSpec {
         let h = self.hidden;
         let qkv_out = h + 2 * self.kv_width();
         if self.gated_mlp {
-            return h * qkv_out + h * h + 3 * h * self.ffn_hidden + 2 * h;
+            let qkv_bias = if self.qkv_bias { qkv_out } else { 0 };
+            return h * qkv_out + qkv_bias + h * h + 3 * h * self.ffn_hidden + 2 * h;
         }
         let attention = h * qkv_out + qkv_out + h * h + h;
         let mlp_biases = if self.gated_mlp {
@@ -252,6 +256,7 @@ impl ModelSpec {
                 vocab: int("vocab")?,
                 seq_len: int("seq")?,
                 tied_embeddings: tied,
+                qkv_bias: false,
             },
             "llama" => TransformerSpec {
                 layers: int("layers")?,
@@ -263,6 +268,10 @@ impl ModelSpec {
                 vocab: int("vocab")?,
                 seq_len: int("seq")?,
                 tied_embeddings: tied,
+                qkv_bias: table
+                    .get("qkv_bias")
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(false),
             },
             other => {
                 return Err(bad(format!(
@@ -376,6 +385,7 @@ mod tests {
             vocab: 256,
             seq_len: 128,
             tied_embeddings: false,
+            qkv_bias: false,
         }
     }
 
@@ -405,6 +415,7 @@ mod tests {
             vocab: 51200,
             seq_len: 2048,
             tied_embeddings: true,
+            qkv_bias: false,
         };
         let (s, h) = (2048.0f64, 2304.0f64);
         let expected = 24.0 * s * h * h * (1.0 + s / (6.0 * h));

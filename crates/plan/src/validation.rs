@@ -222,6 +222,7 @@ pub fn megatron_gpt(name: &str, layers: u64, hidden: u64, heads: u64) -> ModelSp
             vocab: 51200,
             seq_len: 2048,
             tied_embeddings: true,
+            qkv_bias: false,
         }),
     }
 }
@@ -381,6 +382,7 @@ pub fn predict_published(run: &PublishedRun) -> Result<Evaluation> {
             vocab: run.vocab,
             seq_len: run.seq_len,
             tied_embeddings: false,
+            qkv_bias: false,
         }),
     };
     let cluster = presets::cluster(run.cluster)?.with_gpus(run.gpus)?;

@@ -66,6 +66,8 @@ pub struct Architecture {
     /// Mistral's sliding window (each position attends to at most this many, itself
     /// included): the same as full causal attention for a context no longer than it.
     pub sliding_window: Option<usize>,
+    /// Biases on the q/k/v projections: Qwen2 (`model_type` "qwen2"), a Llama otherwise.
+    pub qkv_bias: bool,
 }
 
 /// The first layer of type `T` in `model` that `wanted` accepts, depth first.
@@ -187,6 +189,7 @@ impl Architecture {
                 tied,
                 gelu_tanh: false,
                 sliding_window: None,
+                qkv_bias: model.param_index("blocks.0.qkv.bias").is_some(),
             },
             None => Architecture {
                 family: Family::Gpt2,
@@ -204,6 +207,7 @@ impl Architecture {
                 gelu_tanh: find_where(model, |l: &Linear| l.activation.is_some())
                     .is_some_and(|l| l.activation == Some(Activation::GeluTanh)),
                 sliding_window: None,
+                qkv_bias: false,
             },
         })
     }
@@ -236,8 +240,8 @@ impl Architecture {
                 "eos_token_id": 50256,
             }),
             Family::Llama => json!({
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
+                "architectures": [if self.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+                "model_type": if self.qkv_bias { "qwen2" } else { "llama" },
                 "vocab_size": self.vocab,
                 "hidden_size": self.dim,
                 "intermediate_size": self.ffn,
@@ -302,11 +306,13 @@ impl Architecture {
                     tied,
                     gelu_tanh,
                     sliding_window: None,
+                    qkv_bias: false,
                 }
             }
             // Mistral (and SmolLM, whose model_type is "llama") is the Llama block; Mistral's
             // sliding window, where it has one, is checked against the model's context.
-            family @ ("llama" | "mistral") => {
+            // Qwen2 (and Qwen2.5) is the Llama block with biases on q, k and v.
+            family @ ("llama" | "mistral" | "qwen2") => {
                 let heads = int("num_attention_heads")?;
                 let dim = int("hidden_size")?;
                 if let Some(hd) = v["head_dim"].as_u64() {
@@ -327,7 +333,15 @@ impl Architecture {
                 for bias in ["attention_bias", "mlp_bias"] {
                     ensure!(
                         !v[bias].as_bool().unwrap_or(false),
-                        "{}: {bias} = true, but meshtrain's Llama has no biases",
+                        "{}: {bias} = true, but meshtrain's Llama has no biases (but Qwen2's \
+                         on q/k/v)",
+                        file.display()
+                    );
+                }
+                if family == "qwen2" {
+                    ensure!(
+                        !v["use_sliding_window"].as_bool().unwrap_or(false),
+                        "{}: use_sliding_window = true: meshtrain's attention has no window",
                         file.display()
                     );
                 }
@@ -351,6 +365,7 @@ impl Architecture {
                         "mistral" => v["sliding_window"].as_u64().map(|w| w as usize),
                         _ => None,
                     },
+                    qkv_bias: family == "qwen2",
                 }
             }
             other => bail!(
@@ -358,9 +373,7 @@ impl Architecture {
                  and \"mistral\" models{}",
                 file.display(),
                 match other {
-                    "qwen2" | "qwen3" =>
-                        " (Qwen's biases on q/k/v and Qwen3's norms on q and \
-                                          k are not in meshtrain's Llama yet)",
+                    "qwen3" => " (Qwen3's RMS norms on q and k are not in meshtrain's Llama yet)",
                     "mixtral" | "qwen2_moe" | "qwen3_moe" =>
                         " (mixture-of-experts layers are not \
                                                               supported)",
@@ -384,9 +397,10 @@ impl Architecture {
                 if self.gelu_tanh { "tanh" } else { "erf" }
             ),
             Family::Llama => format!(
-                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n{}",
+                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n{}{}",
                 self.vocab, self.dim, self.layers, self.heads, self.kv_heads, self.ffn, self.seq,
                 self.rope_theta, self.norm_eps, self.tied,
+                if self.qkv_bias { "qkv_bias = true\n" } else { "" },
                 self.rope_scaling.map_or(String::new(), |s| format!(
                     "\n[model.rope_scaling]\nfactor = {:?}\nlow_freq_factor = {:?}\nhigh_freq_factor = {:?}\noriginal_max_position_embeddings = {}\n",
                     s.factor, s.low_freq_factor, s.high_freq_factor, s.original_context
@@ -442,6 +456,13 @@ impl Architecture {
             diffs.push(format!(
                 "positions {} (the model's context {} needs more)",
                 from.seq, self.seq
+            ));
+        }
+        if self.qkv_bias != from.qkv_bias {
+            diffs.push(format!(
+                "{} q/k/v biases (the model: {})",
+                if from.qkv_bias { "with" } else { "without" },
+                if self.qkv_bias { "with" } else { "without" }
             ));
         }
         if let Some(window) = from.sliding_window.filter(|&w| w < self.seq) {
@@ -602,8 +623,20 @@ fn pieces(arch: &Architecture, seq: usize) -> Vec<Piece> {
                         format!("{h}.self_attn.{t}.weight"),
                         &[rows * hd, d],
                         qkv.clone(),
-                        Place::Rows { width: d, runs },
+                        Place::Rows {
+                            width: d,
+                            runs: runs.clone(),
+                        },
                     ));
+                    if arch.qkv_bias {
+                        // The bias rows in the weight's grouped order.
+                        out.push(piece(
+                            format!("{h}.self_attn.{t}.bias"),
+                            &[rows * hd],
+                            format!("{b}.qkv.bias"),
+                            Place::Rows { width: 1, runs },
+                        ));
+                    }
                 }
                 let gate_up = format!("{b}.gate_up.weight");
                 for (t, first) in [("gate_proj", 0), ("up_proj", f)] {
@@ -965,6 +998,7 @@ mod tests {
             norm_eps: 1e-6,
             tie_embeddings: tied,
             attention: Default::default(),
+            qkv_bias: false,
         })
     }
 
@@ -1091,6 +1125,7 @@ mod tests {
             norm_eps: 1e-6,
             tie_embeddings: false,
             attention: Default::default(),
+            qkv_bias: false,
         });
         let err = format!("{:#}", check(dir.path(), &other).unwrap_err());
         assert!(err.contains("kv_heads 2 (the model: 3)"), "{err}");

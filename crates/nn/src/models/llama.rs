@@ -49,6 +49,14 @@ pub struct LlamaConfig {
     /// The attention kernel (see [`crate::models::GptConfig::attention`]).
     #[serde(default, skip_serializing_if = "AttentionKind::is_flash")]
     pub attention: AttentionKind,
+    /// Biases on the query, key and value projections (Qwen2 / Qwen2.5; the output
+    /// projection and the MLP stay without).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub qkv_bias: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !b
 }
 
 impl LlamaConfig {
@@ -114,7 +122,8 @@ impl LlamaConfig {
     /// Parameters, counted from the shapes the model builds.
     pub fn params(&self) -> usize {
         let (d, v, f) = (self.dim, self.vocab, self.ffn);
-        let qkv = d * (self.heads + 2 * self.kv_heads) * self.head_dim();
+        let qkv_rows = (self.heads + 2 * self.kv_heads) * self.head_dim();
+        let qkv = d * qkv_rows + if self.qkv_bias { qkv_rows } else { 0 };
         let block = 2 * d + qkv + d * d + 3 * d * f;
         let head = if self.tie_embeddings { 0 } else { v * d };
         v * d + self.layers * block + d + head
@@ -137,6 +146,7 @@ impl LlamaConfig {
             ffn: self.ffn,
             rope: self.rope(),
             norm_eps: self.norm_eps,
+            qkv_bias: self.qkv_bias,
         }
     }
 }
@@ -210,6 +220,7 @@ mod tests {
             norm_eps: 1e-5,
             tie_embeddings: false,
             attention: AttentionKind::Flash,
+            qkv_bias: false,
         }
     }
 
