@@ -136,27 +136,6 @@ fn same_state(
     );
 }
 
-/// Whether `a`'s loss was within `tolerance` (relative) of `b`'s at every one of its steps.
-fn same_losses(failed: &mut Vec<String>, what: &str, tolerance: f64, a: &Trained, b: &Trained) {
-    let worst = a
-        .losses
-        .iter()
-        .zip(&b.losses)
-        .map(|(x, y)| ((x - y) / y).abs())
-        .map(|r| if r.is_finite() { r } else { f64::INFINITY })
-        .fold(0.0f64, f64::max);
-    verdict(
-        failed,
-        !a.losses.is_empty() && a.losses.len() == b.losses.len() && worst <= tolerance,
-        format!(
-            "{what}: losses within {:.3}% at every one of {} steps (≤ {}%)",
-            worst * 100.0,
-            a.losses.len(),
-            tolerance * 100.0
-        ),
-    );
-}
-
 /// Checks 1 and 2 on `device` (`cuda`; `cpu` for their own test, where every line must say
 /// ok).
 fn checks(failed: &mut Vec<String>, root: &Path, device: &str, nets: &[Net]) -> Result<()> {
@@ -187,7 +166,7 @@ fn checks(failed: &mut Vec<String>, root: &Path, device: &str, nets: &[Net]) -> 
         let cpu16 = net.train(root, "cpu", bf16_steps, &bf16)?;
         let here16 = net.train(root, device, bf16_steps, &bf16)?;
         let what = format!("bf16 {} on {device} vs bf16 on the CPU", net.name);
-        same_losses(failed, &what, 1e-2, &here16, &cpu16);
+        close_losses_within(failed, &what, &here16, &cpu16, 1e-2);
         let two = short(device, &["parallel.dp=2", "parallel.sync_batch_norm=true"])?;
         let what = format!(
             "fp32 {} dp=2 on {device} (SyncBatchNorm where it has batch norm) vs one worker there",

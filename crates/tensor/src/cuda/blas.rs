@@ -114,6 +114,31 @@ pub fn alignment(ptr: u64) -> u32 {
 }
 
 impl Gemm {
+    /// An `m × n × k` product of `input`-typed operands into the same type, no transposes,
+    /// no accumulation, no bias, α = 1: what a layer's products start from (their operands
+    /// and leading dimensions filled in by the caller).
+    pub fn plain(m: usize, n: usize, k: usize, input: DType, math: F32Math) -> Gemm {
+        Gemm {
+            m,
+            n,
+            k,
+            transa: false,
+            transb: false,
+            a: 0,
+            lda: 0,
+            b: 0,
+            ldb: 0,
+            input,
+            d: 0,
+            ldd: 0,
+            output: input,
+            accumulate: false,
+            bias: None,
+            alpha: 1.0,
+            math,
+        }
+    }
+
     /// Checks the description before cuBLASLt sees it (a wrong leading dimension would
     /// read out of bounds).
     pub fn validate(&self) -> Result<(), CudaError> {

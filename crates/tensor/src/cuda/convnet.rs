@@ -147,25 +147,7 @@ pub struct ConvProducts {
 
 impl ConvProducts {
     fn base(&self, m: usize, n: usize, k: usize) -> Gemm {
-        Gemm {
-            m,
-            n,
-            k,
-            transa: false,
-            transb: false,
-            a: 0,
-            lda: 0,
-            b: 0,
-            ldb: 0,
-            input: self.precision,
-            d: 0,
-            ldd: 0,
-            output: self.precision,
-            accumulate: false,
-            bias: None,
-            alpha: 1.0,
-            math: self.math,
-        }
+        Gemm::plain(m, n, k, self.precision, self.math)
     }
 
     /// `y = W·cols`.
@@ -1015,61 +997,44 @@ mod tests {
         }
     }
 
-    /// `im2col` as `conv.cu` defines it.
-    fn columns_on_host(x: &[f32], s: &ConvShape) -> Vec<f32> {
+    /// Every (column-matrix index, input index) pair of `im2col` as `conv.cu` defines it:
+    /// column row `(c·k + ky)·k + kx`, column `(n·OH + oy)·OW + ox`, reading the input at
+    /// `(c, n, oy·s + ky − p, ox·s + kx − p)` where that is inside the image.
+    fn for_each_tap(s: &ConvShape, mut f: impl FnMut(usize, usize)) {
         let g = &s.geom;
         let (oh, ow) = s.output_size();
         let (n, h, w, k) = (s.input.batch, s.input.height, s.input.width, g.kernel);
-        let mut cols = vec![0.0; s.columns_len()];
         for c in 0..g.in_channels {
-            for ky in 0..k {
-                for kx in 0..k {
-                    let row = (c * k + ky) * k + kx;
-                    for ni in 0..n {
-                        for oy in 0..oh {
-                            for ox in 0..ow {
-                                let iy = (oy * g.stride + ky) as isize - g.padding as isize;
-                                let ix = (ox * g.stride + kx) as isize - g.padding as isize;
-                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
-                                    continue;
-                                }
-                                cols[row * s.positions() + (ni * oh + oy) * ow + ox] =
-                                    x[((c * n + ni) * h + iy as usize) * w + ix as usize];
-                            }
-                        }
+            for (ky, kx) in (0..k).flat_map(|ky| (0..k).map(move |kx| (ky, kx))) {
+                let row = (c * k + ky) * k + kx;
+                for (ni, oy, ox) in (0..n)
+                    .flat_map(|ni| (0..oh).flat_map(move |oy| (0..ow).map(move |ox| (ni, oy, ox))))
+                {
+                    let iy = (oy * g.stride + ky) as isize - g.padding as isize;
+                    let ix = (ox * g.stride + kx) as isize - g.padding as isize;
+                    if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                        continue;
                     }
+                    f(
+                        row * s.positions() + (ni * oh + oy) * ow + ox,
+                        ((c * n + ni) * h + iy as usize) * w + ix as usize,
+                    );
                 }
             }
         }
+    }
+
+    /// `im2col` on the host.
+    fn columns_on_host(x: &[f32], s: &ConvShape) -> Vec<f32> {
+        let mut cols = vec![0.0; s.columns_len()];
+        for_each_tap(s, |col, input| cols[col] = x[input]);
         cols
     }
 
     /// `col2im`: the adjoint of [`columns_on_host`].
     fn image_on_host(dcols: &[f32], s: &ConvShape) -> Vec<f32> {
-        let g = &s.geom;
-        let (oh, ow) = s.output_size();
-        let (n, h, w, k) = (s.input.batch, s.input.height, s.input.width, g.kernel);
         let mut dx = vec![0.0; s.input_len()];
-        for c in 0..g.in_channels {
-            for ky in 0..k {
-                for kx in 0..k {
-                    let row = (c * k + ky) * k + kx;
-                    for ni in 0..n {
-                        for oy in 0..oh {
-                            for ox in 0..ow {
-                                let iy = (oy * g.stride + ky) as isize - g.padding as isize;
-                                let ix = (ox * g.stride + kx) as isize - g.padding as isize;
-                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
-                                    continue;
-                                }
-                                dx[((c * n + ni) * h + iy as usize) * w + ix as usize] +=
-                                    dcols[row * s.positions() + (ni * oh + oy) * ow + ox];
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        for_each_tap(s, |col, input| dx[input] += dcols[col]);
         dx
     }
 

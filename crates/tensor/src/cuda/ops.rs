@@ -129,25 +129,7 @@ pub struct LinearProducts {
 
 impl LinearProducts {
     fn base(&self, m: usize, n: usize, k: usize) -> Gemm {
-        Gemm {
-            m,
-            n,
-            k,
-            transa: false,
-            transb: false,
-            a: 0,
-            lda: 0,
-            b: 0,
-            ldb: 0,
-            input: self.precision,
-            d: 0,
-            ldd: 0,
-            output: self.precision,
-            accumulate: false,
-            bias: None,
-            alpha: 1.0,
-            math: self.math,
-        }
+        Gemm::plain(m, n, k, self.precision, self.math)
     }
 
     /// `y = x·Wᵀ (+ bias)`.
