@@ -114,7 +114,7 @@ run)
             for spec in "lenet 88" "resnet18 91"; do
                 set -- $spec
                 timeout 200 "$bin" train --config "configs/$1.toml" --device cuda --dp 1 \
-                    "${data[@]}" --set "train.out_dir=\"/tmp/meshtrain-acc-$1\"" 2>&1 \
+                    ${data[@]+"${data[@]}"} --set "train.out_dir=\"/tmp/meshtrain-acc-$1\"" 2>&1 \
                     | grep -vE '^step ' | tail -12 | tee -a "$logs/accuracy.log"
                 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
                 acc=$(grep -h '"kind":"eval"' "/tmp/meshtrain-acc-$1/metrics.jsonl" 2>/dev/null \
