@@ -177,13 +177,7 @@ pub fn run_calibrate(args: &BenchCalibrateArgs) -> Result<()> {
         workers: args.workers.to_string(),
         threads: args.workers,
         steps: args.steps,
-        warmup: 3,
-        dp_mode: "ddp".into(),
-        overrides: Vec::new(),
-        device: None,
-        json: None,
-        png: None,
-        diagnose_dir: None,
+        ..BenchScalingArgs::default()
     };
     let single_args = BenchScalingArgs {
         workers: "1".into(),

@@ -105,10 +105,6 @@ impl Tokenizer {
 
     /// What it is, for messages.
     pub fn describe(&self) -> String {
-        self.name()
-    }
-
-    fn name(&self) -> String {
         match self {
             Tokenizer::Bytes => "bytes (256 ids)".into(),
             Tokenizer::Bpe(enc) => format!("a BPE of {} ids", enc.vocab),
@@ -137,7 +133,7 @@ impl Tokenizer {
         bail!(
             "the model's vocabulary has {vocab} ids, which {} cannot be: give {suggestion} (or \
              leave both out to use what the run trained on)",
-            self.name()
+            self.describe()
         )
     }
 

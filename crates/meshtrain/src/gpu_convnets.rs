@@ -192,16 +192,13 @@ fn speed(root: &Path) -> Result<()> {
                 threads: 4,
                 steps: Some(if model == "lenet" { 200 } else { 50 }),
                 warmup: 10,
-                dp_mode: "ddp".into(),
                 overrides: vec![
                     format!("train.batch_size={batch}"),
                     format!("train.precision=\"{precision}\""),
                     format!("train.tf32={tf32}"),
                 ],
                 device: Some("cuda".into()),
-                json: None,
-                png: None,
-                diagnose_dir: None,
+                ..BenchScalingArgs::default()
             };
             let run = scaling::measure_one(root, model, 1, &args)?;
             let label = if tf32 { "tf32" } else { precision };
@@ -220,16 +217,10 @@ fn scaling_on(root: &Path, device: &str) -> Result<()> {
     println!("\n-- meshtrain bench scaling --device {device} (LeNet, ResNet-18; 1, 2, 4 workers)");
     let args = BenchScalingArgs {
         models: "lenet,resnet18".into(),
-        workers: "1,2,4".into(),
         threads: 4,
-        steps: None,
         warmup: 5,
-        dp_mode: "ddp".into(),
-        overrides: Vec::new(),
         device: Some(device.into()),
-        json: None,
-        png: None,
-        diagnose_dir: None,
+        ..BenchScalingArgs::default()
     };
     scaling::run_scaling_in(root, &args)?;
     Ok(())

@@ -57,6 +57,19 @@ pub struct BenchScalingArgs {
     pub diagnose_dir: Option<PathBuf>,
 }
 
+/// The command line's defaults, taken from the command line's own definition (so a caller
+/// that sets a few fields gets what `meshtrain bench scaling` would).
+impl Default for BenchScalingArgs {
+    fn default() -> Self {
+        #[derive(clap::Parser)]
+        struct Command {
+            #[command(flatten)]
+            args: BenchScalingArgs,
+        }
+        <Command as clap::Parser>::parse_from(["scaling"]).args
+    }
+}
+
 /// One (model, workers) measurement.
 #[derive(Serialize, Debug, Clone)]
 pub struct ScalingRun {
@@ -462,19 +475,7 @@ mod tests {
     #[test]
     fn the_planner_says_resnet_scales_and_lenet_less() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let args = BenchScalingArgs {
-            models: String::new(),
-            workers: "1".into(),
-            threads: 1,
-            steps: None,
-            warmup: 0,
-            dp_mode: "ddp".into(),
-            overrides: Vec::new(),
-            device: None,
-            json: None,
-            png: None,
-            diagnose_dir: None,
-        };
+        let args = BenchScalingArgs::default();
         let gain = |model: &str| {
             let base = base_config(&root, model, &args).unwrap();
             let rows = predict_on_gpus(model, &base, &[1, 2, 8]).unwrap();

@@ -45,42 +45,31 @@ pub fn merges_of(tokens: &[Vec<u8>]) -> Result<Vec<(u32, u32)>> {
             continue;
         }
         // Byte-pair encoding of the token's bytes with the ranks below its own: merge the
-        // lowest-ranked adjacent pair until none is left.
-        let mut parts: Vec<&[u8]> = (0..token.len()).map(|i| &token[i..=i]).collect();
+        // lowest-ranked adjacent pair until none is left. The parts are where each starts.
+        let mut starts: Vec<usize> = (0..token.len()).collect();
+        let end = |starts: &[usize], i: usize| starts.get(i).copied().unwrap_or(token.len());
         loop {
-            let best = (0..parts.len() - 1)
+            let best = (0..starts.len() - 1)
                 .filter_map(|i| {
-                    let joined = &token[offset(&parts, token, i)..offset(&parts, token, i + 2)];
+                    let joined = &token[starts[i]..end(&starts, i + 2)];
                     rank.get(joined)
                         .filter(|&&r| r < id as u32)
                         .map(|&r| (r, i))
                 })
                 .min();
             let Some((_, i)) = best else { break };
-            let start = offset(&parts, token, i);
-            let end = offset(&parts, token, i + 2);
-            parts[i] = &token[start..end];
-            parts.remove(i + 1);
+            starts.remove(i + 1);
         }
-        match parts.as_slice() {
-            [left, right] => merges.push((rank[left], rank[right])),
+        match starts.as_slice() {
+            &[left, right] => merges.push((rank[&token[left..right]], rank[&token[right..]])),
             _ => bail!(
                 "token {id} of the vocabulary is not the merge of two lower-ranked tokens ({} \
                  parts): not a byte-pair vocabulary",
-                parts.len()
+                starts.len()
             ),
         }
     }
     Ok(merges)
-}
-
-/// Where part `i` of `parts` (consecutive slices of `token`) starts; `parts.len()` gives the
-/// end.
-fn offset(parts: &[&[u8]], token: &[u8], i: usize) -> usize {
-    if i == parts.len() {
-        return token.len();
-    }
-    parts[i].as_ptr() as usize - token.as_ptr() as usize
 }
 
 /// A byte-level BPE `tokenizer.json`: `tokens[id]` the ordinary tokens' bytes (ids = ranks),

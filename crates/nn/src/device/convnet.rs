@@ -3,7 +3,7 @@
 //! `meshtrain_tensor::cuda::convnet`. Activations stay CNHW on the device; what is kept for
 //! backward is a device tensor in the dtype the kernels wrote.
 
-use super::{kept, ok, on_device, wrap};
+use super::{device_grads, kept, ok, on_device, wrap};
 use crate::layer::{Mode, ParamsMut, Saved, StatsReducer};
 use crate::layers::{BatchNorm2d, Conv2d, Flatten, Pool2d, PoolKind};
 use meshtrain_tensor::conv::Spatial;
@@ -11,16 +11,9 @@ use meshtrain_tensor::cuda::convnet::{
     self, BatchNorm, BatchStats, ConvLayer, ConvShape, PoolShape,
 };
 use meshtrain_tensor::cuda::ops::{self, ActKind};
-use meshtrain_tensor::cuda::{CudaDevice, DeviceGrads, DeviceParams};
+use meshtrain_tensor::cuda::{CudaDevice, DeviceParams};
 use meshtrain_tensor::Tensor;
 use std::sync::Arc;
-
-fn grads_of<'a>(g: ParamsMut<'a>, what: &str) -> DeviceGrads<'a> {
-    match g {
-        ParamsMut::Device(g) => g,
-        ParamsMut::Host(_) => panic!("{what}: device parameters with host gradients or buffers"),
-    }
-}
 
 fn conv_layer(c: &Conv2d, x_shape: &[usize], dev: &CudaDevice) -> ConvLayer {
     ConvLayer {
@@ -73,7 +66,7 @@ pub fn conv_backward(
     let dev = p.device();
     let layer = conv_layer(c, x.shape(), dev);
     let dys = on_device(&dy, dev);
-    let dx = ok(layer.backward(xs, &dys, p, grads_of(g, "Conv2d"), need_dx));
+    let dx = ok(layer.backward(xs, &dys, p, device_grads(g), need_dx));
     dx.map(|dx| wrap(dx, x.shape()))
 }
 
@@ -87,7 +80,6 @@ fn batch_norm(bn: &BatchNorm2d) -> BatchNorm {
 /// Per-channel sums (and their count) added up over the workers by SyncBatchNorm's reducer,
 /// the count riding along as on the CPU; as they are without one.
 fn reduced(
-    dev: &Arc<CudaDevice>,
     sums: convnet::ChannelSums,
     count: usize,
     reducer: Option<&Arc<dyn StatsReducer>>,
@@ -96,7 +88,7 @@ fn reduced(
         return (sums, count);
     };
     let mut total = count;
-    let sums = ok(convnet::sums_through_host(dev, sums, |values| {
+    let sums = ok(convnet::sums_through_host(sums, |values| {
         values.push(count as f64);
         reducer.sum(values);
         total = values.pop().expect("the count") as usize;
@@ -115,7 +107,7 @@ pub fn batch_norm_forward(
     let dev = p.device();
     let norm = batch_norm(bn);
     let xs = on_device(&x, dev);
-    let running = grads_of(b, "BatchNorm2d (running statistics)");
+    let running = device_grads(b);
     assert_eq!(
         running.len(),
         2 * bn.channels,
@@ -129,7 +121,7 @@ pub fn batch_norm_forward(
     }
     let count = xs.len() / bn.channels;
     let sums = ok(norm.sums(&xs));
-    let (sums, count) = reduced(dev, sums, count, bn.reducer());
+    let (sums, count) = reduced(sums, count, bn.reducer());
     let update = mode.update_stats.then_some(running);
     let stats = ok(norm.moments(dev, &sums, count, update, bn.momentum));
     let (y, xhat) = ok(norm.apply(&xs, stats.stats.ptr(), p, true));
@@ -155,13 +147,13 @@ pub fn batch_norm_backward(
     let count = s.indices.pop().expect("BatchNorm2d: saved count")[0] as usize;
     // In x̂'s dtype once, for both of the backward's kernels.
     let dys = ok(ops::to_dtype(&on_device(&dy, dev), xhat.dtype()));
-    let sums = ok(norm.grad_sums(&dys, &xhat, grads_of(g, "BatchNorm2d")));
+    let sums = ok(norm.grad_sums(&dys, &xhat, device_grads(g)));
     if !need_dx {
         return None;
     }
     // The input gradient's sums are the global ones under SyncBatchNorm (the parameter
     // gradients above took the local ones: data parallelism averages them afterwards).
-    let (sums, _) = reduced(dev, sums, 0, bn.reducer());
+    let (sums, _) = reduced(sums, 0, bn.reducer());
     let stats = BatchStats { stats, count };
     let dx = ok(norm.input_grad(&dys, &xhat, &stats, p, &sums));
     Some(wrap(dx, dy.shape()))

@@ -506,7 +506,6 @@ pub struct BatchStats {
 /// all-reduce over host f64 vectors) can add them up over workers. `reduce` may append
 /// values of its own (the count) as long as it takes them off again.
 pub fn sums_through_host(
-    dev: &Arc<CudaDevice>,
     sums: ChannelSums,
     reduce: impl FnOnce(&mut Vec<f64>),
 ) -> Result<ChannelSums, CudaError> {
@@ -520,7 +519,7 @@ pub fn sums_through_host(
             host.len()
         )));
     }
-    dev.upload_to(sums.ptr(), &host)?;
+    sums.buf.device().upload_to(sums.ptr(), &host)?;
     Ok(sums)
 }
 
