@@ -19,10 +19,14 @@
 #                                        Llama), LeNet and ResNet-18 against the CPU and
 #                                        beside PyTorch (convnets) and trained to the
 #                                        configs' accuracy (accuracy); a summary table last.
-#                                        Logs go to $OUT (or /tmp).
+#                                        Logs go to /tmp/gpu-check/logs, one PART.log
+#                                        each, packed after every part into
+#                                        $OUT/gpu-check-logs.tgz (the device tool returns at
+#                                        most 8 files), with the summary in $OUT/summary.log.
 #
 # With the `device` tool of this workplace, after building here:
 #   run(command="bash scripts/gpu-check.sh run", carry=[".gpu"], timeout_s=480)
+# Unpack the logs here with: tar -xzf gpu-check-logs.tgz -C docs/gpu-logs/DATE-CARD/
 # Set GPU_CHECK_PARTS (default check,multi,layouts,convnets,step,torch,products,llama,generate,
 # kernels,accuracy) and GPU_CHECK_TORCH (default
 # eager; eager,compile adds torch.compile, ~1 more minute) to run less or more.
@@ -70,9 +74,16 @@ for line in sys.stdin:
     echo "built .gpu/meshtrain; on the GPU machine: bash scripts/gpu-check.sh run (carry .gpu)"
     ;;
 run)
-    logs=${OUT:-/tmp/gpu-check}
+    logs=/tmp/gpu-check/logs
+    rm -rf "$logs"
     planner=/tmp/meshtrain-planner # measured.toml and breakdown.json (not under $OUT: 8 files)
     mkdir -p "$logs" "$planner"
+    # Every log in one file under $OUT, refreshed after each part, so a call cut short
+    # still returns what ran.
+    pack() {
+        [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu-check-logs.tgz" -C "$logs" . 2>/dev/null
+        return 0
+    }
     bin=.gpu/meshtrain
     [ -x "$bin" ] || bin=target/release/meshtrain
     if [ ! -x "$bin" ]; then
@@ -93,9 +104,12 @@ run)
     for part in ${parts//,/ }; do
         if [ "$part" = torch ]; then
             [ -n "$torch_modes" ] || continue
-            echo "=== PyTorch anchor ($torch_modes)"
+            echo "=== PyTorch anchors ($torch_modes): GPT-2 124M, then the Llama 1B shape"
             PYTHONUNBUFFERED=1 timeout 90 python3 scripts/gpu/pytorch_gpt2_bench.py \
                 --batch 16 --steps 20 --modes "$torch_modes" 2>&1 | tee "$logs/pytorch.log"
+            PYTHONUNBUFFERED=1 timeout 150 python3 scripts/gpu/pytorch_llama_bench.py \
+                --batch 4 --steps 10 --modes "$torch_modes" 2>&1 | tee -a "$logs/pytorch.log"
+            pack
             continue
         fi
         if [ "$part" = accuracy ]; then
@@ -131,6 +145,7 @@ run)
                 --out "$logs/convnets-gpu-curves.png" 2>&1 | tail -1
             echo "=== accuracy: exit $rc in $(( $(date +%s) - start )) s"
             [ "$rc" = 0 ] || status=1
+            pack
             continue
         fi
         if [ "$part" = llama ]; then
@@ -151,6 +166,7 @@ run)
                 --prompt "ROMEO:" --max-tokens 80 2>&1 | tee -a "$logs/llama.log"
             echo "=== llama: exit $rc in $(( $(date +%s) - start )) s"
             [ "$rc" = 0 ] || status=1
+            pack
             continue
         fi
         if [ "$part" = generate ]; then
@@ -204,6 +220,7 @@ run)
             done
             echo "=== generate: exit $rc in $(( $(date +%s) - start )) s"
             [ "$rc" = 0 ] || status=1
+            pack
             continue
         fi
         echo "=== meshtrain bench gpu --parts $part"
@@ -214,11 +231,12 @@ run)
         multi) limit=300 sync=0 ;;
         layouts) limit=180 sync=0 ;;
         convnets) limit=240 sync=0 ;;
-        step) limit=90 sync=0 ;;
+        step) limit=180 sync=0 ;;
         *) limit=60 sync=0 ;;
         esac
+        # The step part times GPT-2 124M and the Llama 3.2 1B shape (issue 39).
         MESHTRAIN_CUDA_SYNC=$sync timeout "$limit" "$bin" bench gpu --parts "$part" --root . \
-            --out-dir "$planner" 2>&1 | tee "$logs/$part.log"
+            --models gpt2-124m,llama-1b --out-dir "$planner" 2>&1 | tee "$logs/$part.log"
         rc=${PIPESTATUS[0]}
         if [ "$part" = convnets ]; then
             # PyTorch on the same card in the same call, and the ratios.
@@ -246,57 +264,76 @@ run)
         fi
         echo "=== $part: exit $rc in $(( $(date +%s) - start )) s"
         [ "$rc" = 0 ] || status=1
+        pack
     done
     # The planner with the rates just measured on this card (products, kernels: measured.toml)
-    # against meshtrain's own GPT-2 124M step of this call (step: breakdown.json); both files
-    # and the comparison go into step.log ($OUT returns at most 8 files).
-    if [ -f "$planner/measured.toml" ] && [ -f "$planner/breakdown.json" ]; then
+    # against meshtrain's own steps of this call (step: breakdown.json for GPT-2 124M,
+    # breakdown-llama-1b.json for the Llama 1B shape); the files and the comparison go into
+    # step.log.
+    if [ -f "$planner/measured.toml" ]; then
         card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
         case "$card" in *H200*) cluster=h200 ;; *H100*) cluster=h100 ;; *A100*) cluster=a100 ;; *) cluster=h100 ;; esac
-        {
-            echo "=== the planner against this call's step"
-            cat "$planner/measured.toml" "$planner/breakdown.json"
-            "$bin" plan --model gpt2-124m --cluster "$cluster" --gpus 1 --global-batch 16 \
-                --layout dp=1,mb=16 --measured "$planner/measured.toml" \
-                --compare "$planner/breakdown.json" 2>&1
-        } | tee -a "$logs/step.log"
+        for spec in "gpt2-124m 16 breakdown.json" "llama-1b 4 breakdown-llama-1b.json"; do
+            set -- $spec
+            [ -f "$planner/$3" ] || continue
+            {
+                echo "=== the planner against this call's $1 step"
+                cat "$planner/measured.toml" "$planner/$3"
+                "$bin" plan --model "$1" --cluster "$cluster" --gpus 1 --global-batch "$2" \
+                    --layout "dp=1,mb=$2" --measured "$planner/measured.toml" \
+                    --compare "$planner/$3" 2>&1
+            } | tee -a "$logs/step.log"
+        done
     fi
-    echo
-    echo "================ summary (one card, one call) ================"
-    if [ -f "$logs/check.log" ]; then
-        total=$(grep -cE '^(ok  |FAIL) ' "$logs/check.log")
-        failed=$(grep -cE '^FAIL ' "$logs/check.log")
-        echo "checks: $((total - failed)) of $total passed"
-        grep -E '^FAIL ' "$logs/check.log" | head -20
-        grep -E '^(ok  |FAIL) (GPT|Llama)' "$logs/check.log"
-    fi
-    if [ -f "$logs/multi.log" ]; then
-        grep -E '^(ok  |FAIL|skip) ' "$logs/multi.log"
-        grep -E '^staged all_reduce' "$logs/multi.log"
-    fi
-    for f in layouts convnets accuracy; do
-        [ -f "$logs/$f.log" ] && grep -E '^(ok  |FAIL) |^RESULT ratio' "$logs/$f.log"
-    done
-    [ -f "$logs/products.log" ] && grep -E '^products:' "$logs/products.log"
-    grep -E '^step ' "$logs/step.log" 2>/dev/null | sed 's/^/planner vs measured /'
-    if [ -f "$logs/kernels.log" ]; then
-        grep -E 'copy:|vs copy|attention ' "$logs/kernels.log"
-        awk '/^[a-zA-Z].* [0-9.]+ +[0-9]+ +[0-9.]+$/ {print}' "$logs/kernels.log" | head -20
-    fi
-    if [ -f "$logs/llama.log" ]; then
-        grep -E '^eval step' "$logs/llama.log" | tail -1 | sed 's/^/Llama BPE on the GPU: /'
-        grep -E '^(validation loss|throughput|per step)' "$logs/llama.log"
-    fi
-    [ -f "$logs/generate.log" ] && grep -E '^RESULT (generate|compare|speed)' "$logs/generate.log"
-    ours=$(grep -h '^RESULT meshtrain' "$logs/step.log" 2>/dev/null | sed -E 's/.*tok_s=([0-9]+).*/\1/')
-    [ -n "$ours" ] && grep -h '^RESULT meshtrain' "$logs/step.log"
-    for mode in ${torch_modes//,/ }; do
-        theirs=$(grep -h "^RESULT torch-$mode" "$logs/pytorch.log" 2>/dev/null | sed -E 's/.*tok_s=([0-9]+).*/\1/')
-        [ -n "$theirs" ] && grep -h "^RESULT torch-$mode" "$logs/pytorch.log"
-        if [ -n "$ours" ] && [ -n "$theirs" ]; then
-            echo "meshtrain / torch-$mode tokens/s: $(awk -v a="$ours" -v b="$theirs" 'BEGIN{printf "%.3f", a/b}')"
+    summary() {
+        echo "================ summary (one card, one call) ================"
+        if [ -f "$logs/check.log" ]; then
+            total=$(grep -cE '^(ok  |FAIL) ' "$logs/check.log")
+            failed=$(grep -cE '^FAIL ' "$logs/check.log")
+            echo "checks: $((total - failed)) of $total passed"
+            grep -E '^FAIL ' "$logs/check.log" | head -20
+            grep -E '^(ok  |FAIL) (GPT|Llama)' "$logs/check.log"
         fi
-    done
+        if [ -f "$logs/multi.log" ]; then
+            grep -E '^(ok  |FAIL|skip) ' "$logs/multi.log"
+            grep -E '^staged all_reduce' "$logs/multi.log"
+        fi
+        for f in layouts convnets accuracy; do
+            [ -f "$logs/$f.log" ] && grep -E '^(ok  |FAIL) |^RESULT ratio' "$logs/$f.log"
+        done
+        [ -f "$logs/products.log" ] && grep -E '^products:' "$logs/products.log"
+        grep -E '^step ' "$logs/step.log" 2>/dev/null | sed 's/^/planner vs measured /'
+        if [ -f "$logs/kernels.log" ]; then
+            grep -E 'copy:|vs copy|attention ' "$logs/kernels.log"
+            awk '/^[a-zA-Z].* [0-9.]+ +[0-9]+ +[0-9.]+$/ {print}' "$logs/kernels.log" | head -20
+        fi
+        if [ -f "$logs/llama.log" ]; then
+            grep -E '^eval step' "$logs/llama.log" | tail -1 | sed 's/^/Llama BPE on the GPU: /'
+            grep -E '^(validation loss|throughput|per step)' "$logs/llama.log"
+        fi
+        [ -f "$logs/generate.log" ] && grep -E '^RESULT (generate|compare|speed)' "$logs/generate.log"
+        # Tokens/s against PyTorch's anchors of this call: GPT-2 124M ("RESULT meshtrain B=" vs
+        # "RESULT torch-MODE B="), the Llama 1B shape ("RESULT meshtrain-llama-1b" vs
+        # "RESULT torch-MODE llama"); model FLOPs utilisation and peak memory are on the lines.
+        for spec in "gpt2-124m|RESULT meshtrain B=|B=" "llama-1b|RESULT meshtrain-llama-1b |llama B="; do
+            IFS='|' read -r name mine theirs_tag <<<"$spec"
+            ours=$(grep -h "^$mine" "$logs/step.log" 2>/dev/null | head -1 | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+            [ -n "$ours" ] && grep -h "^$mine" "$logs/step.log" | head -1
+            for mode in ${torch_modes//,/ }; do
+                line=$(grep -h "^RESULT torch-$mode $theirs_tag" "$logs/pytorch.log" 2>/dev/null | head -1)
+                [ -n "$line" ] || continue
+                echo "$line"
+                theirs=$(echo "$line" | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+                if [ -n "$ours" ]; then
+                    echo "$name: meshtrain / torch-$mode tokens/s: $(awk -v a="$ours" -v b="$theirs" 'BEGIN{printf "%.3f", a/b}')"
+                fi
+            done
+        done
+    }
+    echo
+    summary | tee "$logs/summary.log"
+    [ -n "${OUT:-}" ] && cp "$logs/summary.log" "$OUT/summary.log"
+    pack
     exit $status
     ;;
 *)

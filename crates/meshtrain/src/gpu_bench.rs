@@ -13,8 +13,9 @@
 //! * `layouts`: pipelines (1F1B, interleaved), ring context parallelism and an 8-rank
 //!   dp × pp × cp hybrid against one GPU, and their checkpoints across devices (`gpu_multi`);
 //! * `step`: the GPT-2 124M step (12 × 768, 12 heads, 1024 tokens, vocabulary 50304, batch
-//!   16, bf16, AdamW, clipping) in tokens/s, its device memory, and where its time goes
-//!   (one profiled step).
+//!   16, bf16, AdamW, clipping) and, with `--models llama-1b`, the Llama 3.2 1B-shaped step
+//!   (batch 4 × 2048) in tokens/s and model FLOPs utilisation, their device memory, and where
+//!   their time goes (one profiled step each).
 //!
 //! Every number comes from the same process on the same card; the GPU-check script runs
 //! PyTorch's anchor beside it.
@@ -45,12 +46,20 @@ pub struct BenchGpuArgs {
     /// The GPU.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
-    /// GPT-2 step: sequences per batch.
-    #[arg(long, default_value_t = 16)]
-    pub batch: usize,
-    /// GPT-2 step: timed steps (after 3 warm-up steps).
+    /// The models the step part times (comma-separated): gpt2-124m, llama-1b.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "gpt2-124m")]
+    pub models: Vec<StepModel>,
+    /// Step part: sequences per batch (default: what PyTorch's anchor runs, 16 for
+    /// gpt2-124m, 4 for llama-1b).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Step part: timed steps (after 3 warm-up steps).
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
+    /// Step part: the card's dense bf16 peak in TFLOP/s for model FLOPs utilisation
+    /// (default: the planner's preset for an H100, H200 or A100).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
     /// Repetitions per timed product or kernel.
     #[arg(long, default_value_t = 20)]
     pub reps: usize,
@@ -856,46 +865,160 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
     Ok((copy_gbs, 3.5 * flops / ((fwd + bwd) * 1e-3) / 1e12))
 }
 
-/// The `step` part: GPT-2 124M training steps on the GPU.
-fn step(args: &BenchGpuArgs) -> Result<()> {
-    println!(
-        "\n== step: GPT-2 124M (12 layers, 768 wide, 12 heads, 1024 tokens, vocabulary 50304, tied embeddings), batch {} × 1024, bf16, AdamW, clip 1.0",
-        args.batch
-    );
-    let overrides: Vec<String> = [
-        "model.vocab=50304",
-        "model.dim=768",
-        "model.layers=12",
-        "model.heads=12",
-        "model.seq=1024",
-        "model.tie_embeddings=true",
-        "train.precision=\"bf16\"",
-        "train.steps=1000",
-        "train.eval_every=100000",
-        "schedule.warmup_steps=10",
-        "schedule.lr=3e-4",
-        "optimizer.beta2=0.999",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([
-        format!("train.batch_size={}", args.batch),
-        format!("train.device=\"cuda:{}\"", args.device),
-        "train.out_dir=\"/tmp/meshtrain-gpt2-bench\"".to_string(),
-    ])
-    .collect();
-    let text = std::fs::read_to_string(args.root.join("configs/gpt.toml"))
-        .with_context(|| format!("reading {}/configs/gpt.toml", args.root.display()))?;
+/// A model the `step` part times, with the anchors it is measured beside.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum StepModel {
+    /// GPT-2 small as PyTorch's `pytorch_gpt2_bench.py` and llm.c train it: 12 layers, width
+    /// 768, 12 heads, 1024 tokens, vocabulary 50304, tied embeddings.
+    #[value(name = "gpt2-124m")]
+    Gpt2Small,
+    /// The shape of Llama 3.2 1B (`configs/llama-1b.toml`), beside
+    /// `pytorch_llama_bench.py`: 16 layers, width 2048, 32 heads over 8 key/value heads,
+    /// SwiGLU 8192, vocabulary 128,256, tied, 2,048 tokens.
+    #[value(name = "llama-1b")]
+    Llama1b,
+}
+
+impl StepModel {
+    fn name(self) -> &'static str {
+        match self {
+            StepModel::Gpt2Small => "gpt2-124m",
+            StepModel::Llama1b => "llama-1b",
+        }
+    }
+
+    /// The batch PyTorch's anchor for this model runs (sequences).
+    fn default_batch(self) -> usize {
+        match self {
+            StepModel::Gpt2Small => 16,
+            StepModel::Llama1b => 4,
+        }
+    }
+
+    /// The config the model's step trains, under the repository root.
+    fn config_file(self) -> &'static str {
+        match self {
+            StepModel::Gpt2Small => "configs/gpt.toml",
+            StepModel::Llama1b => "configs/llama-1b.toml",
+        }
+    }
+
+    /// What turns the config into the timed model, trained as its PyTorch anchor trains
+    /// (bf16 autocast, AdamW with β₂ 0.999 and weight decay 0.1, clipping at 1.0).
+    fn overrides(self) -> &'static [&'static str] {
+        match self {
+            StepModel::Gpt2Small => &[
+                "model.vocab=50304",
+                "model.dim=768",
+                "model.layers=12",
+                "model.heads=12",
+                "model.seq=1024",
+                "model.tie_embeddings=true",
+                "train.precision=\"bf16\"",
+                "optimizer.beta2=0.999",
+            ],
+            StepModel::Llama1b => &["train.precision=\"bf16\"", "optimizer.beta2=0.999"],
+        }
+    }
+
+    /// The `RESULT` line's tag (GPT-2's stays `meshtrain`, as in the earlier logs).
+    fn result_tag(self) -> &'static str {
+        match self {
+            StepModel::Gpt2Small => "meshtrain",
+            StepModel::Llama1b => "meshtrain-llama-1b",
+        }
+    }
+}
+
+/// The config `model`'s timed step trains, with `batch` sequences per step on `device`.
+fn step_config(root: &Path, model: StepModel, batch: usize, device: usize) -> Result<Config> {
+    let overrides: Vec<String> = model
+        .overrides()
+        .iter()
+        .map(|s| s.to_string())
+        .chain([
+            "train.steps=1000".to_string(),
+            "train.eval_every=100000".to_string(),
+            "schedule.warmup_steps=10".to_string(),
+            "schedule.lr=3e-4".to_string(),
+            "optimizer.weight_decay=0.1".to_string(),
+            "train.grad_clip=1.0".to_string(),
+            format!("train.batch_size={batch}"),
+            format!("train.device=\"cuda:{device}\""),
+            format!("train.out_dir=\"/tmp/meshtrain-{}-bench\"", model.name()),
+        ])
+        .collect();
+    let file = model.config_file();
+    let text = std::fs::read_to_string(root.join(file))
+        .with_context(|| format!("reading {}/{file}", root.display()))?;
     let cfg = Config::from_toml_with_overrides(&text, &overrides)?;
     cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Training FLOPs per token as the PyTorch anchors and llm.c count them for model FLOPs
+/// utilisation: 6 per parameter (a tied embedding once) for the weight products, plus
+/// 12·layers·width·seq for attention's scores and values with the causal half counted whole.
+pub fn training_flops_per_token(params: usize, layers: usize, width: usize, seq: usize) -> f64 {
+    6.0 * params as f64 + 12.0 * (layers * width * seq) as f64
+}
+
+/// The dense bf16 peak of a card named `card` (as the driver names it), from the planner's
+/// cluster presets; `None` for a card they do not describe.
+pub fn card_bf16_peak_flops(card: &str) -> Option<f64> {
+    let card = card.to_ascii_uppercase();
+    let preset = ["H200", "H100", "A100"]
+        .into_iter()
+        .find(|name| card.contains(name))?;
+    let cluster = meshtrain_plan::presets::cluster(&preset.to_ascii_lowercase()).ok()?;
+    Some(cluster.peak_flops(meshtrain_plan::Precision::Bf16))
+}
+
+/// The `step` part: each of `--models`' training steps on the GPU, timed, its peak device
+/// memory, its model FLOPs utilisation, and one profiled step's kernels.
+fn step(args: &BenchGpuArgs) -> Result<()> {
+    for &model in &args.models {
+        step_of(args, model)?;
+    }
+    Ok(())
+}
+
+fn step_of(args: &BenchGpuArgs, model: StepModel) -> Result<()> {
+    let batch = args.batch.unwrap_or(model.default_batch());
+    let cfg = step_config(&args.root, model, batch, args.device)?;
+    let (layers, width, seq, shape) = match &cfg.model {
+        crate::config::ModelConfig::Gpt(g) => (
+            g.layers,
+            g.dim,
+            g.seq,
+            format!(
+                "{} layers, {} wide, {} heads, vocabulary {}",
+                g.layers, g.dim, g.heads, g.vocab
+            ),
+        ),
+        crate::config::ModelConfig::Llama(l) => (
+            l.layers,
+            l.dim,
+            l.seq,
+            format!(
+                "{} layers, {} wide, {} heads over {} key/value heads, SwiGLU {}, vocabulary {}",
+                l.layers, l.dim, l.heads, l.kv_heads, l.ffn, l.vocab
+            ),
+        ),
+        _ => bail!("the step part times language models"),
+    };
+    println!(
+        "\n== step: {} ({shape}, tied embeddings), batch {batch} × {seq}, bf16, AdamW, clip 1.0",
+        model.name(),
+    );
     let task = Task::load(&cfg)?;
     let job = Arc::new(cfg.job(&task)?);
     let t = Instant::now();
     let mut trainer = job.trainer(ThreadsWorld::single(CommConfig::default()), None)?;
+    let params = trainer.whole.num_unique_params();
     println!(
-        "model built and uploaded in {:.1} s: {} parameters",
+        "model built and uploaded in {:.1} s: {params} parameters",
         t.elapsed().as_secs_f64(),
-        trainer.whole.num_unique_params()
     );
     let dev = CudaDevice::get(args.device).map_err(cuda)?;
     let mut losses = Vec::new();
@@ -914,25 +1037,40 @@ fn step(args: &BenchGpuArgs) -> Result<()> {
         // The timed steps' breakdown, as `train` writes it, for `meshtrain plan --compare`.
         let mut timed = trainer.breakdown.since(&warm);
         timed.device_memory = trainer.parallel.device_memory();
-        let path = dir.join("breakdown.json");
+        let path = dir.join(match model {
+            StepModel::Gpt2Small => "breakdown.json".to_string(),
+            other => format!("breakdown-{}.json", other.name()),
+        });
         std::fs::create_dir_all(dir)?;
         std::fs::write(
             &path,
-            serde_json::to_string_pretty(&timed.measured_step(args.batch))? + "\n",
+            serde_json::to_string_pretty(&timed.measured_step(batch))? + "\n",
         )
         .with_context(|| format!("writing {}", path.display()))?;
         println!("the timed steps' breakdown: {}", path.display());
     }
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
-    let tokens = (args.batch * 1024) as f64;
+    let tokens = (batch * seq) as f64;
     let mem = trainer
         .parallel
         .device_memory()
         .context("the step ran on the GPU")?;
+    let peak = args
+        .peak_tflops
+        .map(|t| t * 1e12)
+        .or_else(|| card_bf16_peak_flops(&dev.name()));
+    let mfu = match peak {
+        Some(peak) => format!(
+            " mfu={:.1}%",
+            100.0 * training_flops_per_token(params, layers, width, seq) * tokens / med / peak
+        ),
+        None => String::new(),
+    };
     println!(
-        "RESULT meshtrain B={} T=1024 step_ms={:.2} min_ms={:.2} tok_s={:.0} peak_mem_GiB={:.2} loss={:.3}",
-        args.batch,
+        "RESULT {} B={batch} T={seq} params={:.1}M step_ms={:.2} min_ms={:.2} tok_s={:.0}{mfu} peak_mem_GiB={:.2} loss={:.3}",
+        model.result_tag(),
+        params as f64 / 1e6,
         med * 1e3,
         times[0] * 1e3,
         tokens / med,
@@ -990,6 +1128,53 @@ mod tests {
         assert_eq!(read.attention_tflops, Some(120.0));
         let h200 = meshtrain_plan::presets::cluster("h200").unwrap();
         assert!(read.apply(&h200).is_ok());
+    }
+
+    /// The step part's models are the shapes their PyTorch anchors build: GPT-2 small's
+    /// 124M and Llama 3.2 1B's 1.24B parameters (the tied embedding once), counted from the
+    /// configs the step trains; their FLOPs per token as the anchors count them.
+    #[test]
+    fn the_timed_models_have_the_anchors_shapes() {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for (model, params, flops) in [
+            (
+                StepModel::Gpt2Small,
+                124_475_904,
+                6.0 * 124_475_904.0 + 12.0 * 12.0 * 768.0 * 1024.0,
+            ),
+            (
+                StepModel::Llama1b,
+                1_235_814_400,
+                6.0 * 1_235_814_400.0 + 12.0 * 16.0 * 2048.0 * 2048.0,
+            ),
+        ] {
+            let cfg = step_config(&root, model, model.default_batch(), 0).unwrap();
+            assert_eq!(cfg.train.precision, "bf16");
+            assert_eq!(cfg.train.batch_size, model.default_batch());
+            let (counted, layers, width, seq) = match &cfg.model {
+                crate::config::ModelConfig::Gpt(g) => (g.params(), g.layers, g.dim, g.seq),
+                crate::config::ModelConfig::Llama(l) => (l.params(), l.layers, l.dim, l.seq),
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(counted, params, "{model:?}");
+            let plan = meshtrain_plan::presets::model(model.name()).unwrap();
+            assert_eq!(
+                plan.total_params() as usize,
+                params,
+                "{model:?} planner preset"
+            );
+            assert_eq!(training_flops_per_token(counted, layers, width, seq), flops);
+        }
+    }
+
+    /// Model FLOPs utilisation is against the card's dense bf16 peak, taken from the
+    /// planner's presets by the name the driver reports; an unknown card gets none.
+    #[test]
+    fn the_peak_comes_from_the_cards_name() {
+        assert_eq!(card_bf16_peak_flops("NVIDIA H200"), Some(989e12));
+        assert_eq!(card_bf16_peak_flops("NVIDIA H100 80GB HBM3"), Some(989e12));
+        assert_eq!(card_bf16_peak_flops("NVIDIA A100-SXM4-80GB"), Some(312e12));
+        assert_eq!(card_bf16_peak_flops("NVIDIA GeForce RTX 4090"), None);
     }
 
     /// The comparison's harness on the CPU alone, for both models: a run's parameters and

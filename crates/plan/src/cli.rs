@@ -23,8 +23,8 @@ use crate::search::{evaluate_layout, search_feasible, TIE};
 /// Arguments of `meshtrain plan`.
 #[derive(Debug, Clone, Args)]
 pub struct PlanArgs {
-    /// Model: a preset name (gpt, lenet, resnet18, gpt-30b, llama-70b, gpt-1.7b … gpt-1t,
-    /// gpt3-175b) or a path to a model TOML file.
+    /// Model: a preset name (gpt, lenet, resnet18, gpt2-124m, llama-1b, gpt-30b, llama-70b,
+    /// gpt-1.7b … gpt-1t, gpt3-175b) or a path to a model TOML file.
     #[arg(long, default_value = "gpt")]
     pub model: String,
     /// Cluster: a preset name (cpu-2core, a100-40gb, a100-80gb, h100-sxm-80gb,

@@ -308,6 +308,7 @@ pub fn train_command(problem: &Problem, layout: &Layout) -> String {
         "lenet" => "configs/lenet-sigmoid.toml".to_string(),
         "resnet18" => "configs/resnet18.toml".to_string(),
         "llama" => "configs/llama.toml".to_string(),
+        "llama-1b" => "configs/llama-1b.toml".to_string(),
         // A preset without a trainer config: the user's config for it (its [model] table).
         other => format!("<your config for {other}>"),
     };

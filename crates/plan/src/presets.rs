@@ -29,6 +29,7 @@ const MODELS: &[(&str, &str)] = &[
     ("gpt-310b", include_str!("../presets/models/gpt-310b.toml")),
     ("gpt-530b", include_str!("../presets/models/gpt-530b.toml")),
     ("gpt-1t", include_str!("../presets/models/gpt-1t.toml")),
+    ("llama-1b", include_str!("../presets/models/llama-1b.toml")),
     (
         "llama-70b",
         include_str!("../presets/models/llama-70b.toml"),
@@ -149,6 +150,9 @@ mod tests {
             );
         }
         assert_eq!(model("gpt").unwrap().total_params(), 3_323_392);
+        // Llama 3.2 1B's own count (tied embedding counted once), which configs/llama-1b.toml
+        // builds too (`meshtrain::gpu_bench`'s test).
+        assert_eq!(model("llama-1b").unwrap().total_params(), 1_235_814_400);
         assert_eq!(model("lenet").unwrap().total_params(), 61_706);
     }
 

@@ -88,6 +88,16 @@ impl GptConfig {
         Ok(())
     }
 
+    /// Parameters, counted from the shapes the model builds: token and position tables,
+    /// per block two layer norms, q/k/v, the projection and the 4·dim MLP with their biases,
+    /// the final norm, and the head unless tied.
+    pub fn params(&self) -> usize {
+        let (d, v) = (self.dim, self.vocab);
+        let block = 12 * d * d + 13 * d;
+        let head = if self.tie_embeddings { 0 } else { v * d };
+        v * d + self.seq * d + self.layers * block + 2 * d + head
+    }
+
     /// Forward + backward FLOPs per sequence (matrix products only, ×3 for backward).
     pub fn train_flops_per_sequence(&self) -> f64 {
         let (t, d, v, l) = (
@@ -143,4 +153,25 @@ pub fn gpt(cfg: &GptConfig) -> Model {
         tensor_plan(),
         cfg.tie_embeddings,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_its_parameters() {
+        for tie in [false, true] {
+            let cfg = GptConfig {
+                vocab: 37,
+                dim: 16,
+                layers: 2,
+                heads: 2,
+                seq: 8,
+                tie_embeddings: tie,
+                ..GptConfig::default()
+            };
+            assert_eq!(gpt(&cfg).num_unique_params(), cfg.params(), "tie {tie}");
+        }
+    }
 }
