@@ -143,6 +143,17 @@ fn the_planner_and_the_trainer_read_one_model_description() {
             "{file}"
         );
     }
+    // The 1B shape, counted without building it (5 GB): the planner's count, the config's own
+    // (`LlamaConfig::params`, checked against built models), and Llama 3.2 1B's.
+    let text = std::fs::read_to_string(common::root().join("configs/llama-1b.toml")).unwrap();
+    let planned = meshtrain_plan::model::ModelSpec::from_toml(&text).unwrap();
+    let cfg = meshtrain::config::Config::from_toml_with_overrides(&text, &[]).unwrap();
+    cfg.validate().unwrap();
+    let meshtrain::config::ModelConfig::Llama(llama) = &cfg.model else {
+        panic!("configs/llama-1b.toml is a Llama")
+    };
+    assert_eq!(planned.total_params(), llama.params() as u64);
+    assert_eq!(llama.params(), 1_235_814_400);
     // The switch Qwen2 needs is counted by both.
     let text = std::fs::read_to_string(common::root().join("configs/llama.toml")).unwrap();
     let text = text.replacen("[model]\n", "[model]\nqkv_bias = true\n", 1);
