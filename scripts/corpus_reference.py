@@ -2,12 +2,14 @@
 """Corpus files written by independent writers, for crates/meshtrain/tests/token_files.rs:
 the same documents as a Parquet file (pyarrow: several row groups, a null row, an extra
 column, zstd and snappy column chunks, a large_string and a string column), as gzip-compressed
-JSON lines (Python's gzip and json), and as plain text files, plus the documents' GPT-2 ids as
+JSON lines (Python's gzip and json), as zstd-compressed JSON lines (Arrow C++'s zstd codec,
+in two frames), and as plain text files, plus the documents' GPT-2 ids as
 tiktoken computes them (so the test also checks meshtrain's BPE against tiktoken's).
 
 Writes into crates/meshtrain/tests/refs/corpus/:
   docs.snappy.parquet, docs.zstd.parquet   one document per row in "text" (row 3 is null)
   docs.jsonl.gz                            one JSON object per line ({"id", "text"})
+  docs.jsonl.zst                           the same lines, zstd: two frames, cut after line 7
   text/doc_NN.txt                          each document as its own file
   ids.json                                 {"end_of_text": 50256, "documents": [[ids...], ...]}
 
@@ -59,6 +61,10 @@ def main():
     with gzip.open(OUT / "docs.jsonl.gz", "wt", encoding="utf-8") as f:
         for i, d in enumerate(docs):
             f.write(json.dumps({"id": i, "text": d}) + "\n")
+    lines = [json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)]
+    frames = ["".join(lines[:7]), "".join(lines[7:])]
+    (OUT / "docs.jsonl.zst").write_bytes(
+        b"".join(pa.compress(f.encode("utf-8"), codec="zstd", asbytes=True) for f in frames))
     enc, source = gpt2_encoding()
     ids = [enc.encode_ordinary(d) for d in docs]
     eot = enc.encode("<|endoftext|>", allowed_special="all")[0]

@@ -1,16 +1,16 @@
 //! The documents in the files `meshtrain tokenize` is given. A file is plain UTF-8 text (one
 //! document), JSON lines (one document per line, its text in a field, `text` by default),
-//! either of them gzip-compressed, or Parquet (one document per row, its text in a column).
+//! either of them gzip- or zstd-compressed, or Parquet (one document per row, its text in a column).
 //! Every format is streamed: JSON lines a line at a time through the decompressor, Parquet a
 //! row group at a time (only the text column), and a text file, when the caller can take it
 //! in parts ([`Document::continues`]), in pieces of about a given size cut where the BPE's
 //! pre-tokeniser splits alike in a piece and in the whole. So memory does not grow with a
 //! file's size. The format comes from the content (Parquet's, gzip's and zstd's magic bytes,
-//! a first `{`) and the extension (`.jsonl`, `.ndjson`, `.json`, under `.gz`). A file that is
+//! a first `{`) and the extension (`.jsonl`, `.ndjson`, `.json`, under `.gz` or `.zst`). A file that is
 //! none of these, or text that is not UTF-8, is refused with the offset of its first bad byte,
 //! never tokenized as if it were text. A malformed line (or a row without text) is named (file
 //! and line, or row group and row) and stops the run, or with `skip_bad` is counted and left
-//! out. zstd-compressed text is recognised and refused by name.
+//! out.
 //!
 //! Inputs may be files, directories (every file under them, in name order, hidden ones left
 //! out) and glob patterns ([`expand_inputs`]).
@@ -53,7 +53,10 @@ const PARQUET: &[u8] = b"PAR1";
 
 /// The format of a file named `name` whose (decompressed) contents start with `start`.
 pub fn format_of(name: &str, start: &[u8]) -> Format {
-    let name = name.strip_suffix(".gz").unwrap_or(name);
+    let name = [".gz", ".zst", ".zstd"]
+        .iter()
+        .find_map(|ext| name.strip_suffix(ext))
+        .unwrap_or(name);
     if [".jsonl", ".ndjson", ".json"]
         .iter()
         .any(|ext| name.ends_with(ext))
@@ -135,37 +138,53 @@ fn is_parquet(path: &Path) -> Result<bool> {
     Ok(n == 4 && magic == PARQUET)
 }
 
-/// The file's contents as a stream, gunzipped when they are gzip's; zstd refused by name.
+/// The file's contents as a stream, decompressed when they are gzip's or zstd's (by their
+/// magic bytes; a file of several gzip members or zstd frames is read whole, as the
+/// command-line tools do).
 fn open_stream(path: &Path) -> Result<Box<dyn BufRead>> {
     let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let mut raw = BufReader::with_capacity(1 << 20, file);
     let start = raw
         .fill_buf()
         .with_context(|| format!("reading {}", path.display()))?;
-    if start.starts_with(ZSTD) {
-        bail!(
-            "{}: zstd-compressed, which this build does not read yet: decompress it first \
-             (zstd -d) or recompress it with gzip",
-            path.display()
-        );
-    }
-    if !start.starts_with(GZIP) {
+    let decompressed: Box<dyn Read> = if start.starts_with(GZIP) {
+        Box::new(flate2::bufread::MultiGzDecoder::new(raw))
+    } else if start.starts_with(ZSTD) {
+        Box::new(
+            zstd::stream::read::Decoder::with_buffer(raw)
+                .with_context(|| format!("{}: starting a zstd stream", path.display()))?,
+        )
+    } else {
         return Ok(Box::new(raw));
-    }
-    Ok(Box::new(BufReader::with_capacity(
-        1 << 20,
-        flate2::bufread::MultiGzDecoder::new(raw),
-    )))
+    };
+    Ok(Box::new(BufReader::with_capacity(1 << 20, decompressed)))
 }
 
 /// A read error of the (decompressed) stream, named: a plain file's reads fail only for
-/// the disk's reasons, so bad or missing data is the decompressor's.
+/// the disk's reasons, so bad or missing data in a compressed file is the decompressor's.
 fn stream_error(path: &Path, e: std::io::Error) -> anyhow::Error {
-    use std::io::ErrorKind::{InvalidData, InvalidInput, UnexpectedEof};
-    if matches!(e.kind(), InvalidInput | InvalidData | UnexpectedEof) {
-        anyhow::anyhow!("{}: a damaged gzip stream: {e}", path.display())
+    use std::io::ErrorKind::{InvalidData, InvalidInput, Other, UnexpectedEof};
+    match compression_of(path) {
+        Some(compression)
+            if matches!(e.kind(), InvalidInput | InvalidData | UnexpectedEof | Other) =>
+        {
+            anyhow::anyhow!("{}: a damaged {compression} stream: {e}", path.display())
+        }
+        _ => anyhow::anyhow!("reading {}: {e}", path.display()),
+    }
+}
+
+/// The compression the file's magic bytes name, if any.
+fn compression_of(path: &Path) -> Option<&'static str> {
+    let mut magic = [0u8; 4];
+    let mut file = std::fs::File::open(path).ok()?;
+    let n = file.read(&mut magic).ok()?;
+    if magic[..n].starts_with(GZIP) {
+        Some("gzip")
+    } else if magic[..n].starts_with(ZSTD) {
+        Some("zstd")
     } else {
-        anyhow::anyhow!("reading {}: {e}", path.display())
+        None
     }
 }
 
@@ -537,7 +556,7 @@ pub(crate) mod tests {
         assert!(e.contains("byte offset 5 is 0xc8"), "{e}");
         for (name, magic, what) in [
             ("x.parquet", PARQUET, "not a readable Parquet file"),
-            ("x.jsonl.zst", ZSTD, "zstd-compressed"),
+            ("x.jsonl.zst", ZSTD, "a damaged zstd stream"),
         ] {
             let path = dir.path().join(name);
             let mut bytes = magic.to_vec();

@@ -28,7 +28,7 @@ use tiktoken_rs::CoreBPE;
 #[derive(clap::Args, Debug)]
 pub struct TokenizeArgs {
     /// Files of documents: UTF-8 text (the file is one document), JSON lines (one document
-    /// per line, see --text-field), either possibly gzip-compressed, or Parquet (one document
+    /// per line, see --text-field), either possibly gzip- or zstd-compressed, or Parquet (one document
     /// per row, the --text-field column); the format is taken from the content and the
     /// extension (`meshtrain::corpus`). A directory means every file under it, a quoted
     /// glob pattern ('corpus/*.jsonl.gz') its matches, both in name order. Each document is

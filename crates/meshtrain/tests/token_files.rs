@@ -205,8 +205,8 @@ fn no_validation_split_prints_no_validation_setting_and_an_empty_input_is_refuse
 }
 
 /// Corpora written by independent writers (`scripts/corpus_reference.py`: pyarrow's Parquet,
-/// zstd and snappy, row groups of 4 and 5 with a null row; Python's gzip JSON lines; the
-/// documents as text files in a directory) tokenize to exactly the same shards, whose ids
+/// zstd and snappy, row groups of 4 and 5 with a null row; Python's gzip JSON lines; Arrow's
+/// zstd JSON lines in two frames; the documents as text files in a directory) tokenize to exactly the same shards, whose ids
 /// are tiktoken's for the documents, each after the end-of-text token, every tenth document
 /// in validation.
 #[test]
@@ -236,6 +236,7 @@ fn independent_writers_corpora_give_tiktokens_ids() {
     for input in [
         "text",
         "docs.jsonl.gz",
+        "docs.jsonl.zst",
         "docs.snappy.parquet",
         "docs.zstd.parquet",
     ] {
