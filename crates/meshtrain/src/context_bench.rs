@@ -158,6 +158,7 @@ fn attention_kept_bytes(kind: AttentionKind, seq: usize) -> usize {
     let core = AttentionCore {
         dim: 256,
         heads: 4,
+        kv_heads: 4,
         precision: DType::F32,
         kind,
     };

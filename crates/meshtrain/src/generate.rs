@@ -3,27 +3,28 @@
 //!
 //! The checkpoint carries the run's config, so the model is rebuilt from it and its weights
 //! loaded; the tokens are decoded with what the run trained on: bytes for the built-in text,
-//! or the BPE whose vocabulary the run's token shards record. Tokens are drawn with
-//! temperature and top-k from a seeded generator. The model decodes incrementally with a
-//! key/value cache ([`crate::decode`]): the prompt is one forward (a prefill), then each new
-//! token one row through the layers and its attention over the cache, instead of a forward
-//! over the whole window per token. `--no-cache` keeps that window forward (the model's own
-//! [`Model::forward_all`] over the last `seq` tokens), to measure the cache against; the
-//! two agree while the text fits the context and differ in how they window it beyond (see
-//! [`Decoder::step`]). `--device cuda` runs the cached decoder on a GPU (weights, cache and
-//! activations in its memory, f32); the logits come back for the same sampling, so the same
-//! seed draws the same tokens wherever the logits agree. The time and tokens/s go to stderr at
-//! the end, with the device named.
+//! or the BPE whose vocabulary the run's token shards record. Generation itself is the
+//! library's ([`meshtrain_nn::generate`]): tokens drawn with temperature and top-k from a
+//! seeded generator, the model's own layers decoding incrementally with a key/value cache
+//! (the prompt one pass, then each new token one row through the layers and its attention
+//! over the cache) instead of a forward over the whole window per token. `--no-cache` keeps
+//! that window forward (the model's own [`Model::forward_all`] over the last `seq` tokens),
+//! to measure the cache against; the two agree while the text fits the context and differ
+//! in how they window it beyond (see [`Decoder::step`]). `--device cuda` runs the cached
+//! decoder on a GPU (weights, cache and activations in its memory, f32); the logits come back
+//! for the same sampling, so the same seed draws the same tokens wherever the logits agree.
+//! The time and tokens/s go to stderr at the end, with the device named.
 
-use crate::config::{Config, ModelConfig};
-use crate::decode::Decoder;
+use crate::config::Config;
 use crate::presets::build_model;
 use crate::tokenize::{encoding, encoding_of_vocab, Encoding, HfTokenizer};
 use anyhow::{bail, ensure, Context, Result};
+use meshtrain_nn::generate::{
+    check_device, continue_text, Comparison, Decoder, NextLogits, Sampling, TokenChoice,
+};
 use meshtrain_nn::optim::{Optimizer, OptimizerConfig};
-use meshtrain_nn::{Mode, Model, ParamStore};
-use meshtrain_tensor::rng::SplitMix64;
-use meshtrain_tensor::{Device, Tensor};
+use meshtrain_nn::{Model, ParamStore};
+use meshtrain_tensor::Device;
 use meshtrain_train::checkpoint::{self, Restore};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -164,6 +165,43 @@ impl Tokenizer {
         }
     }
 
+    /// The start of a text: the end-of-text token for a BPE (GPT-2's documents begin after
+    /// one), a newline for bytes (the built-in corpus's lines).
+    pub fn start_of_text(&self) -> Vec<u32> {
+        match self {
+            Tokenizer::Bytes => vec![u32::from(b'\n')],
+            Tokenizer::Bpe(enc) => vec![enc.end_of_text],
+            Tokenizer::Hf(hf) => match hf.end_of_text {
+                Some(eot) => vec![eot],
+                None => hf.encode("\n").unwrap_or_default(),
+            },
+        }
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(match self {
+            Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
+            Tokenizer::Bpe(enc) => enc.bpe.encode_ordinary(text),
+            Tokenizer::Hf(hf) => hf.encode(text)?,
+        })
+    }
+
+    /// The bytes `token` stands for (part of a character, possibly).
+    pub fn bytes(&self, token: u32) -> Vec<u8> {
+        match self {
+            Tokenizer::Bytes => vec![token as u8],
+            // An ordinary token (see `candidates`): always in the decoder.
+            Tokenizer::Bpe(enc) => (enc.bpe)
+                ._decode_native_and_split(vec![token])
+                .next()
+                .unwrap_or_default(),
+            Tokenizer::Hf(hf) => hf.token_bytes(token),
+        }
+    }
+}
+
+/// What generation may draw: the tokenizer's tokens of the model's logits.
+impl TokenChoice for Tokenizer {
     /// The tokens a sample may be: the logits of every byte, or of every ordinary token and
     /// the end of text last (a padded vocabulary's extra rows and unused special ids are
     /// never drawn).
@@ -199,70 +237,6 @@ impl Tokenizer {
             _ => Some(candidate as u32),
         }
     }
-
-    /// The start of a text: the end-of-text token for a BPE (GPT-2's documents begin after
-    /// one), a newline for bytes (the built-in corpus's lines).
-    pub fn start_of_text(&self) -> Vec<u32> {
-        match self {
-            Tokenizer::Bytes => vec![u32::from(b'\n')],
-            Tokenizer::Bpe(enc) => vec![enc.end_of_text],
-            Tokenizer::Hf(hf) => match hf.end_of_text {
-                Some(eot) => vec![eot],
-                None => hf.encode("\n").unwrap_or_default(),
-            },
-        }
-    }
-
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(match self {
-            Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
-            Tokenizer::Bpe(enc) => enc.bpe.encode_ordinary(text),
-            Tokenizer::Hf(hf) => hf.encode(text)?,
-        })
-    }
-
-    fn bytes(&self, token: u32) -> Vec<u8> {
-        match self {
-            Tokenizer::Bytes => vec![token as u8],
-            // An ordinary token (see `candidates`): always in the decoder.
-            Tokenizer::Bpe(enc) => (enc.bpe)
-                ._decode_native_and_split(vec![token])
-                .next()
-                .unwrap_or_default(),
-            Tokenizer::Hf(hf) => hf.token_bytes(token),
-        }
-    }
-}
-
-/// The index of the token drawn from `logits` at `temperature` among the `top_k` likeliest.
-pub fn sample(logits: &[f32], temperature: f32, top_k: usize, rng: &mut SplitMix64) -> usize {
-    // Likeliest first, equal logits in index order: a total order, so the k likeliest are one
-    // set however they are found. Only those k are sorted (a BPE vocabulary's 50,257 sorted
-    // for every token cost more than the 4-layer model's step), with the draws of a full sort.
-    let before = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-    if temperature <= 0.0 {
-        return (0..logits.len())
-            .min_by(before)
-            .expect("logits to sample from");
-    }
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    if top_k > 0 && top_k < order.len() {
-        order.select_nth_unstable_by(top_k - 1, before);
-        order.truncate(top_k);
-    }
-    order.sort_unstable_by(before);
-    let top = logits[order[0]];
-    let weights: Vec<f64> = (order.iter())
-        .map(|&i| (f64::from(logits[i] - top) / f64::from(temperature)).exp())
-        .collect();
-    let mut draw = rng.next_f64() * weights.iter().sum::<f64>();
-    for (&i, w) in order.iter().zip(&weights) {
-        if draw < *w {
-            return i;
-        }
-        draw -= w;
-    }
-    order[order.len() - 1]
 }
 
 /// `cfg`'s model with the parameters and buffers of `checkpoint` (no optimizer state).
@@ -289,152 +263,24 @@ pub fn load_weights(checkpoint: &Path, cfg: &Config) -> Result<(Model, ParamStor
     Ok((model, store))
 }
 
-/// How tokens are drawn (see [`sample`]).
-#[derive(Clone, Copy, Debug)]
-pub struct Sampling {
-    pub temperature: f32,
-    pub top_k: usize,
-    pub seed: u64,
-}
-
-/// Where each next token's logits come from.
-pub enum NextLogits<'a> {
-    /// The key/value cache: the prompt prefilled (its last `seq` tokens), then a step per
-    /// token.
-    Cached(Box<Decoder>),
-    /// The key/value cache on a device (whose logits are used) and the CPU's, fed the same
-    /// tokens, their logits compared (`--compare-cpu`).
-    Compared {
-        decoder: Box<Decoder>,
-        cpu: Box<Decoder>,
-        compared: Comparison,
-    },
-    /// A forward of the whole model over the last `seq` tokens for every token.
-    Window {
-        model: &'a Model,
-        store: &'a mut ParamStore,
-        vocab: usize,
-        seq: usize,
-    },
-}
-
-impl NextLogits<'_> {
-    /// The logits of the token after `tokens`; `first`: the first call for this text (the
-    /// others add one token to the previous call's).
-    fn after(&mut self, tokens: &[u32], first: bool) -> Result<Vec<f32>> {
-        let cached = |decoder: &mut Decoder| match (first, tokens.last()) {
-            (false, Some(&last)) => decoder.step(last),
-            _ => decoder.prefill(&tokens[tokens.len().saturating_sub(decoder.seq())..]),
-        };
-        match self {
-            NextLogits::Cached(decoder) => cached(decoder),
-            NextLogits::Compared {
-                decoder,
-                cpu,
-                compared,
-            } => {
-                let got = cached(decoder)?;
-                compared.add(&got, &cached(cpu)?);
-                Ok(got)
-            }
-            NextLogits::Window {
-                model,
-                store,
-                vocab,
-                seq,
-            } => {
-                let window = &tokens[tokens.len().saturating_sub(*seq)..];
-                let x = Tensor::from_vec(
-                    window.iter().map(|&t| t as f32).collect(),
-                    &[1, window.len()],
-                );
-                let (logits, _) = model.forward_all(store, x, Mode::EVAL);
-                let logits = logits.data();
-                Ok(logits[logits.len() - *vocab..].to_vec())
-            }
-        }
-    }
-}
-
-/// Two devices' logits over the steps of a text (`--compare-cpu`).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Comparison {
-    /// The largest relative L2 difference ‖got − want‖ / ‖want‖ of a step's logits.
-    pub worst: f64,
-    /// Steps compared.
-    pub steps: usize,
-    /// Steps whose likeliest token differs.
-    pub argmax_differs: usize,
-}
-
-impl Comparison {
-    fn add(&mut self, got: &[f32], want: &[f32]) {
-        let (mut diff, mut norm) = (0.0f64, 0.0f64);
-        for (&g, &w) in got.iter().zip(want) {
-            diff += (f64::from(g) - f64::from(w)).powi(2);
-            norm += f64::from(w).powi(2);
-        }
-        let e = if got.len() != want.len() {
-            f64::INFINITY
-        } else {
-            (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
-        };
-        // NaN counts as the worst.
-        self.worst = if e.is_nan() { e } else { self.worst.max(e) };
-        self.steps += 1;
-        let argmax = |l: &[f32]| sample(l, 0.0, 0, &mut SplitMix64::new(0));
-        if argmax(got) != argmax(want) {
-            self.argmax_differs += 1;
-        }
-    }
-}
-
-/// Draws up to `max_tokens` tokens continuing `prompt` (non-empty, in the vocabulary) and
-/// hands each one's bytes to `emit`; returns how many it drew (fewer when the end of text
-/// was drawn).
-pub fn continue_text(
-    next: &mut NextLogits<'_>,
-    tokenizer: &Tokenizer,
-    prompt: &[u32],
-    max_tokens: usize,
-    sampling: Sampling,
-    mut emit: impl FnMut(&[u8]) -> Result<()>,
-) -> Result<usize> {
-    ensure!(!prompt.is_empty(), "the prompt is empty");
-    let mut rng = SplitMix64::new(sampling.seed);
-    let mut tokens = prompt.to_vec();
-    for drawn in 0..max_tokens {
-        let logits = next.after(&tokens, drawn == 0)?;
-        let candidates = tokenizer.candidates(&logits);
-        let pick = sample(&candidates, sampling.temperature, sampling.top_k, &mut rng);
-        let Some(token) = tokenizer.token(pick) else {
-            return Ok(drawn); // the end of text
-        };
-        tokens.push(token);
-        emit(&tokenizer.bytes(token))?;
-    }
-    Ok(max_tokens)
-}
-
 /// A sample of up to `max_tokens` tokens from the start of a text
 /// ([`Tokenizer::start_of_text`]) by `config`'s model with parameters `values` (laid out as
 /// `model`): what the training log shows at each evaluation. Invalid UTF-8 (a character cut
 /// by the last token) is replaced.
 pub fn sample_text(
-    config: &ModelConfig,
     model: &Model,
     values: &[f32],
     tokenizer: &Tokenizer,
     max_tokens: usize,
     sampling: Sampling,
 ) -> Result<String> {
-    let decoder = Decoder::new(config, model, values)?;
+    let decoder = Decoder::new(model, values)?;
     let mut next = NextLogits::Cached(Box::new(decoder));
     let mut bytes = Vec::new();
     let prompt = tokenizer.start_of_text();
-    continue_text(&mut next, tokenizer, &prompt, max_tokens, sampling, |b| {
-        bytes.extend_from_slice(b);
-        Ok(())
+    continue_text(&mut next, tokenizer, &prompt, max_tokens, sampling, |t| {
+        bytes.extend_from_slice(&tokenizer.bytes(t));
+        Ok::<(), anyhow::Error>(())
     })?;
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
@@ -446,7 +292,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         args.device
     );
     // A GPU that cannot be used is said before the checkpoint is read.
-    crate::decode::open_device(args.device)?;
+    check_device(args.device)?;
     let checkpoint = crate::export::whole_checkpoint(&args.checkpoint)?;
     let cfg = crate::export::run_config(&checkpoint)?;
     let Some(lm) = cfg.model.language() else {
@@ -487,15 +333,13 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             seq: lm.seq,
         }
     } else {
-        let decoder = Box::new(Decoder::on(args.device, &cfg.model, &model, &store.values)?);
+        let decoder = Box::new(Decoder::on(args.device, &model, &store.values)?);
         device = decoder.device();
         let cpu = if args.compare_cpu {
-            Some(Box::new(Decoder::new(&cfg.model, &model, &store.values)?))
+            Some(Box::new(Decoder::new(&model, &store.values)?))
         } else {
             None
         };
-        // The decoders have their copies of the weights.
-        store.values = Vec::new();
         match cpu {
             Some(cpu) => NextLogits::Compared {
                 decoder,
@@ -521,8 +365,8 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         &prompt,
         args.max_tokens,
         sampling,
-        |bytes| {
-            pending.extend_from_slice(bytes);
+        |token| {
+            pending.extend_from_slice(&tokenizer.bytes(token));
             let valid = match std::str::from_utf8(&pending) {
                 Ok(s) => s.len(),
                 Err(e) if e.error_len().is_none() => e.valid_up_to(),
@@ -531,7 +375,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             out.write_all(&pending[..valid])?;
             out.flush()?;
             pending.drain(..valid);
-            Ok(())
+            Ok::<(), anyhow::Error>(())
         },
     )?;
     let seconds = started.elapsed().as_secs_f64();
@@ -556,81 +400,4 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The sampler picks what a full stable sort of the logits picks, draw for draw: greedy,
-    /// top-k and all tokens, with ties among the logits (ties at the k-th place too).
-    #[test]
-    fn sampling_picks_what_a_full_sort_picks() {
-        fn reference(
-            logits: &[f32],
-            temperature: f32,
-            top_k: usize,
-            rng: &mut SplitMix64,
-        ) -> usize {
-            let mut order: Vec<usize> = (0..logits.len()).collect();
-            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-            if temperature <= 0.0 {
-                return order[0];
-            }
-            if top_k > 0 {
-                order.truncate(top_k);
-            }
-            let top = logits[order[0]];
-            let weights: Vec<f64> = (order.iter())
-                .map(|&i| (f64::from(logits[i] - top) / f64::from(temperature)).exp())
-                .collect();
-            let mut draw = rng.next_f64() * weights.iter().sum::<f64>();
-            for (&i, w) in order.iter().zip(&weights) {
-                if draw < *w {
-                    return i;
-                }
-                draw -= w;
-            }
-            order[order.len() - 1]
-        }
-        let mut values = SplitMix64::new(5);
-        for case in 0..200u64 {
-            let n = 1 + (case as usize * 37) % 300;
-            // Coarse values: many ties.
-            let logits: Vec<f32> = (0..n)
-                .map(|_| (values.normal() * 3.0).round() / 2.0)
-                .collect();
-            for (temperature, top_k) in
-                [(0.0, 0), (0.8, 0), (1.0, 1), (0.7, 5), (1.3, 40), (0.5, n)]
-            {
-                let (mut a, mut b) = (SplitMix64::new(case), SplitMix64::new(case));
-                for _ in 0..5 {
-                    assert_eq!(
-                        sample(&logits, temperature, top_k, &mut a),
-                        reference(&logits, temperature, top_k, &mut b),
-                        "n {n}, temperature {temperature}, top-k {top_k}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn sampling_follows_temperature_and_top_k() {
-        let logits = [0.0, 3.0, 1.0, 2.9];
-        let mut rng = SplitMix64::new(1);
-        assert_eq!(sample(&logits, 0.0, 0, &mut rng), 1, "greedy");
-        let mut counts = [0; 4];
-        for _ in 0..4000 {
-            counts[sample(&logits, 1.0, 2, &mut rng)] += 1;
-        }
-        assert_eq!(
-            (counts[0], counts[2]),
-            (0, 0),
-            "outside the top 2: {counts:?}"
-        );
-        // e^3 : e^2.9 ≈ 1.105 : 1.
-        let ratio = counts[1] as f64 / counts[3] as f64;
-        assert!((ratio - 1.105).abs() < 0.12, "{counts:?}");
-    }
 }

@@ -1059,7 +1059,7 @@ fn step_of(args: &BenchGpuArgs, model: StepModel) -> Result<()> {
     let peak = args
         .peak_tflops
         .map(|t| t * 1e12)
-        .or_else(|| card_bf16_peak_flops(&dev.name()));
+        .or_else(|| card_bf16_peak_flops(dev.name()));
     let mfu = match peak {
         Some(peak) => format!(
             " mfu={:.1}%",

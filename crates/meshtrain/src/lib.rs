@@ -11,7 +11,6 @@ pub mod calibrate;
 pub mod config;
 pub mod context_bench;
 pub mod corpus;
-pub mod decode;
 pub mod export;
 pub mod generate;
 #[cfg(feature = "cuda")]

@@ -2,8 +2,9 @@
 //! they describe to size its worlds, then hands them to every restart).
 
 use crate::config::{Config, DEFAULT_SAMPLE_TOKENS};
-use crate::generate::{sample_text, Sampling, Tokenizer, GENERATE_TEMPERATURE, GENERATE_TOP_K};
+use crate::generate::{sample_text, Tokenizer, GENERATE_TEMPERATURE, GENERATE_TOP_K};
 use anyhow::Context;
+use meshtrain_nn::generate::Sampling;
 use meshtrain_train::launch::EvalHook;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -166,22 +167,14 @@ pub fn eval_samples(cfg: &Config) -> Option<EvalHook> {
             return None;
         }
     };
-    let model_cfg = cfg.model.clone();
     let sampling = Sampling {
         temperature: GENERATE_TEMPERATURE,
         top_k: GENERATE_TOP_K,
         seed: cfg.train.seed,
     };
     Some(EvalHook::new(move |_step, model, store| {
-        let text = sample_text(
-            &model_cfg,
-            model,
-            &store.values,
-            &tokenizer,
-            tokens,
-            sampling,
-        )
-        .context("drawing a sample")?;
+        let text = sample_text(model, &store.values, &tokenizer, tokens, sampling)
+            .context("drawing a sample")?;
         Ok(Some(format!("sample: {text:?}")))
     }))
 }

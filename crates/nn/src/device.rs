@@ -8,10 +8,13 @@
 //! which returns tensors: they are raised ([`ok`]) and caught by the device step at its
 //! boundary, which returns them as errors.
 
+use crate::cache::{KvCache, LayerKv};
 use crate::layer::{Mode, ParamsMut, Saved};
 use crate::layers::{LayerNorm, Linear, RmsNorm};
 use crate::transformer::{AttentionCore, GptEmbedding, Rotary};
 use meshtrain_tensor::activation::Activation;
+use meshtrain_tensor::attention::CachedShape;
+use meshtrain_tensor::cuda::decode;
 use meshtrain_tensor::cuda::error::ok_or_raise as ok;
 use meshtrain_tensor::cuda::ops::{self, ActKind, AttnShape, LinearShape};
 use meshtrain_tensor::cuda::{CudaDevice, CudaTensor, DeviceGrads, DeviceParams};
@@ -286,10 +289,15 @@ pub fn swiglu_backward(kept: Tensor, dy: Tensor) -> Tensor {
     wrap(ok(ops::swiglu_backward(xs, &dys, half)), kept.shape())
 }
 
-/// The rotary tables of `t` tokens, computed on the host by the CPU's own function (so the
-/// angles are bit-identical to the CPU's) and uploaded.
-fn rotary_tables(r: &Rotary, t: usize, dev: &Arc<CudaDevice>) -> (CudaTensor, CudaTensor) {
-    let (cos, sin) = r.tables(t);
+/// The rotary tables of `t` tokens (from position `first` on, when given), computed on the
+/// host by the CPU's own function (so the angles are bit-identical to the CPU's) and uploaded.
+fn rotary_tables(
+    r: &Rotary,
+    t: usize,
+    first: Option<usize>,
+    dev: &Arc<CudaDevice>,
+) -> (CudaTensor, CudaTensor) {
+    let (cos, sin) = r.tables(t, first);
     (
         ok(CudaTensor::from_host(dev, &cos, DType::F32)),
         ok(CudaTensor::from_host(dev, &sin, DType::F32)),
@@ -301,11 +309,12 @@ pub fn rotary_forward(
     r: &Rotary,
     shape: RotaryShape,
     x: Tensor,
+    first: Option<usize>,
     mode: Mode,
     s: &mut Saved,
 ) -> Tensor {
     let xs = x.cuda().expect("a device rotary input");
-    let (cos, sin) = rotary_tables(r, shape.seq, xs.device());
+    let (cos, sin) = rotary_tables(r, shape.seq, first, xs.device());
     let y = ok(ops::rotary_forward(xs, shape, &cos, &sin));
     if mode.train {
         let table = [shape.seq, shape.head_dim / 2];
@@ -348,16 +357,18 @@ pub fn act_backward(act: Activation, kept: Tensor, dy: Tensor) -> Tensor {
     )
 }
 
-/// The position-table rows of `t` tokens, or `None` for an embedding without a table.
-fn positions(e: &GptEmbedding, t: usize) -> Option<Vec<i32>> {
+/// The position-table rows of `t` tokens (from position `first` on, when given), or `None`
+/// for an embedding without a table.
+fn positions(e: &GptEmbedding, t: usize, first: Option<usize>) -> Option<Vec<i32>> {
     e.learned_positions
-        .then(|| (0..t).map(|i| e.sequence.position(i, t) as i32).collect())
+        .then(|| (0..t).map(|i| e.position(i, t, first) as i32).collect())
 }
 
 pub fn embedding_forward(
     e: &GptEmbedding,
     p: DeviceParams<'_>,
     ids: Tensor,
+    first: Option<usize>,
     mode: Mode,
     s: &mut Saved,
 ) -> Tensor {
@@ -371,7 +382,7 @@ pub fn embedding_forward(
         p,
         e.vocab,
         d,
-        positions(e, t).as_deref(),
+        positions(e, t, first).as_deref(),
     ));
     if mode.train {
         s.indices
@@ -395,7 +406,7 @@ pub fn embedding_backward(e: &GptEmbedding, g: DeviceGrads<'_>, mut s: Saved, dy
         g,
         e.vocab,
         e.dim,
-        positions(e, dy.dim(1)).as_deref(),
+        positions(e, dy.dim(1), None).as_deref(),
     ));
 }
 
@@ -425,6 +436,48 @@ pub fn attention_forward(a: &AttentionCore, qkv: Tensor, mode: Mode, s: &mut Sav
             .push(wrap(lse, &[shape.batch, a.heads, shape.seq]));
     }
     wrap(out, &out_shape)
+}
+
+/// A cached pass's attention on a device ([`AttentionCore`]'s `forward_cached`): the new
+/// rows' keys and values into the layer's device cache (room for the whole context, made by
+/// the first pass), then their queries over it; f32 (`cuda::decode`).
+pub fn attention_cached(
+    a: &AttentionCore,
+    shape: CachedShape,
+    qkv: Tensor,
+    cache: &mut KvCache,
+) -> Tensor {
+    let qs = ok(ops::to_dtype(qkv.cuda().expect("device q/k/v"), DType::F32));
+    let dev = qs.device().clone();
+    let slot = cache.next_layer(shape.kv_width(), |capacity| {
+        let room = capacity * shape.kv_width();
+        LayerKv::Device {
+            keys: ok(CudaTensor::zeros(&dev, room, DType::F32, "the key cache")),
+            values: ok(CudaTensor::zeros(&dev, room, DType::F32, "the value cache")),
+        }
+    });
+    let LayerKv::Device { keys, values } = slot else {
+        panic!("a device attention pass over a host cache")
+    };
+    ok(decode::append_kv(&qs, keys, values, shape));
+    let out = ok(decode::attention(&qs, keys, values, shape));
+    wrap(out, &[1, shape.rows, a.dim])
+}
+
+/// The last of `x`'s `rows` rows of `width` values, copied on the device.
+pub fn last_row(x: Tensor, rows: usize, width: usize) -> Tensor {
+    let xs = x.cuda().expect("a device tensor");
+    let bytes = width * xs.dtype().size_bytes();
+    let last = ok(CudaTensor::alloc(
+        xs.device(),
+        width,
+        xs.dtype(),
+        "the last row",
+    ));
+    ok(xs
+        .device()
+        .copy(last.ptr(), xs.ptr() + ((rows - 1) * bytes) as u64, bytes));
+    wrap(last, &[1, 1, width])
 }
 
 pub fn attention_backward(a: &AttentionCore, mut s: Saved, dy: Tensor) -> Tensor {
@@ -462,17 +515,17 @@ mod tests {
     #[test]
     fn the_device_embedding_gets_positions_only_with_a_table() {
         assert_eq!(
-            positions(&embedding(false, SequenceShard::default()), 4),
+            positions(&embedding(false, SequenceShard::default()), 4, None),
             None
         );
         assert_eq!(
-            positions(&embedding(true, SequenceShard::default()), 4),
+            positions(&embedding(true, SequenceShard::default()), 4, None),
             Some(vec![0, 1, 2, 3])
         );
         // A context-parallel worker's tokens sit at their places in the whole sequence.
         let shard = SequenceShard { parts: 2, index: 0 };
         assert_eq!(
-            positions(&embedding(true, shard), 4),
+            positions(&embedding(true, shard), 4, None),
             Some(vec![0, 1, 6, 7])
         );
         for learned in [false, true] {

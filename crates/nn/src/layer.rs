@@ -603,6 +603,36 @@ pub trait Layer: Send + Sync {
         add_backward_into(self, params, grads, saved, dy, dx);
     }
 
+    /// Forward for generation with a key/value cache ([`crate::cache`]): the rows of `x` are
+    /// positions `cache.start()..` of one sequence (batch 1), after the ones the cache holds.
+    /// A layer that treats every position alike and alone (a linear layer, a norm, an
+    /// activation) needs nothing more than its evaluation forward, which is the default; a
+    /// layer that reads positions (an embedding's position table, rotary angles) or other
+    /// positions (attention) overrides it, and says so in [`Layer::reads_positions`]; a
+    /// composite layer runs its children's. `None`: this layer cannot run cached (it reads
+    /// positions and has no cached forward), which a decoder reports by the layer's name.
+    fn forward_cached(
+        &self,
+        params: Params<'_>,
+        buffers: ParamsMut<'_>,
+        x: Tensor,
+        cache: &mut crate::cache::KvCache,
+    ) -> Option<Tensor> {
+        let _ = cache;
+        if self.reads_positions() {
+            return None;
+        }
+        Some(self.forward(params, buffers, x, Mode::EVAL, &mut Saved::default()))
+    }
+
+    /// Whether a row's output depends on its position or on other rows (attention, a position
+    /// table, rotary angles): such a layer needs its own [`Layer::forward_cached`]. A
+    /// composite layer reads positions when a child does.
+    fn reads_positions(&self) -> bool {
+        self.children()
+            .is_some_and(|c| c.layers().iter().any(|(_, l)| l.reads_positions()))
+    }
+
     /// Whether this layer has kernels for `device`. A composite layer runs where all its
     /// children run; a leaf runs on the CPU unless it says more. A trainer asks before any
     /// work, so `--device cuda` with a layer that has no CUDA kernels is a clear error naming

@@ -116,6 +116,23 @@ impl Children {
         y
     }
 
+    /// Child `i`'s cached forward ([`Layer::forward_cached`]).
+    pub fn forward_cached(
+        &self,
+        i: usize,
+        p: Params<'_>,
+        b: &mut ParamsMut<'_>,
+        x: Tensor,
+        cache: &mut crate::cache::KvCache,
+    ) -> Option<Tensor> {
+        self.layers[i].1.forward_cached(
+            p.slice(self.params[i].clone()),
+            b.slice(self.buffers[i].clone()),
+            x,
+            cache,
+        )
+    }
+
     /// Hands the SyncBatchNorm reducer to every child.
     pub fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
         for (_, layer) in &mut self.layers {
@@ -201,6 +218,15 @@ impl Layer for Seq {
         s: &mut Saved,
     ) -> Tensor {
         (0..self.0.len()).fold(x, |x, i| self.0.forward(i, p, &mut b, x, mode, s))
+    }
+    fn forward_cached(
+        &self,
+        p: Params<'_>,
+        mut b: ParamsMut<'_>,
+        x: Tensor,
+        cache: &mut crate::cache::KvCache,
+    ) -> Option<Tensor> {
+        (0..self.0.len()).try_fold(x, |x, i| self.0.forward_cached(i, p, &mut b, x, cache))
     }
     fn backward(
         &self,

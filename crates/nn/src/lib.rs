@@ -14,8 +14,10 @@
 //! Forward returns what backward needs as a [`Saved`] value instead of storing it in the layer,
 //! so a pipeline stage can hold several micro-batches in flight at once.
 
+pub mod cache;
 #[cfg(feature = "cuda")]
 pub mod device;
+pub mod generate;
 pub mod layer;
 pub mod layers;
 pub mod loss;
@@ -25,6 +27,7 @@ pub mod optim;
 pub mod schedule;
 pub mod transformer;
 
+pub use cache::KvCache;
 pub use layer::{
     Deal, Init, Kept, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, ShardSpec, StatsReducer,
     TensorPlan, TpStyle,

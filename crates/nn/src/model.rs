@@ -712,6 +712,44 @@ impl Model {
         grad
     }
 
+    /// Generation's forward ([`Layer::forward_cached`]): the token rows `x` (`[1, rows]`, one
+    /// sequence at positions `cache.start()..`) through every block with the whole model's
+    /// `params` and `buffers` (host or device), each attention layer reading and extending
+    /// its keys and values in `cache`. Returns the output rows (the logits), or only the
+    /// last row's when not `all`: the rows are cut to the last one right after the last
+    /// block that reads positions, so the final norm and the head run once per pass. Fails,
+    /// naming the block, when a block reads positions without a cached forward, or when the
+    /// rows do not fit the cache's context; the cache is then left mid-pass (truncate it).
+    pub fn forward_cached(
+        &self,
+        params: Params<'_>,
+        mut buffers: ParamsMut<'_>,
+        x: Tensor,
+        cache: &mut crate::cache::KvCache,
+        all: bool,
+    ) -> Result<Tensor, String> {
+        let rows = x.dim(1);
+        cache.begin(rows)?;
+        let cut = self.blocks.iter().rposition(|b| b.layer.reads_positions());
+        let mut x = x;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let p = params.slice(self.block_params[i].clone());
+            let b = buffers.slice(self.block_buffers[i].clone());
+            x = block.layer.forward_cached(p, b, x, cache).ok_or_else(|| {
+                format!(
+                    "block {i} ('{}') reads positions (attention, a position table or rotary \
+                     angles) and has no cached forward (Layer::forward_cached)",
+                    block.name
+                )
+            })?;
+            if !all && rows > 1 && (cut == Some(i) || cut.is_none() && i + 1 == self.blocks.len()) {
+                x = last_row(x);
+            }
+        }
+        cache.end();
+        Ok(x)
+    }
+
     /// Whole-model convenience: forward all blocks.
     pub fn forward_all(
         &self,
@@ -721,6 +759,16 @@ impl Model {
     ) -> (Tensor, Activations) {
         self.forward(store, x, 0..self.num_blocks(), mode, &|_| false)
     }
+}
+
+/// The last row of `x` (`[1, rows, width]` → `[1, 1, width]`), where it lives.
+fn last_row(x: Tensor) -> Tensor {
+    let (rows, width) = (x.dim(1), x.numel() / x.dim(1).max(1));
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return crate::device::last_row(x, rows, width);
+    }
+    Tensor::from_vec(x.data()[(rows - 1) * width..].to_vec(), &[1, 1, width])
 }
 
 /// Where a forward or backward pass finds each block's parameters, buffers and gradient

@@ -1,10 +1,12 @@
 //! GPT layers: token + position embedding, causal self-attention, the pre-LN block.
 
+use crate::cache::{KvCache, LayerKv};
 use crate::layer::{Init, Layer, Mode, ParamSpec, Params, ParamsMut, Saved};
 use crate::layers::{Children, LayerNorm, Linear, RmsNorm, Seq, SwiGlu};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::attention::{
-    causal_attention_backward, causal_attention_forward, AttentionShape,
+    append_cached_kv, cached_attention_forward, causal_attention_backward,
+    causal_attention_forward, AttentionShape, CachedShape,
 };
 use meshtrain_tensor::flash::{flash_attention_backward, flash_attention_forward};
 use meshtrain_tensor::rotary::{
@@ -67,6 +69,65 @@ pub struct GptEmbedding {
     pub sequence: SequenceShard,
 }
 
+impl GptEmbedding {
+    /// Where the `i`-th of `t` input tokens sits in its sequence: after `first` (a cached
+    /// pass's start), or where the context-parallel shard places it.
+    pub(crate) fn position(&self, i: usize, t: usize, first: Option<usize>) -> usize {
+        match first {
+            Some(start) => start + i,
+            None => self.sequence.position(i, t),
+        }
+    }
+
+    /// The embedding of `ids` (`[B, T]`), their positions counted from `first` when given.
+    fn embed(
+        &self,
+        p: Params<'_>,
+        ids: Tensor,
+        first: Option<usize>,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let (b, t, d) = (ids.dim(0), ids.dim(1), self.dim);
+        let last = self.position(t - 1, t, first) + 1;
+        assert!(
+            t * self.sequence.parts <= self.max_seq && last <= self.max_seq,
+            "sequence {} longer than the model's {}",
+            (t * self.sequence.parts).max(last),
+            self.max_seq
+        );
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::embedding_forward(self, p, ids, first, mode, s);
+        }
+        let p = p.host();
+        let (tok, pos) = p.split_at(self.vocab * d);
+        let mut y = vec![0.0f32; b * t * d];
+        for (i, (row, &id)) in y.chunks_mut(d).zip(ids.data()).enumerate() {
+            let id = id as usize;
+            assert!(
+                id < self.vocab,
+                "token id {id} outside vocabulary of {}",
+                self.vocab
+            );
+            let te = &tok[id * d..][..d];
+            if self.learned_positions {
+                let at = self.position(i % t, t, first);
+                let pe = &pos[at * d..][..d];
+                for k in 0..d {
+                    row[k] = te[k] + pe[k];
+                }
+            } else {
+                row.copy_from_slice(te);
+            }
+        }
+        if mode.train {
+            s.tensors.push(ids);
+        }
+        Tensor::from_vec(y, &[b, t, d])
+    }
+}
+
 impl Layer for GptEmbedding {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
@@ -93,6 +154,10 @@ impl Layer for GptEmbedding {
         true
     }
 
+    fn reads_positions(&self) -> bool {
+        self.learned_positions
+    }
+
     fn forward(
         &self,
         p: Params<'_>,
@@ -101,44 +166,24 @@ impl Layer for GptEmbedding {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
-        let (b, t, d) = (ids.dim(0), ids.dim(1), self.dim);
-        assert!(
-            t * self.sequence.parts <= self.max_seq,
-            "sequence {} longer than the model's {}",
-            t * self.sequence.parts,
-            self.max_seq
-        );
-        #[cfg(feature = "cuda")]
-        if let Params::Device(p) = p {
-            return crate::device::embedding_forward(self, p, ids, mode, s);
-        }
-        let p = p.host();
-        let (tok, pos) = p.split_at(self.vocab * d);
-        let mut y = vec![0.0f32; b * t * d];
-        for (i, (row, &id)) in y.chunks_mut(d).zip(ids.data()).enumerate() {
-            let id = id as usize;
-            assert!(
-                id < self.vocab,
-                "token id {id} outside vocabulary of {}",
-                self.vocab
-            );
-            let te = &tok[id * d..][..d];
-            if self.learned_positions {
-                let at = self.sequence.position(i % t, t);
-                let pe = &pos[at * d..][..d];
-                for k in 0..d {
-                    row[k] = te[k] + pe[k];
-                }
-            } else {
-                row.copy_from_slice(te);
-            }
-        }
-        if mode.train {
-            s.tensors.push(ids);
-        }
-        Tensor::from_vec(y, &[b, t, d])
+        self.embed(p, ids, None, mode, s)
     }
 
+    fn forward_cached(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        ids: Tensor,
+        cache: &mut KvCache,
+    ) -> Option<Tensor> {
+        Some(self.embed(
+            p,
+            ids,
+            Some(cache.start()),
+            Mode::EVAL,
+            &mut Saved::default(),
+        ))
+    }
     fn backward(
         &self,
         _: Params<'_>,
@@ -195,6 +240,10 @@ impl AttentionKind {
 pub struct AttentionCore {
     pub dim: usize,
     pub heads: usize,
+    /// The distinct key/value heads among the `heads` the fused input repeats (grouped-query
+    /// attention: [`Rotary`] expands them; `heads` for GPT): a key/value cache keeps only
+    /// these.
+    pub kv_heads: usize,
     /// Inputs of the attention products; under mixed precision the fused q/k/v and the
     /// probabilities kept for backward are stored in 16 bits too (the softmax stays f32).
     pub precision: DType,
@@ -223,6 +272,44 @@ impl Layer for AttentionCore {
 
     fn runs_on(&self, _: Device) -> bool {
         true
+    }
+
+    fn reads_positions(&self) -> bool {
+        true
+    }
+
+    /// The new rows' keys and values into the cache, then their queries over it (f32).
+    fn forward_cached(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        qkv: Tensor,
+        cache: &mut KvCache,
+    ) -> Option<Tensor> {
+        assert_eq!(qkv.dim(0), 1, "a cached pass runs one sequence");
+        let shape = CachedShape {
+            rows: qkv.dim(1),
+            start: cache.start(),
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.dim / self.heads,
+        };
+        #[cfg(feature = "cuda")]
+        if qkv.device().is_cuda() {
+            return Some(crate::device::attention_cached(self, shape, qkv, cache));
+        }
+        let slot = cache.next_layer(shape.kv_width(), |_| LayerKv::Host {
+            keys: Vec::new(),
+            values: Vec::new(),
+        });
+        let (keys, values) = match slot {
+            LayerKv::Host { keys, values } => (keys, values),
+            #[cfg(feature = "cuda")]
+            LayerKv::Device { .. } => panic!("a host attention pass over a device cache"),
+        };
+        append_cached_kv(shape, qkv.data(), keys, values);
+        let out = cached_attention_forward(shape, qkv.data(), keys, values);
+        Some(Tensor::from_vec(out, &[1, shape.rows, self.dim]))
     }
 
     fn forward(
@@ -330,11 +417,39 @@ impl Rotary {
         }
     }
 
-    /// The cosines and sines of `seq` tokens at their places in the whole sequence (the
-    /// device arm uploads these same host tables).
-    pub(crate) fn tables(&self, seq: usize) -> (Vec<f32>, Vec<f32>) {
-        let positions: Vec<usize> = (0..seq).map(|i| self.sequence.position(i, seq)).collect();
+    /// The cosines and sines of `seq` tokens at their places in the whole sequence, or
+    /// from `first` on (a cached pass's rows); the device arm uploads these same host tables.
+    pub(crate) fn tables(&self, seq: usize, first: Option<usize>) -> (Vec<f32>, Vec<f32>) {
+        let positions: Vec<usize> = (0..seq)
+            .map(|i| match first {
+                Some(start) => start + i,
+                None => self.sequence.position(i, seq),
+            })
+            .collect();
         rotary_tables(&positions, self.head_dim, &self.rope)
+    }
+
+    /// Rotary + GQA of `x` (`[B, T, input width]`), positions from `first` when given.
+    fn rotate(&self, x: Tensor, first: Option<usize>, mode: Mode, s: &mut Saved) -> Tensor {
+        let (b, t) = (x.dim(0), x.dim(1));
+        let shape = self.shape(b * t, t);
+        assert_eq!(
+            x.shape().last(),
+            Some(&shape.input_width()),
+            "rotary: input width for {shape:?}"
+        );
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return crate::device::rotary_forward(self, shape, x, first, mode, s);
+        }
+        let (cos, sin) = self.tables(t, first);
+        let y = rotary_expand_forward(shape, x.data(), &cos, &sin);
+        if mode.train {
+            s.stats.push(cos);
+            s.stats.push(sin);
+        }
+        x.recycle();
+        Tensor::from_vec(y, &[b, t, shape.output_width()])
     }
 }
 
@@ -347,6 +462,10 @@ impl Layer for Rotary {
         true
     }
 
+    fn reads_positions(&self) -> bool {
+        true
+    }
+
     fn forward(
         &self,
         _: Params<'_>,
@@ -355,25 +474,17 @@ impl Layer for Rotary {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
-        let (b, t) = (x.dim(0), x.dim(1));
-        let shape = self.shape(b * t, t);
-        assert_eq!(
-            x.shape().last(),
-            Some(&shape.input_width()),
-            "rotary: input width for {shape:?}"
-        );
-        #[cfg(feature = "cuda")]
-        if x.device().is_cuda() {
-            return crate::device::rotary_forward(self, shape, x, mode, s);
-        }
-        let (cos, sin) = self.tables(t);
-        let y = rotary_expand_forward(shape, x.data(), &cos, &sin);
-        if mode.train {
-            s.stats.push(cos);
-            s.stats.push(sin);
-        }
-        x.recycle();
-        Tensor::from_vec(y, &[b, t, shape.output_width()])
+        self.rotate(x, None, mode, s)
+    }
+
+    fn forward_cached(
+        &self,
+        _: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        cache: &mut KvCache,
+    ) -> Option<Tensor> {
+        Some(self.rotate(x, Some(cache.start()), Mode::EVAL, &mut Saved::default()))
     }
 
     fn backward(
@@ -415,6 +526,7 @@ pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Se
             Box::new(AttentionCore {
                 dim,
                 heads,
+                kv_heads: heads,
                 precision: DType::F32,
                 kind: AttentionKind::Flash,
             }),
@@ -496,6 +608,7 @@ impl TransformerBlock {
                     Box::new(AttentionCore {
                         dim,
                         heads,
+                        kv_heads: heads,
                         precision: DType::F32,
                         kind,
                     }),
@@ -558,6 +671,7 @@ impl TransformerBlock {
                     Box::new(AttentionCore {
                         dim,
                         heads,
+                        kv_heads,
                         precision: DType::F32,
                         kind,
                     }),
@@ -573,6 +687,25 @@ impl TransformerBlock {
             ]),
             attention_parts: 5,
         }
+    }
+}
+
+impl TransformerBlock {
+    /// The block's arithmetic, written once for training and generation: `x + attention
+    /// branch(x)`, then `+ MLP branch(·)`, each branch its children in order, child `i` run
+    /// by `child` (its training forward, or its cached one).
+    fn residual(
+        &self,
+        x: Tensor,
+        mut child: impl FnMut(usize, Tensor) -> Option<Tensor>,
+    ) -> Option<Tensor> {
+        let (c, split) = (&self.parts, self.attention_parts);
+        let h = (0..split).try_fold(x.clone(), |h, i| child(i, h))?;
+        let mut x1 = x;
+        x1.add_assign(&h);
+        let h = (split..c.len()).try_fold(x1.clone(), |h, i| child(i, h))?;
+        x1.add_assign(&h);
+        Some(x1)
     }
 }
 
@@ -597,14 +730,20 @@ impl Layer for TransformerBlock {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
-        let (c, split) = (&self.parts, self.attention_parts);
-        let h = c.forward(0, p, &mut b, x.clone(), mode, s);
-        let h = (1..split).fold(h, |h, i| c.forward(i, p, &mut b, h, mode, s));
-        let mut x1 = x;
-        x1.add_assign(&h);
-        let h = (split..c.len()).fold(x1.clone(), |h, i| c.forward(i, p, &mut b, h, mode, s));
-        x1.add_assign(&h);
-        x1
+        let c = &self.parts;
+        self.residual(x, |i, h| Some(c.forward(i, p, &mut b, h, mode, s)))
+            .expect("a training forward always runs")
+    }
+
+    fn forward_cached(
+        &self,
+        p: Params<'_>,
+        mut b: ParamsMut<'_>,
+        x: Tensor,
+        cache: &mut KvCache,
+    ) -> Option<Tensor> {
+        let c = &self.parts;
+        self.residual(x, |i, h| c.forward_cached(i, p, &mut b, h, cache))
     }
 
     fn backward(

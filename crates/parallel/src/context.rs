@@ -353,6 +353,7 @@ fn rewrite(layer: &mut dyn Layer, cp: &CpContext) -> Option<Box<dyn Layer>> {
                     inner: AttentionCore {
                         dim: core.dim / cp.group.size(),
                         heads: core.heads / cp.group.size(),
+                        kv_heads: (core.kv_heads / cp.group.size()).max(1),
                         precision: core.precision,
                         kind: core.kind,
                     },
@@ -627,6 +628,12 @@ impl RingAttention {
 }
 
 impl Layer for RingAttention {
+    /// Attention over the group's whole sequence: no cached forward (generation runs on
+    /// one worker).
+    fn reads_positions(&self) -> bool {
+        true
+    }
+
     fn set_precision(&mut self, precision: DType) {
         self.precision = precision;
     }
@@ -946,6 +953,12 @@ impl UlyssesAttention {
 }
 
 impl Layer for UlyssesAttention {
+    /// Attention over the group's whole sequence: no cached forward (generation runs on
+    /// one worker).
+    fn reads_positions(&self) -> bool {
+        true
+    }
+
     fn set_precision(&mut self, precision: DType) {
         self.inner.precision = precision;
     }
@@ -1026,6 +1039,7 @@ mod tests {
                     inner: AttentionCore {
                         dim: width,
                         heads: n,
+                        kv_heads: n,
                         precision: DType::F32,
                         kind: meshtrain_nn::transformer::AttentionKind::Flash,
                     },

@@ -791,6 +791,12 @@ impl VocabParallelEmbedding {
 }
 
 impl Layer for VocabParallelEmbedding {
+    /// Its position table (GPT) is read by position: no cached forward (generation runs on
+    /// one worker).
+    fn reads_positions(&self) -> bool {
+        self.whole.learned_positions
+    }
+
     fn runs_on(&self, device: meshtrain_tensor::Device) -> bool {
         device.is_cpu() || cfg!(feature = "cuda")
     }
@@ -1242,6 +1248,8 @@ fn rewrite(
             return Some(Box::new(AttentionCore {
                 dim: core.dim / tp.size(),
                 heads: core.heads / tp.size(),
+                // Whole groups per rank; fewer key/value heads than ranks are replicated.
+                kv_heads: (core.kv_heads / tp.size()).max(1),
                 precision: core.precision,
                 kind: core.kind,
             }));

@@ -282,3 +282,102 @@ mod tests {
         }
     }
 }
+
+/// The shape of a cached attention pass (generation with a key/value cache): `rows` new
+/// tokens at positions `start..start + rows` of one sequence, `heads` query heads reading
+/// `kv_heads` key/value heads of `head_dim` values (query head `h` reads key/value head
+/// `h / (heads / kv_heads)`). The GPU twin is `cuda::decode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedShape {
+    pub rows: usize,
+    pub start: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl CachedShape {
+    /// Values of a cache row (one position's keys, or its values).
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Values of a `[Q | K | V]` row (the key/value heads repeated for their groups).
+    pub fn qkv_width(&self) -> usize {
+        3 * self.heads * self.head_dim
+    }
+}
+
+/// Below this many multiply-adds cached attention runs its rows on the calling thread.
+const CACHED_PARALLEL_MIN_MACS: usize = 1 << 18;
+
+/// Appends the new rows' key/value heads (the K and V heads `j·(heads/kv_heads)` of each
+/// `[Q | K | V]` row of `qkv`, `[rows, 3·heads·head_dim]`) to `keys` and `values`
+/// (`[positions, kv_heads·head_dim]`): grouped-query attention's memory saving is the
+/// cache's.
+pub fn append_cached_kv(s: CachedShape, qkv: &[f32], keys: &mut Vec<f32>, values: &mut Vec<f32>) {
+    let (hd, d) = (s.head_dim, s.heads * s.head_dim);
+    let group = s.heads / s.kv_heads;
+    for row in qkv.chunks(3 * d).take(s.rows) {
+        for j in 0..s.kv_heads {
+            keys.extend_from_slice(&row[d + j * group * hd..][..hd]);
+            values.extend_from_slice(&row[2 * d + j * group * hd..][..hd]);
+        }
+    }
+}
+
+/// Causal attention of the new rows' queries over the cache (which already holds the new
+/// rows: [`append_cached_kv`] first): row `i` (position `start + i`) meets the keys of
+/// positions `0..=start + i`. `qkv` holds the rows' `[Q | K | V]` (the queries are the first
+/// `heads · head_dim` values of each row). Softmax with the maximum subtracted, the weighted
+/// sums in f64; scale `1/√head_dim`. A long prefill's rows in parallel (they are
+/// independent). Returns `[rows, heads·head_dim]`.
+pub fn cached_attention_forward(
+    s: CachedShape,
+    qkv: &[f32],
+    keys: &[f32],
+    values: &[f32],
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let (hd, h, start, rows) = (s.head_dim, s.heads, s.start, s.rows);
+    let (d, kv_width, group) = (h * hd, s.kv_width(), h / s.kv_heads);
+    let stride = 3 * d;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0.0f32; rows * d];
+    let row = |(i, out_row): (usize, &mut [f32])| {
+        let len = start + i + 1;
+        let mut scores = vec![0.0f32; len];
+        let mut acc = vec![0.0f64; hd];
+        for head in 0..h {
+            let qh = &qkv[i * stride + head * hd..][..hd];
+            let kv = (head / group) * hd;
+            let mut max = f32::NEG_INFINITY;
+            for (j, s) in scores.iter_mut().enumerate() {
+                let k = &keys[j * kv_width + kv..][..hd];
+                *s = qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+                max = max.max(*s);
+            }
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            let mut total = 0.0f64;
+            for (j, &s) in scores.iter().enumerate() {
+                let w = f64::from((s - max).exp());
+                total += w;
+                let v = &values[j * kv_width + kv..][..hd];
+                acc.iter_mut()
+                    .zip(v)
+                    .for_each(|(a, &v)| *a += w * f64::from(v));
+            }
+            let o = &mut out_row[head * hd..][..hd];
+            o.iter_mut()
+                .zip(&acc)
+                .for_each(|(o, a)| *o = (a / total) as f32);
+        }
+    };
+    // A step's one row, or a short prefill: less work than a task hand-out costs.
+    if rows * (start + rows) * d < CACHED_PARALLEL_MIN_MACS {
+        out.chunks_mut(d).enumerate().for_each(row);
+    } else {
+        out.par_chunks_mut(d).enumerate().for_each(row);
+    }
+    out
+}

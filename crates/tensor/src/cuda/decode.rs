@@ -19,49 +19,31 @@ const ATTN_THREADS: usize = 128;
 /// an H100 (227 KiB) both give a block, less room for the kernel's own.
 const MAX_SMEM: usize = 160 << 10;
 
-/// The shape of one decoding pass: `rows` new tokens at positions `start..start + rows`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DecodeShape {
-    pub rows: usize,
-    pub start: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
+/// The shape of one decoding pass: the CPU twin's ([`CachedShape`]): `rows` new tokens at
+/// positions `start..start + rows`.
+pub use crate::attention::CachedShape as DecodeShape;
 
-impl DecodeShape {
-    /// Values of a cache row (one position's keys, or its values).
-    pub fn kv_width(&self) -> usize {
-        self.kv_heads * self.head_dim
+fn check(s: &DecodeShape) -> Result<(), CudaError> {
+    let DecodeShape {
+        rows,
+        heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = *s;
+    if rows == 0 || head_dim == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(CudaError::Unsupported(format!(
+            "decoding {rows} rows of {heads} query heads over {kv_heads} key/value heads of \
+             {head_dim} values: rows and heads must be positive, the query heads a \
+             multiple of the key/value heads"
+        )));
     }
-
-    /// Values of a `[Q | K | V]` row.
-    pub fn qkv_width(&self) -> usize {
-        3 * self.heads * self.head_dim
+    if rows > 65_535 || heads > 65_535 {
+        return Err(CudaError::Unsupported(format!(
+            "decoding {rows} rows of {heads} heads: at most 65535 of each per pass"
+        )));
     }
-
-    fn check(&self) -> Result<(), CudaError> {
-        let DecodeShape {
-            rows,
-            heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = *self;
-        if rows == 0 || head_dim == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(CudaError::Unsupported(format!(
-                "decoding {rows} rows of {heads} query heads over {kv_heads} key/value heads of \
-                 {head_dim} values: rows and heads must be positive, the query heads a \
-                 multiple of the key/value heads"
-            )));
-        }
-        if rows > 65_535 || heads > 65_535 {
-            return Err(CudaError::Unsupported(format!(
-                "decoding {rows} rows of {heads} heads: at most 65535 of each per pass"
-            )));
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 /// Dynamic shared memory (bytes) of the attention over `positions` cached positions (the
@@ -95,7 +77,7 @@ pub fn append_kv(
     values: &CudaTensor,
     shape: DecodeShape,
 ) -> Result<(), CudaError> {
-    shape.check()?;
+    check(&shape)?;
     check_f32(
         qkv,
         shape.rows * shape.qkv_width(),
@@ -130,7 +112,7 @@ pub fn attention(
     values: &CudaTensor,
     shape: DecodeShape,
 ) -> Result<CudaTensor, CudaError> {
-    shape.check()?;
+    check(&shape)?;
     let positions = shape.start + shape.rows;
     if positions > max_positions(shape.head_dim) {
         return Err(CudaError::Unsupported(format!(
@@ -203,9 +185,9 @@ mod tests {
             kv_heads: 4,
             head_dim: 64,
         };
-        assert!(s.check().is_err(), "6 query heads over 4 key/value heads");
-        assert!(DecodeShape { kv_heads: 2, ..s }.check().is_ok());
-        assert!(DecodeShape { rows: 0, ..s }.check().is_err());
+        assert!(check(&s).is_err(), "6 query heads over 4 key/value heads");
+        assert!(check(&DecodeShape { kv_heads: 2, ..s }).is_ok());
+        assert!(check(&DecodeShape { rows: 0, ..s }).is_err());
     }
 
     /// The kernels against a double-precision reference on a GPU: skipped without one,
