@@ -28,7 +28,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REFS = ROOT / "crates/meshtrain/tests/refs/hf"
@@ -138,6 +138,13 @@ def main():
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
             rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
             use_sliding_window=False, initializer_range=0.2)),
+        # Qwen3: the Llama block with RMS norms on each query and key head and its own head
+        # size (12 here, over a width of 32, as Qwen3-0.6B's 128 over 1,024), tied.
+        "hf-qwen3": Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+            max_position_embeddings=16, rms_norm_eps=1e-6, rope_theta=1000000.0,
+            tie_word_embeddings=True, use_sliding_window=False, initializer_range=0.2)),
         # SmolLM2's shape of Llama: tied embeddings, θ = 100000, heads of 8 over 3 key/value
         # heads.
         "hf-smollm": LlamaForCausalLM(LlamaConfig(

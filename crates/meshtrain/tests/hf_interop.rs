@@ -48,8 +48,12 @@ fn exported_models() -> Vec<(&'static str, &'static str)> {
         ("meshtrain-llama3-scaled", LLAMA3_SCALED),
         // Qwen2: the Llama block with biases on q, k and v (tied, as Qwen2.5's small models).
         ("meshtrain-qwen2", QWEN2),
+        // Qwen3: q/k norms, heads of 12 over a width of 32 (tied, as Qwen3's small models).
+        ("meshtrain-qwen3", QWEN3),
     ]
 }
+
+const QWEN3: &str = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 1000000.0\nnorm_eps = 1e-6\ntie_embeddings = true\nhead_dim = 12\nqk_norm = true\n";
 
 const QWEN2: &str = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 1000000.0\nnorm_eps = 1e-6\ntie_embeddings = true\nqkv_bias = true\n";
 
@@ -172,6 +176,7 @@ fn transformers_weights_through_init_from_give_its_logits() {
             "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 1\nffn = 48\nseq = 16\nrope_theta = 1000000.0\nnorm_eps = 1e-5\n",
         ),
         ("hf-qwen2", QWEN2),
+        ("hf-qwen3", QWEN3),
         (
             "hf-smollm",
             "kind = \"llama\"\nvocab = 256\ndim = 48\nlayers = 2\nheads = 6\nkv_heads = 3\nffn = 64\nseq = 16\nrope_theta = 100000.0\nnorm_eps = 1e-5\ntie_embeddings = true\n",
@@ -200,7 +205,7 @@ fn transformers_weights_through_init_from_give_its_logits() {
 /// reference's logits through --init-from when the window is off or no shorter than the
 /// model's context (then a sliding window is full causal attention, so transformers'
 /// Mistral computes exactly its Llama's logits); a window shorter than the context is refused
-/// naming it, as Qwen3's and mixture-of-experts models are.
+/// naming it, as mixture-of-experts models are.
 #[test]
 fn a_mistral_loads_as_the_llama_block_and_a_binding_window_is_refused() {
     let table = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 10000.0\nnorm_eps = 1e-6\n";
@@ -249,7 +254,7 @@ fn a_mistral_loads_as_the_llama_block_and_a_binding_window_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let mut hf_config: Value =
         serde_json::from_str(&std::fs::read_to_string(llama.join("config.json")).unwrap()).unwrap();
-    hf_config["model_type"] = "qwen3".into();
+    hf_config["model_type"] = "qwen3_moe".into();
     std::fs::write(dir.path().join("config.json"), hf_config.to_string()).unwrap();
     std::fs::copy(
         llama.join("model.safetensors"),
@@ -262,7 +267,7 @@ fn a_mistral_loads_as_the_llama_block_and_a_binding_window_is_refused() {
         single_trainer(&cfg).init_from(dir.path()).unwrap_err()
     );
     assert!(
-        e.contains("\"qwen3\"") && e.contains("norms on q and k"),
+        e.contains("\"qwen3_moe\"") && e.contains("mixture-of-experts"),
         "{e}"
     );
 }

@@ -80,6 +80,30 @@ fn llama_on_every_parallel_dimension_matches_one_worker() {
         eprintln!("llama with q/k/v biases (Qwen2), {layout}: {d:.2e}");
         assert!(d <= 2e-4, "Qwen2 {layout}: {d:.2e}");
     }
+    // Qwen3's block: heads wider than dim / heads and RMS norms on each query and key head,
+    // whose weights' gradients are partial on each tensor-parallel rank (its heads) and are
+    // summed over the group (also on more ranks than key/value heads, where each key head's
+    // gradient is split among its replicas).
+    let qwen3 = [
+        "model.qk_norm=true",
+        "model.head_dim=12",
+        "model.tie_embeddings=true",
+    ];
+    let (single, _) = train(&qwen3);
+    for layout in [
+        "dp=2",
+        "tp=2",
+        "tp=4",
+        "tp=2,sp=on",
+        "cp=2",
+        "dp=2,tp=2,pp=2,m=2",
+    ] {
+        let setting = format!("parallel.layout=\"{layout}\"");
+        let (split, _) = train(&[qwen3[0], qwen3[1], qwen3[2], &setting]);
+        let d = rel_diff(&split, &single);
+        eprintln!("llama with q/k norms and head size 12 (Qwen3), {layout}: {d:.2e}");
+        assert!(d <= 2e-4, "Qwen3 {layout}: {d:.2e}");
+    }
 }
 
 #[test]
@@ -154,6 +178,13 @@ fn the_planner_and_the_trainer_read_one_model_description() {
     };
     assert_eq!(planned.total_params(), llama.params() as u64);
     assert_eq!(llama.params(), 1_235_814_400);
+    // Qwen3's switches (its own head size, the q/k norms) are counted by both.
+    let text = std::fs::read_to_string(common::root().join("configs/llama.toml")).unwrap();
+    let text = text.replacen("[model]\n", "[model]\nhead_dim = 96\nqk_norm = true\n", 1);
+    let planned = meshtrain_plan::model::ModelSpec::from_toml(&text).unwrap();
+    let cfg = meshtrain::config::Config::from_toml_with_overrides(&text, &[]).unwrap();
+    let built = meshtrain::presets::build_model(&cfg.model);
+    assert_eq!(planned.total_params(), built.num_unique_params() as u64);
     // The switch Qwen2 needs is counted by both.
     let text = std::fs::read_to_string(common::root().join("configs/llama.toml")).unwrap();
     let text = text.replacen("[model]\n", "[model]\nqkv_bias = true\n", 1);

@@ -575,7 +575,7 @@ mod tests {
     }
 
     /// The library's decoder on the library's own models (GPT, tied or not; Llama with
-    /// grouped-query heads and Qwen2's q/k/v biases): a prefill and then steps give the
+    /// grouped-query heads, Qwen2's q/k/v biases, Qwen3's q/k norms): a prefill and then steps give the
     /// training forward's logits at every position, and the cache holds `kv_heads` heads.
     #[test]
     fn the_decoder_runs_the_models_own_layers() {
@@ -593,6 +593,8 @@ mod tests {
             tie_embeddings: false,
             attention: AttentionKind::Flash,
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         };
         let gpt_small = GptConfig {
             vocab: 40,
@@ -619,8 +621,18 @@ mod tests {
                 }),
                 16,
             ),
+            // Qwen3's: heads of 12 over a width of 32, q/k norms (position-wise: their
+            // evaluation forward is their cached one).
+            (
+                llama(&LlamaConfig {
+                    head_dim: Some(12),
+                    qk_norm: true,
+                    ..llama_small
+                }),
+                24,
+            ),
         ];
-        // (model, values per cached position: 2 key/value heads of 8)
+        // (model, values per cached position: 2 key/value heads)
         for (k, (model, kv_width)) in models.into_iter().enumerate() {
             let mut store = model.init(3);
             // Move every parameter off its initial value (zero biases, unit norms).

@@ -9,8 +9,10 @@ use meshtrain_tensor::attention::{
     causal_attention_forward, AttentionShape, CachedShape,
 };
 use meshtrain_tensor::flash::{flash_attention_backward, flash_attention_forward};
+use meshtrain_tensor::norm::{rms_norm_backward, rms_norm_forward};
 use meshtrain_tensor::rotary::{
-    rotary_expand_backward, rotary_expand_forward, rotary_tables, Rope, RotaryShape,
+    gather_qk, rotary_expand_backward, rotary_expand_forward, rotary_tables, scatter_qk, Rope,
+    RotaryShape,
 };
 use meshtrain_tensor::{DType, Device, Tensor};
 
@@ -510,6 +512,101 @@ impl Layer for Rotary {
     }
 }
 
+/// Qwen3's RMS norms of each query and key head (over `head_dim`: one weight vector for all
+/// query heads, `q_norm.weight`, one for all key heads, `k_norm.weight`), between the fused
+/// q/k/v projection and the rotary pass, on the grouped layout; value heads pass unchanged.
+/// Under tensor parallelism each rank norms its own heads, so the weights' gradients are
+/// partial sums: `grad_reducer` (set by the tensor-parallel rewrite) sums them over the
+/// tensor-parallel group in backward.
+pub struct QkNorm {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+    pub grad_reducer: Option<std::sync::Arc<dyn crate::layer::StatsReducer>>,
+}
+
+impl QkNorm {
+    fn shape(&self) -> RotaryShape {
+        RotaryShape {
+            batch: 1,
+            seq: 1,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+}
+
+impl Layer for QkNorm {
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
+    fn params(&self) -> Vec<ParamSpec> {
+        vec![
+            ParamSpec::new("q_norm.weight", &[self.head_dim], Init::Ones),
+            ParamSpec::new("k_norm.weight", &[self.head_dim], Init::Ones),
+        ]
+    }
+
+    fn forward(
+        &self,
+        p: Params<'_>,
+        _: ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        let (shape, hd) = (self.shape(), self.head_dim);
+        assert_eq!(
+            x.shape().last(),
+            Some(&shape.input_width()),
+            "q/k norms: input width for {shape:?}"
+        );
+        let w = p.host();
+        let (q, k) = gather_qk(shape, x.data());
+        let (qn, rq) = rms_norm_forward(&q, hd, &w[..hd], self.eps);
+        let (kn, rk) = rms_norm_forward(&k, hd, &w[hd..], self.eps);
+        let mut y = x.data().to_vec();
+        scatter_qk(shape, &qn, &kn, &mut y);
+        if mode.train {
+            s.stats.extend([q, k, rq, rk]);
+        }
+        Tensor::from_vec(y, x.shape())
+    }
+
+    fn backward(
+        &self,
+        p: Params<'_>,
+        g: ParamsMut<'_>,
+        mut s: Saved,
+        dy: Tensor,
+        _: bool,
+    ) -> Option<Tensor> {
+        let (shape, hd) = (self.shape(), self.head_dim);
+        let (w, g) = (p.host(), g.host());
+        let rk = s.stats.pop().expect("q/k norms: key rstd");
+        let rq = s.stats.pop().expect("q/k norms: query rstd");
+        let k = s.stats.pop().expect("q/k norms: keys");
+        let q = s.stats.pop().expect("q/k norms: queries");
+        let (dq, dk) = gather_qk(shape, dy.data());
+        let mut dw = vec![0.0f32; 2 * hd];
+        let (dwq, dwk) = dw.split_at_mut(hd);
+        let dqx = rms_norm_backward(&q, hd, &w[..hd], &rq, &dq, dwq);
+        let dkx = rms_norm_backward(&k, hd, &w[hd..], &rk, &dk, dwk);
+        if let Some(reducer) = &self.grad_reducer {
+            let mut wide: Vec<f64> = dw.iter().map(|&v| f64::from(v)).collect();
+            reducer.sum(&mut wide);
+            dw = wide.into_iter().map(|v| v as f32).collect();
+        }
+        g.iter_mut().zip(&dw).for_each(|(a, v)| *a += v);
+        let mut dx = dy.data().to_vec();
+        scatter_qk(shape, &dqx, &dkx, &mut dx);
+        Some(Tensor::from_vec(dx, dy.shape()))
+    }
+}
+
 /// Causal multi-head self-attention: `proj(attention(qkv(x)))`; parameters `qkv.*`, `proj.*`.
 pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Seq {
     let lin = |i, o| {
@@ -561,6 +658,11 @@ pub struct LlamaBlockShape {
     pub norm_eps: f32,
     /// Biases on the q/k/v projection (Qwen2).
     pub qkv_bias: bool,
+    /// Values per head (`dim / heads` for Llama; Qwen3 sets its own, so the attention's
+    /// width `heads · head_dim` may differ from `dim`).
+    pub head_dim: usize,
+    /// RMS norms of each query and key head before the rotation (Qwen3: [`QkNorm`]).
+    pub qk_norm: bool,
 }
 
 impl TransformerBlock {
@@ -632,60 +734,77 @@ impl TransformerBlock {
             heads,
             kv_heads,
             ffn,
+            head_dim,
             ..
         } = shape;
         assert!(
-            heads > 0
-                && dim.is_multiple_of(heads)
-                && kv_heads > 0
-                && heads.is_multiple_of(kv_heads),
-            "Llama block: dim {dim}, heads {heads}, kv_heads {kv_heads}"
+            heads > 0 && head_dim > 0 && kv_heads > 0 && heads.is_multiple_of(kv_heads),
+            "Llama block: dim {dim}, heads {heads} of {head_dim}, kv_heads {kv_heads}"
         );
-        let head_dim = dim / heads;
+        // The attention's width: `dim` for Llama, Qwen3's own `heads · head_dim` otherwise.
+        let width = heads * head_dim;
         let lin = |i, o| Box::new(Linear::new(i, o, false).with_init(init)) as Box<dyn Layer>;
+        let mut attention: Vec<(String, Box<dyn Layer>)> = vec![
+            (
+                "attn_norm".into(),
+                Box::new(RmsNorm::new(dim, shape.norm_eps)),
+            ),
+            (
+                "qkv".into(),
+                Box::new(
+                    Linear::new(dim, (heads + 2 * kv_heads) * head_dim, shape.qkv_bias)
+                        .with_init(init),
+                ),
+            ),
+        ];
+        if shape.qk_norm {
+            attention.push((
+                String::new(),
+                Box::new(QkNorm {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    eps: shape.norm_eps,
+                    grad_reducer: None,
+                }),
+            ));
+        }
+        // The rotary pass, the core and the projection end the attention branch.
+        let attention_parts = attention.len() + 3;
+        let rest: Vec<(String, Box<dyn Layer>)> = vec![
+            (
+                String::new(),
+                Box::new(Rotary {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    rope: shape.rope,
+                    sequence: SequenceShard::default(),
+                }),
+            ),
+            (
+                String::new(),
+                Box::new(AttentionCore {
+                    dim: width,
+                    heads,
+                    kv_heads,
+                    precision: DType::F32,
+                    kind,
+                }),
+            ),
+            ("proj".into(), lin(width, dim)),
+            (
+                "mlp_norm".into(),
+                Box::new(RmsNorm::new(dim, shape.norm_eps)),
+            ),
+            ("gate_up".into(), lin(dim, 2 * ffn)),
+            (String::new(), Box::new(SwiGlu)),
+            ("down".into(), lin(ffn, dim)),
+        ];
+        attention.extend(rest);
         TransformerBlock {
-            parts: Children::new(vec![
-                (
-                    "attn_norm".into(),
-                    Box::new(RmsNorm::new(dim, shape.norm_eps)),
-                ),
-                (
-                    "qkv".into(),
-                    Box::new(
-                        Linear::new(dim, (heads + 2 * kv_heads) * head_dim, shape.qkv_bias)
-                            .with_init(init),
-                    ),
-                ),
-                (
-                    String::new(),
-                    Box::new(Rotary {
-                        heads,
-                        kv_heads,
-                        head_dim,
-                        rope: shape.rope,
-                        sequence: SequenceShard::default(),
-                    }),
-                ),
-                (
-                    String::new(),
-                    Box::new(AttentionCore {
-                        dim,
-                        heads,
-                        kv_heads,
-                        precision: DType::F32,
-                        kind,
-                    }),
-                ),
-                ("proj".into(), lin(dim, dim)),
-                (
-                    "mlp_norm".into(),
-                    Box::new(RmsNorm::new(dim, shape.norm_eps)),
-                ),
-                ("gate_up".into(), lin(dim, 2 * ffn)),
-                (String::new(), Box::new(SwiGlu)),
-                ("down".into(), lin(ffn, dim)),
-            ]),
-            attention_parts: 5,
+            parts: Children::new(attention),
+            attention_parts,
         }
     }
 }

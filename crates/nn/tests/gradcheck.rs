@@ -608,7 +608,17 @@ fn llama_block() {
         rope: meshtrain_tensor::rotary::Rope::new(10_000.0),
         norm_eps: 1e-5,
         qkv_bias: false,
+        head_dim: 4,
+        qk_norm: false,
     };
     let block = TransformerBlock::llama(shape, Init::Normal(0.3), AttentionKind::Flash);
     Check::new("llama block", &block, normal(150, &[2, 5, 16]), 151).run();
+    // Qwen3's: heads wider than dim / heads (4 × 6 = 24 over a width of 16) and the q/k norms.
+    let qwen3 = LlamaBlockShape {
+        head_dim: 6,
+        qk_norm: true,
+        ..shape
+    };
+    let block = TransformerBlock::llama(qwen3, Init::Normal(0.3), AttentionKind::Flash);
+    Check::new("qwen3 block", &block, normal(152, &[2, 5, 16]), 153).run();
 }

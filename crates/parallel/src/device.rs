@@ -658,6 +658,8 @@ mod tests {
             tie_embeddings: false,
             attention: Default::default(),
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         };
         let model = meshtrain_nn::models::llama::llama(&cfg);
         assert!(model

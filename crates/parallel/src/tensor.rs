@@ -34,7 +34,7 @@ use meshtrain_comm::{
 use meshtrain_nn::layers::Linear;
 use meshtrain_nn::loss::{LossError, LossValue};
 use meshtrain_nn::models::gpt;
-use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary, SequenceShard};
+use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, QkNorm, Rotary, SequenceShard};
 use meshtrain_nn::{
     Deal, Kept, Layer, Loss, Mode, Model, ParamSpec, Params, ParamsMut, Saved, ShardSpec, TpStyle,
 };
@@ -1252,6 +1252,17 @@ fn rewrite(
                 kv_heads: (core.kv_heads / tp.size()).max(1),
                 precision: core.precision,
                 kind: core.kind,
+            }));
+        }
+        if let Some(n) = any.downcast_ref::<QkNorm>() {
+            // This rank's heads; the norms' gradients are summed over the group in backward.
+            return Some(Box::new(QkNorm {
+                heads: n.heads / tp.size(),
+                kv_heads: (n.kv_heads / tp.size()).max(1),
+                grad_reducer: Some(Arc::new(crate::data::GroupStatsReducer::new(
+                    tp.group.clone(),
+                ))),
+                ..*n
             }));
         }
         if let Some(r) = any.downcast_ref::<Rotary>() {

@@ -256,6 +256,8 @@ mod tests {
             seq_len: s,
             tied_embeddings: true,
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         }
     }
 

@@ -35,6 +35,13 @@ pub struct TransformerSpec {
     /// Biases on the q/k/v projections in a gated-MLP (Llama-family) model: Qwen2's.
     #[serde(default)]
     pub qkv_bias: bool,
+    /// Values per attention head when not `hidden / heads` (Qwen3's 128): the attention's
+    /// width is then `heads · head_dim`.
+    #[serde(default)]
+    pub head_dim: Option<u64>,
+    /// RMS norms of each query and key head (Qwen3): two `head_dim` weights per layer.
+    #[serde(default)]
+    pub qk_norm: bool,
 }
 
 /// A network the planner treats as an opaque block of compute (data parallelism only).
@@ -81,7 +88,7 @@ impl TransformerSpec {
     }
 
     pub fn head_dim(&self) -> u64 {
-        self.hidden / self.heads
+        self.head_dim.unwrap_or(self.hidden / self.heads)
     }
 
     /// Width of the K (or V) projection output: kv_heads · head_dim.
@@ -105,8 +112,12 @@ impl TransformerSpec {
         let h = self.hidden;
         let qkv_out = h + 2 * self.kv_width();
         if self.gated_mlp {
+            // Queries `heads · head_dim` wide (`hidden` unless head_dim is set).
+            let width = self.heads * self.head_dim();
+            let qkv_out = width + 2 * self.kv_width();
             let qkv_bias = if self.qkv_bias { qkv_out } else { 0 };
-            return h * qkv_out + qkv_bias + h * h + 3 * h * self.ffn_hidden + 2 * h;
+            let qk_norms = if self.qk_norm { 2 * self.head_dim() } else { 0 };
+            return h * qkv_out + qkv_bias + qk_norms + width * h + 3 * h * self.ffn_hidden + 2 * h;
         }
         let attention = h * qkv_out + qkv_out + h * h + h;
         let mlp_biases = if self.gated_mlp {
@@ -257,6 +268,8 @@ impl ModelSpec {
                 seq_len: int("seq")?,
                 tied_embeddings: tied,
                 qkv_bias: false,
+                head_dim: None,
+                qk_norm: false,
             },
             "llama" => TransformerSpec {
                 layers: int("layers")?,
@@ -270,6 +283,14 @@ impl ModelSpec {
                 tied_embeddings: tied,
                 qkv_bias: table
                     .get("qkv_bias")
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(false),
+                head_dim: table
+                    .get("head_dim")
+                    .and_then(|v| v.as_integer())
+                    .map(|v| v as u64),
+                qk_norm: table
+                    .get("qk_norm")
                     .and_then(|v| v.as_bool())
                     .unwrap_or(false),
             },
@@ -386,6 +407,8 @@ mod tests {
             seq_len: 128,
             tied_embeddings: false,
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         }
     }
 
@@ -416,6 +439,8 @@ mod tests {
             seq_len: 2048,
             tied_embeddings: true,
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         };
         let (s, h) = (2048.0f64, 2304.0f64);
         let expected = 24.0 * s * h * h * (1.0 + s / (6.0 * h));

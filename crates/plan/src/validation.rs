@@ -223,6 +223,8 @@ pub fn megatron_gpt(name: &str, layers: u64, hidden: u64, heads: u64) -> ModelSp
             seq_len: 2048,
             tied_embeddings: true,
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         }),
     }
 }
@@ -383,6 +385,8 @@ pub fn predict_published(run: &PublishedRun) -> Result<Evaluation> {
             seq_len: run.seq_len,
             tied_embeddings: false,
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         }),
     };
     let cluster = presets::cluster(run.cluster)?.with_gpus(run.gpus)?;

@@ -272,6 +272,36 @@ pub fn rotary_expand_backward(
     dx
 }
 
+/// The query and key heads of grouped q/k/v rows (`x`, `[rows, (H + 2·H_kv)·hd]`), each
+/// head a row of `hd` values: `[rows·H, hd]` of queries and `[rows·H_kv, hd]` of keys, in row
+/// then head order (Qwen3's per-head norms of q and k run on these).
+pub fn gather_qk(shape: RotaryShape, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (hd, g, kv) = (shape.head_dim, shape.group(), shape.kv_heads);
+    let rows = x.len() / shape.input_width();
+    let mut q = Vec::with_capacity(rows * shape.heads * hd);
+    let mut k = Vec::with_capacity(rows * kv * hd);
+    for xr in x.chunks(shape.input_width()) {
+        for group in xr.chunks(hd * (g + 2)) {
+            q.extend_from_slice(&group[..g * hd]);
+            k.extend_from_slice(&group[g * hd..][..hd]);
+        }
+    }
+    (q, k)
+}
+
+/// Writes query and key heads (as [`gather_qk`] lays them out) back into grouped q/k/v rows
+/// `x`, whose value heads stay as they are.
+pub fn scatter_qk(shape: RotaryShape, q: &[f32], k: &[f32], x: &mut [f32]) {
+    let (hd, g) = (shape.head_dim, shape.group());
+    let (mut qs, mut ks) = (q.chunks(g * hd), k.chunks(hd));
+    for xr in x.chunks_mut(shape.input_width()) {
+        for group in xr.chunks_mut(hd * (g + 2)) {
+            group[..g * hd].copy_from_slice(qs.next().expect("query heads"));
+            group[g * hd..][..hd].copy_from_slice(ks.next().expect("key heads"));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -400,5 +430,35 @@ mod tests {
             .problem()
             .unwrap()
             .contains("low_freq_factor < high_freq_factor"));
+    }
+
+    /// The q and k heads gathered from grouped rows go back to their places; the value
+    /// heads stay.
+    #[test]
+    fn query_and_key_heads_gather_and_scatter_in_place() {
+        let shape = RotaryShape {
+            batch: 1,
+            seq: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 2,
+        };
+        let x: Vec<f32> = (0..3 * shape.input_width()).map(|i| i as f32).collect();
+        let (q, k) = gather_qk(shape, &x);
+        assert_eq!((q.len(), k.len()), (3 * 4 * 2, 3 * 2 * 2));
+        // Row 0, group 1 (values 8..16): query heads 8..12, key head 12..14, value 14..16.
+        assert_eq!(&q[4..8], &[8.0, 9.0, 10.0, 11.0]);
+        assert_eq!(&k[2..4], &[12.0, 13.0]);
+        let mut y = x.clone();
+        scatter_qk(shape, &vec![-1.0; q.len()], &vec![-2.0; k.len()], &mut y);
+        for (i, (&a, &b)) in x.iter().zip(&y).enumerate() {
+            let within = i % 8;
+            let want = match within {
+                0..=3 => -1.0,
+                4..=5 => -2.0,
+                _ => a,
+            };
+            assert_eq!(b, want, "value {i}");
+        }
     }
 }

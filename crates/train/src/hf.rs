@@ -19,7 +19,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use meshtrain_nn::layers::{Linear, RmsNorm};
-use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, Rotary};
+use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, QkNorm, Rotary};
 use meshtrain_nn::{Layer, Model, ParamStore};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::rotary::RopeScaling;
@@ -68,6 +68,10 @@ pub struct Architecture {
     pub sliding_window: Option<usize>,
     /// Biases on the q/k/v projections: Qwen2 (`model_type` "qwen2"), a Llama otherwise.
     pub qkv_bias: bool,
+    /// Values per attention head when not `dim / heads` (Qwen3's `head_dim`).
+    pub head_dim: Option<usize>,
+    /// RMS norms of each query and key head: Qwen3 (`model_type` "qwen3").
+    pub qk_norm: bool,
 }
 
 /// The first layer of type `T` in `model` that `wanted` accepts, depth first.
@@ -190,6 +194,8 @@ impl Architecture {
                 gelu_tanh: false,
                 sliding_window: None,
                 qkv_bias: model.param_index("blocks.0.qkv.bias").is_some(),
+                head_dim: (rotary.head_dim * rotary.heads != dim).then_some(rotary.head_dim),
+                qk_norm: find::<QkNorm>(model).is_some(),
             },
             None => Architecture {
                 family: Family::Gpt2,
@@ -208,12 +214,25 @@ impl Architecture {
                     .is_some_and(|l| l.activation == Some(Activation::GeluTanh)),
                 sliding_window: None,
                 qkv_bias: false,
+                head_dim: None,
+                qk_norm: false,
             },
         })
     }
 
     fn head_dim(&self) -> usize {
-        self.dim / self.heads
+        self.head_dim.unwrap_or(self.dim / self.heads)
+    }
+
+    /// The `transformers` class and model type of a Llama-block model.
+    fn llama_class(&self) -> (&'static str, &'static str) {
+        if self.qk_norm {
+            ("Qwen3ForCausalLM", "qwen3")
+        } else if self.qkv_bias {
+            ("Qwen2ForCausalLM", "qwen2")
+        } else {
+            ("LlamaForCausalLM", "llama")
+        }
     }
 
     /// `config.json` for `transformers`.
@@ -240,8 +259,8 @@ impl Architecture {
                 "eos_token_id": 50256,
             }),
             Family::Llama => json!({
-                "architectures": [if self.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
-                "model_type": if self.qkv_bias { "qwen2" } else { "llama" },
+                "architectures": [self.llama_class().0],
+                "model_type": self.llama_class().1,
                 "vocab_size": self.vocab,
                 "hidden_size": self.dim,
                 "intermediate_size": self.ffn,
@@ -307,22 +326,26 @@ impl Architecture {
                     gelu_tanh,
                     sliding_window: None,
                     qkv_bias: false,
+                    head_dim: None,
+                    qk_norm: false,
                 }
             }
             // Mistral (and SmolLM, whose model_type is "llama") is the Llama block; Mistral's
             // sliding window, where it has one, is checked against the model's context.
             // Qwen2 (and Qwen2.5) is the Llama block with biases on q, k and v.
-            family @ ("llama" | "mistral" | "qwen2") => {
+            // Qwen3 is the Llama block with RMS norms on each query and key head and its own
+            // head size (128, whatever the width).
+            family @ ("llama" | "mistral" | "qwen2" | "qwen3") => {
                 let heads = int("num_attention_heads")?;
                 let dim = int("hidden_size")?;
-                if let Some(hd) = v["head_dim"].as_u64() {
-                    ensure!(
-                        hd as usize * heads == dim,
-                        "{}: head_dim {hd} × {heads} heads is not hidden_size {dim}; \
-                         meshtrain's Llama has dim = heads × head size",
-                        file.display()
-                    );
-                }
+                // Qwen3's configuration class defaults the head size to 128.
+                let stated = v["head_dim"]
+                    .as_u64()
+                    .or((family == "qwen3").then_some(128));
+                let head_dim = match stated {
+                    Some(hd) if hd as usize * heads != dim => Some(hd as usize),
+                    _ => None,
+                };
                 let act = v["hidden_act"].as_str().unwrap_or("silu");
                 ensure!(
                     act == "silu",
@@ -338,7 +361,7 @@ impl Architecture {
                         file.display()
                     );
                 }
-                if family == "qwen2" {
+                if family.starts_with("qwen") {
                     ensure!(
                         !v["use_sliding_window"].as_bool().unwrap_or(false),
                         "{}: use_sliding_window = true: meshtrain's attention has no window",
@@ -366,14 +389,15 @@ impl Architecture {
                         _ => None,
                     },
                     qkv_bias: family == "qwen2",
+                    head_dim,
+                    qk_norm: family == "qwen3",
                 }
             }
             other => bail!(
-                "{}: model_type \"{other}\"; meshtrain reads \"gpt2\", \"llama\" (SmolLM too) \
-                 and \"mistral\" models{}",
+                "{}: model_type \"{other}\"; meshtrain reads \"gpt2\", \"llama\" (SmolLM too), \
+                 \"mistral\", \"qwen2\" and \"qwen3\" models{}",
                 file.display(),
                 match other {
-                    "qwen3" => " (Qwen3's RMS norms on q and k are not in meshtrain's Llama yet)",
                     "mixtral" | "qwen2_moe" | "qwen3_moe" =>
                         " (mixture-of-experts layers are not \
                                                               supported)",
@@ -397,10 +421,12 @@ impl Architecture {
                 if self.gelu_tanh { "tanh" } else { "erf" }
             ),
             Family::Llama => format!(
-                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n{}{}",
+                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n{}{}{}{}",
                 self.vocab, self.dim, self.layers, self.heads, self.kv_heads, self.ffn, self.seq,
                 self.rope_theta, self.norm_eps, self.tied,
                 if self.qkv_bias { "qkv_bias = true\n" } else { "" },
+                self.head_dim.map_or(String::new(), |hd| format!("head_dim = {hd}\n")),
+                if self.qk_norm { "qk_norm = true\n" } else { "" },
                 self.rope_scaling.map_or(String::new(), |s| format!(
                     "\n[model.rope_scaling]\nfactor = {:?}\nlow_freq_factor = {:?}\nhigh_freq_factor = {:?}\noriginal_max_position_embeddings = {}\n",
                     s.factor, s.low_freq_factor, s.high_freq_factor, s.original_context
@@ -430,6 +456,7 @@ impl Architecture {
             ("layers", self.layers, from.layers),
             ("heads", self.heads, from.heads),
             ("kv_heads", self.kv_heads, from.kv_heads),
+            ("head size", self.head_dim(), from.head_dim()),
             ("ffn", self.ffn, from.ffn),
         ] {
             differ(what, ours.to_string(), theirs.to_string());
@@ -456,6 +483,13 @@ impl Architecture {
             diffs.push(format!(
                 "positions {} (the model's context {} needs more)",
                 from.seq, self.seq
+            ));
+        }
+        if self.qk_norm != from.qk_norm {
+            diffs.push(format!(
+                "{} q/k norms (the model: {})",
+                if from.qk_norm { "with" } else { "without" },
+                if self.qk_norm { "with" } else { "without" }
             ));
         }
         if self.qkv_bias != from.qkv_bias {
@@ -650,12 +684,17 @@ fn pieces(arch: &Architecture, seq: usize) -> Vec<Piece> {
                         },
                     ));
                 }
-                for (t, o, shape) in [
+                let mut whole = vec![
                     ("input_layernorm", "attn_norm", vec![d]),
                     ("post_attention_layernorm", "mlp_norm", vec![d]),
-                    ("self_attn.o_proj", "proj", vec![d, d]),
+                    ("self_attn.o_proj", "proj", vec![d, arch.heads * hd]),
                     ("mlp.down_proj", "down", vec![d, f]),
-                ] {
+                ];
+                if arch.qk_norm {
+                    whole.push(("self_attn.q_norm", "q_norm", vec![hd]));
+                    whole.push(("self_attn.k_norm", "k_norm", vec![hd]));
+                }
+                for (t, o, shape) in whole {
                     out.push(piece(
                         format!("{h}.{t}.weight"),
                         &shape,
@@ -999,6 +1038,8 @@ mod tests {
             tie_embeddings: tied,
             attention: Default::default(),
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         })
     }
 
@@ -1126,6 +1167,8 @@ mod tests {
             tie_embeddings: false,
             attention: Default::default(),
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         });
         let err = format!("{:#}", check(dir.path(), &other).unwrap_err());
         assert!(err.contains("kv_heads 2 (the model: 3)"), "{err}");

@@ -53,6 +53,13 @@ pub struct LlamaConfig {
     /// projection and the MLP stay without).
     #[serde(default, skip_serializing_if = "is_false")]
     pub qkv_bias: bool,
+    /// Values per attention head when not `dim / heads` (Qwen3: 128 for every size, so
+    /// Qwen3-0.6B's 16 heads are 2,048 wide over a width of 1,024).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// RMS norms of each query and key head before the rotation (Qwen3).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub qk_norm: bool,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -74,16 +81,16 @@ impl LlamaConfig {
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             return Err(format!("Llama {name} must be positive"));
         }
-        if !self.dim.is_multiple_of(self.heads) {
+        if self.head_dim.is_none() && !self.dim.is_multiple_of(self.heads) {
             return Err(format!(
-                "Llama dim {} is not divisible by heads {}",
+                "Llama dim {} is not divisible by heads {} (or set head_dim)",
                 self.dim, self.heads
             ));
         }
-        if !(self.dim / self.heads).is_multiple_of(2) {
+        if !self.head_dim().is_multiple_of(2) || self.head_dim() == 0 {
             return Err(format!(
-                "Llama head size {} (dim / heads) must be even: rotary positions rotate pairs",
-                self.dim / self.heads
+                "Llama head size {} must be even and positive: rotary positions rotate pairs",
+                self.head_dim()
             ));
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
@@ -116,7 +123,7 @@ impl LlamaConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.dim / self.heads
+        self.head_dim.unwrap_or(self.dim / self.heads)
     }
 
     /// Parameters, counted from the shapes the model builds.
@@ -124,7 +131,9 @@ impl LlamaConfig {
         let (d, v, f) = (self.dim, self.vocab, self.ffn);
         let qkv_rows = (self.heads + 2 * self.kv_heads) * self.head_dim();
         let qkv = d * qkv_rows + if self.qkv_bias { qkv_rows } else { 0 };
-        let block = 2 * d + qkv + d * d + 3 * d * f;
+        let norms = if self.qk_norm { 2 * self.head_dim() } else { 0 };
+        let proj = self.heads * self.head_dim() * d;
+        let block = 2 * d + qkv + norms + proj + 3 * d * f;
         let head = if self.tie_embeddings { 0 } else { v * d };
         v * d + self.layers * block + d + head
     }
@@ -133,7 +142,8 @@ impl LlamaConfig {
     pub fn train_flops_per_sequence(&self) -> f64 {
         let (t, d, v) = (self.seq as f64, self.dim as f64, self.vocab as f64);
         let qkv = d * ((self.heads + 2 * self.kv_heads) * self.head_dim()) as f64;
-        let per_layer = 2.0 * (qkv + d * d + 3.0 * d * self.ffn as f64) + 4.0 * t * d;
+        let width = (self.heads * self.head_dim()) as f64;
+        let per_layer = 2.0 * (qkv + width * d + 3.0 * d * self.ffn as f64) + 4.0 * t * width;
         let per_token = self.layers as f64 * per_layer + 2.0 * d * v;
         3.0 * per_token * t
     }
@@ -147,6 +157,8 @@ impl LlamaConfig {
             rope: self.rope(),
             norm_eps: self.norm_eps,
             qkv_bias: self.qkv_bias,
+            head_dim: self.head_dim(),
+            qk_norm: self.qk_norm,
         }
     }
 }
@@ -221,6 +233,8 @@ mod tests {
             tie_embeddings: false,
             attention: AttentionKind::Flash,
             qkv_bias: false,
+            head_dim: None,
+            qk_norm: false,
         }
     }
 

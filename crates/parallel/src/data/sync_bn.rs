@@ -5,7 +5,8 @@ use meshtrain_comm::{CommError, ProcessGroup};
 use meshtrain_nn::StatsReducer;
 use std::sync::Arc;
 
-/// Sums per-channel statistics over the data-parallel group.
+/// Sums per-channel statistics over the data-parallel group (SyncBatchNorm), or a layer's
+/// small partial gradients over the tensor-parallel group (Qwen3's q/k norms).
 ///
 /// The statistics are f64 (a channel of ResNet's stem sums 25k values), but collectives carry
 /// f32: each f64 travels as the bit pattern of two f32 words through an all-gather (a pure
@@ -31,7 +32,7 @@ impl StatsReducer for GroupStatsReducer {
     fn sum(&self, values: &mut [f64]) {
         if let Err(e) = self.try_sum(values) {
             // Layers cannot return errors; the worker fails with the collective's message.
-            panic!("SyncBatchNorm: summing batch statistics failed: {e}");
+            panic!("summing statistics over a group (SyncBatchNorm's, or q/k norm gradients) failed: {e}");
         }
     }
 }
