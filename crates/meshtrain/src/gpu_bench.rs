@@ -215,7 +215,7 @@ fn check_part(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<Vec<String>>
         results.len() - failed.len(),
         results.len()
     );
-    for model in [Compared::Gpt, Compared::Llama] {
+    for model in [Compared::Gpt, Compared::Llama, Compared::Qwen3] {
         let name = model.name();
         println!("\n== check: 20 {name} steps on the GPU against the CPU");
         match compare_model(args, model) {
@@ -377,6 +377,7 @@ fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
 /// `overrides`) for 20 steps: the final parameters and each step's loss.
 fn model_run(root: &Path, model: Compared, overrides: &[String]) -> Result<GptRun> {
     let mut o = vec!["train.steps=20".to_string()];
+    o.extend(model.overrides().iter().map(|s| s.to_string()));
     o.extend(overrides.iter().cloned());
     let run = train_and_read(root, model.config(), &o, None)?;
     let _ = std::fs::remove_dir_all(&run.out);
@@ -473,13 +474,24 @@ type GptRun = (Vec<f32>, Vec<f64>);
 enum Compared {
     Gpt,
     Llama,
+    /// The Llama config as Qwen3's block: heads of 128 (wider than dim / heads) and the
+    /// q/k norms.
+    Qwen3,
 }
 
 impl Compared {
     fn config(self) -> &'static str {
         match self {
             Compared::Gpt => "configs/gpt.toml",
-            Compared::Llama => "configs/llama.toml",
+            Compared::Llama | Compared::Qwen3 => "configs/llama.toml",
+        }
+    }
+
+    /// What makes the config this model.
+    fn overrides(self) -> &'static [&'static str] {
+        match self {
+            Compared::Qwen3 => &["model.head_dim=128", "model.qk_norm=true"],
+            _ => &[],
         }
     }
 
@@ -487,6 +499,7 @@ impl Compared {
         match self {
             Compared::Gpt => "GPT",
             Compared::Llama => "Llama",
+            Compared::Qwen3 => "Qwen3",
         }
     }
 }
@@ -1190,7 +1203,11 @@ mod tests {
             "model.seq=16",
         ];
         let llama = ["model.kv_heads=1", "model.ffn=48"];
-        for (model, extra) in [(Compared::Gpt, &[][..]), (Compared::Llama, &llama[..])] {
+        for (model, extra) in [
+            (Compared::Gpt, &[][..]),
+            (Compared::Llama, &llama[..]),
+            (Compared::Qwen3, &llama[..]),
+        ] {
             let shrink: Vec<String> = small.iter().chain(extra).map(|s| s.to_string()).collect();
             let (params, losses) = model_run(&root, model, &shrink).unwrap();
             assert_eq!(losses.len(), 20, "{model:?}");

@@ -11,7 +11,7 @@
 use crate::cache::{KvCache, LayerKv};
 use crate::layer::{Mode, ParamsMut, Saved};
 use crate::layers::{LayerNorm, Linear, RmsNorm};
-use crate::transformer::{AttentionCore, GptEmbedding, Rotary};
+use crate::transformer::{AttentionCore, GptEmbedding, QkNorm, Rotary};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::attention::CachedShape;
 use meshtrain_tensor::cuda::decode;
@@ -462,6 +462,116 @@ pub fn attention_cached(
     ok(decode::append_kv(&qs, keys, values, shape));
     let out = ok(decode::attention(&qs, keys, values, shape));
     wrap(out, &[1, shape.rows, a.dim])
+}
+
+/// Qwen3's q/k norms on a device: the query and key heads moved out of the grouped rows
+/// (f32), the RMS norm kernels on them, moved back into an f32 copy of the rows, returned in
+/// the input's dtype; the heads and their scales kept for backward.
+pub fn qk_norm_forward(
+    n: &QkNorm,
+    shape: RotaryShape,
+    p: DeviceParams<'_>,
+    x: Tensor,
+    mode: Mode,
+    s: &mut Saved,
+) -> Tensor {
+    let input = on_device(&x, p.device());
+    let xs = ok(ops::to_dtype(&input, DType::F32));
+    let hd = n.head_dim;
+    let (q, k) = ok(ops::qk_heads(&xs, shape));
+    let (qn, rq) = ok(ops::rms_norm_forward(
+        &q,
+        p.slice(0..hd),
+        hd,
+        n.eps,
+        DType::F32,
+        mode.train,
+    ));
+    let (kn, rk) = ok(ops::rms_norm_forward(
+        &k,
+        p.slice(hd..2 * hd),
+        hd,
+        n.eps,
+        DType::F32,
+        mode.train,
+    ));
+    let y = copy_of(&xs, "the q/k norms' output");
+    ok(ops::qk_heads_into(&qn, &kn, &y, shape));
+    if let (Some(rq), Some(rk)) = (rq, rk) {
+        for t in [q, k, rq, rk] {
+            let len = t.len();
+            s.tensors.push(wrap(t, &[len]));
+        }
+    }
+    wrap(ok(ops::to_dtype(&y, input.dtype())), x.shape())
+}
+
+/// The gradient of [`qk_norm_forward`]: the input gradient (in `dy`'s dtype), the weights' gradients
+/// added into `g` (summed over the tensor-parallel group first, through the host: `2·hd`
+/// values).
+pub fn qk_norm_backward(
+    n: &QkNorm,
+    shape: RotaryShape,
+    p: DeviceParams<'_>,
+    g: ParamsMut<'_>,
+    mut s: Saved,
+    dy: Tensor,
+) -> Tensor {
+    let rk = kept(&mut s, "q/k norms (key scales)");
+    let rq = kept(&mut s, "q/k norms (query scales)");
+    let k = kept(&mut s, "q/k norms (keys)");
+    let q = kept(&mut s, "q/k norms (queries)");
+    let dev = p.device();
+    let hd = n.head_dim;
+    let incoming = on_device(&dy, dev);
+    let dys = ok(ops::to_dtype(&incoming, DType::F32));
+    let (dq, dk) = ok(ops::qk_heads(&dys, shape));
+    // This pass's weight gradients alone, so that they can be summed over the group.
+    let scratch = ok(CudaTensor::zeros(
+        dev,
+        2 * hd,
+        DType::F32,
+        "q/k norms' weight gradients",
+    ));
+    // SAFETY: the scratch buffer holds 2·hd f32 values and outlives the view.
+    let mut part = unsafe { DeviceGrads::new(dev, scratch.ptr(), 2 * hd) };
+    let dqx = ok(ops::rms_norm_backward(
+        &q,
+        p.slice(0..hd),
+        &rq,
+        &dq,
+        part.slice(0..hd),
+        hd,
+        None,
+    ));
+    let dkx = ok(ops::rms_norm_backward(
+        &k,
+        p.slice(hd..2 * hd),
+        &rk,
+        &dk,
+        part.slice(hd..2 * hd),
+        hd,
+        None,
+    ));
+    let mut dw = ok(scratch.to_host_f32());
+    n.sum_over_heads(&mut dw);
+    let g = device_grads(g);
+    let mut total: Vec<f32> = ok(dev.download(g.ptr(), 2 * hd));
+    total.iter_mut().zip(&dw).for_each(|(t, d)| *t += d);
+    ok(dev.upload_to(g.ptr(), &total));
+    // The value heads' gradient passes through; the query and key heads' are the norms'.
+    let dx = copy_of(&dys, "the q/k norms' input gradient");
+    ok(ops::qk_heads_into(&dqx, &dkx, &dx, shape));
+    // In the dtype the rotary pass's gradient came in, as the projection expects it.
+    wrap(ok(ops::to_dtype(&dx, incoming.dtype())), dy.shape())
+}
+
+/// A new device buffer holding `t`'s values (a conversion to the same dtype shares them).
+fn copy_of(t: &CudaTensor, what: &str) -> CudaTensor {
+    let copy = ok(CudaTensor::alloc(t.device(), t.len(), t.dtype(), what));
+    ok(t.device()
+        .copy(copy.ptr(), t.ptr(), t.len() * t.dtype().size_bytes()));
+    copy
 }
 
 /// The last of `x`'s `rows` rows of `width` values, copied on the device.

@@ -527,6 +527,16 @@ pub struct QkNorm {
 }
 
 impl QkNorm {
+    /// This pass's weight gradients `dw` (`[q | k]`, partial: this rank's heads) summed over
+    /// the tensor-parallel group, when there is one.
+    pub(crate) fn sum_over_heads(&self, dw: &mut [f32]) {
+        if let Some(reducer) = &self.grad_reducer {
+            let mut wide: Vec<f64> = dw.iter().map(|&v| f64::from(v)).collect();
+            reducer.sum(&mut wide);
+            dw.iter_mut().zip(wide).for_each(|(d, v)| *d = v as f32);
+        }
+    }
+
     fn shape(&self) -> RotaryShape {
         RotaryShape {
             batch: 1,
@@ -550,6 +560,10 @@ impl Layer for QkNorm {
         ]
     }
 
+    fn runs_on(&self, device: Device) -> bool {
+        device.is_cpu() || cfg!(feature = "cuda")
+    }
+
     fn forward(
         &self,
         p: Params<'_>,
@@ -564,6 +578,10 @@ impl Layer for QkNorm {
             Some(&shape.input_width()),
             "q/k norms: input width for {shape:?}"
         );
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::qk_norm_forward(self, shape, p, x, mode, s);
+        }
         let w = p.host();
         let (q, k) = gather_qk(shape, x.data());
         let (qn, rq) = rms_norm_forward(&q, hd, &w[..hd], self.eps);
@@ -585,6 +603,10 @@ impl Layer for QkNorm {
         _: bool,
     ) -> Option<Tensor> {
         let (shape, hd) = (self.shape(), self.head_dim);
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return Some(crate::device::qk_norm_backward(self, shape, p, g, s, dy));
+        }
         let (w, g) = (p.host(), g.host());
         let rk = s.stats.pop().expect("q/k norms: key rstd");
         let rq = s.stats.pop().expect("q/k norms: query rstd");
@@ -595,11 +617,7 @@ impl Layer for QkNorm {
         let (dwq, dwk) = dw.split_at_mut(hd);
         let dqx = rms_norm_backward(&q, hd, &w[..hd], &rq, &dq, dwq);
         let dkx = rms_norm_backward(&k, hd, &w[hd..], &rk, &dk, dwk);
-        if let Some(reducer) = &self.grad_reducer {
-            let mut wide: Vec<f64> = dw.iter().map(|&v| f64::from(v)).collect();
-            reducer.sum(&mut wide);
-            dw = wide.into_iter().map(|v| v as f32).collect();
-        }
+        self.sum_over_heads(&mut dw);
         g.iter_mut().zip(&dw).for_each(|(a, v)| *a += v);
         let mut dx = dy.data().to_vec();
         scatter_qk(shape, &dqx, &dkx, &mut dx);

@@ -224,6 +224,13 @@ pub fn run_all(
             out.extend(
                 check_rotary(dev, &mut rng, shape, dtype).unwrap_or_else(|e| vec![failed(name, e)]),
             );
+            if dtype == DType::F32 {
+                // Qwen3's q/k heads out of the grouped rows and back (f32 only).
+                let name = format!("q/k heads h{heads}/{kv_heads}x{head_dim}");
+                out.extend(
+                    check_qk_heads(dev, &mut rng, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+                );
+            }
         }
         for (rows, half) in [(97, 688), (13, 37)] {
             let name = format!("swiglu {rows}x{half} {s}");
@@ -510,6 +517,41 @@ fn check_rotary(
     Ok(vec![
         result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
         result(name("backward"), &dx_dev.to_host_f32()?, &dx, tol),
+    ])
+}
+
+/// Qwen3's q/k heads moved out of grouped rows and back against the CPU's `gather_qk` /
+/// `scatter_qk`: moves, so bit for bit.
+fn check_qk_heads(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    shape: RotaryShape,
+) -> Result<Vec<CheckResult>, CudaError> {
+    let rows = shape.batch * shape.seq;
+    let x = random(rng, rows * shape.input_width(), 1.0);
+    let (q, k) = crate::rotary::gather_qk(shape, &x);
+    let x_dev = CudaTensor::from_host(dev, &x, DType::F32)?;
+    let (q_dev, k_dev) = ops::qk_heads(&x_dev, shape)?;
+    // New heads written back over the originals' places; the value heads stay.
+    let (q2, k2) = (random(rng, q.len(), 2.0), random(rng, k.len(), 2.0));
+    let mut want = x.clone();
+    crate::rotary::scatter_qk(shape, &q2, &k2, &mut want);
+    ops::qk_heads_into(
+        &CudaTensor::from_host(dev, &q2, DType::F32)?,
+        &CudaTensor::from_host(dev, &k2, DType::F32)?,
+        &x_dev,
+        shape,
+    )?;
+    let name = |what: &str| {
+        format!(
+            "q/k heads h{}/{}x{} {what}",
+            shape.heads, shape.kv_heads, shape.head_dim
+        )
+    };
+    Ok(vec![
+        result(name("gather q"), &q_dev.to_host_f32()?, &q, 0.0),
+        result(name("gather k"), &k_dev.to_host_f32()?, &k, 0.0),
+        result(name("scatter"), &x_dev.to_host_f32()?, &want, 0.0),
     ])
 }
 

@@ -404,6 +404,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             each("rotary_bwd"),
             each("swiglu_fwd"),
             each("swiglu_bwd"),
+            vec!["qk_heads_f32".into()],
         ]
         .concat(),
         "decode.cu" => ["decode_append_kv_f32", "decode_attn_f32"]

@@ -1088,6 +1088,88 @@ pub fn rotary_forward(
     rotary_pass(x, shape, cos, sin, false)
 }
 
+/// The query and key heads of grouped q/k/v rows `x` (f32, `[rows, shape.input_width()]`)
+/// as contiguous `[rows·heads, hd]` and `[rows·kv_heads, hd]` f32 buffers (the CPU's
+/// [`crate::rotary::gather_qk`]): what Qwen3's per-head q/k norms run the RMS norm on.
+pub fn qk_heads(x: &CudaTensor, shape: RotaryShape) -> Result<(CudaTensor, CudaTensor), CudaError> {
+    let dev = x.device().clone();
+    let rows = qk_rows(x, shape)?;
+    let q = CudaTensor::alloc(
+        &dev,
+        rows * shape.heads * shape.head_dim,
+        DType::F32,
+        "query heads",
+    )?;
+    let k = CudaTensor::alloc(
+        &dev,
+        rows * shape.kv_heads * shape.head_dim,
+        DType::F32,
+        "key heads",
+    )?;
+    qk_move(x, &q, &k, shape, rows, false)?;
+    Ok((q, k))
+}
+
+/// Writes query and key heads (as [`qk_heads`] lays them out) into grouped rows `x` (f32),
+/// whose value heads stay (the CPU's [`crate::rotary::scatter_qk`]).
+pub fn qk_heads_into(
+    q: &CudaTensor,
+    k: &CudaTensor,
+    x: &CudaTensor,
+    shape: RotaryShape,
+) -> Result<(), CudaError> {
+    let rows = qk_rows(x, shape)?;
+    check_len(q, rows * shape.heads * shape.head_dim, "query heads")?;
+    check_len(k, rows * shape.kv_heads * shape.head_dim, "key heads")?;
+    qk_move(x, q, k, shape, rows, true)
+}
+
+fn qk_rows(x: &CudaTensor, shape: RotaryShape) -> Result<usize, CudaError> {
+    let width = shape.input_width();
+    if x.dtype() != DType::F32
+        || width == 0
+        || !x.len().is_multiple_of(width)
+        || shape.kv_heads == 0
+        || !shape.heads.is_multiple_of(shape.kv_heads)
+    {
+        return Err(unsupported(format!(
+            "q/k heads of {} {} values as rows of {} query and {} key/value heads of {}: \
+             f32 rows of whole groups needed",
+            x.len(),
+            x.dtype(),
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim
+        )));
+    }
+    Ok(x.len() / width)
+}
+
+fn qk_move(
+    grouped: &CudaTensor,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    shape: RotaryShape,
+    rows: usize,
+    scatter: bool,
+) -> Result<(), CudaError> {
+    let n = rows * (shape.heads + shape.kv_heads) * shape.head_dim;
+    grouped.device().launch(
+        "llama.cu",
+        "qk_heads_f32",
+        Launch::grid_stride(n, THREADS, MAX_BLOCKS),
+        Args::new()
+            .ptr(grouped.ptr())
+            .ptr(q.ptr())
+            .ptr(k.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(shape.heads)
+            .usize_as_i32(shape.kv_heads)
+            .usize_as_i32(shape.head_dim)
+            .i32(scatter as i32),
+    )
+}
+
 /// The gradient of [`rotary_forward`]: `dy` `[B·T, 3·H·hd]` → `[B·T, (H + 2·H_kv)·hd]` in
 /// dy's dtype (each key/value head's gradient summed over its group's query heads in order).
 pub fn rotary_backward(

@@ -1,7 +1,8 @@
 // Tests of llama.cu on the CPU emulator against double-precision definitions: RMS norm
 // (forward, input gradient, weight gradient through colsum_finish), rotary positions with
 // grouped-query heads (forward, backward; groups of 1, 2 and 3 query heads per key/value
-// head), SwiGLU (forward, backward); vector and scalar paths, odd shapes, several rows, a
+// head), SwiGLU (forward, backward), Qwen3's q/k heads out of grouped rows and back;
+// vector and scalar paths, odd shapes, several rows, a
 // one-block grid (grid-stride). Also embedding.cu's token-only forward (a null position
 // table), which Llama's embedding uses.
 #include "cuda_emu.h"
@@ -337,6 +338,59 @@ static void test_embedding_without_positions() {
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// Qwen3's q/k heads moved out of grouped rows and back: the query heads of each group, then
+// its key head, in row then head order; value heads untouched by the scatter.
+
+static void test_qk_heads() {
+    Rng rng(47);
+    for (const auto& sh : ROT_SHAPES) {
+        const int rows = sh.batch * sh.seq, hd = sh.hd;
+        const int H = sh.heads, K = sh.kv_heads, g = H / K;
+        const int width = (H + 2 * K) * hd;
+        const size_t n = (size_t)rows * width, nq = (size_t)rows * H * hd, nk = (size_t)rows * K * hd;
+        for (int small_grid = 0; small_grid < 2; ++small_grid) {
+            const std::string tag = fmt("qk_heads b=%d t=%d h=%d kv=%d hd=%d grid=%s", sh.batch,
+                                        sh.seq, H, K, hd, small_grid ? "1" : "full");
+            float* x = buffer<float>(n);
+            float* q = buffer<float>(nq);
+            float* k = buffer<float>(nk);
+            const auto xv = fill_random(x, n, rng, -1.0f, 1.0f);
+            fill_poison(q, nq);
+            fill_poison(k, nk);
+            const unsigned grid = small_grid ? 1 : grid_for((long long)(nq + nk));
+            emu::launch(qk_heads_f32, dim3(grid), dim3(256), 0, x, q, k, rows, H, K, hd, 0);
+            std::vector<double> wq(nq), wk(nk);
+            for (int r = 0; r < rows; ++r)
+                for (int j = 0; j < K; ++j) {
+                    const size_t base = (size_t)r * width + (size_t)j * (g + 2) * hd;
+                    for (int m = 0; m < g; ++m)
+                        for (int c = 0; c < hd; ++c)
+                            wq[((size_t)r * H + j * g + m) * hd + c] = xv[base + (size_t)m * hd + c];
+                    for (int c = 0; c < hd; ++c)
+                        wk[((size_t)r * K + j) * hd + c] = xv[base + (size_t)g * hd + c];
+                }
+            tally.check(tag + " gather q", rel_l2(read(q, nq), wq), 0.0);
+            tally.check(tag + " gather k", rel_l2(read(k, nk), wk), 0.0);
+            // Scatter new heads back: q and k replaced, v as it was.
+            const auto qv = fill_random(q, nq, rng, 2.0f, 3.0f);
+            const auto kv = fill_random(k, nk, rng, 4.0f, 5.0f);
+            emu::launch(qk_heads_f32, dim3(grid), dim3(256), 0, x, q, k, rows, H, K, hd, 1);
+            std::vector<double> want = xv;
+            for (int r = 0; r < rows; ++r)
+                for (int j = 0; j < K; ++j) {
+                    const size_t base = (size_t)r * width + (size_t)j * (g + 2) * hd;
+                    for (int m = 0; m < g; ++m)
+                        for (int c = 0; c < hd; ++c)
+                            want[base + (size_t)m * hd + c] = qv[((size_t)r * H + j * g + m) * hd + c];
+                    for (int c = 0; c < hd; ++c)
+                        want[base + (size_t)g * hd + c] = kv[((size_t)r * K + j) * hd + c];
+                }
+            tally.check(tag + " scatter", rel_l2(read(x, n), want), 0.0);
+        }
+    }
+}
+
 int main() {
     test_rms_forward<float>(rmsnorm_fwd_f32);
     test_rms_forward<bf16>(rmsnorm_fwd_bf16);
@@ -351,5 +405,6 @@ int main() {
     test_swiglu<bf16>(swiglu_fwd_bf16, swiglu_bwd_bf16);
     test_swiglu<f16>(swiglu_fwd_f16, swiglu_bwd_f16);
     test_embedding_without_positions();
+    test_qk_heads();
     return tally.finish("llama");
 }

@@ -559,3 +559,44 @@ extern "C" __global__ void __launch_bounds__(256)
 swiglu_bwd_f16(const f16* x, const f16* dy, f16* dx, int rows, int half) {
     swiglu_bwd_impl(x, dy, dx, rows, half);
 }
+
+// ---------------------------------------------------------------------------------------
+// Qwen3's per-head q/k norms run the RMS norm kernels above on the query and key heads of
+// grouped q/k/v rows (`rotary.rs`: per key/value group j, its g = heads/kv_heads query heads,
+// then key head j, then value head j, hd values each), moved to and from contiguous
+// [rows·heads, hd] and [rows·kv_heads, hd] buffers (crates/tensor/src/rotary.rs gather_qk /
+// scatter_qk). One thread per moved value, grid-stride; value heads are not touched.
+// scatter = 0: grouped → q, k; scatter = 1: q, k → grouped.
+
+extern "C" __global__ void __launch_bounds__(256)
+qk_heads_f32(float* __restrict__ grouped, float* __restrict__ q, float* __restrict__ k,
+             int rows, int heads, int kv_heads, int hd, int scatter) {
+    const int g = heads / kv_heads;
+    const long long width = (long long)(heads + 2 * kv_heads) * hd;
+    const long long nq = (long long)rows * heads * hd;
+    const long long n = nq + (long long)rows * kv_heads * hd;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long at;
+        float* packed;
+        if (i < nq) {
+            const long long r = i / ((long long)heads * hd);
+            const int rem = (int)(i - r * heads * hd);
+            const int h = rem / hd, c = rem - h * hd;
+            at = r * width + (long long)(h / g) * (g + 2) * hd + (h % g) * hd + c;
+            packed = q + i;
+        } else {
+            const long long j = i - nq;
+            const long long r = j / ((long long)kv_heads * hd);
+            const int rem = (int)(j - r * kv_heads * hd);
+            const int h = rem / hd, c = rem - h * hd;
+            at = r * width + (long long)h * (g + 2) * hd + (long long)g * hd + c;
+            packed = k + j;
+        }
+        if (scatter) {
+            grouped[at] = *packed;
+        } else {
+            *packed = grouped[at];
+        }
+    }
+}
