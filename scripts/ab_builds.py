@@ -2,7 +2,7 @@
 """A/B two builds of meshtrain through `meshtrain train` (run from the repository root).
 
   python3 scripts/ab_builds.py identity OLD NEW
-      Trains the same short runs (LeNet, GPT, ResNet-18 on several layouts) with both binaries
+      Trains the same short runs (LeNet, GPT, Llama, ResNet-18 on several layouts) with both binaries
       and compares every parameter, buffer and optimizer tensor of their final checkpoints
       byte for byte. Exits 1 if any differs.
 
@@ -32,6 +32,11 @@ GPT = ['--config', 'configs/gpt.toml', '--set', 'model.dim=32', '--set', 'model.
        '--set', 'model.heads=2', '--set', 'model.seq=16', '--set', 'train.batch_size=8',
        '--set', 'train.steps=40', '--set', 'train.max_steps=12', '--set', 'train.eval_every=6',
        '--set', 'train.eval_batches=2']
+LLAMA = ['--config', 'configs/llama.toml', '--set', 'model.dim=32', '--set', 'model.layers=2',
+         '--set', 'model.heads=4', '--set', 'model.kv_heads=2', '--set', 'model.ffn=48',
+         '--set', 'model.seq=16', '--set', 'train.batch_size=8', '--set', 'train.steps=40',
+         '--set', 'train.max_steps=12', '--set', 'train.eval_every=6',
+         '--set', 'train.eval_batches=2']
 RESNET = ['--config', 'configs/resnet18.toml', '--set', 'model.width=4',
           '--set', 'train.batch_size=16', '--set', 'data.train_limit=512',
           '--set', 'data.test_limit=64', '--set', 'train.max_steps=8']
@@ -60,6 +65,9 @@ IDENTITY = {
     'gpt-tp2-sp': GPT + ['--set', 'parallel.tp=2', '--set', 'parallel.sequence_parallel=true'],
     'gpt-tp2': GPT + ['--set', 'parallel.tp=2'],
     'gpt-cp2-ring': GPT + ['--set', 'parallel.cp=2'],
+    'llama-dp1': LLAMA + ['--dp', '1'],
+    'llama-tp2': LLAMA + ['--set', 'parallel.tp=2'],
+    'llama-cp2-ulysses': LLAMA + ['--set', 'parallel.cp=2', '--set', 'parallel.cp_mode="ulysses"'],
 }
 
 THROUGHPUT = {
@@ -82,6 +90,8 @@ THROUGHPUT = {
                    '--set', 'train.log_every=10'],
     'gpt_cp2_ring': ['--config', 'configs/gpt.toml', '--set', 'parallel.cp=2', '--set',
                      'train.max_steps=40', '--set', 'train.log_every=10'],
+    'llama_dp1': ['--config', 'configs/llama.toml', '--dp', '1', '--set', 'train.max_steps=40',
+                  '--set', 'train.log_every=10'],
     'gpt_dp2_zero3': ['--config', 'configs/gpt.toml', '--dp', '2', '--set', 'parallel.zero=3',
                       '--set', 'train.max_steps=40', '--set', 'train.log_every=10'],
 }
