@@ -377,16 +377,22 @@ pub fn sample(logits: &[f32], temperature: f32, top_k: usize, rng: &mut SplitMix
         order.truncate(top_k);
     }
     order.sort_unstable_by(before);
+    draw(&order, logits, temperature, rng)
+}
+
+/// One draw among `order` (indices of `logits`, likeliest first), each weighted by
+/// `exp((logit − top) / temperature)`.
+fn draw(order: &[usize], logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> usize {
     let top = logits[order[0]];
     let weights: Vec<f64> = (order.iter())
         .map(|&i| (f64::from(logits[i] - top) / f64::from(temperature)).exp())
         .collect();
-    let mut draw = rng.next_f64() * weights.iter().sum::<f64>();
+    let mut left = rng.next_f64() * weights.iter().sum::<f64>();
     for (&i, w) in order.iter().zip(&weights) {
-        if draw < *w {
+        if left < *w {
             return i;
         }
-        draw -= w;
+        left -= w;
     }
     order[order.len() - 1]
 }
@@ -738,8 +744,9 @@ mod tests {
         assert!(!seq.reads_positions());
     }
 
-    /// The sampler picks what a full stable sort of the logits picks, draw for draw: greedy,
-    /// top-k and all tokens, with ties among the logits (ties at the k-th place too).
+    /// The sampler's partial selection picks what a full stable sort of the logits picks,
+    /// draw for draw: greedy, top-k and all tokens, with ties among the logits (ties at the
+    /// k-th place too).
     #[test]
     fn sampling_picks_what_a_full_sort_picks() {
         fn reference(
@@ -756,18 +763,7 @@ mod tests {
             if top_k > 0 {
                 order.truncate(top_k);
             }
-            let top = logits[order[0]];
-            let weights: Vec<f64> = (order.iter())
-                .map(|&i| (f64::from(logits[i] - top) / f64::from(temperature)).exp())
-                .collect();
-            let mut draw = rng.next_f64() * weights.iter().sum::<f64>();
-            for (&i, w) in order.iter().zip(&weights) {
-                if draw < *w {
-                    return i;
-                }
-                draw -= w;
-            }
-            order[order.len() - 1]
+            draw(&order, logits, temperature, rng)
         }
         let mut values = SplitMix64::new(5);
         for case in 0..200u64 {
