@@ -110,6 +110,8 @@ impl KvCache {
                 self.len, self.capacity
             ));
         }
+        // A pass that failed midway may have appended rows: the held positions are all.
+        self.truncate(self.len);
         self.rows = rows;
         self.cursor = 0;
         Ok(())
@@ -147,5 +149,47 @@ impl KvCache {
         assert_eq!(*held, width, "attention layer {}: cache width", self.cursor);
         self.cursor += 1;
         layer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(cache: &mut KvCache, width: usize) -> (&mut Vec<f32>, &mut Vec<f32>) {
+        match cache.next_layer(width, |_| LayerKv::Host {
+            keys: Vec::new(),
+            values: Vec::new(),
+        }) {
+            LayerKv::Host { keys, values } => (keys, values),
+            #[cfg(feature = "cuda")]
+            LayerKv::Device { .. } => unreachable!("a host cache"),
+        }
+    }
+
+    /// Passes add their rows as positions; a pass that stopped midway leaves nothing behind
+    /// at the next one; the context's end is refused with both counts.
+    #[test]
+    fn positions_are_counted_by_whole_passes() {
+        let mut cache = KvCache::new(4);
+        cache.begin(2).unwrap();
+        let (k, v) = host(&mut cache, 3);
+        k.extend([1.0; 6]);
+        v.extend([2.0; 6]);
+        cache.end();
+        assert_eq!((cache.len(), cache.values_held()), (2, 12));
+        // A pass that fails after appending its row, then a new pass from the same place.
+        cache.begin(1).unwrap();
+        host(&mut cache, 3).0.extend([9.0; 3]);
+        cache.begin(1).unwrap();
+        let (k, _) = host(&mut cache, 3);
+        assert_eq!(k.len(), 6, "the failed pass's row is gone");
+        let e = KvCache::new(4).begin(5).unwrap_err();
+        assert!(
+            e.contains("5 new positions") && e.contains("context of 4"),
+            "{e}"
+        );
+        cache.truncate(1);
+        assert_eq!((cache.len(), cache.values_held()), (1, 6));
     }
 }

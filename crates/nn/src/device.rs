@@ -506,9 +506,9 @@ pub fn qk_norm_forward(
     wrap(ok(ops::to_dtype(&y, input.dtype())), x.shape())
 }
 
-/// The gradient of [`qk_norm_forward`]: the input gradient (in `dy`'s dtype), the weights' gradients
-/// added into `g` (summed over the tensor-parallel group first, through the host: `2·hd`
-/// values).
+/// The gradient of [`qk_norm_forward`]: the input gradient (in `dy`'s dtype), the weights'
+/// gradients added into `g` by the RMS norm kernels (under tensor parallelism summed over the
+/// group first, through the host: `2·hd` values).
 pub fn qk_norm_backward(
     n: &QkNorm,
     shape: RotaryShape,
@@ -526,39 +526,49 @@ pub fn qk_norm_backward(
     let incoming = on_device(&dy, dev);
     let dys = ok(ops::to_dtype(&incoming, DType::F32));
     let (dq, dk) = ok(ops::qk_heads(&dys, shape));
-    // This pass's weight gradients alone, so that they can be summed over the group.
-    let scratch = ok(CudaTensor::zeros(
-        dev,
-        2 * hd,
-        DType::F32,
-        "q/k norms' weight gradients",
-    ));
-    // SAFETY: the scratch buffer holds 2·hd f32 values and outlives the view.
-    let mut part = unsafe { DeviceGrads::new(dev, scratch.ptr(), 2 * hd) };
-    let dqx = ok(ops::rms_norm_backward(
-        &q,
-        p.slice(0..hd),
-        &rq,
-        &dq,
-        part.slice(0..hd),
-        hd,
-        None,
-    ));
-    let dkx = ok(ops::rms_norm_backward(
-        &k,
-        p.slice(hd..2 * hd),
-        &rk,
-        &dk,
-        part.slice(hd..2 * hd),
-        hd,
-        None,
-    ));
-    let mut dw = ok(scratch.to_host_f32());
-    n.sum_over_heads(&mut dw);
-    let g = device_grads(g);
-    let mut total: Vec<f32> = ok(dev.download(g.ptr(), 2 * hd));
-    total.iter_mut().zip(&dw).for_each(|(t, d)| *t += d);
-    ok(dev.upload_to(g.ptr(), &total));
+    let mut g = device_grads(g);
+    let norms = |grads: &mut DeviceGrads<'_>| {
+        let dqx = ok(ops::rms_norm_backward(
+            &q,
+            p.slice(0..hd),
+            &rq,
+            &dq,
+            grads.slice(0..hd),
+            hd,
+            None,
+        ));
+        let dkx = ok(ops::rms_norm_backward(
+            &k,
+            p.slice(hd..2 * hd),
+            &rk,
+            &dk,
+            grads.slice(hd..2 * hd),
+            hd,
+            None,
+        ));
+        (dqx, dkx)
+    };
+    let (dqx, dkx) = if n.grad_reducer.is_none() {
+        norms(&mut g)
+    } else {
+        // This pass's weight gradients alone, summed over the tensor-parallel group through
+        // the host (2·hd values), then added to the gradient.
+        let scratch = ok(CudaTensor::zeros(
+            dev,
+            2 * hd,
+            DType::F32,
+            "q/k norms' weight gradients",
+        ));
+        // SAFETY: the scratch buffer holds 2·hd f32 values and outlives the view.
+        let mut part = unsafe { DeviceGrads::new(dev, scratch.ptr(), 2 * hd) };
+        let moved = norms(&mut part);
+        let mut dw = ok(scratch.to_host_f32());
+        n.sum_over_heads(&mut dw);
+        let mut total: Vec<f32> = ok(dev.download(g.ptr(), 2 * hd));
+        total.iter_mut().zip(&dw).for_each(|(t, d)| *t += d);
+        ok(dev.upload_to(g.ptr(), &total));
+        moved
+    };
     // The value heads' gradient passes through; the query and key heads' are the norms'.
     let dx = copy_of(&dys, "the q/k norms' input gradient");
     ok(ops::qk_heads_into(&dqx, &dkx, &dx, shape));

@@ -100,6 +100,13 @@ impl<'m> Decoder<'m> {
             Device::Cpu => Weights::Host(values),
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
+                if let Some(block) = model.blocks.iter().find(|b| !b.layer.runs_on(device)) {
+                    return fail(format!(
+                        "block '{}' has no CUDA kernels (Layer::runs_on): generate with \
+                         --device cpu",
+                        block.name
+                    ));
+                }
                 let dev = open_gpu(ordinal)?;
                 check_gpu_context(model, seq)?;
                 let upload = meshtrain_tensor::cuda::CudaTensor::from_host(

@@ -1255,13 +1255,17 @@ fn rewrite(
             }));
         }
         if let Some(n) = any.downcast_ref::<QkNorm>() {
-            // This rank's heads; the norms' gradients are summed over the group in backward.
+            // This rank's heads: the norms' gradients are partial sums, summed over the group
+            // in backward; under sequence parallelism `TpGradSync` already sums every
+            // replicated parameter's gradient over the group once, these included.
+            let reducer = (!tp.sequence_parallel).then(|| {
+                Arc::new(crate::data::GroupStatsReducer::new(tp.group.clone()))
+                    as Arc<dyn meshtrain_nn::StatsReducer>
+            });
             return Some(Box::new(QkNorm {
                 heads: n.heads / tp.size(),
                 kv_heads: (n.kv_heads / tp.size()).max(1),
-                grad_reducer: Some(Arc::new(crate::data::GroupStatsReducer::new(
-                    tp.group.clone(),
-                ))),
+                grad_reducer: reducer,
                 ..*n
             }));
         }
