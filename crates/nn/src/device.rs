@@ -360,8 +360,11 @@ pub fn act_backward(act: Activation, kept: Tensor, dy: Tensor) -> Tensor {
 /// The position-table rows of `t` tokens (from position `first` on, when given), or `None`
 /// for an embedding without a table.
 fn positions(e: &GptEmbedding, t: usize, first: Option<usize>) -> Option<Vec<i32>> {
-    e.learned_positions
-        .then(|| (0..t).map(|i| e.position(i, t, first) as i32).collect())
+    e.learned_positions.then(|| {
+        (0..t)
+            .map(|i| e.sequence.position_from(i, t, first) as i32)
+            .collect()
+    })
 }
 
 pub fn embedding_forward(
@@ -465,8 +468,9 @@ pub fn attention_cached(
 }
 
 /// Qwen3's q/k norms on a device: the query and key heads moved out of the grouped rows
-/// (f32), the RMS norm kernels on them, moved back into an f32 copy of the rows, returned in
-/// the input's dtype; the heads and their scales kept for backward.
+/// (f32), the RMS norm kernels on them, moved back into the f32 rows (a copy when the input
+/// is still read elsewhere), returned in the input's dtype; the heads and their scales kept
+/// for backward.
 pub fn qk_norm_forward(
     n: &QkNorm,
     shape: RotaryShape,
@@ -495,7 +499,8 @@ pub fn qk_norm_forward(
         DType::F32,
         mode.train,
     ));
-    let y = copy_of(&xs, "the q/k norms' output");
+    // The value heads pass through: the rows written in place (a copy when shared).
+    let y = ok(ops::writable(xs, true));
     ok(ops::qk_heads_into(&qn, &kn, &y, shape));
     if let (Some(rq), Some(rk)) = (rq, rk) {
         for t in [q, k, rq, rk] {
@@ -570,18 +575,10 @@ pub fn qk_norm_backward(
         moved
     };
     // The value heads' gradient passes through; the query and key heads' are the norms'.
-    let dx = copy_of(&dys, "the q/k norms' input gradient");
+    let dx = ok(ops::writable(dys, true));
     ok(ops::qk_heads_into(&dqx, &dkx, &dx, shape));
     // In the dtype the rotary pass's gradient came in, as the projection expects it.
     wrap(ok(ops::to_dtype(&dx, incoming.dtype())), dy.shape())
-}
-
-/// A new device buffer holding `t`'s values (a conversion to the same dtype shares them).
-fn copy_of(t: &CudaTensor, what: &str) -> CudaTensor {
-    let copy = ok(CudaTensor::alloc(t.device(), t.len(), t.dtype(), what));
-    ok(t.device()
-        .copy(copy.ptr(), t.ptr(), t.len() * t.dtype().size_bytes()));
-    copy
 }
 
 /// The last of `x`'s `rows` rows of `width` values, copied on the device.

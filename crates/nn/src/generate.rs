@@ -50,7 +50,6 @@ pub struct Decoder<'m> {
     /// The tokens whose keys and values the cache holds: token `i` is at position `i`.
     tokens: Vec<u32>,
     cache: KvCache,
-    device: String,
 }
 
 impl<'m> Decoder<'m> {
@@ -124,11 +123,6 @@ impl<'m> Decoder<'m> {
                 unreachable!("check_device refuses a GPU without the CUDA backend")
             }
         };
-        let device = match &weights {
-            Weights::Host(_) => Device::Cpu.to_string(),
-            #[cfg(feature = "cuda")]
-            Weights::Device(t) => format!("cuda:{} ({})", t.device().ordinal(), t.device().name()),
-        };
         let mut decoder = Decoder {
             model,
             weights,
@@ -136,9 +130,8 @@ impl<'m> Decoder<'m> {
             seq,
             tokens: Vec::new(),
             cache: KvCache::new(seq),
-            device,
         };
-        if device_is_gpu(&decoder) {
+        if !matches!(decoder.weights, Weights::Host(_)) {
             decoder
                 .prefill(&[0])
                 .map_err(|e| GenerateError(format!("a first token through the model: {e}")))?;
@@ -150,7 +143,11 @@ impl<'m> Decoder<'m> {
 
     /// Where the model runs: "cpu", or the GPU ("cuda:0 (its name)").
     pub fn device(&self) -> String {
-        self.device.clone()
+        match &self.weights {
+            Weights::Host(_) => Device::Cpu.to_string(),
+            #[cfg(feature = "cuda")]
+            Weights::Device(t) => format!("cuda:{} ({})", t.device().ordinal(), t.device().name()),
+        }
     }
 
     /// The vocabulary: every logits row has this many values.
@@ -285,7 +282,7 @@ impl<'m> Decoder<'m> {
                 match meshtrain_tensor::cuda::error::catch(pass) {
                     Ok(Ok(logits)) => Ok(logits),
                     Ok(Err(e)) => Err(GenerateError(e)),
-                    Err(e) => Err(GenerateError(format!("decoding on {}: {e}", self.device))),
+                    Err(e) => Err(GenerateError(format!("decoding on {}: {e}", self.device()))),
                 }
             }
         };
@@ -301,10 +298,6 @@ impl<'m> Decoder<'m> {
             }
         }
     }
-}
-
-fn device_is_gpu(d: &Decoder<'_>) -> bool {
-    !matches!(d.weights, Weights::Host(_))
 }
 
 /// Checks that `device` can be used (a GPU's driver and libraries, or that this build has

@@ -48,6 +48,15 @@ impl SequenceShard {
         self.chunks()[i / chunk] * chunk + i % chunk
     }
 
+    /// [`SequenceShard::position`], or for a cached pass (`first`: the position of its first
+    /// row) `first + i`: where embeddings and rotary angles place token `i`.
+    pub fn position_from(&self, i: usize, local: usize, first: Option<usize>) -> usize {
+        match first {
+            Some(start) => start + i,
+            None => self.position(i, local),
+        }
+    }
+
     /// Where row `k` of the `[B·local, ·]` rows this worker holds sits in the whole
     /// `[B·local·parts, ·]` batch (sample by sample, each in sequence order).
     pub fn whole_row(&self, k: usize, local: usize) -> usize {
@@ -72,15 +81,6 @@ pub struct GptEmbedding {
 }
 
 impl GptEmbedding {
-    /// Where the `i`-th of `t` input tokens sits in its sequence: after `first` (a cached
-    /// pass's start), or where the context-parallel shard places it.
-    pub(crate) fn position(&self, i: usize, t: usize, first: Option<usize>) -> usize {
-        match first {
-            Some(start) => start + i,
-            None => self.sequence.position(i, t),
-        }
-    }
-
     /// The embedding of `ids` (`[B, T]`), their positions counted from `first` when given.
     fn embed(
         &self,
@@ -91,7 +91,7 @@ impl GptEmbedding {
         s: &mut Saved,
     ) -> Tensor {
         let (b, t, d) = (ids.dim(0), ids.dim(1), self.dim);
-        let last = self.position(t - 1, t, first) + 1;
+        let last = self.sequence.position_from(t - 1, t, first) + 1;
         assert!(
             t * self.sequence.parts <= self.max_seq && last <= self.max_seq,
             "sequence {} longer than the model's {}",
@@ -114,7 +114,7 @@ impl GptEmbedding {
             );
             let te = &tok[id * d..][..d];
             if self.learned_positions {
-                let at = self.position(i % t, t, first);
+                let at = self.sequence.position_from(i % t, t, first);
                 let pe = &pos[at * d..][..d];
                 for k in 0..d {
                     row[k] = te[k] + pe[k];
@@ -423,10 +423,7 @@ impl Rotary {
     /// from `first` on (a cached pass's rows); the device arm uploads these same host tables.
     pub(crate) fn tables(&self, seq: usize, first: Option<usize>) -> (Vec<f32>, Vec<f32>) {
         let positions: Vec<usize> = (0..seq)
-            .map(|i| match first {
-                Some(start) => start + i,
-                None => self.sequence.position(i, seq),
-            })
+            .map(|i| self.sequence.position_from(i, seq, first))
             .collect();
         rotary_tables(&positions, self.head_dim, &self.rope)
     }

@@ -1769,7 +1769,7 @@ impl RowLosses {
 
 /// `t` as a kernel may overwrite it (when it will: `write`): itself when no one else reads
 /// it, else a copy.
-fn writable(t: CudaTensor, write: bool) -> Result<CudaTensor, CudaError> {
+pub fn writable(t: CudaTensor, write: bool) -> Result<CudaTensor, CudaError> {
     if !write || t.is_unique() {
         return Ok(t);
     }
