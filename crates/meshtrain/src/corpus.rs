@@ -229,7 +229,7 @@ pub fn for_each_document(
     mut f: impl FnMut(Document) -> Result<bool>,
 ) -> Result<usize> {
     if is_parquet(path)? {
-        return parquet_documents(path, text_field, skip_bad, |text| {
+        return parquet_documents(path, text_field, skip_bad, None, |text| {
             f(Document {
                 text,
                 continues: false,
@@ -245,6 +245,186 @@ pub fn for_each_document(
         }
         Format::JsonLines => json_lines(path, stream, text_field, skip_bad, f),
     }
+}
+
+/// A share of the corpus that one reader takes: a whole file, or one row group of a Parquet
+/// file (whose row groups are read independently, so a large Parquet file is read by as many
+/// threads as a directory of small ones).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub path: PathBuf,
+    pub row_group: Option<usize>,
+}
+
+impl std::fmt::Display for Part {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.row_group {
+            Some(g) => write!(f, "{}, row group {g}", self.path.display()),
+            None => write!(f, "{}", self.path.display()),
+        }
+    }
+}
+
+/// The parts of `files`, in corpus order: a Parquet file's row groups (from its footer,
+/// the only part of it read here), every other file whole.
+pub fn parts_of(files: &[PathBuf]) -> Result<Vec<Part>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let mut parts = Vec::new();
+    for path in files {
+        if is_parquet(path)? {
+            let file =
+                std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+            let groups = SerializedFileReader::new(file)
+                .with_context(|| format!("{}: not a readable Parquet file", path.display()))?
+                .num_row_groups();
+            parts.extend((0..groups).map(|g| Part {
+                path: path.clone(),
+                row_group: Some(g),
+            }));
+        } else {
+            parts.push(Part {
+                path: path.clone(),
+                row_group: None,
+            });
+        }
+    }
+    Ok(parts)
+}
+
+/// How [`read_in_order`] reads.
+#[derive(Clone, Debug)]
+pub struct ReadOptions {
+    /// The JSON field or Parquet column that holds a document's text.
+    pub text_field: String,
+    /// Count and leave out malformed lines and rows instead of stopping at the first.
+    pub skip_bad: bool,
+    /// Hand text files over in pieces of about this many bytes ([`for_each_document`]).
+    pub text_pieces: Option<usize>,
+    /// A batch is handed over when it holds at least this many bytes of text.
+    pub batch_bytes: usize,
+    /// Reader threads, each on its own part.
+    pub readers: usize,
+}
+
+/// What a reader tells the consumer about its part, in order.
+enum Sent {
+    Batch(Vec<Document>),
+    /// The part is read; the lines or rows it left out under `skip_bad`.
+    Done(usize),
+    Failed(anyhow::Error),
+}
+
+/// Reads `parts` with `options.readers` threads and hands their documents to `consume` in
+/// corpus order, in batches, whichever thread read them; `consume` returns whether to go on.
+/// Each thread takes the next unread part; its batches wait in that part's own queue (one
+/// batch deep) until the consumer reaches the part, so the output does not depend on the
+/// number of readers, and memory holds at most two batches a reader. The first error in
+/// corpus order is returned, as a single reader would meet it. Returns the lines left out
+/// under `skip_bad` in the parts read to their end.
+pub fn read_in_order(
+    parts: &[Part],
+    options: &ReadOptions,
+    mut consume: impl FnMut(Vec<Document>) -> Result<bool>,
+) -> Result<usize> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::mpsc::{sync_channel, SyncSender};
+    use std::sync::Mutex;
+    let (senders, receivers): (Vec<_>, Vec<_>) =
+        parts.iter().map(|_| sync_channel::<Sent>(1)).unzip();
+    let senders: Vec<Mutex<Option<SyncSender<Sent>>>> =
+        senders.into_iter().map(|s| Mutex::new(Some(s))).collect();
+    let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    std::thread::scope(|scope| {
+        for _ in 0..options.readers.clamp(1, parts.len().max(1)) {
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(part) = parts.get(i) else { break };
+                    let sender = senders[i].lock().ok().and_then(|mut s| s.take());
+                    let Some(sender) = sender else { break };
+                    read_part(part, options, &sender);
+                }
+            });
+        }
+        // The receivers are consumed here, so an early return drops the rest and a reader
+        // waiting to hand over a batch nobody will take stops.
+        let consumed = (|| {
+            let mut skipped = 0;
+            for (part, receiver) in parts.iter().zip(receivers) {
+                loop {
+                    match receiver.recv() {
+                        Ok(Sent::Batch(batch)) => {
+                            if !consume(batch)? {
+                                return Ok(skipped);
+                            }
+                        }
+                        Ok(Sent::Done(left_out)) => {
+                            skipped += left_out;
+                            break;
+                        }
+                        Ok(Sent::Failed(e)) => return Err(e),
+                        Err(_) => bail!("the reader of {part} stopped before its end"),
+                    }
+                }
+            }
+            Ok(skipped)
+        })();
+        stop.store(true, Ordering::Relaxed);
+        consumed
+    })
+}
+
+/// One part's documents into `sender` in batches, then whether it ended well; stops without a
+/// word once the consumer has gone.
+fn read_part(part: &Part, options: &ReadOptions, sender: &std::sync::mpsc::SyncSender<Sent>) {
+    let mut batch = Vec::new();
+    let mut batch_bytes = 0;
+    let mut consumer_gone = false;
+    let mut hand_over = |doc: Document| -> Result<bool> {
+        batch_bytes += doc.text.len();
+        batch.push(doc);
+        if batch_bytes >= options.batch_bytes {
+            batch_bytes = 0;
+            consumer_gone = sender
+                .send(Sent::Batch(std::mem::take(&mut batch)))
+                .is_err();
+        }
+        Ok(!consumer_gone)
+    };
+    let read = match part.row_group {
+        Some(g) => parquet_documents(
+            &part.path,
+            &options.text_field,
+            options.skip_bad,
+            Some(g),
+            |text| {
+                hand_over(Document {
+                    text,
+                    continues: false,
+                })
+            },
+        ),
+        None => for_each_document(
+            &part.path,
+            &options.text_field,
+            options.skip_bad,
+            options.text_pieces,
+            &mut hand_over,
+        ),
+    };
+    if consumer_gone {
+        return;
+    }
+    let end = match read {
+        Ok(skipped) => {
+            if !batch.is_empty() && sender.send(Sent::Batch(batch)).is_err() {
+                return;
+            }
+            Sent::Done(skipped)
+        }
+        Err(e) => Sent::Failed(e),
+    };
+    let _ = sender.send(end);
 }
 
 /// A text file as one document, in pieces of about `target` bytes.
@@ -353,6 +533,7 @@ fn parquet_documents(
     path: &Path,
     text_field: &str,
     skip_bad: bool,
+    only_group: Option<usize>,
     mut f: impl FnMut(String) -> Result<bool>,
 ) -> Result<usize> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
@@ -374,7 +555,11 @@ fn parquet_documents(
         .with_fields(vec![column.clone()])
         .build()?;
     let mut skipped = 0;
-    for g in 0..reader.num_row_groups() {
+    let groups = match only_group {
+        Some(g) => g..g + 1,
+        None => 0..reader.num_row_groups(),
+    };
+    for g in groups {
         let at = |r: usize| format!("{}: row group {g}, row {r}", path.display());
         let group = reader.get_row_group(g).with_context(|| at(0))?;
         let rows = group
@@ -491,6 +676,87 @@ pub(crate) mod tests {
         })
         .unwrap();
         assert_eq!(seen, vec!["one".to_string(), "two — ü".to_string()]);
+    }
+
+    /// Every reader count and batch size hands over the documents a single reader reads,
+    /// in the same order; stopping early stops; the first bad part in corpus order is named
+    /// whichever reader met an error first.
+    #[test]
+    fn parallel_readers_keep_corpus_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut files = Vec::new();
+        let mut want = Vec::new();
+        for f in 0..4 {
+            let rows: Vec<String> = (0..9)
+                .map(|r| format!("file {f} row {r} {}", "x".repeat(r * 7)))
+                .collect();
+            let path = dir.path().join(format!("{f}a.parquet"));
+            write_parquet(
+                &path,
+                &rows.iter().map(|r| Some(r.as_str())).collect::<Vec<_>>(),
+                2,
+            );
+            want.extend(rows);
+            files.push(path);
+            let lines: Vec<String> = (0..5).map(|l| format!("line {l} of {f}")).collect();
+            let json: String = lines
+                .iter()
+                .map(|l| format!("{{\"text\": \"{l}\"}}\n"))
+                .collect();
+            let path = dir.path().join(format!("{f}b.jsonl.gz"));
+            std::fs::write(&path, gzip(json.as_bytes())).unwrap();
+            want.extend(lines);
+            files.push(path);
+        }
+        let parts = parts_of(&files).unwrap();
+        assert_eq!(
+            parts.len(),
+            4 * (5 + 1),
+            "a part per row group and per other file"
+        );
+        assert_eq!(
+            parts[1].to_string(),
+            format!("{}, row group 1", files[0].display())
+        );
+        let options = |readers, batch_bytes| ReadOptions {
+            text_field: "text".into(),
+            skip_bad: false,
+            text_pieces: None,
+            batch_bytes,
+            readers,
+        };
+        for readers in [1, 2, 3, 8] {
+            for batch_bytes in [1, 40, 1 << 20] {
+                let mut got = Vec::new();
+                read_in_order(&parts, &options(readers, batch_bytes), |batch| {
+                    got.extend(batch.into_iter().map(|d| d.text));
+                    Ok(true)
+                })
+                .unwrap();
+                assert_eq!(
+                    got, want,
+                    "{readers} readers, batches of {batch_bytes} bytes"
+                );
+                let mut seen = 0;
+                read_in_order(&parts, &options(readers, 1), |batch| {
+                    seen += batch.len();
+                    Ok(seen < 17)
+                })
+                .unwrap();
+                assert_eq!(seen, 17, "stopping early with {readers} readers");
+            }
+        }
+        // Two bad files: the earlier one is named, even when a later reader fails first.
+        std::fs::write(&files[3], gzip(b"{\"text\": 1}\n")).unwrap();
+        std::fs::write(&files[7], b"{\"text\": 2}\n").unwrap();
+        for readers in [1, 4, 8] {
+            let e = read_in_order(&parts, &options(readers, 1), |_| Ok(true)).unwrap_err();
+            let e = format!("{e:#}");
+            assert!(
+                e.contains("1b.jsonl.gz:1: the field"),
+                "{readers} readers: {e}"
+            );
+        }
     }
 
     fn gzip(bytes: &[u8]) -> Vec<u8> {
