@@ -126,11 +126,18 @@ def main():
                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 256})),
         # Mistral: the Llama block with a sliding window, here no shorter than the context
-        # (meshtrain refuses a shorter one); untied.
+        # (then it is full causal attention); untied.
         "hf-mistral": MistralForCausalLM(MistralConfig(
             vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=16,
             rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=16,
+            tie_word_embeddings=False, initializer_range=0.2)),
+        # Mistral with a window that binds: each of the 16 positions sees at most the last 5
+        # (meshtrain: model.sliding_window = 5).
+        "hf-mistral-window": MistralForCausalLM(MistralConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=5,
             tie_word_embeddings=False, initializer_range=0.2)),
         # Qwen2 (Qwen2.5's small models): the Llama block with biases on q, k and v, tied.
         "hf-qwen2": Qwen2ForCausalLM(Qwen2Config(

@@ -86,8 +86,8 @@ fn time_attention(s: AttentionShape, kind: AttentionKind, precision: DType) -> f
     let dout = normal_values(s.batch * s.seq * s.dim, 2);
     let t = Instant::now();
     let grads = if kind == AttentionKind::Flash {
-        let (out, lse) = flash_attention_forward(s, &qkv, precision);
-        flash_attention_backward(s, &qkv, &out, &lse, &dout, precision)
+        let (out, lse) = flash_attention_forward(s, &qkv, precision, None);
+        flash_attention_backward(s, &qkv, &out, &lse, &dout, precision, None)
     } else {
         let (out, probs) = causal_attention_forward(s, &qkv, precision);
         std::hint::black_box(&out);
@@ -161,6 +161,7 @@ fn attention_kept_bytes(kind: AttentionKind, seq: usize) -> usize {
         kv_heads: 4,
         precision: DType::F32,
         kind,
+        window: None,
     };
     let qkv = Tensor::from_vec(normal_values(seq * 3 * 256, 3), &[1, seq, 3 * 256]);
     let mut saved = Saved::default();

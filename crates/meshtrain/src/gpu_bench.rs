@@ -215,7 +215,12 @@ fn check_part(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<Vec<String>>
         results.len() - failed.len(),
         results.len()
     );
-    for model in [Compared::Gpt, Compared::Llama, Compared::Qwen3] {
+    for model in [
+        Compared::Gpt,
+        Compared::Llama,
+        Compared::Qwen3,
+        Compared::Mistral,
+    ] {
         let name = model.name();
         println!("\n== check: 20 {name} steps on the GPU against the CPU");
         match compare_model(args, model) {
@@ -477,13 +482,17 @@ enum Compared {
     /// The Llama config as Qwen3's block: heads of 128 (wider than dim / heads) and the
     /// q/k norms.
     Qwen3,
+    /// The Llama config as Mistral's: a sliding window of 5 of its 128 positions (the key
+    /// tile before the diagonal one cut by the window in every kernel; whole tiles skipped
+    /// are the emulator's and the `check` part's kernel comparisons).
+    Mistral,
 }
 
 impl Compared {
     fn config(self) -> &'static str {
         match self {
             Compared::Gpt => "configs/gpt.toml",
-            Compared::Llama | Compared::Qwen3 => "configs/llama.toml",
+            Compared::Llama | Compared::Qwen3 | Compared::Mistral => "configs/llama.toml",
         }
     }
 
@@ -491,6 +500,7 @@ impl Compared {
     fn overrides(self) -> &'static [&'static str] {
         match self {
             Compared::Qwen3 => &["model.head_dim=128", "model.qk_norm=true"],
+            Compared::Mistral => &["model.sliding_window=5"],
             _ => &[],
         }
     }
@@ -500,6 +510,7 @@ impl Compared {
             Compared::Gpt => "GPT",
             Compared::Llama => "Llama",
             Compared::Qwen3 => "Qwen3",
+            Compared::Mistral => "Mistral (sliding window)",
         }
     }
 }
@@ -862,12 +873,12 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
     };
     let qkv = random_tensor(dev, &mut rng, 16 * 1024 * 3 * 768, bf, 1.0)?;
     let fwd = time_ms(dev, args.reps, || {
-        ops::attention_forward(&qkv, shape).map(|_| ())
+        ops::attention_forward(&qkv, shape, None).map(|_| ())
     })?;
-    let (o, lse) = ops::attention_forward(&qkv, shape).map_err(cuda)?;
+    let (o, lse) = ops::attention_forward(&qkv, shape, None).map_err(cuda)?;
     let dout = random_tensor(dev, &mut rng, 16 * 1024 * 768, bf, 1.0)?;
     let bwd = time_ms(dev, args.reps, || {
-        ops::attention_backward(&qkv, &o, &lse, &dout, shape).map(|_| ())
+        ops::attention_backward(&qkv, &o, &lse, &dout, shape, None).map(|_| ())
     })?;
     let flops = 4.0 * 16.0 * 12.0 * 1024.0 * 1024.0 * 64.0 / 2.0;
     println!(
@@ -1207,6 +1218,7 @@ mod tests {
             (Compared::Gpt, &[][..]),
             (Compared::Llama, &llama[..]),
             (Compared::Qwen3, &llama[..]),
+            (Compared::Mistral, &llama[..]),
         ] {
             let shrink: Vec<String> = small.iter().chain(extra).map(|s| s.to_string()).collect();
             let (params, losses) = model_run(&root, model, &shrink).unwrap();

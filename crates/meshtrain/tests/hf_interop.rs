@@ -50,8 +50,12 @@ fn exported_models() -> Vec<(&'static str, &'static str)> {
         ("meshtrain-qwen2", QWEN2),
         // Qwen3: q/k norms, heads of 12 over a width of 32 (tied, as Qwen3's small models).
         ("meshtrain-qwen3", QWEN3),
+        // Mistral: a sliding window of 5 over 16 positions, exported as MistralForCausalLM.
+        ("meshtrain-mistral-window", MISTRAL_WINDOW),
     ]
 }
+
+const MISTRAL_WINDOW: &str = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 10000.0\nnorm_eps = 1e-5\nsliding_window = 5\n";
 
 const QWEN3: &str = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 1000000.0\nnorm_eps = 1e-6\ntie_embeddings = true\nhead_dim = 12\nqk_norm = true\n";
 
@@ -175,6 +179,8 @@ fn transformers_weights_through_init_from_give_its_logits() {
             "hf-mistral",
             "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 1\nffn = 48\nseq = 16\nrope_theta = 1000000.0\nnorm_eps = 1e-5\n",
         ),
+        // A window that binds: 5 of the 16 positions.
+        ("hf-mistral-window", MISTRAL_WINDOW),
         ("hf-qwen2", QWEN2),
         ("hf-qwen3", QWEN3),
         (
@@ -204,10 +210,11 @@ fn transformers_weights_through_init_from_give_its_logits() {
 /// Mistral (its config's model_type and architecture changed, the same weights) gives the
 /// reference's logits through --init-from when the window is off or no shorter than the
 /// model's context (then a sliding window is full causal attention, so transformers'
-/// Mistral computes exactly its Llama's logits); a window shorter than the context is refused
-/// naming it, as mixture-of-experts models are.
+/// Mistral computes exactly its Llama's logits); a window shorter than the context, into a
+/// model without it, is refused naming it and the `[model]` table that has it (a binding
+/// window's logits: `hf-mistral-window` above). Mixture-of-experts models are refused by name.
 #[test]
-fn a_mistral_loads_as_the_llama_block_and_a_binding_window_is_refused() {
+fn a_mistral_loads_as_the_llama_block_and_its_window_must_match() {
     let table = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\nrope_theta = 10000.0\nnorm_eps = 1e-6\n";
     let llama = refs().join("hf-llama");
     let reference = reference_logits(&llama);
@@ -247,7 +254,11 @@ fn a_mistral_loads_as_the_llama_block_and_a_binding_window_is_refused() {
             Err(e) => {
                 let e = format!("{e:#}");
                 assert!(!ok, "window {window:?}: {e}");
-                assert!(e.contains("sliding window of 8 positions"), "{e}");
+                assert!(
+                    e.contains("a sliding window of 8 positions (the model: no sliding window")
+                        && e.contains("sliding_window = 8\n"),
+                    "{e}"
+                );
             }
         }
     }

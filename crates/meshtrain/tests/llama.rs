@@ -113,6 +113,47 @@ fn llama_on_every_parallel_dimension_matches_one_worker() {
         // parallelism read 1.4e-4).
         assert!(d <= 1e-6, "Qwen3 {layout}: {d:.2e}");
     }
+    // Mistral's sliding window: each of the 16 tokens sees at most the last 5. Every layout
+    // that keeps whole sequences of some heads on a rank runs it (Ulysses among them); ring
+    // attention's blocks would cut the window and are refused by name.
+    let mistral = ["model.sliding_window=5"];
+    let (single, _) = train(&mistral);
+    let (full, _) = train(&[]);
+    assert!(
+        rel_diff(&single, &full) > 1e-3,
+        "a window of 5 over 16 tokens trains another model"
+    );
+    for layout in [
+        "dp=2",
+        "tp=2",
+        "tp=2,sp=on",
+        "cp=2 ulysses",
+        "dp=2,tp=2,pp=2,m=2",
+    ] {
+        let (grid, ulysses) = match layout.strip_suffix(" ulysses") {
+            Some(grid) => (grid, "parallel.cp_mode=\"ulysses\""),
+            None => (layout, "parallel.cp_mode=\"ring\""),
+        };
+        let setting = format!("parallel.layout=\"{grid}\"");
+        let (split, _) = train(&[mistral[0], &setting, ulysses]);
+        let d = rel_diff(&split, &single);
+        eprintln!("llama with a sliding window of 5 (Mistral), {layout}: {d:.2e}");
+        assert!(d <= 2e-4, "Mistral {layout}: {d:.2e}");
+    }
+    let out = tempfile::tempdir().unwrap();
+    let ring = [
+        mistral[0],
+        "parallel.layout=\"cp=2\"",
+        "parallel.cp_mode=\"ring\"",
+    ];
+    let e = format!(
+        "{:#}",
+        tiny_llama_config_result(out.path(), STEPS, &ring).unwrap_err()
+    );
+    assert!(
+        e.contains("sliding window of 5 keys, which ring attention's blocks do not cut"),
+        "{e}"
+    );
 }
 
 #[test]

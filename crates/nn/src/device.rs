@@ -430,7 +430,7 @@ pub fn attention_forward(a: &AttentionCore, qkv: Tensor, mode: Mode, s: &mut Sav
         qkv.cuda().expect("device q/k/v"),
         a.precision,
     ));
-    let (out, lse) = ok(ops::attention_forward(&q, shape));
+    let (out, lse) = ok(ops::attention_forward(&q, shape, a.window));
     let out_shape = [shape.batch, shape.seq, a.dim];
     if mode.train {
         s.tensors.push(wrap(q, qkv.shape()));
@@ -605,7 +605,9 @@ pub fn attention_backward(a: &AttentionCore, mut s: Saved, dy: Tensor) -> Tensor
     let qs = qkv.cuda().expect("device q/k/v");
     let dys = on_device(&dy, qs.device());
     wrap(
-        ok(ops::attention_backward(qs, &out, &lse, &dys, shape)),
+        ok(ops::attention_backward(
+            qs, &out, &lse, &dys, shape, a.window,
+        )),
         qkv.shape(),
     )
 }

@@ -601,6 +601,7 @@ mod tests {
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         };
         let gpt_small = GptConfig {
             vocab: 40,
@@ -636,6 +637,15 @@ mod tests {
                     ..llama_small
                 }),
                 24,
+            ),
+            // Mistral's sliding window: the cached pass sees the last 5 positions, as the
+            // training forward's kernel does.
+            (
+                llama(&LlamaConfig {
+                    sliding_window: Some(5),
+                    ..llama_small
+                }),
+                16,
             ),
         ];
         // (model, values per cached position: 2 key/value heads)
@@ -710,6 +720,7 @@ mod tests {
             kv_heads: 2,
             precision: DType::F32,
             kind: AttentionKind::Flash,
+            window: None,
         };
         let embed = crate::transformer::GptEmbedding {
             vocab: 8,

@@ -250,6 +250,10 @@ pub struct AttentionCore {
     /// probabilities kept for backward are stored in 16 bits too (the softmax stays f32).
     pub precision: DType,
     pub kind: AttentionKind,
+    /// Keys a query sees at most, itself included (Mistral's sliding window); `None`: all
+    /// before it. The memory-efficient kernels (CPU and GPU) and the cached passes have it;
+    /// the probability-keeping CPU kernel has not.
+    pub window: Option<usize>,
 }
 
 impl AttentionCore {
@@ -295,6 +299,7 @@ impl Layer for AttentionCore {
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.dim / self.heads,
+            window: self.window,
         };
         #[cfg(feature = "cuda")]
         if qkv.device().is_cuda() {
@@ -328,7 +333,8 @@ impl Layer for AttentionCore {
         }
         let shape = self.shape(&qkv);
         if self.kind == AttentionKind::Flash {
-            let (out, lse) = flash_attention_forward(shape, qkv.data(), self.precision);
+            let (out, lse) =
+                flash_attention_forward(shape, qkv.data(), self.precision, self.window);
             let out = Tensor::from_vec(out, &[shape.batch, shape.seq, self.dim]);
             if mode.train {
                 s.keep(qkv, self.precision);
@@ -338,6 +344,10 @@ impl Layer for AttentionCore {
             }
             return out;
         }
+        assert!(
+            self.window.is_none(),
+            "a sliding window runs on the memory-efficient attention kernel only"
+        );
         let (out, probs) = causal_attention_forward(shape, qkv.data(), self.precision);
         if mode.train {
             s.keep(qkv, self.precision);
@@ -370,6 +380,7 @@ impl Layer for AttentionCore {
                 lse.data(),
                 dy.data(),
                 self.precision,
+                self.window,
             );
             let shape = qkv.shape().to_vec();
             for dead in [qkv, out, lse, dy] {
@@ -641,6 +652,7 @@ pub fn causal_self_attention(dim: usize, heads: usize, init: Option<Init>) -> Se
                 kv_heads: heads,
                 precision: DType::F32,
                 kind: AttentionKind::Flash,
+                window: None,
             }),
         ),
         ("proj".into(), lin(dim, dim)),
@@ -678,6 +690,8 @@ pub struct LlamaBlockShape {
     pub head_dim: usize,
     /// RMS norms of each query and key head before the rotation (Qwen3: [`QkNorm`]).
     pub qk_norm: bool,
+    /// Mistral's sliding window: keys a query sees at most, itself included.
+    pub window: Option<usize>,
 }
 
 impl TransformerBlock {
@@ -728,6 +742,7 @@ impl TransformerBlock {
                         kv_heads: heads,
                         precision: DType::F32,
                         kind,
+                        window: None,
                     }),
                 ),
                 ("proj".into(), lin(dim, dim, None)),
@@ -805,6 +820,7 @@ impl TransformerBlock {
                     kv_heads,
                     precision: DType::F32,
                     kind,
+                    window: shape.window,
                 }),
             ),
             ("proj".into(), lin(width, dim)),

@@ -610,6 +610,7 @@ fn llama_block() {
         qkv_bias: false,
         head_dim: 4,
         qk_norm: false,
+        window: None,
     };
     let block = TransformerBlock::llama(shape, Init::Normal(0.3), AttentionKind::Flash);
     Check::new("llama block", &block, normal(150, &[2, 5, 16]), 151).run();
@@ -621,4 +622,11 @@ fn llama_block() {
     };
     let block = TransformerBlock::llama(qwen3, Init::Normal(0.3), AttentionKind::Flash);
     Check::new("qwen3 block", &block, normal(152, &[2, 5, 16]), 153).run();
+    // Mistral's sliding window: each of the 5 tokens sees at most the last 2.
+    let mistral = LlamaBlockShape {
+        window: Some(2),
+        ..shape
+    };
+    let block = TransformerBlock::llama(mistral, Init::Normal(0.3), AttentionKind::Flash);
+    Check::new("mistral block", &block, normal(154, &[2, 5, 16]), 155).run();
 }

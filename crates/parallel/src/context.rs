@@ -113,6 +113,16 @@ pub enum ContextError {
     )]
     SingleMaster { cp: usize },
     #[error(
+        "cp={cp}: '{path}' attends through a sliding window of {window} keys, which ring \
+         attention's blocks do not cut; cp_mode = \"ulysses\" runs it (each rank then holds \
+         whole sequences of some heads)"
+    )]
+    RingWindow {
+        cp: usize,
+        path: String,
+        window: usize,
+    },
+    #[error(
         "cp={cp}: the targets are {targets} per batch of {samples} samples × {seq} tokens; \
          context parallelism needs one target per token"
     )]
@@ -248,6 +258,15 @@ pub fn check(
         return Err(ContextError::SingleMaster { cp });
     }
     let heads = check_sequence(model, cp)?;
+    if mode == CpMode::Ring {
+        let mut found = Found::default();
+        for block in &model.blocks {
+            find_layers(block.layer.as_ref(), &block.name, &mut found);
+        }
+        if let Some((path, window)) = found.windows.into_iter().next() {
+            return Err(ContextError::RingWindow { cp, path, window });
+        }
+    }
     if mode == CpMode::Ulysses {
         for (path, h) in heads {
             let local = h / tp.max(1);
@@ -300,6 +319,8 @@ pub fn check_sequence(model: &Model, cp: usize) -> Result<Vec<(String, usize)>, 
 struct Found {
     /// (path, heads) of every attention core.
     heads: Vec<(String, usize)>,
+    /// (path, window) of every attention core with a sliding window.
+    windows: Vec<(String, usize)>,
     /// GPT embeddings (whole or vocabulary-parallel): the layers that place positions.
     embeddings: usize,
 }
@@ -308,6 +329,9 @@ fn find_layers(layer: &dyn Layer, path: &str, found: &mut Found) {
     if let Some(any) = layer.as_any() {
         if let Some(core) = any.downcast_ref::<AttentionCore>() {
             found.heads.push((path.to_string(), core.heads));
+            found
+                .windows
+                .extend(core.window.map(|w| (path.to_string(), w)));
         }
         if any.is::<GptEmbedding>() || any.is::<VocabParallelEmbedding>() {
             found.embeddings += 1;
@@ -356,6 +380,7 @@ fn rewrite(layer: &mut dyn Layer, cp: &CpContext) -> Option<Box<dyn Layer>> {
                         kv_heads: (core.kv_heads / cp.group.size()).max(1),
                         precision: core.precision,
                         kind: core.kind,
+                        window: core.window,
                     },
                     cp: cp.clone(),
                     moves: MovesCache::default(),
@@ -446,6 +471,7 @@ pub fn ring_pairs(me: SequenceShard, src: SequenceShard, chunk: usize) -> Vec<Bl
                     q_len: chunk,
                     kv_len: chunk,
                     causal: kc == qc,
+                    window: None,
                 });
             }
         }
@@ -1042,6 +1068,7 @@ mod tests {
                         kv_heads: n,
                         precision: DType::F32,
                         kind: meshtrain_nn::transformer::AttentionKind::Flash,
+                        window: None,
                     },
                     cp: CpContext::new(group.clone(), CpMode::Ulysses),
                     moves: MovesCache::default(),

@@ -660,6 +660,7 @@ mod tests {
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         };
         let model = meshtrain_nn::models::llama::llama(&cfg);
         assert!(model

@@ -1252,6 +1252,7 @@ fn rewrite(
                 kv_heads: (core.kv_heads / tp.size()).max(1),
                 precision: core.precision,
                 kind: core.kind,
+                window: core.window,
             }));
         }
         if let Some(n) = any.downcast_ref::<QkNorm>() {

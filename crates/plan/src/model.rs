@@ -42,6 +42,10 @@ pub struct TransformerSpec {
     /// RMS norms of each query and key head (Qwen3): two `head_dim` weights per layer.
     #[serde(default)]
     pub qk_norm: bool,
+    /// Keys a token attends to at most (Mistral's sliding window): the scores and the
+    /// weighted values cost `s · min(s, window)` per head instead of `s²`.
+    #[serde(default)]
+    pub sliding_window: Option<u64>,
 }
 
 /// A network the planner treats as an opaque block of compute (data parallelism only).
@@ -158,7 +162,8 @@ impl TransformerSpec {
         let s = self.seq_len as f64;
         let h = self.hidden as f64;
         let qkv = 2.0 * s * h * (h + 2.0 * self.kv_width() as f64);
-        let scores_and_values = 2.0 * 2.0 * s * s * h;
+        let attended = self.sliding_window.map_or(s, |w| s.min(w as f64));
+        let scores_and_values = 2.0 * 2.0 * s * attended * h;
         let projection = 2.0 * s * h * h;
         let mlp = 2.0 * s * h * self.ffn_hidden as f64 * self.mlp_matrices() as f64;
         qkv + scores_and_values + projection + mlp
@@ -270,6 +275,7 @@ impl ModelSpec {
                 qkv_bias: false,
                 head_dim: None,
                 qk_norm: false,
+                sliding_window: None,
             },
             "llama" => TransformerSpec {
                 layers: int("layers")?,
@@ -293,6 +299,10 @@ impl ModelSpec {
                     .get("qk_norm")
                     .and_then(|v| v.as_bool())
                     .unwrap_or(false),
+                sliding_window: table
+                    .get("sliding_window")
+                    .and_then(|v| v.as_integer())
+                    .map(|v| v as u64),
             },
             other => {
                 return Err(bad(format!(
@@ -409,6 +419,7 @@ mod tests {
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         }
     }
 
@@ -441,6 +452,7 @@ mod tests {
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         };
         let (s, h) = (2048.0f64, 2304.0f64);
         let expected = 24.0 * s * h * h * (1.0 + s / (6.0 * h));
@@ -449,6 +461,19 @@ mod tests {
             (got - expected).abs() / expected < 1e-12,
             "{got} vs {expected}"
         );
+        // A sliding window of 512 keys: the scores and weighted values over 512, not 2048.
+        let windowed = TransformerSpec {
+            sliding_window: Some(512),
+            ..t.clone()
+        };
+        let saved = 4.0 * s * (s - 512.0) * h;
+        let got = windowed.layer_forward_flops_per_sequence();
+        assert!((got - (expected - saved)).abs() / expected < 1e-12);
+        let wide = TransformerSpec {
+            sliding_window: Some(4096),
+            ..t
+        };
+        assert_eq!(wide.layer_forward_flops_per_sequence(), expected);
     }
 
     #[test]

@@ -225,6 +225,7 @@ pub fn megatron_gpt(name: &str, layers: u64, hidden: u64, heads: u64) -> ModelSp
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         }),
     }
 }
@@ -387,6 +388,7 @@ pub fn predict_published(run: &PublishedRun) -> Result<Evaluation> {
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         }),
     };
     let cluster = presets::cluster(run.cluster)?.with_gpus(run.gpus)?;

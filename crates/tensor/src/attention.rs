@@ -294,6 +294,8 @@ pub struct CachedShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Keys a query sees at most, itself included (a sliding window); `None`: all.
+    pub window: Option<usize>,
 }
 
 impl CachedShape {
@@ -345,21 +347,23 @@ pub fn cached_attention_forward(
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0.0f32; rows * d];
     let row = |(i, out_row): (usize, &mut [f32])| {
+        // Positions `first..=start + i`: all before, or the window's last ones.
         let len = start + i + 1;
-        let mut scores = vec![0.0f32; len];
+        let first = s.window.map_or(0, |w| len.saturating_sub(w));
+        let mut scores = vec![0.0f32; len - first];
         let mut acc = vec![0.0f64; hd];
         for head in 0..h {
             let qh = &qkv[i * stride + head * hd..][..hd];
             let kv = (head / group) * hd;
             let mut max = f32::NEG_INFINITY;
-            for (j, s) in scores.iter_mut().enumerate() {
+            for (j, s) in (first..).zip(scores.iter_mut()) {
                 let k = &keys[j * kv_width + kv..][..hd];
                 *s = qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
                 max = max.max(*s);
             }
             acc.iter_mut().for_each(|a| *a = 0.0);
             let mut total = 0.0f64;
-            for (j, &s) in scores.iter().enumerate() {
+            for (j, &s) in (first..).zip(&scores) {
                 let w = f64::from((s - max).exp());
                 total += w;
                 let v = &values[j * kv_width + kv..][..hd];

@@ -127,7 +127,8 @@ impl<'a> HeadRows<'a> {
 }
 
 /// Which query rows meet which key rows. Causal pairs begin at the same sequence position
-/// (the diagonal block of a causal product): query `i` sees keys `0..=i` of the block. A
+/// (the diagonal block of a causal product): query `i` sees keys `0..=i` of the block, or
+/// under a sliding window of `w` only the last `w` of them, `i + 1 − w..=i` (Mistral's). A
 /// non-causal pair's keys all precede its queries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockPair {
@@ -136,38 +137,67 @@ pub struct BlockPair {
     pub q_len: usize,
     pub kv_len: usize,
     pub causal: bool,
+    /// Keys a query sees at most, itself included (causal pairs only).
+    pub window: Option<usize>,
 }
 
 impl BlockPair {
-    /// The whole causal product over `t` rows.
-    pub fn causal(t: usize) -> BlockPair {
+    /// The whole causal product over `t` rows, each query seeing at most `window` keys.
+    pub fn causal(t: usize, window: Option<usize>) -> BlockPair {
+        assert!(window != Some(0), "a sliding window of no keys");
         BlockPair {
             q_start: 0,
             kv_start: 0,
             q_len: t,
             kv_len: t,
             causal: true,
+            window,
         }
     }
 
-    /// Keys of the tile starting at `c0` that query `i` (of the block) sees, of `cols`.
-    fn visible(&self, i: usize, c0: usize, cols: usize) -> usize {
-        if self.causal {
+    /// The first key query `i` (of the block) sees.
+    fn first_key(&self, i: usize) -> usize {
+        match self.window {
+            Some(w) if self.causal => (i + 1).saturating_sub(w),
+            _ => 0,
+        }
+    }
+
+    /// The keys of the tile starting at `c0` that query `i` (of the block) sees, as a range
+    /// of its `cols` columns (empty where the window has passed the whole tile).
+    fn visible(&self, i: usize, c0: usize, cols: usize) -> std::ops::Range<usize> {
+        let end = if self.causal {
             (i + 1).saturating_sub(c0).min(cols)
         } else {
             cols
-        }
+        };
+        self.first_key(i).saturating_sub(c0).min(end)..end
     }
 
     /// The key tiles query tile `[r0, r1)` meets: under a causal mask only keys before
-    /// `r1` (the tiles above the diagonal skipped, the last one cut at `r1`).
-    fn key_tiles(&self, r1: usize) -> impl Iterator<Item = (usize, usize)> {
+    /// `r1` (the tiles above the diagonal skipped, the last one cut at `r1`), under a window
+    /// only from the first key row `r0` sees.
+    fn key_tiles(&self, r0: usize, r1: usize) -> impl Iterator<Item = (usize, usize)> {
         let end = if self.causal {
             r1.min(self.kv_len)
         } else {
             self.kv_len
         };
-        tiles(end, KEY_TILE)
+        let first = self.first_key(r0);
+        tiles(end, KEY_TILE).filter(move |&(_, c1)| c1 > first)
+    }
+
+    /// The query rows that see key tile `[c0, c1)`: under a causal mask from `c0` on, under
+    /// a window only until the last query whose window still reaches `c1 − 1`.
+    fn query_rows(&self, c0: usize, c1: usize) -> std::ops::Range<usize> {
+        if !self.causal {
+            return 0..self.q_len;
+        }
+        let end = match self.window {
+            Some(w) => (c1 - 1 + w).min(self.q_len),
+            None => self.q_len,
+        };
+        c0.min(end)..end
     }
 }
 
@@ -252,7 +282,7 @@ fn forward_head(
                 m[i] = l_run[r0 + i];
                 l[i] = if m[i] == f32::NEG_INFINITY { 0.0 } else { 1.0 };
             }
-            for (c0, c1) in pair.key_tiles(r1) {
+            for (c0, c1) in pair.key_tiles(r0, r1) {
                 let cols = c1 - c0;
                 let st = MatMut::strided(tile, rows, cols, KEY_TILE, 1);
                 let keys = kt.cols_range(c0, c1);
@@ -260,21 +290,27 @@ fn forward_head(
                 for i in 0..rows {
                     let valid = pair.visible(r0 + i, c0, cols);
                     let row = &mut tile[i * KEY_TILE..][..cols];
+                    row[..valid.start].fill(0.0);
+                    row[valid.end..].fill(0.0);
+                    let row = &mut row[valid];
+                    let o = place.row(out, at(r0 + i), hd);
+                    if row.is_empty() {
+                        // The window has passed this whole tile: nothing to add, but a row
+                        // that has seen no key yet must start from zero all the same.
+                        if m[i] == f32::NEG_INFINITY {
+                            o.fill(0.0);
+                        }
+                        continue;
+                    }
                     // scale > 0: the largest scaled score is the largest score, scaled.
-                    let tile_max = row[..valid]
-                        .iter()
-                        .fold(f32::NEG_INFINITY, |a, &v| a.max(v))
-                        * scale;
+                    let tile_max = row.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v)) * scale;
                     let new_max = m[i].max(tile_max);
                     let correction = fast_exp(m[i] - new_max);
                     // Exponentiate first, sum after: a running sum inside the loop would
                     // serialise it and keep `fast_exp` from vectorising.
-                    row[..valid]
-                        .iter_mut()
+                    row.iter_mut()
                         .for_each(|v| *v = fast_exp(*v * scale - new_max));
-                    let sum = lane_sum(&row[..valid]);
-                    row[valid..].fill(0.0);
-                    let o = place.row(out, at(r0 + i), hd);
+                    let sum = lane_sum(row);
                     if m[i] == f32::NEG_INFINITY {
                         // Nothing accumulated yet: start from zero (the buffer is not
                         // cleared beforehand).
@@ -412,8 +448,9 @@ fn backward_head(
         // the tile are then products as deep as the segment, not as a query tile.
         for (c0, c1) in tiles(n, TILE) {
             let cols = c1 - c0;
-            let first = if pair.causal { c0 } else { 0 };
-            for (s0, s1) in tiles(pair.q_len - first, STRIP) {
+            let queries = pair.query_rows(c0, c1);
+            let first = queries.start;
+            for (s0, s1) in tiles(queries.len(), STRIP) {
                 let (r0, r1) = (first + s0, first + s1);
                 let rows = r1 - r0;
                 // P = exp(Q·Kᵀ·scale − lse), masked above a causal diagonal.
@@ -430,13 +467,15 @@ fn backward_head(
                         &mut dptile[i * TILE..][..cols],
                     );
                     let (li, di) = (l[r0 + i], delta[r0 + i]);
-                    for (p, dp) in pr[..valid].iter_mut().zip(&mut dr[..valid]) {
+                    for (p, dp) in pr[valid.clone()].iter_mut().zip(&mut dr[valid.clone()]) {
                         *p = fast_exp(*p * scale - li);
                         // dS = P ⊙ (dP − D) · scale
                         *dp = *p * (*dp - di) * scale;
                     }
-                    pr[valid..].fill(0.0);
-                    dr[valid..].fill(0.0);
+                    for row in [pr, dr] {
+                        row[..valid.start].fill(0.0);
+                        row[valid.end..].fill(0.0);
+                    }
                 }
                 let p = Mat::strided(ptile, rows, cols, TILE, 1);
                 let ds = Mat::strided(dptile, rows, cols, TILE, 1);
@@ -498,16 +537,18 @@ pub fn interleave_heads(
 }
 
 /// Forward; returns (out `[B, T, D]`, log-sum-exp `[B, H, T]` of each row's scaled scores).
+/// Each query sees the keys up to itself, or only the last `window` of them.
 pub fn flash_attention_forward(
     s: AttentionShape,
     qkv: &[f32],
     precision: DType,
+    window: Option<usize>,
 ) -> (Vec<f32>, Vec<f32>) {
     let (t, d) = (s.seq, s.dim);
     assert_eq!(qkv.len(), s.batch * t * 3 * d);
     let g = Heads::of(s);
     let operands = HeadRows::fused(qkv, t, d);
-    let pair = BlockPair::causal(t);
+    let pair = BlockPair::causal(t, window);
     let (mut staged, mut lse) = empty_state(g, t);
     if !by_sample(g) {
         flash_forward_into(g, operands, pair, precision, &mut staged, &mut lse);
@@ -539,6 +580,7 @@ pub fn flash_attention_backward(
     lse: &[f32],
     dout: &[f32],
     precision: DType,
+    window: Option<usize>,
 ) -> Vec<f32> {
     let (t, d) = (s.seq, s.dim);
     let g = Heads::of(s);
@@ -548,10 +590,18 @@ pub fn flash_attention_backward(
         lse,
     };
     let operands = HeadRows::fused(qkv, t, d);
-    let pair = BlockPair::causal(t);
-    let mut dqkv = take_buffer(qkv.len());
+    let pair = BlockPair::causal(t, window);
+    // Under a window a query row's first key tile is not tile 0, so the first product into
+    // its dQ row is not known in advance: the gradient starts from zeros and is added into.
+    let fresh = window.is_none();
+    let mut dqkv = if fresh {
+        take_buffer(qkv.len())
+    } else {
+        filled_buffer(qkv.len(), 0.0)
+    };
     if by_sample(g) {
-        // One task per sample; every element is written by a first product (`fresh`).
+        // One task per sample; without a window every element is written by a first
+        // product (`fresh`).
         let hd = g.head_dim;
         for_each_chunk_mut(&mut dqkv, t * 3 * d, |b, buf| {
             for h in 0..g.heads {
@@ -563,7 +613,7 @@ pub fn flash_attention_backward(
                     buf: &mut *buf,
                     places: [at(0), at(1), at(2)],
                 };
-                backward_head(g, (b, h), operands, pair, precision, up, &mut grads, true);
+                backward_head(g, (b, h), operands, pair, precision, up, &mut grads, fresh);
             }
         });
     } else {
@@ -588,6 +638,16 @@ mod tests {
 
     /// Causal attention in f64, straight from the definition.
     fn reference(s: AttentionShape, qkv: &[f32], dout: &[f32]) -> (Vec<f64>, Vec<f64>) {
+        reference_windowed(s, qkv, dout, None)
+    }
+
+    /// [`reference`] with each query seeing at most the last `window` keys.
+    fn reference_windowed(
+        s: AttentionShape,
+        qkv: &[f32],
+        dout: &[f32],
+        window: Option<usize>,
+    ) -> (Vec<f64>, Vec<f64>) {
         let (t, d, h) = (s.seq, s.dim, s.heads);
         let hd = d / h;
         let scale = 1.0 / (hd as f64).sqrt();
@@ -598,7 +658,8 @@ mod tests {
             for head in 0..h {
                 let (qo, ko, vo) = (head * hd, d + head * hd, 2 * d + head * hd);
                 for i in 0..t {
-                    let scores: Vec<f64> = (0..=i)
+                    let lo = window.map_or(0, |w| (i + 1).saturating_sub(w));
+                    let scores: Vec<f64> = (lo..=i)
                         .map(|j| {
                             (0..hd)
                                 .map(|c| x(b, i, qo + c) * x(b, j, ko + c))
@@ -613,19 +674,20 @@ mod tests {
                     let go = |c: usize| dout[(b * t + i) * d + head * hd + c] as f64;
                     for c in 0..hd {
                         out[(b * t + i) * d + head * hd + c] =
-                            (0..=i).map(|j| p[j] * x(b, j, vo + c)).sum();
+                            (lo..=i).map(|j| p[j - lo] * x(b, j, vo + c)).sum();
                     }
                     // dP_j = dO_i · V_j; dS_j = P_j (dP_j − Σ P dP) · scale
-                    let dp: Vec<f64> = (0..=i)
+                    let dp: Vec<f64> = (lo..=i)
                         .map(|j| (0..hd).map(|c| go(c) * x(b, j, vo + c)).sum())
                         .collect();
-                    let dot: f64 = (0..=i).map(|j| p[j] * dp[j]).sum();
-                    for j in 0..=i {
-                        let ds = p[j] * (dp[j] - dot) * scale;
+                    let dot: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+                    for j in lo..=i {
+                        let (pj, dpj) = (p[j - lo], dp[j - lo]);
+                        let ds = pj * (dpj - dot) * scale;
                         for c in 0..hd {
                             dqkv[(b * t + i) * 3 * d + qo + c] += ds * x(b, j, ko + c);
                             dqkv[(b * t + j) * 3 * d + ko + c] += ds * x(b, i, qo + c);
-                            dqkv[(b * t + j) * 3 * d + vo + c] += p[j] * go(c);
+                            dqkv[(b * t + j) * 3 * d + vo + c] += pj * go(c);
                         }
                     }
                 }
@@ -656,8 +718,8 @@ mod tests {
             };
             let qkv = random(s.batch * seq * 3 * s.dim, seq as u64);
             let dout = random(s.batch * seq * s.dim, 11);
-            let (out, lse) = flash_attention_forward(s, &qkv, DType::F32);
-            let dqkv = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::F32);
+            let (out, lse) = flash_attention_forward(s, &qkv, DType::F32, None);
+            let dqkv = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::F32, None);
             let (out_ref, d_ref) = reference(s, &qkv, &dout);
             let (eo, ed) = (max_err(&out, &out_ref), max_err(&dqkv, &d_ref));
             assert!(
@@ -665,6 +727,57 @@ mod tests {
                 "T={seq}: output {eo:.1e}, gradient {ed:.1e}"
             );
         }
+    }
+
+    /// Mistral's sliding window: windows shorter than a tile, crossing tiles and longer than
+    /// the sequence, where whole key tiles fall out of a query tile's reach, both when each
+    /// task takes a sample and when tasks take heads.
+    #[test]
+    fn a_sliding_window_matches_the_f64_definition() {
+        for (seq, window) in [
+            (70, 1),
+            (70, 5),
+            (300, 33),
+            (600, 32),
+            (600, 257),
+            (90, 200),
+        ] {
+            for batch in [1, 4] {
+                let s = AttentionShape {
+                    batch,
+                    seq,
+                    dim: 16,
+                    heads: 2,
+                };
+                let qkv = random(s.batch * seq * 3 * s.dim, (seq + window) as u64);
+                let dout = random(s.batch * seq * s.dim, 13);
+                let w = Some(window);
+                let (out, lse) = flash_attention_forward(s, &qkv, DType::F32, w);
+                let dqkv = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::F32, w);
+                let (out_ref, d_ref) = reference_windowed(s, &qkv, &dout, w);
+                let (eo, ed) = (max_err(&out, &out_ref), max_err(&dqkv, &d_ref));
+                assert!(
+                    eo < 1e-5 && ed < 1e-5,
+                    "T={seq}, window {window}, batch {batch}: output {eo:.1e}, gradient {ed:.1e}"
+                );
+            }
+        }
+        // A window is not the full product: the test above can fail.
+        let s = AttentionShape {
+            batch: 1,
+            seq: 64,
+            dim: 16,
+            heads: 2,
+        };
+        let qkv = random(s.batch * 64 * 3 * s.dim, 1);
+        let full = flash_attention_forward(s, &qkv, DType::F32, None).0;
+        let windowed = flash_attention_forward(s, &qkv, DType::F32, Some(16)).0;
+        assert_eq!(
+            full[..16 * 16],
+            windowed[..16 * 16],
+            "the first 16 rows see all keys"
+        );
+        assert!(full[16 * 16..] != windowed[16 * 16..]);
     }
 
     #[test]
@@ -678,9 +791,9 @@ mod tests {
             };
             let qkv = random(s.batch * seq * 3 * s.dim, 3 + seq as u64);
             let dout = random(s.batch * seq * s.dim, 5);
-            let (out, lse) = flash_attention_forward(s, &qkv, DType::F32);
+            let (out, lse) = flash_attention_forward(s, &qkv, DType::F32, None);
             let (out_ref, probs) = causal_attention_forward(s, &qkv, DType::F32);
-            let d = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::F32);
+            let d = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::F32, None);
             let d_ref = causal_attention_backward(s, &qkv, &probs, &dout, DType::F32);
             let close = |a: &[f32], b: &[f32], what: &str| {
                 let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
@@ -708,8 +821,9 @@ mod tests {
         let g = Heads::of(s);
         let qkv = random(s.batch * t * 3 * d, 21);
         let dout = random(s.batch * t * d, 22);
-        let (out_ref, lse_ref) = flash_attention_forward(s, &qkv, DType::F32);
-        let dqkv_ref = flash_attention_backward(s, &qkv, &out_ref, &lse_ref, &dout, DType::F32);
+        let (out_ref, lse_ref) = flash_attention_forward(s, &qkv, DType::F32, None);
+        let dqkv_ref =
+            flash_attention_backward(s, &qkv, &out_ref, &lse_ref, &dout, DType::F32, None);
         // k and v copied out of the fused activation, as a ring would send them.
         let kv: Vec<f32> = qkv
             .chunks(3 * d)
@@ -739,6 +853,7 @@ mod tests {
                     q_len: chunk,
                     kv_len: chunk,
                     causal: i == j,
+                    window: None,
                 })
             })
             .collect();
@@ -789,8 +904,8 @@ mod tests {
         };
         let qkv = random(s.batch * s.seq * 3 * s.dim, 8);
         let dout = random(s.batch * s.seq * s.dim, 9);
-        let (out, lse) = flash_attention_forward(s, &qkv, DType::BF16);
-        let dqkv = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::BF16);
+        let (out, lse) = flash_attention_forward(s, &qkv, DType::BF16, None);
+        let dqkv = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::BF16, None);
         let (out_ref, d_ref) = reference(s, &qkv, &dout);
         let (eo, ed) = (max_err(&out, &out_ref), max_err(&dqkv, &d_ref));
         assert!(eo < 2e-2 && ed < 2e-2, "output {eo:.1e}, gradient {ed:.1e}");
@@ -814,8 +929,8 @@ mod tests {
             let run = |threads: usize| {
                 crate::par::pool(threads).install(|| {
                     assert_eq!(by_sample(Heads::of(s)), threads <= 3);
-                    let (out, lse) = flash_attention_forward(s, &qkv, DType::F32);
-                    let d = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::F32);
+                    let (out, lse) = flash_attention_forward(s, &qkv, DType::F32, None);
+                    let d = flash_attention_backward(s, &qkv, &out, &lse, &dout, DType::F32, None);
                     (out, d)
                 })
             };

@@ -192,7 +192,7 @@ impl Architecture {
                 norm_eps: find::<RmsNorm>(model).map_or(1e-5, |n| decimal(n.eps)),
                 tied,
                 gelu_tanh: false,
-                sliding_window: None,
+                sliding_window: core.window,
                 qkv_bias: model.param_index("blocks.0.qkv.bias").is_some(),
                 head_dim: (rotary.head_dim * rotary.heads != dim).then_some(rotary.head_dim),
                 qk_norm: find::<QkNorm>(model).is_some(),
@@ -230,6 +230,8 @@ impl Architecture {
             ("Qwen3ForCausalLM", "qwen3")
         } else if self.qkv_bias {
             ("Qwen2ForCausalLM", "qwen2")
+        } else if self.sliding_window.is_some() {
+            ("MistralForCausalLM", "mistral")
         } else {
             ("LlamaForCausalLM", "llama")
         }
@@ -258,32 +260,38 @@ impl Architecture {
                 "bos_token_id": 50256,
                 "eos_token_id": 50256,
             }),
-            Family::Llama => json!({
-                "architectures": [self.llama_class().0],
-                "model_type": self.llama_class().1,
-                "vocab_size": self.vocab,
-                "hidden_size": self.dim,
-                "intermediate_size": self.ffn,
-                "num_hidden_layers": self.layers,
-                "num_attention_heads": self.heads,
-                "num_key_value_heads": self.kv_heads,
-                "head_dim": self.head_dim(),
-                "max_position_embeddings": self.seq,
-                "rms_norm_eps": self.norm_eps,
-                "rope_theta": self.rope_theta,
-                "rope_scaling": self.rope_scaling.map(|s| json!({
-                    "rope_type": "llama3",
-                    "factor": s.factor,
-                    "low_freq_factor": s.low_freq_factor,
-                    "high_freq_factor": s.high_freq_factor,
-                    "original_max_position_embeddings": s.original_context,
-                })),
-                "hidden_act": "silu",
-                "attention_bias": false,
-                "mlp_bias": false,
-                "tie_word_embeddings": self.tied,
-                "torch_dtype": "float32",
-            }),
+            Family::Llama => {
+                let mut config = json!({
+                    "architectures": [self.llama_class().0],
+                    "model_type": self.llama_class().1,
+                    "vocab_size": self.vocab,
+                    "hidden_size": self.dim,
+                    "intermediate_size": self.ffn,
+                    "num_hidden_layers": self.layers,
+                    "num_attention_heads": self.heads,
+                    "num_key_value_heads": self.kv_heads,
+                    "head_dim": self.head_dim(),
+                    "max_position_embeddings": self.seq,
+                    "rms_norm_eps": self.norm_eps,
+                    "rope_theta": self.rope_theta,
+                    "rope_scaling": self.rope_scaling.map(|s| json!({
+                        "rope_type": "llama3",
+                        "factor": s.factor,
+                        "low_freq_factor": s.low_freq_factor,
+                        "high_freq_factor": s.high_freq_factor,
+                        "original_max_position_embeddings": s.original_context,
+                    })),
+                    "hidden_act": "silu",
+                    "attention_bias": false,
+                    "mlp_bias": false,
+                    "tie_word_embeddings": self.tied,
+                    "torch_dtype": "float32",
+                });
+                if let Some(window) = self.sliding_window {
+                    config["sliding_window"] = json!(window);
+                }
+                config
+            }
         }
     }
 
@@ -331,7 +339,7 @@ impl Architecture {
                 }
             }
             // Mistral (and SmolLM, whose model_type is "llama") is the Llama block; Mistral's
-            // sliding window, where it has one, is checked against the model's context.
+            // sliding window, where it has one, is the model's `sliding_window`.
             // Qwen2 (and Qwen2.5) is the Llama block with biases on q, k and v.
             // Qwen3 is the Llama block with RMS norms on each query and key head and its own
             // head size (128, whatever the width).
@@ -364,7 +372,8 @@ impl Architecture {
                 if family.starts_with("qwen") {
                     ensure!(
                         !v["use_sliding_window"].as_bool().unwrap_or(false),
-                        "{}: use_sliding_window = true: meshtrain's attention has no window",
+                        "{}: use_sliding_window = true: Qwen's window (on the layers past \
+                         max_window_layers) is not supported; Mistral's is",
                         file.display()
                     );
                 }
@@ -421,12 +430,13 @@ impl Architecture {
                 if self.gelu_tanh { "tanh" } else { "erf" }
             ),
             Family::Llama => format!(
-                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n{}{}{}{}",
+                "[model]\nkind = \"llama\"\nvocab = {}\ndim = {}\nlayers = {}\nheads = {}\nkv_heads = {}\nffn = {}\nseq = {}\nrope_theta = {:?}\nnorm_eps = {:e}\ntie_embeddings = {}\n{}{}{}{}{}",
                 self.vocab, self.dim, self.layers, self.heads, self.kv_heads, self.ffn, self.seq,
                 self.rope_theta, self.norm_eps, self.tied,
                 if self.qkv_bias { "qkv_bias = true\n" } else { "" },
                 self.head_dim.map_or(String::new(), |hd| format!("head_dim = {hd}\n")),
                 if self.qk_norm { "qk_norm = true\n" } else { "" },
+                self.sliding_window.map_or(String::new(), |w| format!("sliding_window = {w}\n")),
                 self.rope_scaling.map_or(String::new(), |s| format!(
                     "\n[model.rope_scaling]\nfactor = {:?}\nlow_freq_factor = {:?}\nhigh_freq_factor = {:?}\noriginal_max_position_embeddings = {}\n",
                     s.factor, s.low_freq_factor, s.high_freq_factor, s.original_context
@@ -499,10 +509,17 @@ impl Architecture {
                 if self.qkv_bias { "with" } else { "without" }
             ));
         }
-        if let Some(window) = from.sliding_window.filter(|&w| w < self.seq) {
+        // A window no shorter than the context trained is full causal attention there.
+        let binding = |w: Option<usize>| w.filter(|&w| w < self.seq);
+        if binding(self.sliding_window) != binding(from.sliding_window) {
+            let window = |w: Option<usize>| match w {
+                Some(w) => format!("a sliding window of {w} positions"),
+                None => "no sliding window".into(),
+            };
             diffs.push(format!(
-                "a sliding window of {window} positions (the model attends to all of its {}: \
-                 the same only for seq ≤ {window}; set model.seq = {window} or less)",
+                "{} (the model: {} over its {} positions; model.sliding_window sets it)",
+                window(from.sliding_window),
+                window(self.sliding_window),
                 self.seq
             ));
         }
@@ -1040,6 +1057,7 @@ mod tests {
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         })
     }
 
@@ -1169,6 +1187,7 @@ mod tests {
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         });
         let err = format!("{:#}", check(dir.path(), &other).unwrap_err());
         assert!(err.contains("kv_heads 2 (the model: 3)"), "{err}");

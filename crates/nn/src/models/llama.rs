@@ -60,6 +60,12 @@ pub struct LlamaConfig {
     /// RMS norms of each query and key head before the rotation (Qwen3).
     #[serde(default, skip_serializing_if = "is_false")]
     pub qk_norm: bool,
+    /// Mistral's sliding window: each token attends to at most this many, itself included
+    /// (none: to every earlier token). Runs on the CPU's memory-efficient attention, and under
+    /// context parallelism with Ulysses; no window reaches past `seq` in training, but a
+    /// generated text longer than it sees only the window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -111,6 +117,16 @@ impl LlamaConfig {
         if let Some(problem) = self.rope_scaling.and_then(|s| s.problem()) {
             return Err(format!("Llama {problem}"));
         }
+        if self.sliding_window == Some(0) {
+            return Err("Llama sliding_window must be at least 1 (each token sees itself)".into());
+        }
+        if self.sliding_window.is_some() && self.attention == AttentionKind::Standard {
+            return Err(
+                "Llama sliding_window runs on the memory-efficient attention kernel: leave \
+                 model.attention at \"flash\""
+                    .into(),
+            );
+        }
         Ok(())
     }
 
@@ -126,6 +142,11 @@ impl LlamaConfig {
         self.head_dim.unwrap_or(self.dim / self.heads)
     }
 
+    /// Keys the last token of a sample attends to: `seq`, or the window when shorter.
+    pub fn attended(&self) -> usize {
+        self.sliding_window.map_or(self.seq, |w| w.min(self.seq))
+    }
+
     /// Parameters, counted from the shapes the model builds.
     pub fn params(&self) -> usize {
         let (d, v, f) = (self.dim, self.vocab, self.ffn);
@@ -138,14 +159,15 @@ impl LlamaConfig {
         v * d + self.layers * block + d + head
     }
 
-    /// Forward + backward FLOPs per sequence (matrix products only, ×3 for backward).
+    /// Forward + backward FLOPs per sequence (matrix products only, ×3 for backward; the
+    /// attention's counted over the keys a token sees, a window's at most).
     pub fn train_flops_per_sequence(&self) -> f64 {
-        let (t, d, v) = (self.seq as f64, self.dim as f64, self.vocab as f64);
+        let (t, d, v) = (self.attended() as f64, self.dim as f64, self.vocab as f64);
         let qkv = d * ((self.heads + 2 * self.kv_heads) * self.head_dim()) as f64;
         let width = (self.heads * self.head_dim()) as f64;
         let per_layer = 2.0 * (qkv + width * d + 3.0 * d * self.ffn as f64) + 4.0 * t * width;
         let per_token = self.layers as f64 * per_layer + 2.0 * d * v;
-        3.0 * per_token * t
+        3.0 * per_token * self.seq as f64
     }
 
     fn block_shape(&self) -> LlamaBlockShape {
@@ -159,6 +181,7 @@ impl LlamaConfig {
             qkv_bias: self.qkv_bias,
             head_dim: self.head_dim(),
             qk_norm: self.qk_norm,
+            window: self.sliding_window,
         }
     }
 }
@@ -235,6 +258,7 @@ mod tests {
             qkv_bias: false,
             head_dim: None,
             qk_norm: false,
+            sliding_window: None,
         }
     }
 

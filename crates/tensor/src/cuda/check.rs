@@ -259,14 +259,20 @@ pub fn run_all(
             check_cross_entropy(dev, &mut rng, 67, 1000, dtype)
                 .unwrap_or_else(|e| vec![failed(name, e)]),
         );
+        // The last four under Mistral's sliding window: shorter than a tile, crossing tiles,
+        // one key, and a whole tile skipped.
         let shapes = [
-            (2, 256, 2, 64),
-            (1, 200, 3, 64),
-            (2, 130, 2, 32),
-            (1, 128, 2, 128),
-            (1, 1, 1, 64),
+            (2, 256, 2, 64, None),
+            (1, 200, 3, 64, None),
+            (2, 130, 2, 32, None),
+            (1, 128, 2, 128, None),
+            (1, 1, 1, 64, None),
+            (2, 256, 2, 64, Some(100)),
+            (2, 130, 2, 32, Some(7)),
+            (1, 128, 2, 128, Some(1)),
+            (1, 200, 3, 64, Some(64)),
         ];
-        for (batch, seq, heads, head_dim) in shapes {
+        for (batch, seq, heads, head_dim, window) in shapes {
             let shape = AttnShape {
                 batch,
                 seq,
@@ -275,7 +281,7 @@ pub fn run_all(
             };
             let name = format!("attention {batch}x{seq} h{heads}x{head_dim} {s}");
             out.extend(
-                check_attention(dev, &mut rng, shape, dtype)
+                check_attention(dev, &mut rng, shape, window, dtype)
                     .unwrap_or_else(|e| vec![failed(name, e)]),
             );
         }
@@ -758,6 +764,7 @@ fn check_attention(
     dev: &Arc<CudaDevice>,
     rng: &mut SplitMix64,
     shape: AttnShape,
+    window: Option<usize>,
     dtype: DType,
 ) -> Result<Vec<CheckResult>, CudaError> {
     let AttnShape {
@@ -776,16 +783,19 @@ fn check_attention(
         dim: d,
         heads,
     };
-    let (out, lse) = crate::flash::flash_attention_forward(cpu_shape, &qkv, dtype);
+    let (out, lse) = crate::flash::flash_attention_forward(cpu_shape, &qkv, dtype, window);
     let out_kept = rounded(&out, dtype);
-    let dqkv =
-        crate::flash::flash_attention_backward(cpu_shape, &qkv, &out_kept, &lse, &dout, dtype);
+    let dqkv = crate::flash::flash_attention_backward(
+        cpu_shape, &qkv, &out_kept, &lse, &dout, dtype, window,
+    );
     let qkv_dev = CudaTensor::from_host(dev, &qkv, dtype)?;
-    let (out_dev, lse_dev) = ops::attention_forward(&qkv_dev, shape)?;
+    let (out_dev, lse_dev) = ops::attention_forward(&qkv_dev, shape, window)?;
     let dout_dev = CudaTensor::from_host(dev, &dout, dtype)?;
-    let dqkv_dev = ops::attention_backward(&qkv_dev, &out_dev, &lse_dev, &dout_dev, shape)?;
+    let dqkv_dev = ops::attention_backward(&qkv_dev, &out_dev, &lse_dev, &dout_dev, shape, window)?;
     let tol = tolerance(dtype);
-    let name = |what: &str| format!("attention {batch}x{seq} h{heads}x{head_dim} {what} {s}");
+    let windowed = window.map_or(String::new(), |w| format!(" window {w}"));
+    let name =
+        |what: &str| format!("attention {batch}x{seq} h{heads}x{head_dim}{windowed} {what} {s}");
     let mut results = vec![
         result(name("forward"), &out_dev.to_host_f32()?, &out, tol),
         result(

@@ -43,6 +43,13 @@ fn check(s: &DecodeShape) -> Result<(), CudaError> {
             "decoding {rows} rows of {heads} heads: at most 65535 of each per pass"
         )));
     }
+    if s.window == Some(0) || s.window.is_some_and(|w| w > i32::MAX as usize) {
+        return Err(CudaError::Unsupported(format!(
+            "decoding through a sliding window of {:?} positions: it must be between 1 and {}",
+            s.window,
+            i32::MAX
+        )));
+    }
     Ok(())
 }
 
@@ -104,8 +111,8 @@ pub fn append_kv(
 }
 
 /// Causal attention of the new rows' queries over the cache (which must already hold the new
-/// rows: [`append_kv`] first): row `i` meets positions `0..=start + i`. Returns `[rows,
-/// heads·head_dim]` f32, softmax scale `1/√head_dim`.
+/// rows: [`append_kv`] first): row `i` meets positions `0..=start + i`, or the last
+/// `shape.window` of them. Returns `[rows, heads·head_dim]` f32, softmax scale `1/√head_dim`.
 pub fn attention(
     qkv: &CudaTensor,
     keys: &CudaTensor,
@@ -154,7 +161,8 @@ pub fn attention(
             .usize_as_i32(shape.heads)
             .usize_as_i32(shape.kv_heads)
             .usize_as_i32(shape.head_dim)
-            .f32(1.0 / (shape.head_dim as f32).sqrt()),
+            .f32(1.0 / (shape.head_dim as f32).sqrt())
+            .usize_as_i32(shape.window.unwrap_or(0)),
     )?;
     Ok(out)
 }
@@ -184,9 +192,17 @@ mod tests {
             heads: 6,
             kv_heads: 4,
             head_dim: 64,
+            window: None,
         };
         assert!(check(&s).is_err(), "6 query heads over 4 key/value heads");
         assert!(check(&DecodeShape { kv_heads: 2, ..s }).is_ok());
+        let windowed = |window| DecodeShape {
+            kv_heads: 2,
+            window,
+            ..s
+        };
+        assert!(check(&windowed(Some(8))).is_ok());
+        assert!(check(&windowed(Some(0))).is_err());
         assert!(check(&DecodeShape { rows: 0, ..s }).is_err());
     }
 
@@ -210,13 +226,22 @@ mod tests {
                 .collect()
         };
         for (heads, kv_heads, head_dim) in [(4, 4, 32), (8, 2, 64), (6, 2, 128), (4, 2, 8)] {
-            for (start, rows) in [(0, 1), (6, 1), (129, 1), (0, 7), (123, 7)] {
+            for (start, rows, window) in [
+                (0, 1, None),
+                (6, 1, None),
+                (129, 1, None),
+                (0, 7, None),
+                (123, 7, None),
+                (129, 1, Some(5)),
+                (123, 7, Some(3)),
+            ] {
                 let s = DecodeShape {
                     rows,
                     start,
                     heads,
                     kv_heads,
                     head_dim,
+                    window,
                 };
                 let (kvw, total) = (s.kv_width(), start + rows);
                 let qkv_h = random(rows * s.qkv_width(), 1.0);
@@ -249,7 +274,8 @@ mod tests {
                         let q = &qkv_h[i * s.qkv_width() + h * head_dim..][..head_dim];
                         let kv = (h / g) * head_dim;
                         let len = start + i + 1;
-                        let scores: Vec<f64> = (0..len)
+                        let first = window.map_or(0, |w: usize| len.saturating_sub(w));
+                        let scores: Vec<f64> = (first..len)
                             .map(|p| {
                                 let k = &k_h[p * kvw + kv..][..head_dim];
                                 q.iter()
@@ -263,8 +289,8 @@ mod tests {
                         let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                         let l: f64 = w.iter().sum();
                         for d in 0..head_dim {
-                            let want = (0..len)
-                                .map(|p| w[p] * v_h[p * kvw + kv + d] as f64)
+                            let want = (first..len)
+                                .map(|p| w[p - first] * v_h[p * kvw + kv + d] as f64)
                                 .sum::<f64>()
                                 / l;
                             let got = out[(i * heads + h) * head_dim + d] as f64;

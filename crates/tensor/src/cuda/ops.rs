@@ -1335,12 +1335,15 @@ pub fn attention_smem(kernel: &str, head_dim: usize) -> u32 {
 }
 
 /// Causal attention forward: `(out [batch, seq, heads·hd] in qkv's dtype, lse [batch, heads,
-/// seq] f32)`. 16-bit inputs run the tensor-core kernel, f32 the exact one.
+/// seq] f32)`, each query seeing at most `window` keys when given (Mistral's sliding
+/// window). 16-bit inputs run the tensor-core kernel, f32 the exact one.
 pub fn attention_forward(
     qkv: &CudaTensor,
     shape: AttnShape,
+    window: Option<usize>,
 ) -> Result<(CudaTensor, CudaTensor), CudaError> {
     shape.check()?;
+    let window = window_arg(window)?;
     let AttnShape {
         batch,
         seq,
@@ -1360,7 +1363,8 @@ pub fn attention_forward(
     let args = append(
         Args::new().ptr(qkv.ptr()).ptr(out.ptr()).ptr(lse.ptr()),
         shape.args(),
-    );
+    )
+    .i32(window);
     let launch = attention_launch(shape, dtype, "fwd");
     dev.launch(
         "attention.cu",
@@ -1373,6 +1377,20 @@ pub fn attention_forward(
 
 fn append(a: Args, b: Args) -> Args {
     a.append(b)
+}
+
+/// The kernels' `window` argument: the keys a query sees at most, 0 for every earlier one.
+fn window_arg(window: Option<usize>) -> Result<i32, CudaError> {
+    match window {
+        None => Ok(0),
+        Some(w) => match i32::try_from(w) {
+            Ok(w) if w > 0 => Ok(w),
+            _ => Err(unsupported(format!(
+                "a sliding window of {w} keys: it must be between 1 and {}",
+                i32::MAX
+            ))),
+        },
+    }
 }
 
 /// Kernel names of `attention.cu`: `attn_{part}_{dtype}_hd{head_dim}`.
@@ -1399,15 +1417,17 @@ pub fn attention_launch(shape: AttnShape, dtype: DType, part: &str) -> Launch {
 }
 
 /// Causal attention backward: `dqkv` in qkv's dtype from the kept `qkv`, `out`, `lse` and
-/// the output gradient.
+/// the output gradient (under the forward's `window`).
 pub fn attention_backward(
     qkv: &CudaTensor,
     out: &CudaTensor,
     lse: &CudaTensor,
     dout: &CudaTensor,
     shape: AttnShape,
+    window: Option<usize>,
 ) -> Result<CudaTensor, CudaError> {
     shape.check()?;
+    let window = window_arg(window)?;
     let AttnShape {
         batch,
         seq,
@@ -1433,7 +1453,8 @@ pub fn attention_backward(
                     .ptr(d_rows.ptr())
                     .ptr(dqkv.ptr()),
                 shape.args(),
-            ),
+            )
+            .i32(window),
         )?;
     }
     Ok(dqkv)
@@ -1501,6 +1522,11 @@ pub mod ring {
             kv_len,
             ..
         } = pair;
+        if let Some(window) = pair.window {
+            return Err(unsupported(format!(
+                "a sliding window of {window} keys (Mistral's) in ring attention on the GPU"
+            )));
+        }
         if q_len == 0 || kv_len == 0 || q_start + q_len > shape.seq || kv_start + kv_len > shape.seq
         {
             return Err(unsupported(format!(
@@ -2184,6 +2210,7 @@ mod tests {
             q_len: 100,
             kv_len: 70,
             causal: false,
+            window: None,
         };
         ring::check_pair(s, pair).unwrap();
         // Queries walk the forward's and dQ's blocks, keys dK/dV's.

@@ -15,6 +15,7 @@ namespace {
 
 struct Shape {
     int B, T, H, HD;
+    int window = 0; // a sliding window: each query sees at most this many keys (0: all)
     int D() const { return H * HD; }
 };
 
@@ -49,26 +50,27 @@ Reference reference(const Shape& s, const std::vector<double>& qkv, const std::v
             auto dk = [&](int t, int d) -> double& { return r.dqkv[((size_t)b * s.T + t) * W + D + h * s.HD + d]; };
             auto dv = [&](int t, int d) -> double& { return r.dqkv[((size_t)b * s.T + t) * W + 2 * D + h * s.HD + d]; };
             for (int i = 0; i < s.T; ++i) {
+                const int lo = s.window > 0 ? std::max(0, i - s.window + 1) : 0;
                 double mx = -INFINITY;
-                for (int j = 0; j <= i; ++j) {
+                for (int j = lo; j <= i; ++j) {
                     double dot = 0.0;
                     for (int d = 0; d < s.HD; ++d) dot += q(i, d) * k(j, d);
                     p[j] = dot * scale;
                     mx = std::max(mx, p[j]);
                 }
                 double sum = 0.0;
-                for (int j = 0; j <= i; ++j) sum += std::exp(p[j] - mx);
+                for (int j = lo; j <= i; ++j) sum += std::exp(p[j] - mx);
                 const double lse = mx + std::log(sum);
                 r.lse[((size_t)b * s.H + h) * s.T + i] = lse;
-                for (int j = 0; j <= i; ++j) p[j] = std::exp(p[j] - lse);
+                for (int j = lo; j <= i; ++j) p[j] = std::exp(p[j] - lse);
                 double Di = 0.0;
                 for (int d = 0; d < s.HD; ++d) {
                     double o = 0.0;
-                    for (int j = 0; j <= i; ++j) o += p[j] * v(j, d);
+                    for (int j = lo; j <= i; ++j) o += p[j] * v(j, d);
                     r.out[((size_t)b * s.T + i) * D + h * s.HD + d] = o;
                     Di += o * go(i, d);
                 }
-                for (int j = 0; j <= i; ++j) {
+                for (int j = lo; j <= i; ++j) {
                     double dp = 0.0;
                     for (int d = 0; d < s.HD; ++d) dp += go(i, d) * v(j, d);
                     const double ds = p[j] * (dp - Di);
@@ -148,14 +150,16 @@ void run(kt::Tally& tally, const Shape& s, uint64_t seed) {
     const bool tensor_cores = sizeof(T) == 2;
     const dim3 grid(tensor_cores ? (s.T + 63) / 64 : (s.T + 3) / 4, s.B * s.H);
     auto sm = [&](const char* p) { return tensor_cores ? smem(p, s.HD) : (size_t)0; };
-    emu::launch(K::fwd, grid, dim3(128), sm("fwd"), qkv, out, lse, s.B, s.T, s.H, scale);
-    const std::string what = kt::fmt("attention %s B=%d T=%d H=%d hd=%d", kt::type_name<T>(), s.B, s.T, s.H, s.HD);
+    emu::launch(K::fwd, grid, dim3(128), sm("fwd"), qkv, out, lse, s.B, s.T, s.H, scale, s.window);
+    const std::string what = kt::fmt("attention %s B=%d T=%d H=%d hd=%d window=%d", kt::type_name<T>(), s.B,
+                                     s.T, s.H, s.HD, s.window);
     tally.check(what + " forward", kt::rel_l2(kt::read(out, n_out), ref.out), kt::tol<T>());
     tally.check(what + " log-sum-exp", kt::rel_l2(kt::read(lse, n_rows), ref.lse), tensor_cores ? 1e-3 : 1e-5);
     emu::launch(Prep<T>::k, dim3(kt::grid_for((long long)n_rows * 32)), dim3(256), 0, out, dout, Dr,
                 s.HD, s.B, s.T, s.H, scale);
-    emu::launch(K::dkdv, grid, dim3(128), sm("dkdv"), qkv, dout, lse, Dr, dqkv, s.B, s.T, s.H, scale);
-    emu::launch(K::dq, grid, dim3(128), sm("dq"), qkv, dout, lse, Dr, dqkv, s.B, s.T, s.H, scale);
+    emu::launch(K::dkdv, grid, dim3(128), sm("dkdv"), qkv, dout, lse, Dr, dqkv, s.B, s.T, s.H, scale,
+                s.window);
+    emu::launch(K::dq, grid, dim3(128), sm("dq"), qkv, dout, lse, Dr, dqkv, s.B, s.T, s.H, scale, s.window);
     const auto got = kt::read(dqkv, n_qkv);
     const char* names[3] = {" dq", " dk", " dv"};
     for (int w = 0; w < 3; ++w)
@@ -327,6 +331,14 @@ int main() {
     run<float, Kernels<f32_hd<64>>>(tally, {1, 37, 2, 64}, 5);
     run<float, Kernels<f32_hd<32>>>(tally, {2, 20, 1, 32}, 6);
     run<float, Kernels<f32_hd<128>>>(tally, {1, 9, 1, 128}, 7);
+    // Mistral's sliding window: shorter than a tile (whole key tiles skipped, the first ones
+    // cut), one key, crossing a tile boundary, longer than the sequence.
+    run<bf16, Kernels<bf16_hd<64>>>(tally, {1, 300, 1, 64, 37}, 16);
+    run<f16, Kernels<f16_hd<32>>>(tally, {1, 200, 1, 32, 1}, 17);
+    run<bf16, Kernels<bf16_hd<128>>>(tally, {1, 200, 1, 128, 100}, 18);
+    run<bf16, Kernels<bf16_hd<32>>>(tally, {2, 64, 1, 32, 500}, 19);
+    run<float, Kernels<f32_hd<64>>>(tally, {1, 37, 2, 64, 5}, 20);
+    run<float, Kernels<f32_hd<32>>>(tally, {2, 20, 1, 32, 1}, 21);
     // Ring attention: chunks of a partial tile (40 rows), of exactly one (64) and of two
     // tiles with a ragged one (150), on 2 and 3 ranks.
     run_ring<bf16, Kernels<bf16_hd<64>>>(tally, {1, 160, 2, 64}, 2, 11);

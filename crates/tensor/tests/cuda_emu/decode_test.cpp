@@ -18,6 +18,7 @@ static Tally tally;
 struct Case {
     int heads, kv_heads, hd;
     int start, rows;  // cache positions before, new rows: the last row sees start + rows
+    int window = 0;   // a sliding window: each row sees at most this many positions (0: all)
 };
 
 /// The Rust side's shared memory for the attention launch (crates/tensor/src/cuda/decode.rs).
@@ -30,8 +31,8 @@ static void run(const Case& c, Rng& rng, bool one_block) {
     const int total = c.start + c.rows;
     const int capacity = total + 3;  // the cache's room: rows past `total` stay poisoned
     const long long kvw = (long long)Hkv * hd, row = 3LL * H * hd;
-    const std::string tag = fmt("decode H=%d Hkv=%d hd=%d start=%d rows=%d%s", H, Hkv, hd,
-                                c.start, c.rows, one_block ? " one-block" : "");
+    const std::string tag = fmt("decode H=%d Hkv=%d hd=%d start=%d rows=%d window=%d%s", H, Hkv,
+                                hd, c.start, c.rows, c.window, one_block ? " one-block" : "");
 
     float* qkv = buffer<float>((size_t)c.rows * row);
     const auto qkvv = fill_random(qkv, (size_t)c.rows * row, rng, -1.0f, 1.0f);
@@ -79,15 +80,16 @@ static void run(const Case& c, Rng& rng, bool one_block) {
     const int threads = 128;
     emu::launch(decode_attn_f32, dim3(H, c.rows), dim3(threads), attn_smem(hd, total, threads),
                 (const float*)qkv, (const float*)keys, (const float*)values, out, c.rows,
-                c.start, H, Hkv, hd, scale);
+                c.start, H, Hkv, hd, scale, c.window);
     std::vector<double> want((size_t)c.rows * H * hd);
     for (int i = 0; i < c.rows; ++i) {
         const int len = c.start + i + 1;
+        const int first = c.window > 0 ? std::max(0, len - c.window) : 0;
         for (int h = 0; h < H; ++h) {
             const int j = h / g;
             std::vector<double> s(len);
             double m = -INFINITY;
-            for (int p = 0; p < len; ++p) {
+            for (int p = first; p < len; ++p) {
                 double dot = 0.0;
                 for (int d = 0; d < hd; ++d)
                     dot += qkvv[(size_t)i * row + (size_t)h * hd + d] *
@@ -96,10 +98,10 @@ static void run(const Case& c, Rng& rng, bool one_block) {
                 m = std::max(m, s[p]);
             }
             double l = 0.0;
-            for (int p = 0; p < len; ++p) l += (s[p] = std::exp(s[p] - m));
+            for (int p = first; p < len; ++p) l += (s[p] = std::exp(s[p] - m));
             for (int d = 0; d < hd; ++d) {
                 double acc = 0.0;
-                for (int p = 0; p < len; ++p) acc += s[p] * kv_v[((size_t)p * Hkv + j) * hd + d];
+                for (int p = first; p < len; ++p) acc += s[p] * kv_v[((size_t)p * Hkv + j) * hd + d];
                 want[((size_t)i * H + h) * hd + d] = acc / l;
             }
         }
@@ -128,6 +130,12 @@ int main() {
             if (len[1] == 130) continue;
             run(Case{4, 2, hd, len[0], len[1]}, rng, false);
         }
+    }
+    // Mistral's sliding window: one position, fewer than the cache, more than it.
+    for (int window : {1, 5, 200}) {
+        run(Case{4, 2, 64, 129, 1, window}, rng, false);
+        run(Case{4, 2, 32, 123, 7, window}, rng, false);
+        run(Case{4, 4, 160, 3, 4, window}, rng, false);
     }
     // The append's grid-stride loop on one block.
     run(Case{6, 2, 64, 5, 9}, rng, true);

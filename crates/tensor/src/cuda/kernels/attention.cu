@@ -170,10 +170,11 @@ __device__ __forceinline__ void store_rows(T* dst, long long stride, const float
 // Block pairs. Every kernel below works on one (sample, head)'s pair of a block of query
 // rows and a block of key rows, each operand at its row 0 with rows `*_stride` values
 // apart. A causal pair starts at the same sequence position on both sides (query i sees
-// keys 0..=i); any other pair's keys all precede its queries (every key is seen). The whole
-// causal product over a fused [B, T, 3·D] activation is the pair (T, T, causal) of each
-// sample's head ([`fused_pair`]); ring attention meets another rank's key/value block as
-// such pairs ([`ring_pair`]).
+// keys 0..=i, or under a sliding window of w only i + 1 − w..=i, Mistral's); any other
+// pair's keys all precede its queries (every key is seen). The whole causal product over a
+// fused [B, T, 3·D] activation is the pair (T, T, causal) of each sample's head
+// ([`fused_pair`]); ring attention meets another rank's key/value block as such pairs
+// ([`ring_pair`], never windowed).
 template <typename T> struct Pair {
     const T* q;
     const T* k;           // v is `v_at` values after k (D in both layouts)
@@ -183,8 +184,34 @@ template <typename T> struct Pair {
     long long q_stride, kv_stride, dout_stride;
     int v_at, q_rows, kv_rows;
     bool causal;
+    int window; // keys a query sees at most, itself included (0: every earlier one)
 
     __device__ __forceinline__ const T* v() const { return k + v_at; }
+
+    // The first key query `row` sees.
+    __device__ __forceinline__ int first_key(int row) const {
+        return window > 0 ? max(0, row - window + 1) : 0;
+    }
+    // The first key tile the query tile starting at q0 meets (its first row sees the least).
+    __device__ __forceinline__ int first_key_tile(int q0) const { return first_key(q0) / TILE; }
+    // Query tiles (from tile 0) up to the last one holding a query that sees a key of the
+    // tile starting at k0: all of them, or under a window those up to its last key's reach.
+    __device__ __forceinline__ int query_tiles(int k0) const {
+        const int all = (q_rows + TILE - 1) / TILE;
+        if (window <= 0) return all;
+        const int end = min(q_rows, k0 + TILE - 1 + window);
+        return min(all, (end + TILE - 1) / TILE);
+    }
+    // Whether the window hides some key of the tile at k0 from some query of the tile at q0
+    // (the tiles' pairs that need the window's mask).
+    __device__ __forceinline__ bool window_cuts(int q0, int k0) const {
+        return window > 0 && k0 < q0 + TILE - window;
+    }
+    // Whether key `key` lies outside what query `row` sees (past the diagonal, before the
+    // window, or past the block's keys).
+    __device__ __forceinline__ bool unseen(int row, int key) const {
+        return (causal && key > row) || key < first_key(row) || key >= kv_rows;
+    }
 
     // Key tiles the query tile starting at q0 meets: under a causal mask those up to the
     // diagonal.
@@ -196,16 +223,18 @@ template <typename T> struct Pair {
     __device__ __forceinline__ int keys_of(int row) const {
         return causal ? min(row + 1, kv_rows) : kv_rows;
     }
-    // Whether query `row` does not see key `key`.
+    // Whether query `row` does not see key `key` (or is past the block's queries).
     __device__ __forceinline__ bool hidden(int row, int key) const {
-        return (causal && key > row) || key >= kv_rows || row >= q_rows;
+        return unseen(row, key) || row >= q_rows;
     }
 };
 
-// Sample b, head h of the whole causal product over a fused [B, Tn, 3·D] activation.
+// Sample b, head h of the whole causal product over a fused [B, Tn, 3·D] activation, each
+// query seeing at most `window` keys (0: all before it).
 template <typename T, int HD>
 __device__ __forceinline__ Pair<T> fused_pair(const T* qkv, const T* dout, const float* lse,
-                                              const float* Drows, int b, int h, int Tn, int H) {
+                                              const float* Drows, int b, int h, int Tn, int H,
+                                              int window) {
     const int D = H * HD;
     const T* base = qkv + (long long)b * Tn * 3 * D + h * HD;
     const long long rows_at = ((long long)b * H + h) * Tn;
@@ -220,6 +249,7 @@ __device__ __forceinline__ Pair<T> fused_pair(const T* qkv, const T* dout, const
     p.dout_stride = D;
     p.q_rows = p.kv_rows = Tn;
     p.causal = true;
+    p.window = window;
     return p;
 }
 
@@ -247,6 +277,7 @@ __device__ __forceinline__ Pair<T> ring_pair(const T* qkv, const T* kv, const T*
     p.q_rows = q_len;
     p.kv_rows = kv_len;
     p.causal = causal != 0;
+    p.window = 0;
     return p;
 }
 
@@ -297,19 +328,19 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
     const int c = 2 * (lane % 4);
     const int row0 = q0 + warp * 16 + lane / 4; // this lane's rows: row0 and row0 + 8
     const float scale2 = scale * LOG2E;         // scores in log2 units: exp2f is one instruction
-    const int key_tiles = p.key_tiles(q0);
+    const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0);
 
     load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
-    load_tile_async<T, HD>(sK, p.k, p.kv_stride, 0, p.kv_rows);
-    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, 0, p.kv_rows);
+    load_tile_async<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
+    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
 
     unsigned qa[HD / 16][4];
     zero<HD>(o);
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
-    for (int kt = 0; kt < key_tiles; ++kt) {
-        const int buf = kt & 1;
+    for (int kt = kt0; kt < key_tiles; ++kt) {
+        const int buf = (kt - kt0) & 1;
         if (kt + 1 < key_tiles) {
             const int nb = (buf ^ 1) * TILE_VALUES;
             load_tile_async<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
@@ -320,7 +351,7 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
             mt_cp_async_wait<0>();
         }
         __syncthreads();
-        if (kt == 0) load_rows<T, HD>(qa, sQ, warp * 16, lane);
+        if (kt == kt0) load_rows<T, HD>(qa, sQ, warp * 16, lane);
         const T* K = sK + buf * TILE_VALUES;
         const T* V = sV + buf * TILE_VALUES;
 
@@ -329,9 +360,10 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
         mma_a_xt<T, HD, TILE>(s, qa, K, LD, lane);
 
         // Scale, and mask on the last tile (the only one holding keys past the diagonal or
-        // past the block: tiles are aligned, so earlier keys precede every row).
-        const bool edge = kt == key_tiles - 1;
+        // past the block: tiles are aligned, so earlier keys precede every row) and on the
+        // first ones a window cuts.
         const int k0 = kt * TILE;
+        const bool edge = kt == key_tiles - 1 || p.window_cuts(q0, k0);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
@@ -339,7 +371,7 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
                 float v = s[j][e] * scale2;
-                if (edge && ((p.causal && key > row) || key >= p.kv_rows)) v = -INFINITY;
+                if (edge && p.unseen(row, key)) v = -INFINITY;
                 s[j][e] = v;
                 mx[e >> 1] = fmaxf(mx[e >> 1], v);
             }
@@ -396,13 +428,14 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
 }
 
 template <typename T, int HD>
-__device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, float scale) {
+__device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, float scale,
+                        int window) {
     constexpr int LD = HD + 8;
     DYNAMIC_SMEM(unsigned char, smem);
     T* sQ = reinterpret_cast<T*>(smem);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TILE;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const Pair<T> p = fused_pair<T, HD>(qkv, nullptr, nullptr, nullptr, b, h, Tn, H);
+    const Pair<T> p = fused_pair<T, HD>(qkv, nullptr, nullptr, nullptr, b, h, Tn, H, window);
     float o[HD / 8][4], m[2], l[2];
     forward_tiles<T, HD>(p, q0, sQ, scale, o, m, l);
 
@@ -524,7 +557,7 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
             sD[slot * TILE + r] = valid ? p.Drows[q0 + r] : 0.0f;
         }
     };
-    const int qt0 = p.causal ? k0 / TILE : 0, q_tiles = (p.q_rows + TILE - 1) / TILE;
+    const int qt0 = p.causal ? k0 / TILE : 0, q_tiles = p.query_tiles(k0);
     zero<HD>(dk);
     zero<HD>(dv);
     if (qt0 >= q_tiles) return; // no query sees these keys (a causal pair with fewer queries)
@@ -562,9 +595,10 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
             load_rows<T, HD>(ka, sK, warp * 16, lane);
             mma_a_xt<T, HD, TILE>(st, ka, Q, LD, lane);
         }
-        // The diagonal tile (a causal pair's first) and the last one (padded queries) need
-        // the mask; padded keys are never stored.
-        const bool edge = (p.causal && qt == qt0) || q0 + TILE > p.q_rows;
+        // The diagonal tile (a causal pair's first), the last one (padded queries) and
+        // those a window cuts need the mask; padded keys are never stored.
+        const bool edge =
+            (p.causal && qt == qt0) || q0 + TILE > p.q_rows || p.window_cuts(q0, k0);
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
@@ -606,14 +640,14 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
 
 template <typename T, int HD>
 __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, const float* Drows,
-                              T* dqkv, int B, int Tn, int H, float scale) {
+                              T* dqkv, int B, int Tn, int H, float scale, int window) {
     constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
     DYNAMIC_SMEM(unsigned char, smem);
     T* sK = reinterpret_cast<T*>(smem);
     T* sV = sK + TILE_VALUES;
     const int k0 = blockIdx.x * TILE;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H);
+    const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
     float dk[HD / 8][4], dv[HD / 8][4];
     dkdv_tiles<T, HD>(p, k0, sK, scale, dk, dv);
 
@@ -671,18 +705,18 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
         lse2[i] = r < p.q_rows ? p.lse[r] * LOG2E : INFINITY; // padded queries: P = 0
         d_row[i] = r < p.q_rows ? p.Drows[r] : 0.0f;
     }
-    const int key_tiles = p.key_tiles(q0);
+    const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0);
 
     load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
     load_tile_async<T, HD>(sdO, p.dout, p.dout_stride, q0, p.q_rows);
-    load_tile_async<T, HD>(sK, p.k, p.kv_stride, 0, p.kv_rows);
-    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, 0, p.kv_rows);
+    load_tile_async<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
+    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
 
     unsigned qa[HD / 16][4], doa[HD / 16][4];
     zero<HD>(dq);
-    for (int kt = 0; kt < key_tiles; ++kt) {
-        const int buf = kt & 1;
+    for (int kt = kt0; kt < key_tiles; ++kt) {
+        const int buf = (kt - kt0) & 1;
         if (kt + 1 < key_tiles) {
             const int nb = (buf ^ 1) * TILE_VALUES;
             load_tile_async<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
@@ -693,7 +727,7 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
             mt_cp_async_wait<0>();
         }
         __syncthreads();
-        if (kt == 0) {
+        if (kt == kt0) {
             load_rows<T, HD>(qa, sQ, warp * 16, lane);
             load_rows<T, HD>(doa, sdO, warp * 16, lane);
         }
@@ -705,14 +739,14 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
         float s[TILE / 8][4];
         zero<TILE>(s);
         mma_a_xt<T, HD, TILE>(s, qa, K, LD, lane);
-        const bool edge = kt == key_tiles - 1;
+        const bool edge = kt == key_tiles - 1 || p.window_cuts(q0, k0);
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
                 float pr = exp2f(s[j][e] * scale2 - lse2[e >> 1]);
-                if (edge && ((p.causal && key > row) || key >= p.kv_rows)) pr = 0.0f;
+                if (edge && p.unseen(row, key)) pr = 0.0f;
                 s[j][e] = pr;
             }
         }
@@ -735,13 +769,13 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
 
 template <typename T, int HD>
 __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const float* Drows,
-                            T* dqkv, int B, int Tn, int H, float scale) {
+                            T* dqkv, int B, int Tn, int H, float scale, int window) {
     constexpr int LD = HD + 8;
     DYNAMIC_SMEM(unsigned char, smem);
     T* sQ = reinterpret_cast<T*>(smem);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TILE;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H);
+    const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
     float dq[HD / 8][4];
     dq_tiles<T, HD>(p, q0, sQ, scale, dq);
     // The warp's own rows of sQ (only it read them, at kt = 0) stage dQ.
@@ -814,7 +848,7 @@ __device__ __forceinline__ void forward_row_f32(const Pair<float>& p, int qi, fl
     m = -INFINITY;
     l = 0.0f;
     const int keys = p.keys_of(qi);
-    for (int kj = 0; kj < keys; ++kj) {
+    for (int kj = p.first_key(qi); kj < keys; ++kj) {
         const float* k = p.k + (long long)kj * p.kv_stride;
         float s = 0.0f;
 #pragma unroll
@@ -832,13 +866,14 @@ __device__ __forceinline__ void forward_row_f32(const Pair<float>& p, int qi, fl
 
 template <int HD>
 __device__ void forward_f32(const float* qkv, float* out, float* lse, int B, int Tn, int H,
-                            float scale) {
+                            float scale, int window) {
     constexpr int PER = HD / 32;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int qi = blockIdx.x * 4 + warp;
     if (qi >= Tn) return;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const Pair<float> p = fused_pair<float, HD>(qkv, nullptr, nullptr, nullptr, b, h, Tn, H);
+    const Pair<float> p =
+        fused_pair<float, HD>(qkv, nullptr, nullptr, nullptr, b, h, Tn, H, window);
     float o[PER], m, l;
     forward_row_f32<HD>(p, qi, scale, o, m, l);
     const int D = H * HD;
@@ -885,7 +920,8 @@ __device__ __forceinline__ void dkdv_row_f32(const Pair<float>& p, int kj, float
         v[i] = p.v()[(long long)kj * p.kv_stride + lane + 32 * i];
         dk[i] = dv[i] = 0.0f;
     }
-    for (int qi = p.causal ? kj : 0; qi < p.q_rows; ++qi) {
+    const int last = p.window > 0 ? min(p.q_rows, kj + p.window) : p.q_rows;
+    for (int qi = p.causal ? kj : 0; qi < last; ++qi) {
         const float* q = p.q + (long long)qi * p.q_stride;
         const float* g = p.dout + (long long)qi * p.dout_stride;
         float s = 0.0f, dp = 0.0f;
@@ -908,13 +944,13 @@ __device__ __forceinline__ void dkdv_row_f32(const Pair<float>& p, int kj, float
 
 template <int HD>
 __device__ void dkdv_f32(const float* qkv, const float* dout, const float* lse, const float* Drows,
-                         float* dqkv, int B, int Tn, int H, float scale) {
+                         float* dqkv, int B, int Tn, int H, float scale, int window) {
     constexpr int PER = HD / 32;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int kj = blockIdx.x * 4 + warp;
     if (kj >= Tn) return;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const Pair<float> p = fused_pair<float, HD>(qkv, dout, lse, Drows, b, h, Tn, H);
+    const Pair<float> p = fused_pair<float, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
     float dk[PER], dv[PER];
     dkdv_row_f32<HD>(p, kj, scale, dk, dv);
     const int D = H * HD;
@@ -964,7 +1000,7 @@ __device__ __forceinline__ void dq_row_f32(const Pair<float>& p, int qi, float s
         dq[i] = 0.0f;
     }
     const int keys = p.keys_of(qi);
-    for (int kj = 0; kj < keys; ++kj) {
+    for (int kj = p.first_key(qi); kj < keys; ++kj) {
         const float* k = p.k + (long long)kj * p.kv_stride;
         const float* v = p.v() + (long long)kj * p.kv_stride;
         float s = 0.0f, dp = 0.0f;
@@ -983,13 +1019,13 @@ __device__ __forceinline__ void dq_row_f32(const Pair<float>& p, int qi, float s
 
 template <int HD>
 __device__ void dq_f32(const float* qkv, const float* dout, const float* lse, const float* Drows,
-                       float* dqkv, int B, int Tn, int H, float scale) {
+                       float* dqkv, int B, int Tn, int H, float scale, int window) {
     constexpr int PER = HD / 32;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int qi = blockIdx.x * 4 + warp;
     if (qi >= Tn) return;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
-    const Pair<float> p = fused_pair<float, HD>(qkv, dout, lse, Drows, b, h, Tn, H);
+    const Pair<float> p = fused_pair<float, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
     float dq[PER];
     dq_row_f32<HD>(p, qi, scale, dq);
     float* dst = dqkv + ((long long)b * Tn + qi) * 3 * H * HD + h * HD;
@@ -1061,18 +1097,18 @@ __device__ void ring_start(float* out, long long n_out, float* lse, long long n_
 #define ATTN_HALF(T, NAME, HD)                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         attn_fwd_##NAME##_hd##HD(const T* qkv, T* out, float* lse, int B, int Tn, int H,       \
-                                 float scale) {                                                \
-        attn::forward<T, HD>(qkv, out, lse, B, Tn, H, scale);                                  \
+                                 float scale, int window) {                                    \
+        attn::forward<T, HD>(qkv, out, lse, B, Tn, H, scale, window);                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_dkdv_##NAME##_hd##HD(               \
         const T* qkv, const T* dout, const float* lse, const float* Drows, T* dqkv, int B,     \
-        int Tn, int H, float scale) {                                                          \
-        attn::backward_dkdv<T, HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale);              \
+        int Tn, int H, float scale, int window) {                                              \
+        attn::backward_dkdv<T, HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale, window);      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_dq_##NAME##_hd##HD(                 \
         const T* qkv, const T* dout, const float* lse, const float* Drows, T* dqkv, int B,     \
-        int Tn, int H, float scale) {                                                          \
-        attn::backward_dq<T, HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale);                \
+        int Tn, int H, float scale, int window) {                                              \
+        attn::backward_dq<T, HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale, window);        \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_ring_fwd_##NAME##_hd##HD(           \
         const T* qkv, const T* kv, float* out, float* lse, ATTN_RING_ARGS) {                   \
@@ -1092,18 +1128,18 @@ __device__ void ring_start(float* out, long long n_out, float* lse, long long n_
 #define ATTN_F32(HD)                                                                           \
     extern "C" __global__ void __launch_bounds__(128)                                          \
         attn_fwd_f32_hd##HD(const float* qkv, float* out, float* lse, int B, int Tn, int H,    \
-                            float scale) {                                                     \
-        attn::forward_f32<HD>(qkv, out, lse, B, Tn, H, scale);                                 \
+                            float scale, int window) {                                         \
+        attn::forward_f32<HD>(qkv, out, lse, B, Tn, H, scale, window);                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_dkdv_f32_hd##HD(                    \
         const float* qkv, const float* dout, const float* lse, const float* Drows,             \
-        float* dqkv, int B, int Tn, int H, float scale) {                                      \
-        attn::dkdv_f32<HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale);                      \
+        float* dqkv, int B, int Tn, int H, float scale, int window) {                          \
+        attn::dkdv_f32<HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale, window);              \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_dq_f32_hd##HD(                      \
         const float* qkv, const float* dout, const float* lse, const float* Drows,             \
-        float* dqkv, int B, int Tn, int H, float scale) {                                      \
-        attn::dq_f32<HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale);                        \
+        float* dqkv, int B, int Tn, int H, float scale, int window) {                          \
+        attn::dq_f32<HD>(qkv, dout, lse, Drows, dqkv, B, Tn, H, scale, window);                \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attn_ring_fwd_f32_hd##HD(                \
         const float* qkv, const float* kv, float* out, float* lse, ATTN_RING_ARGS) {           \
