@@ -304,27 +304,31 @@ pub struct ReadOptions {
     pub batch_bytes: usize,
     /// Reader threads, each on its own part.
     pub readers: usize,
+    /// Stop after this many documents (the last one with all its pieces).
+    pub max_documents: Option<usize>,
 }
 
 /// What a reader tells the consumer about its part, in order.
 enum Sent {
     Batch(Vec<Document>),
-    /// The part is read; the lines or rows it left out under `skip_bad`.
+    /// The part is read (or its reader was told to stop); the lines or rows it left out
+    /// under `skip_bad`.
     Done(usize),
     Failed(anyhow::Error),
 }
 
 /// Reads `parts` with `options.readers` threads and hands their documents to `consume` in
-/// corpus order, in batches, whichever thread read them; `consume` returns whether to go on.
-/// Each thread takes the next unread part; its batches wait in that part's own queue (one
-/// batch deep) until the consumer reaches the part, so the output does not depend on the
-/// number of readers, and memory holds at most two batches a reader. The first error in
-/// corpus order is returned, as a single reader would meet it. Returns the lines left out
-/// under `skip_bad` in the parts read to their end.
+/// corpus order, in batches, whichever thread read them. Each thread takes the next unread
+/// part; its batches wait in that part's own queue (one batch deep) until the consumer
+/// reaches the part, so the output does not depend on the number of readers, and memory
+/// holds at most two batches a reader. The first error in corpus order is returned, as a
+/// single reader would meet it. After `max_documents` nothing more is handed over or waited
+/// for (a later part's error is not met), and the part being read stops at its next
+/// document. Returns the lines left out under `skip_bad`.
 pub fn read_in_order(
     parts: &[Part],
     options: &ReadOptions,
-    mut consume: impl FnMut(Vec<Document>) -> Result<bool>,
+    mut consume: impl FnMut(Vec<Document>) -> Result<()>,
 ) -> Result<usize> {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::mpsc::{sync_channel, SyncSender};
@@ -334,6 +338,7 @@ pub fn read_in_order(
     let senders: Vec<Mutex<Option<SyncSender<Sent>>>> =
         senders.into_iter().map(|s| Mutex::new(Some(s))).collect();
     let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let limit = options.max_documents.unwrap_or(usize::MAX);
     std::thread::scope(|scope| {
         for _ in 0..options.readers.clamp(1, parts.len().max(1)) {
             scope.spawn(|| {
@@ -342,19 +347,41 @@ pub fn read_in_order(
                     let Some(part) = parts.get(i) else { break };
                     let sender = senders[i].lock().ok().and_then(|mut s| s.take());
                     let Some(sender) = sender else { break };
-                    read_part(part, options, &sender);
+                    read_part(part, options, &sender, &stop);
                 }
             });
         }
         // The receivers are consumed here, so an early return drops the rest and a reader
         // waiting to hand over a batch nobody will take stops.
         let consumed = (|| {
-            let mut skipped = 0;
+            let (mut skipped, mut documents) = (0, 0usize);
             for (part, receiver) in parts.iter().zip(receivers) {
+                if documents == limit {
+                    // A document never spans parts: the limit's last one is whole.
+                    break;
+                }
                 loop {
                     match receiver.recv() {
-                        Ok(Sent::Batch(batch)) => {
-                            if !consume(batch)? {
+                        Ok(Sent::Batch(mut batch)) => {
+                            // The batch up to the first document past the limit.
+                            let past = batch.iter().position(|d| {
+                                documents += usize::from(!d.continues);
+                                documents > limit
+                            });
+                            if let Some(end) = past {
+                                batch.truncate(end);
+                                documents = limit;
+                            }
+                            consume(batch)?;
+                            if past.is_some() {
+                                // Stop the part's reader and take its count of what it left
+                                // out; what it met past the limit does not matter.
+                                stop.store(true, Ordering::Relaxed);
+                                while let Ok(sent) = receiver.recv() {
+                                    if let Sent::Done(left_out) = sent {
+                                        skipped += left_out;
+                                    }
+                                }
                                 return Ok(skipped);
                             }
                         }
@@ -374,13 +401,21 @@ pub fn read_in_order(
     })
 }
 
-/// One part's documents into `sender` in batches, then whether it ended well; stops without a
-/// word once the consumer has gone.
-fn read_part(part: &Part, options: &ReadOptions, sender: &std::sync::mpsc::SyncSender<Sent>) {
+/// One part's documents into `sender` in batches, then how it ended; stops at its next
+/// document once `stop` is set, and without a word once the consumer has gone.
+fn read_part(
+    part: &Part,
+    options: &ReadOptions,
+    sender: &std::sync::mpsc::SyncSender<Sent>,
+    stop: &std::sync::atomic::AtomicBool,
+) {
     let mut batch = Vec::new();
     let mut batch_bytes = 0;
     let mut consumer_gone = false;
     let mut hand_over = |doc: Document| -> Result<bool> {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(false);
+        }
         batch_bytes += doc.text.len();
         batch.push(doc);
         if batch_bytes >= options.batch_bytes {
@@ -724,33 +759,68 @@ pub(crate) mod tests {
             text_pieces: None,
             batch_bytes,
             readers,
+            max_documents: None,
         };
         for readers in [1, 2, 3, 8] {
             for batch_bytes in [1, 40, 1 << 20] {
                 let mut got = Vec::new();
                 read_in_order(&parts, &options(readers, batch_bytes), |batch| {
                     got.extend(batch.into_iter().map(|d| d.text));
-                    Ok(true)
+                    Ok(())
                 })
                 .unwrap();
                 assert_eq!(
                     got, want,
                     "{readers} readers, batches of {batch_bytes} bytes"
                 );
-                let mut seen = 0;
-                read_in_order(&parts, &options(readers, 1), |batch| {
-                    seen += batch.len();
-                    Ok(seen < 17)
-                })
-                .unwrap();
-                assert_eq!(seen, 17, "stopping early with {readers} readers");
+                // At most 17 documents (inside a row group) or 14 (the first two files whole).
+                for limit in [17, 14] {
+                    let mut seen = Vec::new();
+                    let stop = ReadOptions {
+                        max_documents: Some(limit),
+                        ..options(readers, batch_bytes)
+                    };
+                    read_in_order(&parts, &stop, |batch| {
+                        seen.extend(batch.into_iter().map(|d| d.text));
+                        Ok(())
+                    })
+                    .unwrap();
+                    assert_eq!(seen, want[..limit], "{limit} of them, {readers} readers");
+                }
             }
         }
+        // Past the limit a bad file is never met; what the last part read left out is
+        // counted.
+        let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+        std::fs::write(&a, "{\"text\": 1}\n{\"text\": \"x\"}\n{\"text\": \"y\"}\n").unwrap();
+        std::fs::write(&b, "{broken\n").unwrap();
+        let mut short = parts[..1].to_vec(); // 2 documents (row group 0)
+        short.extend(parts_of(&[a, b]).unwrap());
+        let limited = |max, skip_bad| ReadOptions {
+            max_documents: Some(max),
+            skip_bad,
+            ..options(2, 1)
+        };
+        let mut texts = Vec::new();
+        let skipped = read_in_order(&short, &limited(3, true), |batch| {
+            texts.extend(batch.into_iter().map(|d| d.text));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            (texts.len(), skipped),
+            (3, 1),
+            "a.jsonl's bad first line counted"
+        );
+        read_in_order(&short, &limited(4, false), |_| Ok(()))
+            .expect_err("a.jsonl's first line is before the limit");
+        let e = read_in_order(&short, &limited(4, true), |_| Ok(()));
+        assert_eq!(e.ok(), Some(1), "b.jsonl lies past the limit of 4");
         // Two bad files: the earlier one is named, even when a later reader fails first.
         std::fs::write(&files[3], gzip(b"{\"text\": 1}\n")).unwrap();
         std::fs::write(&files[7], b"{\"text\": 2}\n").unwrap();
         for readers in [1, 4, 8] {
-            let e = read_in_order(&parts, &options(readers, 1), |_| Ok(true)).unwrap_err();
+            let e = read_in_order(&parts, &options(readers, 1), |_| Ok(())).unwrap_err();
             let e = format!("{e:#}");
             assert!(
                 e.contains("1b.jsonl.gz:1: the field"),

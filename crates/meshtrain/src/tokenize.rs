@@ -460,7 +460,6 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         Shards::new(&partial, "val", args.shard_tokens, vocab),
     );
     let started = Instant::now();
-    let limit = args.max_documents.unwrap_or(usize::MAX);
     let bar = progress_bar();
     let parts = crate::corpus::parts_of(&files)?;
     let options = crate::corpus::ReadOptions {
@@ -469,17 +468,10 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         text_pieces: args.tokenizer.is_none().then_some(TEXT_PIECE_BYTES),
         batch_bytes: BATCH_BYTES,
         readers: args.readers.map_or_else(default_readers, usize::from),
+        max_documents: args.max_documents,
     };
     let (mut documents, mut bytes) = (0usize, 0usize);
-    let read = crate::corpus::read_in_order(&parts, &options, |mut batch| {
-        // --max-documents: the batch up to the document past the limit.
-        let mut starts = documents;
-        if let Some(end) = batch.iter().position(|d| {
-            starts += usize::from(!d.continues);
-            starts > limit
-        }) {
-            batch.truncate(end);
-        }
+    let read = crate::corpus::read_in_order(&parts, &options, |batch| {
         let tokens: Vec<Result<Vec<u32>>> =
             batch.par_iter().map(|d| encode_text(&d.text)).collect();
         for (doc, tokens) in batch.iter().zip(tokens) {
@@ -499,7 +491,7 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
             bytes as f64 / 1e6 / seconds
         ));
         bar.tick();
-        Ok(starts <= limit)
+        Ok(())
     });
     bar.finish_and_clear();
     let outcome = read.and_then(|skipped| {

@@ -157,6 +157,15 @@ fn export_then_transformers_gives_our_logits() {
         eprintln!("{name}: export → transformers: max difference {d:.2e} of the largest logit");
         assert!(d <= 1e-4, "{name}: {d:.2e}");
     }
+    // A binding window beside Qwen's biases or norms has no transformers class: refused, not
+    // exported as a Qwen that would attend to every position.
+    for qwen in [QWEN2, QWEN3] {
+        let model = build_model(&config(&format!("{qwen}sliding_window = 8\n")).model);
+        let store = seeded(&model);
+        let dir = tempfile::tempdir().unwrap();
+        let e = meshtrain_train::hf::export(&model, &store.values, dir.path()).unwrap_err();
+        assert!(e.to_string().contains("no transformers class"), "{e}");
+    }
 }
 
 /// `--init-from` a directory transformers saved: the trainer's weights give its logits.

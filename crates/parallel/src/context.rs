@@ -367,12 +367,19 @@ fn rewrite(layer: &mut dyn Layer, cp: &CpContext) -> Option<Box<dyn Layer>> {
     if let Some(any) = layer.as_any() {
         if let Some(core) = any.downcast_ref::<AttentionCore>() {
             return Some(match cp.mode {
-                CpMode::Ring => Box::new(RingAttention {
-                    dim: core.dim,
-                    heads: core.heads,
-                    precision: core.precision,
-                    cp: cp.clone(),
-                }),
+                CpMode::Ring => {
+                    // `check` refuses a window under ring attention before any work.
+                    assert!(
+                        core.window.is_none(),
+                        "ring attention over a sliding window (call context::check first)"
+                    );
+                    Box::new(RingAttention {
+                        dim: core.dim,
+                        heads: core.heads,
+                        precision: core.precision,
+                        cp: cp.clone(),
+                    })
+                }
                 CpMode::Ulysses => Box::new(UlyssesAttention {
                     inner: AttentionCore {
                         dim: core.dim / cp.group.size(),

@@ -194,7 +194,7 @@ impl BlockPair {
             return 0..self.q_len;
         }
         let end = match self.window {
-            Some(w) => (c1 - 1 + w).min(self.q_len),
+            Some(w) => (c1 - 1).saturating_add(w).min(self.q_len),
             None => self.q_len,
         };
         c0.min(end)..end

@@ -796,6 +796,21 @@ impl Piece {
 /// `transformers` requires).
 pub fn export(model: &Model, values: &[f32], dir: &Path) -> Result<Architecture> {
     let arch = Architecture::of(model)?;
+    if let Some(window) = arch.sliding_window.filter(|&w| w < arch.seq) {
+        ensure!(
+            !arch.qkv_bias && !arch.qk_norm,
+            "a sliding window of {window} positions with {}: no transformers class is this \
+             model (Mistral's has neither, and Qwen's window spares its first layers), so it \
+             would load as another; export it without the window (model.sliding_window) or \
+             without the {}",
+            if arch.qk_norm {
+                "q/k norms (Qwen3's)"
+            } else {
+                "q/k/v biases (Qwen2's)"
+            },
+            if arch.qk_norm { "norms" } else { "biases" }
+        );
+    }
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for p in pieces(&arch, arch.seq) {

@@ -1343,7 +1343,7 @@ pub fn attention_forward(
     window: Option<usize>,
 ) -> Result<(CudaTensor, CudaTensor), CudaError> {
     shape.check()?;
-    let window = window_arg(window)?;
+    let window = window_arg(window, shape.seq)?;
     let AttnShape {
         batch,
         seq,
@@ -1379,17 +1379,18 @@ fn append(a: Args, b: Args) -> Args {
     a.append(b)
 }
 
-/// The kernels' `window` argument: the keys a query sees at most, 0 for every earlier one.
-fn window_arg(window: Option<usize>) -> Result<i32, CudaError> {
+/// The kernels' `window` argument over `seq` rows: the keys a query sees at most, 0 for
+/// every earlier one (also for a window no shorter than the rows, which hides nothing: the
+/// kernels' bounds then stay far from `int`'s end).
+fn window_arg(window: Option<usize>, seq: usize) -> Result<i32, CudaError> {
     match window {
-        None => Ok(0),
-        Some(w) => match i32::try_from(w) {
-            Ok(w) if w > 0 => Ok(w),
-            _ => Err(unsupported(format!(
-                "a sliding window of {w} keys: it must be between 1 and {}",
-                i32::MAX
-            ))),
-        },
+        Some(0) => Err(unsupported(
+            "a sliding window of no keys (each query sees itself)".into(),
+        )),
+        Some(w) if w < seq => {
+            i32::try_from(w).map_err(|_| unsupported(format!("a sliding window of {w} keys")))
+        }
+        _ => Ok(0),
     }
 }
 
@@ -1427,7 +1428,7 @@ pub fn attention_backward(
     window: Option<usize>,
 ) -> Result<CudaTensor, CudaError> {
     shape.check()?;
-    let window = window_arg(window)?;
+    let window = window_arg(window, shape.seq)?;
     let AttnShape {
         batch,
         seq,
@@ -2149,6 +2150,12 @@ mod tests {
 
     #[test]
     fn attention_shapes_outside_the_kernels_are_refused_by_name() {
+        // A sliding window: 0 keys refused, one no shorter than the rows passed as none.
+        assert_eq!(window_arg(None, 16).unwrap(), 0);
+        assert_eq!(window_arg(Some(5), 16).unwrap(), 5);
+        assert_eq!(window_arg(Some(16), 16).unwrap(), 0);
+        assert_eq!(window_arg(Some(usize::MAX), 16).unwrap(), 0);
+        assert!(window_arg(Some(0), 16).is_err());
         let s = AttnShape {
             batch: 2,
             seq: 16,
