@@ -101,7 +101,7 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         Err(e) => println!("without tokenizer files: {e:#}"),
     }
     println!(
-        "wrote {} ({} for transformers: {:?}, {} parameters): load it with \
+        "wrote {} ({} for transformers: {}, {} parameters): load it with \
          AutoModelForCausalLM.from_pretrained(\"{}\") and AutoTokenizer.from_pretrained(\"{}\")",
         args.out.display(),
         if arch.tied {
@@ -109,7 +109,7 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         } else {
             "untied head"
         },
-        arch.family,
+        arch.transformers_class(),
         model.num_unique_params(),
         args.out.display(),
         args.out.display()

@@ -224,6 +224,14 @@ impl Architecture {
         self.head_dim.unwrap_or(self.dim / self.heads)
     }
 
+    /// The `transformers` class this architecture exports as.
+    pub fn transformers_class(&self) -> &'static str {
+        match self.family {
+            Family::Gpt2 => "GPT2LMHeadModel",
+            Family::Llama => self.llama_class().0,
+        }
+    }
+
     /// The `transformers` class and model type of a Llama-block model.
     fn llama_class(&self) -> (&'static str, &'static str) {
         if self.qk_norm {
