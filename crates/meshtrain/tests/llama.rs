@@ -30,6 +30,19 @@ fn train(extra: &[&str]) -> (Vec<f32>, f64) {
     (checkpoint_params(&cfg, &written_checkpoint(&out)), eval)
 }
 
+/// The settings of a layout written as the tests list them: `"cp=2 ulysses"` is the grid
+/// `cp=2` with Ulysses' all-to-all, any other the grid with ring attention.
+fn layout_settings(layout: &str) -> [String; 2] {
+    let (grid, mode) = match layout.strip_suffix(" ulysses") {
+        Some(grid) => (grid, "ulysses"),
+        None => (layout, "ring"),
+    };
+    [
+        format!("parallel.layout=\"{grid}\""),
+        format!("parallel.cp_mode=\"{mode}\""),
+    ]
+}
+
 #[test]
 fn llama_on_every_parallel_dimension_matches_one_worker() {
     let (single, single_eval) = train(&[]);
@@ -47,12 +60,8 @@ fn llama_on_every_parallel_dimension_matches_one_worker() {
         "dp=2,tp=2,pp=2,m=2,sp=on",
         "cp=2,tp=2",
     ] {
-        let (grid, ulysses) = match layout.strip_suffix(" ulysses") {
-            Some(grid) => (grid, "parallel.cp_mode=\"ulysses\""),
-            None => (layout, "parallel.cp_mode=\"ring\""),
-        };
-        let setting = format!("parallel.layout=\"{grid}\"");
-        let (params, eval) = train(&[&setting, ulysses]);
+        let [setting, cp_mode] = layout_settings(layout);
+        let (params, eval) = train(&[&setting, &cp_mode]);
         let d = rel_diff(&params, &single);
         let de = (eval - single_eval).abs() / single_eval;
         eprintln!("llama {layout}: parameters {d:.2e}, eval loss {de:.2e}");
@@ -130,12 +139,8 @@ fn llama_on_every_parallel_dimension_matches_one_worker() {
         "cp=2 ulysses",
         "dp=2,tp=2,pp=2,m=2",
     ] {
-        let (grid, ulysses) = match layout.strip_suffix(" ulysses") {
-            Some(grid) => (grid, "parallel.cp_mode=\"ulysses\""),
-            None => (layout, "parallel.cp_mode=\"ring\""),
-        };
-        let setting = format!("parallel.layout=\"{grid}\"");
-        let (split, _) = train(&[mistral[0], &setting, ulysses]);
+        let [setting, cp_mode] = layout_settings(layout);
+        let (split, _) = train(&[mistral[0], &setting, &cp_mode]);
         let d = rel_diff(&split, &single);
         eprintln!("llama with a sliding window of 5 (Mistral), {layout}: {d:.2e}");
         assert!(d <= 2e-4, "Mistral {layout}: {d:.2e}");
