@@ -15,7 +15,8 @@ pub struct ExportArgs {
     /// sharded one: consolidate it first with `meshtrain checkpoint consolidate`).
     #[arg(long)]
     pub checkpoint: PathBuf,
-    /// The format: "hf" (Hugging Face transformers: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM).
+    /// The format: "hf" (Hugging Face transformers: GPT2LMHeadModel, LlamaForCausalLM,
+    /// MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM).
     #[arg(long, default_value = "hf", value_parser = ["hf"])]
     pub format: String,
     /// The directory to write (created if missing).

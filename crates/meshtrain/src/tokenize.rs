@@ -5,8 +5,9 @@
 //!
 //! The corpus streams: reader threads take a file or a Parquet row group each and read its
 //! documents into batches, which reach the encoders in corpus order
-//! ([`crate::corpus::read_in_order`]); every core encodes a batch, shards are written as they fill into `OUT/.tokenize-partial/` and
-//! moved into `OUT` only when the run has finished. The validation split is by documents
+//! ([`crate::corpus::read_in_order`]); every core encodes a batch, shards are written as
+//! they fill into `OUT/.tokenize-partial/` and moved into `OUT` only when the run has
+//! finished. The validation split is by documents
 //! ([`goes_to_validation`]).
 //!
 //! The BPE is tiktoken-rs's, whose vocabularies ship inside the crate (no download). Text is
@@ -422,6 +423,8 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
     );
     ensure!(args.shard_tokens > 0, "--shard-tokens must be at least 1");
     let files = crate::corpus::expand_inputs(&args.inputs)?;
+    // Parquet footers are read here, before anything in `args.out` is touched.
+    let parts = crate::corpus::parts_of(&files)?;
     let (name, vocab, separator, encode_text): (String, usize, Option<u32>, TextEncoder) =
         match &args.tokenizer {
             Some(path) => {
@@ -461,7 +464,6 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
     );
     let started = Instant::now();
     let bar = progress_bar();
-    let parts = crate::corpus::parts_of(&files)?;
     let options = crate::corpus::ReadOptions {
         text_field: args.text_field.clone(),
         skip_bad: args.skip_bad,

@@ -257,18 +257,14 @@ pub fn check(
     if dp_mode == DpMode::SingleMaster {
         return Err(ContextError::SingleMaster { cp });
     }
-    let heads = check_sequence(model, cp)?;
+    let found = context_layers(model, cp)?;
     if mode == CpMode::Ring {
-        let mut found = Found::default();
-        for block in &model.blocks {
-            find_layers(block.layer.as_ref(), &block.name, &mut found);
-        }
         if let Some((path, window)) = found.windows.into_iter().next() {
             return Err(ContextError::RingWindow { cp, path, window });
         }
     }
     if mode == CpMode::Ulysses {
-        for (path, h) in heads {
+        for (path, h) in found.heads {
             let local = h / tp.max(1);
             if !local.is_multiple_of(cp) {
                 return Err(ContextError::NotDivisible {
@@ -291,6 +287,11 @@ pub fn check_sequence(model: &Model, cp: usize) -> Result<Vec<(String, usize)>, 
     if cp == 1 {
         return Ok(Vec::new());
     }
+    Ok(context_layers(model, cp)?.heads)
+}
+
+/// [`check_sequence`]'s checks (cp > 1), returning every layer it found.
+fn context_layers(model: &Model, cp: usize) -> Result<Found, ContextError> {
     let seq = sequence_of(model).ok_or(ContextError::NoSequence { cp })?;
     if !seq.is_multiple_of(2 * cp) {
         return Err(ContextError::NotDivisible {
@@ -311,7 +312,7 @@ pub fn check_sequence(model: &Model, cp: usize) -> Result<Vec<(String, usize)>, 
     if found.embeddings == 0 {
         return Err(ContextError::NoPositions { cp });
     }
-    Ok(found.heads)
+    Ok(found)
 }
 
 /// The layers context parallelism rewrites, found in a model.

@@ -162,10 +162,10 @@ impl LlamaConfig {
     /// Forward + backward FLOPs per sequence (matrix products only, ×3 for backward; the
     /// attention's counted over the keys a token sees, a window's at most).
     pub fn train_flops_per_sequence(&self) -> f64 {
-        let (t, d, v) = (self.attended() as f64, self.dim as f64, self.vocab as f64);
+        let (keys, d, v) = (self.attended() as f64, self.dim as f64, self.vocab as f64);
         let qkv = d * ((self.heads + 2 * self.kv_heads) * self.head_dim()) as f64;
         let width = (self.heads * self.head_dim()) as f64;
-        let per_layer = 2.0 * (qkv + width * d + 3.0 * d * self.ffn as f64) + 4.0 * t * width;
+        let per_layer = 2.0 * (qkv + width * d + 3.0 * d * self.ffn as f64) + 4.0 * keys * width;
         let per_token = self.layers as f64 * per_layer + 2.0 * d * v;
         3.0 * per_token * self.seq as f64
     }

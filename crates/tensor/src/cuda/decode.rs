@@ -43,11 +43,7 @@ fn check(s: &DecodeShape) -> Result<(), CudaError> {
             "decoding {rows} rows of {heads} heads: at most 65535 of each per pass"
         )));
     }
-    if s.window == Some(0) {
-        return Err(CudaError::Unsupported(
-            "decoding through a sliding window of no positions (each row sees itself)".into(),
-        ));
-    }
+    super::ops::window_arg(s.window, s.start + s.rows)?;
     Ok(())
 }
 
@@ -160,8 +156,7 @@ pub fn attention(
             .usize_as_i32(shape.kv_heads)
             .usize_as_i32(shape.head_dim)
             .f32(1.0 / (shape.head_dim as f32).sqrt())
-            // A window past every position hides nothing: 0 keeps the kernel's bounds small.
-            .usize_as_i32(shape.window.filter(|&w| w < positions).unwrap_or(0)),
+            .i32(super::ops::window_arg(shape.window, positions)?),
     )?;
     Ok(out)
 }

@@ -1379,10 +1379,10 @@ fn append(a: Args, b: Args) -> Args {
     a.append(b)
 }
 
-/// The kernels' `window` argument over `seq` rows: the keys a query sees at most, 0 for
-/// every earlier one (also for a window no shorter than the rows, which hides nothing: the
-/// kernels' bounds then stay far from `int`'s end).
-fn window_arg(window: Option<usize>, seq: usize) -> Result<i32, CudaError> {
+/// The kernels' `window` argument over `seq` rows (or cached positions): the keys a query
+/// sees at most, 0 for every earlier one (also for a window no shorter than the rows, which
+/// hides nothing: the kernels' bounds then stay far from `int`'s end).
+pub(crate) fn window_arg(window: Option<usize>, seq: usize) -> Result<i32, CudaError> {
     match window {
         Some(0) => Err(unsupported(
             "a sliding window of no keys (each query sees itself)".into(),
