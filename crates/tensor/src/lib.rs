@@ -27,6 +27,7 @@ pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod flash;
+pub mod fp8;
 pub mod loss;
 pub mod lowp;
 pub mod matmul;

@@ -122,6 +122,17 @@ impl<'a> Mat<'a> {
     pub fn as_ptr(&self) -> *const f32 {
         self.data.as_ptr()
     }
+
+    /// Element (`r`, `c`).
+    pub fn at(&self, r: usize, c: usize) -> f32 {
+        assert!(
+            r < self.rows && c < self.cols,
+            "({r}, {c}) outside a {}x{} matrix",
+            self.rows,
+            self.cols
+        );
+        self.data[r * self.rs + c * self.cs]
+    }
 }
 
 impl<'a> MatMut<'a> {

@@ -9,9 +9,11 @@ use super::blas::F32Math;
 use super::context::CudaDevice;
 use super::error::CudaError;
 use super::ops::{self, ActKind, AttnShape, LinearShape};
+use super::train_ops;
 use super::{CudaTensor, DeviceGrads, DeviceParams};
 use crate::activation::Activation;
 use crate::attention::AttentionShape;
+use crate::fp8::Fp8Format;
 use crate::matmul::{gemm_in, Mat, MatMut};
 use crate::rng::SplitMix64;
 use crate::rotary::RotaryShape;
@@ -287,6 +289,16 @@ pub fn run_all(
         }
         // The convolutional nets' operations (LeNet, ResNet-18).
         out.extend(convnet::run(dev, &mut rng, dtype));
+        // FP8 casts (the inputs of FP8 products) read f32 and bf16.
+        if dtype != DType::F16 {
+            for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+                let name = format!("fp8 cast to {format} {s}");
+                out.push(
+                    check_fp8_cast(dev, &mut rng, 100_003, format, dtype)
+                        .unwrap_or_else(|e| failed(name, e)),
+                );
+            }
+        }
     }
     // The embedding is f32 whatever the precision: with a position table (GPT) and without
     // (Llama).
@@ -704,6 +716,79 @@ fn check_add(
         &want,
         1e-6,
     ))
+}
+
+/// The FP8 cast against [`Fp8Format::encode`] code for code (the error is the fraction of
+/// codes that differ; none may), and its amax against the inputs' exactly. The inputs span
+/// the format's range and beyond (subnormals, saturation) after the scale, and include NaN.
+fn check_fp8_cast(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    n: usize,
+    format: Fp8Format,
+    dtype: DType,
+) -> Result<CheckResult, CudaError> {
+    let mut x: Vec<f32> = (0..n)
+        .map(|_| rng.normal() * (2.0f32).powi(rng.below(40) as i32 - 20))
+        .collect();
+    x[n / 2] = f32::NAN;
+    let x = rounded(&x, dtype);
+    let scale = format.max() / 1000.0;
+    let x_dev = CudaTensor::from_host(dev, &x, dtype)?;
+    let y = dev.alloc(n, "fp8 codes")?;
+    let scale_dev = dev.upload(&[scale], "fp8 scale")?;
+    let amax_dev = dev.alloc_zeroed(4, "fp8 amax")?;
+    train_ops::fp8_cast(
+        dev,
+        x_dev.ptr(),
+        dtype,
+        y.ptr(),
+        n,
+        scale_dev.ptr(),
+        format,
+        amax_dev.ptr(),
+    )?;
+    let codes: Vec<u8> = dev.download(y.ptr(), n)?;
+    let amax: Vec<f32> = dev.download(amax_dev.ptr(), 1)?;
+    let differ = x
+        .iter()
+        .zip(&codes)
+        .filter(|(v, c)| format.encode(**v * scale) != **c)
+        .count();
+    let name = format!("fp8 cast to {format} {}", ops::suffix(dtype));
+    if !amax[0].is_nan() {
+        return Ok(CheckResult {
+            name,
+            rel_err: f64::INFINITY,
+            tolerance: 0.0,
+            passed: false,
+            error: Some(format!("amax {} with a NaN among the inputs", amax[0])),
+        });
+    }
+    // The amax of the finite inputs, on a second cast without the NaN.
+    let finite: Vec<f32> = x.iter().copied().filter(|v| !v.is_nan()).collect();
+    let finite_dev = CudaTensor::from_host(dev, &finite, dtype)?;
+    dev.memset_zero(amax_dev.ptr(), 4)?;
+    train_ops::fp8_cast(
+        dev,
+        finite_dev.ptr(),
+        dtype,
+        y.ptr(),
+        finite.len(),
+        scale_dev.ptr(),
+        format,
+        amax_dev.ptr(),
+    )?;
+    let amax: Vec<f32> = dev.download(amax_dev.ptr(), 1)?;
+    let want = crate::fp8::amax(&finite);
+    let rel_err = differ as f64 / n as f64 + (amax[0] - want).abs() as f64;
+    Ok(CheckResult {
+        name,
+        rel_err,
+        tolerance: 0.0,
+        passed: rel_err == 0.0,
+        error: None,
+    })
 }
 
 fn check_cross_entropy(

@@ -65,6 +65,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "conv.cu",
         source: include_str!("kernels/conv.cu"),
     },
+    KernelFile {
+        name: "fp8.cu",
+        source: include_str!("kernels/fp8.cu"),
+    },
 ];
 
 /// The kernel file called `name`.
@@ -407,6 +411,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             vec!["qk_heads_f32".into()],
         ]
         .concat(),
+        "fp8.cu" => ["fp8_cast_f32", "fp8_cast_bf16"].map(String::from).to_vec(),
         "decode.cu" => ["decode_append_kv_f32", "decode_attn_f32"]
             .map(String::from)
             .to_vec(),

@@ -227,6 +227,47 @@ pub fn tie_sum(dev: &CudaDevice, a: u64, b: u64, len: usize) -> Result<(), CudaE
     )
 }
 
+/// FP8 cast of `len` values at `x` (f32 or bf16, `dtype`) into the bytes at `y`:
+/// `y[i] = format(x[i] · scale)`, rounded to nearest even and saturating, the codes of
+/// [`crate::fp8::Fp8Format::encode`]; `scale` points at one f32 on the device (delayed
+/// scaling sets it there). The largest |x[i]| (before scaling) is folded into the f32 at
+/// `amax` (its bits, as an int: zero it before the first cast it should cover).
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_cast(
+    dev: &CudaDevice,
+    x: u64,
+    dtype: DType,
+    y: u64,
+    len: usize,
+    scale: u64,
+    format: crate::fp8::Fp8Format,
+    amax: u64,
+) -> Result<(), CudaError> {
+    let kernel = match dtype {
+        DType::F32 => "fp8_cast_f32",
+        DType::BF16 => "fp8_cast_bf16",
+        DType::F16 => {
+            return Err(CudaError::Unsupported(
+                "an FP8 cast of f16 values (the casts read f32 or bf16)".into(),
+            ))
+        }
+    };
+    let e4m3 = format == crate::fp8::Fp8Format::E4M3;
+    // Block 256: the kernel's shared reduction assumes it.
+    dev.launch(
+        "fp8.cu",
+        kernel,
+        Launch::grid_stride(len, THREADS, UPDATE_BLOCKS),
+        Args::new()
+            .ptr(x)
+            .ptr(y)
+            .ptr(scale)
+            .i64(len as i64)
+            .i32(e4m3 as i32)
+            .ptr(amax),
+    )
+}
+
 /// `x *= s` over `len` f32 values.
 pub fn scale(dev: &CudaDevice, x: u64, len: usize, s: f32) -> Result<(), CudaError> {
     dev.launch(

@@ -1,0 +1,89 @@
+// fp8.cu: casts to FP8 (E4M3 or E5M2) for FP8 products, with the amax delayed scaling records.
+// See ABI.md, and crates/tensor/src/fp8.rs for the formats, the scaling and why.
+//
+// fp8_cast_{f32,bf16}(x, y, scale, n, e4m3, amax_bits): y[i] = fp8(x[i] · *scale), rounded to
+// nearest (ties to even) and saturating to ±448 (E4M3) or ±57,344 (E5M2), NaN to 0x7F with
+// x's sign: the same codes as Fp8Format::encode on the CPU, bit for bit. The scale is read
+// from device memory, so delayed scaling can set it on the GPU without the host. While it
+// converts, the kernel folds max |x[i]| (before scaling) into *amax_bits, the float's bits
+// as an int (non-negative floats order as their bits do; a NaN, whose bits exceed every
+// number's, wins, so a step with a NaN cannot set a scale). The caller zeroes *amax_bits
+// first. The maximum does not depend on the order of the atomics: runs stay bit-identical.
+//
+// The rounding is integer arithmetic on the f32 bits, not the hardware's cvt.satfinite
+// (sm_89+): one code path for every card and for the emulator; the cast is bound by memory
+// either way (5 or 6 bytes an element).
+//
+// Grid-stride, block 256; each block reduces its threads' maxima in shared memory and makes
+// one atomicMax.
+
+// The FP8 code of x (sign in bit 7), as Fp8Format::encode.
+__device__ __forceinline__ unsigned mt_fp8_encode(float x, int e4m3) {
+    const unsigned bits = __float_as_uint(x);
+    const unsigned sign = (bits >> 24) & 0x80u;
+    if (isnan(x)) return sign | 0x7Fu;
+    const unsigned magnitude = bits & 0x7FFFFFFFu;
+    const int mantissa_bits = e4m3 ? 3 : 2;
+    const int bias = e4m3 ? 7 : 15;
+    const unsigned max_code = e4m3 ? 0x7Eu : 0x7Bu;
+    // 2^(1 - bias): 2^-6 or 2^-14, exact.
+    const float min_normal = __uint_as_float((unsigned)(127 + 1 - bias) << 23);
+    unsigned code;
+    if (__uint_as_float(magnitude) < min_normal) {
+        // Units of the smallest subnormal (a power of two: exact), rounded to the nearest
+        // integer with ties to even by adding and taking away 2^23 (no fast math here).
+        const float unit = __uint_as_float((unsigned)(127 + 1 - bias - mantissa_bits) << 23);
+        const float units = __uint_as_float(magnitude) / unit;
+        const float magic = 8388608.0f;
+        code = (unsigned)((units + magic) - magic);
+    } else {
+        // Drop the low mantissa bits, round to nearest even (a carry into the exponent is
+        // the right result), rebias the exponent.
+        const int shift = 23 - mantissa_bits;
+        const unsigned long long rounded =
+            ((unsigned long long)magnitude + ((1u << (shift - 1)) - 1u) + ((magnitude >> shift) & 1u)) >>
+            shift;
+        const unsigned long long rebias = (unsigned long long)(127 - bias) << mantissa_bits;
+        const unsigned long long c = rounded - rebias;
+        code = c > max_code ? max_code : (unsigned)c;
+    }
+    return sign | (code > max_code ? max_code : code);
+}
+
+template <class T>
+__device__ __forceinline__ void fp8_cast_impl(const T* __restrict__ x, unsigned char* __restrict__ y,
+                                              const float* __restrict__ scale, long long n, int e4m3,
+                                              int* __restrict__ amax_bits) {
+    const float s = *scale;
+    int local = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = to_f32(x[i]);
+        const int a = (int)(__float_as_uint(v) & 0x7FFFFFFFu);
+        local = a > local ? a : local;
+        y[i] = (unsigned char)mt_fp8_encode(v * s, e4m3);
+    }
+    __shared__ int maxima[256];
+    maxima[threadIdx.x] = local;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+        if ((int)threadIdx.x < half) {
+            const int other = maxima[threadIdx.x + half];
+            if (other > maxima[threadIdx.x]) maxima[threadIdx.x] = other;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) atomicMax(amax_bits, maxima[0]);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_cast_f32(const float* __restrict__ x, unsigned char* __restrict__ y, const float* __restrict__ scale,
+                 long long n, int e4m3, int* __restrict__ amax_bits) {
+    fp8_cast_impl(x, y, scale, n, e4m3, amax_bits);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_cast_bf16(const bf16* __restrict__ x, unsigned char* __restrict__ y, const float* __restrict__ scale,
+                  long long n, int e4m3, int* __restrict__ amax_bits) {
+    fp8_cast_impl(x, y, scale, n, e4m3, amax_bits);
+}

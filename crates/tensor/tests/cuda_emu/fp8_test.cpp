@@ -1,0 +1,132 @@
+// Tests of fp8.cu on the CPU emulator: every code against the nearest value of the format by
+// exhaustive search (ties to the even code, saturating), written apart from the kernel's bit
+// arithmetic; the amax against the inputs' largest magnitude; f32 and bf16 inputs, one block
+// and many.
+#include "cuda_emu.h"
+#include "common.cuh"
+#include "fp8.cu"
+#include "kernel_test_util.h"
+
+#include <algorithm>
+
+using namespace kt;
+
+static Tally tally;
+
+/// The value of `code` in the format, from the format's definition.
+static double decode(unsigned code, bool e4m3) {
+    const int m_bits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    const double sign = (code & 0x80) ? -1.0 : 1.0;
+    const unsigned mag = code & 0x7F;
+    const int exponent = (int)(mag >> m_bits);
+    const double mantissa = (double)(mag & ((1u << m_bits) - 1));
+    if (e4m3 && mag == 0x7F) return NAN;
+    if (!e4m3 && exponent == 31) return mantissa == 0 ? sign * INFINITY : NAN;
+    if (exponent == 0) return sign * mantissa * std::ldexp(1.0, 1 - bias - m_bits);
+    return sign * (1.0 + mantissa / (1 << m_bits)) * std::ldexp(1.0, exponent - bias);
+}
+
+/// The nearest finite code to x (clamped to the largest value), ties to the even code.
+static unsigned nearest(float x, bool e4m3) {
+    if (std::isnan(x)) return (std::signbit(x) ? 0x80u : 0u) | 0x7Fu;
+    const double max = decode(e4m3 ? 0x7E : 0x7B, e4m3);
+    const double v = std::min(std::max((double)x, -max), max);
+    unsigned best = 0;
+    double best_d = INFINITY;
+    for (unsigned c = 0; c < 256; ++c) {
+        const double d_value = decode(c, e4m3);
+        if (!std::isfinite(d_value)) continue;
+        if (d_value == 0.0 && ((c & 0x80) != 0) != std::signbit(v)) continue;
+        const double d = std::fabs(d_value - v);
+        if (d < best_d || (d == best_d && (c & 1) == 0 && (best & 1) == 1)) {
+            best = c;
+            best_d = d;
+        }
+    }
+    return best;
+}
+
+template <class T>
+static void test(bool e4m3, float scale, bool small_grid, uint64_t seed) {
+    Rng rng(seed);
+    // The ties between neighbouring values (divided by the scale, so the scaled input lands
+    // on them), the points either side, random magnitudes over the range and beyond, and
+    // the special values.
+    std::vector<float> inputs;
+    std::vector<double> values;
+    for (unsigned c = 0; c < 256; ++c) {
+        const double v = decode(c, e4m3);
+        if (std::isfinite(v)) values.push_back(v);
+    }
+    std::sort(values.begin(), values.end());
+    for (size_t i = 0; i + 1 < values.size(); ++i) {
+        const float mid = (float)((values[i] + values[i + 1]) / 2.0);
+        for (float m : {mid, std::nextafter(mid, INFINITY), std::nextafter(mid, -INFINITY)})
+            inputs.push_back(m / scale);
+    }
+    for (int i = 0; i < 3000; ++i) {
+        const double e = rng.uniform() * 44.0 - 24.0;
+        inputs.push_back((float)((rng.below(2) ? -1.0 : 1.0) * std::ldexp(1.0 + rng.uniform(), (int)std::floor(e))));
+    }
+    for (float s : {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-45f, 3.0e38f, -1e6f}) inputs.push_back(s);
+    const long long n = (long long)inputs.size();
+    T* x = buffer<T>(n);
+    for (long long i = 0; i < n; ++i) x[i] = from_f32<T>(inputs[i]);
+    unsigned char* y = buffer<unsigned char>(n);
+    std::fill(y, y + n, (unsigned char)0xA5);
+    float* s = buffer<float>(1);
+    *s = scale;
+    int* amax = buffer<int>(1);
+    *amax = 0;
+    emu::launch(std::is_same<T, float>::value ? (void (*)(const T*, unsigned char*, const float*, long long, int, int*))fp8_cast_f32
+                                              : (void (*)(const T*, unsigned char*, const float*, long long, int, int*))fp8_cast_bf16,
+                dim3(small_grid ? 1 : grid_for(n)), dim3(256), 0, (const T*)x, y, (const float*)s, n, (int)e4m3, amax);
+    int wrong = 0;
+    float want_amax = 0.0f;
+    bool any_nan = false;
+    for (long long i = 0; i < n; ++i) {
+        const float v = to_f32(x[i]);  // the input as the kernel reads it (bf16-rounded)
+        if (std::isnan(v)) any_nan = true;
+        else want_amax = std::max(want_amax, std::fabs(v));
+        const unsigned want = nearest(v * scale, e4m3);
+        if (y[i] != want) {
+            if (++wrong <= 3)
+                std::printf("  %s %s: x=%g scale=%g: code %#04x, want %#04x\n", e4m3 ? "e4m3" : "e5m2",
+                            type_name<T>(), v, scale, y[i], want);
+        }
+    }
+    const std::string tag = fmt("fp8 %s from %s scale=%g grid=%s", e4m3 ? "e4m3" : "e5m2", type_name<T>(), scale,
+                                small_grid ? "1" : "full");
+    tally.check_true(tag + fmt(": %d of %lld codes differ from the nearest value", wrong, n), wrong == 0);
+    const float got_amax = __uint_as_float((unsigned)*amax);
+    tally.check_true(tag + fmt(": amax %g, want %s", got_amax, any_nan ? "NaN" : fmt("%g", want_amax).c_str()),
+                     any_nan ? std::isnan(got_amax) : got_amax == want_amax);
+}
+
+/// Without NaN inputs, the amax is the largest magnitude exactly.
+static void test_amax_finite(uint64_t seed) {
+    Rng rng(seed);
+    const long long n = 5000;
+    float* x = buffer<float>(n);
+    const auto xv = fill_random(x, n, rng, -3.0f, 2.0f);
+    unsigned char* y = buffer<unsigned char>(n);
+    float* s = buffer<float>(1);
+    *s = 100.0f;
+    int* amax = buffer<int>(1);
+    *amax = 0;
+    emu::launch(fp8_cast_f32, dim3(3), dim3(256), 0, (const float*)x, y, (const float*)s, n, 1, amax);
+    double want = 0.0;
+    for (double v : xv) want = std::max(want, std::fabs(v));
+    tally.check("fp8 amax of finite inputs", std::fabs(__uint_as_float((unsigned)*amax) - want), 0.0);
+}
+
+int main() {
+    for (bool e4m3 : {true, false})
+        for (float scale : {1.0f, 37.5f, 0.0078125f})
+            for (bool small_grid : {true, false}) {
+                test<float>(e4m3, scale, small_grid, 7 + (int)e4m3);
+                test<bf16>(e4m3, scale, small_grid, 9 + (int)e4m3);
+            }
+    test_amax_finite(3);
+    return tally.finish("fp8");
+}
