@@ -343,8 +343,9 @@ pub struct TrainConfig {
     /// micro-batches and synchronises gradients only after the last one.
     #[serde(default = "one_usize")]
     pub accumulation_steps: usize,
-    /// Matrix products' inputs: "fp32", "bf16" or "fp16" (mixed precision: f32 master weights,
-    /// optimizer, reductions and norms; fp16 with dynamic loss scaling). See
+    /// Matrix products' inputs: "fp32", "bf16", "fp16" or "fp8" (mixed precision: f32 master
+    /// weights, optimizer, reductions and norms; fp16 with dynamic loss scaling; fp8 is bf16
+    /// with the inner blocks' linear products in FP8, on the CPU so far). See
     /// docs/precision.md.
     #[serde(default = "default_precision")]
     pub precision: String,

@@ -655,6 +655,14 @@ pub trait Layer: Send + Sync {
     /// [`Layer::children_mut`], so a composite layer only has to expose its children.
     fn set_precision(&mut self, _precision: DType) {}
 
+    /// Runs this layer's linear products in FP8 when `on` (Hopper-class GPUs' E4M3/E5M2
+    /// tensor-core products, with per-tensor current scaling; [`meshtrain_tensor::fp8`]),
+    /// after [`Layer::set_precision`] set the bf16 of everything else. Layers with such
+    /// products override it (a [`crate::layers::Linear`]; attention's products stay bf16, as
+    /// in Transformer Engine and torchao); [`crate::Model::set_fp8_products`] reaches every
+    /// layer through [`Layer::children_mut`].
+    fn set_fp8_products(&mut self, _on: bool) {}
+
     /// The layer as `Any`, so a transform (tensor parallelism) can recognise built-in layer
     /// types. Layers that want to be recognised return `Some(self)`.
     fn as_any(&self) -> Option<&dyn std::any::Any> {

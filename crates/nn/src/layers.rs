@@ -5,8 +5,9 @@ use crate::layer::{
 };
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
+use meshtrain_tensor::fp8::{self, Fp8Format};
 use meshtrain_tensor::lowp::{self, Bf16Rows};
-use meshtrain_tensor::matmul::{gemm_in, run_pair, Mat, MatMut};
+use meshtrain_tensor::matmul::{run_pair, Mat, MatMut};
 use meshtrain_tensor::norm;
 use meshtrain_tensor::pool::{self, PoolGeometry};
 use meshtrain_tensor::tensor::swap_leading_axes;
@@ -278,6 +279,11 @@ pub struct Linear {
     /// Inputs of the products (f32, or bf16/f16 under mixed precision); the input and
     /// pre-activation kept for backward are stored in it too.
     pub precision: DType,
+    /// The three products (forward, input and weight gradients) in FP8 instead
+    /// ([`meshtrain_tensor::fp8::gemm_fp8`]: the input and weight in E4M3, the output
+    /// gradient in E5M2, each with its own current scale, f32 accumulation); `precision`
+    /// still says how the kept input is stored.
+    pub fp8: bool,
 }
 
 impl Linear {
@@ -290,6 +296,7 @@ impl Linear {
             weight_init: Init::Uniform(1.0 / (inputs as f32).sqrt()),
             activation: None,
             precision: DType::F32,
+            fp8: false,
         }
     }
 
@@ -358,12 +365,13 @@ impl Layer for Linear {
         // the `gemm` crate's accumulating path, which must load every output tile, made the
         // whole GPT step ~2% slower than this extra (parallel) sweep over the output.
         let mut y = meshtrain_tensor::par::take_buffer(rows * self.outputs);
-        gemm_in(
-            self.precision,
+        self.product(
             MatMut::new(&mut y, rows, self.outputs),
             Mat::new(x.data(), rows, self.inputs),
+            Fp8Format::E4M3,
             Mat::new(&p[..self.inputs * self.outputs], self.outputs, self.inputs).t(),
             false,
+            meshtrain_tensor::par::threads(),
         );
         let bias = self.bias.then(|| &p[self.inputs * self.outputs..]);
         let add_bias = |z: &mut [f32]| {
@@ -450,12 +458,34 @@ impl Layer for Linear {
         self.precision = precision;
     }
 
+    fn set_fp8_products(&mut self, on: bool) {
+        self.fp8 = on;
+    }
+
     fn runs_on(&self, _: Device) -> bool {
         true
     }
 }
 
 impl Linear {
+    /// One of the layer's products, `c = a·b` (`+=` when `accumulate`): with `self.precision`
+    /// inputs, or in FP8 with `a` in `a_format` and `b` in E4M3 when `self.fp8`.
+    fn product(
+        &self,
+        c: MatMut,
+        a: Mat,
+        a_format: Fp8Format,
+        b: Mat,
+        accumulate: bool,
+        threads: usize,
+    ) {
+        if self.fp8 {
+            fp8::gemm_fp8(c, a, a_format, b, Fp8Format::E4M3, accumulate, threads);
+        } else {
+            lowp::gemm_lowp(self.precision, c, a, b, accumulate, threads);
+        }
+    }
+
     /// The first part of backward, shared with layers that run the two products apart (a
     /// tensor-parallel layer overlaps its input gradient's reduction with the weight
     /// gradient): `dy` becomes `dz = dy·act'(z)` in place and the bias gradient is added into
@@ -513,10 +543,10 @@ impl Linear {
     fn input_gradient_into(&self, p: &[f32], dz: &Tensor, dx: &mut [f32], threads: usize) {
         let rows = dz.numel() / self.outputs;
         let nw = self.inputs * self.outputs;
-        lowp::gemm_lowp(
-            self.precision,
+        self.product(
             MatMut::new(dx, rows, self.inputs),
             Mat::new(dz.data(), rows, self.outputs),
+            Fp8Format::E5M2,
             Mat::new(&p[..nw], self.outputs, self.inputs),
             false,
             threads,
@@ -537,7 +567,13 @@ impl Linear {
         match x {
             Kept::F32(x) => {
                 let x = Mat::new(x.data(), rows, self.inputs);
-                lowp::gemm_lowp(self.precision, dw, dz_t, x, true, threads)
+                self.product(dw, dz_t, Fp8Format::E5M2, x, true, threads)
+            }
+            Kept::Half(h) if self.fp8 => {
+                let x = h.to_f32();
+                let x_mat = Mat::new(&x, rows, self.inputs);
+                self.product(dw, dz_t, Fp8Format::E5M2, x_mat, true, threads);
+                meshtrain_tensor::par::recycle(x);
             }
             Kept::Half(h) => {
                 let x = Bf16Rows::new(h.bits(), rows, self.inputs);

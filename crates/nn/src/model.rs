@@ -409,6 +409,27 @@ impl Model {
         }
     }
 
+    /// Runs the linear products of every block but the first and the last in FP8 when `on`
+    /// ([`Layer::set_fp8_products`], composites via their children). The first block (a
+    /// transformer's embedding) and the last (its final norm and output head) keep bf16, as
+    /// the FP8 recipes advise (Transformer Engine's guidance; torchtitan leaves the output
+    /// layer out of float8): the logits' product is the most sensitive to rounding, and a
+    /// model's ends are a small share of its products.
+    pub fn set_fp8_products(&mut self, on: bool) {
+        fn visit(layer: &mut dyn Layer, on: bool) {
+            layer.set_fp8_products(on);
+            if let Some(children) = layer.children_mut() {
+                for (_, child) in children.layers_mut() {
+                    visit(child.as_mut(), on);
+                }
+            }
+        }
+        let inner = 1..self.blocks.len().saturating_sub(1);
+        for block in self.blocks.get_mut(inner).unwrap_or_default() {
+            visit(block.layer.as_mut(), on);
+        }
+    }
+
     /// Fresh parameters: each tensor drawn from its own stream forked from `seed`, so adding a
     /// layer never changes the initial values of the others.
     pub fn init(&self, seed: u64) -> ParamStore {

@@ -264,3 +264,95 @@ fn linear_with_fused_activation_equals_linear_then_act() {
         }
     }
 }
+
+/// A Linear in FP8 (as `--precision fp8` sets it: bf16 kept inputs, FP8 products) against
+/// the definition written with the CPU's FP8 rounding and f64 sums: the forward product of
+/// E4M3 input and weight, the input gradient of E5M2 output gradient and E4M3 weight, and
+/// the weight gradient of E5M2 output gradient and the E4M3 of the bf16-kept input, each
+/// tensor at its own current scale; the bias gradient exact. The same layer in bf16 lands
+/// measurably further from these values, so the test knows which path ran.
+#[test]
+fn linear_in_fp8_is_the_product_of_its_fp8_operands() {
+    use meshtrain_tensor::fp8::{amax, current_scale, Fp8Format};
+    use meshtrain_tensor::DType;
+    let (rows, inputs, outputs) = (130, 48, 70);
+    let mut rng = SplitMix64::new(8);
+    let x = normal_vec(&mut rng, rows * inputs, 1.0);
+    let weight = normal_vec(&mut rng, outputs * inputs, 0.05);
+    let bias = normal_vec(&mut rng, outputs, 0.5);
+    let dy = normal_vec(&mut rng, rows * outputs, 1e-3);
+    let params = [weight.clone(), bias.clone()].concat();
+    let run = |fp8: bool| {
+        let mut linear = Linear::new(inputs, outputs, true);
+        linear.set_precision(DType::BF16);
+        linear.set_fp8_products(fp8);
+        let mut saved = Saved::default();
+        let y = linear.forward(
+            (&params).into(),
+            ParamsMut::Host(&mut []),
+            Tensor::from_vec(x.clone(), &[rows, inputs]),
+            Mode::TRAIN,
+            &mut saved,
+        );
+        let mut grads = vec![0.0f32; params.len()];
+        let dyt = Tensor::from_vec(dy.clone(), &[rows, outputs]);
+        let dx = linear.backward((&params).into(), (&mut grads).into(), saved, dyt, true);
+        (y.data().to_vec(), dx.unwrap().data().to_vec(), grads)
+    };
+    // Each tensor on its format's grid at its current scale, and that scale.
+    let cast = |v: &[f32], f: Fp8Format| -> (Vec<f64>, f64) {
+        let s = current_scale(f, amax(v));
+        (v.iter().map(|&e| f.round(e * s) as f64).collect(), s as f64)
+    };
+    let mut x_bf16 = x.clone();
+    meshtrain_tensor::dtype::round_through_bf16(&mut x_bf16);
+    let (qx, sx) = cast(&x, Fp8Format::E4M3);
+    let (qxk, sxk) = cast(&x_bf16, Fp8Format::E4M3);
+    let (qw, sw) = cast(&weight, Fp8Format::E4M3);
+    let (qdy, sdy) = cast(&dy, Fp8Format::E5M2);
+    let mut want_y = vec![0.0f32; rows * outputs];
+    let mut want_dx = vec![0.0f32; rows * inputs];
+    let mut want_dw = vec![0.0f32; outputs * inputs];
+    for r in 0..rows {
+        for o in 0..outputs {
+            let dot: f64 = (0..inputs)
+                .map(|i| qx[r * inputs + i] * qw[o * inputs + i])
+                .sum();
+            want_y[r * outputs + o] = (dot / (sx * sw) + bias[o] as f64) as f32;
+        }
+        for i in 0..inputs {
+            let dot: f64 = (0..outputs)
+                .map(|o| qdy[r * outputs + o] * qw[o * inputs + i])
+                .sum();
+            want_dx[r * inputs + i] = (dot / (sdy * sw)) as f32;
+        }
+    }
+    for o in 0..outputs {
+        for i in 0..inputs {
+            let dot: f64 = (0..rows)
+                .map(|r| qdy[r * outputs + o] * qxk[r * inputs + i])
+                .sum();
+            want_dw[o * inputs + i] = (dot / (sdy * sxk)) as f32;
+        }
+    }
+    let want_db: Vec<f32> = (0..outputs)
+        .map(|o| (0..rows).map(|r| dy[r * outputs + o] as f64).sum::<f64>() as f32)
+        .collect();
+    let (y, dx, g) = run(true);
+    let nw = outputs * inputs;
+    assert_close("fp8 forward", &y, &want_y, 1e-5, 1e-6);
+    assert_close("fp8 input gradient", &dx, &want_dx, 1e-5, 1e-9);
+    assert_close("fp8 weight gradient", &g[..nw], &want_dw, 1e-5, 1e-9);
+    assert_close("fp8 bias gradient", &g[nw..], &want_db, 1e-6, 1e-9);
+    // The bf16 layer is not within these tolerances of the FP8 definition.
+    let (y16, _, _) = run(false);
+    let off = y16
+        .iter()
+        .zip(&want_y)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        off > 1e-3,
+        "bf16 and fp8 forward agree to {off:e}: did fp8 run?"
+    );
+}

@@ -53,6 +53,14 @@ pub fn check(
                 .into(),
         ))
     }
+    if layout.precision == crate::precision::Precision::Fp8 {
+        return Err(ParallelError::Device(
+            "precision fp8 runs on the CPU so far (--device cpu: the FP8 products' numerics, \
+             the reference the GPU's will be checked against); the GPU's FP8 products \
+             (cuBLASLt with E4M3/E5M2 operands) are not built yet: train with bf16 on the GPU"
+                .into(),
+        ));
+    }
     #[cfg(feature = "cuda")]
     {
         meshtrain_tensor::cuda::probe::require_gpu(ordinal).map_err(device_error)?;

@@ -280,7 +280,7 @@ impl FromStr for Layout {
     /// `dp=2,pp=2,mb=4,schedule=1f1b`, or what `meshtrain plan` prints (`dp=2 tp=1 pp=2
     /// zero=0 mb=4 recompute=none 1f1b`). Keys: dp, tp, pp, cp, sp, zero, mb (samples per
     /// micro-batch), m (micro-batches per replica), schedule (gpipe, 1f1b, interleaved:V),
-    /// v (chunks per worker), recompute (none, full), precision (fp32, bf16, fp16).
+    /// v (chunks per worker), recompute (none, full), precision (fp32, bf16, fp16, fp8).
     fn from_str(text: &str) -> Result<Self, LayoutError> {
         Layout::parse_onto(Layout::default(), text)
     }

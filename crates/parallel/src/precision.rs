@@ -15,7 +15,12 @@
 //!   `GradScaler`'s rules) before backward and the gradients divided by it before clipping
 //!   and the optimizer; a step whose gradients hold an inf or NaN on *any* worker is skipped
 //!   by *every* worker (the flag is agreed over the whole world: data, pipeline and tensor
-//!   parallel ranks) and the scale halves. bf16 has f32's exponent range and needs no scale.
+//!   parallel ranks) and the scale halves. bf16 has f32's exponent range and needs no scale;
+//! * **fp8** is bf16 with the linear layers' three products (forward, input and weight
+//!   gradients) of every block but the first and last in FP8: inputs and weights in E4M3,
+//!   output gradients in E5M2, each tensor multiplied by its own current scale before the
+//!   cast and the f32 sums unscaled ([`meshtrain_tensor::fp8`]). Attention and the model's
+//!   ends stay bf16; no loss scale (the per-tensor scales do that work).
 
 use crate::ParallelError;
 use meshtrain_comm::{BufMut, ProcessGroup, ReduceOp};
@@ -27,22 +32,14 @@ use std::sync::Arc;
 
 pub use meshtrain_plan::cluster::Precision;
 
-/// A precision the trainer runs: fp32, bf16 or fp16. The planner also models fp8 GEMMs for
-/// GPU clusters, which the trainer's kernels do not have, so fp8 is refused here with a
-/// message that says so.
+/// A precision the trainer runs: fp32, bf16, fp16 or fp8.
 pub fn parse_trainer_precision(text: &str) -> Result<Precision, String> {
-    match Precision::parse(text).map_err(|e| e.to_string())? {
-        Precision::Fp8 => Err(format!(
-            "`{text}`: the trainer computes in fp32, bf16 or fp16; fp8 is a planner option \
-             (`meshtrain plan --precision fp8`) for GPU clusters with fp8 tensor cores"
-        )),
-        precision => Ok(precision),
-    }
+    Precision::parse(text).map_err(|e| e.to_string())
 }
 
-/// The input type of a precision's matrix products. fp8, which the trainer refuses at parse
-/// time ([`parse_trainer_precision`]), would run as bf16: its layers keep bf16 operands
-/// outside the GEMMs.
+/// The input type of a precision's matrix products; under fp8 that of the products left in
+/// bf16 (attention, the model's first and last blocks) and the storage of what layers keep
+/// for backward.
 pub fn product_dtype(precision: Precision) -> DType {
     match precision {
         Precision::Fp32 => DType::F32,
@@ -52,9 +49,11 @@ pub fn product_dtype(precision: Precision) -> DType {
 }
 
 /// Runs `model`'s products in `precision` (every layer, including ones tensor parallelism
-/// put in place).
+/// put in place). fp8 is bf16 mixed precision with the linear products of the model's
+/// inner blocks in FP8 ([`meshtrain_nn::Model::set_fp8_products`]).
 pub fn apply(model: &mut Model, precision: Precision) {
     model.set_precision(product_dtype(precision));
+    model.set_fp8_products(precision == Precision::Fp8);
 }
 
 /// Dynamic loss scaling's settings: PyTorch `torch.amp.GradScaler`'s defaults.

@@ -521,6 +521,7 @@ fn clone_linear(l: &Linear) -> Linear {
         weight_init: l.weight_init,
         activation: l.activation,
         precision: l.precision,
+        fp8: l.fp8,
     }
 }
 
@@ -531,6 +532,10 @@ impl Layer for ColumnParallel {
 
     fn set_precision(&mut self, precision: DType) {
         self.inner.set_precision(precision);
+    }
+
+    fn set_fp8_products(&mut self, on: bool) {
+        self.inner.set_fp8_products(on);
     }
 
     fn params(&self) -> Vec<ParamSpec> {
@@ -653,6 +658,10 @@ impl Layer for RowParallel {
 
     fn set_precision(&mut self, precision: DType) {
         self.inner.set_precision(precision);
+    }
+
+    fn set_fp8_products(&mut self, on: bool) {
+        self.inner.set_fp8_products(on);
     }
 
     fn params(&self) -> Vec<ParamSpec> {

@@ -94,12 +94,17 @@ impl HalfTensor {
 
     /// The values in f32 again (exactly the rounded values).
     pub fn into_tensor(self) -> Tensor {
+        Tensor::from_vec(self.to_f32(), &self.shape)
+    }
+
+    /// The values in f32, row-major, in a buffer from the thread's pool.
+    pub fn to_f32(&self) -> Vec<f32> {
         let mut out = crate::par::take_buffer(self.bits.len());
         let chunk = crate::par::PARALLEL_MIN_LEN;
         crate::par::for_each_chunk_mut(&mut out, chunk, |i, dst| {
             widen(&self.bits[i * chunk..][..dst.len()], dst, self.dtype)
         });
-        Tensor::from_vec(out, &self.shape)
+        out
     }
 
     pub fn bytes(&self) -> usize {

@@ -123,6 +123,15 @@ impl<'a> Mat<'a> {
         self.data.as_ptr()
     }
 
+    /// The elements of a view without gaps (row-major `rs == cols, cs == 1`, or column-major
+    /// `rs == 1, cs == rows`) in storage order, with the view's strides; `None` for others.
+    pub fn dense_storage(&self) -> Option<(&'a [f32], usize, usize)> {
+        let len = self.rows * self.cols;
+        let dense =
+            (self.rs == self.cols && self.cs == 1) || (self.rs == 1 && self.cs == self.rows);
+        (dense && self.data.len() >= len).then(|| (&self.data[..len], self.rs, self.cs))
+    }
+
     /// Element (`r`, `c`).
     pub fn at(&self, r: usize, c: usize) -> f32 {
         assert!(

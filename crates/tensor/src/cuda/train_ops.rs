@@ -227,11 +227,22 @@ pub fn tie_sum(dev: &CudaDevice, a: u64, b: u64, len: usize) -> Result<(), CudaE
     )
 }
 
-/// FP8 cast of `len` values at `x` (f32 or bf16, `dtype`) into the bytes at `y`:
-/// `y[i] = format(x[i] · scale)`, rounded to nearest even and saturating, the codes of
-/// [`crate::fp8::Fp8Format::encode`]; `scale` points at one f32 on the device (delayed
-/// scaling sets it there). The largest |x[i]| (before scaling) is folded into the f32 at
-/// `amax` (its bits, as an int: zero it before the first cast it should cover).
+/// The FP8 kernels' name for values of `dtype` (they read f32 and bf16).
+fn fp8_kernel(stem: &str, dtype: DType) -> Result<String, CudaError> {
+    match dtype {
+        DType::F32 | DType::BF16 => Ok(format!("{stem}_{}", super::ops::suffix(dtype))),
+        DType::F16 => Err(CudaError::Unsupported(
+            "FP8 casts of f16 values (they read f32 or bf16)".into(),
+        )),
+    }
+}
+
+/// Current scaling's cast to FP8 of `len` values at `x` (f32 or bf16, `dtype`) into the bytes
+/// at `y`, in two passes: the largest |x[i]| into the f32 at `amax` (zeroed here first),
+/// then `y[i] = format(x[i] · scale)` with `scale =` [`crate::fp8::current_scale`] of it,
+/// rounded to nearest even and saturating: the codes of [`crate::fp8::Fp8Format::encode`].
+/// `1 / scale` goes to the f32 at `inv_scale`, for the product's scale pointer. Nothing
+/// goes through the host.
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_cast(
     dev: &CudaDevice,
@@ -239,32 +250,33 @@ pub fn fp8_cast(
     dtype: DType,
     y: u64,
     len: usize,
-    scale: u64,
     format: crate::fp8::Fp8Format,
     amax: u64,
+    inv_scale: u64,
 ) -> Result<(), CudaError> {
-    let kernel = match dtype {
-        DType::F32 => "fp8_cast_f32",
-        DType::BF16 => "fp8_cast_bf16",
-        DType::F16 => {
-            return Err(CudaError::Unsupported(
-                "an FP8 cast of f16 values (the casts read f32 or bf16)".into(),
-            ))
-        }
-    };
+    let amax_kernel = fp8_kernel("fp8_amax", dtype)?;
+    let cast_kernel = fp8_kernel("fp8_cast", dtype)?;
     let e4m3 = format == crate::fp8::Fp8Format::E4M3;
-    // Block 256: the kernel's shared reduction assumes it.
+    // Block 256: the amax's shared reduction assumes it.
+    let launch = Launch::grid_stride(len, THREADS, UPDATE_BLOCKS);
+    dev.memset_zero(amax, 4)?;
     dev.launch(
         "fp8.cu",
-        kernel,
-        Launch::grid_stride(len, THREADS, UPDATE_BLOCKS),
+        &amax_kernel,
+        launch,
+        Args::new().ptr(x).i64(len as i64).ptr(amax),
+    )?;
+    dev.launch(
+        "fp8.cu",
+        &cast_kernel,
+        launch,
         Args::new()
             .ptr(x)
             .ptr(y)
-            .ptr(scale)
             .i64(len as i64)
             .i32(e4m3 as i32)
-            .ptr(amax),
+            .ptr(amax)
+            .ptr(inv_scale),
     )
 }
 

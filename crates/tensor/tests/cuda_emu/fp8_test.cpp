@@ -47,8 +47,32 @@ static unsigned nearest(float x, bool e4m3) {
 }
 
 template <class T>
-static void test(bool e4m3, float scale, bool small_grid, uint64_t seed) {
+static void launch_amax(const T* x, long long n, int* amax, bool small_grid) {
+    if (std::is_same<T, float>::value)
+        emu::launch(fp8_amax_f32, dim3(small_grid ? 1 : grid_for(n)), dim3(256), 0, (const float*)x, n, amax);
+    else
+        emu::launch(fp8_amax_bf16, dim3(small_grid ? 1 : grid_for(n)), dim3(256), 0, (const bf16*)x, n, amax);
+}
+
+template <class T>
+static void launch_cast(const T* x, unsigned char* y, long long n, bool e4m3, const int* amax, float* inv_scale,
+                        bool small_grid) {
+    if (std::is_same<T, float>::value)
+        emu::launch(fp8_cast_f32, dim3(small_grid ? 1 : grid_for(n)), dim3(256), 0, (const float*)x, y, n, (int)e4m3,
+                    amax, inv_scale);
+    else
+        emu::launch(fp8_cast_bf16, dim3(small_grid ? 1 : grid_for(n)), dim3(256), 0, (const bf16*)x, y, n, (int)e4m3,
+                    amax, inv_scale);
+}
+
+/// The cast at the scale an amax of `amax_value` gives (written where the amax pass would
+/// have put it), against the nearest codes; the amax pass over the same inputs.
+template <class T>
+static void test(bool e4m3, float amax_value, bool small_grid, uint64_t seed) {
     Rng rng(seed);
+    const float max = (float)decode(e4m3 ? 0x7E : 0x7B, e4m3);
+    float scale = 1.0f;
+    if (std::isfinite(amax_value) && amax_value > 0.0f && std::isfinite(max / amax_value)) scale = max / amax_value;
     // The ties between neighbouring values (divided by the scale, so the scaled input lands
     // on them), the points either side, random magnitudes over the range and beyond, and
     // the special values.
@@ -74,20 +98,14 @@ static void test(bool e4m3, float scale, bool small_grid, uint64_t seed) {
     for (long long i = 0; i < n; ++i) x[i] = from_f32<T>(inputs[i]);
     unsigned char* y = buffer<unsigned char>(n);
     std::fill(y, y + n, (unsigned char)0xA5);
-    float* s = buffer<float>(1);
-    *s = scale;
     int* amax = buffer<int>(1);
-    *amax = 0;
-    emu::launch(std::is_same<T, float>::value ? (void (*)(const T*, unsigned char*, const float*, long long, int, int*))fp8_cast_f32
-                                              : (void (*)(const T*, unsigned char*, const float*, long long, int, int*))fp8_cast_bf16,
-                dim3(small_grid ? 1 : grid_for(n)), dim3(256), 0, (const T*)x, y, (const float*)s, n, (int)e4m3, amax);
+    *amax = (int)__float_as_uint(amax_value);
+    float* inv_scale = buffer<float>(1);
+    *inv_scale = NAN;
+    launch_cast(x, y, n, e4m3, amax, inv_scale, small_grid);
     int wrong = 0;
-    float want_amax = 0.0f;
-    bool any_nan = false;
     for (long long i = 0; i < n; ++i) {
         const float v = to_f32(x[i]);  // the input as the kernel reads it (bf16-rounded)
-        if (std::isnan(v)) any_nan = true;
-        else want_amax = std::max(want_amax, std::fabs(v));
         const unsigned want = nearest(v * scale, e4m3);
         if (y[i] != want) {
             if (++wrong <= 3)
@@ -95,12 +113,14 @@ static void test(bool e4m3, float scale, bool small_grid, uint64_t seed) {
                             type_name<T>(), v, scale, y[i], want);
         }
     }
-    const std::string tag = fmt("fp8 %s from %s scale=%g grid=%s", e4m3 ? "e4m3" : "e5m2", type_name<T>(), scale,
+    const std::string tag = fmt("fp8 %s from %s amax=%g grid=%s", e4m3 ? "e4m3" : "e5m2", type_name<T>(), amax_value,
                                 small_grid ? "1" : "full");
     tally.check_true(tag + fmt(": %d of %lld codes differ from the nearest value", wrong, n), wrong == 0);
-    const float got_amax = __uint_as_float((unsigned)*amax);
-    tally.check_true(tag + fmt(": amax %g, want %s", got_amax, any_nan ? "NaN" : fmt("%g", want_amax).c_str()),
-                     any_nan ? std::isnan(got_amax) : got_amax == want_amax);
+    tally.check_true(tag + fmt(": inverse scale %g, want %g", *inv_scale, 1.0f / scale), *inv_scale == 1.0f / scale);
+    // The amax pass: the inputs hold a NaN, which wins.
+    *amax = 0;
+    launch_amax(x, n, amax, small_grid);
+    tally.check_true(tag + ": amax with a NaN among the inputs is NaN", std::isnan(__uint_as_float((unsigned)*amax)));
 }
 
 /// Without NaN inputs, the amax is the largest magnitude exactly.
@@ -109,23 +129,21 @@ static void test_amax_finite(uint64_t seed) {
     const long long n = 5000;
     float* x = buffer<float>(n);
     const auto xv = fill_random(x, n, rng, -3.0f, 2.0f);
-    unsigned char* y = buffer<unsigned char>(n);
-    float* s = buffer<float>(1);
-    *s = 100.0f;
     int* amax = buffer<int>(1);
     *amax = 0;
-    emu::launch(fp8_cast_f32, dim3(3), dim3(256), 0, (const float*)x, y, (const float*)s, n, 1, amax);
+    emu::launch(fp8_amax_f32, dim3(3), dim3(256), 0, (const float*)x, n, amax);
     double want = 0.0;
     for (double v : xv) want = std::max(want, std::fabs(v));
     tally.check("fp8 amax of finite inputs", std::fabs(__uint_as_float((unsigned)*amax) - want), 0.0);
 }
 
 int main() {
+    // Amaxes giving scales of 1, above 1, below 1, and the odd ones (scale 1).
     for (bool e4m3 : {true, false})
-        for (float scale : {1.0f, 37.5f, 0.0078125f})
+        for (float amax : {e4m3 ? 448.0f : 57344.0f, 0.37f, 9000.0f, 0.0f, NAN, INFINITY})
             for (bool small_grid : {true, false}) {
-                test<float>(e4m3, scale, small_grid, 7 + (int)e4m3);
-                test<bf16>(e4m3, scale, small_grid, 9 + (int)e4m3);
+                test<float>(e4m3, amax, small_grid, 7 + (int)e4m3);
+                test<bf16>(e4m3, amax, small_grid, 9 + (int)e4m3);
             }
     test_amax_finite(3);
     return tally.finish("fp8");

@@ -1,21 +1,24 @@
-// fp8.cu: casts to FP8 (E4M3 or E5M2) for FP8 products, with the amax delayed scaling records.
+// fp8.cu: casts to FP8 (E4M3 or E5M2) for FP8 products, with per-tensor current scaling.
 // See ABI.md, and crates/tensor/src/fp8.rs for the formats, the scaling and why.
 //
-// fp8_cast_{f32,bf16}(x, y, scale, n, e4m3, amax_bits): y[i] = fp8(x[i] · *scale), rounded to
-// nearest (ties to even) and saturating to ±448 (E4M3) or ±57,344 (E5M2), NaN to 0x7F with
-// x's sign: the same codes as Fp8Format::encode on the CPU, bit for bit. The scale is read
-// from device memory, so delayed scaling can set it on the GPU without the host. While it
-// converts, the kernel folds max |x[i]| (before scaling) into *amax_bits, the float's bits
-// as an int (non-negative floats order as their bits do; a NaN, whose bits exceed every
-// number's, wins, so a step with a NaN cannot set a scale). The caller zeroes *amax_bits
-// first. The maximum does not depend on the order of the atomics: runs stay bit-identical.
+// Two passes over a tensor, as current scaling needs (the scale comes from the tensor itself):
+// 1. fp8_amax_{f32,bf16}(x, n, amax_bits): folds max |x[i]| into *amax_bits, the float's
+//    bits as an int (non-negative floats order as their bits do; a NaN's bits exceed every
+//    number's, so a NaN wins). The caller zeroes *amax_bits first. The maximum does not
+//    depend on the order of the atomics: runs stay bit-identical.
+// 2. fp8_cast_{f32,bf16}(x, y, n, e4m3, amax_bits, inv_scale): scale = max / amax (1 when
+//    the amax is 0, infinite or NaN), as fp8::current_scale; y[i] = fp8(x[i] · scale),
+//    rounded to nearest (ties to even) and saturating to ±448 (E4M3) or ±57,344 (E5M2), NaN
+//    to 0x7F with x's sign: the codes of Fp8Format::encode on the CPU, bit for bit. Thread 0
+//    of block 0 writes 1 / scale to *inv_scale, for the product's scale pointer. The scale
+//    never goes through the host.
 //
 // The rounding is integer arithmetic on the f32 bits, not the hardware's cvt.satfinite
-// (sm_89+): one code path for every card and for the emulator; the cast is bound by memory
-// either way (5 or 6 bytes an element).
+// (sm_89+): one code path for every card and for the emulator; both passes are bound by
+// memory (the cast reads 4 or 2 bytes and writes 1 an element).
 //
-// Grid-stride, block 256; each block reduces its threads' maxima in shared memory and makes
-// one atomicMax.
+// Grid-stride, block 256 (the amax's shared reduction assumes it): each block reduces its
+// threads' maxima and makes one atomicMax.
 
 // The FP8 code of x (sign in bit 7), as Fp8Format::encode.
 __device__ __forceinline__ unsigned mt_fp8_encode(float x, int e4m3) {
@@ -50,18 +53,16 @@ __device__ __forceinline__ unsigned mt_fp8_encode(float x, int e4m3) {
     return sign | (code > max_code ? max_code : code);
 }
 
+// The largest finite value of the format.
+__device__ __forceinline__ float mt_fp8_max(int e4m3) { return e4m3 ? 448.0f : 57344.0f; }
+
 template <class T>
-__device__ __forceinline__ void fp8_cast_impl(const T* __restrict__ x, unsigned char* __restrict__ y,
-                                              const float* __restrict__ scale, long long n, int e4m3,
-                                              int* __restrict__ amax_bits) {
-    const float s = *scale;
+__device__ __forceinline__ void fp8_amax_impl(const T* __restrict__ x, long long n, int* __restrict__ amax_bits) {
     int local = 0;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float v = to_f32(x[i]);
-        const int a = (int)(__float_as_uint(v) & 0x7FFFFFFFu);
+        const int a = (int)(__float_as_uint(to_f32(x[i])) & 0x7FFFFFFFu);
         local = a > local ? a : local;
-        y[i] = (unsigned char)mt_fp8_encode(v * s, e4m3);
     }
     __shared__ int maxima[256];
     maxima[threadIdx.x] = local;
@@ -76,14 +77,40 @@ __device__ __forceinline__ void fp8_cast_impl(const T* __restrict__ x, unsigned 
     if (threadIdx.x == 0) atomicMax(amax_bits, maxima[0]);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    fp8_cast_f32(const float* __restrict__ x, unsigned char* __restrict__ y, const float* __restrict__ scale,
-                 long long n, int e4m3, int* __restrict__ amax_bits) {
-    fp8_cast_impl(x, y, scale, n, e4m3, amax_bits);
+template <class T>
+__device__ __forceinline__ void fp8_cast_impl(const T* __restrict__ x, unsigned char* __restrict__ y, long long n,
+                                              int e4m3, const int* __restrict__ amax_bits,
+                                              float* __restrict__ inv_scale) {
+    const float amax = __int_as_float(*amax_bits);
+    float s = 1.0f;
+    if (isfinite(amax) && amax > 0.0f) {
+        const float q = mt_fp8_max(e4m3) / amax;
+        if (isfinite(q)) s = q;
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = 1.0f / s;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = (unsigned char)mt_fp8_encode(to_f32(x[i]) * s, e4m3);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-    fp8_cast_bf16(const bf16* __restrict__ x, unsigned char* __restrict__ y, const float* __restrict__ scale,
-                  long long n, int e4m3, int* __restrict__ amax_bits) {
-    fp8_cast_impl(x, y, scale, n, e4m3, amax_bits);
+    fp8_amax_f32(const float* __restrict__ x, long long n, int* __restrict__ amax_bits) {
+    fp8_amax_impl(x, n, amax_bits);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_amax_bf16(const bf16* __restrict__ x, long long n, int* __restrict__ amax_bits) {
+    fp8_amax_impl(x, n, amax_bits);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_cast_f32(const float* __restrict__ x, unsigned char* __restrict__ y, long long n, int e4m3,
+                 const int* __restrict__ amax_bits, float* __restrict__ inv_scale) {
+    fp8_cast_impl(x, y, n, e4m3, amax_bits, inv_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_cast_bf16(const bf16* __restrict__ x, unsigned char* __restrict__ y, long long n, int e4m3,
+                  const int* __restrict__ amax_bits, float* __restrict__ inv_scale) {
+    fp8_cast_impl(x, y, n, e4m3, amax_bits, inv_scale);
 }
