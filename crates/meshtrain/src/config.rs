@@ -345,8 +345,8 @@ pub struct TrainConfig {
     pub accumulation_steps: usize,
     /// Matrix products' inputs: "fp32", "bf16", "fp16" or "fp8" (mixed precision: f32 master
     /// weights, optimizer, reductions and norms; fp16 with dynamic loss scaling; fp8 is bf16
-    /// with the inner blocks' linear products in FP8, on the CPU so far). See
-    /// docs/precision.md.
+    /// with the inner blocks' linear products in FP8: Ada/Hopper GPUs, or the CPU as their
+    /// reference). See docs/precision.md.
     #[serde(default = "default_precision")]
     pub precision: String,
     /// fp16's dynamic loss scale (PyTorch GradScaler's defaults: init_scale = 65536,

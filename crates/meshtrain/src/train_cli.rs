@@ -57,7 +57,8 @@ pub struct TrainArgs {
     pub cp: Option<usize>,
     /// Matrix products in fp32, bf16, fp16 or fp8 (mixed precision with f32 master weights;
     /// fp16 adds dynamic loss scaling; fp8 is bf16 with the inner blocks' linear products in
-    /// E4M3/E5M2, CPU only so far). Same as --set train.precision=P.
+    /// E4M3/E5M2: on GPUs with FP8 tensor cores, and on the CPU as their reference). Same as
+    /// --set train.precision=P.
     #[arg(long, value_parser = ["fp32", "bf16", "fp16", "fp8"])]
     pub precision: Option<String>,
     /// Pipeline schedule: gpipe, 1f1b or interleaved[:V] (V chunks per worker, default 2).

@@ -85,14 +85,20 @@ pub fn linear_forward(
     let y_shape = out_shape(&x, l.outputs);
     // Keep the input as the product reads it (rounded to 16 bits under mixed precision).
     let xs = ok(ops::to_dtype(&xs, l.precision));
-    let z = ok(ops::linear_forward(
-        &xs,
-        p,
-        shape,
-        l.bias,
-        l.precision,
-        dev.f32_math(),
-    ));
+    let z = if l.fp8 {
+        ok(meshtrain_tensor::cuda::fp8_linear::forward(
+            &xs, p, shape, l.bias,
+        ))
+    } else {
+        ok(ops::linear_forward(
+            &xs,
+            p,
+            shape,
+            l.bias,
+            l.precision,
+            dev.f32_math(),
+        ))
+    };
     let Some(act) = l.activation else {
         if mode.train {
             s.tensors.push(wrap(xs, x.shape()));
@@ -156,6 +162,7 @@ pub fn linear_backward_then<R>(
         bias: l.bias,
         precision: l.precision,
         math: dev.f32_math(),
+        fp8: l.fp8,
     };
     let shape = x.shape().to_vec();
     ok(grads.backward(xs, &dz, p, device_grads(g), need_dx, |dx| {

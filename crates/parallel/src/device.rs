@@ -53,21 +53,21 @@ pub fn check(
                 .into(),
         ))
     }
-    if layout.precision == crate::precision::Precision::Fp8 {
-        return Err(ParallelError::Device(
-            "precision fp8 runs on the CPU so far (--device cpu: the FP8 products' numerics, \
-             the reference the GPU's will be checked against); the GPU's FP8 products \
-             (cuBLASLt with E4M3/E5M2 operands) are not built yet: train with bf16 on the GPU"
-                .into(),
-        ));
-    }
     #[cfg(feature = "cuda")]
     {
         meshtrain_tensor::cuda::probe::require_gpu(ordinal).map_err(device_error)?;
-        let _ = layout; // every layout's dimensions run on GPUs (`check_options` has the rest)
         refuse_what_gpus_cannot_run(model, ordinal)?;
         if how == DeviceCheck::Opening {
-            CudaDevice::get(ordinal).map_err(device_error)?;
+            let gpu = CudaDevice::get(ordinal).map_err(device_error)?;
+            let fp8 = layout.precision == crate::precision::Precision::Fp8;
+            if fp8 && !gpu.has_fp8_tensor_cores() {
+                return Err(ParallelError::Device(format!(
+                    "precision fp8 needs FP8 tensor cores (Ada or Hopper, compute capability \
+                     8.9 or later); GPU {ordinal} ({}) is sm_{}: train with bf16",
+                    gpu.name(),
+                    gpu.arch()
+                )));
+            }
         }
         Ok(())
     }

@@ -326,6 +326,10 @@ pub fn train_command(problem: &Problem, layout: &Layout) -> String {
     if layout.cp > 1 {
         command += &format!(" --set parallel.cp_mode=\"{}\"", layout.cp_mode.name());
     }
+    // The planned precision (a config's own may differ); fp32 is the trainer's default.
+    if problem.setup.precision != Precision::Fp32 {
+        command += &format!(" --precision {}", problem.setup.precision.name());
+    }
     // (Ring attention runs the memory-efficient block kernel whatever the option says.)
     if problem.model.transformer().is_some()
         && problem.attention_kernel(layout) == AttentionKind::Standard
@@ -650,7 +654,7 @@ pub fn memo(problem: &Problem, best: &Evaluation) -> String {
         Precision::Fp8 => {
             let _ = writeln!(
                 out,
-                "   Matrix multiplications run in fp8 ({:.0} vs {:.0} TFLOP/s bf16): each GEMM's inputs are cast to e4m3 (gradients to e5m2) with a per-tensor scale kept from the tensor's recent maxima, and the product accumulates in fp32. Everything else stays as in bf16 training: activations, element-wise work, attention and communication in bf16 (2 bytes), master weights and Adam moments in fp32. Only the GEMM share of the step gets faster, so the gain is below 2×. meshtrain's own trainer has no fp8 kernels: the run line below trains the same layout in bf16, and the fp8 figures are for a GPU stack with them (Transformer Engine).",
+                "   Matrix multiplications run in fp8 ({:.0} vs {:.0} TFLOP/s bf16): each GEMM's inputs are cast to e4m3 (gradients to e5m2) with a per-tensor scale kept from the tensor's recent maxima, and the product accumulates in fp32. Everything else stays as in bf16 training: activations, element-wise work, attention and communication in bf16 (2 bytes), master weights and Adam moments in fp32. Only the GEMM share of the step gets faster, so the gain is below 2×. These figures model Transformer Engine's delayed scaling (one cast pass per tensor, weights cast once per step); meshtrain's trainer (`--precision fp8`, Ada and Hopper GPUs) scales each tensor by its own current maximum, which costs one more read of it, and casts weights per micro-batch.",
                 problem.cluster.peak_flops(Precision::Fp8) / 1e12,
                 c.peak_tflops.bf16,
             );

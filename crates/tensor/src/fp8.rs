@@ -267,6 +267,13 @@ struct RowsOut(*mut f32);
 unsafe impl Send for RowsOut {}
 unsafe impl Sync for RowsOut {}
 
+impl RowsOut {
+    /// The element `offset` places on (a method, so closures capture the whole `RowsOut`).
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
 /// `c = a·b` (`+= a·b` when `accumulate`) as an FP8 product: each operand multiplied by its
 /// current scale and cast to its format, the cast values multiplied with f32 accumulation
 /// on `threads` threads, the result multiplied by `1 / (scale_a · scale_b)`. The CPU twin of
@@ -307,15 +314,12 @@ pub fn gemm_fp8(
         .par_chunks(n.max(1))
         .enumerate()
         .for_each(|(r, row)| {
-            let out = out;
             for (col, &p) in row.iter().enumerate() {
                 let v = p * unscale;
+                let dst = out.at(r * rs + col * cs);
                 // SAFETY: (r, col) lies inside the view `c`, whose bounds MatMut checked, and
                 // row r is this task's alone.
-                unsafe {
-                    let dst = out.0.add(r * rs + col * cs);
-                    *dst = if accumulate { *dst + v } else { v };
-                }
+                unsafe { *dst = if accumulate { *dst + v } else { v } };
             }
         });
     par::recycle(product);

@@ -8,6 +8,7 @@
 
 use super::context::CudaDevice;
 use super::error::CudaError;
+use crate::fp8::Fp8Format;
 use crate::DType;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
@@ -47,6 +48,21 @@ pub struct Gemm {
     pub bias: Option<u64>,
     pub alpha: f32,
     pub math: F32Math,
+    /// FP8 operands instead of `input`-typed ones (Hopper and Ada tensor cores).
+    pub fp8: Option<Fp8Operands>,
+}
+
+/// The operands of an FP8 product: their formats, and the device f32s holding the inverses
+/// of their scales, which cuBLASLt multiplies the f32 sums by (its `A_SCALE` and `B_SCALE`
+/// pointers; [`super::train_ops::Fp8Cast::inv_scale`]). cuBLASLt takes FP8 operands only
+/// as "TN" (A transposed, B not), with `k` and the leading dimensions multiples of 16, and
+/// not both in E5M2.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fp8Operands {
+    pub a: Fp8Format,
+    pub b: Fp8Format,
+    pub a_inv_scale: u64,
+    pub b_inv_scale: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -66,6 +82,8 @@ struct PlanKey {
     /// D too), so the two are tuned, and remembered, apart.
     accumulate: bool,
     math: F32Math,
+    /// The FP8 operands' formats (A, B), for an FP8 product.
+    fp8: Option<(Fp8Format, Fp8Format)>,
     /// Pointer alignments (bytes, up to 256): algorithms are chosen for them.
     align: [u32; 4],
 }
@@ -105,6 +123,13 @@ fn data_type(d: DType) -> sys::cudaDataType {
     }
 }
 
+fn fp8_data_type(f: Fp8Format) -> sys::cudaDataType {
+    match f {
+        Fp8Format::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
+        Fp8Format::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
+    }
+}
+
 /// The largest power of two up to 256 dividing `ptr`.
 pub fn alignment(ptr: u64) -> u32 {
     if ptr == 0 {
@@ -136,6 +161,7 @@ impl Gemm {
             bias: None,
             alpha: 1.0,
             math,
+            fp8: None,
         }
     }
 
@@ -170,6 +196,23 @@ impl Gemm {
         if self.bias.is_some() && self.accumulate {
             return bad("a bias with accumulation");
         }
+        if let Some(fp8) = self.fp8 {
+            if !self.transa || self.transb {
+                return bad("FP8 operands only as A transposed, B not (cuBLASLt's TN)");
+            }
+            if ![self.k, self.lda, self.ldb].iter().all(|d| d.is_multiple_of(16)) {
+                return bad(
+                    "FP8 operands need the inner dimension and leading dimensions in \
+                     multiples of 16",
+                );
+            }
+            if fp8.a == Fp8Format::E5M2 && fp8.b == Fp8Format::E5M2 {
+                return bad("FP8 operands both in E5M2");
+            }
+            if self.output == DType::F16 && self.bias.is_some() {
+                return bad("an FP8 product with a bias wants a bf16 or f32 output");
+            }
+        }
         Ok(())
     }
 
@@ -188,6 +231,7 @@ impl Gemm {
             bias: self.bias.is_some(),
             accumulate: self.accumulate,
             math: self.math,
+            fp8: self.fp8.map(|f| (f.a, f.b)),
             align: [
                 alignment(self.a),
                 alignment(self.b),
@@ -361,9 +405,16 @@ impl Blas {
         let layout = |t: DType, rows: usize, cols: usize, ld: usize| {
             lt::create_matrix_layout(data_type(t), rows as u64, cols as u64, ld as i64).map_err(err)
         };
+        let layout_of = |t: sys::cudaDataType, rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(t, rows as u64, cols as u64, ld as i64).map_err(err)
+        };
+        let (a_type, b_type) = match g.fp8 {
+            Some(f) => (fp8_data_type(f.a), fp8_data_type(f.b)),
+            None => (data_type(g.input), data_type(g.input)),
+        };
         let layouts = [
-            layout(g.input, a_rows, a_cols, g.lda)?,
-            layout(g.input, b_rows, b_cols, g.ldb)?,
+            layout_of(a_type, a_rows, a_cols, g.lda)?,
+            layout_of(b_type, b_rows, b_cols, g.ldb)?,
             layout(g.output, g.m, g.n, g.ldd)?,
         ];
         let pref = lt::create_matmul_pref().map_err(err)?;
@@ -481,6 +532,24 @@ impl Blas {
                 )
             }
             .map_err(|e| CudaError::blas(what(), e))?;
+        }
+        if let Some(fp8) = g.fp8 {
+            use sys::cublasLtMatmulDescAttributes_t as A;
+            for (attr, ptr) in [
+                (A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, fp8.a_inv_scale),
+                (A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, fp8.b_inv_scale),
+            ] {
+                // SAFETY: the descriptor is live; the pointer is a device address of an f32.
+                unsafe {
+                    lt::set_matmul_desc_attribute(
+                        plan.desc,
+                        attr,
+                        &ptr as *const u64 as *const _,
+                        std::mem::size_of::<u64>(),
+                    )
+                }
+                .map_err(|e| CudaError::blas(what(), e))?;
+            }
         }
         let beta: f32 = if g.accumulate { 1.0 } else { 0.0 };
         // SAFETY: the pointers are device addresses of buffers at least as large as the
@@ -637,7 +706,68 @@ mod tests {
             bias: None,
             alpha: 1.0,
             math: F32Math::Exact,
+            fp8: None,
         }
+    }
+
+    /// FP8 products: only TN, multiples of 16, not E5M2 twice; the formats are in the plan's
+    /// key (an E4M3 × E4M3 plan is not an E5M2 × E4M3 one).
+    #[test]
+    fn fp8_descriptions_are_checked_and_keyed() {
+        let fp8 = |a, b| Fp8Operands {
+            a,
+            b,
+            a_inv_scale: 0x4000,
+            b_inv_scale: 0x4004,
+        };
+        let ok = Gemm {
+            fp8: Some(fp8(Fp8Format::E4M3, Fp8Format::E4M3)),
+            ..gemm()
+        };
+        assert!(ok.validate().is_ok());
+        let fails = |g: Gemm, what: &str| {
+            let e = g.validate().unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        };
+        fails(
+            Gemm {
+                transa: false,
+                lda: 64,
+                ..ok
+            },
+            "TN",
+        );
+        fails(
+            Gemm {
+                transb: true,
+                ldb: 32,
+                ..ok
+            },
+            "TN",
+        );
+        fails(
+            Gemm {
+                k: 24,
+                lda: 24,
+                ldb: 24,
+                ..ok
+            },
+            "multiples of 16",
+        );
+        fails(
+            Gemm {
+                fp8: Some(fp8(Fp8Format::E5M2, Fp8Format::E5M2)),
+                ..ok
+            },
+            "both in E5M2",
+        );
+        let gradient = Gemm {
+            fp8: Some(fp8(Fp8Format::E5M2, Fp8Format::E4M3)),
+            ..ok
+        };
+        assert!(gradient.validate().is_ok());
+        assert_ne!(ok.key(), gradient.key());
+        assert_ne!(ok.key(), gemm().key());
     }
 
     #[test]

@@ -292,12 +292,28 @@ pub fn run_all(
         // FP8 casts (the inputs of FP8 products) read f32 and bf16.
         if dtype != DType::F16 {
             for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
-                let name = format!("fp8 cast to {format} {s}");
-                out.push(
-                    check_fp8_cast(dev, &mut rng, 100_003, format, dtype)
-                        .unwrap_or_else(|e| failed(name, e)),
-                );
+                for shape in [(317, 331), (64, 1000)] {
+                    let name = format!("fp8 cast to {format} {}x{} {s}", shape.0, shape.1);
+                    out.push(
+                        check_fp8_cast(dev, &mut rng, shape, format, dtype)
+                            .unwrap_or_else(|e| failed(name, e)),
+                    );
+                }
             }
+        }
+    }
+    // FP8 products (Ada and Hopper): a linear layer's three against the CPU's.
+    if dev.has_fp8_tensor_cores() {
+        for (rows, inputs, outputs) in [(128, 64, 96), (512, 768, 2304)] {
+            let shape = LinearShape {
+                rows,
+                inputs,
+                outputs,
+            };
+            let name = format!("linear fp8 {rows}x{inputs}->{outputs}");
+            out.extend(
+                check_linear_fp8(dev, &mut rng, shape).unwrap_or_else(|e| vec![failed(name, e)]),
+            );
         }
     }
     // The embedding is f32 whatever the precision: with a position table (GPT) and without
@@ -390,6 +406,94 @@ fn check_linear(
         result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
         result(name("weight+bias grad"), &g_dev.to_host_f32()?, &g, tol),
         result(name("input grad"), &dx_dev.to_host_f32()?, &dx, tol),
+    ])
+}
+
+/// A linear layer's FP8 products against the CPU's ([`crate::fp8::gemm_fp8`], the same
+/// casts from the same bf16 tensors): forward (bf16 output, so bf16's tolerance), the weight
+/// and bias gradients (f32, accumulated onto earlier values) and the input gradient.
+fn check_linear_fp8(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    shape: LinearShape,
+) -> Result<Vec<CheckResult>, CudaError> {
+    use crate::fp8::{gemm_fp8, Fp8Format::*};
+    let LinearShape {
+        rows,
+        inputs,
+        outputs,
+    } = shape;
+    let bf16 = DType::BF16;
+    let threads = crate::par::threads();
+    let x = rounded(&random(rng, rows * inputs, 1.0), bf16);
+    let p = rounded(&random(rng, inputs * outputs + outputs, 0.05), bf16);
+    let dy = rounded(&random(rng, rows * outputs, 1e-3), bf16);
+    let g0 = random(rng, p.len(), 1e-4);
+    let (w, b) = p.split_at(inputs * outputs);
+    let mut y = vec![0.0f32; rows * outputs];
+    gemm_fp8(
+        MatMut::new(&mut y, rows, outputs),
+        Mat::new(&x, rows, inputs),
+        E4M3,
+        Mat::new(w, outputs, inputs).t(),
+        E4M3,
+        false,
+        threads,
+    );
+    for r in y.chunks_mut(outputs) {
+        r.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+    }
+    let mut g = g0.clone();
+    let (gw, gb) = g.split_at_mut(inputs * outputs);
+    gemm_fp8(
+        MatMut::new(gw, outputs, inputs),
+        Mat::new(&dy, rows, outputs).t(),
+        E5M2,
+        Mat::new(&x, rows, inputs),
+        E4M3,
+        true,
+        threads,
+    );
+    for r in dy.chunks(outputs) {
+        gb.iter_mut().zip(r).for_each(|(a, v)| *a += v);
+    }
+    let mut dx = vec![0.0f32; rows * inputs];
+    gemm_fp8(
+        MatMut::new(&mut dx, rows, inputs),
+        Mat::new(&dy, rows, outputs),
+        E5M2,
+        Mat::new(w, outputs, inputs),
+        E4M3,
+        false,
+        threads,
+    );
+
+    let params = DeviceValues::new(dev, &p, bf16)?;
+    let x_dev = CudaTensor::from_host(dev, &x, bf16)?;
+    let dy_dev = CudaTensor::from_host(dev, &dy, bf16)?;
+    let g_dev = CudaTensor::from_host(dev, &g0, DType::F32)?;
+    let y_dev = super::fp8_linear::forward(&x_dev, params.params(), shape, true)?;
+    let dx_dev = super::fp8_linear::backward(
+        &x_dev,
+        &dy_dev,
+        params.params(),
+        grads_of(&g_dev),
+        shape,
+        true,
+        true,
+        |dx| dx,
+    )?
+    .expect("asked for dx");
+    let name = |what: &str| format!("linear fp8 {rows}x{inputs}->{outputs} {what}");
+    Ok(vec![
+        result(name("forward"), &y_dev.to_host_f32()?, &y, tolerance(bf16)),
+        result(name("weight+bias grad"), &g_dev.to_host_f32()?, &g, 1e-5),
+        result(
+            name("input grad"),
+            &dx_dev.to_host_f32()?,
+            &dx,
+            tolerance(bf16),
+        ),
     ])
 }
 
@@ -719,50 +823,48 @@ fn check_add(
 }
 
 /// Current scaling's FP8 cast against the CPU's, code for code (the error is the fraction
-/// of codes that differ; none may), with its amax and inverse scale exactly. The inputs span
-/// the format's range and beyond after the scale (subnormals, saturation); a second cast of
-/// inputs holding a NaN must fall back to scale 1.
+/// of codes that differ; none may), as it is and transposed, with its inverse scale exactly.
+/// The inputs span the format's range and beyond after the scale (subnormals, saturation);
+/// a second cast of inputs holding a NaN must fall back to scale 1.
 fn check_fp8_cast(
     dev: &Arc<CudaDevice>,
     rng: &mut SplitMix64,
-    n: usize,
+    (rows, cols): (usize, usize),
     format: Fp8Format,
     dtype: DType,
 ) -> Result<CheckResult, CudaError> {
+    let n = rows * cols;
     let x: Vec<f32> = (0..n)
         .map(|_| rng.normal() * (2.0f32).powi(rng.below(40) as i32 - 20))
         .collect();
     let mut with_nan = x.clone();
     with_nan[n / 2] = f32::NAN;
-    let mut differ = 0;
+    let (mut differ, mut compared) = (0, 0);
     let mut scales = Vec::new();
     for values in [x, with_nan] {
         let values = rounded(&values, dtype);
         let x_dev = CudaTensor::from_host(dev, &values, dtype)?;
-        let y = dev.alloc(n, "fp8 codes")?;
-        let amax_dev = dev.alloc(4, "fp8 amax")?;
-        let inv_scale_dev = dev.alloc(4, "fp8 inverse scale")?;
-        train_ops::fp8_cast(
-            dev,
-            x_dev.ptr(),
-            dtype,
-            y.ptr(),
-            n,
-            format,
-            amax_dev.ptr(),
-            inv_scale_dev.ptr(),
-        )?;
-        let codes: Vec<u8> = dev.download(y.ptr(), n)?;
-        let inv_scale: Vec<f32> = dev.download(inv_scale_dev.ptr(), 1)?;
         let scale = crate::fp8::current_scale(format, crate::fp8::amax(&values));
-        differ += values
-            .iter()
-            .zip(&codes)
-            .filter(|(v, c)| format.encode(**v * scale) != **c)
-            .count();
-        scales.push((inv_scale[0], 1.0 / scale));
+        for transposed in [false, true] {
+            let cast =
+                train_ops::fp8_cast(dev, x_dev.ptr(), dtype, rows, cols, format, transposed)?;
+            let codes: Vec<u8> = dev.download(cast.codes.ptr(), n)?;
+            let inv_scale: Vec<f32> = dev.download(cast.inv_scale(), 1)?;
+            for r in 0..rows {
+                for c in 0..cols {
+                    let at = if transposed {
+                        c * rows + r
+                    } else {
+                        r * cols + c
+                    };
+                    differ += (format.encode(values[r * cols + c] * scale) != codes[at]) as usize;
+                }
+            }
+            compared += n;
+            scales.push((inv_scale[0], 1.0 / scale));
+        }
     }
-    let name = format!("fp8 cast to {format} {}", ops::suffix(dtype));
+    let name = format!("fp8 cast to {format} {rows}x{cols} {}", ops::suffix(dtype));
     if let Some((got, want)) = scales.iter().find(|(got, want)| got != want) {
         return Ok(CheckResult {
             name,
@@ -772,7 +874,7 @@ fn check_fp8_cast(
             error: Some(format!("inverse scale {got}, the CPU's {want}")),
         });
     }
-    let rel_err = differ as f64 / (2 * n) as f64;
+    let rel_err = differ as f64 / compared as f64;
     Ok(CheckResult {
         name,
         rel_err,

@@ -411,11 +411,15 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             vec!["qk_heads_f32".into()],
         ]
         .concat(),
-        "fp8.cu" => [each("fp8_amax"), each("fp8_cast")]
-            .concat()
-            .into_iter()
-            .filter(|name| !name.ends_with("_f16"))
-            .collect(),
+        "fp8.cu" => [
+            each("fp8_amax"),
+            each("fp8_cast"),
+            each("fp8_cast_transpose"),
+        ]
+        .concat()
+        .into_iter()
+        .filter(|name| !name.ends_with("_f16"))
+        .collect(),
         "decode.cu" => ["decode_append_kv_f32", "decode_attn_f32"]
             .map(String::from)
             .to_vec(),

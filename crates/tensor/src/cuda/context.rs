@@ -268,6 +268,11 @@ impl CudaDevice {
         format!("{}{}", self.capability.0, self.capability.1)
     }
 
+    /// Whether the tensor cores take FP8 operands: Ada (compute capability 8.9) and later.
+    pub fn has_fp8_tensor_cores(&self) -> bool {
+        (self.capability.0, self.capability.1) >= (8, 9)
+    }
+
     pub fn multiprocessors(&self) -> usize {
         self.multiprocessors
     }

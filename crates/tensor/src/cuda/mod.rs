@@ -24,6 +24,7 @@ pub mod context;
 pub mod convnet;
 pub mod decode;
 pub mod error;
+pub mod fp8_linear;
 pub mod ops;
 pub mod probe;
 pub mod train_ops;

@@ -8,7 +8,7 @@
 //! next product reads anyway); norms read the f32 residual stream.
 
 use super::blas::{F32Math, Gemm};
-use super::context::{Args, CudaDevice, Launch};
+use super::context::{Args, CudaDevice, DevBuf, Launch};
 use super::error::CudaError;
 use super::{CudaTensor, DeviceGrads, DeviceParams};
 use crate::rotary::RotaryShape;
@@ -213,24 +213,7 @@ pub fn linear_forward(
     let dev = x.device().clone();
     let x = to_dtype(x, precision)?;
     let y = CudaTensor::alloc(&dev, rows * outputs, precision, "a linear layer's output")?;
-    // cuBLASLt's bias epilogue wants an aligned vector: a bias at an odd place of the flat
-    // buffer (a user's model) is copied to an aligned block first (`outputs` values).
-    let mut aligned_bias = None;
-    let bias_ptr = if bias {
-        let ptr = weight_in(&b.slice(0..outputs), precision, "linear bias")?;
-        if ptr % 16 == 0 {
-            Some(ptr)
-        } else {
-            let bytes = outputs * precision.size_bytes();
-            let copy = dev.alloc(bytes, "an aligned bias")?;
-            dev.copy(copy.ptr(), ptr, bytes)?;
-            let at = copy.ptr();
-            aligned_bias = Some(copy);
-            Some(at)
-        }
-    } else {
-        None
-    };
+    let (bias_ptr, aligned_bias) = epilogue_bias(&dev, bias.then_some(b), outputs, precision)?;
     let products = LinearProducts {
         shape,
         precision,
@@ -245,6 +228,29 @@ pub fn linear_forward(
     dev.with_blas(|blas| blas.gemm(&g))?;
     drop(aligned_bias);
     Ok(y)
+}
+
+/// The bias of a product's epilogue (`outputs` values in `precision`), and the aligned copy
+/// holding it when it had to be copied: cuBLASLt's bias epilogue wants an aligned vector,
+/// and a bias at an odd place of the flat buffer (a user's model) is copied to an aligned
+/// block first. Keep the copy until the product has been queued.
+pub(super) fn epilogue_bias(
+    dev: &Arc<CudaDevice>,
+    bias: Option<DeviceParams>,
+    outputs: usize,
+    precision: DType,
+) -> Result<(Option<u64>, Option<DevBuf>), CudaError> {
+    let Some(b) = bias else {
+        return Ok((None, None));
+    };
+    let ptr = weight_in(&b.slice(0..outputs), precision, "linear bias")?;
+    if ptr % 16 == 0 {
+        return Ok((Some(ptr), None));
+    }
+    let bytes = outputs * precision.size_bytes();
+    let copy = dev.alloc(bytes, "an aligned bias")?;
+    dev.copy(copy.ptr(), ptr, bytes)?;
+    Ok((Some(copy.ptr()), Some(copy)))
 }
 
 /// Backward of [`linear_forward`]: `dW += dyᵀ·x`, `db += Σ_rows dy` (into `grads`: weight
@@ -266,6 +272,7 @@ pub fn linear_backward(
         bias,
         precision,
         math,
+        fp8: false,
     };
     products.backward(x, dy, p, grads, need_dx, |dx| dx)
 }
@@ -277,6 +284,8 @@ pub struct LinearGrads {
     pub bias: bool,
     pub precision: DType,
     pub math: F32Math,
+    /// The products in FP8 ([`super::fp8_linear`]); `precision` is then bf16.
+    pub fp8: bool,
 }
 
 impl LinearGrads {
@@ -293,6 +302,11 @@ impl LinearGrads {
         need_dx: bool,
         after_dx: impl FnOnce(Option<CudaTensor>) -> R,
     ) -> Result<R, CudaError> {
+        if self.fp8 {
+            return super::fp8_linear::backward(
+                x, dy, p, grads, self.shape, self.bias, need_dx, after_dx,
+            );
+        }
         let LinearShape {
             rows,
             inputs,

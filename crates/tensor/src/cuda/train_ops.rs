@@ -227,57 +227,106 @@ pub fn tie_sum(dev: &CudaDevice, a: u64, b: u64, len: usize) -> Result<(), CudaE
     )
 }
 
-/// The FP8 kernels' name for values of `dtype` (they read f32 and bf16).
-fn fp8_kernel(stem: &str, dtype: DType) -> Result<String, CudaError> {
-    match dtype {
+/// A tensor cast to FP8 on the device ([`fp8_cast`]): its codes and the scalars beside them.
+pub struct Fp8Cast {
+    /// One byte a value: row-major `[rows, cols]`, or `[cols, rows]` when `transposed`.
+    pub codes: DevBuf,
+    /// The amax (its f32 bits, as an int) and `1 / scale`, two f32s.
+    scalars: DevBuf,
+    pub format: crate::fp8::Fp8Format,
+    pub transposed: bool,
+}
+
+impl Fp8Cast {
+    /// The f32 that FP8 products multiply back by (cuBLASLt's `A_SCALE`/`B_SCALE` pointer).
+    pub fn inv_scale(&self) -> u64 {
+        self.scalars.ptr() + 4
+    }
+
+    /// The f32 holding the tensor's amax.
+    pub fn amax(&self) -> u64 {
+        self.scalars.ptr()
+    }
+}
+
+/// Current scaling's cast to FP8 of the row-major `[rows, cols]` values at `x` (f32 or bf16,
+/// `dtype`), in two passes: the largest |x| (an amax pass), then every value times `scale`
+/// = [`crate::fp8::current_scale`] of it, rounded to nearest even and saturating: the codes
+/// of [`crate::fp8::Fp8Format::encode`], written as they are or `transposed` (`[cols,
+/// rows]`: cuBLASLt's FP8 products take only "TN" operands). `1 / scale` stays on the
+/// device beside them; nothing goes through the host.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_cast(
+    dev: &Arc<CudaDevice>,
+    x: u64,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    format: crate::fp8::Fp8Format,
+    transposed: bool,
+) -> Result<Fp8Cast, CudaError> {
+    let kernel = |stem: &str| match dtype {
         DType::F32 | DType::BF16 => Ok(format!("{stem}_{}", super::ops::suffix(dtype))),
         DType::F16 => Err(CudaError::Unsupported(
             "FP8 casts of f16 values (they read f32 or bf16)".into(),
         )),
-    }
-}
-
-/// Current scaling's cast to FP8 of `len` values at `x` (f32 or bf16, `dtype`) into the bytes
-/// at `y`, in two passes: the largest |x[i]| into the f32 at `amax` (zeroed here first),
-/// then `y[i] = format(x[i] · scale)` with `scale =` [`crate::fp8::current_scale`] of it,
-/// rounded to nearest even and saturating: the codes of [`crate::fp8::Fp8Format::encode`].
-/// `1 / scale` goes to the f32 at `inv_scale`, for the product's scale pointer. Nothing
-/// goes through the host.
-#[allow(clippy::too_many_arguments)]
-pub fn fp8_cast(
-    dev: &CudaDevice,
-    x: u64,
-    dtype: DType,
-    y: u64,
-    len: usize,
-    format: crate::fp8::Fp8Format,
-    amax: u64,
-    inv_scale: u64,
-) -> Result<(), CudaError> {
-    let amax_kernel = fp8_kernel("fp8_amax", dtype)?;
-    let cast_kernel = fp8_kernel("fp8_cast", dtype)?;
+    };
+    let len = rows * cols;
     let e4m3 = format == crate::fp8::Fp8Format::E4M3;
+    let cast = Fp8Cast {
+        codes: dev.alloc(len.max(1), "FP8 codes")?,
+        scalars: dev.alloc_zeroed(8, "an FP8 amax and scale")?,
+        format,
+        transposed,
+    };
     // Block 256: the amax's shared reduction assumes it.
-    let launch = Launch::grid_stride(len, THREADS, UPDATE_BLOCKS);
-    dev.memset_zero(amax, 4)?;
+    let flat = Launch::grid_stride(len, THREADS, UPDATE_BLOCKS);
     dev.launch(
         "fp8.cu",
-        &amax_kernel,
-        launch,
-        Args::new().ptr(x).i64(len as i64).ptr(amax),
+        &kernel("fp8_amax")?,
+        flat,
+        Args::new().ptr(x).i64(len as i64).ptr(cast.amax()),
     )?;
-    dev.launch(
-        "fp8.cu",
-        &cast_kernel,
-        launch,
-        Args::new()
-            .ptr(x)
-            .ptr(y)
-            .i64(len as i64)
-            .i32(e4m3 as i32)
-            .ptr(amax)
-            .ptr(inv_scale),
-    )
+    if transposed {
+        let tiles = Launch {
+            grid: (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1),
+            block: (32, 8, 1),
+            smem: 0,
+        };
+        if rows.div_ceil(32) > 65_535 {
+            return Err(CudaError::Unsupported(format!(
+                "an FP8 cast-transpose of {rows} rows (at most {} in one launch)",
+                65_535 * 32
+            )));
+        }
+        dev.launch(
+            "fp8.cu",
+            &kernel("fp8_cast_transpose")?,
+            tiles,
+            Args::new()
+                .ptr(x)
+                .ptr(cast.codes.ptr())
+                .usize_as_i32(rows)
+                .usize_as_i32(cols)
+                .i32(e4m3 as i32)
+                .ptr(cast.amax())
+                .ptr(cast.inv_scale()),
+        )?;
+    } else {
+        dev.launch(
+            "fp8.cu",
+            &kernel("fp8_cast")?,
+            flat,
+            Args::new()
+                .ptr(x)
+                .ptr(cast.codes.ptr())
+                .i64(len as i64)
+                .i32(e4m3 as i32)
+                .ptr(cast.amax())
+                .ptr(cast.inv_scale()),
+        )?;
+    }
+    Ok(cast)
 }
 
 /// `x *= s` over `len` f32 values.

@@ -137,7 +137,43 @@ static void test_amax_finite(uint64_t seed) {
     tally.check("fp8 amax of finite inputs", std::fabs(__uint_as_float((unsigned)*amax) - want), 0.0);
 }
 
+/// The transposed cast against the plain cast's codes, moved: odd shapes (tiles cut at both
+/// edges), one tile, and a single row and column.
+template <class T>
+static void test_transpose(int rows, int cols, bool e4m3, uint64_t seed) {
+    Rng rng(seed);
+    const long long n = (long long)rows * cols;
+    T* x = buffer<T>(n);
+    for (long long i = 0; i < n; ++i) x[i] = from_f32<T>(rng.range(-3.0f, 3.0f) * (float)std::ldexp(1.0, rng.below(20) - 10));
+    int* amax = buffer<int>(1);
+    *amax = 0;
+    launch_amax(x, n, amax, false);
+    unsigned char* y = buffer<unsigned char>(n);
+    unsigned char* yt = buffer<unsigned char>(n);
+    std::fill(yt, yt + n, (unsigned char)0xA5);
+    float* inv = buffer<float>(2);
+    launch_cast(x, y, n, e4m3, amax, inv, false);
+    const dim3 grid((cols + 31) / 32, (rows + 31) / 32);
+    if (std::is_same<T, float>::value)
+        emu::launch(fp8_cast_transpose_f32, grid, dim3(32, 8), 0, (const float*)x, yt, rows, cols, (int)e4m3,
+                    (const int*)amax, inv + 1);
+    else
+        emu::launch(fp8_cast_transpose_bf16, grid, dim3(32, 8), 0, (const bf16*)x, yt, rows, cols, (int)e4m3,
+                    (const int*)amax, inv + 1);
+    int wrong = 0;
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) wrong += yt[(long long)c * rows + r] != y[(long long)r * cols + c];
+    const std::string tag = fmt("fp8 cast-transpose %s %dx%d %s", e4m3 ? "e4m3" : "e5m2", rows, cols, type_name<T>());
+    tally.check_true(tag + fmt(": %d of %lld codes differ from the cast's", wrong, n), wrong == 0);
+    tally.check_true(tag + ": the inverse scale equals the cast's", inv[0] == inv[1]);
+}
+
 int main() {
+    for (bool e4m3 : {true, false})
+        for (auto [rows, cols] : {std::pair{70, 45}, std::pair{32, 32}, std::pair{1, 33}, std::pair{100, 1}}) {
+            test_transpose<float>(rows, cols, e4m3, 20 + rows);
+            test_transpose<bf16>(rows, cols, e4m3, 30 + cols);
+        }
     // Amaxes giving scales of 1, above 1, below 1, and the odd ones (scale 1).
     for (bool e4m3 : {true, false})
         for (float amax : {e4m3 ? 448.0f : 57344.0f, 0.37f, 9000.0f, 0.0f, NAN, INFINITY})

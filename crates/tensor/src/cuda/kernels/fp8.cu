@@ -13,6 +13,13 @@
 //    of block 0 writes 1 / scale to *inv_scale, for the product's scale pointer. The scale
 //    never goes through the host.
 //
+// 3. fp8_cast_transpose_{f32,bf16}(x, yt, rows, cols, e4m3, amax_bits, inv_scale): the cast of
+//    the row-major [rows, cols] x written transposed, yt[c · rows + r]: cuBLASLt's FP8 products
+//    take only "TN" operands, so backward's products read the weight, the input and the
+//    output gradient transposed (Transformer Engine's cast-transpose). Block (32, 8), one
+//    32 x 32 tile per block: codes staged in shared memory (a padded row per tile row),
+//    rows read and columns written 32 bytes at a time. Grid (ceil(cols/32), ceil(rows/32)).
+//
 // The rounding is integer arithmetic on the f32 bits, not the hardware's cvt.satfinite
 // (sm_89+): one code path for every card and for the emulator; both passes are bound by
 // memory (the cast reads 4 or 2 bytes and writes 1 an element).
@@ -113,4 +120,42 @@ extern "C" __global__ void __launch_bounds__(256)
     fp8_cast_bf16(const bf16* __restrict__ x, unsigned char* __restrict__ y, long long n, int e4m3,
                   const int* __restrict__ amax_bits, float* __restrict__ inv_scale) {
     fp8_cast_impl(x, y, n, e4m3, amax_bits, inv_scale);
+}
+
+template <class T>
+__device__ __forceinline__ void fp8_cast_transpose_impl(const T* __restrict__ x, unsigned char* __restrict__ yt,
+                                                        int rows, int cols, int e4m3,
+                                                        const int* __restrict__ amax_bits,
+                                                        float* __restrict__ inv_scale) {
+    const float amax = __int_as_float(*amax_bits);
+    float s = 1.0f;
+    if (isfinite(amax) && amax > 0.0f) {
+        const float q = mt_fp8_max(e4m3) / amax;
+        if (isfinite(q)) s = q;
+    }
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *inv_scale = 1.0f / s;
+    __shared__ unsigned char tile[32][33];
+    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int r = r0 + i, c = c0 + threadIdx.x;
+        if (r < rows && c < cols)
+            tile[i][threadIdx.x] = (unsigned char)mt_fp8_encode(to_f32(x[(long long)r * cols + c]) * s, e4m3);
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += blockDim.y) {
+        const int c = c0 + i, r = r0 + threadIdx.x;
+        if (r < rows && c < cols) yt[(long long)c * rows + r] = tile[threadIdx.x][i];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_cast_transpose_f32(const float* __restrict__ x, unsigned char* __restrict__ yt, int rows, int cols,
+                           int e4m3, const int* __restrict__ amax_bits, float* __restrict__ inv_scale) {
+    fp8_cast_transpose_impl(x, yt, rows, cols, e4m3, amax_bits, inv_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_cast_transpose_bf16(const bf16* __restrict__ x, unsigned char* __restrict__ yt, int rows, int cols,
+                            int e4m3, const int* __restrict__ amax_bits, float* __restrict__ inv_scale) {
+    fp8_cast_transpose_impl(x, yt, rows, cols, e4m3, amax_bits, inv_scale);
 }
