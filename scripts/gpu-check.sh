@@ -261,9 +261,9 @@ run)
         step) limit=180 sync=0 ;;
         *) limit=60 sync=0 ;;
         esac
-        # The step part times GPT-2 124M and the Llama 3.2 1B shape (issue 39).
+        # The step part times GPT-2 124M and the Llama 3.2 1B shape in bf16 and fp8 (issue 39).
         MESHTRAIN_CUDA_SYNC=$sync timeout "$limit" "$bin" bench gpu --parts "$part" --root . \
-            --models gpt2-124m,llama-1b --out-dir "$planner" 2>&1 | tee "$logs/$part.log"
+            --models gpt2-124m,llama-1b,llama-1b-fp8 --out-dir "$planner" 2>&1 | tee "$logs/$part.log"
         rc=${PIPESTATUS[0]}
         if [ "$part" = convnets ]; then
             # PyTorch on the same card in the same call, and the ratios.
@@ -356,6 +356,13 @@ run)
                 fi
             done
         done
+        # FP8's speed-up: the Llama 1B step in fp8 against the same step in bf16, this call.
+        bf=$(grep -h "^RESULT meshtrain-llama-1b " "$logs/step.log" 2>/dev/null | head -1 | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+        f8=$(grep -h "^RESULT meshtrain-llama-1b-fp8 " "$logs/step.log" 2>/dev/null | head -1 | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+        if [ -n "$bf" ] && [ -n "$f8" ]; then
+            grep -h "^RESULT meshtrain-llama-1b-fp8 " "$logs/step.log" | head -1
+            echo "llama-1b: fp8 / bf16 tokens/s: $(awk -v a="$f8" -v b="$bf" 'BEGIN{printf "%.3f", a/b}')"
+        fi
     }
     echo
     summary | tee "$logs/summary.log"

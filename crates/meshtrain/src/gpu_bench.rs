@@ -516,19 +516,25 @@ impl Compared {
 }
 
 /// GPU against CPU, 20 steps of `model`: (passed, line) per comparison. fp32 compares the
-/// parameters (≤ 1e-4 relative L2); bf16, fp16 (with loss scaling) and fp32 with TF32
-/// products compare every step's loss (≤ 1%); fp32 and bf16 also run twice on the GPU and
-/// must agree bit for bit.
+/// parameters (≤ 1e-4 relative L2); bf16, fp16 (with loss scaling), fp32 with TF32
+/// products and, on a card with FP8 tensor cores, fp8 compare every step's loss (≤ 1%);
+/// fp32 and bf16 also run twice on the GPU and must agree bit for bit.
 fn compare_model(args: &BenchGpuArgs, model: Compared) -> Result<Vec<(bool, String)>> {
     let name = model.name();
     let mut lines = Vec::new();
     let gpu = format!("train.device=\"cuda:{}\"", args.device);
-    let cases: [(&str, &str, &[&str]); 4] = [
+    let mut cases: Vec<(&str, &str, &[&str])> = vec![
         ("fp32", "fp32", &[]),
         ("bf16", "bf16", &[]),
         ("fp16", "fp16", &[]),
         ("fp32 with TF32", "fp32", &["train.tf32=true"]),
     ];
+    // FP8 products (Ada, Hopper) against the CPU's FP8 twin.
+    let card =
+        meshtrain_tensor::cuda::CudaDevice::get(args.device).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if card.has_fp8_tensor_cores() {
+        cases.push(("fp8", "fp8", &[]));
+    }
     let mut cpu_runs: Vec<(&str, GptRun)> = Vec::new();
     for (label, precision, extra) in cases {
         let p = format!("train.precision=\"{precision}\"");
@@ -901,6 +907,11 @@ pub enum StepModel {
     /// SwiGLU 8192, vocabulary 128,256, tied, 2,048 tokens.
     #[value(name = "llama-1b")]
     Llama1b,
+    /// The same Llama 1B step with `--precision fp8` (its blocks' linear products in FP8):
+    /// its tokens/s against `llama-1b`'s of the same call is FP8's speed-up, its MFU still
+    /// counted against the bf16 peak.
+    #[value(name = "llama-1b-fp8")]
+    Llama1bFp8,
 }
 
 impl StepModel {
@@ -908,6 +919,15 @@ impl StepModel {
         match self {
             StepModel::Gpt2Small => "gpt2-124m",
             StepModel::Llama1b => "llama-1b",
+            StepModel::Llama1bFp8 => "llama-1b-fp8",
+        }
+    }
+
+    /// The precision the step trains in.
+    fn precision(self) -> &'static str {
+        match self {
+            StepModel::Llama1bFp8 => "fp8",
+            _ => "bf16",
         }
     }
 
@@ -915,7 +935,7 @@ impl StepModel {
     fn default_batch(self) -> usize {
         match self {
             StepModel::Gpt2Small => 16,
-            StepModel::Llama1b => 4,
+            StepModel::Llama1b | StepModel::Llama1bFp8 => 4,
         }
     }
 
@@ -923,7 +943,7 @@ impl StepModel {
     fn config_file(self) -> &'static str {
         match self {
             StepModel::Gpt2Small => "configs/gpt.toml",
-            StepModel::Llama1b => "configs/llama-1b.toml",
+            StepModel::Llama1b | StepModel::Llama1bFp8 => "configs/llama-1b.toml",
         }
     }
 
@@ -942,6 +962,7 @@ impl StepModel {
                 "optimizer.beta2=0.999",
             ],
             StepModel::Llama1b => &["train.precision=\"bf16\"", "optimizer.beta2=0.999"],
+            StepModel::Llama1bFp8 => &["train.precision=\"fp8\"", "optimizer.beta2=0.999"],
         }
     }
 
@@ -950,6 +971,7 @@ impl StepModel {
         match self {
             StepModel::Gpt2Small => "meshtrain",
             StepModel::Llama1b => "meshtrain-llama-1b",
+            StepModel::Llama1bFp8 => "meshtrain-llama-1b-fp8",
         }
     }
 }
@@ -1032,8 +1054,9 @@ fn step_of(args: &BenchGpuArgs, model: StepModel) -> Result<()> {
         _ => bail!("the step part times language models"),
     };
     println!(
-        "\n== step: {} ({shape}, tied embeddings), batch {batch} × {seq}, bf16, AdamW, clip 1.0",
+        "\n== step: {} ({shape}, tied embeddings), batch {batch} × {seq}, {}, AdamW, clip 1.0",
         model.name(),
+        model.precision(),
     );
     let task = Task::load(&cfg)?;
     let job = Arc::new(cfg.job(&task)?);
@@ -1189,6 +1212,11 @@ mod tests {
             );
             assert_eq!(training_flops_per_token(counted, layers, width, seq), flops);
         }
+        // The fp8 step is the same model, trained in fp8.
+        let bf16 = step_config(&root, StepModel::Llama1b, 4, 0).unwrap();
+        let fp8 = step_config(&root, StepModel::Llama1bFp8, 4, 0).unwrap();
+        assert_eq!(fp8.train.precision, "fp8");
+        assert_eq!(format!("{:?}", fp8.model), format!("{:?}", bf16.model));
     }
 
     /// Model FLOPs utilisation is against the card's dense bf16 peak, taken from the

@@ -200,7 +200,10 @@ impl Gemm {
             if !self.transa || self.transb {
                 return bad("FP8 operands only as A transposed, B not (cuBLASLt's TN)");
             }
-            if ![self.k, self.lda, self.ldb].iter().all(|d| d.is_multiple_of(16)) {
+            if ![self.k, self.lda, self.ldb]
+                .iter()
+                .all(|d| d.is_multiple_of(16))
+            {
                 return bad(
                     "FP8 operands need the inner dimension and leading dimensions in \
                      multiples of 16",
