@@ -396,16 +396,22 @@ impl Model {
     /// precision, or f32), like `torch.autocast` does for its op list: each layer that has
     /// products is told through [`Layer::set_precision`], composites via their children.
     pub fn set_precision(&mut self, precision: DType) {
-        fn visit(layer: &mut dyn Layer, precision: DType) {
-            layer.set_precision(precision);
+        let all = 0..self.blocks.len();
+        self.each_layer_of(all, &mut |layer| layer.set_precision(precision));
+    }
+
+    /// `f` on every layer of blocks `blocks`, composites and their children alike.
+    fn each_layer_of(&mut self, blocks: Range<usize>, f: &mut dyn FnMut(&mut dyn Layer)) {
+        fn visit(layer: &mut dyn Layer, f: &mut dyn FnMut(&mut dyn Layer)) {
+            f(layer);
             if let Some(children) = layer.children_mut() {
                 for (_, child) in children.layers_mut() {
-                    visit(child.as_mut(), precision);
+                    visit(child.as_mut(), f);
                 }
             }
         }
-        for block in &mut self.blocks {
-            visit(block.layer.as_mut(), precision);
+        for block in self.blocks.get_mut(blocks).unwrap_or_default() {
+            visit(block.layer.as_mut(), f);
         }
     }
 
@@ -416,18 +422,8 @@ impl Model {
     /// layer out of float8): the logits' product is the most sensitive to rounding, and a
     /// model's ends are a small share of its products.
     pub fn set_fp8_products(&mut self, on: bool) {
-        fn visit(layer: &mut dyn Layer, on: bool) {
-            layer.set_fp8_products(on);
-            if let Some(children) = layer.children_mut() {
-                for (_, child) in children.layers_mut() {
-                    visit(child.as_mut(), on);
-                }
-            }
-        }
         let inner = 1..self.blocks.len().saturating_sub(1);
-        for block in self.blocks.get_mut(inner).unwrap_or_default() {
-            visit(block.layer.as_mut(), on);
-        }
+        self.each_layer_of(inner, &mut |layer| layer.set_fp8_products(on));
     }
 
     /// Fresh parameters: each tensor drawn from its own stream forked from `seed`, so adding a

@@ -349,39 +349,9 @@ fn check_linear(
     let dy = rounded(&random(rng, rows * outputs, 1.0), dtype);
     let g0 = random(rng, p.len(), 0.01);
 
-    // CPU: y = x·Wᵀ + b; dW += dyᵀ·x; db += Σ dy; dx = dy·W.
-    let (w, b) = p.split_at(inputs * outputs);
-    let mut y = vec![0.0f32; rows * outputs];
-    gemm_in(
-        dtype,
-        MatMut::new(&mut y, rows, outputs),
-        Mat::new(&x, rows, inputs),
-        Mat::new(w, outputs, inputs).t(),
-        false,
-    );
-    for r in y.chunks_mut(outputs) {
-        r.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-    }
-    let mut g = g0.clone();
-    let (gw, gb) = g.split_at_mut(inputs * outputs);
-    gemm_in(
-        dtype,
-        MatMut::new(gw, outputs, inputs),
-        Mat::new(&dy, rows, outputs).t(),
-        Mat::new(&x, rows, inputs),
-        true,
-    );
-    for r in dy.chunks(outputs) {
-        gb.iter_mut().zip(r).for_each(|(a, v)| *a += v);
-    }
-    let mut dx = vec![0.0f32; rows * inputs];
-    gemm_in(
-        dtype,
-        MatMut::new(&mut dx, rows, inputs),
-        Mat::new(&dy, rows, outputs),
-        Mat::new(w, outputs, inputs),
-        false,
-    );
+    let (y, g, dx) = cpu_linear(&x, &p, &dy, &g0, shape, &|c, a, b, accumulate, _| {
+        gemm_in(dtype, c, a, b, accumulate)
+    });
 
     let params = DeviceValues::new(dev, &p, dtype)?;
     let x_dev = CudaTensor::from_host(dev, &x, dtype)?;
@@ -409,6 +379,64 @@ fn check_linear(
     ])
 }
 
+/// Which of a linear layer's products: FP8 gives each its operands' formats.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LinearProduct {
+    Forward,
+    InputGrad,
+    WeightGrad,
+}
+
+/// The CPU's linear layer on `x` `[rows, inputs]`, `p` (W then b) and `dy`: `y = x·Wᵀ + b`,
+/// `g = g0 + (dyᵀ·x, Σ_rows dy)` and `dx = dy·W`, each product through `product`.
+fn cpu_linear(
+    x: &[f32],
+    p: &[f32],
+    dy: &[f32],
+    g0: &[f32],
+    shape: LinearShape,
+    product: &dyn Fn(MatMut, Mat, Mat, bool, LinearProduct),
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let LinearShape {
+        rows,
+        inputs,
+        outputs,
+    } = shape;
+    let (w, b) = p.split_at(inputs * outputs);
+    let mut y = vec![0.0f32; rows * outputs];
+    product(
+        MatMut::new(&mut y, rows, outputs),
+        Mat::new(x, rows, inputs),
+        Mat::new(w, outputs, inputs).t(),
+        false,
+        LinearProduct::Forward,
+    );
+    for r in y.chunks_mut(outputs) {
+        r.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+    }
+    let mut g = g0.to_vec();
+    let (gw, gb) = g.split_at_mut(inputs * outputs);
+    product(
+        MatMut::new(gw, outputs, inputs),
+        Mat::new(dy, rows, outputs).t(),
+        Mat::new(x, rows, inputs),
+        true,
+        LinearProduct::WeightGrad,
+    );
+    for r in dy.chunks(outputs) {
+        gb.iter_mut().zip(r).for_each(|(a, v)| *a += v);
+    }
+    let mut dx = vec![0.0f32; rows * inputs];
+    product(
+        MatMut::new(&mut dx, rows, inputs),
+        Mat::new(dy, rows, outputs),
+        Mat::new(w, outputs, inputs),
+        false,
+        LinearProduct::InputGrad,
+    );
+    (y, g, dx)
+}
+
 /// A linear layer's FP8 products against the CPU's ([`crate::fp8::gemm_fp8`], the same
 /// casts from the same bf16 tensors): forward (bf16 output, so bf16's tolerance), the weight
 /// and bias gradients (f32, accumulated onto earlier values) and the input gradient.
@@ -429,44 +457,13 @@ fn check_linear_fp8(
     let p = rounded(&random(rng, inputs * outputs + outputs, 0.05), bf16);
     let dy = rounded(&random(rng, rows * outputs, 1e-3), bf16);
     let g0 = random(rng, p.len(), 1e-4);
-    let (w, b) = p.split_at(inputs * outputs);
-    let mut y = vec![0.0f32; rows * outputs];
-    gemm_fp8(
-        MatMut::new(&mut y, rows, outputs),
-        Mat::new(&x, rows, inputs),
-        E4M3,
-        Mat::new(w, outputs, inputs).t(),
-        E4M3,
-        false,
-        threads,
-    );
-    for r in y.chunks_mut(outputs) {
-        r.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-    }
-    let mut g = g0.clone();
-    let (gw, gb) = g.split_at_mut(inputs * outputs);
-    gemm_fp8(
-        MatMut::new(gw, outputs, inputs),
-        Mat::new(&dy, rows, outputs).t(),
-        E5M2,
-        Mat::new(&x, rows, inputs),
-        E4M3,
-        true,
-        threads,
-    );
-    for r in dy.chunks(outputs) {
-        gb.iter_mut().zip(r).for_each(|(a, v)| *a += v);
-    }
-    let mut dx = vec![0.0f32; rows * inputs];
-    gemm_fp8(
-        MatMut::new(&mut dx, rows, inputs),
-        Mat::new(&dy, rows, outputs),
-        E5M2,
-        Mat::new(w, outputs, inputs),
-        E4M3,
-        false,
-        threads,
-    );
+    let (y, g, dx) = cpu_linear(&x, &p, &dy, &g0, shape, &|c, a, b, accumulate, which| {
+        let a_format = match which {
+            LinearProduct::Forward => E4M3,
+            LinearProduct::InputGrad | LinearProduct::WeightGrad => E5M2,
+        };
+        gemm_fp8(c, a, a_format, b, E4M3, accumulate, threads);
+    });
 
     let params = DeviceValues::new(dev, &p, bf16)?;
     let x_dev = CudaTensor::from_host(dev, &x, bf16)?;

@@ -63,6 +63,17 @@ __device__ __forceinline__ unsigned mt_fp8_encode(float x, int e4m3) {
 // The largest finite value of the format.
 __device__ __forceinline__ float mt_fp8_max(int e4m3) { return e4m3 ? 448.0f : 57344.0f; }
 
+// The current scale of a tensor whose amax (its bits) is at amax_bits: max / amax, or 1 when
+// the amax is 0, infinite or NaN (fp8::current_scale).
+__device__ __forceinline__ float mt_fp8_scale(const int* __restrict__ amax_bits, int e4m3) {
+    const float amax = __int_as_float(*amax_bits);
+    if (isfinite(amax) && amax > 0.0f) {
+        const float q = mt_fp8_max(e4m3) / amax;
+        if (isfinite(q)) return q;
+    }
+    return 1.0f;
+}
+
 template <class T>
 __device__ __forceinline__ void fp8_amax_impl(const T* __restrict__ x, long long n, int* __restrict__ amax_bits) {
     int local = 0;
@@ -88,12 +99,7 @@ template <class T>
 __device__ __forceinline__ void fp8_cast_impl(const T* __restrict__ x, unsigned char* __restrict__ y, long long n,
                                               int e4m3, const int* __restrict__ amax_bits,
                                               float* __restrict__ inv_scale) {
-    const float amax = __int_as_float(*amax_bits);
-    float s = 1.0f;
-    if (isfinite(amax) && amax > 0.0f) {
-        const float q = mt_fp8_max(e4m3) / amax;
-        if (isfinite(q)) s = q;
-    }
+    const float s = mt_fp8_scale(amax_bits, e4m3);
     if (blockIdx.x == 0 && threadIdx.x == 0) *inv_scale = 1.0f / s;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
@@ -127,12 +133,7 @@ __device__ __forceinline__ void fp8_cast_transpose_impl(const T* __restrict__ x,
                                                         int rows, int cols, int e4m3,
                                                         const int* __restrict__ amax_bits,
                                                         float* __restrict__ inv_scale) {
-    const float amax = __int_as_float(*amax_bits);
-    float s = 1.0f;
-    if (isfinite(amax) && amax > 0.0f) {
-        const float q = mt_fp8_max(e4m3) / amax;
-        if (isfinite(q)) s = q;
-    }
+    const float s = mt_fp8_scale(amax_bits, e4m3);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *inv_scale = 1.0f / s;
     __shared__ unsigned char tile[32][33];
     const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
