@@ -16,8 +16,10 @@
 //! out) and glob patterns ([`expand_inputs`]).
 
 use anyhow::{bail, Context, Result};
+use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// How a file holds its documents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -229,7 +231,7 @@ pub fn for_each_document(
     mut f: impl FnMut(Document) -> Result<bool>,
 ) -> Result<usize> {
     if is_parquet(path)? {
-        return parquet_documents(path, text_field, skip_bad, None, |text| {
+        return parquet_documents(path, text_field, skip_bad, None, None, |text| {
             f(Document {
                 text,
                 continues: false,
@@ -250,11 +252,23 @@ pub fn for_each_document(
 /// A share of the corpus that one reader takes: a whole file, or one row group of a Parquet
 /// file (whose row groups are read independently, so a large Parquet file is read by as many
 /// threads as a directory of small ones).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Part {
     pub path: PathBuf,
     pub row_group: Option<usize>,
+    /// The Parquet file's footer, read once by [`parts_of`] for all its row groups (a file
+    /// of G row groups would otherwise have its footer, which lists them all, parsed G + 1
+    /// times).
+    footer: Option<Arc<ParquetMetaData>>,
 }
+
+impl PartialEq for Part {
+    fn eq(&self, other: &Part) -> bool {
+        (&self.path, self.row_group) == (&other.path, other.row_group)
+    }
+}
+
+impl Eq for Part {}
 
 impl std::fmt::Display for Part {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -268,27 +282,33 @@ impl std::fmt::Display for Part {
 /// The parts of `files`, in corpus order: a Parquet file's row groups (from its footer,
 /// the only part of it read here), every other file whole.
 pub fn parts_of(files: &[PathBuf]) -> Result<Vec<Part>> {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
     let mut parts = Vec::new();
     for path in files {
         if is_parquet(path)? {
-            let file =
-                std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
-            let groups = SerializedFileReader::new(file)
-                .with_context(|| format!("{}: not a readable Parquet file", path.display()))?
-                .num_row_groups();
-            parts.extend((0..groups).map(|g| Part {
+            let footer = parquet_footer(path)?;
+            parts.extend((0..footer.num_row_groups()).map(|g| Part {
                 path: path.clone(),
                 row_group: Some(g),
+                footer: Some(footer.clone()),
             }));
         } else {
             parts.push(Part {
                 path: path.clone(),
                 row_group: None,
+                footer: None,
             });
         }
     }
     Ok(parts)
+}
+
+/// A Parquet file's footer (its schema and row groups), or the error naming the file.
+fn parquet_footer(path: &Path) -> Result<Arc<ParquetMetaData>> {
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let footer = ParquetMetaDataReader::new()
+        .parse_and_finish(&file)
+        .with_context(|| format!("{}: not a readable Parquet file", path.display()))?;
+    Ok(Arc::new(footer))
 }
 
 /// How [`read_in_order`] reads.
@@ -432,6 +452,7 @@ fn read_part(
             &options.text_field,
             options.skip_bad,
             Some(g),
+            part.footer.clone(),
             |text| {
                 hand_over(Document {
                     text,
@@ -563,20 +584,28 @@ fn json_lines(
 }
 
 /// The `text_field` column of a Parquet file, a row group at a time (only that column is
-/// read); a row whose text is null stops with its row group and row, or is skipped.
+/// read), or of its row group `only_group`; `footer` is the file's footer when the caller
+/// has read it. A row whose text is null stops with its row group and row, or is skipped.
 fn parquet_documents(
     path: &Path,
     text_field: &str,
     skip_bad: bool,
     only_group: Option<usize>,
+    footer: Option<Arc<ParquetMetaData>>,
     mut f: impl FnMut(String) -> Result<bool>,
 ) -> Result<usize> {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::file::properties::ReaderProperties;
+    use parquet::file::reader::RowGroupReader;
+    use parquet::file::serialized_reader::SerializedRowGroupReader;
     use parquet::record::RowAccessor;
+    let footer = match footer {
+        Some(footer) => footer,
+        None => parquet_footer(path)?,
+    };
     let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
-    let reader = SerializedFileReader::new(file)
-        .with_context(|| format!("{}: not a readable Parquet file", path.display()))?;
-    let root = reader.metadata().file_metadata().schema_descr_ptr();
+    let file = Arc::new(file);
+    let properties = Arc::new(ReaderProperties::builder().build());
+    let root = footer.file_metadata().schema_descr_ptr();
     let root = root.root_schema();
     let Some(column) = root.get_fields().iter().find(|c| c.name() == text_field) else {
         let names: Vec<&str> = root.get_fields().iter().map(|c| c.name()).collect();
@@ -592,11 +621,17 @@ fn parquet_documents(
     let mut skipped = 0;
     let groups = match only_group {
         Some(g) => g..g + 1,
-        None => 0..reader.num_row_groups(),
+        None => 0..footer.num_row_groups(),
     };
     for g in groups {
         let at = |r: usize| format!("{}: row group {g}, row {r}", path.display());
-        let group = reader.get_row_group(g).with_context(|| at(0))?;
+        let group = SerializedRowGroupReader::new(
+            file.clone(),
+            footer.row_group(g),
+            footer.page_index_for_row_group(g),
+            properties.clone(),
+        )
+        .with_context(|| at(0))?;
         let rows = group
             .get_row_iter(Some(only_text.clone()))
             .with_context(|| at(0))?;
