@@ -258,7 +258,7 @@ run)
         multi) limit=300 sync=0 ;;
         layouts) limit=180 sync=0 ;;
         convnets) limit=240 sync=0 ;;
-        step) limit=180 sync=0 ;;
+        step) limit=300 sync=0 ;; # three models: GPT-2, Llama 1B in bf16 and in fp8
         *) limit=60 sync=0 ;;
         esac
         # The step part times GPT-2 124M and the Llama 3.2 1B shape in bf16 and fp8 (issue 39).
