@@ -305,8 +305,13 @@ pub fn parts_of(files: &[PathBuf]) -> Result<Vec<Part>> {
 /// A Parquet file's footer (its schema and row groups), or the error naming the file.
 fn parquet_footer(path: &Path) -> Result<Arc<ParquetMetaData>> {
     let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    footer_of(path, &file)
+}
+
+/// The footer of the Parquet file `path`, open as `file`.
+fn footer_of(path: &Path, file: &std::fs::File) -> Result<Arc<ParquetMetaData>> {
     let footer = ParquetMetaDataReader::new()
-        .parse_and_finish(&file)
+        .parse_and_finish(file)
         .with_context(|| format!("{}: not a readable Parquet file", path.display()))?;
     Ok(Arc::new(footer))
 }
@@ -598,11 +603,11 @@ fn parquet_documents(
     use parquet::file::reader::RowGroupReader;
     use parquet::file::serialized_reader::SerializedRowGroupReader;
     use parquet::record::RowAccessor;
+    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let footer = match footer {
         Some(footer) => footer,
-        None => parquet_footer(path)?,
+        None => footer_of(path, &file)?,
     };
-    let file = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
     let file = Arc::new(file);
     let properties = Arc::new(ReaderProperties::builder().build());
     let root = footer.file_metadata().schema_descr_ptr();

@@ -82,12 +82,26 @@ impl Fp8Format {
 
     /// The largest finite value: 448 (E4M3) or 57,344 (E5M2).
     pub fn max(self) -> f32 {
-        self.decode(self.max_code())
+        self.normal_value(self.max_code())
     }
 
-    /// The smallest normal value: 2⁻⁶ (E4M3) or 2⁻¹⁴ (E5M2).
+    /// The smallest normal value: 2⁻⁶ (E4M3) or 2⁻¹⁴ (E5M2), 2^(1 − bias) by its f32 bits.
     pub fn min_normal(self) -> f32 {
-        (2.0f32).powi(1 - self.bias())
+        f32::from_bits(((128 - self.bias()) as u32) << 23)
+    }
+
+    /// The smallest subnormal, the step between subnormals: 2^(1 − bias − mantissa bits).
+    fn subnormal_unit(self) -> f32 {
+        f32::from_bits(((128 - self.bias() - self.mantissa_bits() as i32) as u32) << 23)
+    }
+
+    /// The value of a normal code's magnitude (exponent field 1 or more), built as f32 bits:
+    /// the exponent rebiased, the mantissa bits moved to the top of f32's.
+    fn normal_value(self, magnitude: u8) -> f32 {
+        let m_bits = self.mantissa_bits();
+        let exponent = (magnitude >> m_bits) as i32 - self.bias() + 127;
+        let mantissa = (magnitude & ((1 << m_bits) - 1)) as u32;
+        f32::from_bits(((exponent as u32) << 23) | (mantissa << (23 - m_bits)))
     }
 
     pub fn name(self) -> &'static str {
@@ -116,12 +130,10 @@ impl Fp8Format {
             }
             _ => {}
         }
-        let unit = (2.0f32).powi(-(m_bits as i32));
         if exponent == 0 {
-            // Subnormal: mantissa · 2^(1 - bias - m_bits).
-            sign * mantissa * unit * self.min_normal()
+            sign * mantissa * self.subnormal_unit()
         } else {
-            sign * (1.0 + mantissa * unit) * (2.0f32).powi(exponent - self.bias())
+            sign * self.normal_value(magnitude)
         }
     }
 
@@ -139,8 +151,7 @@ impl Fp8Format {
             // Subnormal (or zero) in FP8: count units of the smallest subnormal, rounded to
             // the nearest integer, ties to even. Scaling by a power of two is exact here; a
             // count of 2^m_bits is the smallest normal, whose code is that count too.
-            let unit = self.min_normal() * (2.0f32).powi(-(m_bits as i32));
-            (f32::from_bits(magnitude) / unit).round_ties_even() as u32
+            (f32::from_bits(magnitude) / self.subnormal_unit()).round_ties_even() as u32
         } else {
             // Normal: drop the f32 mantissa's low bits with round-to-nearest-even (a carry
             // into the exponent is the right result), then rebias the exponent.
@@ -159,13 +170,11 @@ impl Fp8Format {
     /// hot loop) and tested against it.
     pub fn round(self, x: f32) -> f32 {
         let m_bits = self.mantissa_bits();
-        // 2^(1 - bias) and 2^(1 - bias - m_bits), by their bits.
-        let min_normal = f32::from_bits(((128 - self.bias()) as u32) << 23);
-        let unit = f32::from_bits(((128 - self.bias() - m_bits as i32) as u32) << 23);
+        let unit = self.subnormal_unit();
         let a = x.abs();
         let rounded = if a.is_nan() {
             return x;
-        } else if a < min_normal {
+        } else if a < self.min_normal() {
             (a / unit).round_ties_even() * unit
         } else {
             let shift = 23 - m_bits;
@@ -184,8 +193,8 @@ impl std::fmt::Display for Fp8Format {
     }
 }
 
-/// The largest magnitude in `values` (0 for none; NaN if one is NaN, so that a step whose
-/// tensors hold a NaN cannot set a scale: [`DelayedScaling::update`] skips it).
+/// The largest magnitude in `values` (0 for none; NaN if one is NaN, which
+/// [`current_scale`] turns into scale 1).
 pub fn amax(values: &[f32]) -> f32 {
     values.iter().fold(0.0f32, |m, v| {
         let a = v.abs();

@@ -842,9 +842,10 @@ fn check_fp8_cast(
         let values = rounded(&values, dtype);
         let x_dev = CudaTensor::from_host(dev, &values, dtype)?;
         let scale = crate::fp8::current_scale(format, crate::fp8::amax(&values));
-        for transposed in [false, true] {
-            let cast =
-                train_ops::fp8_cast(dev, x_dev.ptr(), dtype, rows, cols, format, transposed)?;
+        // Both layouts from one amax pass, as backward casts its output gradient.
+        let layouts = [false, true];
+        let casts = train_ops::fp8_casts(dev, x_dev.ptr(), dtype, rows, cols, format, &layouts)?;
+        for (cast, transposed) in casts.iter().zip(layouts) {
             let codes: Vec<u8> = dev.download(cast.codes.ptr(), n)?;
             let inv_scale: Vec<f32> = dev.download(cast.inv_scale(), 1)?;
             for r in 0..rows {

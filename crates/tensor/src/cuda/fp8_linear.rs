@@ -7,8 +7,9 @@
 //! its column-major terms). The forward product `y = x·Wᵀ` is already that shape (the same
 //! description as the bf16 one); backward's are not, so their operands are cast transposed
 //! (Transformer Engine's cast-transpose): `dx = dy·W` reads `Wᵀ`, and `dW += dyᵀ·x` reads
-//! `xᵀ` and `dyᵀ`. Each cast is an amax pass and a cast pass over the bf16 tensor
-//! ([`super::train_ops::fp8_cast`]); the scales never leave the device.
+//! `xᵀ` and `dyᵀ`. Each tensor's casts are an amax pass and a cast pass per layout over the
+//! bf16 tensor (`dy`, wanted both ways, is read for its amax once:
+//! [`super::train_ops::fp8_casts`]); the scales never leave the device.
 //!
 //! What is kept for backward is the bf16 input, as under bf16 (the layer's kept tensors do
 //! not change with fp8, so sequence parallelism's re-gather and recomputation work as they
@@ -17,7 +18,7 @@
 use super::blas::{Fp8Operands, Gemm};
 use super::error::CudaError;
 use super::ops::{check_len, epilogue_bias, to_dtype, weight_in, LinearShape};
-use super::train_ops::{fp8_cast, Fp8Cast};
+use super::train_ops::{fp8_cast, fp8_casts, Fp8Cast};
 use super::{CudaTensor, DeviceGrads, DeviceParams};
 use crate::fp8::Fp8Format;
 use crate::DType;
@@ -123,19 +124,23 @@ pub fn backward<R>(
     let nw = inputs * outputs;
     let (gw, gb) = grads.split_at(nw);
     let math = dev.f32_math();
-    let dx = if need_dx {
+    // dy as it is (the input gradient's B) and transposed (the weight gradient's B), one
+    // amax pass for both: `dyt` last.
+    let layouts: &[bool] = if need_dx { &[false, true] } else { &[true] };
+    let mut dy_casts = fp8_casts(
+        &dev,
+        dy.ptr(),
+        COMPUTE,
+        rows,
+        outputs,
+        Fp8Format::E5M2,
+        layouts,
+    )?;
+    let dyt = dy_casts.pop().expect("a transposed cast of dy");
+    let dx = if let Some(dyq) = dy_casts.pop() {
         let w = weight_in(&p.slice(0..nw), COMPUTE, "linear weight")?;
         // Wᵀ [inputs, outputs] row-major is column-major [outputs × inputs]: A, transposed.
         let wt = fp8_cast(&dev, w, COMPUTE, outputs, inputs, Fp8Format::E4M3, true)?;
-        let dyq = fp8_cast(
-            &dev,
-            dy.ptr(),
-            COMPUTE,
-            rows,
-            outputs,
-            Fp8Format::E5M2,
-            false,
-        )?;
         let dx = CudaTensor::alloc(
             &dev,
             rows * inputs,
@@ -161,17 +166,8 @@ pub fn backward<R>(
         None
     };
     let after = after_dx(dx);
-    // xᵀ [inputs, rows] and dyᵀ [outputs, rows], row-major.
+    // xᵀ [inputs, rows] (and dyᵀ [outputs, rows], above), row-major.
     let xt = fp8_cast(&dev, x.ptr(), COMPUTE, rows, inputs, Fp8Format::E4M3, true)?;
-    let dyt = fp8_cast(
-        &dev,
-        dy.ptr(),
-        COMPUTE,
-        rows,
-        outputs,
-        Fp8Format::E5M2,
-        true,
-    )?;
     // Column-major: dWᵀ [inputs × outputs] = (xᵀ stored [rows × inputs])ᵀ · (dyᵀ stored
     // [rows × outputs]).
     let g = Gemm {

@@ -227,12 +227,13 @@ pub fn tie_sum(dev: &CudaDevice, a: u64, b: u64, len: usize) -> Result<(), CudaE
     )
 }
 
-/// A tensor cast to FP8 on the device ([`fp8_cast`]): its codes and the scalars beside them.
+/// A tensor cast to FP8 on the device ([`fp8_casts`]): its codes and the scalars beside them.
 pub struct Fp8Cast {
     /// One byte a value: row-major `[rows, cols]`, or `[cols, rows]` when `transposed`.
     pub codes: DevBuf,
-    /// The amax (its f32 bits, as an int) and `1 / scale`, two f32s.
-    scalars: DevBuf,
+    /// The amax (its f32 bits, as an int) and `1 / scale`, two f32s, shared by the casts of
+    /// one tensor.
+    scalars: Arc<DevBuf>,
     pub format: crate::fp8::Fp8Format,
     pub transposed: bool,
 }
@@ -249,12 +250,7 @@ impl Fp8Cast {
     }
 }
 
-/// Current scaling's cast to FP8 of the row-major `[rows, cols]` values at `x` (f32 or bf16,
-/// `dtype`), in two passes: the largest |x| (an amax pass), then every value times `scale`
-/// = [`crate::fp8::current_scale`] of it, rounded to nearest even and saturating: the codes
-/// of [`crate::fp8::Fp8Format::encode`], written as they are or `transposed` (`[cols,
-/// rows]`: cuBLASLt's FP8 products take only "TN" operands). `1 / scale` stays on the
-/// device beside them; nothing goes through the host.
+/// [`fp8_casts`] with one layout.
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_cast(
     dev: &Arc<CudaDevice>,
@@ -265,68 +261,84 @@ pub fn fp8_cast(
     format: crate::fp8::Fp8Format,
     transposed: bool,
 ) -> Result<Fp8Cast, CudaError> {
+    let mut casts = fp8_casts(dev, x, dtype, rows, cols, format, &[transposed])?;
+    Ok(casts.remove(0))
+}
+
+/// Current scaling's casts to FP8 of the row-major `[rows, cols]` values at `x` (f32 or
+/// bf16, `dtype`): one amax pass (the largest |x|), then one cast per entry of `transposed`
+/// (the codes as they are, or `[cols, rows]`: cuBLASLt's FP8 products take only "TN"
+/// operands, so a tensor read by two products may be wanted both ways), each value times
+/// `scale` = [`crate::fp8::current_scale`] of the amax, rounded to nearest even and
+/// saturating: the codes of [`crate::fp8::Fp8Format::encode`]. The casts share the amax and
+/// `1 / scale`, which stay on the device; nothing goes through the host.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_casts(
+    dev: &Arc<CudaDevice>,
+    x: u64,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    format: crate::fp8::Fp8Format,
+    transposed: &[bool],
+) -> Result<Vec<Fp8Cast>, CudaError> {
     let kernel = |stem: &str| match dtype {
         DType::F32 | DType::BF16 => Ok(format!("{stem}_{}", super::ops::suffix(dtype))),
         DType::F16 => Err(CudaError::Unsupported(
             "FP8 casts of f16 values (they read f32 or bf16)".into(),
         )),
     };
+    if transposed.contains(&true) && rows.div_ceil(32) > 65_535 {
+        return Err(CudaError::Unsupported(format!(
+            "an FP8 cast-transpose of {rows} rows (at most {} in one launch)",
+            65_535 * 32
+        )));
+    }
     let len = rows * cols;
     let e4m3 = format == crate::fp8::Fp8Format::E4M3;
-    let cast = Fp8Cast {
-        codes: dev.alloc(len.max(1), "FP8 codes")?,
-        scalars: dev.alloc_zeroed(8, "an FP8 amax and scale")?,
-        format,
-        transposed,
-    };
+    let scalars = Arc::new(dev.alloc_zeroed(8, "an FP8 amax and scale")?);
     // Block 256: the amax's shared reduction assumes it.
     let flat = Launch::grid_stride(len, THREADS, UPDATE_BLOCKS);
     dev.launch(
         "fp8.cu",
         &kernel("fp8_amax")?,
         flat,
-        Args::new().ptr(x).i64(len as i64).ptr(cast.amax()),
+        Args::new().ptr(x).i64(len as i64).ptr(scalars.ptr()),
     )?;
-    if transposed {
-        let tiles = Launch {
-            grid: (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1),
-            block: (32, 8, 1),
-            smem: 0,
+    let mut casts = Vec::with_capacity(transposed.len());
+    for &transposed in transposed {
+        let cast = Fp8Cast {
+            codes: dev.alloc(len.max(1), "FP8 codes")?,
+            scalars: scalars.clone(),
+            format,
+            transposed,
         };
-        if rows.div_ceil(32) > 65_535 {
-            return Err(CudaError::Unsupported(format!(
-                "an FP8 cast-transpose of {rows} rows (at most {} in one launch)",
-                65_535 * 32
-            )));
-        }
+        let (name, launch, shape) = if transposed {
+            let tiles = Launch {
+                grid: (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1),
+                block: (32, 8, 1),
+                smem: 0,
+            };
+            let shape = Args::new().usize_as_i32(rows).usize_as_i32(cols);
+            ("fp8_cast_transpose", tiles, shape)
+        } else {
+            ("fp8_cast", flat, Args::new().i64(len as i64))
+        };
         dev.launch(
             "fp8.cu",
-            &kernel("fp8_cast_transpose")?,
-            tiles,
+            &kernel(name)?,
+            launch,
             Args::new()
                 .ptr(x)
                 .ptr(cast.codes.ptr())
-                .usize_as_i32(rows)
-                .usize_as_i32(cols)
+                .append(shape)
                 .i32(e4m3 as i32)
                 .ptr(cast.amax())
                 .ptr(cast.inv_scale()),
         )?;
-    } else {
-        dev.launch(
-            "fp8.cu",
-            &kernel("fp8_cast")?,
-            flat,
-            Args::new()
-                .ptr(x)
-                .ptr(cast.codes.ptr())
-                .i64(len as i64)
-                .i32(e4m3 as i32)
-                .ptr(cast.amax())
-                .ptr(cast.inv_scale()),
-        )?;
+        casts.push(cast);
     }
-    Ok(cast)
+    Ok(casts)
 }
 
 /// `x *= s` over `len` f32 values.
