@@ -114,46 +114,44 @@ fn bf16_runs_on_every_layout_match_one_bf16_worker() {
 ///
 /// Each cast's scale comes from the tensor it casts, so one worker matches a layout only when
 /// it casts the same tensors. A data-parallel replica and a pipeline micro-batch cast their
-/// micro-batch's activations: one worker running the same micro-batches (`m = 2`) casts the
-/// same ones, and the runs agree as bf16 layouts do (summation order; a value on the other
-/// side of a rounding boundary). A tensor-parallel rank casts its slice of a weight (and a
-/// row-parallel one its slice of the input features) with the slice's own amax, as
-/// Transformer Engine does without its amax reduction: its values land on other FP8 grid
-/// points, ~2⁻⁴ of themselves for E4M3, which moves training as much as FP8 itself does. So
-/// those layouts are held to the distance between fp8 and bf16 training (within 1.5 times;
-/// observed 4.4e-3 to 5.2e-3 against 4.1e-3), and every layout's losses stay within 1% of
-/// one worker's. (torchao, with tensor parallelism over DTensors, takes a sharded tensor's
-/// amax over all its shards; with that, these layouts would match one worker too.)
+/// micro-batch's activations: one worker running micro-batches of the same size casts the
+/// same ones. A tensor-parallel rank casts a shard (of a weight, of a row-parallel input, of
+/// a column-parallel output gradient) at the scale its group agreed on, the whole tensor's
+/// (`Linear::fp8_shards`). So the first step's loss, before any update, is one worker's on
+/// every layout (observed equal; without the agreement tensor parallelism's was 4e-5 to 1e-4
+/// away, a shard's values landing on other FP8 grid points). After that the runs part as
+/// bf16 layouts do (f32 sums in another order; a value on the other side of a rounding
+/// boundary, which FP8's coarse grid moves further): observed 7e-5 (dp = 2), 0 (pp = 2) and
+/// 1.0e-3 to 2.2e-3 with tensor parallelism (4.4e-3 to 5.1e-3 without the agreement) after
+/// 10 steps, against 4.3e-3 between fp8 and bf16.
 #[test]
 fn fp8_runs_on_every_layout_match_one_fp8_worker() {
     let bf16 = train(&["train.precision=\"bf16\""], None, None);
     let whole = train(&["train.precision=\"fp8\""], None, None);
-    let halves = train(&["parallel.layout=\"dp=1,m=2,precision=fp8\""], None, None);
-    assert_eq!(whole.summary.steps, STEPS);
     let fp8_vs_bf16 = rel_diff(&whole.params, &bf16.params);
     eprintln!("fp8 vs bf16 after {STEPS} steps: {fp8_vs_bf16:.2e}");
     assert!(fp8_vs_bf16 > 1e-3, "fp8 ran as bf16? {fp8_vs_bf16:.2e}");
-    for (layout, same_casts) in [
-        ("dp=2", true),
-        ("pp=2,m=2", true),
-        ("tp=2", false),
-        ("tp=4,sp=on", false),
-        ("dp=2,tp=2,pp=2,m=2", false),
+    assert_eq!(whole.summary.steps, STEPS);
+    // One worker in micro-batches of a half and of a quarter of the batch.
+    let halves = train(&["parallel.layout=\"dp=1,m=2,precision=fp8\""], None, None);
+    let quarters = train(&["parallel.layout=\"dp=1,m=4,precision=fp8\""], None, None);
+    for (layout, one) in [
+        ("dp=2", &halves),
+        ("pp=2,m=2", &halves),
+        ("tp=2", &whole),
+        ("tp=4,sp=on", &whole),
+        ("dp=2,tp=2,pp=2,m=2", &quarters),
     ] {
         let setting = format!("parallel.layout=\"{layout},precision=fp8\"");
         let run = train(&[&setting], None, None);
-        let one = if same_casts { &halves } else { &whole };
+        let first = ((run.losses[0] - one.losses[0]) / one.losses[0]).abs();
         let d = rel_diff(&run.params, &one.params);
-        eprintln!("fp8 {layout}: relative difference to one fp8 worker {d:.2e}");
-        if same_casts {
-            // Observed 7e-6 (dp = 2) and 0 (pp = 2).
-            assert!(d <= 1e-3, "{layout}: {d:.2e}");
-        } else {
-            assert!(
-                d <= 1.5 * fp8_vs_bf16,
-                "{layout}: {d:.2e} (fp8 vs bf16 {fp8_vs_bf16:.2e})"
-            );
-        }
+        eprintln!(
+            "fp8 {layout}: first loss {first:.1e} from one fp8 worker's, parameters {d:.2e} \
+             after {STEPS} steps"
+        );
+        assert!(first <= 1e-6, "{layout}: first loss {first:.2e} apart");
+        assert!(d <= 3e-3, "{layout}: {d:.2e}");
         let worst = run
             .losses
             .iter()

@@ -86,8 +86,13 @@ pub fn linear_forward(
     // Keep the input as the product reads it (rounded to 16 bits under mixed precision).
     let xs = ok(ops::to_dtype(&xs, l.precision));
     let z = if l.fp8 {
+        let agree = shard_agreement(l);
         ok(meshtrain_tensor::cuda::fp8_linear::forward(
-            &xs, p, shape, l.bias,
+            &xs,
+            p,
+            shape,
+            l.bias,
+            agree.as_ref().map(|a| a as _),
         ))
     } else {
         ok(ops::linear_forward(
@@ -153,21 +158,53 @@ pub fn linear_backward_then<R>(
     let xs = x
         .cuda()
         .expect("Linear: a host input kept by a device forward");
+    let linear_shape = LinearShape {
+        rows: x.numel() / l.inputs,
+        inputs: l.inputs,
+        outputs: l.outputs,
+    };
+    let shape = x.shape().to_vec();
+    let after_dx = |dx: Option<CudaTensor>| after_dx(dx.map(|dx| wrap(dx, &shape)));
+    if l.fp8 {
+        let agree = shard_agreement(l);
+        return ok(meshtrain_tensor::cuda::fp8_linear::backward(
+            xs,
+            &dz,
+            p,
+            device_grads(g),
+            linear_shape,
+            l.bias,
+            need_dx,
+            agree.as_ref().map(|a| a as _),
+            after_dx,
+        ));
+    }
     let grads = ops::LinearGrads {
-        shape: LinearShape {
-            rows: x.numel() / l.inputs,
-            inputs: l.inputs,
-            outputs: l.outputs,
-        },
+        shape: linear_shape,
         bias: l.bias,
         precision: l.precision,
         math: dev.f32_math(),
-        fp8: l.fp8,
     };
-    let shape = x.shape().to_vec();
-    ok(grads.backward(xs, &dz, p, device_grads(g), need_dx, |dx| {
-        after_dx(dx.map(|dx| wrap(dx, &shape)))
-    }))
+    ok(grads.backward(xs, &dz, p, device_grads(g), need_dx, after_dx))
+}
+
+/// The agreement of an FP8 layer's amaxes over the ranks holding its other shards
+/// ([`Linear::fp8_shards`]), as the device products take it; `None` for whole tensors.
+#[allow(clippy::type_complexity)]
+fn shard_agreement(
+    l: &Linear,
+) -> Option<impl Fn(CudaTensor) -> Result<CudaTensor, meshtrain_tensor::cuda::error::CudaError> + '_>
+{
+    l.fp8_shards.as_ref().map(|shards| {
+        move |amaxes: CudaTensor| {
+            let n = amaxes.len();
+            let agreed = shards.agree(Tensor::from_cuda(amaxes, &[n]));
+            Ok(agreed
+                .into_cuda()
+                .unwrap_or_else(|_| panic!("FP8 amaxes agreed into a host tensor"))
+                .0)
+        }
+    })
 }
 
 pub fn layer_norm_forward(

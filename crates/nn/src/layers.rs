@@ -284,6 +284,30 @@ pub struct Linear {
     /// gradient in E5M2, each with its own current scale, f32 accumulation); `precision`
     /// still says how the kept input is stored.
     pub fp8: bool,
+    /// The ranks holding the other shards of this layer's tensors (tensor parallelism): they
+    /// agree on each FP8 cast's amax, so that every shard is cast at the whole tensor's scale,
+    /// as one worker casts it. `None`: this layer's tensors are whole.
+    pub fp8_shards: Option<Arc<dyn AmaxAgreement>>,
+}
+
+/// How the ranks holding shards of one layer's tensors agree on the tensors' FP8 scales: each
+/// amax becomes the largest over the ranks, the amax of the whole tensor (torchao does the
+/// same for a sharded tensor under tensor parallelism; Transformer Engine reduces amaxes over
+/// its tensor-parallel group too). Tensor parallelism implements it with a max all-reduce.
+pub trait AmaxAgreement: Send + Sync {
+    /// `amaxes` (f32, on the host or on the run's device) replaced by their maxima over the
+    /// ranks. Every rank calls it at the same point of its step (it is a collective).
+    fn agree(&self, amaxes: Tensor) -> Tensor;
+}
+
+/// The FP8 casts of a linear layer's backward products, decided once for both (so that a
+/// tensor-parallel layer agrees on them in one collective): the output gradient's (E5M2),
+/// the weight's and the kept input's (E4M3).
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8BackwardCasts {
+    pub dz: fp8::Fp8Operand,
+    pub weight: fp8::Fp8Operand,
+    pub input: fp8::Fp8Operand,
 }
 
 impl Linear {
@@ -297,6 +321,7 @@ impl Linear {
             activation: None,
             precision: DType::F32,
             fp8: false,
+            fp8_shards: None,
         }
     }
 
@@ -365,11 +390,21 @@ impl Layer for Linear {
         // the `gemm` crate's accumulating path, which must load every output tile, made the
         // whole GPT step ~2% slower than this extra (parallel) sweep over the output.
         let mut y = meshtrain_tensor::par::take_buffer(rows * self.outputs);
+        let x_mat = Mat::new(x.data(), rows, self.inputs);
+        let w_t = Mat::new(&p[..self.inputs * self.outputs], self.outputs, self.inputs).t();
+        let casts = self.fp8.then(|| {
+            let amaxes = [fp8::amax_of(&x_mat), fp8::amax_of(&w_t)];
+            let [x_amax, w_amax] = self.agreed(amaxes);
+            [
+                fp8::Fp8Operand::current(Fp8Format::E4M3, x_amax),
+                fp8::Fp8Operand::current(Fp8Format::E4M3, w_amax),
+            ]
+        });
         self.product(
             MatMut::new(&mut y, rows, self.outputs),
-            Mat::new(x.data(), rows, self.inputs),
-            Fp8Format::E4M3,
-            Mat::new(&p[..self.inputs * self.outputs], self.outputs, self.inputs).t(),
+            x_mat,
+            w_t,
+            casts,
             false,
             meshtrain_tensor::par::threads(),
         );
@@ -430,6 +465,8 @@ impl Layer for Linear {
         let g = g.host();
         let mut dz = dy;
         let x = self.backward_prologue(g, &mut s, &mut dz);
+        let casts = self.fp8_backward_casts(p, &dz, &x);
+        let casts = casts.as_ref();
         let shape = x.shape().to_vec();
         let dx = if need_dx {
             // Every element is written by the product (accumulate = false).
@@ -437,12 +474,12 @@ impl Layer for Linear {
             let macs = x.numel() * self.outputs;
             run_pair(
                 [macs, macs],
-                |threads| self.weight_gradient_on(g, &dz, &x, threads),
-                |threads| self.input_gradient_into(p, &dz, &mut dx, threads),
+                |threads| self.weight_gradient_on(g, &dz, &x, casts, threads),
+                |threads| self.input_gradient_into(p, &dz, &mut dx, casts, threads),
             );
             Some(Tensor::from_vec(dx, &shape))
         } else {
-            self.weight_gradient(g, &dz, &x);
+            self.weight_gradient(g, &dz, &x, casts);
             None
         };
         x.recycle();
@@ -468,22 +505,59 @@ impl Layer for Linear {
 }
 
 impl Linear {
-    /// One of the layer's products, `c = a·b` (`+=` when `accumulate`): with `self.precision`
-    /// inputs, or in FP8 with `a` in `a_format` and `b` in E4M3 when `self.fp8`.
+    /// One of the layer's products, `c = a·b` (`+=` when `accumulate`): in FP8 as `casts`
+    /// says when given (`self.fp8`), else with `self.precision` inputs.
     fn product(
         &self,
         c: MatMut,
         a: Mat,
-        a_format: Fp8Format,
         b: Mat,
+        casts: Option<[fp8::Fp8Operand; 2]>,
         accumulate: bool,
         threads: usize,
     ) {
-        if self.fp8 {
-            fp8::gemm_fp8(c, a, a_format, b, Fp8Format::E4M3, accumulate, threads);
-        } else {
-            lowp::gemm_lowp(self.precision, c, a, b, accumulate, threads);
+        match casts {
+            Some([a_cast, b_cast]) => {
+                fp8::gemm_fp8_scaled(c, a, a_cast, b, b_cast, accumulate, threads)
+            }
+            None => lowp::gemm_lowp(self.precision, c, a, b, accumulate, threads),
         }
+    }
+
+    /// `amaxes` agreed with the ranks holding the other shards ([`Linear::fp8_shards`]), or
+    /// as they are when this layer's tensors are whole.
+    fn agreed<const N: usize>(&self, amaxes: [f32; N]) -> [f32; N] {
+        let Some(shards) = &self.fp8_shards else {
+            return amaxes;
+        };
+        let agreed = shards.agree(Tensor::from_vec(amaxes.to_vec(), &[N]));
+        let agreed = agreed.to_host();
+        std::array::from_fn(|i| agreed.data()[i])
+    }
+
+    /// The casts of backward's two FP8 products (`None` unless `self.fp8`), from the amaxes
+    /// of the output gradient `dz`, the weight in `p` and the kept input `x` (agreed over the
+    /// shards, [`Linear::fp8_shards`], in one collective).
+    pub fn fp8_backward_casts(&self, p: &[f32], dz: &Tensor, x: &Kept) -> Option<Fp8BackwardCasts> {
+        if !self.fp8 {
+            return None;
+        }
+        let nw = self.inputs * self.outputs;
+        let x_amax = match x {
+            Kept::F32(x) => fp8::amax_parallel(x.data()),
+            Kept::Half(h) => fp8::amax_bf16(h.bits()),
+        };
+        let amaxes = [
+            fp8::amax_parallel(dz.data()),
+            fp8::amax_parallel(&p[..nw]),
+            x_amax,
+        ];
+        let [dz_amax, w_amax, x_amax] = self.agreed(amaxes);
+        Some(Fp8BackwardCasts {
+            dz: fp8::Fp8Operand::current(Fp8Format::E5M2, dz_amax),
+            weight: fp8::Fp8Operand::current(Fp8Format::E4M3, w_amax),
+            input: fp8::Fp8Operand::current(Fp8Format::E4M3, x_amax),
+        })
     }
 
     /// The first part of backward, shared with layers that run the two products apart (a
@@ -531,48 +605,76 @@ impl Linear {
         x
     }
 
-    /// `dx = dz · W` for inputs of shape `input_shape`.
-    pub fn input_gradient(&self, p: &[f32], dz: &Tensor, input_shape: &[usize]) -> Tensor {
+    /// `dx = dz · W` for inputs of shape `input_shape` (in FP8 as `casts` says, when given:
+    /// [`Linear::fp8_backward_casts`]).
+    pub fn input_gradient(
+        &self,
+        p: &[f32],
+        dz: &Tensor,
+        input_shape: &[usize],
+        casts: Option<&Fp8BackwardCasts>,
+    ) -> Tensor {
         // Every element is written by the product (accumulate = false).
         let mut dx = meshtrain_tensor::par::take_buffer(dz.numel() / self.outputs * self.inputs);
-        self.input_gradient_into(p, dz, &mut dx, meshtrain_tensor::par::threads());
+        self.input_gradient_into(p, dz, &mut dx, casts, meshtrain_tensor::par::threads());
         Tensor::from_vec(dx, input_shape)
     }
 
     /// `dx = dz · W` into `dx`, on `threads` threads.
-    fn input_gradient_into(&self, p: &[f32], dz: &Tensor, dx: &mut [f32], threads: usize) {
+    fn input_gradient_into(
+        &self,
+        p: &[f32],
+        dz: &Tensor,
+        dx: &mut [f32],
+        casts: Option<&Fp8BackwardCasts>,
+        threads: usize,
+    ) {
         let rows = dz.numel() / self.outputs;
         let nw = self.inputs * self.outputs;
         self.product(
             MatMut::new(dx, rows, self.inputs),
             Mat::new(dz.data(), rows, self.outputs),
-            Fp8Format::E5M2,
             Mat::new(&p[..nw], self.outputs, self.inputs),
+            casts.map(|c| [c.dz, c.weight]),
             false,
             threads,
         );
     }
 
-    /// `dW += dzᵀ · x`.
-    pub fn weight_gradient(&self, g: &mut [f32], dz: &Tensor, x: &Kept) {
-        self.weight_gradient_on(g, dz, x, meshtrain_tensor::par::threads());
+    /// `dW += dzᵀ · x` (in FP8 as `casts` says, when given).
+    pub fn weight_gradient(
+        &self,
+        g: &mut [f32],
+        dz: &Tensor,
+        x: &Kept,
+        casts: Option<&Fp8BackwardCasts>,
+    ) {
+        self.weight_gradient_on(g, dz, x, casts, meshtrain_tensor::par::threads());
     }
 
     /// `dW += dzᵀ · x` on `threads` threads; a bf16-kept `x` is read as it is.
-    fn weight_gradient_on(&self, g: &mut [f32], dz: &Tensor, x: &Kept, threads: usize) {
+    fn weight_gradient_on(
+        &self,
+        g: &mut [f32],
+        dz: &Tensor,
+        x: &Kept,
+        casts: Option<&Fp8BackwardCasts>,
+        threads: usize,
+    ) {
         let rows = x.numel() / self.inputs;
         let nw = self.inputs * self.outputs;
         let dw = MatMut::new(&mut g[..nw], self.outputs, self.inputs);
         let dz_t = Mat::new(dz.data(), rows, self.outputs).t();
+        let casts = casts.map(|c| [c.dz, c.input]);
         match x {
             Kept::F32(x) => {
                 let x = Mat::new(x.data(), rows, self.inputs);
-                self.product(dw, dz_t, Fp8Format::E5M2, x, true, threads)
+                self.product(dw, dz_t, x, casts, true, threads)
             }
-            Kept::Half(h) if self.fp8 => {
+            Kept::Half(h) if casts.is_some() => {
                 let x = h.to_f32();
                 let x_mat = Mat::new(&x, rows, self.inputs);
-                self.product(dw, dz_t, Fp8Format::E5M2, x_mat, true, threads);
+                self.product(dw, dz_t, x_mat, casts, true, threads);
                 meshtrain_tensor::par::recycle(x);
             }
             Kept::Half(h) => {

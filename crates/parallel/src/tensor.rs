@@ -31,7 +31,7 @@ use crate::engine::{tensor_like, tensor_view, StageChunk};
 use meshtrain_comm::{
     BufMut, BufRef, CommError, HostPlacement, MeshAxis, MeshLayout, ProcessGroup, ReduceOp, Work,
 };
-use meshtrain_nn::layers::Linear;
+use meshtrain_nn::layers::{AmaxAgreement, Linear};
 use meshtrain_nn::loss::{LossError, LossValue};
 use meshtrain_nn::models::gpt;
 use meshtrain_nn::transformer::{AttentionCore, GptEmbedding, QkNorm, Rotary, SequenceShard};
@@ -507,6 +507,7 @@ impl ColumnParallel {
         let local_outputs = specs[0].shape[0];
         let inner = Linear {
             outputs: local_outputs,
+            fp8_shards: Some(Arc::new(ShardAmaxes(tp.clone()))),
             ..clone_linear(whole)
         };
         ColumnParallel { inner, specs, tp }
@@ -522,6 +523,31 @@ fn clone_linear(l: &Linear) -> Linear {
         activation: l.activation,
         precision: l.precision,
         fp8: l.fp8,
+        fp8_shards: l.fp8_shards.clone(),
+    }
+}
+
+/// A tensor-parallel layer's FP8 amaxes agreed over its group: a max all-reduce of two or
+/// three values per pass, on the host or the device as the amaxes are (not counted in
+/// [`TpCommStats`], which counts the activations' traffic the planner predicts).
+///
+/// Each rank's maximum over its shard, maxed over the ranks, is the whole tensor's amax
+/// wherever the shards partition the tensor: weights, row-parallel inputs, column-parallel
+/// output gradients. (A grouped-query projection dealt to more ranks than key/value heads
+/// holds partial gradients of its shared key/value rows: there the agreed amax is the
+/// largest partial's, close to but not the whole sum's.)
+struct ShardAmaxes(TpContext);
+
+impl AmaxAgreement for ShardAmaxes {
+    fn agree(&self, mut amaxes: Tensor) -> Tensor {
+        let what = "all-reduce (max) of FP8 amaxes";
+        let group = self.0.group.as_ref();
+        // SAFETY: `amaxes` is neither read nor written until the operation is waited for.
+        let work = unsafe { group.all_reduce_async(tensor_view(&mut amaxes), ReduceOp::Max) };
+        if let Err(e) = work.unwrap_or_else(|e| fail(what, e)).wait() {
+            fail(what, e)
+        }
+        amaxes
     }
 }
 
@@ -589,13 +615,17 @@ impl Layer for ColumnParallel {
         let tp = &self.tp;
         let mut dz = dy;
         let x = self.inner.backward_prologue(g, &mut s, &mut dz);
+        // Under sequence parallelism `x` holds this rank's tokens: their amax, agreed over
+        // the group, is that of the gathered input the weight gradient reads.
+        let casts = self.inner.fp8_backward_casts(p, &dz, &x);
+        let casts = casts.as_ref();
         if !tp.sequence_parallel {
             let shape = x.shape().to_vec();
             let dx = need_dx.then(|| {
-                let dx = self.inner.input_gradient(p, &dz, &shape);
+                let dx = self.inner.input_gradient(p, &dz, &shape, casts);
                 start_all_reduce(tp, dx)
             });
-            self.inner.weight_gradient(g, &dz, &x);
+            self.inner.weight_gradient(g, &dz, &x, casts);
             x.recycle();
             dz.recycle();
             return dx.map(|d| d.wait("all-reduce of the input gradient"));
@@ -606,10 +636,10 @@ impl Layer for ColumnParallel {
         let rows = x.numel() / self.inner.inputs * tp.size();
         let full_shape = gathered_shape(rows, tp.seq, self.inner.inputs);
         let gathering = start_gather(tp, x.into_tensor(), &full_shape);
-        let scattering = need_dx.then(|| self.inner.input_gradient(p, &dz, &full_shape));
+        let scattering = need_dx.then(|| self.inner.input_gradient(p, &dz, &full_shape, casts));
         let x_full = Kept::F32(gathering.wait("all-gather of the input"));
         let scattering = scattering.map(|dx| start_scatter(tp, dx, &local_shape));
-        self.inner.weight_gradient(g, &dz, &x_full);
+        self.inner.weight_gradient(g, &dz, &x_full, casts);
         x_full.recycle();
         dz.recycle();
         scattering.map(|d| d.wait("reduce-scatter of the input gradient"))
@@ -639,6 +669,7 @@ impl RowParallel {
         let inner = Linear {
             inputs: specs[0].shape[1],
             bias: false,
+            fp8_shards: Some(Arc::new(ShardAmaxes(tp.clone()))),
             ..clone_linear(whole)
         };
         RowParallel {

@@ -21,8 +21,11 @@
 //! takes the scale from earlier steps' maxima, saving that pass at the price of state that
 //! has to be checkpointed, agreed across ranks and warmed up (its first step runs at scale
 //! 1), and of an overflow whenever a tensor grows faster than its history: torchao dropped it.
-//! With current scaling every worker's scales depend only on its own tensors, so a parallel
-//! layout needs no extra communication, and a resumed run continues exactly.
+//! With current scaling a resumed run continues exactly, and a parallel layout needs no state
+//! in common: a data-parallel replica or a pipeline micro-batch casts whole tensors of its
+//! own. Only ranks holding *shards* of one tensor (tensor parallelism) agree on its amax, the
+//! largest of theirs, so that each shard is cast at the whole tensor's scale, as one worker
+//! casts it: [`gemm_fp8_scaled`] takes scales decided outside it.
 //!
 //! Conversions round to nearest, ties to even, and **saturate**: a finite value beyond the
 //! largest becomes ±largest, as PTX's `cvt.rn.satfinite` and Transformer Engine's casts do
@@ -220,11 +223,65 @@ pub fn current_scale(format: Fp8Format, amax: f32) -> f32 {
     1.0
 }
 
+/// Elements per task of the parallel amax passes.
+const AMAX_CHUNK: usize = 1 << 14;
+
+/// [`amax`] on all threads.
+pub fn amax_parallel(values: &[f32]) -> f32 {
+    let maxima: Vec<f32> = values.par_chunks(AMAX_CHUNK).map(amax).collect();
+    amax(&maxima)
+}
+
+/// [`amax_parallel`] of bf16 values (their bits), widened exactly.
+pub fn amax_bf16(bits: &[u16]) -> f32 {
+    let maxima: Vec<f32> = bits
+        .par_chunks(AMAX_CHUNK)
+        .map(|chunk| {
+            chunk.iter().fold(0.0f32, |m, &b| {
+                let a = f32::from_bits(u32::from(b) << 16).abs();
+                if a.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(a)
+                }
+            })
+        })
+        .collect();
+    amax(&maxima)
+}
+
+/// The largest magnitude of a matrix view's elements ([`amax`] over them, in parallel).
+pub fn amax_of(m: &Mat) -> f32 {
+    match m.dense_storage() {
+        Some((storage, _, _)) => amax_parallel(storage),
+        None => {
+            let maxima: Vec<f32> = (0..m.rows())
+                .into_par_iter()
+                .map(|r| {
+                    let row: Vec<f32> = (0..m.cols()).map(|c| m.at(r, c)).collect();
+                    amax(&row)
+                })
+                .collect();
+            amax(&maxima)
+        }
+    }
+}
+
 /// How one operand of an FP8 product is cast: its format and the scale multiplied in first.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Fp8Operand {
     pub format: Fp8Format,
     pub scale: f32,
+}
+
+impl Fp8Operand {
+    /// The cast of a tensor whose largest magnitude is `amax`, at its [`current_scale`].
+    pub fn current(format: Fp8Format, amax: f32) -> Fp8Operand {
+        Fp8Operand {
+            format,
+            scale: current_scale(format, amax),
+        }
+    }
 }
 
 /// `values` multiplied by `operand.scale` and rounded to its format's grid, in place.
@@ -237,10 +294,10 @@ pub fn cast_in_place(values: &mut [f32], operand: Fp8Operand) {
     });
 }
 
-/// The matrix behind `m` cast to `format` with its current scale: its elements, their row
-/// and column strides, and the cast. A view without gaps (a matrix or its transpose) is cast
-/// in storage order and keeps its strides; any other is gathered row-major first.
-fn cast_matrix(m: &Mat, format: Fp8Format) -> (Vec<f32>, usize, usize, Fp8Operand) {
+/// The matrix behind `m` cast as `operand` says: its elements and their row and column
+/// strides. A view without gaps (a matrix or its transpose) is cast in storage order and
+/// keeps its strides; any other is gathered row-major first.
+fn cast_matrix(m: &Mat, operand: Fp8Operand) -> (Vec<f32>, usize, usize) {
     let (rows, cols) = (m.rows(), m.cols());
     let mut dense = par::take_buffer(rows * cols);
     let (rs, cs) = match m.dense_storage() {
@@ -260,13 +317,8 @@ fn cast_matrix(m: &Mat, format: Fp8Format) -> (Vec<f32>, usize, usize, Fp8Operan
             (cols, 1)
         }
     };
-    let maxima: Vec<f32> = dense.par_chunks(1 << 14).map(amax).collect();
-    let operand = Fp8Operand {
-        format,
-        scale: current_scale(format, amax(&maxima)),
-    };
     cast_in_place(&mut dense, operand);
-    (dense, rs, cs, operand)
+    (dense, rs, cs)
 }
 
 /// A pointer that may cross to rayon's threads: each writes rows of its own.
@@ -296,6 +348,23 @@ pub fn gemm_fp8(
     accumulate: bool,
     threads: usize,
 ) -> [Fp8Operand; 2] {
+    let a_cast = Fp8Operand::current(a_format, amax_of(&a));
+    let b_cast = Fp8Operand::current(b_format, amax_of(&b));
+    gemm_fp8_scaled(c, a, a_cast, b, b_cast, accumulate, threads);
+    [a_cast, b_cast]
+}
+
+/// [`gemm_fp8`] with the casts decided by the caller (a tensor-parallel shard is cast at the
+/// scale of the whole tensor, whose amax its group agreed on).
+pub fn gemm_fp8_scaled(
+    c: MatMut,
+    a: Mat,
+    a_cast: Fp8Operand,
+    b: Mat,
+    b_cast: Fp8Operand,
+    accumulate: bool,
+    threads: usize,
+) {
     let (m, k, n) = (a.rows(), a.cols(), b.cols());
     assert_eq!(
         k,
@@ -303,8 +372,8 @@ pub fn gemm_fp8(
         "fp8 product: a is {m}x{k}, b is {}x{n}",
         b.rows()
     );
-    let (qa, a_rs, a_cs, a_cast) = cast_matrix(&a, a_format);
-    let (qb, b_rs, b_cs, b_cast) = cast_matrix(&b, b_format);
+    let (qa, a_rs, a_cs) = cast_matrix(&a, a_cast);
+    let (qb, b_rs, b_cs) = cast_matrix(&b, b_cast);
     let mut product = par::take_buffer(m * n);
     // Exact bf16 inputs: the bf16 kernel rounds nothing, accumulates in f32.
     gemm_lowp(
@@ -334,7 +403,6 @@ pub fn gemm_fp8(
     par::recycle(product);
     par::recycle(qa);
     par::recycle(qb);
-    [a_cast, b_cast]
 }
 
 #[cfg(test)]

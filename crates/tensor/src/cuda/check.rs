@@ -310,10 +310,13 @@ pub fn run_all(
                 inputs,
                 outputs,
             };
-            let name = format!("linear fp8 {rows}x{inputs}->{outputs}");
-            out.extend(
-                check_linear_fp8(dev, &mut rng, shape).unwrap_or_else(|e| vec![failed(name, e)]),
-            );
+            for shards in [false, true] {
+                let name = format!("linear fp8 {rows}x{inputs}->{outputs}");
+                out.extend(
+                    check_linear_fp8(dev, &mut rng, shape, shards)
+                        .unwrap_or_else(|e| vec![failed(name, e)]),
+                );
+            }
         }
     }
     // The embedding is f32 whatever the precision: with a position table (GPT) and without
@@ -437,15 +440,21 @@ fn cpu_linear(
     (y, g, dx)
 }
 
-/// A linear layer's FP8 products against the CPU's ([`crate::fp8::gemm_fp8`], the same
-/// casts from the same bf16 tensors): forward (bf16 output, so bf16's tolerance), the weight
-/// and bias gradients (f32, accumulated onto earlier values) and the input gradient.
+/// A linear layer's FP8 products against the CPU's ([`crate::fp8::gemm_fp8_scaled`], the
+/// same casts from the same bf16 tensors): forward (bf16 output, so bf16's tolerance), the
+/// weight and bias gradients (f32, accumulated onto earlier values) and the input gradient.
+///
+/// With `shards`, the amaxes go through an agreement, as a tensor-parallel layer's do: it
+/// stands for other shards holding larger values, multiplying the input's amax by 2, the
+/// weight's by 3 and the output gradient's by 5 (distinct, so a pass that read another
+/// tensor's slot would fail), and the CPU casts at those scales.
 fn check_linear_fp8(
     dev: &Arc<CudaDevice>,
     rng: &mut SplitMix64,
     shape: LinearShape,
+    shards: bool,
 ) -> Result<Vec<CheckResult>, CudaError> {
-    use crate::fp8::{gemm_fp8, Fp8Format::*};
+    use crate::fp8::{amax_of, gemm_fp8_scaled, Fp8Format::*, Fp8Operand};
     let LinearShape {
         rows,
         inputs,
@@ -457,19 +466,43 @@ fn check_linear_fp8(
     let p = rounded(&random(rng, inputs * outputs + outputs, 0.05), bf16);
     let dy = rounded(&random(rng, rows * outputs, 1e-3), bf16);
     let g0 = random(rng, p.len(), 1e-4);
+    // The other shards' share: the factor on each tensor's own amax.
+    let (on_x, on_w, on_dy) = if shards {
+        (2.0, 3.0, 5.0)
+    } else {
+        (1.0, 1.0, 1.0)
+    };
     let (y, g, dx) = cpu_linear(&x, &p, &dy, &g0, shape, &|c, a, b, accumulate, which| {
-        let a_format = match which {
-            LinearProduct::Forward => E4M3,
-            LinearProduct::InputGrad | LinearProduct::WeightGrad => E5M2,
+        let (a_format, on_a, on_b) = match which {
+            LinearProduct::Forward => (E4M3, on_x, on_w),
+            LinearProduct::InputGrad => (E5M2, on_dy, on_w),
+            LinearProduct::WeightGrad => (E5M2, on_dy, on_x),
         };
-        gemm_fp8(c, a, a_format, b, E4M3, accumulate, threads);
+        let a_cast = Fp8Operand::current(a_format, on_a * amax_of(&a));
+        let b_cast = Fp8Operand::current(E4M3, on_b * amax_of(&b));
+        gemm_fp8_scaled(c, a, a_cast, b, b_cast, accumulate, threads);
     });
+    // The device amaxes in the passes' order: forward [x, W], backward [dy, W, x].
+    let agreement = |amaxes: CudaTensor| -> Result<CudaTensor, CudaError> {
+        let factors: &[f32] = match amaxes.len() {
+            2 => &[on_x, on_w],
+            _ => &[on_dy, on_w, on_x],
+        };
+        let agreed: Vec<f32> = amaxes
+            .to_host_f32()?
+            .iter()
+            .zip(factors)
+            .map(|(a, f)| a * f)
+            .collect();
+        CudaTensor::from_host(dev, &agreed, DType::F32)
+    };
+    let agree: super::fp8_linear::ShardAgreement = shards.then_some(&agreement);
 
     let params = DeviceValues::new(dev, &p, bf16)?;
     let x_dev = CudaTensor::from_host(dev, &x, bf16)?;
     let dy_dev = CudaTensor::from_host(dev, &dy, bf16)?;
     let g_dev = CudaTensor::from_host(dev, &g0, DType::F32)?;
-    let y_dev = super::fp8_linear::forward(&x_dev, params.params(), shape, true)?;
+    let y_dev = super::fp8_linear::forward(&x_dev, params.params(), shape, true, agree)?;
     let dx_dev = super::fp8_linear::backward(
         &x_dev,
         &dy_dev,
@@ -478,10 +511,12 @@ fn check_linear_fp8(
         shape,
         true,
         true,
+        agree,
         |dx| dx,
     )?
     .expect("asked for dx");
-    let name = |what: &str| format!("linear fp8 {rows}x{inputs}->{outputs} {what}");
+    let agreed = if shards { " (amaxes agreed)" } else { "" };
+    let name = |what: &str| format!("linear fp8 {rows}x{inputs}->{outputs} {what}{agreed}");
     Ok(vec![
         result(name("forward"), &y_dev.to_host_f32()?, &y, tolerance(bf16)),
         result(name("weight+bias grad"), &g_dev.to_host_f32()?, &g, 1e-5),
@@ -844,7 +879,13 @@ fn check_fp8_cast(
         let scale = crate::fp8::current_scale(format, crate::fp8::amax(&values));
         // Both layouts from one amax pass, as backward casts its output gradient.
         let layouts = [false, true];
-        let casts = train_ops::fp8_casts(dev, x_dev.ptr(), dtype, rows, cols, format, &layouts)?;
+        let source = train_ops::Fp8Source {
+            ptr: x_dev.ptr(),
+            dtype,
+            rows,
+            cols,
+        };
+        let casts = train_ops::fp8_casts(dev, source, format, &layouts)?;
         for (cast, transposed) in casts.iter().zip(layouts) {
             let codes: Vec<u8> = dev.download(cast.codes.ptr(), n)?;
             let inv_scale: Vec<f32> = dev.download(cast.inv_scale(), 1)?;

@@ -8,8 +8,13 @@
 //! description as the bf16 one); backward's are not, so their operands are cast transposed
 //! (Transformer Engine's cast-transpose): `dx = dy·W` reads `Wᵀ`, and `dW += dyᵀ·x` reads
 //! `xᵀ` and `dyᵀ`. Each tensor's casts are an amax pass and a cast pass per layout over the
-//! bf16 tensor (`dy`, wanted both ways, is read for its amax once:
-//! [`super::train_ops::fp8_casts`]); the scales never leave the device.
+//! bf16 tensor (`dy`, wanted both ways, is read for its amax once); the scales never leave
+//! the device.
+//!
+//! Each pass takes its tensors' amaxes first, into one small device tensor
+//! ([`super::train_ops::fp8_amaxes`]), then casts: a tensor-parallel layer's ranks agree on
+//! those amaxes in between ([`ShardAgreement`]), so that every shard is cast at the whole
+//! tensor's scale, as the CPU's `Linear` does.
 //!
 //! What is kept for backward is the bf16 input, as under bf16 (the layer's kept tensors do
 //! not change with fp8, so sequence parallelism's re-gather and recomputation work as they
@@ -18,7 +23,7 @@
 use super::blas::{Fp8Operands, Gemm};
 use super::error::CudaError;
 use super::ops::{check_len, epilogue_bias, to_dtype, weight_in, LinearShape};
-use super::train_ops::{fp8_cast, fp8_casts, Fp8Cast};
+use super::train_ops::{check_cast_transpose, fp8_amaxes, fp8_cast_from, Fp8Cast, Fp8Source};
 use super::{CudaTensor, DeviceGrads, DeviceParams};
 use crate::fp8::Fp8Format;
 use crate::DType;
@@ -26,6 +31,36 @@ use crate::DType;
 /// What the FP8 products read and write besides FP8: bf16 (activations, the weights' compute
 /// copy, the forward and input-gradient outputs).
 const COMPUTE: DType = DType::BF16;
+
+/// How a tensor-parallel layer's ranks agree on a pass's FP8 amaxes: the f32 device tensor
+/// of them in, their maxima over the ranks out ([`super::train_ops::Fp8Amaxes::agreed`]).
+/// `None` for a layer whose tensors are whole. The amaxes' order: forward `[x, W]`,
+/// backward `[dy, W, x]`, as the CPU's `Linear` agrees on them.
+pub type ShardAgreement<'a> = Option<&'a dyn Fn(CudaTensor) -> Result<CudaTensor, CudaError>>;
+
+/// A pass's amaxes of `sources`, agreed over the shards when `agree` says so.
+fn amaxes_of(
+    dev: &std::sync::Arc<super::context::CudaDevice>,
+    sources: &[Fp8Source],
+    agree: ShardAgreement,
+) -> Result<std::sync::Arc<super::train_ops::Fp8Amaxes>, CudaError> {
+    let amaxes = fp8_amaxes(dev, sources)?;
+    let amaxes = match agree {
+        Some(agree) => amaxes.agreed(agree)?,
+        None => amaxes,
+    };
+    Ok(std::sync::Arc::new(amaxes))
+}
+
+/// A bf16 `[rows, cols]` tensor at `ptr`, to be cast.
+fn source(ptr: u64, rows: usize, cols: usize) -> Fp8Source {
+    Fp8Source {
+        ptr,
+        dtype: COMPUTE,
+        rows,
+        cols,
+    }
+}
 
 fn operands(a: &Fp8Cast, b: &Fp8Cast) -> Option<Fp8Operands> {
     Some(Fp8Operands {
@@ -37,7 +72,8 @@ fn operands(a: &Fp8Cast, b: &Fp8Cast) -> Option<Fp8Operands> {
 }
 
 /// The shape conditions of cuBLASLt's FP8 products for this layer, checked before any cast:
-/// every dimension a multiple of 16 (each is some product's inner or leading dimension).
+/// every dimension a multiple of 16 (each is some product's inner or leading dimension),
+/// and backward's cast-transposes (of `rows` and `outputs` rows) each one launch.
 fn check_shape(shape: LinearShape) -> Result<(), CudaError> {
     let LinearShape {
         rows,
@@ -45,7 +81,8 @@ fn check_shape(shape: LinearShape) -> Result<(), CudaError> {
         outputs,
     } = shape;
     if [rows, inputs, outputs].iter().all(|d| d % 16 == 0) {
-        return Ok(());
+        check_cast_transpose(rows)?;
+        return check_cast_transpose(outputs);
     }
     Err(CudaError::Unsupported(format!(
         "an FP8 linear layer of {inputs} -> {outputs} features over {rows} rows: cuBLASLt's \
@@ -60,6 +97,7 @@ pub fn forward(
     p: DeviceParams,
     shape: LinearShape,
     bias: bool,
+    agree: ShardAgreement,
 ) -> Result<CudaTensor, CudaError> {
     let LinearShape {
         rows,
@@ -73,8 +111,11 @@ pub fn forward(
     let dev = x.device().clone();
     let x = to_dtype(x, COMPUTE)?;
     let w = weight_in(&w, COMPUTE, "linear weight")?;
-    let xq = fp8_cast(&dev, x.ptr(), COMPUTE, rows, inputs, Fp8Format::E4M3, false)?;
-    let wq = fp8_cast(&dev, w, COMPUTE, outputs, inputs, Fp8Format::E4M3, false)?;
+    let x_source = source(x.ptr(), rows, inputs);
+    let w_source = source(w, outputs, inputs);
+    let amaxes = amaxes_of(&dev, &[x_source, w_source], agree)?;
+    let xq = fp8_cast_from(&amaxes, 0, x_source, Fp8Format::E4M3, false)?;
+    let wq = fp8_cast_from(&amaxes, 1, w_source, Fp8Format::E4M3, false)?;
     let y = CudaTensor::alloc(&dev, rows * outputs, COMPUTE, "a linear layer's output")?;
     let (bias_ptr, aligned_bias) = epilogue_bias(&dev, bias.then_some(b), outputs, COMPUTE)?;
     // Column-major: yᵀ [outputs × rows] = (W stored [inputs × outputs])ᵀ · xᵀ [inputs × rows].
@@ -108,6 +149,7 @@ pub fn backward<R>(
     shape: LinearShape,
     bias: bool,
     need_dx: bool,
+    agree: ShardAgreement,
     after_dx: impl FnOnce(Option<CudaTensor>) -> R,
 ) -> Result<R, CudaError> {
     let LinearShape {
@@ -124,23 +166,17 @@ pub fn backward<R>(
     let nw = inputs * outputs;
     let (gw, gb) = grads.split_at(nw);
     let math = dev.f32_math();
-    // dy as it is (the input gradient's B) and transposed (the weight gradient's B), one
-    // amax pass for both: `dyt` last.
-    let layouts: &[bool] = if need_dx { &[false, true] } else { &[true] };
-    let mut dy_casts = fp8_casts(
-        &dev,
-        dy.ptr(),
-        COMPUTE,
-        rows,
-        outputs,
-        Fp8Format::E5M2,
-        layouts,
-    )?;
-    let dyt = dy_casts.pop().expect("a transposed cast of dy");
-    let dx = if let Some(dyq) = dy_casts.pop() {
-        let w = weight_in(&p.slice(0..nw), COMPUTE, "linear weight")?;
+    let w = weight_in(&p.slice(0..nw), COMPUTE, "linear weight")?;
+    let dy_source = source(dy.ptr(), rows, outputs);
+    let w_source = source(w, outputs, inputs);
+    let x_source = source(x.ptr(), rows, inputs);
+    // One amax pass per tensor, `dy`'s for both its layouts: as it is (the input gradient's
+    // B) and transposed (the weight gradient's B).
+    let amaxes = amaxes_of(&dev, &[dy_source, w_source, x_source], agree)?;
+    let dx = if need_dx {
+        let dyq = fp8_cast_from(&amaxes, 0, dy_source, Fp8Format::E5M2, false)?;
         // Wᵀ [inputs, outputs] row-major is column-major [outputs × inputs]: A, transposed.
-        let wt = fp8_cast(&dev, w, COMPUTE, outputs, inputs, Fp8Format::E4M3, true)?;
+        let wt = fp8_cast_from(&amaxes, 1, w_source, Fp8Format::E4M3, true)?;
         let dx = CudaTensor::alloc(
             &dev,
             rows * inputs,
@@ -166,8 +202,9 @@ pub fn backward<R>(
         None
     };
     let after = after_dx(dx);
-    // xᵀ [inputs, rows] (and dyᵀ [outputs, rows], above), row-major.
-    let xt = fp8_cast(&dev, x.ptr(), COMPUTE, rows, inputs, Fp8Format::E4M3, true)?;
+    // xᵀ [inputs, rows] and dyᵀ [outputs, rows], row-major.
+    let dyt = fp8_cast_from(&amaxes, 0, dy_source, Fp8Format::E5M2, true)?;
+    let xt = fp8_cast_from(&amaxes, 2, x_source, Fp8Format::E4M3, true)?;
     // Column-major: dWᵀ [inputs × outputs] = (xᵀ stored [rows × inputs])ᵀ · (dyᵀ stored
     // [rows × outputs]).
     let g = Gemm {

@@ -272,7 +272,6 @@ pub fn linear_backward(
         bias,
         precision,
         math,
-        fp8: false,
     };
     products.backward(x, dy, p, grads, need_dx, |dx| dx)
 }
@@ -284,8 +283,6 @@ pub struct LinearGrads {
     pub bias: bool,
     pub precision: DType,
     pub math: F32Math,
-    /// The products in FP8 ([`super::fp8_linear`]); `precision` is then bf16.
-    pub fp8: bool,
 }
 
 impl LinearGrads {
@@ -302,11 +299,6 @@ impl LinearGrads {
         need_dx: bool,
         after_dx: impl FnOnce(Option<CudaTensor>) -> R,
     ) -> Result<R, CudaError> {
-        if self.fp8 {
-            return super::fp8_linear::backward(
-                x, dy, p, grads, self.shape, self.bias, need_dx, after_dx,
-            );
-        }
         let LinearShape {
             rows,
             inputs,

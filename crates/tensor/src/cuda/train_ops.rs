@@ -5,6 +5,7 @@
 
 use super::context::{Args, CudaDevice, DevBuf, Launch};
 use super::error::CudaError;
+use super::CudaTensor;
 use crate::DType;
 use std::ops::Range;
 use std::sync::Arc;
@@ -227,13 +228,58 @@ pub fn tie_sum(dev: &CudaDevice, a: u64, b: u64, len: usize) -> Result<(), CudaE
     )
 }
 
-/// A tensor cast to FP8 on the device ([`fp8_casts`]): its codes and the scalars beside them.
+/// The amaxes of the tensors one pass casts to FP8, one f32 slot each in one device tensor
+/// (so that tensor-parallel shards agree on all of them in one collective: [`Fp8Amaxes::agreed`]),
+/// and beside them each cast's `1 / scale`, written by the cast.
+pub struct Fp8Amaxes {
+    /// Each slot holds its tensor's amax as the float's bits (an int for the kernels'
+    /// `atomicMax`; non-negative floats order as their bits do, so a float maximum over
+    /// ranks gives the same slot).
+    amaxes: CudaTensor,
+    inv_scales: DevBuf,
+}
+
+impl Fp8Amaxes {
+    /// The amaxes replaced by what `agree` makes of them (tensor parallelism: their maxima
+    /// over the ranks holding the other shards), before any cast reads them.
+    pub fn agreed(
+        self,
+        agree: impl FnOnce(CudaTensor) -> Result<CudaTensor, CudaError>,
+    ) -> Result<Fp8Amaxes, CudaError> {
+        let amaxes = agree(self.amaxes)?;
+        if amaxes.dtype() != DType::F32 || 4 * amaxes.len() != self.inv_scales.bytes() {
+            return Err(CudaError::Unsupported(format!(
+                "FP8 amaxes agreed into {} values of {}, not the {} given",
+                amaxes.len(),
+                amaxes.dtype(),
+                self.inv_scales.bytes() / 4
+            )));
+        }
+        Ok(Fp8Amaxes {
+            amaxes,
+            inv_scales: self.inv_scales,
+        })
+    }
+
+    /// Slot `slot`'s amax (an f32 on the device).
+    pub fn amax(&self, slot: usize) -> u64 {
+        self.amaxes.ptr() + 4 * slot as u64
+    }
+
+    /// Slot `slot`'s `1 / scale` (an f32 on the device).
+    pub fn inv_scale(&self, slot: usize) -> u64 {
+        self.inv_scales.ptr() + 4 * slot as u64
+    }
+}
+
+/// A tensor cast to FP8 on the device ([`fp8_cast_from`]): its codes and its scalars.
 pub struct Fp8Cast {
     /// One byte a value: row-major `[rows, cols]`, or `[cols, rows]` when `transposed`.
     pub codes: DevBuf,
-    /// The amax (its f32 bits, as an int) and `1 / scale`, two f32s, shared by the casts of
-    /// one tensor.
-    scalars: Arc<DevBuf>,
+    /// The amax and `1 / scale` of the tensor, in slot `slot`, shared with the other casts
+    /// of its pass.
+    scalars: Arc<Fp8Amaxes>,
+    slot: usize,
     pub format: crate::fp8::Fp8Format,
     pub transposed: bool,
 }
@@ -241,104 +287,143 @@ pub struct Fp8Cast {
 impl Fp8Cast {
     /// The f32 that FP8 products multiply back by (cuBLASLt's `A_SCALE`/`B_SCALE` pointer).
     pub fn inv_scale(&self) -> u64 {
-        self.scalars.ptr() + 4
+        self.scalars.inv_scale(self.slot)
     }
 
     /// The f32 holding the tensor's amax.
     pub fn amax(&self) -> u64 {
-        self.scalars.ptr()
+        self.scalars.amax(self.slot)
     }
 }
 
-/// [`fp8_casts`] with one layout.
-#[allow(clippy::too_many_arguments)]
-pub fn fp8_cast(
-    dev: &Arc<CudaDevice>,
-    x: u64,
-    dtype: DType,
-    rows: usize,
-    cols: usize,
-    format: crate::fp8::Fp8Format,
-    transposed: bool,
-) -> Result<Fp8Cast, CudaError> {
-    let mut casts = fp8_casts(dev, x, dtype, rows, cols, format, &[transposed])?;
-    Ok(casts.remove(0))
+/// One tensor an FP8 pass casts: the row-major `[rows, cols]` values at `ptr`, f32 or bf16.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Source {
+    pub ptr: u64,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
 }
 
-/// Current scaling's casts to FP8 of the row-major `[rows, cols]` values at `x` (f32 or
-/// bf16, `dtype`): one amax pass (the largest |x|), then one cast per entry of `transposed`
-/// (the codes as they are, or `[cols, rows]`: cuBLASLt's FP8 products take only "TN"
-/// operands, so a tensor read by two products may be wanted both ways), each value times
-/// `scale` = [`crate::fp8::current_scale`] of the amax, rounded to nearest even and
-/// saturating: the codes of [`crate::fp8::Fp8Format::encode`]. The casts share the amax and
-/// `1 / scale`, which stay on the device; nothing goes through the host.
-#[allow(clippy::too_many_arguments)]
-pub fn fp8_casts(
-    dev: &Arc<CudaDevice>,
-    x: u64,
-    dtype: DType,
-    rows: usize,
-    cols: usize,
-    format: crate::fp8::Fp8Format,
-    transposed: &[bool],
-) -> Result<Vec<Fp8Cast>, CudaError> {
-    let kernel = |stem: &str| match dtype {
+/// The fp8.cu kernel `stem` for values of `dtype`.
+fn fp8_kernel(stem: &str, dtype: DType) -> Result<String, CudaError> {
+    match dtype {
         DType::F32 | DType::BF16 => Ok(format!("{stem}_{}", super::ops::suffix(dtype))),
         DType::F16 => Err(CudaError::Unsupported(
             "FP8 casts of f16 values (they read f32 or bf16)".into(),
         )),
+    }
+}
+
+/// Current scaling's first pass over each of `sources`: its amax (the largest |x|) into its
+/// slot, in order.
+pub fn fp8_amaxes(dev: &Arc<CudaDevice>, sources: &[Fp8Source]) -> Result<Fp8Amaxes, CudaError> {
+    let n = sources.len();
+    let amaxes = CudaTensor::zeros(dev, n, DType::F32, "FP8 amaxes")?;
+    let inv_scales = dev.alloc(4 * n, "FP8 inverse scales")?;
+    for (slot, source) in sources.iter().enumerate() {
+        let len = source.rows * source.cols;
+        // Block 256: the amax's shared reduction assumes it.
+        dev.launch(
+            "fp8.cu",
+            &fp8_kernel("fp8_amax", source.dtype)?,
+            Launch::grid_stride(len, THREADS, UPDATE_BLOCKS),
+            Args::new()
+                .ptr(source.ptr)
+                .i64(len as i64)
+                .ptr(amaxes.ptr() + 4 * slot as u64),
+        )?;
+    }
+    Ok(Fp8Amaxes { amaxes, inv_scales })
+}
+
+/// Current scaling's cast to FP8 of `source`, whose amax is in `scalars`' slot `slot`:
+/// each value times `scale` = [`crate::fp8::current_scale`] of the amax, rounded to nearest
+/// even and saturating (the codes of [`crate::fp8::Fp8Format::encode`]), as it is or
+/// `transposed` to `[cols, rows]` (cuBLASLt's FP8 products take only "TN" operands, so a
+/// tensor read by two products may be wanted both ways). The cast writes `1 / scale` to the
+/// slot; nothing goes through the host.
+pub fn fp8_cast_from(
+    scalars: &Arc<Fp8Amaxes>,
+    slot: usize,
+    source: Fp8Source,
+    format: crate::fp8::Fp8Format,
+    transposed: bool,
+) -> Result<Fp8Cast, CudaError> {
+    let Fp8Source {
+        ptr,
+        dtype,
+        rows,
+        cols,
+    } = source;
+    let dev = scalars.amaxes.device();
+    if transposed {
+        check_cast_transpose(rows)?;
+    }
+    let len = rows * cols;
+    let e4m3 = format == crate::fp8::Fp8Format::E4M3;
+    let cast = Fp8Cast {
+        codes: dev.alloc(len.max(1), "FP8 codes")?,
+        scalars: scalars.clone(),
+        slot,
+        format,
+        transposed,
     };
-    if transposed.contains(&true) && rows.div_ceil(32) > 65_535 {
+    let (name, launch, shape) = if transposed {
+        let tiles = Launch {
+            grid: (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1),
+            block: (32, 8, 1),
+            smem: 0,
+        };
+        let shape = Args::new().usize_as_i32(rows).usize_as_i32(cols);
+        ("fp8_cast_transpose", tiles, shape)
+    } else {
+        let flat = Launch::grid_stride(len, THREADS, UPDATE_BLOCKS);
+        ("fp8_cast", flat, Args::new().i64(len as i64))
+    };
+    dev.launch(
+        "fp8.cu",
+        &fp8_kernel(name, dtype)?,
+        launch,
+        Args::new()
+            .ptr(ptr)
+            .ptr(cast.codes.ptr())
+            .append(shape)
+            .i32(e4m3 as i32)
+            .ptr(cast.amax())
+            .ptr(cast.inv_scale()),
+    )?;
+    Ok(cast)
+}
+
+/// Whether a cast-transpose of `rows` rows fits one launch (its grid's second dimension
+/// counts tiles of 32 rows): callers check before their first launch.
+pub fn check_cast_transpose(rows: usize) -> Result<(), CudaError> {
+    if rows.div_ceil(32) > 65_535 {
         return Err(CudaError::Unsupported(format!(
             "an FP8 cast-transpose of {rows} rows (at most {} in one launch)",
             65_535 * 32
         )));
     }
-    let len = rows * cols;
-    let e4m3 = format == crate::fp8::Fp8Format::E4M3;
-    let scalars = Arc::new(dev.alloc_zeroed(8, "an FP8 amax and scale")?);
-    // Block 256: the amax's shared reduction assumes it.
-    let flat = Launch::grid_stride(len, THREADS, UPDATE_BLOCKS);
-    dev.launch(
-        "fp8.cu",
-        &kernel("fp8_amax")?,
-        flat,
-        Args::new().ptr(x).i64(len as i64).ptr(scalars.ptr()),
-    )?;
-    let mut casts = Vec::with_capacity(transposed.len());
-    for &transposed in transposed {
-        let cast = Fp8Cast {
-            codes: dev.alloc(len.max(1), "FP8 codes")?,
-            scalars: scalars.clone(),
-            format,
-            transposed,
-        };
-        let (name, launch, shape) = if transposed {
-            let tiles = Launch {
-                grid: (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1),
-                block: (32, 8, 1),
-                smem: 0,
-            };
-            let shape = Args::new().usize_as_i32(rows).usize_as_i32(cols);
-            ("fp8_cast_transpose", tiles, shape)
-        } else {
-            ("fp8_cast", flat, Args::new().i64(len as i64))
-        };
-        dev.launch(
-            "fp8.cu",
-            &kernel(name)?,
-            launch,
-            Args::new()
-                .ptr(x)
-                .ptr(cast.codes.ptr())
-                .append(shape)
-                .i32(e4m3 as i32)
-                .ptr(cast.amax())
-                .ptr(cast.inv_scale()),
-        )?;
-        casts.push(cast);
+    Ok(())
+}
+
+/// Current scaling's casts of one tensor: one amax pass ([`fp8_amaxes`]), then one cast per
+/// entry of `transposed` ([`fp8_cast_from`]), sharing the amax and `1 / scale`.
+pub fn fp8_casts(
+    dev: &Arc<CudaDevice>,
+    source: Fp8Source,
+    format: crate::fp8::Fp8Format,
+    transposed: &[bool],
+) -> Result<Vec<Fp8Cast>, CudaError> {
+    if transposed.contains(&true) {
+        check_cast_transpose(source.rows)?;
     }
-    Ok(casts)
+    let scalars = Arc::new(fp8_amaxes(dev, &[source])?);
+    transposed
+        .iter()
+        .map(|&t| fp8_cast_from(&scalars, 0, source, format, t))
+        .collect()
 }
 
 /// `x *= s` over `len` f32 values.
