@@ -356,6 +356,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             each("layernorm_fwd"),
             each("layernorm_bwd_dx"),
             each("layernorm_bwd_params"),
+            each("layernorm_bwd_fused"),
         ]
         .concat(),
         "embedding.cu" => [

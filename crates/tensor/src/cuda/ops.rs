@@ -665,6 +665,37 @@ pub fn layer_norm_backward(
     let (dx, accumulate, pending) =
         input_grad_target(&dev, add_into, x.len(), "a layer norm's input gradient")?;
     let t = suffix(dy.dtype());
+    let gamma = p.master();
+    let pointers = [
+        (x.ptr(), 16),
+        (gamma, 16),
+        (dx.ptr(), 16),
+        (dy.ptr(), 4 * dy.dtype().size_bytes() as u64),
+    ];
+    if let Some(blocks) = fused_norm_backward_blocks(rows, d, &pointers) {
+        let partial = dev.alloc(blocks * 2 * d * 4, "norm gradient partials")?;
+        dev.launch(
+            "layernorm.cu",
+            &format!("layernorm_bwd_fused_{t}"),
+            Launch {
+                smem: (64 * d) as u32,
+                ..Launch::linear(blocks, THREADS)
+            },
+            Args::new()
+                .ptr(x.ptr())
+                .ptr(gamma)
+                .ptr(mean.ptr())
+                .ptr(rstd.ptr())
+                .ptr(dy.ptr())
+                .ptr(dx.ptr())
+                .ptr(partial.ptr())
+                .usize_as_i32(rows)
+                .usize_as_i32(d)
+                .i32(accumulate as i32),
+        )?;
+        finish_columns(&dev, partial.ptr(), blocks, 2 * d, grads.ptr(), true)?;
+        return finish_input_grad(dx, pending);
+    }
     dev.launch(
         "layernorm.cu",
         &format!("layernorm_bwd_dx_{t}"),
@@ -697,6 +728,31 @@ pub fn layer_norm_backward(
     )?;
     finish_input_grad(dx, pending)
 }
+
+/// Blocks of the fused layer-norm backward (`layernorm_bwd_fused_*`: the input gradient
+/// and the parameter gradients' partial sums in one pass over `x` and `dy`), or `None` where
+/// its vector path does not apply (`d` not a multiple of 4 or above 1,024, a pointer of
+/// `pointers` off its alignment) or `MESHTRAIN_NORM_BACKWARD=unfused` asks for the two
+/// kernels (for A/B runs on a card). One warp a row up to [`FUSED_NORM_BLOCKS`] blocks of 8,
+/// each warp looping over rows beyond. Fixed by the shape alone, so the sums' order, and the
+/// bits, are the same on every GPU.
+fn fused_norm_backward_blocks(rows: usize, d: usize, pointers: &[(u64, u64)]) -> Option<usize> {
+    static UNFUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let unfused = *UNFUSED
+        .get_or_init(|| std::env::var("MESHTRAIN_NORM_BACKWARD").is_ok_and(|v| v == "unfused"));
+    let fits = d.is_multiple_of(4) && d > 0 && d <= 1024;
+    let aligned = pointers
+        .iter()
+        .all(|(ptr, bytes)| ptr.is_multiple_of(*bytes));
+    (fits && aligned && !unfused).then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
+}
+
+/// At most this many blocks in the fused layer-norm backward. Fewer blocks make fewer partial
+/// rows for `colsum_finish`, whose sum over them is latency-bound (~15 µs over 256 per column
+/// on an H100); more keep more rows in flight. 256 blocks of 8 warps at ~100 registers a
+/// thread (2 blocks per multiprocessor) are one wave on an H100's 132, and GPT-2's 16,384
+/// rows 8 a warp.
+const FUSED_NORM_BLOCKS: usize = 256;
 
 /// RMS norm over rows of `d` of the f32 `x` (weight `w`, `d` values): `(y in out_dtype,
 /// rstd)` (the statistics only when `keep_stats`).
@@ -2022,6 +2078,22 @@ mod tests {
         for g in [f, i, w] {
             g.validate().unwrap();
         }
+    }
+
+    /// The fused layer-norm backward where its vector path applies, from the shape alone.
+    #[test]
+    fn the_fused_norm_backward_runs_where_its_vector_path_applies() {
+        let aligned = [(0x1000, 16), (0x2000, 16), (0x3008, 8)];
+        // GPT-2's norms: 16,384 rows in 256 blocks; few rows, a warp each.
+        assert_eq!(fused_norm_backward_blocks(16_384, 768, &aligned), Some(256));
+        assert_eq!(fused_norm_backward_blocks(100, 768, &aligned), Some(13));
+        assert_eq!(fused_norm_backward_blocks(1, 1024, &aligned), Some(1));
+        // The two kernels otherwise.
+        for d in [130, 1028, 0] {
+            assert_eq!(fused_norm_backward_blocks(64, d, &aligned), None, "d {d}");
+        }
+        let off = [(0x1000, 16), (0x2008, 16)];
+        assert_eq!(fused_norm_backward_blocks(64, 768, &off), None);
     }
 
     /// 16 bytes of a row per thread where the shape and pointer allow it, the scalar kernel

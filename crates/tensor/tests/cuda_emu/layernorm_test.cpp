@@ -75,7 +75,8 @@ static void test_forward(void (*fwd)(const float*, const float*, const float*, T
 
 template <class T>
 static void test_backward(void (*dx_kernel)(const float*, const float*, const float*, const float*, const T*, float*, int, int, int),
-                          void (*params_kernel)(const float*, const float*, const float*, const T*, float*, int, int, int)) {
+                          void (*params_kernel)(const float*, const float*, const float*, const T*, float*, int, int, int),
+                          void (*fused_kernel)(const float*, const float*, const float*, const float*, const T*, float*, float*, int, int, int)) {
     Rng rng(32);
     const double eps = 1e-5;
     for (const auto& sh : SHAPES) {
@@ -156,6 +157,40 @@ static void test_backward(void (*dx_kernel)(const float*, const float*, const fl
             }
             tally.check(tag + fmt(" dgamma|dbeta rpb=%d", rpb), rel_l2(read(grad, 2 * d), wantg), 1e-5);
         }
+
+        // The fused kernel where the vector path applies: dx bit for bit the dx kernel's
+        // (plain and accumulated), the parameter gradients as above, over grids of one
+        // block (every warp loops over rows), two, and one warp per row.
+        if (d % 4 != 0 || d > 1024) continue;
+        for (unsigned blocks : {1u, 2u, (unsigned)(rows + 7) / 8}) {
+            for (int accumulate = 0; accumulate < 2; ++accumulate) {
+                float* fdx = buffer<float>(n);
+                std::vector<double> base(n, 0.0);
+                if (accumulate)
+                    base = fill_random(fdx, n, rng, -1.0f, 1.0f);
+                else
+                    fill_poison(fdx, n);
+                float* partial = buffer<float>((size_t)blocks * 2 * d);
+                fill_poison(partial, (size_t)blocks * 2 * d);
+                emu::launch(fused_kernel, dim3(blocks), dim3(256), (size_t)64 * d, (const float*)x,
+                            (const float*)gamma, (const float*)mean, (const float*)rstd,
+                            (const T*)dy, fdx, partial, rows, d, accumulate);
+                bool same = true;
+                for (size_t i = 0; i < n; ++i)
+                    same &= fdx[i] == (accumulate ? (float)base[i] + dx[i] : dx[i]);
+                const std::string ftag = tag + fmt(" fused blocks=%u accumulate=%d", blocks, accumulate);
+                tally.check_true(ftag + " dx as the dx kernel's", same);
+                float* grad = buffer<float>(2 * d);
+                auto gbase = fill_random(grad, 2 * d, rng, -1.0f, 1.0f);
+                emu::launch(colsum_finish, dim3((2 * d + 255) / 256), dim3(256), 0, (const float*)partial, grad, (int)blocks, 2 * d, 1);
+                std::vector<double> wantg(2 * d);
+                for (int c = 0; c < d; ++c) {
+                    wantg[c] = gbase[c] + dgamma[c];
+                    wantg[d + c] = gbase[d + c] + dbeta[c];
+                }
+                tally.check(ftag + " dgamma|dbeta", rel_l2(read(grad, 2 * d), wantg), 1e-5);
+            }
+        }
     }
 }
 
@@ -163,8 +198,8 @@ int main() {
     test_forward<float>(layernorm_fwd_f32);
     test_forward<bf16>(layernorm_fwd_bf16);
     test_forward<f16>(layernorm_fwd_f16);
-    test_backward<float>(layernorm_bwd_dx_f32, layernorm_bwd_params_f32);
-    test_backward<bf16>(layernorm_bwd_dx_bf16, layernorm_bwd_params_bf16);
-    test_backward<f16>(layernorm_bwd_dx_f16, layernorm_bwd_params_f16);
+    test_backward<float>(layernorm_bwd_dx_f32, layernorm_bwd_params_f32, layernorm_bwd_fused_f32);
+    test_backward<bf16>(layernorm_bwd_dx_bf16, layernorm_bwd_params_bf16, layernorm_bwd_fused_bf16);
+    test_backward<f16>(layernorm_bwd_dx_f16, layernorm_bwd_params_f16, layernorm_bwd_fused_f16);
     return tally.finish("layernorm");
 }
