@@ -405,6 +405,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             each("rmsnorm_fwd"),
             each("rmsnorm_bwd_dx"),
             each("rmsnorm_bwd_params"),
+            each("rmsnorm_bwd_fused"),
             each("rotary_fwd"),
             each("rotary_bwd"),
             each("swiglu_fwd"),

@@ -666,34 +666,31 @@ pub fn layer_norm_backward(
         input_grad_target(&dev, add_into, x.len(), "a layer norm's input gradient")?;
     let t = suffix(dy.dtype());
     let gamma = p.master();
-    let pointers = [
+    let aligned = [
         (x.ptr(), 16),
         (gamma, 16),
         (dx.ptr(), 16),
         (dy.ptr(), 4 * dy.dtype().size_bytes() as u64),
     ];
-    if let Some(blocks) = fused_norm_backward_blocks(rows, d, &pointers) {
-        let partial = dev.alloc(blocks * 2 * d * 4, "norm gradient partials")?;
-        dev.launch(
-            "layernorm.cu",
-            &format!("layernorm_bwd_fused_{t}"),
-            Launch {
-                smem: (64 * d) as u32,
-                ..Launch::linear(blocks, THREADS)
-            },
-            Args::new()
-                .ptr(x.ptr())
-                .ptr(gamma)
-                .ptr(mean.ptr())
-                .ptr(rstd.ptr())
-                .ptr(dy.ptr())
-                .ptr(dx.ptr())
-                .ptr(partial.ptr())
-                .usize_as_i32(rows)
-                .usize_as_i32(d)
-                .i32(accumulate as i32),
+    if let Some(blocks) = fused_norm_backward_blocks(rows, d, &aligned) {
+        let inputs = Args::new()
+            .ptr(x.ptr())
+            .ptr(gamma)
+            .ptr(mean.ptr())
+            .ptr(rstd.ptr())
+            .ptr(dy.ptr())
+            .ptr(dx.ptr());
+        let kernel = format!("layernorm_bwd_fused_{t}");
+        let fused = FusedNormBackward { blocks, sums: 2 };
+        fused.run(
+            &dev,
+            ("layernorm.cu", &kernel),
+            inputs,
+            rows,
+            d,
+            accumulate,
+            grads,
         )?;
-        finish_columns(&dev, partial.ptr(), blocks, 2 * d, grads.ptr(), true)?;
         return finish_input_grad(dx, pending);
     }
     dev.launch(
@@ -729,7 +726,7 @@ pub fn layer_norm_backward(
     finish_input_grad(dx, pending)
 }
 
-/// Blocks of the fused layer-norm backward (`layernorm_bwd_fused_*`: the input gradient
+/// Blocks of the fused norm backward ([`FusedNormBackward`]: the input gradient
 /// and the parameter gradients' partial sums in one pass over `x` and `dy`), or `None` where
 /// its vector path does not apply (`d` not a multiple of 4 or above 1,024, a pointer of
 /// `pointers` off its alignment) or `MESHTRAIN_NORM_BACKWARD=unfused` asks for the two
@@ -747,7 +744,49 @@ fn fused_norm_backward_blocks(rows: usize, d: usize, pointers: &[(u64, u64)]) ->
     (fits && aligned && !unfused).then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
 }
 
-/// At most this many blocks in the fused layer-norm backward. Fewer blocks make fewer partial
+/// A fused norm backward's launch (`layernorm_bwd_fused_*`, `rmsnorm_bwd_fused_*`, common.cuh's
+/// `norm_bwd_fused_impl`): `blocks` blocks of 8 warps, each warp with `sums` rows of `d`
+/// floats of shared memory (2 for the layer norm's γ and β, 1 for the RMS norm's weight).
+struct FusedNormBackward {
+    blocks: usize,
+    sums: usize,
+}
+
+impl FusedNormBackward {
+    /// Launches `kernel` (file, name) on its `inputs` (the tensors up to `dx`), then sums the
+    /// blocks' partial rows into `grads` (`sums · d` values) in block order.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        dev: &Arc<CudaDevice>,
+        (file, kernel): (&'static str, &str),
+        inputs: Args,
+        rows: usize,
+        d: usize,
+        accumulate: bool,
+        grads: DeviceGrads,
+    ) -> Result<(), CudaError> {
+        let width = self.sums * d;
+        let partial = dev.alloc(self.blocks * width * 4, "norm gradient partials")?;
+        let warps = THREADS as usize / 32;
+        dev.launch(
+            file,
+            kernel,
+            Launch {
+                smem: (warps * width * 4) as u32,
+                ..Launch::linear(self.blocks, THREADS)
+            },
+            inputs
+                .ptr(partial.ptr())
+                .usize_as_i32(rows)
+                .usize_as_i32(d)
+                .i32(accumulate as i32),
+        )?;
+        finish_columns(dev, partial.ptr(), self.blocks, width, grads.ptr(), true)
+    }
+}
+
+/// At most this many blocks in a fused norm backward. Fewer blocks make fewer partial
 /// rows for `colsum_finish`, whose sum over them is latency-bound (~15 µs over 256 per column
 /// on an H100); more keep more rows in flight. 256 blocks of 8 warps at ~100 registers a
 /// thread (2 blocks per multiprocessor) are one wave on an H100's 132, and GPT-2's 16,384
@@ -821,6 +860,32 @@ pub fn rms_norm_backward(
     let (dx, accumulate, pending) =
         input_grad_target(&dev, add_into, x.len(), "an RMS norm's input gradient")?;
     let t = suffix(dy.dtype());
+    let aligned = [
+        (x.ptr(), 16),
+        (w.master(), 16),
+        (dx.ptr(), 16),
+        (dy.ptr(), 4 * dy.dtype().size_bytes() as u64),
+    ];
+    if let Some(blocks) = fused_norm_backward_blocks(rows, d, &aligned) {
+        let inputs = Args::new()
+            .ptr(x.ptr())
+            .ptr(w.master())
+            .ptr(rstd.ptr())
+            .ptr(dy.ptr())
+            .ptr(dx.ptr());
+        let kernel = format!("rmsnorm_bwd_fused_{t}");
+        let fused = FusedNormBackward { blocks, sums: 1 };
+        fused.run(
+            &dev,
+            ("llama.cu", &kernel),
+            inputs,
+            rows,
+            d,
+            accumulate,
+            grads,
+        )?;
+        return finish_input_grad(dx, pending);
+    }
     dev.launch(
         "llama.cu",
         &format!("rmsnorm_bwd_dx_{t}"),

@@ -72,7 +72,8 @@ static void test_rms_forward(void (*fwd)(const float*, const float*, T*, float*,
 
 template <class T>
 static void test_rms_backward(void (*dx_kernel)(const float*, const float*, const float*, const T*, float*, int, int, int),
-                              void (*params_kernel)(const float*, const float*, const T*, float*, int, int, int)) {
+                              void (*params_kernel)(const float*, const float*, const T*, float*, int, int, int),
+                              void (*fused_kernel)(const float*, const float*, const float*, const T*, float*, float*, int, int, int)) {
     Rng rng(42);
     const double eps = 1e-5;
     for (const auto& sh : NORM_SHAPES) {
@@ -139,6 +140,38 @@ static void test_rms_backward(void (*dx_kernel)(const float*, const float*, cons
                 std::vector<double> wantg(d);
                 for (int c = 0; c < d; ++c) wantg[c] = base[c] + dw[c];
                 tally.check(tag + fmt(" dweight rpb=%d", rpb), rel_l2(read(grad, d), wantg), 1e-5);
+            }
+
+            // The fused kernel where its vector path applies (aligned, d % 4 == 0, d ≤ 1024):
+            // dx bit for bit the dx kernel's (plain and accumulated), the weight gradient as
+            // above, over grids of one block (every warp loops over rows), two, and a warp a row.
+            if (off || d % 4 != 0 || d > 1024) continue;
+            for (unsigned blocks : {1u, 2u, (unsigned)(rows + 7) / 8}) {
+                for (int accumulate = 0; accumulate < 2; ++accumulate) {
+                    float* fdx = buffer<float>(n);
+                    std::vector<double> base(n, 0.0);
+                    if (accumulate)
+                        base = fill_random(fdx, n, rng, -1.0f, 1.0f);
+                    else
+                        fill_poison(fdx, n);
+                    float* partial = buffer<float>((size_t)blocks * d);
+                    fill_poison(partial, (size_t)blocks * d);
+                    emu::launch(fused_kernel, dim3(blocks), dim3(256), (size_t)32 * d, (const float*)x,
+                                (const float*)w, (const float*)rstd, (const T*)dy, fdx, partial, rows, d,
+                                accumulate);
+                    bool same = true;
+                    for (size_t i = 0; i < n; ++i)
+                        same &= fdx[i] == (accumulate ? (float)base[i] + dx[i] : dx[i]);
+                    const std::string ftag = tag + fmt(" fused blocks=%u accumulate=%d", blocks, accumulate);
+                    tally.check_true(ftag + " dx as the dx kernel's", same);
+                    float* grad = buffer<float>(d);
+                    auto gbase = fill_random(grad, d, rng, -1.0f, 1.0f);
+                    emu::launch(colsum_finish, dim3((d + 255) / 256), dim3(256), 0, (const float*)partial,
+                                grad, (int)blocks, d, 1);
+                    std::vector<double> wantg(d);
+                    for (int c = 0; c < d; ++c) wantg[c] = gbase[c] + dw[c];
+                    tally.check(ftag + " dweight", rel_l2(read(grad, d), wantg), 1e-5);
+                }
             }
         }
     }
@@ -395,9 +428,9 @@ int main() {
     test_rms_forward<float>(rmsnorm_fwd_f32);
     test_rms_forward<bf16>(rmsnorm_fwd_bf16);
     test_rms_forward<f16>(rmsnorm_fwd_f16);
-    test_rms_backward<float>(rmsnorm_bwd_dx_f32, rmsnorm_bwd_params_f32);
-    test_rms_backward<bf16>(rmsnorm_bwd_dx_bf16, rmsnorm_bwd_params_bf16);
-    test_rms_backward<f16>(rmsnorm_bwd_dx_f16, rmsnorm_bwd_params_f16);
+    test_rms_backward<float>(rmsnorm_bwd_dx_f32, rmsnorm_bwd_params_f32, rmsnorm_bwd_fused_f32);
+    test_rms_backward<bf16>(rmsnorm_bwd_dx_bf16, rmsnorm_bwd_params_bf16, rmsnorm_bwd_fused_bf16);
+    test_rms_backward<f16>(rmsnorm_bwd_dx_f16, rmsnorm_bwd_params_f16, rmsnorm_bwd_fused_f16);
     test_rotary<float>(rotary_fwd_f32, rotary_bwd_f32);
     test_rotary<bf16>(rotary_fwd_bf16, rotary_bwd_bf16);
     test_rotary<f16>(rotary_fwd_f16, rotary_bwd_f16);

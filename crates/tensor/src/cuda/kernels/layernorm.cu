@@ -14,14 +14,8 @@
 //
 // Fused backward (layernorm_bwd_fused_*): the input gradient and the parameter gradients'
 // stage 1 in one pass over x and dy, where the vector path applies (the host launches it then,
-// and the two kernels above otherwise). Each warp adds its rows' dy·h and dy into its own
-// region of dynamic shared memory ([warps][2][d] floats, 64·d bytes at 8 warps: 48 KiB at
-// d = 768), a lane its own float4 columns, so no two threads touch a word and no atomics are
-// needed; at the end the block sums its warps' regions in warp order into its partial row
-// ([blocks][2][d], dγ then dβ: the layout of layernorm_bwd_params), and colsum_finish sums
-// the blocks. The order of every sum is fixed by the grid, which the host derives from the
-// shape alone: runs stay bit-identical. What it saves: the parameter kernel's second read of
-// x (f32) and dy.
+// and the two kernels above otherwise): common.cuh's norm_bwd_fused_impl, shared with the RMS
+// norm. What it saves: the parameter kernel's second read of x (f32) and dy.
 
 #define LN_MAX_CHUNKS 8
 
@@ -293,116 +287,23 @@ layernorm_bwd_params_f16(const float* x, const float* mean, const float* rstd, c
 }
 
 // ---------------------------------------------------------------------------------------
-// Fused backward: layernorm_bwd_dx's vector path, with the parameter sums taken from the same
-// registers. Requires d % 4 == 0, d ≤ 4·32·LN_MAX_CHUNKS, x, gamma, dx and partial 16-byte
-// aligned, dy 4·sizeof(T)-aligned, and 64·d bytes of dynamic shared memory at 256 threads.
-
-template <class T>
-__device__ __forceinline__ void layernorm_bwd_fused_impl(const float* __restrict__ x,
-                                                         const float* __restrict__ gamma,
-                                                         const float* __restrict__ mean,
-                                                         const float* __restrict__ rstd,
-                                                         const T* __restrict__ dy,
-                                                         float* __restrict__ dx,
-                                                         float* __restrict__ partial, int rows,
-                                                         int d, int accumulate) {
-    DYNAMIC_SMEM(float4, ln_sums);  // [warps][2][d / 4]: Σ dy·h, then Σ dy
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warps = blockDim.x >> 5;
-    const int d4 = d >> 2;
-    const float d_f = (float)d;
-    float4* mine = ln_sums + (long long)warp * 2 * d4;
-    for (int j = lane; j < 2 * d4; j += 32) mine[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    // Lane l zeroes words that lane l − 16 adds to (the dβ half): the warp's lanes are not
-    // in lockstep. After this, a warp reads and writes only its own region, a lane only its
-    // own words, until the barrier below.
-    __syncwarp();
-    for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
-        const float* xr = x + (long long)row * d;
-        const T* dyr = dy + (long long)row * d;
-        float* dxr = dx + (long long)row * d;
-        const float mu = mean[row], rs = rstd[row];
-        float xv[LN_MAX_CHUNKS][4], gv[LN_MAX_CHUNKS][4];
-#pragma unroll
-        for (int k = 0; k < LN_MAX_CHUNKS; ++k) {
-            const int j = lane + 32 * k;
-            if (j < d4) {
-                const float4 a = reinterpret_cast<const float4*>(xr)[j];
-                xv[k][0] = a.x; xv[k][1] = a.y; xv[k][2] = a.z; xv[k][3] = a.w;
-                load4(dyr + 4 * j, gv[k]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) xv[k][e] = gv[k][e] = 0.0f;
-            }
-        }
-        float sg = 0.0f, sgh = 0.0f;
-#pragma unroll
-        for (int k = 0; k < LN_MAX_CHUNKS; ++k) {
-            const int j = lane + 32 * k;
-            if (j < d4) {
-                float h[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) h[e] = (xv[k][e] - mu) * rs;
-                // The parameter sums take dy as it is, before γ scales it.
-                float4 dg = mine[j], db = mine[d4 + j];
-                dg.x += gv[k][0] * h[0]; dg.y += gv[k][1] * h[1];
-                dg.z += gv[k][2] * h[2]; dg.w += gv[k][3] * h[3];
-                db.x += gv[k][0]; db.y += gv[k][1]; db.z += gv[k][2]; db.w += gv[k][3];
-                mine[j] = dg;
-                mine[d4 + j] = db;
-                const float4 ga = reinterpret_cast<const float4*>(gamma)[j];
-                gv[k][0] *= ga.x; gv[k][1] *= ga.y; gv[k][2] *= ga.z; gv[k][3] *= ga.w;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    sg += gv[k][e];
-                    sgh += gv[k][e] * h[e];
-                }
-            }
-        }
-        const float mg = warp_sum(sg) / d_f;
-        const float mgh = warp_sum(sgh) / d_f;
-#pragma unroll
-        for (int k = 0; k < LN_MAX_CHUNKS; ++k) {
-            const int j = lane + 32 * k;
-            if (j < d4) {
-                float o[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float h = (xv[k][e] - mu) * rs;
-                    o[e] = rs * (gv[k][e] - mg - h * mgh);
-                }
-                store4_or_add(dxr + 4 * j, o, accumulate);
-            }
-        }
-    }
-    __syncthreads();
-    float4* out = reinterpret_cast<float4*>(partial + (long long)blockIdx.x * 2 * d);
-    for (int c = threadIdx.x; c < 2 * d4; c += blockDim.x) {
-        float4 s = ln_sums[c];
-        for (int w = 1; w < warps; ++w) {
-            const float4 t = ln_sums[(long long)w * 2 * d4 + c];
-            s.x += t.x; s.y += t.y; s.z += t.z; s.w += t.w;
-        }
-        out[c] = s;
-    }
-}
+// Fused backward: common.cuh's norm_bwd_fused_impl with the layer norm's arithmetic.
 
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_fused_f32(const float* x, const float* gamma, const float* mean, const float* rstd,
                         const float* dy, float* dx, float* partial, int rows, int d,
                         int accumulate) {
-    layernorm_bwd_fused_impl(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
+    norm_bwd_fused_impl<float, true>(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_fused_bf16(const float* x, const float* gamma, const float* mean, const float* rstd,
                          const bf16* dy, float* dx, float* partial, int rows, int d,
                          int accumulate) {
-    layernorm_bwd_fused_impl(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
+    norm_bwd_fused_impl<bf16, true>(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_fused_f16(const float* x, const float* gamma, const float* mean, const float* rstd,
                         const f16* dy, float* dx, float* partial, int rows, int d,
                         int accumulate) {
-    layernorm_bwd_fused_impl(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
+    norm_bwd_fused_impl<f16, true>(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
 }

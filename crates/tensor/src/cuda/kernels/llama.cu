@@ -203,6 +203,27 @@ rmsnorm_bwd_dx_f16(const float* x, const float* w, const float* rstd, const f16*
 }
 
 // ---------------------------------------------------------------------------------------
+// Fused backward: the input gradient and the weight gradient's stage 1 in one pass over x and
+// dy (common.cuh's norm_bwd_fused_impl, as layernorm_bwd_fused_*; `partial` [gridDim.x][d],
+// 32·d bytes of dynamic shared memory), where the vector path applies.
+
+extern "C" __global__ void __launch_bounds__(256)
+rmsnorm_bwd_fused_f32(const float* x, const float* w, const float* rstd, const float* dy,
+                      float* dx, float* partial, int rows, int d, int accumulate) {
+    norm_bwd_fused_impl<float, false>(x, w, nullptr, rstd, dy, dx, partial, rows, d, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(256)
+rmsnorm_bwd_fused_bf16(const float* x, const float* w, const float* rstd, const bf16* dy,
+                       float* dx, float* partial, int rows, int d, int accumulate) {
+    norm_bwd_fused_impl<bf16, false>(x, w, nullptr, rstd, dy, dx, partial, rows, d, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(256)
+rmsnorm_bwd_fused_f16(const float* x, const float* w, const float* rstd, const f16* dy,
+                      float* dx, float* partial, int rows, int d, int accumulate) {
+    norm_bwd_fused_impl<f16, false>(x, w, nullptr, rstd, dy, dx, partial, rows, d, accumulate);
+}
+
+// ---------------------------------------------------------------------------------------
 // Weight gradient, stage 1: per block of rows and per column c, Σ dy·x·rstd in fp32, rows in
 // increasing order, 8 rows loaded ahead (as layernorm_bwd_params).
 
