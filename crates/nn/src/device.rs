@@ -149,10 +149,30 @@ pub fn linear_backward_then<R>(
     after_dx: impl FnOnce(Option<Tensor>) -> R,
 ) -> R {
     let dev = p.device();
+    let mut g = device_grads(g);
     let mut dz = on_device(&dy, dev);
+    // Whether the bias gradient is still to be taken (the products' backward sums `dz`'s
+    // columns), or was taken with the activation's gradient in one pass.
+    let mut bias = l.bias;
     if let Some(act) = l.activation {
         let saved = kept(&mut s, "Linear (activation)");
-        dz = ok(ops::activation_backward(&saved, &dz, ActKind::from(act)));
+        let kind = ActKind::from(act);
+        let nw = l.inputs * l.outputs;
+        let fused = if l.bias {
+            let bias_grad = g.slice(nw..nw + l.outputs).ptr();
+            ok(ops::activation_backward_with_bias(
+                &saved, &dz, kind, l.outputs, bias_grad,
+            ))
+        } else {
+            None
+        };
+        dz = match fused {
+            Some(dz) => {
+                bias = false;
+                dz
+            }
+            None => ok(ops::activation_backward(&saved, &dz, kind)),
+        };
     }
     let x = s.tensors.pop().expect("Linear: nothing saved for backward");
     let xs = x
@@ -171,9 +191,9 @@ pub fn linear_backward_then<R>(
             xs,
             &dz,
             p,
-            device_grads(g),
+            g,
             linear_shape,
-            l.bias,
+            bias,
             need_dx,
             agree.as_ref().map(|a| a as _),
             after_dx,
@@ -181,11 +201,11 @@ pub fn linear_backward_then<R>(
     }
     let grads = ops::LinearGrads {
         shape: linear_shape,
-        bias: l.bias,
+        bias,
         precision: l.precision,
         math: dev.f32_math(),
     };
-    ok(grads.backward(xs, &dz, p, device_grads(g), need_dx, after_dx))
+    ok(grads.backward(xs, &dz, p, g, need_dx, after_dx))
 }
 
 /// The agreement of an FP8 layer's amaxes over the ranks holding its other shards

@@ -348,6 +348,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
         "bias.cu" => {
             let mut v = each("colsum_partial");
             v.extend(each("colsum_partial_vec"));
+            v.extend(each("act_bwd_colsum"));
             v.extend(each("bias_add"));
             v.push("colsum_finish".into());
             v

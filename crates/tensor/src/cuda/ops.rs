@@ -546,6 +546,49 @@ pub fn activation_backward(
     Ok(dx)
 }
 
+/// [`activation_backward`] with the bias gradient of the layer whose output the activation
+/// took, in one pass (`act_bwd_colsum_*`, bias.cu): the gradient, and its column sums added
+/// into the `cols` f32 values at `bias_grad`, each bit for bit what `activation_backward`
+/// then [`column_sums`] give, with one read of the gradient less. `None` (nothing done) where
+/// the column sums' vector path does not apply (`cols` not a multiple of 16 bytes' worth of
+/// values, a pointer off 16 bytes): the caller runs the two.
+pub fn activation_backward_with_bias(
+    saved: &CudaTensor,
+    dy: &CudaTensor,
+    act: ActKind,
+    cols: usize,
+    bias_grad: u64,
+) -> Result<Option<CudaTensor>, CudaError> {
+    check_len(dy, saved.len(), "activation gradient")?;
+    let dev = saved.device();
+    let dy = to_dtype(dy, saved.dtype())?;
+    let rows = saved.len() / cols.max(1);
+    let pass = ColumnSumPass::new(rows, cols, saved.dtype(), saved.ptr());
+    let aligned = [saved.ptr(), dy.ptr()].iter().all(|p| p.is_multiple_of(16));
+    if !pass.vector || !aligned || rows * cols != saved.len() {
+        return Ok(None);
+    }
+    let dx = CudaTensor::alloc(dev, saved.len(), saved.dtype(), "an activation's gradient")?;
+    let blocks = pass.launch.grid.1 as usize;
+    let partial = dev.alloc(blocks * cols * 4, "column-sum partials")?;
+    dev.launch(
+        "bias.cu",
+        &format!("act_bwd_colsum_{}", suffix(saved.dtype())),
+        pass.launch,
+        Args::new()
+            .ptr(saved.ptr())
+            .ptr(dy.ptr())
+            .ptr(dx.ptr())
+            .ptr(partial.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(cols)
+            .usize_as_i32(pass.rows_per_block)
+            .i32(act as i32),
+    )?;
+    finish_columns(dev, partial.ptr(), blocks, cols, bias_grad, true)?;
+    Ok(Some(dx))
+}
+
 /// `a + b` in f32 (`a` f32, `b` any dtype): the residual add. Written into `a`'s buffer when
 /// no one else holds it.
 pub fn add(a: CudaTensor, b: &CudaTensor) -> Result<CudaTensor, CudaError> {

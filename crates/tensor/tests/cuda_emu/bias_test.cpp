@@ -1,9 +1,11 @@
 // Tests of bias.cu on the CPU emulator: the two-stage column sums against a double reference,
 // and their exact (fixed) summation order, for the scalar partial kernel (any shape), the
-// vector one (cols a multiple of 16 bytes' worth of values) and the finish.
+// vector one (cols a multiple of 16 bytes' worth of values) and the finish; the activation
+// backward fused with its column sums against act_bwd then colsum_partial_vec, bit for bit.
 #include "cuda_emu.h"
 #include "common.cuh"
 #include "bias.cu"
+#include "elementwise.cu"  // act_bwd, which act_bwd_colsum must equal
 #include "kernel_test_util.h"
 
 using namespace kt;
@@ -148,6 +150,52 @@ template <class T> static void test_vector_bounds(void (*vec)(const T*, float*, 
                 rel_l2(read(partial, (size_t)nb * s.cols), want_vec_partial(yv, s, nb)), 0.0);
 }
 
+/// act_bwd_colsum_*: the gradient bit for bit act_bwd's (out of place, and in place over dy)
+/// and the partials bit for bit colsum_partial_vec's over that gradient, for every activation,
+/// on the vector shapes of test_colsum (runs short, empty, several lane groups).
+template <class T>
+static void test_act_colsum(void (*fused)(const T*, const T*, T*, float*, int, int, int, int),
+                            void (*act_bwd)(const T*, const T*, T*, long long, int),
+                            void (*vec)(const T*, float*, int, int, int)) {
+    constexpr int W = ColVec<T>::W;
+    const Shape shapes[] = {{1, 8, 256},  {5, 24, 64},  {70, 264, 64}, {130, 256, 100},
+                            {33, 40, 7},  {300, 32 * W, 128}, {257, 72, 256}, {67, 8 * W + 4, 9}};
+    Rng rng(23);
+    for (const Shape& s : shapes) {
+        if (s.cols % W != 0) continue;
+        const int nb = (s.rows + s.rows_per_block - 1) / s.rows_per_block;
+        const size_t n = (size_t)s.rows * s.cols;
+        const int groups = (s.cols / W + MT_COLSUM_LANES - 1) / MT_COLSUM_LANES;
+        for (int kind = 0; kind < 5; ++kind) {
+            T* saved = buffer<T>(n);
+            T* dy = buffer<T>(n);
+            fill_random(saved, n, rng, -3.0f, 3.0f);
+            fill_random(dy, n, rng, -1.0f, 1.0f);
+            T* want = buffer<T>(n);
+            emu::launch(act_bwd, dim3(7), dim3(256), 0, (const T*)saved, (const T*)dy, want,
+                        (long long)n, kind);
+            float* want_partial = buffer<float>((size_t)nb * s.cols);
+            emu::launch(vec, dim3(groups, nb), dim3(MT_COLSUM_LANES, MT_COLSUM_RUNS), 0,
+                        (const T*)want, want_partial, s.rows, s.cols, s.rows_per_block);
+            for (int in_place = 0; in_place < 2; ++in_place) {
+                T* dx = in_place ? dy : buffer<T>(n);
+                if (!in_place) fill_poison(dx, n);
+                float* partial = buffer<float>((size_t)nb * s.cols);
+                fill_poison(partial, (size_t)nb * s.cols);
+                emu::launch(fused, dim3(groups, nb), dim3(MT_COLSUM_LANES, MT_COLSUM_RUNS), 0,
+                            (const T*)saved, (const T*)dy, dx, partial, s.rows, s.cols,
+                            s.rows_per_block, kind);
+                const std::string tag = fmt("act_bwd_colsum %s kind=%d rows=%d cols=%d rpb=%d in_place=%d",
+                                            type_name<T>(), kind, s.rows, s.cols, s.rows_per_block, in_place);
+                bool same = std::memcmp(dx, want, n * sizeof(T)) == 0;
+                tally.check_true(tag + " gradient as act_bwd's", same);
+                same = std::memcmp(partial, want_partial, (size_t)nb * s.cols * sizeof(float)) == 0;
+                tally.check_true(tag + " partials as colsum_partial_vec's", same);
+            }
+        }
+    }
+}
+
 /// bias_add: every row plus the bias, rounded to T once, on a ragged shape and a grid too
 /// small to cover it (the grid-stride loop).
 template <class T>
@@ -179,5 +227,8 @@ int main() {
     test_vector_bounds<float>(colsum_partial_vec_f32);
     test_vector_bounds<bf16>(colsum_partial_vec_bf16);
     test_vector_bounds<f16>(colsum_partial_vec_f16);
+    test_act_colsum<float>(act_bwd_colsum_f32, act_bwd_f32, colsum_partial_vec_f32);
+    test_act_colsum<bf16>(act_bwd_colsum_bf16, act_bwd_bf16, colsum_partial_vec_bf16);
+    test_act_colsum<f16>(act_bwd_colsum_f16, act_bwd_f16, colsum_partial_vec_f16);
     return tally.finish("bias");
 }

@@ -13,6 +13,8 @@
 //    - colsum_partial_*: the fallback for any shape and alignment. Grid (ceil(cols/256),
 //      ceil(rows/rows_per_block)), block 256, one thread per column of a block of rows,
 //      summing its column downwards (16 rows loaded before they are added in order).
+//    - act_bwd_colsum_*: colsum_partial_vec over the gradient of an activation, computed and
+//      written in the same pass (a linear layer's activation backward and bias gradient).
 // 2. colsum_finish: per column, the partials summed in double in block order (block 0 first),
 //    then added to (or stored in) the output. A block takes 32 columns at a time: its threads
 //    load up to 64 partials of the 32 columns into shared memory at once (8 loads in flight
@@ -100,6 +102,32 @@ template <> struct ColVec<float> {
     }
 };
 
+/// The end of a vector column-sum block: each warp's run sums `s` (lane `lane`'s W columns)
+/// added in run order by warp 0 into `out` (the block's partial row at the lane's first
+/// column). Every thread of the block calls it (it holds a barrier).
+template <int W>
+__device__ __forceinline__ void add_runs_into_partial(float (&s)[W],
+                                                      float (*runs)[W][MT_COLSUM_LANES],
+                                                      int lane, int run, bool active,
+                                                      float* __restrict__ out) {
+    if (run > 0) {
+#pragma unroll
+        for (int k = 0; k < W; ++k) runs[run - 1][k][lane] = s[k];
+    }
+    __syncthreads();
+    if (run == 0 && active) {
+#pragma unroll
+        for (int j = 0; j < MT_COLSUM_RUNS - 1; ++j) {
+#pragma unroll
+            for (int k = 0; k < W; ++k) s[k] += runs[j][k][lane];
+        }
+        float4* out4 = reinterpret_cast<float4*>(out);
+#pragma unroll
+        for (int k = 0; k < W / 4; ++k)
+            out4[k] = make_float4(s[4 * k], s[4 * k + 1], s[4 * k + 2], s[4 * k + 3]);
+    }
+}
+
 template <class T>
 __device__ __forceinline__ void colsum_partial_vec_impl(const T* __restrict__ y,
                                                         float* __restrict__ partial, int rows,
@@ -137,22 +165,7 @@ __device__ __forceinline__ void colsum_partial_vec_impl(const T* __restrict__ y,
             p += stride;
         }
     }
-    if (run > 0) {
-#pragma unroll
-        for (int k = 0; k < W; ++k) runs[run - 1][k][lane] = s[k];
-    }
-    __syncthreads();
-    if (run == 0 && active) {
-#pragma unroll
-        for (int j = 0; j < MT_COLSUM_RUNS - 1; ++j) {
-#pragma unroll
-            for (int k = 0; k < W; ++k) s[k] += runs[j][k][lane];
-        }
-        float4* out = reinterpret_cast<float4*>(partial + (long long)blockIdx.y * cols + c);
-#pragma unroll
-        for (int k = 0; k < W / 4; ++k)
-            out[k] = make_float4(s[4 * k], s[4 * k + 1], s[4 * k + 2], s[4 * k + 3]);
-    }
+    add_runs_into_partial<W>(s, runs, lane, run, active, partial + (long long)blockIdx.y * cols + c);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -166,6 +179,97 @@ colsum_partial_vec_bf16(const bf16* y, float* partial, int rows, int cols, int r
 extern "C" __global__ void __launch_bounds__(256)
 colsum_partial_vec_f16(const f16* y, float* partial, int rows, int cols, int rows_per_block) {
     colsum_partial_vec_impl(y, partial, rows, cols, rows_per_block);
+}
+
+// ---------------------------------------------------------------------------------------
+// A linear layer's activation backward and its bias gradient in one pass
+// (act_bwd_colsum_{f32,bf16,f16}): dx = act'(saved)·dy as elementwise.cu's act_bwd writes
+// it, and the column sums of that dx as colsum_partial_vec sums them (the same blocks, runs
+// and order, of the values as rounded to T): the gradient and the partials are the two
+// kernels' bit for bit, and the column-sum pass's read of dx is saved. The launch and the
+// conditions of colsum_partial_vec (cols a multiple of W; saved, dy and dx 16-byte
+// aligned). dx may alias dy: each thread reads its values before it writes them.
+
+/// Rows loaded before they are used, per thread: two 16-byte loads a row (saved and dy).
+#define MT_ACT_COLSUM_BATCH 4
+
+/// `runs`: the block's shared run sums (declared once by the caller, not per activation).
+template <class T, int K>
+__device__ __forceinline__ void act_bwd_colsum_loop(const T* __restrict__ saved, const T* dy,
+                                                    T* dx, float* __restrict__ partial,
+                                                    int rows, int cols, int rows_per_block,
+                                                    float (*runs)[ColVec<T>::W][MT_COLSUM_LANES]) {
+    constexpr int W = ColVec<T>::W;
+    const int lane = threadIdx.x, run = threadIdx.y;
+    const int c = (blockIdx.x * MT_COLSUM_LANES + lane) * W;  // first of this lane's columns
+    const bool active = c < cols;
+    const int r0 = blockIdx.y * rows_per_block;
+    const int r_end = min(r0 + rows_per_block, rows);
+    const int per_run = (rows_per_block + MT_COLSUM_RUNS - 1) / MT_COLSUM_RUNS;
+    const int lo = min(r0 + run * per_run, r_end);
+    const int hi = min(lo + per_run, r_end);
+    float s[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) s[k] = 0.0f;
+    if (active) {
+        long long at = (long long)lo * cols + c;
+        int r = lo;
+        for (; r < hi;) {
+            const int n = min(MT_ACT_COLSUM_BATCH, hi - r);
+            float sv[MT_ACT_COLSUM_BATCH][W], gv[MT_ACT_COLSUM_BATCH][W];
+#pragma unroll
+            for (int k = 0; k < MT_ACT_COLSUM_BATCH; ++k) {
+                if (k < n) {
+                    load_w<W>(saved + at + (long long)k * cols, sv[k]);
+                    load_w<W>(dy + at + (long long)k * cols, gv[k]);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < MT_ACT_COLSUM_BATCH; ++k) {
+                if (k < n) {
+#pragma unroll
+                    for (int e = 0; e < W; ++e) gv[k][e] = act_grad<K>(sv[k][e], gv[k][e]);
+                    store_w<W>(dx + at + (long long)k * cols, gv[k]);
+                    // The sum takes the values as stored (and as colsum_partial_vec reads them).
+#pragma unroll
+                    for (int e = 0; e < W; ++e) s[e] += to_f32(from_f32<T>(gv[k][e]));
+                }
+            }
+            r += n;
+            at += (long long)n * cols;
+        }
+    }
+    add_runs_into_partial<W>(s, runs, lane, run, active, partial + (long long)blockIdx.y * cols + c);
+}
+
+template <class T>
+__device__ __forceinline__ void act_bwd_colsum_impl(const T* saved, const T* dy, T* dx,
+                                                    float* partial, int rows, int cols,
+                                                    int rows_per_block, int kind) {
+    __shared__ float runs[MT_COLSUM_RUNS - 1][ColVec<T>::W][MT_COLSUM_LANES];
+    switch (kind) {
+        case 0: act_bwd_colsum_loop<T, 0>(saved, dy, dx, partial, rows, cols, rows_per_block, runs); break;
+        case 1: act_bwd_colsum_loop<T, 1>(saved, dy, dx, partial, rows, cols, rows_per_block, runs); break;
+        case 2: act_bwd_colsum_loop<T, 2>(saved, dy, dx, partial, rows, cols, rows_per_block, runs); break;
+        case 4: act_bwd_colsum_loop<T, 4>(saved, dy, dx, partial, rows, cols, rows_per_block, runs); break;
+        default: act_bwd_colsum_loop<T, 3>(saved, dy, dx, partial, rows, cols, rows_per_block, runs); break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+act_bwd_colsum_f32(const float* saved, const float* dy, float* dx, float* partial, int rows,
+                   int cols, int rows_per_block, int kind) {
+    act_bwd_colsum_impl(saved, dy, dx, partial, rows, cols, rows_per_block, kind);
+}
+extern "C" __global__ void __launch_bounds__(256)
+act_bwd_colsum_bf16(const bf16* saved, const bf16* dy, bf16* dx, float* partial, int rows,
+                    int cols, int rows_per_block, int kind) {
+    act_bwd_colsum_impl(saved, dy, dx, partial, rows, cols, rows_per_block, kind);
+}
+extern "C" __global__ void __launch_bounds__(256)
+act_bwd_colsum_f16(const f16* saved, const f16* dy, f16* dx, float* partial, int rows,
+                   int cols, int rows_per_block, int kind) {
+    act_bwd_colsum_impl(saved, dy, dx, partial, rows, cols, rows_per_block, kind);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -146,6 +146,28 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
 }
 
 // ---------------------------------------------------------------------------------------
+// W-wide loads and stores (W = 4 or 8, load4/load8 above: 16-byte aligned).
+
+template <int W, class T>
+__device__ __forceinline__ void load_w(const T* p, float (&v)[W]) {
+    if constexpr (W == 4) {
+        load4(p, v);
+    } else {
+        load8(p, v);
+    }
+}
+
+template <int W, class T>
+__device__ __forceinline__ void store_w(T* p, const float (&v)[W]) {
+    if constexpr (W == 4) {
+        store4(p, v);
+    } else {
+        store8(p, v);
+    }
+}
+
+
+// ---------------------------------------------------------------------------------------
 // Grid-stride indices (64-bit: flat buffers can exceed 2^31 elements).
 
 __device__ __forceinline__ long long global_thread() {
@@ -344,3 +366,53 @@ __device__ __forceinline__ void norm_bwd_fused_impl(const float* __restrict__ x,
         out[c] = s;
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Activations (elementwise.cu's act_fwd/act_bwd, bias.cu's act_bwd_colsum): K is the ActKind
+// code (0 ReLU, 1 sigmoid, 2 tanh, 3 exact GELU, 4 GELU's tanh approximation).
+
+#define MT_INV_SQRT2 0.70710678118654752f
+#define MT_INV_SQRT_2PI 0.39894228040143268f
+#define MT_SQRT_2_OVER_PI 0.79788456080286536f
+#define MT_GELU_CUBIC 0.044715f
+
+template <int K>
+__device__ __forceinline__ float act_value(float x) {
+    if constexpr (K == 0) {
+        return fmaxf(x, 0.0f);  // like the CPU's x.max(0): NaN gives 0
+    } else if constexpr (K == 1) {
+        return 1.0f / (1.0f + expf(-x));
+    } else if constexpr (K == 2) {
+        return tanhf(x);
+    } else if constexpr (K == 4) {
+        // GELU's tanh approximation (GPT-2's "gelu_new").
+        const float t = tanhf(MT_SQRT_2_OVER_PI * fmaf(MT_GELU_CUBIC * x, x * x, x));
+        const float hx = 0.5f * x;
+        return fmaf(hx, t, hx);
+    } else {
+        const float hx = 0.5f * x;  // 0.5·x·(1 + erf(x/√2)) as the CPU: hx·erf + hx
+        return fmaf(hx, erff(x * MT_INV_SQRT2), hx);
+    }
+}
+
+/// dx from the saved tensor (input for ReLU and GELU, output for sigmoid and tanh) and dy.
+template <int K>
+__device__ __forceinline__ float act_grad(float s, float dy) {
+    if constexpr (K == 0) {
+        return s > 0.0f ? dy : 0.0f;
+    } else if constexpr (K == 1) {
+        return dy * s * (1.0f - s);
+    } else if constexpr (K == 2) {
+        return dy * (1.0f - s * s);
+    } else if constexpr (K == 4) {
+        const float t = tanhf(MT_SQRT_2_OVER_PI * fmaf(MT_GELU_CUBIC * s, s * s, s));
+        const float inner = MT_SQRT_2_OVER_PI * fmaf(3.0f * MT_GELU_CUBIC, s * s, 1.0f);
+        return dy * (fmaf(0.5f, t, 0.5f) + 0.5f * s * (1.0f - t * t) * inner);
+    } else {
+        // Φ(x) + x·φ(x) with φ(x) = exp(−x²/2)/√(2π) = exp(−u²)/√(2π), u = x/√2.
+        const float u = s * MT_INV_SQRT2;
+        const float gauss = expf(-u * u);
+        return dy * fmaf(s * MT_INV_SQRT_2PI, gauss, fmaf(0.5f, erff(u), 0.5f));
+    }
+}
+

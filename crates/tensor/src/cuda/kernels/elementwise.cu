@@ -68,50 +68,7 @@ add_f32_f16(const float* a, const f16* b, float* y, long long n) { add_impl(a, b
 // Activations. `kind` is uniform, so it selects one of five monomorphised loops instead of
 // branching per element.
 
-#define MT_INV_SQRT2 0.70710678118654752f
-#define MT_INV_SQRT_2PI 0.39894228040143268f
-#define MT_SQRT_2_OVER_PI 0.79788456080286536f
-#define MT_GELU_CUBIC 0.044715f
-
-template <int K>
-__device__ __forceinline__ float act_value(float x) {
-    if constexpr (K == 0) {
-        return fmaxf(x, 0.0f);  // like the CPU's x.max(0): NaN gives 0
-    } else if constexpr (K == 1) {
-        return 1.0f / (1.0f + expf(-x));
-    } else if constexpr (K == 2) {
-        return tanhf(x);
-    } else if constexpr (K == 4) {
-        // GELU's tanh approximation (GPT-2's "gelu_new").
-        const float t = tanhf(MT_SQRT_2_OVER_PI * fmaf(MT_GELU_CUBIC * x, x * x, x));
-        const float hx = 0.5f * x;
-        return fmaf(hx, t, hx);
-    } else {
-        const float hx = 0.5f * x;  // 0.5·x·(1 + erf(x/√2)) as the CPU: hx·erf + hx
-        return fmaf(hx, erff(x * MT_INV_SQRT2), hx);
-    }
-}
-
-/// dx from the saved tensor (input for ReLU and GELU, output for sigmoid and tanh) and dy.
-template <int K>
-__device__ __forceinline__ float act_grad(float s, float dy) {
-    if constexpr (K == 0) {
-        return s > 0.0f ? dy : 0.0f;
-    } else if constexpr (K == 1) {
-        return dy * s * (1.0f - s);
-    } else if constexpr (K == 2) {
-        return dy * (1.0f - s * s);
-    } else if constexpr (K == 4) {
-        const float t = tanhf(MT_SQRT_2_OVER_PI * fmaf(MT_GELU_CUBIC * s, s * s, s));
-        const float inner = MT_SQRT_2_OVER_PI * fmaf(3.0f * MT_GELU_CUBIC, s * s, 1.0f);
-        return dy * (fmaf(0.5f, t, 0.5f) + 0.5f * s * (1.0f - t * t) * inner);
-    } else {
-        // Φ(x) + x·φ(x) with φ(x) = exp(−x²/2)/√(2π) = exp(−u²)/√(2π), u = x/√2.
-        const float u = s * MT_INV_SQRT2;
-        const float gauss = expf(-u * u);
-        return dy * fmaf(s * MT_INV_SQRT_2PI, gauss, fmaf(0.5f, erff(u), 0.5f));
-    }
-}
+// act_value and act_grad (common.cuh: bias.cu's fused activation backward uses them too).
 
 template <class T, int K>
 __device__ __forceinline__ void act_fwd_loop(const T* __restrict__ x, T* __restrict__ y,

@@ -18,27 +18,6 @@
 #define RMS_MAX_CHUNKS 8
 
 // ---------------------------------------------------------------------------------------
-// W-wide loads and stores (W = 4 or 8, see common.cuh's load4/load8: 16-byte aligned).
-
-template <int W, class T>
-__device__ __forceinline__ void load_w(const T* p, float (&v)[W]) {
-    if constexpr (W == 4) {
-        load4(p, v);
-    } else {
-        load8(p, v);
-    }
-}
-
-template <int W, class T>
-__device__ __forceinline__ void store_w(T* p, const float (&v)[W]) {
-    if constexpr (W == 4) {
-        store4(p, v);
-    } else {
-        store8(p, v);
-    }
-}
-
-// ---------------------------------------------------------------------------------------
 // RMS norm forward: rstd = 1/sqrtf(Σx²/d + eps), y = x·rstd·w.
 
 template <class T>
