@@ -551,7 +551,7 @@ pub fn activation_backward(
 /// into the `cols` f32 values at `bias_grad`, each bit for bit what `activation_backward`
 /// then [`column_sums`] give, with one read of the gradient less. `None` (nothing done) where
 /// the column sums' vector path does not apply (`cols` not a multiple of 16 bytes' worth of
-/// values, a pointer off 16 bytes): the caller runs the two.
+/// values, a pointer off 16 bytes) or [`backward_fusion`] is off: the caller runs the two.
 pub fn activation_backward_with_bias(
     saved: &CudaTensor,
     dy: &CudaTensor,
@@ -565,7 +565,7 @@ pub fn activation_backward_with_bias(
     let rows = saved.len() / cols.max(1);
     let pass = ColumnSumPass::new(rows, cols, saved.dtype(), saved.ptr());
     let aligned = [saved.ptr(), dy.ptr()].iter().all(|p| p.is_multiple_of(16));
-    if !pass.vector || !aligned || rows * cols != saved.len() {
+    if !pass.vector || !aligned || rows * cols != saved.len() || !backward_fusion() {
         return Ok(None);
     }
     let dx = CudaTensor::alloc(dev, saved.len(), saved.dtype(), "an activation's gradient")?;
@@ -769,22 +769,26 @@ pub fn layer_norm_backward(
     finish_input_grad(dx, pending)
 }
 
-/// Blocks of the fused norm backward ([`FusedNormBackward`]: the input gradient
-/// and the parameter gradients' partial sums in one pass over `x` and `dy`), or `None` where
-/// its vector path does not apply (`d` not a multiple of 4 or above 1,024, a pointer of
-/// `pointers` off its alignment) or `MESHTRAIN_NORM_BACKWARD=unfused` asks for the two
-/// kernels (for A/B runs on a card). One warp a row up to [`FUSED_NORM_BLOCKS`] blocks of 8,
-/// each warp looping over rows beyond. Fixed by the shape alone, so the sums' order, and the
-/// bits, are the same on every GPU.
+/// Whether backward runs this session's fused kernels (the norms' one-pass backward, the
+/// activation's gradient with the bias gradient) where they apply: yes unless
+/// `MESHTRAIN_BACKWARD_FUSION=off`, which keeps the earlier kernels, for A/B runs on a card.
+fn backward_fusion() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !std::env::var("MESHTRAIN_BACKWARD_FUSION").is_ok_and(|v| v == "off"))
+}
+
+/// Blocks of the fused norm backward ([`FusedNormBackward`]: the input gradient and the
+/// parameter gradients' partial sums in one pass over `x` and `dy`), or `None` where its
+/// vector path does not apply (`d` not a multiple of 4 or above 1,024, a pointer of
+/// `pointers` off its alignment) or [`backward_fusion`] is off. One warp a row up to
+/// [`FUSED_NORM_BLOCKS`] blocks of 8, each warp looping over rows beyond. Fixed by the shape
+/// alone, so the sums' order, and the bits, are the same on every GPU.
 fn fused_norm_backward_blocks(rows: usize, d: usize, pointers: &[(u64, u64)]) -> Option<usize> {
-    static UNFUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let unfused = *UNFUSED
-        .get_or_init(|| std::env::var("MESHTRAIN_NORM_BACKWARD").is_ok_and(|v| v == "unfused"));
     let fits = d.is_multiple_of(4) && d > 0 && d <= 1024;
     let aligned = pointers
         .iter()
         .all(|(ptr, bytes)| ptr.is_multiple_of(*bytes));
-    (fits && aligned && !unfused).then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
+    (fits && aligned && backward_fusion()).then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
 }
 
 /// A fused norm backward's launch (`layernorm_bwd_fused_*`, `rmsnorm_bwd_fused_*`, common.cuh's
