@@ -877,7 +877,8 @@ fn check_fp8_cast(
         let values = rounded(&values, dtype);
         let x_dev = CudaTensor::from_host(dev, &values, dtype)?;
         let scale = crate::fp8::current_scale(format, crate::fp8::amax(&values));
-        // Both layouts from one amax pass, as backward casts its output gradient.
+        // Both layouts from one amax pass and one read (`fp8_cast_both`), as backward casts
+        // its output gradient.
         let layouts = [false, true];
         let source = train_ops::Fp8Source {
             ptr: x_dev.ptr(),

@@ -418,6 +418,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
             each("fp8_amax"),
             each("fp8_cast"),
             each("fp8_cast_transpose"),
+            each("fp8_cast_both"),
         ]
         .concat()
         .into_iter()

@@ -7,9 +7,9 @@
 //! its column-major terms). The forward product `y = x·Wᵀ` is already that shape (the same
 //! description as the bf16 one); backward's are not, so their operands are cast transposed
 //! (Transformer Engine's cast-transpose): `dx = dy·W` reads `Wᵀ`, and `dW += dyᵀ·x` reads
-//! `xᵀ` and `dyᵀ`. Each tensor's casts are an amax pass and a cast pass per layout over the
-//! bf16 tensor (`dy`, wanted both ways, is read for its amax once); the scales never leave
-//! the device.
+//! `xᵀ` and `dyᵀ`. Each tensor's casts are an amax pass and a cast pass over the bf16 tensor
+//! (`dy`, wanted both ways, is cast to both from one read: `fp8_cast_both`); the scales never
+//! leave the device.
 //!
 //! Each pass takes its tensors' amaxes first, into one small device tensor
 //! ([`super::train_ops::fp8_amaxes`]), then casts: a tensor-parallel layer's ranks agree on
@@ -23,7 +23,9 @@
 use super::blas::{Fp8Operands, Gemm};
 use super::error::CudaError;
 use super::ops::{check_len, epilogue_bias, to_dtype, weight_in, LinearShape};
-use super::train_ops::{check_cast_transpose, fp8_amaxes, fp8_cast_from, Fp8Cast, Fp8Source};
+use super::train_ops::{
+    check_cast_transpose, fp8_amaxes, fp8_cast_both, fp8_cast_from, Fp8Cast, Fp8Source,
+};
 use super::{CudaTensor, DeviceGrads, DeviceParams};
 use crate::fp8::Fp8Format;
 use crate::DType;
@@ -173,8 +175,15 @@ pub fn backward<R>(
     // One amax pass per tensor, `dy`'s for both its layouts: as it is (the input gradient's
     // B) and transposed (the weight gradient's B).
     let amaxes = amaxes_of(&dev, &[dy_source, w_source, x_source], agree)?;
-    let dx = if need_dx {
-        let dyq = fp8_cast_from(&amaxes, 0, dy_source, Fp8Format::E5M2, false)?;
+    // `dy` in both layouts from one read when both are wanted.
+    let (dyq, dyt) = if need_dx {
+        let (plain, transposed) = fp8_cast_both(&amaxes, 0, dy_source, Fp8Format::E5M2)?;
+        (Some(plain), transposed)
+    } else {
+        let transposed = fp8_cast_from(&amaxes, 0, dy_source, Fp8Format::E5M2, true)?;
+        (None, transposed)
+    };
+    let dx = if let Some(dyq) = dyq {
         // Wᵀ [inputs, outputs] row-major is column-major [outputs × inputs]: A, transposed.
         let wt = fp8_cast_from(&amaxes, 1, w_source, Fp8Format::E4M3, true)?;
         let dx = CudaTensor::alloc(
@@ -202,8 +211,7 @@ pub fn backward<R>(
         None
     };
     let after = after_dx(dx);
-    // xᵀ [inputs, rows] and dyᵀ [outputs, rows], row-major.
-    let dyt = fp8_cast_from(&amaxes, 0, dy_source, Fp8Format::E5M2, true)?;
+    // xᵀ [inputs, rows] (and dyᵀ [outputs, rows], above), row-major.
     let xt = fp8_cast_from(&amaxes, 2, x_source, Fp8Format::E4M3, true)?;
     // Column-major: dWᵀ [inputs × outputs] = (xᵀ stored [rows × inputs])ᵀ · (dyᵀ stored
     // [rows × outputs]).

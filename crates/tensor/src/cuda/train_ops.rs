@@ -370,13 +370,12 @@ pub fn fp8_cast_from(
         transposed,
     };
     let (name, launch, shape) = if transposed {
-        let tiles = Launch {
-            grid: (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1),
-            block: (32, 8, 1),
-            smem: 0,
-        };
         let shape = Args::new().usize_as_i32(rows).usize_as_i32(cols);
-        ("fp8_cast_transpose", tiles, shape)
+        (
+            "fp8_cast_transpose",
+            cast_transpose_launch(rows, cols),
+            shape,
+        )
     } else {
         let flat = Launch::grid_stride(len, THREADS, UPDATE_BLOCKS);
         ("fp8_cast", flat, Args::new().i64(len as i64))
@@ -396,6 +395,59 @@ pub fn fp8_cast_from(
     Ok(cast)
 }
 
+/// [`fp8_cast_from`] in both layouts from one read of `source` (`fp8_cast_both_*`, the
+/// cast-transpose's launch also writing the codes as they are): `(plain, transposed)`.
+pub fn fp8_cast_both(
+    scalars: &Arc<Fp8Amaxes>,
+    slot: usize,
+    source: Fp8Source,
+    format: crate::fp8::Fp8Format,
+) -> Result<(Fp8Cast, Fp8Cast), CudaError> {
+    let Fp8Source {
+        ptr,
+        dtype,
+        rows,
+        cols,
+    } = source;
+    check_cast_transpose(rows)?;
+    let dev = scalars.amaxes.device();
+    let len = rows * cols;
+    let cast = |transposed| -> Result<Fp8Cast, CudaError> {
+        Ok(Fp8Cast {
+            codes: dev.alloc(len.max(1), "FP8 codes")?,
+            scalars: scalars.clone(),
+            slot,
+            format,
+            transposed,
+        })
+    };
+    let (plain, transposed) = (cast(false)?, cast(true)?);
+    dev.launch(
+        "fp8.cu",
+        &fp8_kernel("fp8_cast_both", dtype)?,
+        cast_transpose_launch(rows, cols),
+        Args::new()
+            .ptr(ptr)
+            .ptr(plain.codes.ptr())
+            .ptr(transposed.codes.ptr())
+            .usize_as_i32(rows)
+            .usize_as_i32(cols)
+            .i32((format == crate::fp8::Fp8Format::E4M3) as i32)
+            .ptr(plain.amax())
+            .ptr(plain.inv_scale()),
+    )?;
+    Ok((plain, transposed))
+}
+
+/// The cast-transpose kernels' launch: one 32 x 32 tile a block of (32, 8).
+fn cast_transpose_launch(rows: usize, cols: usize) -> Launch {
+    Launch {
+        grid: (cols.div_ceil(32) as u32, rows.div_ceil(32) as u32, 1),
+        block: (32, 8, 1),
+        smem: 0,
+    }
+}
+
 /// Whether a cast-transpose of `rows` rows fits one launch (its grid's second dimension
 /// counts tiles of 32 rows): callers check before their first launch.
 pub fn check_cast_transpose(rows: usize) -> Result<(), CudaError> {
@@ -409,7 +461,8 @@ pub fn check_cast_transpose(rows: usize) -> Result<(), CudaError> {
 }
 
 /// Current scaling's casts of one tensor: one amax pass ([`fp8_amaxes`]), then one cast per
-/// entry of `transposed` ([`fp8_cast_from`]), sharing the amax and `1 / scale`.
+/// entry of `transposed` ([`fp8_cast_from`]; `[false, true]` in one pass, [`fp8_cast_both`]),
+/// sharing the amax and `1 / scale`.
 pub fn fp8_casts(
     dev: &Arc<CudaDevice>,
     source: Fp8Source,
@@ -420,6 +473,11 @@ pub fn fp8_casts(
         check_cast_transpose(source.rows)?;
     }
     let scalars = Arc::new(fp8_amaxes(dev, &[source])?);
+    if transposed == [false, true] {
+        // Both layouts from one read, as a backward casts its output gradient.
+        let (plain, transposed) = fp8_cast_both(&scalars, 0, source, format)?;
+        return Ok(vec![plain, transposed]);
+    }
     transposed
         .iter()
         .map(|&t| fp8_cast_from(&scalars, 0, source, format, t))

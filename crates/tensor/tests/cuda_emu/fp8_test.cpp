@@ -166,6 +166,21 @@ static void test_transpose(int rows, int cols, bool e4m3, uint64_t seed) {
     const std::string tag = fmt("fp8 cast-transpose %s %dx%d %s", e4m3 ? "e4m3" : "e5m2", rows, cols, type_name<T>());
     tally.check_true(tag + fmt(": %d of %lld codes differ from the cast's", wrong, n), wrong == 0);
     tally.check_true(tag + ": the inverse scale equals the cast's", inv[0] == inv[1]);
+    // Both layouts from one read: the same codes as the two kernels.
+    unsigned char* y2 = buffer<unsigned char>(n);
+    unsigned char* yt2 = buffer<unsigned char>(n);
+    std::fill(y2, y2 + n, (unsigned char)0x5A);
+    std::fill(yt2, yt2 + n, (unsigned char)0xA5);
+    inv[1] = 0.0f;
+    if (std::is_same<T, float>::value)
+        emu::launch(fp8_cast_both_f32, grid, dim3(32, 8), 0, (const float*)x, y2, yt2, rows, cols, (int)e4m3,
+                    (const int*)amax, inv + 1);
+    else
+        emu::launch(fp8_cast_both_bf16, grid, dim3(32, 8), 0, (const bf16*)x, y2, yt2, rows, cols, (int)e4m3,
+                    (const int*)amax, inv + 1);
+    tally.check_true(tag + ": cast_both's plain codes are the cast's", std::memcmp(y2, y, n) == 0);
+    tally.check_true(tag + ": cast_both's transposed codes are the cast-transpose's", std::memcmp(yt2, yt, n) == 0);
+    tally.check_true(tag + ": cast_both's inverse scale equals the cast's", inv[0] == inv[1]);
 }
 
 int main() {

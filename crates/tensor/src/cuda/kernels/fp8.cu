@@ -19,6 +19,9 @@
 //    output gradient transposed (Transformer Engine's cast-transpose). Block (32, 8), one
 //    32 x 32 tile per block: codes staged in shared memory (a padded row per tile row),
 //    rows read and columns written 32 bytes at a time. Grid (ceil(cols/32), ceil(rows/32)).
+// 4. fp8_cast_both_{f32,bf16}(x, y, yt, rows, cols, e4m3, amax_bits, inv_scale): 2 and 3 from
+//    one read of x, the launch of 3 (a backward's output gradient is wanted both ways: the
+//    input gradient's operand and the weight gradient's).
 //
 // The rounding is integer arithmetic on the f32 bits, not the hardware's cvt.satfinite
 // (sm_89+): one code path for every card and for the emulator; both passes are bound by
@@ -128,8 +131,10 @@ extern "C" __global__ void __launch_bounds__(256)
     fp8_cast_impl(x, y, n, e4m3, amax_bits, inv_scale);
 }
 
+/// `y` (may be null): the codes as they are too, row-major, written from the same read.
 template <class T>
-__device__ __forceinline__ void fp8_cast_transpose_impl(const T* __restrict__ x, unsigned char* __restrict__ yt,
+__device__ __forceinline__ void fp8_cast_transpose_impl(const T* __restrict__ x, unsigned char* __restrict__ y,
+                                                        unsigned char* __restrict__ yt,
                                                         int rows, int cols, int e4m3,
                                                         const int* __restrict__ amax_bits,
                                                         float* __restrict__ inv_scale) {
@@ -139,8 +144,12 @@ __device__ __forceinline__ void fp8_cast_transpose_impl(const T* __restrict__ x,
     const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
     for (int i = threadIdx.y; i < 32; i += blockDim.y) {
         const int r = r0 + i, c = c0 + threadIdx.x;
-        if (r < rows && c < cols)
-            tile[i][threadIdx.x] = (unsigned char)mt_fp8_encode(to_f32(x[(long long)r * cols + c]) * s, e4m3);
+        if (r < rows && c < cols) {
+            const long long at = (long long)r * cols + c;
+            const unsigned char code = (unsigned char)mt_fp8_encode(to_f32(x[at]) * s, e4m3);
+            tile[i][threadIdx.x] = code;
+            if (y) y[at] = code;
+        }
     }
     __syncthreads();
     for (int i = threadIdx.y; i < 32; i += blockDim.y) {
@@ -152,11 +161,26 @@ __device__ __forceinline__ void fp8_cast_transpose_impl(const T* __restrict__ x,
 extern "C" __global__ void __launch_bounds__(256)
     fp8_cast_transpose_f32(const float* __restrict__ x, unsigned char* __restrict__ yt, int rows, int cols,
                            int e4m3, const int* __restrict__ amax_bits, float* __restrict__ inv_scale) {
-    fp8_cast_transpose_impl(x, yt, rows, cols, e4m3, amax_bits, inv_scale);
+    fp8_cast_transpose_impl(x, (unsigned char*)nullptr, yt, rows, cols, e4m3, amax_bits, inv_scale);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     fp8_cast_transpose_bf16(const bf16* __restrict__ x, unsigned char* __restrict__ yt, int rows, int cols,
                             int e4m3, const int* __restrict__ amax_bits, float* __restrict__ inv_scale) {
-    fp8_cast_transpose_impl(x, yt, rows, cols, e4m3, amax_bits, inv_scale);
+    fp8_cast_transpose_impl(x, (unsigned char*)nullptr, yt, rows, cols, e4m3, amax_bits, inv_scale);
+}
+
+// fp8_cast_both: see 4. above.
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_cast_both_f32(const float* __restrict__ x, unsigned char* __restrict__ y, unsigned char* __restrict__ yt,
+                      int rows, int cols, int e4m3, const int* __restrict__ amax_bits,
+                      float* __restrict__ inv_scale) {
+    fp8_cast_transpose_impl(x, y, yt, rows, cols, e4m3, amax_bits, inv_scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_cast_both_bf16(const bf16* __restrict__ x, unsigned char* __restrict__ y, unsigned char* __restrict__ yt,
+                       int rows, int cols, int e4m3, const int* __restrict__ amax_bits,
+                       float* __restrict__ inv_scale) {
+    fp8_cast_transpose_impl(x, y, yt, rows, cols, e4m3, amax_bits, inv_scale);
 }
