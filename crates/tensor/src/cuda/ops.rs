@@ -709,13 +709,7 @@ pub fn layer_norm_backward(
         input_grad_target(&dev, add_into, x.len(), "a layer norm's input gradient")?;
     let t = suffix(dy.dtype());
     let gamma = p.master();
-    let aligned = [
-        (x.ptr(), 16),
-        (gamma, 16),
-        (dx.ptr(), 16),
-        (dy.ptr(), 4 * dy.dtype().size_bytes() as u64),
-    ];
-    if let Some(blocks) = fused_norm_backward_blocks(rows, d, &aligned) {
+    if let Some(fused) = FusedNormBackward::new(rows, d, 2, [x.ptr(), gamma, dx.ptr()], dy) {
         let inputs = Args::new()
             .ptr(x.ptr())
             .ptr(gamma)
@@ -723,17 +717,8 @@ pub fn layer_norm_backward(
             .ptr(rstd.ptr())
             .ptr(dy.ptr())
             .ptr(dx.ptr());
-        let kernel = format!("layernorm_bwd_fused_{t}");
-        let fused = FusedNormBackward { blocks, sums: 2 };
-        fused.run(
-            &dev,
-            ("layernorm.cu", &kernel),
-            inputs,
-            rows,
-            d,
-            accumulate,
-            grads,
-        )?;
+        let kernel = ("layernorm.cu", format!("layernorm_bwd_fused_{t}"));
+        fused.run(&dev, kernel, inputs, rows, d, accumulate, grads)?;
         return finish_input_grad(dx, pending);
     }
     dev.launch(
@@ -779,15 +764,12 @@ fn backward_fusion() -> bool {
 
 /// Blocks of the fused norm backward ([`FusedNormBackward`]: the input gradient and the
 /// parameter gradients' partial sums in one pass over `x` and `dy`), or `None` where its
-/// vector path does not apply (`d` not a multiple of 4 or above 1,024, a pointer of
-/// `pointers` off its alignment) or [`backward_fusion`] is off. One warp a row up to
-/// [`FUSED_NORM_BLOCKS`] blocks of 8, each warp looping over rows beyond. Fixed by the shape
-/// alone, so the sums' order, and the bits, are the same on every GPU.
-fn fused_norm_backward_blocks(rows: usize, d: usize, pointers: &[(u64, u64)]) -> Option<usize> {
+/// vector path does not apply (`d` not a multiple of 4 or above 1,024, buffers not
+/// `aligned`) or [`backward_fusion`] is off. One warp a row up to [`FUSED_NORM_BLOCKS`]
+/// blocks of 8, each warp looping over rows beyond. Fixed by the shape alone, so the sums'
+/// order, and the bits, are the same on every GPU.
+fn fused_norm_backward_blocks(rows: usize, d: usize, aligned: bool) -> Option<usize> {
     let fits = d.is_multiple_of(4) && d > 0 && d <= 1024;
-    let aligned = pointers
-        .iter()
-        .all(|(ptr, bytes)| ptr.is_multiple_of(*bytes));
     (fits && aligned && backward_fusion()).then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
 }
 
@@ -800,13 +782,29 @@ struct FusedNormBackward {
 }
 
 impl FusedNormBackward {
+    /// The launch for a norm over rows of `d` with `sums` rows of parameter sums, whose `x`,
+    /// weight and `dx` are at `[x, w, dx]` and output gradient is `dy`; `None` where the
+    /// fused kernel does not apply ([`fused_norm_backward_blocks`]).
+    fn new(
+        rows: usize,
+        d: usize,
+        sums: usize,
+        [x, w, dx]: [u64; 3],
+        dy: &CudaTensor,
+    ) -> Option<Self> {
+        let dy_aligned = dy.ptr().is_multiple_of(4 * dy.dtype().size_bytes() as u64);
+        let aligned = [x, w, dx].iter().all(|p| p.is_multiple_of(16)) && dy_aligned;
+        let blocks = fused_norm_backward_blocks(rows, d, aligned)?;
+        Some(FusedNormBackward { blocks, sums })
+    }
+
     /// Launches `kernel` (file, name) on its `inputs` (the tensors up to `dx`), then sums the
     /// blocks' partial rows into `grads` (`sums · d` values) in block order.
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         dev: &Arc<CudaDevice>,
-        (file, kernel): (&'static str, &str),
+        (file, kernel): (&'static str, String),
         inputs: Args,
         rows: usize,
         d: usize,
@@ -818,7 +816,7 @@ impl FusedNormBackward {
         let warps = THREADS as usize / 32;
         dev.launch(
             file,
-            kernel,
+            &kernel,
             Launch {
                 smem: (warps * width * 4) as u32,
                 ..Launch::linear(self.blocks, THREADS)
@@ -907,30 +905,15 @@ pub fn rms_norm_backward(
     let (dx, accumulate, pending) =
         input_grad_target(&dev, add_into, x.len(), "an RMS norm's input gradient")?;
     let t = suffix(dy.dtype());
-    let aligned = [
-        (x.ptr(), 16),
-        (w.master(), 16),
-        (dx.ptr(), 16),
-        (dy.ptr(), 4 * dy.dtype().size_bytes() as u64),
-    ];
-    if let Some(blocks) = fused_norm_backward_blocks(rows, d, &aligned) {
+    if let Some(fused) = FusedNormBackward::new(rows, d, 1, [x.ptr(), w.master(), dx.ptr()], dy) {
         let inputs = Args::new()
             .ptr(x.ptr())
             .ptr(w.master())
             .ptr(rstd.ptr())
             .ptr(dy.ptr())
             .ptr(dx.ptr());
-        let kernel = format!("rmsnorm_bwd_fused_{t}");
-        let fused = FusedNormBackward { blocks, sums: 1 };
-        fused.run(
-            &dev,
-            ("llama.cu", &kernel),
-            inputs,
-            rows,
-            d,
-            accumulate,
-            grads,
-        )?;
+        let kernel = ("llama.cu", format!("rmsnorm_bwd_fused_{t}"));
+        fused.run(&dev, kernel, inputs, rows, d, accumulate, grads)?;
         return finish_input_grad(dx, pending);
     }
     dev.launch(
@@ -2195,17 +2178,15 @@ mod tests {
     /// The fused layer-norm backward where its vector path applies, from the shape alone.
     #[test]
     fn the_fused_norm_backward_runs_where_its_vector_path_applies() {
-        let aligned = [(0x1000, 16), (0x2000, 16), (0x3008, 8)];
         // GPT-2's norms: 16,384 rows in 256 blocks; few rows, a warp each.
-        assert_eq!(fused_norm_backward_blocks(16_384, 768, &aligned), Some(256));
-        assert_eq!(fused_norm_backward_blocks(100, 768, &aligned), Some(13));
-        assert_eq!(fused_norm_backward_blocks(1, 1024, &aligned), Some(1));
+        assert_eq!(fused_norm_backward_blocks(16_384, 768, true), Some(256));
+        assert_eq!(fused_norm_backward_blocks(100, 768, true), Some(13));
+        assert_eq!(fused_norm_backward_blocks(1, 1024, true), Some(1));
         // The two kernels otherwise.
         for d in [130, 1028, 0] {
-            assert_eq!(fused_norm_backward_blocks(64, d, &aligned), None, "d {d}");
+            assert_eq!(fused_norm_backward_blocks(64, d, true), None, "d {d}");
         }
-        let off = [(0x1000, 16), (0x2008, 16)];
-        assert_eq!(fused_norm_backward_blocks(64, 768, &off), None);
+        assert_eq!(fused_norm_backward_blocks(64, 768, false), None);
     }
 
     /// 16 bytes of a row per thread where the shape and pointer allow it, the scalar kernel

@@ -285,6 +285,23 @@ pub struct Fp8Cast {
 }
 
 impl Fp8Cast {
+    /// Room for the codes of a `len`-value cast whose scalars are `scalars`' slot `slot`.
+    fn alloc(
+        scalars: &Arc<Fp8Amaxes>,
+        slot: usize,
+        len: usize,
+        format: crate::fp8::Fp8Format,
+        transposed: bool,
+    ) -> Result<Fp8Cast, CudaError> {
+        Ok(Fp8Cast {
+            codes: scalars.amaxes.device().alloc(len.max(1), "FP8 codes")?,
+            scalars: scalars.clone(),
+            slot,
+            format,
+            transposed,
+        })
+    }
+
     /// The f32 that FP8 products multiply back by (cuBLASLt's `A_SCALE`/`B_SCALE` pointer).
     pub fn inv_scale(&self) -> u64 {
         self.scalars.inv_scale(self.slot)
@@ -362,13 +379,7 @@ pub fn fp8_cast_from(
     }
     let len = rows * cols;
     let e4m3 = format == crate::fp8::Fp8Format::E4M3;
-    let cast = Fp8Cast {
-        codes: dev.alloc(len.max(1), "FP8 codes")?,
-        scalars: scalars.clone(),
-        slot,
-        format,
-        transposed,
-    };
+    let cast = Fp8Cast::alloc(scalars, slot, len, format, transposed)?;
     let (name, launch, shape) = if transposed {
         let shape = Args::new().usize_as_i32(rows).usize_as_i32(cols);
         (
@@ -411,17 +422,8 @@ pub fn fp8_cast_both(
     } = source;
     check_cast_transpose(rows)?;
     let dev = scalars.amaxes.device();
-    let len = rows * cols;
-    let cast = |transposed| -> Result<Fp8Cast, CudaError> {
-        Ok(Fp8Cast {
-            codes: dev.alloc(len.max(1), "FP8 codes")?,
-            scalars: scalars.clone(),
-            slot,
-            format,
-            transposed,
-        })
-    };
-    let (plain, transposed) = (cast(false)?, cast(true)?);
+    let plain = Fp8Cast::alloc(scalars, slot, rows * cols, format, false)?;
+    let transposed = Fp8Cast::alloc(scalars, slot, rows * cols, format, true)?;
     dev.launch(
         "fp8.cu",
         &fp8_kernel("fp8_cast_both", dtype)?,

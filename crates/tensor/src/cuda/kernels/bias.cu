@@ -102,6 +102,26 @@ template <> struct ColVec<float> {
     }
 };
 
+/// Where a thread of a vector column-sum block (block (32, 8)) works: lane `lane`'s W columns
+/// from `c` (`active` when inside the matrix), and run `run`'s rows [lo, hi) of the block's
+/// rows_per_block (8 consecutive runs of ceil(rows_per_block/8), the last ones shorter or
+/// empty).
+struct ColsumRun {
+    int lane, run, c, lo, hi;
+    bool active;
+    __device__ __forceinline__ ColsumRun(int W, int rows, int cols, int rows_per_block) {
+        lane = threadIdx.x;
+        run = threadIdx.y;
+        c = (blockIdx.x * MT_COLSUM_LANES + lane) * W;
+        active = c < cols;
+        const int r0 = blockIdx.y * rows_per_block;
+        const int r_end = min(r0 + rows_per_block, rows);
+        const int per_run = (rows_per_block + MT_COLSUM_RUNS - 1) / MT_COLSUM_RUNS;
+        lo = min(r0 + run * per_run, r_end);
+        hi = min(lo + per_run, r_end);
+    }
+};
+
 /// The end of a vector column-sum block: each warp's run sums `s` (lane `lane`'s W columns)
 /// added in run order by warp 0 into `out` (the block's partial row at the lane's first
 /// column). Every thread of the block calls it (it holds a barrier).
@@ -136,14 +156,9 @@ __device__ __forceinline__ void colsum_partial_vec_impl(const T* __restrict__ y,
     constexpr int W = V::W;
     typedef typename V::Raw Raw;
     __shared__ float runs[MT_COLSUM_RUNS - 1][W][MT_COLSUM_LANES];
-    const int lane = threadIdx.x, run = threadIdx.y;
-    const int c = (blockIdx.x * MT_COLSUM_LANES + lane) * W;  // first of this lane's columns
-    const bool active = c < cols;
-    const int r0 = blockIdx.y * rows_per_block;
-    const int r_end = min(r0 + rows_per_block, rows);
-    const int per_run = (rows_per_block + MT_COLSUM_RUNS - 1) / MT_COLSUM_RUNS;
-    const int lo = min(r0 + run * per_run, r_end);
-    const int hi = min(lo + per_run, r_end);
+    const ColsumRun place(W, rows, cols, rows_per_block);
+    const int lane = place.lane, run = place.run, c = place.c, lo = place.lo, hi = place.hi;
+    const bool active = place.active;
     float s[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) s[k] = 0.0f;
@@ -200,14 +215,9 @@ __device__ __forceinline__ void act_bwd_colsum_loop(const T* __restrict__ saved,
                                                     int rows, int cols, int rows_per_block,
                                                     float (*runs)[ColVec<T>::W][MT_COLSUM_LANES]) {
     constexpr int W = ColVec<T>::W;
-    const int lane = threadIdx.x, run = threadIdx.y;
-    const int c = (blockIdx.x * MT_COLSUM_LANES + lane) * W;  // first of this lane's columns
-    const bool active = c < cols;
-    const int r0 = blockIdx.y * rows_per_block;
-    const int r_end = min(r0 + rows_per_block, rows);
-    const int per_run = (rows_per_block + MT_COLSUM_RUNS - 1) / MT_COLSUM_RUNS;
-    const int lo = min(r0 + run * per_run, r_end);
-    const int hi = min(lo + per_run, r_end);
+    const ColsumRun place(W, rows, cols, rows_per_block);
+    const int lane = place.lane, run = place.run, c = place.c, lo = place.lo, hi = place.hi;
+    const bool active = place.active;
     float s[W];
 #pragma unroll
     for (int k = 0; k < W; ++k) s[k] = 0.0f;

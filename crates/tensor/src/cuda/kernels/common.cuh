@@ -246,24 +246,101 @@ __device__ __forceinline__ double block_sum_d(double v) { return block_reduce(v,
 __device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp(), -INFINITY); }
 
 // ---------------------------------------------------------------------------------------
-// Norm backward in one pass (layernorm.cu's layernorm_bwd_fused_*, llama.cu's
-// rmsnorm_bwd_fused_*): the input gradient of the norm's dx kernel (its vector path, the same
-// expressions, so the same bits) and, from the same registers, the parameter gradients'
-// stage 1. LAYER: the layer norm (h = (x − mean)·rstd; sums Σ dy·h for γ and Σ dy for β);
-// otherwise the RMS norm (h = x·rstd, `mean` unused; Σ dy·h for the weight).
-//
-// Each warp adds its rows' sums into its own region of dynamic shared memory
-// ([warps][SUMS][d] floats, SUMS = 2 or 1: 64·d or 32·d bytes at 8 warps), a lane its own
-// float4 columns, so no two threads touch a word and no atomics are needed; then the block
-// sums its warps' regions in warp order into its partial row ([gridDim.x][SUMS][d]: the
-// layout of the norms' params kernels) for colsum_finish to sum the blocks. Every sum's order
-// is fixed by the grid, which the host derives from the shape alone.
-//
-// Requires d % 4 == 0, d ≤ 4·32·NORM_FUSED_MAX_CHUNKS, x, w, dx and partial 16-byte aligned,
-// dy 4·sizeof(T)-aligned (the host checks, and launches the two kernels otherwise).
+// Norm backward (layernorm.cu, llama.cu's RMS norm). LAYER: the layer norm (h = (x − mean)·
+// rstd, g = dy·γ, dx = rstd·(g − Σg/d − h·Σ(g·h)/d); parameter sums Σ dy·h for γ and Σ dy for
+// β); otherwise the RMS norm (h = x·rstd, dx = rstd·(g − h·Σ(g·h)/d); Σ dy·h for the weight).
 
-#define NORM_FUSED_MAX_CHUNKS 8
+#define NORM_MAX_CHUNKS 8
 
+/// One row's input gradient by the vector path, for a warp (lane `lane`): each lane keeps its
+/// float4 chunks (j = lane, lane+32, …) of x and dy in registers, every load issued before the
+/// first use. With `sums` (this warp's [SUMS][d/4] float4 region of shared memory, SUMS = 2
+/// or 1), it also adds the row's parameter-gradient terms, from dy as it is, a lane only into
+/// its own chunks. Requires d % 4 == 0, d ≤ 128·NORM_MAX_CHUNKS, x, w and dx 16-byte and dy
+/// 4·sizeof(T)-byte aligned. The dx kernels' vector path and the fused kernels below both run
+/// it, so their input gradients are the same bits.
+template <class T, bool LAYER>
+__device__ __forceinline__ void norm_bwd_row(const float* __restrict__ xr, const T* __restrict__ dyr,
+                                             float* __restrict__ dxr, const float* __restrict__ w,
+                                             float mu, float rs, int d, int lane, int accumulate,
+                                             float4* sums) {
+    const int d4 = d >> 2;
+    const float d_f = (float)d;
+    float xv[NORM_MAX_CHUNKS][4], gv[NORM_MAX_CHUNKS][4];
+#pragma unroll
+    for (int k = 0; k < NORM_MAX_CHUNKS; ++k) {
+        const int j = lane + 32 * k;
+        if (j < d4) {
+            const float4 a = reinterpret_cast<const float4*>(xr)[j];
+            xv[k][0] = a.x; xv[k][1] = a.y; xv[k][2] = a.z; xv[k][3] = a.w;
+            load4(dyr + 4 * j, gv[k]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xv[k][e] = gv[k][e] = 0.0f;
+        }
+    }
+    float sg = 0.0f, sgh = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_MAX_CHUNKS; ++k) {
+        const int j = lane + 32 * k;
+        if (j < d4) {
+            float h[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) h[e] = LAYER ? (xv[k][e] - mu) * rs : xv[k][e] * rs;
+            if (sums) {
+                // The parameter sums take dy as it is, before the weight scales it.
+                float4 dw = sums[j];
+                dw.x += gv[k][0] * h[0]; dw.y += gv[k][1] * h[1];
+                dw.z += gv[k][2] * h[2]; dw.w += gv[k][3] * h[3];
+                sums[j] = dw;
+                if constexpr (LAYER) {
+                    float4 db = sums[d4 + j];
+                    db.x += gv[k][0]; db.y += gv[k][1]; db.z += gv[k][2]; db.w += gv[k][3];
+                    sums[d4 + j] = db;
+                }
+            }
+            const float4 wa = reinterpret_cast<const float4*>(w)[j];
+            gv[k][0] *= wa.x; gv[k][1] *= wa.y; gv[k][2] *= wa.z; gv[k][3] *= wa.w;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if constexpr (LAYER) {
+                    sg += gv[k][e];
+                    sgh += gv[k][e] * h[e];
+                } else {
+                    sgh += gv[k][e] * xv[k][e] * rs;
+                }
+            }
+        }
+    }
+    const float mg = LAYER ? warp_sum(sg) / d_f : 0.0f;
+    const float mgh = warp_sum(sgh) / d_f;
+#pragma unroll
+    for (int k = 0; k < NORM_MAX_CHUNKS; ++k) {
+        const int j = lane + 32 * k;
+        if (j < d4) {
+            float o[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if constexpr (LAYER) {
+                    const float h = (xv[k][e] - mu) * rs;
+                    o[e] = rs * (gv[k][e] - mg - h * mgh);
+                } else {
+                    o[e] = rs * (gv[k][e] - xv[k][e] * rs * mgh);
+                }
+            }
+            store4_or_add(dxr + 4 * j, o, accumulate);
+        }
+    }
+}
+
+/// The norm backward in one pass (layernorm_bwd_fused_*, rmsnorm_bwd_fused_*): norm_bwd_row
+/// over the warp's rows with its region of dynamic shared memory ([warps][SUMS][d] floats:
+/// 64·d or 32·d bytes at 8 warps) for the parameter sums, a lane touching only its own words,
+/// so no atomics; then the block sums its warps' regions in warp order into its partial row
+/// ([gridDim.x][SUMS][d]: the layout of the norms' params kernels) for colsum_finish to sum
+/// the blocks. Every sum's order is fixed by the grid, which the host derives from the shape
+/// alone. norm_bwd_row's requirements, and partial 16-byte aligned (the host checks, and
+/// launches the two kernels otherwise).
 template <class T, bool LAYER>
 __device__ __forceinline__ void norm_bwd_fused_impl(const float* __restrict__ x,
                                                     const float* __restrict__ w,
@@ -279,81 +356,15 @@ __device__ __forceinline__ void norm_bwd_fused_impl(const float* __restrict__ x,
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const int d4 = d >> 2;
-    const float d_f = (float)d;
     float4* mine = norm_sums + (long long)warp * SUMS * d4;
     for (int j = lane; j < SUMS * d4; j += 32) mine[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    // Lane l zeroes words other lanes add to: the warp's lanes are not in lockstep. After
-    // this, a warp reads and writes only its own region, a lane only its own words, until the
-    // barrier below.
+    // Lane l zeroes words other lanes add to: the warp's lanes are not in lockstep.
     __syncwarp();
     for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
-        const float* xr = x + (long long)row * d;
-        const T* dyr = dy + (long long)row * d;
-        float* dxr = dx + (long long)row * d;
-        const float mu = LAYER ? mean[row] : 0.0f, rs = rstd[row];
-        float xv[NORM_FUSED_MAX_CHUNKS][4], gv[NORM_FUSED_MAX_CHUNKS][4];
-#pragma unroll
-        for (int k = 0; k < NORM_FUSED_MAX_CHUNKS; ++k) {
-            const int j = lane + 32 * k;
-            if (j < d4) {
-                const float4 a = reinterpret_cast<const float4*>(xr)[j];
-                xv[k][0] = a.x; xv[k][1] = a.y; xv[k][2] = a.z; xv[k][3] = a.w;
-                load4(dyr + 4 * j, gv[k]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) xv[k][e] = gv[k][e] = 0.0f;
-            }
-        }
-        float sg = 0.0f, sgh = 0.0f;
-#pragma unroll
-        for (int k = 0; k < NORM_FUSED_MAX_CHUNKS; ++k) {
-            const int j = lane + 32 * k;
-            if (j < d4) {
-                float h[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) h[e] = LAYER ? (xv[k][e] - mu) * rs : xv[k][e] * rs;
-                // The parameter sums take dy as it is, before the weight scales it.
-                float4 dw = mine[j];
-                dw.x += gv[k][0] * h[0]; dw.y += gv[k][1] * h[1];
-                dw.z += gv[k][2] * h[2]; dw.w += gv[k][3] * h[3];
-                mine[j] = dw;
-                if constexpr (LAYER) {
-                    float4 db = mine[d4 + j];
-                    db.x += gv[k][0]; db.y += gv[k][1]; db.z += gv[k][2]; db.w += gv[k][3];
-                    mine[d4 + j] = db;
-                }
-                const float4 wa = reinterpret_cast<const float4*>(w)[j];
-                gv[k][0] *= wa.x; gv[k][1] *= wa.y; gv[k][2] *= wa.z; gv[k][3] *= wa.w;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if constexpr (LAYER) {
-                        sg += gv[k][e];
-                        sgh += gv[k][e] * h[e];
-                    } else {
-                        sgh += gv[k][e] * xv[k][e] * rs;  // as rmsnorm_bwd_dx
-                    }
-                }
-            }
-        }
-        const float mg = LAYER ? warp_sum(sg) / d_f : 0.0f;
-        const float mgh = warp_sum(sgh) / d_f;
-#pragma unroll
-        for (int k = 0; k < NORM_FUSED_MAX_CHUNKS; ++k) {
-            const int j = lane + 32 * k;
-            if (j < d4) {
-                float o[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if constexpr (LAYER) {
-                        const float h = (xv[k][e] - mu) * rs;
-                        o[e] = rs * (gv[k][e] - mg - h * mgh);
-                    } else {
-                        o[e] = rs * (gv[k][e] - xv[k][e] * rs * mgh);
-                    }
-                }
-                store4_or_add(dxr + 4 * j, o, accumulate);
-            }
-        }
+        const float mu = LAYER ? mean[row] : 0.0f;
+        norm_bwd_row<T, LAYER>(x + (long long)row * d, dy + (long long)row * d,
+                               dx + (long long)row * d, w, mu, rstd[row], d, lane, accumulate,
+                               mine);
     }
     __syncthreads();
     float4* out = reinterpret_cast<float4*>(partial + (long long)blockIdx.x * SUMS * d);

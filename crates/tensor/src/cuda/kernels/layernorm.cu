@@ -132,7 +132,8 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const float d_f = (float)d;
-    const bool vec = (d & 3) == 0 && d <= 128 * LN_MAX_CHUNKS && is_aligned(x, 16) &&
+    // norm_bwd_row's conditions (common.cuh).
+    const bool vec = (d & 3) == 0 && d <= 128 * NORM_MAX_CHUNKS && is_aligned(x, 16) &&
                      is_aligned(gamma, 16) && is_aligned(dx, 16) &&
                      is_aligned(dy, 4 * sizeof(T));
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows;
@@ -142,49 +143,7 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
         float* dxr = dx + (long long)row * d;
         const float mu = mean[row], rs = rstd[row];
         if (vec) {
-            const int d4 = d >> 2;
-            float xv[LN_MAX_CHUNKS][4], gv[LN_MAX_CHUNKS][4];
-#pragma unroll
-            for (int k = 0; k < LN_MAX_CHUNKS; ++k) {
-                const int j = lane + 32 * k;
-                if (j < d4) {
-                    const float4 a = reinterpret_cast<const float4*>(xr)[j];
-                    xv[k][0] = a.x; xv[k][1] = a.y; xv[k][2] = a.z; xv[k][3] = a.w;
-                    load4(dyr + 4 * j, gv[k]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) xv[k][e] = gv[k][e] = 0.0f;
-                }
-            }
-            float sg = 0.0f, sgh = 0.0f;
-#pragma unroll
-            for (int k = 0; k < LN_MAX_CHUNKS; ++k) {
-                const int j = lane + 32 * k;
-                if (j < d4) {
-                    const float4 ga = reinterpret_cast<const float4*>(gamma)[j];
-                    gv[k][0] *= ga.x; gv[k][1] *= ga.y; gv[k][2] *= ga.z; gv[k][3] *= ga.w;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        sg += gv[k][e];
-                        sgh += gv[k][e] * ((xv[k][e] - mu) * rs);
-                    }
-                }
-            }
-            const float mg = warp_sum(sg) / d_f;
-            const float mgh = warp_sum(sgh) / d_f;
-#pragma unroll
-            for (int k = 0; k < LN_MAX_CHUNKS; ++k) {
-                const int j = lane + 32 * k;
-                if (j < d4) {
-                    float o[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float h = (xv[k][e] - mu) * rs;
-                        o[e] = rs * (gv[k][e] - mg - h * mgh);
-                    }
-                    store4_or_add(dxr + 4 * j, o, accumulate);
-                }
-            }
+            norm_bwd_row<T, true>(xr, dyr, dxr, gamma, mu, rs, d, lane, accumulate, nullptr);
         } else {
             float sg = 0.0f, sgh = 0.0f;
             for (int c = lane; c < d; c += 32) {

@@ -104,7 +104,8 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const float d_f = (float)d;
-    const bool vec = (d & 3) == 0 && d <= 128 * RMS_MAX_CHUNKS && is_aligned(x, 16) &&
+    // norm_bwd_row's conditions (common.cuh).
+    const bool vec = (d & 3) == 0 && d <= 128 * NORM_MAX_CHUNKS && is_aligned(x, 16) &&
                      is_aligned(w, 16) && is_aligned(dx, 16) && is_aligned(dy, 4 * sizeof(T));
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows;
          row += gridDim.x * warps) {
@@ -113,42 +114,7 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
         float* dxr = dx + (long long)row * d;
         const float rs = rstd[row];
         if (vec) {
-            const int d4 = d >> 2;
-            float xv[RMS_MAX_CHUNKS][4], gv[RMS_MAX_CHUNKS][4];
-#pragma unroll
-            for (int k = 0; k < RMS_MAX_CHUNKS; ++k) {
-                const int j = lane + 32 * k;
-                if (j < d4) {
-                    const float4 a = reinterpret_cast<const float4*>(xr)[j];
-                    xv[k][0] = a.x; xv[k][1] = a.y; xv[k][2] = a.z; xv[k][3] = a.w;
-                    load4(dyr + 4 * j, gv[k]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) xv[k][e] = gv[k][e] = 0.0f;
-                }
-            }
-            float sgh = 0.0f;
-#pragma unroll
-            for (int k = 0; k < RMS_MAX_CHUNKS; ++k) {
-                const int j = lane + 32 * k;
-                if (j < d4) {
-                    const float4 wa = reinterpret_cast<const float4*>(w)[j];
-                    gv[k][0] *= wa.x; gv[k][1] *= wa.y; gv[k][2] *= wa.z; gv[k][3] *= wa.w;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) sgh += gv[k][e] * xv[k][e] * rs;
-                }
-            }
-            const float mgh = warp_sum(sgh) / d_f;
-#pragma unroll
-            for (int k = 0; k < RMS_MAX_CHUNKS; ++k) {
-                const int j = lane + 32 * k;
-                if (j < d4) {
-                    float o[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) o[e] = rs * (gv[k][e] - xv[k][e] * rs * mgh);
-                    store4_or_add(dxr + 4 * j, o, accumulate);
-                }
-            }
+            norm_bwd_row<T, false>(xr, dyr, dxr, w, 0.0f, rs, d, lane, accumulate, nullptr);
         } else {
             float sgh = 0.0f;
             for (int c = lane; c < d; c += 32) {
