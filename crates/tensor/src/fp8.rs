@@ -199,7 +199,13 @@ impl std::fmt::Display for Fp8Format {
 /// The largest magnitude in `values` (0 for none; NaN if one is NaN, which
 /// [`current_scale`] turns into scale 1).
 pub fn amax(values: &[f32]) -> f32 {
-    values.iter().fold(0.0f32, |m, v| {
+    amax_iter(values.iter().copied())
+}
+
+/// [`amax`] of any sequence of values: the one fold the slices, bf16 bits and strided views
+/// share.
+fn amax_iter(values: impl Iterator<Item = f32>) -> f32 {
+    values.fold(0.0f32, |m, v| {
         let a = v.abs();
         if a.is_nan() || m.is_nan() {
             f32::NAN
@@ -236,16 +242,7 @@ pub fn amax_parallel(values: &[f32]) -> f32 {
 pub fn amax_bf16(bits: &[u16]) -> f32 {
     let maxima: Vec<f32> = bits
         .par_chunks(AMAX_CHUNK)
-        .map(|chunk| {
-            chunk.iter().fold(0.0f32, |m, &b| {
-                let a = f32::from_bits(u32::from(b) << 16).abs();
-                if a.is_nan() || m.is_nan() {
-                    f32::NAN
-                } else {
-                    m.max(a)
-                }
-            })
-        })
+        .map(|chunk| amax_iter(chunk.iter().map(|&b| f32::from_bits(u32::from(b) << 16))))
         .collect();
     amax(&maxima)
 }
@@ -257,10 +254,7 @@ pub fn amax_of(m: &Mat) -> f32 {
         None => {
             let maxima: Vec<f32> = (0..m.rows())
                 .into_par_iter()
-                .map(|r| {
-                    let row: Vec<f32> = (0..m.cols()).map(|c| m.at(r, c)).collect();
-                    amax(&row)
-                })
+                .map(|r| amax_iter((0..m.cols()).map(|c| m.at(r, c))))
                 .collect();
             amax(&maxima)
         }
@@ -462,6 +456,35 @@ mod tests {
         // E4M3 has 253 finite magnitudes-with-sign plus two zeros; E5M2 loses 8 codes.
         assert_eq!(finite_values(Fp8Format::E4M3).len(), 254);
         assert_eq!(finite_values(Fp8Format::E5M2).len(), 248);
+    }
+
+    /// The amax of bf16 bits, of a strided view and on all threads is [`amax`] of the same
+    /// values, a NaN included.
+    #[test]
+    fn every_amax_is_the_largest_magnitude_of_its_values() {
+        let mut rng = Rng::new(0xA3A);
+        let values: Vec<f32> = (0..40_000).map(|_| rng.normal() * 3.0).collect();
+        let bf16: Vec<u16> = values.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let widened: Vec<f32> = bf16
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect();
+        assert_eq!(amax_bf16(&bf16), amax(&widened));
+        assert_eq!(amax_parallel(&values), amax(&values));
+        // Every other column of a 200 x 200 matrix: a view with gaps.
+        let m = Mat::strided(&values, 200, 100, 200, 2);
+        let picked: Vec<f32> = (0..200 * 100)
+            .map(|i| values[(i / 100) * 200 + 2 * (i % 100)])
+            .collect();
+        assert_eq!(amax_of(&m), amax(&picked));
+        assert_eq!(amax_of(&Mat::new(&values, 200, 200).t()), amax(&values));
+        let mut with_nan = widened.clone();
+        with_nan[12_345] = f32::NAN;
+        let nan_bits: Vec<u16> = with_nan
+            .iter()
+            .map(|v| (v.to_bits() >> 16) as u16)
+            .collect();
+        assert!(amax_bf16(&nan_bits).is_nan() && amax_parallel(&with_nan).is_nan());
     }
 
     #[test]

@@ -561,11 +561,15 @@ pub fn activation_backward_with_bias(
 ) -> Result<Option<CudaTensor>, CudaError> {
     check_len(dy, saved.len(), "activation gradient")?;
     let dev = saved.device();
-    let dy = to_dtype(dy, saved.dtype())?;
     let rows = saved.len() / cols.max(1);
     let pass = ColumnSumPass::new(rows, cols, saved.dtype(), saved.ptr());
-    let aligned = [saved.ptr(), dy.ptr()].iter().all(|p| p.is_multiple_of(16));
-    if !pass.vector || !aligned || rows * cols != saved.len() || !backward_fusion() {
+    if !pass.vector || rows * cols != saved.len() || !backward_fusion() {
+        return Ok(None);
+    }
+    // Decided before `dy` is converted, so the fallback does not convert it again (a
+    // converted copy is freshly allocated, so aligned: only `dy` as given can be off).
+    let dy = to_dtype(dy, saved.dtype())?;
+    if !dy.ptr().is_multiple_of(16) {
         return Ok(None);
     }
     let dx = CudaTensor::alloc(dev, saved.len(), saved.dtype(), "an activation's gradient")?;
