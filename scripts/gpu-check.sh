@@ -273,6 +273,14 @@ run)
             MESHTRAIN_BACKWARD_FUSION=off timeout 120 "$bin" bench gpu --parts step --root . \
                 --models gpt2-124m --out-dir "$planner/unfused" 2>&1 \
                 | sed -E 's/^RESULT meshtrain /RESULT meshtrain-unfused /' | tee -a "$logs/$part.log"
+            # And with Hopper's warpgroup (wgmma) attention kernels, opt-in until this
+            # comparison and the check part's have run on a card (elsewhere it is refused
+            # by name and this run prints why).
+            echo "=== step: GPT-2 124M with MESHTRAIN_ATTENTION_KERNELS=wgmma (A/B)" | tee -a "$logs/$part.log"
+            mkdir -p "$planner/wgmma"
+            MESHTRAIN_ATTENTION_KERNELS=wgmma timeout 120 "$bin" bench gpu --parts step --root . \
+                --models gpt2-124m --out-dir "$planner/wgmma" 2>&1 \
+                | sed -E 's/^RESULT meshtrain /RESULT meshtrain-wgmma /' | tee -a "$logs/$part.log"
         fi
         if [ "$part" = convnets ]; then
             # PyTorch on the same card in the same call, and the ratios.
@@ -377,6 +385,11 @@ run)
         apart=$(grep -h "^RESULT meshtrain-unfused B=" "$logs/step.log" 2>/dev/null | head -1 | sed -E 's/.*tok_s=([0-9]+).*/\1/')
         if [ -n "$fused" ] && [ -n "$apart" ]; then
             echo "gpt2-124m: fused / unfused backward kernels tokens/s: $(awk -v a="$fused" -v b="$apart" 'BEGIN{printf "%.3f", a/b}')"
+        fi
+        # Hopper's warpgroup attention kernels against mma.sync's, GPT-2 124M, this call.
+        wg=$(grep -h "^RESULT meshtrain-wgmma B=" "$logs/step.log" 2>/dev/null | head -1 | sed -E 's/.*tok_s=([0-9]+).*/\1/')
+        if [ -n "$fused" ] && [ -n "$wg" ]; then
+            echo "gpt2-124m: wgmma / mma.sync attention tokens/s: $(awk -v a="$wg" -v b="$fused" 'BEGIN{printf "%.3f", a/b}')"
         fi
     }
     echo

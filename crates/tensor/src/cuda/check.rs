@@ -261,30 +261,18 @@ pub fn run_all(
             check_cross_entropy(dev, &mut rng, 67, 1000, dtype)
                 .unwrap_or_else(|e| vec![failed(name, e)]),
         );
-        // The last four under Mistral's sliding window: shorter than a tile, crossing tiles,
-        // one key, and a whole tile skipped.
-        let shapes = [
-            (2, 256, 2, 64, None),
-            (1, 200, 3, 64, None),
-            (2, 130, 2, 32, None),
-            (1, 128, 2, 128, None),
-            (1, 1, 1, 64, None),
-            (2, 256, 2, 64, Some(100)),
-            (2, 130, 2, 32, Some(7)),
-            (1, 128, 2, 128, Some(1)),
-            (1, 200, 3, 64, Some(64)),
-        ];
-        for (batch, seq, heads, head_dim, window) in shapes {
-            let shape = AttnShape {
-                batch,
-                seq,
-                heads,
-                head_dim,
-            };
-            let name = format!("attention {batch}x{seq} h{heads}x{head_dim} {s}");
+        for (shape, window) in ATTENTION_SHAPES {
+            let name = format!("attention {} {s}", shape_name(shape));
             out.extend(
-                check_attention(dev, &mut rng, shape, window, dtype)
-                    .unwrap_or_else(|e| vec![failed(name, e)]),
+                check_attention(
+                    dev,
+                    &mut rng,
+                    shape,
+                    window,
+                    dtype,
+                    ops::AttentionProducts::MmaSync,
+                )
+                .unwrap_or_else(|e| vec![failed(name, e)]),
             );
         }
         // The convolutional nets' operations (LeNet, ResNet-18).
@@ -328,7 +316,58 @@ pub fn run_all(
                 .unwrap_or_else(|e| vec![failed(name, e)]),
         );
     }
+    // Hopper's warpgroup (wgmma) attention kernels on the same shapes, last: a fault in a
+    // kernel no card has run yet leaves the context unusable, and must not take the checks
+    // above with it.
+    for dtype in [DType::BF16, DType::F16] {
+        let s = ops::suffix(dtype);
+        for (shape, window) in ATTENTION_SHAPES {
+            if !ops::AttentionProducts::warpgroup_fits(dev, dtype, shape.head_dim) {
+                continue;
+            }
+            let name = format!("attention (wgmma) {} {s}", shape_name(shape));
+            out.extend(
+                check_attention(
+                    dev,
+                    &mut rng,
+                    shape,
+                    window,
+                    dtype,
+                    ops::AttentionProducts::Warpgroup,
+                )
+                .unwrap_or_else(|e| vec![failed(name, e)]),
+            );
+        }
+    }
     out.all
+}
+
+/// The attention shapes the checks compare, `(batch, seq, heads, head_dim)` and a window:
+/// several tiles, ragged ones, one token, every head size; the last four under Mistral's
+/// sliding window (shorter than a tile, crossing tiles, one key, a whole tile skipped).
+const ATTENTION_SHAPES: [(AttnShape, Option<usize>); 9] = [
+    (attn_shape(2, 256, 2, 64), None),
+    (attn_shape(1, 200, 3, 64), None),
+    (attn_shape(2, 130, 2, 32), None),
+    (attn_shape(1, 128, 2, 128), None),
+    (attn_shape(1, 1, 1, 64), None),
+    (attn_shape(2, 256, 2, 64), Some(100)),
+    (attn_shape(2, 130, 2, 32), Some(7)),
+    (attn_shape(1, 128, 2, 128), Some(1)),
+    (attn_shape(1, 200, 3, 64), Some(64)),
+];
+
+fn shape_name(s: AttnShape) -> String {
+    format!("{}x{} h{}x{}", s.batch, s.seq, s.heads, s.head_dim)
+}
+
+const fn attn_shape(batch: usize, seq: usize, heads: usize, head_dim: usize) -> AttnShape {
+    AttnShape {
+        batch,
+        seq,
+        heads,
+        head_dim,
+    }
 }
 
 fn check_linear(
@@ -978,20 +1017,18 @@ fn check_cross_entropy(
     Ok(out)
 }
 
+/// The attention kernels of `products` against the CPU's flash attention on random inputs.
 fn check_attention(
     dev: &Arc<CudaDevice>,
     rng: &mut SplitMix64,
     shape: AttnShape,
     window: Option<usize>,
     dtype: DType,
+    products: ops::AttentionProducts,
 ) -> Result<Vec<CheckResult>, CudaError> {
     let AttnShape {
-        batch,
-        seq,
-        heads,
-        head_dim,
+        batch, seq, heads, ..
     } = shape;
-    let s = ops::suffix(dtype);
     let d = shape.dim();
     let qkv = rounded(&random(rng, batch * seq * 3 * d, 1.0), dtype);
     let dout = rounded(&random(rng, batch * seq * d, 1.0), dtype);
@@ -1006,20 +1043,59 @@ fn check_attention(
     let dqkv = crate::flash::flash_attention_backward(
         cpu_shape, &qkv, &out_kept, &lse, &dout, dtype, window,
     );
-    let qkv_dev = CudaTensor::from_host(dev, &qkv, dtype)?;
-    let (out_dev, lse_dev) = ops::attention_forward(&qkv_dev, shape, window)?;
-    let dout_dev = CudaTensor::from_host(dev, &dout, dtype)?;
-    let dqkv_dev = ops::attention_backward(&qkv_dev, &out_dev, &lse_dev, &dout_dev, shape, window)?;
+    check_attention_kernels(
+        dev,
+        shape,
+        window,
+        dtype,
+        products,
+        &qkv,
+        &dout,
+        (&out, &lse, &dqkv),
+    )
+}
+
+/// One kind of attention kernels on `qkv` and `dout` against the CPU's `(out, lse, dqkv)`.
+#[allow(clippy::too_many_arguments)]
+fn check_attention_kernels(
+    dev: &Arc<CudaDevice>,
+    shape: AttnShape,
+    window: Option<usize>,
+    dtype: DType,
+    products: ops::AttentionProducts,
+    qkv: &[f32],
+    dout: &[f32],
+    (out, lse, dqkv): (&[f32], &[f32], &[f32]),
+) -> Result<Vec<CheckResult>, CudaError> {
+    let AttnShape {
+        batch,
+        seq,
+        heads,
+        head_dim,
+    } = shape;
+    let s = ops::suffix(dtype);
+    let d = shape.dim();
+    let qkv_dev = CudaTensor::from_host(dev, qkv, dtype)?;
+    let (out_dev, lse_dev) = ops::attention_forward_with(&qkv_dev, shape, window, products)?;
+    let dout_dev = CudaTensor::from_host(dev, dout, dtype)?;
+    let dqkv_dev = ops::attention_backward_with(
+        &qkv_dev, &out_dev, &lse_dev, &dout_dev, shape, window, products,
+    )?;
     let tol = tolerance(dtype);
     let windowed = window.map_or(String::new(), |w| format!(" window {w}"));
-    let name =
-        |what: &str| format!("attention {batch}x{seq} h{heads}x{head_dim}{windowed} {what} {s}");
+    let kind = match products {
+        ops::AttentionProducts::MmaSync => "",
+        ops::AttentionProducts::Warpgroup => " (wgmma)",
+    };
+    let name = |what: &str| {
+        format!("attention{kind} {batch}x{seq} h{heads}x{head_dim}{windowed} {what} {s}")
+    };
     let mut results = vec![
-        result(name("forward"), &out_dev.to_host_f32()?, &out, tol),
+        result(name("forward"), &out_dev.to_host_f32()?, out, tol),
         result(
             name("log-sum-exp"),
             &lse_dev.to_host_f32()?,
-            &lse,
+            lse,
             tol.min(1e-3),
         ),
     ];
@@ -1032,13 +1108,13 @@ fn check_attention(
     // q, k and v gradients apart: each comes from its own kernel. A one-token sequence has
     // dq = dk = 0 exactly (softmax over one key): both sides hold rounding noise there, so
     // their difference is measured against the size of dv instead.
-    let dv_norm = pick(&dqkv, 2)
+    let dv_norm = pick(dqkv, 2)
         .iter()
         .map(|v| (*v as f64).powi(2))
         .sum::<f64>()
         .sqrt();
     for (part, what) in ["dq", "dk", "dv"].iter().enumerate() {
-        let (g, w) = (pick(&got, part), pick(&dqkv, part));
+        let (g, w) = (pick(&got, part), pick(dqkv, part));
         if seq == 1 && part < 2 {
             let diff = g
                 .iter()

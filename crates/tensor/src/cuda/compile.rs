@@ -396,6 +396,14 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
                     }
                 }
             }
+            // Hopper's warpgroup kernels (a trap below sm_90a), 16-bit heads of 64 and 128.
+            for part in ["fwd", "dkdv", "dq"] {
+                for t in ["bf16", "f16"] {
+                    for hd in [64, 128] {
+                        v.push(format!("attn_{part}_wg_{t}_hd{hd}"));
+                    }
+                }
+            }
             v.extend(each("attn_bwd_prep"));
             v.extend(each("attn_ring_kv"));
             v.extend(each("attn_ring_join"));
@@ -457,8 +465,9 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
 mod tests {
     use super::*;
 
-    /// Every kernel file compiles with NVRTC for the A100's and the H100's architectures and
-    /// exports the kernels the Rust side launches. Runs wherever NVRTC and the CUDA headers
+    /// Every kernel file compiles with NVRTC for the A100's and the H100's architectures (plain
+    /// sm_90, and sm_90a with its warpgroup products, which is what an H100 gets) and exports
+    /// the kernels the Rust side launches. Runs wherever NVRTC and the CUDA headers
     /// are found (CI installs them from pip: no GPU needed); skipped with the reason
     /// otherwise, and required with `MESHTRAIN_REQUIRE_NVRTC=1`.
     #[test]
@@ -474,7 +483,7 @@ mod tests {
         }
         let version = nvrtc_version().unwrap();
         let includes = include_dirs().unwrap();
-        for arch in ["80", "90"] {
+        for arch in ["80", "90", "90a"] {
             for &file in KERNEL_FILES {
                 let cubin = compile_source(
                     file.name,

@@ -263,9 +263,18 @@ impl CudaDevice {
         &self.name
     }
 
-    /// "90" for an H100.
+    /// The architecture the kernels are compiled for: "80" for an A100, "90a" for an H100 or
+    /// H200 (compute capability 9.0 with its architecture-specific instructions, `wgmma`
+    /// among them; such code runs only on 9.0, which is the device it is compiled for).
     pub fn arch(&self) -> String {
-        format!("{}{}", self.capability.0, self.capability.1)
+        let suffix = if self.has_warpgroup_mma() { "a" } else { "" };
+        format!("{}{}{suffix}", self.capability.0, self.capability.1)
+    }
+
+    /// Whether the kernels may use Hopper's warpgroup products (`wgmma`): compute capability
+    /// exactly 9.0 (sm_90a code does not run on later architectures).
+    pub fn has_warpgroup_mma(&self) -> bool {
+        self.capability == (9, 0)
     }
 
     /// Whether the tensor cores take FP8 operands: Ada (compute capability 8.9) and later.

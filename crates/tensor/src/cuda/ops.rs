@@ -1479,31 +1479,100 @@ impl AttnShape {
 pub const ATTN_TILE: usize = 64;
 const ATTN_THREADS: u32 = 128;
 
-/// Dynamic shared memory of the tensor-core kernels (bytes), by kernel and head size: the
-/// layouts at the top of `attention.cu`.
-pub fn attention_smem(kernel: &str, head_dim: usize) -> u32 {
-    // A 64-row 16-bit tile, rows padded by 8 values (16 bytes).
+/// Which tensor-core products the 16-bit attention kernels run (`attention.cu`'s `SyncMma`
+/// and `WarpgroupMma`): the same algorithm, tiles and order of additions per warp, so the
+/// two agree to the products' rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionProducts {
+    /// `mma.sync` per warp, operands through `ldmatrix`: every GPU meshtrain runs on.
+    MmaSync,
+    /// Hopper's warpgroup products (`wgmma`), the streamed tiles read by the tensor cores
+    /// straight from shared memory: compute capability 9.0, 16-bit, heads of 64 or 128.
+    Warpgroup,
+}
+
+impl AttentionProducts {
+    /// Whether `dev` runs the warpgroup kernels for `dtype` and heads of `head_dim`.
+    pub fn warpgroup_fits(dev: &CudaDevice, dtype: DType, head_dim: usize) -> bool {
+        dev.has_warpgroup_mma() && dtype != DType::F32 && [64, 128].contains(&head_dim)
+    }
+
+    /// The products attention runs on `dev`: `MESHTRAIN_ATTENTION_KERNELS=wgmma` asks for
+    /// the warpgroup kernels wherever they fit ([`Self::warpgroup_fits`]; other shapes keep
+    /// `mma.sync`), and is refused by name on a GPU without them; unset or `mma`, `mma.sync`.
+    /// (The warpgroup kernels are opt-in until a card has run gpu-check's comparison of them
+    /// with the CPU: docs/gpu.md.)
+    pub fn chosen(dev: &CudaDevice, dtype: DType, head_dim: usize) -> Result<Self, CudaError> {
+        let asked = std::env::var("MESHTRAIN_ATTENTION_KERNELS").unwrap_or_default();
+        match asked.as_str() {
+            "" | "mma" => Ok(Self::MmaSync),
+            "wgmma" if !dev.has_warpgroup_mma() => Err(unsupported(format!(
+                "MESHTRAIN_ATTENTION_KERNELS=wgmma needs Hopper's warpgroup products (compute \
+                 capability 9.0: H100, H200); {} is sm_{}",
+                dev.name(),
+                dev.arch()
+            ))),
+            "wgmma" if Self::warpgroup_fits(dev, dtype, head_dim) => Ok(Self::Warpgroup),
+            "wgmma" => Ok(Self::MmaSync),
+            other => Err(unsupported(format!(
+                "MESHTRAIN_ATTENTION_KERNELS={other}: the attention kernels are `mma` (the \
+                 default) or `wgmma` (Hopper)"
+            ))),
+        }
+    }
+
+    /// The kernel-name infix: `attn_{part}{infix}_{dtype}_hd{head_dim}`.
+    fn infix(self) -> &'static str {
+        match self {
+            Self::MmaSync => "",
+            Self::Warpgroup => "_wg",
+        }
+    }
+}
+
+/// Dynamic shared memory of the tensor-core kernels (bytes), by kernel, head size and
+/// products: the layouts at the top of `attention.cu`.
+pub fn attention_smem(kernel: &str, head_dim: usize, products: AttentionProducts) -> u32 {
+    // A 64-row 16-bit tile, rows padded by 8 values (16 bytes): the A operands' tiles, and
+    // the streamed B operands' under mma.sync; the warpgroup kernels stream core matrices.
     let half_tile = ATTN_TILE * (head_dim + 8) * 2;
+    let b_tile = match products {
+        AttentionProducts::MmaSync => half_tile,
+        AttentionProducts::Warpgroup => ATTN_TILE * head_dim * 2,
+    };
     (match kernel {
         // Q; K and V, two buffers each.
-        "fwd" => 5 * half_tile,
+        "fwd" => half_tile + 4 * b_tile,
         // K, V (the block's); Q and dO, two buffers each; lse and D rows, two each.
-        "dkdv" => 6 * half_tile + 4 * ATTN_TILE * 4,
+        "dkdv" => 2 * half_tile + 4 * b_tile + 4 * ATTN_TILE * 4,
         // Q, dO (the block's); K and V, two buffers each.
-        "dq" => 6 * half_tile,
+        "dq" => 2 * half_tile + 4 * b_tile,
         _ => 0,
     }) as u32
 }
 
 /// Causal attention forward: `(out [batch, seq, heads·hd] in qkv's dtype, lse [batch, heads,
 /// seq] f32)`, each query seeing at most `window` keys when given (Mistral's sliding
-/// window). 16-bit inputs run the tensor-core kernel, f32 the exact one.
+/// window). 16-bit inputs run the tensor-core kernel ([`AttentionProducts::chosen`]), f32 the
+/// exact one.
 pub fn attention_forward(
     qkv: &CudaTensor,
     shape: AttnShape,
     window: Option<usize>,
 ) -> Result<(CudaTensor, CudaTensor), CudaError> {
+    let products = AttentionProducts::chosen(qkv.device(), qkv.dtype(), shape.head_dim)?;
+    attention_forward_with(qkv, shape, window, products)
+}
+
+/// [`attention_forward`] on the given products (gpu-check compares both with the CPU).
+pub fn attention_forward_with(
+    qkv: &CudaTensor,
+    shape: AttnShape,
+    window: Option<usize>,
+    products: AttentionProducts,
+) -> Result<(CudaTensor, CudaTensor), CudaError> {
     shape.check()?;
+    check_products(qkv, shape, products)?;
     let window = window_arg(window, shape.seq)?;
     let AttnShape {
         batch,
@@ -1526,14 +1595,34 @@ pub fn attention_forward(
         shape.args(),
     )
     .i32(window);
-    let launch = attention_launch(shape, dtype, "fwd");
+    let launch = attention_launch(shape, dtype, "fwd", products);
     dev.launch(
         "attention.cu",
-        &attention_kernel("fwd", dtype, head_dim),
+        &attention_kernel("fwd", dtype, head_dim, products),
         launch,
         args,
     )?;
     Ok((out, lse))
+}
+
+/// Refuses the warpgroup kernels where they do not fit (an f32 tensor, a head size without
+/// them, a GPU other than compute capability 9.0).
+fn check_products(
+    qkv: &CudaTensor,
+    shape: AttnShape,
+    products: AttentionProducts,
+) -> Result<(), CudaError> {
+    let fits = AttentionProducts::warpgroup_fits(qkv.device(), qkv.dtype(), shape.head_dim);
+    if products == AttentionProducts::Warpgroup && !fits {
+        return Err(unsupported(format!(
+            "the warpgroup (wgmma) attention kernels take bf16 or f16 heads of 64 or 128 on \
+             compute capability 9.0; this is {:?} heads of {} on sm_{}",
+            qkv.dtype(),
+            shape.head_dim,
+            qkv.device().arch()
+        )));
+    }
+    Ok(())
 }
 
 fn append(a: Args, b: Args) -> Args {
@@ -1555,14 +1644,30 @@ pub(crate) fn window_arg(window: Option<usize>, seq: usize) -> Result<i32, CudaE
     }
 }
 
-/// Kernel names of `attention.cu`: `attn_{part}_{dtype}_hd{head_dim}`.
-pub fn attention_kernel(part: &str, dtype: DType, head_dim: usize) -> String {
-    format!("attn_{part}_{}_hd{head_dim}", suffix(dtype))
+/// Kernel names of `attention.cu`: `attn_{part}_{dtype}_hd{head_dim}`, the warpgroup ones
+/// `attn_{part}_wg_{dtype}_hd{head_dim}`.
+pub fn attention_kernel(
+    part: &str,
+    dtype: DType,
+    head_dim: usize,
+    products: AttentionProducts,
+) -> String {
+    format!(
+        "attn_{part}{}_{}_hd{head_dim}",
+        products.infix(),
+        suffix(dtype)
+    )
 }
 
 /// The launch of an attention kernel: tensor-core kernels take a 64-row tile per block of
-/// 128 threads; the f32 kernels a warp per query (or key) row, 4 rows per block.
-pub fn attention_launch(shape: AttnShape, dtype: DType, part: &str) -> Launch {
+/// 128 threads (one warpgroup); the f32 kernels a warp per query (or key) row, 4 rows per
+/// block.
+pub fn attention_launch(
+    shape: AttnShape,
+    dtype: DType,
+    part: &str,
+    products: AttentionProducts,
+) -> Launch {
     let bh = (shape.batch * shape.heads) as u32;
     if dtype == DType::F32 {
         return Launch {
@@ -1574,7 +1679,7 @@ pub fn attention_launch(shape: AttnShape, dtype: DType, part: &str) -> Launch {
     Launch {
         grid: (shape.seq.div_ceil(ATTN_TILE) as u32, bh, 1),
         block: (ATTN_THREADS, 1, 1),
-        smem: attention_smem(part, shape.head_dim),
+        smem: attention_smem(part, shape.head_dim, products),
     }
 }
 
@@ -1588,7 +1693,22 @@ pub fn attention_backward(
     shape: AttnShape,
     window: Option<usize>,
 ) -> Result<CudaTensor, CudaError> {
+    let products = AttentionProducts::chosen(qkv.device(), qkv.dtype(), shape.head_dim)?;
+    attention_backward_with(qkv, out, lse, dout, shape, window, products)
+}
+
+/// [`attention_backward`] on the given products.
+pub fn attention_backward_with(
+    qkv: &CudaTensor,
+    out: &CudaTensor,
+    lse: &CudaTensor,
+    dout: &CudaTensor,
+    shape: AttnShape,
+    window: Option<usize>,
+    products: AttentionProducts,
+) -> Result<CudaTensor, CudaError> {
     shape.check()?;
+    check_products(qkv, shape, products)?;
     let window = window_arg(window, shape.seq)?;
     let AttnShape {
         batch,
@@ -1605,8 +1725,8 @@ pub fn attention_backward(
     for part in ["dkdv", "dq"] {
         dev.launch(
             "attention.cu",
-            &attention_kernel(part, dtype, head_dim),
-            attention_launch(shape, dtype, part),
+            &attention_kernel(part, dtype, head_dim, products),
+            attention_launch(shape, dtype, part, products),
             append(
                 Args::new()
                     .ptr(qkv.ptr())
@@ -1720,7 +1840,12 @@ pub mod ring {
         } else {
             pair.q_len
         };
-        attention_launch(AttnShape { seq: rows, ..shape }, dtype, part)
+        attention_launch(
+            AttnShape { seq: rows, ..shape },
+            dtype,
+            part,
+            AttentionProducts::MmaSync,
+        )
     }
 
     fn rows_of(shape: AttnShape) -> usize {
@@ -1827,7 +1952,12 @@ pub mod ring {
         check_dtype(kv, dtype, "ring attention key/value block")?;
         qkv.device().launch(
             "attention.cu",
-            &attention_kernel("ring_fwd", dtype, shape.head_dim),
+            &attention_kernel(
+                "ring_fwd",
+                dtype,
+                shape.head_dim,
+                AttentionProducts::MmaSync,
+            ),
             pair_launch(shape, dtype, "fwd", pair),
             Args::new()
                 .ptr(qkv.ptr())
@@ -1880,7 +2010,12 @@ pub mod ring {
             check_dtype(acc, DType::F32, "ring attention gradient accumulator")?;
             qkv.device().launch(
                 "attention.cu",
-                &attention_kernel(&format!("ring_{part}"), dtype, shape.head_dim),
+                &attention_kernel(
+                    &format!("ring_{part}"),
+                    dtype,
+                    shape.head_dim,
+                    AttentionProducts::MmaSync,
+                ),
                 pair_launch(shape, dtype, part, pair),
                 Args::new()
                     .ptr(qkv.ptr())
@@ -2347,33 +2482,49 @@ mod tests {
 
     #[test]
     fn attention_launches_cover_the_sequence_and_fit_shared_memory() {
+        use AttentionProducts::{MmaSync, Warpgroup};
         let s = AttnShape {
             batch: 16,
             seq: 1024,
             heads: 12,
             head_dim: 64,
         };
-        let l = attention_launch(s, DType::BF16, "fwd");
+        let l = attention_launch(s, DType::BF16, "fwd", MmaSync);
         assert_eq!(l.grid, (16, 192, 1));
         assert_eq!(l.block, (128, 1, 1));
         // Ragged sequences get a last partial tile.
-        let l = attention_launch(AttnShape { seq: 100, ..s }, DType::BF16, "dq");
+        let l = attention_launch(AttnShape { seq: 100, ..s }, DType::BF16, "dq", Warpgroup);
         assert_eq!(l.grid.0, 2);
         // Every kernel fits an H100's 227 KiB (and an A100's 163 KiB) at head size 128.
         for part in ["fwd", "dkdv", "dq"] {
-            assert!(attention_smem(part, 128) <= 163 * 1024, "{part}");
+            assert!(attention_smem(part, 128, MmaSync) <= 163 * 1024, "{part}");
+            assert!(
+                attention_smem(part, 128, Warpgroup) < attention_smem(part, 128, MmaSync),
+                "{part}"
+            );
         }
         // 64 × 72 16-bit values a tile at head size 64: Q + two K and two V buffers; the
         // backward kernels hold six tiles, dK/dV's also two rows each of lse and D.
-        assert_eq!(attention_smem("fwd", 64), 5 * 9216);
-        assert_eq!(attention_smem("fwd", 128), 5 * 64 * 136 * 2);
-        assert_eq!(attention_smem("dkdv", 64), 6 * 9216 + 1024);
-        assert_eq!(attention_smem("dq", 64), 6 * 9216);
-        let l = attention_launch(s, DType::F32, "fwd");
+        assert_eq!(attention_smem("fwd", 64, MmaSync), 5 * 9216);
+        assert_eq!(attention_smem("fwd", 128, MmaSync), 5 * 64 * 136 * 2);
+        assert_eq!(attention_smem("dkdv", 64, MmaSync), 6 * 9216 + 1024);
+        assert_eq!(attention_smem("dq", 64, MmaSync), 6 * 9216);
+        // The warpgroup kernels stream unpadded core-matrix tiles (64 × 64 × 2 bytes).
+        assert_eq!(attention_smem("fwd", 64, Warpgroup), 9216 + 4 * 8192);
+        assert_eq!(
+            attention_smem("dkdv", 64, Warpgroup),
+            2 * 9216 + 4 * 8192 + 1024
+        );
+        assert_eq!(attention_smem("dq", 128, Warpgroup), 2 * 17408 + 4 * 16384);
+        let l = attention_launch(s, DType::F32, "fwd", MmaSync);
         assert_eq!(l.grid, (256, 192, 1));
         assert_eq!(
-            attention_kernel("dkdv", DType::F16, 128),
+            attention_kernel("dkdv", DType::F16, 128, MmaSync),
             "attn_dkdv_f16_hd128"
+        );
+        assert_eq!(
+            attention_kernel("fwd", DType::BF16, 64, Warpgroup),
+            "attn_fwd_wg_bf16_hd64"
         );
     }
 
@@ -2406,13 +2557,16 @@ mod tests {
         );
         let l = ring::pair_launch(s, DType::BF16, "dkdv", pair);
         assert_eq!(l.grid, (2, 6, 1));
-        assert_eq!(l.smem, attention_smem("dkdv", 64));
+        assert_eq!(
+            l.smem,
+            attention_smem("dkdv", 64, AttentionProducts::MmaSync)
+        );
         assert_eq!(
             ring::pair_launch(s, DType::F32, "dkdv", pair).grid,
             (18, 6, 1)
         );
         assert_eq!(
-            attention_kernel("ring_dkdv", DType::F32, 64),
+            attention_kernel("ring_dkdv", DType::F32, 64, AttentionProducts::MmaSync),
             "attn_ring_dkdv_f32_hd64"
         );
         for bad in [

@@ -20,11 +20,13 @@ struct Shape {
 };
 
 /// The shared memory the Rust side gives each tensor-core kernel (ops::attention_smem).
-size_t smem(const char* part, int hd) {
-    const size_t half_tile = 64 * (hd + 8) * 2;
-    if (!strcmp(part, "fwd")) return 5 * half_tile;
-    if (!strcmp(part, "dkdv")) return 6 * half_tile + 4 * 64 * 4;
-    return 6 * half_tile;
+size_t smem(const char* part, int hd, bool wg = false) {
+    // Padded tiles (A operands, and B under mma.sync); the wgmma kernels' B tiles are
+    // unpadded core matrices.
+    const size_t half_tile = 64 * (hd + 8) * 2, b_tile = wg ? 64 * hd * 2 : half_tile;
+    if (!strcmp(part, "fwd")) return half_tile + 4 * b_tile;
+    if (!strcmp(part, "dkdv")) return 2 * half_tile + 4 * b_tile + 4 * 64 * 4;
+    return 2 * half_tile + 4 * b_tile;
 }
 
 /// Causal attention in double: out, lse, and the gradients for dout.
@@ -102,11 +104,26 @@ template <class T> struct Kernels;
         static constexpr auto ring_fwd = attn_ring_fwd_##NAME##_hd##HD;                          \
         static constexpr auto ring_dkdv = attn_ring_dkdv_##NAME##_hd##HD;                        \
         static constexpr auto ring_dq = attn_ring_dq_##NAME##_hd##HD;                            \
+        static constexpr bool wg = false;                                                        \
+    };
+// The Hopper kernels (wgmma products; the emulator runs them as PTX specifies wgmma).
+#define WG_KERNELS(TYPE, NAME, HD)                                                               \
+    template <> struct Kernels<TYPE##_wg<HD>> {                                                  \
+        static constexpr auto fwd = attn_fwd_wg_##NAME##_hd##HD;                                 \
+        static constexpr auto dkdv = attn_dkdv_wg_##NAME##_hd##HD;                               \
+        static constexpr auto dq = attn_dq_wg_##NAME##_hd##HD;                                   \
+        static constexpr bool wg = true;                                                         \
     };
 
 template <int HD> struct bf16_hd {};
 template <int HD> struct f16_hd {};
 template <int HD> struct f32_hd {};
+template <int HD> struct bf16_wg {};
+template <int HD> struct f16_wg {};
+WG_KERNELS(bf16, bf16, 64)
+WG_KERNELS(bf16, bf16, 128)
+WG_KERNELS(f16, f16, 64)
+WG_KERNELS(f16, f16, 128)
 KERNELS(bf16, bf16, 32)
 KERNELS(bf16, bf16, 64)
 KERNELS(bf16, bf16, 128)
@@ -149,10 +166,10 @@ void run(kt::Tally& tally, const Shape& s, uint64_t seed) {
     const float scale = 1.0f / std::sqrt((float)s.HD);
     const bool tensor_cores = sizeof(T) == 2;
     const dim3 grid(tensor_cores ? (s.T + 63) / 64 : (s.T + 3) / 4, s.B * s.H);
-    auto sm = [&](const char* p) { return tensor_cores ? smem(p, s.HD) : (size_t)0; };
+    auto sm = [&](const char* p) { return tensor_cores ? smem(p, s.HD, K::wg) : (size_t)0; };
     emu::launch(K::fwd, grid, dim3(128), sm("fwd"), qkv, out, lse, s.B, s.T, s.H, scale, s.window);
-    const std::string what = kt::fmt("attention %s B=%d T=%d H=%d hd=%d window=%d", kt::type_name<T>(), s.B,
-                                     s.T, s.H, s.HD, s.window);
+    const std::string what = kt::fmt("attention%s %s B=%d T=%d H=%d hd=%d window=%d", K::wg ? " (wgmma)" : "",
+                                     kt::type_name<T>(), s.B, s.T, s.H, s.HD, s.window);
     tally.check(what + " forward", kt::rel_l2(kt::read(out, n_out), ref.out), kt::tol<T>());
     tally.check(what + " log-sum-exp", kt::rel_l2(kt::read(lse, n_rows), ref.lse), tensor_cores ? 1e-3 : 1e-5);
     emu::launch(Prep<T>::k, dim3(kt::grid_for((long long)n_rows * 32)), dim3(256), 0, out, dout, Dr,
@@ -339,6 +356,15 @@ int main() {
     run<bf16, Kernels<bf16_hd<32>>>(tally, {2, 64, 1, 32, 500}, 19);
     run<float, Kernels<f32_hd<64>>>(tally, {1, 37, 2, 64, 5}, 20);
     run<float, Kernels<f32_hd<32>>>(tally, {2, 20, 1, 32, 1}, 21);
+    // The Hopper kernels on the same kinds of shapes: ragged tiles, several query tiles,
+    // heads of 64 and 128, both types, windows.
+    run<bf16, Kernels<bf16_wg<64>>>(tally, {1, 130, 2, 64}, 31);
+    run<bf16, Kernels<bf16_wg<64>>>(tally, {1, 300, 1, 64}, 32);
+    run<f16, Kernels<f16_wg<64>>>(tally, {2, 100, 1, 64}, 33);
+    run<bf16, Kernels<bf16_wg<128>>>(tally, {1, 70, 1, 128}, 34);
+    run<f16, Kernels<f16_wg<128>>>(tally, {1, 200, 1, 128}, 35);
+    run<bf16, Kernels<bf16_wg<64>>>(tally, {1, 300, 1, 64, 37}, 36);
+    run<bf16, Kernels<bf16_wg<128>>>(tally, {1, 200, 1, 128, 100}, 37);
     // Ring attention: chunks of a partial tile (40 rows), of exactly one (64) and of two
     // tiles with a ragged one (150), on 2 and 3 ranks.
     run_ring<bf16, Kernels<bf16_hd<64>>>(tally, {1, 160, 2, 64}, 2, 11);

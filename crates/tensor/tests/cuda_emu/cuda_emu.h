@@ -2112,6 +2112,147 @@ inline void mt_cp_async_commit() {}
 template <int N> inline void mt_cp_async_wait() {}
 
 // =======================================================================================
+// Hopper's warpgroup products (prelude.cuh's mt_wgmma*, sm_90a's wgmma.mma_async with A in
+// registers and B through a shared-memory descriptor). As PTX specifies them:
+// - a warpgroup (4 consecutive warps of a block whose size is a multiple of 128) computes
+//   a 64 × N product; warp w's A registers hold rows 16w.. in mma.sync's A layout and its
+//   accumulators D the same rows in mma.sync's C/D layout (n-tile j in d[j]);
+// - the descriptor: bits 0-13 the start (shared address >> 4), 16-29 LBO >> 4 (bytes
+//   between core matrices along K), 32-45 SBO >> 4 (along N), 49-51 base offset and 62-63
+//   swizzle (only 0, "interleaved", is emulated; anything else fails the launch); a core
+//   matrix is 8 rows of 16 bytes, 128 contiguous bytes: B(k, n) lies at
+//   start + (n/8)·SBO + (n%8)·16 + (k/8)·LBO + (k%8)·2 (TRANS_B 0: rows are n, 8 k values
+//   each), or start + (k/8)·LBO + (k%8)·16 + (n/8)·SBO + (n%8)·2 (TRANS_B 1);
+// - asynchronous: the product is computed, and D written, only when a wgmma.wait_group lets
+//   its commit group complete. So a kernel that reads D, or overwrites B's shared tile,
+//   before waiting gets different numbers here, and a product never committed and waited
+//   for fails the next product of that thread in another block. Shared addresses are
+//   offsets into the launch's dynamic shared memory. Products exact, summed in double,
+//   rounded to float once (as mma). Not checked: wgmma.fence and the async-proxy fence.
+// =======================================================================================
+namespace emu_wg {
+struct Pending {
+    float (*d)[4];
+    int n;
+    bool trans, bf;
+    unsigned long long desc;
+    float a[2][16]; // this lane's two rows of A
+    unsigned group; // the commit group it belongs to
+    uint3 block;
+};
+struct Lane {
+    std::vector<Pending> pending;
+    unsigned commits = 0;
+};
+inline Lane& lane_state() {
+    static Lane lanes[1024];
+    return lanes[emu_frag::linear_thread()];
+}
+inline const char* smem_base() { return ::emu::detail::run().dsmem; }
+inline float b_value(const Pending& p, int k, int n) {
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    const size_t start = (p.desc & 0x3FFF) << 4, lbo = ((p.desc >> 16) & 0x3FFF) << 4,
+                 sbo = ((p.desc >> 32) & 0x3FFF) << 4;
+    const size_t at = p.trans ? start + (k / 8) * lbo + (k % 8) * 16 + (n / 8) * sbo + (n % 8) * 2
+                              : start + (n / 8) * sbo + (n % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
+    if (at + 2 > R.smem)
+        ::emu::detail::fail(::emu::detail::fmt(
+            "wgmma reads B(k %d, n %d) at shared byte %zu, past the %zu bytes of dynamic shared "
+            "memory",
+            k, n, at, R.smem));
+    unsigned short bits;
+    std::memcpy(&bits, R.dsmem + at, 2);
+    return emu_frag::half_bits_to_float(bits, p.bf);
+}
+inline void apply(const Pending& p) {
+    const unsigned lane = emu_frag::linear_thread() % 32;
+    const int c = 2 * (lane % 4);
+    for (int j = 0; j < p.n / 8; ++j) {
+        for (int e = 0; e < 4; ++e) {
+            const int col = 8 * j + c + (e & 1);
+            double acc = p.d[j][e];
+            for (int k = 0; k < 16; ++k) acc += (double)p.a[e >> 1][k] * (double)b_value(p, k, col);
+            p.d[j][e] = (float)acc;
+        }
+    }
+}
+} // namespace emu_wg
+
+inline unsigned long long mt_wgmma_desc(const void* smem, unsigned lbo, unsigned sbo) {
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    const char* p = (const char*)smem;
+    if (p < R.dsmem || p >= R.dsmem + R.smem)
+        ::emu::detail::fail("mt_wgmma_desc of an address outside the dynamic shared memory");
+    const unsigned long long addr = (unsigned long long)(p - R.dsmem);
+    if (addr % 16 || lbo % 16 || sbo % 16)
+        ::emu::detail::fail("a wgmma descriptor's start, LBO and SBO must be multiples of 16 bytes");
+    return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+           ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
+}
+inline void mt_wgmma_fence() {}
+inline void mt_fence_proxy_async() {}
+template <int N> inline void mt_wgmma_hold(float (*)[4]) {}
+inline void mt_wgmma_commit() { ++emu_wg::lane_state().commits; }
+template <int N> inline void mt_wgmma_wait() {
+    emu_wg::Lane& L = emu_wg::lane_state();
+    std::vector<emu_wg::Pending> keep;
+    for (const emu_wg::Pending& p : L.pending) {
+        if (p.group + N < L.commits) emu_wg::apply(p);
+        else keep.push_back(p);
+    }
+    L.pending.swap(keep);
+}
+template <class T, int N, int TRANS_B>
+inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) {
+    static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
+                  "wgmma here takes bf16 or f16");
+    static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16: N a multiple of 8 to 256");
+    const unsigned t = emu_frag::linear_thread(), warp = t / 32, lane = t % 32;
+    const dim3 bd = blockDim;
+    if ((bd.x * bd.y * bd.z) % 128 != 0)
+        ::emu::detail::fail("wgmma needs whole warpgroups: the block's threads are not a multiple of 128");
+    if ((desc >> 62) != 0 || ((desc >> 49) & 7) != 0)
+        ::emu::detail::fail("wgmma descriptor with a swizzle or base offset (only the interleaved "
+                            "layout is emulated)");
+    emu_wg::Lane& L = emu_wg::lane_state();
+    const uint3 blk = blockIdx;
+    if (!L.pending.empty()) {
+        const uint3 was = L.pending.front().block;
+        if (was.x != blk.x || was.y != blk.y || was.z != blk.z)
+            ::emu::detail::fail("a wgmma product of an earlier block was never waited for");
+    }
+    auto& st = emu_frag::staging()[warp];
+    for (int i = 0; i < 4; ++i) st[lane][i] = a[i];
+    st[lane][4] = desc;
+    __syncwarp();
+    emu_wg::Pending p;
+    p.d = d;
+    p.n = N;
+    p.trans = TRANS_B != 0;
+    p.bf = std::is_same<T, __nv_bfloat16>::value;
+    p.desc = desc;
+    p.group = L.commits;
+    p.block = blk;
+    bool uniform = true;
+    for (int s = 0; s < 32; ++s) uniform = uniform && st[s][4] == desc;
+    const int g = lane / 4;
+    for (int q = 0; q < 4; ++q) {
+        const auto& src = st[4 * g + q];
+        auto put = [&](int row, int col, unsigned long long v) {
+            p.a[row][col] = emu_frag::half_bits_to_float((unsigned short)(v & 0xFFFF), p.bf);
+            p.a[row][col + 1] = emu_frag::half_bits_to_float((unsigned short)((v >> 16) & 0xFFFF), p.bf);
+        };
+        put(0, 2 * q, src[0]);
+        put(1, 2 * q, src[1]);
+        put(0, 2 * q + 8, src[2]);
+        put(1, 2 * q + 8, src[3]);
+    }
+    __syncwarp();
+    if (!uniform) ::emu::detail::fail("wgmma: the lanes of a warp gave different descriptors");
+    L.pending.push_back(p);
+}
+
+// =======================================================================================
 // The test API.
 // =======================================================================================
 namespace emu {

@@ -63,6 +63,22 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
     }
 }
 
+// The same rows as a tile of core matrices (the wgmma kernels' B operands): 8 rows × 8
+// values, 128 contiguous bytes each, row group-major: value (r, c) at
+// ((r / 8) · HD / 8 + c / 8) · 64 + (r % 8) · 8 + c % 8. Eight consecutive threads fill one
+// core matrix (one 16-byte chunk of 8 rows: conflict-free stores, 32-byte global sectors).
+template <typename T, int HD>
+__device__ __forceinline__ void load_tile_cm_async(T* dst, const T* src, long long stride, int r0,
+                                                   int rows) {
+    constexpr int CHUNKS = HD / 8;
+    for (int v = threadIdx.x; v < TILE * CHUNKS; v += THREADS) {
+        const int cm = v / 8, r = (cm / CHUNKS) * 8 + v % 8, c = (cm % CHUNKS) * 8;
+        const bool inside = r0 + r < rows;
+        mt_cp_async_16(dst + v * 8, inside ? src + (long long)(r0 + r) * stride + c : src,
+                       inside ? 16 : 0);
+    }
+}
+
 // This lane's row address for an ldmatrix .x4 of the 16 × 16 block at (r0, c0) of a tile
 // with rows `ld` apart, in the order of an A operand (rows r0.. are M, columns c0.. are K),
 // or, with .trans, of the B operands of two n-tiles (rows r0.. are K, columns c0.. and
@@ -114,6 +130,74 @@ __device__ __forceinline__ void mma_a_x(float (*acc)[4], const unsigned (*a)[4],
         }
     }
 }
+
+// The two ways the kernels below run their products, chosen per kernel (`Mma`). A operands
+// are the warp's rows of a padded tile (ldmatrix) or probabilities in registers either way;
+// the double-buffered tiles that stream past them are the B operands.
+//   SyncMma: every GPU; B tiles with padded rows, fragments by ldmatrix, mma.sync per warp.
+//   WarpgroupMma: sm_90a (H100, H200); B tiles of core matrices (load_tile_cm_async) that
+//     the tensor cores read themselves, one wgmma per 16-wide k-step for the block's 4 warps
+//     (a warpgroup, 64 rows), waited for at once. Shared memory written by cp.async is
+//     fenced for the async proxy before the barrier that publishes it.
+struct SyncMma {
+    template <int HD> static __device__ constexpr int b_tile_values() { return TILE * (HD + 8); }
+    template <typename T, int HD>
+    static __device__ __forceinline__ void load_b(T* dst, const T* src, long long stride, int r0,
+                                                  int rows) {
+        load_tile_async<T, HD>(dst, src, stride, r0, rows);
+    }
+    static __device__ __forceinline__ void publish() {}
+    // acc += A · Xᵀ, X an N × K tile (rows HD + 8 apart).
+    template <typename T, int K, int N>
+    static __device__ __forceinline__ void a_xt(float (*acc)[4], const unsigned (*a)[4],
+                                                const T* x, int lane) {
+        mma_a_xt<T, K, N>(acc, a, x, K + 8, lane);
+    }
+    // acc += A · X, X a K × N tile.
+    template <typename T, int K, int N>
+    static __device__ __forceinline__ void a_x(float (*acc)[4], const unsigned (*a)[4],
+                                               const T* x, int lane) {
+        mma_a_x<T, K, N>(acc, a, x, N + 8, lane);
+    }
+};
+
+struct WarpgroupMma {
+    template <int HD> static __device__ constexpr int b_tile_values() { return TILE * HD; }
+    template <typename T, int HD>
+    static __device__ __forceinline__ void load_b(T* dst, const T* src, long long stride, int r0,
+                                                  int rows) {
+        load_tile_cm_async<T, HD>(dst, src, stride, r0, rows);
+    }
+    static __device__ __forceinline__ void publish() { mt_fence_proxy_async(); }
+    // X's rows are B's columns (n-major): core matrices 128 bytes apart along K, a row
+    // group's K / 8 of them (K · 16 bytes) apart along N; k-step kk starts 2 core matrices on.
+    template <typename T, int K, int N>
+    static __device__ __forceinline__ void a_xt(float (*acc)[4], const unsigned (*a)[4],
+                                                const T* x, int) {
+        mt_wgmma_hold<N>(acc);
+        mt_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+            mt_wgmma<T, N, 0>(acc, a[kk], mt_wgmma_desc(x + kk * 128, 128, K * 16));
+        mt_wgmma_commit();
+        mt_wgmma_wait<0>();
+        mt_wgmma_hold<N>(acc);
+    }
+    // X's rows are K (B transposed): row groups N · 16 bytes apart along K, core matrices
+    // 128 bytes apart along N; k-step kk starts 2 row groups on.
+    template <typename T, int K, int N>
+    static __device__ __forceinline__ void a_x(float (*acc)[4], const unsigned (*a)[4],
+                                               const T* x, int) {
+        mt_wgmma_hold<N>(acc);
+        mt_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+            mt_wgmma<T, N, 1>(acc, a[kk], mt_wgmma_desc(x + kk * N * 16, N * 16, 128));
+        mt_wgmma_commit();
+        mt_wgmma_wait<0>();
+        mt_wgmma_hold<N>(acc);
+    }
+};
 
 // The A fragments of the warp's 16 rows (starting at row r0) of a shared tile, K = HD.
 template <typename T, int HD>
@@ -318,12 +402,12 @@ struct Merge {
 // `forward_tiles` leaves the warp's normalised output rows in `o` and each of the lane's two
 // rows' maximum `m` (log2 units) and sum `l` (whole row); the kernels differ in where that
 // goes. Shared memory: Q, then two K and two V tiles; the warp's own rows of Q stage output.
-template <typename T, int HD>
+template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
                                               float (*o)[4], float* m, float* l) {
-    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
-    T* sK = sQ + TILE_VALUES; // two buffers
-    T* sV = sK + 2 * TILE_VALUES;
+    constexpr int B_VALUES = Mma::template b_tile_values<HD>();
+    T* sK = sQ + TILE * (HD + 8); // two buffers
+    T* sV = sK + 2 * B_VALUES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int c = 2 * (lane % 4);
     const int row0 = q0 + warp * 16 + lane / 4; // this lane's rows: row0 and row0 + 8
@@ -331,8 +415,8 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
     const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0);
 
     load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
-    load_tile_async<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
-    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::template load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::template load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
 
     unsigned qa[HD / 16][4];
@@ -342,22 +426,23 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
     for (int kt = kt0; kt < key_tiles; ++kt) {
         const int buf = (kt - kt0) & 1;
         if (kt + 1 < key_tiles) {
-            const int nb = (buf ^ 1) * TILE_VALUES;
-            load_tile_async<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
-            load_tile_async<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            const int nb = (buf ^ 1) * B_VALUES;
+            Mma::template load_b<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            Mma::template load_b<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
             mt_cp_async_commit();
             mt_cp_async_wait<1>();
         } else {
             mt_cp_async_wait<0>();
         }
+        Mma::publish();
         __syncthreads();
         if (kt == kt0) load_rows<T, HD>(qa, sQ, warp * 16, lane);
-        const T* K = sK + buf * TILE_VALUES;
-        const T* V = sV + buf * TILE_VALUES;
+        const T* K = sK + buf * B_VALUES;
+        const T* V = sV + buf * B_VALUES;
 
         float s[TILE / 8][4];
         zero<TILE>(s);
-        mma_a_xt<T, HD, TILE>(s, qa, K, LD, lane);
+        Mma::template a_xt<T, HD, TILE>(s, qa, K, lane);
 
         // Scale, and mask on the last tile (the only one holding keys past the diagonal or
         // past the block: tiles are aligned, so earlier keys precede every row) and on the
@@ -408,7 +493,7 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
         }
         unsigned pa[TILE / 16][4];
         to_a<T, TILE>(pa, s);
-        mma_a_x<T, TILE, HD>(o, pa, V, LD, lane);
+        Mma::template a_x<T, TILE, HD>(o, pa, V, lane);
         __syncthreads(); // everyone is done with this buffer before it is refilled
     }
 
@@ -427,7 +512,7 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
     }
 }
 
-template <typename T, int HD>
+template <typename T, int HD, typename Mma = SyncMma>
 __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, float scale,
                         int window) {
     constexpr int LD = HD + 8;
@@ -437,7 +522,7 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const Pair<T> p = fused_pair<T, HD>(qkv, nullptr, nullptr, nullptr, b, h, Tn, H, window);
     float o[HD / 8][4], m[2], l[2];
-    forward_tiles<T, HD>(p, q0, sQ, scale, o, m, l);
+    forward_tiles<T, HD, Mma>(p, q0, sQ, scale, o, m, l);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = q0 + warp * 16 + lane / 4;
@@ -534,14 +619,14 @@ __device__ void ring_forward(const T* qkv, const T* kv, float* out, float* lse, 
 //   Sᵀ = K·Qᵀ, Pᵀ = exp(scale·Sᵀ − lse), dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D),
 //   dK += dSᵀ·Q (× scale when stored).
 // Shared memory: K, V, two Q and two dO tiles, two rows each of lse and D.
-template <typename T, int HD>
+template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, float scale,
                                            float (*dk)[4], float (*dv)[4]) {
-    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
+    constexpr int TILE_VALUES = TILE * (HD + 8), B_VALUES = Mma::template b_tile_values<HD>();
     T* sV = sK + TILE_VALUES;
-    T* sQ = sV + TILE_VALUES;      // two buffers
-    T* sdO = sQ + 2 * TILE_VALUES; // two buffers
-    float* sL = reinterpret_cast<float*>(sdO + 2 * TILE_VALUES); // two rows: lse · log2(e)
+    T* sQ = sV + TILE_VALUES;   // two buffers
+    T* sdO = sQ + 2 * B_VALUES; // two buffers
+    float* sL = reinterpret_cast<float*>(sdO + 2 * B_VALUES); // two rows: lse · log2(e)
     float* sD = sL + 2 * TILE;                                   // two rows
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int c = 2 * (lane % 4);
@@ -563,26 +648,28 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
     if (qt0 >= q_tiles) return; // no query sees these keys (a causal pair with fewer queries)
     load_tile_async<T, HD>(sK, p.k, p.kv_stride, k0, p.kv_rows);
     load_tile_async<T, HD>(sV, p.v(), p.kv_stride, k0, p.kv_rows);
-    load_tile_async<T, HD>(sQ, p.q, p.q_stride, qt0 * TILE, p.q_rows);
-    load_tile_async<T, HD>(sdO, p.dout, p.dout_stride, qt0 * TILE, p.q_rows);
+    Mma::template load_b<T, HD>(sQ, p.q, p.q_stride, qt0 * TILE, p.q_rows);
+    Mma::template load_b<T, HD>(sdO, p.dout, p.dout_stride, qt0 * TILE, p.q_rows);
     mt_cp_async_commit();
     load_rows_of(0, qt0 * TILE);
 
     for (int qt = qt0; qt < q_tiles; ++qt) {
         const int buf = (qt - qt0) & 1;
         if (qt + 1 < q_tiles) {
-            const int nb = (buf ^ 1) * TILE_VALUES;
-            load_tile_async<T, HD>(sQ + nb, p.q, p.q_stride, (qt + 1) * TILE, p.q_rows);
-            load_tile_async<T, HD>(sdO + nb, p.dout, p.dout_stride, (qt + 1) * TILE, p.q_rows);
+            const int nb = (buf ^ 1) * B_VALUES;
+            Mma::template load_b<T, HD>(sQ + nb, p.q, p.q_stride, (qt + 1) * TILE, p.q_rows);
+            Mma::template load_b<T, HD>(sdO + nb, p.dout, p.dout_stride, (qt + 1) * TILE,
+                                        p.q_rows);
             mt_cp_async_commit();
             load_rows_of(buf ^ 1, (qt + 1) * TILE);
             mt_cp_async_wait<1>();
         } else {
             mt_cp_async_wait<0>();
         }
+        Mma::publish();
         __syncthreads();
-        const T* Q = sQ + buf * TILE_VALUES;
-        const T* dO = sdO + buf * TILE_VALUES;
+        const T* Q = sQ + buf * B_VALUES;
+        const T* dO = sdO + buf * B_VALUES;
         const float* L = sL + buf * TILE;
         const float* Dq = sD + buf * TILE;
         const int q0 = qt * TILE;
@@ -593,7 +680,7 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
         {
             unsigned ka[HD / 16][4];
             load_rows<T, HD>(ka, sK, warp * 16, lane);
-            mma_a_xt<T, HD, TILE>(st, ka, Q, LD, lane);
+            Mma::template a_xt<T, HD, TILE>(st, ka, Q, lane);
         }
         // The diagonal tile (a causal pair's first), the last one (padded queries) and
         // those a window cuts need the mask; padded keys are never stored.
@@ -612,7 +699,7 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
         unsigned pa[TILE / 16][4];
         to_a<T, TILE>(pa, st);
         // dV += Pᵀ·dO.
-        mma_a_x<T, TILE, HD>(dv, pa, dO, LD, lane);
+        Mma::template a_x<T, TILE, HD>(dv, pa, dO, lane);
 
         // dPᵀ = V·dOᵀ → dSᵀ = Pᵀ∘(dPᵀ − D).
         float dpt[TILE / 8][4];
@@ -620,7 +707,7 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
         {
             unsigned va[HD / 16][4];
             load_rows<T, HD>(va, sV, warp * 16, lane);
-            mma_a_xt<T, HD, TILE>(dpt, va, dO, LD, lane);
+            Mma::template a_xt<T, HD, TILE>(dpt, va, dO, lane);
         }
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
@@ -633,12 +720,12 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
         unsigned dsa[TILE / 16][4];
         to_a<T, TILE>(dsa, dpt);
         // dK += dSᵀ·Q.
-        mma_a_x<T, TILE, HD>(dk, dsa, Q, LD, lane);
+        Mma::template a_x<T, TILE, HD>(dk, dsa, Q, lane);
         __syncthreads(); // everyone is done with this buffer before it is refilled
     }
 }
 
-template <typename T, int HD>
+template <typename T, int HD, typename Mma = SyncMma>
 __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, const float* Drows,
                               T* dqkv, int B, int Tn, int H, float scale, int window) {
     constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
@@ -649,7 +736,7 @@ __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, con
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
     float dk[HD / 8][4], dv[HD / 8][4];
-    dkdv_tiles<T, HD>(p, k0, sK, scale, dk, dv);
+    dkdv_tiles<T, HD, Mma>(p, k0, sK, scale, dk, dv);
 
     // The warp's own rows of sK and sV (only it read them) stage dK and dV.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -687,13 +774,13 @@ __device__ void ring_dkdv(const T* qkv, const T* kv, const T* dout, const float*
 //   S = Q·Kᵀ, P = exp(scale·S − lse), dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K (× scale when
 //   stored).
 // Shared memory: Q, dO, two K and two V tiles.
-template <typename T, int HD>
+template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
                                          float (*dq)[4]) {
-    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
+    constexpr int TILE_VALUES = TILE * (HD + 8), B_VALUES = Mma::template b_tile_values<HD>();
     T* sdO = sQ + TILE_VALUES;
     T* sK = sdO + TILE_VALUES; // two buffers
-    T* sV = sK + 2 * TILE_VALUES;
+    T* sV = sK + 2 * B_VALUES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int c = 2 * (lane % 4);
     const int row0 = q0 + warp * 16 + lane / 4; // this lane's queries: row0 and row0 + 8
@@ -709,8 +796,8 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
 
     load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
     load_tile_async<T, HD>(sdO, p.dout, p.dout_stride, q0, p.q_rows);
-    load_tile_async<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
-    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::template load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::template load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
 
     unsigned qa[HD / 16][4], doa[HD / 16][4];
@@ -718,27 +805,28 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
     for (int kt = kt0; kt < key_tiles; ++kt) {
         const int buf = (kt - kt0) & 1;
         if (kt + 1 < key_tiles) {
-            const int nb = (buf ^ 1) * TILE_VALUES;
-            load_tile_async<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
-            load_tile_async<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            const int nb = (buf ^ 1) * B_VALUES;
+            Mma::template load_b<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            Mma::template load_b<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
             mt_cp_async_commit();
             mt_cp_async_wait<1>();
         } else {
             mt_cp_async_wait<0>();
         }
+        Mma::publish();
         __syncthreads();
         if (kt == kt0) {
             load_rows<T, HD>(qa, sQ, warp * 16, lane);
             load_rows<T, HD>(doa, sdO, warp * 16, lane);
         }
-        const T* K = sK + buf * TILE_VALUES;
-        const T* V = sV + buf * TILE_VALUES;
+        const T* K = sK + buf * B_VALUES;
+        const T* V = sV + buf * B_VALUES;
         const int k0 = kt * TILE;
 
         // S = Q·Kᵀ → P.
         float s[TILE / 8][4];
         zero<TILE>(s);
-        mma_a_xt<T, HD, TILE>(s, qa, K, LD, lane);
+        Mma::template a_xt<T, HD, TILE>(s, qa, K, lane);
         const bool edge = kt == key_tiles - 1 || p.window_cuts(q0, k0);
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
@@ -753,7 +841,7 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
         // dP = dO·Vᵀ → dS = P∘(dP − D).
         float dp[TILE / 8][4];
         zero<TILE>(dp);
-        mma_a_xt<T, HD, TILE>(dp, doa, V, LD, lane);
+        Mma::template a_xt<T, HD, TILE>(dp, doa, V, lane);
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
@@ -762,12 +850,12 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
         unsigned dsa[TILE / 16][4];
         to_a<T, TILE>(dsa, dp);
         // dQ += dS·K.
-        mma_a_x<T, TILE, HD>(dq, dsa, K, LD, lane);
+        Mma::template a_x<T, TILE, HD>(dq, dsa, K, lane);
         __syncthreads(); // everyone is done with this buffer before it is refilled
     }
 }
 
-template <typename T, int HD>
+template <typename T, int HD, typename Mma = SyncMma>
 __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const float* Drows,
                             T* dqkv, int B, int Tn, int H, float scale, int window) {
     constexpr int LD = HD + 8;
@@ -777,7 +865,7 @@ __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
     float dq[HD / 8][4];
-    dq_tiles<T, HD>(p, q0, sQ, scale, dq);
+    dq_tiles<T, HD, Mma>(p, q0, sQ, scale, dq);
     // The warp's own rows of sQ (only it read them, at kt = 0) stage dQ.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     store_rows<T, HD>(dqkv + (long long)b * Tn * 3 * H * HD + h * HD, 3LL * H * HD, dq, scale,
@@ -1165,6 +1253,31 @@ ATTN_HALF(f16, f16, 128)
 ATTN_F32(32)
 ATTN_F32(64)
 ATTN_F32(128)
+
+// The same three kernels with Hopper's warpgroup products (sm_90a; a trap elsewhere, and the
+// host launches them only on compute capability 9.0): attn_{fwd,dkdv,dq}_wg_{bf16,f16}_hd{64,128}.
+#define ATTN_WG(T, NAME, HD)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        attn_fwd_wg_##NAME##_hd##HD(const T* qkv, T* out, float* lse, int B, int Tn, int H,    \
+                                    float scale, int window) {                                 \
+        attn::forward<T, HD, attn::WarpgroupMma>(qkv, out, lse, B, Tn, H, scale, window);      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_dkdv_wg_##NAME##_hd##HD(            \
+        const T* qkv, const T* dout, const float* lse, const float* Drows, T* dqkv, int B,     \
+        int Tn, int H, float scale, int window) {                                              \
+        attn::backward_dkdv<T, HD, attn::WarpgroupMma>(qkv, dout, lse, Drows, dqkv, B, Tn, H,  \
+                                                       scale, window);                         \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_dq_wg_##NAME##_hd##HD(              \
+        const T* qkv, const T* dout, const float* lse, const float* Drows, T* dqkv, int B,     \
+        int Tn, int H, float scale, int window) {                                              \
+        attn::backward_dq<T, HD, attn::WarpgroupMma>(qkv, dout, lse, Drows, dqkv, B, Tn, H,    \
+                                                     scale, window);                           \
+    }
+ATTN_WG(bf16, bf16, 64)
+ATTN_WG(bf16, bf16, 128)
+ATTN_WG(f16, f16, 64)
+ATTN_WG(f16, f16, 128)
 
 #define ATTN_PREP(T, NAME)                                                                     \
     extern "C" __global__ void attn_bwd_prep_##NAME(const T* out, const T* dout, float* Drows, \
