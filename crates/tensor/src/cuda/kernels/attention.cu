@@ -140,6 +140,7 @@ __device__ __forceinline__ void mma_a_x(float (*acc)[4], const unsigned (*a)[4],
 //     (a warpgroup, 64 rows), waited for at once. Shared memory written by cp.async is
 //     fenced for the async proxy before the barrier that publishes it.
 struct SyncMma {
+    static constexpr bool PIPELINED = false;
     template <int HD> static __device__ constexpr int b_tile_values() { return TILE * (HD + 8); }
     template <typename T, int HD>
     static __device__ __forceinline__ void load_b(T* dst, const T* src, long long stride, int r0,
@@ -162,6 +163,8 @@ struct SyncMma {
 };
 
 struct WarpgroupMma {
+    // The forward overlaps each tile's softmax with the products (forward_tiles_pipelined).
+    static constexpr bool PIPELINED = true;
     template <int HD> static __device__ constexpr int b_tile_values() { return TILE * HD; }
     template <typename T, int HD>
     static __device__ __forceinline__ void load_b(T* dst, const T* src, long long stride, int r0,
@@ -169,31 +172,43 @@ struct WarpgroupMma {
         load_tile_cm_async<T, HD>(dst, src, stride, r0, rows);
     }
     static __device__ __forceinline__ void publish() { mt_fence_proxy_async(); }
-    // X's rows are B's columns (n-major): core matrices 128 bytes apart along K, a row
-    // group's K / 8 of them (K · 16 bytes) apart along N; k-step kk starts 2 core matrices on.
+    // Issues acc += A · Xᵀ as one commit group (the caller fences the registers first and
+    // waits before reading acc). X's rows are B's columns (n-major): core matrices 128
+    // bytes apart along K, a row group's K / 8 of them (K · 16 bytes) apart along N; k-step
+    // kk starts 2 core matrices on.
+    template <typename T, int K, int N>
+    static __device__ __forceinline__ void issue_a_xt(float (*acc)[4], const unsigned (*a)[4],
+                                                      const T* x) {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+            mt_wgmma<T, N, 0>(acc, a[kk], mt_wgmma_desc(x + kk * 128, 128, K * 16));
+        mt_wgmma_commit();
+    }
+    // Issues acc += A · X. X's rows are K (B transposed): row groups N · 16 bytes apart
+    // along K, core matrices 128 bytes apart along N; k-step kk starts 2 row groups on.
+    template <typename T, int K, int N>
+    static __device__ __forceinline__ void issue_a_x(float (*acc)[4], const unsigned (*a)[4],
+                                                     const T* x) {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+            mt_wgmma<T, N, 1>(acc, a[kk], mt_wgmma_desc(x + kk * N * 16, N * 16, 128));
+        mt_wgmma_commit();
+    }
     template <typename T, int K, int N>
     static __device__ __forceinline__ void a_xt(float (*acc)[4], const unsigned (*a)[4],
                                                 const T* x, int) {
         mt_wgmma_hold<N>(acc);
         mt_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk)
-            mt_wgmma<T, N, 0>(acc, a[kk], mt_wgmma_desc(x + kk * 128, 128, K * 16));
-        mt_wgmma_commit();
+        issue_a_xt<T, K, N>(acc, a, x);
         mt_wgmma_wait<0>();
         mt_wgmma_hold<N>(acc);
     }
-    // X's rows are K (B transposed): row groups N · 16 bytes apart along K, core matrices
-    // 128 bytes apart along N; k-step kk starts 2 row groups on.
     template <typename T, int K, int N>
     static __device__ __forceinline__ void a_x(float (*acc)[4], const unsigned (*a)[4],
                                                const T* x, int) {
         mt_wgmma_hold<N>(acc);
         mt_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk)
-            mt_wgmma<T, N, 1>(acc, a[kk], mt_wgmma_desc(x + kk * N * 16, N * 16, 128));
-        mt_wgmma_commit();
+        issue_a_x<T, K, N>(acc, a, x);
         mt_wgmma_wait<0>();
         mt_wgmma_hold<N>(acc);
     }
@@ -390,6 +405,81 @@ struct Merge {
     }
 };
 
+// The online softmax of the lane's part of one 16 × 64 score tile (its rows row0, row0 + 8
+// of the query tile at q0; key tile kt of key_tiles): the scores scaled to log2 units
+// (exp2f is one instruction) and masked on the last tile (the only one holding keys past
+// the diagonal or past the block: tiles are aligned, so earlier keys precede every row) and
+// on the first ones a window cuts; then the running maxima m and the lane's part of the row
+// sums l updated, `alpha` the factor for what was kept so far, and s left holding the
+// probabilities.
+template <typename T>
+__device__ __forceinline__ void softmax_tile(const Pair<T>& p, float (*s)[4], int q0, int kt,
+                                             int key_tiles, float scale2, float* m, float* l,
+                                             float* alpha) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int c = 2 * (lane % 4);
+    const int row0 = q0 + warp * 16 + lane / 4;
+    const int k0 = kt * TILE;
+    const bool edge = kt == key_tiles - 1 || p.window_cuts(q0, k0);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
+            float v = s[j][e] * scale2;
+            if (edge && p.unseen(row, key)) v = -INFINITY;
+            s[j][e] = v;
+            mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+    }
+    float base_[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float m_new = fmaxf(m[i], mx[i]);
+        base_[i] = m_new == -INFINITY ? 0.0f : m_new; // a fully masked row so far
+        alpha[i] = exp2f(m[i] - base_[i]);
+        m[i] = m_new;
+    }
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float pr = exp2f(s[j][e] - base_[e >> 1]);
+            s[j][e] = pr;
+            sum[e >> 1] += pr;
+        }
+    }
+    // Each lane keeps its part of the row sums; the row's 4 lanes add them at the end.
+    l[0] = l[0] * alpha[0] + sum[0];
+    l[1] = l[1] * alpha[1] + sum[1];
+}
+
+// The lane's output rows times their factors (alpha[0] for row0, alpha[1] for row0 + 8).
+template <int HD> __device__ __forceinline__ void rescale(float (*o)[4], const float* alpha) {
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+    }
+}
+
+// The rows' whole sums (their 4 lanes' parts), and the output divided by them.
+template <int HD> __device__ __forceinline__ void normalise(float (*o)[4], float* l) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
+    rescale<HD>(o, inv);
+}
+
 // ---------------------------------------------------------------------------------------
 // Forward: a block per (64-query tile, sample·head), latest tiles first (they have the most
 // keys). Each warp: S = Q·Kᵀ for its 16 rows in registers, the online softmax on the
@@ -409,9 +499,7 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
     T* sK = sQ + TILE * (HD + 8); // two buffers
     T* sV = sK + 2 * B_VALUES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int c = 2 * (lane % 4);
-    const int row0 = q0 + warp * 16 + lane / 4; // this lane's rows: row0 and row0 + 8
-    const float scale2 = scale * LOG2E;         // scores in log2 units: exp2f is one instruction
+    const float scale2 = scale * LOG2E; // scores in log2 units
     const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0);
 
     load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
@@ -444,72 +532,110 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
         zero<TILE>(s);
         Mma::template a_xt<T, HD, TILE>(s, qa, K, lane);
 
-        // Scale, and mask on the last tile (the only one holding keys past the diagonal or
-        // past the block: tiles are aligned, so earlier keys precede every row) and on the
-        // first ones a window cuts.
-        const int k0 = kt * TILE;
-        const bool edge = kt == key_tiles - 1 || p.window_cuts(q0, k0);
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int j = 0; j < TILE / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
-                float v = s[j][e] * scale2;
-                if (edge && p.unseen(row, key)) v = -INFINITY;
-                s[j][e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
-        }
-        float base_[2], alpha[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-            const float m_new = fmaxf(m[i], mx[i]);
-            base_[i] = m_new == -INFINITY ? 0.0f : m_new; // a fully masked row so far
-            alpha[i] = exp2f(m[i] - base_[i]);
-            m[i] = m_new;
-        }
-        float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < TILE / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float pr = exp2f(s[j][e] - base_[e >> 1]);
-                s[j][e] = pr;
-                sum[e >> 1] += pr;
-            }
-        }
-        // Each lane keeps its part of the row sums; the row's 4 lanes add them at the end.
-        l[0] = l[0] * alpha[0] + sum[0];
-        l[1] = l[1] * alpha[1] + sum[1];
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
-        }
+        float alpha[2];
+        softmax_tile<T>(p, s, q0, kt, key_tiles, scale2, m, l, alpha);
+        rescale<HD>(o, alpha);
         unsigned pa[TILE / 16][4];
         to_a<T, TILE>(pa, s);
         Mma::template a_x<T, TILE, HD>(o, pa, V, lane);
         __syncthreads(); // everyone is done with this buffer before it is refilled
     }
+    normalise<HD>(o, l);
+}
 
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+// The forward's tiles with Hopper's asynchronous products (FlashAttention-3's overlap
+// within a warpgroup): while the tensor cores compute O += P·V of one key tile, the warps
+// run the softmax of the next tile's scores, issued just before it. K therefore runs a tile
+// ahead of V: tile j's scores meet V of tile j − 1, and the loads in flight are V of the
+// next tile and K of the one after (two buffers each, one load group per step). The same
+// arithmetic as forward_tiles in the same order, so the results are the same bits.
+template <typename T, int HD>
+__device__ __forceinline__ void forward_tiles_pipelined(const Pair<T>& p, int q0, T* sQ,
+                                                        float scale, float (*o)[4], float* m,
+                                                        float* l) {
+    using Mma = WarpgroupMma;
+    constexpr int B_VALUES = TILE * HD;
+    T* sK = sQ + TILE * (HD + 8); // two buffers: key tile kt0 + j in buffer j % 2
+    T* sV = sK + 2 * B_VALUES;    // two buffers, likewise
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float scale2 = scale * LOG2E;
+    const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0), n = key_tiles - kt0;
+
+    // Q with the first K; then the first V with the second K.
+    load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    Mma::load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
+    mt_cp_async_commit();
+    Mma::load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
+    if (n > 1) Mma::load_b<T, HD>(sK + B_VALUES, p.k, p.kv_stride, (kt0 + 1) * TILE, p.kv_rows);
+    mt_cp_async_commit();
+    mt_cp_async_wait<1>();
+    Mma::publish();
+    __syncthreads();
+
+    unsigned qa[HD / 16][4], pa[TILE / 16][4];
+    load_rows<T, HD>(qa, sQ, warp * 16, lane);
+    zero<HD>(o);
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+    {
+        float s[TILE / 8][4];
+        zero<TILE>(s);
+        Mma::a_xt<T, HD, TILE>(s, qa, sK, lane);
+        float alpha[2]; // 0 or 1: nothing kept yet
+        softmax_tile<T>(p, s, q0, kt0, key_tiles, scale2, m, l, alpha);
+        to_a<T, TILE>(pa, s);
     }
-    const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-        o[n][0] *= inv[0];
-        o[n][1] *= inv[0];
-        o[n][2] *= inv[1];
-        o[n][3] *= inv[1];
+    // Step j: O += P·V of tile kt0 + j (P in `p_now`) beside the scores of tile kt0 + j + 1
+    // (their P into `p_next`), issued together with no branch between them. The two P arrays
+    // swap roles each step (the loop is unrolled twice): P written into the registers of
+    // one still being read by an unfinished product makes ptxas serialise the products.
+    auto step = [&](int j, unsigned (*p_now)[4], unsigned (*p_next)[4]) {
+        Mma::load_b<T, HD>(sV + ((j + 1) & 1) * B_VALUES, p.v(), p.kv_stride,
+                           (kt0 + j + 1) * TILE, p.kv_rows);
+        if (j + 2 < n)
+            Mma::load_b<T, HD>(sK + (j & 1) * B_VALUES, p.k, p.kv_stride, (kt0 + j + 2) * TILE,
+                               p.kv_rows);
+        mt_cp_async_commit();
+        mt_cp_async_wait<1>();
+        Mma::publish();
+        __syncthreads();
+        float s[TILE / 8][4];
+        zero<TILE>(s);
+        mt_wgmma_hold<TILE>(s);
+        mt_wgmma_hold<HD>(o);
+        mt_wgmma_fence();
+        Mma::issue_a_xt<T, HD, TILE>(s, qa, sK + ((j + 1) & 1) * B_VALUES);
+        Mma::issue_a_x<T, TILE, HD>(o, p_now, sV + (j & 1) * B_VALUES);
+        mt_wgmma_wait<1>(); // the scores; P·V may still run
+        mt_wgmma_hold<TILE>(s);
+        float alpha[2];
+        softmax_tile<T>(p, s, q0, kt0 + j + 1, key_tiles, scale2, m, l, alpha);
+        to_a<T, TILE>(p_next, s);
+        mt_wgmma_wait<0>();
+        mt_wgmma_hold<HD>(o);
+        rescale<HD>(o, alpha);
+        __syncthreads(); // everyone is done with the buffers the next step refills
+    };
+    unsigned pb[TILE / 16][4];
+    int j = 0;
+    for (; j + 2 < n; j += 2) {
+        step(j, pa, pb);
+        step(j + 1, pb, pa);
     }
+    // The last tile's P·V (in pa after an even number of steps, else in pb).
+    auto last = [&](unsigned (*p_last)[4]) {
+        mt_cp_async_wait<0>();
+        Mma::publish();
+        __syncthreads();
+        Mma::a_x<T, TILE, HD>(o, p_last, sV + ((n - 1) & 1) * B_VALUES, lane);
+    };
+    if (j + 1 < n) {
+        step(j, pa, pb);
+        last(pb);
+    } else {
+        last(pa);
+    }
+    normalise<HD>(o, l);
 }
 
 template <typename T, int HD, typename Mma = SyncMma>
@@ -522,7 +648,8 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const Pair<T> p = fused_pair<T, HD>(qkv, nullptr, nullptr, nullptr, b, h, Tn, H, window);
     float o[HD / 8][4], m[2], l[2];
-    forward_tiles<T, HD, Mma>(p, q0, sQ, scale, o, m, l);
+    if constexpr (Mma::PIPELINED) forward_tiles_pipelined<T, HD>(p, q0, sQ, scale, o, m, l);
+    else forward_tiles<T, HD, Mma>(p, q0, sQ, scale, o, m, l);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = q0 + warp * 16 + lane / 4;

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Compile kernel files with NVRTC the way the Rust side does (crates/tensor/src/cuda/compile.rs):
-prelude.cuh + common.cuh + the file, `-std=c++17`, once for sm_80 and once for sm_90, and print
-NVRTC's log and the kernels (`.entry`) each file exports. No GPU is needed.
+prelude.cuh + common.cuh + the file, `-std=c++17`, once for sm_80 (A100) and once for sm_90a (H100,
+H200: what the Rust side compiles for compute capability 9.0), and print NVRTC's log and the
+kernels (`.entry`) each file exports. No GPU is needed.
 
-Usage: python3 nvrtc_check.py [--arch 80,90] [--strict] [--ptx-dir DIR] [--cubin-dir DIR] [files...]
+Usage: python3 nvrtc_check.py [--arch 80,90a] [--strict] [--ptx-dir DIR] [--cubin-dir DIR] [files...]
 (default: every *.cu in this folder). Prints ptxas's registers, shared memory and spills per
 kernel (NVRTC passes `--ptxas-options=-v` on). Exits non-zero if any compilation fails; with
---strict also if a kernel spills, has a stack frame, or its PTX uses local memory. (ptxas may
-spill a few bytes on purpose: it keeps a kernel at 32 registers for occupancy.)
+--strict also if a kernel spills, has a stack frame, its PTX uses local memory, or ptxas
+serialises its wgmma products (C7513/C7519). (ptxas may spill a few bytes on purpose: it keeps
+a kernel at 32 registers for occupancy.)
 
 NVRTC is found through $NVRTC_LIB, else the pip wheel layout under /opt/cudawheels; headers
 through $CUDA_INCLUDE_DIRS (colon-separated), else the wheel's include and include/cccl.
@@ -139,7 +141,7 @@ def full_source(name, text):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="*")
-    ap.add_argument("--arch", default="80,90", help="comma-separated SM versions")
+    ap.add_argument("--arch", default="80,90a", help="comma-separated SM versions")
     ap.add_argument("--ptx-dir", help="write <file>-sm<arch>.ptx here")
     ap.add_argument("--cubin-dir", help="write <file>-sm<arch>.cubin here")
     ap.add_argument("--strict", action="store_true",
@@ -172,6 +174,13 @@ def main():
             other = [l for l in log.splitlines() if l.strip() and not l.startswith("ptxas")]
             if other:
                 print("\n".join(other))
+            # Hopper's warpgroup products that ptxas had to serialise (C7513), or around
+            # which it injected waits (C7519): correct, but the overlap they exist for is lost.
+            serialised = [l for l in log.splitlines() if "(C7513)" in l or "(C7519)" in l]
+            for line in serialised:
+                print("   WARNING: " + line.split(":", 1)[-1].strip())
+            if serialised and args.strict:
+                failed = True
             for kernel, props in ptxas_summary(log):
                 print(f"   {kernel}: {props}")
                 if args.strict and ("spill" in props or "stack" in props):
