@@ -160,6 +160,24 @@ struct SyncMma {
                                                const T* x, int lane) {
         mma_a_x<T, K, N>(acc, a, x, N + 8, lane);
     }
+    // Two independent products acc1 += A1·X1ᵀ and acc2 += A2·X2ᵀ with `between()` after
+    // the first (it may read acc1, and must not touch the second's operands).
+    template <typename T, int K, int N, typename Between>
+    static __device__ __forceinline__ void a_xt_pair(float (*acc1)[4], const unsigned (*a1)[4],
+                                                     const T* x1, float (*acc2)[4],
+                                                     const unsigned (*a2)[4], const T* x2,
+                                                     int lane, Between&& between) {
+        a_xt<T, K, N>(acc1, a1, x1, lane);
+        between();
+        a_xt<T, K, N>(acc2, a2, x2, lane);
+    }
+    // acc += A · X with `between()` after it (it must not touch the product's operands).
+    template <typename T, int K, int N, typename Between>
+    static __device__ __forceinline__ void a_x_then(float (*acc)[4], const unsigned (*a)[4],
+                                                    const T* x, int lane, Between&& between) {
+        a_x<T, K, N>(acc, a, x, lane);
+        between();
+    }
 };
 
 struct WarpgroupMma {
@@ -209,6 +227,35 @@ struct WarpgroupMma {
         mt_wgmma_hold<N>(acc);
         mt_wgmma_fence();
         issue_a_x<T, K, N>(acc, a, x);
+        mt_wgmma_wait<0>();
+        mt_wgmma_hold<N>(acc);
+    }
+    // Both products issued at once; `between()` runs once the first is done, while the
+    // tensor cores still compute the second.
+    template <typename T, int K, int N, typename Between>
+    static __device__ __forceinline__ void a_xt_pair(float (*acc1)[4], const unsigned (*a1)[4],
+                                                     const T* x1, float (*acc2)[4],
+                                                     const unsigned (*a2)[4], const T* x2, int,
+                                                     Between&& between) {
+        mt_wgmma_hold<N>(acc1);
+        mt_wgmma_hold<N>(acc2);
+        mt_wgmma_fence();
+        issue_a_xt<T, K, N>(acc1, a1, x1);
+        issue_a_xt<T, K, N>(acc2, a2, x2);
+        mt_wgmma_wait<1>();
+        mt_wgmma_hold<N>(acc1);
+        between();
+        mt_wgmma_wait<0>();
+        mt_wgmma_hold<N>(acc2);
+    }
+    // `between()` runs while the tensor cores compute acc += A · X.
+    template <typename T, int K, int N, typename Between>
+    static __device__ __forceinline__ void a_x_then(float (*acc)[4], const unsigned (*a)[4],
+                                                    const T* x, int, Between&& between) {
+        mt_wgmma_hold<N>(acc);
+        mt_wgmma_fence();
+        issue_a_x<T, K, N>(acc, a, x);
+        between();
         mt_wgmma_wait<0>();
         mt_wgmma_hold<N>(acc);
     }
@@ -825,16 +872,21 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
         }
         unsigned pa[TILE / 16][4];
         to_a<T, TILE>(pa, st);
-        // dV += Pᵀ·dO.
-        Mma::template a_x<T, TILE, HD>(dv, pa, dO, lane);
-
-        // dPᵀ = V·dOᵀ → dSᵀ = Pᵀ∘(dPᵀ − D).
+        // dV += Pᵀ·dO, and dPᵀ = V·dOᵀ → dSᵀ = Pᵀ∘(dPᵀ − D): on Hopper at heads of 64 the
+        // second product is issued while the tensor cores still compute the first (at 128
+        // the registers of both would spill).
         float dpt[TILE / 8][4];
-        zero<TILE>(dpt);
-        {
+        auto dpt_product = [&] {
+            zero<TILE>(dpt);
             unsigned va[HD / 16][4];
             load_rows<T, HD>(va, sV, warp * 16, lane);
             Mma::template a_xt<T, HD, TILE>(dpt, va, dO, lane);
+        };
+        if constexpr (HD <= 64) {
+            Mma::template a_x_then<T, TILE, HD>(dv, pa, dO, lane, dpt_product);
+        } else {
+            Mma::template a_x<T, TILE, HD>(dv, pa, dO, lane);
+            dpt_product();
         }
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
@@ -950,25 +1002,24 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
         const T* V = sV + buf * B_VALUES;
         const int k0 = kt * TILE;
 
-        // S = Q·Kᵀ → P.
-        float s[TILE / 8][4];
+        // S = Q·Kᵀ → P, and dP = dO·Vᵀ (on Hopper both issued at once, P computed while the
+        // tensor cores still compute dP) → dS = P∘(dP − D).
+        float s[TILE / 8][4], dp[TILE / 8][4];
         zero<TILE>(s);
-        Mma::template a_xt<T, HD, TILE>(s, qa, K, lane);
-        const bool edge = kt == key_tiles - 1 || p.window_cuts(q0, k0);
-#pragma unroll
-        for (int j = 0; j < TILE / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
-                float pr = exp2f(s[j][e] * scale2 - lse2[e >> 1]);
-                if (edge && p.unseen(row, key)) pr = 0.0f;
-                s[j][e] = pr;
-            }
-        }
-        // dP = dO·Vᵀ → dS = P∘(dP − D).
-        float dp[TILE / 8][4];
         zero<TILE>(dp);
-        Mma::template a_xt<T, HD, TILE>(dp, doa, V, lane);
+        const bool edge = kt == key_tiles - 1 || p.window_cuts(q0, k0);
+        Mma::template a_xt_pair<T, HD, TILE>(s, qa, K, dp, doa, V, lane, [&] {
+#pragma unroll
+            for (int j = 0; j < TILE / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = k0 + 8 * j + c + (e & 1), row = row0 + (e >> 1) * 8;
+                    float pr = exp2f(s[j][e] * scale2 - lse2[e >> 1]);
+                    if (edge && p.unseen(row, key)) pr = 0.0f;
+                    s[j][e] = pr;
+                }
+            }
+        });
 #pragma unroll
         for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
