@@ -2021,9 +2021,9 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
 //   and c = 2(lane%4). Products exact, summed in double, rounded to float once (as WMMA).
 // Both are warp collectives: every lane writes its operands into a per-warp staging area,
 // the warp meets at a barrier, every lane computes its own results from all operands, and
-// meets again before the staging area can be reused. cp.async copies at once (zero-filling
-// what lies beyond src_bytes); the commit/wait pair is then trivially satisfied, so a
-// missing wait is NOT detected here (NVRTC and a GPU run are the test of that).
+// meets again before the staging area can be reused. cp.async reads its source at once
+// (zero-filling what lies beyond src_bytes) and writes shared memory when its group's wait
+// completes it (below), so a missing or wrong wait reads poison.
 // =======================================================================================
 namespace emu_frag {
 inline unsigned linear_thread() {
@@ -2103,13 +2103,65 @@ template <class T> inline void mt_mma_16816(float* d, const unsigned* a, const u
     }
 }
 
-inline void mt_cp_async_16(void* smem, const void* gmem, int src_bytes) {
-    unsigned char* dst = (unsigned char*)smem;
-    const unsigned char* src = (const unsigned char*)gmem;
-    for (int i = 0; i < 16; ++i) dst[i] = i < src_bytes ? src[i] : 0;
+// cp.async: the source is read when the copy is issued, the destination written only when a
+// cp.async.wait_group lets the copy's commit group complete (so reading the tile before the
+// wait, or waiting for the wrong group, reads shared memory's poison).
+namespace emu_cp {
+struct Copy {
+    unsigned char* dst;
+    unsigned char bytes[16];
+    unsigned group;
+};
+struct Lane {
+    std::vector<Copy> pending;
+    unsigned commits = 0;
+    uint3 block{0, 0, 0};
+    unsigned long long launch = 0; // the launch's number (stats().launches while it runs)
+};
+inline Lane& lane_state() {
+    static Lane lanes[1024];
+    return lanes[emu_frag::linear_thread()];
 }
-inline void mt_cp_async_commit() {}
-template <int N> inline void mt_cp_async_wait() {}
+// A lane's state belongs to one block of one launch: a copy still pending from another was
+// never waited for (its data never arrived), which fails the launch.
+inline Lane& current_lane() {
+    Lane& L = lane_state();
+    const uint3 blk = blockIdx;
+    const unsigned long long launch = ::emu::detail::stats_ref().launches;
+    const bool same = L.launch == launch && L.block.x == blk.x && L.block.y == blk.y &&
+                      L.block.z == blk.z;
+    if (!same) {
+        if (!L.pending.empty())
+            ::emu::detail::fail("cp.async copies of an earlier block or launch were never "
+                                "waited for");
+        L.pending.clear();
+        L.commits = 0;
+        L.block = blk;
+        L.launch = launch;
+    }
+    return L;
+}
+} // namespace emu_cp
+
+inline void mt_cp_async_16(void* smem, const void* gmem, int src_bytes) {
+    emu_cp::Lane& L = emu_cp::current_lane();
+    emu_cp::Copy c;
+    c.dst = (unsigned char*)smem;
+    const unsigned char* src = (const unsigned char*)gmem;
+    for (int i = 0; i < 16; ++i) c.bytes[i] = i < src_bytes ? src[i] : 0;
+    c.group = L.commits;
+    L.pending.push_back(c);
+}
+inline void mt_cp_async_commit() { ++emu_cp::current_lane().commits; }
+template <int N> inline void mt_cp_async_wait() {
+    emu_cp::Lane& L = emu_cp::current_lane();
+    std::vector<emu_cp::Copy> keep;
+    for (const emu_cp::Copy& c : L.pending) {
+        if (c.group + N < L.commits) std::memcpy(c.dst, c.bytes, 16);
+        else keep.push_back(c);
+    }
+    L.pending.swap(keep);
+}
 
 // =======================================================================================
 // Hopper's warpgroup products (prelude.cuh's mt_wgmma*, sm_90a's wgmma.mma_async with A in
@@ -2126,7 +2178,7 @@ template <int N> inline void mt_cp_async_wait() {}
 // - asynchronous: the product is computed, and D written, only when a wgmma.wait_group lets
 //   its commit group complete. So a kernel that reads D, or overwrites B's shared tile,
 //   before waiting gets different numbers here, and a product never committed and waited
-//   for fails the next product of that thread in another block. Shared addresses are
+//   for fails the next product of that thread in another block or launch. Shared addresses are
 //   offsets into the launch's dynamic shared memory. Products exact, summed in double,
 //   rounded to float once (as mma). Not checked: wgmma.fence and the async-proxy fence.
 // =======================================================================================
@@ -2139,6 +2191,7 @@ struct Pending {
     float a[2][16]; // this lane's two rows of A
     unsigned group; // the commit group it belongs to
     uint3 block;
+    unsigned long long launch;
 };
 struct Lane {
     std::vector<Pending> pending;
@@ -2216,10 +2269,13 @@ inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) 
                             "layout is emulated)");
     emu_wg::Lane& L = emu_wg::lane_state();
     const uint3 blk = blockIdx;
+    const unsigned long long launch = ::emu::detail::stats_ref().launches;
     if (!L.pending.empty()) {
-        const uint3 was = L.pending.front().block;
-        if (was.x != blk.x || was.y != blk.y || was.z != blk.z)
-            ::emu::detail::fail("a wgmma product of an earlier block was never waited for");
+        const emu_wg::Pending& was = L.pending.front();
+        if (was.launch != launch || was.block.x != blk.x || was.block.y != blk.y ||
+            was.block.z != blk.z)
+            ::emu::detail::fail("a wgmma product of an earlier block or launch was never "
+                                "waited for");
     }
     auto& st = emu_frag::staging()[warp];
     for (int i = 0; i < 4; ++i) st[lane][i] = a[i];
@@ -2233,6 +2289,7 @@ inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) 
     p.desc = desc;
     p.group = L.commits;
     p.block = blk;
+    p.launch = launch;
     bool uniform = true;
     for (int s = 0; s < 32; ++s) uniform = uniform && st[s][4] == desc;
     const int g = lane / 4;

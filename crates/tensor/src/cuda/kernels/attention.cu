@@ -632,6 +632,9 @@ __device__ __forceinline__ void forward_tiles_pipelined(const Pair<T>& p, int q0
         softmax_tile<T>(p, s, q0, kt0, key_tiles, scale2, m, l, alpha);
         to_a<T, TILE>(pa, s);
     }
+    // A warp's wait covers its own part of the product: every warp is past its read of the
+    // first K buffer before step 0 refills it.
+    __syncthreads();
     // Step j: O += P·V of tile kt0 + j (P in `p_now`) beside the scores of tile kt0 + j + 1
     // (their P into `p_next`), issued together with no branch between them. The two P arrays
     // swap roles each step (the loop is unrolled twice): P written into the registers of
