@@ -58,6 +58,19 @@ fn check_dtype(t: &CudaTensor, dtype: DType, what: &str) -> Result<(), CudaError
     Ok(())
 }
 
+/// `x` itself where it starts on a 16-byte boundary (every allocation does), else an
+/// aligned copy (a view into a larger tensor can start anywhere), for kernels that read 16
+/// bytes at a time.
+pub fn aligned16(x: CudaTensor) -> Result<CudaTensor, CudaError> {
+    if x.ptr().is_multiple_of(16) {
+        return Ok(x);
+    }
+    let dev = x.device();
+    let copy = CudaTensor::alloc(dev, x.len(), x.dtype(), "an aligned copy")?;
+    dev.copy(copy.ptr(), x.ptr(), x.len() * x.dtype().size_bytes())?;
+    Ok(copy)
+}
+
 /// `x` in `dtype`: itself, or a converted copy.
 pub fn to_dtype(x: &CudaTensor, dtype: DType) -> Result<CudaTensor, CudaError> {
     if x.dtype() == dtype {
@@ -1756,15 +1769,17 @@ fn attention_d_rows(
         heads,
         head_dim,
     } = shape;
-    let out = to_dtype(out, dtype)?;
-    let dout = to_dtype(dout, dtype)?;
+    // The prep kernel reads 16 bytes at a time.
+    let out = aligned16(to_dtype(out, dtype)?)?;
+    let dout = aligned16(to_dtype(dout, dtype)?)?;
     check_len(&dout, out.len(), "attention output gradient")?;
     let dev = out.device().clone();
     let d_rows = CudaTensor::alloc(&dev, batch * heads * seq, DType::F32, "attention D")?;
     dev.launch(
         "attention.cu",
         &format!("attn_bwd_prep_{}", suffix(dtype)),
-        Launch::grid_stride(batch * heads * seq * 32, 256, MAX_BLOCKS * 4),
+        // HD / 8 threads a (sample, head, query) row (attention.cu's backward_prep).
+        Launch::grid_stride(batch * heads * seq * head_dim / 8, 256, MAX_BLOCKS * 4),
         append(
             Args::new()
                 .ptr(out.ptr())
