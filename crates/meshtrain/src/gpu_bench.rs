@@ -895,10 +895,7 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
         let bwd = time_ms(dev, args.reps, || {
             ops::attention_backward_with(&qkv, &o, &lse, &dout, shape, None, products).map(|_| ())
         })?;
-        let kind = match products {
-            ops::AttentionProducts::MmaSync => "mma.sync",
-            ops::AttentionProducts::Warpgroup => "wgmma",
-        };
+        let kind = products.name();
         println!(
             "attention ({kind}) 16×1024, 12 heads of 64 (causal): forward {fwd:.3} ms ({:.0} TFLOP/s), backward {bwd:.3} ms ({:.0} TFLOP/s of 2.5× the forward's FLOPs)",
             flops / (fwd * 1e-3) / 1e12,

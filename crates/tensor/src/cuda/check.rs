@@ -261,20 +261,12 @@ pub fn run_all(
             check_cross_entropy(dev, &mut rng, 67, 1000, dtype)
                 .unwrap_or_else(|e| vec![failed(name, e)]),
         );
-        for (shape, window) in ATTENTION_SHAPES {
-            let name = format!("attention {} {s}", shape_name(shape));
-            out.extend(
-                check_attention(
-                    dev,
-                    &mut rng,
-                    shape,
-                    window,
-                    dtype,
-                    ops::AttentionProducts::MmaSync,
-                )
-                .unwrap_or_else(|e| vec![failed(name, e)]),
-            );
-        }
+        out.extend(attention_checks(
+            dev,
+            &mut rng,
+            dtype,
+            ops::AttentionProducts::MmaSync,
+        ));
         // The convolutional nets' operations (LeNet, ResNet-18).
         out.extend(convnet::run(dev, &mut rng, dtype));
         // FP8 casts (the inputs of FP8 products) read f32 and bf16.
@@ -320,24 +312,12 @@ pub fn run_all(
     // kernel no card has run yet leaves the context unusable, and must not take the checks
     // above with it.
     for dtype in [DType::BF16, DType::F16] {
-        let s = ops::suffix(dtype);
-        for (shape, window) in ATTENTION_SHAPES {
-            if !ops::AttentionProducts::warpgroup_fits(dev, dtype, shape.head_dim) {
-                continue;
-            }
-            let name = format!("attention (wgmma) {} {s}", shape_name(shape));
-            out.extend(
-                check_attention(
-                    dev,
-                    &mut rng,
-                    shape,
-                    window,
-                    dtype,
-                    ops::AttentionProducts::Warpgroup,
-                )
-                .unwrap_or_else(|e| vec![failed(name, e)]),
-            );
-        }
+        out.extend(attention_checks(
+            dev,
+            &mut rng,
+            dtype,
+            ops::AttentionProducts::Warpgroup,
+        ));
     }
     out.all
 }
@@ -357,8 +337,43 @@ const ATTENTION_SHAPES: [(AttnShape, Option<usize>); 9] = [
     (attn_shape(1, 200, 3, 64), Some(64)),
 ];
 
-fn shape_name(s: AttnShape) -> String {
-    format!("{}x{} h{}x{}", s.batch, s.seq, s.heads, s.head_dim)
+/// The attention kernels of `products` on every shape of [`ATTENTION_SHAPES`] they take.
+fn attention_checks(
+    dev: &Arc<CudaDevice>,
+    rng: &mut SplitMix64,
+    dtype: DType,
+    products: ops::AttentionProducts,
+) -> Vec<CheckResult> {
+    let mut out = Vec::new();
+    for (shape, window) in ATTENTION_SHAPES {
+        let warpgroup = products == ops::AttentionProducts::Warpgroup;
+        if warpgroup && !ops::AttentionProducts::warpgroup_fits(dev, dtype, shape.head_dim) {
+            continue;
+        }
+        let name = format!(
+            "attention{} {}x{} h{}x{} {}",
+            products_label(products),
+            shape.batch,
+            shape.seq,
+            shape.heads,
+            shape.head_dim,
+            ops::suffix(dtype)
+        );
+        out.extend(
+            check_attention(dev, rng, shape, window, dtype, products)
+                .unwrap_or_else(|e| vec![failed(name, e)]),
+        );
+    }
+    out
+}
+
+/// How a check's name tells the kernels apart: nothing for mma.sync (the names of earlier
+/// logs), " (wgmma)" for Hopper's.
+fn products_label(products: ops::AttentionProducts) -> String {
+    match products {
+        ops::AttentionProducts::MmaSync => String::new(),
+        other => format!(" ({})", other.name()),
+    }
 }
 
 const fn attn_shape(batch: usize, seq: usize, heads: usize, head_dim: usize) -> AttnShape {
@@ -1083,10 +1098,7 @@ fn check_attention_kernels(
     )?;
     let tol = tolerance(dtype);
     let windowed = window.map_or(String::new(), |w| format!(" window {w}"));
-    let kind = match products {
-        ops::AttentionProducts::MmaSync => "",
-        ops::AttentionProducts::Warpgroup => " (wgmma)",
-    };
+    let kind = products_label(products);
     let name = |what: &str| {
         format!("attention{kind} {batch}x{seq} h{heads}x{head_dim}{windowed} {what} {s}")
     };

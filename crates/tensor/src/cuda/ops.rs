@@ -1534,6 +1534,14 @@ impl AttentionProducts {
         }
     }
 
+    /// Its name in reports: `mma.sync` or `wgmma`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::MmaSync => "mma.sync",
+            Self::Warpgroup => "wgmma",
+        }
+    }
+
     /// The kernel-name infix: `attn_{part}{infix}_{dtype}_hd{head_dim}`.
     fn infix(self) -> &'static str {
         match self {

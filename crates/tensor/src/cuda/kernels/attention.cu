@@ -190,45 +190,53 @@ struct WarpgroupMma {
         load_tile_cm_async<T, HD>(dst, src, stride, r0, rows);
     }
     static __device__ __forceinline__ void publish() { mt_fence_proxy_async(); }
-    // Issues acc += A · Xᵀ as one commit group (the caller fences the registers first and
-    // waits before reading acc). X's rows are B's columns (n-major): core matrices 128
-    // bytes apart along K, a row group's K / 8 of them (K · 16 bytes) apart along N; k-step
-    // kk starts 2 core matrices on.
+    // Issues acc += A · Xᵀ (TRANS 0) or acc += A · X (TRANS 1) as one commit group; the caller
+    // fences the registers first and waits before reading acc. Xᵀ: X's rows are B's columns
+    // (n-major), core matrices 128 bytes apart along K and a row group's K / 8 of them (K · 16
+    // bytes) apart along N, k-step kk starting 2 core matrices on. X: X's rows are K (B
+    // transposed), row groups N · 16 bytes apart along K and core matrices 128 bytes apart
+    // along N, k-step kk starting 2 row groups on.
+    template <typename T, int K, int N, int TRANS>
+    static __device__ __forceinline__ void issue(float (*acc)[4], const unsigned (*a)[4],
+                                                 const T* x) {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+            const unsigned long long desc = TRANS
+                                                ? mt_wgmma_desc(x + kk * N * 16, N * 16, 128)
+                                                : mt_wgmma_desc(x + kk * 128, 128, K * 16);
+            mt_wgmma<T, N, TRANS>(acc, a[kk], desc);
+        }
+        mt_wgmma_commit();
+    }
     template <typename T, int K, int N>
     static __device__ __forceinline__ void issue_a_xt(float (*acc)[4], const unsigned (*a)[4],
                                                       const T* x) {
-#pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk)
-            mt_wgmma<T, N, 0>(acc, a[kk], mt_wgmma_desc(x + kk * 128, 128, K * 16));
-        mt_wgmma_commit();
+        issue<T, K, N, 0>(acc, a, x);
     }
-    // Issues acc += A · X. X's rows are K (B transposed): row groups N · 16 bytes apart
-    // along K, core matrices 128 bytes apart along N; k-step kk starts 2 row groups on.
     template <typename T, int K, int N>
     static __device__ __forceinline__ void issue_a_x(float (*acc)[4], const unsigned (*a)[4],
                                                      const T* x) {
-#pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk)
-            mt_wgmma<T, N, 1>(acc, a[kk], mt_wgmma_desc(x + kk * N * 16, N * 16, 128));
-        mt_wgmma_commit();
+        issue<T, K, N, 1>(acc, a, x);
+    }
+    // One product, waited for.
+    template <typename T, int K, int N, int TRANS>
+    static __device__ __forceinline__ void product(float (*acc)[4], const unsigned (*a)[4],
+                                                   const T* x) {
+        mt_wgmma_hold<N>(acc);
+        mt_wgmma_fence();
+        issue<T, K, N, TRANS>(acc, a, x);
+        mt_wgmma_wait<0>();
+        mt_wgmma_hold<N>(acc);
     }
     template <typename T, int K, int N>
     static __device__ __forceinline__ void a_xt(float (*acc)[4], const unsigned (*a)[4],
                                                 const T* x, int) {
-        mt_wgmma_hold<N>(acc);
-        mt_wgmma_fence();
-        issue_a_xt<T, K, N>(acc, a, x);
-        mt_wgmma_wait<0>();
-        mt_wgmma_hold<N>(acc);
+        product<T, K, N, 0>(acc, a, x);
     }
     template <typename T, int K, int N>
     static __device__ __forceinline__ void a_x(float (*acc)[4], const unsigned (*a)[4],
                                                const T* x, int) {
-        mt_wgmma_hold<N>(acc);
-        mt_wgmma_fence();
-        issue_a_x<T, K, N>(acc, a, x);
-        mt_wgmma_wait<0>();
-        mt_wgmma_hold<N>(acc);
+        product<T, K, N, 1>(acc, a, x);
     }
     // Both products issued at once; `between()` runs once the first is done, while the
     // tensor cores still compute the second.
