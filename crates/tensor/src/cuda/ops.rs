@@ -1554,20 +1554,19 @@ impl AttentionProducts {
 /// Dynamic shared memory of the tensor-core kernels (bytes), by kernel, head size and
 /// products: the layouts at the top of `attention.cu`.
 pub fn attention_smem(kernel: &str, head_dim: usize, products: AttentionProducts) -> u32 {
-    // A 64-row 16-bit tile, rows padded by 8 values (16 bytes): the A operands' tiles, and
-    // the streamed B operands' under mma.sync; the warpgroup kernels stream core matrices.
-    let half_tile = ATTN_TILE * (head_dim + 8) * 2;
-    let b_tile = match products {
-        AttentionProducts::MmaSync => half_tile,
+    // A 64-row 16-bit tile: rows padded by 8 values (16 bytes) under mma.sync, unpadded core
+    // matrices for the warpgroup kernels.
+    let tile = match products {
+        AttentionProducts::MmaSync => ATTN_TILE * (head_dim + 8) * 2,
         AttentionProducts::Warpgroup => ATTN_TILE * head_dim * 2,
     };
     (match kernel {
         // Q; K and V, two buffers each.
-        "fwd" => half_tile + 4 * b_tile,
+        "fwd" => 5 * tile,
         // K, V (the block's); Q and dO, two buffers each; lse and D rows, two each.
-        "dkdv" => 2 * half_tile + 4 * b_tile + 4 * ATTN_TILE * 4,
+        "dkdv" => 6 * tile + 4 * ATTN_TILE * 4,
         // Q, dO (the block's); K and V, two buffers each.
-        "dq" => 2 * half_tile + 4 * b_tile,
+        "dq" => 6 * tile,
         _ => 0,
     }) as u32
 }
@@ -2532,13 +2531,10 @@ mod tests {
         assert_eq!(attention_smem("fwd", 128, MmaSync), 5 * 64 * 136 * 2);
         assert_eq!(attention_smem("dkdv", 64, MmaSync), 6 * 9216 + 1024);
         assert_eq!(attention_smem("dq", 64, MmaSync), 6 * 9216);
-        // The warpgroup kernels stream unpadded core-matrix tiles (64 × 64 × 2 bytes).
-        assert_eq!(attention_smem("fwd", 64, Warpgroup), 9216 + 4 * 8192);
-        assert_eq!(
-            attention_smem("dkdv", 64, Warpgroup),
-            2 * 9216 + 4 * 8192 + 1024
-        );
-        assert_eq!(attention_smem("dq", 128, Warpgroup), 2 * 17408 + 4 * 16384);
+        // The warpgroup kernels' tiles are unpadded core matrices (64 × 64 × 2 bytes).
+        assert_eq!(attention_smem("fwd", 64, Warpgroup), 5 * 8192);
+        assert_eq!(attention_smem("dkdv", 64, Warpgroup), 6 * 8192 + 1024);
+        assert_eq!(attention_smem("dq", 128, Warpgroup), 6 * 16384);
         let l = attention_launch(s, DType::F32, "fwd", MmaSync);
         assert_eq!(l.grid, (256, 192, 1));
         assert_eq!(

@@ -21,12 +21,11 @@ struct Shape {
 
 /// The shared memory the Rust side gives each tensor-core kernel (ops::attention_smem).
 size_t smem(const char* part, int hd, bool wg = false) {
-    // Padded tiles (A operands, and B under mma.sync); the wgmma kernels' B tiles are
-    // unpadded core matrices.
-    const size_t half_tile = 64 * (hd + 8) * 2, b_tile = wg ? 64 * hd * 2 : half_tile;
-    if (!strcmp(part, "fwd")) return half_tile + 4 * b_tile;
-    if (!strcmp(part, "dkdv")) return 2 * half_tile + 4 * b_tile + 4 * 64 * 4;
-    return 2 * half_tile + 4 * b_tile;
+    // Tiles with padded rows; the wgmma kernels' are unpadded core matrices.
+    const size_t tile = wg ? 64 * hd * 2 : 64 * (hd + 8) * 2;
+    if (!strcmp(part, "fwd")) return 5 * tile;
+    if (!strcmp(part, "dkdv")) return 6 * tile + 4 * 64 * 4;
+    return 6 * tile;
 }
 
 /// Causal attention in double: out, lse, and the gradients for dout.

@@ -2188,6 +2188,8 @@ struct Pending {
     int n;
     bool trans, bf;
     unsigned long long desc;
+    bool a_shared;           // A read through desc_a when the product completes
+    unsigned long long desc_a;
     float a[2][16]; // this lane's two rows of A
     unsigned group; // the commit group it belongs to
     uint3 block;
@@ -2202,24 +2204,38 @@ inline Lane& lane_state() {
     return lanes[emu_frag::linear_thread()];
 }
 inline const char* smem_base() { return ::emu::detail::run().dsmem; }
-inline float b_value(const Pending& p, int k, int n) {
+// Element (k, mn) of an operand in shared memory through `desc`: K-major (trans false, a
+// core matrix row is 8 K values of one m or n) or MN-major (trans true, 8 M/N values of one k).
+inline float smem_value(unsigned long long desc, bool trans, bool bf, int k, int mn,
+                        const char* what) {
     const ::emu::detail::Run& R = ::emu::detail::run();
-    const size_t start = (p.desc & 0x3FFF) << 4, lbo = ((p.desc >> 16) & 0x3FFF) << 4,
-                 sbo = ((p.desc >> 32) & 0x3FFF) << 4;
-    const size_t at = p.trans ? start + (k / 8) * lbo + (k % 8) * 16 + (n / 8) * sbo + (n % 8) * 2
-                              : start + (n / 8) * sbo + (n % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
+    const size_t start = (desc & 0x3FFF) << 4, lbo = ((desc >> 16) & 0x3FFF) << 4,
+                 sbo = ((desc >> 32) & 0x3FFF) << 4;
+    const size_t at = trans ? start + (k / 8) * lbo + (k % 8) * 16 + (mn / 8) * sbo + (mn % 8) * 2
+                            : start + (mn / 8) * sbo + (mn % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
     if (at + 2 > R.smem)
         ::emu::detail::fail(::emu::detail::fmt(
-            "wgmma reads B(k %d, n %d) at shared byte %zu, past the %zu bytes of dynamic shared "
+            "wgmma reads %s(k %d, %d) at shared byte %zu, past the %zu bytes of dynamic shared "
             "memory",
-            k, n, at, R.smem));
+            what, k, mn, at, R.smem));
     unsigned short bits;
     std::memcpy(&bits, R.dsmem + at, 2);
-    return emu_frag::half_bits_to_float(bits, p.bf);
+    return emu_frag::half_bits_to_float(bits, bf);
 }
-inline void apply(const Pending& p) {
-    const unsigned lane = emu_frag::linear_thread() % 32;
+inline float b_value(const Pending& p, int k, int n) {
+    return smem_value(p.desc, p.trans, p.bf, k, n, "B");
+}
+inline void apply(Pending p) {
+    const unsigned t = emu_frag::linear_thread(), lane = t % 32;
     const int c = 2 * (lane % 4);
+    if (p.a_shared) {
+        // This lane's rows of the warpgroup's 64: its warp's 16 (warp w of the group holds
+        // rows 16w..), rows g and g + 8 of them.
+        const int m0 = 16 * (int)((t / 32) % 4) + (int)(lane / 4);
+        for (int r = 0; r < 2; ++r)
+            for (int k = 0; k < 16; ++k)
+                p.a[r][k] = smem_value(p.desc_a, false, p.bf, k, m0 + 8 * r, "A");
+    }
     for (int j = 0; j < p.n / 8; ++j) {
         for (int e = 0; e < 4; ++e) {
             const int col = 8 * j + c + (e & 1);
@@ -2255,8 +2271,12 @@ template <int N> inline void mt_wgmma_wait() {
     }
     L.pending.swap(keep);
 }
+namespace emu_wg {
+// Issues a product: A from this warp's registers `a`, or (a == nullptr) from shared memory
+// through desc_a when it completes.
 template <class T, int N, int TRANS_B>
-inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) {
+inline void issue(float (*d)[4], const unsigned* a, unsigned long long desc_a,
+                  unsigned long long desc) {
     static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value,
                   "wgmma here takes bf16 or f16");
     static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16: N a multiple of 8 to 256");
@@ -2264,9 +2284,10 @@ inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) 
     const dim3 bd = blockDim;
     if ((bd.x * bd.y * bd.z) % 128 != 0)
         ::emu::detail::fail("wgmma needs whole warpgroups: the block's threads are not a multiple of 128");
-    if ((desc >> 62) != 0 || ((desc >> 49) & 7) != 0)
-        ::emu::detail::fail("wgmma descriptor with a swizzle or base offset (only the interleaved "
-                            "layout is emulated)");
+    for (unsigned long long dsc : {desc, a ? 0ull : desc_a})
+        if ((dsc >> 62) != 0 || ((dsc >> 49) & 7) != 0)
+            ::emu::detail::fail("wgmma descriptor with a swizzle or base offset (only the "
+                                "interleaved layout is emulated)");
     emu_wg::Lane& L = emu_wg::lane_state();
     const uint3 blk = blockIdx;
     const unsigned long long launch = ::emu::detail::stats_ref().launches;
@@ -2278,8 +2299,9 @@ inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) 
                                 "waited for");
     }
     auto& st = emu_frag::staging()[warp];
-    for (int i = 0; i < 4; ++i) st[lane][i] = a[i];
+    for (int i = 0; i < 4; ++i) st[lane][i] = a ? a[i] : 0;
     st[lane][4] = desc;
+    st[lane][5] = desc_a;
     __syncwarp();
     emu_wg::Pending p;
     p.d = d;
@@ -2287,11 +2309,13 @@ inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) 
     p.trans = TRANS_B != 0;
     p.bf = std::is_same<T, __nv_bfloat16>::value;
     p.desc = desc;
+    p.a_shared = a == nullptr;
+    p.desc_a = desc_a;
     p.group = L.commits;
     p.block = blk;
     p.launch = launch;
     bool uniform = true;
-    for (int s = 0; s < 32; ++s) uniform = uniform && st[s][4] == desc;
+    for (int s = 0; s < 32; ++s) uniform = uniform && st[s][4] == desc && st[s][5] == desc_a;
     const int g = lane / 4;
     for (int q = 0; q < 4; ++q) {
         const auto& src = st[4 * g + q];
@@ -2307,6 +2331,16 @@ inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) 
     __syncwarp();
     if (!uniform) ::emu::detail::fail("wgmma: the lanes of a warp gave different descriptors");
     L.pending.push_back(p);
+}
+} // namespace emu_wg
+
+template <class T, int N, int TRANS_B>
+inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) {
+    emu_wg::issue<T, N, TRANS_B>(d, a, 0, desc);
+}
+template <class T, int N, int TRANS_B>
+inline void mt_wgmma_ss(float (*d)[4], unsigned long long desc_a, unsigned long long desc) {
+    emu_wg::issue<T, N, TRANS_B>(d, nullptr, desc_a, desc);
 }
 
 // =======================================================================================

@@ -131,28 +131,57 @@ __device__ __forceinline__ void mma_a_x(float (*acc)[4], const unsigned (*a)[4],
     }
 }
 
-// The two ways the kernels below run their products, chosen per kernel (`Mma`). A operands
-// are the warp's rows of a padded tile (ldmatrix) or probabilities in registers either way;
-// the double-buffered tiles that stream past them are the B operands.
-//   SyncMma: every GPU; B tiles with padded rows, fragments by ldmatrix, mma.sync per warp.
-//   WarpgroupMma: sm_90a (H100, H200); B tiles of core matrices (load_tile_cm_async) that
-//     the tensor cores read themselves, one wgmma per 16-wide k-step for the block's 4 warps
-//     (a warpgroup, 64 rows), waited for at once. Shared memory written by cp.async is
-//     fenced for the async proxy before the barrier that publishes it.
+// The A fragments of the warp's 16 rows (starting at row r0) of a shared tile, K = HD.
+template <typename T, int HD>
+__device__ __forceinline__ void load_rows(unsigned (*a)[4], const T* tile, int r0, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) mt_ldmatrix_x4(a[kk], frag_rows(tile, HD + 8, r0, kk * 16, lane));
+}
+
+// The two ways the kernels below run their products, chosen per kernel (`Mma`). Each block
+// has its own tile or two (the rows its warps own: Q in the forward and dQ, K and V in
+// dK/dV, and dO in dQ), the A operands of the products with Xᵀ; the double-buffered tiles
+// that stream past them are the B operands; P and dS are A operands in registers.
+//   SyncMma: every GPU; tiles with padded rows, fragments by ldmatrix (the own tiles' read
+//     once into registers, `Rows`), mma.sync per warp.
+//   WarpgroupMma: sm_90a (H100, H200); every tile of core matrices (load_tile_cm_async) that
+//     the tensor cores read themselves, the own tiles too (`Rows` is the tile: no registers
+//     held for them), one wgmma per 16-wide k-step for the block's 4 warps (a warpgroup, 64
+//     rows). Shared memory written by cp.async is fenced for the async proxy before the
+//     barrier that publishes it.
 struct SyncMma {
     static constexpr bool PIPELINED = false;
+    template <int HD> static __device__ constexpr int own_tile_values() { return TILE * (HD + 8); }
     template <int HD> static __device__ constexpr int b_tile_values() { return TILE * (HD + 8); }
+    template <typename T, int HD>
+    static __device__ __forceinline__ void load_own(T* dst, const T* src, long long stride,
+                                                    int r0, int rows) {
+        load_tile_async<T, HD>(dst, src, stride, r0, rows);
+    }
     template <typename T, int HD>
     static __device__ __forceinline__ void load_b(T* dst, const T* src, long long stride, int r0,
                                                   int rows) {
         load_tile_async<T, HD>(dst, src, stride, r0, rows);
     }
     static __device__ __forceinline__ void publish() {}
-    // acc += A · Xᵀ, X an N × K tile (rows HD + 8 apart).
+    // The warp's 16 rows of an own tile as A fragments (K = HD columns).
+    template <typename T, int K> struct Rows {
+        unsigned f[K / 16][4];
+    };
+    template <typename T, int K>
+    static __device__ __forceinline__ void rows_of(Rows<T, K>& r, const T* tile, int lane) {
+        load_rows<T, K>(r.f, tile, (threadIdx.x / 32) * 16, lane);
+    }
+    // Where the warps stage their output rows at the end: each its own 16 rows of the own
+    // tile (only it read them).
+    template <typename T> static __device__ __forceinline__ T* staging(T* own, T*) {
+        return own;
+    }
+    // acc += A · Xᵀ, X an N × K tile (rows K + 8 apart).
     template <typename T, int K, int N>
-    static __device__ __forceinline__ void a_xt(float (*acc)[4], const unsigned (*a)[4],
-                                                const T* x, int lane) {
-        mma_a_xt<T, K, N>(acc, a, x, K + 8, lane);
+    static __device__ __forceinline__ void a_xt(float (*acc)[4], const Rows<T, K>& a, const T* x,
+                                                int lane) {
+        mma_a_xt<T, K, N>(acc, a.f, x, K + 8, lane);
     }
     // acc += A · X, X a K × N tile.
     template <typename T, int K, int N>
@@ -163,9 +192,9 @@ struct SyncMma {
     // Two independent products acc1 += A1·X1ᵀ and acc2 += A2·X2ᵀ with `between()` after
     // the first (it may read acc1, and must not touch the second's operands).
     template <typename T, int K, int N, typename Between>
-    static __device__ __forceinline__ void a_xt_pair(float (*acc1)[4], const unsigned (*a1)[4],
+    static __device__ __forceinline__ void a_xt_pair(float (*acc1)[4], const Rows<T, K>& a1,
                                                      const T* x1, float (*acc2)[4],
-                                                     const unsigned (*a2)[4], const T* x2,
+                                                     const Rows<T, K>& a2, const T* x2,
                                                      int lane, Between&& between) {
         a_xt<T, K, N>(acc1, a1, x1, lane);
         between();
@@ -183,67 +212,84 @@ struct SyncMma {
 struct WarpgroupMma {
     // The forward overlaps each tile's softmax with the products (forward_tiles_pipelined).
     static constexpr bool PIPELINED = true;
+    template <int HD> static __device__ constexpr int own_tile_values() { return TILE * HD; }
     template <int HD> static __device__ constexpr int b_tile_values() { return TILE * HD; }
+    template <typename T, int HD>
+    static __device__ __forceinline__ void load_own(T* dst, const T* src, long long stride,
+                                                    int r0, int rows) {
+        load_tile_cm_async<T, HD>(dst, src, stride, r0, rows);
+    }
     template <typename T, int HD>
     static __device__ __forceinline__ void load_b(T* dst, const T* src, long long stride, int r0,
                                                   int rows) {
         load_tile_cm_async<T, HD>(dst, src, stride, r0, rows);
     }
     static __device__ __forceinline__ void publish() { mt_fence_proxy_async(); }
-    // Issues acc += A · Xᵀ (TRANS 0) or acc += A · X (TRANS 1) as one commit group; the caller
-    // fences the registers first and waits before reading acc. Xᵀ: X's rows are B's columns
-    // (n-major), core matrices 128 bytes apart along K and a row group's K / 8 of them (K · 16
-    // bytes) apart along N, k-step kk starting 2 core matrices on. X: X's rows are K (B
-    // transposed), row groups N · 16 bytes apart along K and core matrices 128 bytes apart
-    // along N, k-step kk starting 2 row groups on.
-    template <typename T, int K, int N, int TRANS>
-    static __device__ __forceinline__ void issue(float (*acc)[4], const unsigned (*a)[4],
-                                                 const T* x) {
+    // An own tile as the A operand of the whole warpgroup, read from shared memory.
+    template <typename T, int K> struct Rows {
+        const T* tile;
+    };
+    template <typename T, int K>
+    static __device__ __forceinline__ void rows_of(Rows<T, K>& r, const T* tile, int) {
+        r.tile = tile;
+    }
+    // The own tiles are unpadded and still read by the other warps' products: the output is
+    // staged in the streamed buffers (free once every warp is past its last product), 64
+    // rows of HD + 8 values, which fit in two of them.
+    template <typename T> static __device__ __forceinline__ T* staging(T*, T* streamed) {
+        __syncthreads();
+        return streamed;
+    }
+    // Issues acc += A · Xᵀ (A the own tile's rows, from shared memory; X's rows are B's
+    // columns, n-major) as one commit group; the caller fences the registers first and waits
+    // before reading acc. A and X alike: core matrices 128 bytes apart along K and a row
+    // group's K / 8 of them (K · 16 bytes) apart along M or N; k-step kk starts 2 core
+    // matrices on.
+    template <typename T, int K, int N>
+    static __device__ __forceinline__ void issue_a_xt(float (*acc)[4], const Rows<T, K>& a,
+                                                      const T* x) {
 #pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk) {
-            const unsigned long long desc = TRANS
-                                                ? mt_wgmma_desc(x + kk * N * 16, N * 16, 128)
-                                                : mt_wgmma_desc(x + kk * 128, 128, K * 16);
-            mt_wgmma<T, N, TRANS>(acc, a[kk], desc);
-        }
+        for (int kk = 0; kk < K / 16; ++kk)
+            mt_wgmma_ss<T, N, 0>(acc, mt_wgmma_desc(a.tile + kk * 128, 128, K * 16),
+                                 mt_wgmma_desc(x + kk * 128, 128, K * 16));
         mt_wgmma_commit();
     }
-    template <typename T, int K, int N>
-    static __device__ __forceinline__ void issue_a_xt(float (*acc)[4], const unsigned (*a)[4],
-                                                      const T* x) {
-        issue<T, K, N, 0>(acc, a, x);
-    }
+    // Issues acc += A · X (A in registers; X's rows are K, B transposed): row groups N · 16
+    // bytes apart along K, core matrices 128 bytes apart along N; k-step kk starts 2 row
+    // groups on.
     template <typename T, int K, int N>
     static __device__ __forceinline__ void issue_a_x(float (*acc)[4], const unsigned (*a)[4],
                                                      const T* x) {
-        issue<T, K, N, 1>(acc, a, x);
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+            mt_wgmma<T, N, 1>(acc, a[kk], mt_wgmma_desc(x + kk * N * 16, N * 16, 128));
+        mt_wgmma_commit();
     }
-    // One product, waited for.
-    template <typename T, int K, int N, int TRANS>
-    static __device__ __forceinline__ void product(float (*acc)[4], const unsigned (*a)[4],
-                                                   const T* x) {
+    // One product (`issue` issues it), waited for.
+    template <int N, typename Issue>
+    static __device__ __forceinline__ void product(float (*acc)[4], Issue&& issue) {
         mt_wgmma_hold<N>(acc);
         mt_wgmma_fence();
-        issue<T, K, N, TRANS>(acc, a, x);
+        issue();
         mt_wgmma_wait<0>();
         mt_wgmma_hold<N>(acc);
     }
     template <typename T, int K, int N>
-    static __device__ __forceinline__ void a_xt(float (*acc)[4], const unsigned (*a)[4],
-                                                const T* x, int) {
-        product<T, K, N, 0>(acc, a, x);
+    static __device__ __forceinline__ void a_xt(float (*acc)[4], const Rows<T, K>& a, const T* x,
+                                                int) {
+        product<N>(acc, [&] { issue_a_xt<T, K, N>(acc, a, x); });
     }
     template <typename T, int K, int N>
     static __device__ __forceinline__ void a_x(float (*acc)[4], const unsigned (*a)[4],
                                                const T* x, int) {
-        product<T, K, N, 1>(acc, a, x);
+        product<N>(acc, [&] { issue_a_x<T, K, N>(acc, a, x); });
     }
     // Both products issued at once; `between()` runs once the first is done, while the
     // tensor cores still compute the second.
     template <typename T, int K, int N, typename Between>
-    static __device__ __forceinline__ void a_xt_pair(float (*acc1)[4], const unsigned (*a1)[4],
+    static __device__ __forceinline__ void a_xt_pair(float (*acc1)[4], const Rows<T, K>& a1,
                                                      const T* x1, float (*acc2)[4],
-                                                     const unsigned (*a2)[4], const T* x2, int,
+                                                     const Rows<T, K>& a2, const T* x2, int,
                                                      Between&& between) {
         mt_wgmma_hold<N>(acc1);
         mt_wgmma_hold<N>(acc2);
@@ -269,12 +315,6 @@ struct WarpgroupMma {
     }
 };
 
-// The A fragments of the warp's 16 rows (starting at row r0) of a shared tile, K = HD.
-template <typename T, int HD>
-__device__ __forceinline__ void load_rows(unsigned (*a)[4], const T* tile, int r0, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) mt_ldmatrix_x4(a[kk], frag_rows(tile, HD + 8, r0, kk * 16, lane));
-}
 
 // 16 × N accumulators as the A fragments of a 16 × N operand (N/16 k-chunks), rounded to T.
 template <typename T, int N>
@@ -551,18 +591,18 @@ template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
                                               float (*o)[4], float* m, float* l) {
     constexpr int B_VALUES = Mma::template b_tile_values<HD>();
-    T* sK = sQ + TILE * (HD + 8); // two buffers
+    T* sK = sQ + Mma::template own_tile_values<HD>(); // two buffers
     T* sV = sK + 2 * B_VALUES;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int lane = threadIdx.x % 32;
     const float scale2 = scale * LOG2E; // scores in log2 units
     const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0);
 
-    load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    Mma::template load_own<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
     Mma::template load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
     Mma::template load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
 
-    unsigned qa[HD / 16][4];
+    typename Mma::template Rows<T, HD> qa;
     zero<HD>(o);
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
@@ -579,7 +619,7 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
         }
         Mma::publish();
         __syncthreads();
-        if (kt == kt0) load_rows<T, HD>(qa, sQ, warp * 16, lane);
+        if (kt == kt0) Mma::rows_of(qa, sQ, lane);
         const T* K = sK + buf * B_VALUES;
         const T* V = sV + buf * B_VALUES;
 
@@ -610,14 +650,14 @@ __device__ __forceinline__ void forward_tiles_pipelined(const Pair<T>& p, int q0
                                                         float* l) {
     using Mma = WarpgroupMma;
     constexpr int B_VALUES = TILE * HD;
-    T* sK = sQ + TILE * (HD + 8); // two buffers: key tile kt0 + j in buffer j % 2
+    T* sK = sQ + Mma::own_tile_values<HD>(); // two buffers: key tile kt0 + j in buffer j % 2
     T* sV = sK + 2 * B_VALUES;    // two buffers, likewise
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int lane = threadIdx.x % 32;
     const float scale2 = scale * LOG2E;
     const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0), n = key_tiles - kt0;
 
     // Q with the first K; then the first V with the second K.
-    load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    Mma::load_own<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
     Mma::load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
     Mma::load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
@@ -627,8 +667,9 @@ __device__ __forceinline__ void forward_tiles_pipelined(const Pair<T>& p, int q0
     Mma::publish();
     __syncthreads();
 
-    unsigned qa[HD / 16][4], pa[TILE / 16][4];
-    load_rows<T, HD>(qa, sQ, warp * 16, lane);
+    Mma::Rows<T, HD> qa;
+    Mma::rows_of(qa, sQ, lane);
+    unsigned pa[TILE / 16][4];
     zero<HD>(o);
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
@@ -717,10 +758,10 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
             if (row0 + 8 * i < Tn) lse[((long long)b * H + h) * Tn + row0 + 8 * i] = (m[i] + log2f(l[i])) * LN2;
         }
     }
-    // The warp's own rows of sQ (only it read them, at kt = 0) stage the output.
     const int D = H * HD;
-    store_rows<T, HD>(out + (long long)b * Tn * D + h * HD, D, o, 1.0f,
-                      sQ + warp * 16 * LD, q0 + warp * 16, Tn, lane);
+    T* stage = Mma::staging(sQ, sQ + Mma::template own_tile_values<HD>());
+    store_rows<T, HD>(out + (long long)b * Tn * D + h * HD, D, o, 1.0f, stage + warp * 16 * LD,
+                      q0 + warp * 16, Tn, lane);
 }
 
 // Merges the warp's 16 × HD normalised block output (rows r0.., the lane's two rows' m, l
@@ -807,9 +848,10 @@ __device__ void ring_forward(const T* qkv, const T* kv, float* out, float* lse, 
 template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, float scale,
                                            float (*dk)[4], float (*dv)[4]) {
-    constexpr int TILE_VALUES = TILE * (HD + 8), B_VALUES = Mma::template b_tile_values<HD>();
-    T* sV = sK + TILE_VALUES;
-    T* sQ = sV + TILE_VALUES;   // two buffers
+    constexpr int OWN_VALUES = Mma::template own_tile_values<HD>();
+    constexpr int B_VALUES = Mma::template b_tile_values<HD>();
+    T* sV = sK + OWN_VALUES;
+    T* sQ = sV + OWN_VALUES;    // two buffers
     T* sdO = sQ + 2 * B_VALUES; // two buffers
     float* sL = reinterpret_cast<float*>(sdO + 2 * B_VALUES); // two rows: lse · log2(e)
     float* sD = sL + 2 * TILE;                                   // two rows
@@ -831,8 +873,8 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
     zero<HD>(dk);
     zero<HD>(dv);
     if (qt0 >= q_tiles) return; // no query sees these keys (a causal pair with fewer queries)
-    load_tile_async<T, HD>(sK, p.k, p.kv_stride, k0, p.kv_rows);
-    load_tile_async<T, HD>(sV, p.v(), p.kv_stride, k0, p.kv_rows);
+    Mma::template load_own<T, HD>(sK, p.k, p.kv_stride, k0, p.kv_rows);
+    Mma::template load_own<T, HD>(sV, p.v(), p.kv_stride, k0, p.kv_rows);
     Mma::template load_b<T, HD>(sQ, p.q, p.q_stride, qt0 * TILE, p.q_rows);
     Mma::template load_b<T, HD>(sdO, p.dout, p.dout_stride, qt0 * TILE, p.q_rows);
     mt_cp_async_commit();
@@ -863,8 +905,8 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
         float st[TILE / 8][4];
         zero<TILE>(st);
         {
-            unsigned ka[HD / 16][4];
-            load_rows<T, HD>(ka, sK, warp * 16, lane);
+            typename Mma::template Rows<T, HD> ka;
+            Mma::rows_of(ka, sK, lane);
             Mma::template a_xt<T, HD, TILE>(st, ka, Q, lane);
         }
         // The diagonal tile (a causal pair's first), the last one (padded queries) and
@@ -889,8 +931,8 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
         float dpt[TILE / 8][4];
         auto dpt_product = [&] {
             zero<TILE>(dpt);
-            unsigned va[HD / 16][4];
-            load_rows<T, HD>(va, sV, warp * 16, lane);
+            typename Mma::template Rows<T, HD> va;
+            Mma::rows_of(va, sV, lane);
             Mma::template a_xt<T, HD, TILE>(dpt, va, dO, lane);
         };
         if constexpr (HD <= 64) {
@@ -918,24 +960,26 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
 template <typename T, int HD, typename Mma = SyncMma>
 __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, const float* Drows,
                               T* dqkv, int B, int Tn, int H, float scale, int window) {
-    constexpr int LD = HD + 8, TILE_VALUES = TILE * LD;
+    constexpr int LD = HD + 8, OWN_VALUES = Mma::template own_tile_values<HD>();
     DYNAMIC_SMEM(unsigned char, smem);
     T* sK = reinterpret_cast<T*>(smem);
-    T* sV = sK + TILE_VALUES;
+    T* sV = sK + OWN_VALUES;
     const int k0 = blockIdx.x * TILE;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
     float dk[HD / 8][4], dv[HD / 8][4];
     dkdv_tiles<T, HD, Mma>(p, k0, sK, scale, dk, dv);
 
-    // The warp's own rows of sK and sV (only it read them) stage dK and dV.
+    // Staged in the warp's own rows of sK and sV, or (wgmma) of the streamed Q buffers.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int D = H * HD;
     const long long stride = 3LL * D;
     T* out = dqkv + (long long)b * Tn * stride + h * HD;
-    store_rows<T, HD>(out + D, stride, dk, scale, sK + warp * 16 * LD, k0 + warp * 16, Tn, lane);
-    store_rows<T, HD>(out + 2 * D, stride, dv, 1.0f, sV + warp * 16 * LD, k0 + warp * 16, Tn,
-                      lane);
+    T* streamed = sV + OWN_VALUES;
+    store_rows<T, HD>(out + D, stride, dk, scale, Mma::staging(sK, streamed) + warp * 16 * LD,
+                      k0 + warp * 16, Tn, lane);
+    store_rows<T, HD>(out + 2 * D, stride, dv, 1.0f, Mma::staging(sV, streamed) + warp * 16 * LD,
+                      k0 + warp * 16, Tn, lane);
 }
 
 // Ring attention, dK and dV of one pair, added into the travelling block's f32 accumulator
@@ -967,9 +1011,10 @@ __device__ void ring_dkdv(const T* qkv, const T* kv, const T* dout, const float*
 template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
                                          float (*dq)[4]) {
-    constexpr int TILE_VALUES = TILE * (HD + 8), B_VALUES = Mma::template b_tile_values<HD>();
-    T* sdO = sQ + TILE_VALUES;
-    T* sK = sdO + TILE_VALUES; // two buffers
+    constexpr int OWN_VALUES = Mma::template own_tile_values<HD>();
+    constexpr int B_VALUES = Mma::template b_tile_values<HD>();
+    T* sdO = sQ + OWN_VALUES;
+    T* sK = sdO + OWN_VALUES; // two buffers
     T* sV = sK + 2 * B_VALUES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int c = 2 * (lane % 4);
@@ -984,13 +1029,13 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
     }
     const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0);
 
-    load_tile_async<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
-    load_tile_async<T, HD>(sdO, p.dout, p.dout_stride, q0, p.q_rows);
+    Mma::template load_own<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    Mma::template load_own<T, HD>(sdO, p.dout, p.dout_stride, q0, p.q_rows);
     Mma::template load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
     Mma::template load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
 
-    unsigned qa[HD / 16][4], doa[HD / 16][4];
+    typename Mma::template Rows<T, HD> qa, doa;
     zero<HD>(dq);
     for (int kt = kt0; kt < key_tiles; ++kt) {
         const int buf = (kt - kt0) & 1;
@@ -1006,8 +1051,8 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
         Mma::publish();
         __syncthreads();
         if (kt == kt0) {
-            load_rows<T, HD>(qa, sQ, warp * 16, lane);
-            load_rows<T, HD>(doa, sdO, warp * 16, lane);
+            Mma::rows_of(qa, sQ, lane);
+            Mma::rows_of(doa, sdO, lane);
         }
         const T* K = sK + buf * B_VALUES;
         const T* V = sV + buf * B_VALUES;
@@ -1055,10 +1100,12 @@ __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const
     const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
     float dq[HD / 8][4];
     dq_tiles<T, HD, Mma>(p, q0, sQ, scale, dq);
-    // The warp's own rows of sQ (only it read them, at kt = 0) stage dQ.
+    // Staged in the warp's own rows of sQ (only it read them, at kt = 0), or (wgmma) of the
+    // streamed K buffers.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    T* stage = Mma::staging(sQ, sQ + 2 * Mma::template own_tile_values<HD>());
     store_rows<T, HD>(dqkv + (long long)b * Tn * 3 * H * HD + h * HD, 3LL * H * HD, dq, scale,
-                      sQ + warp * 16 * LD, q0 + warp * 16, Tn, lane);
+                      stage + warp * 16 * LD, q0 + warp * 16, Tn, lane);
 }
 
 // Ring attention, dQ of one pair, added into the f32 accumulator `dq` [B, rows, D] at the

@@ -93,7 +93,9 @@ template <int N> __device__ __forceinline__ void mt_wgmma_hold(float (*d)[4]) {
         asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
 }
 // One m64nNk16 product per N, for bf16 and f16 (generated lists of N/2 accumulator
-// registers; the pointer argument only picks the type).
+// registers; the pointer argument only picks the type): A from registers (mt_wgmma_n*), or
+// from shared memory through its own descriptor (mt_wgmma_ss_n*: A's 64 rows stored K-major as
+// core matrices, LBO along K and SBO along M, as B's when TRANS_B is 0).
 #define MT_WGMMA_N32(TYPE)                                                                        \
     template <int TRANS_B>                                                                        \
     __device__ __forceinline__ void mt_wgmma_n32(const TYPE*, float (*d)[4],                      \
@@ -108,6 +110,20 @@ template <int N> __device__ __forceinline__ void mt_wgmma_hold(float (*d)[4]) {
                        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])                 \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc),                     \
                        "n"(TRANS_B));                                                             \
+    }                                                                                             \
+    template <int TRANS_B>                                                                        \
+    __device__ __forceinline__ void mt_wgmma_ss_n32(const TYPE*, float (*d)[4],                   \
+                                                    unsigned long long desc_a,                    \
+                                                    unsigned long long desc_b) {                  \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." #TYPE "." #TYPE " "            \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                        \
+                     "%12, %13, %14, %15}, "                                                      \
+                     "%16, %17, 1, 1, 1, 0, %18;"                                                 \
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),                \
+                       "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),                \
+                       "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),                \
+                       "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])                 \
+                     : "l"(desc_a), "l"(desc_b), "n"(TRANS_B));                                   \
     }
 MT_WGMMA_N32(bf16)
 MT_WGMMA_N32(f16)
@@ -130,6 +146,25 @@ MT_WGMMA_N32(f16)
                        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])                 \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc),                     \
                        "n"(TRANS_B));                                                             \
+    }                                                                                             \
+    template <int TRANS_B>                                                                        \
+    __device__ __forceinline__ void mt_wgmma_ss_n64(const TYPE*, float (*d)[4],                   \
+                                                    unsigned long long desc_a,                    \
+                                                    unsigned long long desc_b) {                  \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." #TYPE "." #TYPE " "            \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                        \
+                     "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "               \
+                     "%24, %25, %26, %27, %28, %29, %30, %31}, "                                  \
+                     "%32, %33, 1, 1, 1, 0, %34;"                                                 \
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),                \
+                       "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),                \
+                       "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),                \
+                       "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),                \
+                       "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),                \
+                       "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),                \
+                       "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),                \
+                       "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])                 \
+                     : "l"(desc_a), "l"(desc_b), "n"(TRANS_B));                                   \
     }
 MT_WGMMA_N64(bf16)
 MT_WGMMA_N64(f16)
@@ -163,6 +198,36 @@ MT_WGMMA_N64(f16)
                        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])             \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc),                     \
                        "n"(TRANS_B));                                                             \
+    }                                                                                             \
+    template <int TRANS_B>                                                                        \
+    __device__ __forceinline__ void mt_wgmma_ss_n128(const TYPE*, float (*d)[4],                  \
+                                                    unsigned long long desc_a,                    \
+                                                    unsigned long long desc_b) {                  \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." #TYPE "." #TYPE " "           \
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                        \
+                     "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "               \
+                     "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "               \
+                     "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "               \
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "               \
+                     "%60, %61, %62, %63}, "                                                      \
+                     "%64, %65, 1, 1, 1, 0, %66;"                                                 \
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),                \
+                       "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),                \
+                       "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),                \
+                       "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),                \
+                       "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),                \
+                       "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),                \
+                       "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),                \
+                       "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),                \
+                       "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),                \
+                       "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),                \
+                       "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),            \
+                       "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),            \
+                       "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),            \
+                       "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),            \
+                       "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),            \
+                       "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])             \
+                     : "l"(desc_a), "l"(desc_b), "n"(TRANS_B));                                   \
     }
 MT_WGMMA_N128(bf16)
 MT_WGMMA_N128(f16)
@@ -174,6 +239,14 @@ __device__ __forceinline__ void mt_wgmma(float (*d)[4], const unsigned* a,
     else if constexpr (N == 64) mt_wgmma_n64<TRANS_B>((const T*)nullptr, d, a, desc);
     else mt_wgmma_n128<TRANS_B>((const T*)nullptr, d, a, desc);
 }
+template <class T, int N, int TRANS_B>
+__device__ __forceinline__ void mt_wgmma_ss(float (*d)[4], unsigned long long desc_a,
+                                            unsigned long long desc_b) {
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma products of N = 32, 64 or 128");
+    if constexpr (N == 32) mt_wgmma_ss_n32<TRANS_B>((const T*)nullptr, d, desc_a, desc_b);
+    else if constexpr (N == 64) mt_wgmma_ss_n64<TRANS_B>((const T*)nullptr, d, desc_a, desc_b);
+    else mt_wgmma_ss_n128<TRANS_B>((const T*)nullptr, d, desc_a, desc_b);
+}
 #else
 // Other architectures compile the wgmma kernels to a trap; the host never launches them there.
 __device__ __forceinline__ void mt_wgmma_fence() {}
@@ -183,6 +256,10 @@ __device__ __forceinline__ void mt_fence_proxy_async() {}
 template <int N> __device__ __forceinline__ void mt_wgmma_hold(float (*)[4]) {}
 template <class T, int N, int TRANS_B>
 __device__ __forceinline__ void mt_wgmma(float (*)[4], const unsigned*, unsigned long long) {
+    __trap();
+}
+template <class T, int N, int TRANS_B>
+__device__ __forceinline__ void mt_wgmma_ss(float (*)[4], unsigned long long, unsigned long long) {
     __trap();
 }
 #endif
