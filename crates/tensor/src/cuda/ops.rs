@@ -1516,7 +1516,9 @@ impl AttentionProducts {
     /// (The warpgroup kernels are opt-in until a card has run gpu-check's comparison of them
     /// with the CPU: docs/gpu.md.)
     pub fn chosen(dev: &CudaDevice, dtype: DType, head_dim: usize) -> Result<Self, CudaError> {
-        let asked = std::env::var("MESHTRAIN_ATTENTION_KERNELS").unwrap_or_default();
+        static ASKED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let asked =
+            ASKED.get_or_init(|| std::env::var("MESHTRAIN_ATTENTION_KERNELS").unwrap_or_default());
         match asked.as_str() {
             "" | "mma" => Ok(Self::MmaSync),
             "wgmma" if !dev.has_warpgroup_mma() => Err(unsupported(format!(
