@@ -19,7 +19,8 @@
 // Shared memory (Rust's ops::attention_smem computes the same): 16-bit tiles of 64 rows ×
 // (HD + 8) values. The 16-byte padding puts the 8 rows an ldmatrix reads on distinct banks
 // and keeps every row 16-byte aligned for cp.async. forward: Q + 2 K + 2 V tiles; dkdv: K, V
-// + 2 Q + 2 dO tiles + 2 × 2 rows of 64 floats (lse, D); dq: Q, dO + 2 K + 2 V tiles.
+// + 2 Q + 2 dO tiles + 2 × 2 rows of 64 floats (lse, D); dq: Q, dO + 2 K + 2 V tiles. The
+// Hopper kernels (WarpgroupMma, below) hold the same tiles as unpadded core matrices.
 //
 // Fragment lane layouts (g = lane/4, c = 2·(lane%4)); PTX's, see prelude.cuh:
 //   accumulator (16 × 8): [0], [1] = (row g, cols c, c+1); [2], [3] = (row g+8, cols c, c+1);
@@ -586,7 +587,8 @@ template <int HD> __device__ __forceinline__ void normalise(float (*o)[4], float
 //
 // `forward_tiles` leaves the warp's normalised output rows in `o` and each of the lane's two
 // rows' maximum `m` (log2 units) and sum `l` (whole row); the kernels differ in where that
-// goes. Shared memory: Q, then two K and two V tiles; the warp's own rows of Q stage output.
+// goes. Shared memory: Q, then two K and two V tiles (Mma::staging says where the output is
+// staged).
 template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
                                               float (*o)[4], float* m, float* l) {

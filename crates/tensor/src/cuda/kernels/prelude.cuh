@@ -54,8 +54,9 @@ template <int N> __device__ __forceinline__ void mt_cp_async_wait() {
 }
 // Hopper's warpgroup products (wgmma, sm_90a only; attention.cu's "wg" kernels): a warpgroup
 // of 4 warps computes a 64 × N product, A (64 × 16) from registers in mma.sync's A layout
-// (warp w holds rows 16w..16w+15), B (16 × N) read by the tensor cores straight from shared
-// memory through a 64-bit descriptor, D in registers in mma.sync's accumulator layout (warp
+// (warp w holds rows 16w..16w+15) or from shared memory (mt_wgmma_ss, below), B (16 × N)
+// read by the tensor cores straight from shared memory through a 64-bit descriptor, D in
+// registers in mma.sync's accumulator layout (warp
 // w's rows, n-tile j in d[j]). The product runs asynchronously: fence the registers before,
 // commit, and wait before reading D or reusing the shared tile. B's shared layout is
 // "interleaved" (no swizzle): core matrices of 8 rows × 16 bytes, 128 contiguous bytes
