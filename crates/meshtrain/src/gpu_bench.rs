@@ -870,39 +870,45 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
         )
     })?;
     report("gradient norm over 124M", ms, params_n as f64 * 4.0);
-    // Attention: FLOP rate (causal: half the score matrix).
-    let shape = AttnShape {
-        batch: 16,
-        seq: 1024,
-        heads: 12,
-        head_dim: 64,
-    };
-    let qkv = random_tensor(dev, &mut rng, 16 * 1024 * 3 * 768, bf, 1.0)?;
-    let dout = random_tensor(dev, &mut rng, 16 * 1024 * 768, bf, 1.0)?;
-    let flops = 4.0 * 16.0 * 12.0 * 1024.0 * 1024.0 * 64.0 / 2.0;
-    // The kernels a step runs (MESHTRAIN_ATTENTION_KERNELS), and on Hopper both kinds apart.
+    // Attention: FLOP rate (causal: half the score matrix), at GPT-2's shape (what the
+    // measured rates report) and at the Llama 3.2 1B shape's (4 × 2048 tokens, 32 heads of
+    // 64); the kernels a step runs (MESHTRAIN_ATTENTION_KERNELS), and on Hopper both kinds.
     let chosen = ops::AttentionProducts::chosen(dev, bf, 64).map_err(cuda)?;
     let mut kinds = vec![ops::AttentionProducts::MmaSync];
     if ops::AttentionProducts::warpgroup_fits(dev, bf, 64) {
         kinds.push(ops::AttentionProducts::Warpgroup);
     }
     let mut chosen_tflops = 0.0;
-    for products in kinds {
-        let fwd = time_ms(dev, args.reps, || {
-            ops::attention_forward_with(&qkv, shape, None, products).map(|_| ())
-        })?;
-        let (o, lse) = ops::attention_forward_with(&qkv, shape, None, products).map_err(cuda)?;
-        let bwd = time_ms(dev, args.reps, || {
-            ops::attention_backward_with(&qkv, &o, &lse, &dout, shape, None, products).map(|_| ())
-        })?;
-        let kind = products.name();
-        println!(
-            "attention ({kind}) 16×1024, 12 heads of 64 (causal): forward {fwd:.3} ms ({:.0} TFLOP/s), backward {bwd:.3} ms ({:.0} TFLOP/s of 2.5× the forward's FLOPs)",
-            flops / (fwd * 1e-3) / 1e12,
-            2.5 * flops / (bwd * 1e-3) / 1e12
-        );
-        if products == chosen {
-            chosen_tflops = 3.5 * flops / ((fwd + bwd) * 1e-3) / 1e12;
+    for (batch, seq, heads) in [(16, 1024, 12), (4, 2048, 32)] {
+        let shape = AttnShape {
+            batch,
+            seq,
+            heads,
+            head_dim: 64,
+        };
+        let tokens = batch * seq;
+        let qkv = random_tensor(dev, &mut rng, tokens * 3 * heads * 64, bf, 1.0)?;
+        let dout = random_tensor(dev, &mut rng, tokens * heads * 64, bf, 1.0)?;
+        let flops = 4.0 * (batch * heads) as f64 * (seq * seq) as f64 * 64.0 / 2.0;
+        for &products in &kinds {
+            let fwd = time_ms(dev, args.reps, || {
+                ops::attention_forward_with(&qkv, shape, None, products).map(|_| ())
+            })?;
+            let (o, lse) =
+                ops::attention_forward_with(&qkv, shape, None, products).map_err(cuda)?;
+            let bwd = time_ms(dev, args.reps, || {
+                ops::attention_backward_with(&qkv, &o, &lse, &dout, shape, None, products)
+                    .map(|_| ())
+            })?;
+            let kind = products.name();
+            println!(
+                "attention ({kind}) {batch}×{seq}, {heads} heads of 64 (causal): forward {fwd:.3} ms ({:.0} TFLOP/s), backward {bwd:.3} ms ({:.0} TFLOP/s of 2.5× the forward's FLOPs)",
+                flops / (fwd * 1e-3) / 1e12,
+                2.5 * flops / (bwd * 1e-3) / 1e12
+            );
+            if products == chosen && seq == 1024 {
+                chosen_tflops = 3.5 * flops / ((fwd + bwd) * 1e-3) / 1e12;
+            }
         }
     }
     Ok((copy_gbs, chosen_tflops))
