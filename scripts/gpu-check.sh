@@ -29,7 +29,9 @@
 # Unpack the logs here with: tar -xzf gpu-check-logs.tgz -C docs/gpu-logs/DATE-CARD/
 # Set GPU_CHECK_PARTS (default check,multi,layouts,convnets,step,torch,products,llama,generate,
 # kernels,accuracy) and GPU_CHECK_TORCH (default
-# eager; eager,compile adds torch.compile, ~1 more minute) to run less or more.
+# eager; eager,compile adds torch.compile, ~1 more minute) to run less or more. The part
+# `attention` (not in the default: `check` and `kernels` cover it) runs the attention kernels'
+# checks and rates alone, both kinds on Hopper: the quick look at Hopper's wgmma kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -259,6 +261,7 @@ run)
         layouts) limit=180 sync=0 ;;
         convnets) limit=240 sync=0 ;;
         step) limit=300 sync=0 ;; # three models: GPT-2, Llama 1B in bf16 and in fp8
+        attention) limit=180 sync=1 ;;
         *) limit=60 sync=0 ;;
         esac
         # The step part times GPT-2 124M and the Llama 3.2 1B shape in bf16 and fp8 (issue 39).

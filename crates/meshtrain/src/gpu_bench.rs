@@ -40,7 +40,8 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchGpuArgs {
-    /// Parts to run: check, multi, layouts, products, kernels, step (comma-separated).
+    /// Parts to run: check, multi, layouts, convnets, products, kernels, attention (its
+    /// checks and rates alone, both kinds of kernels on Hopper), step (comma-separated).
     #[arg(long, default_value = "check,products,kernels,step")]
     pub parts: String,
     /// The GPU.
@@ -121,6 +122,11 @@ pub fn run(args: &BenchGpuArgs) -> Result<()> {
                     m.attention_tflops = Some(attention_tflops);
                 })?;
             }
+            "attention" => {
+                failed.extend(attention_check_part(&dev)?);
+                let attention_tflops = attention_rates(&dev, args)?;
+                record(&dev, args, |m| m.attention_tflops = Some(attention_tflops))?;
+            }
             "step" => step(args)?,
             "multi" => failed.extend(crate::gpu_multi::run(&args.root)?),
             "layouts" => failed.extend(crate::gpu_multi::run_layouts(&args.root)?),
@@ -128,7 +134,7 @@ pub fn run(args: &BenchGpuArgs) -> Result<()> {
             other => {
                 bail!(
                     "unknown part '{other}' (check, multi, layouts, convnets, products, \
-                     kernels, step)"
+                     kernels, attention, step)"
                 )
             }
         }
@@ -195,6 +201,24 @@ fn seed() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64)
+}
+
+/// The `attention` part's checks (check::run_attention); returns the failures.
+fn attention_check_part(dev: &Arc<CudaDevice>) -> Result<Vec<String>> {
+    let seed = seed();
+    println!("\n== attention: the kernels against the CPU (seed {seed})");
+    let results = check::run_attention(dev, seed, &mut |r| println!("{r}"));
+    let failed: Vec<String> = results
+        .iter()
+        .filter(|r| !r.passed)
+        .map(|r| r.to_string())
+        .collect();
+    println!(
+        "attention: {} of {} checks passed",
+        results.len() - failed.len(),
+        results.len()
+    );
+    Ok(failed)
 }
 
 /// The `check` part; returns the failures.
@@ -870,9 +894,17 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
         )
     })?;
     report("gradient norm over 124M", ms, params_n as f64 * 4.0);
-    // Attention: FLOP rate (causal: half the score matrix), at GPT-2's shape (what the
-    // measured rates report) and at the Llama 3.2 1B shape's (4 × 2048 tokens, 32 heads of
-    // 64); the kernels a step runs (MESHTRAIN_ATTENTION_KERNELS), and on Hopper both kinds.
+    let attention_tflops = attention_rates(dev, args)?;
+    Ok((copy_gbs, attention_tflops))
+}
+
+/// Attention's FLOP rate (causal: half the score matrix), at GPT-2's shape and at the Llama
+/// 3.2 1B shape's (4 × 2048 tokens, 32 heads of 64): the kernels a step runs
+/// (MESHTRAIN_ATTENTION_KERNELS), and on Hopper both kinds. Returns the rate of the step's
+/// kernels at GPT-2's shape (forward and backward together, as the planner counts them).
+fn attention_rates(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<f64> {
+    let bf = DType::BF16;
+    let mut rng = SplitMix64::new(seed());
     let chosen = ops::AttentionProducts::chosen(dev, bf, 64).map_err(cuda)?;
     let mut kinds = vec![ops::AttentionProducts::MmaSync];
     if ops::AttentionProducts::warpgroup_fits(dev, bf, 64) {
@@ -911,7 +943,7 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
             }
         }
     }
-    Ok((copy_gbs, chosen_tflops))
+    Ok(chosen_tflops)
 }
 
 /// A model the `step` part times, with the anchors it is measured beside.

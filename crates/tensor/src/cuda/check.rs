@@ -337,6 +337,32 @@ const ATTENTION_SHAPES: [(AttnShape, Option<usize>); 9] = [
     (attn_shape(1, 200, 3, 64), Some(64)),
 ];
 
+/// The attention checks alone (every dtype's mma.sync kernels, then Hopper's wgmma kernels
+/// where the GPU has them), for a quick look at attention on a card (`bench gpu --parts
+/// attention`); `report` gets each result as it is made.
+pub fn run_attention(
+    dev: &Arc<CudaDevice>,
+    seed: u64,
+    report: &mut dyn FnMut(&CheckResult),
+) -> Vec<CheckResult> {
+    let mut rng = SplitMix64::new(seed);
+    let mut all = Vec::new();
+    let kinds = [
+        (DType::F32, ops::AttentionProducts::MmaSync),
+        (DType::BF16, ops::AttentionProducts::MmaSync),
+        (DType::F16, ops::AttentionProducts::MmaSync),
+        (DType::BF16, ops::AttentionProducts::Warpgroup),
+        (DType::F16, ops::AttentionProducts::Warpgroup),
+    ];
+    for (dtype, products) in kinds {
+        for r in attention_checks(dev, &mut rng, dtype, products) {
+            report(&r);
+            all.push(r);
+        }
+    }
+    all
+}
+
 /// The attention kernels of `products` on every shape of [`ATTENTION_SHAPES`] they take.
 fn attention_checks(
     dev: &Arc<CudaDevice>,
