@@ -208,17 +208,22 @@ fn attention_check_part(dev: &Arc<CudaDevice>) -> Result<Vec<String>> {
     let seed = seed();
     println!("\n== attention: the kernels against the CPU (seed {seed})");
     let results = check::run_attention(dev, seed, &mut |r| println!("{r}"));
+    Ok(failures("attention", &results))
+}
+
+/// The failed checks of `results`, after a line saying how many of them passed.
+fn failures(what: &str, results: &[CheckResult]) -> Vec<String> {
     let failed: Vec<String> = results
         .iter()
         .filter(|r| !r.passed)
         .map(|r| r.to_string())
         .collect();
     println!(
-        "attention: {} of {} checks passed",
+        "{what}: {} of {} checks passed",
         results.len() - failed.len(),
         results.len()
     );
-    Ok(failed)
+    failed
 }
 
 /// The `check` part; returns the failures.
@@ -229,16 +234,7 @@ fn check_part(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<Vec<String>>
     let optimizers = check_optimizers(dev, seed ^ 0x0b7);
     optimizers.iter().for_each(|r| println!("{r}"));
     results.extend(optimizers);
-    let mut failed: Vec<String> = results
-        .iter()
-        .filter(|r| !r.passed)
-        .map(|r| r.to_string())
-        .collect();
-    println!(
-        "kernels: {} of {} checks passed",
-        results.len() - failed.len(),
-        results.len()
-    );
+    let mut failed = failures("kernels", &results);
     for model in [
         Compared::Gpt,
         Compared::Llama,
