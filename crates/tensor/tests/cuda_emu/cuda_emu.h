@@ -2106,34 +2106,29 @@ template <class T> inline void mt_mma_16816(float* d, const unsigned* a, const u
 // cp.async: the source is read when the copy is issued, the destination written only when a
 // cp.async.wait_group lets the copy's commit group complete (so reading the tile before the
 // wait, or waiting for the wrong group, reads shared memory's poison).
-namespace emu_cp {
-struct Copy {
-    unsigned char* dst;
-    unsigned char bytes[16];
-    unsigned group;
-};
-struct Lane {
-    std::vector<Copy> pending;
+namespace emu_async {
+// One lane's asynchronous operations of one kind (cp.async copies, wgmma products) in commit
+// groups, as PTX counts them: an operation belongs to the group committed next, and a wait
+// for N completes every operation but those of the N newest committed groups. The state
+// belongs to one block of one launch: an operation still pending from another was never
+// waited for (its effect never happened), which fails the launch.
+template <class Op> struct Groups {
+    std::vector<std::pair<Op, unsigned>> pending; // each with its group
     unsigned commits = 0;
     uint3 block{0, 0, 0};
     unsigned long long launch = 0; // the launch's number (stats().launches while it runs)
 };
-inline Lane& lane_state() {
-    static Lane lanes[1024];
-    return lanes[emu_frag::linear_thread()];
-}
-// A lane's state belongs to one block of one launch: a copy still pending from another was
-// never waited for (its data never arrived), which fails the launch.
-inline Lane& current_lane() {
-    Lane& L = lane_state();
+template <class Op> inline Groups<Op>& lane(const char* what) {
+    static Groups<Op> lanes[1024];
+    Groups<Op>& L = lanes[emu_frag::linear_thread()];
     const uint3 blk = blockIdx;
     const unsigned long long launch = ::emu::detail::stats_ref().launches;
     const bool same = L.launch == launch && L.block.x == blk.x && L.block.y == blk.y &&
                       L.block.z == blk.z;
     if (!same) {
         if (!L.pending.empty())
-            ::emu::detail::fail("cp.async copies of an earlier block or launch were never "
-                                "waited for");
+            ::emu::detail::fail(::emu::detail::fmt(
+                "%s of an earlier block or launch were never waited for", what));
         L.pending.clear();
         L.commits = 0;
         L.block = blk;
@@ -2141,26 +2136,43 @@ inline Lane& current_lane() {
     }
     return L;
 }
+template <class Op> inline void issue(const Op& op, const char* what) {
+    Groups<Op>& L = lane<Op>(what);
+    L.pending.emplace_back(op, L.commits);
+}
+template <class Op> inline void commit(const char* what) { ++lane<Op>(what).commits; }
+// Completes (`complete(op)`, in issue order) what a wait for `n` groups lets complete.
+template <class Op, class Complete>
+inline void wait(unsigned n, const char* what, Complete&& complete) {
+    Groups<Op>& L = lane<Op>(what);
+    std::vector<std::pair<Op, unsigned>> keep;
+    for (const auto& [op, group] : L.pending) {
+        if (group + n < L.commits) complete(op);
+        else keep.emplace_back(op, group);
+    }
+    L.pending.swap(keep);
+}
+} // namespace emu_async
+
+namespace emu_cp {
+struct Copy {
+    unsigned char* dst;
+    unsigned char bytes[16];
+};
+constexpr const char* kWhat = "cp.async copies";
 } // namespace emu_cp
 
 inline void mt_cp_async_16(void* smem, const void* gmem, int src_bytes) {
-    emu_cp::Lane& L = emu_cp::current_lane();
     emu_cp::Copy c;
     c.dst = (unsigned char*)smem;
     const unsigned char* src = (const unsigned char*)gmem;
     for (int i = 0; i < 16; ++i) c.bytes[i] = i < src_bytes ? src[i] : 0;
-    c.group = L.commits;
-    L.pending.push_back(c);
+    emu_async::issue(c, emu_cp::kWhat);
 }
-inline void mt_cp_async_commit() { ++emu_cp::current_lane().commits; }
+inline void mt_cp_async_commit() { emu_async::commit<emu_cp::Copy>(emu_cp::kWhat); }
 template <int N> inline void mt_cp_async_wait() {
-    emu_cp::Lane& L = emu_cp::current_lane();
-    std::vector<emu_cp::Copy> keep;
-    for (const emu_cp::Copy& c : L.pending) {
-        if (c.group + N < L.commits) std::memcpy(c.dst, c.bytes, 16);
-        else keep.push_back(c);
-    }
-    L.pending.swap(keep);
+    emu_async::wait<emu_cp::Copy>(N, emu_cp::kWhat,
+                                  [](const emu_cp::Copy& c) { std::memcpy(c.dst, c.bytes, 16); });
 }
 
 // =======================================================================================
@@ -2178,8 +2190,8 @@ template <int N> inline void mt_cp_async_wait() {
 // - asynchronous: the product is computed, and D written, only when a wgmma.wait_group lets
 //   its commit group complete. So a kernel that reads D, or overwrites B's shared tile,
 //   before waiting gets different numbers here, and a product never committed and waited
-//   for fails the next product of that thread in another block or launch. Shared addresses are
-//   offsets into the launch's dynamic shared memory. Products exact, summed in double,
+//   for fails that thread's next wgmma call in another block or launch (emu_async, shared
+//   with cp.async). Shared addresses are offsets into the launch's dynamic shared memory. Products exact, summed in double,
 //   rounded to float once (as mma). Not checked: wgmma.fence and the async-proxy fence.
 // =======================================================================================
 namespace emu_wg {
@@ -2191,18 +2203,8 @@ struct Pending {
     bool a_shared;           // A read through desc_a when the product completes
     unsigned long long desc_a;
     float a[2][16]; // this lane's two rows of A
-    unsigned group; // the commit group it belongs to
-    uint3 block;
-    unsigned long long launch;
 };
-struct Lane {
-    std::vector<Pending> pending;
-    unsigned commits = 0;
-};
-inline Lane& lane_state() {
-    static Lane lanes[1024];
-    return lanes[emu_frag::linear_thread()];
-}
+constexpr const char* kWhat = "wgmma products";
 inline const char* smem_base() { return ::emu::detail::run().dsmem; }
 // Element (k, mn) of an operand in shared memory through `desc`: K-major (trans false, a
 // core matrix row is 8 K values of one m or n) or MN-major (trans true, 8 M/N values of one k).
@@ -2261,15 +2263,10 @@ inline unsigned long long mt_wgmma_desc(const void* smem, unsigned lbo, unsigned
 inline void mt_wgmma_fence() {}
 inline void mt_fence_proxy_async() {}
 template <int N> inline void mt_wgmma_hold(float (*)[4]) {}
-inline void mt_wgmma_commit() { ++emu_wg::lane_state().commits; }
+inline void mt_wgmma_commit() { emu_async::commit<emu_wg::Pending>(emu_wg::kWhat); }
 template <int N> inline void mt_wgmma_wait() {
-    emu_wg::Lane& L = emu_wg::lane_state();
-    std::vector<emu_wg::Pending> keep;
-    for (const emu_wg::Pending& p : L.pending) {
-        if (p.group + N < L.commits) emu_wg::apply(p);
-        else keep.push_back(p);
-    }
-    L.pending.swap(keep);
+    emu_async::wait<emu_wg::Pending>(N, emu_wg::kWhat,
+                                     [](const emu_wg::Pending& p) { emu_wg::apply(p); });
 }
 namespace emu_wg {
 // Issues a product: A from this warp's registers `a`, or (a == nullptr) from shared memory
@@ -2288,16 +2285,6 @@ inline void issue(float (*d)[4], const unsigned* a, unsigned long long desc_a,
         if ((dsc >> 62) != 0 || ((dsc >> 49) & 7) != 0)
             ::emu::detail::fail("wgmma descriptor with a swizzle or base offset (only the "
                                 "interleaved layout is emulated)");
-    emu_wg::Lane& L = emu_wg::lane_state();
-    const uint3 blk = blockIdx;
-    const unsigned long long launch = ::emu::detail::stats_ref().launches;
-    if (!L.pending.empty()) {
-        const emu_wg::Pending& was = L.pending.front();
-        if (was.launch != launch || was.block.x != blk.x || was.block.y != blk.y ||
-            was.block.z != blk.z)
-            ::emu::detail::fail("a wgmma product of an earlier block or launch was never "
-                                "waited for");
-    }
     auto& st = emu_frag::staging()[warp];
     for (int i = 0; i < 4; ++i) st[lane][i] = a ? a[i] : 0;
     st[lane][4] = desc;
@@ -2311,9 +2298,6 @@ inline void issue(float (*d)[4], const unsigned* a, unsigned long long desc_a,
     p.desc = desc;
     p.a_shared = a == nullptr;
     p.desc_a = desc_a;
-    p.group = L.commits;
-    p.block = blk;
-    p.launch = launch;
     bool uniform = true;
     for (int s = 0; s < 32; ++s) uniform = uniform && st[s][4] == desc && st[s][5] == desc_a;
     const int g = lane / 4;
@@ -2330,7 +2314,7 @@ inline void issue(float (*d)[4], const unsigned* a, unsigned long long desc_a,
     }
     __syncwarp();
     if (!uniform) ::emu::detail::fail("wgmma: the lanes of a warp gave different descriptors");
-    L.pending.push_back(p);
+    emu_async::issue(p, kWhat);
 }
 } // namespace emu_wg
 
