@@ -1593,9 +1593,7 @@ pub fn attention_forward_with(
     window: Option<usize>,
     products: AttentionProducts,
 ) -> Result<(CudaTensor, CudaTensor), CudaError> {
-    shape.check()?;
-    check_products(qkv, shape, products)?;
-    let window = window_arg(window, shape.seq)?;
+    let window = checked_args(qkv, shape, window, products)?;
     let AttnShape {
         batch,
         seq,
@@ -1627,13 +1625,16 @@ pub fn attention_forward_with(
     Ok((out, lse))
 }
 
-/// Refuses the warpgroup kernels where they do not fit (an f32 tensor, a head size without
-/// them, a GPU other than compute capability 9.0).
-fn check_products(
+/// The fused attention kernels' checks before a launch: the shape they take, the
+/// warpgroup kernels refused where they do not fit (an f32 tensor, a head size without them,
+/// a GPU other than compute capability 9.0); returns the kernels' `window` argument.
+fn checked_args(
     qkv: &CudaTensor,
     shape: AttnShape,
+    window: Option<usize>,
     products: AttentionProducts,
-) -> Result<(), CudaError> {
+) -> Result<i32, CudaError> {
+    shape.check()?;
     let fits = AttentionProducts::warpgroup_fits(qkv.device(), qkv.dtype(), shape.head_dim);
     if products == AttentionProducts::Warpgroup && !fits {
         return Err(unsupported(format!(
@@ -1644,7 +1645,7 @@ fn check_products(
             qkv.device().arch()
         )));
     }
-    Ok(())
+    window_arg(window, shape.seq)
 }
 
 fn append(a: Args, b: Args) -> Args {
@@ -1729,9 +1730,7 @@ pub fn attention_backward_with(
     window: Option<usize>,
     products: AttentionProducts,
 ) -> Result<CudaTensor, CudaError> {
-    shape.check()?;
-    check_products(qkv, shape, products)?;
-    let window = window_arg(window, shape.seq)?;
+    let window = checked_args(qkv, shape, window, products)?;
     let AttnShape {
         batch,
         seq,

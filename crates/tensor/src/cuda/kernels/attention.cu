@@ -152,16 +152,11 @@ __device__ __forceinline__ void load_rows(unsigned (*a)[4], const T* tile, int r
 //     barrier that publishes it.
 struct SyncMma {
     static constexpr bool PIPELINED = false;
-    template <int HD> static __device__ constexpr int own_tile_values() { return TILE * (HD + 8); }
-    template <int HD> static __device__ constexpr int b_tile_values() { return TILE * (HD + 8); }
+    // Every tile (own or streamed) in one layout: values a tile, and its load.
+    template <int HD> static __device__ constexpr int tile_values() { return TILE * (HD + 8); }
     template <typename T, int HD>
-    static __device__ __forceinline__ void load_own(T* dst, const T* src, long long stride,
-                                                    int r0, int rows) {
-        load_tile_async<T, HD>(dst, src, stride, r0, rows);
-    }
-    template <typename T, int HD>
-    static __device__ __forceinline__ void load_b(T* dst, const T* src, long long stride, int r0,
-                                                  int rows) {
+    static __device__ __forceinline__ void load(T* dst, const T* src, long long stride, int r0,
+                                                int rows) {
         load_tile_async<T, HD>(dst, src, stride, r0, rows);
     }
     static __device__ __forceinline__ void publish() {}
@@ -213,16 +208,10 @@ struct SyncMma {
 struct WarpgroupMma {
     // The forward overlaps each tile's softmax with the products (forward_tiles_pipelined).
     static constexpr bool PIPELINED = true;
-    template <int HD> static __device__ constexpr int own_tile_values() { return TILE * HD; }
-    template <int HD> static __device__ constexpr int b_tile_values() { return TILE * HD; }
+    template <int HD> static __device__ constexpr int tile_values() { return TILE * HD; }
     template <typename T, int HD>
-    static __device__ __forceinline__ void load_own(T* dst, const T* src, long long stride,
-                                                    int r0, int rows) {
-        load_tile_cm_async<T, HD>(dst, src, stride, r0, rows);
-    }
-    template <typename T, int HD>
-    static __device__ __forceinline__ void load_b(T* dst, const T* src, long long stride, int r0,
-                                                  int rows) {
+    static __device__ __forceinline__ void load(T* dst, const T* src, long long stride, int r0,
+                                                int rows) {
         load_tile_cm_async<T, HD>(dst, src, stride, r0, rows);
     }
     static __device__ __forceinline__ void publish() { mt_fence_proxy_async(); }
@@ -592,16 +581,16 @@ template <int HD> __device__ __forceinline__ void normalise(float (*o)[4], float
 template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
                                               float (*o)[4], float* m, float* l) {
-    constexpr int B_VALUES = Mma::template b_tile_values<HD>();
-    T* sK = sQ + Mma::template own_tile_values<HD>(); // two buffers
+    constexpr int B_VALUES = Mma::template tile_values<HD>();
+    T* sK = sQ + B_VALUES; // two buffers
     T* sV = sK + 2 * B_VALUES;
     const int lane = threadIdx.x % 32;
     const float scale2 = scale * LOG2E; // scores in log2 units
     const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0);
 
-    Mma::template load_own<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
-    Mma::template load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
-    Mma::template load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::template load<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    Mma::template load<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::template load<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
 
     typename Mma::template Rows<T, HD> qa;
@@ -612,8 +601,8 @@ __device__ __forceinline__ void forward_tiles(const Pair<T>& p, int q0, T* sQ, f
         const int buf = (kt - kt0) & 1;
         if (kt + 1 < key_tiles) {
             const int nb = (buf ^ 1) * B_VALUES;
-            Mma::template load_b<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
-            Mma::template load_b<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            Mma::template load<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            Mma::template load<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
             mt_cp_async_commit();
             mt_cp_async_wait<1>();
         } else {
@@ -651,19 +640,19 @@ __device__ __forceinline__ void forward_tiles_pipelined(const Pair<T>& p, int q0
                                                         float scale, float (*o)[4], float* m,
                                                         float* l) {
     using Mma = WarpgroupMma;
-    constexpr int B_VALUES = TILE * HD;
-    T* sK = sQ + Mma::own_tile_values<HD>(); // two buffers: key tile kt0 + j in buffer j % 2
-    T* sV = sK + 2 * B_VALUES;    // two buffers, likewise
+    constexpr int B_VALUES = Mma::tile_values<HD>();
+    T* sK = sQ + B_VALUES;     // two buffers: key tile kt0 + j in buffer j % 2
+    T* sV = sK + 2 * B_VALUES; // two buffers, likewise
     const int lane = threadIdx.x % 32;
     const float scale2 = scale * LOG2E;
     const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0), n = key_tiles - kt0;
 
     // Q with the first K; then the first V with the second K.
-    Mma::load_own<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
-    Mma::load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::load<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    Mma::load<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
-    Mma::load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
-    if (n > 1) Mma::load_b<T, HD>(sK + B_VALUES, p.k, p.kv_stride, (kt0 + 1) * TILE, p.kv_rows);
+    Mma::load<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
+    if (n > 1) Mma::load<T, HD>(sK + B_VALUES, p.k, p.kv_stride, (kt0 + 1) * TILE, p.kv_rows);
     mt_cp_async_commit();
     mt_cp_async_wait<1>();
     Mma::publish();
@@ -691,10 +680,10 @@ __device__ __forceinline__ void forward_tiles_pipelined(const Pair<T>& p, int q0
     // swap roles each step (the loop is unrolled twice): P written into the registers of
     // one still being read by an unfinished product makes ptxas serialise the products.
     auto step = [&](int j, unsigned (*p_now)[4], unsigned (*p_next)[4]) {
-        Mma::load_b<T, HD>(sV + ((j + 1) & 1) * B_VALUES, p.v(), p.kv_stride,
+        Mma::load<T, HD>(sV + ((j + 1) & 1) * B_VALUES, p.v(), p.kv_stride,
                            (kt0 + j + 1) * TILE, p.kv_rows);
         if (j + 2 < n)
-            Mma::load_b<T, HD>(sK + (j & 1) * B_VALUES, p.k, p.kv_stride, (kt0 + j + 2) * TILE,
+            Mma::load<T, HD>(sK + (j & 1) * B_VALUES, p.k, p.kv_stride, (kt0 + j + 2) * TILE,
                                p.kv_rows);
         mt_cp_async_commit();
         mt_cp_async_wait<1>();
@@ -761,7 +750,7 @@ __device__ void forward(const T* qkv, T* out, float* lse, int B, int Tn, int H, 
         }
     }
     const int D = H * HD;
-    T* stage = Mma::staging(sQ, sQ + Mma::template own_tile_values<HD>());
+    T* stage = Mma::staging(sQ, sQ + Mma::template tile_values<HD>());
     store_rows<T, HD>(out + (long long)b * Tn * D + h * HD, D, o, 1.0f, stage + warp * 16 * LD,
                       q0 + warp * 16, Tn, lane);
 }
@@ -850,10 +839,9 @@ __device__ void ring_forward(const T* qkv, const T* kv, float* out, float* lse, 
 template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, float scale,
                                            float (*dk)[4], float (*dv)[4]) {
-    constexpr int OWN_VALUES = Mma::template own_tile_values<HD>();
-    constexpr int B_VALUES = Mma::template b_tile_values<HD>();
-    T* sV = sK + OWN_VALUES;
-    T* sQ = sV + OWN_VALUES;    // two buffers
+    constexpr int B_VALUES = Mma::template tile_values<HD>();
+    T* sV = sK + B_VALUES;
+    T* sQ = sV + B_VALUES;      // two buffers
     T* sdO = sQ + 2 * B_VALUES; // two buffers
     float* sL = reinterpret_cast<float*>(sdO + 2 * B_VALUES); // two rows: lse · log2(e)
     float* sD = sL + 2 * TILE;                                   // two rows
@@ -875,10 +863,10 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
     zero<HD>(dk);
     zero<HD>(dv);
     if (qt0 >= q_tiles) return; // no query sees these keys (a causal pair with fewer queries)
-    Mma::template load_own<T, HD>(sK, p.k, p.kv_stride, k0, p.kv_rows);
-    Mma::template load_own<T, HD>(sV, p.v(), p.kv_stride, k0, p.kv_rows);
-    Mma::template load_b<T, HD>(sQ, p.q, p.q_stride, qt0 * TILE, p.q_rows);
-    Mma::template load_b<T, HD>(sdO, p.dout, p.dout_stride, qt0 * TILE, p.q_rows);
+    Mma::template load<T, HD>(sK, p.k, p.kv_stride, k0, p.kv_rows);
+    Mma::template load<T, HD>(sV, p.v(), p.kv_stride, k0, p.kv_rows);
+    Mma::template load<T, HD>(sQ, p.q, p.q_stride, qt0 * TILE, p.q_rows);
+    Mma::template load<T, HD>(sdO, p.dout, p.dout_stride, qt0 * TILE, p.q_rows);
     mt_cp_async_commit();
     load_rows_of(0, qt0 * TILE);
 
@@ -886,8 +874,8 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
         const int buf = (qt - qt0) & 1;
         if (qt + 1 < q_tiles) {
             const int nb = (buf ^ 1) * B_VALUES;
-            Mma::template load_b<T, HD>(sQ + nb, p.q, p.q_stride, (qt + 1) * TILE, p.q_rows);
-            Mma::template load_b<T, HD>(sdO + nb, p.dout, p.dout_stride, (qt + 1) * TILE,
+            Mma::template load<T, HD>(sQ + nb, p.q, p.q_stride, (qt + 1) * TILE, p.q_rows);
+            Mma::template load<T, HD>(sdO + nb, p.dout, p.dout_stride, (qt + 1) * TILE,
                                         p.q_rows);
             mt_cp_async_commit();
             load_rows_of(buf ^ 1, (qt + 1) * TILE);
@@ -962,10 +950,10 @@ __device__ __forceinline__ void dkdv_tiles(const Pair<T>& p, int k0, T* sK, floa
 template <typename T, int HD, typename Mma = SyncMma>
 __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, const float* Drows,
                               T* dqkv, int B, int Tn, int H, float scale, int window) {
-    constexpr int LD = HD + 8, OWN_VALUES = Mma::template own_tile_values<HD>();
+    constexpr int LD = HD + 8, TILE_VALUES = Mma::template tile_values<HD>();
     DYNAMIC_SMEM(unsigned char, smem);
     T* sK = reinterpret_cast<T*>(smem);
-    T* sV = sK + OWN_VALUES;
+    T* sV = sK + TILE_VALUES;
     const int k0 = blockIdx.x * TILE;
     const int b = blockIdx.y / H, h = blockIdx.y % H;
     const Pair<T> p = fused_pair<T, HD>(qkv, dout, lse, Drows, b, h, Tn, H, window);
@@ -977,7 +965,7 @@ __device__ void backward_dkdv(const T* qkv, const T* dout, const float* lse, con
     const int D = H * HD;
     const long long stride = 3LL * D;
     T* out = dqkv + (long long)b * Tn * stride + h * HD;
-    T* streamed = sV + OWN_VALUES;
+    T* streamed = sV + TILE_VALUES;
     store_rows<T, HD>(out + D, stride, dk, scale, Mma::staging(sK, streamed) + warp * 16 * LD,
                       k0 + warp * 16, Tn, lane);
     store_rows<T, HD>(out + 2 * D, stride, dv, 1.0f, Mma::staging(sV, streamed) + warp * 16 * LD,
@@ -1013,10 +1001,9 @@ __device__ void ring_dkdv(const T* qkv, const T* kv, const T* dout, const float*
 template <typename T, int HD, typename Mma = SyncMma>
 __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float scale,
                                          float (*dq)[4]) {
-    constexpr int OWN_VALUES = Mma::template own_tile_values<HD>();
-    constexpr int B_VALUES = Mma::template b_tile_values<HD>();
-    T* sdO = sQ + OWN_VALUES;
-    T* sK = sdO + OWN_VALUES; // two buffers
+    constexpr int B_VALUES = Mma::template tile_values<HD>();
+    T* sdO = sQ + B_VALUES;
+    T* sK = sdO + B_VALUES; // two buffers
     T* sV = sK + 2 * B_VALUES;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int c = 2 * (lane % 4);
@@ -1031,10 +1018,10 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
     }
     const int key_tiles = p.key_tiles(q0), kt0 = p.first_key_tile(q0);
 
-    Mma::template load_own<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
-    Mma::template load_own<T, HD>(sdO, p.dout, p.dout_stride, q0, p.q_rows);
-    Mma::template load_b<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
-    Mma::template load_b<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::template load<T, HD>(sQ, p.q, p.q_stride, q0, p.q_rows);
+    Mma::template load<T, HD>(sdO, p.dout, p.dout_stride, q0, p.q_rows);
+    Mma::template load<T, HD>(sK, p.k, p.kv_stride, kt0 * TILE, p.kv_rows);
+    Mma::template load<T, HD>(sV, p.v(), p.kv_stride, kt0 * TILE, p.kv_rows);
     mt_cp_async_commit();
 
     typename Mma::template Rows<T, HD> qa, doa;
@@ -1043,8 +1030,8 @@ __device__ __forceinline__ void dq_tiles(const Pair<T>& p, int q0, T* sQ, float 
         const int buf = (kt - kt0) & 1;
         if (kt + 1 < key_tiles) {
             const int nb = (buf ^ 1) * B_VALUES;
-            Mma::template load_b<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
-            Mma::template load_b<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            Mma::template load<T, HD>(sK + nb, p.k, p.kv_stride, (kt + 1) * TILE, p.kv_rows);
+            Mma::template load<T, HD>(sV + nb, p.v(), p.kv_stride, (kt + 1) * TILE, p.kv_rows);
             mt_cp_async_commit();
             mt_cp_async_wait<1>();
         } else {
@@ -1105,7 +1092,7 @@ __device__ void backward_dq(const T* qkv, const T* dout, const float* lse, const
     // Staged in the warp's own rows of sQ (only it read them, at kt = 0), or (wgmma) of the
     // streamed K buffers.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    T* stage = Mma::staging(sQ, sQ + 2 * Mma::template own_tile_values<HD>());
+    T* stage = Mma::staging(sQ, sQ + 2 * Mma::template tile_values<HD>());
     store_rows<T, HD>(dqkv + (long long)b * Tn * 3 * H * HD + h * HD, 3LL * H * HD, dq, scale,
                       stage + warp * 16 * LD, q0 + warp * 16, Tn, lane);
 }

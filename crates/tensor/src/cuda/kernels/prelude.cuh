@@ -139,69 +139,33 @@ template <int N> __device__ __forceinline__ void mt_wgmma_hold(float (*d)[4]) {
     "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]),               \
     "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),               \
     "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-#define MT_WGMMA_N32(TYPE)                                                                        \
+#define MT_WGMMA(N, TYPE, RS_TAIL, SS_TAIL)                                                       \
     template <int TRANS_B>                                                                        \
-    __device__ __forceinline__ void mt_wgmma_n32(const TYPE*, float (*d)[4],                      \
-                                                 const unsigned* a, unsigned long long desc) {    \
-        asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." #TYPE "." #TYPE " "            \
-                     MT_WGMMA_D32 "{%16, %17, %18, %19}, %20, 1, 1, 1, %21;"                      \
-                     : MT_WGMMA_OUT32                                                             \
+    __device__ __forceinline__ void mt_wgmma_n##N(const TYPE*, float (*d)[4], const unsigned* a,  \
+                                                  unsigned long long desc) {                      \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TYPE "." #TYPE " "        \
+                     MT_WGMMA_D##N RS_TAIL                                                        \
+                     : MT_WGMMA_OUT##N                                                            \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc),                     \
                        "n"(TRANS_B));                                                             \
     }                                                                                             \
     template <int TRANS_B>                                                                        \
-    __device__ __forceinline__ void mt_wgmma_ss_n32(const TYPE*, float (*d)[4],                   \
-                                                    unsigned long long desc_a,                    \
-                                                    unsigned long long desc_b) {                  \
-        asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." #TYPE "." #TYPE " "            \
-                     MT_WGMMA_D32 "%16, %17, 1, 1, 1, 0, %18;"                                    \
-                     : MT_WGMMA_OUT32                                                             \
+    __device__ __forceinline__ void mt_wgmma_ss_n##N(const TYPE*, float (*d)[4],                  \
+                                                     unsigned long long desc_a,                   \
+                                                     unsigned long long desc_b) {                 \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TYPE "." #TYPE " "        \
+                     MT_WGMMA_D##N SS_TAIL                                                        \
+                     : MT_WGMMA_OUT##N                                                            \
                      : "l"(desc_a), "l"(desc_b), "n"(TRANS_B));                                   \
     }
-MT_WGMMA_N32(bf16)
-MT_WGMMA_N32(f16)
-#define MT_WGMMA_N64(TYPE)                                                                        \
-    template <int TRANS_B>                                                                        \
-    __device__ __forceinline__ void mt_wgmma_n64(const TYPE*, float (*d)[4],                      \
-                                                 const unsigned* a, unsigned long long desc) {    \
-        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." #TYPE "." #TYPE " "            \
-                     MT_WGMMA_D64 "{%32, %33, %34, %35}, %36, 1, 1, 1, %37;"                      \
-                     : MT_WGMMA_OUT64                                                             \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc),                     \
-                       "n"(TRANS_B));                                                             \
-    }                                                                                             \
-    template <int TRANS_B>                                                                        \
-    __device__ __forceinline__ void mt_wgmma_ss_n64(const TYPE*, float (*d)[4],                   \
-                                                    unsigned long long desc_a,                    \
-                                                    unsigned long long desc_b) {                  \
-        asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." #TYPE "." #TYPE " "            \
-                     MT_WGMMA_D64 "%32, %33, 1, 1, 1, 0, %34;"                                    \
-                     : MT_WGMMA_OUT64                                                             \
-                     : "l"(desc_a), "l"(desc_b), "n"(TRANS_B));                                   \
-    }
-MT_WGMMA_N64(bf16)
-MT_WGMMA_N64(f16)
-#define MT_WGMMA_N128(TYPE)                                                                       \
-    template <int TRANS_B>                                                                        \
-    __device__ __forceinline__ void mt_wgmma_n128(const TYPE*, float (*d)[4],                     \
-                                                 const unsigned* a, unsigned long long desc) {    \
-        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." #TYPE "." #TYPE " "           \
-                     MT_WGMMA_D128 "{%64, %65, %66, %67}, %68, 1, 1, 1, %69;"                     \
-                     : MT_WGMMA_OUT128                                                            \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc),                     \
-                       "n"(TRANS_B));                                                             \
-    }                                                                                             \
-    template <int TRANS_B>                                                                        \
-    __device__ __forceinline__ void mt_wgmma_ss_n128(const TYPE*, float (*d)[4],                  \
-                                                    unsigned long long desc_a,                    \
-                                                    unsigned long long desc_b) {                  \
-        asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." #TYPE "." #TYPE " "           \
-                     MT_WGMMA_D128 "%64, %65, 1, 1, 1, 0, %66;"                                   \
-                     : MT_WGMMA_OUT128                                                            \
-                     : "l"(desc_a), "l"(desc_b), "n"(TRANS_B));                                   \
-    }
-MT_WGMMA_N128(bf16)
-MT_WGMMA_N128(f16)
+// The operand numbers after the N/2 accumulators: A's 4 registers (or its descriptor), B's
+// descriptor, scale-d, scale-a, scale-b, (trans-a,) trans-b.
+MT_WGMMA(32, bf16, "{%16, %17, %18, %19}, %20, 1, 1, 1, %21;", "%16, %17, 1, 1, 1, 0, %18;")
+MT_WGMMA(32, f16, "{%16, %17, %18, %19}, %20, 1, 1, 1, %21;", "%16, %17, 1, 1, 1, 0, %18;")
+MT_WGMMA(64, bf16, "{%32, %33, %34, %35}, %36, 1, 1, 1, %37;", "%32, %33, 1, 1, 1, 0, %34;")
+MT_WGMMA(64, f16, "{%32, %33, %34, %35}, %36, 1, 1, 1, %37;", "%32, %33, 1, 1, 1, 0, %34;")
+MT_WGMMA(128, bf16, "{%64, %65, %66, %67}, %68, 1, 1, 1, %69;", "%64, %65, 1, 1, 1, 0, %66;")
+MT_WGMMA(128, f16, "{%64, %65, %66, %67}, %68, 1, 1, 1, %69;", "%64, %65, 1, 1, 1, 0, %66;")
 template <class T, int N, int TRANS_B>
 __device__ __forceinline__ void mt_wgmma(float (*d)[4], const unsigned* a,
                                          unsigned long long desc) {
