@@ -946,7 +946,7 @@ fn attention_rates(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<f64> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum StepModel {
     /// GPT-2 small as PyTorch's `pytorch_gpt2_bench.py` and llm.c train it: 12 layers, width
-    /// 768, 12 heads, 1024 tokens, vocabulary 50304, tied embeddings.
+    /// 768, 12 heads, 1024 tokens, vocabulary 50304, tied embeddings, tanh GELU.
     #[value(name = "gpt2-124m")]
     Gpt2Small,
     /// The shape of Llama 3.2 1B (`configs/llama-1b.toml`), beside
@@ -1005,6 +1005,9 @@ impl StepModel {
                 "model.heads=12",
                 "model.seq=1024",
                 "model.tie_embeddings=true",
+                // The GELU PyTorch's anchor (`approximate="tanh"`) and llm.c compute, and
+                // the one cuBLASLt's epilogue takes.
+                "model.gelu=\"tanh\"",
                 "train.precision=\"bf16\"",
                 "optimizer.beta2=0.999",
             ],
@@ -1246,7 +1249,11 @@ mod tests {
             assert_eq!(cfg.train.precision, "bf16");
             assert_eq!(cfg.train.batch_size, model.default_batch());
             let (counted, layers, width, seq) = match &cfg.model {
-                crate::config::ModelConfig::Gpt(g) => (g.params(), g.layers, g.dim, g.seq),
+                crate::config::ModelConfig::Gpt(g) => {
+                    // PyTorch's anchor computes `gelu(approximate="tanh")`.
+                    assert_eq!(g.gelu, meshtrain_nn::models::gpt::Gelu::Tanh);
+                    (g.params(), g.layers, g.dim, g.seq)
+                }
                 crate::config::ModelConfig::Llama(l) => (l.params(), l.layers, l.dim, l.seq),
                 other => panic!("{other:?}"),
             };

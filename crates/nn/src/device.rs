@@ -85,41 +85,46 @@ pub fn linear_forward(
     let y_shape = out_shape(&x, l.outputs);
     // Keep the input as the product reads it (rounded to 16 bits under mixed precision).
     let xs = ok(ops::to_dtype(&xs, l.precision));
-    let z = if l.fp8 {
-        let agree = shard_agreement(l);
-        ok(meshtrain_tensor::cuda::fp8_linear::forward(
-            &xs,
-            p,
-            shape,
-            l.bias,
-            agree.as_ref().map(|a| a as _),
-        ))
-    } else {
-        ok(ops::linear_forward(
-            &xs,
-            p,
-            shape,
-            l.bias,
-            l.precision,
-            dev.f32_math(),
-        ))
-    };
-    let Some(act) = l.activation else {
-        if mode.train {
-            s.tensors.push(wrap(xs, x.shape()));
+    let products = |l: &Linear| {
+        if l.fp8 {
+            let agree = shard_agreement(l);
+            meshtrain_tensor::cuda::fp8_linear::forward(
+                &xs,
+                p,
+                shape,
+                l.bias,
+                agree.as_ref().map(|a| a as _),
+            )
+        } else {
+            ops::linear_forward(&xs, p, shape, l.bias, l.precision, dev.f32_math())
         }
-        return wrap(z, &y_shape);
     };
-    let kind = ActKind::from(act);
-    let y = ok(ops::activation_forward(&z, kind));
+    // The output, and what the activation's backward reads.
+    let (y, act_input) = match l.activation.map(ActKind::from) {
+        None => (ok(products(l)), None),
+        // The product and its activation together: a tanh GELU in the product's epilogue.
+        Some(kind) if !l.fp8 => {
+            let (y, kept) = ok(ops::linear_act_forward(
+                &xs,
+                p,
+                shape,
+                l.bias,
+                l.precision,
+                dev.f32_math(),
+                kind,
+            ));
+            (y, Some(kept))
+        }
+        Some(kind) => {
+            let (y, kept) = ok(ops::activation_after(ok(products(l)), kind));
+            (y, Some(kept))
+        }
+    };
     if mode.train {
         s.tensors.push(wrap(xs, x.shape()));
-        let act_input = if kind.backward_uses_output() {
-            y.clone()
-        } else {
-            z
-        };
-        s.tensors.push(wrap(act_input, &y_shape));
+        if let Some(kept) = act_input {
+            s.tensors.push(wrap(kept, &y_shape));
+        }
     }
     wrap(y, &y_shape)
 }

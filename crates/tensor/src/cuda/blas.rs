@@ -27,7 +27,7 @@ pub enum F32Math {
 }
 
 /// `D = α·op(A)·op(B) + β·C` in cuBLAS's column-major terms, `C = D` (β = 1 when
-/// `accumulate`), with an optional bias of D's type added to every column (length `m`).
+/// `accumulate`), then the [`Epilogue`]'s pass over it.
 #[derive(Clone, Copy, Debug)]
 pub struct Gemm {
     pub m: usize,
@@ -45,11 +45,96 @@ pub struct Gemm {
     pub ldd: usize,
     pub output: DType,
     pub accumulate: bool,
-    pub bias: Option<u64>,
+    pub epilogue: Epilogue,
     pub alpha: f32,
     pub math: F32Math,
     /// FP8 operands instead of `input`-typed ones (Hopper and Ada tensor cores).
     pub fp8: Option<Fp8Operands>,
+}
+
+/// What a product does to its output besides the sum: cuBLASLt's epilogues, a pass over
+/// the output fused into the product that writes it, so the output is not read again.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Epilogue {
+    #[default]
+    None,
+    /// `bias` (`m` values of D's type) added to every column.
+    Bias(u64),
+    /// D = GELU(the product (+ `bias`)), the tanh approximation (cuBLASLt's GELU, PyTorch's
+    /// `approximate="tanh"`), with the pre-activation written to `aux` (D's type, `ldd`)
+    /// for backward: a linear layer's bias and GELU in the product
+    /// (`CUBLASLT_EPILOGUE_GELU_AUX[_BIAS]`) instead of a pass that reads the product back.
+    GeluAux { bias: Option<u64>, aux: u64 },
+    /// `n` values of D's type at the address: each column's sum over `k` of op(B), written
+    /// (not added). A weight gradient's product reads the output gradient as B anyway, so
+    /// the bias gradient comes with it (`CUBLASLT_EPILOGUE_BGRADB`) instead of a pass of
+    /// column sums over it.
+    BiasGradB(u64),
+}
+
+/// [`Epilogue`] without its addresses: what a plan is made for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum EpilogueKind {
+    None,
+    Bias,
+    GeluAux,
+    GeluAuxBias,
+    BiasGradB,
+}
+
+impl Epilogue {
+    fn kind(self) -> EpilogueKind {
+        match self {
+            Epilogue::None => EpilogueKind::None,
+            Epilogue::Bias(_) => EpilogueKind::Bias,
+            Epilogue::GeluAux { bias: None, .. } => EpilogueKind::GeluAux,
+            Epilogue::GeluAux { bias: Some(_), .. } => EpilogueKind::GeluAuxBias,
+            Epilogue::BiasGradB(_) => EpilogueKind::BiasGradB,
+        }
+    }
+
+    /// The vector cuBLASLt reads or writes through its bias pointer.
+    fn bias(self) -> Option<u64> {
+        match self {
+            Epilogue::Bias(b) | Epilogue::BiasGradB(b) => Some(b),
+            Epilogue::GeluAux { bias, .. } => bias,
+            Epilogue::None => None,
+        }
+    }
+
+    fn aux(self) -> Option<u64> {
+        match self {
+            Epilogue::GeluAux { aux, .. } => Some(aux),
+            _ => None,
+        }
+    }
+
+    /// Whether it writes into D's columns before β·C is added, which accumulation would mix.
+    fn transforms_output(self) -> bool {
+        matches!(self, Epilogue::Bias(_) | Epilogue::GeluAux { .. })
+    }
+
+    /// How the profile names it (after the product's shape).
+    fn label(self) -> &'static str {
+        match self.kind() {
+            EpilogueKind::None => "",
+            EpilogueKind::Bias => " +bias",
+            EpilogueKind::GeluAux => " +gelu",
+            EpilogueKind::GeluAuxBias => " +bias+gelu",
+            EpilogueKind::BiasGradB => " +bgrad",
+        }
+    }
+
+    fn cublas(self) -> sys::cublasLtEpilogue_t {
+        use sys::cublasLtEpilogue_t as E;
+        match self.kind() {
+            EpilogueKind::None => E::CUBLASLT_EPILOGUE_DEFAULT,
+            EpilogueKind::Bias => E::CUBLASLT_EPILOGUE_BIAS,
+            EpilogueKind::GeluAux => E::CUBLASLT_EPILOGUE_GELU_AUX,
+            EpilogueKind::GeluAuxBias => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            EpilogueKind::BiasGradB => E::CUBLASLT_EPILOGUE_BGRADB,
+        }
+    }
 }
 
 /// The operands of an FP8 product: their formats, and the device f32s holding the inverses
@@ -77,14 +162,15 @@ struct PlanKey {
     ldd: usize,
     input: DType,
     output: DType,
-    bias: bool,
+    epilogue: EpilogueKind,
     /// β = 1: the same descriptors as β = 0, but the fastest algorithm can differ (it reads
     /// D too), so the two are tuned, and remembered, apart.
     accumulate: bool,
     math: F32Math,
     /// The FP8 operands' formats (A, B), for an FP8 product.
     fp8: Option<(Fp8Format, Fp8Format)>,
-    /// Pointer alignments (bytes, up to 256): algorithms are chosen for them.
+    /// Pointer alignments (bytes, up to 256: A, B, D, and the epilogue's vectors and
+    /// matrix): algorithms are chosen for them.
     align: [u32; 4],
 }
 
@@ -104,6 +190,8 @@ pub struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: super::context::DevBuf,
     plans: HashMap<PlanKey, Plan>,
+    /// Descriptions cuBLASLt offered no algorithm for ([`Blas::try_gemm`]), asked once.
+    refused: std::collections::HashSet<PlanKey>,
 }
 
 // SAFETY: the handle is used under the device's blas lock only.
@@ -158,7 +246,7 @@ impl Gemm {
             ldd: 0,
             output: input,
             accumulate: false,
-            bias: None,
+            epilogue: Epilogue::None,
             alpha: 1.0,
             math,
             fp8: None,
@@ -193,8 +281,8 @@ impl Gemm {
         if self.input == DType::F32 && self.output != DType::F32 {
             return bad("f32 inputs need an f32 output");
         }
-        if self.bias.is_some() && self.accumulate {
-            return bad("a bias with accumulation");
+        if self.epilogue.transforms_output() && self.accumulate {
+            return bad("a bias or activation epilogue with accumulation");
         }
         if let Some(fp8) = self.fp8 {
             if !self.transa || self.transb {
@@ -212,8 +300,11 @@ impl Gemm {
             if fp8.a == Fp8Format::E5M2 && fp8.b == Fp8Format::E5M2 {
                 return bad("FP8 operands both in E5M2");
             }
-            if self.output == DType::F16 && self.bias.is_some() {
+            if self.output == DType::F16 && self.epilogue != Epilogue::None {
                 return bad("an FP8 product with a bias wants a bf16 or f32 output");
+            }
+            if !matches!(self.epilogue, Epilogue::None | Epilogue::Bias(_)) {
+                return bad("FP8 operands with an epilogue other than a bias");
             }
         }
         Ok(())
@@ -231,7 +322,7 @@ impl Gemm {
             ldd: self.ldd,
             input: self.input,
             output: self.output,
-            bias: self.bias.is_some(),
+            epilogue: self.epilogue.kind(),
             accumulate: self.accumulate,
             math: self.math,
             fp8: self.fp8.map(|f| (f.a, f.b)),
@@ -239,7 +330,12 @@ impl Gemm {
                 alignment(self.a),
                 alignment(self.b),
                 alignment(self.d),
-                self.bias.map_or(256, alignment),
+                [self.epilogue.bias(), self.epilogue.aux()]
+                    .into_iter()
+                    .flatten()
+                    .map(alignment)
+                    .min()
+                    .unwrap_or(256),
             ],
         }
     }
@@ -261,19 +357,26 @@ impl Blas {
             handle,
             workspace,
             plans: HashMap::new(),
+            refused: Default::default(),
         })
     }
 
     fn plan(&mut self, g: &Gemm) -> Result<&Plan, CudaError> {
         let key = g.key();
         if !self.plans.contains_key(&key) {
-            let mut plan = self.make_plan(g, &key)?;
-            if autotune_enabled() && plan.algos.len() > 1 {
-                self.autotune(g, &key, &mut plan, true)?;
-            }
-            self.plans.insert(key, plan);
+            let plan = self.make_plan(g, &key)?.ok_or_else(|| no_algorithm(g))?;
+            self.tune_and_keep(g, key, plan)?;
         }
         Ok(&self.plans[&key])
+    }
+
+    /// Keeps `plan` for `key`, its fastest algorithm first.
+    fn tune_and_keep(&mut self, g: &Gemm, key: PlanKey, mut plan: Plan) -> Result<(), CudaError> {
+        if autotune_enabled() && plan.algos.len() > 1 {
+            self.autotune(g, &key, &mut plan, true)?;
+        }
+        self.plans.insert(key, plan);
+        Ok(())
     }
 
     /// Puts the fastest of the heuristic's algorithms first: cuBLASLt's first guess was
@@ -362,7 +465,7 @@ impl Blas {
     /// operands tunes on those.
     pub fn retune(&mut self, g: &Gemm) -> Result<(), CudaError> {
         let key = g.key();
-        let mut plan = self.make_plan(g, &key)?;
+        let mut plan = self.make_plan(g, &key)?.ok_or_else(|| no_algorithm(g))?;
         if plan.algos.len() > 1 {
             self.autotune(g, &key, &mut plan, false)?;
         }
@@ -370,7 +473,9 @@ impl Blas {
         Ok(())
     }
 
-    fn make_plan(&self, g: &Gemm, key: &PlanKey) -> Result<Plan, CudaError> {
+    /// The descriptors of `g` and the heuristic's algorithms for it, `None` when it offers
+    /// none.
+    fn make_plan(&self, g: &Gemm, key: &PlanKey) -> Result<Option<Plan>, CudaError> {
         let what = || {
             format!(
                 "a {}x{}x{} product ({} in, {} out)",
@@ -399,9 +504,16 @@ impl Blas {
             A::CUBLASLT_MATMUL_DESC_TRANSB,
             &(g.transb as i32).to_ne_bytes(),
         )?;
-        if g.bias.is_some() {
-            let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
+        if g.epilogue != Epilogue::None {
+            let epilogue = g.epilogue.cublas() as u32;
             set_desc(A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue.to_ne_bytes())?;
+        }
+        if g.epilogue.aux().is_some() {
+            // The pre-activation as D is laid out (its type is D's, cuBLASLt's default).
+            set_desc(
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                &(g.ldd as i64).to_ne_bytes(),
+            )?;
         }
         let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
         let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
@@ -463,20 +575,43 @@ impl Blas {
         unsafe {
             let _ = lt::destroy_matmul_pref(pref);
         }
-        status.result().map_err(err)?;
         results.truncate(count.max(0) as usize);
         results.retain(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
-        if results.is_empty() {
-            return Err(CudaError::Blas {
-                what: what(),
-                detail: "cuBLASLt has no algorithm for this shape, type and alignment".into(),
-            });
-        }
-        Ok(Plan {
+        let plan = Plan {
             desc,
             layouts,
             algos: results,
-        })
+        };
+        if status == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED || plan.algos.is_empty() {
+            // Dropped with the plan's descriptors.
+            return Ok(None);
+        }
+        status.result().map_err(err)?;
+        Ok(Some(plan))
+    }
+
+    /// Queues `g` if cuBLASLt has an algorithm for it, and says whether it did. A fused
+    /// epilogue ([`Epilogue`]) is not offered for every shape, type and alignment: its
+    /// caller then runs the product without it and the pass apart. A description with no
+    /// algorithm is remembered, so cuBLASLt is asked about it once per process.
+    pub fn try_gemm(&mut self, g: &Gemm) -> Result<bool, CudaError> {
+        g.validate()?;
+        let key = g.key();
+        if self.refused.contains(&key) {
+            return Ok(false);
+        }
+        if !self.plans.contains_key(&key) {
+            self.device.bind()?;
+            match self.make_plan(g, &key)? {
+                Some(plan) => self.tune_and_keep(g, key, plan)?,
+                None => {
+                    self.refused.insert(key);
+                    return Ok(false);
+                }
+            }
+        }
+        self.gemm(g)?;
+        Ok(true)
     }
 
     /// Queues the product with the heuristic's best algorithm.
@@ -505,14 +640,15 @@ impl Blas {
         self.launch(g, plan, choice)?;
         if let Some(start) = started {
             let name = format!(
-                "gemm {}x{}x{} {}{} {}->{}",
+                "gemm {}x{}x{} {}{} {}->{}{}",
                 g.m,
                 g.n,
                 g.k,
                 if g.transa { 'T' } else { 'N' },
                 if g.transb { 'T' } else { 'N' },
                 g.input,
-                g.output
+                g.output,
+                g.epilogue.label()
             );
             device.profiled(name, start)?;
         }
@@ -524,20 +660,27 @@ impl Blas {
         let stream = self.device.cu_stream() as sys::cudaStream_t;
         let algo = plan.algos.get(choice).unwrap_or(&plan.algos[0]);
         let what = || format!("a {}x{}x{} product", g.m, g.n, g.k);
-        if let Some(bias) = g.bias {
-            // SAFETY: the descriptor is live; the bias pointer is a device address.
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        for (attr, ptr) in [
+            (A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.epilogue.bias()),
+            (
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                g.epilogue.aux(),
+            ),
+        ] {
+            let Some(ptr) = ptr else { continue };
+            // SAFETY: the descriptor is live; the pointer is a device address.
             unsafe {
                 lt::set_matmul_desc_attribute(
                     plan.desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    &bias as *const u64 as *const _,
+                    attr,
+                    &ptr as *const u64 as *const _,
                     std::mem::size_of::<u64>(),
                 )
             }
             .map_err(|e| CudaError::blas(what(), e))?;
         }
         if let Some(fp8) = g.fp8 {
-            use sys::cublasLtMatmulDescAttributes_t as A;
             for (attr, ptr) in [
                 (A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, fp8.a_inv_scale),
                 (A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, fp8.b_inv_scale),
@@ -579,6 +722,16 @@ impl Blas {
             )
         }
         .map_err(|e| CudaError::blas(what(), e))
+    }
+}
+
+fn no_algorithm(g: &Gemm) -> CudaError {
+    CudaError::Blas {
+        what: format!(
+            "a {}x{}x{} product ({} in, {} out)",
+            g.m, g.n, g.k, g.input, g.output
+        ),
+        detail: "cuBLASLt has no algorithm for this shape, type and alignment".into(),
     }
 }
 
@@ -667,21 +820,74 @@ fn remember_algo(id: String, data: [u64; 8]) {
     }
 }
 
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created by make_plan, destroyed once (host objects: no device needed).
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
 impl Drop for Blas {
     fn drop(&mut self) {
         let _ = self.device.bind();
-        for plan in self.plans.values() {
-            // SAFETY: created by make_plan, destroyed once.
-            unsafe {
-                let _ = lt::destroy_matmul_desc(plan.desc);
-                for l in plan.layouts {
-                    let _ = lt::destroy_matrix_layout(l);
-                }
-            }
-        }
+        self.plans.clear();
         // SAFETY: created in `new`.
         unsafe {
             let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+/// cuBLAS's column-major `D = α·op(A)·op(B) (+ D)` and its epilogue, on host f32 memory:
+/// what a [`Gemm`] description means, evaluated without a GPU (its pointers are host
+/// addresses here), for testing the descriptions a layer builds.
+#[cfg(test)]
+pub(super) fn run_on_host(g: &Gemm) {
+    g.validate().expect("a valid description");
+    assert_eq!((g.input, g.output), (DType::F32, DType::F32));
+    let at = |p: u64, i: usize| unsafe { *(p as *const f32).add(i) };
+    // SAFETY (the writes below): the test's buffers hold every addressed element.
+    let write = |p: u64, i: usize, v: f32| unsafe { *(p as *mut f32).add(i) = v };
+    let op_b = |l: usize, j: usize| {
+        if g.transb {
+            at(g.b, j + l * g.ldb)
+        } else {
+            at(g.b, l + j * g.ldb)
+        }
+    };
+    for j in 0..g.n {
+        for i in 0..g.m {
+            let mut sum = 0.0f64;
+            for l in 0..g.k {
+                let a = if g.transa {
+                    at(g.a, l + i * g.lda)
+                } else {
+                    at(g.a, i + l * g.lda)
+                };
+                sum += a as f64 * op_b(l, j) as f64;
+            }
+            let at_d = i + j * g.ldd;
+            let d = g.alpha * sum as f32 + if g.accumulate { at(g.d, at_d) } else { 0.0 };
+            let d = match g.epilogue {
+                Epilogue::None | Epilogue::BiasGradB(_) => d,
+                Epilogue::Bias(bias) => d + at(bias, i),
+                Epilogue::GeluAux { bias, aux } => {
+                    let z = d + bias.map_or(0.0, |b| at(b, i));
+                    write(aux, at_d, z);
+                    crate::activation::gelu_tanh(z)
+                }
+            };
+            write(g.d, at_d, d);
+        }
+    }
+    if let Epilogue::BiasGradB(bias_grad) = g.epilogue {
+        for j in 0..g.n {
+            write(bias_grad, j, (0..g.k).map(|l| op_b(l, j)).sum());
         }
     }
 }
@@ -706,7 +912,7 @@ mod tests {
             ldd: 64,
             output: DType::BF16,
             accumulate: false,
-            bias: None,
+            epilogue: Epilogue::None,
             alpha: 1.0,
             math: F32Math::Exact,
             fp8: None,
@@ -790,14 +996,51 @@ mod tests {
             e.to_string().contains("f32 inputs need an f32 output"),
             "{e}"
         );
-        let e = Gemm {
-            bias: Some(0x4000),
+        for epilogue in [
+            Epilogue::Bias(0x4000),
+            Epilogue::GeluAux {
+                bias: None,
+                aux: 0x5000,
+            },
+        ] {
+            let e = Gemm {
+                epilogue,
+                accumulate: true,
+                ..gemm()
+            }
+            .validate()
+            .unwrap_err();
+            assert!(e.to_string().contains("epilogue with accumulation"), "{e}");
+        }
+        // Each epilogue is its own plan (and autotuned choice), and so is the alignment of
+        // its vectors.
+        let keys: std::collections::HashSet<PlanKey> = [
+            Epilogue::None,
+            Epilogue::Bias(0x4000),
+            Epilogue::Bias(0x4008),
+            Epilogue::GeluAux {
+                bias: None,
+                aux: 0x5000,
+            },
+            Epilogue::GeluAux {
+                bias: Some(0x4000),
+                aux: 0x5000,
+            },
+            Epilogue::BiasGradB(0x4000),
+        ]
+        .into_iter()
+        .map(|epilogue| Gemm { epilogue, ..gemm() }.key())
+        .collect();
+        assert_eq!(keys.len(), 6);
+        // A bias gradient is written beside D, not into it: a weight gradient accumulates.
+        Gemm {
+            epilogue: Epilogue::BiasGradB(0x4000),
             accumulate: true,
+            output: DType::F32,
             ..gemm()
         }
         .validate()
-        .unwrap_err();
-        assert!(e.to_string().contains("bias with accumulation"), "{e}");
+        .unwrap();
         assert!(Gemm { k: 0, ..gemm() }.validate().is_err());
     }
 

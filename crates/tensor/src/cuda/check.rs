@@ -453,12 +453,26 @@ fn check_linear(
         true,
     )?
     .expect("asked for dx");
+    // With a tanh GELU after it (GPT-2's first MLP layer): in 16 bits the product's epilogue
+    // computes it, writing the pre-activation beside.
+    let (act_dev, pre_dev) = ops::linear_act_forward(
+        &x_dev,
+        params.params(),
+        shape,
+        true,
+        dtype,
+        F32Math::Exact,
+        ops::ActKind::GeluTanh,
+    )?;
+    let act: Vec<f32> = y.iter().map(|&v| crate::activation::gelu_tanh(v)).collect();
     let tol = tolerance(dtype);
     let name = |what: &str| format!("linear {rows}x{inputs}->{outputs} {what} {s}");
     Ok(vec![
         result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
         result(name("weight+bias grad"), &g_dev.to_host_f32()?, &g, tol),
         result(name("input grad"), &dx_dev.to_host_f32()?, &dx, tol),
+        result(name("forward+gelu"), &act_dev.to_host_f32()?, &act, tol),
+        result(name("pre-gelu"), &pre_dev.to_host_f32()?, &y, tol),
     ])
 }
 

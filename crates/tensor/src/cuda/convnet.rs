@@ -963,38 +963,10 @@ pub fn global_average_backward(
 
 #[cfg(test)]
 mod tests {
+    use super::super::blas::run_on_host;
     use super::*;
     use crate::conv::{conv2d_backward, conv2d_forward};
     use crate::rng::SplitMix64;
-
-    /// cuBLAS's column-major `D = α·op(A)·op(B) (+ D)` on host f32 memory: what a [`Gemm`]
-    /// description means, evaluated without a GPU (its pointers are host addresses here).
-    fn run_on_host(g: &Gemm) {
-        g.validate().expect("a valid description");
-        assert_eq!((g.input, g.output), (DType::F32, DType::F32));
-        let at = |p: u64, i: usize| unsafe { *(p as *const f32).add(i) };
-        for j in 0..g.n {
-            for i in 0..g.m {
-                let mut sum = 0.0f64;
-                for l in 0..g.k {
-                    let a = if g.transa {
-                        at(g.a, l + i * g.lda)
-                    } else {
-                        at(g.a, i + l * g.lda)
-                    };
-                    let b = if g.transb {
-                        at(g.b, j + l * g.ldb)
-                    } else {
-                        at(g.b, l + j * g.ldb)
-                    };
-                    sum += a as f64 * b as f64;
-                }
-                // SAFETY: the test's buffers hold every addressed element.
-                let d = unsafe { &mut *(g.d as *mut f32).add(i + j * g.ldd) };
-                *d = g.alpha * sum as f32 + if g.accumulate { *d } else { 0.0 };
-            }
-        }
-    }
 
     /// Every (column-matrix index, input index) pair of `im2col` as `conv.cu` defines it:
     /// column row `(c·k + ky)·k + kx`, column `(n·OH + oy)·OW + ox`, reading the input at

@@ -20,7 +20,7 @@
 //! not change with fp8, so sequence parallelism's re-gather and recomputation work as they
 //! are); backward casts it again, from its own amax, exactly as the CPU path does.
 
-use super::blas::{Fp8Operands, Gemm};
+use super::blas::{Epilogue, Fp8Operands, Gemm};
 use super::error::CudaError;
 use super::ops::{check_len, epilogue_bias, to_dtype, weight_in, LinearShape};
 use super::train_ops::{
@@ -129,7 +129,7 @@ pub fn forward(
         ldb: inputs,
         d: y.ptr(),
         ldd: outputs,
-        bias: bias_ptr,
+        epilogue: bias_ptr.map_or(Epilogue::None, Epilogue::Bias),
         fp8: operands(&wq, &xq),
         ..Gemm::plain(outputs, rows, inputs, COMPUTE, dev.f32_math())
     };

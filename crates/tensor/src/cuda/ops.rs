@@ -7,7 +7,7 @@
 //! losses and every reduction stay f32. Products write their output in `precision` (what the
 //! next product reads anyway); norms read the f32 residual stream.
 
-use super::blas::{F32Math, Gemm};
+use super::blas::{Epilogue, F32Math, Gemm};
 use super::context::{Args, CudaDevice, DevBuf, Launch};
 use super::error::CudaError;
 use super::{CudaTensor, DeviceGrads, DeviceParams};
@@ -147,6 +147,23 @@ impl LinearProducts {
 
     /// `y = x·Wᵀ (+ bias)`.
     pub fn forward(&self, x: u64, w: u64, bias: Option<u64>, y: u64) -> Gemm {
+        Gemm {
+            epilogue: bias.map_or(Epilogue::None, Epilogue::Bias),
+            ..self.forward_with(x, w, y)
+        }
+    }
+
+    /// `y = GELU(x·Wᵀ (+ bias))` (tanh approximation), with the pre-activation written to
+    /// `z` (`y`'s type and shape) for backward: GPT-2's first MLP layer in one product.
+    pub fn forward_gelu(&self, x: u64, w: u64, bias: Option<u64>, y: u64, z: u64) -> Gemm {
+        Gemm {
+            epilogue: Epilogue::GeluAux { bias, aux: z },
+            ..self.forward_with(x, w, y)
+        }
+    }
+
+    /// The forward product, no epilogue.
+    fn forward_with(&self, x: u64, w: u64, y: u64) -> Gemm {
         let LinearShape {
             rows,
             inputs,
@@ -160,7 +177,6 @@ impl LinearProducts {
             ldb: inputs,
             d: y,
             ldd: outputs,
-            bias,
             ..self.base(outputs, rows, inputs)
         }
     }
@@ -203,6 +219,15 @@ impl LinearProducts {
             ..self.base(inputs, outputs, rows)
         }
     }
+
+    /// [`LinearProducts::weight_grad`] that also writes `Σ_rows dy` (f32, `outputs` values)
+    /// to `bias_grad`: the bias gradient from the product's own read of `dy` (its B).
+    pub fn weight_grad_with_bias(&self, x: u64, dy: u64, dw: u64, bias_grad: u64) -> Gemm {
+        Gemm {
+            epilogue: Epilogue::BiasGradB(bias_grad),
+            ..self.weight_grad(x, dy, dw)
+        }
+    }
 }
 
 /// `y = x·Wᵀ + b` with `x` `[rows, inputs]`, W `[outputs, inputs]` (PyTorch's layout), the
@@ -241,6 +266,72 @@ pub fn linear_forward(
     dev.with_blas(|blas| blas.gemm(&g))?;
     drop(aligned_bias);
     Ok(y)
+}
+
+/// [`linear_forward`] then the activation `act`: `(y, kept)`, `kept` what the activation's
+/// backward reads (the pre-activation, or `y` for sigmoid and tanh). A tanh GELU goes into
+/// the product's epilogue ([`Epilogue::GeluAux`]: `y` and the pre-activation written by the
+/// product, not read back by a second pass) where cuBLASLt offers it for the shape and
+/// [`fusion`] is on, in 16-bit precisions only: its GELU is not documented to f32's
+/// accuracy, and an f32 run is held to the CPU's results to f32 rounding. Otherwise the
+/// activation runs as its own pass.
+pub fn linear_act_forward(
+    x: &CudaTensor,
+    p: DeviceParams,
+    shape: LinearShape,
+    bias: bool,
+    precision: DType,
+    math: F32Math,
+    act: ActKind,
+) -> Result<(CudaTensor, CudaTensor), CudaError> {
+    if act == ActKind::GeluTanh && precision != DType::F32 && fusion() {
+        let LinearShape {
+            rows,
+            inputs,
+            outputs,
+        } = shape;
+        check_len(x, rows * inputs, "linear layer input")?;
+        let nw = inputs * outputs;
+        let (w, b) = p.split_at(nw);
+        let dev = x.device().clone();
+        let x = to_dtype(x, precision)?;
+        let y = CudaTensor::alloc(&dev, rows * outputs, precision, "a linear layer's output")?;
+        let z = CudaTensor::alloc(
+            &dev,
+            rows * outputs,
+            precision,
+            "a linear layer's pre-activation",
+        )?;
+        let (bias_ptr, aligned_bias) = epilogue_bias(&dev, bias.then_some(b), outputs, precision)?;
+        let products = LinearProducts {
+            shape,
+            precision,
+            math,
+        };
+        let w = weight_in(&w, precision, "linear weight")?;
+        let g = products.forward_gelu(x.ptr(), w, bias_ptr, y.ptr(), z.ptr());
+        let fused = dev.with_blas(|blas| blas.try_gemm(&g))?;
+        drop(aligned_bias);
+        if fused {
+            return Ok((y, z));
+        }
+    }
+    activation_after(linear_forward(x, p, shape, bias, precision, math)?, act)
+}
+
+/// `act` as its own pass over a product's output `z`: `(y, kept)` as
+/// [`linear_act_forward`] returns them.
+pub fn activation_after(
+    z: CudaTensor,
+    act: ActKind,
+) -> Result<(CudaTensor, CudaTensor), CudaError> {
+    let y = activation_forward(&z, act)?;
+    let kept = if act.backward_uses_output() {
+        y.clone()
+    } else {
+        z
+    };
+    Ok((y, kept))
 }
 
 /// The bias of a product's epilogue (`outputs` values in `precision`), and the aligned copy
@@ -343,6 +434,17 @@ impl LinearGrads {
             None
         };
         let after = after_dx(dx);
+        if self.bias && fusion() {
+            // The bias gradient from the weight gradient's own read of `dy`
+            // ([`Epilogue::BiasGradB`]), written beside it and then added into the
+            // gradients, where cuBLASLt offers it for the shape.
+            let sums = dev.alloc(outputs * 4, "a bias gradient")?;
+            let g = products.weight_grad_with_bias(x.ptr(), dy.ptr(), gw.ptr(), sums.ptr());
+            if dev.with_blas(|blas| blas.try_gemm(&g))? {
+                finish_columns(&dev, sums.ptr(), 1, outputs, gb.ptr(), true)?;
+                return Ok(after);
+            }
+        }
         dev.with_blas(|blas| blas.gemm(&products.weight_grad(x.ptr(), dy.ptr(), gw.ptr())))?;
         if self.bias {
             column_sums(&dy, rows, outputs, gb.ptr(), true)?;
@@ -564,7 +666,7 @@ pub fn activation_backward(
 /// into the `cols` f32 values at `bias_grad`, each bit for bit what `activation_backward`
 /// then [`column_sums`] give, with one read of the gradient less. `None` (nothing done) where
 /// the column sums' vector path does not apply (`cols` not a multiple of 16 bytes' worth of
-/// values, a pointer off 16 bytes) or [`backward_fusion`] is off: the caller runs the two.
+/// values, a pointer off 16 bytes) or [`fusion`] is off: the caller runs the two.
 pub fn activation_backward_with_bias(
     saved: &CudaTensor,
     dy: &CudaTensor,
@@ -576,7 +678,7 @@ pub fn activation_backward_with_bias(
     let dev = saved.device();
     let rows = saved.len() / cols.max(1);
     let pass = ColumnSumPass::new(rows, cols, saved.dtype(), saved.ptr());
-    if !pass.vector || rows * cols != saved.len() || !backward_fusion() {
+    if !pass.vector || rows * cols != saved.len() || !fusion() {
         return Ok(None);
     }
     // Decided before `dy` is converted, so the fallback does not convert it again (a
@@ -771,23 +873,24 @@ pub fn layer_norm_backward(
     finish_input_grad(dx, pending)
 }
 
-/// Whether backward runs this session's fused kernels (the norms' one-pass backward, the
-/// activation's gradient with the bias gradient) where they apply: yes unless
-/// `MESHTRAIN_BACKWARD_FUSION=off`, which keeps the earlier kernels, for A/B runs on a card.
-fn backward_fusion() -> bool {
+/// Whether the step runs its fused passes where they apply (the norms' one-pass backward,
+/// the activation's gradient with the bias gradient, GELU and the bias gradient in the
+/// products' epilogues): yes unless `MESHTRAIN_FUSION=off`, which keeps the separate
+/// kernels, for A/B runs on a card.
+fn fusion() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !std::env::var("MESHTRAIN_BACKWARD_FUSION").is_ok_and(|v| v == "off"))
+    *ON.get_or_init(|| !std::env::var("MESHTRAIN_FUSION").is_ok_and(|v| v == "off"))
 }
 
 /// Blocks of the fused norm backward ([`FusedNormBackward`]: the input gradient and the
 /// parameter gradients' partial sums in one pass over `x` and `dy`), or `None` where its
 /// vector path does not apply (`d` not a multiple of 4 or above 1,024, buffers not
-/// `aligned`) or [`backward_fusion`] is off. One warp a row up to [`FUSED_NORM_BLOCKS`]
+/// `aligned`) or [`fusion`] is off. One warp a row up to [`FUSED_NORM_BLOCKS`]
 /// blocks of 8, each warp looping over rows beyond. Fixed by the shape alone, so the sums'
 /// order, and the bits, are the same on every GPU.
 fn fused_norm_backward_blocks(rows: usize, d: usize, aligned: bool) -> Option<usize> {
     let fits = d.is_multiple_of(4) && d > 0 && d <= 1024;
-    (fits && aligned && backward_fusion()).then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
+    (fits && aligned && fusion()).then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
 }
 
 /// A fused norm backward's launch (`layernorm_bwd_fused_*`, `rmsnorm_bwd_fused_*`, common.cuh's
@@ -2287,6 +2390,72 @@ impl VocabParallelXent {
 mod tests {
     use super::*;
 
+    /// The epilogues' descriptions mean a linear layer's arithmetic (evaluated on the host,
+    /// the pointers host addresses): the forward with GELU gives `gelu_tanh(x·Wᵀ + b)` and
+    /// the pre-activation, the weight gradient with the bias gradient adds `dyᵀ·x` into
+    /// `dW` and writes `Σ_rows dy`, on fresh random values (odd sizes, so a swapped `m`/`n`
+    /// or leading dimension reads the wrong elements).
+    #[test]
+    fn a_linear_layers_epilogues_compute_its_activation_and_bias_gradient() {
+        use super::super::blas::run_on_host;
+        use crate::activation::gelu_tanh;
+        use crate::rng::normal_values;
+        let (rows, inputs, outputs) = (7, 5, 3);
+        let p = LinearProducts {
+            shape: LinearShape {
+                rows,
+                inputs,
+                outputs,
+            },
+            precision: DType::F32,
+            math: F32Math::Exact,
+        };
+        let x = normal_values(rows * inputs, 1);
+        let w = normal_values(outputs * inputs, 2);
+        let b = normal_values(outputs, 3);
+        let dy = normal_values(rows * outputs, 4);
+        let addr = |v: &[f32]| v.as_ptr() as u64;
+        let (mut y, mut z) = (vec![0.0f32; rows * outputs], vec![0.0f32; rows * outputs]);
+        run_on_host(&p.forward_gelu(
+            addr(&x),
+            addr(&w),
+            Some(addr(&b)),
+            y.as_mut_ptr() as u64,
+            z.as_mut_ptr() as u64,
+        ));
+        for r in 0..rows {
+            for o in 0..outputs {
+                let pre: f32 = (0..inputs)
+                    .map(|i| x[r * inputs + i] * w[o * inputs + i])
+                    .sum::<f32>()
+                    + b[o];
+                let at = r * outputs + o;
+                assert!((z[at] - pre).abs() < 1e-5, "z[{r},{o}] {} vs {pre}", z[at]);
+                assert!((y[at] - gelu_tanh(pre)).abs() < 1e-5, "y[{r},{o}]");
+            }
+        }
+        let start = normal_values(outputs * inputs, 5);
+        let mut dw = start.clone();
+        let mut db = vec![f32::NAN; outputs];
+        run_on_host(&p.weight_grad_with_bias(
+            addr(&x),
+            addr(&dy),
+            dw.as_mut_ptr() as u64,
+            db.as_mut_ptr() as u64,
+        ));
+        for o in 0..outputs {
+            let sum: f32 = (0..rows).map(|r| dy[r * outputs + o]).sum();
+            assert!((db[o] - sum).abs() < 1e-5, "db[{o}] {} vs {sum}", db[o]);
+            for i in 0..inputs {
+                let grad: f32 = (0..rows)
+                    .map(|r| dy[r * outputs + o] * x[r * inputs + i])
+                    .sum();
+                let at = o * inputs + i;
+                assert!((dw[at] - start[at] - grad).abs() < 1e-5, "dW[{o},{i}]");
+            }
+        }
+    }
+
     /// The descriptions the H100 run verified (session 12), now built in one place.
     #[test]
     fn a_linear_layers_products_in_column_major_terms() {
@@ -2309,8 +2478,8 @@ mod tests {
             (2, 768, 1, 768, 4, 2304)
         );
         assert_eq!(
-            (f.bias, f.output, f.accumulate),
-            (Some(3), DType::BF16, false)
+            (f.epilogue, f.output, f.accumulate),
+            (Epilogue::Bias(3), DType::BF16, false)
         );
         let i = p.input_grad(5, 2, 6);
         assert_eq!(
@@ -2321,7 +2490,10 @@ mod tests {
             (i.a, i.lda, i.b, i.ldb, i.d, i.ldd),
             (2, 768, 5, 2304, 6, 768)
         );
-        assert_eq!((i.bias, i.output, i.accumulate), (None, DType::BF16, false));
+        assert_eq!(
+            (i.epilogue, i.output, i.accumulate),
+            (Epilogue::None, DType::BF16, false)
+        );
         let w = p.weight_grad(1, 5, 7);
         assert_eq!(
             (w.m, w.n, w.k, w.transa, w.transb),
@@ -2331,7 +2503,10 @@ mod tests {
             (w.a, w.lda, w.b, w.ldb, w.d, w.ldd),
             (1, 768, 5, 2304, 7, 768)
         );
-        assert_eq!((w.bias, w.output, w.accumulate), (None, DType::F32, true));
+        assert_eq!(
+            (w.epilogue, w.output, w.accumulate),
+            (Epilogue::None, DType::F32, true)
+        );
         for g in [f, i, w] {
             g.validate().unwrap();
         }
