@@ -284,7 +284,13 @@ pub fn linear_act_forward(
     math: F32Math,
     act: ActKind,
 ) -> Result<(CudaTensor, CudaTensor), CudaError> {
-    if act == ActKind::GeluTanh && precision != DType::F32 && fusion() {
+    // Rows of the pre-activation a multiple of 8 values: cuBLASLt's auxiliary matrix wants
+    // its leading dimension so, and a shape it might refuse only at launch is not tried.
+    if act == ActKind::GeluTanh
+        && precision != DType::F32
+        && shape.outputs.is_multiple_of(8)
+        && fusion()
+    {
         let LinearShape {
             rows,
             inputs,
@@ -434,7 +440,7 @@ impl LinearGrads {
             None
         };
         let after = after_dx(dx);
-        if self.bias && fusion() {
+        if self.bias && outputs.is_multiple_of(8) && fusion() {
             // The bias gradient from the weight gradient's own read of `dy`
             // ([`Epilogue::BiasGradB`]), written beside it and then added into the
             // gradients, where cuBLASLt offers it for the shape.
