@@ -49,13 +49,18 @@
 //     partial warp, with a pointer not 32-byte aligned or an ldm not a multiple of 16 bytes);
 //   * launch limits: more than 1024 threads or 227 KiB of dynamic shared memory, zero or
 //     oversized dimensions;
+//   * Hopper wgmma misuse (see emu_wg): accumulator or A registers written while the product
+//     is in flight, shared bytes a wgmma reads that the generic proxy (stores, cp.async) wrote
+//     without a later fence.proxy.async, warps of a warpgroup issuing different wgmmas, and
+//     products (or cp.async copies) never waited for;
 //   * writes past the end of the dynamic shared memory or of an emu::alloc buffer (into the
 //     padding up to the next 128/256 bytes: checked after each block/launch; further: a
 //     guard page faults and the SIGSEGV handler names the buffer, kernel, block and thread).
 // And what it makes visible instead of reporting: garbage (NaN for floats) from shuffles that
 // read lanes outside the mask, exited or missing lanes; 0xCD garbage in shared memory a block
-// reads before writing; NaN in emu::alloc buffers a kernel should have written; results that
-// change with EMU_SCHEDULE when a barrier is missing.
+// reads before writing; NaN in emu::alloc buffers a kernel should have written; NaN from a
+// wgmma's accumulators read while the product is in flight; results that change with
+// EMU_SCHEDULE when a barrier is missing.
 //
 // Using it (run_emu_tests.sh has the compile flags; a test program is one translation unit):
 //     #include "cuda_emu.h"
@@ -101,6 +106,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -823,6 +829,13 @@ struct Run {
     size_t dsmem_map_len = 0;
     char* dsmem = nullptr;
     size_t dsmem_padded = 0;
+    // Counts the blocks run (this one included): per-block state elsewhere (emu_proxy, emu_wg)
+    // is keyed by it.
+    unsigned long long block_serial = 0;
+    // The numbers (Stats::launches) of the launches that failed, in order: the asynchronous
+    // operations their abandoned threads left pending are not reported as never waited for
+    // (emu_async).
+    std::vector<unsigned long long> failed_launches;
 };
 inline Run& run() {
     static Run r;
@@ -1333,8 +1346,12 @@ inline void poison_shared() {
 // ---------------------------------------------------------------------------------------
 // Running a block, and a launch.
 
+// The end-of-block check of the wgmma emulation (defined with it, below).
+inline void wgmma_block_end();
+
 inline void run_block() {
     Run& R = run();
+    ++R.block_serial;
     const Options& o = options();
     const unsigned n = R.nthreads;
     const unsigned bx = R.block_dim.x, by = R.block_dim.y;
@@ -1381,6 +1398,7 @@ inline void run_block() {
         if (R.exited == n) break;
         if (!ran) throw Error(deadlock_report());
     }
+    wgmma_block_end();
     for (size_t i = R.smem; i < R.dsmem_padded; ++i) {
         if ((unsigned char)R.dsmem[i] != kCanary) {
             throw Error(fmt("emu: %s wrote past the end of the dynamic shared memory: byte %zu of "
@@ -1468,7 +1486,10 @@ inline void launch_impl(std::string name, dim3 g, Site site, dim3 b, size_t smem
     if (o.schedule == Schedule::Random && stats_ref().launches == 0) schedule_rng().s = o.seed;
 
     struct Reset {
+        int exceptions = std::uncaught_exceptions();
         ~Reset() {
+            if (std::uncaught_exceptions() > exceptions)
+                run().failed_launches.push_back(stats_ref().launches);
             run().active = false;
             g_cur = nullptr;
         }
@@ -2111,7 +2132,8 @@ namespace emu_async {
 // groups, as PTX counts them: an operation belongs to the group committed next, and a wait
 // for N completes every operation but those of the N newest committed groups. The state
 // belongs to one block of one launch: an operation still pending from another was never
-// waited for (its effect never happened), which fails the launch.
+// waited for (its effect never happened), which fails the launch (unless that launch failed
+// and abandoned its threads).
 template <class Op> struct Groups {
     std::vector<std::pair<Op, unsigned>> pending; // each with its group
     unsigned commits = 0;
@@ -2126,7 +2148,8 @@ template <class Op> inline Groups<Op>& lane(const char* what) {
     const bool same = L.launch == launch && L.block.x == blk.x && L.block.y == blk.y &&
                       L.block.z == blk.z;
     if (!same) {
-        if (!L.pending.empty())
+        const auto& failed = ::emu::detail::run().failed_launches;
+        if (!L.pending.empty() && !std::binary_search(failed.begin(), failed.end(), L.launch))
             ::emu::detail::fail(::emu::detail::fmt(
                 "%s of an earlier block or launch were never waited for", what));
         L.pending.clear();
@@ -2154,6 +2177,106 @@ inline void wait(unsigned n, const char* what, Complete&& complete) {
 }
 } // namespace emu_async
 
+// =======================================================================================
+// The async proxy's view of the dynamic shared memory (fence.proxy.async). PTX: wgmma reads
+// its shared operands through the async proxy, while ordinary stores (st.shared) and the
+// copies of cp.async write through the generic proxy; a generic-proxy write is guaranteed
+// visible to a later async-proxy read only if the writing thread executes fence.proxy.async
+// after it (and a barrier then hands the bytes over to the other threads). Without the fence
+// real hardware mostly reads the new bytes and sometimes stale ones, so the emulator checks
+// the rule instead: a per-block shadow of the dynamic shared memory says which bytes the
+// generic proxy wrote since they were last fenced, and a wgmma whose descriptor reaches one
+// fails the launch (checked when the wgmma is issued: the fence must come before it).
+// - cp.async copies are attributed exactly: when a copy lands (at its thread's
+//   cp.async.wait_group) its 16-byte chunk is marked with that thread, and only that
+//   thread's fence clears the mark.
+// - Plain stores cannot be intercepted (kernels store through ordinary pointers), so they are
+//   found by value: `published` is a copy of the shared memory taken at every fence, and a
+//   byte a wgmma reads that differs from its copy was stored after the block's last fence.
+//   The approximation: one thread's fence publishes every earlier store of the block, not
+//   only its own. A fence missing from every thread is always caught; a fence missing from
+//   some threads (or placed before their stores) is caught when such a thread is the last to
+//   store before the wgmma, which one of the two schedules (forward, reverse) arranges in
+//   the usual "every thread stores, fences, then __syncthreads" shape. A store that rewrites
+//   a byte's value is not seen (harmless). A copy per fence is affordable at test sizes
+//   (attention_test: ~28k fences, ~1.7 GB copied in all).
+// =======================================================================================
+namespace emu_proxy {
+struct Shadow {
+    unsigned long long block = ~0ull;          // the Run::block_serial it describes
+    std::vector<unsigned char> published;      // the dynamic shared memory at the last fence
+    std::vector<unsigned short> owner;         // per 16-byte chunk: 1 + the linear index of
+                                               // the thread whose landed cp.async is not
+                                               // fenced yet, or 0
+    std::vector<std::vector<unsigned>> marked; // per thread: the chunks it marked
+};
+inline Shadow& shadow() {
+    static Shadow s;
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    if (s.block != R.block_serial) {
+        // A block starts with its shared memory all poison (poison_shared): nothing written.
+        s.block = R.block_serial;
+        s.published.assign(R.smem, ::emu::detail::options().smem_poison);
+        s.owner.assign((R.smem + 15) / 16, 0);
+        s.marked.resize(1024);
+        for (auto& m : s.marked) m.clear();
+    }
+    return s;
+}
+// A 16-byte cp.async copy of the calling thread landed at `dst`.
+inline void landed(const unsigned char* dst) {
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    const unsigned char* base = (const unsigned char*)R.dsmem;
+    if (dst < base || dst >= base + R.smem) return; // static __shared__: wgmma cannot read it
+    Shadow& s = shadow();
+    const unsigned t = emu_frag::linear_thread();
+    const size_t at = (size_t)(dst - base);
+    for (size_t c = at / 16; c <= (at + 15) / 16 && c < s.owner.size(); ++c) {
+        s.owner[c] = (unsigned short)(t + 1);
+        s.marked[t].push_back((unsigned)c);
+    }
+}
+// fence.proxy.async by the calling thread: publishes its landed copies, and (the
+// approximation above) every store made so far.
+inline void fence() {
+    Shadow& s = shadow();
+    const unsigned t = emu_frag::linear_thread();
+    for (unsigned c : s.marked[t])
+        if (s.owner[c] == t + 1) s.owner[c] = 0;
+    s.marked[t].clear();
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    if (R.smem) std::memcpy(s.published.data(), R.dsmem, R.smem);
+}
+// Fails unless the `bytes` bytes at shared offset `at`, which a wgmma is about to read as its
+// operand `what`, were published by a fence after the generic proxy last wrote them.
+inline void check_published(size_t at, size_t bytes, const char* what) {
+    Shadow& s = shadow();
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    const size_t end = std::min(at + bytes, R.smem); // beyond: the read itself fails later
+    for (size_t c = at / 16; c * 16 < end; ++c) {
+        if (s.owner[c])
+            ::emu::detail::fail(::emu::detail::fmt(
+                "wgmma reads %s at shared bytes %zu..%zu, which a cp.async of the thread of "
+                "linear index %u wrote, and that thread executed no fence.proxy.async after its "
+                "cp.async.wait_group completed the copy. PTX: cp.async writes through the "
+                "generic proxy and wgmma reads through the async proxy; the writer must fence "
+                "(mt_fence_proxy_async, Mma::publish) before the barrier that hands the bytes "
+                "over",
+                what, c * 16, c * 16 + 15, (unsigned)s.owner[c] - 1));
+    }
+    if (at < end && std::memcmp(s.published.data() + at, R.dsmem + at, end - at) != 0) {
+        size_t i = at;
+        while (s.published[i] == (unsigned char)R.dsmem[i]) ++i;
+        ::emu::detail::fail(::emu::detail::fmt(
+            "wgmma reads %s at shared byte %zu, which a store changed after the block's last "
+            "fence.proxy.async. PTX: st.shared writes through the generic proxy and wgmma reads "
+            "through the async proxy; the writer must fence (mt_fence_proxy_async) after its "
+            "stores and before the barrier that hands them over",
+            what, i));
+    }
+}
+} // namespace emu_proxy
+
 namespace emu_cp {
 struct Copy {
     unsigned char* dst;
@@ -2171,8 +2294,10 @@ inline void mt_cp_async_16(void* smem, const void* gmem, int src_bytes) {
 }
 inline void mt_cp_async_commit() { emu_async::commit<emu_cp::Copy>(emu_cp::kWhat); }
 template <int N> inline void mt_cp_async_wait() {
-    emu_async::wait<emu_cp::Copy>(N, emu_cp::kWhat,
-                                  [](const emu_cp::Copy& c) { std::memcpy(c.dst, c.bytes, 16); });
+    emu_async::wait<emu_cp::Copy>(N, emu_cp::kWhat, [](const emu_cp::Copy& c) {
+        std::memcpy(c.dst, c.bytes, 16);
+        emu_proxy::landed(c.dst); // a generic-proxy write: unfenced until this thread fences
+    });
 }
 
 // =======================================================================================
@@ -2188,11 +2313,19 @@ template <int N> inline void mt_cp_async_wait() {
 //   start + (n/8)·SBO + (n%8)·16 + (k/8)·LBO + (k%8)·2 (TRANS_B 0: rows are n, 8 k values
 //   each), or start + (k/8)·LBO + (k%8)·16 + (n/8)·SBO + (n%8)·2 (TRANS_B 1);
 // - asynchronous: the product is computed, and D written, only when a wgmma.wait_group lets
-//   its commit group complete. So a kernel that reads D, or overwrites B's shared tile,
-//   before waiting gets different numbers here, and a product never committed and waited
-//   for fails that thread's next wgmma call in another block or launch (emu_async, shared
-//   with cp.async). Shared addresses are offsets into the launch's dynamic shared memory. Products exact, summed in double,
-//   rounded to float once (as mma). Not checked: wgmma.fence and the async-proxy fence.
+//   its commit group complete. So a kernel that overwrites B's shared tile before waiting
+//   gets different numbers here, and a product never committed and waited for fails that
+//   thread's next wgmma call in another block or launch (emu_async, shared with cp.async).
+//   Shared addresses are offsets into the launch's dynamic shared memory. Products exact,
+//   summed in double, rounded to float once (as mma).
+// Checked besides (each fails the launch naming the kernel, block and thread):
+// - registers in flight (PTX: accessing a wgmma's accumulators or A registers before the
+//   wgmma.wait_group that completes it is undefined): see InFlight below;
+// - the async-proxy fence before a wgmma reads shared bytes the generic proxy wrote
+//   (emu_proxy, above);
+// - .aligned: the lanes of a warp, and the 4 warps of a warpgroup, issue the same wgmma
+//   (shape, types, descriptors), and each warp of a warpgroup as many of them in a block.
+// Not checked: wgmma.fence (registers written before a wgmma without the fence).
 // =======================================================================================
 namespace emu_wg {
 struct Pending {
@@ -2203,9 +2336,89 @@ struct Pending {
     bool a_shared;           // A read through desc_a when the product completes
     unsigned long long desc_a;
     float a[2][16]; // this lane's two rows of A
+    const unsigned* a_regs;  // A in registers: this lane's 4, and their values at issue
+    unsigned a_bits[4];
 };
 constexpr const char* kWhat = "wgmma products";
 inline const char* smem_base() { return ::emu::detail::run().dsmem; }
+
+// Registers in flight. PTX: accessing (reading or writing) the accumulator registers or the
+// A-fragment registers of a wgmma.mma_async before the wgmma.wait_group that completes it is
+// undefined (the tensor cores read A and read-modify-write D at some point in between).
+// - A (register form): its 4 registers are remembered at issue and must hold the same values
+//   when the product completes, else the launch fails. (A read of them in between is not
+//   seen.)
+// - D: at issue the live accumulators are set aside here (the true sum goes on in `sum`)
+//   and replaced by a signalling NaN; when a product completes they must still hold it, else
+//   something wrote them and the launch fails; the sum goes back once the last product into
+//   them completes. A read in between gets NaN, which reaches the kernel's output and fails
+//   the test's comparison (a read cannot be seen otherwise); a read-modify-write (o *= a)
+//   turns the signalling NaN into a quiet one, which counts as a write. Several products
+//   into one D in flight at once (a k-loop's chain, in one commit group or several) are
+//   legal and accumulate in issue order; D stays NaN until all of them completed.
+constexpr unsigned kInFlightBits = 0x7FA5A5A5u; // a signalling NaN: arithmetic quiets it
+struct InFlight {
+    float (*d)[4];
+    int n;        // N: the registers d[0..n/8)
+    int products; // issued into them and not completed
+    float sum[32][4];
+};
+inline std::vector<InFlight>& in_flight() {
+    struct Lane {
+        unsigned long long block = ~0ull;
+        std::vector<InFlight> list;
+    };
+    static Lane lanes[1024];
+    Lane& L = lanes[emu_frag::linear_thread()];
+    const unsigned long long blk = ::emu::detail::run().block_serial;
+    if (L.block != blk) { // another block's: emu_async reports products never waited for
+        L.block = blk;
+        L.list.clear();
+    }
+    return L.list;
+}
+inline void check_d_untouched(const InFlight& f, const char* when) {
+    for (int j = 0; j < f.n / 8; ++j)
+        for (int e = 0; e < 4; ++e) {
+            unsigned bits;
+            std::memcpy(&bits, &f.d[j][e], 4);
+            if (bits != kInFlightBits)
+                ::emu::detail::fail(::emu::detail::fmt(
+                    "the accumulators of a wgmma in flight were written before the "
+                    "wgmma.wait_group that completes it (d[%d][%d] holds %g, not the emulator's "
+                    "in-flight NaN, %s). PTX makes accessing a wgmma's accumulator registers "
+                    "before that wait undefined: mt_wgmma_wait first",
+                    j, e, (double)f.d[j][e], when));
+        }
+}
+// A product into `d` (n/8 tiles) is issued: set its accumulators aside (see above).
+inline void hold_d(float (*d)[4], int n) {
+    std::vector<InFlight>& list = in_flight();
+    InFlight* f = nullptr;
+    for (InFlight& x : list) {
+        if (x.d == d && x.n == n) {
+            f = &x;
+        } else if ((const float*)d < (const float*)(x.d + x.n / 8) &&
+                   (const float*)x.d < (const float*)(d + n / 8)) {
+            ::emu::detail::fail("wgmma: accumulators that overlap those of another product in "
+                                "flight without being the same registers (the same d and N)");
+        }
+    }
+    if (f) {
+        check_d_untouched(*f, "as another wgmma into them is issued");
+    } else {
+        list.push_back(InFlight{d, n, 0, {}});
+        f = &list.back();
+        for (int j = 0; j < n / 8; ++j)
+            for (int e = 0; e < 4; ++e) f->sum[j][e] = d[j][e];
+    }
+    ++f->products;
+    float nan;
+    std::memcpy(&nan, &kInFlightBits, 4);
+    for (int j = 0; j < n / 8; ++j)
+        for (int e = 0; e < 4; ++e) d[j][e] = nan;
+}
+
 // Element (k, mn) of an operand in shared memory through `desc`: K-major (trans false, a
 // core matrix row is 8 K values of one m or n) or MN-major (trans true, 8 M/N values of one k).
 inline float smem_value(unsigned long long desc, bool trans, bool bf, int k, int mn,
@@ -2224,12 +2437,37 @@ inline float smem_value(unsigned long long desc, bool trans, bool bf, int k, int
     std::memcpy(&bits, R.dsmem + at, 2);
     return emu_frag::half_bits_to_float(bits, bf);
 }
+// The async-proxy fence check of an operand's bytes: its 2 × `groups` core matrices (K 16
+// deep; `groups` of 8 along M or N), 128 contiguous bytes each at start + kc·LBO + g·SBO
+// in either layout.
+inline void check_fenced(unsigned long long desc, int groups, const char* what) {
+    const size_t start = (desc & 0x3FFF) << 4, lbo = ((desc >> 16) & 0x3FFF) << 4,
+                 sbo = ((desc >> 32) & 0x3FFF) << 4;
+    for (int kc = 0; kc < 2; ++kc)
+        for (int g = 0; g < groups; ++g)
+            emu_proxy::check_published(start + kc * lbo + g * sbo, 128, what);
+}
 inline float b_value(const Pending& p, int k, int n) {
     return smem_value(p.desc, p.trans, p.bf, k, n, "B");
 }
+// Completes a product (at the wait that lets its group complete).
 inline void apply(Pending p) {
     const unsigned t = emu_frag::linear_thread(), lane = t % 32;
     const int c = 2 * (lane % 4);
+    if (!p.a_shared) {
+        for (int i = 0; i < 4; ++i)
+            if (p.a_regs[i] != p.a_bits[i])
+                ::emu::detail::fail(::emu::detail::fmt(
+                    "register a[%d] of a wgmma's A fragment changed (0x%08x at issue, 0x%08x now) "
+                    "before the wgmma.wait_group that completes it. PTX makes accessing the A "
+                    "registers of a wgmma in flight undefined (the product may read either "
+                    "value): write new A fragments into other registers, or wait first",
+                    i, p.a_bits[i], p.a_regs[i]));
+    }
+    std::vector<InFlight>& list = in_flight();
+    auto f = std::find_if(list.begin(), list.end(), [&](const InFlight& x) { return x.d == p.d; });
+    if (f == list.end()) ::emu::detail::fail("wgmma emulation: a product's accumulators are lost");
+    check_d_untouched(*f, "as the wait completes the product");
     if (p.a_shared) {
         // This lane's rows of the warpgroup's 64: its warp's 16 (warp w of the group holds
         // rows 16w..), rows g and g + 8 of them.
@@ -2241,34 +2479,92 @@ inline void apply(Pending p) {
     for (int j = 0; j < p.n / 8; ++j) {
         for (int e = 0; e < 4; ++e) {
             const int col = 8 * j + c + (e & 1);
-            double acc = p.d[j][e];
+            double acc = f->sum[j][e];
             for (int k = 0; k < 16; ++k) acc += (double)p.a[e >> 1][k] * (double)b_value(p, k, col);
-            p.d[j][e] = (float)acc;
+            f->sum[j][e] = (float)acc;
         }
     }
+    if (--f->products == 0) {
+        for (int j = 0; j < p.n / 8; ++j)
+            for (int e = 0; e < 4; ++e) p.d[j][e] = f->sum[j][e];
+        list.erase(f);
+    }
 }
-} // namespace emu_wg
 
-inline unsigned long long mt_wgmma_desc(const void* smem, unsigned lbo, unsigned sbo) {
+// .aligned across the warpgroup: the n-th wgmma of each of its warps must be the same
+// instruction (shape, types, descriptors). Its 4 warps do not meet at a wgmma, so each
+// warp's n-th is compared with the n-th of the first warp to issue it, and at the end of
+// the block each warp must have issued as many (block_end).
+struct Issued {
+    unsigned long long desc, desc_a;
+    int n;
+    bool trans, bf, a_shared;
+    unsigned warp; // the first to issue it
+    bool same(const Issued& o) const {
+        return desc == o.desc && desc_a == o.desc_a && n == o.n && trans == o.trans &&
+               bf == o.bf && a_shared == o.a_shared;
+    }
+};
+struct GroupLog {
+    std::vector<Issued> seq;
+    unsigned count[4] = {0, 0, 0, 0}; // wgmmas issued by each warp
+};
+struct BlockLog {
+    unsigned long long block = ~0ull;
+    std::vector<GroupLog> groups;
+};
+inline BlockLog& block_log_state() {
+    static BlockLog b;
+    return b;
+}
+inline BlockLog& block_log() {
+    BlockLog& b = block_log_state();
     const ::emu::detail::Run& R = ::emu::detail::run();
-    const char* p = (const char*)smem;
-    if (p < R.dsmem || p >= R.dsmem + R.smem)
-        ::emu::detail::fail("mt_wgmma_desc of an address outside the dynamic shared memory");
-    const unsigned long long addr = (unsigned long long)(p - R.dsmem);
-    if (addr % 16 || lbo % 16 || sbo % 16)
-        ::emu::detail::fail("a wgmma descriptor's start, LBO and SBO must be multiples of 16 bytes");
-    return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
-           ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
+    if (b.block != R.block_serial) {
+        b.block = R.block_serial;
+        b.groups.assign((R.nthreads + 127) / 128, GroupLog{});
+    }
+    return b;
 }
-inline void mt_wgmma_fence() {}
-inline void mt_fence_proxy_async() {}
-template <int N> inline void mt_wgmma_hold(float (*)[4]) {}
-inline void mt_wgmma_commit() { emu_async::commit<emu_wg::Pending>(emu_wg::kWhat); }
-template <int N> inline void mt_wgmma_wait() {
-    emu_async::wait<emu_wg::Pending>(N, emu_wg::kWhat,
-                                     [](const emu_wg::Pending& p) { emu_wg::apply(p); });
+// The calling warp (its lane 0) issues `me`.
+inline void check_warpgroup(Issued me) {
+    const unsigned warp = emu_frag::linear_thread() / 32;
+    GroupLog& g = block_log().groups[warp / 4];
+    unsigned& k = g.count[warp % 4];
+    me.warp = warp;
+    if (k == g.seq.size()) {
+        g.seq.push_back(me);
+    } else if (!g.seq[k].same(me)) {
+        const Issued& o = g.seq[k];
+        auto form = [](const Issued& x) {
+            return ::emu::detail::fmt("N %d, %s, B descriptor 0x%llx, A %s 0x%llx", x.n,
+                                      x.trans ? "TRANS_B" : "no TRANS_B", x.desc,
+                                      x.a_shared ? "descriptor" : "in registers, 0x0 =", x.desc_a);
+        };
+        ::emu::detail::fail(::emu::detail::fmt(
+            "wgmma: the warps of a warpgroup issued different wgmmas: wgmma #%u of warp %u has "
+            "%s; warp %u's has %s. PTX (.aligned): every thread of the warpgroup executes the "
+            "same wgmma.mma_async, with the same descriptors",
+            k, warp, form(me).c_str(), o.warp, form(o).c_str()));
+    }
+    ++k;
 }
-namespace emu_wg {
+// After a block: every warp of each warpgroup issued as many wgmmas.
+inline void block_end() {
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    const BlockLog& b = block_log_state();
+    if (b.block != R.block_serial) return; // no wgmma in this block
+    for (size_t g = 0; g < b.groups.size(); ++g) {
+        const unsigned* c = b.groups[g].count;
+        if (c[0] != c[1] || c[0] != c[2] || c[0] != c[3])
+            throw ::emu::Error(::emu::detail::fmt(
+                "emu: error in %s: the warps of warpgroup %zu issued different numbers of wgmmas "
+                "(%u, %u, %u, %u). PTX (.aligned): every thread of the warpgroup executes the same "
+                "wgmma.mma_async instructions",
+                ::emu::detail::launch_context().c_str(), g, c[0], c[1], c[2], c[3]));
+    }
+}
+
 // Issues a product: A from this warp's registers `a`, or (a == nullptr) from shared memory
 // through desc_a when it completes.
 template <class T, int N, int TRANS_B>
@@ -2298,6 +2594,8 @@ inline void issue(float (*d)[4], const unsigned* a, unsigned long long desc_a,
     p.desc = desc;
     p.a_shared = a == nullptr;
     p.desc_a = desc_a;
+    p.a_regs = a;
+    for (int i = 0; i < 4; ++i) p.a_bits[i] = a ? a[i] : 0;
     bool uniform = true;
     for (int s = 0; s < 32; ++s) uniform = uniform && st[s][4] == desc && st[s][5] == desc_a;
     const int g = lane / 4;
@@ -2314,10 +2612,43 @@ inline void issue(float (*d)[4], const unsigned* a, unsigned long long desc_a,
     }
     __syncwarp();
     if (!uniform) ::emu::detail::fail("wgmma: the lanes of a warp gave different descriptors");
+    // Once per warp, now that all its lanes are here: the same wgmma as the rest of the
+    // warpgroup's, reading shared bytes published to the async proxy.
+    if (lane == 0) {
+        check_warpgroup(Issued{desc, desc_a, N, p.trans, p.bf, p.a_shared, 0});
+        check_fenced(desc, N / 8, "B");
+        if (p.a_shared) check_fenced(desc_a, 8, "A");
+    }
+    hold_d(d, N);
     emu_async::issue(p, kWhat);
 }
 } // namespace emu_wg
 
+namespace emu {
+namespace detail {
+inline void wgmma_block_end() { ::emu_wg::block_end(); }
+} // namespace detail
+} // namespace emu
+
+inline unsigned long long mt_wgmma_desc(const void* smem, unsigned lbo, unsigned sbo) {
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    const char* p = (const char*)smem;
+    if (p < R.dsmem || p >= R.dsmem + R.smem)
+        ::emu::detail::fail("mt_wgmma_desc of an address outside the dynamic shared memory");
+    const unsigned long long addr = (unsigned long long)(p - R.dsmem);
+    if (addr % 16 || lbo % 16 || sbo % 16)
+        ::emu::detail::fail("a wgmma descriptor's start, LBO and SBO must be multiples of 16 bytes");
+    return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
+           ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
+}
+inline void mt_wgmma_fence() {}
+inline void mt_fence_proxy_async() { emu_proxy::fence(); }
+template <int N> inline void mt_wgmma_hold(float (*)[4]) {}
+inline void mt_wgmma_commit() { emu_async::commit<emu_wg::Pending>(emu_wg::kWhat); }
+template <int N> inline void mt_wgmma_wait() {
+    emu_async::wait<emu_wg::Pending>(N, emu_wg::kWhat,
+                                     [](const emu_wg::Pending& p) { emu_wg::apply(p); });
+}
 template <class T, int N, int TRANS_B>
 inline void mt_wgmma(float (*d)[4], const unsigned* a, unsigned long long desc) {
     emu_wg::issue<T, N, TRANS_B>(d, a, 0, desc);

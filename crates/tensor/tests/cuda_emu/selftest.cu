@@ -342,3 +342,92 @@ extern "C" __global__ void st_dynamic_overrun(int n) {
     DYNAMIC_SMEM(unsigned char, buf);
     if (threadIdx.x == 0) buf[n] = 1; // one byte past the end
 }
+
+// ---------------------------------------------------------------------------------------
+// wgmma (Hopper's warpgroup products): one warpgroup computes out (64 × 16, row-major) =
+// A0·B0 + A1·B1, a chain of two k = 16 products into the same accumulators. a: two 64 × 16
+// tiles, row-major; bt: two B tiles stored n-major (bt[tile][n][k]). In dynamic shared memory
+// (5120 bytes) both are core matrices (8 rows of 16 bytes), LBO 128 bytes along K, SBO 256
+// along M or N: A tiles at 0 and 2048, B tiles at 4096 and 4608. ST_WG_OK, ST_WG_CP and
+// ST_WG_RS do it right (stores, cp.async for B, A from registers); each other mode breaks
+// one rule the emulator checks (selftest_main.cpp's test_wgmma).
+enum {
+    ST_WG_OK,
+    ST_WG_CP,             // B by cp.async, fenced
+    ST_WG_RS,             // A from registers
+    ST_WG_UNFENCED,       // stores without fence.proxy.async
+    ST_WG_FENCE_FIRST,    // the fence before the stores
+    ST_WG_CP_UNFENCED,    // cp.async without the fence
+    ST_WG_WRITE_D,        // writes an accumulator before the wait
+    ST_WG_READ_D,         // reads an accumulator before the wait
+    ST_WG_WRITE_A,        // rewrites an A register (register form) before the wait
+    ST_WG_WARP_DESC,      // warp 1 gives another B descriptor
+    ST_WG_EXTRA,          // warp 3 issues one more wgmma
+};
+extern "C" __global__ void st_wgmma(const __nv_bfloat16* a, const __nv_bfloat16* bt, float* out,
+                                    int mode) {
+    DYNAMIC_SMEM(__nv_bfloat16, sA);   // two A tiles, 1024 values each
+    __nv_bfloat16* sB = sA + 2 * 1024; // two B tiles, 256 values each
+    const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    if (mode == ST_WG_FENCE_FIRST) mt_fence_proxy_async();
+    for (int i = t; i < 2 * 1024; i += 128) {
+        const int m = (i / 16) % 64, k = i % 16;
+        sA[(i / 1024) * 1024 + (k / 8) * 64 + (m / 8) * 128 + (m % 8) * 8 + k % 8] = a[i];
+    }
+    if (mode == ST_WG_CP || mode == ST_WG_CP_UNFENCED) {
+        for (int i = t; i < 2 * 16 * 2; i += 128) { // 16 bytes: 8 k values of one n
+            const int tile = i / 32, n = (i / 2) % 16, kc = i % 2;
+            mt_cp_async_16(sB + tile * 256 + (n / 8) * 128 + (n % 8) * 8 + kc * 64,
+                           bt + tile * 256 + n * 16 + kc * 8, 16);
+        }
+        mt_cp_async_commit();
+        mt_cp_async_wait<0>();
+    } else {
+        for (int i = t; i < 2 * 256; i += 128) {
+            const int n = (i / 16) % 16, k = i % 16;
+            sB[(i / 256) * 256 + (n / 8) * 128 + (n % 8) * 8 + (k / 8) * 64 + k % 8] = bt[i];
+        }
+    }
+    if (mode != ST_WG_UNFENCED && mode != ST_WG_FENCE_FIRST && mode != ST_WG_CP_UNFENCED)
+        mt_fence_proxy_async();
+    __syncthreads();
+
+    const int g = lane / 4, c = 2 * (lane % 4), r0 = 16 * warp + g;
+    const bool rs = mode == ST_WG_RS || mode == ST_WG_WRITE_A;
+    unsigned ra[2][4]; // register form: this lane's A fragments, mma.sync's A layout
+    if (rs) {
+        for (int kt = 0; kt < 2; ++kt) {
+            auto pair = [&](int m, int k) {
+                return *reinterpret_cast<const unsigned*>(a + kt * 1024 + m * 16 + k);
+            };
+            ra[kt][0] = pair(r0, c);
+            ra[kt][1] = pair(r0 + 8, c);
+            ra[kt][2] = pair(r0, c + 8);
+            ra[kt][3] = pair(r0 + 8, c + 8);
+        }
+    }
+    float d[2][4];
+    for (int j = 0; j < 2; ++j)
+        for (int e = 0; e < 4; ++e) d[j][e] = 0.0f;
+    mt_wgmma_fence();
+    for (int kt = 0; kt < 2; ++kt) {
+        const int off = mode == ST_WG_WARP_DESC && warp == 1 ? 8 : 0;
+        const unsigned long long db = mt_wgmma_desc(sB + kt * 256 + off, 128, 256);
+        if (rs) mt_wgmma<__nv_bfloat16, 16, 0>(d, ra[kt], db);
+        else mt_wgmma_ss<__nv_bfloat16, 16, 0>(d, mt_wgmma_desc(sA + kt * 1024, 128, 256), db);
+    }
+    mt_wgmma_commit();
+    if (mode == ST_WG_WRITE_D) d[1][2] = 0.0f;
+    if (mode == ST_WG_WRITE_A) ra[1][3] ^= 1u;
+    const float early = mode == ST_WG_READ_D ? d[0][0] : 0.0f;
+    mt_wgmma_wait<0>();
+    if (mode == ST_WG_EXTRA && warp == 3) {
+        mt_wgmma_ss<__nv_bfloat16, 16, 0>(d, mt_wgmma_desc(sA, 128, 256),
+                                          mt_wgmma_desc(sB, 128, 256));
+        mt_wgmma_commit();
+        mt_wgmma_wait<0>();
+    }
+    for (int j = 0; j < 2; ++j)
+        for (int e = 0; e < 4; ++e)
+            out[(r0 + 8 * (e >> 1)) * 16 + 8 * j + c + (e & 1)] = d[j][e] + early;
+}

@@ -1,6 +1,7 @@
 // Tests of the CPU emulator itself (cuda_emu.h): barriers and shared memory, warp shuffles
 // and votes (widths, partial warps, exited lanes), atomics, WMMA tile semantics, 16-bit
-// rounding, launch checks, and the reports of deadlocks, misused collectives and overruns.
+// rounding, launch checks, the reports of deadlocks, misused collectives and overruns, and
+// wgmma products with the emulator's checks of them.
 // Each case compares with a reference written here from CUDA's documented semantics.
 // Run by run_emu_tests.sh (which runs it under two schedules).
 #include "cuda_emu.h"
@@ -661,6 +662,53 @@ void test_launch_checks() {
     emu::free(p);
 }
 
+// wgmma: a chain of two products right (shared or register A, B by stores or cp.async), and
+// each rule of PTX the emulator checks broken once (st_wgmma's modes).
+void test_wgmma() {
+    emu::Rng rng(9);
+    std::vector<bf16> a(2 * 1024), bt(2 * 256);
+    for (auto& v : a) v = bf16((float)((int)rng.below(9) - 4)); // small integers: exact sums
+    for (auto& v : bt) v = bf16((float)((int)rng.below(9) - 4));
+    std::vector<float> want(64 * 16, 0.0f);
+    for (int tile = 0; tile < 2; ++tile)
+        for (int m = 0; m < 64; ++m)
+            for (int n = 0; n < 16; ++n)
+                for (int k = 0; k < 16; ++k)
+                    want[m * 16 + n] +=
+                        (float)a[tile * 1024 + m * 16 + k] * (float)bt[tile * 256 + n * 16 + k];
+    bf16* da = emu::upload(a);
+    bf16* dbt = emu::upload(bt);
+    float* out = emu::alloc<float>(64 * 16);
+    const size_t smem = 5120;
+    for (int mode : {ST_WG_OK, ST_WG_CP, ST_WG_RS}) {
+        emu::launch(st_wgmma, 1, 128, smem, da, dbt, out, mode);
+        int bad = 0;
+        for (int i = 0; i < 64 * 16; ++i) bad += out[i] != want[i];
+        EMU_CHECKF(bad == 0, "mode %d: %d of 1024 products wrong (out[0] %g, want %g)", mode, bad,
+                   out[0], want[0]);
+    }
+    auto err = [&](int mode) {
+        return error_of([&] { emu::launch(st_wgmma, 1, 128, smem, da, dbt, out, mode); });
+    };
+    CHECK_ERROR(err(ST_WG_UNFENCED), "st_wgmma", "wgmma reads",
+                "which a store changed after the block's last fence.proxy.async");
+    CHECK_ERROR(err(ST_WG_FENCE_FIRST),
+                "which a store changed after the block's last fence.proxy.async");
+    CHECK_ERROR(err(ST_WG_CP_UNFENCED), "wgmma reads B", "which a cp.async of the thread",
+                "executed no fence.proxy.async");
+    CHECK_ERROR(err(ST_WG_WRITE_D), "the accumulators of a wgmma in flight were written",
+                "d[1][2] holds 0");
+    CHECK_ERROR(err(ST_WG_WRITE_A), "register a[3] of a wgmma's A fragment changed");
+    CHECK_ERROR(err(ST_WG_WARP_DESC), "the warps of a warpgroup issued different wgmmas",
+                "wgmma #0 of warp 1");
+    CHECK_ERROR(err(ST_WG_EXTRA), "the warps of warpgroup 0 issued different numbers of wgmmas",
+                "(2, 2, 2, 3)");
+    // A read of the accumulators in flight cannot be seen; it reads NaN instead.
+    emu::launch(st_wgmma, 1, 128, smem, da, dbt, out, (int)ST_WG_READ_D);
+    EMU_CHECKF(std::isnan(out[0]) && std::isnan(out[1023]), "reading D in flight: got %g", out[0]);
+    for (void* p : {(void*)da, (void*)dbt, (void*)out}) emu::free(p);
+}
+
 } // namespace
 
 int main() {
@@ -677,5 +725,6 @@ int main() {
     emu::run_test("bf16/f16 round to nearest even", test_rounding);
     emu::run_test("deadlock and barrier misuse reports", test_deadlocks);
     emu::run_test("launch checks, overruns, poison", test_launch_checks);
+    emu::run_test("wgmma: chains, registers in flight, async-proxy fence, warpgroups", test_wgmma);
     return emu::finish("selftest");
 }
