@@ -256,7 +256,7 @@ run)
         start=$(date +%s)
         # The checks synchronise after every launch, so a failing kernel names itself.
         case $part in
-        check) limit=210 sync=1 ;;
+        check) limit=240 sync=1 ;;
         multi) limit=300 sync=0 ;;
         layouts) limit=180 sync=0 ;;
         convnets) limit=240 sync=0 ;;

@@ -237,6 +237,7 @@ fn check_part(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<Vec<String>>
     let mut failed = failures("kernels", &results);
     for model in [
         Compared::Gpt,
+        Compared::GptTanh,
         Compared::Llama,
         Compared::Qwen3,
         Compared::Mistral,
@@ -498,6 +499,10 @@ type GptRun = (Vec<f32>, Vec<f64>);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Compared {
     Gpt,
+    /// The GPT config with GPT-2's tanh GELU, in 16 bits only: its first MLP layer's GELU in
+    /// the product's epilogue, the bias gradients in the weight gradients' (f32 keeps the
+    /// kernels, which the `Gpt` runs compare).
+    GptTanh,
     Llama,
     /// The Llama config as Qwen3's block: heads of 128 (wider than dim / heads) and the
     /// q/k norms.
@@ -511,7 +516,7 @@ enum Compared {
 impl Compared {
     fn config(self) -> &'static str {
         match self {
-            Compared::Gpt => "configs/gpt.toml",
+            Compared::Gpt | Compared::GptTanh => "configs/gpt.toml",
             Compared::Llama | Compared::Qwen3 | Compared::Mistral => "configs/llama.toml",
         }
     }
@@ -521,13 +526,23 @@ impl Compared {
         match self {
             Compared::Qwen3 => &["model.head_dim=128", "model.qk_norm=true"],
             Compared::Mistral => &["model.sliding_window=5"],
+            Compared::GptTanh => &["model.gelu=\"tanh\""],
             _ => &[],
+        }
+    }
+
+    /// Whether the comparison runs in `precision` (every one unless the model says).
+    fn runs_in(self, precision: &str) -> bool {
+        match self {
+            Compared::GptTanh => matches!(precision, "bf16" | "fp16"),
+            _ => true,
         }
     }
 
     fn name(self) -> &'static str {
         match self {
             Compared::Gpt => "GPT",
+            Compared::GptTanh => "GPT (tanh GELU)",
             Compared::Llama => "Llama",
             Compared::Qwen3 => "Qwen3",
             Compared::Mistral => "Mistral (sliding window)",
@@ -555,6 +570,7 @@ fn compare_model(args: &BenchGpuArgs, model: Compared) -> Result<Vec<(bool, Stri
     if card.has_fp8_tensor_cores() {
         cases.push(("fp8", "fp8", &[]));
     }
+    cases.retain(|(_, precision, _)| model.runs_in(precision));
     let mut cpu_runs: Vec<(&str, GptRun)> = Vec::new();
     for (label, precision, extra) in cases {
         let p = format!("train.precision=\"{precision}\"");
@@ -1298,6 +1314,7 @@ mod tests {
         let llama = ["model.kv_heads=1", "model.ffn=48"];
         for (model, extra) in [
             (Compared::Gpt, &[][..]),
+            (Compared::GptTanh, &[][..]),
             (Compared::Llama, &llama[..]),
             (Compared::Qwen3, &llama[..]),
             (Compared::Mistral, &llama[..]),
@@ -1307,6 +1324,12 @@ mod tests {
             assert_eq!(losses.len(), 20, "{model:?}");
             assert!(losses.iter().all(|l| l.is_finite()), "{model:?}");
             assert!(losses[19] < losses[0], "{model:?}: {losses:?}");
+            if model == Compared::GptTanh {
+                // A different function from the exact GELU's model.
+                let (_, erf_losses) = model_run(&root, Compared::Gpt, &shrink).unwrap();
+                assert_ne!(losses, erf_losses);
+                assert!(!model.runs_in("fp32") && model.runs_in("bf16"));
+            }
             let (again, again_losses) = model_run(&root, model, &shrink).unwrap();
             assert_eq!(losses, again_losses, "{model:?}");
             assert!(params
