@@ -140,6 +140,28 @@ pub fn linear_backward(
     linear_backward_then(l, p, g, s, dy, need_dx, |dx| dx)
 }
 
+/// [`linear_backward`] with the input gradient taken on through `act`, the previous layer's
+/// activation ([`crate::Layer::backward_into_activation`]): in the input-gradient product's
+/// epilogue where it can (`ops::LinearGrads::backward_through`).
+pub fn linear_backward_through(
+    l: &Linear,
+    p: DeviceParams<'_>,
+    g: ParamsMut<'_>,
+    s: Saved,
+    dy: Tensor,
+    act: &crate::layer::OutputActivation,
+) -> Tensor {
+    let pre = on_device(&act.input, p.device());
+    let through = Some((&pre, ActKind::from(act.kind)));
+    let shape = act.input.shape().to_vec();
+    backward_products(l, p, g, s, dy, true, through, |dx| {
+        wrap(
+            dx.expect("a linear layer asked for its input gradient returns it"),
+            &shape,
+        )
+    })
+}
+
 /// [`linear_backward`], with `after_dx` given the input gradient as soon as its product is
 /// queued and before the weight gradient's (`ops::LinearGrads::backward`): tensor
 /// parallelism starts its all-reduce (or reduce-scatter) of it there, so that the collective
@@ -148,10 +170,37 @@ pub fn linear_backward_then<R>(
     l: &Linear,
     p: DeviceParams<'_>,
     g: ParamsMut<'_>,
-    mut s: Saved,
+    s: Saved,
     dy: Tensor,
     need_dx: bool,
     after_dx: impl FnOnce(Option<Tensor>) -> R,
+) -> R {
+    let shape = s.tensors.first().map(|x| x.shape().to_vec());
+    backward_products(l, p, g, s, dy, need_dx, None, |dx| {
+        after_dx(dx.map(|dx| {
+            wrap(
+                dx,
+                shape
+                    .as_deref()
+                    .expect("Linear: nothing saved for backward"),
+            )
+        }))
+    })
+}
+
+/// A linear layer's backward: its activation's gradient, then its products, the input
+/// gradient taken on through `through` (the previous layer's activation) when given;
+/// `after_dx` gets the input gradient as a device tensor.
+#[allow(clippy::too_many_arguments)]
+fn backward_products<R>(
+    l: &Linear,
+    p: DeviceParams<'_>,
+    g: ParamsMut<'_>,
+    mut s: Saved,
+    dy: Tensor,
+    need_dx: bool,
+    through: Option<(&CudaTensor, ActKind)>,
+    after_dx: impl FnOnce(Option<CudaTensor>) -> R,
 ) -> R {
     let dev = p.device();
     let mut g = device_grads(g);
@@ -188,10 +237,15 @@ pub fn linear_backward_then<R>(
         inputs: l.inputs,
         outputs: l.outputs,
     };
-    let shape = x.shape().to_vec();
-    let after_dx = |dx: Option<CudaTensor>| after_dx(dx.map(|dx| wrap(dx, &shape)));
     if l.fp8 {
         let agree = shard_agreement(l);
+        // The previous layer's activation, if any, as its own pass after the products.
+        let after_dx = |dx: Option<CudaTensor>| {
+            after_dx(dx.map(|dx| match through {
+                Some((pre, kind)) => ok(ops::activation_backward(pre, &dx, kind)),
+                None => dx,
+            }))
+        };
         return ok(meshtrain_tensor::cuda::fp8_linear::backward(
             xs,
             &dz,
@@ -210,7 +264,7 @@ pub fn linear_backward_then<R>(
         precision: l.precision,
         math: dev.f32_math(),
     };
-    ok(grads.backward(xs, &dz, p, g, need_dx, after_dx))
+    ok(grads.backward_through(xs, &dz, p, g, need_dx, through, after_dx))
 }
 
 /// The agreement of an FP8 layer's amaxes over the ranks holding its other shards

@@ -550,6 +550,33 @@ pub fn add_backward_into<L: Layer + ?Sized>(
     dx.add_assign(&g);
 }
 
+/// The activation at the end of a layer (a linear layer's GELU), offered to the layer after
+/// it ([`Layer::output_activation`]) so that the activation's gradient is taken in that
+/// layer's input-gradient product: on a GPU, cuBLASLt's GELU-gradient epilogue writes the
+/// gradient with respect to the pre-activation directly, where the activation's own
+/// backward would write the gradient with respect to its output and read it back. `input`
+/// is what the activation's backward reads (the pre-activation, or the output for sigmoid
+/// and tanh), as the offering layer kept it.
+pub struct OutputActivation {
+    pub kind: meshtrain_tensor::activation::Activation,
+    pub input: Tensor,
+}
+
+impl OutputActivation {
+    /// The activation's backward on its own: `dy` (with respect to its output) into the
+    /// gradient with respect to its input, on the device the tensors are on.
+    pub fn backward(&self, dy: Tensor) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if self.input.cuda().is_some() {
+            return crate::device::act_backward(self.kind, self.input.clone(), dy);
+        }
+        let mut grad = dy.to_host();
+        self.kind
+            .backward_in_place(self.input.to_host().data(), grad.data_mut());
+        grad
+    }
+}
+
 /// A layer: parameters are given as slices of the model's flat buffers, in the order of
 /// [`Layer::params`]; gradients are *accumulated* into `grads` (so micro-batches add up).
 ///
@@ -601,6 +628,50 @@ pub trait Layer: Send + Sync {
         dx: &mut Tensor,
     ) {
         add_backward_into(self, params, grads, saved, dy, dx);
+    }
+
+    /// The activation this layer ends with, offered to the layer after it
+    /// ([`OutputActivation`]): its kind and what its backward reads, from `saved` (not
+    /// consumed). A block that takes the offer runs the next layer's
+    /// [`Layer::backward_into_activation`] and then this one's
+    /// [`Layer::backward_from_pre_activation`]. `None` (the default): the layer
+    /// differentiates its own activation, if it has one.
+    fn output_activation(&self, saved: &Saved) -> Option<OutputActivation> {
+        let _ = saved;
+        None
+    }
+
+    /// [`Layer::backward`] whose input gradient is taken on through `act`, the previous
+    /// layer's output activation: returns the gradient with respect to the activation's
+    /// input. The default runs the activation's backward after this layer's; a layer that
+    /// can take it inside its own product (a linear layer on a GPU) overrides it.
+    fn backward_into_activation(
+        &self,
+        params: Params<'_>,
+        grads: ParamsMut<'_>,
+        saved: Saved,
+        dy: Tensor,
+        act: &OutputActivation,
+    ) -> Tensor {
+        let dx = self
+            .backward(params, grads, saved, dy, true)
+            .expect("a layer asked for its input gradient returns it");
+        act.backward(dx)
+    }
+
+    /// Backward given `dz`, the gradient with respect to the input of the activation this
+    /// layer offered ([`Layer::output_activation`]), whose gradient the layer after it took.
+    /// Only a layer that offers an activation is asked; the default says so.
+    fn backward_from_pre_activation(
+        &self,
+        params: Params<'_>,
+        grads: ParamsMut<'_>,
+        saved: Saved,
+        dz: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
+        let _ = (params, grads, saved, dz, need_dx);
+        unreachable!("backward_from_pre_activation of a layer that offers no output activation")
     }
 
     /// Forward for generation with a key/value cache ([`crate::cache`]): the rows of `x` are

@@ -1,7 +1,8 @@
 //! The basic layers, and [`Children`], the bookkeeping composite layers share.
 
 use crate::layer::{
-    spec_len, Init, Kept, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, StatsReducer,
+    spec_len, Init, Kept, Layer, Mode, OutputActivation, ParamSpec, Params, ParamsMut, Saved,
+    StatsReducer,
 };
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::conv::{conv2d_backward, conv2d_forward, ConvGeometry, Spatial};
@@ -156,6 +157,51 @@ impl Children {
             g.slice(self.params[i].clone()),
             saved,
             dy,
+            need_dx,
+        )
+    }
+
+    /// Child `i`'s offered output activation ([`Layer::output_activation`]).
+    pub fn output_activation(&self, i: usize, saved: &Saved) -> Option<OutputActivation> {
+        self.layers[i].1.output_activation(saved)
+    }
+
+    /// Child `i`'s backward through the previous child's activation
+    /// ([`Layer::backward_into_activation`]).
+    pub fn backward_into_activation(
+        &self,
+        i: usize,
+        p: Params<'_>,
+        g: &mut ParamsMut<'_>,
+        saved: Saved,
+        dy: Tensor,
+        act: &OutputActivation,
+    ) -> Tensor {
+        self.layers[i].1.backward_into_activation(
+            p.slice(self.params[i].clone()),
+            g.slice(self.params[i].clone()),
+            saved,
+            dy,
+            act,
+        )
+    }
+
+    /// Child `i`'s backward from its pre-activation's gradient
+    /// ([`Layer::backward_from_pre_activation`]).
+    pub fn backward_from_pre_activation(
+        &self,
+        i: usize,
+        p: Params<'_>,
+        g: &mut ParamsMut<'_>,
+        saved: Saved,
+        dz: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
+        self.layers[i].1.backward_from_pre_activation(
+            p.slice(self.params[i].clone()),
+            g.slice(self.params[i].clone()),
+            saved,
+            dz,
             need_dx,
         )
     }
@@ -487,6 +533,66 @@ impl Layer for Linear {
         dx
     }
 
+    /// Offered on a GPU only, for a tanh GELU in 16 bits: the next layer's input-gradient
+    /// product takes its gradient in its epilogue. On the CPU the activation's gradient and
+    /// the bias gradient share one sweep of this layer's backward, which a separate pass in
+    /// the next layer's would only lengthen.
+    fn output_activation(&self, saved: &Saved) -> Option<OutputActivation> {
+        let kept = saved.tensors.last()?;
+        let fusable = self.activation == Some(Activation::GeluTanh)
+            && self.precision != DType::F32
+            && !self.fp8
+            && self.outputs.is_multiple_of(8);
+        (fusable && kept.cuda().is_some()).then(|| OutputActivation {
+            kind: Activation::GeluTanh,
+            input: kept.clone(),
+        })
+    }
+
+    fn backward_into_activation(
+        &self,
+        p: Params<'_>,
+        g: ParamsMut<'_>,
+        s: Saved,
+        dy: Tensor,
+        act: &OutputActivation,
+    ) -> Tensor {
+        #[cfg(feature = "cuda")]
+        if let Params::Device(p) = p {
+            return crate::device::linear_backward_through(self, p, g, s, dy, act);
+        }
+        let dx = self
+            .backward(p, g, s, dy, true)
+            .expect("a linear layer asked for its input gradient returns it");
+        act.backward(dx)
+    }
+
+    /// Drops the kept activation input, then runs the backward of this layer without its
+    /// activation.
+    fn backward_from_pre_activation(
+        &self,
+        p: Params<'_>,
+        g: ParamsMut<'_>,
+        mut s: Saved,
+        dz: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
+        assert!(
+            self.activation.is_some(),
+            "a linear layer without an activation has no pre-activation"
+        );
+        // Kept last: among the tensors on a GPU, by precision on the host.
+        #[cfg(feature = "cuda")]
+        if let Params::Device(_) = p {
+            s.tensors
+                .pop()
+                .expect("Linear (activation): nothing saved for backward");
+            return self.without_activation().backward(p, g, s, dz, need_dx);
+        }
+        s.take(self.precision, "Linear (activation)").recycle();
+        self.without_activation().backward(p, g, s, dz, need_dx)
+    }
+
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
@@ -505,6 +611,21 @@ impl Layer for Linear {
 }
 
 impl Linear {
+    /// The same layer without its activation: its backward from the pre-activation's
+    /// gradient ([`Layer::backward_from_pre_activation`]).
+    fn without_activation(&self) -> Linear {
+        Linear {
+            inputs: self.inputs,
+            outputs: self.outputs,
+            bias: self.bias,
+            weight_init: self.weight_init,
+            activation: None,
+            precision: self.precision,
+            fp8: self.fp8,
+            fp8_shards: self.fp8_shards.clone(),
+        }
+    }
+
     /// One of the layer's products, `c = a·b` (`+=` when `accumulate`): in FP8 as `casts`
     /// says when given (`self.fp8`), else with `self.precision` inputs.
     fn product(

@@ -29,8 +29,8 @@ pub mod transformer;
 
 pub use cache::KvCache;
 pub use layer::{
-    Deal, Init, Kept, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, ShardSpec, StatsReducer,
-    TensorPlan, TpStyle,
+    Deal, Init, Kept, Layer, Mode, OutputActivation, ParamSpec, Params, ParamsMut, Saved,
+    ShardSpec, StatsReducer, TensorPlan, TpStyle,
 };
 pub use loss::{CrossEntropy, Loss, LossError, LossValue};
 pub use model::{

@@ -908,12 +908,35 @@ impl Layer for TransformerBlock {
         let mut saved: Vec<Saved> = s.children;
         // Each branch's layers from the last to the second; the first (the norm) adds its
         // input gradient into the stream's (`backward_add_into`: in its kernel on a GPU).
+        // A layer ending in an activation may offer it to the layer after it
+        // (`Layer::output_activation`: fc1's GELU on a GPU), whose input-gradient product then
+        // takes the activation's gradient too; the offering layer's backward starts from its
+        // pre-activation's gradient.
         let mut dx = dy;
         for branch in [split..c.len(), 0..split] {
             let mut grad = dx.clone();
+            // Whether `grad` is already with respect to layer i's pre-activation.
+            let mut pre_activation = false;
             for i in (branch.start + 1..branch.end).rev() {
                 let st = saved.pop().expect("block: saved state");
-                grad = c.backward(i, p, &mut g, st, grad, true).expect("gradient");
+                // The norm beginning the branch ends in no activation.
+                let offered = (i - 1 > branch.start)
+                    .then(|| c.output_activation(i - 1, saved.last().expect("block: saved state")))
+                    .flatten();
+                grad = match (pre_activation, &offered) {
+                    (false, None) => c.backward(i, p, &mut g, st, grad, true).expect("gradient"),
+                    (false, Some(act)) => c.backward_into_activation(i, p, &mut g, st, grad, act),
+                    (true, offered) => {
+                        let dx = c
+                            .backward_from_pre_activation(i, p, &mut g, st, grad, true)
+                            .expect("gradient");
+                        match offered {
+                            Some(act) => act.backward(dx),
+                            None => dx,
+                        }
+                    }
+                };
+                pre_activation = offered.is_some();
             }
             let st = saved.pop().expect("block: saved state");
             c.backward_add_into(branch.start, p, &mut g, st, grad, &mut dx);

@@ -553,6 +553,89 @@ fn gpt_block() {
     Check::new("gpt block", &block, normal(120, &[2, 5, 16]), 121).run();
 }
 
+/// A linear layer that offers its activation to the next layer on the host too
+/// (`Layer::output_activation`; a `Linear` offers it on a GPU only), counting the offers.
+struct Offering {
+    inner: Linear,
+    offers: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Layer for Offering {
+    fn params(&self) -> Vec<ParamSpec> {
+        self.inner.params()
+    }
+    fn forward(
+        &self,
+        p: meshtrain_nn::Params<'_>,
+        b: meshtrain_nn::ParamsMut<'_>,
+        x: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        self.inner.forward(p, b, x, mode, s)
+    }
+    fn backward(
+        &self,
+        p: meshtrain_nn::Params<'_>,
+        g: meshtrain_nn::ParamsMut<'_>,
+        s: Saved,
+        dy: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
+        self.inner.backward(p, g, s, dy, need_dx)
+    }
+    fn output_activation(&self, s: &Saved) -> Option<meshtrain_nn::OutputActivation> {
+        self.offers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(meshtrain_nn::OutputActivation {
+            kind: self.inner.activation.expect("an activation"),
+            input: s.tensors.last().expect("the kept pre-activation").clone(),
+        })
+    }
+    fn backward_from_pre_activation(
+        &self,
+        p: meshtrain_nn::Params<'_>,
+        g: meshtrain_nn::ParamsMut<'_>,
+        s: Saved,
+        dz: Tensor,
+        need_dx: bool,
+    ) -> Option<Tensor> {
+        self.inner
+            .backward_from_pre_activation(p, g, s, dz, need_dx)
+    }
+}
+
+/// A block whose fc1 offers its activation to fc2 (the GPU's path: fc2's input-gradient
+/// product takes the GELU's gradient, fc1's backward starts from its pre-activation's
+/// gradient), run here on the host through the same block code: its gradients are the
+/// block's. Tanh's backward reads the activation's output, GELU's its input.
+#[test]
+fn gpt_block_with_the_activation_taken_by_the_next_layer() {
+    for activation in [Activation::GeluTanh, Activation::Tanh] {
+        let mut block = TransformerBlock::gpt(16, 4, None, AttentionKind::Flash, activation);
+        let parts = block.children_mut().expect("a block has children");
+        let fc1 = parts
+            .layers_mut()
+            .iter_mut()
+            .find(|(name, _)| name == "fc1")
+            .expect("fc1");
+        let mut inner = Linear::new(16, 64, true);
+        inner.activation = Some(activation);
+        let offers = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        fc1.1 = Box::new(Offering {
+            inner,
+            offers: offers.clone(),
+        });
+        parts.relayout();
+        let name = format!("gpt block, {activation:?} taken by fc2");
+        Check::new(&name, &block, normal(122, &[2, 5, 16]), 123).run();
+        assert!(
+            offers.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "{name}: the block never asked fc1 for its activation"
+        );
+    }
+}
+
 /// D2L residual blocks (conv–BN–ReLU–conv–BN + shortcut, ReLU), train-mode batch norm.
 /// Their ReLUs act on internal values the test cannot keep off zero, and a perturbed conv
 /// weight moves a whole channel through batch norm, so some steps cross a kink (measured at

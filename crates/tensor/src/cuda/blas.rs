@@ -65,6 +65,11 @@ pub enum Epilogue {
     /// for backward: a linear layer's bias and GELU in the product
     /// (`CUBLASLT_EPILOGUE_GELU_AUX[_BIAS]`) instead of a pass that reads the product back.
     GeluAux { bias: Option<u64>, aux: u64 },
+    /// D = the product × GELU′(`aux`) (the tanh approximation's derivative; `aux` the
+    /// pre-activation, D's type and `ldd`): an input gradient taken through the previous
+    /// layer's GELU in the product that computes it (`CUBLASLT_EPILOGUE_DGELU`), instead of
+    /// a pass that reads it back with the pre-activation.
+    DGelu { aux: u64 },
     /// `n` values of D's type at the address: each column's sum over `k` of op(B), written
     /// (not added). A weight gradient's product reads the output gradient as B anyway, so
     /// the bias gradient comes with it (`CUBLASLT_EPILOGUE_BGRADB`) instead of a pass of
@@ -79,6 +84,7 @@ enum EpilogueKind {
     Bias,
     GeluAux,
     GeluAuxBias,
+    DGelu,
     BiasGradB,
 }
 
@@ -89,6 +95,7 @@ impl Epilogue {
             Epilogue::Bias(_) => EpilogueKind::Bias,
             Epilogue::GeluAux { bias: None, .. } => EpilogueKind::GeluAux,
             Epilogue::GeluAux { bias: Some(_), .. } => EpilogueKind::GeluAuxBias,
+            Epilogue::DGelu { .. } => EpilogueKind::DGelu,
             Epilogue::BiasGradB(_) => EpilogueKind::BiasGradB,
         }
     }
@@ -98,20 +105,23 @@ impl Epilogue {
         match self {
             Epilogue::Bias(b) | Epilogue::BiasGradB(b) => Some(b),
             Epilogue::GeluAux { bias, .. } => bias,
-            Epilogue::None => None,
+            Epilogue::None | Epilogue::DGelu { .. } => None,
         }
     }
 
     fn aux(self) -> Option<u64> {
         match self {
-            Epilogue::GeluAux { aux, .. } => Some(aux),
+            Epilogue::GeluAux { aux, .. } | Epilogue::DGelu { aux } => Some(aux),
             _ => None,
         }
     }
 
     /// Whether it writes into D's columns before β·C is added, which accumulation would mix.
     fn transforms_output(self) -> bool {
-        matches!(self, Epilogue::Bias(_) | Epilogue::GeluAux { .. })
+        matches!(
+            self,
+            Epilogue::Bias(_) | Epilogue::GeluAux { .. } | Epilogue::DGelu { .. }
+        )
     }
 
     /// How the profile names it (after the product's shape).
@@ -121,6 +131,7 @@ impl Epilogue {
             EpilogueKind::Bias => " +bias",
             EpilogueKind::GeluAux => " +gelu",
             EpilogueKind::GeluAuxBias => " +bias+gelu",
+            EpilogueKind::DGelu => " +dgelu",
             EpilogueKind::BiasGradB => " +bgrad",
         }
     }
@@ -132,6 +143,7 @@ impl Epilogue {
             EpilogueKind::Bias => E::CUBLASLT_EPILOGUE_BIAS,
             EpilogueKind::GeluAux => E::CUBLASLT_EPILOGUE_GELU_AUX,
             EpilogueKind::GeluAuxBias => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            EpilogueKind::DGelu => E::CUBLASLT_EPILOGUE_DGELU,
             EpilogueKind::BiasGradB => E::CUBLASLT_EPILOGUE_BGRADB,
         }
     }
@@ -284,6 +296,9 @@ impl Gemm {
         if self.epilogue.transforms_output() && self.accumulate {
             return bad("a bias or activation epilogue with accumulation");
         }
+        if self.epilogue.aux().is_some() && !self.ldd.is_multiple_of(8) {
+            return bad("an epilogue's auxiliary matrix with a leading dimension off 8 values");
+        }
         if let Some(fp8) = self.fp8 {
             if !self.transa || self.transb {
                 return bad("FP8 operands only as A transposed, B not (cuBLASLt's TN)");
@@ -364,19 +379,30 @@ impl Blas {
     fn plan(&mut self, g: &Gemm) -> Result<&Plan, CudaError> {
         let key = g.key();
         if !self.plans.contains_key(&key) {
-            let plan = self.make_plan(g, &key)?.ok_or_else(|| no_algorithm(g))?;
-            self.tune_and_keep(g, key, plan)?;
+            let plan = self
+                .make_plan(g, &key)?
+                .map_err(|detail| refused(g, detail))?;
+            self.tune_and_keep(g, key, plan)?
+                .map_err(|detail| refused(g, detail))?;
         }
         Ok(&self.plans[&key])
     }
 
-    /// Keeps `plan` for `key`, its fastest algorithm first.
-    fn tune_and_keep(&mut self, g: &Gemm, key: PlanKey, mut plan: Plan) -> Result<(), CudaError> {
+    /// Keeps `plan` for `key`, its fastest algorithm first; `Err` (why, nothing kept) when
+    /// none of its algorithms launches.
+    fn tune_and_keep(
+        &mut self,
+        g: &Gemm,
+        key: PlanKey,
+        mut plan: Plan,
+    ) -> Result<Result<(), String>, CudaError> {
         if autotune_enabled() && plan.algos.len() > 1 {
-            self.autotune(g, &key, &mut plan, true)?;
+            if let Err(why) = self.autotune(g, &key, &mut plan, true)? {
+                return Ok(Err(why));
+            }
         }
         self.plans.insert(key, plan);
-        Ok(())
+        Ok(Ok(()))
     }
 
     /// Puts the fastest of the heuristic's algorithms first: cuBLASLt's first guess was
@@ -386,13 +412,16 @@ impl Blas {
     ///
     /// With `cached` false the choice is made afresh on `g`'s own operands and not
     /// remembered ([`Blas::retune`]).
+    ///
+    /// Algorithms that fail to launch (cuBLASLt's heuristic can offer one that then refuses)
+    /// are dropped; `Err` says why when none launches, and nothing is remembered.
     fn autotune(
         &self,
         g: &Gemm,
         key: &PlanKey,
         plan: &mut Plan,
         cached: bool,
-    ) -> Result<(), CudaError> {
+    ) -> Result<Result<(), String>, CudaError> {
         let id = algo_id(self.device.name(), key);
         let remembered = if cached {
             remembered_algos()
@@ -406,7 +435,7 @@ impl Blas {
         if let Some(data) = remembered {
             if let Some(i) = plan.algos.iter().position(|a| a.algo.data == data) {
                 plan.algos.swap(0, i);
-                return Ok(());
+                return Ok(Ok(()));
             }
         }
         let scratch = if g.accumulate {
@@ -430,6 +459,12 @@ impl Blas {
                 run().is_ok() && run().is_ok()
             })
             .collect();
+        if candidates.is_empty() {
+            return Ok(Err(format!(
+                "none of the {} algorithms cuBLASLt's heuristic offered launches",
+                plan.algos.len()
+            )));
+        }
         let mut fastest = vec![f32::INFINITY; plan.algos.len()];
         for _ in 0..ROUNDS {
             for &i in &candidates {
@@ -444,17 +479,26 @@ impl Blas {
         // The heuristic's first choice stays unless another is at least 1% faster: a tie
         // within the noise should not move a shape's algorithm (and its bits) between
         // machines' caches.
-        let mut best = (fastest[0], 0);
+        let first = candidates[0];
+        let mut best = (fastest[first], first);
         for &i in &candidates {
             if fastest[i] < best.0 * 0.99 {
                 best = (fastest[i], i);
             }
         }
-        plan.algos.swap(0, best.1);
+        // The fastest first, then the other algorithms that launch, in the heuristic's order.
+        let mut kept = vec![plan.algos[best.1]];
+        kept.extend(
+            candidates
+                .iter()
+                .filter(|&&i| i != best.1)
+                .map(|&i| plan.algos[i]),
+        );
+        plan.algos = kept;
         if cached {
             remember_algo(id, plan.algos[0].algo.data);
         }
-        Ok(())
+        Ok(Ok(()))
     }
 
     /// Chooses `g`'s algorithm again, timed on `g`'s own operands, for this process only
@@ -465,17 +509,20 @@ impl Blas {
     /// operands tunes on those.
     pub fn retune(&mut self, g: &Gemm) -> Result<(), CudaError> {
         let key = g.key();
-        let mut plan = self.make_plan(g, &key)?.ok_or_else(|| no_algorithm(g))?;
+        let mut plan = self
+            .make_plan(g, &key)?
+            .map_err(|detail| refused(g, detail))?;
         if plan.algos.len() > 1 {
-            self.autotune(g, &key, &mut plan, false)?;
+            self.autotune(g, &key, &mut plan, false)?
+                .map_err(|detail| refused(g, detail))?;
         }
         self.plans.insert(key, plan);
         Ok(())
     }
 
-    /// The descriptors of `g` and the heuristic's algorithms for it, `None` when it offers
-    /// none.
-    fn make_plan(&self, g: &Gemm, key: &PlanKey) -> Result<Option<Plan>, CudaError> {
+    /// The descriptors of `g` and the heuristic's algorithms for it; `Err` (the heuristic's
+    /// status, or that it offered none) when it refuses the description.
+    fn make_plan(&self, g: &Gemm, key: &PlanKey) -> Result<Result<Plan, String>, CudaError> {
         let what = || {
             format!(
                 "a {}x{}x{} product ({} in, {} out)",
@@ -514,6 +561,19 @@ impl Blas {
                 A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                 &(g.ldd as i64).to_ne_bytes(),
             )?;
+        }
+        // The heuristic reads the epilogue's pointers for their alignment (each launch sets
+        // its own again).
+        for (attr, ptr) in [
+            (A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.epilogue.bias()),
+            (
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                g.epilogue.aux(),
+            ),
+        ] {
+            if let Some(ptr) = ptr {
+                set_desc(attr, &ptr.to_ne_bytes())?;
+            }
         }
         let (a_rows, a_cols) = if g.transa { (g.k, g.m) } else { (g.m, g.k) };
         let (b_rows, b_cols) = if g.transb { (g.n, g.k) } else { (g.k, g.n) };
@@ -582,12 +642,16 @@ impl Blas {
             layouts,
             algos: results,
         };
-        if status == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED || plan.algos.is_empty() {
-            // Dropped with the plan's descriptors.
-            return Ok(None);
+        // A refusal drops the plan's descriptors with it.
+        if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Ok(Err(format!("the heuristic answered {status:?}")));
         }
-        status.result().map_err(err)?;
-        Ok(Some(plan))
+        if plan.algos.is_empty() {
+            return Ok(Err(
+                "cuBLASLt has no algorithm for this shape, type and alignment".into(),
+            ));
+        }
+        Ok(Ok(plan))
     }
 
     /// Queues `g` if cuBLASLt has an algorithm for it, and says whether it did. A fused
@@ -602,16 +666,25 @@ impl Blas {
         }
         if !self.plans.contains_key(&key) {
             self.device.bind()?;
-            match self.make_plan(g, &key)? {
-                Some(plan) => self.tune_and_keep(g, key, plan)?,
-                None => {
-                    self.refused.insert(key);
-                    return Ok(false);
-                }
+            let kept = match self.make_plan(g, &key)? {
+                Ok(plan) => self.tune_and_keep(g, key, plan)?,
+                Err(why) => Err(why),
+            };
+            if kept.is_err() {
+                self.refused.insert(key);
+                return Ok(false);
             }
         }
-        self.gemm(g)?;
-        Ok(true)
+        match self.gemm(g) {
+            // Refused at launch (not every refusal shows in the heuristic's answer): nothing
+            // was queued, so the caller's fallback runs in its place.
+            Err(CudaError::Blas { detail, .. }) if launch_refused(&detail) => {
+                self.plans.remove(&key);
+                self.refused.insert(key);
+                Ok(false)
+            }
+            other => other.map(|()| true),
+        }
     }
 
     /// Queues the product with the heuristic's best algorithm.
@@ -725,14 +798,27 @@ impl Blas {
     }
 }
 
-fn no_algorithm(g: &Gemm) -> CudaError {
+fn refused(g: &Gemm, detail: String) -> CudaError {
     CudaError::Blas {
         what: format!(
             "a {}x{}x{} product ({} in, {} out)",
             g.m, g.n, g.k, g.input, g.output
         ),
-        detail: "cuBLASLt has no algorithm for this shape, type and alignment".into(),
+        detail,
     }
+}
+
+/// Whether a launch's error (its status, as [`CudaError::blas`] words it) is a refusal of
+/// the description, after which nothing was queued: not supported, an invalid value, or an
+/// architecture the algorithm is not for.
+fn launch_refused(detail: &str) -> bool {
+    [
+        "CUBLAS_STATUS_NOT_SUPPORTED",
+        "CUBLAS_STATUS_INVALID_VALUE",
+        "CUBLAS_STATUS_ARCH_MISMATCH",
+    ]
+    .iter()
+    .any(|status| detail.contains(status))
 }
 
 /// The product autotuning times: `g` itself, β included (an accumulating product's best
@@ -881,6 +967,7 @@ pub(super) fn run_on_host(g: &Gemm) {
                     write(aux, at_d, z);
                     crate::activation::gelu_tanh(z)
                 }
+                Epilogue::DGelu { aux } => d * crate::activation::gelu_tanh_grad(at(aux, at_d)),
             };
             write(g.d, at_d, d);
         }
@@ -979,6 +1066,28 @@ mod tests {
         assert_ne!(ok.key(), gemm().key());
     }
 
+    /// The statuses after which a launch queued nothing, as `CudaError::blas` words them,
+    /// are refusals (`try_gemm` falls back); any other failure stays an error.
+    #[test]
+    fn a_refused_launch_is_told_from_a_failed_one() {
+        use cudarc::cublaslt::result::CublasError;
+        let worded = |status| CudaError::blas("a product", CublasError(status)).to_string();
+        use sys::cublasStatus_t as S;
+        for status in [
+            S::CUBLAS_STATUS_NOT_SUPPORTED,
+            S::CUBLAS_STATUS_INVALID_VALUE,
+            S::CUBLAS_STATUS_ARCH_MISMATCH,
+        ] {
+            assert!(launch_refused(&worded(status)), "{status:?}");
+        }
+        for status in [
+            S::CUBLAS_STATUS_EXECUTION_FAILED,
+            S::CUBLAS_STATUS_ALLOC_FAILED,
+        ] {
+            assert!(!launch_refused(&worded(status)), "{status:?}");
+        }
+    }
+
     #[test]
     fn descriptions_are_checked_before_cublas_sees_them() {
         assert!(gemm().validate().is_ok());
@@ -1026,12 +1135,22 @@ mod tests {
                 bias: Some(0x4000),
                 aux: 0x5000,
             },
+            Epilogue::DGelu { aux: 0x5000 },
             Epilogue::BiasGradB(0x4000),
         ]
         .into_iter()
         .map(|epilogue| Gemm { epilogue, ..gemm() }.key())
         .collect();
-        assert_eq!(keys.len(), 6);
+        assert_eq!(keys.len(), 7);
+        let e = Gemm {
+            epilogue: Epilogue::DGelu { aux: 0x5000 },
+            m: 60,
+            ldd: 60,
+            ..gemm()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("off 8 values"), "{e}");
         // A bias gradient is written beside D, not into it: a weight gradient accumulates.
         Gemm {
             epilogue: Epilogue::BiasGradB(0x4000),

@@ -455,7 +455,7 @@ fn check_linear(
     .expect("asked for dx");
     // With a tanh GELU after it (GPT-2's first MLP layer): in 16 bits the product's epilogue
     // computes it, writing the pre-activation beside.
-    let (act_dev, pre_dev) = ops::linear_act_forward(
+    let (act_dev, kept_dev) = ops::linear_act_forward(
         &x_dev,
         params.params(),
         shape,
@@ -465,6 +465,33 @@ fn check_linear(
         ops::ActKind::GeluTanh,
     )?;
     let act: Vec<f32> = y.iter().map(|&v| crate::activation::gelu_tanh(v)).collect();
+    // The input gradient taken on through a previous layer's tanh GELU (in 16 bits the
+    // product's epilogue: GPT-2's second MLP layer), against dx × GELU′(pre).
+    let pre = rounded(&random(rng, rows * inputs, 1.0), dtype);
+    let pre_dev = CudaTensor::from_host(dev, &pre, dtype)?;
+    let g_through = CudaTensor::from_host(dev, &g0, DType::F32)?;
+    let grads = ops::LinearGrads {
+        shape,
+        bias: true,
+        precision: dtype,
+        math: F32Math::Exact,
+    };
+    let dz_dev = grads
+        .backward_through(
+            &x_dev,
+            &dy_dev,
+            params.params(),
+            grads_of(&g_through),
+            true,
+            Some((&pre_dev, ops::ActKind::GeluTanh)),
+            |dz| dz,
+        )?
+        .expect("asked for dx");
+    let dz: Vec<f32> = dx
+        .iter()
+        .zip(&pre)
+        .map(|(d, &z)| d * crate::activation::gelu_tanh_grad(z))
+        .collect();
     let tol = tolerance(dtype);
     let name = |what: &str| format!("linear {rows}x{inputs}->{outputs} {what} {s}");
     Ok(vec![
@@ -472,7 +499,19 @@ fn check_linear(
         result(name("weight+bias grad"), &g_dev.to_host_f32()?, &g, tol),
         result(name("input grad"), &dx_dev.to_host_f32()?, &dx, tol),
         result(name("forward+gelu"), &act_dev.to_host_f32()?, &act, tol),
-        result(name("pre-gelu"), &pre_dev.to_host_f32()?, &y, tol),
+        result(name("pre-gelu"), &kept_dev.to_host_f32()?, &y, tol),
+        result(
+            name("input grad through gelu"),
+            &dz_dev.to_host_f32()?,
+            &dz,
+            tol,
+        ),
+        result(
+            name("weight+bias grad (through gelu)"),
+            &g_through.to_host_f32()?,
+            &g,
+            tol,
+        ),
     ])
 }
 

@@ -199,6 +199,15 @@ impl LinearProducts {
         }
     }
 
+    /// `dz = (dy·W) × GELU′(z)`, `z` (`pre`) the previous layer's pre-activation, of `dx`'s
+    /// type and shape: the input gradient taken through that layer's tanh GELU.
+    pub fn input_grad_dgelu(&self, dy: u64, w: u64, dz: u64, pre: u64) -> Gemm {
+        Gemm {
+            epilogue: Epilogue::DGelu { aux: pre },
+            ..self.input_grad(dy, w, dz)
+        }
+    }
+
     /// `dW += dyᵀ·x`, accumulated in f32.
     pub fn weight_grad(&self, x: u64, dy: u64, dw: u64) -> Gemm {
         let LinearShape {
@@ -409,6 +418,26 @@ impl LinearGrads {
         need_dx: bool,
         after_dx: impl FnOnce(Option<CudaTensor>) -> R,
     ) -> Result<R, CudaError> {
+        self.backward_through(x, dy, p, grads, need_dx, None, after_dx)
+    }
+
+    /// [`LinearGrads::backward`] whose input gradient is taken on through `through`, the
+    /// previous layer's activation (its kind and what its backward reads): `after_dx` gets
+    /// the gradient with respect to that activation's input. A tanh GELU's goes into the
+    /// product's epilogue ([`Epilogue::DGelu`]) where cuBLASLt offers it, in 16 bits, for
+    /// input widths a multiple of 8, with [`fusion`] on; any other is an `act_bwd` pass
+    /// after the product.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_through<R>(
+        &self,
+        x: &CudaTensor,
+        dy: &CudaTensor,
+        p: DeviceParams,
+        grads: DeviceGrads,
+        need_dx: bool,
+        through: Option<(&CudaTensor, ActKind)>,
+        after_dx: impl FnOnce(Option<CudaTensor>) -> R,
+    ) -> Result<R, CudaError> {
         let LinearShape {
             rows,
             inputs,
@@ -434,16 +463,39 @@ impl LinearGrads {
                 self.precision,
                 "a linear layer's input gradient",
             )?;
-            dev.with_blas(|blas| blas.gemm(&products.input_grad(dy.ptr(), w, dx.ptr())))?;
-            Some(dx)
+            let fusable = |pre: &CudaTensor, kind| {
+                kind == ActKind::GeluTanh
+                    && self.precision != DType::F32
+                    && pre.dtype() == self.precision
+                    && pre.len() == dx.len()
+                    && inputs.is_multiple_of(8)
+                    && fusion()
+            };
+            let fused = match through {
+                Some((pre, kind)) if fusable(pre, kind) => {
+                    let g = products.input_grad_dgelu(dy.ptr(), w, dx.ptr(), pre.ptr());
+                    dev.with_blas(|blas| blas.try_gemm(&g))?
+                }
+                _ => false,
+            };
+            if fused {
+                Some(dx)
+            } else {
+                dev.with_blas(|blas| blas.gemm(&products.input_grad(dy.ptr(), w, dx.ptr())))?;
+                Some(match through {
+                    Some((pre, kind)) => activation_backward(pre, &dx, kind)?,
+                    None => dx,
+                })
+            }
         } else {
             None
         };
         let after = after_dx(dx);
-        if self.bias && outputs.is_multiple_of(8) && fusion() {
+        if self.bias && self.precision != DType::F32 && outputs.is_multiple_of(8) && fusion() {
             // The bias gradient from the weight gradient's own read of `dy`
             // ([`Epilogue::BiasGradB`]), written beside it and then added into the
-            // gradients, where cuBLASLt offers it for the shape.
+            // gradients, where cuBLASLt offers it for the shape; in 16 bits (f32 and TF32
+            // keep the fixed-order column sums, held to the CPU's to f32 rounding).
             let sums = dev.alloc(outputs * 4, "a bias gradient")?;
             let g = products.weight_grad_with_bias(x.ptr(), dy.ptr(), gw.ptr(), sums.ptr());
             if dev.with_blas(|blas| blas.try_gemm(&g))? {
@@ -2398,15 +2450,17 @@ mod tests {
 
     /// The epilogues' descriptions mean a linear layer's arithmetic (evaluated on the host,
     /// the pointers host addresses): the forward with GELU gives `gelu_tanh(x·Wᵀ + b)` and
-    /// the pre-activation, the weight gradient with the bias gradient adds `dyᵀ·x` into
-    /// `dW` and writes `Σ_rows dy`, on fresh random values (odd sizes, so a swapped `m`/`n`
-    /// or leading dimension reads the wrong elements).
+    /// the pre-activation, the input gradient through a GELU `(dy·W) × GELU′(z)`, the weight
+    /// gradient with the bias gradient adds `dyᵀ·x` into `dW` and writes `Σ_rows dy`, on
+    /// fresh random values (distinct sizes, so a swapped `m`/`n` or leading dimension reads
+    /// the wrong elements).
     #[test]
     fn a_linear_layers_epilogues_compute_its_activation_and_bias_gradient() {
         use super::super::blas::run_on_host;
         use crate::activation::gelu_tanh;
         use crate::rng::normal_values;
-        let (rows, inputs, outputs) = (7, 5, 3);
+        // Distinct sizes (widths a multiple of 8, as the epilogues' auxiliary matrices need).
+        let (rows, inputs, outputs) = (7, 8, 24);
         let p = LinearProducts {
             shape: LinearShape {
                 rows,
@@ -2438,6 +2492,24 @@ mod tests {
                 let at = r * outputs + o;
                 assert!((z[at] - pre).abs() < 1e-5, "z[{r},{o}] {} vs {pre}", z[at]);
                 assert!((y[at] - gelu_tanh(pre)).abs() < 1e-5, "y[{r},{o}]");
+            }
+        }
+        // The input gradient through the previous layer's GELU: dz = (dy·W) × GELU′(pre).
+        let pre = normal_values(rows * inputs, 6);
+        let mut dz = vec![0.0f32; rows * inputs];
+        run_on_host(&p.input_grad_dgelu(addr(&dy), addr(&w), dz.as_mut_ptr() as u64, addr(&pre)));
+        for r in 0..rows {
+            for i in 0..inputs {
+                let dx: f32 = (0..outputs)
+                    .map(|o| dy[r * outputs + o] * w[o * inputs + i])
+                    .sum();
+                let at = r * inputs + i;
+                let want = dx * crate::activation::gelu_tanh_grad(pre[at]);
+                assert!(
+                    (dz[at] - want).abs() < 1e-5,
+                    "dz[{r},{i}] {} vs {want}",
+                    dz[at]
+                );
             }
         }
         let start = normal_values(outputs * inputs, 5);
