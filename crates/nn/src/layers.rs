@@ -142,6 +142,17 @@ impl Children {
         }
     }
 
+    /// Child `i`, with its slices of the parameters and gradients.
+    fn child<'p>(
+        &self,
+        i: usize,
+        p: Params<'p>,
+        g: &'p mut ParamsMut<'_>,
+    ) -> (&dyn Layer, Params<'p>, ParamsMut<'p>) {
+        let range = self.params[i].clone();
+        (&*self.layers[i].1, p.slice(range.clone()), g.slice(range))
+    }
+
     /// Backward child `i` with its saved state.
     pub fn backward(
         &self,
@@ -152,13 +163,8 @@ impl Children {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
-        self.layers[i].1.backward(
-            p.slice(self.params[i].clone()),
-            g.slice(self.params[i].clone()),
-            saved,
-            dy,
-            need_dx,
-        )
+        let (layer, p, g) = self.child(i, p, g);
+        layer.backward(p, g, saved, dy, need_dx)
     }
 
     /// Child `i`'s offered output activation ([`Layer::output_activation`]).
@@ -177,13 +183,8 @@ impl Children {
         dy: Tensor,
         act: &OutputActivation,
     ) -> Tensor {
-        self.layers[i].1.backward_into_activation(
-            p.slice(self.params[i].clone()),
-            g.slice(self.params[i].clone()),
-            saved,
-            dy,
-            act,
-        )
+        let (layer, p, g) = self.child(i, p, g);
+        layer.backward_into_activation(p, g, saved, dy, act)
     }
 
     /// Child `i`'s backward from its pre-activation's gradient
@@ -197,13 +198,8 @@ impl Children {
         dz: Tensor,
         need_dx: bool,
     ) -> Option<Tensor> {
-        self.layers[i].1.backward_from_pre_activation(
-            p.slice(self.params[i].clone()),
-            g.slice(self.params[i].clone()),
-            saved,
-            dz,
-            need_dx,
-        )
+        let (layer, p, g) = self.child(i, p, g);
+        layer.backward_from_pre_activation(p, g, saved, dz, need_dx)
     }
 
     /// Child `i`'s backward with its input gradient added into `dx`
@@ -217,13 +213,8 @@ impl Children {
         dy: Tensor,
         dx: &mut Tensor,
     ) {
-        self.layers[i].1.backward_add_into(
-            p.slice(self.params[i].clone()),
-            g.slice(self.params[i].clone()),
-            saved,
-            dy,
-            dx,
-        )
+        let (layer, p, g) = self.child(i, p, g);
+        layer.backward_add_into(p, g, saved, dy, dx)
     }
 }
 

@@ -249,32 +249,64 @@ pub fn linear_forward(
     precision: DType,
     math: F32Math,
 ) -> Result<CudaTensor, CudaError> {
-    let LinearShape {
-        rows,
-        inputs,
-        outputs,
-    } = shape;
-    check_len(x, rows * inputs, "linear layer input")?;
-    let nw = inputs * outputs;
-    let (w, b) = p.split_at(nw);
-    let dev = x.device().clone();
-    let x = to_dtype(x, precision)?;
-    let y = CudaTensor::alloc(&dev, rows * outputs, precision, "a linear layer's output")?;
-    let (bias_ptr, aligned_bias) = epilogue_bias(&dev, bias.then_some(b), outputs, precision)?;
-    let products = LinearProducts {
-        shape,
-        precision,
-        math,
-    };
-    let g = products.forward(
-        x.ptr(),
-        weight_in(&w, precision, "linear weight")?,
-        bias_ptr,
-        y.ptr(),
-    );
-    dev.with_blas(|blas| blas.gemm(&g))?;
-    drop(aligned_bias);
-    Ok(y)
+    let f = LinearForward::new(x, p, shape, bias, precision, math)?;
+    f.run_plain()?;
+    Ok(f.y)
+}
+
+/// A linear layer's forward product, its operands in place: the input in the product's
+/// dtype, the weight's and bias's addresses (the bias copied to an aligned block if it had
+/// to be, kept until the product is queued) and the output allocated.
+struct LinearForward {
+    products: LinearProducts,
+    x: CudaTensor,
+    w: u64,
+    bias: Option<u64>,
+    _aligned_bias: Option<DevBuf>,
+    y: CudaTensor,
+}
+
+impl LinearForward {
+    fn new(
+        x: &CudaTensor,
+        p: DeviceParams,
+        shape: LinearShape,
+        bias: bool,
+        precision: DType,
+        math: F32Math,
+    ) -> Result<Self, CudaError> {
+        let LinearShape {
+            rows,
+            inputs,
+            outputs,
+        } = shape;
+        check_len(x, rows * inputs, "linear layer input")?;
+        let (w, b) = p.split_at(inputs * outputs);
+        let dev = x.device().clone();
+        let x = to_dtype(x, precision)?;
+        let y = CudaTensor::alloc(&dev, rows * outputs, precision, "a linear layer's output")?;
+        let (bias, aligned_bias) = epilogue_bias(&dev, bias.then_some(b), outputs, precision)?;
+        Ok(LinearForward {
+            products: LinearProducts {
+                shape,
+                precision,
+                math,
+            },
+            x,
+            w: weight_in(&w, precision, "linear weight")?,
+            bias,
+            _aligned_bias: aligned_bias,
+            y,
+        })
+    }
+
+    /// `y = x·Wᵀ (+ bias)`, queued.
+    fn run_plain(&self) -> Result<(), CudaError> {
+        let g = self
+            .products
+            .forward(self.x.ptr(), self.w, self.bias, self.y.ptr());
+        self.x.device().with_blas(|blas| blas.gemm(&g))
+    }
 }
 
 /// [`linear_forward`] then the activation `act`: `(y, kept)`, `kept` what the activation's
@@ -293,45 +325,25 @@ pub fn linear_act_forward(
     math: F32Math,
     act: ActKind,
 ) -> Result<(CudaTensor, CudaTensor), CudaError> {
+    let f = LinearForward::new(x, p, shape, bias, precision, math)?;
     // Rows of the pre-activation a multiple of 8 values: cuBLASLt's auxiliary matrix wants
-    // its leading dimension so, and a shape it might refuse only at launch is not tried.
+    // its leading dimension so.
     if act == ActKind::GeluTanh
         && precision != DType::F32
         && shape.outputs.is_multiple_of(8)
         && fusion()
     {
-        let LinearShape {
-            rows,
-            inputs,
-            outputs,
-        } = shape;
-        check_len(x, rows * inputs, "linear layer input")?;
-        let nw = inputs * outputs;
-        let (w, b) = p.split_at(nw);
-        let dev = x.device().clone();
-        let x = to_dtype(x, precision)?;
-        let y = CudaTensor::alloc(&dev, rows * outputs, precision, "a linear layer's output")?;
-        let z = CudaTensor::alloc(
-            &dev,
-            rows * outputs,
-            precision,
-            "a linear layer's pre-activation",
-        )?;
-        let (bias_ptr, aligned_bias) = epilogue_bias(&dev, bias.then_some(b), outputs, precision)?;
-        let products = LinearProducts {
-            shape,
-            precision,
-            math,
-        };
-        let w = weight_in(&w, precision, "linear weight")?;
-        let g = products.forward_gelu(x.ptr(), w, bias_ptr, y.ptr(), z.ptr());
-        let fused = dev.with_blas(|blas| blas.try_gemm(&g))?;
-        drop(aligned_bias);
-        if fused {
-            return Ok((y, z));
+        let dev = x.device();
+        let z = CudaTensor::alloc(dev, f.y.len(), precision, "a linear layer's pre-activation")?;
+        let g = f
+            .products
+            .forward_gelu(f.x.ptr(), f.w, f.bias, f.y.ptr(), z.ptr());
+        if dev.with_blas(|blas| blas.try_gemm(&g))? {
+            return Ok((f.y, z));
         }
     }
-    activation_after(linear_forward(x, p, shape, bias, precision, math)?, act)
+    f.run_plain()?;
+    activation_after(f.y, act)
 }
 
 /// `act` as its own pass over a product's output `z`: `(y, kept)` as
