@@ -534,7 +534,7 @@ impl Layer for Linear {
             && self.precision != DType::F32
             && !self.fp8
             && self.outputs.is_multiple_of(8);
-        (fusable && kept.cuda().is_some()).then(|| OutputActivation {
+        (fusable && !kept.device().is_cpu()).then(|| OutputActivation {
             kind: Activation::GeluTanh,
             input: kept.clone(),
         })
