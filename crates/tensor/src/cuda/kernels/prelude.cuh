@@ -97,48 +97,25 @@ template <int N> __device__ __forceinline__ void mt_wgmma_hold(float (*d)[4]) {
 // shared memory through its own descriptor (mt_wgmma_ss_n*: A's 64 rows stored K-major as core
 // matrices, LBO along K and SBO along M, as B's when TRANS_B is 0); the pointer argument only
 // picks the type. MT_WGMMA_D<N> is the asm's list of the N/2 accumulator registers and
-// MT_WGMMA_OUT<N> the matching operands (generated).
-#define MT_WGMMA_D32                                                                              \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                         \
-    "%12, %13, %14, %15}, "
-#define MT_WGMMA_OUT32                                                                            \
-    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),                    \
-    "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),                    \
-    "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),                    \
-    "+f"(d[3][3])
-#define MT_WGMMA_D64                                                                              \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                         \
-    "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "                                \
-    "%24, %25, %26, %27, %28, %29, %30, %31}, "
+// MT_WGMMA_OUT<N> the matching operands, each N's lists extending the smaller N's.
+#define MT_WGMMA_OUT8(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define MT_WGMMA_OUT32 MT_WGMMA_OUT8(0), MT_WGMMA_OUT8(1), MT_WGMMA_OUT8(2), MT_WGMMA_OUT8(3)
 #define MT_WGMMA_OUT64                                                                            \
-    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),                    \
-    "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),                    \
-    "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),                    \
-    "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),                    \
-    "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),                    \
-    "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),                    \
-    "+f"(d[7][2]), "+f"(d[7][3])
-#define MT_WGMMA_D128                                                                             \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                         \
-    "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "                                \
-    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "                                \
-    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "                                \
-    "%60, %61, %62, %63}, "
+    MT_WGMMA_OUT32, MT_WGMMA_OUT8(4), MT_WGMMA_OUT8(5), MT_WGMMA_OUT8(6), MT_WGMMA_OUT8(7)
 #define MT_WGMMA_OUT128                                                                           \
-    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),                    \
-    "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),                    \
-    "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),                    \
-    "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),                    \
-    "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),                    \
-    "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),                    \
-    "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),                    \
-    "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),                    \
-    "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]),               \
-    "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]),               \
-    "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]),               \
-    "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),               \
-    "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+    MT_WGMMA_OUT64, MT_WGMMA_OUT8(8), MT_WGMMA_OUT8(9), MT_WGMMA_OUT8(10), MT_WGMMA_OUT8(11),     \
+        MT_WGMMA_OUT8(12), MT_WGMMA_OUT8(13), MT_WGMMA_OUT8(14), MT_WGMMA_OUT8(15)
+#define MT_WGMMA_REGS32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define MT_WGMMA_REGS64                                                                           \
+    MT_WGMMA_REGS32 ", %16, %17, %18, %19, %20, %21, %22, %23, "                                  \
+                    "%24, %25, %26, %27, %28, %29, %30, %31"
+#define MT_WGMMA_REGS128                                                                          \
+    MT_WGMMA_REGS64 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "              \
+                    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "                \
+                    "%56, %57, %58, %59, %60, %61, %62, %63"
+#define MT_WGMMA_D32 "{" MT_WGMMA_REGS32 "}, "
+#define MT_WGMMA_D64 "{" MT_WGMMA_REGS64 "}, "
+#define MT_WGMMA_D128 "{" MT_WGMMA_REGS128 "}, "
 #define MT_WGMMA(N, TYPE, RS_TAIL, SS_TAIL)                                                       \
     template <int TRANS_B>                                                                        \
     __device__ __forceinline__ void mt_wgmma_n##N(const TYPE*, float (*d)[4], const unsigned* a,  \
