@@ -550,6 +550,21 @@ pub fn add_backward_into<L: Layer + ?Sized>(
     dx.add_assign(&g);
 }
 
+/// [`Layer::backward_into_activation`]'s default: the layer's backward, then `act`'s.
+pub fn backward_then_activation<L: Layer + ?Sized>(
+    layer: &L,
+    params: Params<'_>,
+    grads: ParamsMut<'_>,
+    saved: Saved,
+    dy: Tensor,
+    act: &OutputActivation,
+) -> Tensor {
+    let dx = layer
+        .backward(params, grads, saved, dy, true)
+        .expect("a layer asked for its input gradient returns it");
+    act.backward(dx)
+}
+
 /// The activation at the end of a layer (a linear layer's GELU), offered to the layer after
 /// it ([`Layer::output_activation`]) so that the activation's gradient is taken in that
 /// layer's input-gradient product: on a GPU, cuBLASLt's GELU-gradient epilogue writes the
@@ -653,10 +668,7 @@ pub trait Layer: Send + Sync {
         dy: Tensor,
         act: &OutputActivation,
     ) -> Tensor {
-        let dx = self
-            .backward(params, grads, saved, dy, true)
-            .expect("a layer asked for its input gradient returns it");
-        act.backward(dx)
+        backward_then_activation(self, params, grads, saved, dy, act)
     }
 
     /// Backward given `dz`, the gradient with respect to the input of the activation this

@@ -524,20 +524,28 @@ impl Layer for Linear {
         dx
     }
 
-    /// Offered on a GPU only, for a tanh GELU in 16 bits: the next layer's input-gradient
-    /// product takes its gradient in its epilogue. On the CPU the activation's gradient and
-    /// the bias gradient share one sweep of this layer's backward, which a separate pass in
-    /// the next layer's would only lengthen.
+    /// Offered on a GPU only, where the next layer's input-gradient product takes the
+    /// activation's gradient in its epilogue (`ops::gelu_epilogue`: a tanh GELU in 16 bits),
+    /// not from an FP8 product. On the CPU the activation's gradient and the bias gradient
+    /// share one sweep of this layer's backward, which a separate pass in the next layer's
+    /// would only lengthen.
     fn output_activation(&self, saved: &Saved) -> Option<OutputActivation> {
-        let kept = saved.tensors.last()?;
-        let fusable = self.activation == Some(Activation::GeluTanh)
-            && self.precision != DType::F32
-            && !self.fp8
-            && self.outputs.is_multiple_of(8);
-        (fusable && !kept.device().is_cpu()).then(|| OutputActivation {
-            kind: Activation::GeluTanh,
-            input: kept.clone(),
-        })
+        #[cfg(feature = "cuda")]
+        {
+            use meshtrain_tensor::cuda::ops::{gelu_epilogue, ActKind};
+            let act = self.activation?;
+            let kept = saved.tensors.last()?;
+            let fusable = gelu_epilogue(ActKind::from(act), self.precision, self.outputs);
+            (fusable && !self.fp8 && !kept.device().is_cpu()).then(|| OutputActivation {
+                kind: act,
+                input: kept.clone(),
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = saved;
+            None
+        }
     }
 
     fn backward_into_activation(
@@ -552,10 +560,7 @@ impl Layer for Linear {
         if let Params::Device(p) = p {
             return crate::device::linear_backward_through(self, p, g, s, dy, act);
         }
-        let dx = self
-            .backward(p, g, s, dy, true)
-            .expect("a linear layer asked for its input gradient returns it");
-        act.backward(dx)
+        crate::layer::backward_then_activation(self, p, g, s, dy, act)
     }
 
     /// Drops the kept activation input, then runs the backward of this layer without its
@@ -573,14 +578,13 @@ impl Layer for Linear {
             "a linear layer without an activation has no pre-activation"
         );
         // Kept last: among the tensors on a GPU, by precision on the host.
-        #[cfg(feature = "cuda")]
-        if let Params::Device(_) = p {
+        if p.device().is_cpu() {
+            s.take(self.precision, "Linear (activation)").recycle();
+        } else {
             s.tensors
                 .pop()
                 .expect("Linear (activation): nothing saved for backward");
-            return self.without_activation().backward(p, g, s, dz, need_dx);
         }
-        s.take(self.precision, "Linear (activation)").recycle();
         self.without_activation().backward(p, g, s, dz, need_dx)
     }
 

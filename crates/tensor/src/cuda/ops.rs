@@ -326,13 +326,7 @@ pub fn linear_act_forward(
     act: ActKind,
 ) -> Result<(CudaTensor, CudaTensor), CudaError> {
     let f = LinearForward::new(x, p, shape, bias, precision, math)?;
-    // Rows of the pre-activation a multiple of 8 values: cuBLASLt's auxiliary matrix wants
-    // its leading dimension so.
-    if act == ActKind::GeluTanh
-        && precision != DType::F32
-        && shape.outputs.is_multiple_of(8)
-        && fusion()
-    {
+    if gelu_epilogue(act, precision, shape.outputs) {
         let dev = x.device();
         let z = CudaTensor::alloc(dev, f.y.len(), precision, "a linear layer's pre-activation")?;
         let g = f
@@ -476,12 +470,9 @@ impl LinearGrads {
                 "a linear layer's input gradient",
             )?;
             let fusable = |pre: &CudaTensor, kind| {
-                kind == ActKind::GeluTanh
-                    && self.precision != DType::F32
+                gelu_epilogue(kind, self.precision, inputs)
                     && pre.dtype() == self.precision
                     && pre.len() == dx.len()
-                    && inputs.is_multiple_of(8)
-                    && fusion()
             };
             let fused = match through {
                 Some((pre, kind)) if fusable(pre, kind) => {
@@ -503,7 +494,7 @@ impl LinearGrads {
             None
         };
         let after = after_dx(dx);
-        if self.bias && self.precision != DType::F32 && outputs.is_multiple_of(8) && fusion() {
+        if self.bias && epilogue_fusion(self.precision, outputs) {
             // The bias gradient from the weight gradient's own read of `dy`
             // ([`Epilogue::BiasGradB`]), written beside it and then added into the
             // gradients, where cuBLASLt offers it for the shape; in 16 bits (f32 and TF32
@@ -950,6 +941,21 @@ pub fn layer_norm_backward(
 fn fusion() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| !std::env::var("MESHTRAIN_FUSION").is_ok_and(|v| v == "off"))
+}
+
+/// Whether a product's epilogue takes a pass over its output of `width`-value rows
+/// ([`Epilogue`]): with [`fusion`] on, in 16 bits (an f32 run is held to the CPU's results to
+/// f32 rounding, which cuBLASLt's epilogues are not documented to reach, and f32 keeps the
+/// fixed-order column sums), for rows a multiple of 8 values (cuBLASLt's auxiliary matrix
+/// wants its leading dimension so, and a shape it might refuse only at launch is not tried).
+pub fn epilogue_fusion(precision: DType, width: usize) -> bool {
+    precision != DType::F32 && width.is_multiple_of(8) && fusion()
+}
+
+/// Whether `act` goes into a product's epilogue, forward ([`Epilogue::GeluAux`]) or as the
+/// next layer's input gradient ([`Epilogue::DGelu`]): cuBLASLt's GELU is the tanh one.
+pub fn gelu_epilogue(act: ActKind, precision: DType, width: usize) -> bool {
+    act == ActKind::GeluTanh && epilogue_fusion(precision, width)
 }
 
 /// Blocks of the fused norm backward ([`FusedNormBackward`]: the input gradient and the
