@@ -286,29 +286,47 @@ fn shard_agreement(
     })
 }
 
+/// A layer norm's forward of `x`, or with `add` (a residual branch's output) of the stream's
+/// new value `x + add`, the residual add fused into the norm's kernel
+/// ([`ops::add_layer_norm_forward`]): `(the rows normalised, y)`; backward keeps the former.
 pub fn layer_norm_forward(
     n: &LayerNorm,
     p: DeviceParams<'_>,
-    x: Tensor,
+    x: &Tensor,
+    add: Option<&Tensor>,
     mode: Mode,
     s: &mut Saved,
-) -> Tensor {
-    let xs = on_device(&x, p.device());
-    let (y, stats) = ok(ops::layer_norm_forward(
-        &xs,
-        p,
-        n.dim,
-        n.eps,
-        n.precision,
-        mode.train,
-    ));
+) -> (Tensor, Tensor) {
+    let xs = on_device(x, p.device());
+    let (input, y, stats) = match add {
+        None => {
+            let (y, stats) = ok(ops::layer_norm_forward(
+                &xs,
+                p,
+                n.dim,
+                n.eps,
+                n.precision,
+                mode.train,
+            ));
+            (xs, y, stats)
+        }
+        Some(h) => ok(ops::add_layer_norm_forward(
+            &xs,
+            &on_device(h, p.device()),
+            p,
+            n.dim,
+            n.eps,
+            n.precision,
+            mode.train,
+        )),
+    };
     if let Some((mean, rstd)) = stats {
         let rows = [mean.len()];
-        s.tensors.push(wrap(xs, x.shape()));
+        s.tensors.push(wrap(input.clone(), x.shape()));
         s.tensors.push(wrap(mean, &rows));
         s.tensors.push(wrap(rstd, &rows));
     }
-    wrap(y, x.shape())
+    (wrap(input, x.shape()), wrap(y, x.shape()))
 }
 
 /// With `add_into`, the input gradient is added into it (the residual stream's gradient) and
@@ -341,28 +359,45 @@ pub fn layer_norm_backward(
     wrap(dx, x.shape())
 }
 
+/// An RMS norm's forward, with or without the residual add before it: as
+/// [`layer_norm_forward`].
 pub fn rms_norm_forward(
     n: &RmsNorm,
     p: DeviceParams<'_>,
-    x: Tensor,
+    x: &Tensor,
+    add: Option<&Tensor>,
     mode: Mode,
     s: &mut Saved,
-) -> Tensor {
-    let xs = on_device(&x, p.device());
-    let (y, rstd) = ok(ops::rms_norm_forward(
-        &xs,
-        p,
-        n.dim,
-        n.eps,
-        n.precision,
-        mode.train,
-    ));
+) -> (Tensor, Tensor) {
+    let xs = on_device(x, p.device());
+    let (input, y, rstd) = match add {
+        None => {
+            let (y, rstd) = ok(ops::rms_norm_forward(
+                &xs,
+                p,
+                n.dim,
+                n.eps,
+                n.precision,
+                mode.train,
+            ));
+            (xs, y, rstd)
+        }
+        Some(h) => ok(ops::add_rms_norm_forward(
+            &xs,
+            &on_device(h, p.device()),
+            p,
+            n.dim,
+            n.eps,
+            n.precision,
+            mode.train,
+        )),
+    };
     if let Some(rstd) = rstd {
         let rows = [rstd.len()];
-        s.tensors.push(wrap(xs, x.shape()));
+        s.tensors.push(wrap(input.clone(), x.shape()));
         s.tensors.push(wrap(rstd, &rows));
     }
-    wrap(y, x.shape())
+    (wrap(input, x.shape()), wrap(y, x.shape()))
 }
 
 /// With `add_into`, the input gradient is added into it (the residual stream's gradient) and

@@ -550,6 +550,61 @@ pub fn add_backward_into<L: Layer + ?Sized>(
     dx.add_assign(&g);
 }
 
+/// A layer's input or output where residual adds join the stream: a tensor, or an add left
+/// undone (`stream + branch`) for the next layer to do first ([`Layer::forward_residual`]):
+/// a transformer block's last add, taken by the next block's first norm in its kernel.
+pub enum Stream {
+    Ready(Tensor),
+    Pending { stream: Tensor, branch: Tensor },
+}
+
+impl Stream {
+    /// The tensor, doing a pending add (`stream += branch`, as the block would have).
+    pub fn resolve(self) -> Tensor {
+        match self {
+            Stream::Ready(x) => x,
+            Stream::Pending { mut stream, branch } => {
+                stream.add_assign(&branch);
+                stream
+            }
+        }
+    }
+}
+
+/// [`Layer::forward_residual`]'s default: a pending add done by [`Layer::add_then_forward`]
+/// (the layer's forward of the sum), a ready input by [`Layer::forward`]; never leaves an add.
+pub fn forward_residual<L: Layer + ?Sized>(
+    layer: &L,
+    params: Params<'_>,
+    buffers: ParamsMut<'_>,
+    input: Stream,
+    mode: Mode,
+    saved: &mut Saved,
+) -> Stream {
+    Stream::Ready(match input {
+        Stream::Ready(x) => layer.forward(params, buffers, x, mode, saved),
+        Stream::Pending { mut stream, branch } => {
+            layer.add_then_forward(params, buffers, &mut stream, branch, mode, saved)
+        }
+    })
+}
+
+/// [`Layer::add_then_forward`]'s default: `*stream += branch`, then `layer`'s forward of the
+/// new stream.
+pub fn add_then_forward<L: Layer + ?Sized>(
+    layer: &L,
+    params: Params<'_>,
+    buffers: ParamsMut<'_>,
+    stream: &mut Tensor,
+    branch: Tensor,
+    mode: Mode,
+    saved: &mut Saved,
+) -> Tensor {
+    stream.add_assign(&branch);
+    drop(branch);
+    layer.forward(params, buffers, stream.clone(), mode, saved)
+}
+
 /// [`Layer::backward_into_activation`]'s default: the layer's backward, then `act`'s.
 pub fn backward_then_activation<L: Layer + ?Sized>(
     layer: &L,
@@ -628,6 +683,43 @@ pub trait Layer: Send + Sync {
         dy: Tensor,
         need_dx: bool,
     ) -> Option<Tensor>;
+
+    /// `*stream += branch` (a residual add), then this layer's [`Layer::forward`] of the
+    /// stream's new value: where one residual branch ends and the next begins with this layer
+    /// (a transformer block's second norm). The default adds, then runs the forward; a norm on
+    /// a GPU does both in one kernel, which saves a pass over the residual stream and gives
+    /// the same bits (one f32 addition either way). [`Layer::backward_add_into`] is its
+    /// backward twin.
+    fn add_then_forward(
+        &self,
+        params: Params<'_>,
+        buffers: ParamsMut<'_>,
+        stream: &mut Tensor,
+        branch: Tensor,
+        mode: Mode,
+        saved: &mut Saved,
+    ) -> Tensor {
+        add_then_forward(self, params, buffers, stream, branch, mode, saved)
+    }
+
+    /// [`Layer::forward`] between residual adds, as a model runs its blocks: `input` may be an
+    /// add the layer before left undone (done first, as [`Layer::add_then_forward`]), and
+    /// with `leave_add` a layer ending in a residual add may return it undone
+    /// ([`Stream::Pending`]) for the next layer to take in its first kernel. The output's
+    /// value (resolved) and the saved state are [`Layer::forward`]'s of the input's value.
+    /// The default never leaves an add; a transformer block does.
+    fn forward_residual(
+        &self,
+        params: Params<'_>,
+        buffers: ParamsMut<'_>,
+        input: Stream,
+        leave_add: bool,
+        mode: Mode,
+        saved: &mut Saved,
+    ) -> Stream {
+        let _ = leave_add;
+        forward_residual(self, params, buffers, input, mode, saved)
+    }
 
     /// Adds the input gradient into `dx` instead of returning it: where a residual branch
     /// begins (its first layer), the branch's gradient joins the stream's. The default adds

@@ -118,6 +118,31 @@ impl Children {
         y
     }
 
+    /// Child `i`'s forward after a residual add into `stream` ([`Layer::add_then_forward`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_then_forward(
+        &self,
+        i: usize,
+        p: Params<'_>,
+        b: &mut ParamsMut<'_>,
+        stream: &mut Tensor,
+        branch: Tensor,
+        mode: Mode,
+        saved: &mut Saved,
+    ) -> Tensor {
+        let mut s = Saved::default();
+        let y = self.layers[i].1.add_then_forward(
+            p.slice(self.params[i].clone()),
+            b.slice(self.buffers[i].clone()),
+            stream,
+            branch,
+            mode,
+            &mut s,
+        );
+        saved.children.push(s);
+        y
+    }
+
     /// Child `i`'s cached forward ([`Layer::forward_cached`]).
     pub fn forward_cached(
         &self,
@@ -256,6 +281,25 @@ impl Layer for Seq {
         s: &mut Saved,
     ) -> Tensor {
         (0..self.0.len()).fold(x, |x, i| self.0.forward(i, p, &mut b, x, mode, s))
+    }
+
+    /// The residual add goes to the first child (a model's final norm, before its head).
+    fn add_then_forward(
+        &self,
+        p: Params<'_>,
+        mut b: ParamsMut<'_>,
+        stream: &mut Tensor,
+        branch: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        if self.0.is_empty() {
+            return crate::layer::add_then_forward(self, p, b, stream, branch, mode, s);
+        }
+        let first = self
+            .0
+            .add_then_forward(0, p, &mut b, stream, branch, mode, s);
+        (1..self.0.len()).fold(first, |x, i| self.0.forward(i, p, &mut b, x, mode, s))
     }
     fn forward_cached(
         &self,
@@ -1119,6 +1163,41 @@ impl LayerNorm {
     }
 }
 
+/// The device forward of a norm (`crate::device::layer_norm_forward`, `rms_norm_forward`):
+/// `(the rows normalised, y)` of `x`, or of `x + add` with the add in the norm's kernel.
+#[cfg(feature = "cuda")]
+type DeviceNormForward<L> = fn(
+    &L,
+    meshtrain_tensor::cuda::DeviceParams<'_>,
+    &Tensor,
+    Option<&Tensor>,
+    Mode,
+    &mut Saved,
+) -> (Tensor, Tensor);
+
+/// A norm's [`Layer::add_then_forward`]: on a GPU the residual add runs in the norm's kernel
+/// (`device_forward` given the branch), and the stream becomes the sum it wrote; on the CPU,
+/// the default.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn norm_add_then_forward<L: Layer>(
+    norm: &L,
+    p: Params<'_>,
+    b: ParamsMut<'_>,
+    stream: &mut Tensor,
+    branch: Tensor,
+    mode: Mode,
+    s: &mut Saved,
+    device_forward: DeviceNormForward<L>,
+) -> Tensor {
+    if let Params::Device(p) = p {
+        let (sum, y) = device_forward(norm, p, stream, Some(&branch), mode, s);
+        *stream = sum;
+        return y;
+    }
+    crate::layer::add_then_forward(norm, p, b, stream, branch, mode, s)
+}
+
 /// A norm's [`Layer::backward_add_into`]: on a GPU `device_backward` adds the input gradient
 /// into the stream's inside its kernel (given the stream's gradient to add into); on the
 /// CPU, the default.
@@ -1173,7 +1252,7 @@ impl Layer for LayerNorm {
     ) -> Tensor {
         #[cfg(feature = "cuda")]
         if let Params::Device(p) = p {
-            return crate::device::layer_norm_forward(self, p, x, mode, s);
+            return crate::device::layer_norm_forward(self, p, &x, None, mode, s).1;
         }
         let p = p.host();
         let (gamma, beta) = p.split_at(self.dim);
@@ -1233,6 +1312,29 @@ impl Layer for LayerNorm {
     ) {
         norm_backward_add_into(self, p, g, s, dy, dx, crate::device::layer_norm_backward);
     }
+
+    /// On a GPU the residual add before the norm runs in the norm's forward kernel.
+    #[cfg(feature = "cuda")]
+    fn add_then_forward(
+        &self,
+        p: Params<'_>,
+        b: ParamsMut<'_>,
+        stream: &mut Tensor,
+        branch: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        norm_add_then_forward(
+            self,
+            p,
+            b,
+            stream,
+            branch,
+            mode,
+            s,
+            crate::device::layer_norm_forward,
+        )
+    }
 }
 
 /// RMS norm over the last dimension (Llama's norm): `x / √(mean(x²) + eps) · weight`, no
@@ -1283,7 +1385,7 @@ impl Layer for RmsNorm {
     ) -> Tensor {
         #[cfg(feature = "cuda")]
         if let Params::Device(p) = p {
-            return crate::device::rms_norm_forward(self, p, x, mode, s);
+            return crate::device::rms_norm_forward(self, p, &x, None, mode, s).1;
         }
         let (y, rstd) = norm::rms_norm_forward(x.data(), self.dim, p.host(), self.eps);
         let shape = x.shape().to_vec();
@@ -1326,6 +1428,29 @@ impl Layer for RmsNorm {
         dx: &mut Tensor,
     ) {
         norm_backward_add_into(self, p, g, s, dy, dx, crate::device::rms_norm_backward);
+    }
+
+    /// On a GPU the residual add before the norm runs in the norm's forward kernel.
+    #[cfg(feature = "cuda")]
+    fn add_then_forward(
+        &self,
+        p: Params<'_>,
+        b: ParamsMut<'_>,
+        stream: &mut Tensor,
+        branch: Tensor,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Tensor {
+        norm_add_then_forward(
+            self,
+            p,
+            b,
+            stream,
+            branch,
+            mode,
+            s,
+            crate::device::rms_norm_forward,
+        )
     }
 }
 

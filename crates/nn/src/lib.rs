@@ -30,7 +30,7 @@ pub mod transformer;
 pub use cache::KvCache;
 pub use layer::{
     Deal, Init, Kept, Layer, Mode, OutputActivation, ParamSpec, Params, ParamsMut, Saved,
-    ShardSpec, StatsReducer, TensorPlan, TpStyle,
+    ShardSpec, StatsReducer, Stream, TensorPlan, TpStyle,
 };
 pub use loss::{CrossEntropy, Loss, LossError, LossValue};
 pub use model::{

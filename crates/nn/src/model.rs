@@ -5,7 +5,8 @@
 //! across blocks ([`TiedParams`], e.g. a GPT's token embedding and output head).
 
 use crate::layer::{
-    spec_len, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, ShardSpec, StatsReducer, TensorPlan,
+    spec_len, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, ShardSpec, StatsReducer, Stream,
+    TensorPlan,
 };
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::{DType, Tensor};
@@ -599,25 +600,31 @@ impl Model {
         recompute: &dyn Fn(usize) -> bool,
     ) -> (Tensor, Activations) {
         let mut saved = Vec::with_capacity(range.len());
-        let mut x = x;
+        let recomputed = |i: usize| mode.train && recompute(i);
+        // A block ending in a residual add may leave it to the next block's first kernel
+        // (`Layer::forward_residual`: a transformer block's last add, in the next norm's
+        // forward on a GPU), unless the next block is recomputed (it keeps its input as a
+        // tensor) or there is none in this range (the output leaves).
+        let mut x = Stream::Ready(x);
         for i in range.clone() {
             let (p, b) = params.forward_view(i);
             let layer = &self.blocks[i].layer;
-            if mode.train && recompute(i) {
+            let leave_add = i + 1 < range.end && !recomputed(i + 1);
+            if recomputed(i) {
                 // Run normally (batch norm updates its running statistics once, here), keep
                 // only the input, and rebuild the saved state in backward.
-                let input = x.clone();
-                x = layer.forward(p, b, x, mode, &mut Saved::default());
+                let input = x.resolve();
+                x = Stream::Ready(layer.forward(p, b, input.clone(), mode, &mut Saved::default()));
                 saved.push(BlockSaved::Recompute(input));
             } else {
                 let mut s = Saved::default();
-                x = layer.forward(p, b, x, mode, &mut s);
+                x = layer.forward_residual(p, b, x, leave_add, mode, &mut s);
                 saved.push(BlockSaved::Full(s));
             }
             params.forward_done(i);
         }
         (
-            x,
+            x.resolve(),
             Activations {
                 range,
                 blocks: saved,

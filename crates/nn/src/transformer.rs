@@ -1,7 +1,7 @@
 //! GPT layers: token + position embedding, causal self-attention, the pre-LN block.
 
 use crate::cache::{KvCache, LayerKv};
-use crate::layer::{Init, Layer, Mode, ParamSpec, Params, ParamsMut, Saved};
+use crate::layer::{Init, Layer, Mode, ParamSpec, Params, ParamsMut, Saved, Stream};
 use crate::layers::{Children, LayerNorm, Linear, RmsNorm, Seq, SwiGlu};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::attention::{
@@ -843,19 +843,55 @@ impl TransformerBlock {
 impl TransformerBlock {
     /// The block's arithmetic, written once for training and generation: `x + attention
     /// branch(x)`, then `+ MLP branch(·)`, each branch its children in order, child `i` run
-    /// by `child` (its training forward, or its cached one).
+    /// by `child(i, h, None)` (its training forward, or its cached one). Returns the stream
+    /// and the MLP branch's output, whose sum is the block's output: the caller adds them, or
+    /// leaves the add to the next block ([`Layer::forward_residual`]).
+    ///
+    /// Where the stream takes an add before a child, the child is run by
+    /// `child(i, h, Some(stream))`: `h` is added into the stream first and the child runs on
+    /// the sum (in training, a norm on a GPU does both in one kernel:
+    /// [`Layer::add_then_forward`]). That is the MLP branch's first child (after the attention
+    /// branch's add), and the first child when `x` is an add the block before left undone.
     fn residual(
         &self,
-        x: Tensor,
-        mut child: impl FnMut(usize, Tensor) -> Option<Tensor>,
-    ) -> Option<Tensor> {
+        x: Stream,
+        mut child: impl FnMut(usize, Tensor, Option<&mut Tensor>) -> Option<Tensor>,
+    ) -> Option<(Tensor, Tensor)> {
         let (c, split) = (&self.parts, self.attention_parts);
-        let h = (0..split).try_fold(x.clone(), |h, i| child(i, h))?;
-        let mut x1 = x;
-        x1.add_assign(&h);
-        let h = (split..c.len()).try_fold(x1.clone(), |h, i| child(i, h))?;
-        x1.add_assign(&h);
-        Some(x1)
+        let (mut x, first) = match x {
+            Stream::Ready(x) => {
+                let first = child(0, x.clone(), None)?;
+                (x, first)
+            }
+            Stream::Pending { mut stream, branch } => {
+                let first = child(0, branch, Some(&mut stream))?;
+                (stream, first)
+            }
+        };
+        let h = (1..split).try_fold(first, |h, i| child(i, h, None))?;
+        // Both constructors give the block an MLP branch: `split` is its first child.
+        let first = child(split, h, Some(&mut x))?;
+        let h = (split + 1..c.len()).try_fold(first, |h, i| child(i, h, None))?;
+        Some((x, h))
+    }
+
+    /// The training forward of `input`: its stream and its MLP branch's output.
+    fn train_residual(
+        &self,
+        p: Params<'_>,
+        mut b: ParamsMut<'_>,
+        input: Stream,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> (Tensor, Tensor) {
+        let c = &self.parts;
+        self.residual(input, |i, h, stream| {
+            Some(match stream {
+                None => c.forward(i, p, &mut b, h, mode, s),
+                Some(stream) => c.add_then_forward(i, p, &mut b, stream, h, mode, s),
+            })
+        })
+        .expect("a training forward always runs")
     }
 }
 
@@ -875,14 +911,31 @@ impl Layer for TransformerBlock {
     fn forward(
         &self,
         p: Params<'_>,
-        mut b: ParamsMut<'_>,
+        b: ParamsMut<'_>,
         x: Tensor,
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
-        let c = &self.parts;
-        self.residual(x, |i, h| Some(c.forward(i, p, &mut b, h, mode, s)))
-            .expect("a training forward always runs")
+        let (stream, branch) = self.train_residual(p, b, Stream::Ready(x), mode, s);
+        Stream::Pending { stream, branch }.resolve()
+    }
+
+    fn forward_residual(
+        &self,
+        p: Params<'_>,
+        b: ParamsMut<'_>,
+        input: Stream,
+        leave_add: bool,
+        mode: Mode,
+        s: &mut Saved,
+    ) -> Stream {
+        let (stream, branch) = self.train_residual(p, b, input, mode, s);
+        let pending = Stream::Pending { stream, branch };
+        if leave_add {
+            pending
+        } else {
+            Stream::Ready(pending.resolve())
+        }
     }
 
     fn forward_cached(
@@ -893,7 +946,17 @@ impl Layer for TransformerBlock {
         cache: &mut KvCache,
     ) -> Option<Tensor> {
         let c = &self.parts;
-        self.residual(x, |i, h| c.forward_cached(i, p, &mut b, h, cache))
+        let (stream, branch) = self.residual(Stream::Ready(x), |i, h, stream| {
+            let h = match stream {
+                None => h,
+                Some(stream) => {
+                    stream.add_assign(&h);
+                    stream.clone()
+                }
+            };
+            c.forward_cached(i, p, &mut b, h, cache)
+        })?;
+        Some(Stream::Pending { stream, branch }.resolve())
     }
 
     fn backward(

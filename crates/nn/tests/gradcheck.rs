@@ -22,14 +22,14 @@ mod common;
 use common::{away_from_zero, distinct_values, normal_vec};
 use meshtrain_nn::layers::ToChannelMajor;
 use meshtrain_nn::layers::{
-    Act, BatchNorm2d, Conv2d, Flatten, LayerNorm, Linear, Pool2d, RmsNorm, SwiGlu,
+    Act, BatchNorm2d, Conv2d, Flatten, LayerNorm, Linear, Pool2d, RmsNorm, Seq, SwiGlu,
 };
 use meshtrain_nn::models::resnet::Residual;
 use meshtrain_nn::transformer::{
     causal_self_attention, AttentionKind, GptBlock, GptEmbedding, LlamaBlockShape, Rotary,
     SequenceShard, TransformerBlock,
 };
-use meshtrain_nn::{Init, Layer, Mode, ParamSpec, Saved};
+use meshtrain_nn::{Init, Layer, Mode, ParamSpec, Saved, Stream};
 use meshtrain_tensor::activation::Activation;
 use meshtrain_tensor::rng::SplitMix64;
 use meshtrain_tensor::Tensor;
@@ -634,6 +634,85 @@ fn gpt_block_with_the_activation_taken_by_the_next_layer() {
             "{name}: the block never asked fc1 for its activation"
         );
     }
+}
+
+/// A block leaving its last residual add to the layer after it (`Layer::forward_residual`,
+/// as a model runs its blocks; on a GPU the next norm does the add in its kernel) computes
+/// what the layers' own forwards compute, and backward from what it saved gives the same
+/// gradients, bit for bit: two GPT blocks, then a final norm and head (a `Seq`, whose norm
+/// takes the add).
+#[test]
+fn a_residual_add_left_to_the_next_layer_changes_no_bit() {
+    let mut rng = SplitMix64::new(160);
+    let block = || TransformerBlock::gpt(16, 4, None, AttentionKind::Flash, Activation::GeluTanh);
+    let tail = Seq::new(vec![
+        ("norm", Box::new(LayerNorm::new(16)) as Box<dyn Layer>),
+        ("head", Box::new(Linear::new(16, 10, false))),
+    ]);
+    let (first, second) = (block(), block());
+    let layers: [&dyn Layer; 3] = [&first, &second, &tail];
+    let params: Vec<Vec<f32>> = layers
+        .iter()
+        .map(|l| random_params(&l.params(), &mut rng))
+        .collect();
+    let x = normal(161, &[2, 5, 16]);
+
+    let mut own = Vec::new();
+    let mut y = x.clone();
+    for (layer, p) in layers.iter().zip(&params) {
+        let mut s = Saved::default();
+        y = layer.forward(
+            p.as_slice().into(),
+            (&mut Vec::new()).into(),
+            y,
+            Mode::TRAIN,
+            &mut s,
+        );
+        own.push(s);
+    }
+    let mut left = Vec::new();
+    let mut stream = Stream::Ready(x);
+    for (i, (layer, p)) in layers.iter().zip(&params).enumerate() {
+        let mut s = Saved::default();
+        let leave_add = i + 1 < layers.len();
+        stream = layer.forward_residual(
+            p.as_slice().into(),
+            (&mut Vec::new()).into(),
+            stream,
+            leave_add,
+            Mode::TRAIN,
+            &mut s,
+        );
+        assert_eq!(
+            matches!(stream, Stream::Pending { .. }),
+            leave_add,
+            "layer {i}: an add left undone exactly where asked"
+        );
+        left.push(s);
+    }
+    let y_left = stream.resolve();
+    assert_eq!(y.data(), y_left.data(), "the output");
+
+    let dy = normal(162, y.shape());
+    let backward = |saved: Vec<Saved>| {
+        let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+        let mut g = dy.clone();
+        for ((layer, p), (s, gr)) in layers
+            .iter()
+            .zip(&params)
+            .zip(saved.into_iter().zip(grads.iter_mut()))
+            .rev()
+        {
+            g = layer
+                .backward(p.as_slice().into(), gr.into(), s, g, true)
+                .expect("an input gradient");
+        }
+        (g.data().to_vec(), grads)
+    };
+    let (dx_own, grads_own) = backward(own);
+    let (dx_left, grads_left) = backward(left);
+    assert_eq!(dx_own, dx_left, "the input gradient");
+    assert_eq!(grads_own, grads_left, "the parameter gradients");
 }
 
 /// D2L residual blocks (conv–BN–ReLU–conv–BN + shortcut, ReLU), train-mode batch norm.

@@ -95,6 +95,13 @@ fn failed(name: String, e: CudaError) -> CheckResult {
     }
 }
 
+/// The residual stream's new value `x + h`, as the CPU's `x += h` computes it.
+fn residual_sum(x: &[f32], h: &[f32]) -> Vec<f32> {
+    let mut sum = x.to_vec();
+    crate::par::add_assign(&mut sum, h);
+    sum
+}
+
 /// Values rounded to `dtype` (what the device holds after an upload in it).
 fn rounded(values: &[f32], dtype: DType) -> Vec<f32> {
     let mut v = values.to_vec();
@@ -704,8 +711,42 @@ fn check_layer_norm(
         d,
         None,
     )?;
+    // The residual add fused into the forward: the stream x + h (h the branch's output, in
+    // the norm's output dtype), then its norm.
+    let h = rounded(&random(rng, rows * d, 1.0), dtype);
+    let sum = residual_sum(&x, &h);
+    let (y_sum, mean_sum, rstd_sum) = crate::norm::layer_norm_forward(&sum, d, gamma, beta, 1e-5);
+    let h_dev = CudaTensor::from_host(dev, &h, dtype)?;
+    let (sum_dev, y_sum_dev, stats_sum) =
+        ops::add_layer_norm_forward(&x_dev, &h_dev, params.params(), d, 1e-5, dtype, true)?;
+    let (m_sum_dev, r_sum_dev) = stats_sum.expect("kept");
     let name = |what: &str| format!("layer norm {rows}x{d} {what} {s}");
     Ok(vec![
+        // One f32 addition a value, as the CPU's: exact.
+        result(
+            name("residual add: sum"),
+            &sum_dev.to_host_f32()?,
+            &sum,
+            0.0,
+        ),
+        result(
+            name("residual add: forward"),
+            &y_sum_dev.to_host_f32()?,
+            &y_sum,
+            tolerance(dtype),
+        ),
+        result(
+            name("residual add: mean"),
+            &m_sum_dev.to_host_f32()?,
+            &mean_sum,
+            1e-5,
+        ),
+        result(
+            name("residual add: rstd"),
+            &r_sum_dev.to_host_f32()?,
+            &rstd_sum,
+            1e-5,
+        ),
         result(name("forward"), &y_dev.to_host_f32()?, &y, tolerance(dtype)),
         result(name("mean"), &m_dev.to_host_f32()?, &mean, 1e-5),
         result(name("rstd"), &r_dev.to_host_f32()?, &rstd, 1e-5),
@@ -757,9 +798,34 @@ fn check_rms_norm(
         d,
         None,
     )?;
+    // The residual add fused into the forward, as in the layer norm's check.
+    let h = rounded(&random(rng, rows * d, 1.0), dtype);
+    let sum = residual_sum(&x, &h);
+    let (y_sum, rstd_sum) = crate::norm::rms_norm_forward(&sum, d, &w, 1e-5);
+    let h_dev = CudaTensor::from_host(dev, &h, dtype)?;
+    let (sum_dev, y_sum_dev, r_sum_dev) =
+        ops::add_rms_norm_forward(&x_dev, &h_dev, params.params(), d, 1e-5, dtype, true)?;
     let tol = tolerance(dtype);
     let name = |what: &str| format!("rms norm {rows}x{d} {what} {s}");
     Ok(vec![
+        result(
+            name("residual add: sum"),
+            &sum_dev.to_host_f32()?,
+            &sum,
+            0.0,
+        ),
+        result(
+            name("residual add: forward"),
+            &y_sum_dev.to_host_f32()?,
+            &y_sum,
+            tol,
+        ),
+        result(
+            name("residual add: rstd"),
+            &r_sum_dev.expect("kept").to_host_f32()?,
+            &rstd_sum,
+            1e-5,
+        ),
         result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
         result(name("rstd"), &r_dev.to_host_f32()?, &rstd, 1e-5),
         // f32 sums of (rounded) dy: f32 tolerance when dy is f32.

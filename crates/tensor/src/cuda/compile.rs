@@ -355,6 +355,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
         }
         "layernorm.cu" => [
             each("layernorm_fwd"),
+            each("layernorm_fwd_add"),
             each("layernorm_bwd_dx"),
             each("layernorm_bwd_params"),
             each("layernorm_bwd_fused"),
@@ -412,6 +413,7 @@ pub fn expected_kernels(file: &str) -> Vec<String> {
         }
         "llama.cu" => [
             each("rmsnorm_fwd"),
+            each("rmsnorm_fwd_add"),
             each("rmsnorm_bwd_dx"),
             each("rmsnorm_bwd_params"),
             each("rmsnorm_bwd_fused"),

@@ -798,6 +798,69 @@ pub fn add(a: CudaTensor, b: &CudaTensor) -> Result<CudaTensor, CudaError> {
     Ok(y)
 }
 
+/// A norm forward's input, with or without the residual add before it. With a branch's output
+/// `h` the row normalised is the stream's new value `x + h` (f32), which the norm's kernel
+/// computes and stores itself (`*_fwd_add_*`) where `h` is in the norm's output dtype (a
+/// branch's last product writes that) and [`fusion`] is on: one pass where a residual add and
+/// the norm took two, with the same bits (one f32 addition either way). Otherwise the
+/// separate [`add`] runs first.
+struct NormInput {
+    x: CudaTensor,
+    /// The branch's output and the sum's own buffer, when the kernel adds.
+    fused_add: Option<(CudaTensor, CudaTensor)>,
+}
+
+impl NormInput {
+    fn new(
+        x: &CudaTensor,
+        h: Option<&CudaTensor>,
+        out_dtype: DType,
+        what: &str,
+    ) -> Result<NormInput, CudaError> {
+        let x = to_dtype(x, DType::F32)?;
+        let Some(h) = h else {
+            return Ok(NormInput { x, fused_add: None });
+        };
+        if h.dtype() != out_dtype || !fusion() {
+            return Ok(NormInput {
+                x: add(x, h)?,
+                fused_add: None,
+            });
+        }
+        check_len(h, x.len(), what)?;
+        // Never x's buffer: the kernel reads x as it writes the sum.
+        let sum = CudaTensor::alloc(x.device(), x.len(), DType::F32, "a residual sum")?;
+        Ok(NormInput {
+            x,
+            fused_add: Some((h.clone(), sum)),
+        })
+    }
+
+    /// The kernel `{base}_{dtype}`, or `{base}_add_{dtype}` when it adds.
+    fn kernel(&self, base: &str, out_dtype: DType) -> String {
+        let add = if self.fused_add.is_some() { "_add" } else { "" };
+        format!("{base}{add}_{}", suffix(out_dtype))
+    }
+
+    /// The kernel's first arguments: `x`, or `x, h, sum`.
+    fn args(&self) -> Args {
+        let args = Args::new().ptr(self.x.ptr());
+        match &self.fused_add {
+            Some((h, sum)) => args.ptr(h.ptr()).ptr(sum.ptr()),
+            None => args,
+        }
+    }
+
+    /// The rows normalised (the sum, when the kernel adds).
+    fn normalised(&self) -> &CudaTensor {
+        self.fused_add.as_ref().map_or(&self.x, |(_, sum)| sum)
+    }
+
+    fn into_normalised(self) -> CudaTensor {
+        self.fused_add.map_or(self.x, |(_, sum)| sum)
+    }
+}
+
 /// Layer norm over rows of `d` of the f32 `x`: `(y in out_dtype, mean, rstd)` (the
 /// statistics only when `keep_stats`).
 pub fn layer_norm_forward(
@@ -808,10 +871,41 @@ pub fn layer_norm_forward(
     out_dtype: DType,
     keep_stats: bool,
 ) -> Result<(CudaTensor, Option<(CudaTensor, CudaTensor)>), CudaError> {
+    let input = NormInput::new(x, None, out_dtype, "layer norm input")?;
+    let (y, stats) = layer_norm_of(&input, p, d, eps, out_dtype, keep_stats)?;
+    Ok((y, stats))
+}
+
+/// The residual add and the layer norm after it: `x += h` (the stream's new value, f32),
+/// then [`layer_norm_forward`] of it: `(x + h, y, stats)`, in one kernel where [`NormInput`]
+/// says.
+#[allow(clippy::type_complexity)]
+pub fn add_layer_norm_forward(
+    x: &CudaTensor,
+    h: &CudaTensor,
+    p: DeviceParams,
+    d: usize,
+    eps: f32,
+    out_dtype: DType,
+    keep_stats: bool,
+) -> Result<(CudaTensor, CudaTensor, Option<(CudaTensor, CudaTensor)>), CudaError> {
+    let input = NormInput::new(x, Some(h), out_dtype, "residual add before a layer norm")?;
+    let (y, stats) = layer_norm_of(&input, p, d, eps, out_dtype, keep_stats)?;
+    Ok((input.into_normalised(), y, stats))
+}
+
+fn layer_norm_of(
+    input: &NormInput,
+    p: DeviceParams,
+    d: usize,
+    eps: f32,
+    out_dtype: DType,
+    keep_stats: bool,
+) -> Result<(CudaTensor, Option<(CudaTensor, CudaTensor)>), CudaError> {
+    let x = input.normalised();
     let dev = x.device().clone();
-    let x = to_dtype(x, DType::F32)?;
     let rows = x.len() / d;
-    check_len(&x, rows * d, "layer norm input")?;
+    check_len(x, rows * d, "layer norm input")?;
     let (gamma, beta) = p.split_at(d);
     let y = CudaTensor::alloc(&dev, x.len(), out_dtype, "a layer norm's output")?;
     let stats = if keep_stats {
@@ -825,10 +919,10 @@ pub fn layer_norm_forward(
     let (mean, rstd) = stats.as_ref().map_or((0, 0), |(m, r)| (m.ptr(), r.ptr()));
     dev.launch(
         "layernorm.cu",
-        &format!("layernorm_fwd_{}", suffix(out_dtype)),
+        &input.kernel("layernorm_fwd", out_dtype),
         Launch::linear(rows.div_ceil(8), THREADS),
-        Args::new()
-            .ptr(x.ptr())
+        input
+            .args()
             .ptr(gamma.master())
             .ptr(beta.master())
             .ptr(y.ptr())
@@ -934,8 +1028,9 @@ pub fn layer_norm_backward(
     finish_input_grad(dx, pending)
 }
 
-/// Whether the step runs its fused passes where they apply (the norms' one-pass backward,
-/// the activation's gradient with the bias gradient, GELU and the bias gradient in the
+/// Whether the step runs its fused passes where they apply (the residual add in the next
+/// norm's forward, the norms' one-pass backward, the activation's gradient with the bias
+/// gradient, GELU and the bias gradient in the
 /// products' epilogues): yes unless `MESHTRAIN_FUSION=off`, which keeps the separate
 /// kernels, for A/B runs on a card.
 fn fusion() -> bool {
@@ -1044,10 +1139,38 @@ pub fn rms_norm_forward(
     out_dtype: DType,
     keep_stats: bool,
 ) -> Result<(CudaTensor, Option<CudaTensor>), CudaError> {
+    let input = NormInput::new(x, None, out_dtype, "RMS norm input")?;
+    rms_norm_of(&input, w, d, eps, out_dtype, keep_stats)
+}
+
+/// The residual add and the RMS norm after it: `(x + h, y, rstd)`, as
+/// [`add_layer_norm_forward`].
+pub fn add_rms_norm_forward(
+    x: &CudaTensor,
+    h: &CudaTensor,
+    w: DeviceParams,
+    d: usize,
+    eps: f32,
+    out_dtype: DType,
+    keep_stats: bool,
+) -> Result<(CudaTensor, CudaTensor, Option<CudaTensor>), CudaError> {
+    let input = NormInput::new(x, Some(h), out_dtype, "residual add before an RMS norm")?;
+    let (y, rstd) = rms_norm_of(&input, w, d, eps, out_dtype, keep_stats)?;
+    Ok((input.into_normalised(), y, rstd))
+}
+
+fn rms_norm_of(
+    input: &NormInput,
+    w: DeviceParams,
+    d: usize,
+    eps: f32,
+    out_dtype: DType,
+    keep_stats: bool,
+) -> Result<(CudaTensor, Option<CudaTensor>), CudaError> {
+    let x = input.normalised();
     let dev = x.device().clone();
-    let x = to_dtype(x, DType::F32)?;
     let rows = x.len() / d;
-    check_len(&x, rows * d, "RMS norm input")?;
+    check_len(x, rows * d, "RMS norm input")?;
     check_params(&w, d, "RMS norm weight")?;
     let y = CudaTensor::alloc(&dev, x.len(), out_dtype, "an RMS norm's output")?;
     let rstd = if keep_stats {
@@ -1062,10 +1185,10 @@ pub fn rms_norm_forward(
     };
     dev.launch(
         "llama.cu",
-        &format!("rmsnorm_fwd_{}", suffix(out_dtype)),
+        &input.kernel("rmsnorm_fwd", out_dtype),
         Launch::linear(rows.div_ceil(8), THREADS),
-        Args::new()
-            .ptr(x.ptr())
+        input
+            .args()
             .ptr(w.master())
             .ptr(y.ptr())
             .ptr(rstd.as_ref().map_or(0, |r| r.ptr()))

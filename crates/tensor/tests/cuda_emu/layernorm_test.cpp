@@ -194,7 +194,37 @@ static void test_backward(void (*dx_kernel)(const float*, const float*, const fl
     }
 }
 
+/// layernorm_fwd_add_* against layernorm_fwd_* of the host's x + h, bit for bit.
+template <class T>
+static void test_forward_add(
+    void (*plain)(const float*, const float*, const float*, T*, float*, float*, int, int, float),
+    void (*fused)(const float*, const T*, float*, const float*, const float*, T*, float*, float*,
+                  int, int, float)) {
+    Rng rng(33);
+    const float eps = 1e-5f;
+    for (const auto& sh : SHAPES) {
+        const int rows = sh[0], d = sh[1];
+        float* gamma = buffer<float>(d);
+        float* beta = buffer<float>(d);
+        fill_random(gamma, d, rng, 0.5f, 1.5f);
+        fill_random(beta, d, rng, -0.5f, 0.5f);
+        check_norm_add<T>(
+            tally, "layernorm", rng, &sh, 1, 2,
+            [&](unsigned grid, const float* x, T* y, float* stats) {
+                emu::launch(plain, dim3(grid), dim3(256), 0, x, (const float*)gamma,
+                            (const float*)beta, y, stats, stats + rows, rows, d, eps);
+            },
+            [&](unsigned grid, const float* x, const T* h, float* sum, T* y, float* stats) {
+                emu::launch(fused, dim3(grid), dim3(256), 0, x, h, sum, (const float*)gamma,
+                            (const float*)beta, y, stats, stats + rows, rows, d, eps);
+            });
+    }
+}
+
 int main() {
+    test_forward_add<float>(layernorm_fwd_f32, layernorm_fwd_add_f32);
+    test_forward_add<bf16>(layernorm_fwd_bf16, layernorm_fwd_add_bf16);
+    test_forward_add<f16>(layernorm_fwd_f16, layernorm_fwd_add_f16);
     test_forward<float>(layernorm_fwd_f32);
     test_forward<bf16>(layernorm_fwd_bf16);
     test_forward<f16>(layernorm_fwd_f16);

@@ -424,7 +424,34 @@ static void test_qk_heads() {
     }
 }
 
+/// rmsnorm_fwd_add_* against rmsnorm_fwd_* of the host's x + h, bit for bit.
+template <class T>
+static void test_rms_forward_add(
+    void (*plain)(const float*, const float*, T*, float*, int, int, float),
+    void (*fused)(const float*, const T*, float*, const float*, T*, float*, int, int, float)) {
+    Rng rng(48);
+    const float eps = 1e-5f;
+    for (const auto& sh : NORM_SHAPES) {
+        const int rows = sh[0], d = sh[1];
+        float* w = buffer<float>(d);
+        fill_random(w, d, rng, 0.5f, 1.5f);
+        check_norm_add<T>(
+            tally, "rmsnorm", rng, &sh, 1, 1,
+            [&](unsigned grid, const float* x, T* y, float* stats) {
+                emu::launch(plain, dim3(grid), dim3(256), 0, x, (const float*)w, y, stats, rows,
+                            d, eps);
+            },
+            [&](unsigned grid, const float* x, const T* h, float* sum, T* y, float* stats) {
+                emu::launch(fused, dim3(grid), dim3(256), 0, x, h, sum, (const float*)w, y,
+                            stats, rows, d, eps);
+            });
+    }
+}
+
 int main() {
+    test_rms_forward_add<float>(rmsnorm_fwd_f32, rmsnorm_fwd_add_f32);
+    test_rms_forward_add<bf16>(rmsnorm_fwd_bf16, rmsnorm_fwd_add_bf16);
+    test_rms_forward_add<f16>(rmsnorm_fwd_f16, rmsnorm_fwd_add_f16);
     test_rms_forward<float>(rmsnorm_fwd_f32);
     test_rms_forward<bf16>(rmsnorm_fwd_bf16);
     test_rms_forward<f16>(rmsnorm_fwd_f16);

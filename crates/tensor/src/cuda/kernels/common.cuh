@@ -246,6 +246,50 @@ __device__ __forceinline__ double block_sum_d(double v) { return block_reduce(v,
 __device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp(), -INFINITY); }
 
 // ---------------------------------------------------------------------------------------
+// Norm forward's input row (layernorm.cu, llama.cu's RMS norm), with the residual add before
+// it fused in: with `hr` (the branch's output, T) the row normalised is the stream's new
+// value x + h, which is also stored at `sr` (the norm's backward and the block's next residual
+// add read it there). One f32 addition per element, as the separate residual add's (and the
+// CPU's `x += h`), so the sum and everything after it have that path's bits. Without `hr`,
+// the row is x's. `sr` never aliases `xr` (the host gives the sum a buffer of its own).
+
+/// The vector path: lane `lane` holds chunk k (float4 j = lane + 32k < d4) in v[k]; `hr`
+/// 4·sizeof(T)-byte and `sr` 16-byte aligned.
+template <class T, int CHUNKS>
+__device__ __forceinline__ void norm_row_in(const float* __restrict__ xr, const T* __restrict__ hr,
+                                            float* __restrict__ sr, float4 (&v)[CHUNKS], int d4,
+                                            int lane) {
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+        const int j = lane + 32 * k;
+        v[k] = j < d4 ? reinterpret_cast<const float4*>(xr)[j] : make_float4(0, 0, 0, 0);
+    }
+    if (hr == nullptr) return;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) {
+        const int j = lane + 32 * k;
+        if (j < d4) {
+            float h[4];
+            load4(hr + 4 * j, h);
+            v[k].x += h[0]; v[k].y += h[1]; v[k].z += h[2]; v[k].w += h[3];
+            reinterpret_cast<float4*>(sr)[j] = v[k];
+        }
+    }
+}
+
+/// The scalar path: writes the sum (this lane's columns c = lane, lane + 32, …) and returns
+/// the row to normalise, which the caller reads at the same columns (its own writes).
+template <class T>
+__device__ __forceinline__ const float* norm_row_in_scalar(const float* __restrict__ xr,
+                                                           const T* __restrict__ hr,
+                                                           float* __restrict__ sr, int d,
+                                                           int lane) {
+    if (hr == nullptr) return xr;
+    for (int c = lane; c < d; c += 32) sr[c] = xr[c] + to_f32(hr[c]);
+    return sr;
+}
+
+// ---------------------------------------------------------------------------------------
 // Norm backward (layernorm.cu, llama.cu's RMS norm). LAYER: the layer norm (h = (x − mean)·
 // rstd, g = dy·γ, dx = rstd·(g − Σg/d − h·Σ(g·h)/d); parameter sums Σ dy·h for γ and Σ dy for
 // β); otherwise the RMS norm (h = x·rstd, dx = rstd·(g − h·Σ(g·h)/d); Σ dy·h for the weight).

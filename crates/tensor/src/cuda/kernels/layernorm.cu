@@ -12,6 +12,11 @@
 // Parameter gradients: the column scheme of bias.cu (one thread per column of a
 // rows_per_block block of rows, rows in increasing order), with colsum_finish as stage 2.
 //
+// Residual add fused into the forward (layernorm_fwd_add_*): the norm beginning a block's
+// second branch reads the stream x and the first branch's output h, and writes their sum (the
+// stream's new value) beside its output: one pass where the add and the norm took two, and
+// one read of the sum fewer.
+//
 // Fused backward (layernorm_bwd_fused_*): the input gradient and the parameter gradients'
 // stage 1 in one pass over x and dy, where the vector path applies (the host launches it then,
 // and the two kernels above otherwise): common.cuh's norm_bwd_fused_impl, shared with the RMS
@@ -22,8 +27,12 @@
 // ---------------------------------------------------------------------------------------
 // Forward.
 
+// With `h` (layernorm_fwd_add_*), the row normalised is x + h, stored at `sum`
+// (common.cuh's norm_row_in); without (h = sum = null), x's.
 template <class T>
 __device__ __forceinline__ void layernorm_fwd_impl(const float* __restrict__ x,
+                                                   const T* __restrict__ h,
+                                                   float* __restrict__ sum,
                                                    const float* __restrict__ gamma,
                                                    const float* __restrict__ beta,
                                                    T* __restrict__ y, float* __restrict__ mean_out,
@@ -34,20 +43,18 @@ __device__ __forceinline__ void layernorm_fwd_impl(const float* __restrict__ x,
     const float d_f = (float)d;  // divided by (not multiplied by 1/d), as the CPU
     const bool vec = (d & 3) == 0 && d <= 128 * LN_MAX_CHUNKS && is_aligned(x, 16) &&
                      is_aligned(gamma, 16) && is_aligned(beta, 16) &&
-                     is_aligned(y, 4 * sizeof(T));
+                     is_aligned(y, 4 * sizeof(T)) && is_aligned(h, 4 * sizeof(T)) &&
+                     is_aligned(sum, 16);
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows;
          row += gridDim.x * warps) {
-        const float* xr = x + (long long)row * d;
-        T* yr = y + (long long)row * d;
+        const long long at = (long long)row * d;
+        T* yr = y + at;
         float mean, rstd;
         if (vec) {
             const int d4 = d >> 2;
             float4 v[LN_MAX_CHUNKS];
-#pragma unroll
-            for (int k = 0; k < LN_MAX_CHUNKS; ++k) {
-                const int j = lane + 32 * k;
-                v[k] = j < d4 ? reinterpret_cast<const float4*>(xr)[j] : make_float4(0, 0, 0, 0);
-            }
+            norm_row_in<T, LN_MAX_CHUNKS>(x + at, h ? h + at : nullptr, h ? sum + at : nullptr, v, d4,
+                                          lane);
             float s = 0.0f;
 #pragma unroll
             for (int k = 0; k < LN_MAX_CHUNKS; ++k) {
@@ -82,6 +89,8 @@ __device__ __forceinline__ void layernorm_fwd_impl(const float* __restrict__ x,
                 }
             }
         } else {
+            const float* xr =
+                norm_row_in_scalar(x + at, h ? h + at : nullptr, h ? sum + at : nullptr, d, lane);
             float s = 0.0f;
             for (int c = lane; c < d; c += 32) s += xr[c];
             mean = warp_sum(s) / d_f;
@@ -105,17 +114,38 @@ __device__ __forceinline__ void layernorm_fwd_impl(const float* __restrict__ x,
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_fwd_f32(const float* x, const float* gamma, const float* beta, float* y, float* mean,
                   float* rstd, int rows, int d, float eps) {
-    layernorm_fwd_impl(x, gamma, beta, y, mean, rstd, rows, d, eps);
+    layernorm_fwd_impl<float>(x, nullptr, nullptr, gamma, beta, y, mean, rstd, rows, d, eps);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_fwd_bf16(const float* x, const float* gamma, const float* beta, bf16* y, float* mean,
                    float* rstd, int rows, int d, float eps) {
-    layernorm_fwd_impl(x, gamma, beta, y, mean, rstd, rows, d, eps);
+    layernorm_fwd_impl<bf16>(x, nullptr, nullptr, gamma, beta, y, mean, rstd, rows, d, eps);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_fwd_f16(const float* x, const float* gamma, const float* beta, f16* y, float* mean,
                   float* rstd, int rows, int d, float eps) {
-    layernorm_fwd_impl(x, gamma, beta, y, mean, rstd, rows, d, eps);
+    layernorm_fwd_impl<f16>(x, nullptr, nullptr, gamma, beta, y, mean, rstd, rows, d, eps);
+}
+
+// The residual add before the norm, fused: sum = x + h (f32; the stream's new value), then
+// the norm of sum. h is the branch's output, in the norm's output dtype.
+extern "C" __global__ void __launch_bounds__(256)
+layernorm_fwd_add_f32(const float* x, const float* h, float* sum, const float* gamma,
+                      const float* beta, float* y, float* mean, float* rstd, int rows, int d,
+                      float eps) {
+    layernorm_fwd_impl<float>(x, h, sum, gamma, beta, y, mean, rstd, rows, d, eps);
+}
+extern "C" __global__ void __launch_bounds__(256)
+layernorm_fwd_add_bf16(const float* x, const bf16* h, float* sum, const float* gamma,
+                       const float* beta, bf16* y, float* mean, float* rstd, int rows, int d,
+                       float eps) {
+    layernorm_fwd_impl<bf16>(x, h, sum, gamma, beta, y, mean, rstd, rows, d, eps);
+}
+extern "C" __global__ void __launch_bounds__(256)
+layernorm_fwd_add_f16(const float* x, const f16* h, float* sum, const float* gamma,
+                      const float* beta, f16* y, float* mean, float* rstd, int rows, int d,
+                      float eps) {
+    layernorm_fwd_impl<f16>(x, h, sum, gamma, beta, y, mean, rstd, rows, d, eps);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@
 // buffers are aligned; otherwise a scalar path re-reads the row. Row sums: each lane adds its
 // elements in order, then the warp butterfly. The weight gradient: one thread per column of a
 // rows_per_block block of rows (rows in increasing order), then colsum_finish (bias.cu) as
-// stage 2, launched by the Rust side.
+// stage 2, launched by the Rust side. The forward may take the residual add before it
+// (rmsnorm_fwd_add_*: common.cuh's norm_row_in).
 //
 // Rotary and SwiGLU are element-wise passes over grid-stride units: W values of a row per
 // unit (W = 16 bytes / sizeof(T): 4 floats or 8 16-bit values, one 16-byte access) when the
@@ -20,8 +21,12 @@
 // ---------------------------------------------------------------------------------------
 // RMS norm forward: rstd = 1/sqrtf(Σx²/d + eps), y = x·rstd·w.
 
+// With `h` (rmsnorm_fwd_add_*), the row normalised is x + h, stored at `sum` (common.cuh's
+// norm_row_in); without (h = sum = null), x's.
 template <class T>
 __device__ __forceinline__ void rmsnorm_fwd_impl(const float* __restrict__ x,
+                                                 const T* __restrict__ h,
+                                                 float* __restrict__ sum,
                                                  const float* __restrict__ w,
                                                  T* __restrict__ y, float* __restrict__ rstd_out,
                                                  int rows, int d, float eps) {
@@ -29,20 +34,18 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const float* __restrict__ x,
     const int warps = blockDim.x >> 5;
     const float d_f = (float)d;  // divided by (not multiplied by 1/d), as the CPU
     const bool vec = (d & 3) == 0 && d <= 128 * RMS_MAX_CHUNKS && is_aligned(x, 16) &&
-                     is_aligned(w, 16) && is_aligned(y, 4 * sizeof(T));
+                     is_aligned(w, 16) && is_aligned(y, 4 * sizeof(T)) &&
+                     is_aligned(h, 4 * sizeof(T)) && is_aligned(sum, 16);
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows;
          row += gridDim.x * warps) {
-        const float* xr = x + (long long)row * d;
-        T* yr = y + (long long)row * d;
+        const long long at = (long long)row * d;
+        T* yr = y + at;
         float rs;
         if (vec) {
             const int d4 = d >> 2;
             float4 v[RMS_MAX_CHUNKS];
-#pragma unroll
-            for (int k = 0; k < RMS_MAX_CHUNKS; ++k) {
-                const int j = lane + 32 * k;
-                v[k] = j < d4 ? reinterpret_cast<const float4*>(xr)[j] : make_float4(0, 0, 0, 0);
-            }
+            norm_row_in<T, RMS_MAX_CHUNKS>(x + at, h ? h + at : nullptr, h ? sum + at : nullptr, v,
+                                           d4, lane);
             float q = 0.0f;
 #pragma unroll
             for (int k = 0; k < RMS_MAX_CHUNKS; ++k) {
@@ -66,6 +69,8 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const float* __restrict__ x,
                 }
             }
         } else {
+            const float* xr =
+                norm_row_in_scalar(x + at, h ? h + at : nullptr, h ? sum + at : nullptr, d, lane);
             float q = 0.0f;
             for (int c = lane; c < d; c += 32) q += xr[c] * xr[c];
             rs = 1.0f / sqrtf(warp_sum(q) / d_f + eps);
@@ -78,17 +83,35 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const float* __restrict__ x,
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_fwd_f32(const float* x, const float* w, float* y, float* rstd, int rows, int d,
                 float eps) {
-    rmsnorm_fwd_impl(x, w, y, rstd, rows, d, eps);
+    rmsnorm_fwd_impl<float>(x, nullptr, nullptr, w, y, rstd, rows, d, eps);
 }
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_fwd_bf16(const float* x, const float* w, bf16* y, float* rstd, int rows, int d,
                  float eps) {
-    rmsnorm_fwd_impl(x, w, y, rstd, rows, d, eps);
+    rmsnorm_fwd_impl<bf16>(x, nullptr, nullptr, w, y, rstd, rows, d, eps);
 }
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_fwd_f16(const float* x, const float* w, f16* y, float* rstd, int rows, int d,
                 float eps) {
-    rmsnorm_fwd_impl(x, w, y, rstd, rows, d, eps);
+    rmsnorm_fwd_impl<f16>(x, nullptr, nullptr, w, y, rstd, rows, d, eps);
+}
+
+// The residual add before the norm, fused (as layernorm.cu's layernorm_fwd_add_*): sum = x + h
+// (f32), then the norm of sum; h in the norm's output dtype.
+extern "C" __global__ void __launch_bounds__(256)
+rmsnorm_fwd_add_f32(const float* x, const float* h, float* sum, const float* w, float* y,
+                    float* rstd, int rows, int d, float eps) {
+    rmsnorm_fwd_impl<float>(x, h, sum, w, y, rstd, rows, d, eps);
+}
+extern "C" __global__ void __launch_bounds__(256)
+rmsnorm_fwd_add_bf16(const float* x, const bf16* h, float* sum, const float* w, bf16* y,
+                     float* rstd, int rows, int d, float eps) {
+    rmsnorm_fwd_impl<bf16>(x, h, sum, w, y, rstd, rows, d, eps);
+}
+extern "C" __global__ void __launch_bounds__(256)
+rmsnorm_fwd_add_f16(const float* x, const f16* h, float* sum, const float* w, f16* y,
+                    float* rstd, int rows, int d, float eps) {
+    rmsnorm_fwd_impl<f16>(x, h, sum, w, y, rstd, rows, d, eps);
 }
 
 // ---------------------------------------------------------------------------------------
