@@ -801,7 +801,7 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
     let ms = time_ms(dev, args.reps, || {
         // SAFETY: `g` holds 2·d values.
         let grads = unsafe { DeviceGrads::new(dev, g.ptr(), 2 * d) };
-        ops::layer_norm_backward(&x, params, &mean, &rstd, &dy, grads, d, None).map(|_| ())
+        ops::layer_norm_backward(&x, params, &mean, &rstd, &dy, grads, d, None, false).map(|_| ())
     })?;
     report(
         "layer norm backward (dx + dγ/dβ)",

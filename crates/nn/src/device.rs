@@ -204,7 +204,14 @@ fn backward_products<R>(
 ) -> R {
     let dev = p.device();
     let mut g = device_grads(g);
-    let mut dz = on_device(&dy, dev);
+    // The output gradient as the products read it: where its producer also wrote it rounded
+    // to their type (a norm's input gradient, the residual stream's: `Tensor::rounded`), that
+    // copy, which is what converting it here would give; not under an activation (whose
+    // backward reads it unrounded) nor FP8 (whose casts do).
+    let mut dz = match dy.rounded(l.precision) {
+        Some(r) if l.activation.is_none() && !l.fp8 => r.clone(),
+        _ => on_device(&dy, dev),
+    };
     // Whether the bias gradient is still to be taken (the products' backward sums `dz`'s
     // columns), or was taken with the activation's gradient in one pass.
     let mut bias = l.bias;
@@ -329,8 +336,18 @@ pub fn layer_norm_forward(
     (wrap(input, x.shape()), wrap(y, x.shape()))
 }
 
+/// A norm's input gradient, with the copy rounded to 16 bits its kernel wrote beside it (for
+/// the linear layer that reads the residual stream's gradient next: `Tensor::rounded`).
+fn norm_input_grad((dx, rounded): ops::NormInputGrad, shape: &[usize]) -> Tensor {
+    let dx = wrap(dx, shape);
+    match rounded {
+        Some(r) => dx.with_rounded(r),
+        None => dx,
+    }
+}
+
 /// With `add_into`, the input gradient is added into it (the residual stream's gradient) and
-/// the sum returned.
+/// the sum returned. Under mixed precision it carries its 16-bit copy ([`norm_input_grad`]).
 pub fn layer_norm_backward(
     n: &LayerNorm,
     p: DeviceParams<'_>,
@@ -355,8 +372,9 @@ pub fn layer_norm_backward(
         device_grads(g),
         n.dim,
         add_into.map(|t| device_values(t, p.device())),
+        n.precision != DType::F32,
     ));
-    wrap(dx, x.shape())
+    norm_input_grad(dx, x.shape())
 }
 
 /// An RMS norm's forward, with or without the residual add before it: as
@@ -400,8 +418,7 @@ pub fn rms_norm_forward(
     (wrap(input, x.shape()), wrap(y, x.shape()))
 }
 
-/// With `add_into`, the input gradient is added into it (the residual stream's gradient) and
-/// the sum returned.
+/// As [`layer_norm_backward`].
 pub fn rms_norm_backward(
     n: &RmsNorm,
     p: DeviceParams<'_>,
@@ -424,8 +441,9 @@ pub fn rms_norm_backward(
         device_grads(g),
         n.dim,
         add_into.map(|t| device_values(t, p.device())),
+        n.precision != DType::F32,
     ));
-    wrap(dx, x.shape())
+    norm_input_grad(dx, x.shape())
 }
 
 /// Rows `[a | b]` → `silu(a)·b` in x's dtype (the product dtype under mixed precision: the
@@ -691,7 +709,7 @@ pub fn qk_norm_backward(
     let (dq, dk) = ok(ops::qk_heads(&dys, shape));
     let mut g = device_grads(g);
     let norms = |grads: &mut DeviceGrads<'_>| {
-        let dqx = ok(ops::rms_norm_backward(
+        let (dqx, _) = ok(ops::rms_norm_backward(
             &q,
             p.slice(0..hd),
             &rq,
@@ -699,8 +717,9 @@ pub fn qk_norm_backward(
             grads.slice(0..hd),
             hd,
             None,
+            false,
         ));
-        let dkx = ok(ops::rms_norm_backward(
+        let (dkx, _) = ok(ops::rms_norm_backward(
             &k,
             p.slice(hd..2 * hd),
             &rk,
@@ -708,6 +727,7 @@ pub fn qk_norm_backward(
             grads.slice(hd..2 * hd),
             hd,
             None,
+            false,
         ));
         (dqx, dkx)
     };

@@ -13,6 +13,13 @@ use std::fmt;
 pub struct Tensor {
     storage: Storage,
     shape: Vec<usize>,
+    /// On a GPU, the same values rounded to a 16-bit type, where the kernel that produced
+    /// them wrote that copy too ([`Tensor::with_rounded`]): what the next product reads,
+    /// without a conversion pass. Dropped whenever the values may change ([`Tensor::into_cuda`],
+    /// [`Tensor::add_assign`]), so it is never stale: writing into a device buffer in place
+    /// needs its only handle, which only taking the values out of the tensor gives.
+    #[cfg(feature = "cuda")]
+    rounded: Option<crate::cuda::CudaTensor>,
 }
 
 #[derive(Clone)]
@@ -50,6 +57,8 @@ impl Tensor {
         Tensor {
             storage: Storage::Host(data),
             shape: shape.to_vec(),
+            #[cfg(feature = "cuda")]
+            rounded: None,
         }
     }
 
@@ -64,6 +73,8 @@ impl Tensor {
         Tensor {
             storage: Storage::Cuda(values),
             shape: shape.to_vec(),
+            #[cfg(feature = "cuda")]
+            rounded: None,
         }
     }
 
@@ -74,6 +85,25 @@ impl Tensor {
             Storage::Cuda(c) => Some(c),
             Storage::Host(_) => None,
         }
+    }
+
+    /// `self` (device values) with `rounded`, the same values rounded to a 16-bit type by the
+    /// kernel that wrote them, for [`Tensor::rounded`].
+    #[cfg(feature = "cuda")]
+    pub fn with_rounded(mut self, rounded: crate::cuda::CudaTensor) -> Self {
+        assert!(
+            self.cuda().is_some() && rounded.len() == self.numel(),
+            "a rounded copy of {} device values",
+            self.numel()
+        );
+        self.rounded = Some(rounded);
+        self
+    }
+
+    /// The values rounded to `dtype`, if the kernel that produced them wrote that copy.
+    #[cfg(feature = "cuda")]
+    pub fn rounded(&self, dtype: crate::DType) -> Option<&crate::cuda::CudaTensor> {
+        self.rounded.as_ref().filter(|r| r.dtype() == dtype)
     }
 
     /// The device values and the shape, taken out of the tensor (so a kernel may write into
@@ -121,6 +151,8 @@ impl Tensor {
         Tensor {
             storage: Storage::Host(vec![0.0; shape.iter().product()]),
             shape: shape.to_vec(),
+            #[cfg(feature = "cuda")]
+            rounded: None,
         }
     }
 
@@ -131,6 +163,8 @@ impl Tensor {
         Tensor {
             storage: Storage::Host(crate::par::take_buffer(shape.iter().product())),
             shape: shape.to_vec(),
+            #[cfg(feature = "cuda")]
+            rounded: None,
         }
     }
 
@@ -212,6 +246,7 @@ impl Tensor {
             Storage::Host(data) => crate::par::add_assign(data, other.data()),
             #[cfg(feature = "cuda")]
             Storage::Cuda(c) => {
+                self.rounded = None;
                 let b = other
                     .cuda()
                     .unwrap_or_else(|| panic!("adding a host tensor to one on {:?}", c.device()));

@@ -95,6 +95,28 @@ fn failed(name: String, e: CudaError) -> CheckResult {
     }
 }
 
+/// A norm's input gradient rounded to 16 bits by its kernel (`ops::NormInputGrad`): exactly
+/// the device's f32 values rounded (`dx`), and present in 16 bits (absent in f32).
+fn rounded_copy(
+    name: String,
+    copy: Option<CudaTensor>,
+    dx: &[f32],
+    dtype: DType,
+) -> Result<CheckResult, CudaError> {
+    match (copy, dtype) {
+        (None, DType::F32) => Ok(result(name, &[], &[], 0.0)),
+        (Some(c), DType::F32) => Ok(failed(
+            name,
+            CudaError::Unsupported(format!("an f32 run's gradient got a {:?} copy", c.dtype())),
+        )),
+        (None, _) => Ok(failed(
+            name,
+            CudaError::Unsupported("no rounded copy was written".into()),
+        )),
+        (Some(c), _) => Ok(result(name, &c.to_host_f32()?, &rounded(dx, dtype), 0.0)),
+    }
+}
+
 /// The residual stream's new value `x + h`, as the CPU's `x += h` computes it.
 fn residual_sum(x: &[f32], h: &[f32]) -> Vec<f32> {
     let mut sum = x.to_vec();
@@ -701,7 +723,7 @@ fn check_layer_norm(
     let g_dev = CudaTensor::from_host(dev, &g0, DType::F32)?;
     let (y_dev, stats) = ops::layer_norm_forward(&x_dev, params.params(), d, 1e-5, dtype, true)?;
     let (m_dev, r_dev) = stats.expect("kept");
-    let dx_dev = ops::layer_norm_backward(
+    let (dx_dev, dx_rounded) = ops::layer_norm_backward(
         &x_dev,
         params.params(),
         &m_dev,
@@ -710,7 +732,9 @@ fn check_layer_norm(
         grads_of(&g_dev),
         d,
         None,
+        true,
     )?;
+    let dx_dev = dx_dev.to_host_f32()?;
     // The residual add fused into the forward: the stream x + h (h the branch's output, in
     // the norm's output dtype), then its norm.
     let h = rounded(&random(rng, rows * d, 1.0), dtype);
@@ -752,12 +776,8 @@ fn check_layer_norm(
         result(name("rstd"), &r_dev.to_host_f32()?, &rstd, 1e-5),
         // dx and the parameter gradients are f32 sums of (rounded) dy: f32 tolerance when
         // dy is f32.
-        result(
-            name("input grad"),
-            &dx_dev.to_host_f32()?,
-            &dx,
-            tolerance(dtype),
-        ),
+        result(name("input grad"), &dx_dev, &dx, tolerance(dtype)),
+        rounded_copy(name("input grad, rounded copy"), dx_rounded, &dx_dev, dtype)?,
         result(
             name("gamma+beta grad"),
             &g_dev.to_host_f32()?,
@@ -789,7 +809,7 @@ fn check_rms_norm(
     let g_dev = CudaTensor::from_host(dev, &g0, DType::F32)?;
     let (y_dev, r_dev) = ops::rms_norm_forward(&x_dev, params.params(), d, 1e-5, dtype, true)?;
     let r_dev = r_dev.expect("kept");
-    let dx_dev = ops::rms_norm_backward(
+    let (dx_dev, dx_rounded) = ops::rms_norm_backward(
         &x_dev,
         params.params(),
         &r_dev,
@@ -797,7 +817,9 @@ fn check_rms_norm(
         grads_of(&g_dev),
         d,
         None,
+        true,
     )?;
+    let dx_dev = dx_dev.to_host_f32()?;
     // The residual add fused into the forward, as in the layer norm's check.
     let h = rounded(&random(rng, rows * d, 1.0), dtype);
     let sum = residual_sum(&x, &h);
@@ -829,7 +851,8 @@ fn check_rms_norm(
         result(name("forward"), &y_dev.to_host_f32()?, &y, tol),
         result(name("rstd"), &r_dev.to_host_f32()?, &rstd, 1e-5),
         // f32 sums of (rounded) dy: f32 tolerance when dy is f32.
-        result(name("input grad"), &dx_dev.to_host_f32()?, &dx, tol),
+        result(name("input grad"), &dx_dev, &dx, tol),
+        rounded_copy(name("input grad, rounded copy"), dx_rounded, &dx_dev, dtype)?,
         result(name("weight grad"), &g_dev.to_host_f32()?, &g, tol),
     ])
 }

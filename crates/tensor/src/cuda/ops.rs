@@ -935,7 +935,6 @@ fn layer_norm_of(
     Ok((y, stats))
 }
 
-/// Layer-norm backward: returns dx (f32) and adds [dγ | dβ] into `grads`.
 /// Where a norm's input gradient goes when the caller wants it added into `add_into` (the
 /// residual stream's gradient, which the branch's first layer joins): that buffer itself when
 /// the caller holds its only reference (the kernel adds in place: `(buffer, true, None)`),
@@ -963,6 +962,39 @@ fn finish_input_grad(dx: CudaTensor, pending: Option<CudaTensor>) -> Result<Cuda
     }
 }
 
+/// A norm's input gradient (f32), and with it, where asked, the same values rounded to the
+/// output gradient's 16-bit type ([`rounded_input_grad`]).
+pub type NormInputGrad = (CudaTensor, Option<CudaTensor>);
+
+/// The buffer for a norm's rounded input gradient, when `rounded` asks for it and it can be
+/// written: `dy` in 16 bits (the type the next layer's products read the gradient in), and
+/// the kernel's `dx` the whole result (`pending`: no add after it). The norm's kernel writes
+/// it beside `dx`, where the linear layer reading the gradient next (a residual branch's
+/// last product) would otherwise convert it in a pass of its own.
+fn rounded_input_grad(
+    dev: &Arc<CudaDevice>,
+    rounded: bool,
+    dy: &CudaTensor,
+    pending: &Option<CudaTensor>,
+    len: usize,
+) -> Result<Option<CudaTensor>, CudaError> {
+    (rounded && dy.dtype() != DType::F32 && pending.is_none() && fusion())
+        .then(|| CudaTensor::alloc(dev, len, dy.dtype(), "a norm's rounded input gradient"))
+        .transpose()
+}
+
+/// `dx` (with its rounded copy), or `pending + dx` when the sum could not be taken in place
+/// (then there is no rounded copy: [`rounded_input_grad`]).
+fn finish_norm_grad(
+    dx: CudaTensor,
+    low: Option<CudaTensor>,
+    pending: Option<CudaTensor>,
+) -> Result<NormInputGrad, CudaError> {
+    Ok((finish_input_grad(dx, pending)?, low))
+}
+
+/// Layer-norm backward: returns dx (f32), and its rounded copy if `rounded`
+/// ([`rounded_input_grad`]), and adds [dγ | dβ] into `grads`.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward(
     x: &CudaTensor,
@@ -973,7 +1005,8 @@ pub fn layer_norm_backward(
     grads: DeviceGrads,
     d: usize,
     add_into: Option<CudaTensor>,
-) -> Result<CudaTensor, CudaError> {
+    rounded: bool,
+) -> Result<NormInputGrad, CudaError> {
     let dev = x.device().clone();
     let x = to_dtype(x, DType::F32)?;
     let rows = x.len() / d;
@@ -981,6 +1014,8 @@ pub fn layer_norm_backward(
     check_len(mean, rows, "layer norm means")?;
     let (dx, accumulate, pending) =
         input_grad_target(&dev, add_into, x.len(), "a layer norm's input gradient")?;
+    let low = rounded_input_grad(&dev, rounded, dy, &pending, x.len())?;
+    let low_ptr = low.as_ref().map_or(0, CudaTensor::ptr);
     let t = suffix(dy.dtype());
     let gamma = p.master();
     if let Some(fused) = FusedNormBackward::new(rows, d, 2, [x.ptr(), gamma, dx.ptr()], dy) {
@@ -990,10 +1025,11 @@ pub fn layer_norm_backward(
             .ptr(mean.ptr())
             .ptr(rstd.ptr())
             .ptr(dy.ptr())
-            .ptr(dx.ptr());
+            .ptr(dx.ptr())
+            .ptr(low_ptr);
         let kernel = ("layernorm.cu", format!("layernorm_bwd_fused_{t}"));
         fused.run(&dev, kernel, inputs, rows, d, accumulate, grads)?;
-        return finish_input_grad(dx, pending);
+        return finish_norm_grad(dx, low, pending);
     }
     dev.launch(
         "layernorm.cu",
@@ -1006,6 +1042,7 @@ pub fn layer_norm_backward(
             .ptr(rstd.ptr())
             .ptr(dy.ptr())
             .ptr(dx.ptr())
+            .ptr(low_ptr)
             .usize_as_i32(rows)
             .usize_as_i32(d)
             .i32(accumulate as i32),
@@ -1025,7 +1062,7 @@ pub fn layer_norm_backward(
         2 * d,
         grads,
     )?;
-    finish_input_grad(dx, pending)
+    finish_norm_grad(dx, low, pending)
 }
 
 /// Whether the step runs its fused passes where they apply (the residual add in the next
@@ -1199,7 +1236,9 @@ fn rms_norm_of(
     Ok((y, rstd))
 }
 
-/// RMS-norm backward: returns dx (f32) and adds dw into `grads` (`d` values).
+/// RMS-norm backward: returns dx (f32), and its rounded copy if `rounded`
+/// ([`rounded_input_grad`]), and adds dw into `grads` (`d` values).
+#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_backward(
     x: &CudaTensor,
     w: DeviceParams,
@@ -1208,7 +1247,8 @@ pub fn rms_norm_backward(
     grads: DeviceGrads,
     d: usize,
     add_into: Option<CudaTensor>,
-) -> Result<CudaTensor, CudaError> {
+    rounded: bool,
+) -> Result<NormInputGrad, CudaError> {
     let dev = x.device().clone();
     let x = to_dtype(x, DType::F32)?;
     let rows = x.len() / d;
@@ -1223,6 +1263,8 @@ pub fn rms_norm_backward(
     }
     let (dx, accumulate, pending) =
         input_grad_target(&dev, add_into, x.len(), "an RMS norm's input gradient")?;
+    let low = rounded_input_grad(&dev, rounded, dy, &pending, x.len())?;
+    let low_ptr = low.as_ref().map_or(0, CudaTensor::ptr);
     let t = suffix(dy.dtype());
     if let Some(fused) = FusedNormBackward::new(rows, d, 1, [x.ptr(), w.master(), dx.ptr()], dy) {
         let inputs = Args::new()
@@ -1230,10 +1272,11 @@ pub fn rms_norm_backward(
             .ptr(w.master())
             .ptr(rstd.ptr())
             .ptr(dy.ptr())
-            .ptr(dx.ptr());
+            .ptr(dx.ptr())
+            .ptr(low_ptr);
         let kernel = ("llama.cu", format!("rmsnorm_bwd_fused_{t}"));
         fused.run(&dev, kernel, inputs, rows, d, accumulate, grads)?;
-        return finish_input_grad(dx, pending);
+        return finish_norm_grad(dx, low, pending);
     }
     dev.launch(
         "llama.cu",
@@ -1245,6 +1288,7 @@ pub fn rms_norm_backward(
             .ptr(rstd.ptr())
             .ptr(dy.ptr())
             .ptr(dx.ptr())
+            .ptr(low_ptr)
             .usize_as_i32(rows)
             .usize_as_i32(d)
             .i32(accumulate as i32),
@@ -1252,7 +1296,7 @@ pub fn rms_norm_backward(
     let inputs = Args::new().ptr(x.ptr()).ptr(rstd.ptr()).ptr(dy.ptr());
     let kernel = format!("rmsnorm_bwd_params_{t}");
     add_norm_param_grads(&dev, ("llama.cu", &kernel), inputs, rows, d, d, grads)?;
-    finish_input_grad(dx, pending)
+    finish_norm_grad(dx, low, pending)
 }
 
 /// A norm's parameter gradients added into `grads` (`width` values: γ and β, or the weight):

@@ -141,6 +141,14 @@ template <class T> bool same_bits(const T* a, const T* b, size_t n) {
     return true;
 }
 
+/// Whether `low` holds `v` rounded to T, value for value (a kernel's rounded copy of its f32
+/// output; NaN never matches).
+template <class T> bool rounded_copy(const T* low, const float* v, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+        if (!(to_f32(low[i]) == to_f32(from_f32<T>(v[i])))) return false;
+    return true;
+}
+
 /// A norm forward with the residual add fused (`*_fwd_add_*`: sum = x + h, then the norm of
 /// sum) against the plain forward of the sum the host computes with the same one f32 addition:
 /// the sum, the output and the `nstats` statistics arrays (rows floats each) bit for bit.

@@ -74,9 +74,9 @@ static void test_forward(void (*fwd)(const float*, const float*, const float*, T
 }
 
 template <class T>
-static void test_backward(void (*dx_kernel)(const float*, const float*, const float*, const float*, const T*, float*, int, int, int),
+static void test_backward(void (*dx_kernel)(const float*, const float*, const float*, const float*, const T*, float*, T*, int, int, int),
                           void (*params_kernel)(const float*, const float*, const float*, const T*, float*, int, int, int),
-                          void (*fused_kernel)(const float*, const float*, const float*, const float*, const T*, float*, float*, int, int, int)) {
+                          void (*fused_kernel)(const float*, const float*, const float*, const float*, const T*, float*, T*, float*, int, int, int)) {
     Rng rng(32);
     const double eps = 1e-5;
     for (const auto& sh : SHAPES) {
@@ -102,7 +102,7 @@ static void test_backward(void (*dx_kernel)(const float*, const float*, const fl
         }
         fill_poison(dx, n);
         emu::launch(dx_kernel, dim3((rows + 7) / 8), dim3(256), 0, (const float*)x, (const float*)gamma,
-                    (const float*)mean, (const float*)rstd, (const T*)dy, dx, rows, d, 0);
+                    (const float*)mean, (const float*)rstd, (const T*)dy, dx, (T*)nullptr, rows, d, 0);
         std::vector<double> want(n), scale(n);
         std::vector<double> dgamma(d, 0.0), dbeta(d, 0.0);
         for (int r = 0; r < rows; ++r) {
@@ -128,16 +128,19 @@ static void test_backward(void (*dx_kernel)(const float*, const float*, const fl
         const std::string tag = fmt("layernorm_bwd %s rows=%d d=%d", type_name<T>(), rows, d);
         tally.check(tag + " dx", scaled_l2(read(dx, n), want, scale), 1e-5);
         // accumulate = 1 adds the same values into what dx holds: exactly (the residual
-        // add's bits), element for element.
+        // add's bits), element for element; the rounded copy is of the sum.
         {
             float* acc = buffer<float>(n);
+            T* low = buffer<T>(n);
+            fill_poison(low, n);
             const auto base = fill_random(acc, n, rng, -1.0f, 1.0f);
             emu::launch(dx_kernel, dim3((rows + 7) / 8), dim3(256), 0, (const float*)x,
                         (const float*)gamma, (const float*)mean, (const float*)rstd, (const T*)dy,
-                        acc, rows, d, 1);
+                        acc, low, rows, d, 1);
             bool exact = true;
             for (size_t i = 0; i < n; ++i) exact &= acc[i] == (float)base[i] + dx[i];
             tally.check_true(tag + " dx accumulated bit-exactly", exact);
+            tally.check_true(tag + " dx accumulated, rounded copy", rounded_copy(low, acc, n));
         }
 
         for (int rpb : {64, 4}) {
@@ -172,14 +175,18 @@ static void test_backward(void (*dx_kernel)(const float*, const float*, const fl
                     fill_poison(fdx, n);
                 float* partial = buffer<float>((size_t)blocks * 2 * d);
                 fill_poison(partial, (size_t)blocks * 2 * d);
+                // A rounded copy asked for in one of the two (null in the other).
+                T* low = accumulate ? buffer<T>(n) : nullptr;
+                if (low) fill_poison(low, n);
                 emu::launch(fused_kernel, dim3(blocks), dim3(256), (size_t)64 * d, (const float*)x,
                             (const float*)gamma, (const float*)mean, (const float*)rstd,
-                            (const T*)dy, fdx, partial, rows, d, accumulate);
+                            (const T*)dy, fdx, low, partial, rows, d, accumulate);
                 bool same = true;
                 for (size_t i = 0; i < n; ++i)
                     same &= fdx[i] == (accumulate ? (float)base[i] + dx[i] : dx[i]);
                 const std::string ftag = tag + fmt(" fused blocks=%u accumulate=%d", blocks, accumulate);
                 tally.check_true(ftag + " dx as the dx kernel's", same);
+                if (low) tally.check_true(ftag + " rounded copy", rounded_copy(low, fdx, n));
                 float* grad = buffer<float>(2 * d);
                 auto gbase = fill_random(grad, 2 * d, rng, -1.0f, 1.0f);
                 emu::launch(colsum_finish, dim3((2 * d + 255) / 256), dim3(256), 0, (const float*)partial, grad, (int)blocks, 2 * d, 1);

@@ -71,9 +71,9 @@ static void test_rms_forward(void (*fwd)(const float*, const float*, T*, float*,
 }
 
 template <class T>
-static void test_rms_backward(void (*dx_kernel)(const float*, const float*, const float*, const T*, float*, int, int, int),
+static void test_rms_backward(void (*dx_kernel)(const float*, const float*, const float*, const T*, float*, T*, int, int, int),
                               void (*params_kernel)(const float*, const float*, const T*, float*, int, int, int),
-                              void (*fused_kernel)(const float*, const float*, const float*, const T*, float*, float*, int, int, int)) {
+                              void (*fused_kernel)(const float*, const float*, const float*, const T*, float*, T*, float*, int, int, int)) {
     Rng rng(42);
     const double eps = 1e-5;
     for (const auto& sh : NORM_SHAPES) {
@@ -95,7 +95,7 @@ static void test_rms_backward(void (*dx_kernel)(const float*, const float*, cons
             fill_poison(dx, n);
             const unsigned grid = off ? 1 : (rows + 7) / 8;
             emu::launch(dx_kernel, dim3(grid), dim3(256), 0, (const float*)x, (const float*)w,
-                        (const float*)rstd, (const T*)dy, dx, rows, d, 0);
+                        (const float*)rstd, (const T*)dy, dx, (T*)nullptr, rows, d, 0);
             std::vector<double> want(n), scale(n), dw(d, 0.0);
             for (int r = 0; r < rows; ++r) {
                 double mgh = 0.0;
@@ -118,12 +118,15 @@ static void test_rms_backward(void (*dx_kernel)(const float*, const float*, cons
             tally.check(tag + " dx", scaled_l2(read(dx, n), want, scale), 1e-5);
             {
                 float* acc = buffer<float>(n);
+                T* low = buffer<T>(n);
+                fill_poison(low, n);
                 const auto base = fill_random(acc, n, rng, -1.0f, 1.0f);
                 emu::launch(dx_kernel, dim3(grid), dim3(256), 0, (const float*)x, (const float*)w,
-                            (const float*)rstd, (const T*)dy, acc, rows, d, 1);
+                            (const float*)rstd, (const T*)dy, acc, low, rows, d, 1);
                 bool exact = true;
                 for (size_t i = 0; i < n; ++i) exact &= acc[i] == (float)base[i] + dx[i];
                 tally.check_true(tag + " dx accumulated bit-exactly", exact);
+                tally.check_true(tag + " dx accumulated, rounded copy", rounded_copy(low, acc, n));
             }
 
             for (int rpb : {64, 4}) {
@@ -156,14 +159,17 @@ static void test_rms_backward(void (*dx_kernel)(const float*, const float*, cons
                         fill_poison(fdx, n);
                     float* partial = buffer<float>((size_t)blocks * d);
                     fill_poison(partial, (size_t)blocks * d);
+                    T* low = accumulate ? buffer<T>(n) : nullptr;
+                    if (low) fill_poison(low, n);
                     emu::launch(fused_kernel, dim3(blocks), dim3(256), (size_t)32 * d, (const float*)x,
-                                (const float*)w, (const float*)rstd, (const T*)dy, fdx, partial, rows, d,
-                                accumulate);
+                                (const float*)w, (const float*)rstd, (const T*)dy, fdx, low, partial,
+                                rows, d, accumulate);
                     bool same = true;
                     for (size_t i = 0; i < n; ++i)
                         same &= fdx[i] == (accumulate ? (float)base[i] + dx[i] : dx[i]);
                     const std::string ftag = tag + fmt(" fused blocks=%u accumulate=%d", blocks, accumulate);
                     tally.check_true(ftag + " dx as the dx kernel's", same);
+                    if (low) tally.check_true(ftag + " rounded copy", rounded_copy(low, fdx, n));
                     float* grad = buffer<float>(d);
                     auto gbase = fill_random(grad, d, rng, -1.0f, 1.0f);
                     emu::launch(colsum_finish, dim3((d + 255) / 256), dim3(256), 0, (const float*)partial,

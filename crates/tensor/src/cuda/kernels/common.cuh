@@ -302,12 +302,14 @@ __device__ __forceinline__ const float* norm_row_in_scalar(const float* __restri
 /// or 1), it also adds the row's parameter-gradient terms, from dy as it is, a lane only into
 /// its own chunks. Requires d % 4 == 0, d ≤ 128·NORM_MAX_CHUNKS, x, w and dx 16-byte and dy
 /// 4·sizeof(T)-byte aligned. The dx kernels' vector path and the fused kernels below both run
-/// it, so their input gradients are the same bits.
+/// it, so their input gradients are the same bits. With `lowr` (4·sizeof(T)-byte aligned) the
+/// row's dx as stored (after `accumulate`'s add) is also written rounded to T: the copy the
+/// next product reads, which would otherwise be a conversion pass of its own.
 template <class T, bool LAYER>
 __device__ __forceinline__ void norm_bwd_row(const float* __restrict__ xr, const T* __restrict__ dyr,
-                                             float* __restrict__ dxr, const float* __restrict__ w,
-                                             float mu, float rs, int d, int lane, int accumulate,
-                                             float4* sums) {
+                                             float* __restrict__ dxr, T* __restrict__ lowr,
+                                             const float* __restrict__ w, float mu, float rs,
+                                             int d, int lane, int accumulate, float4* sums) {
     const int d4 = d >> 2;
     const float d_f = (float)d;
     float xv[NORM_MAX_CHUNKS][4], gv[NORM_MAX_CHUNKS][4];
@@ -373,6 +375,7 @@ __device__ __forceinline__ void norm_bwd_row(const float* __restrict__ xr, const
                 }
             }
             store4_or_add(dxr + 4 * j, o, accumulate);
+            if (lowr) store4(lowr + 4 * j, o);  // the stored value (the sum), rounded to T
         }
     }
 }
@@ -392,6 +395,7 @@ __device__ __forceinline__ void norm_bwd_fused_impl(const float* __restrict__ x,
                                                     const float* __restrict__ rstd,
                                                     const T* __restrict__ dy,
                                                     float* __restrict__ dx,
+                                                    T* __restrict__ dx_low,
                                                     float* __restrict__ partial, int rows, int d,
                                                     int accumulate) {
     constexpr int SUMS = LAYER ? 2 : 1;
@@ -406,9 +410,9 @@ __device__ __forceinline__ void norm_bwd_fused_impl(const float* __restrict__ x,
     __syncwarp();
     for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
         const float mu = LAYER ? mean[row] : 0.0f;
-        norm_bwd_row<T, LAYER>(x + (long long)row * d, dy + (long long)row * d,
-                               dx + (long long)row * d, w, mu, rstd[row], d, lane, accumulate,
-                               mine);
+        const long long at = (long long)row * d;
+        norm_bwd_row<T, LAYER>(x + at, dy + at, dx + at, dx_low ? dx_low + at : nullptr, w, mu,
+                               rstd[row], d, lane, accumulate, mine);
     }
     __syncthreads();
     float4* out = reinterpret_cast<float4*>(partial + (long long)blockIdx.x * SUMS * d);

@@ -157,7 +157,8 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
                                                       const float* __restrict__ mean,
                                                       const float* __restrict__ rstd,
                                                       const T* __restrict__ dy,
-                                                      float* __restrict__ dx, int rows, int d,
+                                                      float* __restrict__ dx,
+                                                      T* __restrict__ dx_low, int rows, int d,
                                                       int accumulate) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
@@ -165,15 +166,17 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
     // norm_bwd_row's conditions (common.cuh).
     const bool vec = (d & 3) == 0 && d <= 128 * NORM_MAX_CHUNKS && is_aligned(x, 16) &&
                      is_aligned(gamma, 16) && is_aligned(dx, 16) &&
-                     is_aligned(dy, 4 * sizeof(T));
+                     is_aligned(dy, 4 * sizeof(T)) && is_aligned(dx_low, 4 * sizeof(T));
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows;
          row += gridDim.x * warps) {
         const float* xr = x + (long long)row * d;
         const T* dyr = dy + (long long)row * d;
         float* dxr = dx + (long long)row * d;
+        T* lowr = dx_low ? dx_low + (long long)row * d : nullptr;
         const float mu = mean[row], rs = rstd[row];
         if (vec) {
-            norm_bwd_row<T, true>(xr, dyr, dxr, gamma, mu, rs, d, lane, accumulate, nullptr);
+            norm_bwd_row<T, true>(xr, dyr, dxr, lowr, gamma, mu, rs, d, lane, accumulate,
+                                  nullptr);
         } else {
             float sg = 0.0f, sgh = 0.0f;
             for (int c = lane; c < d; c += 32) {
@@ -187,7 +190,9 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
                 const float g = to_f32(dyr[c]) * gamma[c];
                 const float h = (xr[c] - mu) * rs;
                 const float v = rs * (g - mg - h * mgh);
-                dxr[c] = accumulate ? dxr[c] + v : v;
+                const float out = accumulate ? dxr[c] + v : v;
+                dxr[c] = out;
+                if (lowr) lowr[c] = from_f32<T>(out);
             }
         }
     }
@@ -195,18 +200,18 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
 
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_dx_f32(const float* x, const float* gamma, const float* mean, const float* rstd,
-                     const float* dy, float* dx, int rows, int d, int accumulate) {
-    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d, accumulate);
+                     const float* dy, float* dx, float* dx_low, int rows, int d, int accumulate) {
+    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, dx_low, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_dx_bf16(const float* x, const float* gamma, const float* mean, const float* rstd,
-                      const bf16* dy, float* dx, int rows, int d, int accumulate) {
-    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d, accumulate);
+                      const bf16* dy, float* dx, bf16* dx_low, int rows, int d, int accumulate) {
+    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, dx_low, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_dx_f16(const float* x, const float* gamma, const float* mean, const float* rstd,
-                     const f16* dy, float* dx, int rows, int d, int accumulate) {
-    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, rows, d, accumulate);
+                     const f16* dy, float* dx, f16* dx_low, int rows, int d, int accumulate) {
+    layernorm_bwd_dx_impl(x, gamma, mean, rstd, dy, dx, dx_low, rows, d, accumulate);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -280,19 +285,22 @@ layernorm_bwd_params_f16(const float* x, const float* mean, const float* rstd, c
 
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_fused_f32(const float* x, const float* gamma, const float* mean, const float* rstd,
-                        const float* dy, float* dx, float* partial, int rows, int d,
+                        const float* dy, float* dx, float* dx_low, float* partial, int rows, int d,
                         int accumulate) {
-    norm_bwd_fused_impl<float, true>(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
+    norm_bwd_fused_impl<float, true>(x, gamma, mean, rstd, dy, dx, dx_low, partial, rows, d,
+                                     accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_fused_bf16(const float* x, const float* gamma, const float* mean, const float* rstd,
-                         const bf16* dy, float* dx, float* partial, int rows, int d,
+                         const bf16* dy, float* dx, bf16* dx_low, float* partial, int rows, int d,
                          int accumulate) {
-    norm_bwd_fused_impl<bf16, true>(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
+    norm_bwd_fused_impl<bf16, true>(x, gamma, mean, rstd, dy, dx, dx_low, partial, rows, d,
+                                     accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 layernorm_bwd_fused_f16(const float* x, const float* gamma, const float* mean, const float* rstd,
-                        const f16* dy, float* dx, float* partial, int rows, int d,
+                        const f16* dy, float* dx, f16* dx_low, float* partial, int rows, int d,
                         int accumulate) {
-    norm_bwd_fused_impl<f16, true>(x, gamma, mean, rstd, dy, dx, partial, rows, d, accumulate);
+    norm_bwd_fused_impl<f16, true>(x, gamma, mean, rstd, dy, dx, dx_low, partial, rows, d,
+                                     accumulate);
 }

@@ -122,22 +122,26 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
                                                     const float* __restrict__ w,
                                                     const float* __restrict__ rstd,
                                                     const T* __restrict__ dy,
-                                                    float* __restrict__ dx, int rows, int d,
+                                                    float* __restrict__ dx,
+                                                    T* __restrict__ dx_low, int rows, int d,
                                                     int accumulate) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const float d_f = (float)d;
     // norm_bwd_row's conditions (common.cuh).
     const bool vec = (d & 3) == 0 && d <= 128 * NORM_MAX_CHUNKS && is_aligned(x, 16) &&
-                     is_aligned(w, 16) && is_aligned(dx, 16) && is_aligned(dy, 4 * sizeof(T));
+                     is_aligned(w, 16) && is_aligned(dx, 16) && is_aligned(dy, 4 * sizeof(T)) &&
+                     is_aligned(dx_low, 4 * sizeof(T));
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < rows;
          row += gridDim.x * warps) {
         const float* xr = x + (long long)row * d;
         const T* dyr = dy + (long long)row * d;
         float* dxr = dx + (long long)row * d;
+        T* lowr = dx_low ? dx_low + (long long)row * d : nullptr;
         const float rs = rstd[row];
         if (vec) {
-            norm_bwd_row<T, false>(xr, dyr, dxr, w, 0.0f, rs, d, lane, accumulate, nullptr);
+            norm_bwd_row<T, false>(xr, dyr, dxr, lowr, w, 0.0f, rs, d, lane, accumulate,
+                                   nullptr);
         } else {
             float sgh = 0.0f;
             for (int c = lane; c < d; c += 32) {
@@ -148,7 +152,9 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
             for (int c = lane; c < d; c += 32) {
                 const float g = to_f32(dyr[c]) * w[c];
                 const float v = rs * (g - xr[c] * rs * mgh);
-                dxr[c] = accumulate ? dxr[c] + v : v;
+                const float out = accumulate ? dxr[c] + v : v;
+                dxr[c] = out;
+                if (lowr) lowr[c] = from_f32<T>(out);
             }
         }
     }
@@ -156,18 +162,18 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
 
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_dx_f32(const float* x, const float* w, const float* rstd, const float* dy,
-                   float* dx, int rows, int d, int accumulate) {
-    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d, accumulate);
+                   float* dx, float* dx_low, int rows, int d, int accumulate) {
+    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, dx_low, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_dx_bf16(const float* x, const float* w, const float* rstd, const bf16* dy,
-                    float* dx, int rows, int d, int accumulate) {
-    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d, accumulate);
+                    float* dx, bf16* dx_low, int rows, int d, int accumulate) {
+    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, dx_low, rows, d, accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_dx_f16(const float* x, const float* w, const float* rstd, const f16* dy,
-                   float* dx, int rows, int d, int accumulate) {
-    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, rows, d, accumulate);
+                   float* dx, f16* dx_low, int rows, int d, int accumulate) {
+    rmsnorm_bwd_dx_impl(x, w, rstd, dy, dx, dx_low, rows, d, accumulate);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -177,18 +183,21 @@ rmsnorm_bwd_dx_f16(const float* x, const float* w, const float* rstd, const f16*
 
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_fused_f32(const float* x, const float* w, const float* rstd, const float* dy,
-                      float* dx, float* partial, int rows, int d, int accumulate) {
-    norm_bwd_fused_impl<float, false>(x, w, nullptr, rstd, dy, dx, partial, rows, d, accumulate);
+                      float* dx, float* dx_low, float* partial, int rows, int d, int accumulate) {
+    norm_bwd_fused_impl<float, false>(x, w, nullptr, rstd, dy, dx, dx_low, partial, rows, d,
+                                      accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_fused_bf16(const float* x, const float* w, const float* rstd, const bf16* dy,
-                       float* dx, float* partial, int rows, int d, int accumulate) {
-    norm_bwd_fused_impl<bf16, false>(x, w, nullptr, rstd, dy, dx, partial, rows, d, accumulate);
+                       float* dx, bf16* dx_low, float* partial, int rows, int d, int accumulate) {
+    norm_bwd_fused_impl<bf16, false>(x, w, nullptr, rstd, dy, dx, dx_low, partial, rows, d,
+                                      accumulate);
 }
 extern "C" __global__ void __launch_bounds__(256)
 rmsnorm_bwd_fused_f16(const float* x, const float* w, const float* rstd, const f16* dy,
-                      float* dx, float* partial, int rows, int d, int accumulate) {
-    norm_bwd_fused_impl<f16, false>(x, w, nullptr, rstd, dy, dx, partial, rows, d, accumulate);
+                      float* dx, f16* dx_low, float* partial, int rows, int d, int accumulate) {
+    norm_bwd_fused_impl<f16, false>(x, w, nullptr, rstd, dy, dx, dx_low, partial, rows, d,
+                                      accumulate);
 }
 
 // ---------------------------------------------------------------------------------------
