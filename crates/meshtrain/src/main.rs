@@ -246,7 +246,12 @@ fn run() -> Result<ExitCode> {
         // Colour codes only for a terminal: logs redirected to a file stay plain text.
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let done = match Cli::parse().command {
+    let cli = Cli::parse();
+    // A fusion switch the kernels would not understand is refused before any work.
+    #[cfg(feature = "cuda")]
+    meshtrain_tensor::cuda::ops::fusion_setting(std::env::var("MESHTRAIN_FUSION").ok().as_deref())
+        .map_err(anyhow::Error::msg)?;
+    let done = match cli.command {
         Command::Train(a) => return train(&a),
         Command::Launch(a) => return meshtrain::launch::run(&a),
         Command::Bench(BenchCommand::Models(a)) => run_models(&a),

@@ -858,6 +858,10 @@ impl TransformerBlock {
         mut child: impl FnMut(usize, Tensor, Option<&mut Tensor>) -> Option<Tensor>,
     ) -> Option<(Tensor, Tensor)> {
         let (c, split) = (&self.parts, self.attention_parts);
+        debug_assert!(
+            0 < split && split < c.len(),
+            "a block has an attention branch and an MLP branch"
+        );
         let (mut x, first) = match x {
             Stream::Ready(x) => {
                 let first = child(0, x.clone(), None)?;
@@ -978,6 +982,10 @@ impl Layer for TransformerBlock {
         let mut dx = dy;
         for branch in [split..c.len(), 0..split] {
             let mut grad = dx.clone();
+            // The stream's gradient in 16 bits (a norm's kernel wrote it: `Tensor::rounded`)
+            // is for the branch's last product, which `grad` reaches; `dx` only waits for the
+            // branch's first layer to add into it.
+            dx.drop_rounded();
             // Whether `grad` is already with respect to layer i's pre-activation.
             let mut pre_activation = false;
             for i in (branch.start + 1..branch.end).rev() {

@@ -106,6 +106,15 @@ impl Tensor {
         self.rounded.as_ref().filter(|r| r.dtype() == dtype)
     }
 
+    /// Lets go of the rounded copy, if any (the values stay): for a holder that will not hand
+    /// the tensor to a product, so the copy lives no longer than the one that will.
+    pub fn drop_rounded(&mut self) {
+        #[cfg(feature = "cuda")]
+        {
+            self.rounded = None;
+        }
+    }
+
     /// The device values and the shape, taken out of the tensor (so a kernel may write into
     /// a buffer no one else holds); a host tensor is handed back unchanged.
     #[cfg(feature = "cuda")]

@@ -313,7 +313,7 @@ impl LinearForward {
 /// backward reads (the pre-activation, or `y` for sigmoid and tanh). A tanh GELU goes into
 /// the product's epilogue ([`Epilogue::GeluAux`]: `y` and the pre-activation written by the
 /// product, not read back by a second pass) where cuBLASLt offers it for the shape and
-/// [`fusion`] is on, in 16-bit precisions only: its GELU is not documented to f32's
+/// [`Fusion::Epilogues`] is on, in 16-bit precisions only: its GELU is not documented to f32's
 /// accuracy, and an f32 run is held to the CPU's results to f32 rounding. Otherwise the
 /// activation runs as its own pass.
 pub fn linear_act_forward(
@@ -431,7 +431,7 @@ impl LinearGrads {
     /// previous layer's activation (its kind and what its backward reads): `after_dx` gets
     /// the gradient with respect to that activation's input. A tanh GELU's goes into the
     /// product's epilogue ([`Epilogue::DGelu`]) where cuBLASLt offers it, in 16 bits, for
-    /// input widths a multiple of 8, with [`fusion`] on; any other is an `act_bwd` pass
+    /// input widths a multiple of 8, with [`Fusion::Epilogues`] on; any other is an `act_bwd` pass
     /// after the product.
     #[allow(clippy::too_many_arguments)]
     pub fn backward_through<R>(
@@ -727,7 +727,7 @@ pub fn activation_backward(
 /// into the `cols` f32 values at `bias_grad`, each bit for bit what `activation_backward`
 /// then [`column_sums`] give, with one read of the gradient less. `None` (nothing done) where
 /// the column sums' vector path does not apply (`cols` not a multiple of 16 bytes' worth of
-/// values, a pointer off 16 bytes) or [`fusion`] is off: the caller runs the two.
+/// values, a pointer off 16 bytes) or [`Fusion::ActivationBias`] is off: the caller runs the two.
 pub fn activation_backward_with_bias(
     saved: &CudaTensor,
     dy: &CudaTensor,
@@ -739,7 +739,7 @@ pub fn activation_backward_with_bias(
     let dev = saved.device();
     let rows = saved.len() / cols.max(1);
     let pass = ColumnSumPass::new(rows, cols, saved.dtype(), saved.ptr());
-    if !pass.vector || rows * cols != saved.len() || !fusion() {
+    if !pass.vector || rows * cols != saved.len() || !fused(Fusion::ActivationBias) {
         return Ok(None);
     }
     // Decided before `dy` is converted, so the fallback does not convert it again (a
@@ -801,7 +801,7 @@ pub fn add(a: CudaTensor, b: &CudaTensor) -> Result<CudaTensor, CudaError> {
 /// A norm forward's input, with or without the residual add before it. With a branch's output
 /// `h` the row normalised is the stream's new value `x + h` (f32), which the norm's kernel
 /// computes and stores itself (`*_fwd_add_*`) where `h` is in the norm's output dtype (a
-/// branch's last product writes that) and [`fusion`] is on: one pass where a residual add and
+/// branch's last product writes that) and [`Fusion::ResidualAdd`] is on: one pass where a residual add and
 /// the norm took two, with the same bits (one f32 addition either way). Otherwise the
 /// separate [`add`] runs first.
 struct NormInput {
@@ -821,7 +821,13 @@ impl NormInput {
         let Some(h) = h else {
             return Ok(NormInput { x, fused_add: None });
         };
-        if h.dtype() != out_dtype || !fusion() {
+        // An `x` or `h` off its vector alignment would send the fused kernel down its scalar
+        // path while the separate norm of the add's fresh (aligned) sum takes the vector one:
+        // their row sums run in other orders. Such views (never a product's or an add's
+        // output) add first.
+        let aligned =
+            x.ptr().is_multiple_of(16) && h.ptr().is_multiple_of(4 * h.dtype().size_bytes() as u64);
+        if h.dtype() != out_dtype || !aligned || !fused(Fusion::ResidualAdd) {
             return Ok(NormInput {
                 x: add(x, h)?,
                 fused_add: None,
@@ -978,7 +984,7 @@ fn rounded_input_grad(
     pending: &Option<CudaTensor>,
     len: usize,
 ) -> Result<Option<CudaTensor>, CudaError> {
-    (rounded && dy.dtype() != DType::F32 && pending.is_none() && fusion())
+    (rounded && dy.dtype() != DType::F32 && pending.is_none() && fused(Fusion::RoundedGrad))
         .then(|| CudaTensor::alloc(dev, len, dy.dtype(), "a norm's rounded input gradient"))
         .transpose()
 }
@@ -1065,23 +1071,104 @@ pub fn layer_norm_backward(
     finish_norm_grad(dx, low, pending)
 }
 
-/// Whether the step runs its fused passes where they apply (the residual add in the next
-/// norm's forward, the norms' one-pass backward, the activation's gradient with the bias
-/// gradient, GELU and the bias gradient in the
-/// products' epilogues): yes unless `MESHTRAIN_FUSION=off`, which keeps the separate
-/// kernels, for A/B runs on a card.
-fn fusion() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !std::env::var("MESHTRAIN_FUSION").is_ok_and(|v| v == "off"))
+/// The step's fused passes: each runs where it applies unless `MESHTRAIN_FUSION` turns it off
+/// ([`fusion_setting`]), which keeps the separate kernels: for A/B runs on a card, and for
+/// setting one aside if a card disagrees with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fusion {
+    /// The residual add in the next norm's forward kernel ([`add_layer_norm_forward`]).
+    ResidualAdd,
+    /// A norm's input gradient also written rounded to 16 bits, for the product reading it
+    /// next ([`NormInputGrad`]).
+    RoundedGrad,
+    /// A norm's input and parameter gradients in one pass ([`FusedNormBackward`]).
+    NormBackward,
+    /// A linear layer's activation gradient with its bias gradient
+    /// ([`activation_backward_with_bias`]).
+    ActivationBias,
+    /// GELU, its gradient and the bias gradients in the products' epilogues
+    /// ([`epilogue_fusion`]).
+    Epilogues,
+}
+
+impl Fusion {
+    pub const ALL: [Fusion; 5] = [
+        Fusion::ResidualAdd,
+        Fusion::RoundedGrad,
+        Fusion::NormBackward,
+        Fusion::ActivationBias,
+        Fusion::Epilogues,
+    ];
+
+    /// Its name in `MESHTRAIN_FUSION`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fusion::ResidualAdd => "residual-add",
+            Fusion::RoundedGrad => "rounded-grad",
+            Fusion::NormBackward => "norm-backward",
+            Fusion::ActivationBias => "activation-bias",
+            Fusion::Epilogues => "epilogues",
+        }
+    }
+}
+
+/// The fusions `MESHTRAIN_FUSION`'s `value` turns off: unset, empty or `on`, none; `off`,
+/// every one; `off:NAME,NAME`, those ([`Fusion::name`]). Anything else is an error naming
+/// what is accepted (the command line checks it before any work).
+pub fn fusion_setting(value: Option<&str>) -> Result<Vec<Fusion>, String> {
+    let names = || {
+        Fusion::ALL
+            .iter()
+            .map(|f| f.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match value.map(str::trim) {
+        None | Some("") | Some("on") => Ok(Vec::new()),
+        Some("off") => Ok(Fusion::ALL.to_vec()),
+        Some(v) => {
+            let list = v.strip_prefix("off:").ok_or_else(|| {
+                format!(
+                    "MESHTRAIN_FUSION={v}: expected on, off or off:NAME,... (names: {})",
+                    names()
+                )
+            })?;
+            list.split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(|n| {
+                    Fusion::ALL
+                        .into_iter()
+                        .find(|f| f.name() == n)
+                        .ok_or_else(|| {
+                            format!(
+                                "MESHTRAIN_FUSION: no fusion named {n:?} (names: {})",
+                                names()
+                            )
+                        })
+                })
+                .collect()
+        }
+    }
+}
+
+/// Whether `f` runs ([`fusion_setting`] of `MESHTRAIN_FUSION`, read once; a value the
+/// command line would refuse turns nothing off).
+fn fused(f: Fusion) -> bool {
+    static OFF: std::sync::OnceLock<Vec<Fusion>> = std::sync::OnceLock::new();
+    !OFF.get_or_init(|| {
+        fusion_setting(std::env::var("MESHTRAIN_FUSION").ok().as_deref()).unwrap_or_default()
+    })
+    .contains(&f)
 }
 
 /// Whether a product's epilogue takes a pass over its output of `width`-value rows
-/// ([`Epilogue`]): with [`fusion`] on, in 16 bits (an f32 run is held to the CPU's results to
+/// ([`Epilogue`]): with [`Fusion::Epilogues`] on, in 16 bits (an f32 run is held to the CPU's results to
 /// f32 rounding, which cuBLASLt's epilogues are not documented to reach, and f32 keeps the
 /// fixed-order column sums), for rows a multiple of 8 values (cuBLASLt's auxiliary matrix
 /// wants its leading dimension so, and a shape it might refuse only at launch is not tried).
 pub fn epilogue_fusion(precision: DType, width: usize) -> bool {
-    precision != DType::F32 && width.is_multiple_of(8) && fusion()
+    precision != DType::F32 && width.is_multiple_of(8) && fused(Fusion::Epilogues)
 }
 
 /// Whether `act` goes into a product's epilogue, forward ([`Epilogue::GeluAux`]) or as the
@@ -1093,12 +1180,13 @@ pub fn gelu_epilogue(act: ActKind, precision: DType, width: usize) -> bool {
 /// Blocks of the fused norm backward ([`FusedNormBackward`]: the input gradient and the
 /// parameter gradients' partial sums in one pass over `x` and `dy`), or `None` where its
 /// vector path does not apply (`d` not a multiple of 4 or above 1,024, buffers not
-/// `aligned`) or [`fusion`] is off. One warp a row up to [`FUSED_NORM_BLOCKS`]
+/// `aligned`) or [`Fusion::NormBackward`] is off. One warp a row up to [`FUSED_NORM_BLOCKS`]
 /// blocks of 8, each warp looping over rows beyond. Fixed by the shape alone, so the sums'
 /// order, and the bits, are the same on every GPU.
 fn fused_norm_backward_blocks(rows: usize, d: usize, aligned: bool) -> Option<usize> {
     let fits = d.is_multiple_of(4) && d > 0 && d <= 1024;
-    (fits && aligned && fusion()).then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
+    (fits && aligned && fused(Fusion::NormBackward))
+        .then(|| rows.div_ceil(8).clamp(1, FUSED_NORM_BLOCKS))
 }
 
 /// A fused norm backward's launch (`layernorm_bwd_fused_*`, `rmsnorm_bwd_fused_*`, common.cuh's
@@ -2632,6 +2720,29 @@ impl VocabParallelXent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `MESHTRAIN_FUSION`: on (or unset) turns nothing off, off everything, `off:` a list by
+    /// name; an unknown name or form is an error that names what is accepted.
+    #[test]
+    fn the_fusion_setting_turns_off_what_it_names_and_refuses_the_rest() {
+        assert_eq!(fusion_setting(None), Ok(vec![]));
+        assert_eq!(fusion_setting(Some("on")), Ok(vec![]));
+        assert_eq!(fusion_setting(Some("off")), Ok(Fusion::ALL.to_vec()));
+        assert_eq!(
+            fusion_setting(Some("off:epilogues, residual-add")),
+            Ok(vec![Fusion::Epilogues, Fusion::ResidualAdd])
+        );
+        for f in Fusion::ALL {
+            assert_eq!(
+                fusion_setting(Some(&format!("off:{}", f.name()))),
+                Ok(vec![f])
+            );
+        }
+        let e = fusion_setting(Some("off:gelu")).unwrap_err();
+        assert!(e.contains("\"gelu\"") && e.contains("rounded-grad"), "{e}");
+        let e = fusion_setting(Some("no")).unwrap_err();
+        assert!(e.contains("off:NAME"), "{e}");
+    }
 
     /// The epilogues' descriptions mean a linear layer's arithmetic (evaluated on the host,
     /// the pointers host addresses): the forward with GELU gives `gelu_tanh(x·Wᵀ + b)` and

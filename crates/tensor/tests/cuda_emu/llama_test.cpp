@@ -159,8 +159,8 @@ static void test_rms_backward(void (*dx_kernel)(const float*, const float*, cons
                         fill_poison(fdx, n);
                     float* partial = buffer<float>((size_t)blocks * d);
                     fill_poison(partial, (size_t)blocks * d);
-                    T* low = accumulate ? buffer<T>(n) : nullptr;
-                    if (low) fill_poison(low, n);
+                    T* low = buffer<T>(n);
+                    fill_poison(low, n);
                     emu::launch(fused_kernel, dim3(blocks), dim3(256), (size_t)32 * d, (const float*)x,
                                 (const float*)w, (const float*)rstd, (const T*)dy, fdx, low, partial,
                                 rows, d, accumulate);
@@ -169,7 +169,7 @@ static void test_rms_backward(void (*dx_kernel)(const float*, const float*, cons
                         same &= fdx[i] == (accumulate ? (float)base[i] + dx[i] : dx[i]);
                     const std::string ftag = tag + fmt(" fused blocks=%u accumulate=%d", blocks, accumulate);
                     tally.check_true(ftag + " dx as the dx kernel's", same);
-                    if (low) tally.check_true(ftag + " rounded copy", rounded_copy(low, fdx, n));
+                    tally.check_true(ftag + " rounded copy", rounded_copy(low, fdx, n));
                     float* grad = buffer<float>(d);
                     auto gbase = fill_random(grad, d, rng, -1.0f, 1.0f);
                     emu::launch(colsum_finish, dim3((d + 255) / 256), dim3(256), 0, (const float*)partial,
