@@ -50,9 +50,10 @@
 //   * launch limits: more than 1024 threads or 227 KiB of dynamic shared memory, zero or
 //     oversized dimensions;
 //   * Hopper wgmma misuse (see emu_wg): accumulator or A registers written while the product
-//     is in flight, shared bytes a wgmma reads that the generic proxy (stores, cp.async) wrote
-//     without a later fence.proxy.async, warps of a warpgroup issuing different wgmmas, and
-//     products (or cp.async copies) never waited for;
+//     is in flight, or written by ordinary code after the thread's last wgmma.fence and read
+//     by a wgmma (and a wgmma with no wgmma.fence before it), shared bytes a wgmma reads that
+//     the generic proxy (stores, cp.async) wrote without a later fence.proxy.async, warps of a
+//     warpgroup issuing different wgmmas, and products (or cp.async copies) never waited for;
 //   * writes past the end of the dynamic shared memory or of an emu::alloc buffer (into the
 //     padding up to the next 128/256 bytes: checked after each block/launch; further: a
 //     guard page faults and the SIGSEGV handler names the buffer, kernel, block and thread).
@@ -2323,9 +2324,13 @@ template <int N> inline void mt_cp_async_wait() {
 //   wgmma.wait_group that completes it is undefined): see InFlight below;
 // - the async-proxy fence before a wgmma reads shared bytes the generic proxy wrote
 //   (emu_proxy, above);
+// - wgmma.fence between ordinary writes of a product's accumulator or A registers and the
+//   wgmma that reads them, and before a thread's first wgmma (by value, against a copy of
+//   the thread's stack taken at each fence: see Fenced below; reads are not seen);
 // - .aligned: the lanes of a warp, and the 4 warps of a warpgroup, issue the same wgmma
 //   (shape, types, descriptors), and each warp of a warpgroup as many of them in a block.
-// Not checked: wgmma.fence (registers written before a wgmma without the fence).
+// Not checked: a fence that only some warps of the warpgroup execute (.aligned), and ordinary
+// reads of the registers (only writes) on either side of a wgmma.fence.
 // =======================================================================================
 namespace emu_wg {
 struct Pending {
@@ -2419,6 +2424,136 @@ inline void hold_d(float (*d)[4], int n) {
         for (int e = 0; e < 4; ++e) d[j][e] = nan;
 }
 
+// wgmma.fence. PTX: the warpgroup must execute wgmma.fence.sync.aligned before its first
+// wgmma.mma_async, and between any access by other instructions to a wgmma's accumulator
+// registers (or, A in registers, its A-fragment registers) and the wgmma.mma_async that uses
+// them; only wgmmas that accumulate into the same registers one after another need none
+// between them. Without it the tensor cores may read values from before the write (or the
+// write may land after the product's): silently undefined on an H100. Checked by value, per
+// thread, when a wgmma is issued:
+// - each wgmma.fence copies the thread's live stack (the kernel's "registers": its frames
+//   above the fence's) into `image`; when the last product into an accumulator array
+//   completes (wait_group) the completed values go into the image too (a wgmma's own write
+//   needs no fence before the next wgmma into them);
+// - at issue, the registers the product reads (D unless a chain into it is in flight, whose
+//   D holds the in-flight NaN and is checked by InFlight; A when from registers) must hold
+//   what the image says, bit for bit; a register that differs, or lies in a frame made after
+//   the fence (declared after it), was written by ordinary code since the fence: the launch
+//   fails. A wgmma with no fence before it in the block fails too.
+// The approximation: only writes are seen (an ordinary read of the registers between the
+// last fence and the wgmma is undefined too, but not caught), and a write that stores the
+// value the register already held (o *= 1) is not seen. The .aligned part (every warp of
+// the warpgroup fences) is not checked. Registers outside the thread's fiber stack (none in
+// real kernels; locals moved elsewhere by a sanitizer's fake stack) get only the "a fence
+// before the first wgmma" check. The fence is a compiler barrier (a memory clobber, then a
+// call the compiler does not inline) so that -O2 neither sinks stores to the registers
+// past it nor hoists later ones before it. Cost: a copy of ~1.2 KB per lane and fence
+// (attention_test: ~61k fences, ~74 MB per schedule), lost in the noise.
+struct Fenced {
+    unsigned long long block = ~0ull; // the Run::block_serial it describes
+    bool fenced = false;               // a wgmma.fence executed in this block
+    const unsigned char* lo = nullptr; // the image covers [lo, lo + image.size())
+    std::vector<unsigned char> image;
+};
+inline Fenced& fenced_lane() {
+    static Fenced lanes[1024];
+    Fenced& L = lanes[emu_frag::linear_thread()];
+    const unsigned long long blk = ::emu::detail::run().block_serial;
+    if (L.block != blk) {
+        L.block = blk;
+        L.fenced = false;
+        L.lo = nullptr;
+        L.image.clear();
+    }
+    return L;
+}
+// The calling fiber's stack, [lo, hi).
+inline void fiber_stack(const unsigned char*& lo, const unsigned char*& hi) {
+    const ::emu::detail::Run& R = ::emu::detail::run();
+    const ::emu::detail::Fiber* f = ::emu::detail::current("mt_wgmma_fence / mt_wgmma");
+    lo = (const unsigned char*)R.stacks.lo(f->linear);
+    hi = lo + R.stacks.usable;
+}
+// wgmma.fence by the calling thread: the image of its stack above this call.
+__attribute__((noinline)) inline void fence_registers() {
+    Fenced& L = fenced_lane();
+    L.fenced = true;
+    const unsigned char *lo, *hi;
+    fiber_stack(lo, hi);
+    const unsigned char* sp = (const unsigned char*)__builtin_frame_address(0);
+    if (sp < lo || sp >= hi) { // not on the fiber's stack: nothing to compare with
+        L.lo = nullptr;
+        L.image.clear();
+        return;
+    }
+    L.lo = sp;
+    L.image.assign(sp, hi);
+}
+// The `bytes` bytes at `p` (accumulators) were just written by a completing product.
+inline void fenced_update(const void* p, size_t bytes) {
+    Fenced& L = fenced_lane();
+    if (!L.lo) return;
+    const unsigned char* b = (const unsigned char*)p;
+    const unsigned char* s = std::max(b, L.lo);
+    const unsigned char* e = std::min(b + bytes, L.lo + L.image.size());
+    if (s < e) std::memcpy(L.image.data() + (s - L.lo), s, (size_t)(e - s));
+}
+// Fails unless the `words` 32-bit registers at `p` (the product's accumulators d, or its A
+// fragment a) hold what they held at the thread's last wgmma.fence (or as the product that
+// last wrote them completed).
+inline void check_unchanged_since_fence(const Fenced& L, const void* p, int words, bool d) {
+    const unsigned char *lo, *hi;
+    fiber_stack(lo, hi);
+    const unsigned char* b = (const unsigned char*)p;
+    if (!L.lo || b < lo || b + 4 * (size_t)words > hi) return; // see the approximation above
+    const unsigned char* img_end = L.lo + L.image.size();
+    for (int w = 0; w < words; ++w) {
+        const unsigned char* at = b + 4 * w;
+        unsigned now, then = 0;
+        std::memcpy(&now, at, 4);
+        const bool live = at >= L.lo && at + 4 <= img_end;
+        if (live) std::memcpy(&then, L.image.data() + (at - L.lo), 4);
+        if (live && now == then) continue;
+        float now_f;
+        std::memcpy(&now_f, &now, 4);
+        const std::string reg =
+            d ? ::emu::detail::fmt("accumulator register d[%d][%d]", w / 4, w % 4)
+              : ::emu::detail::fmt("A-fragment register a[%d]", w);
+        const std::string was =
+            live ? ::emu::detail::fmt("it held 0x%08x at the thread's last wgmma.fence, or as "
+                                      "the last product into it completed",
+                                      then)
+                 : std::string("it lies in a stack frame made after the thread's last "
+                               "wgmma.fence, so it was written after that fence");
+        ::emu::detail::fail(::emu::detail::fmt(
+            "wgmma.fence missing: a wgmma.mma_async reads %s, which ordinary code wrote after "
+            "the thread's last wgmma.fence (it holds %g, 0x%08x; %s). PTX: the warpgroup must "
+            "execute wgmma.fence.sync.aligned between any access to a wgmma's accumulator or "
+            "A-fragment registers by other instructions and the wgmma.mma_async that uses "
+            "them: mt_wgmma_fence after writing them, before issuing the product",
+            reg.c_str(), (double)now_f, now, was.c_str()));
+    }
+}
+// The wgmma.fence check of a product about to be issued (into d, N = n; A in registers at
+// `a`, or nullptr).
+inline void check_wgmma_fence(float (*d)[4], int n, const unsigned* a) {
+    const Fenced& L = fenced_lane();
+    if (!L.fenced)
+        ::emu::detail::fail(
+            "wgmma.fence missing: a wgmma.mma_async was issued by a thread that executed no "
+            "wgmma.fence in this block. PTX: the warpgroup must execute "
+            "wgmma.fence.sync.aligned before its first wgmma.mma_async, and between any access "
+            "to a wgmma's accumulator or A-fragment registers by other instructions and the "
+            "wgmma.mma_async that uses them (mt_wgmma_fence)");
+    bool chained = false; // D in flight (hold_d checks it, and rejects a partial overlap)
+    for (const InFlight& x : in_flight())
+        if ((const float*)d < (const float*)(x.d + x.n / 8) &&
+            (const float*)x.d < (const float*)(d + n / 8))
+            chained = true;
+    if (!chained) check_unchanged_since_fence(L, d, n / 2, true);
+    if (a) check_unchanged_since_fence(L, a, 4, false);
+}
+
 // Element (k, mn) of an operand in shared memory through `desc`: K-major (trans false, a
 // core matrix row is 8 K values of one m or n) or MN-major (trans true, 8 M/N values of one k).
 inline float smem_value(unsigned long long desc, bool trans, bool bf, int k, int mn,
@@ -2487,6 +2622,7 @@ inline void apply(Pending p) {
     if (--f->products == 0) {
         for (int j = 0; j < p.n / 8; ++j)
             for (int e = 0; e < 4; ++e) p.d[j][e] = f->sum[j][e];
+        fenced_update(p.d, (size_t)p.n / 8 * sizeof *p.d); // a wgmma's write: no fence needed
         list.erase(f);
     }
 }
@@ -2581,6 +2717,7 @@ inline void issue(float (*d)[4], const unsigned* a, unsigned long long desc_a,
         if ((dsc >> 62) != 0 || ((dsc >> 49) & 7) != 0)
             ::emu::detail::fail("wgmma descriptor with a swizzle or base offset (only the "
                                 "interleaved layout is emulated)");
+    check_wgmma_fence(d, N, a); // before hold_d sets D aside
     auto& st = emu_frag::staging()[warp];
     for (int i = 0; i < 4; ++i) st[lane][i] = a ? a[i] : 0;
     st[lane][4] = desc;
@@ -2641,7 +2778,10 @@ inline unsigned long long mt_wgmma_desc(const void* smem, unsigned lbo, unsigned
     return ((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16) |
            ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
 }
-inline void mt_wgmma_fence() {}
+inline void mt_wgmma_fence() {
+    asm volatile("" ::: "memory"); // stores to the registers happen on their side of the fence
+    emu_wg::fence_registers();
+}
 inline void mt_fence_proxy_async() { emu_proxy::fence(); }
 template <int N> inline void mt_wgmma_hold(float (*)[4]) {}
 inline void mt_wgmma_commit() { emu_async::commit<emu_wg::Pending>(emu_wg::kWhat); }

@@ -350,7 +350,8 @@ extern "C" __global__ void st_dynamic_overrun(int n) {
 // (5120 bytes) both are core matrices (8 rows of 16 bytes), LBO 128 bytes along K, SBO 256
 // along M or N: A tiles at 0 and 2048, B tiles at 4096 and 4608. ST_WG_OK, ST_WG_CP and
 // ST_WG_RS do it right (stores, cp.async for B, A from registers); each other mode breaks
-// one rule the emulator checks (selftest_main.cpp's test_wgmma).
+// one rule the emulator checks (selftest_main.cpp's test_wgmma); ST_WG_D_REFENCED and
+// ST_WG_SPLIT are right too (wgmma.fence after a write; a chain waited for in between).
 enum {
     ST_WG_OK,
     ST_WG_CP,             // B by cp.async, fenced
@@ -363,6 +364,12 @@ enum {
     ST_WG_WRITE_A,        // rewrites an A register (register form) before the wait
     ST_WG_WARP_DESC,      // warp 1 gives another B descriptor
     ST_WG_EXTRA,          // warp 3 issues one more wgmma
+    ST_WG_NO_WGFENCE,     // no wgmma.fence before the products
+    ST_WG_D_AFTER_FENCE,  // writes an accumulator after the wgmma.fence
+    ST_WG_D_REFENCED,     // the same write, then wgmma.fence again (right: d[0][1] starts at 1)
+    ST_WG_A_AFTER_FENCE,  // rewrites an A register (register form) after the wgmma.fence
+    ST_WG_SPLIT,          // waits between the two products, no fence between (right)
+    ST_WG_SPLIT_WRITE,    // the same, with an accumulator written between them
 };
 extern "C" __global__ void st_wgmma(const __nv_bfloat16* a, const __nv_bfloat16* bt, float* out,
                                     int mode) {
@@ -393,7 +400,7 @@ extern "C" __global__ void st_wgmma(const __nv_bfloat16* a, const __nv_bfloat16*
     __syncthreads();
 
     const int g = lane / 4, c = 2 * (lane % 4), r0 = 16 * warp + g;
-    const bool rs = mode == ST_WG_RS || mode == ST_WG_WRITE_A;
+    const bool rs = mode == ST_WG_RS || mode == ST_WG_WRITE_A || mode == ST_WG_A_AFTER_FENCE;
     unsigned ra[2][4]; // register form: this lane's A fragments, mma.sync's A layout
     if (rs) {
         for (int kt = 0; kt < 2; ++kt) {
@@ -409,12 +416,20 @@ extern "C" __global__ void st_wgmma(const __nv_bfloat16* a, const __nv_bfloat16*
     float d[2][4];
     for (int j = 0; j < 2; ++j)
         for (int e = 0; e < 4; ++e) d[j][e] = 0.0f;
-    mt_wgmma_fence();
+    if (mode != ST_WG_NO_WGFENCE) mt_wgmma_fence();
+    if (mode == ST_WG_D_AFTER_FENCE || mode == ST_WG_D_REFENCED) d[0][1] = 1.0f;
+    if (mode == ST_WG_D_REFENCED) mt_wgmma_fence();
+    if (mode == ST_WG_A_AFTER_FENCE) ra[1][2] ^= 1u;
     for (int kt = 0; kt < 2; ++kt) {
         const int off = mode == ST_WG_WARP_DESC && warp == 1 ? 8 : 0;
         const unsigned long long db = mt_wgmma_desc(sB + kt * 256 + off, 128, 256);
         if (rs) mt_wgmma<__nv_bfloat16, 16, 0>(d, ra[kt], db);
         else mt_wgmma_ss<__nv_bfloat16, 16, 0>(d, mt_wgmma_desc(sA + kt * 1024, 128, 256), db);
+        if (kt == 0 && (mode == ST_WG_SPLIT || mode == ST_WG_SPLIT_WRITE)) {
+            mt_wgmma_commit();
+            mt_wgmma_wait<0>(); // no ordinary access, so the next product needs no fence
+            if (mode == ST_WG_SPLIT_WRITE) d[1][0] += 1.0f;
+        }
     }
     mt_wgmma_commit();
     if (mode == ST_WG_WRITE_D) d[1][2] = 0.0f;

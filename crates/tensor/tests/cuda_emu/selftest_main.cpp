@@ -662,8 +662,9 @@ void test_launch_checks() {
     emu::free(p);
 }
 
-// wgmma: a chain of two products right (shared or register A, B by stores or cp.async), and
-// each rule of PTX the emulator checks broken once (st_wgmma's modes).
+// wgmma: a chain of two products right (shared or register A, B by stores or cp.async, a
+// write fenced again, a wait between the products), and each rule of PTX the emulator checks
+// broken once (st_wgmma's modes).
 void test_wgmma() {
     emu::Rng rng(9);
     std::vector<bf16> a(2 * 1024), bt(2 * 256);
@@ -680,10 +681,14 @@ void test_wgmma() {
     bf16* dbt = emu::upload(bt);
     float* out = emu::alloc<float>(64 * 16);
     const size_t smem = 5120;
-    for (int mode : {ST_WG_OK, ST_WG_CP, ST_WG_RS}) {
+    for (int mode : {ST_WG_OK, ST_WG_CP, ST_WG_RS, ST_WG_D_REFENCED, ST_WG_SPLIT}) {
         emu::launch(st_wgmma, 1, 128, smem, da, dbt, out, mode);
         int bad = 0;
-        for (int i = 0; i < 64 * 16; ++i) bad += out[i] != want[i];
+        for (int i = 0; i < 64 * 16; ++i) {
+            // ST_WG_D_REFENCED: d[0][1] (rows 16w + g, odd columns below 8) started at 1.
+            const bool one = mode == ST_WG_D_REFENCED && (i / 16) % 16 < 8 && i % 16 < 8 && i % 2;
+            bad += out[i] != want[i] + (one ? 1.0f : 0.0f);
+        }
         EMU_CHECKF(bad == 0, "mode %d: %d of 1024 products wrong (out[0] %g, want %g)", mode, bad,
                    out[0], want[0]);
     }
@@ -703,6 +708,17 @@ void test_wgmma() {
                 "wgmma #0 of warp 1");
     CHECK_ERROR(err(ST_WG_EXTRA), "the warps of warpgroup 0 issued different numbers of wgmmas",
                 "(2, 2, 2, 3)");
+    // wgmma.fence: registers a product reads, written by ordinary code after the fence.
+    CHECK_ERROR(err(ST_WG_NO_WGFENCE), "st_wgmma", "threadIdx (", "wgmma.fence missing",
+                "executed no wgmma.fence in this block");
+    CHECK_ERROR(err(ST_WG_D_AFTER_FENCE), "st_wgmma", "threadIdx (", "wgmma.fence missing",
+                "reads accumulator register d[0][1]", "it holds 1, 0x3f800000",
+                "it held 0x00000000 at the thread's last wgmma.fence",
+                "wgmma.fence.sync.aligned between any access");
+    CHECK_ERROR(err(ST_WG_A_AFTER_FENCE), "wgmma.fence missing", "reads A-fragment register a[2]",
+                "after the thread's last wgmma.fence");
+    CHECK_ERROR(err(ST_WG_SPLIT_WRITE), "wgmma.fence missing", "reads accumulator register d[1][0]",
+                "or as the last product into it completed");
     // A read of the accumulators in flight cannot be seen; it reads NaN instead.
     emu::launch(st_wgmma, 1, 128, smem, da, dbt, out, (int)ST_WG_READ_D);
     EMU_CHECKF(std::isnan(out[0]) && std::isnan(out[1023]), "reading D in flight: got %g", out[0]);
@@ -725,6 +741,7 @@ int main() {
     emu::run_test("bf16/f16 round to nearest even", test_rounding);
     emu::run_test("deadlock and barrier misuse reports", test_deadlocks);
     emu::run_test("launch checks, overruns, poison", test_launch_checks);
-    emu::run_test("wgmma: chains, registers in flight, async-proxy fence, warpgroups", test_wgmma);
+    emu::run_test("wgmma: chains, registers in flight, wgmma.fence, async-proxy fence, warpgroups",
+                  test_wgmma);
     return emu::finish("selftest");
 }
