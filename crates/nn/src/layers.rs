@@ -192,6 +192,56 @@ impl Children {
         layer.backward(p, g, saved, dy, need_dx)
     }
 
+    /// Backward through children `range`, last to first, from `grad` (the gradient of the
+    /// last one's output), each child's saved state popped from the end of `saved`. A child
+    /// ending in an activation may offer it to the child after it, when both are in `range`
+    /// ([`Layer::output_activation`]): that child's input-gradient product then takes the
+    /// activation's gradient too ([`Layer::backward_into_activation`]; on a GPU a linear
+    /// layer's epilogue), and the offering child's backward starts from its pre-activation's
+    /// gradient ([`Layer::backward_from_pre_activation`]). `need_dx(i)`: whether child `i`
+    /// must return its input gradient (one that is offered to always does). Returns the
+    /// first child's input gradient, if it was asked for.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_chain(
+        &self,
+        range: Range<usize>,
+        p: Params<'_>,
+        g: &mut ParamsMut<'_>,
+        saved: &mut Vec<Saved>,
+        grad: Tensor,
+        need_dx: impl Fn(usize) -> bool,
+    ) -> Option<Tensor> {
+        let mut grad = Some(grad);
+        // Whether `grad` is already with respect to child i's pre-activation.
+        let mut pre_activation = false;
+        for i in range.clone().rev() {
+            let st = saved.pop().expect("backward: a child's saved state");
+            let offered = (i > range.start)
+                .then(|| {
+                    let previous = saved.last().expect("backward: a child's saved state");
+                    self.output_activation(i - 1, previous)
+                })
+                .flatten();
+            let dy = grad
+                .take()
+                .expect("backward: the gradient of a child's output");
+            grad = match (pre_activation, &offered) {
+                (false, None) => self.backward(i, p, g, st, dy, need_dx(i)),
+                (false, Some(act)) => Some(self.backward_into_activation(i, p, g, st, dy, act)),
+                (true, offered) => {
+                    let want = need_dx(i) || offered.is_some();
+                    let dx = self.backward_from_pre_activation(i, p, g, st, dy, want);
+                    match offered {
+                        Some(act) => Some(act.backward(dx.expect("an input gradient"))),
+                        None => dx,
+                    }
+                }
+            };
+            pre_activation = offered.is_some();
+        }
+        grad
+    }
+
     /// Child `i`'s offered output activation ([`Layer::output_activation`]).
     pub fn output_activation(&self, i: usize, saved: &Saved) -> Option<OutputActivation> {
         self.layers[i].1.output_activation(saved)
@@ -331,17 +381,15 @@ impl Layer for Seq {
                 .position(has_params)
                 .unwrap_or(self.0.len())
         };
-        let mut dy = Some(dy);
-        for (i, child) in s.children.into_iter().enumerate().rev() {
-            if i < first_needed {
-                break;
-            }
-            let want = need_dx || i > first_needed;
-            dy = self
-                .0
-                .backward(i, p, &mut g, child, dy.expect("gradient"), want);
+        let mut saved = s.children;
+        let needed = first_needed..self.0.len();
+        if needed.is_empty() {
+            return Some(dy).filter(|_| need_dx);
         }
-        dy.filter(|_| need_dx)
+        let want = |i: usize| need_dx || i > first_needed;
+        self.0
+            .backward_chain(needed, p, &mut g, &mut saved, dy, want)
+            .filter(|_| need_dx)
     }
     fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {
         self.0.set_stats_reducer(reducer);

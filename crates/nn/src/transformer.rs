@@ -981,34 +981,23 @@ impl Layer for TransformerBlock {
         // pre-activation's gradient.
         let mut dx = dy;
         for branch in [split..c.len(), 0..split] {
-            let mut grad = dx.clone();
+            let grad = dx.clone();
             // The stream's gradient in 16 bits (a norm's kernel wrote it: `Tensor::rounded`)
             // is for the branch's last product, which `grad` reaches; `dx` only waits for the
             // branch's first layer to add into it.
             dx.drop_rounded();
-            // Whether `grad` is already with respect to layer i's pre-activation.
-            let mut pre_activation = false;
-            for i in (branch.start + 1..branch.end).rev() {
-                let st = saved.pop().expect("block: saved state");
-                // The norm beginning the branch ends in no activation.
-                let offered = (i - 1 > branch.start)
-                    .then(|| c.output_activation(i - 1, saved.last().expect("block: saved state")))
-                    .flatten();
-                grad = match (pre_activation, &offered) {
-                    (false, None) => c.backward(i, p, &mut g, st, grad, true).expect("gradient"),
-                    (false, Some(act)) => c.backward_into_activation(i, p, &mut g, st, grad, act),
-                    (true, offered) => {
-                        let dx = c
-                            .backward_from_pre_activation(i, p, &mut g, st, grad, true)
-                            .expect("gradient");
-                        match offered {
-                            Some(act) => act.backward(dx),
-                            None => dx,
-                        }
-                    }
-                };
-                pre_activation = offered.is_some();
-            }
+            // The norm beginning the branch is not asked for an activation: it ends in none,
+            // and its backward adds into the stream's gradient below.
+            let grad = c
+                .backward_chain(
+                    branch.start + 1..branch.end,
+                    p,
+                    &mut g,
+                    &mut saved,
+                    grad,
+                    |_| true,
+                )
+                .expect("a branch's gradient");
             let st = saved.pop().expect("block: saved state");
             c.backward_add_into(branch.start, p, &mut g, st, grad, &mut dx);
         }

@@ -636,6 +636,38 @@ fn gpt_block_with_the_activation_taken_by_the_next_layer() {
     }
 }
 
+/// A `Seq` takes the offer as the block does (`Children::backward_chain`): an MLP of two
+/// linear layers whose first offers its activation (on the host here), then a third layer
+/// with an activation that is not offered, has the gradients of finite differences, and the
+/// offer was taken.
+#[test]
+fn seq_with_the_activation_taken_by_the_next_layer() {
+    for activation in [Activation::GeluTanh, Activation::Tanh] {
+        let mut inner = Linear::new(12, 20, true);
+        inner.activation = Some(activation);
+        let offers = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut last = Linear::new(8, 6, true);
+        last.activation = Some(Activation::Tanh);
+        let seq = Seq::new(vec![
+            (
+                "fc1",
+                Box::new(Offering {
+                    inner,
+                    offers: offers.clone(),
+                }) as Box<dyn Layer>,
+            ),
+            ("fc2", Box::new(Linear::new(20, 8, true))),
+            ("fc3", Box::new(last)),
+        ]);
+        let name = format!("seq, {activation:?} taken by fc2");
+        Check::new(&name, &seq, normal(124, &[3, 12]), 125).run();
+        assert!(
+            offers.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "{name}: the Seq never asked fc1 for its activation"
+        );
+    }
+}
+
 /// A block leaving its last residual add to the layer after it (`Layer::forward_residual`,
 /// as a model runs its blocks; on a GPU the next norm does the add in its kernel) computes
 /// what the layers' own forwards compute, and backward from what it saved gives the same
