@@ -17,7 +17,7 @@ use meshtrain_tensor::attention::CachedShape;
 use meshtrain_tensor::cuda::decode;
 use meshtrain_tensor::cuda::error::ok_or_raise as ok;
 use meshtrain_tensor::cuda::ops::{self, ActKind, AttnShape, LinearShape};
-use meshtrain_tensor::cuda::{CudaDevice, CudaTensor, DeviceGrads, DeviceParams};
+use meshtrain_tensor::cuda::{CudaDevice, CudaError, CudaTensor, DeviceGrads, DeviceParams};
 use meshtrain_tensor::rotary::RotaryShape;
 use meshtrain_tensor::{DType, Tensor};
 use std::sync::Arc;
@@ -293,6 +293,25 @@ fn shard_agreement(
     })
 }
 
+/// A norm's forward on the device: `plain` of `x`, or with `add` (a residual branch's output)
+/// `fused` of `x` and it. Returns `(the rows normalised, y, statistics)`.
+fn norm_forward_with<S>(
+    x: &Tensor,
+    add: Option<&Tensor>,
+    dev: &Arc<CudaDevice>,
+    plain: impl FnOnce(&CudaTensor) -> Result<(CudaTensor, S), CudaError>,
+    fused: impl FnOnce(&CudaTensor, &CudaTensor) -> Result<(CudaTensor, CudaTensor, S), CudaError>,
+) -> (CudaTensor, CudaTensor, S) {
+    let xs = on_device(x, dev);
+    match add {
+        None => {
+            let (y, stats) = ok(plain(&xs));
+            (xs, y, stats)
+        }
+        Some(h) => ok(fused(&xs, &on_device(h, dev))),
+    }
+}
+
 /// A layer norm's forward of `x`, or with `add` (a residual branch's output) of the stream's
 /// new value `x + add`, the residual add fused into the norm's kernel
 /// ([`ops::add_layer_norm_forward`]): `(the rows normalised, y)`; backward keeps the former.
@@ -304,29 +323,13 @@ pub fn layer_norm_forward(
     mode: Mode,
     s: &mut Saved,
 ) -> (Tensor, Tensor) {
-    let xs = on_device(x, p.device());
-    let (input, y, stats) = match add {
-        None => {
-            let (y, stats) = ok(ops::layer_norm_forward(
-                &xs,
-                p,
-                n.dim,
-                n.eps,
-                n.precision,
-                mode.train,
-            ));
-            (xs, y, stats)
-        }
-        Some(h) => ok(ops::add_layer_norm_forward(
-            &xs,
-            &on_device(h, p.device()),
-            p,
-            n.dim,
-            n.eps,
-            n.precision,
-            mode.train,
-        )),
-    };
+    let (input, y, stats) = norm_forward_with(
+        x,
+        add,
+        p.device(),
+        |xs| ops::layer_norm_forward(xs, p, n.dim, n.eps, n.precision, mode.train),
+        |xs, h| ops::add_layer_norm_forward(xs, h, p, n.dim, n.eps, n.precision, mode.train),
+    );
     if let Some((mean, rstd)) = stats {
         let rows = [mean.len()];
         s.tensors.push(wrap(input.clone(), x.shape()));
@@ -387,29 +390,13 @@ pub fn rms_norm_forward(
     mode: Mode,
     s: &mut Saved,
 ) -> (Tensor, Tensor) {
-    let xs = on_device(x, p.device());
-    let (input, y, rstd) = match add {
-        None => {
-            let (y, rstd) = ok(ops::rms_norm_forward(
-                &xs,
-                p,
-                n.dim,
-                n.eps,
-                n.precision,
-                mode.train,
-            ));
-            (xs, y, rstd)
-        }
-        Some(h) => ok(ops::add_rms_norm_forward(
-            &xs,
-            &on_device(h, p.device()),
-            p,
-            n.dim,
-            n.eps,
-            n.precision,
-            mode.train,
-        )),
-    };
+    let (input, y, rstd) = norm_forward_with(
+        x,
+        add,
+        p.device(),
+        |xs| ops::rms_norm_forward(xs, p, n.dim, n.eps, n.precision, mode.train),
+        |xs, h| ops::add_rms_norm_forward(xs, h, p, n.dim, n.eps, n.precision, mode.train),
+    );
     if let Some(rstd) = rstd {
         let rows = [rstd.len()];
         s.tensors.push(wrap(input.clone(), x.shape()));

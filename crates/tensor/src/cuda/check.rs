@@ -117,6 +117,20 @@ fn rounded_copy(
     }
 }
 
+/// A fused residual add and norm's sum (exact: one f32 addition a value, as the CPU's) and
+/// output (within `tol`) against the CPU's.
+fn residual_add_checks(
+    name: &dyn Fn(&str) -> String,
+    (sum_dev, sum): (&CudaTensor, &[f32]),
+    (y_dev, y): (&CudaTensor, &[f32]),
+    tol: f64,
+) -> Result<[CheckResult; 2], CudaError> {
+    Ok([
+        result(name("residual add: sum"), &sum_dev.to_host_f32()?, sum, 0.0),
+        result(name("residual add: forward"), &y_dev.to_host_f32()?, y, tol),
+    ])
+}
+
 /// The residual stream's new value `x + h`, as the CPU's `x += h` computes it.
 fn residual_sum(x: &[f32], h: &[f32]) -> Vec<f32> {
     let mut sum = x.to_vec();
@@ -745,20 +759,15 @@ fn check_layer_norm(
         ops::add_layer_norm_forward(&x_dev, &h_dev, params.params(), d, 1e-5, dtype, true)?;
     let (m_sum_dev, r_sum_dev) = stats_sum.expect("kept");
     let name = |what: &str| format!("layer norm {rows}x{d} {what} {s}");
+    let [sum_check, y_sum_check] = residual_add_checks(
+        &name,
+        (&sum_dev, &sum),
+        (&y_sum_dev, &y_sum),
+        tolerance(dtype),
+    )?;
     Ok(vec![
-        // One f32 addition a value, as the CPU's: exact.
-        result(
-            name("residual add: sum"),
-            &sum_dev.to_host_f32()?,
-            &sum,
-            0.0,
-        ),
-        result(
-            name("residual add: forward"),
-            &y_sum_dev.to_host_f32()?,
-            &y_sum,
-            tolerance(dtype),
-        ),
+        sum_check,
+        y_sum_check,
         result(
             name("residual add: mean"),
             &m_sum_dev.to_host_f32()?,
@@ -829,19 +838,11 @@ fn check_rms_norm(
         ops::add_rms_norm_forward(&x_dev, &h_dev, params.params(), d, 1e-5, dtype, true)?;
     let tol = tolerance(dtype);
     let name = |what: &str| format!("rms norm {rows}x{d} {what} {s}");
+    let [sum_check, y_sum_check] =
+        residual_add_checks(&name, (&sum_dev, &sum), (&y_sum_dev, &y_sum), tol)?;
     Ok(vec![
-        result(
-            name("residual add: sum"),
-            &sum_dev.to_host_f32()?,
-            &sum,
-            0.0,
-        ),
-        result(
-            name("residual add: forward"),
-            &y_sum_dev.to_host_f32()?,
-            &y_sum,
-            tol,
-        ),
+        sum_check,
+        y_sum_check,
         result(
             name("residual add: rstd"),
             &r_sum_dev.expect("kept").to_host_f32()?,
