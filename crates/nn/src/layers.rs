@@ -382,13 +382,9 @@ impl Layer for Seq {
                 .unwrap_or(self.0.len())
         };
         let mut saved = s.children;
-        let needed = first_needed..self.0.len();
-        if needed.is_empty() {
-            return Some(dy).filter(|_| need_dx);
-        }
         let want = |i: usize| need_dx || i > first_needed;
         self.0
-            .backward_chain(needed, p, &mut g, &mut saved, dy, want)
+            .backward_chain(first_needed..self.0.len(), p, &mut g, &mut saved, dy, want)
             .filter(|_| need_dx)
     }
     fn set_stats_reducer(&mut self, reducer: Option<Arc<dyn StatsReducer>>) {

@@ -878,25 +878,6 @@ impl TransformerBlock {
         let h = (split + 1..c.len()).try_fold(first, |h, i| child(i, h, None))?;
         Some((x, h))
     }
-
-    /// The training forward of `input`: its stream and its MLP branch's output.
-    fn train_residual(
-        &self,
-        p: Params<'_>,
-        mut b: ParamsMut<'_>,
-        input: Stream,
-        mode: Mode,
-        s: &mut Saved,
-    ) -> (Tensor, Tensor) {
-        let c = &self.parts;
-        self.residual(input, |i, h, stream| {
-            Some(match stream {
-                None => c.forward(i, p, &mut b, h, mode, s),
-                Some(stream) => c.add_then_forward(i, p, &mut b, stream, h, mode, s),
-            })
-        })
-        .expect("a training forward always runs")
-    }
 }
 
 impl Layer for TransformerBlock {
@@ -920,20 +901,28 @@ impl Layer for TransformerBlock {
         mode: Mode,
         s: &mut Saved,
     ) -> Tensor {
-        let (stream, branch) = self.train_residual(p, b, Stream::Ready(x), mode, s);
-        Stream::Pending { stream, branch }.resolve()
+        self.forward_residual(p, b, Stream::Ready(x), false, mode, s)
+            .resolve()
     }
 
     fn forward_residual(
         &self,
         p: Params<'_>,
-        b: ParamsMut<'_>,
+        mut b: ParamsMut<'_>,
         input: Stream,
         leave_add: bool,
         mode: Mode,
         s: &mut Saved,
     ) -> Stream {
-        let (stream, branch) = self.train_residual(p, b, input, mode, s);
+        let c = &self.parts;
+        let (stream, branch) = self
+            .residual(input, |i, h, stream| {
+                Some(match stream {
+                    None => c.forward(i, p, &mut b, h, mode, s),
+                    Some(stream) => c.add_then_forward(i, p, &mut b, stream, h, mode, s),
+                })
+            })
+            .expect("a training forward always runs");
         let pending = Stream::Pending { stream, branch };
         if leave_add {
             pending

@@ -157,24 +157,14 @@ impl Tensor {
     }
 
     pub fn zeros(shape: &[usize]) -> Self {
-        Tensor {
-            storage: Storage::Host(vec![0.0; shape.iter().product()]),
-            shape: shape.to_vec(),
-            #[cfg(feature = "cuda")]
-            rounded: None,
-        }
+        Tensor::from_vec(vec![0.0; shape.iter().product()], shape)
     }
 
     /// A tensor whose contents are unspecified (a recycled buffer, see
     /// [`crate::par::take_buffer`]): for outputs the caller overwrites completely, which
     /// saves the zero-fill of [`Tensor::zeros`].
     pub fn for_overwrite(shape: &[usize]) -> Self {
-        Tensor {
-            storage: Storage::Host(crate::par::take_buffer(shape.iter().product())),
-            shape: shape.to_vec(),
-            #[cfg(feature = "cuda")]
-            rounded: None,
-        }
+        Tensor::from_vec(crate::par::take_buffer(shape.iter().product()), shape)
     }
 
     /// Hand the buffer back to this thread's pool for a later [`Tensor::for_overwrite`]:

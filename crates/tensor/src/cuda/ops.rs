@@ -878,8 +878,7 @@ pub fn layer_norm_forward(
     keep_stats: bool,
 ) -> Result<(CudaTensor, Option<(CudaTensor, CudaTensor)>), CudaError> {
     let input = NormInput::new(x, None, out_dtype, "layer norm input")?;
-    let (y, stats) = layer_norm_of(&input, p, d, eps, out_dtype, keep_stats)?;
-    Ok((y, stats))
+    layer_norm_of(&input, p, d, eps, out_dtype, keep_stats)
 }
 
 /// The residual add and the layer norm after it: `x += h` (the stream's new value, f32),

@@ -152,45 +152,41 @@ template <class T> bool rounded_copy(const T* low, const float* v, size_t n) {
 /// A norm forward with the residual add fused (`*_fwd_add_*`: sum = x + h, then the norm of
 /// sum) against the plain forward of the sum the host computes with the same one f32 addition:
 /// the sum, the output and the `nstats` statistics arrays (rows floats each) bit for bit.
-/// `plain(x, y, stats)` and `fused(x, h, sum, y, stats)` launch the two kernels on `rows`, `d`.
-/// For each shape h is given aligned (the vector path where d allows) and one element off (the
+/// `plain(grid, x, y, stats)` and `fused(grid, x, h, sum, y, stats)` launch the two kernels on
+/// `rows` × `d`. h is given aligned (the vector path where d allows) and one element off (the
 /// scalar path; the plain kernel's input is then one float off too, for its scalar path: the
 /// two paths sum a row in different orders), and `fused` runs on one block too (grid-stride
 /// rows).
 template <class T, class Plain, class Fused>
-void check_norm_add(Tally& tally, const char* name, Rng& rng, const int (*shapes)[2],
-                    size_t nshapes, int nstats, Plain plain, Fused fused) {
-    for (size_t si = 0; si < nshapes; ++si) {
-        const int rows = shapes[si][0], d = shapes[si][1];
-        const size_t n = (size_t)rows * d;
-        for (int off = 0; off < 2; ++off) {
-            float* x = buffer<float>(n);
-            T* h = buffer<T>(n + off) + off;
-            fill_random(x, n, rng, -2.0f, 4.0f);
-            fill_random(h, n, rng, -1.0f, 1.0f);
-            // The plain kernel takes the path the fused one does: one float off with h.
-            float* want_sum = buffer<float>(n + off) + off;
-            for (size_t i = 0; i < n; ++i) want_sum[i] = x[i] + to_f32(h[i]);
-            T* want_y = buffer<T>(n);
-            float* want_stats = buffer<float>((size_t)rows * nstats);
-            fill_poison(want_y, n);
-            plain((int)((rows + 7) / 8), (const float*)want_sum, want_y, want_stats);
-            for (int one_block = 0; one_block < 2; ++one_block) {
-                float* sum = buffer<float>(n);
-                T* y = buffer<T>(n);
-                float* stats = buffer<float>((size_t)rows * nstats);
-                fill_poison(sum, n);
-                fill_poison(y, n);
-                fill_poison(stats, (size_t)rows * nstats);
-                fused(one_block ? 1 : (rows + 7) / 8, (const float*)x, (const T*)h, sum, y, stats);
-                const std::string tag = fmt("%s_fwd_add_%s rows=%d d=%d h_off=%d blocks=%s", name,
-                                            type_name<T>(), rows, d, off,
-                                            one_block ? "1" : "rows/8");
-                tally.check_true(tag + ": the sum is x + h", same_bits(sum, want_sum, n));
-                tally.check_true(tag + ": the output is the plain norm's", same_bits(y, want_y, n));
-                tally.check_true(tag + ": the statistics are the plain norm's",
-                                 same_bits(stats, want_stats, (size_t)rows * nstats));
-            }
+void check_norm_add(Tally& tally, const char* name, Rng& rng, int rows, int d, int nstats,
+                    Plain plain, Fused fused) {
+    const size_t n = (size_t)rows * d;
+    for (int off = 0; off < 2; ++off) {
+        float* x = buffer<float>(n);
+        T* h = buffer<T>(n + off) + off;
+        fill_random(x, n, rng, -2.0f, 4.0f);
+        fill_random(h, n, rng, -1.0f, 1.0f);
+        // The plain kernel takes the path the fused one does: one float off with h.
+        float* want_sum = buffer<float>(n + off) + off;
+        for (size_t i = 0; i < n; ++i) want_sum[i] = x[i] + to_f32(h[i]);
+        T* want_y = buffer<T>(n);
+        float* want_stats = buffer<float>((size_t)rows * nstats);
+        fill_poison(want_y, n);
+        plain((int)((rows + 7) / 8), (const float*)want_sum, want_y, want_stats);
+        for (int one_block = 0; one_block < 2; ++one_block) {
+            float* sum = buffer<float>(n);
+            T* y = buffer<T>(n);
+            float* stats = buffer<float>((size_t)rows * nstats);
+            fill_poison(sum, n);
+            fill_poison(y, n);
+            fill_poison(stats, (size_t)rows * nstats);
+            fused(one_block ? 1 : (rows + 7) / 8, (const float*)x, (const T*)h, sum, y, stats);
+            const std::string tag = fmt("%s_fwd_add_%s rows=%d d=%d h_off=%d blocks=%s", name,
+                                        type_name<T>(), rows, d, off, one_block ? "1" : "rows/8");
+            tally.check_true(tag + ": the sum is x + h", same_bits(sum, want_sum, n));
+            tally.check_true(tag + ": the output is the plain norm's", same_bits(y, want_y, n));
+            tally.check_true(tag + ": the statistics are the plain norm's",
+                             same_bits(stats, want_stats, (size_t)rows * nstats));
         }
     }
 }

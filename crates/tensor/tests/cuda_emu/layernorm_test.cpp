@@ -175,7 +175,7 @@ static void test_backward(void (*dx_kernel)(const float*, const float*, const fl
                     fill_poison(fdx, n);
                 float* partial = buffer<float>((size_t)blocks * 2 * d);
                 fill_poison(partial, (size_t)blocks * 2 * d);
-                                T* low = buffer<T>(n);
+                T* low = buffer<T>(n);
                 fill_poison(low, n);
                 emu::launch(fused_kernel, dim3(blocks), dim3(256), (size_t)64 * d, (const float*)x,
                             (const float*)gamma, (const float*)mean, (const float*)rstd,
@@ -215,7 +215,7 @@ static void test_forward_add(
         fill_random(gamma, d, rng, 0.5f, 1.5f);
         fill_random(beta, d, rng, -0.5f, 0.5f);
         check_norm_add<T>(
-            tally, "layernorm", rng, &sh, 1, 2,
+            tally, "layernorm", rng, rows, d, 2,
             [&](unsigned grid, const float* x, T* y, float* stats) {
                 emu::launch(plain, dim3(grid), dim3(256), 0, x, (const float*)gamma,
                             (const float*)beta, y, stats, stats + rows, rows, d, eps);

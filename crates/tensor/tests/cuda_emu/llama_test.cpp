@@ -442,7 +442,7 @@ static void test_rms_forward_add(
         float* w = buffer<float>(d);
         fill_random(w, d, rng, 0.5f, 1.5f);
         check_norm_add<T>(
-            tally, "rmsnorm", rng, &sh, 1, 1,
+            tally, "rmsnorm", rng, rows, d, 1,
             [&](unsigned grid, const float* x, T* y, float* stats) {
                 emu::launch(plain, dim3(grid), dim3(256), 0, x, (const float*)w, y, stats, rows,
                             d, eps);

@@ -45,6 +45,13 @@ __device__ __forceinline__ bool is_aligned(const void* p, unsigned bytes) {
     return (reinterpret_cast<unsigned long long>(p) & (unsigned long long)(bytes - 1)) == 0;
 }
 
+/// Row `at` of an optional buffer: `p + at`, or null for a null `p` (an output a kernel
+/// writes only when asked for it).
+template <class P>
+__device__ __forceinline__ P* row_or_null(P* p, long long at) {
+    return p ? p + at : nullptr;
+}
+
 /// Floats before `p + h` is 16-byte aligned (p itself 4-byte aligned), at most n: the scalar
 /// head of a float4 loop over a view that may start anywhere.
 __device__ __forceinline__ long long align16_head(const float* p, long long n) {
@@ -411,8 +418,8 @@ __device__ __forceinline__ void norm_bwd_fused_impl(const float* __restrict__ x,
     for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
         const float mu = LAYER ? mean[row] : 0.0f;
         const long long at = (long long)row * d;
-        norm_bwd_row<T, LAYER>(x + at, dy + at, dx + at, dx_low ? dx_low + at : nullptr, w, mu,
-                               rstd[row], d, lane, accumulate, mine);
+        norm_bwd_row<T, LAYER>(x + at, dy + at, dx + at, row_or_null(dx_low, at), w, mu, rstd[row],
+                               d, lane, accumulate, mine);
     }
     __syncthreads();
     float4* out = reinterpret_cast<float4*>(partial + (long long)blockIdx.x * SUMS * d);

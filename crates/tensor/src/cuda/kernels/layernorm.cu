@@ -53,7 +53,7 @@ __device__ __forceinline__ void layernorm_fwd_impl(const float* __restrict__ x,
         if (vec) {
             const int d4 = d >> 2;
             float4 v[LN_MAX_CHUNKS];
-            norm_row_in<T, LN_MAX_CHUNKS>(x + at, h ? h + at : nullptr, h ? sum + at : nullptr, v, d4,
+            norm_row_in<T, LN_MAX_CHUNKS>(x + at, row_or_null(h, at), row_or_null(sum, at), v, d4,
                                           lane);
             float s = 0.0f;
 #pragma unroll
@@ -90,7 +90,7 @@ __device__ __forceinline__ void layernorm_fwd_impl(const float* __restrict__ x,
             }
         } else {
             const float* xr =
-                norm_row_in_scalar(x + at, h ? h + at : nullptr, h ? sum + at : nullptr, d, lane);
+                norm_row_in_scalar(x + at, row_or_null(h, at), row_or_null(sum, at), d, lane);
             float s = 0.0f;
             for (int c = lane; c < d; c += 32) s += xr[c];
             mean = warp_sum(s) / d_f;
@@ -172,7 +172,7 @@ __device__ __forceinline__ void layernorm_bwd_dx_impl(const float* __restrict__ 
         const float* xr = x + (long long)row * d;
         const T* dyr = dy + (long long)row * d;
         float* dxr = dx + (long long)row * d;
-        T* lowr = dx_low ? dx_low + (long long)row * d : nullptr;
+        T* lowr = row_or_null(dx_low, (long long)row * d);
         const float mu = mean[row], rs = rstd[row];
         if (vec) {
             norm_bwd_row<T, true>(xr, dyr, dxr, lowr, gamma, mu, rs, d, lane, accumulate,

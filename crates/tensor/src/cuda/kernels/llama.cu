@@ -44,7 +44,7 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const float* __restrict__ x,
         if (vec) {
             const int d4 = d >> 2;
             float4 v[RMS_MAX_CHUNKS];
-            norm_row_in<T, RMS_MAX_CHUNKS>(x + at, h ? h + at : nullptr, h ? sum + at : nullptr, v,
+            norm_row_in<T, RMS_MAX_CHUNKS>(x + at, row_or_null(h, at), row_or_null(sum, at), v,
                                            d4, lane);
             float q = 0.0f;
 #pragma unroll
@@ -70,7 +70,7 @@ __device__ __forceinline__ void rmsnorm_fwd_impl(const float* __restrict__ x,
             }
         } else {
             const float* xr =
-                norm_row_in_scalar(x + at, h ? h + at : nullptr, h ? sum + at : nullptr, d, lane);
+                norm_row_in_scalar(x + at, row_or_null(h, at), row_or_null(sum, at), d, lane);
             float q = 0.0f;
             for (int c = lane; c < d; c += 32) q += xr[c] * xr[c];
             rs = 1.0f / sqrtf(warp_sum(q) / d_f + eps);
@@ -137,7 +137,7 @@ __device__ __forceinline__ void rmsnorm_bwd_dx_impl(const float* __restrict__ x,
         const float* xr = x + (long long)row * d;
         const T* dyr = dy + (long long)row * d;
         float* dxr = dx + (long long)row * d;
-        T* lowr = dx_low ? dx_low + (long long)row * d : nullptr;
+        T* lowr = row_or_null(dx_low, (long long)row * d);
         const float rs = rstd[row];
         if (vec) {
             norm_bwd_row<T, false>(xr, dyr, dxr, lowr, w, 0.0f, rs, d, lane, accumulate,
