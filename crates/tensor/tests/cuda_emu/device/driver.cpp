@@ -1,0 +1,753 @@
+// The driver half of the emulated CUDA device (README.md beside this file): the entry points
+// of libcuda, libnvrtc and libcublasLt that cudarc loads, answered on the CPU. Every call runs
+// to completion before it returns (a stream's work is done when it is queued), which is one
+// of the orders the real device may run it in, so stream and event semantics hold. Kernels
+// and products run in kernels.cpp on the CUDA emulator; memory is the emulator's guarded
+// buffers, filled with 0xFF bytes (NaN in every float type) when allocated.
+#include <cuda.h>
+#include <nvrtc.h>
+
+#include "emu_device.h"
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+extern "C" void* emu_device_alloc(size_t bytes);
+extern "C" int emu_device_free(void* p);
+
+namespace {
+
+std::recursive_mutex& lock() {
+    static std::recursive_mutex m;
+    return m;
+}
+#define EMU_LOCKED std::lock_guard<std::recursive_mutex> emu_guard(lock())
+
+/// EMU_DEVICE_CC: the compute capability the device reports, "90" (the default: Hopper, so
+/// the sm_90a kernels run) or "80".
+int compute_capability() {
+    const char* v = std::getenv("EMU_DEVICE_CC");
+    return v && *v ? std::atoi(v) : 90;
+}
+
+bool trace() {
+    static const bool on = [] {
+        const char* v = std::getenv("EMU_DEVICE_TRACE");
+        return v && *v && std::strcmp(v, "0") != 0;
+    }();
+    return on;
+}
+
+/// Unknown or unsupported requests are named on stderr, so a missing piece of the emulation
+/// is told from a bug in the caller.
+CUresult unsupported(const char* what) {
+    std::fprintf(stderr, "emulated CUDA device: %s is not emulated\n", what);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+constexpr size_t kTotalMemory = size_t(16) << 30;
+size_t g_allocated = 0;
+std::map<uintptr_t, size_t>& device_buffers() {
+    static std::map<uintptr_t, size_t> m;
+    return m;
+}
+
+struct Ctx {
+    int device = 0;
+};
+Ctx g_ctx;
+thread_local CUcontext t_current = nullptr;
+
+struct Stream {
+    int flags = 0;
+};
+struct Event {
+    bool recorded = false;
+    std::chrono::steady_clock::time_point at;
+};
+struct Module {
+    std::string file;
+};
+
+const char kCubinMagic[] = "EMU-CUBIN:";
+
+/// Whether [p, p + bytes) lies inside one device buffer.
+bool in_device_buffer(uintptr_t p, size_t bytes) {
+    auto& m = device_buffers();
+    auto it = m.upper_bound(p);
+    if (it == m.begin()) return false;
+    --it;
+    return p >= it->first && p + bytes <= it->first + it->second;
+}
+
+CUresult copy(void* dst, const void* src, size_t bytes) {
+    if (bytes) std::memmove(dst, src, bytes);
+    return CUDA_SUCCESS;
+}
+
+CUresult device_range(CUdeviceptr p, size_t bytes, const char* what) {
+    if (bytes && !in_device_buffer((uintptr_t)p, bytes)) {
+        std::fprintf(stderr,
+                     "emulated CUDA device: %s of %zu bytes at 0x%llx is outside every device "
+                     "buffer\n",
+                     what, bytes, (unsigned long long)p);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+} // namespace
+
+extern "C" {
+
+// ---- initialisation, devices, contexts -------------------------------------------------
+
+CUresult cuInit(unsigned int) { return CUDA_SUCCESS; }
+CUresult cuDriverGetVersion(int* v) {
+    *v = 13000;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetCount(int* n) {
+    *n = 1;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *d = 0;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetName(char* name, int len, CUdevice) {
+    std::snprintf(name, (size_t)len, "Emulated CUDA device (sm_%d, CPU)", compute_capability());
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceTotalMem(size_t* bytes, CUdevice) {
+    *bytes = kTotalMemory;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice) {
+    std::memset(uuid, 0x5a, sizeof *uuid);
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) {
+    const int cc = compute_capability();
+    switch (a) {
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = cc / 10; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = cc % 10; break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = 4; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: *v = 2048; break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *v = 32; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: *v = 48 << 10; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *v = 227 << 10; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: *v = 228 << 10; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: *v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X:
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: *v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: *v = 64; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: *v = 0x7fffffff; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y:
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: *v = 65535; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: *v = 1000000; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: *v = 1000000; break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: *v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: *v = 4 << 20; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID:
+    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID:
+    case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: *v = 0; break;
+    default: *v = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice) {
+    *ctx = reinterpret_cast<CUcontext>(&g_ctx);
+    return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRelease(CUdevice) { return CUDA_SUCCESS; }
+CUresult cuDevicePrimaryCtxReset(CUdevice) { return CUDA_SUCCESS; }
+CUresult cuDevicePrimaryCtxGetState(CUdevice, unsigned int* flags, int* active) {
+    *flags = 0;
+    *active = 1;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    t_current = ctx;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxGetCurrent(CUcontext* ctx) {
+    *ctx = t_current;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxPushCurrent(CUcontext ctx) {
+    t_current = ctx;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxPopCurrent(CUcontext* ctx) {
+    if (ctx) *ctx = t_current;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxGetDevice(CUdevice* d) {
+    *d = 0;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+CUresult cuCtxSetLimit(CUlimit, size_t) { return CUDA_SUCCESS; }
+CUresult cuCtxGetLimit(size_t* v, CUlimit) {
+    *v = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult e, const char** s) {
+    switch (e) {
+    case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
+    case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+    case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
+    case CUDA_ERROR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
+    case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+    default: *s = "CUDA_ERROR_UNKNOWN"; break;
+    }
+    return CUDA_SUCCESS;
+}
+CUresult cuGetErrorString(CUresult e, const char** s) { return cuGetErrorName(e, s); }
+
+// ---- streams and events ---------------------------------------------------------------
+
+CUresult cuStreamCreate(CUstream* s, unsigned int flags) {
+    Stream* st = new Stream;
+    st->flags = (int)flags;
+    *s = reinterpret_cast<CUstream>(st);
+    return CUDA_SUCCESS;
+}
+CUresult cuStreamCreateWithPriority(CUstream* s, unsigned int flags, int) {
+    return cuStreamCreate(s, flags);
+}
+CUresult cuStreamDestroy(CUstream s) {
+    delete reinterpret_cast<Stream*>(s);
+    return CUDA_SUCCESS;
+}
+CUresult cuStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
+CUresult cuStreamQuery(CUstream) { return CUDA_SUCCESS; }
+CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned int) { return CUDA_SUCCESS; }
+CUresult cuStreamGetPriority(CUstream, int* p) {
+    *p = 0;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetStreamPriorityRange(int* least, int* greatest) {
+    *least = 0;
+    *greatest = -1;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+    return cuDeviceGetStreamPriorityRange(least, greatest);
+}
+CUresult cuLaunchHostFunc(CUstream, CUhostFn fn, void* data) {
+    fn(data);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventCreate(CUevent* e, unsigned int) {
+    *e = reinterpret_cast<CUevent>(new Event);
+    return CUDA_SUCCESS;
+}
+CUresult cuEventDestroy(CUevent e) {
+    delete reinterpret_cast<Event*>(e);
+    return CUDA_SUCCESS;
+}
+CUresult cuEventRecord(CUevent e, CUstream) {
+    Event* ev = reinterpret_cast<Event*>(e);
+    ev->recorded = true;
+    ev->at = std::chrono::steady_clock::now();
+    return CUDA_SUCCESS;
+}
+CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned int) { return cuEventRecord(e, s); }
+CUresult cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
+CUresult cuEventQuery(CUevent) { return CUDA_SUCCESS; }
+CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+    Event* a = reinterpret_cast<Event*>(start);
+    Event* b = reinterpret_cast<Event*>(end);
+    if (!a->recorded || !b->recorded) return CUDA_ERROR_NOT_READY;
+    *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
+    return CUDA_SUCCESS;
+}
+
+// ---- memory ---------------------------------------------------------------------------
+
+CUresult cuMemAlloc(CUdeviceptr* p, size_t bytes) {
+    EMU_LOCKED;
+    if (g_allocated + bytes > kTotalMemory) return CUDA_ERROR_OUT_OF_MEMORY;
+    void* m = emu_device_alloc(bytes);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    std::memset(m, 0xff, bytes);
+    device_buffers()[(uintptr_t)m] = bytes;
+    g_allocated += bytes;
+    *p = (CUdeviceptr)(uintptr_t)m;
+    if (trace()) std::fprintf(stderr, "emu: cuMemAlloc %zu -> 0x%llx\n", bytes, (unsigned long long)*p);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemFree(CUdeviceptr p) {
+    EMU_LOCKED;
+    if (!p) return CUDA_SUCCESS;
+    auto it = device_buffers().find((uintptr_t)p);
+    if (it == device_buffers().end()) {
+        std::fprintf(stderr, "emulated CUDA device: cuMemFree(0x%llx): not a device buffer\n",
+                     (unsigned long long)p);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    g_allocated -= it->second;
+    device_buffers().erase(it);
+    return emu_device_free((void*)(uintptr_t)p) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+CUresult cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc(p, bytes); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream) { return cuMemFree(p); }
+CUresult cuMemGetInfo(size_t* free_bytes, size_t* total) {
+    EMU_LOCKED;
+    *free_bytes = kTotalMemory - g_allocated;
+    *total = kTotalMemory;
+    return CUDA_SUCCESS;
+}
+CUresult cuMemAllocHost(void** p, size_t bytes) {
+    *p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096 + 4096);
+    return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int) { return cuMemAllocHost(p, bytes); }
+CUresult cuMemFreeHost(void* p) {
+    std::free(p);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemHostRegister(void*, size_t, unsigned int) { return CUDA_SUCCESS; }
+CUresult cuMemHostUnregister(void*) { return CUDA_SUCCESS; }
+CUresult cuMemHostGetDevicePointer(CUdeviceptr* d, void* p, unsigned int) {
+    *d = (CUdeviceptr)(uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoD(CUdeviceptr dst, const void* src, size_t bytes) {
+    EMU_LOCKED;
+    if (CUresult r = device_range(dst, bytes, "a copy to the device")) return r;
+    return copy((void*)(uintptr_t)dst, src, bytes);
+}
+CUresult cuMemcpyDtoH(void* dst, CUdeviceptr src, size_t bytes) {
+    EMU_LOCKED;
+    if (CUresult r = device_range(src, bytes, "a copy from the device")) return r;
+    return copy(dst, (const void*)(uintptr_t)src, bytes);
+}
+CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+    EMU_LOCKED;
+    if (CUresult r = device_range(src, bytes, "a device copy's source")) return r;
+    if (CUresult r = device_range(dst, bytes, "a device copy's destination")) return r;
+    return copy((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, bytes);
+}
+CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream) {
+    return cuMemcpyHtoD(dst, src, bytes);
+}
+CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream) {
+    return cuMemcpyDtoH(dst, src, bytes);
+}
+CUresult cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
+    return cuMemcpyDtoD(dst, src, bytes);
+}
+CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+    EMU_LOCKED;
+    return copy((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, bytes);
+}
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
+    return cuMemcpy(dst, src, bytes);
+}
+CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext, CUdeviceptr src, CUcontext, size_t bytes) {
+    return cuMemcpy(dst, src, bytes);
+}
+CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext, CUdeviceptr src, CUcontext, size_t bytes,
+                           CUstream) {
+    return cuMemcpy(dst, src, bytes);
+}
+CUresult cuMemsetD8(CUdeviceptr p, unsigned char v, size_t n) {
+    EMU_LOCKED;
+    if (CUresult r = device_range(p, n, "a memset")) return r;
+    std::memset((void*)(uintptr_t)p, v, n);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) {
+    return cuMemsetD8(p, v, n);
+}
+CUresult cuMemsetD16(CUdeviceptr p, unsigned short v, size_t n) {
+    EMU_LOCKED;
+    if (CUresult r = device_range(p, n * 2, "a memset")) return r;
+    unsigned short* q = (unsigned short*)(uintptr_t)p;
+    for (size_t i = 0; i < n; ++i) q[i] = v;
+    return CUDA_SUCCESS;
+}
+CUresult cuMemsetD16Async(CUdeviceptr p, unsigned short v, size_t n, CUstream) {
+    return cuMemsetD16(p, v, n);
+}
+CUresult cuMemsetD32(CUdeviceptr p, unsigned int v, size_t n) {
+    EMU_LOCKED;
+    if (CUresult r = device_range(p, n * 4, "a memset")) return r;
+    unsigned int* q = (unsigned int*)(uintptr_t)p;
+    for (size_t i = 0; i < n; ++i) q[i] = v;
+    return CUDA_SUCCESS;
+}
+CUresult cuMemsetD32Async(CUdeviceptr p, unsigned int v, size_t n, CUstream) {
+    return cuMemsetD32(p, v, n);
+}
+CUresult cuPointerGetAttribute(void* data, CUpointer_attribute a, CUdeviceptr p) {
+    EMU_LOCKED;
+    if (a == CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
+        *(unsigned int*)data = in_device_buffer((uintptr_t)p, 1) ? CU_MEMORYTYPE_DEVICE
+                                                                  : CU_MEMORYTYPE_HOST;
+        return CUDA_SUCCESS;
+    }
+    if (a == CU_POINTER_ATTRIBUTE_CONTEXT) {
+        *(CUcontext*)data = reinterpret_cast<CUcontext>(&g_ctx);
+        return CUDA_SUCCESS;
+    }
+    return unsupported("cuPointerGetAttribute of this attribute");
+}
+
+// ---- modules and launches -------------------------------------------------------------
+
+CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+    const char* s = static_cast<const char*>(image);
+    if (std::strncmp(s, kCubinMagic, sizeof kCubinMagic - 1) != 0) {
+        std::fprintf(stderr, "emulated CUDA device: a module image that the emulated NVRTC did "
+                             "not write (a real CUBIN from a kernel cache? set "
+                             "MESHTRAIN_KERNEL_CACHE=off)\n");
+        return CUDA_ERROR_INVALID_IMAGE;
+    }
+    Module* mod = new Module;
+    mod->file = s + sizeof kCubinMagic - 1;
+    *m = reinterpret_cast<CUmodule>(mod);
+    return CUDA_SUCCESS;
+}
+CUresult cuModuleLoadDataEx(CUmodule* m, const void* image, unsigned int, CUjit_option*, void**) {
+    return cuModuleLoadData(m, image);
+}
+CUresult cuModuleUnload(CUmodule m) {
+    delete reinterpret_cast<Module*>(m);
+    return CUDA_SUCCESS;
+}
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule, const char* name) {
+    const void* k = emu_device_find_kernel(name);
+    if (!k) {
+        std::fprintf(stderr, "emulated CUDA device: no kernel called %s\n", name);
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    *f = reinterpret_cast<CUfunction>(const_cast<void*>(k));
+    return CUDA_SUCCESS;
+}
+CUresult cuFuncSetAttribute(CUfunction, CUfunction_attribute a, int v) {
+    if (a == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES && v > (227 << 10))
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+CUresult cuFuncGetAttribute(int* v, CUfunction_attribute a, CUfunction) {
+    switch (a) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: *v = 64; break;
+    default: *v = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+CUresult cuFuncSetCacheConfig(CUfunction, CUfunc_cache) { return CUDA_SUCCESS; }
+CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, CUfunction, int block, size_t) {
+    *n = block > 0 ? 2048 / block : 1;
+    if (*n < 1) *n = 1;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                        unsigned int bx, unsigned int by, unsigned int bz, unsigned int smem,
+                        CUstream, void** params, void** extra) {
+    EMU_LOCKED;
+    if (extra) return unsupported("cuLaunchKernel with `extra` arguments");
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    if (trace())
+        std::fprintf(stderr, "emu: launch %s grid (%u,%u,%u) block (%u,%u,%u) smem %u\n",
+                     emu_device_kernel_name(f), gx, gy, gz, bx, by, bz, smem);
+    char err[4096] = {0};
+    if (emu_device_launch(f, grid, block, smem, params, err, sizeof err)) {
+        std::fprintf(stderr, "emulated CUDA device: launch of %s failed: %s\n",
+                     emu_device_kernel_name(f), err);
+        return CUDA_ERROR_LAUNCH_FAILED;
+    }
+    return CUDA_SUCCESS;
+}
+
+} // extern "C"
+
+// ---- NVRTC ----------------------------------------------------------------------------
+// A "compilation" keeps the program's name; its CUBIN is that name behind a magic prefix, and
+// the module it loads finds its kernels by name in kernels.cpp's table (the same text,
+// compiled by g++ when the device was built).
+
+namespace {
+struct Program {
+    std::string name;
+    std::string cubin;
+};
+} // namespace
+
+extern "C" {
+
+nvrtcResult nvrtcVersion(int* major, int* minor) {
+    // Not NVRTC's version: the kernel cache keys its CUBINs by this, and the emulated
+    // device's "CUBINs" must never be taken for real ones (or the reverse).
+    *major = 0;
+    *minor = 1;
+    return NVRTC_SUCCESS;
+}
+const char* nvrtcGetErrorString(nvrtcResult) { return "emulated NVRTC error"; }
+nvrtcResult nvrtcCreateProgram(nvrtcProgram* prog, const char*, const char* name, int,
+                               const char* const*, const char* const*) {
+    Program* p = new Program;
+    p->name = name ? name : "program";
+    *prog = reinterpret_cast<nvrtcProgram>(p);
+    return NVRTC_SUCCESS;
+}
+nvrtcResult nvrtcDestroyProgram(nvrtcProgram* prog) {
+    delete reinterpret_cast<Program*>(*prog);
+    *prog = nullptr;
+    return NVRTC_SUCCESS;
+}
+nvrtcResult nvrtcCompileProgram(nvrtcProgram prog, int, const char* const*) {
+    Program* p = reinterpret_cast<Program*>(prog);
+    p->cubin = std::string(kCubinMagic) + p->name;
+    p->cubin.push_back('\0');
+    return NVRTC_SUCCESS;
+}
+nvrtcResult nvrtcGetCUBINSize(nvrtcProgram prog, size_t* n) {
+    *n = reinterpret_cast<Program*>(prog)->cubin.size();
+    return NVRTC_SUCCESS;
+}
+nvrtcResult nvrtcGetCUBIN(nvrtcProgram prog, char* out) {
+    const std::string& c = reinterpret_cast<Program*>(prog)->cubin;
+    std::memcpy(out, c.data(), c.size());
+    return NVRTC_SUCCESS;
+}
+nvrtcResult nvrtcGetPTXSize(nvrtcProgram prog, size_t* n) { return nvrtcGetCUBINSize(prog, n); }
+nvrtcResult nvrtcGetPTX(nvrtcProgram prog, char* out) { return nvrtcGetCUBIN(prog, out); }
+nvrtcResult nvrtcGetProgramLogSize(nvrtcProgram, size_t* n) {
+    *n = 1;
+    return NVRTC_SUCCESS;
+}
+nvrtcResult nvrtcGetProgramLog(nvrtcProgram, char* log) {
+    log[0] = '\0';
+    return NVRTC_SUCCESS;
+}
+
+} // extern "C"
+
+// ---- cuBLASLt -------------------------------------------------------------------------
+// Declared here (cublasLt.h is not among the headers pip's CUDA wheels install); the values
+// are cublasLt.h's.
+
+namespace {
+enum LtStatus { LT_SUCCESS = 0, LT_INVALID_VALUE = 7, LT_NOT_SUPPORTED = 15 };
+enum DescAttr {
+    DESC_COMPUTE_TYPE = 0,
+    DESC_SCALE_TYPE = 1,
+    DESC_POINTER_MODE = 2,
+    DESC_TRANSA = 3,
+    DESC_TRANSB = 4,
+    DESC_EPILOGUE = 7,
+    DESC_BIAS_POINTER = 8,
+    DESC_EPILOGUE_AUX_POINTER = 11,
+    DESC_EPILOGUE_AUX_LD = 12,
+    DESC_A_SCALE_POINTER = 17,
+    DESC_B_SCALE_POINTER = 18,
+};
+constexpr int kComputeTf32 = 77;
+
+struct LtDesc {
+    int compute = 68, scale = 0;
+    int transa = 0, transb = 0;
+    int epilogue = EMU_EPILOGUE_DEFAULT;
+    uint64_t bias = 0, aux = 0, a_scale = 0, b_scale = 0;
+    int64_t aux_ld = 0;
+};
+struct LtLayout {
+    int type;
+    uint64_t rows, cols;
+    int64_t ld;
+};
+struct LtAlgo {
+    uint64_t data[8];
+};
+struct LtHeuristic {
+    LtAlgo algo;
+    size_t workspace;
+    int state;
+    float waves;
+    int reserved[4];
+};
+
+template <class T> T read_value(const void* buf, size_t size) {
+    T v{};
+    std::memcpy(&v, buf, size < sizeof v ? size : sizeof v);
+    return v;
+}
+
+bool supported_type(int t) {
+    return t == EMU_R_32F || t == EMU_R_16F || t == EMU_R_16BF || t == EMU_R_8F_E4M3 ||
+           t == EMU_R_8F_E5M2;
+}
+bool supported_epilogue(int e) {
+    return e == EMU_EPILOGUE_DEFAULT || e == EMU_EPILOGUE_BIAS || e == EMU_EPILOGUE_GELU_AUX ||
+           e == EMU_EPILOGUE_GELU_AUX_BIAS || e == EMU_EPILOGUE_DGELU ||
+           e == EMU_EPILOGUE_BGRADB;
+}
+} // namespace
+
+extern "C" {
+
+int cublasLtCreate(void** handle) {
+    *handle = new int(0);
+    return LT_SUCCESS;
+}
+int cublasLtDestroy(void* handle) {
+    delete static_cast<int*>(handle);
+    return LT_SUCCESS;
+}
+size_t cublasLtGetVersion() { return 130000; }
+int cublasLtMatmulDescCreate(void** desc, int compute, int scale) {
+    LtDesc* d = new LtDesc;
+    d->compute = compute;
+    d->scale = scale;
+    *desc = d;
+    return LT_SUCCESS;
+}
+int cublasLtMatmulDescDestroy(void* desc) {
+    delete static_cast<LtDesc*>(desc);
+    return LT_SUCCESS;
+}
+int cublasLtMatmulDescSetAttribute(void* desc, int attr, const void* buf, size_t size) {
+    LtDesc* d = static_cast<LtDesc*>(desc);
+    switch (attr) {
+    case DESC_COMPUTE_TYPE: d->compute = read_value<int>(buf, size); break;
+    case DESC_SCALE_TYPE: d->scale = read_value<int>(buf, size); break;
+    case DESC_POINTER_MODE:
+        if (read_value<int>(buf, size) != 0) {
+            std::fprintf(stderr, "emulated cuBLASLt: only host alpha/beta are emulated\n");
+            return LT_NOT_SUPPORTED;
+        }
+        break;
+    case DESC_TRANSA: d->transa = read_value<int>(buf, size); break;
+    case DESC_TRANSB: d->transb = read_value<int>(buf, size); break;
+    case DESC_EPILOGUE: d->epilogue = (int)read_value<unsigned>(buf, size); break;
+    case DESC_BIAS_POINTER: d->bias = read_value<uint64_t>(buf, size); break;
+    case DESC_EPILOGUE_AUX_POINTER: d->aux = read_value<uint64_t>(buf, size); break;
+    case DESC_EPILOGUE_AUX_LD: d->aux_ld = read_value<int64_t>(buf, size); break;
+    case DESC_A_SCALE_POINTER: d->a_scale = read_value<uint64_t>(buf, size); break;
+    case DESC_B_SCALE_POINTER: d->b_scale = read_value<uint64_t>(buf, size); break;
+    default:
+        std::fprintf(stderr, "emulated cuBLASLt: matmul attribute %d is not emulated\n", attr);
+        return LT_NOT_SUPPORTED;
+    }
+    return LT_SUCCESS;
+}
+int cublasLtMatrixLayoutCreate(void** layout, int type, uint64_t rows, uint64_t cols,
+                               int64_t ld) {
+    *layout = new LtLayout{type, rows, cols, ld};
+    return LT_SUCCESS;
+}
+int cublasLtMatrixLayoutDestroy(void* layout) {
+    delete static_cast<LtLayout*>(layout);
+    return LT_SUCCESS;
+}
+int cublasLtMatmulPreferenceCreate(void** pref) {
+    *pref = new int(0);
+    return LT_SUCCESS;
+}
+int cublasLtMatmulPreferenceDestroy(void* pref) {
+    delete static_cast<int*>(pref);
+    return LT_SUCCESS;
+}
+int cublasLtMatmulPreferenceSetAttribute(void*, int, const void*, size_t) { return LT_SUCCESS; }
+
+/// One "algorithm" for every description the products below run; none for the rest (the
+/// caller then takes its unfused path, as it does where cuBLASLt offers nothing).
+int cublasLtMatmulAlgoGetHeuristic(void*, void* desc, void* a, void* b, void* c, void* d, void*,
+                                   int requested, LtHeuristic* results, int* count) {
+    const LtDesc* ds = static_cast<const LtDesc*>(desc);
+    const LtLayout *la = static_cast<LtLayout*>(a), *lb = static_cast<LtLayout*>(b),
+                   *ld = static_cast<LtLayout*>(d);
+    (void)c;
+    *count = 0;
+    if (!supported_type(la->type) || !supported_type(lb->type) || !supported_type(ld->type) ||
+        !supported_epilogue(ds->epilogue) || requested < 1)
+        return LT_SUCCESS;
+    std::memset(&results[0], 0, sizeof results[0]);
+    results[0].algo.data[0] = 0x454d55; // "EMU"
+    results[0].state = LT_SUCCESS;
+    results[0].waves = 1.0f;
+    *count = 1;
+    return LT_SUCCESS;
+}
+
+int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* adesc,
+                   const void* b, void* bdesc, const void* beta, const void* c, void* cdesc,
+                   void* d, void* ddesc, const void*, void*, size_t, void*) {
+    EMU_LOCKED;
+    const LtDesc* ds = static_cast<const LtDesc*>(desc);
+    const LtLayout *la = static_cast<LtLayout*>(adesc), *lb = static_cast<LtLayout*>(bdesc),
+                   *lc = static_cast<LtLayout*>(cdesc), *ld = static_cast<LtLayout*>(ddesc);
+    if (c != d || lc->type != ld->type || lc->ld != ld->ld) {
+        std::fprintf(stderr, "emulated cuBLASLt: only C = D products are emulated\n");
+        return LT_NOT_SUPPORTED;
+    }
+    EmuGemm g{};
+    g.m = ld->rows;
+    g.n = ld->cols;
+    g.transa = ds->transa;
+    g.transb = ds->transb;
+    g.k = ds->transa ? la->rows : la->cols;
+    const uint64_t b_k = ds->transb ? lb->cols : lb->rows;
+    const uint64_t a_m = ds->transa ? la->cols : la->rows;
+    const uint64_t b_n = ds->transb ? lb->rows : lb->cols;
+    if (b_k != g.k || a_m != g.m || b_n != g.n) {
+        std::fprintf(stderr, "emulated cuBLASLt: the layouts' shapes disagree\n");
+        return LT_INVALID_VALUE;
+    }
+    g.a = a;
+    g.lda = (size_t)la->ld;
+    g.a_type = la->type;
+    g.b = b;
+    g.ldb = (size_t)lb->ld;
+    g.b_type = lb->type;
+    g.d = d;
+    g.ldd = (size_t)ld->ld;
+    g.d_type = ld->type;
+    g.alpha = *static_cast<const float*>(alpha);
+    g.beta = *static_cast<const float*>(beta);
+    g.compute_tf32 = ds->compute == kComputeTf32;
+    g.epilogue = ds->epilogue;
+    g.bias = (void*)(uintptr_t)ds->bias;
+    g.aux = (void*)(uintptr_t)ds->aux;
+    g.aux_ld = (size_t)ds->aux_ld;
+    g.a_scale = (const float*)(uintptr_t)ds->a_scale;
+    g.b_scale = (const float*)(uintptr_t)ds->b_scale;
+    // Every operand must lie in device memory, as on the GPU.
+    auto elem = [](int t) { return t == EMU_R_32F ? 4 : (t == EMU_R_8F_E4M3 || t == EMU_R_8F_E5M2) ? 1 : 2; };
+    auto span = [](uint64_t rows, uint64_t cols, int64_t ldv) { return (size_t)((cols - 1) * (uint64_t)ldv + rows); };
+    if (device_range((CUdeviceptr)(uintptr_t)a, span(la->rows, la->cols, la->ld) * elem(la->type), "cuBLASLt's A") ||
+        device_range((CUdeviceptr)(uintptr_t)b, span(lb->rows, lb->cols, lb->ld) * elem(lb->type), "cuBLASLt's B") ||
+        device_range((CUdeviceptr)(uintptr_t)d, span(ld->rows, ld->cols, ld->ld) * elem(ld->type), "cuBLASLt's D"))
+        return LT_INVALID_VALUE;
+    char err[512] = {0};
+    if (emu_device_gemm(&g, err, sizeof err)) {
+        std::fprintf(stderr, "emulated cuBLASLt: %s\n", err);
+        return LT_NOT_SUPPORTED;
+    }
+    return LT_SUCCESS;
+}
+
+} // extern "C"

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU check on the emulated CUDA device (crates/tensor/tests/cuda_emu/device/README.md):
+# the unchanged meshtrain binary's CUDA path, run on the CPU, for the host code a card would
+# otherwise be the first to run (launch shapes, arguments, buffer sizes, the allocator, the
+# check's own comparisons). Slow (the kernels run on the emulator): minutes per part.
+#
+#   bash scripts/emu-gpu-check.sh [PARTS]     PARTS: `meshtrain bench gpu --parts` (default
+#                                             check,multi,layouts,convnets)
+#
+# Environment: MESHTRAIN_BIN (default: cargo build --release, target/release/meshtrain),
+# EMU_DEVICE_OUT (the device's folder, default target/cuda-emu-device), EMU_CHECK_LOGS (one
+# PART.log each, default target/emu-gpu-check), EMU_CHECK_TIMEOUT (seconds per part, 3600).
+# Exits non-zero if a part failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+parts=${1:-check,multi,layouts,convnets}
+device=$(bash crates/tensor/tests/cuda_emu/device/build.sh "${EMU_DEVICE_OUT:-target/cuda-emu-device}") \
+    || { echo "emu-gpu-check: building the emulated device failed" >&2; exit 2; }
+device=$(cd "$device" && pwd)
+bin=${MESHTRAIN_BIN:-}
+if [ -z "$bin" ]; then
+    cargo build --release -p meshtrain >&2 || exit 2
+    bin=target/release/meshtrain
+fi
+logs=${EMU_CHECK_LOGS:-target/emu-gpu-check}
+mkdir -p "$logs"
+
+export LD_LIBRARY_PATH="$device" CUDA_INCLUDE_DIRS="$device/include" MESHTRAIN_KERNEL_CACHE=off
+status=0
+for part in ${parts//,/ }; do
+    echo "=== emulated device: meshtrain bench gpu --parts $part"
+    start=$(date +%s)
+    timeout "${EMU_CHECK_TIMEOUT:-3600}" "$bin" bench gpu --parts "$part" --root . 2>&1 \
+        | tee "$logs/$part.log"
+    rc=${PIPESTATUS[0]}
+    echo "=== $part: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$logs/$part.log"
+    [ "$rc" = 0 ] || status=1
+done
+exit $status
