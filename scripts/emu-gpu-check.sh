@@ -7,6 +7,10 @@
 #   bash scripts/emu-gpu-check.sh [PARTS]     PARTS: `meshtrain bench gpu --parts` (default
 #                                             check,multi,layouts,convnets)
 #
+# The training runs of check, multi and layouts use a smaller GPT and Llama than on a card
+# (EMU_CHECK_SET, `bench gpu --set` overrides: width 64, 2 heads, 2 layers, 32 positions, 8
+# sequences a batch), or each would take an hour.
+#
 # Environment: MESHTRAIN_BIN (default: cargo build --release, target/release/meshtrain),
 # EMU_DEVICE_OUT (the device's folder, default target/cuda-emu-device), EMU_CHECK_LOGS (one
 # PART.log each, default target/emu-gpu-check), EMU_CHECK_TIMEOUT (seconds per part, 3600).
@@ -31,7 +35,15 @@ status=0
 for part in ${parts//,/ }; do
     echo "=== emulated device: meshtrain bench gpu --parts $part"
     start=$(date +%s)
-    timeout "${EMU_CHECK_TIMEOUT:-3600}" "$bin" bench gpu --parts "$part" --root . 2>&1 \
+    sets=()
+    case $part in
+    check | multi | layouts)
+        for o in ${EMU_CHECK_SET:-model.dim=64 model.heads=2 model.layers=2 model.seq=32 train.batch_size=8}; do
+            sets+=(--set "$o")
+        done
+        ;;
+    esac
+    timeout "${EMU_CHECK_TIMEOUT:-3600}" "$bin" bench gpu --parts "$part" --root . "${sets[@]}" 2>&1 \
         | tee "$logs/$part.log"
     rc=${PIPESTATUS[0]}
     echo "=== $part: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$logs/$part.log"

@@ -74,13 +74,26 @@ pub struct BenchGpuArgs {
     /// DIR/breakdown.json (`meshtrain plan --compare`).
     #[arg(long, value_name = "DIR")]
     pub out_dir: Option<PathBuf>,
+    /// A config override (`section.key=value`, repeatable) for every training run of the
+    /// check, multi, layouts and convnets parts, after their own: a smaller model where the
+    /// device is slow, as the emulated CUDA device is (`scripts/emu-gpu-check.sh`).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
 }
+
+/// `--set`'s overrides, applied by [`train_and_read`] to every run of the parts (their
+/// ranks run on threads of their own, so this is set once for the process, not passed down).
+static EXTRA_OVERRIDES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
 
 fn cuda(e: CudaError) -> anyhow::Error {
     anyhow::anyhow!("{e}")
 }
 
 pub fn run(args: &BenchGpuArgs) -> Result<()> {
+    if let Some(bad) = args.overrides.iter().find(|o| !o.contains('=')) {
+        bail!("--set {bad}: expected section.key=value");
+    }
+    let _ = EXTRA_OVERRIDES.set(args.overrides.clone());
     let dev = CudaDevice::get(args.device).map_err(cuda)?;
     let (free, total) = dev.memory_info();
     println!(
@@ -448,6 +461,7 @@ pub(crate) fn train_and_read(
     .collect();
     o.push(format!("train.out_dir=\"{}\"", out.display()));
     o.extend(overrides.iter().cloned());
+    o.extend(EXTRA_OVERRIDES.get().into_iter().flatten().cloned());
     let text = std::fs::read_to_string(root.join(file))
         .with_context(|| format!("reading {}/{file}", root.display()))?;
     let cfg = Config::from_toml_with_overrides(&text, &o)?;

@@ -461,3 +461,16 @@ fn a_trained_llama_generates_text() {
     let dir = tempfile::tempdir().unwrap();
     trained_model_generates_text(&tiny_llama_config(dir.path(), 6, &[]));
 }
+
+/// The GPU tests above on the emulated CUDA device (`crates/tensor/tests/cuda_emu/device`):
+/// the GPU decoder's host code and `generate --device cuda` run on every machine with g++ and
+/// CUDA's headers, not only on a card.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_gpu_tests_pass_on_the_emulated_device() {
+    common::rerun_on_the_emulated_device(&[
+        "the_gpu_decoder_gives_the_cpus_logits_and_tokens",
+        "a_trained_gpt_generates_text",
+        "a_trained_llama_generates_text",
+    ]);
+}

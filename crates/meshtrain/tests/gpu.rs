@@ -114,6 +114,14 @@ fn a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet() {
     }
 }
 
+/// The tiny GPT with heads the CUDA attention kernels take (32 wide: its own 4 heads of 8
+/// are refused on a GPU by name).
+fn tiny_gpu_gpt_config(out: &std::path::Path, max_steps: u64, extra: &[&str]) -> Config {
+    let mut o = vec!["model.dim=64", "model.heads=2"];
+    o.extend_from_slice(extra);
+    tiny_gpt_config(out, max_steps, &o)
+}
+
 /// fp32 on the GPU learns what the CPU learns; a GPU checkpoint resumes on the CPU and the
 /// reverse, to the same parameters as an uninterrupted run.
 #[test]
@@ -123,19 +131,19 @@ fn gpu_training_matches_the_cpu_and_checkpoints_move_between_them() {
     }
     let steps = 6;
     let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
-    let cpu_cfg = tiny_gpt_config(dirs[0].path(), steps, &[]);
+    let cpu_cfg = tiny_gpu_gpt_config(dirs[0].path(), steps, &[]);
     run(&cpu_cfg, &RunOptions::default()).unwrap();
     let cpu = checkpoint_params(&cpu_cfg, &written_checkpoint(dirs[0].path()));
-    let gpu_cfg = tiny_gpt_config(dirs[1].path(), steps, &["train.device=\"cuda\""]);
+    let gpu_cfg = tiny_gpu_gpt_config(dirs[1].path(), steps, &["train.device=\"cuda\""]);
     run(&gpu_cfg, &RunOptions::default()).unwrap();
     let gpu = checkpoint_params(&gpu_cfg, &written_checkpoint(dirs[1].path()));
     assert!(rel_diff(&gpu, &cpu) < 1e-4, "{}", rel_diff(&gpu, &cpu));
     // Half the run on the GPU, the rest on the CPU (and the reverse).
     for (first, second, dir) in [("cuda", "cpu", 2), ("cpu", "cuda", 3)] {
         let d = dirs[dir].path();
-        let a = tiny_gpt_config(d, steps / 2, &[&format!("train.device=\"{first}\"")]);
+        let a = tiny_gpu_gpt_config(d, steps / 2, &[&format!("train.device=\"{first}\"")]);
         run(&a, &RunOptions::default()).unwrap();
-        let b = tiny_gpt_config(d, steps, &[&format!("train.device=\"{second}\"")]);
+        let b = tiny_gpu_gpt_config(d, steps, &[&format!("train.device=\"{second}\"")]);
         let resume = RunOptions {
             resume: Some(written_checkpoint(d)),
             ..RunOptions::default()
@@ -144,4 +152,16 @@ fn gpu_training_matches_the_cpu_and_checkpoints_move_between_them() {
         let moved = checkpoint_params(&b, &written_checkpoint(d));
         assert!(rel_diff(&moved, &cpu) < 1e-4, "{first} then {second}");
     }
+}
+
+/// The GPU tests above on the emulated CUDA device (`crates/tensor/tests/cuda_emu/device`):
+/// the CUDA path's host code (launch shapes, arguments, buffers, the allocator, checkpoints
+/// moving between devices) runs here on every machine with g++ and CUDA's headers, not only
+/// on a card.
+#[test]
+fn the_gpu_tests_pass_on_the_emulated_device() {
+    common::rerun_on_the_emulated_device(&[
+        "gpu_training_matches_the_cpu_and_checkpoints_move_between_them",
+        "a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet",
+    ]);
 }

@@ -89,7 +89,12 @@ for stem in "${stems[@]}"; do
 done
 compile "$here/kernels.cpp" "$out/obj/kernels.o" "$out/gen/kernel_tables.inc" &
 pids+=($!)
-flags+=("-I$cuda_include")
+# The products: vectorised for this CPU (the library is built where it runs).
+flags_gemm=("${flags[@]}")
+flags=("${flags[@]/-O2/-O3}" -march=native)
+compile "$here/gemm.cpp" "$out/obj/gemm.o" &
+pids+=($!)
+flags=("${flags_gemm[@]}" "-I$cuda_include")
 compile "$here/driver.cpp" "$out/obj/driver.o" &
 pids+=($!)
 failed=0

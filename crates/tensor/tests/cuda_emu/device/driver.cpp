@@ -9,6 +9,7 @@
 
 #include "emu_device.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -50,6 +51,37 @@ bool trace() {
 CUresult unsupported(const char* what) {
     std::fprintf(stderr, "emulated CUDA device: %s is not emulated\n", what);
     return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+/// EMU_DEVICE_PROFILE=1: seconds and calls per kernel (and for the products), printed to
+/// stderr when the process exits, the slowest first.
+struct Profile {
+    std::map<std::string, std::pair<double, long>> spent;
+    ~Profile() {
+        if (spent.empty()) return;
+        std::vector<std::pair<std::string, std::pair<double, long>>> v(spent.begin(), spent.end());
+        std::sort(v.begin(), v.end(),
+                  [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+        std::fprintf(stderr, "emulated CUDA device: time by kernel\n");
+        for (const auto& e : v)
+            std::fprintf(stderr, "%10.3f s %8ld  %s\n", e.second.first, e.second.second,
+                         e.first.c_str());
+    }
+};
+Profile g_profile;
+bool profiling() {
+    static const bool on = [] {
+        const char* v = std::getenv("EMU_DEVICE_PROFILE");
+        return v && *v && std::strcmp(v, "0") != 0;
+    }();
+    return on;
+}
+/// Adds the time since `start` to `what`'s row when profiling.
+void account(const char* what, std::chrono::steady_clock::time_point start) {
+    if (!profiling()) return;
+    auto& row = g_profile.spent[what];
+    row.first += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    row.second += 1;
 }
 
 constexpr size_t kTotalMemory = size_t(16) << 30;
@@ -474,7 +506,10 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
         std::fprintf(stderr, "emu: launch %s grid (%u,%u,%u) block (%u,%u,%u) smem %u\n",
                      emu_device_kernel_name(f), gx, gy, gz, bx, by, bz, smem);
     char err[4096] = {0};
-    if (emu_device_launch(f, grid, block, smem, params, err, sizeof err)) {
+    const auto start = std::chrono::steady_clock::now();
+    const int failed = emu_device_launch(f, grid, block, smem, params, err, sizeof err);
+    account(emu_device_kernel_name(f), start);
+    if (failed) {
         std::fprintf(stderr, "emulated CUDA device: launch of %s failed: %s\n",
                      emu_device_kernel_name(f), err);
         return CUDA_ERROR_LAUNCH_FAILED;
@@ -743,7 +778,10 @@ int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* ad
         device_range((CUdeviceptr)(uintptr_t)d, span(ld->rows, ld->cols, ld->ld) * elem(ld->type), "cuBLASLt's D"))
         return LT_INVALID_VALUE;
     char err[512] = {0};
-    if (emu_device_gemm(&g, err, sizeof err)) {
+    const auto start = std::chrono::steady_clock::now();
+    const int failed = emu_device_gemm(&g, err, sizeof err);
+    account("cublasLtMatmul", start);
+    if (failed) {
         std::fprintf(stderr, "emulated cuBLASLt: %s\n", err);
         return LT_NOT_SUPPORTED;
     }

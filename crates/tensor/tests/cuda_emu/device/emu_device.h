@@ -52,6 +52,9 @@ typedef struct EmuGemm {
 } EmuGemm;
 
 int emu_device_gemm(const EmuGemm* g, char* err, size_t err_len);
+/// f64 to bf16 / f16 bits, rounded to nearest even (the emulator's conversions).
+unsigned short emu_device_to_bf16(double v);
+unsigned short emu_device_to_f16(double v);
 double emu_device_fp8_decode(unsigned char code, int exponent_bits, int mantissa_bits);
 
 #ifdef __cplusplus
