@@ -7,9 +7,10 @@
 #   bash scripts/emu-gpu-check.sh [PARTS]     PARTS: `meshtrain bench gpu --parts` (default
 #                                             check,multi,layouts,convnets)
 #
-# The training runs of check, multi and layouts use a smaller GPT and Llama than on a card
-# (EMU_CHECK_SET, `bench gpu --set` overrides: width 64, 2 heads, 2 layers, 32 positions, 8
-# sequences a batch), or each would take an hour.
+# The training runs use smaller models than on a card (`bench gpu --set` overrides: for check,
+# multi and layouts a GPT and Llama of width 64, 2 heads, 2 or 4 layers, 32 positions, 8
+# sequences a batch; for convnets batches of 8), or each part would take hours; EMU_CHECK_SET
+# replaces them (space-separated KEY=VALUE).
 #
 # Environment: MESHTRAIN_BIN (default: cargo build --release, target/release/meshtrain),
 # EMU_DEVICE_OUT (the device's folder, default target/cuda-emu-device), EMU_CHECK_LOGS (one
@@ -35,14 +36,15 @@ status=0
 for part in ${parts//,/ }; do
     echo "=== emulated device: meshtrain bench gpu --parts $part"
     start=$(date +%s)
-    sets=()
+    small="model.dim=64 model.heads=2 model.seq=32 train.batch_size=8"
     case $part in
-    check | multi | layouts)
-        for o in ${EMU_CHECK_SET:-model.dim=64 model.heads=2 model.layers=2 model.seq=32 train.batch_size=8}; do
-            sets+=(--set "$o")
-        done
-        ;;
+    check | multi) defaults="$small model.layers=2" ;;
+    layouts) defaults="$small model.layers=4" ;; # interleaved pp=2 wants 2 blocks a stage
+    convnets) defaults="train.batch_size=8" ;;
+    *) defaults="" ;;
     esac
+    sets=()
+    for o in ${EMU_CHECK_SET:-$defaults}; do sets+=(--set "$o"); done
     timeout "${EMU_CHECK_TIMEOUT:-3600}" "$bin" bench gpu --parts "$part" --root . "${sets[@]}" 2>&1 \
         | tee "$logs/$part.log"
     rc=${PIPESTATUS[0]}

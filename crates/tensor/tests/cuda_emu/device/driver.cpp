@@ -135,6 +135,15 @@ CUresult device_range(CUdeviceptr p, size_t bytes, const char* what) {
     return CUDA_SUCCESS;
 }
 
+/// The memsets: n values of v from p, all inside one device buffer.
+template <class T> CUresult fill(CUdeviceptr p, T v, size_t n) {
+    EMU_LOCKED;
+    if (CUresult r = device_range(p, n * sizeof(T), "a memset")) return r;
+    T* q = (T*)(uintptr_t)p;
+    for (size_t i = 0; i < n; ++i) q[i] = v;
+    return CUDA_SUCCESS;
+}
+
 } // namespace
 
 extern "C" {
@@ -402,34 +411,17 @@ CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext, CUdeviceptr src, CUcontex
                            CUstream) {
     return cuMemcpy(dst, src, bytes);
 }
-CUresult cuMemsetD8(CUdeviceptr p, unsigned char v, size_t n) {
-    EMU_LOCKED;
-    if (CUresult r = device_range(p, n, "a memset")) return r;
-    std::memset((void*)(uintptr_t)p, v, n);
-    return CUDA_SUCCESS;
-}
+CUresult cuMemsetD8(CUdeviceptr p, unsigned char v, size_t n) { return fill(p, v, n); }
 CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) {
-    return cuMemsetD8(p, v, n);
+    return fill(p, v, n);
 }
-CUresult cuMemsetD16(CUdeviceptr p, unsigned short v, size_t n) {
-    EMU_LOCKED;
-    if (CUresult r = device_range(p, n * 2, "a memset")) return r;
-    unsigned short* q = (unsigned short*)(uintptr_t)p;
-    for (size_t i = 0; i < n; ++i) q[i] = v;
-    return CUDA_SUCCESS;
-}
+CUresult cuMemsetD16(CUdeviceptr p, unsigned short v, size_t n) { return fill(p, v, n); }
 CUresult cuMemsetD16Async(CUdeviceptr p, unsigned short v, size_t n, CUstream) {
-    return cuMemsetD16(p, v, n);
+    return fill(p, v, n);
 }
-CUresult cuMemsetD32(CUdeviceptr p, unsigned int v, size_t n) {
-    EMU_LOCKED;
-    if (CUresult r = device_range(p, n * 4, "a memset")) return r;
-    unsigned int* q = (unsigned int*)(uintptr_t)p;
-    for (size_t i = 0; i < n; ++i) q[i] = v;
-    return CUDA_SUCCESS;
-}
+CUresult cuMemsetD32(CUdeviceptr p, unsigned int v, size_t n) { return fill(p, v, n); }
 CUresult cuMemsetD32Async(CUdeviceptr p, unsigned int v, size_t n, CUstream) {
-    return cuMemsetD32(p, v, n);
+    return fill(p, v, n);
 }
 CUresult cuPointerGetAttribute(void* data, CUpointer_attribute a, CUdeviceptr p) {
     EMU_LOCKED;
