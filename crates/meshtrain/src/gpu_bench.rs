@@ -75,8 +75,10 @@ pub struct BenchGpuArgs {
     #[arg(long, value_name = "DIR")]
     pub out_dir: Option<PathBuf>,
     /// A config override (`section.key=value`, repeatable) for every training run of the
-    /// check, multi, layouts and convnets parts, after their own: a smaller model where the
-    /// device is slow, as the emulated CUDA device is (`scripts/emu-gpu-check.sh`).
+    /// check, multi, layouts and convnets parts, after their own settings (so a run's name
+    /// may quote a size it no longer has: `cp=2 ring at 2,048 tokens` under `--set
+    /// model.seq=32` runs 32): a smaller model where the device is slow, as the emulated
+    /// CUDA device is (`scripts/emu-gpu-check.sh`).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
 }
