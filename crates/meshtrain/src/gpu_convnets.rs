@@ -47,23 +47,34 @@ struct Net {
     config: &'static str,
     settings: &'static [&'static str],
     /// How far 20 steps may drift from the CPU: the parameters' relative L2 (LeNet), or, for
-    /// a net chaotic at the rounding level, only the losses. Every net is held to 1e-5 (its
-    /// parameters and buffers) over its first [`EXACT_STEPS`] steps, before a ReLU kink or a
-    /// pooling tie can send a gradient another way. ResNet-18 is such a net: one CPU worker
-    /// whose initial weights are nudged by 1e-7 ends 20 steps ~5e-2 away
-    /// (`tests/data_parallel.rs`). LeNet's 2e-4 is what the CPU suite allows a change in the
-    /// order of sums over 20 steps.
+    /// a net chaotic at the rounding level, the mean loss of the run's second half. Every net
+    /// is held to 1e-5 (its parameters and buffers) over its first [`EXACT_STEPS`] steps,
+    /// before a ReLU kink or a pooling tie can send a gradient another way. ResNet-18 is such
+    /// a net: one CPU worker whose initial weights are nudged by 1e-7 ends 20 steps ~5e-2 away
+    /// (`tests/data_parallel.rs`), and one CPU worker against dp = 2 with SyncBatchNorm (the
+    /// same model, sums in another order) at the check's settings has equal losses to step 5,
+    /// then 4.2% apart at step 7 and 17.6% at step 20; their second halves' means are 1.8%
+    /// apart. LeNet's 2e-4 is what the CPU suite allows a change in the order of sums over 20
+    /// steps.
     long: Drift,
 }
 
 #[derive(Clone, Copy)]
 enum Drift {
     Parameters(f64),
-    Losses(f64),
+    /// The mean loss over the second half of the run, relative.
+    MeanLoss(f64),
 }
 
 /// Steps over which every net must match to 1e-5.
 const EXACT_STEPS: u64 = 3;
+
+/// Steps over which a chaotic net's bf16 losses are compared (1%): the loss at init and after
+/// one update. Where bf16 rounds is itself enough to move ResNet-18's third loss by more
+/// than 1%: on the CPU alone, bf16 against fp32 at the check's settings (batch 64, lr 1e-2,
+/// 2e-2, 3e-2) is 2.4% apart at step 3 and 0.2% at step 2, and the GPU, which keeps every
+/// activation in bf16, was 2.8% from the CPU's bf16 at step 3 on the emulated device.
+const CHAOTIC_BF16_STEPS: u64 = 2;
 
 const NETS: [Net; 3] = [
     Net {
@@ -82,7 +93,7 @@ const NETS: [Net; 3] = [
         name: "ResNet-18",
         config: "configs/resnet18.toml",
         settings: &["train.batch_size=64"],
-        long: Drift::Losses(1e-2),
+        long: Drift::MeanLoss(0.1),
     },
 ];
 
@@ -138,6 +149,37 @@ fn same_state(
 
 /// Checks 1 and 2 on `device` (`cuda`; `cpu` for their own test, where every line must say
 /// ok).
+/// Whether run `a`'s mean loss over the second half of its steps is within `tolerance`
+/// (relative) of `b`'s, both runs having logged the same, non-zero number of steps: for a net
+/// whose single losses part at the rounding level, that it keeps learning as much.
+fn close_mean_losses(
+    failed: &mut Vec<String>,
+    what: &str,
+    a: &Trained,
+    b: &Trained,
+    tolerance: f64,
+) {
+    let second_half = |l: &[f64]| {
+        let tail = &l[l.len() / 2..];
+        tail.iter().sum::<f64>() / tail.len().max(1) as f64
+    };
+    let (mean_a, mean_b) = (second_half(&a.losses), second_half(&b.losses));
+    let off = ((mean_a - mean_b) / mean_b).abs();
+    let off = if off.is_finite() { off } else { f64::INFINITY };
+    verdict(
+        failed,
+        !b.losses.is_empty() && a.losses.len() == b.losses.len() && off <= tolerance,
+        format!(
+            "{what}: mean loss over steps {}–{} {mean_a:.4} against {mean_b:.4}, {:.2}% apart \
+             (≤ {}%; single steps part at the rounding level)",
+            b.losses.len() / 2 + 1,
+            b.losses.len(),
+            off * 100.0,
+            tolerance * 100.0
+        ),
+    );
+}
+
 fn checks(failed: &mut Vec<String>, root: &Path, device: &str, nets: &[Net]) -> Result<()> {
     let start = Instant::now();
     for net in nets {
@@ -153,15 +195,15 @@ fn checks(failed: &mut Vec<String>, root: &Path, device: &str, nets: &[Net]) -> 
                 same_state(failed, &what, STEPS, tolerance, &here, &cpu);
                 close_losses_within(failed, &what, &here, &cpu, 1e-3);
             }
-            Drift::Losses(tolerance) => close_losses_within(failed, &what, &here, &cpu, tolerance),
+            Drift::MeanLoss(tolerance) => close_mean_losses(failed, &what, &here, &cpu, tolerance),
         }
         // bf16 rounds in more places on the GPU (it keeps every activation in bf16, the CPU
-        // only the products' inputs): losses within 1%, over the exact steps for a chaotic
-        // net.
+        // only the products' inputs): losses within 1%, over the first two steps for a
+        // chaotic net ([`CHAOTIC_BF16_STEPS`]).
         let bf16 = ["train.precision=\"bf16\""];
         let bf16_steps = match net.long {
             Drift::Parameters(_) => STEPS,
-            Drift::Losses(_) => EXACT_STEPS,
+            Drift::MeanLoss(_) => CHAOTIC_BF16_STEPS,
         };
         let cpu16 = net.train(root, "cpu", bf16_steps, &bf16)?;
         let here16 = net.train(root, device, bf16_steps, &bf16)?;
@@ -245,7 +287,7 @@ mod tests {
                 name: "ResNet-18 (width 8)",
                 config: "configs/resnet18.toml",
                 settings: &["train.batch_size=32", "model.width=8"],
-                long: Drift::Losses(1e-2),
+                long: Drift::MeanLoss(0.1),
             },
         ];
         let mut failed = Vec::new();

@@ -473,7 +473,7 @@ impl DeviceState for CudaChunk {
         self.dev
             .memory_stats()
             .peak_in_use
-            .saturating_sub(p + g + o)
+            .saturating_sub(p + g + o + self.dev.library_bytes())
     }
 
     fn upload(&mut self, store: &ParamStore, optimizer: &Optimizer) -> Result<(), PipelineError> {

@@ -376,6 +376,11 @@ impl Blas {
         })
     }
 
+    /// What the workspace occupies in the allocator's counts.
+    pub fn workspace_held_bytes(&self) -> usize {
+        self.workspace.held_bytes()
+    }
+
     fn plan(&mut self, g: &Gemm) -> Result<&Plan, CudaError> {
         let key = g.key();
         if !self.plans.contains_key(&key) {

@@ -314,6 +314,17 @@ impl CudaDevice {
         self.allocator.lock().expect("allocator").stats()
     }
 
+    /// Bytes the device's own libraries hold for its whole life (cuBLASLt's workspace, once
+    /// a product has run): counted by [`CudaDevice::memory_stats`], but no step's
+    /// activations, so a run's activation figure leaves them out.
+    pub fn library_bytes(&self) -> usize {
+        self.blas
+            .lock()
+            .expect("blas")
+            .as_ref()
+            .map_or(0, |b| b.workspace_held_bytes())
+    }
+
     pub fn reset_peak_memory(&self) {
         self.allocator.lock().expect("allocator").reset_peak();
     }
@@ -786,6 +797,11 @@ pub struct DevBuf {
 impl DevBuf {
     pub fn ptr(&self) -> u64 {
         self.block.ptr
+    }
+
+    /// What the buffer occupies in the allocator's counts (its block's size class).
+    pub fn held_bytes(&self) -> usize {
+        self.block.class
     }
 
     /// The bytes asked for (the block may be larger).

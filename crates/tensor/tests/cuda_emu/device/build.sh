@@ -29,6 +29,9 @@ if [ -z "$cuda_include" ]; then
 fi
 
 mkdir -p "$out/gen" "$out/include" "$out/obj"
+# One build at a time in a folder (two test binaries or two scripts may ask at once).
+exec 9> "$out/.build.lock"
+flock 9
 # Only rewrite what changed, so reruns skip the long compiles.
 update() { if ! cmp -s "$1.tmp" "$1"; then mv "$1.tmp" "$1"; else rm -f "$1.tmp"; fi; }
 # Every kernel file is a translation unit of its own, with the table of every `extern "C"`
