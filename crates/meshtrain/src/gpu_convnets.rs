@@ -147,8 +147,6 @@ fn same_state(
     );
 }
 
-/// Checks 1 and 2 on `device` (`cuda`; `cpu` for their own test, where every line must say
-/// ok).
 /// Whether run `a`'s mean loss over the second half of its steps is within `tolerance`
 /// (relative) of `b`'s, both runs having logged the same, non-zero number of steps: for a net
 /// whose single losses part at the rounding level, that it keeps learning as much.
@@ -180,6 +178,8 @@ fn close_mean_losses(
     );
 }
 
+/// Checks 1 and 2 on `device` (`cuda`; `cpu` for their own test, where every line must say
+/// ok).
 fn checks(failed: &mut Vec<String>, root: &Path, device: &str, nets: &[Net]) -> Result<()> {
     let start = Instant::now();
     for net in nets {

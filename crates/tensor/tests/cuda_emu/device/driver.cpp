@@ -20,8 +20,6 @@
 #include <string>
 #include <vector>
 
-extern "C" void* emu_device_alloc(size_t bytes);
-extern "C" int emu_device_free(void* p);
 
 namespace {
 
@@ -623,15 +621,6 @@ template <class T> T read_value(const void* buf, size_t size) {
     return v;
 }
 
-bool supported_type(int t) {
-    return t == EMU_R_32F || t == EMU_R_16F || t == EMU_R_16BF || t == EMU_R_8F_E4M3 ||
-           t == EMU_R_8F_E5M2;
-}
-bool supported_epilogue(int e) {
-    return e == EMU_EPILOGUE_DEFAULT || e == EMU_EPILOGUE_BIAS || e == EMU_EPILOGUE_GELU_AUX ||
-           e == EMU_EPILOGUE_GELU_AUX_BIAS || e == EMU_EPILOGUE_DGELU ||
-           e == EMU_EPILOGUE_BGRADB;
-}
 } // namespace
 
 extern "C" {
@@ -709,8 +698,7 @@ int cublasLtMatmulAlgoGetHeuristic(void*, void* desc, void* a, void* b, void* c,
                    *ld = static_cast<LtLayout*>(d);
     (void)c;
     *count = 0;
-    if (!supported_type(la->type) || !supported_type(lb->type) || !supported_type(ld->type) ||
-        !supported_epilogue(ds->epilogue) || requested < 1)
+    if (!emu_device_gemm_runs(la->type, lb->type, ld->type, ds->epilogue) || requested < 1)
         return LT_SUCCESS;
     std::memset(&results[0], 0, sizeof results[0]);
     results[0].algo.data[0] = 0x454d55; // "EMU"

@@ -51,7 +51,14 @@ typedef struct EmuGemm {
     const float* b_scale;
 } EmuGemm;
 
+/// Whether emu_device_gemm runs these operand, output and epilogue kinds: what the emulated
+/// cuBLASLt's heuristic offers an algorithm for, and what the product itself accepts.
+int emu_device_gemm_runs(int a_type, int b_type, int d_type, int epilogue);
 int emu_device_gemm(const EmuGemm* g, char* err, size_t err_len);
+/// Device memory: one of the emulator's guarded buffers (NULL when it cannot be mapped), and
+/// its release (non-zero for a pointer that is not one).
+void* emu_device_alloc(size_t bytes);
+int emu_device_free(void* p);
 /// f64 to bf16 / f16 bits, rounded to nearest even (the emulator's conversions).
 unsigned short emu_device_to_bf16(double v);
 unsigned short emu_device_to_f16(double v);

@@ -123,21 +123,36 @@ extern "C" double emu_device_fp8_decode(unsigned char code, int exponent_bits,
     return (code >> 7) ? -v : v;
 }
 
-extern "C" int emu_device_gemm(const EmuGemm* g, char* err, size_t err_len) {
-    const size_t m = g->m, n = g->n, k = g->k;
-    const bool fp8 = g->a_type == EMU_R_8F_E4M3 || g->a_type == EMU_R_8F_E5M2;
-    const float a_scale = fp8 && g->a_scale ? *g->a_scale : 1.0f;
-    const float b_scale = fp8 && g->b_scale ? *g->b_scale : 1.0f;
-    const bool round_tf32 = g->compute_tf32 && g->a_type == EMU_R_32F;
-    switch (g->epilogue) {
+namespace {
+bool operand_type(int t) {
+    return t == EMU_R_32F || t == EMU_R_16F || t == EMU_R_16BF || t == EMU_R_8F_E4M3 ||
+           t == EMU_R_8F_E5M2;
+}
+bool output_type(int t) { return t == EMU_R_32F || t == EMU_R_16F || t == EMU_R_16BF; }
+} // namespace
+
+extern "C" int emu_device_gemm_runs(int a_type, int b_type, int d_type, int epilogue) {
+    switch (epilogue) {
     case EMU_EPILOGUE_DEFAULT:
     case EMU_EPILOGUE_BGRADB:
     case EMU_EPILOGUE_BIAS:
     case EMU_EPILOGUE_GELU_AUX:
     case EMU_EPILOGUE_GELU_AUX_BIAS:
     case EMU_EPILOGUE_DGELU: break;
-    default:
-        std::snprintf(err, err_len, "epilogue %d is not emulated", g->epilogue);
+    default: return 0;
+    }
+    return operand_type(a_type) && operand_type(b_type) && output_type(d_type);
+}
+
+extern "C" int emu_device_gemm(const EmuGemm* g, char* err, size_t err_len) {
+    const size_t m = g->m, n = g->n, k = g->k;
+    const bool fp8 = g->a_type == EMU_R_8F_E4M3 || g->a_type == EMU_R_8F_E5M2;
+    const float a_scale = fp8 && g->a_scale ? *g->a_scale : 1.0f;
+    const float b_scale = fp8 && g->b_scale ? *g->b_scale : 1.0f;
+    const bool round_tf32 = g->compute_tf32 && g->a_type == EMU_R_32F;
+    if (!emu_device_gemm_runs(g->a_type, g->b_type, g->d_type, g->epilogue)) {
+        std::snprintf(err, err_len, "types %d, %d -> %d with epilogue %d are not emulated",
+                      g->a_type, g->b_type, g->d_type, g->epilogue);
         return 1;
     }
     // op(A) as k rows of m (column l of op(A) contiguous) and op(B) as n columns of k, in

@@ -8,9 +8,10 @@
 
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 // Each kernel file is its own translation unit (build.sh writes kernels_<file>.cpp: the
-// file and its table, EMU_KERNEL_TABLE below), as the emulator tests compile them: a
+// file and its table, emu_kernels_<file>), as the emulator tests compile them: a
 // `__shared__` variable of an inline function and one of a kernel may not share a section
 // in one assembler file.
 #include "kernel_tables.inc" // generated: EMU_DECLARE_TABLE(stem) for every kernel file
