@@ -452,6 +452,7 @@ impl DeviceState for CudaChunk {
             peak_bytes: stats.peak_in_use,
             cached_bytes: stats.cached,
             device_allocs: stats.device_allocs,
+            library_bytes: self.dev.library_bytes(),
             total_bytes: self.dev.memory_info().1,
         }
     }
@@ -466,14 +467,6 @@ impl DeviceState for CudaChunk {
             self.grads_len * 4,
             self.moments * 4 * (1 + usize::from(self.v.is_some())),
         )
-    }
-
-    fn peak_activation_bytes(&self) -> usize {
-        let (p, g, o) = self.state_bytes();
-        self.dev
-            .memory_stats()
-            .peak_in_use
-            .saturating_sub(p + g + o + self.dev.library_bytes())
     }
 
     fn upload(&mut self, store: &ParamStore, optimizer: &Optimizer) -> Result<(), PipelineError> {

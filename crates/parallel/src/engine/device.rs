@@ -43,6 +43,9 @@ pub struct DeviceMemory {
     pub cached_bytes: usize,
     /// Calls to the driver's allocation (flat after the first step).
     pub device_allocs: u64,
+    /// Held by the device's libraries for the run's life (cuBLASLt's workspace), within
+    /// `in_use_bytes`.
+    pub library_bytes: usize,
     pub total_bytes: usize,
 }
 
@@ -115,9 +118,6 @@ pub trait DeviceState: Send {
 
     /// Bytes of (parameters with their 16-bit copy, gradients, optimizer moments).
     fn state_bytes(&self) -> (usize, usize, usize);
-
-    /// What the step held at its peak beyond the model states (activations, logits, scratch).
-    fn peak_activation_bytes(&self) -> usize;
 
     /// Replaces the device state by `store`'s values and buffers and `optimizer`'s moments
     /// (gradients zeroed).
@@ -257,11 +257,13 @@ impl DeviceMemory {
     pub fn report(&self) -> String {
         let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
         format!(
-            "GPU memory on {}: peak {:.0} MiB held by tensors, {:.0} MiB now, {:.0} MiB \
-             cached for reuse, {} device allocations, of {:.0} MiB",
+            "GPU memory on {}: peak {:.0} MiB held by tensors, {:.0} MiB now ({:.0} MiB of it \
+             cuBLASLt's workspace), {:.0} MiB cached for reuse, {} device allocations, of \
+             {:.0} MiB",
             self.device,
             mib(self.peak_bytes),
             mib(self.in_use_bytes),
+            mib(self.library_bytes),
             mib(self.cached_bytes),
             self.device_allocs,
             mib(self.total_bytes)
@@ -539,10 +541,6 @@ impl DeviceState for StandIn {
 
     fn state_bytes(&self) -> (usize, usize, usize) {
         (self.values.len() * 4, self.grads.len() * 4, 0)
-    }
-
-    fn peak_activation_bytes(&self) -> usize {
-        0
     }
 
     fn upload(&mut self, store: &ParamStore, optimizer: &Optimizer) -> Result<(), PipelineError> {

@@ -332,7 +332,10 @@ pub struct StepReport {
     pub loss: Option<f32>,
     /// Correct predictions over the batch (last chunk, losses that count them).
     pub correct: Option<usize>,
-    /// Most activation bytes held at once (what forward keeps for backward).
+    /// Most activation bytes held at once (what forward keeps for backward), counted from
+    /// the kept tensors alike on every device: the figure the planner's formula predicts.
+    /// A GPU's own peak (these, plus a pass's transients: gathers, logits, scratch) is in
+    /// its [`DeviceMemory`](super::DeviceMemory).
     pub peak_activation_bytes: usize,
     /// Time in forward (including the loss on the last stage).
     pub forward_s: f64,
@@ -1069,8 +1072,6 @@ impl Stage {
                     timeline.record(label, category, start, end, Some(micro));
                 }
             }
-            report.peak_activation_bytes =
-                report.peak_activation_bytes.max(d.peak_activation_bytes());
             if chunk.index == last && on_device > 0 {
                 let (sum, right) = d.take_sums(super::device::Sums::Train);
                 // The per-target sums as the mean of each micro-batch's mean (equal sizes).

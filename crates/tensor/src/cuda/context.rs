@@ -315,8 +315,8 @@ impl CudaDevice {
     }
 
     /// Bytes the device's own libraries hold for its whole life (cuBLASLt's workspace, once
-    /// a product has run): counted by [`CudaDevice::memory_stats`], but no step's
-    /// activations, so a run's activation figure leaves them out.
+    /// a product has run): counted by [`CudaDevice::memory_stats`], and named apart in a
+    /// run's device-memory report, since no layout or batch changes them.
     pub fn library_bytes(&self) -> usize {
         self.blas
             .lock()
