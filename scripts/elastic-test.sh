@@ -129,26 +129,7 @@ check_survivors() {
 
 # same_state A B [TOLERANCE]: the final checkpoints' tensors are bit-identical, or within a
 # relative L2 distance of TOLERANCE.
-same_state() {
-    python3 - "$OUT/$1/checkpoint.safetensors" "$OUT/$2/checkpoint.safetensors" "${3:-0}" <<'EOF'
-import json, struct, sys, math, array
-def tensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    header.pop("__metadata__", None)
-    return {k: array.array("f", data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in header.items()}
-a, b, tol = tensors(sys.argv[1]), tensors(sys.argv[2]), float(sys.argv[3])
-assert a.keys() == b.keys()
-diff = sum((x - y) ** 2 for k in a for x, y in zip(a[k], b[k]))
-norm = sum(y * y for k in b for y in b[k])
-rel = math.sqrt(diff / norm)
-identical = all(a[k].tobytes() == b[k].tobytes() for k in a)
-print(f"  final parameters and optimizer state: {'bit-identical' if identical else f'relative L2 distance {rel:.2e}'}")
-sys.exit(0 if identical or rel <= tol else 1)
-EOF
-}
+same_state() { same_checkpoint "$OUT/$1/checkpoint.safetensors" "$OUT/$2/checkpoint.safetensors" "${3:-0}"; }
 
 final_loss_of() { grep -o 'final train loss [0-9.]*' "$OUT/$1.log" | awk '{print $4}'; }
 

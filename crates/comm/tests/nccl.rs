@@ -4,9 +4,17 @@
 //!
 //! One GPU allows only one rank per communicator (NCCL refuses two ranks on one GPU), so the
 //! conformance suite runs on a world of one; with two or more GPUs it also runs on a world
-//! of one rank per GPU. The watchdog's timeout path on a live communicator is in
-//! `tests/nccl_timeout.rs` (its own process: it aborts a communicator with work queued).
+//! of one rank per GPU, and a rank that never arrives must time out the others. The
+//! watchdog's timeout path on one GPU is in `tests/nccl_timeout.rs` (its own process: it
+//! aborts a communicator with work queued).
+//!
+//! Everywhere g++ and CUDA's headers are, these tests also run on the emulated CUDA device
+//! with its emulated NCCL and two devices (`crates/tensor/tests/cuda_emu/device`), so the
+//! backend's host side runs in CI.
 #![cfg(feature = "cuda")]
+
+#[path = "../../tensor/tests/cuda_emu/device/rerun.rs"]
+mod emulated;
 
 use meshtrain_comm::{
     conformance, nccl_available, CommConfig, CommError, CudaMemory, DType, Device, NcclGroup,
@@ -16,23 +24,55 @@ use meshtrain_tensor::cuda::{probe, CudaDevice};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The GPU and NCCL, or `None` after saying why the test is skipped.
+/// The GPU and NCCL, or `None` after saying why the test is skipped (a failure under
+/// `MESHTRAIN_REQUIRE_GPU=1`).
 fn gpu(test: &str) -> Option<Arc<CudaDevice>> {
+    let skip = |why: String| {
+        assert!(
+            std::env::var("MESHTRAIN_REQUIRE_GPU").as_deref() != Ok("1"),
+            "{test}: MESHTRAIN_REQUIRE_GPU=1, but {why}"
+        );
+        eprintln!("{test}: skipped, {why}");
+        None
+    };
     if !probe::gpu_available() {
-        eprintln!("{test}: skipped, no GPU driver or device on this machine");
-        return None;
+        return skip("no GPU driver or device on this machine".into());
     }
     if let Err(why) = nccl_available() {
-        eprintln!("{test}: skipped: {why}");
-        return None;
+        return skip(why);
     }
     match CudaDevice::get(0) {
         Ok(device) => Some(device),
-        Err(e) => {
-            eprintln!("{test}: skipped, the GPU cannot be opened: {e}");
-            None
-        }
+        Err(e) => skip(format!("the GPU cannot be opened: {e}")),
     }
+}
+
+/// The GPU count, when this machine has a GPU, NCCL and at least two GPUs.
+fn gpus(test: &str) -> Option<usize> {
+    gpu(test)?;
+    let count = probe::device_count().unwrap_or(0);
+    if count < 2 {
+        eprintln!("{test}: skipped, {count} GPU(s)");
+        return None;
+    }
+    Some(count)
+}
+
+/// The tests below on the emulated device with two GPUs: every operation and type over the
+/// emulated NCCL at one and two ranks, the abort, a rank that never comes.
+#[test]
+fn the_nccl_tests_pass_on_the_emulated_device() {
+    emulated::rerun_on_the_emulated_device_with(
+        &[
+            "device_conformance_suite_on_a_world_of_one",
+            "device_conformance_suite_on_one_rank_per_gpu",
+            "the_compute_stream_waits_for_started_operations_without_the_host",
+            "host_buffers_and_other_devices_are_refused_by_name",
+            "an_aborted_communicator_breaks_the_group",
+            "a_rank_that_never_arrives_times_out_on_the_others",
+        ],
+        &[("EMU_DEVICE_COUNT", "2")],
+    );
 }
 
 fn config() -> CommConfig {
@@ -75,14 +115,9 @@ fn device_conformance_suite_on_a_world_of_one() {
 
 #[test]
 fn device_conformance_suite_on_one_rank_per_gpu() {
-    let Some(_) = gpu("device_conformance_suite_on_one_rank_per_gpu") else {
+    let Some(count) = gpus("device_conformance_suite_on_one_rank_per_gpu") else {
         return;
     };
-    let count = probe::device_count().unwrap_or(0);
-    if count < 2 {
-        eprintln!("device_conformance_suite_on_one_rank_per_gpu: skipped, {count} GPU(s)");
-        return;
-    }
     ThreadsWorld::run(count, config(), |bootstrap| {
         let device = CudaDevice::get(bootstrap.rank()).map_err(|e| e.to_string())?;
         let g = NcclGroup::from_bootstrap(bootstrap.as_ref(), device.clone(), config())
@@ -178,4 +213,58 @@ fn an_aborted_communicator_breaks_the_group() {
         device.download::<f32>(buf.ptr(), 2).unwrap(),
         vec![1.0, 2.0]
     );
+}
+
+/// A rank that never calls the collective (crashed, or stuck elsewhere): NCCL's kernels on
+/// the others wait for it forever, so their watchdog must abort the communicator after the
+/// timeout and fail the operation by name and sequence number; every later operation fails
+/// as broken.
+#[test]
+fn a_rank_that_never_arrives_times_out_on_the_others() {
+    let Some(_) = gpus("a_rank_that_never_arrives_times_out_on_the_others") else {
+        return;
+    };
+    let timeout = Duration::from_millis(300);
+    let config = config().with_timeout(timeout);
+    let started = std::time::Instant::now();
+    ThreadsWorld::run(2, config.clone(), move |bootstrap| {
+        let rank = bootstrap.rank();
+        let device = CudaDevice::get(rank).map_err(|e| e.to_string())?;
+        let g = NcclGroup::from_bootstrap(bootstrap.as_ref(), device.clone(), config.clone())
+            .map_err(|e| e.to_string())?;
+        g.barrier().map_err(|e| e.to_string())?;
+        if rank == 1 {
+            // Gone before the all-reduce (its communicator destroyed with it).
+            return Ok(());
+        }
+        let data = device.upload(&[1f32; 16], "the lonely all-reduce").unwrap();
+        // SAFETY: `data` outlives the call.
+        let result = unsafe {
+            g.run_raw(Operation::AllReduce {
+                buf: RawBuf::on_device(data.ptr(), 16, DType::F32, Device::Cuda(0)),
+                op: ReduceOp::Sum,
+            })
+        };
+        match result {
+            Err(CommError::Timeout {
+                ctx, timeout: t, ..
+            }) => {
+                // The desync check's exchange is the first to wait: sequence 2 after the
+                // barrier, on the bootstrap world's name.
+                assert_eq!((ctx.op, ctx.seq, &*ctx.group), ("all_reduce", 2, "world"));
+                assert_eq!(t, timeout);
+            }
+            other => return Err(format!("expected a timeout, got {other:?}")),
+        }
+        match g.barrier() {
+            Err(CommError::Broken { ctx, cause }) => {
+                assert_eq!((ctx.op, ctx.seq), ("barrier", 3));
+                assert!(cause.contains("all_reduce #2"), "{cause}");
+            }
+            other => return Err(format!("after the timeout: {other:?}")),
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(started.elapsed() < Duration::from_secs(30));
 }

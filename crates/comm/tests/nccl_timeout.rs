@@ -28,6 +28,12 @@ fn an_operation_held_past_the_timeout_aborts_and_breaks_the_group() {
         return;
     }
     let device = CudaDevice::get(0).expect("GPU 0");
+    if device.name().starts_with("Emulated") {
+        // Its calls finish when queued, so no stream can hold the operation back; there
+        // `tests/nccl.rs`'s rank that never arrives takes the watchdog through its timeout.
+        eprintln!("skipped: the emulated device runs every call at once");
+        return;
+    }
     let timeout = Duration::from_millis(20);
     let config = CommConfig::default()
         .with_timeout(timeout)

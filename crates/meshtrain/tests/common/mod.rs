@@ -249,69 +249,9 @@ pub fn gpu() -> bool {
     available
 }
 
-/// The emulated CUDA device (`crates/tensor/tests/cuda_emu/device`), built once into the
-/// test target's scratch folder: its folder, or `None` where this machine cannot build it
-/// (no g++ or no CUDA headers: the reason printed), which `MESHTRAIN_REQUIRE_EMU_DEVICE=1`
-/// turns into a failure.
-#[allow(dead_code)]
-pub fn emulated_device() -> Option<PathBuf> {
-    let script = root().join("crates/tensor/tests/cuda_emu/device/build.sh");
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda-emu-device");
-    let built = std::process::Command::new("bash")
-        .arg(&script)
-        .arg(&out)
-        .output()
-        .expect("running bash");
-    let stderr = String::from_utf8_lossy(&built.stderr);
-    match built.status.code() {
-        Some(0) => Some(out),
-        Some(2) => {
-            assert!(
-                std::env::var("MESHTRAIN_REQUIRE_EMU_DEVICE").as_deref() != Ok("1"),
-                "MESHTRAIN_REQUIRE_EMU_DEVICE=1 but the emulated device cannot be built: {stderr}"
-            );
-            eprintln!("skipped: the emulated CUDA device cannot be built here: {stderr}");
-            None
-        }
-        _ => panic!("building the emulated CUDA device failed:\n{stderr}"),
-    }
-}
-
-/// Runs this test binary again with the tests named `tests` on the emulated CUDA device
-/// (`MESHTRAIN_REQUIRE_GPU=1`, so they cannot skip), and fails with their output unless
-/// every one passes. `false` when the device cannot be built here (skipped) or when this
-/// process already is such a run.
-#[allow(dead_code)]
-pub fn rerun_on_the_emulated_device(tests: &[&str]) -> bool {
-    if std::env::var_os("MESHTRAIN_ON_EMULATED_DEVICE").is_some() {
-        return false;
-    }
-    let Some(device) = emulated_device() else {
-        return false;
-    };
-    let start = std::time::Instant::now();
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "--test-threads", "1", "--nocapture"])
-        .args(tests)
-        .env("LD_LIBRARY_PATH", &device)
-        .env("CUDA_INCLUDE_DIRS", device.join("include"))
-        .env("MESHTRAIN_KERNEL_CACHE", "off")
-        .env("MESHTRAIN_REQUIRE_GPU", "1")
-        .env("MESHTRAIN_ON_EMULATED_DEVICE", "1")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "on the emulated CUDA device:\n{text}");
-    let passed = format!("{} passed", tests.len());
-    assert!(text.contains(&passed), "expected {passed}:\n{text}");
-    eprintln!(
-        "on the emulated CUDA device: {} in {:.1} s",
-        tests.join(", "),
-        start.elapsed().as_secs_f64()
-    );
-    true
-}
+// The emulated CUDA device and reruns of a test binary on it, shared with the other crates'
+// GPU tests.
+#[path = "../../../tensor/tests/cuda_emu/device/rerun.rs"]
+mod emulated;
+#[allow(unused_imports)]
+pub use emulated::rerun_on_the_emulated_device;

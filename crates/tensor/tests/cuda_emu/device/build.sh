@@ -100,6 +100,8 @@ pids+=($!)
 flags=("${flags_gemm[@]}" "-I$cuda_include")
 compile "$here/driver.cpp" "$out/obj/driver.o" &
 pids+=($!)
+compile "$here/nccl.cpp" "$out/obj/nccl.o" &
+pids+=($!)
 failed=0
 for p in "${pids[@]}"; do wait "$p" || failed=1; done
 [ $failed = 0 ] || { echo "build.sh: a compilation failed" >&2; exit 1; }
@@ -112,7 +114,7 @@ if [ ! -f "$lib" ] || [ "$newest" -nt "$lib" ]; then
 fi
 # One library under every name, so the three "libraries" share one device and one memory.
 for name in libcuda.so libcuda.so.1 libnvrtc.so libnvrtc.so.13 libcublasLt.so \
-            libcublasLt.so.13; do
+            libcublasLt.so.13 libnccl.so libnccl.so.2; do
     ln -sf libemucuda.so "$out/$name"
 done
 # meshtrain looks for cuda_bf16.h before compiling; the emulated NVRTC reads no header.

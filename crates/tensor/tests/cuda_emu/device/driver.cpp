@@ -89,11 +89,30 @@ std::map<uintptr_t, size_t>& device_buffers() {
     return m;
 }
 
+/// EMU_DEVICE_COUNT: how many devices there are (default 1). They share one memory (any
+/// device's pointer works on every other, as with peer access), each has its own primary
+/// context, so a process may put ranks on cuda:0, cuda:1, ... as on a node of GPUs.
+constexpr int kMaxDevices = 16;
+int device_count() {
+    static const int n = [] {
+        const char* v = std::getenv("EMU_DEVICE_COUNT");
+        const int n = v && *v ? std::atoi(v) : 1;
+        return n < 1 ? 1 : n > kMaxDevices ? kMaxDevices : n;
+    }();
+    return n;
+}
+
 struct Ctx {
     int device = 0;
 };
-Ctx g_ctx;
+Ctx g_ctx[kMaxDevices] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7},
+                          {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}};
 thread_local CUcontext t_current = nullptr;
+
+/// The current context's device (0 when none is current).
+int current_device() {
+    return t_current ? reinterpret_cast<Ctx*>(t_current)->device : 0;
+}
 
 struct Stream {
     int flags = 0;
@@ -154,12 +173,12 @@ CUresult cuDriverGetVersion(int* v) {
     return CUDA_SUCCESS;
 }
 CUresult cuDeviceGetCount(int* n) {
-    *n = 1;
+    *n = device_count();
     return CUDA_SUCCESS;
 }
 CUresult cuDeviceGet(CUdevice* d, int ordinal) {
-    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
-    *d = 0;
+    if (ordinal < 0 || ordinal >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
     return CUDA_SUCCESS;
 }
 CUresult cuDeviceGetName(char* name, int len, CUdevice) {
@@ -170,8 +189,9 @@ CUresult cuDeviceTotalMem(size_t* bytes, CUdevice) {
     *bytes = kTotalMemory;
     return CUDA_SUCCESS;
 }
-CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice) {
+CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice d) {
     std::memset(uuid, 0x5a, sizeof *uuid);
+    uuid->bytes[15] = (char)d;
     return CUDA_SUCCESS;
 }
 CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) {
@@ -206,8 +226,9 @@ CUresult cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) {
     }
     return CUDA_SUCCESS;
 }
-CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice) {
-    *ctx = reinterpret_cast<CUcontext>(&g_ctx);
+CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice d) {
+    if (d < 0 || d >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
+    *ctx = reinterpret_cast<CUcontext>(&g_ctx[d]);
     return CUDA_SUCCESS;
 }
 CUresult cuDevicePrimaryCtxRelease(CUdevice) { return CUDA_SUCCESS; }
@@ -234,7 +255,7 @@ CUresult cuCtxPopCurrent(CUcontext* ctx) {
     return CUDA_SUCCESS;
 }
 CUresult cuCtxGetDevice(CUdevice* d) {
-    *d = 0;
+    *d = current_device();
     return CUDA_SUCCESS;
 }
 CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
@@ -429,7 +450,7 @@ CUresult cuPointerGetAttribute(void* data, CUpointer_attribute a, CUdeviceptr p)
         return CUDA_SUCCESS;
     }
     if (a == CU_POINTER_ATTRIBUTE_CONTEXT) {
-        *(CUcontext*)data = reinterpret_cast<CUcontext>(&g_ctx);
+        *(CUcontext*)data = reinterpret_cast<CUcontext>(&g_ctx[current_device()]);
         return CUDA_SUCCESS;
     }
     return unsupported("cuPointerGetAttribute of this attribute");
@@ -769,3 +790,12 @@ int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* ad
 }
 
 } // extern "C"
+
+// ---- for the emulated NCCL (nccl.cpp) ---------------------------------------------------
+
+extern "C" int emu_device_in_memory(const void* p, size_t bytes) {
+    EMU_LOCKED;
+    return in_device_buffer((uintptr_t)p, bytes);
+}
+
+extern "C" int emu_device_current_ordinal() { return current_device(); }

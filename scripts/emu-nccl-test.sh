@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# One process per GPU over NCCL, end to end, on the emulated CUDA device with two GPUs
+# (crates/tensor/tests/cuda_emu/device: EMU_DEVICE_COUNT=2, its emulated NCCL meets the ranks
+# of the two processes through a shared file), a small GPT trained by `meshtrain launch --gpus 2`
+# (rank r on cuda:r, gradients over NCCL) against one GPU on the same global batch:
+#   1. fp32 DDP: final parameters and optimizer state within 1e-5 relative L2 of one GPU's;
+#   2. ZeRO-1, 2 and 3 over NCCL: bit-identical to DDP over NCCL (ZeRO-3's sharded
+#      checkpoint joined first), as on the CPU;
+#   3. bf16 DDP: the final loss within 0.1% of one GPU's in bf16;
+#   4. kill -9 of rank 1 at step 4: rank 0 fails within the timeout + 1 s, naming the NCCL
+#      collective and its sequence number; launch restarts from the step-3 checkpoint, and the
+#      final state is bit-identical to the uninterrupted NCCL run's.
+# What no emulation shows: speed, overlap (every call completes when issued), NCCL itself.
+#
+# Needs OpenMPI (see scripts/mpi-common.sh), g++ and CUDA's headers (the device's build.sh;
+# without them this is skipped, or fails under MESHTRAIN_REQUIRE_EMU_DEVICE=1).
+source "$(dirname "$0")/mpi-common.sh"
+set +e
+device=$(bash crates/tensor/tests/cuda_emu/device/build.sh)
+status=$?
+set -e
+if [ $status = 2 ]; then
+    [ "${MESHTRAIN_REQUIRE_EMU_DEVICE:-}" = 1 ] && { echo "emu-nccl-test: FAILED: no emulated device"; exit 1; }
+    echo "emu-nccl-test: skipped, the emulated CUDA device cannot be built here"; exit 0
+fi
+[ $status = 0 ] || exit 1
+export LD_LIBRARY_PATH="$device" CUDA_INCLUDE_DIRS="$device/include" MESHTRAIN_KERNEL_CACHE=off
+export EMU_DEVICE_COUNT=2 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export MESHTRAIN_TIMEOUT_S=3 OMPI_MCA_orte_abort_on_non_zero_status=0
+TIMEOUT_S=3
+JOB=(--config configs/gpt.toml --set model.dim=64 --set model.layers=2 --set model.heads=2
+     --set model.seq=32 --set train.batch_size=8 --set train.steps=40 --set train.max_steps=8
+     --set train.tf32=false --set train.eval_every=1000 --set train.log_every=1
+     --set train.threads=1 --set checkpoint.every_steps=3
+     --set train.checkpoint_background=false)
+fail() { echo "emu-nccl-test: FAILED: $*"; exit 1; }
+
+# run NAME [launch options] -- [job options]: `meshtrain launch` (or, with --one, the job on
+# one GPU), its output timestamped into $OUT/NAME.log.
+run() {
+    local name=$1; shift
+    local launch=() job=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do launch+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    job=("$@")
+    local cmd
+    if [ "${launch[0]:-}" = --one ]; then
+        cmd=("$BIN" train --device cuda "${JOB[@]}" "${job[@]}")
+    else
+        cmd=("$BIN" launch --gpus 2 --mpirun-arg=--oversubscribe "${launch[@]}" -- "${JOB[@]}" "${job[@]}")
+    fi
+    local status=0
+    "${cmd[@]}" --set "train.out_dir=\"$OUT/$name\"" 2>&1 \
+        | python3 -u -c 'import sys, time
+for line in sys.stdin: print(f"{time.time():.3f} {line}", end="", flush=True)' \
+        >"$OUT/$name.log" || status=$?
+    [ $status = 0 ] || { cat "$OUT/$name.log"; fail "$name exited $status"; }
+}
+
+checkpoint_of() {  # NAME: its final checkpoint as one file
+    if [ -d "$OUT/$1/checkpoint" ]; then
+        "$BIN" checkpoint consolidate "$OUT/$1/checkpoint" "$OUT/$1/whole.safetensors" >/dev/null
+        echo "$OUT/$1/whole.safetensors"
+    else
+        echo "$OUT/$1/checkpoint.safetensors"
+    fi
+}
+
+echo "== one GPU, and DDP over NCCL on two (emulated) GPUs, fp32"
+run one --one
+run ddp
+grep -q "gradients reduced over NCCL" "$OUT/ddp.log" || { cat "$OUT/ddp.log"; fail "ddp did not use NCCL"; }
+same_checkpoint "$(checkpoint_of ddp)" "$(checkpoint_of one)" 1e-5 || fail "DDP over NCCL differs from one GPU"
+
+for zero in 1 2 3; do
+    echo "== ZeRO-$zero over NCCL against DDP over NCCL"
+    run "zero$zero" -- --set "parallel.zero=$zero"
+    grep -q "zero-$zero.*gradients reduced over NCCL" "$OUT/zero$zero.log" \
+        || { cat "$OUT/zero$zero.log"; fail "zero$zero did not run ZeRO-$zero over NCCL"; }
+    same_checkpoint "$(checkpoint_of "zero$zero")" "$(checkpoint_of ddp)" || fail "ZeRO-$zero differs from DDP"
+done
+
+echo "== bf16: DDP over NCCL against one GPU"
+run one-bf16 --one -- --precision bf16
+run ddp-bf16 -- --precision bf16
+python3 - "$(final_loss "$OUT/one-bf16.log")" "$(final_loss "$OUT/ddp-bf16.log")" <<'EOF' || fail "bf16 losses differ"
+import sys
+a, b = float(sys.argv[1]), float(sys.argv[2])
+print(f"  final loss: one GPU {a}, two over NCCL {b} ({abs(a - b) / a:.2e} apart, at most 1e-3)")
+sys.exit(0 if abs(a - b) <= 1e-3 * a else 1)
+EOF
+
+echo "== kill -9 of rank 1 at step 4"
+rank_pid() {  # NAME RANK
+    local pid
+    for pid in $(pgrep -f "$OUT/$1\\\""); do
+        tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2" \
+            && { echo "$pid"; return; }
+    done
+    fail "no rank $2 of $1"
+}
+run killed --max-restarts 1 -- &
+runner=$!
+for ((i = 0; i < 1200; i++)); do
+    grep -q '"step":4,' "$OUT/killed/metrics.jsonl" 2>/dev/null && break
+    sleep 0.1
+done
+at=$(date +%s.%N)
+kill -KILL "$(rank_pid killed 1)"
+wait $runner
+line=$(grep -m1 -E "error: rank 0: .*[a-z_]+ #[0-9]+ on group .*timed out" "$OUT/killed.log") \
+    || { cat "$OUT/killed.log"; fail "rank 0 did not name the collective"; }
+python3 -c "import sys; sys.exit(0 if ${line%% *} - $at <= $TIMEOUT_S + 1 else 1)" \
+    || fail "rank 0 reported later than the timeout + 1 s: $line"
+echo "  rank 0, $(python3 -c "print(f'{${line%% *} - $at:.2f}')") s after the kill: ${line#* error: }" | cut -c1-300
+grep -q "launch: the job finished on attempt 2" "$OUT/killed.log" || { cat "$OUT/killed.log"; fail "no restart"; }
+same_checkpoint "$(checkpoint_of killed)" "$(checkpoint_of ddp)" || fail "the restarted run differs"
+echo "emu-nccl-test: OK"
