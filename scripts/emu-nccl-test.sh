@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One process per GPU over NCCL, end to end, on the emulated CUDA device with two GPUs
-# (crates/tensor/tests/cuda_emu/device: EMU_DEVICE_COUNT=2, its emulated NCCL meets the ranks
-# of the two processes through a shared file), a small GPT trained by `meshtrain launch --gpus 2`
+# (crates/tensor/tests/cuda_emu/device: EMU_DEVICE_COUNT=2, asynchronous streams, its emulated
+# NCCL meets the ranks of the two processes through a shared file), a small GPT trained by
+# `meshtrain launch --gpus 2`
 # (rank r on cuda:r, gradients over NCCL) against one GPU on the same global batch:
 #   1. fp32 DDP: final parameters and optimizer state within 1e-5 relative L2 of one GPU's;
 #   2. ZeRO-1, 2 and 3 over NCCL: bit-identical to DDP over NCCL (ZeRO-3's sharded
@@ -25,6 +26,9 @@ if [ $status = 2 ]; then
 fi
 [ $status = 0 ] || exit 1
 export LD_LIBRARY_PATH="$device" CUDA_INCLUDE_DIRS="$device/include" MESHTRAIN_KERNEL_CACHE=off
+# Each stream on a thread of its own, with random delays: NCCL's calls return before their
+# work is done, as on a card, and a missing wait between streams reads stale data.
+export EMU_DEVICE_STREAMS=${EMU_DEVICE_STREAMS:-async} EMU_DEVICE_STREAM_DELAY_US=${EMU_DEVICE_STREAM_DELAY_US:-50}
 export EMU_DEVICE_COUNT=2 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export MESHTRAIN_TIMEOUT_S=3 OMPI_MCA_orte_abort_on_non_zero_status=0
 TIMEOUT_S=3

@@ -59,20 +59,29 @@ fn gpus(test: &str) -> Option<usize> {
 }
 
 /// The tests below on the emulated device with two GPUs: every operation and type over the
-/// emulated NCCL at one and two ranks, the abort, a rank that never comes.
+/// emulated NCCL at one and two ranks, the abort, a rank that never comes. Once with every
+/// call done when it returns, once with each stream on a thread of its own and random delays
+/// (where a missing wait between the compute and communication streams reads stale data).
 #[test]
 fn the_nccl_tests_pass_on_the_emulated_device() {
-    emulated::rerun_on_the_emulated_device_with(
-        &[
-            "device_conformance_suite_on_a_world_of_one",
-            "device_conformance_suite_on_one_rank_per_gpu",
-            "the_compute_stream_waits_for_started_operations_without_the_host",
-            "host_buffers_and_other_devices_are_refused_by_name",
-            "an_aborted_communicator_breaks_the_group",
-            "a_rank_that_never_arrives_times_out_on_the_others",
-        ],
-        &[("EMU_DEVICE_COUNT", "2")],
-    );
+    let tests = [
+        "device_conformance_suite_on_a_world_of_one",
+        "device_conformance_suite_on_one_rank_per_gpu",
+        "the_compute_stream_waits_for_started_operations_without_the_host",
+        "host_buffers_and_other_devices_are_refused_by_name",
+        "an_aborted_communicator_breaks_the_group",
+        "a_rank_that_never_arrives_times_out_on_the_others",
+    ];
+    if emulated::rerun_on_the_emulated_device_with(&tests, &[("EMU_DEVICE_COUNT", "2")]) {
+        emulated::rerun_on_the_emulated_device_with(
+            &tests,
+            &[
+                ("EMU_DEVICE_COUNT", "2"),
+                ("EMU_DEVICE_STREAMS", "async"),
+                ("EMU_DEVICE_STREAM_DELAY_US", "200"),
+            ],
+        );
+    }
 }
 
 fn config() -> CommConfig {

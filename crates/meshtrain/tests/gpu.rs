@@ -157,11 +157,21 @@ fn gpu_training_matches_the_cpu_and_checkpoints_move_between_them() {
 /// The GPU tests above on the emulated CUDA device (`crates/tensor/tests/cuda_emu/device`):
 /// the CUDA path's host code (launch shapes, arguments, buffers, the allocator, checkpoints
 /// moving between devices) runs here on every machine with g++ and CUDA's headers, not only
-/// on a card.
+/// on a card. Once with every call done when it returns, once with each stream on a thread
+/// of its own and random delays (where a missing wait between streams reads stale data).
 #[test]
 fn the_gpu_tests_pass_on_the_emulated_device() {
-    common::rerun_on_the_emulated_device(&[
+    let tests = [
         "gpu_training_matches_the_cpu_and_checkpoints_move_between_them",
         "a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet",
-    ]);
+    ];
+    if common::rerun_on_the_emulated_device(&tests) {
+        common::rerun_on_the_emulated_device_with(
+            &tests,
+            &[
+                ("EMU_DEVICE_STREAMS", "async"),
+                ("EMU_DEVICE_STREAM_DELAY_US", "50"),
+            ],
+        );
+    }
 }

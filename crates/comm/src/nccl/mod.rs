@@ -878,6 +878,9 @@ impl NcclGroup {
             device
                 .memset_zero(scratch.ptr(), 8 * words + 8)
                 .map_err(|e| e.to_string())?;
+            // The clearing ran on the compute stream, and the first desync check writes the
+            // scratch on the communication stream without waiting for it: finish it now.
+            device.synchronize().map_err(|e| e.to_string())?;
             let pinned = device.alloc_pinned(8 * words).map_err(|e| e.to_string())?;
             Ok((stream, scratch, pinned, Event::new()?))
         })();

@@ -1,9 +1,17 @@
 // The driver half of the emulated CUDA device (README.md beside this file): the entry points
-// of libcuda, libnvrtc and libcublasLt that cudarc loads, answered on the CPU. Every call runs
-// to completion before it returns (a stream's work is done when it is queued), which is one
-// of the orders the real device may run it in, so stream and event semantics hold. Kernels
-// and products run in kernels.cpp on the CUDA emulator; memory is the emulator's guarded
-// buffers, filled with 0xFF bytes (NaN in every float type) when allocated.
+// of libcuda, libnvrtc and libcublasLt that cudarc loads, answered on the CPU. Kernels and
+// products run in kernels.cpp on the CUDA emulator; memory is the emulator's guarded buffers,
+// filled with 0xFF bytes (NaN in every float type) when allocated.
+//
+// Streams, two ways. By default every call runs to completion before it returns (a stream's
+// work is done when it is queued), one of the orders the real device may choose, so stream
+// and event semantics hold and nothing is found that needs another order. With
+// EMU_DEVICE_STREAMS=async each stream is a queue with a thread of its own, as a GPU's
+// engines are: calls return at once, work runs in stream order and streams overlap (one
+// kernel, copy or product at a time across all of them), events complete when their stream
+// reaches them, cuStreamWaitEvent holds a stream, and EMU_DEVICE_STREAM_DELAY_US adds a
+// random delay before each piece of work to shake the interleaving. Then a missing wait shows
+// up as a read of data not yet written (NaN from the poison, or wrong numbers).
 #include <cuda.h>
 #include <nvrtc.h>
 
@@ -15,9 +23,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <random>
+#include <set>
 #include <string>
+#include <thread>
+#include <unistd.h>
 #include <vector>
 
 
@@ -114,13 +130,133 @@ int current_device() {
     return t_current ? reinterpret_cast<Ctx*>(t_current)->device : 0;
 }
 
+// ---- asynchronous streams (EMU_DEVICE_STREAMS=async) ------------------------------------
+
+bool async_streams() {
+    static const bool on = [] {
+        const char* v = std::getenv("EMU_DEVICE_STREAMS");
+        return v && std::strcmp(v, "async") == 0;
+    }();
+    return on;
+}
+
+/// Microseconds of random delay before each piece of a stream's work (0: none).
+unsigned stream_delay_us() {
+    static const unsigned us = [] {
+        const char* v = std::getenv("EMU_DEVICE_STREAM_DELAY_US");
+        return v && *v ? (unsigned)std::atoi(v) : 0u;
+    }();
+    return us;
+}
+
+/// Guards every stream's queue and every event's counts; notified whenever work completes.
+/// Never destroyed: stream threads may still wait on them while the process exits (glibc's
+/// condition variable destructor would wait for them forever).
+std::mutex& g_sched = *new std::mutex;
+std::condition_variable& g_changed = *new std::condition_variable;
+/// The first error of work that ran after its call returned (a failed launch), reported by
+/// the synchronising calls from then on, as CUDA's sticky errors are.
+CUresult g_sticky = CUDA_SUCCESS;
+
+void set_sticky(CUresult r) {
+    std::lock_guard<std::mutex> g(g_sched);
+    if (g_sticky == CUDA_SUCCESS) g_sticky = r;
+}
+
 struct Stream {
     int flags = 0;
+    std::deque<std::function<void()>> queue;
+    uint64_t enqueued = 0, completed = 0;
+    bool stop = false;
+    std::thread worker;
+    bool idle() const { return completed == enqueued; }
 };
-struct Event {
-    bool recorded = false;
+
+/// The live streams (under g_sched).
+std::set<Stream*>& all_streams() {
+    static std::set<Stream*> s;
+    return s;
+}
+
+void run_stream(Stream* s) {
+    std::mt19937 random(std::random_device{}());
+    std::unique_lock<std::mutex> l(g_sched);
+    for (;;) {
+        g_changed.wait(l, [&] { return s->stop || !s->queue.empty(); });
+        if (s->queue.empty()) return;
+        std::function<void()> work = std::move(s->queue.front());
+        s->queue.pop_front();
+        l.unlock();
+        if (const unsigned us = stream_delay_us()) usleep(random() % (us + 1));
+        work();
+        l.lock();
+        ++s->completed;
+        g_changed.notify_all();
+    }
+}
+
+/// Waits until every stream is idle (cuCtxSynchronize; cuMemFree, which synchronises).
+void wait_for_all_streams() {
+    std::unique_lock<std::mutex> l(g_sched);
+    g_changed.wait(l, [] {
+        for (Stream* s : all_streams())
+            if (!s->idle()) return false;
+        return true;
+    });
+}
+
+/// Runs `work` in `stream`'s order: at once when streams are synchronous or for the null
+/// stream (the legacy stream waits for blocking streams first; cudarc makes none), else
+/// queued.
+void enqueue(CUstream stream, std::function<void()> work) {
+    if (!async_streams()) {
+        work();
+        return;
+    }
+    if (!stream) {
+        {
+            std::unique_lock<std::mutex> l(g_sched);
+            g_changed.wait(l, [] {
+                for (Stream* s : all_streams())
+                    if (s->flags == 0 && !s->idle()) return false;
+                return true;
+            });
+        }
+        work();
+        return;
+    }
+    Stream* s = reinterpret_cast<Stream*>(stream);
+    std::lock_guard<std::mutex> g(g_sched);
+    s->queue.push_back(std::move(work));
+    ++s->enqueued;
+    g_changed.notify_all();
+}
+
+/// What an event knows: how many times it was recorded, and up to which record its streams
+/// have run (shared with the work that completes it, so destroying an event in flight is
+/// safe, as it is on CUDA).
+struct EventState {
+    uint64_t recorded = 0, completed = 0;
     std::chrono::steady_clock::time_point at;
 };
+struct Event {
+    std::shared_ptr<EventState> state = std::make_shared<EventState>();
+};
+
+/// Pinned host memory (cuMemAllocHost, cuMemHostRegister): an asynchronous copy reads or
+/// writes it when the stream gets there; pageable memory is read when the call is made.
+std::map<uintptr_t, size_t>& pinned_ranges() {
+    static std::map<uintptr_t, size_t> m;
+    return m;
+}
+bool is_pinned(const void* p, size_t bytes) {
+    std::lock_guard<std::mutex> g(g_sched);
+    auto& m = pinned_ranges();
+    auto it = m.upper_bound((uintptr_t)p);
+    if (it == m.begin()) return false;
+    --it;
+    return (uintptr_t)p >= it->first && (uintptr_t)p + bytes <= it->first + it->second;
+}
 struct Module {
     std::string file;
 };
@@ -158,6 +294,24 @@ template <class T> CUresult fill(CUdeviceptr p, T v, size_t n) {
     if (CUresult r = device_range(p, n * sizeof(T), "a memset")) return r;
     T* q = (T*)(uintptr_t)p;
     for (size_t i = 0; i < n; ++i) q[i] = v;
+    return CUDA_SUCCESS;
+}
+
+/// Runs a synchronous-API body as queued work: its error, which the call would have returned,
+/// becomes the sticky error.
+std::function<void()> as_work(std::function<CUresult()> body) {
+    return [body] {
+        if (CUresult r = body()) set_sticky(r);
+    };
+}
+/// A memset queued on `s` (the range checked now and again when it runs).
+template <class T> CUresult fill_async(CUdeviceptr p, T v, size_t n, CUstream s) {
+    if (!async_streams()) return fill(p, v, n);
+    {
+        EMU_LOCKED;
+        if (CUresult r = device_range(p, n * sizeof(T), "a memset")) return r;
+    }
+    enqueue(s, as_work([=] { return fill(p, v, n); }));
     return CUDA_SUCCESS;
 }
 
@@ -258,7 +412,12 @@ CUresult cuCtxGetDevice(CUdevice* d) {
     *d = current_device();
     return CUDA_SUCCESS;
 }
-CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+CUresult cuCtxSynchronize() {
+    if (!async_streams()) return CUDA_SUCCESS;
+    wait_for_all_streams();
+    std::lock_guard<std::mutex> g(g_sched);
+    return g_sticky;
+}
 CUresult cuCtxSetLimit(CUlimit, size_t) { return CUDA_SUCCESS; }
 CUresult cuCtxGetLimit(size_t* v, CUlimit) {
     *v = 0;
@@ -285,19 +444,65 @@ CUresult cuGetErrorString(CUresult e, const char** s) { return cuGetErrorName(e,
 CUresult cuStreamCreate(CUstream* s, unsigned int flags) {
     Stream* st = new Stream;
     st->flags = (int)flags;
+    if (async_streams()) {
+        std::lock_guard<std::mutex> g(g_sched);
+        all_streams().insert(st);
+        st->worker = std::thread(run_stream, st);
+    }
     *s = reinterpret_cast<CUstream>(st);
     return CUDA_SUCCESS;
 }
 CUresult cuStreamCreateWithPriority(CUstream* s, unsigned int flags, int) {
     return cuStreamCreate(s, flags);
 }
+/// A stream with work queued is destroyed once the work is done (CUDA returns at once and
+/// releases it later; waiting here is one of the orders that allows).
 CUresult cuStreamDestroy(CUstream s) {
-    delete reinterpret_cast<Stream*>(s);
+    Stream* st = reinterpret_cast<Stream*>(s);
+    if (st->worker.joinable()) {
+        {
+            std::unique_lock<std::mutex> l(g_sched);
+            g_changed.wait(l, [&] { return st->idle(); });
+            st->stop = true;
+            all_streams().erase(st);
+            g_changed.notify_all();
+        }
+        st->worker.join();
+    }
+    delete st;
     return CUDA_SUCCESS;
 }
-CUresult cuStreamSynchronize(CUstream) { return CUDA_SUCCESS; }
-CUresult cuStreamQuery(CUstream) { return CUDA_SUCCESS; }
-CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned int) { return CUDA_SUCCESS; }
+CUresult cuStreamSynchronize(CUstream s) {
+    if (!async_streams()) return CUDA_SUCCESS;
+    std::unique_lock<std::mutex> l(g_sched);
+    if (s) {
+        Stream* st = reinterpret_cast<Stream*>(s);
+        g_changed.wait(l, [&] { return st->idle(); });
+    }
+    return g_sticky;
+}
+CUresult cuStreamQuery(CUstream s) {
+    if (!async_streams() || !s) return CUDA_SUCCESS;
+    std::lock_guard<std::mutex> g(g_sched);
+    if (g_sticky != CUDA_SUCCESS) return g_sticky;
+    return reinterpret_cast<Stream*>(s)->idle() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+/// Holds `s` until `e`'s latest record (at the time of this call) has completed.
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
+    if (!async_streams()) return CUDA_SUCCESS;
+    std::shared_ptr<EventState> state = reinterpret_cast<Event*>(e)->state;
+    uint64_t record;
+    {
+        std::lock_guard<std::mutex> g(g_sched);
+        record = state->recorded;
+    }
+    if (record == 0) return CUDA_SUCCESS;
+    enqueue(s, [state, record] {
+        std::unique_lock<std::mutex> l(g_sched);
+        g_changed.wait(l, [&] { return state->completed >= record; });
+    });
+    return CUDA_SUCCESS;
+}
 CUresult cuStreamGetPriority(CUstream, int* p) {
     *p = 0;
     return CUDA_SUCCESS;
@@ -310,8 +515,8 @@ CUresult cuDeviceGetStreamPriorityRange(int* least, int* greatest) {
 CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
     return cuDeviceGetStreamPriorityRange(least, greatest);
 }
-CUresult cuLaunchHostFunc(CUstream, CUhostFn fn, void* data) {
-    fn(data);
+CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* data) {
+    enqueue(s, [fn, data] { fn(data); });
     return CUDA_SUCCESS;
 }
 
@@ -323,19 +528,40 @@ CUresult cuEventDestroy(CUevent e) {
     delete reinterpret_cast<Event*>(e);
     return CUDA_SUCCESS;
 }
-CUresult cuEventRecord(CUevent e, CUstream) {
-    Event* ev = reinterpret_cast<Event*>(e);
-    ev->recorded = true;
-    ev->at = std::chrono::steady_clock::now();
+CUresult cuEventRecord(CUevent e, CUstream s) {
+    std::shared_ptr<EventState> state = reinterpret_cast<Event*>(e)->state;
+    uint64_t record;
+    {
+        std::lock_guard<std::mutex> g(g_sched);
+        record = ++state->recorded;
+    }
+    enqueue(s, [state, record] {
+        std::lock_guard<std::mutex> g(g_sched);
+        state->completed = std::max(state->completed, record);
+        state->at = std::chrono::steady_clock::now();
+        g_changed.notify_all();
+    });
     return CUDA_SUCCESS;
 }
 CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned int) { return cuEventRecord(e, s); }
-CUresult cuEventSynchronize(CUevent) { return CUDA_SUCCESS; }
-CUresult cuEventQuery(CUevent) { return CUDA_SUCCESS; }
+CUresult cuEventSynchronize(CUevent e) {
+    std::shared_ptr<EventState> state = reinterpret_cast<Event*>(e)->state;
+    std::unique_lock<std::mutex> l(g_sched);
+    g_changed.wait(l, [&] { return state->completed >= state->recorded; });
+    return g_sticky;
+}
+CUresult cuEventQuery(CUevent e) {
+    std::shared_ptr<EventState> state = reinterpret_cast<Event*>(e)->state;
+    std::lock_guard<std::mutex> g(g_sched);
+    if (g_sticky != CUDA_SUCCESS) return g_sticky;
+    return state->completed >= state->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
 CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
-    Event* a = reinterpret_cast<Event*>(start);
-    Event* b = reinterpret_cast<Event*>(end);
-    if (!a->recorded || !b->recorded) return CUDA_ERROR_NOT_READY;
+    std::shared_ptr<EventState> a = reinterpret_cast<Event*>(start)->state;
+    std::shared_ptr<EventState> b = reinterpret_cast<Event*>(end)->state;
+    std::lock_guard<std::mutex> g(g_sched);
+    if (!a->recorded || !b->recorded || a->completed < a->recorded || b->completed < b->recorded)
+        return CUDA_ERROR_NOT_READY;
     *ms = std::chrono::duration<float, std::milli>(b->at - a->at).count();
     return CUDA_SUCCESS;
 }
@@ -355,6 +581,8 @@ CUresult cuMemAlloc(CUdeviceptr* p, size_t bytes) {
     return CUDA_SUCCESS;
 }
 CUresult cuMemFree(CUdeviceptr p) {
+    // cuMemFree synchronises the device: no queued work may still use the buffer.
+    if (async_streams()) wait_for_all_streams();
     EMU_LOCKED;
     if (!p) return CUDA_SUCCESS;
     auto it = device_buffers().find((uintptr_t)p);
@@ -368,7 +596,23 @@ CUresult cuMemFree(CUdeviceptr p) {
     return emu_device_free((void*)(uintptr_t)p) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 CUresult cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc(p, bytes); }
-CUresult cuMemFreeAsync(CUdeviceptr p, CUstream) { return cuMemFree(p); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    if (!async_streams()) return cuMemFree(p);
+    enqueue(s, [p] {
+        EMU_LOCKED;
+        auto it = device_buffers().find((uintptr_t)p);
+        if (it == device_buffers().end()) {
+            std::fprintf(stderr, "emulated CUDA device: cuMemFreeAsync(0x%llx): not a device buffer\n",
+                         (unsigned long long)p);
+            set_sticky(CUDA_ERROR_INVALID_VALUE);
+            return;
+        }
+        g_allocated -= it->second;
+        device_buffers().erase(it);
+        emu_device_free((void*)(uintptr_t)p);
+    });
+    return CUDA_SUCCESS;
+}
 CUresult cuMemGetInfo(size_t* free_bytes, size_t* total) {
     EMU_LOCKED;
     *free_bytes = kTotalMemory - g_allocated;
@@ -377,15 +621,30 @@ CUresult cuMemGetInfo(size_t* free_bytes, size_t* total) {
 }
 CUresult cuMemAllocHost(void** p, size_t bytes) {
     *p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096 + 4096);
-    return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    if (!*p) return CUDA_ERROR_OUT_OF_MEMORY;
+    std::lock_guard<std::mutex> g(g_sched);
+    pinned_ranges()[(uintptr_t)*p] = bytes;
+    return CUDA_SUCCESS;
 }
 CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned int) { return cuMemAllocHost(p, bytes); }
 CUresult cuMemFreeHost(void* p) {
+    {
+        std::lock_guard<std::mutex> g(g_sched);
+        pinned_ranges().erase((uintptr_t)p);
+    }
     std::free(p);
     return CUDA_SUCCESS;
 }
-CUresult cuMemHostRegister(void*, size_t, unsigned int) { return CUDA_SUCCESS; }
-CUresult cuMemHostUnregister(void*) { return CUDA_SUCCESS; }
+CUresult cuMemHostRegister(void* p, size_t bytes, unsigned int) {
+    std::lock_guard<std::mutex> g(g_sched);
+    pinned_ranges()[(uintptr_t)p] = bytes;
+    return CUDA_SUCCESS;
+}
+CUresult cuMemHostUnregister(void* p) {
+    std::lock_guard<std::mutex> g(g_sched);
+    pinned_ranges().erase((uintptr_t)p);
+    return CUDA_SUCCESS;
+}
 CUresult cuMemHostGetDevicePointer(CUdeviceptr* d, void* p, unsigned int) {
     *d = (CUdeviceptr)(uintptr_t)p;
     return CUDA_SUCCESS;
@@ -407,40 +666,67 @@ CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
     if (CUresult r = device_range(dst, bytes, "a device copy's destination")) return r;
     return copy((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, bytes);
 }
-CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream) {
-    return cuMemcpyHtoD(dst, src, bytes);
+CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream s) {
+    if (!async_streams()) return cuMemcpyHtoD(dst, src, bytes);
+    {
+        EMU_LOCKED;
+        if (CUresult r = device_range(dst, bytes, "a copy to the device")) return r;
+    }
+    if (is_pinned(src, bytes)) {
+        enqueue(s, as_work([=] { return cuMemcpyHtoD(dst, src, bytes); }));
+    } else {
+        // Pageable memory is staged when the call is made (the caller may reuse it at once).
+        auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
+        enqueue(s, as_work([=] { return cuMemcpyHtoD(dst, staged->data(), bytes); }));
+    }
+    return CUDA_SUCCESS;
 }
-CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream) {
-    return cuMemcpyDtoH(dst, src, bytes);
+CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream s) {
+    if (!async_streams()) return cuMemcpyDtoH(dst, src, bytes);
+    {
+        EMU_LOCKED;
+        if (CUresult r = device_range(src, bytes, "a copy from the device")) return r;
+    }
+    enqueue(s, as_work([=] { return cuMemcpyDtoH(dst, src, bytes); }));
+    // Into pageable memory the copy is synchronous: done, in stream order, when it returns.
+    return is_pinned(dst, bytes) ? CUDA_SUCCESS : cuStreamSynchronize(s);
 }
-CUresult cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
-    return cuMemcpyDtoD(dst, src, bytes);
+CUresult cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
+    if (!async_streams()) return cuMemcpyDtoD(dst, src, bytes);
+    {
+        EMU_LOCKED;
+        if (CUresult r = device_range(src, bytes, "a device copy's source")) return r;
+        if (CUresult r = device_range(dst, bytes, "a device copy's destination")) return r;
+    }
+    enqueue(s, as_work([=] { return cuMemcpyDtoD(dst, src, bytes); }));
+    return CUDA_SUCCESS;
 }
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
     EMU_LOCKED;
     return copy((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, bytes);
 }
-CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream) {
-    return cuMemcpy(dst, src, bytes);
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
+    enqueue(s, as_work([=] { return cuMemcpy(dst, src, bytes); }));
+    return CUDA_SUCCESS;
 }
 CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext, CUdeviceptr src, CUcontext, size_t bytes) {
     return cuMemcpy(dst, src, bytes);
 }
 CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext, CUdeviceptr src, CUcontext, size_t bytes,
-                           CUstream) {
-    return cuMemcpy(dst, src, bytes);
+                           CUstream s) {
+    return cuMemcpyAsync(dst, src, bytes, s);
 }
 CUresult cuMemsetD8(CUdeviceptr p, unsigned char v, size_t n) { return fill(p, v, n); }
-CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) {
-    return fill(p, v, n);
+CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
+    return fill_async(p, v, n, s);
 }
 CUresult cuMemsetD16(CUdeviceptr p, unsigned short v, size_t n) { return fill(p, v, n); }
-CUresult cuMemsetD16Async(CUdeviceptr p, unsigned short v, size_t n, CUstream) {
-    return fill(p, v, n);
+CUresult cuMemsetD16Async(CUdeviceptr p, unsigned short v, size_t n, CUstream s) {
+    return fill_async(p, v, n, s);
 }
 CUresult cuMemsetD32(CUdeviceptr p, unsigned int v, size_t n) { return fill(p, v, n); }
-CUresult cuMemsetD32Async(CUdeviceptr p, unsigned int v, size_t n, CUstream) {
-    return fill(p, v, n);
+CUresult cuMemsetD32Async(CUdeviceptr p, unsigned int v, size_t n, CUstream s) {
+    return fill_async(p, v, n, s);
 }
 CUresult cuPointerGetAttribute(void* data, CUpointer_attribute a, CUdeviceptr p) {
     EMU_LOCKED;
@@ -507,15 +793,14 @@ CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, CUfunction, int blo
     return CUDA_SUCCESS;
 }
 
-CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
-                        unsigned int bx, unsigned int by, unsigned int bz, unsigned int smem,
-                        CUstream, void** params, void** extra) {
+/// Runs kernel `f` now; a failure is printed and returned.
+static CUresult launch_now(CUfunction f, const unsigned grid[3], const unsigned block[3], unsigned smem,
+                    void** params) {
     EMU_LOCKED;
-    if (extra) return unsupported("cuLaunchKernel with `extra` arguments");
-    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
     if (trace())
         std::fprintf(stderr, "emu: launch %s grid (%u,%u,%u) block (%u,%u,%u) smem %u\n",
-                     emu_device_kernel_name(f), gx, gy, gz, bx, by, bz, smem);
+                     emu_device_kernel_name(f), grid[0], grid[1], grid[2], block[0], block[1],
+                     block[2], smem);
     char err[4096] = {0};
     const auto start = std::chrono::steady_clock::now();
     const int failed = emu_device_launch(f, grid, block, smem, params, err, sizeof err);
@@ -525,6 +810,27 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
                      emu_device_kernel_name(f), err);
         return CUDA_ERROR_LAUNCH_FAILED;
     }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                        unsigned int bx, unsigned int by, unsigned int bz, unsigned int smem,
+                        CUstream s, void** params, void** extra) {
+    if (extra) return unsupported("cuLaunchKernel with `extra` arguments");
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    if (!async_streams()) return launch_now(f, grid, block, smem, params);
+    // The arguments are copied now: `params` points into the caller's frame.
+    const size_t* sizes = nullptr;
+    const size_t count = emu_device_kernel_params(f, &sizes);
+    auto args = std::make_shared<std::vector<std::vector<char>>>();
+    for (size_t i = 0; i < count; ++i)
+        args->emplace_back((const char*)params[i], (const char*)params[i] + sizes[i]);
+    enqueue(s, [=] {
+        std::vector<void*> p;
+        for (auto& a : *args) p.push_back(a.data());
+        const unsigned g[3] = {gx, gy, gz}, b[3] = {bx, by, bz};
+        if (CUresult r = launch_now(f, g, b, smem, p.data())) set_sticky(r);
+    });
     return CUDA_SUCCESS;
 }
 
@@ -731,7 +1037,7 @@ int cublasLtMatmulAlgoGetHeuristic(void*, void* desc, void* a, void* b, void* c,
 
 int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* adesc,
                    const void* b, void* bdesc, const void* beta, const void* c, void* cdesc,
-                   void* d, void* ddesc, const void*, void*, size_t, void*) {
+                   void* d, void* ddesc, const void*, void*, size_t, void* stream) {
     EMU_LOCKED;
     const LtDesc* ds = static_cast<const LtDesc*>(desc);
     const LtLayout *la = static_cast<LtLayout*>(adesc), *lb = static_cast<LtLayout*>(bdesc),
@@ -778,14 +1084,21 @@ int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* ad
         device_range((CUdeviceptr)(uintptr_t)b, span(lb->rows, lb->cols, lb->ld) * elem(lb->type), "cuBLASLt's B") ||
         device_range((CUdeviceptr)(uintptr_t)d, span(ld->rows, ld->cols, ld->ld) * elem(ld->type), "cuBLASLt's D"))
         return LT_INVALID_VALUE;
-    char err[512] = {0};
-    const auto start = std::chrono::steady_clock::now();
-    const int failed = emu_device_gemm(&g, err, sizeof err);
-    account("cublasLtMatmul", start);
-    if (failed) {
-        std::fprintf(stderr, "emulated cuBLASLt: %s\n", err);
-        return LT_NOT_SUPPORTED;
-    }
+    auto run = [g] {
+        EMU_LOCKED;
+        char err[512] = {0};
+        const auto start = std::chrono::steady_clock::now();
+        const int failed = emu_device_gemm(&g, err, sizeof err);
+        account("cublasLtMatmul", start);
+        if (failed) std::fprintf(stderr, "emulated cuBLASLt: %s\n", err);
+        return failed;
+    };
+    if (!async_streams()) return run() ? LT_NOT_SUPPORTED : LT_SUCCESS;
+    // The descriptors are resolved now (the caller may change or destroy them), the product
+    // runs in stream order.
+    enqueue((CUstream)stream, [run] {
+        if (run()) set_sticky(CUDA_ERROR_LAUNCH_FAILED);
+    });
     return LT_SUCCESS;
 }
 
@@ -799,3 +1112,7 @@ extern "C" int emu_device_in_memory(const void* p, size_t bytes) {
 }
 
 extern "C" int emu_device_current_ordinal() { return current_device(); }
+
+extern "C" void emu_device_enqueue(void* stream, void (*fn)(void*), void* arg) {
+    enqueue(reinterpret_cast<CUstream>(stream), [fn, arg] { fn(arg); });
+}

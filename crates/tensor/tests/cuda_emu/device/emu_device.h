@@ -12,6 +12,8 @@ extern "C" {
 /// The kernel called `name` (an opaque handle), or NULL.
 const void* emu_device_find_kernel(const char* name);
 const char* emu_device_kernel_name(const void* kernel);
+/// How many parameters `kernel` takes; their sizes in `*sizes`.
+size_t emu_device_kernel_params(const void* kernel, const size_t** sizes);
 /// Runs `kernel` on the CPU emulator; non-zero on a launch error, whose message goes to `err`.
 int emu_device_launch(const void* kernel, const unsigned grid[3], const unsigned block[3],
                       size_t smem, void** params, char* err, size_t err_len);

@@ -14,6 +14,14 @@ struct Entry {
     const char* name;
     void (*call)(void* fn, dim3 grid, dim3 block, size_t smem, void** params);
     void* fn;
+    /// The kernel's parameters' sizes, so a launch's arguments can be copied when it is
+    /// queued and run later (the caller's `params` live only during the call).
+    size_t param_count;
+    const size_t* param_sizes;
+};
+
+template <class... P> struct ParamSizes {
+    static constexpr size_t value[sizeof...(P) + 1] = {sizeof(std::decay_t<P>)..., 0};
 };
 
 template <class... P, size_t... I>
@@ -29,7 +37,8 @@ template <class... P> void call(void* fn, dim3 grid, dim3 block, size_t smem, vo
 }
 
 template <class... P> Entry entry(const char* name, void (*kernel)(P...)) {
-    return Entry{name, &call<P...>, reinterpret_cast<void*>(kernel)};
+    return Entry{name, &call<P...>, reinterpret_cast<void*>(kernel), sizeof...(P),
+                 ParamSizes<P...>::value};
 }
 
 } // namespace emu_registry

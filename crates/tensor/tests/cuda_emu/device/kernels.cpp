@@ -57,6 +57,12 @@ extern "C" const char* emu_device_kernel_name(const void* kernel) {
     return static_cast<const emu_registry::Entry*>(kernel)->name;
 }
 
+extern "C" size_t emu_device_kernel_params(const void* kernel, const size_t** sizes) {
+    const emu_registry::Entry* e = static_cast<const emu_registry::Entry*>(kernel);
+    *sizes = e->param_sizes;
+    return e->param_count;
+}
+
 extern "C" int emu_device_launch(const void* kernel, const unsigned grid[3],
                                  const unsigned block[3], size_t smem, void** params, char* err,
                                  size_t err_len) {

@@ -1,7 +1,9 @@
 // The NCCL half of the emulated CUDA device (README.md beside this file): the entry points of
 // libnccl.so.2 that meshtrain's NCCL backend calls, answered on the CPU, so that backend (its
 // communicators, streams and events, the watchdog's abort, sub-groups, launch --gpus) runs
-// somewhere before a card. Like the driver, every call runs to completion before it returns.
+// somewhere before a card. A call's work runs in its stream's order, as the driver's does: at
+// once by default, or on the stream's own thread under EMU_DEVICE_STREAMS=async, where the
+// call returns first, as NCCL's do.
 //
 // Ranks meet in a file mapped by every member of a communicator, found by the unique id (ranks
 // may be threads of one process or processes of one machine, as NCCL's may): per rank a slot
@@ -16,8 +18,9 @@
 // deadlock on a card (two ranks each sending before receiving, outside a group) deadlocks
 // here too, and the watchdog's timeout names it.
 //
-// A rank that never arrives leaves the others waiting inside the call (as NCCL's kernels spin
-// on the GPU) until ncclCommAbort from another thread (meshtrain's watchdog) ends the wait.
+// A rank that never arrives leaves the others' work waiting (inside the call, or on the stream's
+// thread: as NCCL's kernels spin on the GPU) until ncclCommAbort from another thread
+// (meshtrain's watchdog) ends the wait.
 // Not emulated: ncclReduce, ncclCommSplit, user-defined reductions, the FP8 types.
 #include "emu_device.h"
 
@@ -42,6 +45,9 @@
 // device buffer, and the current context's device.
 extern "C" int emu_device_in_memory(const void* p, size_t bytes);
 extern "C" int emu_device_current_ordinal(void);
+/// Runs fn(arg) in `stream`'s order (at once unless EMU_DEVICE_STREAMS=async), outside the
+/// device's lock: NCCL's work waits for peers there, as its kernels do on a card.
+extern "C" void emu_device_enqueue(void* stream, void (*fn)(void*), void* arg);
 
 namespace {
 
@@ -250,6 +256,18 @@ void reduce_slots(Comm* c, size_t offset, char* out, size_t n, int t, int op) {
     }
 }
 
+/// Runs `work` in `stream`'s order.
+template <class F> void on_stream(void* stream, F work) {
+    emu_device_enqueue(
+        stream,
+        [](void* p) {
+            F* f = static_cast<F*>(p);
+            (*f)();
+            delete f;
+        },
+        new F(std::move(work)));
+}
+
 /// Checks a call's communicator, type and buffers before anything moves.
 Result check(Comm* c, int t, const void* a, const void* b, size_t a_bytes, size_t b_bytes,
              const char* what) {
@@ -284,6 +302,7 @@ Result in_pieces(Comm* c, size_t count, size_t piece, Deposit deposit, Collect c
 struct PointToPoint {
     bool send;
     Comm* comm;
+    void* stream;
     char* buf;
     size_t bytes, done;
     int peer;
@@ -328,7 +347,7 @@ bool progress(PointToPoint& op) {
 }
 
 /// Runs the sends and receives of a group until all are done (or a communicator is aborted).
-Result run_point_to_point(std::vector<PointToPoint>& ops) {
+void run_point_to_point(std::vector<PointToPoint>& ops) {
     Backoff wait;
     for (;;) {
         bool all_done = true, moved = false;
@@ -336,14 +355,14 @@ Result run_point_to_point(std::vector<PointToPoint>& ops) {
             PointToPoint& op = ops[i];
             if (op.finished()) continue;
             all_done = false;
-            if (op.comm->aborted.load()) return kSuccess;
+            if (op.comm->aborted.load()) return;
             bool earlier_pending = false;
             for (size_t j = 0; j < i; ++j)
                 earlier_pending |= ops[j].comm == op.comm && ops[j].send == op.send &&
                                    ops[j].peer == op.peer && ops[j].done < ops[j].bytes;
             if (!earlier_pending && op.done < op.bytes && progress(op)) moved = true;
         }
-        if (all_done) return kSuccess;
+        if (all_done) return;
         if (moved) {
             wait.spins = 0;
         } else {
@@ -352,17 +371,27 @@ Result run_point_to_point(std::vector<PointToPoint>& ops) {
     }
 }
 
-Result point_to_point(bool send, const void* buf, size_t count, int t, int peer, Comm* c) {
+/// Issues the current group's sends and receives as one piece of work, on the stream of its
+/// first (meshtrain's groups use one stream).
+Result issue_group() {
+    std::vector<PointToPoint> ops;
+    ops.swap(t_group);
+    if (ops.empty()) return kSuccess;
+    void* stream = ops[0].stream;
+    on_stream(stream, [ops]() mutable { run_point_to_point(ops); });
+    return kSuccess;
+}
+
+Result point_to_point(bool send, const void* buf, size_t count, int t, int peer, Comm* c,
+                      void* stream) {
     const size_t bytes = count * element_bytes(t);
     if (Result r = check(c, t, buf, nullptr, bytes, 0, send ? "ncclSend" : "ncclRecv")) return r;
     if (peer < 0 || peer >= c->nranks)
         return fail(kInvalidArgument, "a send or receive with peer " + std::to_string(peer) +
                                           " of " + std::to_string(c->nranks) + " ranks");
-    t_group.push_back({send, c, (char*)buf, bytes, 0, peer, 0});
+    t_group.push_back({send, c, stream, (char*)buf, bytes, 0, peer, 0});
     if (t_group_depth > 0) return kSuccess;
-    std::vector<PointToPoint> ops;
-    ops.swap(t_group);
-    return run_point_to_point(ops);
+    return issue_group();
 }
 
 } // namespace
@@ -482,69 +511,81 @@ int ncclCommCuDevice(const ncclComm_t c, int* device) {
 }
 
 int ncclAllReduce(const void* send, void* recv, size_t count, int t, int op, ncclComm_t c,
-                  void*) {
+                  void* stream) {
     const size_t es = element_bytes(t);
     if (Result r = check(c, t, send, recv, count * es, count * es, "ncclAllReduce")) return r;
-    return in_pieces(
-        c, count, kSlot / es,
-        [&](size_t s, size_t n) { std::memcpy(c->slot(c->rank), (const char*)send + s * es, n * es); },
-        [&](size_t s, size_t n) { reduce_slots(c, 0, (char*)recv + s * es, n, t, op); });
+    on_stream(stream, [=] {
+        in_pieces(
+            c, count, kSlot / es,
+            [&](size_t s, size_t n) { std::memcpy(c->slot(c->rank), (const char*)send + s * es, n * es); },
+            [&](size_t s, size_t n) { reduce_slots(c, 0, (char*)recv + s * es, n, t, op); });
+    });
+    return kSuccess;
 }
 
 int ncclBroadcast(const void* send, void* recv, size_t count, int t, int root, ncclComm_t c,
-                  void*) {
+                  void* stream) {
     const size_t es = element_bytes(t);
     const size_t send_bytes = c && c->rank == root ? count * es : 0;
     if (Result r = check(c, t, send, recv, send_bytes, count * es, "ncclBroadcast")) return r;
     if (root < 0 || root >= c->nranks)
         return fail(kInvalidArgument, "ncclBroadcast: root " + std::to_string(root));
-    return in_pieces(
-        c, count, kSlot / es,
-        [&](size_t s, size_t n) {
-            if (c->rank == root) std::memcpy(c->slot(root), (const char*)send + s * es, n * es);
-        },
-        [&](size_t s, size_t n) { std::memmove((char*)recv + s * es, c->slot(root), n * es); });
+    on_stream(stream, [=] {
+        in_pieces(
+            c, count, kSlot / es,
+            [&](size_t s, size_t n) {
+                if (c->rank == root) std::memcpy(c->slot(root), (const char*)send + s * es, n * es);
+            },
+            [&](size_t s, size_t n) { std::memmove((char*)recv + s * es, c->slot(root), n * es); });
+    });
+    return kSuccess;
 }
 
-int ncclAllGather(const void* send, void* recv, size_t count, int t, ncclComm_t c, void*) {
+int ncclAllGather(const void* send, void* recv, size_t count, int t, ncclComm_t c, void* stream) {
     const size_t es = element_bytes(t);
     if (Result r = check(c, t, send, recv, count * es, c ? count * es * c->nranks : 0,
                          "ncclAllGather"))
         return r;
-    return in_pieces(
-        c, count, kSlot / es,
-        [&](size_t s, size_t n) { std::memcpy(c->slot(c->rank), (const char*)send + s * es, n * es); },
-        [&](size_t s, size_t n) {
-            for (int r = 0; r < c->nranks; ++r)
-                std::memcpy((char*)recv + (r * count + s) * es, c->slot(r), n * es);
-        });
+    on_stream(stream, [=] {
+        in_pieces(
+            c, count, kSlot / es,
+            [&](size_t s, size_t n) { std::memcpy(c->slot(c->rank), (const char*)send + s * es, n * es); },
+            [&](size_t s, size_t n) {
+                for (int r = 0; r < c->nranks; ++r)
+                    std::memcpy((char*)recv + (r * count + s) * es, c->slot(r), n * es);
+            });
+    });
+    return kSuccess;
 }
 
 int ncclReduceScatter(const void* send, void* recv, size_t count, int t, int op, ncclComm_t c,
-                      void*) {
+                      void* stream) {
     const size_t es = element_bytes(t);
     if (Result r = check(c, t, send, recv, c ? count * es * c->nranks : 0, count * es,
                          "ncclReduceScatter"))
         return r;
     // A piece holds every destination's part: rank d's at d × piece.
     const size_t piece = kSlot / es / c->nranks;
-    return in_pieces(
-        c, count, piece,
-        [&](size_t s, size_t n) {
-            for (int d = 0; d < c->nranks; ++d)
-                std::memcpy(c->slot(c->rank) + d * piece * es, (const char*)send + (d * count + s) * es,
-                            n * es);
-        },
-        [&](size_t s, size_t n) {
-            reduce_slots(c, c->rank * piece * es, (char*)recv + s * es, n, t, op);
-        });
+    on_stream(stream, [=] {
+        in_pieces(
+            c, count, piece,
+            [&](size_t s, size_t n) {
+                for (int d = 0; d < c->nranks; ++d)
+                    std::memcpy(c->slot(c->rank) + d * piece * es, (const char*)send + (d * count + s) * es,
+                                n * es);
+            },
+            [&](size_t s, size_t n) {
+                reduce_slots(c, c->rank * piece * es, (char*)recv + s * es, n, t, op);
+            });
+    });
+    return kSuccess;
 }
 
-int ncclSend(const void* send, size_t count, int t, int peer, ncclComm_t c, void*) {
-    return point_to_point(true, send, count, t, peer, c);
+int ncclSend(const void* send, size_t count, int t, int peer, ncclComm_t c, void* stream) {
+    return point_to_point(true, send, count, t, peer, c, stream);
 }
-int ncclRecv(void* recv, size_t count, int t, int peer, ncclComm_t c, void*) {
-    return point_to_point(false, recv, count, t, peer, c);
+int ncclRecv(void* recv, size_t count, int t, int peer, ncclComm_t c, void* stream) {
+    return point_to_point(false, recv, count, t, peer, c, stream);
 }
 
 int ncclGroupStart() {
@@ -554,9 +595,7 @@ int ncclGroupStart() {
 int ncclGroupEnd() {
     if (t_group_depth == 0) return fail(kInvalidUsage, "ncclGroupEnd without ncclGroupStart");
     if (--t_group_depth > 0) return kSuccess;
-    std::vector<PointToPoint> ops;
-    ops.swap(t_group);
-    return run_point_to_point(ops);
+    return issue_group();
 }
 
 } // extern "C"
