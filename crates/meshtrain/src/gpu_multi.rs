@@ -274,8 +274,10 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         ("dp=2 × tp=2 × pp=2 ZeRO-1 (8 ranks)", megatron, None),
     ];
     for (name, extra, split) in layouts {
-        let many = runs.train(STEPS, extra, None)?;
         let what = format!("fp32 GPT {name} on {device} vs one worker");
+        let Some(many) = attempt(failed, &what, || runs.train(STEPS, extra, None)) else {
+            continue;
+        };
         same_model(failed, &what, &many, &one);
         if let Some(parts) = split {
             activations_as_planned(failed, name, &many, &one, parts);
@@ -284,30 +286,35 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     }
     // A Llama's grouped key/value heads dealt over tp = 4 (2 ranks per key/value head),
     // with sequence parallelism; on a GPU also ring attention over 2,048 tokens.
-    let llama_one = runs.train_llama(STEPS, &[])?;
-    let mut llamas: Vec<(&str, Vec<&str>, Option<Trained>)> = vec![(
-        "tp=4 over 2 key/value heads + sp",
-        vec!["parallel.tp=4", "parallel.sequence_parallel=true"],
-        None,
-    )];
+    let mut llamas: Vec<(&str, Vec<&str>, Option<Trained>)> = Vec::new();
+    if let Some(llama_one) = attempt(failed, "fp32 Llama on one worker", || {
+        runs.train_llama(STEPS, &[])
+    }) {
+        llamas.push((
+            "tp=4 over 2 key/value heads + sp",
+            vec!["parallel.tp=4", "parallel.sequence_parallel=true"],
+            Some(llama_one),
+        ));
+    }
     if device == "cuda" {
         let long = ["model.seq=2048", "train.batch_size=2"];
-        let one_long = runs.train_llama(STEPS, &long)?;
-        let mut ring = long.to_vec();
-        ring.push("parallel.cp=2");
-        llamas.push(("cp=2 ring at 2,048 tokens", ring, Some(one_long)));
-    }
-    for (name, extra, reference) in llamas {
-        let many = runs.train_llama(STEPS, &extra)?;
-        let one = reference.as_ref().unwrap_or(&llama_one);
-        let what = format!("fp32 Llama {name} on {device} vs one worker");
-        same_model(failed, &what, &many, one);
-        let _ = std::fs::remove_dir_all(&many.out);
-        if let Some(r) = reference {
-            let _ = std::fs::remove_dir_all(&r.out);
+        if let Some(one_long) = attempt(failed, "fp32 Llama at 2,048 tokens on one worker", || {
+            runs.train_llama(STEPS, &long)
+        }) {
+            let mut ring = long.to_vec();
+            ring.push("parallel.cp=2");
+            llamas.push(("cp=2 ring at 2,048 tokens", ring, Some(one_long)));
         }
     }
-    let _ = std::fs::remove_dir_all(&llama_one.out);
+    for (name, extra, reference) in llamas {
+        let one = reference.expect("every Llama layout has its one-worker run");
+        let what = format!("fp32 Llama {name} on {device} vs one worker");
+        if let Some(many) = attempt(failed, &what, || runs.train_llama(STEPS, &extra)) {
+            same_model(failed, &what, &many, &one);
+            let _ = std::fs::remove_dir_all(&many.out);
+        }
+        let _ = std::fs::remove_dir_all(&one.out);
+    }
     let spans = rank0_spans(&trace, "pp=2 1F1B step")?;
     let count = |prefix: &str, row: u64| {
         spans
@@ -342,13 +349,11 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     ] {
         let mut with = extra.to_vec();
         with.push(bf16);
-        let many = runs.train(STEPS, &with, None)?;
-        close_losses(
-            failed,
-            &format!("bf16 GPT {name} on {device} vs one worker"),
-            &many,
-            &one16,
-        );
+        let what = format!("bf16 GPT {name} on {device} vs one worker");
+        let Some(many) = attempt(failed, &what, || runs.train(STEPS, &with, None)) else {
+            continue;
+        };
+        close_losses(failed, &what, &many, &one16);
         let _ = std::fs::remove_dir_all(&many.out);
     }
     // An 8-rank layout's checkpoint on one worker and on the CPU, and one worker's on the
@@ -404,6 +409,23 @@ pub fn run_layouts(root: &Path) -> Result<Vec<String>> {
         failed.push(format!("layouts on the GPU: {e:#}"));
     }
     Ok(failed)
+}
+
+/// `train`'s run, or `None` after a FAIL line naming `what` and the error: one run that fails
+/// (a layout refused, a device error) does not keep a part's other checks from running, as
+/// a card's minutes are few.
+fn attempt(
+    failed: &mut Vec<String>,
+    what: &str,
+    train: impl FnOnce() -> Result<Trained>,
+) -> Option<Trained> {
+    match train() {
+        Ok(trained) => Some(trained),
+        Err(e) => {
+            verdict(failed, false, format!("{what}: the run failed: {e:#}"));
+            None
+        }
+    }
 }
 
 /// Rank 0's activation bytes kept for backward under `name` (a layout of `parts` ranks)
