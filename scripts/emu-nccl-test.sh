@@ -8,8 +8,10 @@
 #   2. ZeRO-1, 2 and 3 over NCCL: bit-identical to DDP over NCCL (ZeRO-3's sharded
 #      checkpoint joined first), as on the CPU;
 #   3. bf16 DDP: the final loss within 0.1% of one GPU's in bf16;
-#   4. kill -9 of rank 1 at step 4: rank 0 fails within the timeout + 1 s, naming the NCCL
-#      collective and its sequence number; launch restarts from the step-3 checkpoint, and the
+#   4. kill -9 of rank 1 at step 4: rank 0 fails within the timeout + 2 s (the kill lands
+#      mid-step: the collective that waits for the dead rank begins after the rest of the
+#      step's work, up to a second on the emulated device), naming the NCCL collective and
+#      its sequence number; launch restarts from the step-3 checkpoint, and the
 #      final state is bit-identical to the uninterrupted NCCL run's.
 # What no emulation shows: speed, overlap (every call completes when issued), NCCL itself.
 #
@@ -114,8 +116,8 @@ kill -KILL "$(rank_pid killed 1)"
 wait $runner
 line=$(grep -m1 -E "error: rank 0: .*[a-z_]+ #[0-9]+ on group .*timed out" "$OUT/killed.log") \
     || { cat "$OUT/killed.log"; fail "rank 0 did not name the collective"; }
-python3 -c "import sys; sys.exit(0 if ${line%% *} - $at <= $TIMEOUT_S + 1 else 1)" \
-    || fail "rank 0 reported later than the timeout + 1 s: $line"
+python3 -c "import sys; sys.exit(0 if ${line%% *} - $at <= $TIMEOUT_S + 2 else 1)" \
+    || fail "rank 0 reported later than the timeout + 2 s: $line"
 echo "  rank 0, $(python3 -c "print(f'{${line%% *} - $at:.2f}')") s after the kill: ${line#* error: }" | cut -c1-300
 grep -q "launch: the job finished on attempt 2" "$OUT/killed.log" || { cat "$OUT/killed.log"; fail "no restart"; }
 same_checkpoint "$(checkpoint_of killed)" "$(checkpoint_of ddp)" || fail "the restarted run differs"
