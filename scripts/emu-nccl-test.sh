@@ -64,12 +64,8 @@ for line in sys.stdin: print(f"{time.time():.3f} {line}", end="", flush=True)' \
 }
 
 checkpoint_of() {  # NAME: its final checkpoint as one file
-    if [ -d "$OUT/$1/checkpoint" ]; then
-        "$BIN" checkpoint consolidate "$OUT/$1/checkpoint" "$OUT/$1/whole.safetensors" >/dev/null
-        echo "$OUT/$1/whole.safetensors"
-    else
-        echo "$OUT/$1/checkpoint.safetensors"
-    fi
+    if [ -d "$OUT/$1/checkpoint" ]; then whole_checkpoint "$OUT/$1/checkpoint"
+    else echo "$OUT/$1/checkpoint.safetensors"; fi
 }
 
 echo "== one GPU, and DDP over NCCL on two (emulated) GPUs, fp32"

@@ -36,6 +36,16 @@ same_final_loss() {
         || { echo "$1: FAILED: losses differ"; exit 1; }
 }
 
+# whole_checkpoint CHECKPOINT (a file, or a sharded checkpoint's directory): a whole file of it.
+whole_checkpoint() {
+    if [ -d "$1" ]; then
+        "$BIN" checkpoint consolidate "$1" "$1.whole.safetensors" >/dev/null
+        echo "$1.whole.safetensors"
+    else
+        echo "$1"
+    fi
+}
+
 # same_checkpoint A B [TOLERANCE] (two checkpoint.safetensors files): their tensors are
 # bit-identical, or within a relative L2 distance of TOLERANCE (default 0).
 same_checkpoint() {

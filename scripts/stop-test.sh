@@ -45,26 +45,8 @@ with open(sys.argv[1], "rb") as f:
 EOF
 }
 
-whole() {  # CHECKPOINT → a whole checkpoint file
-    if [ -d "$1" ]; then "$BIN" checkpoint consolidate "$1" "$1.whole.safetensors" >/dev/null; echo "$1.whole.safetensors"
-    else echo "$1"; fi
-}
-
-same_state() {  # A B: every tensor bit-identical
-    python3 - "$(whole "$1")" "$(whole "$2")" <<'EOF'
-import json, struct, sys
-def tensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    header.pop("__metadata__", None)
-    return {k: data[v["data_offsets"][0]:v["data_offsets"][1]] for k, v in header.items()}
-a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
-same = a.keys() == b.keys() and all(a[k] == b[k] for k in a)
-print(f"  resumed against uninterrupted: {len(a)} tensors {'bit-identical' if same else 'DIFFER'}")
-sys.exit(0 if same else 1)
-EOF
+same_state() {  # A B (whole files or sharded directories): every tensor bit-identical
+    same_checkpoint "$(whole_checkpoint "$1")" "$(whole_checkpoint "$2")"
 }
 
 echo "1. mpirun -np 2, ZeRO-1 (sharded checkpoint), SIGINT to every rank"
