@@ -6,12 +6,25 @@
 use std::path::PathBuf;
 
 /// The emulated CUDA device, built once into the test target's scratch folder: its folder,
-/// or `None` where this machine cannot build it (no g++ or no CUDA headers: the reason
-/// printed), which `MESHTRAIN_REQUIRE_EMU_DEVICE=1` turns into a failure.
+/// or `None` where this machine cannot build it (no g++ or no CUDA headers, or a test binary
+/// carried away from its sources, as to the GPU machine: the reason printed), which
+/// `MESHTRAIN_REQUIRE_EMU_DEVICE=1` turns into a failure.
 #[allow(dead_code)]
 pub fn emulated_device() -> Option<PathBuf> {
     let script =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tensor/tests/cuda_emu/device/build.sh");
+    if !script.exists() {
+        assert!(
+            std::env::var("MESHTRAIN_REQUIRE_EMU_DEVICE").as_deref() != Ok("1"),
+            "MESHTRAIN_REQUIRE_EMU_DEVICE=1 but {} is missing",
+            script.display()
+        );
+        eprintln!(
+            "skipped: the emulated CUDA device's sources are not here ({})",
+            script.display()
+        );
+        return None;
+    }
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda-emu-device");
     let built = std::process::Command::new("bash")
         .arg(&script)
@@ -40,6 +53,11 @@ pub fn emulated_device() -> Option<PathBuf> {
 #[allow(dead_code)]
 pub fn rerun_on_the_emulated_device_with(tests: &[&str], env: &[(&str, &str)]) -> bool {
     if std::env::var_os("MESHTRAIN_ON_EMULATED_DEVICE").is_some() {
+        return false;
+    }
+    if std::path::Path::new("/proc/driver/nvidia").exists() {
+        // The tests themselves ran on the real GPU; the card's minutes are not for this.
+        eprintln!("skipped: this machine has an NVIDIA driver, so the tests ran on its GPU");
         return false;
     }
     let Some(device) = emulated_device() else {
