@@ -105,6 +105,14 @@ std::map<uintptr_t, size_t>& device_buffers() {
     return m;
 }
 
+/// Whether [p, p + bytes) lies inside one of `ranges` (start -> length).
+bool in_ranges(const std::map<uintptr_t, size_t>& ranges, uintptr_t p, size_t bytes) {
+    auto it = ranges.upper_bound(p);
+    if (it == ranges.begin()) return false;
+    --it;
+    return p >= it->first && p + bytes <= it->first + it->second;
+}
+
 /// EMU_DEVICE_COUNT: how many devices there are (default 1). They share one memory (any
 /// device's pointer works on every other, as with peer access), each has its own primary
 /// context, so a process may put ranks on cuda:0, cuda:1, ... as on a node of GPUs.
@@ -195,12 +203,14 @@ void run_stream(Stream* s) {
     }
 }
 
-/// Waits until every stream is idle (cuCtxSynchronize; cuMemFree, which synchronises).
-void wait_for_all_streams() {
+/// Waits until every stream is idle (cuCtxSynchronize; cuMemFree, which synchronises), or
+/// with `blocking_only` every stream made without CU_STREAM_NON_BLOCKING (what the legacy
+/// null stream waits for).
+void wait_for_streams(bool blocking_only = false) {
     std::unique_lock<std::mutex> l(g_sched);
-    g_changed.wait(l, [] {
+    g_changed.wait(l, [&] {
         for (Stream* s : all_streams())
-            if (!s->idle()) return false;
+            if ((!blocking_only || s->flags == 0) && !s->idle()) return false;
         return true;
     });
 }
@@ -214,14 +224,7 @@ void enqueue(CUstream stream, std::function<void()> work) {
         return;
     }
     if (!stream) {
-        {
-            std::unique_lock<std::mutex> l(g_sched);
-            g_changed.wait(l, [] {
-                for (Stream* s : all_streams())
-                    if (s->flags == 0 && !s->idle()) return false;
-                return true;
-            });
-        }
+        wait_for_streams(true);
         work();
         return;
     }
@@ -251,11 +254,7 @@ std::map<uintptr_t, size_t>& pinned_ranges() {
 }
 bool is_pinned(const void* p, size_t bytes) {
     std::lock_guard<std::mutex> g(g_sched);
-    auto& m = pinned_ranges();
-    auto it = m.upper_bound((uintptr_t)p);
-    if (it == m.begin()) return false;
-    --it;
-    return (uintptr_t)p >= it->first && (uintptr_t)p + bytes <= it->first + it->second;
+    return in_ranges(pinned_ranges(), (uintptr_t)p, bytes);
 }
 struct Module {
     std::string file;
@@ -264,13 +263,7 @@ struct Module {
 const char kCubinMagic[] = "EMU-CUBIN:";
 
 /// Whether [p, p + bytes) lies inside one device buffer.
-bool in_device_buffer(uintptr_t p, size_t bytes) {
-    auto& m = device_buffers();
-    auto it = m.upper_bound(p);
-    if (it == m.begin()) return false;
-    --it;
-    return p >= it->first && p + bytes <= it->first + it->second;
-}
+bool in_device_buffer(uintptr_t p, size_t bytes) { return in_ranges(device_buffers(), p, bytes); }
 
 CUresult copy(void* dst, const void* src, size_t bytes) {
     if (bytes) std::memmove(dst, src, bytes);
@@ -414,7 +407,7 @@ CUresult cuCtxGetDevice(CUdevice* d) {
 }
 CUresult cuCtxSynchronize() {
     if (!async_streams()) return CUDA_SUCCESS;
-    wait_for_all_streams();
+    wait_for_streams();
     std::lock_guard<std::mutex> g(g_sched);
     return g_sticky;
 }
@@ -580,14 +573,12 @@ CUresult cuMemAlloc(CUdeviceptr* p, size_t bytes) {
     if (trace()) std::fprintf(stderr, "emu: cuMemAlloc %zu -> 0x%llx\n", bytes, (unsigned long long)*p);
     return CUDA_SUCCESS;
 }
-CUresult cuMemFree(CUdeviceptr p) {
-    // cuMemFree synchronises the device: no queued work may still use the buffer.
-    if (async_streams()) wait_for_all_streams();
+/// Gives device buffer `p` back (`what`: the call, for the message).
+static CUresult release(CUdeviceptr p, const char* what) {
     EMU_LOCKED;
-    if (!p) return CUDA_SUCCESS;
     auto it = device_buffers().find((uintptr_t)p);
     if (it == device_buffers().end()) {
-        std::fprintf(stderr, "emulated CUDA device: cuMemFree(0x%llx): not a device buffer\n",
+        std::fprintf(stderr, "emulated CUDA device: %s(0x%llx): not a device buffer\n", what,
                      (unsigned long long)p);
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -595,22 +586,16 @@ CUresult cuMemFree(CUdeviceptr p) {
     device_buffers().erase(it);
     return emu_device_free((void*)(uintptr_t)p) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
+CUresult cuMemFree(CUdeviceptr p) {
+    if (!p) return CUDA_SUCCESS;
+    // cuMemFree synchronises the device: no queued work may still use the buffer.
+    if (async_streams()) wait_for_streams();
+    return release(p, "cuMemFree");
+}
 CUresult cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc(p, bytes); }
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     if (!async_streams()) return cuMemFree(p);
-    enqueue(s, [p] {
-        EMU_LOCKED;
-        auto it = device_buffers().find((uintptr_t)p);
-        if (it == device_buffers().end()) {
-            std::fprintf(stderr, "emulated CUDA device: cuMemFreeAsync(0x%llx): not a device buffer\n",
-                         (unsigned long long)p);
-            set_sticky(CUDA_ERROR_INVALID_VALUE);
-            return;
-        }
-        g_allocated -= it->second;
-        device_buffers().erase(it);
-        emu_device_free((void*)(uintptr_t)p);
-    });
+    enqueue(s, as_work([p] { return release(p, "cuMemFreeAsync"); }));
     return CUDA_SUCCESS;
 }
 CUresult cuMemGetInfo(size_t* free_bytes, size_t* total) {
@@ -794,8 +779,8 @@ CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, CUfunction, int blo
 }
 
 /// Runs kernel `f` now; a failure is printed and returned.
-static CUresult launch_now(CUfunction f, const unsigned grid[3], const unsigned block[3], unsigned smem,
-                    void** params) {
+static CUresult launch_now(CUfunction f, const unsigned grid[3], const unsigned block[3],
+                           unsigned smem, void** params) {
     EMU_LOCKED;
     if (trace())
         std::fprintf(stderr, "emu: launch %s grid (%u,%u,%u) block (%u,%u,%u) smem %u\n",

@@ -61,9 +61,18 @@ int emu_device_gemm(const EmuGemm* g, char* err, size_t err_len);
 /// its release (non-zero for a pointer that is not one).
 void* emu_device_alloc(size_t bytes);
 int emu_device_free(void* p);
-/// f64 to bf16 / f16 bits, rounded to nearest even (the emulator's conversions).
+/// f64 to bf16 / f16 bits, rounded to nearest even, and back (the emulator's conversions).
 unsigned short emu_device_to_bf16(double v);
 unsigned short emu_device_to_f16(double v);
+float emu_device_from_bf16(unsigned short bits);
+float emu_device_from_f16(unsigned short bits);
+/// For the emulated NCCL (nccl.cpp), from driver.cpp: whether [p, p + bytes) lies inside one
+/// device buffer; the current context's device; fn(arg) run in `stream`'s order (at once
+/// unless EMU_DEVICE_STREAMS=async) outside the device's lock, since NCCL's work waits for
+/// peers there, as its kernels do on a card.
+int emu_device_in_memory(const void* p, size_t bytes);
+int emu_device_current_ordinal(void);
+void emu_device_enqueue(void* stream, void (*fn)(void*), void* arg);
 double emu_device_fp8_decode(unsigned char code, int exponent_bits, int mantissa_bits);
 
 #ifdef __cplusplus

@@ -84,6 +84,12 @@ extern "C" unsigned short emu_device_to_bf16(double v) {
 extern "C" unsigned short emu_device_to_f16(double v) {
     return emu::detail::round_to_small_float<5, 10>(v);
 }
+extern "C" float emu_device_from_bf16(unsigned short bits) {
+    return emu::detail::bf16_bits_to_float(bits);
+}
+extern "C" float emu_device_from_f16(unsigned short bits) {
+    return emu::detail::f16_bits_to_float(bits);
+}
 
 // ---------------------------------------------------------------------------------------
 // Device memory: the emulator's guarded buffers (a write past the end is reported by the

@@ -40,15 +40,6 @@
 #include <unistd.h>
 #include <vector>
 
-// From driver.cpp, for this file only (emu_device.h is the kernels' interface too, and every
-// kernel file would rebuild for a change there): whether [p, p + bytes) lies inside one
-// device buffer, and the current context's device.
-extern "C" int emu_device_in_memory(const void* p, size_t bytes);
-extern "C" int emu_device_current_ordinal(void);
-/// Runs fn(arg) in `stream`'s order (at once unless EMU_DEVICE_STREAMS=async), outside the
-/// device's lock: NCCL's work waits for peers there, as its kernels do on a card.
-extern "C" void emu_device_enqueue(void* stream, void (*fn)(void*), void* arg);
-
 namespace {
 
 // NCCL's values (nccl.h, as cudarc's bindings have them).
@@ -66,15 +57,12 @@ enum DataType {
 enum RedOp { kSum = 0, kProd, kMax, kMin, kAvg };
 
 constexpr int kVersion = 22809; // 2.28.9: the lent machine's, which refuses two ranks a GPU
-constexpr uint64_t kMagic = 0x4c43434e554d45ull; // "EMUNCCL"
 constexpr size_t kSlot = size_t(4) << 20;        // a rank's collective slot
 constexpr size_t kRing = size_t(1) << 20;        // a pair's send ring
 constexpr int kMaxRanks = 64;
 
 /// What the ranks of one communicator share (the start of the mapped file).
 struct Header {
-    uint64_t magic;
-    int32_t nranks;
     std::atomic<int32_t> arrived;
     std::atomic<uint32_t> barrier_count;
     std::atomic<uint32_t> barrier_generation;
@@ -159,30 +147,6 @@ size_t element_bytes(int t) {
     }
 }
 
-float f16_to_float(uint16_t h) {
-    const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f,
-                   mantissa = h & 0x3ff;
-    float v;
-    if (exponent == 0) {
-        v = std::ldexp(float(mantissa), -24);
-    } else if (exponent == 31) {
-        v = mantissa ? NAN : INFINITY;
-    } else {
-        v = std::ldexp(float(mantissa | 0x400), int(exponent) - 25);
-    }
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-    std::memcpy(&v, &bits, 4);
-    return v;
-}
-float bf16_to_float(uint16_t b) {
-    const uint32_t bits = uint32_t(b) << 16;
-    float v;
-    std::memcpy(&v, &bits, 4);
-    return v;
-}
-
 /// Element `i` of a buffer of type `t`, as double (exact for every type but 64-bit integers
 /// beyond 2^53, which the reductions below keep as integers).
 double load(const char* p, int t, size_t i) {
@@ -191,8 +155,8 @@ double load(const char* p, int t, size_t i) {
     case kUint8: return ((const uint8_t*)p)[i];
     case kInt32: return ((const int32_t*)p)[i];
     case kUint32: return ((const uint32_t*)p)[i];
-    case kFloat16: return f16_to_float(((const uint16_t*)p)[i]);
-    case kBfloat16: return bf16_to_float(((const uint16_t*)p)[i]);
+    case kFloat16: return emu_device_from_f16(((const uint16_t*)p)[i]);
+    case kBfloat16: return emu_device_from_bf16(((const uint16_t*)p)[i]);
     case kFloat32: return ((const float*)p)[i];
     default: return ((const double*)p)[i];
     }
@@ -287,15 +251,14 @@ Result check(Comm* c, int t, const void* a, const void* b, size_t a_bytes, size_
 /// Runs a collective in pieces of `piece` elements: `deposit(start, n)` fills this rank's
 /// slot, `collect(start, n)` computes this rank's output from every slot.
 template <class Deposit, class Collect>
-Result in_pieces(Comm* c, size_t count, size_t piece, Deposit deposit, Collect collect) {
+void in_pieces(Comm* c, size_t count, size_t piece, Deposit deposit, Collect collect) {
     for (size_t start = 0; start < count; start += piece) {
         const size_t n = std::min(piece, count - start);
         deposit(start, n);
-        if (!barrier(c)) return kSuccess; // aborted: the output is undefined, as on NCCL
+        if (!barrier(c)) return; // aborted: the output is undefined, as on NCCL
         collect(start, n);
-        if (!barrier(c)) return kSuccess;
+        if (!barrier(c)) return;
     }
-    return kSuccess;
 }
 
 /// A send or receive of the current group.
@@ -462,11 +425,7 @@ int ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int rank) {
     c->base = (char*)base;
     c->bytes = bytes;
     c->device = emu_device_current_ordinal();
-    Header* h = c->header();
-    // The file starts zeroed; the first rank to claim the magic writes the rank count.
-    uint64_t zero = 0;
-    auto* magic = reinterpret_cast<std::atomic<uint64_t>*>(&h->magic);
-    if (magic->compare_exchange_strong(zero, kMagic)) h->nranks = nranks;
+    Header* h = c->header(); // zeroed: the file is new
     if (h->arrived.fetch_add(1) + 1 == nranks) unlink(path.c_str());
     Backoff wait;
     const auto start = std::chrono::steady_clock::now();
