@@ -7,12 +7,15 @@
 #   1. fp32 DDP: final parameters and optimizer state within 1e-5 relative L2 of one GPU's;
 #   2. ZeRO-1, 2 and 3 over NCCL: bit-identical to DDP over NCCL (ZeRO-3's sharded
 #      checkpoint joined first), as on the CPU;
-#   3. bf16 DDP: the final loss within 0.1% of one GPU's in bf16;
-#   4. kill -9 of rank 1 at step 4: rank 0 fails within the timeout + 2 s (the kill lands
-#      mid-step: the collective that waits for the dead rank begins after the rest of the
-#      step's work, up to a second on the emulated device), naming the NCCL collective and
-#      its sequence number; launch restarts from the step-3 checkpoint, and the
-#      final state is bit-identical to the uninterrupted NCCL run's.
+#   3. pp = 2 (1F1B, interleaved, GPipe) and cp = 2 ring attention, sending over NCCL (a
+#      communicator per pair that sends): within 1e-5 of one GPU's, as DDP;
+#   4. bf16 DDP: the final loss within 0.1% of one GPU's in bf16;
+#   5. kill -9 of rank 1 at step 4, under DDP and under pp = 2 1F1B: rank 0 fails within the
+#      timeout + 2 s (the kill lands mid-step: the operation that waits for the dead rank
+#      begins after the rest of the step's work, up to a second on the emulated device),
+#      naming the NCCL operation and its sequence number (a pipeline's: the receive on the
+#      pair's lane, and the rank it waited for); launch restarts from the step-3 checkpoint,
+#      and the final state is bit-identical to the uninterrupted NCCL run's.
 # What no emulation shows: speed, overlap (every call completes when issued), NCCL itself.
 #
 # Needs OpenMPI (see scripts/mpi-common.sh), g++ and CUDA's headers (the device's build.sh;
@@ -82,6 +85,24 @@ for zero in 1 2 3; do
     same_checkpoint "$(checkpoint_of "zero$zero")" "$(checkpoint_of ddp)" || fail "ZeRO-$zero differs from DDP"
 done
 
+# Layouts that send point to point, over NCCL with a communicator per pair that sends:
+# a pipeline's activations and its neighbour's gradients cross (1F1B), interleaved chunks
+# go around from the last stage to the first, ring attention sends around the cp group.
+for spec in "pp-1f1b parallel.pp=2 parallel.schedule=\"1f1b\" parallel.micro_batches=4" \
+            "pp-interleaved parallel.pp=2 parallel.schedule=\"interleaved\" parallel.micro_batches=4" \
+            "pp-gpipe parallel.pp=2 parallel.schedule=\"gpipe\" parallel.micro_batches=4" \
+            "cp-ring parallel.cp=2"; do
+    read -r name settings <<<"$spec"
+    echo "== $name over NCCL against one GPU"
+    sets=()
+    for s in $settings; do sets+=(--set "$s"); done
+    run "$name" -- "${sets[@]}"
+    grep -q "sends between stages and ring neighbours over NCCL" "$OUT/$name.log" \
+        || { cat "$OUT/$name.log"; fail "$name did not send over NCCL"; }
+    same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of one)" 1e-5 \
+        || fail "$name over NCCL differs from one GPU"
+done
+
 echo "== bf16: DDP over NCCL against one GPU"
 run one-bf16 --one -- --precision bf16
 run ddp-bf16 -- --precision bf16
@@ -92,7 +113,6 @@ print(f"  final loss: one GPU {a}, two over NCCL {b} ({abs(a - b) / a:.2e} apart
 sys.exit(0 if abs(a - b) <= 1e-3 * a else 1)
 EOF
 
-echo "== kill -9 of rank 1 at step 4"
 rank_pid() {  # NAME RANK
     local pid
     for pid in $(pgrep -f "$OUT/$1\\\""); do
@@ -101,20 +121,31 @@ rank_pid() {  # NAME RANK
     done
     fail "no rank $2 of $1"
 }
-run killed --max-restarts 1 -- &
-runner=$!
-for ((i = 0; i < 1200; i++)); do
-    grep -q '"step":4,' "$OUT/killed/metrics.jsonl" 2>/dev/null && break
-    sleep 0.1
-done
-at=$(date +%s.%N)
-kill -KILL "$(rank_pid killed 1)"
-wait $runner
-line=$(grep -m1 -E "error: rank 0: .*[a-z_]+ #[0-9]+ on group .*timed out" "$OUT/killed.log") \
-    || { cat "$OUT/killed.log"; fail "rank 0 did not name the collective"; }
-python3 -c "import sys; sys.exit(0 if ${line%% *} - $at <= $TIMEOUT_S + 2 else 1)" \
-    || fail "rank 0 reported later than the timeout + 2 s: $line"
-echo "  rank 0, $(python3 -c "print(f'{${line%% *} - $at:.2f}')") s after the kill: ${line#* error: }" | cut -c1-300
-grep -q "launch: the job finished on attempt 2" "$OUT/killed.log" || { cat "$OUT/killed.log"; fail "no restart"; }
-same_checkpoint "$(checkpoint_of killed)" "$(checkpoint_of ddp)" || fail "the restarted run differs"
+
+# killed NAME REFERENCE [job options]: kill -9 of rank 1 at step 4 of NAME (run with the job
+# options); rank 0 must fail within the timeout + 2 s naming the operation that waited for
+# rank 1, and launch's restart from the step-3 checkpoint must end bit-identical to
+# REFERENCE, the same job uninterrupted.
+killed() {
+    local name=$1 reference=$2; shift 2
+    echo "== kill -9 of rank 1 at step 4 ($name)"
+    run "$name" --max-restarts 1 -- "$@" &
+    local runner=$! i at line
+    for ((i = 0; i < 1200; i++)); do
+        grep -q '"step":4,' "$OUT/$name/metrics.jsonl" 2>/dev/null && break
+        sleep 0.1
+    done
+    at=$(date +%s.%N)
+    kill -KILL "$(rank_pid "$name" 1)"
+    wait $runner
+    line=$(grep -m1 -E "error: rank 0: .*[a-z_]+ #[0-9]+ on group .*(timed out|cannot complete)" "$OUT/$name.log") \
+        || { cat "$OUT/$name.log"; fail "rank 0 did not name the operation"; }
+    python3 -c "import sys; sys.exit(0 if ${line%% *} - $at <= $TIMEOUT_S + 2 else 1)" \
+        || fail "rank 0 reported later than the timeout + 2 s: $line"
+    echo "  rank 0, $(python3 -c "print(f'{${line%% *} - $at:.2f}')") s after the kill: ${line#* error: }" | cut -c1-300
+    grep -q "launch: the job finished on attempt 2" "$OUT/$name.log" || { cat "$OUT/$name.log"; fail "no restart"; }
+    same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of "$reference")" || fail "the restarted $name differs"
+}
+killed killed ddp
+killed pp-killed pp-1f1b --set parallel.pp=2 --set 'parallel.schedule="1f1b"' --set parallel.micro_batches=4
 echo "emu-nccl-test: OK"

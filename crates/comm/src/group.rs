@@ -388,6 +388,28 @@ pub(crate) fn validate_subgroup(
     })
 }
 
+/// Checks the `(sender, receiver)` pairs given to
+/// [`ProcessGroup::prepare_point_to_point`]: ranks of a group of `size`, two different ones.
+pub(crate) fn validate_pairs(
+    ctx: &OpContext,
+    pairs: &[(usize, usize)],
+    size: usize,
+) -> Result<(), CommError> {
+    match pairs
+        .iter()
+        .find(|&&(from, to)| from >= size || to >= size || from == to)
+    {
+        None => Ok(()),
+        Some(&(from, to)) => Err(CommError::InvalidRank {
+            ctx: ctx.clone(),
+            details: format!(
+                "sends from rank {from} to rank {to}: a pair needs two different ranks of \
+                 the group's {size}"
+            ),
+        }),
+    }
+}
+
 /// When an asynchronous operation ran on the communication thread: from the moment it
 /// started executing (after the operations queued before it) to its completion. DDP uses it
 /// to split communication time into the part hidden behind backward and the part exposed.
@@ -639,6 +661,27 @@ pub trait ProcessGroup: Send + Sync {
         ranks: &[usize],
         name: &str,
     ) -> Result<Arc<dyn ProcessGroup>, CommError>;
+
+    /// Prepares the group for sends and receives between the ordered pairs `(sender,
+    /// receiver)` of `pairs` (ranks of this group). Every rank of the group calls it with the
+    /// same list, before the first such send; nothing else may run on the group meanwhile.
+    ///
+    /// Why: the host backends buffer sends and match them by tag, so any order of sends and
+    /// receives that completes on paper completes on them. NCCL does neither: a send finishes
+    /// only once received, and operations run in issue order on a stream, so two ranks whose
+    /// sends cross (a pipeline's activations one way, its gradients the other) would each
+    /// wait for a receive queued behind the other's send. A backend like that gives each
+    /// pair a channel of its own here ([`NcclGroup`](crate::NcclGroup): a communicator and
+    /// stream per pair), after which the only order that matters is each pair's: messages
+    /// received in the order they are sent. The host backends need nothing (the default).
+    fn prepare_point_to_point(&self, pairs: &[(usize, usize)]) -> Result<(), CommError> {
+        let ctx = OpContext {
+            op: "prepare_point_to_point",
+            seq: 0,
+            group: Arc::from(self.name()),
+        };
+        validate_pairs(&ctx, pairs, self.size())
+    }
 
     /// In-place all-reduce.
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {

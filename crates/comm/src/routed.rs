@@ -93,4 +93,11 @@ impl ProcessGroup for RoutedGroup {
         let device = self.device.new_named_subgroup(ranks, name)?;
         Ok(RoutedGroup::new(host, device)?)
     }
+
+    /// Both backends carry sends (a pipeline's shape headers on the host, its tensors on
+    /// the device): both get ready.
+    fn prepare_point_to_point(&self, pairs: &[(usize, usize)]) -> Result<(), CommError> {
+        self.host.prepare_point_to_point(pairs)?;
+        self.device.prepare_point_to_point(pairs)
+    }
 }

@@ -372,6 +372,11 @@ impl ProcessGroup for StagedGroup {
         let inner = self.inner.new_named_subgroup(ranks, name)?;
         Ok(StagedGroup::new(inner, self.memory.clone()))
     }
+
+    /// Staged sends are the host group's (buffered): whatever it needs.
+    fn prepare_point_to_point(&self, pairs: &[(usize, usize)]) -> Result<(), CommError> {
+        self.inner.prepare_point_to_point(pairs)
+    }
 }
 
 /// A stand-in device's allocations by base address: (bytes, the memory).

@@ -71,6 +71,7 @@ fn the_nccl_tests_pass_on_the_emulated_device() {
         "host_buffers_and_other_devices_are_refused_by_name",
         "an_aborted_communicator_breaks_the_group",
         "a_rank_that_never_arrives_times_out_on_the_others",
+        "sends_that_cross_between_two_ranks_finish_on_their_lanes",
     ];
     if emulated::rerun_on_the_emulated_device_with(&tests, &[("EMU_DEVICE_COUNT", "2")]) {
         emulated::rerun_on_the_emulated_device_with(
@@ -276,4 +277,105 @@ fn a_rank_that_never_arrives_times_out_on_the_others() {
     })
     .unwrap_or_else(|e| panic!("{e}"));
     assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+/// Two ranks send to each other at the same time, each issuing its send alone (not grouped
+/// with the receive after it): a pipeline's activations one way and its gradients the other.
+/// On one communicator each send waits for a receive queued behind the other rank's send,
+/// and the watchdog times out; with a lane per pair ([`ProcessGroup::prepare_point_to_point`])
+/// both finish, and a pair's messages arrive in the order sent. 4 Mi floats (16 MiB) is
+/// more than NCCL buffers for a send (and the emulated NCCL's 1 MiB ring), so nothing
+/// completes before its receiver arrives.
+#[test]
+fn sends_that_cross_between_two_ranks_finish_on_their_lanes() {
+    let test = "sends_that_cross_between_two_ranks_finish_on_their_lanes";
+    let Some(_) = gpus(test) else {
+        return;
+    };
+    if CudaDevice::get(0).unwrap().name().starts_with("Emulated")
+        && std::env::var("EMU_DEVICE_STREAMS").as_deref() != Ok("async")
+    {
+        // There a send runs on the calling thread when issued, so it blocks the host until
+        // received: crossing sends cannot be posted as a card's are.
+        eprintln!("{test}: skipped, the emulated device's streams are synchronous");
+        return;
+    }
+    const LEN: usize = 4 << 20;
+    let timeout = Duration::from_millis(1500);
+    let config = config().with_timeout(timeout);
+    ThreadsWorld::run(2, config.clone(), move |bootstrap| {
+        let rank = bootstrap.rank();
+        let peer = 1 - rank;
+        let device = CudaDevice::get(rank).map_err(|e| e.to_string())?;
+        let ordinal = Device::Cuda(rank);
+        let view = |b: &meshtrain_tensor::cuda::DevBuf, len| unsafe {
+            RawBuf::on_device(b.ptr(), len, DType::F32, ordinal)
+        };
+        let mine: Vec<f32> = (0..LEN).map(|i| (i % 1000) as f32 + rank as f32).collect();
+        let outgoing = device.upload(&mine, "the crossing send").unwrap();
+        let incoming = device.alloc(4 * LEN, "the crossing receive").unwrap();
+        // Each rank's send, then (after the window in which the backend would group them)
+        // its receive.
+        let cross = |g: &NcclGroup| -> Result<(), CommError> {
+            // SAFETY: both buffers outlive the Works, waited for below.
+            let sent = unsafe { g.send_async(view(&outgoing, LEN), peer, 0) }?;
+            std::thread::sleep(Duration::from_millis(20));
+            let received = unsafe { g.recv_async(view(&incoming, LEN), peer, 0) }?;
+            let (a, b) = (sent.wait(), received.wait());
+            a.and(b)
+        };
+
+        let one = NcclGroup::from_bootstrap(bootstrap.as_ref(), device.clone(), config.clone())
+            .map_err(|e| e.to_string())?;
+        match cross(&one) {
+            Err(CommError::Timeout { ctx, .. }) => assert_eq!(ctx.op, "send"),
+            other => return Err(format!("crossing sends on one stream: {other:?}")),
+        }
+        drop(one);
+
+        let g = NcclGroup::from_bootstrap(bootstrap.as_ref(), device.clone(), config.clone())
+            .map_err(|e| e.to_string())?;
+        // Out of range and self pairs are refused by name before anything is made.
+        let e = g.prepare_point_to_point(&[(0, 2)]).unwrap_err().to_string();
+        assert!(e.contains("from rank 0 to rank 2"), "{e}");
+        g.prepare_point_to_point(&[(1, 0), (0, 1)])
+            .map_err(|e| e.to_string())?;
+        cross(&g).map_err(|e| e.to_string())?;
+        let got = device.download::<f32>(incoming.ptr(), LEN).unwrap();
+        let expected: Vec<f32> = (0..LEN).map(|i| (i % 1000) as f32 + peer as f32).collect();
+        assert!(got == expected, "rank {rank} received other values");
+
+        // Messages of one pair arrive in the order sent, sizes and all.
+        let first = device.upload(&[7f32; 3], "the first message").unwrap();
+        let second = device.upload(&[9f32; 5], "the second message").unwrap();
+        if rank == 0 {
+            let a = unsafe { g.send_async(view(&first, 3), 1, 1) }.map_err(|e| e.to_string())?;
+            let b = unsafe { g.send_async(view(&second, 5), 1, 2) }.map_err(|e| e.to_string())?;
+            a.wait().and(b.wait()).map_err(|e| e.to_string())?;
+        } else {
+            let into = device.alloc(4 * 8, "the two messages").unwrap();
+            let a = unsafe {
+                g.recv_async(RawBuf::on_device(into.ptr(), 3, DType::F32, ordinal), 0, 1)
+            };
+            let b = unsafe {
+                g.recv_async(
+                    RawBuf::on_device(into.ptr() + 12, 5, DType::F32, ordinal),
+                    0,
+                    2,
+                )
+            };
+            a.map_err(|e| e.to_string())?
+                .wait()
+                .map_err(|e| e.to_string())?;
+            b.map_err(|e| e.to_string())?
+                .wait()
+                .map_err(|e| e.to_string())?;
+            assert_eq!(
+                device.download::<f32>(into.ptr(), 8).unwrap(),
+                [[7f32; 3].as_slice(), &[9f32; 5]].concat()
+            );
+        }
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
 }

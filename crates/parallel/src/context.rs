@@ -491,6 +491,16 @@ pub fn ring_pairs(me: SequenceShard, src: SequenceShard, chunk: usize) -> Vec<Bl
 const KV_TAG: u32 = 0x7100;
 const DKV_TAG: u32 = 0x7101;
 
+/// The (sender, receiver) pairs of a ring of `n` ranks: each rank sends to the next, the
+/// last to the first. What the cp group prepares its channels for (on NCCL, a communicator
+/// per hop, so no rank's send waits behind its own receive).
+pub fn ring_hops(n: usize) -> Vec<(usize, usize)> {
+    if n < 2 {
+        return Vec::new();
+    }
+    (0..n).map(|r| (r, (r + 1) % n)).collect()
+}
+
 /// A block on its way to the next rank while the previous rank's arrives; both tensors live
 /// here until [`Hop::finish`] has waited for the two transfers. The blocks are host or
 /// device tensors alike ([`tensor_view`]): the ring is written once for both devices.
@@ -1059,6 +1069,15 @@ impl Layer for UlyssesAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each rank sends to the next and the last to the first: the pairs the ring's group
+    /// prepares, each once; none without a ring.
+    #[test]
+    fn the_ring_hops_go_to_the_next_rank_and_around() {
+        assert!(ring_hops(1).is_empty());
+        assert_eq!(ring_hops(2), [(0, 1), (1, 0)]);
+        assert_eq!(ring_hops(3), [(0, 1), (1, 2), (2, 0)]);
+    }
 
     /// The plans a GPU runs move exactly what the CPU's loops move: each worker's packed
     /// chunks, exchanged by the real all-to-all and unpacked by the plans, equal

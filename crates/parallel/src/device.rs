@@ -142,21 +142,16 @@ pub enum DeviceCollectives {
 
 /// The collectives for ranks on `places` (each rank's host and GPU): NCCL when no two share
 /// a GPU and `nccl` (the library loads), else staged (NCCL refuses two ranks on one GPU).
-/// A layout that sends point to point (`point_to_point`: pipelines, ring attention) is
-/// staged too: NCCL matches a pair's sends and receives by their order on one stream, so a
-/// large send waiting for its receiver holds back the receives queued behind it, and 1F1B's
-/// activations and gradients, which cross, would deadlock; the host backends buffer sends.
-/// Until the sends and receives of a step are issued as NCCL groups, those layouts trade
-/// NCCL's speed for that.
-pub fn choose_collectives(
-    places: &[(u32, u32)],
-    nccl: bool,
-    point_to_point: bool,
-) -> DeviceCollectives {
+/// Pipelines and ring attention send point to point on NCCL too: their groups give each
+/// pair that sends a communicator of its own
+/// ([`ProcessGroup::prepare_point_to_point`](meshtrain_comm::ProcessGroup::prepare_point_to_point)),
+/// so a stage's activations and its neighbour's gradients, which cross, do not wait for
+/// each other.
+pub fn choose_collectives(places: &[(u32, u32)], nccl: bool) -> DeviceCollectives {
     let mut distinct = places.to_vec();
     distinct.sort_unstable();
     distinct.dedup();
-    if nccl && distinct.len() == places.len() && !point_to_point {
+    if nccl && distinct.len() == places.len() {
         DeviceCollectives::Nccl
     } else {
         DeviceCollectives::Staged
@@ -166,13 +161,11 @@ pub fn choose_collectives(
 /// The world a run on `options.device` trains over: `world` itself on the CPU or for one
 /// worker; for several workers on GPUs, NCCL for device buffers (host buffers staying on
 /// `world`) when every rank has a GPU of its own and the machine has libnccl, else `world`
-/// staged through host memory (as on the stand-in device of tests), and staged too for a
-/// `layout` that sends point to point ([`choose_collectives`]). Every rank of `world` calls
-/// it.
+/// staged through host memory (as on the stand-in device of tests) ([`choose_collectives`]).
+/// Every rank of `world` calls it.
 pub fn collectives_for(
     world: Arc<dyn ProcessGroup>,
     options: &ParallelOptions,
-    layout: &Layout,
 ) -> Result<(Arc<dyn ProcessGroup>, Option<DeviceCollectives>), ParallelError> {
     if world.size() == 1 {
         return Ok((world, None));
@@ -189,7 +182,7 @@ pub fn collectives_for(
     };
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (ordinal, layout);
+        let _ = ordinal;
         Err(ParallelError::Device(
             "this meshtrain was built without the `cuda` feature".into(),
         ))
@@ -209,9 +202,7 @@ pub fn collectives_for(
         let mut all = vec![0.0f32; 2 * world.size()];
         world.all_gather(meshtrain_comm::BufRef::F32(&mine), BufMut::F32(&mut all))?;
         let places: Vec<(u32, u32)> = all.chunks(2).map(|p| (p[0] as u32, p[1] as u32)).collect();
-        let point_to_point =
-            layout.pp > 1 || (layout.cp > 1 && options.cp_mode == crate::context::CpMode::Ring);
-        let chosen = choose_collectives(&places, nccl_available().is_ok(), point_to_point);
+        let chosen = choose_collectives(&places, nccl_available().is_ok());
         if chosen == DeviceCollectives::Nccl {
             // NCCL for the gradients; the step's host numbers (losses, flags, counts) stay on
             // the host group.
@@ -447,16 +438,11 @@ mod placement_tests {
         use DeviceCollectives::{Nccl, Staged};
         // Two hosts of two GPUs each: the same GPU number on two hosts is two GPUs.
         let own = [(0, 0), (0, 1), (1, 0), (1, 1)];
-        assert_eq!(choose_collectives(&own, true, false), Nccl);
-        assert_eq!(choose_collectives(&own, false, false), Staged, "no libnccl");
-        // Pipelines and ring attention send point to point: staged until NCCL groups them.
-        assert_eq!(choose_collectives(&own, true, true), Staged);
+        assert_eq!(choose_collectives(&own, true), Nccl);
+        assert_eq!(choose_collectives(&own, false), Staged, "no libnccl");
         // Ranks sharing a GPU (the lent machine, launch --gpus 1 --np 2).
-        assert_eq!(choose_collectives(&[(0, 0), (0, 0)], true, false), Staged);
-        assert_eq!(
-            choose_collectives(&[(0, 0), (0, 1), (0, 1)], true, false),
-            Staged
-        );
+        assert_eq!(choose_collectives(&[(0, 0), (0, 0)], true), Staged);
+        assert_eq!(choose_collectives(&[(0, 0), (0, 1), (0, 1)], true), Staged);
     }
 }
 

@@ -354,7 +354,7 @@ pub fn parallelize(
     // every layer has its kernels. Several GPUs reduce over NCCL or staged collectives.
     check_device(model, l, options.device, DeviceCheck::Opening)?;
     crate::device::check_options(options, l)?;
-    let (world, device_collectives) = crate::device::collectives_for(world, options, l)?;
+    let (world, device_collectives) = crate::device::collectives_for(world, options)?;
     let mesh = DeviceMesh::new(
         world.clone(),
         &[
@@ -370,6 +370,15 @@ pub fn parallelize(
         mesh.group(MeshAxis::Tp).clone(),
         mesh.group(MeshAxis::Cp).clone(),
     );
+    // The pairs that send to each other get their channels before work: on NCCL a
+    // communicator per pair, so a stage's activations and its neighbour's gradients, which
+    // cross, never queue behind each other (ProcessGroup::prepare_point_to_point).
+    if layout.schedule.workers > 1 {
+        pp.prepare_point_to_point(&layout.schedule.point_to_point_pairs())?;
+    }
+    if l.cp > 1 && options.cp_mode == CpMode::Ring {
+        cp.prepare_point_to_point(&crate::context::ring_hops(l.cp))?;
+    }
     // Gradients are averaged over every worker that holds the same parameters on other
     // data: the replicas, and under context parallelism the sequence chunks (Megatron's
     // data-parallel × context-parallel group).
@@ -1076,6 +1085,16 @@ impl Parallel {
                 }
                 None => "",
             };
+            let ring = self
+                .cp_context
+                .as_ref()
+                .is_some_and(|c| c.mode == CpMode::Ring);
+            if self.device_collectives == Some(crate::device::DeviceCollectives::Nccl)
+                && (l.pp > 1 || ring)
+            {
+                out += "; sends between stages and ring neighbours over NCCL too (a \
+                        communicator per pair that sends)";
+            }
         }
         if let Some(cp) = &self.cp_context {
             out += &format!(

@@ -361,3 +361,22 @@ fn a_pair_whose_messages_cross_is_named() {
         "{e}"
     );
 }
+
+/// The pairs a GPU pipeline makes channels for are the neighbours that messages go between:
+/// both ways between adjacent stages, and around from the last stage to the first only when
+/// chunks are interleaved (chunk p − 1 hands over to chunk p on worker 0). None for one stage.
+#[test]
+fn the_point_to_point_pairs_are_the_neighbours_messages_go_between() {
+    for s in all_schedules() {
+        let (p, kind) = (s.workers, s.kind);
+        let mut expected: Vec<(usize, usize)> = (0..p.saturating_sub(1))
+            .flat_map(|w| [(w, w + 1), (w + 1, w)])
+            .collect();
+        if s.chunks_per_worker() > 1 && p > 1 {
+            expected.extend([(p - 1, 0), (0, p - 1)]);
+        }
+        expected.sort_unstable();
+        expected.dedup();
+        assert_eq!(s.point_to_point_pairs(), expected, "{kind} p={p}");
+    }
+}

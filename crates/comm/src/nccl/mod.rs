@@ -26,10 +26,16 @@
 //! * Point-to-point: NCCL matches sends and receives between two ranks in issue order and
 //!   carries no tags (tags are accepted and ignored: a program must post receives in the
 //!   order the peer sends), and a send completes only once the receiver has received (it is
-//!   not buffered). Consecutive asynchronous sends and receives are issued together as one
-//!   NCCL group (after a short window, or at the next collective), so a ring of
-//!   `send_async` + `recv_async` does not deadlock; synchronous ones are issued at once.
-//!   A rank cannot send to itself outside an all-to-all.
+//!   not buffered). So two ranks whose sends cross on one stream (a pipeline's activations
+//!   one way, its gradients the other) would each wait for a receive queued behind the
+//!   other's send. [`ProcessGroup::prepare_point_to_point`] gives each (sender, receiver)
+//!   pair it names a communicator and stream of its own (a *lane*): a send then waits only
+//!   for its own receive, and a program is safe when each pair's messages are received in
+//!   the order they are sent (the pipeline schedules check it). Without lanes, consecutive
+//!   asynchronous sends and receives are issued together as one NCCL group (after a short
+//!   window, or at the next collective), so a ring of `send_async` + `recv_async` does not
+//!   deadlock; synchronous ones are issued at once. A rank cannot send to itself outside an
+//!   all-to-all.
 //! * Average is NCCL's `ncclAvg` (for floats, each input is multiplied by 1/n before the sum
 //!   on recent versions): results may round differently from the host backends' "sum, then
 //!   divide once" for group sizes that are not powers of two.
@@ -47,6 +53,7 @@ use cudarc::driver::sys as cusys;
 use cudarc::driver::CudaStream;
 use cudarc::nccl::sys as nccl;
 use meshtrain_tensor::cuda::{probe, CudaDevice, DevBuf, PinnedBuf};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -380,6 +387,8 @@ struct Shared {
     rank: usize,
     size: usize,
     global_ranks: Vec<usize>,
+    /// For a pair's lane, the other rank's world rank.
+    lane_peer: Option<usize>,
     watch: Mutex<Watch>,
     wake: Condvar,
     issue: Mutex<IssueState>,
@@ -765,6 +774,10 @@ pub struct NcclGroup {
     bootstrap: Arc<dyn ProcessGroup>,
     config: CommConfig,
     next_seq: AtomicU64,
+    /// Each prepared pair's channel, by (sender, receiver): a communicator of the two ranks
+    /// (lower group rank first) with a stream of its own, carrying only that pair's sends
+    /// in that direction ([`ProcessGroup::prepare_point_to_point`]).
+    lanes: Mutex<HashMap<(usize, usize), Arc<NcclGroup>>>,
 }
 
 impl fmt::Debug for NcclGroup {
@@ -797,15 +810,17 @@ impl NcclGroup {
         // never interleaves with the caller's use of `bootstrap`.
         let private =
             bootstrap.new_named_subgroup(&all, &format!("{}/nccl-bootstrap", bootstrap.name()))?;
-        Self::init(private, bootstrap.name(), device, config)
+        Self::init(private, bootstrap.name(), device, config, None)
     }
 
-    /// Joins the communicator of `bootstrap`'s ranks, named `name`.
+    /// Joins the communicator of `bootstrap`'s ranks, named `name`; for a pair's lane,
+    /// `lane_peer` is the other rank's world rank (the only one its operations wait for).
     fn init(
         bootstrap: Arc<dyn ProcessGroup>,
         name: &str,
         device: Arc<CudaDevice>,
         config: CommConfig,
+        lane_peer: Option<usize>,
     ) -> Result<Arc<NcclGroup>, CommError> {
         let name: Arc<str> = Arc::from(name);
         let ctx = OpContext {
@@ -897,7 +912,8 @@ impl NcclGroup {
             rank,
             size,
             global_ranks,
-            watch: Mutex::new(Watch::new(config.timeout)),
+            lane_peer,
+            watch: Mutex::new(Watch::new(config.timeout, lane_peer)),
             wake: Condvar::new(),
             issue: Mutex::new(IssueState {
                 before,
@@ -918,6 +934,7 @@ impl NcclGroup {
             bootstrap,
             config,
             next_seq: AtomicU64::new(1),
+            lanes: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -947,14 +964,51 @@ impl NcclGroup {
             .device
             .bind()
             .map_err(|e| backend(e.to_string()))?;
-        let mut state = self.shared.issue_state();
-        self.shared.flush_deferred(&mut state);
-        match &state.last {
-            Some(event) => event
-                .wait_on(self.shared.device.cu_stream())
-                .map_err(backend),
-            None => Ok(()),
+        {
+            let mut state = self.shared.issue_state();
+            self.shared.flush_deferred(&mut state);
+            if let Some(event) = &state.last {
+                event
+                    .wait_on(self.shared.device.cu_stream())
+                    .map_err(backend)?;
+            }
         }
+        for lane in self.lanes().values().cloned().collect::<Vec<_>>() {
+            lane.compute_stream_waits()?;
+        }
+        Ok(())
+    }
+
+    fn lanes(&self) -> MutexGuard<'_, HashMap<(usize, usize), Arc<NcclGroup>>> {
+        self.lanes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The prepared channel a send or receive goes over, with the operation addressed to the
+    /// peer's rank there; `None` for collectives and unprepared pairs.
+    fn lane_for(&self, op: &Operation) -> Option<(Arc<NcclGroup>, Operation)> {
+        let me = self.shared.rank;
+        let (pair, peer) = match *op {
+            Operation::Send { dst, .. } => ((me, dst), dst),
+            Operation::Recv { src, .. } => ((src, me), src),
+            _ => return None,
+        };
+        let lane = self.lanes().get(&pair).cloned()?;
+        // A lane's ranks are the pair's in group order.
+        let there = usize::from(peer > me);
+        let op = match *op {
+            Operation::Send { buf, tag, .. } => Operation::Send {
+                buf,
+                dst: there,
+                tag,
+            },
+            Operation::Recv { buf, tag, .. } => Operation::Recv {
+                buf,
+                src: there,
+                tag,
+            },
+            _ => unreachable!("only sends and receives have lanes"),
+        };
+        Some((lane, op))
     }
 
     /// Why the group is unusable (a timeout, an NCCL error, a desync, an abort), once it is.
@@ -972,14 +1026,20 @@ impl NcclGroup {
     /// [`CommError::Broken`]. For a program that knows a peer is gone.
     pub fn abort(&self, reason: &str) {
         let outcome = self.shared.comm.abort();
-        let mut watch = self.shared.watch();
-        watch.mark_broken(format!("aborted: {reason} ({outcome})"));
-        watch.poll(Instant::now(), &self.shared.comm);
+        {
+            let mut watch = self.shared.watch();
+            watch.mark_broken(format!("aborted: {reason} ({outcome})"));
+            watch.poll(Instant::now(), &self.shared.comm);
+        }
+        for lane in self.lanes().values().cloned().collect::<Vec<_>>() {
+            lane.abort(reason);
+        }
     }
 
-    /// Validates `op`, assigns its sequence number and checks it may run here.
+    /// Validates `op`, assigns its sequence number and checks it may run here. A lane numbers
+    /// its sends (and receives) too: the pair's n-th message is #n on both sides.
     fn prepare(&self, op: &Operation) -> Result<OpContext, CommError> {
-        let seq = if op.is_collective() {
+        let seq = if op.is_collective() || self.shared.lane_peer.is_some() {
             self.next_seq.fetch_add(1, Ordering::Relaxed)
         } else {
             0
@@ -1027,6 +1087,11 @@ impl NcclGroup {
     /// As [`ProcessGroup::start_raw`].
     unsafe fn issue(&self, op: Operation, defer: bool) -> Result<Work, CommError> {
         let ctx = self.prepare(&op)?;
+        if let Some((lane, op)) = self.lane_for(&op) {
+            // Alone on its pair's stream, a send waits for nothing but its own receive:
+            // issued at once, nothing to group it with.
+            return lane.issue(op, false);
+        }
         let shared = &self.shared;
         shared.device.bind().map_err(|e| CommError::Backend {
             ctx: ctx.clone(),
@@ -1077,6 +1142,7 @@ impl NcclGroup {
             name,
             Arc::clone(&self.shared.device),
             self.config.clone(),
+            None,
         )
     }
 }
@@ -1123,6 +1189,40 @@ impl ProcessGroup for NcclGroup {
         name: &str,
     ) -> Result<Arc<dyn ProcessGroup>, CommError> {
         Ok(self.subgroup(ranks, name)?)
+    }
+
+    /// Makes a communicator (and stream) for each pair this rank is in, named after the
+    /// group and the pair's world ranks (`pp[0,1]:0→1`), unless it has one. Every rank makes
+    /// its pairs' in the one order (sorted), so the two-rank meetings cannot wait on each
+    /// other in a circle: the first pair not yet made has both its ranks waiting for it.
+    fn prepare_point_to_point(&self, pairs: &[(usize, usize)]) -> Result<(), CommError> {
+        let ctx = self.shared.ctx("prepare_point_to_point", 0);
+        crate::group::validate_pairs(&ctx, pairs, self.shared.size)?;
+        let mut pairs = pairs.to_vec();
+        pairs.sort_unstable();
+        pairs.dedup();
+        let me = self.shared.rank;
+        for (from, to) in pairs {
+            if (from != me && to != me) || self.lanes().contains_key(&(from, to)) {
+                continue;
+            }
+            let globals = &self.shared.global_ranks;
+            let name = format!("{}:{}→{}", self.shared.name, globals[from], globals[to]);
+            let bootstrap = self.bootstrap.new_named_subgroup(
+                &[from.min(to), from.max(to)],
+                &format!("{name}/nccl-bootstrap"),
+            )?;
+            let peer = globals[if from == me { to } else { from }];
+            let lane = Self::init(
+                bootstrap,
+                &name,
+                Arc::clone(&self.shared.device),
+                self.config.clone(),
+                Some(peer),
+            )?;
+            self.lanes().insert((from, to), lane);
+        }
+        Ok(())
     }
 }
 

@@ -77,6 +77,8 @@ impl Pending {
 /// The operations of one communicator in flight, oldest first, and whether it is broken.
 pub(crate) struct Watch {
     timeout: Duration,
+    /// A lane's other rank (world rank): the one rank its operations can be waiting for.
+    peer: Option<usize>,
     queue: VecDeque<Pending>,
     /// When the head of the queue became the head (the operation before it was seen done).
     head_since: Option<Instant>,
@@ -84,9 +86,10 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
-    pub(crate) fn new(timeout: Duration) -> Watch {
+    pub(crate) fn new(timeout: Duration, peer: Option<usize>) -> Watch {
         Watch {
             timeout,
+            peer,
             queue: VecDeque::new(),
             head_since: None,
             broken: None,
@@ -175,12 +178,17 @@ impl Watch {
                     let since = self.head_since.map_or(head.issued, |t| t.max(head.issued));
                     if now.saturating_duration_since(since) >= self.timeout {
                         let outcome = comm.abort();
-                        let timeout = self.timeout;
+                        let (timeout, peer) = (self.timeout, self.peer);
                         self.fail_head(|ctx| CommError::Timeout {
                             ctx,
                             timeout,
-                            missing: Vec::new(),
-                            note: format!("{CANNOT_TELL}; {outcome}"),
+                            missing: peer.into_iter().collect(),
+                            note: match peer {
+                                Some(_) => {
+                                    format!("the pair's lane waits for no one else; {outcome}")
+                                }
+                                None => format!("{CANNOT_TELL}; {outcome}"),
+                            },
                         });
                     }
                     return;
@@ -273,7 +281,7 @@ mod tests {
     #[test]
     fn finished_operations_complete_in_order() {
         let (t0, comm) = (Instant::now(), FakeComm::default());
-        let mut watch = Watch::new(TIMEOUT);
+        let mut watch = Watch::new(TIMEOUT, None);
         let (a, work_a) = issue(&mut watch, "all_reduce", 1, t0);
         let (b, work_b) = issue(&mut watch, "all_gather", 2, t0);
         // The second is done but the first is not: nothing completes out of order.
@@ -287,10 +295,32 @@ mod tests {
         assert_eq!(comm.aborts.load(Ordering::SeqCst), 0);
     }
 
+    /// A pair's lane waits for one rank only: its timeout names that rank.
+    #[test]
+    fn a_lanes_timeout_names_its_other_rank() {
+        let (t0, comm) = (Instant::now(), FakeComm::default());
+        let mut watch = Watch::new(TIMEOUT, Some(5));
+        let (_stuck, stuck) = issue(&mut watch, "send", 3, t0);
+        watch.poll(t0 + TIMEOUT, &comm);
+        match stuck.wait() {
+            Err(e @ CommError::Timeout { .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("send #3 on group 'dp[0,2]'")
+                        && text.contains("rank(s) [5] (global) did not arrive")
+                        && !text.contains(CANNOT_TELL),
+                    "{text}"
+                );
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
+    }
+
     #[test]
     fn a_stuck_operation_aborts_the_communicator_and_breaks_the_group() {
         let (t0, comm) = (Instant::now(), FakeComm::default());
-        let mut watch = Watch::new(TIMEOUT);
+        let mut watch = Watch::new(TIMEOUT, None);
         let (_stuck, stuck) = issue(&mut watch, "all_reduce", 7, t0);
         let (_behind, behind) = issue(&mut watch, "broadcast", 8, t0);
         watch.poll(t0 + TIMEOUT - Duration::from_millis(1), &comm);
@@ -336,7 +366,7 @@ mod tests {
     #[test]
     fn the_clock_of_a_queued_operation_starts_when_the_one_before_finishes() {
         let (t0, comm) = (Instant::now(), FakeComm::default());
-        let mut watch = Watch::new(TIMEOUT);
+        let mut watch = Watch::new(TIMEOUT, None);
         let (long, long_work) = issue(&mut watch, "all_reduce", 1, t0);
         let (_next, next_work) = issue(&mut watch, "all_reduce", 2, t0);
         let finished = t0 + Duration::from_secs(9);
@@ -356,7 +386,7 @@ mod tests {
     #[test]
     fn an_asynchronous_nccl_error_fails_the_operations_in_flight() {
         let (t0, comm) = (Instant::now(), FakeComm::default());
-        let mut watch = Watch::new(TIMEOUT);
+        let mut watch = Watch::new(TIMEOUT, None);
         let (_op, work) = issue(&mut watch, "reduce_scatter", 3, t0);
         *comm.error.lock().unwrap() = Some("ncclRemoteError: a peer's connection failed".into());
         watch.poll(t0 + Duration::from_millis(5), &comm);
@@ -375,7 +405,7 @@ mod tests {
     #[test]
     fn an_asynchronous_error_while_idle_breaks_the_next_operation() {
         let (t0, comm) = (Instant::now(), FakeComm::default());
-        let mut watch = Watch::new(TIMEOUT);
+        let mut watch = Watch::new(TIMEOUT, None);
         *comm.error.lock().unwrap() = Some("ncclSystemError".into());
         watch.poll(t0, &comm);
         assert!(watch.broken_error(&ctx("all_gather", 4)).is_some_and(|e| e
@@ -386,7 +416,7 @@ mod tests {
     #[test]
     fn an_operation_that_could_not_be_enqueued_breaks_the_group() {
         let (t0, comm) = (Instant::now(), FakeComm::default());
-        let mut watch = Watch::new(TIMEOUT);
+        let mut watch = Watch::new(TIMEOUT, None);
         let (done, done_work) = issue(&mut watch, "all_reduce", 1, t0);
         let (failed, failed_work) = issue(&mut watch, "all_to_all", 2, t0);
         let (_, behind) = issue(&mut watch, "barrier", 3, t0);
@@ -406,7 +436,7 @@ mod tests {
     #[test]
     fn a_desync_breaks_the_group_without_aborting() {
         let (t0, comm) = (Instant::now(), FakeComm::default());
-        let mut watch = Watch::new(TIMEOUT);
+        let mut watch = Watch::new(TIMEOUT, None);
         watch.mark_broken("all_reduce #2 on group 'world': collective mismatch".into());
         let (_, work) = issue(&mut watch, "all_reduce", 3, t0);
         watch.poll(t0, &comm);

@@ -293,6 +293,26 @@ impl Schedule {
         }
     }
 
+    /// Every (sender, receiver) pair of workers that a message goes between, sorted: the
+    /// pairs a transport without buffering prepares channels for
+    /// ([`ProcessGroup::prepare_point_to_point`](meshtrain_comm::ProcessGroup::prepare_point_to_point)).
+    pub fn point_to_point_pairs(&self) -> Vec<(usize, usize)> {
+        let mut pairs: Vec<(usize, usize)> = self
+            .actions
+            .iter()
+            .enumerate()
+            .flat_map(|(w, program)| {
+                program
+                    .iter()
+                    .filter(|a| a.is_send())
+                    .filter_map(move |a| Some((w, self.peer(a)?)))
+            })
+            .collect();
+        pairs.sort_unstable();
+        pairs.dedup();
+        pairs
+    }
+
     /// Whether every worker receives each peer's messages in the order that peer sends them,
     /// or the first pair and place where it does not. A transport without tags needs it:
     /// NCCL matches a pair's sends and receives by their order alone, so a message received
