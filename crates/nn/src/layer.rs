@@ -819,6 +819,14 @@ pub trait Layer: Send + Sync {
         }
     }
 
+    /// Why this layer cannot train on `device` although it has kernels there (a shape its
+    /// training kernels do not take), for the trainer's refusal before any work; `None` when
+    /// it can, or when it has no kernels there at all ([`Layer::runs_on`] says that).
+    /// `runs_on` stays true for such a shape where other kernels take it (generation's).
+    fn refusal_on(&self, _device: Device) -> Option<String> {
+        None
+    }
+
     /// Gives every batch-norm layer inside this one the reducer that synchronises its batch
     /// statistics across workers (SyncBatchNorm), or `None` for local statistics again.
     /// Composite layers forward it to their children; other layers ignore it.

@@ -280,6 +280,25 @@ impl Layer for AttentionCore {
         true
     }
 
+    /// A GPU's training attention kernels are written for a few head sizes (the decoder's
+    /// take any).
+    fn refusal_on(&self, device: Device) -> Option<String> {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            let head = self.dim / self.heads.max(1);
+            let sizes = meshtrain_tensor::cuda::ops::ATTENTION_HEAD_SIZES;
+            return (!sizes.contains(&head)).then(|| {
+                format!(
+                    "CUDA attention handles head sizes {sizes:?}; this model's heads are \
+                     {head} wide (dim {} / {} heads)",
+                    self.dim, self.heads
+                )
+            });
+        }
+        let _ = device;
+        None
+    }
+
     fn reads_positions(&self) -> bool {
         true
     }

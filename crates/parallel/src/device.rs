@@ -81,12 +81,18 @@ pub fn check(
 fn refuse_what_gpus_cannot_run(model: &Model, ordinal: usize) -> Result<(), ParallelError> {
     let device = Device::Cuda(ordinal);
     for (i, block) in model.blocks.iter().enumerate() {
+        let name = if block.name.is_empty() {
+            format!("block {i}")
+        } else {
+            format!("block {i} ({})", block.name)
+        };
+        if let Some((leaf, why)) = first_refusal(block.layer.as_ref(), &block.name, device) {
+            return Err(ParallelError::Device(format!(
+                "{name}: '{leaf}' cannot train on a GPU: {why}; change the model's shape, or \
+                 train it with --device cpu"
+            )));
+        }
         if !block.layer.runs_on(device) {
-            let name = if block.name.is_empty() {
-                format!("block {i}")
-            } else {
-                format!("block {i} ({})", block.name)
-            };
             let leaf = first_cpu_only_leaf(block.layer.as_ref(), &block.name, device);
             return Err(ParallelError::Device(format!(
                 "{name} has a layer without CUDA kernels ({leaf}; GPU kernels exist for the \
@@ -387,6 +393,38 @@ fn first_cpu_only_leaf(layer: &dyn meshtrain_nn::Layer, path: &str, device: Devi
     format!("'{path}'")
 }
 
+/// The first layer under `layer` (at `path`, named as [`first_cpu_only_leaf`] names them)
+/// whose kernels for `device` do not take its shape, with its reason
+/// ([`meshtrain_nn::Layer::refusal_on`]).
+#[cfg(feature = "cuda")]
+fn first_refusal(
+    layer: &dyn meshtrain_nn::Layer,
+    path: &str,
+    device: Device,
+) -> Option<(String, String)> {
+    if let Some(why) = layer.refusal_on(device) {
+        return Some((path.to_string(), why));
+    }
+    let children = layer.children()?;
+    children
+        .layers()
+        .iter()
+        .enumerate()
+        .find_map(|(i, (name, child))| {
+            let part = if name.is_empty() {
+                format!("#{i}")
+            } else {
+                name.clone()
+            };
+            let child_path = if path.is_empty() {
+                part
+            } else {
+                format!("{path}.{part}")
+            };
+            first_refusal(child.as_ref(), &child_path, device)
+        })
+}
+
 /// An allocation that failed in a step, with what would fit: the step's activations grow
 /// with the samples per step, so a batch scaled by the room left over what the step held
 /// when it failed (a lower bound on its need) is the largest that could fit.
@@ -552,6 +590,29 @@ mod tests {
         assert!(check_options(&cpu, &layout).is_ok());
     }
 
+    /// A shape the GPU's kernels do not take is refused before any work, naming the layer,
+    /// the reason and the shape: attention's heads 16 wide (64 / 4), where the kernels take
+    /// 32, 64 and 128; the default GPT's 64-wide heads pass.
+    #[test]
+    fn attention_heads_the_kernels_do_not_take_are_named_before_work() {
+        refuse_what_gpus_cannot_run(&gpt(&GptConfig::default()), 0).unwrap();
+        let narrow = GptConfig {
+            dim: 64,
+            heads: 4,
+            ..GptConfig::default()
+        };
+        let e = refuse_what_gpus_cannot_run(&gpt(&narrow), 0)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("block 1")
+                && e.contains("cannot train on a GPU")
+                && e.contains("heads are 16 wide (dim 64 / 4 heads)")
+                && e.contains("[32, 64, 128]"),
+            "{e}"
+        );
+    }
+
     /// Without the driver, that is said first, whatever else the GPU could not run: it is
     /// what the user can act on (a layout of two workers, a model without kernels come after).
     #[test]
@@ -640,7 +701,8 @@ mod tests {
     fn a_llama_passes_the_per_layer_check() {
         let cfg = meshtrain_nn::models::LlamaConfig {
             vocab: 64,
-            dim: 32,
+            // Heads 32 wide: a size the training attention kernels take.
+            dim: 128,
             layers: 1,
             heads: 4,
             kv_heads: 2,

@@ -1893,13 +1893,17 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
+/// The head sizes the attention kernels are written for (a layer asks before any work:
+/// `AttentionCore::refusal_on`).
+pub const ATTENTION_HEAD_SIZES: [usize; 3] = [32, 64, 128];
+
 impl AttnShape {
     pub fn dim(&self) -> usize {
         self.heads * self.head_dim
     }
 
     fn check(&self) -> Result<(), CudaError> {
-        if ![32, 64, 128].contains(&self.head_dim) {
+        if !ATTENTION_HEAD_SIZES.contains(&self.head_dim) {
             return Err(unsupported(format!(
                 "CUDA attention handles head sizes 32, 64 and 128; this model's heads are {} \
                  wide (dim / heads)",
