@@ -377,20 +377,25 @@ fn first_cpu_only_leaf(layer: &dyn meshtrain_nn::Layer, path: &str, device: Devi
     };
     for (i, (name, child)) in children.layers().iter().enumerate() {
         if !child.runs_on(device) {
-            let part = if name.is_empty() {
-                format!("#{i}")
-            } else {
-                name.clone()
-            };
-            let child_path = if path.is_empty() {
-                part
-            } else {
-                format!("{path}.{part}")
-            };
-            return first_cpu_only_leaf(child.as_ref(), &child_path, device);
+            return first_cpu_only_leaf(child.as_ref(), &child_path(path, i, name), device);
         }
     }
     format!("'{path}'")
+}
+
+/// The path of child `i` (named `name`, or unnamed) of the layer at `path`: `blocks.0.#2`.
+#[cfg(feature = "cuda")]
+fn child_path(path: &str, i: usize, name: &str) -> String {
+    let part = if name.is_empty() {
+        format!("#{i}")
+    } else {
+        name.to_string()
+    };
+    if path.is_empty() {
+        part
+    } else {
+        format!("{path}.{part}")
+    }
 }
 
 /// The first layer under `layer` (at `path`, named as [`first_cpu_only_leaf`] names them)
@@ -411,17 +416,7 @@ fn first_refusal(
         .iter()
         .enumerate()
         .find_map(|(i, (name, child))| {
-            let part = if name.is_empty() {
-                format!("#{i}")
-            } else {
-                name.clone()
-            };
-            let child_path = if path.is_empty() {
-                part
-            } else {
-                format!("{path}.{part}")
-            };
-            first_refusal(child.as_ref(), &child_path, device)
+            first_refusal(child.as_ref(), &child_path(path, i, name), device)
         })
 }
 
