@@ -76,7 +76,7 @@ fn a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet() {
     let names_the_missing_piece =
         |e: &str| e.contains("libcuda.so.1") || e.contains("NVRTC") || e.contains("no CUDA GPU");
     let out = tempfile::tempdir().unwrap();
-    let cfg = tiny_gpt_config(
+    let cfg = tiny_gpu_gpt_config(
         out.path(),
         2,
         &[
