@@ -6,7 +6,8 @@
 # (rank r on cuda:r, gradients over NCCL) against one GPU on the same global batch:
 #   1. fp32 DDP: final parameters and optimizer state within 1e-5 relative L2 of one GPU's;
 #   2. ZeRO-1, 2 and 3 over NCCL: bit-identical to DDP over NCCL (ZeRO-3's sharded
-#      checkpoint joined first), as on the CPU;
+#      checkpoint joined first), as on the CPU; the single master (nn.DataParallel) within
+#      1e-5 of one GPU's;
 #   3. pp = 2 (1F1B: sends that cross; interleaved: around from the last stage to the first)
 #      and cp = 2 ring attention, sending over NCCL (a communicator per pair that sends):
 #      within 1e-5 of one GPU's, as DDP (GPipe, whose sends never cross, passed by hand);
@@ -17,6 +18,10 @@
 #      naming the NCCL operation and its sequence number (a pipeline's: the receive on the
 #      pair's lane, and the rank it waited for); launch restarts from the step-3 checkpoint,
 #      and the final state is bit-identical to the uninterrupted NCCL run's.
+# With EMU_NCCL_GPUS=4 (not in CI: 4 processes on 2 cores, about 4 minutes, timeout 20 s):
+# 4 GPUs as 2 hosts of 2 (`parallel.ranks_per_host`), DDP's hierarchical all-reduce over NCCL
+# sub-communicators against one GPU, `auto` there (flat: NCCL follows the hosts itself), and
+# a kill -9 under the hierarchical all-reduce, restarted bit-identical.
 # What no emulation shows: speed, overlap (every call completes when issued), NCCL itself.
 #
 # Needs OpenMPI (see scripts/mpi-common.sh), g++ and CUDA's headers (the device's build.sh;
@@ -35,9 +40,11 @@ export LD_LIBRARY_PATH="$device" CUDA_INCLUDE_DIRS="$device/include" MESHTRAIN_K
 # Each stream on a thread of its own, with random delays: NCCL's calls return before their
 # work is done, as on a card, and a missing wait between streams reads stale data.
 export EMU_DEVICE_STREAMS=${EMU_DEVICE_STREAMS:-async} EMU_DEVICE_STREAM_DELAY_US=${EMU_DEVICE_STREAM_DELAY_US:-50}
-export EMU_DEVICE_COUNT=2 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export MESHTRAIN_TIMEOUT_S=3 OMPI_MCA_orte_abort_on_non_zero_status=0
-TIMEOUT_S=3
+GPUS=${EMU_NCCL_GPUS:-2}
+# More processes than cores start their communicators slowly: a longer timeout beyond two.
+TIMEOUT_S=$([ "$GPUS" = 2 ] && echo 3 || echo 20)
+export EMU_DEVICE_COUNT=$GPUS OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export MESHTRAIN_TIMEOUT_S=$TIMEOUT_S OMPI_MCA_orte_abort_on_non_zero_status=0
 JOB=(--config configs/gpt.toml --set model.dim=64 --set model.layers=2 --set model.heads=2
      --set model.seq=32 --set train.batch_size=8 --set train.steps=40 --set train.max_steps=8
      --set train.tf32=false --set train.eval_every=1000 --set train.log_every=1
@@ -57,7 +64,7 @@ run() {
     if [ "${launch[0]:-}" = --one ]; then
         cmd=("$BIN" train --device cuda "${JOB[@]}" "${job[@]}")
     else
-        cmd=("$BIN" launch --gpus 2 --mpirun-arg=--oversubscribe "${launch[@]}" -- "${JOB[@]}" "${job[@]}")
+        cmd=("$BIN" launch --gpus "$GPUS" --mpirun-arg=--oversubscribe "${launch[@]}" -- "${JOB[@]}" "${job[@]}")
     fi
     local status=0
     "${cmd[@]}" --set "train.out_dir=\"$OUT/$name\"" 2>&1 \
@@ -71,47 +78,6 @@ checkpoint_of() {  # NAME: its final checkpoint as one file
     if [ -d "$OUT/$1/checkpoint" ]; then whole_checkpoint "$OUT/$1/checkpoint"
     else echo "$OUT/$1/checkpoint.safetensors"; fi
 }
-
-echo "== one GPU, and DDP over NCCL on two (emulated) GPUs, fp32"
-run one --one
-run ddp
-grep -q "gradients reduced over NCCL" "$OUT/ddp.log" || { cat "$OUT/ddp.log"; fail "ddp did not use NCCL"; }
-same_checkpoint "$(checkpoint_of ddp)" "$(checkpoint_of one)" 1e-5 || fail "DDP over NCCL differs from one GPU"
-
-for zero in 1 2 3; do
-    echo "== ZeRO-$zero over NCCL against DDP over NCCL"
-    run "zero$zero" -- --set "parallel.zero=$zero"
-    grep -q "zero-$zero.*gradients reduced over NCCL" "$OUT/zero$zero.log" \
-        || { cat "$OUT/zero$zero.log"; fail "zero$zero did not run ZeRO-$zero over NCCL"; }
-    same_checkpoint "$(checkpoint_of "zero$zero")" "$(checkpoint_of ddp)" || fail "ZeRO-$zero differs from DDP"
-done
-
-# Layouts that send point to point, over NCCL with a communicator per pair that sends:
-# a pipeline's activations and its neighbour's gradients cross (1F1B), interleaved chunks
-# go around from the last stage to the first, ring attention sends around the cp group.
-for spec in "pp-1f1b parallel.pp=2 parallel.schedule=\"1f1b\" parallel.micro_batches=4" \
-            "pp-interleaved parallel.pp=2 parallel.schedule=\"interleaved\" parallel.micro_batches=4" \
-            "cp-ring parallel.cp=2"; do
-    read -r name settings <<<"$spec"
-    echo "== $name over NCCL against one GPU"
-    sets=()
-    for s in $settings; do sets+=(--set "$s"); done
-    run "$name" -- "${sets[@]}"
-    grep -q "sends between stages and ring neighbours over NCCL" "$OUT/$name.log" \
-        || { cat "$OUT/$name.log"; fail "$name did not send over NCCL"; }
-    same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of one)" 1e-5 \
-        || fail "$name over NCCL differs from one GPU"
-done
-
-echo "== bf16: DDP over NCCL against one GPU"
-run one-bf16 --one -- --precision bf16
-run ddp-bf16 -- --precision bf16
-python3 - "$(final_loss "$OUT/one-bf16.log")" "$(final_loss "$OUT/ddp-bf16.log")" <<'EOF' || fail "bf16 losses differ"
-import sys
-a, b = float(sys.argv[1]), float(sys.argv[2])
-print(f"  final loss: one GPU {a}, two over NCCL {b} ({abs(a - b) / a:.2e} apart, at most 1e-3)")
-sys.exit(0 if abs(a - b) <= 1e-3 * a else 1)
-EOF
 
 rank_pid() {  # NAME RANK
     local pid
@@ -146,6 +112,75 @@ killed() {
     grep -q "launch: the job finished on attempt 2" "$OUT/$name.log" || { cat "$OUT/$name.log"; fail "no restart"; }
     same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of "$reference")" || fail "the restarted $name differs"
 }
+if [ "$GPUS" != 2 ]; then
+    echo "== $GPUS GPUs as 2 hosts: DDP's hierarchical all-reduce over NCCL against one GPU"
+    HOSTS=(--set "parallel.ranks_per_host=$((GPUS / 2))")
+    run one --one
+    run hier -- "${HOSTS[@]}" --set 'parallel.grad_reduce="hierarchical"'
+    grep -q "(ddp, hierarchical all-reduce).*gradients reduced over NCCL" "$OUT/hier.log" \
+        || { cat "$OUT/hier.log"; fail "not hierarchical over NCCL"; }
+    same_checkpoint "$(checkpoint_of hier)" "$(checkpoint_of one)" 1e-5 \
+        || fail "the hierarchical all-reduce over NCCL differs from one GPU"
+    echo "== auto over NCCL on the same hosts: flat (NCCL follows the hosts itself)"
+    run auto -- "${HOSTS[@]}"
+    grep -q "(ddp), .*gradients reduced over NCCL" "$OUT/auto.log" \
+        || { cat "$OUT/auto.log"; fail "auto over NCCL was not flat"; }
+    same_checkpoint "$(checkpoint_of auto)" "$(checkpoint_of one)" 1e-5 || fail "auto differs from one GPU"
+    killed hier-killed hier "${HOSTS[@]}" --set 'parallel.grad_reduce="hierarchical"'
+    echo "emu-nccl-test: OK ($GPUS GPUs)"
+    exit 0
+fi
+
+echo "== one GPU, and DDP over NCCL on two (emulated) GPUs, fp32"
+run one --one
+run ddp
+grep -q "gradients reduced over NCCL" "$OUT/ddp.log" || { cat "$OUT/ddp.log"; fail "ddp did not use NCCL"; }
+same_checkpoint "$(checkpoint_of ddp)" "$(checkpoint_of one)" 1e-5 || fail "DDP over NCCL differs from one GPU"
+
+for zero in 1 2 3; do
+    echo "== ZeRO-$zero over NCCL against DDP over NCCL"
+    run "zero$zero" -- --set "parallel.zero=$zero"
+    grep -q "zero-$zero.*gradients reduced over NCCL" "$OUT/zero$zero.log" \
+        || { cat "$OUT/zero$zero.log"; fail "zero$zero did not run ZeRO-$zero over NCCL"; }
+    same_checkpoint "$(checkpoint_of "zero$zero")" "$(checkpoint_of ddp)" || fail "ZeRO-$zero differs from DDP"
+done
+
+echo "== the single master (nn.DataParallel) over NCCL against one GPU"
+# Rank 1 sends its gradients to rank 0's device, which adds them there, updates alone and
+# broadcasts its parameters.
+run single-master -- --set 'parallel.dp_mode="single-master"'
+grep -q "(single-master).*gradients reduced over NCCL" "$OUT/single-master.log" \
+    || { cat "$OUT/single-master.log"; fail "single-master did not run over NCCL"; }
+same_checkpoint "$(checkpoint_of single-master)" "$(checkpoint_of one)" 1e-5 \
+    || fail "the single master over NCCL differs from one GPU"
+
+# Layouts that send point to point, over NCCL with a communicator per pair that sends:
+# a pipeline's activations and its neighbour's gradients cross (1F1B), interleaved chunks
+# go around from the last stage to the first, ring attention sends around the cp group.
+for spec in "pp-1f1b parallel.pp=2 parallel.schedule=\"1f1b\" parallel.micro_batches=4" \
+            "pp-interleaved parallel.pp=2 parallel.schedule=\"interleaved\" parallel.micro_batches=4" \
+            "cp-ring parallel.cp=2"; do
+    read -r name settings <<<"$spec"
+    echo "== $name over NCCL against one GPU"
+    sets=()
+    for s in $settings; do sets+=(--set "$s"); done
+    run "$name" -- "${sets[@]}"
+    grep -q "sends between stages and ring neighbours over NCCL" "$OUT/$name.log" \
+        || { cat "$OUT/$name.log"; fail "$name did not send over NCCL"; }
+    same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of one)" 1e-5 \
+        || fail "$name over NCCL differs from one GPU"
+done
+
+echo "== bf16: DDP over NCCL against one GPU"
+run one-bf16 --one -- --precision bf16
+run ddp-bf16 -- --precision bf16
+python3 - "$(final_loss "$OUT/one-bf16.log")" "$(final_loss "$OUT/ddp-bf16.log")" <<'EOF' || fail "bf16 losses differ"
+import sys
+a, b = float(sys.argv[1]), float(sys.argv[2])
+print(f"  final loss: one GPU {a}, two over NCCL {b} ({abs(a - b) / a:.2e} apart, at most 1e-3)")
+sys.exit(0 if abs(a - b) <= 1e-3 * a else 1)
+EOF
+
 killed killed ddp
 killed pp-killed pp-1f1b --set parallel.pp=2 --set 'parallel.schedule="1f1b"' --set parallel.micro_batches=4
 echo "emu-nccl-test: OK"

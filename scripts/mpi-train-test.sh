@@ -2,7 +2,7 @@
 # End-to-end data-parallel training under mpirun: `mpirun -np 2 meshtrain train` (DDP over the
 # MPI backend) must train like the threads backend with --dp 2 (same global batches, same
 # averaging; only the order of floating-point additions inside the all-reduce may differ),
-# so the final losses of 30 LeNet steps agree to 1e-3.
+# so the final losses of 30 LeNet steps agree to 1e-3; fp16 and the single-master mode too.
 #
 # Needs OpenMPI (see scripts/mpi-common.sh).
 source "$(dirname "$0")/mpi-common.sh"
@@ -22,6 +22,15 @@ env -u RUST_BACKTRACE mpirun --allow-run-as-root --oversubscribe -np 2 "$BIN" "$
 "$BIN" "${ARGS[@]}" --dp 2 --precision fp16 --set "train.out_dir=\"$OUT/threads-fp16\"" \
     >"$OUT/threads-fp16.log" 2>&1 || { cat "$OUT/threads-fp16.log"; exit 1; }
 same_final_loss mpi-train-test-fp16 "$OUT/mpi-fp16.log" "$OUT/threads-fp16.log"
+# The single master (nn.DataParallel) over MPI: the batch scattered and the gradients sent to
+# rank 0 point to point (tags within MPI's guaranteed 32767).
+env -u RUST_BACKTRACE mpirun --allow-run-as-root --oversubscribe -np 2 "$BIN" "${ARGS[@]}" \
+    --dp-mode single-master --set "train.out_dir=\"$OUT/mpi-master\"" >"$OUT/mpi-master.log" 2>&1 \
+    || { cat "$OUT/mpi-master.log"; exit 1; }
+"$BIN" "${ARGS[@]}" --dp 2 --dp-mode single-master --set "train.out_dir=\"$OUT/threads-master\"" \
+    >"$OUT/threads-master.log" 2>&1 || { cat "$OUT/threads-master.log"; exit 1; }
+grep -q "(single-master)" "$OUT/mpi-master.log" || { cat "$OUT/mpi-master.log"; exit 1; }
+same_final_loss mpi-train-test-single-master "$OUT/mpi-master.log" "$OUT/threads-master.log"
 # A dp that contradicts the MPI world size is a clear error, not a hang.
 if env -u RUST_BACKTRACE mpirun --allow-run-as-root --oversubscribe -np 2 "$BIN" "${ARGS[@]}" --dp 4 \
     >"$OUT/bad.log" 2>&1; then

@@ -683,6 +683,14 @@ pub trait ProcessGroup: Send + Sync {
         validate_pairs(&ctx, pairs, self.size())
     }
 
+    /// Whether the group's own all-reduce already follows the hosts, crossing the network
+    /// once per host rather than once per rank (NCCL's rings and trees do): a hierarchical
+    /// all-reduce built over it on the user's behalf (`grad_reduce = "auto"`) would only add
+    /// steps. The host backends' collectives see ranks, not hosts (the default).
+    fn follows_hosts(&self) -> bool {
+        false
+    }
+
     /// In-place all-reduce.
     fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
         // SAFETY: `buf` is exclusively borrowed for this blocking call.

@@ -100,4 +100,9 @@ impl ProcessGroup for RoutedGroup {
         self.host.prepare_point_to_point(pairs)?;
         self.device.prepare_point_to_point(pairs)
     }
+
+    /// The reductions that matter (gradients) are the device's.
+    fn follows_hosts(&self) -> bool {
+        self.device.follows_hosts()
+    }
 }

@@ -138,8 +138,11 @@ impl GroupHosts {
 ///
 /// Results equal the flat all-reduce's up to the order of additions (and, for bf16/f16, one
 /// more rounding: the host's partial sum is stored in the buffer's type before it crosses).
-/// A buffer whose length is not a multiple of the ranks per host is padded in a scratch copy;
-/// large buffers go through the phases in pipelined pieces ([`DEFAULT_PIECE_BYTES`]).
+/// A buffer whose length is not a multiple of the ranks per host is padded in a scratch copy
+/// when small, and otherwise has its few last elements reduced inside the host and then
+/// across, uncopied; large host buffers go through the phases in pipelined pieces
+/// ([`DEFAULT_PIECE_BYTES`]). Device buffers (GPU gradients over NCCL or staged sub-groups)
+/// go through uncopied, in one piece.
 pub struct HierarchicalGroup {
     core: Arc<Hierarchy>,
     next_seq: AtomicU64,
@@ -262,46 +265,93 @@ impl HierarchicalGroup {
             0
         };
         let ctx = self.core.ctx(op, seq);
+        // Device buffers are the sub-groups' to take or refuse (NCCL and staged groups take
+        // them).
         op.validate(&ctx, self.rank(), self.size())?;
-        op.require_host(&ctx)?;
         Ok(seq)
     }
 }
 
 impl Hierarchy {
-    /// The three phases on `buf` (this rank's whole buffer).
+    /// The three phases on `buf` (this rank's whole buffer), whose length need not split
+    /// over the host's L ranks:
+    /// * a host buffer of at most one piece is padded in a scratch copy (cheaper, for a
+    ///   buffer that small, than two more operations);
+    /// * otherwise the last `len % L` elements are all-reduced inside the host and then
+    ///   across (the same sums in the same order, with no shard to scatter) and the rest
+    ///   goes through the phases in place: a large buffer is not copied, and a device buffer
+    ///   goes through the sub-groups as it is.
     ///
     /// # Safety
     /// As `ProcessGroup::run_raw` for an in-place all-reduce of `buf`.
     unsafe fn all_reduce(&self, buf: RawBuf, op: ReduceOp) -> Result<(), CommError> {
         let parts = self.local.size();
-        let chunk = buf.len().div_ceil(parts);
-        if chunk == 0 {
-            // Every rank has the same (empty) length: nothing to reduce anywhere.
-            return Ok(());
+        let even = buf.len() / parts * parts;
+        if even == buf.len() {
+            return self.phases(buf, op);
         }
-        let padded = chunk * parts;
-        let elem = buf.dtype().size_bytes();
-        // Words of 4 bytes: aligned for every element type; zero bits are 0.0 in each.
-        let mut scratch: Vec<u32> = Vec::new();
-        let whole = if padded == buf.len() {
-            buf
-        } else {
-            scratch.resize((padded * elem).div_ceil(4), 0);
+        let padded = even + parts;
+        let on_host = buf.device() == crate::dtype::Device::Cpu;
+        if on_host && padded <= self.piece_len(buf, parts) {
+            // Words of 4 bytes: aligned for every element type; zero bits are 0.0 in each.
+            let elem = buf.dtype().size_bytes();
+            let mut scratch = vec![0u32; (padded * elem).div_ceil(4)];
             let ptr: *mut u8 = scratch.as_mut_ptr().cast();
             // SAFETY: `buf` is valid for its bytes (caller's contract); the scratch holds more.
             std::ptr::copy_nonoverlapping(buf.ptr, ptr, buf.size_bytes());
-            RawBuf {
+            let whole = RawBuf {
                 ptr,
                 len: padded,
                 dtype: buf.dtype(),
                 device: crate::dtype::Device::Cpu,
+            };
+            self.phases(whole, op)?;
+            std::ptr::copy_nonoverlapping(whole.ptr, buf.ptr, buf.size_bytes());
+            return Ok(());
+        }
+        let tail = buf.sub(even, buf.len() - even);
+        self.local.run_raw(Operation::AllReduce { buf: tail, op })?;
+        self.across
+            .run_raw(Operation::AllReduce { buf: tail, op })?;
+        if even == 0 {
+            return Ok(());
+        }
+        self.phases(buf.sub(0, even), op)
+    }
+
+    /// Elements of `buf`'s type that go through the phases at once (a multiple of `parts`).
+    /// On a device the phases go in one piece: each is one operation on its own
+    /// communicator's stream (which pipelines inside), and pieces handed between threads
+    /// would start the three communicators' operations in an order that differs between
+    /// ranks, which device collectives (NCCL) must not be given.
+    fn piece_len(&self, buf: RawBuf, parts: usize) -> usize {
+        match buf.device() {
+            crate::dtype::Device::Cpu => {
+                (self.piece_bytes / buf.dtype().size_bytes())
+                    .div_ceil(parts)
+                    .max(1)
+                    * parts
             }
-        };
+            _ => buf.len(),
+        }
+    }
+
+    /// The three phases on `whole`, whose length is a multiple of the host's ranks.
+    ///
+    /// # Safety
+    /// As [`Hierarchy::all_reduce`].
+    unsafe fn phases(&self, whole: RawBuf, op: ReduceOp) -> Result<(), CommError> {
+        let parts = self.local.size();
+        let even = whole.len();
+        if even == 0 {
+            // Every rank has the same (empty) length: nothing to reduce anywhere.
+            return Ok(());
+        }
         // Average: each phase divides by its group's size, L then H: the sum over L × H.
-        let piece = (self.piece_bytes / elem).div_ceil(parts).max(1) * parts;
-        if padded <= piece {
+        let piece = self.piece_len(whole, parts);
+        if even <= piece {
             // One piece: nothing to overlap, so no hand-offs between threads either.
+            let chunk = even / parts;
             let shard = whole.sub(self.local.rank() * chunk, chunk);
             self.local.run_raw(Operation::ReduceScatter {
                 input: whole,
@@ -310,18 +360,16 @@ impl Hierarchy {
             })?;
             self.across
                 .run_raw(Operation::AllReduce { buf: shard, op })?;
-            self.gather.run_raw(Operation::AllGather {
+            return self.gather.run_raw(Operation::AllGather {
                 input: shard,
                 output: whole,
-            })?;
-            copy_back_if_padded(&scratch, whole, buf);
-            return Ok(());
+            });
         }
         let mut gathers: Vec<Work> = Vec::new();
         let mut result = Ok(());
         let mut start = 0;
-        while start < padded && result.is_ok() {
-            let segment = whole.sub(start, piece.min(padded - start));
+        while start < even && result.is_ok() {
+            let segment = whole.sub(start, piece.min(even - start));
             start += segment.len();
             let shard_len = segment.len() / parts;
             let shard = segment.sub(self.local.rank() * shard_len, shard_len);
@@ -368,20 +416,7 @@ impl Hierarchy {
                 result = finished;
             }
         }
-        result?;
-        copy_back_if_padded(&scratch, whole, buf);
-        Ok(())
-    }
-}
-
-/// Copies the reduced `whole` back into the caller's `buf` when it was a padded scratch copy
-/// (`scratch` not empty).
-///
-/// # Safety
-/// `buf` must be valid for writes (the caller's contract) and `whole` for reads.
-unsafe fn copy_back_if_padded(scratch: &[u32], whole: RawBuf, buf: RawBuf) {
-    if !scratch.is_empty() {
-        std::ptr::copy_nonoverlapping(whole.ptr, buf.ptr, buf.size_bytes());
+        result
     }
 }
 

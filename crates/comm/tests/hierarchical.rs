@@ -163,7 +163,7 @@ fn a_stuck_rank_fails_the_others_within_the_timeout_naming_op_sequence_and_ranks
     let timeout = Duration::from_secs(1);
     let result = ThreadsWorld::run(4, hosts_of(2, timeout.as_secs_f64()), |g| {
         let hier = Arc::new(HierarchicalGroup::new(g.clone())?);
-        let mut buf = vec![1.0f32; 1001];
+        let mut buf = vec![1.0f32; 1000];
         hier.all_reduce((&mut buf).into(), ReduceOp::Sum)?;
         if g.rank() == 3 {
             std::thread::sleep(Duration::from_secs(20));

@@ -585,6 +585,27 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         states_as_planned(failed, &format!("fp32 ZeRO-{stage} dp=2"), &sharded);
         let _ = std::fs::remove_dir_all(&sharded.out);
     }
+    // The other data-parallel modes: the single master (replicas' gradients added on rank
+    // 0's GPU, its parameters broadcast from there) and DDP's hierarchical all-reduce over 2
+    // hosts of 2 (its phases device collectives of the host and cross-host sub-groups).
+    for (what, extra) in [
+        (
+            "fp32 GPT single-master dp=2 (staged)",
+            &["parallel.dp=2", "parallel.dp_mode=\"single-master\""][..],
+        ),
+        (
+            "fp32 GPT dp=4 hierarchical over 2 hosts of 2 (staged)",
+            &[
+                "parallel.dp=4",
+                "parallel.ranks_per_host=2",
+                "parallel.grad_reduce=\"hierarchical\"",
+            ],
+        ),
+    ] {
+        let many = train(STEPS, extra, None)?;
+        same_model(failed, &format!("{what} vs one GPU"), &many, &one);
+        let _ = std::fs::remove_dir_all(&many.out);
+    }
     // DDP's bf16 wire converted on the GPU, against the same run on the CPU.
     let wire = ["parallel.dp=2", "parallel.compression=\"bf16\""];
     let wire_gpu = train(STEPS, &wire, None)?;

@@ -160,6 +160,22 @@ fn resnet_buffers_and_sgd_on_the_device_equal_the_cpu() {
     );
 }
 
+/// The single master (`nn.DataParallel`) on the device: the master scatters the batch from
+/// the host, the replicas send it their gradients as device buffers, it adds them there in
+/// rank order, updates alone and broadcasts its device's parameters; ResNet's running
+/// statistics (the master's) go through the host. With fp16, whose skip decision the
+/// master alone would otherwise make.
+#[test]
+fn single_master_on_the_device_equals_the_cpu() {
+    let master = "parallel.dp_mode=\"single-master\"";
+    equal_to_the_cpu("gpt", &["parallel.dp=2", master]);
+    equal_to_the_cpu(
+        "gpt",
+        &["parallel.dp=2", master, "train.precision=\"fp16\""],
+    );
+    equal_to_the_cpu("resnet", &["parallel.dp=2", master, "train.eval_every=3"]);
+}
+
 /// ZeRO over the device's buffers: each block's reduce-scatter packed into wire buffers in
 /// the device's memory (copy plans), from the device's gradients (stage 1) or from the
 /// block's own gradient buffer there (stage 2, whose pieces are added into the device's

@@ -66,31 +66,30 @@ fn without_a_driver_the_error_names_the_library_before_any_step() {
     );
 }
 
-/// On a GPU, what this build cannot run there (the single-master mode) is refused before any
-/// work, and LeNet (every layer has kernels) trains; without one, the missing piece of the
-/// machine is named first, since that is what the user can act on (the wordings themselves:
-/// `device.rs`'s tests).
+/// On a GPU, what its kernels cannot run (attention heads 8 wide: the kernels take 32, 64
+/// and 128) is refused before any work, and LeNet (every layer has kernels) trains; without
+/// one, the missing piece of the machine is named first, since that is what the user can act
+/// on (the wordings themselves: `device.rs`'s tests).
 #[test]
 fn a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet() {
     let usable = meshtrain_tensor::cuda::probe::require_gpu(0).is_ok();
     let names_the_missing_piece =
         |e: &str| e.contains("libcuda.so.1") || e.contains("NVRTC") || e.contains("no CUDA GPU");
     let out = tempfile::tempdir().unwrap();
-    let cfg = tiny_gpu_gpt_config(
-        out.path(),
-        2,
-        &[
-            "train.device=\"cuda\"",
-            "parallel.dp=2",
-            "parallel.dp_mode=\"single-master\"",
-        ],
-    );
+    let cfg = tiny_gpt_config(out.path(), 2, &["train.device=\"cuda\"", "parallel.dp=2"]);
     let e = format!("{:#}", run(&cfg, &RunOptions::default()).unwrap_err());
     if usable {
-        assert!(e.contains("dp_mode = \"single-master\" gathers"), "{e}");
+        assert!(
+            e.contains("cannot train on a GPU") && e.contains("heads are 8 wide"),
+            "{e}"
+        );
     } else {
         assert!(names_the_missing_piece(&e), "{e}");
     }
+    assert!(
+        !out.path().join("metrics.jsonl").exists(),
+        "no step ran: {e}"
+    );
     let text = std::fs::read_to_string(common::root().join("configs/lenet.toml")).unwrap();
     let lenet = Config::from_toml_with_overrides(
         &text,
@@ -154,6 +153,47 @@ fn gpu_training_matches_the_cpu_and_checkpoints_move_between_them() {
     }
 }
 
+/// The data-parallel modes beside DDP on GPUs (several ranks sharing the one GPU through
+/// staged collectives, as the `multi` part of `scripts/gpu-check.sh` runs them on a card),
+/// each against the same mode on the CPU: the single master gathering the replicas'
+/// gradients on its device, adding them there and broadcasting the updated parameters from
+/// it; and DDP's hierarchical all-reduce over 2 simulated hosts of 2 GPUs (its phases the
+/// device collectives of the host and cross-host sub-groups).
+#[test]
+fn single_master_and_hierarchical_ddp_on_gpus_match_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let steps = 4;
+    for mode in [
+        &["parallel.dp=2", "parallel.dp_mode=\"single-master\""][..],
+        &[
+            "parallel.dp=4",
+            "parallel.ranks_per_host=2",
+            "parallel.grad_reduce=\"hierarchical\"",
+        ],
+    ] {
+        let params = |device: &str| {
+            let dir = tempfile::tempdir().unwrap();
+            let device = format!("train.device=\"{device}\"");
+            let cfg = tiny_gpu_gpt_config(dir.path(), steps, &[&[&device[..]], mode].concat());
+            let summary = run(&cfg, &RunOptions::default()).unwrap_or_else(|e| panic!("{e:#}"));
+            assert_eq!(summary.steps, steps);
+            let hierarchical = mode.iter().any(|s| s.contains("hierarchical"));
+            assert_eq!(
+                summary.breakdown.grad_reduce,
+                hierarchical.then_some("hierarchical"),
+                "{mode:?}"
+            );
+            checkpoint_params(&cfg, &written_checkpoint(dir.path()))
+        };
+        let (cpu, gpu) = (params("cpu"), params("cuda"));
+        let d = rel_diff(&gpu, &cpu);
+        eprintln!("{mode:?}: the GPU against the CPU {d:.2e}");
+        assert!(d < 1e-4, "{mode:?}: {d:.2e}");
+    }
+}
+
 /// The GPU tests above on the emulated CUDA device (`crates/tensor/tests/cuda_emu/device`):
 /// the CUDA path's host code (launch shapes, arguments, buffers, the allocator, checkpoints
 /// moving between devices) runs here on every machine with g++ and CUDA's headers, not only
@@ -164,6 +204,7 @@ fn the_gpu_tests_pass_on_the_emulated_device() {
     let tests = [
         "gpu_training_matches_the_cpu_and_checkpoints_move_between_them",
         "a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet",
+        "single_master_and_hierarchical_ddp_on_gpus_match_the_cpu",
     ];
     if common::rerun_on_the_emulated_device(&tests) {
         common::rerun_on_the_emulated_device_with(

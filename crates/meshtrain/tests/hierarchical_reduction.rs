@@ -110,6 +110,37 @@ fn hierarchical_ddp_matches_one_worker_on_2x2_and_2x3_hosts() {
     matches_one_worker("lenet", 4, 2, "hierarchical");
 }
 
+/// On GPUs the phases are the device collectives of the data-parallel group's sub-groups
+/// (NCCL communicators, or staged ones where ranks share a GPU). Here the stand-in device:
+/// gradients in device memory, every phase staged through host memory as ranks sharing one
+/// GPU stage them, buckets whose lengths do not split evenly over a host's 3 ranks. Each
+/// replica must equal the CPU's hierarchical run bit for bit (the same additions in the same
+/// order), with and without DDP's bf16 wire; the CPU's run against one worker is the test
+/// above.
+#[test]
+fn hierarchical_ddp_on_the_device_equals_the_cpus() {
+    for wire in ["none", "bf16"] {
+        let settings = [
+            "parallel.grad_reduce=\"hierarchical\"".to_string(),
+            "parallel.bucket_cap_mb=0.01".into(),
+            format!("parallel.compression=\"{wire}\""),
+        ];
+        let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+        let host = train(&config("gpt", &settings), 6, 3).unwrap_or_else(|e| panic!("{e}"));
+        let on_device = [&settings[..], &["parallel.stand_in_device=true"]].concat();
+        let device = train(&config("gpt", &on_device), 6, 3).unwrap_or_else(|e| panic!("{e}"));
+        for (r, ((_, host), (mode, device))) in host.iter().zip(&device).enumerate() {
+            assert_eq!(mode, "ddp, hierarchical all-reduce");
+            assert!(
+                host.iter()
+                    .zip(device)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{wire}: rank {r}'s parameters differ from the CPU's hierarchical run"
+            );
+        }
+    }
+}
+
 #[test]
 fn auto_stays_flat_where_hierarchy_cannot_help() {
     // One rank per host: nothing to reduce inside a host first.

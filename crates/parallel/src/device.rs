@@ -1,5 +1,5 @@
 //! What a run on a GPU needs around the one step (the engine's, for both devices): the
-//! checks before any work (the machine, the pieces of a layout that have a device form, the
+//! checks before any work (the machine, the precision the GPU has tensor cores for, the
 //! layers' kernels), the collectives that take device buffers (NCCL with one GPU per rank,
 //! else staged through host memory), placing each chunk's state on the device
 //! ([`crate::engine::DeviceState`]), and the boundary around a step where a device error
@@ -12,7 +12,7 @@
 //! (`Parallel::pull_from_device`, then `release_host_state`), so checkpoints keep their one
 //! format and a GPU run resumes on the CPU and the reverse.
 
-use crate::data::{DpMode, GradReduce, GradSync};
+use crate::data::GradSync;
 use crate::engine::{DeviceState, PipelineError, Stage, StageChunk, StandIn};
 use crate::layout::Layout;
 use crate::{DeviceCheck, ParallelError, ParallelOptions};
@@ -32,9 +32,9 @@ fn device_error(e: CudaError) -> ParallelError {
 
 /// Refuses, before any work, what this machine's GPU cannot run, in the order a user can act
 /// on it: a missing driver or library and a GPU that does not exist first (the machine), then
-/// a layout whose pieces have no device form yet (this build), then a model with a layer that
-/// has no CUDA kernels (named). With [`DeviceCheck::Opening`] it then opens the GPU (its
-/// context; a compute capability below 8.0 is refused there).
+/// a model with a layer that has no CUDA kernels or a shape they do not take (named). With
+/// [`DeviceCheck::Opening`] it then opens the GPU (its context; a compute capability below
+/// 8.0 is refused there, and fp8 without FP8 tensor cores).
 pub fn check(
     model: &Model,
     layout: &Layout,
@@ -74,9 +74,8 @@ pub fn check(
 }
 
 /// What this build's GPU step cannot run on any machine: a model with a layer that has no
-/// CUDA kernels (named, with the way out). Every layout's dimensions have their device
-/// forms; the settings a GPU cannot take (single-master, hierarchical reduction) are refused
-/// by [`check_options`], which knows them.
+/// CUDA kernels, or a shape its kernels do not take (named, with the way out). Every
+/// layout's dimensions and data-parallel settings have their device forms.
 #[cfg(feature = "cuda")]
 fn refuse_what_gpus_cannot_run(model: &Model, ordinal: usize) -> Result<(), ParallelError> {
     let device = Device::Cuda(ordinal);
@@ -103,35 +102,6 @@ fn refuse_what_gpus_cannot_run(model: &Model, ordinal: usize) -> Result<(), Para
                  --device cpu"
             )));
         }
-    }
-    Ok(())
-}
-
-/// The data-parallel settings a GPU run cannot take yet (the layout's shape is checked by
-/// [`check`]): the single master gathers replicas' gradients through host vectors, and a
-/// hierarchical reduction goes through host groups.
-/// Every layout's dimensions run on GPUs (and on the stand-in device, whose activations are
-/// host tensors); what is left here are data-parallel settings that go through host groups.
-pub fn check_options(options: &ParallelOptions, layout: &Layout) -> Result<(), ParallelError> {
-    if !options.stand_in_device && !options.device.is_cuda() {
-        return Ok(());
-    }
-    if layout.dp == 1 {
-        return Ok(());
-    }
-    if options.dp_mode == DpMode::SingleMaster {
-        return Err(ParallelError::Device(
-            "dp_mode = \"single-master\" gathers gradients on the host: on GPUs use \
-             dp_mode = \"ddp\" (the default)"
-                .into(),
-        ));
-    }
-    if options.ddp.reduce == GradReduce::Hierarchical {
-        return Err(ParallelError::Device(
-            "grad_reduce = \"hierarchical\" reduces through host groups: on GPUs NCCL \
-             arranges its own rings and trees across hosts; leave it at \"auto\" or \"flat\""
-                .into(),
-        ));
     }
     Ok(())
 }
@@ -486,104 +456,6 @@ mod tests {
     use meshtrain_nn::models::lenet::lenet;
     use meshtrain_nn::models::{GptConfig, LeNetVariant};
     use meshtrain_tensor::cuda::alloc::OutOfMemory;
-
-    #[test]
-    fn gpus_take_every_layouts_dimensions() {
-        let gpu = ParallelOptions {
-            device: Device::Cuda(0),
-            ..ParallelOptions::default()
-        };
-        let layouts = [
-            Layout::default(),
-            Layout {
-                dp: 4,
-                ..Layout::default()
-            },
-            Layout {
-                dp: 2,
-                tp: 2,
-                ..Layout::default()
-            },
-            Layout {
-                tp: 2,
-                sp: true,
-                ..Layout::default()
-            },
-            Layout {
-                dp: 2,
-                zero: 1,
-                pp: 2,
-                ..Layout::default()
-            },
-            Layout {
-                cp: 2,
-                ..Layout::default()
-            },
-            Layout {
-                dp: 2,
-                tp: 2,
-                pp: 2,
-                cp: 2,
-                zero: 1,
-                ..Layout::default()
-            },
-        ];
-        for layout in layouts {
-            check_options(&gpu, &layout).unwrap();
-            let ulysses = ParallelOptions {
-                cp_mode: crate::context::CpMode::Ulysses,
-                ..gpu.clone()
-            };
-            check_options(&ulysses, &layout).unwrap();
-        }
-        // ZeRO's stages run on GPUs: their buffers are the device's.
-        for zero in [1, 2, 3] {
-            let layout = Layout {
-                dp: 2,
-                zero,
-                ..Layout::default()
-            };
-            check_options(&gpu, &layout).unwrap();
-        }
-    }
-
-    #[test]
-    fn data_parallel_settings_a_gpu_cannot_take_are_named() {
-        let layout = Layout {
-            dp: 2,
-            ..Layout::default()
-        };
-        let gpu = ParallelOptions {
-            device: Device::Cuda(0),
-            ..ParallelOptions::default()
-        };
-        assert!(check_options(&gpu, &layout).is_ok());
-        let master = ParallelOptions {
-            dp_mode: DpMode::SingleMaster,
-            ..gpu.clone()
-        };
-        let e = check_options(&master, &layout).unwrap_err().to_string();
-        assert!(
-            e.contains("single-master") && e.contains("on GPUs use"),
-            "{e}"
-        );
-        // DDP's bf16 wire converts on the device.
-        let mut bf16 = gpu.clone();
-        bf16.ddp.compression = crate::data::GradCompression::Bf16;
-        assert!(check_options(&bf16, &layout).is_ok());
-        let mut hierarchical = gpu.clone();
-        hierarchical.ddp.reduce = GradReduce::Hierarchical;
-        let e = check_options(&hierarchical, &layout)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("NCCL arranges its own rings"), "{e}");
-        // The CPU takes them.
-        let cpu = ParallelOptions {
-            device: Device::Cpu,
-            ..hierarchical
-        };
-        assert!(check_options(&cpu, &layout).is_ok());
-    }
 
     /// A shape the GPU's kernels do not take is refused before any work, naming the layer,
     /// the reason and the shape: attention's heads 16 wide (64 / 4), where the kernels take

@@ -353,7 +353,6 @@ pub fn parallelize(
     // The device, before any work: the GPU is there, the layout's pieces run on it, and
     // every layer has its kernels. Several GPUs reduce over NCCL or staged collectives.
     check_device(model, l, options.device, DeviceCheck::Opening)?;
-    crate::device::check_options(options, l)?;
     let (world, device_collectives) = crate::device::collectives_for(world, options)?;
     let mesh = DeviceMesh::new(
         world.clone(),
@@ -408,6 +407,7 @@ pub fn parallelize(
             options.ddp.reduce,
             &GroupHosts::of(data.as_ref()),
             data.name(),
+            data.follows_hosts(),
         )
         .map_err(DataParallelError::Config)?;
     }
@@ -510,16 +510,9 @@ pub fn parallelize(
         &data,
         DataParallelConfig {
             mode: options.dp_mode,
-            ddp: DdpConfig {
-                // On GPUs NCCL picks its own rings and trees across hosts (and the staged
-                // path is for ranks of one host): DDP's buckets go flat.
-                reduce: if options.device.is_cuda() {
-                    GradReduce::Flat
-                } else {
-                    options.ddp.reduce
-                },
-                ..options.ddp
-            },
+            // "auto" stays flat over NCCL, whose rings and trees already cross hosts once
+            // per host (`ProcessGroup::follows_hosts`).
+            ddp: options.ddp,
             zero,
             zero_options: options.zero,
             seed: training.seed,

@@ -16,7 +16,8 @@
 //! A per-group watchdog thread polls the completion events and `ncclCommGetAsyncError`
 //! ([`watch`]). An operation not complete within `config.timeout` aborts the communicator
 //! (`ncclCommAbort`), its waiter gets [`CommError::Timeout`] (op, sequence number, group; NCCL
-//! cannot tell which ranks are missing, and the note says so), and the group is broken:
+//! cannot tell which ranks are missing, and the note says so, except in a group of two,
+//! whose timeout names the other rank), and the group is broken:
 //! every later operation fails with [`CommError::Broken`].
 //!
 //! ## What differs from the host backends
@@ -904,6 +905,13 @@ impl NcclGroup {
             Err(e) => return Err(destroy(comm, e)),
         };
         let global_ranks = bootstrap.global_ranks().to_vec();
+        // Whom a timed-out operation waited for, where that is known: in a group of two
+        // (a lane, a tp or dp pair, a host's pair of GPUs) the other rank, as NCCL itself
+        // cannot say.
+        let waits_for = lane_peer.or(match global_ranks[..] {
+            [a, b] => Some(if rank == 0 { b } else { a }),
+            _ => None,
+        });
         let shared = Arc::new(Shared {
             device,
             comm,
@@ -913,7 +921,7 @@ impl NcclGroup {
             size,
             global_ranks,
             lane_peer,
-            watch: Mutex::new(Watch::new(config.timeout, lane_peer)),
+            watch: Mutex::new(Watch::new(config.timeout, waits_for)),
             wake: Condvar::new(),
             issue: Mutex::new(IssueState {
                 before,
@@ -1223,6 +1231,12 @@ impl ProcessGroup for NcclGroup {
             self.lanes().insert((from, to), lane);
         }
         Ok(())
+    }
+
+    /// NCCL reads the topology (NVLink, PCIe, the network cards) and builds rings and trees
+    /// that cross between hosts once per host.
+    fn follows_hosts(&self) -> bool {
+        true
     }
 }
 

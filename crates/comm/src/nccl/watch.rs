@@ -77,7 +77,8 @@ impl Pending {
 /// The operations of one communicator in flight, oldest first, and whether it is broken.
 pub(crate) struct Watch {
     timeout: Duration,
-    /// A lane's other rank (world rank): the one rank its operations can be waiting for.
+    /// The other rank (world rank) of a group of two (a lane, a pair): the one rank its
+    /// operations can be waiting for.
     peer: Option<usize>,
     queue: VecDeque<Pending>,
     /// When the head of the queue became the head (the operation before it was seen done).
@@ -185,7 +186,7 @@ impl Watch {
                             missing: peer.into_iter().collect(),
                             note: match peer {
                                 Some(_) => {
-                                    format!("the pair's lane waits for no one else; {outcome}")
+                                    format!("a group of two waits for no one else; {outcome}")
                                 }
                                 None => format!("{CANNOT_TELL}; {outcome}"),
                             },

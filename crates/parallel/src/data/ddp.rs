@@ -37,17 +37,21 @@ pub enum GradCompression {
 pub use meshtrain_plan::layout::GradReduce;
 
 /// Whether `reduce` reduces a group placed on `hosts` hierarchically (`auto`: when the group
-/// spans several hosts, some host holds more than one of its ranks, and every host the same
-/// number); an error (naming the group and its hosts) when hierarchical was asked for and
-/// the hosts hold different numbers of the group's ranks.
+/// spans several hosts, some host holds more than one of its ranks, every host the same
+/// number, and the group's own all-reduce does not already follow the hosts, as NCCL's
+/// does); an error (naming the group and its hosts) when hierarchical was asked for and the
+/// hosts hold different numbers of the group's ranks.
 pub fn is_hierarchical(
     reduce: GradReduce,
     hosts: &GroupHosts,
     group_name: &str,
+    follows_hosts: bool,
 ) -> Result<bool, String> {
     match reduce {
         GradReduce::Flat => Ok(false),
-        GradReduce::Auto => Ok(hosts.hierarchy_helps() && hosts.uniform_ranks_per_host().is_some()),
+        GradReduce::Auto => Ok(!follows_hosts
+            && hosts.hierarchy_helps()
+            && hosts.uniform_ranks_per_host().is_some()),
         GradReduce::Hierarchical => hosts
             .check_hierarchical(group_name)
             .map(|_| true)
@@ -57,13 +61,16 @@ pub fn is_hierarchical(
 
 /// The group DDP all-reduces its buckets over under `reduce`, and whether it is
 /// hierarchical: `dp` itself, or `dp` reduced inside each host first (a collective over
-/// `dp`: every member calls it).
+/// `dp`: every member calls it). On GPUs the phases are the device collectives of `dp`'s
+/// sub-groups (NCCL communicators, or staged ones).
 pub fn reduction_group(
     reduce: GradReduce,
     dp: &Arc<dyn ProcessGroup>,
 ) -> Result<(Arc<dyn ProcessGroup>, bool), DataParallelError> {
     let hosts = GroupHosts::of(dp.as_ref());
-    if !is_hierarchical(reduce, &hosts, dp.name()).map_err(DataParallelError::Config)? {
+    if !is_hierarchical(reduce, &hosts, dp.name(), dp.follows_hosts())
+        .map_err(DataParallelError::Config)?
+    {
         return Ok((dp.clone(), false));
     }
     let group = HierarchicalGroup::new(dp.clone())

@@ -8,18 +8,20 @@
 //! optimizer state — exactly the costs DDP's bucketed, overlapped all-reduce removes.
 
 use super::DataParallelError;
-use meshtrain_comm::{BufMut, BufRef, ProcessGroup};
-use meshtrain_nn::ParamStore;
+use crate::engine::{Apply, CopyPlan, FlatBuf, Run, StageChunk, StateKind};
+use meshtrain_comm::{BufMut, BufRef, Operation, ProcessGroup};
 use std::sync::Arc;
 
-const TAG_INPUT: u32 = 0x5CA7_0001;
-const TAG_TARGET: u32 = 0x5CA7_0002;
-const TAG_GRADS: u32 = 0x5CA7_0003;
+// Tags at most 32767, the most MPI guarantees (`MPI_TAG_UB`).
+const TAG_INPUT: u32 = 0x5CA1;
+const TAG_TARGET: u32 = 0x5CA2;
+const TAG_GRADS: u32 = 0x5CA3;
 
 /// The single-master synchroniser of one rank.
 pub struct SingleMaster {
     group: Arc<dyn ProcessGroup>,
-    scratch: Vec<f32>,
+    /// Per chunk (by global index), in the chunk's memory.
+    scratch: Vec<Scratch>,
 }
 
 /// The master rank.
@@ -88,42 +90,113 @@ impl SingleMaster {
     }
 
     /// Every rank sends its gradients to the master, which adds them in rank order and
-    /// divides by the world size. Afterwards only the master's `grads` hold the average.
-    pub fn gather_gradients(&mut self, grads: &mut [f32]) -> Result<(), DataParallelError> {
+    /// divides by the world size. Afterwards only the master's hold the average. The
+    /// gradients stay where the chunk's state lives: on a GPU they are sent and received as
+    /// device buffers and added by the device, in the order the host adds them, so a GPU
+    /// run equals the CPU's. Returns the bytes of this rank's gradients (what it put in).
+    pub fn gather_gradients(&mut self, chunk: &mut StageChunk) -> Result<usize, DataParallelError> {
         let err = |e| DataParallelError::comm("gathering gradients on the master", e);
         let world = self.group.size();
+        let grads = chunk.grads_buf();
         if !self.is_master() {
-            return self
-                .group
-                .send(BufRef::F32(grads), MASTER, TAG_GRADS)
-                .map_err(err);
+            // SAFETY: the chunk's gradients, untouched until the send returns.
+            unsafe {
+                self.group.run_raw(Operation::Send {
+                    buf: grads,
+                    dst: MASTER,
+                    tag: TAG_GRADS,
+                })
+            }
+            .map_err(err)?;
+            return Ok(grads.size_bytes());
         }
-        self.scratch.resize(grads.len(), 0.0);
+        let memory = chunk.flat_memory();
+        let fits = |s: &Scratch| {
+            s.index == chunk.index
+                && s.buf.device() == memory.device()
+                && s.buf.len() == grads.len()
+        };
+        // A chunk's buffer is made once (again only if it moved to a device or resized).
+        let scratch = match self.scratch.iter().position(fits) {
+            Some(at) => &mut self.scratch[at],
+            None => {
+                self.scratch.retain(|s| s.index != chunk.index);
+                self.scratch.push(Scratch {
+                    index: chunk.index,
+                    buf: memory.alloc(grads.len()),
+                    add: CopyPlan::new(vec![Run {
+                        src: Some(0),
+                        dst: 0,
+                        len: grads.len(),
+                    }]),
+                });
+                self.scratch.last_mut().expect("just pushed")
+            }
+        };
         for r in 1..world {
-            self.group
-                .recv(BufMut::F32(&mut self.scratch), r, TAG_GRADS)
-                .map_err(err)?;
-            grads
-                .iter_mut()
-                .zip(&self.scratch)
-                .for_each(|(g, s)| *g += s);
+            let received = scratch.buf.raw();
+            // SAFETY: the scratch buffer, read only by the addition after the receive.
+            unsafe {
+                self.group.run_raw(Operation::Recv {
+                    buf: received,
+                    src: r,
+                    tag: TAG_GRADS,
+                })
+            }
+            .map_err(err)?;
+            memory.apply(&scratch.add, received, grads, Apply::Add);
         }
-        let inv = 1.0 / world as f32;
-        grads.iter_mut().for_each(|g| *g *= inv);
-        Ok(())
+        chunk.unscale_grads(1.0 / world as f32);
+        Ok(grads.size_bytes())
     }
 
-    /// The master's updated parameters (and buffers) go to every rank.
-    pub fn broadcast_weights(&self, store: &mut ParamStore) -> Result<(), DataParallelError> {
+    /// The master's updated parameters (and buffers) go to every rank, from wherever the
+    /// chunk's state lives (a device's buffers on a GPU; its few buffers, the running
+    /// statistics of batch norms, through the host).
+    pub fn broadcast_weights(&self, chunk: &mut StageChunk) -> Result<(), DataParallelError> {
         let err = |e| DataParallelError::comm("broadcasting the master's weights", e);
-        self.group
-            .broadcast(BufMut::F32(&mut store.values), MASTER)
-            .map_err(err)?;
-        if !store.buffers.is_empty() {
-            self.group
-                .broadcast(BufMut::F32(&mut store.buffers), MASTER)
-                .map_err(err)?;
+        let values = chunk.values_buf();
+        // SAFETY: the chunk's parameters, untouched until the broadcast returns.
+        unsafe {
+            self.group.run_raw(Operation::Broadcast {
+                buf: values,
+                root: MASTER,
+            })
         }
-        Ok(())
+        .map_err(err)?;
+        chunk.values_changed();
+        let device = match chunk.device.as_mut() {
+            Some(device) if device.state_len(StateKind::Buffers) > 0 => device,
+            Some(_) => return Ok(()),
+            None if chunk.store.buffers.is_empty() => return Ok(()),
+            None => {
+                return self
+                    .group
+                    .broadcast(BufMut::F32(&mut chunk.store.buffers), MASTER)
+                    .map_err(err)
+            }
+        };
+        let mut buffers = vec![0.0f32; device.state_len(StateKind::Buffers)];
+        let device_err = |e: crate::engine::PipelineError| {
+            DataParallelError::Config(format!("the master's buffers on the device: {e}"))
+        };
+        if self.is_master() {
+            device
+                .read(StateKind::Buffers, 0, &mut buffers)
+                .map_err(device_err)?;
+        }
+        self.group
+            .broadcast(BufMut::F32(&mut buffers), MASTER)
+            .map_err(err)?;
+        device
+            .write(StateKind::Buffers, 0, &buffers)
+            .map_err(device_err)
     }
+}
+
+/// The master's buffer for one chunk's received gradients, and the plan that adds it.
+struct Scratch {
+    index: usize,
+    buf: FlatBuf,
+    add: CopyPlan,
 }

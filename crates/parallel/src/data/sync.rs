@@ -306,7 +306,7 @@ impl GradSync for SingleMasterSync {
     fn init(&mut self, chunks: &mut [StageChunk]) -> Result<(), DataParallelError> {
         chunks
             .iter_mut()
-            .try_for_each(|c| self.master.broadcast_weights(&mut c.store))
+            .try_for_each(|c| self.master.broadcast_weights(c))
     }
 
     fn loads(&self) -> Option<(usize, usize)> {
@@ -346,8 +346,7 @@ impl GradSync for SingleMasterSync {
         let t = Instant::now();
         let mut bytes = 0;
         for chunk in chunks {
-            self.master.gather_gradients(&mut chunk.store.grads)?;
-            bytes += chunk.store.grads.len() * 4;
+            bytes += self.master.gather_gradients(chunk)?;
         }
         Ok(CommTiming {
             exposed_s: t.elapsed().as_secs_f64(),
