@@ -20,9 +20,12 @@ fail() {
     exit 1
 }
 
-echo "mpi-tests: building (cargo build -p meshtrain-comm --features mpi --example mpi_collectives)"
-cargo build -p meshtrain-comm --features mpi --example mpi_collectives
-BIN=target/debug/examples/mpi_collectives
+# Release, with the features `meshtrain --features mpi` gives its dependencies: in CI the
+# tests before built them already, and the training scripts after build the rest (a debug
+# build compiled every dependency once more, minutes of CI).
+echo "mpi-tests: building (cargo build --release -p meshtrain -p meshtrain-comm --features meshtrain/mpi --example mpi_collectives)"
+cargo build --release -p meshtrain -p meshtrain-comm --features meshtrain/mpi --example mpi_collectives
+BIN=${CARGO_TARGET_DIR:-target}/release/examples/mpi_collectives
 [[ -x "$BIN" ]] || fail "driver binary $BIN not built"
 
 LOG=$(mktemp -d)

@@ -485,28 +485,33 @@ mod tests {
         }
         let version = nvrtc_version().unwrap();
         let includes = include_dirs().unwrap();
-        for arch in ["80", "90", "90a"] {
-            for &file in KERNEL_FILES {
-                let cubin = compile_source(
-                    file.name,
-                    &full_source(file),
-                    arch,
-                    &options(arch, &includes),
-                    &version,
-                )
-                .unwrap_or_else(|e| panic!("{e}"));
-                for name in expected_kernels(file.name) {
-                    let mut symbol = name.clone().into_bytes();
-                    symbol.push(0);
-                    assert!(
-                        cubin.windows(symbol.len()).any(|w| w == symbol.as_slice()),
-                        "{} for sm_{arch} does not export {name}",
-                        file.name
-                    );
-                }
-                eprintln!("{} sm_{arch}: {} bytes", file.name, cubin.len());
+        let builds: Vec<_> = ["80", "90", "90a"]
+            .into_iter()
+            .flat_map(|arch| KERNEL_FILES.iter().map(move |&file| (arch, file)))
+            .collect();
+        // NVRTC compiles separate programs concurrently: on every core, since this is most of
+        // the tests' time in CI (minutes on one core).
+        use rayon::prelude::*;
+        builds.par_iter().for_each(|&(arch, file)| {
+            let cubin = compile_source(
+                file.name,
+                &full_source(file),
+                arch,
+                &options(arch, &includes),
+                &version,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            for name in expected_kernels(file.name) {
+                let mut symbol = name.clone().into_bytes();
+                symbol.push(0);
+                assert!(
+                    cubin.windows(symbol.len()).any(|w| w == symbol.as_slice()),
+                    "{} for sm_{arch} does not export {name}",
+                    file.name
+                );
             }
-        }
+            eprintln!("{} sm_{arch}: {} bytes", file.name, cubin.len());
+        });
     }
 
     #[test]
