@@ -64,9 +64,11 @@ pub struct PlanArgs {
     /// The data-parallel all-reduce across nodes (the trainer's `parallel.grad_reduce`):
     /// `flat` (one ring, as NCCL with a card per GPU), `hierarchical` (inside the node, then
     /// the shards across nodes, then inside the node again; plain DDP only) or `auto` (the
-    /// trainer's default rule: hierarchical when the group spans nodes with several of its
-    /// ranks on each). The default, flat, is what NCCL-based GPU trainers do; the printed run
-    /// line names the choice whenever the trainer's `auto` would decide otherwise.
+    /// trainer's default rule over host collectives, MPI or staged: hierarchical when the
+    /// group spans nodes with several of its ranks on each). The default, flat, is what
+    /// NCCL-based GPU trainers do, and what the trainer's `auto` does over NCCL (whose rings
+    /// and trees follow the nodes themselves); the printed run line names the planned choice
+    /// wherever the group spans nodes.
     #[arg(long, default_value = "flat")]
     pub grad_reduce: String,
     /// Context-parallel mode the trainer uses (its `parallel.cp_mode`): `ring` or `ulysses`.

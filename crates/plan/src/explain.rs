@@ -313,8 +313,9 @@ pub fn train_command(problem: &Problem, layout: &Layout) -> String {
         other => format!("<your config for {other}>"),
     };
     let mut command = format!("meshtrain train --config {config} --layout \"{layout}\"");
-    // The trainer's default is `auto`; name the planned reduction where `auto` would pick
-    // another (a plain-DDP group spanning nodes with several ranks on each).
+    // The trainer's default is `auto`, which over a plain-DDP group spanning nodes with
+    // several ranks on each decides by its collectives (hierarchical over host ones, flat
+    // over NCCL): name the planned reduction there.
     let spans = problem
         .cluster
         .hierarchical_all_reduce_time(1.0, layout.gradient_group(), layout.tp)

@@ -52,7 +52,7 @@ pub struct TrainingSetup {
 pub enum GradReduce {
     /// The trainer's default rule: hierarchical when the group spans nodes with more than one
     /// of its ranks on each (and every node the same number), flat otherwise (and always flat
-    /// under ZeRO).
+    /// under ZeRO, and over NCCL, whose rings and trees follow the nodes themselves).
     #[default]
     Auto,
     /// One ring over all ranks (NCCL's rings, one per network card; MPI_Allreduce).
