@@ -194,6 +194,140 @@ fn single_master_and_hierarchical_ddp_on_gpus_match_the_cpu() {
     }
 }
 
+/// A small "step" of device work: its input uploaded into a fresh buffer, a product with a
+/// weight, a kernel over the product, a scratch buffer cleared and copied into: each kind of
+/// work a training step queues.
+fn graph_test_step(
+    dev: &std::sync::Arc<meshtrain_tensor::cuda::CudaDevice>,
+    x: &[f32],
+    w: &meshtrain_tensor::cuda::DevBuf,
+    out: &meshtrain_tensor::cuda::DevBuf,
+    (m, k): (usize, usize),
+) -> Result<(), meshtrain_tensor::cuda::CudaError> {
+    use meshtrain_tensor::cuda::blas::{Epilogue, Gemm};
+    let n = x.len() / k;
+    let xb = dev.upload(x, "graph test input")?;
+    dev.with_blas(|b| {
+        b.gemm(&Gemm {
+            m,
+            n,
+            k,
+            transa: false,
+            transb: false,
+            a: w.ptr(),
+            lda: m,
+            b: xb.ptr(),
+            ldb: k,
+            input: meshtrain_tensor::DType::F32,
+            d: out.ptr(),
+            ldd: m,
+            output: meshtrain_tensor::DType::F32,
+            accumulate: false,
+            epilogue: Epilogue::None,
+            alpha: 1.0,
+            math: meshtrain_tensor::cuda::F32Math::Exact,
+            fp8: None,
+        })
+    })?;
+    meshtrain_tensor::cuda::train_ops::scale(dev, out.ptr(), m * n, 0.5)?;
+    let scratch = dev.alloc_zeroed(m * n * 4, "graph test scratch")?;
+    dev.copy(scratch.ptr(), out.ptr(), 16)?;
+    Ok(())
+}
+
+/// A step captured as a CUDA graph, then replayed after shadow runs of its host code: each
+/// replay with new uploaded inputs gives the eager step's bits; a step of another shape, or
+/// one that reads device memory in the middle, falls back to eager launches (saying why)
+/// with the eager step's results, and the graph replays again afterwards.
+#[test]
+fn a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs() {
+    use meshtrain_tensor::cuda::graph::StepCapture;
+    use meshtrain_tensor::cuda::CudaDevice;
+    if !gpu() {
+        return;
+    }
+    let dev = CudaDevice::get(0).unwrap();
+    let (m, k, n) = (8, 16, 4);
+    let mut rng = meshtrain_tensor::rng::SplitMix64::new(7);
+    let mut random = |len: usize| (0..len).map(|_| rng.normal()).collect::<Vec<f32>>();
+    let w = dev.upload(&random(m * k), "w").unwrap();
+    let out = dev.alloc(m * n * 2 * 4, "out").unwrap();
+    let inputs: Vec<Vec<f32>> = (0..3).map(|_| random(k * n)).collect();
+    let wider = random(k * n * 2);
+    let eager = |x: &[f32]| {
+        graph_test_step(&dev, x, &w, &out, (m, k)).unwrap();
+        dev.download::<f32>(out.ptr(), m * x.len() / k).unwrap()
+    };
+    let expected: Vec<Vec<f32>> = inputs.iter().map(|x| eager(x)).collect();
+    let expected_wider = eager(&wider);
+    let host_w = dev.download::<f32>(w.ptr(), m * k).unwrap();
+    for (x, e) in inputs.iter().zip(&expected) {
+        for (j, col) in e.chunks(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                let r: f32 = (0..k)
+                    .map(|p| host_w[p * m + i] * x[j * k + p])
+                    .sum::<f32>()
+                    * 0.5;
+                assert!((v - r).abs() < 1e-4 * (1.0 + r.abs()), "{v} vs {r}");
+            }
+        }
+    }
+    let result = |len: usize| dev.download::<f32>(out.ptr(), len).unwrap();
+    dev.memset_zero(out.ptr(), m * n * 2 * 4).unwrap();
+
+    // Captured with the first input: the graph runs the step once.
+    dev.begin_step_capture().unwrap();
+    graph_test_step(&dev, &inputs[0], &w, &out, (m, k)).unwrap();
+    let StepCapture::Graph(mut graph) = dev.end_step_capture().unwrap() else {
+        panic!("the step fell back while captured")
+    };
+    assert_eq!(result(m * n), expected[0]);
+    // upload, product, kernel, memset, copy
+    assert_eq!(graph.pieces(), 5);
+    for (x, e) in inputs.iter().zip(&expected).skip(1) {
+        graph.begin_step().unwrap();
+        graph_test_step(&dev, x, &w, &out, (m, k)).unwrap();
+        assert_eq!(graph.end_step().unwrap(), None, "the step matched");
+        assert_eq!(&result(m * n), e, "a replay with new inputs");
+    }
+    assert_eq!(graph.replays(), 2);
+
+    // Another shape: eager, with the eager bits, and said why.
+    graph.begin_step().unwrap();
+    graph_test_step(&dev, &wider, &w, &out, (m, k)).unwrap();
+    let why = graph.end_step().unwrap().expect("a wider step falls back");
+    assert!(why.contains("differs from the captured step"), "{why}");
+    assert_eq!(result(2 * m * n), expected_wider);
+    // A read in the middle of the step: it falls back there, and the read sees the work
+    // queued before it.
+    graph.begin_step().unwrap();
+    graph_test_step(&dev, &inputs[2], &w, &out, (m, k)).unwrap();
+    assert_eq!(result(m * n), expected[2]);
+    dev.memset_zero(out.ptr(), 4).unwrap();
+    let why = graph.end_step().unwrap().expect("a read falls back");
+    assert!(why.contains("reads device memory"), "{why}");
+    assert_eq!(result(1), vec![0.0]);
+    // The graph still replays a step that matches it.
+    graph.begin_step().unwrap();
+    graph_test_step(&dev, &inputs[1], &w, &out, (m, k)).unwrap();
+    assert_eq!(graph.end_step().unwrap(), None);
+    assert_eq!(result(m * n), expected[1]);
+    assert_eq!(graph.replays(), 3);
+    drop(graph);
+
+    // A capture that reads device memory falls back to eager launches at once.
+    dev.memset_zero(out.ptr(), m * n * 4).unwrap();
+    dev.begin_step_capture().unwrap();
+    graph_test_step(&dev, &inputs[1], &w, &out, (m, k)).unwrap();
+    assert_eq!(result(m * n), expected[1]);
+    let StepCapture::FellBack(why) = dev.end_step_capture().unwrap() else {
+        panic!("a capture that reads the device made a graph")
+    };
+    assert!(why.contains("reads device memory"), "{why}");
+    // And eager work after all this gives the same bits.
+    assert_eq!(eager(&inputs[2]), expected[2]);
+}
+
 /// The GPU tests above on the emulated CUDA device (`crates/tensor/tests/cuda_emu/device`):
 /// the CUDA path's host code (launch shapes, arguments, buffers, the allocator, checkpoints
 /// moving between devices) runs here on every machine with g++ and CUDA's headers, not only
@@ -205,6 +339,7 @@ fn the_gpu_tests_pass_on_the_emulated_device() {
         "gpu_training_matches_the_cpu_and_checkpoints_move_between_them",
         "a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet",
         "single_master_and_hierarchical_ddp_on_gpus_match_the_cpu",
+        "a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs",
     ];
     if common::rerun_on_the_emulated_device(&tests) {
         common::rerun_on_the_emulated_device_with(

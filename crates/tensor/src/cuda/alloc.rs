@@ -7,9 +7,15 @@
 //! while kernels that use it are still queued may be handed to the next allocation at once:
 //! whatever the new owner queues runs after those kernels (stream order).
 //!
+//! A captured CUDA graph ([`super::graph`]) replays its kernels on the addresses they had when
+//! it was captured, whenever it is launched: the blocks its work touches must never be handed
+//! to other work. They form the graph's pool: blocks handed out or freed while capturing go
+//! back to the pool, not to the shared cache, and each later run of the step (before a
+//! replay) gets the same blocks again, in the same order, or learns that it cannot.
+//!
 //! The bookkeeping is plain host code over a [`RawMemory`], so it is unit-tested without a GPU.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 /// Sizes below this are rounded up to a multiple of [`SMALL_GRAIN`]; larger ones to a
 /// multiple of [`LARGE_GRAIN`] (few distinct classes, so freed blocks fit later requests).
@@ -113,6 +119,33 @@ pub struct CachingAllocator<R: RawMemory> {
     stats: MemoryStats,
     /// Refuse to hold more than this many bytes in use (the run's memory limit).
     limit: Option<usize>,
+    /// The blocks of the device's captured graph, while there is one.
+    graph: Option<GraphPool>,
+}
+
+/// The blocks a captured graph's work touches ([`CachingAllocator::begin_graph_capture`]).
+#[derive(Default)]
+struct GraphPool {
+    /// Every block of the graph: handed out while capturing, or freed while capturing
+    /// (allocated before, the captured work may read it).
+    owned: HashSet<u64>,
+    /// The graph's blocks no tensor holds now, by size class.
+    free: BTreeMap<usize, Vec<u64>>,
+    /// The blocks handed out while capturing, in order: what a replayed step gets.
+    handed: Vec<Block>,
+    phase: GraphPhase,
+}
+
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
+enum GraphPhase {
+    /// Allocations are recorded (and served from the pool first).
+    #[default]
+    Capturing,
+    /// Allocation `next` of a step that is to be replayed gets `handed[next]`.
+    Replaying { next: usize },
+    /// Neither: allocations come from the shared cache; the graph's blocks still return to
+    /// its pool.
+    Idle,
 }
 
 impl<R: RawMemory> CachingAllocator<R> {
@@ -122,6 +155,7 @@ impl<R: RawMemory> CachingAllocator<R> {
             free: BTreeMap::new(),
             stats: MemoryStats::default(),
             limit: None,
+            graph: None,
         }
     }
 
@@ -155,7 +189,19 @@ impl<R: RawMemory> CachingAllocator<R> {
                 });
             }
         }
-        let reused = self.free.get_mut(&class).and_then(Vec::pop);
+        let capturing = self
+            .graph
+            .as_ref()
+            .is_some_and(|g| g.phase == GraphPhase::Capturing);
+        // While capturing, the graph's own freed blocks first (its work is ordered on the
+        // one stream, as every block reuse is).
+        let from_graph = self
+            .graph
+            .as_mut()
+            .filter(|_| capturing)
+            .and_then(|g| g.free.get_mut(&class))
+            .and_then(Vec::pop);
+        let reused = from_graph.or_else(|| self.free.get_mut(&class).and_then(Vec::pop));
         let ptr = match reused {
             Some(ptr) => {
                 self.stats.cached -= class;
@@ -164,6 +210,10 @@ impl<R: RawMemory> CachingAllocator<R> {
             }
             None => self.fresh(class, bytes, what)?,
         };
+        if let Some(g) = self.graph.as_mut().filter(|_| capturing) {
+            g.owned.insert(ptr);
+            g.handed.push(Block { ptr, class });
+        }
         self.stats.in_use += class;
         self.stats.peak_in_use = self.stats.peak_in_use.max(self.stats.in_use);
         Ok(Block { ptr, class })
@@ -176,7 +226,11 @@ impl<R: RawMemory> CachingAllocator<R> {
             self.stats.device_allocs += 1;
             return Ok(ptr);
         }
-        self.empty_cache();
+        // Not while a graph is being captured: freeing device memory then is refused (a
+        // captured graph may use any block later).
+        if self.graph.is_none() {
+            self.empty_cache();
+        }
         if let Some(ptr) = self.raw.alloc(class) {
             self.stats.device_allocs += 1;
             return Ok(ptr);
@@ -192,11 +246,101 @@ impl<R: RawMemory> CachingAllocator<R> {
         })
     }
 
-    /// Takes a block back into the cache.
+    /// Takes a block back into the cache (the graph's pool, for a block of the graph's).
     pub fn release(&mut self, block: Block) {
         self.stats.in_use -= block.class;
         self.stats.cached += block.class;
+        if let Some(g) = &mut self.graph {
+            if g.phase == GraphPhase::Capturing {
+                g.owned.insert(block.ptr);
+            }
+            if g.owned.contains(&block.ptr) {
+                g.free.entry(block.class).or_default().push(block.ptr);
+                return;
+            }
+        }
         self.free.entry(block.class).or_default().push(block.ptr);
+    }
+
+    /// A graph is being captured from now on: its blocks are recorded and kept for it. One
+    /// graph at a time (a second capture first drops the first's pool).
+    pub fn begin_graph_capture(&mut self) {
+        self.drop_graph_pool();
+        self.graph = Some(GraphPool::default());
+    }
+
+    /// The capture ended (the graph exists): allocations come from the shared cache again
+    /// until a replayed step begins.
+    pub fn end_graph_capture(&mut self) {
+        if let Some(g) = &mut self.graph {
+            g.phase = GraphPhase::Idle;
+        }
+    }
+
+    /// A step that is to be replayed runs its host code: its allocations get the captured
+    /// blocks, in order ([`CachingAllocator::replay_allocation`]).
+    pub fn begin_graph_replay(&mut self) {
+        if let Some(g) = &mut self.graph {
+            g.phase = GraphPhase::Replaying { next: 0 };
+        }
+    }
+
+    /// The next allocation of a replayed step: the block the capture handed out at this
+    /// point, if it is of `bytes`' class and free; else why not (the step differs from the
+    /// captured one, and runs eagerly).
+    pub fn replay_allocation(&mut self, bytes: usize) -> Result<Block, String> {
+        let class = size_class(bytes);
+        let Some(g) = &mut self.graph else {
+            return Err("the graph's memory is gone".into());
+        };
+        let GraphPhase::Replaying { next } = g.phase else {
+            return Err("no step is being replayed".into());
+        };
+        let Some(&expected) = g.handed.get(next) else {
+            return Err(format!(
+                "it allocates more than the {} blocks the captured step did",
+                g.handed.len()
+            ));
+        };
+        if expected.class != class {
+            return Err(format!(
+                "its allocation {next} is of {class} bytes, the captured step's of {}",
+                expected.class
+            ));
+        }
+        let free = g.free.get_mut(&class);
+        let Some(at) = free
+            .as_ref()
+            .and_then(|f| f.iter().position(|&p| p == expected.ptr))
+        else {
+            return Err(format!(
+                "the block of its allocation {next} is still held (a tensor of the last step \
+                 outlived it)"
+            ));
+        };
+        free.expect("found above").swap_remove(at);
+        g.phase = GraphPhase::Replaying { next: next + 1 };
+        self.stats.in_use += class;
+        self.stats.cached -= class;
+        self.stats.reuses += 1;
+        self.stats.peak_in_use = self.stats.peak_in_use.max(self.stats.in_use);
+        Ok(expected)
+    }
+
+    /// The replayed step's host code ended, or it fell back to running eagerly: allocations
+    /// come from the shared cache again.
+    pub fn end_graph_replay(&mut self) {
+        self.end_graph_capture();
+    }
+
+    /// The graph is gone (its work done): its free blocks join the shared cache, and its
+    /// held ones will when released.
+    pub fn drop_graph_pool(&mut self) {
+        if let Some(g) = self.graph.take() {
+            for (class, ptrs) in g.free {
+                self.free.entry(class).or_default().extend(ptrs);
+            }
+        }
     }
 
     /// Returns every cached block to the device.
@@ -347,6 +491,62 @@ mod tests {
             "{text}"
         );
         a.release(y);
+    }
+
+    #[test]
+    fn a_graphs_blocks_stay_its_own_and_a_replayed_step_gets_them_in_order() {
+        let mut a = CachingAllocator::new(FakeMemory::new(1 << 30));
+        let before = a.allocate(4096, "before the capture").unwrap();
+        a.begin_graph_capture();
+        let x = a.allocate(4096, "x").unwrap();
+        let y = a.allocate(100_000, "y").unwrap();
+        a.release(x);
+        // Reused within the capture (stream order), and freed-while-capturing blocks (the
+        // graph may read them) become the graph's.
+        let z = a.allocate(4096, "z").unwrap();
+        assert_eq!(z, x);
+        a.release(before);
+        a.release(z);
+        a.release(y);
+        a.end_graph_capture();
+        // Eager work between replays never gets the graph's blocks.
+        let eager = a.allocate(4096, "eager").unwrap();
+        assert!(![x.ptr, y.ptr, before.ptr].contains(&eager.ptr));
+        a.release(eager);
+        // A replayed step gets the captured blocks in the captured order.
+        a.begin_graph_replay();
+        assert_eq!(a.replay_allocation(4096), Ok(x));
+        assert_eq!(a.replay_allocation(100_000), Ok(y));
+        let e = a.replay_allocation(4096).unwrap_err();
+        assert!(e.contains("still held"), "{e}");
+        a.release(x);
+        assert_eq!(a.replay_allocation(4000), Ok(x));
+        let e = a.replay_allocation(4096).unwrap_err();
+        assert!(e.contains("more than the 3 blocks"), "{e}");
+        a.end_graph_replay();
+        a.release(x);
+        a.release(y);
+        // A step of another shape is told apart at its first allocation.
+        a.begin_graph_replay();
+        let e = a.replay_allocation(8192).unwrap_err();
+        assert!(e.contains("8192 bytes, the captured step's of 4096"), "{e}");
+        a.end_graph_replay();
+        // The graph dropped: its blocks serve everyone again, and the counts add up.
+        a.drop_graph_pool();
+        assert_eq!(a.stats().in_use, 0);
+        // x, before, the eager block and y.
+        assert_eq!(a.stats().cached, 3 * 4096 + size_class(100_000));
+        let mut again: Vec<Block> = (0..3).map(|_| a.allocate(4096, "after").unwrap()).collect();
+        again.sort_by_key(|b| b.ptr);
+        let mut expected = vec![x.ptr, before.ptr, eager.ptr];
+        expected.sort();
+        assert_eq!(again.iter().map(|b| b.ptr).collect::<Vec<_>>(), expected);
+        assert_eq!(a.stats().device_allocs, 4, "all three from the cache");
+        for b in again {
+            a.release(b);
+        }
+        a.empty_cache();
+        assert_eq!(a.raw().used, 0);
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub enum F32Math {
 
 /// `D = α·op(A)·op(B) + β·C` in cuBLAS's column-major terms, `C = D` (β = 1 when
 /// `accumulate`), then the [`Epilogue`]'s pass over it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Gemm {
     pub m: usize,
     pub n: usize,
@@ -384,6 +384,11 @@ impl Blas {
     fn plan(&mut self, g: &Gemm) -> Result<&Plan, CudaError> {
         let key = g.key();
         if !self.plans.contains_key(&key) {
+            // Planning times candidate algorithms on the stream: not inside a graph.
+            if self.device.recording_active() {
+                let device = self.device.clone();
+                device.not_in_a_graph_holding("plans a product of a new shape", self)?;
+            }
             let plan = self
                 .make_plan(g, &key)?
                 .map_err(|detail| refused(g, detail))?;
@@ -709,11 +714,21 @@ impl Blas {
         g.validate()?;
         self.device.bind()?;
         let device = self.device.clone();
+        if device.recording_active() && device.profiling() {
+            device.not_in_a_graph_holding("times its work", self)?;
+        }
         let started = device
             .profiling()
             .then(|| device.record_event())
             .transpose()?;
         self.plan(g)?;
+        if device.recording_active() {
+            let op = super::graph::Op::Product { gemm: *g, choice };
+            let name = || format!("a {}x{}x{} product", g.m, g.n, g.k);
+            if device.record(op, name, Some(self))? == super::graph::Recorded::Skip {
+                return Ok(());
+            }
+        }
         let plan = &self.plans[&g.key()];
         self.launch(g, plan, choice)?;
         if let Some(start) = started {
@@ -731,6 +746,14 @@ impl Blas {
             device.profiled(name, start)?;
         }
         Ok(())
+    }
+
+    /// Queues `g` with algorithm `choice` of its plan, unrecorded (a step that fell back
+    /// from its graph issues its products again, [`super::graph`]).
+    pub(super) fn issue(&mut self, g: &Gemm, choice: usize) -> Result<(), CudaError> {
+        self.plan(g)?;
+        let plan = &self.plans[&g.key()];
+        self.launch(g, plan, choice)
     }
 
     /// Queues `g` with `plan`'s algorithm `choice` on the stream.

@@ -10,12 +10,14 @@ use super::alloc::{Block, CachingAllocator, MemoryStats, RawMemory};
 use super::blas::Blas;
 use super::compile::{self, KernelFile};
 use super::error::CudaError;
+use super::graph::{Op, Recorded, Recording};
 use super::probe;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_void, CString};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Memory straight from the driver (`cuMemAlloc`/`cuMemFree`).
@@ -164,9 +166,13 @@ pub struct CudaDevice {
     ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    allocator: Mutex<CachingAllocator<DriverMemory>>,
+    pub(super) allocator: Mutex<CachingAllocator<DriverMemory>>,
     modules: Mutex<HashMap<&'static str, Module>>,
-    blas: Mutex<Option<Blas>>,
+    pub(super) blas: Mutex<Option<Blas>>,
+    /// A step being captured as a CUDA graph or compared with one ([`super::graph`]), and
+    /// whether that is so (checked first, without the lock, by every launch).
+    pub(super) recording: Mutex<Recording>,
+    pub(super) recording_on: AtomicBool,
     staging: Mutex<Option<Staging>>,
     name: String,
     capability: (i32, i32),
@@ -243,6 +249,8 @@ impl CudaDevice {
             multiprocessors,
             f32_math: Mutex::new(super::blas::F32Math::Exact),
             profile: Mutex::new(None),
+            recording: Mutex::new(Recording::Off),
+            recording_on: AtomicBool::new(false),
             sync_each_launch: std::env::var("MESHTRAIN_CUDA_SYNC").is_ok_and(|v| v == "1"),
         })
     }
@@ -343,6 +351,13 @@ impl CudaDevice {
     /// full.
     pub fn alloc(self: &Arc<Self>, bytes: usize, what: &str) -> Result<DevBuf, CudaError> {
         self.bind()?;
+        if let Some(block) = self.record_allocation(bytes)? {
+            return Ok(DevBuf {
+                block,
+                bytes,
+                device: self.clone(),
+            });
+        }
         let block = self
             .allocator
             .lock()
@@ -367,6 +382,12 @@ impl CudaDevice {
         if bytes == 0 {
             return Ok(());
         }
+        let op = || Op::Memset { ptr, bytes };
+        if self.recording_active()
+            && self.record(op(), || format!("a memset of {bytes} bytes"), None)? == Recorded::Skip
+        {
+            return Ok(());
+        }
         // SAFETY: `ptr..ptr+bytes` lies in a live allocation of this device.
         unsafe { cu::memset_d8_async(ptr, 0, bytes, self.cu_stream()) }
             .map_err(|e| CudaError::driver("clearing a buffer", e))
@@ -375,6 +396,12 @@ impl CudaDevice {
     /// Copies `bytes` from `src` to `dst` on the stream.
     pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
         if bytes == 0 {
+            return Ok(());
+        }
+        let op = || Op::Copy { dst, src, bytes };
+        if self.recording_active()
+            && self.record(op(), || format!("a copy of {bytes} bytes"), None)? == Recorded::Skip
+        {
             return Ok(());
         }
         // SAFETY: both ranges lie in live allocations of this device.
@@ -390,6 +417,9 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
+        if self.record_upload(dst, bytes)? {
+            return Ok(());
+        }
         if bytes.len() <= STAGING_BYTES / 2 {
             let mut staging = self.staging.lock().expect("staging");
             if staging.is_none() {
@@ -428,6 +458,7 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
+        self.not_in_a_graph("reads device memory")?;
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
         // SAFETY: `src` holds at least `bytes.len()` bytes.
         unsafe { cu::memcpy_dtoh_async(bytes, src, self.cu_stream()) }
@@ -468,6 +499,7 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
+        self.not_in_a_graph("waits for an upload")?;
         // SAFETY: `dst` holds at least `data.len()` bytes; the stream is synchronised below,
         // before `data` can be released.
         unsafe { cu::memcpy_htod_async(dst, data, self.cu_stream()) }
@@ -478,6 +510,7 @@ impl CudaDevice {
     /// Waits until everything queued has run; a kernel that failed is reported here.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.bind()?;
+        self.not_in_a_graph("waits for the device")?;
         self.stream
             .synchronize()
             .map_err(|e| CudaError::driver("running the queued kernels", e))
@@ -570,6 +603,17 @@ impl CudaDevice {
             entry.handle
         };
         self.bind()?;
+        if self.recording_active() {
+            let op = Op::Kernel {
+                func: func as usize,
+                launch,
+                args: args.slots.clone(),
+            };
+            let name = || format!("{kernel} ({file}) {launch:?}");
+            if self.record(op, name, None)? == Recorded::Skip {
+                return Ok(());
+            }
+        }
         let started = self.profiling().then(|| self.record_event()).transpose()?;
         let mut slots = args.slots;
         let mut params: Vec<*mut c_void> = slots
@@ -654,6 +698,7 @@ impl CudaDevice {
     /// A timing event recorded on the stream now.
     pub fn record_event(&self) -> Result<Event, CudaError> {
         self.bind()?;
+        self.not_in_a_graph("times its work")?;
         let e = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
             .map_err(|e| CudaError::driver("creating an event", e))?;
         // SAFETY: a fresh event and this device's stream.

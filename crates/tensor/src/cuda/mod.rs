@@ -11,7 +11,8 @@
 //! * [`ops`]: the operations layers call on device tensors (shape and dtype checks, then
 //!   launches), each the twin of a CPU kernel it is tested against ([`check`]);
 //! * [`train_ops`]: what a training step does over flat buffers (optimizers, norms);
-//! * [`decode`]: incremental decoding's key/value cache and attention over it.
+//! * [`decode`]: incremental decoding's key/value cache and attention over it;
+//! * [`graph`]: a training step captured as a CUDA graph and replayed.
 //!
 //! A device tensor ([`CudaTensor`]) holds a reference-counted buffer, so cloning one (a
 //! layer keeping its input for backward) copies nothing; operations write new buffers.
@@ -25,6 +26,7 @@ pub mod convnet;
 pub mod decode;
 pub mod error;
 pub mod fp8_linear;
+pub mod graph;
 pub mod ops;
 pub mod probe;
 pub mod train_ops;

@@ -171,12 +171,22 @@ void set_sticky(CUresult r) {
     if (g_sticky == CUDA_SUCCESS) g_sticky = r;
 }
 
+/// A stream's work while it is being captured into a graph (cuStreamBeginCapture): kept,
+/// not run; a graph launch queues it again, in order, as often as it is launched.
+using Captured = std::vector<std::function<void()>>;
+
 struct Stream {
     int flags = 0;
     std::deque<std::function<void()>> queue;
     uint64_t enqueued = 0, completed = 0;
     bool stop = false;
     std::thread worker;
+    /// While capturing: the work so far, whether the capture was invalidated (a call the
+    /// capture cannot hold was made), and whether its mode lets other calls run meanwhile
+    /// (CU_STREAM_CAPTURE_MODE_RELAXED; the other modes refuse cuMemAlloc, as CUDA does).
+    std::shared_ptr<Captured> capture;
+    bool invalidated = false;
+    bool relaxed = false;
     bool idle() const { return completed == enqueued; }
 };
 
@@ -215,10 +225,61 @@ void wait_for_streams(bool blocking_only = false) {
     });
 }
 
-/// Runs `work` in `stream`'s order: at once when streams are synchronous or for the null
-/// stream (the legacy stream waits for blocking streams first; cudarc makes none), else
-/// queued.
+/// The stream being captured, if `stream` is one (under g_sched).
+Stream* capturing_locked(CUstream stream) {
+    Stream* s = reinterpret_cast<Stream*>(stream);
+    return s && s->capture ? s : nullptr;
+}
+bool capturing(CUstream stream) {
+    std::lock_guard<std::mutex> g(g_sched);
+    return capturing_locked(stream) != nullptr;
+}
+/// The streams being captured (under g_sched).
+std::set<Stream*>& captures() {
+    static std::set<Stream*> s;
+    return s;
+}
+bool any_capture() {
+    std::lock_guard<std::mutex> g(g_sched);
+    return !captures().empty();
+}
+/// Whether a capture in a mode that refuses unsafe calls (not relaxed) is under way.
+bool strict_capture() {
+    std::lock_guard<std::mutex> g(g_sched);
+    for (Stream* s : captures())
+        if (!s->relaxed) return true;
+    return false;
+}
+
+/// A call that a capture cannot hold (a synchronisation, a copy to pageable memory, an
+/// event from outside): named on stderr, and the capture of `stream` (or every capture,
+/// for a call that concerns the whole device) is invalidated, as on CUDA.
+CUresult capture_refuses(const char* what, CUstream stream) {
+    std::fprintf(stderr, "emulated CUDA device: %s while a stream is being captured\n", what);
+    std::lock_guard<std::mutex> g(g_sched);
+    if (Stream* s = capturing_locked(stream)) {
+        s->invalidated = true;
+    } else {
+        for (Stream* s : captures()) s->invalidated = true;
+    }
+    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+}
+
+/// Whether a call on `stream` runs at once: streams are synchronous and it is not being
+/// captured.
+bool direct(CUstream stream) { return !async_streams() && !capturing(stream); }
+
+/// Runs `work` in `stream`'s order: kept when the stream is being captured; at once when
+/// streams are synchronous or for the null stream (the legacy stream waits for blocking
+/// streams first; cudarc makes none), else queued.
 void enqueue(CUstream stream, std::function<void()> work) {
+    {
+        std::lock_guard<std::mutex> g(g_sched);
+        if (Stream* s = capturing_locked(stream)) {
+            s->capture->push_back(std::move(work));
+            return;
+        }
+    }
     if (!async_streams()) {
         work();
         return;
@@ -299,7 +360,7 @@ std::function<void()> as_work(std::function<CUresult()> body) {
 }
 /// A memset queued on `s` (the range checked now and again when it runs).
 template <class T> CUresult fill_async(CUdeviceptr p, T v, size_t n, CUstream s) {
-    if (!async_streams()) return fill(p, v, n);
+    if (direct(s)) return fill(p, v, n);
     {
         EMU_LOCKED;
         if (CUresult r = device_range(p, n * sizeof(T), "a memset")) return r;
@@ -406,6 +467,7 @@ CUresult cuCtxGetDevice(CUdevice* d) {
     return CUDA_SUCCESS;
 }
 CUresult cuCtxSynchronize() {
+    if (any_capture()) return capture_refuses("cuCtxSynchronize", nullptr);
     if (!async_streams()) return CUDA_SUCCESS;
     wait_for_streams();
     std::lock_guard<std::mutex> g(g_sched);
@@ -452,6 +514,10 @@ CUresult cuStreamCreateWithPriority(CUstream* s, unsigned int flags, int) {
 /// releases it later; waiting here is one of the orders that allows).
 CUresult cuStreamDestroy(CUstream s) {
     Stream* st = reinterpret_cast<Stream*>(s);
+    {
+        std::lock_guard<std::mutex> g(g_sched);
+        captures().erase(st);
+    }
     if (st->worker.joinable()) {
         {
             std::unique_lock<std::mutex> l(g_sched);
@@ -466,6 +532,7 @@ CUresult cuStreamDestroy(CUstream s) {
     return CUDA_SUCCESS;
 }
 CUresult cuStreamSynchronize(CUstream s) {
+    if (capturing(s)) return capture_refuses("cuStreamSynchronize of it", s);
     if (!async_streams()) return CUDA_SUCCESS;
     std::unique_lock<std::mutex> l(g_sched);
     if (s) {
@@ -475,6 +542,7 @@ CUresult cuStreamSynchronize(CUstream s) {
     return g_sticky;
 }
 CUresult cuStreamQuery(CUstream s) {
+    if (capturing(s)) return capture_refuses("cuStreamQuery of it", s);
     if (!async_streams() || !s) return CUDA_SUCCESS;
     std::lock_guard<std::mutex> g(g_sched);
     if (g_sticky != CUDA_SUCCESS) return g_sticky;
@@ -482,6 +550,7 @@ CUresult cuStreamQuery(CUstream s) {
 }
 /// Holds `s` until `e`'s latest record (at the time of this call) has completed.
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int) {
+    if (capturing(s)) return capture_refuses("cuStreamWaitEvent (events are not emulated in graphs)", s);
     if (!async_streams()) return CUDA_SUCCESS;
     std::shared_ptr<EventState> state = reinterpret_cast<Event*>(e)->state;
     uint64_t record;
@@ -522,6 +591,7 @@ CUresult cuEventDestroy(CUevent e) {
     return CUDA_SUCCESS;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
+    if (capturing(s)) return capture_refuses("cuEventRecord (events are not emulated in graphs)", s);
     std::shared_ptr<EventState> state = reinterpret_cast<Event*>(e)->state;
     uint64_t record;
     {
@@ -562,6 +632,8 @@ CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
 // ---- memory ---------------------------------------------------------------------------
 
 CUresult cuMemAlloc(CUdeviceptr* p, size_t bytes) {
+    if (strict_capture())
+        return capture_refuses("cuMemAlloc (allowed only in CU_STREAM_CAPTURE_MODE_RELAXED)", nullptr);
     EMU_LOCKED;
     if (g_allocated + bytes > kTotalMemory) return CUDA_ERROR_OUT_OF_MEMORY;
     void* m = emu_device_alloc(bytes);
@@ -588,12 +660,15 @@ static CUresult release(CUdeviceptr p, const char* what) {
 }
 CUresult cuMemFree(CUdeviceptr p) {
     if (!p) return CUDA_SUCCESS;
+    // A captured graph may use the buffer whenever it is launched.
+    if (any_capture()) return capture_refuses("cuMemFree", nullptr);
     // cuMemFree synchronises the device: no queued work may still use the buffer.
     if (async_streams()) wait_for_streams();
     return release(p, "cuMemFree");
 }
 CUresult cuMemAllocAsync(CUdeviceptr* p, size_t bytes, CUstream) { return cuMemAlloc(p, bytes); }
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    if (capturing(s)) return capture_refuses("cuMemFreeAsync (not emulated in graphs)", s);
     if (!async_streams()) return cuMemFree(p);
     enqueue(s, as_work([p] { return release(p, "cuMemFreeAsync"); }));
     return CUDA_SUCCESS;
@@ -652,7 +727,11 @@ CUresult cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
     return copy((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, bytes);
 }
 CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstream s) {
-    if (!async_streams()) return cuMemcpyHtoD(dst, src, bytes);
+    if (direct(s)) return cuMemcpyHtoD(dst, src, bytes);
+    // A graph's copy reads its source when the graph runs: from pageable memory CUDA refuses
+    // it (the caller may reuse the memory at once).
+    if (capturing(s) && !is_pinned(src, bytes))
+        return capture_refuses("a copy to the device from pageable memory", s);
     {
         EMU_LOCKED;
         if (CUresult r = device_range(dst, bytes, "a copy to the device")) return r;
@@ -667,7 +746,9 @@ CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t bytes, CUstr
     return CUDA_SUCCESS;
 }
 CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream s) {
-    if (!async_streams()) return cuMemcpyDtoH(dst, src, bytes);
+    if (direct(s)) return cuMemcpyDtoH(dst, src, bytes);
+    if (capturing(s) && !is_pinned(dst, bytes))
+        return capture_refuses("a copy from the device to pageable memory", s);
     {
         EMU_LOCKED;
         if (CUresult r = device_range(src, bytes, "a copy from the device")) return r;
@@ -677,7 +758,7 @@ CUresult cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, size_t bytes, CUstream s)
     return is_pinned(dst, bytes) ? CUDA_SUCCESS : cuStreamSynchronize(s);
 }
 CUresult cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
-    if (!async_streams()) return cuMemcpyDtoD(dst, src, bytes);
+    if (direct(s)) return cuMemcpyDtoD(dst, src, bytes);
     {
         EMU_LOCKED;
         if (CUresult r = device_range(src, bytes, "a device copy's source")) return r;
@@ -803,7 +884,7 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
                         CUstream s, void** params, void** extra) {
     if (extra) return unsupported("cuLaunchKernel with `extra` arguments");
     const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
-    if (!async_streams()) return launch_now(f, grid, block, smem, params);
+    if (direct(s)) return launch_now(f, grid, block, smem, params);
     // The arguments are copied now: `params` points into the caller's frame.
     const size_t* sizes = nullptr;
     const size_t count = emu_device_kernel_params(f, &sizes);
@@ -816,6 +897,69 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
         const unsigned g[3] = {gx, gy, gz}, b[3] = {bx, by, bz};
         if (CUresult r = launch_now(f, g, b, smem, p.data())) set_sticky(r);
     });
+    return CUDA_SUCCESS;
+}
+
+// ---- graphs: a stream's captured work, replayed -----------------------------------------
+// A capture keeps the work queued on its stream (kernels with their arguments copied,
+// copies, memsets, products) instead of running it; a graph launch queues that work again,
+// in order. Calls a capture cannot hold are refused and invalidate it (capture_refuses).
+
+struct Graph {
+    std::shared_ptr<Captured> work;
+};
+
+CUresult cuStreamBeginCapture(CUstream s, CUstreamCaptureMode mode) {
+    if (!s) return unsupported("capturing the null stream");
+    std::lock_guard<std::mutex> g(g_sched);
+    Stream* st = reinterpret_cast<Stream*>(s);
+    if (st->capture) return CUDA_ERROR_ILLEGAL_STATE;
+    st->capture = std::make_shared<Captured>();
+    st->invalidated = false;
+    st->relaxed = mode == CU_STREAM_CAPTURE_MODE_RELAXED;
+    captures().insert(st);
+    return CUDA_SUCCESS;
+}
+CUresult cuStreamEndCapture(CUstream s, CUgraph* graph) {
+    std::lock_guard<std::mutex> g(g_sched);
+    Stream* st = capturing_locked(s);
+    *graph = nullptr;
+    if (!st) return CUDA_ERROR_ILLEGAL_STATE;
+    std::shared_ptr<Captured> work = std::move(st->capture);
+    st->capture.reset();
+    captures().erase(st);
+    if (st->invalidated) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    *graph = reinterpret_cast<CUgraph>(new Graph{work});
+    return CUDA_SUCCESS;
+}
+CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus* status) {
+    std::lock_guard<std::mutex> g(g_sched);
+    Stream* st = capturing_locked(s);
+    *status = !st                ? CU_STREAM_CAPTURE_STATUS_NONE
+              : st->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                                : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    return CUDA_SUCCESS;
+}
+CUresult cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned long long) {
+    *exec = reinterpret_cast<CUgraphExec>(new Graph{reinterpret_cast<Graph*>(graph)->work});
+    return CUDA_SUCCESS;
+}
+CUresult cuGraphUpload(CUgraphExec, CUstream) { return CUDA_SUCCESS; }
+/// The graph's work queued on `s` in its order; with synchronous streams it runs now and its
+/// first failure is returned.
+CUresult cuGraphLaunch(CUgraphExec exec, CUstream s) {
+    if (capturing(s)) return capture_refuses("cuGraphLaunch into a capture (not emulated)", s);
+    for (const auto& work : *reinterpret_cast<Graph*>(exec)->work) enqueue(s, work);
+    if (async_streams()) return CUDA_SUCCESS;
+    std::lock_guard<std::mutex> g(g_sched);
+    return g_sticky;
+}
+CUresult cuGraphExecDestroy(CUgraphExec exec) {
+    delete reinterpret_cast<Graph*>(exec);
+    return CUDA_SUCCESS;
+}
+CUresult cuGraphDestroy(CUgraph graph) {
+    delete reinterpret_cast<Graph*>(graph);
     return CUDA_SUCCESS;
 }
 
@@ -1078,7 +1222,7 @@ int cublasLtMatmul(void*, void* desc, const void* alpha, const void* a, void* ad
         if (failed) std::fprintf(stderr, "emulated cuBLASLt: %s\n", err);
         return failed;
     };
-    if (!async_streams()) return run() ? LT_NOT_SUPPORTED : LT_SUCCESS;
+    if (direct((CUstream)stream)) return run() ? LT_NOT_SUPPORTED : LT_SUCCESS;
     // The descriptors are resolved now (the caller may change or destroy them), the product
     // runs in stream order.
     enqueue((CUstream)stream, [run] {

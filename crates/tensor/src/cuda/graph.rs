@@ -1,0 +1,643 @@
+//! A training step as a CUDA graph: captured once, then replayed, so a step of a small model
+//! costs one launch instead of hundreds (issue 39, item 3).
+//!
+//! A captured graph replays the kernels with the arguments and addresses they had when it was
+//! captured, and copies what pinned host memory holds when it runs. The step's host code
+//! computes things per batch (token ids and their groups, the learning rate), so the graph
+//! alone cannot say whether it still does what the next step would do. Hence three phases,
+//! all on the device's one stream:
+//!
+//! 1. **Capture** ([`CudaDevice::begin_step_capture`], [`CudaDevice::end_step_capture`]):
+//!    the step's host code runs once with the stream capturing. Every kernel, product,
+//!    memset, copy and upload it queues is also written down (the tape); uploads are staged
+//!    through pinned memory of the tape's own, which the graph's copies read. The caching
+//!    allocator keeps the blocks the step touches for the graph ([`super::alloc`]). The
+//!    graph is then launched once: that runs the captured step itself.
+//! 2. **Shadow run** ([`StepGraph::begin_step`]): before each replay the step's host code
+//!    runs again, but the device only compares: each launch, product, memset and copy must
+//!    equal the tape's next entry (kernel, grid, block, every argument), each allocation
+//!    gets the block the capture got, and each upload writes its bytes into the pinned slot
+//!    the graph's copy reads. Nothing is queued.
+//! 3. **Replay** ([`StepGraph::end_step`]): if every piece matched, the graph is launched.
+//!
+//! Anything that differs (a grid that depends on the batch, an argument, an allocation of
+//! another size) or that a graph cannot hold (a read of device memory, a synchronisation, a
+//! timing event) makes the step **fall back** at that point: what it queued so far is issued
+//! as ordinary launches from the tape, the call that differed runs as usual, and so does the
+//! rest of the step. The step is then exactly the eager one, never a replay of the wrong
+//! graph, and the reason is returned to say why.
+
+use super::blas::{Blas, Gemm};
+use super::context::{CudaDevice, Launch};
+use super::error::CudaError;
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use cudarc::driver::CudaGraph;
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// One piece of a step's device work, as the capture saw it.
+#[derive(Clone, Debug)]
+pub(super) enum Op {
+    Kernel {
+        func: usize,
+        launch: Launch,
+        args: Vec<u64>,
+    },
+    Memset {
+        ptr: u64,
+        bytes: usize,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    /// `bytes` to `dst` from the tape's pinned inputs at `slot` (chunk, offset).
+    Upload {
+        dst: u64,
+        bytes: usize,
+        slot: (usize, usize),
+    },
+    Product {
+        gemm: Gemm,
+        choice: usize,
+    },
+}
+
+impl Op {
+    /// Whether `self` (the tape's) does what `other` (a shadow run's) would: the same work
+    /// on the same addresses (an upload's bytes are the run's own, its slot the tape's).
+    fn same_work(&self, other: &Op) -> bool {
+        match (self, other) {
+            (
+                Op::Upload { dst, bytes, .. },
+                Op::Upload {
+                    dst: d, bytes: b, ..
+                },
+            ) => dst == d && bytes == b,
+            (
+                Op::Kernel { func, launch, args },
+                Op::Kernel {
+                    func: f,
+                    launch: l,
+                    args: a,
+                },
+            ) => func == f && launch == l && args == a,
+            (Op::Memset { ptr, bytes }, Op::Memset { ptr: p, bytes: b }) => ptr == p && bytes == b,
+            (
+                Op::Copy { dst, src, bytes },
+                Op::Copy {
+                    dst: d,
+                    src: s,
+                    bytes: b,
+                },
+            ) => dst == d && src == s && bytes == b,
+            (Op::Product { gemm, choice }, Op::Product { gemm: g, choice: c }) => {
+                gemm == g && choice == c
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Pinned host memory the captured uploads read, in chunks that never move (the graph holds
+/// their addresses).
+#[derive(Default)]
+struct Inputs {
+    chunks: Vec<(*mut u8, usize, usize)>,
+}
+
+const INPUT_CHUNK_BYTES: usize = 1 << 20;
+
+impl Inputs {
+    /// Room for `bytes` (256-byte aligned), as (chunk, offset).
+    fn reserve(&mut self, bytes: usize) -> Result<(usize, usize), CudaError> {
+        let need = bytes.div_ceil(256) * 256;
+        if let Some((i, (_, cap, used))) = self.chunks.iter_mut().enumerate().next_back() {
+            if *used + need <= *cap {
+                let at = *used;
+                *used += need;
+                return Ok((i, at));
+            }
+        }
+        let cap = need.max(INPUT_CHUNK_BYTES);
+        // SAFETY: a pinned allocation of the current context, freed once in `Drop`.
+        let ptr = unsafe { cu::malloc_host(cap, 0) }
+            .map_err(|e| CudaError::driver("allocating pinned memory for a graph's inputs", e))?;
+        self.chunks.push((ptr as *mut u8, cap, need));
+        Ok((self.chunks.len() - 1, 0))
+    }
+
+    fn at(&self, (chunk, offset): (usize, usize)) -> *mut u8 {
+        // SAFETY: slots are handed out inside their chunk.
+        unsafe { self.chunks[chunk].0.add(offset) }
+    }
+}
+
+impl Drop for Inputs {
+    fn drop(&mut self) {
+        for &(ptr, _, _) in &self.chunks {
+            // SAFETY: allocated in `reserve`, freed once; the owner waited for the copies.
+            unsafe {
+                let _ = cu::free_host(ptr.cast());
+            }
+        }
+    }
+}
+
+/// The captured step's work in order, with a name for each piece (for the reason a later
+/// step fell back).
+#[derive(Default)]
+pub(super) struct Tape {
+    ops: Vec<Op>,
+    names: Vec<String>,
+    inputs: Inputs,
+}
+
+// SAFETY: the pinned chunks are plain host memory owned by the tape.
+unsafe impl Send for Tape {}
+
+impl Tape {
+    /// Queues `ops[..end]` as ordinary launches (a step that fell back); products through
+    /// `blas` when the caller holds it.
+    fn issue(
+        &self,
+        device: &CudaDevice,
+        end: usize,
+        blas: Option<&mut Blas>,
+    ) -> Result<(), CudaError> {
+        let stream = device.cu_stream();
+        let mut blas = blas;
+        let mut own_blas = None;
+        for op in &self.ops[..end] {
+            match op {
+                Op::Kernel { func, launch, args } => {
+                    let mut slots = args.clone();
+                    let mut params: Vec<*mut c_void> = slots
+                        .iter_mut()
+                        .map(|s| s as *mut u64 as *mut c_void)
+                        .collect();
+                    // SAFETY: the launch the step made, with its arguments, on its stream.
+                    unsafe {
+                        cu::launch_kernel(
+                            *func as sys::CUfunction,
+                            launch.grid,
+                            launch.block,
+                            launch.smem,
+                            stream,
+                            &mut params,
+                        )
+                    }
+                    .map_err(|e| CudaError::driver("launching a step's kernel again", e))?;
+                }
+                // SAFETY (the three below): the step's own ranges, in live allocations
+                // (the graph's pool keeps them), on its stream; the pinned slot lives in
+                // the tape, which outlives the copy (the owner waits before reuse).
+                Op::Memset { ptr, bytes } => {
+                    unsafe { cu::memset_d8_async(*ptr, 0, *bytes, stream) }
+                        .map_err(|e| CudaError::driver("clearing a buffer", e))?
+                }
+                Op::Copy { dst, src, bytes } => {
+                    unsafe { cu::memcpy_dtod_async(*dst, *src, *bytes, stream) }
+                        .map_err(|e| CudaError::driver("a device-to-device copy", e))?
+                }
+                Op::Upload { dst, bytes, slot } => unsafe {
+                    let data = std::slice::from_raw_parts(self.inputs.at(*slot), *bytes);
+                    cu::memcpy_htod_async(*dst, data, stream)
+                }
+                .map_err(|e| CudaError::driver("copying to the device", e))?,
+                Op::Product { gemm, choice } => {
+                    let b: &mut Blas = match blas.as_deref_mut() {
+                        Some(b) => b,
+                        None => {
+                            let guard =
+                                own_blas.get_or_insert_with(|| device.blas.lock().expect("blas"));
+                            guard.as_mut().expect("a product ran, so cuBLASLt exists")
+                        }
+                    };
+                    b.issue(gemm, *choice)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the device's stream is doing with a step's work.
+#[derive(Default)]
+pub(super) enum Recording {
+    /// Running it (no graph involved).
+    #[default]
+    Off,
+    /// Capturing it, and writing it down.
+    Capturing(Tape),
+    /// Comparing it with the tape, piece `next` next (nothing is queued).
+    Shadow { tape: Tape, next: usize },
+    /// It differed, or asked for what a graph cannot hold: what it had queued was issued,
+    /// and the rest runs as usual.
+    FellBack { tape: Tape, reason: String },
+}
+
+/// What a piece of work does after [`CudaDevice::record`].
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Recorded {
+    /// Queue it on the stream (eagerly, or into the capture).
+    Issue,
+    /// Nothing: a shadow run matched it, and the replay will run it.
+    Skip,
+}
+
+impl CudaDevice {
+    pub(super) fn recording_active(&self) -> bool {
+        self.recording_on.load(Ordering::Acquire)
+    }
+
+    /// Called by every piece of work before it is queued: written down while capturing,
+    /// compared during a shadow run (a difference makes the step fall back, and the piece
+    /// is then issued as usual). `name` says what it is, for the reason.
+    pub(super) fn record(
+        &self,
+        op: Op,
+        name: impl FnOnce() -> String,
+        blas: Option<&mut Blas>,
+    ) -> Result<Recorded, CudaError> {
+        if !self.recording_active() {
+            return Ok(Recorded::Issue);
+        }
+        let mut recording = self.recording.lock().expect("recording");
+        match &mut *recording {
+            Recording::Off | Recording::FellBack { .. } => Ok(Recorded::Issue),
+            Recording::Capturing(tape) => {
+                tape.ops.push(op);
+                tape.names.push(name());
+                Ok(Recorded::Issue)
+            }
+            Recording::Shadow { tape, next } => {
+                if tape.ops.get(*next).is_some_and(|o| o.same_work(&op)) {
+                    *next += 1;
+                    return Ok(Recorded::Skip);
+                }
+                let reason = match tape.names.get(*next) {
+                    Some(expected) => format!(
+                        "{} differs from the captured step's piece {} ({expected})",
+                        name(),
+                        *next
+                    ),
+                    None => format!(
+                        "{} comes after the {} pieces of the captured step",
+                        name(),
+                        tape.ops.len()
+                    ),
+                };
+                drop(recording);
+                self.fall_back(reason, blas)?;
+                Ok(Recorded::Issue)
+            }
+        }
+    }
+
+    /// `bytes` to `dst` while a step is captured or shadowed: through the tape's pinned
+    /// inputs (the graph's copy reads them). `false` when no step is recorded (or it fell
+    /// back here): the caller uploads as usual.
+    pub(super) fn record_upload(&self, dst: u64, data: &[u8]) -> Result<bool, CudaError> {
+        if !self.recording_active() {
+            return Ok(false);
+        }
+        let mut recording = self.recording.lock().expect("recording");
+        match &mut *recording {
+            Recording::Off | Recording::FellBack { .. } => Ok(false),
+            Recording::Capturing(tape) => {
+                let slot = tape.inputs.reserve(data.len())?;
+                let at = tape.inputs.at(slot);
+                // SAFETY: the slot holds `data.len()` bytes of pinned memory; the captured
+                // copy reads it whenever the graph runs (the tape keeps it).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len());
+                    cu::memcpy_htod_async(
+                        dst,
+                        std::slice::from_raw_parts(at, data.len()),
+                        self.cu_stream(),
+                    )
+                }
+                .map_err(|e| CudaError::driver("copying to the device", e))?;
+                tape.ops.push(Op::Upload {
+                    dst,
+                    bytes: data.len(),
+                    slot,
+                });
+                tape.names
+                    .push(format!("an upload of {} bytes", data.len()));
+                Ok(true)
+            }
+            Recording::Shadow { tape, next } => {
+                let op = Op::Upload {
+                    dst,
+                    bytes: data.len(),
+                    slot: (0, 0),
+                };
+                if let Some(Op::Upload { slot, .. }) =
+                    tape.ops.get(*next).filter(|o| o.same_work(&op))
+                {
+                    // SAFETY: the captured slot of this upload; the last replay that read it
+                    // is done (`begin_step` waited).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            data.as_ptr(),
+                            tape.inputs.at(*slot),
+                            data.len(),
+                        )
+                    };
+                    *next += 1;
+                    return Ok(true);
+                }
+                drop(recording);
+                self.fall_back(
+                    format!(
+                        "an upload of {} bytes differs from the captured step",
+                        data.len()
+                    ),
+                    None,
+                )?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// A replayed step's next allocation, from the graph's pool (`None`: no step is being
+    /// shadowed, or it fell back here and allocates as usual).
+    pub(super) fn record_allocation(
+        &self,
+        bytes: usize,
+    ) -> Result<Option<super::alloc::Block>, CudaError> {
+        if !self.recording_active() {
+            return Ok(None);
+        }
+        let shadow = matches!(
+            *self.recording.lock().expect("recording"),
+            Recording::Shadow { .. }
+        );
+        if !shadow {
+            return Ok(None);
+        }
+        let replayed = self
+            .allocator
+            .lock()
+            .expect("allocator")
+            .replay_allocation(bytes);
+        match replayed {
+            Ok(block) => Ok(Some(block)),
+            Err(why) => {
+                self.fall_back(
+                    format!("the step differs from the captured one: {why}"),
+                    None,
+                )?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Before work a graph cannot hold (`what`: a read of device memory, a synchronisation,
+    /// a timing event): a step being captured or shadowed falls back here.
+    pub(super) fn not_in_a_graph(&self, what: &str) -> Result<(), CudaError> {
+        self.leave_graph(what, None)
+    }
+
+    /// [`CudaDevice::not_in_a_graph`] from inside cuBLASLt's lock (`blas`, which then issues
+    /// the products written down so far).
+    pub(super) fn not_in_a_graph_holding(
+        &self,
+        what: &str,
+        blas: &mut Blas,
+    ) -> Result<(), CudaError> {
+        self.leave_graph(what, Some(blas))
+    }
+
+    fn leave_graph(&self, what: &str, blas: Option<&mut Blas>) -> Result<(), CudaError> {
+        if !self.recording_active() {
+            return Ok(());
+        }
+        let recording = matches!(
+            *self.recording.lock().expect("recording"),
+            Recording::Capturing(_) | Recording::Shadow { .. }
+        );
+        if recording {
+            self.fall_back(format!("the step {what}, which a graph cannot hold"), blas)?;
+        }
+        Ok(())
+    }
+
+    /// The step runs eagerly from here: a capture is ended (its graph dropped), the work
+    /// written down so far is queued as ordinary launches, and `reason` kept.
+    fn fall_back(&self, reason: String, blas: Option<&mut Blas>) -> Result<(), CudaError> {
+        let state = std::mem::take(&mut *self.recording.lock().expect("recording"));
+        let (tape, issued) = match state {
+            Recording::Capturing(tape) => {
+                // Ends the driver's capture, so what follows runs; its graph is not kept.
+                drop(self.stream().end_capture(sys::CUgraphInstantiate_flags(0)));
+                let n = tape.ops.len();
+                (tape, n)
+            }
+            Recording::Shadow { tape, next } => (tape, next),
+            other => {
+                *self.recording.lock().expect("recording") = other;
+                return Ok(());
+            }
+        };
+        self.allocator.lock().expect("allocator").end_graph_replay();
+        let issued = tape.issue(self, issued, blas);
+        *self.recording.lock().expect("recording") = Recording::FellBack { tape, reason };
+        issued
+    }
+
+    /// Starts capturing a step: every piece of work from here on is written down and
+    /// captured, not run, until [`CudaDevice::end_step_capture`]. The device must not be
+    /// shared with other work meanwhile (the trainer captures a step of one worker).
+    pub fn begin_step_capture(&self) -> Result<(), CudaError> {
+        self.synchronize()?;
+        let mut recording = self.recording.lock().expect("recording");
+        if !matches!(*recording, Recording::Off) {
+            return Err(CudaError::Unsupported(
+                "a step is already being captured or replayed on this device".into(),
+            ));
+        }
+        self.allocator
+            .lock()
+            .expect("allocator")
+            .begin_graph_capture();
+        self.stream()
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| CudaError::driver("beginning to capture a step", e))?;
+        *recording = Recording::Capturing(Tape::default());
+        self.recording_on.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Ends the capture begun by [`CudaDevice::begin_step_capture`] and runs the captured
+    /// step (its graph, launched once). Where the step fell back, or the driver could not
+    /// make a graph of it, the step has run (is queued) eagerly and the reason is returned.
+    pub fn end_step_capture(self: &Arc<Self>) -> Result<StepCapture, CudaError> {
+        let state = std::mem::take(&mut *self.recording.lock().expect("recording"));
+        self.recording_on.store(false, Ordering::Release);
+        let tape = match state {
+            Recording::Capturing(tape) => tape,
+            Recording::FellBack { reason, .. } => {
+                self.allocator.lock().expect("allocator").drop_graph_pool();
+                return Ok(StepCapture::FellBack(reason));
+            }
+            Recording::Off | Recording::Shadow { .. } => {
+                return Err(CudaError::Unsupported(
+                    "end_step_capture without begin_step_capture".into(),
+                ))
+            }
+        };
+        self.allocator
+            .lock()
+            .expect("allocator")
+            .end_graph_capture();
+        let graph = match self.stream().end_capture(sys::CUgraphInstantiate_flags(0)) {
+            Ok(Some(graph)) => graph,
+            failed => {
+                // Nothing of the step has run: queue it as ordinary launches.
+                tape.issue(self, tape.ops.len(), None)?;
+                self.allocator.lock().expect("allocator").drop_graph_pool();
+                let why = match failed {
+                    Err(e) => format!("{e:?}"),
+                    _ => "the capture is empty".into(),
+                };
+                return Ok(StepCapture::FellBack(format!(
+                    "the driver made no graph of the step: {why}"
+                )));
+            }
+        };
+        graph
+            .launch()
+            .map_err(|e| CudaError::driver("launching the captured step", e))?;
+        Ok(StepCapture::Graph(StepGraph {
+            device: self.clone(),
+            graph: Some(graph),
+            tape: Some(tape),
+            replays: 0,
+        }))
+    }
+}
+
+/// How a capture ended.
+pub enum StepCapture {
+    /// The step is a graph (and has run once, as it).
+    Graph(StepGraph),
+    /// The step ran eagerly; why it could not be captured.
+    FellBack(String),
+}
+
+/// A captured step, replayed after each shadow run that matches it ([`self`]'s docs).
+pub struct StepGraph {
+    device: Arc<CudaDevice>,
+    graph: Option<CudaGraph>,
+    tape: Option<Tape>,
+    replays: u64,
+}
+
+// SAFETY: the graph and its exec are driver handles used under `&mut self`, from one thread
+// at a time; the driver allows that from any thread of the context.
+unsafe impl Send for StepGraph {}
+
+impl StepGraph {
+    /// Before the step's host code: from here its work is compared with the captured step
+    /// instead of queued. Waits for the last replay (whose inputs are rewritten now).
+    pub fn begin_step(&mut self) -> Result<(), CudaError> {
+        let tape = self
+            .tape
+            .take()
+            .ok_or_else(|| CudaError::Unsupported("begin_step twice without end_step".into()))?;
+        self.device.synchronize()?;
+        self.device
+            .allocator
+            .lock()
+            .expect("allocator")
+            .begin_graph_replay();
+        *self.device.recording.lock().expect("recording") = Recording::Shadow { tape, next: 0 };
+        self.device.recording_on.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// After the step's host code: replays the graph if the step matched it whole (`None`),
+    /// else returns why it ran eagerly instead.
+    pub fn end_step(&mut self) -> Result<Option<String>, CudaError> {
+        let device = self.device.clone();
+        let state = std::mem::take(&mut *device.recording.lock().expect("recording"));
+        device.recording_on.store(false, Ordering::Release);
+        device
+            .allocator
+            .lock()
+            .expect("allocator")
+            .end_graph_replay();
+        match state {
+            Recording::Shadow { tape, next } if next == tape.ops.len() => {
+                self.tape = Some(tape);
+                let graph = self.graph.as_ref().expect("kept until dropped");
+                graph
+                    .launch()
+                    .map_err(|e| CudaError::driver("replaying the captured step", e))?;
+                self.replays += 1;
+                Ok(None)
+            }
+            Recording::Shadow { tape, next } => {
+                let issued = tape.issue(&device, next, None);
+                let total = tape.ops.len();
+                self.tape = Some(tape);
+                issued?;
+                Ok(Some(format!(
+                    "the step ended after {next} of the captured step's {total} pieces"
+                )))
+            }
+            Recording::FellBack { tape, reason } => {
+                self.tape = Some(tape);
+                Ok(Some(reason))
+            }
+            Recording::Off | Recording::Capturing(_) => {
+                Err(CudaError::Unsupported("end_step without begin_step".into()))
+            }
+        }
+    }
+
+    /// How many times the graph was replayed (after its captured run).
+    pub fn replays(&self) -> u64 {
+        self.replays
+    }
+
+    /// How many pieces of work (kernels, products, copies, memsets, uploads) one launch of
+    /// it runs.
+    pub fn pieces(&self) -> usize {
+        self.tape.as_ref().map_or(0, |t| t.ops.len())
+    }
+}
+
+impl Drop for StepGraph {
+    fn drop(&mut self) {
+        // A step left between begin_step and end_step (an error) stops being shadowed.
+        if self.tape.is_none() {
+            drop(std::mem::take(
+                &mut *self.device.recording.lock().expect("recording"),
+            ));
+            self.device.recording_on.store(false, Ordering::Release);
+            self.device
+                .allocator
+                .lock()
+                .expect("allocator")
+                .end_graph_replay();
+        }
+        // The graph's work must be done before its blocks serve others and its pinned
+        // inputs are freed.
+        let _ = self.device.synchronize();
+        self.graph = None;
+        self.device
+            .allocator
+            .lock()
+            .expect("allocator")
+            .drop_graph_pool();
+        let _ = self.device.bind();
+        self.tape = None;
+    }
+}
