@@ -326,7 +326,7 @@ fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
             let half = CudaTensor::alloc(dev, n, DType::BF16, "half copy")?;
             let m = CudaTensor::zeros(dev, n, DType::F32, "m")?;
             let v = CudaTensor::zeros(dev, n, DType::F32, "v")?;
-            let scalars = dev.alloc_zeroed(8, "norm")?;
+            let scalars = dev.alloc_zeroed(8 + train_ops::SCHEDULE_BYTES, "norm")?;
             let mut norms = (0.0f32, 0.0f32);
             for step in 1..=3u64 {
                 let g: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
@@ -369,10 +369,16 @@ fn check_optimizers(dev: &Arc<CudaDevice>, seed: u64) -> Vec<CheckResult> {
                             step,
                         },
                         mul,
+                        scalars.ptr() + 8,
                     )?,
-                    OptimizerConfig::Sgd { momentum, .. } => {
-                        train_ops::sgd(dev, state, &table, lr, momentum, step, mul)?
-                    }
+                    OptimizerConfig::Sgd { momentum, .. } => train_ops::sgd(
+                        dev,
+                        state,
+                        &table,
+                        train_ops::Sgd { lr, momentum, step },
+                        mul,
+                        scalars.ptr() + 8,
+                    )?,
                 }
                 let got: Vec<f32> = dev.download(scalars.ptr(), 2)?;
                 norms = (got[0], host_norm);
@@ -881,6 +887,9 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
         }],
     )
     .map_err(cuda)?;
+    let schedule = dev
+        .alloc(train_ops::SCHEDULE_BYTES, "schedule")
+        .map_err(cuda)?;
     let mut step = 0;
     let ms = time_ms(dev, args.reps, || {
         step += 1;
@@ -903,6 +912,7 @@ fn kernels(dev: &Arc<CudaDevice>, args: &BenchGpuArgs) -> Result<(f64, f64)> {
                 step,
             },
             None,
+            schedule.ptr(),
         )
     })?;
     report(

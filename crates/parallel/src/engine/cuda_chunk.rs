@@ -16,7 +16,7 @@ use meshtrain_nn::optim::{Optimizer, OptimizerConfig, StatePiece};
 use meshtrain_nn::{BlockParams, Loss, LossError, LossValue, Model, ParamStore, Params, ParamsMut};
 use meshtrain_tensor::cuda::context::Event;
 use meshtrain_tensor::cuda::error::ok_or_raise;
-use meshtrain_tensor::cuda::train_ops::{self, AdamW, FlatState, SegmentTable};
+use meshtrain_tensor::cuda::train_ops::{self, AdamW, FlatState, SegmentTable, Sgd};
 use meshtrain_tensor::cuda::{CudaDevice, CudaError, DevBuf, DeviceGrads, DeviceParams};
 use meshtrain_tensor::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -30,7 +30,8 @@ const TRAIN_SUMS: u64 = 8; // f64 Σ loss, f64 Σ correct
 const EVAL_SUMS: u64 = 24; // the same for evaluation
 const FOUND_INF: u64 = 40; // i32
 const SUM_OF_SQUARES: u64 = 48; // f64, this chunk's share of a norm over several workers
-const SCALARS: usize = 64;
+const SCHEDULE: u64 = 64; // the update's learning rate and corrections (train_ops::adamw)
+const SCALARS: usize = SCHEDULE as usize + train_ops::SCHEDULE_BYTES;
 
 fn placing(e: CudaError) -> PipelineError {
     PipelineError::Device(e.to_string())
@@ -715,15 +716,19 @@ impl DeviceState for CudaChunk {
                     step: optimizer.step,
                 },
                 clip_factor,
+                self.scalars.ptr() + SCHEDULE,
             ),
             OptimizerConfig::Sgd { momentum, .. } => train_ops::sgd(
                 &self.dev,
                 state,
                 &self.segments,
-                lr,
-                momentum,
-                optimizer.step,
+                Sgd {
+                    lr,
+                    momentum,
+                    step: optimizer.step,
+                },
                 clip_factor,
+                self.scalars.ptr() + SCHEDULE,
             ),
         });
         if let (Some(p), Some(w)) = (&self.pieces, &work) {

@@ -92,19 +92,27 @@ pub struct AdamW {
     pub step: u64,
 }
 
+/// The bytes of device memory an update's per-step values are written to ([`adamw`],
+/// [`sgd`]): the kernels read them there rather than as arguments, so a step captured as a
+/// CUDA graph ([`super::graph`]) replays the same launch every step.
+pub const SCHEDULE_BYTES: usize = 16;
+
 /// One AdamW update, PyTorch's arrangement (as `meshtrain_nn::optim`): the bias corrections
-/// folded into two scalars computed here in f32 exactly as the CPU does.
+/// folded into two scalars computed here in f32 exactly as the CPU does, written with the
+/// learning rate to `schedule` ([`SCHEDULE_BYTES`] of device memory).
 pub fn adamw(
     dev: &CudaDevice,
     s: FlatState,
     table: &SegmentTable,
     h: AdamW,
     grad_mul: Option<u64>,
+    schedule: u64,
 ) -> Result<(), CudaError> {
     let t = h.step as i32;
     let c1 = 1.0 - h.beta1.powi(t);
     let c2 = 1.0 - h.beta2.powi(t);
     let inv_sqrt_c2 = 1.0 / c2.sqrt();
+    dev.upload_to(schedule, &[h.lr, c1, inv_sqrt_c2])?;
     let (suffix, half) = half_suffix(s.half);
     dev.launch(
         "optimizer.cu",
@@ -118,26 +126,35 @@ pub fn adamw(
             .ptr(half)
             .i64(s.len as i64)
             .append(table.args())
-            .f32(h.lr)
+            .ptr(schedule)
             .f32(h.beta1)
             .f32(h.beta2)
             .f32(h.eps)
-            .f32(c1)
-            .f32(inv_sqrt_c2)
             .ptr(grad_mul.unwrap_or(0)),
     )
 }
 
-/// One SGD (momentum) update.
+/// SGD's hyper-parameters for one step.
+#[derive(Clone, Copy, Debug)]
+pub struct Sgd {
+    pub lr: f32,
+    pub momentum: f32,
+    /// The step number (1 for the first update, which sets the momentum to the gradient).
+    pub step: u64,
+}
+
+/// One SGD (momentum) update; the learning rate and first-step flag are written to
+/// `schedule` ([`SCHEDULE_BYTES`] of device memory), as [`adamw`]'s.
 pub fn sgd(
     dev: &CudaDevice,
     s: FlatState,
     table: &SegmentTable,
-    lr: f32,
-    momentum: f32,
-    step: u64,
+    h: Sgd,
     grad_mul: Option<u64>,
+    schedule: u64,
 ) -> Result<(), CudaError> {
+    let Sgd { lr, momentum, step } = h;
+    dev.upload_to(schedule, &[lr, (step == 1) as i32 as f32])?;
     let (suffix, half) = half_suffix(s.half);
     dev.launch(
         "optimizer.cu",
@@ -150,9 +167,8 @@ pub fn sgd(
             .ptr(half)
             .i64(s.len as i64)
             .append(table.args())
-            .f32(lr)
+            .ptr(schedule)
             .f32(momentum)
-            .i32((step == 1) as i32)
             .ptr(grad_mul.unwrap_or(0)),
     )
 }

@@ -52,7 +52,7 @@ static const long long SIZES[] = {1, 3, 5, 64, 1001};
 
 template <class H>
 static void test_adamw(void (*kernel)(float*, const float*, float*, float*, H*, long long, const long long*,
-                                      const float*, const float*, int, float, float, float, float, float, float,
+                                      const float*, const float*, int, const float*, float, float, float,
                                       const float*),
                        const char* name, bool has_half) {
     Rng rng(61);
@@ -79,9 +79,13 @@ static void test_adamw(void (*kernel)(float*, const float*, float*, float*, H*, 
                 const int t = 7;
                 const float c1 = 1.0f - std::pow(b1, (float)t), inv_sqrt_c2 = 1.0f / std::sqrt(1.0f - std::pow(b2, (float)t));
                 const unsigned grid = clip ? 1 : grid_for(n);
+                float* schedule = buffer<float>(3);
+                schedule[0] = lr;
+                schedule[1] = c1;
+                schedule[2] = inv_sqrt_c2;
                 emu::launch(kernel, dim3(grid), dim3(256), 0, p, (const float*)g, m, v, half, n,
                             (const long long*)seg.end, (const float*)seg.wd, (const float*)seg.lr_scale, seg.count,
-                            lr, b1, b2, eps, c1, inv_sqrt_c2, (const float*)mul);
+                            (const float*)schedule, b1, b2, eps, (const float*)mul);
                 for (long long i = 0; i < n; ++i) {
                     const int s = seg.of(i);
                     const double lrs = (double)lr * seg.lrv[s], gi = gv[i] * (clip ? 0.625 : 1.0);
@@ -107,7 +111,7 @@ static void test_adamw(void (*kernel)(float*, const float*, float*, float*, H*, 
 
 template <class H>
 static void test_sgd(void (*kernel)(float*, const float*, float*, H*, long long, const long long*, const float*,
-                                    const float*, int, float, float, int, const float*),
+                                    const float*, int, const float*, float, const float*),
                      const char* name, bool has_half) {
     Rng rng(62);
     for (long long n : SIZES) {
@@ -129,9 +133,12 @@ static void test_sgd(void (*kernel)(float*, const float*, float*, H*, long long,
                 }
                 const float lr = 0.05f, momentum = mode == 2 ? 0.0f : 0.9f;
                 const int first = mode == 1;
+                float* schedule = buffer<float>(2);
+                schedule[0] = lr;
+                schedule[1] = (float)first;
                 emu::launch(kernel, dim3(mode == 0 ? 1 : grid_for(n)), dim3(256), 0, p, (const float*)g, m, half, n,
                             (const long long*)seg.end, (const float*)seg.wd, (const float*)seg.lr_scale, seg.count,
-                            lr, momentum, first, (const float*)mul);
+                            (const float*)schedule, momentum, (const float*)mul);
                 for (long long i = 0; i < n; ++i) {
                     const int s = seg.of(i);
                     const double gi = gv[i] * (mul ? 0.5 : 1.0) + seg.wdv[s] * pv[i];

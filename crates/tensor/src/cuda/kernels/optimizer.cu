@@ -55,7 +55,10 @@ __device__ __forceinline__ float load_mul(const float* grad_mul) {
 
 // ---------------------------------------------------------------------------------------
 // AdamW, PyTorch's arrangement (decoupled decay, bias corrections folded into c1 and
-// inv_sqrt_c2 by the host).
+// inv_sqrt_c2 by the host). What changes every step (the learning rate and the corrections)
+// is read from device memory, `schedule` = {lr, c1, inv_sqrt_c2}, not passed as arguments:
+// a step captured as a CUDA graph replays the launch with its captured arguments, and the
+// host writes each step's values there.
 
 struct AdamParams {
     float lr, beta1, beta2, eps, c1, inv_sqrt_c2, mul;
@@ -126,11 +129,11 @@ __device__ __forceinline__ void adamw_impl(float* __restrict__ p, const float* _
 #define MT_ADAMW_ARGS                                                                        \
     float *p, const float *g, float *m, float *v, HALF_T *p_half, long long n,               \
         const long long *seg_end, const float *seg_wd, const float *seg_lr_scale, int nseg,  \
-        float lr, float beta1, float beta2, float eps, float c1, float inv_sqrt_c2,          \
-        const float *grad_mul
+        const float *schedule, float beta1, float beta2, float eps, const float *grad_mul
 #define MT_ADAMW_CALL(H, HALF)                                                               \
     adamw_impl<H, HALF>(p, g, m, v, p_half, n, seg_end, seg_wd, seg_lr_scale, nseg,          \
-                        AdamParams{lr, beta1, beta2, eps, c1, inv_sqrt_c2, load_mul(grad_mul)})
+                        AdamParams{schedule[0], beta1, beta2, eps, schedule[1], schedule[2], \
+                                   load_mul(grad_mul)})
 
 /// `_none`: no 16-bit copy; `p_half` is passed (null) and ignored.
 #define HALF_T float
@@ -150,7 +153,8 @@ extern "C" __global__ void __launch_bounds__(256) adamw_f16(MT_ADAMW_ARGS) {
 #undef HALF_T
 
 // ---------------------------------------------------------------------------------------
-// SGD with momentum (coupled weight decay, PyTorch's arrangement).
+// SGD with momentum (coupled weight decay, PyTorch's arrangement); `schedule` = {lr,
+// first_step (1 or 0)} in device memory, as AdamW's.
 
 __device__ __forceinline__ void sgd_one(float& p, float g, float& m, float lr_s, float wd,
                                         float momentum, bool fresh, float mul) {
@@ -209,11 +213,11 @@ __device__ __forceinline__ void sgd_impl(float* __restrict__ p, const float* __r
 
 #define MT_SGD_ARGS                                                                          \
     float *p, const float *g, float *m, HALF_T *p_half, long long n, const long long *seg_end, \
-        const float *seg_wd, const float *seg_lr_scale, int nseg, float lr, float momentum,  \
-        int first_step, const float *grad_mul
+        const float *seg_wd, const float *seg_lr_scale, int nseg, const float *schedule,     \
+        float momentum, const float *grad_mul
 #define MT_SGD_CALL(H, HALF)                                                                 \
-    sgd_impl<H, HALF>(p, g, m, p_half, n, seg_end, seg_wd, seg_lr_scale, nseg, lr, momentum, \
-                      first_step, grad_mul)
+    sgd_impl<H, HALF>(p, g, m, p_half, n, seg_end, seg_wd, seg_lr_scale, nseg, schedule[0],  \
+                      momentum, schedule[1] != 0.0f, grad_mul)
 
 #define HALF_T float
 extern "C" __global__ void __launch_bounds__(256) sgd_none(MT_SGD_ARGS) {
