@@ -378,6 +378,12 @@ pub struct TrainConfig {
     /// error; PyTorch's `allow_tf32`). Off by default: f32 means f32.
     #[serde(default)]
     pub tf32: bool,
+    /// On a GPU, capture the training step as CUDA graphs after two eager steps and replay
+    /// them (a few launches a step instead of hundreds: for small models, whose steps are
+    /// bound by launches). One worker, no fp16 loss scaling; a step that differs from the
+    /// captured one runs eagerly, and the run says why. See docs/gpu.md.
+    #[serde(default)]
+    pub cuda_graph: bool,
 }
 
 fn default_precision() -> String {
@@ -695,6 +701,7 @@ impl Config {
             device: self.train.device,
             stand_in_device: self.parallel.stand_in_device,
             tf32: self.train.tf32,
+            cuda_graph: self.train.cuda_graph,
             cp_mode: p.cp_mode,
             ranks_per_host: p.ranks_per_host,
         })

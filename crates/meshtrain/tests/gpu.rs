@@ -237,8 +237,9 @@ fn graph_test_step(
 
 /// A step captured as a CUDA graph, then replayed after shadow runs of its host code: each
 /// replay with new uploaded inputs gives the eager step's bits; a step of another shape, or
-/// one that reads device memory in the middle, falls back to eager launches (saying why)
-/// with the eager step's results, and the graph replays again afterwards.
+/// one that reads device memory where the captured one did not, falls back to eager launches
+/// (saying why) with the eager step's results, and the graph replays again afterwards. A
+/// step that reads in its middle is two graphs with the read between them.
 #[test]
 fn a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs() {
     use meshtrain_tensor::cuda::graph::StepCapture;
@@ -282,8 +283,8 @@ fn a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs() {
         panic!("the step fell back while captured")
     };
     assert_eq!(result(m * n), expected[0]);
-    // upload, product, kernel, memset, copy
-    assert_eq!(graph.pieces(), 5);
+    // upload, product, kernel, memset, copy, in one graph
+    assert_eq!(graph.pieces(), (5, 1));
     for (x, e) in inputs.iter().zip(&expected).skip(1) {
         graph.begin_step().unwrap();
         graph_test_step(&dev, x, &w, &out, (m, k)).unwrap();
@@ -298,8 +299,8 @@ fn a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs() {
     let why = graph.end_step().unwrap().expect("a wider step falls back");
     assert!(why.contains("differs from the captured step"), "{why}");
     assert_eq!(result(2 * m * n), expected_wider);
-    // A read in the middle of the step: it falls back there, and the read sees the work
-    // queued before it.
+    // A read where the captured step had none: it falls back there, and the read sees the
+    // work queued before it.
     graph.begin_step().unwrap();
     graph_test_step(&dev, &inputs[2], &w, &out, (m, k)).unwrap();
     assert_eq!(result(m * n), expected[2]);
@@ -315,17 +316,86 @@ fn a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs() {
     assert_eq!(graph.replays(), 3);
     drop(graph);
 
-    // A capture that reads device memory falls back to eager launches at once.
-    dev.memset_zero(out.ptr(), m * n * 4).unwrap();
-    dev.begin_step_capture().unwrap();
-    graph_test_step(&dev, &inputs[1], &w, &out, (m, k)).unwrap();
-    assert_eq!(result(m * n), expected[1]);
-    let StepCapture::FellBack(why) = dev.end_step_capture().unwrap() else {
-        panic!("a capture that reads the device made a graph")
+    // A step that reads device memory in its middle: captured as two graphs with the read
+    // between them, and replayed so, the read seeing the first graph's work.
+    let read_step = |x: &[f32]| -> Vec<f32> {
+        graph_test_step(&dev, x, &w, &out, (m, k)).unwrap();
+        let seen = result(m * n);
+        meshtrain_tensor::cuda::train_ops::scale(&dev, out.ptr(), m * n, 2.0).unwrap();
+        seen
     };
+    let doubled = |e: &[f32]| e.iter().map(|v| v * 2.0).collect::<Vec<f32>>();
+    dev.begin_step_capture().unwrap();
+    assert_eq!(read_step(&inputs[0]), expected[0]);
+    let StepCapture::Graph(mut graph) = dev.end_step_capture().unwrap() else {
+        panic!("a step with a read fell back while captured")
+    };
+    assert_eq!(graph.pieces(), (6, 2), "six pieces in two graphs");
+    assert_eq!(result(m * n), doubled(&expected[0]));
+    for (x, e) in inputs.iter().zip(&expected).skip(1) {
+        graph.begin_step().unwrap();
+        assert_eq!(&read_step(x), e, "the read between the replayed graphs");
+        assert_eq!(graph.end_step().unwrap(), None);
+        assert_eq!(result(m * n), doubled(e));
+    }
+    // Without the read, the second piece of work differs from the captured point.
+    graph.begin_step().unwrap();
+    graph_test_step(&dev, &inputs[1], &w, &out, (m, k)).unwrap();
+    meshtrain_tensor::cuda::train_ops::scale(&dev, out.ptr(), m * n, 2.0).unwrap();
+    let why = graph
+        .end_step()
+        .unwrap()
+        .expect("a step without the read falls back");
     assert!(why.contains("reads device memory"), "{why}");
+    assert_eq!(result(m * n), doubled(&expected[1]));
+    drop(graph);
     // And eager work after all this gives the same bits.
     assert_eq!(eager(&inputs[2]), expected[2]);
+}
+
+/// `train.cuda_graph`: after two eager steps the step is captured as CUDA graphs and
+/// replayed; the run learns the same parameters, to the bit, as the eager run on the GPU:
+/// the GPT in fp32, and the Llama (rotary positions, grouped key/value heads, SwiGLU) in
+/// bf16 with its 16-bit compute copy.
+#[test]
+fn a_run_replaying_its_steps_as_cuda_graphs_learns_the_eager_runs_parameters() {
+    if !gpu() {
+        return;
+    }
+    let steps = 6;
+    type Make = fn(&std::path::Path, u64, &[&str]) -> Config;
+    let gpt: Make = tiny_gpu_gpt_config;
+    let llama: Make = |out, steps, extra| {
+        let mut o = vec!["model.dim=64", "model.heads=2", "model.kv_heads=1"];
+        o.extend_from_slice(extra);
+        common::tiny_llama_config(out, steps, &o)
+    };
+    for (name, make, precision) in [("gpt", gpt, "fp32"), ("llama", llama, "bf16")] {
+        let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+        let precision = format!("train.precision=\"{precision}\"");
+        let eager_cfg = make(
+            dirs[0].path(),
+            steps,
+            &["train.device=\"cuda\"", &precision],
+        );
+        let eager_run = run(&eager_cfg, &RunOptions::default()).unwrap();
+        assert_eq!(eager_run.graph_replays, None);
+        let eager = checkpoint_params(&eager_cfg, &written_checkpoint(dirs[0].path()));
+        let graph_cfg = make(
+            dirs[1].path(),
+            steps,
+            &["train.device=\"cuda\"", &precision, "train.cuda_graph=true"],
+        );
+        let graphed = run(&graph_cfg, &RunOptions::default()).unwrap();
+        // Steps 1 and 2 eager, 3 captured (and run as its graphs), the rest replayed.
+        assert_eq!(graphed.graph_replays, Some(steps - 3), "{name}");
+        let replayed = checkpoint_params(&graph_cfg, &written_checkpoint(dirs[1].path()));
+        assert_eq!(replayed, eager, "{name}: the replayed run's parameters");
+        assert_eq!(
+            graphed.final_train_loss, eager_run.final_train_loss,
+            "{name}"
+        );
+    }
 }
 
 /// The GPU tests above on the emulated CUDA device (`crates/tensor/tests/cuda_emu/device`):
@@ -340,6 +410,7 @@ fn the_gpu_tests_pass_on_the_emulated_device() {
         "a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet",
         "single_master_and_hierarchical_ddp_on_gpus_match_the_cpu",
         "a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs",
+        "a_run_replaying_its_steps_as_cuda_graphs_learns_the_eager_runs_parameters",
     ];
     if common::rerun_on_the_emulated_device(&tests) {
         common::rerun_on_the_emulated_device_with(

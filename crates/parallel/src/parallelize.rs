@@ -113,6 +113,9 @@ pub struct ParallelOptions {
     pub stand_in_device: bool,
     /// f32 products on the GPU may use TF32 tensor cores (`train.tf32`).
     pub tf32: bool,
+    /// Replay the step as CUDA graphs (`train.cuda_graph`) where it can be: one worker whose
+    /// one chunk is on a GPU, without fp16's loss scaling.
+    pub cuda_graph: bool,
     /// Hosts of this many consecutive ranks (0: as the backend knows them): simulates hosts
     /// on the threads backend, overrides MPI's detected placement. Read by the launcher,
     /// which builds the world's `CommConfig`; parallelize goes by the world's placement.
@@ -224,6 +227,11 @@ pub struct StepStats {
     pub skipped: bool,
     /// fp16: the loss scale after this step.
     pub loss_scale: Option<f32>,
+    /// Under `train.cuda_graph`: whether this step ran as a replay of the captured graphs
+    /// (`None`: the run does not replay its steps), and what to tell the user once (the
+    /// step was captured, or why it runs eagerly).
+    pub graph_replayed: Option<bool>,
+    pub graph_note: Option<String>,
 }
 
 /// Bytes this worker holds for its model states, measured from the allocations themselves
@@ -306,6 +314,8 @@ pub struct Parallel {
     /// `train.memory_limit_mb`, checked with measured activations after the first step
     /// (then `None`).
     step_memory_limit_mb: Option<f64>,
+    /// Replay steps as CUDA graphs where they can be (`ParallelOptions::cuda_graph`).
+    cuda_graph: bool,
     /// The context-parallel sizes the model allows (for the limit's message).
     cp_sizes: Vec<usize>,
     /// The collectives of a run on several GPUs (`None`: the host's, for host buffers).
@@ -609,6 +619,7 @@ pub fn parallelize(
         norm_group,
         scaling,
         step_memory_limit_mb: options.memory_limit_mb,
+        cuda_graph: options.cuda_graph,
         cp_sizes,
     })
 }
@@ -764,6 +775,10 @@ impl Parallel {
         }
         let tp_before = self.tp_comm().unwrap_or_default();
         let cp_before = self.cp_comm().unwrap_or_default();
+        let graphed = self.graphed();
+        if graphed {
+            self.graphed_chunk().begin_step_graph();
+        }
         let Parallel {
             stage,
             sync,
@@ -849,6 +864,7 @@ impl Parallel {
         } else {
             self.stage.zero_grads();
         }
+        let graph = graphed.then(|| self.graphed_chunk().end_step_graph());
         times.optimizer_s = t.elapsed().as_secs_f64();
         let after = self.sync.after_update(&mut self.stage.chunks)?;
         times.comm_exposed_s += after.exposed_s;
@@ -898,7 +914,26 @@ impl Parallel {
             peak_activation_bytes: report.peak_activation_bytes,
             skipped,
             loss_scale: scaled.map(|o| o.scale),
+            graph_replayed: graph.as_ref().map(|g| g.replayed),
+            graph_note: graph.and_then(|g| g.note),
         })
+    }
+
+    /// Whether the step is to run as CUDA graphs (`train.cuda_graph`): one worker, one chunk
+    /// placed on a device, no fp16 loss scaling (whose overflow check decides on the host
+    /// whether the update runs).
+    fn graphed(&self) -> bool {
+        self.cuda_graph
+            && self.mesh.world().size() == 1
+            && self.scaling.is_none()
+            && matches!(&self.stage.chunks[..], [c] if c.device.is_some())
+    }
+
+    fn graphed_chunk(&mut self) -> &mut dyn crate::engine::DeviceState {
+        self.stage.chunks[0]
+            .device
+            .as_deref_mut()
+            .expect("a graphed step's chunk is on a device")
     }
 
     /// The device this worker's chunks are placed on (all of them are on the same one), if

@@ -266,6 +266,9 @@ pub struct Summary {
     /// rank 0 is the one to print).
     #[serde(skip)]
     pub rank: usize,
+    /// `train.cuda_graph`: how many steps ran as replays of the captured CUDA graphs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graph_replays: Option<u64>,
     /// Set when a signal (or the caller's [`crate::StopRequest`]) stopped the run before its
     /// end: it finished the step in flight and saved this checkpoint, to resume from.
     #[serde(skip_serializing_if = "Option::is_none")]

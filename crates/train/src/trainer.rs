@@ -70,6 +70,8 @@ pub struct Trainer {
     timeline: Option<RecordedTimeline>,
     /// fp16: steps skipped so far because some worker's gradients overflowed.
     pub skipped_steps: Option<u64>,
+    /// `train.cuda_graph`: steps that ran as replays of the captured graphs.
+    pub graph_replays: Option<u64>,
     /// The most activation bytes one of this worker's steps kept.
     peak_activation_bytes: usize,
     /// Background checkpoint writes, one in flight at a time.
@@ -187,6 +189,7 @@ impl Trainer {
             show_progress: false,
             timeline,
             skipped_steps: None,
+            graph_replays: None,
             peak_activation_bytes: 0,
             writer: CheckpointWriter::default(),
             stop: StopRequest::new(),
@@ -307,6 +310,12 @@ impl Trainer {
         self.peak_activation_bytes = self.peak_activation_bytes.max(stats.peak_activation_bytes);
         if stats.loss_scale.is_some() {
             *self.skipped_steps.get_or_insert(0) += u64::from(stats.skipped);
+        }
+        if let Some(replayed) = stats.graph_replayed {
+            *self.graph_replays.get_or_insert(0) += u64::from(replayed);
+        }
+        if let Some(note) = &stats.graph_note {
+            eprintln!("{note}");
         }
         self.step += 1;
         // fp16: a step skipped for an overflow is the loss scaler's business, unless the
@@ -965,6 +974,7 @@ impl Trainer {
             wall_s: started.elapsed().as_secs_f64(),
             layout: self.parallel.layout.layout.to_string(),
             rank: self.parallel.world().rank(),
+            graph_replays: self.graph_replays,
             stopped: stopped_by.map(|signal| Stopped {
                 signal,
                 step: self.step,

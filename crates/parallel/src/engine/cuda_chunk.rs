@@ -8,7 +8,9 @@
 //! Inside a step, errors are raised as device panics and caught around the step, where an
 //! out-of-memory becomes advice on what would fit.
 
-use super::device::{kept_ranges, ChunkPlace, DeviceMemory, DeviceState, StateKind, Sums};
+use super::device::{
+    kept_ranges, ChunkPlace, DeviceMemory, DeviceState, StateKind, StepGraphOutcome, Sums,
+};
 use super::flat::{Apply, CopyPlan, FlatBuf, FlatMemory, Run};
 use super::PipelineError;
 use meshtrain_comm::RawBuf;
@@ -16,6 +18,7 @@ use meshtrain_nn::optim::{Optimizer, OptimizerConfig, StatePiece};
 use meshtrain_nn::{BlockParams, Loss, LossError, LossValue, Model, ParamStore, Params, ParamsMut};
 use meshtrain_tensor::cuda::context::Event;
 use meshtrain_tensor::cuda::error::ok_or_raise;
+use meshtrain_tensor::cuda::graph::{StepCapture, StepGraph};
 use meshtrain_tensor::cuda::train_ops::{self, AdamW, FlatState, SegmentTable, Sgd};
 use meshtrain_tensor::cuda::{CudaDevice, CudaError, DevBuf, DeviceGrads, DeviceParams};
 use meshtrain_tensor::{DType, Device, Tensor};
@@ -72,7 +75,26 @@ pub struct CudaChunk {
     anchor: Option<(Event, Instant)>,
     span: Option<Event>,
     spans: Vec<(Event, Event)>,
+    /// Where the run's steps stand as CUDA graphs (`train.cuda_graph`).
+    graph: GraphPhase,
 }
+
+/// A step as CUDA graphs, from the run's first steps on.
+enum GraphPhase {
+    /// Eager steps before the capture (this many more): the first steps load modules,
+    /// autotune the products and warm the allocator up, none of which a graph can hold.
+    Warming(u32),
+    Capturing,
+    /// Replayed; how many steps in a row have fallen back.
+    Replaying(StepGraph, u32),
+    /// Eager from now on (said why once).
+    Dropped,
+}
+
+/// Eager steps before the capture.
+const GRAPH_WARMUP_STEPS: u32 = 2;
+/// Steps in a row that fall back before the graph is dropped.
+const GRAPH_FALLBACKS_TO_DROP: u32 = 3;
 
 impl CudaChunk {
     /// The state of a chunk holding `blocks` of `model`, uploaded from `store` and
@@ -127,6 +149,7 @@ impl CudaChunk {
             anchor: None,
             span: None,
             spans: Vec::new(),
+            graph: GraphPhase::Warming(GRAPH_WARMUP_STEPS),
             len,
             dev: dev.clone(),
         };
@@ -748,5 +771,55 @@ impl DeviceState for CudaChunk {
 
     fn wait(&mut self) {
         ok_or_raise(self.dev.synchronize());
+    }
+
+    fn begin_step_graph(&mut self) {
+        match &mut self.graph {
+            GraphPhase::Warming(0) => {
+                ok_or_raise(self.dev.begin_step_capture());
+                self.graph = GraphPhase::Capturing;
+            }
+            GraphPhase::Warming(n) => *n -= 1,
+            GraphPhase::Replaying(graph, _) => ok_or_raise(graph.begin_step()),
+            GraphPhase::Capturing | GraphPhase::Dropped => {}
+        }
+    }
+
+    fn end_step_graph(&mut self) -> StepGraphOutcome {
+        let mut outcome = StepGraphOutcome::default();
+        match std::mem::replace(&mut self.graph, GraphPhase::Dropped) {
+            GraphPhase::Capturing => match ok_or_raise(self.dev.end_step_capture()) {
+                StepCapture::Graph(graph) => {
+                    let (pieces, graphs) = graph.pieces();
+                    outcome.note = Some(format!(
+                        "CUDA graphs: the step is captured ({pieces} kernels, products and copies in \
+                         {graphs} graphs between its reads) and replayed from now on"
+                    ));
+                    self.graph = GraphPhase::Replaying(graph, 0);
+                }
+                StepCapture::FellBack(why) => {
+                    outcome.note = Some(format!(
+                        "CUDA graphs: the step could not be captured, it runs eagerly: {why}"
+                    ));
+                }
+            },
+            GraphPhase::Replaying(mut graph, in_a_row) => match ok_or_raise(graph.end_step()) {
+                None => {
+                    outcome.replayed = true;
+                    self.graph = GraphPhase::Replaying(graph, 0);
+                }
+                Some(_) if in_a_row + 1 < GRAPH_FALLBACKS_TO_DROP => {
+                    self.graph = GraphPhase::Replaying(graph, in_a_row + 1);
+                }
+                Some(why) => {
+                    outcome.note = Some(format!(
+                        "CUDA graphs: dropped after {GRAPH_FALLBACKS_TO_DROP} steps in a row that \
+                         differ from the captured one, the step runs eagerly: {why}"
+                    ));
+                }
+            },
+            other => self.graph = other,
+        }
+        outcome
     }
 }

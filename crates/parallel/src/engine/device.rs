@@ -251,6 +251,28 @@ pub trait DeviceState: Send {
     /// Returns once the work queued on the device so far has run (so the host's clock
     /// covers it).
     fn wait(&mut self);
+
+    /// Before a training step's work, when the run replays its steps as CUDA graphs
+    /// (`train.cuda_graph`) and this chunk is the whole step of the only worker: a device
+    /// that can captures this step, or compares it with the captured one
+    /// (`meshtrain_tensor::cuda::graph`).
+    fn begin_step_graph(&mut self) {}
+
+    /// After the step's update: whether it ran as a replay, and what to say once.
+    fn end_step_graph(&mut self) -> StepGraphOutcome {
+        StepGraphOutcome {
+            replayed: false,
+            note: None,
+        }
+    }
+}
+
+/// How a step asked to run as CUDA graphs went ([`DeviceState::end_step_graph`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepGraphOutcome {
+    pub replayed: bool,
+    /// Said once: the step was captured, or why it runs eagerly from now on.
+    pub note: Option<String>,
 }
 
 impl DeviceMemory {

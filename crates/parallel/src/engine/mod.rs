@@ -35,7 +35,7 @@ pub mod partition;
 pub mod schedule;
 mod transport;
 
-pub use device::{DeviceMemory, DeviceState, StandIn, StateKind};
+pub use device::{DeviceMemory, DeviceState, StandIn, StateKind, StepGraphOutcome};
 pub use executor::{
     ChunkParams, GradsReady, MicroBatches, NoHooks, Stage, StageChunk, StageStores, StepHooks,
     StepOptions, StepReport,

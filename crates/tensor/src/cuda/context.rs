@@ -458,12 +458,13 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
-        self.not_in_a_graph("reads device memory")?;
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
-        // SAFETY: `src` holds at least `bytes.len()` bytes.
-        unsafe { cu::memcpy_dtoh_async(bytes, src, self.cu_stream()) }
-            .map_err(|e| CudaError::driver("copying from the device", e))?;
-        self.synchronize()
+        self.between_graphs("reads device memory", || {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(out);
+            // SAFETY: `src` holds at least `bytes.len()` bytes.
+            unsafe { cu::memcpy_dtoh_async(bytes, src, self.cu_stream()) }
+                .map_err(|e| CudaError::driver("copying from the device", e))?;
+            self.synchronize()
+        })
     }
 
     pub fn download<T: bytemuck::Pod + Default>(
@@ -499,21 +500,23 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
-        self.not_in_a_graph("waits for an upload")?;
-        // SAFETY: `dst` holds at least `data.len()` bytes; the stream is synchronised below,
-        // before `data` can be released.
-        unsafe { cu::memcpy_htod_async(dst, data, self.cu_stream()) }
-            .map_err(|e| CudaError::driver("copying to the device", e))?;
-        self.synchronize()
+        self.between_graphs("waits for an upload", || {
+            // SAFETY: `dst` holds at least `data.len()` bytes; the stream is synchronised
+            // below, before `data` can be released.
+            unsafe { cu::memcpy_htod_async(dst, data, self.cu_stream()) }
+                .map_err(|e| CudaError::driver("copying to the device", e))?;
+            self.synchronize()
+        })
     }
 
     /// Waits until everything queued has run; a kernel that failed is reported here.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.bind()?;
-        self.not_in_a_graph("waits for the device")?;
-        self.stream
-            .synchronize()
-            .map_err(|e| CudaError::driver("running the queued kernels", e))
+        self.between_graphs("waits for the device", || {
+            self.stream
+                .synchronize()
+                .map_err(|e| CudaError::driver("running the queued kernels", e))
+        })
     }
 
     /// Compiles (or loads from the cache) `file` for this device, once per process.
@@ -698,13 +701,14 @@ impl CudaDevice {
     /// A timing event recorded on the stream now.
     pub fn record_event(&self) -> Result<Event, CudaError> {
         self.bind()?;
-        self.not_in_a_graph("times its work")?;
-        let e = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-            .map_err(|e| CudaError::driver("creating an event", e))?;
-        // SAFETY: a fresh event and this device's stream.
-        unsafe { cu::event::record(e, self.cu_stream()) }
-            .map_err(|e| CudaError::driver("recording an event", e))?;
-        Ok(Event(e))
+        self.between_graphs("times its work", || {
+            let e = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                .map_err(|e| CudaError::driver("creating an event", e))?;
+            // SAFETY: a fresh event and this device's stream.
+            unsafe { cu::event::record(e, self.cu_stream()) }
+                .map_err(|e| CudaError::driver("recording an event", e))?;
+            Ok(Event(e))
+        })
     }
 }
 

@@ -1,5 +1,5 @@
-//! A training step as a CUDA graph: captured once, then replayed, so a step of a small model
-//! costs one launch instead of hundreds (issue 39, item 3).
+//! A training step as CUDA graphs: captured once, then replayed, so a step of a small model
+//! costs a few launches instead of hundreds (issue 39, item 3).
 //!
 //! A captured graph replays the kernels with the arguments and addresses they had when it was
 //! captured, and copies what pinned host memory holds when it runs. The step's host code
@@ -11,21 +11,27 @@
 //!    the step's host code runs once with the stream capturing. Every kernel, product,
 //!    memset, copy and upload it queues is also written down (the tape); uploads are staged
 //!    through pinned memory of the tape's own, which the graph's copies read. The caching
-//!    allocator keeps the blocks the step touches for the graph ([`super::alloc`]). The
-//!    graph is then launched once: that runs the captured step itself.
+//!    allocator keeps the blocks the step touches for the graph ([`super::alloc`]).
 //! 2. **Shadow run** ([`StepGraph::begin_step`]): before each replay the step's host code
 //!    runs again, but the device only compares: each launch, product, memset and copy must
 //!    equal the tape's next entry (kernel, grid, block, every argument), each allocation
 //!    gets the block the capture got, and each upload writes its bytes into the pinned slot
 //!    the graph's copy reads. Nothing is queued.
-//! 3. **Replay** ([`StepGraph::end_step`]): if every piece matched, the graph is launched.
+//! 3. **Replay**: what matched is launched as the captured graph.
 //!
-//! Anything that differs (a grid that depends on the batch, an argument, an allocation of
-//! another size) or that a graph cannot hold (a read of device memory, a synchronisation, a
-//! timing event) makes the step **fall back** at that point: what it queued so far is issued
-//! as ordinary launches from the tape, the call that differed runs as usual, and so does the
-//! rest of the step. The step is then exactly the eager one, never a replay of the wrong
-//! graph, and the reason is returned to say why.
+//! **Segments.** A step reads device memory (the loss sums, the gradient norm), waits for
+//! the device and records timing events: none of that can be inside a graph. Such a point
+//! ends a segment: while capturing, the capture so far becomes a graph, which is launched,
+//! the read (wait, event) runs as usual, and a new capture begins; a shadow run launches the
+//! segment's graph there (every piece of it matched) and does the read. A step is then a
+//! few graph launches with its reads between them, as the eager step has them.
+//!
+//! **Falling back.** Anything that differs (a grid that depends on the batch, an argument,
+//! an allocation of another size, a read where the captured step had none) or that a graph
+//! cannot hold (autotuning a product of a new shape) makes the step fall back at that point:
+//! what the current segment queued so far is issued as ordinary launches from the tape, the
+//! call that differed runs as usual, and so does the rest of the step. The step is then
+//! exactly the eager one, never a replay of the wrong graph, and the reason is returned.
 
 use super::blas::{Blas, Gemm};
 use super::context::{CudaDevice, Launch};
@@ -64,6 +70,10 @@ pub(super) enum Op {
         gemm: Gemm,
         choice: usize,
     },
+    /// A read, wait or timing event of the step's (`what`): a segment ends here.
+    Between {
+        what: &'static str,
+    },
 }
 
 impl Op {
@@ -97,6 +107,7 @@ impl Op {
             (Op::Product { gemm, choice }, Op::Product { gemm: g, choice: c }) => {
                 gemm == g && choice == c
             }
+            (Op::Between { what }, Op::Between { what: w }) => what == w,
             _ => false,
         }
     }
@@ -154,25 +165,29 @@ pub(super) struct Tape {
     ops: Vec<Op>,
     names: Vec<String>,
     inputs: Inputs,
+    /// Each segment's graph (`None` for a segment with no work), in order.
+    graphs: Vec<Option<CudaGraph>>,
 }
 
-// SAFETY: the pinned chunks are plain host memory owned by the tape.
+// SAFETY: the pinned chunks are plain host memory owned by the tape; the graphs are driver
+// handles used by one thread at a time (the device's recording lock, or `&mut StepGraph`).
 unsafe impl Send for Tape {}
 
 impl Tape {
-    /// Queues `ops[..end]` as ordinary launches (a step that fell back); products through
+    /// Queues `ops[range]` as ordinary launches (a step that fell back); products through
     /// `blas` when the caller holds it.
     fn issue(
         &self,
         device: &CudaDevice,
-        end: usize,
+        range: std::ops::Range<usize>,
         blas: Option<&mut Blas>,
     ) -> Result<(), CudaError> {
         let stream = device.cu_stream();
         let mut blas = blas;
         let mut own_blas = None;
-        for op in &self.ops[..end] {
+        for op in &self.ops[range] {
             match op {
+                Op::Between { .. } => {}
                 Op::Kernel { func, launch, args } => {
                     let mut slots = args.clone();
                     let mut params: Vec<*mut c_void> = slots
@@ -231,13 +246,45 @@ pub(super) enum Recording {
     /// Running it (no graph involved).
     #[default]
     Off,
-    /// Capturing it, and writing it down.
-    Capturing(Tape),
-    /// Comparing it with the tape, piece `next` next (nothing is queued).
-    Shadow { tape: Tape, next: usize },
+    /// Capturing it, and writing it down; the current segment's pieces begin at `start`.
+    /// `paused` > 0 between segments (a read or wait under way, run as usual).
+    Capturing {
+        tape: Tape,
+        start: usize,
+        paused: u32,
+    },
+    /// Comparing it with the tape, piece `next` next, in segment `segment` (begun at piece
+    /// `start`); nothing is queued but the matched segments' graphs.
+    Shadow {
+        tape: Tape,
+        next: usize,
+        start: usize,
+        segment: usize,
+        paused: u32,
+    },
     /// It differed, or asked for what a graph cannot hold: what it had queued was issued,
     /// and the rest runs as usual.
     FellBack { tape: Tape, reason: String },
+}
+
+/// Ends the stream's capture: the segment's graph (`None` when it holds no work), launched.
+fn end_segment(device: &CudaDevice) -> Result<Option<CudaGraph>, CudaError> {
+    let graph = device
+        .stream()
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .map_err(|e| CudaError::driver("ending a step's captured segment", e))?;
+    if let Some(g) = &graph {
+        g.launch()
+            .map_err(|e| CudaError::driver("launching a step's captured segment", e))?;
+    }
+    Ok(graph)
+}
+
+fn begin_segment(device: &CudaDevice) -> Result<(), CudaError> {
+    device
+        .stream()
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(|e| CudaError::driver("beginning to capture a step", e))
 }
 
 /// What a piece of work does after [`CudaDevice::record`].
@@ -268,33 +315,24 @@ impl CudaDevice {
         }
         let mut recording = self.recording.lock().expect("recording");
         match &mut *recording {
-            Recording::Off | Recording::FellBack { .. } => Ok(Recorded::Issue),
-            Recording::Capturing(tape) => {
+            Recording::Capturing { tape, paused, .. } if *paused == 0 => {
                 tape.ops.push(op);
                 tape.names.push(name());
                 Ok(Recorded::Issue)
             }
-            Recording::Shadow { tape, next } => {
+            Recording::Shadow {
+                tape, next, paused, ..
+            } if *paused == 0 => {
                 if tape.ops.get(*next).is_some_and(|o| o.same_work(&op)) {
                     *next += 1;
                     return Ok(Recorded::Skip);
                 }
-                let reason = match tape.names.get(*next) {
-                    Some(expected) => format!(
-                        "{} differs from the captured step's piece {} ({expected})",
-                        name(),
-                        *next
-                    ),
-                    None => format!(
-                        "{} comes after the {} pieces of the captured step",
-                        name(),
-                        tape.ops.len()
-                    ),
-                };
+                let reason = differs(tape, *next, &name());
                 drop(recording);
                 self.fall_back(reason, blas)?;
                 Ok(Recorded::Issue)
             }
+            _ => Ok(Recorded::Issue),
         }
     }
 
@@ -306,9 +344,9 @@ impl CudaDevice {
             return Ok(false);
         }
         let mut recording = self.recording.lock().expect("recording");
+        let name = || format!("an upload of {} bytes", data.len());
         match &mut *recording {
-            Recording::Off | Recording::FellBack { .. } => Ok(false),
-            Recording::Capturing(tape) => {
+            Recording::Capturing { tape, paused, .. } if *paused == 0 => {
                 let slot = tape.inputs.reserve(data.len())?;
                 let at = tape.inputs.at(slot);
                 // SAFETY: the slot holds `data.len()` bytes of pinned memory; the captured
@@ -327,11 +365,12 @@ impl CudaDevice {
                     bytes: data.len(),
                     slot,
                 });
-                tape.names
-                    .push(format!("an upload of {} bytes", data.len()));
+                tape.names.push(name());
                 Ok(true)
             }
-            Recording::Shadow { tape, next } => {
+            Recording::Shadow {
+                tape, next, paused, ..
+            } if *paused == 0 => {
                 let op = Op::Upload {
                     dst,
                     bytes: data.len(),
@@ -352,16 +391,12 @@ impl CudaDevice {
                     *next += 1;
                     return Ok(true);
                 }
+                let reason = differs(tape, *next, &name());
                 drop(recording);
-                self.fall_back(
-                    format!(
-                        "an upload of {} bytes differs from the captured step",
-                        data.len()
-                    ),
-                    None,
-                )?;
+                self.fall_back(reason, None)?;
                 Ok(false)
             }
+            _ => Ok(false),
         }
     }
 
@@ -398,14 +433,105 @@ impl CudaDevice {
         }
     }
 
-    /// Before work a graph cannot hold (`what`: a read of device memory, a synchronisation,
-    /// a timing event): a step being captured or shadowed falls back here.
-    pub(super) fn not_in_a_graph(&self, what: &str) -> Result<(), CudaError> {
-        self.leave_graph(what, None)
+    /// Runs `work`, a read, wait or timing event of the step's (`what`), between two of its
+    /// graphs: a capture ends its segment here (launching its graph) and begins the next
+    /// after; a shadow run launches the matched segment's graph here. Nested calls (a read
+    /// that waits) are part of the outer one.
+    pub(super) fn between_graphs<T>(
+        &self,
+        what: &'static str,
+        work: impl FnOnce() -> Result<T, CudaError>,
+    ) -> Result<T, CudaError> {
+        if !self.recording_active() {
+            return work();
+        }
+        let resume = self.pause(what)?;
+        let result = work();
+        if resume {
+            self.resume()?;
+        }
+        result
     }
 
-    /// [`CudaDevice::not_in_a_graph`] from inside cuBLASLt's lock (`blas`, which then issues
-    /// the products written down so far).
+    /// The step reaches a read: whether [`CudaDevice::resume`] is to follow.
+    fn pause(&self, what: &'static str) -> Result<bool, CudaError> {
+        let mut recording = self.recording.lock().expect("recording");
+        match &mut *recording {
+            Recording::Capturing {
+                tape,
+                start,
+                paused,
+            } => {
+                if *paused == 0 {
+                    let graph = end_segment(self);
+                    let graph = match graph {
+                        Ok(g) => g,
+                        Err(e) => {
+                            // The driver made no graph of the segment: its pieces run as
+                            // ordinary launches, and so does the rest of the step.
+                            drop(recording);
+                            self.fall_back(format!("{e}"), None)?;
+                            return Ok(false);
+                        }
+                    };
+                    tape.graphs.push(graph);
+                    tape.ops.push(Op::Between { what });
+                    tape.names.push(format!("a point where the step {what}"));
+                    *start = tape.ops.len();
+                }
+                *paused += 1;
+                Ok(true)
+            }
+            Recording::Shadow {
+                tape,
+                next,
+                start,
+                segment,
+                paused,
+            } => {
+                if *paused == 0 {
+                    let op = Op::Between { what };
+                    if !tape.ops.get(*next).is_some_and(|o| o.same_work(&op)) {
+                        let reason = differs(tape, *next, &format!("a point where it {what}"));
+                        drop(recording);
+                        self.fall_back(reason, None)?;
+                        return Ok(false);
+                    }
+                    if let Some(graph) = &tape.graphs[*segment] {
+                        graph
+                            .launch()
+                            .map_err(|e| CudaError::driver("replaying a step's segment", e))?;
+                    }
+                    *segment += 1;
+                    *next += 1;
+                    *start = *next;
+                }
+                *paused += 1;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    fn resume(&self) -> Result<(), CudaError> {
+        let mut recording = self.recording.lock().expect("recording");
+        match &mut *recording {
+            Recording::Capturing { paused, .. } => {
+                *paused -= 1;
+                if *paused == 0 {
+                    begin_segment(self)?;
+                }
+            }
+            Recording::Shadow { paused, .. } => *paused -= 1,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Before work a graph cannot hold and a replay would not repeat (`what`: planning a
+    /// product of a new shape, a timed product), from inside cuBLASLt's lock (`blas`, which
+    /// then issues the products written down so far): a step being captured or shadowed
+    /// falls back here.
     pub(super) fn not_in_a_graph_holding(
         &self,
         what: &str,
@@ -420,7 +546,7 @@ impl CudaDevice {
         }
         let recording = matches!(
             *self.recording.lock().expect("recording"),
-            Recording::Capturing(_) | Recording::Shadow { .. }
+            Recording::Capturing { paused: 0, .. } | Recording::Shadow { paused: 0, .. }
         );
         if recording {
             self.fall_back(format!("the step {what}, which a graph cannot hold"), blas)?;
@@ -428,32 +554,41 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// The step runs eagerly from here: a capture is ended (its graph dropped), the work
-    /// written down so far is queued as ordinary launches, and `reason` kept.
+    /// The step runs eagerly from here: a capture is ended (its segment's graph dropped),
+    /// the current segment's pieces so far are queued as ordinary launches, and `reason`
+    /// kept.
     fn fall_back(&self, reason: String, blas: Option<&mut Blas>) -> Result<(), CudaError> {
         let state = std::mem::take(&mut *self.recording.lock().expect("recording"));
-        let (tape, issued) = match state {
-            Recording::Capturing(tape) => {
-                // Ends the driver's capture, so what follows runs; its graph is not kept.
-                drop(self.stream().end_capture(sys::CUgraphInstantiate_flags(0)));
+        let (tape, pending) = match state {
+            Recording::Capturing {
+                tape,
+                start,
+                paused,
+            } => {
+                if paused == 0 {
+                    // Ends the driver's capture, so what follows runs; its graph is not kept.
+                    drop(self.stream().end_capture(sys::CUgraphInstantiate_flags(0)));
+                }
                 let n = tape.ops.len();
-                (tape, n)
+                (tape, start..n)
             }
-            Recording::Shadow { tape, next } => (tape, next),
+            Recording::Shadow {
+                tape, next, start, ..
+            } => (tape, start..next),
             other => {
                 *self.recording.lock().expect("recording") = other;
                 return Ok(());
             }
         };
         self.allocator.lock().expect("allocator").end_graph_replay();
-        let issued = tape.issue(self, issued, blas);
+        let issued = tape.issue(self, pending, blas);
         *self.recording.lock().expect("recording") = Recording::FellBack { tape, reason };
         issued
     }
 
     /// Starts capturing a step: every piece of work from here on is written down and
-    /// captured, not run, until [`CudaDevice::end_step_capture`]. The device must not be
-    /// shared with other work meanwhile (the trainer captures a step of one worker).
+    /// captured, until [`CudaDevice::end_step_capture`]. The device must not be shared with
+    /// other work meanwhile (the trainer captures a step of one worker).
     pub fn begin_step_capture(&self) -> Result<(), CudaError> {
         self.synchronize()?;
         let mut recording = self.recording.lock().expect("recording");
@@ -466,29 +601,34 @@ impl CudaDevice {
             .lock()
             .expect("allocator")
             .begin_graph_capture();
-        self.stream()
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .map_err(|e| CudaError::driver("beginning to capture a step", e))?;
-        *recording = Recording::Capturing(Tape::default());
+        begin_segment(self)?;
+        *recording = Recording::Capturing {
+            tape: Tape::default(),
+            start: 0,
+            paused: 0,
+        };
         self.recording_on.store(true, Ordering::Release);
         Ok(())
     }
 
-    /// Ends the capture begun by [`CudaDevice::begin_step_capture`] and runs the captured
-    /// step (its graph, launched once). Where the step fell back, or the driver could not
-    /// make a graph of it, the step has run (is queued) eagerly and the reason is returned.
+    /// Ends the capture begun by [`CudaDevice::begin_step_capture`]; its last segment's
+    /// graph is launched (each earlier one was at its end), so the captured step has run.
+    /// Where the step fell back, or the driver could not make a graph of it, the step has run
+    /// (is queued) eagerly and the reason is returned.
     pub fn end_step_capture(self: &Arc<Self>) -> Result<StepCapture, CudaError> {
         let state = std::mem::take(&mut *self.recording.lock().expect("recording"));
         self.recording_on.store(false, Ordering::Release);
-        let tape = match state {
-            Recording::Capturing(tape) => tape,
+        let mut tape = match state {
+            Recording::Capturing {
+                tape, paused: 0, ..
+            } => tape,
             Recording::FellBack { reason, .. } => {
                 self.allocator.lock().expect("allocator").drop_graph_pool();
                 return Ok(StepCapture::FellBack(reason));
             }
-            Recording::Off | Recording::Shadow { .. } => {
+            _ => {
                 return Err(CudaError::Unsupported(
-                    "end_step_capture without begin_step_capture".into(),
+                    "end_step_capture without begin_step_capture, or inside a read".into(),
                 ))
             }
         };
@@ -496,30 +636,40 @@ impl CudaDevice {
             .lock()
             .expect("allocator")
             .end_graph_capture();
-        let graph = match self.stream().end_capture(sys::CUgraphInstantiate_flags(0)) {
-            Ok(Some(graph)) => graph,
-            failed => {
-                // Nothing of the step has run: queue it as ordinary launches.
-                tape.issue(self, tape.ops.len(), None)?;
+        match end_segment(self) {
+            Ok(graph) => tape.graphs.push(graph),
+            Err(e) => {
+                // The last segment has not run: queue its pieces as ordinary launches.
+                let start = tape
+                    .ops
+                    .iter()
+                    .rposition(|o| matches!(o, Op::Between { .. }))
+                    .map_or(0, |i| i + 1);
+                tape.issue(self, start..tape.ops.len(), None)?;
                 self.allocator.lock().expect("allocator").drop_graph_pool();
-                let why = match failed {
-                    Err(e) => format!("{e:?}"),
-                    _ => "the capture is empty".into(),
-                };
                 return Ok(StepCapture::FellBack(format!(
-                    "the driver made no graph of the step: {why}"
+                    "the driver made no graph of the step: {e}"
                 )));
             }
-        };
-        graph
-            .launch()
-            .map_err(|e| CudaError::driver("launching the captured step", e))?;
+        }
         Ok(StepCapture::Graph(StepGraph {
             device: self.clone(),
-            graph: Some(graph),
             tape: Some(tape),
             replays: 0,
         }))
+    }
+}
+
+/// Why a shadow run's piece `name` is not the tape's piece `next`.
+fn differs(tape: &Tape, next: usize, name: &str) -> String {
+    match tape.names.get(next) {
+        Some(expected) => {
+            format!("{name} differs from the captured step's piece {next} ({expected})")
+        }
+        None => format!(
+            "{name} comes after the {} pieces of the captured step",
+            tape.ops.len()
+        ),
     }
 }
 
@@ -534,14 +684,10 @@ pub enum StepCapture {
 /// A captured step, replayed after each shadow run that matches it ([`self`]'s docs).
 pub struct StepGraph {
     device: Arc<CudaDevice>,
-    graph: Option<CudaGraph>,
+    /// The tape and its graphs (with the device while a shadow run uses them).
     tape: Option<Tape>,
     replays: u64,
 }
-
-// SAFETY: the graph and its exec are driver handles used under `&mut self`, from one thread
-// at a time; the driver allows that from any thread of the context.
-unsafe impl Send for StepGraph {}
 
 impl StepGraph {
     /// Before the step's host code: from here its work is compared with the captured step
@@ -557,13 +703,19 @@ impl StepGraph {
             .lock()
             .expect("allocator")
             .begin_graph_replay();
-        *self.device.recording.lock().expect("recording") = Recording::Shadow { tape, next: 0 };
+        *self.device.recording.lock().expect("recording") = Recording::Shadow {
+            tape,
+            next: 0,
+            start: 0,
+            segment: 0,
+            paused: 0,
+        };
         self.device.recording_on.store(true, Ordering::Release);
         Ok(())
     }
 
-    /// After the step's host code: replays the graph if the step matched it whole (`None`),
-    /// else returns why it ran eagerly instead.
+    /// After the step's host code: launches the last segment's graph if the step matched
+    /// the captured one whole (`None`), else returns why it ran eagerly instead.
     pub fn end_step(&mut self) -> Result<Option<String>, CudaError> {
         let device = self.device.clone();
         let state = std::mem::take(&mut *device.recording.lock().expect("recording"));
@@ -574,17 +726,26 @@ impl StepGraph {
             .expect("allocator")
             .end_graph_replay();
         match state {
-            Recording::Shadow { tape, next } if next == tape.ops.len() => {
+            Recording::Shadow {
+                tape,
+                next,
+                segment,
+                paused: 0,
+                ..
+            } if next == tape.ops.len() => {
+                let launched = match &tape.graphs[segment] {
+                    Some(graph) => graph.launch(),
+                    None => Ok(()),
+                };
                 self.tape = Some(tape);
-                let graph = self.graph.as_ref().expect("kept until dropped");
-                graph
-                    .launch()
-                    .map_err(|e| CudaError::driver("replaying the captured step", e))?;
+                launched.map_err(|e| CudaError::driver("replaying the captured step", e))?;
                 self.replays += 1;
                 Ok(None)
             }
-            Recording::Shadow { tape, next } => {
-                let issued = tape.issue(&device, next, None);
+            Recording::Shadow {
+                tape, next, start, ..
+            } => {
+                let issued = tape.issue(&device, start..next, None);
                 let total = tape.ops.len();
                 self.tape = Some(tape);
                 issued?;
@@ -596,48 +757,54 @@ impl StepGraph {
                 self.tape = Some(tape);
                 Ok(Some(reason))
             }
-            Recording::Off | Recording::Capturing(_) => {
+            Recording::Off | Recording::Capturing { .. } => {
                 Err(CudaError::Unsupported("end_step without begin_step".into()))
             }
         }
     }
 
-    /// How many times the graph was replayed (after its captured run).
+    /// How many times the step was replayed (after its captured run).
     pub fn replays(&self) -> u64 {
         self.replays
     }
 
-    /// How many pieces of work (kernels, products, copies, memsets, uploads) one launch of
-    /// it runs.
-    pub fn pieces(&self) -> usize {
-        self.tape.as_ref().map_or(0, |t| t.ops.len())
+    /// How many pieces of work (kernels, products, copies, memsets, uploads) one replay
+    /// runs, and in how many graphs (segments between the step's reads and waits).
+    pub fn pieces(&self) -> (usize, usize) {
+        self.tape.as_ref().map_or((0, 0), |t| {
+            let between = t.ops.iter().filter(|o| matches!(o, Op::Between { .. }));
+            (t.ops.len() - between.count(), t.graphs.len())
+        })
     }
 }
 
 impl Drop for StepGraph {
     fn drop(&mut self) {
+        let device = self.device.clone();
         // A step left between begin_step and end_step (an error) stops being shadowed.
         if self.tape.is_none() {
-            drop(std::mem::take(
-                &mut *self.device.recording.lock().expect("recording"),
-            ));
-            self.device.recording_on.store(false, Ordering::Release);
-            self.device
+            match std::mem::take(&mut *device.recording.lock().expect("recording")) {
+                Recording::Shadow { tape, .. } | Recording::FellBack { tape, .. } => {
+                    self.tape = Some(tape)
+                }
+                _ => {}
+            }
+            device.recording_on.store(false, Ordering::Release);
+            device
                 .allocator
                 .lock()
                 .expect("allocator")
                 .end_graph_replay();
         }
-        // The graph's work must be done before its blocks serve others and its pinned
+        // The graphs' work must be done before their blocks serve others and their pinned
         // inputs are freed.
-        let _ = self.device.synchronize();
-        self.graph = None;
-        self.device
+        let _ = device.synchronize();
+        device
             .allocator
             .lock()
             .expect("allocator")
             .drop_graph_pool();
-        let _ = self.device.bind();
+        let _ = device.bind();
         self.tape = None;
     }
 }

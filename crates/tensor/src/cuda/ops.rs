@@ -1579,20 +1579,32 @@ pub fn embedding_backward(
     check_embedding_params(grads.len(), vocab, d, pos_of)?;
     let groups = TokenGroups::of(ids, vocab);
     let (gte, gpe) = grads.split_at(vocab * d);
-    let order = dev.upload(&groups.order, "embedding token order")?;
-    let starts = dev.upload(&groups.starts, "embedding token groups")?;
-    let uniq = dev.upload(&groups.uniq, "embedding token ids")?;
+    // Every upload and the grid sized by the token count, not by the batch's distinct ids:
+    // the same launch for every batch of a shape (a captured CUDA graph replays it), the
+    // count beside the group starts, blocks past it idle.
+    let tokens = ids.len().max(1);
+    let padded = |mut v: Vec<i32>, len: usize| {
+        v.resize(len, 0);
+        v
+    };
+    let count = groups.uniq.len();
+    let mut starts = groups.starts.clone();
+    starts.resize(tokens + 1, *groups.starts.last().unwrap_or(&0));
+    starts.push(count as i32);
+    let order = dev.upload(&padded(groups.order, tokens), "embedding token order")?;
+    let starts = dev.upload(&starts, "embedding token groups")?;
+    let uniq = dev.upload(&padded(groups.uniq, tokens), "embedding token ids")?;
     dev.launch(
         "embedding.cu",
         "embedding_bwd_tokens",
-        Launch::linear(groups.uniq.len().min(MAX_BLOCKS * 4), THREADS),
+        Launch::linear(tokens.min(MAX_BLOCKS * 4), THREADS),
         Args::new()
             .ptr(dy.ptr())
             .ptr(order.ptr())
             .ptr(starts.ptr())
             .ptr(uniq.ptr())
             .ptr(gte.ptr())
-            .usize_as_i32(groups.uniq.len())
+            .ptr(starts.ptr() + 4 * (tokens as u64 + 1))
             .usize_as_i32(d),
     )?;
     let Some(pos_of) = pos_of else {

@@ -74,15 +74,19 @@ static void test(int vocab, int batch, int seq, int max_seq, int d, uint64_t see
     int* order = buffer<int>(tokens);
     int* starts = buffer<int>(uc + 1);
     int* uniq = buffer<int>(uc);
+    int* count = buffer<int>(1);
+    *count = uc;
     std::copy(g.order.begin(), g.order.end(), order);
     std::copy(g.starts.begin(), g.starts.end(), starts);
     std::copy(g.uniq.begin(), g.uniq.end(), uniq);
     for (int small_grid = 0; small_grid < 2; ++small_grid) {
         float* dwte = buffer<float>((size_t)vocab * d);
         auto want = fill_random(dwte, (size_t)vocab * d, rng, -1.0f, 1.0f);
-        const unsigned grid = small_grid ? 2 : (unsigned)uc;
+        // The full grid has more blocks than ids (the host launches one per token): the
+        // surplus ones idle.
+        const unsigned grid = small_grid ? 2 : (unsigned)uc + 3;
         emu::launch(embedding_bwd_tokens, dim3(grid), dim3(256), 0, (const float*)dy, (const int*)order,
-                    (const int*)starts, (const int*)uniq, dwte, uc, d);
+                    (const int*)starts, (const int*)uniq, dwte, (const int*)count, d);
         for (int i = 0; i < tokens; ++i)
             for (int c = 0; c < d; ++c) want[(size_t)idv[i] * d + c] += dyv[(size_t)i * d + c];
         tally.check(tag + fmt(" bwd tokens grid=%u", grid), rel_l2(read(dwte, (size_t)vocab * d), want), 1e-6);

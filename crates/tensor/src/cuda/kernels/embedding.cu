@@ -79,9 +79,13 @@ embedding_fwd(const int* ids, const float* wte, const float* wpe, const int* pos
 extern "C" __global__ void __launch_bounds__(256, 2)
 embedding_bwd_tokens(const float* __restrict__ dy, const int* __restrict__ order,
                      const int* __restrict__ starts, const int* __restrict__ uniq,
-                     float* __restrict__ dwte, int uniq_count, int d) {
+                     float* __restrict__ dwte, const int* __restrict__ uniq_count, int d) {
     const bool vec = (d & 3) == 0 && is_aligned(dy, 16) && is_aligned(dwte, 16);
-    for (int u = blockIdx.x; u < uniq_count; u += gridDim.x) {
+    // The count is read from device memory (the host writes it beside `starts`): the launch
+    // is then the same for every batch of a shape, as a captured CUDA graph replays it, and
+    // blocks past the count have nothing to do.
+    const int count = *uniq_count;
+    for (int u = blockIdx.x; u < count; u += gridDim.x) {
         const int k0 = starts[u], k1 = starts[u + 1];
         float* out = dwte + (long long)uniq[u] * d;
         if (vec) {
