@@ -285,6 +285,34 @@ run)
             MESHTRAIN_ATTENTION_KERNELS=wgmma timeout 120 "$bin" bench gpu --parts step --root . \
                 --models gpt2-124m --out-dir "$planner/wgmma" 2>&1 \
                 | sed -E 's/^RESULT meshtrain /RESULT meshtrain-wgmma /' | tee -a "$logs/$part.log"
+            # A launch-bound step: the ~10M BPE Llama (configs/llama-bpe.toml, bf16), 200
+            # steps eager and with train.cuda_graph (captured at step 3, replayed after),
+            # samples/s of each, and the same loss at step 200 (the replays run the eager
+            # step's kernels with its arguments: the same bits).
+            echo "=== step: the BPE Llama eager and as CUDA graphs (A/B)" | tee -a "$logs/$part.log"
+            tok=/tmp/meshtrain-shakespeare-bpe
+            [ -f "$tok/train_000000.bin" ] || "$bin" tokenize --input data/shakespeare/input.txt \
+                --out "$tok" >/dev/null 2>&1
+            for graph in false true; do
+                timeout 100 "$bin" train --config configs/llama-bpe.toml --device cuda \
+                    --precision bf16 --set train.max_steps=200 --set "train.cuda_graph=$graph" \
+                    --set "data.train_files=\"$tok/train_*.bin\"" \
+                    --set "data.val_files=\"$tok/val_*.bin\"" \
+                    --set "train.out_dir=\"/tmp/meshtrain-graph-$graph\"" \
+                    >"/tmp/meshtrain-graph-$graph.log" 2>&1
+                grep -E '^CUDA graphs' "/tmp/meshtrain-graph-$graph.log" | tee -a "$logs/$part.log"
+                grep -E '^step +200 ' "/tmp/meshtrain-graph-$graph.log" \
+                    | sed "s/^/cuda_graph=$graph: /" | tee -a "$logs/$part.log"
+            done
+            eager=$(grep -E '^step +200 ' /tmp/meshtrain-graph-false.log | awk '{print $6}')
+            graphed=$(grep -E '^step +200 ' /tmp/meshtrain-graph-true.log | awk '{print $6}')
+            if [ -n "$eager" ] && [ "$eager" = "$graphed" ]; then
+                verdict="ok   CUDA graphs: the loss at step 200 ($graphed) is the eager run's"
+            else
+                verdict="FAIL CUDA graphs: the loss at step 200 is '$graphed', the eager run's '$eager'"
+                rc=1
+            fi
+            echo "$verdict" | tee -a "$logs/$part.log"
         fi
         if [ "$part" = convnets ]; then
             # PyTorch on the same card in the same call, and the ratios.
