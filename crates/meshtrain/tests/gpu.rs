@@ -11,6 +11,14 @@ use meshtrain::config::Config;
 use meshtrain_tensor::Device;
 use meshtrain_train::RunOptions;
 
+/// The GPU, for one test at a time: a step captured as CUDA graphs owns the device's
+/// stream while it is captured or compared (another thread's work makes it fall back, which
+/// the graph tests would report as a failure).
+fn exclusive_gpu() -> std::sync::MutexGuard<'static, ()> {
+    static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    GPU.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn run(cfg: &Config, options: &RunOptions) -> anyhow::Result<meshtrain_train::Summary> {
     (*job(cfg)).clone().run(options)
 }
@@ -73,6 +81,7 @@ fn without_a_driver_the_error_names_the_library_before_any_step() {
 #[test]
 fn a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet() {
     let usable = meshtrain_tensor::cuda::probe::require_gpu(0).is_ok();
+    let _gpu = exclusive_gpu();
     let names_the_missing_piece =
         |e: &str| e.contains("libcuda.so.1") || e.contains("NVRTC") || e.contains("no CUDA GPU");
     let out = tempfile::tempdir().unwrap();
@@ -128,6 +137,7 @@ fn gpu_training_matches_the_cpu_and_checkpoints_move_between_them() {
     if !gpu() {
         return;
     }
+    let _gpu = exclusive_gpu();
     let steps = 6;
     let dirs: Vec<_> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
     let cpu_cfg = tiny_gpu_gpt_config(dirs[0].path(), steps, &[]);
@@ -164,6 +174,7 @@ fn single_master_and_hierarchical_ddp_on_gpus_match_the_cpu() {
     if !gpu() {
         return;
     }
+    let _gpu = exclusive_gpu();
     let steps = 4;
     for mode in [
         &["parallel.dp=2", "parallel.dp_mode=\"single-master\""][..],
@@ -247,6 +258,7 @@ fn a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs() {
     if !gpu() {
         return;
     }
+    let _gpu = exclusive_gpu();
     let dev = CudaDevice::get(0).unwrap();
     let (m, k, n) = (8, 16, 4);
     let mut rng = meshtrain_tensor::rng::SplitMix64::new(7);
@@ -314,6 +326,23 @@ fn a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs() {
     assert_eq!(graph.end_step().unwrap(), None);
     assert_eq!(result(m * n), expected[1]);
     assert_eq!(graph.replays(), 3);
+    // Another thread's work on the device during a shadow run: the step falls back (its
+    // pieces issued first) rather than mixing that work into the graph or dropping it.
+    graph.begin_step().unwrap();
+    graph_test_step(&dev, &inputs[1], &w, &out, (m, k)).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            dev.bind().unwrap();
+            dev.memset_zero(out.ptr(), 4).unwrap();
+        });
+    });
+    let why = graph
+        .end_step()
+        .unwrap()
+        .expect("another thread's work falls back");
+    assert!(why.contains("another thread"), "{why}");
+    assert_eq!(result(m * n)[1..], expected[1][1..]);
+    assert_eq!(result(1), vec![0.0]);
     drop(graph);
 
     // A step that reads device memory in its middle: captured as two graphs with the read
@@ -362,6 +391,7 @@ fn a_run_replaying_its_steps_as_cuda_graphs_learns_the_eager_runs_parameters() {
     if !gpu() {
         return;
     }
+    let _gpu = exclusive_gpu();
     let steps = 6;
     type Make = fn(&std::path::Path, u64, &[&str]) -> Config;
     let gpt: Make = tiny_gpu_gpt_config;

@@ -173,6 +173,8 @@ pub struct CudaDevice {
     /// whether that is so (checked first, without the lock, by every launch).
     pub(super) recording: Mutex<Recording>,
     pub(super) recording_on: AtomicBool,
+    /// The thread whose step is recorded (the only one that may use the device meanwhile).
+    pub(super) recording_thread: Mutex<Option<std::thread::ThreadId>>,
     staging: Mutex<Option<Staging>>,
     name: String,
     capability: (i32, i32),
@@ -251,6 +253,7 @@ impl CudaDevice {
             profile: Mutex::new(None),
             recording: Mutex::new(Recording::Off),
             recording_on: AtomicBool::new(false),
+            recording_thread: Mutex::new(None),
             sync_each_launch: std::env::var("MESHTRAIN_CUDA_SYNC").is_ok_and(|v| v == "1"),
         })
     }
@@ -618,15 +621,39 @@ impl CudaDevice {
             }
         }
         let started = self.profiling().then(|| self.record_event()).transpose()?;
-        let mut slots = args.slots;
+        // SAFETY: pointer arguments point into live allocations of this device (the callers'
+        // DevBufs and parameter views outlive the queued work or are released back to the
+        // cache, whose next owner's work is ordered after it on this stream).
+        unsafe { self.launch_function(func, launch, args.slots) }
+            .map_err(|e| CudaError::driver(format!("launching {kernel} ({file}) {launch:?}"), e))?;
+        if let Some(start) = started {
+            self.profiled(kernel.to_string(), start)?;
+        }
+        if self.sync_each_launch {
+            self.synchronize().map_err(|e| {
+                CudaError::driver(format!("running {kernel} ({file}) {launch:?}"), e)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Queues `func` with argument `slots` on the stream.
+    ///
+    /// # Safety
+    /// `func` is a function of a loaded module of this device, `slots` its arguments in
+    /// order, and every pointer among them stays valid until the queued work has run.
+    pub(super) unsafe fn launch_function(
+        &self,
+        func: sys::CUfunction,
+        launch: Launch,
+        mut slots: Vec<u64>,
+    ) -> Result<(), cudarc::driver::DriverError> {
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
             .collect();
         // SAFETY: every parameter slot lives until the call returns (the driver copies them);
-        // pointer arguments point into live allocations of this device (the callers' DevBufs
-        // and parameter views outlive the queued work or are released back to the cache,
-        // whose next owner's work is ordered after it on this stream).
+        // the rest is the caller's promise.
         unsafe {
             cu::launch_kernel(
                 func,
@@ -637,16 +664,6 @@ impl CudaDevice {
                 &mut params,
             )
         }
-        .map_err(|e| CudaError::driver(format!("launching {kernel} ({file}) {launch:?}"), e))?;
-        if let Some(start) = started {
-            self.profiled(kernel.to_string(), start)?;
-        }
-        if self.sync_each_launch {
-            self.synchronize().map_err(|e| {
-                CudaError::driver(format!("running {kernel} ({file}) {launch:?}"), e)
-            })?;
-        }
-        Ok(())
     }
 
     /// cuBLASLt, created on first use.

@@ -39,12 +39,13 @@ use super::error::CudaError;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use cudarc::driver::CudaGraph;
-use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// One piece of a step's device work, as the capture saw it.
-#[derive(Clone, Debug)]
+/// One piece of a step's device work, as the capture saw it: a shadow run's piece matches
+/// when it is equal (the same work on the same addresses; an upload's bytes are the run's
+/// own, written into the slot the tape keeps for it).
+#[derive(Clone, Debug, PartialEq)]
 pub(super) enum Op {
     Kernel {
         func: usize,
@@ -60,11 +61,10 @@ pub(super) enum Op {
         src: u64,
         bytes: usize,
     },
-    /// `bytes` to `dst` from the tape's pinned inputs at `slot` (chunk, offset).
+    /// `bytes` to `dst` from the tape's pinned inputs ([`Tape::slots`]).
     Upload {
         dst: u64,
         bytes: usize,
-        slot: (usize, usize),
     },
     Product {
         gemm: Gemm,
@@ -74,43 +74,6 @@ pub(super) enum Op {
     Between {
         what: &'static str,
     },
-}
-
-impl Op {
-    /// Whether `self` (the tape's) does what `other` (a shadow run's) would: the same work
-    /// on the same addresses (an upload's bytes are the run's own, its slot the tape's).
-    fn same_work(&self, other: &Op) -> bool {
-        match (self, other) {
-            (
-                Op::Upload { dst, bytes, .. },
-                Op::Upload {
-                    dst: d, bytes: b, ..
-                },
-            ) => dst == d && bytes == b,
-            (
-                Op::Kernel { func, launch, args },
-                Op::Kernel {
-                    func: f,
-                    launch: l,
-                    args: a,
-                },
-            ) => func == f && launch == l && args == a,
-            (Op::Memset { ptr, bytes }, Op::Memset { ptr: p, bytes: b }) => ptr == p && bytes == b,
-            (
-                Op::Copy { dst, src, bytes },
-                Op::Copy {
-                    dst: d,
-                    src: s,
-                    bytes: b,
-                },
-            ) => dst == d && src == s && bytes == b,
-            (Op::Product { gemm, choice }, Op::Product { gemm: g, choice: c }) => {
-                gemm == g && choice == c
-            }
-            (Op::Between { what }, Op::Between { what: w }) => what == w,
-            _ => false,
-        }
-    }
 }
 
 /// Pinned host memory the captured uploads read, in chunks that never move (the graph holds
@@ -165,6 +128,8 @@ pub(super) struct Tape {
     ops: Vec<Op>,
     names: Vec<String>,
     inputs: Inputs,
+    /// Where each upload's bytes sit in `inputs` (chunk, offset), by the upload's piece.
+    slots: std::collections::HashMap<usize, (usize, usize)>,
     /// Each segment's graph (`None` for a segment with no work), in order.
     graphs: Vec<Option<CudaGraph>>,
 }
@@ -185,27 +150,21 @@ impl Tape {
         let stream = device.cu_stream();
         let mut blas = blas;
         let mut own_blas = None;
-        for op in &self.ops[range] {
+        for (at, op) in self
+            .ops
+            .iter()
+            .enumerate()
+            .take(range.end)
+            .skip(range.start)
+        {
             match op {
                 Op::Between { .. } => {}
                 Op::Kernel { func, launch, args } => {
-                    let mut slots = args.clone();
-                    let mut params: Vec<*mut c_void> = slots
-                        .iter_mut()
-                        .map(|s| s as *mut u64 as *mut c_void)
-                        .collect();
                     // SAFETY: the launch the step made, with its arguments, on its stream.
                     unsafe {
-                        cu::launch_kernel(
-                            *func as sys::CUfunction,
-                            launch.grid,
-                            launch.block,
-                            launch.smem,
-                            stream,
-                            &mut params,
-                        )
+                        device.launch_function(*func as sys::CUfunction, *launch, args.clone())
                     }
-                    .map_err(|e| CudaError::driver("launching a step's kernel again", e))?;
+                    .map_err(|e| CudaError::driver("launching a step's kernel again", e))?
                 }
                 // SAFETY (the three below): the step's own ranges, in live allocations
                 // (the graph's pool keeps them), on its stream; the pinned slot lives in
@@ -218,8 +177,8 @@ impl Tape {
                     unsafe { cu::memcpy_dtod_async(*dst, *src, *bytes, stream) }
                         .map_err(|e| CudaError::driver("a device-to-device copy", e))?
                 }
-                Op::Upload { dst, bytes, slot } => unsafe {
-                    let data = std::slice::from_raw_parts(self.inputs.at(*slot), *bytes);
+                Op::Upload { dst, bytes } => unsafe {
+                    let data = std::slice::from_raw_parts(self.inputs.at(self.slots[&at]), *bytes);
                     cu::memcpy_htod_async(*dst, data, stream)
                 }
                 .map_err(|e| CudaError::driver("copying to the device", e))?,
@@ -301,6 +260,32 @@ impl CudaDevice {
         self.recording_on.load(Ordering::Acquire)
     }
 
+    /// Whether the calling thread is not the one whose step is being captured or shadowed.
+    /// The stream is the device's one: another thread's work would land in the graph (or be
+    /// compared with it), so the step falls back instead.
+    fn used_by_another_thread(&self) -> bool {
+        let owner = *self.recording_thread.lock().expect("recording thread");
+        owner.is_some_and(|t| t != std::thread::current().id())
+    }
+
+    /// The recording from now on belongs to the calling thread.
+    fn start_recording(&self, state: Recording) {
+        *self.recording_thread.lock().expect("recording thread") =
+            Some(std::thread::current().id());
+        *self.recording.lock().expect("recording") = state;
+        self.recording_on.store(true, Ordering::Release);
+    }
+
+    /// Ends a capture's or shadow run's recording (the driver's capture is the caller's):
+    /// what it had, with allocations from the shared cache again.
+    fn stop_recording(&self) -> Recording {
+        let state = std::mem::take(&mut *self.recording.lock().expect("recording"));
+        self.recording_on.store(false, Ordering::Release);
+        *self.recording_thread.lock().expect("recording thread") = None;
+        self.allocator.lock().expect("allocator").end_graph_replay();
+        state
+    }
+
     /// Called by every piece of work before it is queued: written down while capturing,
     /// compared during a shadow run (a difference makes the step fall back, and the piece
     /// is then issued as usual). `name` says what it is, for the reason.
@@ -313,6 +298,10 @@ impl CudaDevice {
         if !self.recording_active() {
             return Ok(Recorded::Issue);
         }
+        if self.used_by_another_thread() {
+            self.fall_back(ANOTHER_THREAD.into(), blas)?;
+            return Ok(Recorded::Issue);
+        }
         let mut recording = self.recording.lock().expect("recording");
         match &mut *recording {
             Recording::Capturing { tape, paused, .. } if *paused == 0 => {
@@ -323,7 +312,7 @@ impl CudaDevice {
             Recording::Shadow {
                 tape, next, paused, ..
             } if *paused == 0 => {
-                if tape.ops.get(*next).is_some_and(|o| o.same_work(&op)) {
+                if tape.ops.get(*next).is_some_and(|o| *o == op) {
                     *next += 1;
                     return Ok(Recorded::Skip);
                 }
@@ -343,6 +332,10 @@ impl CudaDevice {
         if !self.recording_active() {
             return Ok(false);
         }
+        if self.used_by_another_thread() {
+            self.fall_back(ANOTHER_THREAD.into(), None)?;
+            return Ok(false);
+        }
         let mut recording = self.recording.lock().expect("recording");
         let name = || format!("an upload of {} bytes", data.len());
         match &mut *recording {
@@ -360,10 +353,10 @@ impl CudaDevice {
                     )
                 }
                 .map_err(|e| CudaError::driver("copying to the device", e))?;
+                tape.slots.insert(tape.ops.len(), slot);
                 tape.ops.push(Op::Upload {
                     dst,
                     bytes: data.len(),
-                    slot,
                 });
                 tape.names.push(name());
                 Ok(true)
@@ -374,17 +367,14 @@ impl CudaDevice {
                 let op = Op::Upload {
                     dst,
                     bytes: data.len(),
-                    slot: (0, 0),
                 };
-                if let Some(Op::Upload { slot, .. }) =
-                    tape.ops.get(*next).filter(|o| o.same_work(&op))
-                {
+                if tape.ops.get(*next) == Some(&op) {
                     // SAFETY: the captured slot of this upload; the last replay that read it
                     // is done (`begin_step` waited).
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             data.as_ptr(),
-                            tape.inputs.at(*slot),
+                            tape.inputs.at(tape.slots[&*next]),
                             data.len(),
                         )
                     };
@@ -407,6 +397,10 @@ impl CudaDevice {
         bytes: usize,
     ) -> Result<Option<super::alloc::Block>, CudaError> {
         if !self.recording_active() {
+            return Ok(None);
+        }
+        if self.used_by_another_thread() {
+            self.fall_back(ANOTHER_THREAD.into(), None)?;
             return Ok(None);
         }
         let shadow = matches!(
@@ -455,6 +449,10 @@ impl CudaDevice {
 
     /// The step reaches a read: whether [`CudaDevice::resume`] is to follow.
     fn pause(&self, what: &'static str) -> Result<bool, CudaError> {
+        if self.used_by_another_thread() {
+            self.fall_back(ANOTHER_THREAD.into(), None)?;
+            return Ok(false);
+        }
         let mut recording = self.recording.lock().expect("recording");
         match &mut *recording {
             Recording::Capturing {
@@ -491,7 +489,7 @@ impl CudaDevice {
             } => {
                 if *paused == 0 {
                     let op = Op::Between { what };
-                    if !tape.ops.get(*next).is_some_and(|o| o.same_work(&op)) {
+                    if !tape.ops.get(*next).is_some_and(|o| *o == op) {
                         let reason = differs(tape, *next, &format!("a point where it {what}"));
                         drop(recording);
                         self.fall_back(reason, None)?;
@@ -544,6 +542,9 @@ impl CudaDevice {
         if !self.recording_active() {
             return Ok(());
         }
+        if self.used_by_another_thread() {
+            return self.fall_back(ANOTHER_THREAD.into(), blas);
+        }
         let recording = matches!(
             *self.recording.lock().expect("recording"),
             Recording::Capturing { paused: 0, .. } | Recording::Shadow { paused: 0, .. }
@@ -591,7 +592,7 @@ impl CudaDevice {
     /// other work meanwhile (the trainer captures a step of one worker).
     pub fn begin_step_capture(&self) -> Result<(), CudaError> {
         self.synchronize()?;
-        let mut recording = self.recording.lock().expect("recording");
+        let recording = self.recording.lock().expect("recording");
         if !matches!(*recording, Recording::Off) {
             return Err(CudaError::Unsupported(
                 "a step is already being captured or replayed on this device".into(),
@@ -602,12 +603,12 @@ impl CudaDevice {
             .expect("allocator")
             .begin_graph_capture();
         begin_segment(self)?;
-        *recording = Recording::Capturing {
+        drop(recording);
+        self.start_recording(Recording::Capturing {
             tape: Tape::default(),
             start: 0,
             paused: 0,
-        };
-        self.recording_on.store(true, Ordering::Release);
+        });
         Ok(())
     }
 
@@ -616,9 +617,7 @@ impl CudaDevice {
     /// Where the step fell back, or the driver could not make a graph of it, the step has run
     /// (is queued) eagerly and the reason is returned.
     pub fn end_step_capture(self: &Arc<Self>) -> Result<StepCapture, CudaError> {
-        let state = std::mem::take(&mut *self.recording.lock().expect("recording"));
-        self.recording_on.store(false, Ordering::Release);
-        let mut tape = match state {
+        let mut tape = match self.stop_recording() {
             Recording::Capturing {
                 tape, paused: 0, ..
             } => tape,
@@ -632,10 +631,6 @@ impl CudaDevice {
                 ))
             }
         };
-        self.allocator
-            .lock()
-            .expect("allocator")
-            .end_graph_capture();
         match end_segment(self) {
             Ok(graph) => tape.graphs.push(graph),
             Err(e) => {
@@ -659,6 +654,8 @@ impl CudaDevice {
         }))
     }
 }
+
+const ANOTHER_THREAD: &str = "another thread used the device during the step";
 
 /// Why a shadow run's piece `name` is not the tape's piece `next`.
 fn differs(tape: &Tape, next: usize, name: &str) -> String {
@@ -703,14 +700,13 @@ impl StepGraph {
             .lock()
             .expect("allocator")
             .begin_graph_replay();
-        *self.device.recording.lock().expect("recording") = Recording::Shadow {
+        self.device.start_recording(Recording::Shadow {
             tape,
             next: 0,
             start: 0,
             segment: 0,
             paused: 0,
-        };
-        self.device.recording_on.store(true, Ordering::Release);
+        });
         Ok(())
     }
 
@@ -718,14 +714,7 @@ impl StepGraph {
     /// the captured one whole (`None`), else returns why it ran eagerly instead.
     pub fn end_step(&mut self) -> Result<Option<String>, CudaError> {
         let device = self.device.clone();
-        let state = std::mem::take(&mut *device.recording.lock().expect("recording"));
-        device.recording_on.store(false, Ordering::Release);
-        device
-            .allocator
-            .lock()
-            .expect("allocator")
-            .end_graph_replay();
-        match state {
+        match device.stop_recording() {
             Recording::Shadow {
                 tape,
                 next,
@@ -783,18 +772,11 @@ impl Drop for StepGraph {
         let device = self.device.clone();
         // A step left between begin_step and end_step (an error) stops being shadowed.
         if self.tape.is_none() {
-            match std::mem::take(&mut *device.recording.lock().expect("recording")) {
-                Recording::Shadow { tape, .. } | Recording::FellBack { tape, .. } => {
-                    self.tape = Some(tape)
-                }
-                _ => {}
+            if let Recording::Shadow { tape, .. } | Recording::FellBack { tape, .. } =
+                device.stop_recording()
+            {
+                self.tape = Some(tape);
             }
-            device.recording_on.store(false, Ordering::Release);
-            device
-                .allocator
-                .lock()
-                .expect("allocator")
-                .end_graph_replay();
         }
         // The graphs' work must be done before their blocks serve others and their pinned
         // inputs are freed.
