@@ -19,7 +19,9 @@ BIN="$OUT/meshtrain-mpi"
 if [ -n "${MESHTRAIN_MPI_BIN:-}" ]; then
     cp "$MESHTRAIN_MPI_BIN" "$BIN"
 else
-    cargo build --release -p meshtrain --features mpi
+    # The same build as crates/comm/scripts/mpi-tests.sh (so in CI nothing compiles here).
+    cargo build --release -p meshtrain -p meshtrain-comm --features meshtrain/mpi \
+        --bin meshtrain --example mpi_collectives
     cp "${CARGO_TARGET_DIR:-target}/release/meshtrain" "$BIN"
 fi
 

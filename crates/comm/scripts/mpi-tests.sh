@@ -20,11 +20,15 @@ fail() {
     exit 1
 }
 
-# Release, with the features `meshtrain --features mpi` gives its dependencies: in CI the
-# tests before built them already, and the training scripts after build the rest (a debug
-# build compiled every dependency once more, minutes of CI).
-echo "mpi-tests: building (cargo build --release -p meshtrain -p meshtrain-comm --features meshtrain/mpi --example mpi_collectives)"
-cargo build --release -p meshtrain -p meshtrain-comm --features meshtrain/mpi --example mpi_collectives
+# Release, and with the training scripts' MPI binary in the same build (scripts/mpi-common.sh
+# runs this very command): the example brings the dev-dependencies' features, so the
+# dependencies resolve as in the workspace's test build and only the crates behind the `mpi`
+# feature compile again. (A debug build, or `-p meshtrain --features mpi` alone, compiled
+# every dependency once more: minutes of CI.)
+MPI_BUILD=(cargo build --release -p meshtrain -p meshtrain-comm --features meshtrain/mpi
+    --bin meshtrain --example mpi_collectives)
+echo "mpi-tests: building (${MPI_BUILD[*]})"
+"${MPI_BUILD[@]}"
 BIN=${CARGO_TARGET_DIR:-target}/release/examples/mpi_collectives
 [[ -x "$BIN" ]] || fail "driver binary $BIN not built"
 
