@@ -104,10 +104,10 @@ killed() {
     at=$(date +%s.%N)
     kill -KILL "$(rank_pid "$name" 1)"
     wait $runner
-    # A collective with its sequence number; a pipeline's send or receive (point-to-point
-    # operations are not sequenced: the error says after which collective of the group the
-    # peer was last seen), whichever rank 0 was waiting in when rank 1 died.
-    line=$(grep -m1 -E "error: rank 0: .*([a-z_]+ #[0-9]+ on group .*(timed out|cannot complete)|(send|recv) on group '[^']+' (timed out|cannot complete).*last seen)" "$OUT/$name.log") \
+    # A collective with its sequence number, or a pipeline's send or receive with its number
+    # among the messages to or from its peer (`recv #17 from rank 1 on group …`), whichever
+    # rank 0 was waiting in when rank 1 died.
+    line=$(grep -m1 -E "error: rank 0: .*[a-z_]+ #[0-9]+ ((from|to) rank [0-9]+ )?on group .*(timed out|cannot complete)" "$OUT/$name.log") \
         || { cat "$OUT/$name.log"; fail "rank 0 did not name the operation"; }
     python3 -c "import sys; sys.exit(0 if ${line%% *} - $at <= $TIMEOUT_S + 2 else 1)" \
         || fail "rank 0 reported later than the timeout + 2 s: $line"

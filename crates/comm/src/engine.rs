@@ -8,7 +8,7 @@
 
 use crate::error::{CommError, OpContext};
 use crate::group::{Completion, Operation, Work};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
@@ -21,16 +21,46 @@ pub(crate) trait Executor: Send + Sync + 'static {
 
     /// What an error of operation `op`, number `seq`, names.
     fn ctx(&self, op: &Operation, seq: u64) -> OpContext {
-        OpContext {
-            op: op.name(),
-            seq,
-            group: Arc::clone(self.group_name()),
-        }
+        OpContext::of(op, seq, Arc::clone(self.group_name()))
     }
 
     /// # Safety
     /// `op`'s buffers must satisfy the contract of `ProcessGroup::run_raw`.
     unsafe fn execute(&self, op: Operation, seq: u64) -> Result<(), CommError>;
+}
+
+/// Numbers one rank's operations on a group: collectives in one sequence (the same on every
+/// rank, which is what the desync check and the error messages compare), and each send or
+/// receive among the messages to or from its peer in that direction. Messages between two
+/// ranks arrive in the order sent, so the n-th send to a rank is its n-th receive from here:
+/// a receive that times out names the very message its peer never sent.
+pub(crate) struct Sequencer {
+    next_collective: AtomicU64,
+    /// Per peer (the group's ranks): messages sent to it, and received from it, so far.
+    sent: Vec<AtomicU64>,
+    received: Vec<AtomicU64>,
+}
+
+impl Sequencer {
+    pub(crate) fn new(group_size: usize) -> Sequencer {
+        let counters = || (0..group_size).map(|_| AtomicU64::new(0)).collect();
+        Sequencer {
+            next_collective: AtomicU64::new(1),
+            sent: counters(),
+            received: counters(),
+        }
+    }
+
+    /// The number of `op` (1 = the first of its sequence); 0 for a send or receive whose peer
+    /// is out of range (validation refuses it next).
+    pub(crate) fn assign(&self, op: &Operation) -> u64 {
+        let counter = match *op {
+            Operation::Send { dst, .. } => self.sent.get(dst),
+            Operation::Recv { src, .. } => self.received.get(src),
+            _ => return self.next_collective.fetch_add(1, Ordering::Relaxed),
+        };
+        counter.map_or(0, |c| c.fetch_add(1, Ordering::Relaxed) + 1)
+    }
 }
 
 pub(crate) struct AsyncEngine {

@@ -4,6 +4,7 @@
 //! group, the group and — where the backend can know it — the ranks that did not
 //! arrive, so that a hung or crashed worker is found from any rank's log.
 
+use crate::group::Operation;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,21 +15,53 @@ use std::time::Duration;
 pub struct OpContext {
     /// Operation name, e.g. `all_reduce`.
     pub op: &'static str,
-    /// Sequence number of the collective within its group (1 = first call).
-    /// Point-to-point operations are not sequenced and carry 0.
+    /// Sequence number (1 = first call; 0 = not numbered, e.g. setting a group up): of the
+    /// collective within its group, or of a send or receive among this rank's messages to
+    /// (from) `peer`, so that the n-th send to a rank is that rank's n-th receive from this
+    /// one and a lost message is named alike on both sides.
     pub seq: u64,
+    /// The other rank of a send or receive, as its rank in the group; `None` otherwise.
+    pub peer: Option<usize>,
     /// Group name, e.g. `world` or `dp[0,2]` (shared, so building a context per
     /// operation costs no allocation).
     pub group: Arc<str>,
 }
 
+impl OpContext {
+    /// The context of a call that names no peer (a collective, or setting a group up).
+    pub fn new(op: &'static str, seq: u64, group: Arc<str>) -> OpContext {
+        OpContext {
+            op,
+            seq,
+            peer: None,
+            group,
+        }
+    }
+
+    /// The context of operation `op`, number `seq`, naming the peer of a send or receive.
+    pub fn of(op: &Operation, seq: u64, group: Arc<str>) -> OpContext {
+        OpContext {
+            peer: op.peer(),
+            ..OpContext::new(op.name(), seq, group)
+        }
+    }
+}
+
 impl fmt::Display for OpContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.seq == 0 {
-            write!(f, "{} on group '{}'", self.op, self.group)
-        } else {
-            write!(f, "{} #{} on group '{}'", self.op, self.seq, self.group)
+        write!(f, "{}", self.op)?;
+        if self.seq != 0 {
+            write!(f, " #{}", self.seq)?;
         }
+        if let Some(peer) = self.peer {
+            let direction = if self.op.starts_with("send") {
+                "to"
+            } else {
+                "from"
+            };
+            write!(f, " {direction} rank {peer}")?;
+        }
+        write!(f, " on group '{}'", self.group)
     }
 }
 

@@ -214,8 +214,18 @@ impl Operation {
         }
     }
 
+    /// The other rank of a send or receive (in the group); `None` for a collective.
+    pub fn peer(&self) -> Option<usize> {
+        match *self {
+            Operation::Send { dst, .. } => Some(dst),
+            Operation::Recv { src, .. } => Some(src),
+            _ => None,
+        }
+    }
+
     /// True for operations that all ranks of the group take part in (and that are
-    /// therefore numbered and fingerprinted).
+    /// therefore numbered in the group and fingerprinted; a send or receive is numbered
+    /// among the messages to or from its peer, [`crate::engine::Sequencer`]).
     pub fn is_collective(&self) -> bool {
         !matches!(self, Operation::Send { .. } | Operation::Recv { .. })
     }
@@ -675,11 +685,7 @@ pub trait ProcessGroup: Send + Sync {
     /// stream per pair), after which the only order that matters is each pair's: messages
     /// received in the order they are sent. The host backends need nothing (the default).
     fn prepare_point_to_point(&self, pairs: &[(usize, usize)]) -> Result<(), CommError> {
-        let ctx = OpContext {
-            op: "prepare_point_to_point",
-            seq: 0,
-            group: Arc::from(self.name()),
-        };
+        let ctx = OpContext::new("prepare_point_to_point", 0, Arc::from(self.name()));
         validate_pairs(&ctx, pairs, self.size())
     }
 

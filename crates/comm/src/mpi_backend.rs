@@ -30,7 +30,7 @@ use crate::bench::{
     BenchRecord,
 };
 use crate::dtype::{with_element, DType, Element, RawBuf, ReduceOp};
-use crate::engine::{AsyncEngine, Executor};
+use crate::engine::{AsyncEngine, Executor, Sequencer};
 use crate::error::{fmt_ranks, CommError, OpContext};
 use crate::group::{validate_subgroup, CommConfig, Fingerprint, Operation, ProcessGroup, Work};
 use crate::mpi_monitor::{self, GroupTrack, Monitor, ShutdownAgreement, ALL_ENTERED};
@@ -227,7 +227,7 @@ impl Watchdog {
             }
             if let Some(monitor) = &self.monitor {
                 let failure = list.ops.values().find_map(|op| {
-                    let missing = monitor.stopped_peers(&op.track, op.ctx.seq)?;
+                    let missing = monitor.stopped_peers(&op.track, collective_number(&op.ctx))?;
                     Some(CommError::PeerFailed {
                         ctx: op.ctx.clone(),
                         missing: missing.ranks,
@@ -267,7 +267,7 @@ impl Watchdog {
         // this process itself was not running (stopped with SIGSTOP, or starved of CPU).
         let late = Instant::now().saturating_duration_since(op.deadline);
         let (missing, mut note) = match &self.monitor {
-            Some(monitor) => match monitor.missing_ranks(&op.track, op.ctx.seq) {
+            Some(monitor) => match monitor.missing_ranks(&op.track, collective_number(&op.ctx)) {
                 Some(missing) => (missing.ranks, missing.note),
                 None => (Vec::new(), "the failure monitor did not answer".to_string()),
             },
@@ -328,7 +328,10 @@ impl MpiShared {
 
     /// `PeerFailed` if a member this collective needs is known to have stopped.
     fn peer_failure(&self, ctx: &OpContext, track: &GroupTrack) -> Option<CommError> {
-        let missing = self.monitor.as_ref()?.stopped_peers(track, ctx.seq)?;
+        let missing = self
+            .monitor
+            .as_ref()?
+            .stopped_peers(track, collective_number(ctx))?;
         Some(CommError::PeerFailed {
             ctx: ctx.clone(),
             missing: missing.ranks,
@@ -627,11 +630,7 @@ impl MpiWorld {
     /// communication thread can run async operations; with less, MPI calls are
     /// serialised by a lock).
     pub fn init(config: CommConfig) -> Result<MpiWorld, CommError> {
-        let ctx = OpContext {
-            op: "init",
-            seq: 0,
-            group: Arc::from("world"),
-        };
+        let ctx = OpContext::new("init", 0, Arc::from("world"));
         let (universe, threading) =
             mpi::initialize_with_threading(Threading::Multiple).ok_or(CommError::Backend {
                 ctx,
@@ -664,11 +663,7 @@ impl MpiWorld {
     /// This process's group over all ranks of `MPI_COMM_WORLD` (a duplicate, so our
     /// traffic never mixes with other users of the world communicator).
     pub fn world_group(&self) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let ctx = OpContext {
-            op: "world_group",
-            seq: 0,
-            group: Arc::from("world"),
-        };
+        let ctx = OpContext::new("world_group", 0, Arc::from("world"));
         // SAFETY: reading MPI's predefined null handle.
         let mut comm: ffi::MPI_Comm = unsafe { ffi::RSMPI_COMM_NULL };
         // SAFETY: valid out-pointer; MPI is initialised.
@@ -1235,11 +1230,7 @@ impl Drop for MpiCore {
             return;
         }
         let deadline = Instant::now() + self.shared.config.timeout;
-        let ctx = OpContext {
-            op: "drop",
-            seq: 0,
-            group: Arc::clone(&self.name),
-        };
+        let ctx = OpContext::new("drop", 0, Arc::clone(&self.name));
         // Pending sends own their data: wait (bounded) before freeing it.
         while !self
             .outstanding_sends
@@ -1263,7 +1254,7 @@ impl Drop for MpiCore {
 /// One rank's handle on an MPI group.
 pub struct MpiGroup {
     core: Arc<MpiCore>,
-    next_seq: AtomicU64,
+    sequence: Sequencer,
     engine: AsyncEngine,
 }
 
@@ -1284,11 +1275,7 @@ impl MpiGroup {
         name: String,
         global_ranks: Option<Vec<usize>>,
     ) -> Result<MpiGroup, CommError> {
-        let ctx = OpContext {
-            op: "new_group",
-            seq: 0,
-            group: Arc::from(name.as_str()),
-        };
+        let ctx = OpContext::new("new_group", 0, Arc::from(name.as_str()));
         let (mut rank, mut size): (c_int, c_int) = (0, 0);
         // SAFETY: valid communicator and out-pointers.
         let code = shared.call(|| unsafe { ffi::MPI_Comm_rank(comm.0, &mut rank) });
@@ -1314,17 +1301,13 @@ impl MpiGroup {
                 pending_sends: AtomicUsize::new(0),
                 outstanding_sends: Mutex::new(Vec::new()),
             }),
-            next_seq: AtomicU64::new(1),
+            sequence: Sequencer::new(size),
             engine: AsyncEngine::new(thread_name),
         })
     }
 
     fn prepare(&self, op: &Operation) -> Result<u64, CommError> {
-        let seq = if op.is_collective() {
-            self.next_seq.fetch_add(1, Ordering::Relaxed)
-        } else {
-            0
-        };
+        let seq = self.sequence.assign(op);
         let ctx = self.core.ctx(op, seq);
         op.validate(&ctx, self.core.rank, self.core.size)?;
         op.require_host(&ctx)?;
@@ -1369,11 +1352,7 @@ impl ProcessGroup for MpiGroup {
         ranks: &[usize],
         name: &str,
     ) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let ctx = OpContext {
-            op: "new_subgroup",
-            seq: 0,
-            group: Arc::clone(&self.core.name),
-        };
+        let ctx = OpContext::new("new_subgroup", 0, Arc::clone(&self.core.name));
         validate_subgroup(&ctx, ranks, self.core.rank, self.core.size)?;
         // Let queued async work finish first: creation is a blocking MPI call.
         self.engine.drain();
@@ -1515,4 +1494,15 @@ fn raw_allreduce_rows(
         ));
     }
     Ok(rows)
+}
+
+/// The position in its group's collectives that the failure monitor compares with where each
+/// rank was last seen: a collective's number, and 0 for a send or receive (numbered among
+/// its peer's messages, not the group's collectives).
+fn collective_number(ctx: &OpContext) -> u64 {
+    if ctx.peer.is_some() {
+        0
+    } else {
+        ctx.seq
+    }
 }

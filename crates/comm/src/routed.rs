@@ -26,11 +26,7 @@ impl RoutedGroup {
     ) -> Result<Arc<RoutedGroup>, CommError> {
         if host.global_ranks() != device.global_ranks() || host.rank() != device.rank() {
             return Err(CommError::InvalidRank {
-                ctx: OpContext {
-                    op: "routed group",
-                    seq: 0,
-                    group: Arc::from(host.name()),
-                },
+                ctx: OpContext::new("routed group", 0, Arc::from(host.name())),
                 details: format!(
                     "the host group {} holds world ranks {:?} (this is its rank {}), the \
                      device group {} holds {:?} (rank {}): they must be the same ranks",

@@ -176,11 +176,7 @@ impl StagedGroup {
     }
 
     fn ctx(&self, op: &Operation) -> OpContext {
-        OpContext {
-            op: op.name(),
-            seq: 0,
-            group: Arc::from(self.inner.name()),
-        }
+        OpContext::of(op, 0, Arc::from(self.inner.name()))
     }
 
     /// The host operation standing in for `op`: every device buffer replaced by a stage,

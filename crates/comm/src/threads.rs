@@ -24,7 +24,7 @@
 //! [`CommError`] naming the op, its sequence number, the group and the missing ranks.
 
 use crate::dtype::{reduce_into, with_element, RawBuf};
-use crate::engine::{AsyncEngine, Executor};
+use crate::engine::{AsyncEngine, Executor, Sequencer};
 use crate::error::{CommError, OpContext};
 use crate::group::{CommConfig, Fingerprint, Operation, ProcessGroup, Work};
 use std::collections::{HashMap, VecDeque};
@@ -535,7 +535,7 @@ pub(crate) fn chunk_range(len: usize, parts: usize, index: usize) -> (usize, usi
 /// One rank's handle on a threads-backend group.
 pub struct ThreadsGroup {
     core: Arc<RankCore>,
-    next_seq: AtomicU64,
+    sequence: Sequencer,
     engine: AsyncEngine,
     subgroup_counts: Mutex<HashMap<Vec<usize>, usize>>,
 }
@@ -554,24 +554,20 @@ impl ThreadsGroup {
     fn new(shared: Arc<GroupShared>, rank: usize) -> ThreadsGroup {
         let thread_name = format!("comm-{}-r{}", shared.name, shared.global_ranks[rank]);
         ThreadsGroup {
+            sequence: Sequencer::new(shared.slots.len()),
             core: Arc::new(RankCore {
                 name: Arc::from(shared.name.as_str()),
                 shared,
                 rank,
             }),
-            next_seq: AtomicU64::new(1),
             engine: AsyncEngine::new(thread_name),
             subgroup_counts: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Validates `op` and assigns its sequence number (0 for point-to-point).
+    /// Validates `op` and assigns its sequence number.
     fn prepare(&self, op: &Operation) -> Result<u64, CommError> {
-        let seq = if op.is_collective() {
-            self.next_seq.fetch_add(1, Ordering::Relaxed)
-        } else {
-            0
-        };
+        let seq = self.sequence.assign(op);
         let ctx = self.core.ctx(op, seq);
         op.validate(&ctx, self.core.rank, self.size())?;
         op.require_host(&ctx)?;
@@ -615,11 +611,7 @@ impl ProcessGroup for ThreadsGroup {
         ranks: &[usize],
         name: &str,
     ) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let ctx = OpContext {
-            op: "new_subgroup",
-            seq: 0,
-            group: Arc::from(self.name()),
-        };
+        let ctx = OpContext::new("new_subgroup", 0, Arc::from(self.name()));
         let my_index = crate::group::validate_subgroup(&ctx, ranks, self.rank(), self.size())?;
         let globals: Vec<usize> = ranks.iter().map(|&r| self.global_ranks()[r]).collect();
         let occurrence = {

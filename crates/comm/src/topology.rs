@@ -10,10 +10,9 @@
 //! fast tier carries the rest.
 
 use crate::dtype::{RawBuf, ReduceOp};
-use crate::engine::{AsyncEngine, Executor};
+use crate::engine::{AsyncEngine, Executor, Sequencer};
 use crate::error::{fmt_ranks, CommError, OpContext};
 use crate::group::{CommConfig, Operation, ProcessGroup, Work};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Where the ranks of a world run: which of them share a host. Part of the world's
@@ -145,7 +144,7 @@ impl GroupHosts {
 /// go through uncopied, in one piece.
 pub struct HierarchicalGroup {
     core: Arc<Hierarchy>,
-    next_seq: AtomicU64,
+    sequence: Sequencer,
     /// Runs asynchronous operations in submission order, off the caller's thread. An
     /// all-reduce's reduce-scatters run on it, its cross-host all-reduces on the cross-host
     /// group's communication thread, its all-gathers on `Hierarchy::gather_stage` (with the MPI
@@ -181,11 +180,7 @@ impl HierarchicalGroup {
     /// like a sub-group creation). Fails when the hosts hold different numbers of its ranks.
     pub fn new(flat: Arc<dyn ProcessGroup>) -> Result<HierarchicalGroup, CommError> {
         let hosts = GroupHosts::of(flat.as_ref());
-        let ctx = OpContext {
-            op: "hierarchical_group",
-            seq: 0,
-            group: Arc::from(flat.name()),
-        };
+        let ctx = OpContext::new("hierarchical_group", 0, Arc::from(flat.name()));
         let per_host =
             hosts
                 .check_hierarchical(flat.name())
@@ -220,6 +215,7 @@ impl HierarchicalGroup {
         )?;
         let thread_name = format!("comm-{}-hier-r{}", flat.name(), flat.rank());
         Ok(HierarchicalGroup {
+            sequence: Sequencer::new(flat.size()),
             core: Arc::new(Hierarchy {
                 name: Arc::from(flat.name()),
                 gather_stage: AsyncEngine::new(format!("{thread_name}-gather")),
@@ -229,7 +225,6 @@ impl HierarchicalGroup {
                 across,
                 gather,
             }),
-            next_seq: AtomicU64::new(1),
             engine: AsyncEngine::new(thread_name),
         })
     }
@@ -259,11 +254,7 @@ impl HierarchicalGroup {
     }
 
     fn prepare(&self, op: &Operation) -> Result<u64, CommError> {
-        let seq = if op.is_collective() {
-            self.next_seq.fetch_add(1, Ordering::Relaxed)
-        } else {
-            0
-        };
+        let seq = self.sequence.assign(op);
         let ctx = self.core.ctx(op, seq);
         // Device buffers are the sub-groups' to take or refuse (NCCL and staged groups take
         // them).
@@ -399,11 +390,7 @@ impl Hierarchy {
                             }
                         })
                         .map_err(|details| CommError::Backend {
-                            ctx: OpContext {
-                                op: "all_reduce",
-                                seq: 0,
-                                group: Arc::clone(&self.name),
-                            },
+                            ctx: OpContext::new("all_reduce", 0, Arc::clone(&self.name)),
                             details,
                         })
                 })

@@ -17,11 +17,7 @@ impl DeviceOnly {
     fn refuse(&self, op: &Operation) -> Result<(), CommError> {
         if op.device() == Device::Cpu {
             return Err(CommError::InvalidBuffer {
-                ctx: meshtrain_comm::OpContext {
-                    op: op.name(),
-                    seq: 0,
-                    group: Arc::from(self.0.name()),
-                },
+                ctx: meshtrain_comm::OpContext::new(op.name(), 0, Arc::from(self.0.name())),
                 details: "a host buffer reached the device group".into(),
             });
         }

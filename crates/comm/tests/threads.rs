@@ -240,7 +240,7 @@ fn worker_returning_early_is_reported_by_its_peers() {
     );
     assert_eq!(text.matches("gave up").count(), 1, "{text}");
     assert!(
-        text.contains("recv on group 'world' cannot complete"),
+        text.contains("recv #1 from rank 0 on group 'world' cannot complete"),
         "{text}"
     );
     // The same fault on every worker (a config every worker checks) is said once.
@@ -269,6 +269,52 @@ fn recv_without_sender_times_out() {
     });
     result.unwrap();
     assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn messages_are_numbered_per_peer_and_a_lost_one_is_named_by_its_number() {
+    // Rank 0 sends rank 1 two messages and rank 2 one between them, with a collective in the
+    // middle; rank 1 waits for a third. Its error names message #3 from rank 0: the message
+    // to rank 2 and the collective are numbered apart.
+    let result = ThreadsWorld::run(3, config(0.5), |g| {
+        let message = vec![g.rank() as f32; 2];
+        let mut buf = vec![0f32; 2];
+        let mut lost = None;
+        match g.rank() {
+            0 => {
+                g.send((&message).into(), 1, 5)?;
+                g.send((&message).into(), 2, 5)?;
+                g.barrier()?;
+                g.send((&message).into(), 1, 5)?;
+            }
+            1 => {
+                g.recv((&mut buf).into(), 0, 5)?;
+                g.barrier()?;
+                g.recv((&mut buf).into(), 0, 5)?;
+                lost = Some(g.recv((&mut buf).into(), 0, 5).unwrap_err().to_string());
+            }
+            _ => {
+                g.recv((&mut buf).into(), 0, 5)?;
+                g.barrier()?;
+            }
+        }
+        if lost.is_none() {
+            // Alive (but silent) past rank 1's receive timeout.
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        g.barrier()?;
+        Ok::<_, CommError>(lost)
+    })
+    .unwrap();
+    let lost = result[1].as_deref().expect("rank 1's third receive failed");
+    assert!(
+        lost.starts_with("recv #3 from rank 0 on group 'world' timed out after 500ms"),
+        "{lost}"
+    );
+    assert!(
+        lost.contains("rank(s) [0] (global) did not arrive"),
+        "{lost}"
+    );
 }
 
 #[test]

@@ -47,6 +47,7 @@
 mod watch;
 
 use crate::dtype::{DType, Device, RawBuf, ReduceOp};
+use crate::engine::Sequencer;
 use crate::error::{CommError, OpContext};
 use crate::group::{CommConfig, Operation, ProcessGroup, Work};
 use cudarc::driver::result as cu;
@@ -58,7 +59,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 use watch::{CommControl, OpSignal, OpState, Pending, Watch};
@@ -405,11 +406,7 @@ impl Shared {
     }
 
     fn ctx(&self, op: &'static str, seq: u64) -> OpContext {
-        OpContext {
-            op,
-            seq,
-            group: Arc::clone(&self.name),
-        }
+        OpContext::new(op, seq, Arc::clone(&self.name))
     }
 
     /// Registers an operation with the watchdog; the returned Work completes with it.
@@ -774,7 +771,7 @@ pub struct NcclGroup {
     /// A host group of the same ranks: sub-groups get their unique ids through it.
     bootstrap: Arc<dyn ProcessGroup>,
     config: CommConfig,
-    next_seq: AtomicU64,
+    sequence: Sequencer,
     /// Each prepared pair's channel, by (sender, receiver): a communicator of the two ranks
     /// (lower group rank first) with a stream of its own, carrying only that pair's sends
     /// in that direction ([`ProcessGroup::prepare_point_to_point`]).
@@ -824,11 +821,7 @@ impl NcclGroup {
         lane_peer: Option<usize>,
     ) -> Result<Arc<NcclGroup>, CommError> {
         let name: Arc<str> = Arc::from(name);
-        let ctx = OpContext {
-            op: "nccl_init",
-            seq: 0,
-            group: Arc::clone(&name),
-        };
+        let ctx = OpContext::new("nccl_init", 0, Arc::clone(&name));
         let backend = |details: String| CommError::Backend {
             ctx: ctx.clone(),
             details,
@@ -941,7 +934,7 @@ impl NcclGroup {
             shared,
             bootstrap,
             config,
-            next_seq: AtomicU64::new(1),
+            sequence: Sequencer::new(size),
             lanes: Mutex::new(HashMap::new()),
         }))
     }
@@ -1044,15 +1037,15 @@ impl NcclGroup {
         }
     }
 
-    /// Validates `op`, assigns its sequence number and checks it may run here. A lane numbers
-    /// its sends (and receives) too: the pair's n-th message is #n on both sides.
+    /// Validates `op`, assigns its sequence number and checks it may run here. A send or
+    /// receive is numbered among the messages to or from its peer: the pair's n-th message is
+    /// #n on both sides (a lane's name says the direction already, so it names no peer).
     fn prepare(&self, op: &Operation) -> Result<OpContext, CommError> {
-        let seq = if op.is_collective() || self.shared.lane_peer.is_some() {
-            self.next_seq.fetch_add(1, Ordering::Relaxed)
-        } else {
-            0
-        };
-        let ctx = self.shared.ctx(op.name(), seq);
+        let seq = self.sequence.assign(op);
+        let mut ctx = self.shared.ctx(op.name(), seq);
+        if self.shared.lane_peer.is_none() {
+            ctx.peer = op.peer();
+        }
         op.validate(&ctx, self.shared.rank, self.shared.size)?;
         let mine = Device::Cuda(self.shared.device.ordinal());
         let here = op.device();

@@ -262,11 +262,7 @@ mod tests {
     }
 
     fn ctx(op: &'static str, seq: u64) -> OpContext {
-        OpContext {
-            op,
-            seq,
-            group: Arc::from("dp[0,2]"),
-        }
+        OpContext::new(op, seq, Arc::from("dp[0,2]"))
     }
 
     /// Issues `op` #`seq` at `at` into `watch`; returns its signal and Work.
