@@ -169,6 +169,13 @@ run)
                     rc=1
                 fi
             done
+            # One PNG per model, named to sit beside docs/img's CPU curves
+            # (lenet-curves.png: lenet-gpu-curves.png), and both nets in one.
+            for model in lenet resnet18; do
+                [ -f "/tmp/meshtrain-acc-$model/metrics.jsonl" ] || continue
+                "$bin" plot --metrics "/tmp/meshtrain-acc-$model/metrics.jsonl" \
+                    --out "$logs/$model-gpu-curves.png" 2>&1 | tail -1
+            done
             "$bin" plot --metrics /tmp/meshtrain-acc-lenet/metrics.jsonl \
                 --metrics /tmp/meshtrain-acc-resnet18/metrics.jsonl \
                 --out "$logs/convnets-gpu-curves.png" 2>&1 | tail -1
@@ -310,6 +317,29 @@ run)
                 verdict="ok   CUDA graphs: the loss at step 200 ($graphed) is the eager run's"
             else
                 verdict="FAIL CUDA graphs: the loss at step 200 is '$graphed', the eager run's '$eager'"
+                rc=1
+            fi
+            echo "$verdict" | tee -a "$logs/$part.log"
+            # FP8 against bf16 over the same 200 steps (issue 39: within 1%): the BPE Llama
+            # again in fp8 (its products in E4M3/E5M2 at current scales), the validation
+            # loss at step 200 beside the eager bf16 run's above.
+            echo "=== step: the BPE Llama in fp8 against bf16, 200 steps" | tee -a "$logs/$part.log"
+            timeout 100 "$bin" train --config configs/llama-bpe.toml --device cuda \
+                --precision fp8 --set train.max_steps=200 \
+                --set "data.train_files=\"$tok/train_*.bin\"" \
+                --set "data.val_files=\"$tok/val_*.bin\"" \
+                --set 'train.out_dir="/tmp/meshtrain-fp8"' >/tmp/meshtrain-fp8.log 2>&1
+            val_loss() { grep -E '^eval step 200:' "$1" | sed -E 's/.*val loss ([0-9.]+).*/\1/'; }
+            bf16_loss=$(val_loss /tmp/meshtrain-graph-false.log)
+            fp8_loss=$(val_loss /tmp/meshtrain-fp8.log)
+            grep -E '^(step +200 |eval step 200:)' /tmp/meshtrain-fp8.log | sed 's/^/fp8: /' \
+                | tee -a "$logs/$part.log"
+            if [ -n "$fp8_loss" ] && [ -n "$bf16_loss" ] && awk -v a="$fp8_loss" -v b="$bf16_loss" \
+                'BEGIN{d = (a - b) / b; exit !(d < 0.01 && d > -0.01)}'; then
+                verdict="ok   fp8: validation loss at step 200 $fp8_loss, bf16's $bf16_loss (within 1%)"
+            else
+                tail -5 /tmp/meshtrain-fp8.log | tee -a "$logs/$part.log"
+                verdict="FAIL fp8: validation loss at step 200 '$fp8_loss', bf16's '$bf16_loss' (want within 1%)"
                 rc=1
             fi
             echo "$verdict" | tee -a "$logs/$part.log"

@@ -4,8 +4,10 @@
 //! 1. Each net (LeNet in both variants, ResNet-18 at D2L's width) on the GPU against the CPU
 //!    on the same batches: fp32 parameters and batch norm's running statistics within 1e-5
 //!    relative L2 after 3 steps (the GPU's checkpoint read back on the CPU, so checkpoints
-//!    move between the devices too), after 20 within 2e-4 (LeNet) or losses within 1%
-//!    (ResNet-18, chaotic at the rounding level); bf16 losses within 1% of the CPU's bf16.
+//!    move between the devices too); after 20, LeNet's parameters within 2e-4 relative L2
+//!    (what the CPU suite allows a change in the order of sums over 20 steps) and ResNet-18's
+//!    mean loss over the second half within 10% (it is chaotic at the rounding level:
+//!    [`Net::long`]); bf16 losses within 1% of the CPU's bf16.
 //! 2. Data parallelism on the GPU: dp = 2 (ranks sharing the GPU through staged collectives,
 //!    or NCCL across GPUs) against one GPU on the same global batch; ResNet-18 with
 //!    SyncBatchNorm, whose statistics are then those of the whole batch.

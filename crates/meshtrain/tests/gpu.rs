@@ -428,11 +428,47 @@ fn a_run_replaying_its_steps_as_cuda_graphs_learns_the_eager_runs_parameters() {
     }
 }
 
+/// A step the driver refuses to capture (on the emulated device,
+/// `EMU_DEVICE_REFUSE_CAPTURED_LAUNCH` refuses the third kernel of each capture, as a real
+/// driver may refuse a kernel for reasons of its own) runs eagerly: the capture ends, its
+/// pieces are issued as ordinary launches, the step completes, and the run learns the eager
+/// run's parameters (without the fallback, the refused launch failed the run). Runs only
+/// where the device refuses.
+#[test]
+fn a_step_the_driver_refuses_to_capture_runs_eagerly_and_learns_the_same() {
+    if !gpu() || std::env::var_os("EMU_DEVICE_REFUSE_CAPTURED_LAUNCH").is_none() {
+        return;
+    }
+    let _gpu = exclusive_gpu();
+    let steps = 4;
+    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let eager_cfg = tiny_gpu_gpt_config(dirs[0].path(), steps, &["train.device=\"cuda\""]);
+    let eager_run = run(&eager_cfg, &RunOptions::default()).unwrap();
+    let graph_cfg = tiny_gpu_gpt_config(
+        dirs[1].path(),
+        steps,
+        &["train.device=\"cuda\"", "train.cuda_graph=true"],
+    );
+    let refused = run(&graph_cfg, &RunOptions::default()).unwrap();
+    assert_eq!(
+        refused.graph_replays,
+        Some(0),
+        "nothing was captured to replay"
+    );
+    assert_eq!(
+        checkpoint_params(&graph_cfg, &written_checkpoint(dirs[1].path())),
+        checkpoint_params(&eager_cfg, &written_checkpoint(dirs[0].path())),
+        "the refused run's parameters"
+    );
+    assert_eq!(refused.final_train_loss, eager_run.final_train_loss);
+}
+
 /// The GPU tests above on the emulated CUDA device (`crates/tensor/tests/cuda_emu/device`):
 /// the CUDA path's host code (launch shapes, arguments, buffers, the allocator, checkpoints
 /// moving between devices) runs here on every machine with g++ and CUDA's headers, not only
 /// on a card. Once with every call done when it returns, once with each stream on a thread
-/// of its own and random delays (where a missing wait between streams reads stale data).
+/// of its own and random delays (where a missing wait between streams reads stale data), side
+/// by side; and the capture the driver refuses.
 #[test]
 fn the_gpu_tests_pass_on_the_emulated_device() {
     let tests = [
@@ -442,13 +478,17 @@ fn the_gpu_tests_pass_on_the_emulated_device() {
         "a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs",
         "a_run_replaying_its_steps_as_cuda_graphs_learns_the_eager_runs_parameters",
     ];
-    if common::rerun_on_the_emulated_device(&tests) {
-        common::rerun_on_the_emulated_device_with(
-            &tests,
-            &[
-                ("EMU_DEVICE_STREAMS", "async"),
-                ("EMU_DEVICE_STREAM_DELAY_US", "50"),
-            ],
-        );
-    }
+    let asynchronous = [
+        ("EMU_DEVICE_STREAMS", "async"),
+        ("EMU_DEVICE_STREAM_DELAY_US", "50"),
+    ];
+    let refusing = [("EMU_DEVICE_REFUSE_CAPTURED_LAUNCH", "3")];
+    common::rerun_on_the_emulated_device_concurrently(&[
+        (&tests, &[]),
+        (&tests, &asynchronous),
+        (
+            &["a_step_the_driver_refuses_to_capture_runs_eagerly_and_learns_the_same"],
+            &refusing,
+        ),
+    ]);
 }

@@ -360,7 +360,7 @@ pub fn parallelize(
     sample: Option<&Batch>,
 ) -> Result<Parallel, ParallelError> {
     let l = &layout.layout;
-    // The device, before any work: the GPU is there, the layout's pieces run on it, and
+    // The device, before any work: the GPU is there and can run the layout's precision, and
     // every layer has its kernels. Several GPUs reduce over NCCL or staged collectives.
     check_device(model, l, options.device, DeviceCheck::Opening)?;
     let (world, device_collectives) = crate::device::collectives_for(world, options)?;

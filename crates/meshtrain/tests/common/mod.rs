@@ -254,4 +254,7 @@ pub fn gpu() -> bool {
 #[path = "../../../tensor/tests/cuda_emu/device/rerun.rs"]
 mod emulated;
 #[allow(unused_imports)]
-pub use emulated::{rerun_on_the_emulated_device, rerun_on_the_emulated_device_with};
+pub use emulated::{
+    rerun_on_the_emulated_device, rerun_on_the_emulated_device_concurrently,
+    rerun_on_the_emulated_device_with,
+};

@@ -730,7 +730,8 @@ impl Blas {
             }
         }
         let plan = &self.plans[&g.key()];
-        self.launch(g, plan, choice)?;
+        let queued = self.launch(g, plan, choice);
+        device.refused_by_the_capture(queued, Some(self))?;
         if let Some(start) = started {
             let name = format!(
                 "gemm {}x{}x{} {}{} {}->{}{}",

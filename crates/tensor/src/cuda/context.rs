@@ -392,8 +392,9 @@ impl CudaDevice {
             return Ok(());
         }
         // SAFETY: `ptr..ptr+bytes` lies in a live allocation of this device.
-        unsafe { cu::memset_d8_async(ptr, 0, bytes, self.cu_stream()) }
-            .map_err(|e| CudaError::driver("clearing a buffer", e))
+        let queued = unsafe { cu::memset_d8_async(ptr, 0, bytes, self.cu_stream()) }
+            .map_err(|e| CudaError::driver("clearing a buffer", e));
+        self.refused_by_the_capture(queued, None)
     }
 
     /// Copies `bytes` from `src` to `dst` on the stream.
@@ -408,8 +409,9 @@ impl CudaDevice {
             return Ok(());
         }
         // SAFETY: both ranges lie in live allocations of this device.
-        unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }
-            .map_err(|e| CudaError::driver("a device-to-device copy", e))
+        let queued = unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }
+            .map_err(|e| CudaError::driver("a device-to-device copy", e));
+        self.refused_by_the_capture(queued, None)
     }
 
     /// Queues a copy of `data` into device memory at `dst`: through the pinned staging ring
@@ -624,8 +626,9 @@ impl CudaDevice {
         // SAFETY: pointer arguments point into live allocations of this device (the callers'
         // DevBufs and parameter views outlive the queued work or are released back to the
         // cache, whose next owner's work is ordered after it on this stream).
-        unsafe { self.launch_function(func, launch, args.slots) }
-            .map_err(|e| CudaError::driver(format!("launching {kernel} ({file}) {launch:?}"), e))?;
+        let queued = unsafe { self.launch_function(func, launch, args.slots) }
+            .map_err(|e| CudaError::driver(format!("launching {kernel} ({file}) {launch:?}"), e));
+        self.refused_by_the_capture(queued, None)?;
         if let Some(start) = started {
             self.profiled(kernel.to_string(), start)?;
         }

@@ -555,6 +555,33 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// What queueing a piece of work returned, while a step may be captured. The pieces this
+    /// code queues are known to be capturable, but a driver may refuse one for reasons of its
+    /// own (a launch attribute, a library's internal call) and invalidate the capture: then
+    /// the step falls back (the capture ended, its pieces so far, this one included, issued
+    /// again as ordinary work) instead of failing the run. A failure outside a capture, or
+    /// one that recurs when issued eagerly, is returned.
+    pub(super) fn refused_by_the_capture(
+        &self,
+        queued: Result<(), CudaError>,
+        blas: Option<&mut Blas>,
+    ) -> Result<(), CudaError> {
+        let Err(refused) = queued else {
+            return Ok(());
+        };
+        let capturing = matches!(
+            *self.recording.lock().expect("recording"),
+            Recording::Capturing { paused: 0, .. }
+        );
+        if !capturing {
+            return Err(refused);
+        }
+        self.fall_back(
+            format!("the driver refused it in a capture: {refused}"),
+            blas,
+        )
+    }
+
     /// The step runs eagerly from here: a capture is ended (its segment's graph dropped),
     /// the current segment's pieces so far are queued as ordinary launches, and `reason`
     /// kept.

@@ -157,6 +157,18 @@ unsigned stream_delay_us() {
     return us;
 }
 
+/// EMU_DEVICE_REFUSE_CAPTURED_LAUNCH=N: the N-th kernel launched into each capture is
+/// refused as a call the capture cannot hold (0: none). A real driver may refuse a kernel
+/// this emulator would capture (a launch attribute, a library's own call); the host code
+/// must then fall back to eager launches, and this is how a test makes it.
+unsigned refused_captured_launch() {
+    static const unsigned n = [] {
+        const char* v = std::getenv("EMU_DEVICE_REFUSE_CAPTURED_LAUNCH");
+        return v && *v ? (unsigned)std::atoi(v) : 0u;
+    }();
+    return n;
+}
+
 /// Guards every stream's queue and every event's counts; notified whenever work completes.
 /// Never destroyed: stream threads may still wait on them while the process exits (glibc's
 /// condition variable destructor would wait for them forever).
@@ -187,6 +199,7 @@ struct Stream {
     std::shared_ptr<Captured> capture;
     bool invalidated = false;
     bool relaxed = false;
+    unsigned captured_launches = 0;
     bool idle() const { return completed == enqueued; }
 };
 
@@ -885,6 +898,14 @@ CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned
     if (extra) return unsupported("cuLaunchKernel with `extra` arguments");
     const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
     if (direct(s)) return launch_now(f, grid, block, smem, params);
+    if (const unsigned refused = refused_captured_launch()) {
+        bool refuse = false;
+        {
+            std::lock_guard<std::mutex> g(g_sched);
+            if (Stream* st = capturing_locked(s)) refuse = ++st->captured_launches == refused;
+        }
+        if (refuse) return capture_refuses("a kernel (EMU_DEVICE_REFUSE_CAPTURED_LAUNCH)", s);
+    }
     // The arguments are copied now: `params` points into the caller's frame.
     const size_t* sizes = nullptr;
     const size_t count = emu_device_kernel_params(f, &sizes);
@@ -917,6 +938,7 @@ CUresult cuStreamBeginCapture(CUstream s, CUstreamCaptureMode mode) {
     st->capture = std::make_shared<Captured>();
     st->invalidated = false;
     st->relaxed = mode == CU_STREAM_CAPTURE_MODE_RELAXED;
+    st->captured_launches = 0;
     captures().insert(st);
     return CUDA_SUCCESS;
 }

@@ -52,6 +52,14 @@ pub fn emulated_device() -> Option<PathBuf> {
 /// the device cannot be built here (skipped) or when this process already is such a run.
 #[allow(dead_code)]
 pub fn rerun_on_the_emulated_device_with(tests: &[&str], env: &[(&str, &str)]) -> bool {
+    rerun_on_the_emulated_device_concurrently(&[(tests, env)])
+}
+
+/// Several reruns ([`rerun_on_the_emulated_device_with`]'s `tests` and `env` each) as
+/// processes side by side: an emulated run keeps about one core busy, and the test binary
+/// around it is mostly waiting, so on CI's two cores two runs take the time of one.
+#[allow(dead_code)]
+pub fn rerun_on_the_emulated_device_concurrently(runs: &[(&[&str], &[(&str, &str)])]) -> bool {
     if std::env::var_os("MESHTRAIN_ON_EMULATED_DEVICE").is_some() {
         return false;
     }
@@ -60,14 +68,30 @@ pub fn rerun_on_the_emulated_device_with(tests: &[&str], env: &[(&str, &str)]) -
         eprintln!("skipped: this machine has an NVIDIA driver, so the tests ran on its GPU");
         return false;
     }
+    // Built once, before the runs start (they would race to build it).
     let Some(device) = emulated_device() else {
         return false;
     };
+    std::thread::scope(|s| {
+        let runs: Vec<_> = runs
+            .iter()
+            .map(|&(tests, env)| s.spawn(|| rerun_one(&device, tests, env)))
+            .collect();
+        for run in runs {
+            if let Err(failure) = run.join() {
+                std::panic::resume_unwind(failure);
+            }
+        }
+    });
+    true
+}
+
+fn rerun_one(device: &std::path::Path, tests: &[&str], env: &[(&str, &str)]) {
     let start = std::time::Instant::now();
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "--test-threads", "1", "--nocapture"])
         .args(tests)
-        .env("LD_LIBRARY_PATH", &device)
+        .env("LD_LIBRARY_PATH", device)
         .env("CUDA_INCLUDE_DIRS", device.join("include"))
         .env("MESHTRAIN_KERNEL_CACHE", "off")
         .env("MESHTRAIN_REQUIRE_GPU", "1")
@@ -80,15 +104,26 @@ pub fn rerun_on_the_emulated_device_with(tests: &[&str], env: &[(&str, &str)]) -
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "on the emulated CUDA device:\n{text}");
+    let settings: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let settings = if settings.is_empty() {
+        "its defaults".to_string()
+    } else {
+        settings.join(" ")
+    };
+    assert!(
+        out.status.success(),
+        "on the emulated CUDA device ({settings}):\n{text}"
+    );
     let passed = format!("{} passed", tests.len());
-    assert!(text.contains(&passed), "expected {passed}:\n{text}");
+    assert!(
+        text.contains(&passed),
+        "expected {passed} ({settings}):\n{text}"
+    );
     eprintln!(
-        "on the emulated CUDA device: {} in {:.1} s",
+        "on the emulated CUDA device ({settings}): {} in {:.1} s",
         tests.join(", "),
         start.elapsed().as_secs_f64()
     );
-    true
 }
 
 /// [`rerun_on_the_emulated_device_with`] with the device's own settings.
