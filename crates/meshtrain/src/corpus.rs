@@ -8,9 +8,12 @@
 //! file's size. The format comes from the content (Parquet's, gzip's and zstd's magic bytes,
 //! a first `{`) and the extension (`.jsonl`, `.ndjson`, `.json`, under `.gz` or `.zst`). A file that is
 //! none of these, or text that is not UTF-8, is refused with the offset of its first bad byte,
-//! never tokenized as if it were text. A malformed line (or a row without text) is named (file
-//! and line, or row group and row) and stops the run, or with `skip_bad` is counted and left
-//! out.
+//! never tokenized as if it were text. A malformed line (not JSON, not UTF-8, without the text
+//! field) or a row without text is named (file and line, or row group and row) and stops the
+//! run, or with `skip_bad` is counted and left out. A file that cannot be read to its end (a
+//! damaged compressed stream, a text file that is not UTF-8, a Parquet file without a readable
+//! footer or without the text column; a Parquet row group that cannot be decoded) stops the
+//! run too, or with `skip_bad` is left out whole and named ([`LeftOut`]).
 //!
 //! Inputs may be files, directories (every file under them, in name order, hidden ones left
 //! out) and glob patterns ([`expand_inputs`]).
@@ -38,6 +41,17 @@ pub struct Documents {
     pub texts: Vec<String>,
     /// Lines left out under `skip_bad` (malformed, or without the text field).
     pub skipped: usize,
+}
+
+/// What `skip_bad` left out of a corpus.
+#[derive(Debug, Default, PartialEq)]
+pub struct LeftOut {
+    /// Malformed lines and rows (each file's other documents kept).
+    pub lines: usize,
+    /// The files (or Parquet row groups) left out whole, each with why: a file is left out
+    /// whole rather than up to its damage, so the output does not depend on where a stream
+    /// happened to break, and equals that of the corpus without the file.
+    pub parts: Vec<String>,
 }
 
 /// A document, or a piece of one.
@@ -280,26 +294,60 @@ impl std::fmt::Display for Part {
 }
 
 /// The parts of `files`, in corpus order: a Parquet file's row groups (from its footer,
-/// the only part of it read here), every other file whole.
-pub fn parts_of(files: &[PathBuf]) -> Result<Vec<Part>> {
-    let mut parts = Vec::new();
+/// the only part of it read here, which must have the `text_field` column), every other file
+/// whole. A Parquet file whose footer or column is missing is an error naming it, or with
+/// `skip_bad` is left out: returned second, with why.
+pub fn parts_of(
+    files: &[PathBuf],
+    text_field: &str,
+    skip_bad: bool,
+) -> Result<(Vec<Part>, Vec<String>)> {
+    let (mut parts, mut left_out) = (Vec::new(), Vec::new());
     for path in files {
-        if is_parquet(path)? {
+        let file_parts = || -> Result<Vec<Part>> {
+            if !is_parquet(path)? {
+                return Ok(vec![Part {
+                    path: path.clone(),
+                    row_group: None,
+                    footer: None,
+                }]);
+            }
             let footer = parquet_footer(path)?;
-            parts.extend((0..footer.num_row_groups()).map(|g| Part {
-                path: path.clone(),
-                row_group: Some(g),
-                footer: Some(footer.clone()),
-            }));
-        } else {
-            parts.push(Part {
-                path: path.clone(),
-                row_group: None,
-                footer: None,
-            });
+            text_column(path, &footer, text_field)?;
+            Ok((0..footer.num_row_groups())
+                .map(|g| Part {
+                    path: path.clone(),
+                    row_group: Some(g),
+                    footer: Some(footer.clone()),
+                })
+                .collect())
+        };
+        match file_parts() {
+            Ok(file_parts) => parts.extend(file_parts),
+            Err(e) if skip_bad => left_out.push(format!("{e:#}")),
+            Err(e) => bail!("{e:#} (--skip-bad leaves such files out and names them)"),
         }
     }
-    Ok(parts)
+    Ok((parts, left_out))
+}
+
+/// The `text_field` column of a Parquet file's schema, or an error naming the columns it has.
+fn text_column(
+    path: &Path,
+    footer: &ParquetMetaData,
+    text_field: &str,
+) -> Result<parquet::schema::types::TypePtr> {
+    let root = footer.file_metadata().schema_descr_ptr();
+    let root = root.root_schema();
+    let Some(column) = root.get_fields().iter().find(|c| c.name() == text_field) else {
+        let names: Vec<&str> = root.get_fields().iter().map(|c| c.name()).collect();
+        bail!(
+            "{}: no column \"{text_field}\" (it has {}; --text-field names another)",
+            path.display(),
+            names.join(", ")
+        );
+    };
+    Ok(column.clone())
 }
 
 /// A Parquet file's footer (its schema and row groups), or the error naming the file.
@@ -321,7 +369,8 @@ fn footer_of(path: &Path, file: &std::fs::File) -> Result<Arc<ParquetMetaData>> 
 pub struct ReadOptions {
     /// The JSON field or Parquet column that holds a document's text.
     pub text_field: String,
-    /// Count and leave out malformed lines and rows instead of stopping at the first.
+    /// Count and leave out malformed lines and rows, and leave out unreadable files whole,
+    /// instead of stopping at the first.
     pub skip_bad: bool,
     /// Hand text files over in pieces of about this many bytes ([`for_each_document`]).
     pub text_pieces: Option<usize>,
@@ -339,6 +388,8 @@ enum Sent {
     /// The part is read (or its reader was told to stop); the lines or rows it left out
     /// under `skip_bad`.
     Done(usize),
+    /// Under `skip_bad`: the part cannot be read to its end (why), and none of it was sent.
+    LeftOut(String),
     Failed(anyhow::Error),
 }
 
@@ -349,12 +400,18 @@ enum Sent {
 /// holds at most two batches a reader. The first error in corpus order is returned, as a
 /// single reader would meet it. After `max_documents` nothing more is handed over or waited
 /// for (a later part's error is not met), and the part being read stops at its next
-/// document. Returns the lines left out under `skip_bad`.
+/// document. Returns what was left out under `skip_bad`.
+///
+/// Under `skip_bad` each part is read twice, first to its end without handing anything over:
+/// a part that fails is left out whole (named in [`LeftOut::parts`]) before any of its
+/// documents reached `consume`, whose shards cannot take them back. That costs a second
+/// decompression and parse of the corpus (a few percent of the BPE's time), and with
+/// `max_documents` the part the limit ends in is read to its end once first.
 pub fn read_in_order(
     parts: &[Part],
     options: &ReadOptions,
     mut consume: impl FnMut(Vec<Document>) -> Result<()>,
-) -> Result<usize> {
+) -> Result<LeftOut> {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::mpsc::{sync_channel, SyncSender};
     use std::sync::Mutex;
@@ -379,7 +436,7 @@ pub fn read_in_order(
         // The receivers are consumed here, so an early return drops the rest and a reader
         // waiting to hand over a batch nobody will take stops.
         let consumed = (|| {
-            let (mut skipped, mut documents) = (0, 0usize);
+            let (mut left_out, mut documents) = (LeftOut::default(), 0usize);
             for (part, receiver) in parts.iter().zip(receivers) {
                 if documents == limit {
                     // A document never spans parts: the limit's last one is whole.
@@ -403,15 +460,19 @@ pub fn read_in_order(
                                 // out; what it met past the limit does not matter.
                                 stop.store(true, Ordering::Relaxed);
                                 while let Ok(sent) = receiver.recv() {
-                                    if let Sent::Done(left_out) = sent {
-                                        skipped += left_out;
+                                    if let Sent::Done(lines) = sent {
+                                        left_out.lines += lines;
                                     }
                                 }
-                                return Ok(skipped);
+                                return Ok(left_out);
                             }
                         }
-                        Ok(Sent::Done(left_out)) => {
-                            skipped += left_out;
+                        Ok(Sent::Done(lines)) => {
+                            left_out.lines += lines;
+                            break;
+                        }
+                        Ok(Sent::LeftOut(why)) => {
+                            left_out.parts.push(why);
                             break;
                         }
                         Ok(Sent::Failed(e)) => return Err(e),
@@ -419,7 +480,7 @@ pub fn read_in_order(
                     }
                 }
             }
-            Ok(skipped)
+            Ok(left_out)
         })();
         stop.store(true, Ordering::Relaxed);
         consumed
@@ -427,13 +488,27 @@ pub fn read_in_order(
 }
 
 /// One part's documents into `sender` in batches, then how it ended; stops at its next
-/// document once `stop` is set, and without a word once the consumer has gone.
+/// document once `stop` is set, and without a word once the consumer has gone. Under
+/// `skip_bad` the part is first read through without sending: one that fails is reported
+/// as [`Sent::LeftOut`] alone.
 fn read_part(
     part: &Part,
     options: &ReadOptions,
     sender: &std::sync::mpsc::SyncSender<Sent>,
     stop: &std::sync::atomic::AtomicBool,
 ) {
+    let stopped = || stop.load(std::sync::atomic::Ordering::Relaxed);
+    if options.skip_bad {
+        match part_documents(part, options, |_| Ok(!stopped())) {
+            Err(e) => {
+                let _ = sender.send(Sent::LeftOut(format!("{e:#}")));
+                return;
+            }
+            // The consumer has finished: whatever the rest holds does not matter.
+            Ok(_) if stopped() => return,
+            Ok(_) => {}
+        }
+    }
     let mut batch = Vec::new();
     let mut batch_bytes = 0;
     let mut consumer_gone = false;
@@ -451,28 +526,7 @@ fn read_part(
         }
         Ok(!consumer_gone)
     };
-    let read = match part.row_group {
-        Some(g) => parquet_documents(
-            &part.path,
-            &options.text_field,
-            options.skip_bad,
-            Some(g),
-            part.footer.clone(),
-            |text| {
-                hand_over(Document {
-                    text,
-                    continues: false,
-                })
-            },
-        ),
-        None => for_each_document(
-            &part.path,
-            &options.text_field,
-            options.skip_bad,
-            options.text_pieces,
-            &mut hand_over,
-        ),
-    };
+    let read = part_documents(part, options, &mut hand_over);
     if consumer_gone {
         return;
     }
@@ -486,6 +540,36 @@ fn read_part(
         Err(e) => Sent::Failed(e),
     };
     let _ = sender.send(end);
+}
+
+/// [`for_each_document`] on one part: a whole file, or one row group of a Parquet file.
+fn part_documents(
+    part: &Part,
+    options: &ReadOptions,
+    mut f: impl FnMut(Document) -> Result<bool>,
+) -> Result<usize> {
+    match part.row_group {
+        Some(g) => parquet_documents(
+            &part.path,
+            &options.text_field,
+            options.skip_bad,
+            Some(g),
+            part.footer.clone(),
+            |text| {
+                f(Document {
+                    text,
+                    continues: false,
+                })
+            },
+        ),
+        None => for_each_document(
+            &part.path,
+            &options.text_field,
+            options.skip_bad,
+            options.text_pieces,
+            f,
+        ),
+    }
 }
 
 /// A text file as one document, in pieces of about `target` bytes.
@@ -564,8 +648,26 @@ fn json_lines(
         if n == 0 {
             break;
         }
-        let line = utf8(path, std::mem::take(&mut raw), offset)?;
+        let line = String::from_utf8(std::mem::take(&mut raw));
+        let line_offset = offset;
         offset += n as u64;
+        let line = match line {
+            Ok(line) => line,
+            Err(_) if skip_bad => {
+                skipped += 1;
+                continue;
+            }
+            Err(e) => {
+                let at = e.utf8_error().valid_up_to();
+                bail!(
+                    "{}:{number}: not UTF-8 text: byte offset {} is 0x{:02x} (--skip-bad leaves \
+                     such lines out and counts them)",
+                    path.display(),
+                    line_offset + at as u64,
+                    e.as_bytes()[at]
+                )
+            }
+        };
         if line.trim().is_empty() {
             continue;
         }
@@ -610,18 +712,10 @@ fn parquet_documents(
     };
     let file = Arc::new(file);
     let properties = Arc::new(ReaderProperties::builder().build());
+    let column = text_column(path, &footer, text_field)?;
     let root = footer.file_metadata().schema_descr_ptr();
-    let root = root.root_schema();
-    let Some(column) = root.get_fields().iter().find(|c| c.name() == text_field) else {
-        let names: Vec<&str> = root.get_fields().iter().map(|c| c.name()).collect();
-        bail!(
-            "{}: no column \"{text_field}\" (it has {}; --text-field names another)",
-            path.display(),
-            names.join(", ")
-        );
-    };
-    let only_text = parquet::schema::types::Type::group_type_builder(root.name())
-        .with_fields(vec![column.clone()])
+    let only_text = parquet::schema::types::Type::group_type_builder(root.root_schema().name())
+        .with_fields(vec![column])
         .build()?;
     let mut skipped = 0;
     let groups = match only_group {
@@ -783,7 +877,7 @@ pub(crate) mod tests {
             want.extend(lines);
             files.push(path);
         }
-        let parts = parts_of(&files).unwrap();
+        let (parts, _) = parts_of(&files, "text", false).unwrap();
         assert_eq!(
             parts.len(),
             4 * (5 + 1),
@@ -835,7 +929,7 @@ pub(crate) mod tests {
         std::fs::write(&a, "{\"text\": 1}\n{\"text\": \"x\"}\n{\"text\": \"y\"}\n").unwrap();
         std::fs::write(&b, "{broken\n").unwrap();
         let mut short = parts[..1].to_vec(); // 2 documents (row group 0)
-        short.extend(parts_of(&[a, b]).unwrap());
+        short.extend(parts_of(&[a, b], "text", false).unwrap().0);
         let limited = |max, skip_bad| ReadOptions {
             max_documents: Some(max),
             skip_bad,
@@ -848,14 +942,18 @@ pub(crate) mod tests {
         })
         .unwrap();
         assert_eq!(
-            (texts.len(), skipped),
+            (texts.len(), skipped.lines),
             (3, 1),
             "a.jsonl's bad first line counted"
         );
         read_in_order(&short, &limited(4, false), |_| Ok(()))
             .expect_err("a.jsonl's first line is before the limit");
         let e = read_in_order(&short, &limited(4, true), |_| Ok(()));
-        assert_eq!(e.ok(), Some(1), "b.jsonl lies past the limit of 4");
+        assert_eq!(
+            e.ok().map(|e| e.lines),
+            Some(1),
+            "b.jsonl lies past the limit of 4"
+        );
         // Two bad files: the earlier one is named, even when a later reader fails first.
         std::fs::write(&files[3], gzip(b"{\"text\": 1}\n")).unwrap();
         std::fs::write(&files[7], b"{\"text\": 2}\n").unwrap();
@@ -918,6 +1016,82 @@ pub(crate) mod tests {
         assert_eq!(docs.skipped, 3);
         let e = format!("{:#}", read_documents(&path, "body", false).unwrap_err());
         assert!(e.contains("d.jsonl:1: no field \"body\""), "{e}");
+    }
+
+    /// Under `skip_bad` a JSON line that is not UTF-8 is a malformed line (counted); a
+    /// Parquet file without the text column is left out by [`parts_of`], a damaged gzip
+    /// stream by [`read_in_order`], each named; without it each stops, named.
+    #[test]
+    fn skip_bad_counts_bad_lines_and_names_bad_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines = dir.path().join("a.jsonl");
+        std::fs::write(
+            &lines,
+            b"{\"text\": \"one\"}\n{\"text\": \"\xff\"}\n{\"text\": \"three\"}\n",
+        )
+        .unwrap();
+        let e = format!("{:#}", read_documents(&lines, "text", false).unwrap_err());
+        assert!(
+            e.contains("a.jsonl:2: not UTF-8 text: byte offset 26 is 0xff"),
+            "{e}"
+        );
+        let docs = read_documents(&lines, "text", true).unwrap();
+        assert_eq!(
+            (docs.texts, docs.skipped),
+            (vec!["one".into(), "three".into()], 1)
+        );
+
+        let parquet = dir.path().join("p.parquet");
+        write_parquet(&parquet, &[Some("row")], 1);
+        let e = format!(
+            "{:#}",
+            parts_of(std::slice::from_ref(&parquet), "body", false).unwrap_err()
+        );
+        assert!(
+            e.contains("no column \"body\"") && e.contains("--skip-bad"),
+            "{e}"
+        );
+        let (parts, left_out) = parts_of(&[parquet, lines.clone()], "body", true).unwrap();
+        assert_eq!(parts.len(), 1);
+        assert!(
+            left_out.len() == 1 && left_out[0].contains("p.parquet: no column \"body\""),
+            "{left_out:?}"
+        );
+
+        let damaged = dir.path().join("b.jsonl.gz");
+        let whole = gzip("{\"text\": \"lost\"}\n".repeat(1000).as_bytes());
+        std::fs::write(&damaged, &whole[..whole.len() - 12]).unwrap();
+        let (parts, _) = parts_of(&[lines.clone(), damaged, lines], "text", true).unwrap();
+        for readers in [1, 3] {
+            for skip_bad in [false, true] {
+                let options = ReadOptions {
+                    text_field: "text".into(),
+                    skip_bad,
+                    text_pieces: None,
+                    batch_bytes: 1,
+                    readers,
+                    max_documents: None,
+                };
+                let mut texts = Vec::new();
+                let read = read_in_order(&parts, &options, |batch| {
+                    texts.extend(batch.into_iter().map(|d| d.text));
+                    Ok(())
+                });
+                if !skip_bad {
+                    let e = format!("{:#}", read.unwrap_err());
+                    assert!(e.contains("a.jsonl:2: not UTF-8"), "{e}");
+                    continue;
+                }
+                let left_out = read.unwrap();
+                assert_eq!(texts, ["one", "three", "one", "three"], "{readers} readers");
+                assert_eq!(left_out.lines, 2);
+                assert!(
+                    left_out.parts.len() == 1
+                        && left_out.parts[0].contains("b.jsonl.gz: a damaged gzip stream"),
+                    "{left_out:?}"
+                );
+            }
+        }
     }
 
     #[test]

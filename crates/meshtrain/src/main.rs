@@ -48,13 +48,17 @@ enum Command {
     /// Text from a trained GPT or Llama checkpoint, streamed as it comes:
     /// `meshtrain generate --checkpoint runs/gpt/checkpoint.safetensors --prompt "ROMEO:"`.
     Generate(meshtrain::generate::GenerateArgs),
-    /// Write a GPT or Llama checkpoint as a Hugging Face transformers model directory
-    /// (config.json + model.safetensors): `meshtrain export --checkpoint
-    /// runs/llama/checkpoint.safetensors --format hf --out hf-model`. `train --init-from DIR`
-    /// reads such a directory back (yours, or downloaded GPT-2 / Llama weights).
+    /// Write a GPT or Llama checkpoint (Llama's Mistral, Qwen2 and Qwen3 variants included) as
+    /// a Hugging Face transformers model directory (config.json + model.safetensors, with
+    /// tokenizer.json, tokenizer_config.json and generation_config.json when the run's
+    /// tokenizer is known): `meshtrain export --checkpoint runs/llama/checkpoint.safetensors
+    /// --format hf --out hf-model`. `train --init-from DIR` reads such a directory back (yours,
+    /// or downloaded GPT-2, Llama, Mistral, Qwen2/Qwen2.5, Qwen3 or SmolLM weights).
     Export(meshtrain::export::ExportArgs),
-    /// Turn text files into token shards (GPT-2 or cl100k BPE, llm.c's file format) to train
-    /// on with data.train_files: `meshtrain tokenize --input corpus.txt --out data/tok`.
+    /// Turn documents into token shards (llm.c's file format) to train on with
+    /// data.train_files: plain text, JSON lines or Parquet, gzip- or zstd-compressed or not,
+    /// files, directories or globs; GPT-2 or cl100k BPE, or your own tokenizer.json
+    /// (--tokenizer): `meshtrain tokenize --input corpus.txt --out data/tok`.
     Tokenize(meshtrain::tokenize::TokenizeArgs),
     /// Inspect checkpoints, or join sharded ones (written under ZeRO, or with
     /// train.checkpoint_format = "sharded") into one file.
@@ -110,9 +114,11 @@ enum BenchCommand {
     /// (GFLOP/s, memory at seq 512…8192), context parallelism's activation memory per
     /// worker, a GPT over a memory limit trained at cp = 4, ring vs Ulysses at cp = 2.
     Context(meshtrain::context_bench::BenchContextArgs),
-    /// The CUDA backend on this machine's GPU: every kernel against its CPU twin, 20 GPT
-    /// steps against the CPU, products against cuBLASLt's best algorithm, kernels' bandwidth
-    /// against a copy, and the GPT-2 124M step in tokens/s with its per-kernel time.
+    /// The CUDA backend on this machine's GPU (--parts): every kernel against its CPU twin and
+    /// 20 GPT and Llama steps against the CPU, several ranks and parallel layouts on the
+    /// GPU(s), LeNet and ResNet-18 against the CPU, products against cuBLASLt's best
+    /// algorithm, kernels' bandwidth against a copy, attention, and the GPT-2 124M or Llama
+    /// 1B-shaped step in tokens/s with its per-kernel time.
     #[cfg(feature = "cuda")]
     Gpu(meshtrain::gpu_bench::BenchGpuArgs),
 }

@@ -41,8 +41,11 @@ pub struct TokenizeArgs {
     /// text.
     #[arg(long, default_value = "text")]
     pub text_field: String,
-    /// Leave out malformed JSON lines (counted and reported) instead of stopping at the
-    /// first, which is named by file and line.
+    /// Leave out malformed JSON lines and Parquet rows (counted), and files that cannot be
+    /// read to their end (a damaged gzip or zstd stream, text that is not UTF-8, a Parquet
+    /// file without a readable footer or the --text-field column: named), instead of stopping
+    /// at the first, which is named by file and line or row. A bad file is left out whole, so
+    /// the shards are those of the corpus without it.
     #[arg(long)]
     pub skip_bad: bool,
     /// Stop after this many documents (a trial run on the start of a corpus).
@@ -424,7 +427,7 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
     ensure!(args.shard_tokens > 0, "--shard-tokens must be at least 1");
     let files = crate::corpus::expand_inputs(&args.inputs)?;
     // Parquet footers are read here, before anything in `args.out` is touched.
-    let parts = crate::corpus::parts_of(&files)?;
+    let (parts, unreadable) = crate::corpus::parts_of(&files, &args.text_field, args.skip_bad)?;
     let (name, vocab, separator, encode_text): (String, usize, Option<u32>, TextEncoder) =
         match &args.tokenizer {
             Some(path) => {
@@ -496,20 +499,15 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         Ok(())
     });
     bar.finish_and_clear();
-    let outcome = read.and_then(|skipped| {
-        ensure!(
-            documents > 0,
-            "no documents in {} (empty files, or every line left out)",
-            files
-                .iter()
-                .map(|f| f.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+    let outcome = read.and_then(|mut left_out| {
+        left_out.parts.splice(0..0, unreadable);
+        // Separators alone are no corpus: a model would learn nothing from them, and a shard
+        // of them looks like a finished run.
+        ensure!(bytes > 0, "{}", no_text(&files, documents, &left_out));
         let how = split.finish()?;
-        Ok((documents, bytes, skipped, how))
+        Ok((documents, bytes, left_out, how))
     });
-    let (documents, bytes, skipped, how) = match outcome {
+    let (documents, bytes, left_out, how) = match outcome {
         Ok(done) => done,
         Err(e) => {
             let kept = split.train.written.len() + split.val.written.len();
@@ -521,8 +519,17 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         }
     };
     let replaced = finish_shards(&args.out, &partial)?;
-    if skipped > 0 {
-        println!("left out {skipped} malformed line(s) (--skip-bad)");
+    if left_out.lines > 0 {
+        println!("left out {} malformed line(s) (--skip-bad)", left_out.lines);
+    }
+    if !left_out.parts.is_empty() {
+        println!(
+            "left out {} unreadable file(s) or row group(s) (--skip-bad):",
+            left_out.parts.len()
+        );
+        for why in &left_out.parts {
+            println!("  {why}");
+        }
     }
     if replaced > 0 {
         println!(
@@ -577,6 +584,34 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Why a corpus gave nothing to tokenize: its inputs (the first few named) and what
+/// `--skip-bad` left out of them.
+fn no_text(files: &[PathBuf], documents: usize, left_out: &crate::corpus::LeftOut) -> String {
+    const NAMED: usize = 5;
+    let mut names: Vec<String> = (files.iter().take(NAMED))
+        .map(|f| f.display().to_string())
+        .collect();
+    if files.len() > NAMED {
+        names.push(format!("{} more file(s)", files.len() - NAMED));
+    }
+    let names = names.join(", ");
+    let mut why = match documents {
+        0 => format!("no documents in {names} (blank files"),
+        n => format!("no text in {names}: {n} document(s), every one empty (empty files"),
+    };
+    if left_out.lines > 0 {
+        why += &format!(", {} malformed line(s) left out", left_out.lines);
+    }
+    if !left_out.parts.is_empty() {
+        why += &format!(
+            ", {} unreadable file(s) or row group(s) left out: {}",
+            left_out.parts.len(),
+            left_out.parts.join("; ")
+        );
+    }
+    why + "): nothing to tokenize"
 }
 
 /// Moves a finished run's shards from `partial` into `out`, after removing an earlier run's
@@ -780,7 +815,8 @@ mod tests {
     }
 
     /// A run that fails (a malformed line in the second file) leaves the output directory as
-    /// it was; an empty input is an error, not a one-token shard.
+    /// it was; an empty input (no documents, or only empty ones) is an error naming it, not a
+    /// shard of separators.
     #[test]
     fn a_failed_or_empty_run_leaves_nothing_looking_finished() {
         let dir = tempfile::tempdir().unwrap();
@@ -809,10 +845,127 @@ mod tests {
             "{:#}",
             run(&args_for(vec![blank], out.clone())).unwrap_err()
         );
-        assert!(e.contains("no documents in"), "{e}");
+        assert!(
+            e.contains("no documents in") && e.contains("blank.jsonl"),
+            "{e}"
+        );
         assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
-        // An empty text file is one (empty) document: its separator is a corpus.
-        run(&args_for(vec![empty], out.clone())).unwrap();
+        // An empty text file is one empty document, JSON lines may hold empty texts: only
+        // separators, no corpus.
+        let empty_texts = dir.path().join("empty-texts.jsonl");
+        std::fs::write(&empty_texts, "{\"text\": \"\"}\n{\"text\": \"\"}\n").unwrap();
+        for (input, documents) in [(&empty, 1), (&empty_texts, 2)] {
+            let e = format!(
+                "{:#}",
+                run(&args_for(vec![input.clone()], out.clone())).unwrap_err()
+            );
+            let name = input.display().to_string();
+            assert!(
+                e.contains(&format!(
+                    "no text in {name}: {documents} document(s), every one empty"
+                )),
+                "{e}"
+            );
+            assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "{e}");
+        }
+        // Beside a document with text, an empty one is a document as before.
+        run(&args_for(vec![empty, good], out.clone())).unwrap();
+        assert!(!split_tokens(&out, "train").is_empty());
+    }
+
+    /// `--skip-bad` leaves out whole, and names, a file that cannot be read to its end: a
+    /// damaged gzip stream whose first documents decode, a text file that turns out not to be
+    /// UTF-8 after its first pieces, a Parquet file without a footer. The shards are exactly
+    /// those of the corpus without them, whatever the number of readers (no document of a bad
+    /// file gets in before its damage is met). Without `--skip-bad` the first one stops the
+    /// run and nothing is written.
+    #[test]
+    fn skip_bad_leaves_out_a_bad_file_whole() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let text = shakespeare();
+        let lines = |docs: std::ops::Range<usize>| -> String {
+            docs.map(|i| {
+                serde_json::json!({ "text": &text[i * 2_000..(i + 1) * 2_000] }).to_string() + "\n"
+            })
+            .collect()
+        };
+        let gzip = |s: &str| {
+            let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            e.write_all(s.as_bytes()).unwrap();
+            e.finish().unwrap()
+        };
+        let good_gz = dir.path().join("a.jsonl.gz");
+        std::fs::write(&good_gz, gzip(&lines(0..10))).unwrap();
+        let damaged = dir.path().join("b.jsonl.gz");
+        let whole = gzip(&lines(10..60));
+        std::fs::write(&damaged, &whole[..whole.len() / 2]).unwrap();
+        let good_text = dir.path().join("c.txt");
+        std::fs::write(&good_text, &text[150_000..160_000]).unwrap();
+        let not_utf8 = dir.path().join("d.txt");
+        let mut bytes = text.as_bytes()[..600_000].to_vec();
+        bytes.push(0xff);
+        std::fs::write(&not_utf8, bytes).unwrap();
+        let no_footer = dir.path().join("e.parquet");
+        std::fs::write(&no_footer, b"PAR1 no row groups, no footer").unwrap();
+        // Each bad file has documents that read before its damage.
+        for (bad, what) in [
+            (&damaged, "a damaged gzip stream"),
+            (&not_utf8, "byte offset 600000 is 0xff"),
+        ] {
+            let mut read = 0;
+            let e = crate::corpus::for_each_document(
+                bad,
+                "text",
+                false,
+                Some(TEXT_PIECE_BYTES),
+                |_| {
+                    read += 1;
+                    Ok(true)
+                },
+            )
+            .unwrap_err();
+            assert!(read > 0 && format!("{e:#}").contains(what), "{read}: {e:#}");
+        }
+        let good = vec![good_gz.clone(), good_text.clone()];
+        let all = vec![
+            good_gz.clone(),
+            damaged.clone(),
+            good_text.clone(),
+            not_utf8,
+            no_footer,
+        ];
+        let tokenize = |inputs: &[PathBuf], out: &str, skip_bad: bool, readers: u16| {
+            let out = dir.path().join(out);
+            let result = run(&TokenizeArgs {
+                skip_bad,
+                readers: Some(readers),
+                shard_tokens: 5_000,
+                ..args_for(inputs.to_vec(), out.clone())
+            });
+            (result, out)
+        };
+        let (result, want) = tokenize(&good, "good", false, 1);
+        result.unwrap();
+        assert!(want.join("train_000001.bin").exists(), "several shards");
+        for readers in [1, 4] {
+            let (result, out) = tokenize(&all, &format!("skipped-{readers}"), true, readers);
+            result.unwrap();
+            for split in ["train", "val"] {
+                assert_eq!(
+                    split_tokens(&out, split),
+                    split_tokens(&want, split),
+                    "{split}, {readers} readers"
+                );
+            }
+        }
+        let (result, out) = tokenize(&[good_gz, damaged, good_text], "stopped", false, 4);
+        let e = format!("{:#}", result.unwrap_err());
+        assert!(
+            e.contains("b.jsonl.gz: a damaged gzip stream") && e.contains("nothing in"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "{e}");
     }
 
     /// A directory is every file under it, a glob its matches, both in name order.

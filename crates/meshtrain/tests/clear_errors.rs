@@ -72,6 +72,32 @@ fn a_bad_checkpoint_is_one_error_before_any_work() {
             truncated.display()
         ),
     );
+    // Cut inside its header, and given to generate and export: the same words (issue 40:
+    // they printed the safetensors crate's MetadataIncompleteBuffer).
+    let cut_header = dir.path().join("cut-header.safetensors");
+    std::fs::write(&cut_header, &bytes[..200]).unwrap();
+    let cut_header_arg = cut_header.display().to_string();
+    refused_once(
+        train(&run, &["--resume", &cut_header_arg]),
+        &format!(
+            "cannot resume: checkpoint {} is truncated",
+            cut_header.display()
+        ),
+    );
+    let hf = dir.path().join("hf").display().to_string();
+    for path in [&truncated_arg, &cut_header_arg] {
+        for command in [
+            ["generate", "--checkpoint", path, "--prompt", "ROMEO:"],
+            ["export", "--checkpoint", path, "--out", &hf],
+        ] {
+            let (ok, stdout, stderr) = common::meshtrain(&command);
+            assert!(
+                !ok && stderr.contains(&format!("checkpoint {path} is truncated"))
+                    && !stderr.contains("MetadataIncompleteBuffer"),
+                "{command:?}: {stdout}{stderr}"
+            );
+        }
+    }
     // Another model: resuming refuses it (fine-tuning would take matching tensors).
     let checkpoint_arg = checkpoint.display().to_string();
     refused_once(

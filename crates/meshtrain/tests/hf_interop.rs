@@ -7,8 +7,8 @@
 //! * `hf-*`: models `transformers` initialised at random and saved (`save_pretrained`), with
 //!   its logits: `--init-from` → the same logits from meshtrain.
 //!
-//! Tolerance: ≤ 1e-4 of the largest logit (fp32 on both sides; the sums run in different
-//! orders, observed ~1e-6). A transposed GPT-2 `Conv1D`, q/k/v split along the wrong rows or
+//! Tolerance: ≤ 1e-5 of the largest logit, issue 40's bound (fp32 on both sides; the sums run
+//! in different orders, observed 1.7e-7 to 1.1e-6). A transposed GPT-2 `Conv1D`, q/k/v split along the wrong rows or
 //! the other rotary convention gives differences of order 1.
 //!
 //! Regenerate with `MESHTRAIN_HF_WRITE=1 cargo test --release -p meshtrain --test hf_interop
@@ -155,7 +155,20 @@ fn export_then_transformers_gives_our_logits() {
         let ours = logits_of(&model, &mut store);
         let d = max_rel(&ours, &reference_logits(&committed));
         eprintln!("{name}: export → transformers: max difference {d:.2e} of the largest logit");
-        assert!(d <= 1e-4, "{name}: {d:.2e}");
+        assert!(d <= 1e-5, "{name}: {d:.2e}");
+        // The norm's epsilon as the [model] table wrote it, not its f32 widened to f64
+        // (9.999999747378752e-6 for 1e-5).
+        let hf_config: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+                .unwrap();
+        if let Some(written) = table.lines().find_map(|l| l.strip_prefix("norm_eps = ")) {
+            let written: f64 = written.parse().unwrap();
+            assert_eq!(
+                hf_config["rms_norm_eps"].as_f64(),
+                Some(written),
+                "{name}: {hf_config}"
+            );
+        }
     }
     // A binding window beside Qwen's biases or norms has no transformers class: refused, not
     // exported as a Qwen that would attend to every position.
@@ -211,8 +224,28 @@ fn transformers_weights_through_init_from_give_its_logits() {
         let ours = logits_of(&model, &mut store);
         let d = max_rel(&ours, &reference_logits(&dir));
         eprintln!("{name}: transformers → --init-from: max difference {d:.2e} of the largest logit");
-        assert!(d <= 1e-4, "{name}: {d:.2e}");
+        assert!(d <= 1e-5, "{name}: {d:.2e}");
     }
+}
+
+/// `--init-from DIR/model.safetensors`, the weights file of a transformers directory, is not
+/// read as a meshtrain checkpoint: the error names the directory to give instead.
+#[test]
+fn init_from_a_transformers_weights_file_names_its_directory() {
+    let dir = refs().join("hf-llama");
+    let table = "kind = \"llama\"\nvocab = 256\ndim = 32\nlayers = 2\nheads = 4\nkv_heads = 2\nffn = 48\nseq = 16\n";
+    let weights = dir.join("model.safetensors");
+    let e = format!(
+        "{:#}",
+        single_trainer(&config(table))
+            .init_from(&weights)
+            .unwrap_err()
+    );
+    assert!(
+        e.contains("a Hugging Face model's weights")
+            && e.contains(&format!("give its directory, {}", dir.display())),
+        "{e}"
+    );
 }
 
 /// Mistral is the Llama block with a sliding window: transformers' Llama reference saved as a
@@ -258,7 +291,7 @@ fn a_mistral_loads_as_the_llama_block_and_its_window_must_match() {
                     buffers: vec![0.0; model.num_buffers()],
                 };
                 let d = max_rel(&logits_of(&model, &mut store), &reference);
-                assert!(d <= 1e-4, "window {window:?}: {d:.2e}");
+                assert!(d <= 1e-5, "window {window:?}: {d:.2e}");
             }
             Err(e) => {
                 let e = format!("{e:#}");

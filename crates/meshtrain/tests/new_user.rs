@@ -397,6 +397,24 @@ fn help_texts_are_current() {
     assert!(generate.contains("Llama"), "{generate}");
     let (_, train, _) = meshtrain(&["train", "--help"]);
     assert!(!train.contains("GPT only"), "{train}");
+    // tokenize reads more than text files, export writes more than weights of two families.
+    let (_, tokenize, _) = meshtrain(&["tokenize", "--help"]);
+    let about = tokenize.split("Usage:").next().unwrap();
+    for what in ["JSON lines", "Parquet", "--tokenizer"] {
+        assert!(about.contains(what), "{what}: {about}");
+    }
+    let (_, export, _) = meshtrain(&["export", "--help"]);
+    let about = export.split("Usage:").next().unwrap();
+    for what in ["tokenizer.json", "Mistral", "Qwen2", "Qwen3", "SmolLM"] {
+        assert!(about.contains(what), "{what}: {about}");
+    }
+    if cfg!(feature = "cuda") {
+        let (_, gpu, _) = meshtrain(&["bench", "gpu", "--help"]);
+        let about = gpu.split("Usage:").next().unwrap();
+        for what in ["Llama", "LeNet", "layouts"] {
+            assert!(about.contains(what), "{what}: {about}");
+        }
+    }
 }
 
 /// `checkpoint info` takes a whole checkpoint and a run directory, not only a sharded one;

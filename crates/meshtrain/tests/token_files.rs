@@ -70,6 +70,26 @@ fn a_gpt_trains_on_its_users_text() {
         "{stdout}"
     );
 
+    // A model of GPT-2's 50,257 ids decodes with GPT-2's BPE, the run's; bytes (256 ids)
+    // cannot be its tokenizer and are refused, naming the one that fits (issue 40: garbage
+    // with exit 0).
+    let run = dir.path().join("run");
+    let generate = |extra: &[&str]| {
+        let mut args = vec!["generate", "--checkpoint", run.to_str().unwrap()];
+        args.extend(["--prompt", "ROMEO:", "--max-tokens", "4"]);
+        args.extend(extra);
+        meshtrain(&args)
+    };
+    let (ok, stdout, stderr) = generate(&[]);
+    assert!(ok && stdout.starts_with("ROMEO:"), "{stdout}{stderr}");
+    let (ok, stdout, stderr) = generate(&["--encoding", "bytes"]);
+    assert!(
+        !ok && stderr.contains("vocabulary has 50257 ids, which bytes (256 ids) cannot be")
+            && stderr.contains("--encoding gpt2")
+            && !stdout.contains("ROMEO:"),
+        "{stdout}{stderr}"
+    );
+
     // GPT-2's ids do not fit a vocabulary of 1000: the file and the offset are named.
     let (ok, _, stderr) = train_on(&shards, &dir.path().join("run2"), 1000);
     assert!(!ok);
@@ -149,6 +169,25 @@ fn json_lines_tokenize_as_their_documents_and_binary_input_is_refused() {
             "{shard} differs between the text files and the JSON lines"
         );
     }
+    // A damaged gzip file beside them is left out whole and named: the same shards.
+    let damaged = dir.path().join("damaged.jsonl.gz");
+    let whole = std::fs::read(&jsonl).unwrap();
+    std::fs::write(&damaged, &whole[..whole.len() / 2]).unwrap();
+    let ((ok, stdout, stderr), with_damaged) = tokenize(
+        &[jsonl.to_str().unwrap(), damaged.to_str().unwrap()],
+        "damaged",
+        &["--skip-bad"],
+    );
+    assert!(
+        ok && stdout.contains("left out 1 unreadable file(s) or row group(s) (--skip-bad)")
+            && stdout.contains("damaged.jsonl.gz: a damaged gzip stream"),
+        "{stdout}{stderr}"
+    );
+    for shard in ["train_000000.bin", "val_000000.bin"] {
+        let a = std::fs::read(from_lines.join(shard)).unwrap();
+        let b = std::fs::read(with_damaged.join(shard)).unwrap();
+        assert!(a == b, "{shard} differs with the damaged file left out");
+    }
     // Two documents at most.
     let ((ok, stdout, stderr), _) = tokenize(&text_inputs, "two", &["--max-documents", "2"]);
     assert!(
@@ -199,6 +238,21 @@ fn no_validation_split_prints_no_validation_setting_and_an_empty_input_is_refuse
     ]);
     assert!(
         !ok && stderr.contains("no documents in"),
+        "{stdout}{stderr}"
+    );
+    assert!(!out2.join("train_000000.bin").exists());
+    // A 0-byte text file is one empty document: no text, refused naming it.
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let (ok, stdout, stderr) = meshtrain(&[
+        "tokenize",
+        "--input",
+        empty.to_str().unwrap(),
+        "--out",
+        out2.to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && stderr.contains(&format!("no text in {}", empty.display())),
         "{stdout}{stderr}"
     );
     assert!(!out2.join("train_000000.bin").exists());

@@ -109,9 +109,17 @@ pub fn read_safetensors_header(path: &Path, what: &str) -> Result<SafetensorsHea
     let header_len = u64::from_le_bytes(n);
     let file_len = file.metadata()?.len();
     anyhow::ensure!(
-        header_len + 8 <= file_len && header_len < 100 << 20,
+        header_len < 100 << 20,
         "{what} {} is corrupt (bad header length)",
         path.display()
+    );
+    // A plausible length past the end: a copy cut inside its header, said as the cut it is.
+    anyhow::ensure!(
+        header_len + 8 <= file_len,
+        "{what} {} is truncated: its header alone is {} bytes, the file holds {file_len} (an \
+         interrupted copy?)",
+        path.display(),
+        header_len + 8
     );
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header)
