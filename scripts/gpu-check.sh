@@ -387,8 +387,19 @@ run)
                 cat "$planner/measured.toml" "$planner/$3"
                 "$bin" plan --model "$1" --cluster "$cluster" --gpus 1 --global-batch "$2" \
                     --layout "dp=1,mb=$2" --measured "$planner/measured.toml" \
-                    --compare "$planner/$3" 2>&1
+                    --compare "$planner/$3" 2>&1 | tee "$planner/compare-$1.txt"
             } | tee -a "$logs/step.log"
+            # Issue 36: the planner with this card's measured rates predicts GPT-2 124M's
+            # step within 15% (the comparison's "step" row: predicted, measured, error).
+            [ "$1" = gpt2-124m ] || continue
+            row=$(awk '$1 == "step" {print $2, $3, $4}' "$planner/compare-$1.txt")
+            if [ -n "$row" ] && echo "$row" | awk '{e = $3; sub(/%/, "", e); e += 0; exit !(e <= 15 && e >= -15)}'; then
+                verdict="ok   planner: GPT-2 124M's step predicted vs measured (s, error): $row (within 15%)"
+            else
+                verdict="FAIL planner: GPT-2 124M's step predicted vs measured (s, error): '${row:-none}' (want within 15%)"
+                status=1
+            fi
+            echo "$verdict" | tee -a "$logs/step.log"
         done
     fi
     summary() {

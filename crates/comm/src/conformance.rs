@@ -775,6 +775,49 @@ fn check_device_subgroups(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> {
     Ok(())
 }
 
+/// Ranks that disagree on a collective of device buffers (rank 0 all-reduces one element
+/// more) all get a desync error naming both calls, before any data moves: unchecked, NCCL
+/// would read past the shorter buffer or wait forever. On a throw-away group of every rank,
+/// because a desync leaves its group unusable.
+fn check_device_desync(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> {
+    let (n, rank) = (g.size(), g.rank());
+    if n < 2 || !g.config().check_desync {
+        return Ok(());
+    }
+    let everyone: Vec<usize> = (0..n).collect();
+    let scratch = g.new_subgroup(&everyone)?;
+    let len = if rank == 0 { 9 } else { 8 };
+    let values: Vec<f32> = (0..len).map(|i| i as f32).collect();
+    let buf = d.put(&values)?;
+    let all_reduce = Operation::AllReduce {
+        buf: view::<f32>(&buf, len),
+        op: ReduceOp::Sum,
+    };
+    let op = expect_desync(
+        "a device all_reduce of 9 elements on rank 0 and 8 on the others",
+        run_op(scratch.as_ref(), all_reduce, false),
+        // The backends word it differently (threads and MPI: a line per rank, NCCL: "rank 0
+        // called … but rank 1 called …"); each names both ranks and both calls.
+        &[
+            format!("rank {}", g.global_ranks()[0]),
+            "all_reduce sum #1 f32×9".into(),
+            format!("rank {}", g.global_ranks()[1]),
+            "all_reduce sum #1 f32×8".into(),
+        ],
+    )?;
+    ensure!(
+        op == "all_reduce",
+        "the desync error is about {op}, not all_reduce"
+    );
+    ensure!(
+        d.get::<f32>(&buf, len)? == values,
+        "the desynchronised all_reduce wrote its device buffer"
+    );
+    drop(scratch);
+    run_op(g, Operation::Barrier, false)?;
+    Ok(())
+}
+
 /// One buffer on the host and one on the device in the same operation is refused before
 /// any data moves, naming both places.
 fn check_mixed_places_refused(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> {
@@ -795,7 +838,7 @@ fn check_mixed_places_refused(g: &dyn ProcessGroup, d: &OnDevice) -> Result<()> 
 }
 
 /// Runs the suite on device buffers in `memory`: every operation, every dtype, synchronous
-/// and asynchronous, DDP's bucket pattern and sub-groups. For groups that take device
+/// and asynchronous, DDP's bucket pattern, sub-groups and the desync check. For groups that take device
 /// buffers ([`StagedGroup`](crate::StagedGroup), NCCL); every rank of `g` must call it.
 pub fn run_device_suite(g: &dyn ProcessGroup, memory: &dyn DeviceMemory) -> Result<()> {
     let rank = g.rank();
@@ -806,6 +849,7 @@ pub fn run_device_suite(g: &dyn ProcessGroup, memory: &dyn DeviceMemory) -> Resu
         check_device_dtype::<f16>(g, &d)?;
         check_device_buckets(g, &d)?;
         check_device_subgroups(g, &d)?;
+        check_device_desync(g, &d)?;
         check_mixed_places_refused(g, &d)?;
         run_op(g, Operation::Barrier, true)?;
         Ok(())

@@ -21,7 +21,9 @@ pub struct OpContext {
     /// one and a lost message is named alike on both sides.
     pub seq: u64,
     /// The other rank of a send or receive, as its rank in the group; `None` otherwise.
-    pub peer: Option<usize>,
+    /// (32 bits: a group has far fewer ranks, and every error carries a context, which
+    /// keeps `CommError` small enough to return by value.)
+    pub peer: Option<u32>,
     /// Group name, e.g. `world` or `dp[0,2]` (shared, so building a context per
     /// operation costs no allocation).
     pub group: Arc<str>,
@@ -40,10 +42,13 @@ impl OpContext {
 
     /// The context of operation `op`, number `seq`, naming the peer of a send or receive.
     pub fn of(op: &Operation, seq: u64, group: Arc<str>) -> OpContext {
-        OpContext {
-            peer: op.peer(),
-            ..OpContext::new(op.name(), seq, group)
-        }
+        OpContext::new(op.name(), seq, group).naming_the_peer_of(op)
+    }
+
+    /// This context, naming the other rank when `op` is a send or receive.
+    pub fn naming_the_peer_of(mut self, op: &Operation) -> OpContext {
+        self.peer = op.peer().and_then(|p| u32::try_from(p).ok());
+        self
     }
 }
 
@@ -94,7 +99,9 @@ pub enum CommError {
         /// Global ranks that had not arrived; empty if the backend could not tell.
         missing: Vec<usize>,
         /// Where the missing ranks were last seen (MPI's failure monitor knows), or empty.
-        note: String,
+        /// (A boxed str: every failure carries its context, and this keeps the error small
+        /// enough to return by value through the layers above.)
+        note: Box<str>,
     },
     /// A rank the operation waits for has panicked, failed or exited.
     #[error("{ctx} cannot complete: rank(s) {} (global) stopped: {reason}", fmt_ranks(.missing))]

@@ -43,7 +43,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::os::raw::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -289,7 +289,7 @@ impl Watchdog {
             ctx: op.ctx,
             timeout: op.timeout,
             missing,
-            note,
+            note: note.into(),
         }
     }
 }
@@ -824,7 +824,7 @@ impl MpiCore {
                     ctx: ctx.clone(),
                     timeout,
                     missing: Vec::new(),
-                    note: String::new(),
+                    note: Box::default(),
                 }));
             }
             if polls > 1024 {
@@ -1170,7 +1170,7 @@ impl MpiCore {
                         ctx: ctx.clone(),
                         timeout,
                         missing: vec![global_src],
-                        note: String::new(),
+                        note: Box::default(),
                     });
                 }
             }

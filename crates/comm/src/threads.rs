@@ -224,7 +224,7 @@ impl GroupShared {
                 ctx: ctx.clone(),
                 timeout: self.world.config.timeout,
                 missing,
-                note: String::new(),
+                note: Box::default(),
             };
             self.mark_broken(err.to_string());
             return Some(err);
@@ -496,7 +496,7 @@ impl RankCore {
                     ctx: ctx.clone(),
                     timeout: shared.world.config.timeout,
                     missing: vec![global_src],
-                    note: String::new(),
+                    note: Box::default(),
                 });
             }
             let nap = (deadline - now).min(Duration::from_millis(5));

@@ -1044,7 +1044,7 @@ impl NcclGroup {
         let seq = self.sequence.assign(op);
         let mut ctx = self.shared.ctx(op.name(), seq);
         if self.shared.lane_peer.is_none() {
-            ctx.peer = op.peer();
+            ctx = ctx.naming_the_peer_of(op);
         }
         op.validate(&ctx, self.shared.rank, self.shared.size)?;
         let mine = Device::Cuda(self.shared.device.ordinal());

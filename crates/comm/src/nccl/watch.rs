@@ -189,7 +189,8 @@ impl Watch {
                                     format!("a group of two waits for no one else; {outcome}")
                                 }
                                 None => format!("{CANNOT_TELL}; {outcome}"),
-                            },
+                            }
+                            .into(),
                         });
                     }
                     return;
@@ -452,7 +453,8 @@ mod tests {
             missing: Vec::new(),
             note: format!(
                 "{CANNOT_TELL}; the communicator was aborted (ncclCommAbort: ncclSuccess)"
-            ),
+            )
+            .into(),
         };
         assert_eq!(
             err.to_string(),

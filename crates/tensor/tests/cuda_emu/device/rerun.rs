@@ -55,11 +55,14 @@ pub fn rerun_on_the_emulated_device_with(tests: &[&str], env: &[(&str, &str)]) -
     rerun_on_the_emulated_device_concurrently(&[(tests, env)])
 }
 
+/// One rerun: the tests, and the settings added to the environment.
+pub type Rerun<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+
 /// Several reruns ([`rerun_on_the_emulated_device_with`]'s `tests` and `env` each) as
 /// processes side by side: an emulated run keeps about one core busy, and the test binary
 /// around it is mostly waiting, so on CI's two cores two runs take the time of one.
 #[allow(dead_code)]
-pub fn rerun_on_the_emulated_device_concurrently(runs: &[(&[&str], &[(&str, &str)])]) -> bool {
+pub fn rerun_on_the_emulated_device_concurrently(runs: &[Rerun]) -> bool {
     if std::env::var_os("MESHTRAIN_ON_EMULATED_DEVICE").is_some() {
         return false;
     }
