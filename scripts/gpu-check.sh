@@ -265,7 +265,7 @@ run)
         case $part in
         check) limit=240 sync=1 ;;
         multi) limit=300 sync=0 ;;
-        layouts) limit=180 sync=0 ;;
+        layouts) limit=240 sync=0 ;;
         convnets) limit=240 sync=0 ;;
         step) limit=300 sync=0 ;; # three models: GPT-2, Llama 1B in bf16 and in fp8
         attention) limit=180 sync=1 ;;

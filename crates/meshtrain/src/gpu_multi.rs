@@ -6,7 +6,7 @@
 //! and dtype, sync and async, DDP's buckets, sub-groups), then a staged all-reduce is timed
 //! against the bus it crosses. Then training: a small GPT at dp = 2 and 4 (ranks sharing the
 //! GPU, staged) against one GPU on the same global batch (fp32 parameters after 20 steps
-//! within 1e-5 relative L2; bf16 losses within 0.1% at every step), ZeRO-1/2/3 at dp = 2 bit for
+//! within 1e-5 relative L2; bf16 at dp = 2 and 4, losses within 0.1% at every step), ZeRO-1/2/3 at dp = 2 bit for
 //! bit against DDP at dp = 2 (fp32 and bf16), and a dp = 2 GPU checkpoint resumed on one GPU
 //! and on the CPU.
 
@@ -209,9 +209,10 @@ fn rank0_spans(trace: &Path, what: &str) -> Result<Vec<(String, u64, f64, f64)>>
 /// against one worker there (issue 37's `layouts` part): fp32 parameters within 1e-5
 /// relative L2 after 20 steps (GPT: tp, tp + sp, 1F1B, interleaved, ring, Ulysses, two
 /// 8-rank hybrids; Llama: tp = 4 over 2 key/value heads with sp, and on a GPU ring attention at
-/// 2,048 tokens), bf16 losses within 0.1% at every step, a pp = 2 step's sends and receives
-/// on rank 0's timeline, and an 8-rank layout's checkpoint resumed on one worker and on the
-/// CPU (and the reverse). On a GPU the ranks share it through staged collectives.
+/// 2,048 tokens), bf16 losses within 0.1% at every step (every GPT layout, and the Llama's
+/// tp = 4), a pp = 2 step's sends and receives on rank 0's timeline, and an 8-rank layout's
+/// checkpoint resumed on one worker and on the CPU, and one worker's (from this device and
+/// from the CPU) on the 8 ranks. On a GPU the ranks share it through staged collectives.
 fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     let start = Instant::now();
     let runs = Runs { root, device };
@@ -346,21 +347,16 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
     }
     let _ = std::fs::remove_file(&trace);
     let _ = std::fs::remove_file(trace.with_extension("png"));
-    // bf16: every step's loss within 0.1% of one worker's.
+    // bf16: every step's loss within 0.1% of one worker's, every layout above.
     let bf16 = "train.precision=\"bf16\"";
     let one16 = runs.train(STEPS, &[bf16], None)?;
-    for (name, extra) in [
-        (
-            "tp=2 + sp",
-            &["parallel.tp=2", "parallel.sequence_parallel=true"][..],
-        ),
-        (
-            "pp=2 1F1B",
-            &["parallel.pp=2", "parallel.micro_batches=4"][..],
-        ),
-        ("cp=2 ring", &["parallel.cp=2"][..]),
-    ] {
-        let mut with = extra.to_vec();
+    for (name, extra, _) in layouts {
+        // (The timeline was written by the fp32 run.)
+        let mut with: Vec<&str> = extra
+            .iter()
+            .copied()
+            .filter(|s| !s.starts_with("parallel.timeline"))
+            .collect();
         with.push(bf16);
         let what = format!("bf16 GPT {name} on {device} vs one worker");
         let Some(many) = attempt(failed, &what, || runs.train(STEPS, &with, None)) else {
@@ -368,6 +364,19 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         };
         close_losses(failed, &what, &many, &one16);
         let _ = std::fs::remove_dir_all(&many.out);
+    }
+    // And the Llama's grouped key/value heads over tp = 4 with sp, in bf16.
+    let llama16 = "bf16 Llama tp=4 over 2 key/value heads + sp";
+    if let Some(llama_one16) = attempt(failed, "bf16 Llama on one worker", || {
+        runs.train_llama(STEPS, &[bf16])
+    }) {
+        let what = format!("{llama16} on {device} vs one worker");
+        let tp4 = [bf16, "parallel.tp=4", "parallel.sequence_parallel=true"];
+        if let Some(many) = attempt(failed, &what, || runs.train_llama(STEPS, &tp4)) {
+            close_losses(failed, &what, &many, &llama_one16);
+            let _ = std::fs::remove_dir_all(&many.out);
+        }
+        let _ = std::fs::remove_dir_all(&llama_one16.out);
     }
     // An 8-rank layout's checkpoint on one worker and on the CPU, and one worker's on the
     // 8 ranks.
@@ -390,23 +399,33 @@ fn layouts(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         );
         let _ = std::fs::remove_dir_all(&resumed.out);
     }
-    let first = runs.train(STEPS / 2, &[], None)?;
-    let resumed = runs.train(
-        STEPS,
-        megatron,
-        Some(&first.out.join("checkpoint.safetensors")),
-    )?;
-    let d = rel_l2(&resumed.params, &one.params);
-    verdict(
-        failed,
-        d <= 1e-5,
-        format!(
-            "one worker's checkpoint at step {} resumed on dp=2 × tp=2 × pp=2 to {STEPS}: \
-             {d:.2e} relative L2 from the straight one-worker run (≤ 1e-5)",
-            STEPS / 2
-        ),
-    );
-    for run in [one, one16, half, first, resumed] {
+    // And the reverse: one worker's checkpoint, on this device and on the CPU, resumed on
+    // the 8 ranks here.
+    let mut written = Vec::new();
+    for (from, extra, limit) in [
+        (device, &[][..], 1e-5),
+        ("the CPU", &["train.device=\"cpu\""][..], 1e-4),
+    ] {
+        let first = runs.train(STEPS / 2, extra, None)?;
+        let resumed = runs.train(
+            STEPS,
+            megatron,
+            Some(&first.out.join("checkpoint.safetensors")),
+        )?;
+        let d = rel_l2(&resumed.params, &one.params);
+        verdict(
+            failed,
+            d <= limit,
+            format!(
+                "one worker's checkpoint from {from} at step {} resumed on dp=2 × tp=2 × pp=2 \
+                 on {device} to {STEPS}: {d:.2e} relative L2 from the straight one-worker run \
+                 (≤ {limit:.0e})",
+                STEPS / 2
+            ),
+        );
+        written.extend([first, resumed]);
+    }
+    for run in [one, one16, half].into_iter().chain(written) {
         let _ = std::fs::remove_dir_all(&run.out);
     }
     println!("(layout checks: {:.1} s)", start.elapsed().as_secs_f64());
@@ -648,6 +667,9 @@ fn training(failed: &mut Vec<String>, root: &Path, device: &str) -> Result<()> {
         let _ = std::fs::remove_dir_all(&sharded.out);
     }
     close_losses(failed, "bf16 GPT dp=2 vs one GPU", &two16, &one16);
+    let four16 = train(STEPS, &[bf16, "parallel.dp=4"], None)?;
+    close_losses(failed, "bf16 GPT dp=4 vs one GPU", &four16, &one16);
+    let _ = std::fs::remove_dir_all(&four16.out);
     // A dp = 2 checkpoint from the GPU, resumed on one GPU and on the CPU.
     let half = train(STEPS / 2, &["parallel.dp=2"], None)?;
     let checkpoint = half.out.join("checkpoint.safetensors");
