@@ -12,7 +12,9 @@
 #      and cp = 2 ring attention, sending over NCCL (a communicator per pair that sends):
 #      within 1e-5 of one GPU's, as DDP (GPipe, whose sends never cross, passed by hand);
 #   4. bf16 DDP: the final loss within 0.1% of one GPU's in bf16;
-#   5. kill -9 of rank 1 at step 4, under DDP and under pp = 2 1F1B: rank 0 fails within the
+#   5. SIGTERM to the launcher at step 3 (graceful stop): exit 143, every rank's checkpoint at
+#      the same step, and the printed resume command ends bit-identical to DDP over NCCL;
+#   6. kill -9 of rank 1 at step 4, under DDP and under pp = 2 1F1B: rank 0 fails within the
 #      timeout + 2 s (the kill lands mid-step: the operation that waits for the dead rank
 #      begins after the rest of the step's work, up to a second on the emulated device),
 #      naming the NCCL operation and its sequence number (a pipeline's: the receive on the
@@ -67,7 +69,8 @@ run() {
         cmd=("$BIN" launch --gpus "$GPUS" --mpirun-arg=--oversubscribe "${launch[@]}" -- "${JOB[@]}" "${job[@]}")
     fi
     local status=0
-    "${cmd[@]}" --set "train.out_dir=\"$OUT/$name\"" 2>&1 \
+    # Bounded: a job that never ends fails here (exit 124 or 143) rather than holding CI.
+    timeout -k 10 300 "${cmd[@]}" --set "train.out_dir=\"$OUT/$name\"" 2>&1 \
         | python3 -u -c 'import sys, time
 for line in sys.stdin: print(f"{time.time():.3f} {line}", end="", flush=True)' \
         >"$OUT/$name.log" || status=$?
@@ -183,6 +186,35 @@ a, b = float(sys.argv[1]), float(sys.argv[2])
 print(f"  final loss: one GPU {a}, two over NCCL {b} ({abs(a - b) / a:.2e} apart, at most 1e-3)")
 sys.exit(0 if abs(a - b) <= 1e-3 * a else 1)
 EOF
+
+echo "== SIGTERM to launch --gpus 2 at step 3, then its resume command"
+# What a scheduler sends: the launcher forwards the stop to every rank, which save the same
+# step over NCCL and end; exit 143, no restart, and the printed command resumes to the end,
+# bit-identical to DDP over NCCL uninterrupted.
+"$BIN" launch --gpus "$GPUS" --mpirun-arg=--oversubscribe -- "${JOB[@]}" \
+    --set "train.out_dir=\"$OUT/stopped\"" >"$OUT/stopped.log" 2>&1 &
+launcher=$!
+(sleep 300; kill -KILL $launcher 2>/dev/null) &  # bounded, as run()
+watchdog=$!
+for ((i = 0; i < 1200; i++)); do
+    grep -q '"step":3,' "$OUT/stopped/metrics.jsonl" 2>/dev/null && break
+    sleep 0.1
+done
+kill -TERM $launcher
+status=0; wait $launcher || status=$?
+kill $watchdog 2>/dev/null || true
+[ "$status" = 143 ] || { cat "$OUT/stopped.log"; fail "launch exited $status, not 143"; }
+grep -q "launch: attempt 2" "$OUT/stopped.log" && { cat "$OUT/stopped.log"; fail "launch restarted a stopped job"; }
+saved=$(grep -o "launch: stopped by SIGTERM on attempt 1: the job saved its checkpoint at step [0-9]*" \
+    "$OUT/stopped.log") || { cat "$OUT/stopped.log"; fail "no stop message"; }
+resume=$(grep -o 'launch: resume with: .*' "$OUT/stopped.log" | cut -d' ' -f4-)
+[[ "$resume" == *" launch "*"--resume $OUT/stopped/checkpoint.safetensors" ]] || fail "resume command: $resume"
+echo "  exit 143, ${saved#launch: stopped by SIGTERM on attempt 1: }"
+eval "timeout -k 10 300 $resume" >"$OUT/stopped-resumed.log" 2>&1 \
+    || { cat "$OUT/stopped-resumed.log"; fail "resuming"; }
+same_checkpoint "$(checkpoint_of stopped)" "$(checkpoint_of ddp)" \
+    || fail "the stopped and resumed run differs from DDP over NCCL uninterrupted"
+echo "  resumed to step 8: bit-identical to the uninterrupted run"
 
 killed killed ddp
 killed pp-killed pp-1f1b --set parallel.pp=2 --set 'parallel.schedule="1f1b"' --set parallel.micro_batches=4
