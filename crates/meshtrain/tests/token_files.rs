@@ -226,36 +226,26 @@ fn no_validation_split_prints_no_validation_setting_and_an_empty_input_is_refuse
         "{stdout}"
     );
     assert!(out.join("train_000000.bin").exists() && !out.join("val_000000.bin").exists());
-    let empty = dir.path().join("empty.jsonl");
-    std::fs::write(&empty, "\n").unwrap();
+    // An input without text is refused with `why`, and no shard is written.
     let out2 = dir.path().join("out2");
-    let (ok, stdout, stderr) = meshtrain(&[
-        "tokenize",
-        "--input",
-        empty.to_str().unwrap(),
-        "--out",
-        out2.to_str().unwrap(),
-    ]);
-    assert!(
-        !ok && stderr.contains("no documents in"),
-        "{stdout}{stderr}"
-    );
-    assert!(!out2.join("train_000000.bin").exists());
+    let refused = |name: &str, content: &str, why: &dyn Fn(&Path) -> String| {
+        let empty = dir.path().join(name);
+        std::fs::write(&empty, content).unwrap();
+        let (ok, stdout, stderr) = meshtrain(&[
+            "tokenize",
+            "--input",
+            empty.to_str().unwrap(),
+            "--out",
+            out2.to_str().unwrap(),
+        ]);
+        assert!(!ok && stderr.contains(&why(&empty)), "{stdout}{stderr}");
+        assert!(!out2.join("train_000000.bin").exists());
+    };
+    refused("empty.jsonl", "\n", &|_| "no documents in".to_string());
     // A 0-byte text file is one empty document: no text, refused naming it.
-    let empty = dir.path().join("empty.txt");
-    std::fs::write(&empty, "").unwrap();
-    let (ok, stdout, stderr) = meshtrain(&[
-        "tokenize",
-        "--input",
-        empty.to_str().unwrap(),
-        "--out",
-        out2.to_str().unwrap(),
-    ]);
-    assert!(
-        !ok && stderr.contains(&format!("no text in {}", empty.display())),
-        "{stdout}{stderr}"
-    );
-    assert!(!out2.join("train_000000.bin").exists());
+    refused("empty.txt", "", &|path| {
+        format!("no text in {}", path.display())
+    });
 }
 
 /// Corpora written by independent writers (`scripts/corpus_reference.py`: pyarrow's Parquet,
