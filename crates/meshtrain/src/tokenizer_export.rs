@@ -290,6 +290,71 @@ mod tests {
             + "\nÜnïcödé — «quotes», 中文, emoji 🎭, tabs\t\tand   spaces,\r\nnumbers 1234567 3.14159\n"
     }
 
+    /// A user's tokenizer.json travels with the model as it is, and so does the
+    /// tokenizer_config.json beside it (its special tokens and chat template); the model's
+    /// end-of-text ids become the tokenizer's.
+    #[test]
+    fn a_users_tokenizer_and_its_chat_template_travel_with_the_model() {
+        let (source, out) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let bytes: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        let tokenizer = source.path().join("tokenizer.json");
+        let json = byte_level_json(&bytes, &[(256, "<|endoftext|>")], None).unwrap();
+        std::fs::write(&tokenizer, serde_json::to_string(&json).unwrap()).unwrap();
+        let config = json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": "<|endoftext|>",
+            "chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}",
+        });
+        let config_text = serde_json::to_string_pretty(&config).unwrap();
+        std::fs::write(source.path().join("tokenizer_config.json"), &config_text).unwrap();
+        std::fs::write(
+            out.path().join("config.json"),
+            "{\"model_type\": \"llama\"}",
+        )
+        .unwrap();
+        let hf = crate::tokenize::HfTokenizer::open(&tokenizer).unwrap();
+        assert_eq!(hf.end_of_text, Some(256));
+        let written = write(
+            out.path(),
+            &Tokenizer::Hf(Box::new(hf)),
+            Some(&tokenizer),
+            64,
+        )
+        .unwrap();
+        assert_eq!(
+            written,
+            [
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "generation_config.json"
+            ]
+        );
+        let read = |name: &str| std::fs::read_to_string(out.path().join(name)).unwrap();
+        assert_eq!(
+            read("tokenizer.json"),
+            std::fs::read_to_string(&tokenizer).unwrap()
+        );
+        assert_eq!(
+            read("tokenizer_config.json"),
+            config_text,
+            "the chat template travels"
+        );
+        let generation: Value = serde_json::from_str(&read("generation_config.json")).unwrap();
+        let model: Value = serde_json::from_str(&read("config.json")).unwrap();
+        for (name, value) in [
+            ("generation_config.json", &generation),
+            ("config.json", &model),
+        ] {
+            assert_eq!(value["eos_token_id"], json!(256), "{name}");
+            assert_eq!(value["bos_token_id"], json!(256), "{name}");
+        }
+        assert_eq!(
+            model["model_type"],
+            json!("llama"),
+            "config.json keeps its own fields"
+        );
+    }
+
     /// The tokenizer.json built from tiktoken-rs's vocabulary encodes as tiktoken-rs does
     /// and decodes back, through the `tokenizers` library `transformers` uses: GPT-2's BPE
     /// and cl100k.
