@@ -300,13 +300,18 @@ run)
             tok=/tmp/meshtrain-shakespeare-bpe
             [ -f "$tok/train_000000.bin" ] || "$bin" tokenize --input data/shakespeare/input.txt \
                 --out "$tok" >/dev/null 2>&1
-            for graph in false true; do
+            # bpe_llama NAME [train options]: 200 steps of it on the GPU, the log in
+            # /tmp/meshtrain-NAME.log.
+            bpe_llama() {
+                local name=$1
+                shift
                 timeout 100 "$bin" train --config configs/llama-bpe.toml --device cuda \
-                    --precision bf16 --set train.max_steps=200 --set "train.cuda_graph=$graph" \
-                    --set "data.train_files=\"$tok/train_*.bin\"" \
+                    --set train.max_steps=200 --set "data.train_files=\"$tok/train_*.bin\"" \
                     --set "data.val_files=\"$tok/val_*.bin\"" \
-                    --set "train.out_dir=\"/tmp/meshtrain-graph-$graph\"" \
-                    >"/tmp/meshtrain-graph-$graph.log" 2>&1
+                    --set "train.out_dir=\"/tmp/meshtrain-$name\"" "$@" >"/tmp/meshtrain-$name.log" 2>&1
+            }
+            for graph in false true; do
+                bpe_llama "graph-$graph" --precision bf16 --set "train.cuda_graph=$graph"
                 grep -E '^CUDA graphs' "/tmp/meshtrain-graph-$graph.log" | tee -a "$logs/$part.log"
                 grep -E '^step +200 ' "/tmp/meshtrain-graph-$graph.log" \
                     | sed "s/^/cuda_graph=$graph: /" | tee -a "$logs/$part.log"
@@ -324,11 +329,7 @@ run)
             # again in fp8 (its products in E4M3/E5M2 at current scales), the validation
             # loss at step 200 beside the eager bf16 run's above.
             echo "=== step: the BPE Llama in fp8 against bf16, 200 steps" | tee -a "$logs/$part.log"
-            timeout 100 "$bin" train --config configs/llama-bpe.toml --device cuda \
-                --precision fp8 --set train.max_steps=200 \
-                --set "data.train_files=\"$tok/train_*.bin\"" \
-                --set "data.val_files=\"$tok/val_*.bin\"" \
-                --set 'train.out_dir="/tmp/meshtrain-fp8"' >/tmp/meshtrain-fp8.log 2>&1
+            bpe_llama fp8 --precision fp8
             val_loss() { grep -E '^eval step 200:' "$1" | sed -E 's/.*val loss ([0-9.]+).*/\1/'; }
             bf16_loss=$(val_loss /tmp/meshtrain-graph-false.log)
             fp8_loss=$(val_loss /tmp/meshtrain-fp8.log)

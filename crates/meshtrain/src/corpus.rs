@@ -208,15 +208,22 @@ fn compression_of(path: &Path) -> Option<&'static str> {
 /// first byte that is not (and its offset in the file).
 fn utf8(path: &Path, bytes: Vec<u8>, offset: u64) -> Result<String> {
     String::from_utf8(bytes).map_err(|e| {
-        let at = e.utf8_error().valid_up_to();
         anyhow::anyhow!(
-            "{}: neither UTF-8 text nor a format meshtrain reads (JSON lines, gzip, Parquet): \
-             byte offset {} is 0x{:02x}",
+            "{}: neither UTF-8 text nor a format meshtrain reads (JSON lines, gzip, Parquet): {}",
             path.display(),
-            offset + at as u64,
-            e.as_bytes()[at]
+            first_bad_byte(&e, offset)
         )
     })
+}
+
+/// `byte offset N is 0xNN`: where bytes that begin at `offset` in their file stop being UTF-8.
+fn first_bad_byte(e: &std::string::FromUtf8Error, offset: u64) -> String {
+    let at = e.utf8_error().valid_up_to();
+    format!(
+        "byte offset {} is 0x{:02x}",
+        offset + at as u64,
+        e.as_bytes()[at]
+    )
 }
 
 /// The documents of the file at `path`: the whole text, or the `text_field` of each JSON
@@ -657,16 +664,12 @@ fn json_lines(
                 skipped += 1;
                 continue;
             }
-            Err(e) => {
-                let at = e.utf8_error().valid_up_to();
-                bail!(
-                    "{}:{number}: not UTF-8 text: byte offset {} is 0x{:02x} (--skip-bad leaves \
-                     such lines out and counts them)",
-                    path.display(),
-                    line_offset + at as u64,
-                    e.as_bytes()[at]
-                )
-            }
+            Err(e) => bail!(
+                "{}:{number}: not UTF-8 text: {} (--skip-bad leaves such lines out and counts \
+                 them)",
+                path.display(),
+                first_bad_byte(&e, line_offset)
+            ),
         };
         if line.trim().is_empty() {
             continue;
