@@ -46,6 +46,10 @@ impl Task {
         Ok(match cfg.model.language() {
             Some(g) if cfg.data.train_files.is_some() => token_files(cfg, g)?,
             Some(g) => {
+                if let Some(tokenizer) = &cfg.data.tokenizer {
+                    let text = ("the built-in Shakespeare text".to_string(), BYTES);
+                    tokenizer_fits_data(tokenizer, [text])?;
+                }
                 let corpus = TextCorpus::shakespeare().context("loading the Shakespeare corpus")?;
                 let source = format!(
                     "Shakespeare bytes ({} train / {} validation)",
@@ -111,16 +115,27 @@ fn token_files(cfg: &Config, g: LanguageShape) -> Result<Task> {
     let train = TokenFiles::open("train shards", pattern, g.seq, g.vocab)
         .with_context(|| format!("data.train_files = \"{pattern}\""))?;
     let mut source = format!("token files {pattern} ({})", train.describe());
-    let eval = match cfg.data.val_files.as_deref() {
+    let val = match cfg.data.val_files.as_deref() {
         Some(pattern) => {
             let val = TokenFiles::open("validation shards", pattern, g.seq, g.vocab)
                 .with_context(|| format!("data.val_files = \"{pattern}\""))?;
             source += &format!("; validation {pattern} ({})", val.describe());
-            let baseline = unigram_entropy_of_tokens(val.tokens());
-            Some(text_eval(cfg, Arc::new(val), baseline))
+            Some(val)
         }
         None => None,
     };
+    if let Some(tokenizer) = &cfg.data.tokenizer {
+        let shards = std::iter::once(&train).chain(&val);
+        let recorded = shards.flat_map(|files| files.recorded_vocabularies());
+        tokenizer_fits_data(
+            tokenizer,
+            recorded.map(|(path, vocab)| (path.display().to_string(), vocab)),
+        )?;
+    }
+    let eval = val.map(|val| {
+        let baseline = unigram_entropy_of_tokens(val.tokens());
+        text_eval(cfg, Arc::new(val), baseline)
+    });
     Ok(Task {
         train: Arc::new(train),
         sampling: Sampling::Random,
@@ -128,6 +143,45 @@ fn token_files(cfg: &Config, g: LanguageShape) -> Result<Task> {
         loss: Arc::new(CrossEntropy::new(g.vocab)),
         source,
     })
+}
+
+/// The vocabulary of the built-in text: its bytes.
+const BYTES: usize = 256;
+
+/// The run decodes with `tokenizer` (`data.tokenizer`, or the tokenizer.json of the
+/// `--init-from` directory): the data must be written in its ids, or every id would be read
+/// as another word (shards of GPT-2's BPE fine-tuning a Llama 3 that came with its own
+/// tokenizer). A shard records the vocabulary size of the tokenizer that wrote it, and the
+/// built-in text is bytes, so a size that differs is a refusal before any work, with the
+/// command that writes the data in this tokenizer's ids.
+fn tokenizer_fits_data(
+    tokenizer: &std::path::Path,
+    data: impl IntoIterator<Item = (String, usize)>,
+) -> Result<()> {
+    let mut data = data.into_iter().peekable();
+    if data.peek().is_none() {
+        return Ok(());
+    }
+    let vocab = crate::tokenize::HfTokenizer::open(tokenizer)
+        .context("data.tokenizer")?
+        .vocab;
+    let Some((data, data_vocab)) = data.find(|&(_, v)| v != vocab) else {
+        return Ok(());
+    };
+    let written_by = match crate::tokenize::encoding_of_vocab(data_vocab) {
+        _ if data_vocab == BYTES => "bytes".to_string(),
+        Some(name) => format!("{name}'s BPE"),
+        None => "another tokenizer".to_string(),
+    };
+    anyhow::bail!(
+        "the run decodes with {} ({vocab} ids; data.tokenizer, or the --init-from directory's), \
+         but {data} is in {data_vocab} ids ({written_by}): its ids would be read as other \
+         words. Write the corpus in this tokenizer's ids with `meshtrain tokenize --tokenizer \
+         {} --input YOUR_TEXT --out DIR` and train on DIR/train_*.bin, or set data.tokenizer \
+         to the tokenizer that wrote the data",
+        tokenizer.display(),
+        tokenizer.display()
+    )
 }
 
 /// Evaluation on windows of a text: fixed random windows, the loss as perplexity beside the

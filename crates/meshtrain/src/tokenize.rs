@@ -17,8 +17,10 @@
 //!
 //! A user's own vocabulary comes as a Hugging Face `tokenizer.json` (`--tokenizer FILE`, read
 //! by the `tokenizers` crate: byte-level BPE as GPT-2 and Llama 3, or SentencePiece-style BPE
-//! with byte fallback as Llama 2). Each file is encoded whole: a SentencePiece normaliser
-//! marks the start of its input, so pieces would not encode as the whole.
+//! with byte fallback as Llama 2). A byte-level BPE's text streams in pieces as above when
+//! its pieces encode as the whole ([`HfTokenizer::pieces_encode_as_whole`]); a SentencePiece
+//! normaliser marks the start of its input, so pieces would not, and such a tokenizer takes
+//! each file whole.
 
 use anyhow::{bail, ensure, Context, Result};
 use meshtrain_data::write_shard;
@@ -57,8 +59,9 @@ pub struct TokenizeArgs {
     /// gpt2 (50,257 tokens, llm.c's u16 shards) or cl100k (100,277, u32 shards).
     #[arg(long, default_value = "gpt2", value_parser = ["gpt2", "cl100k"])]
     pub encoding: String,
-    /// A Hugging Face tokenizer.json to encode with instead (your model's own vocabulary);
-    /// train with data.tokenizer set to it, so that samples and generate decode with it.
+    /// A Hugging Face tokenizer.json to encode with instead (your model's own vocabulary),
+    /// or a model directory that has one (the one you will --init-from); train with
+    /// data.tokenizer set to it, so that samples and generate decode with it.
     #[arg(long, conflicts_with = "encoding")]
     pub tokenizer: Option<PathBuf>,
     /// The share of the documents that goes to validation shards: every (1/f)-th document,
@@ -129,6 +132,16 @@ pub fn encoding_of_vocab(vocab: usize) -> Option<&'static str> {
         .map(|(n, ..)| *n)
 }
 
+/// The tokenizer file `path` names: itself, or for a model directory (an export, a Hugging
+/// Face download) the `tokenizer.json` in it.
+pub fn tokenizer_file(path: &std::path::Path) -> PathBuf {
+    if path.is_dir() {
+        path.join("tokenizer.json")
+    } else {
+        path.to_path_buf()
+    }
+}
+
 /// A Hugging Face `tokenizer.json`, read with the `tokenizers` crate.
 pub struct HfTokenizer {
     pub inner: tokenizers::Tokenizer,
@@ -179,6 +192,42 @@ impl HfTokenizer {
         })
     }
 
+    /// Whether a text cut where [`pieces`] cuts encodes piece by piece exactly as the whole,
+    /// so a large file can stream through every core as with GPT-2's BPE. True of byte-level
+    /// BPEs whose pre-tokeniser splits at a lone newline (GPT-2's, Llama 3's, Qwen's regex);
+    /// false where the normaliser or pre-tokeniser marks the start of its input (a
+    /// SentencePiece `▁` or a byte-level prefix space: a piece would begin a word the whole
+    /// text does not) or where there is no pre-tokeniser (the BPE runs over the whole text).
+    /// Decided by the definition and then by encoding [`PIECE_PROBE`] cut at every such
+    /// point: a tokenizer for which any cut differs takes its files whole.
+    pub fn pieces_encode_as_whole(&self) -> bool {
+        let json = |part: Option<String>| part.unwrap_or_default();
+        let normalizer = json(
+            self.inner
+                .get_normalizer()
+                .and_then(|n| serde_json::to_string(n).ok()),
+        );
+        let pre = json(
+            self.inner
+                .get_pre_tokenizer()
+                .and_then(|p| serde_json::to_string(p).ok()),
+        );
+        if pre.is_empty() || normalizer.contains("\"Prepend\"") || pre.contains("\"Metaspace\"") {
+            return false;
+        }
+        let Ok(whole) = self.encode(PIECE_PROBE) else {
+            return false;
+        };
+        let mut joined = Vec::with_capacity(whole.len());
+        for piece in pieces(PIECE_PROBE, 1) {
+            match self.encode(piece) {
+                Ok(ids) => joined.extend(ids),
+                Err(_) => return false,
+            }
+        }
+        joined == whole
+    }
+
     /// The tokens of `text`, without the special tokens a template would add.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self
@@ -224,6 +273,15 @@ pub(crate) fn byte_level_char(b: u8) -> char {
     char::from_u32(256 + earlier).expect("a valid code point")
 }
 
+/// Text that tries a tokenizer's cuts ([`HfTokenizer::pieces_encode_as_whole`]): words,
+/// contractions, numbers, punctuation and non-ASCII letters on both sides of lone newlines,
+/// blank lines, indentation and a CRLF, each kind of line starting and ending a piece.
+pub const PIECE_PROBE: &str = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n\
+    All:\n  Speak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to \
+    famish?\n!\n'tis 12345\r\nsaid \u{3000}\u{e9}l\u{e8}ve\n'S'\n123\n4.5%\n(x)\n\
+    don't\n--\n#include <a.h>\nint main() { return 0; }\n\"q\"\nna\u{ef}ve caf\u{e9} \
+    \u{6771}\u{4eac} \u{1f600}\nZ\ny\n...\n?!\nend\n";
+
 /// Pieces of `text` of about `target` bytes, cut after a lone newline between two printable
 /// characters, where both BPEs' pre-tokenisers split the same way in a piece and in the
 /// whole text (the newline is one pre-token, or ends one, and never joins what follows).
@@ -267,7 +325,8 @@ fn encode(enc: &Encoding, text: &str) -> Vec<u32> {
 /// that memory does not grow with the corpus (two batches in flight).
 const BATCH_BYTES: usize = 16 << 20;
 /// A text file (one document) comes in pieces of about this size with GPT-2's or cl100k's
-/// BPE, whose pieces encode as the whole; a `tokenizer.json` takes a document whole.
+/// BPE, whose pieces encode as the whole, and with a `tokenizer.json` whose pieces do
+/// ([`HfTokenizer::pieces_encode_as_whole`]); another takes a document whole.
 const TEXT_PIECE_BYTES: usize = 256 << 10;
 /// Where a run writes its shards until it has finished.
 const PARTIAL_DIR: &str = ".tokenize-partial";
@@ -334,17 +393,100 @@ impl Shards {
 
 /// The split of a stream of documents into training and validation shards by documents
 /// ([`goes_to_validation`]). Until the first validation document is drawn the documents are
-/// held back: a corpus that ends before one is (fewer than 1/f documents, such as one text
-/// file) is split by tokens instead, its last f of them to validation.
+/// held back ([`Held`]): a corpus that ends before one is (fewer than 1/f documents, such as
+/// one text file) is split by tokens instead, its last f of them to validation.
 struct Split {
     fraction: f64,
     documents: u64,
     current_is_validation: bool,
-    /// The documents so far (whether each goes to validation, its tokens) while no
-    /// validation document has been drawn.
-    held: Option<Vec<(bool, Vec<u32>)>>,
+    /// The tokens of the documents so far while no validation document has been drawn: all
+    /// of them training's if one is.
+    held: Option<Held>,
     train: Shards,
     val: Shards,
+}
+
+/// Tokens held back in memory before they go to a spill file: 64 MB.
+const HELD_TOKENS_IN_MEMORY: usize = 16 << 20;
+
+/// Tokens whose split is not known yet, in memory up to [`HELD_TOKENS_IN_MEMORY`] and then
+/// in a file beside the shards, so that one large text file (split by tokens at the end)
+/// does not hold its tokens in memory.
+struct Held {
+    spill_path: PathBuf,
+    spill: Option<std::io::BufWriter<std::fs::File>>,
+    spilled: usize,
+    tokens: Vec<u32>,
+    /// Tokens kept in memory before they are spilled ([`HELD_TOKENS_IN_MEMORY`]).
+    in_memory: usize,
+}
+
+impl Held {
+    fn new(dir: &std::path::Path) -> Self {
+        Held {
+            spill_path: dir.join("held.tmp"),
+            spill: None,
+            spilled: 0,
+            tokens: Vec::new(),
+            in_memory: HELD_TOKENS_IN_MEMORY,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.spilled + self.tokens.len()
+    }
+
+    fn push(&mut self, tokens: &[u32]) -> Result<()> {
+        use std::io::Write;
+        self.tokens.extend_from_slice(tokens);
+        if self.tokens.len() < self.in_memory {
+            return Ok(());
+        }
+        let path = &self.spill_path;
+        let spill = match &mut self.spill {
+            Some(spill) => spill,
+            None => self.spill.insert(std::io::BufWriter::new(
+                std::fs::File::create(path)
+                    .with_context(|| format!("creating {}", path.display()))?,
+            )),
+        };
+        let bytes: Vec<u8> = self.tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        spill
+            .write_all(&bytes)
+            .with_context(|| format!("writing {}", path.display()))?;
+        self.spilled += self.tokens.len();
+        self.tokens.clear();
+        Ok(())
+    }
+
+    /// Every token in order, a bounded run at a time; the spill file removed.
+    fn drain(mut self, mut f: impl FnMut(&[u32]) -> Result<()>) -> Result<()> {
+        use std::io::{Read, Write};
+        if let Some(mut spill) = self.spill.take() {
+            let path = &self.spill_path;
+            spill
+                .flush()
+                .with_context(|| format!("writing {}", path.display()))?;
+            drop(spill);
+            let mut file = std::io::BufReader::new(
+                std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?,
+            );
+            let mut bytes = vec![0u8; 4 << 20];
+            let mut left = self.spilled;
+            while left > 0 {
+                let n = left.min(bytes.len() / 4);
+                file.read_exact(&mut bytes[..4 * n])
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let run: Vec<u32> = (bytes[..4 * n].chunks_exact(4))
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                f(&run)?;
+                left -= n;
+            }
+            std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+        }
+        f(&self.tokens)
+    }
 }
 
 impl Split {
@@ -353,7 +495,7 @@ impl Split {
             fraction,
             documents: 0,
             current_is_validation: false,
-            held: (fraction > 0.0).then(Vec::new),
+            held: (fraction > 0.0).then(|| Held::new(&train.dir)),
             train,
             val,
         }
@@ -366,20 +508,16 @@ impl Split {
             self.current_is_validation = goes_to_validation(self.documents, self.fraction);
             self.documents += 1;
         }
-        if let Some(held) = &mut self.held {
-            match held.last_mut() {
-                Some((_, last)) if continues => last.extend(tokens),
-                _ => held.push((self.current_is_validation, tokens)),
+        if self.current_is_validation {
+            // The first validation document: everything held was training's.
+            if let Some(held) = self.held.take() {
+                held.drain(|tokens| self.train.push(tokens))?;
             }
-            if !self.current_is_validation {
-                return Ok(());
-            }
-            for (validation, tokens) in self.held.take().expect("held") {
-                self.write_to(validation, &tokens)?;
-            }
-            return Ok(());
         }
-        self.write_to(self.current_is_validation, &tokens)
+        match &mut self.held {
+            Some(held) => held.push(&tokens),
+            None => self.write_to(self.current_is_validation, &tokens),
+        }
     }
 
     fn write_to(&mut self, validation: bool, tokens: &[u32]) -> Result<()> {
@@ -394,10 +532,14 @@ impl Split {
     fn finish(&mut self) -> Result<&'static str> {
         let how = match self.held.take() {
             Some(held) => {
-                let all: Vec<u32> = held.into_iter().flat_map(|(_, t)| t).collect();
-                let val = (all.len() as f64 * self.fraction) as usize;
-                self.train.push(&all[..all.len() - val])?;
-                self.val.push(&all[all.len() - val..])?;
+                let total = held.len();
+                let mut to_train = total - (total as f64 * self.fraction) as usize;
+                held.drain(|tokens| {
+                    let cut = to_train.min(tokens.len());
+                    to_train -= cut;
+                    self.train.push(&tokens[..cut])?;
+                    self.val.push(&tokens[cut..])
+                })?;
                 "by tokens (fewer documents than 1/--val-fraction): the last tokens"
             }
             None if self.fraction > 0.0 => "by documents: every (1/--val-fraction)-th document",
@@ -428,30 +570,34 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
     let files = crate::corpus::expand_inputs(&args.inputs)?;
     // Parquet footers are read here, before anything in `args.out` is touched.
     let (parts, unreadable) = crate::corpus::parts_of(&files, &args.text_field, args.skip_bad)?;
-    let (name, vocab, separator, encode_text): (String, usize, Option<u32>, TextEncoder) =
-        match &args.tokenizer {
-            Some(path) => {
-                let hf = HfTokenizer::open(path)?;
-                let name = format!("tokenizer {}", path.display());
-                (
-                    name,
-                    hf.vocab,
-                    hf.end_of_text,
-                    Box::new(move |t| hf.encode(t)),
-                )
-            }
-            None => {
-                let enc = encoding(&args.encoding)?;
-                let name = format!("{} BPE", args.encoding);
-                let (vocab, eot) = (enc.vocab, enc.end_of_text);
-                (
-                    name,
-                    vocab,
-                    Some(eot),
-                    Box::new(move |t| Ok(encode(&enc, t))),
-                )
-            }
-        };
+    let (name, vocab, separator, pieces_encode_as_whole, encode_text): (
+        String,
+        usize,
+        Option<u32>,
+        bool,
+        TextEncoder,
+    ) = match &args.tokenizer {
+        Some(path) => {
+            let path = tokenizer_file(path);
+            let hf = HfTokenizer::open(&path)?;
+            let name = format!("tokenizer {}", path.display());
+            let whole = hf.pieces_encode_as_whole();
+            let (vocab, eot) = (hf.vocab, hf.end_of_text);
+            (name, vocab, eot, whole, Box::new(move |t| hf.encode(t)))
+        }
+        None => {
+            let enc = encoding(&args.encoding)?;
+            let name = format!("{} BPE", args.encoding);
+            let (vocab, eot) = (enc.vocab, enc.end_of_text);
+            (
+                name,
+                vocab,
+                Some(eot),
+                true,
+                Box::new(move |t| Ok(encode(&enc, t))),
+            )
+        }
+    };
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let partial = args.out.join(PARTIAL_DIR);
@@ -470,7 +616,7 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
     let options = crate::corpus::ReadOptions {
         text_field: args.text_field.clone(),
         skip_bad: args.skip_bad,
-        text_pieces: args.tokenizer.is_none().then_some(TEXT_PIECE_BYTES),
+        text_pieces: pieces_encode_as_whole.then_some(TEXT_PIECE_BYTES),
         batch_bytes: BATCH_BYTES,
         readers: args.readers.map_or_else(default_readers, usize::from),
         max_documents: args.max_documents,
@@ -562,7 +708,10 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         args.out.display()
     );
     let decode_with = match &args.tokenizer {
-        Some(path) => format!(" --set 'data.tokenizer=\"{}\"'", path.display()),
+        Some(path) => format!(
+            " --set 'data.tokenizer=\"{}\"'",
+            tokenizer_file(path).display()
+        ),
         None => String::new(),
     };
     let val_files = if split.val.written.is_empty() {
@@ -759,6 +908,48 @@ mod tests {
         assert_eq!(split_tokens(&out, "train"), train);
         assert_eq!(split_tokens(&out, "val"), val);
         assert!(!out.join(PARTIAL_DIR).exists());
+    }
+
+    /// A corpus split by tokens (one document) whose held tokens went to a spill file gives
+    /// the shards of one held in memory, and leaves no spill file; a validation document
+    /// drawn after a spill sends everything held to training first.
+    #[test]
+    fn held_tokens_spill_to_a_file_and_come_back_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let shards = |dir: &std::path::Path, fraction: f64, in_memory: usize, docs: usize| {
+            std::fs::create_dir_all(dir).unwrap();
+            let mut split = Split::new(
+                fraction,
+                Shards::new(dir, "train", 3_000, 50_000),
+                Shards::new(dir, "val", 3_000, 50_000),
+            );
+            split.held.as_mut().unwrap().in_memory = in_memory;
+            let mut next = 0u32;
+            for _ in 0..docs {
+                for piece in 0..10 {
+                    let tokens: Vec<u32> = (next..next + 1_000).collect();
+                    next += 1_000;
+                    split.add(piece > 0, tokens).unwrap();
+                }
+            }
+            split.finish().unwrap();
+            assert!(!dir.join("held.tmp").exists());
+            (split_tokens(dir, "train"), split_tokens(dir, "val"))
+        };
+        let all: Vec<u32> = (0..10_000).collect();
+        for in_memory in [2_500, 1 << 30] {
+            let (train, val) = shards(
+                &dir.path().join(format!("one{in_memory}")),
+                0.1,
+                in_memory,
+                1,
+            );
+            assert_eq!((&train[..], &val[..]), (&all[..9_000], &all[9_000..]));
+        }
+        // Two documents at 1/2: the second is validation, the first (spilled) is training's.
+        let (train, val) = shards(&dir.path().join("two"), 0.5, 2_500, 2);
+        assert_eq!(train, all);
+        assert_eq!(val, (10_000..20_000).collect::<Vec<u32>>());
     }
 
     /// A text file comes in pieces (the later ones continue its document) that encode as
@@ -997,6 +1188,93 @@ mod tests {
         assert!(e.contains("no such file"), "{e}");
     }
 
+    fn fixture_tokenizer(name: &str) -> PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/refs/tokenizers")
+            .join(name)
+            .join("tokenizer.json")
+    }
+
+    /// `tokenizer.json` with its pre-tokeniser (and normaliser) replaced, in `dir`.
+    fn variant(dir: &std::path::Path, name: &str, pre: serde_json::Value) -> HfTokenizer {
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture_tokenizer("bytelevel")).unwrap())
+                .unwrap();
+        json["pre_tokenizer"] = pre;
+        let path = dir.join(format!("{name}.json"));
+        std::fs::write(&path, json.to_string()).unwrap();
+        HfTokenizer::open(&path).unwrap()
+    }
+
+    /// A byte-level BPE (GPT-2's pre-tokeniser, or Llama 3's split regex before a byte-level
+    /// map) streams a large text file in pieces that encode as the whole, through every
+    /// core; one that marks the start of its input (SentencePiece's `▁`, a byte-level prefix
+    /// space) takes each file whole, and its shards are still the whole file's encoding.
+    #[test]
+    fn a_users_tokenizer_streams_where_its_pieces_encode_as_the_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let llama3_split = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex":
+                "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+             "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
+        let prefix_space = serde_json::json!(
+            {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+        let cases = [
+            (
+                HfTokenizer::open(&fixture_tokenizer("bytelevel")).unwrap(),
+                true,
+                "byte-level",
+            ),
+            (
+                variant(dir.path(), "llama3", llama3_split),
+                true,
+                "Llama 3's split",
+            ),
+            (
+                variant(dir.path(), "prefix", prefix_space),
+                false,
+                "a prefix space",
+            ),
+            (
+                HfTokenizer::open(&fixture_tokenizer("sentencepiece")).unwrap(),
+                false,
+                "SentencePiece",
+            ),
+        ];
+        let text = &shakespeare()[..400_000];
+        let path = dir.path().join("input.txt");
+        std::fs::write(&path, text).unwrap();
+        for (tok, streams, what) in cases {
+            assert_eq!(tok.pieces_encode_as_whole(), streams, "{what}");
+            let whole = tok.encode(text).unwrap();
+            if streams {
+                let mut joined = Vec::new();
+                crate::corpus::for_each_document(&path, "text", false, Some(5_000), |d| {
+                    joined.extend(tok.encode(&d.text).unwrap());
+                    Ok(true)
+                })
+                .unwrap();
+                assert!(joined == whole, "{what}: pieces of 5 KB");
+            }
+        }
+        // End to end: the shards of a streamed run are the whole file's tokens.
+        for name in ["bytelevel", "sentencepiece"] {
+            let out = dir.path().join(name);
+            run(&TokenizeArgs {
+                tokenizer: Some(fixture_tokenizer(name).parent().unwrap().to_path_buf()),
+                val_fraction: 0.0,
+                shard_tokens: 1 << 20,
+                ..args_for(vec![path.clone()], out.clone())
+            })
+            .unwrap();
+            let tok = HfTokenizer::open(&fixture_tokenizer(name)).unwrap();
+            let mut want = vec![tok.end_of_text.unwrap()];
+            want.extend(tok.encode(text).unwrap());
+            assert!(split_tokens(&out, "train") == want, "{name}: shards");
+        }
+    }
+
     #[test]
     fn pieces_encode_as_the_whole() {
         for (name, end_of_text) in [("gpt2", 50256), ("cl100k", 100257)] {
@@ -1006,10 +1284,7 @@ mod tests {
 
     fn pieces_encode_as_the_whole_with(name: &str, end_of_text: u32) {
         let enc = encoding(name).unwrap();
-        let text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n\
-                    All:\n  Speak, speak.\n\nFirst Citizen:\nYou are all resolved rather to \
-                    die than to famish?\n!\n'tis 12345\r\nsaid \u{3000}\u{e9}l\u{e8}ve\n"
-            .repeat(50);
+        let text = PIECE_PROBE.repeat(50);
         let whole = enc.bpe.encode_ordinary(&text);
         for target in [1, 7, 100, 1000] {
             let parts = pieces(&text, target);

@@ -139,3 +139,57 @@ fn a_llama_trains_samples_and_generates_with_its_users_tokenizer() {
         "{generated:?}"
     );
 }
+
+/// Data written in other ids than the tokenizer the run decodes with is refused before any
+/// work (shards record their tokenizer's vocabulary size; the built-in text is bytes), with
+/// the command that writes it in the tokenizer's ids: GPT-2 shards under a 700-token
+/// tokenizer, and the built-in bytes under it.
+#[test]
+fn data_in_another_tokenizers_ids_is_refused_naming_the_command_that_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(root().join("data/shakespeare/input.txt")).unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, &text[..20_000]).unwrap();
+    let shards = dir.path().join("gpt2");
+    let (ok, _, stderr) = meshtrain(&[
+        "tokenize",
+        "--input",
+        corpus.to_str().unwrap(),
+        "--out",
+        shards.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let tokenizer = fixture("sentencepiece");
+    let train = |extra: &[String]| {
+        let mut args: Vec<String> = ["train", "--config", "configs/llama.toml", "--set"]
+            .map(String::from)
+            .to_vec();
+        args.push(format!(
+            "data.tokenizer=\"{}\"",
+            tokenizer.join("tokenizer.json").display()
+        ));
+        args.extend(["--set".into(), "model.vocab=50304".into()]);
+        args.extend_from_slice(extra);
+        meshtrain(&args)
+    };
+    let on_shards = [
+        "--set".to_string(),
+        format!("data.train_files=\"{}/train_*.bin\"", shards.display()),
+    ];
+    for (extra, data, ids) in [
+        (&on_shards[..], "train_000000.bin", "50257 ids (gpt2's BPE)"),
+        (&[][..], "the built-in Shakespeare text", "256 ids (bytes)"),
+    ] {
+        let (ok, _, stderr) = train(extra);
+        assert!(!ok, "trained on {data}");
+        assert!(
+            stderr.contains("(700 ids") && stderr.contains(data) && stderr.contains(ids),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("meshtrain tokenize --tokenizer"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("step 1"), "{stderr}");
+    }
+}

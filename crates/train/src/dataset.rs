@@ -300,6 +300,14 @@ impl TokenFiles {
         })
     }
 
+    /// The shards whose headers record the vocabulary size of the tokenizer that wrote them
+    /// (meshtrain's do; llm.c's record none), each with that size.
+    pub fn recorded_vocabularies(&self) -> impl Iterator<Item = (&std::path::Path, usize)> {
+        (self.shards.iter())
+            .filter(|shard| shard.vocab > 0)
+            .map(|shard| (shard.path.as_path(), shard.vocab))
+    }
+
     /// The tokens of every shard, in order, read from the maps as they are asked for.
     pub fn tokens(&self) -> impl Iterator<Item = u32> + '_ {
         (self.shards.iter()).flat_map(|shard| (0..shard.len()).map(|i| shard.token(i)))
