@@ -15,6 +15,15 @@ const THREADS: u32 = 256;
 /// derived from the device), so the norm's summation order is the same on every GPU.
 const UPDATE_BLOCKS: usize = 132 * 16;
 pub const NORM_BLOCKS: usize = 1024;
+/// Elements per block of the sum of squares below [`NORM_BLOCKS`] blocks: a short range
+/// (ZeRO's shard pieces, a layer norm's gain) takes a block or a few, not 1,024 blocks of
+/// idle threads. Still a function of the range alone, so the order is the same everywhere.
+const NORM_ELEMENTS_PER_BLOCK: usize = 2048;
+
+/// Blocks of the sum of squares over `len` elements.
+fn norm_blocks(len: usize) -> usize {
+    len.div_ceil(NORM_ELEMENTS_PER_BLOCK).clamp(1, NORM_BLOCKS)
+}
 
 /// Parameter groups as the kernels read them: element `i` belongs to the first segment whose
 /// end exceeds it.
@@ -187,18 +196,26 @@ pub fn grad_norm(
     total: Option<u64>,
 ) -> Result<(), CudaError> {
     let ranges: Vec<&Range<usize>> = ranges.iter().filter(|r| !r.is_empty()).collect();
-    let slots = ranges.len().max(1) * NORM_BLOCKS;
+    // Each range's partial sums one after another: the finish adds them all.
+    let slots = ranges
+        .iter()
+        .map(|r| norm_blocks(r.len()))
+        .sum::<usize>()
+        .max(1);
     let partial = dev.alloc_zeroed(slots * 8, "gradient norm partials")?;
-    for (i, r) in ranges.iter().enumerate() {
+    let mut slot = 0;
+    for r in ranges {
+        let blocks = norm_blocks(r.len());
         dev.launch(
             "optimizer.cu",
             "sumsq_partial",
-            Launch::linear(NORM_BLOCKS, THREADS),
+            Launch::linear(blocks, THREADS),
             Args::new()
                 .ptr(grads + (r.start * 4) as u64)
                 .i64(r.len() as i64)
-                .ptr(partial.ptr() + (i * NORM_BLOCKS * 8) as u64),
+                .ptr(partial.ptr() + (slot * 8) as u64),
         )?;
+        slot += blocks;
     }
     dev.launch(
         "optimizer.cu",

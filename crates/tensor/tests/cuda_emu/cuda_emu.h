@@ -639,7 +639,7 @@ struct Options {
     unsigned char smem_poison = 0xCD;
 };
 inline Options& options() {
-    static Options o;
+    static Options& o = *new Options;  // never destroyed: see run()
     if (!o.loaded) {
         o.loaded = true;
         if (const char* s = std::getenv("EMU_SCHEDULE")) {
@@ -666,7 +666,7 @@ inline Options& options() {
 }
 
 inline Stats& stats_ref() {
-    static Stats s;
+    static Stats& s = *new Stats;  // never destroyed: see run()
     return s;
 }
 
@@ -682,7 +682,7 @@ struct SplitMix {
     std::uint64_t below(std::uint64_t n) { return next() % n; }
 };
 inline SplitMix& schedule_rng() {
-    static SplitMix r{1};
+    static SplitMix& r = *new SplitMix{1};  // never destroyed: see run()
     return r;
 }
 
@@ -839,7 +839,9 @@ struct Run {
     std::vector<unsigned long long> failed_launches;
 };
 inline Run& run() {
-    static Run r;
+    // Never destroyed (nor the other state below): a stream thread of the emulated device
+    // may still run a kernel while the process exits and static destructors run.
+    static Run& r = *new Run;
     return r;
 }
 /// The fiber running now (nullptr outside kernels). A plain global: all fibers live on the
@@ -1214,7 +1216,7 @@ struct AllocRec {
     size_t elem_size;
 };
 inline std::vector<AllocRec>& allocs() {
-    static std::vector<AllocRec> v;
+    static auto& v = *new std::vector<AllocRec>;  // never destroyed: see run()
     return v;
 }
 constexpr unsigned char kCanary = 0xCD;
@@ -2212,7 +2214,7 @@ struct Shadow {
     std::vector<std::vector<unsigned>> marked; // per thread: the chunks it marked
 };
 inline Shadow& shadow() {
-    static Shadow s;
+    static Shadow& s = *new Shadow;  // never destroyed: see run()
     const ::emu::detail::Run& R = ::emu::detail::run();
     if (s.block != R.block_serial) {
         // A block starts with its shared memory all poison (poison_shared): nothing written.
@@ -2373,7 +2375,7 @@ inline std::vector<InFlight>& in_flight() {
         unsigned long long block = ~0ull;
         std::vector<InFlight> list;
     };
-    static Lane lanes[1024];
+    static Lane* lanes = new Lane[1024];  // never destroyed: see run()
     Lane& L = lanes[emu_frag::linear_thread()];
     const unsigned long long blk = ::emu::detail::run().block_serial;
     if (L.block != blk) { // another block's: emu_async reports products never waited for
@@ -2456,7 +2458,7 @@ struct Fenced {
     std::vector<unsigned char> image;
 };
 inline Fenced& fenced_lane() {
-    static Fenced lanes[1024];
+    static Fenced* lanes = new Fenced[1024];  // never destroyed: see run()
     Fenced& L = lanes[emu_frag::linear_thread()];
     const unsigned long long blk = ::emu::detail::run().block_serial;
     if (L.block != blk) {
@@ -2650,7 +2652,7 @@ struct BlockLog {
     std::vector<GroupLog> groups;
 };
 inline BlockLog& block_log_state() {
-    static BlockLog b;
+    static BlockLog& b = *new BlockLog;  // never destroyed: see run()
     return b;
 }
 inline BlockLog& block_log() {

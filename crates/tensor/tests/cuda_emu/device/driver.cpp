@@ -39,8 +39,12 @@
 
 namespace {
 
+// The emulator's state is never destroyed (each piece a `*new` that is never deleted): the
+// threads of the process that uses it (its stream threads, a caller's watchdog polling events
+// or freeing buffers) may still call in while the process exits and static destructors run,
+// and a map destroyed under such a call dereferences freed nodes (SIGSEGV at exit under load).
 std::recursive_mutex& lock() {
-    static std::recursive_mutex m;
+    static std::recursive_mutex& m = *new std::recursive_mutex;
     return m;
 }
 #define EMU_LOCKED std::lock_guard<std::recursive_mutex> emu_guard(lock())
@@ -101,7 +105,7 @@ void account(const char* what, std::chrono::steady_clock::time_point start) {
 constexpr size_t kTotalMemory = size_t(16) << 30;
 size_t g_allocated = 0;
 std::map<uintptr_t, size_t>& device_buffers() {
-    static std::map<uintptr_t, size_t> m;
+    static auto& m = *new std::map<uintptr_t, size_t>;
     return m;
 }
 
@@ -205,7 +209,7 @@ struct Stream {
 
 /// The live streams (under g_sched).
 std::set<Stream*>& all_streams() {
-    static std::set<Stream*> s;
+    static auto& s = *new std::set<Stream*>;
     return s;
 }
 
@@ -249,7 +253,7 @@ bool capturing(CUstream stream) {
 }
 /// The streams being captured (under g_sched).
 std::set<Stream*>& captures() {
-    static std::set<Stream*> s;
+    static auto& s = *new std::set<Stream*>;
     return s;
 }
 bool any_capture() {
@@ -323,7 +327,7 @@ struct Event {
 /// Pinned host memory (cuMemAllocHost, cuMemHostRegister): an asynchronous copy reads or
 /// writes it when the stream gets there; pageable memory is read when the call is made.
 std::map<uintptr_t, size_t>& pinned_ranges() {
-    static std::map<uintptr_t, size_t> m;
+    static auto& m = *new std::map<uintptr_t, size_t>;
     return m;
 }
 bool is_pinned(const void* p, size_t bytes) {

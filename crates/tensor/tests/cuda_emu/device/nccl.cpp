@@ -97,8 +97,10 @@ struct Comm {
     }
 };
 
-std::mutex g_error_lock;
-std::string g_last_error;
+/// Never destroyed, as the driver's state: a watchdog thread of the process may still ask for
+/// the last error while the process exits.
+std::mutex& g_error_lock = *new std::mutex;
+std::string& g_last_error = *new std::string;
 
 Result fail(Result r, const std::string& why) {
     std::fprintf(stderr, "emulated NCCL: %s\n", why.c_str());
