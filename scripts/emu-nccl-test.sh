@@ -15,15 +15,17 @@
 #   5. SIGTERM to the launcher at step 3 (graceful stop): exit 143, every rank's checkpoint at
 #      the same step, and the printed resume command ends bit-identical to DDP over NCCL;
 #   6. kill -9 of rank 1 at step 4, under DDP and under pp = 2 1F1B: rank 0 fails within the
-#      timeout + 2 s (the kill lands mid-step: the operation that waits for the dead rank
-#      begins after the rest of the step's work, up to a second on the emulated device),
-#      naming the NCCL operation and its sequence number (a pipeline's: the receive on the
-#      pair's lane, and the rank it waited for); launch restarts from the step-3 checkpoint,
-#      and the final state is bit-identical to the uninterrupted NCCL run's.
+#      timeout + 2 s (in practice at once: the failure monitor reports the death and the NCCL
+#      watchdog's position board fails the operation waiting for it; the kill lands mid-step,
+#      so that operation may begin after the rest of the step's work, up to a second on the
+#      emulated device), naming the NCCL operation and its sequence number (a pipeline's: the
+#      receive on the pair's lane), and the rank it waited for; launch restarts from the
+#      step-3 checkpoint, and the final state is bit-identical to the uninterrupted NCCL run's.
 # With EMU_NCCL_GPUS=4 (not in CI: 4 processes on 2 cores, about 4 minutes, timeout 20 s):
 # 4 GPUs as 2 hosts of 2 (`parallel.ranks_per_host`), DDP's hierarchical all-reduce over NCCL
 # sub-communicators against one GPU, `auto` there (flat: NCCL follows the hosts itself), and
-# a kill -9 under the hierarchical all-reduce, restarted bit-identical.
+# a kill -9 under the hierarchical all-reduce and under the flat one (a communicator of four:
+# the missing rank named from the failure monitor's position board), restarted bit-identical.
 # What no emulation shows: speed, overlap (every call completes when issued), NCCL itself.
 #
 # Needs OpenMPI (see scripts/mpi-common.sh), g++ and CUDA's headers (the device's build.sh;
@@ -133,6 +135,11 @@ if [ "$GPUS" != 2 ]; then
         || { cat "$OUT/auto.log"; fail "auto over NCCL was not flat"; }
     same_checkpoint "$(checkpoint_of auto)" "$(checkpoint_of one)" 1e-5 || fail "auto differs from one GPU"
     killed hier-killed hier "${HOSTS[@]}" --set 'parallel.grad_reduce="hierarchical"'
+    # A communicator of four: NCCL cannot say who is missing, the failure monitor's
+    # position board (what each rank issued, and that rank 1 died) names it.
+    killed flat-killed auto "${HOSTS[@]}"
+    grep -qE "error: rank 0: .*rank\(s\) \[1\] \(global\) (did not arrive|stopped).*rank 1 died" "$OUT/flat-killed.log" \
+        || { grep "error: rank 0" "$OUT/flat-killed.log"; fail "rank 0 did not name rank 1 in a group of four"; }
     echo "emu-nccl-test: OK ($GPUS GPUs)"
     exit 0
 fi

@@ -618,6 +618,31 @@ impl std::fmt::Debug for dyn ProcessGroup {
 /// reused. `*_async` methods return a [`Work`] immediately; the operation runs on the
 /// rank's communication thread in submission order, before any later synchronous
 /// operation, and produces bit-identical results to the synchronous form.
+/// Where the members of a group stand in a companion engine's collectives
+/// ([`ProcessGroup::position_board`]).
+pub trait PositionBoard: Send + Sync {
+    /// This member issued collective `seq` (`op`) of the companion group.
+    fn issued(&self, op: &'static str, seq: u64);
+    /// The members (world ranks) that will not take part in collective `seq`: those that
+    /// have not issued it, or stopped (died, failed) having issued it but not later ones;
+    /// with a note on where each was last seen or how it stopped. `None` when the board
+    /// cannot tell (its channel did not answer in time).
+    fn missing(&self, seq: u64) -> Option<MissingMembers>;
+    /// The members known to have stopped without doing their part of collective
+    /// `Some(seq)` (or, for a send or receive, `None`: that died or failed at all), from what
+    /// this member already holds, without asking anyone: cheap enough for a watchdog's every
+    /// look, so an operation waiting for a dead member fails at once rather than at the
+    /// timeout. `None` while no such member is known.
+    fn stopped(&self, seq: Option<u64>) -> Option<MissingMembers>;
+}
+
+/// The answer of [`PositionBoard::missing`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MissingMembers {
+    pub ranks: Vec<usize>,
+    pub note: String,
+}
+
 pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the group, `0..size()`.
     fn rank(&self) -> usize;
@@ -687,6 +712,18 @@ pub trait ProcessGroup: Send + Sync {
     fn prepare_point_to_point(&self, pairs: &[(usize, usize)]) -> Result<(), CommError> {
         let ctx = OpContext::new("prepare_point_to_point", 0, Arc::from(self.name()));
         validate_pairs(&ctx, pairs, self.size())
+    }
+
+    /// A board where this group's members post how far they have got in the collectives of
+    /// a companion engine that cannot say who is missing (NCCL's kernels wait on the GPU
+    /// and know nothing of their peers), so a member whose operation timed out can name
+    /// the members that never issued it. The board is this backend's side channel, which
+    /// keeps working whatever state the companion is in (MPI's failure monitor, the threads'
+    /// shared memory). Every member asks for it once, in the same order as they create
+    /// sub-groups; `name` is the companion group's, for the notes on where members were last
+    /// seen. `None` (the default) where the backend has no such channel.
+    fn position_board(&self, _name: &str) -> Option<Arc<dyn PositionBoard>> {
+        None
     }
 
     /// Whether the group's own all-reduce already follows the hosts, crossing the network

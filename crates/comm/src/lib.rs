@@ -37,8 +37,8 @@ mod topology;
 pub use dtype::{reference_reduce, BufMut, BufRef, DType, Device, Element, RawBuf, ReduceOp};
 pub use error::{CommError, OpContext};
 pub use group::{
-    CommConfig, Fingerprint, OpSpan, Operation, OwnedBuf, OwnedWork, ProcessGroup, Work,
-    DEFAULT_TIMEOUT,
+    CommConfig, Fingerprint, MissingMembers, OpSpan, Operation, OwnedBuf, OwnedWork, PositionBoard,
+    ProcessGroup, Work, DEFAULT_TIMEOUT,
 };
 pub use half::{bf16, f16};
 pub use mesh::{DeviceMesh, MeshAxis, MeshError, MeshLayout};

@@ -32,7 +32,10 @@ use crate::bench::{
 use crate::dtype::{with_element, DType, Element, RawBuf, ReduceOp};
 use crate::engine::{AsyncEngine, Executor, Sequencer};
 use crate::error::{fmt_ranks, CommError, OpContext};
-use crate::group::{validate_subgroup, CommConfig, Fingerprint, Operation, ProcessGroup, Work};
+use crate::group::{
+    validate_subgroup, CommConfig, Fingerprint, MissingMembers, Operation, PositionBoard,
+    ProcessGroup, Work,
+};
 use crate::mpi_monitor::{self, GroupTrack, Monitor, ShutdownAgreement, ALL_ENTERED};
 use crate::topology::HostPlacement;
 use anyhow::{anyhow, Result};
@@ -1268,6 +1271,37 @@ impl fmt::Debug for MpiGroup {
     }
 }
 
+/// A member's view, through the failure monitor, of its group's positions in a companion
+/// engine's collectives (NCCL's, whose kernels cannot say who never came): the hub hears
+/// every member's issued position and how each stopped, whatever state NCCL is in.
+struct MonitorBoard {
+    monitor: Arc<Monitor>,
+    track: Arc<GroupTrack>,
+}
+
+impl PositionBoard for MonitorBoard {
+    fn issued(&self, op: &'static str, seq: u64) {
+        self.track.issued(op, seq);
+    }
+
+    fn missing(&self, seq: u64) -> Option<MissingMembers> {
+        let missing = (self.monitor.stopped_peers(&self.track, seq))
+            .or_else(|| self.monitor.missing_ranks(&self.track, seq))?;
+        Some(MissingMembers {
+            ranks: missing.ranks,
+            note: missing.note,
+        })
+    }
+
+    fn stopped(&self, seq: Option<u64>) -> Option<MissingMembers> {
+        let missing = self.monitor.stopped_members(&self.track, seq)?;
+        Some(MissingMembers {
+            ranks: missing.ranks,
+            note: missing.note,
+        })
+    }
+}
+
 impl MpiGroup {
     fn from_comm(
         shared: Arc<MpiShared>,
@@ -1339,6 +1373,13 @@ impl ProcessGroup for MpiGroup {
     unsafe fn run_raw(&self, op: Operation) -> Result<(), CommError> {
         let seq = self.prepare(&op);
         self.engine.run(&self.core, op, seq)
+    }
+
+    fn position_board(&self, name: &str) -> Option<Arc<dyn PositionBoard>> {
+        let shared = &self.core.shared;
+        let monitor = Arc::clone(shared.monitor.as_ref()?);
+        let track = shared.new_track(name, self.core.global_ranks.clone());
+        Some(Arc::new(MonitorBoard { monitor, track }))
     }
 
     unsafe fn start_raw(&self, op: Operation) -> Result<Work, CommError> {

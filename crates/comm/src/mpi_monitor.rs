@@ -131,6 +131,18 @@ impl GroupTrack {
         }
     }
 
+    /// Records issuing collective `seq` of a companion engine (NCCL): entered, and left
+    /// only by the next one, as the host cannot see the GPU finish it.
+    pub(crate) fn issued(&self, op: &'static str, seq: u64) {
+        let mut position = lock(&self.position);
+        *position = Position {
+            op,
+            seq,
+            done: false,
+            version: position.version + 1,
+        };
+    }
+
     /// Records entering collective `seq`; dropping the guard records leaving it.
     pub(crate) fn enter(&self, op: &'static str, seq: u64) -> LeaveOnDrop<'_> {
         let mut position = lock(&self.position);
@@ -494,6 +506,13 @@ impl Monitor {
     /// (a rank that exited cleanly after entering it is not missing; one that
     /// panicked, failed or died is, since MPI cannot complete with a dead process).
     pub(crate) fn stopped_peers(&self, track: &GroupTrack, seq: u64) -> Option<Missing> {
+        self.stopped_members(track, Some(seq))
+    }
+
+    /// [`Monitor::stopped_peers`] for collective `Some(seq)`; for `None` (a send or receive,
+    /// whose progress no collective number tells) the peers that panicked, failed or died,
+    /// whatever they had reached: one that exited cleanly had finished its part.
+    pub(crate) fn stopped_members(&self, track: &GroupTrack, seq: Option<u64>) -> Option<Missing> {
         if !self.any_stopped.load(Ordering::Acquire) {
             return None;
         }
@@ -509,7 +528,12 @@ impl Monitor {
             // A peer that entered a later collective of the group has done its part
             // in this one, however it stopped afterwards.
             let reached = stopped.reached.get(&track.key).copied().unwrap_or(0);
-            if reached > seq || (stopped.kind == StopKind::Exited && reached >= seq) {
+            let exited = stopped.kind == StopKind::Exited;
+            let done = match seq {
+                Some(seq) => reached > seq || (exited && reached >= seq),
+                None => exited,
+            };
+            if done {
                 continue;
             }
             if !missing.note.is_empty() {
@@ -1042,6 +1066,33 @@ mod tests {
             "rank 2 last seen after barrier #1 on group 'world'"
         );
         assert!(monitors[0].stopped_peers(&tracks[0], 2).is_none());
+    }
+
+    /// What the MPI position board of an NCCL group asks: positions posted as issued (no
+    /// leaving: the host cannot see the GPU finish) name the member that never issued the
+    /// collective; a member that issued it and then died is named by how it stopped.
+    #[test]
+    fn issued_positions_name_who_never_issued_and_who_died_after() {
+        let monitors = job(3);
+        let tracks = world(&monitors);
+        for (track, seq) in tracks.iter().zip([3, 3, 2]) {
+            track.issued("all_reduce", seq);
+        }
+        let missing = wait_for("every rank's issued position", || {
+            let missing = monitors[0].missing_ranks(&tracks[0], 3)?;
+            (missing.ranks == vec![2] && missing.note.contains("#2")).then_some(missing)
+        });
+        assert_eq!(
+            missing.note,
+            "rank 2 last seen in all_reduce #2 on group 'world'"
+        );
+        assert!(monitors[0].stopped_peers(&tracks[0], 3).is_none());
+        monitors[1].sever();
+        let missing = wait_for("the death notice", || {
+            monitors[0].stopped_peers(&tracks[0], 3)
+        });
+        assert_eq!(missing.ranks, vec![1], "{}", missing.note);
+        assert!(missing.note.contains("rank 1 died"), "{}", missing.note);
     }
 
     #[test]

@@ -26,7 +26,9 @@
 use crate::dtype::{reduce_into, with_element, RawBuf};
 use crate::engine::{AsyncEngine, Executor, Sequencer};
 use crate::error::{CommError, OpContext};
-use crate::group::{CommConfig, Fingerprint, Operation, ProcessGroup, Work};
+use crate::group::{
+    CommConfig, Fingerprint, MissingMembers, Operation, PositionBoard, ProcessGroup, Work,
+};
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -119,16 +121,20 @@ struct GroupShared {
     wake: Condvar,
     mailbox: Mutex<HashMap<MailboxKey, VecDeque<Message>>>,
     mail_arrived: Condvar,
+    /// Per member, the last collective it issued on the companion engine whose positions
+    /// this group keeps ([`ProcessGroup::position_board`]): (op, sequence number).
+    issued: Mutex<Vec<(&'static str, u64)>>,
 }
 
 impl GroupShared {
     fn new(world: Arc<World>, name: String, global_ranks: Vec<usize>) -> GroupShared {
         let id = world.next_group_id.fetch_add(1, Ordering::Relaxed);
+        let n = global_ranks.len();
         GroupShared {
             id,
             name,
             world,
-            slots: (0..global_ranks.len()).map(|_| Slot::default()).collect(),
+            slots: (0..n).map(|_| Slot::default()).collect(),
             global_ranks,
             broken: Mutex::new(None),
             is_broken: AtomicBool::new(false),
@@ -137,6 +143,7 @@ impl GroupShared {
             wake: Condvar::new(),
             mailbox: Mutex::new(HashMap::new()),
             mail_arrived: Condvar::new(),
+            issued: Mutex::new(vec![("", 0); n]),
         }
     }
 
@@ -606,6 +613,13 @@ impl ProcessGroup for ThreadsGroup {
         self.engine.start(&self.core, op, seq)
     }
 
+    fn position_board(&self, _name: &str) -> Option<Arc<dyn PositionBoard>> {
+        Some(Arc::new(ThreadsBoard {
+            shared: Arc::clone(&self.core.shared),
+            index: self.core.rank,
+        }))
+    }
+
     fn new_named_subgroup(
         &self,
         ranks: &[usize],
@@ -639,6 +653,77 @@ impl ProcessGroup for ThreadsGroup {
             shared
         };
         Ok(Arc::new(ThreadsGroup::new(shared, my_index)))
+    }
+}
+
+/// A member's view of its group's positions on a companion engine: memory the members
+/// share, so it answers at once and whatever the companion's state.
+struct ThreadsBoard {
+    shared: Arc<GroupShared>,
+    index: usize,
+}
+
+impl ThreadsBoard {
+    /// The other members for which `absent(last collective issued, status)` holds, each
+    /// with where it was last seen and how it stopped.
+    fn members_where(&self, absent: impl Fn(u64, u8) -> bool) -> MissingMembers {
+        let issued = self.shared.issued.lock().unwrap_or_else(|e| e.into_inner());
+        let world = &self.shared.world;
+        let mut missing = MissingMembers {
+            ranks: Vec::new(),
+            note: String::new(),
+        };
+        for (member, &(op, reached)) in issued.iter().enumerate() {
+            let global = self.shared.global_ranks[member];
+            let status = world.status[global].load(Ordering::SeqCst);
+            if member == self.index || !absent(reached, status) {
+                continue;
+            }
+            let seen = match reached {
+                0 => "before its first collective".to_string(),
+                _ => format!("last issued {op} #{reached}"),
+            };
+            let how = match status {
+                RANK_RUNNING => String::new(),
+                _ => format!(" and stopped ({})", world.reason(global)),
+            };
+            if !missing.note.is_empty() {
+                missing.note.push_str("; ");
+            }
+            missing.note += &format!("rank {global} {seen}{how}");
+            missing.ranks.push(global);
+        }
+        missing
+    }
+}
+
+/// Whether a member that issued collective `reached` last, and is in `status`, will not do
+/// its part of collective `seq`: it never issued it, or issued it and then failed.
+fn never_does(seq: u64, reached: u64, status: u8) -> bool {
+    reached < seq || (reached == seq && status == RANK_FAILED)
+}
+
+impl PositionBoard for ThreadsBoard {
+    fn issued(&self, op: &'static str, seq: u64) {
+        self.shared.issued.lock().unwrap_or_else(|e| e.into_inner())[self.index] = (op, seq);
+    }
+
+    fn missing(&self, seq: u64) -> Option<MissingMembers> {
+        Some(self.members_where(|reached, status| never_does(seq, reached, status)))
+    }
+
+    fn stopped(&self, seq: Option<u64>) -> Option<MissingMembers> {
+        let world = &self.shared.world;
+        let members = self.shared.global_ranks.iter();
+        if members.clone().all(|&g| world.is_running(g)) {
+            return None;
+        }
+        let missing = self.members_where(|reached, status| match seq {
+            _ if status == RANK_RUNNING => false,
+            Some(seq) => never_does(seq, reached, status),
+            None => status == RANK_FAILED,
+        });
+        (!missing.ranks.is_empty()).then_some(missing)
     }
 }
 

@@ -21,6 +21,7 @@ use meshtrain_comm::{
     Operation, ProcessGroup, RawBuf, ReduceOp, ThreadsWorld,
 };
 use meshtrain_tensor::cuda::{probe, CudaDevice};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,9 +72,18 @@ fn the_nccl_tests_pass_on_the_emulated_device() {
         "host_buffers_and_other_devices_are_refused_by_name",
         "an_aborted_communicator_breaks_the_group",
         "a_rank_that_never_arrives_times_out_on_the_others",
+        "a_rank_that_fails_fails_the_others_before_the_timeout",
         "sends_that_cross_between_two_ranks_finish_on_their_lanes",
     ];
     if emulated::rerun_on_the_emulated_device_with(&tests, &[("EMU_DEVICE_COUNT", "2")]) {
+        // A group larger than a pair: the missing rank comes from the position board.
+        emulated::rerun_on_the_emulated_device_with(
+            &[
+                "a_rank_that_never_arrives_times_out_on_the_others",
+                "a_rank_that_fails_fails_the_others_before_the_timeout",
+            ],
+            &[("EMU_DEVICE_COUNT", "3")],
+        );
         emulated::rerun_on_the_emulated_device_with(
             &tests,
             &[
@@ -227,42 +237,60 @@ fn an_aborted_communicator_breaks_the_group() {
 
 /// A rank that never calls the collective (crashed, or stuck elsewhere): NCCL's kernels on
 /// the others wait for it forever, so their watchdog must abort the communicator after the
-/// timeout and fail the operation by name and sequence number; every later operation fails
-/// as broken.
+/// timeout and fail the operation by name and sequence number, naming the missing rank
+/// (a group of two: the other one; a larger group, one rank per GPU up to 4: whom the
+/// bootstrap's position board says never issued it, as NCCL cannot tell); every later
+/// operation fails as broken. On the emulated device it runs with two GPUs and with three.
 #[test]
 fn a_rank_that_never_arrives_times_out_on_the_others() {
-    let Some(_) = gpus("a_rank_that_never_arrives_times_out_on_the_others") else {
+    let Some(gpus) = gpus("a_rank_that_never_arrives_times_out_on_the_others") else {
         return;
     };
+    let ranks = gpus.min(4);
     let timeout = Duration::from_millis(300);
     let config = config().with_timeout(timeout);
     let started = std::time::Instant::now();
-    ThreadsWorld::run(2, config.clone(), move |bootstrap| {
+    let timed_out = Arc::new(AtomicUsize::new(0));
+    ThreadsWorld::run(ranks, config.clone(), move |bootstrap| {
         let rank = bootstrap.rank();
         let device = CudaDevice::get(rank).map_err(|e| e.to_string())?;
         let g = NcclGroup::from_bootstrap(bootstrap.as_ref(), device.clone(), config.clone())
             .map_err(|e| e.to_string())?;
         g.barrier().map_err(|e| e.to_string())?;
-        if rank == 1 {
-            // Gone before the all-reduce (its communicator destroyed with it).
+        let gone = ranks - 1;
+        if rank == gone {
+            // Alive but stuck elsewhere, never calling the all-reduce, until the others have
+            // timed out (a rank known to have stopped fails them at once instead: below).
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while timed_out.load(Ordering::SeqCst) < gone && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
             return Ok(());
         }
         let data = device.upload(&[1f32; 16], "the lonely all-reduce").unwrap();
         // SAFETY: `data` outlives the call.
         let result = unsafe {
             g.run_raw(Operation::AllReduce {
-                buf: RawBuf::on_device(data.ptr(), 16, DType::F32, Device::Cuda(0)),
+                buf: RawBuf::on_device(data.ptr(), 16, DType::F32, Device::Cuda(rank)),
                 op: ReduceOp::Sum,
             })
         };
         match result {
             Err(CommError::Timeout {
-                ctx, timeout: t, ..
+                ctx,
+                timeout: t,
+                missing,
+                note,
             }) => {
                 // The desync check's exchange is the first to wait: sequence 2 after the
                 // barrier, on the bootstrap world's name.
                 assert_eq!((ctx.op, ctx.seq, &*ctx.group), ("all_reduce", 2, "world"));
                 assert_eq!(t, timeout);
+                assert_eq!(missing, [gone], "{note}");
+                if ranks > 2 {
+                    let seen = format!("rank {gone} last issued barrier #1");
+                    assert!(note.contains(&seen), "{note}");
+                }
             }
             other => return Err(format!("expected a timeout, got {other:?}")),
         }
@@ -273,10 +301,62 @@ fn a_rank_that_never_arrives_times_out_on_the_others() {
             }
             other => return Err(format!("after the timeout: {other:?}")),
         }
+        timed_out.fetch_add(1, Ordering::SeqCst);
         Ok(())
     })
     .unwrap_or_else(|e| panic!("{e}"));
     assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+/// A rank that fails (an error, a panic, a kill under MPI) before the collective: the
+/// bootstrap's position board knows at once, so the others fail long before the 60 s
+/// timeout, naming it and how it stopped.
+#[test]
+fn a_rank_that_fails_fails_the_others_before_the_timeout() {
+    let Some(gpus) = gpus("a_rank_that_fails_fails_the_others_before_the_timeout") else {
+        return;
+    };
+    let ranks = gpus.min(4);
+    let gone = ranks - 1;
+    let config = config();
+    let result = ThreadsWorld::run(ranks, config.clone(), move |bootstrap| {
+        let rank = bootstrap.rank();
+        let device = CudaDevice::get(rank).map_err(|e| e.to_string())?;
+        let g = NcclGroup::from_bootstrap(bootstrap.as_ref(), device.clone(), config.clone())
+            .map_err(|e| e.to_string())?;
+        g.barrier().map_err(|e| e.to_string())?;
+        if rank == gone {
+            return Err("gone on purpose".to_string());
+        }
+        let data = device
+            .upload(&[1f32; 16], "the all-reduce of the survivors")
+            .unwrap();
+        let started = std::time::Instant::now();
+        // SAFETY: `data` outlives the call.
+        let result = unsafe {
+            g.run_raw(Operation::AllReduce {
+                buf: RawBuf::on_device(data.ptr(), 16, DType::F32, Device::Cuda(rank)),
+                op: ReduceOp::Sum,
+            })
+        };
+        match result {
+            Err(CommError::PeerFailed {
+                ctx,
+                missing,
+                reason,
+            }) => {
+                assert_eq!((ctx.op, ctx.seq), ("all_reduce", 2), "{reason}");
+                assert_eq!(missing, [gone], "{reason}");
+                assert!(reason.contains("failed: gone on purpose"), "{reason}");
+                assert!(started.elapsed() < Duration::from_secs(10));
+                Ok(())
+            }
+            other => Err(format!("expected a peer failure, got {other:?}")),
+        }
+    });
+    let failures = result.expect_err("rank {gone} failed").failures;
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].0, gone, "{failures:?}");
 }
 
 /// Two ranks send to each other at the same time, each issuing its send alone (not grouped

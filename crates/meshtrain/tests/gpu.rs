@@ -205,6 +205,43 @@ fn single_master_and_hierarchical_ddp_on_gpus_match_the_cpu() {
     }
 }
 
+/// The Llama block's switches for the Qwen families on the GPU, each against the CPU under
+/// DDP over two ranks sharing the GPU: biases on q, k and v (Qwen2, Qwen2.5), and RMS norms
+/// of each query and key head with heads wider than dim / heads (Qwen3's head_dim).
+#[test]
+fn the_qwen_switches_train_on_the_gpu_as_on_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let _gpu = exclusive_gpu();
+    let steps = 4;
+    let shape = [
+        "model.dim=64",
+        "model.heads=2",
+        "model.kv_heads=1",
+        "model.ffn=96",
+        "parallel.dp=2",
+    ];
+    for switches in [
+        &["model.qkv_bias=true"][..],
+        &["model.qk_norm=true", "model.head_dim=64"],
+    ] {
+        let params = |device: &str| {
+            let dir = tempfile::tempdir().unwrap();
+            let device = format!("train.device=\"{device}\"");
+            let extra = [&shape[..], switches, &[&device[..]]].concat();
+            let cfg = common::tiny_llama_config(dir.path(), steps, &extra);
+            let summary = run(&cfg, &RunOptions::default()).unwrap_or_else(|e| panic!("{e:#}"));
+            assert_eq!(summary.steps, steps);
+            checkpoint_params(&cfg, &written_checkpoint(dir.path()))
+        };
+        let (cpu, gpu) = (params("cpu"), params("cuda"));
+        let d = rel_diff(&gpu, &cpu);
+        eprintln!("{switches:?}: the GPU against the CPU {d:.2e}");
+        assert!(d < 1e-4, "{switches:?}: {d:.2e}");
+    }
+}
+
 /// A small "step" of device work: its input uploaded into a fresh buffer, a product with a
 /// weight, a kernel over the product, a scratch buffer cleared and copied into: each kind of
 /// work a training step queues.
@@ -475,6 +512,7 @@ fn the_gpu_tests_pass_on_the_emulated_device() {
         "gpu_training_matches_the_cpu_and_checkpoints_move_between_them",
         "a_gpu_refuses_what_it_cannot_run_before_any_work_and_trains_lenet",
         "single_master_and_hierarchical_ddp_on_gpus_match_the_cpu",
+        "the_qwen_switches_train_on_the_gpu_as_on_the_cpu",
         "a_captured_step_replays_with_new_inputs_and_falls_back_where_it_differs",
         "a_run_replaying_its_steps_as_cuda_graphs_learns_the_eager_runs_parameters",
     ];

@@ -15,9 +15,11 @@
 //! ## Failure
 //! A per-group watchdog thread polls the completion events and `ncclCommGetAsyncError`
 //! ([`watch`]). An operation not complete within `config.timeout` aborts the communicator
-//! (`ncclCommAbort`), its waiter gets [`CommError::Timeout`] (op, sequence number, group; NCCL
-//! cannot tell which ranks are missing, and the note says so, except in a group of two,
-//! whose timeout names the other rank), and the group is broken:
+//! (`ncclCommAbort`), its waiter gets [`CommError::Timeout`] (op, sequence number, group, and
+//! the missing ranks: NCCL cannot tell them, so a group of two names the other rank, and a
+//! larger one asks the position board of its bootstrap group,
+//! [`ProcessGroup::position_board`], where every member posts the collectives it issued:
+//! MPI's failure monitor, the threads' shared memory), and the group is broken:
 //! every later operation fails with [`CommError::Broken`].
 //!
 //! ## What differs from the host backends
@@ -49,7 +51,7 @@ mod watch;
 use crate::dtype::{DType, Device, RawBuf, ReduceOp};
 use crate::engine::Sequencer;
 use crate::error::{CommError, OpContext};
-use crate::group::{CommConfig, Operation, ProcessGroup, Work};
+use crate::group::{CommConfig, MissingMembers, Operation, PositionBoard, ProcessGroup, Work};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cusys;
 use cudarc::driver::CudaStream;
@@ -314,6 +316,10 @@ struct Comm {
     raw: nccl::ncclComm_t,
     device: Arc<CudaDevice>,
     aborted: AtomicBool,
+    /// Where the members stand, on the bootstrap's side channel: who never issued a
+    /// collective that timed out (NCCL cannot say), and who is already known dead (so an
+    /// operation waiting for it fails at once).
+    board: Option<Arc<dyn PositionBoard>>,
 }
 
 // SAFETY: calls on the communicator are serialised by the group's issue lock; the watchdog's
@@ -352,6 +358,14 @@ impl CommControl for Comm {
             "the communicator was aborted (ncclCommAbort: {})",
             result_text(result)
         )
+    }
+
+    fn missing(&self, seq: u64) -> Option<MissingMembers> {
+        self.board.as_ref()?.missing(seq)
+    }
+
+    fn stopped(&self, seq: Option<u64>) -> Option<MissingMembers> {
+        self.board.as_ref()?.stopped(seq)
     }
 }
 
@@ -411,6 +425,9 @@ impl Shared {
 
     /// Registers an operation with the watchdog; the returned Work completes with it.
     fn track(&self, ctx: OpContext, signal: IssueSignal) -> Work {
+        if let (Some(board), None) = (&self.comm.board, ctx.peer) {
+            board.issued(ctx.op, ctx.seq);
+        }
         let (pending, work) = Pending::new(ctx, Instant::now(), Box::new(signal));
         self.watch().push(pending);
         self.wake.notify_all();
@@ -861,10 +878,19 @@ impl NcclGroup {
                 describe_result(result, raw)
             )));
         }
+        let global_ranks = bootstrap.global_ranks().to_vec();
+        // Whom a timed-out operation waited for, where that is known: in a group of two
+        // (a lane, a tp or dp pair, a host's pair of GPUs) the other rank, as NCCL itself
+        // cannot say; in a larger group, whom the bootstrap's position board names.
+        let waits_for = lane_peer.or(match global_ranks[..] {
+            [a, b] => Some(if rank == 0 { b } else { a }),
+            _ => None,
+        });
         let comm = Comm {
             raw,
             device: Arc::clone(&device),
             aborted: AtomicBool::new(false),
+            board: bootstrap.position_board(&name),
         };
         // From here on `comm` must be destroyed on failure.
         let destroy = |comm: Comm, e: String| {
@@ -897,14 +923,6 @@ impl NcclGroup {
             Ok(parts) => parts,
             Err(e) => return Err(destroy(comm, e)),
         };
-        let global_ranks = bootstrap.global_ranks().to_vec();
-        // Whom a timed-out operation waited for, where that is known: in a group of two
-        // (a lane, a tp or dp pair, a host's pair of GPUs) the other rank, as NCCL itself
-        // cannot say.
-        let waits_for = lane_peer.or(match global_ranks[..] {
-            [a, b] => Some(if rank == 0 { b } else { a }),
-            _ => None,
-        });
         let shared = Arc::new(Shared {
             device,
             comm,

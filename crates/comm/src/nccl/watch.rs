@@ -13,7 +13,7 @@
 //! [`CommError::Timeout`] and every later operation a [`CommError::Broken`].
 
 use crate::error::{CommError, OpContext};
-use crate::group::{Completion, Work};
+use crate::group::{Completion, MissingMembers, Work};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,6 +44,18 @@ pub(crate) trait CommControl: Send + Sync {
     /// Aborts the communicator (`ncclCommAbort`): its kernels stop, it is unusable after.
     /// Returns what happened, for the error messages.
     fn abort(&self) -> String;
+    /// The members that never issued collective `seq`, from the bootstrap's position board
+    /// ([`crate::ProcessGroup::position_board`]): what NCCL itself cannot tell. `None`
+    /// without a board or an answer.
+    fn missing(&self, _seq: u64) -> Option<MissingMembers> {
+        None
+    }
+    /// The members the position board already knows stopped without doing their part of
+    /// collective `Some(seq)` (a send or receive: `None`); asked on every look, so it must
+    /// not wait for anyone.
+    fn stopped(&self, _seq: Option<u64>) -> Option<MissingMembers> {
+        None
+    }
 }
 
 /// One operation handed to the watchdog.
@@ -176,21 +188,52 @@ impl Watch {
                     return;
                 }
                 OpState::Pending => {
+                    // A member known dead will never come: fail now, not at the timeout.
+                    let collective = head.ctx.peer.is_none().then_some(head.ctx.seq);
+                    if let Some(stopped) = comm.stopped(collective) {
+                        let outcome = comm.abort();
+                        self.fail_head(|ctx| CommError::PeerFailed {
+                            ctx,
+                            missing: stopped.ranks,
+                            reason: format!("{}; {outcome}", stopped.note),
+                        });
+                        return;
+                    }
                     let since = self.head_since.map_or(head.issued, |t| t.max(head.issued));
                     if now.saturating_duration_since(since) >= self.timeout {
-                        let outcome = comm.abort();
+                        // Asked before the abort, so the answer is the state at the timeout.
                         let (timeout, peer) = (self.timeout, self.peer);
+                        let board = match (peer, head.ctx.peer) {
+                            (None, None) => comm.missing(head.ctx.seq),
+                            _ => None,
+                        };
+                        let outcome = comm.abort();
+                        let (missing, note) = match (peer, board) {
+                            (Some(peer), _) => (
+                                vec![peer],
+                                format!("a group of two waits for no one else; {outcome}"),
+                            ),
+                            (None, Some(board)) if board.ranks.is_empty() => (
+                                Vec::new(),
+                                format!(
+                                    "every other member issued it, so it stalled inside NCCL or \
+                                     on a GPU{}; {outcome}",
+                                    match board.note.is_empty() {
+                                        true => String::new(),
+                                        false => format!(" ({})", board.note),
+                                    }
+                                ),
+                            ),
+                            (None, Some(board)) => {
+                                (board.ranks, format!("{}; {outcome}", board.note))
+                            }
+                            (None, None) => (Vec::new(), format!("{CANNOT_TELL}; {outcome}")),
+                        };
                         self.fail_head(|ctx| CommError::Timeout {
                             ctx,
                             timeout,
-                            missing: peer.into_iter().collect(),
-                            note: match peer {
-                                Some(_) => {
-                                    format!("a group of two waits for no one else; {outcome}")
-                                }
-                                None => format!("{CANNOT_TELL}; {outcome}"),
-                            }
-                            .into(),
+                            missing,
+                            note: note.into(),
                         });
                     }
                     return;
@@ -250,6 +293,12 @@ mod tests {
     struct FakeComm {
         error: Mutex<Option<String>>,
         aborts: AtomicUsize,
+        /// What the position board answers, and the collectives asked about.
+        board: Option<MissingMembers>,
+        asked: Mutex<Vec<u64>>,
+        /// What it knows already stopped, and what it was asked about.
+        stopped: Option<MissingMembers>,
+        asked_stopped: Mutex<Vec<Option<u64>>>,
     }
 
     impl CommControl for FakeComm {
@@ -260,6 +309,109 @@ mod tests {
             self.aborts.fetch_add(1, Ordering::SeqCst);
             "the communicator was aborted (fake)".into()
         }
+        fn missing(&self, seq: u64) -> Option<MissingMembers> {
+            self.asked.lock().unwrap().push(seq);
+            self.board.clone()
+        }
+        fn stopped(&self, seq: Option<u64>) -> Option<MissingMembers> {
+            self.asked_stopped.lock().unwrap().push(seq);
+            self.stopped.clone()
+        }
+    }
+
+    /// A member the board knows stopped fails the operation waiting for it at the next
+    /// look, long before the timeout, naming it; collectives ask with their number, sends
+    /// and receives without.
+    #[test]
+    fn a_member_known_dead_fails_the_operation_at_once() {
+        let t0 = Instant::now();
+        let comm = FakeComm {
+            stopped: Some(MissingMembers {
+                ranks: vec![3],
+                note: "rank 3 died (connection lost)".into(),
+            }),
+            ..FakeComm::default()
+        };
+        let mut watch = Watch::new(TIMEOUT, None);
+        let (_stuck, stuck) = issue(&mut watch, "all_reduce", 4, t0);
+        watch.poll(t0 + Duration::from_millis(1), &comm);
+        match stuck.wait() {
+            Err(e @ CommError::PeerFailed { .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("all_reduce #4 on group 'dp[0,2]' cannot complete: rank(s) [3]")
+                        && text.contains(
+                            "rank 3 died (connection lost); the communicator was aborted"
+                        ),
+                    "{text}"
+                );
+            }
+            other => panic!("expected a peer failure, got {other:?}"),
+        }
+        assert_eq!(comm.aborts.load(Ordering::SeqCst), 1);
+        assert_eq!(*comm.asked_stopped.lock().unwrap(), [Some(4)]);
+        // A receive asks without a collective number.
+        let comm = FakeComm::default();
+        let mut watch = Watch::new(TIMEOUT, Some(1));
+        let signal = FakeOp::default();
+        let recv = OpContext::new("recv", 2, Arc::from("pp[0,1]"));
+        let recv = OpContext {
+            peer: Some(1),
+            ..recv
+        };
+        let (pending, work) = Pending::new(recv, t0, Box::new(signal.clone()));
+        watch.push(pending);
+        watch.poll(t0 + Duration::from_millis(1), &comm);
+        assert!(!work.is_done() && comm.aborts.load(Ordering::SeqCst) == 0);
+        assert_eq!(*comm.asked_stopped.lock().unwrap(), [None]);
+        signal.set(OpState::Done);
+        watch.poll(t0 + Duration::from_millis(2), &comm);
+        assert!(work.wait().is_ok());
+    }
+
+    /// A group of more than two asks the bootstrap's position board which members never
+    /// issued the collective that timed out, and names them; when every member issued it,
+    /// the note says the stall is inside NCCL; without an answer, that NCCL cannot tell.
+    #[test]
+    fn a_groups_timeout_names_the_members_its_position_board_says_never_came() {
+        let t0 = Instant::now();
+        let answers = [
+            (
+                Some(MissingMembers {
+                    ranks: vec![2],
+                    note: "rank 2 last issued all_reduce #6".into(),
+                }),
+                "rank(s) [2] (global) did not arrive",
+                "rank 2 last issued all_reduce #6; the communicator was aborted",
+            ),
+            (
+                Some(MissingMembers {
+                    ranks: Vec::new(),
+                    note: String::new(),
+                }),
+                "all_reduce #7",
+                "every other member issued it, so it stalled inside NCCL or on a GPU;",
+            ),
+            (None, "all_reduce #7", CANNOT_TELL),
+        ];
+        for (board, names, note) in answers {
+            let comm = FakeComm {
+                board,
+                ..FakeComm::default()
+            };
+            let mut watch = Watch::new(TIMEOUT, None);
+            let (_stuck, stuck) = issue(&mut watch, "all_reduce", 7, t0);
+            watch.poll(t0 + TIMEOUT, &comm);
+            let text = stuck.wait().unwrap_err().to_string();
+            assert!(text.contains(names) && text.contains(note), "{text}");
+            assert_eq!(*comm.asked.lock().unwrap(), [7]);
+        }
+        // A lane knows its peer and asks no one.
+        let comm = FakeComm::default();
+        let mut watch = Watch::new(TIMEOUT, Some(1));
+        let (_stuck, stuck) = issue(&mut watch, "all_reduce", 7, t0);
+        watch.poll(t0 + TIMEOUT, &comm);
+        assert!(stuck.wait().is_err() && comm.asked.lock().unwrap().is_empty());
     }
 
     fn ctx(op: &'static str, seq: u64) -> OpContext {
