@@ -11,6 +11,8 @@
 #   3. pp = 2 (1F1B: sends that cross; interleaved: around from the last stage to the first)
 #      and cp = 2 ring attention, sending over NCCL (a communicator per pair that sends):
 #      within 1e-5 of one GPU's, as DDP (GPipe, whose sends never cross, passed by hand);
+#   3b. tp = 2 with sequence parallelism and cp = 2 Ulysses over NCCL: within 1e-5 of one
+#      GPU's;
 #   4. bf16 DDP: the final loss within 0.1% of one GPU's in bf16;
 #   5. SIGTERM to the launcher at step 3 (graceful stop): exit 143, every rank's checkpoint at
 #      the same step, and the printed resume command ends bit-identical to DDP over NCCL;
@@ -180,6 +182,22 @@ for spec in "pp-1f1b parallel.pp=2 parallel.schedule=\"1f1b\" parallel.micro_bat
     run "$name" -- "${sets[@]}"
     grep -q "sends between stages and ring neighbours over NCCL" "$OUT/$name.log" \
         || { cat "$OUT/$name.log"; fail "$name did not send over NCCL"; }
+    same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of one)" 1e-5 \
+        || fail "$name over NCCL differs from one GPU"
+done
+
+# Layouts whose collectives split the model, not the batch: tensor parallelism with sequence
+# parallelism (the input gradients' reduce-scatters, the activations' all-gathers) and
+# Ulysses (all-to-all to whole sequences of a share of the heads), over NCCL.
+for spec in "tp-sp parallel.tp=2 parallel.sequence_parallel=true" \
+            "cp-ulysses parallel.cp=2 parallel.cp_mode=\"ulysses\""; do
+    read -r name settings <<<"$spec"
+    echo "== $name over NCCL against one GPU"
+    sets=()
+    for s in $settings; do sets+=(--set "$s"); done
+    run "$name" -- "${sets[@]}"
+    grep -q "gradients reduced over NCCL" "$OUT/$name.log" \
+        || { cat "$OUT/$name.log"; fail "$name did not run over NCCL"; }
     same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of one)" 1e-5 \
         || fail "$name over NCCL differs from one GPU"
 done
