@@ -169,38 +169,33 @@ grep -q "(single-master).*gradients reduced over NCCL" "$OUT/single-master.log" 
 same_checkpoint "$(checkpoint_of single-master)" "$(checkpoint_of one)" 1e-5 \
     || fail "the single master over NCCL differs from one GPU"
 
+# layout_against_one NAME SAYS SETTING...: NAME trained over NCCL with the settings, its log
+# says SAYS, and it ends within 1e-5 of one GPU.
+layout_against_one() {
+    local name=$1 says=$2 sets=()
+    shift 2
+    echo "== $name over NCCL against one GPU"
+    for s in "$@"; do sets+=(--set "$s"); done
+    run "$name" -- "${sets[@]}"
+    grep -q "$says" "$OUT/$name.log" || { cat "$OUT/$name.log"; fail "$name: no '$says'"; }
+    same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of one)" 1e-5 \
+        || fail "$name over NCCL differs from one GPU"
+}
+
 # Layouts that send point to point, over NCCL with a communicator per pair that sends:
 # a pipeline's activations and its neighbour's gradients cross (1F1B), interleaved chunks
 # go around from the last stage to the first, ring attention sends around the cp group.
-for spec in "pp-1f1b parallel.pp=2 parallel.schedule=\"1f1b\" parallel.micro_batches=4" \
-            "pp-interleaved parallel.pp=2 parallel.schedule=\"interleaved\" parallel.micro_batches=4" \
-            "cp-ring parallel.cp=2"; do
-    read -r name settings <<<"$spec"
-    echo "== $name over NCCL against one GPU"
-    sets=()
-    for s in $settings; do sets+=(--set "$s"); done
-    run "$name" -- "${sets[@]}"
-    grep -q "sends between stages and ring neighbours over NCCL" "$OUT/$name.log" \
-        || { cat "$OUT/$name.log"; fail "$name did not send over NCCL"; }
-    same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of one)" 1e-5 \
-        || fail "$name over NCCL differs from one GPU"
-done
-
+sends="sends between stages and ring neighbours over NCCL"
+layout_against_one pp-1f1b "$sends" parallel.pp=2 'parallel.schedule="1f1b"' parallel.micro_batches=4
+layout_against_one pp-interleaved "$sends" parallel.pp=2 'parallel.schedule="interleaved"' \
+    parallel.micro_batches=4
+layout_against_one cp-ring "$sends" parallel.cp=2
 # Layouts whose collectives split the model, not the batch: tensor parallelism with sequence
-# parallelism (the input gradients' reduce-scatters, the activations' all-gathers) and
-# Ulysses (all-to-all to whole sequences of a share of the heads), over NCCL.
-for spec in "tp-sp parallel.tp=2 parallel.sequence_parallel=true" \
-            "cp-ulysses parallel.cp=2 parallel.cp_mode=\"ulysses\""; do
-    read -r name settings <<<"$spec"
-    echo "== $name over NCCL against one GPU"
-    sets=()
-    for s in $settings; do sets+=(--set "$s"); done
-    run "$name" -- "${sets[@]}"
-    grep -q "gradients reduced over NCCL" "$OUT/$name.log" \
-        || { cat "$OUT/$name.log"; fail "$name did not run over NCCL"; }
-    same_checkpoint "$(checkpoint_of "$name")" "$(checkpoint_of one)" 1e-5 \
-        || fail "$name over NCCL differs from one GPU"
-done
+# parallelism (the input gradients' reduce-scatters, the activations' all-gathers; a
+# checkpoint every 3 steps gathers the shards) and Ulysses (all-to-all to whole sequences of
+# a share of the heads).
+layout_against_one tp-sp "gradients reduced over NCCL" parallel.tp=2 parallel.sequence_parallel=true
+layout_against_one cp-ulysses "gradients reduced over NCCL.*ulysses attention" parallel.cp=2 'parallel.cp_mode="ulysses"'
 
 echo "== bf16: DDP over NCCL against one GPU"
 run one-bf16 --one -- --precision bf16
