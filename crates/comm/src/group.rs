@@ -607,17 +607,6 @@ impl std::fmt::Debug for dyn ProcessGroup {
     }
 }
 
-/// A group of ranks that run collectives together.
-///
-/// Each rank holds its own handle (a value, no global state). All ranks of a group
-/// must issue the same collectives in the same order; point-to-point operations are
-/// matched by (source, destination, tag). A handle must not be used from two threads
-/// at the same time for operations that depend on order.
-///
-/// Synchronous methods return when this rank's part is complete and its buffers may be
-/// reused. `*_async` methods return a [`Work`] immediately; the operation runs on the
-/// rank's communication thread in submission order, before any later synchronous
-/// operation, and produces bit-identical results to the synchronous form.
 /// Where the members of a group stand in a companion engine's collectives
 /// ([`ProcessGroup::position_board`]).
 pub trait PositionBoard: Send + Sync {
@@ -636,13 +625,26 @@ pub trait PositionBoard: Send + Sync {
     fn stopped(&self, seq: Option<u64>) -> Option<MissingMembers>;
 }
 
-/// The answer of [`PositionBoard::missing`].
+/// Ranks (global) an operation cannot complete without, and why: the answer of
+/// [`PositionBoard::missing`] and [`PositionBoard::stopped`], and of MPI's failure monitor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MissingMembers {
     pub ranks: Vec<usize>,
+    /// `rank 3 last seen after barrier #1 on group 'world'; …`
     pub note: String,
 }
 
+/// A group of ranks that run collectives together.
+///
+/// Each rank holds its own handle (a value, no global state). All ranks of a group
+/// must issue the same collectives in the same order; point-to-point operations are
+/// matched by (source, destination, tag). A handle must not be used from two threads
+/// at the same time for operations that depend on order.
+///
+/// Synchronous methods return when this rank's part is complete and its buffers may be
+/// reused. `*_async` methods return a [`Work`] immediately; the operation runs on the
+/// rank's communication thread in submission order, before any later synchronous
+/// operation, and produces bit-identical results to the synchronous form.
 pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the group, `0..size()`.
     fn rank(&self) -> usize;

@@ -1285,20 +1285,12 @@ impl PositionBoard for MonitorBoard {
     }
 
     fn missing(&self, seq: u64) -> Option<MissingMembers> {
-        let missing = (self.monitor.stopped_peers(&self.track, seq))
-            .or_else(|| self.monitor.missing_ranks(&self.track, seq))?;
-        Some(MissingMembers {
-            ranks: missing.ranks,
-            note: missing.note,
-        })
+        (self.monitor.stopped_peers(&self.track, seq))
+            .or_else(|| self.monitor.missing_ranks(&self.track, seq))
     }
 
     fn stopped(&self, seq: Option<u64>) -> Option<MissingMembers> {
-        let missing = self.monitor.stopped_members(&self.track, seq)?;
-        Some(MissingMembers {
-            ranks: missing.ranks,
-            note: missing.note,
-        })
+        self.monitor.stopped_members(&self.track, seq)
     }
 }
 

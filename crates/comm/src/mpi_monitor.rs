@@ -42,6 +42,7 @@
 //!              reply QID (RANK SEQ NOTE)* | bye | all-exited
 //! ```
 
+use crate::group::MissingMembers;
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Read, Write};
@@ -219,14 +220,6 @@ pub(crate) struct PeerReport {
     /// Last sequence number of the queried group the rank entered (0: none).
     pub(crate) reached: u64,
     /// Where it was last seen, or how it stopped.
-    pub(crate) note: String,
-}
-
-/// Ranks a collective cannot complete without, and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Missing {
-    pub(crate) ranks: Vec<usize>,
-    /// `rank 3 last seen after barrier #1 on group 'world'; …`
     pub(crate) note: String,
 }
 
@@ -505,19 +498,23 @@ impl Monitor {
     /// Peers of `track`'s group that stopped and will never reach collective `seq`
     /// (a rank that exited cleanly after entering it is not missing; one that
     /// panicked, failed or died is, since MPI cannot complete with a dead process).
-    pub(crate) fn stopped_peers(&self, track: &GroupTrack, seq: u64) -> Option<Missing> {
+    pub(crate) fn stopped_peers(&self, track: &GroupTrack, seq: u64) -> Option<MissingMembers> {
         self.stopped_members(track, Some(seq))
     }
 
     /// [`Monitor::stopped_peers`] for collective `Some(seq)`; for `None` (a send or receive,
     /// whose progress no collective number tells) the peers that panicked, failed or died,
     /// whatever they had reached: one that exited cleanly had finished its part.
-    pub(crate) fn stopped_members(&self, track: &GroupTrack, seq: Option<u64>) -> Option<Missing> {
+    pub(crate) fn stopped_members(
+        &self,
+        track: &GroupTrack,
+        seq: Option<u64>,
+    ) -> Option<MissingMembers> {
         if !self.any_stopped.load(Ordering::Acquire) {
             return None;
         }
         let view = lock(&self.view);
-        let mut missing = Missing {
+        let mut missing = MissingMembers {
             ranks: Vec::new(),
             note: String::new(),
         };
@@ -560,7 +557,7 @@ impl Monitor {
 
     /// Asks the hub which members of `track`'s group have not entered collective
     /// `seq`, and where they were last seen. `None` if the hub did not answer.
-    pub(crate) fn missing_ranks(&self, track: &GroupTrack, seq: u64) -> Option<Missing> {
+    pub(crate) fn missing_ranks(&self, track: &GroupTrack, seq: u64) -> Option<MissingMembers> {
         let query = {
             let mut view = lock(&self.view);
             view.next_query += 1;
@@ -614,7 +611,7 @@ impl Monitor {
         } else {
             notes.join("; ")
         };
-        Some(Missing {
+        Some(MissingMembers {
             ranks: absent.iter().map(|r| r.rank).collect(),
             note,
         })

@@ -235,6 +235,37 @@ fn an_aborted_communicator_breaks_the_group() {
     );
 }
 
+/// This rank of `bootstrap` on the GPU of its number, in an NCCL group of the bootstrap's
+/// ranks, after a barrier over it (every rank got that far).
+fn on_its_gpu(
+    bootstrap: &dyn ProcessGroup,
+    config: &CommConfig,
+) -> Result<(usize, Arc<CudaDevice>, Arc<NcclGroup>), String> {
+    let rank = bootstrap.rank();
+    let device = CudaDevice::get(rank).map_err(|e| e.to_string())?;
+    let g = NcclGroup::from_bootstrap(bootstrap, device.clone(), config.clone())
+        .map_err(|e| e.to_string())?;
+    g.barrier().map_err(|e| e.to_string())?;
+    Ok((rank, device, g))
+}
+
+/// An all-reduce of 16 ones in `device`'s memory over `g`, as the others' timeouts and
+/// failures see it.
+fn all_reduce_of_ones(
+    g: &NcclGroup,
+    device: &Arc<CudaDevice>,
+    rank: usize,
+) -> Result<(), CommError> {
+    let data = device.upload(&[1f32; 16], "an all-reduce of ones").unwrap();
+    // SAFETY: `data` outlives the call.
+    unsafe {
+        g.run_raw(Operation::AllReduce {
+            buf: RawBuf::on_device(data.ptr(), 16, DType::F32, Device::Cuda(rank)),
+            op: ReduceOp::Sum,
+        })
+    }
+}
+
 /// A rank that never calls the collective (crashed, or stuck elsewhere): NCCL's kernels on
 /// the others wait for it forever, so their watchdog must abort the communicator after the
 /// timeout and fail the operation by name and sequence number, naming the missing rank
@@ -252,11 +283,7 @@ fn a_rank_that_never_arrives_times_out_on_the_others() {
     let started = std::time::Instant::now();
     let timed_out = Arc::new(AtomicUsize::new(0));
     ThreadsWorld::run(ranks, config.clone(), move |bootstrap| {
-        let rank = bootstrap.rank();
-        let device = CudaDevice::get(rank).map_err(|e| e.to_string())?;
-        let g = NcclGroup::from_bootstrap(bootstrap.as_ref(), device.clone(), config.clone())
-            .map_err(|e| e.to_string())?;
-        g.barrier().map_err(|e| e.to_string())?;
+        let (rank, device, g) = on_its_gpu(bootstrap.as_ref(), &config)?;
         let gone = ranks - 1;
         if rank == gone {
             // Alive but stuck elsewhere, never calling the all-reduce, until the others have
@@ -267,15 +294,7 @@ fn a_rank_that_never_arrives_times_out_on_the_others() {
             }
             return Ok(());
         }
-        let data = device.upload(&[1f32; 16], "the lonely all-reduce").unwrap();
-        // SAFETY: `data` outlives the call.
-        let result = unsafe {
-            g.run_raw(Operation::AllReduce {
-                buf: RawBuf::on_device(data.ptr(), 16, DType::F32, Device::Cuda(rank)),
-                op: ReduceOp::Sum,
-            })
-        };
-        match result {
+        match all_reduce_of_ones(&g, &device, rank) {
             Err(CommError::Timeout {
                 ctx,
                 timeout: t,
@@ -320,26 +339,12 @@ fn a_rank_that_fails_fails_the_others_before_the_timeout() {
     let gone = ranks - 1;
     let config = config();
     let result = ThreadsWorld::run(ranks, config.clone(), move |bootstrap| {
-        let rank = bootstrap.rank();
-        let device = CudaDevice::get(rank).map_err(|e| e.to_string())?;
-        let g = NcclGroup::from_bootstrap(bootstrap.as_ref(), device.clone(), config.clone())
-            .map_err(|e| e.to_string())?;
-        g.barrier().map_err(|e| e.to_string())?;
+        let (rank, device, g) = on_its_gpu(bootstrap.as_ref(), &config)?;
         if rank == gone {
             return Err("gone on purpose".to_string());
         }
-        let data = device
-            .upload(&[1f32; 16], "the all-reduce of the survivors")
-            .unwrap();
         let started = std::time::Instant::now();
-        // SAFETY: `data` outlives the call.
-        let result = unsafe {
-            g.run_raw(Operation::AllReduce {
-                buf: RawBuf::on_device(data.ptr(), 16, DType::F32, Device::Cuda(rank)),
-                op: ReduceOp::Sum,
-            })
-        };
-        match result {
+        match all_reduce_of_ones(&g, &device, rank) {
             Err(CommError::PeerFailed {
                 ctx,
                 missing,

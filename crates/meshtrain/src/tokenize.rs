@@ -201,18 +201,10 @@ impl HfTokenizer {
     /// Decided by the definition and then by encoding [`PIECE_PROBE`] cut at every such
     /// point: a tokenizer for which any cut differs takes its files whole.
     pub fn pieces_encode_as_whole(&self) -> bool {
-        let json = |part: Option<String>| part.unwrap_or_default();
-        let normalizer = json(
-            self.inner
-                .get_normalizer()
-                .and_then(|n| serde_json::to_string(n).ok()),
-        );
-        let pre = json(
-            self.inner
-                .get_pre_tokenizer()
-                .and_then(|p| serde_json::to_string(p).ok()),
-        );
-        if pre.is_empty() || normalizer.contains("\"Prepend\"") || pre.contains("\"Metaspace\"") {
+        // As tokenizer.json writes them: `null` where there is none.
+        let normalizer = serde_json::to_string(&self.inner.get_normalizer()).unwrap_or_default();
+        let pre = serde_json::to_string(&self.inner.get_pre_tokenizer()).unwrap_or_default();
+        if pre == "null" || normalizer.contains("\"Prepend\"") || pre.contains("\"Metaspace\"") {
             return false;
         }
         let Ok(whole) = self.encode(PIECE_PROBE) else {

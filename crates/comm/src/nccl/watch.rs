@@ -218,9 +218,10 @@ impl Watch {
                                 format!(
                                     "every other member issued it, so it stalled inside NCCL or \
                                      on a GPU{}; {outcome}",
-                                    match board.note.is_empty() {
-                                        true => String::new(),
-                                        false => format!(" ({})", board.note),
+                                    if board.note.is_empty() {
+                                        String::new()
+                                    } else {
+                                        format!(" ({})", board.note)
                                     }
                                 ),
                             ),
