@@ -89,6 +89,7 @@ fn run_tests(world: Arc<dyn ProcessGroup>) -> anyhow::Result<()> {
     let start = Instant::now();
     conformance::run_suite(world.as_ref())?;
     desync_is_detected(world.as_ref())?;
+    a_send_arrives_while_its_sender_stays_outside_mpi(world.as_ref())?;
     if world.size() == 4 {
         mesh_groups(&world)?;
     }
@@ -100,6 +101,48 @@ fn run_tests(world: Arc<dyn ProcessGroup>) -> anyhow::Result<()> {
             start.elapsed().as_secs_f64()
         );
     }
+    Ok(())
+}
+
+/// Rank 1 sends rank 0 a message far above MPI's eager limit and then works outside MPI
+/// for `AWAY`, as a tensor-parallel rank does when it sends its checkpoint shards and goes
+/// on to NCCL kernels: the message must still arrive at once (the backend's send thread
+/// moves it), not when the sender next calls MPI.
+fn a_send_arrives_while_its_sender_stays_outside_mpi(
+    world: &dyn ProcessGroup,
+) -> anyhow::Result<()> {
+    const AWAY: Duration = Duration::from_secs(3);
+    const ELEMENTS: usize = 8 << 20;
+    if world.size() < 2 {
+        return Ok(());
+    }
+    world.barrier()?;
+    match world.rank() {
+        0 => {
+            let start = Instant::now();
+            let mut message = vec![0.0f32; ELEMENTS];
+            world.recv((&mut message).into(), 1, 7)?;
+            let waited = start.elapsed();
+            anyhow::ensure!(
+                message.iter().enumerate().all(|(i, &v)| v == i as f32),
+                "the large message arrived corrupted"
+            );
+            anyhow::ensure!(
+                waited < AWAY / 2,
+                "a 32 MB message took {:.2} s to arrive while its sender stayed outside MPI \
+                 for {:.0} s: sends move only inside MPI calls",
+                waited.as_secs_f64(),
+                AWAY.as_secs_f64()
+            );
+        }
+        1 => {
+            let message: Vec<f32> = (0..ELEMENTS).map(|i| i as f32).collect();
+            world.send((&message).into(), 0, 7)?;
+            std::thread::sleep(AWAY);
+        }
+        _ => {}
+    }
+    world.barrier()?;
     Ok(())
 }
 

@@ -15,9 +15,11 @@
 //!
 //! bf16/f16 buffers are widened to f32, reduced, and rounded back (MPI has no bf16
 //! type, and reducing in f32 is what the trait promises). Point-to-point messages
-//! travel as bytes: sends are buffered `MPI_Isend`s of a copy; the receiver matches
-//! the message (`MPI_Improbe`, polled against the timeout, so a receive timeout is a
-//! returned error), checks its size, then receives it (`MPI_Imrecv`).
+//! travel as bytes: sends are buffered `MPI_Isend`s of a copy, moved along by a thread of
+//! their own (MPI moves a large message only while the sender is inside MPI, and a sender
+//! may go on to work that never enters it: NCCL kernels, a long computation); the receiver
+//! matches the message (`MPI_Improbe`, polled against the timeout, so a receive timeout is
+//! a returned error), checks its size, then receives it (`MPI_Imrecv`).
 //!
 //! Limits compared with the threads backend: collective timeouts and stopped peers
 //! abort the job rather than return an error (unless the peer was known to have
@@ -46,7 +48,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::os::raw::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -88,7 +90,47 @@ struct MpiShared {
     /// Groups created so far per name and members: the instance number makes a
     /// group's monitor key unique and equal on all members.
     group_instances: Mutex<HashMap<String, usize>>,
+    /// Every group's buffered sends until MPI has delivered them.
+    sends: SendQueue,
 }
+
+/// The buffered sends of every group in flight, and whether their thread must stop.
+///
+/// A send returns as soon as MPI has its copy, but MPI moves a message larger than its
+/// eager limit only while the sending process is inside an MPI call. A rank that sends
+/// and then works outside MPI (a tensor-parallel rank sending its checkpoint shards and
+/// going on to the next step's NCCL collectives) would leave the receiver waiting for the
+/// rest forever; so one thread per process tests the outstanding sends until they are
+/// done, which is what moves them, and no caller has to stay in MPI for its peers.
+#[derive(Default)]
+struct SendQueue {
+    list: Mutex<SendList>,
+    /// Signalled when a send is queued, the list empties, or the thread must stop.
+    changed: Condvar,
+    /// Set with `SendList::failure`: every operation looks, without the lock.
+    failed: AtomicBool,
+}
+
+#[derive(Default)]
+struct SendList {
+    /// Requests of `MPI_Isend`s not yet known complete, each with the copy it reads.
+    sends: Vec<(ffi::MPI_Request, Vec<u8>)>,
+    /// The first `MPI_Test` failure; every later operation reports it.
+    failure: Option<String>,
+    stopped: bool,
+}
+
+// SAFETY: the raw MPI requests inside are identifiers; calls on them are serialised by
+// `MpiShared::call` (unless MPI runs `THREAD_MULTIPLE`) and by the list's lock.
+unsafe impl Send for SendList {}
+
+/// How long the send thread sleeps between looks while sends are in flight: short enough
+/// that a large message moves at MPI's speed, long enough to leave the cores to compute.
+const SEND_POLL: Duration = Duration::from_micros(50);
+/// The sleep once nothing has completed for [`SEND_IDLE_AFTER`] (a message nobody
+/// receives yet: a pipeline's activation ahead of its consumer).
+const SEND_POLL_IDLE: Duration = Duration::from_millis(1);
+const SEND_IDLE_AFTER: Duration = Duration::from_millis(20);
 
 /// How long an aborting rank waits before `MPI_Abort`, which kills every process
 /// of the job at once: peers that are failing too (the same timeout, the same dead
@@ -306,6 +348,93 @@ impl MpiShared {
             }
             None => f(),
         }
+    }
+
+    /// Hands a started send and the copy it reads to the send thread.
+    fn queue_send(&self, request: ffi::MPI_Request, bytes: Vec<u8>) {
+        let mut list = self.sends.list.lock().unwrap_or_else(|e| e.into_inner());
+        // The Vec's heap block does not move when the Vec is moved into the list.
+        list.sends.push((request, bytes));
+        self.sends.changed.notify_all();
+    }
+
+    /// Why the send thread failed, if it did.
+    fn send_failure(&self) -> Option<String> {
+        if !self.sends.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let list = self.sends.list.lock().unwrap_or_else(|e| e.into_inner());
+        list.failure.clone()
+    }
+
+    /// Tests every outstanding send once (which is what moves it), dropping the copies of
+    /// those MPI has completed; true if any completed.
+    fn progress_sends(&self, list: &mut SendList) -> bool {
+        let before = list.sends.len();
+        let mut failure = None;
+        list.sends.retain_mut(|(request, _)| {
+            let mut flag: c_int = 0;
+            // SAFETY: live request of an earlier MPI_Isend, tested under the list's lock.
+            let code = self
+                .call(|| unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) });
+            if code != 0 {
+                failure.get_or_insert(format!("MPI_Test of a send returned MPI error code {code}"));
+            }
+            // A send whose test failed stays: MPI may still read its copy.
+            code != 0 || flag == 0
+        });
+        if let Some(failure) = failure {
+            list.failure.get_or_insert(failure);
+            self.sends.failed.store(true, Ordering::Release);
+        }
+        if list.sends.is_empty() {
+            self.sends.changed.notify_all();
+        }
+        list.sends.len() < before
+    }
+
+    /// The send thread: while sends are in flight, tests them every [`SEND_POLL`] (every
+    /// [`SEND_POLL_IDLE`] once none has completed for a while); otherwise sleeps until one
+    /// is queued. Ends when [`MpiShared::finish_sends`] stops it.
+    fn run_sends(self: Arc<MpiShared>) {
+        let mut last_completion = Instant::now();
+        loop {
+            let mut list = self.sends.list.lock().unwrap_or_else(|e| e.into_inner());
+            while list.sends.is_empty() && !list.stopped {
+                list = (self.sends.changed.wait(list)).unwrap_or_else(|e| e.into_inner());
+                last_completion = Instant::now();
+            }
+            if list.stopped {
+                return;
+            }
+            if self.progress_sends(&mut list) {
+                last_completion = Instant::now();
+            }
+            drop(list);
+            std::thread::sleep(if last_completion.elapsed() < SEND_IDLE_AFTER {
+                SEND_POLL
+            } else {
+                SEND_POLL_IDLE
+            });
+        }
+    }
+
+    /// Waits (at most `timeout`) until MPI has delivered every send, so that finalising
+    /// does not drop messages a peer still receives, then stops the send thread.
+    fn finish_sends(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut list = self.sends.list.lock().unwrap_or_else(|e| e.into_inner());
+        while !list.sends.is_empty() && list.failure.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            list = (self.sends.changed.wait_timeout(list, deadline - now))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        list.stopped = true;
+        self.sends.changed.notify_all();
     }
 
     /// A progress track for a new group with these global members, reported to the
@@ -562,6 +691,8 @@ fn install_panic_hook(monitor: &Arc<Monitor>) {
 /// MPI is finalised when it is dropped, so drop every group before it.
 pub struct MpiWorld {
     shared: Arc<MpiShared>,
+    /// The thread that moves buffered sends ([`SendQueue`]); joined before finalising.
+    send_thread: Option<std::thread::JoinHandle<()>>,
     // Declared last: finalises MPI after the fields above are gone.
     _universe: Universe,
 }
@@ -588,6 +719,11 @@ impl Drop for MpiWorld {
             loop {
                 std::thread::park();
             }
+        }
+        shared.finish_sends(shared.config.timeout);
+        if let Some(thread) = self.send_thread.take() {
+            // No MPI call of its own may follow finalisation.
+            let _ = thread.join();
         }
         if let Some(monitor) = &shared.monitor {
             monitor.exit();
@@ -651,14 +787,25 @@ impl MpiWorld {
         if let Some(monitor) = &monitor {
             install_panic_hook(monitor);
         }
+        let shared = Arc::new(MpiShared {
+            lock,
+            config,
+            watchdog: Watchdog::start(rank, monitor.clone()),
+            monitor,
+            group_instances: Mutex::new(HashMap::new()),
+            sends: SendQueue::default(),
+        });
+        let sender = Arc::clone(&shared);
+        let send_thread = std::thread::Builder::new()
+            .name("comm-mpi-sends".to_string())
+            .spawn(move || sender.run_sends())
+            .map_err(|e| CommError::Backend {
+                ctx: OpContext::new("init", 0, Arc::from("world")),
+                details: format!("cannot start the thread that moves MPI sends: {e}"),
+            })?;
         Ok(MpiWorld {
-            shared: Arc::new(MpiShared {
-                lock,
-                config,
-                watchdog: Watchdog::start(rank, monitor.clone()),
-                monitor,
-                group_instances: Mutex::new(HashMap::new()),
-            }),
+            shared,
+            send_thread: Some(send_thread),
             _universe: universe,
         })
     }
@@ -709,15 +856,7 @@ struct MpiCore {
     broken: Mutex<Option<String>>,
     /// Fast check of `broken` on every operation.
     is_broken: AtomicBool,
-    /// Number of entries in `outstanding_sends` (skip the lock when zero).
-    pending_sends: AtomicUsize,
-    /// Buffered sends not yet known to be complete: (request, owned copy).
-    outstanding_sends: Mutex<Vec<(ffi::MPI_Request, Vec<u8>)>>,
 }
-
-// SAFETY: the raw MPI requests inside are identifiers; calls are serialised as above.
-unsafe impl Send for MpiCore {}
-unsafe impl Sync for MpiCore {}
 
 fn datatype(dtype: DType) -> ffi::MPI_Datatype {
     // SAFETY: reading MPI's predefined datatype handles.
@@ -910,8 +1049,11 @@ impl MpiCore {
                 .unwrap_or_default();
             return Err(CommError::Broken { ctx, cause });
         }
-        if self.pending_sends.load(Ordering::Acquire) > 0 {
-            self.progress_sends(&ctx)?;
+        if let Some(failure) = self.shared.send_failure() {
+            return Err(self.fail(CommError::Backend {
+                ctx,
+                details: failure,
+            }));
         }
         let _position = op.is_collective().then(|| self.track.enter(op.name(), seq));
         if op.is_collective() && self.shared.config.check_desync {
@@ -1080,38 +1222,8 @@ impl MpiCore {
             )
         });
         check(ctx, "MPI_Isend", code)?;
-        // The Vec's heap block does not move when the Vec is moved into the list.
-        self.outstanding_sends
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((request, bytes));
-        self.pending_sends.fetch_add(1, Ordering::AcqRel);
+        self.shared.queue_send(request, bytes);
         Ok(())
-    }
-
-    /// Frees the copies of sends that MPI has completed.
-    fn progress_sends(&self, ctx: &OpContext) -> Result<(), CommError> {
-        let mut sends = self
-            .outstanding_sends
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut result = Ok(());
-        sends.retain_mut(|(request, _)| {
-            let mut flag: c_int = 0;
-            // SAFETY: live request of an earlier MPI_Isend.
-            let code = self
-                .shared
-                .call(|| unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) });
-            if code != 0 {
-                result = Err(mpi_error(ctx, "MPI_Test", code));
-                return true;
-            }
-            if flag != 0 {
-                self.pending_sends.fetch_sub(1, Ordering::AcqRel);
-            }
-            flag == 0
-        });
-        result
     }
 
     /// Matched receive with a size check.
@@ -1232,21 +1344,8 @@ impl Drop for MpiCore {
         if finalized != 0 {
             return;
         }
-        let deadline = Instant::now() + self.shared.config.timeout;
-        let ctx = OpContext::new("drop", 0, Arc::clone(&self.name));
-        // Pending sends own their data: wait (bounded) before freeing it.
-        while !self
-            .outstanding_sends
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty()
-            && Instant::now() < deadline
-        {
-            if self.progress_sends(&ctx).is_err() {
-                break;
-            }
-            std::thread::yield_now();
-        }
+        // Sends still in flight on this communicator complete after it is freed (MPI
+        // frees it once they are done); the send thread owns their copies.
         let mut comm = self.comm.0;
         // SAFETY: the communicator was created by us and is freed once.
         self.shared
@@ -1324,8 +1423,6 @@ impl MpiGroup {
                 track,
                 broken: Mutex::new(None),
                 is_broken: AtomicBool::new(false),
-                pending_sends: AtomicUsize::new(0),
-                outstanding_sends: Mutex::new(Vec::new()),
             }),
             sequence: Sequencer::new(size),
             engine: AsyncEngine::new(thread_name),

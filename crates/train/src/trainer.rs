@@ -519,13 +519,6 @@ impl Trainer {
                     .serve(&self.parallel)
                     .context("sending this rank's pieces for the checkpoint")?;
             }
-            if by_range {
-                // The pieces go as host sends, which MPI moves only while the sender is
-                // inside MPI (see `Parallel::gather_state`): every rank stays in until the
-                // writer has them all.
-                (self.parallel.world().barrier())
-                    .context("waiting for the checkpoint's pieces to arrive")?;
-            }
         }
         self.breakdown.checkpoints += 1;
         self.breakdown.checkpoint_s += t.elapsed().as_secs_f64();

@@ -55,15 +55,7 @@ impl Parallel {
         whole: &Model,
     ) -> Result<Option<(ParamStore, Optimizer)>, ParallelError> {
         // On a device the gather reads the host copy, filled for as long as it runs.
-        let gathered =
-            self.with_host_state(&StateKind::ALL, |p| p.gather_host_state(model, whole))??;
-        // The shards travel as host sends, which MPI buffers and moves only while the sender
-        // is inside MPI: a sender that went straight on to the next step's NCCL kernels
-        // (tensor parallelism's collectives) would leave rank 0 waiting for the rest of a
-        // large message forever. The barrier keeps every sender in MPI until rank 0 has
-        // received everything.
-        self.world().barrier()?;
-        Ok(gathered)
+        self.with_host_state(&StateKind::ALL, |p| p.gather_host_state(model, whole))?
     }
 
     fn gather_host_state(
