@@ -170,7 +170,7 @@ fn train(args: &TrainArgs) -> Result<ExitCode> {
         verbose: true,
         stop: Some(stop.clone()),
         command_line: Some(std::env::args().collect()),
-        after_eval: meshtrain::train_cli::eval_samples(&cfg),
+        after_eval: meshtrain::train_cli::eval_samples(&cfg, &task),
     };
     let lead = meshtrain_train::lead_process();
     if lead {

@@ -2,6 +2,8 @@
 //! table. They go through the library's public API like any user's model and data.
 
 use crate::config::{Config, LanguageShape, ModelConfig};
+use crate::generate::Tokenizer;
+use crate::tokenize::HfTokenizer;
 use anyhow::{Context, Result};
 use meshtrain_data::{
     unigram_entropy_nats, unigram_entropy_of_tokens, FashionMnist, ImageDataset, Normalization,
@@ -31,6 +33,9 @@ pub struct Task {
     pub loss: Arc<dyn Loss>,
     /// Where the data came from, for the run's first line.
     pub source: String,
+    /// The run's `data.tokenizer`, opened once to check the data against it and kept for the
+    /// samples at evaluation (a Llama 3 `tokenizer.json` is 9 MB of JSON to parse).
+    pub tokenizer: Option<Arc<Tokenizer>>,
 }
 
 /// Images evaluate in batches of this many.
@@ -46,10 +51,13 @@ impl Task {
         Ok(match cfg.model.language() {
             Some(g) if cfg.data.train_files.is_some() => token_files(cfg, g)?,
             Some(g) => {
-                if let Some(tokenizer) = &cfg.data.tokenizer {
-                    let text = ("the built-in Shakespeare text".to_string(), BYTES);
-                    tokenizer_fits_data(tokenizer, [text])?;
-                }
+                let tokenizer = match &cfg.data.tokenizer {
+                    Some(path) => {
+                        let text = ("the built-in Shakespeare text".to_string(), BYTES);
+                        Some(tokenizer_fits_data(path, [text])?)
+                    }
+                    None => None,
+                };
                 let corpus = TextCorpus::shakespeare().context("loading the Shakespeare corpus")?;
                 let source = format!(
                     "Shakespeare bytes ({} train / {} validation)",
@@ -74,6 +82,7 @@ impl Task {
                     )),
                     loss: Arc::new(CrossEntropy::new(g.vocab)),
                     source,
+                    tokenizer,
                 }
             }
             _ => {
@@ -102,6 +111,7 @@ impl Task {
                     }),
                     loss: Arc::new(CrossEntropy::new(10)),
                     source,
+                    tokenizer: None,
                 }
             }
         })
@@ -124,14 +134,17 @@ fn token_files(cfg: &Config, g: LanguageShape) -> Result<Task> {
         }
         None => None,
     };
-    if let Some(tokenizer) = &cfg.data.tokenizer {
-        let shards = std::iter::once(&train).chain(&val);
-        let recorded = shards.flat_map(|files| files.recorded_vocabularies());
-        tokenizer_fits_data(
-            tokenizer,
-            recorded.map(|(path, vocab)| (path.display().to_string(), vocab)),
-        )?;
-    }
+    let tokenizer = match &cfg.data.tokenizer {
+        Some(path) => {
+            let shards = std::iter::once(&train).chain(&val);
+            let recorded = shards.flat_map(|files| files.recorded_vocabularies());
+            Some(tokenizer_fits_data(
+                path,
+                recorded.map(|(path, vocab)| (path.display().to_string(), vocab)),
+            )?)
+        }
+        None => None,
+    };
     let eval = val.map(|val| {
         let baseline = unigram_entropy_of_tokens(val.tokens());
         text_eval(cfg, Arc::new(val), baseline)
@@ -142,6 +155,7 @@ fn token_files(cfg: &Config, g: LanguageShape) -> Result<Task> {
         eval,
         loss: Arc::new(CrossEntropy::new(g.vocab)),
         source,
+        tokenizer,
     })
 }
 
@@ -153,20 +167,15 @@ const BYTES: usize = 256;
 /// as another word (shards of GPT-2's BPE fine-tuning a Llama 3 that came with its own
 /// tokenizer). A shard records the vocabulary size of the tokenizer that wrote it, and the
 /// built-in text is bytes, so a size that differs is a refusal before any work, with the
-/// command that writes the data in this tokenizer's ids.
+/// command that writes the data in this tokenizer's ids. Returns the tokenizer, opened.
 fn tokenizer_fits_data(
     tokenizer: &std::path::Path,
     data: impl IntoIterator<Item = (String, usize)>,
-) -> Result<()> {
-    let mut data = data.into_iter().peekable();
-    if data.peek().is_none() {
-        return Ok(());
-    }
-    let vocab = crate::tokenize::HfTokenizer::open(tokenizer)
-        .context("data.tokenizer")?
-        .vocab;
-    let Some((data, data_vocab)) = data.find(|&(_, v)| v != vocab) else {
-        return Ok(());
+) -> Result<Arc<Tokenizer>> {
+    let opened = HfTokenizer::open(tokenizer).context("data.tokenizer")?;
+    let vocab = opened.vocab;
+    let Some((data, data_vocab)) = data.into_iter().find(|&(_, v)| v != vocab) else {
+        return Ok(Arc::new(Tokenizer::Hf(Box::new(opened))));
     };
     let written_by = match crate::tokenize::encoding_of_vocab(data_vocab) {
         _ if data_vocab == BYTES => "bytes".to_string(),

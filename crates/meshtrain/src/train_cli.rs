@@ -3,6 +3,7 @@
 
 use crate::config::{Config, DEFAULT_SAMPLE_TOKENS};
 use crate::generate::{sample_text, Tokenizer, GENERATE_TEMPERATURE, GENERATE_TOP_K};
+use crate::presets::Task;
 use anyhow::Context;
 use meshtrain_nn::generate::Sampling;
 use meshtrain_train::launch::EvalHook;
@@ -152,15 +153,18 @@ pub fn toml_string(s: &str) -> String {
 /// per evaluation, as the log's other lines are.
 ///
 /// Every worker of a run must get the same answer (the hook makes the evaluation a gather):
-/// it depends on the config alone. Shards whose vocabulary is neither GPT-2's nor cl100k's
+/// it depends on the config alone (the task's tokenizer is the config's `data.tokenizer`).
+/// Shards whose vocabulary is neither GPT-2's nor cl100k's
 /// cannot be decoded: a note says so (on rank 0) and the run has no samples.
-pub fn eval_samples(cfg: &Config) -> Option<EvalHook> {
+pub fn eval_samples(cfg: &Config, task: &Task) -> Option<EvalHook> {
     let tokens = cfg.train.sample_tokens.unwrap_or(DEFAULT_SAMPLE_TOKENS);
     if tokens == 0 || cfg.model.language().is_none() {
         return None;
     }
-    let tokenizer = match Tokenizer::of_run(cfg) {
-        Ok(tokenizer) => Arc::new(tokenizer),
+    // The task has the run's data.tokenizer open already.
+    let opened = task.tokenizer.clone().map(Ok);
+    let tokenizer = match opened.unwrap_or_else(|| Tokenizer::of_run(cfg).map(Arc::new)) {
+        Ok(tokenizer) => tokenizer,
         // Shards of a vocabulary generate cannot decode either: the run trains as before.
         Err(e) => {
             if meshtrain_train::lead_process() {
