@@ -5,6 +5,7 @@ use crate::dtype::{BufMut, BufRef, Device, RawBuf, ReduceOp};
 use crate::error::{CommError, OpContext};
 use crate::topology::HostPlacement;
 use half::{bf16, f16};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -436,14 +437,45 @@ impl OpSpan {
 }
 
 /// Shared completion state of an asynchronous operation.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Completion {
     result: Mutex<Option<Result<(), CommError>>>,
     done: Condvar,
     span: Mutex<(Option<Instant>, Option<Instant>)>,
+    /// Threads blocked in [`Completion::wait`]: a backend whose completions are found by
+    /// polling (NCCL's events) polls faster while someone waits.
+    waiters: AtomicUsize,
+    /// When the first of them started waiting.
+    waited_since: Mutex<Option<Instant>>,
+    /// Told when a thread starts waiting, so such a poller looks at once.
+    on_wait: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completion")
+            .field("done", &self.is_done())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Completion {
+    /// A completion whose waiters call `on_wait` as they start waiting.
+    pub(crate) fn hurried_by(on_wait: Box<dyn Fn() + Send + Sync>) -> Completion {
+        Completion {
+            on_wait: Some(on_wait),
+            ..Completion::default()
+        }
+    }
+
+    /// Since when a thread has been blocked waiting for this operation, if one is.
+    pub(crate) fn waited_since(&self) -> Option<Instant> {
+        if self.waiters.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        *self.waited_since.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Marks the moment the operation starts executing.
     pub(crate) fn begin(&self) {
         self.span.lock().unwrap_or_else(|e| e.into_inner()).0 = Some(Instant::now());
@@ -477,13 +509,21 @@ impl Completion {
     }
 
     fn wait(&self) -> Result<(), CommError> {
+        (self.waited_since.lock().unwrap_or_else(|e| e.into_inner()))
+            .get_or_insert_with(Instant::now);
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        if let Some(on_wait) = &self.on_wait {
+            on_wait();
+        }
         let mut guard = self.result.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
+        let result = loop {
             if let Some(result) = guard.take() {
-                return result;
+                break result;
             }
             guard = self.done.wait(guard).unwrap_or_else(|e| e.into_inner());
-        }
+        };
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        result
     }
 }
 

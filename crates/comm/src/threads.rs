@@ -718,9 +718,13 @@ impl PositionBoard for ThreadsBoard {
         if members.clone().all(|&g| world.is_running(g)) {
             return None;
         }
+        // A member that issued the collective does its part even if it failed afterwards:
+        // its threads share this process, and its companion group completes what it issued
+        // before it goes (an NCCL communicator waits for its operations in flight). Counting
+        // it would fail a collective that is about to complete.
         let missing = self.members_where(|reached, status| match seq {
             _ if status == RANK_RUNNING => false,
-            Some(seq) => never_does(seq, reached, status),
+            Some(seq) => reached < seq,
             None => status == RANK_FAILED,
         });
         (!missing.ranks.is_empty()).then_some(missing)

@@ -69,6 +69,7 @@ fn the_nccl_tests_pass_on_the_emulated_device() {
         "device_conformance_suite_on_a_world_of_one",
         "device_conformance_suite_on_one_rank_per_gpu",
         "the_compute_stream_waits_for_started_operations_without_the_host",
+        "a_waited_operation_returns_soon_after_it_finishes",
         "host_buffers_and_other_devices_are_refused_by_name",
         "an_aborted_communicator_breaks_the_group",
         "a_rank_that_never_arrives_times_out_on_the_others",
@@ -174,6 +175,41 @@ fn the_compute_stream_waits_for_started_operations_without_the_host() {
         values
     );
     work.wait().unwrap();
+}
+
+/// `Work::wait` returns soon after the operation's completion event: a tensor-parallel step
+/// waits for dozens of small all-reduces, and the host queues nothing meanwhile. Measured on
+/// operations of one element on a world of one (on the emulated device with synchronous
+/// streams the event is complete when it is recorded, so what remains is the wait's own
+/// latency); the bound catches a wait that sleeps for the watchdog's idle poll.
+#[test]
+fn a_waited_operation_returns_soon_after_it_finishes() {
+    let Some(device) = gpu("a_waited_operation_returns_soon_after_it_finishes") else {
+        return;
+    };
+    let g = world_of_one(&device, config().with_desync_check(false));
+    let buf = device.upload(&[1f32], "one element").unwrap();
+    let view = || unsafe { RawBuf::on_device(buf.ptr(), 1, DType::F32, Device::Cuda(0)) };
+    let round = |count: usize| {
+        let start = std::time::Instant::now();
+        for _ in 0..count {
+            // SAFETY: `buf` outlives every Work, each waited on at once.
+            unsafe { g.all_reduce_async(view(), ReduceOp::Sum).unwrap() }
+                .wait()
+                .unwrap();
+        }
+        start.elapsed() / count as u32
+    };
+    round(20);
+    let each = round(400);
+    eprintln!(
+        "a_waited_operation_returns_soon_after_it_finishes: {:.1} µs per all-reduce and wait",
+        each.as_secs_f64() * 1e6
+    );
+    assert!(
+        each < Duration::from_millis(2),
+        "an all-reduce of one element and its wait took {each:?}"
+    );
 }
 
 #[test]

@@ -69,9 +69,15 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    /// A pending operation and the [`Work`] its caller waits on.
-    pub(crate) fn new(ctx: OpContext, issued: Instant, signal: Box<dyn OpSignal>) -> (Self, Work) {
-        let completion = Arc::new(Completion::default());
+    /// A pending operation and the [`Work`] its caller waits on; a thread that starts
+    /// waiting on it calls `hurry`.
+    pub(crate) fn new(
+        ctx: OpContext,
+        issued: Instant,
+        signal: Box<dyn OpSignal>,
+        hurry: Box<dyn Fn() + Send + Sync>,
+    ) -> (Self, Work) {
+        let completion = Arc::new(Completion::hurried_by(hurry));
         completion.begin();
         let work = Work::new(Arc::clone(&completion));
         (
@@ -125,6 +131,15 @@ impl Watch {
     /// No operation in flight.
     pub(crate) fn is_idle(&self) -> bool {
         self.queue.is_empty()
+    }
+
+    /// Since when a thread has been blocked waiting for an operation in flight (the earliest
+    /// such wait), if one is.
+    pub(crate) fn waited_since(&self) -> Option<Instant> {
+        self.queue
+            .iter()
+            .filter_map(|p| p.completion.waited_since())
+            .min()
     }
 
     /// Takes an operation in flight. On a broken group it fails at once (its caller checked
@@ -360,7 +375,7 @@ mod tests {
             peer: Some(1),
             ..recv
         };
-        let (pending, work) = Pending::new(recv, t0, Box::new(signal.clone()));
+        let (pending, work) = Pending::new(recv, t0, Box::new(signal.clone()), Box::new(|| {}));
         watch.push(pending);
         watch.poll(t0 + Duration::from_millis(1), &comm);
         assert!(!work.is_done() && comm.aborts.load(Ordering::SeqCst) == 0);
@@ -422,7 +437,8 @@ mod tests {
     /// Issues `op` #`seq` at `at` into `watch`; returns its signal and Work.
     fn issue(watch: &mut Watch, op: &'static str, seq: u64, at: Instant) -> (FakeOp, Work) {
         let signal = FakeOp::default();
-        let (pending, work) = Pending::new(ctx(op, seq), at, Box::new(signal.clone()));
+        let (pending, work) =
+            Pending::new(ctx(op, seq), at, Box::new(signal.clone()), Box::new(|| {}));
         watch.push(pending);
         (signal, work)
     }
