@@ -658,7 +658,9 @@ pub trait PositionBoard: Send + Sync {
     /// cannot tell (its channel did not answer in time).
     fn missing(&self, seq: u64) -> Option<MissingMembers>;
     /// The members known to have stopped without doing their part of collective
-    /// `Some(seq)` (or, for a send or receive, `None`: that died or failed at all), from what
+    /// `Some(seq)`: that never issued it, or, in another process, issued it and then died
+    /// (its GPU work dies with it; a member in this process completes what it issued before
+    /// its group goes). For a send or receive (`None`): that died or failed at all. From what
     /// this member already holds, without asking anyone: cheap enough for a watchdog's every
     /// look, so an operation waiting for a dead member fails at once rather than at the
     /// timeout. `None` while no such member is known.

@@ -438,3 +438,50 @@ fn zero_workers_is_an_error() {
         "a threads world needs at least one worker, got 0"
     );
 }
+
+/// The position board a companion engine (NCCL) asks on every look: a member that stopped
+/// before issuing a collective is missing from it at once, but one that issued it and then
+/// failed is not (its threads share this process, and its communicator completes what it
+/// issued before it goes): counting it failed collectives that were about to complete.
+#[test]
+fn the_board_counts_a_failed_member_missing_only_from_collectives_it_never_issued() {
+    let result = ThreadsWorld::run(3, config(30.0), |g| {
+        let board = g
+            .position_board("companion")
+            .expect("the threads world keeps a board");
+        match g.rank() {
+            1 => return Err("failed before issuing anything".to_string()),
+            2 => {
+                board.issued("all_reduce", 1);
+                return Err("failed after issuing all_reduce #1".to_string());
+            }
+            _ => {}
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while board.stopped(None).is_none_or(|m| m.ranks.len() < 2) {
+            assert!(
+                Instant::now() < deadline,
+                "ranks 1 and 2 never showed as stopped"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let first = board.stopped(Some(1)).expect("rank 1 never issued #1");
+        assert_eq!(first.ranks, [1], "{}", first.note);
+        assert!(
+            first.note.contains("before its first collective"),
+            "{}",
+            first.note
+        );
+        let second = board.stopped(Some(2)).expect("neither issued #2");
+        assert_eq!(second.ranks, [1, 2], "{}", second.note);
+        assert!(
+            second.note.contains("rank 2 last issued all_reduce #1"),
+            "{}",
+            second.note
+        );
+        Ok(())
+    });
+    let failures = result.expect_err("ranks 1 and 2 failed").failures;
+    assert_eq!(failures.len(), 2, "{failures:?}");
+    assert!(failures.iter().all(|(rank, _)| *rank != 0), "{failures:?}");
+}
