@@ -5,7 +5,6 @@ use crate::dtype::{BufMut, BufRef, Device, RawBuf, ReduceOp};
 use crate::error::{CommError, OpContext};
 use crate::topology::HostPlacement;
 use half::{bf16, f16};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -442,13 +441,13 @@ pub(crate) struct Completion {
     result: Mutex<Option<Result<(), CommError>>>,
     done: Condvar,
     span: Mutex<(Option<Instant>, Option<Instant>)>,
-    /// Threads blocked in [`Completion::wait`]: a backend whose completions are found by
-    /// polling (NCCL's events) polls faster while someone waits.
-    waiters: AtomicUsize,
-    /// When the first of them started waiting.
+    /// When a thread first blocked in [`Completion::wait`]; it stays blocked until the
+    /// operation completes, so a backend whose completions are found by polling (NCCL's
+    /// events) polls faster while this is set and the operation is not done.
     waited_since: Mutex<Option<Instant>>,
-    /// Told when a thread starts waiting, so such a poller looks at once.
-    on_wait: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Told when a thread starts waiting, so such a poller looks at once (one per group,
+    /// shared by its operations).
+    on_wait: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl std::fmt::Debug for Completion {
@@ -461,18 +460,16 @@ impl std::fmt::Debug for Completion {
 
 impl Completion {
     /// A completion whose waiters call `on_wait` as they start waiting.
-    pub(crate) fn hurried_by(on_wait: Box<dyn Fn() + Send + Sync>) -> Completion {
+    pub(crate) fn hurried_by(on_wait: Arc<dyn Fn() + Send + Sync>) -> Completion {
         Completion {
             on_wait: Some(on_wait),
             ..Completion::default()
         }
     }
 
-    /// Since when a thread has been blocked waiting for this operation, if one is.
+    /// Since when a thread has been blocked waiting for this operation, if one has (it
+    /// waits until the operation completes).
     pub(crate) fn waited_since(&self) -> Option<Instant> {
-        if self.waiters.load(Ordering::Acquire) == 0 {
-            return None;
-        }
         *self.waited_since.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -511,19 +508,16 @@ impl Completion {
     fn wait(&self) -> Result<(), CommError> {
         (self.waited_since.lock().unwrap_or_else(|e| e.into_inner()))
             .get_or_insert_with(Instant::now);
-        self.waiters.fetch_add(1, Ordering::AcqRel);
         if let Some(on_wait) = &self.on_wait {
             on_wait();
         }
         let mut guard = self.result.lock().unwrap_or_else(|e| e.into_inner());
-        let result = loop {
+        loop {
             if let Some(result) = guard.take() {
-                break result;
+                return result;
             }
             guard = self.done.wait(guard).unwrap_or_else(|e| e.into_inner());
-        };
-        self.waiters.fetch_sub(1, Ordering::AcqRel);
-        result
+        }
     }
 }
 

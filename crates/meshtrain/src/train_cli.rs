@@ -162,8 +162,11 @@ pub fn eval_samples(cfg: &Config, task: &Task) -> Option<EvalHook> {
         return None;
     }
     // The task has the run's data.tokenizer open already.
-    let opened = task.tokenizer.clone().map(Ok);
-    let tokenizer = match opened.unwrap_or_else(|| Tokenizer::of_run(cfg).map(Arc::new)) {
+    let tokenizer = match &task.tokenizer {
+        Some(opened) => Ok(Arc::clone(opened)),
+        None => Tokenizer::of_run(cfg).map(Arc::new),
+    };
+    let tokenizer = match tokenizer {
         Ok(tokenizer) => tokenizer,
         // Shards of a vocabulary generate cannot decode either: the run trains as before.
         Err(e) => {

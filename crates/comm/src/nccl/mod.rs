@@ -415,9 +415,10 @@ struct Shared {
     watch: Mutex<Watch>,
     wake: Condvar,
     issue: Mutex<IssueState>,
-    /// This group's state itself, for the hook that wakes the watchdog when a thread starts
-    /// waiting on an operation (held weakly: the operations live inside it).
-    me: Weak<Shared>,
+    /// Wakes the watchdog when a thread starts waiting on one of the group's operations
+    /// (each operation's `Completion` holds it; it holds this state weakly, since the
+    /// operations live inside it).
+    hurry: Arc<dyn Fn() + Send + Sync>,
 }
 
 impl Shared {
@@ -440,15 +441,7 @@ impl Shared {
         if let (Some(board), None) = (&self.comm.board, ctx.peer) {
             board.issued(ctx.op, ctx.seq);
         }
-        let shared = Weak::clone(&self.me);
-        let hurry = Box::new(move || {
-            if let Some(shared) = shared.upgrade() {
-                // Under the lock: the watchdog is either before its look (and sees the
-                // waiter) or in its wait (and is woken).
-                let _watch = shared.watch();
-                shared.wake.notify_all();
-            }
-        });
+        let hurry = Arc::clone(&self.hurry);
         let (pending, work) = Pending::new(ctx, Instant::now(), Box::new(signal), hurry);
         self.watch().push(pending);
         self.wake.notify_all();
@@ -954,8 +947,18 @@ impl NcclGroup {
             Ok(parts) => parts,
             Err(e) => return Err(destroy(comm, e)),
         };
-        let shared = Arc::new_cyclic(|me| Shared {
-            me: Weak::clone(me),
+        let shared = Arc::new_cyclic(|me: &Weak<Shared>| Shared {
+            hurry: {
+                let me = Weak::clone(me);
+                Arc::new(move || {
+                    if let Some(shared) = me.upgrade() {
+                        // Under the lock: the watchdog is either before its look (and sees
+                        // the waiter) or in its wait (and is woken).
+                        let _watch = shared.watch();
+                        shared.wake.notify_all();
+                    }
+                })
+            },
             device,
             comm,
             stream,

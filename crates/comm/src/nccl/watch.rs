@@ -75,7 +75,7 @@ impl Pending {
         ctx: OpContext,
         issued: Instant,
         signal: Box<dyn OpSignal>,
-        hurry: Box<dyn Fn() + Send + Sync>,
+        hurry: Arc<dyn Fn() + Send + Sync>,
     ) -> (Self, Work) {
         let completion = Arc::new(Completion::hurried_by(hurry));
         completion.begin();
@@ -375,7 +375,7 @@ mod tests {
             peer: Some(1),
             ..recv
         };
-        let (pending, work) = Pending::new(recv, t0, Box::new(signal.clone()), Box::new(|| {}));
+        let (pending, work) = Pending::new(recv, t0, Box::new(signal.clone()), Arc::new(|| {}));
         watch.push(pending);
         watch.poll(t0 + Duration::from_millis(1), &comm);
         assert!(!work.is_done() && comm.aborts.load(Ordering::SeqCst) == 0);
@@ -438,7 +438,7 @@ mod tests {
     fn issue(watch: &mut Watch, op: &'static str, seq: u64, at: Instant) -> (FakeOp, Work) {
         let signal = FakeOp::default();
         let (pending, work) =
-            Pending::new(ctx(op, seq), at, Box::new(signal.clone()), Box::new(|| {}));
+            Pending::new(ctx(op, seq), at, Box::new(signal.clone()), Arc::new(|| {}));
         watch.push(pending);
         (signal, work)
     }
